@@ -1,0 +1,63 @@
+"""Index tensors for one segment, built once per step and shared by every layer.
+
+Notation
+  B   requests in the segment, Q = max query length, L = max sequence length (context + query)
+  q_index  [B, Q]     flat token row of each (request, query offset); padding points at row 0
+  q_valid  [B, Q]     False for padding
+  kv_slots [B, L]     cache row of each (request, key position); padding points at slot 0
+  mask     [B, Q, L]  key allowed: causal (key_pos <= query_pos) and inside the sequence
+Padding queries are given key 0 so their softmax stays finite; their outputs are discarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..forward_batch import ForwardBatch
+from .router import Segment
+
+
+@dataclass(frozen=True)
+class SegmentTensors:
+    segment: Segment
+    q_index: torch.Tensor
+    q_valid: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+    seq_lens: torch.Tensor  # [B]
+
+    @property
+    def out_index(self) -> torch.Tensor:
+        """Flat rows of the valid queries, in q_valid order."""
+        return self.q_index[self.q_valid]
+
+
+def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTensors:
+    seqs = batch.seqs[segment.seq_start : segment.seq_end]
+    ps = batch.page_size
+    q_max = max(s.query_len for s in seqs)
+    l_max = max(s.seq_len for s in seqs)
+    q_off = torch.arange(q_max)
+    q_len = torch.tensor([s.query_len for s in seqs])
+    ctx = torch.tensor([s.context_len for s in seqs])
+    seq_lens = ctx + q_len
+    q_valid = q_off[None, :] < q_len[:, None]
+    starts = torch.tensor([s.query_start for s in seqs])
+    q_index = torch.where(q_valid, starts[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
+    q_pos = torch.where(q_valid, ctx[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
+    k_pos = torch.arange(l_max)
+    kv_slots = _slots(seqs, k_pos, ps, seq_lens)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    return SegmentTensors(segment, q_index, q_valid, kv_slots, mask, seq_lens)
+
+
+def _slots(seqs, k_pos: torch.Tensor, page_size: int, seq_lens: torch.Tensor) -> torch.Tensor:
+    n_pages = max(len(s.block_table) for s in seqs)
+    table = torch.zeros(len(seqs), n_pages, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    page_idx = (k_pos // page_size).clamp(max=n_pages - 1)
+    slots = table[:, page_idx] * page_size + (k_pos % page_size)[None, :]
+    return torch.where(k_pos[None, :] < seq_lens[:, None], slots, torch.zeros((), dtype=torch.long))

@@ -1,0 +1,90 @@
+"""The attention route: which tokens take which MLA path, decided as data before the forward pass.
+
+Paths
+  absorbed      MQA over the latent rows: W_UK folded into the query, W_UV applied after
+  decompressed  MHA: cached context + chunk up-projected through kv_b, causal attention
+Phases
+  decode   requests whose query length <= decode_threshold (their tokens come first in the batch)
+  prefill  the rest (prompt chunks)
+mla_path "auto" sends decode -> absorbed, prefill -> decompressed; "absorbed" / "decompressed"
+send every token down one path, so a user can check that both give the same answer.
+With sparse attention (DSA) every token goes down the absorbed path over its top-k rows
+(as vLLM's sparse backend does), unless mla_path="decompressed" asks for masked MHA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..forward_batch import ForwardBatch
+
+MLA_PATHS = ("auto", "absorbed", "decompressed")
+IMPLEMENTATION = "torch_ref"
+
+
+@dataclass(frozen=True)
+class Segment:
+    phase: str  # "decode" | "prefill"
+    path: str  # "absorbed" | "decompressed"
+    sparse: bool
+    token_start: int
+    token_end: int
+    seq_start: int  # index into batch.seqs
+    seq_end: int
+    request_ids: tuple[str, ...]
+    implementation: str = IMPLEMENTATION
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    segments: tuple[Segment, ...]
+    sparse: bool
+    index_topk: int | None  # effective top-k on sparse layers, None when dense
+
+    def counts(self) -> dict[str, int]:
+        mqa = sum(s.num_tokens for s in self.segments if s.path == "absorbed")
+        mha = sum(s.num_tokens for s in self.segments if s.path == "decompressed")
+        sparse = sum(s.num_tokens for s in self.segments if s.sparse)
+        return {"num_mqa_tokens": mqa, "num_mha_tokens": mha, "num_sparse_tokens": sparse}
+
+    def to_record(self) -> dict:
+        return {**self.counts(), "sparse": self.sparse, "index_topk": self.index_topk,
+                "segments": [_segment_record(s) for s in self.segments]}
+
+
+def _segment_record(s: Segment) -> dict:
+    rec = asdict(s)
+    rec["request_ids"] = list(s.request_ids)
+    rec["num_tokens"] = s.num_tokens
+    return rec
+
+
+def path_for(phase: str, mla_path: str, sparse: bool) -> str:
+    if mla_path != "auto":
+        return mla_path
+    if sparse:
+        return "absorbed"
+    return "absorbed" if phase == "decode" else "decompressed"
+
+
+def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: int | None = None) -> AttentionPlan:
+    """Split the batch into at most two segments (decode, prefill) and name each one's path."""
+    if mla_path not in MLA_PATHS:
+        raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
+    n_dec = batch.num_decode_seqs
+    bounds = [("decode", 0, n_dec), ("prefill", n_dec, len(batch.seqs))]
+    segments = []
+    for phase, lo, hi in bounds:
+        if lo == hi:
+            continue
+        seqs = batch.seqs[lo:hi]
+        segments.append(Segment(
+            phase=phase, path=path_for(phase, mla_path, sparse), sparse=sparse,
+            token_start=seqs[0].query_start, token_end=seqs[-1].query_start + seqs[-1].query_len,
+            seq_start=lo, seq_end=hi, request_ids=tuple(s.request_id for s in seqs),
+        ))
+    return AttentionPlan(segments=tuple(segments), sparse=sparse, index_topk=index_topk if sparse else None)

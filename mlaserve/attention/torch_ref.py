@@ -1,0 +1,59 @@
+"""Pure-torch MLA over the paged latent cache: the reference every fast path is tested against.
+
+Notation (per layer)
+  H heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, r = kv_lora_rank
+  q_nope [N, H, dn], q_pe [N, H, dr]    this step's queries (flat, N = all tokens)
+  cache  [S, r + dr]                     rows [c_kv | k_pe] (c_kv normalised, k_pe rotated)
+  W_UK   [H, dn, r], W_UV [H, dv, r]     the two halves of kv_b_proj, per head
+  B, Q, L                                segment's requests, max query length, max seq length
+Absorbed (MQA):      score = (q_nope W_UK) . c_kv + q_pe . k_pe;  out = (P c_kv) W_UV^T
+Decompressed (MHA):  [k_nope | v] = kv_b(c_kv);  score = q_nope . k_nope + q_pe . k_pe;  out = P v
+Both read the same cache rows and the same mask; `allowed` may narrow the mask further (DSA top-k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import SegmentTensors
+
+
+def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
+                       w_uv: torch.Tensor, seg: SegmentTensors, scale: float,
+                       allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones)."""
+    r = w_uk.shape[-1]
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+    q = torch.cat([q_lat, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, r + dr]
+    rows = cache[seg.kv_slots]  # [B, L, r + dr]
+    # One product covers the latent and the rope part, because the row is [c_kv | k_pe].
+    scores = torch.einsum("bqhc,blc->bqhl", q, rows) * scale
+    probs = _softmax(scores, _mask(seg, allowed))
+    o_lat = torch.einsum("bqhl,blr->bqhr", probs, rows[..., :r])
+    return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
+
+
+def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                           kv_b: torch.Tensor, seg: SegmentTensors, scale: float, dn: int,
+                           allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]."""
+    r = kv_b.shape[1]
+    h = q_nope.shape[1]
+    rows = cache[seg.kv_slots]  # [B, L, r + dr]
+    kv = torch.nn.functional.linear(rows[..., :r], kv_b).unflatten(-1, (h, -1))  # [B, L, H, dn + dv]
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    q_nope_b, q_pe_b = q_nope[seg.q_index], q_pe[seg.q_index]  # [B, Q, H, *]
+    scores = torch.einsum("bqhd,blhd->bqhl", q_nope_b, k_nope)
+    scores = scores + torch.einsum("bqhd,bld->bqhl", q_pe_b, rows[..., r:])
+    probs = _softmax(scores * scale, _mask(seg, allowed))
+    return torch.einsum("bqhl,blhv->bqhv", probs, v)
+
+
+def _mask(seg: SegmentTensors, allowed: torch.Tensor | None) -> torch.Tensor:
+    return seg.mask if allowed is None else seg.mask & allowed
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scores [B, Q, H, L], mask [B, Q, L]; softmax in fp32, back to the compute dtype."""
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(scores.dtype)

@@ -1,0 +1,300 @@
+"""Frozen, composed configuration: the model's shape (from config.json or GGUF metadata) and
+the engine's switches, each with the provenance of its value.
+
+Families (config.json `model_type`):
+  deepseek_v2   softmax gate, greedy | group_limited_greedy (group score = max), q_lora optional
+  deepseek_v3   sigmoid gate + e_score_correction_bias, group score = sum of top-2 (also kimi_k2)
+  glm4_moe_lite v3 gating, dense/MoE layout from mlp_layer_types
+  deepseek_v32  v3 + DSA lightning indexer (half-split indexer rope)
+  glm_moe_dsa   v3 + DSA lightning indexer (interleaved indexer rope), GLM-5
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .provenance import ProvenanceLog, Setting
+
+
+class ConfigError(ValueError):
+    """A config that cannot define a model; the message names the field."""
+
+
+FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
+# Class defaults of the reference implementation (transformers 5.x) for optional fields.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(rms_norm_eps=1e-6, routed_scaling_factor=1.0, topk_method="greedy", n_group=None,
+                        topk_group=None, norm_topk_prob=False, n_shared_experts=2, first_k_dense_replace=0,
+                        rope_interleave=True, q_lora_rank=1536),
+    "deepseek_v3": dict(rms_norm_eps=1e-6, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                        norm_topk_prob=True, n_shared_experts=1, first_k_dense_replace=3, rope_interleave=True,
+                        num_experts_per_tok=8, q_lora_rank=1536),
+    "deepseek_v32": dict(rms_norm_eps=1e-6, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                         norm_topk_prob=True, n_shared_experts=1, first_k_dense_replace=3, num_experts_per_tok=8,
+                         index_topk=2048, index_head_dim=128, index_n_heads=64, q_lora_rank=1536),
+    "glm_moe_dsa": dict(rms_norm_eps=1e-5, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                        norm_topk_prob=True, n_shared_experts=1, first_k_dense_replace=3, num_experts_per_tok=8,
+                        index_topk=2048, index_head_dim=128, index_n_heads=32, q_lora_rank=2048),
+    "glm4_moe_lite": dict(rms_norm_eps=1e-5, routed_scaling_factor=1.8, n_group=1, topk_group=1,
+                          norm_topk_prob=True, n_shared_experts=1, num_experts_per_tok=4, rope_interleave=True,
+                          q_lora_rank=768),
+}
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+             "qk_rope_head_dim", "v_head_dim", "vocab_size", "intermediate_size")
+# transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps in every family.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    dim: int
+    theta: float
+    interleaved: bool
+    rope_type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    @property
+    def attention_factor(self) -> float:
+        """Scale on cos/sin (YaRN); 1 for DeepSeek-V3 where mscale == mscale_all_dim."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    scoring_func: str  # "softmax" | "sigmoid"
+    topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_interleaved: bool
+    layer_types: tuple[str, ...]  # per layer: "full" (own indexer) | "shared" (reuse previous full layer)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: RopeConfig
+    mlp_layer_types: tuple[str, ...]  # per layer: "dense" | "moe"
+    moe: MoEConfig | None
+    indexer: IndexerConfig | None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 4096
+    latent_norm_eps: float = LATENT_NORM_EPS
+    num_nextn_predict_layers: int = 0
+    provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached row: c_kv (kv_lora_rank) then k_pe (qk_rope_head_dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        if self.rope.rope_type != "default" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    @property
+    def is_dsa_architecture(self) -> bool:
+        return self.indexer is not None
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        return _HFAdapter(raw, source).build()
+
+
+class _HFAdapter:
+    """Reads one config.json dict into a ModelConfig, recording where each value came from."""
+
+    def __init__(self, raw: dict[str, Any], source: str) -> None:
+        self.raw, self.source, self.log = raw, source, ProvenanceLog()
+        mt = raw.get("model_type")
+        if mt is None:
+            raise ConfigError(f"{source}: missing required field 'model_type'")
+        self.family = ALIASES.get(mt, mt)
+        if self.family not in FAMILIES:
+            raise ConfigError(f"{source}: unknown model_type {mt!r}; supported: {', '.join(FAMILIES + tuple(ALIASES))}")
+        self.log.record("model_type", self.family, f"{source}:model_type" + (f" ({mt} alias)" if mt != self.family else ""))
+
+    def get(self, key: str, required: bool = False) -> Any:
+        if key in self.raw and self.raw[key] is not None or (key in self.raw and key == "q_lora_rank"):
+            return self.log.record(key, self.raw[key], f"{self.source}:{key}")
+        defaults = _DEFAULTS[self.family]
+        if required or key not in defaults:
+            raise ConfigError(f"{self.source}: missing required field {key!r} for model_type {self.family}")
+        return self.log.record(key, defaults[key], f"class default ({self.family}; '{key}' absent)")
+
+    def build(self) -> ModelConfig:
+        g = self.get
+        for key in _REQUIRED:
+            g(key, required=True)
+        num_layers = self.raw["num_hidden_layers"]
+        heads = self.raw["num_attention_heads"]
+        kv_heads = self.raw.get("num_key_value_heads", heads)
+        if kv_heads not in (None, heads):
+            # MLA has one latent KV shared by all heads; transformers repeats K/V per kv-head group,
+            # which only equals MLA when num_key_value_heads == num_attention_heads.
+            raise ConfigError(f"{self.source}: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} for MLA")
+        q_lora = g("q_lora_rank")
+        if q_lora is None and self.family in DSA_FAMILIES:
+            raise ConfigError(f"{self.source}: q_lora_rank must be set for {self.family} (its indexer reads the query latent)")
+        self.log.record("latent_norm_eps", LATENT_NORM_EPS,
+                        "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says")
+        return ModelConfig(
+            model_type=self.family, vocab_size=self.raw["vocab_size"], hidden_size=self.raw["hidden_size"],
+            num_layers=num_layers, num_heads=heads, q_lora_rank=q_lora, kv_lora_rank=self.raw["kv_lora_rank"],
+            qk_nope_head_dim=self.raw["qk_nope_head_dim"], qk_rope_head_dim=self.raw["qk_rope_head_dim"],
+            v_head_dim=self.raw["v_head_dim"], intermediate_size=self.raw["intermediate_size"],
+            rms_norm_eps=float(g("rms_norm_eps")), tie_word_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(self.raw.get("attention_bias", False)), rope=self._rope(),
+            mlp_layer_types=self._mlp_layer_types(num_layers), moe=self._moe(), indexer=self._indexer(num_layers),
+            bos_token_id=self.raw.get("bos_token_id"), eos_token_ids=_as_tuple(self.raw.get("eos_token_id")),
+            max_position_embeddings=int(self.raw.get("max_position_embeddings", 4096)),
+            num_nextn_predict_layers=int(self.raw.get("num_nextn_predict_layers", 0) or 0),
+            provenance=self.log.freeze(),
+        )
+
+    def _rope(self) -> RopeConfig:
+        params = self.raw.get("rope_parameters")
+        where = "rope_parameters"
+        if params is None:  # pre-v5 configs: rope_theta + rope_scaling
+            params = dict(self.raw.get("rope_scaling") or {})
+            params.setdefault("rope_theta", self.raw.get("rope_theta", 10000.0))
+            where = "rope_scaling/rope_theta"
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ConfigError(f"{self.source}: {where}.rope_type {rope_type!r} is not supported (default, yarn)")
+        interleaved = self._rope_interleaved()
+        rope = RopeConfig(
+            dim=self.raw["qk_rope_head_dim"], theta=float(params.get("rope_theta", 10000.0)), interleaved=interleaved,
+            rope_type=rope_type, factor=float(params.get("factor") or 1.0),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings") or 0),
+            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+            truncate=bool(params.get("truncate", True)),
+        )
+        if rope_type == "yarn" and not rope.original_max_position_embeddings:
+            raise ConfigError(f"{self.source}: {where}.original_max_position_embeddings is required for yarn")
+        self.log.record("rope", f"{rope_type}, theta={rope.theta}, factor={rope.factor}", f"{self.source}:{where}")
+        return rope
+
+    def _rope_interleaved(self) -> bool:
+        if self.family in DSA_FAMILIES:
+            return self.log.record("rope_interleave", True, f"family rule ({self.family}: main MLA rope is always interleaved)")
+        if self.family == "deepseek_v2":
+            return self.log.record("rope_interleave", True, "family rule (deepseek_v2: complex-pair rope)")
+        return bool(self.get("rope_interleave"))
+
+    def _mlp_layer_types(self, num_layers: int) -> tuple[str, ...]:
+        types = self.raw.get("mlp_layer_types")
+        if types is not None and self.family in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
+            if len(types) != num_layers:
+                raise ConfigError(f"{self.source}: mlp_layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
+            out = tuple("dense" if t == "dense" else "moe" for t in types)
+            self.log.record("mlp_layer_types", out, f"{self.source}:mlp_layer_types")
+            return out
+        if self.family == "glm4_moe_lite":
+            out = ("dense",) + ("moe",) * (num_layers - 1)
+            return self.log.record("mlp_layer_types", out, "class default (glm4_moe_lite: first layer dense)")
+        n_dense = min(int(self.get("first_k_dense_replace")), num_layers)
+        out = ("dense",) * n_dense + ("moe",) * (num_layers - n_dense)
+        return self.log.record("mlp_layer_types", out, "derived from first_k_dense_replace")
+
+    def _moe(self) -> MoEConfig | None:
+        if not self.raw.get("n_routed_experts"):
+            return None
+        g = self.get
+        if self.family == "deepseek_v2":
+            scoring, method = "softmax", g("topk_method")
+            if method not in ("greedy", "group_limited_greedy"):
+                raise ConfigError(f"{self.source}: topk_method {method!r} not supported for deepseek_v2")
+            norm = self.log.record("norm_topk_prob", False,
+                                   "reference rule: transformers' deepseek_v2 router ignores norm_topk_prob")
+        else:
+            scoring = self.log.record("scoring_func", "sigmoid", f"family rule ({self.family}: sigmoid + correction bias)")
+            method = self.log.record("topk_method", "noaux_tc", f"family rule ({self.family})")
+            norm = bool(g("norm_topk_prob"))
+        n_group, topk_group = g("n_group"), g("topk_group")
+        if method in ("group_limited_greedy", "noaux_tc") and (n_group is None or topk_group is None):
+            raise ConfigError(f"{self.source}: topk_method {method} needs n_group and topk_group")
+        return MoEConfig(
+            n_routed_experts=g("n_routed_experts"), num_experts_per_tok=g("num_experts_per_tok"),
+            n_shared_experts=int(g("n_shared_experts") or 0), moe_intermediate_size=g("moe_intermediate_size", required=True),
+            scoring_func=scoring, topk_method=method, n_group=int(n_group or 1), topk_group=int(topk_group or 1),
+            norm_topk_prob=norm, routed_scaling_factor=float(g("routed_scaling_factor")),
+        )
+
+    def _indexer(self, num_layers: int) -> IndexerConfig | None:
+        if self.family not in DSA_FAMILIES:
+            return None
+        g = self.get
+        types = self.raw.get("indexer_types")
+        if types is None:
+            types = ["full"] * num_layers
+            self.log.record("indexer_types", "all full", "class default (no indexer_types)")
+        else:
+            self.log.record("indexer_types", tuple(types), f"{self.source}:indexer_types")
+        if types[0] != "full":
+            raise ConfigError(f"{self.source}: indexer_types[0] must be 'full' (a shared layer reuses a previous one)")
+        interleaved = self.family == "glm_moe_dsa"
+        self.log.record("indexer_rope", "interleaved" if interleaved else "half-split",
+                        f"family rule ({self.family}, as transformers)")
+        return IndexerConfig(n_heads=g("index_n_heads"), head_dim=g("index_head_dim"), topk=g("index_topk"),
+                             rope_interleaved=interleaved, layer_types=tuple(types))
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)

@@ -1,0 +1,93 @@
+"""One step's input, flattened: the scheduled chunks of every request, decodes first.
+
+Notation
+  T        tokens in the step, ordered [decode tokens | prefill tokens]
+  B        requests in the step
+  slot     page * page_size + offset: a row of the paged latent cache
+A request is a *decode* when its query length <= decode_threshold (1 by default, so a one-token
+prompt is a decode, as in vLLM and DeepSeek's reference). The batch only orders tokens by that
+rule; `attention.router.route` names the paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """What the scheduler asks for one request this step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the new tokens (query)
+    context_len: int  # tokens of this request already in the cache
+    block_table: tuple[int, ...]  # pages holding positions [0, context_len + len(token_ids))
+    needs_logits: bool = True  # False for a prefill chunk that does not end the prompt
+    all_logits: bool = False  # logits at every query position (prompt_logits)
+
+    @property
+    def query_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """Where a request's tokens sit in the flat batch."""
+
+    request_id: str
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: tuple[int, ...]
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: cache row each new token is written to
+    seqs: tuple[SeqSlice, ...]  # decodes first
+    num_decode_seqs: int
+    logits_indices: torch.Tensor  # [n] rows of the flat batch whose logits are needed
+    logits_owner: tuple[tuple[str, int], ...]  # per logits row: (request_id, query offset)
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.query_len for s in self.seqs[: self.num_decode_seqs])
+
+    @staticmethod
+    def build(chunks: list[SeqChunk], page_size: int, decode_threshold: int) -> "ForwardBatch":
+        decodes = [c for c in chunks if c.query_len <= decode_threshold]
+        prefills = [c for c in chunks if c.query_len > decode_threshold]
+        ordered = decodes + prefills
+        ids, pos, slots, seqs, lidx, owner = [], [], [], [], [], []
+        for c in ordered:
+            start = len(ids)
+            ids.extend(c.token_ids)
+            positions = range(c.context_len, c.seq_len)
+            pos.extend(positions)
+            slots.extend(c.block_table[p // page_size] * page_size + p % page_size for p in positions)
+            seqs.append(SeqSlice(c.request_id, start, c.query_len, c.context_len, c.block_table))
+            wanted = range(c.query_len) if c.all_logits else ([c.query_len - 1] if c.needs_logits else [])
+            lidx.extend(start + i for i in wanted)
+            owner.extend((c.request_id, i) for i in wanted)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long), seqs=tuple(seqs), num_decode_seqs=len(decodes),
+            logits_indices=torch.tensor(lidx, dtype=torch.long), logits_owner=tuple(owner), page_size=page_size,
+        )

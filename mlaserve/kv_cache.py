@@ -1,0 +1,73 @@
+"""The paged latent cache and the pool of pages it is cut into.
+
+Notation
+  P pages of page_size rows; S = P * page_size rows per layer
+  row = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]  -- nothing bigger is cached
+  DSA layers add one indexer key row (index_head_dim) per token in a parallel tensor.
+Bytes per token = (kv_lora_rank + qk_rope_head_dim) * num_layers * dtype size (+ indexer keys).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .config import ModelConfig
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagePool:
+    """Free list of page ids with reference counts (a shared prefix page has several owners)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self.ref = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self.ref[p] = 1
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            if self.ref[p] <= 0:
+                raise RuntimeError(f"page {p} released more often than allocated")
+            self.ref[p] -= 1
+            if self.ref[p] == 0:
+                self._free.append(p)
+
+
+class LatentCache:
+    """Per-layer rows [S, kv_lora_rank + qk_rope_head_dim], addressed by slot = page * page_size + offset."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        rows = num_pages * page_size
+        self.layers = [torch.zeros(rows, cfg.latent_dim, dtype=dtype) for _ in range(cfg.num_layers)]
+        dsa = cfg.indexer is not None
+        self.index_keys = [torch.zeros(rows, cfg.indexer.head_dim, dtype=dtype) if dsa else None
+                           for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, with_indexer: bool = True) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        per_layer = cfg.latent_dim + (cfg.indexer.head_dim if cfg.indexer is not None and with_indexer else 0)
+        return per_layer * cfg.num_layers * size
+
+    def measured_bytes_per_token(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in self.layers)
+        total += sum(t.numel() * t.element_size() for t in self.index_keys if t is not None)
+        return total // (self.num_pages * self.page_size)

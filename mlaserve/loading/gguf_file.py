@@ -1,0 +1,307 @@
+"""GGUF v2/v3 container parser (memory-mapped, no full copy in RAM), incl. split GGUF files.
+
+Notation: a GGUF file is
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv | n_kv x (key, u32 type, value)
+    | n_tensors x (name, u32 n_dims, n_dims x u64 ne, u32 ggml_type, u64 offset)
+    | padding to `general.alignment` (default 32) | tensor data
+All integers little-endian; strings are u64 length + UTF-8 bytes.  ``ne`` is ggml's dimension
+order (ne[0] = innermost / row length), so the torch shape is ``reversed(ne)``.  A tensor's
+``offset`` is relative to the start of the data section.
+
+A model split by llama.cpp's gguf-split is ``<stem>-00001-of-0000N.gguf`` ... with keys
+``split.no`` / ``split.count`` / ``split.tensors.count``; the first shard holds the metadata.
+`open_gguf` merges the shards into one `GGUFFile` view.
+
+Errors are `GGUFError` (a ValueError) and always name the file (and the tensor or key).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .gguf_quants import GGML_TYPES, dequantize, tensor_nbytes
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# GGUF metadata value types: id -> (name, struct format or None for string/array)
+VALUE_TYPES: dict[int, tuple[str, str | None]] = {
+    0: ("UINT8", "<B"), 1: ("INT8", "<b"), 2: ("UINT16", "<H"), 3: ("INT16", "<h"),
+    4: ("UINT32", "<I"), 5: ("INT32", "<i"), 6: ("FLOAT32", "<f"), 7: ("BOOL", "<?"),
+    8: ("STRING", None), 9: ("ARRAY", None), 10: ("UINT64", "<Q"), 11: ("INT64", "<q"),
+    12: ("FLOAT64", "<d"),
+}
+_NUMPY_OF = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
+             7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+class GGUFError(ValueError):
+    """A GGUF file is malformed or does not describe a model we can load."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    ne: tuple[int, ...]        # ggml order
+    ggml_type: int
+    offset: int                # absolute byte offset in `path`
+    nbytes: int
+    path: Path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """torch shape (outermost first)."""
+        return tuple(reversed(self.ne))
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES[self.ggml_type].name
+
+
+class _Cursor:
+    """Sequential little-endian reader over the mapped header; reports truncation clearly."""
+
+    def __init__(self, buf: np.ndarray, path: Path):
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated file: the header needs bytes {start}..{start + n} "
+                            f"but the file has {len(self.buf)} bytes")
+        self.pos += n
+        return start
+
+    def scalar(self, fmt: str) -> Any:
+        start = self.take(struct.calcsize(fmt))
+        return struct.unpack_from(fmt, self.buf, start)[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        start = self.take(n)
+        try:
+            return self.buf[start:start + n].tobytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: invalid UTF-8 string at byte {start}: {e}") from None
+
+    def value(self, vtype: int, key: str) -> Any:
+        if vtype not in VALUE_TYPES:
+            raise GGUFError(f"{self.path}: metadata key '{key}' has unknown value type {vtype}")
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            return self.array(key)
+        return self.scalar(VALUE_TYPES[vtype][1])
+
+    def array(self, key: str) -> list:
+        etype, n = self.scalar("<I"), self.scalar("<Q")
+        if etype in _NUMPY_OF:
+            # numeric arrays (e.g. token types, per-layer values) in one go
+            width = np.dtype(_NUMPY_OF[etype]).itemsize
+            start = self.take(n * width)
+            arr = np.frombuffer(self.buf, dtype=_NUMPY_OF[etype], count=n, offset=start)
+            return [bool(x) for x in arr] if etype == 7 else arr.tolist()
+        return [self.value(etype, key) for _ in range(n)]
+
+
+class GGUFShard:
+    """One GGUF file: parsed header plus a copy-on-write memory map of its bytes.
+
+    The map is private (mode 'c'): tensors handed out alias the file's pages, and writing to
+    them never reaches the file.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"{self.path}: no such GGUF file")
+        if self.path.stat().st_size < 4:
+            raise GGUFError(f"{self.path}: truncated file ({self.path.stat().st_size} bytes), not GGUF")
+        self.mm = np.memmap(self.path, dtype=np.uint8, mode="c")
+        cur = _Cursor(self.mm, self.path)
+        self._read_preamble(cur)
+        self.metadata, self.value_types = self._read_kv(cur)
+        self.alignment = self._alignment()
+        infos = self._read_tensor_infos(cur)
+        self.data_offset = -(-cur.pos // self.alignment) * self.alignment
+        self.tensors = self._place_tensors(infos)
+
+    # -- header parts -------------------------------------------------------------------------
+    def _read_preamble(self, cur: _Cursor) -> None:
+        magic = self.mm[:4].tobytes()
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"{self.path}: bad magic {magic!r}, expected {GGUF_MAGIC!r} (not a GGUF file)")
+        cur.take(4)
+        self.version = cur.scalar("<I")
+        if self.version not in (2, 3):
+            hint = " (a big-endian GGUF?)" if self.version > 0xFFFF else ""
+            raise GGUFError(f"{self.path}: unsupported GGUF version {self.version}{hint}; "
+                            "only versions 2 and 3 are supported")
+        self.n_tensors, self.n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+
+    def _read_kv(self, cur: _Cursor) -> tuple[dict[str, Any], dict[str, int]]:
+        meta: dict[str, Any] = {}
+        types: dict[str, int] = {}
+        for _ in range(self.n_kv):
+            key = cur.string()
+            vtype = cur.scalar("<I")
+            if key in meta:
+                raise GGUFError(f"{self.path}: duplicate metadata key '{key}'")
+            meta[key], types[key] = cur.value(vtype, key), vtype
+        return meta, types
+
+    def _alignment(self) -> int:
+        a = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(a, int) or a <= 0 or a & (a - 1):
+            raise GGUFError(f"{self.path}: general.alignment must be a power of two, got {a!r}")
+        return a
+
+    def _read_tensor_infos(self, cur: _Cursor) -> list[tuple[str, tuple[int, ...], int, int]]:
+        infos, seen = [], set()
+        for _ in range(self.n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar("<I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFError(f"{self.path}: tensor '{name}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            ne = tuple(cur.scalar("<Q") for _ in range(n_dims))
+            ggml_type, offset = cur.scalar("<I"), cur.scalar("<Q")
+            if name in seen:
+                raise GGUFError(f"{self.path}: duplicate tensor name '{name}'")
+            seen.add(name)
+            infos.append((name, ne, ggml_type, offset))
+        return infos
+
+    def _place_tensors(self, infos) -> dict[str, TensorInfo]:
+        out: dict[str, TensorInfo] = {}
+        size = len(self.mm)
+        for name, ne, ggml_type, rel in infos:
+            if ggml_type not in GGML_TYPES:
+                raise GGUFError(f"{self.path}: tensor '{name}' has unknown ggml type id {ggml_type}")
+            block = GGML_TYPES[ggml_type].block_size
+            if ne[0] % block:
+                raise GGUFError(f"{self.path}: tensor '{name}' row length {ne[0]} is not a multiple of "
+                                f"the {GGML_TYPES[ggml_type].name} block size {block}")
+            if rel % self.alignment:
+                raise GGUFError(f"{self.path}: tensor '{name}' data offset {rel} is not aligned to {self.alignment}")
+            start, nbytes = self.data_offset + rel, tensor_nbytes(ggml_type, ne)
+            if start + nbytes > size:
+                raise GGUFError(f"{self.path}: truncated file: tensor '{name}' needs bytes {start}..{start + nbytes} "
+                                f"but the file has {size} bytes")
+            out[name] = TensorInfo(name, ne, ggml_type, start, nbytes, self.path)
+        return out
+
+    # -- data ---------------------------------------------------------------------------------
+    def raw(self, info: TensorInfo, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """uint8 view (no copy) of a tensor's bytes, optionally a sub-range of them."""
+        length = info.nbytes - start if length is None else length
+        view = np.asarray(self.mm[info.offset + start: info.offset + start + length])
+        return torch.from_numpy(view)
+
+
+class GGUFFile:
+    """One logical GGUF model, possibly made of several split shards.
+
+    ``metadata`` comes from the first shard (split shards repeat only the split.* keys);
+    ``tensors`` maps every tensor name of every shard to its `TensorInfo`.
+    """
+
+    def __init__(self, shards: list[GGUFShard]):
+        self.shards = shards
+        self.path = shards[0].path
+        self.paths = [s.path for s in shards]
+        self.version = shards[0].version
+        self.metadata = dict(shards[0].metadata)
+        self.value_types = dict(shards[0].value_types)
+        self.tensors: dict[str, TensorInfo] = {}
+        self._shard_of: dict[str, GGUFShard] = {}
+        for shard in shards:
+            for name, info in shard.tensors.items():
+                if name in self.tensors:
+                    raise GGUFError(f"{shard.path}: duplicate tensor name '{name}' "
+                                    f"(also in {self.tensors[name].path})")
+                self.tensors[name], self._shard_of[name] = info, shard
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise GGUFError(f"{self.path}: no tensor named '{name}'")
+        return self.tensors[name]
+
+    def raw(self, name: str, start: int = 0, length: int | None = None) -> torch.Tensor:
+        info = self.info(name)
+        return self._shard_of[name].raw(info, start, length)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to float32, torch shape (F32 tensors: a view of the file)."""
+        info = self.info(name)
+        return _dequant(info, self.raw(name), info.shape)
+
+    def slice0(self, name: str, index: int) -> torch.Tensor:
+        """Dequantize only ``tensor[index]`` (outermost torch dim), reading just its bytes.
+
+        Valid because each slice of the outermost dim is a whole number of rows, hence blocks.
+        """
+        info = self.info(name)
+        n0 = info.shape[0]
+        if not 0 <= index < n0:
+            raise IndexError(f"{self.path}: index {index} out of range for '{name}' with {n0} slices")
+        per = info.nbytes // n0
+        return _dequant(info, self.raw(name, index * per, per), info.shape[1:])
+
+    def close(self) -> None:
+        """Drop our references to the maps (tensors already handed out keep theirs alive)."""
+        for s in self.shards:
+            s.mm = None
+
+
+def _dequant(info: TensorInfo, raw: torch.Tensor, shape) -> torch.Tensor:
+    try:
+        return dequantize(raw, info.ggml_type, shape)
+    except NotImplementedError as e:
+        raise GGUFError(f"{info.path}: tensor '{info.name}': {e}") from None
+
+
+def split_paths(path: str | Path) -> list[Path]:
+    """All shard paths of the model ``path`` belongs to (just [path] when it is not split)."""
+    path = Path(path)
+    m = _SPLIT_NAME.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _check_split(shards: list[GGUFShard]) -> None:
+    count = len(shards)
+    for i, s in enumerate(shards):
+        no, n = s.metadata.get("split.no"), s.metadata.get("split.count")
+        if n is None and count == 1:
+            continue
+        if n != count or no != i:
+            raise GGUFError(f"{s.path}: split.no={no}, split.count={n}, expected shard {i} of {count}")
+    total = shards[0].metadata.get("split.tensors.count")
+    found = sum(len(s.tensors) for s in shards)
+    if total is not None and count > 1 and total != found:
+        raise GGUFError(f"{shards[0].path}: split.tensors.count={total} but the {count} shards hold {found} tensors")
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open a GGUF model; a path to any shard of a split model opens all of its shards."""
+    paths = split_paths(path)
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise GGUFError(f"{path}: split GGUF is missing shard(s): {', '.join(str(p) for p in missing)}")
+    shards = [GGUFShard(p) for p in paths]
+    if len(shards) == 1 and shards[0].metadata.get("split.count", 1) > 1:
+        raise GGUFError(f"{path}: file declares split.count={shards[0].metadata['split.count']} "
+                        "but its name does not follow <stem>-00001-of-0000N.gguf, so the shards cannot be found")
+    _check_split(shards)
+    return GGUFFile(shards)

@@ -1,0 +1,70 @@
+"""From a path (a Hugging Face folder) to a filled model, its engine config and tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, ModelConfig
+from ..engine_config import EngineConfig, EngineOptions, resolve
+from ..models.deepseek import MLAForCausalLM
+from ..tokenizer import Tokenizer
+from .safetensors_source import SafetensorsSource
+from .weights import LoadReport, load_weights
+
+
+@dataclass
+class LoadedModel:
+    model: MLAForCausalLM
+    config: EngineConfig
+    tokenizer: Tokenizer | None
+    report: LoadReport
+    path: Path
+
+
+def read_hf_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{folder}: no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+
+
+def has_indexer_weights(names: list[str]) -> bool:
+    return any(".self_attn.indexer." in n for n in names)
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, experts_impl: str = "grouped_mm") -> MLAForCausalLM:
+    """Allocate without initialising (the weights come next), in dtype; the router stays fp32
+    like the reference keeps its gate weight and correction bias."""
+    with torch.device("meta"):
+        model = MLAForCausalLM(cfg)
+    model.to_empty(device="cpu")
+    model.to(dtype)
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.float()
+        if name.endswith("mlp.experts"):
+            module.impl = experts_impl
+    return model.eval()
+
+
+def load_model(path: str | Path, opts: EngineOptions) -> LoadedModel:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_file():
+        raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors)")
+    raw = read_hf_config(path)
+    model_cfg = ModelConfig.from_hf(raw, source=str(path / "config.json"))
+    source = SafetensorsSource(path)
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
+    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl)
+    report = load_weights(model, source, model_cfg)
+    tokenizer = Tokenizer.from_folder(path, model_cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
+    return LoadedModel(model, engine_cfg, tokenizer, report, path)

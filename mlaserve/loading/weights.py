@@ -1,0 +1,113 @@
+"""Fill a model from a tensor source, strictly: every checkpoint tensor used exactly once,
+every parameter filled, every shape checked -- errors name the tensor and its file.
+
+Named steps between the checkpoint layout and the model:
+  stack_experts   mlp.experts.E.{gate,up,down}_proj.weight -> experts.gate_up_proj [E, 2I, D]
+                  (gate rows first) and experts.down_proj [E, D, I]
+  skip_mtp        model.layers.N for N >= num_hidden_layers (MTP / nextn heads) are skipped, reported
+  tie_embeddings  lm_head.weight shares embed_tokens.weight when the config ties them
+A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .safetensors_source import WeightError
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class TensorSource(Protocol):
+    def names(self) -> list[str]: ...
+    def get(self, name: str) -> torch.Tensor: ...
+    def where(self, name: str) -> str: ...
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig) -> LoadReport:
+    report = LoadReport()
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    if cfg.tie_word_embeddings:
+        targets.pop("lm_head.weight", None)
+    filled: set[str] = set()
+    experts: dict[str, dict[tuple[str, int], str]] = {}
+    for name in source.names():
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= cfg.num_layers:
+            report.skipped.append(name)  # MTP / nextn layers are not run by the engine
+            continue
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)))] = name
+            continue
+        _copy(name, source, targets, filled)
+        report.loaded += 1
+    for prefix, parts in experts.items():
+        report.loaded += _stack_experts(prefix, parts, source, targets, filled)
+    missing = sorted(set(targets) - filled)
+    if missing:
+        raise WeightError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}"
+                          + (" ..." if len(missing) > 8 else ""))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        report.notes.append("lm_head.weight tied to model.embed_tokens.weight (tie_word_embeddings)")
+    if report.skipped:
+        report.notes.append(f"skipped {len(report.skipped)} MTP/nextn tensor(s) of layers >= {cfg.num_layers}")
+    return report
+
+
+def _copy(name: str, source: TensorSource, targets: dict, filled: set[str]) -> None:
+    if name not in targets:
+        raise WeightError(f"{source.where(name)}: unexpected tensor {name!r} (no such parameter in the model)")
+    if name in filled:
+        raise WeightError(f"{source.where(name)}: tensor {name!r} appears twice")
+    tensor = source.get(name)
+    _check_shape(name, tuple(tensor.shape), tuple(targets[name].shape), source)
+    with torch.no_grad():
+        targets[name].copy_(tensor)
+    filled.add(name)
+
+
+def _stack_experts(prefix: str, parts: dict[tuple[str, int], str], source: TensorSource,
+                   targets: dict, filled: set[str]) -> int:
+    gate_up, down = targets.get(f"{prefix}.gate_up_proj"), targets.get(f"{prefix}.down_proj")
+    any_name = next(iter(parts.values()))
+    if gate_up is None or down is None:
+        raise WeightError(f"{source.where(any_name)}: unexpected expert tensor {any_name!r} (layer has no routed experts)")
+    n_exp, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    for e in range(n_exp):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if (proj, e) not in parts:
+                raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.weight")
+    extra = [parts[k] for k in parts if k[1] >= n_exp]
+    if extra:
+        raise WeightError(f"{source.where(extra[0])}: unexpected tensor {extra[0]!r} (only {n_exp} experts)")
+    with torch.no_grad():
+        for e in range(n_exp):
+            for proj, dst in (("gate_proj", gate_up[e, :inter]), ("up_proj", gate_up[e, inter:]), ("down_proj", down[e])):
+                name = parts[(proj, e)]
+                tensor = source.get(name)
+                _check_shape(name, tuple(tensor.shape), tuple(dst.shape), source)
+                dst.copy_(tensor)
+    filled.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
+    return len(parts)
+
+
+def _check_shape(name: str, got: tuple, want: tuple, source: TensorSource) -> None:
+    if got != want:
+        raise WeightError(f"{source.where(name)}: tensor {name!r} has shape {list(got)}, the config implies {list(want)}")

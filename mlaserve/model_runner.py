@@ -1,0 +1,34 @@
+"""Owns the model and its cache; executes one step: chunks -> batch -> route -> forward -> logits."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention.router import route
+from .engine_config import EngineConfig
+from .forward_batch import ForwardBatch, SeqChunk
+from .kv_cache import LatentCache
+from .models.deepseek import MLAForCausalLM, StepContext
+from .trace import NullTracer, step_record
+
+
+class ModelRunner:
+    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer=None) -> None:
+        self.model, self.cfg = model, cfg
+        self.cache = LatentCache(cfg.model, cfg.num_pages, cfg.page_size, cfg.dtype)
+        self.tracer = tracer or NullTracer()
+        self.step_count = 0
+
+    def execute(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+        """-> (batch, logits [len(batch.logits_indices), vocab] float32)."""
+        cfg = self.cfg
+        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold)
+        plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk)
+        if self.tracer.enabled:
+            self.tracer.record(step_record(self.step_count, batch, plan, cfg.model.num_layers))
+        self.step_count += 1
+        with torch.inference_mode():
+            step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
+            hidden = self.model(batch.input_ids, step, self.cache.layers)
+            logits = self.model.logits(hidden[batch.logits_indices])
+        return batch, logits

@@ -1,0 +1,97 @@
+"""Small building blocks: RMSNorm, rotary embeddings (interleaved and half-split, YaRN), SwiGLU MLP.
+
+Notation
+  T   tokens in the step (flat, no batch dimension)
+  d   rope width (qk_rope_head_dim), pairs d/2
+  x   [T, ..., d] the rotary slice of a query or key
+Interleaved rope rotates pairs (x0, x1), (x2, x3), ...; half-split rotates (x_i, x_{i+d/2}).
+Interleaved output is written de-interleaved ([even', odd']), as transformers does: every dot
+product between two rotated vectors is unchanged, so queries and cached keys agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as the reference), scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies [d/2], YaRN-corrected when configured (same arithmetic as transformers)."""
+    d = rope.dim
+    pos_freqs = rope.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d)
+    if rope.rope_type != "yarn":
+        return 1.0 / pos_freqs
+    low, high = _yarn_correction_range(rope)
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001), 0, 1)
+    extrapolation = 1 - ramp  # 1 where the dim keeps its original frequency
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_correction_range(rope: RopeConfig) -> tuple[float, float]:
+    def dim_for(rotations: float) -> float:
+        ctx = rope.original_max_position_embeddings
+        return (rope.dim * math.log(ctx / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = dim_for(rope.beta_fast), dim_for(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, rope.dim - 1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin per position, computed on demand from positions (no length cap)."""
+
+    def __init__(self, rope: RopeConfig, interleaved: bool | None = None) -> None:
+        super().__init__()
+        self.interleaved = rope.interleaved if interleaved is None else interleaved
+        self.scale = rope.attention_factor
+        # A plain attribute, not a buffer: it is derived from the config, never loaded, and must
+        # survive building the module on the meta device.
+        self.inv_freq = rope_inv_freq(rope)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] -> cos, sin each [T, d/2] (fp32 angles, cast to the compute dtype like the reference)."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, ..., d]; cos/sin [T, d/2] broadcast over the middle dims."""
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,121 @@
+"""Mixture of experts: the gate (softmax | sigmoid + correction bias, group-limited top-k) and
+the routed experts, computed for the whole batch at once.
+
+Notation
+  T tokens, D hidden, E routed experts, k experts per token, I moe_intermediate_size
+  scores   [T, E]  gate probabilities (softmax or sigmoid of x @ W_gate^T, fp32)
+  topk_idx [T, k]  chosen experts, topk_w [T, k] their weights
+  gate_up  [E, 2I, D] (gate rows first), down [E, D, I]
+Fast path: tokens sorted by expert, one grouped GEMM per projection (torch._grouped_mm).
+Reference path ("loop"): one F.linear per active expert; the tests hold the fast path to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MoEConfig
+from .layers import SwiGLU
+
+EXPERT_IMPLS = ("grouped_mm", "loop")
+
+
+class Gate(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, hidden))
+        if cfg.scoring_func == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (topk_w [T, k] fp32, topk_idx [T, k])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        if cfg.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            choice = scores
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()
+        if cfg.topk_method in ("group_limited_greedy", "noaux_tc"):
+            choice = self._mask_groups(choice)
+        topk_idx = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        # Weights come from the unbiased scores; the bias only steers the choice.
+        topk_w = scores.gather(1, topk_idx)
+        if cfg.norm_topk_prob:
+            topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_w * cfg.routed_scaling_factor, topk_idx
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Keep the experts of the topk_group best groups (V2: group max, V3: sum of the top-2)."""
+        cfg = self.cfg
+        grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            fill = float("-inf")
+        else:
+            group_scores = grouped.max(dim=-1).values
+            fill = 0.0  # V2 zeroes the softmax scores of dropped groups
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return grouped.masked_fill(~keep[..., None], fill).view_as(choice)
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: gate_up [E, 2I, D], down [E, D, I]."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
+        self.impl = "grouped_mm"
+
+    def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        if self.impl == "loop":
+            return self._forward_loop(x, topk_w, topk_idx)
+        return self._forward_grouped(x, topk_w, topk_idx)
+
+    def _forward_grouped(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        t, k = topk_idx.shape
+        flat_idx = topk_idx.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        token_of = order // k  # which token each sorted (token, expert) pair came from
+        counts = torch.bincount(flat_idx, minlength=self.gate_up_proj.shape[0])
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x[token_of]
+        gate_up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+    def _forward_loop(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(topk_idx).tolist():
+            tok, slot = torch.where(topk_idx == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * topk_w[tok, slot, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.gate = Gate(hidden, cfg)
+        self.experts = Experts(hidden, cfg)
+        n_shared = cfg.n_shared_experts
+        self.shared_experts = SwiGLU(hidden, cfg.moe_intermediate_size * n_shared) if n_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_w, topk_idx = self.gate(x)
+        out = self.experts(x, topk_w, topk_idx)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,174 @@
+"""Per-request sampling parameters (vLLM-compatible names, defaults and ranges).
+
+A `SamplingParams` is immutable and validated once, when the request arrives,
+so that the sampler and the detokenizer can trust every field. Invalid values
+raise `ValueError` naming the field and the value, which the API layer can pass
+straight back to the client.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+# Temperatures below this are treated as greedy decoding (as in vLLM): dividing
+# logits by a tiny temperature overflows float32 and means "argmax" anyway.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request, and when to stop.
+
+    Normalisation done in `__post_init__` (the object is frozen afterwards):
+      * `stop` becomes a tuple of strings (None -> ()); `stop_token_ids` a tuple of ints.
+      * `top_k == -1` becomes 0 (both mean "off").
+      * float fields become `float`.
+      * greedy requests (temperature < 1e-5) get top_p=1, top_k=0, min_p=0:
+        those filters cannot change an argmax, and resetting them keeps greedy
+        rows on the sampler's fast path.
+    """
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass, in (0, 1]; 1 = off
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off; applies to prompt + output tokens
+    presence_penalty: float = 0.0  # [-2, 2]; applies to output tokens
+    frequency_penalty: float = 0.0  # [-2, 2]; applies to output tokens
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16  # None = until the context is full
+    min_tokens: int = 0  # EOS / stop_token_ids are masked until this many tokens exist
+    stop: Union[None, str, Sequence[str]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-N logprobs per generated token (0 = sampled token only)
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+
+        _check_int("n", self.n, minimum=1)
+
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            _fail("temperature", self.temperature, "must be >= 0")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            _fail("top_k", self.top_k, "must be -1, 0 (off) or >= 1")
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                _fail(name, value, "must be in [-2, 2]")
+
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+
+        set_("stop", _normalise_stop(self.stop))
+        set_("stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                _fail(name, value, "must be a bool")
+
+        for name in (
+            "temperature", "top_p", "min_p",
+            "repetition_penalty", "presence_penalty", "frequency_penalty",
+        ):
+            set_(name, float(getattr(self, name)))
+        if self.top_k == -1:
+            set_("top_k", 0)
+        if self.greedy:
+            set_("top_p", 1.0)
+            set_("top_k", 0)
+            set_("min_p", 0.0)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (of the penalised logits)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def all_stop_token_ids(self, eos_token_id: Optional[int]) -> frozenset:
+        """Token ids that end the request: stop_token_ids, plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if eos_token_id is not None and not self.ignore_eos:
+            ids.add(eos_token_id)
+        return frozenset(ids)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fail(name: str, value: Any, rule: str) -> None:
+    raise ValueError(f"{name} {rule}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: Optional[int] = None) -> None:
+    # bool is an int subclass; True as a count is almost certainly a bug.
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(name, value, "must be an int")
+    if minimum is not None and value < minimum:
+        _fail(name, value, f"must be >= {minimum}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        _fail(name, value, "must be a number")
+    if not math.isfinite(value):
+        _fail(name, value, "must be finite")
+
+
+def _normalise_stop(stop: Any) -> tuple:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        _fail("stop", stop, "must be a str, a list of str or None")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            _fail("stop", stop, "must contain only non-empty strings")
+    return tuple(stop)
+
+
+def _normalise_stop_token_ids(ids: Any) -> tuple:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)):
+        _fail("stop_token_ids", ids, "must be a list of int or None")
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            _fail("stop_token_ids", ids, "must contain only non-negative ints")
+    return tuple(ids)

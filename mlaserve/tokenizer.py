@@ -1,0 +1,58 @@
+"""Tokenizer of a model folder: `tokenizer.json` (the `tokenizers` library) plus
+`tokenizer_config.json` (special tokens, chat template rendered with jinja2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, tok: _HFTokenizer, config: dict, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.tok = tok
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template")
+        ids = list(eos_token_ids)
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos is not None and tok.token_to_id(eos) is not None and tok.token_to_id(eos) not in ids:
+            ids.append(tok.token_to_id(eos))
+        self.eos_token_ids = tuple(ids)
+
+    @staticmethod
+    def from_folder(folder: str | Path, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{folder}: no tokenizer.json (needed to turn text into tokens)")
+        cfg_path = folder / "tokenizer_config.json"
+        config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = folder / "chat_template.jinja"
+        if "chat_template" not in config and template.exists():
+            config["chat_template"] = template.read_text()
+        return Tokenizer(_HFTokenizer.from_file(str(path)), config, eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the folder's chat template; without one, a plain 'role: content' transcript."""
+        if not self.chat_template:
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
+                   if k in ("bos_token", "eos_token", "pad_token")}
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                          **special)

@@ -1,0 +1,70 @@
+"""The route ledger: one JSON record per step of what ran where, written before the math runs.
+
+Sinks: NullTracer (default), JsonlTracer (a file, one line per step), MemoryTracer (a ring,
+for tests and the server). Model and attention code import nothing from here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+
+from .attention.router import AttentionPlan
+from .forward_batch import ForwardBatch
+
+
+def step_record(step: int, batch: ForwardBatch, plan: AttentionPlan, num_layers: int, extra: dict | None = None) -> dict:
+    rec = {"step": step, "layers": f"0-{num_layers - 1}", "num_tokens": batch.num_tokens,
+           "num_decode_tokens": batch.num_decode_tokens, **plan.to_record()}
+    rec["requests"] = [{"id": s.request_id, "query_len": s.query_len, "context_len": s.context_len} for s in batch.seqs]
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+class NullTracer:
+    enabled = False
+
+    def record(self, rec: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryTracer:
+    enabled = True
+
+    def __init__(self, maxlen: int = 10000) -> None:
+        self.records: deque[dict] = deque(maxlen=maxlen)
+
+    def record(self, rec: dict) -> None:
+        self.records.append(rec)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlTracer:
+    enabled = True
+
+    def __init__(self, path: str | Path) -> None:
+        self._f = open(path, "a", encoding="utf-8")
+
+    def record(self, rec: dict) -> None:
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def make_tracer(trace) -> NullTracer | MemoryTracer | JsonlTracer:
+    if trace is None:
+        return NullTracer()
+    if trace == "memory":
+        return MemoryTracer()
+    if isinstance(trace, (NullTracer, MemoryTracer, JsonlTracer)):
+        return trace
+    return JsonlTracer(trace)
