@@ -6,8 +6,8 @@ Text is produced in two stages for every new token:
    With byte-level BPE one character can be split over several tokens, and decoding
    a token alone gives U+FFFD for the incomplete bytes. We keep a small window of ids:
 
-       ids:   ... [prefix_offset ........ read_offset ........ end]
-                   \\_ already emitted _/  \\_ not yet emitted _/
+       ids[prefix_offset:read_offset]   already emitted; kept as decoding context
+       ids[read_offset:]                not emitted yet
 
    and decode two slices that start at the same token,
        prefix_text = decode(ids[prefix_offset:read_offset])
@@ -29,7 +29,10 @@ Text is produced in two stages for every new token:
 
 Invariant (tested): for byte-level BPE tokenizers, once `finish()` has been called,
 the concatenation of all returned deltas == tokenizer.decode(output_ids,
-skip_special_tokens=...) truncated at the stop string.
+skip_special_tokens=...) truncated at the stop string. For Metaspace (SentencePiece
+style, "▁hello") decoders the one difference is the first output token's leading
+space: decode(output_ids) strips it, we keep it because the token is decoded after
+the prompt context (vLLM behaves the same).
 """
 
 from __future__ import annotations

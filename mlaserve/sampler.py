@@ -123,8 +123,8 @@ class SamplingBatch:
 
         prompt_ids / output_ids: each row's tokens so far; read only when a row uses a
         penalty (or min_tokens, which needs the output length).
-        generators: the row's own generator (seeded requests, see `make_generator`)
-        or None; used only for non-greedy rows.
+        generators: the row's own generator (seeded requests, see `make_generator`;
+        on `device`) or None; used only for non-greedy rows.
         eos_token_id: masked, with the row's stop_token_ids, while the row has fewer
         than `min_tokens` output tokens (unless ignore_eos, as in vLLM).
         device: where the tensors live (the logits' device); default CPU.

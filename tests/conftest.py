@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+
+
+def fixture_dir(name: str) -> Path:
+    """A folder of ../shared/fixtures/, or skip naming it (a user's clone has no shared/)."""
+    path = FIXTURES / name
+    if not path.exists():
+        pytest.skip(f"../shared/fixtures/{name} not found (the shared fixtures folder is absent)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """kind -> (folder, transformers model); each tiny model is built once per session."""
+    from hf_models import save_hf_model
+
+    cache: dict = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            folder = tmp_path_factory.mktemp(kind)
+            cache[kind] = (folder, save_hf_model(kind, folder))
+        return cache[kind]
+
+    return get

@@ -1,0 +1,68 @@
+"""The equivalences the engine rests on, each checked on the same inputs:
+absorbed == decompressed; chunked prefill + token-by-token decode == one full forward;
+a one-token prompt via the decode path == via the prefill path; scattered pages == contiguous."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import random_ids
+
+from mlaserve import LLM
+from mlaserve.forward_batch import SeqChunk
+
+TOL = 1e-5  # fp32 reassociation noise between two orders of the same sums
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["v3_yarn", "v2_noq"])
+def test_absorbed_equals_decompressed(hf_model_dir, kind):
+    folder, _ = hf_model_dir(kind)
+    ids = random_ids(48, seed=3)
+    a = LLM(str(folder), mla_path="absorbed").prompt_logits(ids)
+    d = LLM(str(folder), mla_path="decompressed").prompt_logits(ids)
+    assert _max_diff(a, d) <= TOL
+
+
+@pytest.mark.parametrize("mla_path", ["auto", "absorbed", "decompressed"])
+@pytest.mark.parametrize("budget", [1, 7])
+def test_chunked_prefill_equals_full(hf_model_dir, mla_path, budget):
+    """budget=1 feeds the prompt one token per step: every step is a decode (query length 1)."""
+    folder, _ = hf_model_dir("v3_yarn")
+    ids = random_ids(36, seed=4)  # 36 = 5 * 7 + 1: with budget 7 the last chunk is a one-token decode
+    full = LLM(str(folder), mla_path=mla_path, max_num_batched_tokens=4096).prompt_logits(ids)
+    llm = LLM(str(folder), mla_path=mla_path, max_num_batched_tokens=budget, page_size=4, trace="memory")
+    chunked = llm.prompt_logits(ids)
+    assert _max_diff(full, chunked) <= TOL
+    phases = {seg["phase"] for rec in llm.runner.tracer.records for seg in rec["segments"]}
+    assert phases == ({"decode"} if budget == 1 else {"prefill", "decode"})
+
+
+def test_one_token_prompt_decode_path_equals_prefill_path(hf_model_dir):
+    folder, _ = hf_model_dir("glm_lite")
+    auto = LLM(str(folder), trace="memory")
+    mha = LLM(str(folder), mla_path="decompressed", trace="memory")
+    a, m = auto.prompt_logits([5]), mha.prompt_logits([5])
+    assert auto.runner.tracer.records[0]["segments"][0]["phase"] == "decode"
+    assert auto.runner.tracer.records[0]["num_mqa_tokens"] == 1
+    assert mha.runner.tracer.records[0]["num_mha_tokens"] == 1
+    assert _max_diff(a, m) <= TOL
+
+
+@pytest.mark.parametrize("mla_path", ["absorbed", "decompressed"])
+def test_scattered_pages_equal_contiguous(hf_model_dir, mla_path):
+    folder, _ = hf_model_dir("v2_qlora")
+    llm = LLM(str(folder), mla_path=mla_path, page_size=4, num_pages=64)
+    ids = tuple(random_ids(30, seed=5))
+
+    def run(table):
+        _, first = llm.runner.execute([SeqChunk("r", ids[:17], 0, table[:5], all_logits=True)])
+        _, rest = llm.runner.execute([SeqChunk("r", ids[17:], 17, table, all_logits=True)])
+        return torch.cat([first, rest])
+
+    contiguous = run(tuple(range(8)))
+    scattered = run((41, 3, 60, 17, 9, 33, 2, 50))
+    assert _max_diff(contiguous, scattered) <= TOL
