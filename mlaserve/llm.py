@@ -1,41 +1,99 @@
-"""The offline API: LLM(model=PATH, ...).prompt_logits(ids) and .generate(prompts, params)."""
+"""The offline API: LLM(model=PATH, ...).generate(prompts, params) and .prompt_logits(ids)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 
+from .engine import Engine
 from .engine_config import EngineOptions
 from .forward_batch import SeqChunk
-from .kv_cache import PagePool
 from .loading.model_loader import load_model
 from .model_runner import ModelRunner
+from .request import RequestOutput
+from .sampling_params import SamplingParams
 from .trace import make_tracer
+
+Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str | None = None, attention: str = "auto", mla_path: str = "auto",
-                 page_size: int = 16, max_num_batched_tokens: int = 2048, trace=None, **options) -> None:
+    def __init__(self, model: str | None = None, dtype: str | None = None, attention: str = "auto",
+                 mla_path: str = "auto", page_size: int = 16, max_num_batched_tokens: int = 2048, trace=None,
+                 **options) -> None:
+        from .embedded import default_model_path
+
         opts = EngineOptions(dtype=dtype, attention=attention, mla_path=mla_path, page_size=page_size,
                              max_num_batched_tokens=max_num_batched_tokens, **options)
-        self.loaded = load_model(model, opts)
+        self.loaded = load_model(model or default_model_path(), opts)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded.model, self.config, make_tracer(trace))
-        self.pool = PagePool(self.config.num_pages)
+        self.engine = Engine(self.runner, self.tokenizer)
+        self._counter = 0
 
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        groups = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [self._merge(text, ids, finals) for text, ids in groups]
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[str]]:
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        base, rids = f"llm-{self._counter}", []
+        self._counter += 1
+        for j in range(params.n):
+            # n samples = n requests; seeded ones get seed + j so they differ yet stay reproducible
+            sub = replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+            rids.append(self.engine.add_request(ids, sub, request_id=f"{base}/{j}"))
+        return text, rids
+
+    def _merge(self, text: str | None, rids: list[str], finals: dict[str, RequestOutput]) -> RequestOutput:
+        outs = [finals[r] for r in rids]
+        comps = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+        for r in rids:
+            self.engine.release(r)
+        return RequestOutput(rids[0].split("/")[0], text, outs[0].prompt_token_ids, comps, True, outs[0].metrics)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.loaded.path} has no tokenizer: pass token ids instead of text")
+        return self.tokenizer.encode(text)
+
+    # -- logits -------------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every prompt position [len, vocab] (float32), through the paged cache,
         in chunks of max_num_batched_tokens like a real prefill."""
-        ps = self.config.page_size
-        pages = self.pool.allocate(-(-len(token_ids) // ps))
+        ps, pool = self.config.page_size, self.engine.pool
+        pages = pool.allocate(-(-len(token_ids) // ps))
         try:
             out, done = [], 0
             while done < len(token_ids):
                 chunk = tuple(token_ids[done : done + self.config.max_num_batched_tokens])
                 table = tuple(pages[: -(-(done + len(chunk)) // ps)])
-                _, logits = self.runner.execute([SeqChunk("prompt", chunk, done, table, all_logits=True)])
+                _, logits = self.runner.execute([SeqChunk("prompt_logits", chunk, done, table, all_logits=True)])
                 out.append(logits)
                 done += len(chunk)
             return torch.cat(out)
         finally:
-            self.pool.release(pages)
+            pool.release(pages)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)

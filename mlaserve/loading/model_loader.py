@@ -61,7 +61,7 @@ def load_model(path: str | Path, opts: EngineOptions) -> LoadedModel:
     if path.is_file():
         raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors)")
     raw = read_hf_config(path)
-    model_cfg = ModelConfig.from_hf(raw, source=str(path / "config.json"))
+    model_cfg = ModelConfig.from_hf(raw, source="config.json")
     source = SafetensorsSource(path)
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
     model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl)

@@ -1,0 +1,111 @@
+"""mlaserve generate | inspect."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .sampling_params import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mlaserve", description="Inference engine for MLA models (DeepSeek, GLM, Kimi).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_inspect(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mlaserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a Hugging Face folder (config.json + safetensors); "
+                   "default: the embedded model")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"], help="compute dtype (default: float32 on CPU)")
+    p.add_argument("--attention", default="auto", choices=["auto", "dense", "sparse"],
+                   help="sparse (DSA indexer + top-k) or dense attention; auto = sparse iff the model has an indexer")
+    p.add_argument("--mla-path", default="auto", choices=["auto", "absorbed", "decompressed"],
+                   help="auto: decode -> absorbed MQA, prefill -> decompressed MHA; or force one path for all tokens")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (prefill chunk size)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write each step's attention route as JSON lines")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one or more prompts, streamed to the terminal",
+                       description="Generate a continuation for each PROMPT. Example: mlaserve generate \"Hello\"")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    _engine_args(p)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=_generate)
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="print every derived switch with its value and where it came from")
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
+    _engine_args(p)
+    p.set_defaults(func=_inspect)
+
+
+def _make_llm(args):
+    from .llm import LLM
+
+    print("loading model ...", file=sys.stderr, flush=True)
+    llm = LLM(model=args.model, dtype=args.dtype, attention=args.attention, mla_path=args.mla_path,
+              page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens, trace=args.trace)
+    cfg = llm.config
+    print(f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
+          f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')})",
+          file=sys.stderr, flush=True)
+    return llm
+
+
+def _generate(args) -> int:
+    llm = _make_llm(args)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    for prompt in args.prompts:
+        text = prompt
+        if args.chat:
+            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        _stream(llm, llm.encode(text), params, prompt)
+    return 0
+
+
+def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:
+    engine = llm.engine
+    rid = engine.add_request(ids, params)
+    sys.stdout.write(shown)
+    printed = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+    sys.stdout.write("\n")
+    engine.release(rid)
+
+
+def _inspect(args) -> int:
+    from .provenance import format_table
+
+    args.model = args.model or getattr(args, "model", None)
+    llm = _make_llm(args)
+    print(format_table(llm.config.all_provenance()))
+    if llm.loaded.report.notes:
+        print("\nload report:\n  " + "\n  ".join(llm.loaded.report.notes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""The engine loop: add_request, step() -> outputs, abort. One forward pass per step for the
+whole batch; sampling for every request that needs a token, in one batched call."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .forward_batch import SeqChunk
+from .kv_cache import PagePool
+from .model_runner import ModelRunner
+from .request import CompletionOutput, Request, RequestOutput, Status
+from .sampler import SamplingBatch, gather_logprobs, make_generator, sample
+from .sampling_params import SamplingParams
+from .scheduler import SchedulePlan, Scheduler
+from .tokenizer import Tokenizer
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None) -> None:
+        cfg = runner.cfg
+        self.runner, self.tokenizer, self.cfg = runner, tokenizer, cfg
+        self.pool = PagePool(cfg.num_pages)
+        max_len = cfg.num_pages * cfg.page_size
+        self.scheduler = Scheduler(self.pool, cfg.page_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        eos = list(tokenizer.eos_token_ids) if tokenizer else list(cfg.model.eos_token_ids)
+        self.eos_ids = frozenset(eos)
+        self.max_model_len = min(max_len, cfg.model.max_position_embeddings)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not prompt_ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        vocab = self.cfg.model.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"request {rid}: prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
+        req = Request(rid, list(prompt_ids), params)
+        if params.seed is not None:
+            req.generator = make_generator(params.seed)
+        self.requests[rid] = req
+        if self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer.tok, list(prompt_ids), params.skip_special_tokens,
+                                                      params.stop or (), params.include_stop_str_in_output)
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and req.status is not Status.FINISHED:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            if self.scheduler.has_work():
+                raise RuntimeError("the scheduler could not place any request: the page pool is too small")
+            return []
+        batch, logits = self.runner.execute([c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks])
+        self.scheduler.advance(plan)
+        by_id = {rid: row for row, (rid, _) in enumerate(batch.logits_owner)}
+        sampling = [c.request for c in plan.chunks if c.completes_prompt]
+        if sampling:
+            rows = torch.tensor([by_id[r.request_id] for r in sampling])
+            self._sample(sampling, logits[rows])
+        return [self._output(r) for r in self._touched(plan)]
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
+                                    [r.output_ids for r in reqs], [r.generator for r in reqs],
+                                    logits.shape[-1], eos_token_id=min(self.eos_ids) if self.eos_ids else None)
+        want_lp = any(r.params.logprobs is not None for r in reqs)
+        out = sample(logits, batch, None if want_lp else None)
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            tok = int(out.token_ids[i])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.params.logprobs is not None and out.logprobs is not None:
+                n = req.params.logprobs
+                req.logprobs.append({int(t): float(v) for t, v in zip(out.logprob_token_ids[i][: n + 1],
+                                                                      out.logprobs[i][: n + 1])})
+            self._append(req, tok)
+
+    def _append(self, req: Request, tok: int) -> None:
+        p = req.params
+        stop_ids = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stop_ids |= self.eos_ids
+        if tok in stop_ids and len(req.output_ids) >= p.min_tokens:
+            self._finish(req, "stop")
+            return
+        req.output_ids.append(tok)
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            detok.add([tok])
+            if detok.stopped_by is not None:
+                self._finish(req, "stop")
+                return
+        if p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
+            self._finish(req, "length")
+        elif req.num_tokens >= self.max_model_len:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        detok = self._detok.get(req.request_id)
+        if detok is not None and detok.stopped_by is None:
+            detok.finish()
+        req.finish_time = time.monotonic()
+        self.scheduler.finish(req, reason)
+
+    def _touched(self, plan: SchedulePlan) -> list[Request]:
+        seen, out = set(), []
+        for c in plan.chunks:
+            if c.request.request_id not in seen:
+                seen.add(c.request.request_id)
+                out.append(c.request)
+        return out
+
+    def _output(self, req: Request) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        text = detok.output_text if detok is not None else ""
+        done = req.status is Status.FINISHED
+        comp = CompletionOutput(0, text, list(req.output_ids), req.finish_reason,
+                                list(req.logprobs) if req.params.logprobs is not None else None)
+        return RequestOutput(req.request_id, None, req.prompt_ids, [comp], done, _metrics(req))
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+
+
+def _metrics(req: Request) -> dict:
+    m = {"num_prompt_tokens": len(req.prompt_ids), "num_output_tokens": len(req.output_ids),
+         "num_preemptions": req.num_preemptions, "num_cached_prompt_tokens": req.num_cached_prompt}
+    if req.first_token_time is not None:
+        m["time_to_first_token"] = req.first_token_time - req.arrival
+    if req.finish_time is not None and req.first_token_time is not None and len(req.output_ids) > 1:
+        m["tokens_per_s"] = (len(req.output_ids) - 1) / max(req.finish_time - req.first_token_time, 1e-9)
+    return m
