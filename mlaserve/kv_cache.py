@@ -52,22 +52,30 @@ class PagePool:
 class LatentCache:
     """Per-layer rows [S, kv_lora_rank + qk_rope_head_dim], addressed by slot = page * page_size + offset."""
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 with_indexer: bool = True) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         rows = num_pages * page_size
         self.layers = [torch.zeros(rows, cfg.latent_dim, dtype=dtype) for _ in range(cfg.num_layers)]
-        dsa = cfg.indexer is not None
-        self.index_keys = [torch.zeros(rows, cfg.indexer.head_dim, dtype=dtype) if dsa else None
-                           for _ in range(cfg.num_layers)]
+        full = indexer_layers(cfg) if with_indexer else set()
+        self.index_keys = [torch.zeros(rows, cfg.indexer.head_dim, dtype=dtype) if i in full else None
+                           for i in range(cfg.num_layers)]
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, with_indexer: bool = True) -> int:
         size = torch.empty((), dtype=dtype).element_size()
-        per_layer = cfg.latent_dim + (cfg.indexer.head_dim if cfg.indexer is not None and with_indexer else 0)
-        return per_layer * cfg.num_layers * size
+        index = cfg.indexer.head_dim * len(indexer_layers(cfg)) if with_indexer else 0
+        return (cfg.latent_dim * cfg.num_layers + index) * size
 
     def measured_bytes_per_token(self) -> int:
         total = sum(t.numel() * t.element_size() for t in self.layers)
         total += sum(t.numel() * t.element_size() for t in self.index_keys if t is not None)
         return total // (self.num_pages * self.page_size)
+
+
+def indexer_layers(cfg: ModelConfig) -> set[int]:
+    """Layers that run their own indexer (and so cache indexer keys); "shared" layers reuse one."""
+    if cfg.indexer is None:
+        return set()
+    return {i for i, t in enumerate(cfg.indexer.layer_types) if t == "full"}

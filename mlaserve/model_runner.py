@@ -15,7 +15,7 @@ from .trace import NullTracer, step_record
 class ModelRunner:
     def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer=None) -> None:
         self.model, self.cfg = model, cfg
-        self.cache = LatentCache(cfg.model, cfg.num_pages, cfg.page_size, cfg.dtype)
+        self.cache = LatentCache(cfg.model, cfg.num_pages, cfg.page_size, cfg.dtype, with_indexer=cfg.sparse)
         self.tracer = tracer or NullTracer()
         self.step_count = 0
 
@@ -29,6 +29,6 @@ class ModelRunner:
         self.step_count += 1
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
-            hidden = self.model(batch.input_ids, step, self.cache.layers)
+            hidden = self.model(batch.input_ids, step, self.cache)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits

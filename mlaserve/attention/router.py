@@ -32,7 +32,7 @@ class Segment:
     seq_start: int  # index into batch.seqs
     seq_end: int
     request_ids: tuple[str, ...]
-    implementation: str = IMPLEMENTATION
+    implementation: str = IMPLEMENTATION  # e.g. "torch_ref:sparse_absorbed"
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +43,8 @@ class Segment:
 class AttentionPlan:
     segments: tuple[Segment, ...]
     sparse: bool
-    index_topk: int | None  # effective top-k on sparse layers, None when dense
+    index_topk: int | None  # configured top-k on sparse steps, None when dense
+    effective_topk: int | None  # min(index_topk, longest sequence in the step): rows a query can keep
 
     def counts(self) -> dict[str, int]:
         mqa = sum(s.num_tokens for s in self.segments if s.path == "absorbed")
@@ -53,6 +54,7 @@ class AttentionPlan:
 
     def to_record(self) -> dict:
         return {**self.counts(), "sparse": self.sparse, "index_topk": self.index_topk,
+                "effective_topk": self.effective_topk,
                 "segments": [_segment_record(s) for s in self.segments]}
 
 
@@ -86,5 +88,10 @@ def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: 
             phase=phase, path=path_for(phase, mla_path, sparse), sparse=sparse,
             token_start=seqs[0].query_start, token_end=seqs[-1].query_start + seqs[-1].query_len,
             seq_start=lo, seq_end=hi, request_ids=tuple(s.request_id for s in seqs),
+            implementation=f"{IMPLEMENTATION}:{'sparse_' if sparse else ''}{path_for(phase, mla_path, sparse)}",
         ))
-    return AttentionPlan(segments=tuple(segments), sparse=sparse, index_topk=index_topk if sparse else None)
+    if sparse and index_topk is None:
+        raise ValueError("a sparse route needs index_topk")
+    longest = max((s.seq_len for s in batch.seqs), default=0)
+    return AttentionPlan(segments=tuple(segments), sparse=sparse, index_topk=index_topk if sparse else None,
+                         effective_topk=min(index_topk, longest) if sparse else None)

@@ -57,3 +57,21 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """scores [B, Q, H, L], mask [B, Q, L]; softmax in fp32, back to the compute dtype."""
     scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+
+
+def sparse_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
+                              w_uv: torch.Tensor, seg: SegmentTensors, scale: float, index: torch.Tensor,
+                              valid: torch.Tensor) -> torch.Tensor:
+    """MQA over only the selected rows. index/valid [B, Q, k] (positions on the segment's key axis).
+    Gathers k rows per query instead of scoring all L: the point of DSA at long context."""
+    r = w_uk.shape[-1]
+    b, qn, k = index.shape
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+    q = torch.cat([q_lat, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, r + dr]
+    slots = seg.kv_slots.gather(1, index.view(b, qn * k)).view(b, qn, k)
+    rows = cache[slots]  # [B, Q, k, r + dr]
+    scores = torch.einsum("bqhc,bqkc->bqhk", q, rows) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+    o_lat = torch.einsum("bqhk,bqkr->bqhr", probs, rows[..., :r])
+    return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)

@@ -20,11 +20,15 @@ from torch import nn
 
 from ..attention.metadata import SegmentTensors, build_segment_tensors
 from ..attention.router import AttentionPlan
-from ..attention.torch_ref import absorbed_attention, decompressed_attention
+from ..attention.torch_ref import absorbed_attention, decompressed_attention, sparse_absorbed_attention
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from ..kv_cache import LatentCache
+from .indexer import Indexer, Selection
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
 from .moe import MoE
+
+Selections = tuple[Selection, ...] | None  # one per segment on sparse steps
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class StepContext:
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
         h, d = cfg.num_heads, cfg.hidden_size
@@ -61,6 +65,9 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=bias)
+        # DSA: a "full" layer owns an indexer; a "shared" layer reuses the previous full layer's top-k.
+        full = cfg.indexer is not None and cfg.indexer.layer_types[layer_idx] == "full"
+        self.indexer = Indexer(d, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.indexer) if full else None
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj per head: W_UK [H, dn, r] and W_UV [H, dv, r] (no copies)."""
@@ -75,9 +82,10 @@ class MLAAttention(nn.Module):
             return self.q_b_proj(c_q).unflatten(-1, (self.cfg.num_heads, -1)), c_q
         return self.q_proj(x).unflatten(-1, (self.cfg.num_heads, -1)), None
 
-    def forward(self, x: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor,
+                index_keys: torch.Tensor | None, prev: Selections) -> tuple[torch.Tensor, Selections]:
         cfg = self.cfg
-        q, _ = self.project_q(x)
+        q, c_q = self.project_q(x)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
@@ -85,25 +93,40 @@ class MLAAttention(nn.Module):
         k_pe = rope(k_pe, step.cos, step.sin)
         # Write first: each segment then reads its context *and* this step's rows from the cache.
         cache.index_copy_(0, step.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+        selections = self.select(x, c_q, step, index_keys, prev) if step.plan.sparse else None
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
-        for seg in step.segments:
-            out[seg.out_index] = self.attend(q_nope, q_pe, cache, seg)[seg.q_valid]
-        return self.o_proj(out.flatten(1))
+        for i, seg in enumerate(step.segments):
+            sel = selections[i] if selections is not None else None
+            out[seg.out_index] = self.attend(q_nope, q_pe, cache, seg, sel)[seg.q_valid]
+        return self.o_proj(out.flatten(1)), selections
+
+    def select(self, x: torch.Tensor, c_q: torch.Tensor, step: StepContext, index_keys: torch.Tensor | None,
+               prev: Selections) -> Selections:
+        if self.indexer is None:
+            if prev is None:
+                raise RuntimeError("a shared-indexer layer needs the top-k of a previous full indexer layer")
+            return prev
+        q_idx, k_idx, w = self.indexer.project(x, c_q, step.cos, step.sin)
+        index_keys.index_copy_(0, step.slot_mapping, k_idx.to(index_keys.dtype))
+        return tuple(self.indexer.select(q_idx, w, index_keys, seg, step.plan.index_topk) for seg in step.segments)
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, seg: SegmentTensors,
-               allowed: torch.Tensor | None = None) -> torch.Tensor:
-        cfg = self.cfg
+               sel: Selection | None) -> torch.Tensor:
+        cfg, scale = self.cfg, self.cfg.softmax_scale
         if seg.segment.path == "absorbed":
             w_uk, w_uv = self.w_uk_uv()
-            return absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv, seg, cfg.softmax_scale, allowed)
-        return decompressed_attention(q_nope, q_pe, cache, self.kv_b_proj.weight, seg, cfg.softmax_scale,
+            if sel is not None:
+                return sparse_absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, sel.index, sel.valid)
+            return absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv, seg, scale)
+        allowed = sel.as_mask(seg.mask.shape[-1]) if sel is not None else None
+        return decompressed_attention(q_nope, q_pe, cache, self.kv_b_proj.weight, seg, scale,
                                       cfg.qk_nope_head_dim, allowed)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(cfg)
+        self.self_attn = MLAAttention(cfg, layer_idx)
         if cfg.mlp_layer_types[layer_idx] == "moe":
             self.mlp = MoE(cfg.hidden_size, cfg.moe)
         else:
@@ -111,9 +134,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, rope, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor,
+                index_keys: torch.Tensor | None, prev: Selections) -> tuple[torch.Tensor, Selections]:
+        h, selections = self.self_attn(self.input_layernorm(x), step, rope, cache, index_keys, prev)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), selections
 
 
 class DeepseekModel(nn.Module):
@@ -132,11 +157,12 @@ class MLAForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope)
 
-    def forward(self, input_ids: torch.Tensor, step: StepContext, caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: LatentCache) -> torch.Tensor:
         """-> final hidden states [T, D] (normed)."""
         x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, step, self.rope, cache)
+        selections: Selections = None
+        for i, layer in enumerate(self.model.layers):
+            x, selections = layer(x, step, self.rope, cache.layers[i], cache.index_keys[i], selections)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

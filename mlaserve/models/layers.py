@@ -86,12 +86,16 @@ class RotaryEmbedding(nn.Module):
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, ..., d]; cos/sin [T, d/2] broadcast over the middle dims."""
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return apply_rope(x, cos, sin, self.interleaved)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [T, ..., d]; cos/sin [T, d/2] broadcast over the middle dims."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
