@@ -56,7 +56,9 @@ class EngineConfig:
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
-        return self.provenance + self.model.provenance
+        """Engine switches first; a model field the engine re-decided (index_topk) shows its final value."""
+        mine = {s.name for s in self.provenance}
+        return self.provenance + tuple(s for s in self.model.provenance if s.name not in mine)
 
 
 def resolve(model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool,

@@ -38,6 +38,9 @@ SPECS: dict[str, tuple[str, dict]] = {
                                  index_n_heads=16, index_head_dim=32)),
     "glm_dsa": ("glm_moe_dsa", dict(first_k_dense_replace=1, n_group=1, topk_group=1, rms_norm_eps=1e-5,
                                     index_topk=16, index_n_heads=16, index_head_dim=32)),
+    "glm_dsa_shared": ("glm_moe_dsa", dict(first_k_dense_replace=1, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+                                           index_topk=16, index_n_heads=16, index_head_dim=32,
+                                           indexer_types=["full", "shared", "full"])),
 }
 
 

@@ -27,7 +27,7 @@ def test_prompt_logits_match_transformers(hf_model_dir, kind, mla_path):
     assert diff <= 1e-4 and top1 == 1.0, (kind, mla_path, diff, top1)
 
 
-@pytest.mark.parametrize("name", ["ds3", "ds2lite"])
+@pytest.mark.parametrize("name", ["ds3", "ds2lite", "ds32", "glm5"])
 @pytest.mark.parametrize("mla_path", ["auto", "absorbed", "decompressed"])
 def test_fixture_hf_logits(name, mla_path):
     from safetensors.torch import load_file
