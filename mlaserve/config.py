@@ -150,15 +150,18 @@ class ModelConfig:
         return self.indexer is not None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        return _HFAdapter(raw, source).build()
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json",
+                field_sources: dict[str, str] | None = None) -> "ModelConfig":
+        """field_sources: where each key of `raw` came from when it is not a config.json (GGUF metadata)."""
+        return _HFAdapter(raw, source, field_sources or {}).build()
 
 
 class _HFAdapter:
     """Reads one config.json dict into a ModelConfig, recording where each value came from."""
 
-    def __init__(self, raw: dict[str, Any], source: str) -> None:
+    def __init__(self, raw: dict[str, Any], source: str, field_sources: dict[str, str]) -> None:
         self.raw, self.source, self.log = raw, source, ProvenanceLog()
+        self.field_sources = field_sources
         mt = raw.get("model_type")
         if mt is None:
             raise ConfigError(f"{source}: missing required field 'model_type'")
@@ -169,7 +172,7 @@ class _HFAdapter:
 
     def get(self, key: str, required: bool = False) -> Any:
         if key in self.raw and self.raw[key] is not None or (key in self.raw and key == "q_lora_rank"):
-            return self.log.record(key, self.raw[key], f"{self.source}:{key}")
+            return self.log.record(key, self.raw[key], self.field_sources.get(key, f"{self.source}:{key}"))
         defaults = _DEFAULTS[self.family]
         if required or key not in defaults:
             raise ConfigError(f"{self.source}: missing required field {key!r} for model_type {self.family}")

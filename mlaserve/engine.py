@@ -23,7 +23,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None) -> None:
         cfg = runner.cfg
         self.runner, self.tokenizer, self.cfg = runner, tokenizer, cfg
-        self.pool = PagePool(cfg.num_pages)
+        self.pool = PagePool(cfg.num_pages, cfg.enable_prefix_caching)
         max_len = cfg.num_pages * cfg.page_size
         self.scheduler = Scheduler(self.pool, cfg.page_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
         self.requests: dict[str, Request] = {}

@@ -26,6 +26,7 @@ class SeqChunk:
     block_table: tuple[int, ...]  # pages holding positions [0, context_len + len(token_ids))
     needs_logits: bool = True  # False for a prefill chunk that does not end the prompt
     all_logits: bool = False  # logits at every query position (prompt_logits)
+    num_cached: int = 0  # leading context tokens served from the prefix cache (reported in the ledger)
 
     @property
     def query_len(self) -> int:
@@ -45,6 +46,7 @@ class SeqSlice:
     query_len: int
     context_len: int
     block_table: tuple[int, ...]
+    num_cached: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -82,7 +84,7 @@ class ForwardBatch:
             positions = range(c.context_len, c.seq_len)
             pos.extend(positions)
             slots.extend(c.block_table[p // page_size] * page_size + p % page_size for p in positions)
-            seqs.append(SeqSlice(c.request_id, start, c.query_len, c.context_len, c.block_table))
+            seqs.append(SeqSlice(c.request_id, start, c.query_len, c.context_len, c.block_table, c.num_cached))
             wanted = range(c.query_len) if c.all_logits else ([c.query_len - 1] if c.needs_logits else [])
             lidx.extend(start + i for i in wanted)
             owner.extend((c.request_id, i) for i in wanted)

@@ -9,7 +9,7 @@ Bytes per token = (kv_lora_rank + qk_rope_head_dim) * num_layers * dtype size (+
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -21,32 +21,85 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool:
-    """Free list of page ids with reference counts (a shared prefix page has several owners)."""
+    """Free list of page ids with reference counts, plus the prefix cache.
 
-    def __init__(self, num_pages: int) -> None:
+    A full page's content is named by hash(parent page's hash, its token ids). Released pages that
+    carry such a hash are kept (evictable, least recently used first) so a later request with the
+    same prefix reuses them; they are evicted only when no truly free page is left.
+    """
+
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = False) -> None:
         self.num_pages = num_pages
+        self.prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_pages))
         self.ref = [0] * num_pages
+        self._hash_of: dict[int, int] = {}  # page -> content hash
+        self._page_of: dict[int, int] = {}  # content hash -> page
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, LRU first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} pages, {self.num_free} free")
+        pages = [self._take() for _ in range(n)]
         for p in pages:
             self.ref[p] = 1
         return pages
 
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._evictable.popitem(last=False)
+        del self._page_of[self._hash_of.pop(page)]
+        return page
+
     def release(self, pages: list[int]) -> None:
-        for p in pages:
+        # Reversed: a request's tail pages are evicted before its (more shareable) head pages.
+        for p in reversed(pages):
             if self.ref[p] <= 0:
                 raise RuntimeError(f"page {p} released more often than allocated")
             self.ref[p] -= 1
             if self.ref[p] == 0:
-                self._free.append(p)
+                if p in self._hash_of:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """Pages holding the longest cached run of these page hashes; each gains a reference."""
+        pages = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        for p in pages:
+            self._evictable.pop(p, None)
+            self.ref[p] += 1
+        return pages
+
+    def register(self, page: int, content_hash: int) -> None:
+        """Name a page that just became full; a page already named, or a duplicate, is left alone."""
+        if not self.prefix_caching or page in self._hash_of or content_hash in self._page_of:
+            return
+        self._hash_of[page] = content_hash
+        self._page_of[content_hash] = page
+
+
+def page_hashes(token_ids: list[int], page_size: int, num_full: int) -> list[int]:
+    """Chained content hashes of the first num_full pages."""
+    out, parent = [], 0
+    for i in range(num_full):
+        parent = hash((parent, tuple(token_ids[i * page_size : (i + 1) * page_size])))
+        out.append(parent)
+    return out
 
 
 class LatentCache:

@@ -28,6 +28,7 @@ class Request:
     num_computed: int = 0  # tokens whose latent rows are in the cache
     pages: list[int] = field(default_factory=list)
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on admission
+    num_registered: int = 0  # leading pages already named in the prefix cache
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     first_token_time: float | None = None

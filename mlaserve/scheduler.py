@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .forward_batch import SeqChunk
-from .kv_cache import PagePool
+from .kv_cache import PagePool, page_hashes
 from .request import Request, Status
 
 
@@ -30,7 +30,8 @@ class ScheduledChunk:
         r = self.request
         end = self.start + self.num_tokens
         return SeqChunk(r.request_id, tuple(r.all_ids[self.start : end]), self.start,
-                        tuple(r.pages[: -(-end // page_size)]), needs_logits=self.completes_prompt)
+                        tuple(r.pages[: -(-end // page_size)]), needs_logits=self.completes_prompt,
+                        num_cached=r.num_cached_prompt if self.start == r.num_cached_prompt else 0)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,11 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             req = self.waiting[0]
+            if not req.pages and self.pool.prefix_caching:
+                self._reuse_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):
+                self._drop_pages(req)
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -93,6 +97,28 @@ class Scheduler:
                 return False
         return True
 
+    def _reuse_prefix(self, req: Request) -> None:
+        """Start after the longest cached run of full pages, leaving >= 1 token to compute (for logits)."""
+        ps = self.page_size
+        hashes = page_hashes(req.all_ids, ps, (req.num_tokens - 1) // ps)
+        req.pages = self.pool.lookup(hashes)
+        req.num_computed = len(req.pages) * ps
+        req.num_cached_prompt = req.num_computed
+        req.num_registered = len(req.pages)
+
+    def _drop_pages(self, req: Request) -> None:
+        self.pool.release(req.pages)
+        req.pages, req.num_computed, req.num_registered = [], 0, 0
+
+    def _register_full_pages(self, req: Request) -> None:
+        full = req.num_computed // self.page_size
+        if not self.pool.prefix_caching or full <= req.num_registered:
+            return
+        for page, h in zip(req.pages[req.num_registered : full],
+                           page_hashes(req.all_ids, self.page_size, full)[req.num_registered :]):
+            self.pool.register(page, h)
+        req.num_registered = full
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.page_size) - len(req.pages)
         if need <= 0:
@@ -103,8 +129,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.pool.release(req.pages)
-        req.pages, req.num_computed = [], 0
+        self._drop_pages(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.running.remove(req)
@@ -114,6 +139,7 @@ class Scheduler:
         """The forward pass wrote these tokens' rows into the cache."""
         for c in plan.chunks:
             c.request.num_computed = c.start + c.num_tokens
+            self._register_full_pages(c.request)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
@@ -121,5 +147,4 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self.pool.release(req.pages)
-        req.pages = []
+        self._drop_pages(req)

@@ -32,3 +32,15 @@ def hf_model_dir(tmp_path_factory):
         return cache[kind]
 
     return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny test models are dominated by per-op overhead, where one thread is fastest and immune
+    to another process holding the second core (two threads then slow every op several-fold)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

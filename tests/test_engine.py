@@ -100,3 +100,50 @@ def test_bad_request_is_rejected_with_its_id(hf_model_dir):
         llm.engine.add_request([1, 9999], GREEDY, request_id="bad")
     assert _tokens(llm.generate([PROMPTS[0]], GREEDY))  # the engine still serves
     _assert_pool_clean(llm)
+
+
+def test_prefix_cache_hit_equals_miss(hf_model_dir):
+    folder, _ = hf_model_dir("v3_yarn")
+    shared = random_ids(37, seed=21)
+    prompts = [shared + random_ids(6, seed=s)[1:] for s in (1, 2, 3)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    miss = _tokens(LLM(str(folder), page_size=8, enable_prefix_caching=False).generate(prompts, sp))
+    llm = LLM(str(folder), page_size=8, trace="memory")
+    first = llm.generate([prompts[0]], sp)
+    rest = llm.generate(prompts[1:], sp)
+    assert _tokens(first) + _tokens(rest) == miss
+    assert first[0].metrics["num_cached_prompt_tokens"] == 0
+    assert [o.metrics["num_cached_prompt_tokens"] for o in rest] == [32, 32]  # 4 full pages of the shared 37
+    cached = [r["cached_tokens"] for rec in llm.runner.tracer.records for r in rec["requests"] if r["cached_tokens"]]
+    assert cached == [32, 32]
+    _assert_pool_clean(llm)
+
+
+def test_prefix_cache_survives_eviction_pressure(hf_model_dir):
+    """A pool too small to keep every cached page: evicted pages are recomputed, output unchanged."""
+    folder, _ = hf_model_dir("v3_yarn")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [random_ids(30, seed=s) for s in range(6)] + [random_ids(30, seed=0)]
+    want = _tokens(LLM(str(folder), page_size=4, enable_prefix_caching=False).generate(prompts, sp))
+    llm = LLM(str(folder), page_size=4, num_pages=20, max_num_seqs=2)
+    got = [_tokens(llm.generate([p], sp))[0] for p in prompts]
+    assert got == want
+    _assert_pool_clean(llm)
+
+
+def test_n_samples_and_stop_strings(hf_model_dir):
+    folder, _ = hf_model_dir("v3_yarn")
+    llm = LLM(str(folder))
+    out = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs) == 3 and [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    greedy = _tokens(llm.generate([PROMPTS[1]], GREEDY))[0]
+    stop_id = greedy[3]
+    stopped = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id],
+                                                        ignore_eos=True))[0]
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].token_ids == greedy[: greedy.index(stop_id)]  # the stop token is not emitted
+    if greedy[0] in llm.engine.eos_ids:  # this model's first greedy token is EOS: without ignore_eos it ends there
+        eos_out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        assert eos_out.token_ids == [] and eos_out.finish_reason == "stop"
+    _assert_pool_clean(llm)

@@ -296,6 +296,8 @@ def _check_split(shards: list[GGUFShard]) -> None:
 def open_gguf(path: str | Path) -> GGUFFile:
     """Open a GGUF model; a path to any shard of a split model opens all of its shards."""
     paths = split_paths(path)
+    if not Path(path).is_file():
+        raise GGUFError(f"{path}: no such GGUF file")
     missing = [p for p in paths if not p.is_file()]
     if missing:
         raise GGUFError(f"{path}: split GGUF is missing shard(s): {', '.join(str(p) for p in missing)}")

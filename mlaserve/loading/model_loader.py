@@ -59,12 +59,32 @@ def load_model(path: str | Path, opts: EngineOptions) -> LoadedModel:
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_file():
-        raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors)")
-    raw = read_hf_config(path)
-    model_cfg = ModelConfig.from_hf(raw, source="config.json")
-    source = SafetensorsSource(path)
+        if path.suffix != ".gguf":
+            raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
+        model_cfg, source, tokenizer, skipped = _open_gguf(path)
+    else:
+        model_cfg = ModelConfig.from_hf(read_hf_config(path), source="config.json")
+        source, skipped = SafetensorsSource(path), []
+        tokenizer = Tokenizer.from_folder(path, model_cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
     model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl)
     report = load_weights(model, source, model_cfg)
-    tokenizer = Tokenizer.from_folder(path, model_cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
+    if skipped:
+        report.skipped.extend(skipped)
+        report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     return LoadedModel(model, engine_cfg, tokenizer, report, path)
+
+
+def _open_gguf(path: Path):
+    """GGUF metadata -> config (each field's source is its GGUF key or the llama.cpp default taken),
+    tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*."""
+    from .gguf_checkpoint import load_gguf
+
+    ck = load_gguf(path)
+    sources = {k: src for k, (_, src) in ck.provenance.items()}
+    model_cfg = ModelConfig.from_hf(ck.hf_config, source=path.name, field_sources=sources)
+    tok = ck.tokenizer
+    config = {"chat_template": tok.chat_template} if tok.chat_template else {}
+    eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
+    tokenizer = Tokenizer(ck.build_tokenizer(), config, eos or model_cfg.eos_token_ids)
+    return model_cfg, ck.tensors, tokenizer, list(ck.skipped)
