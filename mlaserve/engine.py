@@ -71,7 +71,8 @@ class Engine:
             return []
         batch, logits = self.runner.execute([c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks])
         self.scheduler.advance(plan)
-        by_id = {rid: row for row, (rid, _) in enumerate(batch.logits_owner)}
+        by_id = {rid: row for row, (rid, _) in enumerate(batch.logits_owner)}  # last row per request
+        self._prompt_logprobs(plan, batch, logits)
         sampling = [c.request for c in plan.chunks if c.completes_prompt]
         if sampling:
             rows = torch.tensor([by_id[r.request_id] for r in sampling])
@@ -82,18 +83,33 @@ class Engine:
         batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
                                     [r.output_ids for r in reqs], [r.generator for r in reqs],
                                     logits.shape[-1], eos_token_id=min(self.eos_ids) if self.eos_ids else None)
-        want_lp = any(r.params.logprobs is not None for r in reqs)
-        out = sample(logits, batch, None if want_lp else None)
+        out = sample(logits, batch)  # logprobs computed iff some row asked (batch.max_num_logprobs)
         now = time.monotonic()
         for i, req in enumerate(reqs):
             tok = int(out.token_ids[i])
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req.params.logprobs is not None and out.logprobs is not None:
-                n = req.params.logprobs
-                req.logprobs.append({int(t): float(v) for t, v in zip(out.logprob_token_ids[i][: n + 1],
-                                                                      out.logprobs[i][: n + 1])})
+            if req.params.logprobs is not None:
+                req.logprobs.append(_logprob_entry(out.logprob_token_ids[i], out.logprobs[i], req.params.logprobs))
             self._append(req, tok)
+
+    def _prompt_logprobs(self, plan: SchedulePlan, batch, logits: torch.Tensor) -> None:
+        """Logprob of each next prompt token (+ top-N) from the all-position logits of prompt chunks."""
+        for c in plan.chunks:
+            req, n = c.request, c.request.params.prompt_logprobs
+            if n is None or c.start >= len(req.prompt_ids):
+                continue
+            rows = [row for row, (rid, _) in enumerate(batch.logits_owner) if rid == req.request_id]
+            positions = range(c.start, c.start + len(rows))
+            keep = [(row, p) for row, p in zip(rows, positions) if p + 1 < len(req.prompt_ids)]
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # the first prompt token has no context
+            if not keep:
+                continue
+            lp = logits[[row for row, _ in keep]].log_softmax(-1)
+            nxt = torch.tensor([req.prompt_ids[p + 1] for _, p in keep])
+            values, ids, _ = gather_logprobs(lp, nxt, n)
+            req.prompt_logprobs.extend(_logprob_entry(ids[j], values[j], n) for j in range(len(keep)))
 
     def _append(self, req: Request, tok: int) -> None:
         p = req.params
@@ -136,11 +152,17 @@ class Engine:
         done = req.status is Status.FINISHED
         comp = CompletionOutput(0, text, list(req.output_ids), req.finish_reason,
                                 list(req.logprobs) if req.params.logprobs is not None else None)
-        return RequestOutput(req.request_id, None, req.prompt_ids, [comp], done, _metrics(req))
+        return RequestOutput(req.request_id, None, req.prompt_ids, [comp], done, _metrics(req),
+                             list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
+
+
+def _logprob_entry(ids: torch.Tensor, values: torch.Tensor, n: int) -> dict[int, float]:
+    """{token id: logprob} for the chosen token (column 0) and the top-n."""
+    return {int(t): float(v) for t, v in zip(ids[: n + 1].tolist(), values[: n + 1].tolist())}
 
 
 def _metrics(req: Request) -> dict:

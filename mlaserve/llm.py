@@ -65,7 +65,8 @@ class LLM:
         comps = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
         for r in rids:
             self.engine.release(r)
-        return RequestOutput(rids[0].split("/")[0], text, outs[0].prompt_token_ids, comps, True, outs[0].metrics)
+        return RequestOutput(rids[0].split("/")[0], text, outs[0].prompt_token_ids, comps, True, outs[0].metrics,
+                             outs[0].prompt_logprobs)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -35,6 +35,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ class ScheduledChunk:
         end = self.start + self.num_tokens
         return SeqChunk(r.request_id, tuple(r.all_ids[self.start : end]), self.start,
                         tuple(r.pages[: -(-end // page_size)]), needs_logits=self.completes_prompt,
+                        all_logits=r.params.prompt_logprobs is not None and self.start < len(r.prompt_ids),
                         num_cached=r.num_cached_prompt if self.start == r.num_cached_prompt else 0)
 
 
@@ -70,7 +71,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             req = self.waiting[0]
-            if not req.pages and self.pool.prefix_caching:
+            # prompt_logprobs need logits at every prompt position, so such requests recompute them all.
+            if not req.pages and self.pool.prefix_caching and req.params.prompt_logprobs is None:
                 self._reuse_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, req.num_computed + n):

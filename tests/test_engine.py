@@ -147,3 +147,21 @@ def test_n_samples_and_stop_strings(hf_model_dir):
         eos_out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
         assert eos_out.token_ids == [] and eos_out.finish_reason == "stop"
     _assert_pool_clean(llm)
+
+
+def test_logprobs_and_prompt_logprobs_match_prompt_logits(hf_model_dir):
+    folder, _ = hf_model_dir("v3_yarn")
+    llm = LLM(str(folder), max_num_batched_tokens=7)
+    prompt = PROMPTS[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3,
+                                                prompt_logprobs=2))[0]
+    comp = out.outputs[0]
+    ref = llm.prompt_logits(prompt + comp.token_ids).log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i, entry in enumerate(out.prompt_logprobs[1:]):
+        assert len(entry) <= 3 and abs(entry[prompt[i + 1]] - ref[i, prompt[i + 1]].item()) < 1e-4
+    for j, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(entry[tok] - row[tok].item()) < 1e-4
+        assert set(entry) >= set(row.topk(3).indices.tolist())
+    _assert_pool_clean(llm)
