@@ -60,12 +60,24 @@ def _make_llm(args):
 
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, attention=args.attention, mla_path=args.mla_path,
-              page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens, trace=args.trace)
+              page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens, trace=args.trace,
+              progress=_progress_bar)
     cfg = llm.config
     print(f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
           f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')})",
           file=sys.stderr, flush=True)
     return llm
+
+
+def _progress_bar(done: int, total: int) -> None:
+    if not sys.stderr.isatty() and done != total:
+        return  # only the final state when stderr is a log file
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
 
 
 def _generate(args) -> int:

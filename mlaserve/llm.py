@@ -22,12 +22,12 @@ Prompt = str | Sequence[int]
 class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, attention: str = "auto",
                  mla_path: str = "auto", page_size: int = 16, max_num_batched_tokens: int = 2048, trace=None,
-                 **options) -> None:
+                 progress=None, **options) -> None:
         from .embedded import default_model_path
 
         opts = EngineOptions(dtype=dtype, attention=attention, mla_path=mla_path, page_size=page_size,
                              max_num_batched_tokens=max_num_batched_tokens, **options)
-        self.loaded = load_model(model or default_model_path(), opts)
+        self.loaded = load_model(model or default_model_path(), opts, progress)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded.model, self.config, make_tracer(trace))

@@ -54,7 +54,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, experts_impl: str = "group
     return model.eval()
 
 
-def load_model(path: str | Path, opts: EngineOptions) -> LoadedModel:
+def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedModel:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -68,7 +68,7 @@ def load_model(path: str | Path, opts: EngineOptions) -> LoadedModel:
         tokenizer = Tokenizer.from_folder(path, model_cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
     model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl)
-    report = load_weights(model, source, model_cfg)
+    report = load_weights(model, source, model_cfg, progress)
     if skipped:
         report.skipped.extend(skipped)
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")

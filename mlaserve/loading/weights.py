@@ -38,8 +38,10 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
 
 
-def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig) -> LoadReport:
+def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progress=None) -> LoadReport:
+    """progress: optional callable(done, total) called as tensors are read (the CLI draws a bar)."""
     report = LoadReport()
+    total, tick = len(source.names()), progress or (lambda done, total: None)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     if cfg.tie_word_embeddings:
         targets.pop("lm_head.weight", None)
@@ -56,8 +58,10 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig) -> Lo
             continue
         _copy(name, source, targets, filled)
         report.loaded += 1
+        tick(report.loaded, total)
     for prefix, parts in experts.items():
         report.loaded += _stack_experts(prefix, parts, source, targets, filled)
+        tick(report.loaded, total)
     missing = sorted(set(targets) - filled)
     if missing:
         raise WeightError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}"
