@@ -9,7 +9,6 @@ import time
 import torch
 
 from .detokenizer import IncrementalDetokenizer
-from .forward_batch import SeqChunk
 from .kv_cache import PagePool
 from .model_runner import ModelRunner
 from .request import CompletionOutput, Request, RequestOutput, Status

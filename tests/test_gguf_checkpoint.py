@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from test_gguf_helpers import (  # noqa: F401 (single_thread is an autouse fixture)
-    fixture_params, gguf_f32, hf_state_dict, need_fixtures, rewrite_gguf, single_thread,
+from test_gguf_helpers import (
+    fixture_params, gguf_f32, hf_state_dict, need_fixtures, rewrite_gguf,
 )
 
 from mlaserve.loading import gguf_checkpoint
-from mlaserve.loading.gguf_checkpoint import ABSENT, GGUFError, derive_hf_config, load_gguf
+from mlaserve.loading.gguf_checkpoint import GGUFError, derive_hf_config, load_gguf
+from mlaserve.loading.gguf_config import ABSENT
 from mlaserve.loading.gguf_file import open_gguf
 
 gguf = pytest.importorskip("gguf")

@@ -24,19 +24,6 @@ MODELS = ("ds3", "ds2lite", "ds32", "glm5")
 TYPES = ("f32", "f16", "q8_0", "q4_k_m", "q4_0")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors: torch's intra-op threads only add overhead, and on a shared 2-core box their
-    spin-waiting makes these tests ~3x slower.  Import this fixture into a test module to use it;
-    the previous thread count is restored after the module."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def need_fixtures() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip("GGUF fixtures not found: expected the folder ../shared/fixtures/ next to the repository")

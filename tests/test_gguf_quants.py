@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_gguf_helpers import fixture_params, single_thread  # noqa: F401 (autouse fixture)
+from test_gguf_helpers import fixture_params
 
 from mlaserve.loading.gguf_file import open_gguf
 from mlaserve.loading.gguf_quants import DEQUANTIZABLE, GGML_TYPES, dequantize

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_gguf_helpers import (  # noqa: F401 (single_thread is an autouse fixture)
-    FIXTURES, fixture_params, gguf_f32, need_fixtures, rewrite_gguf, single_thread,
+from test_gguf_helpers import (
+    FIXTURES, fixture_params, gguf_f32, need_fixtures, rewrite_gguf,
 )
 
 from mlaserve.loading.gguf_checkpoint import load_gguf

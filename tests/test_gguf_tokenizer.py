@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from test_gguf_helpers import (  # noqa: F401 (single_thread is an autouse fixture)
-    fixture_params, need_fixtures, rewrite_gguf, single_thread,
+from test_gguf_helpers import (
+    fixture_params, need_fixtures, rewrite_gguf,
 )
 
 from mlaserve.loading.gguf_checkpoint import GGUFError, GGUFTokenizer, load_gguf

@@ -9,7 +9,6 @@ import shutil
 import warnings
 
 import pytest
-import torch
 from hf_models import hf_logits, random_ids
 from safetensors.torch import load_file, save_file
 

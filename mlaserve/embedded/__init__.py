@@ -7,7 +7,6 @@ random-weight DeepSeek-V3-layout model is built on first use in the user's cache
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
