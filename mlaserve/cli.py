@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_inspect(sub)
+    _add_verify(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -53,6 +54,25 @@ def _add_inspect(sub) -> None:
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
     _engine_args(p)
     p.set_defaults(func=_inspect)
+
+
+def _add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="check the engine's identities on this model (absorbed == decompressed, ...)",
+                       description="Run one prompt through routes that must agree and report the logit differences.")
+    p.add_argument("model", nargs="?", default=None, help="model folder or .gguf (default: the embedded model)")
+    _engine_args(p)
+    p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 4,
+                   help="text to run (default: a short English sentence, repeated)")
+    p.set_defaults(func=_verify)
+
+
+def _verify(args) -> int:
+    from .verify import format_checks, run_checks
+
+    llm = _make_llm(args)
+    checks = run_checks(llm, llm.encode(args.prompt))
+    print(format_checks(checks))
+    return 0 if all(c.passed for c in checks) else 1
 
 
 def _make_llm(args):

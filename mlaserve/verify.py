@@ -1,0 +1,82 @@
+"""`mlaserve verify`: the engine's identities, checked on the user's own model and prompt.
+
+Each check runs the same prompt through two routes that must agree and reports the max |diff|
+of the logits and top-1 agreement:
+  absorbed vs decompressed   every token through MQA vs every token through MHA
+  chunked vs one pass        prefill in chunks of 7 tokens vs one forward
+  decode path vs one pass    the prompt fed one token per step (every step a decode)
+  sparse vs dense            DSA models, prompt within index_topk: the indexer must keep every row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .engine_config import EngineConfig
+from .forward_batch import SeqChunk
+from .llm import LLM
+from .model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    max_abs_diff: float
+    top1_agreement: float
+    tolerance: float | None  # None: informational (reduced precision, where routes round differently)
+
+    @property
+    def passed(self) -> bool:
+        if self.tolerance is None:
+            return True
+        return self.max_abs_diff <= self.tolerance and self.top1_agreement == 1.0
+
+
+def logits_with(llm: LLM, cfg: EngineConfig, ids: list[int]) -> torch.Tensor:
+    """Prompt logits through a fresh runner (own small cache) with the given switches."""
+    cfg = replace(cfg, num_pages=-(-len(ids) // cfg.page_size) + 1)
+    runner = ModelRunner(llm.loaded.model, cfg)
+    table = tuple(range(cfg.num_pages))
+    out, done = [], 0
+    while done < len(ids):
+        chunk = tuple(ids[done : done + cfg.max_num_batched_tokens])
+        out.append(runner.execute([SeqChunk("verify", chunk, done, table, all_logits=True)])[1])
+        done += len(chunk)
+    return torch.cat(out)
+
+
+def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list[Check]:
+    cfg = llm.config
+    # fp32: the routes agree to reassociation noise. bf16: each route rounds at different points and a
+    # rounding can flip an MoE expert choice, so the numbers are reported, not judged.
+    tol = tolerance if tolerance is not None else (1e-4 if cfg.dtype == torch.float32 else None)
+    base = replace(cfg, max_num_batched_tokens=max(len(ids), 1))
+    full = logits_with(llm, base, ids)
+    pairs = [
+        ("absorbed vs decompressed", logits_with(llm, replace(base, mla_path="absorbed"), ids),
+         logits_with(llm, replace(base, mla_path="decompressed"), ids)),
+        ("chunked prefill (7) vs one pass", logits_with(llm, replace(base, max_num_batched_tokens=7), ids), full),
+        ("token-by-token decode vs one pass", logits_with(llm, replace(base, max_num_batched_tokens=1), ids), full),
+    ]
+    if cfg.model.indexer is not None and cfg.index_topk:
+        short = ids[: cfg.index_topk]
+        pairs.append((f"sparse vs dense within index_topk ({len(short)} tokens)",
+                      logits_with(llm, replace(base, sparse=True), short),
+                      logits_with(llm, replace(base, sparse=False), short)))
+    return [_compare(name, a, b, tol) for name, a, b in pairs]
+
+
+def _compare(name: str, a: torch.Tensor, b: torch.Tensor, tol: float | None) -> Check:
+    return Check(name, (a - b).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item(), tol)
+
+
+def format_checks(checks: list[Check]) -> str:
+    w = max(len(c.name) for c in checks)
+    lines = [f"{'check':<{w}}  max|diff|   top-1    result"]
+    for c in checks:
+        verdict = "info (run with --dtype float32 to judge)" if c.tolerance is None else \
+            f"{'ok' if c.passed else 'FAIL'} (tol {c.tolerance:g})"
+        lines.append(f"{c.name:<{w}}  {c.max_abs_diff:9.2e}  {c.top1_agreement:6.1%}   {verdict}")
+    return "\n".join(lines)

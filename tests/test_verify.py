@@ -1,0 +1,48 @@
+"""`mlaserve verify` passes on a correct model and catches a broken route."""
+
+from __future__ import annotations
+
+import torch
+from hf_models import random_ids
+
+from mlaserve import LLM
+from mlaserve.cli import main
+from mlaserve.models.deepseek import MLAAttention
+from mlaserve.verify import run_checks
+
+
+def test_verify_passes_on_dsa_model(hf_model_dir):
+    folder, _ = hf_model_dir("glm_dsa")
+    checks = run_checks(LLM(str(folder)), random_ids(40))
+    assert [c.passed for c in checks] == [True] * 4
+    assert "sparse vs dense" in checks[-1].name
+
+
+def test_verify_catches_a_broken_absorbed_path(hf_model_dir, monkeypatch):
+    folder, _ = hf_model_dir("v3_yarn")
+    llm = LLM(str(folder))
+    original = MLAAttention.w_uk_uv
+
+    def wrong_w_uk(self):  # a W_UK from the wrong head: the bug class a mis-split kv_b produces
+        w_uk, w_uv = original(self)
+        return torch.roll(w_uk, 1, dims=0), w_uv
+
+    monkeypatch.setattr(MLAAttention, "w_uk_uv", wrong_w_uk)
+    checks = {c.name: c for c in run_checks(llm, random_ids(24))}
+    assert not checks["absorbed vs decompressed"].passed
+    assert not checks["token-by-token decode vs one pass"].passed
+
+
+def test_verify_cli_exit_code(hf_model_dir, capsys):
+    folder, _ = hf_model_dir("v2_noq")
+    assert main(["verify", str(folder), "--prompt", "ab"]) == 2  # this folder has no tokenizer: clear error
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_verify_cli_on_gguf_fixture(capsys):
+    from conftest import fixture_dir
+
+    path = fixture_dir("ds32") / "model-q8_0.gguf"
+    assert main(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok ") == 4 and "FAIL" not in out
