@@ -45,6 +45,9 @@ class AttentionPlan:
     sparse: bool
     index_topk: int | None  # configured top-k on sparse steps, None when dense
     effective_topk: int | None  # min(index_topk, longest sequence in the step): rows a query can keep
+    # False when every sequence fits in index_topk: the top-k would keep every causal row, so the
+    # indexer only writes its keys and attention runs over all rows (identical result, no scoring).
+    needs_selection: bool = False
 
     def counts(self) -> dict[str, int]:
         mqa = sum(s.num_tokens for s in self.segments if s.path == "absorbed")
@@ -54,7 +57,7 @@ class AttentionPlan:
 
     def to_record(self) -> dict:
         return {**self.counts(), "sparse": self.sparse, "index_topk": self.index_topk,
-                "effective_topk": self.effective_topk,
+                "effective_topk": self.effective_topk, "needs_selection": self.needs_selection,
                 "segments": [_segment_record(s) for s in self.segments]}
 
 
@@ -77,6 +80,10 @@ def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: 
     """Split the batch into at most two segments (decode, prefill) and name each one's path."""
     if mla_path not in MLA_PATHS:
         raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
+    if sparse and index_topk is None:
+        raise ValueError("a sparse route needs index_topk")
+    longest = max((s.seq_len for s in batch.seqs), default=0)
+    select = sparse and longest > index_topk
     n_dec = batch.num_decode_seqs
     bounds = [("decode", 0, n_dec), ("prefill", n_dec, len(batch.seqs))]
     segments = []
@@ -88,10 +95,13 @@ def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: 
             phase=phase, path=path_for(phase, mla_path, sparse), sparse=sparse,
             token_start=seqs[0].query_start, token_end=seqs[-1].query_start + seqs[-1].query_len,
             seq_start=lo, seq_end=hi, request_ids=tuple(s.request_id for s in seqs),
-            implementation=f"{IMPLEMENTATION}:{'sparse_' if sparse else ''}{path_for(phase, mla_path, sparse)}",
+            implementation=_implementation(path_for(phase, mla_path, sparse), sparse, select),
         ))
-    if sparse and index_topk is None:
-        raise ValueError("a sparse route needs index_topk")
-    longest = max((s.seq_len for s in batch.seqs), default=0)
     return AttentionPlan(segments=tuple(segments), sparse=sparse, index_topk=index_topk if sparse else None,
-                         effective_topk=min(index_topk, longest) if sparse else None)
+                         effective_topk=min(index_topk, longest) if sparse else None, needs_selection=select)
+
+
+def _implementation(path: str, sparse: bool, select: bool) -> str:
+    if not sparse:
+        return f"{IMPLEMENTATION}:{path}"
+    return f"{IMPLEMENTATION}:sparse_{path}" + ("" if select else "(all rows within index_topk)")

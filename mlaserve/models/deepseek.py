@@ -93,7 +93,9 @@ class MLAAttention(nn.Module):
         k_pe = rope(k_pe, step.cos, step.sin)
         # Write first: each segment then reads its context *and* this step's rows from the cache.
         cache.index_copy_(0, step.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
-        selections = self.select(x, c_q, step, index_keys, prev) if step.plan.sparse else None
+        selections = None
+        if step.plan.sparse:
+            selections = self.select(x, c_q, step, index_keys, prev)
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
         for i, seg in enumerate(step.segments):
             sel = selections[i] if selections is not None else None
@@ -103,11 +105,13 @@ class MLAAttention(nn.Module):
     def select(self, x: torch.Tensor, c_q: torch.Tensor, step: StepContext, index_keys: torch.Tensor | None,
                prev: Selections) -> Selections:
         if self.indexer is None:
-            if prev is None:
+            if prev is None and step.plan.needs_selection:
                 raise RuntimeError("a shared-indexer layer needs the top-k of a previous full indexer layer")
             return prev
         q_idx, k_idx, w = self.indexer.project(x, c_q, step.cos, step.sin)
         index_keys.index_copy_(0, step.slot_mapping, k_idx.to(index_keys.dtype))
+        if not step.plan.needs_selection:
+            return None  # keys written for later steps; this step keeps every row anyway
         return tuple(self.indexer.select(q_idx, w, index_keys, seg, step.plan.index_topk) for seg in step.segments)
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, seg: SegmentTensors,
