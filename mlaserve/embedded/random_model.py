@@ -53,7 +53,7 @@ def write_random_model(folder: Path, config: dict | None = None, seed: int = 0) 
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else p.shape[-1] ** -0.5))
-            elif "norm" in name:
+            elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
