@@ -25,7 +25,7 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     r = w_uk.shape[-1]
     q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
     q = torch.cat([q_lat, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, r + dr]
-    rows = cache[seg.kv_slots]  # [B, L, r + dr]
+    rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     # One product covers the latent and the rope part, because the row is [c_kv | k_pe].
     scores = torch.einsum("bqhc,blc->bqhl", q, rows) * scale
     probs = _softmax(scores, _mask(seg, allowed))
@@ -39,7 +39,7 @@ def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torc
     """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]."""
     r = kv_b.shape[1]
     h = q_nope.shape[1]
-    rows = cache[seg.kv_slots]  # [B, L, r + dr]
+    rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     kv = torch.nn.functional.linear(rows[..., :r], kv_b).unflatten(-1, (h, -1))  # [B, L, H, dn + dv]
     k_nope, v = kv[..., :dn], kv[..., dn:]
     q_nope_b, q_pe_b = q_nope[seg.q_index], q_pe[seg.q_index]  # [B, Q, H, *]
@@ -47,6 +47,12 @@ def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torc
     scores = scores + torch.einsum("bqhd,bld->bqhl", q_pe_b, rows[..., r:])
     probs = _softmax(scores * scale, _mask(seg, allowed))
     return torch.einsum("bqhl,blhv->bqhv", probs, v)
+
+
+def gather_rows(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """table[slots] for a 2-D table: index_select on the flattened slots is several times faster on
+    CPU than advanced indexing with a multi-dimensional index (the step's largest copy at long context)."""
+    return torch.index_select(table, 0, slots.reshape(-1)).view(*slots.shape, table.shape[-1])
 
 
 def _mask(seg: SegmentTensors, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +75,7 @@ def sparse_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: t
     q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
     q = torch.cat([q_lat, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, r + dr]
     slots = seg.kv_slots.gather(1, index.view(b, qn * k)).view(b, qn, k)
-    rows = cache[slots]  # [B, Q, k, r + dr]
+    rows = gather_rows(cache, slots)  # [B, Q, k, r + dr]
     scores = torch.einsum("bqhc,bqkc->bqhk", q, rows) * scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)

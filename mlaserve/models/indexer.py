@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..attention.metadata import SegmentTensors
+from ..attention.torch_ref import gather_rows
 from ..config import IndexerConfig
 from .layers import apply_rope
 
@@ -60,7 +61,7 @@ class Indexer(nn.Module):
                topk: int) -> Selection:
         """keys: this layer's indexer key cache [S, Di]. Scores every key of the segment, keeps top-k."""
         qb = q[seg.q_index].float()  # [B, Q, Hi, Di]
-        kb = keys[seg.kv_slots].float()  # [B, L, Di]
+        kb = gather_rows(keys, seg.kv_slots).float()  # [B, L, Di]
         per_head = torch.relu(torch.einsum("bqhd,bld->bqhl", qb, kb) * self.cfg.head_dim ** -0.5)
         scores = torch.einsum("bqh,bqhl->bql", w[seg.q_index], per_head)
         scores = scores.masked_fill(~seg.mask, float("-inf"))
