@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_inspect(sub)
     _add_verify(sub)
+    _add_convert(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -73,6 +74,33 @@ def _verify(args) -> int:
     checks = run_checks(llm, llm.encode(args.prompt))
     print(format_checks(checks))
     return 0 if all(c.passed for c in checks) else 1
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="write a Hugging Face MLA checkpoint as a GGUF file llama.cpp loads",
+                       description="Convert HF_DIR (config.json, *.safetensors, tokenizer.json) to OUT.gguf in "
+                                   "llama.cpp's MLA layout (what its convert_hf_to_gguf.py writes).")
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("out", metavar="OUT.gguf")
+    p.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="type of the weight matrices (default f16); norms, biases and routers stay f32")
+    p.add_argument("--name", default=None, help="general.name (default: from the folder name)")
+    p.add_argument("--pre-tokenizer", default=None, metavar="NAME",
+                   help="tokenizer.ggml.pre when it is not recognized (e.g. deepseek-v3, glm4, gpt-2)")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args) -> int:
+    from .loading.gguf_checkpoint import load_gguf
+    from .loading.gguf_convert import convert_hf_to_gguf
+
+    report = convert_hf_to_gguf(args.hf_dir, args.out, args.outtype, name=args.name, pre_tokenizer=args.pre_tokenizer)
+    counts = ", ".join(f"{n} {t}" for t, n in sorted(report.type_counts().items()))
+    print(f"wrote {report.path} ({report.arch}, {len(report.tensors)} tensors: {counts})")
+    for note in report.notes:
+        print(f"  note: {note}")
+    load_gguf(report.path).close()  # our reader maps it back onto the config (k_b/v_b orientation checked)
+    return 0
 
 
 def _make_llm(args):

@@ -1,0 +1,751 @@
+"""Hugging Face MLA checkpoint folder -> GGUF file in llama.cpp's layout, as its own
+``convert_hf_to_gguf.py`` writes it (so llama.cpp loads it, and so does `load_gguf`).  For the
+shared fixtures the files are byte-identical to llama.cpp's (same keys in the same order, same
+tensors, types, order and bytes).
+
+Notation (per layer): H heads, L = kv_lora_rank, n = qk_nope_head_dim, r = qk_rope_head_dim,
+v = v_head_dim, E routed experts, I = moe_intermediate_size, D = hidden_size.  Shapes are torch
+order (outermost first; GGUF's ne is the reverse).
+
+Architecture: deepseek_v2 / deepseek_v3 / kimi_k2 / glm4_moe_lite -> ``deepseek2`` (llama.cpp maps
+Glm4MoeLiteForCausalLM there too), deepseek_v32 -> ``deepseek32``, glm_moe_dsa -> ``glm-dsa``.
+
+Tensors (HF name under model.layers.N. -> blk.N.):
+    kv_b_proj [H*(n+v), L]  -> attn_k_b [H, L, n] (each head's k rows, transposed) + attn_v_b [H, v, L]
+    mlp.experts.e.{gate,up,down}_proj -> ffn_{gate,up,down}_exps [E, I, D] / [E, D, I] (stacked)
+    mlp.gate.weight -> ffn_gate_inp, mlp.gate.e_score_correction_bias -> exp_probs_b.bias, and
+    the 1:1 renames in _LAYER.  MTP/nextn layers (N >= num_hidden_layers) are written for
+    deepseek32 / glm-dsa (and glm4_moe_lite with nextn layers) and dropped for deepseek2, as
+    llama.cpp does; block_count counts them.
+
+Tensor types (llama.cpp's converter, ModelBase.prepare_tensors):
+    F32 always: 1-D tensors, ``*_norm.weight``, names not ending in ``.weight``
+        (exp_probs_b.bias, indexer.k_norm.bias), the router ffn_gate_inp, indexer.proj
+    otherwise the outtype, except that Q8_0 falls back to F16 for rows that are not whole
+        32-blocks (e.g. attn_q_b with q_lora_rank 48).
+Values: every source tensor is read as float32 first (bf16/f16 exactly; FP8 with
+``weight_scale_inv`` block scales is dequantized), then rounded once to the target type.
+
+Deliberate differences from llama.cpp's converter (none shows for the fixtures; each makes
+llama.cpp, and our loader, compute what transformers computes for that config):
+  * expert_gating_func is written for sigmoid-gated families even when config.json has no
+    ``scoring_func`` (llama.cpp's converter then writes nothing and llama.cpp assumes softmax);
+  * expert_weights_norm is not written for deepseek_v2 (transformers' V2 router ignores
+    norm_topk_prob);
+  * a deepseek_v3 / glm4_moe_lite config with ``rope_interleave: false`` gets its rope rows
+    (q_b_proj/q_proj per head, kv_a_proj_with_mqa) permuted to the interleaved order llama.cpp's
+    deepseek2 graph uses (q.k is unchanged by a common permutation).
+Where we decide differently (same result for the fixtures):
+  * the BPE pre-tokenizer: llama.cpp's hash table (its MLA-family entries) *and* a structural
+    rule (a plain GPT-2 ByteLevel pre-tokenizer -> ``gpt-2``; llama.cpp's converter needed an
+    outside hash mapping for the fixtures), or the caller's name;
+  * add_bos_token follows what tokenizer.json's post-processor does (a leading special token
+    means True, and is the BOS when tokenizer_config.json names none) before
+    tokenizer_config.json's flag -- this is what llama.cpp's files for the DeepSeek and GLM
+    fixtures hold (GLM: bos = [gMASK], add_bos_token = true);
+  * added tokens are not re-normalized through the tokenizer (llama.cpp encodes/decodes
+    non-normalized added tokens; the same for byte-level BPE specials);
+  * descriptive ``general.*`` keys: general.name (llama.cpp's title-casing of the folder name)
+    and general.size_label only; llama.cpp may add more from a model card (license, basename, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import ModelConfig
+from .gguf_quants import GGML_TYPES
+from .gguf_writer import (BF16, BOOL, F16, F32, INT32, Q8_0, STRING, GGUFWriter, MetaValue, array, boolean,
+                          can_quantize, f32, string, u32)
+from .safetensors_source import SafetensorsSource
+
+__all__ = ["ConvertError", "ConvertReport", "OUTTYPES", "convert_hf_to_gguf", "size_label", "tensor_type"]
+
+OUTTYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0}
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}   # llama_ftype: ALL_F32, MOSTLY_F16, ...
+GGML_QUANT_VERSION = 2
+ARCH_OF_FAMILY = {"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe_lite": "deepseek2",
+                  "deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa"}
+GLM_FAMILIES = ("glm4_moe_lite", "glm_moe_dsa")
+SIGMOID, SOFTMAX = 2, 1                                     # llama.cpp expert_gating_func values
+CHUNK_VALUES = 1 << 22                                      # floats per chunk handed to the writer
+
+
+class ConvertError(ValueError):
+    """A checkpoint folder we cannot convert; the message names the file, key or tensor."""
+
+
+@dataclass
+class ConvertReport:
+    path: Path
+    arch: str
+    outtype: str
+    tensors: dict[str, str] = field(default_factory=dict)      # GGUF name -> ggml type name
+    skipped: list[str] = field(default_factory=list)           # HF tensors not written (MTP of deepseek2)
+    notes: list[str] = field(default_factory=list)
+
+    def type_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t] = out.get(t, 0) + 1
+        return out
+
+
+def _read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise ConvertError(f"{path}: not found")
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+
+
+# =============================================================================================
+# model metadata
+
+@dataclass(frozen=True)
+class _Model:
+    """What the metadata and tensor steps need to know about the checkpoint."""
+
+    folder: Path
+    raw: dict[str, Any]        # config.json as written
+    cfg: ModelConfig           # the engine's reading of it (class defaults filled in)
+    family: str
+    arch: str
+    n_blocks: int              # block_count: main layers (+ MTP layers where they are kept)
+
+    def setting(self, name: str) -> Any:
+        """The value the config reading used (config.json, else the class default)."""
+        return next((s.value for s in self.cfg.provenance if s.name == name), None)
+
+
+def _open_model(folder: Path) -> _Model:
+    raw = _read_json(folder / "config.json")
+    cfg = ModelConfig.from_hf(raw, source=str(folder / "config.json"))
+    family = cfg.model_type
+    if cfg.moe is None:
+        raise ConvertError(f"{folder}/config.json: no n_routed_experts -- dense MLA models are not supported")
+    n = cfg.num_layers
+    keep_mtp = family in ("deepseek_v32", "glm_moe_dsa") or (family == "glm4_moe_lite" and cfg.num_nextn_predict_layers)
+    n_blocks = n + cfg.num_nextn_predict_layers if keep_mtp else n
+    return _Model(folder, raw, cfg, family, ARCH_OF_FAMILY[family], n_blocks)
+
+
+def _leading_dense(cfg: ModelConfig) -> int:
+    types = list(cfg.mlp_layer_types)
+    k = types.index("moe") if "moe" in types else len(types)
+    if "dense" in types[k:]:  # llama.cpp describes the layout by one count of leading dense layers
+        raise ConvertError(f"mlp layer types {types}: dense layers after a MoE layer cannot be stored in GGUF")
+    return k
+
+
+def _rope_params(raw: dict) -> dict:
+    """rope_parameters (or legacy rope_scaling) as llama.cpp's converter reads them."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if "rope_type" not in params and "type" in params:
+        params["rope_type"] = params["type"]
+    return params
+
+
+def _rope_keys(m: _Model) -> list[tuple[str, MetaValue]]:
+    a, p, rope = m.arch, _rope_params(m.raw), m.cfg.rope
+    out: list[tuple[str, MetaValue]] = []
+    if p.get("rope_type") == "yarn" and p.get("factor") is not None:
+        out += [(f"{a}.rope.scaling.type", string("yarn")), (f"{a}.rope.scaling.factor", f32(p["factor"])),
+                (f"{a}.rope.scaling.original_context_length", u32(p["original_max_position_embeddings"]))]
+        optional = [("extrapolation_factor", "yarn_ext_factor"), ("attention_factor", "yarn_attn_factor"),
+                    ("attn_factor", "yarn_attn_factor"), ("beta_fast", "yarn_beta_fast"),
+                    ("beta_slow", "yarn_beta_slow")]
+        for hf, key in optional:
+            if p.get(hf) is not None and f"{a}.rope.scaling.{key}" not in dict(out):
+                out.append((f"{a}.rope.scaling.{key}", f32(p[hf])))
+    out.append((f"{a}.rope.freq_base", f32(rope.theta)))
+    return out
+
+
+def _gating(m: _Model) -> list[tuple[str, MetaValue]]:
+    scoring_keys = ("score_function", "scoring_func", "score_func", "moe_router_activation",
+                    "moe_router_activation_func")
+    given = next((m.raw[k] for k in scoring_keys if m.raw.get(k) is not None), None)
+    func = m.cfg.moe.scoring_func  # what transformers computes for this family
+    if given is not None and given not in ("softmax", "sigmoid"):
+        raise ConvertError(f"{m.folder}/config.json: unsupported expert scoring function {given!r}")
+    if given is None and func == "softmax":
+        return []  # llama.cpp's converter writes nothing; llama.cpp's default is softmax
+    return [(f"{m.arch}.expert_gating_func", u32(SIGMOID if func == "sigmoid" else SOFTMAX))]
+
+
+def _moe_keys(m: _Model) -> list[tuple[str, MetaValue]]:
+    a, moe = m.arch, m.cfg.moe
+    out = [(f"{a}.expert_count", u32(moe.n_routed_experts)), (f"{a}.expert_used_count", u32(moe.num_experts_per_tok))]
+    for name, key in (("n_group", "expert_group_count"), ("topk_group", "expert_group_used_count")):
+        if m.setting(name) is not None:
+            out.append((f"{a}.{key}", u32(m.setting(name))))
+    return out + _gating(m)
+
+
+def _mla_keys(m: _Model) -> list[tuple[str, MetaValue]]:
+    a, c = m.arch, m.cfg
+    out = [(f"{a}.leading_dense_block_count", u32(_leading_dense(c))), (f"{a}.vocab_size", u32(c.vocab_size))]
+    if c.q_lora_rank is not None:  # V2-Lite style plain q_proj: no key, as llama.cpp
+        out.append((f"{a}.attention.q_lora_rank", u32(c.q_lora_rank)))
+    out += [(f"{a}.attention.kv_lora_rank", u32(c.kv_lora_rank)),
+            (f"{a}.attention.key_length_mla", u32(c.qk_nope_head_dim + c.qk_rope_head_dim)),
+            (f"{a}.attention.value_length_mla", u32(c.v_head_dim)),
+            (f"{a}.expert_feed_forward_length", u32(c.moe.moe_intermediate_size)),
+            (f"{a}.expert_shared_count", u32(c.moe.n_shared_experts)),
+            (f"{a}.expert_weights_scale", f32(c.moe.routed_scaling_factor))]
+    if c.moe.norm_topk_prob:
+        out.append((f"{a}.expert_weights_norm", boolean(True)))
+    rope_dim = c.qk_rope_head_dim
+    if m.family == "glm_moe_dsa":  # GLM's converter scales by partial_rotary_factor (1.0 for GLM-5)
+        rope_dim = int(rope_dim * _rope_params(m.raw).get("partial_rotary_factor", 1.0))
+    out.append((f"{a}.rope.dimension_count", u32(rope_dim)))
+    mscale_all_dim = _rope_params(m.raw).get("mscale_all_dim")
+    if mscale_all_dim is not None:
+        # llama.cpp's legacy encoding [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]: 0.1 * mscale_all_dim, and
+        # its loader divides by 0.1 again
+        out.append((f"{a}.rope.scaling.yarn_log_multiplier", f32(0.1 * mscale_all_dim)))
+    return out
+
+
+def _nextn_indexer_keys(m: _Model) -> list[tuple[str, MetaValue]]:
+    a, out = m.arch, []
+    keep_nextn = m.arch in ("deepseek32", "glm-dsa") and "num_nextn_predict_layers" in m.raw
+    if keep_nextn or (m.family == "glm4_moe_lite" and m.n_blocks > m.cfg.num_layers):
+        out.append((f"{a}.nextn_predict_layers", u32(m.cfg.num_nextn_predict_layers)))
+    ix = m.cfg.indexer
+    if ix is not None:
+        out += [(f"{a}.attention.indexer.head_count", u32(ix.n_heads)),
+                (f"{a}.attention.indexer.key_length", u32(ix.head_dim)),
+                (f"{a}.attention.indexer.top_k", u32(ix.topk))]
+        if m.arch == "glm-dsa":  # transformers always has indexer_types for GLM-DSA, so llama.cpp writes them
+            types = list(ix.layer_types) + ["full"] * (m.n_blocks - len(ix.layer_types))
+            out.append((f"{a}.attention.indexer.types", array([t == "full" for t in types[:m.n_blocks]], BOOL)))
+    return out
+
+
+def _model_keys(m: _Model, outtype: str, name: str, label: str | None) -> list[tuple[str, MetaValue]]:
+    a, c = m.arch, m.cfg
+    out = [("general.architecture", string(a)), ("general.type", string("model")), ("general.name", string(name))]
+    if label:
+        out.append(("general.size_label", string(label)))
+    out += [(f"{a}.block_count", u32(m.n_blocks)), (f"{a}.context_length", u32(c.max_position_embeddings)),
+           (f"{a}.embedding_length", u32(c.hidden_size)), (f"{a}.feed_forward_length", u32(c.intermediate_size)),
+           (f"{a}.attention.head_count", u32(c.num_heads)),
+           (f"{a}.attention.head_count_kv", u32(1))]  # MLA is run as MQA over the latent cache
+    out += _rope_keys(m)
+    out.append((f"{a}.attention.layer_norm_rms_epsilon", f32(c.rms_norm_eps)))
+    out += _moe_keys(m)
+    # the cached "key" is [latent | rope] and the "value" the latent; real head sizes in *_mla
+    out += [(f"{a}.attention.key_length", u32(c.kv_lora_rank + c.qk_rope_head_dim)),
+            (f"{a}.attention.value_length", u32(c.kv_lora_rank)),
+            ("general.file_type", u32(FILE_TYPES[outtype]))]
+    out += _mla_keys(m) + _nextn_indexer_keys(m)
+    out.append(("general.quantization_version", u32(GGML_QUANT_VERSION)))
+    return out
+
+
+def title_name(folder_name: str) -> str:
+    """general.name as llama.cpp derives it from a folder name when there is no model card:
+    words (split at '-' and spaces) that are all lower case are title-cased, except version-like
+    ones ("ds2lite" -> "Ds2Lite", "deepseek-v3" -> "Deepseek v3")."""
+    words = folder_name.strip().replace("-", " ").split()
+    return " ".join(w.title() if w.islower() and not re.match(r"^(v\d+(?:\.\d+)*|\d.*)$", w) else w for w in words)
+
+
+def _rounded_count(n: int) -> str:
+    """gguf-py's model_weight_count_rounded_notation with min_digits=2 (935_123 -> "935K")."""
+    scale, suffix = next(((s, x) for limit, s, x in ((1e12, 1e-12, "T"), (1e9, 1e-9, "B"), (1e6, 1e-6, "M"))
+                          if n > limit), (1e-3, "K"))
+    value = n * scale
+    digits = max(2 - len(str(round(value)).lstrip("0")), 0)
+    return f"{value:.{digits}f}{suffix}"
+
+
+def size_label(shapes: dict[str, tuple[int, ...]]) -> str:
+    """general.size_label as gguf-py computes it: "<E>x<params on one expert path>" for MoE
+    models, where a path counts every non-expert tensor plus one expert of each stack."""
+    shared = per_expert = expert_sum = stacks = 0
+    for name, shape in shapes.items():
+        size = math.prod(shape)
+        if "_exps." in name and len(shape) >= 3:
+            n = shape[-2] if ".bias" in name else shape[0]
+            per_expert, expert_sum, stacks = per_expert + size // n, expert_sum + n, stacks + 1
+        else:
+            shared += size
+    pretty = _rounded_count(shared + per_expert)
+    return f"{expert_sum // stacks}x{pretty}" if stacks else pretty
+
+
+# =============================================================================================
+# tokenizer metadata (tokenizer.json byte-level BPE -> tokenizer.ggml.*)
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+# llama.cpp identifies a BPE pre-tokenizer by sha256(str(token ids of this text)) with the
+# checkpoint's own tokenizer (convert_hf_to_gguf.py, get_vocab_base_pre); the text is data.
+CHKTXT = ('\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) '
+          '✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ '
+          '------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, '
+          '\'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL')
+KNOWN_PRE_HASHES = {  # the MLA families' entries of llama.cpp's table (+ GPT-2 itself)
+    "877081d19cf6996e2c4ff0e1236341e9b7bde288f5311a56a937f0afbbb3aeb5": "deepseek-v3",
+    "049ecf7629871e3041641907f3de7c733e4dbfdc736f57d882ba0b0845599754": "deepseek-llm",
+    "347715f544604f9118bb75ed199f68779f423cabb20db6de6f31b908d04d7821": "deepseek-coder",
+    "9ca2dd618e8afaf09731a7cf6e2105b373ba6a1821559f258b272fe83e6eb902": "glm4",   # GLM-4.5
+    "cdf5f35325780597efd76153d4d1c16778f766173908894c04afc20108536267": "glm4",   # GLM-4.7-Flash
+    "a1336059768a55c99a734006ffb02203cd450fed003e9a71886c88acf24fdbc2": "glm4",
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
+}
+_SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+                 "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id",
+                 "eot": "eot_token_id", "eom": "eom_token_id"}  # sic: llama.cpp spells "seperator"
+_GLM_SPECIALS = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
+
+
+def _looks_special(tok: str) -> bool:
+    """llama.cpp's does_token_look_special: added tokens that should be CONTROL although not
+    flagged special."""
+    return (tok in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (tok.startswith("<|") and tok.endswith("|>"))
+            or (tok.startswith("<｜") and tok.endswith("｜>")) or (tok.startswith("<unused") and tok.endswith(">")))
+
+
+def _token_list(tj: dict, vocab_size: int, path: Path) -> tuple[list[str], list[int]]:
+    """Tokens 0..vocab_size-1 with llama.cpp token types; ids the tokenizer lacks are [PAD<i>]."""
+    by_id = {i: (t, None) for t, i in tj["model"]["vocab"].items()}
+    for a in tj.get("added_tokens", []):
+        by_id[a["id"]] = (a["content"], a)
+    if by_id and max(by_id) >= vocab_size:
+        raise ConvertError(f"{path}: token id {max(by_id)} >= config vocab_size {vocab_size}")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tok, added = by_id.get(i, (None, None))
+        if tok is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TOKEN_UNUSED)
+        elif added is None:
+            tokens.append(tok)
+            types.append(TOKEN_NORMAL)
+        elif added.get("special") or _looks_special(tok):
+            tokens.append(tok)
+            types.append(TOKEN_CONTROL)
+        else:  # user-defined tokens are stored pre-normalized (SentencePiece space -> " ")
+            tokens.append(tok.replace("\u2581", " "))
+            types.append(TOKEN_USER_DEFINED)
+    return tokens, types
+
+
+def _merges(tj: dict, path: Path) -> list[str]:
+    merges = tj["model"].get("merges") or []
+    out = []
+    for mrg in merges:
+        if isinstance(mrg, str):
+            out.append(mrg)
+        elif isinstance(mrg, list) and len(mrg) == 2:
+            # pair form (transformers >= 4.45): a space inside a part is stored as U+0120, as gguf-py does
+            out.append(" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in mrg))
+        else:
+            raise ConvertError(f"{path}: unknown BPE merge format {mrg!r}")
+    return out
+
+
+def _is_gpt2_pre(tj: dict) -> bool:
+    pre = tj.get("pre_tokenizer") or {}
+    return (tj.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space", False))
+
+
+def pre_tokenizer_name(tokenizer_json: Path) -> str:
+    """tokenizer.ggml.pre for a tokenizer.json: by llama.cpp's hash, else structurally."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tokenizer_json)).encode(CHKTXT).ids
+    chkhsh = hashlib.sha256(str(ids).encode()).hexdigest()
+    if chkhsh in KNOWN_PRE_HASHES:
+        return KNOWN_PRE_HASHES[chkhsh]
+    if _is_gpt2_pre(_read_json(tokenizer_json)):
+        return "gpt-2"
+    raise ConvertError(f"{tokenizer_json}: BPE pre-tokenizer not recognized (llama.cpp hash {chkhsh}); "
+                       "name it explicitly (--pre-tokenizer, e.g. deepseek-v3, glm4, gpt-2)")
+
+
+def _content(entry: Any) -> str | None:
+    if isinstance(entry, dict):
+        entry = entry.get("content")
+    return entry if isinstance(entry, str) else None
+
+
+def _special_ids(tj: dict, tc: dict, raw: dict, family: str) -> dict[str, int]:
+    """bos/eos/... ids the way gguf-py's SpecialVocab finds them: the tokenizer_config token text
+    looked up among tokenizer.json's added tokens, else config.json's *_token_id; GLM families
+    then fill bos=[gMASK], eot=<|user|>, unk=<|endoftext|>, eom=<|observation|> (llama.cpp's
+    _set_vocab_glm), never overriding an id already found.  Without a bos_token, the special
+    token the post-processor puts first is the BOS (GLM: [gMASK], as in llama.cpp's files)."""
+    added = {a["content"]: a["id"] for a in reversed(tj.get("added_tokens", []))}  # first match wins
+    text = {t: _content(tc.get(f"{t}_token")) for t in ("bos", "eos", "unk", "sep", "pad", "mask")}
+    text["bos"] = text["bos"] or _content(tc.get("cls_token")) or _leading_special(tj)
+    text["eos"] = text["eos"] or text["sep"]
+    ids: dict[str, int] = {}
+    for typ, tok in text.items():
+        if tok in added:
+            ids[typ] = added[tok]
+        elif isinstance(raw.get(f"{typ}_token_id"), int):
+            ids[typ] = raw[f"{typ}_token_id"]
+    if family in GLM_FAMILIES:
+        for typ, tok in _GLM_SPECIALS.items():
+            if typ not in ids and tok in added:
+                ids[typ] = added[tok]
+    return ids
+
+
+def _template(tj: dict) -> dict | None:
+    pp = tj.get("post_processor") or {}
+    for proc in pp.get("processors", [pp]):
+        if proc.get("type") == "TemplateProcessing":
+            return proc
+    return None
+
+
+def _special_of(item: dict) -> str | None:
+    return (item.get("SpecialToken") or {}).get("id")
+
+
+def _leading_special(tj: dict) -> str | None:
+    """The special token the post-processor puts before a single sequence, if any."""
+    single = (_template(tj) or {}).get("single", [])
+    return _special_of(single[0]) if len(single) > 1 else None
+
+
+def _add_flags(tj: dict, tc: dict, ids: dict[str, int], tokens: list[str]) -> dict[str, bool]:
+    """add_bos/add_sep/add_eos: from what the post-processor template does when it says
+    something (a leading / trailing special token, a separator between A and B), else from
+    tokenizer_config.json's add_*_token."""
+    tmpl = _template(tj)
+    single, pair = (tmpl.get("single", []), tmpl.get("pair", [])) if tmpl else ([], [])
+    first = _leading_special(tj)
+    last = _special_of(single[-1]) if len(single) > 1 else None
+    flags: dict[str, bool] = {}
+    if first:
+        flags["bos"] = True
+    sep = _add_sep(pair, first, last, {tokens[i] for t, i in ids.items() if t in ("sep", "eos")})
+    if sep is not None:
+        flags["sep"] = sep
+    if last:
+        flags["eos"] = True
+    for typ in ("bos", "sep", "eos"):
+        if typ not in flags and isinstance(tc.get(f"add_{typ}_token"), bool):
+            flags[typ] = tc[f"add_{typ}_token"]
+    return {t: flags[t] for t in ("bos", "sep", "eos") if t in flags}
+
+
+def _add_sep(pair: list[dict], first: str | None, last: str | None, sep_like: set[str]) -> bool | None:
+    """A pair template [first] A x B [last]: True when a middle special token is the sep/eos."""
+    if first and pair and _special_of(pair[0]) == first:
+        pair = pair[1:]
+    if last and pair and _special_of(pair[-1]) == last:
+        pair = pair[:-1]
+    seq = lambda item: (item.get("Sequence") or {}).get("id")  # noqa: E731
+    if len(pair) < 3 or seq(pair[0]) != "A" or seq(pair[-1]) != "B":
+        return None
+    return any(_special_of(item) in sep_like for item in pair[1:-1])
+
+
+def _chat_template(folder: Path, tc: dict) -> list[tuple[str, MetaValue]]:
+    tmpl = tc.get("chat_template")
+    if tmpl is None and (folder / "chat_template.jinja").is_file():
+        tmpl = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif tmpl is None and (folder / "chat_template.json").is_file():
+        tmpl = _read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(tmpl, str):
+        return [("tokenizer.chat_template", string(tmpl))]
+    if isinstance(tmpl, list):  # named templates: "default" is the chat template, the others by name
+        named = {re.sub(r"[^A-Za-z0-9]", "_", t.get("name", "")): t.get("template") for t in tmpl}
+        out = [(f"tokenizer.chat_template.{n}", string(t)) for n, t in named.items() if n not in ("", "default") and t]
+        if len(out):
+            out.append(("tokenizer.chat_templates", array([k.rsplit(".", 1)[1] for k, _ in out], STRING)))
+        if named.get("default"):
+            out.append(("tokenizer.chat_template", string(named["default"])))
+        return out
+    return []
+
+
+def _tokenizer_keys(m: _Model, pre: str | None) -> list[tuple[str, MetaValue]]:
+    tj_path = m.folder / "tokenizer.json"
+    tj = _read_json(tj_path)  # llama.cpp needs the vocabulary inside the GGUF
+    if (tj.get("model") or {}).get("type") != "BPE":
+        raise ConvertError(f"{tj_path}: only byte-level BPE tokenizers are supported "
+                           f"(model type {(tj.get('model') or {}).get('type')!r})")
+    tc = _read_json(m.folder / "tokenizer_config.json", required=False)
+    tokens, types = _token_list(tj, m.cfg.vocab_size, tj_path)
+    out = [("tokenizer.ggml.model", string("gpt2")),
+           ("tokenizer.ggml.pre", string(pre or pre_tokenizer_name(tj_path))),
+           ("tokenizer.ggml.tokens", array(tokens, STRING)), ("tokenizer.ggml.token_type", array(types, INT32))]
+    merges = _merges(tj, tj_path)
+    if merges:
+        out.append(("tokenizer.ggml.merges", array(merges, STRING)))
+    ids = _special_ids(tj, tc, m.raw, m.family)
+    out += [(f"tokenizer.ggml.{_SPECIAL_KEYS[t]}", u32(i)) for t, i in ids.items()]
+    out += [(f"tokenizer.ggml.add_{t}_token", boolean(v)) for t, v in _add_flags(tj, tc, ids, tokens).items()]
+    return out + _chat_template(m.folder, tc)
+
+
+def _metadata(m: _Model, outtype: str, name: str | None, pre: str | None,
+              shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, MetaValue]]:
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
+    name = name or title_name(m.folder.resolve().name)
+    return _model_keys(m, outtype, name, size_label(shapes) if shapes else None) + _tokenizer_keys(m, pre)
+
+
+# =============================================================================================
+# tensors
+
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_LAYER = {  # HF suffix under model.layers.N. -> GGUF suffix under blk.N.
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+    "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
+    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
+    # MTP / nextn block extras
+    "eh_proj.weight": "nextn.eh_proj.weight",
+    "embed_tokens.weight": "nextn.embed_tokens.weight",
+    "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight",
+    "shared_head.head.weight": "nextn.shared_head_head.weight",
+    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+}
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "indexer.proj.weight")  # router / indexer weights: precision matters
+
+
+def tensor_type(gguf_name: str, shape: tuple[int, ...], outtype: str) -> int:
+    """The ggml type llama.cpp's converter gives this tensor under ``--outtype outtype``."""
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
+        return F32
+    if gguf_name.endswith(_ALWAYS_F32):
+        return F32
+    t = OUTTYPES[outtype]
+    return t if can_quantize(t, shape[-1]) else F16  # llama.cpp: QuantError -> "falling back to F16"
+
+
+@dataclass
+class _Plan:
+    name: str                                        # GGUF tensor name
+    shape: tuple[int, ...]                           # torch order
+    chunks: Callable[[], Iterator[torch.Tensor]]     # its values: float32, whole rows, storage order
+
+
+class _Source:
+    """Tensors of the folder by HF name.  FP8 weights with ``<name>_scale_inv`` block scales
+    (DeepSeek's released checkpoints) are dequantized as llama.cpp's converter does: float32
+    weight times its block's scale (blocks of quantization_config.weight_block_size)."""
+
+    def __init__(self, folder: Path, raw: dict):
+        self.st = SafetensorsSource(folder)
+        self.names = [n for n in self.st.names() if not n.endswith("_scale_inv")]
+        self.scales = {n[: -len("_scale_inv")] for n in self.st.names() if n.endswith("_scale_inv")}
+        qc = raw.get("quantization_config") or {}
+        self.block = tuple(qc.get("weight_block_size") or (128, 128))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.st.shape(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype (float8 ones dequantized to float32)."""
+        t = self.st.get(name)
+        if name not in self.scales:
+            if t.dtype.is_floating_point and t.element_size() == 1:
+                raise ConvertError(f"{self.st.where(name)}: {name} is {t.dtype} without a '{name}_scale_inv'")
+            return t
+        scale = self.st.get(name + "_scale_inv").to(torch.float32)
+        for dim, size in enumerate(self.block):
+            scale = scale.repeat_interleave(size, dim)
+        return t.to(torch.float32) * scale[: t.shape[0], : t.shape[1]]
+
+
+def _rows(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A tensor as float32 chunks of whole rows: a bf16 embedding is never copied whole to f32."""
+    t2 = t.reshape(-1, t.shape[-1])
+    step = max(1, CHUNK_VALUES // t2.shape[1])
+    for i in range(0, t2.shape[0], step):
+        yield t2[i:i + step].to(torch.float32)
+
+
+def _interleave_rope(w: torch.Tensor, head_dim: int, r: int) -> torch.Tensor:
+    """Rows of each head [.. | rope(r)] from half-split order (i, i + r/2 pairs) to interleaved
+    (2i, 2i+1): llama.cpp's deepseek2 graph only has interleaved RoPE; q.k is unchanged."""
+    h = w.reshape(-1, head_dim, w.shape[-1]).clone()
+    rope = h[:, head_dim - r:]
+    h[:, head_dim - r:] = rope.reshape(-1, 2, r // 2, w.shape[-1]).transpose(1, 2).reshape(-1, r, w.shape[-1])
+    return h.reshape(w.shape)
+
+
+class _Planner:
+    """HF tensor names -> the GGUF tensors to write, each with a lazy producer of its data."""
+
+    def __init__(self, m: _Model, src: _Source):
+        self.m, self.src, self.c = m, src, m.cfg
+        self.plans: list[_Plan] = []
+        self.skipped: list[str] = []
+
+    def run(self) -> list[_Plan]:
+        """Plans in the checkpoint's tensor order, as llama.cpp writes them (so for the fixtures
+        the whole file comes out byte-identical to llama.cpp's)."""
+        layers: dict[int, list[str]] = {}
+        for name in self.src.names:
+            mt = _LAYER_NAME.match(name)
+            if mt:
+                layers.setdefault(int(mt[1]), []).append(name)
+        done: set[int] = set()
+        for name in self.src.names:
+            mt = _LAYER_NAME.match(name)
+            if mt and int(mt[1]) >= self.m.n_blocks:
+                self.skipped.append(name)  # MTP layers llama.cpp's deepseek2 conversion drops
+            elif mt and int(mt[1]) not in done:
+                done.add(int(mt[1]))
+                self._layer(int(mt[1]), layers[int(mt[1])])
+            elif mt:
+                continue
+            elif name == "lm_head.weight" and self.c.tie_word_embeddings:
+                self.skipped.append(name)  # tied: llama.cpp reuses token_embd
+            elif name in _GLOBAL:
+                self._plain(_GLOBAL[name], name)
+            elif not name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                raise ConvertError(f"{self.src.st.where(name)}: unknown tensor {name!r} "
+                                   "(not part of an MLA checkpoint)")
+        return self.plans
+
+    def _plain(self, gguf_name: str, hf: str, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        def chunks() -> Iterator[torch.Tensor]:
+            t = self.src.get(hf)
+            yield from _rows(transform(t) if transform else t)
+        self.plans.append(_Plan(gguf_name, self.src.shape(hf), chunks))
+
+    def _layer(self, layer: int, names: list[str]) -> None:
+        pre, blk = f"model.layers.{layer}.", f"blk.{layer}."
+        experts: dict[str, dict[int, str]] = {}
+        for name in names:
+            me = _EXPERT.match(name[len(pre):])
+            if me:
+                experts.setdefault(me[2], {})[int(me[1])] = name
+        if experts and len(experts) != 3:
+            raise ConvertError(f"layer {layer}: routed experts have only {sorted(experts)} projections")
+        for name in names:
+            suffix = name[len(pre):]
+            if _EXPERT.match(suffix):
+                if experts:  # the three stacks go where the experts are, in llama.cpp's order
+                    self.plans += [self._experts(blk, p, experts[p]) for p in ("down", "gate", "up")]
+                    experts = {}
+            elif suffix == "self_attn.kv_b_proj.weight":
+                self._kv_b(blk, name)
+            elif suffix in _LAYER:
+                self._plain(blk + _LAYER[suffix], name, self._rope_fix(suffix))
+            else:
+                raise ConvertError(f"{self.src.st.where(name)}: unknown tensor {name!r} (no GGUF name for it)")
+
+    def _rope_fix(self, suffix: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        c = self.c
+        if c.rope.interleaved or suffix not in ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight",
+                                                "self_attn.kv_a_proj_with_mqa.weight"):
+            return None
+        r = c.qk_rope_head_dim
+        head = c.kv_lora_rank + r if "kv_a" in suffix else c.qk_nope_head_dim + r
+        return lambda w: _interleave_rope(w, head, r)
+
+    def _experts(self, blk: str, proj: str, by_index: dict[int, str]) -> _Plan:
+        n_exp = self.c.moe.n_routed_experts
+        if sorted(by_index) != list(range(n_exp)):
+            missing = sorted(set(range(n_exp)) - set(by_index))
+            raise ConvertError(f"{blk}ffn_{proj}_exps: experts {missing or sorted(by_index)} missing or extra "
+                               f"(n_routed_experts={n_exp})")
+        names = tuple(by_index[e] for e in range(n_exp))
+        shapes = {self.src.shape(n) for n in names}
+        if len(shapes) != 1:
+            raise ConvertError(f"{blk}ffn_{proj}_exps: experts have different shapes {sorted(shapes)}")
+
+        def chunks() -> Iterator[torch.Tensor]:
+            for n in names:  # one expert at a time: the stack is never built in memory
+                yield from _rows(self.src.get(n))
+        return _Plan(f"{blk}ffn_{proj}_exps.weight", (n_exp, *shapes.pop()), chunks)
+
+    def _kv_b(self, blk: str, name: str) -> None:
+        c = self.c
+        H, L, n, v = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
+        if self.src.shape(name) != (H * (n + v), L):
+            raise ConvertError(f"{self.src.st.where(name)}: {name} has shape {list(self.src.shape(name))}, "
+                               f"expected [{H}*({n}+{v}), {L}] from the config")
+
+        def per_head(k_part: bool) -> Iterator[torch.Tensor]:
+            kv = self.src.get(name).reshape(H, n + v, L)
+            for h in range(H):
+                yield (kv[h, :n].T if k_part else kv[h, n:]).to(torch.float32)
+
+        self.plans.append(_Plan(f"{blk}attn_k_b.weight", (H, L, n), lambda: per_head(True)))
+        self.plans.append(_Plan(f"{blk}attn_v_b.weight", (H, v, L), lambda: per_head(False)))
+
+
+# =============================================================================================
+# entry point
+
+def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = "f16", *,
+                       name: str | None = None, pre_tokenizer: str | None = None) -> ConvertReport:
+    """Write ``out_path`` (GGUF v3, llama.cpp's MLA layout) from the Hugging Face folder ``hf_dir``.
+
+    outtype: f32 | f16 | bf16 | q8_0 (see the module doc for which tensors stay F32).
+    name: general.name (default: the folder name, title-cased as llama.cpp does).
+    pre_tokenizer: tokenizer.ggml.pre, for tokenizers whose pre-tokenizer is not recognized.
+    Tensors are read, converted and written one at a time (experts and attention heads one
+    slice at a time), so memory holds one tensor, not the model.
+    """
+    folder = Path(hf_dir)
+    if not folder.is_dir():
+        raise ConvertError(f"{folder}: not a Hugging Face model folder")
+    if not Path(out_path).resolve().parent.is_dir():  # before minutes of work, not after
+        raise ConvertError(f"{out_path}: the output folder does not exist")
+    m = _open_model(folder)
+    planner = _Planner(m, _Source(folder, m.raw))
+    plans = {p.name: p for p in planner.run()}
+    meta = _metadata(m, outtype, name, pre_tokenizer, {p.name: p.shape for p in plans.values()})
+    writer = GGUFWriter(out_path)
+    for key, value in meta:
+        writer.add(key, value)
+    for p in plans.values():
+        writer.add_tensor(p.name, p.shape, tensor_type(p.name, p.shape, outtype))
+    writer.write(lambda spec: plans[spec.name].chunks())
+    report = ConvertReport(Path(out_path), m.arch, outtype, skipped=planner.skipped)
+    report.tensors = {t.name: GGML_TYPES[t.ggml_type].name for t in writer.tensors}
+    if planner.skipped:
+        report.notes.append(f"skipped {len(planner.skipped)} tensor(s) llama.cpp's {m.arch} conversion drops "
+                            "(MTP layers / tied lm_head)")
+    return report
+
