@@ -81,7 +81,7 @@ class Engine:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
                                     [r.output_ids for r in reqs], [r.generator for r in reqs],
-                                    logits.shape[-1], eos_token_id=min(self.eos_ids) if self.eos_ids else None)
+                                    logits.shape[-1], eos_token_id=tuple(self.eos_ids))
         out = sample(logits, batch)  # logprobs computed iff some row asked (batch.max_num_logprobs)
         now = time.monotonic()
         for i, req in enumerate(reqs):
@@ -112,10 +112,7 @@ class Engine:
 
     def _append(self, req: Request, tok: int) -> None:
         p = req.params
-        stop_ids = set(p.stop_token_ids or ())
-        if not p.ignore_eos:
-            stop_ids |= self.eos_ids
-        if tok in stop_ids and len(req.output_ids) >= p.min_tokens:
+        if tok in p.all_stop_token_ids(self.eos_ids) and len(req.output_ids) >= p.min_tokens:
             self._finish(req, "stop")
             return
         req.output_ids.append(tok)

@@ -116,7 +116,7 @@ class SamplingBatch:
         generators: Sequence[Optional[torch.Generator]],
         vocab_size: int,
         *,
-        eos_token_id: Optional[int] = None,
+        eos_token_id: Optional[int] | Sequence[int] = None,
         device: torch.device | str | None = None,
     ) -> "SamplingBatch":
         """Gather the rows' parameters into tensors.

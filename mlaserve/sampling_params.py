@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Iterable, Any, Optional, Sequence, Union
 
 # Temperatures below this are treated as greedy decoding (as in vLLM): dividing
 # logits by a tiny temperature overflows float32 and means "argmax" anyway.
@@ -120,11 +120,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def all_stop_token_ids(self, eos_token_id: Optional[int]) -> frozenset:
-        """Token ids that end the request: stop_token_ids, plus EOS unless ignore_eos."""
+    def all_stop_token_ids(self, eos_token_id: Optional[int] | Iterable[int]) -> frozenset:
+        """Token ids that end the request: stop_token_ids, plus the EOS id(s) unless ignore_eos.
+        Models may have several EOS ids (GLM: <|endoftext|>, <|user|>, <|observation|>)."""
         ids = set(self.stop_token_ids)
         if eos_token_id is not None and not self.ignore_eos:
-            ids.add(eos_token_id)
+            ids.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         return frozenset(ids)
 
 

@@ -146,6 +146,9 @@ def test_n_samples_and_stop_strings(hf_model_dir):
     if greedy[0] in llm.engine.eos_ids:  # this model's first greedy token is EOS: without ignore_eos it ends there
         eos_out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
         assert eos_out.token_ids == [] and eos_out.finish_reason == "stop"
+        # min_tokens bans EOS until 3 tokens are out
+        held = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, min_tokens=3))[0].outputs[0]
+        assert len(held.token_ids) >= 3 and not set(held.token_ids[:3]) & llm.engine.eos_ids
     _assert_pool_clean(llm)
 
 
