@@ -62,9 +62,12 @@ class Indexer(nn.Module):
         """keys: this layer's indexer key cache [S, Di]. Scores every key of the segment, keeps top-k."""
         qb = q[seg.q_index].float()  # [B, Q, Hi, Di]
         kb = gather_rows(keys, seg.kv_slots).float()  # [B, L, Di]
-        per_head = torch.relu(torch.einsum("bqhd,bld->bqhl", qb, kb) * self.cfg.head_dim ** -0.5)
-        scores = torch.einsum("bqh,bqhl->bql", w[seg.q_index], per_head)
-        scores = scores.masked_fill(~seg.mask, float("-inf"))
+        b, nq, hi, di = qb.shape
+        # One GEMM over all (query, head) pairs, then ReLU in place: this is the per-key cost of DSA.
+        per_head = torch.matmul(qb.reshape(b, nq * hi, di), kb.transpose(1, 2)).view(b, nq, hi, -1)
+        per_head.mul_(self.cfg.head_dim ** -0.5).relu_()
+        scores = torch.matmul(w[seg.q_index].unsqueeze(2), per_head).squeeze(2)  # [B, Q, L]
+        scores.masked_fill_(~seg.mask, float("-inf"))
         k = min(topk, scores.shape[-1])
         index = scores.topk(k, dim=-1).indices
         return Selection(index, seg.mask.gather(2, index))
