@@ -24,7 +24,7 @@ class Engine:
         self.runner, self.tokenizer, self.cfg = runner, tokenizer, cfg
         self.pool = PagePool(cfg.num_pages, cfg.enable_prefix_caching)
         max_len = cfg.num_pages * cfg.page_size
-        self.scheduler = Scheduler(self.pool, cfg.page_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
+        self.scheduler = Scheduler(self.pool, cfg.page_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

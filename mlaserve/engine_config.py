@@ -15,6 +15,7 @@ import torch
 
 from .attention.router import MLA_PATHS
 from .config import ConfigError, ModelConfig
+from .models.moe import EXPERT_IMPLS
 from .provenance import ProvenanceLog, Setting
 
 ATTENTION_MODES = ("auto", "dense", "sparse")
@@ -76,6 +77,9 @@ def resolve(model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool,
     _user(log, "max_num_seqs", opts.max_num_seqs, 64)
     if opts.page_size < 1 or opts.max_num_batched_tokens < 1 or opts.decode_threshold < 1:
         raise ConfigError("page_size, max_num_batched_tokens and decode_threshold must be >= 1")
+    if opts.experts_impl not in EXPERT_IMPLS:
+        raise ConfigError(f"experts_impl must be one of {EXPERT_IMPLS}, got {opts.experts_impl!r}")
+    _user(log, "experts_impl", opts.experts_impl, "grouped_mm")
     num_pages = _num_pages(opts, max_model_len or model.max_position_embeddings, log)
     return EngineConfig(model=model, dtype=dtype, sparse=sparse, index_topk=topk, mla_path=opts.mla_path,
                         page_size=opts.page_size, num_pages=num_pages,

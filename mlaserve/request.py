@@ -45,11 +45,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while tokens other than the last sampled one still have to enter the cache."""
-        return self.num_computed < self.num_tokens - 1 or not self.output_ids
-
 
 @dataclass
 class CompletionOutput:

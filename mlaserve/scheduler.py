@@ -46,10 +46,9 @@ class SchedulePlan:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, page_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
+    def __init__(self, pool: PagePool, page_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.pool, self.page_size = pool, page_size
-        self.budget, self.max_seqs, self.max_model_len = max_num_batched_tokens, max_num_seqs, max_model_len
+        self.budget, self.max_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
