@@ -43,8 +43,9 @@ def _add_generate(sub) -> None:
     _engine_args(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the model's generation_config.json (else greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config.json (else 1)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=_generate)
@@ -130,14 +131,25 @@ def _progress_bar(done: int, total: int) -> None:
 
 def _generate(args) -> int:
     llm = _make_llm(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens)
+    params = SamplingParams(**_sampling_defaults(args, llm.loaded.generation_config), top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
     for prompt in args.prompts:
         text = prompt
         if args.chat:
             text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         _stream(llm, llm.encode(text), params, prompt)
     return 0
+
+
+def _sampling_defaults(args, gen: dict) -> dict:
+    """Options the user left unset come from the model's generation_config.json, as in vLLM/transformers."""
+    sampled = bool(gen.get("do_sample"))
+    temperature = args.temperature if args.temperature is not None else (gen.get("temperature", 1.0) if sampled else 0.0)
+    top_p = args.top_p if args.top_p is not None else (gen.get("top_p", 1.0) if sampled else 1.0)
+    if args.temperature is None and sampled:
+        print(f"sampling: temperature {temperature}, top_p {top_p} (generation_config.json; --temperature 0 for greedy)",
+              file=sys.stderr)
+    return {"temperature": temperature, "top_p": top_p}
 
 
 def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:

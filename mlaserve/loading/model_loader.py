@@ -23,6 +23,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     report: LoadReport
     path: Path
+    generation_config: dict  # the folder's generation_config.json ({} when absent): sampling defaults
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -72,7 +73,9 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
     if skipped:
         report.skipped.extend(skipped)
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
-    return LoadedModel(model, engine_cfg, tokenizer, report, path)
+    gen_path = path / "generation_config.json" if path.is_dir() else None
+    gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
+    return LoadedModel(model, engine_cfg, tokenizer, report, path, gen)
 
 
 def _open_gguf(path: Path):
