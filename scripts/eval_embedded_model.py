@@ -247,7 +247,7 @@ def write_card(folder, r, stats):
     m = re.search(r"--minutes ([0-9.]+)", sched)
     if m:
         command = (f"python scripts/train_embedded_model.py --threads {st.get('threads')} --seed {st.get('seed')} "
-                   f"--minutes {m.group(1)} --work-dir /work/tiny-dsa-work")
+                   f"--minutes {m.group(1)} --work-dir runs/tiny-dsa-work")
         repro_note = (
             "This run used a wall-clock budget: the phases end at 65% / 72% / 100% of it and the learning rates "
             "follow elapsed time, so the step counts depend on the machine (here one core of a shared 2-core "
@@ -361,7 +361,7 @@ Held-out text, {r['windows_256']} windows of 256 tokens (`<bos>` + 255; the trai
 apt-get install bible-kjv-text
 . .venv/bin/activate
 {command}   # ~{fmt_s(st.get('train_seconds'))} + evaluation; writes this folder
-python scripts/eval_embedded_model.py --write-card --train-stats /work/tiny-dsa-work/train_stats.json   # numbers above
+python scripts/eval_embedded_model.py --write-card --train-stats runs/tiny-dsa-work/train_stats.json   # numbers above
 ```
 {repro_note}
 """

@@ -44,7 +44,7 @@ learning rates follow elapsed time, so it finishes on time on a busy machine):
 
     apt-get install bible-kjv-text
     . .venv/bin/activate
-    python scripts/train_embedded_model.py --threads 1 --minutes 90 --work-dir /work/tiny-dsa-work
+    python scripts/train_embedded_model.py --threads 1 --minutes 90 --work-dir runs/tiny-dsa-work
 
 With explicit step counts instead (a step-based cosine schedule; train_stats.json records the step
 counts of a timed run):
@@ -380,7 +380,7 @@ def main(argv=None):
     ap.add_argument("corpus", nargs="*", default=[DEFAULT_CORPUS],
                     help=f"corpus file(s): bible-kjv's .data file or plain text (default {DEFAULT_CORPUS})")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--work-dir", default="/tmp/tiny-dsa-work")
+    ap.add_argument("--work-dir", default="runs/tiny-dsa-work")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab-size", type=int, default=4096)
