@@ -9,7 +9,6 @@ import torch
 
 from .engine import Engine
 from .engine_config import EngineOptions
-from .forward_batch import SeqChunk
 from .loading.model_loader import load_model
 from .model_runner import ModelRunner
 from .request import RequestOutput
@@ -77,17 +76,10 @@ class LLM:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every prompt position [len, vocab] (float32), through the paged cache,
         in chunks of max_num_batched_tokens like a real prefill."""
-        ps, pool = self.config.page_size, self.engine.pool
-        pages = pool.allocate(-(-len(token_ids) // ps))
+        pool = self.engine.pool
+        pages = pool.allocate(-(-len(token_ids) // self.config.page_size))
         try:
-            out, done = [], 0
-            while done < len(token_ids):
-                chunk = tuple(token_ids[done : done + self.config.max_num_batched_tokens])
-                table = tuple(pages[: -(-(done + len(chunk)) // ps)])
-                _, logits = self.runner.execute([SeqChunk("prompt_logits", chunk, done, table, all_logits=True)])
-                out.append(logits)
-                done += len(chunk)
-            return torch.cat(out)
+            return self.runner.prompt_logits("prompt_logits", list(token_ids), pages)
         finally:
             pool.release(pages)
 

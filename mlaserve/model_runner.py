@@ -32,3 +32,15 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, step, self.cache)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits
+
+    def prompt_logits(self, request_id: str, ids: list[int], pages: list[int]) -> torch.Tensor:
+        """Logits at every position of ids [len, vocab], prefilled through `pages` in chunks of
+        max_num_batched_tokens (the engine's normal path: paged cache, routed attention)."""
+        ps, budget = self.cfg.page_size, self.cfg.max_num_batched_tokens
+        out, done = [], 0
+        while done < len(ids):
+            chunk = tuple(ids[done : done + budget])
+            table = tuple(pages[: -(-(done + len(chunk)) // ps)])
+            out.append(self.execute([SeqChunk(request_id, chunk, done, table, all_logits=True)])[1])
+            done += len(chunk)
+        return torch.cat(out)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from .engine_config import EngineConfig
-from .forward_batch import SeqChunk
 from .llm import LLM
 from .model_runner import ModelRunner
 
@@ -37,14 +36,7 @@ class Check:
 def logits_with(llm: LLM, cfg: EngineConfig, ids: list[int]) -> torch.Tensor:
     """Prompt logits through a fresh runner (own small cache) with the given switches."""
     cfg = replace(cfg, num_pages=-(-len(ids) // cfg.page_size) + 1)
-    runner = ModelRunner(llm.loaded.model, cfg)
-    table = tuple(range(cfg.num_pages))
-    out, done = [], 0
-    while done < len(ids):
-        chunk = tuple(ids[done : done + cfg.max_num_batched_tokens])
-        out.append(runner.execute([SeqChunk("verify", chunk, done, table, all_logits=True)])[1])
-        done += len(chunk)
-    return torch.cat(out)
+    return ModelRunner(llm.loaded.model, cfg).prompt_logits("verify", ids, list(range(cfg.num_pages)))
 
 
 def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list[Check]:
