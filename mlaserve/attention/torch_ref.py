@@ -7,6 +7,7 @@ Notation (per layer)
   W_UK   [H, dn, r], W_UV [H, dv, r]     the two halves of kv_b_proj, per head
   B, Q, L                                segment's requests, max query length, max seq length
 Absorbed (MQA):      score = (q_nope W_UK) . c_kv + q_pe . k_pe;  out = (P c_kv) W_UV^T
+                     (one product per step over rows [c_kv | k_pe]: q = [q_nope W_UK | q_pe], [N, H, r + dr])
 Decompressed (MHA):  [k_nope | v] = kv_b(c_kv);  score = q_nope . k_nope + q_pe . k_pe;  out = P v
 Both read the same cache rows and the same mask; `allowed` may narrow the mask further (DSA top-k).
 """
@@ -22,14 +23,9 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
                        w_uv: torch.Tensor, seg: SegmentTensors, scale: float,
                        allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones)."""
-    r = w_uk.shape[-1]
-    q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
-    q = torch.cat([q_lat, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, r + dr]
+    q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
-    # One product covers the latent and the rope part, because the row is [c_kv | k_pe].
-    scores = torch.einsum("bqhc,blc->bqhl", q, rows) * scale
-    probs = _softmax(scores, _mask(seg, allowed))
-    o_lat = torch.einsum("bqhl,blr->bqhr", probs, rows[..., :r])
+    o_lat = _latent_mqa(q, rows, _mask(seg, allowed), scale, w_uk.shape[-1])
     return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
 
 
@@ -70,14 +66,29 @@ def sparse_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: t
                               valid: torch.Tensor) -> torch.Tensor:
     """MQA over only the selected rows. index/valid [B, Q, k] (positions on the segment's key axis).
     Gathers k rows per query instead of scoring all L: the point of DSA at long context."""
-    r = w_uk.shape[-1]
     b, qn, k = index.shape
-    q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
-    q = torch.cat([q_lat, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, r + dr]
-    slots = seg.kv_slots.gather(1, index.view(b, qn * k)).view(b, qn, k)
-    rows = gather_rows(cache, slots)  # [B, Q, k, r + dr]
-    scores = torch.einsum("bqhc,bqkc->bqhk", q, rows) * scale
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
-    o_lat = torch.einsum("bqhk,bqkr->bqhr", probs, rows[..., :r])
-    return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
+    q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
+    slots = seg.kv_slots.gather(1, index.view(b, qn * k))
+    rows = gather_rows(cache, slots).view(b * qn, k, -1)  # each query has its own k rows
+    o_lat = _latent_mqa(q.flatten(0, 1).unsqueeze(1), rows, valid.view(b * qn, 1, k), scale, w_uk.shape[-1])
+    return torch.einsum("bqhr,hvr->bqhv", o_lat.view(b, qn, *o_lat.shape[2:]), w_uv)
+
+
+def _latent_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[q_nope W_UK | q_pe]: [N, H, r + dr], the query that scores a cache row [c_kv | k_pe] in one product."""
+    return torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_pe], dim=-1)
+
+
+def _latent_mqa(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, scale: float, r: int) -> torch.Tensor:
+    """Softmax attention of queries q [N, G, H, r + dr] over shared rows [N, L, r + dr], mask [N, G, L].
+    Returns the latent output P c_kv: [N, G, H, r].
+    Both products keep the long operand (rows) untransposed and whole: rows @ q^T, then P @ rows with the
+    k_pe columns dropped afterwards. On CPU BLAS this is up to 5x faster in bf16 than q @ rows^T and
+    P @ rows[..., :r] (which make strided copies of all L rows), and no slower in fp32."""
+    n, g, h, c = q.shape
+    s = torch.matmul(rows, q.reshape(n, g * h, c).transpose(1, 2))  # [N, L, G*H]
+    s = s.transpose(1, 2).contiguous().view(n, g, h, -1)
+    s.mul_(scale).masked_fill_(~mask[:, :, None, :], float("-inf"))
+    probs = torch.softmax(s, dim=-1, dtype=torch.float32).to(rows.dtype)
+    o = torch.matmul(probs.view(n, g * h, -1), rows)  # [N, G*H, r + dr]
+    return o[..., :r].unflatten(1, (g, h))

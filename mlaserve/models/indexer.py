@@ -64,10 +64,12 @@ class Indexer(nn.Module):
         kb = gather_rows(keys, seg.kv_slots).float()  # [B, L, Di]
         b, nq, hi, di = qb.shape
         # One GEMM over all (query, head) pairs, then ReLU in place: this is the per-key cost of DSA.
-        per_head = torch.matmul(qb.reshape(b, nq * hi, di), kb.transpose(1, 2)).view(b, nq, hi, -1)
-        per_head.mul_(self.cfg.head_dim ** -0.5).relu_()
-        scores = torch.matmul(w[seg.q_index].unsqueeze(2), per_head).squeeze(2)  # [B, Q, L]
+        # Di^-0.5 > 0 commutes with ReLU, so it is folded into the small w instead of a pass over [Q, Hi, L].
+        per_head = torch.matmul(qb.reshape(b, nq * hi, di), kb.transpose(1, 2)).view(b, nq, hi, -1).relu_()
+        w_scaled = w[seg.q_index].unsqueeze(2) * self.cfg.head_dim ** -0.5  # [B, Q, 1, Hi]
+        scores = torch.matmul(w_scaled, per_head).squeeze(2)  # [B, Q, L]
         scores.masked_fill_(~seg.mask, float("-inf"))
         k = min(topk, scores.shape[-1])
-        index = scores.topk(k, dim=-1).indices
+        # The selected set is all that matters (attention sums over it), so skip sorting it.
+        index = scores.topk(k, dim=-1, sorted=False).indices
         return Selection(index, seg.mask.gather(2, index))
