@@ -1,12 +1,13 @@
 """Long-context decode: dense vs sparse (DSA) attention on the DSA variant of the standard model.
 
-    python benchmarks/long_context.py [--dtype float32|bfloat16] [--quick] [--threads 2]
+    python benchmarks/long_context.py [--dtype float32|bfloat16] [--batch B] [--quick] [--threads 2]
 
 The cache is filled with synthetic rows instead of a real prefill (a 16K prefill of a 0.7B model
 takes minutes on 2 cores): pages are allocated from the engine's pool, every layer's latent rows
 ([RMSNorm'd c_kv * norm weight | k_pe ~ N(0,1)]) and indexer keys (LayerNorm'd with the model's
 k_norm) are written at the request's slots, then single-token decode chunks with context_len = N
 are timed through `runner.execute` (forward + logits of that token; no scheduling or sampling).
+--batch B runs B such requests (each with its own pages and rows, all at context N) in one step.
 Dense = LLM(..., attention="dense") (indexer skipped, MQA over all N rows); sparse = the default
 (indexer scores all N keys, keeps top index_topk=2048, MQA over those).
 The indexer's share of the sparse step is timed by wrapping Indexer.project and Indexer.select.
@@ -69,7 +70,8 @@ class IndexerClock:
             setattr(self.cls, k, fn)
 
 
-def memory_plan(folder: Path, dtype: torch.dtype, contexts: list[int], cfg: dict) -> tuple[list[int], dict]:
+def memory_plan(folder: Path, dtype: torch.dtype, contexts: list[int], cfg: dict,
+                batch: int) -> tuple[list[int], dict]:
     """Both engines are resident at once (dense and sparse, interleaved). Drop contexts whose two
     models + two caches (+ 2 GiB headroom) would not fit in 90% of MemAvailable."""
     esize = torch.empty((), dtype=dtype).element_size()
@@ -81,7 +83,7 @@ def memory_plan(folder: Path, dtype: torch.dtype, contexts: list[int], cfg: dict
     keep, plan = [], {"available_gib": avail, "model_gib": model_gib, "cache_bytes_per_token_both": per_tok,
                       "contexts": {}}
     for n in contexts:
-        need = 2 * model_gib + (n + 2 * PAGE_SIZE) * per_tok / 2**30 + 2.0
+        need = 2 * model_gib + batch * (n + 2 * PAGE_SIZE) * per_tok / 2**30 + 2.0
         ok = need < 0.9 * avail
         plan["contexts"][n] = {"need_gib": need, "fits": ok}
         if ok:
@@ -92,38 +94,41 @@ def memory_plan(folder: Path, dtype: torch.dtype, contexts: list[int], cfg: dict
 
 
 class Engine:
-    """One LLM (dense or sparse) with a request whose pages hold n_max synthetic rows."""
+    """One LLM (dense or sparse) with `batch` requests whose pages hold n_max synthetic rows each."""
 
-    def __init__(self, folder: Path, mode: str, dtype: str, n_max: int) -> None:
+    def __init__(self, folder: Path, mode: str, dtype: str, n_max: int, batch: int) -> None:
         from mlaserve import LLM
 
         self.mode = mode
         pages_needed = math.ceil((n_max + 1) / PAGE_SIZE)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # attention='dense' on a DSA model warns (intended here)
-            self.llm = LLM(model=str(folder), dtype=dtype, attention=mode, page_size=PAGE_SIZE, max_num_seqs=1,
-                           num_pages=pages_needed + 1)
+            self.llm = LLM(model=str(folder), dtype=dtype, attention=mode, page_size=PAGE_SIZE, max_num_seqs=batch,
+                           num_pages=batch * pages_needed + 1)
         assert self.llm.config.sparse == (mode == "sparse"), (mode, self.llm.config.sparse)
-        self.pages = self.llm.engine.pool.allocate(pages_needed)
+        self.pages = [self.llm.engine.pool.allocate(pages_needed) for _ in range(batch)]
         t0 = time.perf_counter()
-        fill_mlaserve_cache(self.llm, self.pages, n_max)
-        print(f"[{mode}] loaded; cache filled with {n_max} synthetic rows in {time.perf_counter() - t0:.1f} s; "
+        for i, pages in enumerate(self.pages):
+            fill_mlaserve_cache(self.llm, pages, n_max, seed=1 + i)
+        print(f"[{mode}] loaded; cache filled with {batch} x {n_max} synthetic rows in {time.perf_counter() - t0:.1f} s; "
               f"RSS {rss_gib():.1f} GiB", flush=True)
 
-    def chunk(self, n: int):
+    def chunks(self, n: int) -> list:
+        """One single-token decode chunk per request, each at context n."""
         from mlaserve.forward_batch import SeqChunk
 
-        return SeqChunk(f"long-{self.mode}", (5,), n, tuple(self.pages[: math.ceil((n + 1) / PAGE_SIZE)]))
+        used = math.ceil((n + 1) / PAGE_SIZE)
+        return [SeqChunk(f"long-{self.mode}-{i}", (5,), n, tuple(p[:used])) for i, p in enumerate(self.pages)]
 
 
 def run(engines: dict, contexts: list[int], reps: int, warmup: int, clock: IndexerClock) -> dict:
     """Per context, dense and sparse steps alternate rep by rep, so load drift hits both alike."""
     out = {m: {} for m in engines}
     for n in contexts:
-        chunks = {m: e.chunk(n) for m, e in engines.items()}
+        chunks = {m: e.chunks(n) for m, e in engines.items()}
         for _ in range(warmup):
             for m, e in engines.items():
-                e.llm.runner.execute([chunks[m]])
+                e.llm.runner.execute(chunks[m])
         ts = {m: [] for m in engines}
         idx = {m: [] for m in engines}
         for _ in range(reps):
@@ -131,7 +136,7 @@ def run(engines: dict, contexts: list[int], reps: int, warmup: int, clock: Index
                 clock.reset()
                 clock.on = True
                 t0 = time.perf_counter()
-                e.llm.runner.execute([chunks[m]])
+                e.llm.runner.execute(chunks[m])
                 ts[m].append(time.perf_counter() - t0)
                 clock.on = False
                 idx[m].append(dict(clock.total))
@@ -153,11 +158,11 @@ def profile_at(engines: dict, n: int, steps: int = 3) -> dict:
 
     out = {}
     for m, e in engines.items():
-        chunk = e.chunk(n)
-        e.llm.runner.execute([chunk])
+        chunks = e.chunks(n)
+        e.llm.runner.execute(chunks)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
-                e.llm.runner.execute([chunk])
+                e.llm.runner.execute(chunks)
         ev = prof.key_averages()
         total = sum(x.self_cpu_time_total for x in ev)
         top = sorted(ev, key=lambda x: -x.self_cpu_time_total)[:12]
@@ -170,7 +175,7 @@ def profile_at(engines: dict, n: int, steps: int = 3) -> dict:
     return out
 
 
-def plot(res: dict, contexts: list[int], path: Path) -> str:
+def plot(res: dict, contexts: list[int], path: Path, title: str) -> str:
     try:
         import matplotlib
 
@@ -184,7 +189,7 @@ def plot(res: dict, contexts: list[int], path: Path) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode step (ms)")
-    ax.set_title("mlaserve decode step, DSA model, batch 1")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,6 +202,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--quick", action="store_true", help="2-layer model, contexts 1K and 4K: a smoke test")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="requests per decode step, each at the same context")
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="override the context lengths")
     p.add_argument("--profile-at", type=int, default=None,
                    help="also torch.profile both steps at this context (one of the measured ones)")
@@ -211,11 +217,11 @@ def main() -> None:
 
     cfg = json.loads((folder / "config.json").read_text())
     env = environment(args.threads)
-    contexts, mem = memory_plan(folder, DTYPES[args.dtype], s["contexts"], cfg)
+    contexts, mem = memory_plan(folder, DTYPES[args.dtype], s["contexts"], cfg, args.batch)
     print(f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}; "
           f"memory available {mem['available_gib']:.1f} GiB, contexts {contexts}", flush=True)
     clock = IndexerClock()
-    engines = {m: Engine(folder, m, args.dtype, max(contexts)) for m in ("dense", "sparse")}
+    engines = {m: Engine(folder, m, args.dtype, max(contexts), args.batch) for m in ("dense", "sparse")}
     try:
         res = run(engines, contexts, s["reps"], s["warmup"], clock)
     finally:
@@ -230,7 +236,7 @@ def main() -> None:
                      fmt(sp["indexer_project_ms"] + sp["indexer_select_ms"]),
                      f"{sp['indexer_share'] * 100:.0f}%", fmt(sp["indexer_select_ms"]), fmt(sp["indexer_project_ms"])])
     print()
-    print(f"decode step, batch 1, DSA model ({cfg['num_hidden_layers']} layers, index_topk {cfg['index_topk']}), "
+    print(f"decode step, batch {args.batch}, DSA model ({cfg['num_hidden_layers']} layers, index_topk {cfg['index_topk']}), "
           f"dtype {args.dtype}, {args.threads} threads{', QUICK' if args.quick else ''}")
     table = print_table(["context", "dense ms", "sparse ms", "dense/sparse", "indexer ms", "indexer share",
                          "select ms", "project ms"], rows)
@@ -241,11 +247,15 @@ def main() -> None:
         verdict = f"sparse is {sp:.2f}x dense at 16K (target >= 1.5x: {'met' if sp >= 1.5 else 'NOT met'})"
         print(verdict)
     env["loadavg_end"] = list(os.getloadavg())
-    plot_note = plot(res, contexts, REPO / "docs" / "long_context.png") if not args.quick else "quick: no plot"
+    tag = f"{'-quick' if args.quick else ''}{'' if args.dtype == 'float32' else '-' + args.dtype}" \
+          f"{'' if args.batch == 1 else f'-b{args.batch}'}"
+    title = f"mlaserve decode step, DSA model, {args.dtype}, batch {args.batch}"
+    plot_note = plot(res, contexts, REPO / "docs" / f"long_context{tag}.png", title) if not args.quick else "quick: no plot"
     print(f"{plot_note}\nwall time {wall:.0f} s; loadavg start {env['loadavg_start']} end {env['loadavg_end']} "
           f"(other processes share the CPUs: absolute numbers are pessimistic)")
-    write_json(RESULTS_DIR / f"long_context{'-quick' if args.quick else ''}.json", {
-        "benchmark": "long_context", "dtype": args.dtype, "quick": args.quick, "settings": s, "env": env,
+    write_json(RESULTS_DIR / f"long_context{tag}.json", {
+        "benchmark": "long_context", "dtype": args.dtype, "batch": args.batch, "quick": args.quick, "settings": s,
+        "env": env,
         "wall_s": wall, "memory": mem, "model": {"folder": str(folder), "params": count_params(folder), "config": cfg},
         "results": res, "profile": prof, "target_16k": verdict, "plot": plot_note, "table": table,
         "notes": ["synthetic cache rows, single-token decode through runner.execute (forward + logits)",

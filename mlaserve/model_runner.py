@@ -23,7 +23,7 @@ class ModelRunner:
         """-> (batch, logits [len(batch.logits_indices), vocab] float32)."""
         cfg = self.cfg
         batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold)
-        plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk)
+        plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype)
         if self.tracer.enabled:
             self.tracer.record(step_record(self.step_count, batch, plan, cfg.model.num_layers))
         self.step_count += 1

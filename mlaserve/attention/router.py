@@ -10,11 +10,17 @@ mla_path "auto" sends decode -> absorbed, prefill -> decompressed; "absorbed" / 
 send every token down one path, so a user can check that both give the same answer.
 With sparse attention (DSA) every token goes down the absorbed path over its top-k rows
 (as vLLM's sparse backend does), unless mla_path="decompressed" asks for masked MHA.
+Index scoring (how a selecting segment finds its top-k; both give the fp32 top-k)
+  fp32            every key scored in fp32 (keys upcast from the cache dtype), as transformers does
+  bf16_then_fp32  decode segments over a bf16 key cache: a bf16 GEMM scores every key with a rounding
+                  bound, and only the keys that may be in the top-k are rescored in fp32
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+import torch
 
 from ..forward_batch import ForwardBatch
 
@@ -33,6 +39,7 @@ class Segment:
     seq_end: int
     request_ids: tuple[str, ...]
     implementation: str = IMPLEMENTATION  # e.g. "torch_ref:sparse_absorbed"
+    index_scoring: str | None = None  # "fp32" | "bf16_then_fp32" when this segment selects its top-k
 
     @property
     def num_tokens(self) -> int:
@@ -76,8 +83,10 @@ def path_for(phase: str, mla_path: str, sparse: bool) -> str:
     return "absorbed" if phase == "decode" else "decompressed"
 
 
-def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: int | None = None) -> AttentionPlan:
-    """Split the batch into at most two segments (decode, prefill) and name each one's path."""
+def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: int | None = None,
+          key_dtype: torch.dtype = torch.float32) -> AttentionPlan:
+    """Split the batch into at most two segments (decode, prefill) and name each one's path.
+    key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments)."""
     if mla_path not in MLA_PATHS:
         raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
     if sparse and index_topk is None:
@@ -96,9 +105,16 @@ def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: 
             token_start=seqs[0].query_start, token_end=seqs[-1].query_start + seqs[-1].query_len,
             seq_start=lo, seq_end=hi, request_ids=tuple(s.request_id for s in seqs),
             implementation=_implementation(path_for(phase, mla_path, sparse), sparse, select),
+            index_scoring=_index_scoring(phase, key_dtype) if select else None,
         ))
     return AttentionPlan(segments=tuple(segments), sparse=sparse, index_topk=index_topk if sparse else None,
                          effective_topk=min(index_topk, longest) if sparse else None, needs_selection=select)
+
+
+def _index_scoring(phase: str, key_dtype: torch.dtype) -> str:
+    # Two-stage scoring gathers each query's candidate keys: cheap for a decode token, too much
+    # memory for a prompt chunk (queries x candidates x Di), so prefill scores directly in fp32.
+    return "bf16_then_fp32" if phase == "decode" and key_dtype == torch.bfloat16 else "fp32"
 
 
 def _implementation(path: str, sparse: bool, select: bool) -> str:

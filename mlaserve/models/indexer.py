@@ -9,6 +9,14 @@ Notation
   keep the top min(index_topk, L) positions per query (L = the segment's padded key length; padded
   and future keys score -inf, so a query with fewer valid keys than index_topk keeps all of them).
 Rope layout: half-split for deepseek_v32, interleaved for glm_moe_dsa (transformers is the reference).
+
+Scoring (the segment's `index_scoring`, decided by the router)
+  fp32            q and every key upcast to fp32, one GEMM: the reference's arithmetic.
+  bf16_then_fp32  bf16 keys: score every key with a bf16 GEMM (exact products, result rounded once to
+                  bf16: |err| <= u|s| per head), which bounds each fp32 score within +-E,
+                  E = u' * sum_h |w_h| ReLU(s_h~). Any key whose upper bound reaches the k-th largest lower
+                  bound may be in the fp32 top-k; only those C candidates (C ~ k) are rescored in fp32.
+                  Same top-k as fp32 scoring; the full pass reads bf16 keys instead of an fp32 copy.
 """
 
 from __future__ import annotations
@@ -60,16 +68,55 @@ class Indexer(nn.Module):
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seg: SegmentTensors,
                topk: int) -> Selection:
         """keys: this layer's indexer key cache [S, Di]. Scores every key of the segment, keeps top-k."""
-        qb = q[seg.q_index].float()  # [B, Q, Hi, Di]
-        kb = gather_rows(keys, seg.kv_slots).float()  # [B, L, Di]
-        b, nq, hi, di = qb.shape
-        # One GEMM over all (query, head) pairs, then ReLU in place: this is the per-key cost of DSA.
+        qb = q[seg.q_index]  # [B, Q, Hi, Di]
+        kb = gather_rows(keys, seg.kv_slots)  # [B, L, Di]
         # Di^-0.5 > 0 commutes with ReLU, so it is folded into the small w instead of a pass over [Q, Hi, L].
-        per_head = torch.matmul(qb.reshape(b, nq * hi, di), kb.transpose(1, 2)).view(b, nq, hi, -1).relu_()
-        w_scaled = w[seg.q_index].unsqueeze(2) * self.cfg.head_dim ** -0.5  # [B, Q, 1, Hi]
-        scores = torch.matmul(w_scaled, per_head).squeeze(2)  # [B, Q, L]
-        scores.masked_fill_(~seg.mask, float("-inf"))
-        k = min(topk, scores.shape[-1])
-        # The selected set is all that matters (attention sums over it), so skip sorting it.
-        index = scores.topk(k, dim=-1, sorted=False).indices
+        wb = w[seg.q_index] * self.cfg.head_dim ** -0.5  # [B, Q, Hi]
+        k = min(topk, kb.shape[1])
+        if seg.segment.index_scoring == "bf16_then_fp32":
+            index = _top_k_bf16_then_fp32(qb, kb, wb, seg.mask, k)
+        else:
+            index = _top_k(_scores(qb.float(), kb.float(), wb), seg.mask, k)
         return Selection(index, seg.mask.gather(2, index))
+
+
+# Relative error of a bf16 GEMM result: 2^-8 when rounded to nearest once; twice that covers kernels that
+# truncate, the 1/(1-u) of the bound and fp32 accumulation-order differences between the two stages.
+BF16_SCORE_ERROR = 2.0 ** -7
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q [B, Q, Hi, Di], k [B, L, Di], w [B, Q, Hi] -> sum_h w_h ReLU(q_h . k) [B, Q, L] (k's dtype GEMM)."""
+    b, nq, hi, di = q.shape
+    # One GEMM over all (query, head) pairs, then ReLU in place: this is the per-key cost of DSA.
+    per_head = torch.matmul(q.reshape(b, nq * hi, di), k.transpose(1, 2)).view(b, nq, hi, -1).relu_()
+    return torch.matmul(w.unsqueeze(2), per_head.float()).squeeze(2)
+
+
+def _top_k(scores: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k best allowed scores [B, Q, k]. The set is all that matters (attention sums
+    over it), so it is not sorted."""
+    return scores.masked_fill_(~mask, float("-inf")).topk(k, dim=-1, sorted=False).indices
+
+
+def _top_k_bf16_then_fp32(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, mask: torch.Tensor,
+                          k: int) -> torch.Tensor:
+    """The fp32 top-k of bf16 q/keys without an fp32 pass over every key (see the notation block)."""
+    b, nq, hi, di = q.shape
+    # keys @ q^T keeps the long operand untransposed: several times faster than q @ keys^T for bf16 on CPU.
+    per_head = torch.matmul(keys, q.reshape(b, nq * hi, di).transpose(1, 2)).relu_()  # [B, L, Q*Hi] bf16
+    per_head = per_head.view(b, -1, nq, hi).transpose(1, 2).float()  # [B, Q, L, Hi]
+    both = torch.matmul(per_head, torch.stack([w, w.abs()], dim=-1))  # [B, Q, L, 2]
+    approx, err = both[..., 0], both[..., 1] * BF16_SCORE_ERROR
+    upper = (approx + err).masked_fill_(~mask, float("-inf"))
+    lower = (approx - err).masked_fill_(~mask, float("-inf"))
+    kth_lower = lower.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    # k keys score at least kth_lower, so a key whose upper bound is below it cannot be in the top-k.
+    n_cand = int((upper >= kth_lower).sum(dim=-1).max())  # host sync: the rescoring's width
+    cand = upper.topk(n_cand, dim=-1, sorted=False).indices  # [B, Q, C]
+    flat = (cand + torch.arange(b).view(b, 1, 1) * keys.shape[1]).view(-1)  # rows of keys viewed [B * L, Di]
+    rows = gather_rows(keys.reshape(-1, di), flat).view(b, nq, n_cand, di)
+    exact = torch.matmul(q.float(), rows.float().transpose(2, 3)).relu_()  # [B, Q, Hi, C]
+    exact = torch.matmul(w.unsqueeze(2), exact).squeeze(2)  # [B, Q, C]
+    pick = _top_k(exact, mask.gather(2, cand), k)
+    return cand.gather(2, pick)
