@@ -10,6 +10,9 @@ Absorbed (MQA):      score = (q_nope W_UK) . c_kv + q_pe . k_pe;  out = (P c_kv)
                      (one product per step over rows [c_kv | k_pe]: q = [q_nope W_UK | q_pe], [N, H, r + dr])
 Decompressed (MHA):  [k_nope | v] = kv_b(c_kv);  score = q_nope . k_nope + q_pe . k_pe;  out = P v
 Both read the same cache rows and the same mask; `allowed` may narrow the mask further (DSA top-k).
+Long prompts: score-sized temporaries ([Q, H, L] per segment, [Q, k, r + dr] for sparse) are built
+for one block of queries at a time, so that they stay within WORKSPACE_BYTES; every query's result
+is the same as in one block (queries are independent), only peak memory changes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,16 @@ import torch
 
 from .metadata import SegmentTensors
 
+# Bound on one attention call's query-proportional temporaries. A 2048-token prompt chunk at 32K
+# context would otherwise hold ~4 GB of fp32 scores per softmax copy (16 heads).
+WORKSPACE_BYTES = 256 * 2**20
+
+
+def query_blocks(n_queries: int, bytes_per_query: int) -> list[slice]:
+    """Consecutive slices of the query axis whose temporaries fit in WORKSPACE_BYTES (>= 1 query each)."""
+    step = max(1, WORKSPACE_BYTES // max(1, bytes_per_query))
+    return [slice(a, min(a + step, n_queries)) for a in range(0, n_queries, step)]
+
 
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
                        w_uv: torch.Tensor, seg: SegmentTensors, scale: float,
@@ -25,7 +38,10 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones)."""
     q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
-    o_lat = _latent_mqa(q, rows, _mask(seg, allowed), scale, w_uk.shape[-1])
+    mask, r = _mask(seg, allowed), w_uk.shape[-1]
+    b, nq, h, _ = q.shape
+    blocks = query_blocks(nq, _score_bytes(b * h, rows.shape[1]))
+    o_lat = torch.cat([_latent_mqa(q[:, s], rows, mask[:, s], scale, r) for s in blocks], dim=1)
     return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
 
 
@@ -37,12 +53,25 @@ def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torc
     h = q_nope.shape[1]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     kv = torch.nn.functional.linear(rows[..., :r], kv_b).unflatten(-1, (h, -1))  # [B, L, H, dn + dv]
-    k_nope, v = kv[..., :dn], kv[..., dn:]
+    k_nope, v, k_pe = kv[..., :dn], kv[..., dn:], rows[..., r:]
     q_nope_b, q_pe_b = q_nope[seg.q_index], q_pe[seg.q_index]  # [B, Q, H, *]
-    scores = torch.einsum("bqhd,blhd->bqhl", q_nope_b, k_nope)
-    scores = scores + torch.einsum("bqhd,bld->bqhl", q_pe_b, rows[..., r:])
-    probs = _softmax(scores * scale, _mask(seg, allowed))
+    mask = _mask(seg, allowed)
+    blocks = query_blocks(q_nope_b.shape[1], _score_bytes(q_nope_b.shape[0] * h, rows.shape[1]))
+    return torch.cat([_mha(q_nope_b[:, s], q_pe_b[:, s], k_nope, k_pe, v, mask[:, s], scale) for s in blocks], dim=1)
+
+
+def _mha(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+         mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q_* [B, Q, H, *], k_nope/v [B, L, H, *], k_pe [B, L, dr] (shared by the heads), mask [B, Q, L]."""
+    scores = torch.einsum("bqhd,blhd->bqhl", q_nope, k_nope)
+    scores = scores + torch.einsum("bqhd,bld->bqhl", q_pe, k_pe)
+    probs = _softmax(scores * scale, mask)
     return torch.einsum("bqhl,blhv->bqhv", probs, v)
+
+
+def _score_bytes(rows_per_query: int, length: int) -> int:
+    """Temporaries per query of one softmax attention: ~3 fp32 [rows, L] tensors (scores, masked, probs)."""
+    return 3 * 4 * rows_per_query * length
 
 
 def gather_rows(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -68,10 +97,20 @@ def sparse_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: t
     Gathers k rows per query instead of scoring all L: the point of DSA at long context."""
     b, qn, k = index.shape
     q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
-    slots = seg.kv_slots.gather(1, index.view(b, qn * k))
+    per_query = b * (k * cache.shape[1] * cache.element_size() + _score_bytes(q.shape[2], k))
+    o_lat = torch.cat([_sparse_block(q[:, s], cache, seg.kv_slots, index[:, s], valid[:, s], scale, w_uk.shape[-1])
+                       for s in query_blocks(qn, per_query)], dim=1)
+    return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
+
+
+def _sparse_block(q: torch.Tensor, cache: torch.Tensor, kv_slots: torch.Tensor, index: torch.Tensor,
+                  valid: torch.Tensor, scale: float, r: int) -> torch.Tensor:
+    """q [B, Q, H, r + dr] over each query's own k rows -> [B, Q, H, r]."""
+    b, qn, k = index.shape
+    slots = kv_slots.gather(1, index.reshape(b, qn * k))
     rows = gather_rows(cache, slots).view(b * qn, k, -1)  # each query has its own k rows
-    o_lat = _latent_mqa(q.flatten(0, 1).unsqueeze(1), rows, valid.view(b * qn, 1, k), scale, w_uk.shape[-1])
-    return torch.einsum("bqhr,hvr->bqhv", o_lat.view(b, qn, *o_lat.shape[2:]), w_uv)
+    o_lat = _latent_mqa(q.flatten(0, 1).unsqueeze(1), rows, valid.reshape(b * qn, 1, k), scale, r)
+    return o_lat.view(b, qn, *o_lat.shape[2:])
 
 
 def _latent_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

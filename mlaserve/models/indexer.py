@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..attention.metadata import SegmentTensors
-from ..attention.torch_ref import gather_rows
+from ..attention.torch_ref import gather_rows, query_blocks
 from ..config import IndexerConfig
 from .layers import apply_rope
 
@@ -75,8 +75,11 @@ class Indexer(nn.Module):
         k = min(topk, kb.shape[1])
         if seg.segment.index_scoring == "bf16_then_fp32":
             index = _top_k_bf16_then_fp32(qb, kb, wb, seg.mask, k)
-        else:
-            index = _top_k(_scores(qb.float(), kb.float(), wb), seg.mask, k)
+        else:  # per block of queries: a long prompt chunk would hold [Q, Hi, L] fp32 scores at once
+            kf, (b, nq, hi, _) = kb.float(), qb.shape
+            blocks = query_blocks(nq, 4 * b * (hi + 2) * kb.shape[1])
+            index = torch.cat([_top_k(_scores(qb[:, s].float(), kf, wb[:, s]), seg.mask[:, s], k) for s in blocks],
+                              dim=1)
         return Selection(index, seg.mask.gather(2, index))
 
 
