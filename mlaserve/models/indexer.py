@@ -72,14 +72,17 @@ class Indexer(nn.Module):
         kb = gather_rows(keys, seg.kv_slots)  # [B, L, Di]
         # Di^-0.5 > 0 commutes with ReLU, so it is folded into the small w instead of a pass over [Q, Hi, L].
         wb = w[seg.q_index] * self.cfg.head_dim ** -0.5  # [B, Q, Hi]
-        k = min(topk, kb.shape[1])
+        (b, nq, hi, di), length = qb.shape, kb.shape[1]
+        k = min(topk, length)
+        # Per block of queries: a long prompt chunk would hold [Q, Hi, L] scores at once.
         if seg.segment.index_scoring == "bf16_then_fp32":
-            index = _top_k_bf16_then_fp32(qb, kb, wb, seg.mask, k)
-        else:  # per block of queries: a long prompt chunk would hold [Q, Hi, L] fp32 scores at once
-            kf, (b, nq, hi, _) = kb.float(), qb.shape
-            blocks = query_blocks(nq, 4 * b * (hi + 2) * kb.shape[1])
-            index = torch.cat([_top_k(_scores(qb[:, s].float(), kf, wb[:, s]), seg.mask[:, s], k) for s in blocks],
-                              dim=1)
+            per_query = b * (6 * hi * length + 24 * length + (k + k // 4) * (6 * di + 4 * hi))
+            index = torch.cat([_top_k_bf16_then_fp32(qb[:, s], kb, wb[:, s], seg.mask[:, s], k)
+                               for s in query_blocks(nq, per_query)], dim=1)
+        else:
+            kf = kb.float()
+            index = torch.cat([_top_k(_scores(qb[:, s].float(), kf, wb[:, s]), seg.mask[:, s], k)
+                               for s in query_blocks(nq, 4 * b * (hi + 2) * length)], dim=1)
         return Selection(index, seg.mask.gather(2, index))
 
 
