@@ -38,6 +38,7 @@ class EngineOptions:
     index_topk: int | None = None
     enable_prefix_caching: bool = True
     experts_impl: str = "grouped_mm"
+    malloc_tuning: bool = True  # keep freed large blocks in the process (see allocator.py)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class EngineConfig:
     decode_threshold: int
     enable_prefix_caching: bool
     experts_impl: str
+    malloc_tuning: bool
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -80,12 +82,15 @@ def resolve(model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool,
     if opts.experts_impl not in EXPERT_IMPLS:
         raise ConfigError(f"experts_impl must be one of {EXPERT_IMPLS}, got {opts.experts_impl!r}")
     _user(log, "experts_impl", opts.experts_impl, "grouped_mm")
+    log.record("malloc_tuning", opts.malloc_tuning, "user option" if not opts.malloc_tuning else
+               "engine default (glibc keeps freed large blocks: no page faults on every step's big tensors)")
     num_pages = _num_pages(opts, max_model_len or model.max_position_embeddings, log)
     return EngineConfig(model=model, dtype=dtype, sparse=sparse, index_topk=topk, mla_path=opts.mla_path,
                         page_size=opts.page_size, num_pages=num_pages,
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
                         decode_threshold=opts.decode_threshold, enable_prefix_caching=opts.enable_prefix_caching,
-                        experts_impl=opts.experts_impl, provenance=log.freeze())
+                        experts_impl=opts.experts_impl, malloc_tuning=opts.malloc_tuning,
+                        provenance=log.freeze())
 
 
 def _user(log: ProvenanceLog, name: str, value, default) -> None:
@@ -94,9 +99,10 @@ def _user(log: ProvenanceLog, name: str, value, default) -> None:
 
 def _dtype(requested: str | None, log: ProvenanceLog) -> torch.dtype:
     if requested in (None, "auto"):
-        # Measured on the 2-core CPU this project targets: fp32 GEMMs beat bf16 there (no AMX/AVX512-BF16
-        # path in the default kernels), and fp32 is exact against the reference.
-        return log.record("dtype", torch.float32, "engine default (float32 on CPU: faster here and exact)")
+        # fp32 is exact against the reference. Speed depends on the CPU (measured on 2-core EPYCs):
+        # bf16 is ~4x slower than fp32 without AVX512-BF16/AMX and ~2x faster with it.
+        return log.record("dtype", torch.float32, "engine default (float32: exact against the reference; "
+                                                  "bfloat16 is ~2x faster on CPUs with AVX512-BF16/AMX)")
     if requested not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {requested!r}")
     return log.record("dtype", DTYPES[requested], "user option")

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+from .allocator import keep_freed_memory
 from .engine import Engine
 from .engine_config import EngineOptions
 from .loading.model_loader import load_model
@@ -28,6 +29,8 @@ class LLM:
                              max_num_batched_tokens=max_num_batched_tokens, **options)
         self.loaded = load_model(model or default_model_path(), opts, progress)
         self.config = self.loaded.config
+        if self.config.malloc_tuning:
+            keep_freed_memory()
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded.model, self.config, make_tracer(trace))
         self.engine = Engine(self.runner, self.tokenizer)

@@ -1,0 +1,27 @@
+"""The allocator policy is an engine option with provenance, applied by LLM, and takes on glibc."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import mlaserve.llm
+from mlaserve import LLM
+from mlaserve.allocator import keep_freed_memory
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_keep_freed_memory_applies_on_glibc():
+    assert keep_freed_memory().startswith("glibc: mmap threshold 32 MiB")
+
+
+@pytest.mark.parametrize("tuning", [True, False])
+def test_llm_applies_the_policy_only_when_asked(hf_model_dir, monkeypatch, tuning):
+    folder, _ = hf_model_dir("v3_yarn")
+    calls = []
+    monkeypatch.setattr(mlaserve.llm, "keep_freed_memory", lambda: calls.append(1) or "called")
+    llm = LLM(str(folder), malloc_tuning=tuning)
+    prov = {s.name: s for s in llm.config.all_provenance()}
+    assert prov["malloc_tuning"].value is tuning and len(calls) == int(tuning)
+    assert tuning or prov["malloc_tuning"].source == "user option"
