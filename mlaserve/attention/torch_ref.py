@@ -74,7 +74,8 @@ def _mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
 
 
 def _score_bytes(rows_per_query: int, length: int) -> int:
-    """Temporaries per query of one softmax attention: ~3 fp32 [rows, L] tensors (scores, masked, probs)."""
+    """Temporaries per query of one softmax attention: ~3 [rows, L] tensors of <= 4 bytes (the scores,
+    a transposed or fp32 copy, the probabilities)."""
     return 3 * 4 * rows_per_query * length
 
 

@@ -12,11 +12,12 @@ Rope layout: half-split for deepseek_v32, interleaved for glm_moe_dsa (transform
 
 Scoring (the segment's `index_scoring`, decided by the router)
   fp32            q and every key upcast to fp32, one GEMM: the reference's arithmetic.
-  bf16_then_fp32  bf16 keys: score every key with a bf16 GEMM (exact products, result rounded once to
-                  bf16: |err| <= u|s| per head), which bounds each fp32 score within +-E,
-                  E = u' * sum_h |w_h| ReLU(s_h~). Any key whose upper bound reaches the k-th largest lower
-                  bound may be in the fp32 top-k; only those C candidates (C ~ k) are rescored in fp32.
-                  Same top-k as fp32 scoring; the full pass reads bf16 keys instead of an fp32 copy.
+  bf16_then_fp32  decode over bf16 keys: score every key with a bf16 GEMM (exact products, result
+                  rounded once to bf16: |err| <= u|s| per head, u = 2^-8), which bounds each fp32
+                  score within +-E, E = BF16_SCORE_ERROR * sum_h |w_h| ReLU(s~_h). Any key whose upper
+                  bound reaches the k-th largest lower bound may be in the fp32 top-k; only those C
+                  candidates (C ~ k) are rescored in fp32. Same top-k as fp32 scoring; the full pass
+                  reads bf16 keys instead of an fp32 copy.
 """
 
 from __future__ import annotations
