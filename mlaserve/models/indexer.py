@@ -119,7 +119,10 @@ def _top_k_bf16_then_fp32(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, 
     lower = (approx - err).masked_fill_(~mask, float("-inf"))
     kth_lower = lower.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     # k keys score at least kth_lower, so a key whose upper bound is below it cannot be in the top-k.
-    n_cand = int((upper >= kth_lower).sum(dim=-1).max())  # host sync: the rescoring's width
+    # A query with fewer than k allowed keys (kth_lower = -inf) keeps all of them, and they rank first
+    # by upper bound, so it needs no more than k candidates: it must not widen everyone's rescoring to L.
+    need = (upper >= kth_lower).sum(dim=-1).masked_fill_(kth_lower.squeeze(-1) == float("-inf"), k)
+    n_cand = int(need.max())  # host sync: the rescoring's width
     cand = upper.topk(n_cand, dim=-1, sorted=False).indices  # [B, Q, C]
     flat = (cand + torch.arange(b).view(b, 1, 1) * keys.shape[1]).view(-1)  # rows of keys viewed [B * L, Di]
     rows = gather_rows(keys.reshape(-1, di), flat).view(b, nq, n_cand, di)
