@@ -12,12 +12,12 @@ Rope layout: half-split for deepseek_v32, interleaved for glm_moe_dsa (transform
 
 Scoring (the segment's `index_scoring`, decided by the router)
   fp32            q and every key upcast to fp32, one GEMM: the reference's arithmetic.
-  bf16_then_fp32  decode over bf16 keys: score every key with a bf16 GEMM (exact products, result
-                  rounded once to bf16: |err| <= u|s| per head, u = 2^-8), which bounds each fp32
-                  score within +-E, E = BF16_SCORE_ERROR * sum_h |w_h| ReLU(s~_h). Any key whose upper
-                  bound reaches the k-th largest lower bound may be in the fp32 top-k; only those C
-                  candidates (C ~ k) are rescored in fp32. Same top-k as fp32 scoring; the full pass
-                  reads bf16 keys instead of an fp32 copy.
+  bf16_then_fp32  decode over bf16 keys: score every key with bf16 GEMMs (exact products, each
+                  result rounded once to bf16: relative error u = 2^-8 per head score, weight and
+                  sum), which bounds each fp32 score within +-E, E = BF16_SCORE_ERROR *
+                  sum_h |w_h| ReLU(s~_h). Any key whose upper bound reaches the k-th largest lower
+                  bound may be in the fp32 top-k; only those C candidates (C ~ k) are rescored in
+                  fp32. Same top-k as fp32 scoring; the full pass reads bf16 keys, not an fp32 copy.
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ class Indexer(nn.Module):
         return Selection(index, seg.mask.gather(2, index))
 
 
-# Relative error of a bf16 GEMM result: 2^-8 when rounded to nearest once; twice that covers kernels that
-# truncate, the 1/(1-u) of the bound and fp32 accumulation-order differences between the two stages.
-BF16_SCORE_ERROR = 2.0 ** -7
+# Bound on |approximate - fp32 score| relative to E~ = sum_h |w_h| ReLU(s~_h), both from bf16 GEMMs.
+# Three roundings to bf16 (u = 2^-8 each: the head scores, w, the head-weighted sum) give ~3.03u;
+# 4u leaves room for fp32 accumulation-order differences between the two stages.
+BF16_SCORE_ERROR = 2.0 ** -6
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -112,8 +113,9 @@ def _top_k_bf16_then_fp32(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, 
     b, nq, hi, di = q.shape
     # keys @ q^T keeps the long operand untransposed: several times faster than q @ keys^T for bf16 on CPU.
     per_head = torch.matmul(keys, q.reshape(b, nq * hi, di).transpose(1, 2)).relu_()  # [B, L, Q*Hi] bf16
-    per_head = per_head.view(b, -1, nq, hi).transpose(1, 2).float()  # [B, Q, L, Hi]
-    both = torch.matmul(per_head, torch.stack([w, w.abs()], dim=-1))  # [B, Q, L, 2]
+    per_head = per_head.view(b, -1, nq, hi).transpose(1, 2)  # [B, Q, L, Hi]
+    # Head-weighted sums as a bf16 GEMM too (an fp32 one would first copy [L, Hi] to fp32).
+    both = torch.matmul(per_head, torch.stack([w, w.abs()], dim=-1).to(per_head.dtype)).float()  # [B, Q, L, 2]
     approx, err = both[..., 0], both[..., 1] * BF16_SCORE_ERROR
     upper = (approx + err).masked_fill_(~mask, float("-inf"))
     lower = (approx - err).masked_fill_(~mask, float("-inf"))
