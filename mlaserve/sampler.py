@@ -151,20 +151,8 @@ class SamplingBatch:
 
         need_seen = any(r != 1.0 for r in rep)
         need_counts = any(x != 0.0 for x in pres + freq)
-        output_counts = _token_counts(output_ids, V, dev) if need_counts else None
-        seen_mask = None
-        if need_seen:
-            in_output = output_counts if output_counts is not None else _token_counts(output_ids, V, dev)
-            seen_mask = (_token_counts(prompt_ids, V, dev) > 0) | (in_output > 0)
-
-        banned_rows, banned_tokens = [], []
-        for row, p in enumerate(params):
-            if len(output_ids[row]) < p.min_tokens:
-                for tok in p.all_stop_token_ids(eos_token_id):
-                    if tok < V:
-                        banned_rows.append(row)
-                        banned_tokens.append(tok)
-
+        output_counts, seen_mask = _penalty_counts(prompt_ids, output_ids, V, dev, need_seen, need_counts)
+        banned_rows, banned_tokens = _min_tokens_bans(params, output_ids, V, eos_token_id)
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             vocab_size=V,
@@ -192,6 +180,30 @@ class SamplingBatch:
             max_top_k=max(top_k),
             max_num_logprobs=max(requested) if requested else None,
         )
+
+
+def _penalty_counts(prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], V: int,
+                    dev: torch.device, need_seen: bool, need_counts: bool):
+    """(output token counts [B, V] for presence/frequency penalties, seen mask [B, V] for the
+    repetition penalty); each None when no row needs it."""
+    output_counts = _token_counts(output_ids, V, dev) if need_counts else None
+    if not need_seen:
+        return output_counts, None
+    in_output = output_counts if output_counts is not None else _token_counts(output_ids, V, dev)
+    return output_counts, (_token_counts(prompt_ids, V, dev) > 0) | (in_output > 0)
+
+
+def _min_tokens_bans(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]], V: int,
+                     eos_token_id) -> tuple[list[int], list[int]]:
+    """(rows, tokens) to mask: every stop id of a row still below its min_tokens."""
+    rows, tokens = [], []
+    for row, p in enumerate(params):
+        if len(output_ids[row]) < p.min_tokens:
+            for tok in p.all_stop_token_ids(eos_token_id):
+                if tok < V:
+                    rows.append(row)
+                    tokens.append(tok)
+    return rows, tokens
 
 
 def _token_counts(seqs: Sequence[Sequence[int]], V: int, device: torch.device) -> torch.Tensor:
