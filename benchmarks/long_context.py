@@ -18,6 +18,7 @@ when matplotlib is installed.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -197,7 +198,7 @@ def plot(res: dict, contexts: list[int], path: Path, title: str) -> str:
     return f"plot written to {path}"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--quick", action="store_true", help="2-layer model, contexts 1K and 4K: a smoke test")
@@ -206,15 +207,38 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="override the context lengths")
     p.add_argument("--profile-at", type=int, default=None,
                    help="also torch.profile both steps at this context (one of the measured ones)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def report(res: dict, contexts: list[int], args: argparse.Namespace, cfg: dict) -> tuple[str, str | None]:
+    """Print the table and the 16K verdict; return both."""
+    rows = []
+    for n in contexts:
+        d, sp = res["dense"][n], res["sparse"][n]
+        rows.append([f"{n:,}", fmt(d["step_ms"]), fmt(sp["step_ms"]), f"{d['step_ms'] / sp['step_ms']:.2f}x",
+                     fmt(sp["indexer_project_ms"] + sp["indexer_select_ms"]),
+                     f"{sp['indexer_share'] * 100:.0f}%", fmt(sp["indexer_select_ms"]), fmt(sp["indexer_project_ms"])])
+    print()
+    print(f"decode step, batch {args.batch}, DSA model ({cfg['num_hidden_layers']} layers, index_topk {cfg['index_topk']}), "
+          f"dtype {args.dtype}, {args.threads} threads{', QUICK' if args.quick else ''}")
+    table = print_table(["context", "dense ms", "sparse ms", "dense/sparse", "indexer ms", "indexer share",
+                         "select ms", "project ms"], rows)
+    verdict = None
+    if 16384 in contexts:
+        sp = res["dense"][16384]["step_ms"] / res["sparse"][16384]["step_ms"]
+        verdict = f"sparse is {sp:.2f}x dense at 16K (target >= 1.5x: {'met' if sp >= 1.5 else 'NOT met'})"
+        print(verdict)
+    return table, verdict
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     s = dict(QUICK if args.quick else FULL)
     if args.contexts:
         s["contexts"] = sorted(args.contexts)
     wall0 = time.perf_counter()
     folder = ensure_model("dsa", args.quick)
-    import json
-
     cfg = json.loads((folder / "config.json").read_text())
     env = environment(args.threads)
     contexts, mem = memory_plan(folder, DTYPES[args.dtype], s["contexts"], cfg, args.batch)
@@ -228,24 +252,7 @@ def main() -> None:
         clock.restore()
     prof = profile_at(engines, args.profile_at) if args.profile_at in contexts else None
     wall = time.perf_counter() - wall0
-
-    rows = []
-    for n in contexts:
-        d, sp = res["dense"][n], res["sparse"][n]
-        rows.append([f"{n:,}", fmt(d["step_ms"]), fmt(sp["step_ms"]), f"{d['step_ms'] / sp['step_ms']:.2f}x",
-                     fmt(sp["indexer_project_ms"] + sp["indexer_select_ms"]),
-                     f"{sp['indexer_share'] * 100:.0f}%", fmt(sp["indexer_select_ms"]), fmt(sp["indexer_project_ms"])])
-    print()
-    print(f"decode step, batch {args.batch}, DSA model ({cfg['num_hidden_layers']} layers, index_topk {cfg['index_topk']}), "
-          f"dtype {args.dtype}, {args.threads} threads{', QUICK' if args.quick else ''}")
-    table = print_table(["context", "dense ms", "sparse ms", "dense/sparse", "indexer ms", "indexer share",
-                         "select ms", "project ms"], rows)
-    target_n = 16384
-    verdict = None
-    if target_n in contexts:
-        sp = res["dense"][target_n]["step_ms"] / res["sparse"][target_n]["step_ms"]
-        verdict = f"sparse is {sp:.2f}x dense at 16K (target >= 1.5x: {'met' if sp >= 1.5 else 'NOT met'})"
-        print(verdict)
+    table, verdict = report(res, contexts, args, cfg)
     env["loadavg_end"] = list(os.getloadavg())
     tag = f"{'-quick' if args.quick else ''}{'' if args.dtype == 'float32' else '-' + args.dtype}" \
           f"{'' if args.batch == 1 else f'-b{args.batch}'}"
@@ -255,8 +262,8 @@ def main() -> None:
           f"(other processes share the CPUs: absolute numbers are pessimistic)")
     write_json(RESULTS_DIR / f"long_context{tag}.json", {
         "benchmark": "long_context", "dtype": args.dtype, "batch": args.batch, "quick": args.quick, "settings": s,
-        "env": env,
-        "wall_s": wall, "memory": mem, "model": {"folder": str(folder), "params": count_params(folder), "config": cfg},
+        "env": env, "wall_s": wall, "memory": mem,
+        "model": {"folder": str(folder), "params": count_params(folder), "config": cfg},
         "results": res, "profile": prof, "target_16k": verdict, "plot": plot_note, "table": table,
         "notes": ["synthetic cache rows, single-token decode through runner.execute (forward + logits)",
                   "dense and sparse engines are both resident; their steps alternate rep by rep",
