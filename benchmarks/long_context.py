@@ -116,7 +116,7 @@ class Engine:
 
     def chunks(self, n: int) -> list:
         """One single-token decode chunk per request, each at context n."""
-        from mlaserve.forward_batch import SeqChunk
+        from mlaserve.executor.forward_batch import SeqChunk
 
         used = math.ceil((n + 1) / PAGE_SIZE)
         return [SeqChunk(f"long-{self.mode}-{i}", (5,), n, tuple(p[:used])) for i, p in enumerate(self.pages)]

@@ -67,7 +67,7 @@ class MlaServe:
         self.vocab = self.llm.config.model.vocab_size
 
     def _params(self, n: int):
-        from mlaserve.sampling_params import SamplingParams
+        from mlaserve.sampling.params import SamplingParams
 
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -83,7 +83,7 @@ class MlaServe:
         return out.metrics["tokens_per_s"], list(out.outputs[0].token_ids)
 
     def kv_bytes_per_token(self) -> dict:
-        from mlaserve.kv_cache import LatentCache
+        from mlaserve.executor.latent_cache import LatentCache
 
         cache = self.llm.runner.cache
         cfg = self.llm.config
@@ -93,7 +93,7 @@ class MlaServe:
 
     def step_times(self, contexts: list[int], reps: int, warmup: int) -> tuple[dict, dict]:
         """Single-token decode forward over a synthetic cache at each context length."""
-        from mlaserve.forward_batch import SeqChunk
+        from mlaserve.executor.forward_batch import SeqChunk
 
         n_max = max(contexts)
         pool = self.llm.engine.pool

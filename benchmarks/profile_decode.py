@@ -24,10 +24,10 @@ from common import RESULTS_DIR, ensure_model, print_table, random_prompt, write_
 
 # (module, class, method) -> scope name. Inclusive scopes nest: attn.* inside attention, moe.* inside mlp.
 SCOPES = [
-    ("mlaserve.engine", "Engine", "step", "engine.step"),
-    ("mlaserve.scheduler", "Scheduler", "schedule", "scheduler.schedule"),
-    ("mlaserve.scheduler", "Scheduler", "advance", "scheduler.advance"),
-    ("mlaserve.forward_batch", "ForwardBatch", "build", "batch.build"),
+    ("mlaserve.engine.engine", "Engine", "step", "engine.step"),
+    ("mlaserve.engine.scheduler", "Scheduler", "schedule", "scheduler.schedule"),
+    ("mlaserve.engine.scheduler", "Scheduler", "advance", "scheduler.advance"),
+    ("mlaserve.executor.forward_batch", "ForwardBatch", "build", "batch.build"),
     ("mlaserve.models.deepseek", "StepContext", "build", "step_context.build (metadata, rope)"),
     ("mlaserve.models.deepseek", "MLAForCausalLM", "forward", "model.forward (all layers)"),
     ("mlaserve.models.deepseek", "MLAAttention", "forward", "attention (whole)"),
@@ -39,7 +39,7 @@ SCOPES = [
     ("mlaserve.models.layers", "SwiGLU", "forward", "swiglu (dense MLP + shared experts)"),
     ("mlaserve.models.layers", "RMSNorm", "forward", "rmsnorm (all)"),
     ("mlaserve.models.deepseek", "MLAForCausalLM", "logits", "lm_head (logits)"),
-    ("mlaserve.engine", "Engine", "_sample", "sampling"),
+    ("mlaserve.engine.engine", "Engine", "_sample", "sampling"),
 ]
 
 
@@ -63,7 +63,7 @@ def install_scopes() -> list:
 
 
 def profile_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int, tag: str) -> dict:
-    from mlaserve.sampling_params import SamplingParams
+    from mlaserve.sampling.params import SamplingParams
 
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-import mlaserve.llm
+import mlaserve.entrypoints.llm
 from mlaserve import LLM
-from mlaserve.allocator import keep_freed_memory
+from mlaserve.platform.allocator import keep_freed_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
@@ -20,7 +20,7 @@ def test_keep_freed_memory_applies_on_glibc():
 def test_llm_applies_the_policy_only_when_asked(hf_model_dir, monkeypatch, tuning):
     folder, _ = hf_model_dir("v3_yarn")
     calls = []
-    monkeypatch.setattr(mlaserve.llm, "keep_freed_memory", lambda: calls.append(1) or "called")
+    monkeypatch.setattr(mlaserve.entrypoints.llm, "keep_freed_memory", lambda: calls.append(1) or "called")
     llm = LLM(str(folder), malloc_tuning=tuning)
     prov = {s.name: s for s in llm.config.all_provenance()}
     assert prov["malloc_tuning"].value is tuning and len(calls) == int(tuning)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mlaserve import LLM
-from mlaserve.config import ConfigError
+from mlaserve.config.model import ConfigError
 from mlaserve.loading.safetensors_source import WeightError
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mlaserve import LLM, SamplingParams
-from mlaserve.cli import main
+from mlaserve.entrypoints.cli import main
 from mlaserve.embedded import build_random_tiny
 
 

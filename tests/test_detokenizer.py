@@ -1,11 +1,11 @@
-"""Tests for mlaserve.detokenizer with a tiny byte-level BPE trained in the test."""
+"""Tests for mlaserve.engine.detokenizer with a tiny byte-level BPE trained in the test."""
 
 import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mlaserve.detokenizer import IncrementalDetokenizer
+from mlaserve.engine.detokenizer import IncrementalDetokenizer
 
 FFFD = "\ufffd"
 EOT = "<|endoftext|>"

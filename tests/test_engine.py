@@ -8,7 +8,7 @@ import torch
 from hf_models import random_ids
 
 from mlaserve import LLM
-from mlaserve.sampling_params import SamplingParams
+from mlaserve.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [random_ids(n, seed=n) for n in (5, 17, 1, 33, 9)]

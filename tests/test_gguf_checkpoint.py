@@ -14,10 +14,10 @@ from test_gguf_helpers import (
     fixture_params, gguf_f32, hf_state_dict, need_fixtures, rewrite_gguf,
 )
 
-from mlaserve.loading import gguf_checkpoint
-from mlaserve.loading.gguf_checkpoint import GGUFError, derive_hf_config, load_gguf
-from mlaserve.loading.gguf_config import ABSENT
-from mlaserve.loading.gguf_file import open_gguf
+from mlaserve.gguf.read import checkpoint as gguf_checkpoint
+from mlaserve.gguf.read.checkpoint import GGUFError, derive_hf_config, load_gguf
+from mlaserve.gguf.read.config import ABSENT
+from mlaserve.gguf.read.file import open_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -25,11 +25,11 @@ from conftest import fixture_dir
 from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
-from mlaserve.cli import main as cli
-from mlaserve.loading.gguf_checkpoint import load_gguf
-from mlaserve.loading.gguf_convert import ConvertError, convert_hf_to_gguf, tensor_type
-from mlaserve.loading.gguf_file import open_gguf
-from mlaserve.loading.gguf_writer import (BF16, BOOL, F16, F32, FLOAT64, INT8, INT32, Q8_0, STRING, UINT64,
+from mlaserve.entrypoints.cli import main as cli
+from mlaserve.gguf.read.checkpoint import load_gguf
+from mlaserve.gguf.convert.convert import ConvertError, convert_hf_to_gguf, tensor_type
+from mlaserve.gguf.read.file import open_gguf
+from mlaserve.gguf.convert.writer import (BF16, BOOL, F16, F32, FLOAT64, INT8, INT32, Q8_0, STRING, UINT64,
                                           GGUFWriteError, GGUFWriter, MetaValue, array, boolean, f32, i32,
                                           quantize, string, u32)
 

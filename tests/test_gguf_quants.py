@@ -8,8 +8,8 @@ import torch
 
 from test_gguf_helpers import fixture_params
 
-from mlaserve.loading.gguf_file import open_gguf
-from mlaserve.loading.gguf_quants import DEQUANTIZABLE, GGML_TYPES, dequantize
+from mlaserve.gguf.read.file import open_gguf
+from mlaserve.gguf.quants import DEQUANTIZABLE, GGML_TYPES, dequantize
 
 gguf = pytest.importorskip("gguf")
 

@@ -13,8 +13,8 @@ from test_gguf_helpers import (
     FIXTURES, fixture_params, gguf_f32, need_fixtures, rewrite_gguf,
 )
 
-from mlaserve.loading.gguf_checkpoint import load_gguf
-from mlaserve.loading.gguf_file import GGUFError, open_gguf
+from mlaserve.gguf.read.checkpoint import load_gguf
+from mlaserve.gguf.read.file import GGUFError, open_gguf
 
 gguf = pytest.importorskip("gguf")
 

@@ -10,7 +10,7 @@ from test_gguf_helpers import (
     fixture_params, need_fixtures, rewrite_gguf,
 )
 
-from mlaserve.loading.gguf_checkpoint import GGUFError, GGUFTokenizer, load_gguf
+from mlaserve.gguf.read.checkpoint import GGUFError, GGUFTokenizer, load_gguf
 
 tokenizers = pytest.importorskip("tokenizers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -9,7 +9,7 @@ import torch
 from hf_models import random_ids
 
 from mlaserve import LLM
-from mlaserve.forward_batch import SeqChunk
+from mlaserve.executor.forward_batch import SeqChunk
 
 TOL = 1e-5  # fp32 reassociation noise between two orders of the same sums
 
@@ -83,7 +83,7 @@ def test_grouped_gemm_experts_equal_reference_loop(hf_model_dir, kind):
 def test_query_blocks_equal_one_block(hf_model_dir, kind, mla_path, monkeypatch):
     """Long prompts attend in blocks of queries (bounded temporaries); a tiny workspace forces one query
     per block in every attention path and in the indexer's prompt scoring: same logits."""
-    from mlaserve.attention import torch_ref
+    from mlaserve.attention.backends import torch_backend as torch_ref
 
     folder, _ = hf_model_dir(kind)
     ids = random_ids(48, seed=5)  # > index_topk 16 for the DSA kinds: the indexer selects

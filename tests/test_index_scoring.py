@@ -10,7 +10,7 @@ from hf_models import random_ids
 from mlaserve import LLM
 from mlaserve.models import indexer
 from mlaserve.models.indexer import _scores, _top_k, _top_k_bf16_then_fp32
-from mlaserve.sampling_params import SamplingParams
+from mlaserve.sampling.params import SamplingParams
 
 
 def _case(kind: str, seed: int):

@@ -1,4 +1,4 @@
-"""Tests for mlaserve.sampling_params and mlaserve.sampler (CPU, a few seconds)."""
+"""Tests for mlaserve.sampling.params and mlaserve.sampling.sampler (CPU, a few seconds)."""
 
 import math
 from collections import Counter
@@ -6,14 +6,14 @@ from collections import Counter
 import pytest
 import torch
 
-from mlaserve.sampler import (
+from mlaserve.sampling.sampler import (
     SamplingBatch,
     _apply_penalties,
     gather_logprobs,
     make_generator,
     sample,
 )
-from mlaserve.sampling_params import SamplingParams
+from mlaserve.sampling.params import SamplingParams
 
 
 def build(params, V, prompt_ids=None, output_ids=None, generators=None, **kw):

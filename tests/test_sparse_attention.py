@@ -13,8 +13,8 @@ from hf_models import hf_logits, random_ids
 from safetensors.torch import load_file, save_file
 
 from mlaserve import LLM
-from mlaserve.config import ConfigError
-from mlaserve.sampling_params import SamplingParams
+from mlaserve.config.model import ConfigError
+from mlaserve.sampling.params import SamplingParams
 
 DSA_KINDS = ["v32", "glm_dsa", "glm_dsa_shared"]  # index_topk 16
 

@@ -6,9 +6,9 @@ import torch
 from hf_models import random_ids
 
 from mlaserve import LLM
-from mlaserve.cli import main
+from mlaserve.entrypoints.cli import main
 from mlaserve.models.deepseek import MLAAttention
-from mlaserve.verify import run_checks
+from mlaserve.entrypoints.verify import run_checks
 
 
 def test_verify_passes_on_dsa_model(hf_model_dir):

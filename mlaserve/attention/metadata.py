@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..forward_batch import ForwardBatch
-from .router import Segment
+from mlaserve.executor.forward_batch import ForwardBatch
+from mlaserve.attention.router import Segment
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..forward_batch import ForwardBatch
+from mlaserve.executor.forward_batch import ForwardBatch
 
 MLA_PATHS = ("auto", "absorbed", "decompressed")
 IMPLEMENTATION = "torch_ref"

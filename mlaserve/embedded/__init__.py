@@ -23,7 +23,7 @@ def build_random_tiny(folder: Path | None = None) -> Path:
     folder = folder or Path(os.environ.get("MLASERVE_CACHE", Path.home() / ".cache" / "mlaserve")) / "random-tiny"
     if (folder / "model.safetensors").exists():
         return folder
-    from .random_model import write_random_model
+    from mlaserve.embedded.random_model import write_random_model
 
     folder.mkdir(parents=True, exist_ok=True)
     write_random_model(folder)

@@ -41,8 +41,8 @@ def hub_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_random_model(folder: Path, config: dict | None = None, seed: int = 0) -> None:
-    from ..config import ModelConfig
-    from ..models.deepseek import MLAForCausalLM
+    from mlaserve.config.model import ModelConfig
+    from mlaserve.models.deepseek import MLAForCausalLM
 
     raw = dict(config or TINY)
     cfg = ModelConfig.from_hf(raw)

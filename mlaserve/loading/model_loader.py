@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, ModelConfig
-from ..engine_config import EngineConfig, EngineOptions, resolve
-from ..models.deepseek import MLAForCausalLM
-from ..tokenizer import Tokenizer
-from .safetensors_source import SafetensorsSource
-from .weights import LoadReport, load_weights
+from mlaserve.config.model import ConfigError, ModelConfig
+from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
+from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.engine.tokenizer import Tokenizer
+from mlaserve.loading.safetensors_source import SafetensorsSource
+from mlaserve.loading.weights import LoadReport, load_weights
 
 
 @dataclass
@@ -81,7 +81,7 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
 def _open_gguf(path: Path):
     """GGUF metadata -> config (each field's source is its GGUF key or the llama.cpp default taken),
     tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*."""
-    from .gguf_checkpoint import load_gguf
+    from mlaserve.gguf.read.checkpoint import load_gguf
 
     ck = load_gguf(path)
     sources = {k: src for k, (_, src) in ck.provenance.items()}

@@ -18,8 +18,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from .safetensors_source import WeightError
+from mlaserve.config.model import ModelConfig
+from mlaserve.loading.safetensors_source import WeightError
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

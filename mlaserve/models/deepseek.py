@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention.metadata import SegmentTensors, build_segment_tensors
-from ..attention.router import AttentionPlan
-from ..attention.torch_ref import absorbed_attention, decompressed_attention, sparse_absorbed_attention
-from ..config import ModelConfig
-from ..forward_batch import ForwardBatch
-from ..kv_cache import LatentCache
-from .indexer import Indexer, Selection
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
-from .moe import MoE
+from mlaserve.attention.metadata import SegmentTensors, build_segment_tensors
+from mlaserve.attention.router import AttentionPlan
+from mlaserve.attention.backends.torch_backend import absorbed_attention, decompressed_attention, sparse_absorbed_attention
+from mlaserve.config.model import ModelConfig
+from mlaserve.executor.forward_batch import ForwardBatch
+from mlaserve.executor.latent_cache import LatentCache
+from mlaserve.models.indexer import Indexer, Selection
+from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from mlaserve.models.moe import MoE
 
 Selections = tuple[Selection, ...] | None  # one per segment on sparse steps
 

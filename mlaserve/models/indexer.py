@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention.metadata import SegmentTensors
-from ..attention.torch_ref import gather_rows, query_blocks
-from ..config import IndexerConfig
-from .layers import apply_rope
+from mlaserve.attention.metadata import SegmentTensors
+from mlaserve.attention.backends.torch_backend import gather_rows, query_blocks
+from mlaserve.config.model import IndexerConfig
+from mlaserve.models.layers import apply_rope
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import RopeConfig
+from mlaserve.config.model import RopeConfig
 
 
 class RMSNorm(nn.Module):

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MoEConfig
-from .layers import SwiGLU
+from mlaserve.config.model import MoEConfig
+from mlaserve.models.layers import SwiGLU
 
 EXPERT_IMPLS = ("grouped_mm", "loop")
 

@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from .gguf_file import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
-from .gguf_quants import GGML_TYPE_IDS, GGML_TYPES, tensor_nbytes
+from mlaserve.gguf.read.file import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
+from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, tensor_nbytes
 
 GGUF_VERSION = 3
 F32, F16, BF16, Q8_0 = (GGML_TYPE_IDS[n] for n in ("F32", "F16", "BF16", "Q8_0"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import SegmentTensors
+from mlaserve.attention.metadata import SegmentTensors
 
 # Bound on one attention call's query-proportional temporaries. A 2048-token prompt chunk at 32K
 # context would otherwise hold ~4 GB of fp32 scores per softmax copy (16 heads).

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention.router import MLA_PATHS
-from .config import ConfigError, ModelConfig
-from .models.moe import EXPERT_IMPLS
-from .provenance import ProvenanceLog, Setting
+from mlaserve.attention.router import MLA_PATHS
+from mlaserve.config.model import ConfigError, ModelConfig
+from mlaserve.models.moe import EXPERT_IMPLS
+from mlaserve.config.provenance import ProvenanceLog, Setting
 
 ATTENTION_MODES = ("auto", "dense", "sparse")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -8,14 +8,14 @@ import time
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer
-from .kv_cache import PagePool
-from .model_runner import ModelRunner
-from .request import CompletionOutput, Request, RequestOutput, Status
-from .sampler import SamplingBatch, gather_logprobs, make_generator, sample
-from .sampling_params import SamplingParams
-from .scheduler import SchedulePlan, Scheduler
-from .tokenizer import Tokenizer
+from mlaserve.engine.detokenizer import IncrementalDetokenizer
+from mlaserve.engine.page_pool import PagePool
+from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
+from mlaserve.sampling.sampler import SamplingBatch, gather_logprobs, make_generator, sample
+from mlaserve.sampling.params import SamplingParams
+from mlaserve.engine.scheduler import SchedulePlan, Scheduler
+from mlaserve.engine.tokenizer import Tokenizer
 
 
 class Engine:

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from .gguf_config import Provenance, derive_hf_config
-from .gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
-from .gguf_tokenizer import GGUFTokenizer
+from mlaserve.gguf.read.config import Provenance, derive_hf_config
+from mlaserve.gguf.read.file import GGUFError, GGUFFile, TensorInfo, open_gguf
+from mlaserve.gguf.read.tokenizer import GGUFTokenizer
 
 __all__ = ["GGUFError", "GGUFCheckpoint", "GGUFTensors", "GGUFTokenizer", "load_gguf", "derive_hf_config"]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention.router import route
-from .engine_config import EngineConfig
-from .forward_batch import ForwardBatch, SeqChunk
-from .kv_cache import LatentCache
-from .models.deepseek import MLAForCausalLM, StepContext
-from .trace import NullTracer, step_record
+from mlaserve.attention.router import route
+from mlaserve.config.engine import EngineConfig
+from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
+from mlaserve.executor.latent_cache import LatentCache
+from mlaserve.models.deepseek import MLAForCausalLM, StepContext
+from mlaserve.observability.trace import NullTracer, step_record
 
 
 class ModelRunner:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf_file import GGUFError, GGUFFile
+from mlaserve.gguf.read.file import GGUFError, GGUFFile
 
 # =============================================================================================
 # tokenizer

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import SamplingParams
+from mlaserve.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):

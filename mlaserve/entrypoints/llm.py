@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import torch
 
-from .allocator import keep_freed_memory
-from .engine import Engine
-from .engine_config import EngineOptions
-from .loading.model_loader import load_model
-from .model_runner import ModelRunner
-from .request import RequestOutput
-from .sampling_params import SamplingParams
-from .trace import make_tracer
+from mlaserve.platform.allocator import keep_freed_memory
+from mlaserve.engine.engine import Engine
+from mlaserve.config.engine import EngineOptions
+from mlaserve.loading.model_loader import load_model
+from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.engine.request import RequestOutput
+from mlaserve.sampling.params import SamplingParams
+from mlaserve.observability.trace import make_tracer
 
 Prompt = str | Sequence[int]
 
@@ -23,7 +23,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, attention: str = "auto",
                  mla_path: str = "auto", page_size: int = 16, max_num_batched_tokens: int = 2048, trace=None,
                  progress=None, **options) -> None:
-        from .embedded import default_model_path
+        from mlaserve.embedded import default_model_path
 
         opts = EngineOptions(dtype=dtype, attention=attention, mla_path=mla_path, page_size=page_size,
                              max_num_batched_tokens=max_num_batched_tokens, **options)

@@ -58,11 +58,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from .gguf_convert_metadata import OUTTYPES, _metadata, _Model, _open_model, size_label
-from .gguf_convert_tokenizer import ConvertError
-from .gguf_quants import GGML_TYPES
-from .gguf_writer import F16, F32, GGUFWriter, can_quantize
-from .safetensors_source import SafetensorsSource
+from mlaserve.gguf.convert.metadata import OUTTYPES, _metadata, _Model, _open_model, size_label
+from mlaserve.gguf.convert.tokenizer import ConvertError
+from mlaserve.gguf.quants import GGML_TYPES
+from mlaserve.gguf.convert.writer import F16, F32, GGUFWriter, can_quantize
+from mlaserve.loading.safetensors_source import SafetensorsSource
 
 __all__ = ["ConvertError", "ConvertReport", "OUTTYPES", "convert_hf_to_gguf", "size_label", "tensor_type"]
 

@@ -1,19 +1,12 @@
-"""The paged latent cache and the pool of pages it is cut into.
+"""The pool of cache pages: which page belongs to which request, and the prefix cache.
 
-Notation
-  P pages of page_size rows; S = P * page_size rows per layer
-  row = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]  -- nothing bigger is cached
-  DSA layers add one indexer key row (index_head_dim) per token in a parallel tensor.
-Bytes per token = (kv_lora_rank + qk_rope_head_dim) * num_layers * dtype size (+ indexer keys).
+Plain bookkeeping (ids and counts, no tensors): the scheduler owns it on rank 0; the tensors the
+pages index live in `executor.latent_cache`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-
-import torch
-
-from .config import ModelConfig
 
 
 class OutOfPages(RuntimeError):
@@ -100,35 +93,3 @@ def page_hashes(token_ids: list[int], page_size: int, num_full: int) -> list[int
         parent = hash((parent, tuple(token_ids[i * page_size : (i + 1) * page_size])))
         out.append(parent)
     return out
-
-
-class LatentCache:
-    """Per-layer rows [S, kv_lora_rank + qk_rope_head_dim], addressed by slot = page * page_size + offset."""
-
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 with_indexer: bool = True) -> None:
-        self.page_size = page_size
-        self.num_pages = num_pages
-        rows = num_pages * page_size
-        self.layers = [torch.zeros(rows, cfg.latent_dim, dtype=dtype) for _ in range(cfg.num_layers)]
-        full = indexer_layers(cfg) if with_indexer else set()
-        self.index_keys = [torch.zeros(rows, cfg.indexer.head_dim, dtype=dtype) if i in full else None
-                           for i in range(cfg.num_layers)]
-
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, with_indexer: bool = True) -> int:
-        size = torch.empty((), dtype=dtype).element_size()
-        index = cfg.indexer.head_dim * len(indexer_layers(cfg)) if with_indexer else 0
-        return (cfg.latent_dim * cfg.num_layers + index) * size
-
-    def measured_bytes_per_token(self) -> int:
-        total = sum(t.numel() * t.element_size() for t in self.layers)
-        total += sum(t.numel() * t.element_size() for t in self.index_keys if t is not None)
-        return total // (self.num_pages * self.page_size)
-
-
-def indexer_layers(cfg: ModelConfig) -> set[int]:
-    """Layers that run their own indexer (and so cache indexer keys); "shared" layers reuse one."""
-    if cfg.indexer is None:
-        return set()
-    return {i for i, t in enumerate(cfg.indexer.layer_types) if t == "full"}

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gguf_quants import GGML_TYPES, dequantize, tensor_nbytes
+from mlaserve.gguf.quants import GGML_TYPES, dequantize, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .sampling_params import SamplingParams
+from mlaserve.sampling.params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +69,7 @@ def _add_verify(sub) -> None:
 
 
 def _verify(args) -> int:
-    from .verify import format_checks, run_checks
+    from mlaserve.entrypoints.verify import format_checks, run_checks
 
     llm = _make_llm(args)
     checks = run_checks(llm, llm.encode(args.prompt))
@@ -92,8 +92,8 @@ def _add_convert(sub) -> None:
 
 
 def _convert(args) -> int:
-    from .loading.gguf_checkpoint import load_gguf
-    from .loading.gguf_convert import convert_hf_to_gguf
+    from mlaserve.gguf.read.checkpoint import load_gguf
+    from mlaserve.gguf.convert.convert import convert_hf_to_gguf
 
     report = convert_hf_to_gguf(args.hf_dir, args.out, args.outtype, name=args.name, pre_tokenizer=args.pre_tokenizer)
     counts = ", ".join(f"{n} {t}" for t, n in sorted(report.type_counts().items()))
@@ -105,7 +105,7 @@ def _convert(args) -> int:
 
 
 def _make_llm(args):
-    from .llm import LLM
+    from mlaserve.entrypoints.llm import LLM
 
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, attention=args.attention, mla_path=args.mla_path,
@@ -169,7 +169,7 @@ def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:
 
 
 def _inspect(args) -> int:
-    from .provenance import format_table
+    from mlaserve.config.provenance import format_table
 
     args.model = args.model or getattr(args, "model", None)
     llm = _make_llm(args)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .gguf_file import GGUFError, GGUFFile
+from mlaserve.gguf.read.file import GGUFError, GGUFFile
 
 MLA_ARCHES = ("deepseek2", "deepseek32", "glm-dsa")
 DSA_ARCHES = ("deepseek32", "glm-dsa")

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig
-from .gguf_convert_tokenizer import ConvertError, _read_json, tokenizer_keys
-from .gguf_writer import BF16, BOOL, F16, F32, Q8_0, MetaValue, array, boolean, f32, string, u32
+from mlaserve.config.model import ModelConfig
+from mlaserve.gguf.convert.tokenizer import ConvertError, _read_json, tokenizer_keys
+from mlaserve.gguf.convert.writer import BF16, BOOL, F16, F32, Q8_0, MetaValue, array, boolean, f32, string, u32
 
 OUTTYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0}
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}   # llama_ftype: ALL_F32, MOSTLY_F16, ...

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .forward_batch import SeqChunk
-from .kv_cache import PagePool, page_hashes
-from .request import Request, Status
+from mlaserve.executor.forward_batch import SeqChunk
+from mlaserve.engine.page_pool import PagePool, page_hashes
+from mlaserve.engine.request import Request, Status
 
 
 @dataclass(frozen=True)

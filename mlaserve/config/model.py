@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .provenance import ProvenanceLog, Setting
+from mlaserve.config.provenance import ProvenanceLog, Setting
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .gguf_writer import INT32, STRING, MetaValue, array, boolean, string, u32
+from mlaserve.gguf.convert.writer import INT32, STRING, MetaValue, array, boolean, string, u32
 
 GLM_FAMILIES = ("glm4_moe_lite", "glm_moe_dsa")
 

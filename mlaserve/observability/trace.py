@@ -10,8 +10,8 @@ import json
 from collections import deque
 from pathlib import Path
 
-from .attention.router import AttentionPlan
-from .forward_batch import ForwardBatch
+from mlaserve.attention.router import AttentionPlan
+from mlaserve.executor.forward_batch import ForwardBatch
 
 
 def step_record(step: int, batch: ForwardBatch, plan: AttentionPlan, num_layers: int, extra: dict | None = None) -> dict:

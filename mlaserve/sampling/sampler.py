@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from mlaserve.sampling_params import SamplingParams
+from mlaserve.sampling.params import SamplingParams
 
 __all__ = [
     "SamplingBatch",

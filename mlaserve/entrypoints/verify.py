@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .engine_config import EngineConfig
-from .llm import LLM
-from .model_runner import ModelRunner
+from mlaserve.config.engine import EngineConfig
+from mlaserve.entrypoints.llm import LLM
+from mlaserve.executor.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
