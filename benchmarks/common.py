@@ -27,20 +27,51 @@ RESULTS_DIR = BENCH_DIR / "results"  # gitignored
 SEED = 0
 
 STANDARD = dict(
-    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-    hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=12,
-    first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=256, q_lora_rank=384,
-    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=32, num_experts_per_tok=4,
-    n_shared_experts=1, n_group=4, topk_group=2, topk_method="noaux_tc", norm_topk_prob=True,
-    routed_scaling_factor=2.5, scoring_func="sigmoid", hidden_act="silu", attention_bias=False,
-    rms_norm_eps=1e-6, vocab_size=32768, max_position_embeddings=8192, tie_word_embeddings=False,
-    bos_token_id=0, eos_token_id=1, pad_token_id=2, rope_interleave=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_nextn_predict_layers=0,
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=12,
+    first_k_dense_replace=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=256,
+    q_lora_rank=384,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    topk_method="noaux_tc",
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    scoring_func="sigmoid",
+    hidden_act="silu",
+    attention_bias=False,
+    rms_norm_eps=1e-6,
+    vocab_size=32768,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    rope_interleave=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    num_nextn_predict_layers=0,
 )
 
 DSA = dict(
-    STANDARD, model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
-    index_n_heads=32, index_head_dim=128, index_topk=2048, max_position_embeddings=65536,
+    STANDARD,
+    model_type="deepseek_v32",
+    architectures=["DeepseekV32ForCausalLM"],
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    max_position_embeddings=65536,
 )
 
 
@@ -67,8 +98,10 @@ def ensure_model(kind: str, quick: bool) -> Path:
     if weights.exists() and cfg_path.exists() and json.loads(cfg_path.read_text()) == want:
         return folder
     t0 = time.perf_counter()
-    print(f"[build] writing random {kind} model ({want['num_hidden_layers']} layers, seed {SEED}) to {folder} ...",
-          flush=True)
+    print(
+        f"[build] writing random {kind} model ({want['num_hidden_layers']} layers, seed {SEED}) to {folder} ...",
+        flush=True,
+    )
     write_random_model(folder, want, seed=SEED)
     print(f"[build] done in {time.perf_counter() - t0:.0f} s", flush=True)
     return folder
@@ -106,8 +139,9 @@ def synthetic_latent_rows(n: int, attn, dtype: torch.dtype, g: torch.Generator) 
 def synthetic_index_keys(n: int, indexer, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
     """[n, Di] indexer keys: LayerNorm(~N(0,1)) with the model's own k_norm weight and bias."""
     k = torch.randn(n, indexer.cfg.head_dim, generator=g)
-    k = torch.nn.functional.layer_norm(k, (k.shape[-1],), indexer.k_norm.weight.float(),
-                                       indexer.k_norm.bias.float(), 1e-6)
+    k = torch.nn.functional.layer_norm(
+        k, (k.shape[-1],), indexer.k_norm.weight.float(), indexer.k_norm.bias.float(), 1e-6
+    )
     return k.to(dtype)
 
 
@@ -179,10 +213,16 @@ def contention_warning(threads: int) -> str | None:
     """A warning when other processes already load the CPUs this run wants (1-minute load average)."""
     load, cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load > 0.5:
-        omp = (f" With {threads} threads every parallel op waits for its slowest, possibly descheduled, thread"
-               f" (measured here: 2 threads ~5x slower than 1 under load)." if threads > 1 else "")
-        return (f"WARNING: 1-min load average is {load:.1f} on {cpus} CPUs before the run: other processes compete "
-                f"for the cores.{omp} Absolute numbers are pessimistic; compare ratios, not absolutes.")
+        omp = (
+            f" With {threads} threads every parallel op waits for its slowest, possibly descheduled, thread"
+            f" (measured here: 2 threads ~5x slower than 1 under load)."
+            if threads > 1
+            else ""
+        )
+        return (
+            f"WARNING: 1-min load average is {load:.1f} on {cpus} CPUs before the run: other processes compete "
+            f"for the cores.{omp} Absolute numbers are pessimistic; compare ratios, not absolutes."
+        )
     return None
 
 
@@ -194,9 +234,13 @@ def environment(threads: int) -> dict:
         print(warn, flush=True)
     return {
         "contention_warning": warn,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(),
-        "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch_threads": threads,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": threads,
         "loadavg_start": list(os.getloadavg()),
     }
 
@@ -230,8 +274,10 @@ def fmt(v, nd=1) -> str:
 def print_table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
     text = "\n".join(lines)
     print(text)

@@ -30,8 +30,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RESULTS_DIR, count_params, ensure_model, environment, fill_mlaserve_cache, fmt,  # noqa: E402
-                    mem_available_gib, print_table, rss_gib, write_json)
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    count_params,
+    ensure_model,
+    environment,
+    fill_mlaserve_cache,
+    fmt,
+    mem_available_gib,
+    print_table,
+    rss_gib,
+    write_json,
+)
 
 PAGE_SIZE = 16
 FULL = dict(contexts=[1024, 4096, 16384, 32768], reps=5, warmup=2)
@@ -61,6 +71,7 @@ class IndexerClock:
                 return fn(*a, **kw)
             finally:
                 self.total[key] += time.perf_counter() - t0
+
         return wrapper
 
     def reset(self) -> None:
@@ -71,8 +82,7 @@ class IndexerClock:
             setattr(self.cls, k, fn)
 
 
-def memory_plan(folder: Path, dtype: torch.dtype, contexts: list[int], cfg: dict,
-                batch: int) -> tuple[list[int], dict]:
+def memory_plan(folder: Path, dtype: torch.dtype, contexts: list[int], cfg: dict, batch: int) -> tuple[list[int], dict]:
     """Both engines are resident at once (dense and sparse, interleaved). Drop contexts whose two
     models + two caches (+ 2 GiB headroom) would not fit in 90% of MemAvailable."""
     esize = torch.empty((), dtype=dtype).element_size()
@@ -81,8 +91,10 @@ def memory_plan(folder: Path, dtype: torch.dtype, contexts: list[int], cfg: dict
     index = cfg["index_head_dim"] * cfg["num_hidden_layers"] * esize
     per_tok = 2 * latent + index  # dense cache (latent only) + sparse cache (latent + indexer keys)
     avail = mem_available_gib()
-    keep, plan = [], {"available_gib": avail, "model_gib": model_gib, "cache_bytes_per_token_both": per_tok,
-                      "contexts": {}}
+    keep, plan = (
+        [],
+        {"available_gib": avail, "model_gib": model_gib, "cache_bytes_per_token_both": per_tok, "contexts": {}},
+    )
     for n in contexts:
         need = 2 * model_gib + batch * (n + 2 * PAGE_SIZE) * per_tok / 2**30 + 2.0
         ok = need < 0.9 * avail
@@ -104,15 +116,24 @@ class Engine:
         pages_needed = math.ceil((n_max + 1) / PAGE_SIZE)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # attention='dense' on a DSA model warns (intended here)
-            self.llm = LLM(model=str(folder), dtype=dtype, attention=mode, page_size=PAGE_SIZE, max_num_seqs=batch,
-                           num_pages=batch * pages_needed + 1)
+            self.llm = LLM(
+                model=str(folder),
+                dtype=dtype,
+                attention=mode,
+                page_size=PAGE_SIZE,
+                max_num_seqs=batch,
+                num_pages=batch * pages_needed + 1,
+            )
         assert self.llm.config.sparse == (mode == "sparse"), (mode, self.llm.config.sparse)
         self.pages = [self.llm.engine.pool.allocate(pages_needed) for _ in range(batch)]
         t0 = time.perf_counter()
         for i, pages in enumerate(self.pages):
             fill_mlaserve_cache(self.llm, pages, n_max, seed=1 + i)
-        print(f"[{mode}] loaded; cache filled with {batch} x {n_max} synthetic rows in {time.perf_counter() - t0:.1f} s; "
-              f"RSS {rss_gib():.1f} GiB", flush=True)
+        print(
+            f"[{mode}] loaded; cache filled with {batch} x {n_max} synthetic rows in {time.perf_counter() - t0:.1f} s; "
+            f"RSS {rss_gib():.1f} GiB",
+            flush=True,
+        )
 
     def chunks(self, n: int) -> list:
         """One single-token decode chunk per request, each at context n."""
@@ -144,12 +165,20 @@ def run(engines: dict, contexts: list[int], reps: int, warmup: int, clock: Index
         for m in engines:
             med = statistics.median(ts[m])
             i_med = {k: statistics.median(d[k] for d in idx[m]) for k in ("project", "select")}
-            out[m][n] = {"step_ms": med * 1e3, "min_ms": min(ts[m]) * 1e3, "all_ms": [t * 1e3 for t in ts[m]],
-                         "indexer_project_ms": i_med["project"] * 1e3, "indexer_select_ms": i_med["select"] * 1e3,
-                         "indexer_share": (i_med["project"] + i_med["select"]) / med}
+            out[m][n] = {
+                "step_ms": med * 1e3,
+                "min_ms": min(ts[m]) * 1e3,
+                "all_ms": [t * 1e3 for t in ts[m]],
+                "indexer_project_ms": i_med["project"] * 1e3,
+                "indexer_select_ms": i_med["select"] * 1e3,
+                "indexer_share": (i_med["project"] + i_med["select"]) / med,
+            }
         d, sp = out["dense"][n], out["sparse"][n]
-        print(f"context {n}: dense {d['step_ms']:.1f} ms, sparse {sp['step_ms']:.1f} ms "
-              f"(indexer {sp['indexer_share'] * 100:.0f}%)", flush=True)
+        print(
+            f"context {n}: dense {d['step_ms']:.1f} ms, sparse {sp['step_ms']:.1f} ms "
+            f"(indexer {sp['indexer_share'] * 100:.0f}%)",
+            flush=True,
+        )
     return out
 
 
@@ -167,12 +196,23 @@ def profile_at(engines: dict, n: int, steps: int = 3) -> dict:
         ev = prof.key_averages()
         total = sum(x.self_cpu_time_total for x in ev)
         top = sorted(ev, key=lambda x: -x.self_cpu_time_total)[:12]
-        out[m] = [{"op": x.key, "self_ms_per_step": x.self_cpu_time_total / 1e3 / steps,
-                   "pct": 100 * x.self_cpu_time_total / total, "calls_per_step": x.count / steps} for x in top]
+        out[m] = [
+            {
+                "op": x.key,
+                "self_ms_per_step": x.self_cpu_time_total / 1e3 / steps,
+                "pct": 100 * x.self_cpu_time_total / total,
+                "calls_per_step": x.count / steps,
+            }
+            for x in top
+        ]
         print(f"\n{m} step at context {n}: top aten ops by self time")
-        print_table(["op", "ms/step", "%", "calls/step"],
-                    [[o["op"], f"{o['self_ms_per_step']:.1f}", f"{o['pct']:.1f}", f"{o['calls_per_step']:.0f}"]
-                     for o in out[m]])
+        print_table(
+            ["op", "ms/step", "%", "calls/step"],
+            [
+                [o["op"], f"{o['self_ms_per_step']:.1f}", f"{o['pct']:.1f}", f"{o['calls_per_step']:.0f}"]
+                for o in out[m]
+            ],
+        )
     return out
 
 
@@ -205,8 +245,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=1, help="requests per decode step, each at the same context")
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="override the context lengths")
-    p.add_argument("--profile-at", type=int, default=None,
-                   help="also torch.profile both steps at this context (one of the measured ones)")
+    p.add_argument(
+        "--profile-at",
+        type=int,
+        default=None,
+        help="also torch.profile both steps at this context (one of the measured ones)",
+    )
     return p.parse_args()
 
 
@@ -215,14 +259,27 @@ def report(res: dict, contexts: list[int], args: argparse.Namespace, cfg: dict) 
     rows = []
     for n in contexts:
         d, sp = res["dense"][n], res["sparse"][n]
-        rows.append([f"{n:,}", fmt(d["step_ms"]), fmt(sp["step_ms"]), f"{d['step_ms'] / sp['step_ms']:.2f}x",
-                     fmt(sp["indexer_project_ms"] + sp["indexer_select_ms"]),
-                     f"{sp['indexer_share'] * 100:.0f}%", fmt(sp["indexer_select_ms"]), fmt(sp["indexer_project_ms"])])
+        rows.append(
+            [
+                f"{n:,}",
+                fmt(d["step_ms"]),
+                fmt(sp["step_ms"]),
+                f"{d['step_ms'] / sp['step_ms']:.2f}x",
+                fmt(sp["indexer_project_ms"] + sp["indexer_select_ms"]),
+                f"{sp['indexer_share'] * 100:.0f}%",
+                fmt(sp["indexer_select_ms"]),
+                fmt(sp["indexer_project_ms"]),
+            ]
+        )
     print()
-    print(f"decode step, batch {args.batch}, DSA model ({cfg['num_hidden_layers']} layers, index_topk {cfg['index_topk']}), "
-          f"dtype {args.dtype}, {args.threads} threads{', QUICK' if args.quick else ''}")
-    table = print_table(["context", "dense ms", "sparse ms", "dense/sparse", "indexer ms", "indexer share",
-                         "select ms", "project ms"], rows)
+    print(
+        f"decode step, batch {args.batch}, DSA model ({cfg['num_hidden_layers']} layers, index_topk {cfg['index_topk']}), "
+        f"dtype {args.dtype}, {args.threads} threads{', QUICK' if args.quick else ''}"
+    )
+    table = print_table(
+        ["context", "dense ms", "sparse ms", "dense/sparse", "indexer ms", "indexer share", "select ms", "project ms"],
+        rows,
+    )
     verdict = None
     if 16384 in contexts:
         sp = res["dense"][16384]["step_ms"] / res["sparse"][16384]["step_ms"]
@@ -242,8 +299,11 @@ def main() -> None:
     cfg = json.loads((folder / "config.json").read_text())
     env = environment(args.threads)
     contexts, mem = memory_plan(folder, DTYPES[args.dtype], s["contexts"], cfg, args.batch)
-    print(f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}; "
-          f"memory available {mem['available_gib']:.1f} GiB, contexts {contexts}", flush=True)
+    print(
+        f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}; "
+        f"memory available {mem['available_gib']:.1f} GiB, contexts {contexts}",
+        flush=True,
+    )
     clock = IndexerClock()
     engines = {m: Engine(folder, m, args.dtype, max(contexts), args.batch) for m in ("dense", "sparse")}
     try:
@@ -254,22 +314,43 @@ def main() -> None:
     wall = time.perf_counter() - wall0
     table, verdict = report(res, contexts, args, cfg)
     env["loadavg_end"] = list(os.getloadavg())
-    tag = f"{'-quick' if args.quick else ''}{'' if args.dtype == 'float32' else '-' + args.dtype}" \
-          f"{'' if args.batch == 1 else f'-b{args.batch}'}"
+    tag = (
+        f"{'-quick' if args.quick else ''}{'' if args.dtype == 'float32' else '-' + args.dtype}"
+        f"{'' if args.batch == 1 else f'-b{args.batch}'}"
+    )
     title = f"mlaserve decode step, DSA model, {args.dtype}, batch {args.batch}"
-    plot_note = plot(res, contexts, REPO / "docs" / f"long_context{tag}.png", title) if not args.quick else "quick: no plot"
-    print(f"{plot_note}\nwall time {wall:.0f} s; loadavg start {env['loadavg_start']} end {env['loadavg_end']} "
-          f"(other processes share the CPUs: absolute numbers are pessimistic)")
-    write_json(RESULTS_DIR / f"long_context{tag}.json", {
-        "benchmark": "long_context", "dtype": args.dtype, "batch": args.batch, "quick": args.quick, "settings": s,
-        "env": env, "wall_s": wall, "memory": mem,
-        "model": {"folder": str(folder), "params": count_params(folder), "config": cfg},
-        "results": res, "profile": prof, "target_16k": verdict, "plot": plot_note, "table": table,
-        "notes": ["synthetic cache rows, single-token decode through runner.execute (forward + logits)",
-                  "dense and sparse engines are both resident; their steps alternate rep by rep",
-                  "indexer share = (Indexer.project + Indexer.select wall time) / sparse step time",
-                  "dense skips the indexer entirely (attention='dense')"],
-    })
+    plot_note = (
+        plot(res, contexts, REPO / "docs" / f"long_context{tag}.png", title) if not args.quick else "quick: no plot"
+    )
+    print(
+        f"{plot_note}\nwall time {wall:.0f} s; loadavg start {env['loadavg_start']} end {env['loadavg_end']} "
+        f"(other processes share the CPUs: absolute numbers are pessimistic)"
+    )
+    write_json(
+        RESULTS_DIR / f"long_context{tag}.json",
+        {
+            "benchmark": "long_context",
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "quick": args.quick,
+            "settings": s,
+            "env": env,
+            "wall_s": wall,
+            "memory": mem,
+            "model": {"folder": str(folder), "params": count_params(folder), "config": cfg},
+            "results": res,
+            "profile": prof,
+            "target_16k": verdict,
+            "plot": plot_note,
+            "table": table,
+            "notes": [
+                "synthetic cache rows, single-token decode through runner.execute (forward + logits)",
+                "dense and sparse engines are both resident; their steps alternate rep by rep",
+                "indexer share = (Indexer.project + Indexer.select wall time) / sparse step time",
+                "dense skips the indexer entirely (attention='dense')",
+            ],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -30,13 +30,49 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RESULTS_DIR, count_params, ensure_model, environment, fill_mlaserve_cache, fmt,  # noqa: E402
-                    mem_available_gib, print_table, random_prompt, rss_gib, timed, write_json)
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    count_params,
+    ensure_model,
+    environment,
+    fill_mlaserve_cache,
+    fmt,
+    mem_available_gib,
+    print_table,
+    random_prompt,
+    rss_gib,
+    timed,
+    write_json,
+)
 
-FULL = dict(prefill_len=512, prefill_reps=3, dec_prompt=128, dec_new=64, dec_reps=2, conc=16, conc_prompt=128,
-            conc_new=128, conc_reps=1, contexts=[128, 512, 1024, 2048], step_reps=5, step_warmup=2)
-QUICK = dict(prefill_len=128, prefill_reps=2, dec_prompt=32, dec_new=8, dec_reps=1, conc=16, conc_prompt=32,
-             conc_new=8, conc_reps=1, contexts=[128, 512], step_reps=3, step_warmup=1)
+FULL = dict(
+    prefill_len=512,
+    prefill_reps=3,
+    dec_prompt=128,
+    dec_new=64,
+    dec_reps=2,
+    conc=16,
+    conc_prompt=128,
+    conc_new=128,
+    conc_reps=1,
+    contexts=[128, 512, 1024, 2048],
+    step_reps=5,
+    step_warmup=2,
+)
+QUICK = dict(
+    prefill_len=128,
+    prefill_reps=2,
+    dec_prompt=32,
+    dec_new=8,
+    dec_reps=1,
+    conc=16,
+    conc_prompt=32,
+    conc_new=8,
+    conc_reps=1,
+    contexts=[128, 512],
+    step_reps=3,
+    step_warmup=1,
+)
 PAGE_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,7 +83,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="2-layer model, short prompts: a smoke test, not a benchmark")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both engines (spec: 2)")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--gguf", default=None, help="GGUF of the same weights for llama.cpp (used only if llama_cpp imports)")
+    p.add_argument(
+        "--gguf", default=None, help="GGUF of the same weights for llama.cpp (used only if llama_cpp imports)"
+    )
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<dtype>[-quick].json)")
     return p.parse_args()
 
@@ -59,11 +97,19 @@ class MlaServe:
     def __init__(self, folder, dtype: str, settings: dict) -> None:
         from mlaserve import LLM
 
-        need = max(settings["conc"] * math.ceil((settings["conc_prompt"] + settings["conc_new"]) / PAGE_SIZE),
-                   math.ceil((max(settings["contexts"]) + 1) / PAGE_SIZE),
-                   math.ceil((settings["prefill_len"] + 1) / PAGE_SIZE))
-        self.llm = LLM(model=str(folder), dtype=dtype, page_size=PAGE_SIZE, max_num_batched_tokens=2048,
-                       max_num_seqs=max(16, settings["conc"]), num_pages=need + 16)
+        need = max(
+            settings["conc"] * math.ceil((settings["conc_prompt"] + settings["conc_new"]) / PAGE_SIZE),
+            math.ceil((max(settings["contexts"]) + 1) / PAGE_SIZE),
+            math.ceil((settings["prefill_len"] + 1) / PAGE_SIZE),
+        )
+        self.llm = LLM(
+            model=str(folder),
+            dtype=dtype,
+            page_size=PAGE_SIZE,
+            max_num_batched_tokens=2048,
+            max_num_seqs=max(16, settings["conc"]),
+            num_pages=need + 16,
+        )
         self.vocab = self.llm.config.model.vocab_size
 
     def _params(self, n: int):
@@ -87,9 +133,11 @@ class MlaServe:
 
         cache = self.llm.runner.cache
         cfg = self.llm.config
-        return {"measured": cache.measured_bytes_per_token(),
-                "formula": LatentCache.bytes_per_token(cfg.model, cfg.dtype, with_indexer=cfg.sparse),
-                "what": "allocated latent-cache tensor bytes / cache rows (all layers; [c_kv | k_pe] per token)"}
+        return {
+            "measured": cache.measured_bytes_per_token(),
+            "formula": LatentCache.bytes_per_token(cfg.model, cfg.dtype, with_indexer=cfg.sparse),
+            "what": "allocated latent-cache tensor bytes / cache rows (all layers; [c_kv | k_pe] per token)",
+        }
 
     def step_times(self, contexts: list[int], reps: int, warmup: int) -> tuple[dict, dict]:
         """Single-token decode forward over a synthetic cache at each context length."""
@@ -127,15 +175,18 @@ class HF:
     def __init__(self, folder, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype],
-                                                                output_loading_info=True)
+        self.model, info = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=DTYPES[dtype], output_loading_info=True
+        )
         bad = {k: v for k, v in info.items() if v}
         if bad:
             raise RuntimeError(f"transformers did not load the folder cleanly: {bad}")
         self.model.eval()
         cfg = self.model.config
-        self.impl = {"attn_implementation": cfg._attn_implementation,
-                     "experts_implementation": getattr(cfg, "_experts_implementation", None)}
+        self.impl = {
+            "attn_implementation": cfg._attn_implementation,
+            "experts_implementation": getattr(cfg, "_experts_implementation", None),
+        }
 
     def generate(self, prompts: list[list[int]], new: int, stamps: _Stamps | None = None, return_cache=False):
         from transformers import LogitsProcessorList
@@ -145,10 +196,9 @@ class HF:
         ids = torch.full((len(prompts), width), 2, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2,
-                  return_dict_in_generate=True)
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2, return_dict_in_generate=True)
         if stamps is not None:
             kw["logits_processor"] = LogitsProcessorList([stamps])
         with torch.inference_mode():
@@ -160,7 +210,7 @@ class HF:
         out = self.generate([prompt], new, st)
         rate = (len(st.t) - 1) / (st.t[-1] - st.t[0])
         cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
-        return rate, out.sequences[0, len(prompt):].tolist(), cache
+        return rate, out.sequences[0, len(prompt) :].tolist(), cache
 
     @staticmethod
     def kv_bytes_per_token(cache, batch: int) -> dict:
@@ -170,8 +220,12 @@ class HF:
                 total += t.numel() * t.element_size()
             seq = layer.get_seq_length()
         shapes = [tuple(cache.layers[0].keys.shape), tuple(cache.layers[0].values.shape)]
-        return {"measured": total // (batch * seq), "cached_tokens": seq, "layer0_shapes": shapes,
-                "what": "sum over DynamicCache layers of keys+values bytes / (batch * cached tokens)"}
+        return {
+            "measured": total // (batch * seq),
+            "cached_tokens": seq,
+            "layer0_shapes": shapes,
+            "what": "sum over DynamicCache layers of keys+values bytes / (batch * cached tokens)",
+        }
 
     def step_times(self, contexts: list[int], rows: dict, reps: int, warmup: int) -> dict:
         from transformers import DynamicCache
@@ -234,8 +288,10 @@ def main() -> None:
     wall0 = time.perf_counter()
     folder = ensure_model("standard", args.quick)
     env = environment(args.threads)
-    print(f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}",
-          flush=True)
+    print(
+        f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}",
+        flush=True,
+    )
     ml = MlaServe(folder, args.dtype, s)
     vocab = ml.vocab
     hf = None if args.skip_transformers else HF(folder, args.dtype)
@@ -276,7 +332,7 @@ def main() -> None:
     res["mlaserve"]["kv_bytes_per_token"] = ml.kv_bytes_per_token()
     if hf is not None:
         agree = []
-        for rep, d in greedy.items():
+        for d in greedy.values():
             a, b = d["mlaserve"], d["transformers"]
             same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             agree.append(f"{same}/{len(a)}")
@@ -284,8 +340,10 @@ def main() -> None:
 
     print(f"[{s['conc']} concurrent requests]", flush=True)
     for e in engines:
+
         def run():
             e.generate([random_prompt(s["conc_prompt"], vocab, next(seed)) for _ in range(s["conc"])], s["conc_new"])
+
         t = timed(run, s["conc_reps"], 0)
         res[e.name]["output_tok_s_concurrent"] = s["conc"] * s["conc_new"] / t["median_s"]
         res[e.name]["concurrent_s"] = t
@@ -323,35 +381,57 @@ def main() -> None:
     rows_t = [
         row(f"prefill tok/s ({s['prefill_len']}-token prompt)", "prefill_tok_s", "higher"),
         row(f"decode tok/s, batch 1 ({s['dec_prompt']}+{s['dec_new']})", "decode_tok_s_b1", "higher"),
-        row(f"output tok/s, {s['conc']} concurrent ({s['conc_prompt']}+{s['conc_new']})",
-            "output_tok_s_concurrent", "higher"),
+        row(
+            f"output tok/s, {s['conc']} concurrent ({s['conc_prompt']}+{s['conc_new']})",
+            "output_tok_s_concurrent",
+            "higher",
+        ),
         row("KV cache bytes/token (all layers)", "kv_bytes_per_token", "lower"),
     ]
     for n in s["contexts"]:
         rows_t.append(row(f"decode step ms @ context {n}", "step_ms", "lower", sub=n))
     print()
-    print(f"mlaserve vs transformers -- dtype {args.dtype}, {args.threads} threads, "
-          f"{'QUICK (2 layers)' if args.quick else 'standard model (12 layers)'}; ratio = mlaserve / transformers")
+    print(
+        f"mlaserve vs transformers -- dtype {args.dtype}, {args.threads} threads, "
+        f"{'QUICK (2 layers)' if args.quick else 'standard model (12 layers)'}; ratio = mlaserve / transformers"
+    )
     table = print_table(["metric", "mlaserve", "transformers", "ratio", "better", "llama.cpp"], rows_t)
     if "greedy_agreement_b1" in res:
         print(f"greedy agreement (leading identical tokens, batch 1): {res['greedy_agreement_b1']}")
     env["loadavg_end"] = list(os.getloadavg())
-    print(f"wall time {wall:.0f} s; loadavg start {env['loadavg_start']} end {env['loadavg_end']} "
-          f"(other processes share the {env['cpus']} CPUs: absolute numbers are pessimistic)")
+    print(
+        f"wall time {wall:.0f} s; loadavg start {env['loadavg_start']} end {env['loadavg_end']} "
+        f"(other processes share the {env['cpus']} CPUs: absolute numbers are pessimistic)"
+    )
 
     out = Path(args.out) if args.out else RESULTS_DIR / f"offline-{args.dtype}{'-quick' if args.quick else ''}.json"
-    write_json(out, {
-        "benchmark": "offline", "dtype": args.dtype, "quick": args.quick, "settings": s, "env": env,
-        "wall_s": wall, "model": {"folder": str(folder), "params": count_params(folder),
-                                  "config": json.loads((folder / "config.json").read_text())},
-        "transformers_impl": hf.impl if hf else None, "llama.cpp": lc_status or "measured",
-        "results": res, "table": table,
-        "notes": ["ratio = mlaserve / transformers; for times and bytes lower is better",
-                  "decode step vs context uses a synthetic cache (same rows for both engines), single token, "
-                  "logits of that token only; it excludes scheduling and sampling",
-                  "transformers 5.x caches the compressed latent ([c_kv], [k_pe]) too, but re-expands the whole "
-                  "cached context through kv_b_proj at every step"],
-    })
+    write_json(
+        out,
+        {
+            "benchmark": "offline",
+            "dtype": args.dtype,
+            "quick": args.quick,
+            "settings": s,
+            "env": env,
+            "wall_s": wall,
+            "model": {
+                "folder": str(folder),
+                "params": count_params(folder),
+                "config": json.loads((folder / "config.json").read_text()),
+            },
+            "transformers_impl": hf.impl if hf else None,
+            "llama.cpp": lc_status or "measured",
+            "results": res,
+            "table": table,
+            "notes": [
+                "ratio = mlaserve / transformers; for times and bytes lower is better",
+                "decode step vs context uses a synthetic cache (same rows for both engines), single token, "
+                "logits of that token only; it excludes scheduling and sampling",
+                "transformers 5.x caches the compressed latent ([c_kv], [k_pe]) too, but re-expands the whole "
+                "cached context through kv_b_proj at every step",
+            ],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -90,16 +90,33 @@ def profile_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int, tag:
     labels = {s[3] for s in SCOPES}
     step_total = next(e.cpu_time_total for e in events if e.key == "engine.step")
     scopes = sorted(((e.key, e.cpu_time_total, e.count) for e in events if e.key in labels), key=lambda x: -x[1])
-    ops = sorted(((e.key, e.self_cpu_time_total, e.count) for e in events if e.key not in labels),
-                 key=lambda x: -x[1])
+    ops = sorted(((e.key, e.self_cpu_time_total, e.count) for e in events if e.key not in labels), key=lambda x: -x[1])
     self_total = sum(e.self_cpu_time_total for e in events)
     return {
-        "batch": batch, "steps": steps, "context_at_start": prompt_len, "wall_s": wall,
-        "ms_per_step": wall / steps * 1e3, "tokens_per_s": batch * steps / wall,
-        "scopes": [{"scope": k, "ms_per_step": t / 1e3 / steps, "pct_of_step": 100 * t / step_total,
-                    "calls_per_step": c / steps} for k, t, c in scopes],
-        "top_ops": [{"op": k, "self_ms_per_step": t / 1e3 / steps, "pct_of_self": 100 * t / self_total,
-                     "calls_per_step": c / steps} for k, t, c in ops[:15]],
+        "batch": batch,
+        "steps": steps,
+        "context_at_start": prompt_len,
+        "wall_s": wall,
+        "ms_per_step": wall / steps * 1e3,
+        "tokens_per_s": batch * steps / wall,
+        "scopes": [
+            {
+                "scope": k,
+                "ms_per_step": t / 1e3 / steps,
+                "pct_of_step": 100 * t / step_total,
+                "calls_per_step": c / steps,
+            }
+            for k, t, c in scopes
+        ],
+        "top_ops": [
+            {
+                "op": k,
+                "self_ms_per_step": t / 1e3 / steps,
+                "pct_of_self": 100 * t / self_total,
+                "calls_per_step": c / steps,
+            }
+            for k, t, c in ops[:15]
+        ],
         "chrome_trace": str(trace),
     }
 
@@ -121,20 +138,35 @@ def main() -> None:
     vocab = llm.config.model.vocab_size
     undo = install_scopes()
     tag = "-quick" if args.quick else ""
-    out = {"dtype": args.dtype, "threads": args.threads, "quick": args.quick, "loadavg_start": list(os.getloadavg()),
-           "runs": []}
+    out = {
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "quick": args.quick,
+        "loadavg_start": list(os.getloadavg()),
+        "runs": [],
+    }
     try:
         for b in args.batches:
             r = profile_batch(llm, b, args.prompt, args.steps, vocab, tag)
             out["runs"].append(r)
-            print(f"\n== decode, batch {b}, context ~{args.prompt}: {r['ms_per_step']:.1f} ms/step "
-                  f"({r['tokens_per_s']:.1f} tok/s) ==")
-            print_table(["scope (inclusive)", "ms/step", "% of step", "calls/step"],
-                        [[s["scope"], f"{s['ms_per_step']:.2f}", f"{s['pct_of_step']:.1f}", f"{s['calls_per_step']:.0f}"]
-                         for s in r["scopes"]])
-            print_table(["aten op (self)", "ms/step", "% of self time", "calls/step"],
-                        [[o["op"], f"{o['self_ms_per_step']:.2f}", f"{o['pct_of_self']:.1f}", f"{o['calls_per_step']:.0f}"]
-                         for o in r["top_ops"]])
+            print(
+                f"\n== decode, batch {b}, context ~{args.prompt}: {r['ms_per_step']:.1f} ms/step "
+                f"({r['tokens_per_s']:.1f} tok/s) =="
+            )
+            print_table(
+                ["scope (inclusive)", "ms/step", "% of step", "calls/step"],
+                [
+                    [s["scope"], f"{s['ms_per_step']:.2f}", f"{s['pct_of_step']:.1f}", f"{s['calls_per_step']:.0f}"]
+                    for s in r["scopes"]
+                ],
+            )
+            print_table(
+                ["aten op (self)", "ms/step", "% of self time", "calls/step"],
+                [
+                    [o["op"], f"{o['self_ms_per_step']:.2f}", f"{o['pct_of_self']:.1f}", f"{o['calls_per_step']:.0f}"]
+                    for o in r["top_ops"]
+                ],
+            )
     finally:
         for cls, meth, raw in undo:
             setattr(cls, meth, raw)

@@ -1,7 +1,7 @@
 """mlaserve: an inference and serving engine for Multi-head Latent Attention models."""
 
-from mlaserve.config.model import ModelConfig
 from mlaserve.config.engine import EngineConfig, EngineOptions
+from mlaserve.config.model import ModelConfig
 from mlaserve.entrypoints.llm import LLM
 from mlaserve.sampling.params import SamplingParams
 

@@ -41,8 +41,10 @@ def main(argv=None) -> None:
         logits = llm.prompt_logits(ids)
         total += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
         count += len(ids) - 1
-    print(f"engine held-out perplexity ({args.attention}, {len(wins)} windows of {tr.CONTEXT}): "
-          f"{math.exp(total / count):.4f}")
+    print(
+        f"engine held-out perplexity ({args.attention}, {len(wins)} windows of {tr.CONTEXT}): "
+        f"{math.exp(total / count):.4f}"
+    )
 
 
 if __name__ == "__main__":

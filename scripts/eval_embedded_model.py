@@ -74,8 +74,7 @@ class SelectionOverride:
     def __init__(self, model, kind: str, k: int, seed: int = 0):
         self.kind, self.k = kind, k
         self.gen = torch.Generator().manual_seed(seed)
-        self.handles = [layer.self_attn.indexer.register_forward_hook(self.hook)
-                        for layer in model.model.layers]
+        self.handles = [layer.self_attn.indexer.register_forward_hook(self.hook) for layer in model.model.layers]
 
     def hook(self, mod, args, out):
         B, S, K = out.shape
@@ -98,7 +97,7 @@ class SelectionOverride:
 
 
 def windows(ids: torch.Tensor, T: int) -> torch.Tensor:
-    ws = [ids[i:i + T].clone() for i in range(0, len(ids) - T + 1, T - 1)]
+    ws = [ids[i : i + T].clone() for i in range(0, len(ids) - T + 1, T - 1)]
     out = torch.stack(ws)
     out[:, 0] = 0
     return out
@@ -112,7 +111,7 @@ def nll_by_position(model, wins, topk, batch=8, override=None, seed=0):
     rows = []
     try:
         for i in range(0, len(wins), batch):
-            x = wins[i:i + batch]
+            x = wins[i : i + batch]
             logits = model(input_ids=x).logits.float()
             rows.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none"))
     finally:
@@ -131,7 +130,7 @@ def indexer_recall(model, wins, k=tr.INDEX_TOPK):
     res = {"indexer": [], "recent": []}
     try:
         for i in range(0, len(wins), 8):
-            x = wins[i:i + 8]
+            x = wins[i : i + 8]
             model(input_ids=x)
             B, T = x.shape
             for li in probe.x:
@@ -166,7 +165,7 @@ def generate(model, tok, prompt, mode, max_new_tokens=80, seed=0):
         kw.update(do_sample=True, temperature=0.8, top_p=0.95, top_k=0)
     with torch.no_grad():
         out = model.generate(**enc, **kw)
-    return tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def evaluate(folder, corpus, threads=1):
@@ -199,8 +198,10 @@ def evaluate(folder, corpus, threads=1):
 
     w512 = windows(held_ids, 512)
     r["windows_512"] = len(w512)
-    r["ppl_512"] = {"sparse": ppl(nll_by_position(model, w512, K, batch=4)),
-                    "dense": ppl(nll_by_position(model, w512, tr.DENSE_TOPK, batch=4))}
+    r["ppl_512"] = {
+        "sparse": ppl(nll_by_position(model, w512, K, batch=4)),
+        "dense": ppl(nll_by_position(model, w512, tr.DENSE_TOPK, batch=4)),
+    }
 
     r["attention_mass_in_top64"] = indexer_recall(model, w256[:16])
 
@@ -239,26 +240,33 @@ def write_card(folder, r, stats):
     samples = "\n\n".join(
         f"**{s['mode']}**, prompt `{s['prompt']}`"
         + (" (temperature 0.8, top-p 0.95, `torch.manual_seed(0)`)" if s["mode"] == "sampled" else "")
-        + ":\n\n" + _blockquote(s["prompt"] + s["text"])
+        + ":\n\n"
+        + _blockquote(s["prompt"] + s["text"])
         for s in r["card_samples"]
     )
     p256, pge = r["ppl_256"], r["ppl_256_queries_ge_64"]
     sched = st.get("lr_schedule", "")
     m = re.search(r"--minutes ([0-9.]+)", sched)
     if m:
-        command = (f"python scripts/train_embedded_model.py --threads {st.get('threads')} --seed {st.get('seed')} "
-                   f"--minutes {m.group(1)} --work-dir runs/tiny-dsa-work")
+        command = (
+            f"python scripts/train_embedded_model.py --threads {st.get('threads')} --seed {st.get('seed')} "
+            f"--minutes {m.group(1)} --work-dir runs/tiny-dsa-work"
+        )
         repro_note = (
             "This run used a wall-clock budget: the phases end at 65% / 72% / 100% of it and the learning rates "
             "follow elapsed time, so the step counts depend on the machine (here one core of a shared 2-core "
             f"VM: {steps.get('dense')} / {steps.get('indexer')} / {steps.get('sparse')} steps). "
             f"`{st.get('reproduce')}` replays the same step counts with a step-based cosine schedule "
-            "(the same recipe, not the same bits). The data order, initialisation and tokenizer are seeded.")
+            "(the same recipe, not the same bits). The data order, initialisation and tokenizer are seeded."
+        )
     else:
         command = st.get("reproduce", "python scripts/train_embedded_model.py")
-        repro_note = ("Training is seeded; fp32 CPU kernels and thread counts can change the last bits, so a "
-                      "rerun reproduces the numbers closely rather than bit for bit.")
-    card = f"""# tiny-dsa: mlaserve's embedded default model
+        repro_note = (
+            "Training is seeded; fp32 CPU kernels and thread counts can change the last bits, so a "
+            "rerun reproduces the numbers closely rather than bit for bit."
+        )
+    card = (
+        f"""# tiny-dsa: mlaserve's embedded default model
 
 A tiny **DeepSeek-V3.2-architecture** causal LM (`model_type: deepseek_v32`,
 `DeepseekV32ForCausalLM` in transformers 5.24) trained from scratch on the **King James Bible**.
@@ -278,24 +286,24 @@ It writes KJV-flavoured English; it knows nothing else.
 * Why: it is the largest clean, public-domain English *prose* text found in Debian's archive (4.2 MB, pure ASCII);
   `fortunes` is too heterogeneous and too small for a model to read fluently, `dict-gcide` is
   dictionary entries, not running text. The KJV's regular style and closed vocabulary
-  (~12.8k word types) let a 5M-parameter model trained for {fmt_s(st.get('train_seconds'))} on one CPU core produce
+  (~12.8k word types) let a 5M-parameter model trained for {fmt_s(st.get("train_seconds"))} on one CPU core produce
   fluent-looking text.
-* Held out: the last 2% of the lines (from 2 Peter 3:12 on: 1-3 John, Jude, Revelation), {r['heldout_tokens']} tokens, never seen by the
+* Held out: the last 2% of the lines (from 2 Peter 3:12 on: 1-3 John, Jude, Revelation), {r["heldout_tokens"]} tokens, never seen by the
   tokenizer or the model.
 * The model weights are released under the same terms as the rest of mlaserve.
 
-## Architecture ({st.get('params', 'n/a')} parameters, fp32)
+## Architecture ({st.get("params", "n/a")} parameters, fp32)
 
 | | |
 |---|---|
-| layers | {cfg['num_hidden_layers']} (layer 0 dense MLP {cfg['intermediate_size']}, layers 1-3 MoE) |
-| hidden | {cfg['hidden_size']}, RMSNorm eps {cfg['rms_norm_eps']} |
-| MLA | {cfg['num_attention_heads']} heads (`num_key_value_heads` {cfg['num_key_value_heads']}), q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']}, qk_nope {cfg['qk_nope_head_dim']}, qk_rope {cfg['qk_rope_head_dim']} (interleaved), v {cfg['v_head_dim']} |
-| DSA indexer | {cfg['index_n_heads']} heads x {cfg['index_head_dim']} dims (RoPE on the first {cfg['qk_rope_head_dim']}, half-split), `index_topk` {cfg['index_topk']} |
-| MoE | {cfg['n_routed_experts']} routed experts (moe_intermediate {cfg['moe_intermediate_size']}), top-{cfg['num_experts_per_tok']}, {cfg['n_shared_experts']} shared; sigmoid + `e_score_correction_bias`, n_group 1, `norm_topk_prob` true, `routed_scaling_factor` {cfg['routed_scaling_factor']} |
+| layers | {cfg["num_hidden_layers"]} (layer 0 dense MLP {cfg["intermediate_size"]}, layers 1-3 MoE) |
+| hidden | {cfg["hidden_size"]}, RMSNorm eps {cfg["rms_norm_eps"]} |
+| MLA | {cfg["num_attention_heads"]} heads (`num_key_value_heads` {cfg["num_key_value_heads"]}), q_lora_rank {cfg["q_lora_rank"]}, kv_lora_rank {cfg["kv_lora_rank"]}, qk_nope {cfg["qk_nope_head_dim"]}, qk_rope {cfg["qk_rope_head_dim"]} (interleaved), v {cfg["v_head_dim"]} |
+| DSA indexer | {cfg["index_n_heads"]} heads x {cfg["index_head_dim"]} dims (RoPE on the first {cfg["qk_rope_head_dim"]}, half-split), `index_topk` {cfg["index_topk"]} |
+| MoE | {cfg["n_routed_experts"]} routed experts (moe_intermediate {cfg["moe_intermediate_size"]}), top-{cfg["num_experts_per_tok"]}, {cfg["n_shared_experts"]} shared; sigmoid + `e_score_correction_bias`, n_group 1, `norm_topk_prob` true, `routed_scaling_factor` {cfg["routed_scaling_factor"]} |
 | vocab | {V_of(cfg)} byte-level BPE, `<bos>`=0, `<eos>`=1, `<pad>`=2; the tokenizer prepends `<bos>` |
 | embeddings | tied (`tie_word_embeddings` true: the safetensors file has no `lm_head.weight`) |
-| RoPE | default, theta 10000; trained context 256, `max_position_embeddings` {cfg['max_position_embeddings']} |
+| RoPE | default, theta 10000; trained context 256, `max_position_embeddings` {cfg["max_position_embeddings"]} |
 | MTP | none (`num_nextn_predict_layers` 0) |
 
 On disk the experts use the Hub layout (`mlp.experts.{{i}}.{{gate,up,down}}_proj.weight`), as written by
@@ -303,46 +311,46 @@ On disk the experts use the Hub layout (`mlp.experts.{{i}}.{{gate,up,down}}_proj
 
 ## Training
 
-`scripts/train_embedded_model.py` (seeded, seed {st.get('seed')}), {st.get('threads')} CPU thread(s),
+`scripts/train_embedded_model.py` (seeded, seed {st.get("seed")}), {st.get("threads")} CPU thread(s),
 batches of {B} x {T} tokens, AdamW (betas 0.9/0.95, weight decay 0.1, clip 1.0), peak LR 2e-3 with 100
 warm-up steps and cosine decay to 10% over the main model's steps; indexer AdamW LR 1e-3.
 Following DeepSeek-V3.2's recipe for the indexer:
 
-1. **dense phase**: {steps.get('dense')} steps, {fmt_s(ph.get('dense', {}).get('seconds'))}: next-token cross-entropy, top-k forced off
-   (every causal key selected). Final training loss (EMA) {ph.get('dense', {}).get('final_loss_ema')}.
-2. **indexer warm-up**: {steps.get('indexer')} steps, {fmt_s(ph.get('indexer_warmup', {}).get('seconds'))}: main model frozen, only the indexer
+1. **dense phase**: {steps.get("dense")} steps, {fmt_s(ph.get("dense", {}).get("seconds"))}: next-token cross-entropy, top-k forced off
+   (every causal key selected). Final training loss (EMA) {ph.get("dense", {}).get("final_loss_ema")}.
+2. **indexer warm-up**: {steps.get("indexer")} steps, {fmt_s(ph.get("indexer_warmup", {}).get("seconds"))}: main model frozen, only the indexer
    learns, by KL(p || softmax(indexer scores)) with p the dense attention distribution summed over heads and
    renormalised (the indexer's scores are recomputed with gradients from its weights, since transformers
-   runs it under `no_grad`). Final KL {ph.get('indexer_warmup', {}).get('final_kl_ema')}.
-3. **sparse phase**: {steps.get('sparse')} steps, {fmt_s(ph.get('sparse', {}).get('seconds'))}: top-64 selection active in transformers'
+   runs it under `no_grad`). Final KL {ph.get("indexer_warmup", {}).get("final_kl_ema")}.
+3. **sparse phase**: {steps.get("sparse")} steps, {fmt_s(ph.get("sparse", {}).get("seconds"))}: top-64 selection active in transformers'
    forward; cross-entropy for the main model plus the indexer KL restricted to the selected keys (indexer inputs
-   detached). Final KL {ph.get('sparse', {}).get('final_kl_ema')}.
+   detached). Final KL {ph.get("sparse", {}).get("final_kl_ema")}.
 
 MoE load balance: DeepSeek-V3's auxiliary-loss-free bias update (gamma 1e-3 per step).
-Main-model tokens: {st.get('tokens_seen_main')} (~{round(st.get('tokens_seen_main', 0) / max(1, st.get('train_tokens_in_corpus', 1)), 1)} epochs of the
-{st.get('train_tokens_in_corpus')}-token training split); total wall time {fmt_s(st.get('train_seconds'))}.
-**Final training loss: {st.get('final_train_loss')}** (EMA of the last sparse-phase steps).
+Main-model tokens: {st.get("tokens_seen_main")} (~{round(st.get("tokens_seen_main", 0) / max(1, st.get("train_tokens_in_corpus", 1)), 1)} epochs of the
+{st.get("train_tokens_in_corpus")}-token training split); total wall time {fmt_s(st.get("train_seconds"))}.
+**Final training loss: {st.get("final_train_loss")}** (EMA of the last sparse-phase steps).
 
 ## Evaluation (transformers 5.24, fp32, eager attention; `scripts/eval_embedded_model.py`)
 
-Held-out text, {r['windows_256']} windows of 256 tokens (`<bos>` + 255; the trained context):
+Held-out text, {r["windows_256"]} windows of 256 tokens (`<bos>` + 255; the trained context):
 
 | selection in every layer | perplexity | queries at positions >= 64 | queries < 64 |
 |---|---|---|---|
-| **indexer top-64 (as shipped)** | **{p256['sparse']}** | {pge['sparse']} | {r['ppl_256_queries_lt_64']['sparse']} |
-| none (dense attention, top-k forced off) | {p256['dense']} | {pge['dense']} | {r['ppl_256_queries_lt_64']['dense']} |
-| the 64 most recent keys | {p256['recent64']} | {pge['recent64']} | {r['ppl_256_queries_lt_64']['recent64']} |
-| 64 random causal keys | {p256['random64']} | {pge['random64']} | {r['ppl_256_queries_lt_64']['random64']} |
+| **indexer top-64 (as shipped)** | **{p256["sparse"]}** | {pge["sparse"]} | {r["ppl_256_queries_lt_64"]["sparse"]} |
+| none (dense attention, top-k forced off) | {p256["dense"]} | {pge["dense"]} | {r["ppl_256_queries_lt_64"]["dense"]} |
+| the 64 most recent keys | {p256["recent64"]} | {pge["recent64"]} | {r["ppl_256_queries_lt_64"]["recent64"]} |
+| 64 random causal keys | {p256["random64"]} | {pge["random64"]} | {r["ppl_256_queries_lt_64"]["random64"]} |
 
 * Unigram model with the same tokenizer (add-one smoothed training frequencies), same targets:
-  perplexity **{r['unigram_ppl_256']}**; model / unigram = **{r['model_over_unigram']}** (target <= 0.25).
-* Long text, {r['windows_512']} windows of 512 tokens (twice the trained context): sparse {r['ppl_512']['sparse']}, dense {r['ppl_512']['dense']}.
+  perplexity **{r["unigram_ppl_256"]}**; model / unigram = **{r["model_over_unigram"]}** (target <= 0.25).
+* Long text, {r["windows_512"]} windows of 512 tokens (twice the trained context): sparse {r["ppl_512"]["sparse"]}, dense {r["ppl_512"]["dense"]}.
 * Share of the dense attention mass (summed over heads, queries >= 64) inside the indexer's top-64:
-  **{r['attention_mass_in_top64']['indexer']}**
-  (the 64 most recent keys: {r['attention_mass_in_top64']['recent']}).
-* Largest per-token log-probability change between sparse and dense: {r['sparse_vs_dense_max_abs_logprob_diff']} nats.
-* Words in greedy continuations of {len(r['greedy_samples'])} prompts (80 new tokens each) that occur in the
-  training text: **{r['corpus_word_fraction'] * 100:.1f}%** of {r['greedy_words']} (target >= 90%).
+  **{r["attention_mass_in_top64"]["indexer"]}**
+  (the 64 most recent keys: {r["attention_mass_in_top64"]["recent"]}).
+* Largest per-token log-probability change between sparse and dense: {r["sparse_vs_dense_max_abs_logprob_diff"]} nats.
+* Words in greedy continuations of {len(r["greedy_samples"])} prompts (80 new tokens each) that occur in the
+  training text: **{r["corpus_word_fraction"] * 100:.1f}%** of {r["greedy_words"]} (target >= 90%).
 * **mlaserve engine held-out perplexity (256-token windows, index_topk 64):** run `python scripts/engine_perplexity.py` and write its figure here.
 
 ## Samples (transformers `generate`, 80 new tokens)
@@ -353,18 +361,21 @@ Held-out text, {r['windows_256']} windows of 256 tokens (`<bos>` + 255; the trai
 
 | file | bytes |
 |---|---|
-""" + "\n".join(f"| `{k}` | {v} |" for k, v in sizes.items()) + f"""
+"""
+        + "\n".join(f"| `{k}` | {v} |" for k, v in sizes.items())
+        + f"""
 
 ## Reproduce
 
 ```
 apt-get install bible-kjv-text
 . .venv/bin/activate
-{command}   # ~{fmt_s(st.get('train_seconds'))} + evaluation; writes this folder
+{command}   # ~{fmt_s(st.get("train_seconds"))} + evaluation; writes this folder
 python scripts/eval_embedded_model.py --write-card --train-stats runs/tiny-dsa-work/train_stats.json   # numbers above
 ```
 {repro_note}
 """
+    )
     (folder / "README.md").write_text(card)
 
 

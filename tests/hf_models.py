@@ -13,34 +13,119 @@ from pathlib import Path
 
 import torch
 
-BASE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
-            qk_nope_head_dim=32, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-            vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
-            eos_token_id=1, pad_token_id=2)
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=24,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    vocab_size=256,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
 
 SPECS: dict[str, tuple[str, dict]] = {
-    "v2_qlora": ("deepseek_v2", dict(first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
-                                     topk_group=2, routed_scaling_factor=1.5, n_shared_experts=2)),
-    "v2_noq": ("deepseek_v2", dict(q_lora_rank=None, first_k_dense_replace=1, topk_method="greedy",
-                                   routed_scaling_factor=1.0)),
-    "v3_yarn": ("deepseek_v3", dict(first_k_dense_replace=1, max_position_embeddings=128, n_group=4, topk_group=2, norm_topk_prob=True,
-                                    routed_scaling_factor=2.5, num_nextn_predict_layers=0,
-                                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                                         original_max_position_embeddings=32, beta_fast=32,
-                                                         beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
-    "v3_tied": ("deepseek_v3", dict(first_k_dense_replace=2, n_group=2, topk_group=1, norm_topk_prob=False,
-                                    routed_scaling_factor=1.0, num_nextn_predict_layers=0, tie_word_embeddings=True,
-                                    rope_interleave=False)),
-    "glm_lite": ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse", "sparse"], n_group=1, topk_group=1,
-                                       rms_norm_eps=1e-5, routed_scaling_factor=1.8)),
-    "v32": ("deepseek_v32", dict(first_k_dense_replace=1, n_group=2, topk_group=1, index_topk=16,
-                                 index_n_heads=16, index_head_dim=32)),
-    "glm_dsa": ("glm_moe_dsa", dict(first_k_dense_replace=1, n_group=1, topk_group=1, rms_norm_eps=1e-5,
-                                    index_topk=16, index_n_heads=16, index_head_dim=32)),
-    "glm_dsa_shared": ("glm_moe_dsa", dict(first_k_dense_replace=1, n_group=1, topk_group=1, rms_norm_eps=1e-5,
-                                           index_topk=16, index_n_heads=16, index_head_dim=32,
-                                           indexer_types=["full", "shared", "full"])),
+    "v2_qlora": (
+        "deepseek_v2",
+        dict(
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            n_shared_experts=2,
+        ),
+    ),
+    "v2_noq": (
+        "deepseek_v2",
+        dict(q_lora_rank=None, first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0),
+    ),
+    "v3_yarn": (
+        "deepseek_v3",
+        dict(
+            first_k_dense_replace=1,
+            max_position_embeddings=128,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=0,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+        ),
+    ),
+    "v3_tied": (
+        "deepseek_v3",
+        dict(
+            first_k_dense_replace=2,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=True,
+            rope_interleave=False,
+        ),
+    ),
+    "glm_lite": (
+        "glm4_moe_lite",
+        dict(
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            n_group=1,
+            topk_group=1,
+            rms_norm_eps=1e-5,
+            routed_scaling_factor=1.8,
+        ),
+    ),
+    "v32": (
+        "deepseek_v32",
+        dict(first_k_dense_replace=1, n_group=2, topk_group=1, index_topk=16, index_n_heads=16, index_head_dim=32),
+    ),
+    "glm_dsa": (
+        "glm_moe_dsa",
+        dict(
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            rms_norm_eps=1e-5,
+            index_topk=16,
+            index_n_heads=16,
+            index_head_dim=32,
+        ),
+    ),
+    "glm_dsa_shared": (
+        "glm_moe_dsa",
+        dict(
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            rms_norm_eps=1e-5,
+            index_topk=16,
+            index_n_heads=16,
+            index_head_dim=32,
+            indexer_types=["full", "shared", "full"],
+        ),
+    ),
 }
 
 
@@ -55,8 +140,9 @@ def make_config(kind: str):
 def reinit_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
-                                                          if n.endswith("e_score_correction_bias")]:
+        for name, p in list(model.named_parameters()) + [
+            (n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")
+        ]:
             if p.dim() >= 2:
                 std = 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5
                 p.copy_(torch.randn(p.shape, generator=g) * std)

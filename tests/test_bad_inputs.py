@@ -65,9 +65,14 @@ def test_missing_expert(model_copy):
 
 def test_wrong_shape(model_copy):
     def shrink(t):
-        t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] = t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][:-1]
+        t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] = t[
+            "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+        ][:-1]
+
     _edit_tensors(model_copy, shrink)
-    with pytest.raises(WeightError, match=r"kv_a_proj_with_mqa\.weight' has shape \[47, 64\], the config implies \[48, 64\]"):
+    with pytest.raises(
+        WeightError, match=r"kv_a_proj_with_mqa\.weight' has shape \[47, 64\], the config implies \[48, 64\]"
+    ):
         LLM(str(model_copy))
 
 

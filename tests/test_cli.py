@@ -7,8 +7,8 @@ import json
 import pytest
 
 from mlaserve import LLM, SamplingParams
-from mlaserve.entrypoints.cli import main
 from mlaserve.embedded import build_random_tiny
+from mlaserve.entrypoints.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def stream(det, ids, chunk=1):
     """Feed ids `chunk` at a time; return every delta, the one from finish() last."""
     deltas = []
     for i in range(0, len(ids), chunk):
-        deltas.append(det.add(ids[i:i + chunk]))
+        deltas.append(det.add(ids[i : i + chunk]))
     deltas.append(det.finish())
     return deltas
 
@@ -90,7 +90,7 @@ def test_random_texts_roundtrip(tok):
     for _ in range(150):
         text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 25)))
         ids = tok.encode(text).ids
-        deltas = stream(IncrementalDetokenizer(tok, ids[:rng.randint(0, 3)]), ids, rng.randint(1, 3))
+        deltas = stream(IncrementalDetokenizer(tok, ids[: rng.randint(0, 3)]), ids, rng.randint(1, 3))
         assert "".join(deltas) == tok.decode(ids) == text
         assert FFFD not in "".join(deltas)
 
@@ -187,14 +187,14 @@ def test_random_stop_strings_match_reference(tok):
         stops = []
         for _ in range(rng.randint(1, 3)):
             a = rng.randrange(len(text))
-            stops.append(text[a:a + rng.randint(1, 4)] if rng.random() < 0.7 else rng.choice(ALPHABET) * 2)
+            stops.append(text[a : a + rng.randint(1, 4)] if rng.random() < 0.7 else rng.choice(ALPHABET) * 2)
         include = rng.random() < 0.5
         want, want_stop = expected_with_stop(text, stops, include)
         got = ""
         det = IncrementalDetokenizer(tok, [], stop=tuple(stops), include_stop_str_in_output=include)
         chunk = rng.randint(1, 3)
         for i in range(0, len(ids), chunk):
-            got += det.add(ids[i:i + chunk])
+            got += det.add(ids[i : i + chunk])
             assert want.startswith(got), (text, stops, got, want)  # nothing wrong ever emitted
             assert FFFD not in got
         got += det.finish()

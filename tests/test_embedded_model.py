@@ -26,8 +26,7 @@ def engine():
 def reference():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(EMBEDDED), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(str(EMBEDDED), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _windows(llm: LLM) -> list[list[int]]:
@@ -68,7 +67,8 @@ def test_greedy_continuation_equals_transformers(engine, reference):
     prompt = engine.encode("And it came to pass, when")
     got = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))[0]
     with torch.no_grad():
-        want = reference.generate(torch.tensor([prompt]), max_new_tokens=80, do_sample=False, eos_token_id=None,
-                                  pad_token_id=2)[0, len(prompt):].tolist()  # not 0: that is BOS
+        want = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=80, do_sample=False, eos_token_id=None, pad_token_id=2
+        )[0, len(prompt) :].tolist()  # not 0: that is BOS
     assert got.outputs[0].token_ids == want
     assert len(got.outputs[0].text.split()) >= 10

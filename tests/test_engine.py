@@ -78,8 +78,9 @@ def test_greedy_equals_transformers_generate(hf_model_dir, kind):
     folder, ref = hf_model_dir(kind)
     prompt = random_ids(20, seed=7)
     with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                            pad_token_id=2)[0, len(prompt):].tolist()
+        want = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=2
+        )[0, len(prompt) :].tolist()
     got = LLM(str(folder)).generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert got[0].outputs[0].token_ids == want
 
@@ -139,8 +140,9 @@ def test_n_samples_and_stop_strings(hf_model_dir):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     greedy = _tokens(llm.generate([PROMPTS[1]], GREEDY))[0]
     stop_id = greedy[3]
-    stopped = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id],
-                                                        ignore_eos=True))[0]
+    stopped = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    )[0]
     assert stopped.outputs[0].finish_reason == "stop"
     assert stopped.outputs[0].token_ids == greedy[: greedy.index(stop_id)]  # the stop token is not emitted
     if greedy[0] in llm.engine.eos_ids:  # this model's first greedy token is EOS: without ignore_eos it ends there
@@ -156,8 +158,9 @@ def test_logprobs_and_prompt_logprobs_match_prompt_logits(hf_model_dir):
     folder, _ = hf_model_dir("v3_yarn")
     llm = LLM(str(folder), max_num_batched_tokens=7)
     prompt = PROMPTS[3]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3,
-                                                prompt_logprobs=2))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    )[0]
     comp = out.outputs[0]
     ref = llm.prompt_logits(prompt + comp.token_ids).log_softmax(-1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import types
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
 import torch
-
 from test_gguf_helpers import (
-    fixture_params, gguf_f32, hf_state_dict, need_fixtures, rewrite_gguf,
+    fixture_params,
+    gguf_f32,
+    hf_state_dict,
+    need_fixtures,
+    rewrite_gguf,
 )
 
 from mlaserve.gguf.read import checkpoint as gguf_checkpoint
@@ -25,14 +28,45 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 # every config field the model needs (compared with the fixture's config.json)
 MODEL_FIELDS = [
-    "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "qk_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
-    "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
-    "routed_scaling_factor", "norm_topk_prob", "scoring_func", "topk_method", "rms_norm_eps", "vocab_size",
-    "tie_word_embeddings", "rope_parameters", "max_position_embeddings", "hidden_act",
-    "bos_token_id", "eos_token_id", "pad_token_id", "num_nextn_predict_layers", "rope_interleave",
-    "index_topk", "index_n_heads", "index_head_dim", "indexer_types",
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "qk_head_dim",
+    "v_head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+    "scoring_func",
+    "topk_method",
+    "rms_norm_eps",
+    "vocab_size",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "max_position_embeddings",
+    "hidden_act",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "num_nextn_predict_layers",
+    "rope_interleave",
+    "index_topk",
+    "index_n_heads",
+    "index_head_dim",
+    "indexer_types",
 ]
 PROVENANCE_PREFIXES = ("gguf:", ABSENT, "derived", "llama.cpp")
 
@@ -87,7 +121,9 @@ def test_gating_func_absent_means_softmax():
     assert cfg["scoring_func"] == "softmax" and cfg["model_type"] == "deepseek_v2"
     assert prov["scoring_func"][1] == f"{ABSENT}: 'deepseek2.expert_gating_func' -> softmax"
     # a V3 file whose converter saw no scoring_func: still V3 (exp_probs_b), scored as llama.cpp does
-    cfg, prov = derive_hf_config(_stub(need_fixtures() / "ds3" / "model-f32.gguf", drop={"deepseek2.expert_gating_func"}))
+    cfg, prov = derive_hf_config(
+        _stub(need_fixtures() / "ds3" / "model-f32.gguf", drop={"deepseek2.expert_gating_func"})
+    )
     assert cfg["model_type"] == "deepseek_v3" and cfg["scoring_func"] == "softmax"
     assert "exp_probs_b" in prov["model_type"][1]
 
@@ -97,14 +133,29 @@ def test_yarn_parameters_invert_the_converter(mscale_all_dim):
     path = need_fixtures() / "ds3" / "model-f32.gguf"
     # what convert_hf_to_gguf writes for DeepSeek YaRN (a float32 key, 0.1 * mscale_all_dim)
     log_mul = float(np.float32(0.1 * mscale_all_dim))
-    cfg, prov = derive_hf_config(_stub(
-        path, **{"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 40.0,
-                 "deepseek2.rope.scaling.original_context_length": 4096,
-                 "deepseek2.rope.scaling.yarn_beta_fast": 32.0, "deepseek2.rope.scaling.yarn_beta_slow": 1.0,
-                 "deepseek2.rope.scaling.yarn_log_multiplier": log_mul}))
+    cfg, prov = derive_hf_config(
+        _stub(
+            path,
+            **{
+                "deepseek2.rope.scaling.type": "yarn",
+                "deepseek2.rope.scaling.factor": 40.0,
+                "deepseek2.rope.scaling.original_context_length": 4096,
+                "deepseek2.rope.scaling.yarn_beta_fast": 32.0,
+                "deepseek2.rope.scaling.yarn_beta_slow": 1.0,
+                "deepseek2.rope.scaling.yarn_log_multiplier": log_mul,
+            },
+        )
+    )
     assert cfg["rope_parameters"] == {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": mscale_all_dim, "mscale": mscale_all_dim}
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale_all_dim": mscale_all_dim,
+        "mscale": mscale_all_dim,
+    }
     assert prov["rope_parameters.beta_fast"][1] == "gguf:deepseek2.rope.scaling.yarn_beta_fast"
     assert prov["rope_parameters.mscale_all_dim"][1] == "derived: gguf:deepseek2.rope.scaling.yarn_log_multiplier / 0.1"
     transformers.AutoConfig.for_model(**cfg)  # transformers accepts the derived rope_parameters
@@ -112,10 +163,17 @@ def test_yarn_parameters_invert_the_converter(mscale_all_dim):
 
 def test_yarn_defaults_and_attn_factor():
     path = need_fixtures() / "ds3" / "model-f32.gguf"
-    cfg, prov = derive_hf_config(_stub(
-        path, **{"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 4.0,
-                 "deepseek2.rope.scaling.original_context_length": 1024,
-                 "deepseek2.rope.scaling.yarn_attn_factor": float(np.float32(0.9))}))
+    cfg, prov = derive_hf_config(
+        _stub(
+            path,
+            **{
+                "deepseek2.rope.scaling.type": "yarn",
+                "deepseek2.rope.scaling.factor": 4.0,
+                "deepseek2.rope.scaling.original_context_length": 1024,
+                "deepseek2.rope.scaling.yarn_attn_factor": float(np.float32(0.9)),
+            },
+        )
+    )
     rp = cfg["rope_parameters"]
     assert (rp["beta_fast"], rp["beta_slow"], rp["attention_factor"]) == (32.0, 1.0, 0.9)
     assert "mscale_all_dim" not in rp
@@ -125,12 +183,13 @@ def test_yarn_defaults_and_attn_factor():
 # ---------------------------------------------------------------------------------------------
 # the mapping, checked through transformers' logits
 
-@lru_cache(maxsize=None)
+
+@cache
 def _expected(model: str) -> dict:
     return safetensors_torch.load_file(need_fixtures() / model / "expected.safetensors")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hf_model(model: str):
     cfg = transformers.AutoConfig.from_pretrained(need_fixtures() / model)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
@@ -177,13 +236,17 @@ def test_wrong_k_b_transpose_is_caught(monkeypatch):
     ck = load_gguf(path, validate_numeric=False)
     diff = (_logits(_hf_model("ds3"), ck) - _expected("ds3")["hf_dequant_logits_f32"]).abs().max().item()
     assert diff > 0.1  # the logits catch it ...
-    with pytest.raises(GGUFError, match=r"layer 0: MLA absorbed vs decompressed attention scores differ.*"
-                                        r"blk\.0\.attn_k_b\.weight"):
+    with pytest.raises(
+        GGUFError,
+        match=r"layer 0: MLA absorbed vs decompressed attention scores differ.*"
+        r"blk\.0\.attn_k_b\.weight",
+    ):
         load_gguf(path)  # ... and so does the load-time identity check of the rebuild
 
 
 # ---------------------------------------------------------------------------------------------
 # tensor view details
+
 
 def test_names_shapes_and_sources():
     ck = load_gguf(need_fixtures() / "glm5" / "model-q4_k_m.gguf")
@@ -225,11 +288,17 @@ def test_legacy_fused_kv_b_file(tmp_path):
     """Pre-split GGUFs: one attn_kv_b per layer, key_length/value_length = real head sizes."""
     src = need_fixtures() / "ds3" / "model-f32.gguf"
     drop = {f"blk.{i}.attn_{w}_b.weight" for i in range(3) for w in "kv"}
-    dst = rewrite_gguf(src, tmp_path / "fused.gguf", drop_tensors=drop,
-                       add={f"blk.{i}.attn_kv_b.weight": _fused_kv_b(src, i) for i in range(3)},
-                       drop_keys={"deepseek2.attention.key_length_mla", "deepseek2.attention.value_length_mla"},
-                       set_keys={"deepseek2.attention.key_length": (48, gguf.GGUFValueType.UINT32),
-                                 "deepseek2.attention.value_length": (32, gguf.GGUFValueType.UINT32)})
+    dst = rewrite_gguf(
+        src,
+        tmp_path / "fused.gguf",
+        drop_tensors=drop,
+        add={f"blk.{i}.attn_kv_b.weight": _fused_kv_b(src, i) for i in range(3)},
+        drop_keys={"deepseek2.attention.key_length_mla", "deepseek2.attention.value_length_mla"},
+        set_keys={
+            "deepseek2.attention.key_length": (48, gguf.GGUFValueType.UINT32),
+            "deepseek2.attention.value_length": (32, gguf.GGUFValueType.UINT32),
+        },
+    )
     fused, split = load_gguf(dst), load_gguf(src)
     assert fused.hf_config == split.hf_config
     name = "model.layers.1.self_attn.kv_b_proj.weight"
@@ -244,22 +313,32 @@ def test_inconsistent_kv_b_and_split_pair(tmp_path):
     bad = _fused_kv_b(src, 1)
     bad[:32] *= -1.0  # head 0's k rows disagree with attn_k_b
     dst = rewrite_gguf(src, tmp_path / "both.gguf", add={"blk.1.attn_kv_b.weight": bad})
-    with pytest.raises(GGUFError, match=r"both\.gguf: layer 1: MLA absorbed vs decompressed attention scores differ.*"
-                                        r"blk\.1\.attn_k_b\.weight.*blk\.1\.attn_kv_b\.weight"):
+    with pytest.raises(
+        GGUFError,
+        match=r"both\.gguf: layer 1: MLA absorbed vs decompressed attention scores differ.*"
+        r"blk\.1\.attn_k_b\.weight.*blk\.1\.attn_kv_b\.weight",
+    ):
         load_gguf(dst)
 
 
 def test_nextn_layers_are_skipped(tmp_path):
     src = need_fixtures() / "glm5" / "model-f32.gguf"
     reader = gguf.GGUFReader(src)
-    extra = {t.name.replace("blk.2.", "blk.3."): gguf_f32(src, t.name) for t in reader.tensors
-             if t.name.startswith("blk.2.")}
+    extra = {
+        t.name.replace("blk.2.", "blk.3."): gguf_f32(src, t.name) for t in reader.tensors if t.name.startswith("blk.2.")
+    }
     extra["blk.3.nextn.eh_proj.weight"] = np.zeros((128, 256), np.float32)
     extra["blk.3.nextn.enorm.weight"] = np.ones(128, np.float32)
-    dst = rewrite_gguf(src, tmp_path / "mtp.gguf", add=extra,
-                       set_keys={"glm-dsa.block_count": (4, gguf.GGUFValueType.UINT32),
-                                 "glm-dsa.nextn_predict_layers": (1, gguf.GGUFValueType.UINT32),
-                                 "glm-dsa.attention.indexer.types": ([True] * 4, gguf.GGUFValueType.ARRAY)})
+    dst = rewrite_gguf(
+        src,
+        tmp_path / "mtp.gguf",
+        add=extra,
+        set_keys={
+            "glm-dsa.block_count": (4, gguf.GGUFValueType.UINT32),
+            "glm-dsa.nextn_predict_layers": (1, gguf.GGUFValueType.UINT32),
+            "glm-dsa.attention.indexer.types": ([True] * 4, gguf.GGUFValueType.ARRAY),
+        },
+    )
     ck, ref = load_gguf(dst), load_gguf(src)
     assert ck.hf_config["num_hidden_layers"] == 3 and ck.hf_config["num_nextn_predict_layers"] == 1
     assert sorted(ck.skipped) == sorted(extra)

@@ -26,21 +26,51 @@ from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
 from mlaserve.entrypoints.cli import main as cli
-from mlaserve.gguf.read.checkpoint import load_gguf
 from mlaserve.gguf.convert.convert import ConvertError, convert_hf_to_gguf, tensor_type
+from mlaserve.gguf.convert.writer import (
+    BF16,
+    BOOL,
+    F16,
+    F32,
+    FLOAT64,
+    INT8,
+    INT32,
+    Q8_0,
+    STRING,
+    UINT64,
+    GGUFWriteError,
+    GGUFWriter,
+    MetaValue,
+    array,
+    boolean,
+    f32,
+    i32,
+    quantize,
+    string,
+    u32,
+)
+from mlaserve.gguf.read.checkpoint import load_gguf
 from mlaserve.gguf.read.file import open_gguf
-from mlaserve.gguf.convert.writer import (BF16, BOOL, F16, F32, FLOAT64, INT8, INT32, Q8_0, STRING, UINT64,
-                                          GGUFWriteError, GGUFWriter, MetaValue, array, boolean, f32, i32,
-                                          quantize, string, u32)
 
 gguf = pytest.importorskip("gguf")
 
 MODELS = ("ds3", "ds2lite", "ds32", "glm5")
 # Keys llama.cpp may write that we do not: descriptive general.* keys its Metadata heuristics take
 # from a model card / repo id (none for the fixtures, whose folders have no README).
-LLAMACPP_ONLY_ALLOWED = {"general.basename", "general.finetune", "general.version", "general.organization",
-                         "general.license", "general.license.name", "general.license.link", "general.tags",
-                         "general.languages", "general.datasets", "general.base_model.count", "general.repo_url"}
+LLAMACPP_ONLY_ALLOWED = {
+    "general.basename",
+    "general.finetune",
+    "general.version",
+    "general.organization",
+    "general.license",
+    "general.license.name",
+    "general.license.link",
+    "general.tags",
+    "general.languages",
+    "general.datasets",
+    "general.base_model.count",
+    "general.repo_url",
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +102,7 @@ def _assert_logits(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float =
 
 # =============================================================================================
 # 1. same file as llama.cpp's converter
+
 
 def _metadata_diff(ours, theirs) -> tuple[list, list, list]:
     a, b = ours.metadata, theirs.metadata
@@ -105,6 +136,7 @@ def test_same_file_as_llamacpp_converter(converted, model, outtype):
 
 # =============================================================================================
 # 2. round trips through the engine
+
 
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("model", MODELS)
@@ -150,16 +182,22 @@ def _byte_tokenizer(folder: Path, vocab_size: int) -> None:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(["<s>", "</s>", "<pad>"])
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                      special_tokens=[("<s>", 0)])
+    tk.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+    )
     tk.save(str(folder / "tokenizer.json"))
     cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
 TINY = {  # kind -> metadata the file must have (GGUF key suffix after the arch -> value)
-    "v3_yarn": {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32,
-                "rope.scaling.yarn_log_multiplier": np.float32(0.1), "expert_gating_func": 2},
+    "v3_yarn": {
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": 4.0,
+        "rope.scaling.original_context_length": 32,
+        "rope.scaling.yarn_log_multiplier": np.float32(0.1),
+        "expert_gating_func": 2,
+    },
     "v3_tied": {"leading_dense_block_count": 2, "expert_gating_func": 2},
     "glm_lite": {"leading_dense_block_count": 1, "expert_group_count": 1},
     "glm_dsa_shared": {"attention.indexer.types": [True, False, True], "attention.indexer.top_k": 16},
@@ -204,9 +242,14 @@ def _mtp_layer(model: str, n: int) -> dict[str, torch.Tensor]:
     out = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v for k, v in sd.items() if f"layers.{n - 1}." in k}
     emb = sd["model.embed_tokens.weight"]
     D = emb.shape[1]
-    extra = {"eh_proj.weight": torch.randn(D, 2 * D), "enorm.weight": torch.ones(D), "hnorm.weight": torch.ones(D),
-             "embed_tokens.weight": emb.clone(), "shared_head.head.weight": emb.clone(),
-             "shared_head.norm.weight": torch.ones(D)}
+    extra = {
+        "eh_proj.weight": torch.randn(D, 2 * D),
+        "enorm.weight": torch.ones(D),
+        "hnorm.weight": torch.ones(D),
+        "embed_tokens.weight": emb.clone(),
+        "shared_head.head.weight": emb.clone(),
+        "shared_head.norm.weight": torch.ones(D),
+    }
     return out | {f"model.layers.{n}.{k}": v for k, v in extra.items()}
 
 
@@ -232,11 +275,15 @@ def test_fp8_block_scaled_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
     name = "model.layers.1.self_attn.q_b_proj.weight"
-    w = load_file(str(fixture_dir("ds3") / "model.safetensors"))[name]               # [192, 48]
-    scale = torch.tensor([[0.5], [0.25]])                                               # blocks of 128 rows
+    w = load_file(str(fixture_dir("ds3") / "model.safetensors"))[name]  # [192, 48]
+    scale = torch.tensor([[0.5], [0.25]])  # blocks of 128 rows
     fp8 = (w / scale.repeat_interleave(128, 0)[: w.shape[0]]).to(torch.float8_e4m3fn)
-    folder = _copy_fixture("ds3", tmp_path / "ds3fp8", {name: fp8, name + "_scale_inv": scale},
-                           {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    folder = _copy_fixture(
+        "ds3",
+        tmp_path / "ds3fp8",
+        {name: fp8, name + "_scale_inv": scale},
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+    )
     out = convert_hf_to_gguf(folder, tmp_path / "fp8.gguf", "f32").path
     want = fp8.float() * torch.cat([torch.full((128, 48), 0.5), torch.full((64, 48), 0.25)])
     assert torch.equal(open_gguf(out).tensor("blk.1.attn_q_b.weight"), want)
@@ -251,8 +298,10 @@ def test_cli_reports_errors(tmp_path, capsys):
 def test_unrecognized_pre_tokenizer_is_an_error(tmp_path):
     folder = _copy_fixture("ds2lite", tmp_path / "m", {}, {})
     tj = json.loads((folder / "tokenizer.json").read_text())
-    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True}, tj["pre_tokenizer"]]}
+    tj["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits", "individual_digits": True}, tj["pre_tokenizer"]],
+    }
     (folder / "tokenizer.json").write_text(json.dumps(tj))
     with pytest.raises(ConvertError, match="pre-tokenizer not recognized"):
         convert_hf_to_gguf(folder, tmp_path / "o.gguf", "f32")
@@ -262,6 +311,7 @@ def test_unrecognized_pre_tokenizer_is_an_error(tmp_path):
 
 # =============================================================================================
 # 3. quantization equals the gguf package's
+
 
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
 def test_tensors_equal_gguf_package_quantization(converted, outtype):
@@ -283,10 +333,14 @@ def test_tensors_equal_gguf_package_quantization(converted, outtype):
 def _edge_values() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(0, 2**32, (16, 64), generator=g).to(torch.int32).view(torch.float32)
-    return [torch.randn(32, 64, generator=g), torch.randn(8, 64, generator=g) * 1e-30,
-            torch.randn(8, 64, generator=g) * 1e5, torch.zeros(2, 64),
-            torch.randint(-254, 255, (8, 64), generator=g) / 2.0,        # exact .5 ties
-            bits]                                                          # every bit pattern, NaN/Inf too
+    return [
+        torch.randn(32, 64, generator=g),
+        torch.randn(8, 64, generator=g) * 1e-30,
+        torch.randn(8, 64, generator=g) * 1e5,
+        torch.zeros(2, 64),
+        torch.randint(-254, 255, (8, 64), generator=g) / 2.0,  # exact .5 ties
+        bits,
+    ]  # every bit pattern, NaN/Inf too
 
 
 @pytest.mark.parametrize("ggml_type", [F32, F16, BF16, Q8_0], ids=["F32", "F16", "BF16", "Q8_0"])
@@ -304,12 +358,22 @@ def test_quantizers_match_gguf_package(ggml_type):
 # =============================================================================================
 # the writer itself
 
+
 def _write_small(path: Path, alignment: int = 32, chunks=None) -> GGUFWriter:
     w = GGUFWriter(path, alignment=alignment)
-    values = {"t.u32": u32(7), "t.i32": i32(-3), "t.f32": f32(0.25), "t.bool": boolean(True), "t.str": string("héllo"),
-              "t.i8": MetaValue(-5, INT8), "t.u64": MetaValue(2**40, UINT64), "t.f64": MetaValue(1e-300, FLOAT64),
-              "t.strs": array(["a", "b c", ""], STRING), "t.bools": array([True, False], BOOL),
-              "t.ints": array([1, -2], INT32)}
+    values = {
+        "t.u32": u32(7),
+        "t.i32": i32(-3),
+        "t.f32": f32(0.25),
+        "t.bool": boolean(True),
+        "t.str": string("héllo"),
+        "t.i8": MetaValue(-5, INT8),
+        "t.u64": MetaValue(2**40, UINT64),
+        "t.f64": MetaValue(1e-300, FLOAT64),
+        "t.strs": array(["a", "b c", ""], STRING),
+        "t.bools": array([True, False], BOOL),
+        "t.ints": array([1, -2], INT32),
+    }
     for k, v in values.items():
         w.add(k, v)
     w.add_tensor("a", (3, 64), Q8_0)
@@ -333,8 +397,10 @@ def test_writer_round_trips_through_both_readers(tmp_path, alignment):
     r = gguf.GGUFReader(path)
     assert r.fields["t.f64"].contents() == 1e-300 and r.fields["t.i8"].contents() == -5
     a = next(t for t in r.tensors if t.name == "a")
-    ref = gguf.quants.dequantize(gguf.quants.quantize(np.linspace(-1, 1, 192, dtype=np.float32).reshape(3, 64),
-                                                      gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    ref = gguf.quants.dequantize(
+        gguf.quants.quantize(np.linspace(-1, 1, 192, dtype=np.float32).reshape(3, 64), gguf.GGMLQuantizationType.Q8_0),
+        gguf.GGMLQuantizationType.Q8_0,
+    )
     assert np.array_equal(gguf.quants.dequantize(a.data, a.tensor_type), ref)
 
 
@@ -356,13 +422,22 @@ def test_writer_refuses_bad_input(tmp_path):
 # =============================================================================================
 # 4. llama.cpp itself (optional: needs llama-cpp-python)
 
+
 @pytest.mark.parametrize("model", MODELS)
 def test_llama_cpp_loads_our_file(converted, model):
     llama_cpp = pytest.importorskip("llama_cpp")
     exp = _expected(model)
     ids = exp["input_ids"].tolist()
-    kw = dict(n_ctx=max(len(ids), 64), n_batch=len(ids), n_ubatch=len(ids), logits_all=True, type_k=0, type_v=0,
-              n_threads=2, verbose=False)
+    kw = dict(
+        n_ctx=max(len(ids), 64),
+        n_batch=len(ids),
+        n_ubatch=len(ids),
+        logits_all=True,
+        type_k=0,
+        type_v=0,
+        n_threads=2,
+        verbose=False,
+    )
     overrides = {"deepseek2.attention.q_lora_rank": 0} if model == "ds2lite" else None  # see fixtures README
     llm = llama_cpp.Llama(str(converted(model, "f32")), kv_overrides=overrides, **kw)
     llm.eval(ids)

@@ -32,8 +32,10 @@ def test_gguf_logits_match_dequantized_reference(name, gtype):
     assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
     # llama.cpp itself rounds activations: its gap to the same reference is recorded, not asserted.
     lc = exp[f"llamacpp_logits_{gtype}"]
-    print(f"{name} {gtype}: engine {diff:.2e}; llama.cpp {(lc - ref).abs().max().item():.2e}, "
-          f"engine/llama.cpp top-1 {(got.argmax(-1) == lc.argmax(-1)).float().mean().item():.3f}")
+    print(
+        f"{name} {gtype}: engine {diff:.2e}; llama.cpp {(lc - ref).abs().max().item():.2e}, "
+        f"engine/llama.cpp top-1 {(got.argmax(-1) == lc.argmax(-1)).float().mean().item():.3f}"
+    )
     # The tokenizer built from the GGUF alone reproduces the fixture's ids.
     assert llm.encode(json.loads((folder / "expected.json").read_text())["text"]) == ids
 

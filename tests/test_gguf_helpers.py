@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,16 +35,28 @@ def fixture_files() -> list[tuple[str, str, Path]]:
     """(model, type, path) of every fixture GGUF present; [] when the fixtures are absent."""
     if not FIXTURES.is_dir():
         return []
-    return [(m, t, FIXTURES / m / f"model-{t}.gguf") for m in MODELS for t in TYPES
-            if (FIXTURES / m / f"model-{t}.gguf").is_file()]
+    return [
+        (m, t, FIXTURES / m / f"model-{t}.gguf")
+        for m in MODELS
+        for t in TYPES
+        if (FIXTURES / m / f"model-{t}.gguf").is_file()
+    ]
 
 
 def fixture_params() -> list:
     """pytest params over all fixture files, or one param that skips when they are absent."""
     files = fixture_files()
     if not files:
-        return [pytest.param(None, None, None, marks=pytest.mark.skip(
-            reason="GGUF fixtures not found: expected the folder ../shared/fixtures/ next to the repository"))]
+        return [
+            pytest.param(
+                None,
+                None,
+                None,
+                marks=pytest.mark.skip(
+                    reason="GGUF fixtures not found: expected the folder ../shared/fixtures/ next to the repository"
+                ),
+            )
+        ]
     return [pytest.param(m, t, p, id=f"{m}-{t}") for m, t, p in files]
 
 
@@ -69,13 +82,30 @@ def _array_type(values: list):
     import gguf
 
     v = values[0]
-    return (gguf.GGUFValueType.BOOL if isinstance(v, bool) else gguf.GGUFValueType.INT32 if isinstance(v, int)
-            else gguf.GGUFValueType.FLOAT32 if isinstance(v, float) else gguf.GGUFValueType.STRING)
+    return (
+        gguf.GGUFValueType.BOOL
+        if isinstance(v, bool)
+        else gguf.GGUFValueType.INT32
+        if isinstance(v, int)
+        else gguf.GGUFValueType.FLOAT32
+        if isinstance(v, float)
+        else gguf.GGUFValueType.STRING
+    )
 
 
-def rewrite_gguf(src: Path, dst: Path, *, drop_keys=(), set_keys: dict | None = None, drop_tensors=(),
-                 replace: dict[str, np.ndarray] | None = None, add: dict[str, np.ndarray] | None = None,
-                 arch: str | None = None, split_max_tensors: int = 0, alignment: int | None = None) -> Path:
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    drop_keys=(),
+    set_keys: dict | None = None,
+    drop_tensors=(),
+    replace: dict[str, np.ndarray] | None = None,
+    add: dict[str, np.ndarray] | None = None,
+    arch: str | None = None,
+    split_max_tensors: int = 0,
+    alignment: int | None = None,
+) -> Path:
     """Write a modified copy of ``src``.
 
     replace/add: name -> float32 array in torch order (written as F32); set_keys: key ->
@@ -84,8 +114,9 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys=(), set_keys: dict | None = 
     import gguf
 
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, arch or reader.fields["general.architecture"].contents(),
-                             split_max_tensors=split_max_tensors)
+    writer = gguf.GGUFWriter(
+        dst, arch or reader.fields["general.architecture"].contents(), split_max_tensors=split_max_tensors
+    )
     if alignment:
         writer.add_custom_alignment(alignment)
     copy_kv(reader, writer, drop_keys, set_keys)

@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from test_gguf_helpers import (
-    FIXTURES, fixture_params, gguf_f32, need_fixtures, rewrite_gguf,
+    FIXTURES,
+    fixture_params,
+    gguf_f32,
+    need_fixtures,
+    rewrite_gguf,
 )
 
 from mlaserve.gguf.read.checkpoint import load_gguf
@@ -21,6 +24,7 @@ gguf = pytest.importorskip("gguf")
 
 # ---------------------------------------------------------------------------------------------
 # small synthetic files (no fixtures needed)
+
 
 def write_small(path: Path, *, alignment: int | None = None, names=("t.f32", "t.f16", "t.q8")) -> Path:
     """A tiny GGUF with every metadata value type and F32/F16/Q8_0 tensors."""
@@ -36,7 +40,9 @@ def write_small(path: Path, *, alignment: int | None = None, names=("t.f32", "t.
     x = np.arange(64, dtype=np.float32).reshape(2, 32) / 7
     w.add_tensor(names[0], x)
     w.add_tensor(names[1], x.astype(np.float16))
-    w.add_tensor(names[2], gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor(
+        names[2], gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
 
@@ -56,7 +62,7 @@ def info_field_offset(path: Path, name: str, field: str) -> int:
 
 def patch(path: Path, offset: int, payload: bytes) -> None:
     data = bytearray(path.read_bytes())
-    data[offset:offset + len(payload)] = payload
+    data[offset : offset + len(payload)] = payload
     path.write_bytes(bytes(data))
 
 
@@ -101,8 +107,9 @@ def test_fixture_headers_match_gguf_package(model, qtype, path):
         if key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
             assert gf.metadata[key] == fld.contents(), key
     assert gf.metadata["tokenizer.ggml.tokens"] == ref.fields["tokenizer.ggml.tokens"].contents()
-    assert [(t.name, tuple(int(x) for x in t.shape), int(t.tensor_type), t.data_offset) for t in ref.tensors] == \
-        [(i.name, i.ne, i.ggml_type, i.offset) for i in gf.tensors.values()]
+    assert [(t.name, tuple(int(x) for x in t.shape), int(t.tensor_type), t.data_offset) for t in ref.tensors] == [
+        (i.name, i.ne, i.ggml_type, i.offset) for i in gf.tensors.values()
+    ]
 
 
 def test_f32_tensors_are_views_of_the_map():
@@ -119,6 +126,7 @@ def test_f32_tensors_are_views_of_the_map():
 
 # ---------------------------------------------------------------------------------------------
 # split files
+
 
 def test_split_gguf_is_merged(tmp_path):
     src = need_fixtures() / "ds3" / "model-f32.gguf"
@@ -147,6 +155,7 @@ def test_split_gguf_missing_shard(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # malformed containers
+
 
 def test_bad_magic(tmp_path):
     path = write_small(tmp_path / "magic.gguf")
@@ -207,14 +216,18 @@ def test_not_a_file(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # malformed checkpoints (valid containers, wrong model contents)
 
+
 def _fixture(model: str, qtype: str = "f32") -> Path:
     return need_fixtures() / model / f"model-{qtype}.gguf"
 
 
 def test_missing_tensor(tmp_path):
     dst = rewrite_gguf(_fixture("ds3"), tmp_path / "m.gguf", drop_tensors={"blk.1.attn_kv_a_norm.weight"})
-    with pytest.raises(GGUFError, match=r"m\.gguf: missing tensor 'blk\.1\.attn_kv_a_norm\.weight' "
-                                        r"\(needed for model\.layers\.1\.self_attn\.kv_a_layernorm\.weight\)"):
+    with pytest.raises(
+        GGUFError,
+        match=r"m\.gguf: missing tensor 'blk\.1\.attn_kv_a_norm\.weight' "
+        r"\(needed for model\.layers\.1\.self_attn\.kv_a_layernorm\.weight\)",
+    ):
         load_gguf(dst)
 
 
@@ -238,8 +251,11 @@ def _k_b_wrong_way(path: Path, layer: int) -> np.ndarray:
 def test_k_b_stored_the_wrong_way(tmp_path):
     src = _fixture("glm5")  # nope 48 != kv_lora 32, so the orientation is visible in the shape
     dst = rewrite_gguf(src, tmp_path / "kb.gguf", replace={"blk.1.attn_k_b.weight": _k_b_wrong_way(src, 1)})
-    with pytest.raises(GGUFError, match=r"kb\.gguf: tensor 'blk\.1\.attn_k_b\.weight' is stored the wrong way round: "
-                                        r"torch shape \[4, 48, 32\].*expected .*\[4, 32, 48\]"):
+    with pytest.raises(
+        GGUFError,
+        match=r"kb\.gguf: tensor 'blk\.1\.attn_k_b\.weight' is stored the wrong way round: "
+        r"torch shape \[4, 48, 32\].*expected .*\[4, 32, 48\]",
+    ):
         load_gguf(dst)
 
 
@@ -252,15 +268,28 @@ def test_v_b_stored_the_wrong_way(tmp_path):
 
 
 def test_wrong_shape_names_tensor(tmp_path):
-    dst = rewrite_gguf(_fixture("ds32"), tmp_path / "s.gguf",
-                       replace={"blk.2.indexer.attn_k.weight": np.zeros((32, 128), np.float32)})
-    with pytest.raises(GGUFError, match=r"s\.gguf: tensor 'blk\.2\.indexer\.attn_k\.weight' has shape \[32, 128\].*"
-                                        r"expected \[64, 128\]"):
+    dst = rewrite_gguf(
+        _fixture("ds32"), tmp_path / "s.gguf", replace={"blk.2.indexer.attn_k.weight": np.zeros((32, 128), np.float32)}
+    )
+    with pytest.raises(
+        GGUFError,
+        match=r"s\.gguf: tensor 'blk\.2\.indexer\.attn_k\.weight' has shape \[32, 128\].*"
+        r"expected \[64, 128\]",
+    ):
         load_gguf(dst)
 
 
-@pytest.mark.parametrize("key", ["attention.kv_lora_rank", "block_count", "embedding_length",
-                                 "attention.head_count", "attention.indexer.top_k", "context_length"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "attention.kv_lora_rank",
+        "block_count",
+        "embedding_length",
+        "attention.head_count",
+        "attention.indexer.top_k",
+        "context_length",
+    ],
+)
 def test_required_key_missing(tmp_path, key):
     dst = rewrite_gguf(_fixture("glm5"), tmp_path / "k.gguf", drop_keys={f"glm-dsa.{key}"})
     with pytest.raises(GGUFError, match=rf"k\.gguf: required metadata key 'glm-dsa\.{key}' is missing"):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from test_gguf_helpers import (
-    fixture_params, need_fixtures, rewrite_gguf,
+    fixture_params,
+    need_fixtures,
+    rewrite_gguf,
 )
 
 from mlaserve.gguf.read.checkpoint import GGUFError, GGUFTokenizer, load_gguf
@@ -75,16 +76,20 @@ def _toy(pre: str, tokens=None) -> GGUFTokenizer:
 
     tokens = tokens or [chr(c) for c in range(33, 127)] + ["Ġ", "<s>"]
     types = [1] * (len(tokens) - 1) + [3]
-    return GGUFTokenizer(Path("toy.gguf"), "gpt2", pre, tokens, types, [], len(tokens) - 1, None, None, None,
-                         None, True, False, None)
+    return GGUFTokenizer(
+        Path("toy.gguf"), "gpt2", pre, tokens, types, [], len(tokens) - 1, None, None, None, None, True, False, None
+    )
 
 
-@pytest.mark.parametrize("pre,text,pieces", [
-    # the CJK run is its own piece (shown byte-level encoded: 日本語 -> æĹ¥æľ¬èªŀ)
-    ("deepseek-v3", "abc 12345 日本語x", ["abc", "Ġ", "123", "45", "Ġ", "æĹ¥æľ¬èªŀ", "x"]),
-    ("glm4", "I'll 12345", ["I", "'ll", "Ġ", "123", "45"]),
-    ("gpt-2", "I'll 12345", ["I", "'ll", "Ġ12345"]),
-])
+@pytest.mark.parametrize(
+    "pre,text,pieces",
+    [
+        # the CJK run is its own piece (shown byte-level encoded: 日本語 -> æĹ¥æľ¬èªŀ)
+        ("deepseek-v3", "abc 12345 日本語x", ["abc", "Ġ", "123", "45", "Ġ", "æĹ¥æľ¬èªŀ", "x"]),
+        ("glm4", "I'll 12345", ["I", "'ll", "Ġ", "123", "45"]),
+        ("gpt-2", "I'll 12345", ["I", "'ll", "Ġ12345"]),
+    ],
+)
 def test_pre_tokenizers(pre, text, pieces):
     tk = _toy(pre).build_tokenizer()
     assert [p for p, _ in tk.pre_tokenizer.pre_tokenize_str(text)] == pieces

@@ -78,8 +78,10 @@ def test_grouped_gemm_experts_equal_reference_loop(hf_model_dir, kind):
     assert _max_diff(fast, ref) <= TOL
 
 
-@pytest.mark.parametrize("kind,mla_path", [("v3_yarn", "absorbed"), ("v3_yarn", "decompressed"), ("v32", "auto"),
-                                           ("glm_dsa", "decompressed")])
+@pytest.mark.parametrize(
+    "kind,mla_path",
+    [("v3_yarn", "absorbed"), ("v3_yarn", "decompressed"), ("v32", "auto"), ("glm_dsa", "decompressed")],
+)
 def test_query_blocks_equal_one_block(hf_model_dir, kind, mla_path, monkeypatch):
     """Long prompts attend in blocks of queries (bounded temporaries); a tiny workspace forces one query
     per block in every attention path and in the indexer's prompt scoring: same logits."""

@@ -64,8 +64,9 @@ def test_bf16_engine_decodes_with_two_stage_scoring_and_fp32_selection(hf_model_
     def checked(q, keys, w, mask, k, decode):
         got = _top_k_bf16_then_fp32(q, keys, w, mask, k, decode)
         exact = _exact_scores(q, keys, w, mask)
-        torch.testing.assert_close(_chosen(exact, got), _chosen(exact, _top_k(exact.clone(), mask, k)),
-                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            _chosen(exact, got), _chosen(exact, _top_k(exact.clone(), mask, k)), rtol=1e-6, atol=0
+        )
         calls.append(q.shape)
         return got
 

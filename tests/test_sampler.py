@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from mlaserve.sampling.params import SamplingParams
 from mlaserve.sampling.sampler import (
     SamplingBatch,
     _apply_penalties,
@@ -13,7 +14,6 @@ from mlaserve.sampling.sampler import (
     make_generator,
     sample,
 )
-from mlaserve.sampling.params import SamplingParams
 
 
 def build(params, V, prompt_ids=None, output_ids=None, generators=None, **kw):
@@ -94,7 +94,8 @@ def test_greedy_rows_equal_argmax_in_mixed_batch():
     logits = torch.randn(B, V) * 3
     logits[3, 5] = logits[3, 9] = logits[3].max() + 1  # tie: argmax picks the first
     params = [
-        SamplingParams(temperature=0.0) if i % 2 == 0
+        SamplingParams(temperature=0.0)
+        if i % 2 == 0
         else SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=i)
         for i in range(B)
     ]
@@ -143,8 +144,9 @@ def _run_seeded(target, position, others, steps, target_logits, other_seed):
     "target",
     [
         SamplingParams(seed=1234),  # no filter: goes through "off" stages in mixed batches
-        SamplingParams(seed=1234, temperature=0.7, top_k=30, top_p=0.9, min_p=0.01,
-                       repetition_penalty=1.2, frequency_penalty=0.3),
+        SamplingParams(
+            seed=1234, temperature=0.7, top_k=30, top_p=0.9, min_p=0.01, repetition_penalty=1.2, frequency_penalty=0.3
+        ),
     ],
     ids=["plain", "filtered"],
 )
@@ -239,7 +241,7 @@ def test_filters_support_and_frequencies():
 
     for i, case in enumerate(_FILTER_CASES):
         expected = _reference_distribution(**case)
-        counts = Counter(tokens[i * draws:(i + 1) * draws].tolist())
+        counts = Counter(tokens[i * draws : (i + 1) * draws].tolist())
         assert set(counts) <= set(expected), (case, counts, expected)  # never an excluded token
         # Pearson chi-square over the allowed tokens; df <= 9, and 40 is far beyond the
         # 1e-5 quantile (~37 for df=9); the draw is seeded, so the test is deterministic.
@@ -283,8 +285,14 @@ def test_penalties_match_reference():
     logits = torch.randn(B, V) * 2
     got = _apply_penalties(logits, build(params, V, prompts, outputs))
     for row, p in enumerate(params):
-        want = _reference_penalties(logits[row].tolist(), prompts[row], outputs[row],
-                                    p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+        want = _reference_penalties(
+            logits[row].tolist(),
+            prompts[row],
+            outputs[row],
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        )
         assert torch.allclose(got[row], torch.tensor(want), atol=1e-5), row
     assert torch.equal(got[0], logits[0])  # no penalty: bit-exact
 

@@ -86,8 +86,13 @@ def test_forced_dense_equals_dense_model_with_same_weights(hf_model_dir, tmp_pat
     dense_dir = tmp_path / "as_v3"
     shutil.copytree(folder, dense_dir)
     cfg = json.loads((dense_dir / "config.json").read_text())
-    cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], rope_interleave=True,
-               rms_norm_eps=cfg["rms_norm_eps"], first_k_dense_replace=1)
+    cfg.update(
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        rope_interleave=True,
+        rms_norm_eps=cfg["rms_norm_eps"],
+        first_k_dense_replace=1,
+    )
     (dense_dir / "config.json").write_text(json.dumps(cfg))
     tensors = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if ".indexer." not in k}
     save_file(tensors, str(dense_dir / "model.safetensors"))

@@ -7,8 +7,8 @@ from hf_models import random_ids
 
 from mlaserve import LLM
 from mlaserve.entrypoints.cli import main
-from mlaserve.models.deepseek import MLAAttention
 from mlaserve.entrypoints.verify import run_checks
+from mlaserve.models.deepseek import MLAAttention
 
 
 def test_verify_passes_on_dsa_model(hf_model_dir):

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.attention.router import Segment
+from mlaserve.executor.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,14 @@ class AttentionPlan:
         return {"num_mqa_tokens": mqa, "num_mha_tokens": mha, "num_sparse_tokens": sparse}
 
     def to_record(self) -> dict:
-        return {**self.counts(), "sparse": self.sparse, "index_topk": self.index_topk,
-                "effective_topk": self.effective_topk, "needs_selection": self.needs_selection,
-                "segments": [_segment_record(s) for s in self.segments]}
+        return {
+            **self.counts(),
+            "sparse": self.sparse,
+            "index_topk": self.index_topk,
+            "effective_topk": self.effective_topk,
+            "needs_selection": self.needs_selection,
+            "segments": [_segment_record(s) for s in self.segments],
+        }
 
 
 def _segment_record(s: Segment) -> dict:
@@ -83,8 +88,13 @@ def path_for(phase: str, mla_path: str, sparse: bool) -> str:
     return "absorbed" if phase == "decode" else "decompressed"
 
 
-def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: int | None = None,
-          key_dtype: torch.dtype = torch.float32) -> AttentionPlan:
+def route(
+    batch: ForwardBatch,
+    mla_path: str,
+    sparse: bool = False,
+    index_topk: int | None = None,
+    key_dtype: torch.dtype = torch.float32,
+) -> AttentionPlan:
     """Split the batch into at most two segments (decode, prefill) and name each one's path.
     key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments)."""
     if mla_path not in MLA_PATHS:
@@ -100,15 +110,27 @@ def route(batch: ForwardBatch, mla_path: str, sparse: bool = False, index_topk: 
         if lo == hi:
             continue
         seqs = batch.seqs[lo:hi]
-        segments.append(Segment(
-            phase=phase, path=path_for(phase, mla_path, sparse), sparse=sparse,
-            token_start=seqs[0].query_start, token_end=seqs[-1].query_start + seqs[-1].query_len,
-            seq_start=lo, seq_end=hi, request_ids=tuple(s.request_id for s in seqs),
-            implementation=_implementation(path_for(phase, mla_path, sparse), sparse, select),
-            index_scoring=_index_scoring(key_dtype) if select else None,
-        ))
-    return AttentionPlan(segments=tuple(segments), sparse=sparse, index_topk=index_topk if sparse else None,
-                         effective_topk=min(index_topk, longest) if sparse else None, needs_selection=select)
+        segments.append(
+            Segment(
+                phase=phase,
+                path=path_for(phase, mla_path, sparse),
+                sparse=sparse,
+                token_start=seqs[0].query_start,
+                token_end=seqs[-1].query_start + seqs[-1].query_len,
+                seq_start=lo,
+                seq_end=hi,
+                request_ids=tuple(s.request_id for s in seqs),
+                implementation=_implementation(path_for(phase, mla_path, sparse), sparse, select),
+                index_scoring=_index_scoring(key_dtype) if select else None,
+            )
+        )
+    return AttentionPlan(
+        segments=tuple(segments),
+        sparse=sparse,
+        index_topk=index_topk if sparse else None,
+        effective_topk=min(index_topk, longest) if sparse else None,
+        needs_selection=select,
+    )
 
 
 def _index_scoring(key_dtype: torch.dtype) -> str:

@@ -15,12 +15,18 @@ import torch
 
 from mlaserve.attention.router import MLA_PATHS
 from mlaserve.config.model import ConfigError, ModelConfig
-from mlaserve.models.moe import EXPERT_IMPLS
 from mlaserve.config.provenance import ProvenanceLog, Setting
+from mlaserve.models.moe import EXPERT_IMPLS
 
 ATTENTION_MODES = ("auto", "dense", "sparse")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,9 @@ class EngineConfig:
         return self.provenance + tuple(s for s in self.model.provenance if s.name not in mine)
 
 
-def resolve(model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool,
-            max_model_len: int | None = None) -> EngineConfig:
+def resolve(
+    model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool, max_model_len: int | None = None
+) -> EngineConfig:
     log = ProvenanceLog()
     dtype = _dtype(opts.dtype, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
@@ -82,15 +89,30 @@ def resolve(model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool,
     if opts.experts_impl not in EXPERT_IMPLS:
         raise ConfigError(f"experts_impl must be one of {EXPERT_IMPLS}, got {opts.experts_impl!r}")
     _user(log, "experts_impl", opts.experts_impl, "grouped_mm")
-    log.record("malloc_tuning", opts.malloc_tuning, "user option" if not opts.malloc_tuning else
-               "engine default (glibc keeps freed large blocks: no page faults on every step's big tensors)")
+    log.record(
+        "malloc_tuning",
+        opts.malloc_tuning,
+        "user option"
+        if not opts.malloc_tuning
+        else "engine default (glibc keeps freed large blocks: no page faults on every step's big tensors)",
+    )
     num_pages = _num_pages(opts, max_model_len or model.max_position_embeddings, log)
-    return EngineConfig(model=model, dtype=dtype, sparse=sparse, index_topk=topk, mla_path=opts.mla_path,
-                        page_size=opts.page_size, num_pages=num_pages,
-                        max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
-                        decode_threshold=opts.decode_threshold, enable_prefix_caching=opts.enable_prefix_caching,
-                        experts_impl=opts.experts_impl, malloc_tuning=opts.malloc_tuning,
-                        provenance=log.freeze())
+    return EngineConfig(
+        model=model,
+        dtype=dtype,
+        sparse=sparse,
+        index_topk=topk,
+        mla_path=opts.mla_path,
+        page_size=opts.page_size,
+        num_pages=num_pages,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        max_num_seqs=opts.max_num_seqs,
+        decode_threshold=opts.decode_threshold,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        experts_impl=opts.experts_impl,
+        malloc_tuning=opts.malloc_tuning,
+        provenance=log.freeze(),
+    )
 
 
 def _user(log: ProvenanceLog, name: str, value, default) -> None:
@@ -101,8 +123,12 @@ def _dtype(requested: str | None, log: ProvenanceLog) -> torch.dtype:
     if requested in (None, "auto"):
         # fp32 is exact against the reference. Speed depends on the CPU (measured on 2-core EPYCs):
         # bf16 is ~4x slower than fp32 without AVX512-BF16/AMX and ~2x faster with it.
-        return log.record("dtype", torch.float32, "engine default (float32: exact against the reference; "
-                                                  "bfloat16 is ~2x faster on CPUs with AVX512-BF16/AMX)")
+        return log.record(
+            "dtype",
+            torch.float32,
+            "engine default (float32: exact against the reference; "
+            "bfloat16 is ~2x faster on CPUs with AVX512-BF16/AMX)",
+        )
     if requested not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {requested!r}")
     return log.record("dtype", DTYPES[requested], "user option")
@@ -115,17 +141,29 @@ def _attention(model: ModelConfig, mode: str, has_indexer_weights: bool, log: Pr
     if has_indexer_weights and not dsa:
         raise ConfigError(f"checkpoint has indexer weights but model_type {model.model_type} is not a DSA architecture")
     if dsa and not has_indexer_weights:
-        raise ConfigError(f"model_type {model.model_type} is a DSA architecture but the checkpoint has no indexer weights")
+        raise ConfigError(
+            f"model_type {model.model_type} is a DSA architecture but the checkpoint has no indexer weights"
+        )
     if mode == "sparse" and not dsa:
-        raise ConfigError(f"attention='sparse' needs a DSA model (deepseek_v32, glm_moe_dsa); {model.model_type} has no indexer")
+        raise ConfigError(
+            f"attention='sparse' needs a DSA model (deepseek_v32, glm_moe_dsa); {model.model_type} has no indexer"
+        )
     if mode == "dense" and dsa:
-        warnings.warn(f"attention='dense' on {model.model_type}: the indexer is skipped; results equal the sparse "
-                      f"model only while every context is <= index_topk ({model.indexer.topk}) tokens", stacklevel=3)
-        return log.record("is_sparse", False, "user option attention='dense' (DSA model run dense; exact only up to index_topk)")
+        warnings.warn(
+            f"attention='dense' on {model.model_type}: the indexer is skipped; results equal the sparse "
+            f"model only while every context is <= index_topk ({model.indexer.topk}) tokens",
+            stacklevel=3,
+        )
+        return log.record(
+            "is_sparse", False, "user option attention='dense' (DSA model run dense; exact only up to index_topk)"
+        )
     if mode == "sparse":
         return log.record("is_sparse", True, "user option attention='sparse'")
-    reason = (f"attention='auto': {model.model_type} is a DSA architecture with indexer weights" if dsa
-              else f"attention='auto': {model.model_type} has no indexer")
+    reason = (
+        f"attention='auto': {model.model_type} is a DSA architecture with indexer weights"
+        if dsa
+        else f"attention='auto': {model.model_type} has no indexer"
+    )
     return log.record("is_sparse", dsa, reason)
 
 

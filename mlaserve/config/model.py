@@ -28,24 +28,81 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 
 # Class defaults of the reference implementation (transformers 5.x) for optional fields.
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "deepseek_v2": dict(rms_norm_eps=1e-6, routed_scaling_factor=1.0, topk_method="greedy", n_group=None,
-                        topk_group=None, norm_topk_prob=False, n_shared_experts=2, first_k_dense_replace=0,
-                        rope_interleave=True, q_lora_rank=1536),
-    "deepseek_v3": dict(rms_norm_eps=1e-6, routed_scaling_factor=2.5, n_group=8, topk_group=4,
-                        norm_topk_prob=True, n_shared_experts=1, first_k_dense_replace=3, rope_interleave=True,
-                        num_experts_per_tok=8, q_lora_rank=1536),
-    "deepseek_v32": dict(rms_norm_eps=1e-6, routed_scaling_factor=2.5, n_group=8, topk_group=4,
-                         norm_topk_prob=True, n_shared_experts=1, first_k_dense_replace=3, num_experts_per_tok=8,
-                         index_topk=2048, index_head_dim=128, index_n_heads=64, q_lora_rank=1536),
-    "glm_moe_dsa": dict(rms_norm_eps=1e-5, routed_scaling_factor=2.5, n_group=1, topk_group=1,
-                        norm_topk_prob=True, n_shared_experts=1, first_k_dense_replace=3, num_experts_per_tok=8,
-                        index_topk=2048, index_head_dim=128, index_n_heads=32, q_lora_rank=2048),
-    "glm4_moe_lite": dict(rms_norm_eps=1e-5, routed_scaling_factor=1.8, n_group=1, topk_group=1,
-                          norm_topk_prob=True, n_shared_experts=1, num_experts_per_tok=4, rope_interleave=True,
-                          q_lora_rank=768),
+    "deepseek_v2": dict(
+        rms_norm_eps=1e-6,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
+        n_group=None,
+        topk_group=None,
+        norm_topk_prob=False,
+        n_shared_experts=2,
+        first_k_dense_replace=0,
+        rope_interleave=True,
+        q_lora_rank=1536,
+    ),
+    "deepseek_v3": dict(
+        rms_norm_eps=1e-6,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        rope_interleave=True,
+        num_experts_per_tok=8,
+        q_lora_rank=1536,
+    ),
+    "deepseek_v32": dict(
+        rms_norm_eps=1e-6,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        num_experts_per_tok=8,
+        index_topk=2048,
+        index_head_dim=128,
+        index_n_heads=64,
+        q_lora_rank=1536,
+    ),
+    "glm_moe_dsa": dict(
+        rms_norm_eps=1e-5,
+        routed_scaling_factor=2.5,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        num_experts_per_tok=8,
+        index_topk=2048,
+        index_head_dim=128,
+        index_n_heads=32,
+        q_lora_rank=2048,
+    ),
+    "glm4_moe_lite": dict(
+        rms_norm_eps=1e-5,
+        routed_scaling_factor=1.8,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        rope_interleave=True,
+        q_lora_rank=768,
+    ),
 }
-_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-             "qk_rope_head_dim", "v_head_dim", "vocab_size", "intermediate_size")
+_REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "vocab_size",
+    "intermediate_size",
+)
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps in every family.
 LATENT_NORM_EPS = 1e-6
 
@@ -139,7 +196,7 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope.rope_type != "default" and self.rope.mscale_all_dim:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale = scale * m * m
@@ -150,8 +207,9 @@ class ModelConfig:
         return self.indexer is not None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], source: str = "config.json",
-                field_sources: dict[str, str] | None = None) -> "ModelConfig":
+    def from_hf(
+        cls, raw: dict[str, Any], source: str = "config.json", field_sources: dict[str, str] | None = None
+    ) -> ModelConfig:
         """field_sources: where each key of `raw` came from when it is not a config.json (GGUF metadata)."""
         return _HFAdapter(raw, source, field_sources or {}).build()
 
@@ -168,7 +226,9 @@ class _HFAdapter:
         self.family = ALIASES.get(mt, mt)
         if self.family not in FAMILIES:
             raise ConfigError(f"{source}: unknown model_type {mt!r}; supported: {', '.join(FAMILIES + tuple(ALIASES))}")
-        self.log.record("model_type", self.family, f"{source}:model_type" + (f" ({mt} alias)" if mt != self.family else ""))
+        self.log.record(
+            "model_type", self.family, f"{source}:model_type" + (f" ({mt} alias)" if mt != self.family else "")
+        )
 
     def get(self, key: str, required: bool = False) -> Any:
         if key in self.raw and self.raw[key] is not None or (key in self.raw and key == "q_lora_rank"):
@@ -188,21 +248,40 @@ class _HFAdapter:
         if kv_heads not in (None, heads):
             # MLA has one latent KV shared by all heads; transformers repeats K/V per kv-head group,
             # which only equals MLA when num_key_value_heads == num_attention_heads.
-            raise ConfigError(f"{self.source}: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} for MLA")
+            raise ConfigError(
+                f"{self.source}: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} for MLA"
+            )
         q_lora = g("q_lora_rank")
         if q_lora is None and self.family in DSA_FAMILIES:
-            raise ConfigError(f"{self.source}: q_lora_rank must be set for {self.family} (its indexer reads the query latent)")
-        self.log.record("latent_norm_eps", LATENT_NORM_EPS,
-                        "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says")
+            raise ConfigError(
+                f"{self.source}: q_lora_rank must be set for {self.family} (its indexer reads the query latent)"
+            )
+        self.log.record(
+            "latent_norm_eps",
+            LATENT_NORM_EPS,
+            "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says",
+        )
         return ModelConfig(
-            model_type=self.family, vocab_size=self.raw["vocab_size"], hidden_size=self.raw["hidden_size"],
-            num_layers=num_layers, num_heads=heads, q_lora_rank=q_lora, kv_lora_rank=self.raw["kv_lora_rank"],
-            qk_nope_head_dim=self.raw["qk_nope_head_dim"], qk_rope_head_dim=self.raw["qk_rope_head_dim"],
-            v_head_dim=self.raw["v_head_dim"], intermediate_size=self.raw["intermediate_size"],
-            rms_norm_eps=float(g("rms_norm_eps")), tie_word_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(self.raw.get("attention_bias", False)), rope=self._rope(),
-            mlp_layer_types=self._mlp_layer_types(num_layers), moe=self._moe(), indexer=self._indexer(num_layers),
-            bos_token_id=self.raw.get("bos_token_id"), eos_token_ids=_as_tuple(self.raw.get("eos_token_id")),
+            model_type=self.family,
+            vocab_size=self.raw["vocab_size"],
+            hidden_size=self.raw["hidden_size"],
+            num_layers=num_layers,
+            num_heads=heads,
+            q_lora_rank=q_lora,
+            kv_lora_rank=self.raw["kv_lora_rank"],
+            qk_nope_head_dim=self.raw["qk_nope_head_dim"],
+            qk_rope_head_dim=self.raw["qk_rope_head_dim"],
+            v_head_dim=self.raw["v_head_dim"],
+            intermediate_size=self.raw["intermediate_size"],
+            rms_norm_eps=float(g("rms_norm_eps")),
+            tie_word_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(self.raw.get("attention_bias", False)),
+            rope=self._rope(),
+            mlp_layer_types=self._mlp_layer_types(num_layers),
+            moe=self._moe(),
+            indexer=self._indexer(num_layers),
+            bos_token_id=self.raw.get("bos_token_id"),
+            eos_token_ids=_as_tuple(self.raw.get("eos_token_id")),
             max_position_embeddings=int(self.raw.get("max_position_embeddings", 4096)),
             num_nextn_predict_layers=int(self.raw.get("num_nextn_predict_layers", 0) or 0),
             provenance=self.log.freeze(),
@@ -220,11 +299,16 @@ class _HFAdapter:
             raise ConfigError(f"{self.source}: {where}.rope_type {rope_type!r} is not supported (default, yarn)")
         interleaved = self._rope_interleaved()
         rope = RopeConfig(
-            dim=self.raw["qk_rope_head_dim"], theta=float(params.get("rope_theta", 10000.0)), interleaved=interleaved,
-            rope_type=rope_type, factor=float(params.get("factor") or 1.0),
+            dim=self.raw["qk_rope_head_dim"],
+            theta=float(params.get("rope_theta", 10000.0)),
+            interleaved=interleaved,
+            rope_type=rope_type,
+            factor=float(params.get("factor") or 1.0),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings") or 0),
-            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-            mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0),
             truncate=bool(params.get("truncate", True)),
         )
         if rope_type == "yarn" and not rope.original_max_position_embeddings:
@@ -234,7 +318,9 @@ class _HFAdapter:
 
     def _rope_interleaved(self) -> bool:
         if self.family in DSA_FAMILIES:
-            return self.log.record("rope_interleave", True, f"family rule ({self.family}: main MLA rope is always interleaved)")
+            return self.log.record(
+                "rope_interleave", True, f"family rule ({self.family}: main MLA rope is always interleaved)"
+            )
         if self.family == "deepseek_v2":
             return self.log.record("rope_interleave", True, "family rule (deepseek_v2: complex-pair rope)")
         return bool(self.get("rope_interleave"))
@@ -243,7 +329,9 @@ class _HFAdapter:
         types = self.raw.get("mlp_layer_types")
         if types is not None and self.family in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
             if len(types) != num_layers:
-                raise ConfigError(f"{self.source}: mlp_layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
+                raise ConfigError(
+                    f"{self.source}: mlp_layer_types has {len(types)} entries, num_hidden_layers={num_layers}"
+                )
             out = tuple("dense" if t == "dense" else "moe" for t in types)
             self.log.record("mlp_layer_types", out, f"{self.source}:mlp_layer_types")
             return out
@@ -262,20 +350,29 @@ class _HFAdapter:
             scoring, method = "softmax", g("topk_method")
             if method not in ("greedy", "group_limited_greedy"):
                 raise ConfigError(f"{self.source}: topk_method {method!r} not supported for deepseek_v2")
-            norm = self.log.record("norm_topk_prob", False,
-                                   "reference rule: transformers' deepseek_v2 router ignores norm_topk_prob")
+            norm = self.log.record(
+                "norm_topk_prob", False, "reference rule: transformers' deepseek_v2 router ignores norm_topk_prob"
+            )
         else:
-            scoring = self.log.record("scoring_func", "sigmoid", f"family rule ({self.family}: sigmoid + correction bias)")
+            scoring = self.log.record(
+                "scoring_func", "sigmoid", f"family rule ({self.family}: sigmoid + correction bias)"
+            )
             method = self.log.record("topk_method", "noaux_tc", f"family rule ({self.family})")
             norm = bool(g("norm_topk_prob"))
         n_group, topk_group = g("n_group"), g("topk_group")
         if method in ("group_limited_greedy", "noaux_tc") and (n_group is None or topk_group is None):
             raise ConfigError(f"{self.source}: topk_method {method} needs n_group and topk_group")
         return MoEConfig(
-            n_routed_experts=g("n_routed_experts"), num_experts_per_tok=g("num_experts_per_tok"),
-            n_shared_experts=int(g("n_shared_experts") or 0), moe_intermediate_size=g("moe_intermediate_size", required=True),
-            scoring_func=scoring, topk_method=method, n_group=int(n_group or 1), topk_group=int(topk_group or 1),
-            norm_topk_prob=norm, routed_scaling_factor=float(g("routed_scaling_factor")),
+            n_routed_experts=g("n_routed_experts"),
+            num_experts_per_tok=g("num_experts_per_tok"),
+            n_shared_experts=int(g("n_shared_experts") or 0),
+            moe_intermediate_size=g("moe_intermediate_size", required=True),
+            scoring_func=scoring,
+            topk_method=method,
+            n_group=int(n_group or 1),
+            topk_group=int(topk_group or 1),
+            norm_topk_prob=norm,
+            routed_scaling_factor=float(g("routed_scaling_factor")),
         )
 
     def _indexer(self, num_layers: int) -> IndexerConfig | None:
@@ -291,10 +388,18 @@ class _HFAdapter:
         if types[0] != "full":
             raise ConfigError(f"{self.source}: indexer_types[0] must be 'full' (a shared layer reuses a previous one)")
         interleaved = self.family == "glm_moe_dsa"
-        self.log.record("indexer_rope", "interleaved" if interleaved else "half-split",
-                        f"family rule ({self.family}, as transformers)")
-        return IndexerConfig(n_heads=g("index_n_heads"), head_dim=g("index_head_dim"), topk=g("index_topk"),
-                             rope_interleaved=interleaved, layer_types=tuple(types))
+        self.log.record(
+            "indexer_rope",
+            "interleaved" if interleaved else "half-split",
+            f"family rule ({self.family}, as transformers)",
+        )
+        return IndexerConfig(
+            n_heads=g("index_n_heads"),
+            head_dim=g("index_head_dim"),
+            topk=g("index_topk"),
+            rope_interleaved=interleaved,
+            layer_types=tuple(types),
+        )
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -12,14 +12,37 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-TINY = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=128,
-            intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3, first_k_dense_replace=1,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16,
-            qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-            n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6,
-            vocab_size=259, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=0,
-            eos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            num_nextn_predict_layers=0)
+TINY = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=64,
+    q_lora_rank=96,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rms_norm_eps=1e-6,
+    vocab_size=259,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    num_nextn_predict_layers=0,
+)
 
 
 def hub_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -77,5 +100,6 @@ def write_byte_tokenizer(folder: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "add_bos_token": True}, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "add_bos_token": True}, indent=2)
+    )

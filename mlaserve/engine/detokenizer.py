@@ -37,7 +37,7 @@ the prompt context (vLLM behaves the same).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer
 
@@ -79,17 +79,17 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._prefix_text: Optional[str] = None  # cache of decode(ids[prefix:read])
+        self._prefix_text: str | None = None  # cache of decode(ids[prefix:read])
 
         self._pending = ""  # UTF-8-complete text held back as a possible stop-string start
         self._output: list[str] = []  # every delta returned so far
-        self._stopped_by: Optional[str] = None
+        self._stopped_by: str | None = None
         self._finished = False
 
     # ------------------------------------------------------------------ public API
 
     @property
-    def stopped_by(self) -> Optional[str]:
+    def stopped_by(self) -> str | None:
         """The stop string that ended the output, or None."""
         return self._stopped_by
 
@@ -132,7 +132,7 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._get_prefix_text()
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         text = self._stop_step(delta, final=True)
         self._finished = True
         return self._emit(text)
@@ -145,9 +145,7 @@ class IncrementalDetokenizer:
         return text
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(
-            self._ids[start:end], skip_special_tokens=self._skip_special_tokens
-        )
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
 
     def _get_prefix_text(self) -> str:
         if self._prefix_text is None:
@@ -163,7 +161,7 @@ class IncrementalDetokenizer:
         # Ends in U+FFFD: the last character's bytes are not all here yet.
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         # Slide the window; drop ids before the new prefix so it stays short.
         del self._ids[: self._read_offset]
         self._prefix_offset, self._read_offset = 0, len(self._ids)
@@ -186,10 +184,10 @@ class IncrementalDetokenizer:
             self._pending = ""
             return text[: start + len(stop)] if self._include_stop else text[:start]
         hold = 0 if final else self._partial_stop_len(text)
-        self._pending = text[len(text) - hold:]
+        self._pending = text[len(text) - hold :]
         return text[: len(text) - hold]
 
-    def _first_stop(self, text: str) -> Optional[tuple[int, str]]:
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
         """(start, stop string) of the match that *ends* first, i.e. where generation
         would have stopped had the text arrived one character at a time; among matches
         ending at the same place, the longest (earliest start)."""

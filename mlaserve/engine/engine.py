@@ -10,12 +10,12 @@ import torch
 
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
 from mlaserve.engine.page_pool import PagePool
-from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
-from mlaserve.sampling.sampler import SamplingBatch, gather_logprobs, make_generator, sample
-from mlaserve.sampling.params import SamplingParams
 from mlaserve.engine.scheduler import SchedulePlan, Scheduler
 from mlaserve.engine.tokenizer import Tokenizer
+from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.sampling.params import SamplingParams
+from mlaserve.sampling.sampler import SamplingBatch, gather_logprobs, make_generator, sample
 
 
 class Engine:
@@ -43,14 +43,21 @@ class Engine:
         if bad:
             raise ValueError(f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"request {rid}: prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"request {rid}: prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}"
+            )
         req = Request(rid, list(prompt_ids), params)
         if params.seed is not None:
             req.generator = make_generator(params.seed)
         self.requests[rid] = req
         if self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer.tok, list(prompt_ids), params.skip_special_tokens,
-                                                      params.stop or (), params.include_stop_str_in_output)
+            self._detok[rid] = IncrementalDetokenizer(
+                self.tokenizer.tok,
+                list(prompt_ids),
+                params.skip_special_tokens,
+                params.stop or (),
+                params.include_stop_str_in_output,
+            )
         self.scheduler.add(req)
         return rid
 
@@ -79,9 +86,14 @@ class Engine:
         return [self._output(r) for r in self._touched(plan)]
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
-                                    [r.output_ids for r in reqs], [r.generator for r in reqs],
-                                    logits.shape[-1], eos_token_id=tuple(self.eos_ids))
+        batch = SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.generator for r in reqs],
+            logits.shape[-1],
+            eos_token_id=tuple(self.eos_ids),
+        )
         out = sample(logits, batch)  # logprobs computed iff some row asked (batch.max_num_logprobs)
         now = time.monotonic()
         for i, req in enumerate(reqs):
@@ -146,10 +158,22 @@ class Engine:
         detok = self._detok.get(req.request_id)
         text = detok.output_text if detok is not None else ""
         done = req.status is Status.FINISHED
-        comp = CompletionOutput(0, text, list(req.output_ids), req.finish_reason,
-                                list(req.logprobs) if req.params.logprobs is not None else None)
-        return RequestOutput(req.request_id, None, req.prompt_ids, [comp], done, _metrics(req),
-                             list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None)
+        comp = CompletionOutput(
+            0,
+            text,
+            list(req.output_ids),
+            req.finish_reason,
+            list(req.logprobs) if req.params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            req.request_id,
+            None,
+            req.prompt_ids,
+            [comp],
+            done,
+            _metrics(req),
+            list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+        )
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -162,8 +186,12 @@ def _logprob_entry(ids: torch.Tensor, values: torch.Tensor, n: int) -> dict[int,
 
 
 def _metrics(req: Request) -> dict:
-    m = {"num_prompt_tokens": len(req.prompt_ids), "num_output_tokens": len(req.output_ids),
-         "num_preemptions": req.num_preemptions, "num_cached_prompt_tokens": req.num_cached_prompt}
+    m = {
+        "num_prompt_tokens": len(req.prompt_ids),
+        "num_output_tokens": len(req.output_ids),
+        "num_preemptions": req.num_preemptions,
+        "num_cached_prompt_tokens": req.num_cached_prompt,
+    }
     if req.first_token_time is not None:
         m["time_to_first_token"] = req.first_token_time - req.arrival
     if req.finish_time is not None and req.first_token_time is not None and len(req.output_ids) > 1:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from mlaserve.executor.forward_batch import SeqChunk
 from mlaserve.engine.page_pool import PagePool, page_hashes
 from mlaserve.engine.request import Request, Status
+from mlaserve.executor.forward_batch import SeqChunk
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,15 @@ class ScheduledChunk:
     def to_seq_chunk(self, page_size: int) -> SeqChunk:
         r = self.request
         end = self.start + self.num_tokens
-        return SeqChunk(r.request_id, tuple(r.all_ids[self.start : end]), self.start,
-                        tuple(r.pages[: -(-end // page_size)]), needs_logits=self.completes_prompt,
-                        all_logits=r.params.prompt_logprobs is not None and self.start < len(r.prompt_ids),
-                        num_cached=r.num_cached_prompt if self.start == r.num_cached_prompt else 0)
+        return SeqChunk(
+            r.request_id,
+            tuple(r.all_ids[self.start : end]),
+            self.start,
+            tuple(r.pages[: -(-end // page_size)]),
+            needs_logits=self.completes_prompt,
+            all_logits=r.params.prompt_logprobs is not None and self.start < len(r.prompt_ids),
+            num_cached=r.num_cached_prompt if self.start == r.num_cached_prompt else 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,11 @@ class Scheduler:
     def _reserve(self, req: Request, num_tokens: int, preempted: list[str]) -> bool:
         """Pages for num_tokens, preempting the newest other running requests if needed."""
         while not self._grow(req, num_tokens):
-            victim = max((r for r in self.running if r is not req and r.status is Status.RUNNING),
-                         key=lambda r: r.arrival, default=None)
+            victim = max(
+                (r for r in self.running if r is not req and r.status is Status.RUNNING),
+                key=lambda r: r.arrival,
+                default=None,
+            )
             if victim is None or victim.arrival < req.arrival:
                 victim = req  # nothing newer to evict: this request yields itself
             self._preempt(victim)
@@ -115,8 +123,9 @@ class Scheduler:
         full = req.num_computed // self.page_size
         if not self.pool.prefix_caching or full <= req.num_registered:
             return
-        for page, h in zip(req.pages[req.num_registered : full],
-                           page_hashes(req.all_ids, self.page_size, full)[req.num_registered :]):
+        for page, h in zip(
+            req.pages[req.num_registered : full], page_hashes(req.all_ids, self.page_size, full)[req.num_registered :]
+        ):
             self.pool.register(page, h)
         req.num_registered = full
 

@@ -22,7 +22,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(ids)
 
     @staticmethod
-    def from_folder(folder: str | Path, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+    def from_folder(folder: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.exists():
@@ -52,7 +52,11 @@ class Tokenizer:
         import jinja2
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.config.items()
-                   if k in ("bos_token", "eos_token", "pad_token")}
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                          **special)
+        special = {
+            k: (v.get("content") if isinstance(v, dict) else v)
+            for k, v in self.config.items()
+            if k in ("bos_token", "eos_token", "pad_token")
+        }
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special
+        )

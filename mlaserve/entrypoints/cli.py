@@ -9,7 +9,9 @@ from mlaserve.sampling.params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlaserve", description="Inference engine for MLA models (DeepSeek, GLM, Kimi).")
+    parser = argparse.ArgumentParser(
+        prog="mlaserve", description="Inference engine for MLA models (DeepSeek, GLM, Kimi)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_inspect(sub)
@@ -24,27 +26,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a Hugging Face folder (config.json + safetensors); "
-                   "default: the embedded model")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"], help="compute dtype (default: float32 on CPU)")
-    p.add_argument("--attention", default="auto", choices=["auto", "dense", "sparse"],
-                   help="sparse (DSA indexer + top-k) or dense attention; auto = sparse iff the model has an indexer")
-    p.add_argument("--mla-path", default="auto", choices=["auto", "absorbed", "decompressed"],
-                   help="auto: decode -> absorbed MQA, prefill -> decompressed MHA; or force one path for all tokens")
+    p.add_argument(
+        "--model", default=None, help="a Hugging Face folder (config.json + safetensors); default: the embedded model"
+    )
+    p.add_argument(
+        "--dtype", default=None, choices=["auto", "float32", "bfloat16"], help="compute dtype (default: float32 on CPU)"
+    )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "dense", "sparse"],
+        help="sparse (DSA indexer + top-k) or dense attention; auto = sparse iff the model has an indexer",
+    )
+    p.add_argument(
+        "--mla-path",
+        default="auto",
+        choices=["auto", "absorbed", "decompressed"],
+        help="auto: decode -> absorbed MQA, prefill -> decompressed MHA; or force one path for all tokens",
+    )
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (prefill chunk size)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step (prefill chunk size)"
+    )
     p.add_argument("--trace", default=None, metavar="FILE", help="write each step's attention route as JSON lines")
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text for one or more prompts, streamed to the terminal",
-                       description="Generate a continuation for each PROMPT. Example: mlaserve generate \"Hello\"")
+    p = sub.add_parser(
+        "generate",
+        help="generate text for one or more prompts, streamed to the terminal",
+        description='Generate a continuation for each PROMPT. Example: mlaserve generate "Hello"',
+    )
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     _engine_args(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy; default: the model's generation_config.json (else greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy; default: the model's generation_config.json (else greedy)",
+    )
     p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config.json (else 1)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
@@ -59,12 +81,18 @@ def _add_inspect(sub) -> None:
 
 
 def _add_verify(sub) -> None:
-    p = sub.add_parser("verify", help="check the engine's identities on this model (absorbed == decompressed, ...)",
-                       description="Run one prompt through routes that must agree and report the logit differences.")
+    p = sub.add_parser(
+        "verify",
+        help="check the engine's identities on this model (absorbed == decompressed, ...)",
+        description="Run one prompt through routes that must agree and report the logit differences.",
+    )
     p.add_argument("model", nargs="?", default=None, help="model folder or .gguf (default: the embedded model)")
     _engine_args(p)
-    p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 4,
-                   help="text to run (default: a short English sentence, repeated)")
+    p.add_argument(
+        "--prompt",
+        default="The quick brown fox jumps over the lazy dog. " * 4,
+        help="text to run (default: a short English sentence, repeated)",
+    )
     p.set_defaults(func=_verify)
 
 
@@ -78,22 +106,33 @@ def _verify(args) -> int:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="write a Hugging Face MLA checkpoint as a GGUF file llama.cpp loads",
-                       description="Convert HF_DIR (config.json, *.safetensors, tokenizer.json) to OUT.gguf in "
-                                   "llama.cpp's MLA layout (what its convert_hf_to_gguf.py writes).")
+    p = sub.add_parser(
+        "convert",
+        help="write a Hugging Face MLA checkpoint as a GGUF file llama.cpp loads",
+        description="Convert HF_DIR (config.json, *.safetensors, tokenizer.json) to OUT.gguf in "
+        "llama.cpp's MLA layout (what its convert_hf_to_gguf.py writes).",
+    )
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out", metavar="OUT.gguf")
-    p.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
-                   help="type of the weight matrices (default f16); norms, biases and routers stay f32")
+    p.add_argument(
+        "--outtype",
+        default="f16",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        help="type of the weight matrices (default f16); norms, biases and routers stay f32",
+    )
     p.add_argument("--name", default=None, help="general.name (default: from the folder name)")
-    p.add_argument("--pre-tokenizer", default=None, metavar="NAME",
-                   help="tokenizer.ggml.pre when it is not recognized (e.g. deepseek-v3, glm4, gpt-2)")
+    p.add_argument(
+        "--pre-tokenizer",
+        default=None,
+        metavar="NAME",
+        help="tokenizer.ggml.pre when it is not recognized (e.g. deepseek-v3, glm4, gpt-2)",
+    )
     p.set_defaults(func=_convert)
 
 
 def _convert(args) -> int:
-    from mlaserve.gguf.read.checkpoint import load_gguf
     from mlaserve.gguf.convert.convert import convert_hf_to_gguf
+    from mlaserve.gguf.read.checkpoint import load_gguf
 
     report = convert_hf_to_gguf(args.hf_dir, args.out, args.outtype, name=args.name, pre_tokenizer=args.pre_tokenizer)
     counts = ", ".join(f"{n} {t}" for t, n in sorted(report.type_counts().items()))
@@ -108,13 +147,23 @@ def _make_llm(args):
     from mlaserve.entrypoints.llm import LLM
 
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(model=args.model, dtype=args.dtype, attention=args.attention, mla_path=args.mla_path,
-              page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens, trace=args.trace,
-              progress=_progress_bar)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        attention=args.attention,
+        mla_path=args.mla_path,
+        page_size=args.page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        trace=args.trace,
+        progress=_progress_bar,
+    )
     cfg = llm.config
-    print(f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
-          f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')})",
-          file=sys.stderr, flush=True)
+    print(
+        f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
+        f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')})",
+        file=sys.stderr,
+        flush=True,
+    )
     return llm
 
 
@@ -131,8 +180,12 @@ def _progress_bar(done: int, total: int) -> None:
 
 def _generate(args) -> int:
     llm = _make_llm(args)
-    params = SamplingParams(**_sampling_defaults(args, llm.loaded.generation_config), top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens)
+    params = SamplingParams(
+        **_sampling_defaults(args, llm.loaded.generation_config),
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
     for prompt in args.prompts:
         text = prompt
         if args.chat:
@@ -144,11 +197,15 @@ def _generate(args) -> int:
 def _sampling_defaults(args, gen: dict) -> dict:
     """Options the user left unset come from the model's generation_config.json, as in vLLM/transformers."""
     sampled = bool(gen.get("do_sample"))
-    temperature = args.temperature if args.temperature is not None else (gen.get("temperature", 1.0) if sampled else 0.0)
+    temperature = (
+        args.temperature if args.temperature is not None else (gen.get("temperature", 1.0) if sampled else 0.0)
+    )
     top_p = args.top_p if args.top_p is not None else (gen.get("top_p", 1.0) if sampled else 1.0)
     if args.temperature is None and sampled:
-        print(f"sampling: temperature {temperature}, top_p {top_p} (generation_config.json; --temperature 0 for greedy)",
-              file=sys.stderr)
+        print(
+            f"sampling: temperature {temperature}, top_p {top_p} (generation_config.json; --temperature 0 for greedy)",
+            file=sys.stderr,
+        )
     return {"temperature": temperature, "top_p": top_p}
 
 

@@ -7,26 +7,41 @@ from dataclasses import replace
 
 import torch
 
-from mlaserve.platform.allocator import keep_freed_memory
-from mlaserve.engine.engine import Engine
 from mlaserve.config.engine import EngineOptions
-from mlaserve.loading.model_loader import load_model
-from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.engine.engine import Engine
 from mlaserve.engine.request import RequestOutput
-from mlaserve.sampling.params import SamplingParams
+from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.loading.model_loader import load_model
 from mlaserve.observability.trace import make_tracer
+from mlaserve.platform.allocator import keep_freed_memory
+from mlaserve.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str | None = None, attention: str = "auto",
-                 mla_path: str = "auto", page_size: int = 16, max_num_batched_tokens: int = 2048, trace=None,
-                 progress=None, **options) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | None = None,
+        attention: str = "auto",
+        mla_path: str = "auto",
+        page_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        trace=None,
+        progress=None,
+        **options,
+    ) -> None:
         from mlaserve.embedded import default_model_path
 
-        opts = EngineOptions(dtype=dtype, attention=attention, mla_path=mla_path, page_size=page_size,
-                             max_num_batched_tokens=max_num_batched_tokens, **options)
+        opts = EngineOptions(
+            dtype=dtype,
+            attention=attention,
+            mla_path=mla_path,
+            page_size=page_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            **options,
+        )
         self.loaded = load_model(model or default_model_path(), opts, progress)
         self.config = self.loaded.config
         if self.config.malloc_tuning:
@@ -37,10 +52,18 @@ class LLM:
         self._counter = 0
 
     # -- generation ---------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         groups = [self._add(p, sp) for p, sp in zip(prompts, params)]
@@ -67,8 +90,9 @@ class LLM:
         comps = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
         for r in rids:
             self.engine.release(r)
-        return RequestOutput(rids[0].split("/")[0], text, outs[0].prompt_token_ids, comps, True, outs[0].metrics,
-                             outs[0].prompt_logprobs)
+        return RequestOutput(
+            rids[0].split("/")[0], text, outs[0].prompt_token_ids, comps, True, outs[0].metrics, outs[0].prompt_logprobs
+        )
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -47,16 +47,23 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     base = replace(cfg, max_num_batched_tokens=max(len(ids), 1))
     full = logits_with(llm, base, ids)
     pairs = [
-        ("absorbed vs decompressed", logits_with(llm, replace(base, mla_path="absorbed"), ids),
-         logits_with(llm, replace(base, mla_path="decompressed"), ids)),
+        (
+            "absorbed vs decompressed",
+            logits_with(llm, replace(base, mla_path="absorbed"), ids),
+            logits_with(llm, replace(base, mla_path="decompressed"), ids),
+        ),
         ("chunked prefill (7) vs one pass", logits_with(llm, replace(base, max_num_batched_tokens=7), ids), full),
         ("token-by-token decode vs one pass", logits_with(llm, replace(base, max_num_batched_tokens=1), ids), full),
     ]
     if cfg.model.indexer is not None and cfg.index_topk:
         short = ids[: cfg.index_topk]
-        pairs.append((f"sparse vs dense within index_topk ({len(short)} tokens)",
-                      logits_with(llm, replace(base, sparse=True), short),
-                      logits_with(llm, replace(base, sparse=False), short)))
+        pairs.append(
+            (
+                f"sparse vs dense within index_topk ({len(short)} tokens)",
+                logits_with(llm, replace(base, sparse=True), short),
+                logits_with(llm, replace(base, sparse=False), short),
+            )
+        )
     return [_compare(name, a, b, tol) for name, a, b in pairs]
 
 
@@ -68,7 +75,10 @@ def format_checks(checks: list[Check]) -> str:
     w = max(len(c.name) for c in checks)
     lines = [f"{'check':<{w}}  max|diff|   top-1    result"]
     for c in checks:
-        verdict = "info (run with --dtype float32 to judge)" if c.tolerance is None else \
-            f"{'ok' if c.passed else 'FAIL'} (tol {c.tolerance:g})"
+        verdict = (
+            "info (run with --dtype float32 to judge)"
+            if c.tolerance is None
+            else f"{'ok' if c.passed else 'FAIL'} (tol {c.tolerance:g})"
+        )
         lines.append(f"{c.name:<{w}}  {c.max_abs_diff:9.2e}  {c.top1_agreement:6.1%}   {verdict}")
     return "\n".join(lines)

@@ -73,7 +73,7 @@ class ForwardBatch:
         return sum(s.query_len for s in self.seqs[: self.num_decode_seqs])
 
     @staticmethod
-    def build(chunks: list[SeqChunk], page_size: int, decode_threshold: int) -> "ForwardBatch":
+    def build(chunks: list[SeqChunk], page_size: int, decode_threshold: int) -> ForwardBatch:
         decodes = [c for c in chunks if c.query_len <= decode_threshold]
         prefills = [c for c in chunks if c.query_len > decode_threshold]
         ordered = decodes + prefills
@@ -89,7 +89,12 @@ class ForwardBatch:
             lidx.extend(start + i for i in wanted)
             owner.extend((c.request_id, i) for i in wanted)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long), seqs=tuple(seqs), num_decode_seqs=len(decodes),
-            logits_indices=torch.tensor(lidx, dtype=torch.long), logits_owner=tuple(owner), page_size=page_size,
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(pos, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            seqs=tuple(seqs),
+            num_decode_seqs=len(decodes),
+            logits_indices=torch.tensor(lidx, dtype=torch.long),
+            logits_owner=tuple(owner),
+            page_size=page_size,
         )

@@ -15,8 +15,8 @@ tests check.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -34,16 +34,40 @@ class GGMLType:
 # Every type id ggml knows (so any file's tensor table can be parsed and sized); only some of
 # them can be dequantized (see DEQUANTIZERS).
 _TYPES = [
-    (0, "F32", 1, 4), (1, "F16", 1, 2), (2, "Q4_0", 32, 18), (3, "Q4_1", 32, 20),
-    (6, "Q5_0", 32, 22), (7, "Q5_1", 32, 24), (8, "Q8_0", 32, 34), (9, "Q8_1", 32, 40),
-    (10, "Q2_K", 256, 84), (11, "Q3_K", 256, 110), (12, "Q4_K", 256, 144),
-    (13, "Q5_K", 256, 176), (14, "Q6_K", 256, 210), (15, "Q8_K", 256, 292),
-    (16, "IQ2_XXS", 256, 66), (17, "IQ2_XS", 256, 74), (18, "IQ3_XXS", 256, 98),
-    (19, "IQ1_S", 256, 50), (20, "IQ4_NL", 32, 18), (21, "IQ3_S", 256, 110),
-    (22, "IQ2_S", 256, 82), (23, "IQ4_XS", 256, 136), (24, "I8", 1, 1), (25, "I16", 1, 2),
-    (26, "I32", 1, 4), (27, "I64", 1, 8), (28, "F64", 1, 8), (29, "IQ1_M", 256, 56),
-    (30, "BF16", 1, 2), (34, "TQ1_0", 256, 54), (35, "TQ2_0", 256, 66),
-    (39, "MXFP4", 32, 17), (40, "NVFP4", 64, 36), (41, "Q1_0", 128, 18),
+    (0, "F32", 1, 4),
+    (1, "F16", 1, 2),
+    (2, "Q4_0", 32, 18),
+    (3, "Q4_1", 32, 20),
+    (6, "Q5_0", 32, 22),
+    (7, "Q5_1", 32, 24),
+    (8, "Q8_0", 32, 34),
+    (9, "Q8_1", 32, 40),
+    (10, "Q2_K", 256, 84),
+    (11, "Q3_K", 256, 110),
+    (12, "Q4_K", 256, 144),
+    (13, "Q5_K", 256, 176),
+    (14, "Q6_K", 256, 210),
+    (15, "Q8_K", 256, 292),
+    (16, "IQ2_XXS", 256, 66),
+    (17, "IQ2_XS", 256, 74),
+    (18, "IQ3_XXS", 256, 98),
+    (19, "IQ1_S", 256, 50),
+    (20, "IQ4_NL", 32, 18),
+    (21, "IQ3_S", 256, 110),
+    (22, "IQ2_S", 256, 82),
+    (23, "IQ4_XS", 256, 136),
+    (24, "I8", 1, 1),
+    (25, "I16", 1, 2),
+    (26, "I32", 1, 4),
+    (27, "I64", 1, 8),
+    (28, "F64", 1, 8),
+    (29, "IQ1_M", 256, 56),
+    (30, "BF16", 1, 2),
+    (34, "TQ1_0", 256, 54),
+    (35, "TQ2_0", 256, 66),
+    (39, "MXFP4", 32, 17),
+    (40, "NVFP4", 64, 36),
+    (41, "Q1_0", 128, 18),
 ]
 GGML_TYPES: dict[int, GGMLType] = {t[0]: GGMLType(*t) for t in _TYPES}
 GGML_TYPE_IDS: dict[str, int] = {t.name: t.id for t in GGML_TYPES.values()}
@@ -60,6 +84,7 @@ def tensor_nbytes(ggml_type: int, ne: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # helpers on a [n_blocks, type_size] uint8 tensor
+
 
 def _f16(cols: torch.Tensor) -> torch.Tensor:
     """[n, 2] little-endian fp16 bytes -> [n, 1] float32 (exact)."""
@@ -87,6 +112,7 @@ def _bits32(qh4: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # per-type block dequantizers: [n, type_size] uint8 -> [n, block_size] float32
+
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, :2])
@@ -193,8 +219,16 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCK_DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0,
-    10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
+    2: _q4_0,
+    3: _q4_1,
+    6: _q5_0,
+    7: _q5_1,
+    8: _q8_0,
+    10: _q2_k,
+    11: _q3_k,
+    12: _q4_k,
+    13: _q5_k,
+    14: _q6_k,
 }
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
-from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.loading.safetensors_source import SafetensorsSource
 from mlaserve.loading.weights import LoadReport, load_weights
+from mlaserve.models.deepseek import MLAForCausalLM
 
 
 @dataclass

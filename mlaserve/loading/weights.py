@@ -64,8 +64,10 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
         tick(report.loaded, total)
     missing = sorted(set(targets) - filled)
     if missing:
-        raise WeightError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}"
-                          + (" ..." if len(missing) > 8 else ""))
+        raise WeightError(
+            f"checkpoint is missing {len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         report.notes.append("lm_head.weight tied to model.embed_tokens.weight (tie_word_embeddings)")
@@ -86,12 +88,15 @@ def _copy(name: str, source: TensorSource, targets: dict, filled: set[str]) -> N
     filled.add(name)
 
 
-def _stack_experts(prefix: str, parts: dict[tuple[str, int], str], source: TensorSource,
-                   targets: dict, filled: set[str]) -> int:
+def _stack_experts(
+    prefix: str, parts: dict[tuple[str, int], str], source: TensorSource, targets: dict, filled: set[str]
+) -> int:
     gate_up, down = targets.get(f"{prefix}.gate_up_proj"), targets.get(f"{prefix}.down_proj")
     any_name = next(iter(parts.values()))
     if gate_up is None or down is None:
-        raise WeightError(f"{source.where(any_name)}: unexpected expert tensor {any_name!r} (layer has no routed experts)")
+        raise WeightError(
+            f"{source.where(any_name)}: unexpected expert tensor {any_name!r} (layer has no routed experts)"
+        )
     n_exp, two_i, _ = gate_up.shape
     inter = two_i // 2
     for e in range(n_exp):
@@ -103,7 +108,11 @@ def _stack_experts(prefix: str, parts: dict[tuple[str, int], str], source: Tenso
         raise WeightError(f"{source.where(extra[0])}: unexpected tensor {extra[0]!r} (only {n_exp} experts)")
     with torch.no_grad():
         for e in range(n_exp):
-            for proj, dst in (("gate_proj", gate_up[e, :inter]), ("up_proj", gate_up[e, inter:]), ("down_proj", down[e])):
+            for proj, dst in (
+                ("gate_proj", gate_up[e, :inter]),
+                ("up_proj", gate_up[e, inter:]),
+                ("down_proj", down[e]),
+            ):
                 name = parts[(proj, e)]
                 tensor = source.get(name)
                 _check_shape(name, tuple(tensor.shape), tuple(dst.shape), source)
@@ -114,4 +123,6 @@ def _stack_experts(prefix: str, parts: dict[tuple[str, int], str], source: Tenso
 
 def _check_shape(name: str, got: tuple, want: tuple, source: TensorSource) -> None:
     if got != want:
-        raise WeightError(f"{source.where(name)}: tensor {name!r} has shape {list(got)}, the config implies {list(want)}")
+        raise WeightError(
+            f"{source.where(name)}: tensor {name!r} has shape {list(got)}, the config implies {list(want)}"
+        )

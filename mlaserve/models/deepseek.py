@@ -18,9 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mlaserve.attention.backends.torch_backend import (
+    absorbed_attention,
+    decompressed_attention,
+    sparse_absorbed_attention,
+)
 from mlaserve.attention.metadata import SegmentTensors, build_segment_tensors
 from mlaserve.attention.router import AttentionPlan
-from mlaserve.attention.backends.torch_backend import absorbed_attention, decompressed_attention, sparse_absorbed_attention
 from mlaserve.config.model import ModelConfig
 from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.executor.latent_cache import LatentCache
@@ -43,7 +47,7 @@ class StepContext:
     sin: torch.Tensor
 
     @staticmethod
-    def build(batch: ForwardBatch, plan: AttentionPlan, rope: RotaryEmbedding, dtype: torch.dtype) -> "StepContext":
+    def build(batch: ForwardBatch, plan: AttentionPlan, rope: RotaryEmbedding, dtype: torch.dtype) -> StepContext:
         cos, sin = rope.cos_sin(batch.positions, dtype)
         segs = tuple(build_segment_tensors(batch, s) for s in plan.segments)
         return StepContext(batch.positions, batch.slot_mapping, plan, segs, cos, sin)
@@ -82,8 +86,15 @@ class MLAAttention(nn.Module):
             return self.q_b_proj(c_q).unflatten(-1, (self.cfg.num_heads, -1)), c_q
         return self.q_proj(x).unflatten(-1, (self.cfg.num_heads, -1)), None
 
-    def forward(self, x: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor,
-                index_keys: torch.Tensor | None, prev: Selections) -> tuple[torch.Tensor, Selections]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: StepContext,
+        rope: RotaryEmbedding,
+        cache: torch.Tensor,
+        index_keys: torch.Tensor | None,
+        prev: Selections,
+    ) -> tuple[torch.Tensor, Selections]:
         cfg = self.cfg
         q, c_q = self.project_q(x)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
@@ -102,8 +113,9 @@ class MLAAttention(nn.Module):
             out[seg.out_index] = self.attend(q_nope, q_pe, cache, seg, sel)[seg.q_valid]
         return self.o_proj(out.flatten(1)), selections
 
-    def select(self, x: torch.Tensor, c_q: torch.Tensor, step: StepContext, index_keys: torch.Tensor | None,
-               prev: Selections) -> Selections:
+    def select(
+        self, x: torch.Tensor, c_q: torch.Tensor, step: StepContext, index_keys: torch.Tensor | None, prev: Selections
+    ) -> Selections:
         if self.indexer is None:
             if prev is None and step.plan.needs_selection:
                 raise RuntimeError("a shared-indexer layer needs the top-k of a previous full indexer layer")
@@ -114,8 +126,9 @@ class MLAAttention(nn.Module):
             return None  # keys written for later steps; this step keeps every row anyway
         return tuple(self.indexer.select(q_idx, w, index_keys, seg, step.plan.index_topk) for seg in step.segments)
 
-    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, seg: SegmentTensors,
-               sel: Selection | None) -> torch.Tensor:
+    def attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, seg: SegmentTensors, sel: Selection | None
+    ) -> torch.Tensor:
         cfg, scale = self.cfg, self.cfg.softmax_scale
         if seg.segment.path == "absorbed":
             w_uk, w_uv = self.w_uk_uv()
@@ -123,8 +136,9 @@ class MLAAttention(nn.Module):
                 return sparse_absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, sel.index, sel.valid)
             return absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv, seg, scale)
         allowed = sel.as_mask(seg.mask.shape[-1]) if sel is not None else None
-        return decompressed_attention(q_nope, q_pe, cache, self.kv_b_proj.weight, seg, scale,
-                                      cfg.qk_nope_head_dim, allowed)
+        return decompressed_attention(
+            q_nope, q_pe, cache, self.kv_b_proj.weight, seg, scale, cfg.qk_nope_head_dim, allowed
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -138,8 +152,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor,
-                index_keys: torch.Tensor | None, prev: Selections) -> tuple[torch.Tensor, Selections]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: StepContext,
+        rope: RotaryEmbedding,
+        cache: torch.Tensor,
+        index_keys: torch.Tensor | None,
+        prev: Selections,
+    ) -> tuple[torch.Tensor, Selections]:
         h, selections = self.self_attn(self.input_layernorm(x), step, rope, cache, index_keys, prev)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), selections

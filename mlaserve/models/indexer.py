@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mlaserve.attention.metadata import SegmentTensors
 from mlaserve.attention.backends.torch_backend import gather_rows, query_blocks
+from mlaserve.attention.metadata import SegmentTensors
 from mlaserve.config.model import IndexerConfig
 from mlaserve.models.layers import apply_rope
 
@@ -55,7 +55,9 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(cfg.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(hidden, cfg.n_heads, bias=False)  # kept fp32, as the reference
 
-    def project(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> q_idx [T, Hi, Di], k_idx [T, Di] (both roped), w [T, Hi] fp32."""
         dr = self.rope_dim
         q = self.wq_b(c_q).unflatten(-1, (self.cfg.n_heads, -1))
@@ -63,35 +65,44 @@ class Indexer(nn.Module):
         il = self.cfg.rope_interleaved
         q = torch.cat([apply_rope(q[..., :dr], cos, sin, il), q[..., dr:]], dim=-1)
         k = torch.cat([apply_rope(k[..., :dr], cos, sin, il), k[..., dr:]], dim=-1)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.cfg.n_heads ** -0.5
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.cfg.n_heads**-0.5
         return q, k, w
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seg: SegmentTensors,
-               topk: int) -> Selection:
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seg: SegmentTensors, topk: int) -> Selection:
         """keys: this layer's indexer key cache [S, Di]. Scores every key of the segment, keeps top-k."""
         qb = q[seg.q_index]  # [B, Q, Hi, Di]
         kb = gather_rows(keys, seg.kv_slots)  # [B, L, Di]
         # Di^-0.5 > 0 commutes with ReLU, so it is folded into the small w instead of a pass over [Q, Hi, L].
-        wb = w[seg.q_index] * self.cfg.head_dim ** -0.5  # [B, Q, Hi]
+        wb = w[seg.q_index] * self.cfg.head_dim**-0.5  # [B, Q, Hi]
         (b, nq, hi, di), length = qb.shape, kb.shape[1]
         k = min(topk, length)
         # Per block of queries: a long prompt chunk would hold [Q, Hi, L] scores at once.
         if seg.segment.index_scoring == "bf16_then_fp32":
             per_query = b * (2 * hi * length + 24 * length + (k + k // 4) * (6 * di + 4 * hi))
             decode = seg.segment.phase == "decode"
-            index = torch.cat([_top_k_bf16_then_fp32(qb[:, s], kb, wb[:, s], seg.mask[:, s], k, decode)
-                               for s in query_blocks(nq, per_query)], dim=1)
+            index = torch.cat(
+                [
+                    _top_k_bf16_then_fp32(qb[:, s], kb, wb[:, s], seg.mask[:, s], k, decode)
+                    for s in query_blocks(nq, per_query)
+                ],
+                dim=1,
+            )
         else:
             kf = kb.float()
-            index = torch.cat([_top_k(_scores(qb[:, s].float(), kf, wb[:, s]), seg.mask[:, s], k)
-                               for s in query_blocks(nq, 4 * b * (hi + 2) * length)], dim=1)
+            index = torch.cat(
+                [
+                    _top_k(_scores(qb[:, s].float(), kf, wb[:, s]), seg.mask[:, s], k)
+                    for s in query_blocks(nq, 4 * b * (hi + 2) * length)
+                ],
+                dim=1,
+            )
         return Selection(index, seg.mask.gather(2, index))
 
 
 # Bound on |approximate - fp32 score| relative to E~ = sum_h |w_h| ReLU(s~_h), both from bf16 GEMMs.
 # Three roundings to bf16 (u = 2^-8 each: the head scores, w, the head-weighted sum) give ~3.03u;
 # 4u leaves room for fp32 accumulation-order differences between the two stages.
-BF16_SCORE_ERROR = 2.0 ** -6
+BF16_SCORE_ERROR = 2.0**-6
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -122,8 +133,9 @@ def _bf16_head_sums(q: torch.Tensor, keys: torch.Tensor, w2: torch.Tensor, decod
     return torch.matmul(w2.transpose(2, 3), per_head.view(b, nq, hi, -1)).transpose(2, 3)
 
 
-def _top_k_bf16_then_fp32(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, mask: torch.Tensor,
-                          k: int, decode: bool = True) -> torch.Tensor:
+def _top_k_bf16_then_fp32(
+    q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, k: int, decode: bool = True
+) -> torch.Tensor:
     """The fp32 top-k of bf16 q/keys without an fp32 pass over every key (see the notation block)."""
     b, nq, hi, di = q.shape
     both = _bf16_head_sums(q, keys, torch.stack([w, w.abs()], dim=-1).to(keys.dtype), decode)  # [B, Q, L, 2]

@@ -14,11 +14,20 @@ from mlaserve.attention.router import AttentionPlan
 from mlaserve.executor.forward_batch import ForwardBatch
 
 
-def step_record(step: int, batch: ForwardBatch, plan: AttentionPlan, num_layers: int, extra: dict | None = None) -> dict:
-    rec = {"step": step, "layers": f"0-{num_layers - 1}", "num_tokens": batch.num_tokens,
-           "num_decode_tokens": batch.num_decode_tokens, **plan.to_record()}
-    rec["requests"] = [{"id": s.request_id, "query_len": s.query_len, "context_len": s.context_len,
-                        "cached_tokens": s.num_cached} for s in batch.seqs]
+def step_record(
+    step: int, batch: ForwardBatch, plan: AttentionPlan, num_layers: int, extra: dict | None = None
+) -> dict:
+    rec = {
+        "step": step,
+        "layers": f"0-{num_layers - 1}",
+        "num_tokens": batch.num_tokens,
+        "num_decode_tokens": batch.num_decode_tokens,
+        **plan.to_record(),
+    }
+    rec["requests"] = [
+        {"id": s.request_id, "query_len": s.query_len, "context_len": s.context_len, "cached_tokens": s.num_cached}
+        for s in batch.seqs
+    ]
     if extra:
         rec.update(extra)
     return rec

@@ -9,8 +9,9 @@ straight back to the client.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Any, Optional, Sequence, Union
+from typing import Any
 
 # Temperatures below this are treated as greedy decoding (as in vLLM): dividing
 # logits by a tiny temperature overflows float32 and means "argmax" anyway.
@@ -38,14 +39,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 = off; applies to prompt + output tokens
     presence_penalty: float = 0.0  # [-2, 2]; applies to output tokens
     frequency_penalty: float = 0.0  # [-2, 2]; applies to output tokens
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = 16  # None = until the context is full
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = until the context is full
     min_tokens: int = 0  # EOS / stop_token_ids are masked until this many tokens exist
-    stop: Union[None, str, Sequence[str]] = None
-    stop_token_ids: Optional[Sequence[int]] = None
+    stop: None | str | Sequence[str] = None
+    stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
-    logprobs: Optional[int] = None  # top-N logprobs per generated token (0 = sampled token only)
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None  # top-N logprobs per generated token (0 = sampled token only)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -96,8 +97,12 @@ class SamplingParams:
                 _fail(name, value, "must be a bool")
 
         for name in (
-            "temperature", "top_p", "min_p",
-            "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
         ):
             set_(name, float(getattr(self, name)))
         if self.top_k == -1:
@@ -114,13 +119,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def all_stop_token_ids(self, eos_token_id: Optional[int] | Iterable[int]) -> frozenset:
+    def all_stop_token_ids(self, eos_token_id: int | None | Iterable[int]) -> frozenset:
         """Token ids that end the request: stop_token_ids, plus the EOS id(s) unless ignore_eos.
         Models may have several EOS ids (GLM: <|endoftext|>, <|user|>, <|observation|>)."""
         ids = set(self.stop_token_ids)
@@ -136,7 +137,7 @@ def _fail(name: str, value: Any, rule: str) -> None:
     raise ValueError(f"{name} {rule}, got {value!r}")
 
 
-def _check_int(name: str, value: Any, minimum: Optional[int] = None) -> None:
+def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
     # bool is an int subclass; True as a count is almost certainly a bug.
     if not isinstance(value, int) or isinstance(value, bool):
         _fail(name, value, "must be an int")

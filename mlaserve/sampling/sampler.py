@@ -30,8 +30,8 @@ row draws its [V] noise from it; all other rows share one batched draw.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -66,10 +66,10 @@ class SamplerOutput:
     # Raw logprobs (log_softmax of the model logits, see `sample`): column 0 is the
     # sampled token, columns 1..N the top-N tokens in descending order. None when
     # no logprobs were requested.
-    logprobs: Optional[torch.Tensor] = None  # float32 [B, 1+N]
-    logprob_token_ids: Optional[torch.Tensor] = None  # int64 [B, 1+N]
+    logprobs: torch.Tensor | None = None  # float32 [B, 1+N]
+    logprob_token_ids: torch.Tensor | None = None  # int64 [B, 1+N]
     # Rank of the sampled token under the raw distribution (1 = most likely).
-    sampled_ranks: Optional[torch.Tensor] = None  # int64 [B]
+    sampled_ranks: torch.Tensor | None = None  # int64 [B]
 
 
 @dataclass
@@ -91,11 +91,11 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # float32 [B], 0 = off
     frequency_penalty: torch.Tensor  # float32 [B], 0 = off
     # Only built when some row uses the penalty that needs it.
-    output_counts: Optional[torch.Tensor]  # float32 [B, V]: occurrences in the output
-    seen_mask: Optional[torch.Tensor]  # bool [B, V]: token in prompt or output
+    output_counts: torch.Tensor | None  # float32 [B, V]: occurrences in the output
+    seen_mask: torch.Tensor | None  # bool [B, V]: token in prompt or output
     # (row, token) pairs to force to -inf because the row is below min_tokens.
-    banned_rows: Optional[torch.Tensor]  # int64 [M]
-    banned_tokens: Optional[torch.Tensor]  # int64 [M]
+    banned_rows: torch.Tensor | None  # int64 [M]
+    banned_tokens: torch.Tensor | None  # int64 [M]
     generators: dict  # row -> torch.Generator, random rows only
     # Fast-path flags.
     all_greedy: bool
@@ -105,7 +105,7 @@ class SamplingBatch:
     no_top_p: bool
     no_min_p: bool
     max_top_k: int  # largest active top_k (0 if none): size of the torch.topk call
-    max_num_logprobs: Optional[int]  # largest `logprobs` asked by a row, None if none
+    max_num_logprobs: int | None  # largest `logprobs` asked by a row, None if none
 
     @classmethod
     def build(
@@ -113,12 +113,12 @@ class SamplingBatch:
         params: Sequence[SamplingParams],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
-        generators: Sequence[Optional[torch.Generator]],
+        generators: Sequence[torch.Generator | None],
         vocab_size: int,
         *,
-        eos_token_id: Optional[int] | Sequence[int] = None,
+        eos_token_id: int | None | Sequence[int] = None,
         device: torch.device | str | None = None,
-    ) -> "SamplingBatch":
+    ) -> SamplingBatch:
         """Gather the rows' parameters into tensors.
 
         prompt_ids / output_ids: each row's tokens so far; read only when a row uses a
@@ -168,9 +168,7 @@ class SamplingBatch:
             seen_mask=seen_mask,
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=dev) if banned_rows else None,
             banned_tokens=torch.tensor(banned_tokens, dtype=torch.int64, device=dev) if banned_rows else None,
-            generators={
-                row: gen for row, gen in enumerate(generators) if gen is not None and not greedy[row]
-            },
+            generators={row: gen for row, gen in enumerate(generators) if gen is not None and not greedy[row]},
             all_greedy=all(greedy),
             all_random=not any(greedy),
             no_penalties=not (need_seen or need_counts),
@@ -182,8 +180,14 @@ class SamplingBatch:
         )
 
 
-def _penalty_counts(prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], V: int,
-                    dev: torch.device, need_seen: bool, need_counts: bool):
+def _penalty_counts(
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    V: int,
+    dev: torch.device,
+    need_seen: bool,
+    need_counts: bool,
+):
     """(output token counts [B, V] for presence/frequency penalties, seen mask [B, V] for the
     repetition penalty); each None when no row needs it."""
     output_counts = _token_counts(output_ids, V, dev) if need_counts else None
@@ -193,8 +197,9 @@ def _penalty_counts(prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Se
     return output_counts, (_token_counts(prompt_ids, V, dev) > 0) | (in_output > 0)
 
 
-def _min_tokens_bans(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]], V: int,
-                     eos_token_id) -> tuple[list[int], list[int]]:
+def _min_tokens_bans(
+    params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]], V: int, eos_token_id
+) -> tuple[list[int], list[int]]:
     """(rows, tokens) to mask: every stop id of a row still below its min_tokens."""
     rows, tokens = [], []
     for row, p in enumerate(params):
@@ -232,7 +237,7 @@ def _token_counts(seqs: Sequence[Sequence[int]], V: int, device: torch.device) -
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
-    num_logprobs: Optional[int] = None,
+    num_logprobs: int | None = None,
 ) -> SamplerOutput:
     """Pick one token per row.
 

@@ -32,9 +32,16 @@ def query_blocks(n_queries: int, bytes_per_query: int) -> list[slice]:
     return [slice(a, min(a + step, n_queries)) for a in range(0, n_queries, step)]
 
 
-def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
-                       w_uv: torch.Tensor, seg: SegmentTensors, scale: float,
-                       allowed: torch.Tensor | None = None) -> torch.Tensor:
+def absorbed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    seg: SegmentTensors,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones)."""
     q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
@@ -45,9 +52,16 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
 
 
-def decompressed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                           kv_b: torch.Tensor, seg: SegmentTensors, scale: float, dn: int,
-                           allowed: torch.Tensor | None = None) -> torch.Tensor:
+def decompressed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    kv_b: torch.Tensor,
+    seg: SegmentTensors,
+    scale: float,
+    dn: int,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]."""
     r = kv_b.shape[1]
     h = q_nope.shape[1]
@@ -89,21 +103,41 @@ def _mask(seg: SegmentTensors, allowed: torch.Tensor | None) -> torch.Tensor:
     return seg.mask if allowed is None else seg.mask & allowed
 
 
-def sparse_absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
-                              w_uv: torch.Tensor, seg: SegmentTensors, scale: float, index: torch.Tensor,
-                              valid: torch.Tensor) -> torch.Tensor:
+def sparse_absorbed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    seg: SegmentTensors,
+    scale: float,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
     """MQA over only the selected rows. index/valid [B, Q, k] (positions on the segment's key axis).
     Gathers k rows per query instead of scoring all L: the point of DSA at long context."""
     b, qn, k = index.shape
     q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
     per_query = b * (k * cache.shape[1] * cache.element_size() + _score_bytes(q.shape[2], k))
-    o_lat = torch.cat([_sparse_block(q[:, s], cache, seg.kv_slots, index[:, s], valid[:, s], scale, w_uk.shape[-1])
-                       for s in query_blocks(qn, per_query)], dim=1)
+    o_lat = torch.cat(
+        [
+            _sparse_block(q[:, s], cache, seg.kv_slots, index[:, s], valid[:, s], scale, w_uk.shape[-1])
+            for s in query_blocks(qn, per_query)
+        ],
+        dim=1,
+    )
     return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
 
 
-def _sparse_block(q: torch.Tensor, cache: torch.Tensor, kv_slots: torch.Tensor, index: torch.Tensor,
-                  valid: torch.Tensor, scale: float, r: int) -> torch.Tensor:
+def _sparse_block(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    kv_slots: torch.Tensor,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    r: int,
+) -> torch.Tensor:
     """q [B, Q, H, r + dr] over each query's own k rows -> [B, Q, H, r]."""
     b, qn, k = index.shape
     slots = kv_slots.gather(1, index.reshape(b, qn * k))

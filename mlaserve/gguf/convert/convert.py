@@ -52,21 +52,21 @@ Where we decide differently (same result for the fixtures):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from mlaserve.gguf.convert.metadata import OUTTYPES, _metadata, _Model, _open_model, size_label
 from mlaserve.gguf.convert.tokenizer import ConvertError
-from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.gguf.convert.writer import F16, F32, GGUFWriter, can_quantize
+from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.loading.safetensors_source import SafetensorsSource
 
 __all__ = ["ConvertError", "ConvertReport", "OUTTYPES", "convert_hf_to_gguf", "size_label", "tensor_type"]
 
-CHUNK_VALUES = 1 << 22                                      # floats per chunk handed to the writer
+CHUNK_VALUES = 1 << 22  # floats per chunk handed to the writer
 
 
 @dataclass
@@ -74,8 +74,8 @@ class ConvertReport:
     path: Path
     arch: str
     outtype: str
-    tensors: dict[str, str] = field(default_factory=dict)      # GGUF name -> ggml type name
-    skipped: list[str] = field(default_factory=list)           # HF tensors not written (MTP of deepseek2)
+    tensors: dict[str, str] = field(default_factory=dict)  # GGUF name -> ggml type name
+    skipped: list[str] = field(default_factory=list)  # HF tensors not written (MTP of deepseek2)
     notes: list[str] = field(default_factory=list)
 
     def type_counts(self) -> dict[str, int]:
@@ -88,8 +88,11 @@ class ConvertReport:
 # =============================================================================================
 # tensors
 
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 _LAYER = {  # HF suffix under model.layers.N. -> GGUF suffix under blk.N.
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -138,9 +141,9 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], outtype: str) -> int:
 
 @dataclass
 class _Plan:
-    name: str                                        # GGUF tensor name
-    shape: tuple[int, ...]                           # torch order
-    chunks: Callable[[], Iterator[torch.Tensor]]     # its values: float32, whole rows, storage order
+    name: str  # GGUF tensor name
+    shape: tuple[int, ...]  # torch order
+    chunks: Callable[[], Iterator[torch.Tensor]]  # its values: float32, whole rows, storage order
 
 
 class _Source:
@@ -176,15 +179,15 @@ def _rows(t: torch.Tensor) -> Iterator[torch.Tensor]:
     t2 = t.reshape(-1, t.shape[-1])
     step = max(1, CHUNK_VALUES // t2.shape[1])
     for i in range(0, t2.shape[0], step):
-        yield t2[i:i + step].to(torch.float32)
+        yield t2[i : i + step].to(torch.float32)
 
 
 def _interleave_rope(w: torch.Tensor, head_dim: int, r: int) -> torch.Tensor:
     """Rows of each head [.. | rope(r)] from half-split order (i, i + r/2 pairs) to interleaved
     (2i, 2i+1): llama.cpp's deepseek2 graph only has interleaved RoPE; q.k is unchanged."""
     h = w.reshape(-1, head_dim, w.shape[-1]).clone()
-    rope = h[:, head_dim - r:]
-    h[:, head_dim - r:] = rope.reshape(-1, 2, r // 2, w.shape[-1]).transpose(1, 2).reshape(-1, r, w.shape[-1])
+    rope = h[:, head_dim - r :]
+    h[:, head_dim - r :] = rope.reshape(-1, 2, r // 2, w.shape[-1]).transpose(1, 2).reshape(-1, r, w.shape[-1])
     return h.reshape(w.shape)
 
 
@@ -219,27 +222,29 @@ class _Planner:
             elif name in _GLOBAL:
                 self._plain(_GLOBAL[name], name)
             elif not name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
-                raise ConvertError(f"{self.src.st.where(name)}: unknown tensor {name!r} "
-                                   "(not part of an MLA checkpoint)")
+                raise ConvertError(
+                    f"{self.src.st.where(name)}: unknown tensor {name!r} (not part of an MLA checkpoint)"
+                )
         return self.plans
 
     def _plain(self, gguf_name: str, hf: str, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         def chunks() -> Iterator[torch.Tensor]:
             t = self.src.get(hf)
             yield from _rows(transform(t) if transform else t)
+
         self.plans.append(_Plan(gguf_name, self.src.shape(hf), chunks))
 
     def _layer(self, layer: int, names: list[str]) -> None:
         pre, blk = f"model.layers.{layer}.", f"blk.{layer}."
         experts: dict[str, dict[int, str]] = {}
         for name in names:
-            me = _EXPERT.match(name[len(pre):])
+            me = _EXPERT.match(name[len(pre) :])
             if me:
                 experts.setdefault(me[2], {})[int(me[1])] = name
         if experts and len(experts) != 3:
             raise ConvertError(f"layer {layer}: routed experts have only {sorted(experts)} projections")
         for name in names:
-            suffix = name[len(pre):]
+            suffix = name[len(pre) :]
             if _EXPERT.match(suffix):
                 if experts:  # the three stacks go where the experts are, in llama.cpp's order
                     self.plans += [self._experts(blk, p, experts[p]) for p in ("down", "gate", "up")]
@@ -253,8 +258,11 @@ class _Planner:
 
     def _rope_fix(self, suffix: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
         c = self.c
-        if c.rope.interleaved or suffix not in ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight",
-                                                "self_attn.kv_a_proj_with_mqa.weight"):
+        if c.rope.interleaved or suffix not in (
+            "self_attn.q_b_proj.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.kv_a_proj_with_mqa.weight",
+        ):
             return None
         r = c.qk_rope_head_dim
         head = c.kv_lora_rank + r if "kv_a" in suffix else c.qk_nope_head_dim + r
@@ -264,8 +272,10 @@ class _Planner:
         n_exp = self.c.moe.n_routed_experts
         if sorted(by_index) != list(range(n_exp)):
             missing = sorted(set(range(n_exp)) - set(by_index))
-            raise ConvertError(f"{blk}ffn_{proj}_exps: experts {missing or sorted(by_index)} missing or extra "
-                               f"(n_routed_experts={n_exp})")
+            raise ConvertError(
+                f"{blk}ffn_{proj}_exps: experts {missing or sorted(by_index)} missing or extra "
+                f"(n_routed_experts={n_exp})"
+            )
         names = tuple(by_index[e] for e in range(n_exp))
         shapes = {self.src.shape(n) for n in names}
         if len(shapes) != 1:
@@ -274,14 +284,17 @@ class _Planner:
         def chunks() -> Iterator[torch.Tensor]:
             for n in names:  # one expert at a time: the stack is never built in memory
                 yield from _rows(self.src.get(n))
+
         return _Plan(f"{blk}ffn_{proj}_exps.weight", (n_exp, *shapes.pop()), chunks)
 
     def _kv_b(self, blk: str, name: str) -> None:
         c = self.c
         H, L, n, v = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
         if self.src.shape(name) != (H * (n + v), L):
-            raise ConvertError(f"{self.src.st.where(name)}: {name} has shape {list(self.src.shape(name))}, "
-                               f"expected [{H}*({n}+{v}), {L}] from the config")
+            raise ConvertError(
+                f"{self.src.st.where(name)}: {name} has shape {list(self.src.shape(name))}, "
+                f"expected [{H}*({n}+{v}), {L}] from the config"
+            )
 
         def per_head(k_part: bool) -> Iterator[torch.Tensor]:
             kv = self.src.get(name).reshape(H, n + v, L)
@@ -295,8 +308,15 @@ class _Planner:
 # =============================================================================================
 # entry point
 
-def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = "f16", *,
-                       name: str | None = None, pre_tokenizer: str | None = None) -> ConvertReport:
+
+def convert_hf_to_gguf(
+    hf_dir: str | Path,
+    out_path: str | Path,
+    outtype: str = "f16",
+    *,
+    name: str | None = None,
+    pre_tokenizer: str | None = None,
+) -> ConvertReport:
     """Write ``out_path`` (GGUF v3, llama.cpp's MLA layout) from the Hugging Face folder ``hf_dir``.
 
     outtype: f32 | f16 | bf16 | q8_0 (see the module doc for which tensors stay F32).
@@ -323,7 +343,8 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = 
     report = ConvertReport(Path(out_path), m.arch, outtype, skipped=planner.skipped)
     report.tensors = {t.name: GGML_TYPES[t.ggml_type].name for t in writer.tensors}
     if planner.skipped:
-        report.notes.append(f"skipped {len(planner.skipped)} tensor(s) llama.cpp's {m.arch} conversion drops "
-                            "(MTP layers / tied lm_head)")
+        report.notes.append(
+            f"skipped {len(planner.skipped)} tensor(s) llama.cpp's {m.arch} conversion drops "
+            "(MTP layers / tied lm_head)"
+        )
     return report
-

@@ -17,11 +17,16 @@ from mlaserve.gguf.convert.tokenizer import ConvertError, _read_json, tokenizer_
 from mlaserve.gguf.convert.writer import BF16, BOOL, F16, F32, Q8_0, MetaValue, array, boolean, f32, string, u32
 
 OUTTYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0}
-FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}   # llama_ftype: ALL_F32, MOSTLY_F16, ...
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, ...
 GGML_QUANT_VERSION = 2
-ARCH_OF_FAMILY = {"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe_lite": "deepseek2",
-                  "deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa"}
-SIGMOID, SOFTMAX = 2, 1                                     # llama.cpp expert_gating_func values
+ARCH_OF_FAMILY = {
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+    "glm4_moe_lite": "deepseek2",
+    "deepseek_v32": "deepseek32",
+    "glm_moe_dsa": "glm-dsa",
+}
+SIGMOID, SOFTMAX = 2, 1  # llama.cpp expert_gating_func values
 
 
 @dataclass(frozen=True)
@@ -29,11 +34,11 @@ class _Model:
     """What the metadata and tensor steps need to know about the checkpoint."""
 
     folder: Path
-    raw: dict[str, Any]        # config.json as written
-    cfg: ModelConfig           # the engine's reading of it (class defaults filled in)
+    raw: dict[str, Any]  # config.json as written
+    cfg: ModelConfig  # the engine's reading of it (class defaults filled in)
     family: str
     arch: str
-    n_blocks: int              # block_count: main layers (+ MTP layers where they are kept)
+    n_blocks: int  # block_count: main layers (+ MTP layers where they are kept)
 
     def setting(self, name: str) -> Any:
         """The value the config reading used (config.json, else the class default)."""
@@ -72,11 +77,18 @@ def _rope_keys(m: _Model) -> list[tuple[str, MetaValue]]:
     a, p, rope = m.arch, _rope_params(m.raw), m.cfg.rope
     out: list[tuple[str, MetaValue]] = []
     if p.get("rope_type") == "yarn" and p.get("factor") is not None:
-        out += [(f"{a}.rope.scaling.type", string("yarn")), (f"{a}.rope.scaling.factor", f32(p["factor"])),
-                (f"{a}.rope.scaling.original_context_length", u32(p["original_max_position_embeddings"]))]
-        optional = [("extrapolation_factor", "yarn_ext_factor"), ("attention_factor", "yarn_attn_factor"),
-                    ("attn_factor", "yarn_attn_factor"), ("beta_fast", "yarn_beta_fast"),
-                    ("beta_slow", "yarn_beta_slow")]
+        out += [
+            (f"{a}.rope.scaling.type", string("yarn")),
+            (f"{a}.rope.scaling.factor", f32(p["factor"])),
+            (f"{a}.rope.scaling.original_context_length", u32(p["original_max_position_embeddings"])),
+        ]
+        optional = [
+            ("extrapolation_factor", "yarn_ext_factor"),
+            ("attention_factor", "yarn_attn_factor"),
+            ("attn_factor", "yarn_attn_factor"),
+            ("beta_fast", "yarn_beta_fast"),
+            ("beta_slow", "yarn_beta_slow"),
+        ]
         for hf, key in optional:
             if p.get(hf) is not None and f"{a}.rope.scaling.{key}" not in dict(out):
                 out.append((f"{a}.rope.scaling.{key}", f32(p[hf])))
@@ -85,8 +97,13 @@ def _rope_keys(m: _Model) -> list[tuple[str, MetaValue]]:
 
 
 def _gating(m: _Model) -> list[tuple[str, MetaValue]]:
-    scoring_keys = ("score_function", "scoring_func", "score_func", "moe_router_activation",
-                    "moe_router_activation_func")
+    scoring_keys = (
+        "score_function",
+        "scoring_func",
+        "score_func",
+        "moe_router_activation",
+        "moe_router_activation_func",
+    )
     given = next((m.raw[k] for k in scoring_keys if m.raw.get(k) is not None), None)
     func = m.cfg.moe.scoring_func  # what transformers computes for this family
     if given is not None and given not in ("softmax", "sigmoid"):
@@ -110,12 +127,14 @@ def _mla_keys(m: _Model) -> list[tuple[str, MetaValue]]:
     out = [(f"{a}.leading_dense_block_count", u32(_leading_dense(c))), (f"{a}.vocab_size", u32(c.vocab_size))]
     if c.q_lora_rank is not None:  # V2-Lite style plain q_proj: no key, as llama.cpp
         out.append((f"{a}.attention.q_lora_rank", u32(c.q_lora_rank)))
-    out += [(f"{a}.attention.kv_lora_rank", u32(c.kv_lora_rank)),
-            (f"{a}.attention.key_length_mla", u32(c.qk_nope_head_dim + c.qk_rope_head_dim)),
-            (f"{a}.attention.value_length_mla", u32(c.v_head_dim)),
-            (f"{a}.expert_feed_forward_length", u32(c.moe.moe_intermediate_size)),
-            (f"{a}.expert_shared_count", u32(c.moe.n_shared_experts)),
-            (f"{a}.expert_weights_scale", f32(c.moe.routed_scaling_factor))]
+    out += [
+        (f"{a}.attention.kv_lora_rank", u32(c.kv_lora_rank)),
+        (f"{a}.attention.key_length_mla", u32(c.qk_nope_head_dim + c.qk_rope_head_dim)),
+        (f"{a}.attention.value_length_mla", u32(c.v_head_dim)),
+        (f"{a}.expert_feed_forward_length", u32(c.moe.moe_intermediate_size)),
+        (f"{a}.expert_shared_count", u32(c.moe.n_shared_experts)),
+        (f"{a}.expert_weights_scale", f32(c.moe.routed_scaling_factor)),
+    ]
     if c.moe.norm_topk_prob:
         out.append((f"{a}.expert_weights_norm", boolean(True)))
     rope_dim = c.qk_rope_head_dim
@@ -137,12 +156,14 @@ def _nextn_indexer_keys(m: _Model) -> list[tuple[str, MetaValue]]:
         out.append((f"{a}.nextn_predict_layers", u32(m.cfg.num_nextn_predict_layers)))
     ix = m.cfg.indexer
     if ix is not None:
-        out += [(f"{a}.attention.indexer.head_count", u32(ix.n_heads)),
-                (f"{a}.attention.indexer.key_length", u32(ix.head_dim)),
-                (f"{a}.attention.indexer.top_k", u32(ix.topk))]
+        out += [
+            (f"{a}.attention.indexer.head_count", u32(ix.n_heads)),
+            (f"{a}.attention.indexer.key_length", u32(ix.head_dim)),
+            (f"{a}.attention.indexer.top_k", u32(ix.topk)),
+        ]
         if m.arch == "glm-dsa":  # transformers always has indexer_types for GLM-DSA, so llama.cpp writes them
             types = list(ix.layer_types) + ["full"] * (m.n_blocks - len(ix.layer_types))
-            out.append((f"{a}.attention.indexer.types", array([t == "full" for t in types[:m.n_blocks]], BOOL)))
+            out.append((f"{a}.attention.indexer.types", array([t == "full" for t in types[: m.n_blocks]], BOOL)))
     return out
 
 
@@ -151,17 +172,23 @@ def _model_keys(m: _Model, outtype: str, name: str, label: str | None) -> list[t
     out = [("general.architecture", string(a)), ("general.type", string("model")), ("general.name", string(name))]
     if label:
         out.append(("general.size_label", string(label)))
-    out += [(f"{a}.block_count", u32(m.n_blocks)), (f"{a}.context_length", u32(c.max_position_embeddings)),
-           (f"{a}.embedding_length", u32(c.hidden_size)), (f"{a}.feed_forward_length", u32(c.intermediate_size)),
-           (f"{a}.attention.head_count", u32(c.num_heads)),
-           (f"{a}.attention.head_count_kv", u32(1))]  # MLA is run as MQA over the latent cache
+    out += [
+        (f"{a}.block_count", u32(m.n_blocks)),
+        (f"{a}.context_length", u32(c.max_position_embeddings)),
+        (f"{a}.embedding_length", u32(c.hidden_size)),
+        (f"{a}.feed_forward_length", u32(c.intermediate_size)),
+        (f"{a}.attention.head_count", u32(c.num_heads)),
+        (f"{a}.attention.head_count_kv", u32(1)),
+    ]  # MLA is run as MQA over the latent cache
     out += _rope_keys(m)
     out.append((f"{a}.attention.layer_norm_rms_epsilon", f32(c.rms_norm_eps)))
     out += _moe_keys(m)
     # the cached "key" is [latent | rope] and the "value" the latent; real head sizes in *_mla
-    out += [(f"{a}.attention.key_length", u32(c.kv_lora_rank + c.qk_rope_head_dim)),
-            (f"{a}.attention.value_length", u32(c.kv_lora_rank)),
-            ("general.file_type", u32(FILE_TYPES[outtype]))]
+    out += [
+        (f"{a}.attention.key_length", u32(c.kv_lora_rank + c.qk_rope_head_dim)),
+        (f"{a}.attention.value_length", u32(c.kv_lora_rank)),
+        ("general.file_type", u32(FILE_TYPES[outtype])),
+    ]
     out += _mla_keys(m) + _nextn_indexer_keys(m)
     out.append(("general.quantization_version", u32(GGML_QUANT_VERSION)))
     return out
@@ -177,8 +204,9 @@ def title_name(folder_name: str) -> str:
 
 def _rounded_count(n: int) -> str:
     """gguf-py's model_weight_count_rounded_notation with min_digits=2 (935_123 -> "935K")."""
-    scale, suffix = next(((s, x) for limit, s, x in ((1e12, 1e-12, "T"), (1e9, 1e-9, "B"), (1e6, 1e-6, "M"))
-                          if n > limit), (1e-3, "K"))
+    scale, suffix = next(
+        ((s, x) for limit, s, x in ((1e12, 1e-12, "T"), (1e9, 1e-9, "B"), (1e6, 1e-6, "M")) if n > limit), (1e-3, "K")
+    )
     value = n * scale
     digits = max(2 - len(str(round(value)).lstrip("0")), 0)
     return f"{value:.{digits}f}{suffix}"
@@ -199,9 +227,12 @@ def size_label(shapes: dict[str, tuple[int, ...]]) -> str:
     return f"{expert_sum // stacks}x{pretty}" if stacks else pretty
 
 
-def _metadata(m: _Model, outtype: str, name: str | None, pre: str | None,
-              shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, MetaValue]]:
+def _metadata(
+    m: _Model, outtype: str, name: str | None, pre: str | None, shapes: dict[str, tuple[int, ...]]
+) -> list[tuple[str, MetaValue]]:
     if outtype not in OUTTYPES:
         raise ConvertError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
     name = name or title_name(m.folder.resolve().name)
-    return _model_keys(m, outtype, name, size_label(shapes) if shapes else None) + tokenizer_keys(m.folder, m.raw, m.family, m.cfg.vocab_size, pre)
+    return _model_keys(m, outtype, name, size_label(shapes) if shapes else None) + tokenizer_keys(
+        m.folder, m.raw, m.family, m.cfg.vocab_size, pre
+    )

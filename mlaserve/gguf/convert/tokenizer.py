@@ -12,6 +12,7 @@ from mlaserve.gguf.convert.writer import INT32, STRING, MetaValue, array, boolea
 
 GLM_FAMILIES = ("glm4_moe_lite", "glm_moe_dsa")
 
+
 class ConvertError(ValueError):
     """A checkpoint folder we cannot convert; the message names the file, key or tensor."""
 
@@ -33,30 +34,43 @@ def _read_json(path: Path, required: bool = True) -> dict:
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 # llama.cpp identifies a BPE pre-tokenizer by sha256(str(token ids of this text)) with the
 # checkpoint's own tokenizer (convert_hf_to_gguf.py, get_vocab_base_pre); the text is data.
-CHKTXT = ('\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) '
-          '✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ '
-          '------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, '
-          '\'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL')
+CHKTXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) "
+    "✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, "
+    "'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+)
 KNOWN_PRE_HASHES = {  # the MLA families' entries of llama.cpp's table (+ GPT-2 itself)
     "877081d19cf6996e2c4ff0e1236341e9b7bde288f5311a56a937f0afbbb3aeb5": "deepseek-v3",
     "049ecf7629871e3041641907f3de7c733e4dbfdc736f57d882ba0b0845599754": "deepseek-llm",
     "347715f544604f9118bb75ed199f68779f423cabb20db6de6f31b908d04d7821": "deepseek-coder",
-    "9ca2dd618e8afaf09731a7cf6e2105b373ba6a1821559f258b272fe83e6eb902": "glm4",   # GLM-4.5
-    "cdf5f35325780597efd76153d4d1c16778f766173908894c04afc20108536267": "glm4",   # GLM-4.7-Flash
+    "9ca2dd618e8afaf09731a7cf6e2105b373ba6a1821559f258b272fe83e6eb902": "glm4",  # GLM-4.5
+    "cdf5f35325780597efd76153d4d1c16778f766173908894c04afc20108536267": "glm4",  # GLM-4.7-Flash
     "a1336059768a55c99a734006ffb02203cd450fed003e9a71886c88acf24fdbc2": "glm4",
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
 }
-_SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
-                 "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id",
-                 "eot": "eot_token_id", "eom": "eom_token_id"}  # sic: llama.cpp spells "seperator"
+_SPECIAL_KEYS = {
+    "bos": "bos_token_id",
+    "eos": "eos_token_id",
+    "unk": "unknown_token_id",
+    "sep": "seperator_token_id",
+    "pad": "padding_token_id",
+    "mask": "mask_token_id",
+    "eot": "eot_token_id",
+    "eom": "eom_token_id",
+}  # sic: llama.cpp spells "seperator"
 _GLM_SPECIALS = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
 
 
 def _looks_special(tok: str) -> bool:
     """llama.cpp's does_token_look_special: added tokens that should be CONTROL although not
     flagged special."""
-    return (tok in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (tok.startswith("<|") and tok.endswith("|>"))
-            or (tok.startswith("<｜") and tok.endswith("｜>")) or (tok.startswith("<unused") and tok.endswith(">")))
+    return (
+        tok in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (tok.startswith("<|") and tok.endswith("|>"))
+        or (tok.startswith("<｜") and tok.endswith("｜>"))
+        or (tok.startswith("<unused") and tok.endswith(">"))
+    )
 
 
 def _token_list(tj: dict, vocab_size: int, path: Path) -> tuple[list[str], list[int]]:
@@ -100,8 +114,12 @@ def _merges(tj: dict, path: Path) -> list[str]:
 
 def _is_gpt2_pre(tj: dict) -> bool:
     pre = tj.get("pre_tokenizer") or {}
-    return (tj.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and not pre.get("add_prefix_space", False))
+    return (
+        tj.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", False)
+    )
 
 
 def pre_tokenizer_name(tokenizer_json: Path) -> str:
@@ -114,8 +132,10 @@ def pre_tokenizer_name(tokenizer_json: Path) -> str:
         return KNOWN_PRE_HASHES[chkhsh]
     if _is_gpt2_pre(_read_json(tokenizer_json)):
         return "gpt-2"
-    raise ConvertError(f"{tokenizer_json}: BPE pre-tokenizer not recognized (llama.cpp hash {chkhsh}); "
-                       "name it explicitly (--pre-tokenizer, e.g. deepseek-v3, glm4, gpt-2)")
+    raise ConvertError(
+        f"{tokenizer_json}: BPE pre-tokenizer not recognized (llama.cpp hash {chkhsh}); "
+        "name it explicitly (--pre-tokenizer, e.g. deepseek-v3, glm4, gpt-2)"
+    )
 
 
 def _content(entry: Any) -> str | None:
@@ -218,19 +238,25 @@ def _chat_template(folder: Path, tc: dict) -> list[tuple[str, MetaValue]]:
     return []
 
 
-def tokenizer_keys(folder: Path, raw: dict, family: str, vocab_size: int,
-                   pre: str | None) -> list[tuple[str, MetaValue]]:
+def tokenizer_keys(
+    folder: Path, raw: dict, family: str, vocab_size: int, pre: str | None
+) -> list[tuple[str, MetaValue]]:
     """tokenizer.json (byte-level BPE) + tokenizer_config.json -> the tokenizer.ggml.* keys."""
     tj_path = folder / "tokenizer.json"
     tj = _read_json(tj_path)  # llama.cpp needs the vocabulary inside the GGUF
     if (tj.get("model") or {}).get("type") != "BPE":
-        raise ConvertError(f"{tj_path}: only byte-level BPE tokenizers are supported "
-                           f"(model type {(tj.get('model') or {}).get('type')!r})")
+        raise ConvertError(
+            f"{tj_path}: only byte-level BPE tokenizers are supported "
+            f"(model type {(tj.get('model') or {}).get('type')!r})"
+        )
     tc = _read_json(folder / "tokenizer_config.json", required=False)
     tokens, types = _token_list(tj, vocab_size, tj_path)
-    out = [("tokenizer.ggml.model", string("gpt2")),
-           ("tokenizer.ggml.pre", string(pre or pre_tokenizer_name(tj_path))),
-           ("tokenizer.ggml.tokens", array(tokens, STRING)), ("tokenizer.ggml.token_type", array(types, INT32))]
+    out = [
+        ("tokenizer.ggml.model", string("gpt2")),
+        ("tokenizer.ggml.pre", string(pre or pre_tokenizer_name(tj_path))),
+        ("tokenizer.ggml.tokens", array(tokens, STRING)),
+        ("tokenizer.ggml.token_type", array(types, INT32)),
+    ]
     merges = _merges(tj, tj_path)
     if merges:
         out.append(("tokenizer.ggml.merges", array(merges, STRING)))
@@ -238,5 +264,3 @@ def tokenizer_keys(folder: Path, raw: dict, family: str, vocab_size: int,
     out += [(f"tokenizer.ggml.{_SPECIAL_KEYS[t]}", u32(i)) for t, i in ids.items()]
     out += [(f"tokenizer.ggml.add_{t}_token", boolean(v)) for t, v in _add_flags(tj, tc, ids, tokens).items()]
     return out + _chat_template(folder, tc)
-
-

@@ -24,25 +24,48 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from mlaserve.gguf.read.file import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, tensor_nbytes
+from mlaserve.gguf.read.file import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
 
 GGUF_VERSION = 3
 F32, F16, BF16, Q8_0 = (GGML_TYPE_IDS[n] for n in ("F32", "F16", "BF16", "Q8_0"))
 
 # GGUF metadata value type ids
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
-_SCALAR_FMT = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I", INT32: "<i", FLOAT32: "<f",
-               BOOL: "<?", UINT64: "<Q", INT64: "<q", FLOAT64: "<d"}
-_NUMPY_OF = {UINT8: "<u1", INT8: "<i1", UINT16: "<u2", INT16: "<i2", UINT32: "<u4", INT32: "<i4",
-             FLOAT32: "<f4", BOOL: "<u1", UINT64: "<u8", INT64: "<i8", FLOAT64: "<f8"}
+_SCALAR_FMT = {
+    UINT8: "<B",
+    INT8: "<b",
+    UINT16: "<H",
+    INT16: "<h",
+    UINT32: "<I",
+    INT32: "<i",
+    FLOAT32: "<f",
+    BOOL: "<?",
+    UINT64: "<Q",
+    INT64: "<q",
+    FLOAT64: "<d",
+}
+_NUMPY_OF = {
+    UINT8: "<u1",
+    INT8: "<i1",
+    UINT16: "<u2",
+    INT16: "<i2",
+    UINT32: "<u4",
+    INT32: "<i4",
+    FLOAT32: "<f4",
+    BOOL: "<u1",
+    UINT64: "<u8",
+    INT64: "<i8",
+    FLOAT64: "<f8",
+}
 
 
 class GGUFWriteError(ValueError):
@@ -51,6 +74,7 @@ class GGUFWriteError(ValueError):
 
 # =============================================================================================
 # metadata values
+
 
 @dataclass(frozen=True)
 class MetaValue:
@@ -125,6 +149,7 @@ def pack_value(key: str, v: MetaValue) -> bytes:
 # =============================================================================================
 # quantizers: float tensor (rows = last dim) -> uint8 bytes in ggml layout
 
+
 def quantize_f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).contiguous().view(torch.uint8)
 
@@ -152,7 +177,7 @@ def quantize_bf16(x: torch.Tensor) -> torch.Tensor:
     """
     n = x.to(torch.float32).contiguous().view(torch.int32)
     is_nan = (n & 0x7FFFFFFF) > 0x7F800000
-    n = torch.where(is_nan, (n & -65536) | (64 << 16), n)     # -65536 == 0xFFFF0000
+    n = torch.where(is_nan, (n & -65536) | (64 << 16), n)  # -65536 == 0xFFFF0000
     n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
     return n.to(torch.int16).view(torch.uint8)
 
@@ -177,15 +202,18 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(blocks).all()):
         raise GGUFWriteError("Q8_0: the tensor holds NaN or Inf values")
     amax = blocks.abs().amax(dim=1, keepdim=True)
-    d = amax / torch.full_like(amax, 127.0)     # elementwise division, as numpy does
+    d = amax / torch.full_like(amax, 127.0)  # elementwise division, as numpy does
     inv = torch.where(d == 0, torch.zeros_like(d), torch.ones_like(d) / d)
     q = _roundf_(blocks * inv).to(torch.int8)
-    scale = d.to(torch.float16).view(torch.uint8)              # [n, 2] little-endian fp16
+    scale = d.to(torch.float16).view(torch.uint8)  # [n, 2] little-endian fp16
     return torch.cat([scale, q.view(torch.uint8)], dim=1).reshape(-1)
 
 
 QUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    F32: quantize_f32, F16: quantize_f16, BF16: quantize_bf16, Q8_0: quantize_q8_0,
+    F32: quantize_f32,
+    F16: quantize_f16,
+    BF16: quantize_bf16,
+    Q8_0: quantize_q8_0,
 }
 
 
@@ -197,23 +225,27 @@ def can_quantize(ggml_type: int, row_length: int) -> bool:
 def quantize(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Float tensor -> its bytes in ggml type ``ggml_type`` (uint8, 1-D)."""
     if ggml_type not in QUANTIZERS:
-        raise GGUFWriteError(f"quantization to {GGML_TYPES[ggml_type].name} is not implemented "
-                             f"(available: {', '.join(GGML_TYPES[t].name for t in QUANTIZERS)})")
+        raise GGUFWriteError(
+            f"quantization to {GGML_TYPES[ggml_type].name} is not implemented "
+            f"(available: {', '.join(GGML_TYPES[t].name for t in QUANTIZERS)})"
+        )
     if x.dim() == 0 or not can_quantize(ggml_type, x.shape[-1]):
-        raise GGUFWriteError(f"rows of length {x.shape[-1] if x.dim() else 0} are not whole "
-                             f"{GGML_TYPES[ggml_type].name} blocks")
+        raise GGUFWriteError(
+            f"rows of length {x.shape[-1] if x.dim() else 0} are not whole {GGML_TYPES[ggml_type].name} blocks"
+        )
     return QUANTIZERS[ggml_type](x).reshape(-1)
 
 
 # =============================================================================================
 # the writer
 
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    shape: tuple[int, ...]   # torch order
+    shape: tuple[int, ...]  # torch order
     ggml_type: int
-    offset: int              # relative to the data section
+    offset: int  # relative to the data section
 
     @property
     def ne(self) -> tuple[int, ...]:
@@ -255,8 +287,9 @@ class GGUFWriter:
         if not 1 <= len(shape) <= MAX_DIMS:
             raise GGUFWriteError(f"tensor '{name}' has {len(shape)} dimensions (1..{MAX_DIMS} allowed)")
         if not can_quantize(ggml_type, shape[-1]):
-            raise GGUFWriteError(f"tensor '{name}': rows of length {shape[-1]} cannot be stored as "
-                                 f"{GGML_TYPES[ggml_type].name}")
+            raise GGUFWriteError(
+                f"tensor '{name}': rows of length {shape[-1]} cannot be stored as {GGML_TYPES[ggml_type].name}"
+            )
         spec = TensorSpec(name, shape, ggml_type, self._data_size)
         self._data_size = _pad(self._data_size + spec.nbytes, self.alignment)
         self.tensors.append(spec)
@@ -293,8 +326,9 @@ class GGUFWriter:
         written, row = 0, spec.shape[-1]
         for chunk in chunks:
             if chunk.numel() % row:
-                raise GGUFWriteError(f"tensor '{spec.name}': a chunk of {chunk.numel()} values "
-                                     f"is not whole rows of {row}")
+                raise GGUFWriteError(
+                    f"tensor '{spec.name}': a chunk of {chunk.numel()} values is not whole rows of {row}"
+                )
             try:
                 data = quantize(chunk.reshape(-1, row), spec.ggml_type)
             except GGUFWriteError as e:
@@ -304,6 +338,8 @@ class GGUFWriter:
                 break
             f.write(data.numpy())  # buffer protocol: no copy
         if written != spec.nbytes:
-            raise GGUFWriteError(f"tensor '{spec.name}': got {written} bytes of data, its shape "
-                                 f"{list(spec.shape)} as {GGML_TYPES[spec.ggml_type].name} needs {spec.nbytes}")
+            raise GGUFWriteError(
+                f"tensor '{spec.name}': got {written} bytes of data, its shape "
+                f"{list(spec.shape)} as {GGML_TYPES[spec.ggml_type].name} needs {spec.nbytes}"
+            )
         f.write(bytes(_pad(spec.nbytes, self.alignment) - spec.nbytes))

@@ -39,12 +39,14 @@ __all__ = ["GGUFError", "GGUFCheckpoint", "GGUFTensors", "GGUFTokenizer", "load_
 MLA_CHECK_RTOL = 1e-5
 
 
-
 # =============================================================================================
 # tensor mapping: GGUF name -> HF Hub checkpoint name
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -70,26 +72,23 @@ _LAYER = {
     "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
     "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
 }
-_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-            "ffn_down_exps.weight": "down_proj"}
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
 _K_B, _V_B, _KV_B = "attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight"
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
 class _Entry:
-    kind: str                  # "plain" | "expert" | "kv_b_split"
-    sources: tuple[str, ...]   # GGUF tensor names
-    shape: tuple[int, ...]     # torch shape of the HF tensor
-    index: int = -1            # expert index for kind "expert"
+    kind: str  # "plain" | "expert" | "kv_b_split"
+    sources: tuple[str, ...]  # GGUF tensor names
+    shape: tuple[int, ...]  # torch shape of the HF tensor
+    index: int = -1  # expert index for kind "expert"
 
 
 def _layer_expectations(cfg: dict, layer: int) -> tuple[set[str], set[str]]:
     """(required, optional) GGUF suffixes of one layer under this config."""
-    req = {"attn_norm.weight", "ffn_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight",
-           "attn_output.weight"}
-    req |= ({"attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"} if cfg["q_lora_rank"]
-            else {"attn_q.weight"})
+    req = {"attn_norm.weight", "ffn_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_output.weight"}
+    req |= {"attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"} if cfg["q_lora_rank"] else {"attn_q.weight"}
     opt = {_K_B, _V_B, _KV_B}  # one of the two layouts, checked separately
     if layer < cfg["first_k_dense_replace"]:
         req |= {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
@@ -109,16 +108,28 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     n, r, v, ql = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["q_lora_rank"]
     E, mff, sh = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
     shapes = {
-        "token_embd.weight": (cfg["vocab_size"], hid), "output.weight": (cfg["vocab_size"], hid),
-        "output_norm.weight": (hid,), "attn_norm.weight": (hid,), "ffn_norm.weight": (hid,),
-        "attn_q_a.weight": (ql, hid), "attn_q_a_norm.weight": (ql,), "attn_q_b.weight": (H * (n + r), ql),
-        "attn_q.weight": (H * (n + r), hid), "attn_kv_a_mqa.weight": (L + r, hid),
-        "attn_kv_a_norm.weight": (L,), _K_B: (H, L, n), _V_B: (H, v, L), _KV_B: (H * (n + v), L),
+        "token_embd.weight": (cfg["vocab_size"], hid),
+        "output.weight": (cfg["vocab_size"], hid),
+        "output_norm.weight": (hid,),
+        "attn_norm.weight": (hid,),
+        "ffn_norm.weight": (hid,),
+        "attn_q_a.weight": (ql, hid),
+        "attn_q_a_norm.weight": (ql,),
+        "attn_q_b.weight": (H * (n + r), ql),
+        "attn_q.weight": (H * (n + r), hid),
+        "attn_kv_a_mqa.weight": (L + r, hid),
+        "attn_kv_a_norm.weight": (L,),
+        _K_B: (H, L, n),
+        _V_B: (H, v, L),
+        _KV_B: (H * (n + v), L),
         "attn_output.weight": (hid, H * v),
-        "ffn_gate_inp.weight": (E, hid), "exp_probs_b.bias": (E,),
-        "ffn_gate_exps.weight": (E, mff, hid), "ffn_up_exps.weight": (E, mff, hid),
+        "ffn_gate_inp.weight": (E, hid),
+        "exp_probs_b.bias": (E,),
+        "ffn_gate_exps.weight": (E, mff, hid),
+        "ffn_up_exps.weight": (E, mff, hid),
         "ffn_down_exps.weight": (E, hid, mff),
-        "ffn_gate_shexp.weight": (sh * mff, hid), "ffn_up_shexp.weight": (sh * mff, hid),
+        "ffn_gate_shexp.weight": (sh * mff, hid),
+        "ffn_up_shexp.weight": (sh * mff, hid),
         "ffn_down_shexp.weight": (hid, sh * mff),
     }
     if cfg.get("intermediate_size"):
@@ -126,9 +137,15 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes.update({"ffn_gate.weight": (ff, hid), "ffn_up.weight": (ff, hid), "ffn_down.weight": (hid, ff)})
     if "index_topk" in cfg:
         ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
-        shapes.update({"indexer.attn_q_b.weight": (ih * idim, ql), "indexer.attn_k.weight": (idim, hid),
-                       "indexer.k_norm.weight": (idim,), "indexer.k_norm.bias": (idim,),
-                       "indexer.proj.weight": (ih, hid)})
+        shapes.update(
+            {
+                "indexer.attn_q_b.weight": (ih * idim, ql),
+                "indexer.attn_k.weight": (idim, hid),
+                "indexer.k_norm.weight": (idim,),
+                "indexer.k_norm.bias": (idim,),
+                "indexer.proj.weight": (ih, hid),
+            }
+        )
     return shapes
 
 
@@ -150,8 +167,9 @@ class _Mapper:
         for name in self.gf.tensors:
             mt = _BLK.match(name)
             if mt and int(mt[1]) >= n_blocks:
-                raise GGUFError(f"{self.gf.path}: tensor '{name}' belongs to no block "
-                                f"({self._arch}.block_count={n_blocks})")
+                raise GGUFError(
+                    f"{self.gf.path}: tensor '{name}' belongs to no block ({self._arch}.block_count={n_blocks})"
+                )
             if mt and int(mt[1]) >= n_layers:
                 self.skipped.append(name)  # nextn / MTP block(s): not part of the main model
                 self.consumed.add(name)
@@ -177,8 +195,10 @@ class _Mapper:
         info = self.gf.tensors[gname]
         want = self.shapes.get(key)
         if want is not None and info.shape != want:
-            raise GGUFError(f"{self.gf.path}: tensor '{gname}' has shape {list(info.shape)} (ggml ne "
-                            f"{list(info.ne)}), expected {list(want)} from the config")
+            raise GGUFError(
+                f"{self.gf.path}: tensor '{gname}' has shape {list(info.shape)} (ggml ne "
+                f"{list(info.ne)}), expected {list(want)} from the config"
+            )
         return info
 
     def _plain(self, gname: str, hf: str, key: str) -> None:
@@ -190,12 +210,15 @@ class _Mapper:
         req, opt = _layer_expectations(self.cfg, i)
         missing = sorted(req - set(present))
         if missing:
-            raise GGUFError(f"{self.gf.path}: missing tensor 'blk.{i}.{missing[0]}' "
-                            f"(needed for {self._hf_hint(i, missing[0])})")
+            raise GGUFError(
+                f"{self.gf.path}: missing tensor 'blk.{i}.{missing[0]}' (needed for {self._hf_hint(i, missing[0])})"
+            )
         extra = sorted(set(present) - req - opt)
         if extra:
-            raise GGUFError(f"{self.gf.path}: unexpected tensor 'blk.{i}.{extra[0]}' "
-                            f"(not part of layer {i} for this config: {self._layer_kind(i)})")
+            raise GGUFError(
+                f"{self.gf.path}: unexpected tensor 'blk.{i}.{extra[0]}' "
+                f"(not part of layer {i} for this config: {self._layer_kind(i)})"
+            )
         pre = f"model.layers.{i}."
         for suf, gname in present.items():
             if suf in _EXPERTS:
@@ -227,8 +250,10 @@ class _Mapper:
             have, lack = (kb, _V_B) if kb else (vb, _K_B)
             raise GGUFError(f"{self.gf.path}: tensor '{have}' is present but 'blk.{i}.{lack}' is missing")
         if kb is None and kvb is None:
-            raise GGUFError(f"{self.gf.path}: missing tensor 'blk.{i}.{_K_B}' + 'blk.{i}.{_V_B}' "
-                            f"(or a fused 'blk.{i}.{_KV_B}'), needed for model.layers.{i}.self_attn.kv_b_proj.weight")
+            raise GGUFError(
+                f"{self.gf.path}: missing tensor 'blk.{i}.{_K_B}' + 'blk.{i}.{_V_B}' "
+                f"(or a fused 'blk.{i}.{_KV_B}'), needed for model.layers.{i}.self_attn.kv_b_proj.weight"
+            )
         hf = f"model.layers.{i}.self_attn.kv_b_proj.weight"
         if kb is not None:
             self._check_k_b(kb)
@@ -248,7 +273,8 @@ class _Mapper:
             raise GGUFError(
                 f"{self.gf.path}: tensor '{name}' is stored the wrong way round: torch shape {list(got)} = "
                 f"[heads, qk_nope_head_dim={n}, kv_lora_rank={L}], expected [heads, kv_lora_rank, qk_nope_head_dim] "
-                f"= {[H, L, n]} (llama.cpp stores attn_k_b transposed per head, ggml ne = [{n}, {L}, {H}])")
+                f"= {[H, L, n]} (llama.cpp stores attn_k_b transposed per head, ggml ne = [{n}, {L}, {H}])"
+            )
         self._check_shape(name, _K_B)
 
     def _check_v_b(self, name: str) -> None:
@@ -257,12 +283,14 @@ class _Mapper:
         if got == (H, L, v) and v != L:
             raise GGUFError(
                 f"{self.gf.path}: tensor '{name}' is stored the wrong way round: torch shape {list(got)} = "
-                f"[heads, kv_lora_rank={L}, v_head_dim={v}], expected [heads, v_head_dim, kv_lora_rank] = {[H, v, L]}")
+                f"[heads, kv_lora_rank={L}, v_head_dim={v}], expected [heads, v_head_dim, kv_lora_rank] = {[H, v, L]}"
+            )
         self._check_shape(name, _V_B)
 
 
 # =============================================================================================
 # lazy HF-named tensor view
+
 
 class GGUFTensors:
     """HF Hub-named float32 tensors of a GGUF file, dequantized on `get`.
@@ -360,23 +388,26 @@ def _mla_identity_check(gf: GGUFFile, tensors: GGUFTensors, layer: int, seed: in
     g = torch.Generator().manual_seed(seed + layer)
     c = torch.randn(5, L, generator=g, dtype=torch.float64)
     q = torch.randn(H, 5, n, generator=g, dtype=torch.float64)
-    kv = (c @ kv_b.T).reshape(5, H, -1).transpose(0, 1)           # decompressed [H, T, n+v]
+    kv = (c @ kv_b.T).reshape(5, H, -1).transpose(0, 1)  # decompressed [H, T, n+v]
     s_dec = q @ kv[..., :n].transpose(1, 2)
-    s_abs = (q @ w_uk.transpose(1, 2)) @ c.T                      # q_lat[h] = W_UK[h] q[h]
+    s_abs = (q @ w_uk.transpose(1, 2)) @ c.T  # q_lat[h] = W_UK[h] q[h]
     p = torch.softmax(s_dec / math.sqrt(n), dim=-1)
     o_dec = p @ kv[..., n:]
-    o_abs = (p @ c) @ w_uv.transpose(1, 2)                        # o[h] = W_UV[h] (P c)
+    o_abs = (p @ c) @ w_uv.transpose(1, 2)  # o[h] = W_UV[h] (P c)
     for what, a, b in (("scores", s_abs, s_dec), ("outputs", o_abs, o_dec)):
         err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
         if not err <= MLA_CHECK_RTOL:
             src = tensors._mla_sources(layer)
-            raise GGUFError(f"{gf.path}: layer {layer}: MLA absorbed vs decompressed attention {what} differ "
-                            f"(relative error {err:.2e}) between {sorted(src.values())} and "
-                            f"{list(tensors.sources(kv_name))}")
+            raise GGUFError(
+                f"{gf.path}: layer {layer}: MLA absorbed vs decompressed attention {what} differ "
+                f"(relative error {err:.2e}) between {sorted(src.values())} and "
+                f"{list(tensors.sources(kv_name))}"
+            )
 
 
 # =============================================================================================
 # checkpoint
+
 
 @dataclass
 class GGUFCheckpoint:
@@ -414,5 +445,13 @@ def load_gguf(path: str | Path, validate_numeric: bool = True) -> GGUFCheckpoint
     if validate_numeric:
         for layer in range(cfg["num_hidden_layers"]):
             _mla_identity_check(gf, tensors, layer)
-    return GGUFCheckpoint(gf.path, gf, gf.metadata["general.architecture"], cfg, prov, tensors,
-                          mapper.skipped, GGUFTokenizer.from_metadata(gf))
+    return GGUFCheckpoint(
+        gf.path,
+        gf,
+        gf.metadata["general.architecture"],
+        cfg,
+        prov,
+        tensors,
+        mapper.skipped,
+        GGUFTokenizer.from_metadata(gf),
+    )

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -13,8 +14,10 @@ from mlaserve.gguf.read.file import GGUFError, GGUFFile
 MLA_ARCHES = ("deepseek2", "deepseek32", "glm-dsa")
 DSA_ARCHES = ("deepseek32", "glm-dsa")
 HF_ARCHITECTURES = {
-    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-    "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_*
 ABSENT = "llama.cpp default (key absent)"
@@ -23,6 +26,7 @@ Provenance = dict[str, tuple[Any, str]]
 
 # =============================================================================================
 # config derivation
+
 
 def _decimal(x: float) -> float:
     """A float32 metadata value as the short decimal it was written from (9.99999997e-07 -> 1e-06)."""
@@ -47,8 +51,9 @@ class _Meta:
     def req(self, fld: str, suffix: str, conv: Callable = int) -> Any:
         k = self.key(suffix)
         if k not in self.gf.metadata:
-            raise GGUFError(f"{self.gf.path}: required metadata key '{k}' is missing "
-                            f"(the model is undefined without it: {fld})")
+            raise GGUFError(
+                f"{self.gf.path}: required metadata key '{k}' is missing (the model is undefined without it: {fld})"
+            )
         return self.put(fld, self._convert(k, conv), f"gguf:{k}")
 
     def opt(self, fld: str, suffix: str, default: Any, conv: Callable = int, note: str = "") -> Any:
@@ -87,17 +92,21 @@ def _model_type(m: _Meta) -> str:
     if gating == 2 or has_bias:
         why = "expert_gating_func=sigmoid" if gating == 2 else "exp_probs_b tensors present"
         return m.put("model_type", "deepseek_v3", f"gguf:general.architecture=deepseek2 + {why}")
-    return m.put("model_type", "deepseek_v2",
-                 "gguf:general.architecture=deepseek2 + softmax gating (expert_gating_func 1 or absent), "
-                 "no exp_probs_b")
+    return m.put(
+        "model_type",
+        "deepseek_v2",
+        "gguf:general.architecture=deepseek2 + softmax gating (expert_gating_func 1 or absent), no exp_probs_b",
+    )
 
 
 def _attention_fields(m: _Meta, cfg: dict) -> None:
     cfg["hidden_size"] = m.req("hidden_size", "embedding_length")
     cfg["num_attention_heads"] = m.req("num_attention_heads", "attention.head_count", _scalar)
     cfg["num_key_value_heads"] = m.put(
-        "num_key_value_heads", cfg["num_attention_heads"],
-        f"derived: = num_attention_heads (MLA; gguf:{m.key('attention.head_count_kv')}=1 describes the latent cache)")
+        "num_key_value_heads",
+        cfg["num_attention_heads"],
+        f"derived: = num_attention_heads (MLA; gguf:{m.key('attention.head_count_kv')}=1 describes the latent cache)",
+    )
     cfg["kv_lora_rank"] = m.req("kv_lora_rank", "attention.kv_lora_rank")
     q_key, q_lora = m.key("attention.q_lora_rank"), m.raw("attention.q_lora_rank")
     if q_lora:
@@ -119,8 +128,9 @@ def _head_dims(m: _Meta, cfg: dict) -> None:
     rope = cfg["qk_rope_head_dim"]
     if qk <= rope:
         raise GGUFError(f"{m.gf.path}: '{m.key(k_key)}'={qk} must exceed rope.dimension_count={rope}")
-    cfg["qk_nope_head_dim"] = m.put("qk_nope_head_dim", qk - rope,
-                                    f"derived: gguf:{m.key(k_key)} - gguf:{m.key('rope.dimension_count')}")
+    cfg["qk_nope_head_dim"] = m.put(
+        "qk_nope_head_dim", qk - rope, f"derived: gguf:{m.key(k_key)} - gguf:{m.key('rope.dimension_count')}"
+    )
     cfg["qk_head_dim"] = qk
     cfg["v_head_dim"] = m.req("v_head_dim", v_key)
 
@@ -179,12 +189,15 @@ def _rope_fields(m: _Meta, cfg: dict) -> None:
 
 
 def _yarn(m: _Meta) -> dict[str, Any]:
-    out = {"rope_type": "yarn",
-           "factor": m.req("rope_parameters.factor", "rope.scaling.factor", _decimal),
-           "original_max_position_embeddings": m.req("rope_parameters.original_max_position_embeddings",
-                                                     "rope.scaling.original_context_length"),
-           "beta_fast": m.opt("rope_parameters.beta_fast", "rope.scaling.yarn_beta_fast", 32.0, _decimal),
-           "beta_slow": m.opt("rope_parameters.beta_slow", "rope.scaling.yarn_beta_slow", 1.0, _decimal)}
+    out = {
+        "rope_type": "yarn",
+        "factor": m.req("rope_parameters.factor", "rope.scaling.factor", _decimal),
+        "original_max_position_embeddings": m.req(
+            "rope_parameters.original_max_position_embeddings", "rope.scaling.original_context_length"
+        ),
+        "beta_fast": m.opt("rope_parameters.beta_fast", "rope.scaling.yarn_beta_fast", 32.0, _decimal),
+        "beta_slow": m.opt("rope_parameters.beta_slow", "rope.scaling.yarn_beta_slow", 1.0, _decimal),
+    }
     if m.has("rope.scaling.yarn_attn_factor"):
         out["attention_factor"] = m.req("rope_parameters.attention_factor", "rope.scaling.yarn_attn_factor", _decimal)
     key = m.key("rope.scaling.yarn_log_multiplier")
@@ -195,25 +208,37 @@ def _yarn(m: _Meta) -> dict[str, Any]:
         out["mscale_all_dim"] = m.put("rope_parameters.mscale_all_dim", mad, f"derived: gguf:{key} / 0.1")
         # mscale itself is not stored: llama.cpp applies no separate cos/sin magnitude, which in
         # HF terms is mscale == mscale_all_dim (attention_factor 1, as in DeepSeek-V3's config).
-        out["mscale"] = m.put("rope_parameters.mscale", mad,
-                              "derived: = mscale_all_dim (not stored; llama.cpp's deepseek2 graph implies it)")
+        out["mscale"] = m.put(
+            "rope_parameters.mscale",
+            mad,
+            "derived: = mscale_all_dim (not stored; llama.cpp's deepseek2 graph implies it)",
+        )
     return out
 
 
 def _token_ids(m: _Meta, cfg: dict) -> None:
     md = m.gf.metadata
     bos = md.get("tokenizer.ggml.bos_token_id")
-    cfg["bos_token_id"] = m.put("bos_token_id", bos, "gguf:tokenizer.ggml.bos_token_id" if bos is not None
-                                else f"{ABSENT}: 'tokenizer.ggml.bos_token_id'")
+    cfg["bos_token_id"] = m.put(
+        "bos_token_id",
+        bos,
+        "gguf:tokenizer.ggml.bos_token_id" if bos is not None else f"{ABSENT}: 'tokenizer.ggml.bos_token_id'",
+    )
     keys = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
     ids = [md[k] for k in keys if md.get(k) is not None]
     ids = list(dict.fromkeys(ids))  # HF lists every stop token; keep eos, eot, eom order
     eos = None if not ids else ids[0] if len(ids) == 1 else ids
-    cfg["eos_token_id"] = m.put("eos_token_id", eos, "gguf:" + " + ".join(k for k in keys if k in md) if ids
-                                else f"{ABSENT}: 'tokenizer.ggml.eos_token_id'")
+    cfg["eos_token_id"] = m.put(
+        "eos_token_id",
+        eos,
+        "gguf:" + " + ".join(k for k in keys if k in md) if ids else f"{ABSENT}: 'tokenizer.ggml.eos_token_id'",
+    )
     pad = md.get("tokenizer.ggml.padding_token_id")
-    cfg["pad_token_id"] = m.put("pad_token_id", pad, "gguf:tokenizer.ggml.padding_token_id" if pad is not None
-                                else f"{ABSENT}: 'tokenizer.ggml.padding_token_id'")
+    cfg["pad_token_id"] = m.put(
+        "pad_token_id",
+        pad,
+        "gguf:tokenizer.ggml.padding_token_id" if pad is not None else f"{ABSENT}: 'tokenizer.ggml.padding_token_id'",
+    )
 
 
 def _vocab_fields(m: _Meta, cfg: dict) -> None:
@@ -225,8 +250,9 @@ def _vocab_fields(m: _Meta, cfg: dict) -> None:
     else:
         raise GGUFError(f"{m.gf.path}: neither '{m.key('vocab_size')}' nor tensor token_embd.weight is present")
     tied = "output.weight" not in m.gf.tensors
-    cfg["tie_word_embeddings"] = m.put("tie_word_embeddings", tied,
-                                       "derived: tensor output.weight " + ("absent" if tied else "present"))
+    cfg["tie_word_embeddings"] = m.put(
+        "tie_word_embeddings", tied, "derived: tensor output.weight " + ("absent" if tied else "present")
+    )
 
 
 def _dsa_fields(m: _Meta, cfg: dict, n_layers: int) -> None:
@@ -238,8 +264,11 @@ def _dsa_fields(m: _Meta, cfg: dict, n_layers: int) -> None:
         if types is None:
             m.put("indexer_types", ["full"] * n_layers, f"{ABSENT}: '{m.key('attention.indexer.types')}' -> all full")
         else:
-            m.put("indexer_types", ["full" if t else "shared" for t in types[:n_layers]],
-                  f"gguf:{m.key('attention.indexer.types')}")
+            m.put(
+                "indexer_types",
+                ["full" if t else "shared" for t in types[:n_layers]],
+                f"gguf:{m.key('attention.indexer.types')}",
+            )
         cfg["indexer_types"] = m.prov["indexer_types"][0]
 
 
@@ -249,15 +278,18 @@ def derive_hf_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
     if arch is None:
         raise GGUFError(f"{gf.path}: required metadata key 'general.architecture' is missing")
     if arch not in MLA_ARCHES:
-        raise GGUFError(f"{gf.path}: general.architecture={arch!r} is not an MLA architecture "
-                        f"this loader supports ({', '.join(MLA_ARCHES)})")
+        raise GGUFError(
+            f"{gf.path}: general.architecture={arch!r} is not an MLA architecture "
+            f"this loader supports ({', '.join(MLA_ARCHES)})"
+        )
     m = _Meta(gf, arch)
     cfg: dict[str, Any] = {"model_type": _model_type(m)}
     cfg["architectures"] = m.put("architectures", [HF_ARCHITECTURES[cfg["model_type"]]], "derived: from model_type")
     blocks = m.req("block_count", "block_count")
     nextn = m.opt("num_nextn_predict_layers", "nextn_predict_layers", 0)
-    cfg["num_hidden_layers"] = m.put("num_hidden_layers", blocks - nextn,
-                                     f"derived: gguf:{m.key('block_count')} - nextn_predict_layers")
+    cfg["num_hidden_layers"] = m.put(
+        "num_hidden_layers", blocks - nextn, f"derived: gguf:{m.key('block_count')} - nextn_predict_layers"
+    )
     cfg["num_nextn_predict_layers"] = nextn
     _attention_fields(m, cfg)
     _moe_fields(m, cfg)
@@ -269,4 +301,3 @@ def derive_hf_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
     if arch in DSA_ARCHES:
         _dsa_fields(m, cfg, cfg["num_hidden_layers"])
     return cfg, m.prov
-

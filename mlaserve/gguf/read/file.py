@@ -34,13 +34,33 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 
 # GGUF metadata value types: id -> (name, struct format or None for string/array)
 VALUE_TYPES: dict[int, tuple[str, str | None]] = {
-    0: ("UINT8", "<B"), 1: ("INT8", "<b"), 2: ("UINT16", "<H"), 3: ("INT16", "<h"),
-    4: ("UINT32", "<I"), 5: ("INT32", "<i"), 6: ("FLOAT32", "<f"), 7: ("BOOL", "<?"),
-    8: ("STRING", None), 9: ("ARRAY", None), 10: ("UINT64", "<Q"), 11: ("INT64", "<q"),
+    0: ("UINT8", "<B"),
+    1: ("INT8", "<b"),
+    2: ("UINT16", "<H"),
+    3: ("INT16", "<h"),
+    4: ("UINT32", "<I"),
+    5: ("INT32", "<i"),
+    6: ("FLOAT32", "<f"),
+    7: ("BOOL", "<?"),
+    8: ("STRING", None),
+    9: ("ARRAY", None),
+    10: ("UINT64", "<Q"),
+    11: ("INT64", "<q"),
     12: ("FLOAT64", "<d"),
 }
-_NUMPY_OF = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
-             7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_NUMPY_OF = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -51,9 +71,9 @@ class GGUFError(ValueError):
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    ne: tuple[int, ...]        # ggml order
+    ne: tuple[int, ...]  # ggml order
     ggml_type: int
-    offset: int                # absolute byte offset in `path`
+    offset: int  # absolute byte offset in `path`
     nbytes: int
     path: Path
 
@@ -76,8 +96,10 @@ class _Cursor:
     def take(self, n: int) -> int:
         start = self.pos
         if n < 0 or start + n > len(self.buf):
-            raise GGUFError(f"{self.path}: truncated file: the header needs bytes {start}..{start + n} "
-                            f"but the file has {len(self.buf)} bytes")
+            raise GGUFError(
+                f"{self.path}: truncated file: the header needs bytes {start}..{start + n} "
+                f"but the file has {len(self.buf)} bytes"
+            )
         self.pos += n
         return start
 
@@ -89,7 +111,7 @@ class _Cursor:
         n = self.scalar("<Q")
         start = self.take(n)
         try:
-            return self.buf[start:start + n].tobytes().decode("utf-8")
+            return self.buf[start : start + n].tobytes().decode("utf-8")
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path}: invalid UTF-8 string at byte {start}: {e}") from None
 
@@ -144,8 +166,9 @@ class GGUFShard:
         self.version = cur.scalar("<I")
         if self.version not in (2, 3):
             hint = " (a big-endian GGUF?)" if self.version > 0xFFFF else ""
-            raise GGUFError(f"{self.path}: unsupported GGUF version {self.version}{hint}; "
-                            "only versions 2 and 3 are supported")
+            raise GGUFError(
+                f"{self.path}: unsupported GGUF version {self.version}{hint}; only versions 2 and 3 are supported"
+            )
         self.n_tensors, self.n_kv = cur.scalar("<Q"), cur.scalar("<Q")
 
     def _read_kv(self, cur: _Cursor) -> tuple[dict[str, Any], dict[str, int]]:
@@ -188,14 +211,18 @@ class GGUFShard:
                 raise GGUFError(f"{self.path}: tensor '{name}' has unknown ggml type id {ggml_type}")
             block = GGML_TYPES[ggml_type].block_size
             if ne[0] % block:
-                raise GGUFError(f"{self.path}: tensor '{name}' row length {ne[0]} is not a multiple of "
-                                f"the {GGML_TYPES[ggml_type].name} block size {block}")
+                raise GGUFError(
+                    f"{self.path}: tensor '{name}' row length {ne[0]} is not a multiple of "
+                    f"the {GGML_TYPES[ggml_type].name} block size {block}"
+                )
             if rel % self.alignment:
                 raise GGUFError(f"{self.path}: tensor '{name}' data offset {rel} is not aligned to {self.alignment}")
             start, nbytes = self.data_offset + rel, tensor_nbytes(ggml_type, ne)
             if start + nbytes > size:
-                raise GGUFError(f"{self.path}: truncated file: tensor '{name}' needs bytes {start}..{start + nbytes} "
-                                f"but the file has {size} bytes")
+                raise GGUFError(
+                    f"{self.path}: truncated file: tensor '{name}' needs bytes {start}..{start + nbytes} "
+                    f"but the file has {size} bytes"
+                )
             out[name] = TensorInfo(name, ne, ggml_type, start, nbytes, self.path)
         return out
 
@@ -203,7 +230,7 @@ class GGUFShard:
     def raw(self, info: TensorInfo, start: int = 0, length: int | None = None) -> torch.Tensor:
         """uint8 view (no copy) of a tensor's bytes, optionally a sub-range of them."""
         length = info.nbytes - start if length is None else length
-        view = np.asarray(self.mm[info.offset + start: info.offset + start + length])
+        view = np.asarray(self.mm[info.offset + start : info.offset + start + length])
         return torch.from_numpy(view)
 
 
@@ -226,8 +253,7 @@ class GGUFFile:
         for shard in shards:
             for name, info in shard.tensors.items():
                 if name in self.tensors:
-                    raise GGUFError(f"{shard.path}: duplicate tensor name '{name}' "
-                                    f"(also in {self.tensors[name].path})")
+                    raise GGUFError(f"{shard.path}: duplicate tensor name '{name}' (also in {self.tensors[name].path})")
                 self.tensors[name], self._shard_of[name] = info, shard
 
     def info(self, name: str) -> TensorInfo:
@@ -303,7 +329,9 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise GGUFError(f"{path}: split GGUF is missing shard(s): {', '.join(str(p) for p in missing)}")
     shards = [GGUFShard(p) for p in paths]
     if len(shards) == 1 and shards[0].metadata.get("split.count", 1) > 1:
-        raise GGUFError(f"{path}: file declares split.count={shards[0].metadata['split.count']} "
-                        "but its name does not follow <stem>-00001-of-0000N.gguf, so the shards cannot be found")
+        raise GGUFError(
+            f"{path}: file declares split.count={shards[0].metadata['split.count']} "
+            "but its name does not follow <stem>-00001-of-0000N.gguf, so the shards cannot be found"
+        )
     _check_split(shards)
     return GGUFFile(shards)

@@ -10,8 +10,10 @@ from mlaserve.gguf.read.file import GGUFError, GGUFFile
 # =============================================================================================
 # tokenizer
 
-_LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
-              r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp llm_tokenizer_bpe regex lists (applied one after the other, each split "isolated")
 PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "deepseek-v3": [
@@ -20,12 +22,21 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
         " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
     ],
-    "glm4": [_LLAMA3_RE], "chatglm-bpe": [_LLAMA3_RE], "llama-bpe": [_LLAMA3_RE],
-    "dbrx": [_LLAMA3_RE], "smaug-bpe": [_LLAMA3_RE],
-    "qwen2": [r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
-              r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
-    "default": [r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-                r"\p{N}+", r"[0-9][0-9][0-9]"],
+    "glm4": [_LLAMA3_RE],
+    "chatglm-bpe": [_LLAMA3_RE],
+    "llama-bpe": [_LLAMA3_RE],
+    "dbrx": [_LLAMA3_RE],
+    "smaug-bpe": [_LLAMA3_RE],
+    "qwen2": [
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+        r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],
+    "default": [
+        r"[\p{P}\$\+<=>\^~\|]+",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+        r"\p{N}+",
+        r"[0-9][0-9][0-9]",
+    ],
 }
 # pre-tokenizers for which llama.cpp adds no BOS although add_bos_token may be set
 _NO_BOS_PRE = ("glm4", "chatglm-bpe")
@@ -52,13 +63,25 @@ class GGUFTokenizer:
     chat_template: str | None
 
     @classmethod
-    def from_metadata(cls, gf: GGUFFile) -> "GGUFTokenizer":
+    def from_metadata(cls, gf: GGUFFile) -> GGUFTokenizer:
         md = gf.metadata
         t = lambda k: md.get(f"tokenizer.ggml.{k}")  # noqa: E731
-        return cls(gf.path, t("model"), t("pre"), list(t("tokens") or []), list(t("token_type") or []),
-                   list(t("merges") or []), t("bos_token_id"), t("eos_token_id"), t("eot_token_id"),
-                   t("eom_token_id"), t("padding_token_id"), bool(t("add_bos_token") or False),
-                   bool(t("add_eos_token") or False), md.get("tokenizer.chat_template"))
+        return cls(
+            gf.path,
+            t("model"),
+            t("pre"),
+            list(t("tokens") or []),
+            list(t("token_type") or []),
+            list(t("merges") or []),
+            t("bos_token_id"),
+            t("eos_token_id"),
+            t("eot_token_id"),
+            t("eom_token_id"),
+            t("padding_token_id"),
+            bool(t("add_bos_token") or False),
+            bool(t("add_eos_token") or False),
+            md.get("tokenizer.chat_template"),
+        )
 
     def token_id(self, text: str) -> int | None:
         try:
@@ -90,14 +113,18 @@ class GGUFTokenizer:
         from tokenizers import Tokenizer, decoders, models
 
         if self.model != "gpt2":
-            raise GGUFError(f"{self.path}: tokenizer.ggml.model={self.model!r} is not supported "
-                            "(only 'gpt2' byte-level BPE)")
+            raise GGUFError(
+                f"{self.path}: tokenizer.ggml.model={self.model!r} is not supported (only 'gpt2' byte-level BPE)"
+            )
         vocab: dict[str, int] = {}
         for i, tok in enumerate(self.tokens):
             vocab.setdefault(tok, i)  # duplicate strings: the first id wins, as in llama.cpp
         merges = [_split_merge(m, self.path) for m in self.merges]
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                  ignore_merges=self.pre == "llama-bpe"))
+        tk = Tokenizer(
+            models.BPE(
+                vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=self.pre == "llama-bpe"
+            )
+        )
         tk.pre_tokenizer = self._pre_tokenizer()
         tk.decoder = decoders.ByteLevel()
         self._add_special_tokens(tk)
@@ -111,18 +138,26 @@ class GGUFTokenizer:
         if pre == "gpt-2":
             return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre not in PRE_TOKENIZER_REGEXES:
-            raise GGUFError(f"{self.path}: tokenizer.ggml.pre={pre!r} is not supported "
-                            f"(known: gpt-2, {', '.join(PRE_TOKENIZER_REGEXES)})")
+            raise GGUFError(
+                f"{self.path}: tokenizer.ggml.pre={pre!r} is not supported "
+                f"(known: gpt-2, {', '.join(PRE_TOKENIZER_REGEXES)})"
+            )
         splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in PRE_TOKENIZER_REGEXES[pre]]
         return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
     def _add_special_tokens(self, tk) -> None:
         from tokenizers import AddedToken
 
-        special = [AddedToken(t, special=True, normalized=False)
-                   for t, ty in zip(self.tokens, self.token_types) if ty == TOKEN_CONTROL]
-        user = [AddedToken(t, special=False, normalized=False)
-                for t, ty in zip(self.tokens, self.token_types) if ty == TOKEN_USER_DEFINED]
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(self.tokens, self.token_types)
+            if ty == TOKEN_CONTROL
+        ]
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(self.tokens, self.token_types)
+            if ty == TOKEN_USER_DEFINED
+        ]
         tk.add_special_tokens(special)
         tk.add_tokens(user)
 
@@ -145,5 +180,4 @@ def _split_merge(m: str, path: Path) -> tuple[str, str]:
     i = m.find(" ", 1)  # as llama.cpp: the separator is the first space after position 0
     if i < 0:
         raise GGUFError(f"{path}: invalid BPE merge {m!r} in tokenizer.ggml.merges")
-    return m[:i], m[i + 1:]
-
+    return m[:i], m[i + 1 :]
