@@ -28,7 +28,7 @@ SCOPES = [
     ("mlaserve.engine.scheduler", "Scheduler", "schedule", "scheduler.schedule"),
     ("mlaserve.engine.scheduler", "Scheduler", "advance", "scheduler.advance"),
     ("mlaserve.executor.forward_batch", "ForwardBatch", "build", "batch.build"),
-    ("mlaserve.models.deepseek", "StepContext", "build", "step_context.build (metadata, rope)"),
+    ("mlaserve.executor.step_context", "StepContext", "build", "step_context.build (metadata, rope)"),
     ("mlaserve.models.deepseek", "MLAForCausalLM", "forward", "model.forward (all layers)"),
     ("mlaserve.models.deepseek", "MLAAttention", "forward", "attention (whole)"),
     ("mlaserve.models.deepseek", "MLAAttention", "project_q", "attn.q projection (q_a, norm, q_b)"),
@@ -80,8 +80,6 @@ def profile_batch(llm, batch: int, prompt_len: int, steps: int, vocab: int, tag:
         wall = time.perf_counter() - t0
     while eng.has_unfinished():
         eng.step()
-    for rid in list(eng.requests):
-        eng.release(rid)
     trace = RESULTS_DIR / f"profile-decode-b{batch}{tag}.json"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))

@@ -24,4 +24,12 @@ def test_llm_applies_the_policy_only_when_asked(hf_model_dir, monkeypatch, tunin
     llm = LLM(str(folder), malloc_tuning=tuning)
     prov = {s.name: s for s in llm.config.all_provenance()}
     assert prov["malloc_tuning"].value is tuning and len(calls) == int(tuning)
-    assert tuning or prov["malloc_tuning"].source == "user option"
+    assert prov["malloc_tuning"].source.startswith("on:" if tuning else "off: library default")
+
+
+def test_library_default_leaves_the_allocator_alone(hf_model_dir, monkeypatch):
+    """A library user who says nothing keeps their process's malloc policy; the CLI turns it on."""
+    folder, _ = hf_model_dir("v3_yarn")
+    calls = []
+    monkeypatch.setattr(mlaserve.entrypoints.llm, "keep_freed_memory", lambda: calls.append(1) or "called")
+    assert LLM(str(folder)).config.malloc_tuning is False and calls == []

@@ -63,13 +63,20 @@ def test_abort_frees_pages(hf_model_dir):
     folder, _ = hf_model_dir("v3_yarn")
     llm = LLM(str(folder), page_size=4)
     ids = [llm.engine.add_request(p, GREEDY) for p in PROMPTS]
-    llm.engine.step()
-    llm.engine.abort(ids[1])
-    llm.engine.step()
-    llm.engine.abort(ids[3])
+    finals = {}
+
+    def step():
+        finals.update({o.request_id: o for o in llm.engine.step() if o.finished})
+
+    step()
+    assert llm.engine.abort(ids[1]) and not llm.engine.abort("no-such-request")
+    step()
+    assert llm.engine.abort(ids[3]) and not llm.engine.abort(ids[1])  # already gone
     while llm.engine.has_unfinished():
-        llm.engine.step()
-    assert llm.engine.requests[ids[1]].finish_reason == "abort"
+        step()
+    assert finals[ids[1]].outputs[0].finish_reason == "abort"
+    assert finals[ids[3]].outputs[0].finish_reason == "abort"
+    assert sorted(finals) == sorted(ids) and llm.engine.requests == {} and llm.engine._detok == {}
     _assert_pool_clean(llm)
 
 

@@ -85,24 +85,22 @@ def test_grouped_gemm_experts_equal_reference_loop(hf_model_dir, kind):
 def test_query_blocks_equal_one_block(hf_model_dir, kind, mla_path, monkeypatch):
     """Long prompts attend in blocks of queries (bounded temporaries); a tiny workspace forces one query
     per block in every attention path and in the indexer's prompt scoring: same logits."""
-    from mlaserve.attention.backends import torch_backend as torch_ref
+    from mlaserve.attention.backends import blocks, torch_backend, torch_index
 
     folder, _ = hf_model_dir(kind)
     ids = random_ids(48, seed=5)  # > index_topk 16 for the DSA kinds: the indexer selects
     whole = LLM(str(folder), mla_path=mla_path).prompt_logits(ids)
     sizes = []
-    real = torch_ref.query_blocks
+    real = blocks.query_blocks
 
     def counted(n, per_query):
         blocks = real(n, per_query)
         sizes.append(len(blocks))
         return blocks
 
-    monkeypatch.setattr(torch_ref, "WORKSPACE_BYTES", 1)
-    monkeypatch.setattr(torch_ref, "query_blocks", counted)
-    from mlaserve.models import indexer
-
-    monkeypatch.setattr(indexer, "query_blocks", counted)
+    monkeypatch.setattr(blocks, "WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(torch_backend, "query_blocks", counted)
+    monkeypatch.setattr(torch_index, "query_blocks", counted)
     blocked = LLM(str(folder), mla_path=mla_path).prompt_logits(ids)
     assert max(sizes) == 48  # one query per block
     assert _max_diff(whole, blocked) <= TOL

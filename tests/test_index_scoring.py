@@ -8,8 +8,8 @@ import torch
 from hf_models import random_ids
 
 from mlaserve import LLM
-from mlaserve.models import indexer
-from mlaserve.models.indexer import _scores, _top_k, _top_k_bf16_then_fp32
+from mlaserve.attention.backends import torch_index
+from mlaserve.attention.backends.torch_index import _scores, _top_k, _top_k_bf16_then_fp32
 from mlaserve.sampling.params import SamplingParams
 
 
@@ -70,7 +70,7 @@ def test_bf16_engine_decodes_with_two_stage_scoring_and_fp32_selection(hf_model_
         calls.append(q.shape)
         return got
 
-    monkeypatch.setattr(indexer, "_top_k_bf16_then_fp32", checked)
+    monkeypatch.setattr(torch_index, "_top_k_bf16_then_fp32", checked)
     llm = LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=24, trace="memory")
     llm.prompt_logits(random_ids(24, seed=3))  # one prompt chunk past index_topk
     llm.generate([random_ids(20, seed=4)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -42,7 +42,7 @@ def test_sparse_logits_match_transformers(hf_model_dir, kind, mla_path, budget):
     assert rec["effective_topk"] == 16
     if mla_path == "auto":  # sparse sends prefill tokens down the absorbed path too
         assert rec["num_mqa_tokens"] == rec["num_tokens"]
-        assert all(s["implementation"] == "torch_ref:sparse_absorbed" for s in rec["segments"])
+        assert all(s["implementation"] == "torch:sparse_absorbed" for s in rec["segments"])
     if budget == 1:  # the first 16 steps fit in index_topk: no scoring, every row kept, and the ledger says so
         first = llm.runner.tracer.records[0]
         assert first["sparse"] and not first["needs_selection"]

@@ -12,11 +12,13 @@ Padding queries are given key 0 so their softmax stays finite; their outputs are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from mlaserve.attention.router import Segment
-from mlaserve.executor.forward_batch import ForwardBatch
+if TYPE_CHECKING:
+    from mlaserve.attention.router import Segment
+    from mlaserve.executor.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,9 @@ def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTenso
     k_pos = torch.arange(l_max)
     kv_slots = _slots(seqs, k_pos, ps, seq_lens)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
-    return SegmentTensors(segment, q_index, q_valid, kv_slots, mask, seq_lens)
+    # Built on the host from the plan's plain data, then moved once to the batch's device.
+    dev = batch.input_ids.device
+    return SegmentTensors(segment, *(t.to(dev) for t in (q_index, q_valid, kv_slots, mask, seq_lens)))
 
 
 def _slots(seqs, k_pos: torch.Tensor, page_size: int, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ Index scoring (how a selecting segment finds its top-k; both give the fp32 top-k
   fp32            every key scored in fp32 (keys upcast from the cache dtype), as transformers does
   bf16_then_fp32  over a bf16 key cache: bf16 GEMMs score every key with a rounding bound, and only
                   the keys that may be in the top-k are rescored in fp32
+Backend
+  every segment names the attention backend that runs it (engine option attention_backend; the
+  registry in attention/backends), and that backend's index scoring for the key cache's dtype.
 """
 
 from __future__ import annotations
@@ -22,10 +25,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from mlaserve.attention.backends import get_backend
+from mlaserve.config.engine import MLA_PATHS
 from mlaserve.executor.forward_batch import ForwardBatch
-
-MLA_PATHS = ("auto", "absorbed", "decompressed")
-IMPLEMENTATION = "torch_ref"
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ class Segment:
     seq_start: int  # index into batch.seqs
     seq_end: int
     request_ids: tuple[str, ...]
-    implementation: str = IMPLEMENTATION  # e.g. "torch_ref:sparse_absorbed"
+    backend: str = "torch"  # the attention backend that runs this segment (attention.backends registry)
+    implementation: str = "torch:absorbed"  # backend:operation, e.g. "torch:sparse_absorbed"
     index_scoring: str | None = None  # "fp32" | "bf16_then_fp32" when this segment selects its top-k
 
     @property
@@ -94,6 +97,7 @@ def route(
     sparse: bool = False,
     index_topk: int | None = None,
     key_dtype: torch.dtype = torch.float32,
+    backend: str = "torch",
 ) -> AttentionPlan:
     """Split the batch into at most two segments (decode, prefill) and name each one's path.
     key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments)."""
@@ -110,18 +114,20 @@ def route(
         if lo == hi:
             continue
         seqs = batch.seqs[lo:hi]
+        path = path_for(phase, mla_path, sparse)
         segments.append(
             Segment(
                 phase=phase,
-                path=path_for(phase, mla_path, sparse),
+                path=path,
                 sparse=sparse,
                 token_start=seqs[0].query_start,
                 token_end=seqs[-1].query_start + seqs[-1].query_len,
                 seq_start=lo,
                 seq_end=hi,
                 request_ids=tuple(s.request_id for s in seqs),
-                implementation=_implementation(path_for(phase, mla_path, sparse), sparse, select),
-                index_scoring=_index_scoring(key_dtype) if select else None,
+                backend=backend,
+                implementation=_implementation(backend, path, sparse, select),
+                index_scoring=get_backend(backend).index_scoring(key_dtype) if select else None,
             )
         )
     return AttentionPlan(
@@ -133,14 +139,7 @@ def route(
     )
 
 
-def _index_scoring(key_dtype: torch.dtype) -> str:
-    # bf16 products are exact, so a bf16 pass with a rounding bound finds the fp32 top-k (measured on
-    # a 2048-token prompt chunk at 8K context: 21 s instead of 36 s per chunk; decode ~1.6x faster
-    # scoring). fp32 keys are scored directly; fp16 GEMMs are slow on CPU.
-    return "bf16_then_fp32" if key_dtype == torch.bfloat16 else "fp32"
-
-
-def _implementation(path: str, sparse: bool, select: bool) -> str:
+def _implementation(backend: str, path: str, sparse: bool, select: bool) -> str:
     if not sparse:
-        return f"{IMPLEMENTATION}:{path}"
-    return f"{IMPLEMENTATION}:sparse_{path}" + ("" if select else "(all rows within index_topk)")
+        return f"{backend}:{path}"
+    return f"{backend}:sparse_{path}" + ("" if select else "(all rows within index_topk)")

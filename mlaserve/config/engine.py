@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlaserve.attention.router import MLA_PATHS
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
-from mlaserve.models.moe import EXPERT_IMPLS
 
+# The vocabulary of the switches. Implementation modules import these names from here (config
+# imports no implementation module); the attention backend registry checks it serves each name.
 ATTENTION_MODES = ("auto", "dense", "sparse")
+MLA_PATHS = ("auto", "absorbed", "decompressed")
+EXPERT_IMPLS = ("grouped_mm", "loop")
+ATTENTION_BACKENDS = ("auto", "torch", "reference")
+DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -29,22 +33,56 @@ DTYPES = {
 }
 
 
+def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
+    """An engine option: its default and help live here, and only here. The CLI's flags
+    (entrypoints/cli.py), LLM's keywords and the provenance labels all read them."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+
+
 @dataclass(frozen=True)
 class EngineOptions:
-    """What the user asked for (None = let the engine decide)."""
+    """What the user asked for. "auto" / None = let the engine decide (and record why)."""
 
-    dtype: str | None = None
-    attention: str = "auto"
-    mla_path: str = "auto"
-    page_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    num_pages: int | None = None
-    decode_threshold: int = 1
-    index_topk: int | None = None
-    enable_prefix_caching: bool = True
-    experts_impl: str = "grouped_mm"
-    malloc_tuning: bool = True  # keep freed large blocks in the process (see allocator.py)
+    dtype: str = _opt(
+        "auto",
+        "compute and cache dtype (auto: float32, exact against the reference)",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    attention: str = _opt(
+        "auto", "sparse (DSA indexer + top-k) or dense; auto = sparse iff the model has an indexer", ATTENTION_MODES
+    )
+    mla_path: str = _opt(
+        "auto", "auto: decode -> absorbed MQA, prefill -> decompressed MHA; or one path for all", MLA_PATHS
+    )
+    page_size: int = _opt(16, "tokens per page of the latent cache")
+    max_num_batched_tokens: int = _opt(2048, "token budget per step (long prompts are prefilled in chunks of it)")
+    max_num_seqs: int = _opt(64, "running requests at most")
+    num_pages: int | None = _opt(None, "pages in the cache pool (default: 16 sequences of up to 2048 tokens)")
+    decode_threshold: int = _opt(1, "a request whose query length is <= this is a decode (absorbed path)")
+    index_topk: int | None = _opt(None, "override the DSA top-k of the model")
+    enable_prefix_caching: bool = _opt(True, "reuse cached pages of a shared prompt prefix")
+    experts_impl: str = _opt(
+        "grouped_mm", "routed experts: one grouped GEMM per step, or the per-expert loop", EXPERT_IMPLS
+    )
+    attention_backend: str = _opt(
+        "auto", "attention kernels (auto: torch; reference: the plain oracle)", ATTENTION_BACKENDS
+    )
+    device: str = _opt("auto", "where weights, cache and step tensors live (auto: cuda when torch sees one)", DEVICES)
+    # Process-wide, so a library does not change it behind its host's back: off unless asked; the
+    # CLI and the server turn it on (see platform/allocator.py).
+    malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
+
+
+def option_default(name: str):
+    return EngineOptions.__dataclass_fields__[name].default
+
+
+def make_options(**kwargs) -> EngineOptions:
+    """EngineOptions from keywords, with an error that lists the valid names."""
+    unknown = sorted(set(kwargs) - set(EngineOptions.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(EngineOptions.__dataclass_fields__)}")
+    return EngineOptions(**{k: v for k, v in kwargs.items()})
 
 
 @dataclass(frozen=True)
@@ -62,6 +100,8 @@ class EngineConfig:
     enable_prefix_caching: bool
     experts_impl: str
     malloc_tuning: bool
+    attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
+    device: str = "cpu"
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -74,27 +114,25 @@ def resolve(
     model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool, max_model_len: int | None = None
 ) -> EngineConfig:
     log = ProvenanceLog()
+    device = _device(opts.device, log)
     dtype = _dtype(opts.dtype, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
     topk = _index_topk(model, opts.index_topk, sparse, log)
-    if opts.mla_path not in MLA_PATHS:
-        raise ConfigError(f"mla_path must be one of {MLA_PATHS}, got {opts.mla_path!r}")
-    _user(log, "mla_path", opts.mla_path, "auto")
-    _user(log, "decode_threshold", opts.decode_threshold, 1)
-    _user(log, "page_size", opts.page_size, 16)
-    _user(log, "max_num_batched_tokens", opts.max_num_batched_tokens, 2048)
-    _user(log, "max_num_seqs", opts.max_num_seqs, 64)
-    if opts.page_size < 1 or opts.max_num_batched_tokens < 1 or opts.decode_threshold < 1:
-        raise ConfigError("page_size, max_num_batched_tokens and decode_threshold must be >= 1")
-    if opts.experts_impl not in EXPERT_IMPLS:
-        raise ConfigError(f"experts_impl must be one of {EXPERT_IMPLS}, got {opts.experts_impl!r}")
-    _user(log, "experts_impl", opts.experts_impl, "grouped_mm")
+    for name, allowed in (("mla_path", MLA_PATHS), ("experts_impl", EXPERT_IMPLS)):
+        _choice(name, getattr(opts, name), allowed)
+        _user(log, name, getattr(opts, name))
+    for name in ("decode_threshold", "page_size", "max_num_batched_tokens", "max_num_seqs"):
+        value = getattr(opts, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        _user(log, name, value)
+    backend = _attention_backend(opts.attention_backend, log)
     log.record(
         "malloc_tuning",
         opts.malloc_tuning,
-        "user option"
-        if not opts.malloc_tuning
-        else "engine default (glibc keeps freed large blocks: no page faults on every step's big tensors)",
+        "on: glibc keeps freed large blocks (turned on by the mlaserve CLI and server, or LLM(malloc_tuning=True))"
+        if opts.malloc_tuning
+        else "off: library default (a process-wide policy is the host's choice; LLM(malloc_tuning=True) turns it on)",
     )
     num_pages = _num_pages(opts, max_model_len or model.max_position_embeddings, log)
     return EngineConfig(
@@ -111,12 +149,41 @@ def resolve(
         enable_prefix_caching=opts.enable_prefix_caching,
         experts_impl=opts.experts_impl,
         malloc_tuning=opts.malloc_tuning,
+        attention_backend=backend,
+        device=device,
         provenance=log.freeze(),
     )
 
 
-def _user(log: ProvenanceLog, name: str, value, default) -> None:
-    log.record(name, value, "user option" if value != default else "engine default")
+def _choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _user(log: ProvenanceLog, name: str, value) -> None:
+    default = option_default(name)
+    log.record(name, value, "user option" if value != default else f"engine default ({default!r})")
+
+
+def _device(requested: str, log: ProvenanceLog) -> str:
+    _choice("device", requested, DEVICES)
+    if requested == "auto":
+        cuda = torch.cuda.is_available()
+        return log.record(
+            "device",
+            "cuda" if cuda else "cpu",
+            "engine default (auto: torch sees " + ("a CUDA device)" if cuda else "no CUDA device)"),
+        )
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but torch sees no CUDA device (a CPU build of torch, or no GPU)")
+    return log.record("device", requested, "user option")
+
+
+def _attention_backend(requested: str, log: ProvenanceLog) -> str:
+    _choice("attention_backend", requested, ATTENTION_BACKENDS)
+    if requested == "auto":
+        return log.record("attention_backend", "torch", "engine default (auto: torch; 'reference' is the plain oracle)")
+    return log.record("attention_backend", requested, "user option")
 
 
 def _dtype(requested: str | None, log: ProvenanceLog) -> torch.dtype:

@@ -1,5 +1,11 @@
 """The engine loop: add_request, step() -> outputs, abort. One forward pass per step for the
-whole batch; sampling for every request that needs a token, in one batched call."""
+whole batch; sampling for every request that needs a token, in one batched call.
+
+Lifecycle: a request's state (scheduler entry, pages, detokenizer) lives from add_request until
+step() returns its final output (finished=True); then the engine forgets it. abort() frees the
+pages at once, and the next step() returns the final output with finish_reason "abort". No caller
+has to release anything, so a long-running server's dictionaries stay at the size of its live work.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
         eos = list(tokenizer.eos_token_ids) if tokenizer else list(cfg.model.eos_token_ids)
         self.eos_ids = frozenset(eos)
         self.max_model_len = min(max_len, cfg.model.max_position_embeddings)
@@ -61,29 +68,41 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages now; its final output (finish_reason "abort") comes
+        with the next step(). False when the id is unknown or already finished."""
         req = self.requests.get(request_id)
-        if req is not None and req.status is not Status.FINISHED:
-            self.scheduler.finish(req, "abort")
+        if req is None or req.status is Status.FINISHED:
+            return False
+        self._finish(req, "abort")
+        self._aborted.append(self._output(req))
+        self._forget(req.request_id)
+        return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
+        aborted, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         if not plan.chunks:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request: the page pool is too small")
-            return []
-        batch, logits = self.runner.execute([c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks])
+            return aborted
+        chunks = [c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks]
+        batch, logits = self.runner.execute(chunks, plan.preempted)
         self.scheduler.advance(plan)
         by_id = {rid: row for row, (rid, _) in enumerate(batch.logits_owner)}  # last row per request
         self._prompt_logprobs(plan, batch, logits)
         sampling = [c.request for c in plan.chunks if c.completes_prompt]
         if sampling:
-            rows = torch.tensor([by_id[r.request_id] for r in sampling])
+            rows = torch.tensor([by_id[r.request_id] for r in sampling], device=logits.device)
             self._sample(sampling, logits[rows])
-        return [self._output(r) for r in self._touched(plan)]
+        outputs = [self._output(r) for r in self._touched(plan)]
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return aborted + outputs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         batch = SamplingBatch.build(
@@ -118,7 +137,7 @@ class Engine:
             if not keep:
                 continue
             lp = logits[[row for row, _ in keep]].log_softmax(-1)
-            nxt = torch.tensor([req.prompt_ids[p + 1] for _, p in keep])
+            nxt = torch.tensor([req.prompt_ids[p + 1] for _, p in keep], device=lp.device)
             values, ids, _ = gather_logprobs(lp, nxt, n)
             req.prompt_logprobs.extend(_logprob_entry(ids[j], values[j], n) for j in range(len(keep)))
 
@@ -175,7 +194,7 @@ class Engine:
             list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
         )
 
-    def release(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
 

@@ -34,10 +34,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._page_of)
-
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise OutOfPages(f"need {n} pages, {self.num_free} free")

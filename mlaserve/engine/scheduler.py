@@ -3,7 +3,8 @@ prefill chunks of partial and waiting prompts (chunked prefill), within max_num_
 
 When pages run out, the most recently arrived running request is preempted: its pages are
 freed and it goes back to the front of the queue to be recomputed later (greedy output is
-unchanged). schedule() -> SchedulePlan is plain data; update() applies the sampled tokens.
+unchanged). schedule() -> SchedulePlan is plain data; advance() records what the forward pass
+computed; finish() frees a request's pages.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class Preemption:
+    request_id: str
+    pages_freed: int
+
+
+@dataclass(frozen=True)
 class SchedulePlan:
     chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[str, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    preempted: tuple[Preemption, ...]  # requests sent back to the queue this step (in the route ledger)
 
 
 class Scheduler:
@@ -90,7 +93,7 @@ class Scheduler:
         # Decodes first in the batch is ForwardBatch's job; keep arrival order here.
         return SchedulePlan(tuple(c for c in chunks if c.request.status is Status.RUNNING), tuple(preempted))
 
-    def _reserve(self, req: Request, num_tokens: int, preempted: list[str]) -> bool:
+    def _reserve(self, req: Request, num_tokens: int, preempted: list[Preemption]) -> bool:
         """Pages for num_tokens, preempting the newest other running requests if needed."""
         while not self._grow(req, num_tokens):
             victim = max(
@@ -100,8 +103,8 @@ class Scheduler:
             )
             if victim is None or victim.arrival < req.arrival:
                 victim = req  # nothing newer to evict: this request yields itself
+            preempted.append(Preemption(victim.request_id, len(victim.pages)))
             self._preempt(victim)
-            preempted.append(victim.request_id)
             if victim is req:
                 return False
         return True

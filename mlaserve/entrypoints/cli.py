@@ -1,10 +1,11 @@
-"""mlaserve generate | inspect."""
+"""The `mlaserve` command: generate | inspect | verify | convert."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from mlaserve.entrypoints.engine_args import add_engine_args, make_llm
 from mlaserve.sampling.params import SamplingParams
 
 
@@ -18,37 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_verify(sub)
     _add_convert(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "model_path", None) is not None:
+        if args.model is not None and args.model != args.model_path:
+            parser.error(f"two models given: {args.model_path} and --model {args.model}")
+        args.model = args.model_path
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"mlaserve: error: {e}", file=sys.stderr)
         return 2
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="a Hugging Face folder (config.json + safetensors); default: the embedded model"
-    )
-    p.add_argument(
-        "--dtype", default=None, choices=["auto", "float32", "bfloat16"], help="compute dtype (default: float32 on CPU)"
-    )
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "dense", "sparse"],
-        help="sparse (DSA indexer + top-k) or dense attention; auto = sparse iff the model has an indexer",
-    )
-    p.add_argument(
-        "--mla-path",
-        default="auto",
-        choices=["auto", "absorbed", "decompressed"],
-        help="auto: decode -> absorbed MQA, prefill -> decompressed MHA; or force one path for all tokens",
-    )
-    p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step (prefill chunk size)"
-    )
-    p.add_argument("--trace", default=None, metavar="FILE", help="write each step's attention route as JSON lines")
 
 
 def _add_generate(sub) -> None:
@@ -58,7 +37,7 @@ def _add_generate(sub) -> None:
         description='Generate a continuation for each PROMPT. Example: mlaserve generate "Hello"',
     )
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     p.add_argument(
@@ -75,8 +54,8 @@ def _add_generate(sub) -> None:
 
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="print every derived switch with its value and where it came from")
-    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
-    _engine_args(p)
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="model folder or .gguf (same as --model)")
+    add_engine_args(p)
     p.set_defaults(func=_inspect)
 
 
@@ -86,8 +65,8 @@ def _add_verify(sub) -> None:
         help="check the engine's identities on this model (absorbed == decompressed, ...)",
         description="Run one prompt through routes that must agree and report the logit differences.",
     )
-    p.add_argument("model", nargs="?", default=None, help="model folder or .gguf (default: the embedded model)")
-    _engine_args(p)
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="model folder or .gguf (same as --model)")
+    add_engine_args(p)
     p.add_argument(
         "--prompt",
         default="The quick brown fox jumps over the lazy dog. " * 4,
@@ -99,7 +78,7 @@ def _add_verify(sub) -> None:
 def _verify(args) -> int:
     from mlaserve.entrypoints.verify import format_checks, run_checks
 
-    llm = _make_llm(args)
+    llm = make_llm(args, _progress_bar)
     checks = run_checks(llm, llm.encode(args.prompt))
     print(format_checks(checks))
     return 0 if all(c.passed for c in checks) else 1
@@ -143,30 +122,6 @@ def _convert(args) -> int:
     return 0
 
 
-def _make_llm(args):
-    from mlaserve.entrypoints.llm import LLM
-
-    print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        attention=args.attention,
-        mla_path=args.mla_path,
-        page_size=args.page_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        trace=args.trace,
-        progress=_progress_bar,
-    )
-    cfg = llm.config
-    print(
-        f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
-        f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')})",
-        file=sys.stderr,
-        flush=True,
-    )
-    return llm
-
-
 def _progress_bar(done: int, total: int) -> None:
     if not sys.stderr.isatty() and done != total:
         return  # only the final state when stderr is a log file
@@ -179,7 +134,7 @@ def _progress_bar(done: int, total: int) -> None:
 
 
 def _generate(args) -> int:
-    llm = _make_llm(args)
+    llm = make_llm(args, _progress_bar)
     params = SamplingParams(
         **_sampling_defaults(args, llm.loaded.generation_config),
         top_k=args.top_k,
@@ -222,14 +177,12 @@ def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:
                 sys.stdout.flush()
                 printed = len(text)
     sys.stdout.write("\n")
-    engine.release(rid)
 
 
 def _inspect(args) -> int:
     from mlaserve.config.provenance import format_table
 
-    args.model = args.model or getattr(args, "model", None)
-    llm = _make_llm(args)
+    llm = make_llm(args, _progress_bar)
     print(format_table(llm.config.all_provenance()))
     if llm.loaded.report.notes:
         print("\nload report:\n  " + "\n  ".join(llm.loaded.report.notes))

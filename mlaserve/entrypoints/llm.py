@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from mlaserve.config.engine import EngineOptions
+from mlaserve.config.engine import make_options
 from mlaserve.engine.engine import Engine
 from mlaserve.engine.request import RequestOutput
 from mlaserve.executor.model_runner import ModelRunner
@@ -20,28 +20,15 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str | None = None,
-        attention: str = "auto",
-        mla_path: str = "auto",
-        page_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        trace=None,
-        progress=None,
-        **options,
-    ) -> None:
+    """The offline engine. `model`: a Hugging Face folder or a .gguf file; None runs the embedded
+    default model. Every other keyword is an engine option (`mlaserve.EngineOptions`: dtype,
+    attention, mla_path, page_size, max_num_batched_tokens, device, attention_backend, ...).
+    `trace`: a JSONL path or "memory" for the route ledger; `progress(done, total)`: load progress."""
+
+    def __init__(self, model: str | None = None, *, trace=None, progress=None, **options) -> None:
         from mlaserve.embedded import default_model_path
 
-        opts = EngineOptions(
-            dtype=dtype,
-            attention=attention,
-            mla_path=mla_path,
-            page_size=page_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            **options,
-        )
+        opts = make_options(**options)
         self.loaded = load_model(model or default_model_path(), opts, progress)
         self.config = self.loaded.config
         if self.config.malloc_tuning:
@@ -51,12 +38,10 @@ class LLM:
         self.engine = Engine(self.runner, self.tokenizer)
         self._counter = 0
 
-    # -- generation ---------------------------------------------------------------------------
     def generate(
         self,
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = (
@@ -88,8 +73,6 @@ class LLM:
     def _merge(self, text: str | None, rids: list[str], finals: dict[str, RequestOutput]) -> RequestOutput:
         outs = [finals[r] for r in rids]
         comps = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
-        for r in rids:
-            self.engine.release(r)
         return RequestOutput(
             rids[0].split("/")[0], text, outs[0].prompt_token_ids, comps, True, outs[0].metrics, outs[0].prompt_logprobs
         )
@@ -99,7 +82,6 @@ class LLM:
             raise ValueError(f"{self.loaded.path} has no tokenizer: pass token ids instead of text")
         return self.tokenizer.encode(text)
 
-    # -- logits -------------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every prompt position [len, vocab] (float32), through the paged cache,
         in chunks of max_num_batched_tokens like a real prefill."""

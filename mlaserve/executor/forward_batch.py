@@ -11,14 +11,14 @@ rule; `attention.router.route` names the paths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 
 @dataclass(frozen=True)
 class SeqChunk:
-    """What the scheduler asks for one request this step."""
+    """One request's work this step: asked for by the scheduler, placed in the flat batch by build()."""
 
     request_id: str
     token_ids: tuple[int, ...]  # the new tokens (query)
@@ -27,6 +27,7 @@ class SeqChunk:
     needs_logits: bool = True  # False for a prefill chunk that does not end the prompt
     all_logits: bool = False  # logits at every query position (prompt_logits)
     num_cached: int = 0  # leading context tokens served from the prefix cache (reported in the ledger)
+    query_start: int = 0  # first row of these tokens in the flat batch (set by ForwardBatch.build)
 
     @property
     def query_len(self) -> int:
@@ -38,27 +39,11 @@ class SeqChunk:
 
 
 @dataclass(frozen=True)
-class SeqSlice:
-    """Where a request's tokens sit in the flat batch."""
-
-    request_id: str
-    query_start: int
-    query_len: int
-    context_len: int
-    block_table: tuple[int, ...]
-    num_cached: int = 0
-
-    @property
-    def seq_len(self) -> int:
-        return self.context_len + self.query_len
-
-
-@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: cache row each new token is written to
-    seqs: tuple[SeqSlice, ...]  # decodes first
+    seqs: tuple[SeqChunk, ...]  # decodes first, query_start set
     num_decode_seqs: int
     logits_indices: torch.Tensor  # [n] rows of the flat batch whose logits are needed
     logits_owner: tuple[tuple[str, int], ...]  # per logits row: (request_id, query offset)
@@ -73,7 +58,9 @@ class ForwardBatch:
         return sum(s.query_len for s in self.seqs[: self.num_decode_seqs])
 
     @staticmethod
-    def build(chunks: list[SeqChunk], page_size: int, decode_threshold: int) -> ForwardBatch:
+    def build(
+        chunks: list[SeqChunk], page_size: int, decode_threshold: int, device: str | torch.device = "cpu"
+    ) -> ForwardBatch:
         decodes = [c for c in chunks if c.query_len <= decode_threshold]
         prefills = [c for c in chunks if c.query_len > decode_threshold]
         ordered = decodes + prefills
@@ -84,17 +71,22 @@ class ForwardBatch:
             positions = range(c.context_len, c.seq_len)
             pos.extend(positions)
             slots.extend(c.block_table[p // page_size] * page_size + p % page_size for p in positions)
-            seqs.append(SeqSlice(c.request_id, start, c.query_len, c.context_len, c.block_table, c.num_cached))
+            seqs.append(replace(c, query_start=start))
             wanted = range(c.query_len) if c.all_logits else ([c.query_len - 1] if c.needs_logits else [])
             lidx.extend(start + i for i in wanted)
             owner.extend((c.request_id, i) for i in wanted)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(pos, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            input_ids=_longs(ids, device),
+            positions=_longs(pos, device),
+            slot_mapping=_longs(slots, device),
             seqs=tuple(seqs),
             num_decode_seqs=len(decodes),
-            logits_indices=torch.tensor(lidx, dtype=torch.long),
+            logits_indices=_longs(lidx, device),
             logits_owner=tuple(owner),
             page_size=page_size,
         )
+
+
+def _longs(values: list[int], device) -> torch.Tensor:
+    # Built on the host and copied once: a list -> device tensor directly is one transfer per call anyway.
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

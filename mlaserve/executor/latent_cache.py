@@ -18,15 +18,22 @@ class LatentCache:
     """Per-layer rows [S, kv_lora_rank + qk_rope_head_dim], addressed by slot = page * page_size + offset."""
 
     def __init__(
-        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, with_indexer: bool = True
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        with_indexer: bool = True,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         rows = num_pages * page_size
-        self.layers = [torch.zeros(rows, cfg.latent_dim, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.layers = [torch.zeros(rows, cfg.latent_dim, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         full = indexer_layers(cfg) if with_indexer else set()
         self.index_keys = [
-            torch.zeros(rows, cfg.indexer.head_dim, dtype=dtype) if i in full else None for i in range(cfg.num_layers)
+            torch.zeros(rows, cfg.indexer.head_dim, dtype=dtype, device=device) if i in full else None
+            for i in range(cfg.num_layers)
         ]
 
     @staticmethod

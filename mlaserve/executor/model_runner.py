@@ -8,24 +8,28 @@ from mlaserve.attention.router import route
 from mlaserve.config.engine import EngineConfig
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.latent_cache import LatentCache
-from mlaserve.models.deepseek import MLAForCausalLM, StepContext
+from mlaserve.executor.step_context import StepContext
+from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.observability.trace import NullTracer, step_record
 
 
 class ModelRunner:
     def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer=None) -> None:
         self.model, self.cfg = model, cfg
-        self.cache = LatentCache(cfg.model, cfg.num_pages, cfg.page_size, cfg.dtype, with_indexer=cfg.sparse)
+        self.cache = LatentCache(
+            cfg.model, cfg.num_pages, cfg.page_size, cfg.dtype, with_indexer=cfg.sparse, device=cfg.device
+        )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
 
-    def execute(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, torch.Tensor]:
-        """-> (batch, logits [len(batch.logits_indices), vocab] float32)."""
+    def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
+        """-> (batch, logits [len(batch.logits_indices), vocab] float32). `preempted`: the scheduler's
+        Preemption records of this step, written to the ledger with the route."""
         cfg = self.cfg
-        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold)
-        plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype)
+        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
+        plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend)
         if self.tracer.enabled:
-            self.tracer.record(step_record(self.step_count, batch, plan, cfg.model.num_layers))
+            self.tracer.record(step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted))
         self.step_count += 1
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)

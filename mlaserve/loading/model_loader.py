@@ -40,12 +40,14 @@ def has_indexer_weights(names: list[str]) -> bool:
     return any(".self_attn.indexer." in n for n in names)
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, experts_impl: str = "grouped_mm") -> MLAForCausalLM:
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype, experts_impl: str = "grouped_mm", device: str = "cpu"
+) -> MLAForCausalLM:
     """Allocate without initialising (the weights come next), in dtype; the router stays fp32
     like the reference keeps its gate weight and correction bias."""
     with torch.device("meta"):
         model = MLAForCausalLM(cfg)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.to(dtype)
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
@@ -68,7 +70,7 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
         source, skipped = SafetensorsSource(path), []
         tokenizer = Tokenizer.from_folder(path, model_cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
-    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl)
+    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device)
     report = load_weights(model, source, model_cfg, progress)
     if skipped:
         report.skipped.extend(skipped)

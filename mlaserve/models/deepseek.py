@@ -13,44 +13,23 @@ The forward pass executes `step.plan`; no layer looks at a shape to pick its pat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from mlaserve.attention.backends.torch_backend import (
-    absorbed_attention,
-    decompressed_attention,
-    sparse_absorbed_attention,
-)
-from mlaserve.attention.metadata import SegmentTensors, build_segment_tensors
-from mlaserve.attention.router import AttentionPlan
 from mlaserve.config.model import ModelConfig
-from mlaserve.executor.forward_batch import ForwardBatch
-from mlaserve.executor.latent_cache import LatentCache
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from mlaserve.models.moe import MoE
 
+if TYPE_CHECKING:
+    from mlaserve.attention.backends import AttentionBackend
+    from mlaserve.attention.metadata import SegmentTensors
+    from mlaserve.executor.latent_cache import LatentCache
+    from mlaserve.executor.step_context import StepContext
+
 Selections = tuple[Selection, ...] | None  # one per segment on sparse steps
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """Everything a layer needs about this step, computed once before the layers run."""
-
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T]
-    plan: AttentionPlan
-    segments: tuple[SegmentTensors, ...]
-    cos: torch.Tensor  # [T, dr/2]
-    sin: torch.Tensor
-
-    @staticmethod
-    def build(batch: ForwardBatch, plan: AttentionPlan, rope: RotaryEmbedding, dtype: torch.dtype) -> StepContext:
-        cos, sin = rope.cos_sin(batch.positions, dtype)
-        segs = tuple(build_segment_tensors(batch, s) for s in plan.segments)
-        return StepContext(batch.positions, batch.slot_mapping, plan, segs, cos, sin)
 
 
 class MLAAttention(nn.Module):
@@ -108,9 +87,9 @@ class MLAAttention(nn.Module):
         if step.plan.sparse:
             selections = self.select(x, c_q, step, index_keys, prev)
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
-        for i, seg in enumerate(step.segments):
+        for i, (seg, backend) in enumerate(zip(step.segments, step.backends)):
             sel = selections[i] if selections is not None else None
-            out[seg.out_index] = self.attend(q_nope, q_pe, cache, seg, sel)[seg.q_valid]
+            out[seg.out_index] = self.attend(backend, q_nope, q_pe, cache, seg, sel)[seg.q_valid]
         return self.o_proj(out.flatten(1)), selections
 
     def select(
@@ -124,19 +103,30 @@ class MLAAttention(nn.Module):
         index_keys.index_copy_(0, step.slot_mapping, k_idx.to(index_keys.dtype))
         if not step.plan.needs_selection:
             return None  # keys written for later steps; this step keeps every row anyway
-        return tuple(self.indexer.select(q_idx, w, index_keys, seg, step.plan.index_topk) for seg in step.segments)
+        topk = step.plan.index_topk
+        return tuple(
+            self.indexer.select(q_idx, w, index_keys, seg, topk, backend)
+            for seg, backend in zip(step.segments, step.backends)
+        )
 
     def attend(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, seg: SegmentTensors, sel: Selection | None
+        self,
+        backend: AttentionBackend,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        seg: SegmentTensors,
+        sel: Selection | None,
     ) -> torch.Tensor:
+        """The segment's route (path, and its top-k when sparse) executed by the backend it names."""
         cfg, scale = self.cfg, self.cfg.softmax_scale
         if seg.segment.path == "absorbed":
             w_uk, w_uv = self.w_uk_uv()
             if sel is not None:
-                return sparse_absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, sel.index, sel.valid)
-            return absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv, seg, scale)
+                return backend.sparse_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, sel.index, sel.valid)
+            return backend.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale)
         allowed = sel.as_mask(seg.mask.shape[-1]) if sel is not None else None
-        return decompressed_attention(
+        return backend.decompressed(
             q_nope, q_pe, cache, self.kv_b_proj.weight, seg, scale, cfg.qk_nope_head_dim, allowed
         )
 

@@ -19,8 +19,6 @@ from torch import nn
 from mlaserve.config.model import MoEConfig
 from mlaserve.models.layers import SwiGLU
 
-EXPERT_IMPLS = ("grouped_mm", "loop")
-
 
 class Gate(nn.Module):
     def __init__(self, hidden: int, cfg: MoEConfig) -> None:

@@ -14,9 +14,8 @@ from mlaserve.attention.router import AttentionPlan
 from mlaserve.executor.forward_batch import ForwardBatch
 
 
-def step_record(
-    step: int, batch: ForwardBatch, plan: AttentionPlan, num_layers: int, extra: dict | None = None
-) -> dict:
+def step_record(step: int, batch: ForwardBatch, plan: AttentionPlan, num_layers: int, preempted: tuple = ()) -> dict:
+    """preempted: the scheduler's Preemption records of this step (request id, pages freed)."""
     rec = {
         "step": step,
         "layers": f"0-{num_layers - 1}",
@@ -28,8 +27,7 @@ def step_record(
         {"id": s.request_id, "query_len": s.query_len, "context_len": s.context_len, "cached_tokens": s.num_cached}
         for s in batch.seqs
     ]
-    if extra:
-        rec.update(extra)
+    rec["preempted"] = [{"id": p.request_id, "pages_freed": p.pages_freed} for p in preempted]
     return rec
 
 

@@ -117,10 +117,6 @@ class SamplingParams:
         """True when the request takes the argmax (of the penalised logits)."""
         return self.temperature < SAMPLING_EPS
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
     def all_stop_token_ids(self, eos_token_id: int | None | Iterable[int]) -> frozenset:
         """Token ids that end the request: stop_token_ids, plus the EOS id(s) unless ignore_eos.
         Models may have several EOS ids (GLM: <|endoftext|>, <|user|>, <|observation|>)."""

@@ -1,0 +1,43 @@
+"""What an attention backend does: the four operations of MLA over the paged latent cache.
+
+A backend is chosen per segment by the router (`Segment.backend`, recorded in the ledger) and
+looked up in the registry (`attention.backends.get_backend`). Shapes as in `attention/reference.py`;
+every method returns its segment's padded [B, Q, H, dv] output (or [B, Q, k] positions), and the
+caller keeps the valid rows. A new kernel (quantized, CUDA) implements this protocol, registers a
+name, and is tested against the reference in tests/test_attention_backends.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from mlaserve.attention.metadata import SegmentTensors
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def index_scoring(self, key_dtype: torch.dtype) -> str:
+        """How index_topk scores over keys of this dtype ("fp32" or "bf16_then_fp32"): a label for the
+        route, decided before the step runs."""
+
+    def absorbed(
+        self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, allowed=None
+    ) -> torch.Tensor:
+        """MQA over the latent rows: W_UK folded into the query, W_UV applied after."""
+
+    def decompressed(
+        self, q_nope, q_pe, cache, kv_b, seg: SegmentTensors, scale: float, dn: int, allowed=None
+    ) -> torch.Tensor:
+        """MHA: the rows up-projected through kv_b [H * (dn + dv), r], causal attention."""
+
+    def sparse_absorbed(
+        self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, index, valid
+    ) -> torch.Tensor:
+        """MQA over only each query's selected positions index/valid [B, Q, k]."""
+
+    def index_topk(self, q_idx, w, keys, seg: SegmentTensors, topk: int) -> torch.Tensor:
+        """The DSA top-k positions [B, Q, min(topk, L)] of sum_h w_h ReLU(q_h . key) (set, not order)."""

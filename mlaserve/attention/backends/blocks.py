@@ -1,0 +1,27 @@
+"""Shared helpers of the torch backend's kernels: bounded query blocks and fast row gathers."""
+
+from __future__ import annotations
+
+import torch
+
+# Bound on one attention call's query-proportional temporaries. A 2048-token prompt chunk at 32K
+# context would otherwise hold ~4 GB of fp32 scores per softmax copy (16 heads).
+WORKSPACE_BYTES = 256 * 2**20
+
+
+def query_blocks(n_queries: int, bytes_per_query: int) -> list[slice]:
+    """Consecutive slices of the query axis whose temporaries fit in WORKSPACE_BYTES (>= 1 query each)."""
+    step = max(1, WORKSPACE_BYTES // max(1, bytes_per_query))
+    return [slice(a, min(a + step, n_queries)) for a in range(0, n_queries, step)]
+
+
+def score_bytes(rows_per_query: int, length: int) -> int:
+    """Temporaries per query of one softmax attention: ~3 [rows, L] tensors of <= 4 bytes (the scores,
+    a transposed or fp32 copy, the probabilities)."""
+    return 3 * 4 * rows_per_query * length
+
+
+def gather_rows(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """table[slots] for a 2-D table: index_select on the flattened slots is several times faster on
+    CPU than advanced indexing with a multi-dimensional index (the step's largest copy at long context)."""
+    return torch.index_select(table, 0, slots.reshape(-1)).view(*slots.shape, table.shape[-1])

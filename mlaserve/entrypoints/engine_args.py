@@ -1,0 +1,66 @@
+"""The engine's command-line flags, generated from EngineOptions (the one home of every default).
+
+Every front end that loads a model (generate, inspect, verify, serve) takes the same flags; an
+option's default and help text are read from config/engine.py, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from mlaserve.config.engine import EngineOptions
+
+
+def add_engine_args(p: argparse.ArgumentParser, with_model_flag: bool = True) -> None:
+    if with_model_flag:
+        p.add_argument(
+            "--model",
+            default=None,
+            help="a Hugging Face folder (config.json + safetensors) or a .gguf file (llama.cpp's layout; the "
+            "first part of a split file); default: the embedded model",
+        )
+    for f in dataclasses.fields(EngineOptions):
+        if not f.metadata.get("cli"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            kind = int if f.type in ("int", "int | None") else str
+            p.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"), help=help_text)
+    p.add_argument(
+        "--no-malloc-tuning",
+        action="store_true",
+        help="leave glibc's allocator as it is (the CLI otherwise keeps freed large blocks: ~+15%% prefill, "
+        "RSS stays near its peak)",
+    )
+    p.add_argument("--trace", default=None, metavar="FILE", help="write each step's attention route as JSON lines")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The options the user set on the command line (the rest keep EngineOptions' defaults)."""
+    opts = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineOptions)
+        if f.metadata.get("cli") and getattr(args, f.name, None) is not None
+    }
+    opts["malloc_tuning"] = not getattr(args, "no_malloc_tuning", False)
+    return opts
+
+
+def make_llm(args: argparse.Namespace, progress=None):
+    from mlaserve.entrypoints.llm import LLM
+
+    print("loading model ...", file=sys.stderr, flush=True)
+    llm = LLM(model=args.model, trace=args.trace, progress=progress, **engine_options(args))
+    cfg = llm.config
+    print(
+        f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
+        f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')}, {cfg.device})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return llm
