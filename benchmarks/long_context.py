@@ -123,6 +123,8 @@ class Engine:
                 page_size=PAGE_SIZE,
                 max_num_seqs=batch,
                 num_pages=batch * pages_needed + 1,
+                threads=torch.get_num_threads(),  # the benchmark's --threads
+                malloc_tuning=True,  # as the CLI and server run
             )
         assert self.llm.config.sparse == (mode == "sparse"), (mode, self.llm.config.sparse)
         self.pages = [self.llm.engine.pool.allocate(pages_needed) for _ in range(batch)]

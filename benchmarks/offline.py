@@ -109,6 +109,8 @@ class MlaServe:
             max_num_batched_tokens=2048,
             max_num_seqs=max(16, settings["conc"]),
             num_pages=need + 16,
+            threads=torch.get_num_threads(),  # the benchmark's --threads
+            malloc_tuning=True,  # as the CLI and server run
         )
         self.vocab = self.llm.config.model.vocab_size
 

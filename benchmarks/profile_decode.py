@@ -132,7 +132,14 @@ def main() -> None:
     folder = ensure_model("standard", args.quick)
     from mlaserve import LLM
 
-    llm = LLM(model=str(folder), dtype=args.dtype, max_num_seqs=max(args.batches), num_pages=512)
+    llm = LLM(
+        model=str(folder),
+        dtype=args.dtype,
+        max_num_seqs=max(args.batches),
+        num_pages=512,
+        threads=args.threads,
+        malloc_tuning=True,
+    )
     vocab = llm.config.model.vocab_size
     undo = install_scopes()
     tag = "-quick" if args.quick else ""

@@ -8,6 +8,7 @@ whose checkpoint carries indexer weights), never because a config happens to hav
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -68,6 +69,9 @@ class EngineOptions:
         "auto", "attention kernels (auto: torch; reference: the plain oracle)", ATTENTION_BACKENDS
     )
     device: str = _opt("auto", "where weights, cache and step tensors live (auto: cuda when torch sees one)", DEVICES)
+    threads: int | None = _opt(
+        None, "CPU threads for torch ops (default: 1 for models under 50M parameters, else every core)"
+    )
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
@@ -100,6 +104,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     experts_impl: str
     malloc_tuning: bool
+    threads: int = 1
     attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
     device: str = "cpu"
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
@@ -127,6 +132,8 @@ def resolve(
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         _user(log, name, value)
     backend = _attention_backend(opts.attention_backend, log)
+    threads, why = _threads(model, opts.threads)
+    log.record("threads", threads, why)
     log.record(
         "malloc_tuning",
         opts.malloc_tuning,
@@ -149,6 +156,7 @@ def resolve(
         enable_prefix_caching=opts.enable_prefix_caching,
         experts_impl=opts.experts_impl,
         malloc_tuning=opts.malloc_tuning,
+        threads=threads,
         attention_backend=backend,
         device=device,
         provenance=log.freeze(),
@@ -255,3 +263,31 @@ def _num_pages(opts: EngineOptions, max_len: int, log: ProvenanceLog) -> int:
     per_seq = -(-min(max_len, 2048) // opts.page_size)
     n = max(per_seq * min(opts.max_num_seqs, 16), 64)
     return log.record("num_pages", n, f"engine default (16 sequences x {min(max_len, 2048)} tokens)")
+
+
+# Below this many weights a model is bound by per-op overhead: one thread is fastest and does not stall
+# when another process holds a core (measured; see platform/threads.py).
+SMALL_MODEL_PARAMS = 50_000_000
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _threads(cfg: ModelConfig, requested: int | None) -> tuple[int, str]:
+    """-> (threads, the reason recorded in provenance)."""
+    cores = _usable_cores()
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ConfigError(f"threads must be an integer >= 1, got {requested!r}")
+        return requested, "user option"
+    n = cfg.estimated_params()
+    if n < SMALL_MODEL_PARAMS:
+        return 1, (
+            f"engine default (auto: ~{n / 1e6:.1f}M parameters < {SMALL_MODEL_PARAMS // 10**6}M: per-op overhead "
+            "bound, one thread is fastest and does not stall when another process holds a core)"
+        )
+    return cores, f"engine default (auto: ~{n / 1e6:.0f}M parameters: every usable core, {cores})"

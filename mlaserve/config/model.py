@@ -202,6 +202,30 @@ class ModelConfig:
             scale = scale * m * m
         return scale
 
+    def estimated_params(self) -> int:
+        """Weights of the model from its config (embeddings, attention, MLP/MoE, lm_head); an estimate
+        good to a few percent, enough to choose a thread count."""
+        d, h = self.hidden_size, self.num_heads
+        q = (
+            (d * self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim)
+            if self.q_lora_rank
+            else d * h * self.qk_head_dim
+        )
+        attn = q + d * self.latent_dim + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        attn += h * self.v_head_dim * d
+        total = 0
+        for kind in self.mlp_layer_types:
+            if kind == "moe":
+                m = self.moe
+                total += attn + 3 * d * m.moe_intermediate_size * (m.n_routed_experts + m.n_shared_experts)
+            else:
+                total += attn + 3 * d * self.intermediate_size
+        if self.indexer is not None:  # wq_b, wk, weights_proj on the layers that own an indexer
+            ix = self.indexer
+            per = (self.q_lora_rank or 0) * ix.n_heads * ix.head_dim + d * ix.head_dim + d * ix.n_heads
+            total += per * sum(t == "full" for t in ix.layer_types)
+        return total + d * self.vocab_size * (1 if self.tie_word_embeddings else 2)
+
     @property
     def is_dsa_architecture(self) -> bool:
         return self.indexer is not None

@@ -169,6 +169,7 @@ def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:
     rid = engine.add_request(ids, params)
     sys.stdout.write(shown)
     printed = 0
+    final = None
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == rid:
@@ -176,7 +177,23 @@ def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:
                 sys.stdout.write(text[printed:])
                 sys.stdout.flush()
                 printed = len(text)
+                final = out
     sys.stdout.write("\n")
+    if final is not None:
+        print(_speed_line(final), file=sys.stderr)
+
+
+def _speed_line(out) -> str:
+    """Prompt and generated token counts with their rates (like llama.cpp's timings line)."""
+    m, n_out = out.metrics, len(out.outputs[0].token_ids)
+    ttft = m.get("time_to_first_token")
+    line = f"[{len(out.prompt_token_ids)} prompt tokens"
+    if ttft:
+        line += f" in {ttft:.2f} s ({len(out.prompt_token_ids) / ttft:.1f} tok/s)"
+    line += f"; {n_out} generated"
+    if "tokens_per_s" in m:
+        line += f", {m['tokens_per_s']:.1f} tok/s after the first"
+    return line + f"; finish: {out.outputs[0].finish_reason}]"
 
 
 def _inspect(args) -> int:

@@ -14,6 +14,7 @@ from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.loading.model_loader import load_model
 from mlaserve.observability.trace import make_tracer
 from mlaserve.platform.allocator import keep_freed_memory
+from mlaserve.platform.threads import apply_threads
 from mlaserve.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -33,6 +34,7 @@ class LLM:
         self.config = self.loaded.config
         if self.config.malloc_tuning:
             keep_freed_memory()
+        apply_threads(self.config.threads)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded.model, self.config, make_tracer(trace))
         self.engine = Engine(self.runner, self.tokenizer)
