@@ -72,16 +72,40 @@ def _add_verify(sub) -> None:
         default="The quick brown fox jumps over the lazy dog. " * 4,
         help="text to run (default: a short English sentence, repeated)",
     )
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="OTHER",
+        help="compare MODEL layer by layer with OTHER (a HF folder or .gguf of the same model) on the same "
+        "input ids and name the first layer and sub-block where they part ways (float32)",
+    )
+    p.add_argument("--json", action="store_true", help="with --against: print the report as JSON")
     p.set_defaults(func=_verify)
 
 
 def _verify(args) -> int:
     from mlaserve.entrypoints.verify import format_checks, run_checks
 
+    if args.against is not None:
+        return _verify_against(args)
+
     llm = make_llm(args, _progress_bar)
     checks = run_checks(llm, llm.encode(args.prompt))
     print(format_checks(checks))
     return 0 if all(c.passed for c in checks) else 1
+
+
+def _verify_against(args) -> int:
+    import json
+
+    from mlaserve.entrypoints.engine_args import engine_options
+    from mlaserve.entrypoints.verify_against import format_report, to_json, verify_against
+
+    if args.model is None:
+        raise ValueError("verify --against needs MODEL (the copy to check) as well as OTHER")
+    report = verify_against(args.model, args.against, args.prompt, **engine_options(args))
+    print(json.dumps(to_json(report), indent=1) if args.json else format_report(report))
+    return 0 if report.passed else 1
 
 
 def _add_convert(sub) -> None:

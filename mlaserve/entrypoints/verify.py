@@ -6,6 +6,14 @@ of the logits and top-1 agreement:
   chunked vs one pass        prefill in chunks of 7 tokens vs one forward
   decode path vs one pass    the prompt fed one token per step (every step a decode)
   sparse vs dense            DSA models, prompt within index_topk: the indexer must keep every row
+  backend vs reference       the configured attention backend against `reference` (the plain oracle),
+                             on each path, and for DSA models on a sparse step whose top-k really selects
+                             (index_topk lowered to half the prompt when the prompt fits in it)
+What these cannot see: a fault that every route shares. Wrong weights (a converter that swapped two heads
+of kv_b, a mis-sliced shard, a drifted quantized layer), model code outside attention (rope, norms, MoE
+routing, the indexer's projections) and a config read wrongly all give the same wrong answer on every
+route, so the routes agree. `mlaserve verify MODEL --against OTHER` (verify_against.py) compares with
+another copy of the model instead and names the layer where they part ways.
 """
 
 from __future__ import annotations
@@ -64,7 +72,26 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
                 logits_with(llm, replace(base, sparse=False), short),
             )
         )
+    pairs += _backend_pairs(llm, base, ids)
     return [_compare(name, a, b, tol) for name, a, b in pairs]
+
+
+def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The configured backend vs `reference` on the same route: absorbed, decompressed and, for a DSA
+    model, a sparse step that selects (top-k below the prompt length, so index_topk really runs)."""
+    name = base.attention_backend
+    routes = [(f"{p} path", replace(base, mla_path=p)) for p in ("absorbed", "decompressed")]
+    if base.model.indexer is not None and base.index_topk and len(ids) > 1:
+        k = min(base.index_topk, len(ids) // 2)
+        routes.append((f"sparse top-{k}", replace(base, sparse=True, index_topk=k)))
+    return [
+        (
+            f"{name} vs reference backend, {label}",
+            logits_with(llm, cfg, ids),
+            logits_with(llm, replace(cfg, attention_backend="reference"), ids),
+        )
+        for label, cfg in routes
+    ]
 
 
 def _compare(name: str, a: torch.Tensor, b: torch.Tensor, tol: float | None) -> Check:

@@ -1,0 +1,315 @@
+"""`mlaserve verify MODEL --against OTHER`: the first layer where two copies of a model part ways.
+
+Notation
+  b = MODEL (the copy under test), a = OTHER (the reference); T prompt tokens, D hidden size
+  block X     embed | layer i attention | layer i MoE (or dense MLP) | logits, in forward order
+  y_a(X)      [T, D] X's output in OTHER
+  y_b(X)      [T, D] X's output in MODEL *on OTHER's input of X* (teacher forcing, observability/capture.py)
+  rel(X)      = ||y_b - y_a||_F / ||y_a||_F,  cos(X) = <y_a, y_b> / (||y_a|| ||y_b||)
+  e(X)        the file's own quantization error of X's weights (observability/weight_error.py); 0 for
+              float32/bf16 safetensors loaded in float32
+  tol(X)      = FP32_REL_TOL + QUANT_SAFETY * (e_a(X) + e_b(X))
+Verdict: the first block with rel(X) > tol(X) names the layer and the sub-block where the copies part
+ways; exit code 1. Teacher forcing is what makes "first" meaningful: fed the reference's input, a block
+differs only by its own weights, so an error in layer 1 does not also light up layers 2, 3, ...
+The free-running hidden state of every layer (each model on its own previous output) is reported too:
+it shows how far a divergence has travelled by the logits, but it is not judged (a merely quantized
+MoE may legitimately flip an expert choice downstream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from mlaserve.entrypoints.llm import LLM
+from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.observability.capture import Activations, Capture
+from mlaserve.observability.weight_error import DequantCheck, block_errors, check_dequantization, tensor_errors
+
+# fp32 vs fp32 with the same weights: both sides run the same kernels on the same input, so the blocks
+# agree to float32 reassociation noise (~1e-7 relative measured); 1e-5 leaves room for a different
+# kernel or thread count on one side and still sees a 1e-3 change in one expert.
+FP32_REL_TOL = 1e-5
+# Multiplies e(X), the first-order bound of a block's relative output error from its weights' stored
+# precision. The softmax and SwiGLU can amplify a little; measured rel(X) / e(X) stays below 0.5 on the
+# fixtures (ds3, ds2lite, ds32, glm5; f16, q8_0, q4_k_m, q4_0), so 2 passes every merely quantized block
+# and still fails a layer whose weights were changed (rel ~ 1 for swapped heads or a scrambled layer).
+QUANT_SAFETY = 2.0
+
+
+@dataclass(frozen=True)
+class BlockDiff:
+    block: str  # "embed" | "layer.3.attn" | "layer.3.mlp" | "logits"
+    max_abs_diff: float
+    rel_diff: float
+    cosine: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.rel_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    """A decoder layer's output hidden state, each model free-running (propagated divergence)."""
+
+    layer: int
+    max_abs_diff: float
+    rel_diff: float
+    cosine: float
+
+
+@dataclass
+class Side:
+    path: str
+    llm: LLM
+    block_error: dict[str, float] = field(default_factory=dict)  # e(X) of this side's file
+    types: dict[str, dict[str, int]] = field(default_factory=dict)  # tensor types per block (GGUF)
+    dequant: DequantCheck | None = None  # GGUF: ours vs the gguf package
+
+
+@dataclass
+class AgainstReport:
+    model: str
+    against: str
+    num_tokens: int
+    blocks: list[BlockDiff]
+    layers: list[LayerDiff]
+    logits_top1: float  # free-running top-1 agreement of the final logits
+    mlp_kinds: tuple[str, ...]  # per layer "moe" | "dense"
+    types: dict[str, dict[str, int]]  # MODEL's tensor types per block ({} for safetensors)
+    notes: list[str]
+    dequant_checks: list[tuple[str, DequantCheck]]
+    topk_overlap: dict[int, float] = field(default_factory=dict)  # DSA layer -> shared fraction of top-k
+
+    @property
+    def first_failure(self) -> BlockDiff | None:
+        return next((b for b in self.blocks if not b.passed), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None and all(c.passed for _, c in self.dequant_checks)
+
+
+def open_side(path: str, **options) -> Side:
+    """Load one copy in float32 (the comparison is of the files' weights, not of a runtime dtype)."""
+    llm = LLM(path, **{**options, "dtype": "float32"})
+    side = Side(path, llm)
+    if llm.loaded.path.suffix == ".gguf":
+        from mlaserve.gguf.read.file import open_gguf
+
+        gf = open_gguf(llm.loaded.path)
+        try:
+            errors = tensor_errors(gf, llm.config.model.num_layers)
+            side.block_error = block_errors(errors)
+            side.types = _types(errors)
+            side.dequant = check_dequantization(gf)
+        finally:
+            gf.close()
+    return side
+
+
+def _types(errors) -> dict[str, dict[str, int]]:
+    from mlaserve.observability.weight_error import types_by_block
+
+    return types_by_block(errors)
+
+
+def compare(model: Side, against: Side, ids: list[int]) -> AgainstReport:
+    _check_compatible(model, against)
+    ref = _forward(against.llm, ids)
+    forced = _forward(model.llm, ids, force=ref)
+    free = _forward(model.llm, ids)
+    n = model.llm.config.model.num_layers
+    blocks = [_block(x, ref[x], forced[x], _tolerance(x, model, against)) for x in _block_order(n)]
+    layers = [_layer(i, ref[f"layer.{i}"], free[f"layer.{i}"]) for i in range(n)]
+    top1 = (ref["logits"].argmax(-1) == free["logits"].argmax(-1)).float().mean().item()
+    checks = [(s.path, s.dequant) for s in (model, against) if s.dequant is not None]
+    return AgainstReport(
+        model.path,
+        against.path,
+        len(ids),
+        blocks,
+        layers,
+        top1,
+        model.llm.config.model.mlp_layer_types,
+        model.types,
+        [],
+        checks,
+        _topk_overlaps(ref, forced, n),
+    )
+
+
+def _block_order(num_layers: int) -> list[str]:
+    inner = [f"layer.{i}.{part}" for i in range(num_layers) for part in ("attn", "mlp")]
+    return ["embed", *inner, "logits"]
+
+
+def _tolerance(block: str, *sides: Side) -> float:
+    return FP32_REL_TOL + QUANT_SAFETY * sum(s.block_error.get(block, 0.0) for s in sides)
+
+
+def _forward(llm: LLM, ids: list[int], force: Activations | None = None) -> Activations:
+    """The whole prompt in one step through a fresh runner (own cache), hooks capturing every block."""
+    cfg = llm.config
+    cfg = replace(cfg, max_num_batched_tokens=len(ids), num_pages=-(-len(ids) // cfg.page_size) + 1)
+    runner = ModelRunner(llm.loaded.model, cfg)
+    with Capture(llm.loaded.model, force) as acts:
+        runner.prompt_logits("verify-against", ids, list(range(cfg.num_pages)))
+    return acts
+
+
+def _stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    a, b = a.double(), b.double()
+    na, nb = a.norm().item(), b.norm().item()
+    rel = (b - a).norm().item() / max(na, 1e-30)
+    cos = (a * b).sum().item() / max(na * nb, 1e-30) if na and nb else (1.0 if na == nb else 0.0)
+    return (b - a).abs().max().item(), rel, cos
+
+
+def _block(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> BlockDiff:
+    return BlockDiff(name, *_stats(a, b), tol)
+
+
+def _layer(i: int, a: torch.Tensor, b: torch.Tensor) -> LayerDiff:
+    return LayerDiff(i, *_stats(a, b))
+
+
+def _check_compatible(model: Side, against: Side) -> None:
+    ma, mb = against.llm.config.model, model.llm.config.model
+    for name in ("num_layers", "hidden_size", "vocab_size", "num_heads", "kv_lora_rank", "mlp_layer_types"):
+        va, vb = getattr(ma, name), getattr(mb, name)
+        if va != vb:
+            raise ValueError(f"{model.path} and {against.path} are not copies of one model: {name} {vb} vs {va}")
+
+
+def _topk_overlaps(ref: Activations, forced: Activations, num_layers: int) -> dict[int, float]:
+    """Per DSA layer with a selection: the fraction of MODEL's own top-k rows that OTHER also kept
+    (informational: MODEL's attention ran over OTHER's rows; see observability/capture.py)."""
+    out = {}
+    for i in range(num_layers):
+        key = f"layer.{i}.topk.0"
+        own = forced.selections.get(f"layer.{i}.topk_own.0")
+        if own is None or key not in ref.selections:
+            continue
+        theirs = ref.selections[key]
+        length = int(max(own.index.max(), theirs.index.max())) + 1
+        mine, other = own.as_mask(length), theirs.as_mask(length)
+        out[i] = float((mine & other).sum() / mine.sum().clamp_min(1))
+    return out
+
+
+def encode_prompt(model: Side, against: Side, text: str) -> tuple[list[int], list[str]]:
+    """The prompt's ids, from MODEL's tokenizer (else OTHER's); a note when the two tokenizers disagree."""
+    toks = [(s.path, s.llm.tokenizer) for s in (model, against) if s.llm.tokenizer is not None]
+    if not toks:
+        raise ValueError(f"neither {model.path} nor {against.path} has a tokenizer: nothing to encode the prompt")
+    ids = toks[0][1].encode(text)
+    notes = []
+    if len(toks) == 2 and toks[1][1].encode(text) != ids:
+        notes.append(f"the two tokenizers encode the prompt differently; both models get {toks[0][0]}'s ids")
+    return ids, notes
+
+
+def verify_against(model_path: str, against_path: str, text: str, **options) -> AgainstReport:
+    model, against = open_side(model_path, **options), open_side(against_path, **options)
+    ids, notes = encode_prompt(model, against, text)
+    report = compare(model, against, ids)
+    report.notes = notes + report.notes
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def _part(block: str, kinds: tuple[str, ...]) -> str:
+    if block in ("embed", "logits"):
+        return block
+    _, i, part = block.split(".")
+    return "attention" if part == "attn" else ("MoE" if kinds[int(i)] == "moe" else "MLP")
+
+
+def describe_failure(report: AgainstReport) -> str:
+    f = report.first_failure
+    if f is None:
+        return "no block diverges beyond its tolerance"
+    where = f.block if f.block in ("embed", "logits") else f"layer {f.block.split('.')[1]}"
+    return (
+        f"first divergence: {where} ({_part(f.block, report.mlp_kinds)}): rel {f.rel_diff:.2e} > tol "
+        f"{f.tolerance:.2e}, cosine {f.cosine:.6f}"
+    )
+
+
+def _types_cell(types: dict[str, dict[str, int]], *blocks: str) -> str:
+    merged: dict[str, int] = {}
+    for b in blocks:
+        for t, n in types.get(b, {}).items():
+            merged[t] = merged.get(t, 0) + n
+    return " ".join(f"{t}x{n}" for t, n in sorted(merged.items())) or "-"
+
+
+def format_report(report: AgainstReport) -> str:
+    by_name = {b.block: b for b in report.blocks}
+    head = (
+        f"{'layer':<6} {'attention rel/tol':<22} {'MoE|MLP rel/tol':<22} "
+        f"{'output max|diff|':>16} {'rel':>9} {'cosine':>10}  types ({Path(report.model).name})"
+    )
+    lines = [f"MODEL {report.model}  vs  OTHER {report.against}: {report.num_tokens} tokens, float32", head]
+    lines.append(_edge_row("embed", by_name["embed"], _types_cell(report.types, "embed")))
+    for lay in report.layers:
+        a, m = by_name[f"layer.{lay.layer}.attn"], by_name[f"layer.{lay.layer}.mlp"]
+        types = _types_cell(report.types, a.block, m.block)
+        lines.append(
+            f"{lay.layer:<6} {_cell(a):<22} {_cell(m):<22} {lay.max_abs_diff:>16.2e} {lay.rel_diff:>9.2e} "
+            f"{lay.cosine:>10.6f}  {types}"
+        )
+    lines.append(_edge_row("logits", by_name["logits"], _types_cell(report.types, "logits")))
+    lines.append(f"final logits, free-running: top-1 agreement {report.logits_top1:.1%}")
+    if report.topk_overlap:
+        shared = ", ".join(f"layer {i} {v:.1%}" for i, v in report.topk_overlap.items())
+        lines.append(f"DSA top-k rows shared with OTHER (MODEL attended over OTHER's; not judged): {shared}")
+    lines += [f"note: {n}" for n in report.notes]
+    lines += [f"{Path(p).name}: {c.describe()}" for p, c in report.dequant_checks]
+    lines.append(("PASS: " if report.passed else "FAIL: ") + describe_failure(report))
+    return "\n".join(lines)
+
+
+def _cell(b: BlockDiff) -> str:
+    return f"{b.rel_diff:.1e}/{b.tolerance:.1e} {'ok' if b.passed else 'FAIL'}"
+
+
+def _edge_row(name: str, b: BlockDiff, types: str) -> str:
+    return f"{name:<6} {_cell(b):<22} {'':<22} {b.max_abs_diff:>16.2e} {b.rel_diff:>9.2e} {b.cosine:>10.6f}  {types}"
+
+
+def to_json(report: AgainstReport) -> dict:
+    f = report.first_failure
+    return {
+        "model": report.model,
+        "against": report.against,
+        "num_tokens": report.num_tokens,
+        "passed": report.passed,
+        "first_divergence": None
+        if f is None
+        else {
+            "block": f.block,
+            "layer": None if f.block in ("embed", "logits") else int(f.block.split(".")[1]),
+            "sub_block": _part(f.block, report.mlp_kinds),
+        },
+        "blocks": [{**vars(b), "passed": b.passed} for b in report.blocks],
+        "layers": [vars(x) for x in report.layers],
+        "logits_top1_free_running": report.logits_top1,
+        "topk_overlap": report.topk_overlap,
+        "tensor_types": report.types,
+        "notes": report.notes,
+        "dequant_checks": [
+            {"path": p, "available": c.available, "checked": c.checked, "mismatches": [list(m) for m in c.mismatches]}
+            for p, c in report.dequant_checks
+        ],
+        "tolerance_rule": {"fp32_rel_tol": FP32_REL_TOL, "quant_safety": QUANT_SAFETY},
+    }

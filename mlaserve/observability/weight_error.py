@@ -1,0 +1,158 @@
+"""What a GGUF file's storage types cost, estimated from the file alone, per block of the model.
+
+Notation
+  W        one stored tensor, dequantized to float32 (torch shape; a row = ggml's ne[0])
+  s        a quantization sub-block of a row: the values that share one scale (and min)
+  n_s, L   values per sub-block and quantization levels of the type (Q8_0: 32, 255; Q4_K: 32, 16)
+  step(s)  = (max(s) - min(s)) / (L - 1)   the grid spacing of s, read off its dequantized values
+  err^2(W) = sum_s n_s step(s)^2 / 12       rounding to the nearest level: uniform in +-step/2
+  e(W)     = sqrt(err^2(W) / ||W||^2)       relative RMS error of the tensor
+  float types: e = u / sqrt(3) with unit roundoff u (F16 2^-11, BF16 2^-8); F32 0
+  block    "embed", "layer.i.attn" (attn_* and indexer.* of blk.i), "layer.i.mlp" (ffn_*, exp_probs_b),
+           "logits" (output, output_norm)
+  e(block) = sum of e(W) over the block's tensors
+
+Why a sum: to first order a relative perturbation e of one matrix in a chain of products perturbs the
+output by at most e, and perturbations of several matrices add (worst case: aligned). It is read off
+the stored values only, so a file whose weights were *changed* (swapped heads, a wrong shard) gets no
+larger allowance than the same type with the right weights: the difference shows up as a divergence
+far above e(block).
+
+The step is read from the dequantized values because a dequantized sub-block lies on its own grid;
+when a sub-block does not use its whole range the step is underestimated (a tighter tolerance, never
+a looser one).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from mlaserve.gguf.read.file import GGUFFile
+
+# type -> (values per sub-block that share a scale, quantization levels)
+_BLOCK_GRID: dict[str, tuple[int, int]] = {
+    "Q8_0": (32, 255),
+    "Q4_0": (32, 16),
+    "Q4_1": (32, 16),
+    "Q5_0": (32, 32),
+    "Q5_1": (32, 32),
+    "Q2_K": (16, 4),
+    "Q3_K": (16, 8),
+    "Q4_K": (32, 16),
+    "Q5_K": (32, 32),
+    "Q6_K": (16, 64),
+}
+_FLOAT_ROUNDOFF = {"F32": 0.0, "F64": 0.0, "F16": 2.0**-11, "BF16": 2.0**-8}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class TensorError:
+    name: str  # GGUF tensor name
+    ggml_type: str
+    block: str | None  # None: not part of the forward pass (e.g. MTP layers)
+    rel_error: float  # e(W)
+
+
+def block_of(gguf_name: str, num_layers: int) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "embed"
+    if gguf_name in ("output.weight", "output_norm.weight"):
+        return "logits"
+    m = _BLK.match(gguf_name)
+    if m is None or int(m.group(1)) >= num_layers:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if rest.startswith(("attn_", "indexer.")):
+        return f"layer.{layer}.attn"
+    if rest.startswith(("ffn_", "exp_probs_b")):
+        return f"layer.{layer}.mlp"
+    return None
+
+
+def relative_error(w: torch.Tensor, type_name: str) -> float:
+    """e(W) for a tensor stored as type_name (see the notation block)."""
+    norm2 = float(w.double().pow(2).sum())
+    if norm2 == 0.0:
+        return 0.0
+    if type_name in _FLOAT_ROUNDOFF:
+        return _FLOAT_ROUNDOFF[type_name] / 3**0.5
+    if type_name not in _BLOCK_GRID:
+        raise ValueError(f"no quantization error model for ggml type {type_name}")
+    size, levels = _BLOCK_GRID[type_name]
+    sub = w.reshape(-1, size)
+    step = (sub.amax(dim=1) - sub.amin(dim=1)).double() / (levels - 1)
+    err2 = float((step * step).sum()) * size / 12.0
+    return (err2 / norm2) ** 0.5
+
+
+def tensor_errors(gf: GGUFFile, num_layers: int) -> list[TensorError]:
+    out = []
+    for name, info in gf.tensors.items():
+        block = block_of(name, num_layers)
+        e = relative_error(gf.tensor(name), info.type_name) if block is not None else 0.0
+        out.append(TensorError(name, info.type_name, block, e))
+    return out
+
+
+def block_errors(errors: list[TensorError]) -> dict[str, float]:
+    """e(block): the sum of e(W) over the block's tensors."""
+    total: dict[str, float] = {}
+    for t in errors:
+        if t.block is not None:
+            total[t.block] = total.get(t.block, 0.0) + t.rel_error
+    return total
+
+
+def types_by_block(errors: list[TensorError]) -> dict[str, dict[str, int]]:
+    """Tensor type counts per block, e.g. {"layer.1.attn": {"Q4_K": 3, "F32": 2}}."""
+    counts: dict[str, Counter] = {}
+    for t in errors:
+        if t.block is not None:
+            counts.setdefault(t.block, Counter())[t.ggml_type] += 1
+    return {b: dict(sorted(c.items())) for b, c in counts.items()}
+
+
+@dataclass(frozen=True)
+class DequantCheck:
+    available: bool  # the gguf package is installed
+    checked: int  # tensors compared (every non-F32 tensor)
+    mismatches: tuple[tuple[str, float], ...]  # (GGUF name, max |ours - gguf's|)
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatches
+
+    def describe(self) -> str:
+        if not self.available:
+            return "gguf package not installed: dequantized tensors not cross-checked (pip install gguf)"
+        if self.passed:
+            return f"gguf package dequantizer: {self.checked} quantized/f16 tensors checked, all bit-identical"
+        bad = ", ".join(f"{n} (max |diff| {d:.2e})" for n, d in self.mismatches[:5])
+        return f"gguf package dequantizer: {len(self.mismatches)} of {self.checked} tensors differ: {bad}"
+
+
+def check_dequantization(gf: GGUFFile) -> DequantCheck:
+    """Our dequantized tensors vs the gguf package's `gguf.quants.dequantize`, bit for bit."""
+    try:
+        import gguf
+        import numpy as np
+    except ImportError:
+        return DequantCheck(False, 0, ())
+    mismatches, checked = [], 0
+    for name, info in gf.tensors.items():
+        if info.type_name == "F32":
+            continue
+        ours = gf.tensor(name)
+        rows = ours.numel() // info.ne[0]
+        raw = gf.raw(name).numpy().reshape(rows, -1)
+        ref = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, info.ggml_type), dtype=np.float32))
+        checked += 1
+        ref = ref.reshape(ours.shape)
+        if not torch.equal(ours, ref):
+            mismatches.append((name, float((ours - ref).abs().max())))
+    return DequantCheck(True, checked, tuple(mismatches))
