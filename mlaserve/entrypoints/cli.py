@@ -1,4 +1,4 @@
-"""The `mlaserve` command: generate | inspect | verify | convert."""
+"""The `mlaserve` command: generate | inspect | verify | convert | trace."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_inspect(sub)
     _add_verify(sub)
     _add_convert(sub)
+    _add_trace(sub)
     args = parser.parse_args(argv)
     if getattr(args, "model_path", None) is not None:
         if args.model is not None and args.model != args.model_path:
@@ -146,6 +147,32 @@ def _convert(args) -> int:
     return 0
 
 
+def _add_trace(sub) -> None:
+    p = sub.add_parser("trace", help="read a route ledger (written with --trace FILE)")
+    tsub = p.add_subparsers(dest="trace_command", required=True)
+    s = tsub.add_parser(
+        "summarize",
+        help="steps, tokens by phase x path x dense/sparse, prefix-cache hits, preemptions, effective top-k",
+        description="Summarise a route ledger (JSON lines; fields in docs/LEDGER.md).",
+    )
+    s.add_argument("file", metavar="FILE")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(func=_trace_summarize)
+
+
+def _trace_summarize(args) -> int:
+    import json
+
+    from mlaserve.observability.summary import format_summary, read_ledger, summarize
+
+    by_rank = summarize(read_ledger(args.file))
+    if args.json:
+        print(json.dumps({"ranks": {str(r): s.to_json() for r, s in by_rank.items()}}, indent=1))
+    else:
+        print(format_summary(by_rank))
+    return 0
+
+
 def _progress_bar(done: int, total: int) -> None:
     if not sys.stderr.isatty() and done != total:
         return  # only the final state when stderr is a log file
@@ -158,6 +185,10 @@ def _progress_bar(done: int, total: int) -> None:
 
 
 def _generate(args) -> int:
+    from pathlib import Path
+
+    # The ledger file is appended to: its summary covers this run's records only.
+    start = Path(args.trace).stat().st_size if args.trace and Path(args.trace).exists() else 0
     llm = make_llm(args, _progress_bar)
     params = SamplingParams(
         **_sampling_defaults(args, llm.loaded.generation_config),
@@ -170,6 +201,11 @@ def _generate(args) -> int:
         if args.chat:
             text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         _stream(llm, llm.encode(text), params, prompt)
+    if args.trace:
+        from mlaserve.observability.summary import format_summary, read_ledger, summarize
+
+        llm.runner.tracer.close()
+        print(format_summary(summarize(read_ledger(args.trace, start))), file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,141 @@
+"""A route ledger summarised: what ran where over a whole run (`mlaserve trace summarize FILE`, and the
+table `mlaserve generate --trace FILE` ends with). The ledger's fields are described in docs/LEDGER.md.
+
+Counts
+  steps             records (one per engine step that ran a forward pass)
+  tokens            per (phase, path, attention mode), summed over segments; the mode is
+                      dense             the step ran dense attention
+                      sparse top-k      a sparse step whose indexer selected (needs_selection)
+                      sparse all rows   a sparse step where every sequence fit in index_topk (no selection)
+  prefix-cache hits requests whose first chunk started after cached pages (cached_tokens > 0), and
+                    the tokens they skipped
+  preemptions       entries of the per-step `preempted` lists, and the pages they freed
+  effective top-k   sparse steps per effective_topk value (min(index_topk, longest sequence))
+  per rank          records with a "rank" field are summarised per rank (tensor parallel ledgers);
+                    a ledger without one is one rank, shown without a rank header
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("dense", "sparse top-k", "sparse all rows")
+
+
+@dataclass
+class LedgerSummary:
+    steps: int = 0
+    tokens: Counter = field(default_factory=Counter)  # (phase, path, mode) -> tokens
+    decode_tokens: int = 0
+    requests: set = field(default_factory=set)
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    preempted_pages: int = 0
+    effective_topk: Counter = field(default_factory=Counter)  # value -> sparse steps
+    backends: Counter = field(default_factory=Counter)  # backend name -> tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def add(self, rec: dict) -> None:
+        self.steps += 1
+        self.decode_tokens += rec["num_decode_tokens"]
+        mode = _mode(rec)
+        for seg in rec["segments"]:
+            self.tokens[(seg["phase"], seg["path"], mode)] += seg["num_tokens"]
+            self.backends[seg.get("backend", "torch")] += seg["num_tokens"]
+        for r in rec["requests"]:
+            self.requests.add(r["id"])
+            if r["cached_tokens"] > 0:
+                self.prefix_hits += 1
+                self.prefix_hit_tokens += r["cached_tokens"]
+        for p in rec.get("preempted", []):
+            self.preemptions += 1
+            self.preempted_pages += p["pages_freed"]
+        if rec["sparse"]:
+            self.effective_topk[rec["effective_topk"]] += 1
+
+    def to_json(self) -> dict:
+        return {
+            "steps": self.steps,
+            "requests": len(self.requests),
+            "tokens": self.total_tokens,
+            "decode_tokens": self.decode_tokens,
+            "tokens_by_route": [
+                {"phase": ph, "path": pa, "mode": mo, "tokens": n} for (ph, pa, mo), n in sorted(self.tokens.items())
+            ],
+            "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_tokens": self.prefix_hit_tokens,
+            "preemptions": self.preemptions,
+            "preempted_pages": self.preempted_pages,
+            "effective_topk": {str(k): n for k, n in sorted(self.effective_topk.items())},
+            "backends": dict(sorted(self.backends.items())),
+        }
+
+
+def _mode(rec: dict) -> str:
+    if not rec["sparse"]:
+        return "dense"
+    return "sparse top-k" if rec["needs_selection"] else "sparse all rows"
+
+
+def summarize(records) -> dict:
+    """rank (None for a ledger without ranks) -> LedgerSummary, ranks in order."""
+    out: dict = {}
+    for rec in records:
+        out.setdefault(rec.get("rank"), LedgerSummary()).add(rec)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)))
+
+
+def read_ledger(path: str | Path, offset: int = 0) -> list[dict]:
+    """The records of a JSONL ledger (from byte `offset` on: a run's own records in a shared file)."""
+    path = Path(path)
+    records = []
+    with open(path, encoding="utf-8") as f:
+        f.seek(offset)
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: record {n} (after byte {offset}) is not JSON: {e}") from None
+            missing = [k for k in ("segments", "requests", "sparse", "num_decode_tokens") if k not in rec]
+            if missing:
+                raise ValueError(f"{path}: record {n} is not a route ledger record (no {', '.join(missing)})")
+            records.append(rec)
+    return records
+
+
+def format_summary(by_rank: dict) -> str:
+    if not by_rank:
+        return "route ledger: no steps"
+    blocks = []
+    for rank, s in by_rank.items():
+        head = "route ledger" if rank is None else f"route ledger, rank {rank}"
+        blocks.append(f"{head}:\n" + _format_one(s))
+    return "\n".join(blocks)
+
+
+def _format_one(s: LedgerSummary) -> str:
+    lines = [
+        f"  steps {s.steps}, requests {len(s.requests)}, tokens {s.total_tokens} "
+        f"({s.decode_tokens} decode, {s.total_tokens - s.decode_tokens} prefill)",
+        f"  {'phase':<8} {'path':<13}" + "".join(f"{m:>16}" for m in MODES),
+    ]
+    for phase, path in sorted({(ph, pa) for ph, pa, _ in s.tokens}):
+        lines.append(f"  {phase:<8} {path:<13}" + "".join(f"{s.tokens[(phase, path, m)]:>16}" for m in MODES))
+    lines.append(f"  prefix-cache hits {s.prefix_hits} ({s.prefix_hit_tokens} tokens not recomputed)")
+    lines.append(f"  preemptions {s.preemptions} ({s.preempted_pages} pages freed)")
+    if s.effective_topk:
+        topk = ", ".join(f"{k} on {n} step{'s' if n != 1 else ''}" for k, n in sorted(s.effective_topk.items()))
+        lines.append(f"  effective top-k: {topk}")
+    else:
+        lines.append("  effective top-k: - (no sparse step)")
+    lines.append("  backends: " + ", ".join(f"{b} {n} tokens" for b, n in sorted(s.backends.items())))
+    return "\n".join(lines)
