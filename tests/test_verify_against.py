@@ -122,3 +122,31 @@ def test_dsa_layers_attend_over_the_reference_selection():
     assert report.passed, describe_failure(report)
     assert set(report.topk_overlap) == {0, 1, 2} and all(0.8 < v <= 1.0 for v in report.topk_overlap.values())
     assert torch.isfinite(torch.tensor([b.rel_diff for b in report.blocks])).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantization_error_estimate_matches_the_true_error(qtype):
+    """e(W) is read off the dequantized values alone; here the originals are known (quantized by the
+    gguf package, an independent quantizer), so the estimate can be checked against the real error."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from mlaserve.observability.weight_error import relative_error
+
+    x = np.random.default_rng(3).standard_normal((32, 256)).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[qtype]
+    deq = np.ascontiguousarray(gguf.quants.dequantize(gguf.quants.quantize(x, qt), qt), dtype=np.float32)
+    actual = np.linalg.norm(deq - x) / np.linalg.norm(x)
+    assert relative_error(torch.from_numpy(deq), qtype) == pytest.approx(actual, rel=0.05)
+
+
+def test_dequant_check_says_when_gguf_is_missing(monkeypatch):
+    import sys
+
+    from mlaserve.gguf.read.file import open_gguf
+    from mlaserve.observability.weight_error import check_dequantization
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
+    gf = open_gguf(fixture_dir("ds3") / "model-q8_0.gguf")
+    check = check_dequantization(gf)
+    assert not check.available and check.passed and "gguf package not installed" in check.describe()
