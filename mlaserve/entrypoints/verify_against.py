@@ -188,6 +188,9 @@ def _check_compatible(model: Side, against: Side) -> None:
         va, vb = getattr(ma, name), getattr(mb, name)
         if va != vb:
             raise ValueError(f"{model.path} and {against.path} are not copies of one model: {name} {vb} vs {va}")
+    ka, kb = against.llm.config.index_topk, model.llm.config.index_topk
+    if ka != kb:  # a config difference the layer table would misattribute to the attention weights
+        raise ValueError(f"{model.path} and {against.path} differ in index_topk: {kb} vs {ka}")
 
 
 def _topk_overlaps(ref: Activations, forced: Activations, num_layers: int) -> dict[int, float]:
