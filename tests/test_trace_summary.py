@@ -119,3 +119,6 @@ def test_generate_trace_ends_with_the_summary_and_trace_summarize(tmp_path, caps
         assert "route ledger:\n  steps 2, requests 1" in err
     assert main(["trace", "summarize", str(ledger)]) == 0
     assert "steps 4, requests 1" in capsys.readouterr().out  # both runs' request is id "0"
+    assert main(["trace", "summarize", str(ledger), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["summary"]
+    assert (s["steps"], s["tokens_by_route"][0]["mode"], s["preemptions"]) == (4, "dense", 0)

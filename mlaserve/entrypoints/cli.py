@@ -167,7 +167,9 @@ def _trace_summarize(args) -> int:
 
     by_rank = summarize(read_ledger(args.file))
     if args.json:
-        print(json.dumps({"ranks": {str(r): s.to_json() for r, s in by_rank.items()}}, indent=1))
+        ranked = {str(r): s.to_json() for r, s in by_rank.items() if r is not None}
+        whole = by_rank[None].to_json() if None in by_rank else None
+        print(json.dumps({"summary": whole, "ranks": ranked} if ranked else {"summary": whole}, indent=1))
     else:
         print(format_summary(by_rank))
     return 0
