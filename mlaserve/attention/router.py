@@ -105,6 +105,7 @@ def route(
         raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
     if sparse and index_topk is None:
         raise ValueError("a sparse route needs index_topk")
+    kernels = get_backend(backend)  # an unknown name fails here, before the ledger records it
     longest = max((s.seq_len for s in batch.seqs), default=0)
     select = sparse and longest > index_topk
     n_dec = batch.num_decode_seqs
@@ -127,7 +128,7 @@ def route(
                 request_ids=tuple(s.request_id for s in seqs),
                 backend=backend,
                 implementation=_implementation(backend, path, sparse, select),
-                index_scoring=get_backend(backend).index_scoring(key_dtype) if select else None,
+                index_scoring=kernels.index_scoring(key_dtype) if select else None,
             )
         )
     return AttentionPlan(
