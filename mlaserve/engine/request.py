@@ -17,7 +17,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: a request is an entity, equal only to itself. The scheduler's queues find and remove
+# requests with `in` / `remove`; field-by-field equality made each finish() compare every field of
+# every queued request (2.2 s of 7.4 s for 1,000 short requests) and could remove a look-alike.
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]
