@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_embedded_model as ev  # noqa: E402
-import train_embedded_model as tr  # noqa: E402
+import tiny_dsa  # noqa: E402
 
 from mlaserve import LLM  # noqa: E402
 from mlaserve.embedded import EMBEDDED  # noqa: E402
@@ -31,9 +31,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     from tokenizers import Tokenizer
 
-    _, held_docs = tr.load_corpus(args.corpus)
-    held_ids = tr.encode_docs(Tokenizer.from_file(str(EMBEDDED / "tokenizer.json")), held_docs)
-    wins = ev.windows(held_ids, tr.CONTEXT)
+    _, held_docs = tiny_dsa.load_corpus(args.corpus)
+    held_ids = tiny_dsa.encode_docs(Tokenizer.from_file(str(EMBEDDED / "tokenizer.json")), held_docs)
+    wins = ev.windows(held_ids, tiny_dsa.CONTEXT)
     llm = LLM(str(EMBEDDED), attention=args.attention)
     total, count = 0.0, 0
     for w in wins:
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
         total += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
         count += len(ids) - 1
     print(
-        f"engine held-out perplexity ({args.attention}, {len(wins)} windows of {tr.CONTEXT}): "
+        f"engine held-out perplexity ({args.attention}, {len(wins)} windows of {tiny_dsa.CONTEXT}): "
         f"{math.exp(total / count):.4f}"
     )
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_embedded_model as tr  # noqa: E402
+import tiny_dsa  # noqa: E402
 
 WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?")
 PROMPTS = [
@@ -106,7 +106,7 @@ def windows(ids: torch.Tensor, T: int) -> torch.Tensor:
 @torch.no_grad()
 def nll_by_position(model, wins, topk, batch=8, override=None, seed=0):
     """Per-target NLL [N, T-1] for the windows, with index_topk = topk (or an override selection)."""
-    tr.set_index_topk(model, topk)
+    tiny_dsa.set_index_topk(model, topk)
     ov = SelectionOverride(model, override, topk, seed) if override else None
     rows = []
     try:
@@ -117,15 +117,15 @@ def nll_by_position(model, wins, topk, batch=8, override=None, seed=0):
     finally:
         if ov:
             ov.remove()
-        tr.set_index_topk(model, tr.INDEX_TOPK)
+        tiny_dsa.set_index_topk(model, tiny_dsa.INDEX_TOPK)
     return torch.cat(rows)
 
 
 @torch.no_grad()
-def indexer_recall(model, wins, k=tr.INDEX_TOPK):
+def indexer_recall(model, wins, k=tiny_dsa.INDEX_TOPK):
     """Mean share of the dense attention mass (heads summed) inside the indexer's top-k, rows >= k."""
-    tr.set_index_topk(model, tr.DENSE_TOPK)
-    probe = tr.Probe(model)
+    tiny_dsa.set_index_topk(model, tiny_dsa.DENSE_TOPK)
+    probe = tiny_dsa.Probe(model)
     probe.enabled = True
     res = {"indexer": [], "recent": []}
     try:
@@ -136,7 +136,7 @@ def indexer_recall(model, wins, k=tr.INDEX_TOPK):
             for li in probe.x:
                 p = probe.probs[li].float().sum(1)
                 p = p / p.sum(-1, keepdim=True)
-                sc = tr.indexer_scores(model.model.layers[li].self_attn, probe.x[li], *probe.cs[li])
+                sc = tiny_dsa.indexer_scores(model.model.layers[li].self_attn, probe.x[li], *probe.cs[li])
                 sc = sc.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
                 sel = torch.zeros_like(p, dtype=torch.bool).scatter(-1, sc.topk(k, -1).indices, True)
                 s = torch.arange(T)[:, None]
@@ -147,7 +147,7 @@ def indexer_recall(model, wins, k=tr.INDEX_TOPK):
             probe.clear()
     finally:
         probe.remove()
-        tr.set_index_topk(model, tr.INDEX_TOPK)
+        tiny_dsa.set_index_topk(model, tiny_dsa.INDEX_TOPK)
     return {key: round(sum(v) / len(v), 4) for key, v in res.items()}
 
 
@@ -172,21 +172,21 @@ def evaluate(folder, corpus, threads=1):
     torch.set_num_threads(threads)
     t0 = time.time()
     model, tok = load(folder)
-    train_docs, held_docs = tr.load_corpus(corpus)
+    train_docs, held_docs = tiny_dsa.load_corpus(corpus)
     from tokenizers import Tokenizer
 
     raw_tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-    train_ids = tr.encode_docs(raw_tok, train_docs)
-    held_ids = tr.encode_docs(raw_tok, held_docs)
+    train_ids = tiny_dsa.encode_docs(raw_tok, train_docs)
+    held_ids = tiny_dsa.encode_docs(raw_tok, held_docs)
     V = raw_tok.get_vocab_size()
-    K = tr.INDEX_TOPK
+    K = tiny_dsa.INDEX_TOPK
     r = {"heldout_tokens": len(held_ids), "index_topk": K}
 
-    w256 = windows(held_ids, tr.CONTEXT)
+    w256 = windows(held_ids, tiny_dsa.CONTEXT)
     r["windows_256"] = len(w256)
     nll = {
         "sparse": nll_by_position(model, w256, K),
-        "dense": nll_by_position(model, w256, tr.DENSE_TOPK),
+        "dense": nll_by_position(model, w256, tiny_dsa.DENSE_TOPK),
         "recent64": nll_by_position(model, w256, K, override="recent"),
         "random64": nll_by_position(model, w256, K, override="random"),
     }
@@ -200,7 +200,7 @@ def evaluate(folder, corpus, threads=1):
     r["windows_512"] = len(w512)
     r["ppl_512"] = {
         "sparse": ppl(nll_by_position(model, w512, K, batch=4)),
-        "dense": ppl(nll_by_position(model, w512, tr.DENSE_TOPK, batch=4)),
+        "dense": ppl(nll_by_position(model, w512, tiny_dsa.DENSE_TOPK, batch=4)),
     }
 
     r["attention_mass_in_top64"] = indexer_recall(model, w256[:16])
@@ -391,14 +391,14 @@ def fmt_s(s):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="evaluate the embedded tiny-dsa model")
-    ap.add_argument("folder", nargs="?", default=str(tr.DEFAULT_OUT))
-    ap.add_argument("corpus", nargs="*", default=[tr.DEFAULT_CORPUS])
+    ap.add_argument("folder", nargs="?", default=str(tiny_dsa.DEFAULT_OUT))
+    ap.add_argument("corpus", nargs="*", default=[tiny_dsa.DEFAULT_CORPUS])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train-stats", default=None, help="train_stats.json written by the training script")
     ap.add_argument("--write-card", action="store_true", help="(re)write README.md in the model folder")
     ap.add_argument("--json", default=None, help="also write the metrics to this file")
     args = ap.parse_args(argv)
-    r = evaluate(args.folder, args.corpus or [tr.DEFAULT_CORPUS], args.threads)
+    r = evaluate(args.folder, args.corpus or [tiny_dsa.DEFAULT_CORPUS], args.threads)
     print(json.dumps(r, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2))

@@ -56,6 +56,9 @@ evaluation for the first form.  A step costs ~3.3 s (dense), ~4.7 s (indexer-onl
 on one core of a 2-core x86 VM, so the second form takes ~2 hours on one thread, about 70 minutes on
 two.  Never run in CI.  A smoke test (~2 minutes):
 ``--dense-steps 12 --indexer-steps 6 --sparse-steps 6 --out /tmp/tiny-smoke --no-eval``.
+What training and evaluation share (corpus split, context, top-k, the indexer's differentiable
+scores and the probes) lives in ``scripts/tiny_dsa.py``; this script calls the evaluation at the end,
+the evaluation does not import this script.
 """
 
 from __future__ import annotations
@@ -65,100 +68,33 @@ import json
 import math
 import os
 import random
-import re
-import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = "/usr/lib/bible.data"
-DEFAULT_OUT = REPO / "mlaserve" / "embedded" / "tiny-dsa"
-BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
-HELDOUT_FRACTION = 0.02
-CONTEXT = 256
-INDEX_TOPK = 64
-DENSE_TOPK = 1 << 30  # any value >= the sequence length selects every key: dense attention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_dsa import (  # noqa: E402
+    BOS,
+    CONTEXT,
+    DEFAULT_CORPUS,
+    DEFAULT_OUT,
+    DENSE_TOPK,
+    EOS,
+    INDEX_TOPK,
+    PAD,
+    Probe,
+    encode_docs,
+    indexer_scores,
+    load_corpus,
+    set_index_topk,
+)
 
-
-# ----------------------------------------------------------------------------------------------
-# corpus
-# ----------------------------------------------------------------------------------------------
-def _bible_lines(data_path: str) -> list[tuple[str, str]]:
-    """(book, line) pairs of the whole KJV from the bible-kjv data file, via the ``bible`` program.
-
-    Each chapter becomes a heading line ("Genesis 1"), its verses (without verse numbers, one per
-    line) and an empty line.
-    """
-    d = os.path.dirname(os.path.abspath(data_path))
-    out = subprocess.run(
-        ["bible", "-p", d, "-l100000", "Genesis1:1-Revelation22:21"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    lines: list[tuple[str, str]] = []
-    book = None
-    for raw in out.splitlines():
-        if not raw.strip():
-            continue
-        m = re.match(r"^\s+\d+ (.*)$", raw)
-        if m:
-            lines.append((book, m.group(1).strip()))
-            continue
-        m = re.match(r"^(\S.*) (\d+)$", raw)
-        if not m:
-            raise ValueError(f"unexpected line from `bible`: {raw!r}")
-        if lines and book is not None:
-            lines.append((book, ""))  # blank line closes the previous chapter
-        book = m.group(1)
-        lines.append((book, raw.strip()))
-    lines.append((book, ""))
-    return lines
+PHASE_SHARE = {"dense": 0.65, "indexer": 0.07, "sparse": 0.28}  # of a --minutes budget
 
 
-def load_corpus(paths: list[str]) -> tuple[list[str], list[str]]:
-    """Return (train_documents, heldout_documents) as lists of strings.
-
-    Documents are the books of the Bible (or the given text files).  The held-out part is the last
-    ``HELDOUT_FRACTION`` of all characters, cut at a line boundary.
-    """
-    lines: list[tuple[str, str]] = []
-    for i, p in enumerate(paths):
-        if p.endswith(".data"):
-            lines += _bible_lines(p)
-        else:
-            with open(p, encoding="utf-8", errors="replace") as f:
-                lines += [(f"file{i}", ln.rstrip("\n")) for ln in f]
-    total = sum(len(ln) + 1 for _, ln in lines)
-    cut, acc = len(lines), 0
-    for j, (_, ln) in enumerate(lines):
-        acc += len(ln) + 1
-        if acc >= (1 - HELDOUT_FRACTION) * total:
-            cut = j + 1
-            break
-
-    def docs(part):
-        out, cur, key = [], [], None
-        for b, ln in part:
-            if b != key and cur:
-                out.append("\n".join(cur) + "\n")
-                cur = []
-            key = b
-            cur.append(ln)
-        if cur:
-            out.append("\n".join(cur) + "\n")
-        return out
-
-    return docs(lines[:cut]), docs(lines[cut:])
-
-
-# ----------------------------------------------------------------------------------------------
-# tokenizer
-# ----------------------------------------------------------------------------------------------
 def train_tokenizer(docs: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -192,17 +128,6 @@ def tokenizer_config(model_max_length: int) -> dict:
     }
 
 
-def encode_docs(tok, docs: list[str]) -> torch.Tensor:
-    """One token stream: <bos> doc <eos> <bos> doc <eos> ..."""
-    ids: list[int] = []
-    for d in docs:
-        ids += [0] + tok.encode(d, add_special_tokens=False).ids + [1]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-# ----------------------------------------------------------------------------------------------
-# model
-# ----------------------------------------------------------------------------------------------
 def build_config(vocab_size: int):
     from transformers import DeepseekV32Config
 
@@ -243,38 +168,6 @@ def build_config(vocab_size: int):
     )
 
 
-def set_index_topk(model, k: int) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.indexer.index_topk = k
-
-
-def _rope_half(x, cos, sin):
-    """Non-interleaved (half-split) RoPE, as the V3.2 indexer uses."""
-    h = x.shape[-1] // 2
-    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    return x * cos + rot * sin
-
-
-def indexer_scores(attn, x, cos, sin):
-    """The indexer's scores [B,S,T], differentiable w.r.t. the indexer's own weights.
-
-    x: the (detached) normed hidden states that enter the attention block; cos/sin: [B,S,rope_dim].
-    score[s,t] = sum_h w[s,h] * Hi^-0.5 * ReLU(q[s,h] . k[t] * Di^-0.5)
-    """
-    ix = attn.indexer
-    B, S, _ = x.shape
-    Hi, Di, r = ix.n_heads, ix.head_dim, ix.qk_rope_head_dim
-    with torch.no_grad():
-        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-    q = ix.wq_b(q_resid).view(B, S, Hi, Di)
-    k = ix.k_norm(ix.wk(x))  # [B,S,Di]
-    q = torch.cat((_rope_half(q[..., :r], cos[:, :, None], sin[:, :, None]), q[..., r:]), dim=-1)
-    k = torch.cat((_rope_half(k[..., :r], cos, sin), k[..., r:]), dim=-1)
-    s = F.relu(torch.einsum("bshd,btd->bsht", q.float(), k.float()) * Di**-0.5)
-    w = ix.weights_proj(x.to(ix.weights_proj.weight.dtype)).float() * Hi**-0.5
-    return torch.einsum("bsh,bsht->bst", w, s)
-
-
 def indexer_kl(scores, attn_probs, selected=None):
     """KL(p || softmax(scores)) per query row, averaged; p = head-summed attention, renormalised.
 
@@ -289,69 +182,6 @@ def indexer_kl(scores, attn_probs, selected=None):
     logq = torch.log_softmax(scores.masked_fill(~allowed, -1e9), dim=-1)
     kl = torch.xlogy(p, p) - p * logq
     return kl.sum(-1).mean()
-
-
-class Probe:
-    """Forward hooks that capture, per layer: attention input, RoPE cos/sin, attention probs,
-    indexer top-k indices, and MoE routing decisions."""
-
-    def __init__(self, model):
-        self.model = model
-        self.enabled = False
-        self.x, self.cs, self.probs, self.topk = {}, {}, {}, {}
-        self.expert_counts: dict[int, torch.Tensor] = {}
-        self.handles = []
-        for i, layer in enumerate(model.model.layers):
-            a = layer.self_attn
-            self.handles.append(a.register_forward_pre_hook(self._pre(i), with_kwargs=True))
-            self.handles.append(a.register_forward_hook(self._post(i)))
-            self.handles.append(a.indexer.register_forward_hook(self._idx(i)))
-            if hasattr(layer.mlp, "gate"):
-                self.handles.append(layer.mlp.gate.register_forward_hook(self._gate(i)))
-
-    def _pre(self, i):
-        def hook(mod, args, kwargs):
-            if self.enabled:
-                self.x[i] = kwargs["hidden_states"].detach()
-                cos, sin = kwargs["position_embeddings"]
-                self.cs[i] = (cos.detach(), sin.detach())
-
-        return hook
-
-    def _post(self, i):
-        def hook(mod, args, out):
-            if self.enabled:
-                self.probs[i] = out[1]
-
-        return hook
-
-    def _idx(self, i):
-        def hook(mod, args, out):
-            if self.enabled:
-                self.topk[i] = out
-
-        return hook
-
-    def _gate(self, i):
-        def hook(mod, args, out):
-            if mod.training:
-                idx = out[2].detach().reshape(-1)
-                c = torch.bincount(idx, minlength=mod.num_experts).float()
-                self.expert_counts[i] = self.expert_counts.get(i, 0) + c
-
-        return hook
-
-    def selected_mask(self, i, T):
-        idx = self.topk[i].long()
-        B, S, _ = idx.shape
-        return torch.zeros(B, S, T, dtype=torch.bool, device=idx.device).scatter(-1, idx, True)
-
-    def clear(self):
-        self.x, self.cs, self.probs, self.topk = {}, {}, {}, {}
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def update_router_bias(model, probe, gamma):
@@ -378,10 +208,7 @@ def param_groups(params, wd):
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-# ----------------------------------------------------------------------------------------------
-# training
-# ----------------------------------------------------------------------------------------------
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "corpus",
@@ -416,21 +243,19 @@ def main(argv=None):
         help="safety net: stop training (and still save + evaluate) after this many minutes",
     )
     ap.add_argument("--no-eval", action="store_true", help="skip the evaluation / model card")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    os.makedirs(args.work_dir, exist_ok=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
 
-    def log(msg):
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+class Log:
+    def __init__(self) -> None:
+        self.t_start = time.time()
 
-    from transformers import DeepseekV32ForCausalLM, GenerationConfig
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.time() - self.t_start:7.1f}s] {msg}", flush=True)
 
+
+def prepare_data(args, out: Path, log: Log):
+    """Corpus -> tokenizer (saved into out) -> (tokenizer, train ids, held-out ids)."""
     train_docs, held_docs = load_corpus(args.corpus)
     log(
         f"corpus: {len(train_docs)} train docs ({sum(map(len, train_docs))} chars), "
@@ -443,224 +268,254 @@ def main(argv=None):
     train_ids = encode_docs(tok, train_docs)
     held_ids = encode_docs(tok, held_docs)
     log(f"tokenizer: vocab {tok.get_vocab_size()}; train {len(train_ids)} tokens, held-out {len(held_ids)}")
+    return tok, train_ids, held_ids
 
-    config = build_config(tok.get_vocab_size())
+
+def build_model(vocab_size: int, log: Log):
+    from transformers import DeepseekV32ForCausalLM
+
+    config = build_config(vocab_size)
     model = DeepseekV32ForCausalLM._from_config(config, attn_implementation="eager", experts_implementation="eager")
     model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params} parameters")
-    probe = Probe(model)
+    log(f"model: {sum(p.numel() for p in model.parameters())} parameters")
+    return model
 
-    idx_params = [p for n, p in model.named_parameters() if ".indexer." in n]
-    main_params = [p for n, p in model.named_parameters() if ".indexer." not in n]
-    opt_main = torch.optim.AdamW(param_groups(main_params, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    opt_idx = torch.optim.AdamW(param_groups(idx_params, 0.0), lr=args.indexer_lr, betas=(0.9, 0.95))
 
-    gen = torch.Generator().manual_seed(args.seed)
-    B, T = args.batch_size, args.context
+@dataclass
+class Counters:
+    """Progress shared by the phases: the main optimizer's steps (dense + sparse, for its LR
+    schedule), the seconds they took (for the time-based schedule), tokens seen, final EMAs."""
 
-    def batch():
-        starts = torch.randint(0, len(train_ids) - T, (B,), generator=gen)
-        x = torch.stack([train_ids[s : s + T] for s in starts.tolist()])
+    main_step: int = 0
+    main_time: float = 0.0
+    tokens_seen: int = 0
+    steps: dict = field(default_factory=dict)  # phase -> steps run
+    last_loss: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """The model, its two optimizers and the step functions of the three phases."""
+
+    def __init__(self, args, model, train_ids: torch.Tensor, held_ids: torch.Tensor, log: Log) -> None:
+        self.args, self.model, self.train_ids, self.log = args, model, train_ids, log
+        self.probe = Probe(model)
+        self.idx_params = [p for n, p in model.named_parameters() if ".indexer." in n]
+        self.main_params = [p for n, p in model.named_parameters() if ".indexer." not in n]
+        self.opt_main = torch.optim.AdamW(param_groups(self.main_params, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.opt_idx = torch.optim.AdamW(param_groups(self.idx_params, 0.0), lr=args.indexer_lr, betas=(0.9, 0.95))
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.B, self.T = args.batch_size, args.context
+        self.held_batch = self._held_batch(held_ids)
+        self.n = {"dense": args.dense_steps, "indexer": args.indexer_steps, "sparse": args.sparse_steps}
+        self.timed = args.minutes is not None
+        self.budget = args.minutes * 60 if self.timed else None
+        self.hard_stop = args.hard_stop_minutes * 60 if args.hard_stop_minutes else float("inf")
+        self.c = Counters()
+        self.t_train = self.phase_t0 = time.time()
+
+    def _held_batch(self, held_ids: torch.Tensor) -> torch.Tensor:
+        T = self.T
+        held_windows = [held_ids[i : i + T].clone() for i in range(0, len(held_ids) - T, T)][:8]
+        for w in held_windows:
+            w[0] = 0
+        return torch.stack(held_windows)
+
+    def batch(self) -> torch.Tensor:
+        T = self.T
+        starts = torch.randint(0, len(self.train_ids) - T, (self.B,), generator=self.gen)
+        x = torch.stack([self.train_ids[s : s + T] for s in starts.tolist()])
         x[:, 0] = 0  # every window starts with <bos>, like a prompt does
         return x
 
-    held_windows = [held_ids[i : i + T].clone() for i in range(0, len(held_ids) - T, T)][:8]
-    for w in held_windows:
-        w[0] = 0
-    held_batch = torch.stack(held_windows)
-
-    def quick_eval(sparse: bool):
-        model.eval()
-        set_index_topk(model, INDEX_TOPK if sparse else DENSE_TOPK)
+    def quick_eval(self, sparse: bool) -> float:
+        self.model.eval()
+        set_index_topk(self.model, INDEX_TOPK if sparse else DENSE_TOPK)
         with torch.no_grad():
-            loss = model(input_ids=held_batch, labels=held_batch).loss.item()
-        model.train()
+            loss = self.model(input_ids=self.held_batch, labels=self.held_batch).loss.item()
+        self.model.train()
         return loss
 
-    n_dense, n_idx, n_sparse = args.dense_steps, args.indexer_steps, args.sparse_steps
-    stats = {
-        "seed": args.seed,
-        "threads": args.threads,
-        "batch_size": B,
-        "context": T,
-        "params": n_params,
-        "train_tokens_in_corpus": len(train_ids),
-        "heldout_tokens_in_corpus": len(held_ids),
-        "phases": {},
-    }
-    hard_stop = args.hard_stop_minutes * 60 if args.hard_stop_minutes else float("inf")
-    tokens_seen = 0
-    last_loss = {}
-    main_step = 0  # counts steps of the main optimizer (dense + sparse) for its LR schedule
-
-    timed = args.minutes is not None
-    budget = args.minutes * 60 if timed else None
-    frac = {"dense": 0.65, "indexer": 0.07, "sparse": 0.28}
-    main_time = 0.0  # seconds spent in main-model steps (for the time-based LR schedule)
-
-    def main_lr():
-        if not timed:
-            return lr_at(main_step, n_dense + n_sparse, args.lr, args.warmup)
+    def main_lr(self) -> float:
+        a, c = self.args, self.c
+        if not self.timed:
+            return lr_at(c.main_step, self.n["dense"] + self.n["sparse"], a.lr, a.warmup)
         # time-based cosine: progress = main-model seconds / main-model budget
         pseudo_total = 10**6
-        prog = min(1.0, main_time / ((frac["dense"] + frac["sparse"]) * budget))
-        if main_step < args.warmup:
-            return lr_at(main_step, pseudo_total, args.lr, args.warmup)
-        return lr_at(args.warmup + prog * (pseudo_total - args.warmup), pseudo_total, args.lr, args.warmup)
+        prog = min(1.0, c.main_time / ((PHASE_SHARE["dense"] + PHASE_SHARE["sparse"]) * self.budget))
+        if c.main_step < a.warmup:
+            return lr_at(c.main_step, pseudo_total, a.lr, a.warmup)
+        return lr_at(a.warmup + prog * (pseudo_total - a.warmup), pseudo_total, a.lr, a.warmup)
 
-    def main_train_step(sparse: bool):
-        nonlocal main_step, tokens_seen, main_time
-        ts = time.time()
-        x = batch()
-        lr = main_lr()
-        for g in opt_main.param_groups:
+    def sparse_indexer_lr(self) -> float:
+        if self.timed:
+            prog = min(1.0, (time.time() - self.phase_t0) / (PHASE_SHARE["sparse"] * self.budget))
+            return lr_at(int(1000 * prog), 1000, self.args.indexer_lr, 0)
+        return lr_at(self.c.main_step - self.n["dense"], self.n["sparse"], self.args.indexer_lr, 0)
+
+    def sparse_kl(self) -> torch.Tensor:
+        """The indexer's KL to the main attention over its selected set, averaged over layers."""
+        p, T = self.probe, self.T
+        kl = torch.zeros(())
+        for i in p.x:
+            sc = indexer_scores(self.model.model.layers[i].self_attn, p.x[i], *p.cs[i])
+            kl = kl + indexer_kl(sc, p.probs[i], p.selected_mask(i, T))
+        return kl / len(p.x)
+
+    def main_train_step(self, sparse: bool) -> tuple[float, float, float]:
+        """Cross-entropy on the main model (plus, when sparse, the indexer's KL on its selection)."""
+        ts, x, lr = time.time(), self.batch(), self.main_lr()
+        for g in self.opt_main.param_groups:
             g["lr"] = lr
-        probe.enabled = sparse
-        out_ = model(input_ids=x, labels=x)
-        loss = out_.loss
+        self.probe.enabled = sparse
+        loss = self.model(input_ids=x, labels=x).loss
         kl = torch.zeros(())
         if sparse:
-            for i in probe.x:
-                sc = indexer_scores(model.model.layers[i].self_attn, probe.x[i], *probe.cs[i])
-                kl = kl + indexer_kl(sc, probe.probs[i], probe.selected_mask(i, T))
-            kl = kl / len(probe.x)
-            if timed:
-                ilr = lr_at(int(1000 * min(1.0, phase_elapsed() / (frac["sparse"] * budget))), 1000, args.indexer_lr, 0)
-            else:
-                ilr = lr_at(main_step - n_dense, n_sparse, args.indexer_lr, 0)
-            for g in opt_idx.param_groups:
-                g["lr"] = ilr
+            kl = self.sparse_kl()
+            for g in self.opt_idx.param_groups:
+                g["lr"] = self.sparse_indexer_lr()
         (loss + kl).backward()
-        probe.enabled = False
-        probe.clear()
-        torch.nn.utils.clip_grad_norm_(main_params, 1.0)
-        opt_main.step()
-        opt_main.zero_grad(set_to_none=True)
+        self.probe.enabled = False
+        self.probe.clear()
+        self._step(self.opt_main, self.main_params)
         if sparse:
-            torch.nn.utils.clip_grad_norm_(idx_params, 1.0)
-            opt_idx.step()
-            opt_idx.zero_grad(set_to_none=True)
+            self._step(self.opt_idx, self.idx_params)
         with torch.no_grad():
-            update_router_bias(model, probe, 1e-3)
-        main_step += 1
-        tokens_seen += x.numel()
-        main_time += time.time() - ts
+            update_router_bias(self.model, self.probe, 1e-3)
+        self.c.main_step += 1
+        self.c.tokens_seen += x.numel()
+        self.c.main_time += time.time() - ts
         return loss.item(), kl.item(), lr
 
-    def indexer_train_step(step):
-        x = batch()
-        lr = args.indexer_lr * min(1.0, (step + 1) / 20)
-        for g in opt_idx.param_groups:
+    @staticmethod
+    def _step(opt, params) -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def indexer_train_step(self, step: int) -> tuple[float, float]:
+        """Main model frozen: only the indexer learns, by KL to the dense attention."""
+        x = self.batch()
+        lr = self.args.indexer_lr * min(1.0, (step + 1) / 20)
+        for g in self.opt_idx.param_groups:
             g["lr"] = lr
-        probe.enabled = True
+        self.probe.enabled = True
         with torch.no_grad():
-            model(input_ids=x)
-        probe.enabled = False
-        kl = 0.0
-        for i in probe.x:
-            sc = indexer_scores(model.model.layers[i].self_attn, probe.x[i], *probe.cs[i])
-            kl = kl + indexer_kl(sc, probe.probs[i])
-        kl = kl / len(probe.x)
+            self.model(input_ids=x)
+        self.probe.enabled = False
+        p, kl = self.probe, 0.0
+        for i in p.x:
+            sc = indexer_scores(self.model.model.layers[i].self_attn, p.x[i], *p.cs[i])
+            kl = kl + indexer_kl(sc, p.probs[i])
+        kl = kl / len(p.x)
         kl.backward()
-        probe.clear()
-        torch.nn.utils.clip_grad_norm_(idx_params, 1.0)
-        opt_idx.step()
-        opt_idx.zero_grad(set_to_none=True)
+        p.clear()
+        self._step(self.opt_idx, self.idx_params)
         return kl.item(), lr
 
-    # ---------------- phase a: dense ----------------
-    def phase_elapsed():
-        return time.time() - t0
-
-    def keep_going(phase, step, n):
-        if time.time() - t_start > hard_stop:
-            log(f"hard stop reached in {phase} phase")
+    def keep_going(self, phase: str, step: int) -> bool:
+        if time.time() - self.log.t_start > self.hard_stop:
+            self.log(f"hard stop reached in {phase} phase")
             return False
-        if timed:
+        if self.timed:
             # each phase ends at its share of the budget, measured from the start of training
-            ends = {"dense": frac["dense"], "indexer": frac["dense"] + frac["indexer"], "sparse": 1.0}
-            return time.time() - t_train < ends[phase] * budget
-        return step < n
+            ends = {"dense": PHASE_SHARE["dense"], "indexer": PHASE_SHARE["dense"] + PHASE_SHARE["indexer"]}
+            return time.time() - self.t_train < ends.get(phase, 1.0) * self.budget
+        return step < self.n[phase]
 
-    set_index_topk(model, DENSE_TOPK)
-    t0 = t_train = time.time()
-    step = 0
-    ema = None
-    while keep_going("dense", step, n_dense):
-        loss, _, lr = main_train_step(sparse=False)
-        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
-        step += 1
-        if step % 25 == 0 or step == n_dense:
-            el = time.time() - t0
-            log(f"dense {step}/{n_dense} loss {loss:.3f} (ema {ema:.3f}) lr {lr:.2e} {tokens_seen / el:.0f} tok/s")
-        if step % 250 == 0:
-            log(f"  held-out loss (8 windows): dense {quick_eval(False):.3f}")
-            set_index_topk(model, DENSE_TOPK)
-    stats["phases"]["dense"] = {"steps": step, "seconds": round(time.time() - t0, 1), "final_loss_ema": round(ema, 4)}
-    last_loss["dense"] = ema
-    n_dense = step
-    model.save_pretrained(os.path.join(args.work_dir, "after_dense"))
+    def run_dense(self) -> dict:
+        set_index_topk(self.model, DENSE_TOPK)
+        self.t_train = self.phase_t0 = time.time()
+        step, ema, n = 0, None, self.n["dense"]
+        while self.keep_going("dense", step):
+            loss, _, lr = self.main_train_step(sparse=False)
+            ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+            step += 1
+            if step % 25 == 0 or step == n:
+                rate = self.c.tokens_seen / (time.time() - self.phase_t0)
+                self.log(f"dense {step}/{n} loss {loss:.3f} (ema {ema:.3f}) lr {lr:.2e} {rate:.0f} tok/s")
+            if step % 250 == 0:
+                self.log(f"  held-out loss (8 windows): dense {self.quick_eval(False):.3f}")
+                set_index_topk(self.model, DENSE_TOPK)
+        self.c.last_loss["dense"] = ema
+        self.n["dense"] = step
+        return {"steps": step, "seconds": round(time.time() - self.phase_t0, 1), "final_loss_ema": round(ema, 4)}
 
-    # ---------------- phase b: indexer warm-up (main model frozen) ----------------
-    t0 = time.time()
-    step = 0
-    kl_ema = None
-    model.eval()  # no dropout anyway; makes the router hook skip counting
-    while keep_going("indexer", step, n_idx):
-        kl, lr = indexer_train_step(step)
-        kl_ema = kl if kl_ema is None else 0.95 * kl_ema + 0.05 * kl
-        step += 1
-        if step % 10 == 0 or step == n_idx:
-            log(f"indexer {step}/{n_idx} KL {kl:.4f} (ema {kl_ema:.4f}) lr {lr:.2e}")
-    model.train()
-    stats["phases"]["indexer_warmup"] = {
-        "steps": step,
-        "seconds": round(time.time() - t0, 1),
-        "final_kl_ema": round(kl_ema, 4) if kl_ema else None,
+    def run_indexer_warmup(self) -> dict:
+        self.phase_t0 = time.time()
+        step, kl_ema, n = 0, None, self.n["indexer"]
+        self.model.eval()  # no dropout anyway; makes the router hook skip counting
+        while self.keep_going("indexer", step):
+            kl, lr = self.indexer_train_step(step)
+            kl_ema = kl if kl_ema is None else 0.95 * kl_ema + 0.05 * kl
+            step += 1
+            if step % 10 == 0 or step == n:
+                self.log(f"indexer {step}/{n} KL {kl:.4f} (ema {kl_ema:.4f}) lr {lr:.2e}")
+        self.model.train()
+        self.n["indexer"] = step
+        stats = {"steps": step, "seconds": round(time.time() - self.phase_t0, 1)}
+        stats["final_kl_ema"] = round(kl_ema, 4) if kl_ema else None
+        dense, sparse = self.quick_eval(False), self.quick_eval(True)
+        self.log(f"  held-out loss after indexer warm-up: dense {dense:.3f} sparse {sparse:.3f}")
+        return stats
+
+    def run_sparse(self) -> dict:
+        set_index_topk(self.model, INDEX_TOPK)
+        self.phase_t0 = time.time()
+        step, ema, kl_ema, n = 0, None, None, self.n["sparse"]
+        while self.keep_going("sparse", step):
+            loss, kl, lr = self.main_train_step(sparse=True)
+            ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+            kl_ema = kl if kl_ema is None else 0.95 * kl_ema + 0.05 * kl
+            step += 1
+            if step % 25 == 0 or step == n:
+                self.log(
+                    f"sparse {step}/{n} loss {loss:.3f} (ema {ema:.3f}) KL {kl:.4f} (ema {kl_ema:.4f}) lr {lr:.2e}"
+                )
+            if step % 250 == 0:
+                self.log(f"  held-out loss: dense {self.quick_eval(False):.3f} sparse {self.quick_eval(True):.3f}")
+                set_index_topk(self.model, INDEX_TOPK)
+        self.c.last_loss["sparse"] = ema
+        self.n["sparse"] = step
+        self.probe.remove()
+        return {
+            "steps": step,
+            "seconds": round(time.time() - self.phase_t0, 1),
+            "final_loss_ema": round(ema, 4) if ema else None,
+            "final_kl_ema": round(kl_ema, 4) if kl_ema else None,
+        }
+
+
+def run_stats(args, argv, tr: Trainer, train_ids, held_ids, phases: dict) -> dict:
+    n, c = tr.n, tr.c
+    final = c.last_loss.get("sparse")
+    return {
+        "seed": args.seed,
+        "threads": args.threads,
+        "batch_size": tr.B,
+        "context": tr.T,
+        "params": sum(p.numel() for p in tr.model.parameters()),
+        "train_tokens_in_corpus": len(train_ids),
+        "heldout_tokens_in_corpus": len(held_ids),
+        "phases": phases,
+        "steps": {"dense": n["dense"], "indexer": n["indexer"], "sparse": n["sparse"]},
+        "tokens_seen_main": c.tokens_seen,
+        "command": "python scripts/train_embedded_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "lr_schedule": f"cosine over elapsed time (--minutes {args.minutes})" if tr.timed else "cosine over steps",
+        "tokens_seen_indexer_warmup": n["indexer"] * tr.B * tr.T,
+        "train_seconds": round(time.time() - tr.log.t_start, 1),
+        "final_train_loss": round(final if final is not None else c.last_loss["dense"], 4),
+        "reproduce": (
+            f"python scripts/train_embedded_model.py --threads {args.threads} --seed {args.seed} "
+            f"--dense-steps {n['dense']} --indexer-steps {n['indexer']} --sparse-steps {n['sparse']}"
+        ),
     }
-    n_idx = step
-    log(f"  held-out loss after indexer warm-up: dense {quick_eval(False):.3f} sparse {quick_eval(True):.3f}")
 
-    # ---------------- phase c: sparse ----------------
-    set_index_topk(model, INDEX_TOPK)
-    t0 = time.time()
-    step = 0
-    ema = None
-    kl_ema = None
-    while keep_going("sparse", step, n_sparse):
-        loss, kl, lr = main_train_step(sparse=True)
-        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
-        kl_ema = kl if kl_ema is None else 0.95 * kl_ema + 0.05 * kl
-        step += 1
-        if step % 25 == 0 or step == n_sparse:
-            log(f"sparse {step}/{n_sparse} loss {loss:.3f} (ema {ema:.3f}) KL {kl:.4f} (ema {kl_ema:.4f}) lr {lr:.2e}")
-        if step % 250 == 0:
-            log(f"  held-out loss: dense {quick_eval(False):.3f} sparse {quick_eval(True):.3f}")
-            set_index_topk(model, INDEX_TOPK)
-    stats["phases"]["sparse"] = {
-        "steps": step,
-        "seconds": round(time.time() - t0, 1),
-        "final_loss_ema": round(ema, 4) if ema else None,
-        "final_kl_ema": round(kl_ema, 4) if kl_ema else None,
-    }
-    n_sparse = step
-    probe.remove()
 
-    # ---------------- save ----------------
+def save(model, out: Path, work_dir: str, stats: dict, log: Log) -> None:
+    from transformers import GenerationConfig
+
     set_index_topk(model, INDEX_TOPK)
     model.eval()
-    stats["steps"] = {"dense": n_dense, "indexer": n_idx, "sparse": n_sparse}
-    stats["tokens_seen_main"] = tokens_seen
-    stats["command"] = "python scripts/train_embedded_model.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    stats["lr_schedule"] = f"cosine over elapsed time (--minutes {args.minutes})" if timed else "cosine over steps"
-    stats["tokens_seen_indexer_warmup"] = n_idx * B * T
-    stats["train_seconds"] = round(time.time() - t_start, 1)
-    stats["final_train_loss"] = round(ema if ema is not None else last_loss["dense"], 4)
-    stats["reproduce"] = (
-        f"python scripts/train_embedded_model.py --threads {args.threads} --seed {args.seed} "
-        f"--dense-steps {n_dense} --indexer-steps {n_idx} --sparse-steps {n_sparse}"
-    )
     model.save_pretrained(str(out))
     # the config carries the shipped sparsity, not the training-time toggles
     cfg = json.loads((out / "config.json").read_text())
@@ -668,25 +523,39 @@ def main(argv=None):
     GenerationConfig(
         bos_token_id=0, eos_token_id=1, pad_token_id=2, do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=64
     ).save_pretrained(str(out))
-    with open(os.path.join(args.work_dir, "train_stats.json"), "w") as f:
+    with open(os.path.join(work_dir, "train_stats.json"), "w") as f:
         json.dump(stats, f, indent=2)
     log(f"saved to {out}; stats: {json.dumps(stats)}")
 
-    if not args.no_eval:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import eval_embedded_model
 
-        eval_embedded_model.main(
-            [
-                str(out),
-                *args.corpus,
-                "--threads",
-                str(args.threads),
-                "--train-stats",
-                os.path.join(args.work_dir, "train_stats.json"),
-                "--write-card",
-            ]
-        )
+def evaluate(args, out: Path) -> None:
+    """Held-out metrics and the model card (README.md in out)."""
+    import eval_embedded_model
+
+    stats_path = os.path.join(args.work_dir, "train_stats.json")
+    eval_embedded_model.main(
+        [str(out), *args.corpus, "--threads", str(args.threads), "--train-stats", stats_path, "--write-card"]
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    os.makedirs(args.work_dir, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log()
+    tok, train_ids, held_ids = prepare_data(args, out, log)
+    tr = Trainer(args, build_model(tok.get_vocab_size(), log), train_ids, held_ids, log)
+    phases = {"dense": tr.run_dense()}
+    tr.model.save_pretrained(os.path.join(args.work_dir, "after_dense"))
+    phases["indexer_warmup"] = tr.run_indexer_warmup()
+    phases["sparse"] = tr.run_sparse()
+    save(tr.model, out, args.work_dir, run_stats(args, argv, tr, train_ids, held_ids, phases), log)
+    if not args.no_eval:
+        evaluate(args, out)
     log("done")
 
 
