@@ -283,29 +283,7 @@ def run_llama_cpp(gguf: str, settings: dict, threads: int) -> dict:
 
 
 # -- the run ---------------------------------------------------------------------------------------------
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    s = QUICK if args.quick else FULL
-    wall0 = time.perf_counter()
-    folder = ensure_model("standard", args.quick)
-    env = environment(args.threads)
-    print(
-        f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}",
-        flush=True,
-    )
-    ml = MlaServe(folder, args.dtype, s)
-    vocab = ml.vocab
-    hf = None if args.skip_transformers else HF(folder, args.dtype)
-    print(f"[load] models loaded, RSS {rss_gib():.1f} GiB, available {mem_available_gib():.1f} GiB", flush=True)
-    engines = [e for e in (ml, hf) if e is not None]
-    res: dict = {e.name: {} for e in engines}
-    seed = iter(range(1, 10_000))
-
-    # warm-up (lazy initialisation, allocator) -- not measured
-    for e in engines:
-        e.generate([random_prompt(16, vocab, next(seed)), random_prompt(16, vocab, next(seed))], 2)
-
+def measure_prefill(engines, s: dict, vocab: int, seed, res: dict) -> None:
     print("[prefill]", flush=True)
     for e in engines:
         t = timed(lambda: e.generate([random_prompt(s["prefill_len"], vocab, next(seed))], 1), s["prefill_reps"], 0)
@@ -313,6 +291,8 @@ def main() -> None:
         res[e.name]["prefill_s"] = t
         print(f"  {e.name}: {res[e.name]['prefill_tok_s']:.1f} tok/s", flush=True)
 
+
+def measure_decode_b1(engines, ml: MlaServe, hf: HF | None, s: dict, vocab: int, res: dict) -> None:
     print("[decode batch 1]", flush=True)
     greedy = {}
     for e in engines:
@@ -333,13 +313,16 @@ def main() -> None:
         print(f"  {e.name}: {res[e.name]['decode_tok_s_b1']:.2f} tok/s", flush=True)
     res["mlaserve"]["kv_bytes_per_token"] = ml.kv_bytes_per_token()
     if hf is not None:
-        agree = []
-        for d in greedy.values():
-            a, b = d["mlaserve"], d["transformers"]
-            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            agree.append(f"{same}/{len(a)}")
-        res["greedy_agreement_b1"] = agree
+        res["greedy_agreement_b1"] = [_agreement(d["mlaserve"], d["transformers"]) for d in greedy.values()]
 
+
+def _agreement(a: list[int], b: list[int]) -> str:
+    """Leading identical tokens of two greedy continuations, as 'n/len'."""
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{same}/{len(a)}"
+
+
+def measure_concurrent(engines, s: dict, vocab: int, seed, res: dict) -> None:
     print(f"[{s['conc']} concurrent requests]", flush=True)
     for e in engines:
 
@@ -351,6 +334,8 @@ def main() -> None:
         res[e.name]["concurrent_s"] = t
         print(f"  {e.name}: {res[e.name]['output_tok_s_concurrent']:.1f} tok/s ({t['median_s']:.0f} s)", flush=True)
 
+
+def measure_steps(ml: MlaServe, hf: HF | None, s: dict, res: dict) -> None:
     print("[decode step vs context]", flush=True)
     ml_steps, rows = ml.step_times(s["contexts"], s["step_reps"], s["step_warmup"])
     res["mlaserve"]["step_ms"] = {n: v["median_s"] * 1e3 for n, v in ml_steps.items()}
@@ -360,38 +345,45 @@ def main() -> None:
     del rows
     gc.collect()
 
+
+def measure_llama_cpp(args, s: dict, res: dict) -> str | None:
+    """None when llama.cpp was measured (into res["llama.cpp"]); else why not."""
     lc_status = llama_cpp_status(args.gguf)
     if lc_status is None:
         try:
             res["llama.cpp"] = run_llama_cpp(args.gguf, s, args.threads)
         except Exception as ex:  # noqa: BLE001 -- report, don't lose the other numbers
             lc_status = f"failed: {ex}"
-    wall = time.perf_counter() - wall0
+    return lc_status
 
-    # -- table ------------------------------------------------------------------------------------------
+
+def _row(res: dict, lc_status: str | None, label: str, key: str, better: str, sub=None) -> list:
     m, h, lc = res["mlaserve"], res.get("transformers", {}), res.get("llama.cpp", {})
+    mv = m.get(key) if sub is None else m.get(key, {}).get(sub)
+    hv = h.get(key) if sub is None else h.get(key, {}).get(sub)
+    if isinstance(mv, dict):
+        mv, hv = mv.get("measured"), (hv or {}).get("measured")
+    ratio = f"{mv / hv:.2f}x" if mv and hv else "-"
+    lcv = lc.get(key) if lc else None
+    return [label, fmt(mv), fmt(hv), ratio, better, fmt(lcv) if lcv is not None else (lc_status or "-")]
 
-    def row(label, key, better, sub=None):
-        mv = m.get(key) if sub is None else m.get(key, {}).get(sub)
-        hv = h.get(key) if sub is None else h.get(key, {}).get(sub)
-        if isinstance(mv, dict):
-            mv, hv = mv.get("measured"), (hv or {}).get("measured")
-        ratio = f"{mv / hv:.2f}x" if mv and hv else "-"
-        lcv = lc.get(key) if lc else None
-        return [label, fmt(mv), fmt(hv), ratio, better, fmt(lcv) if lcv is not None else (lc_status or "-")]
 
+def report(args, s: dict, res: dict, lc_status: str | None, env: dict, wall: float):
+    """Print the comparison table and the run's conditions; returns the table."""
     rows_t = [
-        row(f"prefill tok/s ({s['prefill_len']}-token prompt)", "prefill_tok_s", "higher"),
-        row(f"decode tok/s, batch 1 ({s['dec_prompt']}+{s['dec_new']})", "decode_tok_s_b1", "higher"),
-        row(
+        _row(res, lc_status, f"prefill tok/s ({s['prefill_len']}-token prompt)", "prefill_tok_s", "higher"),
+        _row(res, lc_status, f"decode tok/s, batch 1 ({s['dec_prompt']}+{s['dec_new']})", "decode_tok_s_b1", "higher"),
+        _row(
+            res,
+            lc_status,
             f"output tok/s, {s['conc']} concurrent ({s['conc_prompt']}+{s['conc_new']})",
             "output_tok_s_concurrent",
             "higher",
         ),
-        row("KV cache bytes/token (all layers)", "kv_bytes_per_token", "lower"),
+        _row(res, lc_status, "KV cache bytes/token (all layers)", "kv_bytes_per_token", "lower"),
     ]
     for n in s["contexts"]:
-        rows_t.append(row(f"decode step ms @ context {n}", "step_ms", "lower", sub=n))
+        rows_t.append(_row(res, lc_status, f"decode step ms @ context {n}", "step_ms", "lower", sub=n))
     print()
     print(
         f"mlaserve vs transformers -- dtype {args.dtype}, {args.threads} threads, "
@@ -405,7 +397,10 @@ def main() -> None:
         f"wall time {wall:.0f} s; loadavg start {env['loadavg_start']} end {env['loadavg_end']} "
         f"(other processes share the {env['cpus']} CPUs: absolute numbers are pessimistic)"
     )
+    return table
 
+
+def save_results(args, s: dict, res: dict, lc_status, env: dict, wall: float, folder: Path, hf, table) -> None:
     out = Path(args.out) if args.out else RESULTS_DIR / f"offline-{args.dtype}{'-quick' if args.quick else ''}.json"
     write_json(
         out,
@@ -434,6 +429,37 @@ def main() -> None:
             ],
         },
     )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    s = QUICK if args.quick else FULL
+    wall0 = time.perf_counter()
+    folder = ensure_model("standard", args.quick)
+    env = environment(args.threads)
+    print(
+        f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}",
+        flush=True,
+    )
+    ml = MlaServe(folder, args.dtype, s)
+    vocab = ml.vocab
+    hf = None if args.skip_transformers else HF(folder, args.dtype)
+    print(f"[load] models loaded, RSS {rss_gib():.1f} GiB, available {mem_available_gib():.1f} GiB", flush=True)
+    engines = [e for e in (ml, hf) if e is not None]
+    res: dict = {e.name: {} for e in engines}
+    seed = iter(range(1, 10_000))
+    # warm-up (lazy initialisation, allocator) -- not measured
+    for e in engines:
+        e.generate([random_prompt(16, vocab, next(seed)), random_prompt(16, vocab, next(seed))], 2)
+    measure_prefill(engines, s, vocab, seed, res)
+    measure_decode_b1(engines, ml, hf, s, vocab, res)
+    measure_concurrent(engines, s, vocab, seed, res)
+    measure_steps(ml, hf, s, res)
+    lc_status = measure_llama_cpp(args, s, res)
+    wall = time.perf_counter() - wall0
+    table = report(args, s, res, lc_status, env, wall)
+    save_results(args, s, res, lc_status, env, wall, folder, hf, table)
 
 
 if __name__ == "__main__":
