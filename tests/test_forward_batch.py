@@ -64,11 +64,6 @@ def test_slot_mapping_crosses_a_page_boundary_into_a_scattered_page():
     assert _l(b.positions) == list(range(10))
 
 
-def test_a_block_table_shorter_than_the_chunk_is_an_error():
-    with pytest.raises(IndexError):
-        ForwardBatch.build([SeqChunk("p3", (51, 52), 3, (1,))], PS, 1)
-
-
 @pytest.mark.parametrize(
     "chunks,rows,owner",
     [
