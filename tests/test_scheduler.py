@@ -4,6 +4,8 @@ built directly and "sampled" by appending a token: no model, no tensors."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mlaserve.engine.page_pool import PagePool
@@ -268,3 +270,50 @@ def test_to_seq_chunk_carries_the_pages_up_to_the_chunk_end():
     plan = _step(s)
     seq = plan.chunks[0].to_seq_chunk(PS)
     assert seq.context_len == 6 and seq.block_table == tuple(a.pages[:3]) and seq.num_cached == 0
+
+
+def _check_accounting(s: Scheduler, live: list[Request]) -> None:
+    """Every page reference belongs to a live request, and every free page is really free."""
+    pool, held = s.pool, {}
+    for r in live:
+        assert len(set(r.pages)) == len(r.pages), f"{r.request_id} holds a page twice"
+        for p in r.pages:
+            held[p] = held.get(p, 0) + 1
+    assert {p: n for p, n in enumerate(pool.ref) if n} == held
+    assert pool.num_free == pool.num_pages - len(held)
+    for r in s.running:
+        assert r.status is Status.RUNNING and len(r.pages) >= -(-r.num_computed // PS)
+    for r in s.waiting:
+        assert r.status is Status.WAITING and r not in s.running
+    assert len(s.running) <= s.max_seqs
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("prefix", [False, True])
+def test_random_schedules_keep_the_page_accounting(seed, prefix):
+    """Random arrivals (shared prefixes among them), decodes, finishes and aborts on a small pool:
+    after every step the pool's reference counts equal the pages the live requests hold."""
+    rng = random.Random(seed)
+    s = _sched(num_pages=10, budget=10, max_seqs=4, prefix=prefix)
+    live, stems, preempted, wants = [], [[9, 8, 7, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8]], 0, {}
+    for i in range(300):
+        if rng.random() < 0.4 and len(live) < 10:
+            tail = [rng.randrange(10, 50) for _ in range(rng.randint(1, 6))]
+            r = Request(f"r{i}", rng.choice(stems)[: rng.randint(0, 8)] + tail, SamplingParams(), arrival=float(i))
+            s.add(r)
+            live.append(r)
+            wants[r.request_id] = rng.randint(1, 12)  # output tokens before it finishes
+        plan = _step(s)
+        preempted += len(plan.preempted)
+        assert all(p.pages_freed >= 0 for p in plan.preempted)
+        for r in [c.request for c in plan.chunks if len(c.request.output_ids) >= wants[c.request.request_id]]:
+            s.finish(r, "length")
+            live.remove(r)
+        if live and rng.random() < 0.1:
+            victim = live.pop(rng.randrange(len(live)))
+            s.finish(victim, "abort")
+        _check_accounting(s, live)
+    for r in live:
+        s.finish(r, "abort")
+    _check_accounting(s, [])
+    assert preempted > 0 and not s.has_work()
