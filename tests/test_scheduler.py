@@ -317,3 +317,21 @@ def test_random_schedules_keep_the_page_accounting(seed, prefix):
         s.finish(r, "abort")
     _check_accounting(s, [])
     assert preempted > 0 and not s.has_work()
+
+
+def test_pages_freed_counts_only_pages_the_preemption_gives_back():
+    """A preempted request that shares prefix pages with a running one frees only its own pages."""
+    s = _sched(num_pages=5, prefix=True)
+    a = _req("a", 8, 0)
+    s.add(a)
+    _step(s)  # a: pages 0, 1 full and named, its sampled token on page 2
+    b = Request("b", list(a.prompt_ids) + [5], SamplingParams(), arrival=1)
+    s.add(b)
+    _step(s)  # b reuses a's two pages and takes one of its own; 1 page left
+    assert b.pages[:2] == a.pages[:2] and len(b.pages) == 3 and s.pool.num_free == 1
+    a.output_ids.extend([3] * 8)  # a needs 2 more pages: b (newer) must go
+    before = s.pool.num_free
+    plan = s.schedule()
+    assert [p.request_id for p in plan.preempted] == ["b"]
+    freed = s.pool.num_free - before + 2  # a took 2 pages after b left
+    assert plan.preempted[0].pages_freed == freed == 1

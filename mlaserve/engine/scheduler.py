@@ -44,7 +44,7 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class Preemption:
     request_id: str
-    pages_freed: int
+    pages_freed: int  # pages that went back to the pool (shared prefix pages another request holds do not)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,9 @@ class Scheduler:
             )
             if victim is None or victim.arrival < req.arrival:
                 victim = req  # nothing newer to evict: this request yields itself
-            preempted.append(Preemption(victim.request_id, len(victim.pages)))
+            # Pages another request still references (a shared prefix) are not freed by this preemption.
+            freed = sum(self.pool.ref[p] == 1 for p in victim.pages)
+            preempted.append(Preemption(victim.request_id, freed))
             self._preempt(victim)
             if victim is req:
                 return False
