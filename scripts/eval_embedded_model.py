@@ -234,39 +234,21 @@ def write_card(folder, r, stats):
     cfg = json.loads((folder / "config.json").read_text())
     sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.name != "README.md"}
     st = stats or {}
-    ph = st.get("phases", {})
-    steps = st.get("steps", {})
-    B, T = st.get("batch_size", 8), st.get("context", 256)
-    samples = "\n\n".join(
-        f"**{s['mode']}**, prompt `{s['prompt']}`"
-        + (" (temperature 0.8, top-p 0.95, `torch.manual_seed(0)`)" if s["mode"] == "sampled" else "")
-        + ":\n\n"
-        + _blockquote(s["prompt"] + s["text"])
-        for s in r["card_samples"]
-    )
-    p256, pge = r["ppl_256"], r["ppl_256_queries_ge_64"]
-    sched = st.get("lr_schedule", "")
-    m = re.search(r"--minutes ([0-9.]+)", sched)
-    if m:
-        command = (
-            f"python scripts/train_embedded_model.py --threads {st.get('threads')} --seed {st.get('seed')} "
-            f"--minutes {m.group(1)} --work-dir runs/tiny-dsa-work"
-        )
-        repro_note = (
-            "This run used a wall-clock budget: the phases end at 65% / 72% / 100% of it and the learning rates "
-            "follow elapsed time, so the step counts depend on the machine (here one core of a shared 2-core "
-            f"VM: {steps.get('dense')} / {steps.get('indexer')} / {steps.get('sparse')} steps). "
-            f"`{st.get('reproduce')}` replays the same step counts with a step-based cosine schedule "
-            "(the same recipe, not the same bits). The data order, initialisation and tokenizer are seeded."
-        )
-    else:
-        command = st.get("reproduce", "python scripts/train_embedded_model.py")
-        repro_note = (
-            "Training is seeded; fp32 CPU kernels and thread counts can change the last bits, so a "
-            "rerun reproduces the numbers closely rather than bit for bit."
-        )
     card = (
-        f"""# tiny-dsa: mlaserve's embedded default model
+        CARD_INTRO
+        + _card_corpus(r, st)
+        + _card_architecture(cfg, st)
+        + _card_training(st)
+        + _card_evaluation(r)
+        + _card_samples(r)
+        + "\n".join(f"| `{k}` | {v} |" for k, v in sizes.items())
+        + "\n\n"
+        + _card_reproduce(st)
+    )
+    (folder / "README.md").write_text(card)
+
+
+CARD_INTRO = """# tiny-dsa: mlaserve's embedded default model
 
 A tiny **DeepSeek-V3.2-architecture** causal LM (`model_type: deepseek_v32`,
 `DeepseekV32ForCausalLM` in transformers 5.24) trained from scratch on the **King James Bible**.
@@ -276,7 +258,11 @@ part of the architecture: MLA with a compressed latent KV cache, a DeepSeek-V3 M
 whose lightning indexer was really trained and really selects (top-64 keys of up to 256).
 It writes KJV-flavoured English; it knows nothing else.
 
-## Corpus and licence
+"""
+
+
+def _card_corpus(r, st) -> str:
+    return f"""## Corpus and licence
 
 * Text: the King James Version (1611) from Debian's `bible-kjv-text` package (`/usr/lib/bible.data`,
   turned into text with the `bible` program of `bible-kjv`; the package is in Debian `main`). The 1611
@@ -292,7 +278,11 @@ It writes KJV-flavoured English; it knows nothing else.
   tokenizer or the model.
 * The model weights are released under the same terms as the rest of mlaserve.
 
-## Architecture ({st.get("params", "n/a")} parameters, fp32)
+"""
+
+
+def _card_architecture(cfg, st) -> str:
+    return f"""## Architecture ({st.get("params", "n/a")} parameters, fp32)
 
 | | |
 |---|---|
@@ -309,7 +299,13 @@ It writes KJV-flavoured English; it knows nothing else.
 On disk the experts use the Hub layout (`mlp.experts.{{i}}.{{gate,up,down}}_proj.weight`), as written by
 `save_pretrained`.
 
-## Training
+"""
+
+
+def _card_training(st) -> str:
+    ph, steps = st.get("phases", {}), st.get("steps", {})
+    B, T = st.get("batch_size", 8), st.get("context", 256)
+    return f"""## Training
 
 `scripts/train_embedded_model.py` (seeded, seed {st.get("seed")}), {st.get("threads")} CPU thread(s),
 batches of {B} x {T} tokens, AdamW (betas 0.9/0.95, weight decay 0.1, clip 1.0), peak LR 2e-3 with 100
@@ -331,7 +327,12 @@ Main-model tokens: {st.get("tokens_seen_main")} (~{round(st.get("tokens_seen_mai
 {st.get("train_tokens_in_corpus")}-token training split); total wall time {fmt_s(st.get("train_seconds"))}.
 **Final training loss: {st.get("final_train_loss")}** (EMA of the last sparse-phase steps).
 
-## Evaluation (transformers 5.24, fp32, eager attention; `scripts/eval_embedded_model.py`)
+"""
+
+
+def _card_evaluation(r) -> str:
+    p256, pge = r["ppl_256"], r["ppl_256_queries_ge_64"]
+    return f"""## Evaluation (transformers 5.24, fp32, eager attention; `scripts/eval_embedded_model.py`)
 
 Held-out text, {r["windows_256"]} windows of 256 tokens (`<bos>` + 255; the trained context):
 
@@ -353,7 +354,19 @@ Held-out text, {r["windows_256"]} windows of 256 tokens (`<bos>` + 255; the trai
   training text: **{r["corpus_word_fraction"] * 100:.1f}%** of {r["greedy_words"]} (target >= 90%).
 * **mlaserve engine held-out perplexity (256-token windows, index_topk 64):** run `python scripts/engine_perplexity.py` and write its figure here.
 
-## Samples (transformers `generate`, 80 new tokens)
+"""
+
+
+def _card_samples(r) -> str:
+    """The sample generations, then the head of the files table (its rows follow)."""
+    samples = "\n\n".join(
+        f"**{s['mode']}**, prompt `{s['prompt']}`"
+        + (" (temperature 0.8, top-p 0.95, `torch.manual_seed(0)`)" if s["mode"] == "sampled" else "")
+        + ":\n\n"
+        + _blockquote(s["prompt"] + s["text"])
+        for s in r["card_samples"]
+    )
+    return f"""## Samples (transformers `generate`, 80 new tokens)
 
 {samples}
 
@@ -362,10 +375,33 @@ Held-out text, {r["windows_256"]} windows of 256 tokens (`<bos>` + 255; the trai
 | file | bytes |
 |---|---|
 """
-        + "\n".join(f"| `{k}` | {v} |" for k, v in sizes.items())
-        + f"""
 
-## Reproduce
+
+def _reproduction(st) -> tuple[str, str]:
+    """The command that made the model, and how closely a rerun reproduces it."""
+    m = re.search(r"--minutes ([0-9.]+)", st.get("lr_schedule", ""))
+    if not m:
+        return st.get("reproduce", "python scripts/train_embedded_model.py"), (
+            "Training is seeded; fp32 CPU kernels and thread counts can change the last bits, so a "
+            "rerun reproduces the numbers closely rather than bit for bit."
+        )
+    steps = st.get("steps", {})
+    command = (
+        f"python scripts/train_embedded_model.py --threads {st.get('threads')} --seed {st.get('seed')} "
+        f"--minutes {m.group(1)} --work-dir runs/tiny-dsa-work"
+    )
+    return command, (
+        "This run used a wall-clock budget: the phases end at 65% / 72% / 100% of it and the learning rates "
+        "follow elapsed time, so the step counts depend on the machine (here one core of a shared 2-core "
+        f"VM: {steps.get('dense')} / {steps.get('indexer')} / {steps.get('sparse')} steps). "
+        f"`{st.get('reproduce')}` replays the same step counts with a step-based cosine schedule "
+        "(the same recipe, not the same bits). The data order, initialisation and tokenizer are seeded."
+    )
+
+
+def _card_reproduce(st) -> str:
+    command, repro_note = _reproduction(st)
+    return f"""## Reproduce
 
 ```
 apt-get install bible-kjv-text
@@ -375,8 +411,6 @@ python scripts/eval_embedded_model.py --write-card --train-stats runs/tiny-dsa-w
 ```
 {repro_note}
 """
-    )
-    (folder / "README.md").write_text(card)
 
 
 def V_of(cfg):
