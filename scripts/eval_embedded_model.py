@@ -178,12 +178,22 @@ def evaluate(folder, corpus, threads=1):
     raw_tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
     train_ids = tiny_dsa.encode_docs(raw_tok, train_docs)
     held_ids = tiny_dsa.encode_docs(raw_tok, held_docs)
-    V = raw_tok.get_vocab_size()
-    K = tiny_dsa.INDEX_TOPK
-    r = {"heldout_tokens": len(held_ids), "index_topk": K}
-
+    r = {"heldout_tokens": len(held_ids), "index_topk": tiny_dsa.INDEX_TOPK}
     w256 = windows(held_ids, tiny_dsa.CONTEXT)
-    r["windows_256"] = len(w256)
+    r.update(perplexities(model, held_ids, w256))
+    r["attention_mass_in_top64"] = indexer_recall(model, w256[:16])
+    r["unigram_ppl_256"] = unigram_ppl(train_ids, w256, raw_tok.get_vocab_size())
+    r["model_over_unigram"] = round(r["ppl_256"]["sparse"] / r["unigram_ppl_256"], 4)
+    r.update(generations(model, tok, train_docs))
+    r["eval_seconds"] = round(time.time() - t0, 1)
+    return r
+
+
+def perplexities(model, held_ids, w256) -> dict:
+    """Held-out perplexity with the indexer, dense, and two non-learned selections; by query
+    position; and on windows of twice the trained context."""
+    K = tiny_dsa.INDEX_TOPK
+    r = {"windows_256": len(w256)}
     nll = {
         "sparse": nll_by_position(model, w256, K),
         "dense": nll_by_position(model, w256, tiny_dsa.DENSE_TOPK),
@@ -195,34 +205,38 @@ def evaluate(folder, corpus, threads=1):
     r["ppl_256_queries_ge_64"] = {k: ppl(v[:, K:]) for k, v in nll.items()}
     r["ppl_256_queries_lt_64"] = {k: ppl(v[:, :K]) for k, v in nll.items()}
     r["sparse_vs_dense_max_abs_logprob_diff"] = round((nll["sparse"] - nll["dense"]).abs().max().item(), 4)
-
     w512 = windows(held_ids, 512)
     r["windows_512"] = len(w512)
     r["ppl_512"] = {
         "sparse": ppl(nll_by_position(model, w512, K, batch=4)),
         "dense": ppl(nll_by_position(model, w512, tiny_dsa.DENSE_TOPK, batch=4)),
     }
+    return r
 
-    r["attention_mass_in_top64"] = indexer_recall(model, w256[:16])
 
+def unigram_ppl(train_ids, w256, V: int) -> float:
+    """Perplexity of add-one smoothed training-token frequencies on the same targets."""
     counts = Counter(train_ids.tolist())
     total = sum(counts.values())
     logp = torch.tensor([math.log((counts.get(i, 0) + 1) / (total + V)) for i in range(V)])
-    r["unigram_ppl_256"] = round(math.exp(-logp[w256[:, 1:]].mean().item()), 3)
-    r["model_over_unigram"] = round(r["ppl_256"]["sparse"] / r["unigram_ppl_256"], 4)
+    return round(math.exp(-logp[w256[:, 1:]].mean().item()), 3)
 
+
+def generations(model, tok, train_docs) -> dict:
+    """Greedy continuations of PROMPTS (and the share of their words found in the training text),
+    and the model card's samples."""
     corpus_words = {w.lower() for d in train_docs for w in WORD.findall(d)}
     greedy = {p: generate(model, tok, p, "greedy") for p in PROMPTS}
     words = [w.lower() for text in greedy.values() for w in WORD.findall(text)]
-    r["greedy_words"] = len(words)
-    r["corpus_word_fraction"] = round(sum(w in corpus_words for w in words) / max(1, len(words)), 4)
-    r["greedy_samples"] = greedy
-    r["card_samples"] = [
-        {"prompt": p, "mode": m, "text": greedy[p] if m == "greedy" else generate(model, tok, p, m, seed=0)}
-        for p, m in CARD_SAMPLES
-    ]
-    r["eval_seconds"] = round(time.time() - t0, 1)
-    return r
+    return {
+        "greedy_words": len(words),
+        "corpus_word_fraction": round(sum(w in corpus_words for w in words) / max(1, len(words)), 4),
+        "greedy_samples": greedy,
+        "card_samples": [
+            {"prompt": p, "mode": m, "text": greedy[p] if m == "greedy" else generate(model, tok, p, m, seed=0)}
+            for p, m in CARD_SAMPLES
+        ],
+    }
 
 
 def _blockquote(text):
