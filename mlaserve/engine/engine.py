@@ -5,13 +5,23 @@ Lifecycle: a request's state (scheduler entry, pages, detokenizer) lives from ad
 step() returns its final output (finished=True); then the engine forgets it. abort() frees the
 pages at once, and the next step() returns the final output with finish_reason "abort". No caller
 has to release anything, so a long-running server's dictionaries stay at the size of its live work.
+
+Nothing silently wrong: a request is checked completely at the door (`check_prompt`, and
+SamplingParams checks itself), so a bad one is refused before anything is queued. Inside a step, an
+exception while handling one request's output (detokenizer, stop checks, logprobs) or a non-finite
+logits row fails that request alone (finish_reason "error", the message in CompletionOutput.error,
+its pages freed); an exception in the forward pass fails the requests of that step, and the engine
+stays usable for the next.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import warnings
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
@@ -38,33 +48,43 @@ class Engine:
         eos = list(tokenizer.eos_token_ids) if tokenizer else list(cfg.model.eos_token_ids)
         self.eos_ids = frozenset(eos)
         self.max_model_len = min(max_len, cfg.model.max_position_embeddings)
+        self.step_count = 0
+        self._noted_context_limit = False
+
+    def check_prompt(self, prompt_ids, request_id: str = "prompt") -> list[int]:
+        """The one rule for every prompt (generate, prompt_logits, the server): a sequence of ints
+        (numpy ints too; not bool, float or str), each in [0, vocab_size), 1 <= length < max_model_len
+        (room for at least one more token). -> the ids as plain ints; ValueError naming the request."""
+        return check_prompt(prompt_ids, self.cfg.model.vocab_size, self.max_model_len, request_id)
+
+    def check_params(self, params: SamplingParams, who: str = "request") -> None:
+        """The fields SamplingParams cannot judge alone: those bounded by this model's vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{who}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.cfg.model.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{who}: {name} must be <= the vocabulary size {vocab}, got {value}")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if not prompt_ids:
-            raise ValueError(f"request {rid}: empty prompt")
-        vocab = self.cfg.model.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"request {rid}: prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}"
-            )
-        req = Request(rid, list(prompt_ids), params)
+        ids = self.check_prompt(prompt_ids, f"request {rid}")
+        self.check_params(params, f"request {rid}")
+        req = Request(rid, ids, params)
         if params.seed is not None:
             req.generator = make_generator(params.seed)
-        self.requests[rid] = req
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(
                 self.tokenizer.tok,
-                list(prompt_ids),
+                list(ids),
                 params.skip_special_tokens,
                 params.stop or (),
                 params.include_stop_str_in_output,
             )
+        self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
@@ -89,22 +109,56 @@ class Engine:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request: the page pool is too small")
             return aborted
+        step_no, self.step_count = self.step_count, self.step_count + 1
         chunks = [c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks]
-        batch, logits = self.runner.execute(chunks, plan.preempted)
+        try:
+            batch, logits = self.runner.execute(chunks, plan.preempted)
+        except Exception as e:  # the whole step is lost: its requests fail, the engine goes on
+            msg = f"step {step_no}: forward pass failed: {type(e).__name__}: {e}"
+            return aborted + self._forget_finished([self._fail(r, msg) for r in self._touched(plan)])
         self.scheduler.advance(plan)
         by_id = {rid: row for row, (rid, _) in enumerate(batch.logits_owner)}  # last row per request
-        self._prompt_logprobs(plan, batch, logits)
-        sampling = [c.request for c in plan.chunks if c.completes_prompt]
+        for c in plan.chunks:
+            self._isolated(c.request, "prompt logprobs", self._prompt_logprobs, c, batch, logits)
+        sampling = [c.request for c in plan.chunks if c.completes_prompt and c.request.status is Status.RUNNING]
         if sampling:
             rows = torch.tensor([by_id[r.request_id] for r in sampling], device=logits.device)
-            self._sample(sampling, logits[rows])
-        outputs = [self._output(r) for r in self._touched(plan)]
+            self._sample_finite(sampling, logits[rows], step_no)
+        return aborted + self._forget_finished([self._final_or_output(r) for r in self._touched(plan)])
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
-        return aborted + outputs
+        return outputs
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _sample_finite(self, reqs: list[Request], logits: torch.Tensor, step_no: int) -> None:
+        """Sample the rows that are finite; a row with NaN/Inf fails its request (never token 0 forever)."""
+        finite = torch.isfinite(logits).all(-1).tolist()
+        for req, ok in zip(reqs, finite):
+            if not ok:
+                self._fail(
+                    req,
+                    f"request {req.request_id}: non-finite logits (NaN/Inf) at step {step_no}; the weights or "
+                    "config may hold NaN/Inf: run `mlaserve verify --check-tensors` on the model",
+                )
+        keep = [i for i, ok in enumerate(finite) if ok]
+        if not keep:
+            return
+        reqs = [reqs[i] for i in keep]
+        if len(keep) < len(finite):
+            logits = logits[keep]
+        try:
+            out = self._sample(reqs, logits)
+        except Exception as e:  # a batched sampler error cannot be pinned on one row
+            for req in reqs:
+                self._fail(req, f"step {step_no}: sampling failed: {type(e).__name__}: {e}")
+            return
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            self._isolated(req, "output", self._take_token, req, out, i, now)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor):
         batch = SamplingBatch.build(
             [r.params for r in reqs],
             [r.prompt_ids for r in reqs],
@@ -113,33 +167,59 @@ class Engine:
             logits.shape[-1],
             eos_token_id=tuple(self.eos_ids),
         )
-        out = sample(logits, batch)  # logprobs computed iff some row asked (batch.max_num_logprobs)
-        now = time.monotonic()
-        for i, req in enumerate(reqs):
-            tok = int(out.token_ids[i])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.params.logprobs is not None:
-                req.logprobs.append(_logprob_entry(out.logprob_token_ids[i], out.logprobs[i], req.params.logprobs))
-            self._append(req, tok)
+        return sample(logits, batch)  # logprobs computed iff some row asked (batch.max_num_logprobs)
 
-    def _prompt_logprobs(self, plan: SchedulePlan, batch, logits: torch.Tensor) -> None:
-        """Logprob of each next prompt token (+ top-N) from the all-position logits of prompt chunks."""
-        for c in plan.chunks:
-            req, n = c.request, c.request.params.prompt_logprobs
-            if n is None or c.start >= len(req.prompt_ids):
-                continue
-            rows = [row for row, (rid, _) in enumerate(batch.logits_owner) if rid == req.request_id]
-            positions = range(c.start, c.start + len(rows))
-            keep = [(row, p) for row, p in zip(rows, positions) if p + 1 < len(req.prompt_ids)]
-            if not req.prompt_logprobs:
-                req.prompt_logprobs.append(None)  # the first prompt token has no context
-            if not keep:
-                continue
-            lp = logits[[row for row, _ in keep]].log_softmax(-1)
-            nxt = torch.tensor([req.prompt_ids[p + 1] for _, p in keep], device=lp.device)
-            values, ids, _ = gather_logprobs(lp, nxt, n)
-            req.prompt_logprobs.extend(_logprob_entry(ids[j], values[j], n) for j in range(len(keep)))
+    def _take_token(self, req: Request, out, i: int, now: float) -> None:
+        tok = int(out.token_ids[i])
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.params.logprobs is not None:
+            req.logprobs.append(_logprob_entry(out.logprob_token_ids[i], out.logprobs[i], req.params.logprobs))
+        self._append(req, tok)
+
+    def _prompt_logprobs(self, c, batch, logits: torch.Tensor) -> None:
+        """Logprob of each next prompt token (+ top-N) from the all-position logits of prompt chunks.
+        Entry k is for prompt position k; a recomputed prefill (after preemption) appends only the
+        positions not recorded yet."""
+        req, n = c.request, c.request.params.prompt_logprobs
+        if n is None or c.start >= len(req.prompt_ids):
+            return
+        rows = [row for row, (rid, _) in enumerate(batch.logits_owner) if rid == req.request_id]
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)  # the first prompt token has no context
+        have = len(req.prompt_logprobs)  # entries for positions 0 .. have-1 exist
+        positions = range(c.start, c.start + len(rows))
+        keep = [(row, p) for row, p in zip(rows, positions) if have <= p + 1 < len(req.prompt_ids)]
+        if not keep:
+            return
+        lp = logits[[row for row, _ in keep]].log_softmax(-1)
+        nxt = torch.tensor([req.prompt_ids[p + 1] for _, p in keep], device=lp.device)
+        values, ids, _ = gather_logprobs(lp, nxt, n)
+        req.prompt_logprobs.extend(_logprob_entry(ids[j], values[j], n) for j in range(len(keep)))
+
+    def _isolated(self, req: Request, what: str, fn, *args) -> None:
+        """Run one request's share of the step's bookkeeping; an exception fails that request only."""
+        if req.status is Status.FINISHED:
+            return
+        try:
+            fn(*args)
+        except Exception as e:
+            self._fail(req, f"request {req.request_id}: {what} failed: {type(e).__name__}: {e}")
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """Finish a request with finish_reason "error": pages freed, state forgotten after its output."""
+        if req.status is not Status.FINISHED:
+            req.error = message
+            self._detok.pop(req.request_id, None)  # it may be what broke
+            req.finish_time = time.monotonic()
+            self.scheduler.finish(req, "error")
+        return self._output(req)
+
+    def _final_or_output(self, req: Request) -> RequestOutput:
+        try:
+            return self._output(req)
+        except Exception as e:
+            return self._fail(req, f"request {req.request_id}: output failed: {type(e).__name__}: {e}")
 
     def _append(self, req: Request, tok: int) -> None:
         p = req.params
@@ -156,7 +236,20 @@ class Engine:
         if p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
             self._finish(req, "length")
         elif req.num_tokens >= self.max_model_len:
+            self._note_context_limit(req)
             self._finish(req, "length")
+
+    def _note_context_limit(self, req: Request) -> None:
+        """finish_reason "length" alone reads as max_tokens: say once that the context limit cut it."""
+        if self._noted_context_limit:
+            return
+        self._noted_context_limit = True
+        warnings.warn(
+            f"request {req.request_id} stopped at the context limit (max_model_len {self.max_model_len} tokens: "
+            f"{len(req.prompt_ids)} prompt + {len(req.output_ids)} generated) before max_tokens "
+            f"({req.params.max_tokens}); finish_reason is 'length' (noted once per engine)",
+            stacklevel=2,
+        )
 
     def _finish(self, req: Request, reason: str) -> None:
         detok = self._detok.get(req.request_id)
@@ -183,6 +276,7 @@ class Engine:
             list(req.output_ids),
             req.finish_reason,
             list(req.logprobs) if req.params.logprobs is not None else None,
+            req.error,
         )
         return RequestOutput(
             req.request_id,
@@ -197,6 +291,27 @@ class Engine:
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
+
+
+def check_prompt(prompt_ids, vocab_size: int, max_model_len: int, who: str = "prompt") -> list[int]:
+    """See Engine.check_prompt. Pure: the caller's engine is untouched when this raises."""
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray)):
+        raise ValueError(f"{who}: a prompt must be a list of token ids, got {type(prompt_ids).__name__}")
+    if len(prompt_ids) == 0:
+        raise ValueError(f"{who}: empty prompt")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"{who}: prompt of {len(prompt_ids)} tokens does not fit max_model_len {max_model_len} "
+            "(a prompt needs room for at least one more token)"
+        )
+    ids = []
+    for i, t in enumerate(prompt_ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{who}: token id at position {i} must be an int, got {type(t).__name__} {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{who}: token id {int(t)} outside the vocabulary [0, {vocab_size}) at position {i}")
+        ids.append(int(t))
+    return ids
 
 
 def _logprob_entry(ids: torch.Tensor, values: torch.Tensor, n: int) -> dict[int, float]:

@@ -39,6 +39,7 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[dict] = field(default_factory=list)
     prompt_logprobs: list[dict | None] = field(default_factory=list)
+    error: str | None = None  # why it finished with finish_reason "error"
 
     @property
     def all_ids(self) -> list[int]:
@@ -56,6 +57,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict] | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong, for the caller to report
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from mlaserve.config.engine import make_options
@@ -24,7 +26,14 @@ class LLM:
     """The offline engine. `model`: a Hugging Face folder or a .gguf file; None runs the embedded
     default model. Every other keyword is an engine option (`mlaserve.EngineOptions`: dtype,
     attention, mla_path, page_size, max_num_batched_tokens, device, attention_backend, ...).
-    `trace`: a JSONL path or "memory" for the route ledger; `progress(done, total)`: load progress."""
+    `trace`: a JSONL path or "memory" for the route ledger; `progress(done, total)`: load progress.
+
+    Thread safety: one LLM may be called from several threads. Calls are serialised by a lock (one
+    `generate` / `prompt_logits` runs at a time; the others wait), so outputs never mix; requests of
+    different threads are not batched together (a server's engine loop does that).
+    Every call is validated completely before anything is queued: a bad prompt or parameter raises
+    ValueError and leaves the engine as it was. A request that fails inside a step comes back with
+    finish_reason "error" and the message in `outputs[i].error`."""
 
     def __init__(self, model: str | None = None, *, trace=None, progress=None, **options) -> None:
         from mlaserve.embedded import default_model_path
@@ -39,31 +48,39 @@ class LLM:
         self.runner = ModelRunner(self.loaded.model, self.config, make_tracer(trace))
         self.engine = Engine(self.runner, self.tokenizer)
         self._counter = 0
+        self._lock = threading.RLock()
 
     def generate(
         self,
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        prompts = _as_prompt_list(prompts)
-        params = (
-            sampling_params
-            if isinstance(sampling_params, list)
-            else [sampling_params or SamplingParams()] * len(prompts)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        groups = [self._add(p, sp) for p, sp in zip(prompts, params)]
-        finals: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        return [self._merge(text, ids, finals) for text, ids in groups]
+        with self._lock:
+            prompts = _as_prompt_list(prompts)
+            params = (
+                sampling_params
+                if isinstance(sampling_params, list)
+                else [sampling_params or SamplingParams()] * len(prompts)
+            )
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+            checked = [self._check(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]  # all, then queue
+            groups = [self._add(text, ids, sp) for text, ids, sp in checked]
+            finals: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+            return [self._merge(text, ids, finals) for text, ids in groups]
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[str]]:
+    def _check(self, i: int, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
+        """Validate one prompt of a call without touching the engine: (text, ids, params)."""
+        self.engine.check_params(params, f"prompt {i}")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt) if text is not None else prompt
+        return text, self.engine.check_prompt(ids, f"prompt {i}"), params
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> tuple[str | None, list[str]]:
         base, rids = f"llm-{self._counter}", []
         self._counter += 1
         for j in range(params.n):
@@ -86,18 +103,25 @@ class LLM:
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every prompt position [len, vocab] (float32), through the paged cache,
-        in chunks of max_num_batched_tokens like a real prefill."""
-        pool = self.engine.pool
-        pages = pool.allocate(-(-len(token_ids) // self.config.page_size))
-        try:
-            return self.runner.prompt_logits("prompt_logits", list(token_ids), pages)
-        finally:
-            pool.release(pages)
+        in chunks of max_num_batched_tokens like a real prefill. The prompt follows generate's rule
+        (ints in the vocabulary, 1 <= len < max_model_len)."""
+        with self._lock:
+            ids = self.engine.check_prompt(token_ids, "prompt_logits")
+            pool = self.engine.pool
+            pages = pool.allocate(-(-len(ids) // self.config.page_size))
+            try:
+                return self.runner.prompt_logits("prompt_logits", ids, pages)
+            finally:
+                pool.release(pages)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if not isinstance(prompts, (Sequence, np.ndarray)):
+        raise ValueError(
+            f"prompts must be a str, a list of token ids or a list of prompts, got {type(prompts).__name__}"
+        )
+    if len(prompts) and not any(isinstance(t, (str, Sequence, np.ndarray)) for t in prompts):
         return [list(prompts)]
     return list(prompts)

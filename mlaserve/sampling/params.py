@@ -16,6 +16,8 @@ from typing import Any
 # Temperatures below this are treated as greedy decoding (as in vLLM): dividing
 # logits by a tiny temperature overflows float32 and means "argmax" anyway.
 SAMPLING_EPS = 1e-5
+# torch.Generator.manual_seed takes any int in [-2^63, 2^64); n > 1 samples use seed .. seed + n - 1.
+SEED_MIN, SEED_END = -(2**63), 2**64
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class SamplingParams:
 
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not (SEED_MIN <= self.seed and self.seed + self.n - 1 < SEED_END):
+                _fail("seed", self.seed, f"must be in [-2**63, 2**64 - n) (the generator's range; n={self.n})")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
