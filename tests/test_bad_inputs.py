@@ -84,6 +84,7 @@ def test_unexpected_tensor(model_copy):
 
 def test_mtp_layer_is_skipped_and_reported(model_copy):
     _edit_tensors(model_copy, lambda t: t.__setitem__("model.layers.3.eh_proj.weight", torch.zeros(2, 2)))
+    _edit_config(model_copy, num_nextn_predict_layers=1)  # layers past num_hidden_layers are MTP only if declared
     llm = LLM(str(model_copy))
     assert llm.loaded.report.skipped == ["model.layers.3.eh_proj.weight"]
 

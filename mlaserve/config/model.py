@@ -242,6 +242,8 @@ class _HFAdapter:
     """Reads one config.json dict into a ModelConfig, recording where each value came from."""
 
     def __init__(self, raw: dict[str, Any], source: str, field_sources: dict[str, str]) -> None:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: the config must be a JSON object (a dict), got {type(raw).__name__}")
         self.raw, self.source, self.log = raw, source, ProvenanceLog()
         self.field_sources = field_sources
         mt = raw.get("model_type")
@@ -266,6 +268,7 @@ class _HFAdapter:
         g = self.get
         for key in _REQUIRED:
             g(key, required=True)
+        _check_sizes(self.raw, self.source)
         num_layers = self.raw["num_hidden_layers"]
         heads = self.raw["num_attention_heads"]
         kv_heads = self.raw.get("num_key_value_heads", heads)
@@ -285,7 +288,7 @@ class _HFAdapter:
             LATENT_NORM_EPS,
             "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says",
         )
-        return ModelConfig(
+        cfg = ModelConfig(
             model_type=self.family,
             vocab_size=self.raw["vocab_size"],
             hidden_size=self.raw["hidden_size"],
@@ -310,6 +313,8 @@ class _HFAdapter:
             num_nextn_predict_layers=int(self.raw.get("num_nextn_predict_layers", 0) or 0),
             provenance=self.log.freeze(),
         )
+        check_model_config(cfg, self.source)
+        return cfg
 
     def _rope(self) -> RopeConfig:
         params = self.raw.get("rope_parameters")
@@ -318,21 +323,24 @@ class _HFAdapter:
             params = dict(self.raw.get("rope_scaling") or {})
             params.setdefault("rope_theta", self.raw.get("rope_theta", 10000.0))
             where = "rope_scaling/rope_theta"
+        if not isinstance(params, dict):
+            raise ConfigError(f"{self.source}: {where} must be a JSON object, got {params!r}")
+        num = lambda key, default: _number(params.get(key), default, f"{self.source}: {where}.{key}")  # noqa: E731
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ("default", "yarn"):
             raise ConfigError(f"{self.source}: {where}.rope_type {rope_type!r} is not supported (default, yarn)")
         interleaved = self._rope_interleaved()
         rope = RopeConfig(
             dim=self.raw["qk_rope_head_dim"],
-            theta=float(params.get("rope_theta", 10000.0)),
+            theta=num("rope_theta", 10000.0),
             interleaved=interleaved,
             rope_type=rope_type,
-            factor=float(params.get("factor") or 1.0),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings") or 0),
-            beta_fast=float(params.get("beta_fast") or 32),
-            beta_slow=float(params.get("beta_slow") or 1),
-            mscale=float(params.get("mscale") or 0),
-            mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+            factor=num("factor", 1.0),
+            original_max_position_embeddings=int(num("original_max_position_embeddings", 0)),
+            beta_fast=num("beta_fast", 32.0),
+            beta_slow=num("beta_slow", 1.0),
+            mscale=num("mscale", 0.0),
+            mscale_all_dim=num("mscale_all_dim", 0.0),
             truncate=bool(params.get("truncate", True)),
         )
         if rope_type == "yarn" and not rope.original_max_position_embeddings:
@@ -352,9 +360,10 @@ class _HFAdapter:
     def _mlp_layer_types(self, num_layers: int) -> tuple[str, ...]:
         types = self.raw.get("mlp_layer_types")
         if types is not None and self.family in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
-            if len(types) != num_layers:
+            if not isinstance(types, list) or len(types) != num_layers:
                 raise ConfigError(
-                    f"{self.source}: mlp_layer_types has {len(types)} entries, num_hidden_layers={num_layers}"
+                    f"{self.source}: mlp_layer_types must be a list of {num_layers} entries "
+                    f"(num_hidden_layers), got {types!r}"
                 )
             out = tuple("dense" if t == "dense" else "moe" for t in types)
             self.log.record("mlp_layer_types", out, f"{self.source}:mlp_layer_types")
@@ -409,6 +418,10 @@ class _HFAdapter:
             self.log.record("indexer_types", "all full", "class default (no indexer_types)")
         else:
             self.log.record("indexer_types", tuple(types), f"{self.source}:indexer_types")
+        if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"full", "shared"}:
+            raise ConfigError(
+                f"{self.source}: indexer_types must be a list of {num_layers} 'full'/'shared' entries, got {types!r}"
+            )
         if types[0] != "full":
             raise ConfigError(f"{self.source}: indexer_types[0] must be 'full' (a shared layer reuses a previous one)")
         interleaved = self.family == "glm_moe_dsa"
@@ -426,7 +439,105 @@ class _HFAdapter:
         )
 
 
+# Integer fields and their least sensible value; a float, a string or a bool is an error naming the key.
+_INT_FIELDS = {
+    "hidden_size": 1,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "kv_lora_rank": 1,
+    "qk_nope_head_dim": 1,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 1,
+    "vocab_size": 1,
+    "intermediate_size": 1,
+    "q_lora_rank": 1,
+    "moe_intermediate_size": 1,
+    "n_routed_experts": 0,
+    "num_experts_per_tok": 1,
+    "n_shared_experts": 0,
+    "first_k_dense_replace": 0,
+    "n_group": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 1,
+    "num_nextn_predict_layers": 0,
+    "index_topk": 1,
+    "index_head_dim": 1,
+    "index_n_heads": 1,
+}
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+
+
+def _check_sizes(raw: dict[str, Any], source: str) -> None:
+    """Integer fields are ints >= their minimum, float fields numbers: an error names the key."""
+    for key, least in _INT_FIELDS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {key} must be an integer, got {value!r} ({type(value).__name__})")
+        if value < least:
+            raise ConfigError(f"{source}: {key} must be >= {least}, got {value}")
+    for key in _FLOAT_FIELDS:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{source}: {key} must be a number, got {value!r} ({type(value).__name__})")
+
+
+def check_model_config(cfg: ModelConfig, source: str) -> None:
+    """Values that cannot define a model, rejected at load naming the key (they would otherwise
+    give NaN logits or a different model at the first forward pass)."""
+    _positive_finite(source, "rms_norm_eps", cfg.rms_norm_eps)
+    _positive_finite(source, "rope_theta", cfg.rope.theta)
+    _positive_finite(source, "rope_scaling.factor", cfg.rope.factor)
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if not math.isfinite(getattr(cfg.rope, name)):
+            raise ConfigError(f"{source}: rope_scaling.{name} must be finite, got {getattr(cfg.rope, name)}")
+    for key, value in (("bos_token_id", cfg.bos_token_id),) + tuple(("eos_token_id", e) for e in cfg.eos_token_ids):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < cfg.vocab_size
+        ):
+            raise ConfigError(f"{source}: {key} {value!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    if cfg.moe is not None:
+        _check_moe(cfg.moe, source)
+
+
+def _check_moe(moe: MoEConfig, source: str) -> None:
+    e = moe.n_routed_experts
+    if not 1 <= moe.num_experts_per_tok <= e:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok must be in [1, n_routed_experts={e}], got {moe.num_experts_per_tok}"
+        )
+    _positive_finite(source, "routed_scaling_factor", moe.routed_scaling_factor)
+    if moe.topk_method in ("group_limited_greedy", "noaux_tc"):
+        if e % moe.n_group:
+            raise ConfigError(f"{source}: n_group={moe.n_group} must divide n_routed_experts={e}")
+        if not 1 <= moe.topk_group <= moe.n_group:
+            raise ConfigError(f"{source}: topk_group must be in [1, n_group={moe.n_group}], got {moe.topk_group}")
+        if moe.topk_group * (e // moe.n_group) < moe.num_experts_per_tok:
+            raise ConfigError(
+                f"{source}: num_experts_per_tok={moe.num_experts_per_tok} exceeds the experts of the top "
+                f"{moe.topk_group} group(s) ({moe.topk_group} x {e // moe.n_group})"
+            )
+
+
+def _positive_finite(source: str, key: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{source}: {key} must be a finite number > 0, got {value}")
+
+
+def _number(value: Any, default: float, where: str) -> float:
+    """A float field that may be absent or null (then its default; 0 counts as absent, as before)."""
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    return float(value or default)
+
+
 def _as_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+    values = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ConfigError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return values

@@ -4,7 +4,9 @@ every parameter filled, every shape checked -- errors name the tensor and its fi
 Named steps between the checkpoint layout and the model:
   stack_experts   mlp.experts.E.{gate,up,down}_proj.weight -> experts.gate_up_proj [E, 2I, D]
                   (gate rows first) and experts.down_proj [E, D, I]
-  skip_mtp        model.layers.N for N >= num_hidden_layers (MTP / nextn heads) are skipped, reported
+  skip_mtp        model.layers.N for num_hidden_layers <= N < num_hidden_layers + num_nextn_predict_layers
+                  (MTP / nextn heads) are skipped, reported; a layer beyond those is an error (the config
+                  would otherwise load as a shallower model)
   tie_embeddings  lm_head.weight shares embed_tokens.weight when the config ties them
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
@@ -47,6 +49,7 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
         targets.pop("lm_head.weight", None)
     filled: set[str] = set()
     experts: dict[str, dict[tuple[str, int], str]] = {}
+    _check_extra_layers(source, cfg)
     for name in source.names():
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= cfg.num_layers:
@@ -74,6 +77,18 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
     if report.skipped:
         report.notes.append(f"skipped {len(report.skipped)} MTP/nextn tensor(s) of layers >= {cfg.num_layers}")
     return report
+
+
+def _check_extra_layers(source: TensorSource, cfg: ModelConfig) -> None:
+    """Layers past num_hidden_layers are MTP heads only when num_nextn_predict_layers says so."""
+    end = cfg.num_layers + cfg.num_nextn_predict_layers
+    extra = [n for n in source.names() if (m := _LAYER.match(n)) and int(m.group(1)) >= end]
+    if extra:
+        raise WeightError(
+            f"{source.where(extra[0])}: {len(extra)} tensor(s) of layers >= {end} (num_hidden_layers="
+            f"{cfg.num_layers} + num_nextn_predict_layers={cfg.num_nextn_predict_layers}), e.g. "
+            f"{', '.join(repr(n) for n in extra[:3])}: num_hidden_layers is smaller than the checkpoint's layers"
+        )
 
 
 def _copy(name: str, source: TensorSource, targets: dict, filled: set[str]) -> None:

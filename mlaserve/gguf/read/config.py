@@ -63,8 +63,11 @@ class _Meta:
         return self.put(fld, default, f"{ABSENT}: '{k}'{note}")
 
     def _convert(self, k: str, conv: Callable) -> Any:
+        value = self.gf.metadata[k]
+        if conv in (int, _scalar) and not _is_int(value) and not (conv is _scalar and isinstance(value, list)):
+            raise GGUFError(f"{self.gf.path}: metadata key '{k}' must be an integer, got {value!r}")
         try:
-            return conv(self.gf.metadata[k])
+            return conv(value)
         except (TypeError, ValueError) as e:  # GGUFError is a ValueError
             raise GGUFError(f"{self.gf.path}: metadata key '{k}' = {self.gf.metadata[k]!r}: {e}") from None
 
@@ -73,11 +76,17 @@ class _Meta:
         return value
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _scalar(x: Any) -> int:
     """Per-layer keys may be arrays; MLA models use one value for all layers."""
     if isinstance(x, list):
         if len(set(x)) != 1:
             raise ValueError(f"per-layer values differ ({x}); only uniform values are supported")
+        if not x or not _is_int(x[0]):
+            raise ValueError(f"per-layer values must be integers, got {x}")
         x = x[0]
     return int(x)
 

@@ -170,6 +170,14 @@ class GGUFShard:
                 f"{self.path}: unsupported GGUF version {self.version}{hint}; only versions 2 and 3 are supported"
             )
         self.n_tensors, self.n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        # Each entry takes at least this many header bytes: an absurd count is a corrupt header, not
+        # a reason to loop 2^63 times (or to report the first garbage entry as the fault).
+        for what, count, least in (("n_tensors", self.n_tensors, 28), ("n_kv", self.n_kv, 13)):
+            if count * least > len(self.mm):
+                raise GGUFError(
+                    f"{self.path}: truncated file or corrupt header: it says {what}={count}, which needs at "
+                    f"least {count * least} bytes, and the file has {len(self.mm)}"
+                )
 
     def _read_kv(self, cur: _Cursor) -> tuple[dict[str, Any], dict[str, int]]:
         meta: dict[str, Any] = {}
@@ -204,8 +212,11 @@ class GGUFShard:
         return infos
 
     def _place_tensors(self, infos) -> dict[str, TensorInfo]:
+        """Each tensor's data range, checked as llama.cpp does: in header order, tensor k starts where
+        tensor k-1's data (padded to the alignment) ends, so ranges lie inside the data section, never
+        overlap and are exactly the byte size their type and shape imply."""
         out: dict[str, TensorInfo] = {}
-        size = len(self.mm)
+        size, expect, prev = len(self.mm), 0, None
         for name, ne, ggml_type, rel in infos:
             if ggml_type not in GGML_TYPES:
                 raise GGUFError(f"{self.path}: tensor '{name}' has unknown ggml type id {ggml_type}")
@@ -218,6 +229,17 @@ class GGUFShard:
             if rel % self.alignment:
                 raise GGUFError(f"{self.path}: tensor '{name}' data offset {rel} is not aligned to {self.alignment}")
             start, nbytes = self.data_offset + rel, tensor_nbytes(ggml_type, ne)
+            if rel != expect:
+                raise GGUFError(
+                    f"{self.path}: tensor '{name}' data offset {rel} should be {expect}: "
+                    + (
+                        f"the {prev} data before it takes bytes up to {expect}"
+                        if prev
+                        else "the first tensor starts at 0"
+                    )
+                    + (" (the ranges overlap)" if rel < expect else " (a gap: a size or offset is wrong)")
+                )
+            expect, prev = rel + -(-nbytes // self.alignment) * self.alignment, f"'{name}' ({nbytes} bytes)"
             if start + nbytes > size:
                 raise GGUFError(
                     f"{self.path}: truncated file: tensor '{name}' needs bytes {start}..{start + nbytes} "
