@@ -72,6 +72,11 @@ class EngineOptions:
     threads: int | None = _opt(
         None, "CPU threads for torch ops (default: 1 for models under 50M parameters, else every core)"
     )
+    check_tensors: bool = _opt(
+        False,
+        "scan every weight for NaN/Inf at load (and each block scale of a GGUF) and refuse the model naming "
+        "each bad tensor; costs one pass over the weights",
+    )
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
@@ -131,6 +136,9 @@ def resolve(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         _user(log, name, value)
+    if not isinstance(opts.check_tensors, bool):
+        raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
+    _user(log, "check_tensors", opts.check_tensors)
     backend = _attention_backend(opts.attention_backend, log)
     threads, why = _threads(model, opts.threads)
     log.record("threads", threads, why)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from mlaserve.entrypoints.engine_args import add_engine_args, make_llm
 from mlaserve.sampling.params import SamplingParams
@@ -25,10 +26,20 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"two models given: {args.model_path} and --model {args.model}")
         args.model = args.model_path
     try:
+        _check_trace_path(getattr(args, "trace", None))
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"mlaserve: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_trace_path(trace: str | None) -> None:
+    """Fail before the model loads, not after, when the trace cannot be written."""
+    if trace is None or trace == "memory":
+        return
+    folder = Path(trace).parent
+    if not folder.is_dir():
+        raise ValueError(f"--trace {trace}: folder {folder} does not exist (create it first)")
 
 
 def _add_generate(sub) -> None:
@@ -90,7 +101,16 @@ def _verify(args) -> int:
     if args.against is not None:
         return _verify_against(args)
 
-    llm = make_llm(args, _progress_bar)
+    if args.check_tensors:  # scanned here and reported as a check, not refused at load
+        args.check_tensors = None
+        bad = _scan_gguf_file(args.model)
+        if bad:
+            return bad
+        llm = make_llm(args, _progress_bar)
+        if _report_tensor_scan(llm):
+            return 1
+    else:
+        llm = make_llm(args, _progress_bar)
     checks = run_checks(llm, llm.encode(args.prompt))
     print(format_checks(checks))
     return 0 if all(c.passed for c in checks) else 1
@@ -107,6 +127,27 @@ def _verify_against(args) -> int:
     report = verify_against(args.model, args.against, args.prompt, **engine_options(args))
     print(json.dumps(to_json(report), indent=1) if args.json else format_report(report))
     return 0 if report.passed else 1
+
+
+def _scan_gguf_file(model: str | None) -> int:
+    """--check-tensors on a .gguf: the file is scanned before loading (a NaN can fail the load's own
+    numeric checks less clearly). -> 1 when bad tensors were reported."""
+    from mlaserve.gguf.read.file import open_gguf
+    from mlaserve.loading.tensor_check import format_bad, scan_gguf
+
+    if model is None or not model.endswith(".gguf") or not Path(model).is_file():
+        return 0
+    bad = scan_gguf(open_gguf(model))
+    print(f"check tensors: {format_bad(bad)}" if bad else "check tensors: every tensor and block scale is finite")
+    return 1 if bad else 0
+
+
+def _report_tensor_scan(llm) -> bool:
+    from mlaserve.loading.tensor_check import format_bad, scan_model
+
+    bad = scan_model(llm.loaded.model)
+    print(f"check tensors: {format_bad(bad)}" if bad else "check tensors: every weight is finite")
+    return bool(bad)
 
 
 def _add_convert(sub) -> None:
@@ -191,13 +232,10 @@ def _generate(args) -> int:
 
     # The ledger file is appended to: its summary covers this run's records only.
     start = Path(args.trace).stat().st_size if args.trace and Path(args.trace).exists() else 0
+    # The flags the user gave are checked before the (slow) load; the model's defaults after it.
+    SamplingParams(**_user_sampling(args, temperature=0.0, top_p=1.0))
     llm = make_llm(args, _progress_bar)
-    params = SamplingParams(
-        **_sampling_defaults(args, llm.loaded.generation_config),
-        top_k=args.top_k,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    params = SamplingParams(**_user_sampling(args, **_sampling_defaults(args, llm.loaded.generation_config)))
     for prompt in args.prompts:
         text = prompt
         if args.chat:
@@ -211,19 +249,34 @@ def _generate(args) -> int:
     return 0
 
 
-def _sampling_defaults(args, gen: dict) -> dict:
-    """Options the user left unset come from the model's generation_config.json, as in vLLM/transformers."""
-    sampled = bool(gen.get("do_sample"))
-    temperature = (
-        args.temperature if args.temperature is not None else (gen.get("temperature", 1.0) if sampled else 0.0)
+def _user_sampling(args, temperature: float, top_p: float) -> dict:
+    return dict(
+        temperature=args.temperature if args.temperature is not None else temperature,
+        top_p=args.top_p if args.top_p is not None else top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
     )
-    top_p = args.top_p if args.top_p is not None else (gen.get("top_p", 1.0) if sampled else 1.0)
-    if args.temperature is None and sampled:
-        print(
-            f"sampling: temperature {temperature}, top_p {top_p} (generation_config.json; --temperature 0 for greedy)",
-            file=sys.stderr,
-        )
-    return {"temperature": temperature, "top_p": top_p}
+
+
+def _sampling_defaults(args, gen: dict) -> dict:
+    """Options the user left unset come from the model's generation_config.json, as in vLLM/transformers;
+    the note says where each value came from."""
+    sampled = bool(gen.get("do_sample"))
+    values, sources = {}, []
+    for name, flag, fallback in (("temperature", "--temperature", 0.0), ("top_p", "--top-p", 1.0)):
+        given = getattr(args, name)
+        if given is not None:
+            values[name], src = given, flag
+        elif sampled and name in gen:
+            values[name], src = gen[name], "generation_config.json"
+        else:
+            values[name] = fallback if name == "top_p" or not sampled else 1.0
+            src = "default" if not sampled else "default (generation_config.json sets do_sample)"
+        sources.append(f"{name} {values[name]} ({src})")
+    if sampled and args.temperature is None:
+        print(f"sampling: {', '.join(sources)}; --temperature 0 for greedy", file=sys.stderr)
+    return values
 
 
 def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:
@@ -240,6 +293,8 @@ def _stream(llm, ids: list[int], params: SamplingParams, shown: str) -> None:
                 sys.stdout.flush()
                 printed = len(text)
                 final = out
+                if out.finished and out.outputs[0].error:
+                    print(f"\nmlaserve: request failed: {out.outputs[0].error}", file=sys.stderr)
     sys.stdout.write("\n")
     if final is not None:
         print(_speed_line(final), file=sys.stderr)

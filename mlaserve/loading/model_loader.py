@@ -11,7 +11,8 @@ import torch
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.engine.tokenizer import Tokenizer
-from mlaserve.loading.safetensors_source import SafetensorsSource
+from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
+from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
 
@@ -31,9 +32,12 @@ def read_hf_config(folder: Path) -> dict:
     if not path.exists():
         raise ConfigError(f"{folder}: no config.json")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must hold a JSON object (a dict), got a {type(raw).__name__}")
+    return raw
 
 
 def has_indexer_weights(names: list[str]) -> bool:
@@ -64,14 +68,19 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
     if path.is_file():
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
-        model_cfg, source, tokenizer, skipped = _open_gguf(path)
+        model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors)
     else:
         model_cfg = ModelConfig.from_hf(read_hf_config(path), source="config.json")
         source, skipped = SafetensorsSource(path), []
-        tokenizer = Tokenizer.from_folder(path, model_cfg.eos_token_ids) if (path / "tokenizer.json").exists() else None
+        tokenizer = _folder_tokenizer(path, model_cfg)
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
     model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device)
     report = load_weights(model, source, model_cfg, progress)
+    if opts.check_tensors and not path.is_file():  # a GGUF was scanned before loading
+        bad = scan_model(model)
+        if bad:
+            raise WeightError(f"{path}: check_tensors: {format_bad(bad)}")
+        report.notes.append("check_tensors: every weight is finite")
     if skipped:
         report.skipped.extend(skipped)
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
@@ -80,16 +89,36 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
     return LoadedModel(model, engine_cfg, tokenizer, report, path, gen)
 
 
-def _open_gguf(path: Path):
+def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:
+    if not (path / "tokenizer.json").exists():
+        return None
+    try:
+        return Tokenizer.from_folder(path, model_cfg.eos_token_ids)
+    except Exception as e:  # the tokenizers library raises its own types; name the file
+        raise ConfigError(f"{path / 'tokenizer.json'}: cannot build the tokenizer: {type(e).__name__}: {e}") from e
+
+
+def _open_gguf(path: Path, check_tensors: bool = False):
     """GGUF metadata -> config (each field's source is its GGUF key or the llama.cpp default taken),
     tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*."""
     from mlaserve.gguf.read.checkpoint import load_gguf
+    from mlaserve.gguf.read.file import GGUFError, open_gguf
 
+    if check_tensors:  # before load_gguf's numeric checks, which a NaN scale would fail less clearly
+        bad = scan_gguf(open_gguf(path))
+        if bad:
+            raise GGUFError(f"{path}: check_tensors: {format_bad(bad)}")
     ck = load_gguf(path)
     sources = {k: src for k, (_, src) in ck.provenance.items()}
     model_cfg = ModelConfig.from_hf(ck.hf_config, source=path.name, field_sources=sources)
     tok = ck.tokenizer
     config = {"chat_template": tok.chat_template} if tok.chat_template else {}
     eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
-    tokenizer = Tokenizer(ck.build_tokenizer(), config, eos or model_cfg.eos_token_ids)
+    try:
+        built = ck.build_tokenizer()
+    except GGUFError:
+        raise
+    except Exception as e:  # a broken token list: name the file and the keys
+        raise GGUFError(f"{path}: cannot build the tokenizer from tokenizer.ggml.*: {type(e).__name__}: {e}") from e
+    tokenizer = Tokenizer(built, config, eos or model_cfg.eos_token_ids)
     return model_cfg, ck.tensors, tokenizer, list(ck.skipped)
