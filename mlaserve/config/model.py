@@ -325,14 +325,16 @@ class _HFAdapter:
             where = "rope_scaling/rope_theta"
         if not isinstance(params, dict):
             raise ConfigError(f"{self.source}: {where} must be a JSON object, got {params!r}")
-        num = lambda key, default: _number(params.get(key), default, f"{self.source}: {where}.{key}")  # noqa: E731
+        num = lambda key, default, zero_absent=True: _number(  # noqa: E731
+            params.get(key), default, f"{self.source}: {where}.{key}", zero_absent
+        )
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ("default", "yarn"):
             raise ConfigError(f"{self.source}: {where}.rope_type {rope_type!r} is not supported (default, yarn)")
         interleaved = self._rope_interleaved()
         rope = RopeConfig(
             dim=self.raw["qk_rope_head_dim"],
-            theta=num("rope_theta", 10000.0),
+            theta=num("rope_theta", 10000.0, zero_absent=False),
             interleaved=interleaved,
             rope_type=rope_type,
             factor=num("factor", 1.0),
@@ -525,13 +527,13 @@ def _positive_finite(source: str, key: str, value: float) -> None:
         raise ConfigError(f"{source}: {key} must be a finite number > 0, got {value}")
 
 
-def _number(value: Any, default: float, where: str) -> float:
-    """A float field that may be absent or null (then its default; 0 counts as absent, as before)."""
+def _number(value: Any, default: float, where: str, zero_absent: bool = True) -> float:
+    """A float field that may be absent or null (then its default; 0 too where zero_absent)."""
     if value is None:
         return float(default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where} must be a number, got {value!r}")
-    return float(value or default)
+    return float(value or default) if zero_absent else float(value)
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
