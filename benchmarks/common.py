@@ -227,7 +227,10 @@ def contention_warning(threads: int) -> str | None:
 
 
 def environment(threads: int) -> dict:
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("the benchmarks need the bench extra (transformers): pip install -e '.[bench]'") from None
 
     warn = contention_warning(threads)
     if warn:

@@ -69,14 +69,7 @@ def test_inf_embedding_row(folder):
     assert out.finish_reason == "error" and "non-finite" in out.error
 
 
-def _q8_tensor(h) -> str:
-    return next(t.name for t in h.tensors if t.name == "blk.1.attn_q_a.weight")
-
-
 def _nan_scale(data: bytes, h, block: int) -> bytes:
-    from mlaserve.gguf.read.file import open_gguf  # only to learn the tensor's place in the data section
-
-    del open_gguf
     t = next(t for t in h.tensors if t.name == "blk.1.attn_q_a.weight")
     assert struct.unpack_from("<I", data, t.type_at)[0] == 8  # Q8_0
     rel = struct.unpack_from("<Q", data, t.offset_at)[0]
