@@ -93,6 +93,16 @@ def copy_folder(src: Path, dst: Path) -> Path:
     return dst
 
 
+_TINY: dict[str, tuple[Path, Path]] = {}
+
+
+def tiny_model(tmp_path_factory) -> tuple[Path, Path]:
+    """make_tiny once per test session (read-only: copy before editing)."""
+    if "tiny" not in _TINY:
+        _TINY["tiny"] = make_tiny(tmp_path_factory.mktemp("robust-tiny"))
+    return _TINY["tiny"]
+
+
 def make_tiny(root: Path) -> tuple[Path, Path]:
     """(HF folder, Q8_0 GGUF) of the random tiny DeepSeek-V3 model (259 tokens, 3 layers, 8 experts)."""
     from mlaserve.embedded import build_random_tiny

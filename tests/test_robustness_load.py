@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from robustness_helpers import copy_folder, edit_config, make_tiny, patched, walk_header
+from robustness_helpers import copy_folder, edit_config, patched, tiny_model, walk_header
 from safetensors.torch import load_file, save_file
 
 from mlaserve import LLM, SamplingParams
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("robust-load"))
+    return tiny_model(tmp_path_factory)
 
 
 @pytest.fixture
