@@ -240,3 +240,27 @@ def test_weights_stay_finite_after_check(tiny):
     llm = LLM(str(tiny[0]), check_tensors=True)
     assert "check_tensors: every weight is finite" in llm.loaded.report.notes
     assert torch.isfinite(llm.prompt_logits([5, 6, 7])).all()
+
+
+def _set_f32(key: str, value: float):
+    def edit(data, h):
+        kv = h.kvs[key]
+        assert kv.vtype == 6
+        return patched(data, kv.value_at, struct.pack("<f", value))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("deepseek2.attention.layer_norm_rms_epsilon", math.nan, "rms_norm_eps"),
+        ("deepseek2.attention.layer_norm_rms_epsilon", -1e-6, "rms_norm_eps"),
+        ("deepseek2.rope.freq_base", 0.0, "rope_theta"),
+        ("deepseek2.rope.freq_base", math.nan, "rope_theta"),
+        ("deepseek2.expert_weights_scale", math.inf, "routed_scaling_factor"),
+    ],
+)
+def test_gguf_metadata_values_that_cannot_be_right(tiny, tmp_path, key, value, named):
+    with pytest.raises(ValueError, match=named):
+        LLM(_gguf_with(tiny, tmp_path, _set_f32(key, value)))

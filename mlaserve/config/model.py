@@ -313,7 +313,7 @@ class _HFAdapter:
             num_nextn_predict_layers=int(self.raw.get("num_nextn_predict_layers", 0) or 0),
             provenance=self.log.freeze(),
         )
-        check_model_config(cfg, self.source)
+        check_model_config(cfg, self.source, self.field_sources)
         return cfg
 
     def _rope(self) -> RopeConfig:
@@ -485,12 +485,16 @@ def _check_sizes(raw: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: {key} must be a number, got {value!r} ({type(value).__name__})")
 
 
-def check_model_config(cfg: ModelConfig, source: str) -> None:
+def check_model_config(cfg: ModelConfig, source: str, field_sources: dict[str, str] | None = None) -> None:
     """Values that cannot define a model, rejected at load naming the key (they would otherwise
     give NaN logits or a different model at the first forward pass)."""
-    _positive_finite(source, "rms_norm_eps", cfg.rms_norm_eps)
-    _positive_finite(source, "rope_theta", cfg.rope.theta)
-    _positive_finite(source, "rope_scaling.factor", cfg.rope.factor)
+    origin = {st.name: st.source for st in cfg.provenance} | (field_sources or {})
+    for key, alias in (("rope_theta", "rope_parameters.rope_theta"), ("rope_scaling.factor", "rope_parameters.factor")):
+        if alias in origin:
+            origin[key] = origin[alias]
+    _positive_finite(source, "rms_norm_eps", cfg.rms_norm_eps, origin)
+    _positive_finite(source, "rope_theta", cfg.rope.theta, origin)
+    _positive_finite(source, "rope_scaling.factor", cfg.rope.factor, origin)
     for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         if not math.isfinite(getattr(cfg.rope, name)):
             raise ConfigError(f"{source}: rope_scaling.{name} must be finite, got {getattr(cfg.rope, name)}")
@@ -500,16 +504,16 @@ def check_model_config(cfg: ModelConfig, source: str) -> None:
         ):
             raise ConfigError(f"{source}: {key} {value!r} is outside the vocabulary [0, {cfg.vocab_size})")
     if cfg.moe is not None:
-        _check_moe(cfg.moe, source)
+        _check_moe(cfg.moe, source, origin)
 
 
-def _check_moe(moe: MoEConfig, source: str) -> None:
+def _check_moe(moe: MoEConfig, source: str, origin: dict[str, str]) -> None:
     e = moe.n_routed_experts
     if not 1 <= moe.num_experts_per_tok <= e:
         raise ConfigError(
             f"{source}: num_experts_per_tok must be in [1, n_routed_experts={e}], got {moe.num_experts_per_tok}"
         )
-    _positive_finite(source, "routed_scaling_factor", moe.routed_scaling_factor)
+    _positive_finite(source, "routed_scaling_factor", moe.routed_scaling_factor, origin)
     if moe.topk_method in ("group_limited_greedy", "noaux_tc"):
         if e % moe.n_group:
             raise ConfigError(f"{source}: n_group={moe.n_group} must divide n_routed_experts={e}")
@@ -522,9 +526,10 @@ def _check_moe(moe: MoEConfig, source: str) -> None:
             )
 
 
-def _positive_finite(source: str, key: str, value: float) -> None:
+def _positive_finite(source: str, key: str, value: float, origin: dict[str, str]) -> None:
     if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{source}: {key} must be a finite number > 0, got {value}")
+        came = f" (from {origin[key]})" if key in origin else ""
+        raise ConfigError(f"{source}: {key} must be a finite number > 0, got {value}{came}")
 
 
 def _number(value: Any, default: float, where: str, zero_absent: bool = True) -> float:
