@@ -198,11 +198,14 @@ class GGUFShard:
 
     def _read_tensor_infos(self, cur: _Cursor) -> list[tuple[str, tuple[int, ...], int, int]]:
         infos, seen = [], set()
-        for _ in range(self.n_tensors):
+        for i in range(self.n_tensors):
             name = cur.string()
             n_dims = cur.scalar("<I")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFError(f"{self.path}: tensor '{name}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+                raise GGUFError(
+                    f"{self.path}: tensor '{name}' (tensor info {i + 1} of n_tensors={self.n_tensors}) has {n_dims} "
+                    f"dimensions (1..{MAX_DIMS} allowed): a corrupt header, or n_tensors / n_kv={self.n_kv} is wrong"
+                )
             ne = tuple(cur.scalar("<Q") for _ in range(n_dims))
             ggml_type, offset = cur.scalar("<I"), cur.scalar("<Q")
             if name in seen:
