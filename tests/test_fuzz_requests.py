@@ -55,11 +55,27 @@ _FIELDS = (
     "n temperature top_p top_k min_p repetition_penalty presence_penalty frequency_penalty seed "
     "max_tokens min_tokens stop stop_token_ids ignore_eos logprobs prompt_logprobs skip_special_tokens"
 ).split()
-_plausible = st.one_of(st.integers(1, 3), st.floats(0.1, 1.0))  # mostly in range: the engine runs them
-_params = st.one_of(
-    st.dictionaries(st.sampled_from(_FIELDS), _plausible, max_size=3),
-    st.dictionaries(st.sampled_from(_FIELDS), _field, max_size=3),
+_valid = st.fixed_dictionaries(  # in range, so the engine runs them: n, seeds, logprobs, stops, penalties
+    {},
+    optional=dict(
+        n=st.integers(1, 3),
+        temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+        top_p=st.floats(0.05, 1.0),
+        top_k=st.integers(-1, 50),
+        min_p=st.floats(0.0, 0.5),
+        repetition_penalty=st.floats(0.5, 2.0),
+        presence_penalty=st.floats(-2.0, 2.0),
+        seed=st.integers(-(2**63), 2**64 - 4),
+        min_tokens=st.integers(0, 2),
+        stop=st.lists(st.text(min_size=1, max_size=3), max_size=2),
+        stop_token_ids=st.lists(st.integers(0, 5000), max_size=3),
+        ignore_eos=st.booleans(),
+        logprobs=st.integers(0, 5),
+        prompt_logprobs=st.integers(0, 3),
+        skip_special_tokens=st.booleans(),
+    ),
 )
+_params = st.one_of(_valid, st.dictionaries(st.sampled_from(_FIELDS), _field, max_size=3))
 
 
 def _call(llm: LLM, prompts, kwargs: dict, use_logits: bool) -> str:
