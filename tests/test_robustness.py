@@ -226,3 +226,13 @@ def test_prompt_logprobs_not_duplicated_after_preemption(llm):
         ref = torch.log_softmax(llm.prompt_logits(p), -1)  # independent of the engine's request path
         for pos in range(1, len(p)):
             assert g.prompt_logprobs[pos][p[pos]] == pytest.approx(ref[pos - 1, p[pos]].item(), abs=1e-4)
+
+
+def test_no_context_note_when_the_whole_context_was_asked_for():
+    llm = LLM()
+    n = llm.engine.max_model_len
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = llm.generate([[5] * (n - 3)], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
+    assert not [w for w in caught if "context limit" in str(w.message)]

@@ -241,7 +241,7 @@ class Engine:
 
     def _note_context_limit(self, req: Request) -> None:
         """finish_reason "length" alone reads as max_tokens: say once that the context limit cut it."""
-        if self._noted_context_limit:
+        if self._noted_context_limit or req.params.max_tokens is None:  # None asked for the whole context
             return
         self._noted_context_limit = True
         warnings.warn(
