@@ -236,3 +236,20 @@ def test_no_context_note_when_the_whole_context_was_asked_for():
         out = llm.generate([[5] * (n - 3)], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
     assert not [w for w in caught if "context limit" in str(w.message)]
+
+
+def test_a_call_interrupted_mid_run_leaves_nothing_queued(llm, alone, monkeypatch):
+    real, calls = llm.engine.step, {"n": 0}
+
+    def interrupted():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C in a notebook, between two steps
+        return real()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(llm.engine, "step", real)
+    _assert_idle(llm)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == alone

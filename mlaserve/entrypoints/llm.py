@@ -65,13 +65,27 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
             checked = [self._check(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]  # all, then queue
-            groups = [self._add(text, ids, sp) for text, ids, sp in checked]
-            finals: dict[str, RequestOutput] = {}
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
+            queued: list[str] = []
+            try:
+                groups = [self._add(text, ids, sp, queued) for text, ids, sp in checked]
+                finals = self._run()
+            except BaseException:  # nothing of this call stays queued for the next one
+                self._withdraw(queued)
+                raise
             return [self._merge(text, ids, finals) for text, ids in groups]
+
+    def _run(self) -> dict[str, RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return finals
+
+    def _withdraw(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+        self.engine.step()  # hands back the aborted outputs; the engine then forgets them
 
     def _check(self, i: int, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """Validate one prompt of a call without touching the engine: (text, ids, params)."""
@@ -80,13 +94,16 @@ class LLM:
         ids = self.encode(prompt) if text is not None else prompt
         return text, self.engine.check_prompt(ids, f"prompt {i}"), params
 
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> tuple[str | None, list[str]]:
+    def _add(
+        self, text: str | None, ids: list[int], params: SamplingParams, queued: list[str]
+    ) -> tuple[str | None, list[str]]:
         base, rids = f"llm-{self._counter}", []
         self._counter += 1
         for j in range(params.n):
             # n samples = n requests; seeded ones get seed + j so they differ yet stay reproducible
             sub = replace(params, n=1, seed=None if params.seed is None else params.seed + j)
             rids.append(self.engine.add_request(ids, sub, request_id=f"{base}/{j}"))
+            queued.append(rids[-1])
         return text, rids
 
     def _merge(self, text: str | None, rids: list[str], finals: dict[str, RequestOutput]) -> RequestOutput:
