@@ -253,3 +253,24 @@ def test_a_call_interrupted_mid_run_leaves_nothing_queued(llm, alone, monkeypatc
     monkeypatch.setattr(llm.engine, "step", real)
     _assert_idle(llm)
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == alone
+
+
+def test_fault_when_finishing_or_aborting_still_frees_the_pages(llm, alone, monkeypatch):
+    eng = llm.engine
+    rids = [eng.add_request(p, GREEDY, request_id=f"fin-{i}") for i, p in enumerate(PROMPTS)]
+
+    def broken():
+        raise RuntimeError("injected finish fault")
+
+    for rid in rids[:2]:
+        monkeypatch.setattr(eng._detok[rid], "finish", broken)
+    eng.step()
+    assert eng.abort(rids[1])
+    finals = _drain(eng)
+    assert (
+        finals[rids[0]].outputs[0].finish_reason == "error"
+        and "injected finish fault" in finals[rids[0]].outputs[0].error
+    )
+    assert finals[rids[1]].outputs[0].finish_reason == "abort"
+    assert finals[rids[2]].outputs[0].token_ids == alone[2]
+    _assert_idle(llm)

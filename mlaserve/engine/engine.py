@@ -254,7 +254,12 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         detok = self._detok.get(req.request_id)
         if detok is not None and detok.stopped_by is None:
-            detok.finish()
+            try:
+                detok.finish()
+            except Exception as e:  # the pages are freed all the same (abort stays "abort")
+                self._detok.pop(req.request_id, None)
+                req.error = f"request {req.request_id}: detokenizer failed at finish: {type(e).__name__}: {e}"
+                reason = reason if reason == "abort" else "error"
         req.finish_time = time.monotonic()
         self.scheduler.finish(req, reason)
 
