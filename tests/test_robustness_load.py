@@ -264,3 +264,10 @@ def _set_f32(key: str, value: float):
 def test_gguf_metadata_values_that_cannot_be_right(tiny, tmp_path, key, value, named):
     with pytest.raises(ValueError, match=named):
         LLM(_gguf_with(tiny, tmp_path, _set_f32(key, value)))
+
+
+def test_cli_says_once_that_the_context_limit_cut_generation(capsys):
+    # 2 pages of 16 tokens: a 32-token context, less than the 64 tokens asked for
+    assert main(["generate", "--num-pages", "2", "--max-tokens", "64", "--temperature", "0", "Hello"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("mlaserve: note:") == 1 and "context limit (max_model_len 32 tokens" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from mlaserve.entrypoints.engine_args import add_engine_args, make_llm
@@ -236,17 +237,23 @@ def _generate(args) -> int:
     SamplingParams(**_user_sampling(args, temperature=0.0, top_p=1.0))
     llm = make_llm(args, _progress_bar)
     params = SamplingParams(**_user_sampling(args, **_sampling_defaults(args, llm.loaded.generation_config)))
-    for prompt in args.prompts:
-        text = prompt
-        if args.chat:
-            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        _stream(llm, llm.encode(text), params, prompt)
+    with warnings.catch_warnings():  # the engine's notes (e.g. the context limit) as one plain line
+        warnings.showwarning = _print_note
+        for prompt in args.prompts:
+            text = prompt
+            if args.chat:
+                text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            _stream(llm, llm.encode(text), params, prompt)
     if args.trace:
         from mlaserve.observability.summary import format_summary, read_ledger, summarize
 
         llm.runner.tracer.close()
         print(format_summary(summarize(read_ledger(args.trace, start))), file=sys.stderr)
     return 0
+
+
+def _print_note(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"\nmlaserve: note: {message}", file=sys.stderr)
 
 
 def _user_sampling(args, temperature: float, top_p: float) -> dict:
