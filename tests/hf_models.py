@@ -113,6 +113,22 @@ SPECS: dict[str, tuple[str, dict]] = {
             index_head_dim=32,
         ),
     ),
+    # Kimi-K2's layout (deepseek_v3: one expert group, sigmoid + bias, normalised top-k, its scaling
+    # factor); hidden 72 / moe_intermediate 40 are not multiples of the FP8 tests' blocks (edge blocks).
+    "kimi_k2": (
+        "deepseek_v3",
+        dict(
+            hidden_size=72,
+            intermediate_size=100,
+            moe_intermediate_size=40,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.827,
+            num_nextn_predict_layers=0,
+        ),
+    ),
     "glm_dsa_shared": (
         "glm_moe_dsa",
         dict(

@@ -15,6 +15,8 @@ from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.quant.config import parse_quantization
+from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
 
 
 @dataclass
@@ -25,6 +27,7 @@ class LoadedModel:
     report: LoadReport
     path: Path
     generation_config: dict  # the folder's generation_config.json ({} when absent): sampling defaults
+    quant: QuantPlan | None = None  # which modules hold quantized weights (None: an unquantized checkpoint)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -69,13 +72,26 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
         model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors)
+        scheme = None
     else:
-        model_cfg = ModelConfig.from_hf(read_hf_config(path), source="config.json")
+        hf_config = read_hf_config(path)
+        model_cfg = ModelConfig.from_hf(hf_config, source="config.json")
+        scheme = parse_quantization(hf_config)
         source, skipped = SafetensorsSource(path), []
         tokenizer = _folder_tokenizer(path, model_cfg)
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
     model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device)
+    quant = None
+    if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
+        modules = {name for name, _ in model.named_modules()}
+        quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    if quant is not None:
+        densify(model, quant, engine_cfg.dtype)
+        report.notes.append(
+            f"{scheme.method} {scheme.fmt} {scheme.strategy} {scheme.block or ''}: {len(quant.linears)} linear(s) and "
+            f"{len(quant.experts)} expert stack(s) quantized, {len(quant.kept)} linear(s) kept unquantized"
+        )
     if opts.check_tensors and not path.is_file():  # a GGUF was scanned before loading
         bad = scan_model(model)
         if bad:
@@ -86,7 +102,7 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     gen_path = path / "generation_config.json" if path.is_dir() else None
     gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
-    return LoadedModel(model, engine_cfg, tokenizer, report, path, gen)
+    return LoadedModel(model, engine_cfg, tokenizer, report, path, gen, quant)
 
 
 def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:

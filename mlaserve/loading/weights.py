@@ -23,7 +23,9 @@ from torch import nn
 from mlaserve.config.model import ModelConfig
 from mlaserve.loading.safetensors_source import WeightError
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$"
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -57,7 +59,7 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
             continue
         m = _EXPERT.match(name)
         if m:
-            experts.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)))] = name
+            experts.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)), m.group(4))] = name
             continue
         _copy(name, source, targets, filled)
         report.loaded += 1
@@ -98,14 +100,17 @@ def _copy(name: str, source: TensorSource, targets: dict, filled: set[str]) -> N
         raise WeightError(f"{source.where(name)}: tensor {name!r} appears twice")
     tensor = source.get(name)
     _check_shape(name, tuple(tensor.shape), tuple(targets[name].shape), source)
+    _check_stored_dtype(name, tensor.dtype, targets[name].dtype, source)
     with torch.no_grad():
         targets[name].copy_(tensor)
     filled.add(name)
 
 
 def _stack_experts(
-    prefix: str, parts: dict[tuple[str, int], str], source: TensorSource, targets: dict, filled: set[str]
+    prefix: str, parts: dict[tuple[str, int, str], str], source: TensorSource, targets: dict, filled: set[str]
 ) -> int:
+    """parts: (proj, expert, suffix) -> name; suffix "weight", or the scale of quantized experts
+    (stacked into experts.{gate_up,down}_proj_scale, see quant/linear.py FP8Experts)."""
     gate_up, down = targets.get(f"{prefix}.gate_up_proj"), targets.get(f"{prefix}.down_proj")
     any_name = next(iter(parts.values()))
     if gate_up is None or down is None:
@@ -114,26 +119,48 @@ def _stack_experts(
         )
     n_exp, two_i, _ = gate_up.shape
     inter = two_i // 2
+    dst = {"weight": (gate_up[:, :inter], gate_up[:, inter:], down)}
+    gu_scale, down_scale = targets.get(f"{prefix}.gate_up_proj_scale"), targets.get(f"{prefix}.down_proj_scale")
+    suffixes = ["weight"]
+    if gu_scale is not None:
+        suffix = next((k[2] for k in parts if k[2] != "weight"), "weight_scale_inv")
+        dst[suffix] = (gu_scale[:, 0], gu_scale[:, 1], down_scale)
+        suffixes.append(suffix)
     for e in range(n_exp):
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            if (proj, e) not in parts:
-                raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.weight")
-    extra = [parts[k] for k in parts if k[1] >= n_exp]
+            for suffix in suffixes:
+                if (proj, e, suffix) not in parts:
+                    raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.{suffix}")
+    extra = [parts[k] for k in parts if k[1] >= n_exp or k[2] not in dst]
     if extra:
         raise WeightError(f"{source.where(extra[0])}: unexpected tensor {extra[0]!r} (only {n_exp} experts)")
     with torch.no_grad():
-        for e in range(n_exp):
-            for proj, dst in (
-                ("gate_proj", gate_up[e, :inter]),
-                ("up_proj", gate_up[e, inter:]),
-                ("down_proj", down[e]),
-            ):
-                name = parts[(proj, e)]
-                tensor = source.get(name)
-                _check_shape(name, tuple(tensor.shape), tuple(dst.shape), source)
-                dst.copy_(tensor)
+        for (proj, e, suffix), name in parts.items():
+            target = dst[suffix][("gate_proj", "up_proj", "down_proj").index(proj)][e]
+            tensor = source.get(name)
+            _check_shape(name, tuple(tensor.shape), tuple(target.shape), source)
+            _check_stored_dtype(name, tensor.dtype, target.dtype, source)
+            target.copy_(tensor)
     filled.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
+    if gu_scale is not None:
+        filled.update({f"{prefix}.gate_up_proj_scale", f"{prefix}.down_proj_scale"})
     return len(parts)
+
+
+def _check_stored_dtype(name: str, got: torch.dtype, want: torch.dtype, source: TensorSource) -> None:
+    """Quantized bytes are copied as stored, never converted: a float8 tensor needs a float8
+    target (its module planned as quantized because its scale tensor exists), and vice versa."""
+    if (got == torch.float8_e4m3fn) == (want == torch.float8_e4m3fn):
+        return
+    if got == torch.float8_e4m3fn:
+        raise WeightError(
+            f"{source.where(name)}: tensor {name!r} is stored as float8_e4m3fn but the checkpoint has no "
+            "scale tensor for it (weight_scale_inv / weight_scale), or no quantization_config"
+        )
+    raise WeightError(
+        f"{source.where(name)}: tensor {name!r} is stored as {str(got).removeprefix('torch.')} "
+        "but has a scale tensor, so it should be float8_e4m3fn"
+    )
 
 
 def _check_shape(name: str, got: tuple, want: tuple, source: TensorSource) -> None:

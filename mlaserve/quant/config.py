@@ -1,0 +1,129 @@
+"""The checkpoint's `quantization_config` -> one frozen `QuantScheme`, each field with its source.
+
+Formats read (weights are float8_e4m3fn, dequantized as w = q * s, s per block of the weight):
+  DeepSeek FP8      quant_method "fp8", fmt "e4m3", weight_block_size [bn, bk],
+                    activation_scheme "dynamic"; scale tensor `<module>.weight_scale_inv`
+                    [ceil(N/bn), ceil(K/bk)] fp32 (the *inverse* of the quantizer's scale, so it
+                    multiplies); optional modules_to_not_convert.
+  compressed-tensors quant_method "compressed-tensors", format "float-quantized", one config group
+                    with weights {type float, num_bits 8, strategy block|channel|tensor,
+                    block_structure [bn, bk]} and an `ignore` list (names, or "re:" regexes matched
+                    from the start of the module name); scale tensor `<module>.weight_scale`:
+                    block [ceil(N/bn), ceil(K/bk)], channel [N, 1], tensor [1].
+Activations stay in the compute dtype (--dtype): the dynamic activation quantization of the
+release is not reproduced, so the result equals "dequantize the weight, then matmul".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from mlaserve.config.model import ConfigError
+from mlaserve.config.provenance import ProvenanceLog, Setting
+
+FP8_FORMATS = ("e4m3",)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    method: str  # "fp8" (DeepSeek block format) | "compressed-tensors"
+    fmt: str  # "e4m3"
+    strategy: str  # "block" | "channel" | "tensor"
+    block: tuple[int, int] | None  # (bn, bk) for "block"
+    scale_name: str  # "weight_scale_inv" | "weight_scale"
+    ignore: tuple[str, ...]  # module names / "re:" patterns kept unquantized
+    settings: tuple[Setting, ...] = ()
+
+    def block_of(self, out_features: int, in_features: int) -> tuple[int, int]:
+        """The (bn, bk) block of one weight: a channel is (1, K), a whole tensor (N, K)."""
+        if self.strategy == "block":
+            return self.block
+        return (1, in_features) if self.strategy == "channel" else (out_features, in_features)
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        """The stored shape of one weight's scale tensor (the format's convention)."""
+        if self.strategy == "tensor":
+            return (1,)
+        bn, bk = self.block_of(out_features, in_features)
+        return (-(-out_features // bn), -(-in_features // bk))
+
+    def ignores(self, module: str) -> bool:
+        return any(ignore_match(p, module) for p in self.ignore)
+
+
+def ignore_match(pattern: str, module: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return pattern == module
+
+
+def parse_quantization(hf_config: dict, source: str = "config.json") -> QuantScheme | None:
+    """None for an unquantized checkpoint; ConfigError naming the field for anything unsupported."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    log = ProvenanceLog()
+    log.record("quant.method", method, f"{source}:quantization_config.quant_method")
+    if method == "fp8":
+        return _parse_deepseek_fp8(qc, source, log)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(qc, source, log)
+    raise ConfigError(
+        f"{source}: quantization_config.quant_method {method!r} is not supported "
+        "(supported: 'fp8' block-scaled e4m3, 'compressed-tensors' float8)"
+    )
+
+
+def _parse_deepseek_fp8(qc: dict, source: str, log: ProvenanceLog) -> QuantScheme:
+    key = f"{source}:quantization_config"
+    fmt = qc.get("fmt", "e4m3")
+    if fmt not in FP8_FORMATS:
+        raise ConfigError(f"{key}.fmt {fmt!r} is not supported (supported: {list(FP8_FORMATS)})")
+    log.record("quant.fmt", fmt, f"{key}.fmt" if "fmt" in qc else "format default (e4m3)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"{key}.weight_block_size must be [rows, cols] of positive integers, got {block!r}")
+    log.record("quant.strategy", "block", f"{key}.weight_block_size")
+    log.record("quant.block", tuple(block), f"{key}.weight_block_size")
+    act = qc.get("activation_scheme", "dynamic")
+    log.record("quant.activations", f"{act} in the release; here: compute dtype", f"{key}.activation_scheme")
+    log.record("quant.scale_tensor", "weight_scale_inv", "DeepSeek FP8 format")
+    ignore = tuple(qc.get("modules_to_not_convert") or ())
+    log.record("quant.ignore", ignore, f"{key}.modules_to_not_convert" if ignore else "none listed")
+    return QuantScheme("fp8", fmt, "block", tuple(block), "weight_scale_inv", ignore, log.freeze())
+
+
+def _parse_compressed_tensors(qc: dict, source: str, log: ProvenanceLog) -> QuantScheme:
+    key = f"{source}:quantization_config"
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ConfigError(f"{key}.config_groups: exactly one group is supported, got {sorted(groups)}")
+    ((gname, group),) = groups.items()
+    w = group.get("weights") or {}
+    gkey = f"{key}.config_groups.{gname}.weights"
+    if w.get("type") != "float" or w.get("num_bits") != 8:
+        raise ConfigError(
+            f"{gkey}: only 8-bit float (e4m3) weights are supported, got type={w.get('type')!r} "
+            f"num_bits={w.get('num_bits')!r}"
+        )
+    strategy = w.get("strategy")
+    if strategy not in ("block", "channel", "tensor"):
+        raise ConfigError(f"{gkey}.strategy {strategy!r} is not supported (block, channel, tensor)")
+    block = None
+    if strategy == "block":
+        block = w.get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ConfigError(f"{gkey}.block_structure must be [rows, cols] of positive integers, got {block!r}")
+        block = tuple(block)
+    log.record("quant.fmt", "e4m3", f"{gkey}.type/num_bits")
+    log.record("quant.strategy", strategy, f"{gkey}.strategy")
+    log.record("quant.block", block, f"{gkey}.block_structure" if block else f"{strategy} strategy")
+    log.record("quant.activations", "compute dtype", "weights-only here (input_activations not reproduced)")
+    log.record("quant.scale_tensor", "weight_scale", "compressed-tensors format")
+    ignore = tuple(qc.get("ignore") or ())
+    log.record("quant.ignore", ignore, f"{key}.ignore")
+    return QuantScheme("compressed-tensors", "e4m3", strategy, block, "weight_scale", ignore, log.freeze())

@@ -1,0 +1,131 @@
+"""Modules that hold quantized weights in their stored form: THE seam for quantized weights.
+
+The interface every quantized weight holder implements (a linear layer or a stack of experts):
+  parameters named as the checkpoint names them (`weight` + its scale tensor), filled by the
+      strict loader like any parameter -- the stored bytes are copied, never converted;
+  dequantize(dtype) -> the dense weight: the reference the fast path is tested against;
+  forward(x)        -> the layer's output in x's dtype (--dtype is the compute precision), which
+      dequantizes on the fly (only the experts a step routes to) and drops the dense copy;
+  describe()        -> (scheme, block) for provenance and `mlaserve inspect`.
+A GGUF block format kept quantized (Q8_0: [N, K/32] blocks of 32 int8 + one fp16 scale; Q4_K:
+256-value super-blocks) plugs in as another holder class: `weight` holds the raw ggml bytes
+[N, K/32 * 34] uint8, `dequantize` calls gguf.quants' torch dequantizer (bit-exact with gguf-py),
+and `forward` is the same "dequantize, then F.linear / grouped GEMM" until a packed kernel beats it;
+`swap_in` (quant/plan.py) picks the holder class per module from the checkpoint's tensors.
+
+Shapes: Linear weight [N, K] (N out, K in); experts gate_up [E, 2I, D] (gate rows first),
+down [E, D, I]; block scales as in fp8_block.py. gate and up keep their own scales
+[E, 2, ceil(I/bn), ceil(D/bk)], since I need not be a multiple of bn.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.models.moe import Experts
+from mlaserve.quant import fp8_block
+from mlaserve.quant.config import QuantScheme
+
+
+def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class FP8Linear(nn.Module):
+    """y = x W^T (+ b), W stored as e4m3 Q [N, K] and its scale tensor (named as the checkpoint)."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool, dtype, device) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.block = scheme.block_of(out_features, in_features)
+        self.scale_name = scheme.scale_name
+        self.weight = _frozen((out_features, in_features), fp8_block.FP8, device)
+        self.register_parameter(
+            scheme.scale_name, _frozen(scheme.scale_shape(out_features, in_features), torch.float32, device)
+        )
+        self.bias = _frozen((out_features,), dtype, device) if bias else None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The scale as [nb, kb] (a tensor-strategy [1] scale is one block)."""
+        s = getattr(self, self.scale_name)
+        return s.view(fp8_block.scale_blocks(self.out_features, self.in_features, self.block))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return fp8_block.dequantize_reference(self.weight, self.scale, self.block).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = fp8_block.dequantize(self.weight, self.scale, self.block, x.dtype)
+        return F.linear(x, w, self.bias)
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        return f"{self.scheme.method} {self.scheme.fmt}", self.block
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+class FP8Experts(Experts):
+    """Routed experts kept in e4m3: gate_up_proj [E, 2I, D] and down_proj [E, D, I] with their
+    scales; a step dequantizes only the experts it routes tokens to, then one grouped GEMM."""
+
+    def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
+        nn.Module.__init__(self)
+        self.impl, self.scheme = "grouped_mm", scheme
+        self.block_gu = scheme.block_of(inter, hidden)
+        self.block_down = scheme.block_of(hidden, inter)
+        self.gate_up_proj = _frozen((n_experts, 2 * inter, hidden), fp8_block.FP8, device)
+        self.down_proj = _frozen((n_experts, hidden, inter), fp8_block.FP8, device)
+        self.gate_up_proj_scale = _frozen(
+            (n_experts, 2, *fp8_block.scale_blocks(inter, hidden, self.block_gu)), torch.float32, device
+        )
+        self.down_proj_scale = _frozen(
+            (n_experts, *fp8_block.scale_blocks(hidden, inter, self.block_down)), torch.float32, device
+        )
+
+    def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense gate_up [A, 2I, D] and down [A, D, I] of the listed experts, in dtype."""
+        q = self.gate_up_proj[experts]
+        gu = fp8_block.dequantize(q.unflatten(1, (2, -1)), self.gate_up_proj_scale[experts], self.block_gu, dtype)
+        down = fp8_block.dequantize(self.down_proj[experts], self.down_proj_scale[experts], self.block_down, dtype)
+        return gu.flatten(1, 2), down
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference: every expert, torch's cast."""
+        gu = fp8_block.dequantize_reference(
+            self.gate_up_proj.unflatten(1, (2, -1)), self.gate_up_proj_scale, self.block_gu
+        ).flatten(1, 2)
+        down = fp8_block.dequantize_reference(self.down_proj, self.down_proj_scale, self.block_down)
+        return gu.to(dtype), down.to(dtype)
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        return f"{self.scheme.method} {self.scheme.fmt}", self.block_gu
+
+    def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        active = torch.unique(topk_idx)  # sorted: the grouped GEMM's groups, in expert order
+        gate_up, down = self.expert_weights(active, x.dtype)
+        local = torch.searchsorted(active, topk_idx)  # expert id -> its row in the active stack
+        if self.impl == "loop":
+            return self._loop(x, topk_w, local, gate_up, down)
+        return self._grouped(x, topk_w, local, gate_up, down)
+
+    def _grouped(self, x, topk_w, local, gate_up, down) -> torch.Tensor:
+        k = local.shape[1]
+        flat = local.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        offs = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)
+        g, u = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+        ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+    def _loop(self, x, topk_w, local, gate_up, down) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for a in range(gate_up.shape[0]):
+            tok, slot = torch.where(local == a)
+            g, u = F.linear(x[tok], gate_up[a]).chunk(2, dim=-1)
+            out.index_add_(0, tok, F.linear(F.silu(g) * u, down[a]) * topk_w[tok, slot, None].to(x.dtype))
+        return out

@@ -1,0 +1,79 @@
+"""Write a Hugging Face folder as an FP8 checkpoint in a release's layout (DeepSeek FP8 block
+format or compressed-tensors), quantizing as the releases do (fp8_block.quantize: block amax / 448).
+
+Quantized: every 2-D `*.weight` of a linear layer (experts one by one, in the checkpoint's per-expert
+layout) except the modules the releases keep: embeddings, lm_head, the MoE router (`mlp.gate`)
+and the DSA indexer's `weights_proj`. Everything else is stored as `keep_dtype` (bf16 in releases).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mlaserve.loading.safetensors_source import SafetensorsSource
+from mlaserve.quant import fp8_block
+
+KEPT = ("model.embed_tokens", "lm_head", "re:.*mlp\\.gate$", "re:.*weights_proj$")
+FORMATS = ("fp8", "compressed-tensors")
+
+
+def quantization_config(fmt: str, block: tuple[int, int] | None) -> dict:
+    """The config.json entry of each format (block None: compressed-tensors channel strategy)."""
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    weights |= {"strategy": "block", "block_structure": list(block)} if block else {"strategy": "channel"}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": list(KEPT),
+    }
+
+
+def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False
+    module = name.removesuffix(".weight")
+    return not any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in KEPT)
+
+
+def write_fp8_folder(
+    src: str | Path,
+    dst: str | Path,
+    fmt: str = "fp8",
+    block: tuple[int, int] | None = (128, 128),
+    keep_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, int]:
+    """src HF folder -> dst FP8 folder (config.json with quantization_config, one model.safetensors,
+    the other files copied). -> {"quantized": n, "kept": m} tensor counts."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    source, out, counts = SafetensorsSource(src), {}, {"quantized": 0, "kept": 0}
+    scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    for name in source.names():
+        t = source.get(name)
+        if not is_quantized(name, tuple(t.shape)):
+            out[name] = t.to(keep_dtype) if t.is_floating_point() else t
+            counts["kept"] += 1
+            continue
+        q, s = fp8_block.quantize(t, block or (1, t.shape[1]))
+        out[name], out[name.removesuffix("weight") + scale_name] = q, s
+        counts["quantized"] += 1
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt, block)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    return counts
