@@ -325,6 +325,8 @@ def _inspect(args) -> int:
 
     llm = make_llm(args, _progress_bar)
     print(format_table(llm.config.all_provenance()))
+    if llm.loaded.quant is not None:
+        print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
     if llm.loaded.report.notes:
         print("\nload report:\n  " + "\n  ".join(llm.loaded.report.notes))
     return 0

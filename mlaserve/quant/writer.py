@@ -23,8 +23,9 @@ KEPT = ("model.embed_tokens", "lm_head", "re:.*mlp\\.gate$", "re:.*weights_proj$
 FORMATS = ("fp8", "compressed-tensors")
 
 
-def quantization_config(fmt: str, block: tuple[int, int] | None) -> dict:
-    """The config.json entry of each format (block None: compressed-tensors channel strategy)."""
+def quantization_config(fmt: str, block: tuple[int, int] | None, ignore: list[str] = ()) -> dict:
+    """The config.json entry of each format (block None: compressed-tensors channel strategy);
+    ignore: the kept modules' patterns (compressed-tensors lists them)."""
     if fmt == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
@@ -34,15 +35,16 @@ def quantization_config(fmt: str, block: tuple[int, int] | None) -> dict:
         "format": "float-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-        "ignore": list(KEPT),
+        "ignore": list(ignore),
     }
 
 
+def _kept_by(module: str) -> list[str]:
+    return [p for p in KEPT if (re.match(p[3:], module) if p.startswith("re:") else p == module)]
+
+
 def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
-    if not name.endswith(".weight") or len(shape) != 2:
-        return False
-    module = name.removesuffix(".weight")
-    return not any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in KEPT)
+    return name.endswith(".weight") and len(shape) == 2 and not _kept_by(name.removesuffix(".weight"))
 
 
 def write_fp8_folder(
@@ -60,6 +62,7 @@ def write_fp8_folder(
     dst.mkdir(parents=True, exist_ok=True)
     source, out, counts = SafetensorsSource(src), {}, {"quantized": 0, "kept": 0}
     scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    ignore = {p for n in source.names() for p in _kept_by(n.rsplit(".", 1)[0])}
     for name in source.names():
         t = source.get(name)
         if not is_quantized(name, tuple(t.shape)):
@@ -71,7 +74,7 @@ def write_fp8_folder(
         counts["quantized"] += 1
     save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, block)
+    config["quantization_config"] = quantization_config(fmt, block, [p for p in KEPT if p in ignore])
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
