@@ -4,8 +4,11 @@ The interface every quantized weight holder implements (a linear layer or a stac
   parameters named as the checkpoint names them (`weight` + its scale tensor), filled by the
       strict loader like any parameter -- the stored bytes are copied, never converted;
   dequantize(dtype) -> the dense weight: the reference the fast path is tested against;
-  forward(x)        -> the layer's output in x's dtype (--dtype is the compute precision), which
+  forward(x)        -> the layer's output in x's dtype (--dtype is the activation precision), which
       dequantizes on the fly (only the experts a step routes to) and drops the dense copy;
+      the product runs in fp32 (exact dequantized weights, fp32 accumulation) and is rounded to
+      x's dtype: on CPU, fp32 -> bf16 conversion of a whole weight costs more than the fp32 GEMM
+      saves (measured), and bf16 GEMMs are slower than fp32 ones without native bf16 units;
   describe()        -> (scheme, block) for provenance and `mlaserve inspect`.
 A GGUF block format kept quantized (Q8_0: [N, K/32] blocks of 32 int8 + one fp16 scale; Q4_K:
 256-value super-blocks) plugs in as another holder class: `weight` holds the raw ggml bytes
@@ -57,8 +60,9 @@ class FP8Linear(nn.Module):
         return fp8_block.dequantize_reference(self.weight, self.scale, self.block).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = fp8_block.dequantize(self.weight, self.scale, self.block, x.dtype)
-        return F.linear(x, w, self.bias)
+        w = fp8_block.dequantize(self.weight, self.scale, self.block)
+        bias = self.bias.float() if self.bias is not None else None
+        return F.linear(x.float(), w, bias).to(x.dtype)
 
     def describe(self) -> tuple[str, tuple[int, int]]:
         return f"{self.scheme.method} {self.scheme.fmt}", self.block
@@ -105,11 +109,10 @@ class FP8Experts(Experts):
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         active = torch.unique(topk_idx)  # sorted: the grouped GEMM's groups, in expert order
-        gate_up, down = self.expert_weights(active, x.dtype)
+        gate_up, down = self.expert_weights(active, torch.float32)
         local = torch.searchsorted(active, topk_idx)  # expert id -> its row in the active stack
-        if self.impl == "loop":
-            return self._loop(x, topk_w, local, gate_up, down)
-        return self._grouped(x, topk_w, local, gate_up, down)
+        run = self._loop if self.impl == "loop" else self._grouped
+        return run(x.float(), topk_w, local, gate_up, down).to(x.dtype)
 
     def _grouped(self, x, topk_w, local, gate_up, down) -> torch.Tensor:
         k = local.shape[1]
