@@ -76,7 +76,7 @@ def measure(folder: Path, dtype: str, args) -> dict:
     from mlaserve.sampling.params import SamplingParams
 
     rss0 = rss_gib()
-    llm = LLM(model=str(folder), dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=args.conc)
+    llm = LLM(model=str(folder), dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=args.conc, threads=args.threads)
     vocab = llm.config.model.vocab_size
     out = {"weights_gib": weight_bytes(llm.loaded.model) / 2**30, "rss_delta_gib": rss_gib() - rss0}
     greedy = dict(temperature=0, ignore_eos=True)
