@@ -181,6 +181,21 @@ def test_engine_on_fp8_folder_equals_transformers_on_its_dequantized_weights(fp8
     assert diff <= 1e-4 and top1 == 1.0, (kind, diff, top1)
 
 
+@pytest.mark.parametrize("mla_path", ["absorbed", "decompressed"])
+def test_fp8_layers_equal_dequantize_then_matmul_on_the_reference_backend(fp8_folder, tmp_path, mla_path):
+    """The same engine on the FP8 folder and on its dequantized copy (real layers: MLA projections,
+    dense MLP, shared and routed experts, DSA indexer), plain reference attention: only the
+    matmul's weight form differs, so the logits agree to fp32 rounding."""
+    folder = fp8_folder("v32", *FAMILIES["v32"])
+    deq = dequantized_folder(folder, tmp_path / "deq")
+    ids = random_ids(40)
+    opts = dict(attention_backend="reference", mla_path=mla_path, max_num_batched_tokens=16, page_size=8)
+    got = LLM(str(folder), **opts).prompt_logits(ids)
+    ref = LLM(str(deq), **opts).prompt_logits(ids)
+    diff, top1 = _compare(got, ref)
+    assert diff <= 1e-5 and top1 == 1.0, (mla_path, diff, top1)
+
+
 def test_reference_backend_and_channel_strategy(fp8_folder, tmp_path):
     """compressed-tensors channel strategy ([N, 1] scales), on the plain reference attention backend."""
     folder = fp8_folder("v3_tied", "compressed-tensors", None)
@@ -359,3 +374,21 @@ def test_compressed_tensors_config_parsing():
                 }
             }
         )
+
+
+def test_bf16_scales_and_a_kept_module_listed_in_the_config(broken, tmp_path):
+    """llm-compressor may store weight_scale in bf16 (read exactly into fp32); a module listed in
+    modules_to_not_convert and stored unquantized loads as it is."""
+    tensors, config, save = broken
+    for name in [n for n in tensors if n.endswith("weight_scale_inv")]:
+        tensors[name] = tensors[name].bfloat16()
+    name = f"{Q_A}.weight"
+    scale = tensors.pop(f"{Q_A}.weight_scale_inv").float().repeat_interleave(32, 0).repeat_interleave(32, 1)
+    tensors[name] = tensors[name].float() * scale[: tensors[name].shape[0], : tensors[name].shape[1]]
+    config["quantization_config"]["modules_to_not_convert"] = [Q_A]
+    folder = save()
+    llm = LLM(folder, attention_backend="reference")
+    assert Q_A in llm.loaded.quant.kept and Q_A not in llm.loaded.quant.linears
+    ref = hf_logits(_hf_from(dequantized_folder(tmp_path / "bad", tmp_path / "deq")), random_ids(24))
+    diff, top1 = _compare(llm.prompt_logits(random_ids(24)), ref)
+    assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
