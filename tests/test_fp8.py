@@ -8,6 +8,7 @@ running on the FP8 folder (fp32 compute, <= 1e-4, 100% top-1).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -36,6 +37,9 @@ FAMILIES = {
 }
 
 
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
 def _block_of(qc: dict, shape: tuple[int, int]) -> tuple[int, int]:
     if qc["quant_method"] == "fp8":
         return tuple(qc["weight_block_size"])
@@ -53,6 +57,12 @@ def dequantized_folder(fp8_dir, out_dir):
     for name in [n for n in tensors if n.endswith(suffix)]:
         s, wname = tensors.pop(name), name.removesuffix(suffix) + "weight"
         q = tensors[wname]
+        if q.dtype == torch.int8:  # fp4 experts: two e2m1 codes per byte, low nibble first
+            u = q.view(torch.uint8)
+            codes = torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2).long()
+            values = torch.tensor(E2M1)[codes]
+            tensors[wname] = values * s.float().repeat_interleave(32, 1)[:, : values.shape[1]]
+            continue
         bn, bk = _block_of(qc, tuple(q.shape))
         full = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: q.shape[0], : q.shape[1]]
         tensors[wname] = q.float() * full
@@ -65,13 +75,14 @@ def dequantized_folder(fp8_dir, out_dir):
 def fp8_folder(hf_model_dir, tmp_path_factory):
     cache: dict = {}
 
-    def get(kind: str, fmt: str, block):
-        if (kind, fmt, block) not in cache:
+    def get(kind: str, fmt: str, block, experts: str = "fp8"):
+        key = (kind, fmt, block, experts)
+        if key not in cache:
             src, _ = hf_model_dir(kind)
             dst = tmp_path_factory.mktemp(f"{kind}-fp8")
-            write_fp8_folder(src, dst, fmt, block)
-            cache[(kind, fmt, block)] = dst
-        return cache[(kind, fmt, block)]
+            write_fp8_folder(src, dst, fmt, block, experts=experts)
+            cache[key] = dst
+        return cache[key]
 
     return get
 
@@ -392,3 +403,50 @@ def test_bf16_scales_and_a_kept_module_listed_in_the_config(broken, tmp_path):
     ref = hf_logits(_hf_from(dequantized_folder(tmp_path / "bad", tmp_path / "deq")), random_ids(24))
     diff, top1 = _compare(llm.prompt_logits(random_ids(24)), ref)
     assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
+
+
+# ---- FP4 (e2m1) routed experts, DeepSeek-V4 style ---------------------------------------------------
+
+
+def test_fp4_codes_and_quantizer():
+    from mlaserve.quant import fp4_group
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes[0::2] | (codes[1::2] << 4)).view(torch.int8)[None]
+    assert fp4_group.dequantize(packed, torch.ones(1, 1)).tolist() == [E2M1]
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 6, 72, generator=g)  # 72 = two groups of 32 and a partial one
+    p, s = fp4_group.quantize(w)
+    assert p.shape == (3, 6, 36) and s.shape == (3, 6, 3)
+    ref = fp4_group.dequantize_reference(p, s)
+    assert torch.equal(fp4_group.dequantize(p, s).view(torch.int32), ref.view(torch.int32))
+    scaled = w / s.repeat_interleave(32, -1)[..., :72]
+    grid = torch.tensor(E2M1)
+    best = (scaled[..., None] - grid).abs().min(dim=-1).values  # the nearest e2m1 value's distance
+    assert torch.allclose((scaled - ref / s.repeat_interleave(32, -1)[..., :72]).abs(), best, atol=1e-6)
+    assert torch.equal(s, torch.stack([c.abs().amax(-1) for c in w.split(32, -1)], -1) / 6)
+
+
+def test_fp4_experts_engine_equals_transformers(fp8_folder, tmp_path):
+    """Routed experts in e2m1 (the rest FP8 blocks): the engine == transformers on the dequantized
+    weights, and == transformers loading the FP4 folder itself (its CPU path dequantizes at load)."""
+    folder = fp8_folder("v3_yarn", "fp8", (16, 16), "fp4")
+    llm = LLM(str(folder), max_num_batched_tokens=24)
+    assert type(llm.loaded.model.model.layers[1].mlp.experts).__name__ == "FP4Experts"
+    ids = random_ids(40)
+    got = llm.prompt_logits(ids)
+    diff, top1 = _compare(got, hf_logits(_hf_from(dequantized_folder(folder, tmp_path / "deq")), ids))
+    assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
+    if importlib.util.find_spec("accelerate") is not None:
+        diff, top1 = _compare(got, hf_logits(_hf_from(folder), ids))
+        assert diff <= 1e-4 and top1 == 1.0, ("transformers on the FP4 folder", diff, top1)
+
+
+def test_fp4_experts_without_expert_dtype_name_the_tensor(fp8_folder, tmp_path):
+    dst = tmp_path / "bad"
+    shutil.copytree(fp8_folder("v3_yarn", "fp8", (16, 16), "fp4"), dst)
+    config = json.loads((dst / "config.json").read_text())
+    del config["quantization_config"]["expert_dtype"]
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightError, match=r"experts\.\d+\.\w+_proj\.weight' is stored as int8.*implies float8_e4m3fn"):
+        LLM(str(dst))

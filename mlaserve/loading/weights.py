@@ -99,8 +99,8 @@ def _copy(name: str, source: TensorSource, targets: dict, filled: set[str]) -> N
     if name in filled:
         raise WeightError(f"{source.where(name)}: tensor {name!r} appears twice")
     tensor = source.get(name)
-    _check_shape(name, tuple(tensor.shape), tuple(targets[name].shape), source)
     _check_stored_dtype(name, tensor.dtype, targets[name].dtype, source)
+    _check_shape(name, tuple(tensor.shape), tuple(targets[name].shape), source)
     with torch.no_grad():
         targets[name].copy_(tensor)
     filled.add(name)
@@ -138,8 +138,8 @@ def _stack_experts(
         for (proj, e, suffix), name in parts.items():
             target = dst[suffix][("gate_proj", "up_proj", "down_proj").index(proj)][e]
             tensor = source.get(name)
-            _check_shape(name, tuple(tensor.shape), tuple(target.shape), source)
             _check_stored_dtype(name, tensor.dtype, target.dtype, source)
+            _check_shape(name, tuple(tensor.shape), tuple(target.shape), source)
             target.copy_(tensor)
     filled.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
     if gu_scale is not None:
@@ -148,19 +148,32 @@ def _stack_experts(
 
 
 def _check_stored_dtype(name: str, got: torch.dtype, want: torch.dtype, source: TensorSource) -> None:
-    """Quantized bytes are copied as stored, never converted: a float8 tensor needs a float8
-    target (its module planned as quantized because its scale tensor exists), and vice versa."""
-    if (got == torch.float8_e4m3fn) == (want == torch.float8_e4m3fn):
+    """Quantized bytes are copied as stored, never converted: a float8 (or int8-packed fp4) tensor
+    needs a target of its dtype (its module planned as quantized because its scale tensor exists),
+    and a float tensor a float target."""
+    if _storage_kind(got) == _storage_kind(want):
         return
-    if got == torch.float8_e4m3fn:
+    got_s, want_s = str(got).removeprefix("torch."), str(want).removeprefix("torch.")
+    if "float" not in (_storage_kind(got), _storage_kind(want)):
         raise WeightError(
-            f"{source.where(name)}: tensor {name!r} is stored as float8_e4m3fn but the checkpoint has no "
-            "scale tensor for it (weight_scale_inv / weight_scale), or no quantization_config"
+            f"{source.where(name)}: tensor {name!r} is stored as {got_s}, the quantization_config implies "
+            f"{want_s} (int8 = packed fp4: expert_dtype 'fp4')"
+        )
+    if _storage_kind(got) != "float":
+        raise WeightError(
+            f"{source.where(name)}: tensor {name!r} is stored as {got_s} but the "
+            "checkpoint has no scale tensor for it (weight_scale_inv / weight_scale), or no quantization_config"
+            + (" (or no expert_dtype 'fp4')" if got == torch.int8 else "")
         )
     raise WeightError(
-        f"{source.where(name)}: tensor {name!r} is stored as {str(got).removeprefix('torch.')} "
-        "but has a scale tensor, so it should be float8_e4m3fn"
+        f"{source.where(name)}: tensor {name!r} is stored as {got_s} but has a scale tensor, so it should be {want_s}"
     )
+
+
+def _storage_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.float8_e4m3fn:
+        return "fp8"
+    return "float" if dtype.is_floating_point else str(dtype)
 
 
 def _check_shape(name: str, got: tuple, want: tuple, source: TensorSource) -> None:

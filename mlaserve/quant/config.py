@@ -4,7 +4,9 @@ Formats read (weights are float8_e4m3fn, dequantized as w = q * s, s per block o
   DeepSeek FP8      quant_method "fp8", fmt "e4m3", weight_block_size [bn, bk],
                     activation_scheme "dynamic"; scale tensor `<module>.weight_scale_inv`
                     [ceil(N/bn), ceil(K/bk)] fp32 (the *inverse* of the quantizer's scale, so it
-                    multiplies); optional modules_to_not_convert.
+                    multiplies); optional modules_to_not_convert. expert_dtype "fp4" (DeepSeek-V4
+                    style): routed experts as packed e2m1 (fp4_group.py) with fp32 per-row group-32
+                    scales under the same name; scale_fmt must be "float" (ue8m0 is not read).
   compressed-tensors quant_method "compressed-tensors", format "float-quantized", one config group
                     with weights {type float, num_bits 8, strategy block|channel|tensor,
                     block_structure [bn, bk]} and an `ignore` list (names, or "re:" regexes matched
@@ -34,6 +36,7 @@ class QuantScheme:
     scale_name: str  # "weight_scale_inv" | "weight_scale"
     ignore: tuple[str, ...]  # module names / "re:" patterns kept unquantized
     settings: tuple[Setting, ...] = ()
+    expert_dtype: str = "fp8"  # "fp4": routed experts as packed e2m1 with per-row group-32 scales
 
     def block_of(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The (bn, bk) block of one weight: a channel is (1, K), a whole tensor (N, K)."""
@@ -94,7 +97,19 @@ def _parse_deepseek_fp8(qc: dict, source: str, log: ProvenanceLog) -> QuantSchem
     log.record("quant.scale_tensor", "weight_scale_inv", "DeepSeek FP8 format")
     ignore = tuple(qc.get("modules_to_not_convert") or ())
     log.record("quant.ignore", ignore, f"{key}.modules_to_not_convert" if ignore else "none listed")
-    return QuantScheme("fp8", fmt, "block", tuple(block), "weight_scale_inv", ignore, log.freeze())
+    experts = _expert_dtype(qc, key, log)
+    return QuantScheme("fp8", fmt, "block", tuple(block), "weight_scale_inv", ignore, log.freeze(), experts)
+
+
+def _expert_dtype(qc: dict, key: str, log: ProvenanceLog) -> str:
+    scale_fmt = qc.get("scale_fmt", "float")
+    if scale_fmt != "float":
+        raise ConfigError(f"{key}.scale_fmt {scale_fmt!r} is not supported (supported: 'float', fp32 scales)")
+    experts = qc.get("expert_dtype", "fp8")
+    if experts not in ("fp8", "fp4"):
+        raise ConfigError(f"{key}.expert_dtype {experts!r} is not supported (supported: 'fp8', 'fp4')")
+    src = f"{key}.expert_dtype" if "expert_dtype" in qc else "format default (fp8)"
+    return log.record("quant.expert_dtype", experts, src)
 
 
 def _parse_compressed_tensors(qc: dict, source: str, log: ProvenanceLog) -> QuantScheme:

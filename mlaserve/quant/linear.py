@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.models.moe import Experts
-from mlaserve.quant import fp8_block
+from mlaserve.quant import fp4_group, fp8_block
 from mlaserve.quant.config import QuantScheme
 
 
@@ -132,3 +132,31 @@ class FP8Experts(Experts):
             g, u = F.linear(x[tok], gate_up[a]).chunk(2, dim=-1)
             out.index_add_(0, tok, F.linear(F.silu(g) * u, down[a]) * topk_w[tok, slot, None].to(x.dtype))
         return out
+
+
+class FP4Experts(FP8Experts):
+    """Routed experts kept as packed e2m1 (fp4_group.py): gate_up_proj int8 [E, 2I, D/2],
+    down_proj int8 [E, D, I/2], fp32 scales per row and 32 columns: gate_up_proj_scale
+    [E, 2, I, D/32], down_proj_scale [E, D, I/32]. Same step as FP8Experts."""
+
+    def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
+        nn.Module.__init__(self)
+        self.impl, self.scheme = "grouped_mm", scheme
+        g = fp4_group.scale_groups
+        self.gate_up_proj = _frozen((n_experts, 2 * inter, hidden // 2), torch.int8, device)
+        self.down_proj = _frozen((n_experts, hidden, inter // 2), torch.int8, device)
+        self.gate_up_proj_scale = _frozen((n_experts, 2, inter, g(hidden)), torch.float32, device)
+        self.down_proj_scale = _frozen((n_experts, hidden, g(inter)), torch.float32, device)
+
+    def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        gu = fp4_group.dequantize(self.gate_up_proj[experts].unflatten(1, (2, -1)), self.gate_up_proj_scale[experts])
+        down = fp4_group.dequantize(self.down_proj[experts], self.down_proj_scale[experts])
+        return gu.flatten(1, 2).to(dtype), down.to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        gu = fp4_group.dequantize_reference(self.gate_up_proj.unflatten(1, (2, -1)), self.gate_up_proj_scale)
+        down = fp4_group.dequantize_reference(self.down_proj, self.down_proj_scale)
+        return gu.flatten(1, 2).to(dtype), down.to(dtype)
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        return "fp4 e2m1", (1, fp4_group.GROUP)

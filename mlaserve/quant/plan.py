@@ -23,7 +23,7 @@ from mlaserve.config.provenance import Setting
 from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.models.moe import Gate
 from mlaserve.quant.config import QuantScheme, ignore_match
-from mlaserve.quant.linear import FP8Experts, FP8Linear
+from mlaserve.quant.linear import FP4Experts, FP8Experts, FP8Linear
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -48,7 +48,8 @@ class QuantPlan:
             how = DENSE_AT_LOAD.get(kind.rsplit(".", 1)[-1], f"kept {self.scheme.fmt}, dequantized per call")
             rows.append(Setting(f"quantized {kind}", layers, f"checkpoint: *.{s} present; {how}"))
         for kind, layers in _group(self.experts):
-            rows.append(Setting(f"quantized {kind}", layers, f"checkpoint: *.{s} present; active experts per step"))
+            how = f"{self.scheme.expert_dtype}: only the experts a step routes to are dequantized"
+            rows.append(Setting(f"quantized {kind}", layers, f"checkpoint: *.{s} present; {how}"))
         for kind, layers in _group(self.kept):
             rows.append(Setting(f"kept {kind}", layers, "checkpoint: no scale tensor (stored unquantized)"))
         return tuple(rows)
@@ -133,7 +134,8 @@ def swap_in(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> QuantPlan:
     for name in plan.experts:
         old = _get(model, name)
         e, two_i, d = old.gate_up_proj.shape
-        new = FP8Experts(d, e, two_i // 2, plan.scheme, old.gate_up_proj.device)
+        cls = FP4Experts if plan.scheme.expert_dtype == "fp4" else FP8Experts
+        new = cls(d, e, two_i // 2, plan.scheme, old.gate_up_proj.device)
         new.impl = old.impl
         model.set_submodule(name, new)
     kept = tuple(n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding, Gate))

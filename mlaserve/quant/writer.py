@@ -17,17 +17,19 @@ import torch
 from safetensors.torch import save_file
 
 from mlaserve.loading.safetensors_source import SafetensorsSource
-from mlaserve.quant import fp8_block
+from mlaserve.quant import fp4_group, fp8_block
 
+ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 KEPT = ("model.embed_tokens", "lm_head", "re:.*mlp\\.gate$", "re:.*weights_proj$")
 FORMATS = ("fp8", "compressed-tensors")
 
 
-def quantization_config(fmt: str, block: tuple[int, int] | None, ignore: list[str] = ()) -> dict:
+def quantization_config(fmt: str, block: tuple[int, int] | None, ignore: list[str] = (), experts: str = "fp8") -> dict:
     """The config.json entry of each format (block None: compressed-tensors channel strategy);
     ignore: the kept modules' patterns (compressed-tensors lists them)."""
     if fmt == "fp8":
-        return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}
+        out = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}
+        return out | ({"expert_dtype": "fp4", "scale_fmt": "float"} if experts == "fp4" else {})
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
     weights |= {"strategy": "block", "block_structure": list(block)} if block else {"strategy": "channel"}
     return {
@@ -53,11 +55,13 @@ def write_fp8_folder(
     fmt: str = "fp8",
     block: tuple[int, int] | None = (128, 128),
     keep_dtype: torch.dtype = torch.bfloat16,
+    experts: str = "fp8",
 ) -> dict[str, int]:
     """src HF folder -> dst FP8 folder (config.json with quantization_config, one model.safetensors,
-    the other files copied). -> {"quantized": n, "kept": m} tensor counts."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    the other files copied). experts "fp4": routed experts as packed e2m1 with group-32 scales
+    (DeepSeek-V4 style, fmt "fp8" only). -> {"quantized": n, "kept": m} tensor counts."""
+    if fmt not in FORMATS or (experts == "fp4" and fmt != "fp8"):
+        raise ValueError(f"format must be one of {FORMATS} (fp4 experts: 'fp8' only), got {fmt!r}")
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     source, out, counts = SafetensorsSource(src), {}, {"quantized": 0, "kept": 0}
@@ -69,12 +73,15 @@ def write_fp8_folder(
             out[name] = t.to(keep_dtype) if t.is_floating_point() else t
             counts["kept"] += 1
             continue
-        q, s = fp8_block.quantize(t, block or (1, t.shape[1]))
+        if experts == "fp4" and ROUTED_EXPERT.match(name):
+            q, s = fp4_group.quantize(t)
+        else:
+            q, s = fp8_block.quantize(t, block or (1, t.shape[1]))
         out[name], out[name.removesuffix("weight") + scale_name] = q, s
         counts["quantized"] += 1
     save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, block, [p for p in KEPT if p in ignore])
+    config["quantization_config"] = quantization_config(fmt, block, [p for p in KEPT if p in ignore], experts)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
