@@ -15,6 +15,7 @@ A GGUF block format kept quantized (Q8_0: [N, K/32] blocks of 32 int8 + one fp16
 [N, K/32 * 34] uint8, `dequantize` calls gguf.quants' torch dequantizer (bit-exact with gguf-py),
 and `forward` is the same "dequantize, then F.linear / grouped GEMM" until a packed kernel beats it;
 `swap_in` (quant/plan.py) picks the holder class per module from the checkpoint's tensors.
+Holders here: FP8Linear, FP8Experts (e4m3 blocks, fp8_block.py), FP4Experts (e2m1 groups, fp4_group.py).
 
 Shapes: Linear weight [N, K] (N out, K in); experts gate_up [E, 2I, D] (gate rows first),
 down [E, D, I]; block scales as in fp8_block.py. gate and up keep their own scales
