@@ -55,7 +55,7 @@ def dequantized_folder(fp8_dir, out_dir):
     suffix = "weight_scale_inv" if qc["quant_method"] == "fp8" else "weight_scale"
     tensors = load_file(str(fp8_dir / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(suffix)]:
-        s, wname = tensors.pop(name), name.removesuffix(suffix) + "weight"
+        s, wname = tensors.pop(name).float(), name.removesuffix(suffix) + "weight"
         q = tensors[wname]
         if q.dtype == torch.int8:  # fp4 experts: two e2m1 codes per byte, low nibble first
             u = q.view(torch.uint8)
@@ -75,12 +75,12 @@ def dequantized_folder(fp8_dir, out_dir):
 def fp8_folder(hf_model_dir, tmp_path_factory):
     cache: dict = {}
 
-    def get(kind: str, fmt: str, block, experts: str = "fp8"):
-        key = (kind, fmt, block, experts)
+    def get(kind: str, fmt: str, block, experts: str = "fp8", scale_fmt: str = "float"):
+        key = (kind, fmt, block, experts, scale_fmt)
         if key not in cache:
             src, _ = hf_model_dir(kind)
             dst = tmp_path_factory.mktemp(f"{kind}-fp8")
-            write_fp8_folder(src, dst, fmt, block, experts=experts)
+            write_fp8_folder(src, dst, fmt, block, experts=experts, scale_fmt=scale_fmt)
             cache[key] = dst
         return cache[key]
 
@@ -342,6 +342,8 @@ def test_unquantized_weight_with_a_scale_is_rejected(broken):
         ({"fmt": "e5m2"}, "quantization_config.fmt 'e5m2'"),
         ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
         ({"weight_block_size": [128]}, "weight_block_size"),
+        ({"scale_fmt": "e4m3"}, "scale_fmt 'e4m3' is not supported"),
+        ({"expert_dtype": "nvfp4"}, "expert_dtype 'nvfp4' is not supported"),
         (
             {"modules_to_not_convert": ["model.layers.0.mlp.nope"]},
             "ignore pattern 'model.layers.0.mlp.nope' matches no",
@@ -427,10 +429,12 @@ def test_fp4_codes_and_quantizer():
     assert torch.equal(s, torch.stack([c.abs().amax(-1) for c in w.split(32, -1)], -1) / 6)
 
 
-def test_fp4_experts_engine_equals_transformers(fp8_folder, tmp_path):
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp4_experts_engine_equals_transformers(fp8_folder, tmp_path, scale_fmt):
     """Routed experts in e2m1 (the rest FP8 blocks): the engine == transformers on the dequantized
-    weights, and == transformers loading the FP4 folder itself (its CPU path dequantizes at load)."""
-    folder = fp8_folder("v3_yarn", "fp8", (16, 16), "fp4")
+    weights, and == transformers loading the FP4 folder itself (its CPU path dequantizes at load).
+    ue8m0: power-of-two scales stored as float8_e8m0fnu (MXFP4 experts, MXFP8-scaled blocks)."""
+    folder = fp8_folder("v3_yarn", "fp8", (16, 16), "fp4", scale_fmt)
     llm = LLM(str(folder), max_num_batched_tokens=24)
     assert type(llm.loaded.model.model.layers[1].mlp.experts).__name__ == "FP4Experts"
     ids = random_ids(40)
@@ -440,6 +444,25 @@ def test_fp4_experts_engine_equals_transformers(fp8_folder, tmp_path):
     if importlib.util.find_spec("accelerate") is not None:
         diff, top1 = _compare(got, hf_logits(_hf_from(folder), ids))
         assert diff <= 1e-4 and top1 == 1.0, ("transformers on the FP4 folder", diff, top1)
+
+
+def test_ue8m0_scales_stored_as_fp32(broken, tmp_path):
+    """DeepSeek-V3.1 style: scale_fmt ue8m0, the power-of-two scales stored as fp32."""
+    tensors, config, save = broken
+    for name in [n for n in tensors if n.endswith("weight_scale_inv")]:
+        w = name.removesuffix("_scale_inv")
+        s = tensors[name]
+        full = s.repeat_interleave(32, 0).repeat_interleave(32, 1)[: tensors[w].shape[0], : tensors[w].shape[1]]
+        pow2 = torch.exp2(torch.ceil(torch.log2(s)))
+        full2 = pow2.repeat_interleave(32, 0).repeat_interleave(32, 1)[: tensors[w].shape[0], : tensors[w].shape[1]]
+        tensors[w] = (tensors[w].float() * full / full2).to(torch.float8_e4m3fn)
+        tensors[name] = pow2
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    llm = LLM(save())
+    assert any(s.name == "quant.scale_fmt" and s.value == "ue8m0" for s in llm.loaded.quant.settings())
+    ref = hf_logits(_hf_from(dequantized_folder(tmp_path / "bad", tmp_path / "deq")), random_ids(24))
+    diff, top1 = _compare(llm.prompt_logits(random_ids(24)), ref)
+    assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
 
 
 def test_fp4_experts_without_expert_dtype_name_the_tensor(fp8_folder, tmp_path):

@@ -5,8 +5,9 @@ Formats read (weights are float8_e4m3fn, dequantized as w = q * s, s per block o
                     activation_scheme "dynamic"; scale tensor `<module>.weight_scale_inv`
                     [ceil(N/bn), ceil(K/bk)] fp32 (the *inverse* of the quantizer's scale, so it
                     multiplies); optional modules_to_not_convert. expert_dtype "fp4" (DeepSeek-V4
-                    style): routed experts as packed e2m1 (fp4_group.py) with fp32 per-row group-32
-                    scales under the same name; scale_fmt must be "float" (ue8m0 is not read).
+                    style): routed experts as packed e2m1 (fp4_group.py) with per-row group-32 scales
+                    under the same name. scale_fmt "ue8m0" (DeepSeek-V3.1 on): powers of two, stored
+                    as fp32 or float8_e8m0fnu; both are read exactly into fp32.
   compressed-tensors quant_method "compressed-tensors", format "float-quantized", one config group
                     with weights {type float, num_bits 8, strategy block|channel|tensor,
                     block_structure [bn, bk]} and an `ignore` list (names, or "re:" regexes matched
@@ -37,6 +38,7 @@ class QuantScheme:
     ignore: tuple[str, ...]  # module names / "re:" patterns kept unquantized
     settings: tuple[Setting, ...] = ()
     expert_dtype: str = "fp8"  # "fp4": routed experts as packed e2m1 with per-row group-32 scales
+    scale_fmt: str = "float"  # "ue8m0": every scale a power of two (stored fp32 or float8_e8m0fnu)
 
     def block_of(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The (bn, bk) block of one weight: a channel is (1, K), a whole tensor (N, K)."""
@@ -97,19 +99,20 @@ def _parse_deepseek_fp8(qc: dict, source: str, log: ProvenanceLog) -> QuantSchem
     log.record("quant.scale_tensor", "weight_scale_inv", "DeepSeek FP8 format")
     ignore = tuple(qc.get("modules_to_not_convert") or ())
     log.record("quant.ignore", ignore, f"{key}.modules_to_not_convert" if ignore else "none listed")
-    experts = _expert_dtype(qc, key, log)
-    return QuantScheme("fp8", fmt, "block", tuple(block), "weight_scale_inv", ignore, log.freeze(), experts)
+    experts, scale_fmt = _expert_dtype(qc, key, log)
+    return QuantScheme("fp8", fmt, "block", tuple(block), "weight_scale_inv", ignore, log.freeze(), experts, scale_fmt)
 
 
-def _expert_dtype(qc: dict, key: str, log: ProvenanceLog) -> str:
+def _expert_dtype(qc: dict, key: str, log: ProvenanceLog) -> tuple[str, str]:
     scale_fmt = qc.get("scale_fmt", "float")
-    if scale_fmt != "float":
-        raise ConfigError(f"{key}.scale_fmt {scale_fmt!r} is not supported (supported: 'float', fp32 scales)")
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ConfigError(f"{key}.scale_fmt {scale_fmt!r} is not supported (supported: 'float', 'ue8m0')")
+    log.record("quant.scale_fmt", scale_fmt, f"{key}.scale_fmt" if "scale_fmt" in qc else "format default (float)")
     experts = qc.get("expert_dtype", "fp8")
     if experts not in ("fp8", "fp4"):
         raise ConfigError(f"{key}.expert_dtype {experts!r} is not supported (supported: 'fp8', 'fp4')")
     src = f"{key}.expert_dtype" if "expert_dtype" in qc else "format default (fp8)"
-    return log.record("quant.expert_dtype", experts, src)
+    return log.record("quant.expert_dtype", experts, src), scale_fmt
 
 
 def _parse_compressed_tensors(qc: dict, source: str, log: ProvenanceLog) -> QuantScheme:

@@ -34,14 +34,17 @@ def _expand(s: torch.Tensor, k: int, group: int) -> torch.Tensor:
     return s.float().repeat_interleave(group, dim=-1)[..., :k]
 
 
-def quantize(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [..., N, K] float -> (P [..., N, K/2] int8, S [..., N, ceil(K/g)] fp32)."""
+def quantize(w: torch.Tensor, group: int = GROUP, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [..., N, K] float -> (P [..., N, K/2] int8, S [..., N, ceil(K/g)] fp32); pow2 (ue8m0
+    scales, MXFP4): S rounded up to a power of two, so |W / S| stays <= 6."""
     k = w.shape[-1]
     if k % 2:
         raise ValueError(f"FP4 packs two values per byte: the last dim must be even, got {k}")
     w = w.float()
     amax = torch.stack([c.abs().amax(dim=-1) for c in w.split(group, dim=-1)], dim=-1)
     s = torch.where(amax > 0, amax / E2M1_MAX, torch.ones_like(amax))
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
     scaled = w / _expand(s, k, group)
     magnitudes = torch.tensor(E2M1_VALUES[:8])
     # nearest magnitude; on a tie the lower code (its mantissa bit is 0: the even one)

@@ -32,8 +32,9 @@ def scale_blocks(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
     return -(-n // block[0]), -(-k // block[1])
 
 
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [..., N, K] float -> (Q [..., N, K] e4m3, S [..., nb, kb] fp32), as the releases do."""
+def quantize(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [..., N, K] float -> (Q [..., N, K] e4m3, S [..., nb, kb] fp32), as the releases do;
+    pow2 (scale_fmt ue8m0): S rounded up to a power of two, so |W / S| stays <= 448."""
     n, k = w.shape[-2:]
     nb, kb = scale_blocks(n, k, block)
     bn, bk = block
@@ -41,6 +42,8 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     blocks = padded.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))  # [..., nb, bn, kb, bk]
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., nb, kb]
     s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
     q = (blocks / s[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     q = q.flatten(-2).flatten(-3, -2)[..., :n, :k]
     return q.contiguous(), s

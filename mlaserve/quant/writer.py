@@ -24,12 +24,15 @@ KEPT = ("model.embed_tokens", "lm_head", "re:.*mlp\\.gate$", "re:.*weights_proj$
 FORMATS = ("fp8", "compressed-tensors")
 
 
-def quantization_config(fmt: str, block: tuple[int, int] | None, ignore: list[str] = (), experts: str = "fp8") -> dict:
+def quantization_config(
+    fmt: str, block: tuple[int, int] | None, ignore: list[str] = (), experts: str = "fp8", scale_fmt: str = "float"
+) -> dict:
     """The config.json entry of each format (block None: compressed-tensors channel strategy);
     ignore: the kept modules' patterns (compressed-tensors lists them)."""
     if fmt == "fp8":
         out = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}
-        return out | ({"expert_dtype": "fp4", "scale_fmt": "float"} if experts == "fp4" else {})
+        out |= {"scale_fmt": scale_fmt} if scale_fmt != "float" else {}
+        return out | ({"expert_dtype": "fp4"} if experts == "fp4" else {})
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
     weights |= {"strategy": "block", "block_structure": list(block)} if block else {"strategy": "channel"}
     return {
@@ -56,10 +59,12 @@ def write_fp8_folder(
     block: tuple[int, int] | None = (128, 128),
     keep_dtype: torch.dtype = torch.bfloat16,
     experts: str = "fp8",
+    scale_fmt: str = "float",
 ) -> dict[str, int]:
     """src HF folder -> dst FP8 folder (config.json with quantization_config, one model.safetensors,
     the other files copied). experts "fp4": routed experts as packed e2m1 with group-32 scales
-    (DeepSeek-V4 style, fmt "fp8" only). -> {"quantized": n, "kept": m} tensor counts."""
+    (DeepSeek-V4 style, fmt "fp8" only); scale_fmt "ue8m0": power-of-two scales stored as
+    float8_e8m0fnu. -> {"quantized": n, "kept": m} tensor counts."""
     if fmt not in FORMATS or (experts == "fp4" and fmt != "fp8"):
         raise ValueError(f"format must be one of {FORMATS} (fp4 experts: 'fp8' only), got {fmt!r}")
     src, dst = Path(src), Path(dst)
@@ -73,15 +78,17 @@ def write_fp8_folder(
             out[name] = t.to(keep_dtype) if t.is_floating_point() else t
             counts["kept"] += 1
             continue
+        pow2 = scale_fmt == "ue8m0"
         if experts == "fp4" and ROUTED_EXPERT.match(name):
-            q, s = fp4_group.quantize(t)
+            q, s = fp4_group.quantize(t, pow2=pow2)
         else:
-            q, s = fp8_block.quantize(t, block or (1, t.shape[1]))
-        out[name], out[name.removesuffix("weight") + scale_name] = q, s
+            q, s = fp8_block.quantize(t, block or (1, t.shape[1]), pow2=pow2)
+        out[name], out[name.removesuffix("weight") + scale_name] = q, s.to(torch.float8_e8m0fnu) if pow2 else s
         counts["quantized"] += 1
     save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, block, [p for p in KEPT if p in ignore], experts)
+    kept = [p for p in KEPT if p in ignore]
+    config["quantization_config"] = quantization_config(fmt, block, kept, experts, scale_fmt)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
