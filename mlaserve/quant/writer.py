@@ -69,24 +69,11 @@ def write_fp8_folder(
         raise ValueError(f"format must be one of {FORMATS} (fp4 experts: 'fp8' only), got {fmt!r}")
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    source, out, counts = SafetensorsSource(src), {}, {"quantized": 0, "kept": 0}
-    scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
-    ignore = {p for n in source.names() for p in _kept_by(n.rsplit(".", 1)[0])}
-    for name in source.names():
-        t = source.get(name)
-        if not is_quantized(name, tuple(t.shape)):
-            out[name] = t.to(keep_dtype) if t.is_floating_point() else t
-            counts["kept"] += 1
-            continue
-        pow2 = scale_fmt == "ue8m0"
-        if experts == "fp4" and ROUTED_EXPERT.match(name):
-            q, s = fp4_group.quantize(t, pow2=pow2)
-        else:
-            q, s = fp8_block.quantize(t, block or (1, t.shape[1]), pow2=pow2)
-        out[name], out[name.removesuffix("weight") + scale_name] = q, s.to(torch.float8_e8m0fnu) if pow2 else s
-        counts["quantized"] += 1
+    source = SafetensorsSource(src)
+    out, counts = _quantized_tensors(source, fmt, block, keep_dtype, experts, scale_fmt)
     save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
+    ignore = {p for n in source.names() for p in _kept_by(n.rsplit(".", 1)[0])}
     kept = [p for p in KEPT if p in ignore]
     config["quantization_config"] = quantization_config(fmt, block, kept, experts, scale_fmt)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
@@ -94,3 +81,22 @@ def write_fp8_folder(
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(f, dst / f.name)
     return counts
+
+
+def _quantized_tensors(source, fmt, block, keep_dtype, experts, scale_fmt) -> tuple[dict, dict[str, int]]:
+    out, counts = {}, {"quantized": 0, "kept": 0}
+    scale_name = "weight_scale_inv" if fmt == "fp8" else "weight_scale"
+    pow2 = scale_fmt == "ue8m0"
+    for name in source.names():
+        t = source.get(name)
+        if not is_quantized(name, tuple(t.shape)):
+            out[name] = t.to(keep_dtype) if t.is_floating_point() else t
+            counts["kept"] += 1
+            continue
+        if experts == "fp4" and ROUTED_EXPERT.match(name):
+            q, s = fp4_group.quantize(t, pow2=pow2)
+        else:
+            q, s = fp8_block.quantize(t, block or (1, t.shape[1]), pow2=pow2)
+        out[name], out[name.removesuffix("weight") + scale_name] = q, s.to(torch.float8_e8m0fnu) if pow2 else s
+        counts["quantized"] += 1
+    return out, counts
