@@ -13,6 +13,7 @@ A source is anything with names(), get(name) and where(name) (safetensors folder
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,9 +24,8 @@ from torch import nn
 from mlaserve.config.model import ModelConfig
 from mlaserve.loading.safetensors_source import WeightError
 
-_EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$"
-)
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+_PROJS = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -65,7 +65,7 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
         report.loaded += 1
         tick(report.loaded, total)
     for prefix, parts in experts.items():
-        report.loaded += _stack_experts(prefix, parts, source, targets, filled)
+        report.loaded += _stack_experts(prefix, parts, source, model, filled)
         tick(report.loaded, total)
     missing = sorted(set(targets) - filled)
     if missing:
@@ -107,43 +107,38 @@ def _copy(name: str, source: TensorSource, targets: dict, filled: set[str]) -> N
 
 
 def _stack_experts(
-    prefix: str, parts: dict[tuple[str, int, str], str], source: TensorSource, targets: dict, filled: set[str]
+    prefix: str, parts: dict[tuple[str, int, str], str], source: TensorSource, model: nn.Module, filled: set[str]
 ) -> int:
-    """parts: (proj, expert, suffix) -> name; suffix "weight", or the scale of quantized experts
-    (stacked into experts.{gate_up,down}_proj_scale, see quant/linear.py FP8Experts)."""
-    gate_up, down = targets.get(f"{prefix}.gate_up_proj"), targets.get(f"{prefix}.down_proj")
+    """parts: (proj, expert, suffix) -> name. The experts module says where each suffix goes
+    (`checkpoint_slots`: "weight", and a quantized holder's scales / packed values)."""
     any_name = next(iter(parts.values()))
-    if gate_up is None or down is None:
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        module = None
+    if not hasattr(module, "checkpoint_slots"):
         raise WeightError(
             f"{source.where(any_name)}: unexpected expert tensor {any_name!r} (layer has no routed experts)"
         )
-    n_exp, two_i, _ = gate_up.shape
-    inter = two_i // 2
-    dst = {"weight": (gate_up[:, :inter], gate_up[:, inter:], down)}
-    gu_scale, down_scale = targets.get(f"{prefix}.gate_up_proj_scale"), targets.get(f"{prefix}.down_proj_scale")
-    suffixes = ["weight"]
-    if gu_scale is not None:
-        suffix = next((k[2] for k in parts if k[2] != "weight"), "weight_scale_inv")
-        dst[suffix] = (gu_scale[:, 0], gu_scale[:, 1], down_scale)
-        suffixes.append(suffix)
-    for e in range(n_exp):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            for suffix in suffixes:
-                if (proj, e, suffix) not in parts:
-                    raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.{suffix}")
+    dst = module.checkpoint_slots()
+    n_exp = next(iter(dst.values()))[0].shape[0]
+    for e, proj, suffix in itertools.product(range(n_exp), _PROJS, dst):
+        if (proj, e, suffix) not in parts:
+            raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.{suffix}")
     extra = [parts[k] for k in parts if k[1] >= n_exp or k[2] not in dst]
     if extra:
-        raise WeightError(f"{source.where(extra[0])}: unexpected tensor {extra[0]!r} (only {n_exp} experts)")
+        raise WeightError(
+            f"{source.where(extra[0])}: unexpected tensor {extra[0]!r} (the layer has {n_exp} experts "
+            f"holding {sorted(dst)})"
+        )
     with torch.no_grad():
         for (proj, e, suffix), name in parts.items():
-            target = dst[suffix][("gate_proj", "up_proj", "down_proj").index(proj)][e]
+            target = dst[suffix][_PROJS.index(proj)][e]
             tensor = source.get(name)
             _check_stored_dtype(name, tensor.dtype, target.dtype, source)
             _check_shape(name, tuple(tensor.shape), tuple(target.shape), source)
             target.copy_(tensor)
-    filled.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
-    if gu_scale is not None:
-        filled.update({f"{prefix}.gate_up_proj_scale", f"{prefix}.down_proj_scale"})
+    filled.update(f"{prefix}.{n}" for n, _ in list(module.named_parameters()) + list(module.named_buffers()))
     return len(parts)
 
 

@@ -74,6 +74,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
         self.impl = "grouped_mm"
 
+    def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Where each expert's checkpoint tensors go (the loader stacks them): tensor suffix ->
+        (gate_proj, up_proj, down_proj) destinations [E, ...]; gate rows first in gate_up_proj."""
+        i = self.gate_up_proj.shape[1] // 2
+        return {"weight": (self.gate_up_proj[:, :i], self.gate_up_proj[:, i:], self.down_proj)}
+
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
             return self._forward_loop(x, topk_w, topk_idx)

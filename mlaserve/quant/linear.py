@@ -90,6 +90,11 @@ class FP8Experts(Experts):
             (n_experts, *fp8_block.scale_blocks(hidden, inter, self.block_down)), torch.float32, device
         )
 
+    def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The values like Experts; each expert's scale tensor into its stack (gate, up kept apart)."""
+        s = self.gate_up_proj_scale
+        return super().checkpoint_slots() | {self.scheme.scale_name: (s[:, 0], s[:, 1], self.down_proj_scale)}
+
     def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense gate_up [A, 2I, D] and down [A, D, I] of the listed experts, in dtype."""
         q = self.gate_up_proj[experts]
