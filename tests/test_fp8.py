@@ -40,6 +40,13 @@ FAMILIES = {
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
+def _e2m1(packed, scale, group):
+    """Two e2m1 codes per byte, low nibble first, times the scale of each row's group of columns."""
+    u = packed.view(torch.uint8)
+    values = torch.tensor(E2M1)[torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2).long()]
+    return values * scale.repeat_interleave(group, 1)[:, : values.shape[1]]
+
+
 def _block_of(qc: dict, shape: tuple[int, int]) -> tuple[int, int]:
     if qc["quant_method"] == "fp8":
         return tuple(qc["weight_block_size"])
@@ -54,14 +61,16 @@ def dequantized_folder(fp8_dir, out_dir):
     qc = cfg.pop("quantization_config")
     suffix = "weight_scale_inv" if qc["quant_method"] == "fp8" else "weight_scale"
     tensors = load_file(str(fp8_dir / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:  # compressed-tensors NVFP4 / MXFP4
+        module = name.removesuffix(".weight_packed")
+        s, glob = tensors.pop(f"{module}.weight_scale"), tensors.pop(f"{module}.weight_global_scale", None)
+        scale = 2.0 ** (s.float() - 127) if s.dtype == torch.uint8 else s.float() / glob
+        tensors[f"{module}.weight"] = _e2m1(tensors.pop(name), scale, 32 if glob is None else 16)
     for name in [n for n in tensors if n.endswith(suffix)]:
         s, wname = tensors.pop(name).float(), name.removesuffix(suffix) + "weight"
         q = tensors[wname]
-        if q.dtype == torch.int8:  # fp4 experts: two e2m1 codes per byte, low nibble first
-            u = q.view(torch.uint8)
-            codes = torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2).long()
-            values = torch.tensor(E2M1)[codes]
-            tensors[wname] = values * s.float().repeat_interleave(32, 1)[:, : values.shape[1]]
+        if q.dtype == torch.int8:  # fp4 experts (DeepSeek-V4 style)
+            tensors[wname] = _e2m1(q, s, 32)
             continue
         bn, bk = _block_of(qc, tuple(q.shape))
         full = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: q.shape[0], : q.shape[1]]
@@ -378,7 +387,9 @@ def test_compressed_tensors_config_parsing():
     assert parse_quantization(cfg({"strategy": "tensor"})).scale_shape(70, 50) == (1,)
     with pytest.raises(ConfigError, match="strategy 'group'"):
         parse_quantization(cfg({"strategy": "group", "group_size": 128}))
-    with pytest.raises(ConfigError, match="only 8-bit float"):
+    with pytest.raises(ConfigError, match="4-bit strategy/group_size \\('group', 16\\)"):
+        parse_quantization(cfg({"num_bits": 4, "strategy": "group", "group_size": 16}))
+    with pytest.raises(ConfigError, match="float weights of 8 bits .* or 4 bits"):
         parse_quantization(
             {
                 "quantization_config": {
@@ -473,3 +484,18 @@ def test_fp4_experts_without_expert_dtype_name_the_tensor(fp8_folder, tmp_path):
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightError, match=r"experts\.\d+\.\w+_proj\.weight' is stored as int8.*implies float8_e4m3fn"):
         LLM(str(dst))
+
+
+@pytest.mark.parametrize("variant", ["nvfp4", "mxfp4"])
+def test_compressed_tensors_fp4_experts_equal_transformers(fp8_folder, tmp_path, variant):
+    """compressed-tensors 4-bit expert groups (weight_packed + e4m3 scales over a global scale, or
+    e8m0 bytes), FP8 blocks elsewhere, on glm_moe_dsa: engine == transformers on the dequantized
+    weights (transformers does not load these pre-quantized on CPU)."""
+    folder = fp8_folder("glm_dsa", "compressed-tensors", (16, 16), variant)
+    llm = LLM(str(folder), max_num_batched_tokens=24)
+    experts = llm.loaded.model.model.layers[1].mlp.experts
+    assert (type(experts).__name__, experts.variant) == ("FP4Experts", variant)
+    ids = random_ids(40)
+    ref = hf_logits(_hf_from(dequantized_folder(folder, tmp_path / "deq")), ids)
+    diff, top1 = _compare(llm.prompt_logits(ids), ref)
+    assert diff <= 1e-4 and top1 == 1.0, (variant, diff, top1)

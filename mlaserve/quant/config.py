@@ -8,11 +8,14 @@ Formats read (weights are float8_e4m3fn, dequantized as w = q * s, s per block o
                     style): routed experts as packed e2m1 (fp4_group.py) with per-row group-32 scales
                     under the same name. scale_fmt "ue8m0" (DeepSeek-V3.1 on): powers of two, stored
                     as fp32 or float8_e8m0fnu; both are read exactly into fp32.
-  compressed-tensors quant_method "compressed-tensors", format "float-quantized", one config group
+  compressed-tensors quant_method "compressed-tensors", format "float-quantized", a config group
                     with weights {type float, num_bits 8, strategy block|channel|tensor,
                     block_structure [bn, bk]} and an `ignore` list (names, or "re:" regexes matched
                     from the start of the module name); scale tensor `<module>.weight_scale`:
-                    block [ceil(N/bn), ceil(K/bk)], channel [N, 1], tensor [1].
+                    block [ceil(N/bn), ceil(K/bk)], channel [N, 1], tensor [1]. A 4-bit float group
+                    (NVFP4: tensor_group/16, MXFP4: group/32) is read for routed experts:
+                    `weight_packed` uint8 [N, K/2], `weight_scale` (e4m3 / e8m0 bytes) [N, K/g] and
+                    for NVFP4 `weight_global_scale` [1]: W = value * weight_scale / global.
 Activations stay in the compute dtype (--dtype): the dynamic activation quantization of the
 release is not reproduced, so the result equals "dequantize the weight, then matmul".
 """
@@ -32,12 +35,14 @@ FP8_FORMATS = ("e4m3",)
 class QuantScheme:
     method: str  # "fp8" (DeepSeek block format) | "compressed-tensors"
     fmt: str  # "e4m3"
-    strategy: str  # "block" | "channel" | "tensor"
+    strategy: str  # "block" | "channel" | "tensor" ("none": a compressed-tensors config without an 8-bit group)
     block: tuple[int, int] | None  # (bn, bk) for "block"
     scale_name: str  # "weight_scale_inv" | "weight_scale"
     ignore: tuple[str, ...]  # module names / "re:" patterns kept unquantized
     settings: tuple[Setting, ...] = ()
-    expert_dtype: str = "fp8"  # "fp4": routed experts as packed e2m1 with per-row group-32 scales
+    # routed experts: "fp8" like the rest; packed e2m1 with per-row group scales: "fp4" (DeepSeek-V4
+    # style, fp32 / ue8m0 group-32 scales), "nvfp4" / "mxfp4" (compressed-tensors, see fp4_group.py)
+    expert_dtype: str = "fp8"
     scale_fmt: str = "float"  # "ue8m0": every scale a power of two (stored fp32 or float8_e8m0fnu)
 
     def block_of(self, out_features: int, in_features: int) -> tuple[int, int]:
@@ -116,18 +121,39 @@ def _expert_dtype(qc: dict, key: str, log: ProvenanceLog) -> tuple[str, str]:
 
 
 def _parse_compressed_tensors(qc: dict, source: str, log: ProvenanceLog) -> QuantScheme:
+    """One 8-bit float group (block | channel | tensor) and/or one 4-bit float group (NVFP4 or
+    MXFP4, read for routed experts only)."""
     key = f"{source}:quantization_config"
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ConfigError(f"{key}.config_groups: exactly one group is supported, got {sorted(groups)}")
-    ((gname, group),) = groups.items()
-    w = group.get("weights") or {}
-    gkey = f"{key}.config_groups.{gname}.weights"
-    if w.get("type") != "float" or w.get("num_bits") != 8:
-        raise ConfigError(
-            f"{gkey}: only 8-bit float (e4m3) weights are supported, got type={w.get('type')!r} "
-            f"num_bits={w.get('num_bits')!r}"
-        )
+    fp8, fp4 = _ct_groups(qc.get("config_groups") or {}, key)
+    strategy, block = _ct_fp8(*fp8, log) if fp8 else ("none", None)
+    experts = _ct_fp4(*fp4, log) if fp4 else "fp8"
+    log.record("quant.expert_dtype", experts, f"{fp4[0]}.type/num_bits/strategy" if fp4 else "no 4-bit group")
+    log.record("quant.activations", "compute dtype", "weights-only here (input_activations not reproduced)")
+    log.record("quant.scale_tensor", "weight_scale", "compressed-tensors format")
+    ignore = tuple(qc.get("ignore") or ())
+    log.record("quant.ignore", ignore, f"{key}.ignore")
+    return QuantScheme("compressed-tensors", "e4m3", strategy, block, "weight_scale", ignore, log.freeze(), experts)
+
+
+def _ct_groups(groups: dict, key: str) -> tuple[tuple[str, dict] | None, tuple[str, dict] | None]:
+    found: dict[int, tuple[str, dict]] = {}
+    for name, group in groups.items():
+        w, gkey = group.get("weights") or {}, f"{key}.config_groups.{name}.weights"
+        bits = w.get("num_bits")
+        if w.get("type") != "float" or bits not in (8, 4):
+            raise ConfigError(
+                f"{gkey}: only float weights of 8 bits (e4m3) or 4 bits (e2m1) are supported, got "
+                f"type={w.get('type')!r} num_bits={bits!r}"
+            )
+        if bits in found:
+            raise ConfigError(f"{gkey}: a second {bits}-bit group (only one of each width is supported)")
+        found[bits] = (gkey, w)
+    if not found:
+        raise ConfigError(f"{key}.config_groups: no weight quantization group")
+    return found.get(8), found.get(4)
+
+
+def _ct_fp8(gkey: str, w: dict, log: ProvenanceLog) -> tuple[str, tuple[int, int] | None]:
     strategy = w.get("strategy")
     if strategy not in ("block", "channel", "tensor"):
         raise ConfigError(f"{gkey}.strategy {strategy!r} is not supported (block, channel, tensor)")
@@ -140,8 +166,16 @@ def _parse_compressed_tensors(qc: dict, source: str, log: ProvenanceLog) -> Quan
     log.record("quant.fmt", "e4m3", f"{gkey}.type/num_bits")
     log.record("quant.strategy", strategy, f"{gkey}.strategy")
     log.record("quant.block", block, f"{gkey}.block_structure" if block else f"{strategy} strategy")
-    log.record("quant.activations", "compute dtype", "weights-only here (input_activations not reproduced)")
-    log.record("quant.scale_tensor", "weight_scale", "compressed-tensors format")
-    ignore = tuple(qc.get("ignore") or ())
-    log.record("quant.ignore", ignore, f"{key}.ignore")
-    return QuantScheme("compressed-tensors", "e4m3", strategy, block, "weight_scale", ignore, log.freeze())
+    return strategy, block
+
+
+def _ct_fp4(gkey: str, w: dict, log: ProvenanceLog) -> str:
+    """NVFP4: strategy tensor_group, group_size 16 (fp8 e4m3 group scales over a global scale);
+    MXFP4: strategy group, group_size 32 (e8m0 scales as uint8)."""
+    kind = (w.get("strategy"), w.get("group_size"))
+    variants = {("tensor_group", 16): "nvfp4", ("group", 32): "mxfp4"}
+    if kind not in variants:
+        raise ConfigError(
+            f"{gkey}: 4-bit strategy/group_size {kind} is not supported (tensor_group/16: NVFP4, group/32: MXFP4)"
+        )
+    return variants[kind]

@@ -37,25 +37,34 @@ def _expand(s: torch.Tensor, k: int, group: int) -> torch.Tensor:
 def quantize(w: torch.Tensor, group: int = GROUP, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """W [..., N, K] float -> (P [..., N, K/2] int8, S [..., N, ceil(K/g)] fp32); pow2 (ue8m0
     scales, MXFP4): S rounded up to a power of two, so |W / S| stays <= 6."""
+    s = group_amax(w, group) / E2M1_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    return encode(w, s, group), s
+
+
+def group_amax(w: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """[..., N, K] -> [..., N, ceil(K/g)]: amax(|W|) per row and group of g columns."""
+    return torch.stack([c.abs().amax(dim=-1) for c in w.float().split(group, dim=-1)], dim=-1)
+
+
+def encode(w: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """The nearest e2m1 codes of W / S (a zero scale encodes zeros), packed -> int8 [..., N, K/2]."""
     k = w.shape[-1]
     if k % 2:
         raise ValueError(f"FP4 packs two values per byte: the last dim must be even, got {k}")
-    w = w.float()
-    amax = torch.stack([c.abs().amax(dim=-1) for c in w.split(group, dim=-1)], dim=-1)
-    s = torch.where(amax > 0, amax / E2M1_MAX, torch.ones_like(amax))
-    if pow2:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    scaled = w / _expand(s, k, group)
+    s = _expand(s, k, group)
+    scaled = w.float() / torch.where(s > 0, s, torch.ones_like(s))
     magnitudes = torch.tensor(E2M1_VALUES[:8])
-    # nearest magnitude; on a tie the lower code (its mantissa bit is 0: the even one)
+    # nearest magnitude (|W / S| > 6 clamps to 6); on a tie the lower code, whose mantissa bit is 0
     code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
     code = code | ((scaled < 0) & (code > 0)).to(code.dtype) << 3
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed.contiguous(), s
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8).view(torch.int8).contiguous()
 
 
 def unpack_codes(p: torch.Tensor) -> torch.Tensor:
-    """P int8 [..., N, K/2] -> codes uint8 [..., N, K] (low nibble first)."""
+    """P int8 or uint8 [..., N, K/2] -> codes uint8 [..., N, K] (low nibble first)."""
     u = p.view(torch.uint8)
     return torch.stack([u & 0xF, u >> 4], dim=-1).flatten(-2)
 

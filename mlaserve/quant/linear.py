@@ -141,28 +141,67 @@ class FP8Experts(Experts):
 
 
 class FP4Experts(FP8Experts):
-    """Routed experts kept as packed e2m1 (fp4_group.py): gate_up_proj int8 [E, 2I, D/2],
-    down_proj int8 [E, D, I/2], fp32 scales per row and 32 columns: gate_up_proj_scale
-    [E, 2, I, D/32], down_proj_scale [E, D, I/32]. Same step as FP8Experts."""
+    """Routed experts kept as packed e2m1 (fp4_group.py), two codes per byte: gate_up_proj
+    [E, 2I, D/2], down_proj [E, D, I/2], and per row and g columns the scales gate_up_proj_scale
+    [E, 2, I, D/g], down_proj_scale [E, D, I/g], each in its stored dtype:
+      "fp4"    int8 codes, fp32 scales (`weight_scale_inv`), g = 32         (DeepSeek-V4 style)
+      "mxfp4"  uint8 codes (`weight_packed`), e8m0 bytes: S = 2^(b - 127), g = 32
+      "nvfp4"  uint8 codes, e4m3 scales over a per-tensor `weight_global_scale`: S = s / global, g = 16
+    Same step as FP8Experts (only the routed experts are dequantized)."""
 
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
-        self.impl, self.scheme = "grouped_mm", scheme
-        g = fp4_group.scale_groups
-        self.gate_up_proj = _frozen((n_experts, 2 * inter, hidden // 2), torch.int8, device)
-        self.down_proj = _frozen((n_experts, hidden, inter // 2), torch.int8, device)
-        self.gate_up_proj_scale = _frozen((n_experts, 2, inter, g(hidden)), torch.float32, device)
-        self.down_proj_scale = _frozen((n_experts, hidden, g(inter)), torch.float32, device)
+        self.impl, self.scheme, self.variant = "grouped_mm", scheme, scheme.expert_dtype
+        self.group = 16 if self.variant == "nvfp4" else fp4_group.GROUP
+        codes = torch.int8 if self.variant == "fp4" else torch.uint8
+        scales = {"fp4": torch.float32, "mxfp4": torch.uint8, "nvfp4": fp8_block.FP8}[self.variant]
+        g = lambda k: fp4_group.scale_groups(k, self.group)  # noqa: E731
+        self.gate_up_proj = _frozen((n_experts, 2 * inter, hidden // 2), codes, device)
+        self.down_proj = _frozen((n_experts, hidden, inter // 2), codes, device)
+        self.gate_up_proj_scale = _frozen((n_experts, 2, inter, g(hidden)), scales, device)
+        self.down_proj_scale = _frozen((n_experts, hidden, g(inter)), scales, device)
+        if self.variant == "nvfp4":
+            self.gate_up_proj_global_scale = _frozen((n_experts, 2, 1), torch.float32, device)
+            self.down_proj_global_scale = _frozen((n_experts, 1), torch.float32, device)
+
+    def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        gu, s = self.gate_up_proj, self.gate_up_proj_scale
+        i = gu.shape[1] // 2
+        if self.variant == "fp4":
+            return {
+                "weight": (gu[:, :i], gu[:, i:], self.down_proj),
+                "weight_scale_inv": (s[:, 0], s[:, 1], self.down_proj_scale),
+            }
+        slots = {
+            "weight_packed": (gu[:, :i], gu[:, i:], self.down_proj),
+            "weight_scale": (s[:, 0], s[:, 1], self.down_proj_scale),
+        }
+        if self.variant == "nvfp4":
+            g = self.gate_up_proj_global_scale
+            slots["weight_global_scale"] = (g[:, 0], g[:, 1], self.down_proj_global_scale)
+        return slots
+
+    def _scales(self, experts: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 S of gate_up [A, 2, I, D/g] and down [A, D, I/g]."""
+        gu, down = self.gate_up_proj_scale[experts], self.down_proj_scale[experts]
+        if self.variant == "mxfp4":
+            return torch.exp2(gu.float() - 127), torch.exp2(down.float() - 127)
+        if self.variant == "nvfp4":
+            g_gu, g_down = self.gate_up_proj_global_scale[experts], self.down_proj_global_scale[experts]
+            return gu.float() / g_gu[..., None], down.float() / g_down[..., None]
+        return gu, down
 
     def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        gu = fp4_group.dequantize(self.gate_up_proj[experts].unflatten(1, (2, -1)), self.gate_up_proj_scale[experts])
-        down = fp4_group.dequantize(self.down_proj[experts], self.down_proj_scale[experts])
+        s_gu, s_down = self._scales(experts)
+        gu = fp4_group.dequantize(self.gate_up_proj[experts].unflatten(1, (2, -1)), s_gu, self.group)
+        down = fp4_group.dequantize(self.down_proj[experts], s_down, self.group)
         return gu.flatten(1, 2).to(dtype), down.to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        gu = fp4_group.dequantize_reference(self.gate_up_proj.unflatten(1, (2, -1)), self.gate_up_proj_scale)
-        down = fp4_group.dequantize_reference(self.down_proj, self.down_proj_scale)
+        s_gu, s_down = self._scales(slice(None))
+        gu = fp4_group.dequantize_reference(self.gate_up_proj.unflatten(1, (2, -1)), s_gu, self.group)
+        down = fp4_group.dequantize_reference(self.down_proj, s_down, self.group)
         return gu.flatten(1, 2).to(dtype), down.to(dtype)
 
     def describe(self) -> tuple[str, tuple[int, int]]:
-        return "fp4 e2m1", (1, fp4_group.GROUP)
+        return f"{self.variant} e2m1", (1, self.group)

@@ -94,11 +94,16 @@ def plan_quantization(
         layer = _LAYER.match(module)
         if layer and int(layer.group(1)) >= cfg.num_layers:
             continue  # MTP / nextn: skipped by the loader
-        if f"{module}.weight" not in have:
+        if f"{module}.weight" not in have and f"{module}.weight_packed" not in have:
             raise WeightError(f"scale tensor {module}{suffix!s} has no weight {module}.weight in the checkpoint")
         m = _EXPERT.match(module)
         if m:
             experts.add(m.group(1))
+        elif f"{module}.weight_packed" in have or scheme.strategy == "none":
+            raise WeightError(
+                f"tensor {module}{suffix}: {module!r} is not a routed expert; FP4 (weight_packed) and "
+                "scales without an 8-bit config group are read for routed experts only"
+            )
         else:
             linears.add(module)
     return QuantPlan(scheme, tuple(sorted(linears, key=_natural)), tuple(sorted(experts, key=_natural)))
@@ -134,7 +139,7 @@ def swap_in(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> QuantPlan:
     for name in plan.experts:
         old = _get(model, name)
         e, two_i, d = old.gate_up_proj.shape
-        cls = FP4Experts if plan.scheme.expert_dtype == "fp4" else FP8Experts
+        cls = FP8Experts if plan.scheme.expert_dtype == "fp8" else FP4Experts
         new = cls(d, e, two_i // 2, plan.scheme, old.gate_up_proj.device)
         new.impl = old.impl
         model.set_submodule(name, new)

@@ -22,6 +22,7 @@ from mlaserve.quant import fp4_group, fp8_block
 ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 KEPT = ("model.embed_tokens", "lm_head", "re:.*mlp\\.gate$", "re:.*weights_proj$")
 FORMATS = ("fp8", "compressed-tensors")
+CT_FP4 = {"nvfp4": ("tensor_group", 16), "mxfp4": ("group", 32)}  # compressed-tensors 4-bit expert groups
 
 
 def quantization_config(
@@ -35,11 +36,20 @@ def quantization_config(
         return out | ({"expert_dtype": "fp4"} if experts == "fp4" else {})
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
     weights |= {"strategy": "block", "block_structure": list(block)} if block else {"strategy": "channel"}
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+    if experts in CT_FP4:
+        strategy, size = CT_FP4[experts]
+        fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": strategy, "group_size": size}
+        groups["group_1"] = {
+            "targets": ["re:.*mlp\\.experts\\..*"],
+            "weights": fp4,
+            "format": f"{experts}-pack-quantized",
+        }
     return {
         "quant_method": "compressed-tensors",
-        "format": "float-quantized",
+        "format": "mixed-precision" if experts in CT_FP4 else "float-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "config_groups": groups,
         "ignore": list(ignore),
     }
 
@@ -65,8 +75,11 @@ def write_fp8_folder(
     the other files copied). experts "fp4": routed experts as packed e2m1 with group-32 scales
     (DeepSeek-V4 style, fmt "fp8" only); scale_fmt "ue8m0": power-of-two scales stored as
     float8_e8m0fnu. -> {"quantized": n, "kept": m} tensor counts."""
-    if fmt not in FORMATS or (experts == "fp4" and fmt != "fp8"):
-        raise ValueError(f"format must be one of {FORMATS} (fp4 experts: 'fp8' only), got {fmt!r}")
+    if fmt not in FORMATS or (experts == "fp4" and fmt != "fp8") or (experts in CT_FP4 and fmt == "fp8"):
+        raise ValueError(
+            f"format must be one of {FORMATS} (experts 'fp4': 'fp8' only; 'nvfp4'/'mxfp4': compressed-tensors), "
+            f"got {fmt!r} with experts {experts!r}"
+        )
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     source = SafetensorsSource(src)
@@ -93,6 +106,10 @@ def _quantized_tensors(source, fmt, block, keep_dtype, experts, scale_fmt) -> tu
             out[name] = t.to(keep_dtype) if t.is_floating_point() else t
             counts["kept"] += 1
             continue
+        if experts in CT_FP4 and ROUTED_EXPERT.match(name):
+            out |= _ct_fp4_tensors(name.removesuffix(".weight"), t, experts)
+            counts["quantized"] += 1
+            continue
         if experts == "fp4" and ROUTED_EXPERT.match(name):
             q, s = fp4_group.quantize(t, pow2=pow2)
         else:
@@ -100,3 +117,21 @@ def _quantized_tensors(source, fmt, block, keep_dtype, experts, scale_fmt) -> tu
         out[name], out[name.removesuffix("weight") + scale_name] = q, s.to(torch.float8_e8m0fnu) if pow2 else s
         counts["quantized"] += 1
     return out, counts
+
+
+def _ct_fp4_tensors(module: str, w: torch.Tensor, variant: str) -> dict[str, torch.Tensor]:
+    """compressed-tensors' 4-bit layout: NVFP4 global = 448 * 6 / amax(W), group scale
+    e4m3(amax_g / 6 * global), W ~= value * scale / global (group 16); MXFP4 scale
+    2^ceil(log2(amax_g / 6)) stored as its e8m0 byte (group 32)."""
+    if variant == "nvfp4":
+        amax = w.float().abs().amax()
+        glob = (fp8_block.E4M3_MAX * fp4_group.E2M1_MAX / amax if amax > 0 else torch.tensor(1.0)).reshape(1)
+        scale = (fp4_group.group_amax(w, 16) / fp4_group.E2M1_MAX * glob).to(fp8_block.FP8)
+        codes = fp4_group.encode(w, scale.float() / glob, 16)
+        extra = {"weight_global_scale": glob.float()}
+    else:
+        s = fp4_group.group_amax(w, 32) / fp4_group.E2M1_MAX
+        exp = torch.ceil(torch.log2(torch.where(s > 0, s, torch.ones_like(s))))
+        codes, scale, extra = fp4_group.encode(w, torch.exp2(exp), 32), (exp + 127).to(torch.uint8), {}
+    tensors = {"weight_packed": codes.view(torch.uint8), "weight_scale": scale} | extra
+    return {f"{module}.{k}": v for k, v in tensors.items()}
