@@ -7,7 +7,8 @@ variant is loaded in turn and measured:
   prefill       tokens/s of one prompt of --prefill-len tokens (max_tokens 1)
   decode_b1     tokens/s of one request decoding --new tokens (the engine's own metric)
   decode_c16    generated tokens/s with --conc concurrent requests (short distinct prompts)
-Variants: fp8 weights with bf16 compute, fp8 weights with fp32 compute, bf16, fp32.
+Variants: FP4 (e2m1, DeepSeek-V4 style) routed experts + FP8 blocks elsewhere with fp32 compute,
+fp8 weights with bf16 compute, fp8 weights with fp32 compute, bf16, fp32.
 
   python benchmarks/fp8.py --quick     # 2 layers, short runs: a smoke test, not a benchmark
 """
@@ -34,6 +35,7 @@ from common import (
 )
 
 VARIANTS = [
+    ("fp4 experts/fp32", "fp4", "float32"),
     ("fp8/bf16", "fp8", "bfloat16"),
     ("fp8/fp32", "fp8", "float32"),
     ("bf16", "src", "bfloat16"),
@@ -52,13 +54,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def fp8_folder(src: Path) -> Path:
+def fp8_folder(src: Path, experts: str = "fp8") -> Path:
     from mlaserve.quant.writer import write_fp8_folder
 
-    dst = MODELS_DIR / f"{src.name}-fp8-b128"
+    dst = MODELS_DIR / f"{src.name}-fp8-b128{'-fp4experts' if experts == 'fp4' else ''}"
     if not (dst / "model.safetensors").exists():
-        print(f"[build] quantizing {src.name} to FP8 [128, 128] blocks -> {dst} ...", flush=True)
-        write_fp8_folder(src, dst, "fp8", (128, 128))
+        print(f"[build] quantizing {src.name} to FP8 [128, 128] blocks ({experts} experts) -> {dst} ...", flush=True)
+        write_fp8_folder(src, dst, "fp8", (128, 128), experts=experts)
     return dst
 
 
@@ -104,7 +106,7 @@ def main() -> None:
     if warn:
         print(warn, flush=True)
     src = ensure_model("standard", args.quick)
-    folders = {"src": src, "fp8": fp8_folder(src)}
+    folders = {"src": src, "fp8": fp8_folder(src), "fp4": fp8_folder(src, "fp4")}
     results = {}
     for name, which, dtype in VARIANTS:
         print(f"[run] {name} ...", flush=True)
