@@ -499,3 +499,49 @@ def test_compressed_tensors_fp4_experts_equal_transformers(fp8_folder, tmp_path,
     ref = hf_logits(_hf_from(dequantized_folder(folder, tmp_path / "deq")), ids)
     diff, top1 = _compare(llm.prompt_logits(ids), ref)
     assert diff <= 1e-4 and top1 == 1.0, (variant, diff, top1)
+
+
+# ---- verify --against: an FP8 / FP4 folder and its original --------------------------------------
+
+
+def test_quantization_error_estimate_matches_the_true_error():
+    """quant/error.py reads e(W) off the stored values; on random normal weights it is close to the
+    true relative error of the quantizers (the estimate verify --against relies on)."""
+    from mlaserve.quant import error, fp4_group
+
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(4))
+    q, s = fp8_block.quantize(w, (128, 128))
+    deq = fp8_block.dequantize_reference(q, s, (128, 128))
+    full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    est = error.relative_error(deq, error.e4m3_step(q) * full)
+    true = ((deq - w).norm() / deq.norm()).item()
+    assert 0.9 < est / true < 1.1, (est, true)
+    p, s4 = fp4_group.quantize(w)
+    deq4 = fp4_group.dequantize_reference(p, s4)
+    est4 = error.relative_error(deq4, error.e2m1_step(fp4_group.unpack_codes(p)) * s4.repeat_interleave(32, 1))
+    true4 = ((deq4 - w).norm() / deq4.norm()).item()
+    # e2m1 has 8 levels: the uniform-rounding model overestimates (1.19x measured), the safe side
+    # (a looser tolerance), like weight_error.py's float rule (1.36x)
+    assert 1.0 < est4 / true4 < 1.3, (est4, true4)
+
+
+def test_verify_against_passes_the_original_and_names_a_changed_layer(hf_model_dir, fp8_folder, tmp_path):
+    from mlaserve.entrypoints.verify_against import compare, open_side
+
+    src, _ = hf_model_dir("v3_yarn")
+    ids = random_ids(32)
+    for folder in (fp8_folder("v3_yarn", *FAMILIES["v3_yarn"]), fp8_folder("v3_yarn", "fp8", (16, 16), "fp4")):
+        side = open_side(str(folder))
+        assert side.block_error["layer.1.mlp"] > 0 and "F8_E4M3" in side.types["layer.1.attn"]
+        report = compare(side, open_side(str(src)), ids)
+        assert report.passed, [(b.block, b.rel_diff, b.tolerance) for b in report.blocks if not b.passed]
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_folder("v3_yarn", *FAMILIES["v3_yarn"]), bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.1.self_attn.kv_b_proj.weight"  # heads 0 and 1 swapped
+    w = tensors[name].view(torch.uint8).view(4, -1, tensors[name].shape[1]).clone()
+    w[[0, 1]] = w[[1, 0]]
+    tensors[name] = w.reshape(tensors[name].shape).view(torch.float8_e4m3fn)
+    save_file(tensors, str(bad / "model.safetensors"))
+    report = compare(open_side(str(bad)), open_side(str(src)), ids)
+    assert report.first_failure is not None and report.first_failure.block == "layer.1.attn"

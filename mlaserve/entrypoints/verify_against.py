@@ -119,6 +119,12 @@ def open_side(path: str, **options) -> Side:
             side.dequant = check_dequantization(gf)
         finally:
             gf.close()
+    elif llm.loaded.quant is not None:  # FP8 / FP4 safetensors: the same error model (quant/error.py)
+        from mlaserve.quant.error import folder_errors
+
+        side.block_error, side.types = folder_errors(
+            llm.loaded.path, llm.loaded.quant.scheme, llm.config.model.num_layers
+        )
     return side
 
 
