@@ -545,3 +545,13 @@ def test_verify_against_passes_the_original_and_names_a_changed_layer(hf_model_d
     save_file(tensors, str(bad / "model.safetensors"))
     report = compare(open_side(str(bad)), open_side(str(src)), ids)
     assert report.first_failure is not None and report.first_failure.block == "layer.1.attn"
+
+
+def test_check_tensors_scans_fp8_weights(broken):
+    """--check-tensors on an FP8 folder: a NaN code (s.1111.111) in an e4m3 weight is named."""
+    tensors, _, save = broken
+    w = tensors[f"{Q_A}.weight"].view(torch.uint8).clone()
+    w[0, 0] = 0x7F
+    tensors[f"{Q_A}.weight"] = w.view(torch.float8_e4m3fn)
+    with pytest.raises(WeightError, match=f"(?s)check_tensors.*{Q_A}.weight: 1 NaN"):
+        LLM(save(), check_tensors=True)

@@ -48,7 +48,10 @@ def scan_model(model: nn.Module) -> list[BadTensor]:
         if not t.is_floating_point():
             continue
         with torch.no_grad():
-            n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            if t.dtype == torch.float8_e4m3fn:  # no isinf kernel; e4m3fn has no Inf, NaN is s.1111.111
+                n_nan, n_inf = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum()), 0
+            else:
+                n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         if n_nan or n_inf:
             bad.append(BadTensor(name, f"{n_nan} NaN, {n_inf} Inf of {t.numel()} values"))
     return bad
