@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from mlaserve.entrypoints.engine_args import add_engine_args, make_llm
+from mlaserve.entrypoints.openai.cli import add_serve
 from mlaserve.sampling.params import SamplingParams
 
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_verify(sub)
     _add_convert(sub)
     _add_trace(sub)
+    add_serve(sub)
     args = parser.parse_args(argv)
     if getattr(args, "model_path", None) is not None:
         if args.model is not None and args.model != args.model_path:

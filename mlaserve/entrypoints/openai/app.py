@@ -1,0 +1,239 @@
+"""The FastAPI application: routes, API key, body-size limit and OpenAI-style error bodies.
+
+Every engine interaction goes through `OpenAIServing` (serving.py) and the engine loop; this
+module is HTTP only. /health and /metrics stay open when an API key is set.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlaserve import __version__
+from mlaserve.entrypoints.openai import chat, completions
+from mlaserve.entrypoints.openai.errors import APIError, from_pydantic
+from mlaserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from mlaserve.entrypoints.openai.serving import ClientGone, OpenAIServing
+
+log = logging.getLogger("mlaserve.server")
+OPEN_PATHS = ("/health", "/metrics")
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def build_app(serving: OpenAIServing, api_key: str | None = None, ring=None, max_body: int = MAX_BODY_BYTES):
+    app = FastAPI(title="mlaserve", version=__version__)
+    app.state.serving = serving
+    _add_errors(app, serving)
+    _add_api_routes(app, serving)
+    _add_info_routes(app, serving, ring)
+    app.add_middleware(BodyLimit, max_body=max_body)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    return app
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _add_errors(app: FastAPI, serving: OpenAIServing) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        if not getattr(e, "counted", False):  # a request that reached the engine was counted by log_done
+            serving.metrics.requests.labels(str(e.status)).inc()
+        log.info("%s %s status=%d %s", request.method, request.url.path, e.status, e.message)
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return await _api_error(request, from_pydantic(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        return await _api_error(request, APIError(e.status_code, str(e.detail), None, None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return await _api_error(request, APIError(500, f"internal error: {type(e).__name__}", None, "internal_error"))
+
+
+async def _run(serving: OpenAIServing, mod, req, raw: Request, kind: str):
+    """Submit the job; stream its chunks or wait for the whole response."""
+    job, params = mod.build_job(serving, req)
+    await serving.submit(job, params, "messages" if kind == "chat" else "prompt")
+    if req.stream:
+        return StreamingResponse(_sse(serving, mod, req, job, raw, kind), media_type="text/event-stream")
+    status = 200
+    try:
+        async for _ in serving.outputs(job, raw):
+            pass
+        return mod.response(serving, req, job)
+    except APIError as e:
+        status, e.counted = e.status, True
+        raise
+    except ClientGone:
+        status = 499  # nginx's "client closed request": nobody reads this response
+        return JSONResponse({}, status_code=499)
+    finally:
+        serving.release(job)
+        serving.log_done(job, status, kind)
+
+
+async def _sse(serving, mod, req, job, raw, kind):
+    status = 200
+    try:
+        async for chunk in mod.stream(serving, req, job, raw):
+            yield chunk
+    except APIError as e:  # headers are gone: the error travels as an event, then [DONE]
+        status = e.status
+        yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        status = 499
+    finally:  # also on cancellation (client gone, server shutting down): abort what is live
+        serving.release(job)
+        serving.log_done(job, status, kind + "-stream")
+
+
+def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw: Request):
+        return await _run(serving, completions, req, raw, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        return await _run(serving, chat, req, raw, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt", "invalid_value")
+        if req.messages is not None:
+            ids = serving.chat_prompt(ChatCompletionRequest(messages=req.messages))
+        else:
+            ids = serving.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        vocab = serving.llm.config.model.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} outside the vocabulary [0, {vocab})", "tokens", "invalid_value")
+        if serving.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "tokens", "no_tokenizer")
+        return {"prompt": serving.decode(req.tokens)}
+
+
+def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": serving.served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mlaserve",
+            "max_model_len": serving.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if not serving.loop.alive:
+            raise APIError(503, "the engine loop is not running", None, "engine_dead")
+        return PlainTextResponse("ok")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/routes")
+    async def routes(last: int = 20):
+        if last < 0:
+            raise APIError(400, "last must be >= 0", "last", "invalid_value")
+        records = list(ring.records) if ring is not None else []
+        return {"records": records[-last:] if last else []}
+
+    @app.get("/debug/config")
+    async def config():
+        cfg = serving.llm.config
+        table = [{"name": s.name, "value": _jsonable(s.value), "source": s.source} for s in cfg.all_provenance()]
+        return {"model": str(serving.llm.loaded.path), "served_model_name": serving.served_name, "provenance": table}
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over max_body bytes get 413 before anything parses them."""
+
+    def __init__(self, app, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _send_error(
+                send, APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
+            )
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:  # chunked upload without a length: stop reading it
+                    return {"type": "http.disconnect"}
+            return msg
+
+        return await self.app(scope, limited, send)
+
+
+class ApiKey:
+    """ASGI middleware: `Authorization: Bearer KEY` on every path but /health and /metrics;
+    compared in constant time."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+        if not hmac.compare_digest(token, self.key):
+            return await _send_error(send, APIError(401, "missing or wrong API key", None, "invalid_api_key"))
+        return await self.app(scope, receive, send)
+
+
+async def _send_error(send, e: APIError) -> None:
+    body = json.dumps(e.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

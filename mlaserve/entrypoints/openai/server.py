@@ -1,0 +1,103 @@
+"""`mlaserve serve`: load the model, start the engine loop, serve HTTP with uvicorn.
+
+Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting, waits up to the grace period for
+in-flight responses, then cancels them (their engine requests are aborted); the engine loop
+stops; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from mlaserve.engine.engine_loop import EngineLoop
+from mlaserve.entrypoints.openai.app import build_app
+from mlaserve.entrypoints.openai.serving import OpenAIServing
+from mlaserve.observability.metrics import RouteTap, ServerMetrics
+from mlaserve.observability.trace import MemoryTracer, make_tracer
+
+log = logging.getLogger("mlaserve.server")
+ROUTE_RING = 2000  # step records kept for /debug/routes
+
+
+def build_server(llm, served_name: str, max_queued: int, api_key: str | None = None, chat_template: str | None = None):
+    """-> (app, engine loop, serving) around a loaded LLM whose runner has a RouteTap tracer."""
+    loop = EngineLoop(llm.engine)
+    metrics = ServerMetrics(stats=lambda: loop.stats)
+    tap = llm.runner.tracer
+    if isinstance(tap, RouteTap):
+        tap.on_record = metrics.on_route
+    max_in_flight = llm.config.max_num_seqs + max_queued
+    serving = OpenAIServing(llm, loop, metrics, served_name, max_in_flight)
+    serving.chat_template = chat_template
+    ring = tap.ring if isinstance(tap, RouteTap) else None
+    app = build_app(serving, api_key, ring)
+    return app, loop, serving
+
+
+def route_tap(trace: str | None) -> RouteTap:
+    """The server's ledger sink: a ring (+ the --trace file when given); metrics hook set later."""
+    return RouteTap(MemoryTracer(ROUTE_RING), lambda rec: None, make_tracer(trace) if trace else None)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that prints the ready line once its socket is bound (the real port with --port 0)."""
+
+    ready_line = staticmethod(lambda host, port: None)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.ready_line(host, port)
+
+
+def run(args, llm, chat_template: str | None) -> int:
+    served = args.served_model_name or Path(str(llm.loaded.path)).name
+    app, loop, serving = build_server(llm, served, args.max_queued, args.api_key, chat_template)
+    loop.start()
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.grace,
+        access_log=False,
+        lifespan="off",
+    )
+    server = _Server(config)
+    server.ready_line = lambda host, port: print(_ready(llm, served, host, port), flush=True)
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that a
+    # clean return, so SIGTERM exits 0 after the graceful stop.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        loop.stop()
+        llm.runner.tracer.close()
+    print("mlaserve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _ready(llm, served: str, host: str, port: int) -> str:
+    cfg = llm.config
+    attention = "sparse" if cfg.sparse else "dense"
+    return (
+        f"mlaserve: serving {served} on http://{host}:{port} (dtype {str(cfg.dtype).removeprefix('torch.')}, "
+        f"attention {attention}, mla_path {cfg.mla_path}, KV pool {cfg.num_pages} pages x {cfg.page_size} tokens, "
+        f"max_model_len {llm.engine.max_model_len})"
+    )
+
+
+def setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("mlaserve.server", "mlaserve.engine_loop"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.INFO)
+        lg.addHandler(handler)
+        lg.propagate = False
