@@ -87,6 +87,8 @@ async def _run(serving: OpenAIServing, mod, req, raw: Request, kind: str):
         status = 499  # nginx's "client closed request": nobody reads this response
         return JSONResponse({}, status_code=499)
     finally:
+        if not job.done and status == 200:
+            status = 499  # cancelled (shutdown past the grace period)
         serving.release(job)
         serving.log_done(job, status, kind)
 
@@ -103,6 +105,8 @@ async def _sse(serving, mod, req, job, raw, kind):
     except ClientGone:
         status = 499
     finally:  # also on cancellation (client gone, server shutting down): abort what is live
+        if not job.done and status == 200:
+            status = 499  # the response ended before the engine did: the client left (or shutdown)
         serving.release(job)
         serving.log_done(job, status, kind + "-stream")
 

@@ -1,0 +1,280 @@
+"""`mlaserve serve` through the official openai client, against a real server process.
+
+References: the offline LLM on the same (embedded) model -- greedy text and token ids, and
+log-softmax of LLM.prompt_logits for every logprob the server reports.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+import torch
+from server_process import ServerProcess
+
+from mlaserve.entrypoints.llm import LLM
+from mlaserve.sampling.params import SamplingParams
+
+PROMPTS = [
+    "In the beginning God created",
+    "And the earth was without form",
+    "Blessed are the meek, for they",
+    "The LORD is my shepherd; I shall",
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess()
+    yield srv
+    assert srv.stop() == 0, srv.logs()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+def greedy(llm, prompt, max_tokens=12, **kw):
+    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw))[0].outputs[0]
+
+
+def test_models_health_version(server):
+    assert server.get("/health").status_code == 200
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert server.get("/version").json()["version"]
+
+
+def test_completion_text_ids_and_batch_equal_offline(server, llm):
+    client = server.client()
+    ref = greedy(llm, PROMPTS[0])
+    out = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    ids = llm.encode(PROMPTS[0])
+    by_ids = client.completions.create(model=server.model, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == ref.text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(ref.token_ids)
+    batch = client.completions.create(model=server.model, prompt=[PROMPTS[1], ids], max_tokens=12, temperature=0)
+    texts = {c.index: c.text for c in batch.choices}
+    assert texts == {0: greedy(llm, PROMPTS[1]).text, 1: ref.text}
+
+
+def test_chat_equals_template_then_offline(server, llm):
+    messages = [{"role": "user", "content": "Who made the heaven?"}]
+    out = server.client().chat.completions.create(model=server.model, messages=messages, max_tokens=10, temperature=0)
+    prompt = llm.tokenizer.apply_chat_template(messages)  # the tiny model has no template: the fallback
+    assert prompt.endswith("assistant:")
+    assert out.choices[0].message.content == greedy(llm, prompt, 10).text
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_streams_reassemble_to_the_whole_text(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Tell me of Abraham"}]
+    whole = client.chat.completions.create(model=server.model, messages=messages, max_tokens=24, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    whole = client.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=24, temperature=0)
+    parts = client.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in parts) == whole.choices[0].text
+
+
+def test_logprobs_equal_log_softmax_of_prompt_logits(server, llm):
+    out = server.client().completions.create(
+        model=server.model, prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=3
+    )
+    ids = llm.encode(PROMPTS[3])
+    ref = greedy(llm, PROMPTS[3], 6)
+    lp = torch.log_softmax(llm.prompt_logits(ids + ref.token_ids[:-1]), -1)[len(ids) - 1 :]
+    want = lp.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
+    got = torch.tensor(out.choices[0].logprobs.token_logprobs)
+    assert (got - want).abs().max() <= 1e-4
+    top = out.choices[0].logprobs.top_logprobs
+    assert all(len(t) <= 3 for t in top)
+    assert all(max(t.values()) == pytest.approx(lp[i].max().item(), abs=1e-4) for i, t in enumerate(top))
+
+
+def test_echo_scoring_equals_prompt_logits(server, llm):
+    """What lm-eval's local-completions does: echo + max_tokens 0 scores the prompt."""
+    ids = llm.encode(PROMPTS[0] + " the heaven and the earth.")
+    out = server.client().completions.create(
+        model=server.model, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    lps = out.choices[0].logprobs.token_logprobs
+    assert lps[0] is None and len(lps) == len(ids)
+    want = torch.log_softmax(llm.prompt_logits(ids), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert (torch.tensor(lps[1:]) - want).abs().max() <= 1e-4
+    assert out.usage.completion_tokens == 0
+
+
+def test_n_with_seed_is_reproducible(server):
+    client = server.client()
+    kw = dict(model=server.model, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=2, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # seed + j per sample
+    ids = server.post("/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
+    assert a.usage.prompt_tokens == len(ids)  # the prompt counts once for its n samples
+
+
+def test_stop_string_cuts_the_text(server, llm):
+    ref = greedy(llm, PROMPTS[0], 16).text
+    stop = ref.split()[2]
+    cut = ref[: ref.index(stop)]
+    out = server.client().completions.create(
+        model=server.model, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_detokenize_debug(server, llm):
+    tok = server.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert tok["tokens"] == llm.encode(PROMPTS[0])
+    assert server.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == PROMPTS[0]
+    records = server.get("/debug/routes", params={"last": 2}).json()["records"]
+    assert len(records) == 2 and records[-1]["segments"]
+    table = {row["name"]: row for row in server.get("/debug/config").json()["provenance"]}
+    assert table["num_pages"]["value"] == llm.config.num_pages and table["dtype"]["source"]
+
+
+BAD = [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2, 1_000_000]}, "prompt"),
+    ({"prompt": [5] * 600}, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD])
+def test_bad_completion_requests_are_4xx_naming_the_field(server, body, param):
+    r = server.post("/v1/completions", json=body)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+
+
+def test_bad_bodies_and_chat(server):
+    assert server.post("/v1/completions", content=b"{not json").status_code == 400
+    bad_utf8 = server.post(
+        "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"}
+    )
+    assert bad_utf8.status_code == 400 and "error" in bad_utf8.json()
+    big = server.post("/v1/completions", content=b"x" * (5 * 1024 * 1024))
+    assert big.status_code == 413
+    r = server.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 999})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert server.get("/health").status_code == 200
+
+
+def _stream_text(server, prompt: str, max_tokens: int) -> str:
+    parts = server.client().completions.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    return "".join(c.choices[0].text for c in parts)
+
+
+def test_32_concurrent_streams_equal_each_alone(server):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+    client = server.client()
+    alone = [
+        client.completions.create(model=server.model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+        for p in prompts
+    ]
+    got: dict[int, str] = {}
+
+    def run(i):
+        got[i] = _stream_text(server, prompts[i], 16)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got.get(i) for i in range(32)] == alone
+    steps = server.get("/debug/routes", params={"last": 200}).json()["records"]
+    assert max(len(r["requests"]) for r in steps) > 1  # concurrent requests shared forward passes
+    assert server.wait_idle() == 0
+
+
+def test_disconnects_abort_and_free_pages(server):
+    """Half the streams hang up after their first chunk; the other half still finish right."""
+    prompts = [f"{PROMPTS[i % 4]} again {i}" for i in range(8)]
+    done: dict[int, str] = {}
+
+    def hang_up(i):
+        body = {"model": server.model, "prompt": prompts[i], "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # leave mid-stream
+
+    def finish(i):
+        done[i] = _stream_text(server, prompts[i], 12)
+
+    threads = [threading.Thread(target=hang_up if i % 2 else finish, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    client = server.client()
+    for i, text in done.items():
+        assert (
+            text
+            == client.completions.create(model=server.model, prompt=prompts[i], max_tokens=12, temperature=0)
+            .choices[0]
+            .text
+        )
+    assert server.wait_idle() == 0
+    assert server.metric('mlaserve_requests_total{status="499"}') >= 4  # the hang-ups, counted as such
+
+
+def test_metrics_exposition(server):
+    text = server.get("/metrics").text
+    for name in (
+        'mlaserve_requests_total{status="200"}',
+        "mlaserve_prompt_tokens_total",
+        "mlaserve_generation_tokens_total",
+        "mlaserve_time_to_first_token_seconds_bucket",
+        "mlaserve_time_per_output_token_seconds_bucket",
+        "mlaserve_e2e_request_latency_seconds_bucket",
+        "mlaserve_queue_depth",
+        "mlaserve_running_requests",
+        "mlaserve_kv_pages_in_use",
+        "mlaserve_kv_pages_total",
+        "mlaserve_prefix_cache_hit_tokens_total",
+        "mlaserve_preemptions_total",
+        'mlaserve_attention_tokens_total{path="absorbed",phase="decode",sparse="true"}',
+    ):
+        assert name in text, name
+    assert server.metric("mlaserve_kv_pages_total") > 0
+    log = server.logs()
+    assert "status=200 prompt_tokens=" in log and PROMPTS[0] not in log  # no prompt text in the log
+    assert json.dumps(PROMPTS[0]) not in log
