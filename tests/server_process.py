@@ -25,6 +25,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "mlaserve.entrypoints.cli", "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT)
         self.url, self.model = self._wait_ready(startup_s)
+        self.http = httpx.Client(timeout=120)  # one client: building an SSL context per call costs ~0.1-0.5 s
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> tuple[str, str]:
@@ -54,15 +55,21 @@ class ServerProcess:
         return Path(self.log.name).read_text()
 
     def client(self, **kw):
+        """The openai client (one shared instance unless keywords are given)."""
         from openai import OpenAI
 
-        return OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+        if not kw and getattr(self, "_client", None) is not None:
+            return self._client
+        client = OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+        if not kw:
+            self._client = client
+        return client
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=60, **kw)
+        return self.http.get(self.url + path, **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=120, **kw)
+        return self.http.post(self.url + path, **kw)
 
     def metric(self, name: str) -> float:
         for line in self.get("/metrics").text.splitlines():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
 import pytest
 import torch
 from server_process import ServerProcess
@@ -231,7 +230,7 @@ def test_disconnects_abort_and_free_pages(server):
 
     def hang_up(i):
         body = {"model": server.model, "prompt": prompts[i], "max_tokens": 400, "temperature": 0, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        with server.http.stream("POST", server.url + "/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # leave mid-stream
@@ -278,3 +277,83 @@ def test_metrics_exposition(server):
     log = server.logs()
     assert "status=200 prompt_tokens=" in log and PROMPTS[0] not in log  # no prompt text in the log
     assert json.dumps(PROMPTS[0]) not in log
+
+
+def _fuzz_bodies():
+    from hypothesis import strategies as st
+
+    junk = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.sampled_from([-1, 0, 10**6, 2**63, -(2**70), 1e308, float("nan"), float("inf")]),
+        st.text(max_size=8),
+        st.lists(st.integers(-5, 5000), max_size=4),
+        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    )
+    small = st.integers(0, 6)
+
+    def field(valid, bad=junk):  # mostly valid values, so that some bodies pass and reach the engine
+        return st.integers(0, 4).flatmap(lambda k: bad if k == 0 else valid)
+
+    # no null max_tokens: it means "to the end of the context", which is valid but slow
+    bad_max = st.sampled_from([-1, 10**6, 2**63, "x", 1.5, True, [], {}])
+
+    fields = {
+        "model": field(st.just("tiny-dsa")),
+        "temperature": field(st.floats(0, 2)),
+        "top_p": field(st.floats(0.05, 1)),
+        "top_k": field(st.integers(-1, 50)),
+        "min_p": field(st.floats(0, 1)),
+        "presence_penalty": field(st.floats(-2, 2)),
+        "repetition_penalty": field(st.floats(0.5, 2)),
+        "n": field(st.integers(1, 3)),
+        "stop": field(
+            st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3))
+        ),
+        "seed": field(st.integers(-(2**63), 2**63 - 1)),
+        "logprobs": field(st.integers(0, 5)),
+        "echo": field(st.booleans()),
+        "stream": field(st.booleans()),
+    }
+    prompt = st.one_of(
+        st.text(max_size=40),
+        st.text(max_size=40),
+        st.lists(st.integers(-3, 5000), max_size=12),
+        st.lists(st.one_of(st.text(max_size=10), st.lists(st.integers(0, 4200), max_size=5)), max_size=3),
+        junk,
+    )
+    message = st.fixed_dictionaries(
+        {"role": field(st.sampled_from(["user", "system", "assistant"])), "content": field(st.text(max_size=20))}
+    )
+    # max_tokens always set and small: a chat without it would run to the end of the context
+    completion = st.fixed_dictionaries({"prompt": prompt, "max_tokens": field(small, bad_max)}, optional=fields)
+    chat = st.fixed_dictionaries(
+        {"messages": field(st.lists(message, min_size=1, max_size=3)), "max_tokens": field(st.integers(1, 6), bad_max)},
+        optional={"top_logprobs": field(small), **fields},
+    )
+    return st.one_of(
+        st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat)
+    )
+
+
+def test_fuzz_request_schema_never_5xx(server):
+    """Hypothesis-generated bodies (valid and junk values in every field): never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+
+    seen: list[int] = []
+
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_fuzz_bodies())
+    def run(case):
+        path, body = case
+        r = server.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        seen.append(r.status_code)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"]
+
+    run()
+    print("fuzz statuses:", {c: seen.count(c) for c in sorted(set(seen))})
+    assert 200 in seen and 400 in seen
+    assert server.get("/health").status_code == 200
+    assert server.wait_idle() == 0

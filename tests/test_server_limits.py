@@ -1,0 +1,73 @@
+"""Server limits: API key, the bounded queue (429 + Retry-After), SIGTERM during a stream."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    # one running request at a time and one queued: the third concurrent request is refused
+    srv = ServerProcess("--api-key", KEY, "--max-num-seqs", "1", "--max-queued", "1")
+    yield srv
+    assert srv.stop() == 0, srv.logs()
+
+
+def test_api_key(server):
+    assert server.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 401
+    bad = server.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    assert server.client(api_key=KEY).models.list().data
+    assert server.get("/health").status_code == 200 and server.get("/metrics").status_code == 200
+    assert KEY not in server.logs()
+
+
+def test_queue_bound_answers_429_with_retry_after(server):
+    statuses: list[int] = []
+    retry_after: list[str] = []
+    body = {"prompt": "In the beginning", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+    def call():
+        r = server.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            retry_after.append(r.headers.get("retry-after"))
+            assert r.json()["error"]["type"] == "rate_limit_error"
+
+    threads = [threading.Thread(target=call) for _ in range(5)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(120)
+    assert sorted(statuses).count(200) >= 2 and 429 in statuses, statuses
+    assert all(r is not None and int(r) >= 1 for r in retry_after)
+    assert server.wait_idle() == 0
+
+
+def test_sigterm_during_a_stream_finishes_it_and_exits_0(server):
+    """Last test of the module: it stops the module's server."""
+    body = {"model": server.model, "prompt": "And God said", "max_tokens": 30, "temperature": 0, "stream": True}
+    chunks: list[str] = []
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with server.http.stream("POST", server.url + "/v1/completions", json=body, headers=auth) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line)
+                if len(chunks) == 2:
+                    server.proc.send_signal(signal.SIGTERM)
+    assert chunks[-1] == "data: [DONE]" and len(chunks) > 3  # the stream in flight was finished
+    assert server.proc.wait(60) == 0, server.logs()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
