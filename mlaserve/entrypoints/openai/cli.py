@@ -37,7 +37,10 @@ def add_serve(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mlaserve.entrypoints.openai.server import route_tap, run, setup_logging
+    try:
+        from mlaserve.entrypoints.openai.server import route_tap, run, setup_logging
+    except ImportError as e:
+        raise ValueError(f"`mlaserve serve` needs the serve extra: pip install 'mlaserve[serve]' ({e})") from e
 
     if args.max_queued < 0:
         raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")

@@ -250,7 +250,7 @@ class OpenAIServing:
     def log_done(self, job: Job, status: int, kind: str) -> None:
         finals = [s.final for s in job.subs if s.final is not None]
         prompt = sum(len(s.prompt_ids) for s in job.subs)
-        output = sum(len(f.outputs[0].token_ids) for f in finals)
+        output = sum(len(s.final.outputs[0].token_ids) for s in job.subs if s.final is not None and not s.scoring)
         ttfts = [f.metrics.get("time_to_first_token") for f in finals if f.metrics.get("time_to_first_token")]
         ttft = min(ttfts) if ttfts else None
         rates = [f.metrics["tokens_per_s"] for f in finals if f.metrics.get("tokens_per_s")]
