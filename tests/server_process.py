@@ -71,10 +71,13 @@ class ServerProcess:
     def post(self, path: str, **kw) -> httpx.Response:
         return self.http.post(self.url + path, **kw)
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
+        """A sample's value from /metrics; `default` when the series does not exist (yet)."""
         for line in self.get("/metrics").text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
+        if default is not None:
+            return default
         raise KeyError(name)
 
     def wait_idle(self, timeout: float = 30.0) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 
+import httpx
 import pytest
 import torch
 from server_process import ServerProcess
@@ -204,13 +205,13 @@ def test_32_concurrent_streams_equal_each_alone(server):
     prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
     client = server.client()
     alone = [
-        client.completions.create(model=server.model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+        client.completions.create(model=server.model, prompt=p, max_tokens=10, temperature=0).choices[0].text
         for p in prompts
     ]
     got: dict[int, str] = {}
 
     def run(i):
-        got[i] = _stream_text(server, prompts[i], 16)
+        got[i] = _stream_text(server, prompts[i], 10)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
     for t in threads:
@@ -253,6 +254,15 @@ def test_disconnects_abort_and_free_pages(server):
         )
     assert server.wait_idle() == 0
     assert server.metric('mlaserve_requests_total{status="499"}') >= 4  # the hang-ups, counted as such
+
+
+def test_non_streaming_client_that_gives_up_aborts(server):
+    before = server.metric('mlaserve_requests_total{status="499"}', default=0.0)
+    body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.http.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    assert server.wait_idle() == 0
+    assert server.metric('mlaserve_requests_total{status="499"}') == before + 1
 
 
 def test_metrics_exposition(server):
