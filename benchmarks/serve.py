@@ -54,6 +54,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
         cmd = [sys.executable, "-m", "mlaserve.entrypoints.cli", "serve", str(folder), "--port", "0"]
         cmd += ["--dtype", args.dtype, "--max-num-seqs", str(max(args.streams)), "--max-queued", "0"]
+        cmd += ["--threads", str(args.threads)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         for line in self.proc.stdout:
             m = re.search(r"serving (\S+) on (http://\S+)", line)
@@ -117,13 +118,10 @@ def _pct(xs: list[float], q: int) -> float:
 
 def offline(folder: Path, args, sets: dict[int, list[list[int]]]) -> dict:
     """Offline LLM.generate on the same requests, and the route ledger's cost per step."""
-    import torch
-
     from mlaserve.entrypoints.llm import LLM
     from mlaserve.sampling.params import SamplingParams
 
-    torch.set_num_threads(args.threads)
-    llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(args.streams), malloc_tuning=True)
+    llm = LLM(str(folder), dtype=args.dtype, max_num_seqs=max(args.streams), malloc_tuning=True, threads=args.threads)
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
     out = {}
     for n, prompts in sets.items():
