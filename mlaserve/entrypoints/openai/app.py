@@ -74,7 +74,7 @@ async def _run(serving: OpenAIServing, mod, req, raw: Request, kind: str):
     job, params = mod.build_job(serving, req)
     await serving.submit(job, params, "messages" if kind == "chat" else "prompt")
     if req.stream:
-        return StreamingResponse(_sse(serving, mod, req, job, raw, kind), media_type="text/event-stream")
+        return _EventStream(_sse(serving, mod, req, job, raw, kind), job, serving)
     status = 200
     try:
         async for _ in serving.outputs(job, raw):
@@ -109,6 +109,23 @@ async def _sse(serving, mod, req, job, raw, kind):
             status = 499  # the response ended before the engine did: the client left (or shutdown)
         serving.release(job)
         serving.log_done(job, status, kind + "-stream")
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that releases its job even if the body generator never started (a send that
+    failed before the first chunk): otherwise the job's engine requests and slots would leak."""
+
+    def __init__(self, body, job, serving) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.job, self.serving = job, serving
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.job.released:
+                self.serving.release(self.job)
+                self.serving.log_done(self.job, 499, "stream-not-started")
 
 
 def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:

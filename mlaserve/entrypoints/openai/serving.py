@@ -50,6 +50,7 @@ class Job:
     subs: list[SubRequest]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
+    released: bool = False
 
     @property
     def done(self) -> bool:
@@ -215,7 +216,10 @@ class OpenAIServing:
             raise
 
     def release(self, job: Job) -> None:
-        """The HTTP request is over (finished, failed or gone): abort what is still live."""
+        """The HTTP request is over (finished, failed or gone): abort what is still live. Idempotent."""
+        if job.released:
+            return
+        job.released = True
         for sub in job.subs:
             if sub.final is None:
                 self.loop.abort(sub.rid)
