@@ -48,29 +48,44 @@ def test_loop_batches_and_equals_generate(llm):
     assert loop.stats.pages_used == 0 and loop.stats.num_live == 0
 
 
-def test_step_exception_fails_live_requests_and_loop_goes_on(llm, monkeypatch):
-    params = SamplingParams(temperature=0, max_tokens=4)
-    loop = EngineLoop(llm.engine)
-    q: queue.Queue = queue.Queue()
-    real = llm.runner.execute
-    calls = {"n": 0}
+def _flaky(monkeypatch, obj, name: str):
+    """obj.name raises once (an injected fault), then works."""
+    real, calls = getattr(obj, name), {"n": 0}
 
     def flaky(*a, **kw):
         calls["n"] += 1
         if calls["n"] == 1:
-            raise RuntimeError("injected kernel failure")
+            raise RuntimeError("injected fault")
         return real(*a, **kw)
 
-    monkeypatch.setattr(llm.runner, "execute", flaky)
+    monkeypatch.setattr(obj, name, flaky)
+
+
+def _run_two(llm, q) -> tuple:
+    """One request while the fault strikes, then one after it, through a fresh loop."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    loop = EngineLoop(llm.engine)
     loop.start()
     try:
         loop.add(llm.encode("In the beginning"), params, "doomed", q.put).result(60)
-        failed = _collect(q, 1)["doomed"]
-        assert isinstance(failed, StepFailure) and "injected kernel failure" in failed.reason
+        doomed = _collect(q, 1)["doomed"]
         loop.add(llm.encode("In the beginning"), params, "after", q.put).result(60)
         after = _collect(q, 1)["after"]
-        assert after.finished and len(after.outputs[0].token_ids) == 4
         assert loop.alive
     finally:
         loop.stop()
+    assert after.finished and len(after.outputs[0].token_ids) == 4
     assert llm.engine.pool.num_free == llm.engine.pool.num_pages and not llm.engine.requests
+    return doomed, after
+
+
+def test_forward_failure_is_that_request_error_and_loop_goes_on(llm, monkeypatch):
+    _flaky(monkeypatch, llm.runner, "execute")  # the engine isolates it: finish_reason "error"
+    doomed, _ = _run_two(llm, queue.Queue())
+    assert doomed.outputs[0].finish_reason == "error" and "injected fault" in doomed.outputs[0].error
+
+
+def test_step_exception_fails_live_requests_and_loop_goes_on(llm, monkeypatch):
+    _flaky(monkeypatch, llm.engine, "step")  # step() itself raises: the loop fails its live requests
+    doomed, _ = _run_two(llm, queue.Queue())
+    assert isinstance(doomed, StepFailure) and "injected fault" in doomed.reason

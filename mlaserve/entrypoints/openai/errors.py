@@ -33,7 +33,8 @@ def from_value_error(e: ValueError, prompt_field: str = "prompt") -> APIError:
     """A ValueError from SamplingParams (its message starts with the field) or from
     Engine.add_request (about the prompt: empty, ids outside the vocabulary, too long) -> 400."""
     msg = str(e)
-    field = next((f for f in _SAMPLING_FIELDS if msg.startswith(f + " ")), None)
+    body = msg.split(": ", 1)[1] if msg.startswith("request ") and ": " in msg else msg  # "request <id>: ..."
+    field = next((f for f in _SAMPLING_FIELDS if body.startswith(f + " ")), None)
     return APIError(400, msg, field or prompt_field, "invalid_value")
 
 

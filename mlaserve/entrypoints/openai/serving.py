@@ -248,7 +248,9 @@ class OpenAIServing:
             if item.finished:
                 sub.final = item
                 if item.outputs[0].finish_reason == "error":
-                    raise APIError(500, "the engine failed this request (finish_reason error)", None, "engine_error")
+                    why = getattr(item.outputs[0], "error", None) or "finish_reason error"
+                    log.error("%s failed in the engine: %s", item.request_id, why)
+                    raise APIError(500, f"the engine failed this request: {why}", None, "engine_error")
             yield sub, item
 
     def log_done(self, job: Job, status: int, kind: str) -> None:
