@@ -266,6 +266,11 @@ def test_non_streaming_client_that_gives_up_aborts(server):
 
 
 def test_metrics_exposition(server):
+    before = server.metric("mlaserve_prefix_cache_hit_tokens_total")
+    prompt = list(range(10, 50))  # 40 tokens: two full pages of 16 are cached after the first request
+    for _ in range(2):
+        server.client().completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0)
+    assert server.metric("mlaserve_prefix_cache_hit_tokens_total") - before == 32
     text = server.get("/metrics").text
     for name in (
         'mlaserve_requests_total{status="200"}',
