@@ -14,10 +14,15 @@ from server_process import ServerProcess
 KEY = "s3cret-key"
 
 
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     # one running request at a time and one queued: the third concurrent request is refused
-    srv = ServerProcess("--api-key", KEY, "--max-num-seqs", "1", "--max-queued", "1")
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    srv = ServerProcess("--api-key", KEY, "--max-num-seqs", "1", "--max-queued", "1", "--chat-template", str(template))
     yield srv
     assert srv.stop() == 0, srv.logs()
 
@@ -31,6 +36,16 @@ def test_api_key(server):
     assert server.client(api_key=KEY).models.list().data
     assert server.get("/health").status_code == 200 and server.get("/metrics").status_code == 200
     assert KEY not in server.logs()
+
+
+def test_chat_template_file_is_used(server):
+    from mlaserve.embedded import default_model_path
+    from mlaserve.engine.tokenizer import Tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is the LORD?"}]
+    got = server.post("/tokenize", json={"messages": messages}, headers={"Authorization": f"Bearer {KEY}"}).json()
+    want = "[system] Be brief.\n[user] Who is the LORD?\n[assistant]"
+    assert got["tokens"] == Tokenizer.from_folder(default_model_path()).encode(want)
 
 
 def test_queue_bound_answers_429_with_retry_after(server):
