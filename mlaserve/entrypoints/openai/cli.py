@@ -40,7 +40,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from mlaserve.entrypoints.openai.server import route_tap, run, setup_logging
     except ImportError as e:
-        raise ValueError(f"`mlaserve serve` needs fastapi, uvicorn and prometheus-client: pip install -e . ({e})") from e
+        raise ValueError(
+            f"`mlaserve serve` needs fastapi, uvicorn and prometheus-client: pip install -e . ({e})"
+        ) from e
 
     if args.max_queued < 0:
         raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
