@@ -87,6 +87,23 @@ SPECS: dict[str, tuple[str, dict]] = {
             rope_interleave=False,
         ),
     ),
+    "v3_odd": (  # tensor parallel: 6 heads (3 per rank at TP=2), an odd vocabulary, attention biases
+        "deepseek_v3",
+        dict(
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            vocab_size=257,
+            intermediate_size=96,
+            moe_intermediate_size=24,
+            attention_bias=True,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=0,
+        ),
+    ),
     "glm_lite": (
         "glm4_moe_lite",
         dict(

@@ -77,6 +77,11 @@ class EngineOptions:
         "scan every weight for NaN/Inf at load (and each block scale of a GGUF) and refuse the model naming "
         "each bad tensor; costs one pass over the weights",
     )
+    tensor_parallel_size: int = _opt(
+        1,
+        "processes the model is split across on this machine (heads, MLP/expert intermediate dims and "
+        "vocabulary split; latent cache and DSA indexer replicated); workers are started by the engine",
+    )
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
@@ -112,6 +117,7 @@ class EngineConfig:
     threads: int = 1
     attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -131,7 +137,7 @@ def resolve(
     for name, allowed in (("mla_path", MLA_PATHS), ("experts_impl", EXPERT_IMPLS)):
         _choice(name, getattr(opts, name), allowed)
         _user(log, name, getattr(opts, name))
-    for name in ("decode_threshold", "page_size", "max_num_batched_tokens", "max_num_seqs"):
+    for name in ("decode_threshold", "page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -142,6 +148,11 @@ def resolve(
     backend = _attention_backend(opts.attention_backend, log)
     threads, why = _threads(model, opts.threads)
     log.record("threads", threads, why)
+    if opts.tensor_parallel_size > 1 and device != "cpu":
+        raise ConfigError(
+            f"tensor_parallel_size={opts.tensor_parallel_size} runs on CPU (gloo) only; device={device!r} "
+            "(pass device='cpu')"
+        )
     log.record(
         "malloc_tuning",
         opts.malloc_tuning,
@@ -167,6 +178,7 @@ def resolve(
         threads=threads,
         attention_backend=backend,
         device=device,
+        tensor_parallel_size=opts.tensor_parallel_size,
         provenance=log.freeze(),
     )
 

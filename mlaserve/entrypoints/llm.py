@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -39,16 +40,35 @@ class LLM:
         from mlaserve.embedded import default_model_path
 
         opts = make_options(**options)
-        self.loaded = load_model(model or default_model_path(), opts, progress)
+        path, tracer = model or default_model_path(), make_tracer(trace)
+        if opts.tensor_parallel_size > 1:
+            from mlaserve.distributed.group import start_tensor_parallel
+
+            self.loaded, self.runner = start_tensor_parallel(path, opts, tracer, progress)
+            weakref.finalize(self, self.runner.close)
+        else:
+            self.loaded = load_model(path, opts, progress)
+            self.runner = ModelRunner(self.loaded.model, self.loaded.config, tracer)
         self.config = self.loaded.config
         if self.config.malloc_tuning:
             keep_freed_memory()
         apply_threads(self.config.threads)
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(self.loaded.model, self.config, make_tracer(trace))
         self.engine = Engine(self.runner, self.tokenizer)
         self._counter = 0
         self._lock = threading.RLock()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any); the LLM cannot run steps afterwards."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

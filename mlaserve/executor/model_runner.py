@@ -14,8 +14,9 @@ from mlaserve.observability.trace import NullTracer, step_record
 
 
 class ModelRunner:
-    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer=None) -> None:
-        self.model, self.cfg = model, cfg
+    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer=None, rank: int = 0) -> None:
+        """rank: this process's tensor-parallel rank (named in its ledger records when TP > 1)."""
+        self.model, self.cfg, self.rank = model, cfg, rank
         self.cache = LatentCache(
             cfg.model, cfg.num_pages, cfg.page_size, cfg.dtype, with_indexer=cfg.sparse, device=cfg.device
         )
@@ -29,7 +30,8 @@ class ModelRunner:
         batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
         plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend)
         if self.tracer.enabled:
-            self.tracer.record(step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted))
+            rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
+            self.tracer.record({"rank": self.rank, **rec} if cfg.tensor_parallel_size > 1 else rec)
         self.step_count += 1
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)

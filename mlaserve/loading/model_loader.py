@@ -10,6 +10,7 @@ import torch
 
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
+from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
@@ -48,12 +49,13 @@ def has_indexer_weights(names: list[str]) -> bool:
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, experts_impl: str = "grouped_mm", device: str = "cpu"
+    cfg: ModelConfig, dtype: torch.dtype, experts_impl: str = "grouped_mm", device: str = "cpu", **rank
 ) -> MLAForCausalLM:
     """Allocate without initialising (the weights come next), in dtype; the router stays fp32
-    like the reference keeps its gate weight and correction bias."""
+    like the reference keeps its gate weight and correction bias. rank: vocab_start and
+    all_reduce of a tensor-parallel rank (MLAForCausalLM)."""
     with torch.device("meta"):
-        model = MLAForCausalLM(cfg)
+        model = MLAForCausalLM(cfg, **rank)
     model.to_empty(device=device)
     model.to(dtype)
     for name, module in model.named_modules():
@@ -64,7 +66,26 @@ def build_model(
     return model.eval()
 
 
-def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedModel:
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: config resolved, tensors not read yet."""
+
+    path: Path
+    model_cfg: ModelConfig
+    engine_cfg: EngineConfig
+    source: object  # SafetensorsSource | GGUFTensors
+    tokenizer: Tokenizer | None
+    skipped: list[str]
+    scheme: object = None  # the checkpoint's quantization (quant.config), None when unquantized
+    check_tensors: bool = False  # scan the filled weights for NaN/Inf (a GGUF was scanned at open)
+
+
+def load_model(path: str | Path, opts: EngineOptions, progress=None, comm=None) -> LoadedModel:
+    """comm: this rank's Collectives when opts.tensor_parallel_size > 1 (it loads only its slices)."""
+    return fill_model(open_checkpoint(path, opts), progress, comm)
+
+
+def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -80,7 +101,25 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
         source, skipped = SafetensorsSource(path), []
         tokenizer = _folder_tokenizer(path, model_cfg)
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
-    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device)
+    if engine_cfg.tensor_parallel_size > 1:
+        check_splits(model_cfg, engine_cfg.tensor_parallel_size)
+        if scheme is not None:
+            raise ConfigError(
+                f"{path}: tensor_parallel_size={engine_cfg.tensor_parallel_size} with a quantized checkpoint "
+                f"({scheme.method} {scheme.fmt}) is not supported yet (its block scales are not split)"
+            )
+    return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors)
+
+
+def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
+    engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
+    n, rank_args, scheme = engine_cfg.tensor_parallel_size, {}, ck.scheme
+    if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
+        rank = comm.rank
+        model_cfg = rank_config(ck.model_cfg, rank, n)
+        source = ShardedSource(source, ck.model_cfg, rank, n)
+        rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
+    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device, **rank_args)
     quant = None
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         modules = {name for name, _ in model.named_modules()}
@@ -92,7 +131,7 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
             f"{scheme.method} {scheme.fmt} {scheme.strategy} {scheme.block or ''}: {len(quant.linears)} linear(s) and "
             f"{len(quant.experts)} expert stack(s) quantized, {len(quant.kept)} linear(s) kept unquantized"
         )
-    if opts.check_tensors and not path.is_file():  # a GGUF was scanned before loading
+    if ck.check_tensors and not path.is_file():  # a GGUF was scanned before loading
         bad = scan_model(model)
         if bad:
             raise WeightError(f"{path}: check_tensors: {format_bad(bad)}")
@@ -102,7 +141,7 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None) -> LoadedMo
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     gen_path = path / "generation_config.json" if path.is_dir() else None
     gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
-    return LoadedModel(model, engine_cfg, tokenizer, report, path, gen, quant)
+    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant)
 
 
 def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:

@@ -66,7 +66,21 @@ class SafetensorsSource:
             raise WeightError(f"{path}: cannot read tensor {name!r} ({e})") from e
 
     def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor, read as a slice: a rank of a
+        tensor-parallel group reads its part of the file, not the whole tensor."""
+        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+        try:
+            return self._slice(name)[index]
+        except Exception as e:
+            raise WeightError(f"{self.where(name)}: cannot read {name!r}[{index}] ({e})") from e
+
+    def _slice(self, name: str):
         path = self._file_of[name]
         if path not in self._handles:
+            if not path.exists():
+                raise WeightError(f"{path}: file listed in the index is missing (needed for {name!r})")
             self._handles[path] = self._open(path)
-        return tuple(self._handles[path].get_slice(name).get_shape())
+        return self._handles[path].get_slice(name)

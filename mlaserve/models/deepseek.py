@@ -9,10 +9,14 @@ Notation
   cache  [S, r + dr]        this layer's paged latent rows [c_kv | k_pe]
 Parameter names follow the Hugging Face checkpoints (in-memory layout: experts stacked).
 The forward pass executes `step.plan`; no layer looks at a shape to pick its path.
+Tensor parallel: cfg is this rank's config (its H/N heads, I/N intermediate, V/N vocabulary rows);
+`all_reduce` sums the ranks' partial outputs of o_proj, of the MLP / MoE and of the embedding
+(identity on one process). See mlaserve/distributed/sharding.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +34,12 @@ if TYPE_CHECKING:
     from mlaserve.executor.step_context import StepContext
 
 Selections = tuple[Selection, ...] | None  # one per segment on sparse steps
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def single_process(x: torch.Tensor) -> torch.Tensor:
+    """The all-reduce of a group of one."""
+    return x
 
 
 class MLAAttention(nn.Module):
@@ -132,8 +142,9 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, all_reduce: AllReduce = single_process) -> None:
         super().__init__()
+        self.all_reduce = all_reduce
         self.self_attn = MLAAttention(cfg, layer_idx)
         if cfg.mlp_layer_types[layer_idx] == "moe":
             self.mlp = MoE(cfg.hidden_size, cfg.moe)
@@ -152,33 +163,45 @@ class DecoderLayer(nn.Module):
         prev: Selections,
     ) -> tuple[torch.Tensor, Selections]:
         h, selections = self.self_attn(self.input_layernorm(x), step, rope, cache, index_keys, prev)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), selections
+        x = x + self.all_reduce(h)
+        return x + self.all_reduce(self.mlp(self.post_attention_layernorm(x))), selections
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, all_reduce: AllReduce = single_process) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, all_reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MLAForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_start: int = 0, all_reduce: AllReduce = single_process) -> None:
+        """vocab_start: first vocabulary row this rank holds (tensor parallel; 0 on one process)."""
         super().__init__()
-        self.cfg = cfg
-        self.model = DeepseekModel(cfg)
+        self.cfg, self.vocab_start, self.all_reduce = cfg, vocab_start, all_reduce
+        self.model = DeepseekModel(cfg, all_reduce)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope)
 
     def forward(self, input_ids: torch.Tensor, step: StepContext, cache: LatentCache) -> torch.Tensor:
         """-> final hidden states [T, D] (normed)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         selections: Selections = None
         for i, layer in enumerate(self.model.layers):
             x, selections = layer(x, step, self.rope, cache.layers[i], cache.index_keys[i], selections)
         return self.model.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: this rank's rows, zeros for ids another rank holds; the sum
+        over ranks is the full embedding."""
+        if self.all_reduce is single_process:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.cfg.vocab_size)
+        x = self.model.embed_tokens(local.clamp(0, self.cfg.vocab_size - 1)).masked_fill(~mine[:, None], 0.0)
+        return self.all_reduce(x)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, V] (tensor parallel: this rank's vocabulary columns, gathered by the runner)."""
         return self.lm_head(hidden).float()

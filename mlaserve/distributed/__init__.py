@@ -1,0 +1,7 @@
+"""Tensor parallelism: every rank holds a slice of the weights and runs the same step.
+
+collectives.py  every place ranks talk (nothing else calls torch.distributed)
+sharding.py     which parameter splits how; each rank's config and checkpoint slices
+worker.py       a rank > 0: load its slice, then run the steps rank 0 broadcasts
+group.py        rank 0's side: start the workers, check their configs, run a step on all ranks
+"""

@@ -1,0 +1,93 @@
+"""Every place ranks talk. Nothing else in mlaserve calls torch.distributed.
+
+Per step (rank 0 -> all, then all -> rank 0):
+  broadcast_object  the step's work (scheduled SeqChunks + preemptions: plain data) from rank 0
+  all_reduce        sum of partial hidden states: after o_proj, after the MLP / MoE, after the
+                    vocab-parallel embedding (2 * layers + 1 per step)
+  gather_logits     each rank's vocabulary slice of the logits, concatenated on rank 0
+  gather_objects    each rank's route record (when tracing) for rank 0's ledger
+At start: gather_objects of each rank's effective configuration (checked on rank 0).
+
+A group is its own gloo ProcessGroup over a TCPStore (no process-global default group), so an
+application can hold several engines, and a peer that dies fails the next collective at once
+(the socket closes) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A collective blocks at most this long for a peer that is alive but silent (a hung rank).
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+CONNECT_TIMEOUT = timedelta(seconds=120)
+
+
+def master_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous on a free local port (store.port tells the workers where)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+
+
+def worker_store(host: str, port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore(host, port, world_size, False, timeout=CONNECT_TIMEOUT)
+
+
+class Collectives:
+    """The collectives of one tensor-parallel group, seen from one rank."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        self.rank, self.world_size, self._store = rank, world_size, store
+        self._pg = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (every rank gets the same bits: gloo reduces each chunk once)."""
+        buf = x.contiguous()
+        self._pg.allreduce([buf]).wait()
+        return buf
+
+    def gather_logits(self, local: torch.Tensor, vocab_sizes: tuple[int, ...]) -> torch.Tensor | None:
+        """Each rank's logits [T, V_rank] -> [T, sum V_rank] on rank 0 (None elsewhere). Slices may
+        differ by one column (a vocabulary that does not split evenly): padded to the widest."""
+        width = max(vocab_sizes)
+        buf = torch.zeros(local.shape[0], width, dtype=local.dtype)
+        buf[:, : local.shape[1]] = local
+        if self.rank != 0:
+            self._pg.gather([], [buf], dist.GatherOptions()).wait()
+            return None
+        parts = [torch.empty_like(buf) for _ in range(self.world_size)]
+        self._pg.gather([parts], [buf], dist.GatherOptions()).wait()  # root: rank 0
+        return torch.cat([p[:, :v] for p, v in zip(parts, vocab_sizes)], dim=1)
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's obj on every rank (pickled into a byte tensor: length first, then bytes)."""
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self._pg.broadcast([size], _root(0)).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size))
+        buf = buf.to(torch.uint8)
+        self._pg.broadcast([buf], _root(0)).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's obj, in rank order, on rank 0 (None elsewhere)."""
+        data = pickle.dumps(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        width = max(int(s) for s in sizes)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if self.rank != 0:
+            self._pg.gather([], [buf], dist.GatherOptions()).wait()
+            return None
+        parts = [torch.empty_like(buf) for _ in range(self.world_size)]
+        self._pg.gather([parts], [buf], dist.GatherOptions()).wait()  # root: rank 0
+        return [pickle.loads(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+
+def _root(rank: int) -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = rank
+    return opts

@@ -1,0 +1,197 @@
+"""Rank 0's side of a tensor-parallel group: start the workers (torch.multiprocessing spawn, gloo
+on CPU), check that every rank runs the same configuration, run each step on all ranks, and turn
+any worker failure into one clear error naming the rank -- then stop every process.
+
+Rank 0 owns the scheduler and the sampler. Each step it broadcasts the step's work (the scheduled
+SeqChunks and preemptions: plain data); every rank builds the same ForwardBatch and route from it
+and runs the forward on its slice; rank 0 gathers the logits (vocabulary slices) and, when
+tracing, every rank's route record, and alone samples.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import time
+from dataclasses import replace
+
+import torch
+import torch.multiprocessing as mp
+
+from mlaserve.config.engine import EngineOptions
+from mlaserve.config.model import ConfigError
+from mlaserve.distributed.collectives import CONNECT_TIMEOUT, Collectives, master_store
+from mlaserve.distributed.sharding import vocab_sizes
+from mlaserve.distributed.worker import JOINED, WorkerSpec, effective_config, rank_echo, worker_main
+from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
+from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.loading.model_loader import LoadedModel, fill_model, open_checkpoint
+
+# forkserver: a clean server process (like spawn: nothing of the host's state, threads or CUDA is
+# inherited) that imports torch and the worker once; each worker is then forked from it in
+# ~0.1 s instead of re-importing torch (seconds on a busy machine) per worker.
+START_METHOD = "forkserver"
+_PRELOAD = ["mlaserve.distributed.preload"]
+FAULT_WAIT_S = 5.0  # how long rank 0 waits for a failed worker's own report before naming its death
+STOP_WAIT_S = 5.0  # how long a worker gets to exit after "stop" before it is terminated
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the group failed; the message names the rank and its exception (or signal)."""
+
+
+class TensorParallelGroup:
+    """The worker processes (ranks 1..N-1) and rank 0's collectives."""
+
+    def __init__(self, comm: Collectives, procs: list, errors) -> None:
+        self.comm, self.procs, self.errors = comm, procs, errors
+        self.failure: str | None = None
+        self.closed = False
+
+    @classmethod
+    def start(cls, path: str, opts: EngineOptions, trace: bool, rank_overrides: dict | None = None):
+        """rank_overrides {rank: {option: value}}: start a rank with different options (tests use
+        it to prove that a rank whose configuration differs is caught)."""
+        n = opts.tensor_parallel_size
+        store = master_store(n)
+        ctx = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(_PRELOAD)
+        errors = ctx.Queue()
+        procs = []
+        for rank in range(1, n):
+            rank_opts = replace(opts, **(rank_overrides or {}).get(rank, {}))
+            spec = WorkerSpec(path, rank_opts, rank, n, "127.0.0.1", store.port, torch.get_num_threads(), trace)
+            proc = ctx.Process(target=worker_main, args=(spec, errors), name=f"mlaserve-tp-rank{rank}", daemon=True)
+            proc.start()
+            procs.append(proc)
+        group = cls(None, procs, errors)
+        group.guard(group._wait_joined, store, n)
+        group.comm = group.guard(Collectives, store, 0, n)
+        return group
+
+    def _wait_joined(self, store, n: int) -> None:
+        """Until every worker reached the store (a worker that dies on the way is named at once)."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
+        keys = [f"{JOINED}{r}" for r in range(1, n)]
+        while not store.check(keys):
+            if any(not p.is_alive() for p in self.procs):
+                raise RuntimeError("a worker exited before joining the group")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers did not join within {CONNECT_TIMEOUT}")
+            time.sleep(0.05)
+
+    def guard(self, fn, *args):
+        """fn(*args); a failure of any rank stops the whole group and raises one error naming it."""
+        if self.closed:
+            raise TensorParallelError(self.failure or "the tensor-parallel group is shut down")
+        try:
+            return fn(*args)
+        except BaseException as e:
+            err = self._diagnose(e)
+            self.failure = str(err)
+            self.shutdown()
+            if err is e:
+                raise
+            raise err from e
+
+    def _diagnose(self, exc: BaseException) -> BaseException:
+        """The worker's own report if it sent one, else which worker died and how; else exc (rank
+        0's own error)."""
+        if not isinstance(exc, RuntimeError) or isinstance(exc, TensorParallelError):
+            return exc
+        deadline, dead_since = time.monotonic() + FAULT_WAIT_S, None
+        while time.monotonic() < deadline:
+            try:
+                rank, summary, tb = self.errors.get(timeout=0.05)
+                return TensorParallelError(f"tensor-parallel rank {rank} failed: {summary}\n{tb}")
+            except queue.Empty:
+                pass
+            dead = [(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+            if dead and dead_since is None:
+                dead_since = time.monotonic()
+            if dead and time.monotonic() - dead_since > 0.5:  # no report came: it was killed
+                rank, proc = dead[0]
+                return TensorParallelError(f"tensor-parallel rank {rank} died ({_exit_reason(proc.exitcode)})")
+        return exc
+
+    def shutdown(self) -> None:
+        """Stop every worker: "stop" when the group is healthy, then terminate, then kill."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.failure is None and self.comm is not None:
+            try:
+                self.comm.broadcast_object(("stop",))
+            except RuntimeError:
+                pass
+        deadline = time.monotonic() + (STOP_WAIT_S if self.failure is None else 0.5)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.errors.close()
+        self.comm = None
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: each step runs on every rank; logits and route records come back here."""
+
+    def __init__(self, loaded: LoadedModel, group: TensorParallelGroup, tracer=None) -> None:
+        super().__init__(loaded.model, loaded.config, tracer, rank=0)
+        self.group = group
+        self.vocab_sizes = vocab_sizes(loaded.config.model.vocab_size, loaded.config.tensor_parallel_size)
+        self.rank_echoes: list[dict] = []
+
+    def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
+        return self.group.guard(self._execute_all, chunks, preempted)
+
+    def _execute_all(self, chunks: list[SeqChunk], preempted: tuple) -> tuple[ForwardBatch, torch.Tensor]:
+        comm = self.group.comm
+        comm.broadcast_object(("step", chunks, preempted))
+        batch, local = super().execute(chunks, preempted)
+        logits = comm.gather_logits(local, self.vocab_sizes)
+        if self.tracer.enabled:
+            for rec in comm.gather_objects(None)[1:]:
+                self.tracer.record(rec)
+        return batch, logits
+
+    def check_configs(self) -> None:
+        """Gather every rank's echo; a rank whose effective configuration differs is an error."""
+        mine = rank_echo(0, self.cfg, self.model)
+        self.rank_echoes = self.group.comm.gather_objects(mine)
+        for echo in self.rank_echoes[1:]:
+            diff = [k for k in mine["config"] if echo["config"].get(k) != mine["config"][k]]
+            if diff:
+                lines = "; ".join(
+                    f"{k}: rank 0 {mine['config'][k]}, rank {echo['rank']} {echo['config'].get(k)}" for k in diff
+                )
+                raise ConfigError(f"tensor-parallel rank {echo['rank']} runs a different configuration: {lines}")
+
+    def close(self) -> None:
+        self.group.shutdown()
+
+
+def start_tensor_parallel(path, opts: EngineOptions, tracer, progress=None, rank_overrides=None):
+    """-> (LoadedModel of rank 0's slice, TensorParallelRunner) with every worker loaded and its
+    configuration checked. Split errors (heads not divisible by N) come before any process starts."""
+    ck = open_checkpoint(path, opts)
+    group = TensorParallelGroup.start(str(path), opts, tracer.enabled, rank_overrides)
+    loaded = group.guard(fill_model, ck, progress, group.comm)
+    runner = TensorParallelRunner(loaded, group, tracer)
+    group.guard(runner.check_configs)
+    return loaded, runner
+
+
+__all__ = ["TensorParallelError", "TensorParallelGroup", "TensorParallelRunner", "effective_config"]

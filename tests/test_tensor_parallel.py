@@ -1,0 +1,202 @@
+"""Tensor parallelism (CPU, gloo, 2 processes): TP=2 == TP=1 == transformers, the ledger holds
+every rank's route, and a rank whose configuration differs, that raises or that is killed is
+caught on rank 0 with every process stopped.
+
+Each engine start spawns a worker (~3-8 s on a loaded 2-core box), so the TP=2 engines are
+module-scoped and shared by the comparisons."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hf_models import hf_logits, random_ids
+
+from mlaserve import LLM
+from mlaserve.config.engine import make_options
+from mlaserve.config.model import ConfigError
+from mlaserve.distributed.group import TensorParallelError, start_tensor_parallel
+from mlaserve.distributed.sharding import ShardedSource
+from mlaserve.executor.forward_batch import SeqChunk
+from mlaserve.loading.safetensors_source import WeightError
+from mlaserve.observability.trace import NullTracer
+from mlaserve.sampling.params import SamplingParams
+
+OPTS = dict(page_size=8, max_num_batched_tokens=24)
+
+
+def _no_children(before: frozenset = frozenset()) -> bool:
+    """No child process beyond `before` (the module-scoped engines' workers) is left."""
+    deadline = time.monotonic() + 5
+    while set(mp.active_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not set(mp.active_children()) - before
+
+
+@pytest.fixture(scope="module", params=["v3_odd", "v32"])
+def pair(request, hf_model_dir):
+    """(kind, transformers model, TP=1 LLM, TP=2 LLM) on the same folder."""
+    folder, ref = hf_model_dir(request.param)
+    one = LLM(str(folder), **OPTS)
+    before = frozenset(mp.active_children())
+    two = LLM(str(folder), tensor_parallel_size=2, trace="memory", **OPTS)
+    yield request.param, ref, one, two
+    two.close()
+    assert _no_children(before)
+
+
+def _compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    return (got - ref).abs().max().item(), (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+def test_prompt_logits_tp2_equal_tp1_and_transformers(pair):
+    """60 tokens in chunks of 24 (chunked prefill; past index_topk=16 on the DSA model)."""
+    kind, ref_model, one, two = pair
+    ids = random_ids(60)
+    ref, a, b = hf_logits(ref_model, ids), one.prompt_logits(ids), two.prompt_logits(ids)
+    diff, top1 = _compare(b, a)
+    assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
+    diff, top1 = _compare(b, ref)
+    assert diff <= 1e-4 and top1 == 1.0, (kind, diff, top1)
+
+
+def _mixed_steps(llm: LLM, a: list[int], b: list[int]) -> list[torch.Tensor]:
+    """Step 1: prefill a[:-1]. Step 2 (mixed): a's last token as a decode + all of b as a prefill.
+    Explicit chunks on fixed pages, through the runner (the engine's step path)."""
+    ps = llm.config.page_size
+    pages_a, pages_b = tuple(range(0, 8)), tuple(range(8, 16))
+    first = [SeqChunk("a", tuple(a[:-1]), 0, pages_a[: -(-(len(a) - 1) // ps)], all_logits=True)]
+    mixed = [
+        SeqChunk("a", (a[-1],), len(a) - 1, pages_a[: -(-len(a) // ps)]),
+        SeqChunk("b", tuple(b), 0, pages_b[: -(-len(b) // ps)], all_logits=True),
+    ]
+    return [llm.runner.execute(first)[1], llm.runner.execute(mixed)[1]]
+
+
+def test_mixed_decode_prefill_step_equals_tp1_and_transformers(pair):
+    kind, ref_model, one, two = pair
+    a, b = random_ids(41, seed=1), random_ids(22, seed=2)
+    got, base = _mixed_steps(two, a, b), _mixed_steps(one, a, b)
+    two_ledger = [r for r in two.runner.tracer.records if r["num_tokens"] == 1 + len(b)]
+    assert two_ledger and two_ledger[-1]["num_decode_tokens"] == 1  # the step really mixed both phases
+    for g, o in zip(got, base):
+        diff, top1 = _compare(g, o)
+        assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
+    ref = torch.cat([hf_logits(ref_model, a), hf_logits(ref_model, b)])
+    diff, top1 = _compare(torch.cat([got[0], got[1]]), ref)
+    assert diff <= 1e-4 and top1 == 1.0, (kind, diff, top1)
+
+
+def test_greedy_generation_identical_and_ledger_has_every_rank(pair):
+    kind, _, one, two = pair
+    prompts = [random_ids(n, seed=n) for n in (30, 9, 17)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    start = len(two.runner.tracer.records)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
+    assert got == want, kind
+    records = list(two.runner.tracer.records)[start:]
+    steps: dict[int, dict[int, dict]] = {}
+    for rec in records:
+        steps.setdefault(rec["step"], {})[rec["rank"]] = rec
+    assert len(records) == 2 * len(steps) and all(sorted(s) == [0, 1] for s in steps.values())
+    for by_rank in steps.values():  # the same work and route on both ranks
+        r0, r1 = by_rank[0], by_rank[1]
+        assert (r0["num_tokens"], r0["num_decode_tokens"]) == (r1["num_tokens"], r1["num_decode_tokens"])
+        assert r0["segments"] == r1["segments"] and r0["layers"] == r1["layers"]
+    assert any(s[0]["num_decode_tokens"] and s[0]["num_tokens"] > s[0]["num_decode_tokens"] for s in steps.values())
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
+
+
+def test_each_rank_echoes_its_config_and_holds_a_slice(pair):
+    """Each rank holds the replicated parameters (latent projections, norms, indexer, gate) and
+    half of the rest (within one vocabulary row of embed_tokens + lm_head for an odd V)."""
+    kind, _, one, two = pair
+    echoes = two.runner.rank_echoes
+    assert [e["rank"] for e in echoes] == [0, 1]
+    assert echoes[0]["config"] == echoes[1]["config"]
+    assert echoes[0]["config"]["tensor_parallel_size"] == "2"
+    heads = one.config.model.num_heads
+    assert [e["num_local_heads"] for e in echoes] == [heads // 2] * 2
+    assert sum(e["vocab_rows"] for e in echoes) == one.config.model.vocab_size
+    full_params = dict(one.loaded.model.named_parameters())
+    local = dict(two.loaded.model.named_parameters())  # rank 0 runs in this process
+    replicated = _bytes(p for n, p in full_params.items() if local[n].shape == p.shape)
+    full = _bytes(full_params.values())
+    row = 2 * one.config.model.hidden_size * 4
+    for e in echoes:
+        assert abs(e["weight_bytes"] - (replicated + (full - replicated) / 2)) <= row, (kind, e, full, replicated)
+    assert echoes[0]["weight_bytes"] < full
+
+
+def test_worker_with_a_different_config_is_caught(hf_model_dir):
+    folder, _ = hf_model_dir("v3_odd")
+    before = frozenset(mp.active_children())
+    opts = make_options(tensor_parallel_size=2, page_size=16)
+    with pytest.raises(ConfigError, match=r"rank 1 runs a different configuration: .*page_size: rank 0 16, rank 1 8"):
+        start_tensor_parallel(str(folder), opts, NullTracer(), rank_overrides={1: {"page_size": 8}})
+    assert _no_children(before)
+
+
+def test_worker_that_raises_is_named(hf_model_dir):
+    folder, _ = hf_model_dir("v3_odd")
+    before = frozenset(mp.active_children())
+    opts = make_options(tensor_parallel_size=2)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 failed: ConfigError: experts_impl must be one of"):
+        start_tensor_parallel(str(folder), opts, NullTracer(), rank_overrides={1: {"experts_impl": "bogus"}})
+    assert time.monotonic() - t0 < 60
+    assert _no_children(before)
+
+
+def test_killed_worker_is_named_within_10s_and_all_processes_exit(hf_model_dir):
+    folder, _ = hf_model_dir("v3_odd")
+    before = frozenset(mp.active_children())
+    llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
+    (worker,) = llm.runner.group.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 died \(killed by SIGKILL\)"):
+        llm.generate([random_ids(12)], SamplingParams(max_tokens=3))
+    assert time.monotonic() - t0 < 10
+    assert _no_children(before)
+    with pytest.raises(TensorParallelError, match="rank 1 died"):  # the engine stays failed, it does not hang
+        llm.generate([random_ids(12)], SamplingParams(max_tokens=3))
+
+
+def test_heads_not_divisible_is_a_clear_error_before_any_process_starts(hf_model_dir):
+    folder, _ = hf_model_dir("v3_odd")  # 6 heads
+    before = frozenset(mp.active_children())
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide num_attention_heads=6"):
+        LLM(str(folder), tensor_parallel_size=4)
+    assert set(mp.active_children()) == before
+
+
+def test_a_tensor_that_does_not_split_names_the_tensor_and_n():
+    class Source:
+        def names(self):
+            return ["model.layers.0.self_attn.kv_b_proj.weight"]
+
+        def shape(self, name):
+            return (5, 4)
+
+        def where(self, name):
+            return "model.safetensors"
+
+    from hf_models import make_config
+
+    from mlaserve.config.model import ModelConfig
+
+    mcfg = ModelConfig.from_hf(make_config("v3_odd").to_dict())
+    src = ShardedSource(Source(), mcfg, 1, 2)
+    with pytest.raises(
+        WeightError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.kv_b_proj.weight'.*2 parts"
+    ):
+        src.get("model.layers.0.self_attn.kv_b_proj.weight")
