@@ -200,3 +200,18 @@ def test_a_tensor_that_does_not_split_names_the_tensor_and_n():
         WeightError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.kv_b_proj.weight'.*2 parts"
     ):
         src.get("model.layers.0.self_attn.kv_b_proj.weight")
+
+
+def test_gguf_q8_0_tp2_equals_dequantized_reference():
+    """A llama.cpp q8_0 file split across 2 ranks == transformers on its dequantized weights."""
+    from conftest import fixture_dir
+    from safetensors.torch import load_file
+
+    folder = fixture_dir("ds3")
+    exp = load_file(str(folder / "expected.safetensors"))
+    before = frozenset(mp.active_children())
+    with LLM(str(folder / "model-q8_0.gguf"), tensor_parallel_size=2, max_num_batched_tokens=40) as llm:
+        got = llm.prompt_logits(exp["input_ids"].tolist())
+    diff, top1 = _compare(got, exp["hf_dequant_logits_q8_0"])
+    assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
+    assert _no_children(before)
