@@ -215,3 +215,22 @@ def test_gguf_q8_0_tp2_equals_dequantized_reference():
     diff, top1 = _compare(got, exp["hf_dequant_logits_q8_0"])
     assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
     assert _no_children(before)
+
+
+def test_cli_generate_with_two_ranks_equals_one(tmp_path, capsys):
+    """`mlaserve generate --tensor-parallel-size 2` end to end on the embedded model (vocabulary
+    and DSA indexer included): the same greedy text as one process, a ledger record per rank."""
+    import json
+
+    from mlaserve.entrypoints.cli import main
+
+    before = frozenset(mp.active_children())
+    args = ["generate", "--no-malloc-tuning", "--max-tokens", "6", "--temperature", "0"]
+    assert main([*args, "In the beginning"]) == 0
+    one = capsys.readouterr().out
+    trace = tmp_path / "route.jsonl"
+    assert main([*args, "--tensor-parallel-size", "2", "--trace", str(trace), "In the beginning"]) == 0
+    assert capsys.readouterr().out == one
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["rank"] for r in records] == [0, 1] * (len(records) // 2) and len(records) >= 2 * 6
+    assert _no_children(before)

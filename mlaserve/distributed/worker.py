@@ -76,6 +76,10 @@ def _run(spec: WorkerSpec) -> None:
     store.set(f"{JOINED}{spec.rank}", "1")
     comm = Collectives(store, spec.rank, spec.world_size)
     loaded = load_model(spec.path, spec.options, comm=comm)
+    if loaded.config.malloc_tuning:  # process-wide: each rank applies its own configuration
+        from mlaserve.platform.allocator import keep_freed_memory
+
+        keep_freed_memory()
     tracer = MemoryTracer(maxlen=1) if spec.trace else None
     runner = ModelRunner(loaded.model, loaded.config, tracer, rank=spec.rank)
     comm.gather_objects(rank_echo(spec.rank, loaded.config, loaded.model))

@@ -99,10 +99,16 @@ def _add_verify(sub) -> None:
 
 
 def _verify(args) -> int:
-    from mlaserve.entrypoints.verify import format_checks, run_checks
+    from mlaserve.config.model import ConfigError
+    from mlaserve.entrypoints.engine_args import engine_options
+    from mlaserve.entrypoints.verify import format_checks, run_checks, tensor_parallel_check
 
+    n = args.tensor_parallel_size or 1
     if args.against is not None:
+        if n > 1:
+            raise ConfigError("verify --against compares one process's layers: drop --tensor-parallel-size")
         return _verify_against(args)
+    args.tensor_parallel_size = None  # the identities run on one process; TP=n is compared with it
 
     if args.check_tensors:  # scanned here and reported as a check, not refused at load
         args.check_tensors = None
@@ -115,6 +121,8 @@ def _verify(args) -> int:
     else:
         llm = make_llm(args, _progress_bar)
     checks = run_checks(llm, llm.encode(args.prompt))
+    if n > 1:
+        checks.append(tensor_parallel_check(llm, llm.encode(args.prompt), n, engine_options(args)))
     print(format_checks(checks))
     return 0 if all(c.passed for c in checks) else 1
 
@@ -329,6 +337,12 @@ def _inspect(args) -> int:
     print(format_table(llm.config.all_provenance()))
     if llm.loaded.quant is not None:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
+    for echo in getattr(llm.runner, "rank_echoes", []):  # tensor parallel: every rank, as it reported
+        print(
+            f"rank {echo['rank']}: {echo['num_local_heads']} heads, {echo['vocab_rows']} vocabulary rows, "
+            f"{echo['weight_bytes'] / 2**20:.1f} MiB of weights, {echo['num_threads']} threads, "
+            "configuration identical to rank 0"
+        )
     if llm.loaded.report.notes:
         print("\nload report:\n  " + "\n  ".join(llm.loaded.report.notes))
     return 0

@@ -94,6 +94,16 @@ def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[s
     ]
 
 
+def tensor_parallel_check(llm: LLM, ids: list[int], n: int, options: dict) -> Check:
+    """The same prompt through N ranks (the model split, logits gathered) vs this one process."""
+    cfg = llm.config
+    tol = 1e-4 if cfg.dtype == torch.float32 else None
+    options = {**options, "tensor_parallel_size": n}
+    with LLM(str(llm.loaded.path), **options) as split:
+        got = split.prompt_logits(ids)
+    return _compare(f"tensor parallel {n} vs one process", got, llm.prompt_logits(ids), tol)
+
+
 def _compare(name: str, a: torch.Tensor, b: torch.Tensor, tol: float | None) -> Check:
     return Check(name, (a - b).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item(), tol)
 
