@@ -146,7 +146,7 @@ def resolve(
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
     backend = _attention_backend(opts.attention_backend, log)
-    threads, why = _threads(model, opts.threads)
+    threads, why = _threads(model, opts.threads, opts.tensor_parallel_size)
     log.record("threads", threads, why)
     if opts.tensor_parallel_size > 1 and device != "cpu":
         raise ConfigError(
@@ -297,8 +297,9 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _threads(cfg: ModelConfig, requested: int | None) -> tuple[int, str]:
-    """-> (threads, the reason recorded in provenance)."""
+def _threads(cfg: ModelConfig, requested: int | None, ranks: int = 1) -> tuple[int, str]:
+    """-> (threads per process, the reason recorded in provenance). Tensor parallel: the N ranks on
+    this machine share its cores."""
     cores = _usable_cores()
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
@@ -310,4 +311,7 @@ def _threads(cfg: ModelConfig, requested: int | None) -> tuple[int, str]:
             f"engine default (auto: ~{n / 1e6:.1f}M parameters < {SMALL_MODEL_PARAMS // 10**6}M: per-op overhead "
             "bound, one thread is fastest and does not stall when another process holds a core)"
         )
+    if ranks > 1:
+        per_rank = max(1, cores // ranks)
+        return per_rank, f"engine default (auto: ~{n / 1e6:.0f}M parameters: {cores} usable cores / {ranks} ranks)"
     return cores, f"engine default (auto: ~{n / 1e6:.0f}M parameters: every usable core, {cores})"

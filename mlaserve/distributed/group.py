@@ -61,7 +61,7 @@ class TensorParallelGroup:
         procs = []
         for rank in range(1, n):
             rank_opts = replace(opts, **(rank_overrides or {}).get(rank, {}))
-            spec = WorkerSpec(path, rank_opts, rank, n, "127.0.0.1", store.port, torch.get_num_threads(), trace)
+            spec = WorkerSpec(path, rank_opts, rank, n, "127.0.0.1", store.port, trace)
             proc = ctx.Process(target=worker_main, args=(spec, errors), name=f"mlaserve-tp-rank{rank}", daemon=True)
             proc.start()
             procs.append(proc)
@@ -190,6 +190,7 @@ def start_tensor_parallel(path, opts: EngineOptions, tracer, progress=None, rank
     group = TensorParallelGroup.start(str(path), opts, tracer.enabled, rank_overrides)
     loaded = group.guard(fill_model, ck, progress, group.comm)
     runner = TensorParallelRunner(loaded, group, tracer)
+    torch.set_num_threads(loaded.config.threads)  # as every worker did, before echoing it
     group.guard(runner.check_configs)
     return loaded, runner
 

@@ -28,7 +28,6 @@ class WorkerSpec:
     world_size: int
     host: str
     port: int
-    num_threads: int
     trace: bool
 
 
@@ -71,12 +70,13 @@ def _run(spec: WorkerSpec) -> None:
     from mlaserve.loading.model_loader import load_model
     from mlaserve.observability.trace import MemoryTracer
 
-    torch.set_num_threads(spec.num_threads)
     store = worker_store(spec.host, spec.port, spec.world_size)
     store.set(f"{JOINED}{spec.rank}", "1")
     comm = Collectives(store, spec.rank, spec.world_size)
     loaded = load_model(spec.path, spec.options, comm=comm)
-    if loaded.config.malloc_tuning:  # process-wide: each rank applies its own configuration
+    # Process-wide settings: each rank applies its own (resolved) configuration.
+    torch.set_num_threads(loaded.config.threads)
+    if loaded.config.malloc_tuning:
         from mlaserve.platform.allocator import keep_freed_memory
 
         keep_freed_memory()
