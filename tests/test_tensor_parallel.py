@@ -108,6 +108,9 @@ def test_greedy_generation_identical_and_ledger_has_every_rank(pair):
         r0, r1 = by_rank[0], by_rank[1]
         assert (r0["num_tokens"], r0["num_decode_tokens"]) == (r1["num_tokens"], r1["num_decode_tokens"])
         assert r0["segments"] == r1["segments"] and r0["layers"] == r1["layers"]
+        layers, hidden = two.config.model.num_layers, two.config.model.hidden_size
+        assert r1["comm"]["all_reduces"] == 2 * layers + 1  # o_proj and MLP per layer, and the embedding
+        assert r1["comm"]["all_reduce_bytes"] == (2 * layers + 1) * r1["num_tokens"] * hidden * 4
     assert any(s[0]["num_decode_tokens"] and s[0]["num_tokens"] > s[0]["num_decode_tokens"] for s in steps.values())
 
 

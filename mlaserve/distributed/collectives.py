@@ -16,6 +16,8 @@ application can hold several engines, and a peer that dies fails the next collec
 from __future__ import annotations
 
 import pickle
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -35,17 +37,39 @@ def worker_store(host: str, port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore(host, port, world_size, False, timeout=CONNECT_TIMEOUT)
 
 
+@dataclass
+class CommStats:
+    """Running totals of this rank's all-reduces (the per-step hot path): count, payload bytes and
+    seconds spent in them (waiting for the slowest rank included)."""
+
+    all_reduces: int = 0
+    all_reduce_bytes: int = 0
+    all_reduce_s: float = 0.0
+
+    def since(self, before: CommStats) -> dict:
+        return {
+            "all_reduces": self.all_reduces - before.all_reduces,
+            "all_reduce_bytes": self.all_reduce_bytes - before.all_reduce_bytes,
+            "all_reduce_ms": round(1e3 * (self.all_reduce_s - before.all_reduce_s), 3),
+        }
+
+
 class Collectives:
     """The collectives of one tensor-parallel group, seen from one rank."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
         self.rank, self.world_size, self._store = rank, world_size, store
         self._pg = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+        self.stats = CommStats()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (every rank gets the same bits: gloo reduces each chunk once)."""
         buf = x.contiguous()
+        t0 = time.perf_counter()
         self._pg.allreduce([buf]).wait()
+        s = self.stats
+        s.all_reduces, s.all_reduce_bytes = s.all_reduces + 1, s.all_reduce_bytes + buf.numel() * buf.element_size()
+        s.all_reduce_s += time.perf_counter() - t0
         return buf
 
     def gather_logits(self, local: torch.Tensor, vocab_sizes: tuple[int, ...]) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -89,7 +89,8 @@ def _run(spec: WorkerSpec) -> None:
         if msg[0] == "stop":
             return
         _, chunks, preempted = msg
+        before = replace(comm.stats)
         _, logits = runner.execute(chunks, preempted)
         comm.gather_logits(logits, sizes)
-        if spec.trace:
-            comm.gather_objects(runner.tracer.records.pop())
+        if spec.trace:  # a worker's record is sent after its step, so it carries the step's all-reduces
+            comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})
