@@ -14,6 +14,8 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   all-reduced once after the whole MLP / MoE
   vocabulary      embed_tokens, lm_head [V, D] rows: rank r holds a contiguous range (the first
                   V mod N ranks one row more); logits are gathered on rank 0
+  GGUF            rows are byte ranges of whole blocks; a column split must fall on a block
+                  boundary of the tensor's type (else an error naming the tensor and N)
   replicated      the rest: q_a_proj (c_q), kv_a_proj_with_mqa (c_kv, k_pe: every head reads the
                   same latent rows, so each rank keeps the whole latent cache), norms, the DSA
                   indexer (its top-k must be the same on every rank), the MoE gate
@@ -92,8 +94,8 @@ def rank_config(cfg: ModelConfig, rank: int, n: int) -> ModelConfig:
 
 class ShardedSource:
     """A tensor source (safetensors folder or GGUF file) seen by one rank: get(name) returns only
-    this rank's slice. Safetensors slices are read from the file as slices (the rest of the tensor
-    is never read); other sources are read whole and narrowed."""
+    this rank's slice, read as a slice when the source can (safetensors: get_slice; GGUF: only
+    the slice's blocks are dequantized); other sources are read whole and narrowed."""
 
     def __init__(self, source, cfg: ModelConfig, rank: int, n: int) -> None:
         self.source, self.rank, self.n = source, rank, n
@@ -114,9 +116,12 @@ class ShardedSource:
             return torch.zeros(shape)
         dim = 0 if kind in ("rows", "vocabulary") else 1
         start, stop = self.vocab if kind == "vocabulary" else self._even(name, shape, dim)
-        if hasattr(self.source, "get_slice"):
+        if not hasattr(self.source, "get_slice"):
+            return self.source.get(name).narrow(dim, start, stop - start)
+        try:
             return self.source.get_slice(name, dim, start, stop)
-        return self.source.get(name).narrow(dim, start, stop - start)
+        except ValueError as e:  # e.g. a GGUF column split inside a quantization block
+            raise WeightError(f"{e} (tensor_parallel_size={self.n}, rank {self.rank})") from e
 
     def _even(self, name: str, shape: tuple[int, ...], dim: int) -> tuple[int, int]:
         if len(shape) <= dim or shape[dim] % self.n:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from mlaserve.gguf.quants import GGML_TYPES, dequantize
 from mlaserve.gguf.read.config import Provenance, derive_hf_config
 from mlaserve.gguf.read.file import GGUFError, GGUFFile, TensorInfo, open_gguf
 from mlaserve.gguf.read.tokenizer import GGUFTokenizer
@@ -335,6 +336,31 @@ class GGUFTensors:
             return self._gf.slice0(e.sources[0], e.index)
         k_b, v_b = (self._gf.tensor(s) for s in e.sources)
         return _join_kv_b(k_b, v_b)
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a 2-D tensor (a tensor-parallel rank's
+        part), dequantizing only those blocks. A row is a whole number of blocks, so rows are one
+        byte range; columns must start and stop on a block boundary of the tensor's type, else a
+        GGUFError names the tensor. kv_b (rebuilt from k_b / v_b) is rebuilt whole, then narrowed."""
+        e = self._entry(name)
+        if e.kind == "kv_b_split" or len(e.shape) != 2:
+            return self.get(name).narrow(dim, start, stop - start)
+        info = self._gf.info(e.sources[0])
+        rows, cols = e.shape
+        row_bytes = info.nbytes // math.prod(info.shape[:-1])
+        base = e.index * rows * row_bytes if e.kind == "expert" else 0
+        if dim == 0:
+            raw = self._gf.raw(e.sources[0], base + start * row_bytes, (stop - start) * row_bytes)
+            return dequantize(raw, info.ggml_type, (stop - start, cols))
+        t = GGML_TYPES[info.ggml_type]
+        if start % t.block_size or stop % t.block_size:
+            raise GGUFError(
+                f"{self.where(name)}: columns [{start}, {stop}) of {name!r} do not fall on the {t.block_size}-value "
+                f"blocks of its type {t.name}"
+            )
+        raw = self._gf.raw(e.sources[0], base, rows * row_bytes).view(rows, row_bytes)
+        part = raw[:, start // t.block_size * t.type_size : stop // t.block_size * t.type_size]
+        return dequantize(part.contiguous(), info.ggml_type, (rows, stop - start))
 
     def get_experts(self, layer: int, proj: str) -> torch.Tensor:
         """Stacked routed experts [E, out, in] for proj in gate_proj/up_proj/down_proj."""
