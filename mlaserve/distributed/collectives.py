@@ -37,6 +37,13 @@ def worker_store(host: str, port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore(host, port, world_size, False, timeout=CONNECT_TIMEOUT)
 
 
+def environment_store() -> tuple[dist.Store, int, int]:
+    """(store, rank, world size) of a launcher's rendezvous (torchrun: MASTER_ADDR, MASTER_PORT,
+    RANK, WORLD_SIZE; its agent's store when it offers one), under a prefix of our own."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=CONNECT_TIMEOUT))
+    return dist.PrefixStore("mlaserve", store), rank, world_size
+
+
 @dataclass
 class CommStats:
     """Running totals of this rank's all-reduces (the per-step hot path): count, payload bytes and

@@ -10,7 +10,6 @@ tracing, every rank's route record, and alone samples.
 
 from __future__ import annotations
 
-import queue
 import signal
 import time
 from dataclasses import replace
@@ -22,7 +21,7 @@ from mlaserve.config.engine import EngineOptions
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.collectives import CONNECT_TIMEOUT, Collectives, master_store
 from mlaserve.distributed.sharding import vocab_sizes
-from mlaserve.distributed.worker import JOINED, WorkerSpec, effective_config, rank_echo, worker_main
+from mlaserve.distributed.worker import ERROR, JOINED, WorkerSpec, effective_config, rank_echo, worker_main
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.loading.model_loader import LoadedModel, fill_model, open_checkpoint
@@ -41,33 +40,41 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelGroup:
-    """The worker processes (ranks 1..N-1) and rank 0's collectives."""
+    """Rank 0's handle on the group: its collectives, the rendezvous store (where a failing rank
+    leaves its report) and, on one machine, the worker processes it started."""
 
-    def __init__(self, comm: Collectives, procs: list, errors) -> None:
-        self.comm, self.procs, self.errors = comm, procs, errors
+    def __init__(self, store, comm: Collectives | None, procs: list) -> None:
+        self.store, self.comm, self.procs = store, comm, procs
         self.failure: str | None = None
         self.closed = False
 
     @classmethod
-    def start(cls, path: str, opts: EngineOptions, trace: bool, rank_overrides: dict | None = None):
-        """rank_overrides {rank: {option: value}}: start a rank with different options (tests use
-        it to prove that a rank whose configuration differs is caught)."""
+    def start(cls, path: str, opts: EngineOptions, rank_overrides: dict | None = None):
+        """Start ranks 1..N-1 on this machine. rank_overrides {rank: {option: value}}: start a rank
+        with different options (tests use it to prove that a rank whose configuration differs is
+        caught)."""
         n = opts.tensor_parallel_size
         store = master_store(n)
         ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":
             ctx.set_forkserver_preload(_PRELOAD)
-        errors = ctx.Queue()
         procs = []
         for rank in range(1, n):
             rank_opts = replace(opts, **(rank_overrides or {}).get(rank, {}))
-            spec = WorkerSpec(path, rank_opts, rank, n, "127.0.0.1", store.port, trace)
-            proc = ctx.Process(target=worker_main, args=(spec, errors), name=f"mlaserve-tp-rank{rank}", daemon=True)
+            spec = WorkerSpec(path, rank_opts, rank, n, "127.0.0.1", store.port)
+            proc = ctx.Process(target=worker_main, args=(spec,), name=f"mlaserve-tp-rank{rank}", daemon=True)
             proc.start()
             procs.append(proc)
-        group = cls(None, procs, errors)
+        group = cls(store, None, procs)
         group.guard(group._wait_joined, store, n)
         group.comm = group.guard(Collectives, store, 0, n)
+        return group
+
+    @classmethod
+    def join(cls, store, world_size: int):
+        """Rank 0 of a group whose processes were started by someone else (torchrun)."""
+        group = cls(store, None, [])
+        group.comm = group.guard(Collectives, store, 0, world_size)
         return group
 
     def _wait_joined(self, store, n: int) -> None:
@@ -96,23 +103,26 @@ class TensorParallelGroup:
             raise err from e
 
     def _diagnose(self, exc: BaseException) -> BaseException:
-        """The worker's own report if it sent one, else which worker died and how; else exc (rank
-        0's own error)."""
+        """The failed rank's own report if it left one, else which worker died and how; else exc
+        (rank 0's own error)."""
         if not isinstance(exc, RuntimeError) or isinstance(exc, TensorParallelError):
             return exc
+        n = self.comm.world_size if self.comm is not None else len(self.procs) + 1
+        keys = {r: f"{ERROR}{r}" for r in range(1, n)}
         deadline, dead_since = time.monotonic() + FAULT_WAIT_S, None
         while time.monotonic() < deadline:
-            try:
-                rank, summary, tb = self.errors.get(timeout=0.05)
-                return TensorParallelError(f"tensor-parallel rank {rank} failed: {summary}\n{tb}")
-            except queue.Empty:
-                pass
+            for rank, key in keys.items():
+                if self.store.check([key]):
+                    return TensorParallelError(f"tensor-parallel rank {rank} failed: {self.store.get(key).decode()}")
             dead = [(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
             if dead and dead_since is None:
                 dead_since = time.monotonic()
             if dead and time.monotonic() - dead_since > 0.5:  # no report came: it was killed
                 rank, proc = dead[0]
                 return TensorParallelError(f"tensor-parallel rank {rank} died ({_exit_reason(proc.exitcode)})")
+            time.sleep(0.05)
+        if not self.procs:  # torchrun: the ranks are not our children
+            return TensorParallelError(f"tensor-parallel collective failed (a rank exited or is unreachable): {exc}")
         return exc
 
     def shutdown(self) -> None:
@@ -135,7 +145,6 @@ class TensorParallelGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self.errors.close()
         self.comm = None
 
 
@@ -159,7 +168,7 @@ class TensorParallelRunner(ModelRunner):
 
     def _execute_all(self, chunks: list[SeqChunk], preempted: tuple) -> tuple[ForwardBatch, torch.Tensor]:
         comm = self.group.comm
-        comm.broadcast_object(("step", chunks, preempted))
+        comm.broadcast_object(("step", chunks, preempted, self.tracer.enabled))
         batch, local = super().execute(chunks, preempted)
         logits = comm.gather_logits(local, self.vocab_sizes)
         if self.tracer.enabled:
@@ -184,10 +193,18 @@ class TensorParallelRunner(ModelRunner):
 
 
 def start_tensor_parallel(path, opts: EngineOptions, tracer, progress=None, rank_overrides=None):
-    """-> (LoadedModel of rank 0's slice, TensorParallelRunner) with every worker loaded and its
-    configuration checked. Split errors (heads not divisible by N) come before any process starts."""
+    """-> (LoadedModel of rank 0's slice, TensorParallelRunner) with every rank loaded and its
+    configuration checked. Split errors (heads not divisible by N) come before any process starts.
+    Under torchrun (its environment names the rendezvous) the other ranks are torchrun's processes
+    running `serve_torchrun_rank`; otherwise this process starts them."""
+    from mlaserve.distributed.launch import torchrun_rendezvous
+
     ck = open_checkpoint(path, opts)
-    group = TensorParallelGroup.start(str(path), opts, tracer.enabled, rank_overrides)
+    joined = torchrun_rendezvous(opts.tensor_parallel_size)
+    if joined is not None:
+        group = TensorParallelGroup.join(joined[0], opts.tensor_parallel_size)
+    else:
+        group = TensorParallelGroup.start(str(path), opts, rank_overrides)
     loaded = group.guard(fill_model, ck, progress, group.comm)
     runner = TensorParallelRunner(loaded, group, tracer)
     torch.set_num_threads(loaded.config.threads)  # as every worker did, before echoing it

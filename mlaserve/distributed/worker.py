@@ -2,7 +2,7 @@
 loads its slice of the weights, echoes its effective configuration, then runs every step rank 0
 broadcasts until told to stop. It never samples: its logits slice and route record go to rank 0.
 
-Messages from rank 0 (broadcast_object): ("step", chunks, preempted) | ("stop",).
+Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("stop",).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 from mlaserve.config.engine import EngineConfig, EngineOptions
 
 JOINED = "mlaserve/joined/"  # store key a worker sets once connected (rank 0 waits for it)
+ERROR = "mlaserve/error/"  # store key of a failed rank's report
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker is told, as data (no environment variables)."""
+    """Everything a worker started by rank 0 is told, as data (no environment variables)."""
 
     path: str
     options: EngineOptions
@@ -28,7 +29,6 @@ class WorkerSpec:
     world_size: int
     host: str
     port: int
-    trace: bool
 
 
 def effective_config(cfg: EngineConfig) -> dict[str, str]:
@@ -51,46 +51,51 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
     }
 
 
-def worker_main(spec: WorkerSpec, errors) -> None:
-    """Process entry point. Any exception goes to rank 0 through `errors` (rank, summary,
-    traceback) before the process exits, which also fails rank 0's pending collective."""
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker started by rank 0 (one machine)."""
+    from mlaserve.distributed.collectives import worker_store
+
+    store = worker_store(spec.host, spec.port, spec.world_size)
+    store.set(f"{JOINED}{spec.rank}", "1")
+    serve(store, spec.rank, spec.world_size, spec.path, spec.options)
+
+
+def serve(store, rank: int, world_size: int, path: str, options: EngineOptions) -> None:
+    """Run rank `rank` until rank 0 says stop. Any exception is written to the store for rank 0
+    (ERROR + rank: "Type: message" and the traceback) before the process exits; the exit also
+    fails rank 0's pending collective, so rank 0 reads the report at once."""
     try:
-        _run(spec)
+        _serve(store, rank, world_size, path, options)
     except BaseException as e:  # noqa: BLE001 -- everything is reported, then the process exits
-        errors.put((spec.rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        errors.close()
-        errors.join_thread()
+        store.set(f"{ERROR}{rank}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
 
 
-def _run(spec: WorkerSpec) -> None:
-    from mlaserve.distributed.collectives import Collectives, worker_store
+def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions) -> None:
+    from mlaserve.distributed.collectives import Collectives
     from mlaserve.distributed.sharding import vocab_sizes
     from mlaserve.executor.model_runner import ModelRunner
     from mlaserve.loading.model_loader import load_model
     from mlaserve.observability.trace import MemoryTracer
 
-    store = worker_store(spec.host, spec.port, spec.world_size)
-    store.set(f"{JOINED}{spec.rank}", "1")
-    comm = Collectives(store, spec.rank, spec.world_size)
-    loaded = load_model(spec.path, spec.options, comm=comm)
+    comm = Collectives(store, rank, world_size)
+    loaded = load_model(path, options, comm=comm)
     # Process-wide settings: each rank applies its own (resolved) configuration.
     torch.set_num_threads(loaded.config.threads)
     if loaded.config.malloc_tuning:
         from mlaserve.platform.allocator import keep_freed_memory
 
         keep_freed_memory()
-    tracer = MemoryTracer(maxlen=1) if spec.trace else None
-    runner = ModelRunner(loaded.model, loaded.config, tracer, rank=spec.rank)
-    comm.gather_objects(rank_echo(spec.rank, loaded.config, loaded.model))
-    sizes = vocab_sizes(loaded.config.model.vocab_size, spec.world_size)
+    runner = ModelRunner(loaded.model, loaded.config, MemoryTracer(maxlen=1), rank=rank)
+    comm.gather_objects(rank_echo(rank, loaded.config, loaded.model))
+    sizes = vocab_sizes(loaded.config.model.vocab_size, world_size)
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "stop":
             return
-        _, chunks, preempted = msg
+        _, chunks, preempted, trace = msg
         before = replace(comm.stats)
         _, logits = runner.execute(chunks, preempted)
         comm.gather_logits(logits, sizes)
-        if spec.trace:  # a worker's record is sent after its step, so it carries the step's all-reduces
+        if trace:  # a worker's record is sent after its step, so it carries the step's all-reduces
             comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})

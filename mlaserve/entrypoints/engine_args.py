@@ -54,6 +54,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 def make_llm(args: argparse.Namespace, progress=None):
     from mlaserve.entrypoints.llm import LLM
 
+    _serve_if_torchrun_worker(args)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, trace=args.trace, progress=progress, **engine_options(args))
     cfg = llm.config
@@ -64,3 +65,17 @@ def make_llm(args: argparse.Namespace, progress=None):
         flush=True,
     )
     return llm
+
+
+def _serve_if_torchrun_worker(args: argparse.Namespace) -> None:
+    """Under torchrun every process runs the same command; ranks >= 1 serve rank 0's steps and exit
+    when it stops (rank 0 alone runs the front end)."""
+    from mlaserve.distributed.launch import serve_torchrun_rank, torchrun_rank
+
+    if not torchrun_rank():
+        return
+    from mlaserve.config.engine import make_options
+    from mlaserve.embedded import default_model_path
+
+    serve_torchrun_rank(args.model or default_model_path(), make_options(**engine_options(args)))
+    raise SystemExit(0)
