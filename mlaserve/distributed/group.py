@@ -1,5 +1,5 @@
-"""Rank 0's side of a tensor-parallel group: start the workers (torch.multiprocessing spawn, gloo
-on CPU), check that every rank runs the same configuration, run each step on all ranks, and turn
+"""Rank 0's side of a tensor-parallel group: start the workers (torch.multiprocessing, forkserver;
+gloo on CPU) or join torchrun's, check that every rank runs the same configuration, run each step on all ranks, and turn
 any worker failure into one clear error naming the rank -- then stop every process.
 
 Rank 0 owns the scheduler and the sampler. Each step it broadcasts the step's work (the scheduled

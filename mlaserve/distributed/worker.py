@@ -31,10 +31,14 @@ class WorkerSpec:
     port: int
 
 
+# Per-process resources, not the model's math: machines of a torchrun group may differ in cores.
+PER_PROCESS = ("threads", "provenance")
+
+
 def effective_config(cfg: EngineConfig) -> dict[str, str]:
     """The configuration a rank runs with, field by field (the model config included), for
-    rank 0 to compare across ranks."""
-    return {f.name: repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "provenance"}
+    rank 0 to compare across ranks (threads are echoed apart: see rank_echo)."""
+    return {f.name: repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in PER_PROCESS}
 
 
 def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
