@@ -38,7 +38,7 @@ def _no_children(before: frozenset = frozenset()) -> bool:
     return not set(mp.active_children()) - before
 
 
-@pytest.fixture(scope="module", params=["v3_odd", "v32"])
+@pytest.fixture(scope="module", params=["v3_odd", "v32", "glm_dsa_shared"])
 def pair(request, hf_model_dir):
     """(kind, transformers model, TP=1 LLM, TP=2 LLM) on the same folder."""
     folder, ref = hf_model_dir(request.param)
