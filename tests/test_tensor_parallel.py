@@ -339,3 +339,15 @@ def test_two_nodes_in_network_namespaces_equal_one_process(hf_model_dir, tmp_pat
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
     diff, top1 = _compare(torch.load(out), want)
     assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
+
+
+def test_quantized_checkpoint_with_tensor_parallel_is_refused_before_any_process_starts(hf_model_dir, tmp_path):
+    """FP8 block scales are not split yet: a clear error naming the folder and the scheme."""
+    from mlaserve.quant.writer import write_fp8_folder
+
+    folder, _ = hf_model_dir("v3_odd")
+    write_fp8_folder(folder, tmp_path / "fp8", "fp8", (128, 128))
+    before = frozenset(mp.active_children())
+    with pytest.raises(ConfigError, match=r"fp8.*tensor_parallel_size=2 with a quantized checkpoint"):
+        LLM(str(tmp_path / "fp8"), tensor_parallel_size=2)
+    assert set(mp.active_children()) == before
