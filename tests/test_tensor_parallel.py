@@ -351,3 +351,24 @@ def test_quantized_checkpoint_with_tensor_parallel_is_refused_before_any_process
     with pytest.raises(ConfigError, match=r"fp8.*tensor_parallel_size=2 with a quantized checkpoint"):
         LLM(str(tmp_path / "fp8"), tensor_parallel_size=2)
     assert set(mp.active_children()) == before
+
+
+def test_server_with_two_ranks_shows_every_rank(capsys):
+    """`mlaserve serve --tensor-parallel-size 2`: a completion equals one process's; /debug/config
+    lists every rank's echo and /debug/routes one record per step per rank."""
+    from server_process import ServerProcess
+
+    want = LLM().generate(["In the beginning"], SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
+    srv = ServerProcess("--tensor-parallel-size", "2")
+    try:
+        body = {"model": srv.model, "prompt": "In the beginning", "max_tokens": 6, "temperature": 0}
+        got = srv.http.post(f"{srv.url}/v1/completions", json=body).json()["choices"][0]["text"]
+        config = srv.http.get(f"{srv.url}/debug/config").json()
+        routes = srv.http.get(f"{srv.url}/debug/routes").json()["records"]
+    finally:
+        assert srv.stop() == 0, srv.logs()
+    assert got == want
+    assert [r["rank"] for r in config["ranks"]] == [0, 1] and config["ranks"][0]["config"] == config["ranks"][1][
+        "config"
+    ]
+    assert [r["rank"] for r in routes] == [0, 1] * (len(routes) // 2) and len(routes) >= 12

@@ -197,7 +197,11 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
     async def config():
         cfg = serving.llm.config
         table = [{"name": s.name, "value": _jsonable(s.value), "source": s.source} for s in cfg.all_provenance()]
-        return {"model": str(serving.llm.loaded.path), "served_model_name": serving.served_name, "provenance": table}
+        out = {"model": str(serving.llm.loaded.path), "served_model_name": serving.served_name, "provenance": table}
+        ranks = getattr(serving.llm.runner, "rank_echoes", None)  # tensor parallel: what each rank reported
+        if ranks:
+            out["ranks"] = ranks
+        return out
 
 
 def _jsonable(value):
