@@ -4,6 +4,7 @@ collectives.py  every place ranks talk (nothing else calls torch.distributed)
 sharding.py     which parameter splits how; each rank's config and checkpoint slices
 worker.py       a rank > 0: load its slice, then run the steps rank 0 broadcasts
 group.py        rank 0's side: start the workers, check their configs, run a step on all ranks
+heartbeat.py    hang detection: each worker's heartbeat thread, rank 0's watchdog
 launch.py       under torchrun: the rendezvous from its environment; ranks >= 1 serve steps
 preload.py      imported once by the forkserver so workers start warm
 """

@@ -10,13 +10,15 @@ At start: gather_objects of each rank's effective configuration (checked on rank
 
 A group is its own gloo ProcessGroup over a TCPStore (no process-global default group), so an
 application can hold several engines, and a peer that dies fails the next collective at once
-(the socket closes) instead of hanging.
+(the socket closes) instead of hanging. A peer that is alive but stuck is another matter: rank 0
+waits in slices of WAIT_SLICE and gives up as soon as its watchdog (heartbeat.py) names a hung rank.
 """
 
 from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,6 +28,13 @@ import torch.distributed as dist
 # A collective blocks at most this long for a peer that is alive but silent (a hung rank).
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 CONNECT_TIMEOUT = timedelta(seconds=120)
+# Rank 0 checks its watchdog's verdict this often while it waits for a collective (a wait that
+# times out is harmless: the collective goes on and the next slice picks it up).
+WAIT_SLICE = timedelta(seconds=0.25)
+
+
+class CollectiveAbandoned(RuntimeError):
+    """Rank 0 stopped waiting for a collective: a rank was found hung (the message says which)."""
 
 
 def master_store(world_size: int) -> dist.TCPStore:
@@ -64,16 +73,40 @@ class CommStats:
 class Collectives:
     """The collectives of one tensor-parallel group, seen from one rank."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, interrupt: Callable[[], str | None] | None = None
+    ) -> None:
+        """interrupt (rank 0): returns why to stop waiting for a collective (a hung rank), or None."""
         self.rank, self.world_size, self._store = rank, world_size, store
         self._pg = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+        self._interrupt = interrupt
         self.stats = CommStats()
+
+    def _wait(self, work) -> None:
+        """work.wait(), in slices when an interrupt is set, so that rank 0 fails the step as soon
+        as a rank is found hung instead of after COLLECTIVE_TIMEOUT. The abandoned collective stays
+        pending in gloo: the group is failed from then on (group.py keeps it from being freed,
+        which would block until the timeout)."""
+        if self._interrupt is None:
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():  # done meanwhile, or failed: wait() returns or raises its error
+                    work.wait()
+                    return
+            reason = self._interrupt()
+            if reason is not None:
+                raise CollectiveAbandoned(reason)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (every rank gets the same bits: gloo reduces each chunk once)."""
         buf = x.contiguous()
         t0 = time.perf_counter()
-        self._pg.allreduce([buf]).wait()
+        self._wait(self._pg.allreduce([buf]))
         s = self.stats
         s.all_reduces, s.all_reduce_bytes = s.all_reduces + 1, s.all_reduce_bytes + buf.numel() * buf.element_size()
         s.all_reduce_s += time.perf_counter() - t0
@@ -86,35 +119,35 @@ class Collectives:
         buf = torch.zeros(local.shape[0], width, dtype=local.dtype)
         buf[:, : local.shape[1]] = local
         if self.rank != 0:
-            self._pg.gather([], [buf], dist.GatherOptions()).wait()
+            self._wait(self._pg.gather([], [buf], dist.GatherOptions()))
             return None
         parts = [torch.empty_like(buf) for _ in range(self.world_size)]
-        self._pg.gather([parts], [buf], dist.GatherOptions()).wait()  # root: rank 0
+        self._wait(self._pg.gather([parts], [buf], dist.GatherOptions()))  # root: rank 0
         return torch.cat([p[:, :v] for p, v in zip(parts, vocab_sizes)], dim=1)
 
     def broadcast_object(self, obj=None):
         """Rank 0's obj on every rank (pickled into a byte tensor: length first, then bytes)."""
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self._pg.broadcast([size], _root(0)).wait()
+        self._wait(self._pg.broadcast([size], _root(0)))
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size))
         buf = buf.to(torch.uint8)
-        self._pg.broadcast([buf], _root(0)).wait()
+        self._wait(self._pg.broadcast([buf], _root(0)))
         return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
 
     def gather_objects(self, obj) -> list | None:
         """Every rank's obj, in rank order, on rank 0 (None elsewhere)."""
         data = pickle.dumps(obj)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        self._wait(self._pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]))
         width = max(int(s) for s in sizes)
         buf = torch.zeros(width, dtype=torch.uint8)
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if self.rank != 0:
-            self._pg.gather([], [buf], dist.GatherOptions()).wait()
+            self._wait(self._pg.gather([], [buf], dist.GatherOptions()))
             return None
         parts = [torch.empty_like(buf) for _ in range(self.world_size)]
-        self._pg.gather([parts], [buf], dist.GatherOptions()).wait()  # root: rank 0
+        self._wait(self._pg.gather([parts], [buf], dist.GatherOptions()))  # root: rank 0
         return [pickle.loads(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
 

@@ -2,6 +2,13 @@
 gloo on CPU) or join torchrun's, check that every rank runs the same configuration, run each step on all ranks, and turn
 any worker failure into one clear error naming the rank -- then stop every process.
 
+Faults: a worker that raises leaves its report in the store; one that dies is seen by its exit
+code; one that is alive but stuck is found by rank 0's watchdog (heartbeat.py: what it can and
+cannot see), which names it, kills it when it is our child (SIGKILL: a stopped process ignores
+SIGTERM until SIGCONT), and makes rank 0 stop waiting for the step's collective. A torchrun rank
+is not ours to kill: the step still fails at once with the report, the group is failed, and the
+rank is left to gloo's COLLECTIVE_TIMEOUT and its launcher.
+
 Rank 0 owns the scheduler and the sampler. Each step it broadcasts the step's work (the scheduled
 SeqChunks and preemptions: plain data); every rank builds the same ForwardBatch and route from it
 and runs the forward on its slice; rank 0 gathers the logits (vocabulary slices) and, when
@@ -10,6 +17,7 @@ tracing, every rank's route record, and alone samples.
 
 from __future__ import annotations
 
+import multiprocessing.connection as mp_connection
 import signal
 import time
 from dataclasses import replace
@@ -20,6 +28,7 @@ import torch.multiprocessing as mp
 from mlaserve.config.engine import EngineOptions
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.collectives import CONNECT_TIMEOUT, Collectives, master_store
+from mlaserve.distributed.heartbeat import Watchdog
 from mlaserve.distributed.sharding import vocab_sizes
 from mlaserve.distributed.worker import ERROR, JOINED, WorkerSpec, effective_config, rank_echo, worker_main
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
@@ -47,6 +56,9 @@ class TensorParallelGroup:
         self.store, self.comm, self.procs = store, comm, procs
         self.failure: str | None = None
         self.closed = False
+        self.hung: dict[int, str] = {}  # rank -> the watchdog's report (set from its thread)
+        self.watchdog: Watchdog | None = None
+        self._failed_comm: Collectives | None = None
 
     @classmethod
     def start(cls, path: str, opts: EngineOptions, rank_overrides: dict | None = None):
@@ -67,15 +79,38 @@ class TensorParallelGroup:
             procs.append(proc)
         group = cls(store, None, procs)
         group.guard(group._wait_joined, store, n)
-        group.comm = group.guard(Collectives, store, 0, n)
+        group._connect(n)
         return group
 
     @classmethod
     def join(cls, store, world_size: int):
         """Rank 0 of a group whose processes were started by someone else (torchrun)."""
         group = cls(store, None, [])
-        group.comm = group.guard(Collectives, store, 0, world_size)
+        group._connect(world_size)
         return group
+
+    def _connect(self, n: int) -> None:
+        """Rank 0's collectives (interrupted when a rank is found hung), then the watchdog: every
+        worker beats from before it connects, so the watchdog starts with every heartbeat there."""
+        self.comm = self.guard(Collectives, self.store, 0, n, self.hang_report)
+        self.watchdog = Watchdog(self.store, range(1, n), self._on_hang).start()
+
+    def _on_hang(self, rank: int, report: str) -> None:
+        """The watchdog's verdict (its thread): record it, then kill the rank when it is ours; the
+        step's collective on rank 0 then fails or is abandoned, and _diagnose names the rank."""
+        proc = self.procs[rank - 1] if rank <= len(self.procs) else None
+        if proc is not None and mp_connection.wait([proc.sentinel], 0):
+            return  # it exited, not hung: _diagnose names its exit (is_alive() here could race a join)
+        action = "rank 0 killed it" if proc is not None else "not a process of ours (torchrun): not killed"
+        self.hung[rank] = f"{report} ({action})"
+        if proc is not None:
+            proc.kill()
+
+    def hang_report(self) -> str | None:
+        """The first hung rank's report, or None (polled by rank 0's waits)."""
+        for rank, report in sorted(self.hung.items()):
+            return f"tensor-parallel rank {rank} {report}"
+        return None
 
     def _wait_joined(self, store, n: int) -> None:
         """Until every worker reached the store (a worker that dies on the way is named at once)."""
@@ -103,14 +138,17 @@ class TensorParallelGroup:
             raise err from e
 
     def _diagnose(self, exc: BaseException) -> BaseException:
-        """The failed rank's own report if it left one, else which worker died and how; else exc
-        (rank 0's own error)."""
+        """The watchdog's report on a hung rank, else the failed rank's own report if it left
+        one, else which worker died and how; else exc (rank 0's own error)."""
         if not isinstance(exc, RuntimeError) or isinstance(exc, TensorParallelError):
             return exc
         n = self.comm.world_size if self.comm is not None else len(self.procs) + 1
         keys = {r: f"{ERROR}{r}" for r in range(1, n)}
         deadline, dead_since = time.monotonic() + FAULT_WAIT_S, None
         while time.monotonic() < deadline:
+            hung = self.hang_report()
+            if hung is not None:
+                return TensorParallelError(hung)
             for rank, key in keys.items():
                 if self.store.check([key]):
                     return TensorParallelError(f"tensor-parallel rank {rank} failed: {self.store.get(key).decode()}")
@@ -130,6 +168,8 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
+        if self.watchdog is not None:  # first, so that workers leaving are never taken for hung
+            self.watchdog.stop()
         if self.failure is None and self.comm is not None:
             try:
                 self.comm.broadcast_object(("stop",))
@@ -139,12 +179,14 @@ class TensorParallelGroup:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
+            if p.is_alive() and self.failure is None:
                 p.terminate()
                 p.join(2.0)
-            if p.is_alive():
+            if p.is_alive():  # SIGKILL: also ends a stopped process (SIGTERM waits for SIGCONT)
                 p.kill()
                 p.join()
+        if self.failure is not None:  # freeing it would wait for an abandoned collective's timeout
+            self._failed_comm = self.comm
         self.comm = None
 
 

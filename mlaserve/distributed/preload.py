@@ -4,6 +4,7 @@ build_model allocates with (seconds on a busy machine) are paid once, not per wo
 
 import torch
 
+import mlaserve.distributed.heartbeat  # noqa: F401
 import mlaserve.distributed.worker  # noqa: F401
 import mlaserve.executor.model_runner  # noqa: F401
 import mlaserve.loading.model_loader  # noqa: F401

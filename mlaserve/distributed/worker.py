@@ -67,12 +67,18 @@ def worker_main(spec: WorkerSpec) -> None:
 def serve(store, rank: int, world_size: int, path: str, options: EngineOptions) -> None:
     """Run rank `rank` until rank 0 says stop. Any exception is written to the store for rank 0
     (ERROR + rank: "Type: message" and the traceback) before the process exits; the exit also
-    fails rank 0's pending collective, so rank 0 reads the report at once."""
+    fails rank 0's pending collective, so rank 0 reads the report at once. A heartbeat thread
+    beats all along, for rank 0's watchdog to tell a stuck rank (heartbeat.py)."""
+    from mlaserve.distributed.heartbeat import Heartbeat
+
+    heartbeat = Heartbeat(store, rank).start()
     try:
         _serve(store, rank, world_size, path, options)
     except BaseException as e:  # noqa: BLE001 -- everything is reported, then the process exits
         store.set(f"{ERROR}{rank}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
+    finally:
+        heartbeat.stop()
 
 
 def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions) -> None:
