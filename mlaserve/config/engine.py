@@ -24,6 +24,8 @@ MLA_PATHS = ("auto", "absorbed", "decompressed")
 EXPERT_IMPLS = ("grouped_mm", "loop")
 ATTENTION_BACKENDS = ("auto", "torch", "reference")
 DEVICES = ("auto", "cpu", "cuda")
+SPECULATIVE = (None, "mtp")
+MAX_SPECULATIVE_TOKENS = 3
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -59,7 +61,11 @@ class EngineOptions:
     max_num_batched_tokens: int = _opt(2048, "token budget per step (long prompts are prefilled in chunks of it)")
     max_num_seqs: int = _opt(64, "running requests at most")
     num_pages: int | None = _opt(None, "pages in the cache pool (default: 16 sequences of up to 2048 tokens)")
-    decode_threshold: int = _opt(1, "a request whose query length is <= this is a decode (absorbed path)")
+    decode_threshold: int | None = _opt(
+        None,
+        "a request whose query length is <= this is a decode (absorbed path); default 1, or "
+        "1 + num_speculative_tokens with speculative decoding (verification runs as decodes)",
+    )
     index_topk: int | None = _opt(None, "override the DSA top-k of the model")
     enable_prefix_caching: bool = _opt(True, "reuse cached pages of a shared prompt prefix")
     experts_impl: str = _opt(
@@ -81,6 +87,21 @@ class EngineOptions:
         1,
         "processes the model is split across on this machine (heads, MLP/expert intermediate dims and "
         "vocabulary split; latent cache and DSA indexer replicated); workers are started by the engine",
+    )
+    speculative: str | None = _opt(
+        None,
+        "speculative decoding: 'mtp' drafts with the checkpoint's multi-token-prediction layer and verifies the "
+        "drafts in one target forward (greedy output identical; sampling keeps the target distribution)",
+        SPECULATIVE,
+    )
+    num_speculative_tokens: int = _opt(
+        1,
+        f"draft tokens per step with speculative decoding (1..{MAX_SPECULATIVE_TOKENS}; deeper drafts reuse the layer)",
+    )
+    speculative_max_seqs: int | None = _opt(
+        None,
+        "speculate only while at most this many requests sample in a step (a compute-bound batch gains "
+        "little from drafts); None: always",
     )
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
@@ -118,6 +139,9 @@ class EngineConfig:
     attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
     device: str = "cpu"
     tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
+    speculative: str | None = None  # "mtp": draft with the MTP layer, verify in one target forward
+    num_speculative_tokens: int = 0  # k drafts per decoding request per step (0 without speculation)
+    speculative_max_seqs: int | None = None  # no drafts in a step where more requests sample
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -137,7 +161,9 @@ def resolve(
     for name, allowed in (("mla_path", MLA_PATHS), ("experts_impl", EXPERT_IMPLS)):
         _choice(name, getattr(opts, name), allowed)
         _user(log, name, getattr(opts, name))
-    for name in ("decode_threshold", "page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+    speculative, num_spec = _speculative(opts, log)
+    decode_threshold = _decode_threshold(opts.decode_threshold, num_spec, log)
+    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -171,7 +197,7 @@ def resolve(
         num_pages=num_pages,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         max_num_seqs=opts.max_num_seqs,
-        decode_threshold=opts.decode_threshold,
+        decode_threshold=decode_threshold,
         enable_prefix_caching=opts.enable_prefix_caching,
         experts_impl=opts.experts_impl,
         malloc_tuning=opts.malloc_tuning,
@@ -179,6 +205,9 @@ def resolve(
         attention_backend=backend,
         device=device,
         tensor_parallel_size=opts.tensor_parallel_size,
+        speculative=speculative,
+        num_speculative_tokens=num_spec,
+        speculative_max_seqs=_speculative_max_seqs(opts.speculative_max_seqs, speculative, log),
         provenance=log.freeze(),
     )
 
@@ -191,6 +220,47 @@ def _choice(name: str, value, allowed: tuple) -> None:
 def _user(log: ProvenanceLog, name: str, value) -> None:
     default = option_default(name)
     log.record(name, value, "user option" if value != default else f"engine default ({default!r})")
+
+
+def _speculative(opts: EngineOptions, log: ProvenanceLog) -> tuple[str | None, int]:
+    _choice("speculative", opts.speculative, SPECULATIVE)
+    k = opts.num_speculative_tokens
+    if opts.speculative is None:
+        log.record("speculative", None, "engine default (None: one token per step)")
+        return None, 0
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    log.record("speculative", opts.speculative, "user option")
+    _user(log, "num_speculative_tokens", k)
+    return opts.speculative, k
+
+
+def _speculative_max_seqs(value: int | None, speculative: str | None, log: ProvenanceLog) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"speculative_max_seqs must be an integer >= 1 or None, got {value!r}")
+    if speculative is None:
+        raise ConfigError("speculative_max_seqs was given but speculative is None")
+    return log.record("speculative_max_seqs", value, "user option")
+
+
+def _decode_threshold(requested: int | None, num_spec: int, log: ProvenanceLog) -> int:
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ConfigError(f"decode_threshold must be an integer >= 1, got {requested!r}")
+        if requested < 1 + num_spec:
+            warnings.warn(
+                f"decode_threshold={requested} < 1 + num_speculative_tokens: verification tokens take the "
+                "decompressed (prefill) path",
+                stacklevel=3,
+            )
+        return log.record("decode_threshold", requested, "user option")
+    if num_spec:
+        # A verify chunk is [last token, d_1..d_k] per request: k + 1 queries that are decodes in every
+        # other sense (short, deep context), so they take the absorbed MQA path, as vLLM does.
+        return log.record("decode_threshold", 1 + num_spec, "1 + num_speculative_tokens, because MTP verification")
+    return log.record("decode_threshold", 1, "engine default (1: a one-token query is a decode)")
 
 
 def _device(requested: str, log: ProvenanceLog) -> str:

@@ -28,6 +28,7 @@ from mlaserve.engine.detokenizer import IncrementalDetokenizer
 from mlaserve.engine.page_pool import PagePool
 from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
 from mlaserve.engine.scheduler import SchedulePlan, Scheduler
+from mlaserve.engine.speculative import speculative_step
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.sampling.params import SamplingParams
@@ -110,6 +111,13 @@ class Engine:
                 raise RuntimeError("the scheduler could not place any request: the page pool is too small")
             return aborted
         step_no, self.step_count = self.step_count, self.step_count + 1
+        if self.runner.drafter is not None:  # verify the drafts, accept, draft again (engine/speculative.py)
+            try:
+                speculative_step(self, plan, step_no)
+            except Exception as e:  # the whole step is lost: its requests fail, the engine goes on
+                msg = f"step {step_no}: speculative step failed: {type(e).__name__}: {e}"
+                return aborted + self._forget_finished([self._fail(r, msg) for r in self._touched(plan)])
+            return aborted + self._forget_finished([self._final_or_output(r) for r in self._touched(plan)])
         chunks = [c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks]
         try:
             batch, logits = self.runner.execute(chunks, plan.preempted)
@@ -331,6 +339,12 @@ def _metrics(req: Request) -> dict:
         "num_preemptions": req.num_preemptions,
         "num_cached_prompt_tokens": req.num_cached_prompt,
     }
+    if req.num_verify_steps:
+        m["num_draft_tokens"] = req.num_draft_tokens
+        m["num_accepted_tokens"] = req.num_accepted_tokens
+        m["num_verify_steps"] = req.num_verify_steps
+        m["acceptance_rate"] = req.num_accepted_tokens / max(req.num_draft_tokens, 1)
+        m["mean_accepted_length"] = (req.num_accepted_tokens + req.num_verify_steps) / req.num_verify_steps
     if req.first_token_time is not None:
         m["time_to_first_token"] = req.first_token_time - req.arrival
     if req.finish_time is not None and req.first_token_time is not None and len(req.output_ids) > 1:

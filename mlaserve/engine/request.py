@@ -40,6 +40,11 @@ class Request:
     logprobs: list[dict] = field(default_factory=list)
     prompt_logprobs: list[dict | None] = field(default_factory=list)
     error: str | None = None  # why it finished with finish_reason "error"
+    # Speculative decoding: the MTP's drafts for the tokens after the last one, verified next step.
+    draft_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_verify_steps: int = 0  # steps that verified at least one draft
 
     @property
     def all_ids(self) -> list[int]:

@@ -21,22 +21,25 @@ from mlaserve.executor.forward_batch import SeqChunk
 class ScheduledChunk:
     request: Request
     start: int  # first token index (== request.num_computed)
-    num_tokens: int
+    num_tokens: int  # including num_draft speculative tokens
+    num_draft: int = 0  # the request's draft_ids[:num_draft] follow its last token (speculative verification)
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - self.num_draft == self.request.num_tokens
 
     def to_seq_chunk(self, page_size: int) -> SeqChunk:
         r = self.request
         end = self.start + self.num_tokens
+        ids = r.all_ids[self.start : end - self.num_draft] + r.draft_ids[: self.num_draft]
         return SeqChunk(
             r.request_id,
-            tuple(r.all_ids[self.start : end]),
+            tuple(ids),
             self.start,
             tuple(r.pages[: -(-end // page_size)]),
             needs_logits=self.completes_prompt,
-            all_logits=r.params.prompt_logprobs is not None and self.start < len(r.prompt_ids),
+            # a verification needs the target's logits after the last token and after every draft
+            all_logits=self.num_draft > 0 or (r.params.prompt_logprobs is not None and self.start < len(r.prompt_ids)),
             num_cached=r.num_cached_prompt if self.start == r.num_cached_prompt else 0,
         )
 
@@ -72,10 +75,13 @@ class Scheduler:
             if req.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self._reserve(req, req.num_computed + n, preempted):
+            d = min(len(req.draft_ids), budget - n) if req.num_tokens - req.num_computed == 1 else 0
+            if d and not self._grow(req, req.num_computed + n + d):
+                d = 0  # drafts only fill free pages: speculation never preempts anyone
+            if not self._reserve(req, req.num_computed + n + d, preempted):
                 continue
-            chunks.append(ScheduledChunk(req, req.num_computed, n))
-            budget -= n
+            chunks.append(ScheduledChunk(req, req.num_computed, n + d, d))
+            budget -= n + d
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             req = self.waiting[0]
             # prompt_logprobs need logits at every prompt position, so such requests recompute them all.
@@ -153,8 +159,20 @@ class Scheduler:
     def advance(self, plan: SchedulePlan) -> None:
         """The forward pass wrote these tokens' rows into the cache."""
         for c in plan.chunks:
-            c.request.num_computed = c.start + c.num_tokens
+            # Draft rows are written but not yet trusted: commit_drafts counts the accepted ones.
+            c.request.num_computed = c.start + c.num_tokens - c.num_draft
             self._register_full_pages(c.request)
+
+    def commit_drafts(self, req: Request, accepted: int) -> None:
+        """Speculative verification accepted `accepted` drafts: their cache rows are the request's."""
+        if req.status is Status.RUNNING and accepted:
+            req.num_computed += accepted
+            self._register_full_pages(req)
+
+    def grow_for_drafts(self, req: Request, num_tokens: int) -> int:
+        """Pages for up to num_tokens rows without preempting anyone -> the rows the request now has."""
+        self._grow(req, num_tokens)
+        return len(req.pages) * self.page_size
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason

@@ -327,6 +327,11 @@ def _speed_line(out) -> str:
     line += f"; {n_out} generated"
     if "tokens_per_s" in m:
         line += f", {m['tokens_per_s']:.1f} tok/s after the first"
+    if "acceptance_rate" in m:  # speculative decoding (--speculative mtp)
+        line += (
+            f"; MTP drafts {m['num_accepted_tokens']}/{m['num_draft_tokens']} accepted "
+            f"({m['acceptance_rate']:.0%}), mean accepted length {m['mean_accepted_length']:.2f}"
+        )
     return line + f"; finish: {out.outputs[0].finish_reason}]"
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mlaserve.attention.router import route
 from mlaserve.config.engine import EngineConfig
+from mlaserve.executor.drafter import Drafter
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.latent_cache import LatentCache
 from mlaserve.executor.step_context import StepContext
@@ -22,22 +25,32 @@ class ModelRunner:
         )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
+        self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative == "mtp" else None
 
     def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
         """-> (batch, logits [len(batch.logits_indices), vocab] float32). `preempted`: the scheduler's
         Preemption records of this step, written to the ledger with the route."""
+        batch, logits, _ = self.execute_with_hidden(chunks, preempted)
+        return batch, logits
+
+    def execute_with_hidden(
+        self, chunks: list[SeqChunk], preempted: tuple = (), ledger: Callable | None = None
+    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+        """execute() that also returns the final hidden states [T, D] (the MTP layer's input);
+        `ledger`: extra fields for this step's record (speculative verification)."""
         cfg = self.cfg
         batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
         plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend)
         if self.tracer.enabled:
             rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
+            rec = rec | (ledger(batch, plan) if ledger else {})
             self.tracer.record({"rank": self.rank, **rec} if cfg.tensor_parallel_size > 1 else rec)
         self.step_count += 1
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
             hidden = self.model(batch.input_ids, step, self.cache)
             logits = self.model.logits(hidden[batch.logits_indices])
-        return batch, logits
+        return batch, logits, hidden
 
     def prompt_logits(self, request_id: str, ids: list[int], pages: list[int]) -> torch.Tensor:
         """Logits at every position of ids [len, vocab], prefilled through `pages` in chunks of

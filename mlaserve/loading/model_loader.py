@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
@@ -16,6 +17,7 @@ from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
 
@@ -49,13 +51,21 @@ def has_indexer_weights(names: list[str]) -> bool:
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, experts_impl: str = "grouped_mm", device: str = "cpu", **rank
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    experts_impl: str = "grouped_mm",
+    device: str = "cpu",
+    mtp: tuple[MTPLayout, ...] = (),
+    **rank,
 ) -> MLAForCausalLM:
     """Allocate without initialising (the weights come next), in dtype; the router stays fp32
     like the reference keeps its gate weight and correction bias. rank: vocab_start and
-    all_reduce of a tensor-parallel rank (MLAForCausalLM)."""
+    all_reduce of a tensor-parallel rank (MLAForCausalLM). `mtp`: MTP layers to build (speculative
+    decoding), as `model.mtp`."""
     with torch.device("meta"):
         model = MLAForCausalLM(cfg, **rank)
+        if mtp:
+            model.mtp = nn.ModuleList(MTPLayer(cfg, layout) for layout in mtp)
     model.to_empty(device=device)
     model.to(dtype)
     for name, module in model.named_modules():
@@ -92,7 +102,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
-        model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors)
+        model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors, opts.speculative == "mtp")
         scheme = None
     else:
         hf_config = read_hf_config(path)
@@ -103,6 +113,11 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
     if engine_cfg.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.tensor_parallel_size)
+        if engine_cfg.speculative is not None:
+            raise ConfigError(
+                f"{path}: speculative={engine_cfg.speculative!r} with tensor_parallel_size="
+                f"{engine_cfg.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
+            )
         if scheme is not None:
             raise ConfigError(
                 f"{path}: tensor_parallel_size={engine_cfg.tensor_parallel_size} with a quantized checkpoint "
@@ -119,12 +134,15 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         model_cfg = rank_config(ck.model_cfg, rank, n)
         source = ShardedSource(source, ck.model_cfg, rank, n)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
-    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device, **rank_args)
+    layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative == "mtp" else ()
+    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device, layouts, **rank_args)
     quant = None
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         modules = {name for name, _ in model.named_modules()}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    for layer in getattr(model, "mtp", ()):
+        layer.share_trunk(model.model.embed_tokens, model.lm_head)
     if quant is not None:
         densify(model, quant, engine_cfg.dtype)
         report.notes.append(
@@ -153,7 +171,17 @@ def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:
         raise ConfigError(f"{path / 'tokenizer.json'}: cannot build the tokenizer: {type(e).__name__}: {e}") from e
 
 
-def _open_gguf(path: Path, check_tensors: bool = False):
+def _mtp_layouts(path: Path, source, cfg: ModelConfig) -> tuple[MTPLayout, ...]:
+    layouts = mtp_layouts(source.names(), cfg)
+    if not layouts:
+        raise ConfigError(
+            f"{path}: speculative='mtp' needs the checkpoint's MTP layer (model.layers.{cfg.num_layers}.eh_proj "
+            "and the rest of that layer); this checkpoint has none"
+        )
+    return layouts
+
+
+def _open_gguf(path: Path, check_tensors: bool = False, with_mtp: bool = False):
     """GGUF metadata -> config (each field's source is its GGUF key or the llama.cpp default taken),
     tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*."""
     from mlaserve.gguf.read.checkpoint import load_gguf
@@ -163,7 +191,7 @@ def _open_gguf(path: Path, check_tensors: bool = False):
         bad = scan_gguf(open_gguf(path))
         if bad:
             raise GGUFError(f"{path}: check_tensors: {format_bad(bad)}")
-    ck = load_gguf(path)
+    ck = load_gguf(path, with_mtp=with_mtp)
     sources = {k: src for k, (_, src) in ck.provenance.items()}
     model_cfg = ModelConfig.from_hf(ck.hf_config, source=path.name, field_sources=sources)
     tok = ck.tokenizer

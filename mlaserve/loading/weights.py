@@ -6,7 +6,8 @@ Named steps between the checkpoint layout and the model:
                   (gate rows first) and experts.down_proj [E, D, I]
   skip_mtp        model.layers.N for num_hidden_layers <= N < num_hidden_layers + num_nextn_predict_layers
                   (MTP / nextn heads) are skipped, reported; a layer beyond those is an error (the config
-                  would otherwise load as a shallower model)
+                  would otherwise load as a shallower model);
+                  with speculative="mtp" they fill the model's mtp.{N - n}.* instead
   tie_embeddings  lm_head.weight shares embed_tokens.weight when the config ties them
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
@@ -23,8 +24,9 @@ from torch import nn
 
 from mlaserve.config.model import ModelConfig
 from mlaserve.loading.safetensors_source import WeightError
+from mlaserve.models.mtp import mtp_param_name
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -52,16 +54,20 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
     filled: set[str] = set()
     experts: dict[str, dict[tuple[str, int], str]] = {}
     _check_extra_layers(source, cfg)
+    with_mtp = hasattr(model, "mtp")
     for name in source.names():
         layer = _LAYER.match(name)
+        target = name
         if layer and int(layer.group(1)) >= cfg.num_layers:
-            report.skipped.append(name)  # MTP / nextn layers are not run by the engine
-            continue
-        m = _EXPERT.match(name)
+            if not with_mtp:
+                report.skipped.append(name)  # MTP / nextn layers are run only for speculative decoding
+                continue
+            target = mtp_param_name(name, cfg)
+        m = _EXPERT.match(target)
         if m:
             experts.setdefault(m.group(1), {})[(m.group(3), int(m.group(2)), m.group(4))] = name
             continue
-        _copy(name, source, targets, filled)
+        _copy(name, source, targets, filled, target)
         report.loaded += 1
         tick(report.loaded, total)
     for prefix, parts in experts.items():
@@ -93,17 +99,18 @@ def _check_extra_layers(source: TensorSource, cfg: ModelConfig) -> None:
         )
 
 
-def _copy(name: str, source: TensorSource, targets: dict, filled: set[str]) -> None:
-    if name not in targets:
+def _copy(name: str, source: TensorSource, targets: dict, filled: set[str], target: str | None = None) -> None:
+    target = target or name  # the parameter's name in the model (MTP layers are renamed to mtp.{j}.*)
+    if target not in targets:
         raise WeightError(f"{source.where(name)}: unexpected tensor {name!r} (no such parameter in the model)")
-    if name in filled:
+    if target in filled:
         raise WeightError(f"{source.where(name)}: tensor {name!r} appears twice")
     tensor = source.get(name)
-    _check_stored_dtype(name, tensor.dtype, targets[name].dtype, source)
-    _check_shape(name, tuple(tensor.shape), tuple(targets[name].shape), source)
+    _check_stored_dtype(name, tensor.dtype, targets[target].dtype, source)
+    _check_shape(name, tuple(tensor.shape), tuple(targets[target].shape), source)
     with torch.no_grad():
-        targets[name].copy_(tensor)
-    filled.add(name)
+        targets[target].copy_(tensor)
+    filled.add(target)
 
 
 def _stack_experts(

@@ -11,6 +11,10 @@ Counts
                     the tokens they skipped
   preemptions       entries of the per-step `preempted` lists, and the pages they freed
   effective top-k   sparse steps per effective_topk value (min(index_topk, longest sequence))
+  speculative       (ledgers of speculative="mtp") trunk steps that verified drafts and their verify
+                    tokens; drafts proposed and accepted (the `accept` records), the acceptance rate and
+                    the mean accepted length (tokens a verifying request gains per step); the MTP's
+                    own passes (`draft` records) are counted apart, not as steps or route tokens
   per rank          records with a "rank" field are summarised per rank (tensor parallel ledgers);
                     a ledger without one is one rank, shown without a rank header
 """
@@ -37,12 +41,32 @@ class LedgerSummary:
     preempted_pages: int = 0
     effective_topk: Counter = field(default_factory=Counter)  # value -> sparse steps
     backends: Counter = field(default_factory=Counter)  # backend name -> tokens
+    verify_steps: int = 0  # trunk steps that verified drafts
+    verify_tokens: int = 0  # [last token, d_1..d_k] query tokens of verifying requests
+    verifications: int = 0  # (request, step) pairs that verified drafts
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    draft_passes: int = 0  # MTP forward passes
+    draft_tokens: int = 0  # tokens through the MTP layer
 
     @property
     def total_tokens(self) -> int:
         return sum(self.tokens.values())
 
     def add(self, rec: dict) -> None:
+        phase = rec.get("spec_phase")
+        if phase == "accept":
+            self.verifications += len(rec["requests"])
+            self.drafts_proposed += rec["num_proposed_tokens"]
+            self.drafts_accepted += rec["num_accepted_tokens"]
+            return
+        if phase == "draft":
+            self.draft_passes += 1
+            self.draft_tokens += rec["num_tokens"]
+            return
+        if phase == "verify":
+            self.verify_steps += 1
+            self.verify_tokens += rec["num_verify_tokens"]
         self.steps += 1
         self.decode_tokens += rec["num_decode_tokens"]
         mode = _mode(rec)
@@ -75,6 +99,20 @@ class LedgerSummary:
             "preempted_pages": self.preempted_pages,
             "effective_topk": {str(k): n for k, n in sorted(self.effective_topk.items())},
             "backends": dict(sorted(self.backends.items())),
+            **({"speculative": self.speculative()} if self.draft_passes or self.verify_steps else {}),
+        }
+
+    def speculative(self) -> dict:
+        n, acc = self.verifications, self.drafts_accepted
+        return {
+            "verify_steps": self.verify_steps,
+            "verify_tokens": self.verify_tokens,
+            "drafts_proposed": self.drafts_proposed,
+            "drafts_accepted": acc,
+            "acceptance_rate": acc / self.drafts_proposed if self.drafts_proposed else 0.0,
+            "mean_accepted_length": (acc + n) / n if n else 0.0,
+            "draft_passes": self.draft_passes,
+            "draft_tokens": self.draft_tokens,
         }
 
 
@@ -105,7 +143,10 @@ def read_ledger(path: str | Path, offset: int = 0) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: record {n} (after byte {offset}) is not JSON: {e}") from None
-            missing = [k for k in ("segments", "requests", "sparse", "num_decode_tokens") if k not in rec]
+            need = ("segments", "requests", "sparse", "num_decode_tokens")
+            if rec.get("spec_phase") == "accept":  # speculative decoding's verdict record
+                need = ("requests", "num_proposed_tokens", "num_accepted_tokens")
+            missing = [k for k in need if k not in rec]
             if missing:
                 raise ValueError(f"{path}: record {n} is not a route ledger record (no {', '.join(missing)})")
             records.append(rec)
@@ -138,4 +179,12 @@ def _format_one(s: LedgerSummary) -> str:
     else:
         lines.append("  effective top-k: - (no sparse step)")
     lines.append("  backends: " + ", ".join(f"{b} {n} tokens" for b, n in sorted(s.backends.items())))
+    if s.draft_passes or s.verify_steps:
+        sp = s.speculative()
+        lines.append(
+            f"  speculative (MTP): {sp['verify_steps']} verify steps ({sp['verify_tokens']} verify tokens), "
+            f"drafts {sp['drafts_accepted']}/{sp['drafts_proposed']} accepted ({sp['acceptance_rate']:.1%}), "
+            f"mean accepted length {sp['mean_accepted_length']:.2f}; {sp['draft_passes']} MTP passes "
+            f"({sp['draft_tokens']} tokens)"
+        )
     return "\n".join(lines)

@@ -73,6 +73,15 @@ _LAYER = {
     "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
     "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
 }
+# MTP (nextn) block extras, as llama.cpp's converter names them (the block's attention and MoE use _LAYER)
+_NEXTN = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+}
 _EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
 _K_B, _V_B, _KV_B = "attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight"
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -132,6 +141,12 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         "ffn_gate_shexp.weight": (sh * mff, hid),
         "ffn_up_shexp.weight": (sh * mff, hid),
         "ffn_down_shexp.weight": (hid, sh * mff),
+        "nextn.eh_proj.weight": (hid, 2 * hid),
+        "nextn.embed_tokens.weight": (cfg["vocab_size"], hid),
+        "nextn.enorm.weight": (hid,),
+        "nextn.hnorm.weight": (hid,),
+        "nextn.shared_head_head.weight": (cfg["vocab_size"], hid),
+        "nextn.shared_head_norm.weight": (hid,),
     }
     if cfg.get("intermediate_size"):
         ff = cfg["intermediate_size"]
@@ -153,8 +168,8 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 class _Mapper:
     """Assigns every GGUF tensor exactly one consumer and checks shapes."""
 
-    def __init__(self, gf: GGUFFile, cfg: dict):
-        self.gf, self.cfg = gf, cfg
+    def __init__(self, gf: GGUFFile, cfg: dict, with_mtp: bool = False):
+        self.gf, self.cfg, self.with_mtp = gf, cfg, with_mtp
         self._arch = gf.metadata["general.architecture"]
         self.shapes = _expected_shapes(cfg)
         self.entries: dict[str, _Entry] = {}
@@ -171,7 +186,9 @@ class _Mapper:
                 raise GGUFError(
                     f"{self.gf.path}: tensor '{name}' belongs to no block ({self._arch}.block_count={n_blocks})"
                 )
-            if mt and int(mt[1]) >= n_layers:
+            if mt and int(mt[1]) >= n_layers and self.with_mtp:
+                by_layer.setdefault(int(mt[1]), {})[mt[2]] = name  # mapped by _mtp_layer
+            elif mt and int(mt[1]) >= n_layers:
                 self.skipped.append(name)  # nextn / MTP block(s): not part of the main model
                 self.consumed.add(name)
             elif mt:
@@ -183,6 +200,8 @@ class _Mapper:
         self._require_globals()
         for layer in range(self.cfg["num_hidden_layers"]):
             self._layer(layer, by_layer.pop(layer, {}))
+        for layer in sorted(by_layer):  # MTP blocks (with_mtp)
+            self._mtp_layer(layer, by_layer.pop(layer))
         unused = sorted(set(self.gf.tensors) - self.consumed)
         if unused:  # cannot happen by construction; guards future edits of the mapping
             raise GGUFError(f"{self.gf.path}: tensors not consumed by the mapping: {unused}")
@@ -207,8 +226,16 @@ class _Mapper:
         self.entries[hf] = _Entry("plain", (gname,), info.shape)
         self.consumed.add(gname)
 
-    def _layer(self, i: int, present: dict[str, str]) -> None:
-        req, opt = _layer_expectations(self.cfg, i)
+    def _mtp_layer(self, i: int, present: dict[str, str]) -> None:
+        """An MTP block: its nextn extras, then a MoE layer (with an indexer if it carries one)."""
+        pre = f"model.layers.{i}."
+        for suf in [s for s in present if s in _NEXTN]:
+            self._plain(present.pop(suf), pre + _NEXTN[suf], suf)
+        kind = "full" if any(s.startswith("indexer.") for s in present) else "none"
+        self._layer(i, present, {**self.cfg, "first_k_dense_replace": 0, "indexer_types": [kind] * (i + 1)})
+
+    def _layer(self, i: int, present: dict[str, str], cfg: dict | None = None) -> None:
+        req, opt = _layer_expectations(cfg or self.cfg, i)
         missing = sorted(req - set(present))
         if missing:
             raise GGUFError(
@@ -457,19 +484,20 @@ class GGUFCheckpoint:
         self.file.close()
 
 
-def load_gguf(path: str | Path, validate_numeric: bool = True) -> GGUFCheckpoint:
+def load_gguf(path: str | Path, validate_numeric: bool = True, with_mtp: bool = False) -> GGUFCheckpoint:
     """Open an MLA GGUF model (any shard of a split model) and map it to HF naming.
+    with_mtp: map the nextn (MTP) blocks to model.layers.N.* too (else they are skipped and listed).
 
     Raises GGUFError on malformed files, missing required keys/tensors, unknown tensors,
     shape mismatches, a wrongly oriented attn_k_b/attn_v_b, or a failed MLA identity check.
     """
     gf = open_gguf(path)
     cfg, prov = derive_hf_config(gf)
-    mapper = _Mapper(gf, cfg)
+    mapper = _Mapper(gf, cfg, with_mtp)
     mapper.run()
     tensors = GGUFTensors(gf, cfg, mapper.entries, mapper.mla)
     if validate_numeric:
-        for layer in range(cfg["num_hidden_layers"]):
+        for layer in sorted(mapper.mla):
             _mla_identity_check(gf, tensors, layer)
     return GGUFCheckpoint(
         gf.path,

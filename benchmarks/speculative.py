@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Decode tok/s with and without MTP speculative decoding, greedy output checked identical.
+
+Models
+  embedded   the shipped tiny-dsa model (its MTP head trained on the KJV: a real acceptance rate)
+  standard   benchmarks/common.py's standard model plus one random MTP layer (acceptance ~0: this
+             measures the overhead of drafts that fail)
+  PATH       any folder with an MTP layer
+Per setting: plain decode, then speculative with k = 1..3, at batch 1 and at --concurrency requests;
+decode tok/s = generated tokens after the first / time after the first token (all requests together).
+
+    python benchmarks/speculative.py --model embedded --new 128
+    python benchmarks/speculative.py --model standard --quick --new 32 --concurrency 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from common import MODELS_DIR, RESULTS_DIR, ensure_model, environment, print_table, random_prompt, write_json
+
+from mlaserve import LLM, SamplingParams
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="embedded", help="embedded | standard | PATH")
+    p.add_argument("--quick", action="store_true", help="standard model cut to 2 layers")
+    p.add_argument("--k", default="1,2,3", help="num_speculative_tokens values")
+    p.add_argument("--concurrency", default="1", help="requests decoded together, e.g. 1,16")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/...)")
+    return p.parse_args()
+
+
+def with_random_mtp(folder: Path, seed: int = 1) -> Path:
+    """A sibling folder: the trunk's safetensors (linked) + one random MTP layer, via an index file."""
+    from safetensors.torch import save_file
+
+    from mlaserve.config.model import ModelConfig
+    from mlaserve.embedded.random_model import hub_state_dict
+    from mlaserve.models.mtp import MTPLayer, MTPLayout
+
+    out = MODELS_DIR / (folder.name + "-mtp")
+    if (out / "model.safetensors.index.json").exists():
+        return out
+    raw = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    layer = MTPLayer(
+        cfg, MTPLayout(cfg.num_layers, moe=cfg.moe is not None, indexer=False, own_embed=False, own_head=True)
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+            if t.dim() >= 2:
+                t.copy_(torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5)
+            else:
+                t.copy_((1 if name.endswith("norm.weight") else 0) + 0.1 * torch.randn(t.shape, generator=g))
+    prefix = f"model.layers.{cfg.num_layers}."
+    tensors = {prefix + k: v for k, v in hub_state_dict(layer).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    trunk = out / "model-00001-of-00002.safetensors"
+    if not trunk.exists():
+        trunk.symlink_to((folder / "model.safetensors").resolve())
+    save_file(tensors, str(out / "model-00002-of-00002.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(trunk), "pt") as f:
+        weight_map = {k: trunk.name for k in f.keys()}
+    weight_map |= {k: "model-00002-of-00002.safetensors" for k in tensors}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}, indent=2))
+    return out
+
+
+def resolve_model(name: str, quick: bool) -> str | None:
+    if name == "embedded":
+        return None
+    if name == "standard":
+        return str(with_random_mtp(ensure_model("standard", quick)))
+    return name
+
+
+def run(model: str | None, options: dict, prompts: list[list[int]], new: int) -> dict:
+    llm = LLM(model, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    first = min(o.metrics["time_to_first_token"] for o in outs)
+    decode_s = wall - first
+    n_after_first = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    proposed = sum(o.metrics.get("num_draft_tokens", 0) for o in outs)
+    accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
+    steps = sum((o.metrics.get("num_accepted_tokens", 0) + o.metrics.get("num_verify_steps", 0)) for o in outs)
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "decode_tok_s": n_after_first / max(decode_s, 1e-9),
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "proposed": proposed,
+        "accepted": accepted,
+        "accepted_plus_bonus": steps,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    model = resolve_model(args.model, args.quick)
+    base = {"dtype": args.dtype} | ({"threads": args.threads} if args.threads else {})
+    probe = LLM(model, **base)
+    vocab, threads = probe.config.model.vocab_size, probe.config.threads
+    del probe
+    rows, results = [], []
+    for conc in [int(c) for c in args.concurrency.split(",")]:
+        prompts = [random_prompt(args.prompt_len, vocab, seed=i) for i in range(conc)]
+        if model is None:  # the embedded model reads English: a KJV-like prompt gives its head something to do
+            prompts = [LLM_prompt(i) for i in range(conc)]
+        plain = run(model, base, prompts, args.new)
+        rows.append([conc, "plain", f"{plain['decode_tok_s']:.1f}", "1.00x", "-", "-"])
+        results.append({"concurrency": conc, "k": 0, **{k: v for k, v in plain.items() if k != "tokens"}})
+        for k in [int(x) for x in args.k.split(",")]:
+            spec = run(model, base | {"speculative": "mtp", "num_speculative_tokens": k}, prompts, args.new)
+            same = spec["tokens"] == plain["tokens"]
+            rate = spec["acceptance_rate"]
+            rows.append(
+                [
+                    conc,
+                    f"mtp k={k}",
+                    f"{spec['decode_tok_s']:.1f}",
+                    f"{spec['decode_tok_s'] / plain['decode_tok_s']:.2f}x",
+                    "-" if rate is None else f"{rate:.1%}",
+                    "yes" if same else "NO",
+                ]
+            )
+            results.append(
+                {"concurrency": conc, "k": k, "identical": same, **{a: b for a, b in spec.items() if a != "tokens"}}
+            )
+    table = print_table(["requests", "decode", "tok/s", "vs plain", "acceptance", "identical"], rows)
+    out = Path(args.out) if args.out else RESULTS_DIR / f"speculative-{Path(args.model).name}.json"
+    write_json(out, {"args": vars(args), "environment": environment(threads), "results": results, "table": table})
+
+
+def LLM_prompt(i: int) -> str:
+    starts = [
+        "And it came to pass, when the king heard",
+        "In the beginning was the Word,",
+        "Blessed are the poor in spirit:",
+        "And the LORD spake unto Moses, saying,",
+    ]
+    return starts[i % len(starts)]
+
+
+if __name__ == "__main__":
+    main()

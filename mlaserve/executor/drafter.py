@@ -1,0 +1,63 @@
+"""Runs the MTP layer over a step's draft work: its own latent cache, the same pages and route rules.
+
+Notation
+  chunks   one SeqChunk per drafting request: token_ids = the *next* tokens t_{i+1} at the trunk's
+           positions i (the MTP row at position i is computed from h_i and t_{i+1})
+  hidden   [R, D] rows the MTP reads as h_i: the trunk's final hidden states (depth 1) or the MTP's
+           own output g (deeper drafts); rows[request_id] = the first of that request's rows
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mlaserve.attention.router import route
+from mlaserve.config.engine import EngineConfig
+from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
+from mlaserve.executor.latent_cache import LatentCache
+from mlaserve.executor.step_context import StepContext
+from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.models.mtp import cache_config
+from mlaserve.observability.trace import step_record
+
+
+class Drafter:
+    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer) -> None:
+        # Deeper drafts reuse the first MTP layer (DeepSeek-V3 and GLM-5 ship one), as vLLM does.
+        self.model, self.cfg, self.tracer = model, cfg, tracer
+        self.layer = model.mtp[0]
+        self.sparse = cfg.sparse and self.layer.layout.indexer
+        self.cache = LatentCache(
+            cache_config(cfg.model, self.layer.layout),
+            cfg.num_pages,
+            cfg.page_size,
+            cfg.dtype,
+            with_indexer=self.sparse,
+            device=cfg.device,
+        )
+
+    def forward(
+        self,
+        chunks: list[SeqChunk],
+        hidden: torch.Tensor,
+        rows: dict[str, int],
+        step_no: int,
+        ledger: Callable[[ForwardBatch, object], dict] | None = None,
+    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+        """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
+        cfg = self.cfg
+        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
+        plan = route(batch, cfg.mla_path, self.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend)
+        if self.tracer.enabled:
+            rec = step_record(step_no, batch, plan, 1, ())
+            rec["layers"] = f"mtp ({cfg.model.num_layers})"
+            self.tracer.record(rec | (ledger(batch, plan) if ledger else {}))
+        src = [rows[s.request_id] + j for s in batch.seqs for j in range(s.query_len)]
+        with torch.inference_mode():
+            step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
+            h = hidden[torch.tensor(src, dtype=torch.long, device=hidden.device)]
+            g = self.layer(batch.input_ids, h, step, self.model.rope, self.cache.layers[0], self.cache.index_keys[0])
+            logits = self.layer.logits(g[batch.logits_indices])
+        return batch, logits, g
