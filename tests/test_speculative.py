@@ -191,3 +191,19 @@ def test_off_switch_by_batch_size(models, monkeypatch):
     assert _tokens(outs) == [p[:n] for p, n in zip(plain, lengths)]
     verifies = [r for r in llm.runner.tracer.records if r.get("spec_phase") == "verify"]
     assert verifies and all(len(r["verify"]) <= 2 for r in verifies)  # drafts only with <= 2 samplers
+
+
+def test_prometheus_counters(models, monkeypatch):
+    from mlaserve.observability.metrics import ServerMetrics
+
+    folder, plain = models["v3_yarn"]
+    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    llm = LLM(str(folder), speculative="mtp", num_speculative_tokens=2, trace="memory")
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    metrics = ServerMetrics()
+    for rec in llm.runner.tracer.records:
+        metrics.on_route(rec)
+    text = metrics.render().decode()
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert f"mlaserve_spec_accepted_tokens_total {float(accepted)}" in text and accepted > 0
+    assert f"mlaserve_spec_draft_tokens_total {float(sum(o.metrics['num_draft_tokens'] for o in outs))}" in text

@@ -42,6 +42,14 @@ class ServerMetrics:
             ["path", "sparse", "phase"],
             registry=r,
         )
+        # Speculative decoding (from the ledger's accept records): acceptance rate = accepted / proposed,
+        # mean accepted length = (accepted + verifications) / verifications.
+        self.spec_proposed = Counter("mlaserve_spec_draft_tokens", "MTP draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("mlaserve_spec_accepted_tokens", "MTP draft tokens accepted", registry=r)
+        self.spec_verifications = Counter(
+            "mlaserve_spec_verifications", "(request, step) pairs that verified drafts", registry=r
+        )
+        self.spec_mtp_tokens = Counter("mlaserve_spec_mtp_tokens", "tokens through the MTP draft layer", registry=r)
         gauges = {
             "mlaserve_queue_depth": ("requests waiting for admission", "num_waiting"),
             "mlaserve_running_requests": ("requests in the running batch", "num_running"),
@@ -54,7 +62,17 @@ class ServerMetrics:
                 g.set_function(lambda attr=attr: float(getattr(stats(), attr)))
 
     def on_route(self, rec: dict) -> None:
-        """One route-ledger record (a step): count tokens per segment, and the preemptions."""
+        """One route-ledger record (a step): count tokens per segment, and the preemptions; speculative
+        decoding's accept and draft records feed the spec counters (the MTP's passes are not trunk routes)."""
+        phase = rec.get("spec_phase")
+        if phase == "accept":
+            self.spec_proposed.inc(rec["num_proposed_tokens"])
+            self.spec_accepted.inc(rec["num_accepted_tokens"])
+            self.spec_verifications.inc(len(rec["requests"]))
+            return
+        if phase == "draft":
+            self.spec_mtp_tokens.inc(rec["num_tokens"])
+            return
         for seg in rec.get("segments", ()):
             self.attention_tokens.labels(seg["path"], str(seg["sparse"]).lower(), seg["phase"]).inc(seg["num_tokens"])
         if rec.get("preempted"):
