@@ -22,6 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 LENGTHS = (5, 17, 1, 33, 9, 2, 12, 26)
 PROMPTS = [random_ids(n, seed=n) for n in LENGTHS]
 KINDS = ("v3_yarn", "glm_dsa")
+ACCEPTANCE_FLOOR = 0.5  # the shipped head: ~78% at k = 2 on held-out text (its model card)
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +208,17 @@ def test_prometheus_counters(models, monkeypatch):
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
     assert f"mlaserve_spec_accepted_tokens_total {float(accepted)}" in text and accepted > 0
     assert f"mlaserve_spec_draft_tokens_total {float(sum(o.metrics['num_draft_tokens'] for o in outs))}" in text
+
+
+def test_embedded_model_speculates_out_of_the_box():
+    """The shipped tiny-dsa carries a trained MTP layer (model.layers.4): `speculative="mtp"` works with
+    no path, greedy output equals plain decoding, and drafts are accepted (the card reports the rate)."""
+    from mlaserve.embedded import EMBEDDED
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = ["And it came to pass, when the king heard", "Blessed are the poor in spirit:"]
+    plain = _tokens(LLM(str(EMBEDDED)).generate(prompts, params))
+    outs = LLM(speculative="mtp", num_speculative_tokens=2).generate(prompts, params)
+    assert _tokens(outs) == plain
+    proposed = sum(o.metrics["num_draft_tokens"] for o in outs)
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) / proposed > ACCEPTANCE_FLOOR
