@@ -6,14 +6,13 @@ Template: --chat-template FILE, else the model folder's chat_template, else the 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 
 from mlaserve.entrypoints.openai.completions import usage
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import ChatCompletionRequest
-from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id
+from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
 
 
 def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, list]:
@@ -80,19 +79,6 @@ def response(serving: OpenAIServing, req: ChatCompletionRequest, job: Job) -> di
     }
 
 
-def _chunk(serving: OpenAIServing, job: Job, choices: list, usage_: dict | None = None) -> str:
-    body = {
-        "id": job.id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": serving.served_name,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return f"data: {json.dumps(body)}\n\n"
-
-
 def stream_delta(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, sub: SubRequest, out) -> str | None:
     c = out.outputs[0]
     if not out.finished and len(c.token_ids) == sub.sent_tokens and len(c.text) == sub.sent_text:
@@ -111,7 +97,7 @@ def stream_delta(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, s
         "logprobs": _logprobs(serving, req, ids, entries),
         "finish_reason": reason,
     }
-    return _chunk(serving, job, [ch])
+    return sse_chunk(serving, job, "chat.completion.chunk", [ch])
 
 
 async def stream(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, raw_request):
@@ -120,5 +106,5 @@ async def stream(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, r
         if chunk is not None:
             yield chunk
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield _chunk(serving, job, [], usage(job))
+        yield sse_chunk(serving, job, "chat.completion.chunk", [], usage(job))
     yield "data: [DONE]\n\n"

@@ -7,13 +7,12 @@ one token (the engine always samples one), which is dropped. This is how lm-eval
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import CompletionRequest
-from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id
+from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
 
 
 def build_job(serving: OpenAIServing, req: CompletionRequest) -> tuple[Job, list]:
@@ -99,19 +98,6 @@ def response(serving: OpenAIServing, req: CompletionRequest, job: Job) -> dict:
     }
 
 
-def _chunk(serving: OpenAIServing, job: Job, choices: list, usage_: dict | None = None) -> str:
-    body = {
-        "id": job.id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": serving.served_name,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return f"data: {json.dumps(body)}\n\n"
-
-
 def stream_delta(serving: OpenAIServing, req: CompletionRequest, job: Job, sub: SubRequest, out) -> str | None:
     """The SSE chunk for what this output adds to the sub-request (None when nothing new)."""
     c = out.outputs[0]
@@ -135,7 +121,9 @@ def stream_delta(serving: OpenAIServing, req: CompletionRequest, job: Job, sub: 
     reason = ("length" if sub.scoring else c.finish_reason) if out.finished else None
     if not text and not ids and reason is None and not (first and req.echo):
         return None
-    return _chunk(serving, job, [{"index": sub.index, "text": text, "logprobs": lp, "finish_reason": reason}])
+    return sse_chunk(
+        serving, job, "text_completion", [{"index": sub.index, "text": text, "logprobs": lp, "finish_reason": reason}]
+    )
 
 
 async def stream(serving: OpenAIServing, req: CompletionRequest, job: Job, raw_request):
@@ -144,5 +132,5 @@ async def stream(serving: OpenAIServing, req: CompletionRequest, job: Job, raw_r
         if chunk is not None:
             yield chunk
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield _chunk(serving, job, [], usage(job))
+        yield sse_chunk(serving, job, "text_completion", [], usage(job))
     yield "data: [DONE]\n\n"

@@ -10,6 +10,7 @@ aborts its engine requests (their pages are freed at once).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -292,3 +293,11 @@ def _failed(f: StepFailure) -> RequestOutput:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def sse_chunk(serving: OpenAIServing, job: Job, obj: str, choices: list, usage: dict | None = None) -> str:
+    """One server-sent event of a stream (obj: "text_completion" or "chat.completion.chunk")."""
+    body = {"id": job.id, "object": obj, "created": int(time.time()), "model": serving.served_name, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\n\n"
