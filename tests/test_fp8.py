@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hf_models import hf_logits, random_ids
 from safetensors.torch import load_file, save_file
 
-from mlaserve import LLM
+from mlaserve import LLM, SamplingParams
 from mlaserve.config.model import ConfigError
 from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.models.moe import Experts
@@ -555,3 +555,23 @@ def test_check_tensors_scans_fp8_weights(broken):
     tensors[f"{Q_A}.weight"] = w.view(torch.float8_e4m3fn)
     with pytest.raises(WeightError, match=f"(?s)check_tensors.*{Q_A}.weight: 1 NaN"):
         LLM(save(), check_tensors=True)
+
+
+@pytest.mark.parametrize("kind", ["v3_yarn", "v32"])
+def test_native_kernels_equal_torch_kernels_in_the_engine(fp8_folder, kind):
+    """Chunks of 8 tokens take the native decode-and-dot kernel (<= GEMV_ROWS rows), decodes too."""
+    from mlaserve.kernels import native
+
+    if not native.status().available:
+        pytest.skip(f"native kernels unavailable: {native.status().detail}")
+    folder = fp8_folder(kind, *FAMILIES[kind])
+    ids = random_ids(40)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for kernel in ("native", "torch"):
+        llm = LLM(str(folder), kernels=kernel, max_num_batched_tokens=8, page_size=8)
+        assert {s.name: s.value for s in llm.loaded.config.provenance}["kernels"] == kernel
+        runs[kernel] = llm.prompt_logits(ids), llm.generate([ids[:12]], greedy)
+    diff, top1 = _compare(runs["native"][0], runs["torch"][0])
+    assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
+    assert runs["native"][1][0].outputs[0].token_ids == runs["torch"][1][0].outputs[0].token_ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ MLA_PATHS = ("auto", "absorbed", "decompressed")
 EXPERT_IMPLS = ("grouped_mm", "loop")
 ATTENTION_BACKENDS = ("auto", "torch", "reference")
 DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("auto", "native", "torch")
 SPECULATIVE = (None, "mtp")
 MAX_SPECULATIVE_TOKENS = 3
 DTYPES = {
@@ -75,6 +77,12 @@ class EngineOptions:
         "auto", "attention kernels (auto: torch; reference: the plain oracle)", ATTENTION_BACKENDS
     )
     device: str = _opt("auto", "where weights, cache and step tensors live (auto: cuda when torch sees one)", DEVICES)
+    kernels: str = _opt(
+        "auto",
+        "matmuls on quantized weights (GGUF blocks, FP8): native = C decode-and-dot kernels built at first use "
+        "with the system compiler; torch = dequantize, then GEMM (the reference); auto = native on CPU if it builds",
+        KERNELS,
+    )
     threads: int | None = _opt(
         None, "CPU threads for torch ops (default: 1 for models under 50M parameters, else every core)"
     )
@@ -138,6 +146,7 @@ class EngineConfig:
     threads: int = 1
     attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
     device: str = "cpu"
+    kernels: str = "torch"  # "native" | "torch": how quantized weights are multiplied (kernels/)
     tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
     speculative: str | None = None  # "mtp": draft with the MTP layer, verify in one target forward
     num_speculative_tokens: int = 0  # k drafts per decoding request per step (0 without speculation)
@@ -151,10 +160,17 @@ class EngineConfig:
 
 
 def resolve(
-    model: ModelConfig, opts: EngineOptions, has_indexer_weights: bool, max_model_len: int | None = None
+    model: ModelConfig,
+    opts: EngineOptions,
+    has_indexer_weights: bool,
+    max_model_len: int | None = None,
+    native_kernels: Callable[[], tuple[bool, str]] | None = None,
 ) -> EngineConfig:
+    """native_kernels: the loader's probe of the native kernels (builds them; -> (available, detail)),
+    passed only when the checkpoint holds quantized weights."""
     log = ProvenanceLog()
     device = _device(opts.device, log)
+    kernels = _kernels(opts.kernels, device, native_kernels, log)
     dtype = _dtype(opts.dtype, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
     topk = _index_topk(model, opts.index_topk, sparse, log)
@@ -204,6 +220,7 @@ def resolve(
         threads=threads,
         attention_backend=backend,
         device=device,
+        kernels=kernels,
         tensor_parallel_size=opts.tensor_parallel_size,
         speculative=speculative,
         num_speculative_tokens=num_spec,
@@ -275,6 +292,28 @@ def _device(requested: str, log: ProvenanceLog) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but torch sees no CUDA device (a CPU build of torch, or no GPU)")
     return log.record("device", requested, "user option")
+
+
+def _kernels(requested: str, device: str, probe, log: ProvenanceLog) -> str:
+    _choice("kernels", requested, KERNELS)
+    if requested == "torch":
+        return log.record("kernels", "torch", "user option")
+    if probe is None:
+        how = "user option" if requested == "native" else "engine default (auto)"
+        return log.record("kernels", "torch", f"{how}: the checkpoint holds no quantized weights")
+    if device != "cpu":
+        if requested == "native":
+            raise ConfigError(f"kernels='native' runs on the CPU; device is {device!r} (pass kernels='torch')")
+        return log.record(
+            "kernels", "torch", f"engine default (auto: the native kernels are CPU code; device {device})"
+        )
+    available, detail = probe()
+    if not available:
+        if requested == "native":
+            raise ConfigError(f"kernels='native' but the native kernels are not available: {detail}")
+        return log.record("kernels", "torch", f"engine default (auto: {detail})")
+    how = "user option" if requested == "native" else "engine default (auto: built for this CPU)"
+    return log.record("kernels", "native", f"{how}: {detail}")
 
 
 def _attention_backend(requested: str, log: ProvenanceLog) -> str:

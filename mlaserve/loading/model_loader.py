@@ -110,7 +110,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         scheme = parse_quantization(hf_config)
         source, skipped = SafetensorsSource(path), []
         tokenizer = _folder_tokenizer(path, model_cfg)
-    engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()))
+    probe = _native_probe if scheme is not None or _has_gguf_blocks(source) else None
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()), native_kernels=probe)
     if engine_cfg.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.tensor_parallel_size)
         if engine_cfg.speculative is not None:
@@ -141,6 +142,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         modules = {name for name, _ in model.named_modules()}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    _set_kernels(model, engine_cfg.kernels)
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
     if quant is not None:
@@ -160,6 +162,27 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     gen_path = path / "generation_config.json" if path.is_dir() else None
     gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
     return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant)
+
+
+def _native_probe() -> tuple[bool, str]:
+    from mlaserve.kernels import native
+
+    status = native.status()
+    return status.available, status.detail
+
+
+def _has_gguf_blocks(source) -> bool:
+    """A GGUF with block-quantized tensors (Q8_0, Q4_K, ...), not only float ones."""
+    if not hasattr(source, "gguf_type"):
+        return False
+    return any(source.gguf_type(n) not in ("F32", "F16", "BF16") for n in source.names())
+
+
+def _set_kernels(model: nn.Module, kernel: str) -> None:
+    """Holders of quantized weights multiply with the chosen kernels where they have them."""
+    for module in model.modules():
+        if kernel in getattr(module, "KERNELS", ()):
+            module.kernel = kernel
 
 
 def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:

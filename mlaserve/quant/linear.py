@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlaserve.kernels import native
+from mlaserve.kernels.ggml import GEMV_ROWS
 from mlaserve.models.moe import Experts
 from mlaserve.quant import fp4_group, fp8_block
 from mlaserve.quant.config import QuantScheme
@@ -40,6 +42,8 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
 class FP8Linear(nn.Module):
     """y = x W^T (+ b), W stored as e4m3 Q [N, K] and its scale tensor (named as the checkpoint)."""
 
+    KERNELS = ("native", "torch")  # what `kernel` may be set to
+
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool, dtype, device) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
@@ -50,6 +54,7 @@ class FP8Linear(nn.Module):
             scheme.scale_name, _frozen(scheme.scale_shape(out_features, in_features), torch.float32, device)
         )
         self.bias = _frozen((out_features,), dtype, device) if bias else None
+        self.kernel = "torch"  # "native": blocks.c decodes each row and dots it (set by the loader)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -61,8 +66,18 @@ class FP8Linear(nn.Module):
         return fp8_block.dequantize_reference(self.weight, self.scale, self.block).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = fp8_block.dequantize(self.weight, self.scale, self.block)
         bias = self.bias.float() if self.bias is not None else None
+        if self.kernel == "native":
+            grid = native.Fp8Grid(
+                self.scale.contiguous(), *self.block[:1], self.scale.shape[1], self.block[1], self.out_features
+            )
+            q, xf = self.weight.view(torch.uint8), x.float().contiguous()
+            if xf.shape[0] <= GEMV_ROWS:
+                y = native.gemm(native.FP8_E4M3, xf, q, self.in_features, grid)
+                return (y if bias is None else y + bias).to(x.dtype)
+            w = native.dequantize(native.FP8_E4M3, q, self.in_features, grid)
+        else:
+            w = fp8_block.dequantize(self.weight, self.scale, self.block)
         return F.linear(x.float(), w, bias).to(x.dtype)
 
     def describe(self) -> tuple[str, tuple[int, int]]:
@@ -76,9 +91,11 @@ class FP8Experts(Experts):
     """Routed experts kept in e4m3: gate_up_proj [E, 2I, D] and down_proj [E, D, I] with their
     scales; a step dequantizes only the experts it routes tokens to, then one grouped GEMM."""
 
+    KERNELS = ("native", "torch")
+
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
-        self.impl, self.scheme = "grouped_mm", scheme
+        self.impl, self.scheme, self.kernel = "grouped_mm", scheme, "torch"
         self.block_gu = scheme.block_of(inter, hidden)
         self.block_down = scheme.block_of(hidden, inter)
         self.gate_up_proj = _frozen((n_experts, 2 * inter, hidden), fp8_block.FP8, device)
@@ -115,10 +132,45 @@ class FP8Experts(Experts):
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         active = torch.unique(topk_idx)  # sorted: the grouped GEMM's groups, in expert order
+        if self.kernel == "native" and self.impl == "grouped_mm" and topk_idx.numel() <= GEMV_ROWS * len(active):
+            return self._native(x, topk_w, topk_idx, active)
         gate_up, down = self.expert_weights(active, torch.float32)
         local = torch.searchsorted(active, topk_idx)  # expert id -> its row in the active stack
         run = self._loop if self.impl == "loop" else self._grouped
         return run(x.float(), topk_w, local, gate_up, down).to(x.dtype)
+
+    def _native(self, x, topk_w, topk_idx, active) -> torch.Tensor:
+        """Few tokens per expert (decode): blocks.c decodes each routed expert's rows once and dots
+        them with that expert's tokens; no dense copy of any expert is made."""
+        k = topk_idx.shape[1]
+        flat = torch.searchsorted(active, topk_idx).reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        starts = F.pad(torch.cumsum(torch.bincount(flat, minlength=active.shape[0]), 0), (1, 0))
+        experts = active.to(torch.int64).contiguous()
+        xs = x.float()[token_of].contiguous()
+        i, d = self.down_proj.shape[2], self.down_proj.shape[1]
+        gu_grid = self._grid(self.gate_up_proj_scale, self.block_gu, i)
+        g, u = native.grouped_gemm(
+            native.FP8_E4M3, xs, self.gate_up_proj.view(torch.uint8), d, experts, starts, gu_grid
+        ).chunk(2, dim=-1)
+        down_grid = self._grid(self.down_proj_scale, self.block_down, d)
+        ys = native.grouped_gemm(
+            native.FP8_E4M3,
+            (F.silu(g) * u).contiguous(),
+            self.down_proj.view(torch.uint8),
+            i,
+            experts,
+            starts,
+            down_grid,
+        )
+        ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token_of, ys).to(x.dtype)
+
+    @staticmethod
+    def _grid(scale: torch.Tensor, block: tuple[int, int], part_rows: int) -> native.Fp8Grid:
+        """scale [E, (parts,) nb, kb]: rows come in parts of part_rows (gate, up) with a grid each."""
+        return native.Fp8Grid(scale.contiguous(), block[0], scale.shape[-1], block[1], part_rows)
 
     def _grouped(self, x, topk_w, local, gate_up, down) -> torch.Tensor:
         k = local.shape[1]
@@ -149,9 +201,11 @@ class FP4Experts(FP8Experts):
       "nvfp4"  uint8 codes, e4m3 scales over a per-tensor `weight_global_scale`: S = s / global, g = 16
     Same step as FP8Experts (only the routed experts are dequantized)."""
 
+    KERNELS = ("torch",)  # blocks.c decodes no e2m1
+
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
-        self.impl, self.scheme, self.variant = "grouped_mm", scheme, scheme.expert_dtype
+        self.impl, self.scheme, self.variant, self.kernel = "grouped_mm", scheme, scheme.expert_dtype, "torch"
         self.group = 16 if self.variant == "nvfp4" else fp4_group.GROUP
         codes = torch.int8 if self.variant == "fp4" else torch.uint8
         scales = {"fp4": torch.float32, "mxfp4": torch.uint8, "nvfp4": fp8_block.FP8}[self.variant]

@@ -1,0 +1,555 @@
+/* Matrix products on weights kept in their stored block formats, for small batches (decode).
+
+   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K) or as
+   float8 e4m3 values with block scales. Each weight row is decoded into an fp32 row buffer with
+   exactly the float operations of the reference dequantizers (mlaserve/gguf/quants.py,
+   mlaserve/quant/fp8_block.py), in the same order, so the decoded values are bit-identical;
+   only the summation order of the dot products differs from "dequantize, then GEMM".
+   Compiled with -ffp-contract=off so that no a*b-c of a decoder becomes a fused multiply-add;
+   the dot products use explicit FMA intrinsics where AVX2 is there.
+
+   Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first).
+   Return value: 0, or -1 for a type this file does not decode (the caller falls back to torch). */
+
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define MLS_FP8_E4M3 1000
+#define MAX_K 65536
+
+static inline float f16(const uint8_t *p) {
+#ifdef __F16C__
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+#endif
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
+        return s ? -f : f;
+    }
+    bits = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---------------------------------------------------------------- one row of K values */
+
+static void row_q8_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 34, y += 32) {
+        const float d = f16(b);
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;
+    }
+}
+
+static void row_q4_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 18, y += 32) {
+        const float d = f16(b);
+        const uint8_t *q = b + 2;
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)((q[j] & 0x0F) - 8);
+            y[j + 16] = d * (float)((q[j] >> 4) - 8);
+        }
+    }
+}
+
+static void row_q4_1(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 20, y += 32) {
+        const float d = f16(b), m = f16(b + 2);
+        const uint8_t *q = b + 4;
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)(q[j] & 0x0F) + m;
+            y[j + 16] = d * (float)(q[j] >> 4) + m;
+        }
+    }
+}
+
+static inline uint32_t u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static void row_q5_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 22, y += 32) {
+        const float d = f16(b);
+        const uint32_t qh = u32(b + 2);
+        const uint8_t *q = b + 6;
+        for (int j = 0; j < 16; j++) {
+            int lo = (q[j] & 0x0F) | (((qh >> j) & 1) << 4);
+            int hi = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            y[j] = d * (float)(lo - 16);
+            y[j + 16] = d * (float)(hi - 16);
+        }
+    }
+}
+
+static void row_q5_1(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 24, y += 32) {
+        const float d = f16(b), m = f16(b + 2);
+        const uint32_t qh = u32(b + 4);
+        const uint8_t *q = b + 8;
+        for (int j = 0; j < 16; j++) {
+            int lo = (q[j] & 0x0F) | (((qh >> j) & 1) << 4);
+            int hi = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            y[j] = d * (float)lo + m;
+            y[j + 16] = d * (float)hi + m;
+        }
+    }
+}
+
+static void row_q2_k(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 256; i++, b += 84, y += 256) {
+        const uint8_t *sc = b, *qs = b + 16;
+        const float d = f16(b + 80), dmin = f16(b + 82);
+        float dl[16], ml[16];
+        for (int j = 0; j < 16; j++) {
+            dl[j] = d * (float)(sc[j] & 0x0F);
+            ml[j] = dmin * (float)(sc[j] >> 4);
+        }
+        for (int t = 0; t < 256; t++) {
+            int h = t >> 7, s = (t >> 5) & 3, l = t & 31;
+            int q = (qs[h * 32 + l] >> (2 * s)) & 3;
+            y[t] = dl[t >> 4] * (float)q - ml[t >> 4];
+        }
+    }
+}
+
+static void row_q3_k(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 256; i++, b += 110, y += 256) {
+        const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+        const float d = f16(b + 108);
+        float dl[16];
+        for (int j = 0; j < 16; j++) {
+            int lo = (sc[j & 7] >> (4 * (j >> 3))) & 0x0F;
+            int hi = (sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+            dl[j] = d * (float)((lo | (hi << 4)) - 32);
+        }
+        for (int t = 0; t < 256; t++) {
+            int h = t >> 7, s = (t >> 5) & 3, l = t & 31;
+            int ql = (qs[h * 32 + l] >> (2 * s)) & 3;
+            int qh = (hm[l] >> (t >> 5)) & 1;
+            y[t] = dl[t >> 4] * (float)(ql - ((qh ^ 1) << 2));
+        }
+    }
+}
+
+/* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes (ggml get_scale_min_k4) */
+static void k_scale_min(const uint8_t *s, float d, float dmin, float *dd, float *dm) {
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        if (j < 4) {
+            sc = s[j] & 63;
+            mn = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+            mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+        }
+        dd[j] = d * (float)sc;
+        dm[j] = dmin * (float)mn;
+    }
+}
+
+static void row_q4_k(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 256; i++, b += 144, y += 256) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h;
+                for (int l = 0; l < 32; l++)
+                    y[j * 32 + l] = dd[j] * (float)((qs[c * 32 + l] >> (4 * h)) & 0x0F) - dm[j];
+            }
+    }
+}
+
+static void row_q5_k(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 256; i++, b += 176, y += 256) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        const uint8_t *qh = b + 16, *ql = b + 48;
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h;
+                for (int l = 0; l < 32; l++) {
+                    int q = ((ql[c * 32 + l] >> (4 * h)) & 0x0F) | (((qh[l] >> j) & 1) << 4);
+                    y[j * 32 + l] = dd[j] * (float)q - dm[j];
+                }
+            }
+    }
+}
+
+static void row_q6_k(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 256; i++, b += 210, y += 256) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        float dd[16];
+        for (int j = 0; j < 16; j++) dd[j] = d * (float)sc[j];
+        for (int t = 0; t < 256; t++) {
+            int h = t >> 7, r = t & 127;
+            int lo = (ql[h * 64 + (r & 63)] >> (4 * (r >> 6))) & 0x0F;
+            int hi = (qh[h * 32 + (r & 31)] >> (2 * (r >> 5))) & 3;
+            y[t] = dd[t >> 4] * (float)((lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+/* float8 e4m3fn -> fp32, every code (exact) */
+static float E4M3[256];
+static int e4m3_ready = 0;
+
+static void e4m3_init(void) {
+    for (int c = 0; c < 256; c++) {
+        int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
+        float v;
+        if (e == 15 && m == 7) {
+            uint32_t nan = 0x7fc00000u;
+            memcpy(&v, &nan, 4);
+        } else if (e == 0) {
+            v = (float)m / 512.0f; /* m * 2^-9 */
+        } else {
+            v = (1.0f + (float)m / 8.0f);
+            for (int x = e; x > 7; x--) v *= 2.0f;
+            for (int x = e; x < 7; x++) v *= 0.5f;
+        }
+        E4M3[c] = s ? -v : v;
+    }
+    e4m3_ready = 1;
+}
+
+/* one fp8 row: scale row srow [kb] with blocks of bk columns */
+__attribute__((unused)) static void row_fp8(const uint8_t *q, const float *srow, int64_t bk, float *y, int64_t k) {
+    for (int64_t c0 = 0, blk = 0; c0 < k; c0 += bk, blk++) {
+        const float s = srow[blk];
+        const int64_t c1 = c0 + bk < k ? c0 + bk : k;
+        for (int64_t c = c0; c < c1; c++) y[c] = E4M3[q[c]] * s;
+    }
+}
+
+
+/* ---------------------------------------------------------------- AVX2 decoders
+   The same values as the scalar ones above (same products, same order), 8 lanes at a time. */
+#if defined(__AVX2__) && defined(__F16C__)
+#define MLS_SIMD 1
+
+/* 8 signed bytes -> 8 floats */
+static inline __m256 i8x8(const __m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* 32 int8 lanes of v -> y[0..31] = float(v) * d */
+static inline void store32_mul(__m256i v, __m256 d, float *y) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_ps(y, _mm256_mul_ps(i8x8(lo), d));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(i8x8(_mm_srli_si128(lo, 8)), d));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(i8x8(hi), d));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(i8x8(_mm_srli_si128(hi, 8)), d));
+}
+
+/* y = d * float(v) + m (Q4_1, Q5_1: "(d * q) + m") */
+static inline void store32_mul_add(__m256i v, __m256 d, __m256 m, float *y) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(d, i8x8(lo)), m));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(_mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8))), m));
+    _mm256_storeu_ps(y + 16, _mm256_add_ps(_mm256_mul_ps(d, i8x8(hi)), m));
+    _mm256_storeu_ps(y + 24, _mm256_add_ps(_mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8))), m));
+}
+
+/* y = dd * float(v) - dm for 32 lanes (K-quants: "(d * sc) * q - dmin * m") */
+static inline void store32_mul_sub(__m256i v, __m256 dd, __m256 dm, float *y) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(lo)), dm));
+    _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(_mm_srli_si128(lo, 8))), dm));
+    _mm256_storeu_ps(y + 16, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(hi)), dm));
+    _mm256_storeu_ps(y + 24, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(_mm_srli_si128(hi, 8))), dm));
+}
+
+/* 16 packed bytes -> 32 lanes: low nibbles, then high nibbles (the Q4_0/Q4_1/Q5 order) */
+static inline __m256i nibbles32(const uint8_t *q) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+
+/* bit j of a 32-bit word -> 0xFF in byte lane j */
+static inline __m256i bits32(uint32_t x) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+static void simd_q8_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 34, y += 32) {
+        const __m256 d = _mm256_set1_ps(f16(b));
+        for (int j = 0; j < 4; j++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
+            _mm256_storeu_ps(y + 8 * j, _mm256_mul_ps(i8x8(q), d));
+        }
+    }
+}
+
+static void simd_q4_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 18, y += 32)
+        store32_mul(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), _mm256_set1_ps(f16(b)), y);
+}
+
+static void simd_q4_1(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 20, y += 32)
+        store32_mul_add(nibbles32(b + 4), _mm256_set1_ps(f16(b)), _mm256_set1_ps(f16(b + 2)), y);
+}
+
+static void simd_q5_0(const uint8_t *b, float *y, int64_t k) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int64_t i = 0; i < k / 32; i++, b += 22, y += 32) {
+        __m256i q = _mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen));
+        store32_mul(_mm256_sub_epi8(q, sixteen), _mm256_set1_ps(f16(b)), y);
+    }
+}
+
+static void simd_q5_1(const uint8_t *b, float *y, int64_t k) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int64_t i = 0; i < k / 32; i++, b += 24, y += 32) {
+        __m256i q = _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(bits32(u32(b + 4)), sixteen));
+        store32_mul_add(q, _mm256_set1_ps(f16(b)), _mm256_set1_ps(f16(b + 2)), y);
+    }
+}
+
+static void simd_q4_k(const uint8_t *b, float *y, int64_t k) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < k / 256; i++, b += 144, y += 256) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            store32_mul_sub(_mm256_and_si256(raw, m4), _mm256_set1_ps(dd[2 * c]), _mm256_set1_ps(dm[2 * c]),
+                            y + 64 * c);
+            store32_mul_sub(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_set1_ps(dd[2 * c + 1]),
+                            _mm256_set1_ps(dm[2 * c + 1]), y + 64 * c + 32);
+        }
+    }
+}
+
+static void simd_q5_k(const uint8_t *b, float *y, int64_t k) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int64_t i = 0; i < k / 256; i++, b += 176, y += 256) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h;
+                __m256i lo = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
+                __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+                store32_mul_sub(q, _mm256_set1_ps(dd[j]), _mm256_set1_ps(dm[j]), y + 32 * j);
+            }
+        }
+    }
+}
+
+/* 8 lanes of 16 int8 values (lane offset 0 or 8 of a 128-bit half) times one scale */
+static inline void store16_mul(__m128i v, float s, float *y) {
+    const __m256 d = _mm256_set1_ps(s);
+    _mm256_storeu_ps(y, _mm256_mul_ps(d, i8x8(v)));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8(_mm_srli_si128(v, 8))));
+}
+
+static void simd_q6_k(const uint8_t *b, float *y, int64_t k) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), s32 = _mm256_set1_epi8(32);
+    for (int64_t i = 0; i < k / 256; i++, b += 210, y += 256) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                __m256i lo = g & 1 ? ql1 : ql0;
+                lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), m2);
+                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), s32);
+                const int t = 128 * h + 32 * g;
+                store16_mul(_mm256_castsi256_si128(q), d * (float)sc[t >> 4], y + t);
+                store16_mul(_mm256_extracti128_si256(q, 1), d * (float)sc[(t >> 4) + 1], y + t + 16);
+            }
+        }
+    }
+}
+
+/* e4m3 -> fp16 bits of Q * 2^-8 (quant/fp8_block.py explains the trick), 8 at a time */
+static void simd_fp8(const uint8_t *q, const float *srow, int64_t bk, float *y, int64_t k) {
+    const __m128i mask = _mm_set1_epi16((short)0xBF80);
+    for (int64_t c0 = 0, blk = 0; c0 < k; c0 += bk, blk++) {
+        const float s = srow[blk] * 256.0f;
+        const __m256 vs = _mm256_set1_ps(s);
+        const int64_t c1 = c0 + bk < k ? c0 + bk : k;
+        int64_t c = c0;
+        for (; c + 8 <= c1; c += 8) {
+            __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(q + c)));
+            h = _mm_and_si128(_mm_slli_epi16(h, 7), mask);
+            _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_cvtph_ps(h), vs));
+        }
+        for (; c < c1; c++) y[c] = E4M3[q[c]] * srow[blk];
+    }
+}
+#endif
+
+typedef void (*row_fn)(const uint8_t *, float *, int64_t);
+
+static row_fn ggml_row(int type) {
+#ifdef MLS_SIMD
+    switch (type) {
+    case 2: return simd_q4_0;
+    case 3: return simd_q4_1;
+    case 6: return simd_q5_0;
+    case 7: return simd_q5_1;
+    case 8: return simd_q8_0;
+    case 12: return simd_q4_k;
+    case 13: return simd_q5_k;
+    case 14: return simd_q6_k;
+    default: break;
+    }
+#endif
+    switch (type) {
+    case 2: return row_q4_0;
+    case 3: return row_q4_1;
+    case 6: return row_q5_0;
+    case 7: return row_q5_1;
+    case 8: return row_q8_0;
+    case 10: return row_q2_k;
+    case 11: return row_q3_k;
+    case 12: return row_q4_k;
+    case 13: return row_q5_k;
+    case 14: return row_q6_k;
+    default: return 0;
+    }
+}
+
+/* ---------------------------------------------------------------- dot products */
+
+static inline float dot(const float *w, const float *x, int64_t k) {
+#ifdef __AVX2__
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float s = _mm_cvtss_f32(h);
+    for (; i < k; i++) s += w[i] * x[i];
+    return s;
+#else
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t i = 0;
+    for (; i + 4 <= k; i += 4) {
+        s0 += w[i] * x[i];
+        s1 += w[i + 1] * x[i + 1];
+        s2 += w[i + 2] * x[i + 2];
+        s3 += w[i + 3] * x[i + 3];
+    }
+    for (; i < k; i++) s0 += w[i] * x[i];
+    return (s0 + s1) + (s2 + s3);
+#endif
+}
+
+/* Where a row's fp8 scales are: rows come in `parts` of part_rows rows (gate and up of an expert
+   keep separate scale grids), each part's grid [ceil(part_rows / bn), kb] part_stride apart. */
+typedef struct {
+    const float *scale;
+    int64_t bn, kb, bk, part_rows, part_stride;
+} fp8_scales;
+
+static inline const float *fp8_row_scales(const fp8_scales *f, const float *base, int64_t n) {
+    int64_t part = n / f->part_rows, r = n % f->part_rows;
+    return base + part * f->part_stride + (r / f->bn) * f->kb;
+}
+
+static int decode_row(int type, row_fn fn, const uint8_t *w, const fp8_scales *f, const float *sbase, int64_t n,
+                      float *buf, int64_t k) {
+    if (type == MLS_FP8_E4M3)
+#ifdef MLS_SIMD
+        simd_fp8(w, fp8_row_scales(f, sbase, n), f->bk, buf, k);
+#else
+        row_fp8(w, fp8_row_scales(f, sbase, n), f->bk, buf, k);
+#endif
+    else
+        fn(w, buf, k);
+    return 0;
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W [N] rows of row_bytes */
+int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+             int64_t row_bytes, const float *scale, int64_t bn, int64_t kb, int64_t bk, int64_t part_rows,
+             float *y, int64_t ldy) {
+    row_fn fn = ggml_row(type);
+    if (!fn && type != MLS_FP8_E4M3) return -1;
+    if (k > MAX_K) return -2;
+    if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
+    fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
+#pragma omp parallel
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            decode_row(type, fn, w + r * row_bytes, &f, scale, r, buf, k);
+            for (int64_t i = 0; i < m; i++) y[i * ldy + r] = dot(buf, x + i * ldx, k);
+        }
+        free(buf);
+    }
+    return 0;
+}
+
+/* Routed experts. x [P, K] holds the (token, expert) pairs sorted by expert; group a is rows
+   [starts[a], starts[a+1]) and uses expert experts[a]: W + experts[a] * expert_stride (bytes),
+   fp8 scales + experts[a] * scale_expert_stride (floats). y [P, N]. */
+int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                     int64_t expert_stride, const float *scale, int64_t scale_expert_stride, int64_t bn,
+                     int64_t kb, int64_t bk, int64_t part_rows, const int64_t *experts, const int64_t *starts,
+                     int64_t groups, float *y) {
+    row_fn fn = ggml_row(type);
+    if (!fn && type != MLS_FP8_E4M3) return -1;
+    if (k > MAX_K) return -2;
+    if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
+    fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
+    const int64_t items = groups * n;
+#pragma omp parallel
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)k);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t a = it / n, r = it % n, e = experts[a];
+            const float *sbase = scale ? scale + e * scale_expert_stride : 0;
+            decode_row(type, fn, w + e * expert_stride + r * row_bytes, &f, sbase, r, buf, k);
+            for (int64_t p = starts[a]; p < starts[a + 1]; p++) y[p * n + r] = dot(buf, x + p * k, k);
+        }
+        free(buf);
+    }
+    return 0;
+}
+
+/* out [N, K] fp32 = the decoded rows (prefill: decode once, then the BLAS GEMM) */
+int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const float *scale, int64_t bn,
+                   int64_t kb, int64_t bk, int64_t part_rows, int64_t k, float *out) {
+    row_fn fn = ggml_row(type);
+    if (!fn && type != MLS_FP8_E4M3) return -1;
+    if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
+    fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) decode_row(type, fn, w + r * row_bytes, &f, scale, r, out + r * k, k);
+    return 0;
+}
+
+int mls_abi_version(void) { return 1; }

@@ -1,0 +1,204 @@
+"""The native block kernels (blocks.c): built once per machine with the system C compiler, loaded
+with ctypes, and optional: without a compiler (or with kernels="torch") every product takes the
+pure-torch reference path, which the tests hold the native one to.
+
+The library is built at first use, not at install time, so that `pip install` needs no compiler
+and no torch headers; the build takes about a second. It is compiled for this CPU (-march=native),
+so the cache key includes the CPU's flags as well as the source and the compiler: a home folder
+shared between machines gets one library per kind of CPU. Threads come from OpenMP: the library
+links libgomp, which resolves to the copy torch has already loaded, so torch.set_num_threads
+governs both and the process has one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("blocks.c")
+FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    available: bool
+    detail: str  # the library's path, or why it is not there
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("MLASERVE_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlaserve" / "kernels"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler on PATH (set CC, or install gcc): using the torch path"
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n", 1)[0]
+    key = hashlib.sha256(src + version.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"blocks-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if run.returncode != 0:
+            os.unlink(tmp)
+            return None, f"{cc} could not build {SOURCE.name}: {run.stderr.strip()[:400]}"
+        os.replace(tmp, out)  # atomic: concurrent builders (tensor-parallel ranks) agree
+    lib = ctypes.CDLL(str(out))
+    if lib.mls_abi_version() != 1:
+        return None, f"{out}: unexpected ABI version"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.mls_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64]
+    lib.mls_grouped_gemm.argtypes = [
+        ctypes.c_int,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+    ]
+    lib.mls_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr]
+    return lib, str(out)
+
+
+def library() -> ctypes.CDLL | None:
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"], _state["detail"] = _build()
+            except OSError as e:  # an unwritable cache folder, a library that will not load
+                _state["lib"], _state["detail"] = None, f"native kernels unavailable: {e}"
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def status() -> NativeStatus:
+    lib = library()
+    return NativeStatus(lib is not None, str(_state["detail"]))
+
+
+@dataclass(frozen=True)
+class Fp8Grid:
+    """Where the fp8 scales of a weight are (see blocks.c fp8_scales); None for ggml types."""
+
+    scale: torch.Tensor  # fp32, contiguous
+    bn: int
+    kb: int
+    bk: int
+    part_rows: int
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _grid_args(grid: Fp8Grid | None, n: int) -> tuple:
+    if grid is None:
+        return None, 1, 1, 1, n
+    return _ptr(grid.scale), grid.bn, grid.kb, grid.bk, grid.part_rows
+
+
+def gemm(type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: Fp8Grid | None = None) -> torch.Tensor:
+    """x [M, K] fp32 contiguous, w [N, R] uint8 contiguous -> y [M, N] fp32."""
+    lib = library()
+    m, n = x.shape[0], w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.mls_gemm(
+        type_id, x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], *_grid_args(grid, n), y.data_ptr(), n
+    )
+    if rc != 0:
+        raise RuntimeError(f"native gemm refused type {type_id} (rc {rc})")
+    return y
+
+
+def grouped_gemm(
+    type_id: int,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    k: int,
+    experts: torch.Tensor,
+    starts: torch.Tensor,
+    grid: Fp8Grid | None = None,
+) -> torch.Tensor:
+    """xs [P, K] fp32 sorted by expert, w [E, N, R] uint8, experts [A] int64, starts [A+1] int64 -> [P, N]."""
+    lib = library()
+    n = w.shape[1]
+    y = torch.empty(xs.shape[0], n, dtype=torch.float32)
+    scale, bn, kb, bk, part_rows = _grid_args(grid, n)
+    scale_stride = grid.scale[0].numel() if grid is not None else 0
+    rc = lib.mls_grouped_gemm(
+        type_id,
+        xs.data_ptr(),
+        k,
+        w.data_ptr(),
+        n,
+        w.shape[-1],
+        w.stride(0) * w.element_size(),
+        scale,
+        scale_stride,
+        bn,
+        kb,
+        bk,
+        part_rows,
+        experts.data_ptr(),
+        starts.data_ptr(),
+        experts.shape[0],
+        y.data_ptr(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native grouped gemm refused type {type_id} (rc {rc})")
+    return y
+
+
+def dequantize(type_id: int, w: torch.Tensor, k: int, grid: Fp8Grid | None = None) -> torch.Tensor:
+    """w [N, R] uint8 -> [N, K] fp32, bit-identical with the reference dequantizers."""
+    lib = library()
+    n = w.shape[0]
+    out = torch.empty(n, k, dtype=torch.float32)
+    rc = lib.mls_dequantize(type_id, w.data_ptr(), n, w.shape[-1], *_grid_args(grid, n), k, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native dequantize refused type {type_id} (rc {rc})")
+    return out

@@ -1,0 +1,188 @@
+"""The native block kernels (mlaserve/kernels/blocks.c) against the pure-torch reference.
+
+Decoding: every ggml block type and float8 e4m3 (with partial edge blocks, channel and tensor
+scales) decodes to exactly the reference dequantizer's values, bit for bit.
+Products: the native GEMV (up to GEMV_ROWS rows), decode-then-BLAS (more rows) and the grouped
+expert kernel agree with "dequantize, then fp32 GEMM" within the fp32 summation-order bound
+|y - y_ref| <= 2 K u (|x| @ |W|^T), u = 2^-24: each side's rounding error is at most K u sum|x w|
+(the standard bound for a K-term dot product), whatever order it sums in.
+Skipped, with the reason, where no C compiler can build the library.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlaserve.config.engine import EngineOptions, resolve
+from mlaserve.config.model import ConfigError
+from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
+from mlaserve.kernels import ggml, native
+from mlaserve.quant import fp8_block
+
+STATUS = native.status()
+needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
+
+# where each type keeps its fp16 scales (d, and dmin / m): set to sane values in random blocks
+SCALE_BYTES = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
+U = 2.0**-24
+
+
+def random_blocks(name: str, rows: int, k: int, g: torch.Generator, lead: tuple[int, ...] = ()) -> torch.Tensor:
+    """Random bits in every quant field, finite fp16 scales in (0.001, 0.021): [*lead, rows, R] uint8."""
+    t = GGML_TYPES[GGML_TYPE_IDS[name]]
+    shape = (*lead, rows, k // t.block_size)
+    raw = torch.randint(0, 256, (*shape, t.type_size), dtype=torch.uint8, generator=g)
+    for off in SCALE_BYTES[name]:
+        d = (torch.rand(shape, generator=g) * 0.02 + 0.001).half()
+        raw[..., off : off + 2] = d.view(torch.uint8).view(*shape, 2)
+    return raw.flatten(-2).contiguous()
+
+
+def assert_within_sum_bound(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    bound = 2 * x.shape[-1] * U * (x.abs() @ w.abs().T)
+    excess = (y - ref).abs() - bound
+    assert (excess <= 0).all(), f"max excess over the fp32 bound {excess.max().item():.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(SCALE_BYTES))
+def test_native_decode_is_bit_identical(name):
+    g = torch.Generator().manual_seed(1)
+    t, k = GGML_TYPE_IDS[name], 512
+    raw = random_blocks(name, 24, k, g)
+    ref = ggml.dense(raw, t, k)
+    got = native.dequantize(t, raw, k)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(SCALE_BYTES))
+@pytest.mark.parametrize("rows", [1, 3, ggml.GEMV_ROWS, ggml.GEMV_ROWS + 1, 40])
+def test_native_linear_equals_dequantize_then_gemm(name, rows):
+    g = torch.Generator().manual_seed(2)
+    t, k = GGML_TYPE_IDS[name], 768
+    raw = random_blocks(name, 37, k, g)
+    w = ggml.dense(raw, t, k)
+    x = torch.randn(rows, k, generator=g)
+    ref = F.linear(x, w)
+    assert torch.equal(ggml.linear(x, raw, t, k, kernel="torch"), ref)
+    assert_within_sum_bound(ggml.linear(x, raw, t, k, kernel="native"), ref, x, w)
+    # bf16 activations: the product still runs in fp32
+    xb = x.bfloat16()
+    assert_within_sum_bound(ggml.linear(xb, raw, t, k, kernel="native"), F.linear(xb.float(), w), xb.float(), w)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("pairs_per_expert", [1, 3, 40])
+def test_native_expert_linear_equals_grouped_gemm(name, pairs_per_expert):
+    g = torch.Generator().manual_seed(3)
+    t, k, e, n = GGML_TYPE_IDS[name], 512, 6, 20
+    raw = random_blocks(name, n, k, g, lead=(e,))
+    experts = torch.tensor([0, 2, 5])
+    counts = torch.tensor([pairs_per_expert, 1, pairs_per_expert + 2])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = torch.randn(int(counts.sum()), k, generator=g)
+    ref = ggml.expert_linear(xs, raw, t, k, experts, offs, kernel="torch")
+    got = ggml.expert_linear(xs, raw, t, k, experts, offs, kernel="native")
+    dense = ggml.dense(raw, t, k)
+    start = 0
+    for a, c in zip(experts.tolist(), counts.tolist()):
+        rows = slice(start, start + c)
+        assert_within_sum_bound(got[rows], ref[rows], xs[rows], dense[a])
+        assert torch.allclose(ref[rows], F.linear(xs[rows], dense[a]))
+        start += c
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "shape, block", [((260, 300), (128, 128)), ((70, 50), (32, 24)), ((9, 7), (1, 7)), ((33, 65), (33, 65))]
+)
+def test_native_fp8_decode_and_gemv(shape, block):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(shape, generator=g)
+    q, s = fp8_block.quantize(w, block)
+    ref = fp8_block.dequantize_reference(q, s, block)
+    grid = native.Fp8Grid(s.contiguous(), block[0], s.shape[1], block[1], shape[0])
+    got = native.dequantize(native.FP8_E4M3, q.view(torch.uint8), shape[1], grid)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    x = torch.randn(5, shape[1], generator=g)
+    y = native.gemm(native.FP8_E4M3, x, q.view(torch.uint8), shape[1], grid)
+    assert_within_sum_bound(y, F.linear(x, ref), x, ref)
+
+
+@needs_native
+def test_native_fp8_holders_equal_torch_holders():
+    from mlaserve.quant.config import parse_quantization
+    from mlaserve.quant.linear import FP8Experts, FP8Linear
+
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32], "activation_scheme": "dynamic"}
+    scheme = parse_quantization({"quantization_config": qc})
+    g = torch.Generator().manual_seed(5)
+    lin = FP8Linear(100, 90, scheme, False, torch.float32, "cpu")
+    q, s = fp8_block.quantize(torch.randn(90, 100, generator=g), (64, 32))
+    lin.weight.data.copy_(q)
+    getattr(lin, lin.scale_name).data.copy_(s)
+    w = lin.dequantize()
+    for rows in (1, 7, 30):
+        x = torch.randn(rows, 100, generator=g)
+        lin.kernel = "torch"
+        ref = lin(x)
+        lin.kernel = "native"
+        assert_within_sum_bound(lin(x), ref, x, w)
+    ex = FP8Experts(96, 5, 40, scheme, "cpu")
+    qg, sg = fp8_block.quantize(torch.randn(5, 2, 40, 96, generator=g), (64, 32))
+    qd, sd = fp8_block.quantize(torch.randn(5, 96, 40, generator=g), (64, 32))
+    ex.gate_up_proj.data.copy_(qg.flatten(1, 2))
+    ex.gate_up_proj_scale.data.copy_(sg)
+    ex.down_proj.data.copy_(qd)
+    ex.down_proj_scale.data.copy_(sd)
+    for tokens in (1, 4, 60):
+        x = torch.randn(tokens, 96, generator=g)
+        idx = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(tokens)])
+        wts = torch.rand(tokens, 2, generator=g)
+        ex.kernel = "torch"
+        ref = ex(x, wts, idx)
+        ex.kernel = "native"
+        got = ex(x, wts, idx)
+        # two products deep (gate_up, then down): relative agreement at fp32 rounding scale
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), tokens
+
+
+def test_kernels_option_resolution():
+    from hf_models import make_config
+
+    from mlaserve.config.model import ModelConfig
+
+    cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
+    ok = lambda: (True, "built")  # noqa: E731
+    missing = lambda: (False, "no C compiler on PATH")  # noqa: E731
+    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok).kernels == "native"
+    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=missing).kernels == "torch"
+    assert resolve(cfg, EngineOptions(device="cpu"), False).kernels == "torch"  # nothing quantized
+    assert resolve(cfg, EngineOptions(device="cpu", kernels="torch"), False, native_kernels=ok).kernels == "torch"
+    with pytest.raises(ConfigError, match="no C compiler"):
+        resolve(cfg, EngineOptions(device="cpu", kernels="native"), False, native_kernels=missing)
+    with pytest.raises(ConfigError, match="kernels must be one of"):
+        resolve(cfg, EngineOptions(device="cpu", kernels="fast"), False)
+    settings = {s.name: s for s in resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok).provenance}
+    assert "built" in settings["kernels"].source
+
+
+def test_no_compiler_falls_back_with_a_reason(monkeypatch):
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    lib, detail = native._build()
+    assert lib is None and "no C compiler" in detail
