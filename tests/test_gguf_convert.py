@@ -35,6 +35,7 @@ from mlaserve.gguf.convert.writer import (
     FLOAT64,
     INT8,
     INT32,
+    Q4_0,
     Q8_0,
     STRING,
     UINT64,
@@ -343,10 +344,10 @@ def _edge_values() -> list[torch.Tensor]:
     ]  # every bit pattern, NaN/Inf too
 
 
-@pytest.mark.parametrize("ggml_type", [F32, F16, BF16, Q8_0], ids=["F32", "F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", [F32, F16, BF16, Q8_0, Q4_0], ids=["F32", "F16", "BF16", "Q8_0", "Q4_0"])
 def test_quantizers_match_gguf_package(ggml_type):
     for x in _edge_values():
-        if ggml_type == Q8_0 and not bool(torch.isfinite(x).all()):
+        if ggml_type in (Q8_0, Q4_0) and not bool(torch.isfinite(x).all()):
             with pytest.raises(GGUFWriteError, match="NaN or Inf"):
                 quantize(x, ggml_type)
             continue

@@ -1,4 +1,5 @@
-"""GGUF v3 writer (streaming) and the float -> ggml quantizers it needs: F32, F16, BF16, Q8_0.
+"""GGUF v3 writer (streaming) and the float -> ggml quantizers: F32, F16, BF16, Q8_0 (and Q4_0, for
+quantize-at-load).
 
 Notation: the file written is
     magic "GGUF" | u32 version=3 | u64 n_tensors | u64 n_kv | n_kv x (key, u32 type, value)
@@ -36,7 +37,7 @@ from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, tensor_nbytes
 from mlaserve.gguf.read.file import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
 
 GGUF_VERSION = 3
-F32, F16, BF16, Q8_0 = (GGML_TYPE_IDS[n] for n in ("F32", "F16", "BF16", "Q8_0"))
+F32, F16, BF16, Q8_0, Q4_0 = (GGML_TYPE_IDS[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0"))
 
 # GGUF metadata value type ids
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
@@ -209,10 +210,26 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([scale, q.view(torch.uint8)], dim=1).reshape(-1)
 
 
+def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
+    """Blocks of 32: d = (the value of largest magnitude) / -8 stored as fp16, then 4-bit
+    q = min(15, trunc(x * (1/d) + 8.5)), two per byte (value j low nibble, j + 16 high), as gguf-py.
+    1/d is taken of the fp32 d (before its fp16 rounding), as gguf-py and ggml do."""
+    blocks = x.to(torch.float32).reshape(-1, 32)
+    if not bool(torch.isfinite(blocks).all()):
+        raise GGUFWriteError("Q4_0: the tensor holds NaN or Inf values")
+    peak = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))  # first of equal magnitudes
+    d = peak / -8.0
+    inv = torch.where(d == 0, torch.zeros_like(d), torch.ones_like(d) / d)
+    q = torch.trunc(blocks * inv + 8.5).to(torch.uint8).clamp_(0, 15)
+    packed = q[:, :16] | (q[:, 16:] << 4)
+    return torch.cat([d.to(torch.float16).view(torch.uint8), packed], dim=1).reshape(-1)
+
+
 QUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     F32: quantize_f32,
     F16: quantize_f16,
     BF16: quantize_bf16,
+    Q4_0: quantize_q4_0,
     Q8_0: quantize_q8_0,
 }
 
