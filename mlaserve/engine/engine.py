@@ -176,6 +176,7 @@ class Engine:
             [r.generator for r in reqs],
             logits.shape[-1],
             eos_token_id=tuple(self.eos_ids),
+            device=logits.device,
         )
         return sample(logits, batch)  # logprobs computed iff some row asked (batch.max_num_logprobs)
 

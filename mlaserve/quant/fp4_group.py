@@ -56,7 +56,7 @@ def encode(w: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor
         raise ValueError(f"FP4 packs two values per byte: the last dim must be even, got {k}")
     s = _expand(s, k, group)
     scaled = w.float() / torch.where(s > 0, s, torch.ones_like(s))
-    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    magnitudes = torch.tensor(E2M1_VALUES[:8], device=w.device)
     # nearest magnitude (|W / S| > 6 clamps to 6); on a tie the lower code, whose mantissa bit is 0
     code = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
     code = code | ((scaled < 0) & (code > 0)).to(code.dtype) << 3
@@ -72,7 +72,7 @@ def unpack_codes(p: torch.Tensor) -> torch.Tensor:
 def dequantize_reference(p: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """The oracle: a 16-entry table lookup times the expanded scale -> fp32 [..., N, K]."""
     codes = unpack_codes(p)
-    values = torch.tensor(E2M1_VALUES)[codes.long()]
+    values = torch.tensor(E2M1_VALUES, device=codes.device)[codes.long()]
     return values * _expand(s, codes.shape[-1], group)
 
 

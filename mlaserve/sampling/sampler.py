@@ -399,8 +399,12 @@ def _exponential_race(probs: torch.Tensor, generators: dict) -> torch.Tensor:
         q.exponential_()  # one shared draw for the unseeded rows
     for row, gen in generators.items():
         # Seeded rows: draw [V] from the row's own stream, so the noise does not
-        # depend on the row index or on the other rows.
-        q[row].exponential_(generator=gen)
+        # depend on the row index or on the other rows. A generator on another device
+        # than the logits (a request's CPU generator, CUDA logits) draws where it lives.
+        if gen.device == q.device:
+            q[row].exponential_(generator=gen)
+        else:
+            q[row].copy_(torch.empty(q.shape[-1], dtype=q.dtype, device=gen.device).exponential_(generator=gen))
     # exponential_ can return exactly 0 (u == 0 in -log(1-u)): 0/0 = nan would win
     # argmax even for a masked token. Clamping keeps p = 0 tokens at score 0.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
