@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-T_TESTS="${T_TESTS:-170}"  # seconds for the tests
-T_BENCH="${T_BENCH:-200}"  # seconds for the benchmark
+T_TESTS="${T_TESTS:-150}"  # seconds for the tests
+T_BENCH="${T_BENCH:-180}"  # seconds for the benchmark
 START=$(date +%s)
 log() { echo "[gpu_check +$(($(date +%s) - START))s] $*"; }
 
