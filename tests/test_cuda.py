@@ -268,10 +268,14 @@ def test_fp8_experts_on_cuda_equal_dequantized_experts(impl):
     w = torch.rand(9, 2, generator=g)
     got = qe(x.cuda(), w.cuda(), idx.cuda())
     assert got.device.type == "cuda"
-    torch.testing.assert_close(got, dense(x.cuda(), w.cuda(), idx.cuda()), atol=1e-5, rtol=1e-5)
+    # two fp32 products deep, summed in another order than the dense experts (cuBLAS vs grouped):
+    # agreement to fp32 rounding of the output's scale (outputs reach ~1e2 here)
+    ref = dense(x.cuda(), w.cuda(), idx.cuda())
+    torch.testing.assert_close(got, ref, atol=1e-6 * ref.abs().max().item(), rtol=1e-5)
     # the same holder on the CPU
     qe_cpu = qe.to("cpu")
-    torch.testing.assert_close(got.cpu(), qe_cpu(x, w, idx), atol=1e-5, rtol=1e-5)
+    ref_cpu = qe_cpu(x, w, idx)
+    torch.testing.assert_close(got.cpu(), ref_cpu, atol=1e-6 * ref_cpu.abs().max().item(), rtol=1e-5)
 
 
 def test_engine_on_fp8_folder_on_cuda_equals_cpu(hf_model_dir, tmp_path, record_property):

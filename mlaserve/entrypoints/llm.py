@@ -139,7 +139,8 @@ class LLM:
         return self.tokenizer.encode(text)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Next-token logits at every prompt position [len, vocab] (float32), through the paged cache,
+        """Next-token logits at every prompt position [len, vocab] (float32, on the CPU whatever the engine's
+        device: it is a result handed to the caller, like generate's token ids), through the paged cache,
         in chunks of max_num_batched_tokens like a real prefill. The prompt follows generate's rule
         (ints in the vocabulary, 1 <= len < max_model_len)."""
         with self._lock:
@@ -147,7 +148,7 @@ class LLM:
             pool = self.engine.pool
             pages = pool.allocate(-(-len(ids) // self.config.page_size))
             try:
-                return self.runner.prompt_logits("prompt_logits", ids, pages)
+                return self.runner.prompt_logits("prompt_logits", ids, pages).cpu()
             finally:
                 pool.release(pages)
 

@@ -37,7 +37,8 @@ def _expand(s: torch.Tensor, k: int, group: int) -> torch.Tensor:
 def quantize(w: torch.Tensor, group: int = GROUP, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """W [..., N, K] float -> (P [..., N, K/2] int8, S [..., N, ceil(K/g)] fp32); pow2 (ue8m0
     scales, MXFP4): S rounded up to a power of two, so |W / S| stays <= 6."""
-    s = group_amax(w, group) / E2M1_MAX
+    amax = group_amax(w, group)
+    s = amax / torch.full_like(amax, E2M1_MAX)  # a tensor divisor: exact on CUDA too (see fp8_block.quantize)
     s = torch.where(s > 0, s, torch.ones_like(s))
     if pow2:
         s = torch.exp2(torch.ceil(torch.log2(s)))

@@ -41,7 +41,8 @@ def quantize(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tup
     padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
     blocks = padded.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))  # [..., nb, bn, kb, bk]
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (not exact)
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     if pow2:
         s = torch.exp2(torch.ceil(torch.log2(s)))
     q = (blocks / s[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
