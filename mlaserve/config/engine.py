@@ -27,6 +27,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "reference")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "native", "torch")
 SPECULATIVE = (None, "mtp")
+GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 MAX_SPECULATIVE_TOKENS = 3
 DTYPES = {
     "float32": torch.float32,
@@ -85,6 +86,13 @@ class EngineOptions:
     )
     threads: int | None = _opt(
         None, "CPU threads for torch ops (default: 1 for models under 50M parameters, else every core)"
+    )
+    gguf_weights: str = _opt(
+        "auto",
+        "a GGUF file's block-quantized weights (Q8_0, Q4_K, ...): 'quantized' keeps them in their ggml blocks "
+        "(resident memory ~ the file's size; matmuls dequantize per call), 'dequantized' expands them at load; "
+        "auto: quantized on one process, dequantized with tensor_parallel_size > 1",
+        GGUF_WEIGHTS,
     )
     check_tensors: bool = _opt(
         False,
@@ -151,6 +159,7 @@ class EngineConfig:
     speculative: str | None = None  # "mtp": draft with the MTP layer, verify in one target forward
     num_speculative_tokens: int = 0  # k drafts per decoding request per step (0 without speculation)
     speculative_max_seqs: int | None = None  # no drafts in a step where more requests sample
+    gguf_weights: str | None = None  # a GGUF's block-quantized weights: "quantized" | "dequantized" (None: not GGUF)
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -165,9 +174,11 @@ def resolve(
     has_indexer_weights: bool,
     max_model_len: int | None = None,
     native_kernels: Callable[[], tuple[bool, str]] | None = None,
+    gguf: bool = False,
 ) -> EngineConfig:
     """native_kernels: the loader's probe of the native kernels (builds them; -> (available, detail)),
-    passed only when the checkpoint holds quantized weights."""
+    passed only when the checkpoint holds quantized weights. gguf: the checkpoint is a GGUF file
+    (gguf_weights applies)."""
     log = ProvenanceLog()
     device = _device(opts.device, log)
     kernels = _kernels(opts.kernels, device, native_kernels, log)
@@ -188,6 +199,7 @@ def resolve(
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
     backend = _attention_backend(opts.attention_backend, log)
+    gguf_weights = _gguf_weights(opts.gguf_weights, gguf, opts.tensor_parallel_size, log)
     threads, why = _threads(model, opts.threads, opts.tensor_parallel_size)
     log.record("threads", threads, why)
     if opts.tensor_parallel_size > 1 and device != "cpu":
@@ -225,6 +237,7 @@ def resolve(
         speculative=speculative,
         num_speculative_tokens=num_spec,
         speculative_max_seqs=_speculative_max_seqs(opts.speculative_max_seqs, speculative, log),
+        gguf_weights=gguf_weights,
         provenance=log.freeze(),
     )
 
@@ -314,6 +327,28 @@ def _kernels(requested: str, device: str, probe, log: ProvenanceLog) -> str:
         return log.record("kernels", "torch", f"engine default (auto: {detail})")
     how = "user option" if requested == "native" else "engine default (auto: built for this CPU)"
     return log.record("kernels", "native", f"{how}: {detail}")
+
+
+def _gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceLog) -> str | None:
+    _choice("gguf_weights", requested, GGUF_WEIGHTS)
+    if not gguf:
+        log.record("gguf_weights", None, f"unused ({requested!r}): the checkpoint is not a GGUF file")
+        return None
+    if ranks > 1:
+        # Each rank reads its slice of the file dequantized; slicing raw ggml blocks across ranks
+        # (rows are whole blocks, columns split inside them) is not done.
+        why = f"tensor_parallel_size={ranks}: ranks read their slices dequantized (raw blocks are not sliced)"
+        if requested == "quantized":
+            raise ConfigError(f"gguf_weights='quantized' with {why}; use gguf_weights='auto' or 'dequantized'")
+        reason = "user option" if requested == "dequantized" else f"engine default (auto: {why})"
+        return log.record("gguf_weights", "dequantized", reason)
+    if requested == "auto":
+        return log.record(
+            "gguf_weights",
+            "quantized",
+            "engine default (auto: one process keeps block-quantized tensors in their ggml blocks)",
+        )
+    return log.record("gguf_weights", requested, "user option")
 
 
 def _attention_backend(requested: str, log: ProvenanceLog) -> str:

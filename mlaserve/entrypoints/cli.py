@@ -342,6 +342,8 @@ def _inspect(args) -> int:
     print(format_table(llm.config.all_provenance()))
     if llm.loaded.quant is not None:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
+    if llm.loaded.gguf is not None:
+        print("\nGGUF weights:\n" + format_table(llm.loaded.gguf.settings()))
     for echo in getattr(llm.runner, "rank_echoes", []):  # tensor parallel: every rank, as it reported
         print(
             f"rank {echo['rank']}: {echo['num_local_heads']} heads, {echo['vocab_rows']} vocabulary rows, "

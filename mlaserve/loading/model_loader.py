@@ -19,6 +19,7 @@ from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.config import parse_quantization
+from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
 
 
@@ -31,6 +32,7 @@ class LoadedModel:
     path: Path
     generation_config: dict  # the folder's generation_config.json ({} when absent): sampling defaults
     quant: QuantPlan | None = None  # which modules hold quantized weights (None: an unquantized checkpoint)
+    gguf: GGUFPlan | None = None  # a GGUF's modules kept in their ggml blocks (None: not kept / not GGUF)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -111,7 +113,9 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         source, skipped = SafetensorsSource(path), []
         tokenizer = _folder_tokenizer(path, model_cfg)
     probe = _native_probe if scheme is not None or _has_gguf_blocks(source) else None
-    engine_cfg = resolve(model_cfg, opts, has_indexer_weights(source.names()), native_kernels=probe)
+    engine_cfg = resolve(
+        model_cfg, opts, has_indexer_weights(source.names()), native_kernels=probe, gguf=path.is_file()
+    )
     if engine_cfg.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.tensor_parallel_size)
         if engine_cfg.speculative is not None:
@@ -141,7 +145,14 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         modules = {name for name, _ in model.named_modules()}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
+    gguf = None
+    if engine_cfg.gguf_weights == "quantized":  # holders swapped in; the loader copies the stored bytes
+        gguf = plan_gguf(source, model_cfg, model)
+        swap_in_gguf(model, gguf, engine_cfg.dtype)
+        source = BlockSource(source, gguf.blocks)
     report = load_weights(model, source, model_cfg, progress)
+    if gguf is not None:
+        report.notes.append(gguf.summary())
     _set_kernels(model, engine_cfg.kernels)
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
@@ -161,7 +172,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     gen_path = path / "generation_config.json" if path.is_dir() else None
     gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
-    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant)
+    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf)
 
 
 def _native_probe() -> tuple[bool, str]:

@@ -156,6 +156,10 @@ def _check_stored_dtype(name: str, got: torch.dtype, want: torch.dtype, source: 
     if _storage_kind(got) == _storage_kind(want):
         return
     got_s, want_s = str(got).removeprefix("torch."), str(want).removeprefix("torch.")
+    if want == torch.uint8 and _storage_kind(got) == "float":  # a GGUF holder (quant/ggml_linear.py)
+        raise WeightError(
+            f"{source.where(name)}: tensor {name!r} came as {got_s}, but its module keeps GGUF blocks (uint8 bytes)"
+        )
     if "float" not in (_storage_kind(got), _storage_kind(want)):
         raise WeightError(
             f"{source.where(name)}: tensor {name!r} is stored as {got_s}, the quantization_config implies "

@@ -355,6 +355,27 @@ class GGUFTensors:
     def gguf_type(self, name: str) -> str:
         return self._gf.tensors[self._entry(name).sources[0]].type_name
 
+    def ggml_type(self, name: str) -> int:
+        """The stored ggml type id of an HF tensor (kv_b_proj rebuilt from k_b/v_b: attn_k_b's)."""
+        return self._gf.tensors[self._entry(name).sources[0]].ggml_type
+
+    def rebuilt(self, name: str) -> bool:
+        """True for a tensor made from several GGUF tensors (kv_b_proj from attn_k_b + attn_v_b):
+        it has no stored bytes of its own, only a dequantized value."""
+        return self._entry(name).kind == "kv_b_split"
+
+    def get_blocks(self, name: str) -> torch.Tensor:
+        """The stored bytes of an HF tensor as uint8 [rows, R] (R = bytes of one row of ggml blocks),
+        a view of the file (read-only); a routed expert's slice of its stack. Nothing is converted."""
+        e = self._entry(name)
+        if e.kind == "kv_b_split":
+            raise GGUFError(f"{self.where(name)}: {name!r} is rebuilt from two tensors; it has no stored blocks")
+        info = self._gf.info(e.sources[0])
+        rows = math.prod(e.shape[:-1])
+        per_row = info.nbytes // math.prod(info.shape[:-1])
+        start = e.index * rows * per_row if e.kind == "expert" else 0
+        return self._gf.raw(e.sources[0], start, rows * per_row).view(rows, per_row)
+
     def get(self, name: str) -> torch.Tensor:
         e = self._entry(name)
         if e.kind == "plain":

@@ -1,0 +1,137 @@
+"""Holders of GGUF weights kept in llama.cpp's block formats (Q8_0, Q4_0, Q4_K, ...): the same
+interface as FP8Linear / FP8Experts (quant/linear.py), with the matmuls behind kernels/ggml.py.
+
+Notation: K in features, N out features, R = row_bytes(type, K) bytes of a stored row (a row is
+a whole number of blocks, so it is an independent byte range); D hidden, I expert intermediate,
+E experts, V vocabulary.
+  GGUFLinear     weight [N, R] uint8: the file's bytes of the [N, K] matrix
+  GGUFExperts    gate_up_proj [E, 2I, R_D] (gate rows first, as models/moe.py), down_proj [E, D, R_I];
+                 gate/up share one ggml type, down may have another (Q4_K_M files mix them)
+  GGUFEmbedding  weight [V, R] uint8; a lookup dequantizes only the rows it reads
+Every product runs in fp32 (kernels.ggml: exact dequantized weights, fp32 accumulation) and is
+rounded to the activation dtype, so with dtype float32 a holder equals F.linear over its
+dequantize() up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.gguf.quants import GGML_TYPES
+from mlaserve.kernels import ggml
+from mlaserve.models.moe import Experts
+
+
+def _raw(shape: tuple[int, ...], device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=device), requires_grad=False)
+
+
+def _describe(ggml_type: int) -> tuple[str, tuple[int, int]]:
+    t = GGML_TYPES[ggml_type]
+    return f"gguf {t.name}", (1, t.block_size)
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b), W kept as the file's ggml blocks."""
+
+    def __init__(self, in_features: int, out_features: int, ggml_type: int, bias: bool, dtype, device) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
+        self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return ggml.dense(self.weight, self.ggml_type, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ggml.linear(x.reshape(-1, self.in_features), self.weight, self.ggml_type, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        return _describe(self.ggml_type)
+
+    def extra_repr(self) -> str:
+        t = GGML_TYPES[self.ggml_type].name
+        return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={t}"
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embedding kept as ggml blocks; rows are dequantized when looked up (exactly the rows
+    of the dense table: a row's blocks are dequantized by the same operations either way)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ggml_type: int, dtype, device) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.ggml_type = num_embeddings, embedding_dim, ggml_type
+        self.dtype = dtype  # what nn.Embedding in the engine's dtype would return
+        self.weight = _raw((num_embeddings, ggml.row_bytes(ggml_type, embedding_dim)), device)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return ggml.dense(self.weight, self.ggml_type, self.embedding_dim).to(dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = ggml.dense(self.weight[ids.reshape(-1)], self.ggml_type, self.embedding_dim)
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        return _describe(self.ggml_type)
+
+    def extra_repr(self) -> str:
+        t = GGML_TYPES[self.ggml_type].name
+        return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={t}"
+
+
+class GGUFExperts(Experts):
+    """Routed experts kept as ggml blocks: a step multiplies only the experts it routes tokens to,
+    (token, expert) pairs sorted by expert, one grouped call per projection (kernels.ggml.expert_linear);
+    impl "loop" is the per-expert reference like Experts._forward_loop."""
+
+    def __init__(self, hidden: int, n_experts: int, inter: int, type_gate_up: int, type_down: int, device) -> None:
+        nn.Module.__init__(self)
+        self.impl, self.hidden, self.inter = "grouped_mm", hidden, inter
+        self.type_gate_up, self.type_down = type_gate_up, type_down
+        self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(type_gate_up, hidden)), device)
+        self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(type_down, inter)), device)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense gate_up [E, 2I, D] and down [E, D, I]: the reference."""
+        gu = ggml.dense(self.gate_up_proj, self.type_gate_up, self.hidden)
+        return gu.to(dtype), ggml.dense(self.down_proj, self.type_down, self.inter).to(dtype)
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        name, block = _describe(self.type_gate_up)
+        if self.type_down != self.type_gate_up:
+            name += f" (down_proj {GGML_TYPES[self.type_down].name})"
+        return name, block
+
+    def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        run = self._loop if self.impl == "loop" else self._grouped
+        return run(x.float(), topk_w, topk_idx).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        k = topk_idx.shape[1]
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k  # which token each sorted (token, expert) pair came from
+        active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x[token_of]
+        gu = ggml.expert_linear(xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs)
+        g, u = gu.chunk(2, dim=-1)
+        ys = ggml.expert_linear(F.silu(g) * u, self.down_proj, self.type_down, self.inter, active, offs)
+        ys = ys * topk_w.reshape(-1)[order, None].float()
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+    def _loop(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(topk_idx).tolist():
+            tok, slot = torch.where(topk_idx == e)
+            g, u = ggml.linear(x[tok], self.gate_up_proj[e], self.type_gate_up, self.hidden).chunk(2, dim=-1)
+            y = ggml.linear(F.silu(g) * u, self.down_proj[e], self.type_down, self.inter)
+            out.index_add_(0, tok, y * topk_w[tok, slot, None].float())
+        return out

@@ -1,0 +1,187 @@
+"""Which modules of a model keep a GGUF file's block-quantized weights as stored, decided from the
+file's tensor types before loading (engine option gguf_weights="quantized").
+
+A module keeps its blocks when its stored type is a block format gguf/quants.py dequantizes
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K) and the engine only multiplies by it (or looks rows up):
+  linear layers       -> GGUFLinear      (lm_head too: the biggest single matrix)
+  token embeddings    -> GGUFEmbedding   (and lm_head shares it when the config ties them)
+  routed experts      -> GGUFExperts     (gate and up of a layer of one type; down may differ)
+Stays dense (dequantized at load, as today), with the reason recorded:
+  kv_b_proj           absorbed attention takes per-head views W_UK / W_UV of it; a GGUF rebuilds it
+                      from attn_k_b + attn_v_b anyway
+  weights_proj        the DSA indexer's head weights stay a float projection
+  mlp.gate            the router reads its weight as a dense fp32 matrix
+  experts             of a layer whose gate/up types differ, or whose projections are not all blocks
+Steps: plan_gguf (names + types -> GGUFPlan), swap_in_gguf (before the strict fill), BlockSource
+(the file's bytes for the planned tensors, so the loader copies bytes and never converts).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mlaserve.config.model import ModelConfig
+from mlaserve.config.provenance import Setting
+from mlaserve.gguf.quants import DEQUANTIZABLE, GGML_TYPES
+from mlaserve.loading.safetensors_source import WeightError
+from mlaserve.models.moe import Experts
+from mlaserve.models.mtp import mtp_param_name
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
+from mlaserve.quant.plan import DENSE_AT_LOAD, _group
+
+BLOCK_TYPES = frozenset(DEQUANTIZABLE - {0, 1, 30})  # not F32 / F16 / BF16: those load as floats
+_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+REBUILT = "dequantized at load: rebuilt from attn_k_b + attn_v_b, read as per-head views W_UK/W_UV"
+ROUTER = "dequantized at load: the router reads its weight as a dense fp32 matrix"
+
+
+@dataclass(frozen=True)
+class GGUFPlan:
+    linears: tuple[tuple[str, int], ...]  # (module, ggml type) -> GGUFLinear
+    embeddings: tuple[tuple[str, int], ...]  # (module, ggml type) -> GGUFEmbedding
+    experts: tuple[tuple[str, int, int], ...]  # (module, gate/up type, down type) -> GGUFExperts
+    dense: tuple[tuple[str, str, str], ...]  # (module, stored type name(s), why) block-quantized, kept dense
+    tied_head: bool  # lm_head is a GGUFLinear over the kept embedding (tie_word_embeddings)
+    blocks: frozenset[str]  # checkpoint tensor names read as stored bytes
+
+    def settings(self) -> tuple[Setting, ...]:
+        """One row per module kind and type: kept in ggml blocks, or dense and why."""
+        rows: list[Setting] = []
+        by: dict[tuple[str, str], list[str]] = {}
+        for m, t in self.linears:
+            by.setdefault((GGML_TYPES[t].name, "kept in its blocks, multiplied per call (kernels.ggml)"), []).append(m)
+        for m, t in self.embeddings:
+            by.setdefault((GGML_TYPES[t].name, "kept in its blocks, rows dequantized on lookup"), []).append(m)
+        if self.tied_head:
+            by.setdefault(
+                (GGML_TYPES[dict(self.embeddings)["model.embed_tokens"]].name, "tied: shares embed_tokens' blocks"), []
+            ).append("lm_head")
+        for m, tgu, td in self.experts:
+            name = GGML_TYPES[tgu].name + ("" if td == tgu else f", down_proj {GGML_TYPES[td].name}")
+            by.setdefault((name, "kept in its blocks: only the experts a step routes to are multiplied"), []).append(m)
+        for (tname, why), mods in by.items():
+            for kind, layers in _group(tuple(mods)):
+                rows.append(Setting(f"gguf {tname} {kind}", layers, f"stored {tname}; {why}"))
+        dense: dict[tuple[str, str], list[str]] = {}
+        for m, tname, why in self.dense:
+            dense.setdefault((tname, why), []).append(m)
+        for (tname, why), mods in dense.items():
+            for kind, layers in _group(tuple(mods)):
+                rows.append(Setting(f"gguf dense {kind}", layers, f"stored {tname}; {why}"))
+        return tuple(rows)
+
+    def summary(self) -> str:
+        return (
+            f"gguf: {len(self.linears) + int(self.tied_head)} linear(s), {len(self.embeddings)} embedding(s) and "
+            f"{len(self.experts)} expert stack(s) kept in their ggml blocks; {len(self.dense)} block-quantized "
+            "module(s) dequantized at load"
+        )
+
+
+def plan_gguf(source, cfg: ModelConfig, model: nn.Module) -> GGUFPlan:
+    """source: GGUFTensors (HF names, ggml_type / rebuilt); model: the built model (its module kinds).
+    MTP layers (model.layers.N >= num_hidden_layers) are planned under the model's mtp.{j} names when
+    the model has them (speculative="mtp"), else skipped like the loader skips them."""
+    modules = dict(model.named_modules())
+    with_mtp = hasattr(model, "mtp")
+    linears, embeddings, dense, blocks = [], [], [], set()
+    experts: dict[str, dict[str, list[tuple[str, int]]]] = {}
+    for name in source.names():
+        if not name.endswith(".weight"):
+            continue
+        layer = _LAYER.match(name)
+        target = name
+        if layer and int(layer.group(1)) >= cfg.num_layers:
+            if not with_mtp:
+                continue
+            target = mtp_param_name(name, cfg)
+        module, t = target[: -len(".weight")], source.ggml_type(name)
+        m = _EXPERT.match(module)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(2), []).append((name, t))
+            continue
+        if t not in BLOCK_TYPES:
+            continue  # stored as floats: loaded as floats
+        kind, mod, tname = module.rsplit(".", 1)[-1], modules.get(module), GGML_TYPES[t].name
+        if source.rebuilt(name):
+            dense.append((module, tname, REBUILT))
+        elif kind in DENSE_AT_LOAD:
+            dense.append((module, tname, DENSE_AT_LOAD[kind]))
+        elif type(mod) is nn.Embedding:
+            embeddings.append((module, t))
+            blocks.add(name)
+        elif type(mod) is nn.Linear:
+            linears.append((module, t))
+            blocks.add(name)
+        elif mod is not None:
+            dense.append((module, tname, ROUTER if kind == "gate" else "dequantized at load: read as a dense matrix"))
+        # no such module: the strict loader names the unexpected tensor
+    kept_experts = []
+    for module, projs in experts.items():
+        types = {p: {t for _, t in projs.get(p, [])} for p in _PROJS}
+        if not isinstance(modules.get(module), Experts) or any(len(s) != 1 for s in types.values()):
+            continue  # a missing or mixed-up expert tensor: the strict loader names it
+        tg, tu, td = (next(iter(types[p])) for p in _PROJS)
+        if tg != tu:
+            why = "dequantized at load: gate_proj and up_proj differ in type (one stacked gate_up_proj holds both)"
+        elif not {tg, td} <= BLOCK_TYPES:
+            why = "dequantized at load: not every projection is stored in a block format"
+        else:
+            kept_experts.append((module, tg, td))
+            blocks.update(n for p in _PROJS for n, _ in projs[p])
+            continue
+        if {tg, tu, td} & BLOCK_TYPES:  # all stored as floats: nothing to report
+            dense.append((module, "/".join(GGML_TYPES[t].name for t in (tg, tu, td)), why))
+    tied = cfg.tie_word_embeddings and any(m == "model.embed_tokens" for m, _ in embeddings)
+    return GGUFPlan(tuple(linears), tuple(embeddings), tuple(kept_experts), tuple(dense), tied, frozenset(blocks))
+
+
+def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:
+    """Replace the planned modules in place with holders of the right byte shapes."""
+    for name, t in plan.linears:
+        old = model.get_submodule(name)
+        new = GGUFLinear(old.in_features, old.out_features, t, old.bias is not None, dtype, old.weight.device)
+        model.set_submodule(name, new)
+    for name, t in plan.embeddings:
+        old = model.get_submodule(name)
+        model.set_submodule(name, GGUFEmbedding(old.num_embeddings, old.embedding_dim, t, dtype, old.weight.device))
+    if plan.tied_head:  # the loader then points lm_head.weight at embed_tokens.weight (same bytes)
+        old, t = model.lm_head, dict(plan.embeddings)["model.embed_tokens"]
+        model.lm_head = GGUFLinear(old.in_features, old.out_features, t, False, dtype, old.weight.device)
+    for name, tgu, td in plan.experts:
+        old = model.get_submodule(name)
+        e, two_i, d = old.gate_up_proj.shape
+        new = GGUFExperts(d, e, two_i // 2, tgu, td, old.gate_up_proj.device)
+        new.impl = old.impl
+        model.set_submodule(name, new)
+
+
+class BlockSource:
+    """A GGUF tensor source whose planned tensors come back as their stored bytes (uint8 [rows, R]);
+    the others dequantized as before."""
+
+    def __init__(self, source, blocks: frozenset[str]) -> None:
+        self.source, self.blocks = source, blocks
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def where(self, name: str) -> str:
+        return self.source.where(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.blocks:
+            try:
+                return self.source.get_blocks(name)
+            except (ValueError, RuntimeError) as e:  # a view the file's bytes cannot give: name the tensor
+                raise WeightError(f"{self.source.where(name)}: tensor {name!r}: {e}") from e
+        return self.source.get(name)

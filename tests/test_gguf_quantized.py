@@ -1,0 +1,273 @@
+"""GGUF block-quantized weights kept in their ggml blocks (gguf_weights="quantized", the default on
+one process): the same logits as the weights dequantized at load, resident weights ~ the file's
+tensor bytes, every holder equal to F.linear over its dequantize().
+
+Bound: a holder's product is x @ dequantize(W)^T in fp32, the same values the dequantized model
+multiplies, so the two differ at most by fp32 summation order: |dy| <= K * 2^-23 * sum_k |x_k w_k|
+per output (K terms). ATOL below is that bound for the fixtures' logits (|logit| < 10, K <= 2816),
+and the tests also hold the holders to it per call."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import fixture_dir
+from hf_models import random_ids
+
+from mlaserve import LLM
+from mlaserve.config.model import ConfigError
+from mlaserve.gguf.quants import GGML_TYPES, dequantize
+from mlaserve.gguf.read.file import GGUFError, open_gguf
+from mlaserve.loading.tensor_check import SCALE_OFFSETS
+from mlaserve.models.moe import Experts
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
+from mlaserve.quant.ggml_plan import BLOCK_TYPES
+
+FILES = [(m, t) for m in ("ds3", "ds2lite", "ds32", "glm5") for t in ("f16", "q8_0", "q4_k_m", "q4_0")]
+HOLDERS = (GGUFLinear, GGUFEmbedding, GGUFExperts)
+
+
+def _fp32_bound(x: torch.Tensor, w: torch.Tensor) -> float:
+    """K * 2^-23 * max over outputs of sum_k |x_k w_k|: the fp32 summation-order bound of x @ w^T."""
+    return x.shape[-1] * 2.0**-23 * (x.abs() @ w.abs().T).max().item()
+
+
+def _holders(llm: LLM) -> list[torch.nn.Module]:
+    return [m for m in llm.runner.model.modules() if isinstance(m, HOLDERS)]
+
+
+def _weight_bytes(llm: LLM) -> int:
+    m = llm.runner.model
+    return sum(t.nbytes for t in list(m.parameters()) + list(m.buffers()))
+
+
+@pytest.mark.parametrize("name,gtype", FILES)
+def test_kept_blocks_equal_dequantized(name, gtype):
+    """Same route, same prompt: logits with blocks kept == with the file dequantized at load."""
+    from safetensors.torch import load_file
+
+    folder = fixture_dir(name)
+    path = folder / f"model-{gtype}.gguf"
+    if not path.exists():
+        pytest.skip(f"../shared/fixtures/{name} has no {gtype} file")
+    ids = load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
+    kept = LLM(str(path), max_num_batched_tokens=40)
+    dense = LLM(str(path), max_num_batched_tokens=40, gguf_weights="dequantized")
+    assert kept.config.gguf_weights == "quantized" and dense.config.gguf_weights == "dequantized"
+    assert not _holders(dense)
+    quantized = any(t in BLOCK_TYPES for t in (i.ggml_type for i in open_gguf(path).tensors.values()))
+    assert bool(_holders(kept)) == quantized  # an f16 file has no blocks to keep
+    a, b = kept.prompt_logits(ids), dense.prompt_logits(ids)
+    diff = (a - b).abs().max().item()
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"{name} {gtype}: kept vs dequantized max |dlogit| {diff:.2e}, top-1 {top1:.3f}")
+    assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
+
+
+@pytest.mark.parametrize("name", ["ds3", "ds2lite"])
+def test_resident_weights_near_file_size(name):
+    """Q8_0: resident parameter+buffer bytes <= 1.15x the file's tensor bytes (kv_b_proj, rebuilt
+    from attn_k_b/attn_v_b, and the F32 norms are the only expanded tensors of these files)."""
+    path = fixture_dir(name) / "model-q8_0.gguf"
+    gf = open_gguf(path)
+    file_bytes = sum(i.nbytes for i in gf.tensors.values())
+    gf.close()
+    kept = LLM(str(path))
+    dense = LLM(str(path), gguf_weights="dequantized")
+    ratio, before = _weight_bytes(kept) / file_bytes, _weight_bytes(dense) / file_bytes
+    print(f"{name} q8_0: resident weights {ratio:.3f}x the file's tensor bytes (dequantized: {before:.2f}x)")
+    assert ratio <= 1.15
+
+
+def test_kept_modules_and_provenance():
+    """lm_head, embeddings, projections and experts keep their blocks; kv_b_proj is dense and the
+    plan says why; the engine option's value and source are recorded."""
+    llm = LLM(str(fixture_dir("ds3") / "model-q4_k_m.gguf"))
+    model = llm.runner.model
+    assert isinstance(model.lm_head, GGUFLinear) and GGML_TYPES[model.lm_head.ggml_type].name == "Q6_K"
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding)
+    assert isinstance(model.model.layers[1].mlp.experts, GGUFExperts)
+    assert type(model.model.layers[0].self_attn.kv_b_proj) is torch.nn.Linear
+    assert model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float32
+    assert type(model.model.layers[1].mlp.gate.weight) is torch.nn.Parameter
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    rows = {s.name: s for s in llm.loaded.gguf.settings()}
+    assert "rebuilt from attn_k_b + attn_v_b" in rows["gguf dense model.layers.*.self_attn.kv_b_proj"].source
+    assert rows["gguf Q6_K lm_head"].value == "yes"
+    assert any(n.startswith("gguf Q4_K") and n.endswith("mlp.experts") for n in rows)
+    prov = {s.name: s for s in llm.config.all_provenance()}
+    assert prov["gguf_weights"].value == "quantized" and "auto" in prov["gguf_weights"].source
+    assert any("kept in their ggml blocks" in n for n in llm.loaded.report.notes)
+
+
+def test_gguf_weights_option_validated(hf_model_dir):
+    path = str(fixture_dir("ds3") / "model-q8_0.gguf")
+    with pytest.raises(ConfigError, match="gguf_weights must be one of"):
+        LLM(path, gguf_weights="int8")
+    from mlaserve.config.engine import make_options
+    from mlaserve.loading.model_loader import open_checkpoint
+
+    # Tensor parallel: raw blocks are not sliced across ranks; auto says so, "quantized" is refused.
+    with pytest.raises(ConfigError, match="raw blocks are not sliced"):
+        open_checkpoint(path, make_options(tensor_parallel_size=2, gguf_weights="quantized"))
+    ck = open_checkpoint(path, make_options(tensor_parallel_size=2))
+    prov = {s.name: s for s in ck.engine_cfg.provenance}
+    assert ck.engine_cfg.gguf_weights == "dequantized" and "raw blocks are not sliced" in prov["gguf_weights"].source
+    folder, _ = hf_model_dir("v3_yarn")
+    llm = LLM(str(folder))
+    assert llm.config.gguf_weights is None and llm.loaded.gguf is None
+
+
+def test_loop_experts_and_bf16_follow_the_same_holders():
+    path = str(fixture_dir("ds3") / "model-q8_0.gguf")
+    ids = random_ids(20, seed=5)
+    grouped = LLM(path).prompt_logits(ids)
+    loop = LLM(path, experts_impl="loop").prompt_logits(ids)
+    assert (grouped - loop).abs().max().item() <= 1e-5
+    bf16 = LLM(path, dtype="bfloat16")  # activations rounded to bf16 after each fp32 product
+    assert (bf16.prompt_logits(ids).float() - grouped).abs().max().item() < 0.5
+
+
+def _tiny_gguf(hf_model_dir, tmp_path, kind: str, outtype: str):
+    from test_gguf_convert import _byte_tokenizer
+
+    from mlaserve.gguf.convert.convert import convert_hf_to_gguf
+
+    folder, _ = hf_model_dir(kind)
+    copy = tmp_path / kind
+    shutil.copytree(folder, copy)
+    _byte_tokenizer(copy, 256)
+    path = tmp_path / f"{kind}-{outtype}.gguf"
+    convert_hf_to_gguf(copy, path, outtype)
+    return path
+
+
+def test_tied_embeddings_share_the_blocks(hf_model_dir, tmp_path):
+    """tie_word_embeddings: the file has no output.weight; lm_head multiplies token_embd's blocks."""
+    path = _tiny_gguf(hf_model_dir, tmp_path, "v3_tied", "q8_0")
+    kept, dense = LLM(str(path)), LLM(str(path), gguf_weights="dequantized")
+    model = kept.runner.model
+    assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.weight is model.model.embed_tokens.weight
+    ids = random_ids(24, seed=1)
+    a, b = kept.prompt_logits(ids), dense.prompt_logits(ids)
+    assert (a - b).abs().max().item() <= 1e-5 and torch.equal(a.argmax(-1), b.argmax(-1))
+    assert any(s.name == "gguf Q8_0 lm_head" and "tied" in s.source for s in kept.loaded.gguf.settings())
+
+
+def test_mtp_layer_keeps_blocks(tmp_path, tmp_path_factory):
+    """speculative="mtp": the nextn block's projections, experts and own head keep their blocks and
+    draft the same logits as the dequantized file."""
+    from mtp_models import mtp_model_folder
+    from test_gguf_convert import _byte_tokenizer
+    from test_mtp import engine_mtp_logits
+
+    from mlaserve.gguf.convert.convert import convert_hf_to_gguf
+
+    folder, _ = mtp_model_folder("glm_dsa", tmp_path_factory)
+    copy = tmp_path / "glm_dsa"
+    shutil.copytree(folder, copy)
+    _byte_tokenizer(copy, 256)
+    path = tmp_path / "mtp-q8_0.gguf"
+    convert_hf_to_gguf(copy, path, "q8_0")
+    kept = LLM(str(path), speculative="mtp")
+    dense = LLM(str(path), speculative="mtp", gguf_weights="dequantized")
+    mtp = kept.runner.model.mtp[0]
+    assert isinstance(mtp.eh_proj, GGUFLinear) and isinstance(mtp.mlp.experts, GGUFExperts)
+    ids = random_ids(24, seed=4)  # 24 > index_topk 16: the DSA layers select
+    a, b = engine_mtp_logits(kept, ids), engine_mtp_logits(dense, ids)
+    assert (a - b).abs().max().item() <= 1e-5 and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_truncated_file_still_names_the_tensor(tmp_path):
+    src = fixture_dir("ds3") / "model-q8_0.gguf"
+    bad = tmp_path / "cut.gguf"
+    data = src.read_bytes()
+    bad.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(GGUFError, match=r"truncated file: tensor '[\w.]+'"):
+        LLM(str(bad))
+
+
+# ---- every holder against F.linear over its dequantize(), on every block type ----------------
+
+
+def _blocks(ggml_type: int, rows: int, k: int, seed: int) -> torch.Tensor:
+    """Random valid blocks: random bytes with every fp16 scale set to a finite value of a sane size."""
+    t = GGML_TYPES[ggml_type]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows * (k // t.block_size), t.type_size), dtype=torch.uint8, generator=g)
+    for off in SCALE_OFFSETS[t.name]:
+        scale = (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half()
+        raw[:, off : off + 2] = scale.view(torch.uint8).view(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+TYPES = sorted(BLOCK_TYPES)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
+def test_linear_holder_equals_dense(ggml_type):
+    n, k = 48, 512
+    lin = GGUFLinear(k, n, ggml_type, False, torch.float32, "cpu")
+    with torch.no_grad():
+        lin.weight.copy_(_blocks(ggml_type, n, k, 0))
+    w = lin.dequantize()
+    assert torch.equal(w, dequantize(lin.weight, ggml_type, (n, k)))
+    x = torch.randn(5, 3, k)
+    y, ref = lin(x), F.linear(x, w)
+    assert y.shape == (5, 3, n) and (y - ref).abs().max().item() <= _fp32_bound(x.reshape(-1, k), w)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
+def test_embedding_holder_equals_dense(ggml_type):
+    emb = GGUFEmbedding(40, 256, ggml_type, torch.float32, "cpu")
+    with torch.no_grad():
+        emb.weight.copy_(_blocks(ggml_type, 40, 256, 1))
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    assert torch.equal(emb(ids), F.embedding(ids, emb.dequantize()))  # the same rows, bit for bit
+
+
+def _experts_bound(x, gu, down, idx, w) -> float:
+    """fp32 summation-order bound of the routed-experts output, propagated through SwiGLU:
+    dg, du <= D eps (|x| |W|); dh <= 1.1 |u| dg + |g| du (|silu'| <= 1.1, |silu(g)| <= |g|);
+    dy <= sum_slots w (I eps (|h| |W_down|) + dh |W_down|)."""
+    eps, inter = 2.0**-23, down.shape[-1]
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64)
+    for s in range(idx.shape[1]):
+        a, b = gu[idx[:, s]].double(), down[idx[:, s]].double()  # [T, 2I, D], [T, D, I]
+        xa = x.double().abs()[:, None, :]
+        g, u = (a @ x.double()[:, :, None])[..., 0].chunk(2, -1)
+        dgu = x.shape[1] * eps * (a.abs() * xa).sum(-1)
+        dg, du = dgu.chunk(2, -1)
+        h = F.silu(g) * u
+        dh = 1.1 * u.abs() * dg + g.abs() * du
+        dy = inter * eps * (b.abs() * h.abs()[:, None, :]).sum(-1) + (b.abs() * dh[:, None, :]).sum(-1)
+        out += w[:, s, None].double() * dy
+    return out.max().item()
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
+def test_experts_holder_equals_dense(ggml_type, impl):
+    """Against models/moe.py's per-expert loop over the dequantized weights."""
+    e, d, inter, t, k = 6, 256, 256, 7, 2
+    down_type = 8 if ggml_type != 8 else 14  # down_proj of another type (Q4_K_M files mix them)
+    ex = GGUFExperts(d, e, inter, ggml_type, down_type, "cpu")
+    ex.impl = impl
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(_blocks(ggml_type, e * 2 * inter, d, 2).reshape(e, 2 * inter, -1))
+        ex.down_proj.copy_(_blocks(down_type, e * d, inter, 3).reshape(e, d, -1))
+    gu, down = ex.dequantize()
+    assert gu.shape == (e, 2 * inter, d) and down.shape == (e, d, inter)
+    ref = Experts.__new__(Experts)
+    torch.nn.Module.__init__(ref)
+    ref.gate_up_proj, ref.down_proj, ref.impl = torch.nn.Parameter(gu), torch.nn.Parameter(down), "loop"
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(t, d, generator=g)
+    idx = torch.stack([torch.randperm(e - 2, generator=g)[:k] for _ in range(t)])  # experts 4, 5 unused
+    w = torch.rand(t, k, generator=g)
+    with torch.no_grad():
+        got, want = ex(x, w, idx), ref(x, w, idx)
+    assert (got - want).abs().max().item() <= 2 * _experts_bound(x, gu, down, idx, w)  # both sides round
