@@ -97,6 +97,7 @@ def test_kept_modules_and_provenance():
     rows = {s.name: s for s in llm.loaded.gguf.settings()}
     assert "rebuilt from attn_k_b + attn_v_b" in rows["gguf dense model.layers.*.self_attn.kv_b_proj"].source
     assert rows["gguf Q6_K lm_head"].value == "yes"
+    assert "not a block format" in rows["gguf dense model.layers.*.self_attn.q_b_proj"].source  # F16 in this file
     assert any(n.startswith("gguf Q4_K") and n.endswith("mlp.experts") for n in rows)
     prov = {s.name: s for s in llm.config.all_provenance()}
     assert prov["gguf_weights"].value == "quantized" and "auto" in prov["gguf_weights"].source

@@ -93,7 +93,7 @@ def _f16(cols: torch.Tensor) -> torch.Tensor:
 
 def _shifted(x: torch.Tensor, shifts: Sequence[int], axis_shape: tuple[int, ...]) -> torch.Tensor:
     """x[..., None, :] >> shifts, shifts laid out along a new axis (the ggml bit-plane order)."""
-    s = torch.tensor(list(shifts), dtype=torch.int32).reshape(axis_shape)
+    s = torch.tensor(list(shifts), dtype=torch.int32, device=x.device).reshape(axis_shape)
     return x.to(torch.int32).unsqueeze(-2) >> s
 
 
@@ -107,7 +107,7 @@ def _bits32(qh4: torch.Tensor) -> torch.Tensor:
     """[n, 4] bytes holding one little-endian uint32 -> [n, 32] of its bits (bit j = value j)."""
     q = qh4.to(torch.int64)
     word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
-    return ((word.unsqueeze(1) >> torch.arange(32, dtype=torch.int64)) & 1).to(torch.int32)
+    return ((word.unsqueeze(1) >> torch.arange(32, dtype=torch.int64, device=q.device)) & 1).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------

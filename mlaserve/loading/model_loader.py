@@ -58,16 +58,20 @@ def build_model(
     experts_impl: str = "grouped_mm",
     device: str = "cpu",
     mtp: tuple[MTPLayout, ...] = (),
+    prepare=None,
     **rank,
 ) -> MLAForCausalLM:
     """Allocate without initialising (the weights come next), in dtype; the router stays fp32
     like the reference keeps its gate weight and correction bias. rank: vocab_start and
     all_reduce of a tensor-parallel rank (MLAForCausalLM). `mtp`: MTP layers to build (speculative
-    decoding), as `model.mtp`."""
+    decoding), as `model.mtp`. `prepare(model)`: runs on the meta-device model before anything is
+    allocated (GGUF holders swapped in there never allocate the float weights they replace)."""
     with torch.device("meta"):
         model = MLAForCausalLM(cfg, **rank)
         if mtp:
             model.mtp = nn.ModuleList(MTPLayer(cfg, layout) for layout in mtp)
+        if prepare is not None:
+            prepare(model)
     model.to_empty(device=device)
     model.to(dtype)
     for name, module in model.named_modules():
@@ -140,19 +144,26 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         source = ShardedSource(source, ck.model_cfg, rank, n)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative == "mtp" else ()
-    model = build_model(model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device, layouts, **rank_args)
+    gguf: list[GGUFPlan] = []
+
+    def keep_blocks(meta_model: nn.Module) -> None:  # holders swapped in before the strict fill
+        gguf.append(plan_gguf(source, model_cfg, meta_model))
+        swap_in_gguf(meta_model, gguf[0], engine_cfg.dtype)
+
+    prepare = keep_blocks if engine_cfg.gguf_weights == "quantized" else None
+    model = build_model(
+        model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device, layouts, prepare, **rank_args
+    )
+    gguf_plan = gguf[0] if gguf else None
+    if gguf_plan is not None:  # the loader copies the file's bytes into the holders
+        source = BlockSource(source, gguf_plan.blocks)
     quant = None
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         modules = {name for name, _ in model.named_modules()}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
-    gguf = None
-    if engine_cfg.gguf_weights == "quantized":  # holders swapped in; the loader copies the stored bytes
-        gguf = plan_gguf(source, model_cfg, model)
-        swap_in_gguf(model, gguf, engine_cfg.dtype)
-        source = BlockSource(source, gguf.blocks)
     report = load_weights(model, source, model_cfg, progress)
-    if gguf is not None:
-        report.notes.append(gguf.summary())
+    if gguf_plan is not None:
+        report.notes.append(gguf_plan.summary())
     _set_kernels(model, engine_cfg.kernels)
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
@@ -172,7 +183,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     gen_path = path / "generation_config.json" if path.is_dir() else None
     gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
-    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf)
+    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan)
 
 
 def _native_probe() -> tuple[bool, str]:

@@ -39,6 +39,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 REBUILT = "dequantized at load: rebuilt from attn_k_b + attn_v_b, read as per-head views W_UK/W_UV"
 ROUTER = "dequantized at load: the router reads its weight as a dense fp32 matrix"
+FLOATS = "not a block format: loaded as a float matrix"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class GGUFPlan:
     embeddings: tuple[tuple[str, int], ...]  # (module, ggml type) -> GGUFEmbedding
     experts: tuple[tuple[str, int, int], ...]  # (module, gate/up type, down type) -> GGUFExperts
     dense: tuple[tuple[str, str, str], ...]  # (module, stored type name(s), why) block-quantized, kept dense
+    floats: tuple[tuple[str, str, str], ...]  # (module, F32/F16/BF16, why) linear / embedding stored as floats
     tied_head: bool  # lm_head is a GGUFLinear over the kept embedding (tie_word_embeddings)
     blocks: frozenset[str]  # checkpoint tensor names read as stored bytes
 
@@ -69,7 +71,7 @@ class GGUFPlan:
             for kind, layers in _group(tuple(mods)):
                 rows.append(Setting(f"gguf {tname} {kind}", layers, f"stored {tname}; {why}"))
         dense: dict[tuple[str, str], list[str]] = {}
-        for m, tname, why in self.dense:
+        for m, tname, why in self.dense + self.floats:
             dense.setdefault((tname, why), []).append(m)
         for (tname, why), mods in dense.items():
             for kind, layers in _group(tuple(mods)):
@@ -90,7 +92,7 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module) -> GGUFPlan:
     the model has them (speculative="mtp"), else skipped like the loader skips them."""
     modules = dict(model.named_modules())
     with_mtp = hasattr(model, "mtp")
-    linears, embeddings, dense, blocks = [], [], [], set()
+    linears, embeddings, dense, floats, blocks = [], [], [], [], set()
     experts: dict[str, dict[str, list[tuple[str, int]]]] = {}
     for name in source.names():
         if not name.endswith(".weight"):
@@ -106,9 +108,11 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module) -> GGUFPlan:
         if m:
             experts.setdefault(m.group(1), {}).setdefault(m.group(2), []).append((name, t))
             continue
-        if t not in BLOCK_TYPES:
-            continue  # stored as floats: loaded as floats
         kind, mod, tname = module.rsplit(".", 1)[-1], modules.get(module), GGML_TYPES[t].name
+        if t not in BLOCK_TYPES:
+            if type(mod) in (nn.Linear, nn.Embedding):
+                floats.append((module, tname, FLOATS))
+            continue
         if source.rebuilt(name):
             dense.append((module, tname, REBUILT))
         elif kind in DENSE_AT_LOAD:
@@ -136,14 +140,20 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module) -> GGUFPlan:
             kept_experts.append((module, tg, td))
             blocks.update(n for p in _PROJS for n, _ in projs[p])
             continue
-        if {tg, tu, td} & BLOCK_TYPES:  # all stored as floats: nothing to report
-            dense.append((module, "/".join(GGML_TYPES[t].name for t in (tg, tu, td)), why))
+        names = "/".join(GGML_TYPES[t].name for t in (tg, tu, td))
+        if {tg, tu, td} & BLOCK_TYPES:
+            dense.append((module, names, why))
+        else:
+            floats.append((module, names, FLOATS))
     tied = cfg.tie_word_embeddings and any(m == "model.embed_tokens" for m, _ in embeddings)
-    return GGUFPlan(tuple(linears), tuple(embeddings), tuple(kept_experts), tuple(dense), tied, frozenset(blocks))
+    return GGUFPlan(
+        tuple(linears), tuple(embeddings), tuple(kept_experts), tuple(dense), tuple(floats), tied, frozenset(blocks)
+    )
 
 
 def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:
-    """Replace the planned modules in place with holders of the right byte shapes."""
+    """Replace the planned modules in place with holders of the right byte shapes (on the model's
+    device: the meta device when build_model calls it, so no float weight is allocated for them)."""
     for name, t in plan.linears:
         old = model.get_submodule(name)
         new = GGUFLinear(old.in_features, old.out_features, t, old.bias is not None, dtype, old.weight.device)
