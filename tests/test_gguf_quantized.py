@@ -21,6 +21,7 @@ from mlaserve import LLM
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPES, dequantize
 from mlaserve.gguf.read.file import GGUFError, open_gguf
+from mlaserve.kernels import native
 from mlaserve.loading.tensor_check import SCALE_OFFSETS
 from mlaserve.models.moe import Experts
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
@@ -28,6 +29,13 @@ from mlaserve.quant.ggml_plan import BLOCK_TYPES
 
 FILES = [(m, t) for m in ("ds3", "ds2lite", "ds32", "glm5") for t in ("f16", "q8_0", "q4_k_m", "q4_0")]
 HOLDERS = (GGUFLinear, GGUFEmbedding, GGUFExperts)
+NATIVE = native.status()
+KERNELS = [
+    "torch",
+    pytest.param(
+        "native", marks=pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")
+    ),
+]
 
 
 def _fp32_bound(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -44,9 +52,11 @@ def _weight_bytes(llm: LLM) -> int:
     return sum(t.nbytes for t in list(m.parameters()) + list(m.buffers()))
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name,gtype", FILES)
-def test_kept_blocks_equal_dequantized(name, gtype):
-    """Same route, same prompt: logits with blocks kept == with the file dequantized at load."""
+def test_kept_blocks_equal_dequantized(name, gtype, kernels):
+    """Same route, same prompt: logits with blocks kept == with the file dequantized at load, through
+    the reference kernels and the native ones."""
     from safetensors.torch import load_file
 
     folder = fixture_dir(name)
@@ -54,16 +64,17 @@ def test_kept_blocks_equal_dequantized(name, gtype):
     if not path.exists():
         pytest.skip(f"../shared/fixtures/{name} has no {gtype} file")
     ids = load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
-    kept = LLM(str(path), max_num_batched_tokens=40)
+    kept = LLM(str(path), max_num_batched_tokens=40, kernels=kernels)
     dense = LLM(str(path), max_num_batched_tokens=40, gguf_weights="dequantized")
     assert kept.config.gguf_weights == "quantized" and dense.config.gguf_weights == "dequantized"
+    assert all(m.kernel == kernels for m in _holders(kept) if hasattr(m, "kernel"))
     assert not _holders(dense)
     quantized = any(t in BLOCK_TYPES for t in (i.ggml_type for i in open_gguf(path).tensors.values()))
     assert bool(_holders(kept)) == quantized  # an f16 file has no blocks to keep
     a, b = kept.prompt_logits(ids), dense.prompt_logits(ids)
     diff = (a - b).abs().max().item()
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    print(f"{name} {gtype}: kept vs dequantized max |dlogit| {diff:.2e}, top-1 {top1:.3f}")
+    print(f"{name} {gtype} {kernels}: kept vs dequantized max |dlogit| {diff:.2e}, top-1 {top1:.3f}")
     assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
 
 
@@ -208,17 +219,20 @@ def _blocks(ggml_type: int, rows: int, k: int, seed: int) -> torch.Tensor:
 TYPES = sorted(BLOCK_TYPES)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 40])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
-def test_linear_holder_equals_dense(ggml_type):
+def test_linear_holder_equals_dense(ggml_type, rows, kernel):
     n, k = 48, 512
     lin = GGUFLinear(k, n, ggml_type, False, torch.float32, "cpu")
+    lin.kernel = kernel
     with torch.no_grad():
         lin.weight.copy_(_blocks(ggml_type, n, k, 0))
     w = lin.dequantize()
     assert torch.equal(w, dequantize(lin.weight, ggml_type, (n, k)))
-    x = torch.randn(5, 3, k)
+    x = torch.randn(rows, 3, k)  # 3 or 120 rows: the native GEMV and its decode-then-GEMM branch
     y, ref = lin(x), F.linear(x, w)
-    assert y.shape == (5, 3, n) and (y - ref).abs().max().item() <= _fp32_bound(x.reshape(-1, k), w)
+    assert y.shape == (rows, 3, n) and (y - ref).abs().max().item() <= _fp32_bound(x.reshape(-1, k), w)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
@@ -249,14 +263,16 @@ def _experts_bound(x, gu, down, idx, w) -> float:
     return out.max().item()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("t", [7, 70])
 @pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
-def test_experts_holder_equals_dense(ggml_type, impl):
+def test_experts_holder_equals_dense(ggml_type, impl, t, kernel):
     """Against models/moe.py's per-expert loop over the dequantized weights."""
-    e, d, inter, t, k = 6, 256, 256, 7, 2
+    e, d, inter, k = 6, 256, 256, 2
     down_type = 8 if ggml_type != 8 else 14  # down_proj of another type (Q4_K_M files mix them)
     ex = GGUFExperts(d, e, inter, ggml_type, down_type, "cpu")
-    ex.impl = impl
+    ex.impl, ex.kernel = impl, kernel
     with torch.no_grad():
         ex.gate_up_proj.copy_(_blocks(ggml_type, e * 2 * inter, d, 2).reshape(e, 2 * inter, -1))
         ex.down_proj.copy_(_blocks(down_type, e * d, inter, 3).reshape(e, d, -1))

@@ -36,9 +36,12 @@ def _describe(ggml_type: int) -> tuple[str, tuple[int, int]]:
 class GGUFLinear(nn.Module):
     """y = x W^T (+ b), W kept as the file's ggml blocks."""
 
+    KERNELS = ggml.KERNELS  # what `kernel` may be set to (the loader sets the engine's choice)
+
     def __init__(self, in_features: int, out_features: int, ggml_type: int, bias: bool, dtype, device) -> None:
         super().__init__()
         self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
+        self.kernel = "torch"  # the reference until the loader sets the engine's kernels
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -48,7 +51,7 @@ class GGUFLinear(nn.Module):
         return ggml.dense(self.weight, self.ggml_type, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ggml.linear(x.reshape(-1, self.in_features), self.weight, self.ggml_type, self.in_features)
+        y = ggml.linear(x.reshape(-1, self.in_features), self.weight, self.ggml_type, self.in_features, self.kernel)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -91,9 +94,11 @@ class GGUFExperts(Experts):
     (token, expert) pairs sorted by expert, one grouped call per projection (kernels.ggml.expert_linear);
     impl "loop" is the per-expert reference like Experts._forward_loop."""
 
+    KERNELS = ggml.KERNELS
+
     def __init__(self, hidden: int, n_experts: int, inter: int, type_gate_up: int, type_down: int, device) -> None:
         nn.Module.__init__(self)
-        self.impl, self.hidden, self.inter = "grouped_mm", hidden, inter
+        self.impl, self.hidden, self.inter, self.kernel = "grouped_mm", hidden, inter, "torch"
         self.type_gate_up, self.type_down = type_gate_up, type_down
         self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(type_down, inter)), device)
@@ -121,9 +126,10 @@ class GGUFExperts(Experts):
         active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
-        gu = ggml.expert_linear(xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs)
+        gu = ggml.expert_linear(xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs, self.kernel)
         g, u = gu.chunk(2, dim=-1)
-        ys = ggml.expert_linear(F.silu(g) * u, self.down_proj, self.type_down, self.inter, active, offs)
+        h = F.silu(g) * u
+        ys = ggml.expert_linear(h, self.down_proj, self.type_down, self.inter, active, offs, self.kernel)
         ys = ys * topk_w.reshape(-1)[order, None].float()
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -131,7 +137,8 @@ class GGUFExperts(Experts):
         out = torch.zeros_like(x)
         for e in torch.unique(topk_idx).tolist():
             tok, slot = torch.where(topk_idx == e)
-            g, u = ggml.linear(x[tok], self.gate_up_proj[e], self.type_gate_up, self.hidden).chunk(2, dim=-1)
-            y = ggml.linear(F.silu(g) * u, self.down_proj[e], self.type_down, self.inter)
+            gu = ggml.linear(x[tok], self.gate_up_proj[e], self.type_gate_up, self.hidden, self.kernel)
+            g, u = gu.chunk(2, dim=-1)
+            y = ggml.linear(F.silu(g) * u, self.down_proj[e], self.type_down, self.inter, self.kernel)
             out.index_add_(0, tok, y * topk_w[tok, slot, None].float())
         return out
