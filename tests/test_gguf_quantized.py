@@ -288,3 +288,29 @@ def test_experts_holder_equals_dense(ggml_type, impl, t, kernel):
     with torch.no_grad():
         got, want = ex(x, w, idx), ref(x, w, idx)
     assert (got - want).abs().max().item() <= 2 * _experts_bound(x, gu, down, idx, w)  # both sides round
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
+def test_cuda_dequantize_is_bit_exact(ggml_type):
+    """The torch dequantizers give the CPU's values on the GPU (every op rounds alike; no tables left on the CPU)."""
+    raw = _blocks(ggml_type, 16, 512, 0)
+    assert torch.equal(dequantize(raw.cuda(), ggml_type, (16, 512)).cpu(), dequantize(raw, ggml_type, (16, 512)))
+
+
+@cuda
+@pytest.mark.parametrize("name,gtype", [("ds3", "q4_k_m"), ("glm5", "q4_k_m"), ("ds32", "q8_0")])
+def test_cuda_kept_blocks_equal_dequantized(name, gtype):
+    from safetensors.torch import load_file
+
+    folder = fixture_dir(name)
+    ids = load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
+    path = str(folder / f"model-{gtype}.gguf")
+    kept = LLM(path, device="cuda", max_num_batched_tokens=40)
+    dense = LLM(path, device="cuda", max_num_batched_tokens=40, gguf_weights="dequantized")
+    assert kept.config.kernels == "torch" and kept.runner.model.lm_head.weight.is_cuda
+    a, b = kept.prompt_logits(ids), dense.prompt_logits(ids)
+    assert (a - b).abs().max().item() <= 1e-5 and torch.equal(a.argmax(-1), b.argmax(-1))
