@@ -90,7 +90,7 @@ class EngineOptions:
     gguf_weights: str = _opt(
         "auto",
         "a GGUF file's block-quantized weights (Q8_0, Q4_K, ...): 'quantized' keeps them in their ggml blocks "
-        "(resident memory ~ the file's size; matmuls dequantize per call), 'dequantized' expands them at load; "
+        "(resident memory ~ the file's size; products through `kernels`), 'dequantized' expands them at load; "
         "auto: quantized on one process, dequantized with tensor_parallel_size > 1",
         GGUF_WEIGHTS,
     )
