@@ -26,6 +26,7 @@ EXPERT_IMPLS = ("grouped_mm", "loop")
 ATTENTION_BACKENDS = ("auto", "torch", "reference")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "native", "torch")
+QUANTIZATIONS = (None, "int8", "int4")
 SPECULATIVE = (None, "mtp")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 MAX_SPECULATIVE_TOKENS = 3
@@ -83,6 +84,12 @@ class EngineOptions:
         "matmuls on quantized weights (GGUF blocks, FP8): native = C decode-and-dot kernels built at first use "
         "with the system compiler; torch = dequantize, then GEMM (the reference); auto = native on CPU if it builds",
         KERNELS,
+    )
+    quantization: str | None = _opt(
+        None,
+        "quantize a float checkpoint's weights at load: int8 = Q8_0 blocks (32 values, one fp16 scale), "
+        "int4 = Q4_0 blocks (embedding and lm_head stay int8); the GGUF kernels then run them",
+        QUANTIZATIONS,
     )
     threads: int | None = _opt(
         None, "CPU threads for torch ops (default: 1 for models under 50M parameters, else every core)"
@@ -155,6 +162,7 @@ class EngineConfig:
     attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
     device: str = "cpu"
     kernels: str = "torch"  # "native" | "torch": how quantized weights are multiplied (kernels/)
+    quantization: str | None = None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
     tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
     speculative: str | None = None  # "mtp": draft with the MTP layer, verify in one target forward
     num_speculative_tokens: int = 0  # k drafts per decoding request per step (0 without speculation)
@@ -181,6 +189,7 @@ def resolve(
     (gguf_weights applies)."""
     log = ProvenanceLog()
     device = _device(opts.device, log)
+    quantization = _quantization(opts.quantization, log)
     kernels = _kernels(opts.kernels, device, native_kernels, log)
     dtype = _dtype(opts.dtype, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
@@ -233,6 +242,7 @@ def resolve(
         attention_backend=backend,
         device=device,
         kernels=kernels,
+        quantization=quantization,
         tensor_parallel_size=opts.tensor_parallel_size,
         speculative=speculative,
         num_speculative_tokens=num_spec,
@@ -305,6 +315,14 @@ def _device(requested: str, log: ProvenanceLog) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but torch sees no CUDA device (a CPU build of torch, or no GPU)")
     return log.record("device", requested, "user option")
+
+
+def _quantization(requested: str | None, log: ProvenanceLog) -> str | None:
+    _choice("quantization", requested, QUANTIZATIONS)
+    if requested is None:
+        return log.record("quantization", None, "engine default (None: weights as the checkpoint stores them)")
+    blocks = "Q8_0" if requested == "int8" else "Q4_0 (embedding and lm_head Q8_0)"
+    return log.record("quantization", requested, f"user option: float weights put into {blocks} blocks at load")
 
 
 def _kernels(requested: str, device: str, probe, log: ProvenanceLog) -> str:

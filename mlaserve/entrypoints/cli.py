@@ -344,6 +344,8 @@ def _inspect(args) -> int:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
     if llm.loaded.gguf is not None:
         print("\nGGUF weights:\n" + format_table(llm.loaded.gguf.settings()))
+    if llm.loaded.quantized_at_load:
+        print("\nquantized at load:\n" + format_table(llm.loaded.quantized_at_load))
     for echo in getattr(llm.runner, "rank_echoes", []):  # tensor parallel: every rank, as it reported
         print(
             f"rank {echo['rank']}: {echo['num_local_heads']} heads, {echo['vocab_rows']} vocabulary rows, "

@@ -11,6 +11,7 @@ from torch import nn
 
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
+from mlaserve.config.provenance import Setting
 from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
@@ -18,6 +19,7 @@ from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
+from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
@@ -33,6 +35,7 @@ class LoadedModel:
     generation_config: dict  # the folder's generation_config.json ({} when absent): sampling defaults
     quant: QuantPlan | None = None  # which modules hold quantized weights (None: an unquantized checkpoint)
     gguf: GGUFPlan | None = None  # a GGUF's modules kept in their ggml blocks (None: not kept / not GGUF)
+    quantized_at_load: tuple[Setting, ...] = ()  # quantization=int8|int4: what became which blocks, what stayed
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -116,12 +119,24 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         scheme = parse_quantization(hf_config)
         source, skipped = SafetensorsSource(path), []
         tokenizer = _folder_tokenizer(path, model_cfg)
-    probe = _native_probe if scheme is not None or _has_gguf_blocks(source) else None
+    quantized = scheme is not None or _has_gguf_blocks(source) or opts.quantization is not None
+    probe = _native_probe if quantized else None
     engine_cfg = resolve(
         model_cfg, opts, has_indexer_weights(source.names()), native_kernels=probe, gguf=path.is_file()
     )
+    if engine_cfg.quantization is not None and (scheme is not None or _has_gguf_blocks(source)):
+        stored = f"{scheme.method} {scheme.fmt}" if scheme is not None else "GGUF block-quantized"
+        raise ConfigError(
+            f"{path}: quantization={engine_cfg.quantization!r} is for float checkpoints; this one is already "
+            f"{stored} (its stored blocks are used as they are)"
+        )
     if engine_cfg.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.tensor_parallel_size)
+        if engine_cfg.quantization is not None:
+            raise ConfigError(
+                f"{path}: quantization={engine_cfg.quantization!r} with tensor_parallel_size="
+                f"{engine_cfg.tensor_parallel_size} is not supported yet (each rank would quantize its slices)"
+            )
         if engine_cfg.speculative is not None:
             raise ConfigError(
                 f"{path}: speculative={engine_cfg.speculative!r} with tensor_parallel_size="
@@ -164,6 +179,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     report = load_weights(model, source, model_cfg, progress)
     if gguf_plan is not None:
         report.notes.append(gguf_plan.summary())
+    quantized_at_load: tuple[Setting, ...] = ()
+    if engine_cfg.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module
+        quantized_at_load = quantize_model(model, engine_cfg.quantization, engine_cfg.dtype)
+        report.notes.append(f"quantization={engine_cfg.quantization}: {len(quantized_at_load)} module kind(s) listed")
     _set_kernels(model, engine_cfg.kernels)
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
@@ -183,7 +202,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     gen_path = path / "generation_config.json" if path.is_dir() else None
     gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
-    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan)
+    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan, quantized_at_load)
 
 
 def _native_probe() -> tuple[bool, str]:
