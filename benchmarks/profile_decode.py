@@ -1,6 +1,6 @@
 """Where mlaserve's decode step spends its time, at batch 1 and batch 16 (torch.profiler).
 
-    python benchmarks/profile_decode.py [--quick] [--dtype float32] [--threads 2] [--steps 8] [--prompt 128]
+    python benchmarks/profile_decode.py [--quick] [--dtype float32] [--threads 2] [--steps 8] [--prompt 128] [--model X.gguf]
 
 Real requests go through the engine (scheduler, forward, sampler): B prompts are prefilled, then
 `--steps` pure-decode `engine.step()` calls are profiled. Named scopes are added from outside, by
@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -40,6 +41,9 @@ SCOPES = [
     ("mlaserve.models.layers", "RMSNorm", "forward", "rmsnorm (all)"),
     ("mlaserve.models.deepseek", "MLAForCausalLM", "logits", "lm_head (logits)"),
     ("mlaserve.engine.engine", "Engine", "_sample", "sampling"),
+    ("mlaserve.quant.ggml_linear", "GGUFLinear", "forward", "gguf linear (blocks kept)"),
+    ("mlaserve.quant.ggml_linear", "GGUFExperts", "forward", "gguf routed experts (blocks kept)"),
+    ("mlaserve.quant.ggml_linear", "GGUFEmbedding", "forward", "gguf embedding lookup"),
 ]
 
 
@@ -127,9 +131,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--batches", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--model", default=None, help="a folder or .gguf instead of the standard model (e.g. its Q8_0 GGUF)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    folder = ensure_model("standard", args.quick)
+    folder = args.model or ensure_model("standard", args.quick)
     from mlaserve import LLM
 
     llm = LLM(
@@ -142,7 +147,7 @@ def main() -> None:
     )
     vocab = llm.config.model.vocab_size
     undo = install_scopes()
-    tag = "-quick" if args.quick else ""
+    tag = ("-quick" if args.quick else "") + ("-" + Path(args.model).stem if args.model else "")
     out = {
         "dtype": args.dtype,
         "threads": args.threads,
