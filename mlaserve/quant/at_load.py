@@ -53,8 +53,8 @@ def quantize_model(model: nn.Module, scheme: str, dtype: torch.dtype) -> tuple[S
             kind = name.rsplit(".", 1)[-1]
             t = Q8_0 if name in _EIGHT_BITS or name.endswith(".embed_tokens") else main
             if type(module) is nn.Linear:
-                if kind in DENSE_AT_LOAD:
-                    dense.setdefault(DENSE_AT_LOAD[kind], []).append(name)
+                if kind in DENSE_AT_LOAD:  # same reasons as a quantized checkpoint's, said for a float one
+                    dense.setdefault(DENSE_AT_LOAD[kind].replace("dequantized at load", "kept float"), []).append(name)
                 elif module.in_features % BLOCK:
                     dense.setdefault(
                         f"kept dense: rows of {module.in_features} are not whole {BLOCK}-blocks", []
@@ -76,7 +76,7 @@ def quantize_model(model: nn.Module, scheme: str, dtype: torch.dtype) -> tuple[S
             elif type(module) is Experts:
                 e, two_i, d = module.gate_up_proj.shape
                 if d % BLOCK or (two_i // 2) % BLOCK:
-                    dense.setdefault(f"kept dense: expert rows are not whole {BLOCK}-blocks", []).append(name)
+                    dense.setdefault(f"kept float: expert rows are not whole {BLOCK}-value blocks", []).append(name)
                     continue
                 new = GGUFExperts(d, e, two_i // 2, main, main, module.gate_up_proj.device)
                 new.impl = module.impl
