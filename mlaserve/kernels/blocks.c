@@ -8,7 +8,9 @@
    Compiled with -ffp-contract=off so that no a*b-c of a decoder becomes a fused multiply-add;
    the dot products use explicit FMA intrinsics where AVX2 is there.
 
-   Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first).
+   Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
+   as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
+   torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0, or -1 for a type this file does not decode (the caller falls back to torch). */
 
 #include <stdint.h>
@@ -493,13 +495,13 @@ static int decode_row(int type, row_fn fn, const uint8_t *w, const fp8_scales *f
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W [N] rows of row_bytes */
 int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
              int64_t row_bytes, const float *scale, int64_t bn, int64_t kb, int64_t bk, int64_t part_rows,
-             float *y, int64_t ldy) {
+             float *y, int64_t ldy, int threads) {
     row_fn fn = ggml_row(type);
     if (!fn && type != MLS_FP8_E4M3) return -1;
     if (k > MAX_K) return -2;
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)k);
 #pragma omp for schedule(static)
@@ -518,14 +520,14 @@ int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const 
 int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                      int64_t expert_stride, const float *scale, int64_t scale_expert_stride, int64_t bn,
                      int64_t kb, int64_t bk, int64_t part_rows, const int64_t *experts, const int64_t *starts,
-                     int64_t groups, float *y) {
+                     int64_t groups, float *y, int threads) {
     row_fn fn = ggml_row(type);
     if (!fn && type != MLS_FP8_E4M3) return -1;
     if (k > MAX_K) return -2;
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
     const int64_t items = groups * n;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)k);
 #pragma omp for schedule(static)
@@ -542,14 +544,14 @@ int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int6
 
 /* out [N, K] fp32 = the decoded rows (prefill: decode once, then the BLAS GEMM) */
 int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const float *scale, int64_t bn,
-                   int64_t kb, int64_t bk, int64_t part_rows, int64_t k, float *out) {
+                   int64_t kb, int64_t bk, int64_t part_rows, int64_t k, float *out, int threads) {
     row_fn fn = ggml_row(type);
     if (!fn && type != MLS_FP8_E4M3) return -1;
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) decode_row(type, fn, w + r * row_bytes, &f, scale, r, out + r * k, k);
     return 0;
 }
 
-int mls_abi_version(void) { return 1; }
+int mls_abi_version(void) { return 2; }

@@ -78,10 +78,11 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             return None, f"{cc} could not build {SOURCE.name}: {run.stderr.strip()[:400]}"
         os.replace(tmp, out)  # atomic: concurrent builders (tensor-parallel ranks) agree
     lib = ctypes.CDLL(str(out))
-    if lib.mls_abi_version() != 1:
+    if lib.mls_abi_version() != 2:
         return None, f"{out}: unexpected ABI version"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.mls_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64]
+    c_int = ctypes.c_int
+    lib.mls_gemm.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
     lib.mls_grouped_gemm.argtypes = [
         ctypes.c_int,
         ptr,
@@ -101,7 +102,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         i64,
         ptr,
     ]
-    lib.mls_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr]
+    lib.mls_dequantize.argtypes = [c_int, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, c_int]
     return lib, str(out)
 
 
@@ -147,7 +148,18 @@ def gemm(type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: Fp8Grid |
     m, n = x.shape[0], w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.mls_gemm(
-        type_id, x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], *_grid_args(grid, n), y.data_ptr(), n
+        type_id,
+        x.data_ptr(),
+        m,
+        k,
+        k,
+        w.data_ptr(),
+        n,
+        w.shape[-1],
+        *_grid_args(grid, n),
+        y.data_ptr(),
+        n,
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"native gemm refused type {type_id} (rc {rc})")
@@ -187,6 +199,7 @@ def grouped_gemm(
         starts.data_ptr(),
         experts.shape[0],
         y.data_ptr(),
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"native grouped gemm refused type {type_id} (rc {rc})")
@@ -198,7 +211,9 @@ def dequantize(type_id: int, w: torch.Tensor, k: int, grid: Fp8Grid | None = Non
     lib = library()
     n = w.shape[0]
     out = torch.empty(n, k, dtype=torch.float32)
-    rc = lib.mls_dequantize(type_id, w.data_ptr(), n, w.shape[-1], *_grid_args(grid, n), k, out.data_ptr())
+    rc = lib.mls_dequantize(
+        type_id, w.data_ptr(), n, w.shape[-1], *_grid_args(grid, n), k, out.data_ptr(), torch.get_num_threads()
+    )
     if rc != 0:
         raise RuntimeError(f"native dequantize refused type {type_id} (rc {rc})")
     return out
