@@ -285,3 +285,180 @@ def print_table(headers: list[str], rows: list[list]) -> str:
     text = "\n".join(lines)
     print(text)
     return text
+
+
+# -- a GGUF of the standard model ----------------------------------------------------------------------
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (bytes_to_unicode), in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2: the configs' bos / eos / pad ids
+
+
+def synthetic_tokenizer(vocab_size: int) -> dict:
+    """A byte-level BPE tokenizer.json with exactly `vocab_size` tokens, for models with random
+    weights and no tokenizer: ids 0-2 the special tokens, then the 256 byte tokens (GPT-2's byte
+    alphabet), then merges of two byte tokens (printable ASCII pairs first) up to the vocab size.
+    Plain GPT-2 pre-tokenizer (ByteLevel, its regex, no prefix space), so `mlaserve convert` writes
+    tokenizer.ggml.pre = "gpt-2", which llama.cpp knows. Text round-trips; the ids mean nothing."""
+    chars = _byte_chars()
+    n_merges = vocab_size - len(SPECIAL_TOKENS) - 256
+    if n_merges < 0 or n_merges > 256 * 256:
+        raise ValueError(f"vocab_size {vocab_size}: a synthetic tokenizer needs 259..{259 + 65536} tokens")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for c in chars:
+        vocab[c] = len(vocab)
+    order = [b for b in range(32, 127)] + [b for b in range(256) if not 32 <= b < 127]
+    merges = []
+    for a in order:
+        for b in order:
+            if len(merges) == n_merges:
+                break
+            merges.append([chars[a], chars[b]])
+            vocab[chars[a] + chars[b]] = len(vocab)
+    assert len(vocab) == vocab_size
+    added = [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, t in enumerate(SPECIAL_TOKENS)
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    }
+
+
+def with_tokenizer(folder: Path) -> Path:
+    """A sibling folder `<folder>-tok` holding links to the folder's config.json and
+    model.safetensors plus a synthetic tokenizer.json (what `mlaserve convert` needs)."""
+    out = folder.with_name(folder.name + "-tok")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        link = out / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(os.path.relpath(folder / name, out))
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tj = out / "tokenizer.json"
+    if not tj.exists() or len(json.loads(tj.read_text())["model"]["vocab"]) != vocab:
+        tj.write_text(json.dumps(synthetic_tokenizer(vocab), ensure_ascii=False))
+    return out
+
+
+def gguf_path(folder: Path, outtype: str) -> Path:
+    return folder.with_name(f"{folder.name}-{outtype}.gguf")
+
+
+def ensure_gguf(folder: Path, outtype: str = "q8_0") -> Path:
+    """`mlaserve convert --outtype <outtype>` of the model folder (with a synthetic tokenizer), cached
+    beside it; rebuilt when the folder's weights or config are newer than the file."""
+    from mlaserve.gguf.convert.convert import convert_hf_to_gguf
+
+    out = gguf_path(folder, outtype)
+    newest = max((folder / n).stat().st_mtime for n in ("config.json", "model.safetensors"))
+    if out.exists() and out.stat().st_mtime > newest:
+        return out
+    src = with_tokenizer(folder)
+    tmp = out.with_suffix(".gguf.partial")
+    t0 = time.perf_counter()
+    print(f"[build] mlaserve convert {src.name} -> {out.name} (--outtype {outtype}) ...", flush=True)
+    report = convert_hf_to_gguf(src, tmp, outtype)
+    tmp.replace(out)
+    types: dict[str, int] = {}
+    for t in report.tensors.values():
+        types[t] = types.get(t, 0) + 1
+    print(
+        f"[build] done in {time.perf_counter() - t0:.0f} s: {out.stat().st_size / 2**20:.0f} MiB, {types}", flush=True
+    )
+    return out
+
+
+# -- the batch-1 roofline --------------------------------------------------------------------------------
+def copy_bandwidth_gbs(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """Memory copy bandwidth (STREAM "copy" convention: bytes read + bytes written, per second) of
+    `dst.copy_(src)` on float32 buffers far larger than the caches, best of `reps`."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = min(timed(lambda: dst.copy_(src), reps, 1)["all_s"])
+    torch.set_num_threads(prev)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def _active_share(name: str, cfg: dict) -> float:
+    """The share of a tensor a batch-1 decode step reads: routed experts k of E, the embedding one row."""
+    if ".mlp.experts." in name or "_exps." in name:
+        return cfg["num_experts_per_tok"] / cfg["n_routed_experts"]
+    if name in ("model.embed_tokens.weight", "token_embd.weight"):
+        return 1 / cfg["vocab_size"]
+    return 1.0
+
+
+def active_weight_bytes(path: Path, dtype_bytes: int | None = None) -> dict:
+    """Weight bytes (and parameters) a batch-1 decode step reads: every tensor but the routed
+    experts (k of E per layer) and the embedding (one row). A model folder: its safetensors at
+    `dtype_bytes` per value (the engine's dtype); a GGUF: each tensor's stored bytes."""
+    cfg_src = path if path.is_dir() else None
+    params = nbytes = 0.0
+    if cfg_src is not None:
+        from safetensors import safe_open
+
+        cfg = json.loads((path / "config.json").read_text())
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            for k in f.keys():
+                n = _prod(f.get_slice(k).get_shape()) * _active_share(k, cfg)
+                params += n
+                nbytes += n * dtype_bytes
+    else:
+        from mlaserve.gguf.read.file import open_gguf
+
+        gf = open_gguf(path)
+        md = gf.metadata
+        arch = md["general.architecture"]
+        cfg = {
+            "num_experts_per_tok": md[f"{arch}.expert_used_count"],
+            "n_routed_experts": md[f"{arch}.expert_count"],
+            "vocab_size": len(md["tokenizer.ggml.tokens"]),
+        }
+        for name, info in gf.tensors.items():
+            share = _active_share(name, cfg)
+            params += _prod(info.ne) * share
+            nbytes += info.nbytes * share
+        gf.close()
+    return {"params": int(params), "bytes": int(nbytes)}

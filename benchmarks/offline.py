@@ -1,18 +1,32 @@
-"""Offline benchmark: mlaserve vs Hugging Face transformers on the same random weights, same dtype,
-same thread count, in one run (the two are interleaved metric by metric, so background load hits
-both alike).
+"""Offline benchmark: mlaserve vs llama.cpp vs Hugging Face transformers on the same random weights,
+same thread count, in one run.
 
     python benchmarks/offline.py [--dtype float32|bfloat16] [--quick] [--threads 2]
+                                 [--gguf auto|PATH|none] [--engines mlaserve mlaserve-gguf llama.cpp transformers]
+
+Engines (each in its own process, so each one's peak RSS is its own; the metrics are interleaved
+engine by engine, so background load hits all alike; `--sequential` runs one engine at a time):
+  mlaserve        mlaserve on the safetensors folder, --dtype
+  mlaserve-gguf   mlaserve on the GGUF (`--gguf auto`: the folder converted once by `mlaserve convert
+                  --outtype q8_0`, with a synthetic tokenizer; cached under benchmarks/models/)
+  llama.cpp       llama.cpp (llama-cpp-python's low-level API) on the same GGUF
+  transformers    transformers on the safetensors folder, --dtype
+An mlaserve engine takes engine options after a colon: `mlaserve-gguf:kernels=torch`,
+`mlaserve:quantization=int4` (any `LLM(...)` keyword; the column is named by the whole spec).
 
 Measures (see benchmarks/README.md for the exact definitions):
   prefill tokens/s        one 512-token prompt, end to end to its first token
-  decode tokens/s (B=1)   128-token prompt, 64 new tokens: (n-1) / (last token time - first token time)
-  output tokens/s (B=16)  16 concurrent requests, prompt 128, 128 new tokens: 16*128 / wall time
+  decode tokens/s (B=1)   128-token prompt, 64 new tokens: (n-1) / (last token time - first token time);
+                          and the same after a 2048-token prompt (16 new tokens)
+  output tokens/s (B=4, 16)  4 / 16 concurrent requests, prompt 128, 128 new tokens: B*128 / wall time
+                          (prefill included); decode-only: B*127 / (wall time - time to the last first token)
+  peak RSS                VmHWM of each engine's process at the end of the run
   KV bytes per token      mlaserve: its latent cache's allocated bytes / rows; transformers: what its
                           DynamicCache holds after a generate / (batch * cached tokens)
   decode step vs context  one single-token forward at context 128/512/1024/2048 over a synthetic
-                          cache (same rows for both engines), logits for that token only
-llama.cpp is measured when `llama_cpp` is importable and --gguf names a GGUF of the same weights.
+                          cache (same rows for every engine that has one), logits for that token only
+  batch-1 roofline        copy bandwidth / weight bytes one decode step reads (attention, dense and
+                          shared MLP, k of E routed experts, lm_head; one embedding row)
 Results: a table on stdout and benchmarks/results/offline-<dtype>[-quick].json.
 """
 
@@ -23,27 +37,14 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    count_params,
-    ensure_model,
-    environment,
-    fill_mlaserve_cache,
-    fmt,
-    mem_available_gib,
-    print_table,
-    random_prompt,
-    rss_gib,
-    timed,
-    write_json,
-)
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
 
 FULL = dict(
     prefill_len=512,
@@ -51,7 +52,10 @@ FULL = dict(
     dec_prompt=128,
     dec_new=64,
     dec_reps=2,
-    conc=16,
+    long_prompt=2048,
+    long_new=16,
+    long_reps=1,
+    concs=[4, 16],
     conc_prompt=128,
     conc_new=128,
     conc_reps=1,
@@ -65,7 +69,10 @@ QUICK = dict(
     dec_prompt=32,
     dec_new=8,
     dec_reps=1,
-    conc=16,
+    long_prompt=256,
+    long_new=4,
+    long_reps=1,
+    concs=[4, 16],
     conc_prompt=32,
     conc_new=8,
     conc_reps=1,
@@ -74,92 +81,189 @@ QUICK = dict(
     step_warmup=1,
 )
 PAGE_SIZE = 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("bfloat16", "float32")
+KINDS = {  # engine kind -> which copy of the weights it reads
+    "mlaserve": "folder",
+    "mlaserve-gguf": "gguf",
+    "llama.cpp": "gguf",
+    "transformers": "folder",
+}
+DEFAULT_ENGINES = ["mlaserve", "mlaserve-gguf", "llama.cpp", "transformers"]
+# GGUF types an engine can name (`llama.cpp@q4_0`): q8_0 is written by `mlaserve convert`; the others by
+# llama.cpp's own quantizer (llama_model_quantize) from that Q8_0 file, so they need llama-cpp-python.
+GGUF_TYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype values
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36 (see benchmarks/README.md)"
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="mlaserve (folder) and transformers dtype")
     p.add_argument("--quick", action="store_true", help="2-layer model, short prompts: a smoke test, not a benchmark")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both engines (spec: 2)")
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--threads", type=int, default=2, help="threads for every engine (torch / llama.cpp; spec: 2)")
     p.add_argument(
-        "--gguf", default=None, help="GGUF of the same weights for llama.cpp (used only if llama_cpp imports)"
+        "--engines",
+        nargs="+",
+        default=DEFAULT_ENGINES,
+        metavar="SPEC",
+        help=f"engines to run, each KIND[:option=value,...] with KIND in {', '.join(KINDS)} (default: all four)",
     )
+    p.add_argument("--skip-transformers", action="store_true", help="drop transformers from --engines")
+    p.add_argument(
+        "--gguf",
+        default="auto",
+        help="GGUF of the same weights for mlaserve-gguf and llama.cpp: auto (convert the folder to Q8_0 "
+        "once, cached), a path, or none (drop the GGUF engines)",
+    )
+    p.add_argument("--sequential", action="store_true", help="one engine process at a time (less memory)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<dtype>[-quick].json)")
-    return p.parse_args()
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one engine
+    p.add_argument("--worker-args", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--quantize", nargs=3, default=None, help=argparse.SUPPRESS)  # internal: SRC DST TYPE
+    return p.parse_args(argv)
 
 
-# -- mlaserve --------------------------------------------------------------------------------------------
-class MlaServe:
-    name = "mlaserve"
+def parse_spec(spec: str) -> tuple[str, str, dict]:
+    """'kind[@gguf type][:k=v,k=v]' -> (kind, weights, options). weights: "folder", or the GGUF's type
+    (q8_0 unless named). Option values: ints, floats, true/false/none, else strings."""
+    head, _, rest = spec.partition(":")
+    kind, at, qtype = head.partition("@")
+    if kind not in KINDS:
+        raise SystemExit(f"--engines: unknown engine {kind!r} (choose from {', '.join(KINDS)})")
+    if KINDS[kind] == "folder":
+        if at:
+            raise SystemExit(f"--engines {spec}: {kind} reads the safetensors folder, not a GGUF type")
+        weights = "folder"
+    else:
+        weights = qtype.lower() if at else "q8_0"
+        if weights not in GGUF_TYPES:
+            raise SystemExit(f"--engines {spec}: GGUF type {weights!r} (choose from {', '.join(GGUF_TYPES)})")
+    opts: dict = {}
+    for item in filter(None, rest.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--engines {spec}: options are key=value")
+        low = v.lower()
+        if low in ("true", "false", "none"):
+            opts[k] = {"true": True, "false": False, "none": None}[low]
+        else:
+            for conv in (int, float, str):
+                try:
+                    opts[k] = conv(v)
+                    break
+                except ValueError:
+                    pass
+    if opts and not kind.startswith("mlaserve"):
+        raise SystemExit(f"--engines {spec}: only mlaserve engines take options")
+    return kind, weights, opts
 
-    def __init__(self, folder, dtype: str, settings: dict) -> None:
+
+def proc_status_gib(field: str) -> float:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+# =====================================================================================================
+# workers: one engine each, in its own process
+# =====================================================================================================
+# Every worker answers the same calls:
+#   generate(prompts, new) -> {wall_s, first_s, rate_b1, ids}: wall_s the whole call, first_s the
+#       time until every request has its first token (so wall_s - first_s is the decode phase),
+#       rate_b1 (one prompt only) = (n-1) / (last token time - first token time), ids the first
+#       request's output tokens (greedy).
+#   kv_bytes() -> {...} | None;  step_times(contexts, reps, warmup) -> {context: ms} | None;
+#   info() -> what the engine chose (provenance, versions).
+
+
+class MlaServeWorker:
+    def __init__(self, path: str, dtype: str, threads: int, s: dict, options: dict) -> None:
+        import torch
+
         from mlaserve import LLM
 
+        torch.set_num_threads(threads)
         need = max(
-            settings["conc"] * math.ceil((settings["conc_prompt"] + settings["conc_new"]) / PAGE_SIZE),
-            math.ceil((max(settings["contexts"]) + 1) / PAGE_SIZE),
-            math.ceil((settings["prefill_len"] + 1) / PAGE_SIZE),
+            max(s["concs"]) * math.ceil((s["conc_prompt"] + s["conc_new"]) / PAGE_SIZE),
+            math.ceil((max(s["contexts"]) + 1) / PAGE_SIZE),
+            math.ceil((s["long_prompt"] + s["long_new"]) / PAGE_SIZE),
+            math.ceil((s["prefill_len"] + 1) / PAGE_SIZE),
         )
-        self.llm = LLM(
-            model=str(folder),
+        kw = dict(
             dtype=dtype,
             page_size=PAGE_SIZE,
             max_num_batched_tokens=2048,
-            max_num_seqs=max(16, settings["conc"]),
+            max_num_seqs=max(16, *s["concs"]),
             num_pages=need + 16,
-            threads=torch.get_num_threads(),  # the benchmark's --threads
+            threads=threads,  # the benchmark's --threads
             malloc_tuning=True,  # as the CLI and server run
         )
-        self.vocab = self.llm.config.model.vocab_size
+        kw.update(options)
+        self.llm = LLM(model=path, **kw)
+        self.options = options
 
-    def _params(self, n: int):
+    def generate(self, prompts: list[list[int]], new: int) -> dict:
         from mlaserve.sampling.params import SamplingParams
 
-        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-    def generate(self, prompts: list[list[int]], new: int):
-        outs = self.llm.generate(prompts, self._params(new))
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        wall = time.perf_counter() - t0
         cached = sum(o.metrics.get("num_cached_prompt_tokens", 0) or 0 for o in outs)
         if cached:
             raise RuntimeError(f"prefix cache hit ({cached} tokens): the prompts must be distinct")
-        return outs
+        return {
+            "wall_s": wall,
+            "first_s": max(o.metrics["time_to_first_token"] for o in outs),
+            "rate_b1": outs[0].metrics.get("tokens_per_s") if len(outs) == 1 else None,
+            "ids": list(outs[0].outputs[0].token_ids),
+        }
 
-    def decode_rate(self, prompt: list[int], new: int) -> tuple[float, list[int]]:
-        out = self.generate([prompt], new)[0]
-        return out.metrics["tokens_per_s"], list(out.outputs[0].token_ids)
-
-    def kv_bytes_per_token(self) -> dict:
+    def kv_bytes(self) -> dict:
         from mlaserve.executor.latent_cache import LatentCache
 
-        cache = self.llm.runner.cache
         cfg = self.llm.config
         return {
-            "measured": cache.measured_bytes_per_token(),
+            "measured": self.llm.runner.cache.measured_bytes_per_token(),
             "formula": LatentCache.bytes_per_token(cfg.model, cfg.dtype, with_indexer=cfg.sparse),
             "what": "allocated latent-cache tensor bytes / cache rows (all layers; [c_kv | k_pe] per token)",
         }
 
-    def step_times(self, contexts: list[int], reps: int, warmup: int) -> tuple[dict, dict]:
+    def step_times(self, contexts: list[int], reps: int, warmup: int) -> dict:
         """Single-token decode forward over a synthetic cache at each context length."""
+        from common import fill_mlaserve_cache, timed
+
         from mlaserve.executor.forward_batch import SeqChunk
 
-        n_max = max(contexts)
         pool = self.llm.engine.pool
-        pages = pool.allocate(math.ceil((n_max + 1) / PAGE_SIZE))
+        pages = pool.allocate(math.ceil((max(contexts) + 1) / PAGE_SIZE))
         try:
-            rows = fill_mlaserve_cache(self.llm, pages, n_max)
+            fill_mlaserve_cache(self.llm, pages, max(contexts))
             out = {}
             for n in contexts:
                 chunk = SeqChunk("ctx", (5,), n, tuple(pages[: math.ceil((n + 1) / PAGE_SIZE)]))
-                out[n] = timed(lambda: self.llm.runner.execute([chunk]), reps, warmup)
+                out[n] = timed(lambda: self.llm.runner.execute([chunk]), reps, warmup)["median_s"] * 1e3
         finally:
             pool.release(pages)
-        return out, rows
+        gc.collect()
+        return out
+
+    def info(self) -> dict:
+        import torch
+
+        import mlaserve
+
+        wanted = ("dtype", "threads", "kernels", "gguf_weights", "quantization", "attention", "mla_path")
+        prov = {s.name: [str(s.value), s.source] for s in self.llm.config.all_provenance() if s.name in wanted}
+        return {
+            "mlaserve": getattr(mlaserve, "__version__", None),
+            "torch": torch.__version__,
+            "options": self.options,
+            "provenance": prov,
+        }
 
 
-# -- transformers ----------------------------------------------------------------------------------------
 class _Stamps:
     """A logits processor that records when each generation step's logits arrive."""
 
@@ -171,26 +275,26 @@ class _Stamps:
         return scores
 
 
-class HF:
-    name = "transformers"
-
-    def __init__(self, folder, dtype: str) -> None:
+class HFWorker:
+    def __init__(self, path: str, dtype: str, threads: int, s: dict, options: dict) -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
+        torch.set_num_threads(threads)
+        from mlaserve.platform.allocator import keep_freed_memory
+
+        keep_freed_memory()  # the allocator policy mlaserve's process runs with (was shared in one process)
         self.model, info = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=DTYPES[dtype], output_loading_info=True
+            path, dtype=getattr(torch, dtype), output_loading_info=True
         )
         bad = {k: v for k, v in info.items() if v}
         if bad:
             raise RuntimeError(f"transformers did not load the folder cleanly: {bad}")
         self.model.eval()
-        cfg = self.model.config
-        self.impl = {
-            "attn_implementation": cfg._attn_implementation,
-            "experts_implementation": getattr(cfg, "_experts_implementation", None),
-        }
+        self.kv = None
 
-    def generate(self, prompts: list[list[int]], new: int, stamps: _Stamps | None = None, return_cache=False):
+    def generate(self, prompts: list[list[int]], new: int) -> dict:
+        import torch
         from transformers import LogitsProcessorList
 
         # left padding + attention mask (a no-op when all prompts have the same length, as here)
@@ -200,22 +304,26 @@ class HF:
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2, return_dict_in_generate=True)
-        if stamps is not None:
-            kw["logits_processor"] = LogitsProcessorList([stamps])
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **kw)
-        return out
-
-    def decode_rate(self, prompt: list[int], new: int) -> tuple[float, list[int], object]:
         st = _Stamps()
-        out = self.generate([prompt], new, st)
-        rate = (len(st.t) - 1) / (st.t[-1] - st.t[0])
-        cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
-        return rate, out.sequences[0, len(prompt) :].tolist(), cache
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2, return_dict_in_generate=True)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, logits_processor=LogitsProcessorList([st]), **kw
+            )
+        wall = time.perf_counter() - t0
+        if len(prompts) == 1 and self.kv is None:
+            cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+            self.kv = self._kv_bytes(cache, 1)
+        return {
+            "wall_s": wall,
+            "first_s": st.t[0] - t0,
+            "rate_b1": (len(st.t) - 1) / (st.t[-1] - st.t[0]) if len(prompts) == 1 and len(st.t) > 1 else None,
+            "ids": out.sequences[0, width:].tolist(),
+        }
 
     @staticmethod
-    def kv_bytes_per_token(cache, batch: int) -> dict:
+    def _kv_bytes(cache, batch: int) -> dict:
         total, seq = 0, None
         for layer in cache.layers:
             for t in (layer.keys, layer.values):
@@ -229,11 +337,26 @@ class HF:
             "what": "sum over DynamicCache layers of keys+values bytes / (batch * cached tokens)",
         }
 
-    def step_times(self, contexts: list[int], rows: dict, reps: int, warmup: int) -> dict:
+    def kv_bytes(self) -> dict | None:
+        return self.kv
+
+    def step_times(self, contexts: list[int], reps: int, warmup: int) -> dict:
+        """The same synthetic rows as mlaserve's (same generator, same order, same norm weights)."""
+        import torch
+        from common import synthetic_latent_rows, timed
         from transformers import DynamicCache
 
         cfg = self.model.config
-        r = cfg.kv_lora_rank
+        r, n_max = cfg.kv_lora_rank, max(contexts)
+        dtype = self.model.dtype
+        g = torch.Generator().manual_seed(1)
+        rows = {}
+        for i, layer in enumerate(self.model.model.layers):
+            attn = layer.self_attn
+            shim = type("Attn", (), {})()
+            shim.cfg = type("Cfg", (), {"kv_lora_rank": r, "qk_rope_head_dim": cfg.qk_rope_head_dim})()
+            shim.kv_a_layernorm = attn.kv_a_layernorm
+            rows[i] = synthetic_latent_rows(n_max, shim, dtype, g)
         out = {}
         for n in contexts:
             cache = DynamicCache(config=cfg)
@@ -247,73 +370,372 @@ class HF:
                     self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
                 cache.crop(-1)  # back to n tokens: every timed step sees the same context
 
-            out[n] = timed(step, reps, warmup)
+            out[n] = timed(step, reps, warmup)["median_s"] * 1e3
             assert cache.get_seq_length() == n
+        del rows
+        gc.collect()
         return out
 
+    def info(self) -> dict:
+        import torch
+        import transformers
 
-# -- llama.cpp -------------------------------------------------------------------------------------------
-def llama_cpp_status(gguf: str | None) -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "not installed"
-    if not gguf:
-        return "installed, no --gguf given"
-    return None
+        cfg = self.model.config
+        return {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "attn_implementation": cfg._attn_implementation,
+            "experts_implementation": getattr(cfg, "_experts_implementation", None),
+        }
 
 
-def run_llama_cpp(gguf: str, settings: dict, threads: int) -> dict:
-    """Untested here (llama_cpp was not installed where this was written): prefill and batch-1 decode."""
-    from llama_cpp import Llama
+class LlamaCppWorker:
+    """llama.cpp through llama-cpp-python's low-level C API (no torch in this process): one context per
+    batch shape (n_seq_max = the number of requests, n_ctx = n_seq_max x the padded per-request
+    length), all prompts decoded in one batch (split at n_batch tokens), then one token per
+    sequence per llama_decode until done, greedy (argmax of each sequence's logits): the scheme
+    of llama.cpp's `llama-batched-bench`."""
 
-    lm = Llama(model_path=gguf, n_threads=threads, n_ctx=4096, n_batch=512, verbose=False)
-    prompt = random_prompt(settings["prefill_len"], lm.n_vocab(), 900)
-    lm.reset()
+    N_BATCH, N_UBATCH = 2048, 512  # llama.cpp's defaults
+
+    def __init__(self, path: str, dtype: str, threads: int, s: dict, options: dict) -> None:
+        import llama_cpp as lc
+        import numpy as np
+
+        self.lc, self.np, self.threads = lc, np, threads
+        self._keep_log = lc.llama_log_callback(self._log)
+        lc.llama_log_set(self._keep_log, None)
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(path.encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path} (its log above says why)")
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.ctx, self.ctx_shape, self.batch = None, None, None
+        self.use_mmap = bool(mp.use_mmap)
+
+    @staticmethod
+    def _log(level, text, user_data) -> None:
+        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
+            sys.stderr.write("[llama.cpp] " + text.decode(errors="replace"))
+
+    def _context(self, n_seq: int, per_seq: int):
+        lc = self.lc
+        per_seq = -(-per_seq // 256) * 256
+        if self.ctx_shape != (n_seq, per_seq):
+            if self.ctx is not None:
+                lc.llama_free(self.ctx)
+                lc.llama_batch_free(self.batch)
+                self.ctx = None
+            cp = lc.llama_context_default_params()
+            cp.n_ctx = n_seq * per_seq
+            cp.n_batch, cp.n_ubatch, cp.n_seq_max = self.N_BATCH, self.N_UBATCH, n_seq
+            cp.n_threads = cp.n_threads_batch = self.threads
+            cp.no_perf = True
+            self.ctx = lc.llama_init_from_model(self.model, cp)
+            if not self.ctx:
+                raise RuntimeError(f"llama_init_from_model failed (n_ctx {cp.n_ctx}, n_seq_max {n_seq})")
+            self.batch = lc.llama_batch_init(self.N_BATCH, 0, 1)
+            self.ctx_shape = (n_seq, per_seq)
+            self.ctx_params = {
+                "n_ctx": cp.n_ctx,
+                "n_batch": cp.n_batch,
+                "n_ubatch": cp.n_ubatch,
+                "n_seq_max": cp.n_seq_max,
+                "flash_attn_type": cp.flash_attn_type,
+                "kv_unified": bool(cp.kv_unified),
+                "type_k": cp.type_k,
+                "type_v": cp.type_v,
+            }
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        return self.ctx
+
+    def _decode(self, ctx, items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, pos, seq, wants logits); one llama_decode per n_batch items."""
+        lc, b = self.lc, self.batch
+        for start in range(0, len(items), self.N_BATCH):
+            part = items[start : start + self.N_BATCH]
+            for i, (tok, pos, seq, out) in enumerate(part):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(out)
+                b.seq_id[i][0] = seq
+            b.n_tokens = len(part)
+            rc = lc.llama_decode(ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, ctx, i: int) -> int:
+        logits = self.np.ctypeslib.as_array(self.lc.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def generate(self, prompts: list[list[int]], new: int) -> dict:
+        ctx = self._context(len(prompts), max(len(p) for p in prompts) + new)
+        out: list[list[int]] = [[] for _ in prompts]
+        t0 = time.perf_counter()
+        items = [(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)]
+        self._decode(ctx, items)
+        last = {s: k for k, (_, _, s, o) in enumerate(items) if o}
+        for s in range(len(prompts)):  # the batch index of each sequence's logits in its last llama_decode call
+            out[s].append(self._argmax(ctx, last[s] % self.N_BATCH))
+        t_first = time.perf_counter()
+        for step in range(1, new):
+            self._decode(ctx, [(out[s][-1], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
+            for s in range(len(prompts)):
+                out[s].append(self._argmax(ctx, s))
+        t_end = time.perf_counter()
+        return {
+            "wall_s": t_end - t0,
+            "first_s": t_first - t0,
+            "rate_b1": (new - 1) / (t_end - t_first) if len(prompts) == 1 and new > 1 else None,
+            "ids": out[0],
+        }
+
+    def kv_bytes(self) -> None:
+        return None
+
+    def step_times(self, contexts, reps, warmup) -> None:
+        return None  # no synthetic cache fill through the C API: see the decode row at long context
+
+    def info(self) -> dict:
+        from importlib.metadata import version
+
+        return {
+            "llama_cpp_python": version("llama-cpp-python"),
+            "system_info": self.lc.llama_print_system_info().decode(errors="replace").strip(),
+            "use_mmap": self.use_mmap,
+            "context_params": getattr(self, "ctx_params", None),
+        }
+
+
+WORKERS = {
+    "mlaserve": MlaServeWorker,
+    "mlaserve-gguf": MlaServeWorker,
+    "transformers": HFWorker,
+    "llama.cpp": LlamaCppWorker,
+}
+
+
+def worker_main(spec: str, init: dict) -> None:
+    """Serve calls from the parent: one JSON line in, one JSON line out, on a private copy of stdout
+    (fd 1 itself goes to stderr, so nothing a library prints can garble the replies)."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    kind, _, options = parse_spec(spec)
     t0 = time.perf_counter()
-    lm.eval(prompt)
-    prefill = settings["prefill_len"] / (time.perf_counter() - t0)
-    lm.reset()
-    lm.eval(random_prompt(settings["dec_prompt"], lm.n_vocab(), 901))
-    t0 = time.perf_counter()
-    for _ in range(settings["dec_new"] - 1):
-        lm.eval([int(lm.sample(temp=0.0))])
-    decode = (settings["dec_new"] - 1) / (time.perf_counter() - t0)
-    return {"prefill_tok_s": prefill, "decode_tok_s_b1": decode}
+    try:
+        engine = WORKERS[kind](init["path"], init["dtype"], init["threads"], init["settings"], options)
+        proto.write(json.dumps({"ok": True, "load_s": time.perf_counter() - t0, "rss_gib": _rss()}) + "\n")
+    except Exception as ex:  # noqa: BLE001 -- the parent reports it and goes on with the other engines
+        traceback.print_exc()
+        proto.write(json.dumps({"ok": False, "error": f"{type(ex).__name__}: {ex}"}) + "\n")
+        return
+    for line in sys.stdin:
+        call = json.loads(line)
+        if call["op"] == "quit":
+            break
+        try:
+            result = getattr(engine, call["op"])(*call.get("args", []))
+            reply = {"ok": True, "result": result}
+        except Exception as ex:  # noqa: BLE001
+            traceback.print_exc()
+            reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
+        reply.update(_rss())
+        proto.write(json.dumps(reply, default=str) + "\n")
 
 
-# -- the run ---------------------------------------------------------------------------------------------
-def measure_prefill(engines, s: dict, vocab: int, seed, res: dict) -> None:
-    print("[prefill]", flush=True)
-    for e in engines:
-        t = timed(lambda: e.generate([random_prompt(s["prefill_len"], vocab, next(seed))], 1), s["prefill_reps"], 0)
-        res[e.name]["prefill_tok_s"] = s["prefill_len"] / t["median_s"]
-        res[e.name]["prefill_s"] = t
-        print(f"  {e.name}: {res[e.name]['prefill_tok_s']:.1f} tok/s", flush=True)
+def _rss() -> dict:
+    return {"vmrss_gib": proc_status_gib("VmRSS"), "vmhwm_gib": proc_status_gib("VmHWM")}
 
 
-def measure_decode_b1(engines, ml: MlaServe, hf: HF | None, s: dict, vocab: int, res: dict) -> None:
-    print("[decode batch 1]", flush=True)
-    greedy = {}
-    for e in engines:
+class Engine:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, spec: str, path: Path, args, s: dict) -> None:
+        self.spec, (self.kind, self.weights, _) = spec, parse_spec(spec)
+        self.path, self.args, self.s = path, args, s
+        self.proc = None
+        self.status: str | None = None  # None: running or done; else why it has no numbers
+        self.load: dict = {}
+        self.last_rss: dict = {}
+
+    def start(self) -> bool:
+        init = {"path": str(self.path), "dtype": self.args.dtype, "threads": self.args.threads, "settings": self.s}
+        print(f"[load] {self.spec} <- {self.path.name}", flush=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", self.spec, "--worker-args", json.dumps(init)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        reply = self._read()
+        if not reply.get("ok"):
+            self.status = f"failed to load: {reply.get('error')}"
+            print(f"  {self.spec}: {self.status}", flush=True)
+            self.stop()
+            return False
+        self.load = reply
+        print(
+            f"  {self.spec}: loaded in {reply['load_s']:.1f} s, RSS {reply['rss_gib']['vmrss_gib']:.2f} GiB", flush=True
+        )
+        return True
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait()
+            return {"ok": False, "error": f"worker exited (code {rc})"}
+        return json.loads(line)
+
+    def call(self, op: str, *args):
+        """The result, or None after printing why it failed."""
+        if self.proc is None:
+            return None
+        self.proc.stdin.write(json.dumps({"op": op, "args": list(args)}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        if "vmhwm_gib" in reply:
+            self.last_rss = {"vmrss_gib": reply["vmrss_gib"], "vmhwm_gib": reply["vmhwm_gib"]}
+        if not reply.get("ok"):
+            print(f"  {self.spec}: {op} failed: {reply.get('error')}", flush=True)
+            if self.proc.poll() is not None:
+                self.status, self.proc = f"died: {reply.get('error')}", None
+            return None
+        return reply["result"]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            except (BrokenPipeError, ValueError):
+                pass
+            self.proc.wait()
+            self.proc = None
+
+
+# =====================================================================================================
+# the run: phases, each run for every engine (interleaved) or per engine (--sequential)
+# =====================================================================================================
+def prompts_for(s: dict, vocab: int) -> dict:
+    """Every prompt of the run, fixed up front: each engine gets the same token ids; within an
+    engine every prompt is distinct (mlaserve's prefix cache would otherwise serve repeats)."""
+    from common import random_prompt
+
+    return {
+        "warmup": [random_prompt(16, vocab, 1), random_prompt(16, vocab, 2)],
+        "prefill": [random_prompt(s["prefill_len"], vocab, 100 + r) for r in range(s["prefill_reps"])],
+        "decode": [random_prompt(s["dec_prompt"], vocab, 500 + r) for r in range(s["dec_reps"])],
+        "long": [random_prompt(s["long_prompt"], vocab, 700 + r) for r in range(s["long_reps"])],
+        "conc": {
+            b: [
+                [random_prompt(s["conc_prompt"], vocab, 1000 + 100 * b + 20 * r + i) for i in range(b)]
+                for r in range(s["conc_reps"])
+            ]
+            for b in s["concs"]
+        },
+    }
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def phases(s: dict, P: dict, res: dict, greedy: dict):
+    """(name, fn(engine)) in run order; each fn fills res[engine.spec]."""
+
+    def warmup(e):  # lazy initialisation, allocator, native kernel builds: not measured
+        e.call("generate", P["warmup"], 2)
+
+    def prefill(e):
+        walls = [r["wall_s"] for p in P["prefill"] if (r := e.call("generate", [p], 1))]
+        if walls:
+            res[e.spec]["prefill_tok_s"] = s["prefill_len"] / _median(walls)
+            res[e.spec]["prefill_s"] = walls
+            print(f"  {e.spec}: {res[e.spec]['prefill_tok_s']:.1f} tok/s", flush=True)
+
+    def decode(e):
         rates = []
-        for rep in range(s["dec_reps"]):
-            prompt = random_prompt(s["dec_prompt"], vocab, 500 + rep)
-            if e is hf:
-                rate, ids, cache = e.decode_rate(prompt, s["dec_new"])
-                if rep == 0:
-                    res[e.name]["kv_bytes_per_token"] = HF.kv_bytes_per_token(cache, 1)
-                del cache
-            else:
-                rate, ids = e.decode_rate(prompt, s["dec_new"])
-            rates.append(rate)
-            greedy.setdefault(rep, {})[e.name] = ids
-        res[e.name]["decode_tok_s_b1"] = sorted(rates)[len(rates) // 2]
-        res[e.name]["decode_tok_s_b1_all"] = rates
-        print(f"  {e.name}: {res[e.name]['decode_tok_s_b1']:.2f} tok/s", flush=True)
-    res["mlaserve"]["kv_bytes_per_token"] = ml.kv_bytes_per_token()
-    if hf is not None:
-        res["greedy_agreement_b1"] = [_agreement(d["mlaserve"], d["transformers"]) for d in greedy.values()]
+        for rep, p in enumerate(P["decode"]):
+            r = e.call("generate", [p], s["dec_new"])
+            if r:
+                rates.append(r["rate_b1"])
+                greedy.setdefault(rep, {})[e.spec] = r["ids"]
+        if rates:
+            res[e.spec]["decode_tok_s_b1"] = _median(rates)
+            res[e.spec]["decode_tok_s_b1_all"] = rates
+            print(f"  {e.spec}: {res[e.spec]['decode_tok_s_b1']:.2f} tok/s", flush=True)
+
+    def long(e):
+        rates = [r["rate_b1"] for p in P["long"] if (r := e.call("generate", [p], s["long_new"]))]
+        if rates:
+            res[e.spec]["decode_tok_s_long"] = _median(rates)
+            print(f"  {e.spec}: {res[e.spec]['decode_tok_s_long']:.2f} tok/s", flush=True)
+
+    def conc(b):
+        def run(e):
+            rs = [r for ps in P["conc"][b] if (r := e.call("generate", ps, s["conc_new"]))]
+            if rs:
+                wall = _median([r["wall_s"] for r in rs])
+                dec = _median([r["wall_s"] - r["first_s"] for r in rs])
+                res[e.spec][f"output_tok_s_c{b}"] = b * s["conc_new"] / wall
+                res[e.spec][f"decode_tok_s_c{b}"] = b * (s["conc_new"] - 1) / dec if s["conc_new"] > 1 else None
+                res[e.spec][f"concurrent_{b}"] = rs and [{k: r[k] for k in ("wall_s", "first_s")} for r in rs]
+                print(
+                    f"  {e.spec}: {res[e.spec][f'output_tok_s_c{b}']:.1f} tok/s ({wall:.1f} s), "
+                    f"decode-only {res[e.spec][f'decode_tok_s_c{b}']:.1f} tok/s",
+                    flush=True,
+                )
+
+        return run
+
+    def kv(e):
+        v = e.call("kv_bytes")
+        if v:
+            res[e.spec]["kv_bytes_per_token"] = v
+
+    def steps(e):
+        v = e.call("step_times", s["contexts"], s["step_reps"], s["step_warmup"])
+        if v:
+            res[e.spec]["step_ms"] = {int(k): ms for k, ms in v.items()}
+
+    def info(e):
+        res[e.spec]["info"] = e.call("info")
+        res[e.spec]["load_s"] = e.load.get("load_s")
+        res[e.spec]["rss_after_load_gib"] = (e.load.get("rss_gib") or {}).get("vmrss_gib")
+        res[e.spec]["peak_rss_gib"] = e.last_rss.get("vmhwm_gib")
+
+    out = [
+        ("warm-up", warmup),
+        (f"prefill {s['prefill_len']}", prefill),
+        (f"decode batch 1 ({s['dec_prompt']}+{s['dec_new']})", decode),
+        (f"decode batch 1 at context {s['long_prompt']} ({s['long_prompt']}+{s['long_new']})", long),
+    ]
+    out += [(f"{b} concurrent ({s['conc_prompt']}+{s['conc_new']})", conc(b)) for b in s["concs"]]
+    out += [("KV bytes per token", kv), ("decode step vs context", steps), ("info", info)]
+    return out
+
+
+def run_engines(engines: list[Engine], s: dict, P: dict, sequential: bool) -> tuple[dict, dict]:
+    res: dict = {e.spec: {} for e in engines}
+    greedy: dict = {}
+    ph = phases(s, P, res, greedy)
+    if sequential:
+        for e in engines:
+            if e.start():
+                for name, fn in ph:
+                    print(f"[{name}]", flush=True)
+                    fn(e)
+            e.stop()
+    else:
+        live = [e for e in engines if e.start()]
+        for name, fn in ph:
+            print(f"[{name}]", flush=True)
+            for e in live:
+                fn(e)
+        for e in live:
+            e.stop()
+    return res, greedy
 
 
 def _agreement(a: list[int], b: list[int]) -> str:
@@ -322,76 +744,141 @@ def _agreement(a: list[int], b: list[int]) -> str:
     return f"{same}/{len(a)}"
 
 
-def measure_concurrent(engines, s: dict, vocab: int, seed, res: dict) -> None:
-    print(f"[{s['conc']} concurrent requests]", flush=True)
+def agreement(greedy: dict, engines: list[Engine]) -> dict:
+    specs = [e.spec for e in engines]
+    out = {}
+    for i, a in enumerate(specs):
+        for b in specs[i + 1 :]:
+            pairs = [_agreement(d[a], d[b]) for d in greedy.values() if a in d and b in d]
+            if pairs:
+                out[f"{a} vs {b}"] = pairs
+    return out
+
+
+# -- the roofline ---------------------------------------------------------------------------------------
+def roofline(engines: list[Engine], files: dict, dtype: str, threads: int, quick: bool) -> dict:
+    """Copy bandwidth, and per weight file the bytes (and parameters) a batch-1 decode step reads."""
+    from common import active_weight_bytes, copy_bandwidth_gbs
+
+    bw = copy_bandwidth_gbs(threads, 256 if quick else 1024)
+    formats = {}
+    for weights in dict.fromkeys(e.weights for e in engines):
+        path = files[weights]
+        formats[weights] = (
+            active_weight_bytes(path, 2 if dtype == "bfloat16" else 4) if path.is_dir() else (active_weight_bytes(path))
+        )
+        formats[weights]["roofline_tok_s"] = bw * 1e9 / formats[weights]["bytes"]
+    print(
+        f"[roofline] copy bandwidth {bw:.1f} GB/s ({threads} threads); active weights per token: "
+        + "; ".join(f"{k} {v['bytes'] / 1e6:.0f} MB ({v['params'] / 1e6:.1f} M params)" for k, v in formats.items()),
+        flush=True,
+    )
+    return {"copy_bandwidth_gbs": bw, "formats": formats}
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def ratio_pairs(engines: list[Engine]) -> list[tuple[str, str]]:
+    """mlaserve on the folder / transformers (same weights, same dtype); every mlaserve engine / the
+    llama.cpp engine on the same GGUF (the Q8_0 one for mlaserve on the folder)."""
+    tf = next((e.spec for e in engines if e.kind == "transformers"), None)
+    lc = {}
     for e in engines:
-
-        def run():
-            e.generate([random_prompt(s["conc_prompt"], vocab, next(seed)) for _ in range(s["conc"])], s["conc_new"])
-
-        t = timed(run, s["conc_reps"], 0)
-        res[e.name]["output_tok_s_concurrent"] = s["conc"] * s["conc_new"] / t["median_s"]
-        res[e.name]["concurrent_s"] = t
-        print(f"  {e.name}: {res[e.name]['output_tok_s_concurrent']:.1f} tok/s ({t['median_s']:.0f} s)", flush=True)
-
-
-def measure_steps(ml: MlaServe, hf: HF | None, s: dict, res: dict) -> None:
-    print("[decode step vs context]", flush=True)
-    ml_steps, rows = ml.step_times(s["contexts"], s["step_reps"], s["step_warmup"])
-    res["mlaserve"]["step_ms"] = {n: v["median_s"] * 1e3 for n, v in ml_steps.items()}
-    if hf is not None:
-        hf_steps = hf.step_times(s["contexts"], rows, s["step_reps"], s["step_warmup"])
-        res["transformers"]["step_ms"] = {n: v["median_s"] * 1e3 for n, v in hf_steps.items()}
-    del rows
-    gc.collect()
+        if e.kind == "llama.cpp":
+            lc.setdefault(e.weights, e.spec)
+    pairs = [(e.spec, tf) for e in engines if e.kind == "mlaserve" and tf]
+    for e in engines:
+        other = lc.get(e.weights) or lc.get("q8_0") or next(iter(lc.values()), None)
+        if e.kind.startswith("mlaserve") and other:
+            pairs.append((e.spec, other))
+    return pairs
 
 
-def measure_llama_cpp(args, s: dict, res: dict) -> str | None:
-    """None when llama.cpp was measured (into res["llama.cpp"]); else why not."""
-    lc_status = llama_cpp_status(args.gguf)
-    if lc_status is None:
-        try:
-            res["llama.cpp"] = run_llama_cpp(args.gguf, s, args.threads)
-        except Exception as ex:  # noqa: BLE001 -- report, don't lose the other numbers
-            lc_status = f"failed: {ex}"
-    return lc_status
+def _value(res: dict, spec: str, key: str, sub=None):
+    v = res.get(spec, {}).get(key)
+    if sub is not None:
+        v = (v or {}).get(sub)
+    if isinstance(v, dict):
+        v = v.get("measured")
+    return v
 
 
-def _row(res: dict, lc_status: str | None, label: str, key: str, better: str, sub=None) -> list:
-    m, h, lc = res["mlaserve"], res.get("transformers", {}), res.get("llama.cpp", {})
-    mv = m.get(key) if sub is None else m.get(key, {}).get(sub)
-    hv = h.get(key) if sub is None else h.get(key, {}).get(sub)
-    if isinstance(mv, dict):
-        mv, hv = mv.get("measured"), (hv or {}).get("measured")
-    ratio = f"{mv / hv:.2f}x" if mv and hv else "-"
-    lcv = lc.get(key) if lc else None
-    return [label, fmt(mv), fmt(hv), ratio, better, fmt(lcv) if lcv is not None else (lc_status or "-")]
-
-
-def report(args, s: dict, res: dict, lc_status: str | None, env: dict, wall: float):
-    """Print the comparison table and the run's conditions; returns the table."""
-    rows_t = [
-        _row(res, lc_status, f"prefill tok/s ({s['prefill_len']}-token prompt)", "prefill_tok_s", "higher"),
-        _row(res, lc_status, f"decode tok/s, batch 1 ({s['dec_prompt']}+{s['dec_new']})", "decode_tok_s_b1", "higher"),
-        _row(
-            res,
-            lc_status,
-            f"output tok/s, {s['conc']} concurrent ({s['conc_prompt']}+{s['conc_new']})",
-            "output_tok_s_concurrent",
+def table_rows(s: dict) -> list[tuple[str, str, object, str]]:
+    """(label, key, sub, better)."""
+    rows = [
+        (f"prefill tok/s ({s['prefill_len']}-token prompt)", "prefill_tok_s", None, "higher"),
+        (f"decode tok/s, batch 1 ({s['dec_prompt']}+{s['dec_new']})", "decode_tok_s_b1", None, "higher"),
+        (
+            f"decode tok/s, batch 1 at context {s['long_prompt']} (+{s['long_new']})",
+            "decode_tok_s_long",
+            None,
             "higher",
         ),
-        _row(res, lc_status, "KV cache bytes/token (all layers)", "kv_bytes_per_token", "lower"),
     ]
-    for n in s["contexts"]:
-        rows_t.append(_row(res, lc_status, f"decode step ms @ context {n}", "step_ms", "lower", sub=n))
+    for b in s["concs"]:
+        rows.append(
+            (f"output tok/s, {b} concurrent ({s['conc_prompt']}+{s['conc_new']})", f"output_tok_s_c{b}", None, "higher")
+        )
+        rows.append((f"  decode-only tok/s, {b} concurrent", f"decode_tok_s_c{b}", None, "higher"))
+    rows.append(("peak RSS GiB (VmHWM of its process)", "peak_rss_gib", None, "lower"))
+    rows.append(("KV cache bytes/token (all layers)", "kv_bytes_per_token", None, "lower"))
+    rows += [(f"decode step ms @ context {n}", "step_ms", n, "lower") for n in s["contexts"]]
+    rows.append(("batch-1 roofline tok/s (copy bw / active bytes)", "roofline_tok_s", None, "-"))
+    rows.append(("  decode batch 1 / roofline", "roofline_share", None, "higher"))
+    return rows
+
+
+def _cell(e: Engine, v, key: str, fmt) -> str:
+    if v is None:
+        return "failed" if e.status else "-"
+    if key == "roofline_share":
+        return f"{v:.0%}"
+    return fmt(v, 2 if key == "peak_rss_gib" else 1)
+
+
+def report(args, s: dict, engines: list[Engine], res: dict, roof: dict, env: dict, wall: float, skipped: dict) -> str:
+    for e in engines:
+        f = roof["formats"].get(e.weights)
+        if f and e.spec in res:
+            res[e.spec]["roofline_tok_s"] = f["roofline_tok_s"]
+            d = res[e.spec].get("decode_tok_s_b1")
+            res[e.spec]["roofline_share"] = d / f["roofline_tok_s"] if d else None
+    pairs = ratio_pairs(engines)
+    headers = ["metric"] + [e.spec for e in engines] + [f"{a} / {b}" for a, b in pairs] + ["better"]
+    from common import fmt, print_table
+
+    rows = []
+    for label, key, sub, better in table_rows(s):
+        vals = [_value(res, e.spec, key, sub) for e in engines]
+        cells = [_cell(e, v, key, fmt) for e, v in zip(engines, vals)]
+        ratios = []
+        for a, b in pairs:
+            va, vb = _value(res, a, key, sub), _value(res, b, key, sub)
+            ok = va and vb and key not in ("roofline_tok_s", "roofline_share")
+            ratios.append(f"{va / vb:.2f}x" if ok else "-")
+        rows.append([label] + cells + ratios + [better])
     print()
     print(
-        f"mlaserve vs transformers -- dtype {args.dtype}, {args.threads} threads, "
-        f"{'QUICK (2 layers)' if args.quick else 'standard model (12 layers)'}; ratio = mlaserve / transformers"
+        f"offline benchmark -- dtype {args.dtype} (folder engines), {args.threads} threads, "
+        f"{'QUICK (2 layers)' if args.quick else 'standard model (12 layers)'}"
+        + "".join(f", {Path(env['weights'][k]).name} ({mib:.0f} MiB)" for k, mib in env["gguf_mib"].items())
     )
-    table = print_table(["metric", "mlaserve", "transformers", "ratio", "better", "llama.cpp"], rows_t)
-    if "greedy_agreement_b1" in res:
-        print(f"greedy agreement (leading identical tokens, batch 1): {res['greedy_agreement_b1']}")
+    table = print_table(headers, rows)
+    for e in engines:
+        if e.status:
+            print(f"{e.spec}: {e.status}")
+    for sp, why in skipped.items():
+        print(f"{sp}: not run ({why})")
+    agree = res.get("greedy_agreement_b1", {})
+    if agree:
+        print(
+            "greedy agreement (leading identical tokens, batch 1): " + "; ".join(f"{k} {v}" for k, v in agree.items())
+        )
+    print(
+        f"roofline: copy bandwidth {roof['copy_bandwidth_gbs']:.1f} GB/s; active weight bytes per token: "
+        + "; ".join(
+            f"{k} {v['bytes'] / 1e6:.0f} MB -> {v['roofline_tok_s']:.1f} tok/s" for k, v in roof["formats"].items()
+        )
+    )
     env["loadavg_end"] = list(os.getloadavg())
     print(
         f"wall time {wall:.0f} s; loadavg start {env['loadavg_start']} end {env['loadavg_end']} "
@@ -400,7 +887,93 @@ def report(args, s: dict, res: dict, lc_status: str | None, env: dict, wall: flo
     return table
 
 
-def save_results(args, s: dict, res: dict, lc_status, env: dict, wall: float, folder: Path, hf, table) -> None:
+def resolve_engines(args, folder: Path) -> tuple[list[str], dict, dict]:
+    """The engine specs to run, their weight files (weights -> path), and why any asked-for engine
+    is left out."""
+    import importlib.util
+
+    from common import ensure_gguf, gguf_path
+
+    specs = [sp for sp in args.engines if not (args.skip_transformers and parse_spec(sp)[0] == "transformers")]
+    has_lc = importlib.util.find_spec("llama_cpp") is not None
+    files: dict = {"folder": folder}
+    skipped: dict = {}
+    for sp in specs:
+        kind, weights, _ = parse_spec(sp)
+        if kind == "llama.cpp" and not has_lc:
+            skipped[sp] = f"not installed: {LLAMA_CPP_INSTALL}"
+        elif weights == "folder" or weights in files:
+            continue
+        elif args.gguf == "none":
+            skipped[sp] = "--gguf none"
+        elif weights == "q8_0":
+            files[weights] = ensure_gguf(folder, "q8_0") if args.gguf == "auto" else Path(args.gguf)
+            if not files[weights].is_file():
+                raise SystemExit(f"--gguf {files[weights]}: not a file")
+        elif not has_lc:
+            skipped[sp] = f"a {weights} GGUF is made by llama.cpp's quantizer: {LLAMA_CPP_INSTALL}"
+        else:
+            src = files.get("q8_0") or ensure_gguf(folder, "q8_0")
+            dst = gguf_path(folder, weights) if args.gguf == "auto" else src.with_name(f"{src.stem}-{weights}.gguf")
+            if not dst.exists() or dst.stat().st_mtime < src.stat().st_mtime:
+                print(
+                    f"[build] llama.cpp quantize {src.name} -> {dst.name} ({weights}, requantized from Q8_0)",
+                    flush=True,
+                )
+                cmd = [sys.executable, os.path.abspath(__file__), "--quantize", str(src), str(dst), weights]
+                if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+                    raise SystemExit(f"llama.cpp could not quantize {src} to {weights}")
+            files[weights] = dst
+    return [sp for sp in specs if sp not in skipped], files, skipped
+
+
+def quantize_main(src: str, dst: str, weights: str) -> None:
+    """llama.cpp's llama_model_quantize (what its `llama-quantize` tool runs), in a process of its own."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    lc.llama_backend_init()
+    qp = lc.llama_model_quantize_default_params()
+    qp.ftype, qp.allow_requantize, qp.nthread = GGUF_TYPES[weights], True, os.cpu_count() or 1
+    tmp = dst + ".partial"
+    rc = lc.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(qp))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize returned {rc}")
+    os.replace(tmp, dst)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker_main(args.worker, json.loads(args.worker_args))
+        return
+    if args.quantize:
+        quantize_main(*args.quantize)
+        return
+    import torch
+    from common import RESULTS_DIR, count_params, ensure_model, environment, write_json
+
+    s = QUICK if args.quick else FULL
+    wall0 = time.perf_counter()
+    folder = ensure_model("standard", args.quick)
+    specs, files, skipped = resolve_engines(args, folder)
+    env = environment(args.threads)
+    env["weights"] = {k: str(v) for k, v in files.items()}
+    env["gguf_mib"] = {k: v.stat().st_size / 2**20 for k, v in files.items() if k != "folder"}
+    print(
+        f"[env] {env['cpu']}, {env['cpus']} CPUs, threads {args.threads}, loadavg {env['loadavg_start']}; "
+        f"engines {specs}" + (f"; left out: {skipped}" if skipped else ""),
+        flush=True,
+    )
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    engines = [Engine(sp, files[parse_spec(sp)[1]], args, s) for sp in specs]
+    torch.set_num_threads(args.threads)
+    roof = roofline(engines, files, args.dtype, args.threads, args.quick)
+    res, greedy = run_engines(engines, s, prompts_for(s, vocab), args.sequential)
+    res["greedy_agreement_b1"] = agreement(greedy, engines)
+    wall = time.perf_counter() - wall0
+    table = report(args, s, engines, res, roof, env, wall, skipped)
     out = Path(args.out) if args.out else RESULTS_DIR / f"offline-{args.dtype}{'-quick' if args.quick else ''}.json"
     write_json(
         out,
@@ -408,6 +981,8 @@ def save_results(args, s: dict, res: dict, lc_status, env: dict, wall: float, fo
             "benchmark": "offline",
             "dtype": args.dtype,
             "quick": args.quick,
+            "threads": args.threads,
+            "sequential": args.sequential,
             "settings": s,
             "env": env,
             "wall_s": wall,
@@ -415,51 +990,23 @@ def save_results(args, s: dict, res: dict, lc_status, env: dict, wall: float, fo
                 "folder": str(folder),
                 "params": count_params(folder),
                 "config": json.loads((folder / "config.json").read_text()),
+                "gguf": env["weights"],
             },
-            "transformers_impl": hf.impl if hf else None,
-            "llama.cpp": lc_status or "measured",
+            "engines": {**{e.spec: e.status or "measured" for e in engines}, **skipped},
+            "roofline": roof,
             "results": res,
             "table": table,
             "notes": [
-                "ratio = mlaserve / transformers; for times and bytes lower is better",
-                "decode step vs context uses a synthetic cache (same rows for both engines), single token, "
-                "logits of that token only; it excludes scheduling and sampling",
+                "ratio = first engine / second engine; for times, bytes and RSS lower is better",
+                "each engine runs in its own process (peak RSS = its VmHWM); every engine gets the same prompts",
+                "decode step vs context uses a synthetic cache (same rows for every engine that has one), single "
+                "token, logits of that token only; it excludes scheduling and sampling",
                 "transformers 5.x caches the compressed latent ([c_kv], [k_pe]) too, but re-expands the whole "
                 "cached context through kv_b_proj at every step",
+                "llama.cpp quantizes activations to 8 bits for its Q8_0 dot products; mlaserve multiplies in float",
             ],
         },
     )
-
-
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    s = QUICK if args.quick else FULL
-    wall0 = time.perf_counter()
-    folder = ensure_model("standard", args.quick)
-    env = environment(args.threads)
-    print(
-        f"[env] {env['cpu']}, {env['cpus']} CPUs, torch threads {args.threads}, loadavg {env['loadavg_start']}",
-        flush=True,
-    )
-    ml = MlaServe(folder, args.dtype, s)
-    vocab = ml.vocab
-    hf = None if args.skip_transformers else HF(folder, args.dtype)
-    print(f"[load] models loaded, RSS {rss_gib():.1f} GiB, available {mem_available_gib():.1f} GiB", flush=True)
-    engines = [e for e in (ml, hf) if e is not None]
-    res: dict = {e.name: {} for e in engines}
-    seed = iter(range(1, 10_000))
-    # warm-up (lazy initialisation, allocator) -- not measured
-    for e in engines:
-        e.generate([random_prompt(16, vocab, next(seed)), random_prompt(16, vocab, next(seed))], 2)
-    measure_prefill(engines, s, vocab, seed, res)
-    measure_decode_b1(engines, ml, hf, s, vocab, res)
-    measure_concurrent(engines, s, vocab, seed, res)
-    measure_steps(ml, hf, s, res)
-    lc_status = measure_llama_cpp(args, s, res)
-    wall = time.perf_counter() - wall0
-    table = report(args, s, res, lc_status, env, wall)
-    save_results(args, s, res, lc_status, env, wall, folder, hf, table)
 
 
 if __name__ == "__main__":
