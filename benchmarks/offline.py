@@ -412,7 +412,10 @@ class LlamaCppWorker:
             raise RuntimeError(f"llama.cpp could not load {path} (its log above says why)")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.ctx, self.ctx_shape, self.batch = None, None, None
-        self.use_mmap = bool(mp.use_mmap)
+        # how the weights are read (mmap by default; the field names differ across versions)
+        self.model_params = {
+            k: getattr(mp, k) for k in ("use_mmap", "use_mlock", "load_mode", "lazy_mode") if hasattr(mp, k)
+        }
 
     @staticmethod
     def _log(level, text, user_data) -> None:
@@ -450,9 +453,11 @@ class LlamaCppWorker:
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         return self.ctx
 
-    def _decode(self, ctx, items: list[tuple[int, int, int, bool]]) -> None:
-        """items: (token, pos, seq, wants logits); one llama_decode per n_batch items."""
-        lc, b = self.lc, self.batch
+    def _decode(self, ctx, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, pos, seq, wants logits); one llama_decode per n_batch items. Returns the
+        argmax token of every item that wants logits, in order (read before the next call)."""
+        lc, b, np = self.lc, self.batch, self.np
+        picks = []
         for start in range(0, len(items), self.N_BATCH):
             part = items[start : start + self.N_BATCH]
             for i, (tok, pos, seq, out) in enumerate(part):
@@ -462,25 +467,22 @@ class LlamaCppWorker:
             rc = lc.llama_decode(ctx, b)
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc}")
-
-    def _argmax(self, ctx, i: int) -> int:
-        logits = self.np.ctypeslib.as_array(self.lc.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
-        return int(logits.argmax())
+            for i, item in enumerate(part):
+                if item[3]:
+                    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
+                    picks.append(int(logits.argmax()))
+        return picks
 
     def generate(self, prompts: list[list[int]], new: int) -> dict:
         ctx = self._context(len(prompts), max(len(p) for p in prompts) + new)
-        out: list[list[int]] = [[] for _ in prompts]
         t0 = time.perf_counter()
         items = [(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)]
-        self._decode(ctx, items)
-        last = {s: k for k, (_, _, s, o) in enumerate(items) if o}
-        for s in range(len(prompts)):  # the batch index of each sequence's logits in its last llama_decode call
-            out[s].append(self._argmax(ctx, last[s] % self.N_BATCH))
+        out = [[t] for t in self._decode(ctx, items)]  # one logits row per sequence, in sequence order
         t_first = time.perf_counter()
         for step in range(1, new):
-            self._decode(ctx, [(out[s][-1], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
-            for s in range(len(prompts)):
-                out[s].append(self._argmax(ctx, s))
+            picks = self._decode(ctx, [(out[s][-1], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
+            for s, t in enumerate(picks):
+                out[s].append(t)
         t_end = time.perf_counter()
         return {
             "wall_s": t_end - t0,
@@ -496,12 +498,10 @@ class LlamaCppWorker:
         return None  # no synthetic cache fill through the C API: see the decode row at long context
 
     def info(self) -> dict:
-        from importlib.metadata import version
-
         return {
-            "llama_cpp_python": version("llama-cpp-python"),
+            "llama_cpp_python": getattr(self.lc, "__version__", None),
             "system_info": self.lc.llama_print_system_info().decode(errors="replace").strip(),
-            "use_mmap": self.use_mmap,
+            "model_params": self.model_params,
             "context_params": getattr(self, "ctx_params", None),
         }
 
