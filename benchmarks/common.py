@@ -430,21 +430,38 @@ def _active_share(name: str, cfg: dict) -> float:
     return 1.0
 
 
-def active_weight_bytes(path: Path, dtype_bytes: int | None = None) -> dict:
+_Q_BYTES = {"int8": 34 / 32, "int4": 18 / 32}  # Q8_0 / Q4_0: a 2-byte scale per 32 values
+_KEPT_FLOAT = (".kv_b_proj.weight", ".weights_proj.weight", ".mlp.gate.weight")
+
+
+def _value_bytes(name: str, shape, dtype_bytes: int, quantization: str | None) -> float:
+    """Bytes per value of a folder tensor in the engine's memory; with quantization=int8|int4, what
+    mlaserve's quantize-at-load makes of it (quant/at_load.py: 2-D weights whose rows are whole
+    32-blocks, experts, embedding and lm_head; int4 keeps the embedding and lm_head at int8; kv_b_proj,
+    the indexer's weights_proj, the router and norms stay float)."""
+    if quantization is None or len(shape) < 2 or shape[-1] % 32 or name.endswith(_KEPT_FLOAT):
+        return dtype_bytes
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return _Q_BYTES["int8"]
+    return _Q_BYTES[quantization]
+
+
+def active_weight_bytes(path: Path, dtype_bytes: int | None = None, quantization: str | None = None) -> dict:
     """Weight bytes (and parameters) a batch-1 decode step reads: every tensor but the routed
     experts (k of E per layer) and the embedding (one row). A model folder: its safetensors at
-    `dtype_bytes` per value (the engine's dtype); a GGUF: each tensor's stored bytes."""
-    cfg_src = path if path.is_dir() else None
+    `dtype_bytes` per value (the engine's dtype), or as quantized at load; a GGUF: each tensor's
+    stored bytes."""
     params = nbytes = 0.0
-    if cfg_src is not None:
+    if path.is_dir():
         from safetensors import safe_open
 
         cfg = json.loads((path / "config.json").read_text())
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             for k in f.keys():
-                n = _prod(f.get_slice(k).get_shape()) * _active_share(k, cfg)
+                shape = f.get_slice(k).get_shape()
+                n = _prod(shape) * _active_share(k, cfg)
                 params += n
-                nbytes += n * dtype_bytes
+                nbytes += n * _value_bytes(k, shape, dtype_bytes, quantization)
     else:
         from mlaserve.gguf.read.file import open_gguf
 

@@ -551,7 +551,7 @@ class Engine:
     """The parent's handle on one worker process."""
 
     def __init__(self, spec: str, path: Path, args, s: dict) -> None:
-        self.spec, (self.kind, self.weights, _) = spec, parse_spec(spec)
+        self.spec, (self.kind, self.weights, self.options) = spec, parse_spec(spec)
         self.path, self.args, self.s = path, args, s
         self.proc = None
         self.status: str | None = None  # None: running or done; else why it has no numbers
@@ -761,19 +761,25 @@ def roofline(engines: list[Engine], files: dict, dtype: str, threads: int, quick
     from common import active_weight_bytes, copy_bandwidth_gbs
 
     bw = copy_bandwidth_gbs(threads, 256 if quick else 1024)
-    formats = {}
-    for weights in dict.fromkeys(e.weights for e in engines):
-        path = files[weights]
-        formats[weights] = (
-            active_weight_bytes(path, 2 if dtype == "bfloat16" else 4) if path.is_dir() else (active_weight_bytes(path))
-        )
-        formats[weights]["roofline_tok_s"] = bw * 1e9 / formats[weights]["bytes"]
+    formats, of = {}, {}
+    for e in engines:
+        quant = e.options.get("quantization") if e.weights == "folder" else None
+        key = f"folder, {quant} at load" if quant else e.weights
+        of[e.spec] = key
+        if key not in formats:
+            path = files[e.weights]
+            formats[key] = (
+                active_weight_bytes(path, 2 if dtype == "bfloat16" else 4, quant)
+                if path.is_dir()
+                else active_weight_bytes(path)
+            )
+            formats[key]["roofline_tok_s"] = bw * 1e9 / formats[key]["bytes"]
     print(
         f"[roofline] copy bandwidth {bw:.1f} GB/s ({threads} threads); active weights per token: "
         + "; ".join(f"{k} {v['bytes'] / 1e6:.0f} MB ({v['params'] / 1e6:.1f} M params)" for k, v in formats.items()),
         flush=True,
     )
-    return {"copy_bandwidth_gbs": bw, "formats": formats}
+    return {"copy_bandwidth_gbs": bw, "formats": formats, "engine_format": of}
 
 
 # -- the report -----------------------------------------------------------------------------------------
@@ -837,7 +843,7 @@ def _cell(e: Engine, v, key: str, fmt) -> str:
 
 def report(args, s: dict, engines: list[Engine], res: dict, roof: dict, env: dict, wall: float, skipped: dict) -> str:
     for e in engines:
-        f = roof["formats"].get(e.weights)
+        f = roof["formats"].get(roof["engine_format"].get(e.spec))
         if f and e.spec in res:
             res[e.spec]["roofline_tok_s"] = f["roofline_tok_s"]
             d = res[e.spec].get("decode_tok_s_b1")
