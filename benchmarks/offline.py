@@ -704,6 +704,9 @@ def phases(s: dict, P: dict, res: dict, greedy: dict):
         res[e.spec]["load_s"] = e.load.get("load_s")
         res[e.spec]["rss_after_load_gib"] = (e.load.get("rss_gib") or {}).get("vmrss_gib")
         res[e.spec]["peak_rss_gib"] = e.last_rss.get("vmhwm_gib")
+        weights = e.path / "model.safetensors" if e.path.is_dir() else e.path
+        if res[e.spec]["peak_rss_gib"]:
+            res[e.spec]["rss_over_weights"] = res[e.spec]["peak_rss_gib"] * 2**30 / weights.stat().st_size
 
     out = [
         ("warm-up", warmup),
@@ -826,6 +829,7 @@ def table_rows(s: dict) -> list[tuple[str, str, object, str]]:
         )
         rows.append((f"  decode-only tok/s, {b} concurrent", f"decode_tok_s_c{b}", None, "higher"))
     rows.append(("peak RSS GiB (VmHWM of its process)", "peak_rss_gib", None, "lower"))
+    rows.append(("  peak RSS / size of the weight file", "rss_over_weights", None, "lower"))
     rows.append(("KV cache bytes/token (all layers)", "kv_bytes_per_token", None, "lower"))
     rows += [(f"decode step ms @ context {n}", "step_ms", n, "lower") for n in s["contexts"]]
     rows.append(("batch-1 roofline tok/s (copy bw / active bytes)", "roofline_tok_s", None, "-"))
@@ -838,7 +842,7 @@ def _cell(e: Engine, v, key: str, fmt) -> str:
         return "failed" if e.status else "-"
     if key == "roofline_share":
         return f"{v:.0%}"
-    return fmt(v, 2 if key == "peak_rss_gib" else 1)
+    return fmt(v, 2 if key in ("peak_rss_gib", "rss_over_weights") else 1)
 
 
 def report(args, s: dict, engines: list[Engine], res: dict, roof: dict, env: dict, wall: float, skipped: dict) -> str:
