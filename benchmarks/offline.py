@@ -283,7 +283,7 @@ class HFWorker:
         torch.set_num_threads(threads)
         from mlaserve.platform.allocator import keep_freed_memory
 
-        keep_freed_memory()  # the allocator policy mlaserve's process runs with (was shared in one process)
+        keep_freed_memory()  # the allocator policy the mlaserve engines run with (malloc_tuning=True): same for both
         self.model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, dtype), output_loading_info=True
         )
