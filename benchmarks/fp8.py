@@ -8,7 +8,8 @@ variant is loaded in turn and measured:
   decode_b1     tokens/s of one request decoding --new tokens (the engine's own metric)
   decode_c16    generated tokens/s with --conc concurrent requests (short distinct prompts)
 Variants: FP4 (e2m1, DeepSeek-V4 style) routed experts + FP8 blocks elsewhere with fp32 compute,
-fp8 weights with bf16 compute, fp8 weights with fp32 compute, bf16, fp32.
+fp8 weights with bf16 compute, fp8 weights with fp32 compute (native kernels where they build, and
+kernels="torch": dequantize per call), bf16, fp32.
 
   python benchmarks/fp8.py --quick     # 2 layers, short runs: a smoke test, not a benchmark
 """
@@ -34,12 +35,13 @@ from common import (
     write_json,
 )
 
-VARIANTS = [
-    ("fp4 experts/fp32", "fp4", "float32"),
-    ("fp8/bf16", "fp8", "bfloat16"),
-    ("fp8/fp32", "fp8", "float32"),
-    ("bf16", "src", "bfloat16"),
-    ("fp32", "src", "float32"),
+VARIANTS = [  # name, weights, dtype, extra LLM options
+    ("fp4 experts/fp32", "fp4", "float32", {}),
+    ("fp8/bf16", "fp8", "bfloat16", {}),
+    ("fp8/fp32", "fp8", "float32", {}),
+    ("fp8/fp32 kernels=torch", "fp8", "float32", {"kernels": "torch"}),
+    ("bf16", "src", "bfloat16", {}),
+    ("fp32", "src", "float32", {}),
 ]
 
 
@@ -73,14 +75,22 @@ def weight_bytes(model) -> int:
     return total
 
 
-def measure(folder: Path, dtype: str, args) -> dict:
+def measure(folder: Path, dtype: str, args, options: dict) -> dict:
     from mlaserve import LLM
     from mlaserve.sampling.params import SamplingParams
 
     rss0 = rss_gib()
-    llm = LLM(model=str(folder), dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=args.conc, threads=args.threads)
+    llm = LLM(
+        model=str(folder),
+        dtype=dtype,
+        max_num_batched_tokens=2048,
+        max_num_seqs=args.conc,
+        threads=args.threads,
+        **options,
+    )
     vocab = llm.config.model.vocab_size
     out = {"weights_gib": weight_bytes(llm.loaded.model) / 2**30, "rss_delta_gib": rss_gib() - rss0}
+    out["kernels"] = {x.name: x.value for x in llm.config.provenance}["kernels"]
     greedy = dict(temperature=0, ignore_eos=True)
     llm.generate([random_prompt(16, vocab, 99)], SamplingParams(max_tokens=2, **greedy))  # warm-up
     t0 = time.perf_counter()
@@ -108,9 +118,9 @@ def main() -> None:
     src = ensure_model("standard", args.quick)
     folders = {"src": src, "fp8": fp8_folder(src), "fp4": fp8_folder(src, "fp4")}
     results = {}
-    for name, which, dtype in VARIANTS:
+    for name, which, dtype, options in VARIANTS:
         print(f"[run] {name} ...", flush=True)
-        results[name] = measure(folders[which], dtype, args)
+        results[name] = measure(folders[which], dtype, args, options)
     c = f"decode_c{args.conc}_tok_s"
     headers = ["variant", "weights GiB", "prefill tok/s", "decode b1 tok/s", f"decode c{args.conc} tok/s"]
     rows = [
