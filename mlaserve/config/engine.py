@@ -126,6 +126,22 @@ class EngineOptions:
         "speculate only while at most this many requests sample in a step (a compute-bound batch gains "
         "little from drafts); None: always",
     )
+    # The acceptance switch (engine/spec_switch.py). Defaults measured on this project's CPUs: a
+    # speculative step with failing drafts costs 1.4x (embedded model) to 2x (standard model) a plain
+    # step at batch 1, so drafts must be accepted >= ~45% of the time to pay on the cheaper of the two.
+    speculative_min_acceptance: float = _opt(
+        0.45,
+        "pause drafting for a request whose moving-average acceptance (accepted / proposed drafts) falls "
+        "below this; it drafts once every speculative_probe_interval steps to see if it recovered; 0: never pause",
+    )
+    speculative_probe_interval: int = _opt(
+        16, "steps a paused request decodes plainly between probes (one step with drafts, then the switch decides)"
+    )
+    speculative_acceptance_weight: float = _opt(
+        0.2,
+        "weight of the newest verification in a request's acceptance average (0 < w <= 1; larger reacts "
+        "faster and pauses on shorter runs of bad luck)",
+    )
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
@@ -168,6 +184,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0  # k drafts per decoding request per step (0 without speculation)
     speculative_max_seqs: int | None = None  # no drafts in a step where more requests sample
     gguf_weights: str | None = None  # a GGUF's block-quantized weights: "quantized" | "dequantized" (None: not GGUF)
+    speculative_min_acceptance: float = 0.0  # the acceptance switch (engine/spec_switch.py); 0: off
+    speculative_probe_interval: int = 16  # steps between a paused request's probes
+    speculative_acceptance_weight: float = 0.2  # newest verification's weight in the acceptance average
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -248,6 +267,7 @@ def resolve(
         num_speculative_tokens=num_spec,
         speculative_max_seqs=_speculative_max_seqs(opts.speculative_max_seqs, speculative, log),
         gguf_weights=gguf_weights,
+        **_speculation_switch(opts, speculative, log),
         provenance=log.freeze(),
     )
 
@@ -283,6 +303,26 @@ def _speculative_max_seqs(value: int | None, speculative: str | None, log: Prove
     if speculative is None:
         raise ConfigError("speculative_max_seqs was given but speculative is None")
     return log.record("speculative_max_seqs", value, "user option")
+
+
+def _speculation_switch(opts: EngineOptions, speculative: str | None, log: ProvenanceLog) -> dict:
+    """The acceptance switch's three knobs (checked; recorded only when speculating)."""
+    names = ("speculative_min_acceptance", "speculative_probe_interval", "speculative_acceptance_weight")
+    given = [n for n in names if getattr(opts, n) != option_default(n)]
+    if speculative is None:
+        if given:
+            raise ConfigError(f"{', '.join(given)} given but speculative is None")
+        return {}
+    t, n, w = (getattr(opts, name) for name in names)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
+        raise ConfigError(f"speculative_min_acceptance must be a number in [0, 1] (0: never pause), got {t!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"speculative_probe_interval must be an integer >= 1, got {n!r}")
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
+        raise ConfigError(f"speculative_acceptance_weight must be a number in (0, 1], got {w!r}")
+    for name in names:
+        _user(log, name, getattr(opts, name))
+    return {names[0]: float(t), names[1]: n, names[2]: float(w)}
 
 
 def _decode_threshold(requested: int | None, num_spec: int, log: ProvenanceLog) -> int:

@@ -28,6 +28,7 @@ from mlaserve.engine.detokenizer import IncrementalDetokenizer
 from mlaserve.engine.page_pool import PagePool
 from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
 from mlaserve.engine.scheduler import SchedulePlan, Scheduler
+from mlaserve.engine.spec_switch import SpeculationSwitch
 from mlaserve.engine.speculative import speculative_step
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.executor.model_runner import ModelRunner
@@ -51,6 +52,10 @@ class Engine:
         self.max_model_len = min(max_len, cfg.model.max_position_embeddings)
         self.step_count = 0
         self._noted_context_limit = False
+        # Speculative decoding's acceptance switch (per request state, an engine-wide prior).
+        self.spec_switch = SpeculationSwitch(
+            cfg.speculative_min_acceptance, cfg.speculative_probe_interval, cfg.speculative_acceptance_weight
+        )
 
     def check_prompt(self, prompt_ids, request_id: str = "prompt") -> list[int]:
         """The one rule for every prompt (generate, prompt_logits, the server): a sequence of ints
@@ -348,6 +353,9 @@ def _metrics(req: Request) -> dict:
         m["num_verify_steps"] = req.num_verify_steps
         m["acceptance_rate"] = req.num_accepted_tokens / max(req.num_draft_tokens, 1)
         m["mean_accepted_length"] = (req.num_accepted_tokens + req.num_verify_steps) / req.num_verify_steps
+    if req.spec is not None and (req.spec.num_pauses or req.spec.num_paused_steps):
+        m["num_spec_paused_steps"] = req.spec.num_paused_steps  # sampled without drafting (acceptance switch)
+        m["num_spec_probes"] = req.spec.num_probes
     if req.first_token_time is not None:
         m["time_to_first_token"] = req.first_token_time - req.arrival
     if req.finish_time is not None and req.first_token_time is not None and len(req.output_ids) > 1:

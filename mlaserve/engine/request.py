@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlaserve.engine.spec_switch import SpecState
 from mlaserve.sampling.params import SamplingParams
 
 
@@ -45,6 +46,7 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of those, accepted
     num_verify_steps: int = 0  # steps that verified at least one draft
+    spec: SpecState | None = None  # the acceptance switch's state (engine/spec_switch.py)
 
     @property
     def all_ids(self) -> list[int]:

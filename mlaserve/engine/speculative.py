@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.engine.request import Request, Status
+from mlaserve.engine.spec_switch import Decision, keep_pending, take_pending
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.sampling.rejection import one_hot, rejection_sample, target_probs
 from mlaserve.sampling.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample
@@ -145,7 +146,8 @@ def verify(engine: Engine, chunks: list[ScheduledChunk], batch: ForwardBatch, lo
 
 def _finite_rows(engine: Engine, live: list, logits: torch.Tensor, j: int) -> list:
     """Plain decoding's rule: a request whose logits row has NaN/Inf fails (never token 0 forever)."""
-    finite = torch.isfinite(logits[[r[j] for _, r in live]]).all(-1).tolist()
+    # As plain decoding checks: a NaN/Inf anywhere makes the row's sum non-finite (one reduction).
+    finite = torch.isfinite(logits[[r[j] for _, r in live]].sum(-1)).tolist()
     for (c, _), ok in zip(live, finite):
         if not ok:
             engine._fail(c.request, f"request {c.request.request_id}: non-finite logits (NaN/Inf) in verification")
@@ -179,27 +181,58 @@ def draft_budget(req: Request, k: int, max_model_len: int) -> int:
 def draft(engine: Engine, plan: SchedulePlan, batch: ForwardBatch, hidden: torch.Tensor, accepted: dict) -> None:
     """Run the MTP layer: depth 1 over this step's verified positions, then k - 1 single-token passes.
     accepted: request id -> accepted drafts, for every request that sampled this step.
-    Sets every scheduled request's draft_ids (empty when it has nothing to draft)."""
-    runner, cfg, ps = engine.runner, engine.cfg, engine.cfg.page_size
+    First this step's verdicts update the acceptance switch; then, per sampling request, the switch
+    (or speculative_max_seqs) decides whether it drafts (engine/spec_switch.py), and the decisions go to
+    the ledger. Sets every scheduled request's draft_ids (empty when it has nothing to draft)."""
+    runner, cfg, ps, switch = engine.runner, engine.cfg, engine.cfg.page_size, engine.spec_switch
     starts = {s.request_id: s.query_start for s in batch.seqs}
-    chunks = []
-    for c in plan.chunks:
-        rid = c.request.request_id
-        if (x := first_draft_chunk(c, rid in accepted, accepted.get(rid, 0), ps)) is not None:
-            chunks.append(x)
+    changes = {}
     for c in plan.chunks:
         c.request.draft_ids = []
-    if not chunks or (cfg.speculative_max_seqs is not None and len(accepted) > cfg.speculative_max_seqs):
-        # Off-switch: a large batch is compute-bound. The MTP rows of this step's positions are not
-        # written, so later drafts of these requests may be worse -- never their output.
+        if c.request.spec is None:
+            c.request.spec = switch.new_state()
+        rid = c.request.request_id
+        if c.num_draft and rid in accepted:
+            changes[rid] = switch.observe(c.request.spec, c.num_draft, accepted[rid])
+    # Off-switch by batch size: a large batch is compute-bound (speculative_max_seqs).
+    over = cfg.speculative_max_seqs is not None and len(accepted) > cfg.speculative_max_seqs
+    chunks, decisions, extra, offset = [], [], [], hidden.shape[0]
+    for c in plan.chunks:
+        req, rid = c.request, c.request.request_id
+        x = first_draft_chunk(c, rid in accepted, accepted.get(rid, 0), ps)
+        if x is None:
+            continue
+        rows = hidden[starts[rid] : starts[rid] + x.query_len]
+        if rid in accepted:
+            d = _batch_decision(len(accepted), cfg.speculative_max_seqs) if over else switch.decide(req.spec)
+            decisions.append((req, d, changes.get(rid)))
+            if not d.draft:
+                keep_pending(req.spec, x.context_len, rows)  # its MTP rows are written when it drafts again
+                continue
+        elif over:
+            keep_pending(req.spec, x.context_len, rows)
+            continue
+        first, pending = take_pending(req.spec, x.context_len)
+        if pending is not None:  # catch up: the MTP rows of the positions it skipped, then this step's
+            ids = req.all_ids[first + 1 : x.context_len + x.query_len + 1]
+            x = SeqChunk(rid, tuple(ids), first, x.block_table, x.needs_logits)
+            extra.append(torch.cat([pending, rows]))
+            starts[rid], offset = offset, offset + extra[-1].shape[0]
+        chunks.append(x)
+    if runner.tracer.enabled and decisions:
+        runner.tracer.record(switch_record(runner.step_count - 1, decisions))
+    if not chunks:
         return
+    if extra:
+        hidden = torch.cat([hidden, *extra])
     step_no = runner.step_count - 1
     mbatch, logits, g = runner.drafter.forward(chunks, hidden, starts, step_no, draft_ledger(1))
     by_id = engine.requests
     want = {}
-    for row, (rid, _) in enumerate(mbatch.logits_owner):
+    # One argmax and one host transfer per pass (not one per request).
+    for (rid, _), tok in zip(mbatch.logits_owner, logits.argmax(-1).tolist()):
         req = by_id[rid]
-        req.draft_ids = [int(logits[row].argmax())]
+        req.draft_ids = [tok]
         want[rid] = draft_budget(req, cfg.num_speculative_tokens, engine.max_model_len)
     last = {s.request_id: s.query_start + s.query_len - 1 for s in mbatch.seqs}
     for depth in range(2, cfg.num_speculative_tokens + 1):
@@ -207,11 +240,15 @@ def draft(engine: Engine, plan: SchedulePlan, batch: ForwardBatch, hidden: torch
         if not deeper:
             break
         mbatch, logits, g = runner.drafter.forward(deeper, g, last, step_no, draft_ledger(depth))
-        for row, (rid, _) in enumerate(mbatch.logits_owner):
-            by_id[rid].draft_ids.append(int(logits[row].argmax()))
+        for (rid, _), tok in zip(mbatch.logits_owner, logits.argmax(-1).tolist()):
+            by_id[rid].draft_ids.append(tok)
         last = {s.request_id: s.query_start for s in mbatch.seqs}
     for rid, n in want.items():
         del by_id[rid].draft_ids[n:]
+
+
+def _batch_decision(num_sampling: int, max_seqs: int) -> Decision:
+    return Decision(False, "batch", f"no drafts: {num_sampling} sampling requests > speculative_max_seqs {max_seqs}")
 
 
 def _deeper_chunks(engine: Engine, want: dict[str, int], depth: int, page_size: int) -> list[SeqChunk]:
@@ -268,6 +305,33 @@ def draft_ledger(depth: int) -> Callable[[ForwardBatch, object], dict]:
         return {"spec_phase": "draft", "draft_depth": depth}
 
     return fields
+
+
+def switch_record(step_no: int, decisions: list) -> dict:
+    """The record written before the MTP pass: per request that sampled this step, whether it drafts
+    for the next step and why (the acceptance switch, or speculative_max_seqs). decisions:
+    (request, Decision, change) with change "paused" / "resumed" when this step's verdict flipped it."""
+    entries = [
+        {
+            "id": req.request_id,
+            "draft": d.draft,
+            "decision": d.kind,
+            "acceptance": round(req.spec.acceptance, 4),
+            "reason": d.reason,
+            **({"change": change} if change else {}),
+        }
+        for req, d, change in decisions
+    ]
+    return {
+        "step": step_no,
+        "spec_phase": "switch",
+        "requests": entries,
+        "num_drafting": sum(e["draft"] for e in entries),
+        "num_paused": sum(e["decision"] == "paused" for e in entries),
+        "num_probes": sum(e["decision"] == "probe" for e in entries),
+        "num_pauses": sum(e.get("change") == "paused" for e in entries),
+        "num_resumes": sum(e.get("change") == "resumed" for e in entries),
+    }
 
 
 def accept_record(step_no: int, plan: SchedulePlan, accepted: dict[str, int]) -> dict:

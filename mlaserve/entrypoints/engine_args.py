@@ -29,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser, with_model_flag: bool = True) ->
         if isinstance(f.default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            kind = int if f.type in ("int", "int | None") else str
+            kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(f.type, str)
             p.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"), help=help_text)
     p.add_argument(
         "--no-malloc-tuning",

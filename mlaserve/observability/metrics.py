@@ -50,6 +50,14 @@ class ServerMetrics:
             "mlaserve_spec_verifications", "(request, step) pairs that verified drafts", registry=r
         )
         self.spec_mtp_tokens = Counter("mlaserve_spec_mtp_tokens", "tokens through the MTP draft layer", registry=r)
+        self.spec_decisions = Counter(
+            "mlaserve_spec_switch_decisions",
+            "(request, step) pairs by the acceptance switch's decision: on, probe, paused, batch, switch off",
+            ["decision"],
+            registry=r,
+        )
+        self.spec_pauses = Counter("mlaserve_spec_pauses", "times the acceptance switch paused a request", registry=r)
+        self.spec_resumes = Counter("mlaserve_spec_resumes", "times a probe turned drafting back on", registry=r)
         gauges = {
             "mlaserve_queue_depth": ("requests waiting for admission", "num_waiting"),
             "mlaserve_running_requests": ("requests in the running batch", "num_running"),
@@ -72,6 +80,12 @@ class ServerMetrics:
             return
         if phase == "draft":
             self.spec_mtp_tokens.inc(rec["num_tokens"])
+            return
+        if phase == "switch":
+            for e in rec["requests"]:
+                self.spec_decisions.labels(e["decision"]).inc()
+            self.spec_pauses.inc(rec["num_pauses"])
+            self.spec_resumes.inc(rec["num_resumes"])
             return
         for seg in rec.get("segments", ()):
             self.attention_tokens.labels(seg["path"], str(seg["sparse"]).lower(), seg["phase"]).inc(seg["num_tokens"])

@@ -14,7 +14,9 @@ Counts
   speculative       (ledgers of speculative="mtp") trunk steps that verified drafts and their verify
                     tokens; drafts proposed and accepted (the `accept` records), the acceptance rate and
                     the mean accepted length (tokens a verifying request gains per step); the MTP's
-                    own passes (`draft` records) are counted apart, not as steps or route tokens
+                    own passes (`draft` records) are counted apart, not as steps or route tokens; the
+                    acceptance switch's decisions (`switch` records): (request, step) pairs that drafted,
+                    sat paused or probed, and how often it paused and resumed a request
   per rank          records with a "rank" field are summarised per rank (tensor parallel ledgers);
                     a ledger without one is one rank, shown without a rank header
 """
@@ -27,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODES = ("dense", "sparse top-k", "sparse all rows")
+# The acceptance switch's counts: (request, step) pairs per decision (engine/spec_switch.py), then how
+# often it turned a request's drafting off and back on.
+SWITCH_COUNTS = ("on", "probe", "paused", "batch", "switch off", "pauses", "resumes")
 
 
 @dataclass
@@ -48,6 +53,7 @@ class LedgerSummary:
     drafts_accepted: int = 0
     draft_passes: int = 0  # MTP forward passes
     draft_tokens: int = 0  # tokens through the MTP layer
+    switch: Counter = field(default_factory=Counter)  # acceptance switch: decision kind / change -> count
 
     @property
     def total_tokens(self) -> int:
@@ -63,6 +69,12 @@ class LedgerSummary:
         if phase == "draft":
             self.draft_passes += 1
             self.draft_tokens += rec["num_tokens"]
+            return
+        if phase == "switch":
+            for e in rec["requests"]:
+                self.switch[e["decision"]] += 1
+                if e.get("change"):
+                    self.switch[{"paused": "pauses", "resumed": "resumes"}[e["change"]]] += 1
             return
         if phase == "verify":
             self.verify_steps += 1
@@ -113,6 +125,8 @@ class LedgerSummary:
             "mean_accepted_length": (acc + n) / n if n else 0.0,
             "draft_passes": self.draft_passes,
             "draft_tokens": self.draft_tokens,
+            # (request, step) pairs by the switch's decision, and the pauses / resumes it made
+            "switch": {k: self.switch[k] for k in SWITCH_COUNTS},
         }
 
 
@@ -146,6 +160,8 @@ def read_ledger(path: str | Path, offset: int = 0) -> list[dict]:
             need = ("segments", "requests", "sparse", "num_decode_tokens")
             if rec.get("spec_phase") == "accept":  # speculative decoding's verdict record
                 need = ("requests", "num_proposed_tokens", "num_accepted_tokens")
+            if rec.get("spec_phase") == "switch":  # the acceptance switch's decisions
+                need = ("requests", "num_drafting", "num_paused")
             missing = [k for k in need if k not in rec]
             if missing:
                 raise ValueError(f"{path}: record {n} is not a route ledger record (no {', '.join(missing)})")
@@ -187,4 +203,11 @@ def _format_one(s: LedgerSummary) -> str:
             f"mean accepted length {sp['mean_accepted_length']:.2f}; {sp['draft_passes']} MTP passes "
             f"({sp['draft_tokens']} tokens)"
         )
+        if s.switch:
+            sw = sp["switch"]
+            lines.append(
+                f"  acceptance switch: {sw['on'] + sw['switch off']} drafting, {sw['paused']} paused, "
+                f"{sw['probe']} probes (request-steps); {sw['pauses']} pauses, {sw['resumes']} resumes"
+                + (f"; {sw['batch']} without drafts by speculative_max_seqs" if sw["batch"] else "")
+            )
     return "\n".join(lines)
