@@ -6,11 +6,13 @@ Models
   standard   benchmarks/common.py's standard model plus one random MTP layer (acceptance ~0: this
              measures the overhead of drafts that fail)
   PATH       any folder with an MTP layer
-Per setting: plain decode, then speculative with k = 1..3, at batch 1 and at --concurrency requests;
+Per setting: plain decode, then speculative with k = 1..3 (the engine's default acceptance switch; with
+--always also with the switch off, drafting every step), at batch 1 and at --concurrency requests;
 decode tok/s = generated tokens after the first / time after the first token (all requests together).
+"paused" = (request, step) pairs in which the switch kept a request from drafting.
 
     python benchmarks/speculative.py --model embedded --new 128
-    python benchmarks/speculative.py --model standard --quick --new 32 --concurrency 1,16
+    python benchmarks/speculative.py --model standard --quick --new 32 --concurrency 1,16 --always
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new", type=int, default=64, help="tokens generated per request")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--always", action="store_true", help="also run each k with the switch off (min acceptance 0)")
     p.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/...)")
     return p.parse_args()
 
@@ -101,6 +104,7 @@ def run(model: str | None, options: dict, prompts: list[list[int]], new: int) ->
     proposed = sum(o.metrics.get("num_draft_tokens", 0) for o in outs)
     accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
     steps = sum((o.metrics.get("num_accepted_tokens", 0) + o.metrics.get("num_verify_steps", 0)) for o in outs)
+    paused = sum(o.metrics.get("num_spec_paused_steps", 0) for o in outs)
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
         "decode_tok_s": n_after_first / max(decode_s, 1e-9),
@@ -108,6 +112,7 @@ def run(model: str | None, options: dict, prompts: list[list[int]], new: int) ->
         "proposed": proposed,
         "accepted": accepted,
         "accepted_plus_bonus": steps,
+        "paused_steps": paused,
     }
 
 
@@ -124,26 +129,37 @@ def main() -> None:
         if model is None:  # the embedded model reads English: a KJV-like prompt gives its head something to do
             prompts = [LLM_prompt(i) for i in range(conc)]
         plain = run(model, base, prompts, args.new)
-        rows.append([conc, "plain", f"{plain['decode_tok_s']:.1f}", "1.00x", "-", "-"])
+        rows.append([conc, "plain", f"{plain['decode_tok_s']:.1f}", "1.00x", "-", "-", "-"])
         results.append({"concurrency": conc, "k": 0, **{k: v for k, v in plain.items() if k != "tokens"}})
         for k in [int(x) for x in args.k.split(",")]:
-            spec = run(model, base | {"speculative": "mtp", "num_speculative_tokens": k}, prompts, args.new)
-            same = spec["tokens"] == plain["tokens"]
-            rate = spec["acceptance_rate"]
-            rows.append(
-                [
-                    conc,
-                    f"mtp k={k}",
-                    f"{spec['decode_tok_s']:.1f}",
-                    f"{spec['decode_tok_s'] / plain['decode_tok_s']:.2f}x",
-                    "-" if rate is None else f"{rate:.1%}",
-                    "yes" if same else "NO",
-                ]
-            )
-            results.append(
-                {"concurrency": conc, "k": k, "identical": same, **{a: b for a, b in spec.items() if a != "tokens"}}
-            )
-    table = print_table(["requests", "decode", "tok/s", "vs plain", "acceptance", "identical"], rows)
+            for always in (False, True) if args.always else (False,):
+                opts = {"speculative": "mtp", "num_speculative_tokens": k}
+                spec = run(
+                    model, base | opts | ({"speculative_min_acceptance": 0} if always else {}), prompts, args.new
+                )
+                same = spec["tokens"] == plain["tokens"]
+                rate = spec["acceptance_rate"]
+                rows.append(
+                    [
+                        conc,
+                        f"mtp k={k}" + (" always" if always else ""),
+                        f"{spec['decode_tok_s']:.1f}",
+                        f"{spec['decode_tok_s'] / plain['decode_tok_s']:.2f}x",
+                        "-" if rate is None else f"{rate:.1%}",
+                        "-" if always else str(spec["paused_steps"]),
+                        "yes" if same else "NO",
+                    ]
+                )
+                results.append(
+                    {
+                        "concurrency": conc,
+                        "k": k,
+                        "switch": not always,
+                        "identical": same,
+                        **{a: b for a, b in spec.items() if a != "tokens"},
+                    }
+                )
+    table = print_table(["requests", "decode", "tok/s", "vs plain", "acceptance", "paused", "identical"], rows)
     out = Path(args.out) if args.out else RESULTS_DIR / f"speculative-{Path(args.model).name}.json"
     write_json(out, {"args": vars(args), "environment": environment(threads), "results": results, "table": table})
 

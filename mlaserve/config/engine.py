@@ -135,7 +135,9 @@ class EngineOptions:
         "below this; it drafts once every speculative_probe_interval steps to see if it recovered; 0: never pause",
     )
     speculative_probe_interval: int = _opt(
-        16, "steps a paused request decodes plainly between probes (one step with drafts, then the switch decides)"
+        16,
+        "steps a paused request decodes plainly before a probe (one step with drafts, then the switch decides); "
+        "doubled after each probe that fails, up to 8x",
     )
     speculative_acceptance_weight: float = _opt(
         0.2,

@@ -7,10 +7,15 @@ while enough drafts are accepted, and that depends on the text a request writes 
 so the switch is per request:
 
   acceptance  an exponential moving average of accepted / proposed over the request's verifications:
-              a <- (1 - w) a + w (accepted / proposed), w = speculative_acceptance_weight
+              a <- (1 - w_n) a + w_n (accepted / proposed), w_n = max(w, 1 / (n + 2)) at the n-th
+              verification (n = 0, 1, ...), w = speculative_acceptance_weight: the start value counts
+              as one verification, so the first few weigh as in a plain mean (a head that fails from
+              the start is paused after two verifications, not after the ~1/w an average from 1.0 takes)
   paused      a < speculative_min_acceptance: the request decodes plainly (no MTP pass, no drafts)
-  probe       every speculative_probe_interval steps of a pause the request drafts once; the probe's
-              verification updates a like any other, so a request whose drafts are good again resumes
+  probe       after speculative_probe_interval steps of a pause the request drafts once; the probe's
+              verification updates a like any other, so a request whose drafts are good again resumes.
+              A probe that leaves it paused doubles the wait (up to MAX_BACKOFF x the interval): a
+              head that keeps failing costs ever fewer probes; a resume starts again from the interval
   start       a new request starts at 1.0 (drafting), and nothing of another request enters its
               average: a request's drafts -- and so its seeded sampled output, which rejection sampling
               draws with its own generator -- depend on that request alone, not on the other traffic
@@ -31,6 +36,8 @@ import torch
 # hidden_size floats); older positions of a longer pause keep stale MTP rows, which can only make
 # later drafts worse, never the output different.
 MAX_PENDING_ROWS = 64
+# Longest wait between probes, in multiples of speculative_probe_interval.
+MAX_BACKOFF = 8
 
 
 @dataclass
@@ -38,6 +45,8 @@ class SpecState:
     """One request's speculation bookkeeping (mutable; lives on the Request)."""
 
     acceptance: float  # moving average of accepted / proposed
+    wait: int  # steps of a pause before the next probe (doubles after each failed probe)
+    verifications: int = 0
     paused: bool = False
     idle: int = 0  # steps without drafts since the pause or the last probe
     probing: bool = False  # the drafts being verified next are a probe
@@ -67,21 +76,24 @@ class SpeculationSwitch:
         return self.min_acceptance > 0
 
     def new_state(self) -> SpecState:
-        return SpecState(acceptance=1.0)
+        return SpecState(acceptance=1.0, wait=self.probe_interval)
 
     def observe(self, state: SpecState, proposed: int, accepted: int) -> str | None:
         """A verification of `proposed` drafts kept `accepted`. -> "paused" / "resumed" on a change."""
-        w, rate = self.weight, accepted / proposed
-        state.acceptance = (1 - w) * state.acceptance + w * rate
-        was, state.probing = state.paused, False
+        w = max(self.weight, 1 / (state.verifications + 2))
+        state.acceptance = (1 - w) * state.acceptance + w * (accepted / proposed)
+        state.verifications += 1
+        was, probed, state.probing = state.paused, state.probing, False
         state.paused = self.enabled and state.acceptance < self.min_acceptance
         if state.paused and not was:
             state.num_pauses += 1
-            state.idle = 0
+            state.idle, state.wait = 0, self.probe_interval
             return "paused"
         if was and not state.paused:
             state.num_resumes += 1
             return "resumed"
+        if state.paused and probed:
+            state.wait = min(2 * state.wait, MAX_BACKOFF * self.probe_interval)
         return None
 
     def decide(self, state: SpecState) -> Decision:
@@ -92,12 +104,12 @@ class SpeculationSwitch:
         if not state.paused:
             return Decision(True, "on", f"drafting: acceptance {a:.2f} >= {t:g}")
         state.idle += 1
-        if state.idle >= self.probe_interval:
+        if state.idle >= state.wait:
             state.idle, state.probing = 0, True
             state.num_probes += 1
-            return Decision(True, "probe", f"probe: acceptance {a:.2f} < {t:g}, paused {self.probe_interval} steps")
+            return Decision(True, "probe", f"probe: acceptance {a:.2f} < {t:g}, paused {state.wait} steps")
         state.num_paused_steps += 1
-        left = self.probe_interval - state.idle
+        left = state.wait - state.idle
         return Decision(False, "paused", f"speculation paused: acceptance {a:.2f} < {t:g} (probe in {left} steps)")
 
 
