@@ -9,6 +9,8 @@ Models
 Per setting: plain decode, then speculative with k = 1..3 (the engine's default acceptance switch; with
 --always also with the switch off, drafting every step), at batch 1 and at --concurrency requests;
 decode tok/s = generated tokens after the first / time after the first token (all requests together).
+Each setting loads a plain and a speculative engine side by side and alternates them --rounds times;
+"vs plain" is the median of the rounds' ratios, "tok/s" the median run (plain: over all its runs).
 "paused" = (request, step) pairs in which the switch kept a request from drafting.
 
     python benchmarks/speculative.py --model embedded --new 128
@@ -18,7 +20,9 @@ decode tok/s = generated tokens after the first / time after the first token (al
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -38,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new", type=int, default=64, help="tokens generated per request")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--rounds", type=int, default=3, help="alternated plain / speculative runs per setting")
     p.add_argument("--always", action="store_true", help="also run each k with the switch off (min acceptance 0)")
     p.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/...)")
     return p.parse_args()
@@ -91,8 +96,20 @@ def resolve_model(name: str, quick: bool) -> str | None:
     return name
 
 
-def run(model: str | None, options: dict, prompts: list[list[int]], new: int) -> dict:
-    llm = LLM(model, **options)
+def paired(model: str | None, base: dict, spec_opts: dict, prompts, new: int, rounds: int) -> tuple[list, list]:
+    """Plain and speculative engines loaded side by side, runs alternated `rounds` times: each round's
+    ratio compares two runs seconds apart, so load from other processes mostly cancels (separate
+    processes run minutes apart measured the same setting at 0.75x-0.96x). -> (plain runs, spec runs)."""
+    gc.collect()  # the previous pair's weights are freed before this one loads
+    with LLM(model, **base) as plain_llm, LLM(model, **base | spec_opts) as spec_llm:
+        plain, spec = [], []
+        for _ in range(rounds):
+            plain.append(_timed(plain_llm, prompts, new))
+            spec.append(_timed(spec_llm, prompts, new))
+    return plain, spec
+
+
+def _timed(llm: LLM, prompts: list[list[int]], new: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
@@ -120,33 +137,31 @@ def main() -> None:
     args = parse_args()
     model = resolve_model(args.model, args.quick)
     base = {"dtype": args.dtype} | ({"threads": args.threads} if args.threads else {})
-    probe = LLM(model, **base)
-    vocab, threads = probe.config.model.vocab_size, probe.config.threads
-    del probe
+    with LLM(model, **base) as probe:
+        vocab, threads = probe.config.model.vocab_size, probe.config.threads
     rows, results = [], []
     for conc in [int(c) for c in args.concurrency.split(",")]:
         prompts = [random_prompt(args.prompt_len, vocab, seed=i) for i in range(conc)]
         if model is None:  # the embedded model reads English: a KJV-like prompt gives its head something to do
             prompts = [LLM_prompt(i) for i in range(conc)]
-        plain = run(model, base, prompts, args.new)
-        rows.append([conc, "plain", f"{plain['decode_tok_s']:.1f}", "1.00x", "-", "-", "-"])
-        results.append({"concurrency": conc, "k": 0, **{k: v for k, v in plain.items() if k != "tokens"}})
+        plain_rates, first_row = [], len(rows)
         for k in [int(x) for x in args.k.split(",")]:
             for always in (False, True) if args.always else (False,):
                 opts = {"speculative": "mtp", "num_speculative_tokens": k}
-                spec = run(
-                    model, base | opts | ({"speculative_min_acceptance": 0} if always else {}), prompts, args.new
-                )
-                same = spec["tokens"] == plain["tokens"]
-                rate = spec["acceptance_rate"]
+                opts |= {"speculative_min_acceptance": 0} if always else {}
+                plain, spec = paired(model, base, opts, prompts, args.new, args.rounds)
+                plain_rates += [p["decode_tok_s"] for p in plain]
+                ratio = statistics.median(s["decode_tok_s"] / p["decode_tok_s"] for p, s in zip(plain, spec))
+                same = all(s["tokens"] == p["tokens"] for p, s in zip(plain, spec))
+                rate = spec[0]["acceptance_rate"]
                 rows.append(
                     [
                         conc,
                         f"mtp k={k}" + (" always" if always else ""),
-                        f"{spec['decode_tok_s']:.1f}",
-                        f"{spec['decode_tok_s'] / plain['decode_tok_s']:.2f}x",
+                        f"{statistics.median(s['decode_tok_s'] for s in spec):.1f}",
+                        f"{ratio:.2f}x",
                         "-" if rate is None else f"{rate:.1%}",
-                        "-" if always else str(spec["paused_steps"]),
+                        "-" if always else str(spec[0]["paused_steps"]),
                         "yes" if same else "NO",
                     ]
                 )
@@ -156,9 +171,12 @@ def main() -> None:
                         "k": k,
                         "switch": not always,
                         "identical": same,
-                        **{a: b for a, b in spec.items() if a != "tokens"},
+                        "vs_plain_median": ratio,
+                        "plain": [{a: b for a, b in p.items() if a != "tokens"} for p in plain],
+                        "spec": [{a: b for a, b in x.items() if a != "tokens"} for x in spec],
                     }
                 )
+        rows.insert(first_row, [conc, "plain", f"{statistics.median(plain_rates):.1f}", "1.00x", "-", "-", "-"])
     table = print_table(["requests", "decode", "tok/s", "vs plain", "acceptance", "paused", "identical"], rows)
     out = Path(args.out) if args.out else RESULTS_DIR / f"speculative-{Path(args.model).name}.json"
     write_json(out, {"args": vars(args), "environment": environment(threads), "results": results, "table": table})

@@ -332,6 +332,8 @@ def _speed_line(out) -> str:
             f"; MTP drafts {m['num_accepted_tokens']}/{m['num_draft_tokens']} accepted "
             f"({m['acceptance_rate']:.0%}), mean accepted length {m['mean_accepted_length']:.2f}"
         )
+    if "num_spec_paused_steps" in m:  # the acceptance switch paused its drafting
+        line += f"; drafting paused {m['num_spec_paused_steps']} steps ({m['num_spec_probes']} probes)"
     return line + f"; finish: {out.outputs[0].finish_reason}]"
 
 
