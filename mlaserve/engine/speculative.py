@@ -123,6 +123,7 @@ def verify(engine: Engine, chunks: list[ScheduledChunk], batch: ForwardBatch, lo
             [r.generator for r in reqs],
             logits.shape[-1],
             eos_token_id=tuple(engine.eos_ids),
+            device=logits.device,
         )
         idx = torch.tensor([r[j] for _, r in live], device=logits.device)
         tokens, ok, lps = choose(logits[idx], sb, drafts)

@@ -45,7 +45,8 @@ def uniform(n: int, generators: dict[int, torch.Generator], device: torch.device
     """u [n]; a seeded row draws from its own generator (so it does not depend on the other rows)."""
     u = torch.rand(n, device=device)
     for row, gen in generators.items():
-        u[row] = torch.rand(1, generator=gen, device=device)[0]
+        # a request's generator lives on the CPU (sampler.make_generator): draw there, then place the value
+        u[row] = torch.rand(1, generator=gen, device=gen.device)[0].to(device)
     return u
 
 
