@@ -150,6 +150,11 @@ def test_native_fp8_holders_equal_torch_holders():
     ex.gate_up_proj_scale.data.copy_(sg)
     ex.down_proj.data.copy_(qd)
     ex.down_proj_scale.data.copy_(sd)
+    some = torch.tensor([0, 2, 4])
+    ex.kernel = "torch"
+    ref_w = ex.expert_weights(some, torch.float32)
+    ex.kernel = "native"  # the prefill path: routed experts decoded natively, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(ex.expert_weights(some, torch.float32), ref_w))
     for tokens in (1, 4, 60):
         x = torch.randn(tokens, 96, generator=g)
         idx = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(tokens)])

@@ -114,6 +114,8 @@ class FP8Experts(Experts):
 
     def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense gate_up [A, 2I, D] and down [A, D, I] of the listed experts, in dtype."""
+        if self.kernel == "native":  # many tokens per expert (prefill): decode natively, then the GEMMs
+            return self._native_weights(experts, dtype)
         q = self.gate_up_proj[experts]
         gu = fp8_block.dequantize(q.unflatten(1, (2, -1)), self.gate_up_proj_scale[experts], self.block_gu, dtype)
         down = fp8_block.dequantize(self.down_proj[experts], self.down_proj_scale[experts], self.block_down, dtype)
@@ -166,6 +168,18 @@ class FP8Experts(Experts):
         )
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token_of, ys).to(x.dtype)
+
+    def _native_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same values as the torch dequantizer (bit for bit), decoded by blocks.c: the listed
+        experts' rows flattened, their scale grids gathered alongside (gate and up keep a grid each)."""
+        a, (two_i, d), i = experts.shape[0], self.gate_up_proj.shape[1:], self.down_proj.shape[2]
+        gu_q = self.gate_up_proj[experts].view(torch.uint8).reshape(a * two_i, d)
+        gu = native.dequantize(native.FP8_E4M3, gu_q, d, self._grid(self.gate_up_proj_scale[experts], self.block_gu, i))
+        down_q = self.down_proj[experts].view(torch.uint8).reshape(a * d, i)
+        down = native.dequantize(
+            native.FP8_E4M3, down_q, i, self._grid(self.down_proj_scale[experts], self.block_down, d)
+        )
+        return gu.view(a, two_i, d).to(dtype), down.view(a, d, i).to(dtype)
 
     @staticmethod
     def _grid(scale: torch.Tensor, block: tuple[int, int], part_rows: int) -> native.Fp8Grid:
