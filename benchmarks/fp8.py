@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-len", type=int, default=None, help="default 512 (quick: 64)")
     p.add_argument("--new", type=int, default=None, help="decode tokens per request (default 32; quick: 4)")
     p.add_argument("--conc", type=int, default=16)
+    p.add_argument("--variants", nargs="*", default=None, help="run only these rows (names as in the table)")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -119,6 +120,8 @@ def main() -> None:
     folders = {"src": src, "fp8": fp8_folder(src), "fp4": fp8_folder(src, "fp4")}
     results = {}
     for name, which, dtype, options in VARIANTS:
+        if args.variants and name not in args.variants:
+            continue
         print(f"[run] {name} ...", flush=True)
         results[name] = measure(folders[which], dtype, args, options)
     c = f"decode_c{args.conc}_tok_s"
