@@ -561,20 +561,32 @@ def test_check_tensors_scans_fp8_weights(broken):
         LLM(save(), check_tensors=True)
 
 
-@pytest.mark.parametrize("kind", ["v3_yarn", "v32"])
-def test_native_kernels_equal_torch_kernels_in_the_engine(fp8_folder, kind):
-    """Chunks of 8 tokens take the native decode-and-dot kernel (<= GEMV_ROWS rows), decodes too."""
+@pytest.mark.parametrize("kind, experts", [("v3_yarn", "fp8"), ("v32", "fp8"), ("v3_yarn", "fp4")])
+def test_native_kernels_equal_torch_kernels_in_the_engine(fp8_folder, kind, experts):
+    """Chunks of 8 tokens take the native decode-and-dot kernel (<= GEMV_ROWS rows), decodes too;
+    FP4 (e2m1) routed experts with fp32 group scales as well."""
     from mlaserve.kernels import native
 
     if not native.status().available:
         pytest.skip(f"native kernels unavailable: {native.status().detail}")
-    folder = fp8_folder(kind, *FAMILIES[kind])
+    folder = fp8_folder(kind, *FAMILIES[kind], experts)
     ids = random_ids(40)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runs = {}
     for kernel in ("native", "torch"):
         llm = LLM(str(folder), kernels=kernel, device="cpu", max_num_batched_tokens=8, page_size=8)
         assert {s.name: s.value for s in llm.loaded.config.provenance}["kernels"] == kernel
+        assert llm.loaded.model.model.layers[1].mlp.experts.kernel == kernel
+        assert type(llm.loaded.model.model.layers[1].mlp.experts).__name__ == (
+            "FP4Experts" if experts == "fp4" else "FP8Experts"
+        )
+        # prefill-sized groups decode the routed experts natively: the same values as the torch dequantizer
+        ex = llm.loaded.model.model.layers[1].mlp.experts
+        some = torch.tensor([0, 3])
+        ex.kernel = "torch"
+        ref_w = ex.expert_weights(some, torch.float32)
+        ex.kernel = kernel
+        assert all(torch.equal(a, b) for a, b in zip(ex.expert_weights(some, torch.float32), ref_w))
         runs[kernel] = llm.prompt_logits(ids), llm.generate([ids[:12]], greedy)
     diff, top1 = _compare(runs["native"][0], runs["torch"][0])
     assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)

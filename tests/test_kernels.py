@@ -116,7 +116,7 @@ def test_native_fp8_decode_and_gemv(shape, block):
     w = torch.randn(shape, generator=g)
     q, s = fp8_block.quantize(w, block)
     ref = fp8_block.dequantize_reference(q, s, block)
-    grid = native.Fp8Grid(s.contiguous(), block[0], s.shape[1], block[1], shape[0])
+    grid = native.ScaleGrid(s.contiguous(), block[0], s.shape[1], block[1], shape[0])
     got = native.dequantize(native.FP8_E4M3, q.view(torch.uint8), shape[1], grid)
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     x = torch.randn(5, shape[1], generator=g)

@@ -21,6 +21,7 @@
 #endif
 
 #define MLS_FP8_E4M3 1000
+#define MLS_FP4_E2M1 1001 /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
 #define MAX_K 65536
 
 static inline float f16(const uint8_t *p) {
@@ -402,6 +403,19 @@ static void simd_fp8(const uint8_t *q, const float *srow, int64_t bk, float *y, 
 }
 #endif
 
+/* e2m1 codes -> values (mlaserve/quant/fp4_group.py E2M1_VALUES) times the row's group scales:
+   value * scale, one rounding, as the reference's table lookup times the expanded scale */
+static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static void row_e2m1(const uint8_t *q, const float *srow, int64_t group, float *y, int64_t k) {
+    for (int64_t c = 0; c < k / 2; c++) {
+        const uint8_t b = q[c];
+        y[2 * c] = E2M1[b & 15] * srow[(2 * c) / group];
+        y[2 * c + 1] = E2M1[b >> 4] * srow[(2 * c + 1) / group];
+    }
+}
+
 typedef void (*row_fn)(const uint8_t *, float *, int64_t);
 
 static row_fn ggml_row(int type) {
@@ -481,7 +495,9 @@ static inline const float *fp8_row_scales(const fp8_scales *f, const float *base
 
 static int decode_row(int type, row_fn fn, const uint8_t *w, const fp8_scales *f, const float *sbase, int64_t n,
                       float *buf, int64_t k) {
-    if (type == MLS_FP8_E4M3)
+    if (type == MLS_FP4_E2M1)
+        row_e2m1(w, fp8_row_scales(f, sbase, n), f->bk, buf, k);
+    else if (type == MLS_FP8_E4M3)
 #ifdef MLS_SIMD
         simd_fp8(w, fp8_row_scales(f, sbase, n), f->bk, buf, k);
 #else
@@ -497,7 +513,7 @@ int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const 
              int64_t row_bytes, const float *scale, int64_t bn, int64_t kb, int64_t bk, int64_t part_rows,
              float *y, int64_t ldy, int threads) {
     row_fn fn = ggml_row(type);
-    if (!fn && type != MLS_FP8_E4M3) return -1;
+    if (!fn && type != MLS_FP8_E4M3 && type != MLS_FP4_E2M1) return -1;
     if (k > MAX_K) return -2;
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
@@ -522,7 +538,7 @@ int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int6
                      int64_t kb, int64_t bk, int64_t part_rows, const int64_t *experts, const int64_t *starts,
                      int64_t groups, float *y, int threads) {
     row_fn fn = ggml_row(type);
-    if (!fn && type != MLS_FP8_E4M3) return -1;
+    if (!fn && type != MLS_FP8_E4M3 && type != MLS_FP4_E2M1) return -1;
     if (k > MAX_K) return -2;
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
@@ -546,7 +562,7 @@ int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int6
 int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const float *scale, int64_t bn,
                    int64_t kb, int64_t bk, int64_t part_rows, int64_t k, float *out, int threads) {
     row_fn fn = ggml_row(type);
-    if (!fn && type != MLS_FP8_E4M3) return -1;
+    if (!fn && type != MLS_FP8_E4M3 && type != MLS_FP4_E2M1) return -1;
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
 #pragma omp parallel for schedule(static) num_threads(threads)

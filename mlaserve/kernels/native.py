@@ -26,6 +26,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
+FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -122,8 +123,9 @@ def status() -> NativeStatus:
 
 
 @dataclass(frozen=True)
-class Fp8Grid:
-    """Where the fp8 scales of a weight are (see blocks.c fp8_scales); None for ggml types."""
+class ScaleGrid:
+    """Where the fp32 scales of an fp8 / fp4 weight are (see blocks.c fp8_scales): blocks of bn rows x
+    bk columns, kb per row of blocks, rows in parts of part_rows with a grid each; None for ggml types."""
 
     scale: torch.Tensor  # fp32, contiguous
     bn: int
@@ -136,13 +138,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def _grid_args(grid: Fp8Grid | None, n: int) -> tuple:
+def _grid_args(grid: ScaleGrid | None, n: int) -> tuple:
     if grid is None:
         return None, 1, 1, 1, n
     return _ptr(grid.scale), grid.bn, grid.kb, grid.bk, grid.part_rows
 
 
-def gemm(type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: Fp8Grid | None = None) -> torch.Tensor:
+def gemm(type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: ScaleGrid | None = None) -> torch.Tensor:
     """x [M, K] fp32 contiguous, w [N, R] uint8 contiguous -> y [M, N] fp32."""
     lib = library()
     m, n = x.shape[0], w.shape[0]
@@ -173,7 +175,7 @@ def grouped_gemm(
     k: int,
     experts: torch.Tensor,
     starts: torch.Tensor,
-    grid: Fp8Grid | None = None,
+    grid: ScaleGrid | None = None,
 ) -> torch.Tensor:
     """xs [P, K] fp32 sorted by expert, w [E, N, R] uint8, experts [A] int64, starts [A+1] int64 -> [P, N]."""
     lib = library()
@@ -206,7 +208,7 @@ def grouped_gemm(
     return y
 
 
-def dequantize(type_id: int, w: torch.Tensor, k: int, grid: Fp8Grid | None = None) -> torch.Tensor:
+def dequantize(type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = None) -> torch.Tensor:
     """w [N, R] uint8 -> [N, K] fp32, bit-identical with the reference dequantizers."""
     lib = library()
     n = w.shape[0]

@@ -24,6 +24,8 @@ down [E, D, I]; block scales as in fp8_block.py. gate and up keep their own scal
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,7 +70,7 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.float() if self.bias is not None else None
         if self.kernel == "native":
-            grid = native.Fp8Grid(
+            grid = native.ScaleGrid(
                 self.scale.contiguous(), *self.block[:1], self.scale.shape[1], self.block[1], self.out_features
             )
             q, xf = self.weight.view(torch.uint8), x.float().contiguous()
@@ -151,40 +153,37 @@ class FP8Experts(Experts):
         starts = F.pad(torch.cumsum(torch.bincount(flat, minlength=active.shape[0]), 0), (1, 0))
         experts = active.to(torch.int64).contiguous()
         xs = x.float()[token_of].contiguous()
-        i, d = self.down_proj.shape[2], self.down_proj.shape[1]
-        gu_grid = self._grid(self.gate_up_proj_scale, self.block_gu, i)
-        g, u = native.grouped_gemm(
-            native.FP8_E4M3, xs, self.gate_up_proj.view(torch.uint8), d, experts, starts, gu_grid
-        ).chunk(2, dim=-1)
-        down_grid = self._grid(self.down_proj_scale, self.block_down, d)
-        ys = native.grouped_gemm(
-            native.FP8_E4M3,
-            (F.silu(g) * u).contiguous(),
-            self.down_proj.view(torch.uint8),
-            i,
-            experts,
-            starts,
-            down_grid,
-        )
+        t, (gu, k_gu, gu_grid), (down, k_down, down_grid) = self._native_operands()
+        g, u = native.grouped_gemm(t, xs, gu, k_gu, experts, starts, gu_grid).chunk(2, dim=-1)
+        ys = native.grouped_gemm(t, (F.silu(g) * u).contiguous(), down, k_down, experts, starts, down_grid)
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token_of, ys).to(x.dtype)
 
+    def _native_operands(self) -> tuple[int, tuple, tuple]:
+        """-> (blocks.c type, (gate_up bytes [E, 2I, R], K, grid), (down bytes [E, D, R'], K', grid))."""
+        i, d = self.down_proj.shape[2], self.down_proj.shape[1]
+        return (
+            native.FP8_E4M3,
+            (self.gate_up_proj.view(torch.uint8), d, self._grid(self.gate_up_proj_scale, self.block_gu, i)),
+            (self.down_proj.view(torch.uint8), i, self._grid(self.down_proj_scale, self.block_down, d)),
+        )
+
     def _native_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The same values as the torch dequantizer (bit for bit), decoded by blocks.c: the listed
-        experts' rows flattened, their scale grids gathered alongside (gate and up keep a grid each)."""
-        a, (two_i, d), i = experts.shape[0], self.gate_up_proj.shape[1:], self.down_proj.shape[2]
-        gu_q = self.gate_up_proj[experts].view(torch.uint8).reshape(a * two_i, d)
-        gu = native.dequantize(native.FP8_E4M3, gu_q, d, self._grid(self.gate_up_proj_scale[experts], self.block_gu, i))
-        down_q = self.down_proj[experts].view(torch.uint8).reshape(a * d, i)
-        down = native.dequantize(
-            native.FP8_E4M3, down_q, i, self._grid(self.down_proj_scale[experts], self.block_down, d)
-        )
-        return gu.view(a, two_i, d).to(dtype), down.view(a, d, i).to(dtype)
+        experts' rows flattened, their scale grids gathered alongside (parts continue in order)."""
+        t, gate_up, down = self._native_operands()
+
+        def decode(q: torch.Tensor, k: int, grid: native.ScaleGrid) -> torch.Tensor:
+            sub = replace(grid, scale=grid.scale[experts].contiguous())
+            rows = q[experts].reshape(-1, q.shape[-1])
+            return native.dequantize(t, rows, k, sub).view(experts.shape[0], q.shape[1], k)
+
+        return decode(*gate_up).to(dtype), decode(*down).to(dtype)
 
     @staticmethod
-    def _grid(scale: torch.Tensor, block: tuple[int, int], part_rows: int) -> native.Fp8Grid:
+    def _grid(scale: torch.Tensor, block: tuple[int, int], part_rows: int) -> native.ScaleGrid:
         """scale [E, (parts,) nb, kb]: rows come in parts of part_rows (gate, up) with a grid each."""
-        return native.Fp8Grid(scale.contiguous(), block[0], scale.shape[-1], block[1], part_rows)
+        return native.ScaleGrid(scale.contiguous(), block[0], scale.shape[-1], block[1], part_rows)
 
     def _grouped(self, x, topk_w, local, gate_up, down) -> torch.Tensor:
         k = local.shape[1]
@@ -215,11 +214,13 @@ class FP4Experts(FP8Experts):
       "nvfp4"  uint8 codes, e4m3 scales over a per-tensor `weight_global_scale`: S = s / global, g = 16
     Same step as FP8Experts (only the routed experts are dequantized)."""
 
-    KERNELS = ("torch",)  # blocks.c decodes no e2m1
+    KERNELS = ("native", "torch")  # native for the "fp4" variant (fp32 scales); see __init__
 
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
         self.impl, self.scheme, self.variant, self.kernel = "grouped_mm", scheme, scheme.expert_dtype, "torch"
+        if self.variant != "fp4":  # e8m0 / e4m3-over-global scales: blocks.c reads fp32 scales only
+            self.KERNELS = ("torch",)
         self.group = 16 if self.variant == "nvfp4" else fp4_group.GROUP
         codes = torch.int8 if self.variant == "fp4" else torch.uint8
         scales = {"fp4": torch.float32, "mxfp4": torch.uint8, "nvfp4": fp8_block.FP8}[self.variant]
@@ -259,7 +260,19 @@ class FP4Experts(FP8Experts):
             return gu.float() / g_gu[..., None], down.float() / g_down[..., None]
         return gu, down
 
+    def _native_operands(self) -> tuple[int, tuple, tuple]:
+        """Codes as bytes, fp32 group scales as grids of one row by `group` columns."""
+        d, i = self.down_proj.shape[1], self.gate_up_proj.shape[1] // 2
+        s_gu, s_down = self.gate_up_proj_scale, self.down_proj_scale
+        return (
+            native.FP4_E2M1,
+            (self.gate_up_proj.view(torch.uint8), d, native.ScaleGrid(s_gu, 1, s_gu.shape[-1], self.group, 2 * i)),
+            (self.down_proj.view(torch.uint8), i, native.ScaleGrid(s_down, 1, s_down.shape[-1], self.group, d)),
+        )
+
     def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel == "native":
+            return self._native_weights(experts, dtype)
         s_gu, s_down = self._scales(experts)
         gu = fp4_group.dequantize(self.gate_up_proj[experts].unflatten(1, (2, -1)), s_gu, self.group)
         down = fp4_group.dequantize(self.down_proj[experts], s_down, self.group)
