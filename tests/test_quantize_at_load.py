@@ -138,3 +138,20 @@ def test_a_gguf_is_already_quantized():
     gguf_file = next(fixture_dir("ds3").glob("*q8_0*.gguf"))
     with pytest.raises(ConfigError, match="already GGUF block-quantized"):
         LLM(str(gguf_file), quantization="int4")
+
+
+def test_a_nan_weight_is_named(hf_model_dir, tmp_path):
+    from mlaserve.loading.safetensors_source import WeightError
+
+    folder, _ = hf_model_dir("v3_yarn")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        shutil.copy(f, bad / f.name)
+    for f in bad.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if "model.layers.1.self_attn.o_proj.weight" in tensors:
+            tensors["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("nan")
+            save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"model\.layers\.1\.self_attn\.o_proj.*NaN"):
+        LLM(str(bad), quantization="int8")

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from mlaserve.config.provenance import Setting
-from mlaserve.gguf.convert.writer import quantize_q4_0, quantize_q8_0
+from mlaserve.gguf.convert.writer import GGUFWriteError, quantize_q4_0, quantize_q8_0
 from mlaserve.gguf.quants import GGML_TYPE_IDS
+from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.models.moe import Experts
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
 from mlaserve.quant.plan import DENSE_AT_LOAD, _group
@@ -34,9 +35,12 @@ _QUANTIZE = {Q8_0: quantize_q8_0, Q4_0: quantize_q4_0}
 _EIGHT_BITS = ("model.embed_tokens", "lm_head")  # int4 keeps these at Q8_0
 
 
-def _blocks(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """[..., N, K] float -> [..., N, R] uint8 ggml bytes."""
-    return _QUANTIZE[ggml_type](w.detach().float().contiguous()).view(*w.shape[:-1], -1)
+def _blocks(w: torch.Tensor, ggml_type: int, name: str) -> torch.Tensor:
+    """[..., N, K] float -> [..., N, R] uint8 ggml bytes; a NaN/Inf weight is refused, named."""
+    try:
+        return _QUANTIZE[ggml_type](w.detach().float().contiguous()).view(*w.shape[:-1], -1)
+    except GGUFWriteError as e:
+        raise WeightError(f"quantization at load: module {name!r}: {e}") from e
 
 
 def quantize_model(model: nn.Module, scheme: str, dtype: torch.dtype) -> tuple[Setting, ...]:
@@ -63,14 +67,14 @@ def quantize_model(model: nn.Module, scheme: str, dtype: torch.dtype) -> tuple[S
                     new = GGUFLinear(
                         module.in_features, module.out_features, t, module.bias is not None, dtype, module.weight.device
                     )
-                    new.weight.copy_(_blocks(module.weight, t))
+                    new.weight.copy_(_blocks(module.weight, t, name))
                     if module.bias is not None:
                         new.bias.copy_(module.bias)
                     model.set_submodule(name, new)
                     done.setdefault((_name(t), "linear"), []).append(name)
             elif type(module) is nn.Embedding and module.embedding_dim % BLOCK == 0:
                 new = GGUFEmbedding(module.num_embeddings, module.embedding_dim, t, dtype, module.weight.device)
-                new.weight.copy_(_blocks(module.weight, t))
+                new.weight.copy_(_blocks(module.weight, t, name))
                 model.set_submodule(name, new)
                 done.setdefault((_name(t), "embedding"), []).append(name)
             elif type(module) is Experts:
@@ -80,8 +84,8 @@ def quantize_model(model: nn.Module, scheme: str, dtype: torch.dtype) -> tuple[S
                     continue
                 new = GGUFExperts(d, e, two_i // 2, main, main, module.gate_up_proj.device)
                 new.impl = module.impl
-                new.gate_up_proj.copy_(_blocks(module.gate_up_proj, main))
-                new.down_proj.copy_(_blocks(module.down_proj, main))
+                new.gate_up_proj.copy_(_blocks(module.gate_up_proj, main, name))
+                new.down_proj.copy_(_blocks(module.down_proj, main, name))
                 model.set_submodule(name, new)
                 done.setdefault((_name(main), "experts"), []).append(name)
         if tied:  # lm_head reads the embedding's blocks (one copy, as the float model had one)
