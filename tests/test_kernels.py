@@ -191,3 +191,21 @@ def test_no_compiler_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setattr(native, "_compiler", lambda: None)
     lib, detail = native._build()
     assert lib is None and "no C compiler" in detail
+
+
+@needs_native
+@pytest.mark.parametrize("rows, k, group", [(4, 128, 32), (9, 70, 32), (12, 64, 16)])
+def test_native_e2m1_decode_is_bit_identical_for_every_code(rows, k, group):
+    """Every byte (two e2m1 codes, -0.0 included), full and partial groups, 32- and 16-wide groups."""
+    from mlaserve.quant import fp4_group
+
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, generator=g)
+    codes.view(-1)[: min(256, codes.numel())] = torch.arange(min(256, codes.numel()), dtype=torch.uint8)
+    s = torch.rand(rows, fp4_group.scale_groups(k, group), generator=g) + 0.25
+    ref = fp4_group.dequantize_reference(codes.view(torch.int8), s, group)
+    grid = native.ScaleGrid(s.contiguous(), 1, s.shape[1], group, rows)
+    got = native.dequantize(native.FP4_E2M1, codes, k, grid)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    x = torch.randn(3, k, generator=g)
+    assert_within_sum_bound(native.gemm(native.FP4_E2M1, x, codes, k, grid), F.linear(x, ref), x, ref)

@@ -237,6 +237,19 @@ __attribute__((unused)) static void row_fp8(const uint8_t *q, const float *srow,
 }
 
 
+/* e2m1 codes -> values (mlaserve/quant/fp4_group.py E2M1_VALUES) times the row's group scales:
+   value * scale, one rounding, as the reference's table lookup times the expanded scale */
+static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+__attribute__((unused)) static void row_e2m1(const uint8_t *q, const float *srow, int64_t group, float *y, int64_t k) {
+    for (int64_t c = 0; c < k / 2; c++) {
+        const uint8_t b = q[c];
+        y[2 * c] = E2M1[b & 15] * srow[(2 * c) / group];
+        y[2 * c + 1] = E2M1[b >> 4] * srow[(2 * c + 1) / group];
+    }
+}
+
 /* ---------------------------------------------------------------- AVX2 decoders
    The same values as the scalar ones above (same products, same order), 8 lanes at a time. */
 #if defined(__AVX2__) && defined(__F16C__)
@@ -385,6 +398,37 @@ static void simd_q6_k(const uint8_t *b, float *y, int64_t k) {
     }
 }
 
+/* e2m1 codes, 32 (16 bytes) at a time within one scale group: the magnitude from a byte table of
+   2 * |value| (exact small integers), halved (exact), the code's sign bit set on the float (so -0.0
+   stays -0.0), times the group's scale: the reference's value * scale, one rounding. */
+static void simd_e2m1(const uint8_t *q, const float *srow, int64_t group, float *y, int64_t k) {
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12);
+    const __m128i m4 = _mm_set1_epi8(0x0F), m8 = _mm_set1_epi8(0x08);
+    const __m256 half = _mm256_set1_ps(0.5f);
+    int64_t c = 0;
+    for (; c + 32 <= k && (c % group) + 32 <= group; c += 32) {
+        const __m256 s = _mm256_set1_ps(srow[c / group]);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + c / 2));
+        const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        const __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)}; /* value order */
+        for (int h = 0; h < 2; h++) {
+            const __m128i mag = _mm_shuffle_epi8(table, codes[h]);
+            const __m128i sgn = _mm_and_si128(codes[h], m8);
+            for (int p = 0; p < 2; p++) {
+                const __m128i m8b = p ? _mm_srli_si128(mag, 8) : mag, s8b = p ? _mm_srli_si128(sgn, 8) : sgn;
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8b)), half);
+                v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(s8b), 28)));
+                _mm256_storeu_ps(y + c + 16 * h + 8 * p, _mm256_mul_ps(v, s));
+            }
+        }
+    }
+    for (; c < k; c += 2) { /* a group narrower than 32 or a tail: the scalar decoder's arithmetic */
+        const uint8_t b = q[c / 2];
+        y[c] = E2M1[b & 15] * srow[c / group];
+        y[c + 1] = E2M1[b >> 4] * srow[(c + 1) / group];
+    }
+}
+
 /* e4m3 -> fp16 bits of Q * 2^-8 (quant/fp8_block.py explains the trick), 8 at a time */
 static void simd_fp8(const uint8_t *q, const float *srow, int64_t bk, float *y, int64_t k) {
     const __m128i mask = _mm_set1_epi16((short)0xBF80);
@@ -402,19 +446,6 @@ static void simd_fp8(const uint8_t *q, const float *srow, int64_t bk, float *y, 
     }
 }
 #endif
-
-/* e2m1 codes -> values (mlaserve/quant/fp4_group.py E2M1_VALUES) times the row's group scales:
-   value * scale, one rounding, as the reference's table lookup times the expanded scale */
-static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-static void row_e2m1(const uint8_t *q, const float *srow, int64_t group, float *y, int64_t k) {
-    for (int64_t c = 0; c < k / 2; c++) {
-        const uint8_t b = q[c];
-        y[2 * c] = E2M1[b & 15] * srow[(2 * c) / group];
-        y[2 * c + 1] = E2M1[b >> 4] * srow[(2 * c + 1) / group];
-    }
-}
 
 typedef void (*row_fn)(const uint8_t *, float *, int64_t);
 
@@ -496,7 +527,11 @@ static inline const float *fp8_row_scales(const fp8_scales *f, const float *base
 static int decode_row(int type, row_fn fn, const uint8_t *w, const fp8_scales *f, const float *sbase, int64_t n,
                       float *buf, int64_t k) {
     if (type == MLS_FP4_E2M1)
+#ifdef MLS_SIMD
+        simd_e2m1(w, fp8_row_scales(f, sbase, n), f->bk, buf, k);
+#else
         row_e2m1(w, fp8_row_scales(f, sbase, n), f->bk, buf, k);
+#endif
     else if (type == MLS_FP8_E4M3)
 #ifdef MLS_SIMD
         simd_fp8(w, fp8_row_scales(f, sbase, n), f->bk, buf, k);
