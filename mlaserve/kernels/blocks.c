@@ -1,9 +1,10 @@
 /* Matrix products on weights kept in their stored block formats, for small batches (decode).
 
-   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K) or as
-   float8 e4m3 values with block scales. Each weight row is decoded into an fp32 row buffer with
-   exactly the float operations of the reference dequantizers (mlaserve/gguf/quants.py,
-   mlaserve/quant/fp8_block.py), in the same order, so the decoded values are bit-identical;
+   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K), as
+   float8 e4m3 values with block scales, or as packed e2m1 (FP4) codes with group scales. Each weight
+   row is decoded into an fp32 row buffer with exactly the float operations of the reference
+   dequantizers (mlaserve/gguf/quants.py, mlaserve/quant/fp8_block.py, fp4_group.py), in the same
+   order, so the decoded values are bit-identical;
    only the summation order of the dot products differs from "dequantize, then GEMM".
    Compiled with -ffp-contract=off so that no a*b-c of a decoder becomes a fused multiply-add;
    the dot products use explicit FMA intrinsics where AVX2 is there.
@@ -11,7 +12,7 @@
    Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
    as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
-   Return value: 0, or -1 for a type this file does not decode (the caller falls back to torch). */
+   Return value: 0; -1 for a type this file does not decode, -2 for rows longer than MAX_K. */
 
 #include <stdint.h>
 #include <string.h>
