@@ -174,7 +174,12 @@ class Engine:
             self._isolated(req, "output", self._take_token, req, out, i, now)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor):
-        batch = SamplingBatch.build(
+        # logprobs computed iff some row asked (batch.max_num_logprobs)
+        return sample(logits, self.sampling_batch(reqs, logits))
+
+    def sampling_batch(self, reqs: list[Request], logits: torch.Tensor) -> SamplingBatch:
+        """The rows' sampling parameters as tensors on the logits' device (plain and speculative steps)."""
+        return SamplingBatch.build(
             [r.params for r in reqs],
             [r.prompt_ids for r in reqs],
             [r.output_ids for r in reqs],
@@ -183,7 +188,6 @@ class Engine:
             eos_token_id=tuple(self.eos_ids),
             device=logits.device,
         )
-        return sample(logits, batch)  # logprobs computed iff some row asked (batch.max_num_logprobs)
 
     def _take_token(self, req: Request, out, i: int, now: float) -> None:
         tok = int(out.token_ids[i])

@@ -116,15 +116,7 @@ def verify(engine: Engine, chunks: list[ScheduledChunk], batch: ForwardBatch, lo
             break
         reqs = [c.request for c, _ in live]
         drafts = [c.request.draft_ids[j] if j < c.num_draft else None for c, _ in live]
-        sb = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.prompt_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.generator for r in reqs],
-            logits.shape[-1],
-            eos_token_id=tuple(engine.eos_ids),
-            device=logits.device,
-        )
+        sb = engine.sampling_batch(reqs, logits)
         idx = torch.tensor([r[j] for _, r in live], device=logits.device)
         tokens, ok, lps = choose(logits[idx], sb, drafts)
         out = SamplerOutput(torch.tensor(tokens), *(lps or (None, None)))

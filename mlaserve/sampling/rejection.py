@@ -18,27 +18,17 @@ import torch
 
 from mlaserve.sampling.sampler import (
     SamplingBatch,
-    _apply_min_p,
     _apply_min_tokens,
     _apply_penalties,
-    _apply_top_k,
-    _apply_top_p,
     _exponential_race,
+    filtered_probs,
 )
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """p [B, V]: what `sample` draws from for random rows (greedy rows use temperature 1 here; callers
     take greedy rows through `sample`'s argmax instead)."""
-    logits = _apply_min_tokens(_apply_penalties(logits.float(), batch), batch)
-    logits = logits / batch.temperature.unsqueeze(1)
-    if not batch.no_top_k:
-        logits = _apply_top_k(logits, batch.top_k, batch.max_top_k)
-    if not batch.no_top_p:
-        logits = _apply_top_p(logits, batch.top_p)
-    if not batch.no_min_p:
-        logits = _apply_min_p(logits, batch.min_p)
-    return logits.softmax(dim=-1)
+    return filtered_probs(_apply_min_tokens(_apply_penalties(logits.float(), batch), batch), batch)
 
 
 def uniform(n: int, generators: dict[int, torch.Generator], device: torch.device | str = "cpu") -> torch.Tensor:

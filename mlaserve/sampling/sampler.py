@@ -335,6 +335,12 @@ def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, filters, then one exponential-race draw for every row."""
+    return _exponential_race(filtered_probs(logits, batch), batch.generators)
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a random row draws from: temperature, then top-k / top-p / min-p, softmax
+    (speculative verification's target distribution is this very function)."""
     logits = logits / batch.temperature.unsqueeze(1)
     if not batch.no_top_k:
         logits = _apply_top_k(logits, batch.top_k, batch.max_top_k)
@@ -342,8 +348,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = _apply_top_p(logits, batch.top_p)
     if not batch.no_min_p:
         logits = _apply_min_p(logits, batch.min_p)
-    probs = logits.softmax(dim=-1)
-    return _exponential_race(probs, batch.generators)
+    return logits.softmax(dim=-1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
