@@ -70,7 +70,7 @@ def test_native_decode_is_bit_identical(name):
 
 @needs_native
 @pytest.mark.parametrize("name", list(SCALE_BYTES))
-@pytest.mark.parametrize("rows", [1, 3, ggml.GEMV_ROWS, ggml.GEMV_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, ggml.GEMV_ROWS, ggml.GEMV_ROWS + 1, 40])
 def test_native_linear_equals_dequantize_then_gemm(name, rows):
     g = torch.Generator().manual_seed(2)
     t, k = GGML_TYPE_IDS[name], 768
@@ -87,7 +87,7 @@ def test_native_linear_equals_dequantize_then_gemm(name, rows):
 
 @needs_native
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_0"])
-@pytest.mark.parametrize("pairs_per_expert", [1, 3, 40])
+@pytest.mark.parametrize("pairs_per_expert", [1, 2, 3, 40])
 def test_native_expert_linear_equals_grouped_gemm(name, pairs_per_expert):
     g = torch.Generator().manual_seed(3)
     t, k, e, n = GGML_TYPE_IDS[name], 512, 6, 20
