@@ -26,6 +26,7 @@ from mlaserve.loading.tensor_check import SCALE_OFFSETS
 from mlaserve.models.moe import Experts
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
+from mlaserve.sampling.params import SamplingParams
 
 FILES = [(m, t) for m in ("ds3", "ds2lite", "ds32", "glm5") for t in ("f16", "q8_0", "q4_k_m", "q4_0")]
 HOLDERS = (GGUFLinear, GGUFEmbedding, GGUFExperts)
@@ -76,6 +77,27 @@ def test_kept_blocks_equal_dequantized(name, gtype, kernels):
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"{name} {gtype} {kernels}: kept vs dequantized max |dlogit| {diff:.2e}, top-1 {top1:.3f}")
     assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
+
+
+@pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")
+@pytest.mark.parametrize("name,gtype", [("ds3", "q8_0"), ("ds3", "q4_0"), ("ds2lite", "q8_0"), ("glm5", "q4_k_m")])
+def test_native_decode_equals_dequantized(name, gtype):
+    """Batch-1 decode (the native router and the pair-by-pair experts call, not exercised by prefill):
+    the same greedy tokens and the same log-probabilities as the file dequantized at load."""
+    path = fixture_dir(name) / f"model-{gtype}.gguf"
+    if not path.exists():
+        pytest.skip(f"../shared/fixtures/{name} has no {gtype} file")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs = []
+    for opts in ({"kernels": "native"}, {"gguf_weights": "dequantized"}):
+        llm = LLM(str(path), **opts)
+        out = llm.generate([[5, 9, 2, 7]], params)[0].outputs[0]
+        runs.append((out.token_ids, [[v for _, v in sorted(step.items())] for step in out.logprobs]))
+    (tok_a, lp_a), (tok_b, lp_b) = runs
+    assert tok_a == tok_b
+    diff = max(abs(a - b) for sa, sb in zip(lp_a, lp_b) for a, b in zip(sa, sb))
+    print(f"{name} {gtype}: native decode vs dequantized max |dlogprob| {diff:.2e}")
+    assert diff <= 1e-5, diff
 
 
 @pytest.mark.parametrize("name", ["ds3", "ds2lite"])
@@ -264,7 +286,7 @@ def _experts_bound(x, gu, down, idx, w) -> float:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("t", [7, 70])
+@pytest.mark.parametrize("t", [1, 4, 7, 70])  # 2 and 8 pairs: the native pair-by-pair call; more: grouped
 @pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
 def test_experts_holder_equals_dense(ggml_type, impl, t, kernel):

@@ -104,3 +104,20 @@ def test_query_blocks_equal_one_block(hf_model_dir, kind, mla_path, monkeypatch)
     blocked = LLM(str(folder), mla_path=mla_path).prompt_logits(ids)
     assert max(sizes) == 48  # one query per block
     assert _max_diff(whole, blocked) <= TOL
+
+
+def test_rmsnorm_fp32_one_op_equals_two_steps():
+    """RMSNorm in fp32 passes its weight into F.rms_norm (one op): bit-identical to the reference's
+    normalise-then-scale, for shapes the models use."""
+    import torch.nn.functional as F
+
+    from mlaserve.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for rows, d in ((1, 384), (7, 1024), (300, 7168), (5, 512)):
+        norm = RMSNorm(d, 1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(d, generator=g))
+        x = torch.randn(rows, d, generator=g) * 3
+        two_steps = norm.weight * F.rms_norm(x, (d,), eps=1e-6)
+        assert torch.equal(norm(x), two_steps)

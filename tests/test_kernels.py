@@ -209,3 +209,40 @@ def test_native_e2m1_decode_is_bit_identical_for_every_code(rows, k, group):
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     x = torch.randn(3, k, generator=g)
     assert_within_sum_bound(native.gemm(native.FP4_E2M1, x, codes, k, grid), F.linear(x, ref), x, ref)
+
+
+ROUTERS = [  # (scoring, topk_method, experts, n_group, topk_group, k, norm, scale)
+    ("softmax", "greedy", 16, 1, 1, 6, False, 1.0),  # DeepSeek-V2-Lite
+    ("softmax", "group_limited_greedy", 32, 8, 3, 6, False, 16.0),  # DeepSeek-V2
+    ("sigmoid", "noaux_tc", 32, 4, 2, 4, True, 2.5),  # DeepSeek-V3 / GLM-5
+    ("sigmoid", "noaux_tc", 64, 1, 1, 8, True, 1.8),  # one group (GLM-4.7-Flash)
+    ("sigmoid", "noaux_tc", 24, 8, 4, 3, False, 1.0),  # groups of 3, not normalised
+]
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("router", ROUTERS, ids=[f"{r[0]}-{r[1]}-{r[2]}" for r in ROUTERS])
+def test_native_router_equals_gate(router, tokens):
+    """The one-call router (scores, group-limited top-k, weights) picks the same experts as Gate's torch
+    ops with the same weights up to float rounding (expf vs torch's exp, summation order)."""
+    from mlaserve.config.model import MoEConfig
+    from mlaserve.models.moe import Gate
+
+    scoring, method, e, groups, topk_group, k, norm, scale = router
+    cfg = MoEConfig(e, k, 1, 64, scoring, method, groups, topk_group, norm, scale)
+    g = torch.Generator().manual_seed(7)
+    gate = Gate(96, cfg)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(e, 96, generator=g) * 0.3)
+        if gate.e_score_correction_bias is not None:
+            gate.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.1)
+    x = torch.randn(tokens, 96, generator=g)
+    want_w, want_idx = gate(x)
+    gate.kernel = "native"
+    got_w, got_idx = gate(x)
+    assert got_idx.dtype == torch.int64 and got_w.dtype == torch.float32
+    for row in range(tokens):  # the reference's top-k order is unspecified: compare as sets
+        a, b = got_idx[row].argsort(), want_idx[row].argsort()
+        assert torch.equal(got_idx[row][a], want_idx[row][b])
+        assert torch.allclose(got_w[row][a], want_w[row][b], rtol=4e-7, atol=0)

@@ -15,6 +15,7 @@
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0; -1 for a type this file does not decode, -2 for rows longer than MAX_K. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -711,4 +712,146 @@ int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, con
     return 0;
 }
 
-int mls_abi_version(void) { return 2; }
+
+/* ---------------------------------------------------------------- MoE at decode (few tokens)
+   The router and the routed experts of a step with few (token, expert) pairs, each one call, so that
+   a decode step does not pay ~50 small tensor ops per MoE layer. Same arithmetic as models/moe.py
+   (Gate) and GGUFExperts: float rounding may differ in the last bits (expf vs torch's vectorized exp,
+   summation order), which the tests bound. */
+
+
+enum { MLS_SCORE_SOFTMAX = 0, MLS_SCORE_SIGMOID = 1 };
+enum { MLS_TOPK_GREEDY = 0, MLS_TOPK_GROUP_MAX = 1, MLS_TOPK_GROUP_TOP2 = 2 };
+
+/* indices of the k largest of v[0..n) into idx (ties: the lower index first); n <= 1024 */
+static void topk_desc(const float *v, int64_t n, int64_t k, int64_t *idx) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++) {
+            int taken = 0;
+            for (int64_t q = 0; q < j; q++) taken |= idx[q] == i;
+            if (!taken && (best < 0 || v[i] > v[best])) best = i;
+        }
+        idx[j] = best;
+    }
+}
+
+/* logits [T, E] (x @ W_gate^T, fp32) -> topk_w [T, k] fp32, topk_idx [T, k]. scoring: softmax | sigmoid
+   (+ correction bias for the choice only); method: greedy | group max (V2, dropped groups score 0) |
+   group sum of top-2 (V3 noaux_tc, dropped groups -inf). Weights: the unbiased scores of the chosen
+   experts, normalised if norm, times scale. Returns -3 for more than 1024 experts. */
+int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, int scoring, int method,
+                  int64_t n_group, int64_t topk_group, int64_t k, int norm, float scale, float *out_w,
+                  int64_t *out_idx) {
+    if (e > 1024 || n_group > 64 || k > e) return -3;
+    float scores[1024], choice[1024], gscore[64];
+    int64_t gidx[64];
+    for (int64_t r = 0; r < t; r++) {
+        const float *l = logits + r * e;
+        if (scoring == MLS_SCORE_SOFTMAX) {
+            float mx = l[0], sum = 0.0f;
+            for (int64_t i = 1; i < e; i++) mx = l[i] > mx ? l[i] : mx;
+            for (int64_t i = 0; i < e; i++) sum += (scores[i] = expf(l[i] - mx));
+            for (int64_t i = 0; i < e; i++) choice[i] = scores[i] = scores[i] / sum;
+        } else {
+            for (int64_t i = 0; i < e; i++) {
+                scores[i] = 1.0f / (1.0f + expf(-l[i]));
+                choice[i] = bias ? scores[i] + bias[i] : scores[i];
+            }
+        }
+        if (method != MLS_TOPK_GREEDY) {
+            const int64_t per = e / n_group;
+            for (int64_t g = 0; g < n_group; g++) {
+                const float *c = choice + g * per;
+                if (method == MLS_TOPK_GROUP_TOP2) {
+                    int64_t two[2];
+                    topk_desc(c, per, per < 2 ? per : 2, two);
+                    gscore[g] = per < 2 ? c[two[0]] : c[two[0]] + c[two[1]];
+                } else {
+                    float mx = c[0];
+                    for (int64_t i = 1; i < per; i++) mx = c[i] > mx ? c[i] : mx;
+                    gscore[g] = mx;
+                }
+            }
+            topk_desc(gscore, n_group, topk_group, gidx);
+            const float fill = method == MLS_TOPK_GROUP_TOP2 ? -INFINITY : 0.0f;
+            for (int64_t g = 0; g < n_group; g++) {
+                int kept = 0;
+                for (int64_t q = 0; q < topk_group; q++) kept |= gidx[q] == g;
+                if (!kept)
+                    for (int64_t i = 0; i < per; i++) choice[g * per + i] = fill;
+            }
+        }
+        int64_t *idx = out_idx + r * k;
+        float *w = out_w + r * k, sum = 0.0f;
+        topk_desc(choice, e, k, idx);
+        for (int64_t j = 0; j < k; j++) sum += (w[j] = scores[idx[j]]);
+        for (int64_t j = 0; j < k; j++) w[j] = (norm ? w[j] / (sum + 1e-20f) : w[j]) * scale;
+    }
+    return 0;
+}
+
+static inline float row_dot(row_fn fn, fused_fn fused, const uint8_t *w, const float *x, int64_t k, float *buf) {
+    if (fused) {
+        float y;
+        fused(w, x, k, 1, k, &y, 1);
+        return y;
+    }
+    fn(w, buf, k);
+    return dot(buf, x, k);
+}
+
+/* Routed experts for the (token, expert) pairs of a few tokens, unsorted: pair p = t * kk + j uses
+   expert idx[p] with weight wt[p]. gate_up [E, 2I] rows of gu_row_bytes (gate rows first), down [E, D]
+   rows of dn_row_bytes. out [T, D] = sum_j wt[t, j] * down_e(silu(gate_e x_t) * up_e x_t).
+   One parallel region: pairs x rows of gate_up, then silu * up, then output rows. */
+int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
+                    const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
+                    int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
+                    float *out, int threads) {
+    row_fn fn_gu = ggml_row(type_gu), fn_dn = ggml_row(type_dn);
+    if (!fn_gu || !fn_dn) return -1;
+    if (d > MAX_K || inter > MAX_K) return -2;
+    fused_fn fz_gu = fused_row(type_gu), fz_dn = fused_row(type_dn);
+    const int64_t pairs = t * kk, n_gu = 2 * inter;
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(pairs * n_gu));
+    float *h = (float *)malloc(sizeof(float) * (size_t)(pairs * inter));
+    if (!gu || !h) {
+        free(gu);
+        free(h);
+        return -4;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(d > inter ? d : inter));
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < pairs * n_gu; it++) {
+            const int64_t p = it / n_gu, r = it % n_gu;
+            const uint8_t *row = gate_up + idx[p] * gu_expert_stride + r * gu_row_bytes;
+            gu[it] = row_dot(fn_gu, fz_gu, row, x + (p / kk) * d, d, buf);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < pairs * inter; it++) {
+            const int64_t p = it / inter, i = it % inter;
+            const float g = gu[p * n_gu + i];
+            h[it] = (g / (1.0f + expf(-g))) * gu[p * n_gu + inter + i];
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < t * d; it++) {
+            const int64_t tok = it / d, r = it % d;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < kk; j++) {
+                const int64_t p = tok * kk + j;
+                const uint8_t *row = down + idx[p] * dn_expert_stride + r * dn_row_bytes;
+                acc += wt[p] * row_dot(fn_dn, fz_dn, row, h + p * inter, inter, buf);
+            }
+            out[it] = acc;
+        }
+        free(buf);
+    }
+    free(gu);
+    free(h);
+    return 0;
+}
+
+int mls_abi_version(void) { return 3; }

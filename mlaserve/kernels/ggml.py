@@ -27,6 +27,10 @@ from mlaserve.kernels import native
 # Rows of x per weight up to which the decode-and-dot kernel beats decode-then-BLAS (measured on
 # 2-core AVX2 EPYCs: at 16 rows the two are about even for a 1024 x 1024 Q8_0 weight).
 GEMV_ROWS = 16
+# Up to this many (token, expert) pairs a MoE layer's routed experts run as one native call, pair by
+# pair (decode at batch 1-2): two tokens sharing an expert read it twice, but ~30 tensor ops of
+# sorting and scattering are saved; more pairs are sorted by expert and grouped (expert_linear).
+MOE_PAIRS = 8
 KERNELS = ("native", "torch")
 
 
@@ -71,3 +75,25 @@ def expert_linear(
     a, n, r = experts.shape[0], w.shape[1], w.shape[2]
     dense_w = native.dequantize(ggml_type, w[experts].reshape(a * n, r), k).view(a, n, k)
     return torch._grouped_mm(xs, dense_w.transpose(1, 2), offs=offs)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_idx: torch.Tensor,
+    gate_up: torch.Tensor,
+    type_gate_up: int,
+    down: torch.Tensor,
+    type_down: int,
+) -> torch.Tensor:
+    """[T, D] fp32 = sum_j topk_w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_idx[t, j], in one
+    native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference)."""
+    return native.moe_experts(
+        type_gate_up,
+        type_down,
+        x.float().contiguous(),
+        gate_up,
+        down,
+        topk_idx.to(torch.int64).contiguous(),
+        topk_w.float().contiguous(),
+    )

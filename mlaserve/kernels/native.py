@@ -27,6 +27,7 @@ import torch
 SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
+ABI_VERSION = 3  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -73,13 +74,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-lm", "-o", tmp], capture_output=True, text=True)
         if run.returncode != 0:
             os.unlink(tmp)
             return None, f"{cc} could not build {SOURCE.name}: {run.stderr.strip()[:400]}"
         os.replace(tmp, out)  # atomic: concurrent builders (tensor-parallel ranks) agree
     lib = ctypes.CDLL(str(out))
-    if lib.mls_abi_version() != 2:
+    if lib.mls_abi_version() != ABI_VERSION:
         return None, f"{out}: unexpected ABI version"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     c_int = ctypes.c_int
@@ -102,8 +103,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         ptr,
         i64,
         ptr,
+        c_int,
     ]
     lib.mls_dequantize.argtypes = [c_int, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, c_int]
+    f32 = ctypes.c_float
+    lib.mls_moe_route.argtypes = [ptr, i64, i64, ptr, c_int, c_int, i64, i64, i64, c_int, f32, ptr, ptr]
+    lib.mls_moe_experts.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.mls_moe_experts.argtypes += [ptr, c_int]
     return lib, str(out)
 
 
@@ -218,4 +224,82 @@ def dequantize(type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = N
     )
     if rc != 0:
         raise RuntimeError(f"native dequantize refused type {type_id} (rc {rc})")
+    return out
+
+
+SCORING = {"softmax": 0, "sigmoid": 1}
+TOPK_METHOD = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+def moe_route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    scoring: str,
+    method: str,
+    n_group: int,
+    topk_group: int,
+    k: int,
+    norm: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 contiguous -> (topk_w [T, k] fp32, topk_idx [T, k] int64), as models.moe.Gate."""
+    lib = library()
+    t, e = logits.shape
+    w = torch.empty(t, k, dtype=torch.float32)
+    idx = torch.empty(t, k, dtype=torch.int64)
+    rc = lib.mls_moe_route(
+        logits.data_ptr(),
+        t,
+        e,
+        _ptr(bias),
+        SCORING[scoring],
+        TOPK_METHOD[method],
+        n_group,
+        topk_group,
+        k,
+        int(norm),
+        scale,
+        w.data_ptr(),
+        idx.data_ptr(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native moe_route refused {e} experts / {n_group} groups / top-{k} (rc {rc})")
+    return w, idx
+
+
+def moe_experts(
+    type_gu: int,
+    type_dn: int,
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, D] fp32, gate_up [E, 2I, R_D] / down [E, D, R_I] uint8, topk_idx [T, k] int64, topk_w [T, k]
+    fp32 (all contiguous) -> [T, D] fp32: the routed experts' weighted sum, pair by pair."""
+    lib = library()
+    t, d = x.shape
+    out = torch.empty(t, d, dtype=torch.float32)
+    rc = lib.mls_moe_experts(
+        type_gu,
+        type_dn,
+        x.data_ptr(),
+        t,
+        d,
+        gate_up.shape[1] // 2,
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        gate_up.shape[2],
+        down.data_ptr(),
+        down.stride(0),
+        down.shape[2],
+        topk_idx.data_ptr(),
+        topk_w.data_ptr(),
+        topk_idx.shape[1],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native moe_experts refused types {type_gu}/{type_dn} (rc {rc})")
     return out

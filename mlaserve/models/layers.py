@@ -27,7 +27,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as the reference), scale in the model dtype; one fused kernel.
+        # Normalise in fp32 (as the reference), scale in the model dtype. In fp32 the weight goes into
+        # the same op: x * rsqrt(mean(x^2) + eps) * w, the reference's products in its order (bit for
+        # bit), one op instead of two (half the time of a decode-step norm).
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 

@@ -17,13 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config.model import MoEConfig
+from mlaserve.kernels import native
 from mlaserve.models.layers import SwiGLU
 
 
 class Gate(nn.Module):
+    KERNELS = ("native", "torch")  # native: scoring and group-limited top-k in one call (kernels/native.py)
+
     def __init__(self, hidden: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.kernel = "torch"  # the reference; the loader sets the engine's kernels
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, hidden))
         if cfg.scoring_func == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
@@ -34,6 +38,19 @@ class Gate(nn.Module):
         """x [T, D] -> (topk_w [T, k] fp32, topk_idx [T, k])."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.weight.float())
+        if self.kernel == "native" and logits.device.type == "cpu":
+            bias = self.e_score_correction_bias
+            return native.moe_route(
+                logits,
+                bias.float().contiguous() if bias is not None else None,
+                cfg.scoring_func,
+                cfg.topk_method,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            )
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
             choice = scores

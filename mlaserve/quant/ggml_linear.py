@@ -115,8 +115,14 @@ class GGUFExperts(Experts):
         return name, block
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-        run = self._loop if self.impl == "loop" else self._grouped
-        return run(x.float(), topk_w, topk_idx).to(x.dtype)
+        if self.impl == "loop":
+            return self._loop(x.float(), topk_w, topk_idx).to(x.dtype)
+        if self.kernel == "native" and topk_idx.numel() <= ggml.MOE_PAIRS:
+            y = ggml.moe_experts(
+                x, topk_w, topk_idx, self.gate_up_proj, self.type_gate_up, self.down_proj, self.type_down
+            )
+            return y.to(x.dtype)
+        return self._grouped(x.float(), topk_w, topk_idx).to(x.dtype)
 
     def _grouped(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         k = topk_idx.shape[1]
