@@ -35,8 +35,8 @@ def test_unbroken_paths_pass(ds3, ds32):
 
 
 def test_transposed_w_uv_in_the_absorbed_path(ds3, monkeypatch):
-    def broken(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=None):
-        return absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv.transpose(1, 2), seg, scale, allowed)
+    def broken(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=None, heads=None):
+        return absorbed_attention(q_nope, q_pe, cache, w_uk, w_uv.transpose(1, 2), seg, scale, allowed, heads)
 
     monkeypatch.setattr(TorchBackend, "absorbed", staticmethod(broken))
     assert failing(ds3) == {

@@ -24,7 +24,7 @@ from mlaserve.gguf.read.file import GGUFError, open_gguf
 from mlaserve.kernels import native
 from mlaserve.loading.tensor_check import SCALE_OFFSETS
 from mlaserve.models.moe import Experts
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
 from mlaserve.sampling.params import SamplingParams
 
@@ -80,7 +80,9 @@ def test_kept_blocks_equal_dequantized(name, gtype, kernels):
 
 
 @pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")
-@pytest.mark.parametrize("name,gtype", [("ds3", "q8_0"), ("ds3", "q4_0"), ("ds2lite", "q8_0"), ("glm5", "q4_k_m")])
+@pytest.mark.parametrize(
+    "name,gtype", [("ds3", "q8_0"), ("ds3", "q4_0"), ("ds2lite", "q4_k_m"), ("ds32", "q8_0"), ("glm5", "q4_k_m")]
+)
 def test_native_decode_equals_dequantized(name, gtype):
     """Batch-1 decode (the native router and the pair-by-pair experts call, not exercised by prefill):
     the same greedy tokens and the same log-probabilities as the file dequantized at load."""
@@ -91,6 +93,9 @@ def test_native_decode_equals_dequantized(name, gtype):
     runs = []
     for opts in ({"kernels": "native"}, {"gguf_weights": "dequantized"}):
         llm = LLM(str(path), **opts)
+        kept = [layer.self_attn.kept_heads for layer in llm.runner.model.model.layers]
+        # the trunk's W_UK / W_UV read attn_k_b / attn_v_b blocks with the native kernels (glm5's are F16)
+        assert all(h is not None for h in kept) == (opts.get("kernels") == "native" and name != "glm5")
         out = llm.generate([[5, 9, 2, 7]], params)[0].outputs[0]
         runs.append((out.token_ids, [[v for _, v in sorted(step.items())] for step in out.logprobs]))
     (tok_a, lp_a), (tok_b, lp_b) = runs
@@ -129,6 +134,8 @@ def test_kept_modules_and_provenance():
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     rows = {s.name: s for s in llm.loaded.gguf.settings()}
     assert "rebuilt from attn_k_b + attn_v_b" in rows["gguf dense model.layers.*.self_attn.kv_b_proj"].source
+    if llm.config.kernels == "native":  # the absorbed path's W_UK / W_UV read the blocks (Q5_0 in this file)
+        assert "W_UK / W_UV" in rows["gguf Q5_0 model.layers.*.self_attn.kv_b_proj"].source
     assert rows["gguf Q6_K lm_head"].value == "yes"
     assert "not a block format" in rows["gguf dense model.layers.*.self_attn.q_b_proj"].source  # F16 in this file
     assert any(n.startswith("gguf Q4_K") and n.endswith("mlp.experts") for n in rows)
@@ -255,6 +262,33 @@ def test_linear_holder_equals_dense(ggml_type, rows, kernel):
     x = torch.randn(rows, 3, k)  # 3 or 120 rows: the native GEMV and its decode-then-GEMM branch
     y, ref = lin(x), F.linear(x, w)
     assert y.shape == (rows, 3, n) and (y - ref).abs().max().item() <= _fp32_bound(x.reshape(-1, k), w)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("tokens", [1, 3, 20])  # the per-head GEMV (<= GEMV_ROWS rows a head) and beyond
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])
+def test_heads_holder_equals_dense(ggml_type, tokens, kernel):
+    """W_UK / W_UV kept as attn_k_b / attn_v_b blocks: absorb and expand equal the dense per-head
+    products of absorbed attention (the einsums of the torch backend) within the fp32 bound, per head."""
+    h, r, dn, dv = 3, 256, 256, 32  # rows of whole 256-value blocks for the K-quants
+    k_b = _blocks(ggml_type, h * r, dn, 5).reshape(h, r, -1)
+    v_b = _blocks(ggml_type, h * dv, r, 6).reshape(h, dv, -1)
+    heads = GGUFHeads(k_b, ggml_type, v_b, ggml_type, dn, r)
+    heads.kernel = kernel
+    w_uk = dequantize(k_b, ggml_type, (h, r, dn)).transpose(1, 2)  # [H, dn, r] as kv_b_proj's view
+    w_uv = dequantize(v_b, ggml_type, (h, dv, r))  # [H, dv, r]
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(tokens, h, dn, generator=g)
+    o = torch.randn(2, tokens, h, r, generator=g)
+    got_q, got_o = heads.absorb(q), heads.expand(o)
+    want_q, want_o = torch.einsum("nhd,hdr->nhr", q, w_uk), torch.einsum("bqhr,hvr->bqhv", o, w_uv)
+    assert got_q.shape == want_q.shape and got_o.shape == want_o.shape
+    for i in range(h):
+        assert (got_q[:, i] - want_q[:, i]).abs().max().item() <= 2 * _fp32_bound(q[:, i], w_uk[i].T)
+        o_i = o[:, :, i].reshape(-1, r)
+        assert (got_o[:, :, i].reshape(-1, dv) - want_o[:, :, i].reshape(-1, dv)).abs().max().item() <= 2 * _fp32_bound(
+            o_i, w_uv[i]
+        )
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])

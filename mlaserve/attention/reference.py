@@ -41,7 +41,8 @@ class ReferenceBackend:
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         return "fp32"
 
-    def absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=None) -> torch.Tensor:
+    def absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=None, heads=None) -> torch.Tensor:
+        # heads (W_UK / W_UV kept as GGUF blocks) is ignored: the oracle multiplies the dense views
         r = w_uk.shape[-1]
         rows = cache[seg.kv_slots].float()  # [B, L, r + dr]
         c_kv, k_pe = rows[..., :r], rows[..., r:]
@@ -63,7 +64,7 @@ class ReferenceBackend:
         probs = _softmax(scores * scale, _mask(seg, allowed))
         return torch.einsum("bqhl,blhv->bqhv", probs, v).to(q_nope.dtype)
 
-    def sparse_absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid) -> torch.Tensor:
+    def sparse_absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid, heads=None) -> torch.Tensor:
         b, nq, _ = index.shape
         selected = torch.zeros(b, nq, seg.mask.shape[-1], dtype=torch.bool, device=index.device)
         selected.scatter_(2, index, valid)

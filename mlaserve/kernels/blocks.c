@@ -26,6 +26,7 @@
 #define MLS_FP8_E4M3 1000
 #define MLS_FP4_E2M1 1001 /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
 #define MAX_K 65536
+#define ROW_RUN 8 /* weight rows per parallel work item where items would otherwise be single short rows */
 
 static inline float f16(const uint8_t *p) {
 #ifdef __F16C__
@@ -677,11 +678,14 @@ int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int6
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
     const int64_t items = groups * n;
     fused_fn fused = fused_row(type);
-    if (fused) {
+    if (fused) { /* items of ROW_RUN rows: one index division per run, not per row (rows may be short) */
+        const int64_t runs = (n + ROW_RUN - 1) / ROW_RUN;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t a = it / n, r = it % n, p0 = starts[a];
-            fused(w + experts[a] * expert_stride + r * row_bytes, x + p0 * k, k, starts[a + 1] - p0, k, y + p0 * n + r, n);
+        for (int64_t it = 0; it < groups * runs; it++) {
+            const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
+            const int64_t p0 = starts[a], m = starts[a + 1] - p0;
+            const uint8_t *we = w + experts[a] * expert_stride;
+            for (int64_t r = r0; r < r1; r++) fused(we + r * row_bytes, x + p0 * k, k, m, k, y + p0 * n + r, n);
         }
         return 0;
     }
@@ -824,11 +828,13 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
 #pragma omp parallel num_threads(threads)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)(d > inter ? d : inter));
+        const int64_t runs = (n_gu + ROW_RUN - 1) / ROW_RUN;
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < pairs * n_gu; it++) {
-            const int64_t p = it / n_gu, r = it % n_gu;
-            const uint8_t *row = gate_up + idx[p] * gu_expert_stride + r * gu_row_bytes;
-            gu[it] = row_dot(fn_gu, fz_gu, row, x + (p / kk) * d, d, buf);
+        for (int64_t it = 0; it < pairs * runs; it++) {
+            const int64_t p = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
+            const uint8_t *we = gate_up + idx[p] * gu_expert_stride;
+            for (int64_t r = r0; r < r1; r++)
+                gu[p * n_gu + r] = row_dot(fn_gu, fz_gu, we + r * gu_row_bytes, x + (p / kk) * d, d, buf);
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < pairs * inter; it++) {

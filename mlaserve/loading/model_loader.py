@@ -21,7 +21,7 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
-from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, plan_gguf, swap_in_gguf
+from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
 
 
@@ -162,7 +162,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     gguf: list[GGUFPlan] = []
 
     def keep_blocks(meta_model: nn.Module) -> None:  # holders swapped in before the strict fill
-        gguf.append(plan_gguf(source, model_cfg, meta_model))
+        gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels == "native"))
         swap_in_gguf(meta_model, gguf[0], engine_cfg.dtype)
 
     prepare = keep_blocks if engine_cfg.gguf_weights == "quantized" else None
@@ -178,6 +178,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if gguf_plan is not None:
+        attach_heads(model, ck.source, gguf_plan, model_cfg)
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module

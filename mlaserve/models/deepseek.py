@@ -61,6 +61,9 @@ class MLAAttention(nn.Module):
         # DSA: a "full" layer owns an indexer; a "shared" layer reuses the previous full layer's top-k.
         full = cfg.indexer is not None and cfg.indexer.layer_types[layer_idx] == "full"
         self.indexer = Indexer(d, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.indexer) if full else None
+        # W_UK / W_UV also kept as a GGUF's attn_k_b / attn_v_b blocks (quant.ggml_linear.GGUFHeads, set by
+        # the loader after the fill); the absorbed path's backend multiplies those instead of kv_b_proj's views
+        self.kept_heads = None
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj per head: W_UK [H, dn, r] and W_UV [H, dv, r] (no copies)."""
@@ -132,9 +135,12 @@ class MLAAttention(nn.Module):
         cfg, scale = self.cfg, self.cfg.softmax_scale
         if seg.segment.path == "absorbed":
             w_uk, w_uv = self.w_uk_uv()
+            heads = self.kept_heads
             if sel is not None:
-                return backend.sparse_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, sel.index, sel.valid)
-            return backend.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale)
+                return backend.sparse_absorbed(
+                    q_nope, q_pe, cache, w_uk, w_uv, seg, scale, sel.index, sel.valid, heads=heads
+                )
+            return backend.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, heads=heads)
         allowed = sel.as_mask(seg.mask.shape[-1]) if sel is not None else None
         return backend.decompressed(
             q_nope, q_pe, cache, self.kv_b_proj.weight, seg, scale, cfg.qk_nope_head_dim, allowed

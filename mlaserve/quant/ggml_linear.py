@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import ggml
+from mlaserve.kernels import ggml, native
 from mlaserve.models.moe import Experts
 
 
@@ -148,3 +148,56 @@ class GGUFExperts(Experts):
             y = ggml.linear(F.silu(g) * u, self.down_proj[e], self.type_down, self.inter, self.kernel)
             out.index_add_(0, tok, y * topk_w[tok, slot, None].float())
         return out
+
+
+class GGUFHeads(nn.Module):
+    """W_UK and W_UV of absorbed attention kept as the file's attn_k_b / attn_v_b blocks, so that a decode
+    step reads them quantized (a fourth of the fp32 bytes for Q8_0) instead of the dense kv_b_proj
+    rebuilt from them (which stays for the decompressed prefill path and the reference backend).
+      k_b [H, r, R_dn]  per head the [r, dn] matrix: q_lat[h] = k_b[h] @ q_nope[h]
+      v_b [H, dv, R_r]  per head the [dv, r] matrix: o[h] = v_b[h] @ o_lat[h]
+    Heads are the groups of a grouped product (kernels.ggml.expert_linear): group h is head h's rows."""
+
+    KERNELS = ggml.KERNELS
+
+    def __init__(self, k_b: torch.Tensor, type_k: int, v_b: torch.Tensor, type_v: int, dn: int, r: int) -> None:
+        super().__init__()
+        self.type_k, self.type_v, self.dn, self.r, self.kernel = type_k, type_v, dn, r, "torch"
+        self.k_b = nn.Parameter(k_b, requires_grad=False)
+        self.v_b = nn.Parameter(v_b, requires_grad=False)
+        self.heads = k_b.shape[0]
+        self._group_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _per_head(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix."""
+        n, h = x.shape[0], self.heads
+        xs = x.float().transpose(0, 1).reshape(h * n, k)  # grouped by head
+        if self.kernel == "native" and n <= ggml.GEMV_ROWS:  # decode: straight to the grouped GEMV
+            heads, starts = self._groups(n)
+            y = native.grouped_gemm(ggml_type, xs.contiguous(), w, k, heads, starts)
+        else:
+            heads = torch.arange(h, device=x.device)
+            offs = torch.arange(1, h + 1, device=x.device, dtype=torch.int32) * n
+            y = ggml.expert_linear(xs, w, ggml_type, k, heads, offs, self.kernel)
+        return y.view(h, n, -1).transpose(0, 1)
+
+    def _groups(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heads [H], starts [H + 1]) int64 for n rows per head, kept per n (small tensors a decode step
+        would otherwise build twice per layer)."""
+        if n not in self._group_index:
+            h = self.heads
+            self._group_index[n] = (torch.arange(h), torch.arange(h + 1) * n)
+        return self._group_index[n]
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [N, H, dn] -> q_nope W_UK: [N, H, r] in q_nope's dtype."""
+        return self._per_head(q_nope, self.k_b, self.type_k, self.dn).to(q_nope.dtype)
+
+    def expand(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [..., H, r] -> o_lat W_UV^T: [..., H, dv] in o_lat's dtype."""
+        lead = o_lat.shape[:-2]
+        y = self._per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r)
+        return y.reshape(*lead, self.heads, -1).to(o_lat.dtype)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"

@@ -7,8 +7,9 @@ A module keeps its blocks when its stored type is a block format gguf/quants.py 
   token embeddings    -> GGUFEmbedding   (and lm_head shares it when the config ties them)
   routed experts      -> GGUFExperts     (gate and up of a layer of one type; down may differ)
 Stays dense (dequantized at load, as today), with the reason recorded:
-  kv_b_proj           absorbed attention takes per-head views W_UK / W_UV of it; a GGUF rebuilds it
-                      from attn_k_b + attn_v_b anyway
+  kv_b_proj           rebuilt from attn_k_b + attn_v_b (the decompressed path and the reference backend
+                      read it dense); with the native kernels the absorbed path's W_UK / W_UV products
+                      read attn_k_b / attn_v_b in their blocks too (GGUFHeads, `heads` below)
   weights_proj        the DSA indexer's head weights stay a float projection
   mlp.gate            the router reads its weight as a dense fp32 matrix
   experts             of a layer whose gate/up types differ, or whose projections are not all blocks
@@ -30,7 +31,7 @@ from mlaserve.gguf.quants import DEQUANTIZABLE, GGML_TYPES
 from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.models.moe import Experts
 from mlaserve.models.mtp import mtp_param_name
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
 from mlaserve.quant.plan import DENSE_AT_LOAD, _group
 
 BLOCK_TYPES = frozenset(DEQUANTIZABLE - {0, 1, 30})  # not F32 / F16 / BF16: those load as floats
@@ -38,6 +39,10 @@ _EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.\d+\.(gate_p
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 REBUILT = "dequantized at load: rebuilt from attn_k_b + attn_v_b, read as per-head views W_UK/W_UV"
+REBUILT_KEPT = (
+    "dequantized at load for the decompressed path (rebuilt from attn_k_b + attn_v_b); the absorbed path "
+    "multiplies attn_k_b / attn_v_b in their blocks"
+)
 ROUTER = "dequantized at load: the router reads its weight as a dense fp32 matrix"
 FLOATS = "not a block format: loaded as a float matrix"
 
@@ -51,6 +56,7 @@ class GGUFPlan:
     floats: tuple[tuple[str, str, str], ...]  # (module, F32/F16/BF16, why) linear / embedding stored as floats
     tied_head: bool  # lm_head is a GGUFLinear over the kept embedding (tie_word_embeddings)
     blocks: frozenset[str]  # checkpoint tensor names read as stored bytes
+    heads: tuple[tuple[int, int, int], ...] = ()  # (layer, attn_k_b type, attn_v_b type) -> GGUFHeads
 
     def settings(self) -> tuple[Setting, ...]:
         """One row per module kind and type: kept in ggml blocks, or dense and why."""
@@ -67,6 +73,10 @@ class GGUFPlan:
         for m, tgu, td in self.experts:
             name = GGML_TYPES[tgu].name + ("" if td == tgu else f", down_proj {GGML_TYPES[td].name}")
             by.setdefault((name, "kept in its blocks: only the experts a step routes to are multiplied"), []).append(m)
+        for layer, tk, tv in self.heads:
+            name = GGML_TYPES[tk].name + ("" if tv == tk else f", attn_v_b {GGML_TYPES[tv].name}")
+            why = "attn_k_b / attn_v_b kept in their blocks: W_UK / W_UV of the absorbed path"
+            by.setdefault((name, why), []).append(f"model.layers.{layer}.self_attn.kv_b_proj")
         for (tname, why), mods in by.items():
             for kind, layers in _group(tuple(mods)):
                 rows.append(Setting(f"gguf {tname} {kind}", layers, f"stored {tname}; {why}"))
@@ -83,16 +93,19 @@ class GGUFPlan:
             f"gguf: {len(self.linears) + int(self.tied_head)} linear(s), {len(self.embeddings)} embedding(s) and "
             f"{len(self.experts)} expert stack(s) kept in their ggml blocks; {len(self.dense)} block-quantized "
             "module(s) dequantized at load"
+            + (f"; W_UK/W_UV of {len(self.heads)} layer(s) also kept as attn_k_b/attn_v_b blocks" if self.heads else "")
         )
 
 
-def plan_gguf(source, cfg: ModelConfig, model: nn.Module) -> GGUFPlan:
+def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = False) -> GGUFPlan:
     """source: GGUFTensors (HF names, ggml_type / rebuilt); model: the built model (its module kinds).
     MTP layers (model.layers.N >= num_hidden_layers) are planned under the model's mtp.{j} names when
-    the model has them (speculative="mtp"), else skipped like the loader skips them."""
+    the model has them (speculative="mtp"), else skipped like the loader skips them.
+    kept_heads: also keep the trunk's attn_k_b / attn_v_b blocks for the absorbed path (the engine does
+    with the native kernels; with the torch ones the dense views are the faster product)."""
     modules = dict(model.named_modules())
     with_mtp = hasattr(model, "mtp")
-    linears, embeddings, dense, floats, blocks = [], [], [], [], set()
+    linears, embeddings, dense, floats, blocks, heads = [], [], [], [], set(), []
     experts: dict[str, dict[str, list[tuple[str, int]]]] = {}
     for name in source.names():
         if not name.endswith(".weight"):
@@ -114,7 +127,13 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module) -> GGUFPlan:
                 floats.append((module, tname, FLOATS))
             continue
         if source.rebuilt(name):
-            dense.append((module, tname, REBUILT))
+            blocks_of = getattr(source, "mla_split_blocks", None) if kept_heads and target == name else None
+            split = blocks_of(int(layer.group(1))) if blocks_of is not None else None
+            if split is not None and {split[0][1], split[1][1]} <= BLOCK_TYPES:
+                heads.append((int(layer.group(1)), split[0][1], split[1][1]))
+                dense.append((module, tname, REBUILT_KEPT))
+            else:
+                dense.append((module, tname, REBUILT))
         elif kind in DENSE_AT_LOAD:
             dense.append((module, tname, DENSE_AT_LOAD[kind]))
         elif type(mod) is nn.Embedding:
@@ -147,8 +166,27 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module) -> GGUFPlan:
             floats.append((module, names, FLOATS))
     tied = cfg.tie_word_embeddings and any(m == "model.embed_tokens" for m, _ in embeddings)
     return GGUFPlan(
-        tuple(linears), tuple(embeddings), tuple(kept_experts), tuple(dense), tuple(floats), tied, frozenset(blocks)
+        tuple(linears),
+        tuple(embeddings),
+        tuple(kept_experts),
+        tuple(dense),
+        tuple(floats),
+        tied,
+        frozenset(blocks),
+        tuple(heads),
     )
+
+
+def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig) -> None:
+    """After the fill: each planned layer's attention gets its attn_k_b / attn_v_b bytes (copied out of
+    the file) as GGUFHeads, beside the dense kv_b_proj rebuilt from the same tensors."""
+    for layer, type_k, type_v in plan.heads:
+        (k_b, _), (v_b, _) = source.mla_split_blocks(layer)
+        attn = model.model.layers[layer].self_attn
+        device = attn.kv_b_proj.weight.device
+        attn.kept_heads = GGUFHeads(
+            k_b.to(device, copy=True), type_k, v_b.to(device, copy=True), type_v, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        )
 
 
 def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:

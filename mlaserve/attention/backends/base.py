@@ -25,9 +25,11 @@ class AttentionBackend(Protocol):
         route, decided before the step runs."""
 
     def absorbed(
-        self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, allowed=None
+        self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, allowed=None, heads=None
     ) -> torch.Tensor:
-        """MQA over the latent rows: W_UK folded into the query, W_UV applied after."""
+        """MQA over the latent rows: W_UK folded into the query, W_UV applied after. heads: W_UK / W_UV
+        also kept as GGUF blocks (quant.ggml_linear.GGUFHeads), which a fast backend may multiply
+        instead of the dense views; the reference ignores it (the oracle reads the dense kv_b_proj)."""
 
     def decompressed(
         self, q_nope, q_pe, cache, kv_b, seg: SegmentTensors, scale: float, dn: int, allowed=None
@@ -35,7 +37,7 @@ class AttentionBackend(Protocol):
         """MHA: the rows up-projected through kv_b [H * (dn + dv), r], causal attention."""
 
     def sparse_absorbed(
-        self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, index, valid
+        self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, index, valid, heads=None
     ) -> torch.Tensor:
         """MQA over only each query's selected positions index/valid [B, Q, k]."""
 

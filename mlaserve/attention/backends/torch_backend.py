@@ -27,6 +27,7 @@ from mlaserve.attention.backends.blocks import gather_rows, query_blocks, score_
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
+    from mlaserve.quant.ggml_linear import GGUFHeads
 
 
 def absorbed_attention(
@@ -38,15 +39,17 @@ def absorbed_attention(
     seg: SegmentTensors,
     scale: float,
     allowed: torch.Tensor | None = None,
+    heads: GGUFHeads | None = None,
 ) -> torch.Tensor:
-    """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones)."""
-    q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
+    """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones). heads: W_UK / W_UV
+    kept as GGUF blocks (then the products read those; w_uk / w_uv give only shapes)."""
+    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     mask, r = _mask(seg, allowed), w_uk.shape[-1]
     b, nq, h, _ = q.shape
     blocks = query_blocks(nq, score_bytes(b * h, rows.shape[1]))
     o_lat = torch.cat([_latent_mqa(q[:, s], rows, mask[:, s], scale, r) for s in blocks], dim=1)
-    return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
+    return _expand(o_lat, w_uv, heads)
 
 
 def decompressed_attention(
@@ -98,11 +101,12 @@ def sparse_absorbed_attention(
     scale: float,
     index: torch.Tensor,
     valid: torch.Tensor,
+    heads: GGUFHeads | None = None,
 ) -> torch.Tensor:
     """MQA over only the selected rows. index/valid [B, Q, k] (positions on the segment's key axis).
     Gathers k rows per query instead of scoring all L: the point of DSA at long context."""
     b, qn, k = index.shape
-    q = _latent_queries(q_nope, q_pe, w_uk)[seg.q_index]  # [B, Q, H, r + dr]
+    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
     per_query = b * (k * cache.shape[1] * cache.element_size() + score_bytes(q.shape[2], k))
     o_lat = torch.cat(
         [
@@ -111,7 +115,7 @@ def sparse_absorbed_attention(
         ],
         dim=1,
     )
-    return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
+    return _expand(o_lat, w_uv, heads)
 
 
 def _sparse_block(
@@ -131,9 +135,17 @@ def _sparse_block(
     return o_lat.view(b, qn, *o_lat.shape[2:])
 
 
-def _latent_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+def _latent_queries(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, heads: GGUFHeads | None
+) -> torch.Tensor:
     """[q_nope W_UK | q_pe]: [N, H, r + dr], the query that scores a cache row [c_kv | k_pe] in one product."""
-    return torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_pe], dim=-1)
+    q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+    return torch.cat([q_lat, q_pe], dim=-1)
+
+
+def _expand(o_lat: torch.Tensor, w_uv: torch.Tensor, heads: GGUFHeads | None) -> torch.Tensor:
+    """o_lat [B, Q, H, r] -> o_lat W_UV^T [B, Q, H, dv]."""
+    return heads.expand(o_lat) if heads is not None else torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
 
 
 def _latent_mqa(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, scale: float, r: int) -> torch.Tensor:

@@ -426,6 +426,20 @@ class GGUFTensors:
             return self._gf.tensor(src["k_b"]), self._gf.tensor(src["v_b"])
         return _split_kv_b(self._gf.tensor(src["kv_b"]), self._cfg)
 
+    def mla_split_blocks(self, layer: int) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]] | None:
+        """The stored bytes of attn_k_b ([H, L, R_n] uint8, rows of n values) and attn_v_b ([H, v, R_L])
+        with their ggml type ids, views of the file; None where the file stores a fused attn_kv_b."""
+        src = self._mla_sources(layer)
+        if "k_b" not in src:
+            return None
+        out = []
+        for key in ("k_b", "v_b"):
+            info = self._gf.info(src[key])
+            lead = tuple(info.shape[:-1])
+            per_row = info.nbytes // math.prod(lead)
+            out.append((self._gf.raw(src[key], 0, info.nbytes).view(*lead, per_row), info.ggml_type))
+        return out[0], out[1]
+
     def _mla_sources(self, layer: int) -> dict[str, str]:
         if layer not in self._mla:
             raise KeyError(f"{self._gf.path}: no MLA layer {layer}")
