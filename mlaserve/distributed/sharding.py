@@ -107,6 +107,10 @@ class ShardedSource:
     def where(self, name: str) -> str:
         return self.source.where(name)
 
+    def release(self, name: str) -> None:
+        if hasattr(self.source, "release"):
+            self.source.release(name)
+
     def get(self, name: str) -> torch.Tensor:
         kind = split_of(name)
         if kind == "replicated" or (kind == "first" and self.rank == 0):

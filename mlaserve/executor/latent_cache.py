@@ -9,6 +9,7 @@ Bytes per token = (kv_lora_rank + qk_rope_head_dim) * num_layers * dtype size (+
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mlaserve.config.model import ModelConfig
@@ -29,11 +30,10 @@ class LatentCache:
         self.page_size = page_size
         self.num_pages = num_pages
         rows = num_pages * page_size
-        self.layers = [torch.zeros(rows, cfg.latent_dim, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.layers = [_zeros(rows, cfg.latent_dim, dtype, device) for _ in range(cfg.num_layers)]
         full = indexer_layers(cfg) if with_indexer else set()
         self.index_keys = [
-            torch.zeros(rows, cfg.indexer.head_dim, dtype=dtype, device=device) if i in full else None
-            for i in range(cfg.num_layers)
+            _zeros(rows, cfg.indexer.head_dim, dtype, device) if i in full else None for i in range(cfg.num_layers)
         ]
 
     @staticmethod
@@ -46,6 +46,16 @@ class LatentCache:
         total = sum(t.numel() * t.element_size() for t in self.layers)
         total += sum(t.numel() * t.element_size() for t in self.index_keys if t is not None)
         return total // (self.num_pages * self.page_size)
+
+
+def _zeros(rows: int, width: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zeroed [rows, width] tensor. On the CPU its memory comes from calloc (numpy.zeros), which for a
+    large block maps zero pages that become resident only when a row is first written: the cache sized
+    for every page costs memory as requests fill it, not at startup (torch.zeros writes every byte)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(rows, width, dtype=dtype, device=device)
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(rows * width * size, dtype=np.uint8)).view(dtype).view(rows, width)
 
 
 def indexer_layers(cfg: ModelConfig) -> set[int]:

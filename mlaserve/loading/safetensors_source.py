@@ -17,11 +17,17 @@ class WeightError(ValueError):
     """A checkpoint that does not match the model; the message names the file and tensor."""
 
 
+# Bytes a file handle may have handed out before the loader's release() closes it: a handle's memory map
+# keeps every page it has read resident, so a load would otherwise peak at the model plus the file.
+RELEASE_BYTES = 256 << 20
+
+
 class SafetensorsSource:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self._file_of = self._index()
         self._handles: dict[Path, object] = {}
+        self._read: dict[Path, int] = {}  # bytes handed out by each open handle
 
     def _index(self) -> dict[str, Path]:
         index = self.folder / "model.safetensors.index.json"
@@ -61,9 +67,19 @@ class SafetensorsSource:
                 raise WeightError(f"{path}: file listed in the index is missing (needed for {name!r})")
             self._handles[path] = self._open(path)
         try:
-            return self._handles[path].get_tensor(name)
+            tensor = self._handles[path].get_tensor(name)
         except Exception as e:
             raise WeightError(f"{path}: cannot read tensor {name!r} ({e})") from e
+        self._read[path] = self._read.get(path, 0) + tensor.nbytes
+        return tensor
+
+    def release(self, name: str) -> None:
+        """The loader has copied this tensor: once its file's handle has handed out RELEASE_BYTES, close
+        it (unmapping the pages it read); the next read opens the file again."""
+        path = self._file_of[name]
+        if self._read.get(path, 0) >= RELEASE_BYTES and path in self._handles:
+            del self._handles[path]
+            self._read[path] = 0
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -73,9 +89,12 @@ class SafetensorsSource:
         tensor-parallel group reads its part of the file, not the whole tensor."""
         index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
         try:
-            return self._slice(name)[index]
+            part = self._slice(name)[index]
         except Exception as e:
             raise WeightError(f"{self.where(name)}: cannot read {name!r}[{index}] ({e})") from e
+        path = self._file_of[name]
+        self._read[path] = self._read.get(path, 0) + part.nbytes
+        return part
 
     def _slice(self, name: str):
         path = self._file_of[name]

@@ -32,6 +32,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class TensorSource(Protocol):
+    """Also optional: release(name), called once a tensor is copied (a memory-mapped source drops the
+    pages it read), get_slice(name, dim, start, stop) for tensor-parallel ranks."""
+
     def names(self) -> list[str]: ...
     def get(self, name: str) -> torch.Tensor: ...
     def where(self, name: str) -> str: ...
@@ -111,6 +114,15 @@ def _copy(name: str, source: TensorSource, targets: dict, filled: set[str], targ
     with torch.no_grad():
         targets[target].copy_(tensor)
     filled.add(target)
+    _release(source, name)
+
+
+def _release(source: TensorSource, name: str) -> None:
+    """A memory-mapped source (GGUF) drops the file pages of a tensor once it is copied, so that the
+    peak memory of a load is the model's, not the model's plus the file's."""
+    release = getattr(source, "release", None)
+    if release is not None:
+        release(name)
 
 
 def _stack_experts(
@@ -145,6 +157,7 @@ def _stack_experts(
             _check_stored_dtype(name, tensor.dtype, target.dtype, source)
             _check_shape(name, tuple(tensor.shape), tuple(target.shape), source)
             target.copy_(tensor)
+            _release(source, name)
     filled.update(f"{prefix}.{n}" for n, _ in list(module.named_parameters()) + list(module.named_buffers()))
     return len(parts)
 

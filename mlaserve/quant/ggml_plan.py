@@ -226,6 +226,9 @@ class BlockSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.source.shape(name)
 
+    def release(self, name: str) -> None:
+        self.source.release(name)
+
     def get(self, name: str) -> torch.Tensor:
         if name in self.blocks:
             try:

@@ -376,6 +376,18 @@ class GGUFTensors:
         start = e.index * rows * per_row if e.kind == "expert" else 0
         return self._gf.raw(e.sources[0], start, rows * per_row).view(rows, per_row)
 
+    def release(self, name: str) -> None:
+        """The loader has copied this tensor: drop its file pages (a routed expert: its slice only, as
+        the stack's other experts are still to be read)."""
+        e = self._entry(name)
+        if e.kind != "expert":
+            for src in e.sources:
+                self._gf.release(src)
+            return
+        info = self._gf.info(e.sources[0])
+        per_expert = info.nbytes // info.shape[0]
+        self._gf.release(e.sources[0], e.index * per_expert, per_expert)
+
     def get(self, name: str) -> torch.Tensor:
         e = self._entry(name)
         if e.kind == "plain":

@@ -17,6 +17,7 @@ Errors are `GGUFError` (a ValueError) and always name the file (and the tensor o
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -259,6 +260,18 @@ class GGUFShard:
         return torch.from_numpy(view)
 
 
+def _release(mm: np.memmap, start: int, length: int) -> None:
+    """Drop the pages of bytes [start, start + length) from this process's memory (the map is private
+    and never written, so a later read faults them in from the file again): the loader calls it after
+    copying a tensor, so file pages do not pile up on top of the copies while a model loads."""
+    raw = getattr(mm, "_mmap", None)
+    if raw is None or not hasattr(raw, "madvise") or length <= 0:
+        return
+    page = mmap.PAGESIZE
+    lo = (mm.offset + start) // page * page  # whole pages; neighbours' pages refault if still needed
+    raw.madvise(mmap.MADV_DONTNEED, lo, mm.offset + start + length - lo)
+
+
 class GGUFFile:
     """One logical GGUF model, possibly made of several split shards.
 
@@ -289,6 +302,12 @@ class GGUFFile:
     def raw(self, name: str, start: int = 0, length: int | None = None) -> torch.Tensor:
         info = self.info(name)
         return self._shard_of[name].raw(info, start, length)
+
+    def release(self, name: str, start: int = 0, length: int | None = None) -> None:
+        """Drop a copied tensor's (or a byte range of it) file pages from memory (see _release)."""
+        info = self.info(name)
+        length = info.nbytes - start if length is None else length
+        _release(self._shard_of[name].mm, info.offset + start, length)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, torch shape (F32 tensors: a view of the file)."""
