@@ -13,7 +13,7 @@ the ds3 and ds32 fixtures, and the ledger names the backend that ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -216,7 +216,7 @@ def test_harness_sees_a_wrong_row():
     bad = Case(**{**c.__dict__, "cache": c.cache.clone()})
     bad.cache[seg.kv_slots[0, 0]] += 1.0
     assert (_run("absorbed", REF, bad, seg)[seg.q_valid].float() - want).abs().max() > 8 * tol
-    wide = SegmentTensors(seg.segment, seg.q_index, seg.q_valid, seg.kv_slots, torch.ones_like(seg.mask), seg.seq_lens)
+    wide = replace(seg, mask=torch.ones_like(seg.mask))
     assert (_run("absorbed", REF, c, wide)[seg.q_valid].float() - want).abs().max() > 8 * tol
 
 

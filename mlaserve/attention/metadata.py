@@ -6,6 +6,8 @@ Notation
   q_valid  [B, Q]     False for padding
   kv_slots [B, L]     cache row of each (request, key position); padding points at slot 0
   mask     [B, Q, L]  key allowed: causal (key_pos <= query_pos) and inside the sequence
+  valid_flat [V]      positions in the flattened [B * Q] of the V valid queries (row-major)
+  out_index  [V]      their flat token rows (q_index at valid_flat)
 Padding queries are given key 0 so their softmax stays finite; their outputs are discarded.
 """
 
@@ -29,11 +31,9 @@ class SegmentTensors:
     kv_slots: torch.Tensor
     mask: torch.Tensor
     seq_lens: torch.Tensor  # [B]
-
-    @property
-    def out_index(self) -> torch.Tensor:
-        """Flat rows of the valid queries, in q_valid order."""
-        return self.q_index[self.q_valid]
+    # Built once per step, not per layer (a boolean-mask index costs a nonzero and a gather each time):
+    valid_flat: torch.Tensor  # [V] where the valid queries are in [B * Q]
+    out_index: torch.Tensor  # [V] flat token rows of the valid queries, in q_valid order
 
 
 def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTensors:
@@ -53,8 +53,11 @@ def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTenso
     kv_slots = _slots(seqs, k_pos, ps, seq_lens)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
     # Built on the host from the plan's plain data, then moved once to the batch's device.
+    valid_flat = q_valid.flatten().nonzero().flatten()
+    out_index = q_index.flatten()[valid_flat]
     dev = batch.input_ids.device
-    return SegmentTensors(segment, *(t.to(dev) for t in (q_index, q_valid, kv_slots, mask, seq_lens)))
+    tensors = (q_index, q_valid, kv_slots, mask, seq_lens, valid_flat, out_index)
+    return SegmentTensors(segment, *(t.to(dev) for t in tensors))
 
 
 def _slots(seqs, k_pos: torch.Tensor, page_size: int, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,9 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe = rope(q_pe, step.cos, step.sin)
-        k_pe = rope(k_pe, step.cos, step.sin)
+        # One rotation for the query heads and the shared key: [T, H + 1, dr] (rope is elementwise per row)
+        pe = rope(torch.cat([q_pe, k_pe[:, None]], dim=1), step.cos, step.sin)
+        q_pe, k_pe = pe[:, : cfg.num_heads], pe[:, cfg.num_heads]
         # Write first: each segment then reads its context *and* this step's rows from the cache.
         cache.index_copy_(0, step.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
         selections = None
@@ -102,7 +103,8 @@ class MLAAttention(nn.Module):
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
         for i, (seg, backend) in enumerate(zip(step.segments, step.backends)):
             sel = selections[i] if selections is not None else None
-            out[seg.out_index] = self.attend(backend, q_nope, q_pe, cache, seg, sel)[seg.q_valid]
+            per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel).flatten(0, 1)  # [B * Q, H, dv]
+            out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat))
         return self.o_proj(out.flatten(1)), selections
 
     def select(
