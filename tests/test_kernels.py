@@ -246,3 +246,54 @@ def test_native_router_equals_gate(router, tokens):
         a, b = got_idx[row].argsort(), want_idx[row].argsort()
         assert torch.equal(got_idx[row][a], want_idx[row][b])
         assert torch.allclose(got_w[row][a], want_w[row][b], rtol=4e-7, atol=0)
+
+
+def _int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|y - y_exact| for int8 activations: each value moves by at most d_x / 2 (d_x = its 32-block's
+    max|x| / 127), so |dy| <= sum_j |w_j| d_x(j) / 2; plus the fp32 bound of the block sums."""
+    d = x.abs().view(x.shape[0], -1, 32).amax(-1) / 127  # [M, K / 32]
+    step = d.repeat_interleave(32, dim=1) / 2  # [M, K]
+    return step @ w.abs().T + 2 * x.shape[-1] * U * (x.abs() @ w.abs().T) * 1.01 + 1e-30
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+def test_native_int8_activations_within_their_bound(name, rows):
+    """activations="int8": products within the quantization bound of the activations, and not exact
+    (the int8 path really ran); grouped kernel per group likewise."""
+    g = torch.Generator().manual_seed(9)
+    t, k = GGML_TYPE_IDS[name], 512
+    raw = random_blocks(name, 40, k, g)
+    w = ggml.dense(raw, t, k)
+    x = torch.randn(rows, k, generator=g)
+    ref = F.linear(x, w)
+    got = ggml.linear(x, raw, t, k, kernel="native", int8=True)
+    assert ((got - ref).abs() <= _int8_bound(x, w)).all()
+    assert not torch.allclose(got, ref, rtol=1e-6, atol=0)
+    assert torch.equal(ggml.linear(x, raw, t, k, kernel="native", int8=False), ggml.linear(x, raw, t, k, "native"))
+    stacked = random_blocks(name, 24, k, g, lead=(3,))
+    experts, offs = torch.tensor([0, 2]), torch.tensor([rows, rows + 2], dtype=torch.int32)
+    xs = torch.randn(rows + 2, k, generator=g)
+    ys = ggml.expert_linear(xs, stacked, t, k, experts, offs, kernel="native", int8=True)
+    for a, sl in ((0, slice(0, rows)), (2, slice(rows, rows + 2))):
+        dense = ggml.dense(stacked[a], t, k)
+        assert ((ys[sl] - F.linear(xs[sl], dense)).abs() <= _int8_bound(xs[sl], dense)).all()
+
+
+def test_int8_activations_option():
+    """Explicit only: recorded in provenance; refused where the native kernels do not run."""
+    from hf_models import make_config
+
+    from mlaserve.config.model import ModelConfig
+
+    cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
+    ok = lambda: (True, "built")  # noqa: E731
+    eng = resolve(cfg, EngineOptions(device="cpu", activations="int8"), False, native_kernels=ok)
+    assert eng.activations == "int8" and eng.kernels == "native"
+    assert "not exact" in {s.name: s for s in eng.provenance}["activations"].source
+    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok).activations == "float"
+    with pytest.raises(ConfigError, match="activations='int8' runs in the native kernels"):
+        resolve(cfg, EngineOptions(device="cpu", activations="int8"), False)  # nothing quantized: torch kernels
+    with pytest.raises(ConfigError, match="activations must be one of"):
+        resolve(cfg, EngineOptions(device="cpu", activations="int4"), False, native_kernels=ok)

@@ -26,6 +26,7 @@ EXPERT_IMPLS = ("grouped_mm", "loop")
 ATTENTION_BACKENDS = ("auto", "torch", "reference")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "native", "torch")
+ACTIVATIONS = ("float", "int8")
 QUANTIZATIONS = (None, "int8", "int4")
 SPECULATIVE = (None, "mtp")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
@@ -84,6 +85,13 @@ class EngineOptions:
         "matmuls on quantized weights (GGUF blocks, FP8): native = C decode-and-dot kernels built at first use "
         "with the system compiler; torch = dequantize, then GEMM (the reference); auto = native on CPU if it builds",
         KERNELS,
+    )
+    activations: str = _opt(
+        "float",
+        "how the native kernels take activations at decode (<= 16 rows per weight): float = exact products "
+        "over the stored weights; int8 = each 32-value block quantized to int8 with its own scale and "
+        "integer dot products with Q8_0 / Q4_0 weights (llama.cpp's method: faster, not exact)",
+        ACTIVATIONS,
     )
     quantization: str | None = _opt(
         None,
@@ -180,6 +188,7 @@ class EngineConfig:
     attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
     device: str = "cpu"
     kernels: str = "torch"  # "native" | "torch": how quantized weights are multiplied (kernels/)
+    activations: str = "float"  # "int8": the native decode kernels quantize activations (Q8_0 / Q4_0 weights)
     quantization: str | None = None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
     tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
     speculative: str | None = None  # "mtp": draft with the MTP layer, verify in one target forward
@@ -212,6 +221,7 @@ def resolve(
     device = _device(opts.device, log)
     quantization = _quantization(opts.quantization, log)
     kernels = _kernels(opts.kernels, device, native_kernels, log)
+    activations = _activations(opts.activations, kernels, log)
     dtype = _dtype(opts.dtype, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
     topk = _index_topk(model, opts.index_topk, sparse, log)
@@ -263,6 +273,7 @@ def resolve(
         attention_backend=backend,
         device=device,
         kernels=kernels,
+        activations=activations,
         quantization=quantization,
         tensor_parallel_size=opts.tensor_parallel_size,
         speculative=speculative,
@@ -387,6 +398,23 @@ def _kernels(requested: str, device: str, probe, log: ProvenanceLog) -> str:
         return log.record("kernels", "torch", f"engine default (auto: {detail})")
     how = "user option" if requested == "native" else "engine default (auto: built for this CPU)"
     return log.record("kernels", "native", f"{how}: {detail}")
+
+
+def _activations(requested: str, kernels: str, log: ProvenanceLog) -> str:
+    _choice("activations", requested, ACTIVATIONS)
+    if requested == "float":
+        return log.record("activations", "float", "engine default (exact products)")
+    if kernels != "native":
+        raise ConfigError(
+            "activations='int8' runs in the native kernels, but kernels resolved to 'torch' "
+            f"({log.source('kernels')}); it needs quantized weights (a GGUF, FP8 or quantization=...) on CPU"
+        )
+    return log.record(
+        "activations",
+        "int8",
+        "user option: decode products with Q8_0 / Q4_0 weights quantize each 32-value activation block to int8 "
+        "(not exact: |dy| <= sum |w| d_x / 2); other weight types and prefill stay exact",
+    )
 
 
 def _gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceLog) -> str | None:

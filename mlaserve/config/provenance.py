@@ -28,6 +28,10 @@ class ProvenanceLog:
         self._items[name] = Setting(name, value, source)
         return value
 
+    def source(self, name: str) -> str:
+        """Where a recorded setting's value came from (for error messages)."""
+        return self._items[name].source
+
     def freeze(self) -> tuple[Setting, ...]:
         return tuple(self._items.values())
 

@@ -860,4 +860,221 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
     return 0;
 }
 
-int mls_abi_version(void) { return 3; }
+/* ---------------------------------------------------------------- int8 activations (an explicit option)
+   llama.cpp's integer dot products, for Q8_0 and Q4_0 weights: each 32-value block of an activation row
+   is quantized to int8 with its own fp32 scale d_x = max|x| / 127 (q_x = x / d_x rounded to nearest), and
+   a block's product is d_w * d_x * (the exact int32 sum of q_w q_x). Not exact: |x - d_x q_x| <= d_x / 2
+   per value, so |y - y_exact| <= sum_j |w_j| d_x(j) / 2, plus fp32 rounding of the block sums. About half
+   the instructions of the float path per weight. Return -1 for other weight types. */
+
+/* x [m, k] (row stride ldx) -> q [m, k] int8 and d [m, k / 32] */
+static void quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d) {
+    const int64_t kb = k / 32;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < kb; b++) {
+            const float *xb = x + i * ldx + b * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float dd = amax / 127.0f, inv = dd > 0.0f ? 1.0f / dd : 0.0f;
+            for (int j = 0; j < 32; j++) q[i * k + b * 32 + j] = (int8_t)nearbyintf(xb[j] * inv);
+            d[i * kb + b] = dd;
+        }
+}
+
+/* One weight row (raw blocks b) times m quantized activation rows (xq [m, k] int8, xd [m, k / 32]) ->
+   y[i * ldy]; each weight block is unpacked once per chunk of up to 4 rows. */
+typedef void (*q8rows_fn)(const uint8_t *, const int8_t *, const float *, int64_t, int64_t, float *, int64_t);
+
+#ifdef MLS_SIMD
+/* 8 float partial sums of the int8 products of a weight block (as |w| and its signs) with x (x in
+   [-127, 127]: |w| x pairs stay inside maddubs' int16 range) */
+static inline __m256 i8dot32(__m256i aw, __m256i w, __m256i x) {
+    const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, int type, const int8_t *xq,
+                                                            const float *xd, const int mr, int64_t k, float *y,
+                                                            int64_t ldy) {
+    __m256 acc[4];
+    const int64_t kb = k / 32, bytes = type == 8 ? 34 : 18;
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < kb; blk++, b += bytes) {
+        const __m256i w = type == 8 ? _mm256_loadu_si256((const __m256i *)(b + 2))
+                                    : _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        const float dw = f16(b);
+        for (int i = 0; i < mr; i++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 32));
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * kb + blk]), i8dot32(aw, w, x), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+#define Q8ROWS_FN(name, type)                                                                              \
+    static void name(const uint8_t *b, const int8_t *xq, const float *xd, int64_t m, int64_t k, float *y,    \
+                     int64_t ldy) {                                                                        \
+        const int64_t kb = k / 32;                                                                         \
+        int64_t i = 0;                                                                                     \
+        for (; i + 4 <= m; i += 4) q8rows_mr(b, type, xq + i * k, xd + i * kb, 4, k, y + i * ldy, ldy);    \
+        switch (m - i) {                                                                                   \
+        case 3: q8rows_mr(b, type, xq + i * k, xd + i * kb, 3, k, y + i * ldy, ldy); break;                \
+        case 2: q8rows_mr(b, type, xq + i * k, xd + i * kb, 2, k, y + i * ldy, ldy); break;                \
+        case 1: q8rows_mr(b, type, xq + i * k, xd + i * kb, 1, k, y + i * ldy, ldy); break;                \
+        default: break;                                                                                    \
+        }                                                                                                  \
+    }
+Q8ROWS_FN(q8rows_q8_0, 8)
+Q8ROWS_FN(q8rows_q4_0, 2)
+#else
+static void q8rows_scalar(const uint8_t *b0, int type, const int8_t *xq, const float *xd, int64_t m, int64_t k,
+                          float *y, int64_t ldy) {
+    const int64_t kb = k / 32, bytes = type == 8 ? 34 : 18;
+    for (int64_t i = 0; i < m; i++) {
+        const uint8_t *b = b0;
+        float acc = 0.0f;
+        for (int64_t blk = 0; blk < kb; blk++, b += bytes) {
+            const int8_t *x = xq + i * k + blk * 32;
+            int32_t s = 0;
+            for (int j = 0; j < 32; j++) {
+                const int32_t w = type == 8 ? (int32_t)(int8_t)b[2 + j]
+                                            : (int32_t)(j < 16 ? (b[2 + j] & 0x0F) : (b[2 + j - 16] >> 4)) - 8;
+                s += w * x[j];
+            }
+            acc += (f16(b) * xd[i * kb + blk]) * (float)s;
+        }
+        y[i * ldy] = acc;
+    }
+}
+static void q8rows_q8_0(const uint8_t *b, const int8_t *xq, const float *xd, int64_t m, int64_t k, float *y,
+                        int64_t ldy) {
+    q8rows_scalar(b, 8, xq, xd, m, k, y, ldy);
+}
+static void q8rows_q4_0(const uint8_t *b, const int8_t *xq, const float *xd, int64_t m, int64_t k, float *y,
+                        int64_t ldy) {
+    q8rows_scalar(b, 2, xq, xd, m, k, y, ldy);
+}
+#endif
+
+static q8rows_fn q8rows(int type) {
+    if (type == 8) return q8rows_q8_0;
+    if (type == 2) return q8rows_q4_0;
+    return 0;
+}
+
+static inline float q8dot(q8rows_fn fn, const uint8_t *b, const int8_t *xq, const float *xd, int64_t k) {
+    float y;
+    fn(b, xq, xd, 1, k, &y, 1);
+    return y;
+}
+
+/* Activations quantized once, then as mls_gemm / mls_grouped_gemm. */
+int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+                int64_t row_bytes, float *y, int64_t ldy, int threads) {
+    q8rows_fn fn = q8rows(type);
+    if (!fn) return -1;
+    if (k % 32) return -2;
+    int8_t *xq = (int8_t *)malloc((size_t)(m * k));
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (k / 32)));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -4;
+    }
+    quantize_rows_q8(x, m, k, ldx, xq, xd);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) fn(w + r * row_bytes, xq, xd, m, k, y + r, ldy);
+    free(xq);
+    free(xd);
+    return 0;
+}
+
+int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                        float *y, int threads) {
+    q8rows_fn fn = q8rows(type);
+    if (!fn) return -1;
+    if (k % 32) return -2;
+    const int64_t p = starts[groups], kb = k / 32, runs = (n + ROW_RUN - 1) / ROW_RUN;
+    int8_t *xq = (int8_t *)malloc((size_t)(p * k) + 1);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(p * kb) + 1);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -4;
+    }
+    quantize_rows_q8(x, p, k, k, xq, xd);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t it = 0; it < groups * runs; it++) {
+        const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
+        const uint8_t *we = w + experts[a] * expert_stride;
+        const int64_t p0 = starts[a];
+        for (int64_t r = r0; r < r1; r++) fn(we + r * row_bytes, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k, y + p0 * n + r, n);
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
+
+/* mls_moe_experts with int8 activations: x quantized before gate_up, h before down. */
+int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
+                       const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
+                       int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
+                       int64_t kk, float *out, int threads) {
+    q8rows_fn fn_gu = q8rows(type_gu), fn_dn = q8rows(type_dn);
+    if (!fn_gu || !fn_dn) return -1;
+    if (d % 32 || inter % 32) return -2;
+    const int64_t pairs = t * kk, n_gu = 2 * inter, runs = (n_gu + ROW_RUN - 1) / ROW_RUN;
+    int8_t *xq = (int8_t *)malloc((size_t)(t * d)), *hq = (int8_t *)malloc((size_t)(pairs * inter));
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(t * d / 32));
+    float *hd = (float *)malloc(sizeof(float) * (size_t)(pairs * inter / 32));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(pairs * n_gu));
+    float *h = (float *)malloc(sizeof(float) * (size_t)(pairs * inter));
+    int rc = 0;
+    if (!xq || !hq || !xd || !hd || !gu || !h) {
+        rc = -4;
+        goto done;
+    }
+    quantize_rows_q8(x, t, d, d, xq, xd);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < pairs * runs; it++) {
+            const int64_t p = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
+            const uint8_t *we = gate_up + idx[p] * gu_expert_stride;
+            const int64_t tok = p / kk;
+            for (int64_t r = r0; r < r1; r++)
+                gu[p * n_gu + r] = q8dot(fn_gu, we + r * gu_row_bytes, xq + tok * d, xd + tok * (d / 32), d);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < pairs * inter; it++) {
+            const int64_t p = it / inter, i = it % inter;
+            const float g = gu[p * n_gu + i];
+            h[it] = (g / (1.0f + expf(-g))) * gu[p * n_gu + inter + i];
+        }
+#pragma omp single
+        quantize_rows_q8(h, pairs, inter, inter, hq, hd);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < t * d; it++) {
+            const int64_t tok = it / d, r = it % d;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < kk; j++) {
+                const int64_t p = tok * kk + j;
+                const uint8_t *row = down + idx[p] * dn_expert_stride + r * dn_row_bytes;
+                acc += wt[p] * q8dot(fn_dn, row, hq + p * inter, hd + p * (inter / 32), inter);
+            }
+            out[it] = acc;
+        }
+    }
+done:
+    free(xq);
+    free(hq);
+    free(xd);
+    free(hd);
+    free(gu);
+    free(h);
+    return rc;
+}
+
+int mls_abi_version(void) { return 4; }

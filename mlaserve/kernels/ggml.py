@@ -46,12 +46,17 @@ def dense(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     return dequantize(w.contiguous(), ggml_type, (*w.shape[:-1], k))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, kernel: str = "torch") -> torch.Tensor:
-    """y [M, N] fp32 = x [M, K] @ dequantize(w [N, R])^T."""
+def linear(
+    x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, kernel: str = "torch", int8: bool = False
+) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] @ dequantize(w [N, R])^T. int8: with the native kernels, up to GEMV_ROWS rows
+    against Q8_0 / Q4_0 weights take int8 activations (engine option activations="int8": not exact)."""
     if kernel != "native":
         return F.linear(x.float(), dense(w, ggml_type, k))
     x = x.float().contiguous()
     if x.shape[0] <= GEMV_ROWS:
+        if int8 and ggml_type in native.Q8_ACTIVATION_TYPES:
+            return native.gemm_q8(ggml_type, x, w, k)
         return native.gemm(ggml_type, x, w, k)
     return F.linear(x, native.dequantize(ggml_type, w, k))
 
@@ -64,14 +69,18 @@ def expert_linear(
     experts: torch.Tensor,
     offs: torch.Tensor,
     kernel: str = "torch",
+    int8: bool = False,
 ) -> torch.Tensor:
-    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight."""
+    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight (int8: as linear)."""
     if kernel != "native":
         return torch._grouped_mm(xs.float(), dense(w[experts], ggml_type, k).transpose(1, 2), offs=offs)
     xs = xs.float().contiguous()
     if xs.shape[0] <= GEMV_ROWS * experts.shape[0]:
         starts = F.pad(offs.to(torch.int64), (1, 0))
-        return native.grouped_gemm(ggml_type, xs, w, k, experts.to(torch.int64).contiguous(), starts)
+        experts = experts.to(torch.int64).contiguous()
+        if int8 and ggml_type in native.Q8_ACTIVATION_TYPES:
+            return native.grouped_gemm_q8(ggml_type, xs, w, k, experts, starts)
+        return native.grouped_gemm(ggml_type, xs, w, k, experts, starts)
     a, n, r = experts.shape[0], w.shape[1], w.shape[2]
     dense_w = native.dequantize(ggml_type, w[experts].reshape(a * n, r), k).view(a, n, k)
     return torch._grouped_mm(xs, dense_w.transpose(1, 2), offs=offs)
@@ -85,9 +94,12 @@ def moe_experts(
     type_gate_up: int,
     down: torch.Tensor,
     type_down: int,
+    int8: bool = False,
 ) -> torch.Tensor:
     """[T, D] fp32 = sum_j topk_w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_idx[t, j], in one
-    native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference)."""
+    native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference). int8: int8
+    activations when both types take them."""
+    int8 = int8 and {type_gate_up, type_down} <= native.Q8_ACTIVATION_TYPES
     return native.moe_experts(
         type_gate_up,
         type_down,
@@ -96,4 +108,5 @@ def moe_experts(
         down,
         topk_idx.to(torch.int64).contiguous(),
         topk_w.float().contiguous(),
+        int8,
     )

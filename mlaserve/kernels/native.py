@@ -27,7 +27,7 @@ import torch
 SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
-ABI_VERSION = 3  # blocks.c mls_abi_version(): the functions and signatures below
+ABI_VERSION = 4  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -110,6 +110,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.mls_moe_route.argtypes = [ptr, i64, i64, ptr, c_int, c_int, i64, i64, i64, c_int, f32, ptr, ptr]
     lib.mls_moe_experts.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
     lib.mls_moe_experts.argtypes += [ptr, c_int]
+    lib.mls_moe_experts_q8.argtypes = lib.mls_moe_experts.argtypes
+    lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
+    lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     return lib, str(out)
 
 
@@ -275,13 +278,14 @@ def moe_experts(
     down: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_w: torch.Tensor,
+    int8: bool = False,
 ) -> torch.Tensor:
     """x [T, D] fp32, gate_up [E, 2I, R_D] / down [E, D, R_I] uint8, topk_idx [T, k] int64, topk_w [T, k]
     fp32 (all contiguous) -> [T, D] fp32: the routed experts' weighted sum, pair by pair."""
     lib = library()
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float32)
-    rc = lib.mls_moe_experts(
+    rc = (lib.mls_moe_experts_q8 if int8 else lib.mls_moe_experts)(
         type_gu,
         type_dn,
         x.data_ptr(),
@@ -303,3 +307,45 @@ def moe_experts(
     if rc != 0:
         raise RuntimeError(f"native moe_experts refused types {type_gu}/{type_dn} (rc {rc})")
     return out
+
+
+Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
+
+
+def gemm_q8(type_id: int, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
+    """gemm with int8 activations (blocks.c "int8 activations"): x [M, K] fp32 contiguous -> [M, N] fp32."""
+    lib = library()
+    m, n = x.shape[0], w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.mls_gemm_q8(
+        type_id, x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], y.data_ptr(), n, torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"native int8-activation gemm refused type {type_id} (rc {rc})")
+    return y
+
+
+def grouped_gemm_q8(
+    type_id: int, xs: torch.Tensor, w: torch.Tensor, k: int, experts: torch.Tensor, starts: torch.Tensor
+) -> torch.Tensor:
+    """grouped_gemm with int8 activations: xs [P, K] fp32 sorted by group, w [E, N, R] -> [P, N] fp32."""
+    lib = library()
+    n = w.shape[1]
+    y = torch.empty(xs.shape[0], n, dtype=torch.float32)
+    rc = lib.mls_grouped_gemm_q8(
+        type_id,
+        xs.data_ptr(),
+        k,
+        w.data_ptr(),
+        n,
+        w.shape[-1],
+        w.stride(0) * w.element_size(),
+        experts.data_ptr(),
+        starts.data_ptr(),
+        experts.shape[0],
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native int8-activation grouped gemm refused type {type_id} (rc {rc})")
+    return y

@@ -184,7 +184,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if engine_cfg.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module
         quantized_at_load = quantize_model(model, engine_cfg.quantization, engine_cfg.dtype)
         report.notes.append(f"quantization={engine_cfg.quantization}: {len(quantized_at_load)} module kind(s) listed")
-    _set_kernels(model, engine_cfg.kernels)
+    _set_kernels(model, engine_cfg.kernels, engine_cfg.activations == "int8")
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
     if quant is not None:
@@ -220,11 +220,14 @@ def _has_gguf_blocks(source) -> bool:
     return any(source.gguf_type(n) not in ("F32", "F16", "BF16") for n in source.names())
 
 
-def _set_kernels(model: nn.Module, kernel: str) -> None:
-    """Holders of quantized weights multiply with the chosen kernels where they have them."""
+def _set_kernels(model: nn.Module, kernel: str, int8: bool = False) -> None:
+    """Holders of quantized weights multiply with the chosen kernels where they have them (and with int8
+    activations where they can: GGUF block holders, activations="int8")."""
     for module in model.modules():
         if kernel in getattr(module, "KERNELS", ()):
             module.kernel = kernel
+        if int8 and kernel == "native" and hasattr(module, "int8"):
+            module.int8 = True
 
 
 def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:

@@ -42,6 +42,7 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
         self.kernel = "torch"  # the reference until the loader sets the engine's kernels
+        self.int8 = False  # activations="int8" (set by the loader with the native kernels)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -51,7 +52,8 @@ class GGUFLinear(nn.Module):
         return ggml.dense(self.weight, self.ggml_type, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ggml.linear(x.reshape(-1, self.in_features), self.weight, self.ggml_type, self.in_features, self.kernel)
+        x2 = x.reshape(-1, self.in_features)
+        y = ggml.linear(x2, self.weight, self.ggml_type, self.in_features, self.kernel, self.int8)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -98,7 +100,7 @@ class GGUFExperts(Experts):
 
     def __init__(self, hidden: int, n_experts: int, inter: int, type_gate_up: int, type_down: int, device) -> None:
         nn.Module.__init__(self)
-        self.impl, self.hidden, self.inter, self.kernel = "grouped_mm", hidden, inter, "torch"
+        self.impl, self.hidden, self.inter, self.kernel, self.int8 = "grouped_mm", hidden, inter, "torch", False
         self.type_gate_up, self.type_down = type_gate_up, type_down
         self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(type_down, inter)), device)
@@ -118,9 +120,8 @@ class GGUFExperts(Experts):
         if self.impl == "loop":
             return self._loop(x.float(), topk_w, topk_idx).to(x.dtype)
         if self.kernel == "native" and topk_idx.numel() <= ggml.MOE_PAIRS:
-            y = ggml.moe_experts(
-                x, topk_w, topk_idx, self.gate_up_proj, self.type_gate_up, self.down_proj, self.type_down
-            )
+            gu, dn = self.gate_up_proj, self.down_proj
+            y = ggml.moe_experts(x, topk_w, topk_idx, gu, self.type_gate_up, dn, self.type_down, self.int8)
             return y.to(x.dtype)
         return self._grouped(x.float(), topk_w, topk_idx).to(x.dtype)
 
@@ -132,10 +133,12 @@ class GGUFExperts(Experts):
         active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
-        gu = ggml.expert_linear(xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs, self.kernel)
+        gu = ggml.expert_linear(
+            xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs, self.kernel, self.int8
+        )
         g, u = gu.chunk(2, dim=-1)
         h = F.silu(g) * u
-        ys = ggml.expert_linear(h, self.down_proj, self.type_down, self.inter, active, offs, self.kernel)
+        ys = ggml.expert_linear(h, self.down_proj, self.type_down, self.inter, active, offs, self.kernel, self.int8)
         ys = ys * topk_w.reshape(-1)[order, None].float()
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -162,7 +165,7 @@ class GGUFHeads(nn.Module):
 
     def __init__(self, k_b: torch.Tensor, type_k: int, v_b: torch.Tensor, type_v: int, dn: int, r: int) -> None:
         super().__init__()
-        self.type_k, self.type_v, self.dn, self.r, self.kernel = type_k, type_v, dn, r, "torch"
+        self.type_k, self.type_v, self.dn, self.r, self.kernel, self.int8 = type_k, type_v, dn, r, "torch", False
         self.k_b = nn.Parameter(k_b, requires_grad=False)
         self.v_b = nn.Parameter(v_b, requires_grad=False)
         self.heads = k_b.shape[0]
@@ -174,11 +177,14 @@ class GGUFHeads(nn.Module):
         xs = x.float().transpose(0, 1).reshape(h * n, k)  # grouped by head
         if self.kernel == "native" and n <= ggml.GEMV_ROWS:  # decode: straight to the grouped GEMV
             heads, starts = self._groups(n)
-            y = native.grouped_gemm(ggml_type, xs.contiguous(), w, k, heads, starts)
+            gemm = (
+                native.grouped_gemm_q8 if self.int8 and ggml_type in native.Q8_ACTIVATION_TYPES else native.grouped_gemm
+            )
+            y = gemm(ggml_type, xs.contiguous(), w, k, heads, starts)
         else:
             heads = torch.arange(h, device=x.device)
             offs = torch.arange(1, h + 1, device=x.device, dtype=torch.int32) * n
-            y = ggml.expert_linear(xs, w, ggml_type, k, heads, offs, self.kernel)
+            y = ggml.expert_linear(xs, w, ggml_type, k, heads, offs, self.kernel, self.int8)
         return y.view(h, n, -1).transpose(0, 1)
 
     def _groups(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
