@@ -313,6 +313,14 @@ def test_heads_holder_equals_dense(ggml_type, tokens, kernel):
         assert (got_o[:, :, i].reshape(-1, dv) - want_o[:, :, i].reshape(-1, dv)).abs().max().item() <= 2 * _fp32_bound(
             o_i, w_uv[i]
         )
+    if kernel == "native" and ggml_type in native.Q8_ACTIVATION_TYPES and tokens <= 16:
+        heads.int8 = True  # activations="int8": within the activations' quantization bound, per head
+        q8 = heads.absorb(q)
+        assert not torch.allclose(q8, want_q, rtol=1e-6, atol=0)
+        for i in range(h):
+            step = (q[:, i].abs().view(tokens, -1, 32).amax(-1) / 127).repeat_interleave(32, 1) / 2
+            bound = step @ w_uk[i].abs() + 2 * _fp32_bound(q[:, i], w_uk[i].T)
+            assert ((q8[:, i] - want_q[:, i]).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[GGML_TYPES[t].name for t in TYPES])

@@ -279,6 +279,42 @@ def test_native_int8_activations_within_their_bound(name, rows):
     for a, sl in ((0, slice(0, rows)), (2, slice(rows, rows + 2))):
         dense = ggml.dense(stacked[a], t, k)
         assert ((ys[sl] - F.linear(xs[sl], dense)).abs() <= _int8_bound(xs[sl], dense)).all()
+        assert not torch.allclose(ys[sl], F.linear(xs[sl], dense), rtol=1e-6, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("tokens", [1, 2])  # 4 and 8 (token, expert) pairs: the one-call experts kernel
+def test_native_int8_moe_experts_within_their_bound(name, tokens):
+    """The pair-by-pair experts call with int8 activations: x quantized before gate_up, h before down.
+    Bound (float64, from the exact weights): gate/up move by |W| d_x / 2 each; through SwiGLU
+    |dh| <= 1.1 |u| |dg| + (|g| + |dg|) |du| (|silu'| <= 1.1, |silu(g)| <= |g|); down adds
+    |W_down| (d_h / 2 + |dh|), with d_h from h's own blocks; plus fp32 rounding at each product."""
+    g = torch.Generator().manual_seed(11)
+    t, d, inter, e, k = GGML_TYPE_IDS[name], 256, 128, 5, 4
+    gate_up = random_blocks(name, 2 * inter, d, g, lead=(e,))
+    down = random_blocks(name, d, inter, g, lead=(e,))
+    x = torch.randn(tokens, d, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    wts = torch.rand(tokens, k, generator=g)
+    got = ggml.moe_experts(x, wts, idx, gate_up, t, down, t, int8=True)
+    exact = ggml.moe_experts(x, wts, idx, gate_up, t, down, t, int8=False)
+    assert not torch.allclose(got, exact, rtol=1e-6, atol=0)
+    wgu, wdn = ggml.dense(gate_up, t, d).double(), ggml.dense(down, t, inter).double()
+    step_x = (x.abs().view(tokens, -1, 32).amax(-1) / 127).repeat_interleave(32, 1).double() / 2
+    bound = torch.zeros(tokens, d, dtype=torch.float64)
+    for j in range(k):
+        a, b = wgu[idx[:, j]], wdn[idx[:, j]]  # [T, 2I, D], [T, D, I]
+        gu = (a @ x.double()[:, :, None])[..., 0]
+        dgu = (a.abs() @ step_x[:, :, None])[..., 0] + 2 * d * U * (a.abs() @ x.double().abs()[:, :, None])[..., 0]
+        (gg, uu), (dg, du) = gu.chunk(2, -1), dgu.chunk(2, -1)
+        h = F.silu(gg) * uu
+        dh = 1.1 * uu.abs() * dg + (gg.abs() + dg) * du
+        h_hi = h.abs() + dh  # h's blocks' scale is at most this block max / 127
+        step_h = (h_hi.view(tokens, -1, 32).amax(-1) / 127).repeat_interleave(32, 1) / 2
+        dy = (b.abs() @ (step_h + dh)[:, :, None])[..., 0] + 2 * inter * U * (b.abs() @ h_hi[:, :, None])[..., 0]
+        bound += wts[:, j, None].double() * dy
+    assert ((got.double() - exact.double()).abs() <= 2 * bound + 1e-6).all()
 
 
 def test_int8_activations_option():
@@ -297,3 +333,19 @@ def test_int8_activations_option():
         resolve(cfg, EngineOptions(device="cpu", activations="int8"), False)  # nothing quantized: torch kernels
     with pytest.raises(ConfigError, match="activations must be one of"):
         resolve(cfg, EngineOptions(device="cpu", activations="int4"), False, native_kernels=ok)
+
+
+@needs_native
+def test_native_int8_nan_stays_nan_and_router_refuses_bad_groups():
+    """A NaN activation is not laundered into finite int8 codes: its block's products come out NaN (as
+    in the float path); the router refuses group settings it cannot honour instead of reading past them."""
+    g = torch.Generator().manual_seed(12)
+    raw = random_blocks("Q8_0", 8, 64, g)
+    x = torch.randn(2, 64, generator=g)
+    x[1, 40] = float("nan")
+    y = ggml.linear(x, raw, GGML_TYPE_IDS["Q8_0"], 64, kernel="native", int8=True)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+    logits = torch.randn(1, 12, generator=g)
+    for groups, topk_group in ((5, 2), (4, 5), (0, 1)):  # 12 experts in 5 groups; more kept groups than groups
+        with pytest.raises(RuntimeError, match="native moe_route refused"):
+            native.moe_route(logits, None, "sigmoid", "noaux_tc", groups, topk_group, 2, True, 1.0)

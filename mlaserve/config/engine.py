@@ -88,9 +88,9 @@ class EngineOptions:
     )
     activations: str = _opt(
         "float",
-        "how the native kernels take activations at decode (<= 16 rows per weight): float = exact products "
-        "over the stored weights; int8 = each 32-value block quantized to int8 with its own scale and "
-        "integer dot products with Q8_0 / Q4_0 weights (llama.cpp's method: faster, not exact)",
+        "how the native kernels take activations on their small-batch path (<= 16 rows per weight: decode): "
+        "float = exact products over the stored weights; int8 = each 32-value block quantized to int8 with "
+        "its own scale and integer dot products with Q8_0 / Q4_0 weights (llama.cpp's method: faster, not exact)",
         ACTIVATIONS,
     )
     quantization: str | None = _opt(
@@ -412,8 +412,9 @@ def _activations(requested: str, kernels: str, log: ProvenanceLog) -> str:
     return log.record(
         "activations",
         "int8",
-        "user option: decode products with Q8_0 / Q4_0 weights quantize each 32-value activation block to int8 "
-        "(not exact: |dy| <= sum |w| d_x / 2); other weight types and prefill stay exact",
+        "user option: products of <= 16 activation rows per Q8_0 / Q4_0 weight (decode; routed experts and "
+        "attn_k_b / attn_v_b of small chunks) quantize each 32-value activation block to int8 (not exact: "
+        "|dy| <= sum |w| d_x / 2); other weight types, larger chunks and the attention over the cache stay exact",
     )
 
 

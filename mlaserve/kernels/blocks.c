@@ -13,8 +13,11 @@
    Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
    as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
-   Return value: 0; -1 for a type this file does not decode, -2 for rows longer than MAX_K. */
+   Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
+   int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
+   memory cannot be allocated. */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -747,7 +750,10 @@ static void topk_desc(const float *v, int64_t n, int64_t k, int64_t *idx) {
 int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, int scoring, int method,
                   int64_t n_group, int64_t topk_group, int64_t k, int norm, float scale, float *out_w,
                   int64_t *out_idx) {
-    if (e > 1024 || n_group > 64 || k > e) return -3;
+    if (e < 1 || e > 1024 || k < 1 || k > e) return -3;
+    if (method != MLS_TOPK_GREEDY &&
+        (n_group < 1 || n_group > 64 || e % n_group || topk_group < 1 || topk_group > n_group))
+        return -3;
     float scores[1024], choice[1024], gscore[64];
     int64_t gidx[64];
     for (int64_t r = 0; r < t; r++) {
@@ -818,8 +824,8 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
     if (d > MAX_K || inter > MAX_K) return -2;
     fused_fn fz_gu = fused_row(type_gu), fz_dn = fused_row(type_dn);
     const int64_t pairs = t * kk, n_gu = 2 * inter;
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(pairs * n_gu));
-    float *h = (float *)malloc(sizeof(float) * (size_t)(pairs * inter));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(pairs * n_gu) + 1);
+    float *h = (float *)malloc(sizeof(float) * (size_t)(pairs * inter) + 1);
     if (!gu || !h) {
         free(gu);
         free(h);
@@ -867,17 +873,27 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
    per value, so |y - y_exact| <= sum_j |w_j| d_x(j) / 2, plus fp32 rounding of the block sums. About half
    the instructions of the float path per weight. Return -1 for other weight types. */
 
-/* x [m, k] (row stride ldx) -> q [m, k] int8 and d [m, k / 32] */
+/* x [m, k] (row stride ldx) -> q [m, k] int8 in [-127, 127] and d [m, k / 32]. A block holding NaN or
+   Inf gets scale NaN (its products come out NaN, as the float path's would) and codes 0; a block too
+   small for a normal scale quantizes to zeros. */
 static void quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d) {
     const int64_t kb = k / 32;
     for (int64_t i = 0; i < m; i++)
         for (int64_t b = 0; b < kb; b++) {
             const float *xb = x + i * ldx + b * 32;
+            int8_t *qb = q + i * k + b * 32;
             float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-            const float dd = amax / 127.0f, inv = dd > 0.0f ? 1.0f / dd : 0.0f;
-            for (int j = 0; j < 32; j++) q[i * k + b * 32 + j] = (int8_t)nearbyintf(xb[j] * inv);
-            d[i * kb + b] = dd;
+            int finite = 1;
+            for (int j = 0; j < 32; j++) {
+                finite &= isfinite(xb[j]) != 0;
+                amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            }
+            const float dd = amax / 127.0f, inv = dd >= FLT_MIN ? 1.0f / dd : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                const float v = finite ? nearbyintf(xb[j] * inv) : 0.0f;
+                qb[j] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+            d[i * kb + b] = finite ? dd : NAN;
         }
 }
 
@@ -975,8 +991,8 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
     q8rows_fn fn = q8rows(type);
     if (!fn) return -1;
     if (k % 32) return -2;
-    int8_t *xq = (int8_t *)malloc((size_t)(m * k));
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (k / 32)));
+    int8_t *xq = (int8_t *)malloc((size_t)(m * k) + 1);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (k / 32)) + 1);
     if (!xq || !xd) {
         free(xq);
         free(xd);
@@ -1026,11 +1042,11 @@ int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int6
     if (!fn_gu || !fn_dn) return -1;
     if (d % 32 || inter % 32) return -2;
     const int64_t pairs = t * kk, n_gu = 2 * inter, runs = (n_gu + ROW_RUN - 1) / ROW_RUN;
-    int8_t *xq = (int8_t *)malloc((size_t)(t * d)), *hq = (int8_t *)malloc((size_t)(pairs * inter));
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(t * d / 32));
-    float *hd = (float *)malloc(sizeof(float) * (size_t)(pairs * inter / 32));
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(pairs * n_gu));
-    float *h = (float *)malloc(sizeof(float) * (size_t)(pairs * inter));
+    int8_t *xq = (int8_t *)malloc((size_t)(t * d) + 1), *hq = (int8_t *)malloc((size_t)(pairs * inter) + 1);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(t * d / 32) + 1);
+    float *hd = (float *)malloc(sizeof(float) * (size_t)(pairs * inter / 32) + 1);
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(pairs * n_gu) + 1);
+    float *h = (float *)malloc(sizeof(float) * (size_t)(pairs * inter) + 1);
     int rc = 0;
     if (!xq || !hq || !xd || !hd || !gu || !h) {
         rc = -4;

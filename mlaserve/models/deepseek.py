@@ -104,7 +104,7 @@ class MLAAttention(nn.Module):
         for i, (seg, backend) in enumerate(zip(step.segments, step.backends)):
             sel = selections[i] if selections is not None else None
             per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel).flatten(0, 1)  # [B * Q, H, dv]
-            out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat))
+            out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat).to(out.dtype))
         return self.o_proj(out.flatten(1)), selections
 
     def select(

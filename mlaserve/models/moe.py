@@ -20,6 +20,8 @@ from mlaserve.config.model import MoEConfig
 from mlaserve.kernels import native
 from mlaserve.models.layers import SwiGLU
 
+ROUTE_TOKENS = 16  # steps of up to this many tokens take the native router (kernel "native")
+
 
 class Gate(nn.Module):
     KERNELS = ("native", "torch")  # native: scoring and group-limited top-k in one call (kernels/native.py)
@@ -38,7 +40,8 @@ class Gate(nn.Module):
         """x [T, D] -> (topk_w [T, k] fp32, topk_idx [T, k])."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.weight.float())
-        if self.kernel == "native" and logits.device.type == "cpu":
+        # native: one call for a decode-sized step (its top-k is a plain O(k E) scan per token, one thread)
+        if self.kernel == "native" and logits.device.type == "cpu" and logits.shape[0] <= ROUTE_TOKENS:
             bias = self.e_score_correction_bias
             return native.moe_route(
                 logits,
