@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 # Bound on one attention call's query-proportional temporaries. A 2048-token prompt chunk at 32K
-# context would otherwise hold ~4 GB of fp32 scores per softmax copy (16 heads).
-WORKSPACE_BYTES = 256 * 2**20
+# context would otherwise hold ~4 GB of fp32 scores per softmax copy (16 heads). 64 MiB: a 2048-token
+# prompt of the standard model peaks 0.07 GiB lower than with 256 MiB and is no slower (smaller blocks
+# stay in cache), measured on a 2-core AVX2 CPU.
+WORKSPACE_BYTES = 64 * 2**20
 
 
 def query_blocks(n_queries: int, bytes_per_query: int) -> list[slice]:
