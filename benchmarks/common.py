@@ -242,6 +242,7 @@ def environment(threads: int) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "cpu": _cpu_model(),
+        "cpu_simd": _cpu_simd(),
         "cpus": os.cpu_count(),
         "torch_threads": threads,
         "loadavg_start": list(os.getloadavg()),
@@ -256,6 +257,23 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+# The CPU flags that decide which kernels run fast (bf16 / int8 dot products, vector width): machines
+# differ between runs, and a result means little without them.
+SIMD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+SIMD_FLAGS += ("amx_bf16", "amx_int8", "amx_tile", "asimd", "sve", "bf16", "i8mm")
+
+
+def _cpu_simd() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -972,7 +972,8 @@ def main() -> None:
     env["weights"] = {k: str(v) for k, v in files.items()}
     env["gguf_mib"] = {k: v.stat().st_size / 2**20 for k, v in files.items() if k != "folder"}
     print(
-        f"[env] {env['cpu']}, {env['cpus']} CPUs, threads {args.threads}, loadavg {env['loadavg_start']}; "
+        f"[env] {env['cpu']} ({' '.join(env['cpu_simd'])}), {env['cpus']} CPUs, threads {args.threads}, "
+        f"loadavg {env['loadavg_start']}; "
         f"engines {specs}" + (f"; left out: {skipped}" if skipped else ""),
         flush=True,
     )
