@@ -5,8 +5,8 @@
    row is decoded into an fp32 row buffer with exactly the float operations of the reference
    dequantizers (mlaserve/gguf/quants.py, mlaserve/quant/fp8_block.py, fp4_group.py), in the same
    order, so the decoded values are bit-identical;
-   only the summation order of the dot products differs from "dequantize, then GEMM". Q8_0 and
-   Q4_0 (the commonest decode types) skip the buffer: see "fused decode-and-dot" below.
+   only the summation order of the dot products differs from "dequantize, then GEMM". Q8_0, Q4_0
+   and Q6_K (the commonest decode types) skip the buffer: see "fused decode-and-dot" below.
    Compiled with -ffp-contract=off so that no a*b-c of a decoder becomes a fused multiply-add;
    the dot products use explicit FMA intrinsics where AVX2 is there.
 
@@ -519,7 +519,7 @@ static inline float dot(const float *w, const float *x, int64_t k) {
 #endif
 }
 
-/* ---------------------------------------------------------------- fused decode-and-dot (Q8_0, Q4_0)
+/* ---------------------------------------------------------------- fused decode-and-dot (Q8_0, Q4_0, Q6_K)
    For the commonest decode types the row is not decoded into a buffer: each block's codes are
    converted to float once, multiplied into up to FUSED_ROWS activation rows, and the block scale
    is applied to the block's partial sum: y += d * sum_j(q_j * x_j) instead of sum_j((d * q_j) * x_j).
@@ -592,8 +592,47 @@ static inline __attribute__((always_inline)) void fused_q4_0_mr(const uint8_t *b
         default: break;                                                                               \
         }                                                                                             \
     }
+/* Q6_K: super-blocks of 256 values, 16-value groups with their own int8 scale: d * sc is applied to
+   each 16-value partial sum (the reference decodes (d * sc) * q). */
+static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[FUSED_ROWS];
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), s32 = _mm256_set1_epi8(32);
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                __m256i lo = g & 1 ? ql1 : ql0;
+                lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), m2);
+                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), s32);
+                const int t = 128 * h + 32 * g;
+                const __m128i qa = _mm256_castsi256_si128(q), qb = _mm256_extracti128_si256(q, 1);
+                const __m256 w0 = i8x8(qa), w1 = i8x8(_mm_srli_si128(qa, 8));
+                const __m256 w2 = i8x8(qb), w3 = i8x8(_mm_srli_si128(qb, 8));
+                const __m256 s0 = _mm256_set1_ps(d * (float)sc[t >> 4]), s1 = _mm256_set1_ps(d * (float)sc[(t >> 4) + 1]);
+                for (int i = 0; i < mr; i++) {
+                    const float *xi = x + i * ldx + blk * 256 + t;
+                    __m256 p0 = _mm256_mul_ps(w0, _mm256_loadu_ps(xi));
+                    p0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), p0);
+                    __m256 p1 = _mm256_mul_ps(w2, _mm256_loadu_ps(xi + 16));
+                    p1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), p1);
+                    acc[i] = _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[i]));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
 FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr)
 FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr)
+FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr)
 #endif
 
 typedef void (*fused_fn)(const uint8_t *, const float *, int64_t, int64_t, int64_t, float *, int64_t);
@@ -603,6 +642,7 @@ static fused_fn fused_row(int type) {
 #ifdef MLS_SIMD
     if (type == 8) return fused_q8_0;
     if (type == 2) return fused_q4_0;
+    if (type == 14) return fused_q6_k;
 #endif
     (void)type;
     return 0;

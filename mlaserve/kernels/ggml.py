@@ -10,7 +10,7 @@ Notation
 These functions are the seam. kernel="torch" is the reference: "dequantize (gguf.quants, bit-exact
 with gguf-py), then one fp32 GEMM". kernel="native" (blocks.c): up to GEMV_ROWS rows per weight,
 each weight row is decoded once (bit-identical values) and dotted with every x row, reading the
-blocks straight from memory (Q8_0 and Q4_0: fused, the block scale applied to each block's partial
+blocks straight from memory (Q8_0, Q4_0, Q6_K: fused, the (sub-)block scale applied to each partial
 sum, a rounding within the same bound); more rows than that are compute-bound, so the weight is decoded once
 by the native decoder and the BLAS GEMM does the rest. Both agree with the reference up to fp32
 summation order (tests/test_kernels.py holds them to that bound).
