@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, ensure_model, print_table, random_prompt, write_json  # noqa: E402
 
-# (module, class, method) -> scope name. Inclusive scopes nest: attn.* inside attention, moe.* inside mlp.
+# (module, class or None for a module function, method) -> scope name. Inclusive scopes nest: attn.* inside attention, moe.* inside mlp.
 SCOPES = [
     ("mlaserve.engine.engine", "Engine", "step", "engine.step"),
     ("mlaserve.engine.scheduler", "Scheduler", "schedule", "scheduler.schedule"),
@@ -44,6 +44,10 @@ SCOPES = [
     ("mlaserve.quant.ggml_linear", "GGUFLinear", "forward", "gguf linear (blocks kept)"),
     ("mlaserve.quant.ggml_linear", "GGUFExperts", "forward", "gguf routed experts (blocks kept)"),
     ("mlaserve.quant.ggml_linear", "GGUFEmbedding", "forward", "gguf embedding lookup"),
+    ("mlaserve.quant.ggml_linear", "GGUFHeads", "absorb", "gguf W_UK (attn_k_b blocks)"),
+    ("mlaserve.quant.ggml_linear", "GGUFHeads", "expand", "gguf W_UV (attn_v_b blocks)"),
+    ("mlaserve.kernels.native", None, "moe_route", "native router call"),
+    ("mlaserve.kernels.native", None, "moe_experts", "native routed-experts call"),
 ]
 
 
@@ -52,7 +56,8 @@ def install_scopes() -> list:
 
     undo = []
     for mod_name, cls_name, meth, label in SCOPES:
-        cls = getattr(importlib.import_module(mod_name), cls_name)
+        module = importlib.import_module(mod_name)
+        cls = getattr(module, cls_name) if cls_name else module  # None: a module-level function
         raw = cls.__dict__[meth]
         is_static = isinstance(raw, staticmethod)
         fn = raw.__func__ if is_static else raw

@@ -349,3 +349,28 @@ def test_native_int8_nan_stays_nan_and_router_refuses_bad_groups():
     for groups, topk_group in ((5, 2), (4, 5), (0, 1)):  # 12 experts in 5 groups; more kept groups than groups
         with pytest.raises(RuntimeError, match="native moe_route refused"):
             native.moe_route(logits, None, "sigmoid", "noaux_tc", groups, topk_group, 2, True, 1.0)
+
+
+def test_native_attention_backend_resolution():
+    """auto picks the native attention backend with the native kernels and an fp32 cache, torch otherwise;
+    asking for it where it cannot run is a named error."""
+    from hf_models import make_config
+
+    from mlaserve.config.model import ModelConfig
+
+    cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
+    ok = lambda: (True, "built")  # noqa: E731
+    eng = resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok)
+    assert eng.attention_backend == "native"
+    assert "latent MQA in one C call" in {s.name: s for s in eng.provenance}["attention_backend"].source
+    assert (
+        resolve(cfg, EngineOptions(device="cpu", dtype="bfloat16"), False, native_kernels=ok).attention_backend
+        == "torch"
+    )
+    assert resolve(cfg, EngineOptions(device="cpu"), False).attention_backend == "torch"  # nothing quantized
+    assert (
+        resolve(cfg, EngineOptions(device="cpu", attention_backend="torch"), False, native_kernels=ok).attention_backend
+        == "torch"
+    )
+    with pytest.raises(ConfigError, match="attention_backend='native' needs the native kernels"):
+        resolve(cfg, EngineOptions(device="cpu", attention_backend="native"), False)

@@ -23,7 +23,7 @@ from mlaserve.config.provenance import ProvenanceLog, Setting
 ATTENTION_MODES = ("auto", "dense", "sparse")
 MLA_PATHS = ("auto", "absorbed", "decompressed")
 EXPERT_IMPLS = ("grouped_mm", "loop")
-ATTENTION_BACKENDS = ("auto", "torch", "reference")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "reference")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "native", "torch")
 ACTIVATIONS = ("float", "int8")
@@ -238,7 +238,7 @@ def resolve(
     if not isinstance(opts.check_tensors, bool):
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
-    backend = _attention_backend(opts.attention_backend, log)
+    backend = _attention_backend(opts.attention_backend, kernels, dtype, log)
     gguf_weights = _gguf_weights(opts.gguf_weights, gguf, opts.tensor_parallel_size, log)
     threads, why = _threads(model, opts.threads, opts.tensor_parallel_size)
     log.record("threads", threads, why)
@@ -440,10 +440,19 @@ def _gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceLog) ->
     return log.record("gguf_weights", requested, "user option")
 
 
-def _attention_backend(requested: str, log: ProvenanceLog) -> str:
+def _attention_backend(requested: str, kernels: str, dtype: torch.dtype, log: ProvenanceLog) -> str:
     _choice("attention_backend", requested, ATTENTION_BACKENDS)
+    fits = kernels == "native" and dtype == torch.float32
     if requested == "auto":
+        if fits:
+            why = "engine default (auto: native kernels and an fp32 cache: the latent MQA in one C call per layer)"
+            return log.record("attention_backend", "native", why)
         return log.record("attention_backend", "torch", "engine default (auto: torch; 'reference' is the plain oracle)")
+    if requested == "native" and not fits:
+        raise ConfigError(
+            f"attention_backend='native' needs the native kernels and dtype float32 (kernels {kernels!r}: "
+            f"{log.source('kernels')}; dtype {dtype})"
+        )
     return log.record("attention_backend", requested, "user option")
 
 

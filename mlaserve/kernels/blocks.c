@@ -1133,4 +1133,71 @@ done:
     return rc;
 }
 
-int mls_abi_version(void) { return 4; }
+/* ---------------------------------------------------------------- latent MQA over paged rows (absorbed path)
+   q [B, Q, H, c] (each query's [q_nope W_UK | q_pe], c = r + dr), cache [S, c] rows [c_kv | k_pe], slots
+   [B, L] (cache row of each key position), mask [B, Q, L] (bool bytes) -> out [B, Q, H, r] =
+   softmax_l(scale * q . row_l) @ row_l[:r]. Rows are read where they are (no gathered copy); each work
+   item is one query and a group of heads, so a row is loaded once for all of the group's heads. The
+   probabilities are exp(s - max) / sum, as torch's softmax; a query with no allowed key gets NaN. */
+int mls_latent_mqa(const float *q, const float *cache, const int64_t *slots, const uint8_t *mask, int64_t b,
+                   int64_t nq, int64_t l, int64_t h, int64_t c, int64_t r, float scale, float *out, int threads) {
+    const int64_t queries = b * nq;
+    int64_t splits = queries >= threads ? 1 : (threads + queries - 1) / queries;
+    if (splits > h) splits = h;
+    const int64_t hg = (h + splits - 1) / splits, items = queries * splits;
+    int rc = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(hg * l) + 1);
+        if (!s) {
+#pragma omp atomic write
+            rc = -4;
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            if (!s) continue;
+            const int64_t qi = it / splits, h0 = (it % splits) * hg, h1 = h0 + hg < h ? h0 + hg : h;
+            const int64_t bi = qi / nq;
+            const uint8_t *m = mask + qi * l;
+            const int64_t *sl = slots + bi * l;
+            const float *qv = q + qi * h * c;
+            float *o = out + qi * h * r;
+            for (int64_t j = 0; j < l; j++) {
+                if (!m[j]) {
+                    for (int64_t hh = h0; hh < h1; hh++) s[(hh - h0) * l + j] = -INFINITY;
+                    continue;
+                }
+                const float *row = cache + sl[j] * c;
+                for (int64_t hh = h0; hh < h1; hh++) s[(hh - h0) * l + j] = dot(row, qv + hh * c, c) * scale;
+            }
+            for (int64_t hh = h0; hh < h1; hh++) {
+                float *sh = s + (hh - h0) * l, mx = -INFINITY, sum = 0.0f;
+                for (int64_t j = 0; j < l; j++) mx = sh[j] > mx ? sh[j] : mx;
+                for (int64_t j = 0; j < l; j++) sum += (sh[j] = m[j] ? expf(sh[j] - mx) : 0.0f);
+                const float inv_ok = mx == -INFINITY ? NAN : 1.0f;
+                for (int64_t j = 0; j < l; j++) sh[j] = sh[j] / sum * inv_ok;
+                float *oh = o + hh * r;
+                for (int64_t k = 0; k < r; k++) oh[k] = mx == -INFINITY ? NAN : 0.0f;
+            }
+            for (int64_t j = 0; j < l; j++) {
+                if (!m[j]) continue;
+                const float *row = cache + sl[j] * c;
+                for (int64_t hh = h0; hh < h1; hh++) {
+                    const float p = s[(hh - h0) * l + j];
+                    float *oh = o + hh * r;
+                    int64_t k = 0;
+#ifdef __AVX2__
+                    const __m256 pv = _mm256_set1_ps(p);
+                    for (; k + 8 <= r; k += 8)
+                        _mm256_storeu_ps(oh + k, _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + k), _mm256_loadu_ps(oh + k)));
+#endif
+                    for (; k < r; k++) oh[k] += p * row[k];
+                }
+            }
+        }
+        free(s);
+    }
+    return rc;
+}
+
+int mls_abi_version(void) { return 5; }

@@ -27,7 +27,7 @@ import torch
 SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
-ABI_VERSION = 4  # blocks.c mls_abi_version(): the functions and signatures below
+ABI_VERSION = 5  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -112,6 +112,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.mls_moe_experts.argtypes += [ptr, c_int]
     lib.mls_moe_experts_q8.argtypes = lib.mls_moe_experts.argtypes
     lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
+    lib.mls_latent_mqa.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     return lib, str(out)
 
@@ -349,3 +350,31 @@ def grouped_gemm_q8(
     if rc != 0:
         raise RuntimeError(f"native int8-activation grouped gemm refused type {type_id} (rc {rc})")
     return y
+
+
+def latent_mqa(
+    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float, r: int
+) -> torch.Tensor:
+    """q [B, Q, H, c] fp32, cache [S, c] fp32, slots [B, L] int64, mask [B, Q, L] bool (all contiguous)
+    -> [B, Q, H, r] fp32: softmax(scale * q . row) @ row[:r] over each query's allowed rows, read in place."""
+    lib = library()
+    b, nq, h, c = q.shape
+    out = torch.empty(b, nq, h, r, dtype=torch.float32)
+    rc = lib.mls_latent_mqa(
+        q.data_ptr(),
+        cache.data_ptr(),
+        slots.data_ptr(),
+        mask.data_ptr(),
+        b,
+        nq,
+        slots.shape[1],
+        h,
+        c,
+        r,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native latent_mqa failed (rc {rc})")
+    return out

@@ -1,0 +1,49 @@
+"""The `native` attention backend: the torch backend, with the absorbed path's latent MQA (scores,
+softmax, P c over the cache rows) in one C call (kernels/blocks.c mls_latent_mqa) that reads each
+query's rows where the paged cache holds them, instead of gathering a copy and running ~15 tensor
+ops per layer. For fp32 caches on the CPU (the engine picks it with the native kernels and fp32);
+every other product is the torch backend's. Tested against `reference` like every backend
+(tests/test_attention_backends.py runs every registered backend).
+
+Notation as torch_backend.py: q [B, Q, H, r + dr], cache [S, r + dr], kv_slots [B, L], mask [B, Q, L].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _latent_queries, _mask
+from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
+from mlaserve.kernels import native
+
+if TYPE_CHECKING:
+    from mlaserve.attention.metadata import SegmentTensors
+    from mlaserve.quant.ggml_linear import GGUFHeads
+
+
+def absorbed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    seg: SegmentTensors,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+    heads: GGUFHeads | None = None,
+) -> torch.Tensor:
+    """Returns [B, Q, H, dv] like the torch backend's (whose code runs for caches the kernel does not take:
+    not fp32 or not on the CPU, or no native library; the engine routes those to `torch` anyway)."""
+    if cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
+        return torch_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed, heads)
+    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index].contiguous()  # [B, Q, H, r + dr]
+    mask = _mask(seg, allowed).contiguous()
+    o_lat = native.latent_mqa(q, cache, seg.kv_slots.contiguous(), mask, scale, w_uk.shape[-1])
+    return _expand(o_lat, w_uv, heads)
+
+
+class NativeBackend(TorchBackend):
+    name = "native"
+    absorbed = staticmethod(absorbed_attention)
