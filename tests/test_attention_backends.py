@@ -241,3 +241,26 @@ def test_engine_reference_backend_equals_default(fixture, budget):
         assert any(r["needs_selection"] for r in ref_recs)
     err = (got - ref).abs().max().item()
     assert err <= 1e-5 and torch.equal(got.argmax(-1), ref.argmax(-1)), err
+
+
+def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
+    """The native backend's C latent MQA runs for segments of up to QUERIES queries per request; a longer
+    one (an absorbed prefill) takes the torch backend's code, with the same result."""
+    from mlaserve.attention.backends import native_backend
+    from mlaserve.kernels import native
+
+    c = _case(0, torch.float32, "cpu")
+    decode, prefill = c.segments("native")
+    calls = []
+    real = native.latent_mqa
+    monkeypatch.setattr(native, "latent_mqa", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(native_backend, "QUERIES", 4)  # the prefill segment has 7 queries per request
+    for i, seg in enumerate((decode, prefill)):
+        _check(
+            _run("absorbed", BACKENDS["native"], c, seg, seed=i),
+            _run("absorbed", REF, c, seg, seed=i),
+            seg,
+            torch.float32,
+        )
+    if native.library() is not None:
+        assert [s[1] for s in calls] == [1]  # only the decode segment went to the C kernel

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from mlaserve.quant.ggml_linear import GGUFHeads
 
 
+QUERIES = 16  # queries per request up to which the C kernel runs (decode, speculative verification)
+
+
 def absorbed_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -34,9 +37,12 @@ def absorbed_attention(
     allowed: torch.Tensor | None = None,
     heads: GGUFHeads | None = None,
 ) -> torch.Tensor:
-    """Returns [B, Q, H, dv] like the torch backend's (whose code runs for caches the kernel does not take:
-    not fp32 or not on the CPU, or no native library; the engine routes those to `torch` anyway)."""
-    if cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
+    """Returns [B, Q, H, dv] like the torch backend's, whose code runs where the kernel does not pay or
+    cannot run: segments of more than QUERIES queries per request (an absorbed prefill: a BLAS GEMM over
+    the gathered rows is faster than per-query dot products), caches not fp32 or not on the CPU, or no
+    native library (the engine routes those to `torch` anyway)."""
+    small = seg.q_index.shape[1] <= QUERIES
+    if not small or cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
         return torch_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed, heads)
     q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index].contiguous()  # [B, Q, H, r + dr]
     mask = _mask(seg, allowed).contiguous()
