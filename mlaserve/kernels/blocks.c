@@ -383,8 +383,16 @@ static inline void store16_mul(__m128i v, float s, float *y) {
     _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8(_mm_srli_si128(v, 8))));
 }
 
+/* Q6_K: the 32 codes (q - 32, as int8) of group g (0..3) of a 128-value half from its 64 low-nibble
+   bytes (ql0, ql1) and 32 high-bit bytes (qh) */
+static inline __m256i q6k_codes(__m256i ql0, __m256i ql1, __m256i qh, int g) {
+    const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0),
+                                        _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
 static void simd_q6_k(const uint8_t *b, float *y, int64_t k) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), s32 = _mm256_set1_epi8(32);
     for (int64_t i = 0; i < k / 256; i++, b += 210, y += 256) {
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = f16(b + 208);
@@ -393,10 +401,7 @@ static void simd_q6_k(const uint8_t *b, float *y, int64_t k) {
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
             for (int g = 0; g < 4; g++) {
-                __m256i lo = g & 1 ? ql1 : ql0;
-                lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), m2);
-                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), s32);
+                const __m256i q = q6k_codes(ql0, ql1, qh, g);
                 const int t = 128 * h + 32 * g;
                 store16_mul(_mm256_castsi256_si128(q), d * (float)sc[t >> 4], y + t);
                 store16_mul(_mm256_extracti128_si256(q, 1), d * (float)sc[(t >> 4) + 1], y + t + 16);
@@ -597,7 +602,6 @@ static inline __attribute__((always_inline)) void fused_q4_0_mr(const uint8_t *b
 static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b, const float *x, int64_t ldx,
                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
     __m256 acc[FUSED_ROWS];
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), s32 = _mm256_set1_epi8(32);
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -607,10 +611,7 @@ static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
             for (int g = 0; g < 4; g++) {
-                __m256i lo = g & 1 ? ql1 : ql0;
-                lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), m2);
-                const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), s32);
+                const __m256i q = q6k_codes(ql0, ql1, qh, g);
                 const int t = 128 * h + 32 * g;
                 const __m128i qa = _mm256_castsi256_si128(q), qb = _mm256_extracti128_si256(q, 1);
                 const __m256 w0 = i8x8(qa), w1 = i8x8(_mm_srli_si128(qa, 8));
