@@ -55,9 +55,7 @@ def linear(
         return F.linear(x.float(), dense(w, ggml_type, k))
     x = x.float().contiguous()
     if x.shape[0] <= GEMV_ROWS:
-        if int8 and ggml_type in native.Q8_ACTIVATION_TYPES:
-            return native.gemm_q8(ggml_type, x, w, k)
-        return native.gemm(ggml_type, x, w, k)
+        return native.gemm(ggml_type, x, w, k, int8=int8)
     return F.linear(x, native.dequantize(ggml_type, w, k))
 
 
@@ -78,9 +76,7 @@ def expert_linear(
     if xs.shape[0] <= GEMV_ROWS * experts.shape[0]:
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
-        if int8 and ggml_type in native.Q8_ACTIVATION_TYPES:
-            return native.grouped_gemm_q8(ggml_type, xs, w, k, experts, starts)
-        return native.grouped_gemm(ggml_type, xs, w, k, experts, starts)
+        return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
     a, n, r = experts.shape[0], w.shape[1], w.shape[2]
     dense_w = native.dequantize(ggml_type, w[experts].reshape(a * n, r), k).view(a, n, k)
     return torch._grouped_mm(xs, dense_w.transpose(1, 2), offs=offs)

@@ -27,6 +27,7 @@ import torch
 SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
+Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
 ABI_VERSION = 5  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
@@ -154,11 +155,21 @@ def _grid_args(grid: ScaleGrid | None, n: int) -> tuple:
     return _ptr(grid.scale), grid.bn, grid.kb, grid.bk, grid.part_rows
 
 
-def gemm(type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: ScaleGrid | None = None) -> torch.Tensor:
-    """x [M, K] fp32 contiguous, w [N, R] uint8 contiguous -> y [M, N] fp32."""
+def gemm(
+    type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: ScaleGrid | None = None, int8: bool = False
+) -> torch.Tensor:
+    """x [M, K] fp32 contiguous, w [N, R] uint8 contiguous -> y [M, N] fp32. int8: int8 activations
+    (blocks.c "int8 activations", not exact) where the type takes them (Q8_ACTIVATION_TYPES)."""
     lib = library()
     m, n = x.shape[0], w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
+    if int8 and type_id in Q8_ACTIVATION_TYPES:
+        rc = lib.mls_gemm_q8(
+            type_id, x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], y.data_ptr(), n, torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"native int8-activation gemm refused type {type_id} (rc {rc})")
+        return y
     rc = lib.mls_gemm(
         type_id,
         x.data_ptr(),
@@ -186,11 +197,32 @@ def grouped_gemm(
     experts: torch.Tensor,
     starts: torch.Tensor,
     grid: ScaleGrid | None = None,
+    int8: bool = False,
 ) -> torch.Tensor:
-    """xs [P, K] fp32 sorted by expert, w [E, N, R] uint8, experts [A] int64, starts [A+1] int64 -> [P, N]."""
+    """xs [P, K] fp32 sorted by expert, w [E, N, R] uint8, experts [A] int64, starts [A+1] int64 -> [P, N].
+    int8: as gemm."""
     lib = library()
     n = w.shape[1]
     y = torch.empty(xs.shape[0], n, dtype=torch.float32)
+    stride, groups, threads = w.stride(0) * w.element_size(), experts.shape[0], torch.get_num_threads()
+    if int8 and type_id in Q8_ACTIVATION_TYPES:
+        rc = lib.mls_grouped_gemm_q8(
+            type_id,
+            xs.data_ptr(),
+            k,
+            w.data_ptr(),
+            n,
+            w.shape[-1],
+            stride,
+            experts.data_ptr(),
+            starts.data_ptr(),
+            groups,
+            y.data_ptr(),
+            threads,
+        )
+        if rc != 0:
+            raise RuntimeError(f"native int8-activation grouped gemm refused type {type_id} (rc {rc})")
+        return y
     scale, bn, kb, bk, part_rows = _grid_args(grid, n)
     scale_stride = grid.scale[0].numel() if grid is not None else 0
     rc = lib.mls_grouped_gemm(
@@ -200,7 +232,7 @@ def grouped_gemm(
         w.data_ptr(),
         n,
         w.shape[-1],
-        w.stride(0) * w.element_size(),
+        stride,
         scale,
         scale_stride,
         bn,
@@ -209,9 +241,9 @@ def grouped_gemm(
         part_rows,
         experts.data_ptr(),
         starts.data_ptr(),
-        experts.shape[0],
+        groups,
         y.data_ptr(),
-        torch.get_num_threads(),
+        threads,
     )
     if rc != 0:
         raise RuntimeError(f"native grouped gemm refused type {type_id} (rc {rc})")
@@ -308,48 +340,6 @@ def moe_experts(
     if rc != 0:
         raise RuntimeError(f"native moe_experts refused types {type_gu}/{type_dn} (rc {rc})")
     return out
-
-
-Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-
-
-def gemm_q8(type_id: int, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
-    """gemm with int8 activations (blocks.c "int8 activations"): x [M, K] fp32 contiguous -> [M, N] fp32."""
-    lib = library()
-    m, n = x.shape[0], w.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.mls_gemm_q8(
-        type_id, x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], y.data_ptr(), n, torch.get_num_threads()
-    )
-    if rc != 0:
-        raise RuntimeError(f"native int8-activation gemm refused type {type_id} (rc {rc})")
-    return y
-
-
-def grouped_gemm_q8(
-    type_id: int, xs: torch.Tensor, w: torch.Tensor, k: int, experts: torch.Tensor, starts: torch.Tensor
-) -> torch.Tensor:
-    """grouped_gemm with int8 activations: xs [P, K] fp32 sorted by group, w [E, N, R] -> [P, N] fp32."""
-    lib = library()
-    n = w.shape[1]
-    y = torch.empty(xs.shape[0], n, dtype=torch.float32)
-    rc = lib.mls_grouped_gemm_q8(
-        type_id,
-        xs.data_ptr(),
-        k,
-        w.data_ptr(),
-        n,
-        w.shape[-1],
-        w.stride(0) * w.element_size(),
-        experts.data_ptr(),
-        starts.data_ptr(),
-        experts.shape[0],
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise RuntimeError(f"native int8-activation grouped gemm refused type {type_id} (rc {rc})")
-    return y
 
 
 def latent_mqa(

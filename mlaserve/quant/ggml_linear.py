@@ -177,10 +177,7 @@ class GGUFHeads(nn.Module):
         xs = x.float().transpose(0, 1).reshape(h * n, k)  # grouped by head
         if self.kernel == "native" and n <= ggml.GEMV_ROWS:  # decode: straight to the grouped GEMV
             heads, starts = self._groups(n)
-            gemm = (
-                native.grouped_gemm_q8 if self.int8 and ggml_type in native.Q8_ACTIVATION_TYPES else native.grouped_gemm
-            )
-            y = gemm(ggml_type, xs.contiguous(), w, k, heads, starts)
+            y = native.grouped_gemm(ggml_type, xs.contiguous(), w, k, heads, starts, int8=self.int8)
         else:
             heads = torch.arange(h, device=x.device)
             offs = torch.arange(1, h + 1, device=x.device, dtype=torch.int32) * n
