@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 5  # blocks.c mls_abi_version(): the functions and signatures below
+ABI_VERSION = 6  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -115,6 +115,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_latent_mqa.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
+    lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
+    lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
+    lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
     return lib, str(out)
 
 
@@ -368,3 +371,58 @@ def latent_mqa(
     if rc != 0:
         raise RuntimeError(f"native latent_mqa failed (rc {rc})")
     return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, d] fp32 with unit stride along d, w [d] fp32 contiguous -> [T, d] fp32: x * rsqrt(mean(x^2) + eps) * w,
+    torch's fp32 rms_norm up to the rounding of the sum of squares."""
+    t, d = x.shape
+    y = torch.empty(t, d, dtype=torch.float32)
+    library().mls_rms_norm(x.data_ptr(), t, d, x.stride(0), w.data_ptr(), eps, y.data_ptr(), d, torch.get_num_threads())
+    return y
+
+
+def latent_rope_write(
+    kv: torch.Tensor,
+    q: torch.Tensor,
+    dn: int,
+    w: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """A step's latent rows and query rope in one call (blocks.c mls_latent_rope_write):
+    kv [T, r + dr] fp32 rows [c_kv | k_pe] (unit stride along the row), q [T, H, dn + dr] fp32 contiguous,
+    w [r] the kv_a_layernorm weight, cos / sin [T, dr / 2] fp32 contiguous, cache [S, r + dr] fp32
+    contiguous, slots [T] int64 contiguous. Writes cache[slots] = [rmsnorm(c_kv) w | rope(k_pe)] and
+    rotates q's q_pe columns in place."""
+    t, h, ldh = q.shape
+    dr = ldh - dn
+    r = kv.shape[1] - dr
+    rc = library().mls_latent_rope_write(
+        kv.data_ptr(),
+        t,
+        kv.stride(0),
+        r,
+        dr,
+        w.data_ptr(),
+        eps,
+        q.data_ptr(),
+        h,
+        ldh,
+        dn,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        int(interleaved),
+        cache.data_ptr(),
+        cache.shape[0],
+        slots.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -5:
+        raise IndexError(f"latent_rope_write: a slot outside the cache of {cache.shape[0]} rows")
+    if rc != 0:
+        raise RuntimeError(f"native latent_rope_write refused rope width {dr} (rc {rc})")

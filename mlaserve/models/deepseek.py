@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mlaserve.config.model import ModelConfig
+from mlaserve.kernels import native
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from mlaserve.models.moe import MoE
@@ -37,15 +38,24 @@ Selections = tuple[Selection, ...] | None  # one per segment on sparse steps
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _native_fits(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor) -> bool:
+    """write_latent's C call takes fp32 CPU tensors: q contiguous, kv rows of unit stride, an fp32 cache."""
+    fp32 = q.dtype == kv.dtype == cache.dtype == torch.float32
+    return fp32 and cache.device.type == "cpu" and q.is_contiguous() and kv.stride(-1) == 1
+
+
 def single_process(x: torch.Tensor) -> torch.Tensor:
     """The all-reduce of a group of one."""
     return x
 
 
 class MLAAttention(nn.Module):
+    KERNELS = ("native", "torch")  # native: the latent row and the query rope in one C call (write_latent)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.kernel = "torch"  # the reference; the loader sets the engine's kernels
         h, d = cfg.num_heads, cfg.hidden_size
         bias = cfg.attention_bias
         if cfg.q_lora_rank:
@@ -89,14 +99,8 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, Selections]:
         cfg = self.cfg
         q, c_q = self.project_q(x)
-        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        # One rotation for the query heads and the shared key: [T, H + 1, dr] (rope is elementwise per row)
-        pe = rope(torch.cat([q_pe, k_pe[:, None]], dim=1), step.cos, step.sin)
-        q_pe, k_pe = pe[:, : cfg.num_heads], pe[:, cfg.num_heads]
         # Write first: each segment then reads its context *and* this step's rows from the cache.
-        cache.index_copy_(0, step.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+        q_nope, q_pe = self.write_latent(q, self.kv_a_proj_with_mqa(x), step, rope, cache)
         selections = None
         if step.plan.sparse:
             selections = self.select(x, c_q, step, index_keys, prev)
@@ -106,6 +110,30 @@ class MLAAttention(nn.Module):
             per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel).flatten(0, 1)  # [B * Q, H, dv]
             out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat).to(out.dtype))
         return self.o_proj(out.flatten(1)), selections
+
+    def write_latent(
+        self, q: torch.Tensor, kv: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes this step's cache rows [kv_a_layernorm(c_kv) | rope(k_pe)] and returns (q_nope, rope(q_pe)).
+        q [T, H, dn + dr], kv [T, r + dr] (kv_a_proj_with_mqa's output)."""
+        cfg = self.cfg
+        if self.kernel == "native" and _native_fits(q, kv, cache):
+            # one C call instead of ~20 ops per layer (norm, split, cat, rope, cast, index_copy_);
+            # the rope is bit-identical, the norm equal up to its sum's rounding (kernels/blocks.c)
+            norm = self.kv_a_layernorm
+            native.latent_rope_write(
+                kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, cache,
+                step.slot_mapping,
+            )  # fmt: skip
+            return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        # One rotation for the query heads and the shared key: [T, H + 1, dr] (rope is elementwise per row)
+        pe = rope(torch.cat([q_pe, k_pe[:, None]], dim=1), step.cos, step.sin)
+        q_pe, k_pe = pe[:, : cfg.num_heads], pe[:, cfg.num_heads]
+        cache.index_copy_(0, step.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype))
+        return q_nope, q_pe
 
     def select(
         self, x: torch.Tensor, c_q: torch.Tensor, step: StepContext, index_keys: torch.Tensor | None, prev: Selections

@@ -1,0 +1,110 @@
+"""The native decode-step glue (blocks.c "decode-step glue") against the torch code it replaces.
+
+RMSNorm: native.rms_norm vs torch's fp32 rms_norm. Both compute x * (1 / sqrt(mean(x^2) + eps)) * w; only
+the sum of squares is added in another order, so each output is within (d + 4) u of the reference,
+relatively (u = 2^-24: the sum's bound d u, the division, root and two products a few u more).
+The latent row: MLAAttention.write_latent with the native kernel (one C call: kv_a_layernorm, rope of k_pe
+and of every head's q_pe, the cache write) vs its torch code: the rotated queries and k_pe bit for bit
+(the rope is the same products and differences), c_kv within the RMSNorm bound, other cache rows untouched.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlaserve.config.model import ModelConfig
+from mlaserve.kernels import native
+from mlaserve.models.deepseek import MLAAttention
+from mlaserve.models.layers import RMSNorm, RotaryEmbedding
+from tests.hf_models import make_config
+
+STATUS = native.status()
+needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
+U = 2.0**-24
+
+
+def assert_norm_close(y: torch.Tensor, ref: torch.Tensor, d: int) -> None:
+    excess = (y - ref).abs() - (d + 4) * U * ref.abs()
+    assert (excess <= 0).all(), f"max excess over the RMSNorm bound {excess.max().item():.3g}"
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+@pytest.mark.parametrize("d", [7, 33, 1024])
+@pytest.mark.parametrize("scale", [1.0, 1e-3])  # 1e-3: mean(x^2) ~ eps, so eps must be where torch puts it
+def test_native_rms_norm_equals_torch(rows, d, scale):
+    g = torch.Generator().manual_seed(rows * 1000 + d)
+    wide = torch.randn(rows, d + 5, generator=g) * scale
+    w = 1 + 0.1 * torch.randn(d, generator=g)
+    for x in (wide[:, :d].contiguous(), wide[:, 2 : d + 2]):  # contiguous rows, and a strided view
+        ref = F.rms_norm(x, (d,), w, 1e-6)
+        assert_norm_close(native.rms_norm(x, w, 1e-6), ref, d)
+
+
+@needs_native
+def test_rms_norm_module_uses_the_native_kernel_only_where_it_fits():
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64))
+    x = torch.randn(2, 3, 64)
+    ref = norm(x)
+    norm.kernel = "native"
+    assert_norm_close(norm(x), ref, 64)
+    assert norm(x).shape == x.shape
+    xb = x.bfloat16()  # not fp32: the torch code, bit for bit
+    norm.kernel = "torch"
+    want = norm(xb)
+    norm.kernel = "native"
+    assert torch.equal(norm(xb), want)
+
+
+def _attention(kind: str) -> tuple[MLAAttention, RotaryEmbedding]:
+    cfg = ModelConfig.from_hf(make_config(kind).to_dict())
+    attn = MLAAttention(cfg, 0)
+    with torch.no_grad():
+        attn.kv_a_layernorm.weight.copy_(1 + 0.1 * torch.randn(cfg.kv_lora_rank))
+    return attn, RotaryEmbedding(cfg.rope)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["v3_yarn", "v3_tied", "glm_lite"])  # interleaved, half-split, GLM
+@pytest.mark.parametrize("tokens", [1, 3, 12])
+def test_native_write_latent_equals_torch(kind, tokens):
+    torch.manual_seed(tokens)
+    attn, rope = _attention(kind)
+    cfg = attn.cfg
+    positions = torch.randint(0, 4000, (tokens,))
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    step = SimpleNamespace(cos=cos, sin=sin, slot_mapping=torch.randperm(40)[:tokens])
+    q = torch.randn(tokens, cfg.num_heads, cfg.qk_head_dim)
+    kv = torch.randn(tokens, cfg.kv_lora_rank + cfg.qk_rope_head_dim + 3)[:, : cfg.latent_dim]  # strided rows
+    start = torch.randn(40, cfg.latent_dim)
+    want_cache, got_cache = start.clone(), start.clone()
+    want_nope, want_pe = (t.clone() for t in attn.write_latent(q.clone(), kv, step, rope, want_cache))
+    attn.kernel = "native"
+    got_nope, got_pe = attn.write_latent(q.clone(), kv, step, rope, got_cache)
+    assert torch.equal(got_nope, want_nope) and torch.equal(got_pe, want_pe)
+    r = cfg.kv_lora_rank
+    assert torch.equal(got_cache[:, r:], want_cache[:, r:])  # k_pe rows, and every row not written
+    assert_norm_close(got_cache[:, :r], want_cache[:, :r], r)
+    untouched = torch.ones(40, dtype=torch.bool).index_fill_(0, step.slot_mapping, False)
+    assert torch.equal(got_cache[untouched], start[untouched])
+
+
+@needs_native
+def test_native_write_latent_refuses_a_slot_outside_the_cache():
+    attn, rope = _attention("v3_yarn")
+    cfg = attn.cfg
+    cos, sin = rope.cos_sin(torch.tensor([0, 1]), torch.float32)
+    cache = torch.zeros(8, cfg.latent_dim)
+    q = torch.randn(2, cfg.num_heads, cfg.qk_head_dim)
+    kv = torch.randn(2, cfg.latent_dim)
+    attn.kernel = "native"
+    for bad in (8, -1):
+        with pytest.raises(IndexError, match="outside the cache of 8 rows"):
+            attn.write_latent(q, kv, SimpleNamespace(cos=cos, sin=sin, slot_mapping=torch.tensor([0, bad])), rope, cache)
+    assert not cache.any()  # refused before anything was written
