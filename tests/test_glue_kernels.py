@@ -106,5 +106,7 @@ def test_native_write_latent_refuses_a_slot_outside_the_cache():
     attn.kernel = "native"
     for bad in (8, -1):
         with pytest.raises(IndexError, match="outside the cache of 8 rows"):
-            attn.write_latent(q, kv, SimpleNamespace(cos=cos, sin=sin, slot_mapping=torch.tensor([0, bad])), rope, cache)
+            attn.write_latent(
+                q, kv, SimpleNamespace(cos=cos, sin=sin, slot_mapping=torch.tensor([0, bad])), rope, cache
+            )
     assert not cache.any()  # refused before anything was written
