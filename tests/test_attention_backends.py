@@ -95,9 +95,10 @@ def _case(seed: int, dtype: torch.dtype, device: str, near_ties: bool = False) -
     keys = randn(NUM_PAGES * PS, DI)
     if near_ties:  # every key a tiny perturbation of one: scores cluster at the top-k boundary
         keys = keys[:1] + 1e-3 * keys
+    q = randn(t, H, DN + DR).to(dtype)  # q_nope / q_pe are views of one tensor, as the model splits q_b_proj's
     return Case(
-        q_nope=randn(t, H, DN).to(dtype),
-        q_pe=randn(t, H, DR).to(dtype),
+        q_nope=q[..., :DN],
+        q_pe=q[..., DN:],
         cache=randn(NUM_PAGES * PS, R + DR).to(dtype),
         kv_b=randn(H * (DN + DV), R, scale=R**-0.5).to(dtype),
         q_idx=randn(t, HI, DI).to(dtype),
@@ -253,7 +254,7 @@ def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
     decode, prefill = c.segments("native")
     calls = []
     real = native.latent_mqa
-    monkeypatch.setattr(native, "latent_mqa", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(native, "latent_mqa", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
     monkeypatch.setattr(native_backend, "QUERIES", 4)  # the prefill segment has 7 queries per request
     for i, seg in enumerate((decode, prefill)):
         _check(
@@ -263,4 +264,4 @@ def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
             torch.float32,
         )
     if native.library() is not None:
-        assert [s[1] for s in calls] == [1]  # only the decode segment went to the C kernel
+        assert [s[1] for s in calls] == [1]  # q_index [B, Q]: only the decode segment went to the C kernel

@@ -1136,13 +1136,18 @@ done:
 }
 
 /* ---------------------------------------------------------------- latent MQA over paged rows (absorbed path)
-   q [B, Q, H, c] (each query's [q_nope W_UK | q_pe], c = r + dr), cache [S, c] rows [c_kv | k_pe], slots
-   [B, L] (cache row of each key position), mask [B, Q, L] (bool bytes) -> out [B, Q, H, r] =
-   softmax_l(scale * q . row_l) @ row_l[:r]. Rows are read where they are (no gathered copy); each work
-   item is one query and a group of heads, so a row is loaded once for all of the group's heads. The
-   probabilities are exp(s - max) / sum, as torch's softmax; a query with no allowed key gets NaN. */
-int mls_latent_mqa(const float *q, const float *cache, const int64_t *slots, const uint8_t *mask, int64_t b,
-                   int64_t nq, int64_t l, int64_t h, int64_t c, int64_t r, float scale, float *out, int threads) {
+   Each query is a token t = q_index[query] of the step: per head hh its [q_lat | q_pe] (q_lat = q_nope W_UK,
+   c = r + dr values) is read where it lies, at q_lat + t * ql_tok + hh * ql_head and q_pe + t * qp_tok +
+   hh * qp_head (no concatenated or gathered copy). Queries [B, Q] (q_index [B, Q]), cache [S, c] rows
+   [c_kv | k_pe], slots [B, L] (cache row of each key position), mask [B, Q, L] (bool bytes) -> out
+   [B, Q, H, r] = softmax_l(scale * q . row_l) @ row_l[:r]. Rows are read where they are; each work item is
+   one query and a group of heads, so a row is loaded once for all of the group's heads. The probabilities
+   are exp(s - max) / sum, as torch's softmax; a query with no allowed key gets NaN. */
+int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                   int64_t qp_head, const int64_t *q_index, const float *cache, const int64_t *slots,
+                   const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
+                   float scale, float *out, int threads) {
+    const int64_t c = r + dr;
     const int64_t queries = b * nq;
     int64_t splits = queries >= threads ? 1 : (threads + queries - 1) / queries;
     if (splits > h) splits = h;
@@ -1162,7 +1167,7 @@ int mls_latent_mqa(const float *q, const float *cache, const int64_t *slots, con
             const int64_t bi = qi / nq;
             const uint8_t *m = mask + qi * l;
             const int64_t *sl = slots + bi * l;
-            const float *qv = q + qi * h * c;
+            const float *ql = q_lat + q_index[qi] * ql_tok, *qp = q_pe + q_index[qi] * qp_tok;
             float *o = out + qi * h * r;
             for (int64_t j = 0; j < l; j++) {
                 if (!m[j]) {
@@ -1170,7 +1175,8 @@ int mls_latent_mqa(const float *q, const float *cache, const int64_t *slots, con
                     continue;
                 }
                 const float *row = cache + sl[j] * c;
-                for (int64_t hh = h0; hh < h1; hh++) s[(hh - h0) * l + j] = dot(row, qv + hh * c, c) * scale;
+                for (int64_t hh = h0; hh < h1; hh++)
+                    s[(hh - h0) * l + j] = (dot(row, ql + hh * ql_head, r) + dot(row + r, qp + hh * qp_head, dr)) * scale;
             }
             for (int64_t hh = h0; hh < h1; hh++) {
                 float *sh = s + (hh - h0) * l, mx = -INFINITY, sum = 0.0f;
@@ -1275,4 +1281,4 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
     return 0;
 }
 
-int mls_abi_version(void) { return 6; }
+int mls_abi_version(void) { return 7; }

@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 6  # blocks.c mls_abi_version(): the functions and signatures below
+ABI_VERSION = 7  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -113,7 +113,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.mls_moe_experts.argtypes += [ptr, c_int]
     lib.mls_moe_experts_q8.argtypes = lib.mls_moe_experts.argtypes
     lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
-    lib.mls_latent_mqa.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
+    lib.mls_latent_mqa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+    lib.mls_latent_mqa.argtypes += [f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
     lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
@@ -346,15 +347,30 @@ def moe_experts(
 
 
 def latent_mqa(
-    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float, r: int
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    q_index: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """q [B, Q, H, c] fp32, cache [S, c] fp32, slots [B, L] int64, mask [B, Q, L] bool (all contiguous)
-    -> [B, Q, H, r] fp32: softmax(scale * q . row) @ row[:r] over each query's allowed rows, read in place."""
+    """q_lat [T, H, r] / q_pe [T, H, dr] fp32 with unit stride along the last dim (views are read in place),
+    q_index [B, Q] int64 (the token of each query), cache [S, r + dr] fp32, slots [B, L] int64, mask [B, Q, L]
+    bool (these contiguous) -> [B, Q, H, r] fp32: softmax(scale * [q_lat | q_pe] . row) @ row[:r] over each
+    query's allowed rows, read in place."""
     lib = library()
-    b, nq, h, c = q.shape
+    b, nq = q_index.shape
+    h, r = q_lat.shape[1], q_lat.shape[2]
     out = torch.empty(b, nq, h, r, dtype=torch.float32)
     rc = lib.mls_latent_mqa(
-        q.data_ptr(),
+        q_lat.data_ptr(),
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.data_ptr(),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        q_index.data_ptr(),
         cache.data_ptr(),
         slots.data_ptr(),
         mask.data_ptr(),
@@ -362,8 +378,8 @@ def latent_mqa(
         nq,
         slots.shape[1],
         h,
-        c,
         r,
+        q_pe.shape[2],
         scale,
         out.data_ptr(),
         torch.get_num_threads(),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _latent_queries, _mask
+from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _mask
 from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
 from mlaserve.kernels import native
 
@@ -44,9 +44,10 @@ def absorbed_attention(
     small = seg.q_index.shape[1] <= QUERIES
     if not small or cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
         return torch_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed, heads)
-    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index].contiguous()  # [B, Q, H, r + dr]
+    q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
     mask = _mask(seg, allowed).contiguous()
-    o_lat = native.latent_mqa(q, cache, seg.kv_slots.contiguous(), mask, scale, w_uk.shape[-1])
+    # the kernel reads each query's q_lat and q_pe where they are (token q_index), no concatenated copy
+    o_lat = native.latent_mqa(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
     return _expand(o_lat, w_uv, heads)
 
 
