@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# dtype="auto" picks bfloat16 on CPUs with AVX512-BF16/AMX (mlaserve/config/cpu.py): the suite runs the exact
+# float32 default on every machine (also in the processes it starts), and tests of that choice set both values.
+os.environ["MLASERVE_FAST_BF16"] = "0"
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 

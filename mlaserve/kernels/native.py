@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.config.cpu import cpu_flags
+
 SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
@@ -42,13 +44,7 @@ class NativeStatus:
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
+    return " ".join(sorted(cpu_flags()))
 
 
 def _cache_dir() -> Path:
