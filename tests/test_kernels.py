@@ -70,6 +70,18 @@ def test_native_decode_is_bit_identical(name):
 
 @needs_native
 @pytest.mark.parametrize("name", list(SCALE_BYTES))
+def test_native_expert_decode_is_bit_identical(name):
+    """A prefill's active experts decoded where they lie in the stack (no gathered copy)."""
+    g = torch.Generator().manual_seed(5)
+    t, k = GGML_TYPE_IDS[name], 512
+    raw = random_blocks(name, 6, k, g, lead=(5,))
+    experts = torch.tensor([4, 0, 2])  # any order, not all of them
+    got = native.dequantize_experts(t, raw, experts, k)
+    assert torch.equal(got.view(torch.int32), ggml.dense(raw[experts], t, k).view(torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(SCALE_BYTES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, ggml.GEMV_ROWS, ggml.GEMV_ROWS + 1, 40])
 def test_native_linear_equals_dequantize_then_gemm(name, rows):
     g = torch.Generator().manual_seed(2)

@@ -762,6 +762,18 @@ int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, con
 }
 
 
+/* out [A, N, K] fp32 = the decoded rows of experts experts[0..A) of a stack (expert e's N rows of row_bytes
+   start at w + e * expert_stride): a prefill's active experts, decoded where they lie (no gathered copy). */
+int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
+                           int64_t n, int64_t row_bytes, int64_t k, float *out, int threads) {
+    row_fn fn = ggml_row(type);
+    if (!fn) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t it = 0; it < a * n; it++)
+        fn(w + experts[it / n] * expert_stride + (it % n) * row_bytes, out + it * k, k);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- MoE at decode (few tokens)
    The router and the routed experts of a step with few (token, expert) pairs, each one call, so that
    a decode step does not pay ~50 small tensor ops per MoE layer. Same arithmetic as models/moe.py
@@ -1350,4 +1362,4 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
     return 0;
 }
 
-int mls_abi_version(void) { return 7; }
+int mls_abi_version(void) { return 8; }

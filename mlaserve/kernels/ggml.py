@@ -77,8 +77,7 @@ def expert_linear(
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
-    a, n, r = experts.shape[0], w.shape[1], w.shape[2]
-    dense_w = native.dequantize(ggml_type, w[experts].reshape(a * n, r), k).view(a, n, k)
+    dense_w = native.dequantize_experts(ggml_type, w, experts.to(torch.int64).contiguous(), k)
     return torch._grouped_mm(xs, dense_w.transpose(1, 2), offs=offs)
 
 

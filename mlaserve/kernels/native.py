@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 7  # blocks.c mls_abi_version(): the functions and signatures below
+ABI_VERSION = 8  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -112,6 +112,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_mqa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.mls_latent_mqa.argtypes += [f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
+    lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, c_int]
     lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
     lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
@@ -260,6 +261,20 @@ def dequantize(type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = N
     )
     if rc != 0:
         raise RuntimeError(f"native dequantize refused type {type_id} (rc {rc})")
+    return out
+
+
+def dequantize_experts(type_id: int, w: torch.Tensor, experts: torch.Tensor, k: int) -> torch.Tensor:
+    """w [E, N, R] uint8 (rows contiguous), experts [A] int64 contiguous -> [A, N, K] fp32: those experts'
+    rows decoded bit-identically with the reference, read in place (ggml block types)."""
+    a, n = experts.shape[0], w.shape[1]
+    out = torch.empty(a, n, k, dtype=torch.float32)
+    rc = library().mls_dequantize_experts(
+        type_id, w.data_ptr(), w.stride(0), experts.data_ptr(), a, n, w.shape[2], k, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native dequantize_experts refused type {type_id} (rc {rc})")
     return out
 
 
