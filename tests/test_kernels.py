@@ -81,6 +81,23 @@ def test_native_expert_decode_is_bit_identical(name):
 
 
 @needs_native
+@pytest.mark.parametrize("chunk_experts", [1, 2, 3])
+def test_native_prefill_experts_in_chunks_equal_one_call(monkeypatch, chunk_experts):
+    """Many rows per expert decode the experts EXPERT_BYTES at a time: the same products as all at once."""
+    g = torch.Generator().manual_seed(6)
+    t, k, n = GGML_TYPE_IDS["Q8_0"], 256, 24
+    raw = random_blocks("Q8_0", n, k, g, lead=(6,))
+    experts = torch.tensor([0, 1, 3, 4, 5])
+    offs = torch.cumsum(torch.tensor([40, 0, 33, 50, 20]), 0).to(torch.int32)  # an empty group too
+    xs = torch.randn(int(offs[-1]), k, generator=g)
+    whole = ggml.expert_linear(xs, raw, t, k, experts, offs, kernel="native")
+    monkeypatch.setattr(ggml, "EXPERT_BYTES", chunk_experts * n * k * 4)
+    assert torch.equal(ggml.expert_linear(xs, raw, t, k, experts, offs, kernel="native"), whole)
+    ref = ggml.expert_linear(xs, raw, t, k, experts, offs, kernel="torch")
+    assert torch.allclose(whole, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("name", list(SCALE_BYTES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, ggml.GEMV_ROWS, ggml.GEMV_ROWS + 1, 40])
 def test_native_linear_equals_dequantize_then_gemm(name, rows):

@@ -31,6 +31,8 @@ GEMV_ROWS = 16
 # pair (decode at batch 1-2): two tokens sharing an expert read it twice, but ~30 tensor ops of
 # sorting and scattering are saved; more pairs are sorted by expert and grouped (expert_linear).
 MOE_PAIRS = 8
+# Decoded fp32 expert weights per chunk when many rows per expert take decode-then-GEMM (prefill).
+EXPERT_BYTES = 64 << 20
 KERNELS = ("native", "torch")
 
 
@@ -77,8 +79,30 @@ def expert_linear(
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
-    dense_w = native.dequantize_experts(ggml_type, w, experts.to(torch.int64).contiguous(), k)
-    return torch._grouped_mm(xs, dense_w.transpose(1, 2), offs=offs)
+    return _decoded_grouped(xs, w, ggml_type, k, experts.to(torch.int64).contiguous(), offs)
+
+
+def _decoded_grouped(
+    xs: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, experts: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """Many rows per expert (prefill): the experts decoded natively, then grouped GEMMs, for at most
+    EXPERT_BYTES of decoded fp32 weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
+    15 GB in fp32 at once (the standard benchmark model's 128 MB; chunks were measured no slower there).
+    Each expert's rows meet that expert alone, so the chunks give the products of one call."""
+    a, n = experts.shape[0], w.shape[1]
+    per = max(1, EXPERT_BYTES // (n * k * 4))
+    if a <= per:
+        return torch._grouped_mm(xs, native.dequantize_experts(ggml_type, w, experts, k).transpose(1, 2), offs=offs)
+    ys = xs.new_empty(xs.shape[0], n)
+    ends = [0, *offs.tolist()]  # one host copy of A ends per projection (prefill)
+    for c0 in range(0, a, per):
+        c1 = min(a, c0 + per)
+        lo, hi = ends[c0], ends[c1]
+        if hi == lo:
+            continue
+        dense_w = native.dequantize_experts(ggml_type, w, experts[c0:c1], k)
+        ys[lo:hi] = torch._grouped_mm(xs[lo:hi], dense_w.transpose(1, 2), offs=offs[c0:c1] - lo)
+    return ys
 
 
 def moe_experts(
