@@ -47,3 +47,14 @@ def test_verify_cli_on_gguf_fixture(capsys):
     assert main(["verify", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.count(" ok ") == 7 and "FAIL" not in out
+
+
+def test_verify_cli_judges_in_float32_when_auto_would_pick_bfloat16(capsys, monkeypatch):
+    """dtype=auto is bfloat16 for float weights on AVX512-BF16/AMX CPUs; verify's identities are judged in
+    float32 unless --dtype asks otherwise."""
+    from conftest import fixture_dir
+
+    monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
+    assert main(["verify", str(fixture_dir("ds3")), "--prompt", "Hello world"]) == 0
+    out = capsys.readouterr().out
+    assert "info" not in out and "FAIL" not in out and " ok " in out

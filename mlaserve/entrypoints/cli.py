@@ -109,6 +109,8 @@ def _verify(args) -> int:
             raise ConfigError("verify --against compares one process's layers: drop --tensor-parallel-size")
         return _verify_against(args)
     args.tensor_parallel_size = None  # the identities run on one process; TP=n is compared with it
+    if args.dtype in (None, "auto"):  # judged in float32 (dtype=auto is bfloat16 on AVX512-BF16/AMX CPUs)
+        args.dtype = "float32"
 
     if args.check_tensors:  # scanned here and reported as a check, not refused at load
         args.check_tensors = None
