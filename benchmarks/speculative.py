@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new", type=int, default=64, help="tokens generated per request")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="float32", help="float32: greedy output of speculation checked identical")
     p.add_argument("--rounds", type=int, default=3, help="alternated plain / speculative runs per setting")
     p.add_argument("--always", action="store_true", help="also run each k with the switch off (min acceptance 0)")
     p.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/...)")

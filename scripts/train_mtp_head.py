@@ -244,10 +244,11 @@ def held_out_acceptance(folder: Path, tok, heldout: list[str], args) -> dict:
     g = torch.Generator().manual_seed(args.seed + 1)
     prompts = [w.tolist() for w in windows(stream, args.eval_prompts, 32, g)]
     params = SamplingParams(temperature=0.0, max_tokens=args.eval_new, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(str(folder), threads=args.threads).generate(prompts, params)]
+    exact = {"threads": args.threads, "dtype": "float32"}  # "identical_to_plain" is a float32 property
+    plain = [o.outputs[0].token_ids for o in LLM(str(folder), **exact).generate(prompts, params)]
     out = {}
     for k in (1, 2, 3):
-        llm = LLM(str(folder), threads=args.threads, speculative="mtp", num_speculative_tokens=k)
+        llm = LLM(str(folder), **exact, speculative="mtp", num_speculative_tokens=k)
         outs = llm.generate(prompts, params)
         prop, acc, verifies = (
             sum(o.metrics[m] for o in outs) for m in ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps")

@@ -46,20 +46,28 @@ def test_native_rms_norm_equals_torch(rows, d, scale):
 
 
 @needs_native
-def test_rms_norm_module_uses_the_native_kernel_only_where_it_fits():
+def _counting(monkeypatch, name: str) -> list:
+    calls, real = [], getattr(native, name)
+    monkeypatch.setattr(native, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_rms_norm_module_uses_the_native_kernel_only_where_it_fits(monkeypatch):
+    calls = _counting(monkeypatch, "rms_norm")
     norm = RMSNorm(64, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(64))
     x = torch.randn(2, 3, 64)
     ref = norm(x)
+    assert not calls
     norm.kernel = "native"
     assert_norm_close(norm(x), ref, 64)
-    assert norm(x).shape == x.shape
+    assert norm(x).shape == x.shape and len(calls) == 2
     xb = x.bfloat16()  # not fp32: the torch code, bit for bit
     norm.kernel = "torch"
     want = norm(xb)
     norm.kernel = "native"
-    assert torch.equal(norm(xb), want)
+    assert torch.equal(norm(xb), want) and len(calls) == 2
 
 
 def _attention(kind: str) -> tuple[MLAAttention, RotaryEmbedding]:
@@ -73,7 +81,8 @@ def _attention(kind: str) -> tuple[MLAAttention, RotaryEmbedding]:
 @needs_native
 @pytest.mark.parametrize("kind", ["v3_yarn", "v3_tied", "glm_lite"])  # interleaved, half-split, GLM
 @pytest.mark.parametrize("tokens", [1, 3, 12])
-def test_native_write_latent_equals_torch(kind, tokens):
+def test_native_write_latent_equals_torch(kind, tokens, monkeypatch):
+    calls = _counting(monkeypatch, "latent_rope_write")
     torch.manual_seed(tokens)
     attn, rope = _attention(kind)
     cfg = attn.cfg
@@ -88,6 +97,9 @@ def test_native_write_latent_equals_torch(kind, tokens):
     attn.kernel = "native"
     got_nope, got_pe = attn.write_latent(q.clone(), kv, step, rope, got_cache)
     assert torch.equal(got_nope, want_nope) and torch.equal(got_pe, want_pe)
+    assert len(calls) == 1  # the torch code ran first, then the C call once
+    attn.write_latent(q.clone().transpose(0, 1).contiguous().transpose(0, 1), kv, step, rope, start.clone())
+    assert len(calls) == 1 + (tokens == 1)  # a non-contiguous q (tokens > 1) takes the torch code
     r = cfg.kv_lora_rank
     assert torch.equal(got_cache[:, r:], want_cache[:, r:])  # k_pe rows, and every row not written
     assert_norm_close(got_cache[:, :r], want_cache[:, :r], r)

@@ -1,7 +1,7 @@
 """The native latent MQA kernel (blocks.c mls_latent_mqa) against a float64 softmax attention, at head counts
 and widths that exercise its register blocks (8 heads per score pass, 4 heads x 16 values per output pass)
 and every remainder: heads 1, 3, 6, 8, 12, 16, 20 per query, r and dr not multiples of 8 or 16, one or two
-threads (one work item holds all heads or half of them), masked keys, contexts longer than one tile of rows, a query with no allowed key (NaN),
+threads, masked keys, contexts longer than one tile of rows, a query with no allowed key (NaN),
 queries read through q_index from strided views. The attention-backend harness covers the model's use;
 this pins the kernel's own blocking. fp32 result within 2e-6 of the float64 one (outputs are O(1)).
 """
@@ -54,3 +54,29 @@ def test_native_latent_mqa_equals_float64(h, r, dr, threads, length):
     ok = mask.any(-1)
     err = (got[ok].double() - want[ok]).abs().max().item()
     assert err <= 2e-6, err
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("h", [6, 12, 16, 22])
+def test_native_latent_mqa_does_not_depend_on_the_batch(h, threads):
+    """A query's result is bit-identical alone (its heads split over the threads: items of ceil(h / threads)
+    heads) and inside a batch of 3 (one item per query, all heads): a head's arithmetic does not depend on how
+    heads are grouped, so speculative verification (1 + k queries) and decode (1) agree exactly."""
+    g = torch.Generator().manual_seed(h + 10 * threads)
+    r, dr, t, length = 40, 12, 3, 50
+    q = torch.randn(t, h, r + dr, generator=g)
+    cache = torch.randn(200, r + dr, generator=g)
+    slots = torch.randperm(200, generator=g)[: 3 * length].view(3, length).contiguous()
+    mask = torch.rand(3, 1, length, generator=g) < 0.8
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = native.latent_mqa(q[..., :r], q[..., r:], torch.arange(3).view(3, 1), cache, slots, mask, 0.1)
+        for i in range(3):
+            alone = native.latent_mqa(
+                q[..., :r], q[..., r:], torch.tensor([[i]]), cache, slots[i : i + 1].contiguous(), mask[i : i + 1], 0.1
+            )
+            assert torch.equal(alone[0], batch[i])
+    finally:
+        torch.set_num_threads(prev)

@@ -54,8 +54,8 @@ class EngineOptions:
 
     dtype: str = _opt(
         "auto",
-        "compute and cache dtype (auto: float32, exact against the reference; bfloat16 for float weights on "
-        "CPUs with AVX512-BF16/AMX)",
+        "compute and cache dtype (auto: float32, exact against the reference; bfloat16 for a checkpoint stored "
+        "in bf16 on a CPU with AVX512-BF16/AMX, one process)",
         ("auto", "float32", "bfloat16", "float16"),
     )
     attention: str = _opt(
@@ -79,13 +79,17 @@ class EngineOptions:
         "grouped_mm", "routed experts: one grouped GEMM per step, or the per-expert loop", EXPERT_IMPLS
     )
     attention_backend: str = _opt(
-        "auto", "attention kernels (auto: torch; reference: the plain oracle)", ATTENTION_BACKENDS
+        "auto",
+        "attention kernels (auto: native with the native kernels and float32, else torch; reference: the plain oracle)",
+        ATTENTION_BACKENDS,
     )
     device: str = _opt("auto", "where weights, cache and step tensors live (auto: cuda when torch sees one)", DEVICES)
     kernels: str = _opt(
         "auto",
-        "matmuls on quantized weights (GGUF blocks, FP8): native = C decode-and-dot kernels built at first use "
-        "with the system compiler; torch = dequantize, then GEMM (the reference); auto = native on CPU if it builds",
+        "for checkpoints with quantized weights (GGUF blocks, FP8, quantization=): native = C kernels built at first "
+        "use with the system compiler (decode-and-dot matmuls, the MoE router and routed experts of a decode step, "
+        "RMSNorm, each layer's rope and cache write); torch = dequantize, then GEMM, and torch ops (the reference); "
+        "auto = native on CPU if it builds",
         KERNELS,
     )
     activations: str = _opt(
@@ -189,7 +193,7 @@ class EngineConfig:
     threads: int = 1
     attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
     device: str = "cpu"
-    kernels: str = "torch"  # "native" | "torch": how quantized weights are multiplied (kernels/)
+    kernels: str = "torch"  # "native" | "torch": quantized matmuls and decode-step glue (kernels/)
     activations: str = "float"  # "int8": the native decode kernels quantize activations (Q8_0 / Q4_0 weights)
     quantization: str | None = None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
     tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
@@ -215,16 +219,18 @@ def resolve(
     max_model_len: int | None = None,
     native_kernels: Callable[[], tuple[bool, str]] | None = None,
     gguf: bool = False,
+    stored_bf16: Callable[[], bool] | None = None,
 ) -> EngineConfig:
     """native_kernels: the loader's probe of the native kernels (builds them; -> (available, detail)),
     passed only when the checkpoint holds quantized weights. gguf: the checkpoint is a GGUF file
-    (gguf_weights applies)."""
+    (gguf_weights applies). stored_bf16: whether the checkpoint's matrices are stored in bfloat16 (asked
+    only when dtype=auto could pick bfloat16)."""
     log = ProvenanceLog()
     device = _device(opts.device, log)
     quantization = _quantization(opts.quantization, log)
     kernels = _kernels(opts.kernels, device, native_kernels, log)
     activations = _activations(opts.activations, kernels, log)
-    dtype = _dtype(opts.dtype, device, native_kernels is not None, log)
+    dtype = _dtype(opts.dtype, device, native_kernels is not None, opts.tensor_parallel_size, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
     topk = _index_topk(model, opts.index_topk, sparse, log)
     for name, allowed in (("mla_path", MLA_PATHS), ("experts_impl", EXPERT_IMPLS)):
@@ -458,27 +464,35 @@ def _attention_backend(requested: str, kernels: str, dtype: torch.dtype, log: Pr
     return log.record("attention_backend", requested, "user option")
 
 
-def _dtype(requested: str | None, device: str, quantized: bool, log: ProvenanceLog) -> torch.dtype:
-    if requested in (None, "auto"):
-        if device == "cpu" and not quantized:
-            fast, why = fast_bf16()
-            if fast:
-                # bf16 is ~2x faster than fp32 there; float32 stays one option away for exact results
-                return log.record(
-                    "dtype",
-                    torch.bfloat16,
-                    f"engine default (auto: {why}: bfloat16, ~2x faster than float32 there; "
-                    "pass dtype='float32' for results exact against the reference)",
-                )
-            exact = f"auto: {why}, so float32: exact against the reference; bfloat16 is ~4x slower here"
-        elif quantized:
-            exact = "auto: float32, the native kernels' activations for quantized weights"
+def _dtype(
+    requested: str | None, device: str, quantized: bool, ranks: int, stored_bf16, log: ProvenanceLog
+) -> torch.dtype:
+    if requested not in (None, "auto"):
+        if requested not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {requested!r}")
+        return log.record("dtype", DTYPES[requested], "user option")
+    # bfloat16 only where it is fast and rounds no stored weight: float matrices stored in bf16, on a CPU with
+    # AVX512-BF16/AMX, one process (under torchrun each machine would read its own CPU's flags)
+    if device != "cpu":
+        why = f"float32 on {device}: exact against the reference"
+    elif quantized:
+        why = "float32 activations for quantized weights (the native kernels' products are fp32)"
+    elif ranks > 1:
+        why = "float32 with tensor_parallel_size > 1 (every rank the same, whatever its CPU)"
+    else:
+        fast, cpu = fast_bf16()
+        if fast and stored_bf16 is not None and stored_bf16():
+            return log.record(
+                "dtype",
+                torch.bfloat16,
+                f"engine default (auto: {cpu} and the checkpoint stores its matrices in bf16: bfloat16, "
+                "~2x faster than float32 there; pass dtype='float32' for results exact against the reference)",
+            )
+        if fast:
+            why = f"{cpu}, but the checkpoint's matrices are not all bf16 (bfloat16 would round them): float32"
         else:
-            exact = f"auto: float32 on {device}: exact against the reference"
-        return log.record("dtype", torch.float32, f"engine default ({exact})")
-    if requested not in DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {requested!r}")
-    return log.record("dtype", DTYPES[requested], "user option")
+            why = f"{cpu}, so float32 (exact against the reference); bfloat16 is ~4x slower here"
+    return log.record("dtype", torch.float32, f"engine default (auto: {why})")
 
 
 def _attention(model: ModelConfig, mode: str, has_indexer_weights: bool, log: ProvenanceLog) -> bool:

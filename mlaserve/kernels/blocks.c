@@ -15,7 +15,7 @@
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
    int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
-   memory cannot be allocated, -5 for a cache slot outside the cache. */
+   memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd. */
 
 #include <float.h>
 #include <math.h>
@@ -1162,33 +1162,44 @@ done:
 #define MQA_HO 4 /* heads per output pass (x 16 values: 8 accumulators) */
 #define MQA_TILE 128 /* cache rows per output tile */
 
-/* s[i * ls] = row . [ql | qp] of head i, for n <= MQA_HS heads (strides ql_head / qp_head). */
+/* s[i * ls] = row . [ql | qp] of head i, for n <= MQA_HS heads (strides ql_head / qp_head). Every head gets the
+   same operations whatever n is (one 8-lane accumulator over r then dr, a scalar tail), so a head's score does
+   not depend on how heads were grouped (the grouping follows the step's query count and the thread count). */
+#ifdef MLS_SIMD
+static inline __attribute__((always_inline)) void mqa_scores_n(const float *row, const float *ql, int64_t ql_head,
+                                                               const float *qp, int64_t qp_head, int64_t r,
+                                                               int64_t dr, const int n, float *s, int64_t ls) {
+    __m256 a[MQA_HS];
+    float tail[MQA_HS];
+    for (int i = 0; i < n; i++) a[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
+    int64_t k = 0;
+    for (; k + 8 <= r; k += 8) {
+        const __m256 v = _mm256_loadu_ps(row + k);
+        for (int i = 0; i < n; i++) a[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(ql + i * ql_head + k), a[i]);
+    }
+    for (; k < r; k++)
+        for (int i = 0; i < n; i++) tail[i] += row[k] * ql[i * ql_head + k];
+    int64_t e = 0;
+    for (; e + 8 <= dr; e += 8) {
+        const __m256 v = _mm256_loadu_ps(row + r + e);
+        for (int i = 0; i < n; i++) a[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(qp + i * qp_head + e), a[i]);
+    }
+    for (; e < dr; e++)
+        for (int i = 0; i < n; i++) tail[i] += row[r + e] * qp[i * qp_head + e];
+    for (int i = 0; i < n; i++) s[i * ls] = hsum8(a[i]) + tail[i];
+}
+#endif
+
 static inline void mqa_scores(const float *row, const float *ql, int64_t ql_head, const float *qp, int64_t qp_head,
                               int64_t r, int64_t dr, int n, float *s, int64_t ls) {
-#ifdef __AVX2__
-    if (n == MQA_HS) {
-        __m256 a[MQA_HS];
-        for (int i = 0; i < MQA_HS; i++) a[i] = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= r; k += 8) {
-            const __m256 v = _mm256_loadu_ps(row + k);
-            for (int i = 0; i < MQA_HS; i++) a[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(ql + i * ql_head + k), a[i]);
-        }
-        float tail[MQA_HS] = {0};
-        for (; k < r; k++)
-            for (int i = 0; i < MQA_HS; i++) tail[i] += row[k] * ql[i * ql_head + k];
-        int64_t e = 0;
-        for (; e + 8 <= dr; e += 8) {
-            const __m256 v = _mm256_loadu_ps(row + r + e);
-            for (int i = 0; i < MQA_HS; i++) a[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(qp + i * qp_head + e), a[i]);
-        }
-        for (; e < dr; e++)
-            for (int i = 0; i < MQA_HS; i++) tail[i] += row[r + e] * qp[i * qp_head + e];
-        for (int i = 0; i < MQA_HS; i++) s[i * ls] = hsum8(a[i]) + tail[i];
-        return;
-    }
-#endif
+#ifdef MLS_SIMD
+    if (n == MQA_HS) /* a constant count: the accumulators stay in registers */
+        mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, MQA_HS, s, ls);
+    else
+        mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, n, s, ls);
+#else
     for (int i = 0; i < n; i++) s[i * ls] = dot(row, ql + i * ql_head, r) + dot(row + r, qp + i * qp_head, dr);
+#endif
 }
 
 /* o[i * r + k] (+)= sum_j p[i * lp + j] rows[j][k] for n <= MQA_HO heads, j over rows [j0, j1) in order; `acc`
@@ -1196,7 +1207,7 @@ static inline void mqa_scores(const float *row, const float *ql, int64_t ql_head
 static inline void mqa_outputs(const float *const *rows, int64_t j0, int64_t j1, const float *p, int64_t lp, int n,
                                int64_t r, int acc, float *o) {
     int64_t k = 0;
-#ifdef __AVX2__
+#ifdef MLS_SIMD
     if (n == MQA_HO) {
         for (; k + 16 <= r; k += 16) {
             __m256 a[MQA_HO][2];
@@ -1232,6 +1243,7 @@ int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const fl
                    const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                    float scale, float *out, int threads) {
     const int64_t c = r + dr, queries = b * nq;
+    if (queries <= 0 || h <= 0) return 0;
     int64_t splits = queries >= threads ? 1 : (threads + queries - 1) / queries;
     if (splits > h) splits = h;
     const int64_t hg = (h + splits - 1) / splits, items = queries * splits;
@@ -1298,7 +1310,7 @@ int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const fl
 static float rms_inv(const float *x, int64_t d, float eps) {
     int64_t i = 0;
     float ss = 0.0f;
-#ifdef __AVX2__
+#ifdef MLS_SIMD
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (; i + 16 <= d; i += 16) {
         const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);

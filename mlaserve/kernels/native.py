@@ -268,6 +268,10 @@ def dequantize_experts(type_id: int, w: torch.Tensor, experts: torch.Tensor, k: 
     """w [E, N, R] uint8 (rows contiguous), experts [A] int64 contiguous -> [A, N, K] fp32: those experts'
     rows decoded bit-identically with the reference, read in place (ggml block types)."""
     a, n = experts.shape[0], w.shape[1]
+    if w.stride(2) != 1 or w.stride(1) != w.shape[2] or experts.dtype != torch.int64 or not experts.is_contiguous():
+        raise ValueError("dequantize_experts: w needs contiguous rows per expert, experts contiguous int64")
+    if a and not 0 <= int(experts.min()) <= int(experts.max()) < w.shape[0]:
+        raise IndexError(f"dequantize_experts: an expert id outside the stack of {w.shape[0]}")
     out = torch.empty(a, n, k, dtype=torch.float32)
     rc = library().mls_dequantize_experts(
         type_id, w.data_ptr(), w.stride(0), experts.data_ptr(), a, n, w.shape[2], k, out.data_ptr(),
@@ -373,6 +377,10 @@ def latent_mqa(
     lib = library()
     b, nq = q_index.shape
     h, r = q_lat.shape[1], q_lat.shape[2]
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.shape[1] != r + q_pe.shape[2]:
+        raise ValueError("latent_mqa: q_lat / q_pe need unit stride along the row, cache rows r + dr values")
+    if q_index.dtype != torch.int64 or not q_index.is_contiguous():
+        raise ValueError("latent_mqa: q_index must be contiguous int64")
     out = torch.empty(b, nq, h, r, dtype=torch.float32)
     rc = lib.mls_latent_mqa(
         q_lat.data_ptr(),

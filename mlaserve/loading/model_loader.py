@@ -122,7 +122,12 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     quantized = scheme is not None or _has_gguf_blocks(source) or opts.quantization is not None
     probe = _native_probe if quantized else None
     engine_cfg = resolve(
-        model_cfg, opts, has_indexer_weights(source.names()), native_kernels=probe, gguf=path.is_file()
+        model_cfg,
+        opts,
+        has_indexer_weights(source.names()),
+        native_kernels=probe,
+        gguf=path.is_file(),
+        stored_bf16=lambda: _stored_bf16(source),
     )
     if engine_cfg.quantization is not None and (scheme is not None or _has_gguf_blocks(source)):
         stored = f"{scheme.method} {scheme.fmt}" if scheme is not None else "GGUF block-quantized"
@@ -211,6 +216,15 @@ def _native_probe() -> tuple[bool, str]:
 
     status = native.status()
     return status.available, status.detail
+
+
+def _stored_bf16(source) -> bool:
+    """Every matrix (2+ dims) of the checkpoint is stored in bfloat16 (norms and biases may be F32), so that
+    dtype=auto may compute in bfloat16 without rounding a stored weight (from headers; no tensor is read)."""
+    stored = source.gguf_type if hasattr(source, "gguf_type") else getattr(source, "stored_type", None)
+    if stored is None:
+        return False
+    return all(stored(n) == "BF16" for n in source.names() if len(source.shape(n)) >= 2)
 
 
 def _has_gguf_blocks(source) -> bool:

@@ -84,6 +84,10 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def stored_type(self, name: str) -> str:
+        """The file's dtype name for a tensor ("BF16", "F32", "F8_E4M3", ...), from its header."""
+        return self._slice(name).get_dtype()
+
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor, read as a slice: a rank of a
         tensor-parallel group reads its part of the file, not the whole tensor."""

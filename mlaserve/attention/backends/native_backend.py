@@ -5,7 +5,8 @@ ops per layer. For fp32 caches on the CPU (the engine picks it with the native k
 every other product is the torch backend's. Tested against `reference` like every backend
 (tests/test_attention_backends.py runs every registered backend).
 
-Notation as torch_backend.py: q [B, Q, H, r + dr], cache [S, r + dr], kv_slots [B, L], mask [B, Q, L].
+Notation as torch_backend.py: q_lat = q_nope W_UK [N, H, r] and q_pe [N, H, dr] (read by the kernel where
+they lie, through q_index [B, Q]), cache [S, r + dr], kv_slots [B, L], mask [B, Q, L].
 """
 
 from __future__ import annotations
