@@ -248,13 +248,13 @@ def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
     """The native backend's C latent MQA runs for segments of up to QUERIES queries per request; a longer
     one (an absorbed prefill) takes the torch backend's code, with the same result."""
     from mlaserve.attention.backends import native_backend
-    from mlaserve.kernels import native
+    from mlaserve.kernels import native, native_layers
 
     c = _case(0, torch.float32, "cpu")
     decode, prefill = c.segments("native")
     calls = []
-    real = native.latent_mqa
-    monkeypatch.setattr(native, "latent_mqa", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
+    real = native_layers.latent_mqa
+    monkeypatch.setattr(native_layers, "latent_mqa", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
     monkeypatch.setattr(native_backend, "QUERIES", 4)  # the prefill segment has 7 queries per request
     for i, seg in enumerate((decode, prefill)):
         _check(

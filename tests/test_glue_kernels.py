@@ -1,6 +1,6 @@
 """The native decode-step glue (blocks.c "decode-step glue") against the torch code it replaces.
 
-RMSNorm: native.rms_norm vs torch's fp32 rms_norm. Both compute x * (1 / sqrt(mean(x^2) + eps)) * w; only
+RMSNorm: native_layers.rms_norm vs torch's fp32 rms_norm. Both compute x * (1 / sqrt(mean(x^2) + eps)) * w; only
 the sum of squares is added in another order, so each output is within (d + 4) u of the reference,
 relatively (u = 2^-24: the sum's bound d u, the division, root and two products a few u more).
 The latent row: MLAAttention.write_latent with the native kernel (one C call: kv_a_layernorm, rope of k_pe
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.config.model import ModelConfig
-from mlaserve.kernels import native
+from mlaserve.kernels import native, native_layers
 from mlaserve.models.deepseek import MLAAttention
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding
 from tests.hf_models import make_config
@@ -42,13 +42,13 @@ def test_native_rms_norm_equals_torch(rows, d, scale):
     w = 1 + 0.1 * torch.randn(d, generator=g)
     for x in (wide[:, :d].contiguous(), wide[:, 2 : d + 2]):  # contiguous rows, and a strided view
         ref = F.rms_norm(x, (d,), w, 1e-6)
-        assert_norm_close(native.rms_norm(x, w, 1e-6), ref, d)
+        assert_norm_close(native_layers.rms_norm(x, w, 1e-6), ref, d)
 
 
 @needs_native
 def _counting(monkeypatch, name: str) -> list:
-    calls, real = [], getattr(native, name)
-    monkeypatch.setattr(native, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], getattr(native_layers, name)
+    monkeypatch.setattr(native_layers, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaserve.kernels import native
+from mlaserve.kernels import native, native_layers
 
 STATUS = native.status()
 needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
@@ -46,7 +46,7 @@ def test_native_latent_mqa_equals_float64(h, r, dr, threads, length):
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = native.latent_mqa(q_lat, q_pe, q_index, cache, slots, mask, scale)
+        got = native_layers.latent_mqa(q_lat, q_pe, q_index, cache, slots, mask, scale)
     finally:
         torch.set_num_threads(prev)
     want = reference(q_lat, q_pe, q_index, cache, slots, mask, scale)
@@ -72,9 +72,9 @@ def test_native_latent_mqa_does_not_depend_on_the_batch(h, threads):
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        batch = native.latent_mqa(q[..., :r], q[..., r:], torch.arange(3).view(3, 1), cache, slots, mask, 0.1)
+        batch = native_layers.latent_mqa(q[..., :r], q[..., r:], torch.arange(3).view(3, 1), cache, slots, mask, 0.1)
         for i in range(3):
-            alone = native.latent_mqa(
+            alone = native_layers.latent_mqa(
                 q[..., :r], q[..., r:], torch.tensor([[i]]), cache, slots[i : i + 1].contiguous(), mask[i : i + 1], 0.1
             )
             assert torch.equal(alone[0], batch[i])

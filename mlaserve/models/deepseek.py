@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mlaserve.config.model import ModelConfig
-from mlaserve.kernels import native
+from mlaserve.kernels import native_layers
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from mlaserve.models.moe import MoE
@@ -124,7 +124,7 @@ class MLAAttention(nn.Module):
             # one C call instead of ~20 ops per layer (norm, split, cat, rope, cast, index_copy_);
             # the rope is bit-identical, the norm equal up to its sum's rounding (kernels/blocks.c)
             norm = self.kv_a_layernorm
-            native.latent_rope_write(
+            native_layers.latent_rope_write(
                 kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, cache,
                 step.slot_mapping,
             )  # fmt: skip

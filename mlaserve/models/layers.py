@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config.model import RopeConfig
-from mlaserve.kernels import native
+from mlaserve.kernels import native_layers
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         if self.kernel == "native" and _native_fits(x, self.weight):
             # torch composes an fp32 rms_norm from ~6 ops (~30 us for one decode row here, 49 per step of
             # the standard model); the C call is one, equal up to the rounding of the sum of squares
-            return native.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            return native_layers.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # Normalise in fp32 (as the reference), scale in the model dtype. In fp32 the weight goes into
         # the same op: x * rsqrt(mean(x^2) + eps) * w, the reference's products in its order (bit for
         # bit), one op instead of two (half the time of a decode-step norm).

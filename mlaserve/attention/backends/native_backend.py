@@ -17,7 +17,7 @@ import torch
 
 from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _mask
 from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
-from mlaserve.kernels import native
+from mlaserve.kernels import native, native_layers
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
@@ -48,7 +48,7 @@ def absorbed_attention(
     q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
     mask = _mask(seg, allowed).contiguous()
     # the kernel reads each query's q_lat and q_pe where they are (token q_index), no concatenated copy
-    o_lat = native.latent_mqa(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
+    o_lat = native_layers.latent_mqa(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
     return _expand(o_lat, w_uv, heads)
 
 
