@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.config.cpu import cpu_flags
+
 BENCH_DIR = Path(__file__).resolve().parent
 MODELS_DIR = BENCH_DIR / "models"  # gitignored
 RESULTS_DIR = BENCH_DIR / "results"  # gitignored
@@ -266,14 +268,8 @@ SIMD_FLAGS += ("amx_bf16", "amx_int8", "amx_tile", "asimd", "sve", "bf16", "i8mm
 
 
 def _cpu_simd() -> list[str]:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(("flags", "Features")):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in SIMD_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
+    have = cpu_flags()
+    return [f for f in SIMD_FLAGS if f in have]
 
 
 def write_json(path: Path, data: dict) -> None:
