@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mlaserve import LLM
-from mlaserve.config.engine import SMALL_MODEL_PARAMS
+from mlaserve.config.machine import SMALL_MODEL_PARAMS
 from mlaserve.platform import threads as threads_mod
 
 

@@ -7,7 +7,7 @@ from mlaserve.attention.backends.base import AttentionBackend
 from mlaserve.attention.backends.native_backend import NativeBackend
 from mlaserve.attention.backends.torch_backend import TorchBackend
 from mlaserve.attention.reference import ReferenceBackend
-from mlaserve.config.engine import ATTENTION_BACKENDS
+from mlaserve.config.machine import ATTENTION_BACKENDS
 
 BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (TorchBackend(), NativeBackend(), ReferenceBackend())}
 assert set(BACKENDS) == set(ATTENTION_BACKENDS) - {"auto"}, "registry and config disagree on backend names"

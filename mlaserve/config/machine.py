@@ -1,0 +1,199 @@
+"""The switches about the machine and the weights' form: device, quantization at load, the native kernels and
+their activations, how a GGUF's blocks are held, the attention backend, dtype and threads. Each resolver
+takes the user's request and what it depends on, records the value and why in provenance, and refuses what
+cannot run (ConfigError). config/engine.py composes them (resolve) with the model-dependent switches; these
+names are re-exported there, with the rest of the switches' vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mlaserve.config.cpu import fast_bf16
+from mlaserve.config.model import ConfigError, ModelConfig
+from mlaserve.config.provenance import ProvenanceLog
+
+ATTENTION_BACKENDS = ("auto", "torch", "native", "reference")
+DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("auto", "native", "torch")
+ACTIVATIONS = ("float", "int8")
+QUANTIZATIONS = (None, "int8", "int4")
+GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def check_choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def choose_device(requested: str, log: ProvenanceLog) -> str:
+    check_choice("device", requested, DEVICES)
+    if requested == "auto":
+        cuda = torch.cuda.is_available()
+        return log.record(
+            "device",
+            "cuda" if cuda else "cpu",
+            "engine default (auto: torch sees " + ("a CUDA device)" if cuda else "no CUDA device)"),
+        )
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but torch sees no CUDA device (a CPU build of torch, or no GPU)")
+    return log.record("device", requested, "user option")
+
+
+def choose_quantization(requested: str | None, log: ProvenanceLog) -> str | None:
+    check_choice("quantization", requested, QUANTIZATIONS)
+    if requested is None:
+        return log.record("quantization", None, "engine default (None: weights as the checkpoint stores them)")
+    blocks = "Q8_0" if requested == "int8" else "Q4_0 (embedding and lm_head Q8_0)"
+    return log.record("quantization", requested, f"user option: float weights put into {blocks} blocks at load")
+
+
+def choose_kernels(requested: str, device: str, probe, log: ProvenanceLog) -> str:
+    check_choice("kernels", requested, KERNELS)
+    if requested == "torch":
+        return log.record("kernels", "torch", "user option")
+    if probe is None:
+        how = "user option" if requested == "native" else "engine default (auto)"
+        return log.record("kernels", "torch", f"{how}: the checkpoint holds no quantized weights")
+    if device != "cpu":
+        if requested == "native":
+            raise ConfigError(f"kernels='native' runs on the CPU; device is {device!r} (pass kernels='torch')")
+        return log.record(
+            "kernels", "torch", f"engine default (auto: the native kernels are CPU code; device {device})"
+        )
+    available, detail = probe()
+    if not available:
+        if requested == "native":
+            raise ConfigError(f"kernels='native' but the native kernels are not available: {detail}")
+        return log.record("kernels", "torch", f"engine default (auto: {detail})")
+    how = "user option" if requested == "native" else "engine default (auto: built for this CPU)"
+    return log.record("kernels", "native", f"{how}: {detail}")
+
+
+def choose_activations(requested: str, kernels: str, log: ProvenanceLog) -> str:
+    check_choice("activations", requested, ACTIVATIONS)
+    if requested == "float":
+        return log.record("activations", "float", "engine default (exact products)")
+    if kernels != "native":
+        raise ConfigError(
+            "activations='int8' runs in the native kernels, but kernels resolved to 'torch' "
+            f"({log.source('kernels')}); it needs quantized weights (a GGUF, FP8 or quantization=...) on CPU"
+        )
+    return log.record(
+        "activations",
+        "int8",
+        "user option: products of <= 16 activation rows per Q8_0 / Q4_0 weight (decode; routed experts and "
+        "attn_k_b / attn_v_b of small chunks) quantize each 32-value activation block to int8 (not exact: "
+        "|dy| <= sum |w| d_x / 2); other weight types, larger chunks and the attention over the cache stay exact",
+    )
+
+
+def choose_gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceLog) -> str | None:
+    check_choice("gguf_weights", requested, GGUF_WEIGHTS)
+    if not gguf:
+        log.record("gguf_weights", None, f"unused ({requested!r}): the checkpoint is not a GGUF file")
+        return None
+    if ranks > 1:
+        # Each rank reads its slice of the file dequantized; slicing raw ggml blocks across ranks
+        # (rows are whole blocks, columns split inside them) is not done.
+        why = f"tensor_parallel_size={ranks}: ranks read their slices dequantized (raw blocks are not sliced)"
+        if requested == "quantized":
+            raise ConfigError(f"gguf_weights='quantized' with {why}; use gguf_weights='auto' or 'dequantized'")
+        reason = "user option" if requested == "dequantized" else f"engine default (auto: {why})"
+        return log.record("gguf_weights", "dequantized", reason)
+    if requested == "auto":
+        return log.record(
+            "gguf_weights",
+            "quantized",
+            "engine default (auto: one process keeps block-quantized tensors in their ggml blocks)",
+        )
+    return log.record("gguf_weights", requested, "user option")
+
+
+def choose_attention_backend(requested: str, kernels: str, dtype: torch.dtype, log: ProvenanceLog) -> str:
+    check_choice("attention_backend", requested, ATTENTION_BACKENDS)
+    fits = kernels == "native" and dtype == torch.float32
+    if requested == "auto":
+        if fits:
+            why = "engine default (auto: native kernels and an fp32 cache: the latent MQA in one C call per layer)"
+            return log.record("attention_backend", "native", why)
+        return log.record("attention_backend", "torch", "engine default (auto: torch; 'reference' is the plain oracle)")
+    if requested == "native" and not fits:
+        raise ConfigError(
+            f"attention_backend='native' needs the native kernels and dtype float32 (kernels {kernels!r}: "
+            f"{log.source('kernels')}; dtype {dtype})"
+        )
+    return log.record("attention_backend", requested, "user option")
+
+
+def choose_dtype(
+    requested: str | None, device: str, quantized: bool, ranks: int, stored_bf16, log: ProvenanceLog
+) -> torch.dtype:
+    if requested not in (None, "auto"):
+        if requested not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {requested!r}")
+        return log.record("dtype", DTYPES[requested], "user option")
+    # bfloat16 only where it is fast and rounds no stored weight: float matrices stored in bf16, on a CPU with
+    # AVX512-BF16/AMX, one process (under torchrun each machine would read its own CPU's flags)
+    if device != "cpu":
+        why = f"float32 on {device}: exact against the reference"
+    elif quantized:
+        why = "float32 activations for quantized weights (the native kernels' products are fp32)"
+    elif ranks > 1:
+        why = "float32 with tensor_parallel_size > 1 (every rank the same, whatever its CPU)"
+    else:
+        fast, cpu = fast_bf16()
+        if fast and stored_bf16 is not None and stored_bf16():
+            return log.record(
+                "dtype",
+                torch.bfloat16,
+                f"engine default (auto: {cpu} and the checkpoint stores its matrices in bf16: bfloat16, "
+                "~2x faster than float32 there; pass dtype='float32' for results exact against the reference)",
+            )
+        if fast:
+            why = f"{cpu}, but the checkpoint's matrices are not all bf16 (bfloat16 would round them): float32"
+        else:
+            why = f"{cpu}, so float32 (exact against the reference); bfloat16 is ~4x slower here"
+    return log.record("dtype", torch.float32, f"engine default (auto: {why})")
+
+
+# Below this many weights a model is bound by per-op overhead: one thread is fastest and does not stall
+# when another process holds a core (measured; see platform/threads.py).
+SMALL_MODEL_PARAMS = 50_000_000
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def choose_threads(cfg: ModelConfig, requested: int | None, ranks: int = 1) -> tuple[int, str]:
+    """-> (threads per process, the reason recorded in provenance). Tensor parallel: the N ranks on
+    this machine share its cores."""
+    cores = _usable_cores()
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ConfigError(f"threads must be an integer >= 1, got {requested!r}")
+        return requested, "user option"
+    n = cfg.estimated_params()
+    if n < SMALL_MODEL_PARAMS:
+        return 1, (
+            f"engine default (auto: ~{n / 1e6:.1f}M parameters < {SMALL_MODEL_PARAMS // 10**6}M: per-op overhead "
+            "bound, one thread is fastest and does not stall when another process holds a core)"
+        )
+    if ranks > 1:
+        per_rank = max(1, cores // ranks)
+        return per_rank, f"engine default (auto: ~{n / 1e6:.0f}M parameters: {cores} usable cores / {ranks} ranks)"
+    return cores, f"engine default (auto: ~{n / 1e6:.0f}M parameters: every usable core, {cores})"
