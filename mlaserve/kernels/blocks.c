@@ -920,6 +920,170 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
     return 0;
 }
 
+/* ---------------------------------------------------------------- the MoE block at decode, in one call
+   A decode step's whole MoE block with ggml-block weights (GGUFExperts and a GGUFLinear shared expert): the
+   gate's logits (fp32 weights), the router (mls_moe_route), the routed experts grouped by expert (an active
+   expert's rows are read once for all of its pairs), the shared expert, and the sum, in one parallel region,
+   instead of ~10 native calls and ~30 tensor ops. For the same routing the routed part is exactly what
+   mls_moe_experts computes (each row's products do not depend on how many activation rows share them, and
+   the weighted sum runs over j in the same order) and the shared part exactly what three mls_gemm calls give;
+   the gate's logits (dot order) and the shared SwiGLU's silu (expf) round differently from torch's. */
+typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layers.py) has no padding to guess */
+    int64_t d, e, kk, inter, shared_inter; /* hidden, experts, experts per token, I, shared I (0: none) */
+    const float *gate_w, *bias;            /* [E, D] fp32, [E] fp32 or 0 */
+    int64_t scoring, method, n_group, topk_group, norm;
+    double scale; /* routed_scaling_factor (rounded to float, as the router's argument) */
+    int64_t type_gu, type_dn;
+    const uint8_t *gate_up, *down; /* [E, 2I] and [E, D] rows of ggml blocks */
+    int64_t gu_expert_stride, gu_row_bytes, dn_expert_stride, dn_row_bytes;
+    int64_t type_sg, type_su, type_sd; /* the shared expert's gate_proj [Is, D], up_proj [Is, D], down_proj [D, Is] */
+    const uint8_t *sg, *su, *sd;
+    int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
+} mls_moe_block_t;
+
+typedef struct {
+    row_fn fn;
+    fused_fn fz;
+} lin_kernel;
+
+static inline lin_kernel lin_for(int64_t type) {
+    lin_kernel l = {ggml_row((int)type), fused_row((int)type)};
+    return l;
+}
+
+/* y[i * ldy] (i < m) = the weight row at w (k values) . x[i * ldx]: mls_gemm's per-row operations */
+static inline void lin_row(lin_kernel l, const uint8_t *w, const float *x, int64_t ldx, int64_t m, int64_t k,
+                           float *y, int64_t ldy, float *buf) {
+    if (l.fz) {
+        l.fz(w, x, ldx, m, k, y, ldy);
+        return;
+    }
+    l.fn(w, buf, k);
+    for (int64_t i = 0; i < m; i++) y[i * ldy] = dot(buf, x + i * ldx, k);
+}
+
+static inline float silu_mul(float g, float u) { return (g / (1.0f + expf(-g))) * u; }
+
+/* x [T, D] (the post-attention norm's output, contiguous) -> out [T, D]; topk_w / topk_idx [T, kk] (may be 0)
+   receive the routing. Returns mls_moe_route's -3 for router settings it refuses, -1 for a weight type without
+   a decoder, -2 for rows longer than MAX_K, -4 when memory cannot be allocated. */
+int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
+                  int threads) {
+    const int64_t d = b->d, e = b->e, kk = b->kk, inter = b->inter, si = b->shared_inter;
+    const lin_kernel kgu = lin_for(b->type_gu), kdn = lin_for(b->type_dn);
+    const lin_kernel ksg = lin_for(si ? b->type_sg : b->type_gu), ksu = lin_for(si ? b->type_su : b->type_gu),
+                     ksd = lin_for(si ? b->type_sd : b->type_dn);
+    if (!kgu.fn || !kdn.fn || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
+    if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
+    if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
+    const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
+    /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
+       xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
+    const size_t nf = (size_t)(t * e + pairs + pairs * d + pairs * n_gu + pairs * inter + pairs * d + t * n_sgu +
+                               t * si + t * d);
+    const size_t ni = (size_t)(pairs + e + (e + 1) + e + pairs + pairs);
+    char *mem = (char *)malloc(sizeof(float) * nf + sizeof(int64_t) * ni + 64);
+    if (!mem) return -4;
+    int64_t *idx = (int64_t *)mem, *count = idx + pairs, *start = count + e, *act = start + e + 1;
+    int64_t *order = act + e, *pos = order + pairs;
+    float *logits = (float *)(pos + pairs), *wt = logits + t * e, *xs = wt + pairs, *gu = xs + pairs * d;
+    float *h = gu + pairs * n_gu, *ys = h + pairs * inter, *sgu = ys + pairs * d, *sh = sgu + t * n_sgu;
+    float *ysh = sh + t * si;
+    int64_t groups = 0;
+    int rc = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(d > inter ? (d > si ? d : si) : (inter > si ? inter : si)));
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < t * e; it++) logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
+#pragma omp single
+        {
+            rc = mls_moe_route(logits, t, e, b->bias, (int)b->scoring, (int)b->method, b->n_group, b->topk_group, kk,
+                               (int)b->norm, (float)b->scale, wt, idx);
+            if (rc == 0) { /* pairs sorted by expert (stable: token order within an expert), a counting sort */
+                memset(count, 0, sizeof(int64_t) * (size_t)e);
+                for (int64_t p = 0; p < pairs; p++) count[idx[p]]++;
+                int64_t s = 0;
+                for (int64_t ex = 0; ex < e; ex++)
+                    if (count[ex]) {
+                        act[groups] = ex;
+                        start[groups++] = s;
+                        s += count[ex];
+                    }
+                start[groups] = s;
+                memset(count, 0, sizeof(int64_t) * (size_t)e); /* now: pairs placed per group */
+                for (int64_t p = 0; p < pairs; p++) {
+                    int64_t a = 0;
+                    while (act[a] != idx[p]) a++;
+                    const int64_t q = start[a] + count[a]++;
+                    order[q] = p;
+                    pos[p] = q;
+                }
+            }
+        }
+        if (rc == 0) {
+#pragma omp for schedule(static)
+            for (int64_t q = 0; q < pairs; q++) memcpy(xs + q * d, x + (order[q] / kk) * d, sizeof(float) * (size_t)d);
+            /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert */
+            const int64_t runs = (n_gu + ROW_RUN - 1) / ROW_RUN, sruns = (n_sgu + ROW_RUN - 1) / ROW_RUN;
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t it = 0; it < groups * runs + sruns; it++) {
+                if (it < groups * runs) {
+                    const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
+                    const int64_t p0 = start[a], m = start[a + 1] - p0;
+                    const uint8_t *we = b->gate_up + act[a] * b->gu_expert_stride;
+                    for (int64_t r = r0; r < r1; r++)
+                        lin_row(kgu, we + r * b->gu_row_bytes, xs + p0 * d, d, m, d, gu + p0 * n_gu + r, n_gu, buf);
+                } else {
+                    const int64_t r0 = (it - groups * runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_sgu ? r0 + ROW_RUN : n_sgu;
+                    for (int64_t r = r0; r < r1; r++) {
+                        if (r < si)
+                            lin_row(ksg, b->sg + r * b->sg_row_bytes, x, d, t, d, sgu + r, n_sgu, buf);
+                        else
+                            lin_row(ksu, b->su + (r - si) * b->su_row_bytes, x, d, t, d, sgu + r, n_sgu, buf);
+                    }
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < pairs * inter + t * si; it++) {
+                if (it < pairs * inter) {
+                    const int64_t q = it / inter, i = it % inter;
+                    h[it] = silu_mul(gu[q * n_gu + i], gu[q * n_gu + inter + i]);
+                } else {
+                    const int64_t j = it - pairs * inter, tok = j / si, i = j % si;
+                    sh[j] = silu_mul(sgu[tok * n_sgu + i], sgu[tok * n_sgu + si + i]);
+                }
+            }
+            const int64_t druns = (d + ROW_RUN - 1) / ROW_RUN, sdruns = si ? druns : 0;
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t it = 0; it < groups * druns + sdruns; it++) {
+                const int64_t a = it / druns, r0 = (it % druns) * ROW_RUN, r1 = r0 + ROW_RUN < d ? r0 + ROW_RUN : d;
+                if (a < groups) {
+                    const int64_t p0 = start[a], m = start[a + 1] - p0;
+                    const uint8_t *we = b->down + act[a] * b->dn_expert_stride;
+                    for (int64_t r = r0; r < r1; r++)
+                        lin_row(kdn, we + r * b->dn_row_bytes, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
+                } else {
+                    for (int64_t r = r0; r < r1; r++)
+                        lin_row(ksd, b->sd + r * b->sd_row_bytes, sh, si, t, si, ysh + r, d, buf);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < t * d; it++) {
+                const int64_t tok = it / d, r = it % d;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < kk; j++) acc += wt[tok * kk + j] * ys[pos[tok * kk + j] * d + r];
+                out[it] = si ? acc + ysh[it] : acc;
+            }
+        }
+        free(buf);
+    }
+    if (rc == 0 && topk_w) memcpy(topk_w, wt, sizeof(float) * (size_t)pairs);
+    if (rc == 0 && topk_idx) memcpy(topk_idx, idx, sizeof(int64_t) * (size_t)pairs);
+    free(mem);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- int8 activations (an explicit option)
    llama.cpp's integer dot products, for Q8_0 and Q4_0 weights: each 32-value block of an activation row
    is quantized to int8 with its own fp32 scale d_x = max|x| / 127 (q_x = x / d_x rounded to nearest), and
@@ -1374,4 +1538,4 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
     return 0;
 }
 
-int mls_abi_version(void) { return 8; }
+int mls_abi_version(void) { return 9; }

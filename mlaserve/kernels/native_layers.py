@@ -1,10 +1,13 @@
-"""The native kernels' per-layer operations outside the matmuls (blocks.c "latent MQA" and "decode-step glue"):
-the absorbed path's latent MQA over paged rows, RMSNorm, and a step's latent rows with the query rope. The
-library, its build and the matmul / MoE wrappers are in native.py; the tests hold these to the torch code
-(tests/test_latent_mqa_kernel.py, tests/test_glue_kernels.py, the attention-backend harness).
+"""The native kernels' per-layer operations (blocks.c "latent MQA", "decode-step glue" and "the MoE block at
+decode"): the absorbed path's latent MQA over paged rows, RMSNorm, a step's latent rows with the query rope,
+and a decode step's whole MoE block. The library, its build and the matmul / MoE wrappers are in native.py;
+the tests hold these to the torch code (tests/test_latent_mqa_kernel.py, tests/test_glue_kernels.py,
+tests/test_moe_block.py, the attention-backend harness).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -111,3 +114,45 @@ def latent_rope_write(
         raise IndexError(f"latent_rope_write: a slot outside the cache of {cache.shape[0]} rows")
     if rc != 0:
         raise RuntimeError(f"native latent_rope_write refused rope width {dr} (rc {rc})")
+
+
+class MoEBlockArgs(ctypes.Structure):
+    """blocks.c mls_moe_block_t: every field 8 bytes, in the C order."""
+
+    _fields_ = [
+        *((n, ctypes.c_int64) for n in ("d", "e", "kk", "inter", "shared_inter")),
+        ("gate_w", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        *((n, ctypes.c_int64) for n in ("scoring", "method", "n_group", "topk_group", "norm")),
+        ("scale", ctypes.c_double),
+        ("type_gu", ctypes.c_int64),
+        ("type_dn", ctypes.c_int64),
+        ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        *((n, ctypes.c_int64) for n in ("gu_expert_stride", "gu_row_bytes", "dn_expert_stride", "dn_row_bytes")),
+        *((n, ctypes.c_int64) for n in ("type_sg", "type_su", "type_sd")),
+        *((n, ctypes.c_void_p) for n in ("sg", "su", "sd")),
+        *((n, ctypes.c_int64) for n in ("sg_row_bytes", "su_row_bytes", "sd_row_bytes")),
+    ]
+
+
+MOE_BLOCK_ERRORS = {-1: "a weight type without a decoder", -2: "rows longer than the kernels take",
+                    -3: "router settings out of range", -4: "out of memory"}  # fmt: skip
+
+
+def moe_block(
+    args: MoEBlockArgs, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """x [T, D] fp32 contiguous -> [T, D] fp32: the MoE block of `args` (whose weight tensors the caller keeps
+    alive). routing: (topk_w [T, k] fp32, topk_idx [T, k] int64) contiguous tensors to receive the router's
+    choice, or None."""
+    t, d = x.shape
+    out = torch.empty(t, d, dtype=torch.float32)
+    w, idx = routing if routing is not None else (None, None)
+    rc = library().mls_moe_block(
+        ctypes.byref(args), x.data_ptr(), t, out.data_ptr(), w.data_ptr() if w is not None else None,
+        idx.data_ptr() if idx is not None else None, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native moe_block refused: {MOE_BLOCK_ERRORS.get(rc, rc)}")
+    return out

@@ -136,8 +136,14 @@ class MoE(nn.Module):
         self.experts = Experts(hidden, cfg)
         n_shared = cfg.n_shared_experts
         self.shared_experts = SwiGLU(hidden, cfg.moe_intermediate_size * n_shared) if n_shared else None
+        # the whole block as one native call for decode steps (quant.ggml_linear.GGUFMoEBlock), attached by the
+        # loader where every expert weight is a ggml-block holder with the native kernels; this path is its reference
+        self.native_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.native_block
+        if block is not None and x.shape[0] <= block.max_tokens and x.dtype == torch.float32 and x.is_contiguous():
+            return block(x)
         topk_w, topk_idx = self.gate(x)
         out = self.experts(x, topk_w, topk_idx)
         if self.shared_experts is not None:

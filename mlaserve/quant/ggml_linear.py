@@ -8,6 +8,7 @@ E experts, V vocabulary.
   GGUFExperts    gate_up_proj [E, 2I, R_D] (gate rows first, as models/moe.py), down_proj [E, D, R_I];
                  gate/up share one ggml type, down may have another (Q4_K_M files mix them)
   GGUFEmbedding  weight [V, R] uint8; a lookup dequantizes only the rows it reads
+  GGUFMoEBlock   not a holder: a MoE layer of such holders run as one native call per decode step
 Every product runs in fp32 (kernels.ggml: exact dequantized weights, fp32 accumulation) and is
 rounded to the activation dtype, so with dtype float32 a holder equals F.linear over its
 dequantize() up to fp32 summation order.
@@ -20,8 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import ggml, native
-from mlaserve.models.moe import Experts
+from mlaserve.kernels import ggml, native, native_layers
+from mlaserve.models.layers import SwiGLU
+from mlaserve.models.moe import Experts, MoE
+
+# Decode steps of up to this many tokens run a MoE layer with a GGUFMoEBlock as one native call; more tokens
+# (prefill) take the per-op path, whose decode-then-GEMM products are faster there.
+BLOCK_TOKENS = ggml.GEMV_ROWS
 
 
 def _raw(shape: tuple[int, ...], device) -> nn.Parameter:
@@ -204,3 +210,92 @@ class GGUFHeads(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"
+
+
+class GGUFMoEBlock:
+    """A MoE layer's decode step in one native call (blocks.c mls_moe_block): the gate's logits, the router,
+    the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
+    tensor ops. Attached by the loader (attach_moe_blocks) where every expert weight is a ggml-block holder run
+    by the native kernels with exact activations; MoE.forward uses it for steps of up to BLOCK_TOKENS fp32
+    tokens and takes its per-op path (the reference, tests/test_moe_block.py) otherwise. For the same routing
+    its routed sum equals GGUFExperts' native one bit for bit; the gate's logits and the shared expert's silu
+    round as fp32 does in another order."""
+
+    max_tokens = BLOCK_TOKENS
+
+    def __init__(self, moe: MoE) -> None:
+        gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+        cfg = gate.cfg
+        bias = gate.e_score_correction_bias
+        a = native_layers.MoEBlockArgs()
+        a.d, a.e, a.kk, a.inter = ex.hidden, cfg.n_routed_experts, cfg.num_experts_per_tok, ex.inter
+        a.gate_w, a.bias = gate.weight.data_ptr(), bias.data_ptr() if bias is not None else None
+        a.scoring, a.method = native.SCORING[cfg.scoring_func], native.TOPK_METHOD[cfg.topk_method]
+        a.n_group, a.topk_group, a.norm, a.scale = (
+            cfg.n_group,
+            cfg.topk_group,
+            int(cfg.norm_topk_prob),
+            cfg.routed_scaling_factor,
+        )
+        a.type_gu, a.type_dn, a.gate_up, a.down = (
+            ex.type_gate_up,
+            ex.type_down,
+            ex.gate_up_proj.data_ptr(),
+            ex.down_proj.data_ptr(),
+        )
+        a.gu_expert_stride, a.gu_row_bytes = ex.gate_up_proj.stride(0), ex.gate_up_proj.shape[2]
+        a.dn_expert_stride, a.dn_row_bytes = ex.down_proj.stride(0), ex.down_proj.shape[2]
+        keep = [gate.weight, bias, ex.gate_up_proj, ex.down_proj]
+        if sh is not None:
+            a.shared_inter = sh.gate_proj.out_features
+            a.type_sg, a.type_su, a.type_sd = sh.gate_proj.ggml_type, sh.up_proj.ggml_type, sh.down_proj.ggml_type
+            a.sg, a.su, a.sd = (m.weight.data_ptr() for m in (sh.gate_proj, sh.up_proj, sh.down_proj))
+            a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = (
+                m.weight.shape[1] for m in (sh.gate_proj, sh.up_proj, sh.down_proj)
+            )
+            keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
+        self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
+
+    @staticmethod
+    def unfit(moe: MoE) -> str | None:
+        """Why this MoE layer cannot run as one native block, or None."""
+        gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+        cfg = gate.cfg
+        if not isinstance(ex, GGUFExperts) or ex.kernel != "native" or ex.int8 or ex.impl != "grouped_mm":
+            return "routed experts not ggml blocks with the native kernels and exact activations"
+        parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
+        if sh is not None and not (
+            parts
+            and all(isinstance(m, GGUFLinear) and m.kernel == "native" and not m.int8 and m.bias is None for m in parts)
+        ):
+            return "shared expert not ggml blocks with the native kernels and exact activations"
+        tensors = [gate.weight, ex.gate_up_proj, ex.down_proj, *(m.weight for m in parts)]
+        bias = gate.e_score_correction_bias
+        if any(t.device.type != "cpu" for t in tensors) or gate.weight.dtype != torch.float32:
+            return "weights not on the CPU, or the gate not fp32"
+        if not gate.weight.is_contiguous() or (
+            bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())
+        ):
+            return "gate weight / correction bias not contiguous fp32"
+        if ex.gate_up_proj.stride(1) != ex.gate_up_proj.shape[2] or ex.down_proj.stride(1) != ex.down_proj.shape[2]:
+            return "expert rows not contiguous"
+        e = cfg.n_routed_experts
+        grouped = cfg.topk_method != "greedy"
+        if e > 1024 or (
+            grouped and not (1 <= cfg.n_group <= 64 and e % cfg.n_group == 0 and 1 <= cfg.topk_group <= cfg.n_group)
+        ):
+            return "router settings beyond the native router's (1024 experts, 64 groups)"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return native_layers.moe_block(self.args, x)
+
+
+def attach_moe_blocks(model: nn.Module) -> int:
+    """After the fill and the kernel choice: every MoE layer that fits gets its GGUFMoEBlock. -> how many."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, MoE) and GGUFMoEBlock.unfit(module) is None:
+            module.native_block = GGUFMoEBlock(module)
+            n += 1
+    return n
