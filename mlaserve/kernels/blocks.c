@@ -462,7 +462,11 @@ static void simd_fp8(const uint8_t *q, const float *srow, int64_t bk, float *y, 
 
 typedef void (*row_fn)(const uint8_t *, float *, int64_t);
 
+/* F32 rows (ggml type 0: small matrices a GGUF keeps unquantized), for the one-call layers: the row as it is */
+static void row_f32(const uint8_t *b, float *y, int64_t k) { memcpy(y, b, sizeof(float) * (size_t)k); }
+
 static row_fn ggml_row(int type) {
+    if (type == 0) return row_f32;
 #ifdef MLS_SIMD
     switch (type) {
     case 2: return simd_q4_0;
@@ -639,8 +643,14 @@ FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr)
 
 typedef void (*fused_fn)(const uint8_t *, const float *, int64_t, int64_t, int64_t, float *, int64_t);
 
+/* F32 rows: dotted where they lie */
+static void fused_f32(const uint8_t *b, const float *x, int64_t ldx, int64_t m, int64_t k, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < m; i++) y[i * ldy] = dot((const float *)b, x + i * ldx, k);
+}
+
 /* The fused kernel for a type, or 0 (then: decode the row into a buffer, dot it with each x row). */
 static fused_fn fused_row(int type) {
+    if (type == 0) return fused_f32;
 #ifdef MLS_SIMD
     if (type == 8) return fused_q8_0;
     if (type == 2) return fused_q4_0;
@@ -1538,4 +1548,128 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
     return 0;
 }
 
-int mls_abi_version(void) { return 9; }
+/* ---------------------------------------------------------------- a decoder layer's decode step in one call
+   A whole decoder layer for a step of T requests with one query each (pure decode, dense absorbed attention),
+   every weight in ggml blocks: input RMSNorm; q_a, its norm and q_b (or q_proj); kv_a_proj; the latent row, its
+   norm and rope, and the query rope (mls_latent_rope_write); q_nope W_UK per head (attn_k_b); the latent MQA
+   (mls_latent_mqa); o_lat W_UV^T per head (attn_v_b); o_proj and the residual; the post-attention norm; the
+   MLP (mls_moe_block, or a dense SwiGLU) and the residual. The same operations as the per-op native path in
+   the same order (each product's rows, the norms, the rope, the attention kernel), so the result equals it bit
+   for bit except where that path leaves C: torch's silu (the dense SwiGLU; the MoE block's own differences are
+   listed above it). One call instead of ~20 native calls and ~60 tensor ops per layer. */
+typedef struct { /* a weight of ggml blocks: n rows of k values, row_bytes each */
+    int64_t type;
+    const uint8_t *w;
+    int64_t n, k, row_bytes;
+} mls_lin_t;
+
+typedef struct { /* every field 8 bytes (the ctypes mirror in kernels/native_layers.py) */
+    int64_t d, h, dn, dr, dv, r, q_lora; /* q_lora 0: q_b is q_proj, applied to the normed input */
+    double eps_in, eps_post, eps_q, eps_kv, scale; /* rounded to float as the per-op path's arguments */
+    int64_t interleaved;
+    const float *norm_in, *norm_post, *norm_q, *norm_kv;
+    mls_lin_t q_a, q_b, kv_a, o_proj;
+    int64_t type_k, type_v; /* attn_k_b [H, r, dn] and attn_v_b [H, dv, r] in blocks */
+    const uint8_t *k_b, *v_b;
+    int64_t k_head_stride, k_row_bytes, v_head_stride, v_row_bytes;
+    int64_t mlp_inter; /* a dense SwiGLU's intermediate size; 0: the MoE block below */
+    mls_lin_t mlp_gate, mlp_up, mlp_down;
+    const mls_moe_block_t *moe;
+} mls_layer_t;
+
+typedef struct { /* one decode step, shared by every layer */
+    int64_t t;               /* tokens = requests, one query each, token b of request b */
+    const float *cos, *sin;  /* [T, dr / 2] */
+    const int64_t *slots;    /* [T] the cache rows written */
+    int64_t n_slots;         /* rows of a layer's cache */
+    const int64_t *q_index;  /* [T, 1] */
+    const int64_t *kv_slots; /* [T, L] */
+    const uint8_t *mask;     /* [T, 1, L] */
+    int64_t l;
+} mls_decode_step_t;
+
+static int lin_apply(const mls_lin_t *L, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int threads) {
+    return mls_gemm((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, 0, 1, 1, 1, L->n, y, ldy, threads);
+}
+
+/* rows of x [t, d] -> y: RMSNorm, exactly mls_rms_norm's per-row operations (y may be x) */
+static void norm_rows(const float *x, int64_t t, int64_t d, const float *w, double eps, float *y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (t >= 8)
+    for (int64_t i = 0; i < t; i++) scale_rows(x + i * d, rms_inv(x + i * d, d, (float)eps), w, d, y + i * d);
+}
+
+/* y[tok, hh, i] (ldy per token, row length n per head) = head hh's ggml matrix rows (n of k values) . x[tok, hh]:
+   the per-head products of GGUFHeads (absorb / expand), each row with the same operations as its grouped GEMV */
+static void per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t row_bytes, int64_t h, int64_t n,
+                     int64_t k, const float *x, int64_t ldx, int64_t x_head, int64_t t, float *y, int64_t ldy,
+                     int threads) {
+    const lin_kernel kern = lin_for(type);
+    const int64_t runs = (n + ROW_RUN - 1) / ROW_RUN;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)k);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < h * runs; it++) {
+            const int64_t hh = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
+            for (int64_t i = r0; i < r1; i++)
+                lin_row(kern, w + hh * head_stride + i * row_bytes, x + hh * x_head, ldx, t, k, y + hh * n + i, ldy, buf);
+        }
+        free(buf);
+    }
+}
+
+/* x [T, D] -> out [T, D] (out may not be x), the layer's cache [n_slots, r + dr] written at the step's slots.
+   Returns 0, or the first refusal of a part (-1 type, -2 sizes, -3 router, -4 memory, -5 slot). */
+int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,
+                     int threads) {
+    const int64_t t = st->t, d = ly->d, h = ly->h, dn = ly->dn, dr = ly->dr, dv = ly->dv, r = ly->r;
+    const int64_t lq = h * (dn + dr), ql = ly->q_lora, inter = ly->mlp_inter;
+    if ((ql && !lin_for(ly->q_a.type).fn) || !lin_for(ly->q_b.type).fn || !lin_for(ly->kv_a.type).fn ||
+        !lin_for(ly->o_proj.type).fn || !lin_for(ly->type_k).fn || !lin_for(ly->type_v).fn)
+        return -1;
+    if (!ly->moe && (!lin_for(ly->mlp_gate.type).fn || !lin_for(ly->mlp_up.type).fn || !lin_for(ly->mlp_down.type).fn))
+        return -1;
+    const size_t nf = (size_t)(t * d + t * ql + t * lq + t * (r + dr) + 2 * t * h * r + t * h * dv + t * d +
+                               t * 2 * inter + t * inter);
+    float *mem = (float *)malloc(sizeof(float) * nf + 64);
+    if (!mem) return -4;
+    float *xn = mem, *cq = xn + t * d, *q = cq + t * ql, *kv = q + t * lq, *q_lat = kv + t * (r + dr);
+    float *o_lat = q_lat + t * h * r, *o = o_lat + t * h * r, *a = o + t * h * dv, *gu = a + t * d;
+    float *hh = gu + t * 2 * inter;
+    int rc = 0;
+    norm_rows(x, t, d, ly->norm_in, ly->eps_in, xn, threads);
+    if (ql) {
+        if ((rc = lin_apply(&ly->q_a, xn, t, d, cq, ql, threads))) goto done;
+        norm_rows(cq, t, ql, ly->norm_q, ly->eps_q, cq, threads);
+        if ((rc = lin_apply(&ly->q_b, cq, t, ql, q, lq, threads))) goto done;
+    } else if ((rc = lin_apply(&ly->q_b, xn, t, d, q, lq, threads)))
+        goto done;
+    if ((rc = lin_apply(&ly->kv_a, xn, t, d, kv, r + dr, threads))) goto done;
+    rc = mls_latent_rope_write(kv, t, r + dr, r, dr, ly->norm_kv, (float)ly->eps_kv, q, h, dn + dr, dn, st->cos,
+                               st->sin, (int)ly->interleaved, cache, st->n_slots, st->slots, threads);
+    if (rc) goto done;
+    per_head(ly->type_k, ly->k_b, ly->k_head_stride, ly->k_row_bytes, h, r, dn, q, lq, dn + dr, t, q_lat, h * r, threads);
+    rc = mls_latent_mqa(q_lat, h * r, r, q + dn, lq, dn + dr, st->q_index, cache, st->kv_slots, st->mask, t, 1, st->l,
+                        h, r, dr, (float)ly->scale, o_lat, threads);
+    if (rc) goto done;
+    per_head(ly->type_v, ly->v_b, ly->v_head_stride, ly->v_row_bytes, h, dv, r, o_lat, h * r, r, t, o, h * dv, threads);
+    if ((rc = lin_apply(&ly->o_proj, o, t, h * dv, a, d, threads))) goto done;
+    for (int64_t i = 0; i < t * d; i++) out[i] = x[i] + a[i];
+    norm_rows(out, t, d, ly->norm_post, ly->eps_post, xn, threads);
+    if (ly->moe) {
+        if ((rc = mls_moe_block(ly->moe, xn, t, a, 0, 0, threads))) goto done;
+    } else {
+        if ((rc = lin_apply(&ly->mlp_gate, xn, t, d, gu, 2 * inter, threads))) goto done;
+        if ((rc = lin_apply(&ly->mlp_up, xn, t, d, gu + inter, 2 * inter, threads))) goto done;
+        for (int64_t tok = 0; tok < t; tok++)
+            for (int64_t i = 0; i < inter; i++)
+                hh[tok * inter + i] = silu_mul(gu[tok * 2 * inter + i], gu[tok * 2 * inter + inter + i]);
+        if ((rc = lin_apply(&ly->mlp_down, hh, t, inter, a, d, threads))) goto done;
+    }
+    for (int64_t i = 0; i < t * d; i++) out[i] += a[i];
+done:
+    free(mem);
+    return rc;
+}
+
+int mls_abi_version(void) { return 10; }

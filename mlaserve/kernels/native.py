@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("blocks.c")
 FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
 FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 9  # blocks.c mls_abi_version(): the functions and signatures below
+ABI_VERSION = 10  # blocks.c mls_abi_version(): the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -117,6 +117,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
     lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
+    lib.mls_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, c_int]
     return lib, str(out)
 
 

@@ -156,3 +156,64 @@ def moe_block(
     if rc != 0:
         raise RuntimeError(f"native moe_block refused: {MOE_BLOCK_ERRORS.get(rc, rc)}")
     return out
+
+
+class LinArgs(ctypes.Structure):
+    """blocks.c mls_lin_t: a weight of ggml blocks, n rows of k values."""
+
+    _fields_ = [
+        ("type", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        *((n, ctypes.c_int64) for n in ("n", "k", "row_bytes")),
+    ]
+
+
+class LayerArgs(ctypes.Structure):
+    """blocks.c mls_layer_t: every field 8 bytes, in the C order."""
+
+    _fields_ = [
+        *((n, ctypes.c_int64) for n in ("d", "h", "dn", "dr", "dv", "r", "q_lora")),
+        *((n, ctypes.c_double) for n in ("eps_in", "eps_post", "eps_q", "eps_kv", "scale")),
+        ("interleaved", ctypes.c_int64),
+        *((n, ctypes.c_void_p) for n in ("norm_in", "norm_post", "norm_q", "norm_kv")),
+        *((n, LinArgs) for n in ("q_a", "q_b", "kv_a", "o_proj")),
+        ("type_k", ctypes.c_int64),
+        ("type_v", ctypes.c_int64),
+        ("k_b", ctypes.c_void_p),
+        ("v_b", ctypes.c_void_p),
+        *((n, ctypes.c_int64) for n in ("k_head_stride", "k_row_bytes", "v_head_stride", "v_row_bytes")),
+        ("mlp_inter", ctypes.c_int64),
+        *((n, LinArgs) for n in ("mlp_gate", "mlp_up", "mlp_down")),
+        ("moe", ctypes.POINTER(MoEBlockArgs)),
+    ]
+
+
+class DecodeStepArgs(ctypes.Structure):
+    """blocks.c mls_decode_step_t: one decode step's rope, slots and attention rows, shared by every layer."""
+
+    _fields_ = [
+        ("t", ctypes.c_int64),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("n_slots", ctypes.c_int64),
+        ("q_index", ctypes.c_void_p),
+        ("kv_slots", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("l", ctypes.c_int64),
+    ]
+
+
+LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache"}
+
+
+def decode_layer(args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x [T, D] fp32 contiguous -> the layer's output [T, D]; writes the step's rows into cache [S, r + dr] (fp32
+    contiguous, S = step.n_slots). The tensors args and step point into are kept alive by their callers."""
+    out = torch.empty_like(x)
+    rc = library().mls_decode_layer(
+        ctypes.byref(args), ctypes.byref(step), x.data_ptr(), out.data_ptr(), cache.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"native decode_layer refused: {LAYER_ERRORS.get(rc, rc)}")
+    return out

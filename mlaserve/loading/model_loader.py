@@ -21,6 +21,7 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
+from mlaserve.quant.ggml_layer import attach_decode_layers
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS, attach_moe_blocks
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
@@ -191,9 +192,13 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         quantized_at_load = quantize_model(model, engine_cfg.quantization, engine_cfg.dtype)
         report.notes.append(f"quantization={engine_cfg.quantization}: {len(quantized_at_load)} module kind(s) listed")
     _set_kernels(model, engine_cfg.kernels, engine_cfg.activations == "int8")
-    blocks = attach_moe_blocks(model)
+    blocks, layers = attach_moe_blocks(model), attach_decode_layers(model)
     if blocks:
-        report.notes.append(f"{blocks} MoE layer(s) run decode steps of <= {BLOCK_TOKENS} tokens as one native call")
+        report.notes.append(f"{blocks} MoE layer(s) run steps of <= {BLOCK_TOKENS} tokens as one native call")
+    if layers:
+        report.notes.append(
+            f"{layers} decoder layer(s) run pure decode steps of <= {BLOCK_TOKENS} requests as one native call each"
+        )
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
     if quant is not None:

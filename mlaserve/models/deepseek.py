@@ -191,6 +191,9 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the whole layer as one native call for pure decode steps (quant.ggml_layer.GGUFDecodeLayer), attached by
+        # the loader where every weight is a native ggml holder; forward() below is its reference
+        self.native_layer = None
 
     def forward(
         self,
@@ -222,12 +225,20 @@ class MLAForCausalLM(nn.Module):
         self.model = DeepseekModel(cfg, all_reduce)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope)
+        # step -> the native layers' shared step arguments, or None when the step is not theirs
+        # (quant.ggml_layer.decode_step, set by the loader with the native layers)
+        self.native_decode: Callable | None = None
 
     def forward(self, input_ids: torch.Tensor, step: StepContext, cache: LatentCache) -> torch.Tensor:
         """-> final hidden states [T, D] (normed)."""
         x = self.embed(input_ids)
         selections: Selections = None
+        native = self.native_decode(step, cache) if self.native_decode is not None else None
         for i, layer in enumerate(self.model.layers):
+            fast = layer.native_layer
+            if native is not None and fast is not None and not fast.hooked():
+                x = fast(x, native[0], cache.layers[i])  # a dense decode step: no selections to pass on
+                continue
             x, selections = layer(x, step, self.rope, cache.layers[i], cache.index_keys[i], selections)
         return self.model.norm(x)
 

@@ -212,6 +212,28 @@ class GGUFHeads(nn.Module):
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"
 
 
+def exact_native_rows(m: nn.Module) -> bool:
+    """A linear layer whose rows the one-call blocks can read: a GGUFLinear run by the native kernels with exact
+    activations, or an fp32 nn.Linear on the CPU (a matrix a GGUF keeps in F32), without bias either way."""
+    if isinstance(m, GGUFLinear):
+        return m.kernel == "native" and not m.int8 and m.bias is None
+    w = getattr(m, "weight", None)
+    return (
+        isinstance(m, nn.Linear)
+        and m.bias is None
+        and w.dtype == torch.float32
+        and w.is_contiguous()
+        and w.device.type == "cpu"
+    )
+
+
+def rows_args(m: nn.Module) -> native_layers.LinArgs:
+    """blocks.c mls_lin_t of an exact_native_rows layer (ggml type 0: F32 rows of 4 K bytes)."""
+    if isinstance(m, GGUFLinear):
+        return native_layers.LinArgs(m.ggml_type, m.weight.data_ptr(), m.out_features, m.in_features, m.weight.shape[1])
+    return native_layers.LinArgs(0, m.weight.data_ptr(), m.out_features, m.in_features, 4 * m.in_features)
+
+
 class GGUFMoEBlock:
     """A MoE layer's decode step in one native call (blocks.c mls_moe_block): the gate's logits, the router,
     the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
@@ -248,11 +270,10 @@ class GGUFMoEBlock:
         keep = [gate.weight, bias, ex.gate_up_proj, ex.down_proj]
         if sh is not None:
             a.shared_inter = sh.gate_proj.out_features
-            a.type_sg, a.type_su, a.type_sd = sh.gate_proj.ggml_type, sh.up_proj.ggml_type, sh.down_proj.ggml_type
-            a.sg, a.su, a.sd = (m.weight.data_ptr() for m in (sh.gate_proj, sh.up_proj, sh.down_proj))
-            a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = (
-                m.weight.shape[1] for m in (sh.gate_proj, sh.up_proj, sh.down_proj)
-            )
+            g, u, dn = (rows_args(m) for m in (sh.gate_proj, sh.up_proj, sh.down_proj))
+            a.type_sg, a.type_su, a.type_sd = g.type, u.type, dn.type
+            a.sg, a.su, a.sd = g.w, u.w, dn.w
+            a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = g.row_bytes, u.row_bytes, dn.row_bytes
             keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
         self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
 
@@ -264,10 +285,7 @@ class GGUFMoEBlock:
         if not isinstance(ex, GGUFExperts) or ex.kernel != "native" or ex.int8 or ex.impl != "grouped_mm":
             return "routed experts not ggml blocks with the native kernels and exact activations"
         parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
-        if sh is not None and not (
-            parts
-            and all(isinstance(m, GGUFLinear) and m.kernel == "native" and not m.int8 and m.bias is None for m in parts)
-        ):
+        if sh is not None and not (parts and all(exact_native_rows(m) for m in parts)):
             return "shared expert not ggml blocks with the native kernels and exact activations"
         tensors = [gate.weight, ex.gate_up_proj, ex.down_proj, *(m.weight for m in parts)]
         bias = gate.e_score_correction_bias

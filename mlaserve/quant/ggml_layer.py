@@ -1,0 +1,160 @@
+"""A decoder layer of ggml-block holders run as one native call per decode step (blocks.c mls_decode_layer).
+
+Notation: T tokens of a pure-decode step (T requests, one query each), D hidden, H heads, r kv_lora_rank,
+dn / dr / dv the nope / rope / v head dims, S the rows of a layer's latent cache.
+  x      [T, D]       the residual stream entering the layer, fp32
+  cache  [S, r + dr]  the layer's paged latent rows, fp32
+What runs is the layer's per-op native path (input norm, q_a / norm / q_b or q_proj, kv_a, the latent row with
+its rope, W_UK per head, the latent MQA over the paged rows, W_UV per head, o_proj, residual, post norm, the MoE
+block or a dense SwiGLU, residual) with the same per-row operations, in C, instead of ~20 native calls and ~60
+tensor ops; that path is the reference (tests/test_decode_layer.py). Where it applies is decided twice, both
+before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a native ggml holder with exact
+activations, one process), and per step from the plan (decode_step: a single dense absorbed segment on the
+native backend, one query per request, at most BLOCK_TOKENS requests, fp32 on the CPU, no forward hooks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mlaserve.kernels import native_layers
+from mlaserve.models.deepseek import DecoderLayer, MLAForCausalLM, single_process
+from mlaserve.models.layers import RMSNorm, SwiGLU
+from mlaserve.models.moe import MoE
+from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFHeads, exact_native_rows, rows_args
+
+if TYPE_CHECKING:
+    from mlaserve.executor.latent_cache import LatentCache
+    from mlaserve.executor.step_context import StepContext
+
+
+def _fp32_norm(m: nn.Module) -> bool:
+    return (
+        isinstance(m, RMSNorm) and m.kernel == "native" and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+    )
+
+
+class GGUFDecodeLayer:
+    """One decoder layer's decode step as one native call; built once at load (attach_decode_layers)."""
+
+    def __init__(self, layer: DecoderLayer, interleaved: bool) -> None:
+        attn, cfg = layer.self_attn, layer.self_attn.cfg
+        heads: GGUFHeads = attn.kept_heads
+        a = native_layers.LayerArgs()
+        a.d, a.h, a.dn, a.dr, a.dv, a.r = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
+        a.q_lora = cfg.q_lora_rank or 0
+        a.eps_in, a.eps_post = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
+        a.eps_kv, a.scale, a.interleaved = attn.kv_a_layernorm.eps, cfg.softmax_scale, int(interleaved)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
+        a.norm_in, a.norm_post, a.norm_kv = (n.weight.data_ptr() for n in norms)
+        lins = [attn.kv_a_proj_with_mqa, attn.o_proj]
+        if cfg.q_lora_rank:
+            a.eps_q, a.norm_q = attn.q_a_layernorm.eps, attn.q_a_layernorm.weight.data_ptr()
+            a.q_a, a.q_b = rows_args(attn.q_a_proj), rows_args(attn.q_b_proj)
+            norms.append(attn.q_a_layernorm)
+            lins += [attn.q_a_proj, attn.q_b_proj]
+        else:
+            a.q_b = rows_args(attn.q_proj)
+            lins.append(attn.q_proj)
+        a.kv_a, a.o_proj = rows_args(attn.kv_a_proj_with_mqa), rows_args(attn.o_proj)
+        a.type_k, a.type_v, a.k_b, a.v_b = heads.type_k, heads.type_v, heads.k_b.data_ptr(), heads.v_b.data_ptr()
+        a.k_head_stride, a.k_row_bytes = heads.k_b.stride(0), heads.k_b.shape[2]
+        a.v_head_stride, a.v_row_bytes = heads.v_b.stride(0), heads.v_b.shape[2]
+        keep: list = [n.weight for n in norms] + [m.weight for m in lins] + [heads.k_b, heads.v_b]
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            a.moe = ctypes.pointer(mlp.native_block.args)
+            keep.append(mlp.native_block)
+        else:
+            a.mlp_inter = mlp.gate_proj.out_features
+            a.mlp_gate, a.mlp_up, a.mlp_down = (
+                rows_args(mlp.gate_proj),
+                rows_args(mlp.up_proj),
+                rows_args(mlp.down_proj),
+            )
+            keep += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        self.args, self._tensors = a, tuple(keep)  # what the C struct points into stays alive with it
+        # forward hooks (observability.capture) must see the sub-blocks run: such a layer takes its per-op path
+        self._hookable = (layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+
+    @staticmethod
+    def unfit(layer: DecoderLayer) -> str | None:
+        """Why this layer cannot run its decode steps as one native call, or None."""
+        attn, cfg = layer.self_attn, layer.self_attn.cfg
+        if layer.all_reduce is not single_process:
+            return "tensor parallel (the layer's outputs are all-reduced between its parts)"
+        if attn.kernel != "native" or not isinstance(attn.kept_heads, GGUFHeads):
+            return "attention without the native kernels or without attn_k_b / attn_v_b blocks"
+        heads = attn.kept_heads
+        if heads.kernel != "native" or heads.int8 or not (heads.k_b.is_contiguous() and heads.v_b.is_contiguous()):
+            return "W_UK / W_UV not native exact-activation blocks"
+        q = [attn.q_a_proj, attn.q_b_proj] if cfg.q_lora_rank else [attn.q_proj]
+        lins = [*q, attn.kv_a_proj_with_mqa, attn.o_proj]
+        if not all(exact_native_rows(m) for m in lins):
+            return "an attention projection neither a native exact-activation ggml holder nor fp32, or with a bias"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
+        if not all(_fp32_norm(n) for n in [*norms, *([attn.q_a_layernorm] if cfg.q_lora_rank else [])]):
+            return "a norm not fp32 with the native kernels"
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            return None if mlp.native_block is not None else "MoE layer without its native block"
+        if isinstance(mlp, SwiGLU) and all(exact_native_rows(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return None
+        return "dense MLP neither native exact-activation ggml holders nor fp32"
+
+    def hooked(self) -> bool:
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self._hookable)
+
+    def __call__(self, x: torch.Tensor, step: native_layers.DecodeStepArgs, cache: torch.Tensor) -> torch.Tensor:
+        return native_layers.decode_layer(self.args, step, x, cache)
+
+
+def decode_step(step: StepContext, cache: LatentCache) -> tuple[native_layers.DecodeStepArgs, tuple] | None:
+    """The step's shared arguments when it is a pure decode step the native layers take, else None (then every
+    layer runs its per-op path): one dense absorbed segment on the native backend, one query per request in
+    request order, at most BLOCK_TOKENS of them, fp32 rope and caches on the CPU. -> (args, the tensors they
+    point into)."""
+    plan = step.plan
+    if plan.sparse or len(step.segments) != 1 or step.backends[0].name != "native":
+        return None
+    seg = step.segments[0]
+    t = step.slot_mapping.shape[0]
+    if (
+        seg.segment.path != "absorbed"
+        or seg.segment.token_start != 0
+        or seg.q_index.shape != (t, 1)
+        or t > BLOCK_TOKENS
+    ):
+        return None
+    first = cache.layers[0]
+    if step.cos.dtype != torch.float32 or first.dtype != torch.float32 or first.device.type != "cpu":
+        return None
+    kv_slots, mask, q_index = seg.kv_slots.contiguous(), seg.mask.contiguous(), seg.q_index.contiguous()
+    cos, sin, slots = step.cos.contiguous(), step.sin.contiguous(), step.slot_mapping.contiguous()
+    args = native_layers.DecodeStepArgs(
+        t, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), first.shape[0], q_index.data_ptr(), kv_slots.data_ptr(),
+        mask.data_ptr(), kv_slots.shape[1],
+    )  # fmt: skip
+    return args, (kv_slots, mask, q_index, cos, sin, slots)
+
+
+def attach_decode_layers(model: MLAForCausalLM) -> int:
+    """After the MoE blocks: every decoder layer of the trunk that fits gets its GGUFDecodeLayer. -> how many."""
+    n = 0
+    for layer in model.model.layers:
+        if GGUFDecodeLayer.unfit(layer) is None:
+            layer.native_layer = GGUFDecodeLayer(layer, model.rope.interleaved)
+            n += 1
+    model.native_decode = decode_step if n else None
+    return n

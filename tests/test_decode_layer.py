@@ -1,0 +1,101 @@
+"""Decoder layers run as one native call per pure decode step (quant.ggml_layer.GGUFDecodeLayer, blocks.c
+mls_decode_layer) against their per-op path, on llama.cpp's GGUF fixtures (../shared/fixtures/).
+
+The native layer repeats the per-op native path's operations in C, so the two differ only where that path leaves
+C: torch's silu in a dense SwiGLU, and the MoE block's gate logits / shared silu (tests/test_moe_block.py); the
+logits then agree to fp32 rounding (1e-5 on these fixtures' log-probabilities, as tests/test_gguf_quantized.py
+holds the native kernels to the dequantized file). Requests of different lengths decode together, so each
+request's own rows and mask are exercised, and a one-token prompt is decoded from its first step."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import fixture_dir
+
+from mlaserve import LLM
+from mlaserve.kernels import native, native_layers
+from mlaserve.observability.capture import Capture
+from mlaserve.sampling.params import SamplingParams
+
+NATIVE = native.status()
+pytestmark = pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")
+# ds3: q_lora, a dense first layer, sigmoid / noaux_tc MoE; ds2lite: q_proj (no q_lora), softmax greedy MoE
+FILES = [("ds3", "q8_0"), ("ds3", "q4_0"), ("ds3", "q4_k_m"), ("ds2lite", "q8_0"), ("ds2lite", "q4_k_m")]
+PROMPTS = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [8], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+
+
+def _llm(name: str, gtype: str, **kw) -> LLM:
+    path = fixture_dir(name) / f"model-{gtype}.gguf"
+    if not path.exists():
+        pytest.skip(f"../shared/fixtures/{name} has no {gtype} file")
+    return LLM(str(path), kernels="native", **kw)
+
+
+def _run(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, int]:
+    calls = []
+    real = native_layers.decode_layer
+    monkeypatch.setattr(native_layers, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(native_layers, "decode_layer", real)
+    return [o.token_ids for o in outs], [[sorted(s.values()) for s in o.logprobs] for o in outs], len(calls)
+
+
+@pytest.mark.parametrize("name,gtype", FILES)
+def test_native_layers_equal_the_per_op_path(name, gtype, monkeypatch):
+    llm = _llm(name, gtype)
+    model = llm.runner.model
+    layers = model.model.layers
+    assert all(layer.native_layer is not None for layer in layers) and model.native_decode is not None
+    assert any("decoder layer(s) run pure decode steps" in n for n in llm.loaded.report.notes)
+    tok_a, lp_a, calls = _run(llm, PROMPTS, monkeypatch)
+    # 9 decode steps of 4 requests after the prompts' step (whose one-token prompt rides in a prefill step)
+    assert calls >= 9 * len(layers) and calls % len(layers) == 0
+    native_decode, model.native_decode = model.native_decode, None
+    tok_b, lp_b, calls_b = _run(llm, PROMPTS, monkeypatch)
+    model.native_decode = native_decode
+    assert calls_b == 0 and tok_a == tok_b
+    diff = max(abs(a - b) for ra, rb in zip(lp_a, lp_b) for sa, sb in zip(ra, rb) for a, b in zip(sa, sb))
+    print(f"{name} {gtype}: native layers vs per-op max |dlogprob| {diff:.2e}")
+    assert diff <= 1e-5, diff
+
+
+def test_one_token_prompt_decodes_natively_from_its_first_step(monkeypatch):
+    """A single-token prompt is a decode step (context 0, one key: its own row, written first)."""
+    llm = _llm("ds3", "q8_0")
+    n = len(llm.runner.model.model.layers)
+    tok_a, lp_a, calls = _run(llm, [[8]], monkeypatch)
+    assert calls == 10 * n  # every step, the first included
+    llm.runner.model.native_decode = None
+    tok_b, lp_b, _ = _run(llm, [[8]], monkeypatch)
+    assert tok_a == tok_b
+    assert max(abs(a - b) for sa, sb in zip(lp_a[0], lp_b[0]) for a, b in zip(sa, sb)) <= 1e-5
+
+
+def test_where_the_native_layers_do_not_run(monkeypatch):
+    """Not attached: the torch kernels, int8 activations, W_UK / W_UV without blocks (glm5's are F16). Attached
+    but not run: prefill steps, sparse steps (ds32's DSA), and layers under forward hooks (observability.capture
+    must see every sub-block)."""
+    for opts in ({"kernels": "torch"}, {"activations": "int8"}):
+        path = fixture_dir("ds3") / "model-q8_0.gguf"
+        llm = LLM(str(path), **{"kernels": "native", **opts})
+        assert all(layer.native_layer is None for layer in llm.runner.model.model.layers), opts
+    glm5 = fixture_dir("glm5") / "model-q8_0.gguf"
+    if glm5.exists():
+        assert all(layer.native_layer is None for layer in LLM(str(glm5), kernels="native").runner.model.model.layers)
+    ds32 = fixture_dir("ds32") / "model-q8_0.gguf"
+    if ds32.exists():
+        llm = LLM(str(ds32), kernels="native")  # attention auto: sparse on a DSA model
+        assert llm.runner.model.native_decode is not None
+        _, _, calls = _run(llm, PROMPTS[:2], monkeypatch)
+        assert calls == 0
+        dense = LLM(str(ds32), kernels="native", attention="dense")
+        _, _, calls = _run(dense, PROMPTS[:2], monkeypatch)
+        assert calls > 0
+    llm = _llm("ds3", "q8_0")
+    _, _, calls = _run(llm, [list(range(3, 40))], monkeypatch)
+    n = len(llm.runner.model.model.layers)
+    assert calls == 9 * n  # the 37-token prompt's prefill step took the per-op path
+    with Capture(llm.runner.model) as acts:
+        _, _, calls = _run(llm, [[5, 9, 2, 7]], monkeypatch)
+    assert calls == 0 and acts.tensors
