@@ -31,6 +31,15 @@
 #define MAX_K 65536
 #define MAX_ROPE 1024 /* longest rope slice (qk_rope_head_dim) the glue kernels take */
 #define ROW_RUN 8 /* weight rows per parallel work item where items would otherwise be single short rows */
+/* Software prefetch: each weight row, when its turn comes, asks for the bytes PREFETCH_AHEAD further on (the
+   rows a thread takes next lie there). Weights stream from DRAM once per step and the hardware prefetcher alone
+   kept a Q8_0 GEMV at ~14 GB/s on 2 threads where the memory reads ~27 GB/s; with this, ~21 GB/s (4 KiB ahead
+   measured best of 0.5-8 KiB; 2-core Xeon, AVX-512). A prefetch never faults, past the end of a matrix too. */
+#define PREFETCH_AHEAD 4096
+static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
+    const char *p = (const char *)row + PREFETCH_AHEAD;
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
 
 static inline float f16(const uint8_t *p) {
 #ifdef __F16C__
@@ -590,10 +599,11 @@ static inline __attribute__((always_inline)) void fused_q4_0_mr(const uint8_t *b
 
 /* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of
    FUSED_ROWS rows; the chunk size is a constant in each call so the accumulators stay in registers. */
-#define FUSED_ROW_FN(name, kernel)                                                                    \
+#define FUSED_ROW_FN(name, kernel, bytes)                                                             \
     static void name(const uint8_t *b, const float *x, int64_t ldx, int64_t m, int64_t k, float *y,      \
                      int64_t ldy) {                                                                   \
         int64_t i = 0;                                                                                \
+        prefetch_row(b, (bytes));                                                                     \
         for (; i + 4 <= m; i += 4) kernel(b, x + i * ldx, ldx, 4, k, y + i * ldy, ldy);               \
         switch (m - i) {                                                                              \
         case 3: kernel(b, x + i * ldx, ldx, 3, k, y + i * ldy, ldy); break;                           \
@@ -636,15 +646,16 @@ static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
-FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr)
-FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr)
-FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr)
+FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr, k / 32 * 34)
+FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr, k / 32 * 18)
+FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210)
 #endif
 
 typedef void (*fused_fn)(const uint8_t *, const float *, int64_t, int64_t, int64_t, float *, int64_t);
 
 /* F32 rows: dotted where they lie */
 static void fused_f32(const uint8_t *b, const float *x, int64_t ldx, int64_t m, int64_t k, float *y, int64_t ldy) {
+    prefetch_row(b, 4 * k);
     for (int64_t i = 0; i < m; i++) y[i * ldy] = dot((const float *)b, x + i * ldx, k);
 }
 
@@ -711,6 +722,7 @@ int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const 
         float *buf = (float *)malloc(sizeof(float) * (size_t)k);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
+            prefetch_row(w + r * row_bytes, row_bytes);
             decode_row(type, fn, w + r * row_bytes, &f, scale, r, buf, k);
             for (int64_t i = 0; i < m; i++) y[i * ldy + r] = dot(buf, x + i * ldx, k);
         }
@@ -751,6 +763,7 @@ int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int6
         for (int64_t it = 0; it < items; it++) {
             const int64_t a = it / n, r = it % n, e = experts[a];
             const float *sbase = scale ? scale + e * scale_expert_stride : 0;
+            prefetch_row(w + e * expert_stride + r * row_bytes, row_bytes);
             decode_row(type, fn, w + e * expert_stride + r * row_bytes, &f, sbase, r, buf, k);
             for (int64_t p = starts[a]; p < starts[a + 1]; p++) y[p * n + r] = dot(buf, x + p * k, k);
         }
@@ -767,7 +780,10 @@ int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, con
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) decode_row(type, fn, w + r * row_bytes, &f, scale, r, out + r * k, k);
+    for (int64_t r = 0; r < n; r++) {
+        prefetch_row(w + r * row_bytes, row_bytes);
+        decode_row(type, fn, w + r * row_bytes, &f, scale, r, out + r * k, k);
+    }
     return 0;
 }
 
@@ -779,8 +795,11 @@ int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, co
     row_fn fn = ggml_row(type);
     if (!fn) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t it = 0; it < a * n; it++)
-        fn(w + experts[it / n] * expert_stride + (it % n) * row_bytes, out + it * k, k);
+    for (int64_t it = 0; it < a * n; it++) {
+        const uint8_t *row = w + experts[it / n] * expert_stride + (it % n) * row_bytes;
+        prefetch_row(row, row_bytes);
+        fn(row, out + it * k, k);
+    }
     return 0;
 }
 
@@ -954,20 +973,28 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
 typedef struct {
     row_fn fn;
     fused_fn fz;
+    int64_t row_bytes; /* for the prefetch of decoded (not fused) rows; 0: none */
 } lin_kernel;
 
 static inline lin_kernel lin_for(int64_t type) {
-    lin_kernel l = {ggml_row((int)type), fused_row((int)type)};
+    lin_kernel l = {ggml_row((int)type), fused_row((int)type), 0};
+    return l;
+}
+
+static inline lin_kernel lin_rows(int64_t type, int64_t row_bytes) {
+    lin_kernel l = lin_for(type);
+    l.row_bytes = row_bytes;
     return l;
 }
 
 /* y[i * ldy] (i < m) = the weight row at w (k values) . x[i * ldx]: mls_gemm's per-row operations */
 static inline void lin_row(lin_kernel l, const uint8_t *w, const float *x, int64_t ldx, int64_t m, int64_t k,
                            float *y, int64_t ldy, float *buf) {
-    if (l.fz) {
+    if (l.fz) { /* it prefetches itself */
         l.fz(w, x, ldx, m, k, y, ldy);
         return;
     }
+    prefetch_row(w, l.row_bytes);
     l.fn(w, buf, k);
     for (int64_t i = 0; i < m; i++) y[i * ldy] = dot(buf, x + i * ldx, k);
 }
@@ -980,9 +1007,10 @@ static inline float silu_mul(float g, float u) { return (g / (1.0f + expf(-g))) 
 int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
                   int threads) {
     const int64_t d = b->d, e = b->e, kk = b->kk, inter = b->inter, si = b->shared_inter;
-    const lin_kernel kgu = lin_for(b->type_gu), kdn = lin_for(b->type_dn);
-    const lin_kernel ksg = lin_for(si ? b->type_sg : b->type_gu), ksu = lin_for(si ? b->type_su : b->type_gu),
-                     ksd = lin_for(si ? b->type_sd : b->type_dn);
+    const lin_kernel kgu = lin_rows(b->type_gu, b->gu_row_bytes), kdn = lin_rows(b->type_dn, b->dn_row_bytes);
+    const lin_kernel ksg = lin_rows(si ? b->type_sg : b->type_gu, b->sg_row_bytes),
+                     ksu = lin_rows(si ? b->type_su : b->type_gu, b->su_row_bytes),
+                     ksd = lin_rows(si ? b->type_sd : b->type_dn, b->sd_row_bytes);
     if (!kgu.fn || !kdn.fn || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
     if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
     if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
@@ -1603,7 +1631,7 @@ static void norm_rows(const float *x, int64_t t, int64_t d, const float *w, doub
 static void per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t row_bytes, int64_t h, int64_t n,
                      int64_t k, const float *x, int64_t ldx, int64_t x_head, int64_t t, float *y, int64_t ldy,
                      int threads) {
-    const lin_kernel kern = lin_for(type);
+    const lin_kernel kern = lin_rows(type, row_bytes);
     const int64_t runs = (n + ROW_RUN - 1) / ROW_RUN;
 #pragma omp parallel num_threads(threads)
     {
