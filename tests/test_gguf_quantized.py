@@ -218,7 +218,10 @@ def test_tied_embeddings_share_the_blocks(hf_model_dir, tmp_path):
     assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.weight is model.model.embed_tokens.weight
     ids = random_ids(24, seed=1)
     a, b = kept.prompt_logits(ids), dense.prompt_logits(ids)
-    assert (a - b).abs().max().item() <= 1e-5 and torch.equal(a.argmax(-1), b.argmax(-1))
+    # ATOL (1e-5) is the summation-order bound for |logit| < 10; this model's logits reach ~21 and the bound
+    # grows with sum|x w|, i.e. with the logits' scale (measured: 1.05e-5 at 21 = 4 ulps, AVX-512 kernels)
+    tol = 1e-5 * max(1.0, b.abs().max().item() / 10)
+    assert (a - b).abs().max().item() <= tol and torch.equal(a.argmax(-1), b.argmax(-1))
     assert any(s.name == "gguf Q8_0 lm_head" and "tied" in s.source for s in kept.loaded.gguf.settings())
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mlaserve.config.cpu import cpu_flags
 from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
@@ -403,3 +404,32 @@ def test_native_attention_backend_resolution():
     )
     with pytest.raises(ConfigError, match="attention_backend='native' needs the native kernels"):
         resolve(cfg, EngineOptions(device="cpu", attention_backend="native"), False)
+
+
+@needs_native
+@pytest.mark.skipif(
+    "avx512f" not in cpu_flags(),
+    reason="no AVX-512 here: the default build is the AVX2 one, tested above",
+)
+def test_avx2_kernels_on_an_avx512_machine(monkeypatch):
+    """The library is built for the CPU at hand (-march=native), so an AVX-512 machine runs the AVX-512 fused
+    kernels and never the AVX2 ones that other machines run: this builds the AVX2 variant too (-mno-avx512f) and
+    holds its products to the same bound, so both code paths are tested wherever the suite runs."""
+    lib, detail = native._build(("-mno-avx512f",))
+    assert lib is not None, detail
+    k, results = 512, {}
+    for variant in ("avx512", "avx2"):
+        if variant == "avx2":
+            monkeypatch.setitem(native._state, "lib", lib)
+        for name in ("Q8_0", "Q4_0", "Q6_K", "Q4_K"):
+            t = GGML_TYPE_IDS[name]
+            raw = random_blocks(name, 37, k, torch.Generator().manual_seed(GGML_TYPE_IDS[name]))
+            w = ggml.dense(raw, t, k)
+            for rows in (1, 3, 4, 5, 8, 9, 16):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                y = ggml.linear(x, raw, t, k, kernel="native")
+                assert_within_sum_bound(y, F.linear(x, w), x, w)
+                results[variant, name, rows] = y
+    assert native.library() is lib
+    # the two builds really differ (summation in 8 vs 16 lanes) where the fused kernels run
+    assert not torch.equal(results["avx2", "Q8_0", 16], results["avx512", "Q8_0", 16])

@@ -59,19 +59,22 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
+def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
+    """extra_flags: appended to FLAGS (the tests build an AVX2-only variant on AVX-512 machines with
+    -mno-avx512f, so that both code paths are held to the reference wherever the suite runs)."""
     cc = _compiler()
     if cc is None:
         return None, "no C compiler on PATH (set CC, or install gcc): using the torch path"
     src = SOURCE.read_bytes()
+    flags = (*FLAGS, *extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n", 1)[0]
-    key = hashlib.sha256(src + version.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + version.encode() + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out = _cache_dir() / f"blocks-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-lm", "-o", tmp], capture_output=True, text=True)
+        run = subprocess.run([cc, *flags, str(SOURCE), "-lm", "-o", tmp], capture_output=True, text=True)
         if run.returncode != 0:
             os.unlink(tmp)
             return None, f"{cc} could not build {SOURCE.name}: {run.stderr.strip()[:400]}"
