@@ -650,6 +650,42 @@ static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
+/* Q4_K: super-blocks of 256 values in 8 groups of 32, each with a 6-bit scale and min (k_scale_min). The min
+   does not factor out of a group's sum without cancellation, so each value is decoded in registers exactly as
+   simd_q4_k decodes it (dd * q - dm, the reference's operations) and multiplied into the rows: no row buffer
+   written and read back, the same values, only the summation order differs. */
+static inline __attribute__((always_inline)) void fused_q4_k_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 144) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = h ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
+                const __m256 dv = _mm256_set1_ps(dd[2 * c + h]), mv = _mm256_set1_ps(dm[2 * c + h]);
+                const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+                const __m256 w0 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(lo)), mv);
+                const __m256 w1 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(_mm_srli_si128(lo, 8))), mv);
+                const __m256 w2 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(hi)), mv);
+                const __m256 w3 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(_mm_srli_si128(hi, 8))), mv);
+                const float *xb = x + blk * 256 + 64 * c + 32 * h;
+                for (int i = 0; i < mr; i++) { /* a group's partial sum, then one add: a short chain per row */
+                    const float *xi = xb + i * ldx;
+                    __m256 a = _mm256_mul_ps(w0, _mm256_loadu_ps(xi));
+                    a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), a);
+                    a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xi + 16), a);
+                    acc[i] = _mm256_add_ps(acc[i], _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), a));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
 /* AVX-512 (16 lanes, 32 registers): a block's 32 codes in two registers, 8 activation rows per pass; the same
    scheme (d applied to each block's partial sum, s = w0 x0 + w1 x1 in that order), so the same bound, and each
    row's operations still do not depend on how many rows share the pass. Where the CPU has it, about half the
@@ -694,11 +730,40 @@ static inline __attribute__((always_inline)) void wide_q4_0_mr(const uint8_t *b,
     for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
 }
 
+static inline __attribute__((always_inline)) void wide_q4_k_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                               const int mr, int64_t k, float *y, int64_t ldy) {
+    __m512 acc[8];
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 144) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = h ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
+                const __m512 dv = _mm512_set1_ps(dd[2 * c + h]), mv = _mm512_set1_ps(dm[2 * c + h]);
+                const __m512 w0 = _mm512_sub_ps(_mm512_mul_ps(dv, i8x16(_mm256_castsi256_si128(v))), mv);
+                const __m512 w1 = _mm512_sub_ps(_mm512_mul_ps(dv, i8x16(_mm256_extracti128_si256(v, 1))), mv);
+                const float *xb = x + blk * 256 + 64 * c + 32 * h;
+                for (int i = 0; i < mr; i++) {
+                    const float *xi = xb + i * ldx;
+                    const __m512 a = _mm512_mul_ps(w0, _mm512_loadu_ps(xi));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), a));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
+
 FUSED_ROW_FN(fused_q8_0, wide_q8_0_mr, k / 32 * 34, 8)
 FUSED_ROW_FN(fused_q4_0, wide_q4_0_mr, k / 32 * 18, 8)
+FUSED_ROW_FN(fused_q4_k, wide_q4_k_mr, k / 256 * 144, 8)
 #else
 FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr, k / 32 * 34, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr, k / 32 * 18, FUSED_ROWS)
+FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
 #endif
 FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
 #endif
@@ -718,6 +783,7 @@ static fused_fn fused_row(int type) {
     if (type == 8) return fused_q8_0;
     if (type == 2) return fused_q4_0;
     if (type == 14) return fused_q6_k;
+    if (type == 12) return fused_q4_k;
 #endif
     (void)type;
     return 0;
@@ -1241,6 +1307,7 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, in
                      int64_t ldy) {                                                                        \
         const int64_t kb = k / 32;                                                                         \
         int64_t i = 0;                                                                                     \
+        prefetch_row(b, kb * (type == 8 ? 34 : 18));                                                       \
         for (; i + 4 <= m; i += 4) q8rows_mr(b, type, xq + i * k, xd + i * kb, 4, k, y + i * ldy, ldy);    \
         switch (m - i) {                                                                                   \
         case 3: q8rows_mr(b, type, xq + i * k, xd + i * kb, 3, k, y + i * ldy, ldy); break;                \
@@ -1255,6 +1322,7 @@ Q8ROWS_FN(q8rows_q4_0, 2)
 static void q8rows_scalar(const uint8_t *b0, int type, const int8_t *xq, const float *xd, int64_t m, int64_t k,
                           float *y, int64_t ldy) {
     const int64_t kb = k / 32, bytes = type == 8 ? 34 : 18;
+    prefetch_row(b0, kb * bytes);
     for (int64_t i = 0; i < m; i++) {
         const uint8_t *b = b0;
         float acc = 0.0f;
