@@ -41,9 +41,12 @@ def _run(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, i
     return [o.token_ids for o in outs], [[sorted(s.values()) for s in o.logprobs] for o in outs], len(calls)
 
 
-@pytest.mark.parametrize("name,gtype", FILES)
-def test_native_layers_equal_the_per_op_path(name, gtype, monkeypatch):
-    llm = _llm(name, gtype)
+@pytest.mark.parametrize(
+    "name,gtype,activations", [(*f, "float") for f in FILES] + [("ds3", "q8_0", "int8"), ("ds3", "q4_0", "int8")]
+)
+def test_native_layers_equal_the_per_op_path(name, gtype, activations, monkeypatch):
+    """activations="int8": both paths quantize the same activations with the same kernels."""
+    llm = _llm(name, gtype, activations=activations)
     model = llm.runner.model
     layers = model.model.layers
     assert all(layer.native_layer is not None for layer in layers) and model.native_decode is not None
@@ -55,9 +58,26 @@ def test_native_layers_equal_the_per_op_path(name, gtype, monkeypatch):
     tok_b, lp_b, calls_b = _run(llm, PROMPTS, monkeypatch)
     model.native_decode = native_decode
     assert calls_b == 0 and tok_a == tok_b
-    diff = max(abs(a - b) for ra, rb in zip(lp_a, lp_b) for sa, sb in zip(ra, rb) for a, b in zip(sa, sb))
-    print(f"{name} {gtype}: native layers vs per-op max |dlogprob| {diff:.2e}")
-    assert diff <= 1e-5, diff
+    diff = _max_diff(lp_a, lp_b)
+    print(f"{name} {gtype} {activations}: native layers vs per-op max |dlogprob| {diff:.2e}")
+    if activations == "float":
+        assert diff <= 1e-5, diff
+    else:  # int8 codes are discontinuous: an ulp of difference upstream (silu, the gate's sum) can flip one, so
+        # the two int8 paths are held to the int8 error itself: int8 against exact on the same contexts (the
+        # first request's tokens as one prompt of <= 16 tokens, whose products all take the small-batch path)
+        seq = PROMPTS[0] + tok_b[0]
+        int8_error = _max_diff([_top3(llm.prompt_logits(seq))], [_top3(_llm(name, gtype).prompt_logits(seq))])
+        print(f"  int8 vs exact, same contexts: {int8_error:.2e}")
+        assert diff <= max(int8_error, 1e-5), (diff, int8_error)
+
+
+def _top3(logits) -> list:
+    """Per position the sorted top-3 log-probabilities (what generate's logprobs=3 reports)."""
+    return [sorted(r.tolist()) for r in logits.float().log_softmax(-1).topk(3, dim=-1).values]
+
+
+def _max_diff(lp_a: list, lp_b: list) -> float:
+    return max(abs(a - b) for ra, rb in zip(lp_a, lp_b) for sa, sb in zip(ra, rb) for a, b in zip(sa, sb))
 
 
 def test_one_token_prompt_decodes_natively_from_its_first_step(monkeypatch):
@@ -73,13 +93,12 @@ def test_one_token_prompt_decodes_natively_from_its_first_step(monkeypatch):
 
 
 def test_where_the_native_layers_do_not_run(monkeypatch):
-    """Not attached: the torch kernels, int8 activations, W_UK / W_UV without blocks (glm5's are F16). Attached
-    but not run: prefill steps, sparse steps (ds32's DSA), and layers under forward hooks (observability.capture
-    must see every sub-block)."""
-    for opts in ({"kernels": "torch"}, {"activations": "int8"}):
-        path = fixture_dir("ds3") / "model-q8_0.gguf"
-        llm = LLM(str(path), **{"kernels": "native", **opts})
-        assert all(layer.native_layer is None for layer in llm.runner.model.model.layers), opts
+    """Not attached: the torch kernels, W_UK / W_UV without blocks (glm5's are F16). Attached but not run: prefill
+    steps, sparse steps (ds32's DSA), and layers under forward hooks (observability.capture must see every
+    sub-block)."""
+    llm = LLM(str(fixture_dir("ds3") / "model-q8_0.gguf"), kernels="torch")
+    assert all(layer.native_layer is None for layer in llm.runner.model.model.layers)
+    assert llm.runner.model.native_decode is None
     glm5 = fixture_dir("glm5") / "model-q8_0.gguf"
     if glm5.exists():
         assert all(layer.native_layer is None for layer in LLM(str(glm5), kernels="native").runner.model.model.layers)

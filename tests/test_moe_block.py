@@ -165,6 +165,26 @@ def test_routed_sum_equals_the_pairwise_experts_call(types, tokens):
         assert idx.unique().numel() < idx.numel()  # some expert serves several pairs: the grouped branch ran
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 5, BLOCK_TOKENS])
+@pytest.mark.parametrize("types", list(TYPES))
+def test_int8_routed_sum_equals_the_pairwise_int8_call(types, tokens):
+    """activations="int8": the block quantizes the activations where the per-op path does (both types of the
+    routed pair Q8_0 / Q4_0, else exact), with the same kernels: bit for bit the pairwise call's result."""
+    moe = make_moe("v3", types, shared=False)
+    for m in moe.modules():
+        if hasattr(m, "int8"):
+            m.int8 = True
+    block = GGUFMoEBlock(moe)
+    assert block.args.int8 == 1
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
+    y, w, idx = routing(block, x)
+    ex = moe.experts
+    want = ggml.moe_experts(x, w, idx, ex.gate_up_proj, ex.type_gate_up, ex.down_proj, ex.type_down, int8=True)
+    assert torch.equal(y, want)
+    exact = ggml.moe_experts(x, w, idx, ex.gate_up_proj, ex.type_gate_up, ex.down_proj, ex.type_down, int8=False)
+    assert torch.equal(y, exact) == (types != "q8_0")  # only the all-Q8_0 pair takes int8 here
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 @pytest.mark.parametrize("router", list(ROUTERS))
 def test_routing_equals_the_gate(router, tokens):
@@ -214,19 +234,16 @@ def test_block_equals_the_per_op_path_and_the_reference(types, router, tokens):
 
 
 def test_where_the_block_applies():
-    """Attached only where every expert weight is a native ggml holder with exact activations; used only for
-    fp32 steps of up to BLOCK_TOKENS tokens (prefill and bf16 take the per-op path)."""
+    """Attached only where every expert weight is a native ggml holder, with one activation choice; used only
+    for fp32 steps of up to BLOCK_TOKENS tokens (prefill and bf16 take the per-op path)."""
     moe = make_moe("v3", "q8_0")
     set_kernel(moe, "torch")
     assert GGUFMoEBlock.unfit(moe) is not None and attach_moe_blocks(moe) == 0
     set_kernel(moe, "native")
-    moe.experts.int8 = True  # activations="int8": the per-op path's int8 kernels
-    assert "exact activations" in GGUFMoEBlock.unfit(moe)
-    moe.experts.int8 = False
-    moe.shared_experts.up_proj.int8 = True
-    assert "shared expert" in GGUFMoEBlock.unfit(moe)
+    moe.shared_experts.up_proj.int8 = True  # one activation choice per block (the loader sets every holder alike)
+    assert "activations" in GGUFMoEBlock.unfit(moe)
     moe.shared_experts.up_proj.int8 = False
-    assert attach_moe_blocks(moe) == 1
+    assert attach_moe_blocks(moe) == 1 and moe.native_block.args.int8 == 0
     dense = MoE(D, moe.gate.cfg)  # float experts (a safetensors model): no block
     assert GGUFMoEBlock.unfit(dense) is not None
     calls = []

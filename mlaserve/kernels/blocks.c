@@ -1086,7 +1086,13 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
     int64_t type_sg, type_su, type_sd; /* the shared expert's gate_proj [Is, D], up_proj [Is, D], down_proj [D, Is] */
     const uint8_t *sg, *su, *sd;
     int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
+    int64_t int8; /* activations="int8": Q8_0 / Q4_0 products take int8 activations, as the per-op path's */
 } mls_moe_block_t;
+
+/* the int8-activation kernels, defined below */
+typedef void (*q8rows_fn)(const uint8_t *, const int8_t *, const float *, int64_t, int64_t, float *, int64_t);
+static q8rows_fn q8rows(int type);
+static void quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d);
 
 typedef struct {
     row_fn fn;
@@ -1132,19 +1138,30 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     if (!kgu.fn || !kdn.fn || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
     if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
     if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
+    /* int8 activations where the per-op path takes them: the routed pair only when both of its types do (as
+       mls_moe_experts_q8), each shared projection on its own (as a GGUFLinear) */
+    const q8rows_fn qgu = b->int8 && q8rows((int)b->type_dn) ? q8rows((int)b->type_gu) : 0;
+    const q8rows_fn qdn = qgu ? q8rows((int)b->type_dn) : 0;
+    const q8rows_fn qsg = b->int8 && si ? q8rows((int)b->type_sg) : 0, qsu = b->int8 && si ? q8rows((int)b->type_su) : 0;
+    const q8rows_fn qsd = b->int8 && si ? q8rows((int)b->type_sd) : 0;
+    if ((qgu || qsg || qsu || qsd) && (d % 32 || inter % 32 || si % 32)) return -2;
     const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
     /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
        xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
     const size_t nf = (size_t)(t * e + pairs + pairs * d + pairs * n_gu + pairs * inter + pairs * d + t * n_sgu +
                                t * si + t * d);
     const size_t ni = (size_t)(pairs + e + (e + 1) + e + pairs + pairs);
-    char *mem = (char *)malloc(sizeof(float) * nf + sizeof(int64_t) * ni + 64);
+    /* int8 codes and scales of xs, h, x and the shared h (allocated only with int8) */
+    const size_t nq = b->int8 ? (size_t)(pairs * d + pairs * inter + t * d + t * si) : 0;
+    char *mem = (char *)malloc(sizeof(float) * nf + sizeof(int64_t) * ni + nq * (1 + sizeof(float)) + 64);
     if (!mem) return -4;
     int64_t *idx = (int64_t *)mem, *count = idx + pairs, *start = count + e, *act = start + e + 1;
     int64_t *order = act + e, *pos = order + pairs;
     float *logits = (float *)(pos + pairs), *wt = logits + t * e, *xs = wt + pairs, *gu = xs + pairs * d;
     float *h = gu + pairs * n_gu, *ys = h + pairs * inter, *sgu = ys + pairs * d, *sh = sgu + t * n_sgu;
     float *ysh = sh + t * si;
+    float *xsd = ysh + t * d, *hd = xsd + pairs * d / 32, *xd = hd + pairs * inter / 32, *shd = xd + t * d / 32;
+    int8_t *xsq = (int8_t *)(shd + t * si / 32), *hq = xsq + pairs * d, *xq = hq + pairs * inter, *shq = xq + t * d;
     int64_t groups = 0;
     int rc = 0;
 #pragma omp parallel num_threads(threads)
@@ -1180,6 +1197,13 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
         if (rc == 0) {
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < pairs; q++) memcpy(xs + q * d, x + (order[q] / kk) * d, sizeof(float) * (size_t)d);
+            if (b->int8) {
+#pragma omp single
+                {
+                    if (qgu) quantize_rows_q8(xs, pairs, d, d, xsq, xsd);
+                    if (qsg || qsu) quantize_rows_q8(x, t, d, d, xq, xd);
+                }
+            }
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert */
             const int64_t runs = (n_gu + ROW_RUN - 1) / ROW_RUN, sruns = (n_sgu + ROW_RUN - 1) / ROW_RUN;
 #pragma omp for schedule(dynamic, 4)
@@ -1188,15 +1212,23 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                     const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
                     const uint8_t *we = b->gate_up + act[a] * b->gu_expert_stride;
-                    for (int64_t r = r0; r < r1; r++)
-                        lin_row(kgu, we + r * b->gu_row_bytes, xs + p0 * d, d, m, d, gu + p0 * n_gu + r, n_gu, buf);
+                    for (int64_t r = r0; r < r1; r++) {
+                        const uint8_t *row = we + r * b->gu_row_bytes;
+                        if (qgu)
+                            qgu(row, xsq + p0 * d, xsd + p0 * (d / 32), m, d, gu + p0 * n_gu + r, n_gu);
+                        else
+                            lin_row(kgu, row, xs + p0 * d, d, m, d, gu + p0 * n_gu + r, n_gu, buf);
+                    }
                 } else {
                     const int64_t r0 = (it - groups * runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_sgu ? r0 + ROW_RUN : n_sgu;
                     for (int64_t r = r0; r < r1; r++) {
-                        if (r < si)
-                            lin_row(ksg, b->sg + r * b->sg_row_bytes, x, d, t, d, sgu + r, n_sgu, buf);
+                        const int up = r >= si;
+                        const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
+                        const q8rows_fn q8 = up ? qsu : qsg;
+                        if (q8)
+                            q8(row, xq, xd, t, d, sgu + r, n_sgu);
                         else
-                            lin_row(ksu, b->su + (r - si) * b->su_row_bytes, x, d, t, d, sgu + r, n_sgu, buf);
+                            lin_row(up ? ksu : ksg, row, x, d, t, d, sgu + r, n_sgu, buf);
                     }
                 }
             }
@@ -1210,6 +1242,13 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                     sh[j] = silu_mul(sgu[tok * n_sgu + i], sgu[tok * n_sgu + si + i]);
                 }
             }
+            if (qdn || qsd) {
+#pragma omp single
+                {
+                    if (qdn) quantize_rows_q8(h, pairs, inter, inter, hq, hd);
+                    if (qsd) quantize_rows_q8(sh, t, si, si, shq, shd);
+                }
+            }
             const int64_t druns = (d + ROW_RUN - 1) / ROW_RUN, sdruns = si ? druns : 0;
 #pragma omp for schedule(dynamic, 4)
             for (int64_t it = 0; it < groups * druns + sdruns; it++) {
@@ -1217,11 +1256,21 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 if (a < groups) {
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
                     const uint8_t *we = b->down + act[a] * b->dn_expert_stride;
-                    for (int64_t r = r0; r < r1; r++)
-                        lin_row(kdn, we + r * b->dn_row_bytes, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
+                    for (int64_t r = r0; r < r1; r++) {
+                        const uint8_t *row = we + r * b->dn_row_bytes;
+                        if (qdn)
+                            qdn(row, hq + p0 * inter, hd + p0 * (inter / 32), m, inter, ys + p0 * d + r, d);
+                        else
+                            lin_row(kdn, row, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
+                    }
                 } else {
-                    for (int64_t r = r0; r < r1; r++)
-                        lin_row(ksd, b->sd + r * b->sd_row_bytes, sh, si, t, si, ysh + r, d, buf);
+                    for (int64_t r = r0; r < r1; r++) {
+                        const uint8_t *row = b->sd + r * b->sd_row_bytes;
+                        if (qsd)
+                            qsd(row, shq, shd, t, si, ysh + r, d);
+                        else
+                            lin_row(ksd, row, sh, si, t, si, ysh + r, d, buf);
+                    }
                 }
             }
 #pragma omp for schedule(static)
@@ -1273,14 +1322,21 @@ static void quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, 
 
 /* One weight row (raw blocks b) times m quantized activation rows (xq [m, k] int8, xd [m, k / 32]) ->
    y[i * ldy]; each weight block is unpacked once per chunk of up to 4 rows. */
-typedef void (*q8rows_fn)(const uint8_t *, const int8_t *, const float *, int64_t, int64_t, float *, int64_t);
 
 #ifdef MLS_SIMD
 /* 8 float partial sums of the int8 products of a weight block (as |w| and its signs) with x (x in
    [-127, 127]: |w| x pairs stay inside maddubs' int16 range) */
 static inline __m256 i8dot32(__m256i aw, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* VNNI: the same int32 sums of four u8 x s8 products in one instruction (maddubs cannot saturate here:
+       |w| <= 128 and |x| <= 127, so the pairs' sums stay below 2^15), hence the same results */
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w)));
+#elif defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w)));
+#else
     const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
 }
 
 static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, int type, const int8_t *xq,
@@ -1723,6 +1779,7 @@ typedef struct { /* every field 8 bytes (the ctypes mirror in kernels/native_lay
     int64_t mlp_inter; /* a dense SwiGLU's intermediate size; 0: the MoE block below */
     mls_lin_t mlp_gate, mlp_up, mlp_down;
     const mls_moe_block_t *moe;
+    int64_t int8; /* activations="int8": Q8_0 / Q4_0 products with int8 activations, as the per-op path's */
 } mls_layer_t;
 
 typedef struct { /* one decode step, shared by every layer */
@@ -1736,7 +1793,10 @@ typedef struct { /* one decode step, shared by every layer */
     int64_t l;
 } mls_decode_step_t;
 
-static int lin_apply(const mls_lin_t *L, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int threads) {
+static int lin_apply(const mls_lin_t *L, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int int8,
+                     int threads) {
+    if (int8 && q8rows((int)L->type))
+        return mls_gemm_q8((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, y, ldy, threads);
     return mls_gemm((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, 0, 1, 1, 1, L->n, y, ldy, threads);
 }
 
@@ -1748,9 +1808,31 @@ static void norm_rows(const float *x, int64_t t, int64_t d, const float *w, doub
 
 /* y[tok, hh, i] (ldy per token, row length n per head) = head hh's ggml matrix rows (n of k values) . x[tok, hh]:
    the per-head products of GGUFHeads (absorb / expand), each row with the same operations as its grouped GEMV */
-static void per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t row_bytes, int64_t h, int64_t n,
-                     int64_t k, const float *x, int64_t ldx, int64_t x_head, int64_t t, float *y, int64_t ldy,
-                     int threads) {
+static int per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t row_bytes, int64_t h, int64_t n,
+                    int64_t k, const float *x, int64_t ldx, int64_t x_head, int64_t t, float *y, int64_t ldy,
+                    int int8, int threads) {
+    if (int8 && q8rows((int)type)) { /* as GGUFHeads with int8: the rows gathered head by head, one grouped call */
+        float *xs = (float *)malloc(sizeof(float) * (size_t)(h * t * k + h * t * n) + 1);
+        int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * h + 1));
+        int rc = xs && ids ? 0 : -4;
+        if (!rc) {
+            float *ys = xs + h * t * k;
+            for (int64_t hh = 0; hh < h; hh++) {
+                ids[hh] = hh;
+                ids[h + hh] = hh * t;
+                for (int64_t tok = 0; tok < t; tok++)
+                    memcpy(xs + (hh * t + tok) * k, x + tok * ldx + hh * x_head, sizeof(float) * (size_t)k);
+            }
+            ids[2 * h] = h * t;
+            rc = mls_grouped_gemm_q8((int)type, xs, k, w, n, row_bytes, head_stride, ids, ids + h, h, ys, threads);
+            for (int64_t hh = 0; !rc && hh < h; hh++)
+                for (int64_t tok = 0; tok < t; tok++)
+                    memcpy(y + tok * ldy + hh * n, ys + (hh * t + tok) * n, sizeof(float) * (size_t)n);
+        }
+        free(xs);
+        free(ids);
+        return rc;
+    }
     const lin_kernel kern = lin_rows(type, row_bytes);
     const int64_t runs = (n + ROW_RUN - 1) / ROW_RUN;
 #pragma omp parallel num_threads(threads)
@@ -1764,6 +1846,7 @@ static void per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_
         }
         free(buf);
     }
+    return 0;
 }
 
 /* x [T, D] -> out [T, D] (out may not be x), the layer's cache [n_slots, r + dr] written at the step's slots.
@@ -1772,6 +1855,7 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
                      int threads) {
     const int64_t t = st->t, d = ly->d, h = ly->h, dn = ly->dn, dr = ly->dr, dv = ly->dv, r = ly->r;
     const int64_t lq = h * (dn + dr), ql = ly->q_lora, inter = ly->mlp_inter;
+    const int i8 = (int)ly->int8;
     if ((ql && !lin_for(ly->q_a.type).fn) || !lin_for(ly->q_b.type).fn || !lin_for(ly->kv_a.type).fn ||
         !lin_for(ly->o_proj.type).fn || !lin_for(ly->type_k).fn || !lin_for(ly->type_v).fn)
         return -1;
@@ -1787,32 +1871,36 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
     int rc = 0;
     norm_rows(x, t, d, ly->norm_in, ly->eps_in, xn, threads);
     if (ql) {
-        if ((rc = lin_apply(&ly->q_a, xn, t, d, cq, ql, threads))) goto done;
+        if ((rc = lin_apply(&ly->q_a, xn, t, d, cq, ql, i8, threads))) goto done;
         norm_rows(cq, t, ql, ly->norm_q, ly->eps_q, cq, threads);
-        if ((rc = lin_apply(&ly->q_b, cq, t, ql, q, lq, threads))) goto done;
-    } else if ((rc = lin_apply(&ly->q_b, xn, t, d, q, lq, threads)))
+        if ((rc = lin_apply(&ly->q_b, cq, t, ql, q, lq, i8, threads))) goto done;
+    } else if ((rc = lin_apply(&ly->q_b, xn, t, d, q, lq, i8, threads)))
         goto done;
-    if ((rc = lin_apply(&ly->kv_a, xn, t, d, kv, r + dr, threads))) goto done;
+    if ((rc = lin_apply(&ly->kv_a, xn, t, d, kv, r + dr, i8, threads))) goto done;
     rc = mls_latent_rope_write(kv, t, r + dr, r, dr, ly->norm_kv, (float)ly->eps_kv, q, h, dn + dr, dn, st->cos,
                                st->sin, (int)ly->interleaved, cache, st->n_slots, st->slots, threads);
     if (rc) goto done;
-    per_head(ly->type_k, ly->k_b, ly->k_head_stride, ly->k_row_bytes, h, r, dn, q, lq, dn + dr, t, q_lat, h * r, threads);
+    rc = per_head(ly->type_k, ly->k_b, ly->k_head_stride, ly->k_row_bytes, h, r, dn, q, lq, dn + dr, t, q_lat, h * r,
+                  i8, threads);
+    if (rc) goto done;
     rc = mls_latent_mqa(q_lat, h * r, r, q + dn, lq, dn + dr, st->q_index, cache, st->kv_slots, st->mask, t, 1, st->l,
                         h, r, dr, (float)ly->scale, o_lat, threads);
     if (rc) goto done;
-    per_head(ly->type_v, ly->v_b, ly->v_head_stride, ly->v_row_bytes, h, dv, r, o_lat, h * r, r, t, o, h * dv, threads);
-    if ((rc = lin_apply(&ly->o_proj, o, t, h * dv, a, d, threads))) goto done;
+    rc = per_head(ly->type_v, ly->v_b, ly->v_head_stride, ly->v_row_bytes, h, dv, r, o_lat, h * r, r, t, o, h * dv, i8,
+                  threads);
+    if (rc) goto done;
+    if ((rc = lin_apply(&ly->o_proj, o, t, h * dv, a, d, i8, threads))) goto done;
     for (int64_t i = 0; i < t * d; i++) out[i] = x[i] + a[i];
     norm_rows(out, t, d, ly->norm_post, ly->eps_post, xn, threads);
     if (ly->moe) {
         if ((rc = mls_moe_block(ly->moe, xn, t, a, 0, 0, threads))) goto done;
     } else {
-        if ((rc = lin_apply(&ly->mlp_gate, xn, t, d, gu, 2 * inter, threads))) goto done;
-        if ((rc = lin_apply(&ly->mlp_up, xn, t, d, gu + inter, 2 * inter, threads))) goto done;
+        if ((rc = lin_apply(&ly->mlp_gate, xn, t, d, gu, 2 * inter, i8, threads))) goto done;
+        if ((rc = lin_apply(&ly->mlp_up, xn, t, d, gu + inter, 2 * inter, i8, threads))) goto done;
         for (int64_t tok = 0; tok < t; tok++)
             for (int64_t i = 0; i < inter; i++)
                 hh[tok * inter + i] = silu_mul(gu[tok * 2 * inter + i], gu[tok * 2 * inter + inter + i]);
-        if ((rc = lin_apply(&ly->mlp_down, hh, t, inter, a, d, threads))) goto done;
+        if ((rc = lin_apply(&ly->mlp_down, hh, t, inter, a, d, i8, threads))) goto done;
     }
     for (int64_t i = 0; i < t * d; i++) out[i] += a[i];
 done:

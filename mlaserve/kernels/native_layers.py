@@ -133,6 +133,7 @@ class MoEBlockArgs(ctypes.Structure):
         *((n, ctypes.c_int64) for n in ("type_sg", "type_su", "type_sd")),
         *((n, ctypes.c_void_p) for n in ("sg", "su", "sd")),
         *((n, ctypes.c_int64) for n in ("sg_row_bytes", "su_row_bytes", "sd_row_bytes")),
+        ("int8", ctypes.c_int64),
     ]
 
 
@@ -185,6 +186,7 @@ class LayerArgs(ctypes.Structure):
         ("mlp_inter", ctypes.c_int64),
         *((n, LinArgs) for n in ("mlp_gate", "mlp_up", "mlp_down")),
         ("moe", ctypes.POINTER(MoEBlockArgs)),
+        ("int8", ctypes.c_int64),
     ]
 
 

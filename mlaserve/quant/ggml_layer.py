@@ -7,9 +7,10 @@ dn / dr / dv the nope / rope / v head dims, S the rows of a layer's latent cache
 What runs is the layer's per-op native path (input norm, q_a / norm / q_b or q_proj, kv_a, the latent row with
 its rope, W_UK per head, the latent MQA over the paged rows, W_UV per head, o_proj, residual, post norm, the MoE
 block or a dense SwiGLU, residual) with the same per-row operations, in C, instead of ~20 native calls and ~60
-tensor ops; that path is the reference (tests/test_decode_layer.py). Where it applies is decided twice, both
-before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a native ggml holder with exact
-activations, one process), and per step from the plan (decode_step: a single dense absorbed segment on the
+tensor ops; that path is the reference (tests/test_decode_layer.py). With activations="int8" the Q8_0 / Q4_0
+products take int8 activations exactly where the per-op path's do (the same kernels and quantization). Where it applies is decided twice, both
+before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a native ggml holder or F32 rows,
+one activation choice for the layer, one process), and per step from the plan (decode_step: a single dense absorbed segment on the
 native backend, one query per request, at most BLOCK_TOKENS requests, fp32 on the CPU, no forward hooks).
 """
 
@@ -25,7 +26,7 @@ from mlaserve.kernels import native_layers
 from mlaserve.models.deepseek import DecoderLayer, MLAForCausalLM, single_process
 from mlaserve.models.layers import RMSNorm, SwiGLU
 from mlaserve.models.moe import MoE
-from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFHeads, exact_native_rows, rows_args
+from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFHeads, native_rows, rows_args
 
 if TYPE_CHECKING:
     from mlaserve.executor.latent_cache import LatentCache
@@ -84,6 +85,7 @@ class GGUFDecodeLayer:
                 rows_args(mlp.down_proj),
             )
             keep += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        a.int8 = int(heads.int8)
         self.args, self._tensors = a, tuple(keep)  # what the C struct points into stays alive with it
         # forward hooks (observability.capture) must see the sub-blocks run: such a layer takes its per-op path
         self._hookable = (layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
@@ -97,21 +99,24 @@ class GGUFDecodeLayer:
         if attn.kernel != "native" or not isinstance(attn.kept_heads, GGUFHeads):
             return "attention without the native kernels or without attn_k_b / attn_v_b blocks"
         heads = attn.kept_heads
-        if heads.kernel != "native" or heads.int8 or not (heads.k_b.is_contiguous() and heads.v_b.is_contiguous()):
-            return "W_UK / W_UV not native exact-activation blocks"
+        int8 = heads.int8  # one activation choice for the whole layer (the loader sets every holder alike)
+        if heads.kernel != "native" or not (heads.k_b.is_contiguous() and heads.v_b.is_contiguous()):
+            return "W_UK / W_UV not native blocks"
         q = [attn.q_a_proj, attn.q_b_proj] if cfg.q_lora_rank else [attn.q_proj]
         lins = [*q, attn.kv_a_proj_with_mqa, attn.o_proj]
-        if not all(exact_native_rows(m) for m in lins):
-            return "an attention projection neither a native exact-activation ggml holder nor fp32, or with a bias"
+        if not all(native_rows(m, int8) for m in lins):
+            return "an attention projection neither a native ggml holder (with W_UK's activations) nor fp32, or with a bias"
         norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
         if not all(_fp32_norm(n) for n in [*norms, *([attn.q_a_layernorm] if cfg.q_lora_rank else [])]):
             return "a norm not fp32 with the native kernels"
         mlp = layer.mlp
         if isinstance(mlp, MoE):
-            return None if mlp.native_block is not None else "MoE layer without its native block"
-        if isinstance(mlp, SwiGLU) and all(exact_native_rows(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            if mlp.native_block is None or bool(mlp.native_block.args.int8) != int8:
+                return "MoE layer without its native block (or with other activations)"
             return None
-        return "dense MLP neither native exact-activation ggml holders nor fp32"
+        if isinstance(mlp, SwiGLU) and all(native_rows(m, int8) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return None
+        return "dense MLP neither native ggml holders (with the layer's activations) nor fp32"
 
     def hooked(self) -> bool:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._hookable)

@@ -212,11 +212,12 @@ class GGUFHeads(nn.Module):
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"
 
 
-def exact_native_rows(m: nn.Module) -> bool:
-    """A linear layer whose rows the one-call blocks can read: a GGUFLinear run by the native kernels with exact
-    activations, or an fp32 nn.Linear on the CPU (a matrix a GGUF keeps in F32), without bias either way."""
+def native_rows(m: nn.Module, int8: bool = False) -> bool:
+    """A linear layer whose rows the one-call blocks can read: a GGUFLinear run by the native kernels (with int8
+    activations exactly when `int8`: a block runs one activation choice), or an fp32 nn.Linear on the CPU (a
+    matrix a GGUF keeps in F32; always exact), without bias either way."""
     if isinstance(m, GGUFLinear):
-        return m.kernel == "native" and not m.int8 and m.bias is None
+        return m.kernel == "native" and m.int8 == int8 and m.bias is None
     w = getattr(m, "weight", None)
     return (
         isinstance(m, nn.Linear)
@@ -228,7 +229,7 @@ def exact_native_rows(m: nn.Module) -> bool:
 
 
 def rows_args(m: nn.Module) -> native_layers.LinArgs:
-    """blocks.c mls_lin_t of an exact_native_rows layer (ggml type 0: F32 rows of 4 K bytes)."""
+    """blocks.c mls_lin_t of a native_rows layer (ggml type 0: F32 rows of 4 K bytes)."""
     if isinstance(m, GGUFLinear):
         return native_layers.LinArgs(m.ggml_type, m.weight.data_ptr(), m.out_features, m.in_features, m.weight.shape[1])
     return native_layers.LinArgs(0, m.weight.data_ptr(), m.out_features, m.in_features, 4 * m.in_features)
@@ -238,7 +239,7 @@ class GGUFMoEBlock:
     """A MoE layer's decode step in one native call (blocks.c mls_moe_block): the gate's logits, the router,
     the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
     tensor ops. Attached by the loader (attach_moe_blocks) where every expert weight is a ggml-block holder run
-    by the native kernels with exact activations; MoE.forward uses it for steps of up to BLOCK_TOKENS fp32
+    by the native kernels (int8 activations where the per-op path has them); MoE.forward uses it for steps of up to BLOCK_TOKENS fp32
     tokens and takes its per-op path (the reference, tests/test_moe_block.py) otherwise. For the same routing
     its routed sum equals GGUFExperts' native one bit for bit; the gate's logits and the shared expert's silu
     round as fp32 does in another order."""
@@ -275,6 +276,7 @@ class GGUFMoEBlock:
             a.sg, a.su, a.sd = g.w, u.w, dn.w
             a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = g.row_bytes, u.row_bytes, dn.row_bytes
             keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
+        a.int8 = int(ex.int8)
         self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
 
     @staticmethod
@@ -282,11 +284,13 @@ class GGUFMoEBlock:
         """Why this MoE layer cannot run as one native block, or None."""
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
         cfg = gate.cfg
-        if not isinstance(ex, GGUFExperts) or ex.kernel != "native" or ex.int8 or ex.impl != "grouped_mm":
-            return "routed experts not ggml blocks with the native kernels and exact activations"
+        if not isinstance(ex, GGUFExperts) or ex.kernel != "native" or ex.impl != "grouped_mm":
+            return "routed experts not ggml blocks with the native kernels"
         parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
-        if sh is not None and not (parts and all(exact_native_rows(m) for m in parts)):
-            return "shared expert not ggml blocks with the native kernels and exact activations"
+        if sh is not None and not (parts and all(native_rows(m, ex.int8) for m in parts)):
+            return "shared expert not ggml blocks with the native kernels and the routed experts' activations"
+        if cfg.scoring_func not in native.SCORING or cfg.topk_method not in native.TOPK_METHOD:
+            return f"router {cfg.scoring_func} / {cfg.topk_method} not in the native router"
         tensors = [gate.weight, ex.gate_up_proj, ex.down_proj, *(m.weight for m in parts)]
         bias = gate.e_score_correction_bias
         if any(t.device.type != "cpu" for t in tensors) or gate.weight.dtype != torch.float32:
