@@ -757,15 +757,45 @@ static inline __attribute__((always_inline)) void wide_q4_k_mr(const uint8_t *b,
     for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
 }
 
+/* Q6_K: a 32-code group's two 16-value halves (each with its int8 scale) in one register each; d * sc applied
+   to each half's partial sum, as the AVX2 kernel does */
+static inline __attribute__((always_inline)) void wide_q6_k_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                               const int mr, int64_t k, float *y, int64_t ldy) {
+    __m512 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                const __m256i q = q6k_codes(ql0, ql1, qh, g);
+                const int t = 128 * h + 32 * g;
+                const __m512 w0 = i8x16(_mm256_castsi256_si128(q)), w1 = i8x16(_mm256_extracti128_si256(q, 1));
+                const __m512 s0 = _mm512_set1_ps(d * (float)sc[t >> 4]), s1 = _mm512_set1_ps(d * (float)sc[(t >> 4) + 1]);
+                for (int i = 0; i < mr; i++) {
+                    const float *xi = x + i * ldx + blk * 256 + t;
+                    const __m512 p0 = _mm512_mul_ps(w0, _mm512_loadu_ps(xi)), p1 = _mm512_mul_ps(w1, _mm512_loadu_ps(xi + 16));
+                    acc[i] = _mm512_fmadd_ps(s1, p1, _mm512_fmadd_ps(s0, p0, acc[i]));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
+
 FUSED_ROW_FN(fused_q8_0, wide_q8_0_mr, k / 32 * 34, 8)
 FUSED_ROW_FN(fused_q4_0, wide_q4_0_mr, k / 32 * 18, 8)
 FUSED_ROW_FN(fused_q4_k, wide_q4_k_mr, k / 256 * 144, 8)
+FUSED_ROW_FN(fused_q6_k, wide_q6_k_mr, k / 256 * 210, 8)
 #else
 FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr, k / 32 * 34, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr, k / 32 * 18, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
-#endif
 FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
+#endif
 #endif
 
 typedef void (*fused_fn)(const uint8_t *, const float *, int64_t, int64_t, int64_t, float *, int64_t);
