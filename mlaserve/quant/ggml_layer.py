@@ -142,8 +142,10 @@ def decode_step(step: StepContext, cache: LatentCache) -> tuple[native_layers.De
         or t > BLOCK_TOKENS
     ):
         return None
-    first = cache.layers[0]
+    first = cache.layers[0]  # every layer's cache has the same shape and layout (LatentCache allocates them alike)
     if step.cos.dtype != torch.float32 or first.dtype != torch.float32 or first.device.type != "cpu":
+        return None
+    if not first.is_contiguous():
         return None
     kv_slots, mask, q_index = seg.kv_slots.contiguous(), seg.mask.contiguous(), seg.q_index.contiguous()
     cos, sin, slots = step.cos.contiguous(), step.sin.contiguous(), step.slot_mapping.contiguous()
