@@ -101,7 +101,13 @@ def test_where_the_native_layers_do_not_run(monkeypatch):
     assert llm.runner.model.native_decode is None
     glm5 = fixture_dir("glm5") / "model-q8_0.gguf"
     if glm5.exists():
-        assert all(layer.native_layer is None for layer in LLM(str(glm5), kernels="native").runner.model.model.layers)
+        llm = LLM(str(glm5), kernels="native")
+        assert all(layer.native_layer is None for layer in llm.runner.model.model.layers)
+        n = len(llm.runner.model.model.layers)  # the load report says which layers and why
+        assert (
+            f"decoder layer(s) 0-{n - 1} decode per op: attention without the native kernels or without attn_k_b / attn_v_b blocks"
+            in llm.loaded.report.notes
+        )
     ds32 = fixture_dir("ds32") / "model-q8_0.gguf"
     if ds32.exists():
         llm = LLM(str(ds32), kernels="native")  # attention auto: sparse on a DSA model

@@ -21,7 +21,7 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
-from mlaserve.quant.ggml_layer import attach_decode_layers
+from mlaserve.quant.ggml_layer import attach_decode_layers, decode_layer_misses
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS, attach_moe_blocks
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
@@ -199,6 +199,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(
             f"{layers} decoder layer(s) run pure decode steps of <= {BLOCK_TOKENS} requests as one native call each"
         )
+    if engine_cfg.kernels == "native" and (gguf_plan is not None or quantized_at_load):
+        report.notes.extend(decode_layer_misses(model))  # block holders on the native kernels: say what did not fit
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
     if quant is not None:

@@ -165,3 +165,23 @@ def attach_decode_layers(model: MLAForCausalLM) -> int:
             n += 1
     model.native_decode = decode_step if n else None
     return n
+
+
+def decode_layer_misses(model: MLAForCausalLM) -> list[str]:
+    """For the load report: which trunk layers run decode steps per op instead of as one call, and why (one line
+    per reason, with the layers), so that a GGUF whose layers do not qualify (F16 attn_k_b, say) says so."""
+    why: dict[str, list[int]] = {}
+    for i, layer in enumerate(model.model.layers):
+        if layer.native_layer is None:
+            why.setdefault(GGUFDecodeLayer.unfit(layer) or "not attached", []).append(i)
+    return [f"decoder layer(s) {_ranges(ids)} decode per op: {reason}" for reason, ids in why.items()]
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], ids[0]
+    for a, b in zip(ids, [*ids[1:], None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ", ".join(out)
