@@ -5,8 +5,8 @@
    row is decoded into an fp32 row buffer with exactly the float operations of the reference
    dequantizers (mlaserve/gguf/quants.py, mlaserve/quant/fp8_block.py, fp4_group.py), in the same
    order, so the decoded values are bit-identical;
-   only the summation order of the dot products differs from "dequantize, then GEMM". Q8_0, Q4_0
-   and Q6_K (the commonest decode types) skip the buffer: see "fused decode-and-dot" below.
+   only the summation order of the dot products differs from "dequantize, then GEMM". Q8_0, Q4_0, Q4_K,
+   Q6_K (the commonest decode types) and F32 rows skip the buffer: see "fused decode-and-dot" below.
    Compiled with -ffp-contract=off so that no a*b-c of a decoder becomes a fused multiply-add;
    the dot products use explicit FMA intrinsics where AVX2 is there.
 
@@ -538,7 +538,7 @@ static inline float dot(const float *w, const float *x, int64_t k) {
 #endif
 }
 
-/* ---------------------------------------------------------------- fused decode-and-dot (Q8_0, Q4_0, Q6_K)
+/* ---------------------------------------------------------------- fused decode-and-dot (Q8_0, Q4_0, Q4_K, Q6_K)
    For the commonest decode types the row is not decoded into a buffer: each block's codes are
    converted to float once, multiplied into up to FUSED_ROWS activation rows, and the block scale
    is applied to the block's partial sum: y += d * sum_j(q_j * x_j) instead of sum_j((d * q_j) * x_j).
@@ -597,8 +597,9 @@ static inline __attribute__((always_inline)) void fused_q4_0_mr(const uint8_t *b
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
-/* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of
-   FUSED_ROWS rows; the chunk size is a constant in each call so the accumulators stay in registers. */
+/* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
+   rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
+   stay in registers. */
 #define FUSED_ROW_FN(name, kernel, bytes, chunk)                                                      \
     static void name(const uint8_t *b, const float *x, int64_t ldx, int64_t m, int64_t k, float *y,      \
                      int64_t ldy) {                                                                   \
@@ -1168,10 +1169,9 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     if (!kgu.fn || !kdn.fn || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
     if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
     if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
-    /* int8 activations where the per-op path takes them: the routed pair only when both of its types do (as
-       mls_moe_experts_q8), each shared projection on its own (as a GGUFLinear) */
-    const q8rows_fn qgu = b->int8 && q8rows((int)b->type_dn) ? q8rows((int)b->type_gu) : 0;
-    const q8rows_fn qdn = qgu ? q8rows((int)b->type_dn) : 0;
+    /* int8 activations where the per-op path takes them: each projection whose type has int8 kernels (Q8_0,
+       Q4_0), on its own, as GGUFExperts' grouped products and the shared GGUFLinears decide */
+    const q8rows_fn qgu = b->int8 ? q8rows((int)b->type_gu) : 0, qdn = b->int8 ? q8rows((int)b->type_dn) : 0;
     const q8rows_fn qsg = b->int8 && si ? q8rows((int)b->type_sg) : 0, qsu = b->int8 && si ? q8rows((int)b->type_su) : 0;
     const q8rows_fn qsd = b->int8 && si ? q8rows((int)b->type_sd) : 0;
     if ((qgu || qsg || qsu || qsd) && (d % 32 || inter % 32 || si % 32)) return -2;
@@ -1787,10 +1787,11 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
    every weight in ggml blocks: input RMSNorm; q_a, its norm and q_b (or q_proj); kv_a_proj; the latent row, its
    norm and rope, and the query rope (mls_latent_rope_write); q_nope W_UK per head (attn_k_b); the latent MQA
    (mls_latent_mqa); o_lat W_UV^T per head (attn_v_b); o_proj and the residual; the post-attention norm; the
-   MLP (mls_moe_block, or a dense SwiGLU) and the residual. The same operations as the per-op native path in
-   the same order (each product's rows, the norms, the rope, the attention kernel), so the result equals it bit
-   for bit except where that path leaves C: torch's silu (the dense SwiGLU; the MoE block's own differences are
-   listed above it). One call instead of ~20 native calls and ~60 tensor ops per layer. */
+   MLP (mls_moe_block, or a dense SwiGLU) and the residual. Every weight is in ggml blocks or F32 rows (type 0).
+   The same operations as the per-op native path in the same order (each product's rows, the norms, the rope,
+   the attention kernel), so the result equals it up to where that path leaves C: torch's silu (the dense
+   SwiGLU), BLAS for F32 rows (another summation order), and the MoE block's own differences (listed above it).
+   One call instead of ~20 native calls and ~60 tensor ops per layer. */
 typedef struct { /* a weight of ggml blocks: n rows of k values, row_bytes each */
     int64_t type;
     const uint8_t *w;
@@ -1889,6 +1890,13 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
     if ((ql && !lin_for(ly->q_a.type).fn) || !lin_for(ly->q_b.type).fn || !lin_for(ly->kv_a.type).fn ||
         !lin_for(ly->o_proj.type).fn || !lin_for(ly->type_k).fn || !lin_for(ly->type_v).fn)
         return -1;
+    /* the buffers below are sized from the layer's dimensions: every weight must agree with them */
+    if ((ql && (ly->q_a.k != d || ly->q_a.n != ql)) || ly->q_b.k != (ql ? ql : d) || ly->q_b.n != lq ||
+        ly->kv_a.k != d || ly->kv_a.n != r + dr || ly->o_proj.k != h * dv || ly->o_proj.n != d ||
+        (ly->moe && ly->moe->d != d) ||
+        (!ly->moe && (ly->mlp_gate.k != d || ly->mlp_gate.n != inter || ly->mlp_up.k != d || ly->mlp_up.n != inter ||
+                      ly->mlp_down.k != inter || ly->mlp_down.n != d)))
+        return -2;
     if (!ly->moe && (!lin_for(ly->mlp_gate.type).fn || !lin_for(ly->mlp_up.type).fn || !lin_for(ly->mlp_down.type).fn))
         return -1;
     const size_t nf = (size_t)(t * d + t * ql + t * lq + t * (r + dr) + 2 * t * h * r + t * h * dv + t * d +

@@ -137,8 +137,14 @@ class MoEBlockArgs(ctypes.Structure):
     ]
 
 
-MOE_BLOCK_ERRORS = {-1: "a weight type without a decoder", -2: "rows longer than the kernels take",
+MOE_BLOCK_ERRORS = {-1: "a weight type without a decoder",
+                    -2: "rows longer than the kernels take, not whole 32-value blocks for int8, or mismatched sizes",
                     -3: "router settings out of range", -4: "out of memory"}  # fmt: skip
+
+
+def _check_rows(x: torch.Tensor, d: int, what: str) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != d or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"{what}: x must be contiguous fp32 [T, {d}] on the CPU, got {x.dtype} {tuple(x.shape)}")
 
 
 def moe_block(
@@ -147,6 +153,7 @@ def moe_block(
     """x [T, D] fp32 contiguous -> [T, D] fp32: the MoE block of `args` (whose weight tensors the caller keeps
     alive). routing: (topk_w [T, k] fp32, topk_idx [T, k] int64) contiguous tensors to receive the router's
     choice, or None."""
+    _check_rows(x, args.d, "moe_block")
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float32)
     w, idx = routing if routing is not None else (None, None)
@@ -212,7 +219,8 @@ LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache"}
 def decode_layer(args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """x [T, D] fp32 contiguous -> the layer's output [T, D]; writes the step's rows into cache [S, r + dr] (fp32
     contiguous, S = step.n_slots). The tensors args and step point into are kept alive by their callers."""
-    out = torch.empty_like(x)
+    _check_rows(x, args.d, "decode_layer")
+    out = torch.empty(x.shape, dtype=torch.float32)
     rc = library().mls_decode_layer(
         ctypes.byref(args), ctypes.byref(step), x.data_ptr(), out.data_ptr(), cache.data_ptr(), torch.get_num_threads()
     )

@@ -8,10 +8,12 @@ What runs is the layer's per-op native path (input norm, q_a / norm / q_b or q_p
 its rope, W_UK per head, the latent MQA over the paged rows, W_UV per head, o_proj, residual, post norm, the MoE
 block or a dense SwiGLU, residual) with the same per-row operations, in C, instead of ~20 native calls and ~60
 tensor ops; that path is the reference (tests/test_decode_layer.py). With activations="int8" the Q8_0 / Q4_0
-products take int8 activations exactly where the per-op path's do (the same kernels and quantization). Where it applies is decided twice, both
-before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a native ggml holder or F32 rows,
-one activation choice for the layer, one process), and per step from the plan (decode_step: a single dense absorbed segment on the
-native backend, one query per request, at most BLOCK_TOKENS requests, fp32 on the CPU, no forward hooks).
+products take int8 activations where the per-op path's do (the same kernels and quantization).
+Where it applies is decided before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a
+native ggml holder or F32 rows, one activation choice for the layer, one process), and per step from the plan
+(decode_step: a single dense absorbed segment on the native backend, one query per request in request order,
+at most BLOCK_TOKENS requests, fp32 caches on the CPU); a layer under forward hooks (observability.capture)
+takes its per-op path (GGUFDecodeLayer.hooked, checked per step).
 """
 
 from __future__ import annotations
@@ -142,11 +144,13 @@ def decode_step(step: StepContext, cache: LatentCache) -> tuple[native_layers.De
         or t > BLOCK_TOKENS
     ):
         return None
-    first = cache.layers[0]  # every layer's cache has the same shape and layout (LatentCache allocates them alike)
-    if step.cos.dtype != torch.float32 or first.dtype != torch.float32 or first.device.type != "cpu":
+    first = cache.layers[0]
+    if step.cos.dtype != torch.float32 or first.device.type != "cpu":
         return None
-    if not first.is_contiguous():
+    if not all(c.dtype == torch.float32 and c.is_contiguous() and c.shape == first.shape for c in cache.layers):
         return None
+    if not torch.equal(seg.q_index[:, 0], torch.arange(t, device=seg.q_index.device)):
+        return None  # the C layer writes request b's output at token b
     kv_slots, mask, q_index = seg.kv_slots.contiguous(), seg.mask.contiguous(), seg.q_index.contiguous()
     cos, sin, slots = step.cos.contiguous(), step.sin.contiguous(), step.slot_mapping.contiguous()
     args = native_layers.DecodeStepArgs(

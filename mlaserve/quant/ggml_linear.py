@@ -23,11 +23,13 @@ from torch import nn
 from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.kernels import ggml, native, native_layers
 from mlaserve.models.layers import SwiGLU
-from mlaserve.models.moe import Experts, MoE
+from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
 
 # Decode steps of up to this many tokens run a MoE layer with a GGUFMoEBlock as one native call; more tokens
 # (prefill) take the per-op path, whose decode-then-GEMM products are faster there.
 BLOCK_TOKENS = ggml.GEMV_ROWS
+# the block always routes with the native router, which the per-op path (its reference) uses up to ROUTE_TOKENS
+assert BLOCK_TOKENS <= ROUTE_TOKENS, "the MoE block would route steps the per-op path routes in torch"
 
 
 def _raw(shape: tuple[int, ...], device) -> nn.Parameter:
@@ -125,7 +127,10 @@ class GGUFExperts(Experts):
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
             return self._loop(x.float(), topk_w, topk_idx).to(x.dtype)
-        if self.kernel == "native" and topk_idx.numel() <= ggml.MOE_PAIRS:
+        # the pair-by-pair call takes int8 activations only for both projections at once; with a mixed pair the
+        # grouped path decides per projection, as it does for more pairs (and as the MoE block does)
+        pairwise = not self.int8 or {self.type_gate_up, self.type_down} <= native.Q8_ACTIVATION_TYPES
+        if self.kernel == "native" and topk_idx.numel() <= ggml.MOE_PAIRS and pairwise:
             gu, dn = self.gate_up_proj, self.down_proj
             y = ggml.moe_experts(x, topk_w, topk_idx, gu, self.type_gate_up, dn, self.type_down, self.int8)
             return y.to(x.dtype)
@@ -215,7 +220,8 @@ class GGUFHeads(nn.Module):
 def native_rows(m: nn.Module, int8: bool = False) -> bool:
     """A linear layer whose rows the one-call blocks can read: a GGUFLinear run by the native kernels (with int8
     activations exactly when `int8`: a block runs one activation choice), or an fp32 nn.Linear on the CPU (a
-    matrix a GGUF keeps in F32; always exact), without bias either way."""
+    matrix a GGUF keeps in F32: float activations whatever `int8`, as in the per-op path, whose BLAS sums in
+    another order), without bias either way."""
     if isinstance(m, GGUFLinear):
         return m.kernel == "native" and m.int8 == int8 and m.bias is None
     w = getattr(m, "weight", None)
@@ -284,8 +290,13 @@ class GGUFMoEBlock:
         """Why this MoE layer cannot run as one native block, or None."""
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
         cfg = gate.cfg
-        if not isinstance(ex, GGUFExperts) or ex.kernel != "native" or ex.impl != "grouped_mm":
-            return "routed experts not ggml blocks with the native kernels"
+        if (
+            not isinstance(ex, GGUFExperts)
+            or ex.kernel != "native"
+            or ex.impl != "grouped_mm"
+            or gate.kernel != "native"
+        ):
+            return "routed experts or router not ggml blocks with the native kernels"
         parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
         if sh is not None and not (parts and all(native_rows(m, ex.int8) for m in parts)):
             return "shared expert not ggml blocks with the native kernels and the routed experts' activations"
