@@ -421,7 +421,7 @@ def test_avx2_kernels_on_an_avx512_machine(monkeypatch):
     for variant in ("avx512", "avx2"):
         if variant == "avx2":
             monkeypatch.setitem(native._state, "lib", lib)
-        for name in ("Q8_0", "Q4_0", "Q6_K", "Q4_K"):
+        for name in ("Q8_0", "Q4_0", "Q5_0", "Q6_K", "Q4_K"):
             t = GGML_TYPE_IDS[name]
             raw = random_blocks(name, 37, k, torch.Generator().manual_seed(GGML_TYPE_IDS[name]))
             w = ggml.dense(raw, t, k)

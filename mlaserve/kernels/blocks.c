@@ -5,8 +5,8 @@
    row is decoded into an fp32 row buffer with exactly the float operations of the reference
    dequantizers (mlaserve/gguf/quants.py, mlaserve/quant/fp8_block.py, fp4_group.py), in the same
    order, so the decoded values are bit-identical;
-   only the summation order of the dot products differs from "dequantize, then GEMM". Q8_0, Q4_0, Q4_K,
-   Q6_K (the commonest decode types) and F32 rows skip the buffer: see "fused decode-and-dot" below.
+   only the summation order of the dot products differs from "dequantize, then GEMM". Q8_0, Q4_0, Q5_0,
+   Q4_K, Q6_K (the commonest decode types) and F32 rows skip the buffer: see "fused decode-and-dot" below.
    Compiled with -ffp-contract=off so that no a*b-c of a decoder becomes a fused multiply-add;
    the dot products use explicit FMA intrinsics where AVX2 is there.
 
@@ -538,7 +538,7 @@ static inline float dot(const float *w, const float *x, int64_t k) {
 #endif
 }
 
-/* ---------------------------------------------------------------- fused decode-and-dot (Q8_0, Q4_0, Q4_K, Q6_K)
+/* ---------------------------------------------------------------- fused decode-and-dot (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
    For the commonest decode types the row is not decoded into a buffer: each block's codes are
    converted to float once, multiplied into up to FUSED_ROWS activation rows, and the block scale
    is applied to the block's partial sum: y += d * sum_j(q_j * x_j) instead of sum_j((d * q_j) * x_j).
@@ -647,6 +647,27 @@ static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b
                 }
             }
         }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* Q5_0: d * (q - 16), q = the low nibble with the fifth bit from qh; (q - 16) is an exact integer, so d comes
+   out of the block's sum exactly as for Q4_0 */
+static inline __m256i q5_0_codes(const uint8_t *b) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen)), sixteen);
+}
+
+static inline __attribute__((always_inline)) void fused_q5_0_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 32; blk++, b += 22) {
+        const __m256 d = _mm256_set1_ps(f16(b));
+        const __m256i q = q5_0_codes(b);
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        const __m256 w0 = i8x8(lo), w1 = i8x8(_mm_srli_si128(lo, 8)), w2 = i8x8(hi), w3 = i8x8(_mm_srli_si128(hi, 8));
+        FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 32, ldx)
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
@@ -787,13 +808,28 @@ static inline __attribute__((always_inline)) void wide_q6_k_mr(const uint8_t *b,
     for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
 }
 
+static inline __attribute__((always_inline)) void wide_q5_0_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                               const int mr, int64_t k, float *y, int64_t ldy) {
+    __m512 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < k / 32; blk++, b += 22) {
+        const __m512 d = _mm512_set1_ps(f16(b));
+        const __m256i q = q5_0_codes(b);
+        const __m512 w0 = i8x16(_mm256_castsi256_si128(q)), w1 = i8x16(_mm256_extracti128_si256(q, 1));
+        WIDE_BLOCK(mr, acc, d, w0, w1, x + blk * 32, ldx)
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
+
 FUSED_ROW_FN(fused_q8_0, wide_q8_0_mr, k / 32 * 34, 8)
 FUSED_ROW_FN(fused_q4_0, wide_q4_0_mr, k / 32 * 18, 8)
+FUSED_ROW_FN(fused_q5_0, wide_q5_0_mr, k / 32 * 22, 8)
 FUSED_ROW_FN(fused_q4_k, wide_q4_k_mr, k / 256 * 144, 8)
 FUSED_ROW_FN(fused_q6_k, wide_q6_k_mr, k / 256 * 210, 8)
 #else
 FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr, k / 32 * 34, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr, k / 32 * 18, FUSED_ROWS)
+FUSED_ROW_FN(fused_q5_0, fused_q5_0_mr, k / 32 * 22, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
 FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
 #endif
@@ -815,6 +851,7 @@ static fused_fn fused_row(int type) {
     if (type == 2) return fused_q4_0;
     if (type == 14) return fused_q6_k;
     if (type == 12) return fused_q4_k;
+    if (type == 6) return fused_q5_0;
 #endif
     (void)type;
     return 0;
