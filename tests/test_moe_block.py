@@ -270,4 +270,3 @@ def test_where_the_block_applies():
     finally:
         native_layers.moe_block = real
     assert calls == [1]
-    assert ggml.GEMV_ROWS == BLOCK_TOKENS

@@ -565,37 +565,68 @@ static inline float hsum8(__m256 a) {
         (acc)[i] = _mm256_fmadd_ps((d), s, (acc)[i]);                                        \
     }
 
-static inline __attribute__((always_inline)) void fused_q8_0_mr(const uint8_t *b, const float *x, int64_t ldx,
-                                                                const int mr, int64_t k, float *y, int64_t ldy) {
+/* The blocks whose value is d * code with 32 exact integer codes: Q8_0 (the bytes), Q4_0 (nibble - 8), Q5_0
+   (nibble with the fifth bit from qh, - 16). d comes out of the block's sum exactly. */
+static inline __m256i q5_0_codes(const uint8_t *b) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen)), sixteen);
+}
+
+/* A block's 32 codes as 16-value halves (g[0]: values 0..15, g[1]: 16..31), with the loads and shuffles each type
+   needs and no more (a 256-bit load split again costs a shuffle per half: measured 8-13% at one row) */
+static inline void block_codes16(const uint8_t *b, const int type, __m128i g[2]) {
+    if (type == 8) {
+        g[0] = _mm_loadu_si128((const __m128i *)(b + 2));
+        g[1] = _mm_loadu_si128((const __m128i *)(b + 18));
+    } else if (type == 2) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+        g[0] = _mm_sub_epi8(_mm_and_si128(raw, m4), eight);
+        g[1] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), eight);
+    } else {
+        const __m256i q = q5_0_codes(b);
+        g[0] = _mm256_castsi256_si128(q);
+        g[1] = _mm256_extracti128_si256(q, 1);
+    }
+}
+
+/* the same as four 8-value groups, each in the low 8 bytes of g[j] (Q8_0 loads them straight from the block) */
+static inline void block_codes8(const uint8_t *b, const int type, __m128i g[4]) {
+    if (type == 8) {
+        for (int j = 0; j < 4; j++) g[j] = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
+        return;
+    }
+    __m128i h[2];
+    block_codes16(b, type, h);
+    g[0] = h[0], g[1] = _mm_srli_si128(h[0], 8), g[2] = h[1], g[3] = _mm_srli_si128(h[1], 8);
+}
+
+static inline int64_t block_bytes(const int type) { return type == 8 ? 34 : type == 2 ? 18 : 22; }
+
+/* one kernel for the three types (type is a constant where it is inlined, so each is specialised) */
+static inline __attribute__((always_inline)) void fused_codes_mr(const uint8_t *b, const int type, const float *x,
+                                                                 int64_t ldx, const int mr, int64_t k, float *y,
+                                                                 int64_t ldy) {
     __m256 acc[8]; /* the row-chunk switch below names chunks up to 7 rows */
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < k / 32; blk++, b += 34) {
+    for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
         const __m256 d = _mm256_set1_ps(f16(b));
-        const __m256 w0 = i8x8(_mm_loadl_epi64((const __m128i *)(b + 2)));
-        const __m256 w1 = i8x8(_mm_loadl_epi64((const __m128i *)(b + 10)));
-        const __m256 w2 = i8x8(_mm_loadl_epi64((const __m128i *)(b + 18)));
-        const __m256 w3 = i8x8(_mm_loadl_epi64((const __m128i *)(b + 26)));
+        __m128i g[4];
+        block_codes8(b, type, g);
+        const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
         FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 32, ldx)
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
-static inline __attribute__((always_inline)) void fused_q4_0_mr(const uint8_t *b, const float *x, int64_t ldx,
-                                                                const int mr, int64_t k, float *y, int64_t ldy) {
-    __m256 acc[8]; /* the row-chunk switch below names chunks up to 7 rows */
-    const __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < k / 32; blk++, b += 18) {
-        const __m256 d = _mm256_set1_ps(f16(b));
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
-        const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, m4), eight);                   /* values 0..15 */
-        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), eight); /* values 16..31 */
-        const __m256 w0 = i8x8(lo), w1 = i8x8(_mm_srli_si128(lo, 8));
-        const __m256 w2 = i8x8(hi), w3 = i8x8(_mm_srli_si128(hi, 8));
-        FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 32, ldx)
+/* name(b, x, ldx, mr, k, y, ldy): the codes kernel of one type, in the shape FUSED_ROW_FN takes */
+#define CODES_MR(name, kernel, type)                                                                          \
+    static inline __attribute__((always_inline)) void name(const uint8_t *b, const float *x, int64_t ldx,     \
+                                                           const int mr, int64_t k, float *y, int64_t ldy) { \
+        kernel(b, (type), x, ldx, mr, k, y, ldy);                                                             \
     }
-    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
-}
+CODES_MR(fused_q8_0_mr, fused_codes_mr, 8)
+CODES_MR(fused_q4_0_mr, fused_codes_mr, 2)
+CODES_MR(fused_q5_0_mr, fused_codes_mr, 6)
 
 /* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
    rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
@@ -647,27 +678,6 @@ static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b
                 }
             }
         }
-    }
-    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
-}
-
-/* Q5_0: d * (q - 16), q = the low nibble with the fifth bit from qh; (q - 16) is an exact integer, so d comes
-   out of the block's sum exactly as for Q4_0 */
-static inline __m256i q5_0_codes(const uint8_t *b) {
-    const __m256i sixteen = _mm256_set1_epi8(16);
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen)), sixteen);
-}
-
-static inline __attribute__((always_inline)) void fused_q5_0_mr(const uint8_t *b, const float *x, int64_t ldx,
-                                                                const int mr, int64_t k, float *y, int64_t ldy) {
-    __m256 acc[8];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < k / 32; blk++, b += 22) {
-        const __m256 d = _mm256_set1_ps(f16(b));
-        const __m256i q = q5_0_codes(b);
-        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-        const __m256 w0 = i8x8(lo), w1 = i8x8(_mm_srli_si128(lo, 8)), w2 = i8x8(hi), w3 = i8x8(_mm_srli_si128(hi, 8));
-        FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 32, ldx)
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
@@ -724,33 +734,23 @@ static inline __m512 i8x16(const __m128i v) { return _mm512_cvtepi32_ps(_mm512_c
         (acc)[i] = _mm512_fmadd_ps((d), s, (acc)[i]);                                            \
     }
 
-static inline __attribute__((always_inline)) void wide_q8_0_mr(const uint8_t *b, const float *x, int64_t ldx,
-                                                               const int mr, int64_t k, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void wide_codes_mr(const uint8_t *b, const int type, const float *x,
+                                                                int64_t ldx, const int mr, int64_t k, float *y,
+                                                                int64_t ldy) {
     __m512 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < k / 32; blk++, b += 34) {
+    for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
         const __m512 d = _mm512_set1_ps(f16(b));
-        const __m512 w0 = i8x16(_mm_loadu_si128((const __m128i *)(b + 2)));
-        const __m512 w1 = i8x16(_mm_loadu_si128((const __m128i *)(b + 18)));
+        __m128i g[2];
+        block_codes16(b, type, g);
+        const __m512 w0 = i8x16(g[0]), w1 = i8x16(g[1]);
         WIDE_BLOCK(mr, acc, d, w0, w1, x + blk * 32, ldx)
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
 }
-
-static inline __attribute__((always_inline)) void wide_q4_0_mr(const uint8_t *b, const float *x, int64_t ldx,
-                                                               const int mr, int64_t k, float *y, int64_t ldy) {
-    __m512 acc[8];
-    const __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < k / 32; blk++, b += 18) {
-        const __m512 d = _mm512_set1_ps(f16(b));
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
-        const __m512 w0 = i8x16(_mm_sub_epi8(_mm_and_si128(raw, m4), eight));                   /* values 0..15 */
-        const __m512 w1 = i8x16(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), eight)); /* 16..31 */
-        WIDE_BLOCK(mr, acc, d, w0, w1, x + blk * 32, ldx)
-    }
-    for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
-}
+CODES_MR(wide_q8_0_mr, wide_codes_mr, 8)
+CODES_MR(wide_q4_0_mr, wide_codes_mr, 2)
+CODES_MR(wide_q5_0_mr, wide_codes_mr, 6)
 
 static inline __attribute__((always_inline)) void wide_q4_k_mr(const uint8_t *b, const float *x, int64_t ldx,
                                                                const int mr, int64_t k, float *y, int64_t ldy) {
@@ -804,19 +804,6 @@ static inline __attribute__((always_inline)) void wide_q6_k_mr(const uint8_t *b,
                 }
             }
         }
-    }
-    for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
-}
-
-static inline __attribute__((always_inline)) void wide_q5_0_mr(const uint8_t *b, const float *x, int64_t ldx,
-                                                               const int mr, int64_t k, float *y, int64_t ldy) {
-    __m512 acc[8];
-    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < k / 32; blk++, b += 22) {
-        const __m512 d = _mm512_set1_ps(f16(b));
-        const __m256i q = q5_0_codes(b);
-        const __m512 w0 = i8x16(_mm256_castsi256_si128(q)), w1 = i8x16(_mm256_extracti128_si256(q, 1));
-        WIDE_BLOCK(mr, acc, d, w0, w1, x + blk * 32, ldx)
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
 }
