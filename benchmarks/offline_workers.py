@@ -78,12 +78,12 @@ class MlaServeWorker:
         }
 
     def kv_bytes(self) -> dict:
-        from mlaserve.executor.latent_cache import LatentCache
+        from mlaserve.cache.model_cache import ModelCache
 
-        cfg = self.llm.config
+        runner = self.llm.runner
         return {
-            "measured": self.llm.runner.cache.measured_bytes_per_token(),
-            "formula": LatentCache.bytes_per_token(cfg.model, cfg.dtype, with_indexer=cfg.sparse),
+            "measured": runner.cache.measured_bytes_per_token(),
+            "formula": ModelCache.bytes_per_token(runner.layer_kinds, self.llm.config.dtype),
             "what": "allocated latent-cache tensor bytes / cache rows (all layers; [c_kv | k_pe] per token)",
         }
 

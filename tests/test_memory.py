@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import fixture_dir
 
-from mlaserve.executor.latent_cache import _zeros
+from mlaserve.cache.model_cache import _zeros
 from mlaserve.gguf.read.file import open_gguf
 from mlaserve.loading import safetensors_source
 from mlaserve.loading.safetensors_source import SafetensorsSource

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlaserve.engine.page_pool import OutOfPages, PagePool, page_hashes
+from mlaserve.cache.page_pool import OutOfPages, PagePool, page_hashes
 
 
 def _pool(n: int = 4, prefix: bool = True) -> PagePool:

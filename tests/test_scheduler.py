@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mlaserve.engine.page_pool import PagePool
+from mlaserve.cache.page_pool import PagePool
 from mlaserve.engine.request import Request, Status
 from mlaserve.engine.scheduler import Preemption, Scheduler
 from mlaserve.sampling.params import SamplingParams

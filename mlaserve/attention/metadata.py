@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mlaserve.attention.router import Segment
+    from mlaserve.attention.plan import Segment
     from mlaserve.executor.forward_batch import ForwardBatch
 
 

@@ -1,5 +1,9 @@
 """The attention route: which tokens take which MLA path, decided as data before the forward pass.
 
+Per attention kind (config/layer_kinds.py): route_step plans every kind present in the stack, each for
+the layers of that kind; a kind's plan is sparse when the kind has an indexer (mla_dsa) and the engine
+runs sparse. The plans are data (attention/plan.py) that the ledger records before the math runs.
+
 Paths
   absorbed      MQA over the latent rows: W_UK folded into the query, W_UV applied after
   decompressed  MHA: cached context + chunk up-projected through kv_b, causal attention
@@ -21,66 +25,13 @@ Backend
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 
 from mlaserve.attention.backends import get_backend
+from mlaserve.attention.plan import AttentionPlan, Segment, StepRoute
 from mlaserve.config.engine import MLA_PATHS
+from mlaserve.config.layer_kinds import LayerKind, kinds_in_order
 from mlaserve.executor.forward_batch import ForwardBatch
-
-
-@dataclass(frozen=True)
-class Segment:
-    phase: str  # "decode" | "prefill"
-    path: str  # "absorbed" | "decompressed"
-    sparse: bool
-    token_start: int
-    token_end: int
-    seq_start: int  # index into batch.seqs
-    seq_end: int
-    request_ids: tuple[str, ...]
-    backend: str = "torch"  # the attention backend that runs this segment (attention.backends registry)
-    implementation: str = "torch:absorbed"  # backend:operation, e.g. "torch:sparse_absorbed"
-    index_scoring: str | None = None  # "fp32" | "bf16_then_fp32" when this segment selects its top-k
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_end - self.token_start
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    segments: tuple[Segment, ...]
-    sparse: bool
-    index_topk: int | None  # configured top-k on sparse steps, None when dense
-    effective_topk: int | None  # min(index_topk, longest sequence in the step): rows a query can keep
-    # False when every sequence fits in index_topk: the top-k would keep every causal row, so the
-    # indexer only writes its keys and attention runs over all rows (identical result, no scoring).
-    needs_selection: bool = False
-
-    def counts(self) -> dict[str, int]:
-        mqa = sum(s.num_tokens for s in self.segments if s.path == "absorbed")
-        mha = sum(s.num_tokens for s in self.segments if s.path == "decompressed")
-        sparse = sum(s.num_tokens for s in self.segments if s.sparse)
-        return {"num_mqa_tokens": mqa, "num_mha_tokens": mha, "num_sparse_tokens": sparse}
-
-    def to_record(self) -> dict:
-        return {
-            **self.counts(),
-            "sparse": self.sparse,
-            "index_topk": self.index_topk,
-            "effective_topk": self.effective_topk,
-            "needs_selection": self.needs_selection,
-            "segments": [_segment_record(s) for s in self.segments],
-        }
-
-
-def _segment_record(s: Segment) -> dict:
-    rec = asdict(s)
-    rec["request_ids"] = list(s.request_ids)
-    rec["num_tokens"] = s.num_tokens
-    return rec
 
 
 def path_for(phase: str, mla_path: str, sparse: bool) -> str:
@@ -98,6 +49,8 @@ def route(
     index_topk: int | None = None,
     key_dtype: torch.dtype = torch.float32,
     backend: str = "torch",
+    kind: str = "mla",
+    layers: tuple[int, ...] = (),
 ) -> AttentionPlan:
     """Split the batch into at most two segments (decode, prefill) and name each one's path.
     key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments)."""
@@ -129,6 +82,7 @@ def route(
                 backend=backend,
                 implementation=_implementation(backend, path, sparse, select),
                 index_scoring=kernels.index_scoring(key_dtype) if select else None,
+                kind=kind,
             )
         )
     return AttentionPlan(
@@ -137,7 +91,28 @@ def route(
         index_topk=index_topk if sparse else None,
         effective_topk=min(index_topk, longest) if sparse else None,
         needs_selection=select,
+        kind=kind,
+        layers=layers,
     )
+
+
+def route_step(
+    batch: ForwardBatch,
+    layers: tuple[LayerKind, ...],
+    mla_path: str,
+    sparse: bool = False,
+    index_topk: int | None = None,
+    key_dtype: torch.dtype = torch.float32,
+    backend: str = "torch",
+) -> StepRoute:
+    """One plan per attention kind of the stack. sparse: the engine runs DSA kinds sparse."""
+    plans = []
+    for kind in kinds_in_order(layers):
+        ids = tuple(k.index for k in layers if k.attention == kind)
+        kind_sparse = sparse and kind == "mla_dsa"
+        topk = index_topk if kind_sparse else None
+        plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids))
+    return StepRoute(tuple(plans))
 
 
 def _implementation(backend: str, path: str, sparse: bool, select: bool) -> str:

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from mlaserve.cache.page_pool import PagePool
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
-from mlaserve.engine.page_pool import PagePool
 from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
 from mlaserve.engine.scheduler import SchedulePlan, Scheduler
 from mlaserve.engine.spec_switch import SpeculationSwitch

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from mlaserve.engine.page_pool import PagePool, page_hashes
+from mlaserve.cache.page_pool import PagePool, page_hashes
 from mlaserve.engine.request import Request, Status
 from mlaserve.executor.forward_batch import SeqChunk
 

@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from mlaserve.attention.router import route
+from mlaserve.attention.router import route_step
+from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
+from mlaserve.config.layer_kinds import declare_layers
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
-from mlaserve.executor.latent_cache import LatentCache
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import cache_config
@@ -29,14 +30,9 @@ class Drafter:
         self.model, self.cfg, self.tracer = model, cfg, tracer
         self.layer = model.mtp[0]
         self.sparse = cfg.sparse and self.layer.layout.indexer
-        self.cache = LatentCache(
-            cache_config(cfg.model, self.layer.layout),
-            cfg.num_pages,
-            cfg.page_size,
-            cfg.dtype,
-            with_indexer=self.sparse,
-            device=cfg.device,
-        )
+        # the MTP layer as a stack of one: its kind (with an indexer or not) and its own cache states
+        self.layer_kinds = declare_layers(cache_config(cfg.model, self.layer.layout), self.sparse)
+        self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device)
 
     def forward(
         self,
@@ -49,7 +45,9 @@ class Drafter:
         """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
         cfg = self.cfg
         batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
-        plan = route(batch, cfg.mla_path, self.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend)
+        plan = route_step(
+            batch, self.layer_kinds, cfg.mla_path, self.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
+        )
         if self.tracer.enabled:
             rec = step_record(step_no, batch, plan, 1, ())
             rec["layers"] = f"mtp ({cfg.model.num_layers})"
@@ -58,6 +56,6 @@ class Drafter:
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
             h = hidden[torch.tensor(src, dtype=torch.long, device=hidden.device)]
-            g = self.layer(batch.input_ids, h, step, self.model.rope, self.cache.layers[0], self.cache.index_keys[0])
+            g = self.layer(batch.input_ids, h, step, self.model.rope, self.cache.layers[0])
             logits = self.layer.logits(g[batch.logits_indices])
         return batch, logits, g

@@ -6,11 +6,12 @@ from collections.abc import Callable
 
 import torch
 
-from mlaserve.attention.router import route
+from mlaserve.attention.router import route_step
+from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
+from mlaserve.config.layer_kinds import declare_layers
 from mlaserve.executor.drafter import Drafter
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
-from mlaserve.executor.latent_cache import LatentCache
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.observability.trace import NullTracer, step_record
@@ -20,9 +21,9 @@ class ModelRunner:
     def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer=None, rank: int = 0) -> None:
         """rank: this process's tensor-parallel rank (named in its ledger records when TP > 1)."""
         self.model, self.cfg, self.rank = model, cfg, rank
-        self.cache = LatentCache(
-            cfg.model, cfg.num_pages, cfg.page_size, cfg.dtype, with_indexer=cfg.sparse, device=cfg.device
-        )
+        # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
+        self.layer_kinds = declare_layers(cfg.model, cfg.sparse)
+        self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device)
         self.tracer = tracer or NullTracer()
         self.step_count = 0
         self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative == "mtp" else None
@@ -40,7 +41,9 @@ class ModelRunner:
         `ledger`: extra fields for this step's record (speculative verification)."""
         cfg = self.cfg
         batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
-        plan = route(batch, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend)
+        plan = route_step(
+            batch, self.layer_kinds, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
+        )
         if self.tracer.enabled:
             rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
             rec = rec | (ledger(batch, plan) if ledger else {})

@@ -8,9 +8,23 @@ import torch
 
 from mlaserve.attention.backends import AttentionBackend, get_backend
 from mlaserve.attention.metadata import SegmentTensors, build_segment_tensors
-from mlaserve.attention.router import AttentionPlan
+from mlaserve.attention.plan import AttentionPlan, StepRoute
 from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.models.layers import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class KindStep:
+    """One attention kind's part of the step: its plan, and per segment its tensors and backend."""
+
+    plan: AttentionPlan
+    segments: tuple[SegmentTensors, ...]
+    backends: tuple[AttentionBackend, ...]  # per segment: the backend its route names
+
+    @staticmethod
+    def build(batch: ForwardBatch, plan: AttentionPlan) -> KindStep:
+        segs = tuple(build_segment_tensors(batch, s) for s in plan.segments)
+        return KindStep(plan, segs, tuple(get_backend(s.backend) for s in plan.segments))
 
 
 @dataclass(frozen=True)
@@ -19,15 +33,20 @@ class StepContext:
 
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T]
-    plan: AttentionPlan
-    segments: tuple[SegmentTensors, ...]
+    route: StepRoute
+    kinds: dict[str, KindStep]  # attention kind -> its plan and segment tensors
     cos: torch.Tensor  # [T, dr/2]
     sin: torch.Tensor
-    backends: tuple[AttentionBackend, ...]  # per segment: the backend its route names
+
+    def of(self, kind: str) -> KindStep:
+        """The part of the step a layer of this attention kind executes."""
+        got = self.kinds.get(kind)
+        if got is None:
+            raise KeyError(f"the step has no route for attention kind {kind!r}; planned: {list(self.kinds)}")
+        return got
 
     @staticmethod
-    def build(batch: ForwardBatch, plan: AttentionPlan, rope: RotaryEmbedding, dtype: torch.dtype) -> StepContext:
+    def build(batch: ForwardBatch, route: StepRoute, rope: RotaryEmbedding, dtype: torch.dtype) -> StepContext:
         cos, sin = rope.cos_sin(batch.positions, dtype)
-        segs = tuple(build_segment_tensors(batch, s) for s in plan.segments)
-        backends = tuple(get_backend(s.backend) for s in plan.segments)
-        return StepContext(batch.positions, batch.slot_mapping, plan, segs, cos, sin, backends)
+        kinds = {p.kind: KindStep.build(batch, p) for p in route.plans}
+        return StepContext(batch.positions, batch.slot_mapping, route, kinds, cos, sin)

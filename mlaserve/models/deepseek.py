@@ -8,7 +8,8 @@ Notation
   c_kv   [T, r]             kv_a_layernorm of the compressed kv; k_pe [T, dr] rotated, shared by heads
   cache  [S, r + dr]        this layer's paged latent rows [c_kv | k_pe]
 Parameter names follow the Hugging Face checkpoints (in-memory layout: experts stacked).
-The forward pass executes `step.plan`; no layer looks at a shape to pick its path.
+The forward pass executes the step's route: each layer runs the plan of its attention kind
+(config/layer_kinds.py; `step.of(self.kind)`); no layer looks at a shape to pick its path.
 Tensor parallel: cfg is this rank's config (its H/N heads, I/N intermediate, V/N vocabulary rows);
 `all_reduce` sums the ranks' partial outputs of o_proj, of the MLP / MoE and of the embedding
 (identity on one process). See mlaserve/distributed/sharding.py.
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from mlaserve.config.layer_kinds import attention_kind
 from mlaserve.config.model import ModelConfig
 from mlaserve.kernels import native_layers
 from mlaserve.models.indexer import Indexer, Selection
@@ -31,8 +33,8 @@ from mlaserve.models.moe import MoE
 if TYPE_CHECKING:
     from mlaserve.attention.backends import AttentionBackend
     from mlaserve.attention.metadata import SegmentTensors
-    from mlaserve.executor.latent_cache import LatentCache
-    from mlaserve.executor.step_context import StepContext
+    from mlaserve.cache.model_cache import LayerState, ModelCache
+    from mlaserve.executor.step_context import KindStep, StepContext
 
 Selections = tuple[Selection, ...] | None  # one per segment on sparse steps
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -58,6 +60,7 @@ class MLAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.kind = attention_kind(cfg, layer_idx)  # which plan of the step's route this layer executes
         self.kernel = "torch"  # the reference; the loader sets the engine's kernels
         h, d = cfg.num_heads, cfg.hidden_size
         bias = cfg.attention_bias
@@ -96,19 +99,19 @@ class MLAAttention(nn.Module):
         x: torch.Tensor,
         step: StepContext,
         rope: RotaryEmbedding,
-        cache: torch.Tensor,
-        index_keys: torch.Tensor | None,
+        state: LayerState,
         prev: Selections,
     ) -> tuple[torch.Tensor, Selections]:
-        cfg = self.cfg
+        cfg, mine = self.cfg, step.of(self.kind)
+        cache = state.latent
         q, c_q = self.project_q(x)
         # Write first: each segment then reads its context *and* this step's rows from the cache.
         q_nope, q_pe = self.write_latent(q, self.kv_a_proj_with_mqa(x), step, rope, cache)
         selections = None
-        if step.plan.sparse:
-            selections = self.select(x, c_q, step, index_keys, prev)
+        if mine.plan.sparse:
+            selections = self.select(x, c_q, step, mine, state.index_keys, prev)
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
-        for i, (seg, backend) in enumerate(zip(step.segments, step.backends)):
+        for i, (seg, backend) in enumerate(zip(mine.segments, mine.backends)):
             sel = selections[i] if selections is not None else None
             per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel).flatten(0, 1)  # [B * Q, H, dv]
             out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat).to(out.dtype))
@@ -139,20 +142,26 @@ class MLAAttention(nn.Module):
         return q_nope, q_pe
 
     def select(
-        self, x: torch.Tensor, c_q: torch.Tensor, step: StepContext, index_keys: torch.Tensor | None, prev: Selections
+        self,
+        x: torch.Tensor,
+        c_q: torch.Tensor,
+        step: StepContext,
+        mine: KindStep,
+        index_keys: torch.Tensor | None,
+        prev: Selections,
     ) -> Selections:
         if self.indexer is None:
-            if prev is None and step.plan.needs_selection:
+            if prev is None and mine.plan.needs_selection:
                 raise RuntimeError("a shared-indexer layer needs the top-k of a previous full indexer layer")
             return prev
         q_idx, k_idx, w = self.indexer.project(x, c_q, step.cos, step.sin)
         index_keys.index_copy_(0, step.slot_mapping, k_idx.to(index_keys.dtype))
-        if not step.plan.needs_selection:
+        if not mine.plan.needs_selection:
             return None  # keys written for later steps; this step keeps every row anyway
-        topk = step.plan.index_topk
+        topk = mine.plan.index_topk
         return tuple(
             self.indexer.select(q_idx, w, index_keys, seg, topk, backend)
-            for seg, backend in zip(step.segments, step.backends)
+            for seg, backend in zip(mine.segments, mine.backends)
         )
 
     def attend(
@@ -200,11 +209,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         step: StepContext,
         rope: RotaryEmbedding,
-        cache: torch.Tensor,
-        index_keys: torch.Tensor | None,
+        state: LayerState,
         prev: Selections,
     ) -> tuple[torch.Tensor, Selections]:
-        h, selections = self.self_attn(self.input_layernorm(x), step, rope, cache, index_keys, prev)
+        h, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev)
         x = x + self.all_reduce(h)
         return x + self.all_reduce(self.mlp(self.post_attention_layernorm(x))), selections
 
@@ -229,7 +237,7 @@ class MLAForCausalLM(nn.Module):
         # (quant.ggml_layer.decode_step, set by the loader with the native layers)
         self.native_decode: Callable | None = None
 
-    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: LatentCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache) -> torch.Tensor:
         """-> final hidden states [T, D] (normed)."""
         x = self.embed(input_ids)
         selections: Selections = None
@@ -237,9 +245,9 @@ class MLAForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             fast = layer.native_layer
             if native is not None and fast is not None and not fast.hooked():
-                x = fast(x, native[0], cache.layers[i])  # a dense decode step: no selections to pass on
+                x = fast(x, native[0], cache.layers[i].latent)  # a dense decode step: no selections to pass on
                 continue
-            x, selections = layer(x, step, self.rope, cache.layers[i], cache.index_keys[i], selections)
+            x, selections = layer(x, step, self.rope, cache.layers[i], selections)
         return self.model.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from mlaserve.models.deepseek import DecoderLayer
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:
+    from mlaserve.cache.model_cache import LayerState
     from mlaserve.executor.step_context import StepContext
 
 _MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -128,12 +129,11 @@ class MTPLayer(DecoderLayer):
         hidden: torch.Tensor,
         step: StepContext,
         rope: RotaryEmbedding,
-        cache: torch.Tensor,
-        index_keys: torch.Tensor | None,
+        state: LayerState,
     ) -> torch.Tensor:
         """input_ids [T]: t_{i+1} (or the previous draft); hidden [T, D]: h_i (or g_{i-1}). -> g [T, D]."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed(input_ids)), self.hnorm(hidden)], dim=-1))
-        g, _ = super().forward(x, step, rope, cache, index_keys, None)
+        g, _ = super().forward(x, step, rope, state, None)
         return g
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,11 @@ import json
 from collections import deque
 from pathlib import Path
 
-from mlaserve.attention.router import AttentionPlan
+from mlaserve.attention.plan import StepRoute
 from mlaserve.executor.forward_batch import ForwardBatch
 
 
-def step_record(step: int, batch: ForwardBatch, plan: AttentionPlan, num_layers: int, preempted: tuple = ()) -> dict:
+def step_record(step: int, batch: ForwardBatch, plan: StepRoute, num_layers: int, preempted: tuple = ()) -> dict:
     """preempted: the scheduler's Preemption records of this step (request id, pages freed)."""
     rec = {
         "step": step,

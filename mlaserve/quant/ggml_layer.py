@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from mlaserve.config.layer_kinds import layer_ranges
 from mlaserve.kernels import native_layers
 from mlaserve.models.deepseek import DecoderLayer, MLAForCausalLM, single_process
 from mlaserve.models.layers import RMSNorm, SwiGLU
@@ -31,7 +32,7 @@ from mlaserve.models.moe import MoE
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFHeads, native_rows, rows_args
 
 if TYPE_CHECKING:
-    from mlaserve.executor.latent_cache import LatentCache
+    from mlaserve.cache.model_cache import ModelCache
     from mlaserve.executor.step_context import StepContext
 
 
@@ -127,15 +128,17 @@ class GGUFDecodeLayer:
         return native_layers.decode_layer(self.args, step, x, cache)
 
 
-def decode_step(step: StepContext, cache: LatentCache) -> tuple[native_layers.DecodeStepArgs, tuple] | None:
+def decode_step(step: StepContext, cache: ModelCache) -> tuple[native_layers.DecodeStepArgs, tuple] | None:
     """The step's shared arguments when it is a pure decode step the native layers take, else None (then every
     layer runs its per-op path): one dense absorbed segment on the native backend, one query per request in
     request order, at most BLOCK_TOKENS of them, fp32 rope and caches on the CPU. -> (args, the tensors they
     point into)."""
-    plan = step.plan
-    if plan.sparse or len(step.segments) != 1 or step.backends[0].name != "native":
+    if len(step.kinds) != 1:
+        return None  # the C layers run one dense MLA route for the whole stack
+    (mine,) = step.kinds.values()
+    if mine.plan.sparse or len(mine.segments) != 1 or mine.backends[0].name != "native":
         return None
-    seg = step.segments[0]
+    seg = mine.segments[0]
     t = step.slot_mapping.shape[0]
     if (
         seg.segment.path != "absorbed"
@@ -144,10 +147,11 @@ def decode_step(step: StepContext, cache: LatentCache) -> tuple[native_layers.De
         or t > BLOCK_TOKENS
     ):
         return None
-    first = cache.layers[0]
+    latent = cache.state("latent")
+    first = latent[0]
     if step.cos.dtype != torch.float32 or first.device.type != "cpu":
         return None
-    if not all(c.dtype == torch.float32 and c.is_contiguous() and c.shape == first.shape for c in cache.layers):
+    if not all(c.dtype == torch.float32 and c.is_contiguous() and c.shape == first.shape for c in latent):
         return None
     if not torch.equal(seg.q_index[:, 0], torch.arange(t, device=seg.q_index.device)):
         return None  # the C layer writes request b's output at token b
@@ -178,14 +182,4 @@ def decode_layer_misses(model: MLAForCausalLM) -> list[str]:
     for i, layer in enumerate(model.model.layers):
         if layer.native_layer is None:
             why.setdefault(GGUFDecodeLayer.unfit(layer) or "not attached", []).append(i)
-    return [f"decoder layer(s) {_ranges(ids)} decode per op: {reason}" for reason, ids in why.items()]
-
-
-def _ranges(ids: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, start = [], ids[0]
-    for a, b in zip(ids, [*ids[1:], None]):
-        if b != a + 1:
-            out.append(f"{start}-{a}" if a > start else f"{a}")
-            start = b
-    return ", ".join(out)
+    return [f"decoder layer(s) {layer_ranges(ids)} decode per op: {reason}" for reason, ids in why.items()]

@@ -1,7 +1,7 @@
 """The pool of cache pages: which page belongs to which request, and the prefix cache.
 
 Plain bookkeeping (ids and counts, no tensors): the scheduler owns it on rank 0; the tensors the
-pages index live in `executor.latent_cache`.
+pages index live in `cache.model_cache`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""The route as data: per attention kind, the segments of the step and each one's path (made by router.py).
+
+A step's `StepRoute` holds one `AttentionPlan` per attention kind present in the stack
+(config/layer_kinds.py), and which layers each one serves. Backends and segment tensors read these
+types; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mlaserve.config.layer_kinds import layer_ranges
+
+
+@dataclass(frozen=True)
+class Segment:
+    phase: str  # "decode" | "prefill"
+    path: str  # "absorbed" | "decompressed"
+    sparse: bool
+    token_start: int
+    token_end: int
+    seq_start: int  # index into batch.seqs
+    seq_end: int
+    request_ids: tuple[str, ...]
+    backend: str = "torch"  # the attention backend that runs this segment (attention.backends registry)
+    implementation: str = "torch:absorbed"  # backend:operation, e.g. "torch:sparse_absorbed"
+    index_scoring: str | None = None  # "fp32" | "bf16_then_fp32" when this segment selects its top-k
+    kind: str = "mla"  # the attention kind whose layers run this segment
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One attention kind's route for the step."""
+
+    segments: tuple[Segment, ...]
+    sparse: bool
+    index_topk: int | None  # configured top-k on sparse steps, None when dense
+    effective_topk: int | None  # min(index_topk, longest sequence in the step): rows a query can keep
+    # False when every sequence fits in index_topk: the top-k would keep every causal row, so the
+    # indexer only writes its keys and attention runs over all rows (identical result, no scoring).
+    needs_selection: bool = False
+    kind: str = "mla"
+    layers: tuple[int, ...] = ()  # the layers of this kind
+
+    def counts(self) -> dict[str, int]:
+        return _counts(self.segments)
+
+    def to_record(self) -> dict:
+        return {
+            **self.counts(),
+            "sparse": self.sparse,
+            "index_topk": self.index_topk,
+            "effective_topk": self.effective_topk,
+            "needs_selection": self.needs_selection,
+            "segments": [_segment_record(s) for s in self.segments],
+        }
+
+
+@dataclass(frozen=True)
+class StepRoute:
+    """Every attention kind's plan for one step; plan_of(kind) is what a layer of that kind executes."""
+
+    plans: tuple[AttentionPlan, ...]
+
+    def plan_of(self, kind: str) -> AttentionPlan:
+        for p in self.plans:
+            if p.kind == kind:
+                return p
+        raise KeyError(f"no route planned for attention kind {kind!r}; planned: {[p.kind for p in self.plans]}")
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(s for p in self.plans for s in p.segments)
+
+    @property
+    def sparse(self) -> bool:
+        return any(p.sparse for p in self.plans)
+
+    def to_record(self) -> dict:
+        """The ledger's route fields. Token counts and segments cover every kind (a token counts once per
+        kind that attends it); index fields are the sparse kind's; `kinds` says which layers each serves."""
+        sparse = next((p for p in self.plans if p.sparse), None)
+        return {
+            **_counts(self.segments),
+            "sparse": sparse is not None,
+            "index_topk": sparse.index_topk if sparse else None,
+            "effective_topk": sparse.effective_topk if sparse else None,
+            "needs_selection": any(p.needs_selection for p in self.plans),
+            "segments": [_segment_record(s) for s in self.segments],
+            "kinds": [_kind_record(p) for p in self.plans],
+        }
+
+
+def _counts(segments: tuple[Segment, ...]) -> dict[str, int]:
+    mqa = sum(s.num_tokens for s in segments if s.path == "absorbed")
+    mha = sum(s.num_tokens for s in segments if s.path == "decompressed")
+    sparse = sum(s.num_tokens for s in segments if s.sparse)
+    return {"num_mqa_tokens": mqa, "num_mha_tokens": mha, "num_sparse_tokens": sparse}
+
+
+def _segment_record(s: Segment) -> dict:
+    rec = asdict(s)
+    rec["request_ids"] = list(s.request_ids)
+    rec["num_tokens"] = s.num_tokens
+    return rec
+
+
+def _kind_record(p: AttentionPlan) -> dict:
+    return {"kind": p.kind, "layers": layer_ranges(p.layers), "sparse": p.sparse, **p.counts()}
