@@ -359,6 +359,9 @@ def _inspect(args) -> int:
             f"{echo['weight_bytes'] / 2**20:.1f} MiB of weights, {echo['num_threads']} threads, "
             "configuration identical to rank 0"
         )
+    plan = llm.loaded.kernel_plan
+    if plan is not None:  # per op: which implementation runs which layers, and why (kernels/registry.py)
+        print(f"\nkernel plan {plan.digest} (op, implementation, layers, why):\n" + plan.format())
     if llm.loaded.report.notes:
         print("\nload report:\n  " + "\n  ".join(llm.loaded.report.notes))
     return 0

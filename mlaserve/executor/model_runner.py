@@ -44,16 +44,24 @@ class ModelRunner:
         plan = route_step(
             batch, self.layer_kinds, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
         )
-        if self.tracer.enabled:
-            rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
-            rec = rec | (ledger(batch, plan) if ledger else {})
-            self.tracer.record({"rank": self.rank, **rec} if cfg.tensor_parallel_size > 1 else rec)
-        self.step_count += 1
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
-            hidden = self.model(batch.input_ids, step, self.cache)
+            native = self.model.fused_decode(step, self.cache)  # decided before the math, recorded with the route
+            if self.tracer.enabled:
+                rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
+                rec["kernels"] = self._kernels_record(native)
+                rec = rec | (ledger(batch, plan) if ledger else {})
+                self.tracer.record({"rank": self.rank, **rec} if cfg.tensor_parallel_size > 1 else rec)
+            self.step_count += 1
+            hidden = self.model(batch.input_ids, step, self.cache, native)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits, hidden
+
+    def _kernels_record(self, native: tuple | None) -> dict:
+        """The ledger's kernel fields: the load's KernelPlan by its digest (`mlaserve inspect` prints the plan)
+        and whether this step's decoder layers run as one native call each."""
+        plan = getattr(self.model, "kernel_plan", None)
+        return {"plan": plan.digest if plan is not None else None, "decode_layer": "native" if native else "per_op"}
 
     def prompt_logits(self, request_id: str, ids: list[int], pages: list[int]) -> torch.Tensor:
         """Logits at every position of ids [len, vocab], prefilled through `pages` in chunks of

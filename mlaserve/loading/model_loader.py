@@ -14,6 +14,7 @@ from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
 from mlaserve.engine.tokenizer import Tokenizer
+from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.weights import LoadReport, load_weights
@@ -21,8 +22,8 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
-from mlaserve.quant.ggml_layer import attach_decode_layers, decode_layer_misses
-from mlaserve.quant.ggml_linear import BLOCK_TOKENS, attach_moe_blocks
+from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
+from mlaserve.quant.ggml_linear import BLOCK_TOKENS
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
 
@@ -38,6 +39,7 @@ class LoadedModel:
     quant: QuantPlan | None = None  # which modules hold quantized weights (None: an unquantized checkpoint)
     gguf: GGUFPlan | None = None  # a GGUF's modules kept in their ggml blocks (None: not kept / not GGUF)
     quantized_at_load: tuple[Setting, ...] = ()  # quantization=int8|int4: what became which blocks, what stayed
+    kernel_plan: KernelPlan | None = None  # per layer and op, the implementation and why (kernels/registry.py)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -191,8 +193,11 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if engine_cfg.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module
         quantized_at_load = quantize_model(model, engine_cfg.quantization, engine_cfg.dtype)
         report.notes.append(f"quantization={engine_cfg.quantization}: {len(quantized_at_load)} module kind(s) listed")
-    _set_kernels(model, engine_cfg.kernels, engine_cfg.activations == "int8")
-    blocks, layers = attach_moe_blocks(model), attach_decode_layers(model)
+    # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
+    kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels, engine_cfg.activations == "int8"))
+    model.kernel_plan = kernel_plan
+    layers = enable_decode_step(model)
+    blocks = sum(c.op == "moe_block" and c.impl == "native" and c.layer.isdigit() for c in kernel_plan.choices)
     if blocks:
         report.notes.append(f"{blocks} MoE layer(s) run steps of <= {BLOCK_TOKENS} tokens as one native call")
     if layers:
@@ -200,7 +205,9 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
             f"{layers} decoder layer(s) run pure decode steps of <= {BLOCK_TOKENS} requests as one native call each"
         )
     if engine_cfg.kernels == "native" and (gguf_plan is not None or quantized_at_load):
-        report.notes.extend(decode_layer_misses(model))  # block holders on the native kernels: say what did not fit
+        report.notes.extend(
+            decode_layer_misses(kernel_plan)
+        )  # block holders on the native kernels: say what did not fit
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
     if quant is not None:
@@ -219,7 +226,9 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     gen_path = path / "generation_config.json" if path.is_dir() else None
     gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
-    return LoadedModel(model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan, quantized_at_load)
+    return LoadedModel(
+        model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan, quantized_at_load, kernel_plan
+    )
 
 
 def _native_probe() -> tuple[bool, str]:
@@ -243,16 +252,6 @@ def _has_gguf_blocks(source) -> bool:
     if not hasattr(source, "gguf_type"):
         return False
     return any(source.gguf_type(n) not in ("F32", "F16", "BF16") for n in source.names())
-
-
-def _set_kernels(model: nn.Module, kernel: str, int8: bool = False) -> None:
-    """Holders of quantized weights multiply with the chosen kernels where they have them (and with int8
-    activations where they can: GGUF block holders, activations="int8")."""
-    for module in model.modules():
-        if kernel in getattr(module, "KERNELS", ()):
-            module.kernel = kernel
-        if int8 and kernel == "native" and hasattr(module, "int8"):
-            module.int8 = True
 
 
 def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:

@@ -55,6 +55,7 @@ def single_process(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAAttention(nn.Module):
+    KERNEL_OP = "latent_write"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # native: the latent row and the query rope in one C call (write_latent)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -190,6 +191,8 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    KERNEL_OP = "decode_layer"  # native: the whole pure-decode step in one C call (quant/ggml_layer.py)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, all_reduce: AllReduce = single_process) -> None:
         super().__init__()
         self.all_reduce = all_reduce
@@ -200,8 +203,8 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # the whole layer as one native call for pure decode steps (quant.ggml_layer.GGUFDecodeLayer), attached by
-        # the loader where every weight is a native ggml holder; forward() below is its reference
+        # the whole layer as one native call for pure decode steps (quant.ggml_layer.GGUFDecodeLayer), set by the
+        # KernelPlan where every weight is a native ggml holder; forward() below is its reference
         self.native_layer = None
 
     def forward(
@@ -236,12 +239,20 @@ class MLAForCausalLM(nn.Module):
         # step -> the native layers' shared step arguments, or None when the step is not theirs
         # (quant.ggml_layer.decode_step, set by the loader with the native layers)
         self.native_decode: Callable | None = None
+        self.kernel_plan = None  # the load's KernelPlan (kernels/registry.py), which the ledger names by digest
 
-    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache) -> torch.Tensor:
-        """-> final hidden states [T, D] (normed)."""
+    def fused_decode(self, step: StepContext, cache: ModelCache) -> tuple | None:
+        """The native decode layers' step arguments when this step is theirs (decided from the route, before
+        the forward pass, so the ledger can say so), else None."""
+        return self.native_decode(step, cache) if self.native_decode is not None else None
+
+    def forward(
+        self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native: tuple | None = None
+    ) -> torch.Tensor:
+        """-> final hidden states [T, D] (normed). native: fused_decode(step, cache) of this step, or None (every
+        layer per op)."""
         x = self.embed(input_ids)
         selections: Selections = None
-        native = self.native_decode(step, cache) if self.native_decode is not None else None
         for i, layer in enumerate(self.model.layers):
             fast = layer.native_layer
             if native is not None and fast is not None and not fast.hooked():

@@ -22,6 +22,7 @@ from mlaserve.kernels import native_layers
 
 
 class RMSNorm(nn.Module):
+    KERNEL_OP = "norm"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # native: one C call (kernels/native.py rms_norm) for fp32 on the CPU
 
     def __init__(self, dim: int, eps: float) -> None:

@@ -24,6 +24,7 @@ ROUTE_TOKENS = 16  # steps of up to this many tokens take the native router (ker
 
 
 class Gate(nn.Module):
+    KERNEL_OP = "router"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # native: scoring and group-limited top-k in one call (kernels/native.py)
 
     def __init__(self, hidden: int, cfg: MoEConfig) -> None:
@@ -35,6 +36,20 @@ class Gate(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         else:
             self.e_score_correction_bias = None
+
+    def native_unfit(self) -> str | None:
+        """Why the native router cannot run this gate's settings (the KernelPlan then keeps the torch router,
+        saying why), or None: a scoring or top-k rule it lacks, or more experts / groups than it sizes for."""
+        cfg = self.cfg
+        if cfg.scoring_func not in native.SCORING or cfg.topk_method not in native.TOPK_METHOD:
+            return f"router {cfg.scoring_func} / {cfg.topk_method} not in the native router"
+        e = cfg.n_routed_experts
+        grouped = cfg.topk_method != "greedy"
+        if e > 1024 or (
+            grouped and not (1 <= cfg.n_group <= 64 and e % cfg.n_group == 0 and 1 <= cfg.topk_group <= cfg.n_group)
+        ):
+            return "router settings beyond the native router's (1024 experts, 64 groups)"
+        return None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_w [T, k] fp32, topk_idx [T, k])."""
@@ -130,14 +145,16 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    KERNEL_OP = "moe_block"  # native: the decode step in one C call (quant/ggml_linear.py GGUFMoEBlock)
+
     def __init__(self, hidden: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.gate = Gate(hidden, cfg)
         self.experts = Experts(hidden, cfg)
         n_shared = cfg.n_shared_experts
         self.shared_experts = SwiGLU(hidden, cfg.moe_intermediate_size * n_shared) if n_shared else None
-        # the whole block as one native call for decode steps (quant.ggml_linear.GGUFMoEBlock), attached by the
-        # loader where every expert weight is a ggml-block holder with the native kernels; this path is its reference
+        # the whole block as one native call for decode steps (quant.ggml_linear.GGUFMoEBlock), set by the KernelPlan
+        # where every expert weight is a ggml-block holder with the native kernels; this path is its reference
         self.native_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

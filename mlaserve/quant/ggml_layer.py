@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from mlaserve.config.layer_kinds import layer_ranges
-from mlaserve.kernels import native_layers
+from mlaserve.kernels import native_layers, registry
 from mlaserve.models.deepseek import DecoderLayer, MLAForCausalLM, single_process
 from mlaserve.models.layers import RMSNorm, SwiGLU
 from mlaserve.models.moe import MoE
+from mlaserve.models.mtp import MTPLayer
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFHeads, native_rows, rows_args
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def _fp32_norm(m: nn.Module) -> bool:
 
 
 class GGUFDecodeLayer:
-    """One decoder layer's decode step as one native call; built once at load (attach_decode_layers)."""
+    """One decoder layer's decode step as one native call; built once at load (by the KernelPlan)."""
 
     def __init__(self, layer: DecoderLayer, interleaved: bool) -> None:
         attn, cfg = layer.self_attn, layer.self_attn.cfg
@@ -164,22 +165,43 @@ def decode_step(step: StepContext, cache: ModelCache) -> tuple[native_layers.Dec
     return args, (kv_slots, mask, q_index, cos, sin, slots)
 
 
-def attach_decode_layers(model: MLAForCausalLM) -> int:
-    """After the MoE blocks: every decoder layer of the trunk that fits gets its GGUFDecodeLayer. -> how many."""
-    n = 0
-    for layer in model.model.layers:
-        if GGUFDecodeLayer.unfit(layer) is None:
-            layer.native_layer = GGUFDecodeLayer(layer, model.rope.interleaved)
-            n += 1
+def _decode_layer_fits(layer: DecoderLayer, ctx: registry.KernelContext) -> str | None:
+    if isinstance(layer, MTPLayer):
+        return "the MTP layer (the one-call path covers the trunk's decoder layers)"
+    return registry.needs_native(ctx) or GGUFDecodeLayer.unfit(layer)
+
+
+def _attach_layer(layer: DecoderLayer, ctx: registry.KernelContext) -> None:
+    layer.native_layer = GGUFDecodeLayer(layer, layer.self_attn.cfg.rope.interleaved)
+
+
+def _per_op_layer(layer: DecoderLayer, ctx: registry.KernelContext) -> None:
+    layer.native_layer = None
+
+
+def _dense_steps_only(layer: DecoderLayer) -> str | None:
+    if layer.self_attn.kind != "mla":
+        return f"{layer.self_attn.kind}: dense decode steps only (decode_step takes no sparse route; sparse steps run per op)"
+    return None
+
+
+registry.register("decode_layer", "native", _decode_layer_fits, _attach_layer, _dense_steps_only)
+registry.register("decode_layer", "per_op", registry.always, _per_op_layer)
+
+
+def enable_decode_step(model: MLAForCausalLM) -> int:
+    """After the KernelPlan: the model asks decode_step once per step where some trunk layer runs natively.
+    -> how many trunk layers do."""
+    n = sum(layer.native_layer is not None for layer in model.model.layers)
     model.native_decode = decode_step if n else None
     return n
 
 
-def decode_layer_misses(model: MLAForCausalLM) -> list[str]:
+def decode_layer_misses(plan: registry.KernelPlan) -> list[str]:
     """For the load report: which trunk layers run decode steps per op instead of as one call, and why (one line
     per reason, with the layers), so that a GGUF whose layers do not qualify (F16 attn_k_b, say) says so."""
     why: dict[str, list[int]] = {}
-    for i, layer in enumerate(model.model.layers):
-        if layer.native_layer is None:
-            why.setdefault(GGUFDecodeLayer.unfit(layer) or "not attached", []).append(i)
+    for c in plan.choices:
+        if c.op == "decode_layer" and c.impl == "per_op" and c.layer.isdigit():
+            why.setdefault(c.reason.removeprefix("not native: "), []).append(int(c.layer))
     return [f"decoder layer(s) {layer_ranges(ids)} decode per op: {reason}" for reason, ids in why.items()]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import ggml, native, native_layers
+from mlaserve.kernels import ggml, native, native_layers, registry
 from mlaserve.models.layers import SwiGLU
 from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
 
@@ -44,7 +44,8 @@ def _describe(ggml_type: int) -> tuple[str, tuple[int, int]]:
 class GGUFLinear(nn.Module):
     """y = x W^T (+ b), W kept as the file's ggml blocks."""
 
-    KERNELS = ggml.KERNELS  # what `kernel` may be set to (the loader sets the engine's choice)
+    KERNEL_OP = "linear"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
+    KERNELS = ggml.KERNELS  # what `kernel` may be set to
 
     def __init__(self, in_features: int, out_features: int, ggml_type: int, bias: bool, dtype, device) -> None:
         super().__init__()
@@ -104,6 +105,7 @@ class GGUFExperts(Experts):
     (token, expert) pairs sorted by expert, one grouped call per projection (kernels.ggml.expert_linear);
     impl "loop" is the per-expert reference like Experts._forward_loop."""
 
+    KERNEL_OP = "grouped_experts"
     KERNELS = ggml.KERNELS
 
     def __init__(self, hidden: int, n_experts: int, inter: int, type_gate_up: int, type_down: int, device) -> None:
@@ -172,6 +174,7 @@ class GGUFHeads(nn.Module):
       v_b [H, dv, R_r]  per head the [dv, r] matrix: o[h] = v_b[h] @ o_lat[h]
     Heads are the groups of a grouped product (kernels.ggml.expert_linear): group h is head h's rows."""
 
+    KERNEL_OP = "heads"
     KERNELS = ggml.KERNELS
 
     def __init__(self, k_b: torch.Tensor, type_k: int, v_b: torch.Tensor, type_v: int, dn: int, r: int) -> None:
@@ -289,7 +292,6 @@ class GGUFMoEBlock:
     def unfit(moe: MoE) -> str | None:
         """Why this MoE layer cannot run as one native block, or None."""
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
-        cfg = gate.cfg
         if (
             not isinstance(ex, GGUFExperts)
             or ex.kernel != "native"
@@ -300,8 +302,6 @@ class GGUFMoEBlock:
         parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
         if sh is not None and not (parts and all(native_rows(m, ex.int8) for m in parts)):
             return "shared expert not ggml blocks with the native kernels and the routed experts' activations"
-        if cfg.scoring_func not in native.SCORING or cfg.topk_method not in native.TOPK_METHOD:
-            return f"router {cfg.scoring_func} / {cfg.topk_method} not in the native router"
         tensors = [gate.weight, ex.gate_up_proj, ex.down_proj, *(m.weight for m in parts)]
         bias = gate.e_score_correction_bias
         if any(t.device.type != "cpu" for t in tensors) or gate.weight.dtype != torch.float32:
@@ -312,16 +312,26 @@ class GGUFMoEBlock:
             return "gate weight / correction bias not contiguous fp32"
         if ex.gate_up_proj.stride(1) != ex.gate_up_proj.shape[2] or ex.down_proj.stride(1) != ex.down_proj.shape[2]:
             return "expert rows not contiguous"
-        e = cfg.n_routed_experts
-        grouped = cfg.topk_method != "greedy"
-        if e > 1024 or (
-            grouped and not (1 <= cfg.n_group <= 64 and e % cfg.n_group == 0 and 1 <= cfg.topk_group <= cfg.n_group)
-        ):
-            return "router settings beyond the native router's (1024 experts, 64 groups)"
-        return None
+        return None  # the router's own limits: gate.kernel is "native" only where Gate.native_unfit passed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return native_layers.moe_block(self.args, x)
+
+
+def _moe_block_fits(moe: MoE, ctx: registry.KernelContext) -> str | None:
+    return registry.needs_native(ctx) or GGUFMoEBlock.unfit(moe)
+
+
+def _attach_block(moe: MoE, ctx: registry.KernelContext) -> None:
+    moe.native_block = GGUFMoEBlock(moe)
+
+
+def _per_op_block(moe: MoE, ctx: registry.KernelContext) -> None:
+    moe.native_block = None
+
+
+registry.register("moe_block", "native", _moe_block_fits, _attach_block)
+registry.register("moe_block", "per_op", registry.always, _per_op_block)
 
 
 def attach_moe_blocks(model: nn.Module) -> int:

@@ -44,6 +44,7 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
 class FP8Linear(nn.Module):
     """y = x W^T (+ b), W stored as e4m3 Q [N, K] and its scale tensor (named as the checkpoint)."""
 
+    KERNEL_OP = "linear"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # what `kernel` may be set to
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool, dtype, device) -> None:
@@ -93,6 +94,7 @@ class FP8Experts(Experts):
     """Routed experts kept in e4m3: gate_up_proj [E, 2I, D] and down_proj [E, D, I] with their
     scales; a step dequantizes only the experts it routes tokens to, then one grouped GEMM."""
 
+    KERNEL_OP = "grouped_experts"
     KERNELS = ("native", "torch")
 
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
@@ -214,6 +216,7 @@ class FP4Experts(FP8Experts):
       "nvfp4"  uint8 codes, e4m3 scales over a per-tensor `weight_global_scale`: S = s / global, g = 16
     Same step as FP8Experts (only the routed experts are dequantized)."""
 
+    KERNEL_OP = "grouped_experts"
     KERNELS = ("native", "torch")  # native for the "fp4" variant (fp32 scales); see __init__
 
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:

@@ -1,0 +1,200 @@
+"""The kernel registry: every op, its implementations in order of preference, and why one is taken.
+
+An op is a piece of the model that has more than one implementation (the reference in torch, a native C
+call, a fused block). A module that performs an op names it (`KERNEL_OP = "norm"`); each implementation
+registers a `supports(module, ctx) -> reason | None` check (None: it can run this module) and an `apply`
+that puts it in place. At load, `plan_kernels` walks the model once, takes for every module the first
+implementation whose check passes (the reference always does) and returns a KernelPlan: per layer and op,
+which implementation and why. The plan is data: `mlaserve inspect` prints it, every ledger record names it
+by its digest, and a check that fails only moves that module to the reference, with the reason recorded.
+
+Ops, in the order they are planned (a fused op's check reads the choices of the ops it fuses):
+  linear           a matrix kept in a stored format (GGUF blocks, FP8 blocks): native decode-and-dot | torch
+  grouped_experts  a routed-expert stack kept in a stored format: native | torch
+  heads            W_UK / W_UV kept as a GGUF's attn_k_b / attn_v_b blocks: native grouped GEMV | torch
+  norm             RMSNorm: native (one C call, fp32 CPU) | torch
+  router           the MoE gate's scoring and group-limited top-k: native | torch
+  latent_write     kv_a norm, rope of k_pe and q_pe, the cache row write: native | torch
+  moe_block        a MoE layer's decode step as one call: native | per_op
+  decode_layer     a decoder layer's pure decode step as one call: native | per_op
+Attention over the cache (latent MQA, decompressed MHA, index scoring) is chosen per step by the router
+(the segment's backend and implementation, in the ledger), not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from mlaserve.config.layer_kinds import layer_ranges
+
+OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write", "moe_block", "decode_layer")
+
+
+@dataclass(frozen=True)
+class KernelContext:
+    """The engine's switches an implementation's check may read (config/machine.py resolved them)."""
+
+    kernels: str  # "native" | "torch"
+    int8: bool  # activations="int8": int8 dot products where the native kernels have them
+
+
+Supports = Callable[[nn.Module, KernelContext], "str | None"]
+Apply = Callable[[nn.Module, KernelContext], None]
+Note = Callable[[nn.Module], "str | None"]
+
+
+@dataclass(frozen=True)
+class Impl:
+    op: str
+    name: str
+    supports: Supports
+    apply: Apply
+    note: Note | None = None  # what the plan should say about a module this implementation takes
+
+
+_IMPLS: dict[str, list[Impl]] = {op: [] for op in OPS}
+
+
+def register(op: str, name: str, supports: Supports, apply: Apply, note: Note | None = None) -> None:
+    """Add an implementation of `op`, preferred over those registered after it (the reference goes last)."""
+    if op not in _IMPLS:
+        raise ValueError(f"unknown kernel op {op!r}; ops: {OPS}")
+    if any(i.name == name for i in _IMPLS[op]):
+        raise ValueError(f"{op}: implementation {name!r} registered twice")
+    _IMPLS[op].append(Impl(op, name, supports, apply, note))
+
+
+def implementations(op: str) -> tuple[Impl, ...]:
+    return tuple(_IMPLS[op])
+
+
+def set_kernel(name: str) -> Apply:
+    """apply() of the ops whose module reads its own `kernel` switch."""
+
+    def apply(module: nn.Module, ctx: KernelContext) -> None:
+        module.kernel = name
+
+    return apply
+
+
+def always(module: nn.Module, ctx: KernelContext) -> str | None:
+    """The reference's check: it runs everything."""
+    return None
+
+
+def needs_native(ctx: KernelContext) -> str | None:
+    return None if ctx.kernels == "native" else f"engine kernels={ctx.kernels}"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    module: str  # the module's name in the model ("model.layers.3.mlp.gate")
+    layer: str  # "3", "mtp.0" or "model" (outside the decoder layers)
+    op: str
+    impl: str
+    reason: str  # why this one: the engine's choice, or why each preferred one did not fit
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    choices: tuple[KernelChoice, ...]
+
+    @property
+    def digest(self) -> str:
+        """A short name of the plan's content, which every ledger record carries."""
+        raw = json.dumps([[c.module, c.op, c.impl] for c in self.choices]).encode()
+        return hashlib.sha256(raw).hexdigest()[:12]
+
+    def of(self, module: str, op: str) -> KernelChoice | None:
+        return next((c for c in self.choices if c.module == module and c.op == op), None)
+
+    def summary(self) -> list[tuple[str, str, str, str]]:
+        """(op, implementation, layers, reason) rows, modules with the same choice and reason grouped."""
+        groups: dict[tuple[str, str, str], list[str]] = {}
+        for c in self.choices:
+            groups.setdefault((c.op, c.impl, c.reason), [])
+            if c.layer not in groups[(c.op, c.impl, c.reason)]:
+                groups[(c.op, c.impl, c.reason)].append(c.layer)
+        rows = [(op, impl, _layers(ids), reason) for (op, impl, reason), ids in groups.items()]
+        return sorted(rows, key=lambda r: OPS.index(r[0]))
+
+    def format(self) -> str:
+        rows = self.summary()
+        if not rows:
+            return "  (no op with more than one implementation in this model)"
+        w = [max(len(r[i]) for r in rows) for i in range(3)]
+        return "\n".join(f"  {op:<{w[0]}}  {impl:<{w[1]}}  layers {lay:<{w[2]}}  {why}" for op, impl, lay, why in rows)
+
+
+def plan_kernels(model: nn.Module, ctx: KernelContext) -> KernelPlan:
+    """Choose and apply every module's implementation, op by op in OPS order. -> the plan."""
+    choices = []
+    for op in OPS:
+        for name, module in model.named_modules():
+            if getattr(module, "KERNEL_OP", None) != op:
+                continue
+            impl, reason = _choose(op, module, ctx)
+            impl.apply(module, ctx)
+            choices.append(KernelChoice(name, _layer_of(name), op, impl.name, reason))
+    return KernelPlan(tuple(choices))
+
+
+def _choose(op: str, module: nn.Module, ctx: KernelContext) -> tuple[Impl, str]:
+    impls = _IMPLS[op]
+    if not impls:
+        raise RuntimeError(f"kernel op {op!r} has no implementation registered (its module was not imported)")
+    passed = []
+    for impl in impls:
+        why_not = impl.supports(module, ctx)
+        if why_not is None:
+            said = impl.note(module) if impl.note is not None else None
+            reason = "; ".join([*passed, *([said] if said else [])]) or f"first choice, kernels={ctx.kernels}"
+            return impl, reason
+        passed.append(f"not {impl.name}: {why_not}")
+    raise RuntimeError(f"{op}: no implementation supports {type(module).__name__} ({'; '.join(passed)})")
+
+
+def _layer_of(name: str) -> str:
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2:
+        return parts[2]
+    if parts[0] == "mtp" and len(parts) > 1:
+        return f"mtp.{parts[1]}"
+    return "model"
+
+
+def _layers(ids: list[str]) -> str:
+    nums = [int(i) for i in ids if i.isdigit()]
+    return ", ".join(([layer_ranges(nums)] if nums else []) + [i for i in ids if not i.isdigit()])
+
+
+# The ops whose module holds its own `kernel` switch (the module's forward runs that implementation): the
+# native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
+# check (native_unfit, for limits of the C code) passes; else the torch reference.
+MODULE_OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write")
+
+
+def _native_module(module: nn.Module, ctx: KernelContext) -> str | None:
+    why = needs_native(ctx)
+    if why is not None:
+        return why
+    if "native" not in getattr(module, "KERNELS", ()):
+        return f"{type(module).__name__} has no native kernel"
+    unfit = getattr(module, "native_unfit", None)
+    return unfit() if unfit is not None else None
+
+
+def _apply_native(module: nn.Module, ctx: KernelContext) -> None:
+    module.kernel = "native"
+    if ctx.int8 and hasattr(module, "int8"):  # GGUF block holders: llama.cpp's integer dots (not exact)
+        module.int8 = True
+
+
+for _op in MODULE_OPS:
+    register(_op, "native", _native_module, _apply_native)
+    register(_op, "torch", always, set_kernel("torch"))
