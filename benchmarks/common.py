@@ -157,7 +157,7 @@ def fill_mlaserve_cache(llm, pages: list[int], n: int, seed: int = 1) -> dict:
     """Write synthetic rows for positions [0, n) of a request holding `pages` into every layer's
     latent cache (and indexer key cache where there is one). Returns the rows per layer (for reuse)."""
     cache = llm.runner.cache
-    dtype = cache.layers[0].dtype
+    dtype = cache.layers[0].latent.dtype
     g = torch.Generator().manual_seed(seed)
     slots = slots_for(pages, n, llm.config.page_size)
     rows = {}
@@ -165,10 +165,10 @@ def fill_mlaserve_cache(llm, pages: list[int], n: int, seed: int = 1) -> dict:
         for i, layer in enumerate(llm.runner.model.model.layers):
             attn = layer.self_attn
             lat = synthetic_latent_rows(n, attn, dtype, g)
-            cache.layers[i].index_copy_(0, slots, lat)
+            cache.layers[i].latent.index_copy_(0, slots, lat)
             rows[i] = lat
-            if cache.index_keys[i] is not None:
-                cache.index_keys[i].index_copy_(0, slots, synthetic_index_keys(n, attn.indexer, dtype, g))
+            if cache.layers[i].index_keys is not None:
+                cache.layers[i].index_keys.index_copy_(0, slots, synthetic_index_keys(n, attn.indexer, dtype, g))
     return rows
 
 

@@ -125,8 +125,8 @@ def test_weights_cache_and_step_tensors_live_on_cuda(hf_model_dir, kind, monkeyp
     model, cache = llm.runner.model, llm.runner.cache
     on = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     assert on == {"cuda"}, on
-    assert {t.device.type for t in cache.layers} == {"cuda"}
-    keys = [t for t in cache.index_keys if t is not None]
+    assert {t.device.type for t in cache.state("latent")} == {"cuda"}
+    keys = [t for t in cache.state("index_keys") if t is not None]
     assert bool(keys) == (kind != "v3_yarn")
     assert {t.device.type for t in keys} <= {"cuda"}
 
@@ -148,7 +148,7 @@ def test_weights_cache_and_step_tensors_live_on_cuda(hf_model_dir, kind, monkeyp
         assert {t.device.type for t in tensors} == {"cuda"}
     assert any(s.segment.phase == "decode" for step in steps for s in step.segments)
     # the cache was written on the device
-    assert any(bool(t.abs().sum() > 0) for t in cache.layers)
+    assert any(bool(t.abs().sum() > 0) for t in cache.state("latent"))
 
 
 @pytest.mark.parametrize("kind", ["v3_yarn", "v32"])
@@ -157,7 +157,7 @@ def test_bf16_on_cuda_runs(hf_model_dir, kind, record_property):
     ids = random_ids(PROMPT_LEN, seed=3)
     want = _cpu_logits(folder, kind, "auto", "torch", ids)
     llm = _llm(folder, "cuda", dtype="bfloat16")
-    assert llm.runner.cache.layers[0].dtype == torch.bfloat16
+    assert llm.runner.cache.layers[0].latent.dtype == torch.bfloat16
     got = llm.prompt_logits(ids).float().cpu()
     assert torch.isfinite(got).all()
     rel = ((got - want).norm() / want.norm()).item()

@@ -71,7 +71,7 @@ def test_engines_follow_the_choice(hf_model_dir, monkeypatch, tmp_path):
     monkeypatch.setenv(cpu.OVERRIDE, "1")
     assert LLM(str(folder)).config.dtype == torch.float32  # fp32 weights: bf16 would round them
     fast = LLM(str(stored))
-    assert fast.config.dtype == torch.bfloat16 and fast.runner.cache.layers[0].dtype == torch.bfloat16
+    assert fast.config.dtype == torch.bfloat16 and fast.runner.cache.layers[0].latent.dtype == torch.bfloat16
     monkeypatch.setenv(cpu.OVERRIDE, "0")
     exact = LLM(str(stored))
     assert exact.config.dtype == torch.float32

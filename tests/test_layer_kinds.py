@@ -41,11 +41,13 @@ def test_cache_allocates_every_declared_state_and_counts_its_bytes(hf_model_dir)
     cache = ModelCache(layers, num_pages=3, page_size=4, dtype=torch.float32)
     for kind, state in zip(layers, cache.layers):
         assert set(state.tensors) == {s.name for s in kind.states}
-        assert all(t.shape == (12, kind.state(n).width) for n, t in state.tensors.items())
+        # 3 pages of 4 rows, then the pad row: zero, read by padded key positions, never written
+        assert all(t.shape == (12 + 1, kind.state(n).width) for n, t in state.tensors.items())
+    assert cache.pad_slot == 12
     assert cache.measured_bytes_per_token() == ModelCache.bytes_per_token(layers, torch.float32)
     # a state of one row per 4 tokens (a compressed pool's layout) has page_size / 4 rows per page
     pooled = (LayerKind(0, "mla", None, (StateSpec("latent", 8), StateSpec("pool", 8, tokens_per_row=4))),)
-    assert ModelCache(pooled, 3, 8, torch.float32).layers[0].tensors["pool"].shape == (6, 8)
+    assert ModelCache(pooled, 3, 8, torch.float32).layers[0].tensors["pool"].shape == (6 + 1, 8)
     assert ModelCache.bytes_per_token(pooled, torch.float32) == (8 + 2) * 4
 
 

@@ -4,7 +4,8 @@ Notation
   B   requests in the segment, Q = max query length, L = max sequence length (context + query)
   q_index  [B, Q]     flat token row of each (request, query offset); padding points at row 0
   q_valid  [B, Q]     False for padding
-  kv_slots [B, L]     cache row of each (request, key position); padding points at slot 0
+  kv_slots [B, L]     cache row of each (request, key position); padding points at the pad slot (a zero
+                      row no request writes: ModelCache.pad_slot), never at another request's row
   mask     [B, Q, L]  key allowed: causal (key_pos <= query_pos) and inside the sequence
   valid_flat [V]      positions in the flattened [B * Q] of the V valid queries (row-major)
   out_index  [V]      their flat token rows (q_index at valid_flat)
@@ -50,7 +51,7 @@ def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTenso
     q_index = torch.where(q_valid, starts[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
     q_pos = torch.where(q_valid, ctx[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
     k_pos = torch.arange(l_max)
-    kv_slots = _slots(seqs, k_pos, ps, seq_lens)
+    kv_slots = _slots(seqs, k_pos, ps, seq_lens, batch.pad_slot)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
     # Built on the host from the plan's plain data, then moved once to the batch's device.
     valid_flat = q_valid.flatten().nonzero().flatten()
@@ -60,11 +61,11 @@ def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTenso
     return SegmentTensors(segment, *(t.to(dev) for t in tensors))
 
 
-def _slots(seqs, k_pos: torch.Tensor, page_size: int, seq_lens: torch.Tensor) -> torch.Tensor:
+def _slots(seqs, k_pos: torch.Tensor, page_size: int, seq_lens: torch.Tensor, pad_slot: int) -> torch.Tensor:
     n_pages = max(len(s.block_table) for s in seqs)
     table = torch.zeros(len(seqs), n_pages, dtype=torch.long)
     for i, s in enumerate(seqs):
         table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
     page_idx = (k_pos // page_size).clamp(max=n_pages - 1)
     slots = table[:, page_idx] * page_size + (k_pos % page_size)[None, :]
-    return torch.where(k_pos[None, :] < seq_lens[:, None], slots, torch.zeros((), dtype=torch.long))
+    return torch.where(k_pos[None, :] < seq_lens[:, None], slots, torch.tensor(pad_slot, dtype=torch.long))

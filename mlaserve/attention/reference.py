@@ -30,6 +30,13 @@ def _mask(seg: SegmentTensors, allowed: torch.Tensor | None) -> torch.Tensor:
     return seg.mask if allowed is None else seg.mask & allowed
 
 
+def _values(x: torch.Tensor) -> torch.Tensor:
+    """The operand of P @ x: a masked row has probability 0, and 0 x NaN = NaN, so a non-finite value must not
+    be there; a row a query reads reaches it through its score instead (a NaN or inf score makes the
+    query's softmax NaN). So non-finite values are zeroed for the product, never for the scores."""
+    return x.nan_to_num(0.0, 0.0, 0.0)
+
+
 def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """scores [B, Q, H, L], mask [B, Q, L] -> probabilities over L."""
     return torch.softmax(scores.masked_fill(~mask[:, :, None, :], float("-inf")), dim=-1)
@@ -43,26 +50,26 @@ class ReferenceBackend:
 
     def absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=None, heads=None) -> torch.Tensor:
         # heads (W_UK / W_UV kept as GGUF blocks) is ignored: the oracle multiplies the dense views
-        r = w_uk.shape[-1]
+        r, mask = w_uk.shape[-1], _mask(seg, allowed)
         rows = cache[seg.kv_slots].float()  # [B, L, r + dr]
         c_kv, k_pe = rows[..., :r], rows[..., r:]
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope.float(), w_uk.float())[seg.q_index]  # [B, Q, H, r]
         q_rot = q_pe.float()[seg.q_index]  # [B, Q, H, dr]
         scores = torch.einsum("bqhr,blr->bqhl", q_lat, c_kv) + torch.einsum("bqhd,bld->bqhl", q_rot, k_pe)
-        probs = _softmax(scores * scale, _mask(seg, allowed))
-        o_lat = torch.einsum("bqhl,blr->bqhr", probs, c_kv)
+        probs = _softmax(scores * scale, mask)
+        o_lat = torch.einsum("bqhl,blr->bqhr", probs, _values(c_kv))
         return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv.float()).to(q_nope.dtype)
 
     def decompressed(self, q_nope, q_pe, cache, kv_b, seg, scale, dn, allowed=None) -> torch.Tensor:
-        h, r = q_nope.shape[1], kv_b.shape[1]
+        h, r, mask = q_nope.shape[1], kv_b.shape[1], _mask(seg, allowed)
         rows = cache[seg.kv_slots].float()
         c_kv, k_pe = rows[..., :r], rows[..., r:]
         kv = (c_kv @ kv_b.float().T).unflatten(-1, (h, -1))  # [B, L, H, dn + dv]
         k_nope, v = kv[..., :dn], kv[..., dn:]
         q_n, q_r = q_nope.float()[seg.q_index], q_pe.float()[seg.q_index]  # [B, Q, H, *]
         scores = torch.einsum("bqhd,blhd->bqhl", q_n, k_nope) + torch.einsum("bqhd,bld->bqhl", q_r, k_pe)
-        probs = _softmax(scores * scale, _mask(seg, allowed))
-        return torch.einsum("bqhl,blhv->bqhv", probs, v).to(q_nope.dtype)
+        probs = _softmax(scores * scale, mask)
+        return torch.einsum("bqhl,blhv->bqhv", probs, _values(v)).to(q_nope.dtype)
 
     def sparse_absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid, heads=None) -> torch.Tensor:
         b, nq, _ = index.shape

@@ -5,7 +5,9 @@ Notation
   latent row  = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]  -- nothing bigger is cached
   index_keys  = one DSA indexer key (index_head_dim) per token, in "full" indexer layers of a sparse run
 A row of a paged state is addressed by slot = page * (page_size / t) + offset; one block table per
-request serves every paged state (config/layer_kinds.py). The bookkeeping of pages (free list, prefix
+request serves every paged state (config/layer_kinds.py). Each paged state has one more row, the pad row
+(slot S, `pad_slot`), zero and never written: the key positions a request pads to the segment's longest
+sequence read it, so padding never reads a real row (a stale row of a freed page, another request's). The bookkeeping of pages (free list, prefix
 cache) is cache/page_pool.py on the scheduling rank; this module holds only tensors.
 Bytes per token = sum over layers and states of width / tokens_per_row * dtype size.
 """
@@ -47,8 +49,9 @@ class ModelCache:
     ) -> None:
         check_page_size(layers, page_size)
         self.page_size, self.num_pages, self.kinds = page_size, num_pages, layers
+        self.pad_slot = num_pages * page_size  # the zero row after the pages (tokens_per_row 1 states)
         self.layers = tuple(
-            LayerState(k, {s.name: _zeros(s.rows(num_pages, page_size), s.width, dtype, device) for s in k.states})
+            LayerState(k, {s.name: _zeros(s.rows(num_pages, page_size) + 1, s.width, dtype, device) for s in k.states})
             for k in layers
         )
 
@@ -62,7 +65,8 @@ class ModelCache:
         return sum(_state_bytes(s, size) for k in layers for s in k.states)
 
     def measured_bytes_per_token(self) -> int:
-        total = sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors.values())
+        """Allocated bytes per cached token, the pad rows (a fixed row per state) left out."""
+        total = sum((t.shape[0] - 1) * t[0].numel() * t.element_size() for s in self.layers for t in s.tensors.values())
         return total // (self.num_pages * self.page_size)
 
 

@@ -44,7 +44,7 @@ class Drafter:
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
         cfg = self.cfg
-        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
+        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device, self.cache.pad_slot)
         plan = route_step(
             batch, self.layer_kinds, cfg.mla_path, self.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
         )

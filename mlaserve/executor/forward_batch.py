@@ -48,6 +48,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [n] rows of the flat batch whose logits are needed
     logits_owner: tuple[tuple[str, int], ...]  # per logits row: (request_id, query offset)
     page_size: int
+    pad_slot: int = 0  # the cache row that key positions past a request's sequence read (ModelCache.pad_slot)
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +60,14 @@ class ForwardBatch:
 
     @staticmethod
     def build(
-        chunks: list[SeqChunk], page_size: int, decode_threshold: int, device: str | torch.device = "cpu"
+        chunks: list[SeqChunk],
+        page_size: int,
+        decode_threshold: int,
+        device: str | torch.device = "cpu",
+        pad_slot: int = 0,
     ) -> ForwardBatch:
+        """pad_slot: the engine's caches have a zero row there (ModelCache.pad_slot); a bare batch (tests of
+        the metadata alone) may leave it 0."""
         decodes = [c for c in chunks if c.query_len <= decode_threshold]
         prefills = [c for c in chunks if c.query_len > decode_threshold]
         ordered = decodes + prefills
@@ -84,6 +91,7 @@ class ForwardBatch:
             logits_indices=_longs(lidx, device),
             logits_owner=tuple(owner),
             page_size=page_size,
+            pad_slot=pad_slot,
         )
 
 

@@ -40,7 +40,7 @@ class ModelRunner:
         """execute() that also returns the final hidden states [T, D] (the MTP layer's input);
         `ledger`: extra fields for this step's record (speculative verification)."""
         cfg = self.cfg
-        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device)
+        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device, self.cache.pad_slot)
         plan = route_step(
             batch, self.layer_kinds, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
         )

@@ -27,3 +27,20 @@ def gather_rows(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """table[slots] for a 2-D table: index_select on the flattened slots is several times faster on
     CPU than advanced indexing with a multi-dimensional index (the step's largest copy at long context)."""
     return torch.index_select(table, 0, slots.reshape(-1)).view(*slots.shape, table.shape[-1])
+
+
+def drop_unread_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """rows [N, L, C] gathered per query (its own selected rows), mask [N, 1, L]: the rows the query may not
+    read set to zero, in place. A masked row gets probability 0, but 0 x NaN = NaN: a non-finite value there
+    would reach the product, so rows are excluded by selection, never by a zero weight. Rows a query reads
+    are untouched (bitwise)."""
+    return rows.masked_fill_(~mask.any(dim=1)[..., None], 0)
+
+
+def finite_values(x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The operand of P @ x (latent rows, or V) for a segment with several queries per request (`causal`): a
+    query masks its own request's later rows with probability 0, and 0 x NaN = NaN would carry a later
+    non-finite row into an earlier query. A row a query does read reaches it through its score (NaN or inf
+    scores make that query's softmax NaN), so its values may be zeroed here. One-query segments (decode)
+    mask only padding, which reads the zero pad row: x as it is, no copy."""
+    return x.nan_to_num(0.0, 0.0, 0.0) if causal else x

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.attention.backends import torch_index
-from mlaserve.attention.backends.blocks import gather_rows, query_blocks, score_bytes
+from mlaserve.attention.backends.blocks import drop_unread_rows, finite_values, gather_rows, query_blocks, score_bytes
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
@@ -44,11 +44,12 @@ def absorbed_attention(
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones). heads: W_UK / W_UV
     kept as GGUF blocks (then the products read those; w_uk / w_uv give only shapes)."""
     q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
-    rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     mask, r = _mask(seg, allowed), w_uk.shape[-1]
+    rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     b, nq, h, _ = q.shape
+    values = finite_values(rows, nq > 1)
     blocks = query_blocks(nq, score_bytes(b * h, rows.shape[1]))
-    o_lat = torch.cat([_latent_mqa(q[:, s], rows, mask[:, s], scale, r) for s in blocks], dim=1)
+    o_lat = torch.cat([_latent_mqa(q[:, s], rows, mask[:, s], scale, r, values) for s in blocks], dim=1)
     return _expand(o_lat, w_uv, heads)
 
 
@@ -65,6 +66,7 @@ def decompressed_attention(
     """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]."""
     r = kv_b.shape[1]
     h = q_nope.shape[1]
+    mask = _mask(seg, allowed)
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     kv = torch.nn.functional.linear(rows[..., :r], kv_b).unflatten(-1, (h, -1))  # [B, L, H, dn + dv]
     # Heads-major, contiguous K = [k_nope | k_pe] and V, so that scores come out as contiguous
@@ -72,9 +74,8 @@ def decompressed_attention(
     # of a per-part einsum made each pass ~5x slower on CPU).
     k_pe = rows[:, :, None, r:].expand(-1, -1, h, -1)
     k = torch.cat([kv[..., :dn], k_pe], dim=-1).transpose(1, 2).contiguous()  # [B, H, L, dn + dr]
-    v = kv[..., dn:].transpose(1, 2).contiguous()  # [B, H, L, dv]
+    v = finite_values(kv[..., dn:].transpose(1, 2).contiguous(), seg.q_index.shape[1] > 1)  # [B, H, L, dv]
     q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
-    mask = _mask(seg, allowed)
     blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * h, rows.shape[1]))
     return torch.cat([_mha(q[:, :, s], k, v, mask[:, s], scale) for s in blocks], dim=1)
 
@@ -130,8 +131,9 @@ def _sparse_block(
     """q [B, Q, H, r + dr] over each query's own k rows -> [B, Q, H, r]."""
     b, qn, k = index.shape
     slots = kv_slots.gather(1, index.reshape(b, qn * k))
-    rows = gather_rows(cache, slots).view(b * qn, k, -1)  # each query has its own k rows
-    o_lat = _latent_mqa(q.flatten(0, 1).unsqueeze(1), rows, valid.reshape(b * qn, 1, k), scale, r)
+    keep = valid.reshape(b * qn, 1, k)
+    rows = drop_unread_rows(gather_rows(cache, slots).view(b * qn, k, -1), keep)  # each query's own k rows
+    o_lat = _latent_mqa(q.flatten(0, 1).unsqueeze(1), rows, keep, scale, r)
     return o_lat.view(b, qn, *o_lat.shape[2:])
 
 
@@ -148,9 +150,16 @@ def _expand(o_lat: torch.Tensor, w_uv: torch.Tensor, heads: GGUFHeads | None) ->
     return heads.expand(o_lat) if heads is not None else torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
 
 
-def _latent_mqa(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, scale: float, r: int) -> torch.Tensor:
+def _latent_mqa(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    r: int,
+    values: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax attention of queries q [N, G, H, r + dr] over shared rows [N, L, r + dr], mask [N, G, L].
-    Returns the latent output P c_kv: [N, G, H, r].
+    Returns the latent output P c_kv: [N, G, H, r]. values: the rows for P @ rows (finite_values), else rows.
     Both products keep the long operand (rows) untransposed and whole: rows @ q^T, then P @ rows with the
     k_pe columns dropped afterwards. On CPU BLAS this is up to 5x faster in bf16 than q @ rows^T and
     P @ rows[..., :r] (which make strided copies of all L rows), and no slower in fp32."""
@@ -159,7 +168,7 @@ def _latent_mqa(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, scale: 
     s = s.transpose(1, 2).contiguous().view(n, g, h, -1)
     s.mul_(scale).masked_fill_(~mask[:, :, None, :], float("-inf"))
     probs = torch.softmax(s.float(), dim=-1).to(rows.dtype)
-    o = torch.matmul(probs.view(n, g * h, -1), rows)  # [N, G*H, r + dr]
+    o = torch.matmul(probs.view(n, g * h, -1), rows if values is None else values)  # [N, G*H, r + dr]
     return o[..., :r].unflatten(1, (g, h))
 
 
