@@ -55,3 +55,8 @@ def test_families_import_no_implementation():
                 assert node.module.startswith("mlaserve.config.families"), (path.name, node.module)
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith("mlaserve") for a in node.names), path.name
+
+
+def test_a_rule_the_readers_lack_is_refused():
+    with pytest.raises(ValueError, match="scoring_func 'sqrtsoftplus'"):
+        by_model_type("deepseek_v3").derive("deepseek_v4", scoring_func="sqrtsoftplus")

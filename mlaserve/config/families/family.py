@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+SCORING_FUNCS = ("softmax", "sigmoid")
+NEXTN_KEY_RULES = ("never", "if_set", "if_kept")
+
 
 def frozen_map(values: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
     """A read-only mapping, so that a family's tables cannot be edited after registration."""
@@ -60,6 +63,13 @@ class Family:
     tokenizer_pre: Mapping[str, str] = field(default_factory=frozen_map)
     # Special tokens llama.cpp fills in by text when the tokenizer files name none (GLM's vocab).
     tokenizer_specials: Mapping[str, str] = field(default_factory=frozen_map)
+
+    def __post_init__(self) -> None:
+        # The readers know these rules only; a family with another one must teach them first.
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"family {self.name}: scoring_func {self.scoring_func!r} not in {SCORING_FUNCS}")
+        if self.gguf_nextn_key not in NEXTN_KEY_RULES:
+            raise ValueError(f"family {self.name}: gguf_nextn_key {self.gguf_nextn_key!r} not in {NEXTN_KEY_RULES}")
 
     @property
     def is_dsa(self) -> bool:
