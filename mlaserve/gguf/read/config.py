@@ -193,8 +193,9 @@ def _rope_fields(m: _Meta, cfg: dict, family: Family) -> None:
         raise GGUFError(f"{m.gf.path}: unsupported '{m.key('rope.scaling.type')}'={kind!r}")
     cfg["rope_parameters"] = m.put("rope_parameters", rp, f"gguf:{m.key('rope.*')} (see rope_parameters.* entries)")
     cfg["max_position_embeddings"] = m.req("max_position_embeddings", "context_length")
-    if family.rope_rule is None:  # the config would say: llama.cpp's graph says interleaved
-        # llama.cpp's MLA graphs use ggml's "NORM" rope = adjacent pairs = HF rope_interleave
+    if family.rope_rule is None:
+        # The family reads rope_interleave from config.json, which GGUF does not keep; llama.cpp's
+        # graph uses ggml's "NORM" rope = adjacent pairs = HF rope_interleave
         cfg["rope_interleave"] = m.put("rope_interleave", True, f"llama.cpp {m.arch} graph (interleaved RoPE)")
 
 
