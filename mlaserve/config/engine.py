@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlaserve.config import families
 from mlaserve.config.machine import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
@@ -372,9 +373,8 @@ def _attention(model: ModelConfig, mode: str, has_indexer_weights: bool, log: Pr
             f"model_type {model.model_type} is a DSA architecture but the checkpoint has no indexer weights"
         )
     if mode == "sparse" and not dsa:
-        raise ConfigError(
-            f"attention='sparse' needs a DSA model (deepseek_v32, glm_moe_dsa); {model.model_type} has no indexer"
-        )
+        dsa_types = ", ".join(f.name for f in families.FAMILIES if f.is_dsa)
+        raise ConfigError(f"attention='sparse' needs a DSA model ({dsa_types}); {model.model_type} has no indexer")
     if mode == "dense" and dsa:
         warnings.warn(
             f"attention='dense' on {model.model_type}: the indexer is skipped; results equal the sparse "

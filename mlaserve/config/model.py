@@ -1,12 +1,8 @@
 """Frozen, composed configuration: the model's shape (from config.json or GGUF metadata) and
 the engine's switches, each with the provenance of its value.
 
-Families (config.json `model_type`):
-  deepseek_v2   softmax gate, greedy | group_limited_greedy (group score = max), q_lora optional
-  deepseek_v3   sigmoid gate + e_score_correction_bias, group score = sum of top-2 (also kimi_k2)
-  glm4_moe_lite v3 gating, dense/MoE layout from mlp_layer_types
-  deepseek_v32  v3 + DSA lightning indexer (half-split indexer rope)
-  glm_moe_dsa   v3 + DSA lightning indexer (interleaved indexer rope), GLM-5
+The families (config.json `model_type`: defaults and field rules) are in config/families/, one
+file each; the adapter below reads any of them by asking its `Family`.
 """
 
 from __future__ import annotations
@@ -15,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlaserve.config import families
+from mlaserve.config.families import Family
 from mlaserve.config.provenance import ProvenanceLog, Setting
 
 
@@ -22,76 +20,6 @@ class ConfigError(ValueError):
     """A config that cannot define a model; the message names the field."""
 
 
-FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite")
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
-ALIASES = {"kimi_k2": "deepseek_v3"}
-
-# Class defaults of the reference implementation (transformers 5.x) for optional fields.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "deepseek_v2": dict(
-        rms_norm_eps=1e-6,
-        routed_scaling_factor=1.0,
-        topk_method="greedy",
-        n_group=None,
-        topk_group=None,
-        norm_topk_prob=False,
-        n_shared_experts=2,
-        first_k_dense_replace=0,
-        rope_interleave=True,
-        q_lora_rank=1536,
-    ),
-    "deepseek_v3": dict(
-        rms_norm_eps=1e-6,
-        routed_scaling_factor=2.5,
-        n_group=8,
-        topk_group=4,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        first_k_dense_replace=3,
-        rope_interleave=True,
-        num_experts_per_tok=8,
-        q_lora_rank=1536,
-    ),
-    "deepseek_v32": dict(
-        rms_norm_eps=1e-6,
-        routed_scaling_factor=2.5,
-        n_group=8,
-        topk_group=4,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        first_k_dense_replace=3,
-        num_experts_per_tok=8,
-        index_topk=2048,
-        index_head_dim=128,
-        index_n_heads=64,
-        q_lora_rank=1536,
-    ),
-    "glm_moe_dsa": dict(
-        rms_norm_eps=1e-5,
-        routed_scaling_factor=2.5,
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        first_k_dense_replace=3,
-        num_experts_per_tok=8,
-        index_topk=2048,
-        index_head_dim=128,
-        index_n_heads=32,
-        q_lora_rank=2048,
-    ),
-    "glm4_moe_lite": dict(
-        rms_norm_eps=1e-5,
-        routed_scaling_factor=1.8,
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        num_experts_per_tok=4,
-        rope_interleave=True,
-        q_lora_rank=768,
-    ),
-}
 _REQUIRED = (
     "hidden_size",
     "num_hidden_layers",
@@ -230,6 +158,10 @@ class ModelConfig:
     def is_dsa_architecture(self) -> bool:
         return self.indexer is not None
 
+    @property
+    def family(self) -> Family:
+        return families.by_model_type(self.model_type)
+
     @classmethod
     def from_hf(
         cls, raw: dict[str, Any], source: str = "config.json", field_sources: dict[str, str] | None = None
@@ -249,20 +181,19 @@ class _HFAdapter:
         mt = raw.get("model_type")
         if mt is None:
             raise ConfigError(f"{source}: missing required field 'model_type'")
-        self.family = ALIASES.get(mt, mt)
-        if self.family not in FAMILIES:
-            raise ConfigError(f"{source}: unknown model_type {mt!r}; supported: {', '.join(FAMILIES + tuple(ALIASES))}")
-        self.log.record(
-            "model_type", self.family, f"{source}:model_type" + (f" ({mt} alias)" if mt != self.family else "")
-        )
+        family = families.by_model_type(mt)
+        if family is None:
+            raise ConfigError(f"{source}: unknown model_type {mt!r}; supported: {', '.join(families.model_types())}")
+        self.family, name = family, family.name
+        self.log.record("model_type", name, f"{source}:model_type" + (f" ({mt} alias)" if mt != name else ""))
 
     def get(self, key: str, required: bool = False) -> Any:
         if key in self.raw and self.raw[key] is not None or (key in self.raw and key == "q_lora_rank"):
             return self.log.record(key, self.raw[key], self.field_sources.get(key, f"{self.source}:{key}"))
-        defaults = _DEFAULTS[self.family]
+        name, defaults = self.family.name, self.family.defaults
         if required or key not in defaults:
-            raise ConfigError(f"{self.source}: missing required field {key!r} for model_type {self.family}")
-        return self.log.record(key, defaults[key], f"class default ({self.family}; '{key}' absent)")
+            raise ConfigError(f"{self.source}: missing required field {key!r} for model_type {name}")
+        return self.log.record(key, defaults[key], f"class default ({name}; '{key}' absent)")
 
     def build(self) -> ModelConfig:
         g = self.get
@@ -279,9 +210,9 @@ class _HFAdapter:
                 f"{self.source}: num_key_value_heads={kv_heads} must equal num_attention_heads={heads} for MLA"
             )
         q_lora = g("q_lora_rank")
-        if q_lora is None and self.family in DSA_FAMILIES:
+        if q_lora is None and self.family.has_indexer:
             raise ConfigError(
-                f"{self.source}: q_lora_rank must be set for {self.family} (its indexer reads the query latent)"
+                f"{self.source}: q_lora_rank must be set for {self.family.name} (its indexer reads the query latent)"
             )
         self.log.record(
             "latent_norm_eps",
@@ -289,7 +220,7 @@ class _HFAdapter:
             "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says",
         )
         cfg = ModelConfig(
-            model_type=self.family,
+            model_type=self.family.name,
             vocab_size=self.raw["vocab_size"],
             hidden_size=self.raw["hidden_size"],
             num_layers=num_layers,
@@ -351,17 +282,14 @@ class _HFAdapter:
         return rope
 
     def _rope_interleaved(self) -> bool:
-        if self.family in DSA_FAMILIES:
-            return self.log.record(
-                "rope_interleave", True, f"family rule ({self.family}: main MLA rope is always interleaved)"
-            )
-        if self.family == "deepseek_v2":
-            return self.log.record("rope_interleave", True, "family rule (deepseek_v2: complex-pair rope)")
+        rule = self.family.rope_rule
+        if rule is not None:
+            return self.log.record("rope_interleave", True, f"family rule ({self.family.name}: {rule})")
         return bool(self.get("rope_interleave"))
 
     def _mlp_layer_types(self, num_layers: int) -> tuple[str, ...]:
         types = self.raw.get("mlp_layer_types")
-        if types is not None and self.family in ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"):
+        if types is not None and self.family.reads_mlp_layer_types:
             if not isinstance(types, list) or len(types) != num_layers:
                 raise ConfigError(
                     f"{self.source}: mlp_layer_types must be a list of {num_layers} entries "
@@ -370,9 +298,11 @@ class _HFAdapter:
             out = tuple("dense" if t == "dense" else "moe" for t in types)
             self.log.record("mlp_layer_types", out, f"{self.source}:mlp_layer_types")
             return out
-        if self.family == "glm4_moe_lite":
-            out = ("dense",) + ("moe",) * (num_layers - 1)
-            return self.log.record("mlp_layer_types", out, "class default (glm4_moe_lite: first layer dense)")
+        first = self.family.first_dense_layers
+        if first is not None:
+            out = ("dense",) * first + ("moe",) * (num_layers - first)
+            dense = "first layer dense" if first == 1 else f"first {first} layers dense"
+            return self.log.record("mlp_layer_types", out, f"class default ({self.family.name}: {dense})")
         n_dense = min(int(self.get("first_k_dense_replace")), num_layers)
         out = ("dense",) * n_dense + ("moe",) * (num_layers - n_dense)
         return self.log.record("mlp_layer_types", out, "derived from first_k_dense_replace")
@@ -380,19 +310,17 @@ class _HFAdapter:
     def _moe(self) -> MoEConfig | None:
         if not self.raw.get("n_routed_experts"):
             return None
-        g = self.get
-        if self.family == "deepseek_v2":
+        g, name = self.get, self.family.name
+        if self.family.scoring_func == "softmax":
             scoring, method = "softmax", g("topk_method")
             if method not in ("greedy", "group_limited_greedy"):
-                raise ConfigError(f"{self.source}: topk_method {method!r} not supported for deepseek_v2")
+                raise ConfigError(f"{self.source}: topk_method {method!r} not supported for {name}")
             norm = self.log.record(
-                "norm_topk_prob", False, "reference rule: transformers' deepseek_v2 router ignores norm_topk_prob"
+                "norm_topk_prob", False, f"reference rule: transformers' {name} router ignores norm_topk_prob"
             )
         else:
-            scoring = self.log.record(
-                "scoring_func", "sigmoid", f"family rule ({self.family}: sigmoid + correction bias)"
-            )
-            method = self.log.record("topk_method", "noaux_tc", f"family rule ({self.family})")
+            scoring = self.log.record("scoring_func", "sigmoid", f"family rule ({name}: sigmoid + correction bias)")
+            method = self.log.record("topk_method", "noaux_tc", f"family rule ({name})")
             norm = bool(g("norm_topk_prob"))
         n_group, topk_group = g("n_group"), g("topk_group")
         if method in ("group_limited_greedy", "noaux_tc") and (n_group is None or topk_group is None):
@@ -411,7 +339,7 @@ class _HFAdapter:
         )
 
     def _indexer(self, num_layers: int) -> IndexerConfig | None:
-        if self.family not in DSA_FAMILIES:
+        if not self.family.has_indexer:
             return None
         g = self.get
         types = self.raw.get("indexer_types")
@@ -426,11 +354,11 @@ class _HFAdapter:
             )
         if types[0] != "full":
             raise ConfigError(f"{self.source}: indexer_types[0] must be 'full' (a shared layer reuses a previous one)")
-        interleaved = self.family == "glm_moe_dsa"
+        interleaved = self.family.indexer_rope_interleaved
         self.log.record(
             "indexer_rope",
             "interleaved" if interleaved else "half-split",
-            f"family rule ({self.family}, as transformers)",
+            f"family rule ({self.family.name}, as transformers)",
         )
         return IndexerConfig(
             n_heads=g("index_n_heads"),

@@ -27,13 +27,14 @@ import torch
 from mlaserve.cache.page_pool import PagePool
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
 from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
-from mlaserve.engine.scheduler import SchedulePlan, Scheduler
+from mlaserve.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
 from mlaserve.engine.spec_switch import SpeculationSwitch
 from mlaserve.engine.speculative import speculative_step
 from mlaserve.engine.tokenizer import Tokenizer
+from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.sampling.params import SamplingParams
-from mlaserve.sampling.sampler import SamplingBatch, gather_logprobs, make_generator, sample
+from mlaserve.sampling.sampler import SamplerOutput, SamplingBatch, gather_logprobs, make_generator, sample
 
 
 class Engine:
@@ -121,18 +122,17 @@ class Engine:
                 speculative_step(self, plan, step_no)
             except Exception as e:  # the whole step is lost: its requests fail, the engine goes on
                 msg = f"step {step_no}: speculative step failed: {type(e).__name__}: {e}"
-                return aborted + self._forget_finished([self._fail(r, msg) for r in self._touched(plan)])
+                return aborted + self._forget_finished([self.fail(r, msg) for r in self._touched(plan)])
             return aborted + self._forget_finished([self._final_or_output(r) for r in self._touched(plan)])
         chunks = [c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks]
         try:
             batch, logits = self.runner.execute(chunks, plan.preempted)
         except Exception as e:  # the whole step is lost: its requests fail, the engine goes on
             msg = f"step {step_no}: forward pass failed: {type(e).__name__}: {e}"
-            return aborted + self._forget_finished([self._fail(r, msg) for r in self._touched(plan)])
+            return aborted + self._forget_finished([self.fail(r, msg) for r in self._touched(plan)])
         self.scheduler.advance(plan)
         by_id = {rid: row for row, (rid, _) in enumerate(batch.logits_owner)}  # last row per request
-        for c in plan.chunks:
-            self._isolated(c.request, "prompt logprobs", self._prompt_logprobs, c, batch, logits)
+        self.record_prompt_logprobs(plan.chunks, batch, logits)
         sampling = [c.request for c in plan.chunks if c.completes_prompt and c.request.status is Status.RUNNING]
         if sampling:
             rows = torch.tensor([by_id[r.request_id] for r in sampling], device=logits.device)
@@ -152,7 +152,7 @@ class Engine:
         finite = torch.isfinite(logits.float().sum(-1)).tolist()
         for req, ok in zip(reqs, finite):
             if not ok:
-                self._fail(
+                self.fail(
                     req,
                     f"request {req.request_id}: non-finite logits (NaN/Inf) at step {step_no}; the weights or "
                     "config may hold NaN/Inf: run `mlaserve verify --check-tensors` on the model",
@@ -167,11 +167,9 @@ class Engine:
             out = self._sample(reqs, logits)
         except Exception as e:  # a batched sampler error cannot be pinned on one row
             for req in reqs:
-                self._fail(req, f"step {step_no}: sampling failed: {type(e).__name__}: {e}")
+                self.fail(req, f"step {step_no}: sampling failed: {type(e).__name__}: {e}")
             return
-        now = time.monotonic()
-        for i, req in enumerate(reqs):
-            self._isolated(req, "output", self._take_token, req, out, i, now)
+        self.take_tokens(reqs, out, time.monotonic())
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor):
         # logprobs computed iff some row asked (batch.max_num_logprobs)
@@ -188,6 +186,19 @@ class Engine:
             eos_token_id=tuple(self.eos_ids),
             device=logits.device,
         )
+
+    # --- the per-request bookkeeping of a step, shared with speculative steps (engine/spec_host.py)
+
+    def record_prompt_logprobs(self, chunks: list[ScheduledChunk], batch: ForwardBatch, logits: torch.Tensor) -> None:
+        """Prompt logprobs of the chunks that asked; an error fails that request only."""
+        for c in chunks:
+            self._isolated(c.request, "prompt logprobs", self._prompt_logprobs, c, batch, logits)
+
+    def take_tokens(self, reqs: list[Request], out: SamplerOutput, now: float) -> None:
+        """Append row i of `out` to reqs[i] (logprobs, stop rules, max_tokens); an error fails that
+        request only."""
+        for i, req in enumerate(reqs):
+            self._isolated(req, "output", self._take_token, req, out, i, now)
 
     def _take_token(self, req: Request, out, i: int, now: float) -> None:
         tok = int(out.token_ids[i])
@@ -224,9 +235,9 @@ class Engine:
         try:
             fn(*args)
         except Exception as e:
-            self._fail(req, f"request {req.request_id}: {what} failed: {type(e).__name__}: {e}")
+            self.fail(req, f"request {req.request_id}: {what} failed: {type(e).__name__}: {e}")
 
-    def _fail(self, req: Request, message: str) -> RequestOutput:
+    def fail(self, req: Request, message: str) -> RequestOutput:
         """Finish a request with finish_reason "error": pages freed, state forgotten after its output."""
         if req.status is not Status.FINISHED:
             req.error = message
@@ -239,7 +250,7 @@ class Engine:
         try:
             return self._output(req)
         except Exception as e:
-            return self._fail(req, f"request {req.request_id}: output failed: {type(e).__name__}: {e}")
+            return self.fail(req, f"request {req.request_id}: output failed: {type(e).__name__}: {e}")
 
     def _append(self, req: Request, tok: int) -> None:
         p = req.params

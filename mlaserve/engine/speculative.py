@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,8 +29,8 @@ from mlaserve.sampling.rejection import one_hot, rejection_sample, target_probs
 from mlaserve.sampling.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample
 
 if TYPE_CHECKING:
-    from mlaserve.engine.engine import Engine
     from mlaserve.engine.scheduler import ScheduledChunk, SchedulePlan
+    from mlaserve.engine.spec_host import SpeculativeHost
 
 
 # --------------------------------------------------------------------------- accept
@@ -49,10 +48,10 @@ def choose(
     greedy = batch.is_greedy.tolist()
     rnd = [i for i, d in enumerate(drafts) if d is not None and not greedy[i]]
     if rnd:
-        p = target_probs(logits[rnd], _rows(batch, rnd))
+        sub = batch.select(rnd)
+        p = target_probs(logits[rnd], sub)
         d = torch.tensor([drafts[i] for i in rnd], device=logits.device)
-        gens = {j: batch.generators[i] for j, i in enumerate(rnd) if i in batch.generators}
-        tok, ok = rejection_sample(p, one_hot(d, p.shape[-1]), d, gens)
+        tok, ok = rejection_sample(p, one_hot(d, p.shape[-1]), d, sub.generators)
         for j, i in enumerate(rnd):
             tokens[i], accepted[i] = tok[j], bool(ok[j])
     lps = None
@@ -60,38 +59,6 @@ def choose(
         values, ids, _ = gather_logprobs(logits.float().log_softmax(-1), tokens, batch.max_num_logprobs)
         lps = (values, ids)
     return tokens.tolist(), accepted, lps
-
-
-def _rows(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
-    """The fields target_probs reads, for a subset of rows."""
-    idx = torch.tensor(rows, device=batch.temperature.device)
-
-    def pick(t):
-        return None if t is None else t[idx]
-
-    banned_rows = banned_tokens = None
-    if batch.banned_rows is not None:
-        remap = {r: j for j, r in enumerate(rows)}
-        keep = [(remap[int(r)], int(t)) for r, t in zip(batch.banned_rows, batch.banned_tokens) if int(r) in remap]
-        if keep:
-            banned_rows = torch.tensor([r for r, _ in keep], device=idx.device)
-            banned_tokens = torch.tensor([t for _, t in keep], device=idx.device)
-    return replace(
-        batch,
-        temperature=batch.temperature[idx],
-        is_greedy=batch.is_greedy[idx],
-        top_k=batch.top_k[idx],
-        top_p=batch.top_p[idx],
-        min_p=batch.min_p[idx],
-        repetition_penalty=batch.repetition_penalty[idx],
-        presence_penalty=batch.presence_penalty[idx],
-        frequency_penalty=batch.frequency_penalty[idx],
-        output_counts=pick(batch.output_counts),
-        seen_mask=pick(batch.seen_mask),
-        banned_rows=banned_rows,
-        banned_tokens=banned_tokens,
-        generators={},
-    )
 
 
 def logits_rows(batch: ForwardBatch) -> dict[str, list[int]]:
@@ -102,7 +69,9 @@ def logits_rows(batch: ForwardBatch) -> dict[str, list[int]]:
     return rows
 
 
-def verify(engine: Engine, chunks: list[ScheduledChunk], batch: ForwardBatch, logits: torch.Tensor) -> dict[str, int]:
+def verify(
+    engine: SpeculativeHost, chunks: list[ScheduledChunk], batch: ForwardBatch, logits: torch.Tensor
+) -> dict[str, int]:
     """Choose each request's tokens position by position (batched across requests), appending as plain
     decoding does (stop tokens, stop strings, max_tokens apply per token; a request whose bookkeeping
     fails, or whose logits are not finite, fails alone). -> accepted drafts per request."""
@@ -120,9 +89,7 @@ def verify(engine: Engine, chunks: list[ScheduledChunk], batch: ForwardBatch, lo
         idx = torch.tensor([r[j] for _, r in live], device=logits.device)
         tokens, ok, lps = choose(logits[idx], sb, drafts)
         out = SamplerOutput(torch.tensor(tokens), *(lps or (None, None)))
-        now = time.monotonic()
-        for i, req in enumerate(reqs):
-            engine._isolated(req, "output", engine._take_token, req, out, i, now)
+        engine.take_tokens(reqs, out, time.monotonic())
         nxt = []
         for i, (c, r) in enumerate(live):
             if ok[i] and c.request.status is Status.RUNNING:
@@ -137,13 +104,13 @@ def verify(engine: Engine, chunks: list[ScheduledChunk], batch: ForwardBatch, lo
     return accepted
 
 
-def _finite_rows(engine: Engine, live: list, logits: torch.Tensor, j: int) -> list:
+def _finite_rows(engine: SpeculativeHost, live: list, logits: torch.Tensor, j: int) -> list:
     """Plain decoding's rule: a request whose logits row has NaN/Inf fails (never token 0 forever)."""
     # As plain decoding checks: a NaN/Inf anywhere makes the row's sum non-finite (one reduction).
     finite = torch.isfinite(logits[[r[j] for _, r in live]].sum(-1)).tolist()
     for (c, _), ok in zip(live, finite):
         if not ok:
-            engine._fail(c.request, f"request {c.request.request_id}: non-finite logits (NaN/Inf) in verification")
+            engine.fail(c.request, f"request {c.request.request_id}: non-finite logits (NaN/Inf) in verification")
     return [x for x, ok in zip(live, finite) if ok]
 
 
@@ -171,7 +138,9 @@ def draft_budget(req: Request, k: int, max_model_len: int) -> int:
     return max(0, min(left, max_model_len - req.num_tokens))
 
 
-def draft(engine: Engine, plan: SchedulePlan, batch: ForwardBatch, hidden: torch.Tensor, accepted: dict) -> None:
+def draft(
+    engine: SpeculativeHost, plan: SchedulePlan, batch: ForwardBatch, hidden: torch.Tensor, accepted: dict
+) -> None:
     """Run the MTP layer: depth 1 over this step's verified positions, then k - 1 single-token passes.
     accepted: request id -> accepted drafts, for every request that sampled this step.
     First this step's verdicts update the acceptance switch; then, per sampling request, the switch
@@ -244,7 +213,7 @@ def _batch_decision(num_sampling: int, max_seqs: int) -> Decision:
     return Decision(False, "batch", f"no drafts: {num_sampling} sampling requests > speculative_max_seqs {max_seqs}")
 
 
-def _deeper_chunks(engine: Engine, want: dict[str, int], depth: int, page_size: int) -> list[SeqChunk]:
+def _deeper_chunks(engine: SpeculativeHost, want: dict[str, int], depth: int, page_size: int) -> list[SeqChunk]:
     """Position P + depth - 1 (P = the last verified position), input the previous draft, where the
     request wants this many drafts and has (or can get, without preempting) a page for the row."""
     out = []
@@ -358,15 +327,14 @@ def acceptance_summary(records: Sequence[dict]) -> dict:
     }
 
 
-def speculative_step(engine: Engine, plan: SchedulePlan, step_no: int) -> None:
+def speculative_step(engine: SpeculativeHost, plan: SchedulePlan, step_no: int) -> None:
     """One engine step with speculation: verify (one trunk forward for the whole batch), accept, draft.
     The engine builds the touched requests' outputs."""
     runner = engine.runner
     chunks = [c.to_seq_chunk(engine.cfg.page_size) for c in plan.chunks]
     batch, logits, hidden = runner.execute_with_hidden(chunks, plan.preempted, verify_ledger(plan))
     engine.scheduler.advance(plan)
-    for c in plan.chunks:
-        engine._isolated(c.request, "prompt logprobs", engine._prompt_logprobs, c, batch, logits)
+    engine.record_prompt_logprobs(plan.chunks, batch, logits)
     sampling = [c for c in plan.chunks if c.completes_prompt and c.request.status is Status.RUNNING]
     accepted = verify(engine, sampling, batch, logits) if sampling else {}
     if runner.tracer.enabled and any(c.num_draft for c in plan.chunks):

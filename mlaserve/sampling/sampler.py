@@ -31,7 +31,7 @@ row draws its [V] noise from it; all other rows share one batched draw.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -72,6 +72,11 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None  # int64 [B]
 
 
+def _per_row():
+    """A SamplingBatch field with one entry per row (dim 0)."""
+    return field(metadata={"per_row": True})
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling state for one step, as tensors on the logits' device.
@@ -81,18 +86,19 @@ class SamplingBatch:
     """
 
     vocab_size: int
+    # Fields marked _per_row() have one entry per row along dim 0 (`select` picks rows of them).
     # Greedy rows: temperature stored as 1.0 so the batched division is harmless.
-    temperature: torch.Tensor  # float32 [B]
-    is_greedy: torch.Tensor  # bool [B]
-    top_k: torch.Tensor  # int64 [B], 0 = off, otherwise clamped to [1, V]
-    top_p: torch.Tensor  # float32 [B], 1 = off
-    min_p: torch.Tensor  # float32 [B], 0 = off
-    repetition_penalty: torch.Tensor  # float32 [B], 1 = off
-    presence_penalty: torch.Tensor  # float32 [B], 0 = off
-    frequency_penalty: torch.Tensor  # float32 [B], 0 = off
+    temperature: torch.Tensor = _per_row()  # float32 [B]
+    is_greedy: torch.Tensor = _per_row()  # bool [B]
+    top_k: torch.Tensor = _per_row()  # int64 [B], 0 = off, otherwise clamped to [1, V]
+    top_p: torch.Tensor = _per_row()  # float32 [B], 1 = off
+    min_p: torch.Tensor = _per_row()  # float32 [B], 0 = off
+    repetition_penalty: torch.Tensor = _per_row()  # float32 [B], 1 = off
+    presence_penalty: torch.Tensor = _per_row()  # float32 [B], 0 = off
+    frequency_penalty: torch.Tensor = _per_row()  # float32 [B], 0 = off
     # Only built when some row uses the penalty that needs it.
-    output_counts: torch.Tensor | None  # float32 [B, V]: occurrences in the output
-    seen_mask: torch.Tensor | None  # bool [B, V]: token in prompt or output
+    output_counts: torch.Tensor | None = _per_row()  # float32 [B, V]: occurrences in the output
+    seen_mask: torch.Tensor | None = _per_row()  # bool [B, V]: token in prompt or output
     # (row, token) pairs to force to -inf because the row is below min_tokens.
     banned_rows: torch.Tensor | None  # int64 [M]
     banned_tokens: torch.Tensor | None  # int64 [M]
@@ -178,6 +184,28 @@ class SamplingBatch:
             max_top_k=max(top_k),
             max_num_logprobs=max(requested) if requested else None,
         )
+
+    def select(self, rows: Sequence[int]) -> SamplingBatch:
+        """The batch of `rows` (in that order): per-row fields, min_tokens bans and generators
+        renumbered. The fast-path flags stay the whole batch's: they only skip stages that leave the
+        rows where they hold unchanged, so a stage run for a subset changes nothing either."""
+        idx = torch.tensor(list(rows), device=self.temperature.device)
+        picked = {
+            f.name: getattr(self, f.name)[idx]
+            for f in fields(self)
+            if f.metadata.get("per_row") and getattr(self, f.name) is not None
+        }
+        new_row = {int(r): j for j, r in enumerate(rows)}
+        banned_rows = banned_tokens = None
+        if self.banned_rows is not None:
+            keep = [
+                (new_row[int(r)], int(t)) for r, t in zip(self.banned_rows, self.banned_tokens) if int(r) in new_row
+            ]
+            if keep:
+                banned_rows = torch.tensor([r for r, _ in keep], device=idx.device)
+                banned_tokens = torch.tensor([t for _, t in keep], device=idx.device)
+        generators = {new_row[r]: g for r, g in self.generators.items() if r in new_row}
+        return replace(self, **picked, banned_rows=banned_rows, banned_tokens=banned_tokens, generators=generators)
 
 
 def _penalty_counts(

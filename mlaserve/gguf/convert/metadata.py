@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlaserve.config.families import Family
 from mlaserve.config.model import ModelConfig
 from mlaserve.gguf.convert.tokenizer import ConvertError, _read_json, tokenizer_keys
 from mlaserve.gguf.convert.writer import BF16, BOOL, F16, F32, Q8_0, MetaValue, array, boolean, f32, string, u32
@@ -19,13 +20,6 @@ from mlaserve.gguf.convert.writer import BF16, BOOL, F16, F32, Q8_0, MetaValue, 
 OUTTYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0}
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama_ftype: ALL_F32, MOSTLY_F16, ...
 GGML_QUANT_VERSION = 2
-ARCH_OF_FAMILY = {
-    "deepseek_v2": "deepseek2",
-    "deepseek_v3": "deepseek2",
-    "glm4_moe_lite": "deepseek2",
-    "deepseek_v32": "deepseek32",
-    "glm_moe_dsa": "glm-dsa",
-}
 SIGMOID, SOFTMAX = 2, 1  # llama.cpp expert_gating_func values
 
 
@@ -36,8 +30,8 @@ class _Model:
     folder: Path
     raw: dict[str, Any]  # config.json as written
     cfg: ModelConfig  # the engine's reading of it (class defaults filled in)
-    family: str
-    arch: str
+    family: Family
+    arch: str  # the family's gguf_arch
     n_blocks: int  # block_count: main layers (+ MTP layers where they are kept)
 
     def setting(self, name: str) -> Any:
@@ -48,13 +42,12 @@ class _Model:
 def _open_model(folder: Path) -> _Model:
     raw = _read_json(folder / "config.json")
     cfg = ModelConfig.from_hf(raw, source=str(folder / "config.json"))
-    family = cfg.model_type
+    family = cfg.family
     if cfg.moe is None:
         raise ConvertError(f"{folder}/config.json: no n_routed_experts -- dense MLA models are not supported")
     n = cfg.num_layers
-    keep_mtp = family in ("deepseek_v32", "glm_moe_dsa") or (family == "glm4_moe_lite" and cfg.num_nextn_predict_layers)
-    n_blocks = n + cfg.num_nextn_predict_layers if keep_mtp else n
-    return _Model(folder, raw, cfg, family, ARCH_OF_FAMILY[family], n_blocks)
+    n_blocks = n + cfg.num_nextn_predict_layers if family.gguf_keeps_mtp else n
+    return _Model(folder, raw, cfg, family, family.gguf_arch, n_blocks)
 
 
 def _leading_dense(cfg: ModelConfig) -> int:
@@ -138,7 +131,7 @@ def _mla_keys(m: _Model) -> list[tuple[str, MetaValue]]:
     if c.moe.norm_topk_prob:
         out.append((f"{a}.expert_weights_norm", boolean(True)))
     rope_dim = c.qk_rope_head_dim
-    if m.family == "glm_moe_dsa":  # GLM's converter scales by partial_rotary_factor (1.0 for GLM-5)
+    if m.family.gguf_rope_dim_partial:
         rope_dim = int(rope_dim * _rope_params(m.raw).get("partial_rotary_factor", 1.0))
     out.append((f"{a}.rope.dimension_count", u32(rope_dim)))
     mscale_all_dim = _rope_params(m.raw).get("mscale_all_dim")
@@ -149,10 +142,19 @@ def _mla_keys(m: _Model) -> list[tuple[str, MetaValue]]:
     return out
 
 
+def _writes_nextn(m: _Model) -> bool:
+    """Whether nextn_predict_layers is written: the family's rule, as llama.cpp's converter class."""
+    rule = m.family.gguf_nextn_key
+    if rule == "if_set":
+        return "num_nextn_predict_layers" in m.raw
+    if rule == "if_kept":
+        return m.n_blocks > m.cfg.num_layers
+    return False
+
+
 def _nextn_indexer_keys(m: _Model) -> list[tuple[str, MetaValue]]:
     a, out = m.arch, []
-    keep_nextn = m.arch in ("deepseek32", "glm-dsa") and "num_nextn_predict_layers" in m.raw
-    if keep_nextn or (m.family == "glm4_moe_lite" and m.n_blocks > m.cfg.num_layers):
+    if _writes_nextn(m):
         out.append((f"{a}.nextn_predict_layers", u32(m.cfg.num_nextn_predict_layers)))
     ix = m.cfg.indexer
     if ix is not None:
@@ -161,7 +163,7 @@ def _nextn_indexer_keys(m: _Model) -> list[tuple[str, MetaValue]]:
             (f"{a}.attention.indexer.key_length", u32(ix.head_dim)),
             (f"{a}.attention.indexer.top_k", u32(ix.topk)),
         ]
-        if m.arch == "glm-dsa":  # transformers always has indexer_types for GLM-DSA, so llama.cpp writes them
+        if m.family.gguf_indexer_types:
             types = list(ix.layer_types) + ["full"] * (m.n_blocks - len(ix.layer_types))
             out.append((f"{a}.attention.indexer.types", array([t == "full" for t in types[: m.n_blocks]], BOOL)))
     return out
@@ -234,5 +236,5 @@ def _metadata(
         raise ConvertError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
     name = name or title_name(m.folder.resolve().name)
     return _model_keys(m, outtype, name, size_label(shapes) if shapes else None) + tokenizer_keys(
-        m.folder, m.raw, m.family, m.cfg.vocab_size, pre
+        m.folder, m.raw, m.family.tokenizer_specials, m.cfg.vocab_size, pre
     )

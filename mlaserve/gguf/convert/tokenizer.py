@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mlaserve.config import families
 from mlaserve.gguf.convert.writer import INT32, STRING, MetaValue, array, boolean, string, u32
-
-GLM_FAMILIES = ("glm4_moe_lite", "glm_moe_dsa")
 
 
 class ConvertError(ValueError):
@@ -40,13 +40,8 @@ CHKTXT = (
     "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, "
     "'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
 )
-KNOWN_PRE_HASHES = {  # the MLA families' entries of llama.cpp's table (+ GPT-2 itself)
-    "877081d19cf6996e2c4ff0e1236341e9b7bde288f5311a56a937f0afbbb3aeb5": "deepseek-v3",
-    "049ecf7629871e3041641907f3de7c733e4dbfdc736f57d882ba0b0845599754": "deepseek-llm",
-    "347715f544604f9118bb75ed199f68779f423cabb20db6de6f31b908d04d7821": "deepseek-coder",
-    "9ca2dd618e8afaf09731a7cf6e2105b373ba6a1821559f258b272fe83e6eb902": "glm4",  # GLM-4.5
-    "cdf5f35325780597efd76153d4d1c16778f766173908894c04afc20108536267": "glm4",  # GLM-4.7-Flash
-    "a1336059768a55c99a734006ffb02203cd450fed003e9a71886c88acf24fdbc2": "glm4",
+# The MLA families' entries of llama.cpp's table (config/families) + GPT-2 itself.
+KNOWN_PRE_HASHES = families.tokenizer_pre_names() | {
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
 }
 _SPECIAL_KEYS = {
@@ -59,7 +54,6 @@ _SPECIAL_KEYS = {
     "eot": "eot_token_id",
     "eom": "eom_token_id",
 }  # sic: llama.cpp spells "seperator"
-_GLM_SPECIALS = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
 
 
 def _looks_special(tok: str) -> bool:
@@ -144,11 +138,11 @@ def _content(entry: Any) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
-def _special_ids(tj: dict, tc: dict, raw: dict, family: str) -> dict[str, int]:
+def _special_ids(tj: dict, tc: dict, raw: dict, specials: Mapping[str, str]) -> dict[str, int]:
     """bos/eos/... ids the way gguf-py's SpecialVocab finds them: the tokenizer_config token text
-    looked up among tokenizer.json's added tokens, else config.json's *_token_id; GLM families
-    then fill bos=[gMASK], eot=<|user|>, unk=<|endoftext|>, eom=<|observation|> (llama.cpp's
-    _set_vocab_glm), never overriding an id already found.  Without a bos_token, the special
+    looked up among tokenizer.json's added tokens, else config.json's *_token_id; then the family's
+    `specials` (type -> token text; GLM's bos=[gMASK], eot=<|user|>, ... from llama.cpp's
+    _set_vocab_glm) fill in, never overriding an id already found.  Without a bos_token, the special
     token the post-processor puts first is the BOS (GLM: [gMASK], as in llama.cpp's files)."""
     added = {a["content"]: a["id"] for a in reversed(tj.get("added_tokens", []))}  # first match wins
     text = {t: _content(tc.get(f"{t}_token")) for t in ("bos", "eos", "unk", "sep", "pad", "mask")}
@@ -160,10 +154,9 @@ def _special_ids(tj: dict, tc: dict, raw: dict, family: str) -> dict[str, int]:
             ids[typ] = added[tok]
         elif isinstance(raw.get(f"{typ}_token_id"), int):
             ids[typ] = raw[f"{typ}_token_id"]
-    if family in GLM_FAMILIES:
-        for typ, tok in _GLM_SPECIALS.items():
-            if typ not in ids and tok in added:
-                ids[typ] = added[tok]
+    for typ, tok in specials.items():
+        if typ not in ids and tok in added:
+            ids[typ] = added[tok]
     return ids
 
 
@@ -239,9 +232,10 @@ def _chat_template(folder: Path, tc: dict) -> list[tuple[str, MetaValue]]:
 
 
 def tokenizer_keys(
-    folder: Path, raw: dict, family: str, vocab_size: int, pre: str | None
+    folder: Path, raw: dict, specials: Mapping[str, str], vocab_size: int, pre: str | None
 ) -> list[tuple[str, MetaValue]]:
-    """tokenizer.json (byte-level BPE) + tokenizer_config.json -> the tokenizer.ggml.* keys."""
+    """tokenizer.json (byte-level BPE) + tokenizer_config.json -> the tokenizer.ggml.* keys.
+    specials: the family's tokenizer_specials (see `_special_ids`)."""
     tj_path = folder / "tokenizer.json"
     tj = _read_json(tj_path)  # llama.cpp needs the vocabulary inside the GGUF
     if (tj.get("model") or {}).get("type") != "BPE":
@@ -260,7 +254,7 @@ def tokenizer_keys(
     merges = _merges(tj, tj_path)
     if merges:
         out.append(("tokenizer.ggml.merges", array(merges, STRING)))
-    ids = _special_ids(tj, tc, raw, family)
+    ids = _special_ids(tj, tc, raw, specials)
     out += [(f"tokenizer.ggml.{_SPECIAL_KEYS[t]}", u32(i)) for t, i in ids.items()]
     out += [(f"tokenizer.ggml.add_{t}_token", boolean(v)) for t, v in _add_flags(tj, tc, ids, tokens).items()]
     return out + _chat_template(folder, tc)

@@ -9,16 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from mlaserve.config import families
+from mlaserve.config.families import Family
 from mlaserve.gguf.read.file import GGUFError, GGUFFile
 
-MLA_ARCHES = ("deepseek2", "deepseek32", "glm-dsa")
-DSA_ARCHES = ("deepseek32", "glm-dsa")
-HF_ARCHITECTURES = {
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "deepseek_v32": "DeepseekV32ForCausalLM",
-    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
-}
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_*
 ABSENT = "llama.cpp default (key absent)"
 
@@ -91,21 +85,28 @@ def _scalar(x: Any) -> int:
     return int(x)
 
 
-def _model_type(m: _Meta) -> str:
-    if m.arch == "deepseek32":
-        return m.put("model_type", "deepseek_v32", "gguf:general.architecture=deepseek32")
-    if m.arch == "glm-dsa":
-        return m.put("model_type", "glm_moe_dsa", "gguf:general.architecture=glm-dsa")
+def _family(m: _Meta) -> Family:
+    """The family a file of this arch reads as; where llama.cpp files several under one arch
+    (deepseek2: V2's softmax router, V3's sigmoid + bias), its gating tells them apart."""
+    readers = families.gguf_readers(m.arch)
+    if len(readers) == 1:
+        return _put_family(m, readers[0], f"gguf:general.architecture={m.arch}")
     gating = m.raw("expert_gating_func")
     has_bias = any(n.endswith(".exp_probs_b.bias") for n in m.gf.tensors)
     if gating == 2 or has_bias:
         why = "expert_gating_func=sigmoid" if gating == 2 else "exp_probs_b tensors present"
-        return m.put("model_type", "deepseek_v3", f"gguf:general.architecture=deepseek2 + {why}")
-    return m.put(
-        "model_type",
-        "deepseek_v2",
-        "gguf:general.architecture=deepseek2 + softmax gating (expert_gating_func 1 or absent), no exp_probs_b",
+        family = next(f for f in readers if f.scoring_func == "sigmoid")
+        return _put_family(m, family, f"gguf:general.architecture={m.arch} + {why}")
+    return _put_family(
+        m,
+        next(f for f in readers if f.scoring_func == "softmax"),
+        f"gguf:general.architecture={m.arch} + softmax gating (expert_gating_func 1 or absent), no exp_probs_b",
     )
+
+
+def _put_family(m: _Meta, family: Family, source: str) -> Family:
+    m.put("model_type", family.name, source)
+    return family
 
 
 def _attention_fields(m: _Meta, cfg: dict) -> None:
@@ -180,7 +181,7 @@ def _gating(m: _Meta, cfg: dict) -> None:
     cfg["topk_method"] = m.put("topk_method", method, f"derived (not stored in GGUF): {why}")
 
 
-def _rope_fields(m: _Meta, cfg: dict) -> None:
+def _rope_fields(m: _Meta, cfg: dict, family: Family) -> None:
     theta = m.opt("rope_parameters.rope_theta", "rope.freq_base", 10000.0, _decimal)
     kind = m.raw("rope.scaling.type", "none")
     rp: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
@@ -192,9 +193,10 @@ def _rope_fields(m: _Meta, cfg: dict) -> None:
         raise GGUFError(f"{m.gf.path}: unsupported '{m.key('rope.scaling.type')}'={kind!r}")
     cfg["rope_parameters"] = m.put("rope_parameters", rp, f"gguf:{m.key('rope.*')} (see rope_parameters.* entries)")
     cfg["max_position_embeddings"] = m.req("max_position_embeddings", "context_length")
-    if cfg["model_type"] == "deepseek_v3":
-        # llama.cpp's deepseek2 graph uses ggml's "NORM" rope = adjacent pairs = HF rope_interleave
-        cfg["rope_interleave"] = m.put("rope_interleave", True, "llama.cpp deepseek2 graph (interleaved RoPE)")
+    if family.rope_rule is None:
+        # The family reads rope_interleave from config.json, which GGUF does not keep; llama.cpp's
+        # graph uses ggml's "NORM" rope = adjacent pairs = HF rope_interleave
+        cfg["rope_interleave"] = m.put("rope_interleave", True, f"llama.cpp {m.arch} graph (interleaved RoPE)")
 
 
 def _yarn(m: _Meta) -> dict[str, Any]:
@@ -264,11 +266,11 @@ def _vocab_fields(m: _Meta, cfg: dict) -> None:
     )
 
 
-def _dsa_fields(m: _Meta, cfg: dict, n_layers: int) -> None:
+def _dsa_fields(m: _Meta, cfg: dict, n_layers: int, family: Family) -> None:
     cfg["index_topk"] = m.req("index_topk", "attention.indexer.top_k")
     cfg["index_n_heads"] = m.req("index_n_heads", "attention.indexer.head_count")
     cfg["index_head_dim"] = m.req("index_head_dim", "attention.indexer.key_length")
-    if m.arch == "glm-dsa":
+    if family.gguf_indexer_types:
         types = m.raw("attention.indexer.types")
         if types is None:
             m.put("indexer_types", ["full"] * n_layers, f"{ABSENT}: '{m.key('attention.indexer.types')}' -> all full")
@@ -286,14 +288,15 @@ def derive_hf_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
     arch = gf.metadata.get("general.architecture")
     if arch is None:
         raise GGUFError(f"{gf.path}: required metadata key 'general.architecture' is missing")
-    if arch not in MLA_ARCHES:
+    if not families.gguf_readers(arch):
         raise GGUFError(
             f"{gf.path}: general.architecture={arch!r} is not an MLA architecture "
-            f"this loader supports ({', '.join(MLA_ARCHES)})"
+            f"this loader supports ({', '.join(families.gguf_arches())})"
         )
     m = _Meta(gf, arch)
-    cfg: dict[str, Any] = {"model_type": _model_type(m)}
-    cfg["architectures"] = m.put("architectures", [HF_ARCHITECTURES[cfg["model_type"]]], "derived: from model_type")
+    family = _family(m)
+    cfg: dict[str, Any] = {"model_type": family.name}
+    cfg["architectures"] = m.put("architectures", [family.hf_architecture], "derived: from model_type")
     blocks = m.req("block_count", "block_count")
     nextn = m.opt("num_nextn_predict_layers", "nextn_predict_layers", 0)
     cfg["num_hidden_layers"] = m.put(
@@ -304,9 +307,9 @@ def derive_hf_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
     _moe_fields(m, cfg)
     cfg["rms_norm_eps"] = m.req("rms_norm_eps", "attention.layer_norm_rms_epsilon", _decimal)
     cfg["hidden_act"] = m.put("hidden_act", "silu", "llama.cpp MLA graphs (SwiGLU experts, fixed)")
-    _rope_fields(m, cfg)
+    _rope_fields(m, cfg, family)
     _vocab_fields(m, cfg)
     _token_ids(m, cfg)
-    if arch in DSA_ARCHES:
-        _dsa_fields(m, cfg, cfg["num_hidden_layers"])
+    if family.has_indexer:
+        _dsa_fields(m, cfg, cfg["num_hidden_layers"], family)
     return cfg, m.prov

@@ -1,0 +1,86 @@
+"""Family: everything the engine knows about one model family (a config.json `model_type`), in one
+frozen object. The generic readers ask it instead of testing names: the config.json adapter
+(config/model.py), the GGUF metadata reader (gguf/read/config.py) and the converter
+(gguf/convert/metadata.py, tokenizer.py). Plain data only: this module imports nothing of the
+implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+NEXTN_KEY_RULES = ("never", "if_set", "if_kept")
+
+
+def frozen_map(values: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+    """A read-only mapping, so that a family's tables cannot be edited after registration."""
+    return MappingProxyType(dict(values or {}))
+
+
+@dataclass(frozen=True, eq=False)  # one object per family: identity is equality
+class Family:
+    name: str  # config.json model_type
+    hf_architecture: str  # transformers class written as `architectures` for a GGUF read back
+    gguf_arch: str  # general.architecture llama.cpp writes for this family
+    # Class defaults of the reference implementation (transformers 5.x) for optional fields.
+    defaults: Mapping[str, Any] = field(default_factory=frozen_map)
+    aliases: tuple[str, ...] = ()  # other model_type values read as this family (kimi_k2)
+    base: Family | None = None  # the family this one is a delta on
+    # The attention/cache kind every layer declares (config/layer_kinds.py gives it meaning).
+    layer_kinds: str = "mla"
+
+    # --- config.json rules (config/model.py) ---------------------------------------------
+    # "softmax": the V2 router (topk_method greedy | group_limited_greedy from the config;
+    # transformers ignores norm_topk_prob). "sigmoid": + e_score_correction_bias, noaux_tc.
+    scoring_func: str = "sigmoid"
+    # Why the main rope is always interleaved (a family rule); None: config's rope_interleave.
+    rope_rule: str | None = None
+    reads_mlp_layer_types: bool = False  # config.json's mlp_layer_types decides dense/MoE layers
+    # Without mlp_layer_types: this many leading dense layers (the class default), or None to
+    # derive them from first_k_dense_replace.
+    first_dense_layers: int | None = None
+    has_indexer: bool = False  # DSA: a lightning indexer (needs q_lora_rank: it reads the query latent)
+    indexer_rope_interleaved: bool = False  # else half-split, as transformers
+
+    # --- GGUF (gguf/read/config.py, gguf/convert/metadata.py) -------------------------------
+    # A file of gguf_arch reads back as this family. False where llama.cpp files the family under
+    # another one's arch with nothing to tell them apart (glm4_moe_lite reads as deepseek_v3).
+    gguf_reads_back: bool = True
+    gguf_keeps_mtp: bool = False  # the converter writes the MTP (nextn) layers as blocks
+    # When the converter writes nextn_predict_layers, as llama.cpp's converter class does:
+    # "never", "if_set" (config.json has the key, even 0) or "if_kept" (MTP blocks were written).
+    gguf_nextn_key: str = "never"
+    gguf_indexer_types: bool = False  # attention.indexer.types (per layer full/shared) is stored
+    # The converter scales rope.dimension_count by rope partial_rotary_factor (GLM's converter).
+    gguf_rope_dim_partial: bool = False
+
+    # --- tokenizer (gguf/convert/tokenizer.py) ---------------------------------------------
+    # llama.cpp's pre-tokenizer names by hash of the family's shipped tokenizers (its chkhsh table).
+    tokenizer_pre: Mapping[str, str] = field(default_factory=frozen_map)
+    # Special tokens llama.cpp fills in by text when the tokenizer files name none (GLM's vocab).
+    tokenizer_specials: Mapping[str, str] = field(default_factory=frozen_map)
+
+    def __post_init__(self) -> None:
+        # The readers know these rules only; a family with another one must teach them first.
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"family {self.name}: scoring_func {self.scoring_func!r} not in {SCORING_FUNCS}")
+        if self.gguf_nextn_key not in NEXTN_KEY_RULES:
+            raise ValueError(f"family {self.name}: gguf_nextn_key {self.gguf_nextn_key!r} not in {NEXTN_KEY_RULES}")
+
+    @property
+    def is_dsa(self) -> bool:
+        return self.has_indexer
+
+    def derive(
+        self, name: str, *, defaults: Mapping[str, Any] | None = None, without: tuple[str, ...] = (), **changes: Any
+    ) -> Family:
+        """A family that differs from this one only in `changes`. `defaults` are merged over this
+        family's and `without` drops defaults its reference class lacks, so the delta lists only what
+        differs. Aliases are not inherited (an alias names one family)."""
+        merged = {k: v for k, v in {**self.defaults, **(defaults or {})}.items() if k not in without}
+        changes.setdefault("aliases", ())
+        return replace(self, name=name, base=self, defaults=frozen_map(merged), **changes)
