@@ -4,6 +4,7 @@ backticks, resolves."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 
@@ -44,9 +45,13 @@ def _anchors(path: Path) -> set[str]:
 def test_options_md_is_generated():
     path = ROOT / "docs" / "OPTIONS.md"
     assert path.exists(), f"docs/OPTIONS.md is missing; write it with: {options_doc.REGENERATE}"
-    assert path.read_text() == options_doc.render(), (
+    have, want = path.read_text(), options_doc.render()
+    diff = "".join(
+        list(difflib.unified_diff(have.splitlines(True), want.splitlines(True), "docs/OPTIONS.md", "render()"))[:12]
+    )
+    assert have == want, (
         f"docs/OPTIONS.md differs from EngineOptions (its defaults, help texts, vocabularies or flags); "
-        f"regenerate it with: {options_doc.REGENERATE}"
+        f"regenerate it with: {options_doc.REGENERATE}\n{diff}"
     )
 
 
