@@ -8,7 +8,7 @@ Notation
   Experts: W [E, N, R]; xs [P, K] the (token, expert) pairs sorted by expert; experts [A] the active
   expert ids (ascending), offs [A] int32 cumulative pair counts (the end of each group in xs).
 These functions are the seam. kernel="torch" is the reference: "dequantize (gguf.quants, bit-exact
-with gguf-py), then one fp32 GEMM". kernel="native" (blocks.c): up to GEMV_ROWS rows per weight,
+with gguf-py), then one fp32 GEMM". kernel="native" (csrc/): up to GEMV_ROWS rows per weight,
 each weight row is decoded once (bit-identical values) and dotted with every x row, reading the
 blocks straight from memory (Q8_0, Q4_0, Q6_K: fused, the (sub-)block scale applied to each partial
 sum, a rounding within the same bound); more rows than that are compute-bound, so the weight is decoded once

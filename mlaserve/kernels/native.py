@@ -1,11 +1,12 @@
-"""The native block kernels (blocks.c): built once per machine with the system C compiler, loaded
-with ctypes, and optional: without a compiler (or with kernels="torch") every product takes the
-pure-torch reference path, which the tests hold the native one to.
+"""The native block kernels (the C sources under csrc/, one header csrc/mls.h): built once per machine with
+the system C compiler, loaded with ctypes, and optional: without a compiler (or with kernels="torch") every
+product takes the pure-torch reference path, which the tests hold the native one to.
 
 The library is built at first use, not at install time, so that `pip install` needs no compiler
-and no torch headers; the build takes about a second. It is compiled for this CPU (-march=native),
-so the cache key includes the CPU's flags as well as the source and the compiler: a home folder
-shared between machines gets one library per kind of CPU. Threads come from OpenMP: the library
+and no torch headers; the build takes about a second (one translation unit, csrc/mls.c, which includes the
+others: csrc/mls.c says why). It is compiled for this CPU (-march=native), so the cache key includes the
+CPU's flags as well as every source and header and the compiler: a home folder shared between machines gets
+one library per kind of CPU. Threads come from OpenMP: the library
 links libgomp, which resolves to the copy torch has already loaded, so torch.set_num_threads
 governs both and the process has one thread pool.
 """
@@ -26,11 +27,13 @@ import torch
 
 from mlaserve.config.cpu import cpu_flags
 
-SOURCE = Path(__file__).with_name("blocks.c")
-FP8_E4M3 = 1000  # the type id blocks.c uses for float8 e4m3 with block scales
-FP4_E2M1 = 1001  # packed e2m1 codes (two per byte) with per-row group scales
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "mls.c"  # the translation unit; it includes every other file under CSRC
+HEADER = CSRC / "mls.h"  # the interface mirrored below (tests/test_kernel_bindings.py checks the mirror)
+FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
+FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 10  # blocks.c mls_abi_version(): the functions and signatures below
+ABI_VERSION = 11  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -59,17 +62,24 @@ def _compiler() -> str | None:
     return None
 
 
+def _sources_digest() -> bytes:
+    """Every file under csrc/ (name and bytes): the key changes with any source or header the build reads."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        h.update(f.relative_to(CSRC).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.digest()
+
+
 def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     """extra_flags: appended to FLAGS (the tests build an AVX2-only variant on AVX-512 machines with
     -mno-avx512f, so that both code paths are held to the reference wherever the suite runs)."""
     cc = _compiler()
     if cc is None:
         return None, "no C compiler on PATH (set CC, or install gcc): using the torch path"
-    src = SOURCE.read_bytes()
     flags = (*FLAGS, *extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n", 1)[0]
-    key = hashlib.sha256(src + version.encode() + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"blocks-{key}.so"
+    key = hashlib.sha256(_sources_digest() + version.encode() + " ".join(flags).encode() + _cpu_flags().encode())
+    out = _cache_dir() / f"mls-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -77,7 +87,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
         run = subprocess.run([cc, *flags, str(SOURCE), "-lm", "-o", tmp], capture_output=True, text=True)
         if run.returncode != 0:
             os.unlink(tmp)
-            return None, f"{cc} could not build {SOURCE.name}: {run.stderr.strip()[:400]}"
+            return None, f"{cc} could not build {SOURCE.relative_to(CSRC.parent)}: {run.stderr.strip()[:400]}"
         os.replace(tmp, out)  # atomic: concurrent builders (tensor-parallel ranks) agree
     lib = ctypes.CDLL(str(out))
     if lib.mls_abi_version() != ABI_VERSION:
@@ -121,6 +131,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
     lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
     lib.mls_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]
+    lib.mls_layout.argtypes = [ptr]
+    lib.mls_layout.restype = ptr
     return lib, str(out)
 
 
@@ -141,7 +154,7 @@ def status() -> NativeStatus:
 
 @dataclass(frozen=True)
 class ScaleGrid:
-    """Where the fp32 scales of an fp8 / fp4 weight are (see blocks.c fp8_scales): blocks of bn rows x
+    """Where the fp32 scales of an fp8 / fp4 weight are (see csrc/gemv.c fp8_scales): blocks of bn rows x
     bk columns, kb per row of blocks, rows in parts of part_rows with a grid each; None for ggml types."""
 
     scale: torch.Tensor  # fp32, contiguous
@@ -165,7 +178,7 @@ def gemm(
     type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: ScaleGrid | None = None, int8: bool = False
 ) -> torch.Tensor:
     """x [M, K] fp32 contiguous, w [N, R] uint8 contiguous -> y [M, N] fp32. int8: int8 activations
-    (blocks.c "int8 activations", not exact) where the type takes them (Q8_ACTIVATION_TYPES)."""
+    (csrc/int8.c, not exact) where the type takes them (Q8_ACTIVATION_TYPES)."""
     lib = library()
     m, n = x.shape[0], w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)

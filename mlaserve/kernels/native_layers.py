@@ -1,5 +1,5 @@
-"""The native kernels' per-layer operations (blocks.c "latent MQA", "decode-step glue" and "the MoE block at
-decode"): the absorbed path's latent MQA over paged rows, RMSNorm, a step's latent rows with the query rope,
+"""The native kernels' per-layer operations (csrc/attention.c, csrc/glue.c, csrc/moe/block.c,
+csrc/decode_layer.c): the absorbed path's latent MQA over paged rows, RMSNorm, a step's latent rows with the query rope,
 and a decode step's whole MoE block. The library, its build and the matmul / MoE wrappers are in native.py;
 the tests hold these to the torch code (tests/test_latent_mqa_kernel.py, tests/test_glue_kernels.py,
 tests/test_moe_block.py, the attention-backend harness).
@@ -82,7 +82,7 @@ def latent_rope_write(
     cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """A step's latent rows and query rope in one call (blocks.c mls_latent_rope_write):
+    """A step's latent rows and query rope in one call (csrc/glue.c mls_latent_rope_write):
     kv [T, r + dr] fp32 rows [c_kv | k_pe] (unit stride along the row), q [T, H, dn + dr] fp32 contiguous,
     w [r] the kv_a_layernorm weight, cos / sin [T, dr / 2] fp32 contiguous, cache [S, r + dr] fp32
     contiguous, slots [T] int64 contiguous. Writes cache[slots] = [rmsnorm(c_kv) w | rope(k_pe)] and
@@ -117,7 +117,9 @@ def latent_rope_write(
 
 
 class MoEBlockArgs(ctypes.Structure):
-    """blocks.c mls_moe_block_t: every field 8 bytes, in the C order."""
+    """csrc/mls.h mls_moe_block_t: every field 8 bytes, in the C order."""
+
+    _c_type_ = "mls_moe_block_t"
 
     _fields_ = [
         *((n, ctypes.c_int64) for n in ("d", "e", "kk", "inter", "shared_inter")),
@@ -167,7 +169,9 @@ def moe_block(
 
 
 class LinArgs(ctypes.Structure):
-    """blocks.c mls_lin_t: a weight of ggml blocks, n rows of k values."""
+    """csrc/mls.h mls_lin_t: a weight of ggml blocks, n rows of k values."""
+
+    _c_type_ = "mls_lin_t"
 
     _fields_ = [
         ("type", ctypes.c_int64),
@@ -177,7 +181,9 @@ class LinArgs(ctypes.Structure):
 
 
 class LayerArgs(ctypes.Structure):
-    """blocks.c mls_layer_t: every field 8 bytes, in the C order."""
+    """csrc/mls.h mls_layer_t: every field 8 bytes, in the C order."""
+
+    _c_type_ = "mls_layer_t"
 
     _fields_ = [
         *((n, ctypes.c_int64) for n in ("d", "h", "dn", "dr", "dv", "r", "q_lora")),
@@ -198,7 +204,9 @@ class LayerArgs(ctypes.Structure):
 
 
 class DecodeStepArgs(ctypes.Structure):
-    """blocks.c mls_decode_step_t: one decode step's rope, slots and attention rows, shared by every layer."""
+    """csrc/mls.h mls_decode_step_t: one decode step's rope, slots and attention rows, shared by every layer."""
+
+    _c_type_ = "mls_decode_step_t"
 
     _fields_ = [
         ("t", ctypes.c_int64),

@@ -1,0 +1,153 @@
+/* ---------------------------------------------------------------- latent MQA over paged rows (absorbed path)
+   Each query is a token t = q_index[query] of the step: per head hh its [q_lat | q_pe] (q_lat = q_nope W_UK,
+   c = r + dr values) is read where it lies, at q_lat + t * ql_tok + hh * ql_head and q_pe + t * qp_tok +
+   hh * qp_head (no concatenated or gathered copy). Queries [B, Q] (q_index [B, Q]), cache [S, c] rows
+   [c_kv | k_pe], slots [B, L] (cache row of each key position), mask [B, Q, L] (bool bytes) -> out
+   [B, Q, H, r] = softmax_l(scale * q . row_l) @ row_l[:r]. Rows are read where they are; each work item is
+   one query and a group of heads. Attention over one shared row is compute-bound (every head reads it), so
+   both products are register-blocked over heads: a row's 8-value slice, loaded once, is multiplied into
+   MQA_HS heads' scores, and P c into MQA_HO heads x 16 outputs (a row slice is loaded once per MQA_HO heads
+   instead of once per head, the accumulators stay in registers across all the rows). The probabilities
+   are exp(s - max) / sum, as torch's softmax; a query with no allowed key gets NaN. */
+#define MQA_HS 8 /* heads per score pass over a row */
+#define MQA_HO 4 /* heads per output pass (x 16 values: 8 accumulators) */
+#define MQA_TILE 128 /* cache rows per output tile */
+
+/* s[i * ls] = row . [ql | qp] of head i, for n <= MQA_HS heads (strides ql_head / qp_head). Every head gets the
+   same operations whatever n is (one 8-lane accumulator over r then dr, a scalar tail), so a head's score does
+   not depend on how heads were grouped (the grouping follows the step's query count and the thread count). */
+#ifdef MLS_SIMD
+static inline __attribute__((always_inline)) void mqa_scores_n(const float *row, const float *ql, int64_t ql_head,
+                                                               const float *qp, int64_t qp_head, int64_t r,
+                                                               int64_t dr, const int n, float *s, int64_t ls) {
+    __m256 a[MQA_HS];
+    float tail[MQA_HS];
+    for (int i = 0; i < n; i++) a[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
+    int64_t k = 0;
+    for (; k + 8 <= r; k += 8) {
+        const __m256 v = _mm256_loadu_ps(row + k);
+        for (int i = 0; i < n; i++) a[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(ql + i * ql_head + k), a[i]);
+    }
+    for (; k < r; k++)
+        for (int i = 0; i < n; i++) tail[i] += row[k] * ql[i * ql_head + k];
+    int64_t e = 0;
+    for (; e + 8 <= dr; e += 8) {
+        const __m256 v = _mm256_loadu_ps(row + r + e);
+        for (int i = 0; i < n; i++) a[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(qp + i * qp_head + e), a[i]);
+    }
+    for (; e < dr; e++)
+        for (int i = 0; i < n; i++) tail[i] += row[r + e] * qp[i * qp_head + e];
+    for (int i = 0; i < n; i++) s[i * ls] = hsum8(a[i]) + tail[i];
+}
+#endif
+
+static inline void mqa_scores(const float *row, const float *ql, int64_t ql_head, const float *qp, int64_t qp_head,
+                              int64_t r, int64_t dr, int n, float *s, int64_t ls) {
+#ifdef MLS_SIMD
+    if (n == MQA_HS) /* a constant count: the accumulators stay in registers */
+        mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, MQA_HS, s, ls);
+    else
+        mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, n, s, ls);
+#else
+    for (int i = 0; i < n; i++) s[i * ls] = dot(row, ql + i * ql_head, r) + dot(row + r, qp + i * qp_head, dr);
+#endif
+}
+
+/* o[i * r + k] (+)= sum_j p[i * lp + j] rows[j][k] for n <= MQA_HO heads, j over rows [j0, j1) in order; `acc`
+   continues the sums already in o (a later tile of rows), so the result is the same sequential sum over j. */
+static inline void mqa_outputs(const float *const *rows, int64_t j0, int64_t j1, const float *p, int64_t lp, int n,
+                               int64_t r, int acc, float *o) {
+    int64_t k = 0;
+#ifdef MLS_SIMD
+    if (n == MQA_HO) {
+        for (; k + 16 <= r; k += 16) {
+            __m256 a[MQA_HO][2];
+            for (int i = 0; i < MQA_HO; i++) {
+                a[i][0] = acc ? _mm256_loadu_ps(o + i * r + k) : _mm256_setzero_ps();
+                a[i][1] = acc ? _mm256_loadu_ps(o + i * r + k + 8) : _mm256_setzero_ps();
+            }
+            for (int64_t j = j0; j < j1; j++) {
+                const __m256 v0 = _mm256_loadu_ps(rows[j] + k), v1 = _mm256_loadu_ps(rows[j] + k + 8);
+                for (int i = 0; i < MQA_HO; i++) {
+                    const __m256 pv = _mm256_broadcast_ss(p + i * lp + j);
+                    a[i][0] = _mm256_fmadd_ps(pv, v0, a[i][0]);
+                    a[i][1] = _mm256_fmadd_ps(pv, v1, a[i][1]);
+                }
+            }
+            for (int i = 0; i < MQA_HO; i++) {
+                _mm256_storeu_ps(o + i * r + k, a[i][0]);
+                _mm256_storeu_ps(o + i * r + k + 8, a[i][1]);
+            }
+        }
+    }
+#endif
+    for (int i = 0; i < n; i++)
+        for (int64_t kk = k; kk < r; kk++) {
+            float sum = acc ? o[i * r + kk] : 0.0f;
+            for (int64_t j = j0; j < j1; j++) sum = fmaf(p[i * lp + j], rows[j][kk], sum);
+            o[i * r + kk] = sum;
+        }
+}
+
+int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                   int64_t qp_head, const int64_t *q_index, const float *cache, const int64_t *slots,
+                   const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
+                   float scale, float *out, int threads) {
+    const int64_t c = r + dr, queries = b * nq;
+    if (queries <= 0 || h <= 0) return 0;
+    int64_t splits = queries >= threads ? 1 : (threads + queries - 1) / queries;
+    if (splits > h) splits = h;
+    const int64_t hg = (h + splits - 1) / splits, items = queries * splits;
+    int rc = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* per thread: scores [hg, L] over the allowed rows (compacted), and those rows' addresses */
+        float *s = (float *)malloc(sizeof(float) * (size_t)(hg * l) + 1);
+        const float **rows = (const float **)malloc(sizeof(float *) * (size_t)l + 1);
+        if (!s || !rows) {
+#pragma omp atomic write
+            rc = -4;
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            if (!s || !rows) continue;
+            const int64_t qi = it / splits, h0 = (it % splits) * hg, h1 = h0 + hg < h ? h0 + hg : h;
+            const uint8_t *m = mask + qi * l;
+            const int64_t *sl = slots + (qi / nq) * l;
+            const float *ql = q_lat + q_index[qi] * ql_tok, *qp = q_pe + q_index[qi] * qp_tok;
+            float *o = out + qi * h * r;
+            int64_t n_ok = 0;
+            for (int64_t j = 0; j < l; j++)
+                if (m[j]) rows[n_ok++] = cache + sl[j] * c;
+            if (n_ok == 0) {
+                for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = NAN;
+                continue;
+            }
+            for (int64_t hb = h0; hb < h1; hb += MQA_HS) {
+                const int n = h1 - hb < MQA_HS ? (int)(h1 - hb) : MQA_HS;
+                for (int64_t j = 0; j < n_ok; j++)
+                    mqa_scores(rows[j], ql + hb * ql_head, ql_head, qp + hb * qp_head, qp_head, r, dr, n,
+                               s + (hb - h0) * n_ok + j, n_ok);
+            }
+            for (int64_t hh = h0; hh < h1; hh++) {
+                float *sh = s + (hh - h0) * n_ok, mx = -INFINITY, sum = 0.0f;
+                for (int64_t j = 0; j < n_ok; j++) sh[j] *= scale;
+                for (int64_t j = 0; j < n_ok; j++) mx = sh[j] > mx ? sh[j] : mx;
+                for (int64_t j = 0; j < n_ok; j++) sum += (sh[j] = expf(sh[j] - mx));
+                for (int64_t j = 0; j < n_ok; j++) sh[j] = sh[j] / sum;
+            }
+            /* tiles of MQA_TILE rows (~160 KB at r + dr = 320) stay in L2 while every head block and
+               output slice passes over them: the rows come from memory once, not once per 16 outputs */
+            for (int64_t j0 = 0; j0 < n_ok; j0 += MQA_TILE) {
+                const int64_t j1 = j0 + MQA_TILE < n_ok ? j0 + MQA_TILE : n_ok;
+                for (int64_t hb = h0; hb < h1; hb += MQA_HO) {
+                    const int n = h1 - hb < MQA_HO ? (int)(h1 - hb) : MQA_HO;
+                    mqa_outputs(rows, j0, j1, s + (hb - h0) * n_ok, n_ok, n, r, j0 > 0, o + hb * r);
+                }
+            }
+        }
+        free(s);
+        free((void *)rows);
+    }
+    return rc;
+}

@@ -1,0 +1,76 @@
+/* What every kernel file shares: the headers, the limits, the build's ISA (which decides the kernels the type
+   table picks: types.c), the row prefetch, fp16 scales, and the kernels' function shapes.
+
+   Compiled with -ffp-contract=off so that no a*b-c of a decoder becomes a fused multiply-add;
+   the dot products use explicit FMA intrinsics where AVX2 is there. */
+#ifndef MLS_COMMON_H
+#define MLS_COMMON_H
+
+#include "mls.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* The ISA of the build (-march=native, or a narrower target the tests build too): x86/avx2.c's kernels need
+   AVX2 and F16C, x86/avx512.c's AVX-512F on top; without them the reference kernels (ref/) run. An arm/neon.c
+   would sit beside x86/ under its own macro here. */
+#if defined(__AVX2__) && defined(__F16C__)
+#define MLS_SIMD 1
+#if defined(__AVX512F__)
+#define MLS_AVX512 1
+#endif
+#endif
+
+#define MAX_K 65536
+#define MAX_ROPE 1024 /* longest rope slice (qk_rope_head_dim) the glue kernels take */
+#define ROW_RUN 8 /* weight rows per parallel work item where items would otherwise be single short rows */
+/* Software prefetch: each weight row, when its turn comes, asks for the bytes PREFETCH_AHEAD further on (the
+   rows a thread takes next lie there). Weights stream from DRAM once per step and the hardware prefetcher alone
+   kept a Q8_0 GEMV at ~14 GB/s on 2 threads where the memory reads ~27 GB/s; with this, ~21 GB/s (4 KiB ahead
+   measured best of 0.5-8 KiB; 2-core Xeon, AVX-512). A prefetch never faults, past the end of a matrix too. */
+#define PREFETCH_AHEAD 4096
+static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
+    const char *p = (const char *)row + PREFETCH_AHEAD;
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+static inline float f16(const uint8_t *p) {
+#ifdef __F16C__
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+#endif
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
+        return s ? -f : f;
+    }
+    bits = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint32_t u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* the kernels' shapes, each type's own in the type table (types.c) */
+typedef void (*row_fn)(const uint8_t *, float *, int64_t); /* decode one row of k values */
+/* decode one row whose fp32 scales lie apart (fp8 blocks of bk columns, fp4 groups of bk values) */
+typedef void (*scaled_row_fn)(const uint8_t *, const float *, int64_t, float *, int64_t);
+/* one weight row times m activation rows: (w, x, ldx, m, k, y, ldy) */
+typedef void (*fused_fn)(const uint8_t *, const float *, int64_t, int64_t, int64_t, float *, int64_t);
+/* the same with int8 activations: (w, xq, xd, m, k, y, ldy) */
+typedef void (*q8rows_fn)(const uint8_t *, const int8_t *, const float *, int64_t, int64_t, float *, int64_t);
+
+static inline float silu_mul(float g, float u) { return (g / (1.0f + expf(-g))) * u; }
+
+#endif

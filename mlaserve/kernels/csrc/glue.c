@@ -1,0 +1,72 @@
+/* ---------------------------------------------------------------- decode-step glue
+   Small per-layer operations that torch composes from several ops (each ~3-10 us of dispatch at one token):
+   RMSNorm, and the latent row of a step (kv_a_layernorm, rope, cache write) with the query heads' rope. */
+
+/* 1 / sqrt(mean(x^2) + eps): torch's fp32 rms_norm computes the same (pow, mean, add, rsqrt), summing the
+   squares in another order (fp32 rounding). */
+static float rms_inv(const float *x, int64_t d, float eps) {
+    int64_t i = 0;
+    float ss = 0.0f;
+#ifdef MLS_SIMD
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    ss = hsum8(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < d; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)d + eps);
+}
+
+/* y = (x * inv) * w elementwise, in that order (torch: x * rsqrt(...), then * weight). */
+static void scale_rows(const float *x, float inv, const float *w, int64_t d, float *y) {
+    for (int64_t i = 0; i < d; i++) y[i] = (x[i] * inv) * w[i];
+}
+
+/* x [T, ldx] rows of d values -> y [T, ldy]: RMSNorm with weight w [d]. */
+int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float *w, float eps, float *y,
+                 int64_t ldy, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (t >= 8)
+    for (int64_t i = 0; i < t; i++) scale_rows(x + i * ldx, rms_inv(x + i * ldx, d, eps), w, d, y + i * ldy);
+    return 0;
+}
+
+/* Rotate one rope slice of dr values in place: pairs (x1_i, x2_i) = (x[2i], x[2i+1]) when interleaved, else
+   (x[i], x[i + dr/2]); the result is [x1 cos - x2 sin | x2 cos + x1 sin] (de-interleaved), exactly the
+   products and differences of models/layers.py apply_rope, so bit-identical to it. */
+static void rope_slice(float *x, int64_t dr, const float *cos, const float *sin, int interleaved) {
+    float tmp[MAX_ROPE];
+    const int64_t half = dr / 2, step = interleaved ? 2 : 1, off = interleaved ? 1 : half;
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i * step], x2 = x[i * step + off];
+        tmp[i] = x1 * cos[i] - x2 * sin[i];
+        tmp[half + i] = x2 * cos[i] + x1 * sin[i];
+    }
+    memcpy(x, tmp, sizeof(float) * (size_t)dr);
+}
+
+/* One step's latent rows and query rope, for T tokens:
+     kv    [T, ldkv]  kv_a_proj_with_mqa's output rows [c_kv (r) | k_pe (dr)] (read only)
+     q     [T, H, ldh] query heads, q_pe at column dn of each head: rotated in place
+     cos, sin [T, dr/2]
+   cache[slots[t]] (rows of ldc = r + dr, n_slots of them) = [rmsnorm(c_kv) * w | rope(k_pe)]. */
+int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, int64_t dr, const float *w,
+                          float eps, float *q, int64_t h, int64_t ldh, int64_t dn, const float *cos,
+                          const float *sin, int interleaved, float *cache, int64_t n_slots,
+                          const int64_t *slots, int threads) {
+    if (dr > MAX_ROPE || dr % 2) return -2;
+    for (int64_t i = 0; i < t; i++)
+        if (slots[i] < 0 || slots[i] >= n_slots) return -5;
+#pragma omp parallel for num_threads(threads) schedule(static) if (t >= 8)
+    for (int64_t i = 0; i < t; i++) {
+        const float *src = kv + i * ldkv, *ci = cos + i * (dr / 2), *si = sin + i * (dr / 2);
+        float *row = cache + slots[i] * (r + dr);
+        scale_rows(src, rms_inv(src, r, eps), w, r, row);
+        memcpy(row + r, src + r, sizeof(float) * (size_t)dr);
+        rope_slice(row + r, dr, ci, si, interleaved);
+        for (int64_t hh = 0; hh < h; hh++) rope_slice(q + (i * h + hh) * ldh + dn, dr, ci, si, interleaved);
+    }
+    return 0;
+}

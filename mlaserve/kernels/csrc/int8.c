@@ -1,0 +1,84 @@
+/* ---------------------------------------------------------------- int8 activations (an explicit option)
+   llama.cpp's integer dot products, for Q8_0 and Q4_0 weights: each 32-value block of an activation row
+   is quantized to int8 with its own fp32 scale d_x = max|x| / 127 (q_x = x / d_x rounded to nearest), and
+   a block's product is d_w * d_x * (the exact int32 sum of q_w q_x). Not exact: |x - d_x q_x| <= d_x / 2
+   per value, so |y - y_exact| <= sum_j |w_j| d_x(j) / 2, plus fp32 rounding of the block sums. About half
+   the instructions of the float path per weight. Return -1 for other weight types. */
+
+/* x [m, k] (row stride ldx) -> q [m, k] int8 in [-127, 127] and d [m, k / 32]. A block holding NaN or
+   Inf gets scale NaN (its products come out NaN, as the float path's would) and codes 0; a block too
+   small for a normal scale quantizes to zeros. */
+static void quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d) {
+    const int64_t kb = k / 32;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < kb; b++) {
+            const float *xb = x + i * ldx + b * 32;
+            int8_t *qb = q + i * k + b * 32;
+            float amax = 0.0f;
+            int finite = 1;
+            for (int j = 0; j < 32; j++) {
+                finite &= isfinite(xb[j]) != 0;
+                amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            }
+            const float dd = amax / 127.0f, inv = dd >= FLT_MIN ? 1.0f / dd : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                const float v = finite ? nearbyintf(xb[j] * inv) : 0.0f;
+                qb[j] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+            d[i * kb + b] = finite ? dd : NAN;
+        }
+}
+
+static inline float q8dot(q8rows_fn fn, const uint8_t *b, const int8_t *xq, const float *xd, int64_t k) {
+    float y;
+    fn(b, xq, xd, 1, k, &y, 1);
+    return y;
+}
+
+/* Activations quantized once, then as mls_gemm / mls_grouped_gemm. */
+int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+                int64_t row_bytes, float *y, int64_t ldy, int threads) {
+    q8rows_fn fn = q8rows(type);
+    if (!fn) return -1;
+    if (k % 32) return -2;
+    int8_t *xq = (int8_t *)malloc((size_t)(m * k) + 1);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (k / 32)) + 1);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -4;
+    }
+    quantize_rows_q8(x, m, k, ldx, xq, xd);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) fn(w + r * row_bytes, xq, xd, m, k, y + r, ldy);
+    free(xq);
+    free(xd);
+    return 0;
+}
+
+int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                        float *y, int threads) {
+    q8rows_fn fn = q8rows(type);
+    if (!fn) return -1;
+    if (k % 32) return -2;
+    const int64_t p = starts[groups], kb = k / 32, runs = (n + ROW_RUN - 1) / ROW_RUN;
+    int8_t *xq = (int8_t *)malloc((size_t)(p * k) + 1);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(p * kb) + 1);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -4;
+    }
+    quantize_rows_q8(x, p, k, k, xq, xd);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t it = 0; it < groups * runs; it++) {
+        const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
+        const uint8_t *we = w + experts[a] * expert_stride;
+        const int64_t p0 = starts[a];
+        for (int64_t r = r0; r < r1; r++) fn(we + r * row_bytes, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k, y + p0 * n + r, n);
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}

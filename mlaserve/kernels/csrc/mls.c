@@ -1,0 +1,25 @@
+/* The native kernels' one translation unit: the files below, in this order, compiled together.
+
+   One unit, not one object per file, because the kernels share small static inline helpers (fp16 scales,
+   code extraction, horizontal sums, the dot product) that must inline into every inner loop, and the entry
+   points call each other (the decode layer runs the MoE block, the glue and the products): one unit gives each
+   loop the code it had as a single file, with no exported internals and no link-time optimisation to rely on.
+   Each file below holds one concern and uses only what is included before it. */
+
+#include "common.h"
+
+#include "ref/decode.c"   /* the reference decoders (exact, scalar) */
+#include "x86/avx2.c"     /* AVX2 decoders, fused decode-and-dot, int8 row kernels */
+#include "x86/avx512.c"   /* the AVX-512 fused kernels */
+#include "ref/int8.c"     /* the int8 row kernels without SIMD */
+#include "dot.c"          /* the fp32 dot product, F32 rows */
+#include "types.c"        /* the type table: each type's block and kernels */
+#include "gemv.c"         /* products and decoding of stored rows */
+#include "int8.c"         /* the same with int8 activations */
+#include "moe/route.c"    /* the MoE router */
+#include "moe/experts.c"  /* routed experts, pair by pair */
+#include "moe/block.c"    /* a decode step's MoE block in one call */
+#include "attention.c"    /* the latent MQA over paged rows */
+#include "glue.c"         /* RMSNorm, a step's latent rows and query rope */
+#include "decode_layer.c" /* a decoder layer's decode step in one call */
+#include "layout.c"       /* the shared structs' layout, the ABI version */

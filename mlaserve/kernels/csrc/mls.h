@@ -1,0 +1,160 @@
+/* mlaserve's native kernels: everything Python sees of them (kernels/native.py, kernels/native_layers.py).
+
+   Matrix products on weights kept in their stored block formats, for small batches (decode):
+   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K), as
+   float8 e4m3 values with block scales, or as packed e2m1 (FP4) codes with group scales; the MoE
+   router and experts, the latent MQA, the decode-step glue and a whole decoder layer's decode step.
+
+   Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
+   as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
+   torch.set_num_threads called from another thread, e.g. the server's engine thread).
+   Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
+   int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
+   memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd.
+
+   The Python side mirrors this file by hand (ctypes argtypes and Structures); tests/test_kernel_bindings.py
+   holds every prototype and struct below to it (mls_layout gives the compiled sizes and offsets). Change
+   MLS_ABI_VERSION with any change here. */
+#ifndef MLS_H
+#define MLS_H
+
+#include <stdint.h>
+
+#define MLS_ABI_VERSION 11
+
+/* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
+enum {
+    MLS_F32 = 0, /* rows of fp32 values (small matrices a GGUF keeps unquantized) */
+    MLS_Q4_0 = 2,
+    MLS_Q4_1 = 3,
+    MLS_Q5_0 = 6,
+    MLS_Q5_1 = 7,
+    MLS_Q8_0 = 8,
+    MLS_Q2_K = 10,
+    MLS_Q3_K = 11,
+    MLS_Q4_K = 12,
+    MLS_Q5_K = 13,
+    MLS_Q6_K = 14,
+    MLS_GGML_TYPES = 15,  /* the ggml ids above are below this */
+    MLS_FP8_E4M3 = 1000,  /* float8 e4m3 values with block scales */
+    MLS_FP4_E2M1 = 1001   /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
+};
+
+/* the router's settings (kernels/native.py SCORING, TOPK_METHOD) */
+enum { MLS_SCORE_SOFTMAX = 0, MLS_SCORE_SIGMOID = 1 };
+enum { MLS_TOPK_GREEDY = 0, MLS_TOPK_GROUP_MAX = 1, MLS_TOPK_GROUP_TOP2 = 2 };
+
+/* the MoE block of a decode step (moe/block.c) */
+typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layers.py) has no padding to guess */
+    int64_t d, e, kk, inter, shared_inter; /* hidden, experts, experts per token, I, shared I (0: none) */
+    const float *gate_w, *bias;            /* [E, D] fp32, [E] fp32 or 0 */
+    int64_t scoring, method, n_group, topk_group, norm;
+    double scale; /* routed_scaling_factor (rounded to float, as the router's argument) */
+    int64_t type_gu, type_dn;
+    const uint8_t *gate_up, *down; /* [E, 2I] and [E, D] rows of ggml blocks */
+    int64_t gu_expert_stride, gu_row_bytes, dn_expert_stride, dn_row_bytes;
+    int64_t type_sg, type_su, type_sd; /* the shared expert's gate_proj [Is, D], up_proj [Is, D], down_proj [D, Is] */
+    const uint8_t *sg, *su, *sd;
+    int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
+    int64_t int8; /* activations="int8": Q8_0 / Q4_0 products take int8 activations, as the per-op path's */
+} mls_moe_block_t;
+
+/* a decoder layer's decode step (decode_layer.c) */
+typedef struct { /* a weight of ggml blocks: n rows of k values, row_bytes each */
+    int64_t type;
+    const uint8_t *w;
+    int64_t n, k, row_bytes;
+} mls_lin_t;
+
+typedef struct { /* every field 8 bytes (the ctypes mirror in kernels/native_layers.py) */
+    int64_t d, h, dn, dr, dv, r, q_lora; /* q_lora 0: q_b is q_proj, applied to the normed input */
+    double eps_in, eps_post, eps_q, eps_kv, scale; /* rounded to float as the per-op path's arguments */
+    int64_t interleaved;
+    const float *norm_in, *norm_post, *norm_q, *norm_kv;
+    mls_lin_t q_a, q_b, kv_a, o_proj;
+    int64_t type_k, type_v; /* attn_k_b [H, r, dn] and attn_v_b [H, dv, r] in blocks */
+    const uint8_t *k_b, *v_b;
+    int64_t k_head_stride, k_row_bytes, v_head_stride, v_row_bytes;
+    int64_t mlp_inter; /* a dense SwiGLU's intermediate size; 0: the MoE block below */
+    mls_lin_t mlp_gate, mlp_up, mlp_down;
+    const mls_moe_block_t *moe;
+    int64_t int8; /* activations="int8": Q8_0 / Q4_0 products with int8 activations, as the per-op path's */
+} mls_layer_t;
+
+typedef struct { /* one decode step, shared by every layer */
+    int64_t t;               /* tokens = requests, one query each, token b of request b */
+    const float *cos, *sin;  /* [T, dr / 2] */
+    const int64_t *slots;    /* [T] the cache rows written */
+    int64_t n_slots;         /* rows of a layer's cache */
+    const int64_t *q_index;  /* [T, 1] */
+    const int64_t *kv_slots; /* [T, L] */
+    const uint8_t *mask;     /* [T, 1, L] */
+    int64_t l;
+} mls_decode_step_t;
+
+/* one field of a struct above as this compiler lays it out (layout.c); field 0: the whole struct */
+typedef struct {
+    const char *type, *field;
+    int64_t offset, size;
+} mls_layout_entry_t;
+
+/* gemv.c: products and decoding of stored rows */
+int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+             int64_t row_bytes, const float *scale, int64_t bn, int64_t kb, int64_t bk, int64_t part_rows,
+             float *y, int64_t ldy, int threads);
+int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                     int64_t expert_stride, const float *scale, int64_t scale_expert_stride, int64_t bn,
+                     int64_t kb, int64_t bk, int64_t part_rows, const int64_t *experts, const int64_t *starts,
+                     int64_t groups, float *y, int threads);
+int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const float *scale, int64_t bn,
+                   int64_t kb, int64_t bk, int64_t part_rows, int64_t k, float *out, int threads);
+int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
+                           int64_t n, int64_t row_bytes, int64_t k, float *out, int threads);
+
+/* int8.c: the same products with int8 activations */
+int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+                int64_t row_bytes, float *y, int64_t ldy, int threads);
+int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                        float *y, int threads);
+
+/* moe/: the router, the routed experts, the whole block */
+int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, int scoring, int method,
+                  int64_t n_group, int64_t topk_group, int64_t k, int norm, float scale, float *out_w,
+                  int64_t *out_idx);
+int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
+                    const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
+                    int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
+                    float *out, int threads);
+int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
+                       const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
+                       int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
+                       int64_t kk, float *out, int threads);
+int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
+                  int threads);
+
+/* attention.c, glue.c: the latent MQA, RMSNorm, a step's latent rows and query rope */
+int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                   int64_t qp_head, const int64_t *q_index, const float *cache, const int64_t *slots,
+                   const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
+                   float scale, float *out, int threads);
+int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float *w, float eps, float *y,
+                 int64_t ldy, int threads);
+int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, int64_t dr, const float *w,
+                          float eps, float *q, int64_t h, int64_t ldh, int64_t dn, const float *cos,
+                          const float *sin, int interleaved, float *cache, int64_t n_slots,
+                          const int64_t *slots, int threads);
+
+/* decode_layer.c */
+int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,
+                     int threads);
+
+/* types.c: a type's block (bytes, values) and which kernels take it (bit 0 decode, 1 fused dot, 2 int8 dot);
+   -1 for a type without a decoder */
+int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t *kernels);
+
+/* layout.c */
+const mls_layout_entry_t *mls_layout(int64_t *n);
+int mls_abi_version(void);
+
+#endif

@@ -1,0 +1,171 @@
+/* ---------------------------------------------------------------- the MoE block at decode, in one call
+   A decode step's whole MoE block with ggml-block weights (GGUFExperts and a GGUFLinear shared expert): the
+   gate's logits (fp32 weights), the router (mls_moe_route), the routed experts grouped by expert (an active
+   expert's rows are read once for all of its pairs), the shared expert, and the sum, in one parallel region,
+   instead of ~10 native calls and ~30 tensor ops. For the same routing the routed part is exactly what
+   mls_moe_experts computes (each row's products do not depend on how many activation rows share them, and
+   the weighted sum runs over j in the same order) and the shared part exactly what three mls_gemm calls give;
+   the gate's logits (dot order) and the shared SwiGLU's silu (expf) round differently from torch's. */
+
+/* x [T, D] (the post-attention norm's output, contiguous) -> out [T, D]; topk_w / topk_idx [T, kk] (may be 0)
+   receive the routing. Returns mls_moe_route's -3 for router settings it refuses, -1 for a weight type without
+   a decoder, -2 for rows longer than MAX_K, -4 when memory cannot be allocated. */
+int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
+                  int threads) {
+    const int64_t d = b->d, e = b->e, kk = b->kk, inter = b->inter, si = b->shared_inter;
+    const lin_kernel kgu = lin_rows(b->type_gu, b->gu_row_bytes), kdn = lin_rows(b->type_dn, b->dn_row_bytes);
+    const lin_kernel ksg = lin_rows(si ? b->type_sg : b->type_gu, b->sg_row_bytes),
+                     ksu = lin_rows(si ? b->type_su : b->type_gu, b->su_row_bytes),
+                     ksd = lin_rows(si ? b->type_sd : b->type_dn, b->sd_row_bytes);
+    if (!kgu.fn || !kdn.fn || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
+    if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
+    if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
+    /* int8 activations where the per-op path takes them: each projection whose type has int8 kernels (Q8_0,
+       Q4_0), on its own, as GGUFExperts' grouped products and the shared GGUFLinears decide */
+    const q8rows_fn qgu = b->int8 ? q8rows((int)b->type_gu) : 0, qdn = b->int8 ? q8rows((int)b->type_dn) : 0;
+    const q8rows_fn qsg = b->int8 && si ? q8rows((int)b->type_sg) : 0, qsu = b->int8 && si ? q8rows((int)b->type_su) : 0;
+    const q8rows_fn qsd = b->int8 && si ? q8rows((int)b->type_sd) : 0;
+    if ((qgu || qsg || qsu || qsd) && (d % 32 || inter % 32 || si % 32)) return -2;
+    const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
+    /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
+       xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
+    const size_t nf = (size_t)(t * e + pairs + pairs * d + pairs * n_gu + pairs * inter + pairs * d + t * n_sgu +
+                               t * si + t * d);
+    const size_t ni = (size_t)(pairs + e + (e + 1) + e + pairs + pairs);
+    /* int8 codes and scales of xs, h, x and the shared h (allocated only with int8) */
+    const size_t nq = b->int8 ? (size_t)(pairs * d + pairs * inter + t * d + t * si) : 0;
+    char *mem = (char *)malloc(sizeof(float) * nf + sizeof(int64_t) * ni + nq * (1 + sizeof(float)) + 64);
+    if (!mem) return -4;
+    int64_t *idx = (int64_t *)mem, *count = idx + pairs, *start = count + e, *act = start + e + 1;
+    int64_t *order = act + e, *pos = order + pairs;
+    float *logits = (float *)(pos + pairs), *wt = logits + t * e, *xs = wt + pairs, *gu = xs + pairs * d;
+    float *h = gu + pairs * n_gu, *ys = h + pairs * inter, *sgu = ys + pairs * d, *sh = sgu + t * n_sgu;
+    float *ysh = sh + t * si;
+    float *xsd = ysh + t * d, *hd = xsd + pairs * d / 32, *xd = hd + pairs * inter / 32, *shd = xd + t * d / 32;
+    int8_t *xsq = (int8_t *)(shd + t * si / 32), *hq = xsq + pairs * d, *xq = hq + pairs * inter, *shq = xq + t * d;
+    int64_t groups = 0;
+    int rc = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(d > inter ? (d > si ? d : si) : (inter > si ? inter : si)));
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < t * e; it++) logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
+#pragma omp single
+        {
+            rc = mls_moe_route(logits, t, e, b->bias, (int)b->scoring, (int)b->method, b->n_group, b->topk_group, kk,
+                               (int)b->norm, (float)b->scale, wt, idx);
+            if (rc == 0) { /* pairs sorted by expert (stable: token order within an expert), a counting sort */
+                memset(count, 0, sizeof(int64_t) * (size_t)e);
+                for (int64_t p = 0; p < pairs; p++) count[idx[p]]++;
+                int64_t s = 0;
+                for (int64_t ex = 0; ex < e; ex++)
+                    if (count[ex]) {
+                        act[groups] = ex;
+                        start[groups++] = s;
+                        s += count[ex];
+                    }
+                start[groups] = s;
+                memset(count, 0, sizeof(int64_t) * (size_t)e); /* now: pairs placed per group */
+                for (int64_t p = 0; p < pairs; p++) {
+                    int64_t a = 0;
+                    while (act[a] != idx[p]) a++;
+                    const int64_t q = start[a] + count[a]++;
+                    order[q] = p;
+                    pos[p] = q;
+                }
+            }
+        }
+        if (rc == 0) {
+#pragma omp for schedule(static)
+            for (int64_t q = 0; q < pairs; q++) memcpy(xs + q * d, x + (order[q] / kk) * d, sizeof(float) * (size_t)d);
+            if (b->int8) {
+#pragma omp single
+                {
+                    if (qgu) quantize_rows_q8(xs, pairs, d, d, xsq, xsd);
+                    if (qsg || qsu) quantize_rows_q8(x, t, d, d, xq, xd);
+                }
+            }
+            /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert */
+            const int64_t runs = (n_gu + ROW_RUN - 1) / ROW_RUN, sruns = (n_sgu + ROW_RUN - 1) / ROW_RUN;
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t it = 0; it < groups * runs + sruns; it++) {
+                if (it < groups * runs) {
+                    const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
+                    const int64_t p0 = start[a], m = start[a + 1] - p0;
+                    const uint8_t *we = b->gate_up + act[a] * b->gu_expert_stride;
+                    for (int64_t r = r0; r < r1; r++) {
+                        const uint8_t *row = we + r * b->gu_row_bytes;
+                        if (qgu)
+                            qgu(row, xsq + p0 * d, xsd + p0 * (d / 32), m, d, gu + p0 * n_gu + r, n_gu);
+                        else
+                            lin_row(kgu, row, xs + p0 * d, d, m, d, gu + p0 * n_gu + r, n_gu, buf);
+                    }
+                } else {
+                    const int64_t r0 = (it - groups * runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_sgu ? r0 + ROW_RUN : n_sgu;
+                    for (int64_t r = r0; r < r1; r++) {
+                        const int up = r >= si;
+                        const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
+                        const q8rows_fn q8 = up ? qsu : qsg;
+                        if (q8)
+                            q8(row, xq, xd, t, d, sgu + r, n_sgu);
+                        else
+                            lin_row(up ? ksu : ksg, row, x, d, t, d, sgu + r, n_sgu, buf);
+                    }
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < pairs * inter + t * si; it++) {
+                if (it < pairs * inter) {
+                    const int64_t q = it / inter, i = it % inter;
+                    h[it] = silu_mul(gu[q * n_gu + i], gu[q * n_gu + inter + i]);
+                } else {
+                    const int64_t j = it - pairs * inter, tok = j / si, i = j % si;
+                    sh[j] = silu_mul(sgu[tok * n_sgu + i], sgu[tok * n_sgu + si + i]);
+                }
+            }
+            if (qdn || qsd) {
+#pragma omp single
+                {
+                    if (qdn) quantize_rows_q8(h, pairs, inter, inter, hq, hd);
+                    if (qsd) quantize_rows_q8(sh, t, si, si, shq, shd);
+                }
+            }
+            const int64_t druns = (d + ROW_RUN - 1) / ROW_RUN, sdruns = si ? druns : 0;
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t it = 0; it < groups * druns + sdruns; it++) {
+                const int64_t a = it / druns, r0 = (it % druns) * ROW_RUN, r1 = r0 + ROW_RUN < d ? r0 + ROW_RUN : d;
+                if (a < groups) {
+                    const int64_t p0 = start[a], m = start[a + 1] - p0;
+                    const uint8_t *we = b->down + act[a] * b->dn_expert_stride;
+                    for (int64_t r = r0; r < r1; r++) {
+                        const uint8_t *row = we + r * b->dn_row_bytes;
+                        if (qdn)
+                            qdn(row, hq + p0 * inter, hd + p0 * (inter / 32), m, inter, ys + p0 * d + r, d);
+                        else
+                            lin_row(kdn, row, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
+                    }
+                } else {
+                    for (int64_t r = r0; r < r1; r++) {
+                        const uint8_t *row = b->sd + r * b->sd_row_bytes;
+                        if (qsd)
+                            qsd(row, shq, shd, t, si, ysh + r, d);
+                        else
+                            lin_row(ksd, row, sh, si, t, si, ysh + r, d, buf);
+                    }
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < t * d; it++) {
+                const int64_t tok = it / d, r = it % d;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < kk; j++) acc += wt[tok * kk + j] * ys[pos[tok * kk + j] * d + r];
+                out[it] = si ? acc + ysh[it] : acc;
+            }
+        }
+        free(buf);
+    }
+    if (rc == 0 && topk_w) memcpy(topk_w, wt, sizeof(float) * (size_t)pairs);
+    if (rc == 0 && topk_idx) memcpy(topk_idx, idx, sizeof(int64_t) * (size_t)pairs);
+    free(mem);
+    return rc;
+}

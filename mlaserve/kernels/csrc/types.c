@@ -1,0 +1,60 @@
+/* The weight types: one row of the table per type, with its block and the kernels that take it in this
+   build (the ISA's where it has one: common.h MLS_SIMD). Every entry point looks a type up once per call,
+   outside its loops; inside the kernels a type is a compile-time constant (the fused and int8 kernels are
+   specialised per type), so the table costs nothing where the time goes. */
+
+typedef struct {
+    int64_t block_bytes, block_values; /* a block's stored bytes and the values it decodes to */
+    row_fn decode;                     /* one row -> fp32 (ggml types), or 0 */
+    scaled_row_fn decode_scaled;       /* one row with its scales apart (fp8, fp4), or 0 */
+    fused_fn fused;                    /* decode-and-dot without a row buffer, or 0: decode, then dot */
+    q8rows_fn int8;                    /* int8-activation rows (int8.c), or 0 */
+} mls_type_t;
+
+/* the ISA's kernel where there is one, else the reference's */
+#ifdef MLS_SIMD
+#define ISA(simd, ref) simd
+#else
+#define ISA(simd, ref) ref
+#endif
+
+static const mls_type_t GGML_TYPES[MLS_GGML_TYPES] = {
+    [MLS_F32] = {4, 1, row_f32, 0, fused_f32, 0},
+    [MLS_Q4_0] = {18, 32, ISA(simd_q4_0, row_q4_0), 0, ISA(fused_q4_0, 0), q8rows_q4_0},
+    [MLS_Q4_1] = {20, 32, ISA(simd_q4_1, row_q4_1), 0, 0, 0},
+    [MLS_Q5_0] = {22, 32, ISA(simd_q5_0, row_q5_0), 0, ISA(fused_q5_0, 0), 0},
+    [MLS_Q5_1] = {24, 32, ISA(simd_q5_1, row_q5_1), 0, 0, 0},
+    [MLS_Q8_0] = {34, 32, ISA(simd_q8_0, row_q8_0), 0, ISA(fused_q8_0, 0), q8rows_q8_0},
+    [MLS_Q2_K] = {84, 256, row_q2_k, 0, 0, 0},
+    [MLS_Q3_K] = {110, 256, row_q3_k, 0, 0, 0},
+    [MLS_Q4_K] = {144, 256, ISA(simd_q4_k, row_q4_k), 0, ISA(fused_q4_k, 0), 0},
+    [MLS_Q5_K] = {176, 256, ISA(simd_q5_k, row_q5_k), 0, 0, 0},
+    [MLS_Q6_K] = {210, 256, ISA(simd_q6_k, row_q6_k), 0, ISA(fused_q6_k, 0), 0},
+};
+static const mls_type_t FP8_E4M3 = {1, 1, 0, ISA(simd_fp8, row_fp8), 0, 0};
+static const mls_type_t FP4_E2M1 = {1, 2, 0, ISA(simd_e2m1, row_e2m1), 0, 0};
+static const mls_type_t NO_TYPE = {0, 0, 0, 0, 0, 0};
+#undef ISA
+
+static inline const mls_type_t *type_of(int type) {
+    if (type >= 0 && type < MLS_GGML_TYPES) return &GGML_TYPES[type];
+    return type == MLS_FP8_E4M3 ? &FP8_E4M3 : type == MLS_FP4_E2M1 ? &FP4_E2M1 : &NO_TYPE;
+}
+
+/* a ggml type's row decoder, or 0 */
+static inline row_fn ggml_row(int type) { return type_of(type)->decode; }
+
+/* The fused kernel for a type, or 0 (then: decode the row into a buffer, dot it with each x row). */
+static inline fused_fn fused_row(int type) { return type_of(type)->fused; }
+
+/* the int8-activation row kernel for a type, or 0 */
+static inline q8rows_fn q8rows(int type) { return type_of(type)->int8; }
+
+int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t *kernels) {
+    const mls_type_t *t = type_of(type);
+    if (!t->decode && !t->decode_scaled) return -1;
+    *block_bytes = t->block_bytes;
+    *block_values = t->block_values;
+    *kernels = 1 | (t->fused ? 2 : 0) | (t->int8 ? 4 : 0);
+    return 0;
+}

@@ -1,0 +1,445 @@
+/* AVX2 (+ F16C, FMA): the decoders, the fused decode-and-dot kernels and the int8-activation row kernels,
+   8 lanes at a time. Compiled where the build's target has them (MLS_SIMD, common.h); x86/avx512.c
+   widens the fused kernels and reuses the code extraction below. */
+
+#ifdef MLS_SIMD
+/* ---------------------------------------------------------------- AVX2 decoders
+   The same values as the reference decoders (ref/decode.c: same products, same order), 8 lanes at a time. */
+
+/* 8 signed bytes -> 8 floats */
+static inline __m256 i8x8(const __m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* 32 int8 lanes of v -> y[0..31] = float(v) * d */
+static inline void store32_mul(__m256i v, __m256 d, float *y) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_ps(y, _mm256_mul_ps(i8x8(lo), d));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(i8x8(_mm_srli_si128(lo, 8)), d));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(i8x8(hi), d));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(i8x8(_mm_srli_si128(hi, 8)), d));
+}
+
+/* y = d * float(v) + m (Q4_1, Q5_1: "(d * q) + m") */
+static inline void store32_mul_add(__m256i v, __m256 d, __m256 m, float *y) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(d, i8x8(lo)), m));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(_mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8))), m));
+    _mm256_storeu_ps(y + 16, _mm256_add_ps(_mm256_mul_ps(d, i8x8(hi)), m));
+    _mm256_storeu_ps(y + 24, _mm256_add_ps(_mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8))), m));
+}
+
+/* y = dd * float(v) - dm for 32 lanes (K-quants: "(d * sc) * q - dmin * m") */
+static inline void store32_mul_sub(__m256i v, __m256 dd, __m256 dm, float *y) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(lo)), dm));
+    _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(_mm_srli_si128(lo, 8))), dm));
+    _mm256_storeu_ps(y + 16, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(hi)), dm));
+    _mm256_storeu_ps(y + 24, _mm256_sub_ps(_mm256_mul_ps(dd, i8x8(_mm_srli_si128(hi, 8))), dm));
+}
+
+/* 16 packed bytes -> 32 lanes: low nibbles, then high nibbles (the Q4_0/Q4_1/Q5 order) */
+static inline __m256i nibbles32(const uint8_t *q) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+
+/* bit j of a 32-bit word -> 0xFF in byte lane j */
+static inline __m256i bits32(uint32_t x) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+static void simd_q8_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 34, y += 32) {
+        const __m256 d = _mm256_set1_ps(f16(b));
+        for (int j = 0; j < 4; j++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
+            _mm256_storeu_ps(y + 8 * j, _mm256_mul_ps(i8x8(q), d));
+        }
+    }
+}
+
+static void simd_q4_0(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 18, y += 32)
+        store32_mul(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), _mm256_set1_ps(f16(b)), y);
+}
+
+static void simd_q4_1(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 20, y += 32)
+        store32_mul_add(nibbles32(b + 4), _mm256_set1_ps(f16(b)), _mm256_set1_ps(f16(b + 2)), y);
+}
+
+static void simd_q5_0(const uint8_t *b, float *y, int64_t k) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int64_t i = 0; i < k / 32; i++, b += 22, y += 32) {
+        __m256i q = _mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen));
+        store32_mul(_mm256_sub_epi8(q, sixteen), _mm256_set1_ps(f16(b)), y);
+    }
+}
+
+static void simd_q5_1(const uint8_t *b, float *y, int64_t k) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int64_t i = 0; i < k / 32; i++, b += 24, y += 32) {
+        __m256i q = _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(bits32(u32(b + 4)), sixteen));
+        store32_mul_add(q, _mm256_set1_ps(f16(b)), _mm256_set1_ps(f16(b + 2)), y);
+    }
+}
+
+static void simd_q4_k(const uint8_t *b, float *y, int64_t k) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < k / 256; i++, b += 144, y += 256) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            store32_mul_sub(_mm256_and_si256(raw, m4), _mm256_set1_ps(dd[2 * c]), _mm256_set1_ps(dm[2 * c]),
+                            y + 64 * c);
+            store32_mul_sub(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_set1_ps(dd[2 * c + 1]),
+                            _mm256_set1_ps(dm[2 * c + 1]), y + 64 * c + 32);
+        }
+    }
+}
+
+static void simd_q5_k(const uint8_t *b, float *y, int64_t k) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int64_t i = 0; i < k / 256; i++, b += 176, y += 256) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h;
+                __m256i lo = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
+                __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+                store32_mul_sub(q, _mm256_set1_ps(dd[j]), _mm256_set1_ps(dm[j]), y + 32 * j);
+            }
+        }
+    }
+}
+
+/* 8 lanes of 16 int8 values (lane offset 0 or 8 of a 128-bit half) times one scale */
+static inline void store16_mul(__m128i v, float s, float *y) {
+    const __m256 d = _mm256_set1_ps(s);
+    _mm256_storeu_ps(y, _mm256_mul_ps(d, i8x8(v)));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8(_mm_srli_si128(v, 8))));
+}
+
+/* Q6_K: the 32 codes (q - 32, as int8) of group g (0..3) of a 128-value half from its 64 low-nibble
+   bytes (ql0, ql1) and 32 high-bit bytes (qh) */
+static inline __m256i q6k_codes(__m256i ql0, __m256i ql1, __m256i qh, int g) {
+    const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0),
+                                        _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+static void simd_q6_k(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 256; i++, b += 210, y += 256) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                const __m256i q = q6k_codes(ql0, ql1, qh, g);
+                const int t = 128 * h + 32 * g;
+                store16_mul(_mm256_castsi256_si128(q), d * (float)sc[t >> 4], y + t);
+                store16_mul(_mm256_extracti128_si256(q, 1), d * (float)sc[(t >> 4) + 1], y + t + 16);
+            }
+        }
+    }
+}
+
+/* e2m1 codes, 32 (16 bytes) at a time within one scale group: the magnitude from a byte table of
+   2 * |value| (exact small integers), halved (exact), the code's sign bit set on the float (so -0.0
+   stays -0.0), times the group's scale: the reference's value * scale, one rounding. */
+static void simd_e2m1(const uint8_t *q, const float *srow, int64_t group, float *y, int64_t k) {
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12);
+    const __m128i m4 = _mm_set1_epi8(0x0F), m8 = _mm_set1_epi8(0x08);
+    const __m256 half = _mm256_set1_ps(0.5f);
+    int64_t c = 0;
+    for (; c + 32 <= k && (c % group) + 32 <= group; c += 32) {
+        const __m256 s = _mm256_set1_ps(srow[c / group]);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + c / 2));
+        const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        const __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)}; /* value order */
+        for (int h = 0; h < 2; h++) {
+            const __m128i mag = _mm_shuffle_epi8(table, codes[h]);
+            const __m128i sgn = _mm_and_si128(codes[h], m8);
+            for (int p = 0; p < 2; p++) {
+                const __m128i m8b = p ? _mm_srli_si128(mag, 8) : mag, s8b = p ? _mm_srli_si128(sgn, 8) : sgn;
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8b)), half);
+                v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(s8b), 28)));
+                _mm256_storeu_ps(y + c + 16 * h + 8 * p, _mm256_mul_ps(v, s));
+            }
+        }
+    }
+    for (; c < k; c += 2) { /* a group narrower than 32 or a tail: the scalar decoder's arithmetic */
+        const uint8_t b = q[c / 2];
+        y[c] = E2M1[b & 15] * srow[c / group];
+        y[c + 1] = E2M1[b >> 4] * srow[(c + 1) / group];
+    }
+}
+
+/* e4m3 -> fp16 bits of Q * 2^-8 (quant/fp8_block.py explains the trick), 8 at a time */
+static void simd_fp8(const uint8_t *q, const float *srow, int64_t bk, float *y, int64_t k) {
+    const __m128i mask = _mm_set1_epi16((short)0xBF80);
+    for (int64_t c0 = 0, blk = 0; c0 < k; c0 += bk, blk++) {
+        const float s = srow[blk] * 256.0f;
+        const __m256 vs = _mm256_set1_ps(s);
+        const int64_t c1 = c0 + bk < k ? c0 + bk : k;
+        int64_t c = c0;
+        for (; c + 8 <= c1; c += 8) {
+            __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(q + c)));
+            h = _mm_and_si128(_mm_slli_epi16(h, 7), mask);
+            _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_cvtph_ps(h), vs));
+        }
+        for (; c < c1; c++) y[c] = E4M3[q[c]] * srow[blk];
+    }
+}
+
+/* ---------------------------------------------------------------- fused decode-and-dot (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
+   For the commonest decode types the row is not decoded into a buffer: each block's codes are
+   converted to float once, multiplied into up to FUSED_ROWS activation rows, and the block scale
+   is applied to the block's partial sum: y += d * sum_j(q_j * x_j) instead of sum_j((d * q_j) * x_j).
+   That is a different rounding of the same exact sum, inside the same fp32 bound as any summation
+   order (|y - y_exact| <= (K + 2) u sum_j |d q_j x_j|); about half the instructions per weight. */
+#define FUSED_ROWS 4
+
+static inline float hsum8(__m256 a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* acc[i] += d * (w0 x[i, 0:8] + w1 x[i, 8:16] + w2 x[i, 16:24] + w3 x[i, 24:32]) for i < mr */
+#define FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb, ldx)                                    \
+    for (int i = 0; i < (mr); i++) {                                                         \
+        const float *xi = (xb) + i * (ldx);                                                  \
+        __m256 s = _mm256_mul_ps((w0), _mm256_loadu_ps(xi));                                 \
+        s = _mm256_fmadd_ps((w1), _mm256_loadu_ps(xi + 8), s);                               \
+        s = _mm256_fmadd_ps((w2), _mm256_loadu_ps(xi + 16), s);                              \
+        s = _mm256_fmadd_ps((w3), _mm256_loadu_ps(xi + 24), s);                              \
+        (acc)[i] = _mm256_fmadd_ps((d), s, (acc)[i]);                                        \
+    }
+
+/* The blocks whose value is d * code with 32 exact integer codes: Q8_0 (the bytes), Q4_0 (nibble - 8), Q5_0
+   (nibble with the fifth bit from qh, - 16). d comes out of the block's sum exactly. */
+static inline __m256i q5_0_codes(const uint8_t *b) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen)), sixteen);
+}
+
+/* A block's 32 codes as 16-value halves (g[0]: values 0..15, g[1]: 16..31), with the loads and shuffles each type
+   needs and no more (a 256-bit load split again costs a shuffle per half: measured 8-13% at one row) */
+static inline void block_codes16(const uint8_t *b, const int type, __m128i g[2]) {
+    if (type == 8) {
+        g[0] = _mm_loadu_si128((const __m128i *)(b + 2));
+        g[1] = _mm_loadu_si128((const __m128i *)(b + 18));
+    } else if (type == 2) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+        g[0] = _mm_sub_epi8(_mm_and_si128(raw, m4), eight);
+        g[1] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), eight);
+    } else {
+        const __m256i q = q5_0_codes(b);
+        g[0] = _mm256_castsi256_si128(q);
+        g[1] = _mm256_extracti128_si256(q, 1);
+    }
+}
+
+/* the same as four 8-value groups, each in the low 8 bytes of g[j] (Q8_0 loads them straight from the block) */
+static inline void block_codes8(const uint8_t *b, const int type, __m128i g[4]) {
+    if (type == 8) {
+        for (int j = 0; j < 4; j++) g[j] = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j));
+        return;
+    }
+    __m128i h[2];
+    block_codes16(b, type, h);
+    g[0] = h[0], g[1] = _mm_srli_si128(h[0], 8), g[2] = h[1], g[3] = _mm_srli_si128(h[1], 8);
+}
+
+static inline int64_t block_bytes(const int type) { return type == 8 ? 34 : type == 2 ? 18 : 22; }
+
+/* one kernel for the three types (type is a constant where it is inlined, so each is specialised) */
+static inline __attribute__((always_inline)) void fused_codes_mr(const uint8_t *b, const int type, const float *x,
+                                                                 int64_t ldx, const int mr, int64_t k, float *y,
+                                                                 int64_t ldy) {
+    __m256 acc[8]; /* the row-chunk switch below names chunks up to 7 rows */
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
+        const __m256 d = _mm256_set1_ps(f16(b));
+        __m128i g[4];
+        block_codes8(b, type, g);
+        const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
+        FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 32, ldx)
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* name(b, x, ldx, mr, k, y, ldy): the codes kernel of one type, in the shape FUSED_ROW_FN takes */
+#define CODES_MR(name, kernel, type)                                                                          \
+    static inline __attribute__((always_inline)) void name(const uint8_t *b, const float *x, int64_t ldx,     \
+                                                           const int mr, int64_t k, float *y, int64_t ldy) { \
+        kernel(b, (type), x, ldx, mr, k, y, ldy);                                                             \
+    }
+CODES_MR(fused_q8_0_mr, fused_codes_mr, 8)
+CODES_MR(fused_q4_0_mr, fused_codes_mr, 2)
+CODES_MR(fused_q5_0_mr, fused_codes_mr, 6)
+
+/* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
+   rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
+   stay in registers. */
+#define FUSED_ROW_FN(name, kernel, bytes, chunk)                                                      \
+    static void name(const uint8_t *b, const float *x, int64_t ldx, int64_t m, int64_t k, float *y,      \
+                     int64_t ldy) {                                                                   \
+        int64_t i = 0;                                                                                \
+        prefetch_row(b, (bytes));                                                                     \
+        for (; i + (chunk) <= m; i += (chunk)) kernel(b, x + i * ldx, ldx, (chunk), k, y + i * ldy, ldy); \
+        switch (m - i) {                                                                              \
+        case 7: kernel(b, x + i * ldx, ldx, 7, k, y + i * ldy, ldy); break;                           \
+        case 6: kernel(b, x + i * ldx, ldx, 6, k, y + i * ldy, ldy); break;                           \
+        case 5: kernel(b, x + i * ldx, ldx, 5, k, y + i * ldy, ldy); break;                           \
+        case 4: kernel(b, x + i * ldx, ldx, 4, k, y + i * ldy, ldy); break;                           \
+        case 3: kernel(b, x + i * ldx, ldx, 3, k, y + i * ldy, ldy); break;                           \
+        case 2: kernel(b, x + i * ldx, ldx, 2, k, y + i * ldy, ldy); break;                           \
+        case 1: kernel(b, x + i * ldx, ldx, 1, k, y + i * ldy, ldy); break;                           \
+        default: break;                                                                               \
+        }                                                                                             \
+    }
+/* Q6_K: super-blocks of 256 values, 16-value groups with their own int8 scale: d * sc is applied to
+   each 16-value partial sum (the reference decodes (d * sc) * q). */
+static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8]; /* the row-chunk switch below names chunks up to 7 rows */
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                const __m256i q = q6k_codes(ql0, ql1, qh, g);
+                const int t = 128 * h + 32 * g;
+                const __m128i qa = _mm256_castsi256_si128(q), qb = _mm256_extracti128_si256(q, 1);
+                const __m256 w0 = i8x8(qa), w1 = i8x8(_mm_srli_si128(qa, 8));
+                const __m256 w2 = i8x8(qb), w3 = i8x8(_mm_srli_si128(qb, 8));
+                const __m256 s0 = _mm256_set1_ps(d * (float)sc[t >> 4]), s1 = _mm256_set1_ps(d * (float)sc[(t >> 4) + 1]);
+                for (int i = 0; i < mr; i++) {
+                    const float *xi = x + i * ldx + blk * 256 + t;
+                    __m256 p0 = _mm256_mul_ps(w0, _mm256_loadu_ps(xi));
+                    p0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), p0);
+                    __m256 p1 = _mm256_mul_ps(w2, _mm256_loadu_ps(xi + 16));
+                    p1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), p1);
+                    acc[i] = _mm256_fmadd_ps(s1, p1, _mm256_fmadd_ps(s0, p0, acc[i]));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* Q4_K: super-blocks of 256 values in 8 groups of 32, each with a 6-bit scale and min (k_scale_min). The min
+   does not factor out of a group's sum without cancellation, so each value is decoded in registers exactly as
+   simd_q4_k decodes it (dd * q - dm, the reference's operations) and multiplied into the rows: no row buffer
+   written and read back, the same values, only the summation order differs. */
+static inline __attribute__((always_inline)) void fused_q4_k_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 144) {
+        float dd[8], dm[8];
+        k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = h ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
+                const __m256 dv = _mm256_set1_ps(dd[2 * c + h]), mv = _mm256_set1_ps(dm[2 * c + h]);
+                const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+                const __m256 w0 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(lo)), mv);
+                const __m256 w1 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(_mm_srli_si128(lo, 8))), mv);
+                const __m256 w2 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(hi)), mv);
+                const __m256 w3 = _mm256_sub_ps(_mm256_mul_ps(dv, i8x8(_mm_srli_si128(hi, 8))), mv);
+                const float *xb = x + blk * 256 + 64 * c + 32 * h;
+                for (int i = 0; i < mr; i++) { /* a group's partial sum, then one add: a short chain per row */
+                    const float *xi = xb + i * ldx;
+                    __m256 a = _mm256_mul_ps(w0, _mm256_loadu_ps(xi));
+                    a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xi + 8), a);
+                    a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xi + 16), a);
+                    acc[i] = _mm256_add_ps(acc[i], _mm256_fmadd_ps(w3, _mm256_loadu_ps(xi + 24), a));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+#ifndef MLS_AVX512 /* otherwise x86/avx512.c instantiates these names with its 16-lane kernels */
+FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr, k / 32 * 34, FUSED_ROWS)
+FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr, k / 32 * 18, FUSED_ROWS)
+FUSED_ROW_FN(fused_q5_0, fused_q5_0_mr, k / 32 * 22, FUSED_ROWS)
+FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
+FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
+#endif
+
+/* ---------------------------------------------------------------- int8 activations (int8.c): the row kernels
+   One weight row (raw blocks b) times m quantized activation rows (xq [m, k] int8, xd [m, k / 32]) ->
+   y[i * ldy]; each weight block is unpacked once per chunk of up to 4 rows. */
+/* 8 float partial sums of the int8 products of a weight block (as |w| and its signs) with x (x in
+   [-127, 127]: |w| x pairs stay inside maddubs' int16 range) */
+static inline __m256 i8dot32(__m256i aw, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* VNNI: the same int32 sums of four u8 x s8 products in one instruction (maddubs cannot saturate here:
+       |w| <= 128 and |x| <= 127, so the pairs' sums stay below 2^15), hence the same results */
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w)));
+#elif defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w)));
+#else
+    const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, int type, const int8_t *xq,
+                                                            const float *xd, const int mr, int64_t k, float *y,
+                                                            int64_t ldy) {
+    __m256 acc[4];
+    const int64_t kb = k / 32, bytes = type == 8 ? 34 : 18;
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < kb; blk++, b += bytes) {
+        const __m256i w = type == 8 ? _mm256_loadu_si256((const __m256i *)(b + 2))
+                                    : _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        const float dw = f16(b);
+        for (int i = 0; i < mr; i++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 32));
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * kb + blk]), i8dot32(aw, w, x), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+#define Q8ROWS_FN(name, type)                                                                              \
+    static void name(const uint8_t *b, const int8_t *xq, const float *xd, int64_t m, int64_t k, float *y,    \
+                     int64_t ldy) {                                                                        \
+        const int64_t kb = k / 32;                                                                         \
+        int64_t i = 0;                                                                                     \
+        prefetch_row(b, kb * (type == 8 ? 34 : 18));                                                       \
+        for (; i + 4 <= m; i += 4) q8rows_mr(b, type, xq + i * k, xd + i * kb, 4, k, y + i * ldy, ldy);    \
+        switch (m - i) {                                                                                   \
+        case 3: q8rows_mr(b, type, xq + i * k, xd + i * kb, 3, k, y + i * ldy, ldy); break;                \
+        case 2: q8rows_mr(b, type, xq + i * k, xd + i * kb, 2, k, y + i * ldy, ldy); break;                \
+        case 1: q8rows_mr(b, type, xq + i * k, xd + i * kb, 1, k, y + i * ldy, ldy); break;                \
+        default: break;                                                                                    \
+        }                                                                                                  \
+    }
+Q8ROWS_FN(q8rows_q8_0, 8)
+Q8ROWS_FN(q8rows_q4_0, 2)
+#endif
