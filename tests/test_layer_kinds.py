@@ -123,3 +123,14 @@ def test_describe_groups_layers_by_kind():
     assert describe((replace(layers[1], indexer=None, attention="mla"),), 4) == [
         "layers 1: mla; cache: latent [576] (2304 bytes/token)"
     ]
+
+
+def test_the_family_declares_the_kind(hf_model_dir, monkeypatch):
+    """config/families/<family>.py's layer_kinds is what a DSA layer is; a kind the engine lacks is refused."""
+    from mlaserve.config import families
+
+    cfg = LLM(str(hf_model_dir("glm_dsa")[0])).config.model
+    assert cfg.family.layer_kinds == "mla_dsa" and {k.attention for k in declare_layers(cfg, True)} == {"mla_dsa"}
+    monkeypatch.setitem(families._BY_TYPE, "glm_moe_dsa", cfg.family.derive("glm_moe_dsa", layer_kinds="swa_csa"))
+    with pytest.raises(ConfigError, match="layer kind 'swa_csa' is not one this engine runs"):
+        declare_layers(cfg, True)

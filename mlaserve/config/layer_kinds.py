@@ -76,7 +76,16 @@ def indexer_role(model: ModelConfig, i: int) -> str | None:
 
 
 def attention_kind(model: ModelConfig, i: int) -> str:
-    return "mla" if indexer_role(model, i) is None else "mla_dsa"
+    """The family declares the kind of its layers (config/families: `layer_kinds`); a layer without an
+    indexer role (an MTP block without indexer weights) is plain MLA."""
+    declared = model.family.layer_kinds
+    if declared not in ATTENTION_KINDS:
+        raise ConfigError(f"{model.model_type}: layer kind {declared!r} is not one this engine runs: {ATTENTION_KINDS}")
+    if indexer_role(model, i) is None:
+        return "mla"
+    if declared != "mla_dsa":
+        raise ConfigError(f"{model.model_type}: layer {i} has a DSA indexer but the family declares {declared!r}")
+    return declared
 
 
 def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:

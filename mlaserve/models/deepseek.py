@@ -126,7 +126,7 @@ class MLAAttention(nn.Module):
         cfg = self.cfg
         if self.kernel == "native" and _native_fits(q, kv, cache, step):
             # one C call instead of ~20 ops per layer (norm, split, cat, rope, cast, index_copy_);
-            # the rope is bit-identical, the norm equal up to its sum's rounding (kernels/blocks.c)
+            # the rope is bit-identical, the norm equal up to its sum's rounding (kernels/csrc/glue.c)
             norm = self.kv_a_layernorm
             native_layers.latent_rope_write(
                 kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, cache,

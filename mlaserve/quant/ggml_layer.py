@@ -1,4 +1,4 @@
-"""A decoder layer of ggml-block holders run as one native call per decode step (blocks.c mls_decode_layer).
+"""A decoder layer of ggml-block holders run as one native call per decode step (kernels/csrc/decode_layer.c mls_decode_layer).
 
 Notation: T tokens of a pure-decode step (T requests, one query each), D hidden, H heads, r kv_lora_rank,
 dn / dr / dv the nope / rope / v head dims, S the rows of a layer's latent cache.

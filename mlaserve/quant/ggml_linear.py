@@ -238,14 +238,14 @@ def native_rows(m: nn.Module, int8: bool = False) -> bool:
 
 
 def rows_args(m: nn.Module) -> native_layers.LinArgs:
-    """blocks.c mls_lin_t of a native_rows layer (ggml type 0: F32 rows of 4 K bytes)."""
+    """mls_lin_t (kernels/csrc/mls.h) of a native_rows layer (ggml type 0: F32 rows of 4 K bytes)."""
     if isinstance(m, GGUFLinear):
         return native_layers.LinArgs(m.ggml_type, m.weight.data_ptr(), m.out_features, m.in_features, m.weight.shape[1])
     return native_layers.LinArgs(0, m.weight.data_ptr(), m.out_features, m.in_features, 4 * m.in_features)
 
 
 class GGUFMoEBlock:
-    """A MoE layer's decode step in one native call (blocks.c mls_moe_block): the gate's logits, the router,
+    """A MoE layer's decode step in one native call (kernels/csrc/moe/block.c mls_moe_block): the gate's logits, the router,
     the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
     tensor ops. Attached by the loader (attach_moe_blocks) where every expert weight is a ggml-block holder run
     by the native kernels (int8 activations where the per-op path has them); MoE.forward uses it for steps of up to BLOCK_TOKENS fp32

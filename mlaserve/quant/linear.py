@@ -57,7 +57,7 @@ class FP8Linear(nn.Module):
             scheme.scale_name, _frozen(scheme.scale_shape(out_features, in_features), torch.float32, device)
         )
         self.bias = _frozen((out_features,), dtype, device) if bias else None
-        self.kernel = "torch"  # "native": blocks.c decodes each row and dots it (set by the loader)
+        self.kernel = "torch"  # "native": the C kernels decode each row and dot it (set by the KernelPlan)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -146,7 +146,7 @@ class FP8Experts(Experts):
         return run(x.float(), topk_w, local, gate_up, down).to(x.dtype)
 
     def _native(self, x, topk_w, topk_idx, active) -> torch.Tensor:
-        """Few tokens per expert (decode): blocks.c decodes each routed expert's rows once and dots
+        """Few tokens per expert (decode): the C kernels decode each routed expert's rows once and dot
         them with that expert's tokens; no dense copy of any expert is made."""
         k = topk_idx.shape[1]
         flat = torch.searchsorted(active, topk_idx).reshape(-1)
@@ -162,7 +162,7 @@ class FP8Experts(Experts):
         return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token_of, ys).to(x.dtype)
 
     def _native_operands(self) -> tuple[int, tuple, tuple]:
-        """-> (blocks.c type, (gate_up bytes [E, 2I, R], K, grid), (down bytes [E, D, R'], K', grid))."""
+        """-> (the C kernels' type id, (gate_up bytes [E, 2I, R], K, grid), (down bytes [E, D, R'], K', grid))."""
         i, d = self.down_proj.shape[2], self.down_proj.shape[1]
         return (
             native.FP8_E4M3,
@@ -171,7 +171,7 @@ class FP8Experts(Experts):
         )
 
     def _native_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same values as the torch dequantizer (bit for bit), decoded by blocks.c: the listed
+        """The same values as the torch dequantizer (bit for bit), decoded by the C kernels (kernels/csrc): the listed
         experts' rows flattened, their scale grids gathered alongside (parts continue in order)."""
         t, gate_up, down = self._native_operands()
 
@@ -222,7 +222,7 @@ class FP4Experts(FP8Experts):
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
         self.impl, self.scheme, self.variant, self.kernel = "grouped_mm", scheme, scheme.expert_dtype, "torch"
-        if self.variant != "fp4":  # e8m0 / e4m3-over-global scales: blocks.c reads fp32 scales only
+        if self.variant != "fp4":  # e8m0 / e4m3-over-global scales: the C kernels read fp32 scales only
             self.KERNELS = ("torch",)
         self.group = 16 if self.variant == "nvfp4" else fp4_group.GROUP
         codes = torch.int8 if self.variant == "fp4" else torch.uint8

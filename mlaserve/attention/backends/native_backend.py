@@ -1,5 +1,5 @@
 """The `native` attention backend: the torch backend, with the absorbed path's latent MQA (scores,
-softmax, P c over the cache rows) in one C call (kernels/blocks.c mls_latent_mqa) that reads each
+softmax, P c over the cache rows) in one C call (kernels/csrc/attention.c mls_latent_mqa) that reads each
 query's rows where the paged cache holds them, instead of gathering a copy and running ~15 tensor
 ops per layer. For fp32 caches on the CPU (the engine picks it with the native kernels and fp32);
 every other product is the torch backend's. Tested against `reference` like every backend

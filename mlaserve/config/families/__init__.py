@@ -5,7 +5,7 @@ entry in FAMILIES, and its tests.
 For later families: a deepseek_v3 checkpoint under another name (sarvam_mla) is an alias; a
 multimodal wrapper whose text part is a known type (kimi_k25) reads that part; families with other
 layer kinds (DeepSeek-V4's compressed attention, linear-attention layers) declare them in
-`layer_kinds` once config/layer_kinds.py knows them.
+`layer_kinds` once config/layer_kinds.py knows them (`attention_kind` refuses a kind it does not).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=frozen_map)
     aliases: tuple[str, ...] = ()  # other model_type values read as this family (kimi_k2)
     base: Family | None = None  # the family this one is a delta on
-    # The attention/cache kind every layer declares (config/layer_kinds.py gives it meaning).
+    # The attention kind of its layers that have an indexer role, else "mla" (config/layer_kinds.py: attention_kind).
     layer_kinds: str = "mla"
 
     # --- config.json rules (config/model.py) ---------------------------------------------
