@@ -214,6 +214,14 @@ class _HFAdapter:
             raise ConfigError(
                 f"{self.source}: q_lora_rank must be set for {self.family.name} (its indexer reads the query latent)"
             )
+        act = self.raw.get("hidden_act")
+        self.log.record(
+            "hidden_act",
+            act or "silu",
+            self.field_sources.get("hidden_act", f"{self.source}:hidden_act")
+            if act
+            else "class default (silu; 'hidden_act' absent)",
+        )
         self.log.record(
             "latent_norm_eps",
             LATENT_NORM_EPS,
@@ -268,13 +276,13 @@ class _HFAdapter:
             theta=num("rope_theta", 10000.0, zero_absent=False),
             interleaved=interleaved,
             rope_type=rope_type,
-            factor=num("factor", 1.0),
+            factor=num("factor", 1.0, zero_absent=rope_type != "yarn"),  # yarn: 0 is an error, not 1
             original_max_position_embeddings=int(num("original_max_position_embeddings", 0)),
             beta_fast=num("beta_fast", 32.0),
             beta_slow=num("beta_slow", 1.0),
             mscale=num("mscale", 0.0),
             mscale_all_dim=num("mscale_all_dim", 0.0),
-            truncate=bool(params.get("truncate", True)),
+            truncate=_flag(params.get("truncate"), True, f"{self.source}: {where}.truncate"),
         )
         if rope_type == "yarn" and not rope.original_max_position_embeddings:
             raise ConfigError(f"{self.source}: {where}.original_max_position_embeddings is required for yarn")
@@ -303,7 +311,9 @@ class _HFAdapter:
             out = ("dense",) * first + ("moe",) * (num_layers - first)
             dense = "first layer dense" if first == 1 else f"first {first} layers dense"
             return self.log.record("mlp_layer_types", out, f"class default ({self.family.name}: {dense})")
-        n_dense = min(int(self.get("first_k_dense_replace")), num_layers)
+        n_dense = int(self.get("first_k_dense_replace"))
+        if n_dense > num_layers:
+            raise ConfigError(f"{self.source}: first_k_dense_replace={n_dense} exceeds num_hidden_layers={num_layers}")
         out = ("dense",) * n_dense + ("moe",) * (num_layers - n_dense)
         return self.log.record("mlp_layer_types", out, "derived from first_k_dense_replace")
 
@@ -388,17 +398,36 @@ _INT_FIELDS = {
     "first_k_dense_replace": 0,
     "n_group": 1,
     "topk_group": 1,
-    "max_position_embeddings": 1,
+    "max_position_embeddings": 2,  # a prompt of one token and one more
     "num_nextn_predict_layers": 0,
     "index_topk": 1,
     "index_head_dim": 1,
     "index_n_heads": 1,
 }
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+# JSON booleans: a string ("false") or a number is an error naming the key, never read as truthy.
+_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "rope_interleave")
+# Fields with a vocabulary: a value outside it is an error naming the key (None: absent, the default).
+_CHOICE_FIELDS = {
+    "topk_method": ("greedy", "group_limited_greedy", "noaux_tc"),
+    "scoring_func": ("softmax", "sigmoid"),
+    # every supported family runs SwiGLU with SiLU ("swish" is transformers' other name for it); the
+    # native kernels and the grouped experts apply SiLU, so another activation is refused, not run as SiLU
+    "hidden_act": ("silu", "swish"),
+}
 
 
 def _check_sizes(raw: dict[str, Any], source: str) -> None:
-    """Integer fields are ints >= their minimum, float fields numbers: an error names the key."""
+    """Integer fields are ints >= their minimum, float fields numbers, booleans JSON booleans, fields with a
+    vocabulary one of its values: an error names the key."""
+    for key in _BOOL_FIELDS:
+        value = raw.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {value!r} ({type(value).__name__})")
+    for key, allowed in _CHOICE_FIELDS.items():
+        value = raw.get(key)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{source}: {key} {value!r} is not supported; one of {allowed}")
     for key, least in _INT_FIELDS.items():
         value = raw.get(key)
         if value is None:
@@ -433,6 +462,12 @@ def check_model_config(cfg: ModelConfig, source: str, field_sources: dict[str, s
             raise ConfigError(f"{source}: {key} {value!r} is outside the vocabulary [0, {cfg.vocab_size})")
     if cfg.moe is not None:
         _check_moe(cfg.moe, source, origin)
+    elif "moe" in cfg.mlp_layer_types:
+        layers = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "moe"]
+        raise ConfigError(
+            f"{source}: layers {layers} are MoE layers (mlp_layer_types / first_k_dense_replace) but "
+            "n_routed_experts is 0 or absent: set the experts or make the layers dense"
+        )
 
 
 def _check_moe(moe: MoEConfig, source: str, origin: dict[str, str]) -> None:
@@ -458,6 +493,14 @@ def _positive_finite(source: str, key: str, value: float, origin: dict[str, str]
     if not (math.isfinite(value) and value > 0):
         came = f" (from {origin[key]})" if key in origin else ""
         raise ConfigError(f"{source}: {key} must be a finite number > 0, got {value}{came}")
+
+
+def _flag(value: Any, default: bool, where: str) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def _number(value: Any, default: float, where: str, zero_absent: bool = True) -> float:

@@ -70,6 +70,13 @@ class _Meta:
         return value
 
 
+def _bool(x: Any) -> bool:
+    """A GGUF bool (or the 0 / 1 some writers store); a string such as "false" is an error, not True."""
+    if isinstance(x, bool) or (_is_int(x) and x in (0, 1)):
+        return bool(x)
+    raise ValueError(f"must be a bool, got {x!r} ({type(x).__name__})")
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -159,7 +166,7 @@ def _moe_fields(m: _Meta, cfg: dict) -> None:
     cfg["n_group"] = m.opt("n_group", "expert_group_count", None, note=" -> no group-limited routing")
     cfg["topk_group"] = m.opt("topk_group", "expert_group_used_count", None, note=" -> no group-limited routing")
     cfg["routed_scaling_factor"] = m.opt("routed_scaling_factor", "expert_weights_scale", 1.0, _decimal)
-    cfg["norm_topk_prob"] = m.opt("norm_topk_prob", "expert_weights_norm", False, bool)
+    cfg["norm_topk_prob"] = m.opt("norm_topk_prob", "expert_weights_norm", False, _bool)
     _gating(m, cfg)
 
 
