@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import fixture_dir
+from conftest import compare_logits, fixture_dir, fp32_logits_tol
 from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
@@ -95,9 +95,10 @@ def _expected(model: str) -> dict:
     return load_file(str(fixture_dir(model) / "expected.safetensors"))
 
 
-def _assert_logits(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-4) -> None:
-    diff = (got - ref).abs().max().item()
-    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+def _assert_logits(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float | None = None) -> None:
+    """Within fp32 rounding of the reference's own scale (conftest.fp32_logits_tol) unless `tol` says otherwise."""
+    tol = fp32_logits_tol(ref) if tol is None else tol
+    diff, top1 = compare_logits(got, ref)
     assert diff <= tol and top1 == 1.0, f"{what}: max|diff| {diff:.3g}, top-1 {100 * top1:.1f}%"
 
 
@@ -443,4 +444,6 @@ def test_llama_cpp_loads_our_file(converted, model):
     llm = llama_cpp.Llama(str(converted(model, "f32")), kv_overrides=overrides, **kw)
     llm.eval(ids)
     got = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
+    # not measured here (llama_cpp is an optional dependency): llama.cpp's own rounding differs from the fixture's
+    # run only by its thread split, kept at the earlier bound until measured
     _assert_logits(got, exp["llamacpp_logits_f32"], f"llama.cpp on our {model} f32", tol=1e-4)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import FP32_LOGITS_TOL, compare_logits
 from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
@@ -51,19 +52,15 @@ def pair(request, hf_model_dir):
     assert _no_children(before)
 
 
-def _compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    return (got - ref).abs().max().item(), (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-
-
 def test_prompt_logits_tp2_equal_tp1_and_transformers(pair):
     """60 tokens in chunks of 24 (chunked prefill; past index_topk=16 on the DSA model)."""
     kind, ref_model, one, two = pair
     ids = random_ids(60)
     ref, a, b = hf_logits(ref_model, ids), one.prompt_logits(ids), two.prompt_logits(ids)
-    diff, top1 = _compare(b, a)
+    diff, top1 = compare_logits(b, a)
     assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
-    diff, top1 = _compare(b, ref)
-    assert diff <= 1e-4 and top1 == 1.0, (kind, diff, top1)
+    diff, top1 = compare_logits(b, ref)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (kind, diff, top1)
 
 
 def _mixed_steps(llm: LLM, a: list[int], b: list[int]) -> list[torch.Tensor]:
@@ -86,11 +83,11 @@ def test_mixed_decode_prefill_step_equals_tp1_and_transformers(pair):
     two_ledger = [r for r in two.runner.tracer.records if r["num_tokens"] == 1 + len(b)]
     assert two_ledger and two_ledger[-1]["num_decode_tokens"] == 1  # the step really mixed both phases
     for g, o in zip(got, base):
-        diff, top1 = _compare(g, o)
+        diff, top1 = compare_logits(g, o)
         assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
     ref = torch.cat([hf_logits(ref_model, a), hf_logits(ref_model, b)])
-    diff, top1 = _compare(torch.cat([got[0], got[1]]), ref)
-    assert diff <= 1e-4 and top1 == 1.0, (kind, diff, top1)
+    diff, top1 = compare_logits(torch.cat([got[0], got[1]]), ref)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (kind, diff, top1)
 
 
 def test_greedy_generation_identical_and_ledger_has_every_rank(pair):
@@ -226,8 +223,8 @@ def test_gguf_tp2_equals_dequantized_reference_and_q8_0_blocks_that_do_not_split
     before = frozenset(mp.active_children())
     with LLM(str(folder / "model-f16.gguf"), tensor_parallel_size=2, max_num_batched_tokens=40) as llm:
         got = llm.prompt_logits(exp["input_ids"].tolist())
-    diff, top1 = _compare(got, exp["hf_dequant_logits_f16"])
-    assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
+    diff, top1 = compare_logits(got, exp["hf_dequant_logits_f16"])
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
     with pytest.raises(
         WeightError, match=r"down_proj.weight' do not fall on the 32-value blocks.*tensor_parallel_size=2"
     ):
@@ -337,7 +334,7 @@ def test_two_nodes_in_network_namespaces_equal_one_process(hf_model_dir, tmp_pat
     finally:
         for n in ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
-    diff, top1 = _compare(torch.load(out), want)
+    diff, top1 = compare_logits(torch.load(out), want)
     assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
 
 
