@@ -8,7 +8,6 @@ running on the FP8 folder (fp32 compute, <= FP32_LOGITS_TOL, 100% top-1).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
@@ -451,11 +450,20 @@ def test_fp4_experts_engine_equals_transformers(fp8_folder, tmp_path, scale_fmt)
     got = llm.prompt_logits(ids)
     diff, top1 = compare_logits(got, hf_logits(_hf_from(dequantized_folder(folder, tmp_path / "deq")), ids))
     assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
-    # transformers dequantizes the FP4 folder at load on a CPU-only machine; with a GPU present it
-    # takes its CUDA kernels (the `kernels` package) instead
-    if importlib.util.find_spec("accelerate") is not None and not torch.cuda.is_available():
-        diff, top1 = compare_logits(got, hf_logits(_hf_from(folder), ids))
-        assert diff <= FP32_LOGITS_TOL and top1 == 1.0, ("transformers on the FP4 folder", diff, top1)
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_transformers_loads_the_fp4_folder_on_cpu(fp8_folder, scale_fmt):
+    """transformers dequantizes the FP4 folder at load on a CPU-only machine (it needs accelerate); the engine,
+    keeping e2m1, agrees with it. With a GPU present it takes its CUDA kernels (the `kernels` package) instead."""
+    pytest.importorskip("accelerate")
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU present transformers runs FP4 through its CUDA kernels (the `kernels` package)")
+    folder = fp8_folder("v3_yarn", "fp8", (16, 16), "fp4", scale_fmt)
+    ids = random_ids(40)
+    got = LLM(str(folder), max_num_batched_tokens=24).prompt_logits(ids)
+    diff, top1 = compare_logits(got, hf_logits(_hf_from(folder), ids))
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, ("transformers on the FP4 folder", diff, top1)
 
 
 def test_ue8m0_scales_stored_as_fp32(broken, tmp_path):
@@ -559,7 +567,7 @@ def test_check_tensors_scans_fp8_weights(broken):
 
 
 @pytest.mark.parametrize("kind, experts", [("v3_yarn", "fp8"), ("v32", "fp8"), ("v3_yarn", "fp4")])
-def test_native_kernels_equal_torch_kernels_in_the_engine(fp8_folder, kind, experts):
+def test_native_kernels_equal_torch_kernels_in_the_engine(fp8_folder, tmp_path, kind, experts):
     """Chunks of 8 tokens take the native decode-and-dot kernel (<= GEMV_ROWS rows), decodes too;
     FP4 (e2m1) routed experts with fp32 group scales as well."""
     from mlaserve.kernels import native
@@ -569,6 +577,15 @@ def test_native_kernels_equal_torch_kernels_in_the_engine(fp8_folder, kind, expe
     folder = fp8_folder(kind, *FAMILIES[kind], experts)
     ids = random_ids(40)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # experts 0 and 3 of layer 1 as this file's own dequantizer gives them (gate_up = gate rows, then up rows)
+    deq = load_file(str(dequantized_folder(folder, tmp_path / "deq") / "model.safetensors"))
+    some, pre = torch.tensor([0, 3]), "model.layers.1.mlp.experts"
+    want = (
+        torch.stack(
+            [torch.cat([deq[f"{pre}.{e}.gate_proj.weight"], deq[f"{pre}.{e}.up_proj.weight"]]) for e in (0, 3)]
+        ),
+        torch.stack([deq[f"{pre}.{e}.down_proj.weight"] for e in (0, 3)]),
+    )
     runs = {}
     for kernel in ("native", "torch"):
         llm = LLM(str(folder), kernels=kernel, device="cpu", max_num_batched_tokens=8, page_size=8)
@@ -577,13 +594,9 @@ def test_native_kernels_equal_torch_kernels_in_the_engine(fp8_folder, kind, expe
         assert type(llm.loaded.model.model.layers[1].mlp.experts).__name__ == (
             "FP4Experts" if experts == "fp4" else "FP8Experts"
         )
-        # prefill-sized groups decode the routed experts natively: the same values as the torch dequantizer
-        ex = llm.loaded.model.model.layers[1].mlp.experts
-        some = torch.tensor([0, 3])
-        ex.kernel = "torch"
-        ref_w = ex.expert_weights(some, torch.float32)
-        ex.kernel = kernel
-        assert all(torch.equal(a, b) for a, b in zip(ex.expert_weights(some, torch.float32), ref_w))
+        # prefill-sized groups decode the routed experts (natively with kernels="native"): the reference's values
+        got = llm.loaded.model.model.layers[1].mlp.experts.expert_weights(some, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), kernel
         runs[kernel] = llm.prompt_logits(ids), llm.generate([ids[:12]], greedy)
     diff, top1 = compare_logits(runs["native"][0], runs["torch"][0])
     assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
