@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,26 @@ def compare_logits(got, ref) -> tuple[float, float]:
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"max |logit diff| {diff:.2e}, top-1 {top1:.3f}")
     return diff, top1
+
+
+def finishes_within(timeout: float, fn, *args, **kwargs):
+    """fn(...) in a daemon thread: its result, or its exception raised here. Fails if it has not returned within
+    `timeout` s: a bound that turns a hang into a failure, not a claim about speed (keep it generous)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {timeout} s (a hang)"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def fixture_dir(name: str) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import FP32_LOGITS_TOL, compare_logits
+from conftest import FP32_LOGITS_TOL, compare_logits, finishes_within
 from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
@@ -34,7 +34,7 @@ OPTS = dict(page_size=8, max_num_batched_tokens=24)
 
 def _no_children(before: frozenset = frozenset()) -> bool:
     """No child process beyond `before` (the module-scoped engines' workers) is left."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a bound for a leak, returned from as soon as they are gone
     while set(mp.active_children()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     return not set(mp.active_children()) - before
@@ -151,30 +151,29 @@ def test_worker_that_raises_is_named(hf_model_dir):
     folder, _ = hf_model_dir("v3_odd")
     before = frozenset(mp.active_children())
     opts = make_options(tensor_parallel_size=2)
-    t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rank 1 failed: ConfigError: experts_impl must be one of"):
-        start_tensor_parallel(str(folder), opts, NullTracer(), rank_overrides={1: {"experts_impl": "bogus"}})
-    assert time.monotonic() - t0 < 60
+        overrides = {1: {"experts_impl": "bogus"}}
+        finishes_within(300, start_tensor_parallel, str(folder), opts, NullTracer(), rank_overrides=overrides)
     assert _no_children(before)
 
 
-def test_killed_worker_is_named_within_10s_and_all_processes_exit(hf_model_dir):
+def test_killed_worker_is_named_and_all_processes_exit(hf_model_dir, monkeypatch):
     """The engine fails a step whose forward pass raised (its requests finish with "error"): here
-    with the rank and the signal; the group is stopped, and later requests fail at once, naming it."""
+    with the rank and the signal (its exit seen, not the watchdog's hang timeout); the group is stopped, and
+    later requests fail at once, naming it, without a collective."""
     folder, _ = hf_model_dir("v3_odd")
     before = frozenset(mp.active_children())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     (worker,) = llm.runner.group.procs
     os.kill(worker.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    (out,) = llm.generate([random_ids(12)], SamplingParams(max_tokens=3))
-    assert time.monotonic() - t0 < 10
+    (out,) = finishes_within(300, llm.generate, [random_ids(12)], SamplingParams(max_tokens=3))
     assert out.outputs[0].finish_reason == "error"
     assert re.search(r"TensorParallelError: tensor-parallel rank 1 died \(killed by SIGKILL\)", out.outputs[0].error)
     assert _no_children(before)
-    t0 = time.monotonic()
-    (again,) = llm.generate([random_ids(12)], SamplingParams(max_tokens=3))  # no hang: the group stays failed
-    assert time.monotonic() - t0 < 1 and "rank 1 died" in again.outputs[0].error
+    steps: list = []  # no hang: the group stays failed and no step reaches the collectives
+    monkeypatch.setattr(llm.runner, "_execute_all", lambda *a: steps.append(a))
+    (again,) = finishes_within(300, llm.generate, [random_ids(12)], SamplingParams(max_tokens=3))
+    assert "rank 1 died" in again.outputs[0].error and steps == []
     with pytest.raises(TensorParallelError, match="rank 1 died"):  # the runner itself raises
         llm.runner.execute([SeqChunk("x", (5,), 0, (0,))])
 
