@@ -467,6 +467,7 @@ _INT_FIELDS = {
     "index_n_heads": 1,
 }
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+_BOOL_FIELDS = ("norm_topk_prob", "tie_word_embeddings", "attention_bias")
 
 
 def _check_sizes(raw: dict[str, Any], source: str) -> None:
@@ -483,6 +484,10 @@ def _check_sizes(raw: dict[str, Any], source: str) -> None:
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"{source}: {key} must be a number, got {value!r} ({type(value).__name__})")
+    for key in _BOOL_FIELDS:  # bool() of any other value ([] or "false" too) would pick a different model
+        value = raw.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {value!r} ({type(value).__name__})")
 
 
 def check_model_config(cfg: ModelConfig, source: str, field_sources: dict[str, str] | None = None) -> None:
