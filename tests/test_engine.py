@@ -175,9 +175,9 @@ def test_logprobs_and_prompt_logprobs_match_prompt_logits(hf_model_dir):
     ref = llm.prompt_logits(prompt + comp.token_ids).log_softmax(-1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i, entry in enumerate(out.prompt_logprobs[1:]):
-        assert len(entry) <= 3 and abs(entry[prompt[i + 1]] - ref[i, prompt[i + 1]].item()) < 1e-4
+        assert len(entry) <= 3 and abs(entry[prompt[i + 1]] - ref[i, prompt[i + 1]].item()) <= 1e-5
     for j, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
         row = ref[len(prompt) - 1 + j]
-        assert abs(entry[tok] - row[tok].item()) < 1e-4
+        assert abs(entry[tok] - row[tok].item()) <= 1e-5  # the same fp32 forward, in other steps: rounding
         assert set(entry) >= set(row.topk(3).indices.tolist())
     _assert_pool_clean(llm)

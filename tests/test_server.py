@@ -105,10 +105,11 @@ def test_logprobs_equal_log_softmax_of_prompt_logits(server, llm):
     lp = torch.log_softmax(llm.prompt_logits(ids + ref.token_ids[:-1]), -1)[len(ids) - 1 :]
     want = lp.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
     got = torch.tensor(out.choices[0].logprobs.token_logprobs)
-    assert (got - want).abs().max() <= 1e-4
+    print(f"server vs offline logprobs: {(got - want).abs().max().item():.2e}")
+    assert (got - want).abs().max() <= 1e-5  # the same fp32 forward, batched otherwise: rounding
     top = out.choices[0].logprobs.top_logprobs
     assert all(len(t) <= 3 for t in top)
-    assert all(max(t.values()) == pytest.approx(lp[i].max().item(), abs=1e-4) for i, t in enumerate(top))
+    assert all(max(t.values()) == pytest.approx(lp[i].max().item(), abs=1e-5) for i, t in enumerate(top))
 
 
 def test_echo_scoring_equals_prompt_logits(server, llm):
@@ -120,7 +121,8 @@ def test_echo_scoring_equals_prompt_logits(server, llm):
     lps = out.choices[0].logprobs.token_logprobs
     assert lps[0] is None and len(lps) == len(ids)
     want = torch.log_softmax(llm.prompt_logits(ids), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert (torch.tensor(lps[1:]) - want).abs().max() <= 1e-4
+    print(f"echo scoring vs offline: {(torch.tensor(lps[1:]) - want).abs().max().item():.2e}")
+    assert (torch.tensor(lps[1:]) - want).abs().max() <= 1e-5
     assert out.usage.completion_tokens == 0
 
 
