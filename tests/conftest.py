@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,50 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ["MLASERVE_FAST_BF16"] = "0"
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+
+# Engine logits against an fp32 reference (transformers, or transformers on a file's dequantized weights) on the
+# tiny test models: both sides round every op to fp32 (unit roundoff 6e-8), in a different order, through 2-4
+# layers of O(1) random weights to logits of std ~1 and |max| ~5. Measured max |diff| over these models, paths
+# and fixtures: 1.1e-6 to 5.4e-6. 1e-5 is about twice the worst; a real slip shows above it: building the
+# q_a / kv_a latent norms with rms_norm_eps (1e-5 on the GLM models) instead of transformers' 1e-6 moves the
+# logits by 4.6e-5 to 4.9e-5.
+FP32_LOGITS_TOL = 1e-5
+
+
+def fp32_logits_tol(ref) -> float:
+    """FP32_LOGITS_TOL for logits up to |max| 8; rounding is relative, so larger logits get a proportionally
+    larger bound. v3_tied's tied std-1 embeddings give |max| 62 (std 8.5): there the engine is 1.8e-5 from
+    transformers (2.3e-5 on int8 / int4 weights quantized at load), whose own fp32 run is 2.0e-5 from fp64;
+    the bound is 7.7e-5."""
+    return FP32_LOGITS_TOL * max(1.0, ref.abs().max().item() / 8)
+
+
+def compare_logits(got, ref) -> tuple[float, float]:
+    """(max |got - ref|, top-1 agreement), printed so that a run with -s shows the measured error."""
+    diff = (got - ref).abs().max().item()
+    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"max |logit diff| {diff:.2e}, top-1 {top1:.3f}")
+    return diff, top1
+
+
+def finishes_within(timeout: float, fn, *args, **kwargs):
+    """fn(...) in a daemon thread: its result, or its exception raised here. Fails if it has not returned within
+    `timeout` s: a bound that turns a hang into a failure, not a claim about speed (keep it generous)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {timeout} s (a hang)"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def fixture_dir(name: str) -> Path:

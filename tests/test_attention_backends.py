@@ -263,5 +263,5 @@ def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
             seg,
             torch.float32,
         )
-    if native.library() is not None:
-        assert [s[1] for s in calls] == [1]  # q_index [B, Q]: only the decode segment went to the C kernel
+    # q_index [B, Q]: only the decode segment went to the C kernel (none without the native library)
+    assert [s[1] for s in calls] == ([1] if native.library() is not None else []), calls

@@ -16,10 +16,12 @@ FP32_TOL: both devices evaluate the same fp32 formulas; only the order of the su
 BLAS, reduction trees of softmax/RMSNorm) and the libm (exp, rsqrt, the rope angles' cos/sin) differ.
 Each op then differs by a few ulp of its result (u = 2^-24 ~ 6e-8 relative); through 3 layers, each
 renormalised by RMSNorm, and dot products of length <= 128, the CPU backends differ from each other by
-<= 5.1e-7 (tests/test_attention_backends.py). The logits here are O(1..10), so 1e-4 (the bound these
-tests use against transformers) leaves > 20x room over ~8 ulp of a logit of 10 while staying far below
-what a wrong row, mask or expert moves (O(0.1..1)). TF32 is switched off ("highest" fp32 matmul
-precision) for these tests: with TF32 (10-bit mantissa) the bound would not hold, by design.
+<= 5.1e-7 (tests/test_attention_backends.py). The logits here are O(1..5) (std ~1), as those of the CPU
+engine against transformers, where the same kind of difference (two fp32 evaluations, sums in another
+order) measures 1.1e-6 to 5.4e-6: FP32_LOGITS_TOL = 1e-5 (tests/conftest.py) holds here for the same
+reason, while a wrong row, mask or expert moves O(0.1..1) and the latent norms' eps taken from
+rms_norm_eps 4.6e-5. Not yet measured on a GPU. TF32 is switched off ("highest" fp32 matmul precision) for
+these tests: with TF32 (10-bit mantissa) the bound would not hold, by design.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import FP32_LOGITS_TOL
 from hf_models import random_ids
 
 from mlaserve import LLM, SamplingParams
@@ -37,12 +40,15 @@ pytestmark = pytest.mark.skipif(
     reason="torch.cuda.is_available() is False: no CUDA device here (benchmarks/gpu_check.sh runs these on a GPU)",
 )
 
-FP32_TOL = 1e-4
+FP32_TOL = FP32_LOGITS_TOL
 # bf16 keeps 8 significant bits (u = 2^-9), and on these O(1)-scaled random models a rounding can flip an
-# expert choice, so bf16 logits differ from fp32 ones by more than a few ulp: on the CPU the relative
-# Frobenius error ||bf16 - fp32|| / ||fp32|| is 0.11 (v3_yarn) and 0.07 (v32). 0.25 bounds "it computed
-# this model" (logits of an unrelated computation at the same scale are ~sqrt(2) = 1.4 away).
-BF16_REL_TOL = 0.25
+# expert choice, so bf16 logits differ from fp32 ones by more than a few ulp: on the CPU (the same 40-token
+# prompt) the relative Frobenius error ||bf16 - fp32|| / ||fp32|| is 0.114 (v3_yarn) and 0.070 (v32), top-1
+# agreement 39/40 and 37/40. cuBLAS rounds with the same bf16 unit in another order, so its error is of that
+# size: 0.15 and 34/40 (unrelated logits at this scale are ~sqrt(2) = 1.4 apart and agree on ~1/V of the
+# argmaxes). Reasoned from the CPU figures, not yet measured on a GPU.
+BF16_REL_TOL = 0.15
+BF16_TOP1 = 34 / 40
 KINDS = ["v3_yarn", "v32", "glm_dsa"]  # dense deepseek_v3; DSA deepseek_v32 and glm_moe_dsa
 MLA_PATHS = ["auto", "absorbed", "decompressed"]
 BACKENDS = ["torch", "reference"]
@@ -165,6 +171,7 @@ def test_bf16_on_cuda_runs(hf_model_dir, kind, record_property):
     record_property("bf16_rel_err_vs_fp32_cpu", rel)
     record_property("bf16_top1_vs_fp32_cpu", top1)
     assert rel <= BF16_REL_TOL, f"bf16 on cuda: ||bf16 - fp32|| / ||fp32|| = {rel:.3g} (top-1 {top1:.3f})"
+    assert top1 >= BF16_TOP1, f"bf16 on cuda: top-1 agreement {top1:.3f} with fp32 (relative error {rel:.3g})"
     out = llm.generate([ids, ids[:9]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
 

@@ -60,20 +60,9 @@ def test_native_layers_equal_the_per_op_path(name, gtype, activations, monkeypat
     assert calls_b == 0 and tok_a == tok_b
     diff = _max_diff(lp_a, lp_b)
     print(f"{name} {gtype} {activations}: native layers vs per-op max |dlogprob| {diff:.2e}")
-    if activations == "float":
-        assert diff <= 1e-5, diff
-    else:  # int8 codes are discontinuous: an ulp of difference upstream (silu, the gate's sum) can flip one, so
-        # the two int8 paths are held to the int8 error itself: int8 against exact on the same contexts (the
-        # first request's tokens as one prompt of <= 16 tokens, whose products all take the small-batch path)
-        seq = PROMPTS[0] + tok_b[0]
-        int8_error = _max_diff([_top3(llm.prompt_logits(seq))], [_top3(_llm(name, gtype).prompt_logits(seq))])
-        print(f"  int8 vs exact, same contexts: {int8_error:.2e}")
-        assert diff <= max(int8_error, 1e-5), (diff, int8_error)
-
-
-def _top3(logits) -> list:
-    """Per position the sorted top-3 log-probabilities (what generate's logprobs=3 reports)."""
-    return [sorted(r.tolist()) for r in logits.float().log_softmax(-1).topk(3, dim=-1).values]
+    # float and int8 alike: both paths quantize the same activations with the same kernels, so they agree to fp32
+    # rounding (measured: int8 9.5e-7), not to the int8 error itself (int8 against exact float activations)
+    assert diff <= 1e-5, diff
 
 
 def _max_diff(lp_a: list, lp_b: list) -> float:
@@ -100,23 +89,23 @@ def test_where_the_native_layers_do_not_run(monkeypatch):
     assert all(layer.native_layer is None for layer in llm.runner.model.model.layers)
     assert llm.runner.model.native_decode is None
     glm5 = fixture_dir("glm5") / "model-q8_0.gguf"
-    if glm5.exists():
-        llm = LLM(str(glm5), kernels="native")
-        assert all(layer.native_layer is None for layer in llm.runner.model.model.layers)
-        n = len(llm.runner.model.model.layers)  # the load report says which layers and why
-        assert (
-            f"decoder layer(s) 0-{n - 1} decode per op: attention without the native kernels or without attn_k_b / attn_v_b blocks"
-            in llm.loaded.report.notes
-        )
+    assert glm5.exists(), glm5  # the fixtures README lists it; a missing file is a broken fixture, not a skip
+    llm = LLM(str(glm5), kernels="native")
+    assert all(layer.native_layer is None for layer in llm.runner.model.model.layers)
+    n = len(llm.runner.model.model.layers)  # the load report says which layers and why
+    assert (
+        f"decoder layer(s) 0-{n - 1} decode per op: attention without the native kernels or without attn_k_b / attn_v_b blocks"
+        in llm.loaded.report.notes
+    )
     ds32 = fixture_dir("ds32") / "model-q8_0.gguf"
-    if ds32.exists():
-        llm = LLM(str(ds32), kernels="native")  # attention auto: sparse on a DSA model
-        assert llm.runner.model.native_decode is not None
-        _, _, calls = _run(llm, PROMPTS[:2], monkeypatch)
-        assert calls == 0
-        dense = LLM(str(ds32), kernels="native", attention="dense")
-        _, _, calls = _run(dense, PROMPTS[:2], monkeypatch)
-        assert calls > 0
+    assert ds32.exists(), ds32
+    llm = LLM(str(ds32), kernels="native")  # attention auto: sparse on a DSA model
+    assert llm.runner.model.native_decode is not None
+    _, _, calls = _run(llm, PROMPTS[:2], monkeypatch)
+    assert calls == 0
+    dense = LLM(str(ds32), kernels="native", attention="dense")
+    _, _, calls = _run(dense, PROMPTS[:2], monkeypatch)
+    assert calls > 0
     llm = _llm("ds3", "q8_0")
     _, _, calls = _run(llm, [list(range(3, 40))], monkeypatch)
     n = len(llm.runner.model.model.layers)

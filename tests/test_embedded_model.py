@@ -57,8 +57,12 @@ def test_heldout_perplexity_engine_equals_transformers(engine, reference):
             ref_nll, _ = _nll(reference(torch.tensor([w])).logits[0].float(), w)
         ours, theirs, count = ours + nll, theirs + ref_nll, count + n
     ppl, ref_ppl = math.exp(ours / count), math.exp(theirs / count)
-    print(f"held-out perplexity: engine {ppl:.4f}, transformers {ref_ppl:.4f}")
-    assert abs(ppl - ref_ppl) / ref_ppl <= 1e-3
+    rel = abs(ppl - ref_ppl) / ref_ppl
+    print(f"held-out perplexity: engine {ppl:.6f}, transformers {ref_ppl:.6f}, relative difference {rel:.2e}")
+    # relative ppl difference = |mean nll difference|; each token's log-probability moves by at most twice the
+    # logits' fp32 error (~1e-5 at most, conftest.FP32_LOGITS_TOL) and the signs mostly cancel in the mean:
+    # measured 8e-8. 1e-6 is 12x that and still 10x below one logit's worst fp32 error.
+    assert rel <= 1e-6, rel
     assert engine.config.sparse  # the shipped model runs with its indexer
 
 

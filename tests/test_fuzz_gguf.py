@@ -1,8 +1,8 @@
 """Bounded, seeded GGUF mutator: truncations, byte flips in header and metadata, bad lengths and
 counts, offsets out of range or overlapping, retyped or reshaped tensors, non-finite scales and
 values, edited metadata numbers. Every mutant either fails with a GGUFError / ValueError naming the
-file (and its key or tensor), or loads with check_tensors and gives finite logits. Nothing else:
-no other exception type, no NaN logits."""
+file (and its key or tensor), or loads with check_tensors and gives the original file's logits and
+tokens exactly. Nothing else: no other exception type, no NaN logits, no silently changed model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from robustness_helpers import patched, tiny_model, walk_header
 
-from mlaserve import LLM
+from mlaserve import LLM, SamplingParams
 
 SEED, N_MUTANTS = 17, 110
 
@@ -98,33 +98,51 @@ def _mutate(data: bytes, h, rng: random.Random) -> tuple[str, bytes]:
     return kind, patched(data, kv.value_at, payload)
 
 
-def _run(path) -> str:
-    """Load with check_tensors and look at the logits; the outcome, or raise on a forbidden result."""
+IDS = [5, 6, 7, 8]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def _reference(path) -> tuple[torch.Tensor, list[int]]:
+    llm = LLM(str(path))
+    return llm.prompt_logits(IDS), llm.generate([IDS], GREEDY)[0].outputs[0].token_ids
+
+
+def _run(path, want: tuple[torch.Tensor, list[int]]) -> str:
+    """Load with check_tensors and look at the logits; the outcome, or raise on a forbidden result. A mutant
+    that loads must be the original model: with this seed each one that loads changes only bytes that do not
+    reach the logits (a metadata value that is read and found equal, or not read at all), so anything but the
+    original's logits, bit for bit, is a corruption the loader let through."""
     try:
         llm = LLM(str(path), check_tensors=True)
     except ValueError as e:  # GGUFError, ConfigError and WeightError are ValueErrors
         assert path.name in str(e), f"error does not name the file: {e}"
         return "rejected: " + type(e).__name__
-    ids = [5, 6, 7, 8][: llm.engine.max_model_len - 1]
+    ids = IDS[: llm.engine.max_model_len - 1]
     if not ids:
         return "loaded (no room for a prompt)"
     logits = llm.prompt_logits(ids)
     assert torch.isfinite(logits).all(), "non-finite logits from a model that passed check_tensors"
-    out = llm.generate([ids])[0].outputs[0]
+    diff = (logits - want[0][: len(ids)]).abs().max().item()
+    assert torch.equal(logits, want[0][: len(ids)]), f"loaded, but the logits moved by {diff:.3g}"
+    out = llm.generate([ids], GREEDY)[0].outputs[0]
     assert out.finish_reason in ("length", "stop"), out
-    return "loaded, finite logits"
+    if ids == IDS:
+        assert out.token_ids == want[1], (out.token_ids, want[1])
+    return "loaded, the original logits"
 
 
 def test_gguf_mutants(original, tmp_path):
     h, rng, outcomes, by_kind = walk_header(original), random.Random(SEED), Counter(), Counter()
     path = tmp_path / "mutant.gguf"
+    path.write_bytes(original)
+    want = _reference(path)
     for i in range(N_MUTANTS):
         kind, data = _mutate(original, h, rng)
         path.write_bytes(data)
         try:
-            outcome = _run(path)
-        except AssertionError:
-            raise
+            outcome = _run(path, want)
+        except AssertionError as e:
+            raise AssertionError(f"mutant {i} ({kind}): {e}") from e
         except Exception as e:  # any other exception type is a finding
             raise AssertionError(f"mutant {i} ({kind}): {type(e).__name__}: {e}") from e
         outcomes[outcome] += 1

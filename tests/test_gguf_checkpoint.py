@@ -9,6 +9,7 @@ from functools import cache
 import numpy as np
 import pytest
 import torch
+from conftest import FP32_LOGITS_TOL
 from test_gguf_helpers import (
     fixture_params,
     gguf_f32,
@@ -213,7 +214,7 @@ def test_logits_match_hf_dequant_reference(model, qtype, path):
     diff = (logits - ref).abs().max().item()
     top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"\n{model} {qtype}: max|logits - hf_dequant_logits_{qtype}| = {diff:.3g}, top-1 {100 * top1:.1f}%")
-    assert diff <= 1e-4 and top1 == 1.0
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0  # transformers in both, batched differently: 2.4e-6..5.3e-6
 
 
 @pytest.mark.parametrize("model", ["ds3", "ds2lite", "ds32", "glm5"])
@@ -222,7 +223,8 @@ def test_derived_config_builds_the_same_model(model):
     cfg = transformers.AutoConfig.for_model(**ck.hf_config)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
     diff = (_logits(hf, ck) - _expected(model)["hf_logits"]).abs().max().item()
-    assert diff <= 1e-4
+    print(f"\n{model}: derived config, max|logits - hf_logits| = {diff:.3g}")
+    assert diff <= FP32_LOGITS_TOL  # measured 2.6e-6..4.5e-6
 
 
 def test_wrong_k_b_transpose_is_caught(monkeypatch):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import fixture_dir
+from conftest import compare_logits, fixture_dir, fp32_logits_tol
 from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
@@ -50,7 +50,6 @@ from mlaserve.gguf.convert.writer import (
     string,
     u32,
 )
-from mlaserve.gguf.read.checkpoint import load_gguf
 from mlaserve.gguf.read.file import open_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -95,9 +94,10 @@ def _expected(model: str) -> dict:
     return load_file(str(fixture_dir(model) / "expected.safetensors"))
 
 
-def _assert_logits(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-4) -> None:
-    diff = (got - ref).abs().max().item()
-    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+def _assert_logits(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float | None = None) -> None:
+    """Within fp32 rounding of the reference's own scale (conftest.fp32_logits_tol) unless `tol` says otherwise."""
+    tol = fp32_logits_tol(ref) if tol is None else tol
+    diff, top1 = compare_logits(got, ref)
     assert diff <= tol and top1 == 1.0, f"{what}: max|diff| {diff:.3g}, top-1 {100 * top1:.1f}%"
 
 
@@ -149,26 +149,46 @@ def test_round_trip_fixture(converted, model, outtype):
     _assert_logits(got, ref, f"{model} {outtype}")
 
 
-def _transformers_on(path: Path, config_dir: Path, ids: list[int]) -> torch.Tensor:
-    """transformers (fp32, eager) with the weights of a GGUF file, dequantized and mapped back."""
-    transformers = pytest.importorskip("transformers")
-    from test_gguf_helpers import hf_state_dict
+# HF matrices the converter keeps in F32 (llama.cpp: ffn_gate_inp, indexer.proj): the router and indexer weights
+F32_MATRICES = ("mlp.gate.weight", "indexer.weights_proj.weight")
 
-    ck = load_gguf(path)
-    cfg = transformers.AutoConfig.from_pretrained(config_dir)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    model.load_state_dict(hf_state_dict(ck.tensors.get, ck.tensors.names()), strict=True)
+
+def _transformers_on_bf16_rounded(path: Path, config_dir: Path, ids: list[int]) -> torch.Tensor:
+    """transformers (fp32, eager) on the HF folder's own weights, each rounded as the bf16 file stores it: every
+    matrix in BF16 but the router / indexer weights, every vector in F32. That storage is read from the file with
+    the gguf package (llama.cpp's reader, not ours): its BF16 and F32 element counts must be those of the rule."""
+    transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    def rounded(name: str, t: torch.Tensor) -> bool:
+        return t.dim() >= 2 and not name.endswith(F32_MATRICES)
+
+    tensors = load_file(str(config_dir / "model.safetensors"))
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    rule = {"BF16": sum(t.numel() for n, t in tensors.items() if rounded(n, t))}
+    rule["F32"] = sum(t.numel() for t in tensors.values()) - rule["BF16"]
+    assert counts == rule, (counts, rule)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        config_dir, dtype=torch.float32, attn_implementation="eager"
+    )
     with torch.no_grad():
+        for name, param in model.named_parameters():  # transformers' names (its experts merged): the same rule
+            if rounded(name, param):
+                param.copy_(param.bfloat16().float())
         return model.eval()(torch.tensor([ids]), use_cache=False).logits[0]
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_round_trip_bf16(converted, model):
-    """No llama.cpp bf16 file: the reference is transformers on our file's bf16-rounded weights."""
+    """No llama.cpp bf16 file: the reference is transformers on the original weights rounded to bf16 as the file
+    stores them."""
     ids = _expected(model)["input_ids"].tolist()
     path = converted(model, "bf16")
     got = LLM(str(path), max_num_batched_tokens=128).prompt_logits(ids)
-    _assert_logits(got, _transformers_on(path, fixture_dir(model), ids), f"{model} bf16")
+    _assert_logits(got, _transformers_on_bf16_rounded(path, fixture_dir(model), ids), f"{model} bf16")
     types = {t.type_name for t in open_gguf(path).tensors.values()}
     assert types == {"F32", "BF16"}
 
@@ -443,4 +463,6 @@ def test_llama_cpp_loads_our_file(converted, model):
     llm = llama_cpp.Llama(str(converted(model, "f32")), kv_overrides=overrides, **kw)
     llm.eval(ids)
     got = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
+    # not measured here (llama_cpp is an optional dependency): llama.cpp's own rounding differs from the fixture's
+    # run only by its thread split, kept at the earlier bound until measured
     _assert_logits(got, exp["llamacpp_logits_f32"], f"llama.cpp on our {model} f32", tol=1e-4)

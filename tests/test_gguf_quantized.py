@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import fixture_dir
 from hf_models import random_ids
+from test_kernels import gguf_py_dense
 
 from mlaserve import LLM
 from mlaserve.config.model import ConfigError
@@ -106,12 +107,16 @@ def test_native_decode_equals_dequantized(name, gtype):
 
 
 @pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")
-@pytest.mark.parametrize("name,gtype", [("ds3", "q8_0"), ("ds3", "q4_0"), ("ds2lite", "q8_0")])
-def test_int8_activations_error_measured(name, gtype):
+@pytest.mark.parametrize(
+    "name,gtype,max_rel", [("ds3", "q8_0", 0.09), ("ds3", "q4_0", 0.13), ("ds2lite", "q8_0", 0.032)]
+)
+def test_int8_activations_error_measured(name, gtype, max_rel):
     """activations="int8" (llama.cpp's integer dot products) is not exact; prompted token by token, so that
-    every product is a decode product, the logits stay near the exact ones. Measured here: relative error
-    0.025-0.084 and top-1 agreement 0.958-0.979 over 96 positions; the limits below are about twice that
-    (the kernels' own bound is tested per product in test_kernels.py)."""
+    every product is a decode product, the logits stay near the exact ones. Measured relative error: ds3 q8_0
+    0.071, ds3 q4_0 0.084-0.101 (by CPU), ds2lite q8_0 0.025; top-1 agreement 0.948-0.979 over 96 positions
+    (5 to 2 positions differ). The limits are about 1.3x each file's error and at most 6 differing positions:
+    rounding the activations' int8 codes toward zero instead of to nearest (1.4x the error) fails them (the
+    kernels' own bound is tested per product in test_kernels.py)."""
     from safetensors.torch import load_file
 
     folder = fixture_dir(name)
@@ -126,7 +131,7 @@ def test_int8_activations_error_measured(name, gtype):
     rel = ((a - b).norm() / a.norm()).item()
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"{name} {gtype}: int8 activations vs exact: relative logit error {rel:.3f}, top-1 {top1:.3f}")
-    assert 0 < rel <= 0.17 and top1 >= 0.9, (rel, top1)
+    assert 0 < rel <= max_rel and top1 >= 1 - 6 / len(ids), (rel, top1)
 
 
 @pytest.mark.parametrize("name", ["ds3", "ds2lite"])
@@ -193,7 +198,8 @@ def test_loop_experts_and_bf16_follow_the_same_holders():
     loop = LLM(path, experts_impl="loop").prompt_logits(ids)
     assert (grouped - loop).abs().max().item() <= 1e-5
     bf16 = LLM(path, dtype="bfloat16")  # activations rounded to bf16 after each fp32 product
-    assert (bf16.prompt_logits(ids).float() - grouped).abs().max().item() < 0.5
+    # bf16's 2^-9 relative step on logits of |max| 4 through 3 layers: measured max 0.055 (mean 0.0095); 0.1
+    assert (bf16.prompt_logits(ids).float() - grouped).abs().max().item() <= 0.1
 
 
 def _tiny_gguf(hf_model_dir, tmp_path, kind: str, outtype: str):
@@ -285,7 +291,7 @@ def test_linear_holder_equals_dense(ggml_type, rows, kernel):
     with torch.no_grad():
         lin.weight.copy_(_blocks(ggml_type, n, k, 0))
     w = lin.dequantize()
-    assert torch.equal(w, dequantize(lin.weight, ggml_type, (n, k)))
+    assert torch.equal(w, gguf_py_dense(lin.weight.detach(), GGML_TYPES[ggml_type].name))
     x = torch.randn(rows, 3, k)  # 3 or 120 rows: the native GEMV and its decode-then-GEMM branch
     y, ref = lin(x), F.linear(x, w)
     assert y.shape == (rows, 3, n) and (y - ref).abs().max().item() <= _fp32_bound(x.reshape(-1, k), w)

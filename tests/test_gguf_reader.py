@@ -323,4 +323,7 @@ def test_not_an_mla_architecture(tmp_path):
 
 
 def test_fixture_folder_constant():
-    assert FIXTURES.name == "fixtures" and FIXTURES.parent.name == "shared"
+    """The GGUF helpers and conftest look for the shared fixtures in the same folder."""
+    import conftest
+
+    assert FIXTURES == conftest.FIXTURES, (FIXTURES, conftest.FIXTURES)

@@ -45,13 +45,13 @@ def test_native_rms_norm_equals_torch(rows, d, scale):
         assert_norm_close(native_layers.rms_norm(x, w, 1e-6), ref, d)
 
 
-@needs_native
 def _counting(monkeypatch, name: str) -> list:
     calls, real = [], getattr(native_layers, name)
     monkeypatch.setattr(native_layers, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
+@needs_native
 def test_rms_norm_module_uses_the_native_kernel_only_where_it_fits(monkeypatch):
     calls = _counting(monkeypatch, "rms_norm")
     norm = RMSNorm(64, 1e-5)

@@ -52,6 +52,16 @@ def random_blocks(name: str, rows: int, k: int, g: torch.Generator, lead: tuple[
     return raw.flatten(-2).contiguous()
 
 
+def gguf_py_dense(raw: torch.Tensor, name: str) -> torch.Tensor:
+    """Blocks dequantized by the gguf package (llama.cpp's gguf-py): the reference that is not our own code."""
+    import gguf
+    import numpy as np
+
+    flat = raw.reshape(-1, raw.shape[-1]).numpy()
+    dense = gguf.quants.dequantize(flat, gguf.GGMLQuantizationType[name]).astype(np.float32)
+    return torch.from_numpy(dense).reshape(*raw.shape[:-1], -1)
+
+
 def assert_within_sum_bound(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     bound = 2 * x.shape[-1] * U * (x.abs() @ w.abs().T)
     excess = (y - ref).abs() - bound
@@ -105,10 +115,11 @@ def test_native_linear_equals_dequantize_then_gemm(name, rows):
     g = torch.Generator().manual_seed(2)
     t, k = GGML_TYPE_IDS[name], 768
     raw = random_blocks(name, 37, k, g)
-    w = ggml.dense(raw, t, k)
+    w = gguf_py_dense(raw, name)
+    assert torch.equal(ggml.dense(raw, t, k), w)
     x = torch.randn(rows, k, generator=g)
     ref = F.linear(x, w)
-    assert torch.equal(ggml.linear(x, raw, t, k, kernel="torch"), ref)
+    assert torch.equal(ggml.linear(x, raw, t, k, kernel="torch"), ref)  # the torch path: dequantize, then GEMM
     assert_within_sum_bound(ggml.linear(x, raw, t, k, kernel="native"), ref, x, w)
     # bf16 activations: the product still runs in fp32
     xb = x.bfloat16()

@@ -171,7 +171,7 @@ def test_int8_routed_experts_follow_the_per_op_rule(types, tokens):
     """activations="int8": the block quantizes a projection's activations when its type has int8 kernels (Q8_0,
     Q4_0), each projection on its own, as GGUFExperts' per-op path does. All-Q8_0: bit for bit the pairwise int8
     call. No int8 type: the float block, bit for bit. A mixed pair (Q4_0 gate_up, Q6_K down): gate_up quantized,
-    within int8's own error of the per-op path (whose silu rounds otherwise, which can flip an int8 code of h)."""
+    the per-op path's result to fp32 rounding."""
     moe = make_moe("v3", types, shared=False)
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
     y_float, w, idx = routing(GGUFMoEBlock(moe), x)
@@ -194,8 +194,15 @@ def test_int8_routed_experts_follow_the_per_op_rule(types, tokens):
             ex.int8 = False
             exact = ex(x, w, idx)
         assert not torch.equal(y, y_float)
-        int8_error = (per_op - exact).abs().max().item()
-        assert (y - per_op).abs().max().item() <= int8_error
+        # The same int8 codes and products, summed in another order: rounding of the output, not the int8 error
+        # (|per_op - exact| 3.9-7.8 here). Measured 6.1e-5 for |y|max 470-740 (0.7-1.1 of its spacing 2^-23 |y|max,
+        # one or two ulp); bound 4 of it.
+        diff, ulp = (y - per_op).abs().max().item(), 2 * U * per_op.abs().max().item()
+        print(
+            f"{types} {tokens}: fused vs per-op int8 {diff:.2e} ({diff / ulp:.1f} ulp), int8 error "
+            f"{(per_op - exact).abs().max().item():.2f}"
+        )
+        assert diff <= 4 * ulp, (diff, ulp)
 
 
 @pytest.mark.parametrize("tokens", [1, 5])

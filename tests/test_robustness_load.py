@@ -163,6 +163,7 @@ def test_gguf_size_disagrees_with_type(tiny, tmp_path):
         (dict(hidden_size="128"), "hidden_size must be an integer"),
         (dict(hidden_size=128.0), "hidden_size must be an integer"),
         (dict(kv_lora_rank=-4), "kv_lora_rank must be >= 1"),
+        (dict(norm_topk_prob=[]), r"norm_topk_prob must be true or false, got \[\]"),
         (dict(bos_token_id=10**6), "bos_token_id 1000000 is outside the vocabulary"),
         (dict(topk_group=3), "topk_group must be in"),
         (dict(n_group=3), "n_group=3 must divide n_routed_experts=8"),

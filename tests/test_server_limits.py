@@ -48,26 +48,35 @@ def test_chat_template_file_is_used(server):
     assert got["tokens"] == Tokenizer.from_folder(default_model_path()).encode(want)
 
 
+def _wait_for(server, name: str, value: float, timeout: float = 60.0) -> None:
+    """Until the metric reads `value` (the server's own state, not a guess of how long a step takes)."""
+    deadline = time.monotonic() + timeout
+    while server.metric(name, default=0.0) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value} in {timeout}s"
+        time.sleep(0.02)
+
+
 def test_queue_bound_answers_429_with_retry_after(server):
+    """One request running, one queued (seen on /metrics): the next is refused with 429 and Retry-After."""
     statuses: list[int] = []
-    retry_after: list[str] = []
-    body = {"prompt": "In the beginning", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "In the beginning", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
 
     def call():
-        r = server.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
-        statuses.append(r.status_code)
-        if r.status_code == 429:
-            retry_after.append(r.headers.get("retry-after"))
-            assert r.json()["error"]["type"] == "rate_limit_error"
+        statuses.append(server.post("/v1/completions", json=body, headers=auth).status_code)
 
-    threads = [threading.Thread(target=call) for _ in range(5)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    threads[0].start()
+    _wait_for(server, "mlaserve_running_requests", 1)
+    threads[1].start()
+    _wait_for(server, "mlaserve_queue_depth", 1)
+    refused = server.post("/v1/completions", json=dict(body, max_tokens=1), headers=auth)
+    assert refused.status_code == 429, (refused.status_code, refused.text)
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert int(refused.headers["retry-after"]) >= 1
     for t in threads:
         t.join(120)
-    assert sorted(statuses).count(200) >= 2 and 429 in statuses, statuses
-    assert all(r is not None and int(r) >= 1 for r in retry_after)
+    assert not any(t.is_alive() for t in threads) and statuses == [200, 200], statuses
     assert server.wait_idle() == 0
 
 

@@ -91,7 +91,12 @@ def test_lm_eval_local_completions_matches_prompt_logits(tmp_path):
     items = [json.loads(line) for line in DATA.read_text().splitlines()]
     acc, lls = reference(LLM(), AutoTokenizer.from_pretrained(str(default_model_path())), items)
     assert results["results"]["mlaserve_serve_mc"]["acc,none"] == pytest.approx(acc, abs=1e-12)
+    worst = 0.0
     for s in samples:
         got = [float(r[0]) for r in s["filtered_resps"]]
-        assert got == pytest.approx(lls[s["doc_id"]], abs=1e-3)  # a sum of ~5 logprobs, each <= 1e-4 off
+        worst = max([worst] + [abs(g - w) for g, w in zip(got, lls[s["doc_id"]])])
+        # a sum of ~5 logprobs, each off by fp32 rounding of the same forward batched otherwise (<= 1e-5);
+        # measured 5.0e-6
+        assert got == pytest.approx(lls[s["doc_id"]], abs=5e-5)
+    print(f"lm-eval log-likelihoods vs offline: max {worst:.2e}")
     assert 0.25 < acc  # the trained model beats chance on held-out verses

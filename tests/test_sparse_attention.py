@@ -9,6 +9,7 @@ import shutil
 import warnings
 
 import pytest
+from conftest import FP32_LOGITS_TOL, compare_logits
 from hf_models import hf_logits, random_ids
 from safetensors.torch import load_file, save_file
 
@@ -36,7 +37,8 @@ def test_sparse_logits_match_transformers(hf_model_dir, kind, mla_path, budget):
     ref = hf_logits(ref_model, ids)
     llm = LLM(str(folder), mla_path=mla_path, max_num_batched_tokens=budget, trace="memory")
     got = llm.prompt_logits(ids)
-    assert _diff(got, ref) <= 1e-4 and _top1(got, ref) == 1.0, (_diff(got, ref), _top1(got, ref))
+    diff, top1 = compare_logits(got, ref)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
     rec = llm.runner.tracer.records[-1]
     assert rec["sparse"] and rec["num_sparse_tokens"] == rec["num_tokens"]
     assert rec["effective_topk"] == 16

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import FP32_LOGITS_TOL, compare_logits, finishes_within
 from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
@@ -33,7 +34,7 @@ OPTS = dict(page_size=8, max_num_batched_tokens=24)
 
 def _no_children(before: frozenset = frozenset()) -> bool:
     """No child process beyond `before` (the module-scoped engines' workers) is left."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a bound for a leak, returned from as soon as they are gone
     while set(mp.active_children()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     return not set(mp.active_children()) - before
@@ -51,19 +52,15 @@ def pair(request, hf_model_dir):
     assert _no_children(before)
 
 
-def _compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    return (got - ref).abs().max().item(), (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-
-
 def test_prompt_logits_tp2_equal_tp1_and_transformers(pair):
     """60 tokens in chunks of 24 (chunked prefill; past index_topk=16 on the DSA model)."""
     kind, ref_model, one, two = pair
     ids = random_ids(60)
     ref, a, b = hf_logits(ref_model, ids), one.prompt_logits(ids), two.prompt_logits(ids)
-    diff, top1 = _compare(b, a)
+    diff, top1 = compare_logits(b, a)
     assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
-    diff, top1 = _compare(b, ref)
-    assert diff <= 1e-4 and top1 == 1.0, (kind, diff, top1)
+    diff, top1 = compare_logits(b, ref)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (kind, diff, top1)
 
 
 def _mixed_steps(llm: LLM, a: list[int], b: list[int]) -> list[torch.Tensor]:
@@ -86,11 +83,11 @@ def test_mixed_decode_prefill_step_equals_tp1_and_transformers(pair):
     two_ledger = [r for r in two.runner.tracer.records if r["num_tokens"] == 1 + len(b)]
     assert two_ledger and two_ledger[-1]["num_decode_tokens"] == 1  # the step really mixed both phases
     for g, o in zip(got, base):
-        diff, top1 = _compare(g, o)
+        diff, top1 = compare_logits(g, o)
         assert diff <= 1e-5 and top1 == 1.0, (kind, diff, top1)
     ref = torch.cat([hf_logits(ref_model, a), hf_logits(ref_model, b)])
-    diff, top1 = _compare(torch.cat([got[0], got[1]]), ref)
-    assert diff <= 1e-4 and top1 == 1.0, (kind, diff, top1)
+    diff, top1 = compare_logits(torch.cat([got[0], got[1]]), ref)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (kind, diff, top1)
 
 
 def test_greedy_generation_identical_and_ledger_has_every_rank(pair):
@@ -154,30 +151,29 @@ def test_worker_that_raises_is_named(hf_model_dir):
     folder, _ = hf_model_dir("v3_odd")
     before = frozenset(mp.active_children())
     opts = make_options(tensor_parallel_size=2)
-    t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rank 1 failed: ConfigError: experts_impl must be one of"):
-        start_tensor_parallel(str(folder), opts, NullTracer(), rank_overrides={1: {"experts_impl": "bogus"}})
-    assert time.monotonic() - t0 < 60
+        overrides = {1: {"experts_impl": "bogus"}}
+        finishes_within(300, start_tensor_parallel, str(folder), opts, NullTracer(), rank_overrides=overrides)
     assert _no_children(before)
 
 
-def test_killed_worker_is_named_within_10s_and_all_processes_exit(hf_model_dir):
+def test_killed_worker_is_named_and_all_processes_exit(hf_model_dir, monkeypatch):
     """The engine fails a step whose forward pass raised (its requests finish with "error"): here
-    with the rank and the signal; the group is stopped, and later requests fail at once, naming it."""
+    with the rank and the signal (its exit seen, not the watchdog's hang timeout); the group is stopped, and
+    later requests fail at once, naming it, without a collective."""
     folder, _ = hf_model_dir("v3_odd")
     before = frozenset(mp.active_children())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     (worker,) = llm.runner.group.procs
     os.kill(worker.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    (out,) = llm.generate([random_ids(12)], SamplingParams(max_tokens=3))
-    assert time.monotonic() - t0 < 10
+    (out,) = finishes_within(300, llm.generate, [random_ids(12)], SamplingParams(max_tokens=3))
     assert out.outputs[0].finish_reason == "error"
     assert re.search(r"TensorParallelError: tensor-parallel rank 1 died \(killed by SIGKILL\)", out.outputs[0].error)
     assert _no_children(before)
-    t0 = time.monotonic()
-    (again,) = llm.generate([random_ids(12)], SamplingParams(max_tokens=3))  # no hang: the group stays failed
-    assert time.monotonic() - t0 < 1 and "rank 1 died" in again.outputs[0].error
+    steps: list = []  # no hang: the group stays failed and no step reaches the collectives
+    monkeypatch.setattr(llm.runner, "_execute_all", lambda *a: steps.append(a))
+    (again,) = finishes_within(300, llm.generate, [random_ids(12)], SamplingParams(max_tokens=3))
+    assert "rank 1 died" in again.outputs[0].error and steps == []
     with pytest.raises(TensorParallelError, match="rank 1 died"):  # the runner itself raises
         llm.runner.execute([SeqChunk("x", (5,), 0, (0,))])
 
@@ -226,8 +222,8 @@ def test_gguf_tp2_equals_dequantized_reference_and_q8_0_blocks_that_do_not_split
     before = frozenset(mp.active_children())
     with LLM(str(folder / "model-f16.gguf"), tensor_parallel_size=2, max_num_batched_tokens=40) as llm:
         got = llm.prompt_logits(exp["input_ids"].tolist())
-    diff, top1 = _compare(got, exp["hf_dequant_logits_f16"])
-    assert diff <= 1e-4 and top1 == 1.0, (diff, top1)
+    diff, top1 = compare_logits(got, exp["hf_dequant_logits_f16"])
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
     with pytest.raises(
         WeightError, match=r"down_proj.weight' do not fall on the 32-value blocks.*tensor_parallel_size=2"
     ):
@@ -337,7 +333,7 @@ def test_two_nodes_in_network_namespaces_equal_one_process(hf_model_dir, tmp_pat
     finally:
         for n in ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
-    diff, top1 = _compare(torch.load(out), want)
+    diff, top1 = compare_logits(torch.load(out), want)
     assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
 
 

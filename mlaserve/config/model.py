@@ -420,7 +420,7 @@ _CHOICE_FIELDS = {
 def _check_sizes(raw: dict[str, Any], source: str) -> None:
     """Integer fields are ints >= their minimum, float fields numbers, booleans JSON booleans, fields with a
     vocabulary one of its values: an error names the key."""
-    for key in _BOOL_FIELDS:
+    for key in _BOOL_FIELDS:  # bool() of any other value ([] or "false" too) would pick a different model
         value = raw.get(key)
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"{source}: {key} must be true or false, got {value!r} ({type(value).__name__})")
