@@ -60,9 +60,9 @@ cat "$OUT/gpu-env.txt"
 
 # The GPU tests (test_cuda: cuda == cpu; the attention backends, also over cuda), then tests whose
 # engines take device "auto" (= cuda on a GPU machine) against transformers or each other.
-TESTS=(tests/test_cuda.py tests/test_attention_backends.py tests/test_engine.py tests/test_model_vs_transformers.py
-  tests/test_sampler.py tests/test_fp8.py tests/test_embedded_model.py tests/test_kernels.py tests/test_speculative.py
-  tests/test_spec_switch.py tests/test_quantize_at_load.py tests/test_gguf_quantized.py)
+TESTS=(tests/gpu/test_cuda.py tests/identities/test_attention_backends.py tests/unit/test_engine.py tests/models/test_model_vs_transformers.py
+  tests/unit/test_sampler.py tests/models/test_fp8.py tests/models/test_embedded_model.py tests/kernels/test_kernels.py tests/identities/test_speculative.py
+  tests/unit/test_spec_switch.py tests/models/test_quantize_at_load.py tests/gguf/test_gguf_quantized.py)
 XDIST=()
 if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n 4); fi
 log "tests: ${TESTS[*]}"

@@ -7,7 +7,39 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The suite is grouped by room (unit/, identities/, models/, kernels/, gguf/, server/, distributed/, gpu/,
+# robustness/); the shared helpers (hf_models, gguf_helpers, server_process, ...) live here, and a test may
+# import a helper of another test's module: every room is on sys.path, whatever order pytest collects in.
+TESTS = Path(__file__).parent
+ROOMS = ("unit", "identities", "models", "kernels", "gguf", "server", "distributed", "gpu", "robustness")
+for _path in (TESTS, *(TESTS / room for room in ROOMS)):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+# Markers (pyproject.toml registers them): `gpu` for gpu/, `slow` for the rooms and files that start processes
+# or sweep many inputs, `fixtures` for modules that read ../shared/fixtures. For development:
+# `python -m pytest -m "not slow"`; CI runs everything.
+SLOW_ROOMS = ("server", "distributed")
+SLOW_FILES = (
+    "test_fuzz_hf.py",
+    "test_fuzz_gguf.py",
+    "test_gguf_convert.py",
+    "test_model_vs_transformers.py",
+    "test_lifecycle.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        room = path.parent.name
+        if room == "gpu":
+            item.add_marker(pytest.mark.gpu)
+        if room in SLOW_ROOMS or path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+        module = getattr(item, "module", None)
+        if module is not None and "fixture_dir" in vars(module):
+            item.add_marker(pytest.mark.fixtures)
+
 
 # dtype="auto" picks bfloat16 on CPUs with AVX512-BF16/AMX (mlaserve/config/cpu.py): the suite runs the exact
 # float32 default on every machine (also in the processes it starts), and tests of that choice set both values.

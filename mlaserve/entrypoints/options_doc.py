@@ -4,7 +4,7 @@
 
 Each option's default, help text and vocabulary come from config/engine.py; its command-line flag
 comes from the parser that engine_args.add_engine_args builds (the one generate, inspect, verify and
-serve use), so the page says what the code accepts. tests/test_docs.py fails when the file and
+serve use), so the page says what the code accepts. tests/unit/test_docs.py fails when the file and
 render() differ.
 """
 
@@ -59,7 +59,7 @@ def render() -> str:
         "",
         "<!-- Generated from mlaserve.config.engine.EngineOptions; do not edit by hand. Regenerate with",
         f"     {REGENERATE}",
-        "     (tests/test_docs.py fails when this file and the generator differ). -->",
+        "     (tests/unit/test_docs.py fails when this file and the generator differ). -->",
         "",
         "Every engine option has one home, `mlaserve.EngineOptions` (its default and help text): `LLM(...)` takes",
         "them as keywords and every `mlaserve` subcommand that loads a model (generate, inspect, verify, serve) takes",

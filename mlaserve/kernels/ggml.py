@@ -13,7 +13,7 @@ each weight row is decoded once (bit-identical values) and dotted with every x r
 blocks straight from memory (Q8_0, Q4_0, Q6_K: fused, the (sub-)block scale applied to each partial
 sum, a rounding within the same bound); more rows than that are compute-bound, so the weight is decoded once
 by the native decoder and the BLAS GEMM does the rest. Both agree with the reference up to fp32
-summation order (tests/test_kernels.py holds them to that bound).
+summation order (tests/kernels/test_kernels.py holds them to that bound).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from mlaserve.config.cpu import cpu_flags
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "mls.c"  # the translation unit; it includes every other file under CSRC
-HEADER = CSRC / "mls.h"  # the interface mirrored below (tests/test_kernel_bindings.py checks the mirror)
+HEADER = CSRC / "mls.h"  # the interface mirrored below (tests/kernels/test_kernel_bindings.py checks the mirror)
 FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take

@@ -23,7 +23,7 @@ larger allowance than the same type with the right weights: the difference shows
 far above e(block).
 
 The step is read from the dequantized values because a dequantized sub-block lies on its own grid.
-Checked against the true error of values quantized by the gguf package (tests/test_verify_against.py):
+Checked against the true error of values quantized by the gguf package (tests/identities/test_verify_against.py):
 estimate / actual 1.00-1.03 for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 on random normal rows. K-quants' sub-block
 scales are optimised rather than set by the extremes, so a sub-block may not reach the end of its grid
 and the step comes out a little low (a tighter tolerance, never a looser one). Float types: the uniform

@@ -7,7 +7,7 @@ dn / dr / dv the nope / rope / v head dims, S the rows of a layer's latent cache
 What runs is the layer's per-op native path (input norm, q_a / norm / q_b or q_proj, kv_a, the latent row with
 its rope, W_UK per head, the latent MQA over the paged rows, W_UV per head, o_proj, residual, post norm, the MoE
 block or a dense SwiGLU, residual) with the same per-row operations, in C, instead of ~20 native calls and ~60
-tensor ops; that path is the reference (tests/test_decode_layer.py). With activations="int8" the Q8_0 / Q4_0
+tensor ops; that path is the reference (tests/kernels/test_decode_layer.py). With activations="int8" the Q8_0 / Q4_0
 products take int8 activations where the per-op path's do (the same kernels and quantization).
 Where it applies is decided before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a
 native ggml holder or F32 rows, one activation choice for the layer, one process), and per step from the plan

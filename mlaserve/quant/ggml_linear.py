@@ -249,7 +249,7 @@ class GGUFMoEBlock:
     the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
     tensor ops. Attached by the loader (attach_moe_blocks) where every expert weight is a ggml-block holder run
     by the native kernels (int8 activations where the per-op path has them); MoE.forward uses it for steps of up to BLOCK_TOKENS fp32
-    tokens and takes its per-op path (the reference, tests/test_moe_block.py) otherwise. For the same routing
+    tokens and takes its per-op path (the reference, tests/kernels/test_moe_block.py) otherwise. For the same routing
     its routed sum equals GGUFExperts' native one bit for bit; the gate's logits and the shared expert's silu
     round as fp32 does in another order."""
 

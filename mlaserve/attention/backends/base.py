@@ -4,7 +4,7 @@ A backend is chosen per segment by the router (`Segment.backend`, recorded in th
 looked up in the registry (`attention.backends.get_backend`). Shapes as in `attention/reference.py`;
 every method returns its segment's padded [B, Q, H, dv] output (or [B, Q, k] positions), and the
 caller keeps the valid rows. A new kernel (quantized, CUDA) implements this protocol, registers a
-name, and is tested against the reference in tests/test_attention_backends.py.
+name, and is tested against the reference in tests/identities/test_attention_backends.py.
 """
 
 from __future__ import annotations

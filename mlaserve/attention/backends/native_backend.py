@@ -3,7 +3,7 @@ softmax, P c over the cache rows) in one C call (kernels/csrc/attention.c mls_la
 query's rows where the paged cache holds them, instead of gathering a copy and running ~15 tensor
 ops per layer. For fp32 caches on the CPU (the engine picks it with the native kernels and fp32);
 every other product is the torch backend's. Tested against `reference` like every backend
-(tests/test_attention_backends.py runs every registered backend).
+(tests/identities/test_attention_backends.py runs every registered backend).
 
 Notation as torch_backend.py: q_lat = q_nope W_UK [N, H, r] and q_pe [N, H, dr] (read by the kernel where
 they lie, through q_index [B, Q]), cache [S, r + dr], kv_slots [B, L], mask [B, Q, L].

@@ -1,5 +1,5 @@
 /* The layout of every struct mls.h shares with Python, as this compiler lays it out: the ctypes mirrors
-   (kernels/native_layers.py) are checked against it (tests/test_kernel_bindings.py), so a field moved or
+   (kernels/native_layers.py) are checked against it (tests/kernels/test_kernel_bindings.py), so a field moved or
    retyped on one side only fails a test instead of reading the wrong bytes. */
 
 #include <stddef.h>

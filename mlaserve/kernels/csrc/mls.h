@@ -12,7 +12,7 @@
    int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
    memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd.
 
-   The Python side mirrors this file by hand (ctypes argtypes and Structures); tests/test_kernel_bindings.py
+   The Python side mirrors this file by hand (ctypes argtypes and Structures); tests/kernels/test_kernel_bindings.py
    holds every prototype and struct below to it (mls_layout gives the compiled sizes and offsets). Change
    MLS_ABI_VERSION with any change here. */
 #ifndef MLS_H

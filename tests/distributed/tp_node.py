@@ -1,7 +1,7 @@
 """One node of the two-namespace tensor-parallel test, started by torchrun inside a network
 namespace: rank 0 writes the TP=2 prompt logits of the ids to OUT; rank 1 serves its steps.
 
-    python tests/tp_node.py MODEL_DIR OUT IDS(comma-separated)
+    python tests/distributed/tp_node.py MODEL_DIR OUT IDS(comma-separated)
 """
 
 from __future__ import annotations

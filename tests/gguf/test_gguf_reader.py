@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_gguf_helpers import (
+from gguf_helpers import (
     FIXTURES,
     fixture_params,
     gguf_f32,

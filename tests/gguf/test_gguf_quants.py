@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_gguf_helpers import fixture_params
+from gguf_helpers import fixture_params
 
 from mlaserve.gguf.quants import DEQUANTIZABLE, GGML_TYPES, dequantize
 from mlaserve.gguf.read.file import open_gguf

@@ -11,7 +11,7 @@ import torch
 from mlaserve import LLM, SamplingParams
 from mlaserve.embedded import EMBEDDED, default_model_path
 
-HELDOUT = Path(__file__).parent / "data" / "kjv_heldout.txt"  # held-out KJV text (never trained on)
+HELDOUT = Path(__file__).parents[1] / "data" / "kjv_heldout.txt"  # held-out KJV text (never trained on)
 WINDOW = 256  # the training context: <bos> + 255 tokens per window
 
 

@@ -16,7 +16,7 @@ FP32_TOL: both devices evaluate the same fp32 formulas; only the order of the su
 BLAS, reduction trees of softmax/RMSNorm) and the libm (exp, rsqrt, the rope angles' cos/sin) differ.
 Each op then differs by a few ulp of its result (u = 2^-24 ~ 6e-8 relative); through 3 layers, each
 renormalised by RMSNorm, and dot products of length <= 128, the CPU backends differ from each other by
-<= 5.1e-7 (tests/test_attention_backends.py). The logits here are O(1..5) (std ~1), as those of the CPU
+<= 5.1e-7 (tests/identities/test_attention_backends.py). The logits here are O(1..5) (std ~1), as those of the CPU
 engine against transformers, where the same kind of difference (two fp32 evaluations, sums in another
 order) measures 1.1e-6 to 5.4e-6: FP32_LOGITS_TOL = 1e-5 (tests/conftest.py) holds here for the same
 reason, while a wrong row, mask or expert moves O(0.1..1) and the latent norms' eps taken from

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FP32_LOGITS_TOL
-from test_gguf_helpers import (
+from gguf_helpers import (
     fixture_params,
     gguf_f32,
     hf_state_dict,

@@ -2,8 +2,8 @@
 mls_decode_layer) against their per-op path, on llama.cpp's GGUF fixtures (../shared/fixtures/).
 
 The native layer repeats the per-op native path's operations in C, so the two differ only where that path leaves
-C: torch's silu in a dense SwiGLU, and the MoE block's gate logits / shared silu (tests/test_moe_block.py); the
-logits then agree to fp32 rounding (1e-5 on these fixtures' log-probabilities, as tests/test_gguf_quantized.py
+C: torch's silu in a dense SwiGLU, and the MoE block's gate logits / shared silu (tests/kernels/test_moe_block.py); the
+logits then agree to fp32 rounding (1e-5 on these fixtures' log-probabilities, as tests/gguf/test_gguf_quantized.py
 holds the native kernels to the dequantized file). Requests of different lengths decode together, so each
 request's own rows and mask are exercised, and a one-token prompt is decoded from its first step."""
 

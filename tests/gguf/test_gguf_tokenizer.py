@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_gguf_helpers import (
+from gguf_helpers import (
     fixture_params,
     need_fixtures,
     rewrite_gguf,

@@ -7,7 +7,7 @@ call bit for bit (the grouping by expert changes no row's operations, the weight
 order). The gate's logits are dot products in another order than torch's GEMM (|dl| <= 2 D u sum|x w|, u =
 2^-24 per side), which moves the routing weights by the propagated amount (_weights_bound); the shared
 expert's silu uses expf where torch uses its own exp (a few ulps of h). Every other difference is fp32
-summation order, bounded as in tests/test_gguf_quantized.py.
+summation order, bounded as in tests/gguf/test_gguf_quantized.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 from server_process import ServerProcess
 
 pytest.importorskip("lm_eval")
-DATA = Path(__file__).parent / "data" / "serve_mc.jsonl"
+DATA = Path(__file__).parents[1] / "data" / "serve_mc.jsonl"
 
 TASK = """task: mlaserve_serve_mc
 dataset_path: json

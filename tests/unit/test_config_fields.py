@@ -6,8 +6,8 @@ max_position_embeddings 1 loaded), and inconsistent MoE layouts name the key ins
 from __future__ import annotations
 
 import pytest
+from gguf_helpers import rewrite_gguf
 from robustness_helpers import copy_folder, edit_config, tiny_model
-from test_gguf_helpers import rewrite_gguf
 
 from mlaserve import LLM
 from mlaserve.config.model import ConfigError
