@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hf_models import hf_logits, random_ids
 
 from mlaserve import LLM
@@ -23,6 +22,7 @@ from mlaserve.config.engine import make_options
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.group import TensorParallelError, start_tensor_parallel
 from mlaserve.distributed.sharding import ShardedSource
+from mlaserve.distributed.spawn import live_workers
 from mlaserve.executor.forward_batch import SeqChunk
 from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.observability.trace import NullTracer
@@ -34,9 +34,9 @@ OPTS = dict(page_size=8, max_num_batched_tokens=24)
 def _no_children(before: frozenset = frozenset()) -> bool:
     """No child process beyond `before` (the module-scoped engines' workers) is left."""
     deadline = time.monotonic() + 5
-    while set(mp.active_children()) - before and time.monotonic() < deadline:
+    while set(live_workers()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not set(mp.active_children()) - before
+    return not set(live_workers()) - before
 
 
 @pytest.fixture(scope="module", params=["v3_odd", "v32", "glm_dsa_shared"])
@@ -44,7 +44,7 @@ def pair(request, hf_model_dir):
     """(kind, transformers model, TP=1 LLM, TP=2 LLM) on the same folder."""
     folder, ref = hf_model_dir(request.param)
     one = LLM(str(folder), **OPTS)
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     two = LLM(str(folder), tensor_parallel_size=2, trace="memory", **OPTS)
     yield request.param, ref, one, two
     two.close()
@@ -143,7 +143,7 @@ def test_each_rank_echoes_its_config_and_holds_a_slice(pair):
 
 def test_worker_with_a_different_config_is_caught(hf_model_dir):
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     opts = make_options(tensor_parallel_size=2, page_size=16)
     with pytest.raises(ConfigError, match=r"rank 1 runs a different configuration: .*page_size: rank 0 16, rank 1 8"):
         start_tensor_parallel(str(folder), opts, NullTracer(), rank_overrides={1: {"page_size": 8}})
@@ -152,7 +152,7 @@ def test_worker_with_a_different_config_is_caught(hf_model_dir):
 
 def test_worker_that_raises_is_named(hf_model_dir):
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     opts = make_options(tensor_parallel_size=2)
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rank 1 failed: ConfigError: experts_impl must be one of"):
@@ -165,7 +165,7 @@ def test_killed_worker_is_named_within_10s_and_all_processes_exit(hf_model_dir):
     """The engine fails a step whose forward pass raised (its requests finish with "error"): here
     with the rank and the signal; the group is stopped, and later requests fail at once, naming it."""
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     (worker,) = llm.runner.group.procs
     os.kill(worker.pid, signal.SIGKILL)
@@ -184,10 +184,10 @@ def test_killed_worker_is_named_within_10s_and_all_processes_exit(hf_model_dir):
 
 def test_heads_not_divisible_is_a_clear_error_before_any_process_starts(hf_model_dir):
     folder, _ = hf_model_dir("v3_odd")  # 6 heads
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide num_attention_heads=6"):
         LLM(str(folder), tensor_parallel_size=4)
-    assert set(mp.active_children()) == before
+    assert set(live_workers()) == before
 
 
 def test_a_tensor_that_does_not_split_names_the_tensor_and_n():
@@ -223,7 +223,7 @@ def test_gguf_tp2_equals_dequantized_reference_and_q8_0_blocks_that_do_not_split
 
     folder = fixture_dir("ds3")
     exp = load_file(str(folder / "expected.safetensors"))
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     with LLM(str(folder / "model-f16.gguf"), tensor_parallel_size=2, max_num_batched_tokens=40) as llm:
         got = llm.prompt_logits(exp["input_ids"].tolist())
     diff, top1 = _compare(got, exp["hf_dequant_logits_f16"])
@@ -242,7 +242,7 @@ def test_cli_generate_with_two_ranks_equals_one(tmp_path, capsys):
 
     from mlaserve.entrypoints.cli import main
 
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     args = ["generate", "--no-malloc-tuning", "--max-tokens", "6", "--temperature", "0"]
     assert main([*args, "In the beginning"]) == 0
     one = capsys.readouterr().out
@@ -347,10 +347,10 @@ def test_quantized_checkpoint_with_tensor_parallel_is_refused_before_any_process
 
     folder, _ = hf_model_dir("v3_odd")
     write_fp8_folder(folder, tmp_path / "fp8", "fp8", (128, 128))
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     with pytest.raises(ConfigError, match=r"fp8.*tensor_parallel_size=2 with a quantized checkpoint"):
         LLM(str(tmp_path / "fp8"), tensor_parallel_size=2)
-    assert set(mp.active_children()) == before
+    assert set(live_workers()) == before
 
 
 def test_server_with_two_ranks_shows_every_rank(capsys):

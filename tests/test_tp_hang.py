@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hf_models import random_ids
 
 from mlaserve import LLM
 from mlaserve.distributed import heartbeat
 from mlaserve.distributed.group import TensorParallelError
 from mlaserve.distributed.heartbeat import Heartbeat, Watchdog
+from mlaserve.distributed.spawn import WorkerProcess, live_workers
 from mlaserve.sampling.params import SamplingParams
 
 OPTS = dict(page_size=8, max_num_batched_tokens=24)
@@ -26,9 +26,9 @@ LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 
 def _no_children(before: frozenset) -> bool:
     deadline = time.monotonic() + 5
-    while set(mp.active_children()) - before and time.monotonic() < deadline:
+    while set(live_workers()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not set(mp.active_children()) - before
+    return not set(live_workers()) - before
 
 
 def _step_until_finished(llm: LLM, rid: str):
@@ -38,7 +38,7 @@ def _step_until_finished(llm: LLM, rid: str):
                 return out
 
 
-def _two_steps_then_stop(llm: LLM) -> tuple[str, mp.Process]:
+def _two_steps_then_stop(llm: LLM) -> tuple[str, WorkerProcess]:
     """A request mid-generation (prefill and one decode step done), then its worker stopped."""
     (worker,) = llm.runner.group.procs
     rid = llm.engine.add_request(random_ids(12), LONG)
@@ -75,7 +75,7 @@ def test_stopped_worker_is_named_hung_within_10s_and_every_process_exits(hf_mode
     HANG_TIMEOUT_S), the worker is killed (SIGKILL: SIGTERM would wait for SIGCONT), the
     watchdog stops, and later requests fail at once."""
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     group = llm.runner.group
     rid, worker = _two_steps_then_stop(llm)
@@ -100,7 +100,7 @@ def test_a_rank_that_is_not_our_child_is_reported_not_killed(hf_model_dir):
     """As under torchrun (the ranks are the launcher's processes): the step still fails at once
     with the report; the stopped rank is left alone (here the test ends it)."""
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     group = llm.runner.group
     rid, worker = _two_steps_then_stop(llm)
@@ -125,7 +125,7 @@ def test_idle_and_normal_shutdown_raise_no_false_alarm(hf_model_dir, monkeypatch
     the workers leave (no report, no thread left)."""
     monkeypatch.setattr(heartbeat, "HANG_TIMEOUT_S", 2.0)
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     group = llm.runner.group
     assert group.watchdog.timeout_s == 2.0
