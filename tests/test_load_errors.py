@@ -6,9 +6,12 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 from conftest import fixture_dir
+from robustness_helpers import tiny_model
 from test_gguf_helpers import rewrite_gguf
 
+from mlaserve import LLM, SamplingParams
 from mlaserve.gguf.read.checkpoint import GGUFError, load_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -41,3 +44,20 @@ def test_gguf_without_token_list_is_refused_naming_the_key(tmp_path):
     bad = rewrite_gguf(_ds3_f16(), tmp_path / "notokens.gguf", drop_keys=["tokenizer.ggml.tokens"])
     with pytest.raises(GGUFError, match=r"notokens\.gguf: tokenizer\.ggml\.tokens is missing or empty"):
         load_gguf(bad, validate_numeric=False).build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+def test_prompt_logits_refuses_nan_like_generate(tiny):
+    """NaN in a weight (set after the load): generate fails the request naming --check-tensors;
+    prompt_logits raises the same advice instead of returning NaN."""
+    with LLM(str(tiny[0])) as llm:
+        llm.runner.model.model.embed_tokens.weight.data[6] = float("nan")
+        with pytest.raises(FloatingPointError, match=r"prompt position 1 on .*--check-tensors"):
+            llm.prompt_logits([5, 6, 7])
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert out.outputs[0].finish_reason == "error" and "--check-tensors" in out.outputs[0].error
+        assert torch.isfinite(llm.prompt_logits([5, 7])).all()  # a prompt that avoids it is fine
