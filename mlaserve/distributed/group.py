@@ -1,4 +1,4 @@
-"""Rank 0's side of a tensor-parallel group: start the workers (torch.multiprocessing, forkserver;
+"""Rank 0's side of a tensor-parallel group: start the workers (`python -m` processes, spawn.py;
 gloo on CPU) or join torchrun's, check that every rank runs the same configuration, run each step on all ranks, and turn
 any worker failure into one clear error naming the rank -- then stop every process.
 
@@ -17,29 +17,23 @@ tracing, every rank's route record, and alone samples.
 
 from __future__ import annotations
 
-import multiprocessing.connection as mp_connection
 import signal
 import time
 from dataclasses import replace
 
 import torch
-import torch.multiprocessing as mp
 
 from mlaserve.config.engine import EngineOptions
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.collectives import CONNECT_TIMEOUT, Collectives, master_store
 from mlaserve.distributed.heartbeat import Watchdog
 from mlaserve.distributed.sharding import vocab_sizes
-from mlaserve.distributed.worker import ERROR, JOINED, WorkerSpec, effective_config, rank_echo, worker_main
+from mlaserve.distributed.spawn import WorkerProcess
+from mlaserve.distributed.worker import ERROR, JOINED, WorkerSpec, effective_config, rank_echo
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.loading.model_loader import LoadedModel, fill_model, open_checkpoint
 
-# forkserver: a clean server process (like spawn: nothing of the host's state, threads or CUDA is
-# inherited) that imports torch and the worker once; each worker is then forked from it in
-# ~0.1 s instead of re-importing torch (seconds on a busy machine) per worker.
-START_METHOD = "forkserver"
-_PRELOAD = ["mlaserve.distributed.preload"]
 FAULT_WAIT_S = 5.0  # how long rank 0 waits for a failed worker's own report before naming its death
 STOP_WAIT_S = 5.0  # how long a worker gets to exit after "stop" before it is terminated
 
@@ -67,17 +61,11 @@ class TensorParallelGroup:
         caught)."""
         n = opts.tensor_parallel_size
         store = master_store(n)
-        ctx = mp.get_context(START_METHOD)
-        if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(_PRELOAD)
-        procs = []
+        group = cls(store, None, [])
         for rank in range(1, n):
             rank_opts = replace(opts, **(rank_overrides or {}).get(rank, {}))
             spec = WorkerSpec(path, rank_opts, rank, n, "127.0.0.1", store.port)
-            proc = ctx.Process(target=worker_main, args=(spec,), name=f"mlaserve-tp-rank{rank}", daemon=True)
-            proc.start()
-            procs.append(proc)
-        group = cls(store, None, procs)
+            group.procs.append(group.guard(WorkerProcess, spec, f"mlaserve-tp-rank{rank}"))
         group.guard(group._wait_joined, store, n)
         group._connect(n)
         return group
@@ -99,7 +87,7 @@ class TensorParallelGroup:
         """The watchdog's verdict (its thread): record it, then kill the rank when it is ours; the
         step's collective on rank 0 then fails or is abandoned, and _diagnose names the rank."""
         proc = self.procs[rank - 1] if rank <= len(self.procs) else None
-        if proc is not None and mp_connection.wait([proc.sentinel], 0):
+        if proc is not None and not proc.is_alive():
             return  # it exited, not hung: _diagnose names its exit (is_alive() here could race a join)
         action = "rank 0 killed it" if proc is not None else "not a process of ours (torchrun): not killed"
         self.hung[rank] = f"{report} ({action})"
@@ -157,7 +145,9 @@ class TensorParallelGroup:
                 dead_since = time.monotonic()
             if dead and time.monotonic() - dead_since > 0.5:  # no report came: it was killed
                 rank, proc = dead[0]
-                return TensorParallelError(f"tensor-parallel rank {rank} died ({_exit_reason(proc.exitcode)})")
+                return TensorParallelError(
+                    f"tensor-parallel rank {rank} died ({_exit_reason(proc.exitcode)}){_last_words(proc)}"
+                )
             time.sleep(0.05)
         if not self.procs:  # torchrun: the ranks are not our children
             return TensorParallelError(f"tensor-parallel collective failed (a rank exited or is unreachable): {exc}")
@@ -188,6 +178,13 @@ class TensorParallelGroup:
         if self.failure is not None:  # freeing it would wait for an abandoned collective's timeout
             self._failed_comm = self.comm
         self.comm = None
+
+
+def _last_words(proc) -> str:
+    """The tail of a dead worker's stderr, for the error (its reason when it died before it could
+    leave a report: an import or start-up failure)."""
+    tail = proc.stderr_tail().strip() if hasattr(proc, "stderr_tail") else ""
+    return f"; its stderr ends:\n{tail}" if tail else ""
 
 
 def _exit_reason(code: int | None) -> str:

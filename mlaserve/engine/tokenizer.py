@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -23,15 +22,21 @@ class Tokenizer:
 
     @staticmethod
     def from_folder(folder: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        from mlaserve.config.model import ConfigError
+        from mlaserve.loading.files import path_problem, read_json, regular_file
+
         folder = Path(folder)
         path = folder / "tokenizer.json"
-        if not path.exists():
+        if path_problem(path) == "does not exist":
             raise FileNotFoundError(f"{folder}: no tokenizer.json (needed to turn text into tokens)")
-        cfg_path = folder / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        regular_file(path, ConfigError)
+        config = read_json(folder / "tokenizer_config.json", ConfigError, required=False) or {}
         template = folder / "chat_template.jinja"
-        if "chat_template" not in config and template.exists():
-            config["chat_template"] = template.read_text()
+        if "chat_template" not in config and regular_file(template, ConfigError, required=False):
+            try:
+                config["chat_template"] = template.read_text()
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{template}: not UTF-8 text ({e})") from e
         return Tokenizer(_HFTokenizer.from_file(str(path)), config, eos_token_ids)
 
     @property

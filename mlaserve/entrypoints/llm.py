@@ -142,15 +142,25 @@ class LLM:
         """Next-token logits at every prompt position [len, vocab] (float32, on the CPU whatever the engine's
         device: it is a result handed to the caller, like generate's token ids), through the paged cache,
         in chunks of max_num_batched_tokens like a real prefill. The prompt follows generate's rule
-        (ints in the vocabulary, 1 <= len < max_model_len)."""
+        (ints in the vocabulary, 1 <= len < max_model_len). Non-finite logits raise FloatingPointError,
+        as generate fails such a request."""
         with self._lock:
             ids = self.engine.check_prompt(token_ids, "prompt_logits")
             pool = self.engine.pool
             pages = pool.allocate(-(-len(ids) // self.config.page_size))
             try:
-                return self.runner.prompt_logits("prompt_logits", ids, pages).cpu()
+                logits = self.runner.prompt_logits("prompt_logits", ids, pages).cpu()
             finally:
                 pool.release(pages)
+        # generate's rule: non-finite logits fail the request, never reach the caller as numbers
+        bad = (~torch.isfinite(logits.float().sum(-1))).nonzero().flatten()
+        if len(bad):
+            raise FloatingPointError(
+                f"prompt_logits: non-finite logits (NaN/Inf) from prompt position {int(bad[0])} on "
+                f"({len(bad)} of {len(ids)} positions); the weights or config may hold NaN/Inf: "
+                "run `mlaserve verify --check-tensors` on the model"
+            )
+        return logits
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

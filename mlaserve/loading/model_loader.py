@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from mlaserve.config.provenance import Setting
 from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
+from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.weights import LoadReport, load_weights
@@ -44,15 +44,9 @@ class LoadedModel:
 
 def read_hf_config(folder: Path) -> dict:
     path = folder / "config.json"
-    if not path.exists():
+    if path_problem(path) == "does not exist":
         raise ConfigError(f"{folder}: no config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must hold a JSON object (a dict), got a {type(raw).__name__}")
-    return raw
+    return read_json(path, ConfigError)
 
 
 def has_indexer_weights(names: list[str]) -> bool:
@@ -110,9 +104,12 @@ def load_model(path: str | Path, opts: EngineOptions, progress=None, comm=None) 
 
 def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     path = Path(path)
-    if not path.exists():
+    problem = path_problem(path)
+    if problem == "does not exist":
         raise FileNotFoundError(f"model path {path} does not exist")
-    if path.is_file():
+    if problem is not None:
+        raise ConfigError(f"model path {path} {problem}")
+    if not path.is_dir() and regular_file(path, ConfigError):
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
         model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors, opts.speculative == "mtp")
@@ -224,8 +221,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if skipped:
         report.skipped.extend(skipped)
         report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
-    gen_path = path / "generation_config.json" if path.is_dir() else None
-    gen = json.loads(gen_path.read_text()) if gen_path is not None and gen_path.exists() else {}
+    gen = (read_json(path / "generation_config.json", ConfigError, required=False) if path.is_dir() else None) or {}
     return LoadedModel(
         model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan, quantized_at_load, kernel_plan
     )
@@ -255,10 +251,12 @@ def _has_gguf_blocks(source) -> bool:
 
 
 def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:
-    if not (path / "tokenizer.json").exists():
+    if not regular_file(path / "tokenizer.json", ConfigError, required=False):
         return None
     try:
         return Tokenizer.from_folder(path, model_cfg.eos_token_ids)
+    except ConfigError:  # names its own file (tokenizer_config.json, chat_template.jinja)
+        raise
     except Exception as e:  # the tokenizers library raises its own types; name the file
         raise ConfigError(f"{path / 'tokenizer.json'}: cannot build the tokenizer: {type(e).__name__}: {e}") from e
 

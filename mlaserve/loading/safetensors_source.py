@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mlaserve.loading.files import path_problem, read_json, regular_file
+
 
 class WeightError(ValueError):
     """A checkpoint that does not match the model; the message names the file and tensor."""
@@ -31,13 +33,15 @@ class SafetensorsSource:
 
     def _index(self) -> dict[str, Path]:
         index = self.folder / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+        if path_problem(index) != "does not exist":
+            weight_map = (read_json(index, WeightError) or {}).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise WeightError(f'{index}: no "weight_map" object (tensor name -> file)')
             return {name: self.folder / file for name, file in weight_map.items()}
         single = self.folder / "model.safetensors"
         # Like transformers: model.safetensors alone when present (other .safetensors files in the
         # folder, e.g. test references, are not weights); otherwise every *.safetensors file.
-        files = [single] if single.exists() else sorted(self.folder.glob("*.safetensors"))
+        files = [single] if path_problem(single) != "does not exist" else sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise WeightError(f"{self.folder}: no *.safetensors file and no model.safetensors.index.json")
         out: dict[str, Path] = {}
@@ -49,10 +53,12 @@ class SafetensorsSource:
         return out
 
     def _open(self, path: Path):
+        regular_file(path, WeightError)  # a directory, FIFO or link loop named as such (a FIFO would block)
         try:
             return safe_open(str(path), framework="pt")
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise WeightError(f"{path}: cannot read safetensors file ({e})") from e
+            why = header_problem(path)  # its messages name no tensor, or a neighbour of the bad one
+            raise WeightError(f"{path}: cannot read safetensors file ({why or e})") from e
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -63,7 +69,7 @@ class SafetensorsSource:
     def get(self, name: str) -> torch.Tensor:
         path = self._file_of[name]
         if path not in self._handles:
-            if not path.exists():
+            if path_problem(path) == "does not exist":
                 raise WeightError(f"{path}: file listed in the index is missing (needed for {name!r})")
             self._handles[path] = self._open(path)
         try:
@@ -103,7 +109,70 @@ class SafetensorsSource:
     def _slice(self, name: str):
         path = self._file_of[name]
         if path not in self._handles:
-            if not path.exists():
+            if path_problem(path) == "does not exist":
                 raise WeightError(f"{path}: file listed in the index is missing (needed for {name!r})")
             self._handles[path] = self._open(path)
         return self._handles[path].get_slice(name)
+
+
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def header_problem(path: Path) -> str | None:
+    """What is wrong in a safetensors header, naming the tensor at fault: its dtype, shape or
+    data_offsets (their span must be the shape's bytes), a range that leaves a gap or overlaps
+    (the tensor whose range is off on both sides is named alone), or a data section that is not
+    the file's remainder. None when nothing is found (the library's own message stands)."""
+    import math
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            size = path.stat().st_size
+            if n > size - 8:
+                return f"header length {n} runs past the end of the {size}-byte file"
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        return f"unreadable header: {e}"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    ranges = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(t, dict):
+            return f"tensor {name!r}: its entry is not an object"
+        dtype, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dtype not in _DTYPE_BYTES:
+            return f"tensor {name!r}: unknown dtype {dtype!r}"
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            return f"tensor {name!r}: shape {shape!r} is not a list of sizes"
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and o >= 0 for o in offs)):
+            return f"tensor {name!r}: data_offsets {offs!r} is not [begin, end]"
+        need = math.prod(shape) * _DTYPE_BYTES[dtype]
+        if offs[1] - offs[0] != need:
+            return (
+                f"tensor {name!r}: {dtype} {shape} needs {need} bytes but data_offsets {offs} span {offs[1] - offs[0]}"
+            )
+        ranges.append((offs[0], offs[1], name))
+    ranges.sort()
+    ends = [0] + [r[1] for r in ranges]
+    starts = [r[0] for r in ranges] + [size - 8 - n]
+    off = [ends[i] != starts[i] for i in range(len(starts))]  # off[i]: the boundary before ranges[i]
+    for i, (begin, end, name) in enumerate(ranges):
+        if off[i] and off[i + 1]:
+            return f"tensor {name!r}: data_offsets [{begin}, {end}] do not fit between its neighbours"
+    for i, bad in enumerate(off):
+        if not bad:
+            continue
+        before = f"{ranges[i - 1][2]!r} ends at {ends[i]}" if i else "the data starts at 0"
+        if i == len(ranges):
+            return f"{before} but the file holds {starts[i]} bytes of data (truncated or padded)"
+        return f"tensor {ranges[i][2]!r} starts at {starts[i]} but {before} (a gap or an overlap)"
+    return None

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import finishes_within
 from hf_models import random_ids
 
@@ -19,6 +18,7 @@ from mlaserve import LLM
 from mlaserve.distributed import heartbeat
 from mlaserve.distributed.group import TensorParallelError
 from mlaserve.distributed.heartbeat import Heartbeat, Watchdog
+from mlaserve.distributed.spawn import WorkerProcess, live_workers
 from mlaserve.sampling.params import SamplingParams
 
 OPTS = dict(page_size=8, max_num_batched_tokens=24)
@@ -27,12 +27,12 @@ LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 
 def _no_children(before: frozenset) -> bool:
     deadline = time.monotonic() + 60  # a bound for a leak, returned from as soon as they are gone
-    while set(mp.active_children()) - before and time.monotonic() < deadline:
+    while set(live_workers()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not set(mp.active_children()) - before
+    return not set(live_workers()) - before
 
 
-def _step_until_finished(llm: LLM, rid: str, worker: mp.Process):
+def _step_until_finished(llm: LLM, rid: str, worker: WorkerProcess):
     """Step until rid finishes. A broken watchdog leaves a step waiting on the stopped rank: bounded, the test then
     fails naming the hang, and the worker is killed so that nothing waits on it."""
 
@@ -49,7 +49,7 @@ def _step_until_finished(llm: LLM, rid: str, worker: mp.Process):
         raise
 
 
-def _two_steps_then_stop(llm: LLM) -> tuple[str, mp.Process]:
+def _two_steps_then_stop(llm: LLM) -> tuple[str, WorkerProcess]:
     """A request mid-generation (prefill and one decode step done), then its worker stopped."""
     (worker,) = llm.runner.group.procs
     rid = llm.engine.add_request(random_ids(12), LONG)
@@ -88,7 +88,7 @@ def test_stopped_worker_is_named_hung_and_every_process_exits(hf_model_dir, monk
     HANG_TIMEOUT_S, and not before it), the worker is killed (SIGKILL: SIGTERM would wait for SIGCONT), the
     watchdog stops, and later requests fail at once, without a collective."""
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     group = llm.runner.group
     rid, worker = _two_steps_then_stop(llm)
@@ -114,7 +114,7 @@ def test_a_rank_that_is_not_our_child_is_reported_not_killed(hf_model_dir):
     """As under torchrun (the ranks are the launcher's processes): the step still fails at once
     with the report; the stopped rank is left alone (here the test ends it)."""
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     group = llm.runner.group
     rid, worker = _two_steps_then_stop(llm)
@@ -137,7 +137,7 @@ def test_idle_and_normal_shutdown_raise_no_false_alarm(hf_model_dir, monkeypatch
     the workers leave (no report, no thread left)."""
     monkeypatch.setattr(heartbeat, "HANG_TIMEOUT_S", 2.0)
     folder, _ = hf_model_dir("v3_odd")
-    before = frozenset(mp.active_children())
+    before = frozenset(live_workers())
     llm = LLM(str(folder), tensor_parallel_size=2, **OPTS)
     group = llm.runner.group
     assert group.watchdog.timeout_s == 2.0

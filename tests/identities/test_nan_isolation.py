@@ -93,5 +93,5 @@ def test_sparse_dsa(hf_model_dir, backend, mla_path):
 
 def test_the_poisoned_model_really_poisons(hf_model_dir):
     """The premise: alone, the bad prompt's logits are non-finite (so the tests above exercise NaN rows)."""
-    logits = _engine(hf_model_dir("v3_yarn")[0]).prompt_logits(_bad_prompt(BAD))
-    assert torch.isfinite(logits[:6]).all() and not torch.isfinite(logits[6:]).any()
+    with pytest.raises(FloatingPointError, match=r"from prompt position 6 on \(14 of 20 positions\)"):
+        _engine(hf_model_dir("v3_yarn")[0]).prompt_logits(_bad_prompt(BAD))  # rows 6.. non-finite, 0..5 finite

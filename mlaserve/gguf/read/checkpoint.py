@@ -400,8 +400,9 @@ class GGUFTensors:
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, stop) of a 2-D tensor (a tensor-parallel rank's
         part), dequantizing only those blocks. A row is a whole number of blocks, so rows are one
-        byte range; columns must start and stop on a block boundary of the tensor's type, else a
-        GGUFError names the tensor. kv_b (rebuilt from k_b / v_b) is rebuilt whole, then narrowed."""
+        byte range; columns that start or stop inside a block dequantize the blocks covering them,
+        then narrow (the values are the same as the whole tensor's). kv_b (rebuilt from k_b / v_b) is
+        rebuilt whole, then narrowed."""
         e = self._entry(name)
         if e.kind == "kv_b_split" or len(e.shape) != 2:
             return self.get(name).narrow(dim, start, stop - start)
@@ -413,14 +414,14 @@ class GGUFTensors:
             raw = self._gf.raw(e.sources[0], base + start * row_bytes, (stop - start) * row_bytes)
             return dequantize(raw, info.ggml_type, (stop - start, cols))
         t = GGML_TYPES[info.ggml_type]
-        if start % t.block_size or stop % t.block_size:
-            raise GGUFError(
-                f"{self.where(name)}: columns [{start}, {stop}) of {name!r} do not fall on the {t.block_size}-value "
-                f"blocks of its type {t.name}"
-            )
+        # the blocks that cover [start, stop): a slice that starts or stops inside a block (a rank's
+        # columns of a K-quant's 256-value blocks) dequantizes those blocks whole, then narrows
+        b0, b1 = start // t.block_size, -(-stop // t.block_size)
         raw = self._gf.raw(e.sources[0], base, rows * row_bytes).view(rows, row_bytes)
-        part = raw[:, start // t.block_size * t.type_size : stop // t.block_size * t.type_size]
-        return dequantize(part.contiguous(), info.ggml_type, (rows, stop - start))
+        part = raw[:, b0 * t.type_size : b1 * t.type_size]
+        full = dequantize(part.contiguous(), info.ggml_type, (rows, (b1 - b0) * t.block_size))
+        lo = start - b0 * t.block_size
+        return full[:, lo : lo + stop - start].contiguous() if (lo or b1 * t.block_size != stop) else full
 
     def get_experts(self, layer: int, proj: str) -> torch.Tensor:
         """Stacked routed experts [E, out, in] for proj in gate_proj/up_proj/down_proj."""

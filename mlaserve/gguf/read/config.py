@@ -170,6 +170,20 @@ def _moe_fields(m: _Meta, cfg: dict) -> None:
     _gating(m, cfg)
 
 
+def _check_dense_layers(m: _Meta, k: int, n_layers: int) -> None:
+    """leading_dense_block_count against the tensors: layers [0, k) are dense (no expert router
+    blk.N.ffn_gate_inp), layer k has one. A wrong count would otherwise surface as a missing
+    tensor of the kind the count implies."""
+    if not any(f"blk.{i}.ffn_gate_inp.weight" in m.gf.tensors for i in range(n_layers)):
+        return  # no router at all: the expert fields and the tensors will say what is missing
+    first_moe = next(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in m.gf.tensors)
+    if first_moe != min(k, n_layers):
+        raise GGUFError(
+            f"{m.gf.path}: '{m.key('leading_dense_block_count')}'={k} but the first layer with experts "
+            f"(tensor blk.{first_moe}.ffn_gate_inp.weight) is layer {first_moe}: the key should be {first_moe}"
+        )
+
+
 def _gating(m: _Meta, cfg: dict) -> None:
     gf_key = m.key("expert_gating_func")
     g = m.raw("expert_gating_func")
@@ -312,6 +326,7 @@ def derive_hf_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
     cfg["num_nextn_predict_layers"] = nextn
     _attention_fields(m, cfg)
     _moe_fields(m, cfg)
+    _check_dense_layers(m, cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
     cfg["rms_norm_eps"] = m.req("rms_norm_eps", "attention.layer_norm_rms_epsilon", _decimal)
     cfg["hidden_act"] = m.put("hidden_act", "silu", "llama.cpp MLA graphs (SwiGLU experts, fixed)")
     _rope_fields(m, cfg, family)

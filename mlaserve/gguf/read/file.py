@@ -231,7 +231,9 @@ class GGUFShard:
                     f"the {GGML_TYPES[ggml_type].name} block size {block}"
                 )
             if rel % self.alignment:
-                raise GGUFError(f"{self.path}: tensor '{name}' data offset {rel} is not aligned to {self.alignment}")
+                raise GGUFError(
+                    f"{self.path}: tensor '{name}' data offset {rel} is not aligned to {self._alignment_said()}"
+                )
             start, nbytes = self.data_offset + rel, tensor_nbytes(ggml_type, ne)
             if rel != expect:
                 raise GGUFError(
@@ -250,7 +252,23 @@ class GGUFShard:
                     f"but the file has {size} bytes"
                 )
             out[name] = TensorInfo(name, ne, ggml_type, start, nbytes, self.path)
+        # Writers pad each tensor to the alignment, so the data ends within one alignment of the
+        # file's end. An alignment smaller than the one the data was written with starts the data
+        # section early (the header's end rounded up less far): every tensor would be read shifted,
+        # and at least one alignment's worth of bytes is left over at the end.
+        trailing = size - (self.data_offset + expect)
+        if out and trailing >= self.alignment:
+            raise GGUFError(
+                f"{self.path}: {trailing} bytes follow the last tensor's data (from byte "
+                f"{self.data_offset + expect}) with {self._alignment_said()}: the alignment does not match "
+                "the data (every tensor would be read shifted), or the file has bytes appended"
+            )
         return out
+
+    def _alignment_said(self) -> str:
+        if "general.alignment" in self.metadata:
+            return f"general.alignment={self.alignment}"
+        return f"the default alignment {self.alignment} (no general.alignment key)"
 
     # -- data ---------------------------------------------------------------------------------
     def raw(self, info: TensorInfo, start: int = 0, length: int | None = None) -> torch.Tensor:

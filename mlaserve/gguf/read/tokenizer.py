@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class GGUFTokenizer:
     pre: str | None
     tokens: list[str]
     token_types: list[int]
-    merges: list[str]
+    merges: list[str] | None  # None: the key is absent (GGUF has no empty arrays)
     bos_token_id: int | None
     eos_token_id: int | None
     eot_token_id: int | None
@@ -72,7 +73,7 @@ class GGUFTokenizer:
             t("pre"),
             list(t("tokens") or []),
             list(t("token_type") or []),
-            list(t("merges") or []),
+            None if t("merges") is None else list(t("merges")),
             t("bos_token_id"),
             t("eos_token_id"),
             t("eot_token_id"),
@@ -116,10 +117,28 @@ class GGUFTokenizer:
             raise GGUFError(
                 f"{self.path}: tokenizer.ggml.model={self.model!r} is not supported (only 'gpt2' byte-level BPE)"
             )
+        if not self.tokens:
+            raise GGUFError(f"{self.path}: tokenizer.ggml.tokens is missing or empty: the file has no token list")
+        if self.merges is None:
+            # llama.cpp refuses a BPE without the key ("cannot find tokenizer merges in model file");
+            # a vocabulary of single byte symbols needs none (and GGUF stores no empty array)
+            multi = self._merged_token()
+            if multi is not None:
+                raise GGUFError(
+                    f"{self.path}: tokenizer.ggml.merges is missing, but the vocabulary has merged tokens "
+                    f"(id {multi}: {self.tokens[multi]!r}): without the merges every text would be tokenized "
+                    "byte by byte"
+                )
+        if self.pre is None:  # llama.cpp's documented fallback, with its warning
+            warnings.warn(
+                f"{self.path}: tokenizer.ggml.pre is missing: using llama.cpp's 'default' pre-tokenizer, "
+                "which may split words differently from the model's own (regenerate the file to name it)",
+                stacklevel=2,
+            )
         vocab: dict[str, int] = {}
         for i, tok in enumerate(self.tokens):
             vocab.setdefault(tok, i)  # duplicate strings: the first id wins, as in llama.cpp
-        merges = [_split_merge(m, self.path) for m in self.merges]
+        merges = [_split_merge(m, self.path) for m in self.merges or []]
         tk = Tokenizer(
             models.BPE(
                 vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=self.pre == "llama-bpe"
@@ -130,6 +149,14 @@ class GGUFTokenizer:
         self._add_special_tokens(tk)
         self._post_processor(tk, self.prefix_ids(glm_prefix))
         return tk
+
+    def _merged_token(self) -> int | None:
+        """The id of the first normal token (not control / user-defined) longer than one symbol."""
+        for i, tok in enumerate(self.tokens):
+            kind = self.token_types[i] if i < len(self.token_types) else 1
+            if len(tok) > 1 and kind not in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
+                return i
+        return None
 
     def _pre_tokenizer(self):
         from tokenizers import Regex, pre_tokenizers
