@@ -17,6 +17,7 @@ stays usable for the next.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.sampling.params import SamplingParams
 from mlaserve.sampling.sampler import SamplerOutput, SamplingBatch, gather_logprobs, make_generator, sample
 from mlaserve.structured.backend import fill_bitmask
+
+_GRAMMAR_LOCK = threading.Lock()
 
 
 class Engine:
@@ -79,21 +82,29 @@ class Engine:
         if bad:
             raise ValueError(f"{who}: logit_bias token id {bad[0]} outside the vocabulary [0, {vocab})")
         if params.structured is not None:
-            if self.tokenizer is None:
-                raise ValueError(f"{who}: structured output needs the model's tokenizer, and this model has none")
-            if self.runner.drafter is not None:
-                raise ValueError(
-                    f"{who}: structured output is not supported with speculative decoding yet "
-                    "(start the engine without --speculative)"
-                )
-            self.grammar_backend().compile(params.structured)  # a spec that cannot compile is refused here
+            try:
+                self.check_params_structured(params.structured)
+            except ValueError as e:
+                raise ValueError(f"{who}: {e}") from None
+
+    def check_params_structured(self, spec) -> None:
+        """Whether this engine can run a StructuredOutputs: compiles it (cached); ValueError if not."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer, and this model has none")
+        if self.runner.drafter is not None:
+            raise ValueError(
+                "structured output is not supported with speculative decoding yet (start the engine without "
+                "--speculative)"
+            )
+        self.grammar_backend().compile(spec)  # a spec that cannot compile is refused here
 
     def grammar_backend(self):
-        """The grammar engine over this model's vocabulary (built once, on first use)."""
-        if self._grammar is None:
-            from mlaserve.structured.backend import GrammarBackend
+        """The grammar engine over this model's vocabulary (built once, on first use; any thread)."""
+        with _GRAMMAR_LOCK:
+            if self._grammar is None:
+                from mlaserve.structured.backend import GrammarBackend
 
-            self._grammar = GrammarBackend(self.tokenizer, self.cfg.model.vocab_size, sorted(self.eos_ids))
+                self._grammar = GrammarBackend(self.tokenizer, self.cfg.model.vocab_size, sorted(self.eos_ids))
         return self._grammar
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:

@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 from mlaserve.entrypoints.openai.completions import usage
+from mlaserve.entrypoints.openai.constraints import sampling_extras
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import ChatCompletionRequest
 from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
@@ -24,7 +25,7 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens(requested, len(ids), name)
     n_lp = (req.top_logprobs or 0) if req.logprobs else None
-    sp = serving.sampling(req, max_tokens, logprobs=n_lp)
+    sp = serving.sampling(req, max_tokens, logprobs=n_lp, **sampling_extras(serving, req, req.n))
     job_id = new_id("chatcmpl")
     subs = [SubRequest(j, f"{job_id}-0-{j}", ids) for j in range(req.n)]
     params = [replace(sp, seed=None if sp.seed is None else sp.seed + j) for j in range(req.n)]
