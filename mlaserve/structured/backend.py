@@ -94,6 +94,8 @@ class GrammarBackend:
             return c.compile_regex(spec.regex)
         if kind == "choice":
             return c.compile_regex("|".join(_regex_literal(s) for s in spec.choice))
+        if kind == "structural_tag":
+            return c.compile_structural_tag(spec.structural_tag)
         return c.compile_grammar(spec.grammar)
 
     def matcher(self, spec: StructuredOutputs) -> Matcher:

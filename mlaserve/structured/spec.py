@@ -8,6 +8,8 @@ Exactly one of the kinds is set:
     regex        the output matches this regular expression (whole output)
     choice       the output is exactly one of these strings
     grammar      an EBNF grammar (GBNF-style, `root ::= ...`)
+    structural_tag  an xgrammar structural tag (dict or JSON text): free text with constrained
+                 sections, e.g. a model's tool calls (mlaserve/tools/)
 
 The field names are vLLM's `structured_outputs` names.
 """
@@ -18,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: Any = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -41,6 +44,16 @@ class StructuredOutputs:
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured json: the schema must be a JSON object, got {type(schema).__name__}")
             set_("json", json.dumps(schema))  # text: a cache key; property order kept (generation order)
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            if isinstance(tag, str):
+                try:
+                    tag = json.loads(tag)
+                except ValueError as e:
+                    raise ValueError(f"structured structural_tag: not valid JSON: {e}") from None
+            if not isinstance(tag, dict):
+                raise ValueError(f"structured structural_tag must be a JSON object, got {type(tag).__name__}")
+            set_("structural_tag", json.dumps(tag))
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured json_object must be a bool, got {self.json_object!r}")
         for name in ("regex", "grammar"):

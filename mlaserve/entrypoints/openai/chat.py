@@ -14,6 +14,7 @@ from mlaserve.entrypoints.openai.constraints import sampling_extras
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import ChatCompletionRequest
 from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
+from mlaserve.entrypoints.openai.tool_calls import tool_context
 
 
 def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, list]:
@@ -25,11 +26,17 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens(requested, len(ids), name)
     n_lp = (req.top_logprobs or 0) if req.logprobs else None
-    sp = serving.sampling(req, max_tokens, logprobs=n_lp, **sampling_extras(serving, req, req.n))
+    extras = sampling_extras(serving, req, req.n)
+    ctx = tool_context(serving, req)  # tools: the grammar of the model's tool-call format
+    if ctx is not None:
+        extras["structured"] = ctx.structured
+    sp = serving.sampling(req, max_tokens, logprobs=n_lp, **extras)
     job_id = new_id("chatcmpl")
     subs = [SubRequest(j, f"{job_id}-0-{j}", ids) for j in range(req.n)]
     params = [replace(sp, seed=None if sp.seed is None else sp.seed + j) for j in range(req.n)]
-    return Job(job_id, subs), params
+    job = Job(job_id, subs)
+    job.tool_ctx = ctx
+    return job, params
 
 
 def logprobs_content(serving: OpenAIServing, ids: list[int], entries: list, n: int) -> list[dict]:
@@ -62,12 +69,16 @@ def response(serving: OpenAIServing, req: ChatCompletionRequest, job: Job) -> di
     for sub in sorted(job.subs, key=lambda s: s.index):
         c = sub.final.outputs[0]
         entries = (c.logprobs or [])[: len(c.token_ids)]
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        ctx = getattr(job, "tool_ctx", None)
+        if ctx is not None:
+            message, reason = ctx.message(c.text, c.finish_reason)
         choices.append(
             {
                 "index": sub.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": _logprobs(serving, req, list(c.token_ids), entries),
-                "finish_reason": c.finish_reason,
+                "finish_reason": reason,
             }
         )
     return {
@@ -87,11 +98,17 @@ def stream_delta(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, s
     ids = list(c.token_ids[sub.sent_tokens :])
     entries = (c.logprobs or [])[sub.sent_tokens : sub.sent_tokens + len(ids)]
     delta = {"content": c.text[sub.sent_text :]}
+    reason = c.finish_reason if out.finished else None
+    ctx = getattr(job, "tool_ctx", None)
+    if ctx is not None:  # content once it cannot start a call; each call whole when its section is complete
+        content, calls, reason = ctx.stream(sub.index, c.text, out.finished, reason)
+        delta = {"content": content}
+        if calls:
+            delta["tool_calls"] = calls
     if not sub.started:
         delta["role"] = "assistant"
     sub.started = True
     sub.sent_text, sub.sent_tokens = len(c.text), len(c.token_ids)
-    reason = c.finish_reason if out.finished else None
     ch = {
         "index": sub.index,
         "delta": delta,

@@ -87,6 +87,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, rendered back through the chat template
+    tool_call_id: str | None = None  # a tool result's call
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -103,6 +106,11 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict, description}}
     response_format: dict | None = None
+    # function tools (mlaserve/tools/): the call is generated under a grammar built from their schemas
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # none | auto | required | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. thinking)
 
 
 class TokenizeRequest(BaseModel):
