@@ -82,7 +82,7 @@ class ToolContext:
     sent: dict = field(default_factory=dict)  # choice index -> characters of content streamed
 
     @staticmethod
-    def build(tools, tool_choice, parallel_tool_calls, fmt) -> ToolContext | None:
+    def build(tools, tool_choice, parallel_tool_calls, fmt, thinking: bool = False) -> ToolContext | None:
         tools = check_tools(tools) if tools is not None else None
         mode, allowed = check_tool_choice(tool_choice, tools)
         if mode == "none":
@@ -96,7 +96,7 @@ class ToolContext:
                 fmt.XGRAMMAR_MODEL,
                 tools=allowed,
                 tool_choice="required" if mode == "forced" else mode,
-                reasoning="disabled",
+                reasoning="enabled" if thinking else "disabled",
                 parallel_tool_calls=parallel_tool_calls is not False,
                 max_whitespace_cnt=1,  # the schema's values, not blank space
             )

@@ -32,9 +32,11 @@ def _has_template(serving) -> bool:
     return bool(serving.chat_template or (serving.tokenizer and serving.tokenizer.chat_template))
 
 
-def tool_context(serving, req) -> ToolContext | None:
+def tool_context(serving, req, thinking: bool = False) -> ToolContext | None:
+    """thinking: the prompt opened <think>; the grammar lets the reasoning finish before any call."""
     try:
-        ctx = ToolContext.build(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format(serving))
+        fmt = tool_format(serving)
+        ctx = ToolContext.build(req.tools, req.tool_choice, req.parallel_tool_calls, fmt, thinking)
     except ToolRequestError as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
     if ctx is not None:
