@@ -121,10 +121,18 @@ def test_preemption_keeps_the_grammar(llm):
             jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_speculative_refused():
+def test_speculative_decoding_obeys_the_grammar(llm):
     spec = LLM(speculative="mtp")
-    with pytest.raises(ValueError, match="speculative"):
-        spec.generate(PROMPT, _json(PERSON))
+    greedy = _json(PERSON, temperature=0.0)
+    # greedy: identical to plain decoding (the drafts are checked against the masked argmax)
+    assert spec.generate(PROMPT, greedy)[0].outputs[0].text == llm.generate(PROMPT, greedy)[0].outputs[0].text
+    params = [_json(PERSON, temperature=1.0, seed=s) for s in range(4)] + [SamplingParams(max_tokens=30, seed=1)]
+    outs = spec.generate([PROMPT] * 5, params)
+    assert sum(o.metrics.get("num_draft_tokens", 0) for o in outs) > 0  # drafts were verified
+    for out in outs[:4]:
+        text, reason = _text(out)[0]
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_logit_bias(llm):

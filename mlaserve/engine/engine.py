@@ -91,11 +91,6 @@ class Engine:
         """Whether this engine can run a StructuredOutputs: compiles it (cached); ValueError if not."""
         if self.tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer, and this model has none")
-        if self.runner.drafter is not None:
-            raise ValueError(
-                "structured output is not supported with speculative decoding yet (start the engine without "
-                "--speculative)"
-            )
         self.grammar_backend().compile(spec)  # a spec that cannot compile is refused here
 
     def grammar_backend(self):

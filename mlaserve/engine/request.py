@@ -49,6 +49,8 @@ class Request:
     spec: SpecState | None = None  # the acceptance switch's state (engine/spec_switch.py)
     # Structured output: the request's position in its grammar (mlaserve/structured/backend.Matcher); it
     # follows output_ids, which preemption keeps, so it survives preemption and recompute unchanged.
+    # Speculative decoding never feeds it a draft: verification takes tokens one position at a time
+    # under the mask of the tokens taken so far, so a rejected draft leaves nothing to roll back.
     matcher: object | None = None
 
     @property
