@@ -36,7 +36,8 @@ def server():
 
 def _chat(server, **kw):
     kw.setdefault("max_tokens", 100)
-    return server.client().chat.completions.create(model=server.model, messages=MESSAGES, **kw)
+    kw.setdefault("messages", MESSAGES)
+    return server.client().chat.completions.create(model=server.model, **kw)
 
 
 def test_json_schema_validates_at_temperature_1_with_seeds_and_n2(server):
@@ -132,3 +133,15 @@ def test_logit_bias(server):
     tok = server.post("/tokenize", json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
     biased = _chat(server, temperature=0.0, max_tokens=1, logprobs=True, logit_bias={str(tok[0]): -100})
     assert biased.choices[0].logprobs.content[0].token != first
+
+
+def test_message_fields_read_or_refused(server):
+    reply = _chat(server, max_tokens=3, temperature=0.0).choices[0].message
+    # a client's own message object sent back as it came (refusal / annotations / audio / function_call null)
+    back = [*MESSAGES, reply.model_dump(), {"role": "user", "content": "And then?"}]
+    assert _chat(server, messages=back, max_tokens=2).choices
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(server, messages=[{"role": "user", "content": "hi", "cache_control": {"type": "ephemeral"}}])
+    assert "cache_control" in e.value.body["message"] and e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        _chat(server, messages=[{"role": "assistant", "content": "x", "audio": {"id": "a"}}])

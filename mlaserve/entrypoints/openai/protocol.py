@@ -83,13 +83,26 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # An unknown field is a 400 naming it (a message part mlaserve would drop must not look read).
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls, rendered back through the chat template
     tool_call_id: str | None = None  # a tool result's call
     reasoning_content: str | None = None
+    # What the openai client's ChatCompletionMessage.model_dump() carries back: accepted while empty.
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: None = None
+    function_call: None = None
+
+    @field_validator("annotations")
+    @classmethod
+    def _no_annotations(cls, v):
+        if v:
+            raise ValueError("message annotations are not supported")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
