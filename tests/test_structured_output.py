@@ -204,3 +204,16 @@ def test_fuzz_random_schemas_validate_or_refuse(llm, schema, seed):
         return
     assert reason == "stop"
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_chunked_prefill_and_prefix_cache_keep_the_output(llm):
+    long_prompt = PROMPT + " And they went forth, and preached every where, the Lord working with them." * 3
+    chunked = LLM(max_num_batched_tokens=16, page_size=16)  # the prompt is prefilled over several steps
+    params = [_json(PERSON, temperature=0.0), _json(PERSON, temperature=1.0, seed=11)]
+    want = [o.outputs[0].text for o in llm.generate([long_prompt] * 2, params)]
+    for _ in range(2):  # the second time the prompt's pages come from the prefix cache
+        outs = chunked.generate([long_prompt] * 2, params)
+        assert [o.outputs[0].text for o in outs] == want
+    assert outs[0].metrics["num_cached_prompt_tokens"] > 0
+    for text in want:
+        jsonschema.validate(json.loads(text), PERSON)
