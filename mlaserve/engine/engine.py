@@ -17,6 +17,7 @@ stays usable for the next.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -35,6 +36,9 @@ from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.sampling.params import SamplingParams
 from mlaserve.sampling.sampler import SamplerOutput, SamplingBatch, gather_logprobs, make_generator, sample
+from mlaserve.structured.backend import fill_bitmask
+
+_GRAMMAR_LOCK = threading.Lock()
 
 
 class Engine:
@@ -53,6 +57,7 @@ class Engine:
         self.max_model_len = min(max_len, cfg.model.max_position_embeddings)
         self.step_count = 0
         self._noted_context_limit = False
+        self._grammar = None  # structured/backend.GrammarBackend, built at the first structured request
         # Speculative decoding's acceptance switch (per request state, an engine-wide prior).
         self.spec_switch = SpeculationSwitch(
             cfg.speculative_min_acceptance, cfg.speculative_probe_interval, cfg.speculative_acceptance_weight
@@ -73,6 +78,29 @@ class Engine:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise ValueError(f"{who}: {name} must be <= the vocabulary size {vocab}, got {value}")
+        bad = sorted(t for t in (params.logit_bias or {}) if t >= vocab)
+        if bad:
+            raise ValueError(f"{who}: logit_bias token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if params.structured is not None:
+            try:
+                self.check_params_structured(params.structured)
+            except ValueError as e:
+                raise ValueError(f"{who}: {e}") from None
+
+    def check_params_structured(self, spec) -> None:
+        """Whether this engine can run a StructuredOutputs: compiles it (cached); ValueError if not."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer, and this model has none")
+        self.grammar_backend().compile(spec)  # a spec that cannot compile is refused here
+
+    def grammar_backend(self):
+        """The grammar engine over this model's vocabulary (built once, on first use; any thread)."""
+        with _GRAMMAR_LOCK:
+            if self._grammar is None:
+                from mlaserve.structured.backend import GrammarBackend
+
+                self._grammar = GrammarBackend(self.tokenizer, self.cfg.model.vocab_size, sorted(self.eos_ids))
+        return self._grammar
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         rid = request_id if request_id is not None else str(next(self._ids))
@@ -81,6 +109,8 @@ class Engine:
         ids = self.check_prompt(prompt_ids, f"request {rid}")
         self.check_params(params, f"request {rid}")
         req = Request(rid, ids, params)
+        if params.structured is not None:  # compiled (or found in the cache) now: a bad spec never queues
+            req.matcher = self.grammar_backend().matcher(params.structured)
         if params.seed is not None:
             req.generator = make_generator(params.seed)
         if self.tokenizer is not None:
@@ -185,6 +215,7 @@ class Engine:
             logits.shape[-1],
             eos_token_id=tuple(self.eos_ids),
             device=logits.device,
+            token_bitmask=fill_bitmask([r.matcher for r in reqs], logits.shape[-1]),
         )
 
     # --- the per-request bookkeeping of a step, shared with speculative steps (engine/spec_host.py)
@@ -257,6 +288,8 @@ class Engine:
         if tok in p.all_stop_token_ids(self.eos_ids) and len(req.output_ids) >= p.min_tokens:
             self._finish(req, "stop")
             return
+        if req.matcher is not None:
+            req.matcher.accept(tok)  # a token the mask forbade fails the request (never a silent drift)
         req.output_ids.append(tok)
         detok = self._detok.get(req.request_id)
         if detok is not None:

@@ -47,6 +47,11 @@ class Request:
     num_accepted_tokens: int = 0  # of those, accepted
     num_verify_steps: int = 0  # steps that verified at least one draft
     spec: SpecState | None = None  # the acceptance switch's state (engine/spec_switch.py)
+    # Structured output: the request's position in its grammar (mlaserve/structured/backend.Matcher); it
+    # follows output_ids, which preemption keeps, so it survives preemption and recompute unchanged.
+    # Speculative decoding never feeds it a draft: verification takes tokens one position at a time
+    # under the mask of the tokens taken so far, so a rejected draft leaves nothing to roll back.
+    matcher: object | None = None
 
     @property
     def all_ids(self) -> list[int]:

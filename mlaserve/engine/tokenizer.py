@@ -49,10 +49,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the folder's chat template; without one, a plain 'role: content' transcript."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render the folder's chat template (kwargs: more template variables, e.g. tools); without one, a
+        plain 'role: content' transcript (tools, if any, named on a first 'tools: ...' line)."""
         if not self.chat_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
+            if kwargs.get("tools"):
+                names = [t.get("function", {}).get("name", "?") for t in kwargs["tools"]]
+                lines.insert(0, "tools: " + ", ".join(names))  # a template-less model reads names only
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
         import jinja2
 
@@ -63,5 +67,5 @@ class Tokenizer:
             if k in ("bos_token", "eos_token", "pad_token")
         }
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special
+            **{**special, **kwargs}, messages=messages, add_generation_prompt=add_generation_prompt
         )

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mlaserve.structured.spec import StructuredOutputs
+
 # Temperatures below this are treated as greedy decoding (as in vLLM): dividing
 # logits by a tiny temperature overflows float32 and means "argmax" anyway.
 SAMPLING_EPS = 1e-5
@@ -51,6 +53,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema / JSON object / regex / choice / grammar
+    # (mlaserve.structured.StructuredOutputs, or a dict of its fields).
+    structured: StructuredOutputs | None = None
+    # {token id: bias in [-100, 100]} added to the logits before every other stage (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -99,6 +106,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 _fail(name, value, "must be a bool")
+
+        set_("structured", _normalise_structured(self.structured, self))
+        set_("logit_bias", _normalise_logit_bias(self.logit_bias))
 
         for name in (
             "temperature",
@@ -163,6 +173,42 @@ def _normalise_stop(stop: Any) -> tuple:
         if not isinstance(s, str) or not s:
             _fail("stop", stop, "must contain only non-empty strings")
     return tuple(stop)
+
+
+def _normalise_structured(spec: Any, params: SamplingParams) -> StructuredOutputs | None:
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - set(StructuredOutputs.__dataclass_fields__))
+        if unknown:
+            _fail("structured", spec, f"has unknown field(s) {', '.join(unknown)}")
+        spec = StructuredOutputs(**spec)
+    if not isinstance(spec, StructuredOutputs):
+        _fail("structured", spec, "must be a StructuredOutputs (or a dict of its fields)")
+    # The grammar decides when the output may end (it allows EOS only once complete): a floor on the
+    # length or an ignored EOS would force tokens the grammar does not allow.
+    if params.min_tokens:
+        _fail("structured", spec.kind, f"cannot be combined with min_tokens ({params.min_tokens})")
+    if params.ignore_eos:
+        _fail("structured", spec.kind, "cannot be combined with ignore_eos")
+    return spec
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        _fail("logit_bias", bias, "must be a dict {token id: bias}")
+    out = {}
+    for tok, value in bias.items():
+        if isinstance(tok, str) and tok.lstrip("-").isdigit():
+            tok = int(tok)  # JSON object keys are strings
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            _fail("logit_bias", bias, f"keys must be non-negative token ids, got {tok!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            _fail("logit_bias", bias, f"values must be numbers in [-100, 100], got {value!r} for token {tok}")
+        out[tok] = float(value)
+    return out or None
 
 
 def _normalise_stop_token_ids(ids: Any) -> tuple:

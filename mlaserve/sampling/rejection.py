@@ -3,8 +3,8 @@ distribution, whatever the draft proposed (Leviathan et al. 2023, Chen et al. 20
 
 Notation
   B        rows (one verify position of one request each)
-  p [B, V] the target's distribution at that position: the same penalties, min_tokens mask,
-           temperature and top-k/top-p/min-p filters as plain sampling (target_probs)
+  p [B, V] the target's distribution at that position: the same logit_bias, grammar mask, penalties,
+           min_tokens mask, temperature and top-k/top-p/min-p filters as plain sampling (target_probs)
   q [B, V] the draft's distribution for its token d [B]; one-hot when the draft is greedy (MTP drafts are)
   u [B]    uniform in [0, 1)
 Rule: accept d iff u < p(d) / q(d); else draw from the residual r = max(p - q, 0) / sum(max(p - q, 0)).
@@ -21,14 +21,17 @@ from mlaserve.sampling.sampler import (
     _apply_min_tokens,
     _apply_penalties,
     _exponential_race,
+    apply_bias_and_grammar,
     filtered_probs,
 )
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """p [B, V]: what `sample` draws from for random rows (greedy rows use temperature 1 here; callers
-    take greedy rows through `sample`'s argmax instead)."""
-    return filtered_probs(_apply_min_tokens(_apply_penalties(logits.float(), batch), batch), batch)
+    take greedy rows through `sample`'s argmax instead). logit_bias and the grammar mask included: a draft
+    the row's grammar forbids has p = 0, so it is rejected and the residual draw obeys the grammar."""
+    logits = apply_bias_and_grammar(logits.float(), batch)
+    return filtered_probs(_apply_min_tokens(_apply_penalties(logits, batch), batch), batch)
 
 
 def uniform(n: int, generators: dict[int, torch.Generator], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -11,6 +11,8 @@ Notation
 Pipeline for one step (`sample`)
 --------------------------------
     raw logprobs = log_softmax(logits)                  (only if logprobs are requested)
+    logits = logits + logit_bias                        per-row additive bias (OpenAI logit_bias)
+    logits = grammar mask(logits)                       tokens the row's grammar forbids -> -inf
     logits = penalties(logits)                          repetition / presence / frequency
     logits = min_tokens mask(logits)                    EOS and stop ids -> -inf while too short
     greedy rows:  argmax(logits)
@@ -99,6 +101,10 @@ class SamplingBatch:
     # Only built when some row uses the penalty that needs it.
     output_counts: torch.Tensor | None = _per_row()  # float32 [B, V]: occurrences in the output
     seen_mask: torch.Tensor | None = _per_row()  # bool [B, V]: token in prompt or output
+    # Structured output: bit t of row i (word t // 32, bit t % 32) set iff the row's grammar allows
+    # token t next; unconstrained rows are all ones. None when no row is constrained.
+    token_bitmask: torch.Tensor | None = _per_row()  # int32 [B, ceil(V/32)]
+    logit_bias: torch.Tensor | None = _per_row()  # float32 [B, V], added to the logits; None if no row has one
     # (row, token) pairs to force to -inf because the row is below min_tokens.
     banned_rows: torch.Tensor | None  # int64 [M]
     banned_tokens: torch.Tensor | None  # int64 [M]
@@ -124,6 +130,7 @@ class SamplingBatch:
         *,
         eos_token_id: int | None | Sequence[int] = None,
         device: torch.device | str | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """Gather the rows' parameters into tensors.
 
@@ -134,6 +141,7 @@ class SamplingBatch:
         eos_token_id: masked, with the row's stop_token_ids, while the row has fewer
         than `min_tokens` output tokens (unless ignore_eos, as in vLLM).
         device: where the tensors live (the logits' device); default CPU.
+        token_bitmask: int32 [B, ceil(V/32)] from the rows' grammars (structured/backend.fill_bitmask).
         """
         B = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(generators) == B):
@@ -160,6 +168,8 @@ class SamplingBatch:
         output_counts, seen_mask = _penalty_counts(prompt_ids, output_ids, V, dev, need_seen, need_counts)
         banned_rows, banned_tokens = _min_tokens_bans(params, output_ids, V, eos_token_id)
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        if token_bitmask is not None and tuple(token_bitmask.shape) != (B, (V + 31) // 32):
+            raise ValueError(f"token_bitmask must be [{B}, {(V + 31) // 32}], got {list(token_bitmask.shape)}")
         return cls(
             vocab_size=V,
             temperature=f32([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
@@ -172,6 +182,8 @@ class SamplingBatch:
             frequency_penalty=f32(freq),
             output_counts=output_counts,
             seen_mask=seen_mask,
+            token_bitmask=token_bitmask.to(dev) if token_bitmask is not None else None,
+            logit_bias=_logit_bias(params, V, dev),
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=dev) if banned_rows else None,
             banned_tokens=torch.tensor(banned_tokens, dtype=torch.int64, device=dev) if banned_rows else None,
             generators={row: gen for row, gen in enumerate(generators) if gen is not None and not greedy[row]},
@@ -223,6 +235,22 @@ def _penalty_counts(
         return output_counts, None
     in_output = output_counts if output_counts is not None else _token_counts(output_ids, V, dev)
     return output_counts, (_token_counts(prompt_ids, V, dev) > 0) | (in_output > 0)
+
+
+def _logit_bias(params: Sequence[SamplingParams], V: int, dev: torch.device) -> torch.Tensor | None:
+    """float32 [B, V] of the rows' logit_bias (zeros elsewhere); None when no row has one."""
+    if not any(p.logit_bias for p in params):
+        return None
+    rows, toks, vals = [], [], []
+    for row, p in enumerate(params):
+        for tok, v in (p.logit_bias or {}).items():
+            if tok < V:
+                rows.append(row)
+                toks.append(tok)
+                vals.append(v)
+    bias = torch.zeros(len(params), V, dtype=torch.float32)
+    bias[torch.tensor(rows, dtype=torch.int64), torch.tensor(toks, dtype=torch.int64)] = torch.tensor(vals)
+    return bias.to(dev)
 
 
 def _min_tokens_bans(
@@ -291,6 +319,7 @@ def sample(
     # Computed first: later stages replace `logits`, but raw logprobs describe the model.
     raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
 
+    logits = apply_bias_and_grammar(logits, batch)
     logits = _apply_penalties(logits, batch)
     logits = _apply_min_tokens(logits, batch)
 
@@ -330,6 +359,25 @@ def gather_logprobs(
     else:
         values, ids = chosen, token_ids.unsqueeze(1)
     return values, ids, ranks
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [B, W] -> bool [B, V]: token t allowed iff bit t % 32 of word t // 32 is set."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1  # [B, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bias_and_grammar(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logit_bias (added), then the grammar mask (forbidden tokens -> -inf); a new tensor when either
+    applies. First in the pipeline: penalties, temperature and the filters see only allowed tokens."""
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
+    if batch.token_bitmask is not None:
+        logits = logits.masked_fill(~unpack_bitmask(batch.token_bitmask, logits.shape[-1]), _NEG_INF)
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -10,9 +10,17 @@ import time
 from dataclasses import replace
 
 from mlaserve.entrypoints.openai.completions import usage
+from mlaserve.entrypoints.openai.constraints import sampling_extras
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import ChatCompletionRequest
+from mlaserve.entrypoints.openai.reasoning import (
+    ReasoningSplitter,
+    after_reasoning,
+    prompt_opens_thinking,
+    template_thinks,
+)
 from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
+from mlaserve.entrypoints.openai.tool_calls import tool_context
 
 
 def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, list]:
@@ -24,11 +32,27 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.max_tokens(requested, len(ids), name)
     n_lp = (req.top_logprobs or 0) if req.logprobs else None
-    sp = serving.sampling(req, max_tokens, logprobs=n_lp)
+    extras = sampling_extras(serving, req, req.n)
+    # a thinking template whose prompt opens <think>: reasoning first, then content (and the grammar)
+    splitter = ReasoningSplitter(prompt_opens_thinking(serving, ids)) if template_thinks(serving) else None
+    thinking = splitter is not None and splitter.in_reasoning
+    ctx = tool_context(serving, req, thinking)  # tools: the grammar of the model's tool-call format
+    if ctx is not None:
+        extras["structured"] = ctx.structured
+    elif thinking and extras["structured"] is not None:
+        try:
+            extras["structured"] = after_reasoning(extras["structured"])
+            serving.llm.engine.check_params_structured(extras["structured"])
+        except ValueError as e:
+            field = "response_format" if req.response_format is not None else "structured_outputs"
+            raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
+    sp = serving.sampling(req, max_tokens, logprobs=n_lp, **extras)
     job_id = new_id("chatcmpl")
     subs = [SubRequest(j, f"{job_id}-0-{j}", ids) for j in range(req.n)]
     params = [replace(sp, seed=None if sp.seed is None else sp.seed + j) for j in range(req.n)]
-    return Job(job_id, subs), params
+    job = Job(job_id, subs)
+    job.tool_ctx, job.reasoning = ctx, splitter
+    return job, params
 
 
 def logprobs_content(serving: OpenAIServing, ids: list[int], entries: list, n: int) -> list[dict]:
@@ -61,12 +85,21 @@ def response(serving: OpenAIServing, req: ChatCompletionRequest, job: Job) -> di
     for sub in sorted(job.subs, key=lambda s: s.index):
         c = sub.final.outputs[0]
         entries = (c.logprobs or [])[: len(c.token_ids)]
+        reasoning, text = None, c.text
+        if getattr(job, "reasoning", None) is not None:
+            reasoning, text = job.reasoning.split(c.text)
+        message, reason = {"role": "assistant", "content": text}, c.finish_reason
+        ctx = getattr(job, "tool_ctx", None)
+        if ctx is not None:
+            message, reason = ctx.message(text, c.finish_reason)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         choices.append(
             {
                 "index": sub.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": _logprobs(serving, req, list(c.token_ids), entries),
-                "finish_reason": c.finish_reason,
+                "finish_reason": reason,
             }
         )
     return {
@@ -86,11 +119,26 @@ def stream_delta(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, s
     ids = list(c.token_ids[sub.sent_tokens :])
     entries = (c.logprobs or [])[sub.sent_tokens : sub.sent_tokens + len(ids)]
     delta = {"content": c.text[sub.sent_text :]}
+    reason = c.finish_reason if out.finished else None
+    text, splitter, think = c.text, getattr(job, "reasoning", None), {}
+    if splitter is not None:  # reasoning as it comes; content from what follows </think>
+        reasoning, text = splitter.stream(sub.index, c.text, out.finished)
+        sent = splitter.sent.setdefault(("content", sub.index), 0)
+        delta = {"content": text[sent:]}
+        splitter.sent[("content", sub.index)] = max(sent, len(text))
+        if reasoning:
+            think = {"reasoning_content": reasoning}
+    ctx = getattr(job, "tool_ctx", None)
+    if ctx is not None:  # content once it cannot start a call; each call whole when its section is complete
+        content, calls, reason = ctx.stream(sub.index, text, out.finished, reason)
+        delta = {"content": content}
+        if calls:
+            delta["tool_calls"] = calls
+    delta.update(think)
     if not sub.started:
         delta["role"] = "assistant"
     sub.started = True
     sub.sent_text, sub.sent_tokens = len(c.text), len(c.token_ids)
-    reason = c.finish_reason if out.finished else None
     ch = {
         "index": sub.index,
         "delta": delta,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from mlaserve.entrypoints.openai.constraints import sampling_extras
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import CompletionRequest
 from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
@@ -22,12 +23,13 @@ def build_job(serving: OpenAIServing, req: CompletionRequest) -> tuple[Job, list
             400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens", "invalid_value"
         )
     scoring = req.echo and req.max_tokens == 0
+    extras = sampling_extras(serving, req, req.n)
     job_id = new_id("cmpl")
     subs, params = [], []
     for i, (ids, text) in enumerate(serving.completion_prompts(req)):
         max_tokens = serving.max_tokens(1 if scoring else req.max_tokens, len(ids), "max_tokens")
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-        sp = serving.sampling(req, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_lp)
+        sp = serving.sampling(req, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_lp, **extras)
         echo_text = (text if text is not None else serving.decode(ids)) if req.echo else None
         for j in range(req.n):
             idx = i * req.n + j

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API as pydantic models (OpenAI's names and ranges).
 
 Validation here rejects what is wrong in the body alone (types, ranges, empty prompts); what
-depends on the model (context length, vocabulary, model name) is checked in serving.py. Unknown
-fields are ignored, as OpenAI's own clients send a few extras (`user`, `logit_bias={}`).
+depends on the model (context length, vocabulary, model name) is checked in serving.py. An unknown
+top-level field is a 400 naming it (a field mlaserve would ignore must not look honoured); `user`, which
+OpenAI's clients may send, is accepted and has no effect on the output.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both endpoints share; None = the model's generation_config.json, else OpenAI's default."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -42,6 +43,12 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    user: str | None = None  # an end-user id for the client's own tracking; no effect on the output
+    # {token id (as a string, as JSON keys are): bias in [-100, 100]} (sampling/sampler.py)
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, ge=1)  # refused above 1 (entrypoints/openai/constraints.py)
+    # vLLM's extra body: one of json / json_object / regex / choice / grammar (mlaserve/structured/)
+    structured_outputs: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -76,10 +83,26 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # An unknown field is a 400 naming it (a message part mlaserve would drop must not look read).
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, rendered back through the chat template
+    tool_call_id: str | None = None  # a tool result's call
+    reasoning_content: str | None = None
+    # What the openai client's ChatCompletionMessage.model_dump() carries back: accepted while empty.
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: None = None
+    function_call: None = None
+
+    @field_validator("annotations")
+    @classmethod
+    def _no_annotations(cls, v):
+        if v:
+            raise ValueError("message annotations are not supported")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -94,6 +117,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict, description}}
+    response_format: dict | None = None
+    # function tools (mlaserve/tools/): the call is generated under a grammar built from their schemas
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # none | auto | required | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. thinking)
 
 
 class TokenizeRequest(BaseModel):

@@ -17,6 +17,7 @@ import uvicorn
 from mlaserve.engine.engine_loop import EngineLoop
 from mlaserve.entrypoints.openai.app import build_app
 from mlaserve.entrypoints.openai.serving import OpenAIServing
+from mlaserve.entrypoints.openai.tool_calls import set_tool_format
 from mlaserve.observability.metrics import RouteTap, ServerMetrics
 from mlaserve.observability.trace import MemoryTracer, make_tracer
 
@@ -59,6 +60,7 @@ class _Server(uvicorn.Server):
 def run(args, llm, chat_template: str | None) -> int:
     served = args.served_model_name or Path(str(llm.loaded.path)).name
     app, loop, serving = build_server(llm, served, args.max_queued, args.api_key, chat_template)
+    set_tool_format(serving, getattr(args, "tool_call_parser", None))
     loop.start()
     config = uvicorn.Config(
         app,

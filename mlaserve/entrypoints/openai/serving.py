@@ -113,13 +113,15 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: chat needs one", "messages", "no_tokenizer")
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        from mlaserve.entrypoints.openai.tool_calls import prompt_messages
+
+        msgs, template_kwargs = prompt_messages(self, req)  # tool calls, tool results, tools, template kwargs
         tok = self.tokenizer
         saved = tok.chat_template
         try:
             if self.chat_template is not None:
                 tok.chat_template = self.chat_template
-            text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+            text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt, **template_kwargs)
         except Exception as e:  # a template that raises on these messages is the request's problem
             raise APIError(400, f"chat template failed on these messages: {e}", "messages", "invalid_value") from e
         finally:

@@ -1,0 +1,94 @@
+"""Request fields that constrain sampling: response_format, structured_outputs, logit_bias, best_of.
+
+-> the SamplingParams keywords `structured` and `logit_bias`. Everything is checked here, before the
+request reaches the engine: a malformed constraint, or a schema / regex / grammar the grammar engine
+cannot compile, is a 400 whose `param` names the field it came from.
+"""
+
+from __future__ import annotations
+
+from mlaserve.entrypoints.openai.errors import APIError
+from mlaserve.structured.spec import KINDS, StructuredOutputs
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def _bad(field: str, message: str) -> APIError:
+    return APIError(400, f"{field}: {message}", field.split(".")[0], "invalid_value")
+
+
+def from_response_format(rf: dict | None) -> StructuredOutputs | None:
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind not in _RESPONSE_FORMATS:
+        raise _bad("response_format.type", f"must be one of {', '.join(_RESPONSE_FORMATS)}, got {kind!r}")
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    unknown = sorted(set(rf) - allowed)
+    if unknown:
+        raise _bad(f"response_format.{unknown[0]}", f"unknown field for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise _bad("response_format.json_schema", "must be an object {name, schema, strict}")
+    unknown = sorted(set(js) - _JSON_SCHEMA_KEYS)
+    if unknown:
+        raise _bad(f"response_format.json_schema.{unknown[0]}", "unknown field")
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise _bad("response_format.json_schema.name", "is required (a non-empty string)")
+    if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
+        raise _bad("response_format.json_schema.strict", f"must be a bool, got {js['strict']!r}")
+    schema = js.get("schema")
+    if not isinstance(schema, dict):
+        raise _bad("response_format.json_schema.schema", "is required (a JSON schema object)")
+    # strict or not, the output is generated under the schema (strict only makes OpenAI check the schema)
+    return StructuredOutputs(json=schema)
+
+
+def from_structured_outputs(so: dict | None) -> StructuredOutputs | None:
+    if so is None:
+        return None
+    unknown = sorted(set(so) - set(KINDS))
+    if unknown:
+        raise _bad(f"structured_outputs.{unknown[0]}", f"not supported (supported: {', '.join(KINDS)})")
+    set_ = {k: v for k, v in so.items() if v is not None and v is not False}
+    if len(set_) != 1:
+        raise _bad("structured_outputs", f"needs exactly one of {', '.join(KINDS)}, got {sorted(set_) or 'none'}")
+    try:
+        return StructuredOutputs(**set_)
+    except (ValueError, TypeError) as e:
+        raise _bad(f"structured_outputs.{next(iter(set_))}", str(e)) from None
+
+
+def sampling_extras(serving, req, n: int) -> dict:
+    """-> {"structured": ..., "logit_bias": ...} for SamplingParams; APIError 400 naming the field."""
+    if req.best_of is not None and req.best_of > 1:
+        raise _bad("best_of", f"best_of {req.best_of} is not supported (ask for n samples and rank them yourself)")
+    spec, field = from_structured_outputs(req.structured_outputs), "structured_outputs"
+    rf = getattr(req, "response_format", None)
+    if rf is not None:
+        if spec is not None:
+            raise _bad("response_format", "cannot be combined with structured_outputs")
+        spec, field = from_response_format(rf), "response_format"
+    if spec is not None:
+        if req.ignore_eos:
+            raise _bad(field, "cannot be combined with ignore_eos")
+        try:
+            serving.llm.engine.check_params_structured(spec)
+        except ValueError as e:
+            raise _bad(field, str(e)) from None
+    bias = None
+    if req.logit_bias:
+        bias = {}
+        vocab = serving.llm.config.model.vocab_size
+        for key, value in req.logit_bias.items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise _bad("logit_bias", f"keys must be token ids in [0, {vocab}), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise _bad("logit_bias", f"values must be in [-100, 100], got {value} for token {key}")
+            bias[int(key)] = value
+    return {"structured": spec, "logit_bias": bias}

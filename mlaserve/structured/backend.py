@@ -1,0 +1,119 @@
+"""The grammar engine (xgrammar) behind one small interface.
+
+    backend = GrammarBackend(tokenizer, vocab_size, stop_ids)   # once per engine, on first use
+    matcher = backend.matcher(spec)                             # at add_request: compiles (cached)
+    bitmask = fill_bitmask([matcher or None per row], vocab)    # each step: int32 [B, ceil(V/32)]
+    matcher.accept(token)                                       # each sampled token
+
+A spec the engine cannot compile raises ValueError("structured <kind>: ..."), which the server turns
+into a 400 naming the part. The bitmask is what `sampling.sampler.sample` applies to the logits before
+every other stage; this module is the only one that imports xgrammar.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from mlaserve.structured.spec import StructuredOutputs
+
+_ERR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
+_CACHE_LIMIT = 256  # compiled grammars kept (xgrammar also caches, by bytes)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def accept(self, token_id: int) -> None:
+        if not self._m.accept_token(int(token_id)):
+            raise ValueError(f"token {token_id} is not allowed by the request's grammar")
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+class GrammarBackend:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        self._xgr = xgr
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok)
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            hf, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
+        )
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._cache: dict[tuple[str, str], object] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputs):
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        try:
+            compiled = self._compile(spec)
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the reason
+            why = _ERR_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
+            raise ValueError(f"structured {spec.kind}: cannot be compiled: {why}") from None
+        with self._lock:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = compiled
+        return compiled
+
+    def _compile(self, spec: StructuredOutputs):
+        c = self.compiler
+        kind = spec.kind
+        if kind == "json":
+            # Compact JSON (no free whitespace): the output still validates, and a model cannot spend
+            # its tokens on blank space. strict_mode: properties a schema does not name are not generated.
+            return c.compile_json_schema(spec.json, any_whitespace=False, strict_mode=True)
+        if kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if kind == "regex":
+            return c.compile_regex(spec.regex)
+        if kind == "choice":
+            return c.compile_regex("|".join(_regex_literal(s) for s in spec.choice))
+        if kind == "structural_tag":
+            return c.compile_structural_tag(spec.structural_tag)
+        return c.compile_grammar(spec.grammar)
+
+    def matcher(self, spec: StructuredOutputs) -> Matcher:
+        return Matcher(self._xgr.GrammarMatcher(self.compile(spec)))
+
+
+def fill_bitmask(matchers: Sequence[Matcher | None], vocab_size: int) -> torch.Tensor | None:
+    """int32 [B, ceil(V/32)]: bit t of row i (word t // 32, bit t % 32) set iff token t may follow;
+    rows without a matcher allow everything. None when no row is constrained."""
+    if all(m is None for m in matchers):
+        return None
+    bitmask = torch.full((len(matchers), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    for row, m in enumerate(matchers):
+        if m is not None:
+            m.fill(bitmask, row)
+    return bitmask
+
+
+def _regex_literal(s: str) -> str:
+    """s as a regex that matches exactly s (xgrammar's regex dialect: escape every metacharacter)."""
+    return "(" + "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch for ch in s) + ")"
