@@ -79,6 +79,7 @@ async def _run(serving: OpenAIServing, mod, req, raw: Request, kind: str):
     try:
         async for _ in serving.outputs(job, raw):
             pass
+        serving.raise_if_all_failed(job)  # some choices failed: the others are returned, status 200
         return mod.response(serving, req, job)
     except APIError as e:
         status, e.counted = e.status, True

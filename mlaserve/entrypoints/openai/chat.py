@@ -12,7 +12,7 @@ from dataclasses import replace
 from mlaserve.entrypoints.openai.completions import usage
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import ChatCompletionRequest
-from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
+from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, choice_error, new_id, sse_chunk
 
 
 def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, list]:
@@ -69,6 +69,8 @@ def response(serving: OpenAIServing, req: ChatCompletionRequest, job: Job) -> di
                 "finish_reason": c.finish_reason,
             }
         )
+        if sub.error:
+            choices[-1]["error"] = choice_error(sub)
     return {
         "id": job.id,
         "object": "chat.completion",
@@ -97,6 +99,8 @@ def stream_delta(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, s
         "logprobs": _logprobs(serving, req, ids, entries),
         "finish_reason": reason,
     }
+    if sub.error:
+        ch["error"] = choice_error(sub)
     return sse_chunk(serving, job, "chat.completion.chunk", [ch])
 
 
@@ -105,6 +109,7 @@ async def stream(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, r
         chunk = stream_delta(serving, req, job, sub, out)
         if chunk is not None:
             yield chunk
+    serving.raise_if_all_failed(job)  # nothing was produced: an error event, then [DONE]
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse_chunk(serving, job, "chat.completion.chunk", [], usage(job))
     yield "data: [DONE]\n\n"

@@ -41,6 +41,7 @@ class SubRequest:
     sent_text: int = 0  # characters already streamed
     sent_tokens: int = 0
     started: bool = False  # the first chunk (role / echoed prompt) went out
+    error: str | None = None  # the engine failed this one: its choice ends with finish_reason "error"
 
 
 @dataclass
@@ -227,8 +228,9 @@ class OpenAIServing:
         self.in_flight -= len(job.subs)
 
     async def outputs(self, job: Job, raw_request) -> AsyncIterator[tuple[SubRequest, RequestOutput]]:
-        """Each output of the job's engine requests as it arrives; raises APIError 500 when the
-        engine failed one of them, and stops (aborting) when the client is gone."""
+        """Each output of the job's engine requests as it arrives, and stops (aborting) when the client
+        is gone. A sub-request the engine failed comes back with finish_reason "error" and `sub.error`
+        set; the others go on (`all_failed` says whether anything was produced)."""
         by_rid = {s.rid: s for s in job.subs}
         last_check = time.monotonic()
         while not job.done:
@@ -242,17 +244,23 @@ class OpenAIServing:
                     raise ClientGone(job.id)
             if item is None:
                 continue
-            if isinstance(item, StepFailure):
-                by_rid[item.request_id].final = _failed(item)
-                raise APIError(500, f"the engine failed this request: {item.reason}", None, "engine_error")
             sub = by_rid[item.request_id]
+            if isinstance(item, StepFailure):
+                item, why = _failed(item), item.reason
+            else:
+                why = (getattr(item.outputs[0], "error", None) or "finish_reason error") if item.finished else None
             if item.finished:
                 sub.final = item
                 if item.outputs[0].finish_reason == "error":
-                    why = getattr(item.outputs[0], "error", None) or "finish_reason error"
+                    sub.error = f"the engine failed this request: {why}"
                     log.error("%s failed in the engine: %s", item.request_id, why)
-                    raise APIError(500, f"the engine failed this request: {why}", None, "engine_error")
             yield sub, item
+
+    @staticmethod
+    def raise_if_all_failed(job: Job) -> None:
+        """500 when the engine failed every choice of the request (nothing to return)."""
+        if job.subs and all(s.error for s in job.subs):
+            raise APIError(500, job.subs[0].error, None, "engine_error")
 
     def log_done(self, job: Job, status: int, kind: str) -> None:
         finals = [s.final for s in job.subs if s.final is not None]
@@ -289,6 +297,11 @@ def _failed(f: StepFailure) -> RequestOutput:
     from mlaserve.engine.request import CompletionOutput
 
     return RequestOutput(f.request_id, None, [], [CompletionOutput(0, "", [], "error")], True)
+
+
+def choice_error(sub: SubRequest) -> dict:
+    """The `error` object of a choice the engine failed (its finish_reason is "error")."""
+    return {"message": sub.error, "type": "server_error", "param": None, "code": "engine_error"}
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,95 @@
+"""Server contracts: every outcome reported truthfully, with the status it deserves.
+
+Most tests run the app in this process (tests/inproc_server.py) over one embedded model, so a test
+can inject a fault into the engine loop's outputs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from inproc_server import InProcServer
+
+from mlaserve.engine.engine_loop import StepFailure
+from mlaserve.entrypoints.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    srv = InProcServer(llm)
+    yield srv
+    srv.stop()
+
+
+def _inject(monkeypatch, server, doomed: dict[str, str]):
+    """Engine requests whose id ends with a key of `doomed` fail: "error" = finish_reason error from
+    the engine (as a request with non-finite logits gets), "step" = a StepFailure (step() raised)."""
+    loop = server.loop
+    real_add = loop.add
+
+    def add(prompt, params, rid, sink):
+        how = next((v for k, v in doomed.items() if rid.endswith(k)), None)
+        if how is None:
+            return real_add(prompt, params, rid, sink)
+
+        def failing(out):
+            if isinstance(out, StepFailure) or not out.finished:
+                return sink(out)
+            if how == "step":
+                return sink(StepFailure(rid, "injected step fault"))
+            bad = replace(out.outputs[0], finish_reason="error", error="non-finite logits (injected)")
+            return sink(replace(out, outputs=[bad]))
+
+        return real_add(prompt, params, rid, failing)
+
+    monkeypatch.setattr(loop, "add", add)
+
+
+BODY = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("how", ["error", "step"])
+def test_one_failed_choice_keeps_the_others(server, monkeypatch, how):
+    want = server.post("/v1/completions", json=dict(BODY, prompt=["In the beginning", "And God said"])).json()
+    _inject(monkeypatch, server, {"-1-0": how})
+    r = server.post("/v1/completions", json=dict(BODY, prompt=["In the beginning", "And God said"]))
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert choices[0]["text"] == want["choices"][0]["text"] and choices[0]["finish_reason"] == "length"
+    assert "error" not in choices[0]
+    assert choices[1]["finish_reason"] == "error"
+    assert choices[1]["error"]["type"] == "server_error" and "injected" in choices[1]["error"]["message"]
+    # n > 1 on chat: sample 1 of 3 fails
+    _inject(monkeypatch, server, {"-0-1": how})
+    chat = dict(BODY, messages=[{"role": "user", "content": "Hi"}], n=3)
+    r = server.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    reasons = {c["index"]: c["finish_reason"] for c in r.json()["choices"]}
+    assert reasons == {0: "length", 1: "error", 2: "length"}
+    assert server.wait_idle() == 0 and server.serving.in_flight == 0
+
+
+def test_one_failed_choice_in_a_stream(server, monkeypatch):
+    _inject(monkeypatch, server, {"-0-1": "error"})
+    r = server.post("/v1/completions", json=dict(BODY, prompt="In the beginning", n=2, stream=True))
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert not any("error" in e for e in events)  # no whole-request error event
+    finals = {c["index"]: c for e in events for c in e["choices"] if c["finish_reason"]}
+    assert finals[0]["finish_reason"] == "length" and finals[1]["finish_reason"] == "error"
+    assert "injected" in finals[1]["error"]["message"]
+
+
+def test_every_choice_failed_is_a_500(server, monkeypatch):
+    _inject(monkeypatch, server, {"-0": "error", "-1": "step"})
+    r = server.post("/v1/completions", json=dict(BODY, prompt="In the beginning", n=2))
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    r = server.post("/v1/completions", json=dict(BODY, prompt="In the beginning", n=2, stream=True))
+    assert '"server_error"' in r.text and r.text.endswith("data: [DONE]\n\n")
+    assert server.wait_idle() == 0 and server.serving.in_flight == 0
