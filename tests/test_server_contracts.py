@@ -93,3 +93,15 @@ def test_every_choice_failed_is_a_500(server, monkeypatch):
     r = server.post("/v1/completions", json=dict(BODY, prompt="In the beginning", n=2, stream=True))
     assert '"server_error"' in r.text and r.text.endswith("data: [DONE]\n\n")
     assert server.wait_idle() == 0 and server.serving.in_flight == 0
+
+
+def test_a_batch_that_can_never_fit_is_a_400_naming_the_limit(server):
+    limit = server.serving.max_in_flight  # max_num_seqs + max_queued
+    r = server.post("/v1/completions", json=dict(BODY, prompt=["In the beginning"] * (limit // 16 + 1), n=16))
+    assert r.status_code == 400 and str(limit) in r.json()["error"]["message"], r.text
+    assert "retry-after" not in r.headers and r.json()["error"]["param"] == "prompt"
+    r = server.post("/v1/completions", json=dict(BODY, prompt=[[1, 2, 3]] * (limit + 1)))
+    assert r.status_code == 400 and str(limit) in r.json()["error"]["message"], r.text
+    assert server.serving.in_flight == 0
+    r = server.post("/v1/completions", json=dict(BODY, prompt=["In the beginning"] * (limit // 16), n=16))
+    assert r.status_code == 200, r.text  # at the limit: served

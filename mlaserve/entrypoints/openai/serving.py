@@ -180,7 +180,15 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ engine requests
 
-    def admit(self, count: int) -> None:
+    def admit(self, count: int, param: str | None = None) -> None:
+        if count > self.max_in_flight:  # could never fit: a retry cannot help
+            raise APIError(
+                400,
+                f"this request needs {count} engine requests (prompts x n), over the server's limit of "
+                f"{self.max_in_flight} in flight (--max-num-seqs + --max-queued): split it",
+                param,
+                "too_many_choices",
+            )
         if self.in_flight + count > self.max_in_flight:
             raise APIError(
                 429,
@@ -199,7 +207,8 @@ class OpenAIServing:
         def sink(out, q=job.queue):
             aloop.call_soon_threadsafe(q.put_nowait, out)
 
-        self.admit(len(job.subs))
+        prompts = len({s.rid.rsplit("-", 1)[0] for s in job.subs})
+        self.admit(len(job.subs), "n" if prompts == 1 else prompt_field)
         self.in_flight += len(job.subs)
         added = []
         try:
