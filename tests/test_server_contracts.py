@@ -105,3 +105,37 @@ def test_a_batch_that_can_never_fit_is_a_400_naming_the_limit(server):
     assert server.serving.in_flight == 0
     r = server.post("/v1/completions", json=dict(BODY, prompt=["In the beginning"] * (limit // 16), n=16))
     assert r.status_code == 200, r.text  # at the limit: served
+
+
+def test_no_request_shape_is_a_500(server):
+    r = server.post("/tokenize", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert server.post("/tokenize", json={"prompt": "x", "messages": [{"role": "user"}]}).status_code == 400
+    assert server.post("/tokenize", json={}).status_code == 400
+    assert server.post("/tokenize", json={"prompt": "In the beginning"}).json()["count"] > 0
+
+
+def test_openapi_states_what_the_server_does(server):
+    doc = server.get("/openapi.json").json()
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert "422" not in op["responses"], (method, path)
+    post = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "404", "413", "429", "500", "503"} <= set(post)
+    assert "text/event-stream" in post["200"]["content"]
+    assert "text/plain" in doc["paths"]["/health"]["get"]["responses"]["200"]["content"]
+    assert server.post("/v1/completions", json={}).status_code == 400  # what the document says
+    tokens = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]
+    assert tokens["items"]["maximum"] == server.serving.llm.config.model.vocab_size - 1
+
+
+def test_types_are_json_types(server):
+    for bad in ({"n": "2"}, {"echo": 0}, {"max_tokens": "4"}, {"n": 1.5}, {"temperature": "0"}):
+        r = server.post("/v1/completions", json=dict(BODY, prompt="x") | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), (bad, r.text)
+    assert server.post("/v1/completions", json=dict(BODY, prompt="x", n=2.0)).status_code == 200  # 2.0 is 2
+
+
+def test_undeclared_methods_get_405_with_allow(server):
+    r = server.http.request("TRACE", "/version")
+    assert r.status_code == 405 and "GET" in r.headers["allow"]

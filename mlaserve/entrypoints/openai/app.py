@@ -10,8 +10,9 @@ import hmac
 import json
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,6 +23,7 @@ from mlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeMessages,
     TokenizeRequest,
 )
 from mlaserve.entrypoints.openai.serving import ClientGone, OpenAIServing
@@ -37,6 +39,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, ring=None, max
     _add_errors(app, serving)
     _add_api_routes(app, serving)
     _add_info_routes(app, serving, ring)
+    _document(app, serving, bool(api_key))
     app.add_middleware(BodyLimit, max_body=max_body)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
@@ -61,7 +64,7 @@ def _add_errors(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        return await _api_error(request, APIError(e.status_code, str(e.detail), None, None))
+        return await _api_error(request, APIError(e.status_code, str(e.detail), None, None, e.headers))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception):
@@ -141,10 +144,8 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", "prompt", "invalid_value")
-        if req.messages is not None:
-            ids = serving.chat_prompt(ChatCompletionRequest(messages=req.messages))
+        if isinstance(req, TokenizeMessages):
+            ids = serving.chat_prompt(ChatCompletionRequest.model_construct(messages=req.messages))
         else:
             ids = serving.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
@@ -173,7 +174,7 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse)
     async def health():
         if not serving.loop.alive:
             raise APIError(503, "the engine loop is not running", None, "engine_dead")
@@ -183,14 +184,12 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/routes")
-    async def routes(last: int = 20):
-        if last < 0:
-            raise APIError(400, "last must be >= 0", "last", "invalid_value")
+    async def routes(last: int = Query(20, ge=0)):
         records = list(ring.records) if ring is not None else []
         return {"records": records[-last:] if last else []}
 
@@ -203,6 +202,91 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
         if ranks:
             out["ranks"] = ranks
         return out
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+            "required": ["message", "type", "param", "code"],
+        }
+    },
+    "required": ["error"],
+}
+_WHY = {
+    400: "invalid request (OpenAI error body naming the field)",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "request body too large",
+    429: "server busy: retry after Retry-After seconds",
+    500: "the engine failed every choice of the request",
+    503: "the engine loop is not running",
+}
+
+
+def _document(app: FastAPI, serving: OpenAIServing, keyed: bool) -> None:
+    """The OpenAPI document states what the server does: errors are 400 with an OpenAI error body (not
+    FastAPI's 422), every status a route can answer is listed, streams are text/event-stream, token ids
+    are below the vocabulary size and token-id prompts shorter than the context."""
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        schemas["ErrorResponse"] = _ERROR_SCHEMA
+        err = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, ops in doc["paths"].items():
+            for method, op in ops.items():
+                codes = set()
+                if method == "post" or op.get("parameters"):
+                    codes |= {400}
+                if method == "post":
+                    codes |= {404, 413}
+                if path.startswith("/v1/") and method == "post":
+                    codes |= {429, 500, 503}
+                if path == "/health":
+                    codes |= {503}
+                if keyed and path not in OPEN_PATHS:
+                    codes |= {401}
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                for code in sorted(codes):
+                    responses[str(code)] = {"description": _WHY[code], "content": err}
+                if path in ("/v1/completions", "/v1/chat/completions"):
+                    responses["200"]["content"]["text/event-stream"] = {"schema": {}}  # chunks, then [DONE]
+        vocab, ctx = serving.llm.config.model.vocab_size, serving.max_model_len
+        _bound_ids(schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}), vocab - 1, ctx - 1)
+        _bound_ids(schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {}), vocab - 1, None)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
+
+
+def _bound_ids(node, top: int, max_items: int | None) -> None:
+    """Token ids in this schema: at most `top`; arrays of them at most `max_items` long."""
+    if isinstance(node, list):
+        for n in node:
+            _bound_ids(n, top, max_items)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = top
+        items = node.get("items")
+        if max_items and node.get("type") == "array" and isinstance(items, dict) and items.get("type") == "integer":
+            node["maxItems"] = max_items
+        for v in node.values():
+            if isinstance(v, (dict, list)):
+                _bound_ids(v, top, max_items)
 
 
 def _jsonable(value):
