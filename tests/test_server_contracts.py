@@ -139,3 +139,30 @@ def test_types_are_json_types(server):
 def test_undeclared_methods_get_405_with_allow(server):
     r = server.http.request("TRACE", "/version")
     assert r.status_code == 405 and "GET" in r.headers["allow"]
+
+
+def test_model_retrieve_and_head(server):
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("other")
+    for path in ("/health", "/metrics"):
+        r = server.http.head(path)
+        assert r.status_code == 200 and r.content == b"", path
+
+
+def test_cors_preflight_only_with_allowed_origins(server):
+    from fastapi.testclient import TestClient
+
+    from mlaserve.entrypoints.openai.app import build_app
+
+    pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    closed = TestClient(build_app(server.serving)).options("/v1/completions", headers=pre)
+    assert "access-control-allow-origin" not in closed.headers  # off by default
+    app = build_app(server.serving, api_key="k", allowed_origins=["http://ui.example"])
+    opened = TestClient(app).options("/v1/completions", headers=pre)  # no key on a preflight
+    assert opened.status_code == 200 and opened.headers["access-control-allow-origin"] == "http://ui.example"
+    other = TestClient(app).options("/v1/completions", headers=pre | {"Origin": "http://evil.example"})
+    assert other.headers.get("access-control-allow-origin") != "http://evil.example"

@@ -12,6 +12,7 @@ import logging
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,7 +34,13 @@ OPEN_PATHS = ("/health", "/metrics")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
-def build_app(serving: OpenAIServing, api_key: str | None = None, ring=None, max_body: int = MAX_BODY_BYTES):
+def build_app(
+    serving: OpenAIServing,
+    api_key: str | None = None,
+    ring=None,
+    max_body: int = MAX_BODY_BYTES,
+    allowed_origins: list[str] | None = None,
+):
     app = FastAPI(title="mlaserve", version=__version__)
     app.state.serving = serving
     _add_errors(app, serving)
@@ -43,6 +50,14 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, ring=None, max
     app.add_middleware(BodyLimit, max_body=max_body)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
+    if allowed_origins:  # outermost: a preflight (OPTIONS, no key) is answered before the key check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
     return app
 
 
@@ -163,18 +178,25 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
-    @app.get("/v1/models")
-    async def models():
-        card = {
+    def card() -> dict:
+        return {
             "id": serving.served_name,
             "object": "model",
             "created": 0,
             "owned_by": "mlaserve",
             "max_model_len": serving.max_model_len,
         }
-        return {"object": "list", "data": [card]}
 
-    @app.get("/health", response_class=PlainTextResponse)
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return card()
+
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def health():
         if not serving.loop.alive:
             raise APIError(503, "the engine loop is not running", None, "engine_dead")
@@ -184,7 +206,7 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -256,6 +278,8 @@ def _document(app: FastAPI, serving: OpenAIServing, keyed: bool) -> None:
                     codes |= {429, 500, 503}
                 if path == "/health":
                     codes |= {503}
+                if path.startswith("/v1/models/"):
+                    codes |= {404}
                 if keyed and path not in OPEN_PATHS:
                     codes |= {401}
                 responses = op.setdefault("responses", {})

@@ -24,7 +24,9 @@ log = logging.getLogger("mlaserve.server")
 ROUTE_RING = 2000  # step records kept for /debug/routes
 
 
-def build_server(llm, served_name: str, max_queued: int, api_key: str | None = None, chat_template: str | None = None):
+def build_server(
+    llm, served_name: str, max_queued: int, api_key: str | None = None, chat_template: str | None = None, **app_kw
+):
     """-> (app, engine loop, serving) around a loaded LLM whose runner has a RouteTap tracer."""
     loop = EngineLoop(llm.engine)
     metrics = ServerMetrics(stats=lambda: loop.stats)
@@ -35,7 +37,7 @@ def build_server(llm, served_name: str, max_queued: int, api_key: str | None = N
     serving = OpenAIServing(llm, loop, metrics, served_name, max_in_flight)
     serving.chat_template = chat_template
     ring = tap.ring if isinstance(tap, RouteTap) else None
-    app = build_app(serving, api_key, ring)
+    app = build_app(serving, api_key, ring, **app_kw)
     return app, loop, serving
 
 
@@ -58,7 +60,10 @@ class _Server(uvicorn.Server):
 
 def run(args, llm, chat_template: str | None) -> int:
     served = args.served_model_name or Path(str(llm.loaded.path)).name
-    app, loop, serving = build_server(llm, served, args.max_queued, args.api_key, chat_template)
+    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
+    app, loop, serving = build_server(
+        llm, served, args.max_queued, args.api_key, chat_template, allowed_origins=origins or None
+    )
     loop.start()
     config = uvicorn.Config(
         app,
