@@ -166,3 +166,23 @@ def test_cors_preflight_only_with_allowed_origins(server):
     assert opened.status_code == 200 and opened.headers["access-control-allow-origin"] == "http://ui.example"
     other = TestClient(app).options("/v1/completions", headers=pre | {"Origin": "http://evil.example"})
     assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+
+
+def test_debug_endpoints_are_opt_in_and_keyed(server):
+    from fastapi.testclient import TestClient
+
+    from mlaserve.entrypoints.openai.app import build_app
+
+    for path in ("/debug/config", "/debug/routes", "/docs", "/redoc"):
+        assert server.get(path).status_code == 404, path
+    folder = str(server.serving.llm.loaded.path)
+    debug = TestClient(build_app(server.serving, debug_endpoints=True))
+    shown = debug.get("/debug/config")
+    assert shown.status_code == 200 and folder not in shown.text
+    assert shown.json()["model"] == server.serving.llm.loaded.path.name
+    assert debug.get("/debug/config", params={"paths": "true"}).json()["model"] == folder  # asked for
+    assert debug.get("/docs").status_code == 200
+    keyed = TestClient(build_app(server.serving, api_key="k", debug_endpoints=True))
+    for path in ("/debug/config", "/debug/routes", "/docs", "/openapi.json"):
+        assert keyed.get(path).status_code == 401, path
+        assert keyed.get(path, headers={"Authorization": "Bearer k"}).status_code == 200, path

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,12 +41,18 @@ def build_app(
     ring=None,
     max_body: int = MAX_BODY_BYTES,
     allowed_origins: list[str] | None = None,
+    debug_endpoints: bool = False,
 ):
-    app = FastAPI(title="mlaserve", version=__version__)
+    """debug_endpoints: /debug/routes, /debug/config and the /docs, /redoc pages (off by default;
+    behind the API key when one is set, as every route but /health and /metrics)."""
+    docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="mlaserve", version=__version__, **docs)
     app.state.serving = serving
     _add_errors(app, serving)
     _add_api_routes(app, serving)
-    _add_info_routes(app, serving, ring)
+    _add_info_routes(app, serving)
+    if debug_endpoints:
+        _add_debug_routes(app, serving, ring)
     _document(app, serving, bool(api_key))
     app.add_middleware(BodyLimit, max_body=max_body)
     if api_key:
@@ -177,7 +184,7 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return {"prompt": serving.decode(req.tokens)}
 
 
-def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
+def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
     def card() -> dict:
         return {
             "id": serving.served_name,
@@ -196,7 +203,7 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
         serving.check_model(model_id)
         return card()
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_class=PlainTextResponse)
+    @app.get("/health", response_class=PlainTextResponse)
     async def health():
         if not serving.loop.alive:
             raise APIError(503, "the engine loop is not running", None, "engine_dead")
@@ -206,20 +213,32 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
     async def version():
         return {"version": __version__}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    for path, endpoint in (("/health", health), ("/metrics", metrics)):  # HEAD: the GET without its body
+        app.add_api_route(path, endpoint, methods=["HEAD"], response_class=PlainTextResponse, include_in_schema=False)
+
+
+def _add_debug_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
     @app.get("/debug/routes")
     async def routes(last: int = Query(20, ge=0)):
         records = list(ring.records) if ring is not None else []
         return {"records": records[-last:] if last else []}
 
     @app.get("/debug/config")
-    async def config():
+    async def config(paths: bool = False):
+        """paths=true shows absolute paths; otherwise a path shows as its last part."""
         cfg = serving.llm.config
-        table = [{"name": s.name, "value": _jsonable(s.value), "source": s.source} for s in cfg.all_provenance()]
-        out = {"model": str(serving.llm.loaded.path), "served_model_name": serving.served_name, "provenance": table}
+
+        def show(v):
+            v = _jsonable(v)
+            return Path(v).name if isinstance(v, str) and not paths and Path(v).is_absolute() else v
+
+        table = [{"name": s.name, "value": show(s.value), "source": s.source} for s in cfg.all_provenance()]
+        out = {"model": show(str(serving.llm.loaded.path)), "served_model_name": serving.served_name}
+        out["provenance"] = table
         ranks = getattr(serving.llm.runner, "rank_echoes", None)  # tensor parallel: what each rank reported
         if ranks:
             out["ranks"] = ranks

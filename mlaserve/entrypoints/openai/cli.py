@@ -27,6 +27,11 @@ def add_serve(sub) -> None:
         metavar="ORIGINS",
         help="comma-separated origins allowed cross-origin (CORS), or '*'; off by default",
     )
+    p.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve /debug/routes, /debug/config and the /docs pages (off by default; behind --api-key if set)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
     p.add_argument(
         "--max-queued",

@@ -62,7 +62,13 @@ def run(args, llm, chat_template: str | None) -> int:
     served = args.served_model_name or Path(str(llm.loaded.path)).name
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     app, loop, serving = build_server(
-        llm, served, args.max_queued, args.api_key, chat_template, allowed_origins=origins or None
+        llm,
+        served,
+        args.max_queued,
+        args.api_key,
+        chat_template,
+        allowed_origins=origins or None,
+        debug_endpoints=args.enable_debug_endpoints,
     )
     loop.start()
     config = uvicorn.Config(
