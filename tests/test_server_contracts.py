@@ -186,3 +186,97 @@ def test_debug_endpoints_are_opt_in_and_keyed(server):
     for path in ("/debug/config", "/debug/routes", "/docs", "/openapi.json"):
         assert keyed.get(path).status_code == 401, path
         assert keyed.get(path, headers={"Authorization": "Bearer k"}).status_code == 200, path
+
+
+def _count(server, name: str, **labels) -> float:
+    return server.serving.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_chunked_body_over_the_limit_is_a_413_counted_and_logged(server, caplog):
+    from mlaserve.entrypoints.openai.app import MAX_BODY_BYTES
+
+    before = _count(server, "mlaserve_requests_total", status="413")
+
+    def chunks():
+        piece = b"x" * (1 << 20)
+        for _ in range(MAX_BODY_BYTES // len(piece) + 1):
+            yield piece
+
+    with caplog.at_level("INFO", logger="mlaserve.server"):
+        r = server.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+        sized = server.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1))
+        assert sized.status_code == 413
+    assert _count(server, "mlaserve_requests_total", status="413") == before + 2
+    assert sum("status=413" in m for m in caplog.messages) == 2
+
+
+def test_401_counted_and_logged(server, caplog):
+    from fastapi.testclient import TestClient
+
+    from mlaserve.entrypoints.openai.app import build_app
+
+    before = _count(server, "mlaserve_requests_total", status="401")
+    with caplog.at_level("INFO", logger="mlaserve.server"):
+        assert TestClient(build_app(server.serving, api_key="k")).get("/v1/models").status_code == 401
+    assert _count(server, "mlaserve_requests_total", status="401") == before + 1
+    assert any("status=401" in m and "/v1/models" in m for m in caplog.messages)
+
+
+def test_a_disconnected_stream_counts_what_it_streamed(server, caplog):
+    import logging
+    import threading
+
+    import httpx
+
+    before = _count(server, "mlaserve_generation_tokens_total")
+    body = dict(BODY, prompt="In the beginning", max_tokens=40, ignore_eos=True, stream=True)
+    logged = threading.Event()
+    watcher = logging.Handler()
+    watcher.emit = lambda record: logged.set() if "status=499" in record.getMessage() else None
+    logging.getLogger("mlaserve.server").addHandler(watcher)
+    try:
+        with caplog.at_level("INFO", logger="mlaserve.server"):
+            with (
+                httpx.Client(base_url=server.url, timeout=60) as c,
+                c.stream("POST", "/v1/completions", json=body) as r,
+            ):
+                events = 0
+                for line in r.iter_lines():
+                    events += line.startswith("data: {")
+                    if events == 5:
+                        break  # leave mid-stream
+            assert logged.wait(30)
+    finally:
+        logging.getLogger("mlaserve.server").removeHandler(watcher)
+    line = next(m for m in caplog.messages if "status=499" in m)
+    tokens = int(line.split("output_tokens=")[1].split()[0])
+    assert tokens >= 5 and "ttft=-" not in line, line
+    assert _count(server, "mlaserve_generation_tokens_total") >= before + 5
+    assert server.wait_idle() == 0
+
+
+def test_shutdown_past_grace_ends_streams_with_an_error_event():
+    """SIGTERM with --grace 0 during a long stream: the stream ends with an error event and [DONE],
+    the log has no traceback, and the process exits 0."""
+    import signal
+
+    from server_process import ServerProcess
+
+    srv = ServerProcess("--grace", "0", "--max-num-seqs", "4")
+    body = {"prompt": "In the beginning", "max_tokens": 480, "ignore_eos": True, "stream": True, "n": 4}
+    lines: list[str] = []
+    try:
+        with srv.http.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 3:
+                        srv.proc.send_signal(signal.SIGTERM)
+    finally:
+        code = srv.stop()
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert '"shutting_down"' in lines[-2], lines[-3:]
+    logs = srv.logs()
+    assert code == 0 and "Traceback" not in logs and "CancelledError" not in logs, logs[-3000:]
+    assert "status=503" in logs

@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -54,9 +54,10 @@ def build_app(
     if debug_endpoints:
         _add_debug_routes(app, serving, ring)
     _document(app, serving, bool(api_key))
-    app.add_middleware(BodyLimit, max_body=max_body)
+    rejected = _rejections(serving)
+    app.add_middleware(BodyLimit, max_body=max_body, on_reject=rejected)
     if api_key:
-        app.add_middleware(ApiKey, key=api_key)
+        app.add_middleware(ApiKey, key=api_key, on_reject=rejected)
     if allowed_origins:  # outermost: a preflight (OPTIONS, no key) is answered before the key check
         app.add_middleware(
             CORSMiddleware,
@@ -66,6 +67,16 @@ def build_app(
             max_age=600,
         )
     return app
+
+
+def _rejections(serving: OpenAIServing):
+    """What a middleware calls on a request it refuses (401, 413): counted and logged like any other."""
+
+    def rejected(scope, e: APIError) -> None:
+        serving.metrics.requests.labels(str(e.status)).inc()
+        log.info("%s %s status=%d %s", scope.get("method"), scope.get("path"), e.status, e.message)
+
+    return rejected
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -86,7 +97,8 @@ def _add_errors(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        return await _api_error(request, APIError(e.status_code, str(e.detail), None, None, e.headers))
+        code = "body_too_large" if e.status_code == 413 else None
+        return await _api_error(request, APIError(e.status_code, str(e.detail), None, code, e.headers))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception):
@@ -341,19 +353,21 @@ def _jsonable(value):
 
 
 class BodyLimit:
-    """ASGI middleware: bodies over max_body bytes get 413 before anything parses them."""
+    """ASGI middleware: bodies over max_body bytes get 413 before anything parses them (by their
+    Content-Length, or while a chunked body is read)."""
 
-    def __init__(self, app, max_body: int) -> None:
-        self.app, self.max_body = app, max_body
+    def __init__(self, app, max_body: int, on_reject=None) -> None:
+        self.app, self.max_body, self.on_reject = app, max_body, on_reject
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return await _send_error(
-                send, APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
-            )
+            e = APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
+            if self.on_reject is not None:
+                self.on_reject(scope, e)
+            return await _send_error(send, e)
         seen = 0
 
         async def limited():
@@ -362,7 +376,8 @@ class BodyLimit:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_body:  # chunked upload without a length: stop reading it
-                    return {"type": "http.disconnect"}
+                    # FastAPI passes an HTTPException raised while reading the body on to the handlers
+                    raise HTTPException(413, f"request body over {self.max_body} bytes")
             return msg
 
         return await self.app(scope, limited, send)
@@ -372,8 +387,8 @@ class ApiKey:
     """ASGI middleware: `Authorization: Bearer KEY` on every path but /health and /metrics;
     compared in constant time."""
 
-    def __init__(self, app, key: str) -> None:
-        self.app, self.key = app, key.encode()
+    def __init__(self, app, key: str, on_reject=None) -> None:
+        self.app, self.key, self.on_reject = app, key.encode(), on_reject
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -381,7 +396,10 @@ class ApiKey:
         auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
         token = auth[7:] if auth[:7].lower() == b"bearer " else b""
         if not hmac.compare_digest(token, self.key):
-            return await _send_error(send, APIError(401, "missing or wrong API key", None, "invalid_api_key"))
+            e = APIError(401, "missing or wrong API key", None, "invalid_api_key")
+            if self.on_reject is not None:
+                self.on_reject(scope, e)
+            return await _send_error(send, e)
         return await self.app(scope, receive, send)
 
 

@@ -22,6 +22,7 @@ from mlaserve.observability.trace import MemoryTracer, make_tracer
 
 log = logging.getLogger("mlaserve.server")
 ROUTE_RING = 2000  # step records kept for /debug/routes
+SHUTDOWN_MARGIN_S = 3.0  # after the grace period, for cut responses to send their last event
 
 
 def build_server(
@@ -50,6 +51,11 @@ class _Server(uvicorn.Server):
     """uvicorn that prints the ready line once its socket is bound (the real port with --port 0)."""
 
     ready_line = staticmethod(lambda host, port: None)
+    on_shutdown = staticmethod(lambda: None)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.on_shutdown()
+        await super().shutdown(sockets)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -76,12 +82,15 @@ def run(args, llm, chat_template: str | None) -> int:
         host=args.host,
         port=args.port,
         log_level="warning",
-        timeout_graceful_shutdown=args.grace,
+        # the grace period is ours (serving.cut_off_at): responses still running then end with a 503 /
+        # an error event; uvicorn cancels only what is left a few seconds later
+        timeout_graceful_shutdown=args.grace + SHUTDOWN_MARGIN_S,
         access_log=False,
         lifespan="off",
     )
     server = _Server(config)
     server.ready_line = lambda host, port: print(_ready(llm, served, host, port), flush=True)
+    server.on_shutdown = lambda: serving.cut_off_at(args.grace)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that a
     # clean return, so SIGTERM exits 0 after the graceful stop.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -42,6 +42,7 @@ class SubRequest:
     sent_tokens: int = 0
     started: bool = False  # the first chunk (role / echoed prompt) went out
     error: str | None = None  # the engine failed this one: its choice ends with finish_reason "error"
+    last: RequestOutput | None = None  # the latest output seen (what was produced, if it never finished)
 
 
 @dataclass
@@ -69,6 +70,12 @@ class OpenAIServing:
         self.max_model_len = llm.engine.max_model_len
         self.gen_defaults = llm.loaded.generation_config or {}
         self.chat_template: str | None = None  # --chat-template; else the tokenizer's (else fallback)
+        self.cut_at: float | None = None  # shutting down: responses still running then end with a 503
+
+    def cut_off_at(self, seconds: float) -> None:
+        """Shutdown began: requests still running after `seconds` end with a 503 (a stream: an error
+        event, then [DONE]) instead of being cut without a word."""
+        self.cut_at = time.monotonic() + seconds
 
     # ------------------------------------------------------------------ input
 
@@ -251,6 +258,8 @@ class OpenAIServing:
                 last_check = time.monotonic()
                 if await raw_request.is_disconnected():
                     raise ClientGone(job.id)
+            if self.cut_at is not None and time.monotonic() >= self.cut_at:
+                raise APIError(503, "the server is shutting down (its grace period ran out)", None, "shutting_down")
             if item is None:
                 continue
             sub = by_rid[item.request_id]
@@ -258,6 +267,7 @@ class OpenAIServing:
                 item, why = _failed(item), item.reason
             else:
                 why = (getattr(item.outputs[0], "error", None) or "finish_reason error") if item.finished else None
+            sub.last = item
             if item.finished:
                 sub.final = item
                 if item.outputs[0].finish_reason == "error":
@@ -273,16 +283,19 @@ class OpenAIServing:
 
     def log_done(self, job: Job, status: int, kind: str) -> None:
         finals = [s.final for s in job.subs if s.final is not None]
+        seen = [s.final or s.last for s in job.subs if (s.final or s.last) is not None]  # aborted: what came
         prompt = sum(len(s.prompt_ids) for s in job.subs)
-        output = sum(len(s.final.outputs[0].token_ids) for s in job.subs if s.final is not None and not s.scoring)
-        ttfts = [f.metrics.get("time_to_first_token") for f in finals if f.metrics.get("time_to_first_token")]
+        output = sum(
+            len((s.final or s.last).outputs[0].token_ids) for s in job.subs if (s.final or s.last) and not s.scoring
+        )
+        ttfts = [f.metrics.get("time_to_first_token") for f in seen if f.metrics.get("time_to_first_token")]
         ttft = min(ttfts) if ttfts else None
         rates = [f.metrics["tokens_per_s"] for f in finals if f.metrics.get("tokens_per_s")]
         timing = {
             "ttft": ttft,
             "tpot": (sum(1 / r for r in rates) / len(rates)) if rates else None,
             "e2e": time.monotonic() - job.arrival,
-            "cached_tokens": sum(f.metrics.get("num_cached_prompt_tokens", 0) for f in finals),
+            "cached_tokens": sum(f.metrics.get("num_cached_prompt_tokens", 0) for f in seen),
         }
         self.metrics.on_finished(status, prompt, output, timing)
         reasons = ",".join(sorted({str(f.outputs[0].finish_reason) for f in finals})) or "-"
