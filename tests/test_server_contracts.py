@@ -280,3 +280,36 @@ def test_shutdown_past_grace_ends_streams_with_an_error_event():
     logs = srv.logs()
     assert code == 0 and "Traceback" not in logs and "CancelledError" not in logs, logs[-3000:]
     assert "status=503" in logs
+
+
+def test_usage_reports_cached_prompt_tokens(server):
+    prompt = list(range(100, 160))  # 60 tokens: full pages of it are cached after the first request
+    first = server.post("/v1/completions", json=dict(BODY, prompt=prompt)).json()["usage"]
+    again = server.post("/v1/completions", json=dict(BODY, prompt=prompt)).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] < 60
+    chat = dict(BODY, messages=[{"role": "user", "content": "Hi"}])
+    assert "cached_tokens" in server.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens_details"]
+
+
+def test_echo_text_offsets_index_the_returned_text(server):
+    body = dict(BODY, prompt="In the beginning God", echo=True, logprobs=1, max_tokens=3)
+    choice = server.post("/v1/completions", json=body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    special = {"<bos>"}  # the embedded model's tokenizer
+    assert lp["tokens"][0] in special  # the prompt starts with <bos>, which is not in the text
+    for tok, off in zip(lp["tokens"], lp["text_offset"]):
+        if tok not in special:
+            assert text[off : off + len(tok)] == tok, (tok, off, text)
+    assert lp["text_offset"][1] == 0
+
+
+def test_chat_errors_name_messages_and_text_only(server):
+    long = [{"role": "user", "content": "word " * 700}]
+    r = server.post("/v1/chat/completions", json=dict(BODY, messages=long, max_tokens=4))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    r = server.post("/v1/chat/completions", json=dict(BODY, messages=parts))
+    assert r.status_code == 400 and "this model takes text only" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages"

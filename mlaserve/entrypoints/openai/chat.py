@@ -22,7 +22,7 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     ids = serving.chat_prompt(req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = serving.max_tokens(requested, len(ids), name)
+    max_tokens = serving.max_tokens(requested, len(ids), name, "messages")
     n_lp = (req.top_logprobs or 0) if req.logprobs else None
     sp = serving.sampling(req, max_tokens, logprobs=n_lp)
     job_id = new_id("chatcmpl")

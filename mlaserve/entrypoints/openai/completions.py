@@ -43,7 +43,7 @@ def logprobs_block(serving: OpenAIServing, ids: list[int], entries: list, n: int
         s = serving.token_str(tid)
         tokens.append(s)
         offsets.append(offset)
-        offset += len(s)
+        offset += len(serving.decode([tid]))  # a special token (<bos>) is not in the returned text
         if entry is None:
             token_lps.append(None)
             tops.append(None)
@@ -80,14 +80,21 @@ def choice(serving: OpenAIServing, req: CompletionRequest, sub: SubRequest) -> d
 
 
 def usage(job: Job) -> dict:
-    seen, prompt = set(), 0
+    seen, prompt, cached = set(), 0, 0
     for s in job.subs:
         key = s.rid.rsplit("-", 1)[0]  # n samples of one prompt count the prompt once
         if key not in seen:
             seen.add(key)
             prompt += len(s.prompt_ids)
+            out = s.final or s.last  # prompt tokens served from the prefix cache (that sample's)
+            cached += out.metrics.get("num_cached_prompt_tokens", 0) if out is not None else 0
     done = sum(0 if s.scoring else len(s.final.outputs[0].token_ids) for s in job.subs if s.final is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "total_tokens": prompt + done,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def response(serving: OpenAIServing, req: CompletionRequest, job: Job) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16  # samples per prompt
 MAX_LOGPROBS = 20  # top-N logprobs per token (OpenAI's limit)
@@ -100,6 +100,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        parts = v.get("content") if isinstance(v, dict) else None
+        kinds = {p.get("type") for p in parts if isinstance(p, dict)} if isinstance(parts, list) else set()
+        other = sorted(str(k) for k in kinds - {"text"})
+        if other:
+            raise ValueError(f"this model takes text only: content parts of type {', '.join(other)} are not supported")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

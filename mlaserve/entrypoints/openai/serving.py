@@ -139,13 +139,13 @@ class OpenAIServing:
             raise APIError(400, "messages render to an empty prompt", "messages", "invalid_value")
         return ids
 
-    def max_tokens(self, requested: int | None, prompt_len: int, field_name: str) -> int:
+    def max_tokens(self, requested: int | None, prompt_len: int, field_name: str, prompt_field: str = "prompt") -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(
                 400,
                 f"prompt of {prompt_len} tokens does not fit the context ({self.max_model_len} tokens, one left to generate)",
-                "prompt" if field_name == "max_tokens" else "messages",
+                prompt_field,
                 "context_length_exceeded",
             )
         if requested is None:
