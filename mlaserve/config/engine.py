@@ -11,8 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from mlaserve.config import families
 from mlaserve.config.machine import (
@@ -34,6 +33,9 @@ from mlaserve.config.machine import (
 )
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
+
+if TYPE_CHECKING:
+    import torch
 
 # The vocabulary of the switches (those about the machine -- devices, kernels, dtypes, attention backends --
 # are in config/machine.py with their resolvers). Implementation modules import these names from config

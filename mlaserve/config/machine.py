@@ -8,12 +8,14 @@ names are re-exported there, with the rest of the switches' vocabulary.
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from mlaserve.config.cpu import fast_bf16
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import ProvenanceLog
+
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION_BACKENDS = ("auto", "torch", "native", "reference")
 DEVICES = ("auto", "cpu", "cuda")
@@ -21,13 +23,13 @@ KERNELS = ("auto", "native", "torch")
 ACTIVATIONS = ("float", "int8")
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+DTYPES = {  # name -> torch's attribute (torch is imported when a config is built, not for `--help`)
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 
@@ -37,6 +39,8 @@ def check_choice(name: str, value, allowed: tuple) -> None:
 
 
 def choose_device(requested: str, log: ProvenanceLog) -> str:
+    import torch
+
     check_choice("device", requested, DEVICES)
     if requested == "auto":
         cuda = torch.cuda.is_available()
@@ -121,6 +125,8 @@ def choose_gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceL
 
 
 def choose_attention_backend(requested: str, kernels: str, dtype: torch.dtype, log: ProvenanceLog) -> str:
+    import torch
+
     check_choice("attention_backend", requested, ATTENTION_BACKENDS)
     fits = kernels == "native" and dtype == torch.float32
     if requested == "auto":
@@ -139,10 +145,12 @@ def choose_attention_backend(requested: str, kernels: str, dtype: torch.dtype, l
 def choose_dtype(
     requested: str | None, device: str, quantized: bool, ranks: int, stored_bf16, log: ProvenanceLog
 ) -> torch.dtype:
+    import torch
+
     if requested not in (None, "auto"):
         if requested not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {requested!r}")
-        return log.record("dtype", DTYPES[requested], "user option")
+        return log.record("dtype", getattr(torch, DTYPES[requested]), "user option")
     # bfloat16 only where it is fast and rounds no stored weight: float matrices stored in bf16, on a CPU with
     # AVX512-BF16/AMX, one process (under torchrun each machine would read its own CPU's flags)
     if device != "cpu":

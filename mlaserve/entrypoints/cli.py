@@ -62,8 +62,8 @@ def _add_generate(sub) -> None:
         help="0 = greedy; default: the model's generation_config.json (else greedy)",
     )
     p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config.json (else 1)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: no limit)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, for repeatable samples (default: none)")
     p.set_defaults(func=_generate)
 
 

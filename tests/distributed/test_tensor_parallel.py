@@ -353,7 +353,7 @@ def test_server_with_two_ranks_shows_every_rank(capsys):
     from server_process import ServerProcess
 
     want = LLM().generate(["In the beginning"], SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
-    srv = ServerProcess("--tensor-parallel-size", "2")
+    srv = ServerProcess("--tensor-parallel-size", "2", "--enable-debug-endpoints")
     try:
         body = {"model": srv.model, "prompt": "In the beginning", "max_tokens": 6, "temperature": 0}
         got = srv.http.post(f"{srv.url}/v1/completions", json=body).json()["choices"][0]["text"]

@@ -29,7 +29,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess()
+    srv = ServerProcess("--enable-debug-endpoints")
     yield srv
     assert srv.stop() == 0, srv.logs()
 

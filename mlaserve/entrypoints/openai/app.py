@@ -9,9 +9,12 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,6 +25,7 @@ from mlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeMessages,
     TokenizeRequest,
 )
 from mlaserve.entrypoints.openai.serving import ClientGone, OpenAIServing
@@ -31,16 +35,48 @@ OPEN_PATHS = ("/health", "/metrics")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
-def build_app(serving: OpenAIServing, api_key: str | None = None, ring=None, max_body: int = MAX_BODY_BYTES):
-    app = FastAPI(title="mlaserve", version=__version__)
+def build_app(
+    serving: OpenAIServing,
+    api_key: str | None = None,
+    ring=None,
+    max_body: int = MAX_BODY_BYTES,
+    allowed_origins: list[str] | None = None,
+    debug_endpoints: bool = False,
+):
+    """debug_endpoints: /debug/routes, /debug/config and the /docs, /redoc pages (off by default;
+    behind the API key when one is set, as every route but /health and /metrics)."""
+    docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="mlaserve", version=__version__, **docs)
     app.state.serving = serving
     _add_errors(app, serving)
     _add_api_routes(app, serving)
-    _add_info_routes(app, serving, ring)
-    app.add_middleware(BodyLimit, max_body=max_body)
+    _add_info_routes(app, serving)
+    if debug_endpoints:
+        _add_debug_routes(app, serving, ring)
+    _document(app, serving, bool(api_key))
+    rejected = _rejections(serving)
+    app.add_middleware(BodyLimit, max_body=max_body, on_reject=rejected)
     if api_key:
-        app.add_middleware(ApiKey, key=api_key)
+        app.add_middleware(ApiKey, key=api_key, on_reject=rejected)
+    if allowed_origins:  # outermost: a preflight (OPTIONS, no key) is answered before the key check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
     return app
+
+
+def _rejections(serving: OpenAIServing):
+    """What a middleware calls on a request it refuses (401, 413): counted and logged like any other."""
+
+    def rejected(scope, e: APIError) -> None:
+        serving.metrics.requests.labels(str(e.status)).inc()
+        log.info("%s %s status=%d %s", scope.get("method"), scope.get("path"), e.status, e.message)
+
+    return rejected
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -61,7 +97,8 @@ def _add_errors(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        return await _api_error(request, APIError(e.status_code, str(e.detail), None, None))
+        code = "body_too_large" if e.status_code == 413 else None
+        return await _api_error(request, APIError(e.status_code, str(e.detail), None, code, e.headers))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception):
@@ -79,6 +116,7 @@ async def _run(serving: OpenAIServing, mod, req, raw: Request, kind: str):
     try:
         async for _ in serving.outputs(job, raw):
             pass
+        serving.raise_if_all_failed(job)  # some choices failed: the others are returned, status 200
         return mod.response(serving, req, job)
     except APIError as e:
         status, e.counted = e.status, True
@@ -140,10 +178,8 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", "prompt", "invalid_value")
-        if req.messages is not None:
-            ids = serving.chat_prompt(ChatCompletionRequest(messages=req.messages))
+        if isinstance(req, TokenizeMessages):
+            ids = serving.chat_prompt(ChatCompletionRequest.model_construct(messages=req.messages))
         else:
             ids = serving.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
@@ -160,19 +196,26 @@ def _add_api_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return {"prompt": serving.decode(req.tokens)}
 
 
-def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
-    @app.get("/v1/models")
-    async def models():
-        card = {
+def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    def card() -> dict:
+        return {
             "id": serving.served_name,
             "object": "model",
             "created": 0,
             "owned_by": "mlaserve",
             "max_model_len": serving.max_model_len,
         }
-        return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return card()
+
+    @app.get("/health", response_class=PlainTextResponse)
     async def health():
         if not serving.loop.alive:
             raise APIError(503, "the engine loop is not running", None, "engine_dead")
@@ -182,26 +225,123 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    for path, endpoint in (("/health", health), ("/metrics", metrics)):  # HEAD: the GET without its body
+        app.add_api_route(path, endpoint, methods=["HEAD"], response_class=PlainTextResponse, include_in_schema=False)
+
+
+def _add_debug_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
     @app.get("/debug/routes")
-    async def routes(last: int = 20):
-        if last < 0:
-            raise APIError(400, "last must be >= 0", "last", "invalid_value")
+    async def routes(last: int = Query(20, ge=0)):
         records = list(ring.records) if ring is not None else []
         return {"records": records[-last:] if last else []}
 
     @app.get("/debug/config")
-    async def config():
+    async def config(paths: bool = False):
+        """paths=true shows absolute paths; otherwise a path shows as its last part."""
         cfg = serving.llm.config
-        table = [{"name": s.name, "value": _jsonable(s.value), "source": s.source} for s in cfg.all_provenance()]
-        out = {"model": str(serving.llm.loaded.path), "served_model_name": serving.served_name, "provenance": table}
+
+        def show(v):
+            v = _jsonable(v)
+            return Path(v).name if isinstance(v, str) and not paths and Path(v).is_absolute() else v
+
+        table = [{"name": s.name, "value": show(s.value), "source": s.source} for s in cfg.all_provenance()]
+        out = {"model": show(str(serving.llm.loaded.path)), "served_model_name": serving.served_name}
+        out["provenance"] = table
         ranks = getattr(serving.llm.runner, "rank_echoes", None)  # tensor parallel: what each rank reported
         if ranks:
             out["ranks"] = ranks
         return out
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+            "required": ["message", "type", "param", "code"],
+        }
+    },
+    "required": ["error"],
+}
+_WHY = {
+    400: "invalid request (OpenAI error body naming the field)",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "request body too large",
+    429: "server busy: retry after Retry-After seconds",
+    500: "the engine failed every choice of the request",
+    503: "the engine loop is not running",
+}
+
+
+def _document(app: FastAPI, serving: OpenAIServing, keyed: bool) -> None:
+    """The OpenAPI document states what the server does: errors are 400 with an OpenAI error body (not
+    FastAPI's 422), every status a route can answer is listed, streams are text/event-stream, token ids
+    are below the vocabulary size and token-id prompts shorter than the context."""
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        schemas["ErrorResponse"] = _ERROR_SCHEMA
+        err = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, ops in doc["paths"].items():
+            for method, op in ops.items():
+                codes = set()
+                if method == "post" or op.get("parameters"):
+                    codes |= {400}
+                if method == "post":
+                    codes |= {404, 413}
+                if path.startswith("/v1/") and method == "post":
+                    codes |= {429, 500, 503}
+                if path == "/health":
+                    codes |= {503}
+                if path.startswith("/v1/models/"):
+                    codes |= {404}
+                if keyed and path not in OPEN_PATHS:
+                    codes |= {401}
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                for code in sorted(codes):
+                    responses[str(code)] = {"description": _WHY[code], "content": err}
+                if path in ("/v1/completions", "/v1/chat/completions"):
+                    responses["200"]["content"]["text/event-stream"] = {"schema": {}}  # chunks, then [DONE]
+        vocab, ctx = serving.llm.config.model.vocab_size, serving.max_model_len
+        _bound_ids(schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}), vocab - 1, ctx - 1)
+        _bound_ids(schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {}), vocab - 1, None)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
+
+
+def _bound_ids(node, top: int, max_items: int | None) -> None:
+    """Token ids in this schema: at most `top`; arrays of them at most `max_items` long."""
+    if isinstance(node, list):
+        for n in node:
+            _bound_ids(n, top, max_items)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = top
+        items = node.get("items")
+        if max_items and node.get("type") == "array" and isinstance(items, dict) and items.get("type") == "integer":
+            node["maxItems"] = max_items
+        for v in node.values():
+            if isinstance(v, (dict, list)):
+                _bound_ids(v, top, max_items)
 
 
 def _jsonable(value):
@@ -213,19 +353,21 @@ def _jsonable(value):
 
 
 class BodyLimit:
-    """ASGI middleware: bodies over max_body bytes get 413 before anything parses them."""
+    """ASGI middleware: bodies over max_body bytes get 413 before anything parses them (by their
+    Content-Length, or while a chunked body is read)."""
 
-    def __init__(self, app, max_body: int) -> None:
-        self.app, self.max_body = app, max_body
+    def __init__(self, app, max_body: int, on_reject=None) -> None:
+        self.app, self.max_body, self.on_reject = app, max_body, on_reject
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return await _send_error(
-                send, APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
-            )
+            e = APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
+            if self.on_reject is not None:
+                self.on_reject(scope, e)
+            return await _send_error(send, e)
         seen = 0
 
         async def limited():
@@ -234,7 +376,8 @@ class BodyLimit:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_body:  # chunked upload without a length: stop reading it
-                    return {"type": "http.disconnect"}
+                    # FastAPI passes an HTTPException raised while reading the body on to the handlers
+                    raise HTTPException(413, f"request body over {self.max_body} bytes")
             return msg
 
         return await self.app(scope, limited, send)
@@ -244,8 +387,8 @@ class ApiKey:
     """ASGI middleware: `Authorization: Bearer KEY` on every path but /health and /metrics;
     compared in constant time."""
 
-    def __init__(self, app, key: str) -> None:
-        self.app, self.key = app, key.encode()
+    def __init__(self, app, key: str, on_reject=None) -> None:
+        self.app, self.key, self.on_reject = app, key.encode(), on_reject
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -253,7 +396,10 @@ class ApiKey:
         auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
         token = auth[7:] if auth[:7].lower() == b"bearer " else b""
         if not hmac.compare_digest(token, self.key):
-            return await _send_error(send, APIError(401, "missing or wrong API key", None, "invalid_api_key"))
+            e = APIError(401, "missing or wrong API key", None, "invalid_api_key")
+            if self.on_reject is not None:
+                self.on_reject(scope, e)
+            return await _send_error(send, e)
         return await self.app(scope, receive, send)
 
 

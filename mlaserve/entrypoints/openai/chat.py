@@ -19,7 +19,7 @@ from mlaserve.entrypoints.openai.reasoning import (
     prompt_opens_thinking,
     template_thinks,
 )
-from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
+from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, choice_error, new_id, sse_chunk
 from mlaserve.entrypoints.openai.tool_calls import tool_context
 
 
@@ -30,7 +30,7 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     ids = serving.chat_prompt(req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = serving.max_tokens(requested, len(ids), name)
+    max_tokens = serving.max_tokens(requested, len(ids), name, "messages")
     n_lp = (req.top_logprobs or 0) if req.logprobs else None
     extras = sampling_extras(serving, req, req.n)
     # a thinking template whose prompt opens <think>: reasoning first, then content (and the grammar)
@@ -102,6 +102,8 @@ def response(serving: OpenAIServing, req: ChatCompletionRequest, job: Job) -> di
                 "finish_reason": reason,
             }
         )
+        if sub.error:
+            choices[-1]["error"] = choice_error(sub)
     return {
         "id": job.id,
         "object": "chat.completion",
@@ -145,6 +147,8 @@ def stream_delta(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, s
         "logprobs": _logprobs(serving, req, ids, entries),
         "finish_reason": reason,
     }
+    if sub.error:
+        ch["error"] = choice_error(sub)
     return sse_chunk(serving, job, "chat.completion.chunk", [ch])
 
 
@@ -153,6 +157,7 @@ async def stream(serving: OpenAIServing, req: ChatCompletionRequest, job: Job, r
         chunk = stream_delta(serving, req, job, sub, out)
         if chunk is not None:
             yield chunk
+    serving.raise_if_all_failed(job)  # nothing was produced: an error event, then [DONE]
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse_chunk(serving, job, "chat.completion.chunk", [], usage(job))
     yield "data: [DONE]\n\n"

@@ -22,6 +22,17 @@ def add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed when ready)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    p.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="comma-separated origins allowed cross-origin (CORS), or '*'; off by default",
+    )
+    p.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve /debug/routes, /debug/config and the /docs pages (off by default; behind --api-key if set)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: folder name)")
     p.add_argument(
         "--max-queued",

@@ -13,7 +13,7 @@ from dataclasses import replace
 from mlaserve.entrypoints.openai.constraints import sampling_extras
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import CompletionRequest
-from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, new_id, sse_chunk
+from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, choice_error, new_id, sse_chunk
 
 
 def build_job(serving: OpenAIServing, req: CompletionRequest) -> tuple[Job, list]:
@@ -45,7 +45,7 @@ def logprobs_block(serving: OpenAIServing, ids: list[int], entries: list, n: int
         s = serving.token_str(tid)
         tokens.append(s)
         offsets.append(offset)
-        offset += len(s)
+        offset += len(serving.decode([tid]))  # a special token (<bos>) is not in the returned text
         if entry is None:
             token_lps.append(None)
             tops.append(None)
@@ -74,19 +74,29 @@ def choice(serving: OpenAIServing, req: CompletionRequest, sub: SubRequest) -> d
             all_ids = sub.prompt_ids + ids
             all_entries = list(final.prompt_logprobs or [None] * len(sub.prompt_ids)) + entries
         lp = logprobs_block(serving, all_ids, all_entries, req.logprobs, len(head))
-    reason = "length" if sub.scoring else final.outputs[0].finish_reason
-    return {"index": sub.index, "text": (sub.echo_text or "") + text, "logprobs": lp, "finish_reason": reason}
+    reason = "length" if sub.scoring and not sub.error else final.outputs[0].finish_reason
+    out = {"index": sub.index, "text": (sub.echo_text or "") + text, "logprobs": lp, "finish_reason": reason}
+    if sub.error:
+        out["error"] = choice_error(sub)
+    return out
 
 
 def usage(job: Job) -> dict:
-    seen, prompt = set(), 0
+    seen, prompt, cached = set(), 0, 0
     for s in job.subs:
         key = s.rid.rsplit("-", 1)[0]  # n samples of one prompt count the prompt once
         if key not in seen:
             seen.add(key)
             prompt += len(s.prompt_ids)
+            out = s.final or s.last  # prompt tokens served from the prefix cache (that sample's)
+            cached += out.metrics.get("num_cached_prompt_tokens", 0) if out is not None else 0
     done = sum(0 if s.scoring else len(s.final.outputs[0].token_ids) for s in job.subs if s.final is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "total_tokens": prompt + done,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def response(serving: OpenAIServing, req: CompletionRequest, job: Job) -> dict:
@@ -120,12 +130,13 @@ def stream_delta(serving: OpenAIServing, req: CompletionRequest, job: Job, sub: 
         text = sub.echo_text + text
     if not sub.scoring:
         sub.sent_text, sub.sent_tokens = len(c.text), len(c.token_ids)
-    reason = ("length" if sub.scoring else c.finish_reason) if out.finished else None
+    reason = ("length" if sub.scoring and not sub.error else c.finish_reason) if out.finished else None
     if not text and not ids and reason is None and not (first and req.echo):
         return None
-    return sse_chunk(
-        serving, job, "text_completion", [{"index": sub.index, "text": text, "logprobs": lp, "finish_reason": reason}]
-    )
+    ch = {"index": sub.index, "text": text, "logprobs": lp, "finish_reason": reason}
+    if sub.error:
+        ch["error"] = choice_error(sub)
+    return sse_chunk(serving, job, "text_completion", [ch])
 
 
 async def stream(serving: OpenAIServing, req: CompletionRequest, job: Job, raw_request):
@@ -133,6 +144,7 @@ async def stream(serving: OpenAIServing, req: CompletionRequest, job: Job, raw_r
         chunk = stream_delta(serving, req, job, sub, out)
         if chunk is not None:
             yield chunk
+    serving.raise_if_all_failed(job)  # nothing was produced: an error event, then [DONE]
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse_chunk(serving, job, "text_completion", [], usage(job))
     yield "data: [DONE]\n\n"

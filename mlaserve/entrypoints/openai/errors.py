@@ -41,9 +41,17 @@ def from_value_error(e: ValueError, prompt_field: str = "prompt") -> APIError:
 def from_pydantic(errors: list[dict]) -> APIError:
     """FastAPI's RequestValidationError.errors() -> 400 naming the first bad field."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if any(_is_branch(p) for e in errors for p in e.get("loc", ())):  # a union of bodies (/tokenize):
+        # the branch the client meant is the one not merely missing its field
+        first = next((e for e in errors if e.get("type") not in ("missing", "extra_forbidden")), first)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_branch(p)]
     param = loc[0] if loc else None
     if first.get("type") == "json_invalid":
         return APIError(400, f"invalid JSON body: {first.get('msg')}", None, "invalid_json")
     where = ".".join(loc) or "body"
     return APIError(400, f"{where}: {first.get('msg')}", param, "invalid_value")
+
+
+def _is_branch(part) -> bool:
+    """A union member's name in an error location (pydantic names each model branch)."""
+    return isinstance(part, str) and part[:1].isupper()

@@ -2,43 +2,58 @@
 
 Validation here rejects what is wrong in the body alone (types, ranges, empty prompts); what
 depends on the model (context length, vocabulary, model name) is checked in serving.py. An unknown
-top-level field is a 400 naming it (a field mlaserve would ignore must not look honoured); `user`, which
-OpenAI's clients may send, is accepted and has no effect on the output.
+field is a 400 naming it (a field mlaserve would ignore must not look honoured); `user`, which OpenAI's
+clients may send, is accepted and has no effect on the output. Types are strict (JSON's own: `"n": "2"`,
+`"n": 1.5` or `"echo": 0` are refused, not coerced), so the OpenAPI document states exactly what is
+accepted; rules between fields are stated there too (`if`/`then`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16  # samples per prompt
 MAX_LOGPROBS = 20  # top-N logprobs per token (OpenAI's limit)
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+def _json_int(v):
+    """JSON's integers include 1.0 (JSON Schema says so); strings and booleans stay refused (strict)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+JSONInt = BeforeValidator(_json_int)  # after the constraints, so the schema states them
+TokenId = Annotated[int, Field(ge=0), JSONInt]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
+# JSON types as they are, and an unknown field refused naming it (never silently ignored)
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields both endpoints share; None = the model's generation_config.json, else OpenAI's default."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Annotated[int, Field(ge=-1), JSONInt] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Annotated[int, Field(ge=1, le=MAX_N), JSONInt] = 1
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63), JSONInt] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -62,11 +77,17 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(  # max_tokens 0 only with echo (prompt scoring)
+        json_schema_extra={
+            "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+            "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+        }
+    )
     prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText | TokenIds], Field(min_length=1)]
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Annotated[int, Field(ge=0), JSONInt] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})  # insertion is not supported
 
     @field_validator("suffix")
     @classmethod
@@ -77,14 +98,13 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    # An unknown field is a 400 naming it (a message part mlaserve would drop must not look read).
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -104,6 +124,16 @@ class ChatMessage(BaseModel):
             raise ValueError("message annotations are not supported")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        parts = v.get("content") if isinstance(v, dict) else None
+        kinds = {p.get("type") for p in parts if isinstance(p, dict)} if isinstance(parts, list) else set()
+        other = sorted(str(k) for k in kinds - {"text"})
+        if other:
+            raise ValueError(f"this model takes text only: content parts of type {', '.join(other)} are not supported")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
@@ -111,11 +141,17 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(  # top_logprobs only with logprobs: true
+        json_schema_extra={
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        }
+    )
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), JSONInt] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), JSONInt] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = None
     add_generation_prompt: bool = True
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict, description}}
     response_format: dict | None = None
@@ -126,15 +162,24 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. thinking)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizePrompt(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # exactly one of prompt / messages
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeMessages(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_special_tokens: bool = True
+
+
+TokenizeRequest = TokenizePrompt | TokenizeMessages
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[TokenId]

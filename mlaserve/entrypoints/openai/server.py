@@ -23,9 +23,12 @@ from mlaserve.observability.trace import MemoryTracer, make_tracer
 
 log = logging.getLogger("mlaserve.server")
 ROUTE_RING = 2000  # step records kept for /debug/routes
+SHUTDOWN_MARGIN_S = 3.0  # after the grace period, for cut responses to send their last event
 
 
-def build_server(llm, served_name: str, max_queued: int, api_key: str | None = None, chat_template: str | None = None):
+def build_server(
+    llm, served_name: str, max_queued: int, api_key: str | None = None, chat_template: str | None = None, **app_kw
+):
     """-> (app, engine loop, serving) around a loaded LLM whose runner has a RouteTap tracer."""
     loop = EngineLoop(llm.engine)
     metrics = ServerMetrics(stats=lambda: loop.stats)
@@ -36,7 +39,7 @@ def build_server(llm, served_name: str, max_queued: int, api_key: str | None = N
     serving = OpenAIServing(llm, loop, metrics, served_name, max_in_flight)
     serving.chat_template = chat_template
     ring = tap.ring if isinstance(tap, RouteTap) else None
-    app = build_app(serving, api_key, ring)
+    app = build_app(serving, api_key, ring, **app_kw)
     return app, loop, serving
 
 
@@ -49,6 +52,11 @@ class _Server(uvicorn.Server):
     """uvicorn that prints the ready line once its socket is bound (the real port with --port 0)."""
 
     ready_line = staticmethod(lambda host, port: None)
+    on_shutdown = staticmethod(lambda: None)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.on_shutdown()
+        await super().shutdown(sockets)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -59,7 +67,16 @@ class _Server(uvicorn.Server):
 
 def run(args, llm, chat_template: str | None) -> int:
     served = args.served_model_name or Path(str(llm.loaded.path)).name
-    app, loop, serving = build_server(llm, served, args.max_queued, args.api_key, chat_template)
+    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
+    app, loop, serving = build_server(
+        llm,
+        served,
+        args.max_queued,
+        args.api_key,
+        chat_template,
+        allowed_origins=origins or None,
+        debug_endpoints=args.enable_debug_endpoints,
+    )
     set_tool_format(serving, getattr(args, "tool_call_parser", None))
     loop.start()
     config = uvicorn.Config(
@@ -67,12 +84,15 @@ def run(args, llm, chat_template: str | None) -> int:
         host=args.host,
         port=args.port,
         log_level="warning",
-        timeout_graceful_shutdown=args.grace,
+        # the grace period is ours (serving.cut_off_at): responses still running then end with a 503 /
+        # an error event; uvicorn cancels only what is left a few seconds later
+        timeout_graceful_shutdown=args.grace + SHUTDOWN_MARGIN_S,
         access_log=False,
         lifespan="off",
     )
     server = _Server(config)
     server.ready_line = lambda host, port: print(_ready(llm, served, host, port), flush=True)
+    server.on_shutdown = lambda: serving.cut_off_at(args.grace)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that a
     # clean return, so SIGTERM exits 0 after the graceful stop.
     signal.signal(signal.SIGTERM, lambda *_: None)

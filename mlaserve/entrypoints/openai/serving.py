@@ -41,6 +41,8 @@ class SubRequest:
     sent_text: int = 0  # characters already streamed
     sent_tokens: int = 0
     started: bool = False  # the first chunk (role / echoed prompt) went out
+    error: str | None = None  # the engine failed this one: its choice ends with finish_reason "error"
+    last: RequestOutput | None = None  # the latest output seen (what was produced, if it never finished)
 
 
 @dataclass
@@ -68,6 +70,12 @@ class OpenAIServing:
         self.max_model_len = llm.engine.max_model_len
         self.gen_defaults = llm.loaded.generation_config or {}
         self.chat_template: str | None = None  # --chat-template; else the tokenizer's (else fallback)
+        self.cut_at: float | None = None  # shutting down: responses still running then end with a 503
+
+    def cut_off_at(self, seconds: float) -> None:
+        """Shutdown began: requests still running after `seconds` end with a 503 (a stream: an error
+        event, then [DONE]) instead of being cut without a word."""
+        self.cut_at = time.monotonic() + seconds
 
     # ------------------------------------------------------------------ input
 
@@ -133,13 +141,13 @@ class OpenAIServing:
             raise APIError(400, "messages render to an empty prompt", "messages", "invalid_value")
         return ids
 
-    def max_tokens(self, requested: int | None, prompt_len: int, field_name: str) -> int:
+    def max_tokens(self, requested: int | None, prompt_len: int, field_name: str, prompt_field: str = "prompt") -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(
                 400,
                 f"prompt of {prompt_len} tokens does not fit the context ({self.max_model_len} tokens, one left to generate)",
-                "prompt" if field_name == "max_tokens" else "messages",
+                prompt_field,
                 "context_length_exceeded",
             )
         if requested is None:
@@ -181,7 +189,15 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ engine requests
 
-    def admit(self, count: int) -> None:
+    def admit(self, count: int, param: str | None = None) -> None:
+        if count > self.max_in_flight:  # could never fit: a retry cannot help
+            raise APIError(
+                400,
+                f"this request needs {count} engine requests (prompts x n), over the server's limit of "
+                f"{self.max_in_flight} in flight (--max-num-seqs + --max-queued): split it",
+                param,
+                "too_many_choices",
+            )
         if self.in_flight + count > self.max_in_flight:
             raise APIError(
                 429,
@@ -200,7 +216,8 @@ class OpenAIServing:
         def sink(out, q=job.queue):
             aloop.call_soon_threadsafe(q.put_nowait, out)
 
-        self.admit(len(job.subs))
+        prompts = len({s.rid.rsplit("-", 1)[0] for s in job.subs})
+        self.admit(len(job.subs), "n" if prompts == 1 else prompt_field)
         self.in_flight += len(job.subs)
         added = []
         try:
@@ -229,8 +246,9 @@ class OpenAIServing:
         self.in_flight -= len(job.subs)
 
     async def outputs(self, job: Job, raw_request) -> AsyncIterator[tuple[SubRequest, RequestOutput]]:
-        """Each output of the job's engine requests as it arrives; raises APIError 500 when the
-        engine failed one of them, and stops (aborting) when the client is gone."""
+        """Each output of the job's engine requests as it arrives, and stops (aborting) when the client
+        is gone. A sub-request the engine failed comes back with finish_reason "error" and `sub.error`
+        set; the others go on (`all_failed` says whether anything was produced)."""
         by_rid = {s.rid: s for s in job.subs}
         last_check = time.monotonic()
         while not job.done:
@@ -242,32 +260,44 @@ class OpenAIServing:
                 last_check = time.monotonic()
                 if await raw_request.is_disconnected():
                     raise ClientGone(job.id)
+            if self.cut_at is not None and time.monotonic() >= self.cut_at:
+                raise APIError(503, "the server is shutting down (its grace period ran out)", None, "shutting_down")
             if item is None:
                 continue
-            if isinstance(item, StepFailure):
-                by_rid[item.request_id].final = _failed(item)
-                raise APIError(500, f"the engine failed this request: {item.reason}", None, "engine_error")
             sub = by_rid[item.request_id]
+            if isinstance(item, StepFailure):
+                item, why = _failed(item), item.reason
+            else:
+                why = (getattr(item.outputs[0], "error", None) or "finish_reason error") if item.finished else None
+            sub.last = item
             if item.finished:
                 sub.final = item
                 if item.outputs[0].finish_reason == "error":
-                    why = getattr(item.outputs[0], "error", None) or "finish_reason error"
+                    sub.error = f"the engine failed this request: {why}"
                     log.error("%s failed in the engine: %s", item.request_id, why)
-                    raise APIError(500, f"the engine failed this request: {why}", None, "engine_error")
             yield sub, item
+
+    @staticmethod
+    def raise_if_all_failed(job: Job) -> None:
+        """500 when the engine failed every choice of the request (nothing to return)."""
+        if job.subs and all(s.error for s in job.subs):
+            raise APIError(500, job.subs[0].error, None, "engine_error")
 
     def log_done(self, job: Job, status: int, kind: str) -> None:
         finals = [s.final for s in job.subs if s.final is not None]
+        seen = [s.final or s.last for s in job.subs if (s.final or s.last) is not None]  # aborted: what came
         prompt = sum(len(s.prompt_ids) for s in job.subs)
-        output = sum(len(s.final.outputs[0].token_ids) for s in job.subs if s.final is not None and not s.scoring)
-        ttfts = [f.metrics.get("time_to_first_token") for f in finals if f.metrics.get("time_to_first_token")]
+        output = sum(
+            len((s.final or s.last).outputs[0].token_ids) for s in job.subs if (s.final or s.last) and not s.scoring
+        )
+        ttfts = [f.metrics.get("time_to_first_token") for f in seen if f.metrics.get("time_to_first_token")]
         ttft = min(ttfts) if ttfts else None
         rates = [f.metrics["tokens_per_s"] for f in finals if f.metrics.get("tokens_per_s")]
         timing = {
             "ttft": ttft,
             "tpot": (sum(1 / r for r in rates) / len(rates)) if rates else None,
             "e2e": time.monotonic() - job.arrival,
-            "cached_tokens": sum(f.metrics.get("num_cached_prompt_tokens", 0) for f in finals),
+            "cached_tokens": sum(f.metrics.get("num_cached_prompt_tokens", 0) for f in seen),
         }
         self.metrics.on_finished(status, prompt, output, timing)
         reasons = ",".join(sorted({str(f.outputs[0].finish_reason) for f in finals})) or "-"
@@ -291,6 +321,11 @@ def _failed(f: StepFailure) -> RequestOutput:
     from mlaserve.engine.request import CompletionOutput
 
     return RequestOutput(f.request_id, None, [], [CompletionOutput(0, "", [], "error")], True)
+
+
+def choice_error(sub: SubRequest) -> dict:
+    """The `error` object of a choice the engine failed (its finish_reason is "error")."""
+    return {"message": sub.error, "type": "server_error", "param": None, "code": "engine_error"}
 
 
 def new_id(prefix: str) -> str:
