@@ -6,5 +6,5 @@ worker.py       a rank > 0: load its slice, then run the steps rank 0 broadcasts
 group.py        rank 0's side: start the workers, check their configs, run a step on all ranks
 heartbeat.py    hang detection: each worker's heartbeat thread, rank 0's watchdog
 launch.py       under torchrun: the rendezvous from its environment; ranks >= 1 serve steps
-spawn.py        how rank 0 starts a worker: `python -m`, never re-running the caller's main module
+spawn.py        how rank 0 starts a worker: a fresh `python`, never re-running the caller's main module
 """

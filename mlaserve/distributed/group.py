@@ -1,4 +1,4 @@
-"""Rank 0's side of a tensor-parallel group: start the workers (`python -m` processes, spawn.py;
+"""Rank 0's side of a tensor-parallel group: start the workers (fresh `python` processes, spawn.py;
 gloo on CPU) or join torchrun's, check that every rank runs the same configuration, run each step on all ranks, and turn
 any worker failure into one clear error naming the rank -- then stop every process.
 

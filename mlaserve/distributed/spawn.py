@@ -1,4 +1,4 @@
-"""How rank 0 starts a worker on one machine: `python -m mlaserve.distributed.spawn`, a fresh
+"""How rank 0 starts a worker on one machine: a fresh `python` running `main` below, an
 interpreter that imports only mlaserve -- never the caller's main module (multiprocessing's spawn
 and forkserver re-run it, which fails from `python -`, a notebook, or a script without a
 `__main__` guard). The WorkerSpec travels pickled over the worker's stdin, which then stays open:
@@ -18,6 +18,9 @@ import threading
 import weakref
 from pathlib import Path
 
+# The worker's first lines: drop sys.path[0] (the current directory, where a module could shadow
+# ours; `python -P` does this from 3.11 only), then run main below.
+_BOOT = "import sys; del sys.path[0]; from mlaserve.distributed.spawn import main; main()"
 STDERR_TAIL_LINES = 20  # the worker's last stderr lines kept for an error message
 
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -34,8 +37,7 @@ class WorkerProcess:
         env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
         self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._popen = subprocess.Popen(
-            # -P: the current directory is not put on sys.path (a module there could shadow ours)
-            [sys.executable, "-P", "-m", "mlaserve.distributed.spawn"],
+            [sys.executable, "-c", _BOOT],
             stdin=subprocess.PIPE,
             stdout=None,
             stderr=subprocess.PIPE,
@@ -130,7 +132,3 @@ def main() -> None:
     from mlaserve.distributed.worker import worker_main
 
     worker_main(spec)
-
-
-if __name__ == "__main__":
-    main()

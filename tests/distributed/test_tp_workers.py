@@ -1,4 +1,4 @@
-"""Tensor-parallel workers are `python -m` processes that never re-import the caller's main
+"""Tensor-parallel workers are fresh `python` processes that never re-import the caller's main
 module: TP=2 works from `python -` (stdin) and from a script without a `__main__` guard (both
 failed with "rank 1 died (exit code 1)" when workers were multiprocessing children), and a worker
 that dies before it can report is named with its stderr's last words."""

@@ -219,3 +219,18 @@ def test_gguf_alignment_that_does_not_match_the_data_is_refused(tmp_path, claime
     with pytest.raises(GGUFError, match=rf"follow the last tensor's data .* with general.alignment={claimed}"):
         load_gguf(bad)
     load_gguf(good)
+
+
+def test_verify_reports_nan_logits_under_tensor_parallelism_as_a_failed_check(folder):
+    """`mlaserve verify --tensor-parallel-size 2` on a model with a NaN weight: the TP comparison is
+    a failed check (prompt_logits now refuses NaN), not an uncaught error."""
+    from safetensors.torch import load_file, save_file
+
+    from mlaserve.entrypoints.verify import tensor_parallel_check
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.embed_tokens.weight"][6] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"))
+    with LLM(str(folder)) as llm:
+        check = tensor_parallel_check(llm, [5, 6, 7], 2, {})
+    assert not check.passed and check.max_abs_diff != check.max_abs_diff  # NaN
