@@ -313,3 +313,10 @@ def test_chat_errors_name_messages_and_text_only(server):
     r = server.post("/v1/chat/completions", json=dict(BODY, messages=parts))
     assert r.status_code == 400 and "this model takes text only" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "messages"
+
+
+def test_odd_content_part_types_are_400s(server):
+    for kind in ({"x": 1}, [1], None, 3):
+        parts = [{"role": "user", "content": [{"type": kind, "text": "hi"}]}]
+        r = server.post("/v1/chat/completions", json=dict(BODY, messages=parts))
+        assert r.status_code == 400, (kind, r.text)

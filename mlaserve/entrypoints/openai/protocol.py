@@ -128,8 +128,8 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_only(cls, v):
         parts = v.get("content") if isinstance(v, dict) else None
-        kinds = {p.get("type") for p in parts if isinstance(p, dict)} if isinstance(parts, list) else set()
-        other = sorted(str(k) for k in kinds - {"text"})
+        kinds = [p.get("type") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+        other = sorted({k for k in kinds if isinstance(k, str) and k != "text"})  # others: the type check
         if other:
             raise ValueError(f"this model takes text only: content parts of type {', '.join(other)} are not supported")
         return v
