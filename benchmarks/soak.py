@@ -307,11 +307,10 @@ def main(argv=None) -> int:
             folder = str(ensure_model("standard", quick=False))
         server = Server(folder, args.threads, args.clients)
         url, pid, model = server.url, server.pid, server.model
-    info = httpx.post(url + "/tokenize", json={"prompt": "x"}, timeout=30).json()
     card = httpx.get(f"{url}/v1/models/{model}", timeout=30).json()
     vocab = _vocab(url)
     try:
-        result = run_soak(url, model, vocab, card.get("max_model_len", info["max_model_len"]), args, pid)
+        result = run_soak(url, model, vocab, card["max_model_len"], args, pid)
     finally:
         if server is not None:
             server.stop()
