@@ -88,6 +88,8 @@ def test_agent_calls_the_tool_and_answers(server, seed):
     tool = next(m for m in sent[1]["messages"] if m["role"] == "tool")
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == calls[0]
     assert tool["tool_call_id"] == call["id"] and RESULT in str(tool["content"])
+    tokens = server.post("/tokenize", json={"messages": sent[1]["messages"]}).json()["tokens"]
+    assert RESULT in server.post("/detokenize", json={"tokens": tokens}).json()["prompt"]  # rendered, not dropped
     # the run finished with an answer (whatever text the random-weight model wrote)
     assert isinstance(result.final_output, str) and result.final_output.strip()
     assert result.raw_responses[-1].usage.input_tokens > result.raw_responses[0].usage.input_tokens
