@@ -5,6 +5,8 @@ the route ledger's cost per step (the server keeps it on: a ring for /debug/rout
 
     python benchmarks/serve.py                  # standard model, 1/4/16/64 streams, prompts 128-512, outputs 128
     python benchmarks/serve.py --quick          # 2-layer model, 1/4 streams, short prompts: a smoke test
+    python benchmarks/serve.py --constrained    # embedded model: json_schema vs unconstrained at 16 streams,
+                                                # and the grammar compile time of a 20-tool request
 
 Requests: prompt lengths spread evenly over [min, max], random token ids (seeded), greedy,
 ignore_eos (every request makes exactly --output tokens). Results: benchmarks/results/serve[-quick].json.
@@ -37,7 +39,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="OMP threads of the server and the offline engine")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--constrained",
+        action="store_true",
+        help="on the embedded model (it has a tokenizer and a chat template): chat streams under response_format "
+        "json_schema vs unconstrained (default 16 streams), and the grammar compile time of a request with 20 tools",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="--constrained: alternating rounds of each arm")
     args = p.parse_args()
+    if args.constrained:
+        args.streams = args.streams or [16]
+        args.output = args.output or (32 if args.quick else 128)
+        return args
     args.streams = args.streams or ([1, 4] if args.quick else [1, 4, 16, 64])
     args.prompt = args.prompt or ([32, 64] if args.quick else [128, 512])
     args.output = args.output or (16 if args.quick else 128)
@@ -50,9 +63,11 @@ def requests_for(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
 
 
 class Server:
-    def __init__(self, folder: Path, args) -> None:
+    def __init__(self, folder: Path | None, args) -> None:
+        """folder None: the embedded model (`mlaserve serve` without a model)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
-        cmd = [sys.executable, "-m", "mlaserve.entrypoints.cli", "serve", str(folder), "--port", "0"]
+        model = [str(folder)] if folder is not None else []
+        cmd = [sys.executable, "-m", "mlaserve.entrypoints.cli", "serve", *model, "--port", "0"]
         cmd += ["--dtype", args.dtype, "--max-num-seqs", str(max(args.streams)), "--max-queued", "0"]
         cmd += ["--threads", str(args.threads)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -75,25 +90,30 @@ class Server:
         self.proc.wait(60)
 
 
-async def one_stream(client: httpx.AsyncClient, server: Server, prompt: list[int], output: int) -> dict:
-    body = {"model": server.model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True}
+async def one_stream(client: httpx.AsyncClient, server: Server, prompt: list[int] | dict, output: int) -> dict:
+    """prompt: token ids (/v1/completions), or a chat request's fields (/v1/chat/completions)."""
+    chat = isinstance(prompt, dict)
+    body = {"model": server.model, "max_tokens": output, "temperature": 0, "ignore_eos": True}
+    body |= prompt if chat else {"prompt": prompt}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     t0, stamps, tokens = time.perf_counter(), [], 0
-    async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with client.stream("POST", server.url + path, json=body) as r:
+        r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"]:
+            elif chunk["choices"] and (not chat or chunk["choices"][0]["delta"].get("content")):
                 stamps.append(time.perf_counter())
     ttft = stamps[0] - t0
     tpot = (stamps[-1] - stamps[0]) / max(tokens - 1, 1)
     return {"ttft": ttft, "tpot": tpot, "tokens": tokens, "end": stamps[-1] - t0}
 
 
-async def level(server: Server, prompts: list[list[int]], output: int) -> dict:
+async def level(server: Server, prompts: list, output: int) -> dict:
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         t0 = time.perf_counter()
@@ -107,6 +127,7 @@ async def level(server: Server, prompts: list[list[int]], output: int) -> dict:
         "tpot_p50": _pct([r["tpot"] for r in runs], 50),
         "tpot_p99": _pct([r["tpot"] for r in runs], 99),
         "wall_s": wall,
+        "tokens": [r["tokens"] for r in runs],
         "server_rss_gib": server.rss_gib(),
     }
 
@@ -173,8 +194,114 @@ def ledger_cost(llm, prompts: list[list[int]], output: int) -> dict:
     return {"steps": steps[0], "ledger_us_per_step": per * 1e6, "step_ms": step * 1e3, "share": per / step}
 
 
+# --constrained: the same chat streams with and without response_format json_schema. The schema asks for
+# more items than --output tokens can hold, so neither arm ends before max_tokens: the grammar allows no EOS
+# before the end of the object (the server refuses ignore_eos with a response_format), the other arm ignores it.
+NOTES_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 200}},
+    "required": ["notes"],
+}
+
+
+def chat_requests(n: int, arm: str, rnd: int, constrained: bool) -> list[dict]:
+    """Distinct prompts per arm and round (no prefix-cache hits across them)."""
+    out = []
+    for i in range(n):
+        req = {"messages": [{"role": "user", "content": f"List notes about item {arm}-{rnd}-{i} of the inventory."}]}
+        if constrained:
+            req["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES_SCHEMA}}
+            req["ignore_eos"] = False
+        out.append(req)
+    return out
+
+
+def twenty_tools(tag: str) -> list[dict]:
+    kinds = [
+        {"type": "string", "maxLength": 32},
+        {"type": "integer", "minimum": 0, "maximum": 1000},
+        {"enum": ["low", "medium", "high"]},
+        {"type": "boolean"},
+        {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+    ]
+    tools = []
+    for i in range(20):
+        props = {f"arg{j}": kinds[(i + j) % len(kinds)] for j in range(3 + i % 3)}
+        schema = {"type": "object", "properties": props, "required": sorted(props)[:2]}
+        fn = {"name": f"tool_{tag}_{i}", "description": f"tool number {i}", "parameters": schema}
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def compile_times(args, sets: int = 3, repeats: int = 5) -> dict:
+    """In process, on the embedded model: what the server does for a chat request with 20 tools and
+    tool_choice required (the structural tag of the model's tool-call format, then its compile; a
+    repeat of the same tools is a cache hit). Each set has other tool names: a first compile each."""
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.tools.formats import FORMATS
+    from mlaserve.tools.request import ToolContext
+    from mlaserve.tools.select import choose_format
+
+    llm = LLM(threads=args.threads)
+    fmt_name, _ = choose_format(llm.config.model.model_type, llm.tokenizer.chat_template)
+    t0 = time.perf_counter()
+    backend = llm.engine.grammar_backend()
+    out = {"format": fmt_name, "backend_build_s": time.perf_counter() - t0, "tag_s": [], "first_s": [], "cached_s": []}
+    for k in range(sets):
+        t0 = time.perf_counter()
+        ctx = ToolContext.build(twenty_tools(f"s{k}"), "required", None, FORMATS[fmt_name])
+        out["tag_s"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        backend.compile(ctx.structured)
+        out["first_s"].append(time.perf_counter() - t0)
+        for _ in range(repeats):  # a later request with the same tools: its own spec, the compiled grammar reused
+            spec = ToolContext.build(twenty_tools(f"s{k}"), "required", None, FORMATS[fmt_name]).structured
+            t0 = time.perf_counter()
+            backend.compile(spec)
+            out["cached_s"].append(time.perf_counter() - t0)
+    return out
+
+
+def constrained_main(args) -> None:
+    env = environment(args.threads)
+    n = max(args.streams)
+    server = Server(None, args)
+    arms: dict[str, list[dict]] = {"unconstrained": [], "json_schema": []}
+    try:
+        asyncio.run(level(server, chat_requests(1, "warm", 0, True), 4))  # warm-up (and the grammar backend)
+        for rnd in range(args.rounds):
+            for arm in arms:
+                prompts = chat_requests(n, arm, rnd, arm == "json_schema")
+                arms[arm].append(asyncio.run(level(server, prompts, args.output)))
+    finally:
+        server.stop()
+    compiled = compile_times(args)
+    rows = []
+    for rnd in range(args.rounds):
+        u, c = arms["unconstrained"][rnd]["output_tok_s"], arms["json_schema"][rnd]["output_tok_s"]
+        rows.append([rnd + 1, n, f"{u:.1f}", f"{c:.1f}", f"{c / u:.0%}"])
+    mean = {arm: sum(r["output_tok_s"] for r in runs) / len(runs) for arm, runs in arms.items()}
+    ratio = mean["json_schema"] / mean["unconstrained"]
+    rows.append(["mean", n, f"{mean['unconstrained']:.1f}", f"{mean['json_schema']:.1f}", f"{ratio:.0%}"])
+    print_table(["round", "streams", "unconstrained tok/s", "json_schema tok/s", "ratio"], rows)
+    med = sorted(compiled["first_s"])[len(compiled["first_s"]) // 2]
+    print(
+        f"20 tools ({compiled['format']}, tool_choice required): structural tag "
+        f"{1e3 * sorted(compiled['tag_s'])[len(compiled['tag_s']) // 2]:.1f} ms, first compile {1e3 * med:.0f} ms "
+        f"(median of {len(compiled['first_s'])} tool sets), cached {1e6 * min(compiled['cached_s']):.0f}-"
+        f"{1e6 * max(compiled['cached_s']):.0f} us (cache hit); grammar backend built once in "
+        f"{compiled['backend_build_s']:.2f} s"
+    )
+    out = Path(args.out) if args.out else RESULTS_DIR / f"serve-constrained{'-quick' if args.quick else ''}.json"
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    summary = {"mean_output_tok_s": mean, "ratio": ratio}
+    write_json(out, {"settings": settings, "environment": env, "arms": arms, "summary": summary, "compile": compiled})
+
+
 def main() -> None:
     args = parse_args()
+    if args.constrained:
+        return constrained_main(args)
     folder = ensure_model("standard", args.quick)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     sets = {n: requests_for(n, *args.prompt, vocab, seed=100 * n) for n in args.streams}
