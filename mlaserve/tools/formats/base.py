@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -50,3 +51,24 @@ def param_types(tools: list[dict] | None, name: str) -> dict[str, object]:
         if fn.get("name") == name:
             return (fn.get("parameters") or {}).get("properties") or {}
     return {}
+
+
+def parse_section(text: str, name: str, start: str, end: str, call: re.Pattern, with_id: bool = False):
+    """(content, calls) of a format whose section is START (CALL)+ END with JSON arguments: `call` matches one call
+    with groups name and args (and id when `with_id`); anything else inside the section is a ToolParseError."""
+    content, section = split_content(text, start)
+    if section is None:
+        return content, []
+    if not section.rstrip().endswith(end):
+        raise ToolParseError(f"{name}: tool-call section not closed with {end}")
+    body = section[len(start) : section.rstrip().rindex(end)]
+    calls, pos = [], 0
+    for m in call.finditer(body):
+        if body[pos : m.start()].strip():
+            raise ToolParseError(f"{name}: unexpected text in the tool-call section: {body[pos : m.start()][:80]!r}")
+        args = json_arguments(m["args"], f"{name} call {m['name']!r}")
+        calls.append(ToolCall(m["name"].strip(), args, m["id"]) if with_id else ToolCall(m["name"].strip(), args))
+        pos = m.end()
+    if body[pos:].strip() or not calls:
+        raise ToolParseError(f"{name}: malformed tool call: {body[pos:][:80]!r}")
+    return content, calls

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from mlaserve.tools.formats.base import ToolCall, ToolParseError, json_arguments, split_content
+from mlaserve.tools.formats.base import ToolCall, parse_section
 
 NAME = "kimi_k2"
 XGRAMMAR_MODEL = "kimi"
@@ -19,21 +19,7 @@ _CALL = re.compile(
 
 
 def parse(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
-    content, section = split_content(text, START)
-    if section is None:
-        return content, []
-    if not section.rstrip().endswith(END):
-        raise ToolParseError(f"{NAME}: tool-call section not closed with {END}")
-    body = section[len(START) : section.rstrip().rindex(END)]
-    calls, pos = [], 0
-    for m in _CALL.finditer(body):
-        if body[pos : m.start()].strip():
-            raise ToolParseError(f"{NAME}: unexpected text in the tool-call section: {body[pos : m.start()][:80]!r}")
-        calls.append(ToolCall(m["name"].strip(), json_arguments(m["args"], f"{NAME} call {m['name']!r}"), m["id"]))
-        pos = m.end()
-    if body[pos:].strip() or not calls:
-        raise ToolParseError(f"{NAME}: malformed tool call: {body[pos:][:80]!r}")
-    return content, calls
+    return parse_section(text, NAME, START, END, _CALL, with_id=True)
 
 
 def render(calls: list[ToolCall]) -> str:
