@@ -37,10 +37,13 @@ def drop_unread_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rows.masked_fill_(~mask.any(dim=1)[..., None], 0)
 
 
-def finite_values(x: torch.Tensor, causal: bool) -> torch.Tensor:
+def finite_values(x: torch.Tensor, causal: bool, inplace: bool = False) -> torch.Tensor:
     """The operand of P @ x (latent rows, or V) for a segment with several queries per request (`causal`): a
     query masks its own request's later rows with probability 0, and 0 x NaN = NaN would carry a later
     non-finite row into an earlier query. A row a query does read reaches it through its score (NaN or inf
     scores make that query's softmax NaN), so its values may be zeroed here. One-query segments (decode)
-    mask only padding, which reads the zero pad row: x as it is, no copy."""
-    return x.nan_to_num(0.0, 0.0, 0.0) if causal else x
+    mask only padding, which reads the zero pad row: x as it is, no copy. inplace: x is a fresh tensor used for
+    nothing else (V of the decompressed path), so no second copy is made."""
+    if not causal:
+        return x
+    return x.nan_to_num_(0.0, 0.0, 0.0) if inplace else x.nan_to_num(0.0, 0.0, 0.0)

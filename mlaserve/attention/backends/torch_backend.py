@@ -74,7 +74,10 @@ def decompressed_attention(
     # of a per-part einsum made each pass ~5x slower on CPU).
     k_pe = rows[:, :, None, r:].expand(-1, -1, h, -1)
     k = torch.cat([kv[..., :dn], k_pe], dim=-1).transpose(1, 2).contiguous()  # [B, H, L, dn + dr]
-    v = finite_values(kv[..., dn:].transpose(1, 2).contiguous(), seg.q_index.shape[1] > 1)  # [B, H, L, dv]
+    # V is a fresh copy (K was concatenated from kv before): its non-finite values are zeroed in place
+    v = finite_values(
+        kv[..., dn:].transpose(1, 2).contiguous(), seg.q_index.shape[1] > 1, inplace=True
+    )  # [B, H, L, dv]
     q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
     blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * h, rows.shape[1]))
     return torch.cat([_mha(q[:, :, s], k, v, mask[:, s], scale) for s in blocks], dim=1)
