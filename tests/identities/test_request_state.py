@@ -126,7 +126,8 @@ def test_state_follows_chunked_prefill_and_batching(hf_model_dir, plain_tokens):
 
 def test_preemption_frees_the_slot_and_readmission_starts_from_zero(hf_model_dir, plain_tokens):
     folder, _ = hf_model_dir("v3_yarn")
-    engine, model = _engine(folder, page_size=4, num_pages=14)
+    # three slots for five requests: a re-admitted request gets a slot another request (or itself) used before
+    engine, model = _engine(folder, page_size=4, num_pages=14, max_num_seqs=3)
     outs, checked, _ = _run(engine, model, PROMPTS)
     assert outs == plain_tokens and checked
     recs = engine.runner.tracer.records
