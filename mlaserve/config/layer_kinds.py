@@ -29,8 +29,19 @@ Cache states (StateSpec)
   built yet (ModelCache refuses snapshot=True): a companion paged state `<name>_snapshot` with
   tokens_per_row = page_size (one row per page: the state after the page's last token) written by the
   layer when a chunk crosses a page boundary; a prefix hit then restores the slot from the row of the
-  last cached page instead of zeroing it (SeqChunk would carry that page as plain data).
+  last cached page instead of zeroing it (SeqChunk would carry that page as plain data). Speculative
+  decoding is refused with request states (a rejected draft cannot be rolled out of a state).
 
+Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Layer and cache kinds"):
+  a ring window (DeepSeek-V4's 128-token window): paged rows read through the last `window` slots of the
+  block table, or a per-request ring (StateSpec(..., addressing="request", per_request=(window,)));
+  compressed pools (V4's CSA at 1 row per 4 tokens, HCA at 1 per 128): paged rows with tokens_per_row =
+  the ratio plus a compressor carry per request ("request": the buffered incomplete group, CSA's overlap
+  half); linear attention (KDA): a recurrent state per request ("request", per_request=(H, dk), width dv,
+  dtype float32) plus its short-conv state ("request", per_request=(kernel - 1,)), snapshotted at page
+  boundaries for the prefix cache once the hook is built; two MLA sublayers (LongCat-Flash): two latent
+  states in one layer. A layer reads and writes a request state at StepContext.state_slots (per sequence)
+  or token_state_slots (per token) of its LayerState tensor.
 """
 
 from __future__ import annotations
