@@ -244,3 +244,19 @@ def test_bytes_per_request_are_reported_next_to_bytes_per_token(hf_model_dir):
         StateSpec("ring", 8, addressing="ring")
     with pytest.raises(ConfigError, match="apply to 'request' addressing only"):
         StateSpec("latent", 8, snapshot=True)
+
+
+def test_the_server_ready_line_reports_bytes_per_token_and_per_request(hf_model_dir):
+    from types import SimpleNamespace
+
+    from mlaserve.entrypoints.openai.server import _ready
+
+    folder, _ = hf_model_dir("v3_yarn")
+    for stateful in (True, False):
+        engine, _ = _engine(folder, stateful=stateful, max_num_seqs=3)
+        llm = SimpleNamespace(config=engine.cfg, runner=engine.runner, engine=engine)
+        line = _ready(llm, "tiny", "127.0.0.1", 8000)
+        per_token = ModelCache.bytes_per_token(engine.runner.layer_kinds, torch.float32)
+        assert f"tokens ({per_token} bytes/token)" in line
+        d = engine.cfg.model.hidden_size
+        assert (f"state slots 3 x {(1 + d) * 8} bytes/request" in line) == stateful, line
