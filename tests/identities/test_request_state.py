@@ -260,3 +260,21 @@ def test_the_server_ready_line_reports_bytes_per_token_and_per_request(hf_model_
         assert f"tokens ({per_token} bytes/token)" in line
         d = engine.cfg.model.hidden_size
         assert (f"state slots 3 x {(1 + d) * 8} bytes/request" in line) == stateful, line
+
+
+def test_prompt_logits_runs_in_chunks_through_a_given_slot(hf_model_dir):
+    # the path of `verify` and LLM.prompt_logits: chunks of max_num_batched_tokens, the slot zeroed at chunk 0
+    folder, _ = hf_model_dir("v3_yarn")
+    engine, model = _engine(folder, max_num_batched_tokens=8, page_size=4)
+    runner, ids = engine.runner, PROMPTS[3]
+    pages = list(range(-(-len(ids) // 4)))
+    t = runner.cache.layers[0].tensors["running_sum"]
+    t[1] = 7.0  # a stale state left in the slot: the first chunk's reset must clear it
+    with_state = runner.prompt_logits("p", ids, pages, state_slot=1)
+    assert (t[1] - _expected(model, ids)).abs().max().item() < SUM_TOL
+    plain, _ = _engine(folder, stateful=False, max_num_batched_tokens=8, page_size=4)
+    assert torch.equal(with_state, plain.runner.prompt_logits("p", ids, pages))  # the state changes no logit
+    with pytest.raises(ValueError, match="request p: this model keeps request states; no state slot given"):
+        runner.prompt_logits("p", ids, pages)
+    with pytest.raises(ValueError, match="request p: state slot 64 outside"):
+        runner.prompt_logits("p", ids, pages, state_slot=64)
