@@ -79,7 +79,10 @@ class ForwardBatch:
         decodes = [c for c in chunks if c.query_len <= decode_threshold]
         prefills = [c for c in chunks if c.query_len > decode_threshold]
         ordered = decodes + prefills
-        _check_state_slots(ordered)
+        state_slots = [c.state_slot for c in ordered]
+        stateful = state_slots.count(None) < len(state_slots)  # a model with request states (one C-speed pass)
+        if stateful:
+            _check_state_slots(ordered)
         ids, pos, slots, seqs, lidx, owner = [], [], [], [], [], []
         for c in ordered:
             start = len(ids)
@@ -91,7 +94,6 @@ class ForwardBatch:
             wanted = range(c.query_len) if c.all_logits else ([c.query_len - 1] if c.needs_logits else [])
             lidx.extend(start + i for i in wanted)
             owner.extend((c.request_id, i) for i in wanted)
-        stateful = bool(ordered) and ordered[0].state_slot is not None
         return ForwardBatch(
             input_ids=_longs(ids, device),
             positions=_longs(pos, device),
@@ -102,29 +104,25 @@ class ForwardBatch:
             logits_owner=tuple(owner),
             page_size=page_size,
             pad_slot=pad_slot,
-            state_slots=_longs([c.state_slot for c in ordered], device) if stateful else None,
+            state_slots=_longs(state_slots, device) if stateful else None,
             token_state_slots=_longs([c.state_slot for c in ordered for _ in c.token_ids], device)
             if stateful
             else None,
-            reset_slots=tuple(c.state_slot for c in ordered if c.reset_state),
+            reset_slots=tuple(c.state_slot for c in ordered if c.reset_state) if stateful else (),
         )
 
 
 def _check_state_slots(chunks: list[SeqChunk]) -> None:
-    """Either every sequence has a state slot (a model with request states) or none has, and no slot is
-    shared: two sequences writing one slot would mix their states."""
-    have = [c.state_slot is not None for c in chunks]
-    if any(have) and not all(have):
-        missing = next(c.request_id for c in chunks if c.state_slot is None)
-        raise ValueError(f"request {missing}: no state slot in a step whose other requests have one")
+    """In a step where some sequence has a state slot, every one has (a model with request states), and no
+    slot is shared: two sequences writing one slot would mix their states. (A step without any slot has no
+    state to reset: reset_slots stays empty, and a model with request states refuses it in the runner.)"""
     seen: dict[int, str] = {}
     for c in chunks:
-        if c.reset_state and c.state_slot is None:
-            raise ValueError(f"request {c.request_id}: reset_state without a state slot")
-        if c.state_slot is not None:
-            if c.state_slot in seen:
-                raise ValueError(f"requests {seen[c.state_slot]} and {c.request_id} share state slot {c.state_slot}")
-            seen[c.state_slot] = c.request_id
+        if c.state_slot is None:
+            raise ValueError(f"request {c.request_id}: no state slot in a step whose other requests have one")
+        if c.state_slot in seen:
+            raise ValueError(f"requests {seen[c.state_slot]} and {c.request_id} share state slot {c.state_slot}")
+        seen[c.state_slot] = c.request_id
 
 
 def _longs(values: list[int], device) -> torch.Tensor:

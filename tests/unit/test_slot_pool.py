@@ -153,3 +153,19 @@ def test_without_a_slot_pool_no_request_gets_a_slot():
     plan = _step(s)
     seq = plan.chunks[0].to_seq_chunk(PS)
     assert s.slots is None and seq.state_slot is None and not seq.reset_state
+
+
+def test_the_batch_carries_slots_per_sequence_and_per_token_in_batch_order():
+    from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
+
+    prefill = SeqChunk("p", (1, 2, 3), 0, (0,), state_slot=2, reset_state=True)
+    decode = SeqChunk("d", (4,), 5, (1, 2), state_slot=0)
+    batch = ForwardBatch.build([prefill, decode], PS, 1)  # decodes first
+    assert batch.state_slots.tolist() == [0, 2] and batch.token_state_slots.tolist() == [0, 2, 2, 2]
+    assert batch.reset_slots == (2,)
+    plain = ForwardBatch.build([SeqChunk("a", (1, 2), 0, (0,))], PS, 1)
+    assert plain.state_slots is None and plain.token_state_slots is None and plain.reset_slots == ()
+    with pytest.raises(ValueError, match="request a: no state slot in a step whose other requests have one"):
+        ForwardBatch.build([SeqChunk("a", (1, 2), 0, (0,)), decode], PS, 1)
+    with pytest.raises(ValueError, match="requests d and p share state slot 0"):
+        ForwardBatch.build([decode, SeqChunk("p", (1, 2), 0, (3,), state_slot=0)], PS, 1)
