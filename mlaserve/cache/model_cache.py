@@ -95,11 +95,8 @@ class ModelCache:
 
     def measured_bytes_per_token(self) -> int:
         """Allocated bytes per cached token of the paged states, the pad rows (a fixed row per state) left out."""
-        total = sum(
-            (s.tensors[spec.name].shape[0] - 1) * s.tensors[spec.name][0].numel() * s.tensors[spec.name].element_size()
-            for s in self.layers
-            for spec in s.kind.paged
-        )
+        paged = [layer.tensors[s.name] for layer in self.layers for s in layer.kind.paged]
+        total = sum((t.shape[0] - 1) * t[0].numel() * t.element_size() for t in paged)
         return total // (self.num_pages * self.page_size)
 
     def measured_bytes_per_request(self) -> int:
