@@ -63,6 +63,7 @@ SPECS: dict[str, dict] = {
         hc_mult=2,
         sliding_window=5,
         index_topk=2,
+        compress_rates={CSA: 3, HCA: 6},  # odd ratios
     ),
     # hc_mult 3, hash routing on every layer, kinds from the legacy compress_ratios (4 -> CSA), 3 groups of 3 heads
     "hc3_hash": dict(

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from v4_models import SPECS, build_hf_v4, hf_v4_logits, largest_ratio, ours_from_hf  # noqa: E402
 
 BOUND = 1e-5
-DECODE_AFTER = 3  # tokens decoded one by one after each prompt, through the state
+DECODE_AFTER = 2  # tokens decoded one by one after each prompt, through the state
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -56,23 +56,45 @@ def test_one_pass_matches_transformers(pair):
 
 
 def test_every_prompt_length_one_pass_chunked_token_by_token(pair):
-    """Each prompt length 1 .. 3 x the largest ratio + 5, prefilled in one pass or in chunks of 1, 3, 4, 7,
-    then DECODE_AFTER tokens one by one: every position equals transformers' one-pass logits (a prompt ending
-    mid-window leaves a carry the decode steps must continue from)."""
+    """Each prompt length 1 .. 3 x the largest ratio + 5, prefilled in one pass or in chunks of 1, 3, 4, 7, then
+    DECODE_AFTER tokens one by one: every position equals transformers' one-pass logits (a prompt ending
+    mid-window leaves a carry the decode steps must continue from). Prompts chunked alike share their whole
+    chunks: the state after them is forked (clone) into each prompt's last partial chunk and decode steps."""
     kind, hf, ours = pair
     longest = 3 * largest_ratio(kind) + 5
     ids = _ids(longest + DECODE_AFTER, hf.config.vocab_size, 1)
     ref = hf_v4_logits(hf, ids)  # causal: its first n rows are the logits of the first n tokens
-    for length in range(1, longest + 1):
-        seq = ids[: length + DECODE_AFTER]
-        for chunk in (length, 1, 3, 4, 7):
-            state, out = ours.new_state(len(seq)), []
-            with torch.no_grad():
-                for i in range(0, length, chunk):
-                    out.append(ours(torch.tensor(seq[i : min(i + chunk, length)]), state))
-                for t in seq[length:]:
-                    out.append(ours(torch.tensor([t]), state))
-            _close(torch.cat(out), ref[: len(seq)], f"{kind} prompt {length} chunk {chunk}")
+    # chunk 1 is token by token: one run covers every prompt length
+    _close(_run(ours, ids, [1], len(ids)), ref, f"{kind} token by token")
+    checked = 0
+    with torch.no_grad():
+        for length in range(1, longest + 1):  # one pass
+            state = ours.new_state(len(ids))
+            out = [ours(torch.tensor(ids[:length]), state)]
+            out += [ours(torch.tensor([t]), state) for t in ids[length : length + DECODE_AFTER]]
+            _close(torch.cat(out), ref[: length + DECODE_AFTER], f"{kind} prompt {length} one pass")
+            checked += 1
+        for chunk in (3, 4, 7):
+            state, done, b = ours.new_state(len(ids)), [], 0  # state after ids[:b] in whole chunks
+            while b < longest:
+                for r in range(1, chunk + 1):
+                    length = b + r
+                    if length > longest:
+                        break
+                    fork = state.clone()
+                    out = [ours(torch.tensor(ids[b:length]), fork)]
+                    if r == chunk:
+                        after, last = fork.clone(), out[0]
+                    out += [ours(torch.tensor([t]), fork) for t in ids[length : length + DECODE_AFTER]]
+                    what = f"{kind} prompt {length} chunk {chunk}"
+                    _close(torch.cat(done + out), ref[: length + DECODE_AFTER], what)
+                    checked += 1
+                if b + chunk < longest:
+                    state, b = after, b + chunk
+                    done.append(last)
+                else:
+                    break
+    assert checked == 4 * longest
 
 
 def test_greedy_through_the_state_equals_full_recompute(pair):

@@ -27,6 +27,7 @@ How each maps to the engine's rooms (config/layer_kinds.py, docs/ARCHITECTURE.md
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -139,3 +140,8 @@ class SequenceState:
                         CompressedPool(max_tokens // m, c, dtype, device),
                     )
                 )
+
+    def clone(self) -> SequenceState:
+        """A snapshot: everything a preempted or prefix-cached sequence needs to continue exactly (the
+        tests fork one prefill into many continuations with it)."""
+        return copy.deepcopy(self)
