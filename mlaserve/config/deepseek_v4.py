@@ -483,3 +483,43 @@ def _as_ints(value: Any, src: str) -> tuple[int, ...]:
     if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
         raise ConfigError(f"{src}: eos_token_id must be an int or a list of ints, got {value!r}")
     return values
+
+
+def describe_layers(cfg: DeepseekV4Config, bytes_per_value: int) -> list[str]:
+    """`mlaserve inspect`'s lines for V4: layers grouped by kind, the key the kinds came from, what each kind
+    keeps per sequence: rows that grow with the sequence (bytes per token) and fixed per-sequence state."""
+    a, c = cfg.attention, cfg.compression
+    groups: dict[str, list[int]] = {}
+    for i, kind in enumerate(cfg.layer_kinds):
+        groups.setdefault(kind, []).append(i)
+    lines = []
+    for kind, ids in groups.items():
+        ring = a.sliding_window * a.head_dim
+        if kind == "sliding":
+            what, rows, fixed = f"sliding window {a.sliding_window}", [], ring
+        else:
+            m = c.ratio(kind)
+            if kind == "csa":
+                what = f"CSA m={m}, overlapping 2m pooling, indexer top-{c.index_topk} ({c.index_n_heads} heads)"
+                rows = [("kv rows", a.head_dim, m), ("index keys", c.index_head_dim, m)]
+                # open window's raw [kv | gate] of both compressors + their overlap (Ca) halves
+                fixed = ring + m * (4 * a.head_dim + 4 * c.index_head_dim) + m * (2 * a.head_dim + 2 * c.index_head_dim)
+            else:
+                what = f"HCA m'={m}, non-overlapping pooling, every visible row"
+                rows, fixed = [("kv rows", a.head_dim, m)], ring + m * 2 * a.head_dim
+        kept = " + ".join(f"{name} [{w}] per {m} tokens" for name, w, m in rows) or "no growing rows"
+        per_token = sum(w / m for _, w, m in rows) * bytes_per_value * len(ids)
+        lines.append(
+            f"layers {_ranges(ids)}: {kind} ({what}; from {cfg.layer_kinds_source}); keeps ring [{a.sliding_window} x "
+            f"{a.head_dim}] + {kept} ({per_token:g} bytes/token); fixed per sequence {fixed * bytes_per_value * len(ids)} bytes"
+        )
+    return lines
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], ids[0]
+    for x, y in zip(ids, [*ids[1:], None]):
+        if y != x + 1:
+            out.append(f"{start}-{x}" if x > start else f"{x}")
+            start = y
+    return ", ".join(out)

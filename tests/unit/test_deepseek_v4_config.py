@@ -129,3 +129,19 @@ def test_the_mla_reader_and_the_engine_refuse_v4_naming_what_is_missing(tmp_path
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in bad.items() if v is not None}))
     with pytest.raises(ConfigError, match="neither layer_types nor compress_ratios"):
         LLM(str(tmp_path))
+
+
+def test_inspect_shows_each_layer_kind_with_its_source(tmp_path, capsys):
+    import json
+
+    from mlaserve.entrypoints.cli import main
+
+    raw = dict(RAW, layer_types=None, compress_ratios=[0, 4, 128])
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layers 0: sliding (sliding window 128; from compress_ratios)" in out
+    assert "layers 1: csa (CSA m=4" in out and "index keys [16] per 4 tokens" in out
+    assert "layers 2: hca (HCA m'=128" in out
+    assert "layer_kinds" in out and "config.json:compress_ratios" in out
+    assert "not served: model_type deepseek_v4" in out
