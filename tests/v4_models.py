@@ -142,8 +142,8 @@ def hf_v4_logits(model, ids: list[int]) -> torch.Tensor:
 def ours_from_hf(hf_model):
     """Our model from transformers' in-memory one, through the project's config reader and name mapping."""
     from mlaserve.config.deepseek_v4 import DeepseekV4Config
+    from mlaserve.loading.deepseek_v4 import load_into
     from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
-    from mlaserve.models.deepseek_v4.weights import load_into
 
     cfg = DeepseekV4Config.from_hf(json.loads(hf_model.config.to_json_string()))
     model = DeepseekV4ForCausalLM(cfg)

@@ -1,5 +1,5 @@
 """DeepSeek-V4 weights: a folder written by transformers' save_pretrained, and the released layout, load through
-models/deepseek_v4/weights.py and give transformers' logits; a broken folder is an error naming the tensor."""
+loading/deepseek_v4.py and give transformers' logits; a broken folder is an error naming the tensor."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from v4_models import hf_v4_logits, save_hf_v4  # noqa: E402
 
+from mlaserve.loading.deepseek_v4 import load_folder  # noqa: E402
 from mlaserve.loading.safetensors_source import WeightError  # noqa: E402
-from mlaserve.models.deepseek_v4.weights import load_folder  # noqa: E402
 
 BOUND = 1e-5  # as tests/models/test_deepseek_v4.py (measured 0 to 2e-6 on these configs)
 

@@ -9,5 +9,6 @@ hyper.py       mHC: hc_mult residual streams, Sinkhorn-normalised mixing, the he
 moe.py         sqrt-softplus router (learned or hash), SwiGLU experts clamped at swiglu_limit
 state.py       the per-sequence state of each layer kind (ring window, compressed pools, compressor carry)
 model.py       the stack: one forward over one chunk of one sequence, continuing its state
-weights.py     checkpoint names (released layout, transformers' save_pretrained layout) -> this module tree
+norm.py        the weighted (fp32) and unweighted RMSNorms
+Its checkpoints load through loading/deepseek_v4.py (released and save_pretrained layouts, strictly).
 """

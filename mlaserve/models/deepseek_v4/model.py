@@ -8,7 +8,7 @@ Notation
   logits [S, V] = lm_head(norm(hc_head(h)))
 One pass over a prompt, the same prompt in chunks of any sizes, and token by token all run this forward with a
 fresh state; the state carries exactly what the next chunk needs (state.py). Module and parameter names are
-transformers' DeepseekV4ForCausalLM's (weights.py maps the released and save_pretrained layouts onto them).
+transformers' DeepseekV4ForCausalLM's (loading/deepseek_v4.py maps the released and save_pretrained layouts onto them).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 checkpoint names -> this package's module tree (transformers' DeepseekV4ForCausalLM names), and a
+"""DeepSeek-V4 checkpoint names -> models/deepseek_v4's module tree (transformers' DeepseekV4ForCausalLM names), and a
 strict folder loader: every tensor used once, every parameter filled, every shape checked; errors name the
 tensor and its file.
 
