@@ -23,6 +23,9 @@ Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Lay
   tokens, HCA at 1 per 128): paged rows with tokens_per_row = the ratio plus a fixed compressor carry per
   request; linear attention (KDA): a fixed recurrent state per request, snapshotted at page boundaries
   for the prefix cache; two MLA sublayers (LongCat-Flash): two latent states in one layer.
+DeepSeek-V4's states exist as fixed-size per-sequence tensors (models/deepseek_v4/state.py, whose docstring
+maps each onto these rooms); its family declares layer_kinds "deepseek_v4", which attention_kind refuses
+until the cache and router run it.
 """
 
 from __future__ import annotations

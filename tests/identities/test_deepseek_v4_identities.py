@@ -61,3 +61,11 @@ def test_a_snapshot_continues_exactly():
         a = model(ids[13:], state)
         b = model(ids[13:], snap)
     assert torch.equal(a, b)
+
+
+def test_a_token_outside_the_vocabulary_is_named_and_leaves_the_state_alone():
+    model = ours_from_hf(build_hf_v4("hc2_learned", seed=1))
+    state = model.new_state(8)
+    with pytest.raises(ValueError, match=r"token id 96 at chunk index 2 \(position 2\) is outside the vocabulary"):
+        model(torch.tensor([0, 5, 96]), state)
+    assert state.length == 0

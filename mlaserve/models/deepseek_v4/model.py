@@ -82,6 +82,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError("a chunk has at least one token")
         if start + s > state.max_tokens:
             raise ValueError(f"sequence of {start + s} tokens exceeds the state's max_tokens={state.max_tokens}")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"token id {int(ids[i])} at chunk index {i} (position {start + i}) is outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
         positions = torch.arange(start, start + s, device=ids.device)
         m = self.model
         h = m.embed_tokens(ids).unsqueeze(1).expand(-1, m.hc_mult, -1).contiguous()
