@@ -85,3 +85,23 @@ def test_a_broken_folder_names_the_tensor(saved, tmp_path, edit, message):
     folder, _ = saved
     with pytest.raises(WeightError, match=message):
         load_folder(_rewrite(folder, tmp_path / "broken", edit))
+
+
+def test_bfloat16_keeps_the_references_fp32_parts(saved):
+    """Loaded in bf16, the model keeps what transformers keeps in fp32 (norms, sinks, position biases, mHC, the
+    router bias) and computes where it computes: logits equal transformers' bf16 from_pretrained (measured
+    0.0 on this config). Bound 1e-2, below one bf16 step at these logits (|logit| 2..4: 0.016 .. 0.03); casting
+    the sinks to bf16 before the softmax (transformers' fp32 sink column promotes the row) measured 0.57."""
+    from transformers import DeepseekV4ForCausalLM
+
+    folder, _ = saved
+    ref = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, experts_implementation="eager").eval()
+    ours, _ = load_folder(folder, dtype=torch.bfloat16)
+    kept = {n for n, p in ref.named_parameters() if p.dtype == torch.float32}
+    assert kept and kept == {n for n, p in ours.named_parameters() if p.dtype == torch.float32}
+    ids = [0, *range(5, 35)]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids]), use_cache=False).logits[0].float()
+    got = _logits(ours, ids).float()
+    assert (got - want).abs().max().item() <= 1e-2
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -106,8 +106,9 @@ class V4Attention(nn.Module):
         """q [S, H, D], kv [K, D], visible [S, K] -> [S, H, D]; the per-head sink joins the softmax only."""
         logits = torch.matmul(q, kv.t()) * self.scale  # [S, H, K]
         logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-        sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-        combined = torch.cat([logits, sinks], dim=-1)
+        # the fp32 sink column promotes the row to fp32 (as the reference's cat does in bf16 runs)
+        sinks = self.sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+        combined = torch.cat([logits.float(), sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
         return torch.matmul(probs.to(kv.dtype), kv)
