@@ -13,6 +13,9 @@ Accepted layouts (the optional leading `model.` is dropped first):
              attn.kv_norm, `hc_head.hc_*` and `embed_tokens`)
   module     the module names themselves (model.layers.N.self_attn.q_a_proj.weight, stacked experts)
 Experts E: w1 (gate) and w3 (up) stack into mlp.experts.gate_up_proj[E] = [w1; w3], w2 into down_proj[E].
+DeepSeek FP8 (quantization_config quant_method fp8, 128x128 e4m3 blocks, ue8m0 or fp32 scales): every module
+with a `<module>.weight_scale_inv` is swapped for its quantized holder (quant/deepseek_v4.py, FP8Linear) before
+the fill, and its stored bytes are copied as they are.
 mtp.* (num_nextn_predict_layers) is skipped and reported: the MTP layer is not built yet.
 """
 
@@ -29,6 +32,8 @@ from mlaserve.config.model import ConfigError
 from mlaserve.loading.files import path_problem, read_json
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from mlaserve.quant.config import parse_quantization
+from mlaserve.quant.deepseek_v4 import swap_in_fp8
 
 _TOP = {
     "embed.weight": "model.embed_tokens.weight",
@@ -83,10 +88,20 @@ class Target:
     part: str | None = None
 
 
+SCALE = ".weight_scale_inv"  # DeepSeek FP8 block scales (quant/config.py), beside `<module>.weight`
+_EXPERT_SCALE = {"gate_up_proj": "gate_up_scale", "down_proj": "down_scale"}  # quant/deepseek_v4.FP8V4Experts
+
+
 def target(name: str, module_names: set[str]) -> Target | None:
     """The module tensor a checkpoint name fills; None for the MTP layers (skipped)."""
     if name in module_names:
         return Target(name)
+    if name.endswith(SCALE):  # the scale of a weight goes beside that weight's target
+        t = target(name.removesuffix(SCALE) + ".weight", module_names)
+        if t is None or t.expert is None:
+            return t and Target(t.name.removesuffix(".weight") + SCALE)
+        layer, _, which = t.name.rpartition(".")
+        return Target(f"{layer}.{_EXPERT_SCALE[which]}", t.expert, t.part)
     bare = name[len("model.") :] if name.startswith("model.") else name
     if bare.startswith("mtp."):
         return None
@@ -130,13 +145,14 @@ def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
         else:
             if t.expert >= dest.shape[0]:
                 raise WeightError(f"{where}: expert {t.expert} >= n_routed_experts={dest.shape[0]}")
-            inter = dest.shape[1] // 2
-            view = {"w1": dest[t.expert, :inter], "w3": dest[t.expert, inter:], "w2": dest[t.expert]}[t.part]
-            key = (t.expert, t.part)
+            view, key = _expert_view(dest, t), (t.expert, t.part)
         if tuple(value.shape) != tuple(view.shape):
             raise WeightError(f"{where}: shape {tuple(value.shape)} but {t.name} needs {tuple(view.shape)}")
         if not value.dtype.is_floating_point and dest.dtype.is_floating_point:
             raise WeightError(f"{where}: an integer tensor ({value.dtype}) where {t.name} holds floats")
+        if (dest.dtype == torch.float8_e4m3fn) != (value.dtype == torch.float8_e4m3fn):
+            # stored bytes are copied, never converted: a float weight is not quantized here, nor the reverse
+            raise WeightError(f"{where}: stored as {value.dtype} but {t.name} holds {dest.dtype}")
         seen = filled.setdefault(t.name, set())
         if key in seen:
             raise WeightError(f"{where}: {t.name} is filled twice (two layouts of one tensor in the folder?)")
@@ -146,8 +162,11 @@ def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
         report.loaded += 1
     experts = model.config.moe.n_routed_experts
     for name in tensors:
-        need = {(e, p) for e in range(experts) for p in ("w1", "w3")} if name.endswith("gate_up_proj") else None
-        need = {(e, "w2") for e in range(experts)} if name.endswith("experts.down_proj") else need
+        need = None
+        if name.endswith(("experts.gate_up_proj", "experts.gate_up_scale")):
+            need = {(e, p) for e in range(experts) for p in ("w1", "w3")}
+        elif name.endswith(("experts.down_proj", "experts.down_scale")):
+            need = {(e, "w2") for e in range(experts)}
         have = filled.get(name, set())
         if (need is None and not have) or (need is not None and have != need and have != {None}):
             missing = "" if need is None else f" (experts/parts missing: {sorted(need - have)[:4]}...)"
@@ -155,20 +174,64 @@ def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
     return report
 
 
+def _expert_view(dest: torch.Tensor, t: Target) -> torch.Tensor:
+    """Expert t.expert's slice of a stacked tensor: w1 / w3 the gate / up rows of gate_up_proj (their scales
+    the [e, 0] / [e, 1] grids of gate_up_scale), w2 down_proj[e] (down_scale[e])."""
+    if t.name.endswith("gate_up_scale"):
+        return dest[t.expert, 0 if t.part == "w1" else 1]
+    if t.part == "w2":
+        return dest[t.expert]
+    inter = dest.shape[1] // 2
+    return dest[t.expert, :inter] if t.part == "w1" else dest[t.expert, inter:]
+
+
+def fp8_modules(names: list[str], module_names: set[str]) -> tuple[set[str], set[str]]:
+    """The modules a DeepSeek FP8 checkpoint stores quantized (those with a scale tensor): linear modules, and
+    the expert stacks of the layers whose routed experts are (all or none of a layer's)."""
+    linears, experts = set(), set()
+    for name in names:
+        if not name.endswith(SCALE):
+            continue
+        t = target(name.removesuffix(SCALE) + ".weight", module_names)
+        if t is None:
+            continue
+        if t.expert is None:
+            linears.add(t.name.removesuffix(".weight"))
+        else:
+            experts.add(t.name.rpartition(".")[0])
+    return linears, experts
+
+
 def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DeepseekV4ForCausalLM, V4LoadReport]:
-    """A Hugging Face folder (config.json + safetensors) -> the model in `dtype`, eval mode."""
+    """A Hugging Face folder (config.json + safetensors; float, or DeepSeek FP8 blocks kept in their stored
+    form by the quantized holders) -> the model in `dtype`, eval mode."""
     folder = Path(folder)
     if path_problem(folder / "config.json") == "does not exist":
         raise ConfigError(f"{folder}: no config.json")
-    cfg = DeepseekV4Config.from_hf(read_json(folder / "config.json", ConfigError), source=f"{folder.name}/config.json")
+    raw = read_json(folder / "config.json", ConfigError)
+    cfg = DeepseekV4Config.from_hf(raw, source=f"{folder.name}/config.json")
+    scheme = parse_quantization(raw, f"{folder.name}/config.json")
+    source = SafetensorsSource(folder)
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(cfg)
+    holders: set[str] = set()
+    if scheme is not None:
+        if scheme.method != "fp8" or scheme.strategy != "block" or scheme.scale_name != SCALE[1:]:
+            raise ConfigError(
+                f"{folder.name}/config.json: DeepSeek-V4 reads DeepSeek FP8 block checkpoints only, got "
+                f"{scheme.method} {scheme.strategy}"
+            )
+        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        linears, experts = fp8_modules(source.names(), names)
+        swap_in_fp8(model, linears, experts, scheme)
+        holders = linears | experts
     model = model.to_empty(device="cpu")
     for name, p in model.named_parameters():
-        # the reference keeps norms, sinks, position biases, mHC and the router bias in fp32 in any dtype
-        if not _kept_fp32(name):
+        # the reference keeps norms, sinks, position biases, mHC and the router bias in fp32 in any dtype;
+        # a quantized holder keeps its stored form
+        if not _kept_fp32(name) and name.rpartition(".")[0] not in holders:
             p.data = p.data.to(dtype)
-    report = load_into(model, SafetensorsSource(folder))
+    report = load_into(model, source)
     return model.eval(), report
 
 
