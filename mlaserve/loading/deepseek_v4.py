@@ -88,6 +88,7 @@ class Target:
     part: str | None = None
 
 
+_STORED = (torch.float8_e4m3fn, torch.int8)  # quantized codes: copied as stored (FP8 e4m3, packed FP4 e2m1)
 SCALE = ".weight_scale_inv"  # DeepSeek FP8 block scales (quant/config.py), beside `<module>.weight`
 _EXPERT_SCALE = {"gate_up_proj": "gate_up_scale", "down_proj": "down_scale"}  # quant/deepseek_v4.FP8V4Experts
 
@@ -150,7 +151,7 @@ def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
             raise WeightError(f"{where}: shape {tuple(value.shape)} but {t.name} needs {tuple(view.shape)}")
         if not value.dtype.is_floating_point and dest.dtype.is_floating_point:
             raise WeightError(f"{where}: an integer tensor ({value.dtype}) where {t.name} holds floats")
-        if (dest.dtype == torch.float8_e4m3fn) != (value.dtype == torch.float8_e4m3fn):
+        if (dest.dtype in _STORED or value.dtype in _STORED) and dest.dtype != value.dtype:
             # stored bytes are copied, never converted: a float weight is not quantized here, nor the reverse
             raise WeightError(f"{where}: stored as {value.dtype} but {t.name} holds {dest.dtype}")
         seen = filled.setdefault(t.name, set())

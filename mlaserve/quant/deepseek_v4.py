@@ -8,6 +8,9 @@ Notation (fp8_block.py: W ~= Q * S[n // bn, k // bk])
                      (gate and up keep their own scales: I need not be a multiple of bn);
                      down_proj [E, D, I] e4m3 + down_scale [E, ceil(D/bn), ceil(I/bk)]
                      forward dequantizes only the experts a step routes to, with V4's clamped SwiGLU
+  FP4V4Experts       the release's routed experts (expert_dtype "fp4", fp4_group.py): int8 codes, two per
+                     byte, gate_up_proj [E, 2I, D/2], down_proj [E, D, I/2]; fp32 scales per row and 32
+                     columns gate_up_scale [E, 2, I, ceil(D/32)], down_scale [E, D, ceil(I/32)]
 Like every holder: the stored bytes are copied at load, never converted; dequantize() is the reference.
 """
 
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.models.deepseek_v4.moe import clamped_swiglu
-from mlaserve.quant import fp8_block
+from mlaserve.quant import fp4_group, fp8_block
 from mlaserve.quant.config import QuantScheme
 from mlaserve.quant.linear import FP8Linear
 
@@ -83,9 +86,27 @@ class FP8V4Experts(nn.Module):
         return out
 
 
+class FP4V4Experts(FP8V4Experts):
+    def __init__(self, hidden: int, n_experts: int, inter: int, limit: float, scheme: QuantScheme, device) -> None:
+        nn.Module.__init__(self)
+        self.scheme, self.limit, self.inter = scheme, limit, inter
+        g = fp4_group.scale_groups
+        self.gate_up_proj = _frozen((n_experts, 2 * inter, hidden // 2), torch.int8, device)
+        self.gate_up_scale = _frozen((n_experts, 2, inter, g(hidden)), torch.float32, device)
+        self.down_proj = _frozen((n_experts, hidden, inter // 2), torch.int8, device)
+        self.down_scale = _frozen((n_experts, hidden, g(inter)), torch.float32, device)
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.inter
+        gate = fp4_group.dequantize(self.gate_up_proj[e, :i], self.gate_up_scale[e, 0])
+        up = fp4_group.dequantize(self.gate_up_proj[e, i:], self.gate_up_scale[e, 1])
+        return torch.cat([gate, up]), fp4_group.dequantize(self.down_proj[e], self.down_scale[e])
+
+
 def swap_in_fp8(model: nn.Module, modules: set[str], expert_layers: set[str], scheme: QuantScheme) -> None:
     """Replace the named modules of a V4 model (built on any device) with their FP8 holders: nn.Linear ->
-    FP8Linear, the grouped o_a_proj -> FP8GroupedLinear, a layer's routed experts -> FP8V4Experts."""
+    FP8Linear, the grouped o_a_proj -> FP8GroupedLinear, a layer's routed experts -> FP8V4Experts (FP4V4Experts
+    when the scheme's expert_dtype is "fp4")."""
     from mlaserve.models.deepseek_v4.attention import GroupedLinear
 
     for name in sorted(modules | expert_layers):
@@ -95,7 +116,8 @@ def swap_in_fp8(model: nn.Module, modules: set[str], expert_layers: set[str], sc
         device = next(old.parameters()).device
         if name in expert_layers:
             e, two_i, d = old.gate_up_proj.shape
-            new = FP8V4Experts(d, e, two_i // 2, old.limit, scheme, device)
+            holder = FP4V4Experts if scheme.expert_dtype == "fp4" else FP8V4Experts
+            new = holder(d, e, two_i // 2, old.limit, scheme, device)
         elif isinstance(old, GroupedLinear):
             new = FP8GroupedLinear(old.weight.shape[1], old.weight.shape[0], old.groups, scheme, device)
         elif isinstance(old, nn.Linear) and old.bias is None:

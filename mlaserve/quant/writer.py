@@ -19,7 +19,11 @@ from safetensors.torch import save_file
 from mlaserve.loading.safetensors_source import SafetensorsSource
 from mlaserve.quant import fp4_group, fp8_block
 
-ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+# routed experts, in the MLA families' layout and in DeepSeek-V4's released one (ffn.experts.E.w1|w2|w3)
+ROUTED_EXPERT = re.compile(
+    r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"
+    r"|^(model\.)?layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"
+)
 KEPT = ("model.embed_tokens", "lm_head", "re:.*mlp\\.gate$", "re:.*weights_proj$")
 # DeepSeek-V4's released layout keeps these too: its output head, router (ffn.gate) and the compressors'
 # projections (bf16 in the release: transformers' _keep_in_fp32_modules); the patterns match no MLA name.

@@ -83,3 +83,42 @@ def test_a_float_tensor_where_fp8_is_planned_is_named(folders, tmp_path):
 
     with pytest.raises(WeightError, match=r"wq_a.weight'.*stored as torch.float32 but .*q_a_proj.weight holds"):
         load_folder(tmp_path / "bad")
+
+
+def test_fp4_routed_experts_load_packed_and_equal_the_dequantized_reference(tmp_path):
+    """The release's form: routed experts as packed e2m1 with group-32 scales (expert_dtype fp4), the rest FP8."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from mlaserve.quant import fp4_group
+    from mlaserve.quant.deepseek_v4 import FP4V4Experts
+
+    save_hf_v4("all_kinds", tmp_path / "float", seed=5)
+    write_fp8_folder(tmp_path / "float", tmp_path / "fp4", block=BLOCK, keep_dtype=torch.float32, experts="fp4")
+    stored = load_file(tmp_path / "fp4" / "model.safetensors")
+    assert stored["model.layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8  # two e2m1 codes per byte
+    deq = {}
+    for name, t in stored.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = stored.get(name.removesuffix("weight") + "weight_scale_inv")
+        if scale is None:
+            deq[name] = t
+        elif t.dtype == torch.int8:
+            deq[name] = fp4_group.dequantize_reference(t, scale.float())
+        else:
+            deq[name] = fp8_block.dequantize_reference(t, scale.float(), BLOCK)
+    (tmp_path / "deq").mkdir()
+    save_file(deq, tmp_path / "deq" / "model.safetensors")
+    config = json.loads((tmp_path / "fp4" / "config.json").read_text())
+    assert config["quantization_config"]["expert_dtype"] == "fp4"
+    config.pop("quantization_config")
+    (tmp_path / "deq" / "config.json").write_text(json.dumps(config))
+    ours, _ = load_folder(tmp_path / "fp4")
+    assert all(isinstance(layer.mlp.experts, FP4V4Experts) for layer in ours.model.layers)
+    ref = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32, experts_implementation="eager")
+    ids = [0, *range(9, 38)]
+    with torch.no_grad():
+        want = ref.eval()(torch.tensor([ids]), use_cache=False).logits[0]
+        got = ours(torch.tensor(ids), ours.new_state(len(ids)))
+    assert (got - want).abs().max().item() <= 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
