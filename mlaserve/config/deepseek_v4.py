@@ -77,7 +77,7 @@ _BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_
 
 
 @dataclass(frozen=True)
-class V4Attention:
+class V4AttentionShape:
     num_heads: int
     head_dim: int  # the one shared K=V head (512 in the released models)
     rope_dim: int  # trailing interleaved-rope dims of each head (64)
@@ -140,7 +140,7 @@ class DeepseekV4Config:
     hidden_size: int
     num_layers: int
     rms_norm_eps: float
-    attention: V4Attention
+    attention: V4AttentionShape
     compression: V4Compression
     rope: V4Rope
     moe: V4MoE
@@ -257,7 +257,7 @@ class _V4Reader:
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"{src}: {key} must be a finite number > 0, got {v}")
 
-    def _attention(self) -> V4Attention:
+    def _attention(self) -> V4AttentionShape:
         g, src = self.get, self.source
         heads, head_dim = self.raw["num_attention_heads"], int(g("head_dim"))
         # rope width: partial_rotary_factor * head_dim (transformers), or the legacy qk_rope_head_dim
@@ -278,7 +278,7 @@ class _V4Reader:
         o_groups = int(g("o_groups"))
         if heads % o_groups:
             raise ConfigError(f"{src}: o_groups={o_groups} must divide num_attention_heads={heads}")
-        return V4Attention(
+        return V4AttentionShape(
             num_heads=heads,
             head_dim=head_dim,
             rope_dim=rope_dim,
