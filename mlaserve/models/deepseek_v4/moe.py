@@ -9,7 +9,8 @@ Notation
   weights [S, k]  scores[idx] / (sum + 1e-20) * routed_scaling_factor    (norm_topk_prob is not read)
   expert(x) = down(silu(min(gate(x), L)) * clamp(up(x), -L, L)); the shared expert clamps the same way
   y = sum_k weights_k expert_idx_k(x) + shared(x)
-Experts are stacked as the reference's module: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I].
+Experts are stacked as the reference's module: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I];
+the batch runs as one grouped GEMM per projection where rows align, else (and as the reference) per expert.
 """
 
 from __future__ import annotations
@@ -51,16 +52,32 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """impl "grouped_mm": tokens sorted by expert, one grouped GEMM per projection (as models/moe.py); "loop": the
+    plain reference, one pass per expert with tokens. Chosen at construction from the shapes: the grouped GEMM
+    needs 16-byte-aligned rows (hidden and moe_intermediate_size multiples of 8 in any dtype here)."""
+
     def __init__(self, hidden: int, cfg: V4MoE) -> None:
         super().__init__()
         e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.zeros(e, hidden, i))
+        self.impl = "grouped_mm" if hidden % 8 == 0 and i % 8 == 0 else "loop"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The reference computation: one pass per expert that has tokens (sorted by expert once). A grouped
-        GEMM (models/moe.py's fast path) would serve the engine's batches; this is its plain reference."""
+        if self.impl == "loop":
+            return self._forward_loop(x, weights, idx)
+        k = idx.shape[1]
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        token_of = order // k
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.gate_up_proj.shape[0]), 0).to(torch.int32)
+        gate, up = torch._grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        ys = ys * weights.flatten()[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+    def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat = idx.flatten()
         order = flat.argsort(stable=True)
