@@ -444,6 +444,9 @@ class _V4Reader:
         g = self.get
         if not self.raw.get("n_routed_experts"):
             raise ConfigError(f"{self.source}: n_routed_experts must be set for deepseek_v4 (every layer is MoE)")
+        self.log.record(
+            "norm_topk_prob", "not read", "reference rule: transformers' V4 routers always renormalise the top-k"
+        )
         return V4MoE(
             n_routed_experts=self.raw["n_routed_experts"],
             num_experts_per_tok=int(g("num_experts_per_tok")),

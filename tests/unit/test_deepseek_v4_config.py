@@ -145,3 +145,7 @@ def test_inspect_shows_each_layer_kind_with_its_source(tmp_path, capsys):
     assert "layers 2: hca (HCA m'=128" in out
     assert "layer_kinds" in out and "config.json:compress_ratios" in out
     assert "not served: model_type deepseek_v4" in out
+
+
+def test_norm_topk_prob_is_recorded_as_not_read():
+    assert source_of(read(norm_topk_prob=False), "norm_topk_prob").startswith("reference rule")
