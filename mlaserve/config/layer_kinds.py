@@ -42,6 +42,9 @@ Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Lay
   boundaries for the prefix cache once the hook is built; two MLA sublayers (LongCat-Flash): two latent
   states in one layer. A layer reads and writes a request state at StepContext.state_slots (per sequence)
   or token_state_slots (per token) of its LayerState tensor.
+DeepSeek-V4's states exist as fixed-size per-sequence tensors (models/deepseek_v4/state.py, whose docstring
+maps each onto these rooms); its family declares layer_kinds "deepseek_v4", which attention_kind refuses
+until the cache and router run it.
 """
 
 from __future__ import annotations

@@ -31,6 +31,13 @@ _REQUIRED = (
     "vocab_size",
     "intermediate_size",
 )
+# What the engine lacks to serve DeepSeek-V4 (its config and model exist: config/deepseek_v4.py, models/deepseek_v4/).
+V4_NOT_SERVED = (
+    "model_type deepseek_v4 is read (mlaserve.config.deepseek_v4) and its model runs one sequence at a time "
+    "(mlaserve.models.deepseek_v4), but the engine does not serve it yet: its cache and scheduler lack V4's "
+    "layer kinds (the sliding K=V ring window, the CSA/HCA compressed row pools with tokens_per_row = the "
+    "ratio, and the per-request compressor carry state)"
+)
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps in every family.
 LATENT_NORM_EPS = 1e-6
 
@@ -184,6 +191,10 @@ class _HFAdapter:
         family = families.by_model_type(mt)
         if family is None:
             raise ConfigError(f"{source}: unknown model_type {mt!r}; supported: {', '.join(families.model_types())}")
+        if family.reader != "mla":
+            raise ConfigError(
+                f"{source}: {V4_NOT_SERVED}" if family.reader == "deepseek_v4" else f"{source}: {mt} is not MLA"
+            )
         self.family, name = family, family.name
         self.log.record("model_type", name, f"{source}:model_type" + (f" ({mt} alias)" if mt != name else ""))
 

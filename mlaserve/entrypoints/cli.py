@@ -343,6 +343,8 @@ def _inspect(args) -> int:
     from mlaserve.config.layer_kinds import describe
     from mlaserve.config.provenance import format_table
 
+    if _inspect_v4(args):  # read and shown, not loaded: the engine does not serve V4 yet
+        return 0
     llm = make_llm(args, _progress_bar)
     print(format_table(llm.config.all_provenance()))
     size = llm.config.dtype.itemsize
@@ -365,6 +367,29 @@ def _inspect(args) -> int:
     if llm.loaded.report.notes:
         print("\nload report:\n  " + "\n  ".join(llm.loaded.report.notes))
     return 0
+
+
+def _inspect_v4(args) -> bool:
+    """A DeepSeek-V4 folder: print its config's provenance and layer kinds (with the key they came from), say
+    what the engine lacks to serve it, and return True; anything else: False."""
+    from pathlib import Path
+
+    from mlaserve.config.deepseek_v4 import DeepseekV4Config, describe_layers, is_v4
+    from mlaserve.config.model import V4_NOT_SERVED
+    from mlaserve.config.provenance import format_table
+    from mlaserve.loading.model_loader import read_hf_config
+
+    path = Path(args.model) if args.model else None
+    if path is None or not path.is_dir() or not (path / "config.json").is_file():
+        return False
+    raw = read_hf_config(path)
+    if not is_v4(raw):
+        return False
+    cfg = DeepseekV4Config.from_hf(raw, source=f"{path.name}/config.json")
+    print(format_table(cfg.provenance))
+    print("\nlayer kinds (bfloat16 cache):\n  " + "\n  ".join(describe_layers(cfg, 2)))
+    print(f"\nnot served: {V4_NOT_SERVED}")
+    return True
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
-from mlaserve.config.model import ConfigError, ModelConfig
+from mlaserve.config.model import V4_NOT_SERVED, ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
 from mlaserve.engine.tokenizer import Tokenizer
@@ -116,6 +117,9 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         scheme = None
     else:
         hf_config = read_hf_config(path)
+        if is_v4(hf_config):  # its own config errors first, then what the engine lacks to serve it
+            DeepseekV4Config.from_hf(hf_config, source=f"{path.name}/config.json")
+            raise ConfigError(f"{path}: {V4_NOT_SERVED}")
         model_cfg = ModelConfig.from_hf(hf_config, source="config.json")
         scheme = parse_quantization(hf_config)
         source, skipped = SafetensorsSource(path), []

@@ -3,7 +3,7 @@ format or compressed-tensors), quantizing as the releases do (fp8_block.quantize
 
 Quantized: every 2-D `*.weight` of a linear layer (experts one by one, in the checkpoint's per-expert
 layout) except the modules the releases keep: embeddings, lm_head, the MoE router (`mlp.gate`)
-and the DSA indexer's `weights_proj`. Everything else is stored as `keep_dtype` (bf16 in releases).
+and the DSA indexer's `weights_proj` (DeepSeek-V4 names: `head`, `ffn.gate`, the compressors' wkv / wgate). Everything else is stored as `keep_dtype` (bf16 in releases).
 """
 
 from __future__ import annotations
@@ -19,8 +19,15 @@ from safetensors.torch import save_file
 from mlaserve.loading.safetensors_source import SafetensorsSource
 from mlaserve.quant import fp4_group, fp8_block
 
-ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+# routed experts, in the MLA families' layout and in DeepSeek-V4's released one (ffn.experts.E.w1|w2|w3)
+ROUTED_EXPERT = re.compile(
+    r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"
+    r"|^(model\.)?layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"
+)
 KEPT = ("model.embed_tokens", "lm_head", "re:.*mlp\\.gate$", "re:.*weights_proj$")
+# DeepSeek-V4's released layout keeps these too: its output head, router (ffn.gate) and the compressors'
+# projections (bf16 in the release: transformers' _keep_in_fp32_modules); the patterns match no MLA name.
+KEPT += ("head", "re:.*ffn\\.gate$", "re:.*compressor\\.(wkv|wgate)$")
 FORMATS = ("fp8", "compressed-tensors")
 CT_FP4 = {"nvfp4": ("tensor_group", 16), "mxfp4": ("group", 32)}  # compressed-tensors 4-bit expert groups
 

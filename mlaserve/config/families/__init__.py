@@ -6,12 +6,14 @@ For later families: a deepseek_v3 checkpoint under another name (sarvam_mla) is 
 multimodal wrapper whose text part is a known type (kimi_k25) reads that part; families with other
 layer kinds (DeepSeek-V4's compressed attention, linear-attention layers) declare them in
 `layer_kinds` once config/layer_kinds.py knows them (`attention_kind` refuses a kind it does not).
+A family whose config.json is not MLA-shaped names its own `reader` (DeepSeek-V4: config/deepseek_v4.py).
 """
 
 from __future__ import annotations
 
 from mlaserve.config.families.deepseek_v2 import DEEPSEEK_V2
 from mlaserve.config.families.deepseek_v3 import DEEPSEEK_V3
+from mlaserve.config.families.deepseek_v4 import DEEPSEEK_V4
 from mlaserve.config.families.deepseek_v32 import DEEPSEEK_V32
 from mlaserve.config.families.family import Family
 from mlaserve.config.families.glm4_moe_lite import GLM4_MOE_LITE
@@ -28,7 +30,7 @@ __all__ = [
 ]
 
 # The order is the one error messages list them in.
-FAMILIES: tuple[Family, ...] = (DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE)
+FAMILIES: tuple[Family, ...] = (DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE, DEEPSEEK_V4)
 
 _BY_TYPE = {f.name: f for f in FAMILIES} | {a: f for f in FAMILIES for a in f.aliases}
 

@@ -13,6 +13,9 @@ from types import MappingProxyType
 from typing import Any
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+# The config.json readers: "mla" (config/model.py, every MLA family) and "deepseek_v4" (config/deepseek_v4.py);
+# each knows its own routers' scoring functions.
+READERS = {"mla": SCORING_FUNCS, "deepseek_v4": ("sqrtsoftplus",)}
 NEXTN_KEY_RULES = ("never", "if_set", "if_kept")
 
 
@@ -32,6 +35,7 @@ class Family:
     base: Family | None = None  # the family this one is a delta on
     # The attention kind of its layers that have an indexer role, else "mla" (config/layer_kinds.py: attention_kind).
     layer_kinds: str = "mla"
+    reader: str = "mla"  # which config.json reader builds its config (READERS)
 
     # --- config.json rules (config/model.py) ---------------------------------------------
     # "softmax": the V2 router (topk_method greedy | group_limited_greedy from the config;
@@ -66,8 +70,13 @@ class Family:
 
     def __post_init__(self) -> None:
         # The readers know these rules only; a family with another one must teach them first.
-        if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"family {self.name}: scoring_func {self.scoring_func!r} not in {SCORING_FUNCS}")
+        if self.reader not in READERS:
+            raise ValueError(f"family {self.name}: reader {self.reader!r} not in {tuple(READERS)}")
+        if self.scoring_func not in READERS[self.reader]:
+            raise ValueError(
+                f"family {self.name}: scoring_func {self.scoring_func!r} not in {READERS[self.reader]} "
+                f"(what the {self.reader} reader knows)"
+            )
         if self.gguf_nextn_key not in NEXTN_KEY_RULES:
             raise ValueError(f"family {self.name}: gguf_nextn_key {self.gguf_nextn_key!r} not in {NEXTN_KEY_RULES}")
 

@@ -1,0 +1,243 @@
+"""DeepSeek-V4 checkpoint names -> models/deepseek_v4's module tree (transformers' DeepseekV4ForCausalLM names), and a
+strict folder loader: every tensor used once, every parameter filled, every shape checked; errors name the
+tensor and its file.
+
+Accepted layouts (the optional leading `model.` is dropped first):
+  released   embed.weight, head.weight, norm.weight, hc_head_{fn,base,scale},
+             layers.N.attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b,attn_sink},
+             layers.N.attn.compressor.{wkv,wgate,ape,norm}, layers.N.attn.indexer.{wq_b,weights_proj},
+             layers.N.attn.indexer.compressor.*, layers.N.ffn.gate.{weight,bias,tid2eid},
+             layers.N.ffn.experts.E.{w1,w2,w3}, layers.N.ffn.shared_experts.{w1,w2,w3},
+             layers.N.{attn_norm,ffn_norm}, layers.N.hc_{attn,ffn}_{fn,base,scale}, mtp.*
+  save_pretrained (transformers 5.24 writes the released names back, with `model.` on most, `attn.norm` for
+             attn.kv_norm, `hc_head.hc_*` and `embed_tokens`)
+  module     the module names themselves (model.layers.N.self_attn.q_a_proj.weight, stacked experts)
+Experts E: w1 (gate) and w3 (up) stack into mlp.experts.gate_up_proj[E] = [w1; w3], w2 into down_proj[E].
+DeepSeek FP8 (quantization_config quant_method fp8, 128x128 e4m3 blocks, ue8m0 or fp32 scales): every module
+with a `<module>.weight_scale_inv` is swapped for its quantized holder (quant/deepseek_v4.py, FP8Linear) before
+the fill, and its stored bytes are copied as they are.
+mtp.* (num_nextn_predict_layers) is skipped and reported: the MTP layer is not built yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mlaserve.config.deepseek_v4 import DeepseekV4Config
+from mlaserve.config.model import ConfigError
+from mlaserve.loading.files import path_problem, read_json
+from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
+from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from mlaserve.quant.config import parse_quantization
+from mlaserve.quant.deepseek_v4 import swap_in_fp8
+
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "lm_head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+    "hc_head.hc_fn": "model.hc_head.hc_fn",
+    "hc_head.hc_base": "model.hc_head.hc_base",
+    "hc_head.hc_scale": "model.hc_head.hc_scale",
+}
+_COMPRESSOR = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias"}
+_COMPRESSOR |= {"norm.weight": "kv_norm.weight", "kv_norm.weight": "kv_norm.weight"}
+_LAYER = {
+    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attn.wkv.weight": "self_attn.kv_proj.weight",
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight",
+    "attn.norm.weight": "self_attn.kv_norm.weight",
+    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
+    "attn.attn_sink": "self_attn.sinks",
+    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn.gate.weight": "mlp.gate.weight",
+    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
+    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+_LAYER |= {f"hc_{s}_{p}": f"{s}_hc.{p}" for s in ("attn", "ffn") for p in ("fn", "base", "scale")}
+_LAYER |= {f"attn.compressor.{k}": f"self_attn.compressor.{v}" for k, v in _COMPRESSOR.items()}
+_LAYER |= {f"attn.indexer.compressor.{k}": f"self_attn.compressor.indexer.{v}" for k, v in _COMPRESSOR.items()}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes: a parameter or buffer name, and for a released expert projection its
+    expert and which part (w1 gate rows, w3 up rows of gate_up_proj; w2 down_proj)."""
+
+    name: str
+    expert: int | None = None
+    part: str | None = None
+
+
+_STORED = (torch.float8_e4m3fn, torch.int8)  # quantized codes: copied as stored (FP8 e4m3, packed FP4 e2m1)
+SCALE = ".weight_scale_inv"  # DeepSeek FP8 block scales (quant/config.py), beside `<module>.weight`
+_EXPERT_SCALE = {"gate_up_proj": "gate_up_scale", "down_proj": "down_scale"}  # quant/deepseek_v4.FP8V4Experts
+
+
+def target(name: str, module_names: set[str]) -> Target | None:
+    """The module tensor a checkpoint name fills; None for the MTP layers (skipped)."""
+    if name in module_names:
+        return Target(name)
+    if name.endswith(SCALE):  # the scale of a weight goes beside that weight's target
+        t = target(name.removesuffix(SCALE) + ".weight", module_names)
+        if t is None or t.expert is None:
+            return t and Target(t.name.removesuffix(".weight") + SCALE)
+        layer, _, which = t.name.rpartition(".")
+        return Target(f"{layer}.{_EXPERT_SCALE[which]}", t.expert, t.part)
+    bare = name[len("model.") :] if name.startswith("model.") else name
+    if bare.startswith("mtp."):
+        return None
+    if bare in _TOP:
+        return Target(_TOP[bare])
+    m = _LAYER_RE.match(bare)
+    if m:
+        layer, rest = m.groups()
+        if rest in _LAYER:
+            return Target(f"model.layers.{layer}.{_LAYER[rest]}")
+        e = _EXPERT_RE.match(rest)
+        if e:
+            which = "down_proj" if e.group(2) == "w2" else "gate_up_proj"
+            return Target(f"model.layers.{layer}.mlp.experts.{which}", int(e.group(1)), e.group(2))
+    raise WeightError(f"unknown DeepSeek-V4 tensor {name!r}")
+
+
+@dataclass
+class V4LoadReport:
+    loaded: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
+    """Fill every parameter and buffer of `model` from `source` (names(), get(name), where(name))."""
+    report = V4LoadReport()
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    filled: dict[str, set] = {}
+    for name in source.names():
+        t = target(name, set(tensors))
+        if t is None:
+            report.skipped.append(name)
+            continue
+        where = f"{source.where(name)}: tensor {name!r}"
+        if t.name not in tensors:
+            raise WeightError(f"{where} -> {t.name}: the model built from config.json has no such tensor")
+        dest = tensors[t.name]
+        value = source.get(name)
+        if t.expert is None:
+            view, key = dest, None
+        else:
+            if t.expert >= dest.shape[0]:
+                raise WeightError(f"{where}: expert {t.expert} >= n_routed_experts={dest.shape[0]}")
+            view, key = _expert_view(dest, t), (t.expert, t.part)
+        if tuple(value.shape) != tuple(view.shape):
+            raise WeightError(f"{where}: shape {tuple(value.shape)} but {t.name} needs {tuple(view.shape)}")
+        if not value.dtype.is_floating_point and dest.dtype.is_floating_point:
+            raise WeightError(f"{where}: an integer tensor ({value.dtype}) where {t.name} holds floats")
+        if (dest.dtype in _STORED or value.dtype in _STORED) and dest.dtype != value.dtype:
+            # stored bytes are copied, never converted: a float weight is not quantized here, nor the reverse
+            raise WeightError(f"{where}: stored as {value.dtype} but {t.name} holds {dest.dtype}")
+        seen = filled.setdefault(t.name, set())
+        if key in seen:
+            raise WeightError(f"{where}: {t.name} is filled twice (two layouts of one tensor in the folder?)")
+        seen.add(key)
+        with torch.no_grad():
+            view.copy_(value.to(view.dtype))
+        report.loaded += 1
+    experts = model.config.moe.n_routed_experts
+    for name in tensors:
+        need = None
+        if name.endswith(("experts.gate_up_proj", "experts.gate_up_scale")):
+            need = {(e, p) for e in range(experts) for p in ("w1", "w3")}
+        elif name.endswith(("experts.down_proj", "experts.down_scale")):
+            need = {(e, "w2") for e in range(experts)}
+        have = filled.get(name, set())
+        if (need is None and not have) or (need is not None and have != need and have != {None}):
+            missing = "" if need is None else f" (experts/parts missing: {sorted(need - have)[:4]}...)"
+            raise WeightError(f"checkpoint has no tensor for {name}{missing}")
+    return report
+
+
+def _expert_view(dest: torch.Tensor, t: Target) -> torch.Tensor:
+    """Expert t.expert's slice of a stacked tensor: w1 / w3 the gate / up rows of gate_up_proj (their scales
+    the [e, 0] / [e, 1] grids of gate_up_scale), w2 down_proj[e] (down_scale[e])."""
+    if t.name.endswith("gate_up_scale"):
+        return dest[t.expert, 0 if t.part == "w1" else 1]
+    if t.part == "w2":
+        return dest[t.expert]
+    inter = dest.shape[1] // 2
+    return dest[t.expert, :inter] if t.part == "w1" else dest[t.expert, inter:]
+
+
+def fp8_modules(names: list[str], module_names: set[str]) -> tuple[set[str], set[str]]:
+    """The modules a DeepSeek FP8 checkpoint stores quantized (those with a scale tensor): linear modules, and
+    the expert stacks of the layers whose routed experts are (all or none of a layer's)."""
+    linears, experts = set(), set()
+    for name in names:
+        if not name.endswith(SCALE):
+            continue
+        t = target(name.removesuffix(SCALE) + ".weight", module_names)
+        if t is None:
+            continue
+        if t.expert is None:
+            linears.add(t.name.removesuffix(".weight"))
+        else:
+            experts.add(t.name.rpartition(".")[0])
+    return linears, experts
+
+
+def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DeepseekV4ForCausalLM, V4LoadReport]:
+    """A Hugging Face folder (config.json + safetensors; float, or DeepSeek FP8 blocks kept in their stored
+    form by the quantized holders) -> the model in `dtype`, eval mode."""
+    folder = Path(folder)
+    if path_problem(folder / "config.json") == "does not exist":
+        raise ConfigError(f"{folder}: no config.json")
+    raw = read_json(folder / "config.json", ConfigError)
+    cfg = DeepseekV4Config.from_hf(raw, source=f"{folder.name}/config.json")
+    scheme = parse_quantization(raw, f"{folder.name}/config.json")
+    source = SafetensorsSource(folder)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg)
+    holders: set[str] = set()
+    if scheme is not None:
+        if scheme.method != "fp8" or scheme.strategy != "block" or scheme.scale_name != SCALE[1:]:
+            raise ConfigError(
+                f"{folder.name}/config.json: DeepSeek-V4 reads DeepSeek FP8 block checkpoints only, got "
+                f"{scheme.method} {scheme.strategy}"
+            )
+        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        linears, experts = fp8_modules(source.names(), names)
+        swap_in_fp8(model, linears, experts, scheme)
+        holders = linears | experts
+    model = model.to_empty(device="cpu")
+    for name, p in model.named_parameters():
+        # the reference keeps norms, sinks, position biases, mHC and the router bias in fp32 in any dtype;
+        # a quantized holder keeps its stored form
+        if not _kept_fp32(name) and name.rpartition(".")[0] not in holders:
+            p.data = p.data.to(dtype)
+    report = load_into(model, source)
+    return model.eval(), report
+
+
+_FP32 = ("norm", "sinks", "position_bias", "_hc.", "hc_head", "e_score_correction_bias", "layernorm")
+
+
+def _kept_fp32(name: str) -> bool:
+    return any(k in name for k in _FP32)

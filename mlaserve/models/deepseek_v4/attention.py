@@ -1,0 +1,114 @@
+"""DeepSeek-V4 attention: shared-K=V multi-query attention over [sliding window | compressed rows], with sinks.
+
+Notation
+  S   tokens of the chunk (positions t), H heads, D head width, d rope width (trailing dims)
+  r   q_lora_rank, G o_groups, o o_lora_rank
+  K   keys visible to the chunk: min(start, W-1) ring rows + S new rows, then T compressed rows
+  q_latent [S, r]    q_a_norm(q_a_proj(x))           (also the indexer's query input)
+  q        [S, H, D] rope(unweighted_rms(q_b_proj(q_latent)))   per head, no weight
+  kv       [S, D]    rope(kv_norm(kv_proj(x)))        one head, used as key and as value
+  logits   [S, H, K] q . kv * D^-1/2, masked: ring rows t-W < p <= t; compressed rows by the layer kind
+                     (HCA: s < (t+1)//m; CSA: the indexer's top-k of those)
+  p        softmax over [logits | sink_h] with the sink column dropped (a per-head extra logit)
+  out      [S, H, D] p @ kv, rope slice de-rotated at t (-sin), since the values carry rope
+  y        [S, hidden] o_b_proj(concat_g o_a_proj_g(out[:, heads of group g]))   grouped low-rank output
+Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
+fixed at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.config.deepseek_v4 import DeepseekV4Config
+from mlaserve.models.deepseek_v4.compressor import Compressor
+from mlaserve.models.deepseek_v4.indexer import Indexer, visible_rows
+from mlaserve.models.deepseek_v4.norm import RMSNorm, unweighted_rms_norm
+from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
+from mlaserve.models.deepseek_v4.state import CSAState, HCAState, LayerState
+
+
+class GroupedLinear(nn.Module):
+    """o_a_proj: G independent [o, H/G*D] blocks stacked in one weight [G*o, H/G*D] (the checkpoint's)."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.zeros(out_features, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, G, H/G*D] -> [S, G*o]."""
+        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in, o]
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        a, c, eps = cfg.attention, cfg.compression, cfg.rms_norm_eps
+        self.kind = cfg.layer_kinds[layer]
+        self.table = "main" if self.kind == "sliding" else "compress"
+        self.ratio = cfg.ratio(layer)
+        self.heads, self.head_dim, self.eps = a.num_heads, a.head_dim, eps
+        self.window = a.sliding_window
+        self.scale = a.head_dim**-0.5
+        hidden = cfg.hidden_size
+        self.q_a_proj = nn.Linear(hidden, a.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(a.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(a.q_lora_rank, a.num_heads * a.head_dim, bias=False)
+        self.kv_proj = nn.Linear(hidden, a.head_dim, bias=False)
+        self.kv_norm = RMSNorm(a.head_dim, eps)
+        self.o_a_proj = GroupedLinear(a.num_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank, a.o_groups)
+        self.o_b_proj = nn.Linear(a.o_groups * a.o_lora_rank, hidden, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(a.num_heads, dtype=torch.float32))
+        self.compressor: Compressor | None = None
+        if self.kind != "sliding":
+            self.compressor = Compressor(hidden, a.head_dim, self.ratio, overlap=self.kind == "csa", eps=eps)
+        if self.kind == "csa":
+            self.compressor.indexer = Indexer(
+                hidden, a.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, self.ratio, eps
+            )
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, start: int, state: LayerState, tables: V4RopeTables
+    ) -> torch.Tensor:
+        """x [S, hidden] at positions start .. start+S-1 of the sequence whose layer state is `state`."""
+        s = x.shape[0]
+        cos, sin = tables.cos_sin(self.table, positions, x.dtype)
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), self.eps)
+        q = rotate_trailing(q, cos, sin)
+        kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+        keys, key_pos = state.ring.keys(kv, start)
+        state.ring.append(kv, start)
+        visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - self.window)
+        if isinstance(state, (HCAState, CSAState)):
+            self.compressor(x, state.carry, state.pool, tables)
+            rows = state.pool.view()
+            if isinstance(state, CSAState):
+                chosen = self.compressor.indexer.select(
+                    x, q_latent, positions, state.index_carry, state.index_pool, tables
+                )
+            else:
+                chosen = visible_rows(positions, rows.shape[0], self.ratio)
+            keys = torch.cat([keys, rows.to(keys.dtype)], dim=0)
+            visible = torch.cat([visible, chosen], dim=1)
+
+        out = self._attend(q, keys, visible)
+        out = rotate_trailing(out, cos, -sin)  # the values carried rope: undo it at the query position
+        grouped = out.reshape(s, self.o_a_proj.groups, -1)
+        return self.o_b_proj(self.o_a_proj(grouped))
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """q [S, H, D], kv [K, D], visible [S, K] -> [S, H, D]; the per-head sink joins the softmax only."""
+        logits = torch.matmul(q, kv.t()) * self.scale  # [S, H, K]
+        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+        # the fp32 sink column promotes the row to fp32 (as the reference's cat does in bf16 runs)
+        sinks = self.sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+        combined = torch.cat([logits.float(), sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        return torch.matmul(probs.to(kv.dtype), kv)

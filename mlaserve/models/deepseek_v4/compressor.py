@@ -1,0 +1,72 @@
+"""Compressor: pools every m tokens' projected rows into one compressed row (CSA: overlapping 2m-token
+windows; HCA: non-overlapping m'-token windows), then kv_norm and compress-table rope at the window start.
+
+Notation
+  S   tokens of the chunk, m the ratio, D the pooled row width (head_dim; index_head_dim in the indexer)
+  kv, gate [S, width]   projections of the chunk; width = 2D when overlapping (Ca = [:D] | Cb = [D:]), else D
+  B [m, width]          the learned position bias (checkpoint `ape`), added to the gate of slot j of a window
+  n                     windows closed by this chunk: (fill + S) // m, fill = tokens buffered before it
+Window w (absolute) with its m slots' kv_j, gate z_j (+ B_j):
+  HCA  row_w = sum_j softmax_j(z_j) * kv_j                   over the m slots of window w, per channel
+  CSA  row_w = sum_j softmax_j(z_j) * kv_j                   over 2m slots: Ca of window w-1, Cb of window w
+       (window 0 has no predecessor: its Ca slots get gate -inf, weight 0)
+  row_w <- rope_compress(kv_norm(row_w), position w m)
+The carry (state.CompressorCarry) holds the open window's raw rows and, for CSA, the Ca half of the last
+closed window, so a chunked sequence pools exactly the windows of one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlaserve.models.deepseek_v4.norm import RMSNorm
+from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
+from mlaserve.models.deepseek_v4.state import CompressedPool, CompressorCarry
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.kv_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, carry: CompressorCarry, pool: CompressedPool, tables: V4RopeTables) -> None:
+        """x [S, hidden]: project, close the windows the chunk completes, append their rows to `pool`, keep the
+        rest in `carry`."""
+        m = self.ratio
+        kv = torch.cat([carry.kv[: carry.fill], self.kv_proj(x)], dim=0)
+        gate = torch.cat([carry.gate[: carry.fill], self.gate_proj(x)], dim=0)
+        n = kv.shape[0] // m
+        rest = kv.shape[0] - n * m
+        carry.kv[:rest], carry.gate[:rest], carry.fill = kv[n * m :], gate[n * m :], rest
+        if n == 0:
+            return
+        kv = kv[: n * m].view(n, m, -1)
+        gate = gate[: n * m].view(n, m, -1) + self.position_bias
+        if self.overlap:
+            kv, gate = self._overlap(kv, gate, carry, had_window=pool.n > 0)
+        # softmax over the window's slots in fp32, per channel (as the reference)
+        pooled = self.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
+        positions = (torch.arange(n, device=x.device) + pool.n) * m
+        cos, sin = tables.cos_sin("compress", positions, pooled.dtype)
+        pool.append(rotate_trailing(pooled, cos, sin))
+
+    def _overlap(
+        self, kv: torch.Tensor, gate: torch.Tensor, carry: CompressorCarry, had_window: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, m, 2D] -> [n, 2m, D]: slots 0..m-1 the previous window's Ca, slots m..2m-1 this window's Cb."""
+        n, m, d = kv.shape[0], self.ratio, self.dim
+        slots_kv = kv.new_zeros(n, 2 * m, d)
+        slots_gate = gate.new_full((n, 2 * m, d), float("-inf"))
+        slots_kv[:, m:], slots_gate[:, m:] = kv[..., d:], gate[..., d:]
+        slots_kv[1:, :m], slots_gate[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+        if had_window:
+            slots_kv[0, :m], slots_gate[0, :m] = carry.overlap_kv, carry.overlap_gate
+        carry.overlap_kv.copy_(kv[-1, :, :d])
+        carry.overlap_gate.copy_(gate[-1, :, :d])
+        return slots_kv, slots_gate

@@ -1,0 +1,71 @@
+"""mHC (manifold-constrained hyper-connections): the residual is N = hc_mult streams, mixed around every
+sublayer by weights computed from the streams themselves. Kept in fp32, as the reference keeps it.
+
+Notation
+  S tokens, N hc_mult, D hidden
+  h     [S, N, D]  the streams (the embedding copied into all N at the start)
+  f     [S, N*D]   rms(flatten(h)) (unweighted)
+  a     [S, (2+N)N] f @ fn^T, split into pre [N], post [N], comb [N, N]
+  pre   sigmoid(a_pre * scale_0 + base_pre) + eps              block input  x = sum_j pre_j h_j
+  post  2 sigmoid(a_post * scale_1 + base_post)                 block output spread: post_k * block(x)
+  comb  softmax_row(a_comb * scale_2 + base_comb) + eps, then Sinkhorn: columns, then (iters-1) times rows
+        and columns, each divided by (sum + eps)                new streams h'_k = post_k y + sum_j comb_jk h_j
+The head (HyperHead) collapses the N streams with its own sigmoid weights before the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.config.deepseek_v4 import V4HyperConnections
+from mlaserve.models.deepseek_v4.norm import unweighted_rms_norm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hidden: int, hc: V4HyperConnections, norm_eps: float) -> None:
+        super().__init__()
+        n = hc.hc_mult
+        self.n, self.iters, self.eps, self.norm_eps = n, hc.sinkhorn_iters, hc.eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [S, N, D] -> post [S, N], comb [S, N, N] (fp32), block input [S, D] (h's dtype)."""
+        n = self.n
+        mixes = F.linear(unweighted_rms_norm(h.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+        return post, comb, collapsed
+
+
+def expand(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """New streams: post_k * y + sum_j comb[j, k] h_j (comb used transposed, as the reference). [S, N, D]."""
+    return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(h.dtype).transpose(-1, -2), h)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, hidden: int, hc: V4HyperConnections, norm_eps: float) -> None:
+        super().__init__()
+        n = hc.hc_mult
+        self.eps, self.norm_eps = hc.eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * hidden, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [S, N, D] -> [S, D]."""
+        mixes = F.linear(unweighted_rms_norm(h.flatten(1).float(), self.norm_eps), self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)

@@ -1,0 +1,79 @@
+"""The CSA lightning indexer: its own overlapping compressor at index_head_dim, a scorer, and top-k of the
+causally visible compressed rows per query.
+
+Notation
+  S queries (positions t), T compressed rows of the layer so far, H index_n_heads, c index_head_dim
+  m the CSA ratio, k = min(index_topk, T)
+  q      [S, H, c]  q_b_proj(query latent), compress-table rope at t (no norm)
+  K      [T, c]     the indexer's compressed rows (its own pool)
+  w      [S, H]     weights_proj(x) * H^-1/2
+  score  [S, T]     sum_h w_h * relu(q_h . K_s) * c^-1/2        (fp32)
+Causal rule: row s pools tokens up to (s+1) m - 1, so query t may see it only when s < (t+1) // m.
+Selection: top-k of the scores with the invisible rows at -inf; a pick that lands on an invisible row (a
+query with fewer than k visible rows) is dropped. Returns the [S, T] boolean mask of attended rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlaserve.models.deepseek_v4.compressor import Compressor
+from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
+from mlaserve.models.deepseek_v4.state import CompressedPool, CompressorCarry
+
+
+def visible_rows(positions: torch.Tensor, num_rows: int, ratio: int) -> torch.Tensor:
+    """[S] positions -> [S, T] True where query t may see compressed row s: s < (t + 1) // ratio."""
+    rows = torch.arange(num_rows, device=positions.device)
+    return rows[None, :] < ((positions + 1) // ratio)[:, None]
+
+
+class Scorer(nn.Module):
+    def __init__(self, hidden: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.softmax_scale = head_dim**-0.5
+        self.weights_scaling = heads**-0.5
+        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+
+    def forward(self, q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q [S, H, c], keys [T, c], x [S, hidden] -> scores [S, T] (fp32)."""
+        scores = F.relu(torch.matmul(q.float(), keys.float().t())) * self.softmax_scale  # [S, H, T]
+        weights = self.weights_proj(x).float() * self.weights_scaling  # [S, H]
+        return (scores * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class Indexer(Compressor):
+    """An overlapping compressor at index_head_dim (parameter names as transformers' DeepseekV4Indexer, which
+    inlines its compressor) plus the query projection and the scorer."""
+
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, topk: int, ratio: int, eps: float):
+        super().__init__(hidden, head_dim, ratio, overlap=True, eps=eps)
+        self.heads, self.head_dim, self.topk = heads, head_dim, topk
+        self.q_b_proj = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
+        self.scorer = Scorer(hidden, heads, head_dim)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        carry: CompressorCarry,
+        pool: CompressedPool,
+        tables: V4RopeTables,
+    ) -> torch.Tensor:
+        """-> [S, T] mask of the compressed rows each query attends (T = the layer's rows after this chunk)."""
+        self(x, carry, pool, tables)  # the indexer's own compressed rows first
+        keys = pool.view()
+        s, t = x.shape[0], keys.shape[0]
+        if t == 0:
+            return torch.zeros(s, 0, dtype=torch.bool, device=x.device)
+        cos, sin = tables.cos_sin("compress", positions, x.dtype)
+        q = rotate_trailing(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), cos, sin)
+        scores = self.scorer(q, keys, x)
+        visible = visible_rows(positions, t, self.ratio)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        picks = scores.topk(min(self.topk, t), dim=-1).indices
+        chosen = torch.zeros(s, t, dtype=torch.bool, device=x.device).scatter_(1, picks, True)
+        return chosen & visible

@@ -1,0 +1,113 @@
+"""The DeepSeek-V4 stack, run over one chunk of one sequence at a time, continuing that sequence's state.
+
+Notation
+  S tokens of the chunk at positions start .. start+S-1 (start = state.length), N hc_mult, D hidden, V vocab
+  ids [S] -> embed [S, D] -> streams h [S, N, D] (the embedding copied N times)
+  per layer:  post, comb, x = attn_hc(h);  h = expand(post, comb, attention(input_layernorm(x)), h)
+              post, comb, x = ffn_hc(h);   h = expand(post, comb, moe(post_attention_layernorm(x), ids), h)
+  logits [S, V] = lm_head(norm(hc_head(h)))
+One pass over a prompt, the same prompt in chunks of any sizes, and token by token all run this forward with a
+fresh state; the state carries exactly what the next chunk needs (state.py). Module and parameter names are
+transformers' DeepseekV4ForCausalLM's (loading/deepseek_v4.py maps the released and save_pretrained layouts onto them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlaserve.config.deepseek_v4 import DeepseekV4Config
+from mlaserve.models.deepseek_v4.attention import V4Attention
+from mlaserve.models.deepseek_v4.hyper import HyperConnection, HyperHead, expand
+from mlaserve.models.deepseek_v4.moe import V4MoEBlock
+from mlaserve.models.deepseek_v4.norm import RMSNorm
+from mlaserve.models.deepseek_v4.rope import V4RopeTables
+from mlaserve.models.deepseek_v4.state import LayerState, SequenceState
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = V4Attention(cfg, layer)
+        self.mlp = V4MoEBlock(d, cfg.moe, cfg.vocab_size, hashed=cfg.mlp_layer_types[layer] == "hash_moe")
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.attn_hc = HyperConnection(d, cfg.hc, eps)
+        self.ffn_hc = HyperConnection(d, cfg.hc, eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        state: LayerState,
+        tables: V4RopeTables,
+    ) -> torch.Tensor:
+        post, comb, x = self.attn_hc(h)
+        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, start, state, tables), h)
+        post, comb, x = self.ffn_hc(h)
+        return expand(post, comb, self.mlp(self.post_attention_layernorm(x), ids), h)
+
+
+class V4Model(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.hc_mult = cfg.hc.hc_mult
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(d, cfg.hc, cfg.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = V4Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # derived from the config, never loaded (plain attributes survive a meta-device build)
+        self.tables = V4RopeTables(cfg.rope)
+
+    def new_state(self, max_tokens: int) -> SequenceState:
+        p = self.lm_head.weight
+        return SequenceState(self.config, max_tokens, p.dtype, p.device)
+
+    def forward(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """ids [S] (the next S tokens of the sequence) -> logits [S, V]; advances `state` by S tokens."""
+        s, start = ids.shape[0], state.length
+        if s == 0:
+            raise ValueError("a chunk has at least one token")
+        if start + s > state.max_tokens:
+            raise ValueError(f"sequence of {start + s} tokens exceeds the state's max_tokens={state.max_tokens}")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"token id {int(ids[i])} at chunk index {i} (position {start + i}) is outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+        positions = torch.arange(start, start + s, device=ids.device)
+        m = self.model
+        h = m.embed_tokens(ids).unsqueeze(1).expand(-1, m.hc_mult, -1).contiguous()
+        for layer, layer_state in zip(m.layers, state.layers):
+            h = layer(h, ids, positions, start, layer_state, self.tables)
+        state.length = start + s
+        return self.lm_head(m.norm(m.hc_head(h)))
+
+    @torch.no_grad()
+    def generate_greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """Prefill the prompt in one pass, then decode one token at a time through the state."""
+        state = self.new_state(len(prompt) + new_tokens)
+        device = self.lm_head.weight.device
+        logits = self(torch.tensor(prompt, device=device), state)
+        out = []
+        for _ in range(new_tokens):
+            token = int(logits[-1].argmax())
+            out.append(token)
+            if len(out) == new_tokens:
+                break
+            logits = self(torch.tensor([token], device=device), state)
+        return out

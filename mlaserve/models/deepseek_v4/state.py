@@ -1,0 +1,147 @@
+"""Per-sequence state of DeepSeek-V4's layer kinds: exactly what transformers' caches hold
+(DeepseekV4HCACache / DeepseekV4CSACache), as fixed-size tensors where the reference's is bounded.
+
+Notation
+  W   sliding_window, D head width, m a layer's compress ratio (CSA m, HCA m'), c index_head_dim
+  P   pool capacity in rows = max_tokens // m (a pool grows one row per m tokens; allocated up front)
+  width  a compressor's projected row: 2D for CSA (series Ca | Cb), D for HCA; 2c for the indexer
+
+  SlidingRing     rows [W, D]   K=V of the last W positions, row of position p in slot p % W
+  CompressedPool  rows [P, D]   (or [P, c] for indexer keys), `n` rows filled, row w pools tokens
+                                [w m, (w+1) m) (CSA also reads the Ca half of window w-1)
+  CompressorCarry kv, gate [m, width]  raw projections of the fill = seen % m tokens of the open window;
+                  overlap kv, gate [m, D] (CSA, c for the indexer): the Ca half of the last closed window,
+                  position bias added, valid once a window has closed (n > 0)
+
+How each maps to the engine's rooms (config/layer_kinds.py, docs/ARCHITECTURE.md "Layer and cache kinds"):
+  SlidingRing      "request" addressing: one [W, D] slot per running request (or, paged, the last W / page
+                   rows through the block table); nothing of it survives past W tokens, so a prefix-cache hit
+                   needs the ring of the hit's last W tokens -- the page pool's rows of those tokens.
+  CompressedPool   "page" addressing with tokens_per_row = m: a page of page_size tokens holds page_size / m
+                   rows; page_size a multiple of every ratio keeps rows inside pages (vLLM uses 256).
+  CompressorCarry  "request" addressing, fixed size (m x width + m x D): not recomputable from the pools (the
+                   raw hidden states are gone), so preemption and prefix caching must snapshot it at page
+                   boundaries; at a boundary that is a multiple of m, the buffer is empty and the overlap half
+                   is the only carry.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from mlaserve.config.deepseek_v4 import DeepseekV4Config
+
+
+class SlidingRing:
+    def __init__(self, window: int, dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.window = window
+        self.rows = torch.zeros(window, dim, dtype=dtype, device=device)
+
+    def keys(self, new: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """new [S, D] at positions start.. -> the keys a chunk's queries can see: the previous min(start, W-1)
+        rows then `new`, and their positions [K] (a query at t sees t-W < p <= t)."""
+        first = max(0, start - (self.window - 1))
+        old = torch.arange(first, start, device=new.device)
+        keys = torch.cat([self.rows.index_select(0, old % self.window), new], dim=0)
+        return keys, torch.arange(first, start + new.shape[0], device=new.device)
+
+    def append(self, new: torch.Tensor, start: int) -> None:
+        """Keep the last W rows of positions start .. start + S - 1."""
+        s = new.shape[0]
+        keep = min(s, self.window)
+        pos = torch.arange(start + s - keep, start + s, device=new.device)
+        self.rows.index_copy_(0, pos % self.window, new[s - keep :].to(self.rows.dtype))
+
+
+class CompressedPool:
+    def __init__(self, capacity: int, dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.rows = torch.zeros(capacity, dim, dtype=dtype, device=device)
+        self.n = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        k = rows.shape[0]
+        if self.n + k > self.rows.shape[0]:
+            raise ValueError(
+                f"compressed pool full: {self.n} + {k} rows > capacity {self.rows.shape[0]} "
+                "(the sequence is longer than the state's max_tokens)"
+            )
+        self.rows[self.n : self.n + k] = rows.to(self.rows.dtype)
+        self.n += k
+
+    def view(self) -> torch.Tensor:
+        return self.rows[: self.n]
+
+
+class CompressorCarry:
+    def __init__(
+        self, ratio: int, width: int, overlap_dim: int | None, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        self.ratio = ratio
+        self.kv = torch.zeros(ratio, width, dtype=dtype, device=device)
+        self.gate = torch.zeros(ratio, width, dtype=dtype, device=device)
+        self.fill = 0
+        # CSA only: the Ca half of the last closed window (kv, and gate with the position bias added)
+        self.overlap_kv = torch.zeros(ratio, overlap_dim, dtype=dtype, device=device) if overlap_dim else None
+        self.overlap_gate = torch.zeros(ratio, overlap_dim, dtype=dtype, device=device) if overlap_dim else None
+
+
+@dataclass
+class SlidingState:
+    ring: SlidingRing
+
+
+@dataclass
+class HCAState:
+    ring: SlidingRing
+    carry: CompressorCarry
+    pool: CompressedPool
+
+
+@dataclass
+class CSAState:
+    ring: SlidingRing
+    carry: CompressorCarry
+    pool: CompressedPool
+    index_carry: CompressorCarry
+    index_pool: CompressedPool
+
+
+LayerState = SlidingState | HCAState | CSAState
+
+
+class SequenceState:
+    """Every layer's state for one sequence, and how many of its tokens the model has seen."""
+
+    def __init__(self, cfg: DeepseekV4Config, max_tokens: int, dtype: torch.dtype, device="cpu") -> None:
+        self.max_tokens = max_tokens
+        self.length = 0
+        d, w = cfg.attention.head_dim, cfg.attention.sliding_window
+        c = cfg.compression.index_head_dim
+        self.layers: list[LayerState] = []
+        for i, kind in enumerate(cfg.layer_kinds):
+            ring = SlidingRing(w, d, dtype, device)
+            if kind == "sliding":
+                self.layers.append(SlidingState(ring))
+                continue
+            m = cfg.ratio(i)
+            pool = CompressedPool(max_tokens // m, d, dtype, device)
+            if kind == "hca":
+                self.layers.append(HCAState(ring, CompressorCarry(m, d, None, dtype, device), pool))
+            else:
+                self.layers.append(
+                    CSAState(
+                        ring,
+                        CompressorCarry(m, 2 * d, d, dtype, device),
+                        pool,
+                        CompressorCarry(m, 2 * c, c, dtype, device),
+                        CompressedPool(max_tokens // m, c, dtype, device),
+                    )
+                )
+
+    def clone(self) -> SequenceState:
+        """A snapshot: everything a preempted or prefix-cached sequence needs to continue exactly (the
+        tests fork one prefill into many continuations with it)."""
+        return copy.deepcopy(self)
