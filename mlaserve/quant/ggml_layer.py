@@ -1,24 +1,32 @@
 """A decoder layer of ggml-block holders run as one native call per decode step (kernels/csrc/decode_layer.c mls_decode_layer).
 
 Notation: T tokens of a pure-decode step (T requests, one query each), D hidden, H heads, r kv_lora_rank,
-dn / dr / dv the nope / rope / v head dims, S the rows of a layer's latent cache.
-  x      [T, D]       the residual stream entering the layer, fp32
-  cache  [S, r + dr]  the layer's paged latent rows, fp32
+dn / dr / dv the nope / rope / v head dims, S the rows of a layer's latent cache, Di the DSA index_head_dim,
+L the step's key positions per request, K = min(index_topk, L) the rows a selecting step keeps.
+  x           [T, D]       the residual stream entering the layer, fp32
+  cache       [S, r + dr]  the layer's paged latent rows, fp32
+  index_keys  [S, Di]      a full DSA indexer layer's key cache (sparse routes), fp32
+  selection   [T, 1, K]    positions on the key axis and their validity (models.indexer.Selection), written by a
+                           full layer's call, read by the shared layers after it: one buffer per step (FusedStep)
 What runs is the layer's per-op native path (input norm, q_a / norm / q_b or q_proj, kv_a, the latent row with
-its rope, W_UK per head, the latent MQA over the paged rows, W_UV per head, o_proj, residual, post norm, the MoE
-block or a dense SwiGLU, residual) with the same per-row operations, in C, instead of ~20 native calls and ~60
-tensor ops; that path is the reference (tests/kernels/test_decode_layer.py). With activations="int8" the Q8_0 / Q4_0
-products take int8 activations where the per-op path's do (the same kernels and quantization).
+its rope, on sparse routes the indexer's query, key and weights with the key written to its cache and, when the
+step selects, the scores and the top-k, W_UK per head, the latent MQA over the paged rows or over the selected
+rows, W_UV per head, o_proj, residual, post norm, the MoE block or a dense SwiGLU, residual) with the same
+per-row operations, in C, instead of ~20 native calls and ~60 tensor ops (and ~35 more for the indexer); that
+path is the reference (tests/kernels/test_decode_layer.py, tests/kernels/test_decode_layer_sparse.py). With
+activations="int8" the Q8_0 / Q4_0 products take int8 activations where the per-op path's do.
 Where it applies is decided before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a
 native ggml holder or F32 rows, one activation choice for the layer, one process), and per step from the plan
-(decode_step: a single dense absorbed segment on the native backend, one query per request in request order,
-at most BLOCK_TOKENS requests, fp32 caches on the CPU); a layer under forward hooks (observability.capture)
-takes its per-op path (GGUFDecodeLayer.hooked, checked per step).
+(decode_step: a single absorbed segment on the native backend, dense or sparse, one query per request in
+request order, at most BLOCK_TOKENS requests, fp32 caches on the CPU); a layer under forward hooks
+(observability.capture) takes its per-op path (GGUFDecodeLayer.hooked, checked per step), and a selection
+passes between the two paths through the step's buffer (FusedStep.carry).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +35,7 @@ from torch import nn
 from mlaserve.config.layer_kinds import layer_ranges
 from mlaserve.kernels import native_layers, registry
 from mlaserve.models.deepseek import DecoderLayer, MLAForCausalLM, single_process
+from mlaserve.models.indexer import Selection
 from mlaserve.models.layers import RMSNorm, SwiGLU
 from mlaserve.models.moe import MoE
 from mlaserve.models.mtp import MTPLayer
@@ -90,6 +99,16 @@ class GGUFDecodeLayer:
             )
             keep += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
         a.int8 = int(heads.int8)
+        self.role = _indexer_role(layer)
+        a.idx_role = native_layers.INDEXER_ROLES[self.role]
+        if self.role == "full":
+            ix = attn.indexer
+            a.idx_h, a.idx_d, a.idx_interleaved = ix.cfg.n_heads, ix.cfg.head_dim, int(ix.cfg.rope_interleaved)
+            # the per-op path's scalars: w * Hi^-0.5 (Indexer.project), then * Di^-0.5 (Indexer.select), in fp32
+            a.idx_eps, a.idx_w_scale, a.idx_d_scale = ix.k_norm.eps, ix.cfg.n_heads**-0.5, ix.cfg.head_dim**-0.5
+            a.idx_norm_w, a.idx_norm_b = ix.k_norm.weight.data_ptr(), ix.k_norm.bias.data_ptr()
+            a.idx_q_b, a.idx_k, a.idx_w = rows_args(ix.wq_b), rows_args(ix.wk), rows_args(ix.weights_proj)
+            keep += [ix.k_norm.weight, ix.k_norm.bias, ix.wq_b.weight, ix.wk.weight, ix.weights_proj.weight]
         self.args, self._tensors = a, tuple(keep)  # what the C struct points into stays alive with it
         # forward hooks (observability.capture) must see the sub-blocks run: such a layer takes its per-op path
         self._hookable = (layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
@@ -113,6 +132,8 @@ class GGUFDecodeLayer:
         norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
         if not all(_fp32_norm(n) for n in [*norms, *([attn.q_a_layernorm] if cfg.q_lora_rank else [])]):
             return "a norm not fp32 with the native kernels"
+        if _indexer_role(layer) == "full" and (why := _indexer_unfit(layer, int8)) is not None:
+            return why
         mlp = layer.mlp
         if isinstance(mlp, MoE):
             if mlp.native_block is None or bool(mlp.native_block.args.int8) != int8:
@@ -125,19 +146,60 @@ class GGUFDecodeLayer:
     def hooked(self) -> bool:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._hookable)
 
-    def __call__(self, x: torch.Tensor, step: native_layers.DecodeStepArgs, cache: torch.Tensor) -> torch.Tensor:
-        return native_layers.decode_layer(self.args, step, x, cache)
+    def __call__(
+        self, x: torch.Tensor, step: native_layers.DecodeStepArgs, cache: torch.Tensor, index_keys: torch.Tensor | None
+    ) -> torch.Tensor:
+        return native_layers.decode_layer(self.args, step, x, cache, index_keys)
 
 
-def decode_step(step: StepContext, cache: ModelCache) -> tuple[native_layers.DecodeStepArgs, tuple] | None:
+def _indexer_role(layer: DecoderLayer) -> str | None:
+    """The layer's DSA indexer (config/layer_kinds.py indexer_role): "full", "shared" or None (plain MLA)."""
+    attn = layer.self_attn
+    if attn.kind != "mla_dsa":
+        return None
+    return "full" if attn.indexer is not None else "shared"
+
+
+def _indexer_unfit(layer: DecoderLayer, int8: bool) -> str | None:
+    """Why a full DSA indexer layer's indexer cannot run inside the one call, or None."""
+    attn = layer.self_attn
+    ix = attn.indexer
+    if not attn.cfg.q_lora_rank:
+        return "a DSA indexer without a query latent (q_lora_rank 0)"
+    if not all(native_rows(m, int8) for m in (ix.wq_b, ix.wk, ix.weights_proj)):
+        return "an indexer projection neither a native ggml holder (with the layer's activations) nor fp32"
+    norm = ix.k_norm
+    if not (
+        isinstance(norm, nn.LayerNorm)
+        and norm.weight is not None
+        and norm.bias is not None
+        and all(p.dtype == torch.float32 and p.is_contiguous() and p.device.type == "cpu" for p in norm.parameters())
+    ):
+        return "the indexer's k_norm not an fp32 LayerNorm with weight and bias"
+    return None
+
+
+@dataclass(frozen=True)
+class FusedStep:
+    """A step the native layers take: the C struct of its shared arguments, the tensors it points into, and on a
+    selecting sparse step the selection buffer (one Selection over [T, 1, K]: the per-op path's own type, so a
+    selection passes between fused and per-op layers)."""
+
+    args: native_layers.DecodeStepArgs
+    keep: tuple
+    carry: tuple[Selection] | None = None
+
+
+def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
     """The step's shared arguments when it is a pure decode step the native layers take, else None (then every
-    layer runs its per-op path): one dense absorbed segment on the native backend, one query per request in
-    request order, at most BLOCK_TOKENS of them, fp32 rope and caches on the CPU. -> (args, the tensors they
-    point into)."""
+    layer runs its per-op path): one absorbed segment (dense, or sparse with fp32 index keys) on the native
+    backend, one query per request in request order, at most BLOCK_TOKENS of them, fp32 rope and caches on the
+    CPU."""
     if len(step.kinds) != 1:
-        return None  # the C layers run one dense MLA route for the whole stack
+        return None  # the C layers run one MLA route for the whole stack
     (mine,) = step.kinds.values()
-    if mine.plan.sparse or len(mine.segments) != 1 or mine.backends[0].name != "native":
+    plan = mine.plan
+    if len(mine.segments) != 1 or mine.backends[0].name != "native":
         return None
     seg = mine.segments[0]
     t = step.slot_mapping.shape[0]
@@ -154,15 +216,24 @@ def decode_step(step: StepContext, cache: ModelCache) -> tuple[native_layers.Dec
         return None
     if not all(c.dtype == torch.float32 and c.is_contiguous() and c.shape == first.shape for c in latent):
         return None
+    if plan.sparse:  # the full layers' key caches: fp32 rows of the latent cache's slots
+        keys = [k for k in cache.state("index_keys") if k is not None]
+        if not all(k.dtype == torch.float32 and k.is_contiguous() and k.shape[0] == first.shape[0] for k in keys):
+            return None  # a bf16 key cache scores bf16_then_fp32 (attention/backends/torch_index.py): per op
     if not torch.equal(seg.q_index[:, 0], torch.arange(t, device=seg.q_index.device)):
         return None  # the C layer writes request b's output at token b
     kv_slots, mask, q_index = seg.kv_slots.contiguous(), seg.mask.contiguous(), seg.q_index.contiguous()
     cos, sin, slots = step.cos.contiguous(), step.sin.contiguous(), step.slot_mapping.contiguous()
+    topk, carry, sel = 0, None, (None, None)
+    if plan.needs_selection:  # the per-op path's k: min(index_topk, the segment's key positions)
+        topk = min(plan.index_topk, kv_slots.shape[1])
+        sel = (torch.zeros(t, 1, topk, dtype=torch.int64), torch.zeros(t, 1, topk, dtype=torch.bool))
+        carry = (Selection(*sel),)
     args = native_layers.DecodeStepArgs(
         t, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), first.shape[0], q_index.data_ptr(), kv_slots.data_ptr(),
-        mask.data_ptr(), kv_slots.shape[1],
+        mask.data_ptr(), kv_slots.shape[1], int(plan.sparse), topk, *(x.data_ptr() if x is not None else None for x in sel),
     )  # fmt: skip
-    return args, (kv_slots, mask, q_index, cos, sin, slots)
+    return FusedStep(args, (kv_slots, mask, q_index, cos, sin, slots, *sel), carry)
 
 
 def _decode_layer_fits(layer: DecoderLayer, ctx: registry.KernelContext) -> str | None:
@@ -179,13 +250,16 @@ def _per_op_layer(layer: DecoderLayer, ctx: registry.KernelContext) -> None:
     layer.native_layer = None
 
 
-def _dense_steps_only(layer: DecoderLayer) -> str | None:
-    if layer.self_attn.kind != "mla":
-        return f"{layer.self_attn.kind}: dense decode steps only (decode_step takes no sparse route; sparse steps run per op)"
+def _indexer_note(layer: DecoderLayer) -> str | None:
+    role = _indexer_role(layer)
+    if role == "full":
+        return "mla_dsa, full indexer: dense and sparse decode steps (index keys, scores, top-k in the call)"
+    if role == "shared":
+        return "mla_dsa, shared indexer: dense and sparse decode steps (the previous full layer's top-k)"
     return None
 
 
-registry.register("decode_layer", "native", _decode_layer_fits, _attach_layer, _dense_steps_only)
+registry.register("decode_layer", "native", _decode_layer_fits, _attach_layer, _indexer_note)
 registry.register("decode_layer", "per_op", registry.always, _per_op_layer)
 
 
