@@ -246,9 +246,7 @@ class MLAForCausalLM(nn.Module):
         the forward pass, so the ledger can say so), else None."""
         return self.native_decode(step, cache) if self.native_decode is not None else None
 
-    def forward(
-        self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None) -> torch.Tensor:
         """-> final hidden states [T, D] (normed). native: fused_decode(step, cache) of this step (a
         quant.ggml_layer.FusedStep), or None (every layer per op)."""
         x = self.embed(input_ids)
