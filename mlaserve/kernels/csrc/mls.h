@@ -3,14 +3,16 @@
    Matrix products on weights kept in their stored block formats, for small batches (decode):
    y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K), as
    float8 e4m3 values with block scales, or as packed e2m1 (FP4) codes with group scales; the MoE
-   router and experts, the latent MQA, the decode-step glue and a whole decoder layer's decode step.
+   router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
+   decode step (dense, or sparse with the DSA indexer inside).
 
    Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
    as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
    int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
-   memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd.
+   memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd;
+   -6 for a sparse step a decode layer's indexer cannot run (no index-key cache, no selection to reuse).
 
    The Python side mirrors this file by hand (ctypes argtypes and Structures); tests/kernels/test_kernel_bindings.py
    holds every prototype and struct below to it (mls_layout gives the compiled sizes and offsets). Change
