@@ -248,7 +248,8 @@ def test_a_selection_passes_between_fused_and_per_op_layers(dsa_gguf, monkeypatc
 def _index_case(t: int, lengths: list[int], seed: int = 0) -> tuple:
     """q [T, Hi, Di], w [T, Hi], keys [S, Di], kv_slots [T, L] (padded to L with the pad row S - 1), mask [T, L]."""
     g = torch.Generator().manual_seed(seed)
-    hi, di, s = 8, 32, 200
+    hi, di = 8, 32
+    s = max(lengths) + 50
     length = max(lengths)
     q = torch.randn(t, hi, di, generator=g)
     w = torch.randn(t, hi, generator=g) * 0.3
@@ -276,20 +277,24 @@ def _torch_topk(q, w, keys, kv_slots, mask, k) -> tuple[torch.Tensor, torch.Tens
     return index, mask.gather(1, index)
 
 
-def test_index_topk_kernel_selects_the_per_op_set():
-    """The C top-k against torch's over the same scores' inputs: the same set of valid positions per query, for
-    requests with more allowed positions than k, exactly k, and fewer (all kept, then never-attended padding)."""
-    lengths = [150, 40, 16, 9, 1]
+@pytest.mark.parametrize("lengths,k,threads", [([150, 40, 16, 9, 1], 16, 1), ([700, 530, 100], 64, 2)])
+def test_index_topk_kernel_selects_the_per_op_set(lengths, k, threads):
+    """The C top-k against torch's over the same inputs: the same set of valid positions per query, for requests
+    with more allowed positions than k, exactly k, and fewer (all kept, then never-attended padding); the
+    second case scores its keys on two threads (the kernel parallelises a request's keys from 512 on)."""
     q, w, keys, kv_slots, mask = _index_case(len(lengths), lengths)
-    k = 16
-    idx_c, val_c = native_layers.index_topk(q, w, keys, kv_slots, mask, k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        idx_c, val_c = native_layers.index_topk(q, w, keys, kv_slots, mask, k)
+    finally:
+        torch.set_num_threads(before)
     idx_t, val_t = _torch_topk(q, w, keys, kv_slots, mask, k)
     for b, n in enumerate(lengths):
         got, want = set(idx_c[b][val_c[b]].tolist()), set(idx_t[b][val_t[b]].tolist())
         assert got == want and len(got) == min(n, k), b
-        assert (idx_c[b] < kv_slots.shape[1]).all() and sorted(idx_c[b][val_c[b]].tolist()) == idx_c[b][
-            val_c[b]
-        ].tolist()
+        kept = idx_c[b][val_c[b]].tolist()
+        assert (idx_c[b] < kv_slots.shape[1]).all() and sorted(kept) == kept
         assert not mask[b, idx_c[b][~val_c[b]]].any()  # the filler positions are never attendable
 
 
