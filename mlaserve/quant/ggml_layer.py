@@ -34,8 +34,8 @@ from torch import nn
 
 from mlaserve.config.layer_kinds import layer_ranges
 from mlaserve.kernels import native_layers, registry
-from mlaserve.models.deepseek import DecoderLayer, MLAForCausalLM, single_process
-from mlaserve.models.indexer import Selection
+from mlaserve.models.deepseek import DecoderLayer, MLAAttention, MLAForCausalLM, single_process
+from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, SwiGLU
 from mlaserve.models.moe import MoE
 from mlaserve.models.mtp import MTPLayer
@@ -44,6 +44,53 @@ from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFHeads, native_rows, row
 if TYPE_CHECKING:
     from mlaserve.cache.model_cache import ModelCache
     from mlaserve.executor.step_context import StepContext
+
+
+# The one call's description of a decoder layer: the modules (by name under the layer) whose weights it reads,
+# each run as the per-op path runs it (DecoderLayer.forward, MLAAttention.forward / select, MoE or SwiGLU). A
+# weight outside them (a module the model's structure gained) or a forward the call does not repeat (a subclass
+# overriding it) would be skipped by the C code, so such a layer is refused at load, naming it
+# (GGUFDecodeLayer.unfit), and runs per op.
+ONE_CALL_MODULES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "mlp",  # MoE (its native block) or SwiGLU: checked part by part below
+    "self_attn.q_a_proj",
+    "self_attn.q_a_layernorm",
+    "self_attn.q_b_proj",
+    "self_attn.q_proj",
+    "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_a_layernorm",
+    "self_attn.o_proj",
+    "self_attn.kept_heads",  # attn_k_b / attn_v_b: W_UK / W_UV of the absorbed path
+    "self_attn.kv_b_proj",  # the same matrices for the decompressed (prefill) path; decode reads kept_heads
+    "self_attn.indexer.wq_b",
+    "self_attn.indexer.wk",
+    "self_attn.indexer.k_norm",
+    "self_attn.indexer.weights_proj",
+)
+ONE_CALL_FORWARDS = (
+    (DecoderLayer, "forward"),
+    *((MLAAttention, name) for name in ("forward", "project_q", "write_latent", "select", "attend")),
+    *((Indexer, name) for name in ("project", "select")),
+)
+
+
+def _structure_unfit(layer: DecoderLayer) -> str | None:
+    """Why the layer is not the structure the one call repeats (ONE_CALL_MODULES, ONE_CALL_FORWARDS), or None."""
+    extra = [
+        n
+        for n, _ in [*layer.named_parameters(), *layer.named_buffers()]
+        if not any(n.startswith(m + ".") for m in ONE_CALL_MODULES)
+    ]
+    if extra:
+        return f"weights the one call does not read: {', '.join(extra)}"
+    parts = {DecoderLayer: layer, MLAAttention: layer.self_attn, Indexer: layer.self_attn.indexer}
+    for cls, name in ONE_CALL_FORWARDS:
+        part = parts[cls]
+        if part is not None and getattr(type(part), name) is not getattr(cls, name):
+            return f"{type(part).__name__}.{name} is not {cls.__name__}.{name}, which the one call repeats"
+    return None
 
 
 def _fp32_norm(m: nn.Module) -> bool:
@@ -112,6 +159,7 @@ class GGUFDecodeLayer:
         self.args, self._tensors = a, tuple(keep)  # what the C struct points into stays alive with it
         # forward hooks (observability.capture) must see the sub-blocks run: such a layer takes its per-op path
         self._hookable = (layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+        self._hookable += (attn.indexer,) if attn.indexer is not None else ()
 
     @staticmethod
     def unfit(layer: DecoderLayer) -> str | None:
@@ -119,6 +167,8 @@ class GGUFDecodeLayer:
         attn, cfg = layer.self_attn, layer.self_attn.cfg
         if layer.all_reduce is not single_process:
             return "tensor parallel (the layer's outputs are all-reduced between its parts)"
+        if (why := _structure_unfit(layer)) is not None:
+            return why
         if attn.kernel != "native" or not isinstance(attn.kept_heads, GGUFHeads):
             return "attention without the native kernels or without attn_k_b / attn_v_b blocks"
         heads = attn.kept_heads

@@ -315,3 +315,31 @@ def test_index_topk_ties_keep_the_earlier_positions():
     tied = sorted([pivot, *twins])
     kept = sorted(set(idx[0][val[0]].tolist()) & set(tied))
     assert kept == tied[:4]  # the 7th..10th places go to the four earliest of the seven equal positions
+
+
+def test_a_layer_the_one_call_does_not_describe_is_refused_at_load(dsa_gguf):
+    """The one call repeats a fixed structure (quant.ggml_layer ONE_CALL_MODULES / ONE_CALL_FORWARDS): a layer that
+    gained a weight, or whose attention overrides a step the call repeats, is refused by the load-time check with
+    a reason naming it (so the KernelPlan takes per_op for it), never skipped by the C code or failing at run time."""
+    from torch import nn
+
+    from mlaserve.kernels import registry
+    from mlaserve.models.deepseek import MLAAttention
+    from mlaserve.quant.ggml_layer import GGUFDecodeLayer
+
+    llm = _llm(dsa_gguf("v32", "q8_0"))
+    layer = llm.runner.model.model.layers[1]
+    assert GGUFDecodeLayer.unfit(layer) is None
+    ctx = registry.KernelContext("native", False)
+    layer.self_attn.indexer.q_norm = nn.LayerNorm(4)  # a module the model's structure gained
+    impl, reason = registry._choose("decode_layer", layer, ctx)
+    assert impl.name == "per_op" and "self_attn.indexer.q_norm.weight" in reason, reason
+    del layer.self_attn.indexer.q_norm
+
+    class Changed(MLAAttention):
+        def select(self, *a):  # a change to a step the one call repeats
+            return super().select(*a)
+
+    layer.self_attn.__class__ = Changed
+    impl, reason = registry._choose("decode_layer", layer, ctx)
+    assert impl.name == "per_op" and "Changed.select is not MLAAttention.select" in reason, reason
