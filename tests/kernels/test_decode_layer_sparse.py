@@ -187,7 +187,9 @@ def test_sparse_decode_steps_equal_the_per_op_path(dsa_gguf, kind, gtype, activa
     input that differs by fp32 rounding (~5e-7 here) flips its int8 code with probability ~5e-7 / (max|x| / 127)
     ~ 4e-5, and one flip moves the logprobs by ~1e-2. These runs quantize ~7e4 values, and both int8 cases
     measured one flip (2.3e-2, 2.6e-2: one token of one layer jumping from 5e-7 to 2e-2 with the same
-    selections), which on another CPU (AVX2 vs AVX-512 rounding) may fall elsewhere. So int8 holds the tokens and
+    selections), which on another CPU (AVX2 vs AVX-512 rounding) may fall elsewhere. It is not the sparse path's:
+    the dense one-call int8 layers flip on these models too (attention="dense", glm_dsa_shared Q4_0, one request
+    of 20 tokens: 2e-2 at its 12th token, the earlier ones <= 1e-6). So int8 holds the tokens and
     every selection identical and reports its logprob difference; the float runs hold the fp32 bound."""
     llm = _llm(dsa_gguf(kind, gtype), activations=activations, attention="sparse")
     model = llm.runner.model
