@@ -46,34 +46,95 @@ if TYPE_CHECKING:
     from mlaserve.executor.step_context import StepContext
 
 
-# The one call's description of a decoder layer: the modules (by name under the layer) whose weights it reads,
-# each run as the per-op path runs it (DecoderLayer.forward, MLAAttention.forward / select, MoE or SwiGLU). A
-# weight outside them (a module the model's structure gained) or a forward the call does not repeat (a subclass
-# overriding it) would be skipped by the C code, so such a layer is refused at load, naming it
-# (GGUFDecodeLayer.unfit), and runs per op.
-ONE_CALL_MODULES = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "mlp",  # MoE (its native block) or SwiGLU: checked part by part below
-    "self_attn.q_a_proj",
-    "self_attn.q_a_layernorm",
-    "self_attn.q_b_proj",
-    "self_attn.q_proj",
-    "self_attn.kv_a_proj_with_mqa",
-    "self_attn.kv_a_layernorm",
-    "self_attn.o_proj",
-    "self_attn.kept_heads",  # attn_k_b / attn_v_b: W_UK / W_UV of the absorbed path
-    "self_attn.kv_b_proj",  # the same matrices for the decompressed (prefill) path; decode reads kept_heads
-    "self_attn.indexer.wq_b",
-    "self_attn.indexer.wk",
-    "self_attn.indexer.k_norm",
-    "self_attn.indexer.weights_proj",
+@dataclass(frozen=True)
+class Part:
+    """One weight-holding module the one call reads: its mls_layer_t field (kernels/csrc/mls.h), its name under
+    the decoder layer, what it is (rows: an mls_lin_t of a native_rows layer; norm: an fp32 RMSNorm's weight
+    pointer, with its eps field; layernorm: an fp32 LayerNorm's weight and bias) and when the layer has it."""
+
+    field: str
+    module: str
+    kind: str  # "rows" | "norm" | "layernorm"
+    when: str = "always"  # "always" | "q_lora" | "no_q_lora" | "dense_mlp" | "full_indexer"
+    eps: str | None = None  # the struct field of a norm's eps
+
+
+# The one call's description of a decoder layer: GGUFDecodeLayer fills mls_layer_t from it and unfit checks
+# each part from it, so a part is added, filled and checked in one place. Besides these, the call reads the
+# MoE block (mlp, its native block), W_UK / W_UV (self_attn.kept_heads) and the dimensions from the config.
+PARTS = (
+    Part("norm_in", "input_layernorm", "norm", eps="eps_in"),
+    Part("norm_post", "post_attention_layernorm", "norm", eps="eps_post"),
+    Part("norm_q", "self_attn.q_a_layernorm", "norm", "q_lora", "eps_q"),
+    Part("norm_kv", "self_attn.kv_a_layernorm", "norm", eps="eps_kv"),
+    Part("q_a", "self_attn.q_a_proj", "rows", "q_lora"),
+    Part("q_b", "self_attn.q_b_proj", "rows", "q_lora"),
+    Part("q_b", "self_attn.q_proj", "rows", "no_q_lora"),
+    Part("kv_a", "self_attn.kv_a_proj_with_mqa", "rows"),
+    Part("o_proj", "self_attn.o_proj", "rows"),
+    Part("mlp_gate", "mlp.gate_proj", "rows", "dense_mlp"),
+    Part("mlp_up", "mlp.up_proj", "rows", "dense_mlp"),
+    Part("mlp_down", "mlp.down_proj", "rows", "dense_mlp"),
+    Part("idx_q_b", "self_attn.indexer.wq_b", "rows", "full_indexer"),
+    Part("idx_k", "self_attn.indexer.wk", "rows", "full_indexer"),
+    Part("idx_w", "self_attn.indexer.weights_proj", "rows", "full_indexer"),
+    Part("idx_norm_w", "self_attn.indexer.k_norm", "layernorm", "full_indexer", "idx_eps"),
 )
+# every module whose weights a layer may hold: the parts, the MoE block, W_UK / W_UV, and kv_b_proj (the same
+# matrices as kept_heads, for the decompressed prefill path; decode reads kept_heads). A weight outside them (a
+# module the model's structure gained) or a step the call does not repeat (a subclass overriding it) would be
+# skipped by the C code, so such a layer is refused at load, naming it (GGUFDecodeLayer.unfit), and runs per op.
+ONE_CALL_MODULES = (*dict.fromkeys(p.module for p in PARTS), "mlp", "self_attn.kept_heads", "self_attn.kv_b_proj")
 ONE_CALL_FORWARDS = (
     (DecoderLayer, "forward"),
     *((MLAAttention, name) for name in ("forward", "project_q", "write_latent", "select", "attend")),
     *((Indexer, name) for name in ("project", "select")),
 )
+
+
+def _parts(layer: DecoderLayer) -> list[tuple[Part, nn.Module]]:
+    """The parts this layer has, with their modules."""
+    cfg = layer.self_attn.cfg
+    has = {
+        "always": True,
+        "q_lora": bool(cfg.q_lora_rank),
+        "no_q_lora": not cfg.q_lora_rank,
+        "dense_mlp": not isinstance(layer.mlp, MoE),
+        "full_indexer": _indexer_role(layer) == "full",
+    }
+    return [(p, _module(layer, p.module)) for p in PARTS if has[p.when]]
+
+
+def _module(layer: DecoderLayer, name: str) -> nn.Module | None:
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _part_unfit(part: Part, m: nn.Module | None, int8: bool) -> str | None:
+    if m is None:
+        return f"no {part.module}, which the one call reads"
+    if part.kind == "rows" and not native_rows(m, int8):
+        return f"{part.module} neither a native ggml holder (with the layer's activations) nor fp32, or with a bias"
+    if part.kind == "norm" and not _fp32_norm(m):
+        return f"{part.module} not an fp32 RMSNorm with the native kernels"
+    if part.kind == "layernorm" and not _fp32_layer_norm(m):
+        return f"{part.module} not an fp32 LayerNorm with weight and bias"
+    return None
+
+
+def _fill(a: native_layers.LayerArgs, part: Part, m: nn.Module) -> list[torch.Tensor]:
+    """Sets the part's fields of mls_layer_t -> the tensors they point into."""
+    if part.kind == "rows":
+        setattr(a, part.field, rows_args(m))
+        return [m.weight]
+    setattr(a, part.field, m.weight.data_ptr())
+    setattr(a, part.eps, m.eps)
+    if part.kind == "layernorm":
+        a.idx_norm_b = m.bias.data_ptr()
+        return [m.weight, m.bias]
+    return [m.weight]
 
 
 def _structure_unfit(layer: DecoderLayer) -> str | None:
@@ -91,6 +152,15 @@ def _structure_unfit(layer: DecoderLayer) -> str | None:
         if part is not None and getattr(type(part), name) is not getattr(cls, name):
             return f"{type(part).__name__}.{name} is not {cls.__name__}.{name}, which the one call repeats"
     return None
+
+
+def _fp32_layer_norm(m: nn.Module) -> bool:
+    return (
+        isinstance(m, nn.LayerNorm)
+        and m.weight is not None
+        and m.bias is not None
+        and all(p.dtype == torch.float32 and p.is_contiguous() and p.device.type == "cpu" for p in m.parameters())
+    )
 
 
 def _fp32_norm(m: nn.Module) -> bool:
@@ -115,36 +185,18 @@ class GGUFDecodeLayer:
             cfg.kv_lora_rank,
         )
         a.q_lora = cfg.q_lora_rank or 0
-        a.eps_in, a.eps_post = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
-        a.eps_kv, a.scale, a.interleaved = attn.kv_a_layernorm.eps, cfg.softmax_scale, int(interleaved)
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
-        a.norm_in, a.norm_post, a.norm_kv = (n.weight.data_ptr() for n in norms)
-        lins = [attn.kv_a_proj_with_mqa, attn.o_proj]
-        if cfg.q_lora_rank:
-            a.eps_q, a.norm_q = attn.q_a_layernorm.eps, attn.q_a_layernorm.weight.data_ptr()
-            a.q_a, a.q_b = rows_args(attn.q_a_proj), rows_args(attn.q_b_proj)
-            norms.append(attn.q_a_layernorm)
-            lins += [attn.q_a_proj, attn.q_b_proj]
-        else:
-            a.q_b = rows_args(attn.q_proj)
-            lins.append(attn.q_proj)
-        a.kv_a, a.o_proj = rows_args(attn.kv_a_proj_with_mqa), rows_args(attn.o_proj)
+        a.scale, a.interleaved = cfg.softmax_scale, int(interleaved)
+        keep: list = [t for part, m in _parts(layer) for t in _fill(a, part, m)]
         a.type_k, a.type_v, a.k_b, a.v_b = heads.type_k, heads.type_v, heads.k_b.data_ptr(), heads.v_b.data_ptr()
         a.k_head_stride, a.k_row_bytes = heads.k_b.stride(0), heads.k_b.shape[2]
         a.v_head_stride, a.v_row_bytes = heads.v_b.stride(0), heads.v_b.shape[2]
-        keep: list = [n.weight for n in norms] + [m.weight for m in lins] + [heads.k_b, heads.v_b]
+        keep += [heads.k_b, heads.v_b]
         mlp = layer.mlp
         if isinstance(mlp, MoE):
             a.moe = ctypes.pointer(mlp.native_block.args)
             keep.append(mlp.native_block)
         else:
             a.mlp_inter = mlp.gate_proj.out_features
-            a.mlp_gate, a.mlp_up, a.mlp_down = (
-                rows_args(mlp.gate_proj),
-                rows_args(mlp.up_proj),
-                rows_args(mlp.down_proj),
-            )
-            keep += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
         a.int8 = int(heads.int8)
         self.role = _indexer_role(layer)
         a.idx_role = native_layers.INDEXER_ROLES[self.role]
@@ -152,10 +204,7 @@ class GGUFDecodeLayer:
             ix = attn.indexer
             a.idx_h, a.idx_d, a.idx_interleaved = ix.cfg.n_heads, ix.cfg.head_dim, int(ix.cfg.rope_interleaved)
             # the per-op path's scalars: w * Hi^-0.5 (Indexer.project), then * Di^-0.5 (Indexer.select), in fp32
-            a.idx_eps, a.idx_w_scale, a.idx_d_scale = ix.k_norm.eps, ix.cfg.n_heads**-0.5, ix.cfg.head_dim**-0.5
-            a.idx_norm_w, a.idx_norm_b = ix.k_norm.weight.data_ptr(), ix.k_norm.bias.data_ptr()
-            a.idx_q_b, a.idx_k, a.idx_w = rows_args(ix.wq_b), rows_args(ix.wk), rows_args(ix.weights_proj)
-            keep += [ix.k_norm.weight, ix.k_norm.bias, ix.wq_b.weight, ix.wk.weight, ix.weights_proj.weight]
+            a.idx_w_scale, a.idx_d_scale = ix.cfg.n_heads**-0.5, ix.cfg.head_dim**-0.5
         self.args, self._tensors = a, tuple(keep)  # what the C struct points into stays alive with it
         # forward hooks (observability.capture) must see the sub-blocks run: such a layer takes its per-op path
         self._hookable = (layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
@@ -175,23 +224,17 @@ class GGUFDecodeLayer:
         int8 = heads.int8  # one activation choice for the whole layer (the loader sets every holder alike)
         if heads.kernel != "native" or not (heads.k_b.is_contiguous() and heads.v_b.is_contiguous()):
             return "W_UK / W_UV not native blocks"
-        q = [attn.q_a_proj, attn.q_b_proj] if cfg.q_lora_rank else [attn.q_proj]
-        lins = [*q, attn.kv_a_proj_with_mqa, attn.o_proj]
-        if not all(native_rows(m, int8) for m in lins):
-            return "an attention projection neither a native ggml holder (with W_UK's activations) nor fp32, or with a bias"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
-        if not all(_fp32_norm(n) for n in [*norms, *([attn.q_a_layernorm] if cfg.q_lora_rank else [])]):
-            return "a norm not fp32 with the native kernels"
-        if _indexer_role(layer) == "full" and (why := _indexer_unfit(layer, int8)) is not None:
-            return why
+        if _indexer_role(layer) == "full" and not cfg.q_lora_rank:
+            return "a DSA indexer without a query latent (q_lora_rank 0)"
         mlp = layer.mlp
-        if isinstance(mlp, MoE):
-            if mlp.native_block is None or bool(mlp.native_block.args.int8) != int8:
-                return "MoE layer without its native block (or with other activations)"
-            return None
-        if isinstance(mlp, SwiGLU) and all(native_rows(m, int8) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            return None
-        return "dense MLP neither native ggml holders (with the layer's activations) nor fp32"
+        if not isinstance(mlp, (MoE, SwiGLU)):
+            return f"an MLP of type {type(mlp).__name__} (the one call runs a MoE block or a SwiGLU)"
+        if isinstance(mlp, MoE) and (mlp.native_block is None or bool(mlp.native_block.args.int8) != int8):
+            return "MoE layer without its native block (or with other activations)"
+        for part, m in _parts(layer):
+            if (why := _part_unfit(part, m, int8)) is not None:
+                return why
+        return None
 
     def hooked(self) -> bool:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._hookable)
@@ -208,25 +251,6 @@ def _indexer_role(layer: DecoderLayer) -> str | None:
     if attn.kind != "mla_dsa":
         return None
     return "full" if attn.indexer is not None else "shared"
-
-
-def _indexer_unfit(layer: DecoderLayer, int8: bool) -> str | None:
-    """Why a full DSA indexer layer's indexer cannot run inside the one call, or None."""
-    attn = layer.self_attn
-    ix = attn.indexer
-    if not attn.cfg.q_lora_rank:
-        return "a DSA indexer without a query latent (q_lora_rank 0)"
-    if not all(native_rows(m, int8) for m in (ix.wq_b, ix.wk, ix.weights_proj)):
-        return "an indexer projection neither a native ggml holder (with the layer's activations) nor fp32"
-    norm = ix.k_norm
-    if not (
-        isinstance(norm, nn.LayerNorm)
-        and norm.weight is not None
-        and norm.bias is not None
-        and all(p.dtype == torch.float32 and p.is_contiguous() and p.device.type == "cpu" for p in norm.parameters())
-    ):
-        return "the indexer's k_norm not an fp32 LayerNorm with weight and bias"
-    return None
 
 
 @dataclass(frozen=True)
