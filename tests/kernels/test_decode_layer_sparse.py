@@ -320,9 +320,10 @@ def test_index_topk_ties_keep_the_earlier_positions():
 
 
 def test_a_layer_the_one_call_does_not_describe_is_refused_at_load(dsa_gguf):
-    """The one call repeats a fixed structure (quant.ggml_layer ONE_CALL_MODULES / ONE_CALL_FORWARDS): a layer that
-    gained a weight, or whose attention overrides a step the call repeats, is refused by the load-time check with
-    a reason naming it (so the KernelPlan takes per_op for it), never skipped by the C code or failing at run time."""
+    """The one call repeats a fixed structure (quant.ggml_layer PARTS, ONE_CALL_MODULES, ONE_CALL_FORWARDS): a layer
+    that gained a weight, whose attention overrides a step the call repeats, or that lost a part the call reads, is
+    refused by the load-time check with a reason naming it (so the KernelPlan takes per_op for it), never skipped
+    by the C code or failing at run time."""
     from torch import nn
 
     from mlaserve.kernels import registry
@@ -345,3 +346,10 @@ def test_a_layer_the_one_call_does_not_describe_is_refused_at_load(dsa_gguf):
     layer.self_attn.__class__ = Changed
     impl, reason = registry._choose("decode_layer", layer, ctx)
     assert impl.name == "per_op" and "Changed.select is not MLAAttention.select" in reason, reason
+    layer.self_attn.__class__ = MLAAttention
+    wk = layer.self_attn.indexer.wk
+    del layer.self_attn.indexer.wk  # a part the one call reads, gone
+    impl, reason = registry._choose("decode_layer", layer, ctx)
+    assert impl.name == "per_op" and "no self_attn.indexer.wk, which the one call reads" in reason, reason
+    layer.self_attn.indexer.wk = wk
+    assert GGUFDecodeLayer.unfit(layer) is None
