@@ -200,7 +200,15 @@ class LayerArgs(ctypes.Structure):
         *((n, LinArgs) for n in ("mlp_gate", "mlp_up", "mlp_down")),
         ("moe", ctypes.POINTER(MoEBlockArgs)),
         ("int8", ctypes.c_int64),
+        *((n, ctypes.c_int64) for n in ("idx_role", "idx_h", "idx_d", "idx_interleaved")),
+        *((n, ctypes.c_double) for n in ("idx_eps", "idx_w_scale", "idx_d_scale")),
+        ("idx_norm_w", ctypes.c_void_p),
+        ("idx_norm_b", ctypes.c_void_p),
+        *((n, LinArgs) for n in ("idx_q_b", "idx_k", "idx_w")),
     ]
+
+
+INDEXER_ROLES = {None: 0, "full": 1, "shared": 2}  # mls_layer_t idx_role (config/layer_kinds.py indexer_role)
 
 
 class DecodeStepArgs(ctypes.Structure):
@@ -218,20 +226,51 @@ class DecodeStepArgs(ctypes.Structure):
         ("kv_slots", ctypes.c_void_p),
         ("mask", ctypes.c_void_p),
         ("l", ctypes.c_int64),
+        ("sparse", ctypes.c_int64),
+        ("topk", ctypes.c_int64),
+        ("sel_index", ctypes.c_void_p),
+        ("sel_valid", ctypes.c_void_p),
     ]
 
 
-LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache"}
+LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache",
+                -6: "a sparse step the layer's indexer cannot run (no index-key cache, or no selection to reuse)"}  # fmt: skip
 
 
-def decode_layer(args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def decode_layer(
+    args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache: torch.Tensor, index_keys: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [T, D] fp32 contiguous -> the layer's output [T, D]; writes the step's rows into cache [S, r + dr] (fp32
-    contiguous, S = step.n_slots). The tensors args and step point into are kept alive by their callers."""
+    contiguous, S = step.n_slots) and, on a sparse step of a full indexer layer, into index_keys [S, Di] (fp32
+    contiguous). The tensors args and step point into are kept alive by their callers."""
     _check_rows(x, args.d, "decode_layer")
     out = torch.empty(x.shape, dtype=torch.float32)
+    keys = index_keys.data_ptr() if index_keys is not None else None
     rc = library().mls_decode_layer(
-        ctypes.byref(args), ctypes.byref(step), x.data_ptr(), out.data_ptr(), cache.data_ptr(), torch.get_num_threads()
-    )
+        ctypes.byref(args), ctypes.byref(step), x.data_ptr(), out.data_ptr(), cache.data_ptr(), keys,
+        torch.get_num_threads(),
+    )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native decode_layer refused: {LAYER_ERRORS.get(rc, rc)}")
     return out
+
+
+def index_topk(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused decode layer's DSA top-k (csrc/indexer.c mls_index_topk) on its own, for its tests: q [T, Hi, Di],
+    w [T, Hi] (Di^-0.5 folded in), keys [S, Di], kv_slots [T, L] int64, mask [T, L] bool, all contiguous fp32 /
+    int64 on the CPU -> (positions [T, k] int64 in position order, valid [T, k] bool)."""
+    t, hi, di = q.shape
+    tensors = (q, w, keys, kv_slots, mask)
+    if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
+        raise ValueError("index_topk: contiguous CPU tensors, q / w / keys fp32")
+    index = torch.empty(t, k, dtype=torch.int64)
+    valid = torch.empty(t, k, dtype=torch.bool)
+    rc = library().mls_index_topk(
+        q.data_ptr(), w.data_ptr(), t, hi, di, keys.data_ptr(), kv_slots.data_ptr(), mask.data_ptr(),
+        kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native index_topk refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
+    return index, valid

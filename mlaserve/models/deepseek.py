@@ -241,25 +241,38 @@ class MLAForCausalLM(nn.Module):
         self.native_decode: Callable | None = None
         self.kernel_plan = None  # the load's KernelPlan (kernels/registry.py), which the ledger names by digest
 
-    def fused_decode(self, step: StepContext, cache: ModelCache) -> tuple | None:
+    def fused_decode(self, step: StepContext, cache: ModelCache):
         """The native decode layers' step arguments when this step is theirs (decided from the route, before
         the forward pass, so the ledger can say so), else None."""
         return self.native_decode(step, cache) if self.native_decode is not None else None
 
-    def forward(
-        self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native: tuple | None = None
-    ) -> torch.Tensor:
-        """-> final hidden states [T, D] (normed). native: fused_decode(step, cache) of this step, or None (every
-        layer per op)."""
+    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None) -> torch.Tensor:
+        """-> final hidden states [T, D] (normed). native: fused_decode(step, cache) of this step (a
+        quant.ggml_layer.FusedStep), or None (every layer per op)."""
         x = self.embed(input_ids)
         selections: Selections = None
         for i, layer in enumerate(self.model.layers):
             fast = layer.native_layer
             if native is not None and fast is not None and not fast.hooked():
-                x = fast(x, native[0], cache.layers[i].latent)  # a dense decode step: no selections to pass on
+                x, selections = self._fused(fast, x, native, cache.layers[i], selections)
                 continue
             x, selections = layer(x, step, self.rope, cache.layers[i], selections)
         return self.model.norm(x)
+
+    @staticmethod
+    def _fused(fast, x: torch.Tensor, native, state: LayerState, selections: Selections) -> tuple:
+        """One layer's native call (quant.ggml_layer.GGUFDecodeLayer) on a step `native` (quant.ggml_layer.FusedStep).
+        On a selecting sparse step the selection lives in the step's buffer (native.carry): a full layer's call
+        writes it, a shared layer's reads it; one made by a per-op layer (a hooked one) is copied in first."""
+        if native.carry is None:  # dense, or sparse within index_topk: nothing selected to pass on
+            return fast(x, native.args, state.latent, state.index_keys), selections
+        if fast.role == "shared" and selections is None:
+            raise RuntimeError("a shared-indexer layer needs the top-k of a previous full indexer layer")
+        if selections is not None and selections is not native.carry:
+            (buf,), (sel,) = native.carry, selections
+            buf.index.copy_(sel.index)
+            buf.valid.copy_(sel.valid)
+        return fast(x, native.args, state.latent, state.index_keys), native.carry
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: this rank's rows, zeros for ids another rank holds; the sum

@@ -1,7 +1,9 @@
 """The `native` attention backend: the torch backend, with the absorbed path's latent MQA (scores,
 softmax, P c over the cache rows) in one C call (kernels/csrc/attention.c mls_latent_mqa) that reads each
 query's rows where the paged cache holds them, instead of gathering a copy and running ~15 tensor
-ops per layer. For fp32 caches on the CPU (the engine picks it with the native kernels and fp32);
+ops per layer: dense, or sparse (DSA) over each query's selected rows, taken in position order as the one-call
+decode layer takes them (csrc/decode_layer.c), so that the per-op path and that layer sum the same rows in the
+same order and agree to fp32 rounding even where int8 activations quantize the result (W_UV). For fp32 caches on the CPU (the engine picks it with the native kernels and fp32);
 every other product is the torch backend's. Tested against `reference` like every backend
 (tests/identities/test_attention_backends.py runs every registered backend).
 
@@ -17,6 +19,7 @@ import torch
 
 from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _mask
 from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
+from mlaserve.attention.backends.torch_backend import sparse_absorbed_attention as torch_sparse_absorbed
 from mlaserve.kernels import native, native_layers
 
 if TYPE_CHECKING:
@@ -52,6 +55,35 @@ def absorbed_attention(
     return _expand(o_lat, w_uv, heads)
 
 
+def sparse_absorbed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    seg: SegmentTensors,
+    scale: float,
+    index: torch.Tensor,
+    valid: torch.Tensor,
+    heads: GGUFHeads | None = None,
+) -> torch.Tensor:
+    """MQA over each query's selected rows, index / valid [B, Q, k] (positions on the segment's key axis) ->
+    [B, Q, H, dv], like the torch backend's, whose code runs where absorbed_attention's would. Each query is
+    its own request of the kernel (slots [B * Q, k], its rows in position order)."""
+    small = seg.q_index.shape[1] <= QUERIES
+    if not small or cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
+        return torch_sparse_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid, heads)
+    b, qn, k = index.shape
+    q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+    pos, order = index.sort(dim=-1)
+    slots = seg.kv_slots.gather(1, pos.reshape(b, qn * k)).view(b * qn, k)
+    mask = valid.gather(2, order).reshape(b * qn, 1, k)
+    q_index = seg.q_index.reshape(b * qn, 1).contiguous()
+    o_lat = native_layers.latent_mqa(q_lat, q_pe, q_index, cache, slots.contiguous(), mask.contiguous(), scale)
+    return _expand(o_lat.view(b, qn, *o_lat.shape[2:]), w_uv, heads)
+
+
 class NativeBackend(TorchBackend):
     name = "native"
     absorbed = staticmethod(absorbed_attention)
+    sparse_absorbed = staticmethod(sparse_absorbed_attention)

@@ -1,13 +1,18 @@
 /* ---------------------------------------------------------------- a decoder layer's decode step in one call
-   A whole decoder layer for a step of T requests with one query each (pure decode, dense absorbed attention),
+   A whole decoder layer for a step of T requests with one query each (pure decode, absorbed attention),
    every weight in ggml blocks: input RMSNorm; q_a, its norm and q_b (or q_proj); kv_a_proj; the latent row, its
-   norm and rope, and the query rope (mls_latent_rope_write); q_nope W_UK per head (attn_k_b); the latent MQA
-   (mls_latent_mqa); o_lat W_UV^T per head (attn_v_b); o_proj and the residual; the post-attention norm; the
-   MLP (mls_moe_block, or a dense SwiGLU) and the residual. Every weight is in ggml blocks or F32 rows (type 0).
+   norm and rope, and the query rope (mls_latent_rope_write); on a sparse (DSA) route the indexer: a full layer's
+   query from c_q, its key written to the index-key cache row, its head weights, and when the step selects
+   (st->topk) the scores over the request's index keys and their top K (indexer.c), which the shared layers after
+   it reuse (st->sel_index / sel_valid carry it between layers); q_nope W_UK per head (attn_k_b); the latent MQA
+   (mls_latent_mqa) over every row of the request, or over the K selected rows only; o_lat W_UV^T per head
+   (attn_v_b); o_proj and the residual; the post-attention norm; the MLP (mls_moe_block, or a dense SwiGLU) and
+   the residual. Every weight is in ggml blocks or F32 rows (type 0).
    The same operations as the per-op native path in the same order (each product's rows, the norms, the rope,
    the attention kernel), so the result equals it up to where that path leaves C: torch's silu (the dense
-   SwiGLU), BLAS for F32 rows (another summation order), and the MoE block's own differences (moe/block.c).
-   One call instead of ~20 native calls and ~60 tensor ops per layer. */
+   SwiGLU), BLAS for F32 rows (another summation order), the MoE block's own differences (moe/block.c), and on
+   sparse steps torch's LayerNorm and score GEMMs (indexer.c) and the order in which the selected rows are summed.
+   One call instead of ~20 native calls and ~60 tensor ops per layer (~35 more on a sparse step). */
 
 static int lin_apply(const mls_lin_t *L, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int int8,
                      int threads) {
@@ -65,10 +70,49 @@ static int per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t
     return 0;
 }
 
-/* x [T, D] -> out [T, D] (out may not be x), the layer's cache [n_slots, r + dr] written at the step's slots.
-   Returns 0, or the first refusal of a part (-1 type, -2 sizes, -3 router, -4 memory, -5 slot). */
+/* A full indexer layer's part of a sparse step: its query, key (written to index_keys) and weights, and when the
+   step selects, the top K into st->sel_index / sel_valid. cq [T, q_lora] the normed query latent, xn [T, D]. */
+static int indexer_step(const mls_layer_t *ly, const mls_decode_step_t *st, const float *xn, const float *cq,
+                        float *index_keys, int i8, int threads) {
+    const int64_t t = st->t, hi = ly->idx_h, di = ly->idx_d;
+    float *qi = (float *)malloc(sizeof(float) * (size_t)(t * hi * di + t * di + t * hi) + 1);
+    if (!qi) return -4;
+    float *kk = qi + t * hi * di, *wt = kk + t * di;
+    int rc = lin_apply(&ly->idx_q_b, cq, t, ly->q_lora, qi, hi * di, i8, threads);
+    if (!rc) rc = lin_apply(&ly->idx_k, xn, t, ly->d, kk, di, i8, threads);
+    if (!rc) rc = lin_apply(&ly->idx_w, xn, t, ly->d, wt, hi, i8, threads);
+    if (!rc) {
+        index_keys_write(kk, qi, wt, t, hi, di, ly->dr, ly->idx_norm_w, ly->idx_norm_b, (float)ly->idx_eps,
+                         (float)ly->idx_w_scale, (float)ly->idx_d_scale, st->cos, st->sin, (int)ly->idx_interleaved,
+                         index_keys, st->slots);
+        if (st->topk)
+            rc = mls_index_topk(qi, wt, t, hi, di, index_keys, st->kv_slots, st->mask, st->l, st->topk, st->sel_index,
+                                st->sel_valid, threads);
+    }
+    free(qi);
+    return rc;
+}
+
+/* The latent MQA over each request's K selected rows (st->sel_index / sel_valid): their cache slots gathered. */
+static int sparse_mqa(const mls_layer_t *ly, const mls_decode_step_t *st, const float *q_lat, const float *q,
+                      const float *cache, float *o_lat, int threads) {
+    const int64_t t = st->t, k = st->topk, h = ly->h, r = ly->r, dr = ly->dr, lq = h * (ly->dn + dr);
+    int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(t * k) + 1);
+    if (!slots) return -4;
+    for (int64_t tok = 0; tok < t; tok++)
+        for (int64_t i = 0; i < k; i++) slots[tok * k + i] = st->kv_slots[tok * st->l + st->sel_index[tok * k + i]];
+    const int rc = mls_latent_mqa(q_lat, h * r, r, q + ly->dn, lq, ly->dn + dr, st->q_index, cache, slots,
+                                  st->sel_valid, t, 1, k, h, r, dr, (float)ly->scale, o_lat, threads);
+    free(slots);
+    return rc;
+}
+
+/* x [T, D] -> out [T, D] (out may not be x), the layer's cache [n_slots, r + dr] written at the step's slots, and
+   on a sparse step a full indexer layer's index_keys [n_slots, Di] too (0 otherwise).
+   Returns 0, or the first refusal of a part (-1 type, -2 sizes, -3 router, -4 memory, -5 slot, -6 a sparse step
+   the layer's indexer cannot run: no key cache, no query latent, or a shared layer with no selection before it). */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,
-                     int threads) {
+                     float *index_keys, int threads) {
     const int64_t t = st->t, d = ly->d, h = ly->h, dn = ly->dn, dr = ly->dr, dv = ly->dv, r = ly->r;
     const int64_t lq = h * (dn + dr), ql = ly->q_lora, inter = ly->mlp_inter;
     const int i8 = (int)ly->int8;
@@ -82,6 +126,14 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
         (!ly->moe && (ly->mlp_gate.k != d || ly->mlp_gate.n != inter || ly->mlp_up.k != d || ly->mlp_up.n != inter ||
                       ly->mlp_down.k != inter || ly->mlp_down.n != d)))
         return -2;
+    const int64_t role = st->sparse ? ly->idx_role : 0; /* a dense route runs no indexer */
+    if (role == 1 && (!lin_for(ly->idx_q_b.type).fn || !lin_for(ly->idx_k.type).fn || !lin_for(ly->idx_w.type).fn))
+        return -1;
+    if (role == 1 && (ly->idx_q_b.k != ql || ly->idx_q_b.n != ly->idx_h * ly->idx_d || ly->idx_k.k != d ||
+                      ly->idx_k.n != ly->idx_d || ly->idx_w.k != d || ly->idx_w.n != ly->idx_h))
+        return -2;
+    if ((role == 1 && (!index_keys || !ql)) || (st->topk && (role == 0 || !st->sel_index || !st->sel_valid)))
+        return -6;
     if (!ly->moe && (!lin_for(ly->mlp_gate.type).fn || !lin_for(ly->mlp_up.type).fn || !lin_for(ly->mlp_down.type).fn))
         return -1;
     const size_t nf = (size_t)(t * d + t * ql + t * lq + t * (r + dr) + 2 * t * h * r + t * h * dv + t * d +
@@ -103,11 +155,15 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
     rc = mls_latent_rope_write(kv, t, r + dr, r, dr, ly->norm_kv, (float)ly->eps_kv, q, h, dn + dr, dn, st->cos,
                                st->sin, (int)ly->interleaved, cache, st->n_slots, st->slots, threads);
     if (rc) goto done;
+    if (role == 1 && (rc = indexer_step(ly, st, xn, cq, index_keys, i8, threads))) goto done;
     rc = per_head(ly->type_k, ly->k_b, ly->k_head_stride, ly->k_row_bytes, h, r, dn, q, lq, dn + dr, t, q_lat, h * r,
                   i8, threads);
     if (rc) goto done;
-    rc = mls_latent_mqa(q_lat, h * r, r, q + dn, lq, dn + dr, st->q_index, cache, st->kv_slots, st->mask, t, 1, st->l,
-                        h, r, dr, (float)ly->scale, o_lat, threads);
+    if (st->topk) /* a sparse step that selects: the K rows of the last full layer's top-k */
+        rc = sparse_mqa(ly, st, q_lat, q, cache, o_lat, threads);
+    else
+        rc = mls_latent_mqa(q_lat, h * r, r, q + dn, lq, dn + dr, st->q_index, cache, st->kv_slots, st->mask, t, 1,
+                            st->l, h, r, dr, (float)ly->scale, o_lat, threads);
     if (rc) goto done;
     rc = per_head(ly->type_v, ly->v_b, ly->v_head_stride, ly->v_row_bytes, h, dv, r, o_lat, h * r, r, t, o, h * dv, i8,
                   threads);

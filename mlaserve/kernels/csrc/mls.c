@@ -21,5 +21,6 @@
 #include "moe/block.c"    /* a decode step's MoE block in one call */
 #include "attention.c"    /* the latent MQA over paged rows */
 #include "glue.c"         /* RMSNorm, a step's latent rows and query rope */
+#include "indexer.c"      /* the DSA indexer of a decode step: index keys, scores, top-k */
 #include "decode_layer.c" /* a decoder layer's decode step in one call */
 #include "layout.c"       /* the shared structs' layout, the ABI version */

@@ -3,14 +3,16 @@
    Matrix products on weights kept in their stored block formats, for small batches (decode):
    y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K), as
    float8 e4m3 values with block scales, or as packed e2m1 (FP4) codes with group scales; the MoE
-   router and experts, the latent MQA, the decode-step glue and a whole decoder layer's decode step.
+   router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
+   decode step (dense, or sparse with the DSA indexer inside).
 
    Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
    as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
    int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
-   memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd.
+   memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd;
+   -6 for a sparse step a decode layer's indexer cannot run (no index-key cache, no selection to reuse).
 
    The Python side mirrors this file by hand (ctypes argtypes and Structures); tests/kernels/test_kernel_bindings.py
    holds every prototype and struct below to it (mls_layout gives the compiled sizes and offsets). Change
@@ -20,7 +22,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 11
+#define MLS_ABI_VERSION 12
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -79,6 +81,12 @@ typedef struct { /* every field 8 bytes (the ctypes mirror in kernels/native_lay
     mls_lin_t mlp_gate, mlp_up, mlp_down;
     const mls_moe_block_t *moe;
     int64_t int8; /* activations="int8": Q8_0 / Q4_0 products with int8 activations, as the per-op path's */
+    /* the DSA indexer (indexer.c). idx_role 0: none (dense MLA); 1 full: its own indexer and key cache; 2 shared:
+       attends the rows the last full layer before it selected in this step (GLM-5's indexer_types) */
+    int64_t idx_role, idx_h, idx_d, idx_interleaved; /* Hi index heads, Di index_head_dim, the indexer's rope */
+    double idx_eps, idx_w_scale, idx_d_scale; /* k_norm's eps; Hi^-0.5 and Di^-0.5 (each rounded to float) */
+    const float *idx_norm_w, *idx_norm_b;     /* k_norm (LayerNorm) [Di] */
+    mls_lin_t idx_q_b, idx_k, idx_w;          /* wq_b [Hi Di, q_lora], wk [Di, D], weights_proj [Hi, D] */
 } mls_layer_t;
 
 typedef struct { /* one decode step, shared by every layer */
@@ -90,6 +98,10 @@ typedef struct { /* one decode step, shared by every layer */
     const int64_t *kv_slots; /* [T, L] */
     const uint8_t *mask;     /* [T, 1, L] */
     int64_t l;
+    int64_t sparse;          /* a sparse (DSA) route: full indexer layers write their index keys */
+    int64_t topk;            /* K = min(index_topk, L) when the step selects (plan.needs_selection); 0: every row */
+    int64_t *sel_index;      /* [T, K] the selected positions on the key axis: written by a full layer, read by the */
+    uint8_t *sel_valid;      /* [T, K] shared layers after it; valid 0 where a request has fewer than K rows */
 } mls_decode_step_t;
 
 /* one field of a struct above as this compiler lays it out (layout.c); field 0: the whole struct */
@@ -145,9 +157,14 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
                           const float *sin, int interleaved, float *cache, int64_t n_slots,
                           const int64_t *slots, int threads);
 
+/* indexer.c: a decode step's DSA top-k over index keys (exposed for its tests) */
+int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
+                   const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
+                   uint8_t *sel_valid, int threads);
+
 /* decode_layer.c */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,
-                     int threads);
+                     float *index_keys, int threads);
 
 /* types.c: a type's block (bytes, values) and which kernels take it (bit 0 decode, 1 fused dot, 2 int8 dot);
    -1 for a type without a decoder */

@@ -1,0 +1,101 @@
+"""Batch-1 sparse (DSA) decode on a GGUF: the one-call native decode layers vs the per-op path, alternating.
+
+    python benchmarks/dsa_decode.py [--gguf PATH] [--contexts 3072 8192] [--reps 5] [--threads 2]
+
+One engine (the GGUF, kernels native, attention sparse), its cache filled with synthetic rows (as
+long_context.py: latent rows and index keys for positions [0, N)), then a single-token decode step at
+context N timed through `runner.execute` (forward + logits), the modes taking turns rep by rep so that load
+from other processes hits them alike:
+  fused          the one-call decode layers (indexer, top-k and MQA over the selected rows inside the call)
+  per_op         every layer per op (model.native_decode off): the native backend's sparse MQA in C
+  per_op_torch   per op with the sparse MQA of the torch backend (the per-op path before the fused sparse
+                 layer: NativeBackend.sparse_absorbed was the torch backend's)
+Contexts past index_topk (2048 on the benchmark model) select; the step's ledger would say decode_layer native
+for `fused`. Default GGUF: benchmarks/models/mla-dsa-l12-seed0-q8_0.gguf (offline.py writes it).
+Results: a table on stdout and benchmarks/results/dsa_decode.json (every timing, CPU flags, load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS_DIR, environment, fill_mlaserve_cache, write_json  # noqa: E402
+
+PAGE_SIZE = 16
+DEFAULT = Path(__file__).resolve().parent / "models" / "mla-dsa-l12-seed0-q8_0.gguf"
+MODES = ("fused", "per_op", "per_op_torch")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", type=Path, default=DEFAULT)
+    p.add_argument("--contexts", type=int, nargs="*", default=[3072, 8192])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from mlaserve import LLM
+    from mlaserve.attention.backends.native_backend import NativeBackend
+    from mlaserve.attention.backends.torch_backend import TorchBackend
+    from mlaserve.config.cpu import cpu_flags
+    from mlaserve.executor.forward_batch import SeqChunk
+
+    n_max = max(args.contexts)
+    pages_needed = math.ceil((n_max + 1) / PAGE_SIZE)
+    llm = LLM(
+        model=str(args.gguf), kernels="native", attention="sparse", page_size=PAGE_SIZE, max_num_seqs=1,
+        num_pages=pages_needed + 1, threads=args.threads, malloc_tuning=True,
+    )  # fmt: skip
+    model = llm.runner.model
+    fused, native_sparse = model.native_decode, NativeBackend.sparse_absorbed
+    assert fused is not None, llm.loaded.report.notes
+    pages = llm.engine.pool.allocate(pages_needed)
+    fill_mlaserve_cache(llm, pages, n_max, seed=1)
+    topk = llm.config.index_topk
+
+    def use(mode: str) -> None:
+        model.native_decode = fused if mode == "fused" else None
+        NativeBackend.sparse_absorbed = staticmethod(
+            TorchBackend.sparse_absorbed if mode == "per_op_torch" else native_sparse
+        )
+
+    res: dict = {"gguf": str(args.gguf), "threads": args.threads, "index_topk": topk, "contexts": {}}
+    res["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
+    res["loadavg_before"] = os.getloadavg()
+    for n in args.contexts:
+        chunk = [SeqChunk("dsa", (5,), n, tuple(pages[: math.ceil((n + 1) / PAGE_SIZE)]))]
+        ts: dict = {m: [] for m in MODES}
+        for m in MODES:  # warm-up, one step each
+            use(m)
+            llm.runner.execute(chunk)
+        for _ in range(args.reps):
+            for m in MODES:
+                use(m)
+                t0 = time.perf_counter()
+                llm.runner.execute(chunk)
+                ts[m].append(time.perf_counter() - t0)
+        row = {m: {"median_ms": statistics.median(v) * 1e3, "all_ms": [t * 1e3 for t in v]} for m, v in ts.items()}
+        res["contexts"][n] = row
+        cells = ", ".join(
+            f"{m} {r['median_ms']:.1f} ms ({1e3 / r['median_ms']:.2f} tok/s; {min(r['all_ms']):.1f}-{max(r['all_ms']):.1f})"
+            for m, r in row.items()
+        )
+        print(f"context {n} (selects: {n + 1 > topk}): {cells}", flush=True)
+    use("fused")
+    res["loadavg_after"] = os.getloadavg()
+    res["environment"] = environment(args.threads)
+    write_json(RESULTS_DIR / "dsa_decode.json", res)
+    print(f"cpu flags: {' '.join(res['cpu_flags'])}; load {res['loadavg_before']} -> {res['loadavg_after']}")
+
+
+if __name__ == "__main__":
+    main()

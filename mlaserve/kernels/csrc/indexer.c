@@ -1,0 +1,127 @@
+/* ---------------------------------------------------------------- the DSA indexer of a decode step
+   DeepSeek Sparse Attention's lightning indexer for T tokens of one query each (models/indexer.py is the
+   reference; attention/backends/torch_index.py the per-op scoring and top-k).
+     Hi index heads, Di index_head_dim, dr the rope slice at the head of each row ([rope | pass])
+     q     [T, Hi, Di]  wq_b(c_q), its first dr values roped (rotated in place by the caller's rope_slice)
+     key   [T, Di]      LayerNorm(wk(xn)) with weight and bias, first dr roped: index_keys[slots[t]]
+     w     [T, Hi]      weights_proj(xn) * Hi^-0.5 * Di^-0.5 (two fp32 products, as the per-op path's)
+     keys  [S, Di]      the layer's index-key cache; kv_slots [T, L] / mask [T, L] the step's key axis
+   score(t, j) = sum_h w[t, h] ReLU(q[t, h] . keys[kv_slots[t, j]]) over the allowed positions j, and the top
+   K (the caller's min(index_topk, L)): the K best allowed positions in position order, or, when a request has
+   at most K allowed positions, every one of them followed by disallowed positions marked invalid (what the
+   per-op path's top-k over -inf scores keeps: a position it never attends).
+   Ties at the K-th score: the earlier positions are kept (torch's topk leaves the choice unspecified; with
+   fp32 scores summed over >= 8 heads exact ties do not occur in practice). */
+
+/* the K-th largest of a[0..n) (1 <= K <= n); reorders a. Hoare partitions around a median of three. */
+static float kth_largest(float *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    const int64_t want = k - 1;
+    while (lo < hi) {
+        const float x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi];
+        const float p = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) { /* descending: [lo, j] >= p, [i, hi] <= p, between them == p */
+            while (a[i] > p) i++;
+            while (a[j] < p) j--;
+            if (i <= j) {
+                const float tmp = a[i];
+                a[i++] = a[j];
+                a[j--] = tmp;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            return a[want];
+    }
+    return a[lo];
+}
+
+/* x [Di] -> y: torch's LayerNorm (mean, biased variance, (x - mean) rstd * weight + bias) up to the rounding of its
+   sums (torch accumulates the moments in another order) */
+static void layer_norm_row(const float *x, int64_t d, const float *w, const float *b, float eps, float *y) {
+    float mean = 0.0f, var = 0.0f;
+    for (int64_t i = 0; i < d; i++) mean += x[i];
+    mean /= (float)d;
+    for (int64_t i = 0; i < d; i++) var += (x[i] - mean) * (x[i] - mean);
+    var /= (float)d;
+    const float rstd = 1.0f / sqrtf(var + eps), shift = -rstd * mean;
+    for (int64_t i = 0; i < d; i++) y[i] = (x[i] * rstd + shift) * w[i] + b[i];
+}
+
+/* k [T, Di] (wk's output rows) -> normed and roped into keys[slots[t]]; q [T, Hi, Di] roped in place;
+   w [T, Hi] scaled by Hi^-0.5 then Di^-0.5. cos / sin [T, dr / 2]. */
+static void index_keys_write(float *k, float *q, float *w, int64_t t, int64_t hi, int64_t di, int64_t dr,
+                             const float *nw, const float *nb, float eps, float w_scale, float d_scale,
+                             const float *cos, const float *sin, int interleaved, float *keys, const int64_t *slots) {
+    for (int64_t tok = 0; tok < t; tok++) {
+        const float *ci = cos + tok * (dr / 2), *si = sin + tok * (dr / 2);
+        float *row = keys + slots[tok] * di;
+        layer_norm_row(k + tok * di, di, nw, nb, eps, row);
+        rope_slice(row, dr, ci, si, interleaved);
+        for (int64_t h = 0; h < hi; h++) {
+            rope_slice(q + (tok * hi + h) * di, dr, ci, si, interleaved);
+            w[tok * hi + h] = (w[tok * hi + h] * w_scale) * d_scale;
+        }
+    }
+}
+
+int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
+                   const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
+                   uint8_t *sel_valid, int threads) {
+    if (k <= 0 || k > l) return -2;
+    float *s = (float *)malloc(sizeof(float) * (size_t)(2 * l) + 1);
+    int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
+    if (!s || !pos) {
+        free(s);
+        free(pos);
+        return -4;
+    }
+    float *tmp = s + l;
+    for (int64_t tok = 0; tok < t; tok++) {
+        const uint8_t *m = mask + tok * l;
+        const int64_t *sl = kv_slots + tok * l;
+        const float *qt = q + tok * hi * di, *wt = w + tok * hi;
+        int64_t *idx = sel_index + tok * k;
+        uint8_t *val = sel_valid + tok * k;
+        int64_t n_ok = 0;
+        for (int64_t j = 0; j < l; j++)
+            if (m[j]) pos[n_ok++] = j;
+        if (n_ok <= k) { /* every allowed position, then disallowed ones (never attended) up to K */
+            int64_t c = 0;
+            for (int64_t a = 0; a < n_ok; a++) idx[c] = pos[a], val[c++] = 1;
+            for (int64_t j = 0; j < l && c < k; j++)
+                if (!m[j]) idx[c] = j, val[c++] = 0;
+            continue;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
+        for (int64_t a = 0; a < n_ok; a++) {
+            const float *key = keys + sl[pos[a]] * di;
+            float hs[MQA_HS], sum = 0.0f;
+            for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
+                const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
+                mqa_scores(key, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
+                for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] > 0.0f ? hs[i] : 0.0f);
+            }
+            s[a] = sum;
+        }
+        memcpy(tmp, s, sizeof(float) * (size_t)n_ok);
+        const float thr = kth_largest(tmp, n_ok, k);
+        int64_t above = 0, c = 0;
+        for (int64_t a = 0; a < n_ok; a++) above += s[a] > thr;
+        int64_t ties = k - above; /* positions scoring exactly thr that fit: the earliest */
+        for (int64_t a = 0; a < n_ok; a++) {
+            const int take = s[a] > thr || (s[a] == thr && ties > 0);
+            if (take) {
+                ties -= s[a] == thr;
+                idx[c] = pos[a], val[c++] = 1;
+            }
+        }
+    }
+    free(s);
+    free(pos);
+    return 0;
+}
