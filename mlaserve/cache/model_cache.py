@@ -9,7 +9,14 @@ request serves every paged state (config/layer_kinds.py). Each paged state has o
 (slot S, `pad_slot`), zero and never written: the key positions a request pads to the segment's longest
 sequence read it, so padding never reads a real row (a stale row of a freed page, another request's). The bookkeeping of pages (free list, prefix
 cache) is cache/page_pool.py on the scheduling rank; this module holds only tensors.
-Bytes per token = sum over layers and states of width / tokens_per_row * dtype size.
+Bytes per token = sum over layers and paged states of width / tokens_per_row * dtype size.
+
+Request-addressed states ("request": a fixed block per running request that does not grow with the
+sequence) are [N + 1, *per_request, width] for N state slots (cache/slot_pool.py, one per running
+request, N = max_num_seqs); slot N is the pad slot (`state_pad_slot`), zero and never written, for a
+batched kernel that pads its sequences to read. Bytes per request = sum over layers and request states
+of prod(per_request) * width * its dtype size. A model without request states allocates none (N = 0).
+`reset_states(slots)` zeroes slots before a step whose chunks start their sequences (SeqChunk.reset_state).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mlaserve.config.layer_kinds import LayerKind, StateSpec, check_page_size
+from mlaserve.config.layer_kinds import LayerKind, StateSpec, check_page_size, request_states
+from mlaserve.config.model import ConfigError
 
 
 class LayerState:
@@ -46,12 +54,18 @@ class ModelCache:
         page_size: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        num_slots: int = 0,
     ) -> None:
+        """num_slots: state slots of the request-addressed states (the engine passes max_num_seqs when the
+        stack declares any; 0 otherwise)."""
         check_page_size(layers, page_size)
+        check_request_states(layers, num_slots)
         self.page_size, self.num_pages, self.kinds = page_size, num_pages, layers
         self.pad_slot = num_pages * page_size  # the zero row after the pages (tokens_per_row 1 states)
+        self.num_slots = num_slots if request_states(layers) else 0
+        self.state_pad_slot = self.num_slots  # the zero slot after the request slots
         self.layers = tuple(
-            LayerState(k, {s.name: _zeros(s.rows(num_pages, page_size) + 1, s.width, dtype, device) for s in k.states})
+            LayerState(k, {s.name: _allocate(s, num_pages, page_size, num_slots, dtype, device) for s in k.states})
             for k in layers
         )
 
@@ -59,19 +73,61 @@ class ModelCache:
         """One state's tensor in every layer (None where a layer does not keep it)."""
         return [layer.tensors.get(name) for layer in self.layers]
 
+    def request_tensors(self) -> list[torch.Tensor]:
+        """Every request-addressed state tensor of every layer ([num_slots + 1, ...] each)."""
+        return [layer.tensors[s.name] for layer in self.layers for s in layer.kind.per_request]
+
+    def reset_states(self, slots: torch.Tensor) -> None:
+        """Zero these slots of every request state (one fill per state tensor, all slots at once): the
+        runner calls it before a step whose chunks start their sequences (ForwardBatch.reset_slots)."""
+        for t in self.request_tensors():
+            t.index_fill_(0, slots, 0)
+
     @staticmethod
     def bytes_per_token(layers: tuple[LayerKind, ...], dtype: torch.dtype) -> int:
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(_state_bytes(s, size) for k in layers for s in k.states)
+        return sum(s.width * size // s.tokens_per_row for k in layers for s in k.paged)
+
+    @staticmethod
+    def bytes_per_request(layers: tuple[LayerKind, ...], dtype: torch.dtype) -> int:
+        """Bytes of request-addressed state one running request holds (0 for paged-only stacks)."""
+        return sum(s.values_per_request() * s.element_size(dtype) for k in layers for s in k.per_request)
 
     def measured_bytes_per_token(self) -> int:
-        """Allocated bytes per cached token, the pad rows (a fixed row per state) left out."""
-        total = sum((t.shape[0] - 1) * t[0].numel() * t.element_size() for s in self.layers for t in s.tensors.values())
+        """Allocated bytes per cached token of the paged states, the pad rows (a fixed row per state) left out."""
+        paged = [layer.tensors[s.name] for layer in self.layers for s in layer.kind.paged]
+        total = sum((t.shape[0] - 1) * t[0].numel() * t.element_size() for t in paged)
         return total // (self.num_pages * self.page_size)
 
+    def measured_bytes_per_request(self) -> int:
+        """Allocated bytes of request state per slot, the pad slot left out (0 without request states)."""
+        if not self.num_slots:
+            return 0
+        return sum(t[: self.num_slots].numel() * t.element_size() for t in self.request_tensors()) // self.num_slots
 
-def _state_bytes(s: StateSpec, size: int) -> int:
-    return s.width * size // s.tokens_per_row
+
+def check_request_states(layers: tuple[LayerKind, ...], num_slots: int) -> None:
+    """A stack with request states needs slots; page-boundary snapshots are designed, not built yet
+    (config/layer_kinds.py), so a state that claims them is refused rather than restored wrongly."""
+    states = request_states(layers)
+    if states and num_slots < 1:
+        index, s = states[0]
+        raise ConfigError(f"layer {index}'s request state {s.name!r} needs state slots; num_slots={num_slots}")
+    for index, s in states:
+        if s.snapshot:
+            raise ConfigError(
+                f"layer {index}'s request state {s.name!r} declares page-boundary snapshots, which this cache does "
+                "not keep yet (the hook is designed in config/layer_kinds.py); declare snapshot=False (prefix "
+                "caching then runs off)"
+            )
+
+
+def _allocate(
+    s: StateSpec, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    if s.addressing == "request":  # one block per slot, then the zero pad slot
+        return torch.zeros(num_slots + 1, *s.request_shape, dtype=s.dtype or dtype, device=device)
+    return _zeros(s.rows(num_pages, page_size) + 1, s.width, dtype, device)
 
 
 def _zeros(rows: int, width: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:

@@ -16,13 +16,32 @@ Cache states (StateSpec)
   a page of page_size tokens holds page_size / tokens_per_row rows of each state (tokens_per_row 1 for
   latent rows and index keys). So page_size must be a multiple of every state's tokens_per_row
   (check_page_size), and a prefix-cached page carries every paged state of its tokens.
+  addressing "request": a fixed-size state per running request, [*per_request, width], that does not
+  grow with the sequence (a recurrent state, a compressor carry, a ring window). The cache keeps one
+  slot of it per running request (cache/slot_pool.py assigns slots on the scheduling rank, at admission;
+  freed at finish, abort, failure and preemption) plus a zero pad slot; SeqChunk.state_slot names a
+  request's slot and SeqChunk.reset_state says the runner zeroes it before the step (the chunk starts
+  the sequence: first admission or re-admission after preemption, which recomputes from token 0).
+  Prefix caching: a request state cannot be recomputed from paged rows, so a prefix hit is exact only
+  if the state was snapshotted at the page boundary the hit ends at. `snapshot` says whether a state
+  has such snapshots; a stack with a request state that lacks them runs with prefix caching off
+  (prefix_caching_blocker; the reason is recorded in provenance). The snapshot hook, designed and not
+  built yet (ModelCache refuses snapshot=True): a companion paged state `<name>_snapshot` with
+  tokens_per_row = page_size (one row per page: the state after the page's last token) written by the
+  layer when a chunk crosses a page boundary; a prefix hit then restores the slot from the row of the
+  last cached page instead of zeroing it (SeqChunk would carry that page as plain data). Speculative
+  decoding is refused with request states (a rejected draft cannot be rolled out of a state).
 
 Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Layer and cache kinds"):
   a ring window (DeepSeek-V4's 128-token window): paged rows read through the last `window` slots of the
-  block table, or a per-request ring ("request" addressing); compressed pools (V4's CSA at 1 row per 4
-  tokens, HCA at 1 per 128): paged rows with tokens_per_row = the ratio plus a fixed compressor carry per
-  request; linear attention (KDA): a fixed recurrent state per request, snapshotted at page boundaries
-  for the prefix cache; two MLA sublayers (LongCat-Flash): two latent states in one layer.
+  block table, or a per-request ring (StateSpec(..., addressing="request", per_request=(window,)));
+  compressed pools (V4's CSA at 1 row per 4 tokens, HCA at 1 per 128): paged rows with tokens_per_row =
+  the ratio plus a compressor carry per request ("request": the buffered incomplete group, CSA's overlap
+  half); linear attention (KDA): a recurrent state per request ("request", per_request=(H, dk), width dv,
+  dtype float32) plus its short-conv state ("request", per_request=(kernel - 1,)), snapshotted at page
+  boundaries for the prefix cache once the hook is built; two MLA sublayers (LongCat-Flash): two latent
+  states in one layer. A layer reads and writes a request state at StepContext.state_slots (per sequence)
+  or token_state_slots (per token) of its LayerState tensor.
 DeepSeek-V4's states exist as fixed-size per-sequence tensors (models/deepseek_v4/state.py, whose docstring
 maps each onto these rooms); its family declares layer_kinds "deepseek_v4", which attention_kind refuses
 until the cache and router run it.
@@ -30,25 +49,54 @@ until the cache and router run it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
 
 ATTENTION_KINDS = ("mla", "mla_dsa")
-ADDRESSING = ("page",)  # how a state's rows are found: by the request's block table
+# how a state's rows are found: "page" by the request's block table, "request" by the request's state slot
+ADDRESSING = ("page", "request")
 
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One cache state a layer keeps: `width` values per row, one row per `tokens_per_row` tokens."""
+    """One cache state a layer keeps. "page": `width` values per row, one row per `tokens_per_row` tokens.
+    "request": one [*per_request, width] block per running request (tokens_per_row does not apply)."""
 
-    name: str  # "latent" | "index_keys"
+    name: str  # "latent" | "index_keys" | a request state's name
     width: int
     tokens_per_row: int = 1
     addressing: str = "page"
+    per_request: tuple[int, ...] = ()  # "request": the leading dims of a request's block (rows, or heads x dk)
+    snapshot: bool = False  # "request": snapshotted at page boundaries (prefix caching stays exact)
+    dtype: torch.dtype | None = None  # None: the cache dtype (a recurrent state may need float32)
+
+    def __post_init__(self) -> None:
+        if self.addressing not in ADDRESSING:
+            raise ConfigError(f"state {self.name!r}: addressing {self.addressing!r} is not one of {ADDRESSING}")
+        if self.addressing == "page" and (self.per_request or self.snapshot):
+            raise ConfigError(f"state {self.name!r}: per_request and snapshot apply to 'request' addressing only")
+        if self.addressing == "request" and self.tokens_per_row != 1:
+            raise ConfigError(f"state {self.name!r}: a 'request' state has no rows per token (tokens_per_row 1)")
+        if self.width < 1 or any(d < 1 for d in self.per_request):
+            raise ConfigError(f"state {self.name!r}: dims must be >= 1, got {(*self.per_request, self.width)}")
 
     def rows(self, num_pages: int, page_size: int) -> int:
         return num_pages * page_size // self.tokens_per_row
+
+    @property
+    def request_shape(self) -> tuple[int, ...]:
+        """A "request" state's block per request."""
+        return (*self.per_request, self.width)
+
+    def values_per_request(self) -> int:
+        return math.prod(self.request_shape) if self.addressing == "request" else 0
+
+    def element_size(self, cache_dtype: torch.dtype) -> int:
+        return torch.empty((), dtype=self.dtype or cache_dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -62,6 +110,14 @@ class LayerKind:
 
     def state(self, name: str) -> StateSpec | None:
         return next((s for s in self.states if s.name == name), None)
+
+    @property
+    def paged(self) -> tuple[StateSpec, ...]:
+        return tuple(s for s in self.states if s.addressing == "page")
+
+    @property
+    def per_request(self) -> tuple[StateSpec, ...]:
+        return tuple(s for s in self.states if s.addressing == "request")
 
 
 def declare_layers(model: ModelConfig, sparse: bool) -> tuple[LayerKind, ...]:
@@ -115,20 +171,52 @@ def check_page_size(layers: tuple[LayerKind, ...], page_size: int) -> None:
 
 
 def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
-    """`mlaserve inspect`'s lines: layers grouped by kind, indexer role and states, with cache bytes per token."""
+    """`mlaserve inspect`'s lines: layers grouped by kind, indexer role and states, with cache bytes per token
+    (paged states) and per request (request states, one slot per running request)."""
     groups: dict[tuple, list[int]] = {}
     for k in layers:
         groups.setdefault((k.attention, k.indexer, k.states), []).append(k.index)
     lines = []
     for (attention, indexer, states), ids in groups.items():
         role = f", indexer {indexer}" if indexer else ""
-        kept = " + ".join(
-            f"{s.name} [{s.width}]" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
-            for s in states
+        kept = " + ".join(_describe_state(s) for s in states)
+        paged = [s for s in states if s.addressing == "page"]
+        per_token = sum(s.width // s.tokens_per_row for s in paged) * bytes_per_value * len(ids)
+        sizes = f"{per_token} bytes/token"
+        # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size
+        per_request = sum(
+            s.values_per_request() * (s.element_size(s.dtype) if s.dtype else bytes_per_value) for s in states
         )
-        per_token = sum(s.width // s.tokens_per_row for s in states) * bytes_per_value * len(ids)
-        lines.append(f"layers {layer_ranges(ids)}: {attention}{role}; cache: {kept} ({per_token} bytes/token)")
+        if per_request:
+            sizes += f", {per_request * len(ids)} bytes/request"
+        lines.append(f"layers {layer_ranges(ids)}: {attention}{role}; cache: {kept} ({sizes})")
     return lines
+
+
+def _describe_state(s: StateSpec) -> str:
+    if s.addressing == "request":
+        dtype = f" {str(s.dtype).removeprefix('torch.')}" if s.dtype else ""
+        snap = "snapshots at page boundaries" if s.snapshot else "no snapshots"
+        return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
+    return f"{s.name} [{s.width}]" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
+
+
+def request_states(layers: tuple[LayerKind, ...]) -> tuple[tuple[int, StateSpec], ...]:
+    """(layer index, spec) of every "request" state in the stack; empty for today's models."""
+    return tuple((k.index, s) for k in layers for s in k.per_request)
+
+
+def prefix_caching_blocker(layers: tuple[LayerKind, ...]) -> str | None:
+    """Why prefix caching must be off for this stack, or None. A request state without page-boundary
+    snapshots cannot be restored at the end of a cached prefix (it is not a function of the paged rows),
+    so a prefix hit would resume from a zeroed state: wrong."""
+    for index, s in request_states(layers):
+        if not s.snapshot:
+            return (
+                f"layer {index}'s request state {s.name!r} has no page-boundary snapshot, so a prefix-cache hit "
+                "could not restore it (prefix caching off)"
+            )
+    return None
 
 
 def layer_ranges(ids: tuple[int, ...] | list[int]) -> str:

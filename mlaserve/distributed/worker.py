@@ -97,7 +97,8 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
 
         keep_freed_memory()
     runner = ModelRunner(loaded.model, loaded.config, MemoryTracer(maxlen=1), rank=rank)
-    comm.gather_objects(rank_echo(rank, loaded.config, loaded.model))
+    # the runner's config: the loaded one with the cache's rules applied, as rank 0's runner compares it
+    comm.gather_objects(rank_echo(rank, runner.cfg, loaded.model))
     sizes = vocab_sizes(loaded.config.model.vocab_size, world_size)
     while True:
         msg = comm.broadcast_object()

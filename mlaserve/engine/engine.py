@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from mlaserve.cache.page_pool import PagePool
+from mlaserve.cache.slot_pool import SlotPool
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
 from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
 from mlaserve.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
@@ -46,8 +47,10 @@ class Engine:
         cfg = runner.cfg
         self.runner, self.tokenizer, self.cfg = runner, tokenizer, cfg
         self.pool = PagePool(cfg.num_pages, cfg.enable_prefix_caching)
+        # a state slot per running request when the model keeps request-addressed states (cache/slot_pool.py)
+        self.slots = SlotPool(runner.cache.num_slots) if runner.cache.num_slots else None
         max_len = cfg.num_pages * cfg.page_size
-        self.scheduler = Scheduler(self.pool, cfg.page_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.pool, cfg.page_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.slots)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

@@ -45,10 +45,16 @@ class EngineStats:
     pages_total: int = 0
     pages_free: int = 0
     num_live: int = 0  # requests added and not yet finished (as seen by the loop)
+    slots_total: int = 0  # state slots (0: the model keeps no request-addressed state; cache/slot_pool.py)
+    slots_free: int = 0
 
     @property
     def pages_used(self) -> int:
         return self.pages_total - self.pages_free
+
+    @property
+    def slots_used(self) -> int:
+        return self.slots_total - self.slots_free
 
 
 @dataclass
@@ -191,4 +197,6 @@ class EngineLoop:
             pages_total=e.pool.num_pages,
             pages_free=e.pool.num_free,
             num_live=len(self._sinks),
+            slots_total=e.slots.num_slots if e.slots is not None else 0,
+            slots_free=e.slots.num_free if e.slots is not None else 0,
         )

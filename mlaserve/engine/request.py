@@ -33,6 +33,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on admission
     num_registered: int = 0  # leading pages already named in the prefix cache
+    state_slot: int | None = None  # its slot of the request-addressed cache states while running (SlotPool)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     first_token_time: float | None = None

@@ -5,6 +5,12 @@ When pages run out, the most recently arrived running request is preempted: its 
 freed and it goes back to the front of the queue to be recomputed later (greedy output is
 unchanged). schedule() -> SchedulePlan is plain data; advance() records what the forward pass
 computed; finish() frees a request's pages.
+
+Models that declare "request"-addressed cache states (config/layer_kinds.py) also get a SlotPool: a
+request takes a state slot when it is admitted (admission waits while none is free) and gives it back
+whenever it leaves the running set (finish, abort, failure, preemption). The chunk that starts a
+sequence (start == 0: first admission, or re-admission after preemption, which recomputes from token 0)
+says reset_state, and the runner zeroes the slot before that step.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mlaserve.cache.page_pool import PagePool, page_hashes
+from mlaserve.cache.slot_pool import SlotPool
 from mlaserve.engine.request import Request, Status
 from mlaserve.executor.forward_batch import SeqChunk
 
@@ -41,6 +48,10 @@ class ScheduledChunk:
             # a verification needs the target's logits after the last token and after every draft
             all_logits=self.num_draft > 0 or (r.params.prompt_logprobs is not None and self.start < len(r.prompt_ids)),
             num_cached=r.num_cached_prompt if self.start == r.num_cached_prompt else 0,
+            state_slot=r.state_slot,
+            # the sequence starts here, so its request states start from zero (prefix caching is off for
+            # models with request states that lack page-boundary snapshots: start 0 is every fresh start)
+            reset_state=r.state_slot is not None and self.start == 0,
         )
 
 
@@ -57,8 +68,16 @@ class SchedulePlan:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, page_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> None:
-        self.pool, self.page_size = pool, page_size
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        slots: SlotPool | None = None,
+    ) -> None:
+        """slots: the state-slot pool when the model declares request states, else None (no slots)."""
+        self.pool, self.page_size, self.slots = pool, page_size, slots
         self.budget, self.max_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -84,6 +103,8 @@ class Scheduler:
             budget -= n + d
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             req = self.waiting[0]
+            if self.slots is not None and self.slots.num_free == 0:
+                break  # every state slot is held: admission waits for a running request to leave
             # prompt_logprobs need logits at every prompt position, so such requests recompute them all.
             if not req.pages and self.pool.prefix_caching and req.params.prompt_logprobs is None:
                 self._reuse_prefix(req)
@@ -92,6 +113,8 @@ class Scheduler:
                 self._drop_pages(req)
                 break
             self.waiting.popleft()
+            if self.slots is not None:
+                req.state_slot = self.slots.allocate(req.request_id)
             req.status = Status.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, req.num_computed, n))
@@ -149,8 +172,14 @@ class Scheduler:
         req.pages.extend(self.pool.allocate(need))
         return True
 
+    def _free_slot(self, req: Request) -> None:
+        if req.state_slot is not None:
+            self.slots.free(req.state_slot, req.request_id)
+            req.state_slot = None
+
     def _preempt(self, req: Request) -> None:
         self._drop_pages(req)
+        self._free_slot(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.running.remove(req)
@@ -181,3 +210,4 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self._drop_pages(req)
+        self._free_slot(req)

@@ -340,7 +340,7 @@ def _speed_line(out) -> str:
 
 
 def _inspect(args) -> int:
-    from mlaserve.config.layer_kinds import declare_layers, describe
+    from mlaserve.config.layer_kinds import describe
     from mlaserve.config.provenance import format_table
 
     if _inspect_v4(args):  # read and shown, not loaded: the engine does not serve V4 yet
@@ -348,7 +348,7 @@ def _inspect(args) -> int:
     llm = make_llm(args, _progress_bar)
     print(format_table(llm.config.all_provenance()))
     size = llm.config.dtype.itemsize
-    print("\nlayer kinds:\n  " + "\n  ".join(describe(declare_layers(llm.config.model, llm.config.sparse), size)))
+    print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size)))
     if llm.loaded.quant is not None:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
     if llm.loaded.gguf is not None:

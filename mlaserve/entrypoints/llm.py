@@ -49,7 +49,7 @@ class LLM:
         else:
             self.loaded = load_model(path, opts, progress)
             self.runner = ModelRunner(self.loaded.model, self.loaded.config, tracer)
-        self.config = self.loaded.config
+        self.config = self.runner.cfg  # the loaded config with the cache's rules applied (model_runner.py)
         if self.config.malloc_tuning:
             keep_freed_memory()
         apply_threads(self.config.threads)
@@ -148,10 +148,14 @@ class LLM:
             ids = self.engine.check_prompt(token_ids, "prompt_logits")
             pool = self.engine.pool
             pages = pool.allocate(-(-len(ids) // self.config.page_size))
+            slots = self.engine.slots  # a model with request states: a slot for the prompt, as generate's
+            slot = slots.allocate("prompt_logits") if slots is not None else None
             try:
-                logits = self.runner.prompt_logits("prompt_logits", ids, pages).cpu()
+                logits = self.runner.prompt_logits("prompt_logits", ids, pages, slot).cpu()
             finally:
                 pool.release(pages)
+                if slot is not None:
+                    slots.free(slot, "prompt_logits")
         # generate's rule: non-finite logits fail the request, never reach the caller as numbers
         bad = (~torch.isfinite(logits.float().sum(-1))).nonzero().flatten()
         if len(bad):

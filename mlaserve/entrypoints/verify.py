@@ -44,7 +44,9 @@ class Check:
 def logits_with(llm: LLM, cfg: EngineConfig, ids: list[int]) -> torch.Tensor:
     """Prompt logits through a fresh runner (own small cache) with the given switches."""
     cfg = replace(cfg, num_pages=-(-len(ids) // cfg.page_size) + 1)
-    return ModelRunner(llm.loaded.model, cfg).prompt_logits("verify", ids, list(range(cfg.num_pages)))
+    runner = ModelRunner(llm.loaded.model, cfg)
+    slot = 0 if runner.cache.num_slots else None  # its own cache: slot 0 is free (request states only)
+    return runner.prompt_logits("verify", ids, list(range(cfg.num_pages)), slot)
 
 
 def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list[Check]:

@@ -168,7 +168,8 @@ def _forward(llm: LLM, ids: list[int], force: Activations | None = None) -> Acti
     cfg = replace(cfg, max_num_batched_tokens=len(ids), num_pages=-(-len(ids) // cfg.page_size) + 1)
     runner = ModelRunner(llm.loaded.model, cfg)
     with Capture(llm.loaded.model, force) as acts:
-        runner.prompt_logits("verify-against", ids, list(range(cfg.num_pages)))
+        slot = 0 if runner.cache.num_slots else None  # its own cache: slot 0 is free (request states only)
+        runner.prompt_logits("verify-against", ids, list(range(cfg.num_pages)), slot)
     return acts
 
 

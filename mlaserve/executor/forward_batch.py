@@ -4,6 +4,8 @@ Notation
   T        tokens in the step, ordered [decode tokens | prefill tokens]
   B        requests in the step
   slot     page * page_size + offset: a row of the paged latent cache
+  state slot  a request's slot of the "request"-addressed states (cache/slot_pool.py); None on models
+           without request states, and then the batch carries no state-slot tensors at all
 A request is a *decode* when its query length <= decode_threshold (1 by default, so a one-token
 prompt is a decode, as in vLLM and DeepSeek's reference). The batch only orders tokens by that
 rule; `attention.router.route` names the paths.
@@ -28,6 +30,8 @@ class SeqChunk:
     all_logits: bool = False  # logits at every query position (prompt_logits)
     num_cached: int = 0  # leading context tokens served from the prefix cache (reported in the ledger)
     query_start: int = 0  # first row of these tokens in the flat batch (set by ForwardBatch.build)
+    state_slot: int | None = None  # the request's slot of the request-addressed states (None: the model has none)
+    reset_state: bool = False  # the runner zeroes the slot before this step: the chunk starts the sequence
 
     @property
     def query_len(self) -> int:
@@ -49,6 +53,10 @@ class ForwardBatch:
     logits_owner: tuple[tuple[str, int], ...]  # per logits row: (request_id, query offset)
     page_size: int
     pad_slot: int = 0  # the cache row that key positions past a request's sequence read (ModelCache.pad_slot)
+    # Request-addressed states (None when no sequence has a state slot: today's models):
+    state_slots: torch.Tensor | None = None  # [B] int64: each sequence's state slot, in batch order
+    token_state_slots: torch.Tensor | None = None  # [T] int64: the state slot of each token's sequence
+    reset_slots: tuple[int, ...] = ()  # slots the runner zeroes before the step (chunks with reset_state)
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +79,10 @@ class ForwardBatch:
         decodes = [c for c in chunks if c.query_len <= decode_threshold]
         prefills = [c for c in chunks if c.query_len > decode_threshold]
         ordered = decodes + prefills
+        state_slots = [c.state_slot for c in ordered]
+        stateful = state_slots.count(None) < len(state_slots)  # a model with request states (one C-speed pass)
+        if stateful:
+            _check_state_slots(ordered)
         ids, pos, slots, seqs, lidx, owner = [], [], [], [], [], []
         for c in ordered:
             start = len(ids)
@@ -92,7 +104,25 @@ class ForwardBatch:
             logits_owner=tuple(owner),
             page_size=page_size,
             pad_slot=pad_slot,
+            state_slots=_longs(state_slots, device) if stateful else None,
+            token_state_slots=_longs([c.state_slot for c in ordered for _ in c.token_ids], device)
+            if stateful
+            else None,
+            reset_slots=tuple(c.state_slot for c in ordered if c.reset_state) if stateful else (),
         )
+
+
+def _check_state_slots(chunks: list[SeqChunk]) -> None:
+    """In a step where some sequence has a state slot, every one has (a model with request states), and no
+    slot is shared: two sequences writing one slot would mix their states. (A step without any slot has no
+    state to reset: reset_slots stays empty, and a model with request states refuses it in the runner.)"""
+    seen: dict[int, str] = {}
+    for c in chunks:
+        if c.state_slot is None:
+            raise ValueError(f"request {c.request_id}: no state slot in a step whose other requests have one")
+        if c.state_slot in seen:
+            raise ValueError(f"requests {seen[c.state_slot]} and {c.request_id} share state slot {c.state_slot}")
+        seen[c.state_slot] = c.request_id
 
 
 def _longs(values: list[int], device) -> torch.Tensor:

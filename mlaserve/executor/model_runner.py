@@ -1,15 +1,26 @@
-"""Owns the model and its cache; executes one step: chunks -> batch -> route -> forward -> logits."""
+"""Owns the model and its cache; executes one step: chunks -> batch -> route -> forward -> logits.
+
+Request-addressed states (config/layer_kinds.py): when the stack declares any, the cache keeps
+max_num_seqs state slots, prefix caching runs off unless every such state has page-boundary snapshots
+(the reason recorded in the config's provenance), and before each step the runner zeroes the slots the
+batch names in reset_slots (chunks that start their sequence), so a layer always finds its request's
+state as of the chunk's context_len. Speculative decoding is refused with them: a rejected draft would
+have advanced a state that cannot be rolled back.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from mlaserve.attention.router import route_step
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
-from mlaserve.config.layer_kinds import declare_layers
+from mlaserve.config.layer_kinds import LayerKind, declare_layers, prefix_caching_blocker, request_states
+from mlaserve.config.model import ConfigError
+from mlaserve.config.provenance import Setting
 from mlaserve.executor.drafter import Drafter
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.step_context import StepContext
@@ -18,12 +29,22 @@ from mlaserve.observability.trace import NullTracer, step_record
 
 
 class ModelRunner:
-    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer=None, rank: int = 0) -> None:
-        """rank: this process's tensor-parallel rank (named in its ledger records when TP > 1)."""
-        self.model, self.cfg, self.rank = model, cfg, rank
+    def __init__(
+        self,
+        model: MLAForCausalLM,
+        cfg: EngineConfig,
+        tracer=None,
+        rank: int = 0,
+        layer_kinds: tuple[LayerKind, ...] | None = None,
+    ) -> None:
+        """rank: this process's tensor-parallel rank (named in its ledger records when TP > 1). layer_kinds:
+        the stack's kinds and states (default: declared from the config, config/layer_kinds.py)."""
+        self.model, self.rank = model, rank
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
-        self.layer_kinds = declare_layers(cfg.model, cfg.sparse)
-        self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device)
+        self.layer_kinds = layer_kinds if layer_kinds is not None else declare_layers(cfg.model, cfg.sparse)
+        self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
+        slots = cfg.max_num_seqs if request_states(self.layer_kinds) else 0
+        self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device, num_slots=slots)
         self.tracer = tracer or NullTracer()
         self.step_count = 0
         self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative == "mtp" else None
@@ -41,6 +62,7 @@ class ModelRunner:
         `ledger`: extra fields for this step's record (speculative verification)."""
         cfg = self.cfg
         batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device, self.cache.pad_slot)
+        self._check_state_slots(batch)
         plan = route_step(
             batch, self.layer_kinds, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
         )
@@ -53,9 +75,28 @@ class ModelRunner:
                 rec = rec | (ledger(batch, plan) if ledger else {})
                 self.tracer.record({"rank": self.rank, **rec} if cfg.tensor_parallel_size > 1 else rec)
             self.step_count += 1
+            if batch.reset_slots:  # sequences that start here start from a zeroed state (plain data, decided
+                # by the scheduler: SeqChunk.reset_state), before any layer reads its slot
+                self.cache.reset_states(torch.tensor(batch.reset_slots, dtype=torch.long, device=cfg.device))
             hidden = self.model(batch.input_ids, step, self.cache, native)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits, hidden
+
+    def _check_state_slots(self, batch: ForwardBatch) -> None:
+        """A model with request states needs every sequence's slot (in range); one without takes none."""
+        if not batch.seqs or (not self.cache.num_slots and batch.state_slots is None):
+            return  # today's models: nothing to check
+        if self.cache.num_slots and batch.state_slots is None:
+            raise ValueError(
+                f"request {batch.seqs[0].request_id}: this model keeps request states; no state slot given"
+            )
+        if not self.cache.num_slots and batch.state_slots is not None:
+            raise ValueError(f"request {batch.seqs[0].request_id}: a state slot given, and this model keeps none")
+        for s in batch.seqs:
+            if s.state_slot is not None and not 0 <= s.state_slot < self.cache.num_slots:
+                raise ValueError(
+                    f"request {s.request_id}: state slot {s.state_slot} outside [0, {self.cache.num_slots})"
+                )
 
     def _kernels_record(self, native: tuple | None) -> dict:
         """The ledger's kernel fields: the load's KernelPlan by its digest (`mlaserve inspect` prints the plan)
@@ -63,14 +104,39 @@ class ModelRunner:
         plan = getattr(self.model, "kernel_plan", None)
         return {"plan": plan.digest if plan is not None else None, "decode_layer": "native" if native else "per_op"}
 
-    def prompt_logits(self, request_id: str, ids: list[int], pages: list[int]) -> torch.Tensor:
+    def prompt_logits(
+        self, request_id: str, ids: list[int], pages: list[int], state_slot: int | None = None
+    ) -> torch.Tensor:
         """Logits at every position of ids [len, vocab], prefilled through `pages` in chunks of
-        max_num_batched_tokens (the engine's normal path: paged cache, routed attention)."""
+        max_num_batched_tokens (the engine's normal path: paged cache, routed attention). state_slot: the
+        request states' slot on a model that keeps them (zeroed at the first chunk); None otherwise."""
         ps, budget = self.cfg.page_size, self.cfg.max_num_batched_tokens
         out, done = [], 0
         while done < len(ids):
             chunk = tuple(ids[done : done + budget])
             table = tuple(pages[: -(-(done + len(chunk)) // ps)])
-            out.append(self.execute([SeqChunk(request_id, chunk, done, table, all_logits=True)])[1])
+            fresh = state_slot is not None and done == 0
+            seq = SeqChunk(request_id, chunk, done, table, all_logits=True, state_slot=state_slot, reset_state=fresh)
+            out.append(self.execute([seq])[1])
             done += len(chunk)
         return torch.cat(out)
+
+
+def with_request_state_rules(cfg: EngineConfig, layers: tuple[LayerKind, ...]) -> EngineConfig:
+    """The engine rules a stack's request states impose, applied to the resolved config: prefix caching off
+    (recorded with its reason) when a request state lacks page-boundary snapshots; speculative decoding
+    refused. A stack without request states gets cfg back unchanged (the same object)."""
+    if not request_states(layers):
+        return cfg
+    if cfg.speculative is not None:
+        index, s = request_states(layers)[0]
+        raise ConfigError(
+            f"speculative={cfg.speculative!r}: layer {index}'s request state {s.name!r} would advance through "
+            "drafts that verification rejects, and it cannot be rolled back; run without speculative decoding"
+        )
+    reason = prefix_caching_blocker(layers)
+    if reason is None or not cfg.enable_prefix_caching:
+        return cfg
+    note = Setting("enable_prefix_caching", False, f"engine: {reason}")
+    kept = tuple(s for s in cfg.provenance if s.name != "enable_prefix_caching")
+    return replace(cfg, enable_prefix_caching=False, provenance=kept + (note,))

@@ -37,6 +37,10 @@ class StepContext:
     kinds: dict[str, KindStep]  # attention kind -> its plan and segment tensors
     cos: torch.Tensor  # [T, dr/2]
     sin: torch.Tensor
+    # request-addressed states (ForwardBatch; None on models without them): a layer reads and writes its
+    # state at these slots of its LayerState tensors; the runner zeroed the reset slots before the step
+    state_slots: torch.Tensor | None = None  # [B] per sequence, in batch order (decodes first)
+    token_state_slots: torch.Tensor | None = None  # [T] per token
 
     def of(self, kind: str) -> KindStep:
         """The part of the step a layer of this attention kind executes."""
@@ -49,4 +53,6 @@ class StepContext:
     def build(batch: ForwardBatch, route: StepRoute, rope: RotaryEmbedding, dtype: torch.dtype) -> StepContext:
         cos, sin = rope.cos_sin(batch.positions, dtype)
         kinds = {p.kind: KindStep.build(batch, p) for p in route.plans}
-        return StepContext(batch.positions, batch.slot_mapping, route, kinds, cos, sin)
+        return StepContext(
+            batch.positions, batch.slot_mapping, route, kinds, cos, sin, batch.state_slots, batch.token_state_slots
+        )

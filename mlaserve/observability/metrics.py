@@ -63,6 +63,12 @@ class ServerMetrics:
             "mlaserve_running_requests": ("requests in the running batch", "num_running"),
             "mlaserve_kv_pages_in_use": ("latent-cache pages held by live requests", "pages_used"),
             "mlaserve_kv_pages_total": ("latent-cache pages in the pool", "pages_total"),
+            # models with request-addressed states (a slot each running request holds); 0 for the others
+            "mlaserve_state_slots_in_use": ("request-state slots held by running requests", "slots_used"),
+            "mlaserve_state_slots_total": (
+                "request-state slots (max_num_seqs; 0 without request states)",
+                "slots_total",
+            ),
         }
         for name, (doc, attr) in gauges.items():
             g = Gauge(name, doc, registry=r)

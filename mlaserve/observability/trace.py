@@ -11,7 +11,7 @@ from collections import deque
 from pathlib import Path
 
 from mlaserve.attention.plan import StepRoute
-from mlaserve.executor.forward_batch import ForwardBatch
+from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 
 
 def step_record(step: int, batch: ForwardBatch, plan: StepRoute, num_layers: int, preempted: tuple = ()) -> dict:
@@ -23,12 +23,16 @@ def step_record(step: int, batch: ForwardBatch, plan: StepRoute, num_layers: int
         "num_decode_tokens": batch.num_decode_tokens,
         **plan.to_record(),
     }
-    rec["requests"] = [
-        {"id": s.request_id, "query_len": s.query_len, "context_len": s.context_len, "cached_tokens": s.num_cached}
-        for s in batch.seqs
-    ]
+    rec["requests"] = [_request_record(s) for s in batch.seqs]
     rec["preempted"] = [{"id": p.request_id, "pages_freed": p.pages_freed} for p in preempted]
     return rec
+
+
+def _request_record(s: SeqChunk) -> dict:
+    out = {"id": s.request_id, "query_len": s.query_len, "context_len": s.context_len, "cached_tokens": s.num_cached}
+    if s.state_slot is not None:  # a model with request states: its slot, and whether the runner zeroed it
+        out |= {"state_slot": s.state_slot, "state_reset": s.reset_state}
+    return out
 
 
 class NullTracer:

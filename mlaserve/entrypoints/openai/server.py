@@ -106,12 +106,18 @@ def run(args, llm, chat_template: str | None) -> int:
 
 
 def _ready(llm, served: str, host: str, port: int) -> str:
-    cfg = llm.config
+    cfg, cache = llm.config, llm.runner.cache
     attention = "sparse" if cfg.sparse else "dense"
+    # request-addressed states (config/layer_kinds.py): a fixed block per running request, beside the pages
+    slots = (
+        f", state slots {cache.num_slots} x {cache.measured_bytes_per_request()} bytes/request"
+        if cache.num_slots
+        else ""
+    )
     return (
         f"mlaserve: serving {served} on http://{host}:{port} (dtype {str(cfg.dtype).removeprefix('torch.')}, "
-        f"attention {attention}, mla_path {cfg.mla_path}, KV pool {cfg.num_pages} pages x {cfg.page_size} tokens, "
-        f"max_model_len {llm.engine.max_model_len})"
+        f"attention {attention}, mla_path {cfg.mla_path}, KV pool {cfg.num_pages} pages x {cfg.page_size} tokens "
+        f"({cache.measured_bytes_per_token()} bytes/token){slots}, max_model_len {llm.engine.max_model_len})"
     )
 
 

@@ -1,0 +1,45 @@
+"""The pool of state slots: which running request owns which slot of the "request"-addressed cache states.
+
+Plain bookkeeping (ids, no tensors): the scheduler owns it on the scheduling rank, beside the page pool,
+and only when the model declares a request state (config/layer_kinds.py: `request_states`); a model with
+paged states only has no slot pool and no slot in any SeqChunk. The tensors the slots index live in
+`cache.model_cache` ([num_slots + 1, ...] per request state: the last slot is the zero pad slot).
+
+Lifecycle: a slot is taken when a request is admitted to the running set and given back when it leaves
+it (finish, abort, failure, preemption). A freed slot's stale contents are never read: the first chunk
+of every (re-)admitted request says `reset_state` and the runner zeroes its slot before the step.
+Slots are reused in the order they were freed (FIFO), so a slot freed this step is the last to be
+handed out again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class SlotPool:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self.owner: dict[int, str] = {}  # slot -> request id holding it
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, request_id: str) -> int:
+        """A free slot for this request; the caller checks num_free first (admission waits, never fails)."""
+        if not self._free:
+            raise RuntimeError(f"request {request_id}: no free state slot ({self.num_slots} all held)")
+        slot = self._free.popleft()
+        self.owner[slot] = request_id
+        return slot
+
+    def free(self, slot: int, request_id: str) -> None:
+        holder = self.owner.get(slot)
+        if holder != request_id:
+            raise RuntimeError(f"request {request_id}: frees state slot {slot}, which is held by {holder!r}")
+        del self.owner[slot]
+        self._free.append(slot)
