@@ -12,7 +12,10 @@ Notation
   p        softmax over [logits | sink_h] with the sink column dropped (a per-head extra logit)
   out      [S, H, D] p @ kv, rope slice de-rotated at t (-sin), since the values carry rope
   y        [S, hidden] o_b_proj(concat_g o_a_proj_g(out[:, heads of group g]))   grouped low-rank output
-Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
+A step holds the chunks of one or more sequences (spans): the projections, norms and rope run over all of its
+tokens at once; the ring, the compressors' windows, the indexer's top-k and the softmax run per sequence (a
+Python loop over the spans: the known cost of the first engine landing, the plain reference for a batched
+kernel). Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
 fixed at construction.
 """
 

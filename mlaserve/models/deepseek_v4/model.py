@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 stack, run over one chunk of one sequence at a time, continuing that sequence's state.
+"""The DeepSeek-V4 stack, run over chunks of one or more sequences, continuing each sequence's state.
 
 Notation
   S tokens of the chunk at positions start .. start+S-1 (start = state.length), N hc_mult, D hidden, V vocab
@@ -6,8 +6,9 @@ Notation
   per layer:  post, comb, x = attn_hc(h);  h = expand(post, comb, attention(input_layernorm(x)), h)
               post, comb, x = ffn_hc(h);   h = expand(post, comb, moe(post_attention_layernorm(x), ids), h)
   logits [S, V] = lm_head(norm(hc_head(h)))
-One pass over a prompt, the same prompt in chunks of any sizes, and token by token all run this forward with a
-fresh state; the state carries exactly what the next chunk needs (state.py). Module and parameter names are
+forward_spans runs several sequences' chunks in one step (attention loops over them, the rest is batched);
+forward is its one-sequence form. One pass over a prompt, the same prompt in chunks of any sizes, and token by
+token all run this forward with a fresh state; the state carries exactly what the next chunk needs (state.py). Module and parameter names are
 transformers' DeepseekV4ForCausalLM's (loading/deepseek_v4.py maps the released and save_pretrained layouts onto them).
 """
 
