@@ -81,7 +81,7 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("budget", [1, 3, 4, 7])
+@pytest.mark.parametrize("budget", [pytest.param(1, marks=pytest.mark.slow), 3, 4, 7])  # 1: token by token
 def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
     """Chunked prefill through the engine (chunks of `budget` tokens, the cache's request-state slot carried
     between steps) == transformers' one pass, at every position, for lengths around every compression boundary."""
