@@ -58,9 +58,11 @@ def make_llm(args: argparse.Namespace, progress=None):
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, trace=args.trace, progress=progress, **engine_options(args))
     cfg = llm.config
+    v4 = cfg.model.family.layer_kinds == "deepseek_v4"
+    attention = "window + compressed (DeepSeek-V4)" if v4 else "sparse" if cfg.sparse else "dense"
     print(
         f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
-        f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')}, {cfg.device})",
+        f"{attention} attention, {str(cfg.dtype).removeprefix('torch.')}, {cfg.device})",
         file=sys.stderr,
         flush=True,
     )

@@ -117,3 +117,13 @@ def test_bytes_per_request_are_the_allocated_bytes(v4_folder):
     assert cache.layers[2].tensors["kv_pool"].shape[1] == m_len // 8
     assert ModelCache.bytes_per_token(kinds, llm.config.dtype) == 0  # nothing V4 keeps is paged yet
     assert torch.count_nonzero(cache.layers[0].tensors["window"]) == 0
+
+
+def test_verify_runs_the_v4_identities_only(v4_folder, capsys):
+    """`mlaserve verify` on V4: chunked prefill and token-by-token decode vs one pass (both must hold); the MLA
+    path and backend pairs, which cannot differ on a stack without latent rows, are not listed as passes."""
+    hf, folder = v4_folder
+    assert main(["verify", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "chunked prefill (7) vs one pass" in out and "token-by-token decode vs one pass" in out
+    assert "absorbed" not in out and "reference backend" not in out
