@@ -185,3 +185,38 @@ def test_more_requests_than_slots_reuse_them_exactly(all_kinds):
     assert {q["state_slot"] for r in recs for q in r["requests"]} == {0, 1}  # five requests through two slots
     for i, p in enumerate(prompts):
         assert outs[f"r{i}"] == _hf_greedy(hf, p, 8), f"prompt of {len(p)} tokens"
+
+
+def test_a_reused_slot_starts_zeroed(all_kinds):
+    """Stale rows are never read (a sequence reads only rows its own positions wrote), and the runner zeroes a
+    slot when a sequence starts in it all the same: after a 20-token request, a 5-token one in the same slot
+    leaves only its own rows (pool row 0; ring rows 0-4) non-zero."""
+    hf, folder = all_kinds
+    llm = LLM(str(folder), max_num_seqs=1)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # the prompt only is run
+    llm.generate([_ids(20, hf.config.vocab_size, 20)], one)
+    cache = llm.runner.cache
+    assert torch.count_nonzero(cache.layers[1].tensors["kv_pool"][0, 1:5]) > 0  # the long request's rows
+    llm.generate([_ids(5, hf.config.vocab_size, 5)], one)
+    for layer in cache.layers:
+        t = layer.tensors
+        assert torch.count_nonzero(t["window"][0, 5:]) == 0, f"layer {layer.kind.index}: stale ring rows"
+        for name in ("kv_pool", "index_pool"):
+            if name in t:
+                assert torch.count_nonzero(t[name][0, 1:]) == 0, f"layer {layer.kind.index}: stale {name} rows"
+        assert torch.count_nonzero(t["window"][cache.state_pad_slot]) == 0  # the pad slot is never written
+
+
+@pytest.mark.parametrize(
+    "option, why",
+    [
+        (dict(speculative="mtp", num_speculative_tokens=1), "MTP layer is not built yet"),
+        (dict(tensor_parallel_size=2), "not split across ranks"),
+        (dict(quantization="int8"), "quantized weights load later"),
+    ],
+)
+def test_what_v4_does_not_run_yet_is_refused_with_its_reason(all_kinds, option, why):
+    from mlaserve.config.model import ConfigError
+
+    with pytest.raises(ConfigError, match=f"DeepSeek-V4 with {next(iter(option))}=.*{why}"):
+        LLM(str(all_kinds[1]), **option)
