@@ -200,6 +200,13 @@ def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
     return LayerKind(i, attention_kind(model, i), role, (latent, *keys))
 
 
+def attention_summary(model: ModelConfig, sparse: bool) -> str:
+    """The attention a load runs, in words (the CLI's loaded line, the server's ready line)."""
+    if model.family.layer_kinds == "deepseek_v4":
+        return "window + compressed (DeepSeek-V4)"
+    return "sparse" if sparse else "dense"
+
+
 def kinds_in_order(layers: tuple[LayerKind, ...]) -> tuple[str, ...]:
     """The distinct attention kinds of a stack, in the order their first layer appears."""
     return tuple(dict.fromkeys(k.attention for k in layers))

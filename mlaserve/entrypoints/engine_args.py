@@ -52,14 +52,14 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def make_llm(args: argparse.Namespace, progress=None):
+    from mlaserve.config.layer_kinds import attention_summary
     from mlaserve.entrypoints.llm import LLM
 
     _serve_if_torchrun_worker(args)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, trace=args.trace, progress=progress, **engine_options(args))
     cfg = llm.config
-    v4 = cfg.model.family.layer_kinds == "deepseek_v4"
-    attention = "window + compressed (DeepSeek-V4)" if v4 else "sparse" if cfg.sparse else "dense"
+    attention = attention_summary(cfg.model, cfg.sparse)
     print(
         f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
         f"{attention} attention, {str(cfg.dtype).removeprefix('torch.')}, {cfg.device})",

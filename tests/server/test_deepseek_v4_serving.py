@@ -127,3 +127,14 @@ def test_verify_runs_the_v4_identities_only(v4_folder, capsys):
     out = capsys.readouterr().out
     assert "chunked prefill (7) vs one pass" in out and "token-by-token decode vs one pass" in out
     assert "absorbed" not in out and "reference backend" not in out
+
+
+def test_the_ready_line_reports_v4_state_bytes(v4_folder):
+    from mlaserve.entrypoints.openai.server import _ready
+
+    hf, folder = v4_folder
+    llm = LLM(str(folder), max_num_seqs=2)
+    line = _ready(llm, "v4", "127.0.0.1", 8000)
+    per_request = llm.runner.cache.measured_bytes_per_request()
+    assert "attention window + compressed (DeepSeek-V4)" in line and "(0 bytes/token)" in line
+    assert f"state slots 2 x {per_request} bytes/request" in line and per_request > 0
