@@ -10,8 +10,8 @@ at every position for every chunk budget (the same fp32 rounding as the model's 
 differently shaped sets when a prompt is chunked, windows pooled across chunk edges). A defect moves logits by
 1e-2 .. 1: a slot not zeroed on reset (a reused slot's stale ring rows and carry), a window one row short.
 Batch == alone: compared within the same bound, not bitwise: a step's projections and MoE run over all its
-tokens at once, and a BLAS GEMM's rounding may depend on the number of rows (measured in the test and printed
-on failure).
+tokens at once, and a BLAS GEMM's rounding may depend on the number of rows, and the alone run splits request
+a's chunks differently (measured: 9.5e-7 max abs batch vs alone, 9.5e-7 vs transformers).
 """
 
 from __future__ import annotations
