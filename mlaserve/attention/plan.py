@@ -33,6 +33,41 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class RequestRows:
+    """One request's rows under a DeepSeek-V4 kind, at the chunk's last query (position t)."""
+
+    request_id: str
+    window_rows: int  # min(t + 1, W): ring rows attended
+    compressed_rows: int  # (t + 1) // m: compressed rows visible (HCA attends them all)
+    selected_rows: int  # CSA: min(index_topk, compressed_rows), the effective top-k; HCA: = compressed_rows
+    carry_fill: int  # tokens buffered in the open compression window after the chunk: seq_len % m
+
+
+@dataclass(frozen=True)
+class KindRows:
+    """A DeepSeek-V4 kind's rows for the step: per request, and summed over every query token of the step."""
+
+    window: int
+    ratio: int  # 0: sliding only
+    index_topk: int  # 0: not CSA
+    requests: tuple[RequestRows, ...]
+    window_rows: int  # sums over the step's query tokens
+    compressed_rows: int
+    selected_rows: int
+
+    def to_record(self) -> dict:
+        return {
+            "window": self.window,
+            "ratio": self.ratio,
+            "index_topk": self.index_topk or None,
+            "window_rows": self.window_rows,
+            "compressed_rows": self.compressed_rows,
+            "selected_rows": self.selected_rows,
+            "requests": [asdict(r) for r in self.requests],
+        }
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """One attention kind's route for the step."""
 
@@ -45,6 +80,7 @@ class AttentionPlan:
     needs_selection: bool = False
     kind: str = "mla"
     layers: tuple[int, ...] = ()  # the layers of this kind
+    rows: KindRows | None = None  # DeepSeek-V4 kinds: the rows each request's queries attend (router.py)
 
     def counts(self) -> dict[str, int]:
         return _counts(self.segments)
@@ -110,4 +146,5 @@ def _segment_record(s: Segment) -> dict:
 
 
 def _kind_record(p: AttentionPlan) -> dict:
-    return {"kind": p.kind, "layers": layer_ranges(p.layers), "sparse": p.sparse, **p.counts()}
+    rec = {"kind": p.kind, "layers": layer_ranges(p.layers), "sparse": p.sparse, **p.counts()}
+    return rec | ({"rows": p.rows.to_record()} if p.rows is not None else {})

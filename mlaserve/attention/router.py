@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from mlaserve.attention.backends import get_backend
-from mlaserve.attention.plan import AttentionPlan, Segment, StepRoute
+from mlaserve.attention.plan import AttentionPlan, KindRows, RequestRows, Segment, StepRoute
 from mlaserve.config.engine import MLA_PATHS
-from mlaserve.config.layer_kinds import LayerKind, kinds_in_order
+from mlaserve.config.layer_kinds import LATENT_KINDS, LayerKind, kinds_in_order
 from mlaserve.executor.forward_batch import ForwardBatch
 
 
@@ -109,10 +109,69 @@ def route_step(
     plans = []
     for kind in kinds_in_order(layers):
         ids = tuple(k.index for k in layers if k.attention == kind)
+        if kind not in LATENT_KINDS:  # DeepSeek-V4: window + compressed rows, per sequence
+            plans.append(route_v4(batch, next(k for k in layers if k.attention == kind), ids))
+            continue
         kind_sparse = sparse and kind == "mla_dsa"
         topk = index_topk if kind_sparse else None
         plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids))
     return StepRoute(tuple(plans))
+
+
+V4_PATHS = {"v4_sliding": "window", "v4_csa": "window+csa", "v4_hca": "window+hca"}
+
+
+def route_v4(batch: ForwardBatch, kind: LayerKind, layers: tuple[int, ...]) -> AttentionPlan:
+    """A DeepSeek-V4 kind's plan: its decode and prefill segments (run per sequence, models/deepseek_v4) and the
+    rows every query attends, counted from the chunks' positions alone (plain data, before the math):
+    query at t attends min(t + 1, W) window rows and (t + 1) // m compressed rows, of which CSA keeps
+    min(index_topk, that); the carry then holds seq_len % m tokens."""
+    w, m, k = kind.window, kind.ratio, kind.topk
+    segments, requests, sums = [], [], [0, 0, 0]
+    n_dec = batch.num_decode_seqs
+    for phase, lo, hi in (("decode", 0, n_dec), ("prefill", n_dec, len(batch.seqs))):
+        if lo == hi:
+            continue
+        seqs = batch.seqs[lo:hi]
+        segments.append(
+            Segment(
+                phase=phase,
+                path=V4_PATHS[kind.attention],
+                sparse=kind.attention == "v4_csa",
+                token_start=seqs[0].query_start,
+                token_end=seqs[-1].query_start + seqs[-1].query_len,
+                seq_start=lo,
+                seq_end=hi,
+                request_ids=tuple(s.request_id for s in seqs),
+                backend="torch",
+                implementation="torch:per_sequence",
+                kind=kind.attention,
+            )
+        )
+    for s in batch.seqs:
+        counts = [_v4_rows(t, w, m, k) for t in range(s.context_len, s.seq_len)]
+        for i in range(3):
+            sums[i] += sum(c[i] for c in counts)
+        last = counts[-1]
+        requests.append(RequestRows(s.request_id, *last, carry_fill=s.seq_len % m if m else 0))
+    rows = KindRows(w, m, k, tuple(requests), *sums)
+    topk = k or None
+    longest = max((s.seq_len for s in batch.seqs), default=0)
+    return AttentionPlan(
+        segments=tuple(segments),
+        sparse=kind.attention == "v4_csa",
+        index_topk=topk,
+        effective_topk=min(k, longest // m) if topk else None,
+        needs_selection=bool(topk) and longest // m > k,
+        kind=kind.attention,
+        layers=layers,
+        rows=rows,
+    )
+
+
+def _v4_rows(t: int, window: int, ratio: int, topk: int) -> tuple[int, int, int]:
+    compressed = (t + 1) // ratio if ratio else 0
+    return min(t + 1, window), compressed, min(topk, compressed) if topk else compressed
 
 
 def _implementation(backend: str, path: str, sparse: bool, select: bool) -> str:

@@ -155,6 +155,24 @@ class DeepseekV4Config:
     num_nextn_predict_layers: int = 0
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
+    # The engine's questions of a model config (config/engine.py resolve, config/layer_kinds.py), answered for
+    # V4: it has no MLA DSA indexer (its lightning indexer belongs to its CSA layers, declared as their states).
+    is_dsa_architecture = False
+    indexer = None
+
+    @property
+    def family(self) -> families.Family:
+        return families.by_model_type(self.model_type)
+
+    def estimated_params(self) -> int:
+        """Weights from the config (embeddings, attention, experts, lm_head), to a few percent: enough to
+        choose a thread count (config/machine.py)."""
+        a, m, d = self.attention, self.moe, self.hidden_size
+        attn = d * a.q_lora_rank + a.q_lora_rank * a.num_heads * a.head_dim + d * a.head_dim
+        attn += a.num_heads * a.head_dim * a.o_lora_rank + a.o_groups * a.o_lora_rank * d
+        ffn = 3 * d * m.moe_intermediate_size * (m.n_routed_experts + 1)
+        return self.num_layers * (attn + ffn) + 2 * self.vocab_size * d
+
     def ratio(self, layer: int) -> int:
         """Tokens per compressed row of a layer (0: sliding only)."""
         kind = self.layer_kinds[layer]

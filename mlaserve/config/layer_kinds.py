@@ -42,9 +42,21 @@ Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Lay
   boundaries for the prefix cache once the hook is built; two MLA sublayers (LongCat-Flash): two latent
   states in one layer. A layer reads and writes a request state at StepContext.state_slots (per sequence)
   or token_state_slots (per token) of its LayerState tensor.
-DeepSeek-V4's states exist as fixed-size per-sequence tensors (models/deepseek_v4/state.py, whose docstring
-maps each onto these rooms); its family declares layer_kinds "deepseek_v4", which attention_kind refuses
-until the cache and router run it.
+DeepSeek-V4 (family layer_kinds "deepseek_v4", config/deepseek_v4.py) declares one kind per layer from
+its layer_types / compress_ratios, every state "request"-addressed (this first landing; why below):
+  v4_sliding  window [W x D]                               the K=V rows of the last W positions (a ring)
+  v4_hca      window + kv_carry [2 x m x D] + kv_pool [P x D]
+  v4_csa      window + kv_carry [2 x m x 2D] + kv_overlap [2 x m x D] + kv_pool [P x D]
+              + index_carry [2 x m x 2c] + index_overlap [2 x m x c] + index_pool [P x c]
+  (W sliding_window, D head_dim, m the layer's ratio, c index_head_dim, P = max_model_len // m; a carry
+  holds the open window's raw kv rows then its gate rows; an overlap the Ca half of the last closed window)
+Why the pools are "request" and not "page" addressed (tokens_per_row = m): the V4 attention reads each
+sequence's pool as one contiguous block (models/deepseek_v4/state.py), so a slot view serves it unchanged;
+paging them needs a block-table gather in the compressor and indexer, and buys memory proportional to the
+context instead of max_model_len, plus prefix caching once the carry is snapshotted -- the next step. The
+cost is recorded honestly: bytes per request include P rows per pool (describe, `mlaserve inspect`).
+The counters (rows filled, carry fill) are not stored: they are functions of the sequence's context_len
+(rows = context_len // m, fill = context_len % m), so a slot holds tensors only.
 """
 
 from __future__ import annotations
@@ -56,7 +68,9 @@ import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
 
-ATTENTION_KINDS = ("mla", "mla_dsa")
+ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca")
+# kinds whose layers read the paged latent rows through the segment tensors (attention/metadata.py)
+LATENT_KINDS = ("mla", "mla_dsa")
 # how a state's rows are found: "page" by the request's block table, "request" by the request's state slot
 ADDRESSING = ("page", "request")
 
@@ -107,6 +121,10 @@ class LayerKind:
     attention: str  # one of ATTENTION_KINDS
     indexer: str | None  # mla_dsa: "full" (own indexer and keys) | "shared" | None (no indexer in this layer)
     states: tuple[StateSpec, ...]
+    # DeepSeek-V4 kinds (0 elsewhere): what the route records of them (attention/router.py)
+    window: int = 0  # sliding_window: ring rows a query may attend
+    ratio: int = 0  # tokens per compressed row (v4_csa, v4_hca)
+    topk: int = 0  # v4_csa: index_topk, compressed rows a query keeps
 
     def state(self, name: str) -> StateSpec | None:
         return next((s for s in self.states if s.name == name), None)
@@ -120,10 +138,38 @@ class LayerKind:
         return tuple(s for s in self.states if s.addressing == "request")
 
 
-def declare_layers(model: ModelConfig, sparse: bool) -> tuple[LayerKind, ...]:
+def declare_layers(model: ModelConfig, sparse: bool, max_tokens: int | None = None) -> tuple[LayerKind, ...]:
     """Every layer's kind and states. sparse: the engine runs DSA layers sparse (then "full" indexer layers
-    cache their keys); a dense run of a DSA model keeps the kind but caches latent rows only."""
+    cache their keys); a dense run of a DSA model keeps the kind but caches latent rows only. max_tokens: the
+    longest sequence the engine runs (max_model_len), which sizes DeepSeek-V4's per-request pools."""
+    if model.family.layer_kinds == "deepseek_v4":
+        if max_tokens is None:
+            raise ConfigError(f"{model.model_type}: its compressed pools are sized by max_tokens (max_model_len)")
+        return tuple(_v4_layer(model, i, max_tokens) for i in range(model.num_layers))
     return tuple(_layer(model, i, sparse) for i in range(model.num_layers))
+
+
+def _v4_layer(model, i: int, max_tokens: int) -> LayerKind:
+    """A DeepSeek-V4 layer (config/deepseek_v4.py DeepseekV4Config): its kind and its request states."""
+    kind = model.layer_kinds[i]
+    d, w = model.attention.head_dim, model.attention.sliding_window
+    states = [StateSpec("window", d, addressing="request", per_request=(w,))]
+    if kind != "sliding":
+        m = model.ratio(i)
+        rows = (max(1, max_tokens // m),)  # a pool row per m tokens, up to max_model_len
+        overlap = kind == "csa"
+        states.append(StateSpec("kv_carry", 2 * d if overlap else d, addressing="request", per_request=(2, m)))
+        if overlap:
+            states.append(StateSpec("kv_overlap", d, addressing="request", per_request=(2, m)))
+        states.append(StateSpec("kv_pool", d, addressing="request", per_request=rows))
+        if overlap:
+            c = model.compression.index_head_dim
+            states.append(StateSpec("index_carry", 2 * c, addressing="request", per_request=(2, m)))
+            states.append(StateSpec("index_overlap", c, addressing="request", per_request=(2, m)))
+            states.append(StateSpec("index_pool", c, addressing="request", per_request=rows))
+    ratio = model.ratio(i)
+    topk = model.compression.index_topk if kind == "csa" else 0
+    return LayerKind(i, f"v4_{kind}", None, tuple(states), window=w, ratio=ratio, topk=topk)
 
 
 def indexer_role(model: ModelConfig, i: int) -> str | None:
@@ -152,6 +198,13 @@ def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
     role = indexer_role(model, i)
     keys = (StateSpec("index_keys", model.indexer.head_dim),) if sparse and role == "full" else ()
     return LayerKind(i, attention_kind(model, i), role, (latent, *keys))
+
+
+def attention_summary(model: ModelConfig, sparse: bool) -> str:
+    """The attention a load runs, in words (the CLI's loaded line, the server's ready line)."""
+    if model.family.layer_kinds == "deepseek_v4":
+        return "window + compressed (DeepSeek-V4)"
+    return "sparse" if sparse else "dense"
 
 
 def kinds_in_order(layers: tuple[LayerKind, ...]) -> tuple[str, ...]:

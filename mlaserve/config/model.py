@@ -31,12 +31,11 @@ _REQUIRED = (
     "vocab_size",
     "intermediate_size",
 )
-# What the engine lacks to serve DeepSeek-V4 (its config and model exist: config/deepseek_v4.py, models/deepseek_v4/).
+# Why the MLA reader refuses a DeepSeek-V4 config, and where it goes instead.
 V4_NOT_SERVED = (
-    "model_type deepseek_v4 is read (mlaserve.config.deepseek_v4) and its model runs one sequence at a time "
-    "(mlaserve.models.deepseek_v4), but the engine does not serve it yet: its cache and scheduler lack V4's "
-    "layer kinds (the sliding K=V ring window, the CSA/HCA compressed row pools with tokens_per_row = the "
-    "ratio, and the per-request compressor carry state)"
+    "model_type deepseek_v4 is not MLA (one shared K=V head, sliding window, compressed rows): its config is read "
+    "by mlaserve.config.deepseek_v4 and its model is mlaserve.models.deepseek_v4; the loader opens a V4 folder "
+    "through them (loading/model_loader.py)"
 )
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps in every family.
 LATENT_NORM_EPS = 1e-6

@@ -343,7 +343,7 @@ def _inspect(args) -> int:
     from mlaserve.config.layer_kinds import describe
     from mlaserve.config.provenance import format_table
 
-    if _inspect_v4(args):  # read and shown, not loaded: the engine does not serve V4 yet
+    if _inspect_v4(args):  # a V4 folder without weights: its config shown, nothing to load
         return 0
     llm = make_llm(args, _progress_bar)
     print(format_table(llm.config.all_provenance()))
@@ -370,12 +370,12 @@ def _inspect(args) -> int:
 
 
 def _inspect_v4(args) -> bool:
-    """A DeepSeek-V4 folder: print its config's provenance and layer kinds (with the key they came from), say
-    what the engine lacks to serve it, and return True; anything else: False."""
+    """A DeepSeek-V4 folder: print its layer kinds (with the key they came from and what each keeps per token
+    and per sequence). Returns True when the folder has no weights (then its config's provenance is printed
+    and there is nothing to load); False otherwise (the engine's own inspection follows)."""
     from pathlib import Path
 
     from mlaserve.config.deepseek_v4 import DeepseekV4Config, describe_layers, is_v4
-    from mlaserve.config.model import V4_NOT_SERVED
     from mlaserve.config.provenance import format_table
     from mlaserve.loading.model_loader import read_hf_config
 
@@ -386,9 +386,15 @@ def _inspect_v4(args) -> bool:
     if not is_v4(raw):
         return False
     cfg = DeepseekV4Config.from_hf(raw, source=f"{path.name}/config.json")
+    print(
+        "DeepSeek-V4 layer kinds (bfloat16 values; the engine's cache layout follows):\n  "
+        + "\n  ".join(describe_layers(cfg, 2))
+    )
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        print()
+        return False
     print(format_table(cfg.provenance))
-    print("\nlayer kinds (bfloat16 cache):\n  " + "\n  ".join(describe_layers(cfg, 2)))
-    print(f"\nnot served: {V4_NOT_SERVED}")
+    print(f"\nno weights in the folder: the config only ({path})")
     return True
 
 

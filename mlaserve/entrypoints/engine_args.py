@@ -52,15 +52,17 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def make_llm(args: argparse.Namespace, progress=None):
+    from mlaserve.config.layer_kinds import attention_summary
     from mlaserve.entrypoints.llm import LLM
 
     _serve_if_torchrun_worker(args)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, trace=args.trace, progress=progress, **engine_options(args))
     cfg = llm.config
+    attention = attention_summary(cfg.model, cfg.sparse)
     print(
         f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
-        f"{'sparse' if cfg.sparse else 'dense'} attention, {str(cfg.dtype).removeprefix('torch.')}, {cfg.device})",
+        f"{attention} attention, {str(cfg.dtype).removeprefix('torch.')}, {cfg.device})",
         file=sys.stderr,
         flush=True,
     )

@@ -41,7 +41,10 @@ class ModelRunner:
         the stack's kinds and states (default: declared from the config, config/layer_kinds.py)."""
         self.model, self.rank = model, rank
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
-        self.layer_kinds = layer_kinds if layer_kinds is not None else declare_layers(cfg.model, cfg.sparse)
+        max_tokens = min(cfg.num_pages * cfg.page_size, cfg.model.max_position_embeddings)  # Engine.max_model_len
+        if layer_kinds is None:
+            layer_kinds = declare_layers(cfg.model, cfg.sparse, max_tokens)
+        self.layer_kinds = layer_kinds
         self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
         slots = cfg.max_num_seqs if request_states(self.layer_kinds) else 0
         self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device, num_slots=slots)

@@ -9,6 +9,7 @@ import torch
 from mlaserve.attention.backends import AttentionBackend, get_backend
 from mlaserve.attention.metadata import SegmentTensors, build_segment_tensors
 from mlaserve.attention.plan import AttentionPlan, StepRoute
+from mlaserve.config.layer_kinds import LATENT_KINDS
 from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.models.layers import RotaryEmbedding
 
@@ -41,6 +42,9 @@ class StepContext:
     # state at these slots of its LayerState tensors; the runner zeroed the reset slots before the step
     state_slots: torch.Tensor | None = None  # [B] per sequence, in batch order (decodes first)
     token_state_slots: torch.Tensor | None = None  # [T] per token
+    # per sequence, in batch order, as plain ints: (query_start, query_len, context_len, state_slot); read by
+    # models that run their attention per sequence over request states (DeepSeek-V4)
+    seq_spans: tuple[tuple[int, int, int, int | None], ...] = ()
 
     def of(self, kind: str) -> KindStep:
         """The part of the step a layer of this attention kind executes."""
@@ -52,7 +56,17 @@ class StepContext:
     @staticmethod
     def build(batch: ForwardBatch, route: StepRoute, rope: RotaryEmbedding, dtype: torch.dtype) -> StepContext:
         cos, sin = rope.cos_sin(batch.positions, dtype)
-        kinds = {p.kind: KindStep.build(batch, p) for p in route.plans}
+        # segment tensors for the kinds that read paged latent rows; the V4 kinds read their request states
+        kinds = {p.kind: KindStep.build(batch, p) for p in route.plans if p.kind in LATENT_KINDS}
+        spans = tuple((s.query_start, s.query_len, s.context_len, s.state_slot) for s in batch.seqs)
         return StepContext(
-            batch.positions, batch.slot_mapping, route, kinds, cos, sin, batch.state_slots, batch.token_state_slots
+            batch.positions,
+            batch.slot_mapping,
+            route,
+            kinds,
+            cos,
+            sin,
+            batch.state_slots,
+            batch.token_state_slots,
+            spans,
         )

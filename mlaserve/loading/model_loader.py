@@ -10,7 +10,7 @@ from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
-from mlaserve.config.model import V4_NOT_SERVED, ConfigError, ModelConfig
+from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
 from mlaserve.engine.tokenizer import Tokenizer
@@ -117,9 +117,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         scheme = None
     else:
         hf_config = read_hf_config(path)
-        if is_v4(hf_config):  # its own config errors first, then what the engine lacks to serve it
-            DeepseekV4Config.from_hf(hf_config, source=f"{path.name}/config.json")
-            raise ConfigError(f"{path}: {V4_NOT_SERVED}")
+        if is_v4(hf_config):
+            return _open_v4(path, hf_config, opts)
         model_cfg = ModelConfig.from_hf(hf_config, source="config.json")
         scheme = parse_quantization(hf_config)
         source, skipped = SafetensorsSource(path), []
@@ -160,7 +159,45 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors)
 
 
+def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
+    """A DeepSeek-V4 folder: its own config reader, then the options this first landing does not run refused
+    with their reason (README, docs/DEEPSEEK_V4.md)."""
+    model_cfg = DeepseekV4Config.from_hf(hf_config, source=f"{path.name}/config.json")
+    scheme = parse_quantization(hf_config)
+    refused = {
+        "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
+        "quantization": (opts.quantization is not None or scheme is not None, "its quantized weights load later"),
+        "speculative": (
+            opts.speculative is not None,
+            "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
+        ),
+    }
+    for name, (given, why) in refused.items():
+        if given:
+            raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
+    # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False)
+    return Checkpoint(path, model_cfg, engine_cfg, None, _folder_tokenizer(path, model_cfg), [])
+
+
+def _fill_v4(ck: Checkpoint) -> LoadedModel:
+    from mlaserve.loading.deepseek_v4 import load_folder
+    from mlaserve.models.deepseek_v4.serving import V4Serving
+
+    cfg = ck.engine_cfg
+    model, v4 = load_folder(ck.path, cfg.dtype)
+    report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
+    if v4.skipped:
+        report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
+    report.notes.append("DeepSeek-V4: attention runs per sequence over its request states (models/deepseek_v4)")
+    serving = V4Serving(model.to(cfg.device)).eval()
+    gen = read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
+    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen)
+
+
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
+    if isinstance(ck.model_cfg, DeepseekV4Config):
+        return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.tensor_parallel_size, {}, ck.scheme
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices

@@ -115,15 +115,17 @@ def test_reads_what_transformers_writes():
     assert cfg.mlp_layer_types == tuple(hf.mlp_layer_types)
 
 
-def test_the_mla_reader_and_the_engine_refuse_v4_naming_what_is_missing(tmp_path):
+def test_the_mla_reader_refuses_v4_and_the_loader_reads_it_with_its_own(tmp_path):
     import json
 
-    with pytest.raises(ConfigError, match="does not serve it yet.*sliding K=V ring window.*compressor carry"):
+    from mlaserve.loading.safetensors_source import WeightError
+
+    with pytest.raises(ConfigError, match="not MLA.*mlaserve.config.deepseek_v4"):
         ModelConfig.from_hf(copy.deepcopy(RAW))
     (tmp_path / "config.json").write_text(json.dumps(RAW))
     from mlaserve.entrypoints.llm import LLM
 
-    with pytest.raises(ConfigError, match="does not serve it yet"):
+    with pytest.raises(WeightError, match="no \\*.safetensors file"):  # the config was read; the weights are next
         LLM(str(tmp_path))
     bad = dict(RAW, layer_types=None)  # a broken V4 config is named as such first
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in bad.items() if v is not None}))
@@ -144,7 +146,7 @@ def test_inspect_shows_each_layer_kind_with_its_source(tmp_path, capsys):
     assert "layers 1: csa (CSA m=4" in out and "index keys [16] per 4 tokens" in out
     assert "layers 2: hca (HCA m'=128" in out
     assert "layer_kinds" in out and "config.json:compress_ratios" in out
-    assert "not served: model_type deepseek_v4" in out
+    assert "no weights in the folder: the config only" in out
 
 
 def test_norm_topk_prob_is_recorded_as_not_read():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from mlaserve.config.layer_kinds import attention_summary
 from mlaserve.engine.engine_loop import EngineLoop
 from mlaserve.entrypoints.openai.app import build_app
 from mlaserve.entrypoints.openai.serving import OpenAIServing
@@ -107,7 +108,7 @@ def run(args, llm, chat_template: str | None) -> int:
 
 def _ready(llm, served: str, host: str, port: int) -> str:
     cfg, cache = llm.config, llm.runner.cache
-    attention = "sparse" if cfg.sparse else "dense"
+    attention = attention_summary(cfg.model, cfg.sparse)
     # request-addressed states (config/layer_kinds.py): a fixed block per running request, beside the pages
     slots = (
         f", state slots {cache.num_slots} x {cache.measured_bytes_per_request()} bytes/request"

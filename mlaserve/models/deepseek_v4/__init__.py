@@ -8,7 +8,8 @@ attention.py   query LoRA + unweighted per-head norm, the shared K=V head, slidi
 hyper.py       mHC: hc_mult residual streams, Sinkhorn-normalised mixing, the head collapse
 moe.py         sqrt-softplus router (learned or hash), SwiGLU experts clamped at swiglu_limit
 state.py       the per-sequence state of each layer kind (ring window, compressed pools, compressor carry)
-model.py       the stack: one forward over one chunk of one sequence, continuing its state
+model.py       the stack: one forward over chunks of one or more sequences, continuing their states
+serving.py     the engine's model: each sequence's state as views of its cache slot (request states)
 norm.py        the weighted (fp32) and unweighted RMSNorms
 Its checkpoints load through loading/deepseek_v4.py (released and save_pretrained layouts, strictly).
 """

@@ -12,7 +12,10 @@ Notation
   p        softmax over [logits | sink_h] with the sink column dropped (a per-head extra logit)
   out      [S, H, D] p @ kv, rope slice de-rotated at t (-sin), since the values carry rope
   y        [S, hidden] o_b_proj(concat_g o_a_proj_g(out[:, heads of group g]))   grouped low-rank output
-Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
+A step holds the chunks of one or more sequences (spans): the projections, norms and rope run over all of its
+tokens at once; the ring, the compressors' windows, the indexer's top-k and the softmax run per sequence (a
+Python loop over the spans: the known cost of the first engine landing, the plain reference for a batched
+kernel). Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
 fixed at construction.
 """
 
@@ -28,6 +31,9 @@ from mlaserve.models.deepseek_v4.indexer import Indexer, visible_rows
 from mlaserve.models.deepseek_v4.norm import RMSNorm, unweighted_rms_norm
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CSAState, HCAState, LayerState
+
+# one sequence's part of a step: (first row in x, tokens, position of its first token, its layer state)
+Span = tuple[int, int, int, LayerState]
 
 
 class GroupedLinear(nn.Module):
@@ -72,32 +78,46 @@ class V4Attention(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, start: int, state: LayerState, tables: V4RopeTables
+        self, x: torch.Tensor, positions: torch.Tensor, spans: list[Span], tables: V4RopeTables
     ) -> torch.Tensor:
-        """x [S, hidden] at positions start .. start+S-1 of the sequence whose layer state is `state`."""
+        """x [T, hidden] at `positions`: the tokens of one or more sequences, each a Span (its tokens' rows
+        a .. a+n-1 of x, at sequence positions start .. start+n-1, continuing its layer state)."""
         s = x.shape[0]
         cos, sin = tables.cos_sin(self.table, positions, x.dtype)
+        # projections, norms and rope over every token of the step at once
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), self.eps)
         q = rotate_trailing(q, cos, sin)
         kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
+        if self.compressor is not None:
+            ckv, cgate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
+        if self.kind == "csa":
+            ix = self.compressor.indexer
+            ikv, igate = ix.kv_proj(x), ix.gate_proj(x)
+            iq, iw = ix.queries(x, q_latent, positions, tables)
 
-        keys, key_pos = state.ring.keys(kv, start)
-        state.ring.append(kv, start)
-        visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - self.window)
-        if isinstance(state, (HCAState, CSAState)):
-            self.compressor(x, state.carry, state.pool, tables)
-            rows = state.pool.view()
-            if isinstance(state, CSAState):
-                chosen = self.compressor.indexer.select(
-                    x, q_latent, positions, state.index_carry, state.index_pool, tables
-                )
-            else:
-                chosen = visible_rows(positions, rows.shape[0], self.ratio)
-            keys = torch.cat([keys, rows.to(keys.dtype)], dim=0)
-            visible = torch.cat([visible, chosen], dim=1)
+        # Per sequence (a known cost of this first landing: a Python loop over the step's sequences): the ring,
+        # the compressors' windows, the indexer's choice and the softmax over that sequence's keys. With one
+        # span this is the plain per-sequence reference path.
+        out = torch.empty_like(q)
+        for a, n, start, state in spans:
+            b, pos = a + n, positions[a : a + n]
+            keys, key_pos = state.ring.keys(kv[a:b], start)
+            state.ring.append(kv[a:b], start)
+            visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
+            if isinstance(state, (HCAState, CSAState)):
+                self.compressor.close(ckv[a:b], cgate[a:b], state.carry, state.pool, tables)
+                rows = state.pool.view()
+                if isinstance(state, CSAState):
+                    chosen = ix.select_rows(
+                        ikv[a:b], igate[a:b], iq[a:b], iw[a:b], pos, state.index_carry, state.index_pool, tables
+                    )
+                else:
+                    chosen = visible_rows(pos, rows.shape[0], self.ratio)
+                keys = torch.cat([keys, rows.to(keys.dtype)], dim=0)
+                visible = torch.cat([visible, chosen], dim=1)
+            out[a:b] = self._attend(q[a:b], keys, visible)
 
-        out = self._attend(q, keys, visible)
         out = rotate_trailing(out, cos, -sin)  # the values carried rope: undo it at the query position
         grouped = out.reshape(s, self.o_a_proj.groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))

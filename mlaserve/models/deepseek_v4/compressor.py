@@ -38,9 +38,16 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, carry: CompressorCarry, pool: CompressedPool, tables: V4RopeTables) -> None:
         """x [S, hidden]: project, close the windows the chunk completes, append their rows to `pool`, keep the
         rest in `carry`."""
-        m = self.ratio
-        kv = torch.cat([carry.kv[: carry.fill], self.kv_proj(x)], dim=0)
-        gate = torch.cat([carry.gate[: carry.fill], self.gate_proj(x)], dim=0)
+        self.close(self.kv_proj(x), self.gate_proj(x), carry, pool, tables)
+
+    def close(
+        self, kv: torch.Tensor, gate: torch.Tensor, carry: CompressorCarry, pool: CompressedPool, tables: V4RopeTables
+    ) -> None:
+        """One sequence's projected rows kv, gate [S, width] (projected with the whole step's tokens at once):
+        close the windows they complete into `pool`, keep the rest in `carry`."""
+        m, device = self.ratio, kv.device
+        kv = torch.cat([carry.kv[: carry.fill], kv], dim=0)
+        gate = torch.cat([carry.gate[: carry.fill], gate], dim=0)
         n = kv.shape[0] // m
         rest = kv.shape[0] - n * m
         carry.kv[:rest], carry.gate[:rest], carry.fill = kv[n * m :], gate[n * m :], rest
@@ -52,7 +59,7 @@ class Compressor(nn.Module):
             kv, gate = self._overlap(kv, gate, carry, had_window=pool.n > 0)
         # softmax over the window's slots in fp32, per channel (as the reference)
         pooled = self.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
-        positions = (torch.arange(n, device=x.device) + pool.n) * m
+        positions = (torch.arange(n, device=device) + pool.n) * m
         cos, sin = tables.cos_sin("compress", positions, pooled.dtype)
         pool.append(rotate_trailing(pooled, cos, sin))
 

@@ -37,10 +37,13 @@ class Scorer(nn.Module):
         self.weights_scaling = heads**-0.5
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
 
-    def forward(self, q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """q [S, H, c], keys [T, c], x [S, hidden] -> scores [S, T] (fp32)."""
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, hidden] -> w [S, H] (fp32)."""
+        return self.weights_proj(x).float() * self.weights_scaling
+
+    def forward(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """q [S, H, c], keys [T, c], weights [S, H] -> scores [S, T] (fp32)."""
         scores = F.relu(torch.matmul(q.float(), keys.float().t())) * self.softmax_scale  # [S, H, T]
-        weights = self.weights_proj(x).float() * self.weights_scaling  # [S, H]
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -64,16 +67,38 @@ class Indexer(Compressor):
         tables: V4RopeTables,
     ) -> torch.Tensor:
         """-> [S, T] mask of the compressed rows each query attends (T = the layer's rows after this chunk)."""
-        self(x, carry, pool, tables)  # the indexer's own compressed rows first
-        keys = pool.view()
-        s, t = x.shape[0], keys.shape[0]
-        if t == 0:
-            return torch.zeros(s, 0, dtype=torch.bool, device=x.device)
+        q, w = self.queries(x, q_latent, positions, tables)
+        return self.select_rows(self.kv_proj(x), self.gate_proj(x), q, w, positions, carry, pool, tables)
+
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, tables: V4RopeTables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's queries [S, H, c] (compress-table rope at their positions) and head weights [S, H]."""
+        s = x.shape[0]
         cos, sin = tables.cos_sin("compress", positions, x.dtype)
         q = rotate_trailing(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), cos, sin)
-        scores = self.scorer(q, keys, x)
+        return q, self.scorer.head_weights(x)
+
+    def select_rows(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        positions: torch.Tensor,
+        carry: CompressorCarry,
+        pool: CompressedPool,
+        tables: V4RopeTables,
+    ) -> torch.Tensor:
+        """One sequence's projected rows and queries (projected with the step's tokens at once) -> [S, T] mask."""
+        self.close(kv, gate, carry, pool, tables)  # the indexer's own compressed rows first
+        keys = pool.view()
+        s, t = q.shape[0], keys.shape[0]
+        if t == 0:
+            return torch.zeros(s, 0, dtype=torch.bool, device=q.device)
+        scores = self.scorer(q, keys, weights)
         visible = visible_rows(positions, t, self.ratio)
         scores = scores.masked_fill(~visible, float("-inf"))
         picks = scores.topk(min(self.topk, t), dim=-1).indices
-        chosen = torch.zeros(s, t, dtype=torch.bool, device=x.device).scatter_(1, picks, True)
+        chosen = torch.zeros(s, t, dtype=torch.bool, device=q.device).scatter_(1, picks, True)
         return chosen & visible

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 stack, run over one chunk of one sequence at a time, continuing that sequence's state.
+"""The DeepSeek-V4 stack, run over chunks of one or more sequences, continuing each sequence's state.
 
 Notation
   S tokens of the chunk at positions start .. start+S-1 (start = state.length), N hc_mult, D hidden, V vocab
@@ -6,8 +6,9 @@ Notation
   per layer:  post, comb, x = attn_hc(h);  h = expand(post, comb, attention(input_layernorm(x)), h)
               post, comb, x = ffn_hc(h);   h = expand(post, comb, moe(post_attention_layernorm(x), ids), h)
   logits [S, V] = lm_head(norm(hc_head(h)))
-One pass over a prompt, the same prompt in chunks of any sizes, and token by token all run this forward with a
-fresh state; the state carries exactly what the next chunk needs (state.py). Module and parameter names are
+forward_spans runs several sequences' chunks in one step (attention loops over them, the rest is batched);
+forward is its one-sequence form. One pass over a prompt, the same prompt in chunks of any sizes, and token by
+token all run this forward with a fresh state; the state carries exactly what the next chunk needs (state.py). Module and parameter names are
 transformers' DeepseekV4ForCausalLM's (loading/deepseek_v4.py maps the released and save_pretrained layouts onto them).
 """
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
-from mlaserve.models.deepseek_v4.attention import V4Attention
+from mlaserve.models.deepseek_v4.attention import Span, V4Attention
 from mlaserve.models.deepseek_v4.hyper import HyperConnection, HyperHead, expand
 from mlaserve.models.deepseek_v4.moe import V4MoEBlock
 from mlaserve.models.deepseek_v4.norm import RMSNorm
@@ -41,12 +42,11 @@ class V4DecoderLayer(nn.Module):
         h: torch.Tensor,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        start: int,
-        state: LayerState,
+        spans: list[Span],
         tables: V4RopeTables,
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
-        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, start, state, tables), h)
+        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, spans, tables), h)
         post, comb, x = self.ffn_hc(h)
         return expand(post, comb, self.mlp(self.post_attention_layernorm(x), ids), h)
 
@@ -90,12 +90,22 @@ class DeepseekV4ForCausalLM(nn.Module):
                 f"[0, {self.config.vocab_size})"
             )
         positions = torch.arange(start, start + s, device=ids.device)
+        hidden = self.forward_spans(ids, positions, [(0, s, start, state.layers)])
+        state.length = start + s
+        return self.lm_head(hidden)
+
+    def forward_spans(
+        self, ids: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int, int, list[LayerState]]]
+    ) -> torch.Tensor:
+        """The tokens of several sequences in one step -> final hidden [T, D] (before lm_head). ids, positions
+        [T]; per sequence (first row, tokens, position of its first token, its per-layer states). Embedding,
+        mHC, norms, projections and the MoE run over all T tokens at once; attention loops over the spans
+        (models/deepseek_v4/attention.py)."""
         m = self.model
         h = m.embed_tokens(ids).unsqueeze(1).expand(-1, m.hc_mult, -1).contiguous()
-        for layer, layer_state in zip(m.layers, state.layers):
-            h = layer(h, ids, positions, start, layer_state, self.tables)
-        state.length = start + s
-        return self.lm_head(m.norm(m.hc_head(h)))
+        for i, layer in enumerate(m.layers):
+            h = layer(h, ids, positions, [(a, n, start, states[i]) for a, n, start, states in spans], self.tables)
+        return m.norm(m.hc_head(h))
 
     @torch.no_grad()
     def generate_greedy(self, prompt: list[int], new_tokens: int) -> list[int]:

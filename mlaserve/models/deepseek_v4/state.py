@@ -40,6 +40,13 @@ class SlidingRing:
         self.window = window
         self.rows = torch.zeros(window, dim, dtype=dtype, device=device)
 
+    @classmethod
+    def over(cls, rows: torch.Tensor) -> SlidingRing:
+        """A ring whose rows are `rows` [W, D] (a view of an engine cache slot: writes land in the cache)."""
+        ring = cls.__new__(cls)
+        ring.window, ring.rows = rows.shape[0], rows
+        return ring
+
     def keys(self, new: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """new [S, D] at positions start.. -> the keys a chunk's queries can see: the previous min(start, W-1)
         rows then `new`, and their positions [K] (a query at t sees t-W < p <= t)."""
@@ -60,6 +67,13 @@ class CompressedPool:
     def __init__(self, capacity: int, dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.rows = torch.zeros(capacity, dim, dtype=dtype, device=device)
         self.n = 0
+
+    @classmethod
+    def over(cls, rows: torch.Tensor, n: int) -> CompressedPool:
+        """A pool over `rows` [P, D] (a cache slot's view) with its first n rows filled."""
+        pool = cls.__new__(cls)
+        pool.rows, pool.n = rows, n
+        return pool
 
     def append(self, rows: torch.Tensor) -> None:
         k = rows.shape[0]
@@ -86,6 +100,16 @@ class CompressorCarry:
         # CSA only: the Ca half of the last closed window (kv, and gate with the position bias added)
         self.overlap_kv = torch.zeros(ratio, overlap_dim, dtype=dtype, device=device) if overlap_dim else None
         self.overlap_gate = torch.zeros(ratio, overlap_dim, dtype=dtype, device=device) if overlap_dim else None
+
+    @classmethod
+    def over(cls, kv_gate: torch.Tensor, overlap: torch.Tensor | None, fill: int) -> CompressorCarry:
+        """A carry over cache slot views: kv_gate [2, m, width] (kv rows, then gate rows), overlap [2, m, D]
+        (CSA; None for HCA), `fill` tokens buffered."""
+        carry = cls.__new__(cls)
+        carry.ratio, carry.kv, carry.gate, carry.fill = kv_gate.shape[1], kv_gate[0], kv_gate[1], fill
+        carry.overlap_kv = overlap[0] if overlap is not None else None
+        carry.overlap_gate = overlap[1] if overlap is not None else None
+        return carry
 
 
 @dataclass

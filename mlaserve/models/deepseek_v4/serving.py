@@ -1,0 +1,83 @@
+"""DeepSeek-V4 inside the engine: the runner's model interface over the V4 stack and the cache's request states.
+
+Notation
+  T tokens of the step (decodes first), B sequences; per sequence b (StepContext.seq_spans, plain ints):
+  rows a_b .. a_b+n_b-1 of the step, positions c_b .. c_b+n_b-1 (c_b = context_len), state slot s_b
+  per layer i, the cache's tensors of its request states (config/layer_kinds.py _v4_layer), slot s_b:
+    window [W, D]  kv_carry [2, m, width]  kv_overlap [2, m, D]  kv_pool [P, D]  (index_* likewise, CSA)
+A sequence's layer state is built as views of its slot (state.py `over`), with the counters derived from
+c_b alone: pool rows = c_b // m, carry fill = c_b % m (the window ring needs none). Every write of the
+model's state code (ring index_copy_, pool rows, carry rows) lands in the cache slot, so the next step of
+that sequence continues exactly; the runner zeroed the slot when the sequence (re)started.
+Known cost: one Python loop over the step's sequences inside each attention layer (attention.py), the
+plain per-sequence path; projections, MoE and mHC run over all T tokens at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlaserve.cache.model_cache import LayerState as CacheLayer
+from mlaserve.cache.model_cache import ModelCache
+from mlaserve.executor.step_context import StepContext
+from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from mlaserve.models.deepseek_v4.rope import V4RopeTables
+from mlaserve.models.deepseek_v4.state import (
+    CompressedPool,
+    CompressorCarry,
+    CSAState,
+    HCAState,
+    LayerState,
+    SlidingRing,
+    SlidingState,
+)
+
+
+def slot_state(layer: CacheLayer, slot: int, context_len: int) -> LayerState:
+    """One layer's state of the sequence in `slot`, as views of the cache tensors, at context_len tokens."""
+    t, m = layer.tensors, layer.kind.ratio
+    ring = SlidingRing.over(t["window"][slot])
+    if layer.kind.attention == "v4_sliding":
+        return SlidingState(ring)
+    carry = CompressorCarry.over(t["kv_carry"][slot], t["kv_overlap"][slot] if "kv_overlap" in t else None, 0)
+    carry.fill = context_len % m
+    pool = CompressedPool.over(t["kv_pool"][slot], context_len // m)
+    if layer.kind.attention == "v4_hca":
+        return HCAState(ring, carry, pool)
+    index_carry = CompressorCarry.over(t["index_carry"][slot], t["index_overlap"][slot], context_len % m)
+    return CSAState(ring, carry, pool, index_carry, CompressedPool.over(t["index_pool"][slot], context_len // m))
+
+
+class _MainRope:
+    """StepContext's rope (the MLA models' table): V4's layers take their tables from the model itself."""
+
+    def __init__(self, tables: V4RopeTables) -> None:
+        self.tables = tables
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tables.cos_sin("main", positions, dtype)
+
+
+class V4Serving(nn.Module):
+    """The runner's model: forward(input_ids, step, cache, native) -> hidden [T, D]; logits(hidden)."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM) -> None:
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+        self.rope = _MainRope(model.tables)
+
+    def fused_decode(self, step: StepContext, cache: ModelCache) -> None:
+        return None  # no native decode layer for V4 yet: the ledger says per_op
+
+    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None) -> torch.Tensor:
+        spans = []
+        for a, n, start, slot in step.seq_spans:
+            if slot is None:
+                raise ValueError("a DeepSeek-V4 step needs every sequence's state slot")
+            spans.append((a, n, start, [slot_state(layer, slot, start) for layer in cache.layers]))
+        return self.inner.forward_spans(input_ids, step.positions, spans)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.lm_head(hidden).float()
