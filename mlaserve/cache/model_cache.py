@@ -46,7 +46,10 @@ class ModelCache:
         page_size: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        prefault: bool = False,
     ) -> None:
+        """prefault: write every byte now (the engine option kv_prefault), so the pool is resident from the
+        start instead of page by page as rows are first written (see `_zeros`)."""
         check_page_size(layers, page_size)
         self.page_size, self.num_pages, self.kinds = page_size, num_pages, layers
         self.pad_slot = num_pages * page_size  # the zero row after the pages (tokens_per_row 1 states)
@@ -54,6 +57,10 @@ class ModelCache:
             LayerState(k, {s.name: _zeros(s.rows(num_pages, page_size) + 1, s.width, dtype, device) for s in k.states})
             for k in layers
         )
+        if prefault:
+            for layer in self.layers:
+                for t in layer.tensors.values():
+                    t.zero_()  # already zero: the write is what maps the memory
 
     def state(self, name: str) -> list[torch.Tensor | None]:
         """One state's tensor in every layer (None where a layer does not keep it)."""

@@ -23,7 +23,9 @@ class ModelRunner:
         self.model, self.cfg, self.rank = model, cfg, rank
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
         self.layer_kinds = declare_layers(cfg.model, cfg.sparse)
-        self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device)
+        self.cache = ModelCache(
+            self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device, prefault=cfg.kv_prefault
+        )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
         self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative == "mtp" else None
