@@ -189,14 +189,16 @@ class Soak:
         body |= {"temperature": rng.choice([0, 0.8]), "ignore_eos": True, "stream": True}
         kind = "stream" if drop_after is None else "disconnect"
         t0 = time.monotonic()
-        first = last = None
-        chunks = 0
+        first = last = finish = None
+        chunks, done = 0, False
         with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
                 self._error(str(r.status_code), kind, _message(r.text), t0)
                 return
             for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
                 if not line.startswith("data: {"):
                     continue
                 event = json.loads(line[6:])
@@ -206,6 +208,7 @@ class Soak:
                     self._error("stream-error", kind, cause, t0, chunks=chunks, after_s=round(time.monotonic() - t0, 2))
                     return
                 for choice in event.get("choices", ()):
+                    finish = choice.get("finish_reason") or finish
                     if choice.get("error"):  # one failed choice (the stream goes on)
                         err = choice["error"]
                         self._error("choice-error", kind, f"{err.get('code')}: {err.get('message')}", t0, chunks=chunks)
@@ -215,6 +218,14 @@ class Soak:
                 if drop_after is not None and chunks >= drop_after:
                     self._count("disconnect")
                     return
+        # A stream must end with a finish_reason and [DONE]; with ignore_eos it runs to max_tokens ("length").
+        # One that just stops (the server dropped it, or it finished early) is an error, not a 200.
+        if not done or finish != "length":
+            cause = f"the stream ended after {chunks} chunks with finish_reason {finish!r}" + (
+                "" if done else ", no [DONE]"
+            )
+            self._error("stream-cut", kind, cause, t0, after_s=round(time.monotonic() - t0, 2))
+            return
         self._count(200)
         tpot = (last - first) / (chunks - 1) if first and chunks > 1 else None
         with self.lock:
@@ -404,7 +415,7 @@ def report(soak: Soak, rss, quiet, args, warmup: dict | None = None) -> dict:
         "rss_growth_after_warmup": growth,
         "rss_ok": growth is None or growth < 0.02,
         "pages_back_to_zero": all(q["pages_in_use"] == 0 for q in quiet),
-        "no_5xx": not five and not statuses.get("stream-error") and not statuses.get("choice-error"),
+        "no_5xx": not five and not any(statuses.get(k) for k in ("stream-error", "choice-error", "stream-cut")),
         "no_transport_errors": not statuses.get("transport"),
         "tpot_p99_spread": spread,
         "tpot_stable": spread is None or spread <= 0.20,
