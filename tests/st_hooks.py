@@ -10,6 +10,8 @@ Two refusals of schema-valid data are right and no JSON Schema can state them:
 - an assistant message's tool-call `arguments` that are not the text of a JSON object (the document
   says `contentMediaType: application/json`, which a schema states but cannot enforce). Dropped after
   checking that the named call's arguments in the request really are not one.
+- two tools with one name (a JSON Schema's uniqueItems compares whole items, not one field of them).
+  Dropped after checking the named tool really repeats an earlier one's name;
 - a `tool_choice` that names a function not among the request's `tools` (a value that must equal one
   in another field). Dropped after checking the name is really absent from the tools;
 - a regex, grammar, JSON schema or structural tag that does not compile (a schema can say "a string",
@@ -29,6 +31,7 @@ import httpx
 import schemathesis
 
 OVER = re.compile(r"(max_tokens|max_completion_tokens) (\d+) \+ prompt (\d+) tokens exceed the context of (\d+) tokens")
+TWICE = re.compile(r"tools: tools\[(\d+)\]: tool name (.*) appears twice")
 NOT_AMONG = re.compile(r"tool_choice: names the function (.*), which is not among the tools")
 NOT_COMPILED = re.compile(r"(structured_outputs|response_format): structured (\w+): cannot be compiled: .*", re.S)
 NOT_JSON = re.compile(r"messages: tool_call (.*): arguments are not a JSON object")
@@ -116,6 +119,13 @@ def filter_failure(ctx, failure, case, response) -> bool:
         return True
     if m := NOT_JSON.fullmatch(err.get("message", "")):
         return not _arguments_not_json(case.body, m.group(1), err.get("message"))
+    if m := TWICE.fullmatch(err.get("message", "")):
+        names = [repr((t.get("function") or {}).get("name")) for t in case.body.get("tools") or []]
+        index = int(m.group(1))
+        twice = index < len(names) and names[index] == m.group(2) and names.index(m.group(2)) < index
+        if twice:
+            _record({"message": err["message"], "tools": names})
+        return not twice
     if m := NOT_AMONG.fullmatch(err.get("message", "")):
         names = [repr((t.get("function") or {}).get("name")) for t in case.body.get("tools") or []]
         choice = case.body.get("tool_choice")

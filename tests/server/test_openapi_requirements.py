@@ -56,6 +56,7 @@ CASES = [
     (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"choice": ["a"], "regex": None}}, True),
     (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"choice": ["a"], "regex": "b"}}, False),
     (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"json_object": False}}, False),
+    (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"choice": ["a"], "structural_tag": False}}, True),
     (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"choice": ["a"]}, "ignore_eos": True}, False),
     (COMP, {"prompt": "x", "max_tokens": 1, "logit_bias": {"5": 1.5}}, True),
     (COMP, {"prompt": "x", "max_tokens": 1, "logit_bias": {"05": 1.5}}, False),

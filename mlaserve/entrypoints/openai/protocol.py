@@ -62,7 +62,7 @@ STRUCTURED_OUTPUTS_SCHEMA = {
         {
             "type": "object",
             "additionalProperties": False,
-            "properties": {k: {"anyOf": [v, {"type": "null"}]} for k, v in _KIND_SCHEMAS.items()},
+            "properties": {k: {"anyOf": [v, _UNSET]} for k, v in _KIND_SCHEMAS.items()},
             # exactly one kind asked for
             "oneOf": [{"required": [k], "properties": {k: {"not": _UNSET}}} for k in _KIND_SCHEMAS],
         },
