@@ -13,8 +13,17 @@ refuse (bad JSON, wrong types, unknown model, a prompt over the context, ids out
 Every --quiet-every seconds the clients pause; once none is in flight, the server's
 mlaserve_kv_pages_in_use must come back to 0.
 
+Before the traffic the whole KV pool is made resident (--warmup: prefault starts the server with
+--kv-prefault; fill writes every page once through requests; none), so the RSS baseline (the first
+quiet moment) is not followed by the pool's first-touch growth. Every outcome the soak did not ask
+for is listed with its cause (the server's error message, or the client's exception): a 5xx, an
+error event in a stream, a failed choice, a stream cut without [DONE] or short of max_tokens, a
+transport error; the server's log is kept (--server-log). The load average is recorded next to RSS
+and per window (the cores may be shared).
+
 Verdict (printed, and in the JSON): RSS growth after warm-up (the first quiet moment) under 2%, pages
-back to 0 at every quiet moment, no 5xx, p99 TPOT of every window within 20% of their median.
+back to 0 at every quiet moment, no 5xx and no unasked error, p99 TPOT of every window within 20% of
+their median.
 """
 
 from __future__ import annotations
