@@ -55,9 +55,11 @@ class ModelCache:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         num_slots: int = 0,
+        prefault: bool = False,
     ) -> None:
         """num_slots: state slots of the request-addressed states (the engine passes max_num_seqs when the
-        stack declares any; 0 otherwise)."""
+        stack declares any; 0 otherwise). prefault: write every byte now (the engine option kv_prefault), so
+        the pool is resident from the start instead of page by page as rows are first written (see `_zeros`)."""
         check_page_size(layers, page_size)
         check_request_states(layers, num_slots)
         self.page_size, self.num_pages, self.kinds = page_size, num_pages, layers
@@ -68,6 +70,10 @@ class ModelCache:
             LayerState(k, {s.name: _allocate(s, num_pages, page_size, num_slots, dtype, device) for s in k.states})
             for k in layers
         )
+        if prefault:
+            for layer in self.layers:
+                for t in layer.tensors.values():
+                    t.zero_()  # already zero: the write is what maps the memory
 
     def state(self, name: str) -> list[torch.Tensor | None]:
         """One state's tensor in every layer (None where a layer does not keep it)."""

@@ -166,6 +166,11 @@ class EngineOptions:
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
+    kv_prefault: bool = _opt(
+        False,
+        "write every KV cache page at start, so the whole pool is resident from the first request (RSS then "
+        "measures leaks, not pages first written; costs the pool's memory at once)",
+    )
 
 
 def option_default(name: str):
@@ -209,6 +214,7 @@ class EngineConfig:
     speculative_min_acceptance: float = 0.0  # the acceptance switch (engine/spec_switch.py); 0: off
     speculative_probe_interval: int = 16  # steps between a paused request's probes
     speculative_acceptance_weight: float = 0.2  # newest verification's weight in the acceptance average
+    kv_prefault: bool = False  # the cache tensors are written once at allocation (cache/model_cache.py)
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -268,6 +274,9 @@ def resolve(
         else "off: library default (a process-wide policy is the host's choice; LLM(malloc_tuning=True) turns it on)",
     )
     num_pages = _num_pages(opts, max_model_len or model.max_position_embeddings, log)
+    if not isinstance(opts.kv_prefault, bool):
+        raise ConfigError(f"kv_prefault must be a bool, got {opts.kv_prefault!r}")
+    _user(log, "kv_prefault", opts.kv_prefault)
     return EngineConfig(
         model=model,
         dtype=dtype,
@@ -293,6 +302,7 @@ def resolve(
         num_speculative_tokens=num_spec,
         speculative_max_seqs=_speculative_max_seqs(opts.speculative_max_seqs, speculative, log),
         gguf_weights=gguf_weights,
+        kv_prefault=opts.kv_prefault,
         **_speculation_switch(opts, speculative, log),
         provenance=log.freeze(),
     )

@@ -32,7 +32,9 @@ class Drafter:
         self.sparse = cfg.sparse and self.layer.layout.indexer
         # the MTP layer as a stack of one: its kind (with an indexer or not) and its own cache states
         self.layer_kinds = declare_layers(cache_config(cfg.model, self.layer.layout), self.sparse)
-        self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device)
+        self.cache = ModelCache(
+            self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device, prefault=cfg.kv_prefault
+        )
 
     def forward(
         self,

@@ -47,7 +47,15 @@ class ModelRunner:
         self.layer_kinds = layer_kinds
         self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
         slots = cfg.max_num_seqs if request_states(self.layer_kinds) else 0
-        self.cache = ModelCache(self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device, num_slots=slots)
+        self.cache = ModelCache(
+            self.layer_kinds,
+            cfg.num_pages,
+            cfg.page_size,
+            cfg.dtype,
+            cfg.device,
+            num_slots=slots,
+            prefault=cfg.kv_prefault,
+        )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
         self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative == "mtp" else None

@@ -180,7 +180,9 @@ def _check_call(c) -> dict:
             "messages", f"an assistant tool_call must have function.name and function.arguments: {c!r}"
         )
     try:
-        json.loads(fn["arguments"])
+        args = json.loads(fn["arguments"])
     except ValueError:
-        raise ToolRequestError("messages", f"tool_call {fn['name']!r}: arguments are not JSON") from None
+        args = None
+    if not isinstance(args, dict):  # a function's parameters are an object schema; the formats render its keys
+        raise ToolRequestError("messages", f"tool_call {fn['name']!r}: arguments are not a JSON object")
     return {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}

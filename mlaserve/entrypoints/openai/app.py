@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlaserve import __version__
 from mlaserve.entrypoints.openai import chat, completions
+from mlaserve.entrypoints.openai.constraints import below
 from mlaserve.entrypoints.openai.errors import APIError, from_pydantic
 from mlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -322,6 +323,11 @@ def _document(app: FastAPI, serving: OpenAIServing, keyed: bool) -> None:
         vocab, ctx = serving.llm.config.model.vocab_size, serving.max_model_len
         _bound_ids(schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}), vocab - 1, ctx - 1)
         _bound_ids(schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {}), vocab - 1, None)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):  # {token id as a string: bias}
+            bias = schemas.get(name, {}).get("properties", {}).get("logit_bias")
+            if bias is not None:
+                bias["propertyNames"] = {"pattern": below(vocab)}
+                bias["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
         app.openapi_schema = doc
         return doc
 

@@ -7,11 +7,31 @@ cannot compile, is a 400 whose `param` names the field it came from.
 
 from __future__ import annotations
 
+import functools
+import re
+
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.structured.spec import KINDS, StructuredOutputs
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+@functools.cache
+def below(n: int) -> str:
+    """A regular expression matching exactly the decimal numbers 0 .. n-1 (no leading zeros): a token
+    id written as a JSON object key, which a JSON Schema can bound only through its spelling."""
+    top = str(n - 1)
+    alts = ["0"] if n >= 1 else []
+    for width in range(1, len(top)):  # every number with fewer digits than n - 1
+        alts.append("[1-9]" + "[0-9]" * (width - 1) if width > 1 else "[1-9]")
+    # as many digits as n - 1: a prefix of it, one smaller digit, then any digits; or n - 1 itself
+    for i, digit in enumerate(top):
+        low = "1" if i == 0 else "0"
+        if int(digit) > int(low):
+            alts.append(top[:i] + f"[{low}-{int(digit) - 1}]" + "[0-9]" * (len(top) - i - 1))
+    alts.append(top)
+    return "^(?:" + "|".join(dict.fromkeys(alts)) + ")$"
 
 
 def _bad(field: str, message: str) -> APIError:
@@ -86,7 +106,7 @@ def sampling_extras(serving, req, n: int) -> dict:
         bias = {}
         vocab = serving.llm.config.model.vocab_size
         for key, value in req.logit_bias.items():
-            if not key.isdigit() or int(key) >= vocab:
+            if not re.fullmatch(below(vocab), key):  # as the OpenAPI document states: no sign, no leading 0
                 raise _bad("logit_bias", f"keys must be token ids in [0, {vocab}), got {key!r}")
             if not -100.0 <= value <= 100.0:
                 raise _bad("logit_bias", f"values must be in [-100, 100], got {value} for token {key}")

@@ -38,6 +38,96 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# What entrypoints/openai/constraints.py and structured/spec.py require, stated for a generic client. A
+# JSON Schema cannot say whether a regex, grammar or schema compiles; those stay 400s described in words.
+STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+        {"type": "null"},
+    ]
+}
+_NON_EMPTY = {"type": "string", "minLength": 1}
+_KIND_SCHEMAS = {
+    "json": {"anyOf": [{"type": "object"}, {"type": "boolean"}, _NON_EMPTY]},
+    "json_object": {"type": "boolean"},
+    "regex": _NON_EMPTY,
+    "choice": {"type": "array", "items": _NON_EMPTY, "minItems": 1},
+    "grammar": _NON_EMPTY,
+    "structural_tag": {"anyOf": [{"type": "object"}, _NON_EMPTY]},
+}
+_UNSET = {"enum": [None, False]}  # a kind given as null (or json_object false) is not asked for
+STRUCTURED_OUTPUTS_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {k: {"anyOf": [v, _UNSET]} for k, v in _KIND_SCHEMAS.items()},
+            # exactly one kind asked for
+            "oneOf": [{"required": [k], "properties": {k: {"not": _UNSET}}} for k in _KIND_SCHEMAS],
+        },
+        {"type": "null"},
+    ]
+}
+RESPONSE_FORMAT_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["type"],
+            "additionalProperties": False,
+            "properties": {"type": {"enum": ["text", "json_object"]}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "additionalProperties": False,
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name", "schema"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "name": _NON_EMPTY,
+                        "schema": {"type": "object"},
+                        "strict": {"type": ["boolean", "null"]},
+                        "description": {},
+                    },
+                },
+            },
+        },
+        {"type": "null"},
+    ]
+}
+# A constraint on the output cannot be combined with another one, nor with ignore_eos (it must end).
+_NOT_NULL = {"not": {"type": "null"}}
+_NO_IGNORE_EOS = {"properties": {"ignore_eos": {"const": False}}}
+STRUCTURED_RULES = [
+    {
+        "if": {"properties": {"structured_outputs": _NOT_NULL}, "required": ["structured_outputs"]},
+        "then": _NO_IGNORE_EOS,
+    }
+]
+RESPONSE_FORMAT_RULES = [
+    {
+        "if": {"properties": {"response_format": _NOT_NULL}, "required": ["response_format"]},
+        "then": {"properties": {"structured_outputs": {"type": "null"}}},
+    },
+    {
+        "if": {
+            "properties": {
+                "response_format": {
+                    "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                    "required": ["type"],
+                }
+            },
+            "required": ["response_format"],
+        },
+        "then": _NO_IGNORE_EOS,
+    },
+]
+
+
 class SamplingFields(BaseModel):
     """Fields both endpoints share; None = the model's generation_config.json, else OpenAI's default."""
 
@@ -52,7 +142,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     n: Annotated[int, Field(ge=1, le=MAX_N), JSONInt] = 1
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra=STOP_SCHEMA)
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63), JSONInt] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,9 +151,10 @@ class SamplingFields(BaseModel):
     user: str | None = None  # an end-user id for the client's own tracking; no effect on the output
     # {token id (as a string, as JSON keys are): bias in [-100, 100]} (sampling/sampler.py)
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = Field(None, ge=1)  # refused above 1 (entrypoints/openai/constraints.py)
+    # refused above 1 (entrypoints/openai/constraints.py, with a message saying what to do instead)
+    best_of: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1})
     # vLLM's extra body: one of json / json_object / regex / choice / grammar (mlaserve/structured/)
-    structured_outputs: dict | None = None
+    structured_outputs: dict | None = Field(None, json_schema_extra=STRUCTURED_OUTPUTS_SCHEMA)
 
     @field_validator("stop")
     @classmethod
@@ -79,8 +170,13 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     model_config = ConfigDict(  # max_tokens 0 only with echo (prompt scoring)
         json_schema_extra={
-            "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
-            "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+            "allOf": [
+                {
+                    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+                    "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                },
+                *STRUCTURED_RULES,
+            ]
         }
     )
     prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText | TokenIds], Field(min_length=1)]
@@ -97,6 +193,24 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+# An assistant message's tool call, as tools/request.py `_check_call` takes it: the arguments are a JSON
+# text (contentMediaType says so; a JSON Schema cannot make a string parse).
+TOOL_CALL_SCHEMA = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"type": "string"},
+                "arguments": {"type": "string", "contentMediaType": "application/json"},
+            },
+        }
+    },
+}
+
+
 class ContentPart(BaseModel):
     model_config = STRICT
     type: Literal["text"]
@@ -108,12 +222,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict] | None = None  # an assistant's calls, rendered back through the chat template
+    # an assistant's calls, rendered back through the chat template (tools/request.py `_check_call`)
+    tool_calls: list[dict] | None = Field(None, json_schema_extra={"items": TOOL_CALL_SCHEMA})
     tool_call_id: str | None = None  # a tool result's call
     reasoning_content: str | None = None
     # What the openai client's ChatCompletionMessage.model_dump() carries back: accepted while empty.
     refusal: str | None = None
-    annotations: list | None = None
+    annotations: list | None = Field(None, json_schema_extra={"maxItems": 0})  # refused when not empty
     audio: None = None
     function_call: None = None
 
@@ -140,11 +255,68 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+# What tools/request.py requires of `tools` and `tool_choice`, stated in the OpenAPI document so that a
+# generic client knows it (a JSON Schema cannot say that names are unique or that a forced name is among
+# the tools; those stay 400s the document describes in words).
+_TOOL_NAME = {"type": "string", "minLength": 1, "pattern": '^[^<>":\\n]+$'}
+TOOLS_SCHEMA = {
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "required": ["type", "function"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": _TOOL_NAME,
+                    "description": {},
+                    "parameters": {
+                        "anyOf": [{"type": "object", "properties": {"type": {"const": "object"}}}, {"type": "null"}]
+                    },
+                    "strict": {},
+                },
+            },
+        },
+    },
+}
+TOOL_CHOICE_SCHEMA = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": _TOOL_NAME}},
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
 class ChatCompletionRequest(SamplingFields):
-    model_config = ConfigDict(  # top_logprobs only with logprobs: true
+    model_config = ConfigDict(  # top_logprobs only with logprobs: true; a tool_choice but "none" needs tools
         json_schema_extra={
-            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
-            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            "allOf": [
+                {
+                    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+                    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+                },
+                {
+                    "if": {
+                        "properties": {"tool_choice": {"not": {"enum": ["none", None]}}},
+                        "required": ["tool_choice"],
+                    },
+                    "then": {"properties": {"tools": {"type": "array"}}, "required": ["tools"]},
+                },
+                *STRUCTURED_RULES,
+                *RESPONSE_FORMAT_RULES,
+            ]
         }
     )
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -154,10 +326,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = None
     add_generation_prompt: bool = True
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict, description}}
-    response_format: dict | None = None
+    response_format: dict | None = Field(None, json_schema_extra=RESPONSE_FORMAT_SCHEMA)
     # function tools (mlaserve/tools/): the call is generated under a grammar built from their schemas
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None  # none | auto | required | {"type": "function", "function": {"name"}}
+    tools: list[dict] | None = Field(None, json_schema_extra=TOOLS_SCHEMA)
+    # none | auto | required | {"type": "function", "function": {"name"}}
+    tool_choice: str | dict | None = Field(None, json_schema_extra=TOOL_CHOICE_SCHEMA)
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None  # extra variables for the chat template (e.g. thinking)
 
