@@ -367,7 +367,11 @@ def _per_op_block(moe: MoE, ctx: registry.KernelContext) -> None:
     moe.native_block = None
 
 
-registry.register("moe_block", "native", _moe_block_fits, _attach_block)
+def _block_contract(moe: MoE) -> str:
+    return f"one call for steps of up to {GGUFMoEBlock.max_tokens} fp32 tokens, else per_op"
+
+
+registry.register("moe_block", "native", _moe_block_fits, _attach_block, _block_contract)
 registry.register("moe_block", "per_op", registry.always, _per_op_block)
 
 

@@ -148,6 +148,7 @@ def test_a_loaded_model_calls_what_its_plan_records():
     notes = {(c.op, c.reason) for c in plan.choices if c.impl == "native"}
     assert ("router", f"native up to {ROUTE_TOKENS} rows per step, else torch") in notes
     assert ("linear", f"native up to {ggml.GEMV_ROWS} rows per step, else native decode, then BLAS") in notes
+    assert ("moe_block", f"one call for steps of up to {BLOCK_TOKENS} fp32 tokens, else per_op") in notes
 
 
 def test_no_model_code_compares_a_kernel_name():
