@@ -7,6 +7,10 @@ that puts it in place. At load, `plan_kernels` walks the model once, takes for e
 implementation whose check passes (the reference always does) and returns a KernelPlan: per layer and op,
 which implementation and why. The plan is data: `mlaserve inspect` prints it, every ledger record names it
 by its digest, and a check that fails only moves that module to the reference, with the reason recorded.
+Models call the op, not a name: applying the plan binds, on a KernelSwitch module, the chosen implementation's
+method to the attribute its forward calls (RMSNorm.norm, MLAAttention.write_latent, Gate.route, the holders'
+matmul / routed / per_head); a native method hands a step past its row limit (NATIVE_ROWS, one constant per op)
+to its declared fallback, and the plan's reason says so.
 
 Ops, in the order they are planned (a fused op's check reads the choices of the ops it fuses):
   linear           a matrix kept in a stored format (GGUF blocks, FP8 blocks): native decode-and-dot | torch
