@@ -7,7 +7,8 @@ Notation
   y   [M, N]   fp32, = x @ dequantize(W)^T up to float summation order
   Experts: W [E, N, R]; xs [P, K] the (token, expert) pairs sorted by expert; experts [A] the active
   expert ids (ascending), offs [A] int32 cumulative pair counts (the end of each group in xs).
-These functions are the seam. kernel="torch" is the reference: "dequantize (gguf.quants, bit-exact
+These functions are the seam (LINEAR / EXPERT_LINEAR: an implementation per name, which a holder binds at
+load). kernel="torch" is the reference: "dequantize (gguf.quants, bit-exact
 with gguf-py), then one fp32 GEMM". kernel="native" (csrc/): up to GEMV_ROWS rows per weight,
 each weight row is decoded once (bit-identical values) and dotted with every x row, reading the
 blocks straight from memory (Q8_0, Q4_0, Q6_K: fused, the (sub-)block scale applied to each partial
@@ -17,6 +18,8 @@ summation order (tests/kernels/test_kernels.py holds them to that bound).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +51,66 @@ def dense(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     return dequantize(w.contiguous(), ggml_type, (*w.shape[:-1], k))
 
 
-def linear(
-    x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, kernel: str = "torch", int8: bool = False
-) -> torch.Tensor:
-    """y [M, N] fp32 = x [M, K] @ dequantize(w [N, R])^T. int8: with the native kernels, up to GEMV_ROWS rows
-    against Q8_0 / Q4_0 weights take int8 activations (engine option activations="int8": not exact)."""
-    if kernel != "native":
-        return F.linear(x.float(), dense(w, ggml_type, k))
+def linear_torch(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False) -> torch.Tensor:
+    """The reference: y [M, N] fp32 = x [M, K] @ dequantize(w [N, R])^T (int8 is the native kernels' only)."""
+    return F.linear(x.float(), dense(w, ggml_type, k))
+
+
+def linear_native(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False) -> torch.Tensor:
+    """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: Q8_0 / Q4_0 weights take int8
+    activations, engine option activations="int8": not exact); more rows: the weight decoded natively (the
+    reference's values bit for bit), then the BLAS GEMM."""
     x = x.float().contiguous()
     if x.shape[0] <= GEMV_ROWS:
         return native.gemm(ggml_type, x, w, k, int8=int8)
     return F.linear(x, native.dequantize(ggml_type, w, k))
+
+
+def expert_linear_torch(
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ggml_type: int,
+    k: int,
+    experts: torch.Tensor,
+    offs: torch.Tensor,
+    int8: bool = False,
+) -> torch.Tensor:
+    """The reference: ys [P, N] fp32, rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight."""
+    return torch._grouped_mm(xs.float(), dense(w[experts], ggml_type, k).transpose(1, 2), offs=offs)
+
+
+def expert_linear_native(
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ggml_type: int,
+    k: int,
+    experts: torch.Tensor,
+    offs: torch.Tensor,
+    int8: bool = False,
+) -> torch.Tensor:
+    """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert the grouped decode-and-dot
+    (int8: as linear_native); more: the active experts decoded natively, then grouped GEMMs (_decoded_grouped)."""
+    xs = xs.float().contiguous()
+    if xs.shape[0] <= GEMV_ROWS * experts.shape[0]:
+        starts = F.pad(offs.to(torch.int64), (1, 0))
+        experts = experts.to(torch.int64).contiguous()
+        return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
+    return _decoded_grouped(xs, w, ggml_type, k, experts.to(torch.int64).contiguous(), offs)
+
+
+ExpertProduct = Callable[..., torch.Tensor]  # expert_linear_native / expert_linear_torch
+
+# implementation name -> function: what a holder binds at load (the KernelPlan's choice), and what the functions
+# below look up for callers that name the kernel
+LINEAR = {"native": linear_native, "torch": linear_torch}
+EXPERT_LINEAR = {"native": expert_linear_native, "torch": expert_linear_torch}
+
+
+def linear(
+    x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, kernel: str = "torch", int8: bool = False
+) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] @ dequantize(w [N, R])^T by the named implementation (LINEAR)."""
+    return LINEAR[kernel](x, w, ggml_type, k, int8)
 
 
 def expert_linear(
@@ -71,15 +123,8 @@ def expert_linear(
     kernel: str = "torch",
     int8: bool = False,
 ) -> torch.Tensor:
-    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight (int8: as linear)."""
-    if kernel != "native":
-        return torch._grouped_mm(xs.float(), dense(w[experts], ggml_type, k).transpose(1, 2), offs=offs)
-    xs = xs.float().contiguous()
-    if xs.shape[0] <= GEMV_ROWS * experts.shape[0]:
-        starts = F.pad(offs.to(torch.int64), (1, 0))
-        experts = experts.to(torch.int64).contiguous()
-        return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
-    return _decoded_grouped(xs, w, ggml_type, k, experts.to(torch.int64).contiguous(), offs)
+    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight (EXPERT_LINEAR)."""
+    return EXPERT_LINEAR[kernel](xs, w, ggml_type, k, experts, offs, int8)
 
 
 def _decoded_grouped(

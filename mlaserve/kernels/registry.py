@@ -7,6 +7,10 @@ that puts it in place. At load, `plan_kernels` walks the model once, takes for e
 implementation whose check passes (the reference always does) and returns a KernelPlan: per layer and op,
 which implementation and why. The plan is data: `mlaserve inspect` prints it, every ledger record names it
 by its digest, and a check that fails only moves that module to the reference, with the reason recorded.
+Models call the op, not a name: applying the plan binds, on a KernelSwitch module, the chosen implementation's
+method to the attribute its forward calls (RMSNorm.norm, MLAAttention.write_latent, Gate.route, the holders'
+matmul / routed / per_head); a native method hands a step past its row limit (NATIVE_ROWS, one constant per op)
+to its declared fallback, and the plan's reason says so.
 
 Ops, in the order they are planned (a fused op's check reads the choices of the ops it fuses):
   linear           a matrix kept in a stored format (GGUF blocks, FP8 blocks): native decode-and-dot | torch
@@ -173,9 +177,49 @@ def _layers(ids: list[str]) -> str:
     return ", ".join(([layer_ranges(nums)] if nums else []) + [i for i in ids if not i.isdigit()])
 
 
-# The ops whose module holds its own `kernel` switch (the module's forward runs that implementation): the
-# native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
-# check (native_unfit, for limits of the C code) passes; else the torch reference.
+class KernelSwitch:
+    """A module whose op has its implementations as methods. Setting `kernel` (the plan's choice, applied at
+    load) binds, for each attribute the model calls, the chosen implementation's method (KERNEL_CALLS:
+    attribute -> {implementation: method}), so no forward compares an implementation's name. A native method's
+    contract on the step's input (at most NATIVE_ROWS rows; a dtype or stride only the step shows) is kept in
+    that method, which hands a step outside it to its declared fallback (NATIVE_FALLBACK); the plan says so."""
+
+    KERNEL_CALLS: dict[str, dict[str, str]]
+    NATIVE_ROWS: int | None = None  # rows of a step up to which the native method runs (None: no row limit)
+    NATIVE_UNIT = "rows"  # what NATIVE_ROWS counts
+    NATIVE_FALLBACK = "torch"  # what takes a step past NATIVE_ROWS
+
+    @property
+    def kernel(self) -> str:
+        return self.__dict__["_kernel"]
+
+    @kernel.setter
+    def kernel(self, name: str) -> None:
+        for call, methods in type(self).KERNEL_CALLS.items():
+            if name not in methods:
+                raise ValueError(f"{type(self).__name__}: no kernel {name!r} (it has {', '.join(methods)})")
+            self.__dict__[call] = getattr(self, methods[name])
+        self.__dict__["_kernel"] = name
+
+
+def runs_native(module: nn.Module) -> bool:
+    """Whether the plan gave this module its native implementation: what a fused op's check reads of the ops it
+    fuses (at load; no forward asks)."""
+    return isinstance(module, KernelSwitch) and module.kernel == "native"
+
+
+def native_contract(module: nn.Module) -> str | None:
+    """What the plan says about a module the native implementation takes: its row limit and fallback."""
+    rows = getattr(module, "NATIVE_ROWS", None)
+    if rows is None:
+        return None
+    return f"native up to {rows} {module.NATIVE_UNIT} per step, else {module.NATIVE_FALLBACK}"
+
+
+# The ops whose module holds its own `kernel` switch (a KernelSwitch: setting it binds what the model calls):
+# the native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
+# check (native_unfit: limits of the C code, dtype / device / layout known at load) passes; else the torch
+# reference.
 MODULE_OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write")
 
 
@@ -196,5 +240,5 @@ def _apply_native(module: nn.Module, ctx: KernelContext) -> None:
 
 
 for _op in MODULE_OPS:
-    register(_op, "native", _native_module, _apply_native)
+    register(_op, "native", _native_module, _apply_native, native_contract)
     register(_op, "torch", always, set_kernel("torch"))

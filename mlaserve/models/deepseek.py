@@ -26,6 +26,7 @@ from torch import nn
 from mlaserve.config.layer_kinds import attention_kind
 from mlaserve.config.model import ModelConfig
 from mlaserve.kernels import native_layers
+from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from mlaserve.models.moe import MoE
@@ -41,10 +42,11 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _native_fits(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, step: StepContext) -> bool:
-    """write_latent's C call takes fp32 CPU tensors: q contiguous, kv rows of unit stride. The rest holds by
-    construction, once per step rather than checked per layer: cos / sin are fresh [T, dr/2] tensors in the
-    compute dtype (RotaryEmbedding.cos_sin), slot_mapping a fresh int64 [T] (ForwardBatch), the norm weight a
-    loaded parameter in the model dtype; the C code refuses slots outside the cache."""
+    """The native latent write's contract on a step's input: fp32 CPU tensors, q contiguous, kv rows of unit
+    stride (the cache's dtype is the engine's, not the module's). The norm weight (fp32 on the CPU) was checked
+    at load (MLAAttention.native_unfit); the rest holds by construction, once per step rather than checked per
+    layer: cos / sin are fresh [T, dr/2] tensors in the compute dtype (RotaryEmbedding.cos_sin), slot_mapping a
+    fresh int64 [T] (ForwardBatch); the C code refuses slots outside the cache."""
     fp32 = q.dtype == kv.dtype == cache.dtype == step.cos.dtype == torch.float32
     return fp32 and cache.device.type == "cpu" and q.is_contiguous() and kv.stride(-1) == 1
 
@@ -54,15 +56,17 @@ def single_process(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(KernelSwitch, nn.Module):
     KERNEL_OP = "latent_write"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
-    KERNELS = ("native", "torch")  # native: the latent row and the query rope in one C call (write_latent)
+    KERNELS = ("native", "torch")  # native: the latent row and the query rope in one C call
+    # forward calls self.write_latent: _write_latent_torch (the reference) or _write_latent_native, bound by `kernel`
+    KERNEL_CALLS = {"write_latent": {"native": "_write_latent_native", "torch": "_write_latent_torch"}}
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.kind = attention_kind(cfg, layer_idx)  # which plan of the step's route this layer executes
-        self.kernel = "torch"  # the reference; the loader sets the engine's kernels
+        self.kernel = "torch"  # the reference; the loader sets the engine's kernels (binds self.write_latent)
         h, d = cfg.num_heads, cfg.hidden_size
         bias = cfg.attention_bias
         if cfg.q_lora_rank:
@@ -81,6 +85,11 @@ class MLAAttention(nn.Module):
         # W_UK / W_UV also kept as a GGUF's attn_k_b / attn_v_b blocks (quant.ggml_linear.GGUFHeads, set by
         # the loader after the fill); the absorbed path's backend multiplies those instead of kv_b_proj's views
         self.kept_heads = None
+
+    def native_unfit(self) -> str | None:
+        """The native latent write's load-time check: kv_a_layernorm's weight fp32 on the CPU."""
+        w = self.kv_a_layernorm.weight
+        return None if w.dtype == torch.float32 and w.device.type == "cpu" else "kv_a_layernorm not fp32 on the CPU"
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj per head: W_UK [H, dn, r] and W_UV [H, dv, r] (no copies)."""
@@ -118,21 +127,27 @@ class MLAAttention(nn.Module):
             out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat).to(out.dtype))
         return self.o_proj(out.flatten(1)), selections
 
-    def write_latent(
+    def _write_latent_native(
         self, q: torch.Tensor, kv: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes this step's cache rows [kv_a_layernorm(c_kv) | rope(k_pe)] and returns (q_nope, rope(q_pe)).
-        q [T, H, dn + dr], kv [T, r + dr] (kv_a_proj_with_mqa's output)."""
+        """_write_latent_torch in one C call instead of ~20 ops per layer (norm, split, cat, rope, cast, index_copy_);
+        the rope is bit-identical, the norm equal up to its sum's rounding (kernels/csrc/glue.c). A step
+        outside its contract (_native_fits) takes the reference."""
+        if not _native_fits(q, kv, cache, step):
+            return self._write_latent_torch(q, kv, step, rope, cache)
+        cfg, norm = self.cfg, self.kv_a_layernorm
+        native_layers.latent_rope_write(
+            kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, cache,
+            step.slot_mapping,
+        )  # fmt: skip
+        return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+
+    def _write_latent_torch(
+        self, q: torch.Tensor, kv: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference: writes this step's cache rows [kv_a_layernorm(c_kv) | rope(k_pe)] and returns
+        (q_nope, rope(q_pe)). q [T, H, dn + dr], kv [T, r + dr] (kv_a_proj_with_mqa's output)."""
         cfg = self.cfg
-        if self.kernel == "native" and _native_fits(q, kv, cache, step):
-            # one C call instead of ~20 ops per layer (norm, split, cat, rope, cast, index_copy_);
-            # the rope is bit-identical, the norm equal up to its sum's rounding (kernels/csrc/glue.c)
-            norm = self.kv_a_layernorm
-            native_layers.latent_rope_write(
-                kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, cache,
-                step.slot_mapping,
-            )  # fmt: skip
-            return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)

@@ -19,34 +19,49 @@ from torch import nn
 
 from mlaserve.config.model import RopeConfig
 from mlaserve.kernels import native_layers
+from mlaserve.kernels.registry import KernelSwitch
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KernelSwitch, nn.Module):
     KERNEL_OP = "norm"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # native: one C call (kernels/native.py rms_norm) for fp32 on the CPU
+    KERNEL_CALLS = {"norm": {"native": "_norm_native", "torch": "_norm_torch"}}
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel = "torch"  # the reference; the loader sets the engine's kernels
+        self.kernel = "torch"  # the reference; the loader sets the engine's kernels (binds self.norm)
+
+    def native_unfit(self) -> str | None:
+        """The native norm's load-time check: an fp32 weight on the CPU (the KernelPlan records the reason)."""
+        w = self.weight
+        return None if w.dtype == torch.float32 and w.device.type == "cpu" else "norm weight not fp32 on the CPU"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "native" and _native_fits(x, self.weight):
-            # torch composes an fp32 rms_norm from ~6 ops (~30 us for one decode row here, 49 per step of
-            # the standard model); the C call is one, equal up to the rounding of the sum of squares
-            return native_layers.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        # Normalise in fp32 (as the reference), scale in the model dtype. In fp32 the weight goes into
-        # the same op: x * rsqrt(mean(x^2) + eps) * w, the reference's products in its order (bit for
-        # bit), one op instead of two (half the time of a decode-step norm).
+        return self.norm(x)
+
+    def _norm_native(self, x: torch.Tensor) -> torch.Tensor:
+        """One C call; its contract on the step's input: fp32 rows of unit stride (else the reference)."""
+        if not _native_fits(x):
+            return self._norm_torch(x)
+        # torch composes an fp32 rms_norm from ~6 ops (~30 us for one decode row here, 49 per step of
+        # the standard model); the C call is one, equal up to the rounding of the sum of squares
+        return native_layers.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+    def _norm_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference. Normalise in fp32, scale in the model dtype. In fp32 the weight goes into the same op:
+        x * rsqrt(mean(x^2) + eps) * w, the reference's products in its order (bit for bit), one op instead of
+        two (half the time of a decode-step norm)."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def _native_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Where the native fp32 glue kernels can run: fp32 CPU tensors, unit stride along the last dim."""
-    return x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+def _native_fits(x: torch.Tensor) -> bool:
+    """The native fp32 glue kernels' contract on a step's input (the weight was checked at load): fp32 CPU
+    rows, unit stride along the last dim."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
 
 
 class SwiGLU(nn.Module):

@@ -18,20 +18,25 @@ from torch import nn
 
 from mlaserve.config.model import MoEConfig
 from mlaserve.kernels import native
+from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.layers import SwiGLU
 
-ROUTE_TOKENS = 16  # steps of up to this many tokens take the native router (kernel "native")
+# steps of up to this many tokens take the native router (kernel "native"; its top-k is a plain O(k E) scan per
+# token, one thread); more tokens take the torch router (Gate._route_native's contract)
+ROUTE_TOKENS = 16
 
 
-class Gate(nn.Module):
+class Gate(KernelSwitch, nn.Module):
     KERNEL_OP = "router"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # native: scoring and group-limited top-k in one call (kernels/native.py)
+    KERNEL_CALLS = {"route": {"native": "_route_native", "torch": "_route_torch"}}
+    NATIVE_ROWS = ROUTE_TOKENS
 
     def __init__(self, hidden: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.kernel = "torch"  # the reference; the loader sets the engine's kernels
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, hidden))
+        self.kernel = "torch"  # the reference; the loader sets the engine's kernels (binds self.route)
         if cfg.scoring_func == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         else:
@@ -39,8 +44,11 @@ class Gate(nn.Module):
 
     def native_unfit(self) -> str | None:
         """Why the native router cannot run this gate's settings (the KernelPlan then keeps the torch router,
-        saying why), or None: a scoring or top-k rule it lacks, or more experts / groups than it sizes for."""
+        saying why), or None: weights off the CPU, a scoring or top-k rule it lacks, or more experts / groups than
+        it sizes for."""
         cfg = self.cfg
+        if self.weight.device.type != "cpu":
+            return "gate weight not on the CPU"
         if cfg.scoring_func not in native.SCORING or cfg.topk_method not in native.TOPK_METHOD:
             return f"router {cfg.scoring_func} / {cfg.topk_method} not in the native router"
         e = cfg.n_routed_experts
@@ -53,22 +61,29 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_w [T, k] fp32, topk_idx [T, k])."""
+        return self.route(F.linear(x.float(), self.weight.float()))
+
+    def _route_native(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One C call for a step of up to NATIVE_ROWS tokens (its top-k is a plain O(k E) scan per token, one
+        thread); a larger step takes the torch router."""
+        if logits.shape[0] > self.NATIVE_ROWS:
+            return self._route_torch(logits)
+        cfg, bias = self.cfg, self.e_score_correction_bias
+        return native.moe_route(
+            logits,
+            bias.float().contiguous() if bias is not None else None,
+            cfg.scoring_func,
+            cfg.topk_method,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+
+    def _route_torch(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference: logits [T, E] fp32 -> (topk_w [T, k] fp32, topk_idx [T, k])."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
-        # native: one call for a decode-sized step (its top-k is a plain O(k E) scan per token, one thread)
-        if self.kernel == "native" and logits.device.type == "cpu" and logits.shape[0] <= ROUTE_TOKENS:
-            bias = self.e_score_correction_bias
-            return native.moe_route(
-                logits,
-                bias.float().contiguous() if bias is not None else None,
-                cfg.scoring_func,
-                cfg.topk_method,
-                cfg.n_group,
-                cfg.topk_group,
-                cfg.num_experts_per_tok,
-                cfg.norm_topk_prob,
-                cfg.routed_scaling_factor,
-            )
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
             choice = scores
@@ -154,13 +169,26 @@ class MoE(nn.Module):
         n_shared = cfg.n_shared_experts
         self.shared_experts = SwiGLU(hidden, cfg.moe_intermediate_size * n_shared) if n_shared else None
         # the whole block as one native call for decode steps (quant.ggml_linear.GGUFMoEBlock), set by the KernelPlan
-        # where every expert weight is a ggml-block holder with the native kernels; this path is its reference
+        # where every expert weight is a ggml-block holder with the native kernels; per_op below is its reference
+        # and its declared fallback for steps outside its contract
         self.native_block = None
 
+    @property
+    def native_block(self):
+        return self.__dict__["_native_block"]
+
+    @native_block.setter
+    def native_block(self, block) -> None:
+        """The plan's choice for this op: the native block (which hands a step outside its contract to per_op),
+        or None (per_op); either is bound to self.step, which forward calls."""
+        self.__dict__["_native_block"] = block
+        self.__dict__["step"] = block if block is not None else self.per_op
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        block = self.native_block
-        if block is not None and x.shape[0] <= block.max_tokens and x.dtype == torch.float32 and x.is_contiguous():
-            return block(x)
+        return self.step(x)
+
+    def per_op(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference: the gate, the routed experts and the shared expert as separate ops."""
         topk_w, topk_idx = self.gate(x)
         out = self.experts(x, topk_w, topk_idx)
         if self.shared_experts is not None:

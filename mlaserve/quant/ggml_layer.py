@@ -87,7 +87,10 @@ PARTS = (
 ONE_CALL_MODULES = (*dict.fromkeys(p.module for p in PARTS), "mlp", "self_attn.kept_heads", "self_attn.kv_b_proj")
 ONE_CALL_FORWARDS = (
     (DecoderLayer, "forward"),
-    *((MLAAttention, name) for name in ("forward", "project_q", "write_latent", "select", "attend")),
+    *(
+        (MLAAttention, name)
+        for name in ("forward", "project_q", "_write_latent_torch", "_write_latent_native", "select", "attend")
+    ),
     *((Indexer, name) for name in ("project", "select")),
 )
 
@@ -165,7 +168,10 @@ def _fp32_layer_norm(m: nn.Module) -> bool:
 
 def _fp32_norm(m: nn.Module) -> bool:
     return (
-        isinstance(m, RMSNorm) and m.kernel == "native" and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+        isinstance(m, RMSNorm)
+        and registry.runs_native(m)
+        and m.weight.dtype == torch.float32
+        and m.weight.is_contiguous()
     )
 
 
@@ -218,11 +224,11 @@ class GGUFDecodeLayer:
             return "tensor parallel (the layer's outputs are all-reduced between its parts)"
         if (why := _structure_unfit(layer)) is not None:
             return why
-        if attn.kernel != "native" or not isinstance(attn.kept_heads, GGUFHeads):
+        if not registry.runs_native(attn) or not isinstance(attn.kept_heads, GGUFHeads):
             return "attention without the native kernels or without attn_k_b / attn_v_b blocks"
         heads = attn.kept_heads
         int8 = heads.int8  # one activation choice for the whole layer (the loader sets every holder alike)
-        if heads.kernel != "native" or not (heads.k_b.is_contiguous() and heads.v_b.is_contiguous()):
+        if not registry.runs_native(heads) or not (heads.k_b.is_contiguous() and heads.v_b.is_contiguous()):
             return "W_UK / W_UV not native blocks"
         if _indexer_role(layer) == "full" and not cfg.q_lora_rank:
             return "a DSA indexer without a query latent (q_lora_rank 0)"

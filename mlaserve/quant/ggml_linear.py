@@ -41,16 +41,18 @@ def _describe(ggml_type: int) -> tuple[str, tuple[int, int]]:
     return f"gguf {t.name}", (1, t.block_size)
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(registry.KernelSwitch, nn.Module):
     """y = x W^T (+ b), W kept as the file's ggml blocks."""
 
     KERNEL_OP = "linear"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ggml.KERNELS  # what `kernel` may be set to
+    KERNEL_CALLS = {"matmul": {"native": "_matmul_native", "torch": "_matmul_torch"}}
+    NATIVE_ROWS, NATIVE_FALLBACK = ggml.GEMV_ROWS, "native decode, then BLAS"  # kernels.ggml.linear_native
 
     def __init__(self, in_features: int, out_features: int, ggml_type: int, bias: bool, dtype, device) -> None:
         super().__init__()
         self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
-        self.kernel = "torch"  # the reference until the loader sets the engine's kernels
+        self.kernel = "torch"  # the reference until the loader sets the engine's kernels (binds self.matmul)
         self.int8 = False  # activations="int8" (set by the loader with the native kernels)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
         self.bias = (
@@ -62,10 +64,16 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = ggml.linear(x2, self.weight, self.ggml_type, self.in_features, self.kernel, self.int8)
+        y = self.matmul(x2)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul_native(self, x2: torch.Tensor) -> torch.Tensor:
+        return ggml.linear_native(x2, self.weight, self.ggml_type, self.in_features, self.int8)
+
+    def _matmul_torch(self, x2: torch.Tensor) -> torch.Tensor:
+        return ggml.linear_torch(x2, self.weight, self.ggml_type, self.in_features)
 
     def describe(self) -> tuple[str, tuple[int, int]]:
         return _describe(self.ggml_type)
@@ -100,13 +108,16 @@ class GGUFEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={t}"
 
 
-class GGUFExperts(Experts):
+class GGUFExperts(registry.KernelSwitch, Experts):
     """Routed experts kept as ggml blocks: a step multiplies only the experts it routes tokens to,
     (token, expert) pairs sorted by expert, one grouped call per projection (kernels.ggml.expert_linear);
     impl "loop" is the per-expert reference like Experts._forward_loop."""
 
     KERNEL_OP = "grouped_experts"
     KERNELS = ggml.KERNELS
+    KERNEL_CALLS = {"routed": {"native": "_routed_native", "torch": "_routed_torch"}}
+    # up to MOE_PAIRS (token, expert) pairs one native call pair by pair, more: sorted by expert, grouped native
+    NATIVE_ROWS, NATIVE_UNIT, NATIVE_FALLBACK = ggml.MOE_PAIRS, "(token, expert) pairs", "grouped native"
 
     def __init__(self, hidden: int, n_experts: int, inter: int, type_gate_up: int, type_down: int, device) -> None:
         nn.Module.__init__(self)
@@ -129,16 +140,25 @@ class GGUFExperts(Experts):
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
             return self._loop(x.float(), topk_w, topk_idx).to(x.dtype)
-        # the pair-by-pair call takes int8 activations only for both projections at once; with a mixed pair the
-        # grouped path decides per projection, as it does for more pairs (and as the MoE block does)
-        pairwise = not self.int8 or {self.type_gate_up, self.type_down} <= native.Q8_ACTIVATION_TYPES
-        if self.kernel == "native" and topk_idx.numel() <= ggml.MOE_PAIRS and pairwise:
-            gu, dn = self.gate_up_proj, self.down_proj
-            y = ggml.moe_experts(x, topk_w, topk_idx, gu, self.type_gate_up, dn, self.type_down, self.int8)
-            return y.to(x.dtype)
-        return self._grouped(x.float(), topk_w, topk_idx).to(x.dtype)
+        return self.routed(x, topk_w, topk_idx).to(x.dtype)
 
-    def _grouped(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    def _routed_native(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Up to NATIVE_ROWS (token, expert) pairs: one native call, pair by pair (decode at batch 1-2); more:
+        grouped by expert, each product native. The pair-by-pair call takes int8 activations only for both
+        projections at once; with a mixed pair the grouped path decides per projection, as it does for more
+        pairs (and as the MoE block does)."""
+        pairwise = not self.int8 or {self.type_gate_up, self.type_down} <= native.Q8_ACTIVATION_TYPES
+        if topk_idx.numel() <= self.NATIVE_ROWS and pairwise:
+            gu, dn = self.gate_up_proj, self.down_proj
+            return ggml.moe_experts(x, topk_w, topk_idx, gu, self.type_gate_up, dn, self.type_down, self.int8)
+        return self._grouped(x.float(), topk_w, topk_idx, ggml.expert_linear_native)
+
+    def _routed_torch(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        return self._grouped(x.float(), topk_w, topk_idx, ggml.expert_linear_torch)
+
+    def _grouped(
+        self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor, product: ggml.ExpertProduct
+    ) -> torch.Tensor:
         k = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -146,27 +166,27 @@ class GGUFExperts(Experts):
         active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
-        gu = ggml.expert_linear(
-            xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs, self.kernel, self.int8
-        )
+        gu = product(xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs, self.int8)
         g, u = gu.chunk(2, dim=-1)
         h = F.silu(g) * u
-        ys = ggml.expert_linear(h, self.down_proj, self.type_down, self.inter, active, offs, self.kernel, self.int8)
+        ys = product(h, self.down_proj, self.type_down, self.inter, active, offs, self.int8)
         ys = ys * topk_w.reshape(-1)[order, None].float()
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
     def _loop(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """The per-expert reference (impl "loop"): one product per active expert, float activations."""
+        product = ggml.LINEAR[self.kernel]
         out = torch.zeros_like(x)
         for e in torch.unique(topk_idx).tolist():
             tok, slot = torch.where(topk_idx == e)
-            gu = ggml.linear(x[tok], self.gate_up_proj[e], self.type_gate_up, self.hidden, self.kernel)
+            gu = product(x[tok], self.gate_up_proj[e], self.type_gate_up, self.hidden)
             g, u = gu.chunk(2, dim=-1)
-            y = ggml.linear(F.silu(g) * u, self.down_proj[e], self.type_down, self.inter, self.kernel)
+            y = product(F.silu(g) * u, self.down_proj[e], self.type_down, self.inter)
             out.index_add_(0, tok, y * topk_w[tok, slot, None].float())
         return out
 
 
-class GGUFHeads(nn.Module):
+class GGUFHeads(registry.KernelSwitch, nn.Module):
     """W_UK and W_UV of absorbed attention kept as the file's attn_k_b / attn_v_b blocks, so that a decode
     step reads them quantized (a fourth of the fp32 bytes for Q8_0) instead of the dense kv_b_proj
     rebuilt from them (which stays for the decompressed prefill path and the reference backend).
@@ -176,6 +196,9 @@ class GGUFHeads(nn.Module):
 
     KERNEL_OP = "heads"
     KERNELS = ggml.KERNELS
+    KERNEL_CALLS = {"per_head": {"native": "_per_head_native", "torch": "_per_head_torch"}}
+    # decode: rows per head up to GEMV_ROWS straight to the grouped GEMV; more: kernels.ggml.expert_linear_native
+    NATIVE_ROWS, NATIVE_UNIT, NATIVE_FALLBACK = ggml.GEMV_ROWS, "rows per head", "native decode, then grouped GEMMs"
 
     def __init__(self, k_b: torch.Tensor, type_k: int, v_b: torch.Tensor, type_v: int, dn: int, r: int) -> None:
         super().__init__()
@@ -185,18 +208,28 @@ class GGUFHeads(nn.Module):
         self.heads = k_b.shape[0]
         self._group_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _per_head(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix."""
+    def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix, by the C kernels."""
         n, h = x.shape[0], self.heads
         xs = x.float().transpose(0, 1).reshape(h * n, k)  # grouped by head
-        if self.kernel == "native" and n <= ggml.GEMV_ROWS:  # decode: straight to the grouped GEMV
+        if n <= self.NATIVE_ROWS:  # decode: straight to the grouped GEMV
             heads, starts = self._groups(n)
             y = native.grouped_gemm(ggml_type, xs.contiguous(), w, k, heads, starts, int8=self.int8)
         else:
-            heads = torch.arange(h, device=x.device)
-            offs = torch.arange(1, h + 1, device=x.device, dtype=torch.int32) * n
-            y = ggml.expert_linear(xs, w, ggml_type, k, heads, offs, self.kernel, self.int8)
+            y = ggml.expert_linear_native(xs, w, ggml_type, k, *self._offsets(n, x.device), self.int8)
         return y.view(h, n, -1).transpose(0, 1)
+
+    def _per_head_torch(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """The reference of _per_head_native: one grouped GEMM over the dequantized heads."""
+        n, h = x.shape[0], self.heads
+        xs = x.float().transpose(0, 1).reshape(h * n, k)
+        y = ggml.expert_linear_torch(xs, w, ggml_type, k, *self._offsets(n, x.device))
+        return y.view(h, n, -1).transpose(0, 1)
+
+    def _offsets(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heads [H], offs [H] int32): the groups of n rows per head, as kernels.ggml.expert_linear takes them."""
+        h = self.heads
+        return torch.arange(h, device=device), torch.arange(1, h + 1, device=device, dtype=torch.int32) * n
 
     def _groups(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(heads [H], starts [H + 1]) int64 for n rows per head, kept per n (small tensors a decode step
@@ -208,12 +241,12 @@ class GGUFHeads(nn.Module):
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, H, dn] -> q_nope W_UK: [N, H, r] in q_nope's dtype."""
-        return self._per_head(q_nope, self.k_b, self.type_k, self.dn).to(q_nope.dtype)
+        return self.per_head(q_nope, self.k_b, self.type_k, self.dn).to(q_nope.dtype)
 
     def expand(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [..., H, r] -> o_lat W_UV^T: [..., H, dv] in o_lat's dtype."""
         lead = o_lat.shape[:-2]
-        y = self._per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r)
+        y = self.per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r)
         return y.reshape(*lead, self.heads, -1).to(o_lat.dtype)
 
     def extra_repr(self) -> str:
@@ -226,7 +259,7 @@ def native_rows(m: nn.Module, int8: bool = False) -> bool:
     matrix a GGUF keeps in F32: float activations whatever `int8`, as in the per-op path, whose BLAS sums in
     another order), without bias either way."""
     if isinstance(m, GGUFLinear):
-        return m.kernel == "native" and m.int8 == int8 and m.bias is None
+        return registry.runs_native(m) and m.int8 == int8 and m.bias is None
     w = getattr(m, "weight", None)
     return (
         isinstance(m, nn.Linear)
@@ -248,8 +281,9 @@ class GGUFMoEBlock:
     """A MoE layer's decode step in one native call (kernels/csrc/moe/block.c mls_moe_block): the gate's logits, the router,
     the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
     tensor ops. Attached by the loader (attach_moe_blocks) where every expert weight is a ggml-block holder run
-    by the native kernels (int8 activations where the per-op path has them); MoE.forward uses it for steps of up to BLOCK_TOKENS fp32
-    tokens and takes its per-op path (the reference, tests/kernels/test_moe_block.py) otherwise. For the same routing
+    by the native kernels (int8 activations where the per-op path has them); MoE.forward calls it. Its contract: steps
+    of up to BLOCK_TOKENS contiguous fp32 tokens; it hands any other step to the layer's per-op path (its declared
+    fallback and reference, tests/kernels/test_moe_block.py). For the same routing
     its routed sum equals GGUFExperts' native one bit for bit; the gate's logits and the shared expert's silu
     round as fp32 does in another order."""
 
@@ -287,6 +321,7 @@ class GGUFMoEBlock:
             keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
         a.int8 = int(ex.int8)
         self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
+        self.fallback = moe.per_op
 
     @staticmethod
     def unfit(moe: MoE) -> str | None:
@@ -294,9 +329,9 @@ class GGUFMoEBlock:
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
         if (
             not isinstance(ex, GGUFExperts)
-            or ex.kernel != "native"
+            or not registry.runs_native(ex)
             or ex.impl != "grouped_mm"
-            or gate.kernel != "native"
+            or not registry.runs_native(gate)
         ):
             return "routed experts or router not ggml blocks with the native kernels"
         parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
@@ -312,9 +347,11 @@ class GGUFMoEBlock:
             return "gate weight / correction bias not contiguous fp32"
         if ex.gate_up_proj.stride(1) != ex.gate_up_proj.shape[2] or ex.down_proj.stride(1) != ex.down_proj.shape[2]:
             return "expert rows not contiguous"
-        return None  # the router's own limits: gate.kernel is "native" only where Gate.native_unfit passed
+        return None  # the router's own limits: the gate runs native only where Gate.native_unfit passed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous():
+            return self.fallback(x)  # prefill (or an input outside the C call's contract): the per-op path
         return native_layers.moe_block(self.args, x)
 
 
@@ -330,7 +367,11 @@ def _per_op_block(moe: MoE, ctx: registry.KernelContext) -> None:
     moe.native_block = None
 
 
-registry.register("moe_block", "native", _moe_block_fits, _attach_block)
+def _block_contract(moe: MoE) -> str:
+    return f"one call for steps of up to {GGUFMoEBlock.max_tokens} fp32 tokens, else per_op"
+
+
+registry.register("moe_block", "native", _moe_block_fits, _attach_block, _block_contract)
 registry.register("moe_block", "per_op", registry.always, _per_op_block)
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from mlaserve.kernels import native
 from mlaserve.kernels.ggml import GEMV_ROWS
+from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.moe import Experts
 from mlaserve.quant import fp4_group, fp8_block
 from mlaserve.quant.config import QuantScheme
@@ -41,11 +42,13 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(KernelSwitch, nn.Module):
     """y = x W^T (+ b), W stored as e4m3 Q [N, K] and its scale tensor (named as the checkpoint)."""
 
     KERNEL_OP = "linear"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # what `kernel` may be set to
+    KERNEL_CALLS = {"matmul": {"native": "_matmul_native", "torch": "_matmul_torch"}}
+    NATIVE_ROWS, NATIVE_FALLBACK = GEMV_ROWS, "native decode, then BLAS"
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool, dtype, device) -> None:
         super().__init__()
@@ -69,18 +72,25 @@ class FP8Linear(nn.Module):
         return fp8_block.dequantize_reference(self.weight, self.scale, self.block).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+    def _matmul_native(self, x: torch.Tensor) -> torch.Tensor:
+        """Up to NATIVE_ROWS rows the C kernels decode each weight row and dot it; more: the weight decoded by
+        them (the reference's values), then the BLAS GEMM."""
         bias = self.bias.float() if self.bias is not None else None
-        if self.kernel == "native":
-            grid = native.ScaleGrid(
-                self.scale.contiguous(), *self.block[:1], self.scale.shape[1], self.block[1], self.out_features
-            )
-            q, xf = self.weight.view(torch.uint8), x.float().contiguous()
-            if xf.shape[0] <= GEMV_ROWS:
-                y = native.gemm(native.FP8_E4M3, xf, q, self.in_features, grid)
-                return (y if bias is None else y + bias).to(x.dtype)
-            w = native.dequantize(native.FP8_E4M3, q, self.in_features, grid)
-        else:
-            w = fp8_block.dequantize(self.weight, self.scale, self.block)
+        grid = native.ScaleGrid(
+            self.scale.contiguous(), *self.block[:1], self.scale.shape[1], self.block[1], self.out_features
+        )
+        q, xf = self.weight.view(torch.uint8), x.float().contiguous()
+        if xf.shape[0] <= self.NATIVE_ROWS:
+            y = native.gemm(native.FP8_E4M3, xf, q, self.in_features, grid)
+            return (y if bias is None else y + bias).to(x.dtype)
+        w = native.dequantize(native.FP8_E4M3, q, self.in_features, grid)
+        return F.linear(x.float(), w, bias).to(x.dtype)
+
+    def _matmul_torch(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.float() if self.bias is not None else None
+        w = fp8_block.dequantize(self.weight, self.scale, self.block)
         return F.linear(x.float(), w, bias).to(x.dtype)
 
     def describe(self) -> tuple[str, tuple[int, int]]:
@@ -90,12 +100,18 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
 
 
-class FP8Experts(Experts):
+class FP8Experts(KernelSwitch, Experts):
     """Routed experts kept in e4m3: gate_up_proj [E, 2I, D] and down_proj [E, D, I] with their
     scales; a step dequantizes only the experts it routes tokens to, then one grouped GEMM."""
 
     KERNEL_OP = "grouped_experts"
     KERNELS = ("native", "torch")
+    KERNEL_CALLS = {
+        "routed": {"native": "_routed_native", "torch": "_routed_torch"},
+        "decode_experts": {"native": "_native_weights", "torch": "_torch_weights"},
+    }
+    # grouped: up to GEMV_ROWS rows per active expert the C kernels' grouped GEMV, more: decoded, then GEMMs
+    NATIVE_ROWS, NATIVE_UNIT, NATIVE_FALLBACK = GEMV_ROWS, "rows per expert", "native decode, then grouped GEMMs"
 
     def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
@@ -117,9 +133,11 @@ class FP8Experts(Experts):
         return super().checkpoint_slots() | {self.scheme.scale_name: (s[:, 0], s[:, 1], self.down_proj_scale)}
 
     def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense gate_up [A, 2I, D] and down [A, D, I] of the listed experts, in dtype."""
-        if self.kernel == "native":  # many tokens per expert (prefill): decode natively, then the GEMMs
-            return self._native_weights(experts, dtype)
+        """Dense gate_up [A, 2I, D] and down [A, D, I] of the listed experts, in dtype (native kernels: many
+        tokens per expert, prefill, decode natively, then the GEMMs)."""
+        return self.decode_experts(experts, dtype)
+
+    def _torch_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.gate_up_proj[experts]
         gu = fp8_block.dequantize(q.unflatten(1, (2, -1)), self.gate_up_proj_scale[experts], self.block_gu, dtype)
         down = fp8_block.dequantize(self.down_proj[experts], self.down_proj_scale[experts], self.block_down, dtype)
@@ -137,9 +155,19 @@ class FP8Experts(Experts):
         return f"{self.scheme.method} {self.scheme.fmt}", self.block_gu
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        return self.routed(x, topk_w, topk_idx)
+
+    def _routed_native(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         active = torch.unique(topk_idx)  # sorted: the grouped GEMM's groups, in expert order
-        if self.kernel == "native" and self.impl == "grouped_mm" and topk_idx.numel() <= GEMV_ROWS * len(active):
+        if self.impl == "grouped_mm" and topk_idx.numel() <= self.NATIVE_ROWS * len(active):
             return self._native(x, topk_w, topk_idx, active)
+        return self._dense(x, topk_w, topk_idx, active)
+
+    def _routed_torch(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        return self._dense(x, topk_w, topk_idx, torch.unique(topk_idx))
+
+    def _dense(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor, active: torch.Tensor):
+        """The active experts dequantized (expert_weights), then grouped GEMMs (or the per-expert loop)."""
         gate_up, down = self.expert_weights(active, torch.float32)
         local = torch.searchsorted(active, topk_idx)  # expert id -> its row in the active stack
         run = self._loop if self.impl == "loop" else self._grouped
@@ -273,9 +301,7 @@ class FP4Experts(FP8Experts):
             (self.down_proj.view(torch.uint8), i, native.ScaleGrid(s_down, 1, s_down.shape[-1], self.group, d)),
         )
 
-    def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kernel == "native":
-            return self._native_weights(experts, dtype)
+    def _torch_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         s_gu, s_down = self._scales(experts)
         gu = fp4_group.dequantize(self.gate_up_proj[experts].unflatten(1, (2, -1)), s_gu, self.group)
         down = fp4_group.dequantize(self.down_proj[experts], s_down, self.group)
