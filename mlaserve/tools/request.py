@@ -108,12 +108,17 @@ class ToolContext:
         return self.fmt.parse(text, self.tools)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A call cut short (max_tokens, or a stop string, inside the section) is neither a call (it is not
+        valid) nor content (its markup is not text for the user): the content is the text before the call's
+        start marker and `finish_reason` keeps the reason it ended ("length"), so a client sees it was cut."""
         try:
             content, calls = self.parse(text)
-        except ToolParseError as e:  # cut by max_tokens (or a stop string) inside the section
+        except ToolParseError as e:
             if finish_reason == "stop":
                 log.warning("tool-call output did not parse: %s", e)
-            return {"role": "assistant", "content": text}, finish_reason
+            content, calls = _safe_prefix(text, self.fmt.START), []
+        if finish_reason == "length":  # a start marker cut in the middle is markup too
+            content = _safe_prefix(content, self.fmt.START)
         msg = {"role": "assistant", "content": content or None}
         if calls:
             msg["tool_calls"] = [c.to_openai() for c in calls]

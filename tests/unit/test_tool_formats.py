@@ -155,9 +155,9 @@ def test_stream_split_anywhere_matches_whole(name, cuts):
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]
     ]
-    # cut inside the section by max_tokens: no calls, the text comes back as content
+    # cut inside the section by max_tokens: no calls, the text before the call as content (test_tool_call_cut.py)
     msg, r = _ctx(name).message(text[: len(text) - 5], "length")
-    assert r == "length" and "tool_calls" not in msg and msg["content"] == text[: len(text) - 5]
+    assert r == "length" and "tool_calls" not in msg and msg["content"] == "Let me look."
 
 
 def test_format_choice_from_template_and_model_type():
