@@ -177,7 +177,7 @@ def test_format_choice_from_template_and_model_type():
     )
     assert choose_format("deepseek_v3", "<|tool_calls_section_begin|>")[0] == "kimi_k2"
     assert choose_format("glm_moe_dsa", None)[0] == "glm45"
-    assert choose_format("deepseek_v3", None, "glm45") == ("glm45", "--tool-call-parser")
+    assert choose_format("deepseek_v3", None, "glm45") == ("glm45", "user option (--tool-call-parser)")
     with pytest.raises(ValueError, match="tool_call_parser"):
         choose_format("deepseek_v3", None, "llama")
 
