@@ -15,7 +15,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from mlaserve.structured.spec import StructuredOutputs
+from mlaserve.structured.spec import StructuredOutputs, check_strict
 from mlaserve.tools.formats import ToolCall, ToolParseError
 
 log = logging.getLogger("mlaserve.server")
@@ -51,6 +51,14 @@ def check_tools(tools) -> list[dict]:
         params = fn.get("parameters")
         if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
             raise ToolRequestError("tools", f"{where}.function.parameters must be an object schema")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ToolRequestError("tools", f"{where}.function.strict must be a bool, got {strict!r}")
+        if strict is not False and params is not None:  # the call's arguments must validate (as response_format)
+            try:
+                check_strict(params, f"{where}.function.parameters")
+            except ValueError as e:
+                raise ToolRequestError("tools", str(e)) from None
     return tools
 
 

@@ -45,8 +45,12 @@ def from_response_format(rf: dict | None) -> StructuredOutputs | None:
     schema = js.get("schema")
     if not isinstance(schema, dict):
         raise _bad("response_format.json_schema.schema", "is required (a JSON schema object)")
-    # strict or not, the output is generated under the schema (strict only makes OpenAI check the schema)
-    return StructuredOutputs(json=schema)
+    # strict (true or absent): the output validates, or the schema is refused here; false: OpenAI's best effort,
+    # still generated under the grammar of the schema (what the engine enforces of it holds)
+    try:
+        return StructuredOutputs(json=schema, strict=js.get("strict") is not False)
+    except ValueError as e:
+        raise _bad("response_format.json_schema.schema", str(e).removeprefix("structured json: ")) from None
 
 
 def from_structured_outputs(so: dict | None) -> StructuredOutputs | None:
