@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlaserve.sampling.sampler import unpack_bitmask
+from mlaserve.sampling.token_mask import unpack_bitmask
 from mlaserve.structured.spec import StructuredOutputs
 from mlaserve.structured.strict import unenforced
 
