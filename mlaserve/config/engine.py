@@ -46,7 +46,7 @@ EXPERT_IMPLS = ("grouped_mm", "loop")
 SPECULATIVE = (None, "mtp")
 MAX_SPECULATIVE_TOKENS = 3
 # The chat output's formats (mlaserve/tools/: one file per tool-call format; a test holds the two lists equal).
-TOOL_CALL_PARSERS = (None, "deepseek_v3", "deepseek_v31", "deepseek_v32", "glm45", "kimi_k2")
+TOOL_CALL_PARSERS = (None, "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "glm45", "kimi_k2")
 REASONING_PARSERS = (None, "think", "none")
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from mlaserve.structured.spec import StructuredOutputs
+from mlaserve.structured.strict import plain_length_strings
 
 _ERR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
 _CACHE_LIMIT = 256  # compiled grammars kept (xgrammar also caches, by bytes)
@@ -88,7 +89,7 @@ class GrammarBackend:
         if kind == "json":
             # Compact JSON (no free whitespace): the output still validates, and a model cannot spend
             # its tokens on blank space. strict_mode: properties a schema does not name are not generated.
-            schema = json.dumps(_plain_length_strings(spec.schema))
+            schema = json.dumps(plain_length_strings(spec.schema))
             return c.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         if kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
@@ -119,22 +120,3 @@ def fill_bitmask(matchers: Sequence[Matcher | None], vocab_size: int) -> torch.T
 def _regex_literal(s: str) -> str:
     """s as a regex that matches exactly s (xgrammar's regex dialect: escape every metacharacter)."""
     return "(" + "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch for ch in s) + ")"
-
-
-def _plain_length_strings(schema):
-    """xgrammar's grammar for a string with only minLength / maxLength lets raw control characters through
-    (U+0000..U+001F unescaped: not JSON; found by tests/identities/test_structured_fuzz.py); the same
-    lengths as a pattern of non-control characters are exact (neither form writes escapes). Values under
-    enum / const / default / examples are data and stay as they are."""
-    if isinstance(schema, list):
-        return [_plain_length_strings(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {
-        k: (v if k in ("enum", "const", "default", "examples") else _plain_length_strings(v)) for k, v in schema.items()
-    }
-    lengths = ("minLength" in out or "maxLength" in out) and "pattern" not in out and "format" not in out
-    if out.get("type") == "string" and lengths:
-        lo, hi = out.get("minLength", 0), out.get("maxLength", "")
-        out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{hi}}}$"
-    return out

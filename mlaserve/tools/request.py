@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from mlaserve.structured.spec import StructuredOutputs, check_strict
+from mlaserve.structured.strict import plain_length_strings
 from mlaserve.tools.formats import ToolCall, ToolParseError
 
 log = logging.getLogger("mlaserve.server")
@@ -99,10 +100,16 @@ class ToolContext:
             raise ToolRequestError("parallel_tool_calls", "must be a bool")
         import xgrammar as xgr
 
+        grammar_tools = [  # xgrammar's length-bounded strings, worked around as for response_format
+            {**t, "function": {**t["function"], "parameters": plain_length_strings(t["function"]["parameters"])}}
+            if t["function"].get("parameters") is not None
+            else t
+            for t in allowed
+        ]
         try:
             tag = xgr.get_model_structural_tag(
                 fmt.XGRAMMAR_MODEL,
-                tools=allowed,
+                tools=grammar_tools,
                 tool_choice="required" if mode == "forced" else mode,
                 reasoning="enabled" if thinking else "disabled",
                 parallel_tool_calls=parallel_tool_calls is not False,

@@ -13,7 +13,7 @@ from mlaserve.tools.formats import FORMATS
 
 _BY_MODEL_TYPE = {
     "deepseek_v32": "deepseek_v32",
-    "deepseek_v4": "deepseek_v32",
+    "deepseek_v4": "deepseek_v4",
     "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "kimi_k2": "kimi_k2",
@@ -29,6 +29,8 @@ def choose_format(model_type: str | None, chat_template: str | None, override: s
             raise ValueError(f"tool_call_parser {override!r} is not one of {', '.join(sorted(FORMATS))}")
         return override, "user option (--tool-call-parser)"
     t = chat_template or ""
+    if "｜DSML｜tool_calls" in t:
+        return "deepseek_v4", "chat template writes <｜DSML｜tool_calls>"
     if "｜DSML｜" in t:
         return "deepseek_v32", "chat template writes DSML"
     if "<|tool_calls_section_begin|>" in t:

@@ -15,6 +15,7 @@ import random
 import jsonschema
 import pytest
 import torch
+from grammar_walk import byte_level_tokens_with, walk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,34 +121,6 @@ def engine():
     return LLM().engine
 
 
-def _byte_level_tokens_with(tokenizer, byte: int) -> set[int]:
-    """Ids of the byte-level BPE tokens whose bytes hold `byte` (GPT-2's byte <-> character map)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in printable}
-    chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
-    return {i for t, i in tokenizer.tok.get_vocab().items() if chars[byte] in t}
-
-
-def _walk(backend, spec: StructuredOutputs, stop_ids: set[int], avoid: set[int], rng) -> tuple[list[int], bool]:
-    """Seeded uniform walk over the allowed tokens but `avoid` -> (tokens, ended by a stop token the grammar
-    allowed)."""
-    matcher = backend.matcher(spec)
-    vocab = backend.vocab_size
-    tokens: list[int] = []
-    for _ in range(MAX_WALK):
-        mask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
-        matcher.fill(mask, 0)
-        allowed = [t for t in unpack_bitmask(mask, vocab)[0].nonzero().flatten().tolist() if t not in avoid]
-        assert allowed, f"the grammar allows no token after {tokens}"
-        tok = rng.choice(allowed)
-        matcher.accept(tok)
-        if tok in stop_ids:
-            assert matcher.is_terminated
-            return tokens, True
-        tokens.append(tok)
-    return tokens, False
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=_schemas, seed=st.integers(0, 2**31))
 def test_random_walks_validate_or_refuse(engine, schema, seed):
@@ -160,9 +133,9 @@ def test_random_walks_validate_or_refuse(engine, schema, seed):
     # xgrammar lets a UTF-16 surrogate through as 3 UTF-8 bytes (ED A0..BF xx: not UTF-8, decoded as U+FFFD;
     # docs/SERVING.md). A model trained on UTF-8 text does not write them; the walk takes no token with the
     # byte ED (it gives up Hangul, U+D000..U+D7FF, too) so that each walk tests the rest.
-    avoid = _byte_level_tokens_with(engine.tokenizer, 0xED)
+    avoid = byte_level_tokens_with(engine.tokenizer, 0xED)
     spec = StructuredOutputs(json=schema)
-    tokens, ended = _walk(backend, spec, set(engine.eos_ids), avoid, random.Random(seed))
+    tokens, ended = walk(backend, spec, set(engine.eos_ids), avoid, random.Random(seed), MAX_WALK)
     if not ended:
         return  # the walk ran out of steps: nothing was claimed
     value = json.loads(engine.tokenizer.decode(tokens))

@@ -24,6 +24,8 @@ UNENFORCED = [
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1"),
     ({"type": "number", "multipleOf": 0.5}, "0.3"),
     ({"type": "integer", "multipleOf": 5, "minimum": -130}, "59"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaaa"'),
+    ({"type": "string", "format": "email", "maxLength": 5}, '"abcdef@x.com"'),
 ]
 # enforced exactly: (schema, a string the schema refuses, which the grammar refuses too)
 ENFORCED = [
