@@ -174,13 +174,17 @@ def _safe_prefix(text: str, start: str) -> str:
 
 def transcript(messages, fmt, has_template: bool) -> list[dict]:
     """Chat messages as the template reads them: assistant tool_calls and tool results kept (OpenAI
-    shapes); without a template, assistant calls are written in the model's own format."""
+    shapes; arguments as JSON text, or as an object for the formats whose templates iterate them:
+    TEMPLATE_ARGUMENTS); without a template, assistant calls are written in the model's own format."""
     out = []
     for m in messages:
         d = {"role": m.role, "content": m.text()}
         calls = getattr(m, "tool_calls", None)
         if calls:
             d["tool_calls"] = [_check_call(c) for c in calls]
+            if getattr(fmt, "TEMPLATE_ARGUMENTS", "text") == "object":  # the family's template reads a mapping
+                for c in d["tool_calls"]:
+                    c["function"] = {**c["function"], "arguments": json.loads(c["function"]["arguments"])}
             if not has_template:
                 d["content"] += fmt.render([ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in calls])
         if getattr(m, "tool_call_id", None) is not None:

@@ -6,12 +6,13 @@ This is what holds the parser and the grammar to one format (V4's `<｜DSML｜to
 `function_calls`, for example).
 
 With the families' real chat templates (../shared/fixtures/chat_templates/<format>.jinja, skipped when
-absent): the parsed call, sent back as an assistant message with a tool result, is rendered by the real
+absent; MLASERVE_CHAT_TEMPLATES names another folder): the parsed call, sent back as an assistant message with a tool result, is rendered by the real
 template, and the format's parser reads the same name and arguments back from the rendered text."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -19,8 +20,9 @@ import jsonschema
 import pytest
 from grammar_walk import byte_level_tokens_with, walk
 
+from mlaserve.entrypoints.openai.protocol import ChatMessage
 from mlaserve.tools.formats import FORMATS
-from mlaserve.tools.request import ToolContext
+from mlaserve.tools.request import ToolContext, transcript
 
 WEATHER = {
     "type": "object",
@@ -41,7 +43,12 @@ TOOLS = [
     {"type": "function", "function": {"name": "find_verse", "parameters": VERSE}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "find_verse": VERSE}
-TEMPLATES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "chat_templates"
+# the families' published templates, named by format (deepseek_v31.jinja, glm45.jinja, ...); another folder
+# of them can be named by MLASERVE_CHAT_TEMPLATES
+TEMPLATES = Path(
+    os.environ.get("MLASERVE_CHAT_TEMPLATES")
+    or Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "chat_templates"
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +103,9 @@ def test_real_template_renders_what_the_parser_reads(engine, name):
             {"role": "assistant", "content": "", "tool_calls": calls},
             {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"},
         ]
-        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tools=TOOLS)
+        # what the server hands the template: the request's messages through transcript()
+        msgs = transcript([ChatMessage(**m) for m in messages], FORMATS[name], has_template=True)
+        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=TOOLS)
         assert "sunny" in rendered
         # the assistant turn: from the user's text to the tool result
         turn = rendered[rendered.index("Weather in Paris?") + len("Weather in Paris?") : rendered.index("sunny")]

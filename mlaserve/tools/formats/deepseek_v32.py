@@ -17,6 +17,7 @@ from mlaserve.tools.formats.base import ToolCall, ToolParseError, split_content
 
 NAME = "deepseek_v32"
 XGRAMMAR_MODEL = "deepseek_v3_2"
+TEMPLATE_ARGUMENTS = "object"  # the DSML templates render `arguments` only when it is a mapping
 START = "<｜DSML｜function_calls>"
 END = "</｜DSML｜function_calls>"
 _INVOKE = re.compile(r'<｜DSML｜invoke name="(?P<name>[^"]+)">(?P<body>.*?)</｜DSML｜invoke>', re.S)

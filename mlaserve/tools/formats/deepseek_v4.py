@@ -16,6 +16,7 @@ from mlaserve.tools.formats.deepseek_v32 import parse_dsml, render_dsml
 
 NAME = "deepseek_v4"
 XGRAMMAR_MODEL = "deepseek_v4"
+TEMPLATE_ARGUMENTS = "object"  # as V3.2's
 START = "<｜DSML｜tool_calls>"
 END = "</｜DSML｜tool_calls>"
 

@@ -12,6 +12,7 @@ from mlaserve.tools.formats.base import ToolCall, ToolParseError, param_types, s
 
 NAME = "glm45"
 XGRAMMAR_MODEL = "glm_4_7"
+TEMPLATE_ARGUMENTS = "object"  # GLM-4.5..5's templates iterate `arguments.items()`
 START = "<tool_call>"
 END = "</tool_call>"
 _CALL = re.compile(r"<tool_call>(?P<name>[^<\n]+?)\s*(?P<body>(?:<arg_key>.*?)?)</tool_call>", re.S)
