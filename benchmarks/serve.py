@@ -334,7 +334,7 @@ def raw_vocab(size: int) -> list[str]:
     return out
 
 
-def mask_cost(args, rows: int = 16, steps: int = 96, hidden: int = 1024) -> dict:
+def mask_cost(args, rows: int = 16, steps: int = 64, hidden: int = 1024) -> dict:
     """Per decode step at `rows` constrained rows: xgrammar's bitmask fill, the batched bias + mask on the
     logits, and (for scale) the lm_head product [rows, hidden] x [hidden, V], which any step pays."""
     import torch
