@@ -7,6 +7,8 @@ the route ledger's cost per step (the server keeps it on: a ring for /debug/rout
     python benchmarks/serve.py --quick          # 2-layer model, 1/4 streams, short prompts: a smoke test
     python benchmarks/serve.py --constrained    # embedded model: json_schema vs unconstrained at 16 streams,
                                                 # and the grammar compile time of a 20-tool request
+    python benchmarks/serve.py --constrained --model standard   # the same on the standard model (vocab 32,768)
+    python benchmarks/serve.py --mask-cost      # the mask step per decode step at vocab 4K / 32K / 129K
 
 Requests: prompt lengths spread evenly over [min, max], random token ids (seeded), greedy,
 ignore_eos (every request makes exactly --output tokens). Results: benchmarks/results/serve[-quick].json.
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import RESULTS_DIR, ensure_model, environment, print_table, random_prompt, write_json
+from common import RESULTS_DIR, ensure_model, environment, print_table, random_prompt, with_tokenizer, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +48,20 @@ def parse_args() -> argparse.Namespace:
         "json_schema vs unconstrained (default 16 streams), and the grammar compile time of a request with 20 tools",
     )
     p.add_argument("--rounds", type=int, default=2, help="--constrained: alternating rounds of each arm")
+    p.add_argument(
+        "--model",
+        choices=("embedded", "standard"),
+        default="embedded",
+        help="--constrained: the embedded model (vocabulary 4,096, its chat template) or the standard model "
+        "(vocabulary 32,768, a synthetic byte-level tokenizer, the plain transcript)",
+    )
+    p.add_argument(
+        "--mask-cost",
+        action="store_true",
+        help="in process, no model: the grammar mask step's cost per decode step (16 json_schema rows: xgrammar's "
+        "fill + the batched bias/mask) at vocabularies 4,096 / 32,768 / 129,280 beside that vocabulary's "
+        "lm_head product (hidden 1,024), the step cost that grows with the vocabulary",
+    )
     args = p.parse_args()
     if args.constrained:
         args.streams = args.streams or [16]
@@ -265,7 +281,8 @@ def compile_times(args, sets: int = 3, repeats: int = 5) -> dict:
 def constrained_main(args) -> None:
     env = environment(args.threads)
     n = max(args.streams)
-    server = Server(None, args)
+    folder = None if args.model == "embedded" else with_tokenizer(ensure_model("standard", args.quick))
+    server = Server(folder, args)
     arms: dict[str, list[dict]] = {"unconstrained": [], "json_schema": []}
     try:
         asyncio.run(level(server, chat_requests(1, "warm", 0, True), 4))  # warm-up (and the grammar backend)
@@ -292,14 +309,127 @@ def constrained_main(args) -> None:
         f"{1e6 * max(compiled['cached_s']):.0f} us (cache hit); grammar backend built once in "
         f"{compiled['backend_build_s']:.2f} s"
     )
-    out = Path(args.out) if args.out else RESULTS_DIR / f"serve-constrained{'-quick' if args.quick else ''}.json"
+    tag = ("-quick" if args.quick else "") + ("-standard" if args.model == "standard" else "")
+    out = Path(args.out) if args.out else RESULTS_DIR / f"serve-constrained{tag}.json"
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     summary = {"mean_output_tok_s": mean, "ratio": ratio}
     write_json(out, {"settings": settings, "environment": env, "arms": arms, "summary": summary, "compile": compiled})
 
 
+def raw_vocab(size: int) -> list[str]:
+    """`size` distinct token strings shaped like a byte-level BPE vocabulary's: the 256 bytes' characters,
+    then word pieces of 2-10 letters, half with a leading space (what xgrammar's token trie walks)."""
+    import random
+
+    rng = random.Random(0)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    out = [chr(b) for b in range(32, 127)] + [f"<0x{b:02X}>" for b in range(256) if not 32 <= b < 127]
+    seen = set(out)
+    while len(out) < size:
+        piece = "".join(rng.choice(letters) for _ in range(rng.randint(2, 10)))
+        piece = (" " if rng.random() < 0.5 else "") + piece
+        if piece not in seen:
+            seen.add(piece)
+            out.append(piece)
+    return out
+
+
+def mask_cost(args, rows: int = 16, steps: int = 64, hidden: int = 1024) -> dict:
+    """Per decode step at `rows` constrained rows: xgrammar's bitmask fill, the batched bias + mask on the
+    logits, and (for scale) the lm_head product [rows, hidden] x [hidden, V], which any step pays."""
+    import torch
+    import xgrammar as xgr
+
+    from mlaserve.sampling.token_mask import apply_bias_and_grammar
+    from mlaserve.structured.backend import Matcher, fill_bitmask
+    from mlaserve.tools.formats import FORMATS
+    from mlaserve.tools.request import ToolContext
+
+    torch.set_num_threads(args.threads)
+    out = {}
+    for vocab in (4096, 32768, 129280):
+        t0 = time.perf_counter()
+        info = xgr.TokenizerInfo(raw_vocab(vocab), vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
+        compiler = xgr.GrammarCompiler(info, max_threads=1)
+        compiled = compiler.compile_json_schema(json.dumps(NOTES_SCHEMA), any_whitespace=False, strict_mode=True)
+        build_s = time.perf_counter() - t0
+        tools_s = []
+        for k in range(3):  # a 20-tool request (required, DSML): its first compile at this vocabulary
+            tag = ToolContext.build(twenty_tools(f"v{vocab}-{k}"), "required", None, FORMATS["deepseek_v32"])
+            t0 = time.perf_counter()
+            compiler.compile_structural_tag(tag.structured.structural_tag)
+            tools_s.append(time.perf_counter() - t0)
+        matchers = [Matcher(xgr.GrammarMatcher(compiled)) for _ in range(rows)]
+        w = torch.randn(vocab, hidden) * 0.02
+        x = torch.randn(rows, hidden)
+        gen = torch.Generator().manual_seed(0)
+        fill_s, mask_s, head_s, restarts = [], [], [], 0
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            logits = x @ w.T
+            t1 = time.perf_counter()
+            bitmask = fill_bitmask(matchers, vocab)
+            t2 = time.perf_counter()
+            masked = apply_bias_and_grammar(logits, None, bitmask)
+            t3 = time.perf_counter()
+            # a uniform pick among the allowed tokens: a random walk takes the grammar's odd paths too
+            allowed = masked.isfinite()
+            dead = (~allowed.any(-1)).nonzero().flatten().tolist()  # a walk at a dead end starts over
+            allowed[dead] = True
+            picks = torch.multinomial(allowed.float(), 1, generator=gen).flatten().tolist()
+            for i, (m, tok) in enumerate(zip(matchers, picks)):
+                if i in dead:
+                    matchers[i] = Matcher(xgr.GrammarMatcher(compiled))
+                    restarts += 1
+                else:
+                    m.accept(tok)
+            head_s.append(t1 - t0)
+            fill_s.append(t2 - t1)
+            mask_s.append(t3 - t2)
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        out[vocab] = {
+            "grammar_build_s": build_s,
+            "fill_ms": 1e3 * med(fill_s),
+            "mask_ms": 1e3 * med(mask_s),
+            "lm_head_ms": 1e3 * med(head_s),
+            "fill_ms_p90": 1e3 * sorted(fill_s)[int(0.9 * len(fill_s))],
+            "restarts": restarts,
+            "twenty_tools_compile_ms": 1e3 * sorted(tools_s)[1],
+        }
+    rows_out = [
+        [
+            v,
+            f"{r['grammar_build_s']:.2f}",
+            f"{r['fill_ms']:.2f} ({r['fill_ms_p90']:.2f})",
+            f"{r['mask_ms']:.2f}",
+            f"{r['lm_head_ms']:.2f}",
+            f"{r['twenty_tools_compile_ms']:.0f}",
+        ]
+        for v, r in out.items()
+    ]
+    print_table(
+        [
+            "vocab",
+            "tokenizer+compile s",
+            f"fill ms/step ({rows} rows; p90)",
+            "mask ms/step",
+            "lm_head ms/step",
+            "20-tool compile ms",
+        ],
+        rows_out,
+    )
+    write_json(
+        Path(args.out) if args.out else RESULTS_DIR / "mask-cost.json",
+        {"environment": environment(args.threads), "rows": rows, "steps": steps, "by_vocab": out},
+    )
+    return out
+
+
 def main() -> None:
     args = parse_args()
+    if args.mask_cost:
+        mask_cost(args)
+        return
     if args.constrained:
         return constrained_main(args)
     folder = ensure_model("standard", args.quick)

@@ -45,6 +45,9 @@ MLA_PATHS = ("auto", "absorbed", "decompressed")
 EXPERT_IMPLS = ("grouped_mm", "loop")
 SPECULATIVE = (None, "mtp")
 MAX_SPECULATIVE_TOKENS = 3
+# The chat output's formats (mlaserve/tools/: one file per tool-call format; a test holds the two lists equal).
+TOOL_CALL_PARSERS = (None, "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "glm45", "kimi_k2")
+REASONING_PARSERS = (None, "think", "none")
 
 
 def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
@@ -163,6 +166,18 @@ class EngineOptions:
         "weight of the newest verification in a request's acceptance average (0 < w <= 1; larger reacts "
         "faster and pauses on shorter runs of bad luck)",
     )
+    tool_call_parser: str | None = _opt(
+        None,
+        "tool-call format of the model's chat output (default: from the chat template's markers, else the model "
+        "type; recorded with the reason)",
+        TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "reasoning separation of the chat output: think = <think>...</think> to reasoning_content, none = the text "
+        "as it is (default: think when the chat template writes </think>; recorded with the reason)",
+        REASONING_PARSERS,
+    )
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
@@ -215,6 +230,9 @@ class EngineConfig:
     speculative_probe_interval: int = 16  # steps between a paused request's probes
     speculative_acceptance_weight: float = 0.2  # newest verification's weight in the acceptance average
     kv_prefault: bool = False  # the cache tensors are written once at allocation (cache/model_cache.py)
+    # the chat output's formats, decided with the chat template (tools/select.py chat_formats): None until then
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -244,6 +262,8 @@ def resolve(
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, opts.tensor_parallel_size, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
     topk = _index_topk(model, opts.index_topk, sparse, log)
+    for name, allowed in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        check_choice(name, getattr(opts, name), allowed)  # decided with the chat template, by the loader
     for name, allowed in (("mla_path", MLA_PATHS), ("experts_impl", EXPERT_IMPLS)):
         check_choice(name, getattr(opts, name), allowed)
         _user(log, name, getattr(opts, name))

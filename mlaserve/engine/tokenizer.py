@@ -58,9 +58,7 @@ class Tokenizer:
                 names = [t.get("function", {}).get("name", "?") for t in kwargs["tools"]]
                 lines.insert(0, "tools: " + ", ".join(names))  # a template-less model reads names only
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env = _template_env()
         special = {
             k: (v.get("content") if isinstance(v, dict) else v)
             for k, v in self.config.items()
@@ -69,3 +67,27 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             **{**special, **kwargs}, messages=messages, add_generation_prompt=add_generation_prompt
         )
+
+
+def _template_env():
+    """The environment the chat templates of the Hub are written for (transformers' apply_chat_template): a
+    sandbox (a checkpoint's template is untrusted code), loop controls ({% break %}: Kimi-K2), `tojson`
+    with keywords and without HTML escaping (GLM-4.6 writes tojson(ensure_ascii=False)), raise_exception and
+    strftime_now."""
+    import json
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

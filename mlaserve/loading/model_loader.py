@@ -27,6 +27,7 @@ from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
+from mlaserve.tools.select import chat_formats
 
 
 @dataclass
@@ -133,6 +134,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         gguf=path.is_file(),
         stored_bf16=lambda: _stored_bf16(source),
     )
+    template = tokenizer.chat_template if tokenizer is not None else None
+    engine_cfg = chat_formats(engine_cfg, template, opts.tool_call_parser, opts.reasoning_parser)
     if engine_cfg.quantization is not None and (scheme is not None or _has_gguf_blocks(source)):
         stored = f"{scheme.method} {scheme.fmt}" if scheme is not None else "GGUF block-quantized"
         raise ConfigError(

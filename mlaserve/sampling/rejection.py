@@ -21,16 +21,16 @@ from mlaserve.sampling.sampler import (
     _apply_min_tokens,
     _apply_penalties,
     _exponential_race,
-    apply_bias_and_grammar,
     filtered_probs,
 )
+from mlaserve.sampling.token_mask import apply_bias_and_grammar
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """p [B, V]: what `sample` draws from for random rows (greedy rows use temperature 1 here; callers
     take greedy rows through `sample`'s argmax instead). logit_bias and the grammar mask included: a draft
     the row's grammar forbids has p = 0, so it is rejected and the residual draw obeys the grammar."""
-    logits = apply_bias_and_grammar(logits.float(), batch)
+    logits = apply_bias_and_grammar(logits.float(), batch.logit_bias, batch.token_bitmask)
     return filtered_probs(_apply_min_tokens(_apply_penalties(logits, batch), batch), batch)
 
 

@@ -11,8 +11,8 @@ Notation
 Pipeline for one step (`sample`)
 --------------------------------
     raw logprobs = log_softmax(logits)                  (only if logprobs are requested)
-    logits = logits + logit_bias                        per-row additive bias (OpenAI logit_bias)
-    logits = grammar mask(logits)                       tokens the row's grammar forbids -> -inf
+    logits = logits + logit_bias                        per-row additive bias (OpenAI logit_bias)  } token_mask.py
+    logits = grammar mask(logits)                       tokens the row's grammar forbids -> -inf   }
     logits = penalties(logits)                          repetition / presence / frequency
     logits = min_tokens mask(logits)                    EOS and stop ids -> -inf while too short
     greedy rows:  argmax(logits)
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from mlaserve.sampling.params import SamplingParams
+from mlaserve.sampling.token_mask import apply_bias_and_grammar, logit_bias_rows
 
 __all__ = [
     "SamplingBatch",
@@ -183,7 +184,7 @@ class SamplingBatch:
             output_counts=output_counts,
             seen_mask=seen_mask,
             token_bitmask=token_bitmask.to(dev) if token_bitmask is not None else None,
-            logit_bias=_logit_bias(params, V, dev),
+            logit_bias=logit_bias_rows(params, V, dev),
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=dev) if banned_rows else None,
             banned_tokens=torch.tensor(banned_tokens, dtype=torch.int64, device=dev) if banned_rows else None,
             generators={row: gen for row, gen in enumerate(generators) if gen is not None and not greedy[row]},
@@ -235,22 +236,6 @@ def _penalty_counts(
         return output_counts, None
     in_output = output_counts if output_counts is not None else _token_counts(output_ids, V, dev)
     return output_counts, (_token_counts(prompt_ids, V, dev) > 0) | (in_output > 0)
-
-
-def _logit_bias(params: Sequence[SamplingParams], V: int, dev: torch.device) -> torch.Tensor | None:
-    """float32 [B, V] of the rows' logit_bias (zeros elsewhere); None when no row has one."""
-    if not any(p.logit_bias for p in params):
-        return None
-    rows, toks, vals = [], [], []
-    for row, p in enumerate(params):
-        for tok, v in (p.logit_bias or {}).items():
-            if tok < V:
-                rows.append(row)
-                toks.append(tok)
-                vals.append(v)
-    bias = torch.zeros(len(params), V, dtype=torch.float32)
-    bias[torch.tensor(rows, dtype=torch.int64), torch.tensor(toks, dtype=torch.int64)] = torch.tensor(vals)
-    return bias.to(dev)
 
 
 def _min_tokens_bans(
@@ -319,7 +304,7 @@ def sample(
     # Computed first: later stages replace `logits`, but raw logprobs describe the model.
     raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None
 
-    logits = apply_bias_and_grammar(logits, batch)
+    logits = apply_bias_and_grammar(logits, batch.logit_bias, batch.token_bitmask)
     logits = _apply_penalties(logits, batch)
     logits = _apply_min_tokens(logits, batch)
 
@@ -359,25 +344,6 @@ def gather_logprobs(
     else:
         values, ids = chosen, token_ids.unsqueeze(1)
     return values, ids, ranks
-
-
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [B, W] -> bool [B, V]: token t allowed iff bit t % 32 of word t // 32 is set."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1  # [B, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
-def apply_bias_and_grammar(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias (added), then the grammar mask (forbidden tokens -> -inf); a new tensor when either
-    applies. First in the pipeline: penalties, temperature and the filters see only allowed tokens."""
-    if batch.logit_bias is not None:
-        logits = logits + batch.logit_bias
-    if batch.token_bitmask is not None:
-        logits = logits.masked_fill(~unpack_bitmask(batch.token_bitmask, logits.shape[-1]), _NEG_INF)
-    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -12,6 +12,7 @@ every other stage; this module is the only one that imports xgrammar.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from mlaserve.structured.spec import StructuredOutputs
+from mlaserve.structured.strict import plain_length_strings
 
 _ERR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
 _CACHE_LIMIT = 256  # compiled grammars kept (xgrammar also caches, by bytes)
@@ -87,7 +89,8 @@ class GrammarBackend:
         if kind == "json":
             # Compact JSON (no free whitespace): the output still validates, and a model cannot spend
             # its tokens on blank space. strict_mode: properties a schema does not name are not generated.
-            return c.compile_json_schema(spec.json, any_whitespace=False, strict_mode=True)
+            schema = json.dumps(plain_length_strings(spec.schema))
+            return c.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         if kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if kind == "regex":

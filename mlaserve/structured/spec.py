@@ -11,7 +11,9 @@ Exactly one of the kinds is set:
     structural_tag  an xgrammar structural tag (dict or JSON text): free text with constrained
                  sections, e.g. a model's tool calls (mlaserve/tools/)
 
-The field names are vLLM's `structured_outputs` names.
+The field names are vLLM's `structured_outputs` names. `strict` (json only; default True): the output must
+validate, so a schema with a part the grammar engine does not enforce (structured/strict.py) is refused;
+False is OpenAI's `strict: false`, best effort (the grammar holds what it enforces, the rest is not promised).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     structural_tag: Any = None
+    strict: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -69,6 +72,10 @@ class StructuredOutputs:
         kinds = self.kinds()
         if len(kinds) != 1:
             raise ValueError(f"structured outputs need exactly one of {', '.join(KINDS)}; got {kinds or 'none'}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"structured strict must be a bool, got {self.strict!r}")
+        if self.strict and self.json is not None:
+            check_strict(self.schema, "structured json")
 
     def kinds(self) -> list[str]:
         return [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -91,3 +98,15 @@ class StructuredOutputs:
         elif k == "json_object":
             value = ""
         return k, value
+
+
+def check_strict(schema, where: str) -> None:
+    """ValueError naming each part of `schema` the grammar would not enforce (a strict request must validate)."""
+    from mlaserve.structured.strict import unenforced
+
+    bad = unenforced(schema)
+    if bad:
+        raise ValueError(
+            f"{where}: the grammar engine does not enforce {'; '.join(bad)}: the output could not be "
+            "guaranteed to validate (strict); set strict: false for best effort"
+        )

@@ -15,7 +15,8 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from mlaserve.structured.spec import StructuredOutputs
+from mlaserve.structured.spec import StructuredOutputs, check_strict
+from mlaserve.structured.strict import plain_length_strings
 from mlaserve.tools.formats import ToolCall, ToolParseError
 
 log = logging.getLogger("mlaserve.server")
@@ -51,6 +52,14 @@ def check_tools(tools) -> list[dict]:
         params = fn.get("parameters")
         if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
             raise ToolRequestError("tools", f"{where}.function.parameters must be an object schema")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ToolRequestError("tools", f"{where}.function.strict must be a bool, got {strict!r}")
+        if strict is not False and params is not None:  # the call's arguments must validate (as response_format)
+            try:
+                check_strict(params, f"{where}.function.parameters")
+            except ValueError as e:
+                raise ToolRequestError("tools", str(e)) from None
     return tools
 
 
@@ -91,10 +100,16 @@ class ToolContext:
             raise ToolRequestError("parallel_tool_calls", "must be a bool")
         import xgrammar as xgr
 
+        grammar_tools = [  # xgrammar's length-bounded strings, worked around as for response_format
+            {**t, "function": {**t["function"], "parameters": plain_length_strings(t["function"]["parameters"])}}
+            if t["function"].get("parameters") is not None
+            else t
+            for t in allowed
+        ]
         try:
             tag = xgr.get_model_structural_tag(
                 fmt.XGRAMMAR_MODEL,
-                tools=allowed,
+                tools=grammar_tools,
                 tool_choice="required" if mode == "forced" else mode,
                 reasoning="enabled" if thinking else "disabled",
                 parallel_tool_calls=parallel_tool_calls is not False,
@@ -108,12 +123,17 @@ class ToolContext:
         return self.fmt.parse(text, self.tools)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A call cut short (max_tokens, or a stop string, inside the section) is neither a call (it is not
+        valid) nor content (its markup is not text for the user): the content is the text before the call's
+        start marker and `finish_reason` keeps the reason it ended ("length"), so a client sees it was cut."""
         try:
             content, calls = self.parse(text)
-        except ToolParseError as e:  # cut by max_tokens (or a stop string) inside the section
+        except ToolParseError as e:
             if finish_reason == "stop":
                 log.warning("tool-call output did not parse: %s", e)
-            return {"role": "assistant", "content": text}, finish_reason
+            content, calls = _safe_prefix(text, self.fmt.START), []
+        if finish_reason == "length":  # a start marker cut in the middle is markup too
+            content = _safe_prefix(content, self.fmt.START)
         msg = {"role": "assistant", "content": content or None}
         if calls:
             msg["tool_calls"] = [c.to_openai() for c in calls]
@@ -154,13 +174,17 @@ def _safe_prefix(text: str, start: str) -> str:
 
 def transcript(messages, fmt, has_template: bool) -> list[dict]:
     """Chat messages as the template reads them: assistant tool_calls and tool results kept (OpenAI
-    shapes); without a template, assistant calls are written in the model's own format."""
+    shapes; arguments as JSON text, or as an object for the formats whose templates iterate them:
+    TEMPLATE_ARGUMENTS); without a template, assistant calls are written in the model's own format."""
     out = []
     for m in messages:
         d = {"role": m.role, "content": m.text()}
         calls = getattr(m, "tool_calls", None)
         if calls:
             d["tool_calls"] = [_check_call(c) for c in calls]
+            if getattr(fmt, "TEMPLATE_ARGUMENTS", "text") == "object":  # the family's template reads a mapping
+                for c in d["tool_calls"]:
+                    c["function"] = {**c["function"], "arguments": json.loads(c["function"]["arguments"])}
             if not has_template:
                 d["content"] += fmt.render([ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in calls])
         if getattr(m, "tool_call_id", None) is not None:

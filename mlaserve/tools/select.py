@@ -1,13 +1,19 @@
 """Which tool-call format a checkpoint speaks: its chat template's markers first (a template is what the
-model was trained to read and write), then its model type. --tool-call-parser overrides."""
+model was trained to read and write), then its model type. --tool-call-parser overrides. Whether its chat
+output carries reasoning to separate: the template's `</think>`; --reasoning-parser overrides. Both are
+decided once per served template (`chat_formats`) and recorded in the engine config's provenance."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from mlaserve.config.engine import REASONING_PARSERS, EngineConfig
+from mlaserve.config.provenance import Setting
 from mlaserve.tools.formats import FORMATS
 
 _BY_MODEL_TYPE = {
     "deepseek_v32": "deepseek_v32",
-    "deepseek_v4": "deepseek_v32",
+    "deepseek_v4": "deepseek_v4",
     "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "kimi_k2": "kimi_k2",
@@ -21,8 +27,10 @@ def choose_format(model_type: str | None, chat_template: str | None, override: s
     if override is not None:
         if override not in FORMATS:
             raise ValueError(f"tool_call_parser {override!r} is not one of {', '.join(sorted(FORMATS))}")
-        return override, "--tool-call-parser"
+        return override, "user option (--tool-call-parser)"
     t = chat_template or ""
+    if "｜DSML｜tool_calls" in t:
+        return "deepseek_v4", "chat template writes <｜DSML｜tool_calls>"
     if "｜DSML｜" in t:
         return "deepseek_v32", "chat template writes DSML"
     if "<|tool_calls_section_begin|>" in t:
@@ -36,3 +44,34 @@ def choose_format(model_type: str | None, chat_template: str | None, override: s
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type], f"model_type {model_type}"
     return "deepseek_v3", f"model_type {model_type!r} not known for tool calls: DeepSeek-V3's format"
+
+
+def choose_reasoning(chat_template: str | None, override: str | None = None) -> tuple[str, str]:
+    """-> ("think" | "none", why)."""
+    if override is not None:
+        if override not in REASONING_PARSERS:
+            choices = ", ".join(c for c in REASONING_PARSERS if c is not None)
+            raise ValueError(f"reasoning_parser {override!r} is not one of {choices}")
+        return override, "user option (--reasoning-parser)"
+    if chat_template and "</think>" in chat_template:
+        return "think", "chat template writes </think>"
+    return "none", "chat template has no </think>" if chat_template else "no chat template"
+
+
+def chat_formats(
+    cfg: EngineConfig,
+    chat_template: str | None,
+    tool_override: str | None = None,
+    reasoning_override: str | None = None,
+    template_source: str = "",
+) -> EngineConfig:
+    """`cfg` with its tool-call and reasoning parsers decided for `chat_template` and recorded (the loader does
+    it with the checkpoint's template; the server again with --chat-template's, whose name is template_source)."""
+    tool, tool_why = choose_format(cfg.model.model_type, chat_template, tool_override)
+    reasoning, reasoning_why = choose_reasoning(chat_template, reasoning_override)
+    if template_source:
+        tool_why, reasoning_why = (w.replace("chat template", template_source) for w in (tool_why, reasoning_why))
+    new = (Setting("tool_call_parser", tool, tool_why), Setting("reasoning_parser", reasoning, reasoning_why))
+    names = {s.name for s in new}
+    kept = tuple(s for s in cfg.provenance if s.name not in names)
+    return replace(cfg, tool_call_parser=tool, reasoning_parser=reasoning, provenance=kept + new)

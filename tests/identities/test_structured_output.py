@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlaserve import LLM, SamplingParams, StructuredOutputs
-from mlaserve.sampling.sampler import SamplingBatch, sample, unpack_bitmask
+from mlaserve.sampling.sampler import SamplingBatch, sample
+from mlaserve.sampling.token_mask import unpack_bitmask
 
 PERSON = {
     "type": "object",

@@ -114,8 +114,18 @@ def test_auto_and_none(server):
 
 
 def test_length_inside_a_call(server):
-    r = _chat(server, tool_choice="required", temperature=0.0, max_tokens=8)
-    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    """Cut inside the call: no calls, no markup in content, "length"; streamed the same (test_tool_call_cut.py)."""
+    for max_tokens in (1, 8, 30):
+        ch = _chat(server, tool_choice="required", temperature=0.0, max_tokens=max_tokens).choices[0]
+        assert ch.finish_reason == "length" and not ch.message.tool_calls
+        assert not ch.message.content, ch.message.content  # required: the output is the call, so nothing before it
+        content, reason = "", None
+        for chunk in _chat(server, tool_choice="required", temperature=0.0, max_tokens=max_tokens, stream=True):
+            for c in chunk.choices:
+                assert not c.delta.tool_calls
+                content += c.delta.content or ""
+                reason = c.finish_reason or reason
+        assert reason == "length" and content == ""
 
 
 def test_transcript_with_calls_and_results(server):

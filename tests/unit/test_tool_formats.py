@@ -45,6 +45,13 @@ HANDWRITTEN = {
         '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>\n'
         '<｜DSML｜parameter name="days" string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>'
     ),
+    "deepseek_v4": (
+        'Let me look.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    ),
     "glm45": (
         "Let me look.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>get_weather\n"
@@ -113,6 +120,12 @@ MALFORMED = {
         '<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n',
         "<｜DSML｜function_calls>\n</｜DSML｜function_calls>",
     ],
+    "deepseek_v4": [
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="false">nope</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n',
+        # V3.2's closing marker does not close V4's section
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+    ],
     "glm45": [
         "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>three</arg_value>\n</tool_call>",
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris",
@@ -155,9 +168,9 @@ def test_stream_split_anywhere_matches_whole(name, cuts):
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]
     ]
-    # cut inside the section by max_tokens: no calls, the text comes back as content
+    # cut inside the section by max_tokens: no calls, the text before the call as content (test_tool_call_cut.py)
     msg, r = _ctx(name).message(text[: len(text) - 5], "length")
-    assert r == "length" and "tool_calls" not in msg and msg["content"] == text[: len(text) - 5]
+    assert r == "length" and "tool_calls" not in msg and msg["content"] == "Let me look."
 
 
 def test_format_choice_from_template_and_model_type():
@@ -177,7 +190,10 @@ def test_format_choice_from_template_and_model_type():
     )
     assert choose_format("deepseek_v3", "<|tool_calls_section_begin|>")[0] == "kimi_k2"
     assert choose_format("glm_moe_dsa", None)[0] == "glm45"
-    assert choose_format("deepseek_v3", None, "glm45") == ("glm45", "--tool-call-parser")
+    assert choose_format("deepseek_v4", None)[0] == "deepseek_v4"
+    assert choose_format("deepseek_v32", "{{ '<｜DSML｜tool_calls>' }}")[0] == "deepseek_v4"
+    assert choose_format("deepseek_v4", "{{ '<｜DSML｜function_calls>' }}")[0] == "deepseek_v32"
+    assert choose_format("deepseek_v3", None, "glm45") == ("glm45", "user option (--tool-call-parser)")
     with pytest.raises(ValueError, match="tool_call_parser"):
         choose_format("deepseek_v3", None, "llama")
 

@@ -17,10 +17,9 @@ from mlaserve.entrypoints.openai.reasoning import (
     ReasoningSplitter,
     after_reasoning,
     prompt_opens_thinking,
-    template_thinks,
 )
 from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, choice_error, new_id, sse_chunk
-from mlaserve.entrypoints.openai.tool_calls import tool_context
+from mlaserve.entrypoints.openai.tool_calls import thinks, tool_context
 
 
 def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, list]:
@@ -34,7 +33,7 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     n_lp = (req.top_logprobs or 0) if req.logprobs else None
     extras = sampling_extras(serving, req, req.n)
     # a thinking template whose prompt opens <think>: reasoning first, then content (and the grammar)
-    splitter = ReasoningSplitter(prompt_opens_thinking(serving, ids)) if template_thinks(serving) else None
+    splitter = ReasoningSplitter(prompt_opens_thinking(serving, ids)) if thinks(serving) else None
     thinking = splitter is not None and splitter.in_reasoning
     ctx = tool_context(serving, req, thinking)  # tools: the grammar of the model's tool-call format
     if ctx is not None:

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from mlaserve.entrypoints.engine_args import add_engine_args, make_llm
-from mlaserve.tools.formats import FORMATS
 
 
 def add_serve(sub) -> None:
@@ -41,12 +40,6 @@ def add_serve(sub) -> None:
         help="requests waiting beyond max-num-seqs running ones; past it 429 with Retry-After (default 256)",
     )
     p.add_argument("--chat-template", default=None, metavar="FILE", help="jinja chat template replacing the model's")
-    p.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted(FORMATS),
-        help="tool-call format of the model (default: chosen from the chat template and model type, logged)",
-    )
     p.add_argument(
         "--verify", action="store_true", help="run `mlaserve verify`'s checks before serving; fail if any fails"
     )

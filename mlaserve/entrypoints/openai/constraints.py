@@ -1,4 +1,5 @@
-"""Request fields that constrain sampling: response_format, structured_outputs, logit_bias, best_of.
+"""Request fields that constrain sampling: response_format, structured_outputs (vLLM), grammar and json_schema
+(llama.cpp's, on /v1/completions), logit_bias, best_of.
 
 -> the SamplingParams keywords `structured` and `logit_bias`. Everything is checked here, before the
 request reaches the engine: a malformed constraint, or a schema / regex / grammar the grammar engine
@@ -65,8 +66,12 @@ def from_response_format(rf: dict | None) -> StructuredOutputs | None:
     schema = js.get("schema")
     if not isinstance(schema, dict):
         raise _bad("response_format.json_schema.schema", "is required (a JSON schema object)")
-    # strict or not, the output is generated under the schema (strict only makes OpenAI check the schema)
-    return StructuredOutputs(json=schema)
+    # strict (true or absent): the output validates, or the schema is refused here; false: OpenAI's best effort,
+    # still generated under the grammar of the schema (what the engine enforces of it holds)
+    try:
+        return StructuredOutputs(json=schema, strict=js.get("strict") is not False)
+    except ValueError as e:
+        raise _bad("response_format.json_schema.schema", str(e).removeprefix("structured json: ")) from None
 
 
 def from_structured_outputs(so: dict | None) -> StructuredOutputs | None:
@@ -89,6 +94,16 @@ def sampling_extras(serving, req, n: int) -> dict:
     if req.best_of is not None and req.best_of > 1:
         raise _bad("best_of", f"best_of {req.best_of} is not supported (ask for n samples and rank them yourself)")
     spec, field = from_structured_outputs(req.structured_outputs), "structured_outputs"
+    llama = {k: getattr(req, k, None) for k in ("grammar", "json_schema") if getattr(req, k, None) is not None}
+    if llama:  # llama.cpp's /completion fields
+        name = sorted(llama)[0]
+        if spec is not None or len(llama) > 1:
+            raise _bad(name, "grammar, json_schema and structured_outputs cannot be combined")
+        try:
+            spec = StructuredOutputs(grammar=llama[name]) if name == "grammar" else StructuredOutputs(json=llama[name])
+        except ValueError as e:
+            raise _bad(name, str(e)) from None
+        field = name
     rf = getattr(req, "response_format", None)
     if rf is not None:
         if spec is not None:

@@ -184,6 +184,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = None
     echo: bool = False
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})  # insertion is not supported
+    # llama.cpp's server fields: a GBNF grammar, or a JSON schema, the output is generated under (structured/)
+    grammar: str | None = None
+    json_schema: dict | None = None
 
     @field_validator("suffix")
     @classmethod

@@ -1,10 +1,11 @@
 """Reasoning separation: a thinking model's `<think>...</think>` goes to `reasoning_content`, the rest to
 `content` (no think tags leak into either).
 
-Thinking is on for a request when the served chat template speaks of `<think>` and either the rendered
-prompt ends with the opener (DeepSeek-R1 / V3.1 / V3.2 thinking mode: the template writes `<think>`
-and the model continues inside it) or the output itself begins with `<think>` (GLM-4.5..5). A template
-without think tags (the embedded model's plain transcript) leaves the text as it is.
+Thinking is on for a request when the reasoning parser is "think" (tools/select.py: the served chat
+template writes `</think>`, or --reasoning-parser think) and either the rendered prompt ends with the
+opener (DeepSeek-R1 / V3.1 / V3.2 thinking mode: the template writes `<think>` and the model continues
+inside it) or the output itself begins with `<think>` (GLM-4.5..5). Reasoning parser "none" (a template
+without think tags, e.g. the embedded model's plain transcript) leaves the text as it is.
 """
 
 from __future__ import annotations
@@ -12,11 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<think>", "</think>"
-
-
-def template_thinks(serving) -> bool:
-    template = serving.chat_template or (serving.tokenizer.chat_template if serving.tokenizer else None)
-    return bool(template) and CLOSE in template
 
 
 def prompt_opens_thinking(serving, ids: list[int]) -> bool:

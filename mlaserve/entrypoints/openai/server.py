@@ -18,7 +18,7 @@ from mlaserve.config.layer_kinds import attention_summary
 from mlaserve.engine.engine_loop import EngineLoop
 from mlaserve.entrypoints.openai.app import build_app
 from mlaserve.entrypoints.openai.serving import OpenAIServing
-from mlaserve.entrypoints.openai.tool_calls import set_tool_format
+from mlaserve.entrypoints.openai.tool_calls import set_chat_formats
 from mlaserve.observability.metrics import RouteTap, ServerMetrics
 from mlaserve.observability.trace import MemoryTracer, make_tracer
 
@@ -78,7 +78,7 @@ def run(args, llm, chat_template: str | None) -> int:
         allowed_origins=origins or None,
         debug_endpoints=args.enable_debug_endpoints,
     )
-    set_tool_format(serving, getattr(args, "tool_call_parser", None))
+    set_chat_formats(serving, getattr(args, "tool_call_parser", None), getattr(args, "reasoning_parser", None))
     loop.start()
     config = uvicorn.Config(
         app,

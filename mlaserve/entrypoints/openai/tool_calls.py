@@ -8,24 +8,40 @@ import logging
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.tools.formats import FORMATS
 from mlaserve.tools.request import ToolContext, ToolRequestError, transcript
-from mlaserve.tools.select import choose_format
+from mlaserve.tools.select import chat_formats
 
 log = logging.getLogger("mlaserve.server")
 _RESERVED = ("messages", "add_generation_prompt", "tools")
 
 
-def set_tool_format(serving, override: str | None = None) -> str:
-    """Choose (and record on `serving`, and in the log) the tool-call format of the served model."""
-    template = serving.chat_template or (serving.tokenizer.chat_template if serving.tokenizer else None)
-    name, why = choose_format(serving.llm.config.model.model_type, template, override)
-    serving.tool_format = name
-    log.info("tool-call format %s (%s)", name, why)
-    return name
+def set_chat_formats(serving, tool_override: str | None = None, reasoning_override: str | None = None) -> None:
+    """Decide the served template's tool-call and reasoning parsers (the loader decided them for the checkpoint's
+    own template; --chat-template may differ), record them in the config's provenance and in the log."""
+    llm = serving.llm
+    if serving.chat_template is not None:
+        llm.config = chat_formats(
+            llm.config, serving.chat_template, tool_override, reasoning_override, "--chat-template"
+        )
+    elif llm.config.tool_call_parser is None or tool_override or reasoning_override:
+        template = serving.tokenizer.chat_template if serving.tokenizer else None
+        llm.config = chat_formats(llm.config, template, tool_override, reasoning_override)
+    serving.tool_format, serving.reasoning_parser = llm.config.tool_call_parser, llm.config.reasoning_parser
+    for s in llm.config.provenance:
+        if s.name in ("tool_call_parser", "reasoning_parser"):
+            log.info("%s %s (%s)", s.name, s.value, s.source)
 
 
 def tool_format(serving):
-    name = getattr(serving, "tool_format", None) or set_tool_format(serving)
-    return FORMATS[name]
+    if getattr(serving, "tool_format", None) is None:
+        set_chat_formats(serving)
+    return FORMATS[serving.tool_format]
+
+
+def thinks(serving) -> bool:
+    """The served template's chat output carries <think>...</think> to separate (reasoning_parser "think")."""
+    if getattr(serving, "reasoning_parser", None) is None:
+        set_chat_formats(serving)
+    return serving.reasoning_parser == "think"
 
 
 def _has_template(serving) -> bool:

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 / V4 DSML:
+"""DeepSeek-V3.2 DSML (V4 writes the same calls inside <｜DSML｜tool_calls>: deepseek_v4.py):
 
 <｜DSML｜function_calls>
 <｜DSML｜invoke name="NAME">
@@ -17,6 +17,7 @@ from mlaserve.tools.formats.base import ToolCall, ToolParseError, split_content
 
 NAME = "deepseek_v32"
 XGRAMMAR_MODEL = "deepseek_v3_2"
+TEMPLATE_ARGUMENTS = "object"  # the DSML templates render `arguments` only when it is a mapping
 START = "<｜DSML｜function_calls>"
 END = "</｜DSML｜function_calls>"
 _INVOKE = re.compile(r'<｜DSML｜invoke name="(?P<name>[^"]+)">(?P<body>.*?)</｜DSML｜invoke>', re.S)
@@ -26,44 +27,53 @@ _PARAM = re.compile(
 
 
 def parse(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
-    content, section = split_content(text, START)
+    return parse_dsml(text, NAME, START, END)
+
+
+def parse_dsml(text: str, fmt: str, start: str, end: str) -> tuple[str, list[ToolCall]]:
+    """DSML invokes inside the section START ... END (fmt: the format's name, for errors)."""
+    content, section = split_content(text, start)
     if section is None:
         return content, []
     content = content.rstrip("\n")  # the format opens its section after a blank line
-    if not section.rstrip().endswith(END):
-        raise ToolParseError(f"{NAME}: tool-call section not closed with {END}")
-    body = section[len(START) : section.rstrip().rindex(END)]
+    if not section.rstrip().endswith(end):
+        raise ToolParseError(f"{fmt}: tool-call section not closed with {end}")
+    body = section[len(start) : section.rstrip().rindex(end)]
     calls, pos = [], 0
     for m in _INVOKE.finditer(body):
         if body[pos : m.start()].strip():
-            raise ToolParseError(f"{NAME}: unexpected text in the tool-call section: {body[pos : m.start()][:80]!r}")
-        calls.append(ToolCall(m["name"], json.dumps(_params(m["name"], m["body"]), ensure_ascii=False)))
+            raise ToolParseError(f"{fmt}: unexpected text in the tool-call section: {body[pos : m.start()][:80]!r}")
+        calls.append(ToolCall(m["name"], json.dumps(_params(fmt, m["name"], m["body"]), ensure_ascii=False)))
         pos = m.end()
     if body[pos:].strip() or not calls:
-        raise ToolParseError(f"{NAME}: malformed tool call: {body[pos:][:80]!r}")
+        raise ToolParseError(f"{fmt}: malformed tool call: {body[pos:][:80]!r}")
     return content, calls
 
 
-def _params(name: str, body: str) -> dict:
+def _params(fmt: str, name: str, body: str) -> dict:
     args, pos = {}, 0
     for m in _PARAM.finditer(body):
         if body[pos : m.start()].strip():
-            raise ToolParseError(f"{NAME}: call {name!r}: unexpected text {body[pos : m.start()][:80]!r}")
+            raise ToolParseError(f"{fmt}: call {name!r}: unexpected text {body[pos : m.start()][:80]!r}")
         if m["str"] == "true":
             args[m["key"]] = m["value"]
         else:
             try:
                 args[m["key"]] = json.loads(m["value"])
             except ValueError as e:
-                raise ToolParseError(f"{NAME}: call {name!r} parameter {m['key']!r} is not JSON ({e})") from None
+                raise ToolParseError(f"{fmt}: call {name!r} parameter {m['key']!r} is not JSON ({e})") from None
         pos = m.end()
     if body[pos:].strip():
-        raise ToolParseError(f"{NAME}: call {name!r}: malformed parameter {body[pos:][:80]!r}")
+        raise ToolParseError(f"{fmt}: call {name!r}: malformed parameter {body[pos:][:80]!r}")
     return args
 
 
 def render(calls: list[ToolCall]) -> str:
-    out = [START]
+    return render_dsml(calls, START, END)
+
+
+def render_dsml(calls: list[ToolCall], start: str, end: str) -> str:
+    out = [start]
     for c in calls:
         out.append(f'<｜DSML｜invoke name="{c.name}">')
         for key, value in json.loads(c.arguments).items():
@@ -73,5 +83,5 @@ def render(calls: list[ToolCall]) -> str:
                 text = json.dumps(value, ensure_ascii=False)
                 out.append(f'<｜DSML｜parameter name="{key}" string="false">{text}</｜DSML｜parameter>')
         out.append("</｜DSML｜invoke>")
-    out.append(END)
+    out.append(end)
     return "\n\n" + "\n".join(out)

@@ -12,6 +12,7 @@ from mlaserve.tools.formats.base import ToolCall, ToolParseError, param_types, s
 
 NAME = "glm45"
 XGRAMMAR_MODEL = "glm_4_7"
+TEMPLATE_ARGUMENTS = "object"  # GLM-4.5..5's templates iterate `arguments.items()`
 START = "<tool_call>"
 END = "</tool_call>"
 _CALL = re.compile(r"<tool_call>(?P<name>[^<\n]+?)\s*(?P<body>(?:<arg_key>.*?)?)</tool_call>", re.S)
@@ -40,21 +41,51 @@ def _args(name: str, body: str, types: dict) -> dict:
         if body[pos : m.start()].strip():
             raise ToolParseError(f"{NAME}: call {name!r}: unexpected text {body[pos : m.start()][:80]!r}")
         key, value = m["key"].strip(), m["value"]
-        if (types.get(key) or {}).get("type") == "string":
-            args[key] = value
-        else:
-            try:
-                args[key] = json.loads(value)
-            except ValueError:
-                if key in types:
-                    raise ToolParseError(
-                        f"{NAME}: call {name!r} argument {key!r} is not JSON: {value[:80]!r}"
-                    ) from None
-                args[key] = value  # a parameter the tools do not describe: the text as written
+        args[key] = _value(name, key, value, types.get(key))
         pos = m.end()
     if body[pos:].strip():
         raise ToolParseError(f"{NAME}: call {name!r}: malformed argument {body[pos:][:80]!r}")
     return args
+
+
+def _value(name: str, key: str, text: str, schema) -> object:
+    """A value as GLM writes it: strings raw, everything else JSON; which one, the parameter's schema says
+    (a string type, or string members of its enum / const / anyOf, e.g. {"enum": ["Genesis", "Psalms"]})."""
+    strings = _string_members(schema)
+    if strings is True:
+        return text
+    word = text.strip()  # around a value that is not a free string, blank space is layout (as around JSON)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        if strings is None:
+            return text  # a parameter the tools do not describe: as written
+        if word in strings:
+            return word
+    else:
+        if strings is None or word not in strings or value in strings:
+            return value
+        return word  # "3" where the enum holds the string "3"
+    raise ToolParseError(f"{NAME}: call {name!r} argument {key!r} is not JSON: {text[:80]!r}")
+
+
+def _string_members(schema):
+    """True: any string; a set: these strings (enum / const); an empty set: no strings; None: no schema."""
+    if not isinstance(schema, dict):
+        return None
+    kinds = schema.get("type")
+    if kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
+        return True
+    out: set = set()
+    for v in schema.get("enum", []) + ([schema["const"]] if "const" in schema else []):
+        if isinstance(v, str):
+            out.add(v)
+    for branch in schema.get("anyOf", []) + schema.get("oneOf", []):
+        sub = _string_members(branch)
+        if sub is True:
+            return True
+        out |= sub or set()
+    return out
 
 
 def render(calls: list[ToolCall]) -> str:
