@@ -196,6 +196,29 @@ class _HFAdapter:
             )
         self.family, name = family, family.name
         self.log.record("model_type", name, f"{source}:model_type" + (f" ({mt} alias)" if mt != name else ""))
+        self.raw = self._translate_legacy(raw)
+
+    def _translate_legacy(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The family's legacy keys read under their current names, each recorded ("from legacy key X");
+        keys the reference drops recorded as dropped. The caller's dict is not changed."""
+        family, out = self.family, dict(raw)
+        self.renamed: dict[str, str] = {}  # current name -> the legacy key it was read from (error messages)
+        for old, new in family.legacy_keys.items():
+            if old not in raw:
+                continue
+            if new in raw and raw[new] != raw[old]:
+                raise ConfigError(
+                    f"{self.source}: {old} (legacy key for {new}) = {raw[old]!r} but {new} = {raw[new]!r}; give one"
+                )
+            out[new] = out.pop(old)
+            self.renamed[new] = old
+            where = self.field_sources.get(old, f"{self.source}:{old}")
+            self.field_sources = {**self.field_sources, new: f"{where} (from legacy key {old})"}
+            self.log.record(f"{new} <- {old}", out[new], f"{where}: legacy key of {family.name}, read as {new}")
+        for key, why in family.dropped_keys.items():
+            if key in out:
+                self.log.record(f"{key} (dropped)", out.pop(key), f"{self.source}:{key}: {why}")
+        return out
 
     def get(self, key: str, required: bool = False) -> Any:
         if key in self.raw and self.raw[key] is not None or (key in self.raw and key == "q_lora_rank"):
@@ -209,7 +232,7 @@ class _HFAdapter:
         g = self.get
         for key in _REQUIRED:
             g(key, required=True)
-        _check_sizes(self.raw, self.source)
+        _check_sizes(self.raw, self.source, self.renamed)
         num_layers = self.raw["num_hidden_layers"]
         heads = self.raw["num_attention_heads"]
         kv_heads = self.raw.get("num_key_value_heads", heads)
@@ -278,6 +301,13 @@ class _HFAdapter:
             params.get(key), default, f"{self.source}: {where}.{key}", zero_absent
         )
         rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type in self.family.rope_type_aliases:
+            legacy, rope_type = rope_type, self.family.rope_type_aliases[rope_type]
+            self.log.record(
+                "rope_type <- legacy",
+                rope_type,
+                f"{self.source}:{where}: {legacy!r} read as {rope_type!r} ({self.family.name})",
+            )
         if rope_type not in ("default", "yarn"):
             raise ConfigError(f"{self.source}: {where}.rope_type {rope_type!r} is not supported (default, yarn)")
         interleaved = self._rope_interleaved()
@@ -427,29 +457,31 @@ _CHOICE_FIELDS = {
 }
 
 
-def _check_sizes(raw: dict[str, Any], source: str) -> None:
+def _check_sizes(raw: dict[str, Any], source: str, renamed: dict[str, str] | None = None) -> None:
     """Integer fields are ints >= their minimum, float fields numbers, booleans JSON booleans, fields with a
-    vocabulary one of its values: an error names the key."""
+    vocabulary one of its values: an error names the key (and the legacy key it was read from, `renamed`)."""
+    renamed = renamed or {}
+    label = lambda key: f"{key} (legacy key {renamed[key]})" if key in renamed else key  # noqa: E731
     for key in _BOOL_FIELDS:  # bool() of any other value ([] or "false" too) would pick a different model
         value = raw.get(key)
         if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{source}: {key} must be true or false, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{source}: {label(key)} must be true or false, got {value!r} ({type(value).__name__})")
     for key, allowed in _CHOICE_FIELDS.items():
         value = raw.get(key)
         if value is not None and value not in allowed:
-            raise ConfigError(f"{source}: {key} {value!r} is not supported; one of {allowed}")
+            raise ConfigError(f"{source}: {label(key)} {value!r} is not supported; one of {allowed}")
     for key, least in _INT_FIELDS.items():
         value = raw.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: {key} must be an integer, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{source}: {label(key)} must be an integer, got {value!r} ({type(value).__name__})")
         if value < least:
-            raise ConfigError(f"{source}: {key} must be >= {least}, got {value}")
+            raise ConfigError(f"{source}: {label(key)} must be >= {least}, got {value}")
     for key in _FLOAT_FIELDS:
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{source}: {key} must be a number, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{source}: {label(key)} must be a number, got {value!r} ({type(value).__name__})")
 
 
 def check_model_config(cfg: ModelConfig, source: str, field_sources: dict[str, str] | None = None) -> None:

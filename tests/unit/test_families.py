@@ -19,10 +19,12 @@ def test_lookup_by_model_type_and_alias():
         "glm_moe_dsa",
         "glm4_moe_lite",
         "deepseek_v4",
+        "sarvam_mla",
     ]
     assert by_model_type("kimi_k2") is by_model_type("deepseek_v3")
     assert by_model_type("llama") is None
     assert families.model_types()[-1] == "kimi_k2"
+    assert by_model_type("sarvam_mla").base is by_model_type("deepseek_v3")
 
 
 def test_lookup_by_gguf_arch():

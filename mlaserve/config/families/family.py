@@ -43,6 +43,11 @@ class Family:
     scoring_func: str = "sigmoid"
     # Why the main rope is always interleaved (a family rule); None: config's rope_interleave.
     rope_rule: str | None = None
+    # Legacy config.json keys read as their current name (legacy -> current; both given and different
+    # is an error), keys the reference drops (key -> why), and rope types read as another (type -> type).
+    legacy_keys: Mapping[str, str] = field(default_factory=frozen_map)
+    dropped_keys: Mapping[str, str] = field(default_factory=frozen_map)
+    rope_type_aliases: Mapping[str, str] = field(default_factory=frozen_map)
     reads_mlp_layer_types: bool = False  # config.json's mlp_layer_types decides dense/MoE layers
     # Without mlp_layer_types: this many leading dense layers (the class default), or None to
     # derive them from first_k_dense_replace.
