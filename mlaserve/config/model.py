@@ -8,7 +8,7 @@ file each; the adapter below reads any of them by asking its `Family`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlaserve.config import families
@@ -172,14 +172,59 @@ class ModelConfig:
     def from_hf(
         cls, raw: dict[str, Any], source: str = "config.json", field_sources: dict[str, str] | None = None
     ) -> ModelConfig:
-        """field_sources: where each key of `raw` came from when it is not a config.json (GGUF metadata)."""
-        return _HFAdapter(raw, source, field_sources or {}).build()
+        """field_sources: where each key of `raw` came from when it is not a config.json (GGUF metadata).
+        A multimodal wrapper (kimi_k25) is read as its text_config, the wrapper recorded."""
+        wrapper = _text_part(raw, source)
+        if wrapper is None:
+            return _HFAdapter(raw, source, field_sources or {}).build()
+        text, text_source, settings = wrapper
+        cfg = _HFAdapter(text, text_source, {}, wrapper_tie=settings[-1]).build()
+        return replace(cfg, provenance=settings[:-1] + cfg.provenance)
+
+
+def _text_part(raw: Any, source: str) -> tuple[dict[str, Any], str, tuple[Setting, ...]] | None:
+    """A wrapper family's text_config with its source, the settings recording the wrapper, and last the
+    wrapper's tie setting; None for a config that is not a wrapper's."""
+    family = families.by_model_type(raw.get("model_type")) if isinstance(raw, dict) else None
+    if family is None or not family.text_config:
+        return None
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: {family.name} needs a text_config object (its text model), got {text!r}")
+    inner_type = text.get("model_type", "deepseek_v3")  # Kimi_K25Config's SubConfigSpec default
+    inner = families.by_model_type(inner_type)
+    if inner is None or inner.text_config or inner.reader != "mla":
+        raise ConfigError(f"{source}: text_config.model_type {inner_type!r} is not an MLA text model this engine reads")
+    tie = raw.get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):
+        raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r} ({type(tie).__name__})")
+    given = tie is not None
+    tie = family.tie_default if tie is None else tie
+    settings = (
+        Setting(
+            "wrapper",
+            family.name,
+            f"{source}:model_type: a multimodal wrapper; its text_config ({inner_type}) is the model served, "
+            f"tensors under {family.text_prefix!r}; {', '.join(family.skipped_prefixes)} skipped",
+        ),
+        Setting(
+            "tie_word_embeddings",
+            tie,
+            f"{source}:tie_word_embeddings (the wrapper's)"
+            if given
+            else f"class default ({family.name} wrapper: {family.tie_default}; 'tie_word_embeddings' absent); "
+            "the loader decides from the weights present",
+        ),
+    )
+    return {**text, "model_type": inner_type, "tie_word_embeddings": tie}, f"{source}:text_config", settings
 
 
 class _HFAdapter:
     """Reads one config.json dict into a ModelConfig, recording where each value came from."""
 
-    def __init__(self, raw: dict[str, Any], source: str, field_sources: dict[str, str]) -> None:
+    def __init__(
+        self, raw: dict[str, Any], source: str, field_sources: dict[str, str], wrapper_tie: Setting | None = None
+    ) -> None:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: the config must be a JSON object (a dict), got {type(raw).__name__}")
         self.raw, self.source, self.log = raw, source, ProvenanceLog()
@@ -197,6 +242,8 @@ class _HFAdapter:
         self.family, name = family, family.name
         self.log.record("model_type", name, f"{source}:model_type" + (f" ({mt} alias)" if mt != name else ""))
         self.raw = self._translate_legacy(raw)
+        if wrapper_tie is not None:  # the text config's own tie flag is not the one the wrapper class uses
+            self.log.record(wrapper_tie.name, wrapper_tie.value, wrapper_tie.source)
 
     def _translate_legacy(self, raw: dict[str, Any]) -> dict[str, Any]:
         """The family's legacy keys read under their current names, each recorded ("from legacy key X");
