@@ -144,3 +144,19 @@ def test_config_errors_and_stray_tensors(kimi, tmp_path):
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(WeightError, match="'audio_tower.w' is neither under 'language_model.'"):
         LLM(str(tmp_path))
+
+
+def test_chunked_equals_one_pass_and_batch_equals_alone(kimi):
+    """Chunks of 8 vs one pass of 64: the same math over other row groups, fp32 rounding only (bound 1e-5);
+    three prompts of different lengths decoded together give each one's tokens alone."""
+    folder, _ = kimi(False)
+    ids = random_ids(56, TEXT["vocab_size"])
+    one = LLM(str(folder), max_num_batched_tokens=64, page_size=8)
+    chunked = LLM(str(folder), max_num_batched_tokens=8, page_size=8)
+    diff, top1 = compare_logits(chunked.prompt_logits(ids), one.prompt_logits(ids))
+    assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [ids[:7], ids[10:30], ids[30:41]]
+    together = [o.outputs[0].token_ids for o in one.generate(prompts, greedy)]
+    alone = [one.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+    assert [list(t) for t in together] == [list(a) for a in alone]
