@@ -131,6 +131,9 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
             source = TextPartSource(source, wrapper)
             model_cfg = decide_tie(model_cfg, source)
             skipped, skipped_note = list(source.skipped.names), source.skipped.note(wrapper.name)
+            text = hf_config.get("text_config") or {}
+            if scheme is None and "quantization_config" in text:  # where Kimi-K2.x releases keep it
+                scheme = parse_quantization(text, source="config.json:text_config")
         tokenizer = _folder_tokenizer(path, model_cfg)
     quantized = scheme is not None or _has_gguf_blocks(source) or opts.quantization is not None
     probe = _native_probe if quantized else None
@@ -230,7 +233,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         source = BlockSource(source, gguf_plan.blocks)
     quant = None
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
-        modules = {name for name, _ in model.named_modules()}
+        # + the skipped parts' modules: an ignore pattern may name only them (a wrapper's "re:.*vision_tower.*")
+        modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if gguf_plan is not None:

@@ -57,7 +57,15 @@ QCONFIG = {
             "format": "pack-quantized",
         }
     },
-    "ignore": ["lm_head"],
+    # the Kimi-K2.x release's list: everything but the routed experts, and the vision parts
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+        "re:.*lm_head.*",
+        "re:.*vision_tower.*",
+        "re:.*mm_projector.*",
+    ],
 }
 EXPERT = "language_model.model.blocks.{}.mlp.experts."
 
@@ -99,7 +107,9 @@ def folders(tmp_path_factory):
         save_file(tensors, str(folder / "model.safetensors"))
         if kind == "int4":
             raw = json.loads((folder / "config.json").read_text())
-            (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": QCONFIG}))
+            # under text_config, where the Kimi-K2.x releases keep it
+            raw["text_config"]["quantization_config"] = QCONFIG
+            (folder / "config.json").write_text(json.dumps(raw))
         out[kind] = folder
     return out["int4"], out["deq"], base
 
