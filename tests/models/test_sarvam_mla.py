@@ -176,3 +176,24 @@ def test_chunked_prefill_equals_one_pass_and_greedy_equals_transformers(sarvam):
             torch.tensor([ids[:12]]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=2
         )[0, 12:].tolist()
     assert list(got) == want
+
+
+def test_num_mtp_layers_declares_the_mtp_layer(sarvam, tmp_path):
+    """The legacy num_mtp_layers is what lets a layer past num_hidden_layers load as an (unbuilt, skipped and
+    reported) MTP layer; with 0 the same tensor is an extra layer, refused."""
+    from safetensors.torch import load_file, save_file
+
+    from mlaserve.loading.safetensors_source import WeightError
+
+    folder, _ = sarvam("yarn")
+    tensors = load_file(str(folder / "model.safetensors"))
+    extra = f"model.layers.{BASE['num_hidden_layers']}.input_layernorm.weight"
+    tensors[extra] = torch.ones(BASE["hidden_size"])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_mtp_layers": 0}))
+    with pytest.raises(WeightError, match="num_nextn_predict_layers=0"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_mtp_layers": 1}))
+    llm = LLM(str(tmp_path))
+    assert llm.loaded.report.skipped == [extra]
