@@ -15,7 +15,10 @@ Quantizer (compressed-tensors' symmetric group rule): S = amax(|W| over the grou
 
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.nn.functional as F
 
 GROUP = 32
 PACK = 8  # values per int32
@@ -57,7 +60,16 @@ def dequantize_reference(p: torch.Tensor, s: torch.Tensor, group: int = GROUP) -
 
 
 def dequantize(p: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """Fast: fp32 [..., N, K], equal to dequantize_reference bit for bit (one exact product each)."""
-    q = unpack(p).float()
+    """Fast: fp32 [..., N, K], equal to dequantize_reference bit for bit. The int32 words read as their
+    little-endian bytes are the columns in order, two per byte (low nibble first), so one lookup of a
+    256-entry table of (low - 8, high - 8) pairs decodes them (about half the time of the shifts, measured),
+    then one exact product with the group's scale."""
+    if sys.byteorder != "little":  # the byte view reads the words' bytes in memory order: use the shifts
+        return dequantize_reference(p, s, group)
+    table = _BYTE_TABLE.to(p.device)
+    q = F.embedding(p.contiguous().view(torch.uint8).int(), table).flatten(-2)  # [..., N, K/2, 2] -> [..., N, K]
     k = q.shape[-1]
     return (q.unflatten(-1, (k // group, group)) * s.float()[..., None]).flatten(-2)
+
+
+_BYTE_TABLE = torch.tensor([[(b & 0xF) - OFFSET, (b >> 4) - OFFSET] for b in range(256)], dtype=torch.float32)
