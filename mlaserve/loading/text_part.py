@@ -64,6 +64,9 @@ class TextPartSource:
     def names(self) -> list[str]:
         return list(self._stored)
 
+    def has(self, name: str) -> bool:
+        return name in self._stored
+
     def stored_name(self, name: str) -> str:
         return self._stored[name]
 
@@ -97,7 +100,7 @@ def _nbytes(source, name: str) -> int:
 def decide_tie(cfg: ModelConfig, source: TextPartSource) -> ModelConfig:
     """Tie lm_head to the embeddings exactly when the checkpoint ships no lm_head.weight, whatever the
     wrapper's flag says (its class default is True; Kimi-K2.x ships a separate lm_head), recorded with why."""
-    has_head = "lm_head.weight" in source._stored
+    has_head = source.has("lm_head.weight")
     tie = not has_head
     flag = next(s for s in cfg.provenance if s.name == "tie_word_embeddings")
     why = (
