@@ -8,7 +8,7 @@ file each; the adapter below reads any of them by asking its `Family`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlaserve.config import families
@@ -172,14 +172,59 @@ class ModelConfig:
     def from_hf(
         cls, raw: dict[str, Any], source: str = "config.json", field_sources: dict[str, str] | None = None
     ) -> ModelConfig:
-        """field_sources: where each key of `raw` came from when it is not a config.json (GGUF metadata)."""
-        return _HFAdapter(raw, source, field_sources or {}).build()
+        """field_sources: where each key of `raw` came from when it is not a config.json (GGUF metadata).
+        A multimodal wrapper (kimi_k25) is read as its text_config, the wrapper recorded."""
+        wrapper = _text_part(raw, source)
+        if wrapper is None:
+            return _HFAdapter(raw, source, field_sources or {}).build()
+        text, text_source, settings = wrapper
+        cfg = _HFAdapter(text, text_source, {}, wrapper_tie=settings[-1]).build()
+        return replace(cfg, provenance=settings[:-1] + cfg.provenance)
+
+
+def _text_part(raw: Any, source: str) -> tuple[dict[str, Any], str, tuple[Setting, ...]] | None:
+    """A wrapper family's text_config with its source, the settings recording the wrapper, and last the
+    wrapper's tie setting; None for a config that is not a wrapper's."""
+    family = families.by_model_type(raw.get("model_type")) if isinstance(raw, dict) else None
+    if family is None or not family.text_config:
+        return None
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: {family.name} needs a text_config object (its text model), got {text!r}")
+    inner_type = text.get("model_type", "deepseek_v3")  # Kimi_K25Config's SubConfigSpec default
+    inner = families.by_model_type(inner_type)
+    if inner is None or inner.text_config or inner.reader != "mla":
+        raise ConfigError(f"{source}: text_config.model_type {inner_type!r} is not an MLA text model this engine reads")
+    tie = raw.get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):
+        raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r} ({type(tie).__name__})")
+    given = tie is not None
+    tie = family.tie_default if tie is None else tie
+    settings = (
+        Setting(
+            "wrapper",
+            family.name,
+            f"{source}:model_type: a multimodal wrapper; its text_config ({inner_type}) is the model served, "
+            f"tensors under {family.text_prefix!r}; {', '.join(family.skipped_prefixes)} skipped",
+        ),
+        Setting(
+            "tie_word_embeddings",
+            tie,
+            f"{source}:tie_word_embeddings (the wrapper's)"
+            if given
+            else f"class default ({family.name} wrapper: {family.tie_default}; 'tie_word_embeddings' absent); "
+            "the loader decides from the weights present",
+        ),
+    )
+    return {**text, "model_type": inner_type, "tie_word_embeddings": tie}, f"{source}:text_config", settings
 
 
 class _HFAdapter:
     """Reads one config.json dict into a ModelConfig, recording where each value came from."""
 
-    def __init__(self, raw: dict[str, Any], source: str, field_sources: dict[str, str]) -> None:
+    def __init__(
+        self, raw: dict[str, Any], source: str, field_sources: dict[str, str], wrapper_tie: Setting | None = None
+    ) -> None:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: the config must be a JSON object (a dict), got {type(raw).__name__}")
         self.raw, self.source, self.log = raw, source, ProvenanceLog()
@@ -196,6 +241,31 @@ class _HFAdapter:
             )
         self.family, name = family, family.name
         self.log.record("model_type", name, f"{source}:model_type" + (f" ({mt} alias)" if mt != name else ""))
+        self.raw = self._translate_legacy(raw)
+        if wrapper_tie is not None:  # the text config's own tie flag is not the one the wrapper class uses
+            self.log.record(wrapper_tie.name, wrapper_tie.value, wrapper_tie.source)
+
+    def _translate_legacy(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The family's legacy keys read under their current names, each recorded ("from legacy key X");
+        keys the reference drops recorded as dropped. The caller's dict is not changed."""
+        family, out = self.family, dict(raw)
+        self.renamed: dict[str, str] = {}  # current name -> the legacy key it was read from (error messages)
+        for old, new in family.legacy_keys.items():
+            if old not in raw:
+                continue
+            if new in raw and raw[new] != raw[old]:
+                raise ConfigError(
+                    f"{self.source}: {old} (legacy key for {new}) = {raw[old]!r} but {new} = {raw[new]!r}; give one"
+                )
+            out[new] = out.pop(old)
+            self.renamed[new] = old
+            where = self.field_sources.get(old, f"{self.source}:{old}")
+            self.field_sources = {**self.field_sources, new: f"{where} (from legacy key {old})"}
+            self.log.record(f"{new} <- {old}", out[new], f"{where}: legacy key of {family.name}, read as {new}")
+        for key, why in family.dropped_keys.items():
+            if key in out:
+                self.log.record(f"{key} (dropped)", out.pop(key), f"{self.source}:{key}: {why}")
+        return out
 
     def get(self, key: str, required: bool = False) -> Any:
         if key in self.raw and self.raw[key] is not None or (key in self.raw and key == "q_lora_rank"):
@@ -209,7 +279,7 @@ class _HFAdapter:
         g = self.get
         for key in _REQUIRED:
             g(key, required=True)
-        _check_sizes(self.raw, self.source)
+        _check_sizes(self.raw, self.source, self.renamed)
         num_layers = self.raw["num_hidden_layers"]
         heads = self.raw["num_attention_heads"]
         kv_heads = self.raw.get("num_key_value_heads", heads)
@@ -278,6 +348,13 @@ class _HFAdapter:
             params.get(key), default, f"{self.source}: {where}.{key}", zero_absent
         )
         rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type in self.family.rope_type_aliases:
+            legacy, rope_type = rope_type, self.family.rope_type_aliases[rope_type]
+            self.log.record(
+                "rope_type <- legacy",
+                rope_type,
+                f"{self.source}:{where}: {legacy!r} read as {rope_type!r} ({self.family.name})",
+            )
         if rope_type not in ("default", "yarn"):
             raise ConfigError(f"{self.source}: {where}.rope_type {rope_type!r} is not supported (default, yarn)")
         interleaved = self._rope_interleaved()
@@ -427,29 +504,31 @@ _CHOICE_FIELDS = {
 }
 
 
-def _check_sizes(raw: dict[str, Any], source: str) -> None:
+def _check_sizes(raw: dict[str, Any], source: str, renamed: dict[str, str] | None = None) -> None:
     """Integer fields are ints >= their minimum, float fields numbers, booleans JSON booleans, fields with a
-    vocabulary one of its values: an error names the key."""
+    vocabulary one of its values: an error names the key (and the legacy key it was read from, `renamed`)."""
+    renamed = renamed or {}
+    label = lambda key: f"{key} (legacy key {renamed[key]})" if key in renamed else key  # noqa: E731
     for key in _BOOL_FIELDS:  # bool() of any other value ([] or "false" too) would pick a different model
         value = raw.get(key)
         if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{source}: {key} must be true or false, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{source}: {label(key)} must be true or false, got {value!r} ({type(value).__name__})")
     for key, allowed in _CHOICE_FIELDS.items():
         value = raw.get(key)
         if value is not None and value not in allowed:
-            raise ConfigError(f"{source}: {key} {value!r} is not supported; one of {allowed}")
+            raise ConfigError(f"{source}: {label(key)} {value!r} is not supported; one of {allowed}")
     for key, least in _INT_FIELDS.items():
         value = raw.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: {key} must be an integer, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{source}: {label(key)} must be an integer, got {value!r} ({type(value).__name__})")
         if value < least:
-            raise ConfigError(f"{source}: {key} must be >= {least}, got {value}")
+            raise ConfigError(f"{source}: {label(key)} must be >= {least}, got {value}")
     for key in _FLOAT_FIELDS:
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{source}: {key} must be a number, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{source}: {label(key)} must be a number, got {value!r} ({type(value).__name__})")
 
 
 def check_model_config(cfg: ModelConfig, source: str, field_sources: dict[str, str] | None = None) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mlaserve.config import families
 from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
@@ -18,6 +19,7 @@ from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
+from mlaserve.loading.text_part import TextPartSource, decide_tie
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
@@ -97,6 +99,7 @@ class Checkpoint:
     skipped: list[str]
     scheme: object = None  # the checkpoint's quantization (quant.config), None when unquantized
     check_tensors: bool = False  # scan the filled weights for NaN/Inf (a GGUF was scanned at open)
+    skipped_note: str = ""  # what `skipped` is (default: a GGUF's nextn/MTP tensors)
 
 
 def load_model(path: str | Path, opts: EngineOptions, progress=None, comm=None) -> LoadedModel:
@@ -111,6 +114,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         raise FileNotFoundError(f"model path {path} does not exist")
     if problem is not None:
         raise ConfigError(f"model path {path} {problem}")
+    skipped_note = ""
     if not path.is_dir() and regular_file(path, ConfigError):
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
@@ -123,6 +127,14 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         model_cfg = ModelConfig.from_hf(hf_config, source="config.json")
         scheme = parse_quantization(hf_config)
         source, skipped = SafetensorsSource(path), []
+        wrapper = families.by_model_type(hf_config.get("model_type"))
+        if wrapper is not None and wrapper.text_config:  # the text model of a multimodal checkpoint
+            source = TextPartSource(source, wrapper)
+            model_cfg = decide_tie(model_cfg, source)
+            skipped, skipped_note = list(source.skipped.names), source.skipped.note(wrapper.name)
+            text = hf_config.get("text_config") or {}
+            if scheme is None and "quantization_config" in text:  # where Kimi-K2.x releases keep it
+                scheme = parse_quantization(text, source="config.json:text_config")
         tokenizer = _folder_tokenizer(path, model_cfg)
     quantized = scheme is not None or _has_gguf_blocks(source) or opts.quantization is not None
     probe = _native_probe if quantized else None
@@ -159,7 +171,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                 f"{path}: tensor_parallel_size={engine_cfg.tensor_parallel_size} with a quantized checkpoint "
                 f"({scheme.method} {scheme.fmt}) is not supported yet (its block scales are not split)"
             )
-    return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors)
+    return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors, skipped_note)
 
 
 def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
@@ -224,7 +236,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         source = BlockSource(source, gguf_plan.blocks)
     quant = None
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
-        modules = {name for name, _ in model.named_modules()}
+        # + the skipped parts' modules: an ignore pattern may name only them (a wrapper's "re:.*vision_tower.*")
+        modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if gguf_plan is not None:
@@ -264,7 +277,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append("check_tensors: every weight is finite")
     if skipped:
         report.skipped.extend(skipped)
-        report.notes.append(f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
+        report.notes.append(ck.skipped_note or f"skipped {len(skipped)} GGUF nextn/MTP tensor(s)")
     gen = (read_json(path / "generation_config.json", ConfigError, required=False) if path.is_dir() else None) or {}
     return LoadedModel(
         model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan, quantized_at_load, kernel_plan

@@ -16,6 +16,10 @@ Formats read (weights are float8_e4m3fn, dequantized as w = q * s, s per block o
                     (NVFP4: tensor_group/16, MXFP4: group/32) is read for routed experts:
                     `weight_packed` uint8 [N, K/2], `weight_scale` (e4m3 / e8m0 bytes) [N, K/g] and
                     for NVFP4 `weight_global_scale` [1]: W = value * weight_scale / global.
+                    An int group (format "pack-quantized", W4A16: type int, num_bits 4, strategy
+                    group, group_size 32, symmetric; Kimi-K2.x) is read for routed experts:
+                    `weight_packed` int32 [N, K/8], `weight_scale` [N, K/32], `weight_shape` [2]
+                    (int4_group.py): W = q * weight_scale.
 Activations stay in the compute dtype (--dtype): the dynamic activation quantization of the
 release is not reproduced, so the result equals "dequantize the weight, then matmul".
 """
@@ -44,6 +48,7 @@ class QuantScheme:
     # style, fp32 / ue8m0 group-32 scales), "nvfp4" / "mxfp4" (compressed-tensors, see fp4_group.py)
     expert_dtype: str = "fp8"
     scale_fmt: str = "float"  # "ue8m0": every scale a power of two (stored fp32 or float8_e8m0fnu)
+    group_size: int = 0  # expert_dtype "int4": columns per scale
 
     def block_of(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The (bn, bk) block of one weight: a channel is (1, K), a whole tensor (N, K)."""
@@ -124,6 +129,9 @@ def _parse_compressed_tensors(qc: dict, source: str, log: ProvenanceLog) -> Quan
     """One 8-bit float group (block | channel | tensor) and/or one 4-bit float group (NVFP4 or
     MXFP4, read for routed experts only)."""
     key = f"{source}:quantization_config"
+    int4 = _ct_int4(qc, key, log)
+    if int4 is not None:
+        return int4
     fp8, fp4 = _ct_groups(qc.get("config_groups") or {}, key)
     strategy, block = _ct_fp8(*fp8, log) if fp8 else ("none", None)
     experts = _ct_fp4(*fp4, log) if fp4 else "fp8"
@@ -133,6 +141,41 @@ def _parse_compressed_tensors(qc: dict, source: str, log: ProvenanceLog) -> Quan
     ignore = tuple(qc.get("ignore") or ())
     log.record("quant.ignore", ignore, f"{key}.ignore")
     return QuantScheme("compressed-tensors", "e4m3", strategy, block, "weight_scale", ignore, log.freeze(), experts)
+
+
+INT4_GROUP = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True}
+
+
+def _ct_int4(qc: dict, key: str, log: ProvenanceLog) -> QuantScheme | None:
+    """A W4A16 pack-quantized config (one int group): INT4 routed experts, the rest stored float. None when
+    the config has no int group; an int group other than INT4_GROUP is refused naming the field."""
+    groups = qc.get("config_groups") or {}
+    ints = [(n, g) for n, g in groups.items() if isinstance(g, dict) and (g.get("weights") or {}).get("type") == "int"]
+    if not ints:
+        return None
+    if len(groups) != 1:
+        raise ConfigError(f"{key}.config_groups: an int group beside other groups is not supported (one int4 group)")
+    name, group = ints[0]
+    w, gkey = group["weights"], f"{key}.config_groups.{name}.weights"
+    for field, want in INT4_GROUP.items():
+        if w.get(field) != want:
+            raise ConfigError(
+                f"{gkey}.{field} {w.get(field)!r} is not supported: int weights are read as {INT4_GROUP} (W4A16)"
+            )
+    fmt = qc.get("format", group.get("format"))
+    if fmt != "pack-quantized":
+        raise ConfigError(f"{key}.format {fmt!r} is not supported for int weights (pack-quantized)")
+    log.record("quant.fmt", "int4", f"{gkey}.type/num_bits")
+    log.record("quant.strategy", "group", f"{gkey}.strategy")
+    log.record("quant.block", (1, 32), f"{gkey}.group_size")
+    log.record("quant.expert_dtype", "int4", f"{gkey} (pack-quantized: routed experts only)")
+    log.record("quant.activations", "compute dtype", "W4A16: weights only")
+    log.record("quant.scale_tensor", "weight_scale", "compressed-tensors format")
+    ignore = tuple(qc.get("ignore") or ())
+    log.record("quant.ignore", ignore, f"{key}.ignore")
+    return QuantScheme(
+        "compressed-tensors", "int4", "none", None, "weight_scale", ignore, log.freeze(), "int4", group_size=32
+    )
 
 
 def _ct_groups(groups: dict, key: str) -> tuple[tuple[str, dict] | None, tuple[str, dict] | None]:

@@ -3,10 +3,11 @@ files alone: the safetensors counterpart of observability/weight_error.py (same 
 `mlaserve verify FP8_FOLDER --against ORIGINAL` allows each block its weights' rounding error).
 
 Notation
-  W = value(Q) * S       a quantized weight, dequantized (fp8_block.py, fp4_group.py)
+  W = value(Q) * S       a quantized weight, dequantized (fp8_block.py, fp4_group.py, int4_group.py)
   step(x)                the grid spacing of Q's format around the stored value x, times its scale:
                            e4m3: 2^(E - 10) for exponent field E >= 1, 2^-9 for subnormals (E = 0)
                            e2m1: 0.5 for |v| < 2, 1 for 2 <= |v| < 4, 2 for |v| >= 4
+                           int4 (pack-quantized): 1, a uniform grid
   err^2(W) = sum step^2 / 12          rounding to the nearest level: uniform in +-step/2
   e(W)     = sqrt(err^2(W) / ||W||^2) relative RMS error; float tensors kept as bf16 / f16:
              u / sqrt(3) (u = 2^-8 / 2^-11), f32: 0 -- weight_error.py's rule
@@ -20,13 +21,16 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.config import families
+from mlaserve.loading.files import read_json
 from mlaserve.loading.safetensors_source import SafetensorsSource
-from mlaserve.quant import fp4_group, fp8_block
+from mlaserve.loading.text_part import TextPartSource
+from mlaserve.quant import fp4_group, fp8_block, int4_group
 from mlaserve.quant.config import QuantScheme
 
 _FLOAT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.")
-_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_global_scale", ".input_global_scale")
+_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_global_scale", ".input_global_scale", ".weight_shape")
 
 
 def block_of(name: str, num_layers: int) -> str | None:
@@ -60,6 +64,10 @@ def tensor_error(source: SafetensorsSource, name: str, scheme: QuantScheme) -> t
     """-> (storage type, e(W)) of one weight tensor of the folder."""
     module = name.rsplit(".", 1)[0]
     names = set(source.names())
+    if name.endswith(".weight_packed") and scheme.expert_dtype == "int4":
+        packed, s = source.get(name), source.get(f"{module}.weight_scale").float()
+        w = int4_group.dequantize_reference(packed, s, scheme.group_size)
+        return "INT4", relative_error(w, s.repeat_interleave(scheme.group_size, -1))
     if name.endswith(".weight_packed") or source.get(name).dtype == torch.int8:
         return "FP4", _fp4_error(source, module, names)
     t = source.get(name)
@@ -92,6 +100,9 @@ def folder_errors(
 ) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
     """-> (e(block), storage type counts per block) over the folder's weight tensors."""
     source = SafetensorsSource(folder)
+    wrapper = families.by_model_type((read_json(Path(folder) / "config.json", ValueError) or {}).get("model_type"))
+    if wrapper is not None and wrapper.text_config:  # the text model's tensors, under their own names
+        source = TextPartSource(source, wrapper)
     errors: dict[str, float] = {}
     types: dict[str, dict[str, int]] = {}
     for name in source.names():

@@ -23,6 +23,7 @@ from mlaserve.config.provenance import Setting
 from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.models.moe import Gate
 from mlaserve.quant.config import QuantScheme, ignore_match
+from mlaserve.quant.int4_experts import INT4Experts
 from mlaserve.quant.linear import FP4Experts, FP8Experts, FP8Linear
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
@@ -139,7 +140,7 @@ def swap_in(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> QuantPlan:
     for name in plan.experts:
         old = _get(model, name)
         e, two_i, d = old.gate_up_proj.shape
-        cls = FP8Experts if plan.scheme.expert_dtype == "fp8" else FP4Experts
+        cls = {"fp8": FP8Experts, "int4": INT4Experts}.get(plan.scheme.expert_dtype, FP4Experts)
         new = cls(d, e, two_i // 2, plan.scheme, old.gate_up_proj.device)
         new.impl = old.impl
         model.set_submodule(name, new)
@@ -157,6 +158,10 @@ def _get(model: nn.Module, name: str) -> nn.Module:
 
 
 def densify(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
+    for name in plan.experts:  # stored metadata checked against the config (INT4: weight_shape)
+        check = getattr(model.get_submodule(name), "check_loaded", None)
+        if check is not None:
+            check(name)
     for name in plan.linears:
         if name.rsplit(".", 1)[-1] not in DENSE_AT_LOAD:
             continue

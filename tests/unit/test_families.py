@@ -19,10 +19,13 @@ def test_lookup_by_model_type_and_alias():
         "glm_moe_dsa",
         "glm4_moe_lite",
         "deepseek_v4",
+        "sarvam_mla",
+        "kimi_k25",
     ]
     assert by_model_type("kimi_k2") is by_model_type("deepseek_v3")
     assert by_model_type("llama") is None
     assert families.model_types()[-1] == "kimi_k2"
+    assert by_model_type("sarvam_mla").base is by_model_type("deepseek_v3")
 
 
 def test_lookup_by_gguf_arch():
@@ -51,6 +54,9 @@ def test_glm5_is_a_delta_on_v32():
 def test_defaults_are_the_reference_class_defaults(family):
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoConfig.for_model(family.name)
+    if family.text_config:  # a wrapper: its defaults are its text part's (and its own tie default)
+        assert ref.tie_word_embeddings is family.tie_default
+        ref = ref.text_config
     for key, value in family.defaults.items():
         assert getattr(ref, key) == value, key
 

@@ -18,6 +18,8 @@ from mlaserve.config.families.deepseek_v32 import DEEPSEEK_V32
 from mlaserve.config.families.family import Family
 from mlaserve.config.families.glm4_moe_lite import GLM4_MOE_LITE
 from mlaserve.config.families.glm_moe_dsa import GLM_MOE_DSA
+from mlaserve.config.families.kimi_k25 import KIMI_K25
+from mlaserve.config.families.sarvam_mla import SARVAM_MLA
 
 __all__ = [
     "FAMILIES",
@@ -30,7 +32,16 @@ __all__ = [
 ]
 
 # The order is the one error messages list them in.
-FAMILIES: tuple[Family, ...] = (DEEPSEEK_V2, DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE, DEEPSEEK_V4)
+FAMILIES: tuple[Family, ...] = (
+    DEEPSEEK_V2,
+    DEEPSEEK_V3,
+    DEEPSEEK_V32,
+    GLM_MOE_DSA,
+    GLM4_MOE_LITE,
+    DEEPSEEK_V4,
+    SARVAM_MLA,
+    KIMI_K25,
+)
 
 _BY_TYPE = {f.name: f for f in FAMILIES} | {a: f for f in FAMILIES for a in f.aliases}
 

@@ -43,6 +43,17 @@ class Family:
     scoring_func: str = "sigmoid"
     # Why the main rope is always interleaved (a family rule); None: config's rope_interleave.
     rope_rule: str | None = None
+    # Legacy config.json keys read as their current name (legacy -> current; both given and different
+    # is an error), keys the reference drops (key -> why), and rope types read as another (type -> type).
+    legacy_keys: Mapping[str, str] = field(default_factory=frozen_map)
+    dropped_keys: Mapping[str, str] = field(default_factory=frozen_map)
+    rope_type_aliases: Mapping[str, str] = field(default_factory=frozen_map)
+    # A multimodal wrapper: its config.json's `text_config` is a model of another family, whose tensors are
+    # under `text_prefix`; tensors under `skipped_prefixes` (vision tower, projector) are skipped and reported.
+    text_config: bool = False
+    text_prefix: str = ""
+    skipped_prefixes: tuple[str, ...] = ()
+    tie_default: bool = False  # the wrapper class's tie_word_embeddings default (the loader decides by weights)
     reads_mlp_layer_types: bool = False  # config.json's mlp_layer_types decides dense/MoE layers
     # Without mlp_layer_types: this many leading dense layers (the class default), or None to
     # derive them from first_k_dense_replace.

@@ -1,0 +1,87 @@
+"""INT4Experts: routed experts kept packed as compressed-tensors W4A16 `pack-quantized` (int4_group.py),
+the quantized-holder interface of quant/linear.py (stored parameters named as the checkpoint names
+them, dequantize(), forward(), describe()).
+
+Notation (E experts, D hidden, I expert width, g = 32)
+  gate_up_proj        [E, 2I, D/8] int32   gate rows, then up rows (each expert's gate_proj / up_proj weight_packed)
+  down_proj           [E, D, I/8]  int32
+  gate_up_proj_scale  [E, 2, I, D/g] fp32  weight_scale (bf16 in the release: widened exactly at load)
+  down_proj_scale     [E, D, I/g]
+  gate_up_proj_shape  [E, 2, 2] int64      weight_shape (N, K) of gate and up; down_proj_shape [E, 2]
+A step unpacks only the experts it routes tokens to, in fp32 (exact: q * S), then the grouped GEMM of
+FP8Experts: equal to "dequantize every expert, then run" within fp32 rounding. There is no native
+decode-and-dot kernel for it yet: `kernel` stays "torch".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlaserve.loading.safetensors_source import WeightError
+from mlaserve.quant import int4_group
+from mlaserve.quant.config import QuantScheme
+from mlaserve.quant.linear import FP8Experts, _frozen
+
+
+class INT4Experts(FP8Experts):
+    KERNEL_OP = "grouped_experts"
+    KERNELS = ("torch",)
+
+    def __init__(self, hidden: int, n_experts: int, inter: int, scheme: QuantScheme, device) -> None:
+        nn.Module.__init__(self)
+        self.impl, self.scheme, self.kernel, self.group = "grouped_mm", scheme, "torch", scheme.group_size
+        for k, what in ((hidden, "hidden_size"), (inter, "moe_intermediate_size")):
+            if k % self.group:
+                raise WeightError(
+                    f"INT4 routed experts: {what}={k} is not a multiple of the group size {self.group} "
+                    "(pack-quantized groups must tile each row)"
+                )
+        p, g = int4_group.PACK, self.group
+        self.gate_up_proj = _frozen((n_experts, 2 * inter, hidden // p), torch.int32, device)
+        self.down_proj = _frozen((n_experts, hidden, inter // p), torch.int32, device)
+        self.gate_up_proj_scale = _frozen((n_experts, 2, inter, hidden // g), torch.float32, device)
+        self.down_proj_scale = _frozen((n_experts, hidden, inter // g), torch.float32, device)
+        self.gate_up_proj_shape = _frozen((n_experts, 2, 2), torch.int64, device)
+        self.down_proj_shape = _frozen((n_experts, 2), torch.int64, device)
+
+    def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        gu, s, shp = self.gate_up_proj, self.gate_up_proj_scale, self.gate_up_proj_shape
+        i = gu.shape[1] // 2
+        return {
+            "weight_packed": (gu[:, :i], gu[:, i:], self.down_proj),
+            "weight_scale": (s[:, 0], s[:, 1], self.down_proj_scale),
+            "weight_shape": (shp[:, 0], shp[:, 1], self.down_proj_shape),
+        }
+
+    def check_loaded(self, name: str) -> None:
+        """Every expert's weight_shape is the (N, K) the config implies (it is what the packing hides)."""
+        e, two_i, packed = self.gate_up_proj.shape
+        i, d = two_i // 2, packed * int4_group.PACK
+        for proj, got, want in (
+            ("gate_proj", self.gate_up_proj_shape[:, 0], (i, d)),
+            ("up_proj", self.gate_up_proj_shape[:, 1], (i, d)),
+            ("down_proj", self.down_proj_shape, (d, i)),
+        ):
+            bad = (got != torch.tensor(want)).any(dim=-1).nonzero().flatten().tolist()
+            if bad:
+                raise WeightError(
+                    f"{name}.{bad[0]}.{proj}.weight_shape is {got[bad[0]].tolist()}, the config implies {list(want)}"
+                )
+
+    def expert_weights(self, experts: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.group
+        gu = int4_group.dequantize(
+            self.gate_up_proj[experts].unflatten(1, (2, -1)), self.gate_up_proj_scale[experts], g
+        )
+        down = int4_group.dequantize(self.down_proj[experts], self.down_proj_scale[experts], g)
+        return gu.flatten(1, 2).to(dtype), down.to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.group
+        gu = int4_group.dequantize_reference(self.gate_up_proj.unflatten(1, (2, -1)), self.gate_up_proj_scale, g)
+        down = int4_group.dequantize_reference(self.down_proj, self.down_proj_scale, g)
+        return gu.flatten(1, 2).to(dtype), down.to(dtype)
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        return "int4 pack-quantized", (1, self.group)
