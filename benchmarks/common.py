@@ -159,7 +159,7 @@ def fill_mlaserve_cache(llm, pages: list[int], n: int, seed: int = 1) -> dict:
     cache = llm.runner.cache
     dtype = cache.layers[0].latent.dtype
     g = torch.Generator().manual_seed(seed)
-    slots = slots_for(pages, n, llm.config.page_size)
+    slots = slots_for(pages, n, llm.config.cache.page_size)
     rows = {}
     with torch.inference_mode():
         for i, layer in enumerate(llm.runner.model.model.layers):

@@ -60,7 +60,7 @@ def main() -> None:
     assert fused is not None, llm.loaded.report.notes
     pages = llm.engine.pool.allocate(pages_needed)
     fill_mlaserve_cache(llm, pages, n_max, seed=1)
-    topk = llm.config.index_topk
+    topk = llm.config.attention.index_topk
 
     def use(mode: str) -> None:
         model.native_decode = fused if mode == "fused" else None

@@ -126,7 +126,7 @@ class Engine:
                 threads=torch.get_num_threads(),  # the benchmark's --threads
                 malloc_tuning=True,  # as the CLI and server run
             )
-        assert self.llm.config.sparse == (mode == "sparse"), (mode, self.llm.config.sparse)
+        assert self.llm.config.attention.sparse == (mode == "sparse"), (mode, self.llm.config.attention.sparse)
         self.pages = [self.llm.engine.pool.allocate(pages_needed) for _ in range(batch)]
         t0 = time.perf_counter()
         for i, pages in enumerate(self.pages):

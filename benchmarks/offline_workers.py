@@ -83,7 +83,7 @@ class MlaServeWorker:
         runner = self.llm.runner
         return {
             "measured": runner.cache.measured_bytes_per_token(),
-            "formula": ModelCache.bytes_per_token(runner.layer_kinds, self.llm.config.dtype),
+            "formula": ModelCache.bytes_per_token(runner.layer_kinds, self.llm.config.runtime.dtype),
             "what": "allocated latent-cache tensor bytes / cache rows (all layers; [c_kv | k_pe] per token)",
         }
 

@@ -138,7 +138,7 @@ def main() -> None:
     model = resolve_model(args.model, args.quick)
     base = {"dtype": args.dtype} | ({"threads": args.threads} if args.threads else {})
     with LLM(model, **base) as probe:
-        vocab, threads = probe.config.model.vocab_size, probe.config.threads
+        vocab, threads = probe.config.model.vocab_size, probe.config.runtime.threads
     rows, results = [], []
     for conc in [int(c) for c in args.concurrency.split(",")]:
         prompts = [random_prompt(args.prompt_len, vocab, seed=i) for i in range(conc)]

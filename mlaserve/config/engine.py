@@ -201,38 +201,106 @@ def make_options(**kwargs) -> EngineOptions:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig
+class RuntimeConfig:
+    """Where the math runs and with which process resources: device, compute/cache dtype, torch threads
+    (per process: ranks on different machines may differ), glibc malloc policy (process-wide)."""
+
+    device: str
     dtype: torch.dtype
+    threads: int
+    malloc_tuning: bool
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged cache pool: its geometry (tokens per page, pages), prefix reuse, prefaulting."""
+
+    page_size: int
+    num_pages: int
+    enable_prefix_caching: bool
+    kv_prefault: bool  # the cache tensors are written once at allocation (cache/model_cache.py)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold (token budget, running requests) and where a decode ends."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    decode_threshold: int  # a query of <= this many tokens is a decode (absorbed path)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """How attention is routed: sparse (DSA) or dense, its top-k, the MLA path, the backend."""
+
     sparse: bool
     index_topk: int | None
     mla_path: str
-    page_size: int
-    num_pages: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    decode_threshold: int
-    enable_prefix_caching: bool
+    backend: str  # name in attention.backends' registry; the router writes it per segment
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How weights are held and multiplied: the kernel family, activation quantization, load-time
+    quantization, the routed experts' implementation, a GGUF's blocks kept or expanded."""
+
+    impl: str  # "native" | "torch": quantized matmuls and decode-step glue (kernels/)
+    activations: str  # "int8": the native decode kernels quantize activations (Q8_0 / Q4_0 weights)
+    quantization: str | None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
     experts_impl: str
-    malloc_tuning: bool
-    threads: int = 1
-    attention_backend: str = "torch"  # name in attention.backends' registry; the router writes it per segment
-    device: str = "cpu"
-    kernels: str = "torch"  # "native" | "torch": quantized matmuls and decode-step glue (kernels/)
-    activations: str = "float"  # "int8": the native decode kernels quantize activations (Q8_0 / Q4_0 weights)
-    quantization: str | None = None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
+    gguf_weights: str | None  # a GGUF's block-quantized weights: "quantized" | "dequantized" (None: not GGUF)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding and its acceptance switch (engine/spec_switch.py). method None: one token
+    per step, num_tokens 0 and the switch off."""
+
+    method: str | None = None  # "mtp": draft with the MTP layer, verify in one target forward
+    num_tokens: int = 0  # k drafts per decoding request per step (0 without speculation)
+    max_seqs: int | None = None  # no drafts in a step where more requests sample
+    min_acceptance: float = 0.0  # 0: the switch never pauses a request
+    probe_interval: int = 16  # steps between a paused request's probes
+    acceptance_weight: float = 0.2  # newest verification's weight in the acceptance average
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split across processes."""
+
     tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
-    speculative: str | None = None  # "mtp": draft with the MTP layer, verify in one target forward
-    num_speculative_tokens: int = 0  # k drafts per decoding request per step (0 without speculation)
-    speculative_max_seqs: int | None = None  # no drafts in a step where more requests sample
-    gguf_weights: str | None = None  # a GGUF's block-quantized weights: "quantized" | "dequantized" (None: not GGUF)
-    speculative_min_acceptance: float = 0.0  # the acceptance switch (engine/spec_switch.py); 0: off
-    speculative_probe_interval: int = 16  # steps between a paused request's probes
-    speculative_acceptance_weight: float = 0.2  # newest verification's weight in the acceptance average
-    kv_prefault: bool = False  # the cache tensors are written once at allocation (cache/model_cache.py)
-    # the chat output's formats, decided with the chat template (tools/select.py chat_formats): None until then
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """The chat output's formats, decided with the chat template (tools/select.py chat_formats): None until then."""
+
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The resolved, frozen configuration the engine runs with, as parts of one concept each, so a reader
+    names the concern it depends on (`cfg.cache.page_size`) and a part can be passed alone. The grouping
+    follows who reads what: the cache manager reads `cache`, the scheduler `scheduler`, the router
+    `attention`, the loader `kernels` and `parallel`, the speculative loop `speculative`, the server `chat`;
+    `runtime` holds what every tensor is made with (device, dtype) and the process's resources. Every
+    resolved switch lives in exactly one part; the names are EngineOptions' except where the part already
+    says it (attention_backend -> attention.backend, kernels -> kernels.impl, speculative ->
+    speculative.method, num_speculative_tokens -> speculative.num_tokens, speculative_X -> speculative.X).
+    Provenance keeps the option names (what the user typed)."""
+
+    model: ModelConfig
+    runtime: RuntimeConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    attention: AttentionConfig
+    kernels: KernelConfig
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    chat: ChatConfig = ChatConfig()
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -299,31 +367,33 @@ def resolve(
     _user(log, "kv_prefault", opts.kv_prefault)
     return EngineConfig(
         model=model,
-        dtype=dtype,
-        sparse=sparse,
-        index_topk=topk,
-        mla_path=opts.mla_path,
-        page_size=opts.page_size,
-        num_pages=num_pages,
-        max_num_batched_tokens=opts.max_num_batched_tokens,
-        max_num_seqs=opts.max_num_seqs,
-        decode_threshold=decode_threshold,
-        enable_prefix_caching=opts.enable_prefix_caching,
-        experts_impl=opts.experts_impl,
-        malloc_tuning=opts.malloc_tuning,
-        threads=threads,
-        attention_backend=backend,
-        device=device,
-        kernels=kernels,
-        activations=activations,
-        quantization=quantization,
-        tensor_parallel_size=opts.tensor_parallel_size,
-        speculative=speculative,
-        num_speculative_tokens=num_spec,
-        speculative_max_seqs=_speculative_max_seqs(opts.speculative_max_seqs, speculative, log),
-        gguf_weights=gguf_weights,
-        kv_prefault=opts.kv_prefault,
-        **_speculation_switch(opts, speculative, log),
+        runtime=RuntimeConfig(device=device, dtype=dtype, threads=threads, malloc_tuning=opts.malloc_tuning),
+        cache=CacheConfig(
+            page_size=opts.page_size,
+            num_pages=num_pages,
+            enable_prefix_caching=opts.enable_prefix_caching,
+            kv_prefault=opts.kv_prefault,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            max_num_seqs=opts.max_num_seqs,
+            decode_threshold=decode_threshold,
+        ),
+        attention=AttentionConfig(sparse=sparse, index_topk=topk, mla_path=opts.mla_path, backend=backend),
+        kernels=KernelConfig(
+            impl=kernels,
+            activations=activations,
+            quantization=quantization,
+            experts_impl=opts.experts_impl,
+            gguf_weights=gguf_weights,
+        ),
+        speculative=SpeculativeConfig(
+            method=speculative,
+            num_tokens=num_spec,
+            max_seqs=_speculative_max_seqs(opts.speculative_max_seqs, speculative, log),
+            **_speculation_switch(opts, speculative, log),
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
         provenance=log.freeze(),
     )
 
@@ -373,7 +443,7 @@ def _speculation_switch(opts: EngineOptions, speculative: str | None, log: Prove
         raise ConfigError(f"speculative_acceptance_weight must be a number in (0, 1], got {w!r}")
     for name in names:
         _user(log, name, getattr(opts, name))
-    return {names[0]: float(t), names[1]: n, names[2]: float(w)}
+    return {"min_acceptance": float(t), "probe_interval": n, "acceptance_weight": float(w)}
 
 
 def _decode_threshold(requested: int | None, num_spec: int, log: ProvenanceLog) -> int:

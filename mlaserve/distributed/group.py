@@ -199,7 +199,7 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, group: TensorParallelGroup, tracer=None) -> None:
         super().__init__(loaded.model, loaded.config, tracer, rank=0)
         self.group = group
-        self.vocab_sizes = vocab_sizes(loaded.config.model.vocab_size, loaded.config.tensor_parallel_size)
+        self.vocab_sizes = vocab_sizes(loaded.config.model.vocab_size, loaded.config.parallel.tensor_parallel_size)
         self.rank_echoes: list[dict] = []
 
     def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
@@ -246,7 +246,7 @@ def start_tensor_parallel(path, opts: EngineOptions, tracer, progress=None, rank
         group = TensorParallelGroup.start(str(path), opts, rank_overrides)
     loaded = group.guard(fill_model, ck, progress, group.comm)
     runner = TensorParallelRunner(loaded, group, tracer)
-    torch.set_num_threads(loaded.config.threads)  # as every worker did, before echoing it
+    torch.set_num_threads(loaded.config.runtime.threads)  # as every worker did, before echoing it
     group.guard(runner.check_configs)
     return loaded, runner
 

@@ -32,13 +32,19 @@ class WorkerSpec:
 
 
 # Per-process resources, not the model's math: machines of a torchrun group may differ in cores.
-PER_PROCESS = ("threads", "provenance")
+PER_PROCESS = ("runtime.threads", "provenance")
 
 
 def effective_config(cfg: EngineConfig) -> dict[str, str]:
-    """The configuration a rank runs with, field by field (the model config included), for
-    rank 0 to compare across ranks (threads are echoed apart: see rank_echo)."""
-    return {f.name: repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in PER_PROCESS}
+    """The configuration a rank runs with, field by field as "part.field" (the model config whole), for
+    rank 0 to compare across ranks and name each field that differs (threads are echoed apart: see rank_echo)."""
+    out = {}
+    for part in dataclasses.fields(cfg):
+        value = getattr(cfg, part.name)
+        fields = dataclasses.fields(value) if part.name != "model" and dataclasses.is_dataclass(value) else ()
+        items = [(f"{part.name}.{f.name}", getattr(value, f.name)) for f in fields] or [(part.name, value)]
+        out.update((name, repr(v)) for name, v in items if name not in PER_PROCESS)
+    return out
 
 
 def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
@@ -91,8 +97,8 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     comm = Collectives(store, rank, world_size)
     loaded = load_model(path, options, comm=comm)
     # Process-wide settings: each rank applies its own (resolved) configuration.
-    torch.set_num_threads(loaded.config.threads)
-    if loaded.config.malloc_tuning:
+    torch.set_num_threads(loaded.config.runtime.threads)
+    if loaded.config.runtime.malloc_tuning:
         from mlaserve.platform.allocator import keep_freed_memory
 
         keep_freed_memory()

@@ -46,11 +46,13 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None) -> None:
         cfg = runner.cfg
         self.runner, self.tokenizer, self.cfg = runner, tokenizer, cfg
-        self.pool = PagePool(cfg.num_pages, cfg.enable_prefix_caching)
+        self.pool = PagePool(cfg.cache.num_pages, cfg.cache.enable_prefix_caching)
         # a state slot per running request when the model keeps request-addressed states (cache/slot_pool.py)
         self.slots = SlotPool(runner.cache.num_slots) if runner.cache.num_slots else None
-        max_len = cfg.num_pages * cfg.page_size
-        self.scheduler = Scheduler(self.pool, cfg.page_size, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.slots)
+        max_len = cfg.cache.num_pages * cfg.cache.page_size
+        self.scheduler = Scheduler(
+            self.pool, cfg.cache.page_size, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, self.slots
+        )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -63,7 +65,7 @@ class Engine:
         self._grammar = None  # structured/backend.GrammarBackend, built at the first structured request
         # Speculative decoding's acceptance switch (per request state, an engine-wide prior).
         self.spec_switch = SpeculationSwitch(
-            cfg.speculative_min_acceptance, cfg.speculative_probe_interval, cfg.speculative_acceptance_weight
+            cfg.speculative.min_acceptance, cfg.speculative.probe_interval, cfg.speculative.acceptance_weight
         )
 
     def check_prompt(self, prompt_ids, request_id: str = "prompt") -> list[int]:
@@ -157,7 +159,7 @@ class Engine:
                 msg = f"step {step_no}: speculative step failed: {type(e).__name__}: {e}"
                 return aborted + self._forget_finished([self.fail(r, msg) for r in self._touched(plan)])
             return aborted + self._forget_finished([self._final_or_output(r) for r in self._touched(plan)])
-        chunks = [c.to_seq_chunk(self.cfg.page_size) for c in plan.chunks]
+        chunks = [c.to_seq_chunk(self.cfg.cache.page_size) for c in plan.chunks]
         try:
             batch, logits = self.runner.execute(chunks, plan.preempted)
         except Exception as e:  # the whole step is lost: its requests fail, the engine goes on

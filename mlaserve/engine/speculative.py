@@ -146,7 +146,7 @@ def draft(
     First this step's verdicts update the acceptance switch; then, per sampling request, the switch
     (or speculative_max_seqs) decides whether it drafts (engine/spec_switch.py), and the decisions go to
     the ledger. Sets every scheduled request's draft_ids (empty when it has nothing to draft)."""
-    runner, cfg, ps, switch = engine.runner, engine.cfg, engine.cfg.page_size, engine.spec_switch
+    runner, cfg, ps, switch = engine.runner, engine.cfg, engine.cfg.cache.page_size, engine.spec_switch
     starts = {s.request_id: s.query_start for s in batch.seqs}
     changes = {}
     for c in plan.chunks:
@@ -157,7 +157,7 @@ def draft(
         if c.num_draft and rid in accepted:
             changes[rid] = switch.observe(c.request.spec, c.num_draft, accepted[rid])
     # Off-switch by batch size: a large batch is compute-bound (speculative_max_seqs).
-    over = cfg.speculative_max_seqs is not None and len(accepted) > cfg.speculative_max_seqs
+    over = cfg.speculative.max_seqs is not None and len(accepted) > cfg.speculative.max_seqs
     chunks, decisions, extra, offset = [], [], [], hidden.shape[0]
     for c in plan.chunks:
         req, rid = c.request, c.request.request_id
@@ -166,7 +166,7 @@ def draft(
             continue
         rows = hidden[starts[rid] : starts[rid] + x.query_len]
         if rid in accepted:
-            d = _batch_decision(len(accepted), cfg.speculative_max_seqs) if over else switch.decide(req.spec)
+            d = _batch_decision(len(accepted), cfg.speculative.max_seqs) if over else switch.decide(req.spec)
             decisions.append((req, d, changes.get(rid)))
             if not d.draft:
                 keep_pending(req.spec, x.context_len, rows)  # its MTP rows are written when it drafts again
@@ -195,9 +195,9 @@ def draft(
     for (rid, _), tok in zip(mbatch.logits_owner, logits.argmax(-1).tolist()):
         req = by_id[rid]
         req.draft_ids = [tok]
-        want[rid] = draft_budget(req, cfg.num_speculative_tokens, engine.max_model_len)
+        want[rid] = draft_budget(req, cfg.speculative.num_tokens, engine.max_model_len)
     last = {s.request_id: s.query_start + s.query_len - 1 for s in mbatch.seqs}
-    for depth in range(2, cfg.num_speculative_tokens + 1):
+    for depth in range(2, cfg.speculative.num_tokens + 1):
         deeper = _deeper_chunks(engine, want, depth, ps)
         if not deeper:
             break
@@ -331,7 +331,7 @@ def speculative_step(engine: SpeculativeHost, plan: SchedulePlan, step_no: int) 
     """One engine step with speculation: verify (one trunk forward for the whole batch), accept, draft.
     The engine builds the touched requests' outputs."""
     runner = engine.runner
-    chunks = [c.to_seq_chunk(engine.cfg.page_size) for c in plan.chunks]
+    chunks = [c.to_seq_chunk(engine.cfg.cache.page_size) for c in plan.chunks]
     batch, logits, hidden = runner.execute_with_hidden(chunks, plan.preempted, verify_ledger(plan))
     engine.scheduler.advance(plan)
     engine.record_prompt_logprobs(plan.chunks, batch, logits)

@@ -347,7 +347,7 @@ def _inspect(args) -> int:
         return 0
     llm = make_llm(args, _progress_bar)
     print(format_table(llm.config.all_provenance()))
-    size = llm.config.dtype.itemsize
+    size = llm.config.runtime.dtype.itemsize
     print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size)))
     if llm.loaded.quant is not None:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))

@@ -59,10 +59,10 @@ def make_llm(args: argparse.Namespace, progress=None):
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, trace=args.trace, progress=progress, **engine_options(args))
     cfg = llm.config
-    attention = attention_summary(cfg.model, cfg.sparse)
+    attention = attention_summary(cfg.model, cfg.attention.sparse)
     print(
         f"loaded {llm.loaded.path} ({cfg.model.model_type}, {cfg.model.num_layers} layers, "
-        f"{attention} attention, {str(cfg.dtype).removeprefix('torch.')}, {cfg.device})",
+        f"{attention} attention, {str(cfg.runtime.dtype).removeprefix('torch.')}, {cfg.runtime.device})",
         file=sys.stderr,
         flush=True,
     )

@@ -50,9 +50,9 @@ class LLM:
             self.loaded = load_model(path, opts, progress)
             self.runner = ModelRunner(self.loaded.model, self.loaded.config, tracer)
         self.config = self.runner.cfg  # the loaded config with the cache's rules applied (model_runner.py)
-        if self.config.malloc_tuning:
+        if self.config.runtime.malloc_tuning:
             keep_freed_memory()
-        apply_threads(self.config.threads)
+        apply_threads(self.config.runtime.threads)
         self.tokenizer = self.loaded.tokenizer
         self.engine = Engine(self.runner, self.tokenizer)
         self._counter = 0
@@ -147,7 +147,7 @@ class LLM:
         with self._lock:
             ids = self.engine.check_prompt(token_ids, "prompt_logits")
             pool = self.engine.pool
-            pages = pool.allocate(-(-len(ids) // self.config.page_size))
+            pages = pool.allocate(-(-len(ids) // self.config.cache.page_size))
             slots = self.engine.slots  # a model with request states: a slot for the prompt, as generate's
             slot = slots.allocate("prompt_logits") if slots is not None else None
             try:

@@ -44,42 +44,50 @@ class Check:
 
 def logits_with(llm: LLM, cfg: EngineConfig, ids: list[int]) -> torch.Tensor:
     """Prompt logits through a fresh runner (own small cache) with the given switches."""
-    cfg = replace(cfg, num_pages=-(-len(ids) // cfg.page_size) + 1)
+    cfg = replace(cfg, cache=replace(cfg.cache, num_pages=-(-len(ids) // cfg.cache.page_size) + 1))
     runner = ModelRunner(llm.loaded.model, cfg)
     slot = 0 if runner.cache.num_slots else None  # its own cache: slot 0 is free (request states only)
-    return runner.prompt_logits("verify", ids, list(range(cfg.num_pages)), slot)
+    return runner.prompt_logits("verify", ids, list(range(cfg.cache.num_pages)), slot)
 
 
 def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list[Check]:
     cfg = llm.config
     # fp32: the routes agree to reassociation noise. bf16: each route rounds at different points and a
     # rounding can flip an MoE expert choice, so the numbers are reported, not judged.
-    tol = tolerance if tolerance is not None else (1e-4 if cfg.dtype == torch.float32 else None)
-    base = replace(cfg, max_num_batched_tokens=max(len(ids), 1))
+    tol = tolerance if tolerance is not None else (1e-4 if cfg.runtime.dtype == torch.float32 else None)
+    base = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=max(len(ids), 1)))
     full = logits_with(llm, base, ids)
     # the MLA paths and attention backends exist only for kinds over latent rows (a DeepSeek-V4 stack has
     # none: its checks are the chunked and token-by-token ones; a pair that cannot differ is not listed)
     latent = any(k.attention in LATENT_KINDS for k in llm.runner.layer_kinds)
     pairs = [
-        ("chunked prefill (7) vs one pass", logits_with(llm, replace(base, max_num_batched_tokens=7), ids), full),
-        ("token-by-token decode vs one pass", logits_with(llm, replace(base, max_num_batched_tokens=1), ids), full),
+        (
+            "chunked prefill (7) vs one pass",
+            logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=7)), ids),
+            full,
+        ),
+        (
+            "token-by-token decode vs one pass",
+            logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1)), ids),
+            full,
+        ),
     ]
     if latent:
         pairs.insert(
             0,
             (
                 "absorbed vs decompressed",
-                logits_with(llm, replace(base, mla_path="absorbed"), ids),
-                logits_with(llm, replace(base, mla_path="decompressed"), ids),
+                logits_with(llm, replace(base, attention=replace(base.attention, mla_path="absorbed")), ids),
+                logits_with(llm, replace(base, attention=replace(base.attention, mla_path="decompressed")), ids),
             ),
         )
-    if cfg.model.indexer is not None and cfg.index_topk:
-        short = ids[: cfg.index_topk]
+    if cfg.model.indexer is not None and cfg.attention.index_topk:
+        short = ids[: cfg.attention.index_topk]
         pairs.append(
             (
                 f"sparse vs dense within index_topk ({len(short)} tokens)",
-                logits_with(llm, replace(base, sparse=True), short),
-                logits_with(llm, replace(base, sparse=False), short),
+                logits_with(llm, replace(base, attention=replace(base.attention, sparse=True)), short),
+                logits_with(llm, replace(base, attention=replace(base.attention, sparse=False)), short),
             )
         )
     pairs += _backend_pairs(llm, base, ids) if latent else []
@@ -89,16 +97,19 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
 def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """The configured backend vs `reference` on the same route: absorbed, decompressed and, for a DSA
     model, a sparse step that selects (top-k below the prompt length, so index_topk really runs)."""
-    name = base.attention_backend
-    routes = [(f"{p} path", replace(base, mla_path=p)) for p in ("absorbed", "decompressed")]
-    if base.model.indexer is not None and base.index_topk and len(ids) > 1:
-        k = min(base.index_topk, len(ids) // 2)
-        routes.append((f"sparse top-{k}", replace(base, sparse=True, index_topk=k)))
+    name = base.attention.backend
+    routes = [
+        (f"{p} path", replace(base, attention=replace(base.attention, mla_path=p)))
+        for p in ("absorbed", "decompressed")
+    ]
+    if base.model.indexer is not None and base.attention.index_topk and len(ids) > 1:
+        k = min(base.attention.index_topk, len(ids) // 2)
+        routes.append((f"sparse top-{k}", replace(base, attention=replace(base.attention, sparse=True, index_topk=k))))
     return [
         (
             f"{name} vs reference backend, {label}",
             logits_with(llm, cfg, ids),
-            logits_with(llm, replace(cfg, attention_backend="reference"), ids),
+            logits_with(llm, replace(cfg, attention=replace(cfg.attention, backend="reference")), ids),
         )
         for label, cfg in routes
     ]
@@ -107,7 +118,7 @@ def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[s
 def tensor_parallel_check(llm: LLM, ids: list[int], n: int, options: dict) -> Check:
     """The same prompt through N ranks (the model split, logits gathered) vs this one process."""
     cfg = llm.config
-    tol = 1e-4 if cfg.dtype == torch.float32 else None
+    tol = 1e-4 if cfg.runtime.dtype == torch.float32 else None
     options = {**options, "tensor_parallel_size": n}
     name = f"tensor parallel {n} vs one process"
     try:

@@ -165,11 +165,16 @@ def _tolerance(block: str, *sides: Side) -> float:
 def _forward(llm: LLM, ids: list[int], force: Activations | None = None) -> Activations:
     """The whole prompt in one step through a fresh runner (own cache), hooks capturing every block."""
     cfg = llm.config
-    cfg = replace(cfg, max_num_batched_tokens=len(ids), num_pages=-(-len(ids) // cfg.page_size) + 1)
+    pages = -(-len(ids) // cfg.cache.page_size) + 1
+    cfg = replace(
+        cfg,
+        scheduler=replace(cfg.scheduler, max_num_batched_tokens=len(ids)),
+        cache=replace(cfg.cache, num_pages=pages),
+    )
     runner = ModelRunner(llm.loaded.model, cfg)
     with Capture(llm.loaded.model, force) as acts:
         slot = 0 if runner.cache.num_slots else None  # its own cache: slot 0 is free (request states only)
-        runner.prompt_logits("verify-against", ids, list(range(cfg.num_pages)), slot)
+        runner.prompt_logits("verify-against", ids, list(range(cfg.cache.num_pages)), slot)
     return acts
 
 
@@ -195,7 +200,7 @@ def _check_compatible(model: Side, against: Side) -> None:
         va, vb = getattr(ma, name), getattr(mb, name)
         if va != vb:
             raise ValueError(f"{model.path} and {against.path} are not copies of one model: {name} {vb} vs {va}")
-    ka, kb = against.llm.config.index_topk, model.llm.config.index_topk
+    ka, kb = against.llm.config.attention.index_topk, model.llm.config.attention.index_topk
     if ka != kb:  # a config difference the layer table would misattribute to the attention weights
         raise ValueError(f"{model.path} and {against.path} differ in index_topk: {kb} vs {ka}")
 

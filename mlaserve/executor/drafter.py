@@ -29,11 +29,16 @@ class Drafter:
         # Deeper drafts reuse the first MTP layer (DeepSeek-V3 and GLM-5 ship one), as vLLM does.
         self.model, self.cfg, self.tracer = model, cfg, tracer
         self.layer = model.mtp[0]
-        self.sparse = cfg.sparse and self.layer.layout.indexer
+        self.sparse = cfg.attention.sparse and self.layer.layout.indexer
         # the MTP layer as a stack of one: its kind (with an indexer or not) and its own cache states
         self.layer_kinds = declare_layers(cache_config(cfg.model, self.layer.layout), self.sparse)
         self.cache = ModelCache(
-            self.layer_kinds, cfg.num_pages, cfg.page_size, cfg.dtype, cfg.device, prefault=cfg.kv_prefault
+            self.layer_kinds,
+            cfg.cache.num_pages,
+            cfg.cache.page_size,
+            cfg.runtime.dtype,
+            cfg.runtime.device,
+            prefault=cfg.cache.kv_prefault,
         )
 
     def forward(
@@ -46,9 +51,17 @@ class Drafter:
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
         cfg = self.cfg
-        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device, self.cache.pad_slot)
+        batch = ForwardBatch.build(
+            chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
+        )
         plan = route_step(
-            batch, self.layer_kinds, cfg.mla_path, self.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
+            batch,
+            self.layer_kinds,
+            cfg.attention.mla_path,
+            self.sparse,
+            cfg.attention.index_topk,
+            cfg.runtime.dtype,
+            cfg.attention.backend,
         )
         if self.tracer.enabled:
             rec = step_record(step_no, batch, plan, 1, ())
@@ -56,7 +69,7 @@ class Drafter:
             self.tracer.record(rec | (ledger(batch, plan) if ledger else {}))
         src = [rows[s.request_id] + j for s in batch.seqs for j in range(s.query_len)]
         with torch.inference_mode():
-            step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
+            step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
             h = hidden[torch.tensor(src, dtype=torch.long, device=hidden.device)]
             g = self.layer(batch.input_ids, h, step, self.model.rope, self.cache.layers[0])
             logits = self.layer.logits(g[batch.logits_indices])

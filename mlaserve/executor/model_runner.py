@@ -41,24 +41,26 @@ class ModelRunner:
         the stack's kinds and states (default: declared from the config, config/layer_kinds.py)."""
         self.model, self.rank = model, rank
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
-        max_tokens = min(cfg.num_pages * cfg.page_size, cfg.model.max_position_embeddings)  # Engine.max_model_len
+        max_tokens = min(
+            cfg.cache.num_pages * cfg.cache.page_size, cfg.model.max_position_embeddings
+        )  # Engine.max_model_len
         if layer_kinds is None:
-            layer_kinds = declare_layers(cfg.model, cfg.sparse, max_tokens)
+            layer_kinds = declare_layers(cfg.model, cfg.attention.sparse, max_tokens)
         self.layer_kinds = layer_kinds
         self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
-        slots = cfg.max_num_seqs if request_states(self.layer_kinds) else 0
+        slots = cfg.scheduler.max_num_seqs if request_states(self.layer_kinds) else 0
         self.cache = ModelCache(
             self.layer_kinds,
-            cfg.num_pages,
-            cfg.page_size,
-            cfg.dtype,
-            cfg.device,
+            cfg.cache.num_pages,
+            cfg.cache.page_size,
+            cfg.runtime.dtype,
+            cfg.runtime.device,
             num_slots=slots,
-            prefault=cfg.kv_prefault,
+            prefault=cfg.cache.kv_prefault,
         )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
-        self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative == "mtp" else None
+        self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative.method == "mtp" else None
 
     def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
         """-> (batch, logits [len(batch.logits_indices), vocab] float32). `preempted`: the scheduler's
@@ -72,23 +74,31 @@ class ModelRunner:
         """execute() that also returns the final hidden states [T, D] (the MTP layer's input);
         `ledger`: extra fields for this step's record (speculative verification)."""
         cfg = self.cfg
-        batch = ForwardBatch.build(chunks, cfg.page_size, cfg.decode_threshold, cfg.device, self.cache.pad_slot)
+        batch = ForwardBatch.build(
+            chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
+        )
         self._check_state_slots(batch)
         plan = route_step(
-            batch, self.layer_kinds, cfg.mla_path, cfg.sparse, cfg.index_topk, cfg.dtype, cfg.attention_backend
+            batch,
+            self.layer_kinds,
+            cfg.attention.mla_path,
+            cfg.attention.sparse,
+            cfg.attention.index_topk,
+            cfg.runtime.dtype,
+            cfg.attention.backend,
         )
         with torch.inference_mode():
-            step = StepContext.build(batch, plan, self.model.rope, cfg.dtype)
+            step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
             native = self.model.fused_decode(step, self.cache)  # decided before the math, recorded with the route
             if self.tracer.enabled:
                 rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
                 rec["kernels"] = self._kernels_record(native)
                 rec = rec | (ledger(batch, plan) if ledger else {})
-                self.tracer.record({"rank": self.rank, **rec} if cfg.tensor_parallel_size > 1 else rec)
+                self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.tensor_parallel_size > 1 else rec)
             self.step_count += 1
             if batch.reset_slots:  # sequences that start here start from a zeroed state (plain data, decided
                 # by the scheduler: SeqChunk.reset_state), before any layer reads its slot
-                self.cache.reset_states(torch.tensor(batch.reset_slots, dtype=torch.long, device=cfg.device))
+                self.cache.reset_states(torch.tensor(batch.reset_slots, dtype=torch.long, device=cfg.runtime.device))
             hidden = self.model(batch.input_ids, step, self.cache, native)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits, hidden
@@ -121,7 +131,7 @@ class ModelRunner:
         """Logits at every position of ids [len, vocab], prefilled through `pages` in chunks of
         max_num_batched_tokens (the engine's normal path: paged cache, routed attention). state_slot: the
         request states' slot on a model that keeps them (zeroed at the first chunk); None otherwise."""
-        ps, budget = self.cfg.page_size, self.cfg.max_num_batched_tokens
+        ps, budget = self.cfg.cache.page_size, self.cfg.scheduler.max_num_batched_tokens
         out, done = [], 0
         while done < len(ids):
             chunk = tuple(ids[done : done + budget])
@@ -139,15 +149,15 @@ def with_request_state_rules(cfg: EngineConfig, layers: tuple[LayerKind, ...]) -
     refused. A stack without request states gets cfg back unchanged (the same object)."""
     if not request_states(layers):
         return cfg
-    if cfg.speculative is not None:
+    if cfg.speculative.method is not None:
         index, s = request_states(layers)[0]
         raise ConfigError(
-            f"speculative={cfg.speculative!r}: layer {index}'s request state {s.name!r} would advance through "
+            f"speculative={cfg.speculative.method!r}: layer {index}'s request state {s.name!r} would advance through "
             "drafts that verification rejects, and it cannot be rolled back; run without speculative decoding"
         )
     reason = prefix_caching_blocker(layers)
-    if reason is None or not cfg.enable_prefix_caching:
+    if reason is None or not cfg.cache.enable_prefix_caching:
         return cfg
     note = Setting("enable_prefix_caching", False, f"engine: {reason}")
     kept = tuple(s for s in cfg.provenance if s.name != "enable_prefix_caching")
-    return replace(cfg, enable_prefix_caching=False, provenance=kept + (note,))
+    return replace(cfg, cache=replace(cfg.cache, enable_prefix_caching=False), provenance=kept + (note,))

@@ -148,27 +148,27 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     )
     template = tokenizer.chat_template if tokenizer is not None else None
     engine_cfg = chat_formats(engine_cfg, template, opts.tool_call_parser, opts.reasoning_parser)
-    if engine_cfg.quantization is not None and (scheme is not None or _has_gguf_blocks(source)):
+    if engine_cfg.kernels.quantization is not None and (scheme is not None or _has_gguf_blocks(source)):
         stored = f"{scheme.method} {scheme.fmt}" if scheme is not None else "GGUF block-quantized"
         raise ConfigError(
-            f"{path}: quantization={engine_cfg.quantization!r} is for float checkpoints; this one is already "
+            f"{path}: quantization={engine_cfg.kernels.quantization!r} is for float checkpoints; this one is already "
             f"{stored} (its stored blocks are used as they are)"
         )
-    if engine_cfg.tensor_parallel_size > 1:
-        check_splits(model_cfg, engine_cfg.tensor_parallel_size)
-        if engine_cfg.quantization is not None:
+    if engine_cfg.parallel.tensor_parallel_size > 1:
+        check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
+        if engine_cfg.kernels.quantization is not None:
             raise ConfigError(
-                f"{path}: quantization={engine_cfg.quantization!r} with tensor_parallel_size="
-                f"{engine_cfg.tensor_parallel_size} is not supported yet (each rank would quantize its slices)"
+                f"{path}: quantization={engine_cfg.kernels.quantization!r} with tensor_parallel_size="
+                f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (each rank would quantize its slices)"
             )
-        if engine_cfg.speculative is not None:
+        if engine_cfg.speculative.method is not None:
             raise ConfigError(
-                f"{path}: speculative={engine_cfg.speculative!r} with tensor_parallel_size="
-                f"{engine_cfg.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
+                f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
+                f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
             )
         if scheme is not None:
             raise ConfigError(
-                f"{path}: tensor_parallel_size={engine_cfg.tensor_parallel_size} with a quantized checkpoint "
+                f"{path}: tensor_parallel_size={engine_cfg.parallel.tensor_parallel_size} with a quantized checkpoint "
                 f"({scheme.method} {scheme.fmt}) is not supported yet (its block scales are not split)"
             )
     return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors, skipped_note)
@@ -200,12 +200,12 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
     from mlaserve.models.deepseek_v4.serving import V4Serving
 
     cfg = ck.engine_cfg
-    model, v4 = load_folder(ck.path, cfg.dtype)
+    model, v4 = load_folder(ck.path, cfg.runtime.dtype)
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
     if v4.skipped:
         report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
     report.notes.append("DeepSeek-V4: attention runs per sequence over its request states (models/deepseek_v4)")
-    serving = V4Serving(model.to(cfg.device)).eval()
+    serving = V4Serving(model.to(cfg.runtime.device)).eval()
     gen = read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
     return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen)
 
@@ -214,22 +214,28 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if isinstance(ck.model_cfg, DeepseekV4Config):
         return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
-    n, rank_args, scheme = engine_cfg.tensor_parallel_size, {}, ck.scheme
+    n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
         rank = comm.rank
         model_cfg = rank_config(ck.model_cfg, rank, n)
         source = ShardedSource(source, ck.model_cfg, rank, n)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
-    layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative == "mtp" else ()
+    layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
 
     def keep_blocks(meta_model: nn.Module) -> None:  # holders swapped in before the strict fill
-        gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels == "native"))
-        swap_in_gguf(meta_model, gguf[0], engine_cfg.dtype)
+        gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
+        swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
 
-    prepare = keep_blocks if engine_cfg.gguf_weights == "quantized" else None
+    prepare = keep_blocks if engine_cfg.kernels.gguf_weights == "quantized" else None
     model = build_model(
-        model_cfg, engine_cfg.dtype, engine_cfg.experts_impl, engine_cfg.device, layouts, prepare, **rank_args
+        model_cfg,
+        engine_cfg.runtime.dtype,
+        engine_cfg.kernels.experts_impl,
+        engine_cfg.runtime.device,
+        layouts,
+        prepare,
+        **rank_args,
     )
     gguf_plan = gguf[0] if gguf else None
     if gguf_plan is not None:  # the loader copies the file's bytes into the holders
@@ -238,17 +244,19 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         # + the skipped parts' modules: an ignore pattern may name only them (a wrapper's "re:.*vision_tower.*")
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
-        quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.dtype)
+        quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if gguf_plan is not None:
         attach_heads(model, ck.source, gguf_plan, model_cfg)
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
-    if engine_cfg.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module
-        quantized_at_load = quantize_model(model, engine_cfg.quantization, engine_cfg.dtype)
-        report.notes.append(f"quantization={engine_cfg.quantization}: {len(quantized_at_load)} module kind(s) listed")
+    if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module
+        quantized_at_load = quantize_model(model, engine_cfg.kernels.quantization, engine_cfg.runtime.dtype)
+        report.notes.append(
+            f"quantization={engine_cfg.kernels.quantization}: {len(quantized_at_load)} module kind(s) listed"
+        )
     # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
-    kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels, engine_cfg.activations == "int8"))
+    kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels.impl, engine_cfg.kernels.activations == "int8"))
     model.kernel_plan = kernel_plan
     layers = enable_decode_step(model)
     blocks = sum(c.op == "moe_block" and c.impl == "native" and c.layer.isdigit() for c in kernel_plan.choices)
@@ -258,14 +266,14 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(
             f"{layers} decoder layer(s) run pure decode steps of <= {BLOCK_TOKENS} requests as one native call each"
         )
-    if engine_cfg.kernels == "native" and (gguf_plan is not None or quantized_at_load):
+    if engine_cfg.kernels.impl == "native" and (gguf_plan is not None or quantized_at_load):
         report.notes.extend(
             decode_layer_misses(kernel_plan)
         )  # block holders on the native kernels: say what did not fit
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.model.embed_tokens, model.lm_head)
     if quant is not None:
-        densify(model, quant, engine_cfg.dtype)
+        densify(model, quant, engine_cfg.runtime.dtype)
         report.notes.append(
             f"{scheme.method} {scheme.fmt} {scheme.strategy} {scheme.block or ''}: {len(quant.linears)} linear(s) and "
             f"{len(quant.experts)} expert stack(s) quantized, {len(quant.kept)} linear(s) kept unquantized"

@@ -74,4 +74,5 @@ def chat_formats(
     new = (Setting("tool_call_parser", tool, tool_why), Setting("reasoning_parser", reasoning, reasoning_why))
     names = {s.name for s in new}
     kept = tuple(s for s in cfg.provenance if s.name not in names)
-    return replace(cfg, tool_call_parser=tool, reasoning_parser=reasoning, provenance=kept + new)
+    chat = replace(cfg.chat, tool_call_parser=tool, reasoning_parser=reasoning)
+    return replace(cfg, chat=chat, provenance=kept + new)

@@ -66,7 +66,7 @@ def test_prompt_logits_tp2_equal_tp1_and_transformers(pair):
 def _mixed_steps(llm: LLM, a: list[int], b: list[int]) -> list[torch.Tensor]:
     """Step 1: prefill a[:-1]. Step 2 (mixed): a's last token as a decode + all of b as a prefill.
     Explicit chunks on fixed pages, through the runner (the engine's step path)."""
-    ps = llm.config.page_size
+    ps = llm.config.cache.page_size
     pages_a, pages_b = tuple(range(0, 8)), tuple(range(8, 16))
     first = [SeqChunk("a", tuple(a[:-1]), 0, pages_a[: -(-(len(a) - 1) // ps)], all_logits=True)]
     mixed = [
@@ -124,7 +124,7 @@ def test_each_rank_echoes_its_config_and_holds_a_slice(pair):
     echoes = two.runner.rank_echoes
     assert [e["rank"] for e in echoes] == [0, 1]
     assert echoes[0]["config"] == echoes[1]["config"]
-    assert echoes[0]["config"]["tensor_parallel_size"] == "2"
+    assert echoes[0]["config"]["parallel.tensor_parallel_size"] == "2"
     heads = one.config.model.num_heads
     assert [e["num_local_heads"] for e in echoes] == [heads // 2] * 2
     assert sum(e["vocab_rows"] for e in echoes) == one.config.model.vocab_size

@@ -59,5 +59,5 @@ def test_gguf_dsa_index_topk_from_metadata():
     folder = fixture_dir("glm5")
     llm = LLM(str(folder / "model-f32.gguf"))
     prov = {s.name: s for s in llm.config.all_provenance()}
-    assert llm.config.sparse and llm.config.index_topk == 16
+    assert llm.config.attention.sparse and llm.config.attention.index_topk == 16
     assert "indexer" in prov["index_topk"].source

@@ -68,7 +68,7 @@ def test_kept_blocks_equal_dequantized(name, gtype, kernels):
     ids = load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
     kept = LLM(str(path), max_num_batched_tokens=40, kernels=kernels)
     dense = LLM(str(path), max_num_batched_tokens=40, gguf_weights="dequantized")
-    assert kept.config.gguf_weights == "quantized" and dense.config.gguf_weights == "dequantized"
+    assert kept.config.kernels.gguf_weights == "quantized" and dense.config.kernels.gguf_weights == "dequantized"
     assert all(m.kernel == kernels for m in _holders(kept) if hasattr(m, "kernel"))
     assert not _holders(dense)
     quantized = any(t in BLOCK_TYPES for t in (i.ggml_type for i in open_gguf(path).tensors.values()))
@@ -124,7 +124,7 @@ def test_int8_activations_error_measured(name, gtype, max_rel):
     ids = load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
     exact = LLM(str(path), max_num_batched_tokens=1, kernels="native")
     fast = LLM(str(path), max_num_batched_tokens=1, activations="int8")
-    assert fast.config.activations == "int8" and exact.config.activations == "float"
+    assert fast.config.kernels.activations == "int8" and exact.config.kernels.activations == "float"
     holders = [m for m in fast.runner.model.modules() if hasattr(m, "int8")]
     assert holders and all(m.int8 for m in holders)
     a, b = exact.prompt_logits(ids), fast.prompt_logits(ids)
@@ -163,7 +163,7 @@ def test_kept_modules_and_provenance():
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     rows = {s.name: s for s in llm.loaded.gguf.settings()}
     assert "rebuilt from attn_k_b + attn_v_b" in rows["gguf dense model.layers.*.self_attn.kv_b_proj"].source
-    if llm.config.kernels == "native":  # the absorbed path's W_UK / W_UV read the blocks (Q5_0 in this file)
+    if llm.config.kernels.impl == "native":  # the absorbed path's W_UK / W_UV read the blocks (Q5_0 in this file)
         assert "W_UK / W_UV" in rows["gguf Q5_0 model.layers.*.self_attn.kv_b_proj"].source
     assert rows["gguf Q6_K lm_head"].value == "yes"
     assert "not a block format" in rows["gguf dense model.layers.*.self_attn.q_b_proj"].source  # F16 in this file
@@ -185,10 +185,13 @@ def test_gguf_weights_option_validated(hf_model_dir):
         open_checkpoint(path, make_options(tensor_parallel_size=2, gguf_weights="quantized"))
     ck = open_checkpoint(path, make_options(tensor_parallel_size=2))
     prov = {s.name: s for s in ck.engine_cfg.provenance}
-    assert ck.engine_cfg.gguf_weights == "dequantized" and "raw blocks are not sliced" in prov["gguf_weights"].source
+    assert (
+        ck.engine_cfg.kernels.gguf_weights == "dequantized"
+        and "raw blocks are not sliced" in prov["gguf_weights"].source
+    )
     folder, _ = hf_model_dir("v3_yarn")
     llm = LLM(str(folder))
-    assert llm.config.gguf_weights is None and llm.loaded.gguf is None
+    assert llm.config.kernels.gguf_weights is None and llm.loaded.gguf is None
 
 
 def test_loop_experts_and_bf16_follow_the_same_holders():
@@ -408,6 +411,6 @@ def test_cuda_kept_blocks_equal_dequantized(name, gtype):
     path = str(folder / f"model-{gtype}.gguf")
     kept = LLM(path, device="cuda", max_num_batched_tokens=40)
     dense = LLM(path, device="cuda", max_num_batched_tokens=40, gguf_weights="dequantized")
-    assert kept.config.kernels == "torch" and kept.runner.model.lm_head.weight.is_cuda
+    assert kept.config.kernels.impl == "torch" and kept.runner.model.lm_head.weight.is_cuda
     a, b = kept.prompt_logits(ids), dense.prompt_logits(ids)
     assert (a - b).abs().max().item() <= 1e-5 and torch.equal(a.argmax(-1), b.argmax(-1))

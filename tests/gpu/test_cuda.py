@@ -87,7 +87,7 @@ def test_prompt_logits_on_cuda_equal_cpu(hf_model_dir, kind, mla_path, backend, 
     ids = random_ids(PROMPT_LEN, seed=3)
     want = _cpu_logits(folder, kind, mla_path, backend, ids)
     llm = _llm(folder, "cuda", dtype="float32", mla_path=mla_path, attention_backend=backend, trace="memory")
-    assert llm.config.device == "cuda"
+    assert llm.config.runtime.device == "cuda"
     got = llm.prompt_logits(ids)
     assert got.device.type == "cpu" and got.dtype == torch.float32  # a result for the caller, on the host
     err = (got - want).abs().max().item()
@@ -127,7 +127,7 @@ def test_weights_cache_and_step_tensors_live_on_cuda(hf_model_dir, kind, monkeyp
 
     folder, _ = hf_model_dir(kind)
     llm = _llm(folder, "cuda", dtype="float32")
-    assert llm.config.device == "cuda"
+    assert llm.config.runtime.device == "cuda"
     model, cache = llm.runner.model, llm.runner.cache
     on = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
     assert on == {"cuda"}, on

@@ -87,7 +87,7 @@ def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
     between steps) == transformers' one pass, at every position, for lengths around every compression boundary."""
     kind, hf, folder = v4
     llm = LLM(str(folder), max_num_batched_tokens=budget)
-    assert llm.config.enable_prefix_caching is False
+    assert llm.config.cache.enable_prefix_caching is False
     for n in _boundary_lengths(folder, kind):
         ids = _ids(n, hf.config.vocab_size, n)
         _close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), f"{kind} length {n} budget {budget}")
@@ -107,7 +107,7 @@ def test_a_batch_of_mixed_lengths_equals_each_alone(all_kinds):
     """One step with a decode and prefills of several lengths (each in its own slot) == each sequence alone."""
     hf, folder = all_kinds
     llm = LLM(str(folder), max_num_seqs=4)
-    runner, vocab, ps = llm.runner, hf.config.vocab_size, llm.config.page_size
+    runner, vocab, ps = llm.runner, hf.config.vocab_size, llm.config.cache.page_size
     prompts = {"a": _ids(9, vocab, 1), "b": _ids(14, vocab, 2), "c": _ids(4, vocab, 3)}
     pages = {r: list(range(i * 8, i * 8 + 8)) for i, r in enumerate(prompts)}
 

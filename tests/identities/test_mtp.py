@@ -42,7 +42,7 @@ def reference_mtp_logits(kind: str, tensors: dict, ids: list[int], eps: float) -
 def engine_mtp_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """The trunk over ids, then the MTP layer over positions 0..L-2 with the next tokens, through the
     engine's paged caches and routes."""
-    ps, pool = llm.config.page_size, llm.engine.pool
+    ps, pool = llm.config.cache.page_size, llm.engine.pool
     pages = tuple(pool.allocate(-(-len(ids) // ps)))
     try:
         _, _, hidden = llm.runner.execute_with_hidden([SeqChunk("r", tuple(ids), 0, pages, all_logits=True)])

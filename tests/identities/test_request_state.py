@@ -52,7 +52,7 @@ def _running_sum_hook(layer, args):
 def _engine(folder, stateful: bool = True, **options):
     loaded = load_model(str(folder), make_options(**options))
     cfg = loaded.config
-    kinds = declare_layers(cfg.model, cfg.sparse)
+    kinds = declare_layers(cfg.model, cfg.attention.sparse)
     if stateful:
         first = kinds[0]
         kinds = (replace(first, states=(*first.states, _sum_state(cfg.model.hidden_size))), *kinds[1:])
@@ -185,7 +185,7 @@ def test_children_of_one_prompt_keep_their_own_state(hf_model_dir):
 def test_prefix_caching_is_off_with_its_reason_when_a_state_lacks_snapshots(hf_model_dir):
     folder, _ = hf_model_dir("v3_yarn")
     engine, model = _engine(folder, page_size=4, enable_prefix_caching=True)
-    assert not engine.cfg.enable_prefix_caching and not engine.pool.prefix_caching
+    assert not engine.cfg.cache.enable_prefix_caching and not engine.pool.prefix_caching
     setting = next(s for s in engine.cfg.all_provenance() if s.name == "enable_prefix_caching")
     assert setting.value is False
     assert "layer 0's request state 'running_sum' has no page-boundary snapshot" in setting.source
@@ -202,7 +202,7 @@ def test_todays_models_get_no_slots_and_an_unchanged_config(hf_model_dir):
     loaded_cfg = engine.runner.cfg
     assert engine.slots is None and engine.scheduler.slots is None and engine.runner.cache.num_slots == 0
     assert with_request_state_rules(loaded_cfg, engine.runner.layer_kinds) is loaded_cfg
-    assert engine.cfg.enable_prefix_caching and prefix_caching_blocker(engine.runner.layer_kinds) is None
+    assert engine.cfg.cache.enable_prefix_caching and prefix_caching_blocker(engine.runner.layer_kinds) is None
     outs, _, _ = _run(engine, model, PROMPTS[:2])
     assert len(outs) == 2
     for r in engine.runner.tracer.records:  # no slot in the batch, no state fields in the ledger
@@ -212,10 +212,10 @@ def test_todays_models_get_no_slots_and_an_unchanged_config(hf_model_dir):
 def test_a_stateful_model_refuses_speculation_and_unbuilt_snapshots(hf_model_dir):
     folder, _ = hf_model_dir("v3_yarn")
     cfg = load_model(str(folder), make_options()).config
-    kinds = declare_layers(cfg.model, cfg.sparse)
+    kinds = declare_layers(cfg.model, cfg.attention.sparse)
     stateful = (replace(kinds[0], states=(*kinds[0].states, _sum_state(cfg.model.hidden_size))), *kinds[1:])
     with pytest.raises(ConfigError, match="speculative='mtp': layer 0's request state 'running_sum' would advance"):
-        with_request_state_rules(replace(cfg, speculative="mtp"), stateful)
+        with_request_state_rules(replace(cfg, speculative=replace(cfg.speculative, method="mtp")), stateful)
     snap = (replace(kinds[0], states=(*kinds[0].states, _sum_state(8, snapshot=True))), *kinds[1:])
     assert prefix_caching_blocker(snap) is None  # a snapshotted state would keep prefix caching ...
     with pytest.raises(ConfigError, match="declares page-boundary snapshots, which this cache does not keep yet"):
@@ -230,7 +230,7 @@ def test_bytes_per_request_are_reported_next_to_bytes_per_token(hf_model_dir):
     cache, kinds, d = engine.runner.cache, engine.runner.layer_kinds, engine.cfg.model.hidden_size
     assert ModelCache.bytes_per_request(kinds, torch.float32) == (1 + d) * 8 == cache.measured_bytes_per_request()
     # request states are not per-token bytes: the paged figure is today's
-    plain = declare_layers(engine.cfg.model, engine.cfg.sparse)
+    plain = declare_layers(engine.cfg.model, engine.cfg.attention.sparse)
     assert cache.measured_bytes_per_token() == ModelCache.bytes_per_token(kinds, torch.float32)
     assert ModelCache.bytes_per_token(kinds, torch.float32) == ModelCache.bytes_per_token(plain, torch.float32)
     assert cache.layers[0].tensors["running_sum"].shape == (3 + 1, 1 + d)

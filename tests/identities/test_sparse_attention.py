@@ -101,7 +101,7 @@ def test_forced_dense_equals_dense_model_with_same_weights(hf_model_dir, tmp_pat
     ids = random_ids(48, seed=13)
     with pytest.warns(UserWarning):
         forced = LLM(str(folder), attention="dense")
-    assert not forced.config.sparse
+    assert not forced.config.attention.sparse
     assert _diff(forced.prompt_logits(ids), LLM(str(dense_dir)).prompt_logits(ids)) == 0.0
 
 

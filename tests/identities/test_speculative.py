@@ -95,7 +95,7 @@ def test_ledger_shows_verify_route_and_counts(models, monkeypatch):
     folder, plain = models["v3_yarn"]
     _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
     llm = LLM(str(folder), speculative="mtp", num_speculative_tokens=2, trace="memory")
-    assert llm.config.decode_threshold == 3
+    assert llm.config.scheduler.decode_threshold == 3
     why = {s.name: s.source for s in llm.config.provenance}["decode_threshold"]
     assert why == "1 + num_speculative_tokens, because MTP verification"
     outs = llm.generate(PROMPTS[:3], GREEDY)

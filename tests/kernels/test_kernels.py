@@ -216,10 +216,10 @@ def test_kernels_option_resolution():
     cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
     ok = lambda: (True, "built")  # noqa: E731
     missing = lambda: (False, "no C compiler on PATH")  # noqa: E731
-    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok).kernels == "native"
-    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=missing).kernels == "torch"
-    assert resolve(cfg, EngineOptions(device="cpu"), False).kernels == "torch"  # nothing quantized
-    assert resolve(cfg, EngineOptions(device="cpu", kernels="torch"), False, native_kernels=ok).kernels == "torch"
+    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok).kernels.impl == "native"
+    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=missing).kernels.impl == "torch"
+    assert resolve(cfg, EngineOptions(device="cpu"), False).kernels.impl == "torch"  # nothing quantized
+    assert resolve(cfg, EngineOptions(device="cpu", kernels="torch"), False, native_kernels=ok).kernels.impl == "torch"
     with pytest.raises(ConfigError, match="no C compiler"):
         resolve(cfg, EngineOptions(device="cpu", kernels="native"), False, native_kernels=missing)
     with pytest.raises(ConfigError, match="kernels must be one of"):
@@ -367,9 +367,9 @@ def test_int8_activations_option():
     cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
     ok = lambda: (True, "built")  # noqa: E731
     eng = resolve(cfg, EngineOptions(device="cpu", activations="int8"), False, native_kernels=ok)
-    assert eng.activations == "int8" and eng.kernels == "native"
+    assert eng.kernels.activations == "int8" and eng.kernels.impl == "native"
     assert "not exact" in {s.name: s for s in eng.provenance}["activations"].source
-    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok).activations == "float"
+    assert resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok).kernels.activations == "float"
     with pytest.raises(ConfigError, match="activations='int8' runs in the native kernels"):
         resolve(cfg, EngineOptions(device="cpu", activations="int8"), False)  # nothing quantized: torch kernels
     with pytest.raises(ConfigError, match="activations must be one of"):
@@ -402,15 +402,15 @@ def test_native_attention_backend_resolution():
     cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
     ok = lambda: (True, "built")  # noqa: E731
     eng = resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=ok)
-    assert eng.attention_backend == "native"
+    assert eng.attention.backend == "native"
     assert "latent MQA in one C call" in {s.name: s for s in eng.provenance}["attention_backend"].source
     assert (
-        resolve(cfg, EngineOptions(device="cpu", dtype="bfloat16"), False, native_kernels=ok).attention_backend
+        resolve(cfg, EngineOptions(device="cpu", dtype="bfloat16"), False, native_kernels=ok).attention.backend
         == "torch"
     )
-    assert resolve(cfg, EngineOptions(device="cpu"), False).attention_backend == "torch"  # nothing quantized
+    assert resolve(cfg, EngineOptions(device="cpu"), False).attention.backend == "torch"  # nothing quantized
     assert (
-        resolve(cfg, EngineOptions(device="cpu", attention_backend="torch"), False, native_kernels=ok).attention_backend
+        resolve(cfg, EngineOptions(device="cpu", attention_backend="torch"), False, native_kernels=ok).attention.backend
         == "torch"
     )
     with pytest.raises(ConfigError, match="attention_backend='native' needs the native kernels"):

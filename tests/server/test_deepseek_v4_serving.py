@@ -107,7 +107,7 @@ def test_bytes_per_request_are_the_allocated_bytes(v4_folder):
     hf, folder = v4_folder
     llm = LLM(str(folder), max_num_seqs=3)
     cache, kinds = llm.runner.cache, llm.runner.layer_kinds
-    declared = ModelCache.bytes_per_request(kinds, llm.config.dtype)
+    declared = ModelCache.bytes_per_request(kinds, llm.config.runtime.dtype)
     assert cache.num_slots == 3 and cache.measured_bytes_per_request() == declared > 0
     shown = sum(int(line.split(", ")[-1].split(" bytes/request")[0]) for line in describe(kinds, 4))
     assert shown == declared
@@ -115,7 +115,7 @@ def test_bytes_per_request_are_the_allocated_bytes(v4_folder):
     m_len = llm.engine.max_model_len
     assert cache.layers[1].tensors["kv_pool"].shape[1] == m_len // 4
     assert cache.layers[2].tensors["kv_pool"].shape[1] == m_len // 8
-    assert ModelCache.bytes_per_token(kinds, llm.config.dtype) == 0  # nothing V4 keeps is paged yet
+    assert ModelCache.bytes_per_token(kinds, llm.config.runtime.dtype) == 0  # nothing V4 keeps is paged yet
     assert torch.count_nonzero(cache.layers[0].tensors["window"]) == 0
 
 

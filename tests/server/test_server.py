@@ -155,7 +155,7 @@ def test_tokenize_detokenize_debug(server, llm):
     records = server.get("/debug/routes", params={"last": 2}).json()["records"]
     assert len(records) == 2 and records[-1]["segments"]
     table = {row["name"]: row for row in server.get("/debug/config").json()["provenance"]}
-    assert table["num_pages"]["value"] == llm.config.num_pages and table["dtype"]["source"]
+    assert table["num_pages"]["value"] == llm.config.cache.num_pages and table["dtype"]["source"]
 
 
 BAD = [

@@ -32,4 +32,4 @@ def test_library_default_leaves_the_allocator_alone(hf_model_dir, monkeypatch):
     folder, _ = hf_model_dir("v3_yarn")
     calls = []
     monkeypatch.setattr(mlaserve.entrypoints.llm, "keep_freed_memory", lambda: calls.append(1) or "called")
-    assert LLM(str(folder)).config.malloc_tuning is False and calls == []
+    assert LLM(str(folder)).config.runtime.malloc_tuning is False and calls == []

@@ -40,8 +40,8 @@ def llm():
 
 def test_recorded_in_provenance(llm):
     got = _settings(llm.config)
-    assert got["tool_call_parser"][0] == llm.config.tool_call_parser == "deepseek_v32"
-    assert got["reasoning_parser"][0] == llm.config.reasoning_parser == "none"
+    assert got["tool_call_parser"][0] == llm.config.chat.tool_call_parser == "deepseek_v32"
+    assert got["reasoning_parser"][0] == llm.config.chat.reasoning_parser == "none"
     cfg = chat_formats(llm.config, "x</think>y", "glm45", None, "--chat-template")
     got = _settings(cfg)
     assert got["tool_call_parser"] == ("glm45", "user option (--tool-call-parser)")

@@ -22,7 +22,7 @@ BUILT = lambda: (True, "built")  # noqa: E731  (the loader's probe: passed only 
 
 def _dtype(opts: EngineOptions, **kw):
     cfg = resolve(CFG, opts, False, **kw)
-    return cfg.dtype, {s.name: s for s in cfg.provenance}["dtype"].source
+    return cfg.runtime.dtype, {s.name: s for s in cfg.provenance}["dtype"].source
 
 
 def test_auto_is_bfloat16_only_for_bf16_weights_on_a_fast_bf16_cpu(monkeypatch):
@@ -69,12 +69,12 @@ def test_engines_follow_the_choice(hf_model_dir, monkeypatch, tmp_path):
     stored = _bf16_copy(folder, tmp_path / "bf16")
     ids = list(range(3, 40))
     monkeypatch.setenv(cpu.OVERRIDE, "1")
-    assert LLM(str(folder)).config.dtype == torch.float32  # fp32 weights: bf16 would round them
+    assert LLM(str(folder)).config.runtime.dtype == torch.float32  # fp32 weights: bf16 would round them
     fast = LLM(str(stored))
-    assert fast.config.dtype == torch.bfloat16 and fast.runner.cache.layers[0].latent.dtype == torch.bfloat16
+    assert fast.config.runtime.dtype == torch.bfloat16 and fast.runner.cache.layers[0].latent.dtype == torch.bfloat16
     monkeypatch.setenv(cpu.OVERRIDE, "0")
     exact = LLM(str(stored))
-    assert exact.config.dtype == torch.float32
+    assert exact.config.runtime.dtype == torch.float32
     assert torch.equal(exact.prompt_logits(ids), LLM(str(stored), dtype="float32").prompt_logits(ids))
     got, ref = fast.prompt_logits(ids), exact.prompt_logits(ids)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9  # bf16, as test_bf16_close_to_fp32_reference
@@ -86,4 +86,4 @@ def test_an_f16_gguf_stays_float32(monkeypatch):
 
     monkeypatch.setenv(cpu.OVERRIDE, "1")
     llm = LLM(str(fixture_dir("ds3") / "model-f16.gguf"))
-    assert llm.config.dtype == torch.float32
+    assert llm.config.runtime.dtype == torch.float32

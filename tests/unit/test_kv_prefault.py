@@ -65,7 +65,7 @@ def test_prefault_makes_the_pool_resident(prefault):
 
 def test_engine_option_reaches_the_config():
     model = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
-    assert resolve(model, make_options(kv_prefault=True), False).kv_prefault is True
-    assert resolve(model, make_options(), False).kv_prefault is False
+    assert resolve(model, make_options(kv_prefault=True), False).cache.kv_prefault is True
+    assert resolve(model, make_options(), False).cache.kv_prefault is False
     with pytest.raises(ConfigError, match="kv_prefault must be a bool"):
         resolve(model, make_options(kv_prefault="yes"), False)

@@ -23,7 +23,7 @@ def _kinds(layers) -> list[tuple]:
 
 def test_each_family_declares_its_layers(hf_model_dir):
     dense = LLM(str(hf_model_dir("v3_yarn")[0])).config
-    assert {k[0] for k in _kinds(declare_layers(dense.model, dense.sparse))} == {"mla"}
+    assert {k[0] for k in _kinds(declare_layers(dense.model, dense.attention.sparse))} == {"mla"}
     assert all(k.states == (StateSpec("latent", dense.model.latent_dim),) for k in declare_layers(dense.model, False))
     shared = LLM(str(hf_model_dir("glm_dsa_shared")[0])).config
     roles = shared.model.indexer.layer_types

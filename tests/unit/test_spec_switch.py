@@ -173,7 +173,7 @@ def test_probe_drafts_from_caught_up_mtp_rows(model, monkeypatch):
         real(engine, plan, batch, hidden, accepted)
         for c in plan.chunks:
             if c.request.draft_ids:
-                seen[(engine.cfg.speculative_min_acceptance, len(c.request.output_ids))] = list(c.request.draft_ids)
+                seen[(engine.cfg.speculative.min_acceptance, len(c.request.output_ids))] = list(c.request.draft_ids)
 
     monkeypatch.setattr(spec, "draft", record)
     llm = LLM(str(folder), speculative="mtp", trace="memory", speculative_probe_interval=PROBE)
@@ -219,7 +219,7 @@ def test_switch_options_and_provenance(model):
     why = {s.name: (s.value, s.source) for s in llm.config.provenance}
     assert why["speculative_min_acceptance"] == (0.6, "user option")
     assert why["speculative_probe_interval"] == (16, "engine default (16)")
-    assert llm.config.speculative_acceptance_weight == 0.2
+    assert llm.config.speculative.acceptance_weight == 0.2
     with pytest.raises(ConfigError, match="speculative is None"):
         LLM(str(folder), speculative_probe_interval=3)
     for bad in (

@@ -21,7 +21,7 @@ def test_small_model_runs_one_thread_and_says_why(hf_model_dir):
     llm = LLM(str(folder))
     n_params = sum(p.numel() for p in llm.runner.model.parameters())
     assert n_params < SMALL_MODEL_PARAMS
-    assert llm.config.threads == 1 and torch.get_num_threads() == 1
+    assert llm.config.runtime.threads == 1 and torch.get_num_threads() == 1
     assert "auto" in _prov(llm)["threads"].source and "parameters" in _prov(llm)["threads"].source
 
 

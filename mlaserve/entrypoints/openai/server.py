@@ -36,7 +36,7 @@ def build_server(
     tap = llm.runner.tracer
     if isinstance(tap, RouteTap):
         tap.on_record = metrics.on_route
-    max_in_flight = llm.config.max_num_seqs + max_queued
+    max_in_flight = llm.config.scheduler.max_num_seqs + max_queued
     serving = OpenAIServing(llm, loop, metrics, served_name, max_in_flight)
     serving.chat_template = chat_template
     ring = tap.ring if isinstance(tap, RouteTap) else None
@@ -108,7 +108,7 @@ def run(args, llm, chat_template: str | None) -> int:
 
 def _ready(llm, served: str, host: str, port: int) -> str:
     cfg, cache = llm.config, llm.runner.cache
-    attention = attention_summary(cfg.model, cfg.sparse)
+    attention = attention_summary(cfg.model, cfg.attention.sparse)
     # request-addressed states (config/layer_kinds.py): a fixed block per running request, beside the pages
     slots = (
         f", state slots {cache.num_slots} x {cache.measured_bytes_per_request()} bytes/request"
@@ -116,8 +116,8 @@ def _ready(llm, served: str, host: str, port: int) -> str:
         else ""
     )
     return (
-        f"mlaserve: serving {served} on http://{host}:{port} (dtype {str(cfg.dtype).removeprefix('torch.')}, "
-        f"attention {attention}, mla_path {cfg.mla_path}, KV pool {cfg.num_pages} pages x {cfg.page_size} tokens "
+        f"mlaserve: serving {served} on http://{host}:{port} (dtype {str(cfg.runtime.dtype).removeprefix('torch.')}, "
+        f"attention {attention}, mla_path {cfg.attention.mla_path}, KV pool {cfg.cache.num_pages} pages x {cfg.cache.page_size} tokens "
         f"({cache.measured_bytes_per_token()} bytes/token){slots}, max_model_len {llm.engine.max_model_len})"
     )
 

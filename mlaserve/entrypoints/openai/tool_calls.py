@@ -22,10 +22,10 @@ def set_chat_formats(serving, tool_override: str | None = None, reasoning_overri
         llm.config = chat_formats(
             llm.config, serving.chat_template, tool_override, reasoning_override, "--chat-template"
         )
-    elif llm.config.tool_call_parser is None or tool_override or reasoning_override:
+    elif llm.config.chat.tool_call_parser is None or tool_override or reasoning_override:
         template = serving.tokenizer.chat_template if serving.tokenizer else None
         llm.config = chat_formats(llm.config, template, tool_override, reasoning_override)
-    serving.tool_format, serving.reasoning_parser = llm.config.tool_call_parser, llm.config.reasoning_parser
+    serving.tool_format, serving.reasoning_parser = llm.config.chat.tool_call_parser, llm.config.chat.reasoning_parser
     for s in llm.config.provenance:
         if s.name in ("tool_call_parser", "reasoning_parser"):
             log.info("%s %s (%s)", s.name, s.value, s.source)
