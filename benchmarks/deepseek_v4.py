@@ -1,7 +1,9 @@
 """DeepSeek-V4: mlaserve vs transformers on one V4-Flash-shaped model, scaled down to a 2-core CPU machine.
 
     python benchmarks/deepseek_v4.py [--threads 2] [--reps 3] [--contexts 1024 [16384]] [--quick]
-        [--engines mlaserve transformers] [--cases prefill decode concurrent]
+        [--engines mlaserve transformers mlaserve-per-seq] [--cases prefill decode concurrent]
+mlaserve-per-seq is mlaserve with the per-sequence reference softmax in place of the step's padded one
+(the before/after of the batched attention).
 
 The model (random weights, seed 0, written once by transformers' save_pretrained under benchmarks/models/):
 V4-Flash's per-layer shape with the widths scaled down and its kinds kept: the 512-d shared K=V head, 64-d
@@ -121,10 +123,14 @@ def _spread(ts: list[float]) -> dict:
 class Mlaserve:
     name = "mlaserve"
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, batched: bool = True) -> None:
         from mlaserve.entrypoints.llm import LLM
 
         self.llm = LLM(str(folder), dtype="float32", max_num_seqs=16, max_num_batched_tokens=2048)
+        if not batched:  # the per-sequence reference softmax (models/deepseek_v4/attention.py), for before/after
+            self.name = "mlaserve-per-seq"
+            for layer in self.llm.runner.model.inner.model.layers:
+                layer.self_attn.batched = False
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
         """(step seconds, outputs) for every step of the requests to the end."""
@@ -190,7 +196,9 @@ def main() -> None:
     env = environment(args.threads)
     folder = ensure_v4_model(args.quick)
     vocab = MODEL["vocab_size"]
-    engines = [{"mlaserve": Mlaserve, "transformers": Transformers}[e](folder) for e in args.engines]
+    makers = {"mlaserve": Mlaserve, "mlaserve-per-seq": lambda f: Mlaserve(f, batched=False)}
+    makers["transformers"] = Transformers
+    engines = [makers[e](folder) for e in args.engines]
     cases = {"prefill 512": ("prefill", random_prompt(512, vocab, 1))}
     for n in args.contexts:
         cases[f"decode @{n}"] = ("decode", [random_prompt(n, vocab, 2)])
