@@ -202,7 +202,9 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         )
     if v4.skipped:
         report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
-    report.notes.append("DeepSeek-V4: attention runs per sequence over its request states (models/deepseek_v4)")
+    report.notes.append(
+        "DeepSeek-V4: state updates per sequence over its request states, one padded softmax per step (models/deepseek_v4)"
+    )
     serving = V4Serving(model.to(cfg.device)).eval()
     gen = read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
     return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant)
