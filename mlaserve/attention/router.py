@@ -122,8 +122,8 @@ V4_PATHS = {"v4_sliding": "window", "v4_csa": "window+csa", "v4_hca": "window+hc
 
 
 def route_v4(batch: ForwardBatch, kind: LayerKind, layers: tuple[int, ...]) -> AttentionPlan:
-    """A DeepSeek-V4 kind's plan: its decode and prefill segments (run per sequence, models/deepseek_v4) and the
-    rows every query attends, counted from the chunks' positions alone (plain data, before the math):
+    """A DeepSeek-V4 kind's plan: its decode and prefill segments (one padded softmax per step over the
+    sequences' keys, models/deepseek_v4/attention.py) and the rows every query attends, counted from the chunks' positions alone (plain data, before the math):
     query at t attends min(t + 1, W) window rows and (t + 1) // m compressed rows, of which CSA keeps
     min(index_topk, that); the carry then holds seq_len % m tokens."""
     w, m, k = kind.window, kind.ratio, kind.topk
@@ -144,7 +144,7 @@ def route_v4(batch: ForwardBatch, kind: LayerKind, layers: tuple[int, ...]) -> A
                 seq_end=hi,
                 request_ids=tuple(s.request_id for s in seqs),
                 backend="torch",
-                implementation="torch:per_sequence",
+                implementation="torch:padded_batch",
                 kind=kind.attention,
             )
         )

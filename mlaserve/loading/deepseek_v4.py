@@ -34,6 +34,7 @@ from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.deepseek_v4 import swap_in_fp8
+from mlaserve.quant.plan import QuantPlan
 
 _TOP = {
     "embed.weight": "model.embed_tokens.weight",
@@ -124,6 +125,7 @@ def target(name: str, module_names: set[str]) -> Target | None:
 class V4LoadReport:
     loaded: int = 0
     skipped: list[str] = field(default_factory=list)
+    quant: QuantPlan | None = None  # an FP8 / FP4 folder: which modules hold stored blocks, which stayed float
 
 
 def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
@@ -203,6 +205,15 @@ def fp8_modules(names: list[str], module_names: set[str]) -> tuple[set[str], set
     return linears, experts
 
 
+def check_scheme(scheme, folder: Path) -> None:
+    """The quantized forms V4 has holders for: DeepSeek FP8 blocks (`weight_scale_inv`), experts FP8 or FP4."""
+    if scheme.method != "fp8" or scheme.strategy != "block" or scheme.scale_name != SCALE[1:]:
+        raise ConfigError(
+            f"{folder.name}/config.json: quantization_config: DeepSeek-V4 reads DeepSeek FP8 block checkpoints "
+            f"only (e4m3 blocks with weight_scale_inv, experts fp8 or fp4), got {scheme.method} {scheme.strategy}"
+        )
+
+
 def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DeepseekV4ForCausalLM, V4LoadReport]:
     """A Hugging Face folder (config.json + safetensors; float, or DeepSeek FP8 blocks kept in their stored
     form by the quantized holders) -> the model in `dtype`, eval mode."""
@@ -216,16 +227,15 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(cfg)
     holders: set[str] = set()
+    plan = None
     if scheme is not None:
-        if scheme.method != "fp8" or scheme.strategy != "block" or scheme.scale_name != SCALE[1:]:
-            raise ConfigError(
-                f"{folder.name}/config.json: DeepSeek-V4 reads DeepSeek FP8 block checkpoints only, got "
-                f"{scheme.method} {scheme.strategy}"
-            )
+        check_scheme(scheme, folder)
         names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
         linears, experts = fp8_modules(source.names(), names)
         swap_in_fp8(model, linears, experts, scheme)
         holders = linears | experts
+        float_linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n not in holders}
+        plan = QuantPlan(scheme, tuple(sorted(linears)), tuple(sorted(experts)), tuple(sorted(float_linears)))
     model = model.to_empty(device="cpu")
     for name, p in model.named_parameters():
         # the reference keeps norms, sinks, position biases, mHC and the router bias in fp32 in any dtype;
@@ -233,6 +243,7 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple
         if not _kept_fp32(name) and name.rpartition(".")[0] not in holders:
             p.data = p.data.to(dtype)
     report = load_into(model, source)
+    report.quant = plan
     return model.eval(), report
 
 

@@ -181,7 +181,9 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     scheme = parse_quantization(hf_config)
     refused = {
         "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
-        "quantization": (opts.quantization is not None or scheme is not None, "its quantized weights load later"),
+        # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
+        # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
+        "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
         "speculative": (
             opts.speculative is not None,
             "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
@@ -190,9 +192,13 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     for name, (given, why) in refused.items():
         if given:
             raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
+    if scheme is not None:  # refused here, before any weight is read, when V4 has no holder for its form
+        from mlaserve.loading.deepseek_v4 import check_scheme
+
+        check_scheme(scheme, path)
     # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False)
-    return Checkpoint(path, model_cfg, engine_cfg, None, _folder_tokenizer(path, model_cfg), [])
+    return Checkpoint(path, model_cfg, engine_cfg, None, _folder_tokenizer(path, model_cfg), [], scheme)
 
 
 def _fill_v4(ck: Checkpoint) -> LoadedModel:
@@ -202,12 +208,21 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
     cfg = ck.engine_cfg
     model, v4 = load_folder(ck.path, cfg.runtime.dtype)
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
+    if v4.quant is not None:
+        q = v4.quant
+        report.notes.append(
+            f"{q.scheme.method} {q.scheme.fmt} {q.scheme.strategy} {q.scheme.block or ''}: {len(q.linears)} "
+            f"linear(s) and {len(q.experts)} expert stack(s) ({q.scheme.expert_dtype}) kept quantized, "
+            f"{len(q.kept)} linear(s) stored float"
+        )
     if v4.skipped:
         report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
-    report.notes.append("DeepSeek-V4: attention runs per sequence over its request states (models/deepseek_v4)")
+    report.notes.append(
+        "DeepSeek-V4: state updates per sequence over its request states, one padded softmax per step (models/deepseek_v4)"
+    )
     serving = V4Serving(model.to(cfg.runtime.device)).eval()
     gen = read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
-    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen)
+    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant)
 
 
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:

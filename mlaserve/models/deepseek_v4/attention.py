@@ -13,9 +13,10 @@ Notation
   out      [S, H, D] p @ kv, rope slice de-rotated at t (-sin), since the values carry rope
   y        [S, hidden] o_b_proj(concat_g o_a_proj_g(out[:, heads of group g]))   grouped low-rank output
 A step holds the chunks of one or more sequences (spans): the projections, norms and rope run over all of its
-tokens at once; the ring, the compressors' windows, the indexer's top-k and the softmax run per sequence (a
-Python loop over the spans: the known cost of the first engine landing, the plain reference for a batched
-kernel). Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
+tokens at once; the ring, the compressors' windows and the indexer's top-k run per sequence (a Python loop
+over the spans: each updates its own state); the softmax runs per sequence (`batched` False: the plain
+reference) or once for the step over keys padded to [B, K] with masks (`batched` True, the engine's path):
+  Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence) Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
 fixed at construction.
 """
 
@@ -60,6 +61,9 @@ class V4Attention(nn.Module):
         self.heads, self.head_dim, self.eps = a.num_heads, a.head_dim, eps
         self.window = a.sliding_window
         self.scale = a.head_dim**-0.5
+        # the step's softmax: False the per-sequence reference (_attend), True one padded softmax for all of
+        # the step's sequences (_attend_padded); plain data set before any forward (V4Serving sets True)
+        self.batched = False
         hidden = cfg.hidden_size
         self.q_a_proj = nn.Linear(hidden, a.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(a.q_lora_rank, eps)
@@ -96,10 +100,9 @@ class V4Attention(nn.Module):
             ikv, igate = ix.kv_proj(x), ix.gate_proj(x)
             iq, iw = ix.queries(x, q_latent, positions, tables)
 
-        # Per sequence (a known cost of this first landing: a Python loop over the step's sequences): the ring,
-        # the compressors' windows, the indexer's choice and the softmax over that sequence's keys. With one
-        # span this is the plain per-sequence reference path.
-        out = torch.empty_like(q)
+        # Per sequence (a Python loop over the step's sequences: each updates its own state, whose row counts
+        # differ): the ring, the compressors' windows and the indexer's choice -> that sequence's keys and mask.
+        keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for a, n, start, state in spans:
             b, pos = a + n, positions[a : a + n]
             keys, key_pos = state.ring.keys(kv[a:b], start)
@@ -116,11 +119,47 @@ class V4Attention(nn.Module):
                     chosen = visible_rows(pos, rows.shape[0], self.ratio)
                 keys = torch.cat([keys, rows.to(keys.dtype)], dim=0)
                 visible = torch.cat([visible, chosen], dim=1)
-            out[a:b] = self._attend(q[a:b], keys, visible)
+            keyed.append((a, n, keys, visible))
+        if self.batched:  # one padded key set and one softmax for the whole step
+            out = self._attend_padded(q, keyed)
+        else:  # the plain reference: one softmax per sequence
+            out = torch.empty_like(q)
+            for a, n, keys, visible in keyed:
+                out[a : a + n] = self._attend(q[a : a + n], keys, visible)
 
         out = rotate_trailing(out, cos, -sin)  # the values carried rope: undo it at the query position
         grouped = out.reshape(s, self.o_a_proj.groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
+
+    def _attend_padded(self, q: torch.Tensor, keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """q [T, H, D]; per sequence b (rows a_b .. a_b+n_b-1 of q) its keys [K_b, D] and mask [n_b, K_b]
+        -> [T, H, D]. Padded to Q [B, S, H, D] (S = max n_b), keys [B, K, D] (K = max K_b, pad rows zero) and
+        mask [B, S, K] (pad rows and columns False). Masked logits are selected to -inf (torch.where), never
+        multiplied by zero: a masked logit times 0 would still carry a NaN or inf. A pad query row sees only its
+        sink, so its probabilities are 0 and its output 0 (dropped). Equal to _attend per sequence up to fp32
+        summation order (a softmax over K >= K_b columns; tests/identities/test_deepseek_v4_batched.py)."""
+        b_n, s_n, k_n = len(keyed), max(n for _, n, _, _ in keyed), max(k.shape[0] for _, _, k, _ in keyed)
+        # which (sequence, slot) each of the T query rows occupies: plain ints from the spans
+        seq_of = torch.tensor([i for i, (_, n, _, _) in enumerate(keyed) for _ in range(n)], device=q.device)
+        slot_of = torch.tensor([j for _, n, _, _ in keyed for j in range(n)], device=q.device)
+        rows = torch.tensor([r for a, n, _, _ in keyed for r in range(a, a + n)], device=q.device)
+        keys = q.new_zeros(b_n, k_n, q.shape[-1])
+        mask = torch.zeros(b_n, s_n, k_n, dtype=torch.bool, device=q.device)
+        for i, (_, n, k, visible) in enumerate(keyed):  # copies only: each sequence's key count differs
+            keys[i, : k.shape[0]] = k
+            mask[i, :n, : k.shape[0]] = visible
+        qp = q.new_zeros(b_n, s_n, *q.shape[1:])
+        qp[seq_of, slot_of] = q[rows]
+        logits = torch.matmul(qp, keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [B, S, H, K]
+        logits = torch.where(mask[:, :, None, :], logits.float(), float("-inf"))
+        sinks = self.sinks.float().view(1, 1, -1, 1).expand(b_n, s_n, -1, 1)
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        outp = torch.matmul(probs.to(keys.dtype), keys.unsqueeze(1))  # [B, S, H, D]
+        out = torch.empty_like(q)
+        out[rows] = outp[seq_of, slot_of]
+        return out
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """q [S, H, D], kv [K, D], visible [S, K] -> [S, H, D]; the per-head sink joins the softmax only."""

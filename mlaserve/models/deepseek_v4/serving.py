@@ -9,8 +9,9 @@ A sequence's layer state is built as views of its slot (state.py `over`), with t
 c_b alone: pool rows = c_b // m, carry fill = c_b % m (the window ring needs none). Every write of the
 model's state code (ring index_copy_, pool rows, carry rows) lands in the cache slot, so the next step of
 that sequence continues exactly; the runner zeroed the slot when the sequence (re)started.
-Known cost: one Python loop over the step's sequences inside each attention layer (attention.py), the
-plain per-sequence path; projections, MoE and mHC run over all T tokens at once.
+Attention (attention.py): the softmax runs once for the step over keys padded to [B, K] (batched_attention,
+the default) or per sequence (the plain reference); the state updates (ring, compressors, indexer) loop over
+the step's sequences; projections, MoE and mHC run over all T tokens at once.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ class _MainRope:
 class V4Serving(nn.Module):
     """The runner's model: forward(input_ids, step, cache, native) -> hidden [T, D]; logits(hidden)."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM) -> None:
+    def __init__(self, model: DeepseekV4ForCausalLM, batched_attention: bool = True) -> None:
         super().__init__()
         self.inner = model
+        self.batched_attention = batched_attention
+        for layer in model.model.layers:  # decided once, before any step (attention.py)
+            layer.self_attn.batched = batched_attention
         self.config = model.config
         self.rope = _MainRope(model.tables)
 

@@ -1,0 +1,248 @@
+"""DeepSeek-V4: mlaserve vs transformers on one V4-Flash-shaped model, scaled down to a 2-core CPU machine.
+
+    python benchmarks/deepseek_v4.py [--threads 2] [--reps 3] [--contexts 1024 [16384]] [--quick]
+        [--engines mlaserve transformers mlaserve-per-seq] [--cases prefill decode concurrent]
+mlaserve-per-seq is mlaserve with the per-sequence reference softmax in place of the step's padded one
+(the before/after of the batched attention).
+
+The model (random weights, seed 0, written once by transformers' save_pretrained under benchmarks/models/):
+V4-Flash's per-layer shape with the widths scaled down and its kinds kept: the 512-d shared K=V head, 64-d
+rope tail, sliding window 128, CSA ratio 4 with an indexer of 64 heads x 128 keeping top 512, HCA ratio 128,
+mHC with 4 streams, sqrt-softplus routing over 64 routed experts (top 6) plus a shared one, a hash-routed
+first layer; hidden 1024 (Flash: 4096), 16 heads (64), q/o LoRA 512 (1024), 4 layers (sliding, CSA, HCA,
+CSA; Flash has 43). Both engines run the same folder in float32 with the same torch thread count.
+
+Measured, engines alternated within every repetition (the order flips each rep), median and spread (min-max)
+over the reps:
+  prefill 512    one 512-token prompt, first token (mlaserve: one step; transformers: one forward, cache on)
+  decode @N      batch 1, context N: the mean step time of 8 decode steps after an N-token prefill
+  16 concurrent  16 requests of 128 tokens, then 8 decode steps with all 16 in the step (transformers: one
+                 batch of 16, no padding needed as the lengths are equal)
+The KV bytes per token at 128K context are computed from the config for V4's cache (growing compressed rows +
+the fixed ring and carry state spread over the context) and for a DeepSeek-V3.2 layout of the same width and
+depth (latent 512 + rope 64 and one 128-d index key per token per layer), bf16 values; the ratio is reported
+for this model and for V4-Flash's own 43 layers. The machine is shared: the JSON keeps the CPU flags and the
+load average before and after, and every raw timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MODELS_DIR, RESULTS_DIR, environment, fmt, print_table, random_prompt, write_json  # noqa: E402
+
+CSA, HCA, SW = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+# V4-Flash (config.json of the release, through transformers' field names), widths kept where they set the cache
+FLASH = dict(layers=43, kinds={SW: 2, CSA: 21, HCA: 20}, head_dim=512, index_head_dim=128, window=128, csa=4, hca=128)
+MODEL = dict(
+    vocab_size=16384,
+    hidden_size=1024,
+    num_hidden_layers=4,
+    layer_types=[SW, CSA, HCA, CSA],
+    num_attention_heads=16,
+    head_dim=512,
+    partial_rotary_factor=64 / 512,
+    q_lora_rank=512,
+    o_groups=4,
+    o_lora_rank=512,
+    sliding_window=128,
+    compress_rates={CSA: 4, HCA: 128},
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    moe_intermediate_size=256,
+    num_hash_layers=1,
+    hc_mult=4,
+    max_position_embeddings=20480,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+DECODE_STEPS = 8
+
+
+def ensure_v4_model(quick: bool) -> Path:
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = dict(MODEL, num_hidden_layers=3, layer_types=[SW, CSA, HCA]) if quick else MODEL
+    folder = MODELS_DIR / f"v4-flash-shaped-l{cfg['num_hidden_layers']}-seed0"
+    stamp = folder / "bench_config.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == cfg:
+        return folder
+    print(f"[build] writing the random V4 model to {folder} ...", flush=True)
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg)).float()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # transformers' init zeroes sinks, biases and tid2eid: routing would not spread
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else p.shape[-1] ** -0.5))
+            elif "norm" in name or name.endswith("scale"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                e = cfg["n_routed_experts"]
+                b.copy_(torch.stack([torch.randperm(e, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
+    model.save_pretrained(folder)
+    stamp.write_text(json.dumps(cfg))
+    return folder
+
+
+def kv_bytes_per_token(kinds: dict, head_dim: int, index_dim: int, window: int, csa: int, hca: int, ctx: int):
+    """(V4, V3.2 layout of the same width and depth) bytes per token at `ctx` tokens, bf16 values.
+    V4: CSA keeps a [512] row and a [128] index key per m tokens, HCA a [512] row per m' tokens; every layer a
+    ring of `window` rows; the carries (CSA: open window kv+gate of both compressors and their overlap halves,
+    HCA: the open window's kv+gate) are fixed per sequence and spread over ctx. V3.2: latent 512 + rope 64 and
+    one index key per token per layer."""
+    layers = sum(kinds.values())
+    ring = window * head_dim * layers
+    csa_fixed = csa * (4 * head_dim + 4 * index_dim) + csa * (2 * head_dim + 2 * index_dim)
+    fixed = ring + kinds.get(CSA, 0) * csa_fixed + kinds.get(HCA, 0) * hca * 2 * head_dim
+    grow = kinds.get(CSA, 0) * (head_dim + index_dim) / csa + kinds.get(HCA, 0) * head_dim / hca
+    v4 = 2 * (grow + fixed / ctx)
+    v32 = 2 * (head_dim + 64 + index_dim) * layers
+    return v4, v32
+
+
+def _spread(ts: list[float]) -> dict:
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "all_s": ts}
+
+
+class Mlaserve:
+    name = "mlaserve"
+
+    def __init__(self, folder: Path, batched: bool = True) -> None:
+        from mlaserve.entrypoints.llm import LLM
+
+        self.llm = LLM(str(folder), dtype="float32", max_num_seqs=16, max_num_batched_tokens=2048)
+        if not batched:  # the per-sequence reference softmax (models/deepseek_v4/attention.py), for before/after
+            self.name = "mlaserve-per-seq"
+            for layer in self.llm.runner.model.inner.model.layers:
+                layer.self_attn.batched = False
+
+    def _run(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+        """(step seconds, outputs) for every step of the requests to the end."""
+        from mlaserve.sampling.params import SamplingParams
+
+        engine = self.llm.engine
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        steps = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            steps.append((time.perf_counter() - t0, len(outs)))
+        return steps
+
+    def prefill(self, ids: list[int]) -> float:
+        return sum(t for t, _ in self._run([ids], 1))
+
+    def decode(self, prompts: list[list[int]]) -> float:
+        """Mean step time of the DECODE_STEPS steps after every request has its first token."""
+        steps = self._run(prompts, DECODE_STEPS + 1)
+        return statistics.mean(t for t, _ in steps[-DECODE_STEPS:])
+
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import DeepseekV4ForCausalLM
+
+        self.model = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.model(torch.tensor([ids]), use_cache=True).logits[:, -1].argmax(-1)
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]]) -> float:
+        out = self.model(torch.tensor(prompts), use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        ts = []
+        for _ in range(DECODE_STEPS):
+            t0 = time.perf_counter()
+            out = self.model(nxt, past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            ts.append(time.perf_counter() - t0)
+        return statistics.mean(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    ap.add_argument("--engines", nargs="+", default=["mlaserve", "transformers"])
+    ap.add_argument("--cases", nargs="+", default=None, help="a subset: prefill, decode, concurrent")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    env = environment(args.threads)
+    folder = ensure_v4_model(args.quick)
+    vocab = MODEL["vocab_size"]
+    makers = {"mlaserve": Mlaserve, "mlaserve-per-seq": lambda f: Mlaserve(f, batched=False)}
+    makers["transformers"] = Transformers
+    engines = [makers[e](folder) for e in args.engines]
+    cases = {"prefill 512": ("prefill", random_prompt(512, vocab, 1))}
+    for n in args.contexts:
+        cases[f"decode @{n}"] = ("decode", [random_prompt(n, vocab, 2)])
+    cases["16 concurrent"] = ("decode", [random_prompt(128, vocab, 10 + i) for i in range(16)])
+    if args.cases:
+        cases = {c: v for c, v in cases.items() if any(c.startswith(k) or k in c for k in args.cases)}
+    raw: dict[str, dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
+    for rep in range(args.reps):
+        order = engines if rep % 2 == 0 else engines[::-1]  # alternate: neither engine always runs first
+        for case, (what, arg) in cases.items():
+            for eng in order:
+                t = getattr(eng, what)(arg)
+                raw[case][eng.name].append(t)
+                print(f"[rep {rep}] {case:14s} {eng.name:12s} {t * 1e3:9.1f} ms", flush=True)
+    results = {c: {e: _spread(ts) for e, ts in per.items()} for c, per in raw.items()}
+    rows = []
+    for case, per in results.items():
+        batch = 16 if case == "16 concurrent" else 1
+        row = [case]
+        for e in engines:
+            r = per[e.name]
+            tokens = 512 if case.startswith("prefill") else batch
+            row += [f"{fmt(r['median_s'] * 1e3)} ({fmt(r['min_s'] * 1e3)}-{fmt(r['max_s'] * 1e3)})"]
+            row += [fmt(tokens / r["median_s"])]
+        rows.append(row)
+    headers = ["case"] + [h for e in engines for h in (f"{e.name} ms (min-max)", f"{e.name} tok/s")]
+    print_table(headers, rows)
+    cfg = MODEL if not args.quick else dict(MODEL, layer_types=[SW, CSA, HCA])
+    kinds = {k: cfg["layer_types"].count(k) for k in (SW, CSA, HCA)}
+    ours = kv_bytes_per_token(kinds, 512, 128, 128, 4, 128, 131072)
+    flash = kv_bytes_per_token(FLASH["kinds"], 512, 128, 128, 4, 128, 131072)
+    kv = {
+        "this model": {"v4": ours[0], "v32": ours[1], "ratio": ours[1] / ours[0]},
+        "V4-Flash (43 layers)": {"v4": flash[0], "v32": flash[1], "ratio": flash[1] / flash[0]},
+    }
+    print_table(
+        ["KV bytes/token @128K (bf16)", "V4", "V3.2 layout", "V3.2 / V4"],
+        [[k, fmt(v["v4"]), fmt(v["v32"]), f"{v['ratio']:.1f}x"] for k, v in kv.items()],
+    )
+    env["loadavg_end"] = list(os.getloadavg())
+    print(f"load average start {env['loadavg_start']} end {env['loadavg_end']}; cpu {env['cpu']} {env['cpu_simd']}")
+    out = args.out or RESULTS_DIR / f"deepseek_v4{'-quick' if args.quick else ''}.json"
+    write_json(out, {"env": env, "model": cfg, "results": results, "kv_bytes_per_token_128k": kv})
+
+
+if __name__ == "__main__":
+    main()
