@@ -44,7 +44,7 @@ def _set_batched(llm: LLM, batched: bool) -> None:
 def _run(llm: LLM, steps: list[list[tuple[str, list[int], int, int]]], batched: bool) -> dict[str, torch.Tensor]:
     """steps of (request, tokens, tokens before, slot) chunks through the runner -> every request's logits rows."""
     _set_batched(llm, batched)
-    ps = llm.config.page_size
+    ps = llm.config.cache.page_size
     rows: dict[str, list[torch.Tensor]] = {}
     try:
         for chunks in steps:
