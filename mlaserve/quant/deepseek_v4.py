@@ -17,10 +17,9 @@ Like every holder: the stored bytes are copied at load, never converted; dequant
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.models.deepseek_v4.moe import clamped_swiglu
+from mlaserve.models.deepseek_v4.moe import experts_loop
 from mlaserve.quant import fp4_group, fp8_block
 from mlaserve.quant.config import QuantScheme
 from mlaserve.quant.linear import FP8Linear
@@ -68,22 +67,7 @@ class FP8V4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """As models/deepseek_v4/moe.Experts (its plain reference loop), each routed expert dequantized once."""
-        out = torch.zeros_like(x)
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of, slot_of = order // idx.shape[1], order % idx.shape[1]
-        begin = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok, slot = token_of[begin : begin + n], slot_of[begin : begin + n]
-            begin += n
-            gate_up, down = self.expert(e)
-            gate, up = F.linear(x[tok].float(), gate_up).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), down) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return experts_loop(x, weights, idx, self.expert, self.limit)
 
 
 class FP4V4Experts(FP8V4Experts):

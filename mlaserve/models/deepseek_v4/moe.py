@@ -15,6 +15,8 @@ the batch runs as one grouped GEMM per projection where rows align, else (and as
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,21 +80,36 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
     def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of, slot_of = order // idx.shape[1], order % idx.shape[1]
-        begin = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok, slot = token_of[begin : begin + n], slot_of[begin : begin + n]
-            begin += n
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return experts_loop(x, weights, idx, lambda e: (self.gate_up_proj[e], self.down_proj[e]), self.limit)
+
+
+def experts_loop(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    limit: float,
+) -> torch.Tensor:
+    """The plain reference: per routed expert e (in id order), its tokens' clamped SwiGLU through
+    expert(e) = (gate_up [2I, D], down [D, I]), weighted and summed into [T, D]. Shared with the quantized
+    holders (quant/deepseek_v4.py), whose expert(e) dequantizes expert e once."""
+    out = torch.zeros_like(x)
+    flat = idx.flatten()
+    n_experts = int(flat.max()) + 1 if flat.numel() else 0
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    token_of, slot_of = order // idx.shape[1], order % idx.shape[1]
+    begin = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok, slot = token_of[begin : begin + n], slot_of[begin : begin + n]
+        begin += n
+        gate_up, down = expert(e)
+        gate, up = F.linear(x[tok].to(gate_up.dtype), gate_up).chunk(2, dim=-1)
+        y = F.linear(clamped_swiglu(gate, up, limit), down) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
 
 
 class SharedExpert(nn.Module):
