@@ -58,6 +58,15 @@ CASES = [
     (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"json_object": False}}, False),
     (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"choice": ["a"], "structural_tag": False}}, True),
     (COMP, {"prompt": "x", "max_tokens": 1, "structured_outputs": {"choice": ["a"]}, "ignore_eos": True}, False),
+    # llama.cpp's fields: never with ignore_eos, nor with each other or structured_outputs; a grammar non-empty
+    (COMP, {"prompt": "x", "max_tokens": 1, "grammar": 'root ::= "a"'}, True),
+    (COMP, {"prompt": "x", "max_tokens": 1, "grammar": 'root ::= "a"', "ignore_eos": True}, False),
+    (COMP, {"prompt": "x", "max_tokens": 1, "json_schema": {"type": "string"}, "ignore_eos": True}, False),
+    (COMP, {"prompt": "x", "max_tokens": 1, "grammar": 'root ::= "a"', "json_schema": {"type": "string"}}, False),
+    (COMP, {"prompt": "x", "max_tokens": 1, "grammar": ""}, False),
+    # a tool's strict is a bool or null
+    (CHAT, {"messages": MSG, "max_tokens": 1, "tools": [{**FN, "function": {**FN["function"], "strict": None}}]}, True),
+    (CHAT, {"messages": MSG, "max_tokens": 1, "tools": [{**FN, "function": {**FN["function"], "strict": {}}}]}, False),
     (COMP, {"prompt": "x", "max_tokens": 1, "logit_bias": {"5": 1.5}}, True),
     (COMP, {"prompt": "x", "max_tokens": 1, "logit_bias": {"05": 1.5}}, False),
     (COMP, {"prompt": "x", "max_tokens": 1, "logit_bias": {"999999": 1.5}}, False),

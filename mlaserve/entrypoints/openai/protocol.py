@@ -108,6 +108,22 @@ STRUCTURED_RULES = [
         "then": _NO_IGNORE_EOS,
     }
 ]
+# llama.cpp's grammar / json_schema (on /v1/completions): at most one of them and structured_outputs, and
+# like every constraint never with ignore_eos
+_LLAMA_FIELDS = ("grammar", "json_schema", "structured_outputs")
+LLAMA_CPP_RULES = [
+    {
+        "if": {"properties": {k: _NOT_NULL}, "required": [k]},
+        "then": {
+            **_NO_IGNORE_EOS,
+            "properties": {
+                **_NO_IGNORE_EOS["properties"],
+                **{o: {"type": "null"} for o in _LLAMA_FIELDS if o != k},
+            },
+        },
+    }
+    for k in ("grammar", "json_schema")
+]
 RESPONSE_FORMAT_RULES = [
     {
         "if": {"properties": {"response_format": _NOT_NULL}, "required": ["response_format"]},
@@ -176,6 +192,7 @@ class CompletionRequest(SamplingFields):
                     "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
                 },
                 *STRUCTURED_RULES,
+                *LLAMA_CPP_RULES,
             ]
         }
     )
@@ -185,7 +202,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})  # insertion is not supported
     # llama.cpp's server fields: a GBNF grammar, or a JSON schema, the output is generated under (structured/)
-    grammar: str | None = None
+    grammar: str | None = Field(None, json_schema_extra={"minLength": 1})
     json_schema: dict | None = None
 
     @field_validator("suffix")
@@ -280,7 +297,7 @@ TOOLS_SCHEMA = {
                     "parameters": {
                         "anyOf": [{"type": "object", "properties": {"type": {"const": "object"}}}, {"type": "null"}]
                     },
-                    "strict": {},
+                    "strict": {"type": ["boolean", "null"]},
                 },
             },
         },
