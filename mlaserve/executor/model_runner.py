@@ -86,6 +86,9 @@ class ModelRunner:
             cfg.attention.index_topk,
             cfg.runtime.dtype,
             cfg.attention.backend,
+            cfg.attention.v4_csa_dense,
+            # DeepSeek-V4: the softmax its model was built to run (V4Serving), recorded as what ran
+            getattr(self.model, "v4_implementation", "torch:padded_batch"),
         )
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
