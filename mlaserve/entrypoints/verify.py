@@ -61,7 +61,7 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     base = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=max(len(ids), 1)))
     full = logits_with(llm, base, ids)
     # the MLA paths and attention backends exist only for kinds over latent rows (a DeepSeek-V4 stack has
-    # none: its checks are the chunked and token-by-token ones; a pair that cannot differ is not listed)
+    # none: its checks are token by token here and its own in verify_v4.py; a pair that cannot differ is not listed)
     latent = any(k.attention in LATENT_KINDS for k in llm.runner.layer_kinds)
     v4 = is_v4(llm.runner.layer_kinds)  # V4 chunks by its compression ratios instead (verify_v4.py)
     pairs = (
