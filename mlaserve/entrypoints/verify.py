@@ -75,13 +75,8 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
             )
         ]
     )
-    pairs += [
-        (
-            "token-by-token decode vs one pass",
-            logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1)), ids),
-            full,
-        ),
-    ]
+    decoded = logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1)), ids)
+    pairs.append(("token-by-token decode vs one pass", decoded, full))
     if latent:
         pairs.insert(
             0,
@@ -101,7 +96,7 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
             )
         )
     pairs += _backend_pairs(llm, base, ids) if latent else []
-    pairs += v4_pairs(llm, base, ids, full) if v4 else []
+    pairs += v4_pairs(llm, base, ids, full, decoded) if v4 else []
     return [_compare(name, a, b, tol) for name, a, b in pairs]
 
 

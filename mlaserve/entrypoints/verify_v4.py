@@ -82,8 +82,9 @@ def _alone(llm, cfg: EngineConfig, ids: list[int], sizes: list[int]) -> torch.Te
     return schedule_logits(llm.loaded.model, cfg, {"verify": (ids, sizes)})["verify"]
 
 
-def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor) -> list[Pair]:
-    """The V4 identities on `ids` (full: their one-pass logits through `base`)."""
+def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decoded: torch.Tensor) -> list[Pair]:
+    """The V4 identities on `ids` (full, decoded: their logits through `base` in one pass and token by token,
+    the latter also the decoding sequence's schedule alone in the batch check)."""
     layers = llm.runner.layer_kinds
     n, pairs = len(ids), []
     ratios = sorted({k.ratio for k in layers if k.ratio})
@@ -113,7 +114,7 @@ def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor) -> lis
             {"decoding": (ids, [1] * n), "chunks_of_3": (ids, three), "one_pass": (other, [n])},
         )
         alone = {
-            "decoding": _alone(llm, base, ids, [1] * n),
+            "decoding": decoded,
             "chunks_of_3": chunked.get(3) if 3 in chunked else _alone(llm, base, ids, three),
             "one_pass": _alone(llm, base, other, [n]),
         }
