@@ -238,10 +238,6 @@ class AttentionConfig:
     index_topk: int | None
     mla_path: str
     backend: str  # name in attention.backends' registry; the router writes it per segment
-    # DeepSeek-V4: CSA layers attend every causally visible compressed row instead of the indexer's top-k
-    # (`mlaserve verify`'s sparse-vs-dense identity; equal to the sparse model while the rows fit in
-    # index_topk). Not a user option: set by verify, recorded in the route (attention/router.py route_v4).
-    v4_csa_dense: bool = False
 
 
 @dataclass(frozen=True)

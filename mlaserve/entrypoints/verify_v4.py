@@ -12,7 +12,7 @@ Each pair runs the prompt through two schedules that must agree (prompt logits a
                                    of 3 tokens and of a whole prompt), each against the same schedule alone
   CSA sparse vs dense              the prompt cut to the longest length whose CSA rows fit in index_topk: the
                                    indexer's top-k must keep every visible row, so the CSA layers equal the
-                                   same layers attending every visible row (AttentionConfig.v4_csa_dense, a
+                                   same layers attending every visible row (ModelRunner.v4_csa_dense, a
                                    switch recorded in the route: path "window+csa(dense)", sparse False)
 What these cannot see: a fault every schedule shares (the weights, the one-pass math itself); the tests
 compare that with transformers (tests/identities/test_deepseek_v4_engine.py).
@@ -36,10 +36,12 @@ def is_v4(layers: tuple[LayerKind, ...]) -> bool:
     return any(k.attention.startswith("v4_") for k in layers)
 
 
-def schedule_logits(model, cfg: EngineConfig, seqs: dict[str, tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+def schedule_logits(
+    model, cfg: EngineConfig, seqs: dict[str, tuple[list[int], list[int]]], csa_dense: bool = False
+) -> dict[str, torch.Tensor]:
     """Prompt logits of several sequences run together: sequence r is (ids, chunk sizes); step j holds chunk j
     of every sequence that has one (each in its own state slot and pages, of a fresh runner's own cache).
-    -> r: logits [len(ids), vocab]."""
+    csa_dense: the runner routes V4's CSA layers dense (ModelRunner.v4_csa_dense). -> r: logits [len(ids), vocab]."""
     ps = cfg.cache.page_size
     pages_of = {r: -(-len(ids) // ps) for r, (ids, _) in seqs.items()}
     cfg = replace(
@@ -51,7 +53,7 @@ def schedule_logits(model, cfg: EngineConfig, seqs: dict[str, tuple[list[int], l
             max_num_batched_tokens=max(1, sum(len(ids) for ids, _ in seqs.values())),
         ),
     )
-    runner = ModelRunner(model, cfg)
+    runner = ModelRunner(model, cfg, v4_csa_dense=csa_dense)
     first, tables = 0, {}
     for r, n in pages_of.items():
         tables[r], first = list(range(first, first + n)), first + n
@@ -78,8 +80,8 @@ def _sizes(n: int, chunk: int) -> list[int]:
     return [min(chunk, n - d) for d in range(0, n, chunk)]
 
 
-def _alone(llm, cfg: EngineConfig, ids: list[int], sizes: list[int]) -> torch.Tensor:
-    return schedule_logits(llm.loaded.model, cfg, {"verify": (ids, sizes)})["verify"]
+def _alone(llm, cfg: EngineConfig, ids: list[int], sizes: list[int], csa_dense: bool = False) -> torch.Tensor:
+    return schedule_logits(llm.loaded.model, cfg, {"verify": (ids, sizes)}, csa_dense)["verify"]
 
 
 def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decoded: torch.Tensor) -> list[Pair]:
@@ -124,12 +126,11 @@ def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decode
     if csa is not None:
         # the longest prompt whose visible CSA rows ((t+1) // m at its last position) fit in index_topk
         short = ids[: min(n, (csa.topk + 1) * csa.ratio - 1)]
-        dense = replace(base, attention=replace(base.attention, v4_csa_dense=True))
         pairs.append(
             (
                 f"CSA sparse vs dense, rows within index_topk ({len(short)} tokens, <= {csa.topk} rows)",
                 _alone(llm, base, short, [len(short)]),
-                _alone(llm, dense, short, [len(short)]),
+                _alone(llm, base, short, [len(short)], csa_dense=True),
             )
         )
     return pairs

@@ -9,8 +9,6 @@ assert exactly which checks then fail (verify's 1e-4), so a break too small to s
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -143,7 +141,7 @@ def test_an_indexer_that_drops_a_row_fails_only_sparse_vs_dense(all_kinds, monke
 
 
 def test_the_dense_switch_is_routed_recorded_and_real(all_kinds):
-    """v4_csa_dense is plain data of the config: the route of a CSA kind says dense (sparse False, path
+    """v4_csa_dense is plain data of the runner: the route of a CSA kind says dense (sparse False, path
     window+csa(dense), every visible row counted as selected); beyond index_topk it changes the logits."""
     llm = LLM(str(all_kinds))
     kinds, cfg = llm.runner.layer_kinds, llm.config
@@ -158,8 +156,7 @@ def test_the_dense_switch_is_routed_recorded_and_real(all_kinds):
         assert plan.rows.requests[0].selected_rows == (7 if dense else 3)
         assert plan.rows.requests[0].compressed_rows == 7
     ids = _ids(N)
-    dense_cfg = replace(cfg, attention=replace(cfg.attention, v4_csa_dense=True))
     sparse = schedule_logits(llm.loaded.model, cfg, {"r": (ids, [N])})["r"]
-    dense = schedule_logits(llm.loaded.model, dense_cfg, {"r": (ids, [N])})["r"]
+    dense = schedule_logits(llm.loaded.model, cfg, {"r": (ids, [N])}, csa_dense=True)["r"]
     assert (sparse[:15] - dense[:15]).abs().max() == 0  # <= 3 rows visible: the same rows attended
     assert (sparse[15:] - dense[15:]).abs().max() > 1e-3  # 4+ rows: top-3 vs all of them
