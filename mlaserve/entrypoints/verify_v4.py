@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from mlaserve.attention.router import V4_PATHS
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.layer_kinds import LayerKind
 from mlaserve.executor.forward_batch import SeqChunk
@@ -33,7 +34,7 @@ Pair = tuple[str, torch.Tensor, torch.Tensor]
 
 
 def is_v4(layers: tuple[LayerKind, ...]) -> bool:
-    return any(k.attention.startswith("v4_") for k in layers)
+    return any(k.attention in V4_PATHS for k in layers)  # the router's V4 kinds
 
 
 def schedule_logits(
