@@ -104,13 +104,18 @@ def route_step(
     index_topk: int | None = None,
     key_dtype: torch.dtype = torch.float32,
     backend: str = "torch",
+    v4_csa_dense: bool = False,
+    v4_implementation: str = "torch:padded_batch",
 ) -> StepRoute:
-    """One plan per attention kind of the stack. sparse: the engine runs DSA kinds sparse."""
+    """One plan per attention kind of the stack. sparse: the engine runs DSA kinds sparse. DeepSeek-V4:
+    v4_csa_dense, its CSA layers attend every visible compressed row (no top-k); v4_implementation, the
+    softmax the model runs (V4Serving.implementation: one padded batch, or per sequence)."""
     plans = []
     for kind in kinds_in_order(layers):
         ids = tuple(k.index for k in layers if k.attention == kind)
         if kind not in LATENT_KINDS:  # DeepSeek-V4: window + compressed rows, per sequence
-            plans.append(route_v4(batch, next(k for k in layers if k.attention == kind), ids))
+            kind_of = next(k for k in layers if k.attention == kind)
+            plans.append(route_v4(batch, kind_of, ids, v4_csa_dense, v4_implementation))
             continue
         kind_sparse = sparse and kind == "mla_dsa"
         topk = index_topk if kind_sparse else None
@@ -121,12 +126,23 @@ def route_step(
 V4_PATHS = {"v4_sliding": "window", "v4_csa": "window+csa", "v4_hca": "window+hca"}
 
 
-def route_v4(batch: ForwardBatch, kind: LayerKind, layers: tuple[int, ...]) -> AttentionPlan:
-    """A DeepSeek-V4 kind's plan: its decode and prefill segments (one padded softmax per step over the
-    sequences' keys, models/deepseek_v4/attention.py) and the rows every query attends, counted from the chunks' positions alone (plain data, before the math):
-    query at t attends min(t + 1, W) window rows and (t + 1) // m compressed rows, of which CSA keeps
-    min(index_topk, that); the carry then holds seq_len % m tokens."""
+def route_v4(
+    batch: ForwardBatch,
+    kind: LayerKind,
+    layers: tuple[int, ...],
+    csa_dense: bool = False,
+    implementation: str = "torch:padded_batch",
+) -> AttentionPlan:
+    """A DeepSeek-V4 kind's plan: its decode and prefill segments (the softmax `implementation` the model
+    runs: one padded softmax per step over the sequences' keys, or one per sequence,
+    models/deepseek_v4/attention.py) and the rows every query attends, counted from the chunks' positions
+    alone (plain data, before the math): query at t attends min(t + 1, W) window rows and (t + 1) // m
+    compressed rows, of which CSA keeps min(index_topk, that) (csa_dense: all of them, no top-k); the carry
+    then holds seq_len % m tokens."""
     w, m, k = kind.window, kind.ratio, kind.topk
+    csa = kind.attention == "v4_csa" and not csa_dense  # the CSA kind runs its indexer's top-k
+    if csa_dense:
+        k = 0  # every visible compressed row: the counts below then record all of them as selected
     segments, requests, sums = [], [], [0, 0, 0]
     n_dec = batch.num_decode_seqs
     for phase, lo, hi in (("decode", 0, n_dec), ("prefill", n_dec, len(batch.seqs))):
@@ -136,15 +152,15 @@ def route_v4(batch: ForwardBatch, kind: LayerKind, layers: tuple[int, ...]) -> A
         segments.append(
             Segment(
                 phase=phase,
-                path=V4_PATHS[kind.attention],
-                sparse=kind.attention == "v4_csa",
+                path=V4_PATHS[kind.attention] + ("(dense)" if csa_dense and kind.attention == "v4_csa" else ""),
+                sparse=csa,
                 token_start=seqs[0].query_start,
                 token_end=seqs[-1].query_start + seqs[-1].query_len,
                 seq_start=lo,
                 seq_end=hi,
                 request_ids=tuple(s.request_id for s in seqs),
                 backend="torch",
-                implementation="torch:padded_batch",
+                implementation=implementation,
                 kind=kind.attention,
             )
         )
@@ -159,7 +175,7 @@ def route_v4(batch: ForwardBatch, kind: LayerKind, layers: tuple[int, ...]) -> A
     longest = max((s.seq_len for s in batch.seqs), default=0)
     return AttentionPlan(
         segments=tuple(segments),
-        sparse=kind.attention == "v4_csa",
+        sparse=csa,
         index_topk=topk,
         effective_topk=min(k, longest // m) if topk else None,
         needs_selection=bool(topk) and longest // m > k,

@@ -317,15 +317,17 @@ def resolve(
     native_kernels: Callable[[], tuple[bool, str]] | None = None,
     gguf: bool = False,
     stored_bf16: Callable[[], bool] | None = None,
+    torch_holders: str | None = None,
 ) -> EngineConfig:
     """native_kernels: the loader's probe of the native kernels (builds them; -> (available, detail)),
-    passed only when the checkpoint holds quantized weights. gguf: the checkpoint is a GGUF file
+    passed only when the checkpoint holds quantized weights that native kernels serve. torch_holders: why
+    quantized weights without native kernels run in torch (the kernels line's reason; None: none held). gguf: the checkpoint is a GGUF file
     (gguf_weights applies). stored_bf16: whether the checkpoint's matrices are stored in bfloat16 (asked
     only when dtype=auto could pick bfloat16)."""
     log = ProvenanceLog()
     device = choose_device(opts.device, log)
     quantization = choose_quantization(opts.quantization, log)
-    kernels = choose_kernels(opts.kernels, device, native_kernels, log)
+    kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders)
     activations = choose_activations(opts.activations, kernels, log)
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, opts.tensor_parallel_size, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)

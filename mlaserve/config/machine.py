@@ -62,13 +62,16 @@ def choose_quantization(requested: str | None, log: ProvenanceLog) -> str | None
     return log.record("quantization", requested, f"user option: float weights put into {blocks} blocks at load")
 
 
-def choose_kernels(requested: str, device: str, probe, log: ProvenanceLog) -> str:
+def choose_kernels(requested: str, device: str, probe, log: ProvenanceLog, torch_holders: str | None = None) -> str:
+    """probe: the native kernels' probe, given when the checkpoint's quantized weights have native kernels.
+    torch_holders: without a probe, why quantized weights the checkpoint does hold run in torch (None: it
+    holds none), so the recorded reason is what is true of this checkpoint."""
     check_choice("kernels", requested, KERNELS)
     if requested == "torch":
         return log.record("kernels", "torch", "user option")
     if probe is None:
         how = "user option" if requested == "native" else "engine default (auto)"
-        return log.record("kernels", "torch", f"{how}: the checkpoint holds no quantized weights")
+        return log.record("kernels", "torch", f"{how}: {torch_holders or 'the checkpoint holds no quantized weights'}")
     if device != "cpu":
         if requested == "native":
             raise ConfigError(f"kernels='native' runs on the CPU; device is {device!r} (pass kernels='torch')")

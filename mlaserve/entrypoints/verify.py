@@ -6,6 +6,8 @@ of the logits and top-1 agreement:
   chunked vs one pass        prefill in chunks of 7 tokens vs one forward
   decode path vs one pass    the prompt fed one token per step (every step a decode)
   sparse vs dense            DSA models, prompt within index_topk: the indexer must keep every row
+  DeepSeek-V4                chunk ends at every residue mod each compression ratio, prefill then decode,
+                             batch vs alone, CSA sparse vs dense within index_topk (verify_v4.py)
   backend vs reference       the configured attention backend against `reference` (the plain oracle),
                              on each path, and for DSA models on a sparse step whose top-k really selects
                              (index_topk lowered to half the prompt when the prompt fits in it)
@@ -25,6 +27,7 @@ import torch
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.layer_kinds import LATENT_KINDS
 from mlaserve.entrypoints.llm import LLM
+from mlaserve.entrypoints.verify_v4 import is_v4, v4_pairs
 from mlaserve.executor.model_runner import ModelRunner
 
 
@@ -58,20 +61,22 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     base = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=max(len(ids), 1)))
     full = logits_with(llm, base, ids)
     # the MLA paths and attention backends exist only for kinds over latent rows (a DeepSeek-V4 stack has
-    # none: its checks are the chunked and token-by-token ones; a pair that cannot differ is not listed)
+    # none: its checks are token by token here and its own in verify_v4.py; a pair that cannot differ is not listed)
     latent = any(k.attention in LATENT_KINDS for k in llm.runner.layer_kinds)
-    pairs = [
-        (
-            "chunked prefill (7) vs one pass",
-            logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=7)), ids),
-            full,
-        ),
-        (
-            "token-by-token decode vs one pass",
-            logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1)), ids),
-            full,
-        ),
-    ]
+    v4 = is_v4(llm.runner.layer_kinds)  # V4 chunks by its compression ratios instead (verify_v4.py)
+    pairs = (
+        []
+        if v4
+        else [
+            (
+                "chunked prefill (7) vs one pass",
+                logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=7)), ids),
+                full,
+            )
+        ]
+    )
+    decoded = logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1)), ids)
+    pairs.append(("token-by-token decode vs one pass", decoded, full))
     if latent:
         pairs.insert(
             0,
@@ -91,6 +96,7 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
             )
         )
     pairs += _backend_pairs(llm, base, ids) if latent else []
+    pairs += v4_pairs(llm, base, ids, full, decoded) if v4 else []
     return [_compare(name, a, b, tol) for name, a, b in pairs]
 
 

@@ -36,10 +36,15 @@ class ModelRunner:
         tracer=None,
         rank: int = 0,
         layer_kinds: tuple[LayerKind, ...] | None = None,
+        v4_csa_dense: bool = False,
     ) -> None:
         """rank: this process's tensor-parallel rank (named in its ledger records when TP > 1). layer_kinds:
-        the stack's kinds and states (default: declared from the config, config/layer_kinds.py)."""
+        the stack's kinds and states (default: declared from the config, config/layer_kinds.py).
+        v4_csa_dense: DeepSeek-V4's CSA layers attend every visible compressed row instead of the indexer's
+        top-k (`mlaserve verify`'s sparse-vs-dense identity, verify_v4.py; not an engine option), recorded in
+        each step's route (attention/router.py route_v4)."""
         self.model, self.rank = model, rank
+        self.v4_csa_dense = v4_csa_dense
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
         max_tokens = min(
             cfg.cache.num_pages * cfg.cache.page_size, cfg.model.max_position_embeddings
@@ -86,6 +91,9 @@ class ModelRunner:
             cfg.attention.index_topk,
             cfg.runtime.dtype,
             cfg.attention.backend,
+            self.v4_csa_dense,
+            # DeepSeek-V4: the softmax its model was built to run (V4Serving), recorded as what ran
+            getattr(self.model, "v4_implementation", "torch:padded_batch"),
         )
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)

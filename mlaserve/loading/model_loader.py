@@ -197,7 +197,13 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
 
         check_scheme(scheme, path)
     # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer
-    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False)
+    held = None
+    if scheme is not None:  # its FP8 / FP4 holders multiply in torch (quant/deepseek_v4.py): no native kernel yet
+        held = (
+            f"the checkpoint's {scheme.method} {scheme.fmt} weights (experts {scheme.expert_dtype}) stay quantized "
+            "in DeepSeek-V4's holders, which run in torch (no native kernel serves them yet)"
+        )
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, torch_holders=held)
     return Checkpoint(path, model_cfg, engine_cfg, None, _folder_tokenizer(path, model_cfg), [], scheme)
 
 

@@ -82,10 +82,17 @@ class V4Attention(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, spans: list[Span], tables: V4RopeTables
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        spans: list[Span],
+        tables: V4RopeTables,
+        csa_dense: bool = False,
     ) -> torch.Tensor:
         """x [T, hidden] at `positions`: the tokens of one or more sequences, each a Span (its tokens' rows
-        a .. a+n-1 of x, at sequence positions start .. start+n-1, continuing its layer state)."""
+        a .. a+n-1 of x, at sequence positions start .. start+n-1, continuing its layer state). csa_dense (the
+        step's route): a CSA layer attends every causally visible compressed row, its indexer's pool still
+        filled (so later sparse steps continue exactly) but its top-k not applied."""
         s = x.shape[0]
         cos, sin = tables.cos_sin(self.table, positions, x.dtype)
         # projections, norms and rope over every token of the step at once
@@ -115,6 +122,8 @@ class V4Attention(nn.Module):
                     chosen = ix.select_rows(
                         ikv[a:b], igate[a:b], iq[a:b], iw[a:b], pos, state.index_carry, state.index_pool, tables
                     )
+                    if csa_dense:
+                        chosen = visible_rows(pos, rows.shape[0], self.ratio)
                 else:
                     chosen = visible_rows(pos, rows.shape[0], self.ratio)
                 keys = torch.cat([keys, rows.to(keys.dtype)], dim=0)

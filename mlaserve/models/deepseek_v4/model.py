@@ -44,9 +44,10 @@ class V4DecoderLayer(nn.Module):
         positions: torch.Tensor,
         spans: list[Span],
         tables: V4RopeTables,
+        csa_dense: bool = False,
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
-        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, spans, tables), h)
+        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, spans, tables, csa_dense), h)
         post, comb, x = self.ffn_hc(h)
         return expand(post, comb, self.mlp(self.post_attention_layernorm(x), ids), h)
 
@@ -95,16 +96,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def forward_spans(
-        self, ids: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int, int, list[LayerState]]]
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        spans: list[tuple[int, int, int, list[LayerState]]],
+        csa_dense: bool = False,
     ) -> torch.Tensor:
         """The tokens of several sequences in one step -> final hidden [T, D] (before lm_head). ids, positions
         [T]; per sequence (first row, tokens, position of its first token, its per-layer states). Embedding,
         mHC, norms, projections and the MoE run over all T tokens at once; attention loops over the spans
-        (models/deepseek_v4/attention.py)."""
+        (models/deepseek_v4/attention.py). csa_dense: the CSA layers attend every visible compressed row (the
+        route's choice, V4Serving)."""
         m = self.model
         h = m.embed_tokens(ids).unsqueeze(1).expand(-1, m.hc_mult, -1).contiguous()
         for i, layer in enumerate(m.layers):
-            h = layer(h, ids, positions, [(a, n, start, states[i]) for a, n, start, states in spans], self.tables)
+            h = layer(
+                h, ids, positions, [(a, n, start, states[i]) for a, n, start, states in spans], self.tables, csa_dense
+            )
         return m.norm(m.hc_head(h))
 
     @torch.no_grad()

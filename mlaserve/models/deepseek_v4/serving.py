@@ -71,6 +71,8 @@ class V4Serving(nn.Module):
             layer.self_attn.batched = batched_attention
         self.config = model.config
         self.rope = _MainRope(model.tables)
+        # what the route records as the softmax that runs (attention/router.py route_v4): the same switch
+        self.v4_implementation = "torch:padded_batch" if batched_attention else "torch:per_sequence"
 
     def fused_decode(self, step: StepContext, cache: ModelCache) -> None:
         return None  # no native decode layer for V4 yet: the ledger says per_op
@@ -81,7 +83,9 @@ class V4Serving(nn.Module):
             if slot is None:
                 raise ValueError("a DeepSeek-V4 step needs every sequence's state slot")
             spans.append((a, n, start, [slot_state(layer, slot, start) for layer in cache.layers]))
-        return self.inner.forward_spans(input_ids, step.positions, spans)
+        # the route decided whether the CSA layers run their top-k (plain data of the step, never inferred)
+        csa = next((p for p in step.route.plans if p.kind == "v4_csa"), None)
+        return self.inner.forward_spans(input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.lm_head(hidden).float()
