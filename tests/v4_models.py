@@ -164,3 +164,29 @@ class _DictSource:
 
     def where(self, name: str) -> str:
         return "state_dict"
+
+
+def dequantized_folder(src: Path, dst: Path, block: int) -> None:
+    """A quantized V4 folder (the project's writer) -> a float folder of the same model, by the plain reference
+    dequantizers (fp8_block, fp4_group): what transformers runs as the reference of the quantized forms."""
+    from safetensors.torch import load_file, save_file
+
+    from mlaserve.quant import fp4_group, fp8_block
+
+    stored = load_file(src / "model.safetensors")
+    deq = {}
+    for name, t in stored.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = stored.get(name.removesuffix("weight") + "weight_scale_inv")
+        if scale is None:
+            deq[name] = t
+        elif t.dtype == torch.int8:  # two e2m1 codes per byte
+            deq[name] = fp4_group.dequantize_reference(t, scale.float())
+        else:
+            deq[name] = fp8_block.dequantize_reference(t, scale.float(), block)
+    dst.mkdir()
+    save_file(deq, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(config))

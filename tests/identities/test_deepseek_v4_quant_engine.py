@@ -13,17 +13,14 @@ half moves logits by 1e-1 .. 1.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
-from v4_models import hf_v4_logits, save_hf_v4  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from v4_models import dequantized_folder, hf_v4_logits, save_hf_v4  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
-from mlaserve.quant import fp4_group, fp8_block  # noqa: E402
 from mlaserve.quant.deepseek_v4 import FP4V4Experts, FP8GroupedLinear, FP8V4Experts  # noqa: E402
 from mlaserve.quant.linear import FP8Linear  # noqa: E402
 from mlaserve.quant.writer import write_fp8_folder  # noqa: E402
@@ -39,27 +36,6 @@ FORMS = {
 }
 
 
-def _dequantized_folder(src, dst, block) -> None:
-    """src quantized folder -> dst float folder (the reference's weights), by the plain dequantizers."""
-    stored = load_file(src / "model.safetensors")
-    deq = {}
-    for name, t in stored.items():
-        if name.endswith(".weight_scale_inv"):
-            continue
-        scale = stored.get(name.removesuffix("weight") + "weight_scale_inv")
-        if scale is None:
-            deq[name] = t
-        elif t.dtype == torch.int8:
-            deq[name] = fp4_group.dequantize_reference(t, scale.float())
-        else:
-            deq[name] = fp8_block.dequantize_reference(t, scale.float(), block)
-    dst.mkdir()
-    save_file(deq, dst / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config")
-    (dst / "config.json").write_text(json.dumps(config))
-
-
 @pytest.fixture(scope="module", params=list(FORMS))
 def quantized(request, tmp_path_factory):
     """(form, quantized folder, transformers on its dequantized weights)."""
@@ -71,7 +47,7 @@ def quantized(request, tmp_path_factory):
     write_fp8_folder(
         root / "float", root / "q", block=block, keep_dtype=torch.float32, experts=experts, scale_fmt=scale_fmt
     )
-    _dequantized_folder(root / "q", root / "deq", block)
+    dequantized_folder(root / "q", root / "deq", block)
     ref = DeepseekV4ForCausalLM.from_pretrained(root / "deq", dtype=torch.float32, experts_implementation="eager")
     return request.param, root / "q", ref.eval()
 

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
-from v4_models import save_hf_v4  # noqa: E402
+from v4_models import dequantized_folder, save_hf_v4  # noqa: E402
 
 from mlaserve.loading.deepseek_v4 import load_folder  # noqa: E402
 from mlaserve.quant import fp8_block  # noqa: E402
@@ -89,30 +89,14 @@ def test_fp4_routed_experts_load_packed_and_equal_the_dequantized_reference(tmp_
     """The release's form: routed experts as packed e2m1 with group-32 scales (expert_dtype fp4), the rest FP8."""
     from transformers import DeepseekV4ForCausalLM
 
-    from mlaserve.quant import fp4_group
     from mlaserve.quant.deepseek_v4 import FP4V4Experts
 
     save_hf_v4("all_kinds", tmp_path / "float", seed=5)
     write_fp8_folder(tmp_path / "float", tmp_path / "fp4", block=BLOCK, keep_dtype=torch.float32, experts="fp4")
     stored = load_file(tmp_path / "fp4" / "model.safetensors")
     assert stored["model.layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8  # two e2m1 codes per byte
-    deq = {}
-    for name, t in stored.items():
-        if name.endswith(".weight_scale_inv"):
-            continue
-        scale = stored.get(name.removesuffix("weight") + "weight_scale_inv")
-        if scale is None:
-            deq[name] = t
-        elif t.dtype == torch.int8:
-            deq[name] = fp4_group.dequantize_reference(t, scale.float())
-        else:
-            deq[name] = fp8_block.dequantize_reference(t, scale.float(), BLOCK)
-    (tmp_path / "deq").mkdir()
-    save_file(deq, tmp_path / "deq" / "model.safetensors")
-    config = json.loads((tmp_path / "fp4" / "config.json").read_text())
-    assert config["quantization_config"]["expert_dtype"] == "fp4"
-    config.pop("quantization_config")
-    (tmp_path / "deq" / "config.json").write_text(json.dumps(config))
+    assert json.loads((tmp_path / "fp4" / "config.json").read_text())["quantization_config"]["expert_dtype"] == "fp4"
+    dequantized_folder(tmp_path / "fp4", tmp_path / "deq", BLOCK)
     ours, _ = load_folder(tmp_path / "fp4")
     assert all(isinstance(layer.mlp.experts, FP4V4Experts) for layer in ours.model.layers)
     ref = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32, experts_implementation="eager")
