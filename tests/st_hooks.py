@@ -14,7 +14,8 @@ Two refusals of schema-valid data are right and no JSON Schema can state them:
   Dropped after checking the named tool really repeats an earlier one's name;
 - a `tool_choice` that names a function not among the request's `tools` (a value that must equal one
   in another field). Dropped after checking the name is really absent from the tools;
-- a regex, grammar, JSON schema or structural tag that does not compile (a schema can say "a string",
+- a regex, grammar, JSON schema or structural tag that does not compile, in structured_outputs,
+  response_format or llama.cpp's grammar / json_schema fields (a schema can say "a string",
   not "a regular expression that parses"). Dropped after checking that xgrammar, called here on the
   request's own value, refuses it too.
 Each dropped failure is appended to $ST_DROPPED (JSON lines) so the test can count them; anything else
@@ -33,7 +34,9 @@ import schemathesis
 OVER = re.compile(r"(max_tokens|max_completion_tokens) (\d+) \+ prompt (\d+) tokens exceed the context of (\d+) tokens")
 TWICE = re.compile(r"tools: tools\[(\d+)\]: tool name (.*) appears twice")
 NOT_AMONG = re.compile(r"tool_choice: names the function (.*), which is not among the tools")
-NOT_COMPILED = re.compile(r"(structured_outputs|response_format): structured (\w+): cannot be compiled: .*", re.S)
+NOT_COMPILED = re.compile(
+    r"(structured_outputs|response_format|grammar|json_schema): structured (\w+): cannot be compiled: .*", re.S
+)
 NOT_JSON = re.compile(r"messages: tool_call (.*): arguments are not a JSON object")
 TOO_LONG = re.compile(r"prompt of (\d+) tokens does not fit the context \((\d+) tokens, one left to generate\)")
 
@@ -82,6 +85,8 @@ def _does_not_compile(body: dict, field: str, kind: str) -> bool:
     if field == "response_format":
         rf = body.get("response_format") or {}
         value = (rf.get("json_schema") or {}).get("schema") if rf.get("type") == "json_schema" else None
+    elif field in ("grammar", "json_schema"):  # llama.cpp's fields on /v1/completions
+        value = body.get(field)
     else:
         value = (body.get("structured_outputs") or {}).get(kind)
     if value is None:
