@@ -86,13 +86,21 @@ class StateSpec:
     addressing: str = "page"
     per_request: tuple[int, ...] = ()  # "request": the leading dims of a request's block (rows, or heads x dk)
     snapshot: bool = False  # "request": snapshotted at page boundaries (prefix caching stays exact)
+    # "request": holds nothing a later token reads at any page boundary, so a prefix hit restores it by zeroing
+    # (a compressor's open-window carry: page_size is a multiple of its ratio, so the window is empty there)
+    empty_at_page_boundary: bool = False
     dtype: torch.dtype | None = None  # None: the cache dtype (a recurrent state may need float32)
 
     def __post_init__(self) -> None:
         if self.addressing not in ADDRESSING:
             raise ConfigError(f"state {self.name!r}: addressing {self.addressing!r} is not one of {ADDRESSING}")
-        if self.addressing == "page" and (self.per_request or self.snapshot):
-            raise ConfigError(f"state {self.name!r}: per_request and snapshot apply to 'request' addressing only")
+        if self.addressing == "page" and (self.per_request or self.snapshot or self.empty_at_page_boundary):
+            raise ConfigError(
+                f"state {self.name!r}: per_request, snapshot and empty_at_page_boundary apply to 'request' "
+                "addressing only"
+            )
+        if self.snapshot and self.empty_at_page_boundary:
+            raise ConfigError(f"state {self.name!r}: a state empty at page boundaries needs no snapshot")
         if self.addressing == "request" and self.tokens_per_row != 1:
             raise ConfigError(f"state {self.name!r}: a 'request' state has no rows per token (tokens_per_row 1)")
         if self.width < 1 or any(d < 1 for d in self.per_request):
@@ -111,6 +119,12 @@ class StateSpec:
 
     def element_size(self, cache_dtype: torch.dtype) -> int:
         return torch.empty((), dtype=self.dtype or cache_dtype).element_size()
+
+    @property
+    def restorable(self) -> bool:
+        """A prefix hit can restore this state at a page boundary: a paged state (its rows are the pages'),
+        a snapshotted request state, or one that is empty there."""
+        return self.addressing == "page" or self.snapshot or self.empty_at_page_boundary
 
 
 @dataclass(frozen=True)
@@ -141,35 +155,58 @@ class LayerKind:
 def declare_layers(model: ModelConfig, sparse: bool, max_tokens: int | None = None) -> tuple[LayerKind, ...]:
     """Every layer's kind and states. sparse: the engine runs DSA layers sparse (then "full" indexer layers
     cache their keys); a dense run of a DSA model keeps the kind but caches latent rows only. max_tokens: the
-    longest sequence the engine runs (max_model_len), which sizes DeepSeek-V4's per-request pools."""
+    longest sequence the engine runs (max_model_len); no state is sized by it today (DeepSeek-V4's pools are
+    paged), kept so callers that know it may pass it."""
     if model.family.layer_kinds == "deepseek_v4":
-        if max_tokens is None:
-            raise ConfigError(f"{model.model_type}: its compressed pools are sized by max_tokens (max_model_len)")
-        return tuple(_v4_layer(model, i, max_tokens) for i in range(model.num_layers))
+        return tuple(_v4_layer(model, i) for i in range(model.num_layers))
     return tuple(_layer(model, i, sparse) for i in range(model.num_layers))
 
 
-def _v4_layer(model, i: int, max_tokens: int) -> LayerKind:
-    """A DeepSeek-V4 layer (config/deepseek_v4.py DeepseekV4Config): its kind and its request states."""
+def _v4_layer(model, i: int) -> LayerKind:
+    """A DeepSeek-V4 layer (config/deepseek_v4.py DeepseekV4Config): its kind, its paged pools (one row per m
+    tokens) and its request states (the ring and the overlap halves snapshotted at page boundaries; the
+    carries empty there, since page_size is a multiple of m)."""
     kind = model.layer_kinds[i]
     d, w = model.attention.head_dim, model.attention.sliding_window
-    states = [StateSpec("window", d, addressing="request", per_request=(w,))]
+    states = [StateSpec("window", d, addressing="request", per_request=(w,), snapshot=True)]
     if kind != "sliding":
         m = model.ratio(i)
-        rows = (max(1, max_tokens // m),)  # a pool row per m tokens, up to max_model_len
         overlap = kind == "csa"
-        states.append(StateSpec("kv_carry", 2 * d if overlap else d, addressing="request", per_request=(2, m)))
+        carry = {"addressing": "request", "per_request": (2, m), "empty_at_page_boundary": True}
+        half = {"addressing": "request", "per_request": (2, m), "snapshot": True}
+        states.append(StateSpec("kv_carry", 2 * d if overlap else d, **carry))
         if overlap:
-            states.append(StateSpec("kv_overlap", d, addressing="request", per_request=(2, m)))
-        states.append(StateSpec("kv_pool", d, addressing="request", per_request=rows))
+            states.append(StateSpec("kv_overlap", d, **half))
+        states.append(StateSpec("kv_pool", d, tokens_per_row=m))
         if overlap:
             c = model.compression.index_head_dim
-            states.append(StateSpec("index_carry", 2 * c, addressing="request", per_request=(2, m)))
-            states.append(StateSpec("index_overlap", c, addressing="request", per_request=(2, m)))
-            states.append(StateSpec("index_pool", c, addressing="request", per_request=rows))
+            states.append(StateSpec("index_carry", 2 * c, **carry))
+            states.append(StateSpec("index_overlap", c, **half))
+            states.append(StateSpec("index_pool", c, tokens_per_row=m))
     ratio = model.ratio(i)
     topk = model.compression.index_topk if kind == "csa" else 0
     return LayerKind(i, f"v4_{kind}", None, tuple(states), window=w, ratio=ratio, topk=topk)
+
+
+# DeepSeek-V4's default page: vLLM's 256 tokens, rounded up to a multiple of every compress ratio
+V4_PAGE_TOKENS = 256
+
+
+def v4_page_size(model) -> tuple[int, str]:
+    """The page size a DeepSeek-V4 stack gets when the user leaves page_size at the engine default, and why.
+    The pools keep one row per m tokens in pages, so the page must be a multiple of every ratio m; prefix hits
+    land on page boundaries, so a smaller page shares more; every page also keeps a snapshot of each layer's
+    ring (W rows) and overlap halves, so a larger page costs fewer snapshot bytes per token. 256 (vLLM's): for
+    V4-Flash (ratios 4, 128; W 128) the ring snapshots add W / 256 = half a K=V row per token and layer."""
+    ratios = sorted({model.ratio(i) for i, k in enumerate(model.layer_kinds) if k != "sliding"})
+    lcm = math.lcm(*ratios) if ratios else 1
+    page = -(-V4_PAGE_TOKENS // lcm) * lcm
+    why = (
+        f"family default (DeepSeek-V4): {V4_PAGE_TOKENS} tokens as vLLM, the smallest multiple of every compress "
+        f"ratio {tuple(ratios)} at or above it: compressed pool rows stay inside pages and a prefix hit lands on "
+        "a page boundary, where each ring and overlap half has its snapshot row"
+    )
+    return page, why
 
 
 def indexer_role(model: ModelConfig, i: int) -> str | None:
@@ -223,9 +260,10 @@ def check_page_size(layers: tuple[LayerKind, ...], page_size: int) -> None:
                 )
 
 
-def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
+def describe(layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int | None = None) -> list[str]:
     """`mlaserve inspect`'s lines: layers grouped by kind, indexer role and states, with cache bytes per token
-    (paged states) and per request (request states, one slot per running request)."""
+    (paged states), per request (request states, one slot per running request) and, given page_size, the
+    page-boundary snapshots of request states per token (one snapshot per page, kept with prefix caching on)."""
     groups: dict[tuple, list[int]] = {}
     for k in layers:
         groups.setdefault((k.attention, k.indexer, k.states), []).append(k.index)
@@ -236,10 +274,15 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
         paged = [s for s in states if s.addressing == "page"]
         per_token = sum(s.width // s.tokens_per_row for s in paged) * bytes_per_value * len(ids)
         sizes = f"{per_token} bytes/token"
+
         # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size
-        per_request = sum(
-            s.values_per_request() * (s.element_size(s.dtype) if s.dtype else bytes_per_value) for s in states
-        )
+        def size(s: StateSpec) -> int:
+            return s.values_per_request() * (s.element_size(s.dtype) if s.dtype else bytes_per_value)
+
+        snapped = sum(size(s) for s in states if s.snapshot)
+        if snapped and page_size:
+            sizes += f" + {snapped * len(ids) / page_size:g} bytes/token of snapshots with prefix caching"
+        per_request = sum(size(s) for s in states)
         if per_request:
             sizes += f", {per_request * len(ids)} bytes/request"
         lines.append(f"layers {layer_ranges(ids)}: {attention}{role}; cache: {kept} ({sizes})")
@@ -249,7 +292,13 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
 def _describe_state(s: StateSpec) -> str:
     if s.addressing == "request":
         dtype = f" {str(s.dtype).removeprefix('torch.')}" if s.dtype else ""
-        snap = "snapshots at page boundaries" if s.snapshot else "no snapshots"
+        snap = (
+            "snapshots at page boundaries"
+            if s.snapshot
+            else "empty at page boundaries"
+            if s.empty_at_page_boundary
+            else "no snapshots"
+        )
         return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
     return f"{s.name} [{s.width}]" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
 
@@ -259,12 +308,17 @@ def request_states(layers: tuple[LayerKind, ...]) -> tuple[tuple[int, StateSpec]
     return tuple((k.index, s) for k in layers for s in k.per_request)
 
 
+def snapshot_states(layers: tuple[LayerKind, ...]) -> tuple[tuple[int, StateSpec], ...]:
+    """(layer index, spec) of every request state kept with page-boundary snapshots."""
+    return tuple((i, s) for i, s in request_states(layers) if s.snapshot)
+
+
 def prefix_caching_blocker(layers: tuple[LayerKind, ...]) -> str | None:
-    """Why prefix caching must be off for this stack, or None. A request state without page-boundary
-    snapshots cannot be restored at the end of a cached prefix (it is not a function of the paged rows),
-    so a prefix hit would resume from a zeroed state: wrong."""
+    """Why prefix caching must be off for this stack, or None. A request state that is neither snapshotted at
+    page boundaries nor empty there cannot be restored at the end of a cached prefix (it is not a function of
+    the paged rows), so a prefix hit would resume from a zeroed state: wrong."""
     for index, s in request_states(layers):
-        if not s.snapshot:
+        if not s.restorable:
             return (
                 f"layer {index}'s request state {s.name!r} has no page-boundary snapshot, so a prefix-cache hit "
                 "could not restore it (prefix caching off)"

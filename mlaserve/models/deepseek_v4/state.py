@@ -89,6 +89,63 @@ class CompressedPool:
         return self.rows[: self.n]
 
 
+class StepRows:
+    """One layer's compressed rows of every sequence of a step, in the paged cache: the rows each sequence had
+    before the step, gathered with one index_select through the block tables (at the first read), and the
+    rows its chunk closes, written where they belong.
+
+    Notation: pool [S + 1, D] the layer's paged tensor (row slot = page * page_size / m + offset); per
+    sequence b, old_b its rows before the step (context_len // m); gather [sum_b old_b] their slots in batch
+    order; starts [B + 1] the offsets of each sequence's part of the gather."""
+
+    def __init__(self, pool: torch.Tensor, gather: torch.Tensor, starts: list[int]) -> None:
+        self.pool, self.gather_slots, self.starts = pool, gather, starts
+        self._rows: torch.Tensor | None = None
+
+    def old(self, b: int) -> torch.Tensor:
+        if self._rows is None:  # one gather for the whole step, at the layer's first read
+            self._rows = self.pool.index_select(0, self.gather_slots)
+        return self._rows[self.starts[b] : self.starts[b + 1]]
+
+
+class PagedPool:
+    """A sequence's compressed rows in the paged cache (CompressedPool's interface: n, append, view): the rows
+    it had before the step (StepRows, gathered once for the step's sequences) and those its chunk closes,
+    written into the cache at their slots (`new_slots`, rows n0 .. of the chunk) as they close."""
+
+    def __init__(self, step: StepRows, b: int, n: int, new_slots: torch.Tensor) -> None:
+        self.step, self.b, self.n0, self.n = step, b, n, n
+        self.new_slots = new_slots
+        self.new: list[torch.Tensor] = []
+
+    def append(self, rows: torch.Tensor) -> None:
+        k, done = rows.shape[0], self.n - self.n0
+        if done + k > self.new_slots.shape[0]:
+            raise ValueError(
+                f"paged pool: {done + k} new rows, the block table has slots for {self.new_slots.shape[0]}"
+            )
+        rows = rows.to(self.step.pool.dtype)
+        self.step.pool.index_copy_(0, self.new_slots[done : done + k], rows)
+        self.new.append(rows)
+        self.n += k
+
+    def view(self) -> torch.Tensor:
+        return torch.cat([self.step.old(self.b), *self.new], dim=0) if self.new else self.step.old(self.b)
+
+
+class Snapshots:
+    """Where one sequence's layer saves its page-boundary snapshots (engine caches with prefix caching on):
+    `at` the (k, page) boundaries its chunk reaches (the state after the chunk's first k tokens is page's row),
+    `pairs` (a snapshotted state's view of the sequence's slot, that state's snapshot rows [P + 1, ...])."""
+
+    def __init__(self, at: tuple[tuple[int, int], ...], pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.at, self.pairs = at, pairs
+
+    def save(self, page: int) -> None:
+        for state, rows in self.pairs:
+            rows[page].copy_(state)
+
+
 class CompressorCarry:
     def __init__(
         self, ratio: int, width: int, overlap_dim: int | None, dtype: torch.dtype, device: torch.device | str = "cpu"
@@ -115,22 +172,25 @@ class CompressorCarry:
 @dataclass
 class SlidingState:
     ring: SlidingRing
+    snapshots: Snapshots | None = None  # the engine's page-boundary saves (None: none this step)
 
 
 @dataclass
 class HCAState:
     ring: SlidingRing
     carry: CompressorCarry
-    pool: CompressedPool
+    pool: CompressedPool | PagedPool
+    snapshots: Snapshots | None = None
 
 
 @dataclass
 class CSAState:
     ring: SlidingRing
     carry: CompressorCarry
-    pool: CompressedPool
+    pool: CompressedPool | PagedPool
     index_carry: CompressorCarry
-    index_pool: CompressedPool
+    index_pool: CompressedPool | PagedPool
+    snapshots: Snapshots | None = None
 
 
 LayerState = SlidingState | HCAState | CSAState
