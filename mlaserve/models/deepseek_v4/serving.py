@@ -11,8 +11,8 @@ Notation
 A sequence's layer state is built as views of its slot (state.py `over`) and its pools as state.PagedPool,
 with the counters derived from c_b alone: pool rows = c_b // m, carry fill = c_b % m (the ring needs none).
 The pools' row slots are computed for all sequences at once per distinct ratio (`pool_slots`), and each
-layer reads the rows its sequences had before the step with one index_select (state.StepRows); rows a chunk
-closes are written into the cache as they close. Every write of the model's state code (ring index_copy_,
+layer reads the rows its sequences had before the step with one index_select (state.StepRows); the rows the
+step's chunks close are written with one index_copy_ per pool tensor after the forward (StepRows.flush). Every write of the model's state code (ring index_copy_,
 pool rows, carry rows) lands in the cache, so the next step of that sequence continues exactly; the runner
 zeroed the slot when the sequence (re)started, or restored it from a page's snapshot at a prefix hit.
 Snapshots (prefix caching on): at each page boundary its chunk reaches (StepContext.snapshots), a layer
@@ -76,15 +76,18 @@ def pool_slots(
     return gather, starts, new
 
 
-def step_states(step: StepContext, layer: CacheLayer, slots: dict[int, PoolSlots]) -> list[LayerState]:
-    """One layer's state of every sequence of the step: views of its slots, its paged pools (one StepRows
-    gather per pool tensor for the step), and where it saves its page-boundary snapshots."""
+def step_states(
+    step: StepContext, layer: CacheLayer, slots: dict[int, PoolSlots], pools: list[StepRows]
+) -> list[LayerState]:
+    """One layer's state of every sequence of the step: views of its slots, its paged pools (one StepRows per
+    pool tensor for the step, appended to `pools` for the flush), and where it saves its page snapshots."""
     t, kind, m = layer.tensors, layer.kind, layer.kind.ratio
     snapped = [s.name for s in kind.per_request if s.snapshot and s.name + "_snapshot" in t]
     if kind.attention != "v4_sliding":
         gather, starts, new = slots[m]
         kv_rows = StepRows(t["kv_pool"], gather, starts)
         index_rows = StepRows(t["index_pool"], gather, starts) if "index_pool" in t else None
+        pools.extend(r for r in (kv_rows, index_rows) if r is not None)
     out = []
     for b, ((_, _, context_len, slot), at) in enumerate(zip(step.seq_spans, step.snapshots)):
         saves = Snapshots(at, [(t[name][slot], t[name + "_snapshot"]) for name in snapped]) if at else None
@@ -137,13 +140,19 @@ class V4Serving(nn.Module):
         ratios = {layer.kind.ratio for layer in cache.layers if layer.kind.attention != "v4_sliding"}
         device = input_ids.device
         slots = {m: pool_slots(step.block_tables, step.seq_spans, m, step.page_size, device) for m in ratios}
-        per_layer = [step_states(step, layer, slots) for layer in cache.layers]
+        pools: list[StepRows] = []
+        per_layer = [step_states(step, layer, slots, pools) for layer in cache.layers]
         spans = [
             (a, n, start, [states[b] for states in per_layer]) for b, (a, n, start, _) in enumerate(step.seq_spans)
         ]
         # the route decided whether the CSA layers run their top-k (plain data of the step, never inferred)
         csa = next((p for p in step.route.plans if p.kind == "v4_csa"), None)
-        return self.inner.forward_spans(input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse)
+        hidden = self.inner.forward_spans(
+            input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse
+        )
+        for rows in pools:  # the rows the step closed, one write per pool tensor
+            rows.flush()
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.lm_head(hidden).float()

@@ -92,7 +92,8 @@ class CompressedPool:
 class StepRows:
     """One layer's compressed rows of every sequence of a step, in the paged cache: the rows each sequence had
     before the step, gathered with one index_select through the block tables (at the first read), and the
-    rows its chunk closes, written where they belong.
+    rows the step's chunks close, written with one index_copy_ after the step's forward (`flush`; within the
+    step a sequence reads its new rows from its PagedPool, so the cache needs them only for the next step).
 
     Notation: pool [S + 1, D] the layer's paged tensor (row slot = page * page_size / m + offset); per
     sequence b, old_b its rows before the step (context_len // m); gather [sum_b old_b] their slots in batch
@@ -101,17 +102,28 @@ class StepRows:
     def __init__(self, pool: torch.Tensor, gather: torch.Tensor, starts: list[int]) -> None:
         self.pool, self.gather_slots, self.starts = pool, gather, starts
         self._rows: torch.Tensor | None = None
+        self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, rows) closed this step
 
     def old(self, b: int) -> torch.Tensor:
         if self._rows is None:  # one gather for the whole step, at the layer's first read
             self._rows = self.pool.index_select(0, self.gather_slots)
         return self._rows[self.starts[b] : self.starts[b + 1]]
 
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self._writes.append((slots, rows))
+
+    def flush(self) -> None:
+        """The step's closed rows of every sequence into the cache, one index_copy_."""
+        if self._writes:
+            slots, rows = zip(*self._writes)
+            self.pool.index_copy_(0, torch.cat(slots), torch.cat(rows))
+            self._writes = []
+
 
 class PagedPool:
     """A sequence's compressed rows in the paged cache (CompressedPool's interface: n, append, view): the rows
-    it had before the step (StepRows, gathered once for the step's sequences) and those its chunk closes,
-    written into the cache at their slots (`new_slots`, rows n0 .. of the chunk) as they close."""
+    it had before the step (StepRows, gathered once for the step's sequences) and those its chunk closes, kept
+    here for the step's reads and queued for the cache at their slots (`new_slots`, rows n0 .. of the chunk)."""
 
     def __init__(self, step: StepRows, b: int, n: int, new_slots: torch.Tensor) -> None:
         self.step, self.b, self.n0, self.n = step, b, n, n
@@ -125,7 +137,7 @@ class PagedPool:
                 f"paged pool: {done + k} new rows, the block table has slots for {self.new_slots.shape[0]}"
             )
         rows = rows.to(self.step.pool.dtype)
-        self.step.pool.index_copy_(0, self.new_slots[done : done + k], rows)
+        self.step.write(self.new_slots[done : done + k], rows)
         self.new.append(rows)
         self.n += k
 
