@@ -23,40 +23,38 @@ Cache states (StateSpec)
   request's slot and SeqChunk.reset_state says the runner zeroes it before the step (the chunk starts
   the sequence: first admission or re-admission after preemption, which recomputes from token 0).
   Prefix caching: a request state cannot be recomputed from paged rows, so a prefix hit is exact only
-  if the state was snapshotted at the page boundary the hit ends at. `snapshot` says whether a state
-  has such snapshots; a stack with a request state that lacks them runs with prefix caching off
-  (prefix_caching_blocker; the reason is recorded in provenance). The snapshot hook, designed and not
-  built yet (ModelCache refuses snapshot=True): a companion paged state `<name>_snapshot` with
-  tokens_per_row = page_size (one row per page: the state after the page's last token) written by the
-  layer when a chunk crosses a page boundary; a prefix hit then restores the slot from the row of the
-  last cached page instead of zeroing it (SeqChunk would carry that page as plain data). Speculative
+  if the state can be restored at the page boundary the hit ends at: `snapshot` (the state is saved there)
+  or `empty_at_page_boundary` (it holds nothing a later token reads there: a compressor's open window, the
+  page being a multiple of its ratio; a hit restores it by zeroing). A stack with a request state that is
+  neither runs with prefix caching off (prefix_caching_blocker; the reason is recorded in provenance).
+  The snapshot hook (built): with prefix caching on, ModelCache keeps a companion `<name>_snapshot`
+  [num_pages + 1, *per_request, width] per snapshotted state, one row per page (the state after the page's
+  last token), written by the layer when a chunk crosses or ends on the boundary (SeqChunk.snapshot_at ->
+  StepContext.snapshots: (k, page), plain data); a prefix hit restores the slot from the row of the last
+  cached page (SeqChunk.restore_page, ModelCache.restore_states) instead of zeroing it. Every page in the
+  prefix cache has its rows: a page is named only once full, by the step that wrote them. Speculative
   decoding is refused with request states (a rejected draft cannot be rolled out of a state).
 
 Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Layer and cache kinds"):
-  a ring window (DeepSeek-V4's 128-token window): paged rows read through the last `window` slots of the
-  block table, or a per-request ring (StateSpec(..., addressing="request", per_request=(window,)));
-  compressed pools (V4's CSA at 1 row per 4 tokens, HCA at 1 per 128): paged rows with tokens_per_row =
-  the ratio plus a compressor carry per request ("request": the buffered incomplete group, CSA's overlap
-  half); linear attention (KDA): a recurrent state per request ("request", per_request=(H, dk), width dv,
-  dtype float32) plus its short-conv state ("request", per_request=(kernel - 1,)), snapshotted at page
-  boundaries for the prefix cache once the hook is built; two MLA sublayers (LongCat-Flash): two latent
-  states in one layer. A layer reads and writes a request state at StepContext.state_slots (per sequence)
-  or token_state_slots (per token) of its LayerState tensor.
+  linear attention (KDA): a recurrent state per request ("request", per_request=(H, dk), width dv,
+  dtype float32) plus its short-conv state ("request", per_request=(kernel - 1,)), snapshot=True for the
+  prefix cache (the layer writes its rows at StepContext.snapshots); two MLA sublayers (LongCat-Flash): two
+  latent states in one layer. A layer reads and writes a request state at StepContext.state_slots (per
+  sequence) or token_state_slots (per token) of its LayerState tensor.
 DeepSeek-V4 (family layer_kinds "deepseek_v4", config/deepseek_v4.py) declares one kind per layer from
-its layer_types / compress_ratios, every state "request"-addressed (this first landing; why below):
-  v4_sliding  window [W x D]                               the K=V rows of the last W positions (a ring)
-  v4_hca      window + kv_carry [2 x m x D] + kv_pool [P x D]
-  v4_csa      window + kv_carry [2 x m x 2D] + kv_overlap [2 x m x D] + kv_pool [P x D]
-              + index_carry [2 x m x 2c] + index_overlap [2 x m x c] + index_pool [P x c]
-  (W sliding_window, D head_dim, m the layer's ratio, c index_head_dim, P = max_model_len // m; a carry
-  holds the open window's raw kv rows then its gate rows; an overlap the Ca half of the last closed window)
-Why the pools are "request" and not "page" addressed (tokens_per_row = m): the V4 attention reads each
-sequence's pool as one contiguous block (models/deepseek_v4/state.py), so a slot view serves it unchanged;
-paging them needs a block-table gather in the compressor and indexer, and buys memory proportional to the
-context instead of max_model_len, plus prefix caching once the carry is snapshotted -- the next step. The
-cost is recorded honestly: bytes per request include P rows per pool (describe, `mlaserve inspect`).
-The counters (rows filled, carry fill) are not stored: they are functions of the sequence's context_len
-(rows = context_len // m, fill = context_len % m), so a slot holds tensors only.
+its layer_types / compress_ratios:
+  v4_sliding  window [W x D] request, snapshot            the K=V rows of the last W positions (a ring)
+  v4_hca      window + kv_carry [2 x m x D] request, empty at page boundaries + kv_pool [D] per m tokens, paged
+  v4_csa      window + kv_carry [2 x m x 2D] (empty at page boundaries) + kv_overlap [2 x m x D] request, snapshot
+              + kv_pool [D] per m tokens, paged + index_carry [2 x m x 2c] + index_overlap [2 x m x c]
+              + index_pool [c] per m tokens, paged
+  (W sliding_window, D head_dim, m the layer's ratio, c index_head_dim; a carry holds the open window's raw kv
+  rows then its gate rows; an overlap the Ca half of the last closed window)
+The pools are paged (a page of page_size tokens holds page_size / m rows; memory grows with the context),
+so page_size is a multiple of every ratio: V4's default is 256 (vLLM's) rounded up to one (v4_page_size,
+recorded in provenance). A page boundary is then a multiple of every m, so every carry is empty there and
+only the ring and the overlap halves need snapshots. The counters (rows filled, carry fill) are not stored:
+they are functions of the sequence's context_len (rows = context_len // m, fill = context_len % m).
 """
 
 from __future__ import annotations

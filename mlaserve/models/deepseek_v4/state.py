@@ -14,15 +14,17 @@ Notation
                   position bias added, valid once a window has closed (n > 0)
 
 How each maps to the engine's rooms (config/layer_kinds.py, docs/ARCHITECTURE.md "Layer and cache kinds"):
-  SlidingRing      "request" addressing: one [W, D] slot per running request (or, paged, the last W / page
-                   rows through the block table); nothing of it survives past W tokens, so a prefix-cache hit
-                   needs the ring of the hit's last W tokens -- the page pool's rows of those tokens.
-  CompressedPool   "page" addressing with tokens_per_row = m: a page of page_size tokens holds page_size / m
-                   rows; page_size a multiple of every ratio keeps rows inside pages (vLLM uses 256).
-  CompressorCarry  "request" addressing, fixed size (m x width + m x D): not recomputable from the pools (the
-                   raw hidden states are gone), so preemption and prefix caching must snapshot it at page
-                   boundaries; at a boundary that is a multiple of m, the buffer is empty and the overlap half
-                   is the only carry.
+  SlidingRing      "request" addressing: one [W, D] slot per running request, snapshotted at page boundaries
+                   (a prefix hit restores the ring of the hit's last W tokens from its last page's row).
+  CompressedPool   the model's own form (a contiguous [P, D] block: tests, the reference path). In the engine
+                   the pools are "page" addressed with tokens_per_row = m: PagedPool, the same interface over
+                   the paged cache (a page of page_size tokens holds page_size / m rows), the rows before the
+                   step gathered once per layer for all sequences (StepRows).
+  CompressorCarry  "request" addressing, fixed size: not recomputable from the pools (the raw hidden states
+                   are gone). page_size is a multiple of every m, so at a page boundary the open window is
+                   empty (fill 0: the carry needs no snapshot) and the overlap half (CSA) is the only carry,
+                   snapshotted there.
+  Snapshots        where a layer saves its page-boundary snapshots in the engine (one row per page).
 """
 
 from __future__ import annotations
