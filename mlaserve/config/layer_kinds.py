@@ -150,11 +150,10 @@ class LayerKind:
         return tuple(s for s in self.states if s.addressing == "request")
 
 
-def declare_layers(model: ModelConfig, sparse: bool, max_tokens: int | None = None) -> tuple[LayerKind, ...]:
+def declare_layers(model: ModelConfig, sparse: bool) -> tuple[LayerKind, ...]:
     """Every layer's kind and states. sparse: the engine runs DSA layers sparse (then "full" indexer layers
-    cache their keys); a dense run of a DSA model keeps the kind but caches latent rows only. max_tokens: the
-    longest sequence the engine runs (max_model_len); no state is sized by it today (DeepSeek-V4's pools are
-    paged), kept so callers that know it may pass it."""
+    cache their keys); a dense run of a DSA model keeps the kind but caches latent rows only. No state is
+    sized by the longest sequence (DeepSeek-V4's pools are paged)."""
     if model.family.layer_kinds == "deepseek_v4":
         return tuple(_v4_layer(model, i) for i in range(model.num_layers))
     return tuple(_layer(model, i, sparse) for i in range(model.num_layers))

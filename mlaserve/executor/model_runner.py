@@ -47,11 +47,8 @@ class ModelRunner:
         self.model, self.rank = model, rank
         self.v4_csa_dense = v4_csa_dense
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
-        max_tokens = min(
-            cfg.cache.num_pages * cfg.cache.page_size, cfg.model.max_position_embeddings
-        )  # Engine.max_model_len
         if layer_kinds is None:
-            layer_kinds = declare_layers(cfg.model, cfg.attention.sparse, max_tokens)
+            layer_kinds = declare_layers(cfg.model, cfg.attention.sparse)
         self.layer_kinds = layer_kinds
         self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
         slots = cfg.scheduler.max_num_seqs if request_states(self.layer_kinds) else 0
