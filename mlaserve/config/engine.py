@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mlaserve.config import families
-from mlaserve.config.layer_kinds import v4_page_size
+from mlaserve.config.deepseek_v4 import v4_page_size
 from mlaserve.config.machine import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
@@ -516,7 +516,7 @@ def _index_topk(model: ModelConfig, override: int | None, sparse: bool, log: Pro
 
 def _page_size(model: ModelConfig, page_size: int, log: ProvenanceLog) -> int:
     """The page size: the user's, or a family's own default in place of the engine's (DeepSeek-V4: its
-    compressed pools need a multiple of every compress ratio; config/layer_kinds.py v4_page_size)."""
+    compressed pools need a multiple of every compress ratio; config/deepseek_v4.py v4_page_size)."""
     if model.family.layer_kinds != "deepseek_v4" or page_size != option_default("page_size"):
         return page_size
     chosen, why = v4_page_size(model)

@@ -51,9 +51,9 @@ its layer_types / compress_ratios:
   (W sliding_window, D head_dim, m the layer's ratio, c index_head_dim; a carry holds the open window's raw kv
   rows then its gate rows; an overlap the Ca half of the last closed window)
 The pools are paged (a page of page_size tokens holds page_size / m rows; memory grows with the context),
-so page_size is a multiple of every ratio: V4's default is 256 (vLLM's) rounded up to one (v4_page_size,
-recorded in provenance). A page boundary is then a multiple of every m, so every carry is empty there and
-only the ring and the overlap halves need snapshots. The counters (rows filled, carry fill) are not stored:
+so page_size is a multiple of every ratio: V4's default is 256 (vLLM's) rounded up to one
+(config/deepseek_v4.py v4_page_size, recorded in provenance). A page boundary is then a multiple of every m,
+so every carry is empty there and only the ring and the overlap halves need snapshots. The counters (rows filled, carry fill) are not stored:
 they are functions of the sequence's context_len (rows = context_len // m, fill = context_len % m).
 """
 
@@ -183,27 +183,6 @@ def _v4_layer(model, i: int) -> LayerKind:
     ratio = model.ratio(i)
     topk = model.compression.index_topk if kind == "csa" else 0
     return LayerKind(i, f"v4_{kind}", None, tuple(states), window=w, ratio=ratio, topk=topk)
-
-
-# DeepSeek-V4's default page: vLLM's 256 tokens, rounded up to a multiple of every compress ratio
-V4_PAGE_TOKENS = 256
-
-
-def v4_page_size(model) -> tuple[int, str]:
-    """The page size a DeepSeek-V4 stack gets when the user leaves page_size at the engine default, and why.
-    The pools keep one row per m tokens in pages, so the page must be a multiple of every ratio m; prefix hits
-    land on page boundaries, so a smaller page shares more; every page also keeps a snapshot of each layer's
-    ring (W rows) and overlap halves, so a larger page costs fewer snapshot bytes per token. 256 (vLLM's): for
-    V4-Flash (ratios 4, 128; W 128) the ring snapshots add W / 256 = half a K=V row per token and layer."""
-    ratios = sorted({model.ratio(i) for i, k in enumerate(model.layer_kinds) if k != "sliding"})
-    lcm = math.lcm(*ratios) if ratios else 1
-    page = -(-V4_PAGE_TOKENS // lcm) * lcm
-    why = (
-        f"family default (DeepSeek-V4): {V4_PAGE_TOKENS} tokens as vLLM, the smallest multiple of every compress "
-        f"ratio {tuple(ratios)} at or above it: compressed pool rows stay inside pages and a prefix hit lands on "
-        "a page boundary, where each ring and overlap half has its snapshot row"
-    )
-    return page, why
 
 
 def indexer_role(model: ModelConfig, i: int) -> str | None:

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from mlaserve.cache.model_cache import ModelCache
-from mlaserve.config.deepseek_v4 import DeepseekV4Config
+from mlaserve.config.deepseek_v4 import DeepseekV4Config, v4_page_size
 from mlaserve.config.engine import make_options, resolve
 from mlaserve.config.layer_kinds import (
     check_page_size,
     declare_layers,
     describe,
     prefix_caching_blocker,
-    v4_page_size,
 )
 from mlaserve.config.model import ConfigError
 
