@@ -21,7 +21,7 @@ Cache states (StateSpec)
   slot of it per running request (cache/slot_pool.py assigns slots on the scheduling rank, at admission;
   freed at finish, abort, failure and preemption) plus a zero pad slot; SeqChunk.state_slot names a
   request's slot and SeqChunk.reset_state says the runner zeroes it before the step (the chunk starts
-  the sequence: first admission or re-admission after preemption, which recomputes from token 0).
+  the sequence at token 0: first admission, or re-admission after preemption without a prefix hit).
   Prefix caching: a request state cannot be recomputed from paged rows, so a prefix hit is exact only
   if the state can be restored at the page boundary the hit ends at: `snapshot` (the state is saved there)
   or `empty_at_page_boundary` (it holds nothing a later token reads there: a compressor's open window, the
