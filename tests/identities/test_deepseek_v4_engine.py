@@ -161,8 +161,10 @@ def test_preemption_mid_window_is_exact(all_kinds):
     """A pool small enough to preempt: a re-admitted request restarts from a zeroed slot and recomputes from token
     0; its tokens equal transformers' greedy, including requests preempted inside a compression window."""
     hf, folder = all_kinds
-    # page_size 8: the paged pools need a multiple of every ratio (4, 8); 5 pages hold the longest request
-    llm = LLM(str(folder), page_size=8, num_pages=5, max_num_seqs=3, trace="memory")
+    # page_size 8: the paged pools need a multiple of every ratio (4, 8); 5 pages hold the longest request.
+    # Prefix caching off: re-admission recomputes from token 0 (with it on, it resumes from a page snapshot:
+    # tests/identities/test_deepseek_v4_prefix_cache.py)
+    llm = LLM(str(folder), page_size=8, num_pages=5, max_num_seqs=3, trace="memory", enable_prefix_caching=False)
     prompts = [_ids(n, hf.config.vocab_size, n) for n in PROMPT_LENGTHS]
     outs, recs = _engine_run(llm, prompts, 10)
     preempted = [(r["step"], p["id"]) for r in recs for p in r["preempted"]]
@@ -174,6 +176,9 @@ def test_preemption_mid_window_is_exact(all_kinds):
         if seen:
             reached.append(seen[-1]["context_len"] + seen[-1]["query_len"])
     assert any(n % 4 or n % 8 for n in reached), f"no preemption inside a window: contexts {reached}"
+    for step, rid in preempted:  # each re-admission starts over at token 0 in a zeroed slot
+        again = next(q for r in recs if r["step"] > step for q in r["requests"] if q["id"] == rid)
+        assert again["context_len"] == 0 and again["state_reset"] and "state_restore_page" not in again
     for i, p in enumerate(prompts):
         assert outs[f"r{i}"] == _hf_greedy(hf, p, 10), f"prompt of {len(p)} tokens"
 
