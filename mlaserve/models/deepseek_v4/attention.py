@@ -16,9 +16,11 @@ A step holds the chunks of one or more sequences (spans): the projections, norms
 tokens at once; the ring, the compressors' windows and the indexer's top-k run per sequence (a Python loop
 over the spans: each updates its own state, with its own row counts; in the engine with prefix caching on, a
 sequence's update runs in pieces ending at the page boundaries its chunk reaches, saving the ring and
-overlap halves after each: the state at a boundary exists only mid-update); the softmax runs per sequence (`batched` False: the plain
-reference) or once for the step over keys padded to [B, K] with masks (`batched` True, the engine's path):
-  Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence) Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
+overlap halves after each: the state at a boundary exists only mid-update); the softmax runs per sequence
+(`batched` False: the plain reference) or once for the step over keys padded to [B, K] with masks (`batched`
+True, the engine's path):
+  Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence)
+Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
 fixed at construction.
 """
 

@@ -8,13 +8,13 @@ Notation
     request states, slot s_b:  window [W, D]  kv_carry [2, m, width]  kv_overlap [2, m, D]  (index_* likewise)
     paged pools, one row per m tokens:  kv_pool [S + 1, D]  index_pool [S + 1, c]; row r of sequence b at slot
       pages_b[r // R] * R + r % R,  R = page_size / m rows per page
-A sequence's layer state is built as views of its slot (state.py `over`) and its pools as state.PagedPool,
-with the counters derived from c_b alone: pool rows = c_b // m, carry fill = c_b % m (the ring needs none).
-The pools' row slots are computed for all sequences at once per distinct ratio (`pool_slots`), and each
-layer reads the rows its sequences had before the step with one index_select (state.StepRows); the rows the
-step's chunks close are written with one index_copy_ per pool tensor after the forward (StepRows.flush). Every write of the model's state code (ring index_copy_,
-pool rows, carry rows) lands in the cache, so the next step of that sequence continues exactly; the runner
-zeroed the slot when the sequence (re)started, or restored it from a page's snapshot at a prefix hit.
+A sequence's layer state is built as views of its slot (state.py `over`) and its pools as state.PagedPool, with the
+counters derived from c_b alone: pool rows = c_b // m, carry fill = c_b % m (the ring needs none). The pools' row
+slots are computed for all sequences at once per distinct ratio (`pool_slots`), and each layer reads the rows its
+sequences had before the step with one index_select (state.StepRows); the rows the step's chunks close are written
+with one index_copy_ per pool tensor after the forward (StepRows.flush). Every write of the model's state code (ring
+index_copy_, pool rows, carry rows) lands in the cache, so the next step of that sequence continues exactly; the
+runner zeroed the slot when the sequence (re)started, or restored it from a page's snapshot at a prefix hit.
 Snapshots (prefix caching on): at each page boundary its chunk reaches (StepContext.snapshots), a layer
 saves the sequence's ring and overlap halves into that page's snapshot rows (state.Snapshots).
 Attention (attention.py): the softmax runs once for the step over keys padded to [B, K] (batched_attention,
