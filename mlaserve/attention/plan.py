@@ -146,7 +146,9 @@ def _counts(segments: tuple[Segment, ...]) -> dict[str, int]:
 
 def _segment_record(s: Segment) -> dict:
     rec = asdict(s)
-    if not s.sublayers:
+    if s.sublayers:
+        rec["sublayers"] = list(s.sublayers)
+    else:
         del rec["sublayers"]  # one attention per layer: nothing to say
     rec["request_ids"] = list(s.request_ids)
     rec["num_tokens"] = s.num_tokens

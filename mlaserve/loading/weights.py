@@ -12,8 +12,8 @@ Named steps between the checkpoint layout and the model:
   skip_prefixes   tensors under the family's skipped_tensor_prefixes (LongCat-Flash's model.mtp.*) are
                   skipped and reported; expert tensors a module declares unused (`unused_checkpoint_tensor`:
                   the identity experts' gate/up rows transformers saves) likewise
-  optional        a module's OPTIONAL_TENSORS (LongCat's router correction bias) keep their initial
-                  value when the checkpoint lacks them, reported by name
+  optional        a module's OPTIONAL_TENSORS (LongCat's router correction bias) are zeros when the
+                  checkpoint lacks them (as transformers initialises them), reported by name
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
 
@@ -95,10 +95,13 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
         for attr in getattr(module, "OPTIONAL_TENSORS", ())
     }
     absent = sorted(optional & (set(targets) - filled))
-    if absent:
+    if absent:  # the model was allocated without initialising (meta, then to_empty): zero them here
+        with torch.no_grad():
+            for name in absent:
+                targets[name].zero_()
         filled.update(absent)
         report.notes.append(
-            f"{len(absent)} optional tensor(s) absent, their initial values kept (zeros, as transformers): "
+            f"{len(absent)} optional tensor(s) absent, zeros used (as transformers initialises them): "
             + ", ".join(absent[:4])
             + (" ..." if len(absent) > 4 else "")
         )
