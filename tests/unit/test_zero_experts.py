@@ -9,14 +9,14 @@ import torch
 from mlaserve.config.model import ModelConfig, power_of_two
 from mlaserve.models.zero_experts import ZeroExpertExperts, ZeroExpertRouter
 
-E, Z, K, D, I = 5, 3, 3, 24, 16
+E, Z, K, D, FFN = 5, 3, 3, 24, 16
 
 
 def _hf_config(**kw):
     from transformers import AutoConfig
 
     base = dict(
-        hidden_size=D, n_routed_experts=E, zero_expert_num=Z, moe_topk=K, expert_ffn_hidden_size=I,
+        hidden_size=D, n_routed_experts=E, zero_expert_num=Z, moe_topk=K, expert_ffn_hidden_size=FFN,
         routed_scaling_factor=2.5, num_layers=1, num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8,
         qk_nope_head_dim=4, qk_rope_head_dim=4, head_dim=4, v_head_dim=4, vocab_size=16, ffn_hidden_size=8,
     )  # fmt: skip
@@ -32,7 +32,7 @@ def _pair(impl: str):
     hf_exp, hf_router = LongcatFlashExperts(hf_cfg), LongcatFlashTopkRouter(hf_cfg)
     with torch.no_grad():
         hf_exp.gate_up_proj.copy_(torch.randn(hf_exp.gate_up_proj.shape, generator=g) * D**-0.5)
-        hf_exp.down_proj.copy_(torch.randn(hf_exp.down_proj.shape, generator=g) * I**-0.5)
+        hf_exp.down_proj.copy_(torch.randn(hf_exp.down_proj.shape, generator=g) * FFN**-0.5)
         hf_router.classifier.weight.copy_(torch.randn(E + Z, D, generator=g))
         hf_router.e_score_correction_bias.copy_(0.1 * torch.randn(E + Z, generator=g))
     moe = ModelConfig.from_hf({**hf_cfg.to_dict(), "model_type": "longcat_flash"}).moe
