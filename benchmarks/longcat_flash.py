@@ -1,0 +1,152 @@
+"""LongCat-Flash's zero-computation identity experts: decode with them vs the same model with them forced real.
+
+A LongCat-shaped model scaled down (two MLA sublayers and two dense MLPs per layer, a shortcut MoE of 32 real
++ 16 identity experts, top-6, like the release's 512 + 256, top-12), random weights made here with transformers.
+"forced real" is the same folder with the identity experts replaced by real experts of random weights
+(n_routed_experts 48, zero_expert_num 0): the router's weights and bias are the same, so a token with the same
+hidden state chooses the same experts with the same weights; the identity experts' pairs now run an FFN (the
+generated tokens then differ, so the identity share is counted in each run). The difference is
+the saving the identity experts buy. Reported: the share of (token, expert) pairs routed to identity experts
+during the run, batch-1 decode tok/s (--new tokens after a 16-token prompt), and the generated tok/s of
+--conc concurrent requests. One JSON per run under benchmarks/results/.
+
+  python benchmarks/longcat_flash.py --quick    # a smoke test, not a benchmark
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, environment, print_table, write_json  # noqa: E402
+
+from mlaserve import LLM, SamplingParams  # noqa: E402
+
+SHAPE = dict(  # LongCat-Flash's proportions, scaled down (release: hidden 6144, 64 heads, 28 layers)
+    hidden_size=1024,
+    num_layers=2,
+    num_attention_heads=8,
+    ffn_hidden_size=2048,
+    q_lora_rank=256,  # sqrt(1024 / 256) = 2: folded into q_b_proj, as the release's sqrt(6144 / 1536)
+    kv_lora_rank=128,  # sqrt(8): applied after kv_a_layernorm, as the release's sqrt(12)
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=32,
+    zero_expert_num=16,
+    moe_topk=6,
+    expert_ffn_hidden_size=256,
+    routed_scaling_factor=6.0,
+    vocab_size=4096,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+QUICK = dict(hidden_size=512, num_layers=1, ffn_hidden_size=1024, q_lora_rank=128, kv_lora_rank=64)
+
+
+def make_folders(root: Path, shape: dict) -> tuple[Path, Path]:
+    from hf_models import reinit_
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ident, real = root / "identity", root / "forced_real"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("longcat_flash", **shape), dtype=torch.float32)
+    reinit_(model, 0)
+    model.save_pretrained(ident)
+    e, z, d, i = (
+        shape["n_routed_experts"],
+        shape["zero_expert_num"],
+        shape["hidden_size"],
+        shape["expert_ffn_hidden_size"],
+    )
+    g = torch.Generator().manual_seed(1)
+    tensors = load_file(str(ident / "model.safetensors"))
+    for layer in range(shape["num_layers"]):
+        for x in range(e, e + z):  # the identity experts as real ones (transformers' save wrote unused gate/up)
+            stem = f"model.layers.{layer}.mlp.experts.{x}"
+            tensors[f"{stem}.gate_proj.weight"] = torch.randn(i, d, generator=g) * d**-0.5
+            tensors[f"{stem}.up_proj.weight"] = torch.randn(i, d, generator=g) * d**-0.5
+            tensors[f"{stem}.down_proj.weight"] = torch.randn(d, i, generator=g) * i**-0.5
+    real.mkdir()
+    save_file(tensors, str(real / "model.safetensors"))
+    raw = json.loads((ident / "config.json").read_text())
+    (real / "config.json").write_text(json.dumps({**raw, "n_routed_experts": e + z, "zero_expert_num": 0}))
+    return ident, real
+
+
+def identity_share(llm: LLM, n_real: int) -> tuple[list, callable]:
+    """Counts (pairs, identity pairs) over the routers' calls until the returned remover is called."""
+    counts = [0, 0]
+
+    def hook(module, inp, out):
+        idx = out[1]
+        counts[0] += idx.numel()
+        counts[1] += int((idx >= n_real).sum())
+
+    hooks = [layer.mlp.router.register_forward_hook(hook) for layer in llm.loaded.model.model.layers]
+    return counts, lambda: [h.remove() for h in hooks]
+
+
+def measure(llm: LLM, vocab: int, new: int, conc: int, reps: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    prompts = [[0] + torch.randint(3, vocab, (15,), generator=g).tolist() for _ in range(conc)]
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm up
+    b1, cn = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        llm.generate([prompts[0]], sp)
+        b1.append(new / (time.perf_counter() - t))
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        cn.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+    return {"b1_tok_s": max(b1), "conc_tok_s": max(cn), "b1_all": b1, "conc_all": cn}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--conc", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3, help="best of N (the machine may be shared)")
+    ap.add_argument("--threads", type=int, default=1, help="1 on a shared machine: steadier figures")
+    args = ap.parse_args()
+    shape = {**SHAPE, **(QUICK if args.quick else {})}
+    new, reps = (8, 1) if args.quick else (args.new, args.reps)
+    env = environment(args.threads)
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = make_folders(Path(tmp), shape)
+        for name, folder in zip(("identity experts", "forced real"), folders):
+            llm = LLM(str(folder), threads=args.threads, dtype="float32")
+            counts, stop = identity_share(llm, shape["n_routed_experts"])
+            r = measure(llm, shape["vocab_size"], new, args.conc, reps)
+            stop()
+            r["identity_pair_share"] = counts[1] / counts[0]
+            results[name] = r
+            rows.append([name, f"{r['identity_pair_share']:.3f}", f"{r['b1_tok_s']:.1f}", f"{r['conc_tok_s']:.1f}"])
+            del llm
+    table = print_table(["variant", "identity pair share", "decode b1 tok/s", f"c{args.conc} tok/s"], rows)
+    ratio = [results["identity experts"][k] / results["forced real"][k] for k in ("b1_tok_s", "conc_tok_s")]
+    print(f"identity / forced real: b1 {ratio[0]:.2f}x, c{args.conc} {ratio[1]:.2f}x")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    write_json(
+        RESULTS_DIR / f"longcat_flash-{stamp}.json",
+        {"env": env, "shape": shape, "args": vars(args), "results": results, "table": table, "speedup": ratio},
+    )
+
+
+if __name__ == "__main__":
+    main()
