@@ -322,3 +322,16 @@ def test_options_it_does_not_run_are_refused(longcat, option, value):
     folder, _ = longcat("pow2")
     with pytest.raises(ConfigError, match=f"longcat_flash with {option}={value!r}: not supported"):
         LLM(str(folder), **{option: value})
+
+
+def test_convert_to_gguf_is_refused(longcat, tmp_path):
+    """llama.cpp has no LongCat architecture (gguf-py's MODEL_ARCH_NAMES lists none): nothing to write it as."""
+    gguf = pytest.importorskip("gguf")
+    from mlaserve.gguf.convert.convert import convert_hf_to_gguf
+    from mlaserve.gguf.convert.tokenizer import ConvertError
+
+    assert not any("longcat" in a.lower() for a in gguf.constants.MODEL_ARCH_NAMES.values())
+    folder, _ = longcat("pow2")
+    with pytest.raises(ConvertError, match="longcat_flash has no llama.cpp architecture"):
+        convert_hf_to_gguf(folder, tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
