@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, environment, print_table, timed, write_json  # noqa: E402
+from common import RESULTS_DIR, environment, print_table, write_json  # noqa: E402
 
 from mlaserve import LLM, SamplingParams  # noqa: E402
 
@@ -106,33 +107,47 @@ def identity_share(llm: LLM, n_real: int) -> tuple[list, callable]:
     return counts, lambda: [h.remove() for h in hooks]
 
 
-def moe_op(llm: LLM, d: int, reps: int) -> dict:
-    """The first layer's shortcut MoE alone (router + experts) on 1 and 16 tokens: median us per call. The same
-    router in both variants, so the same pairs; only the identity pairs' work differs."""
-    moe = llm.loaded.model.model.layers[0].mlp
+def moe_calls(llms: dict[str, LLM], d: int, rounds: int) -> dict[str, dict]:
+    """Each variant's first-layer shortcut MoE alone (router + experts) on 1 and 16 tokens, the variants
+    interleaved call by call (a shared machine's load drifts): median us per call. The same router in both,
+    so the same pairs; only the identity pairs' work differs."""
+    mods = {name: llm.loaded.model.model.layers[0].mlp for name, llm in llms.items()}
     g = torch.Generator().manual_seed(2)
-    out = {}
+    out: dict[str, dict] = {name: {} for name in llms}
     with torch.no_grad():
         for t in (1, 16):
             x = torch.randn(t, d, generator=g)
-            out[f"moe_t{t}_us"] = timed(lambda: moe(x), reps=reps)["median_s"] * 1e6
+            times: dict[str, list[float]] = {name: [] for name in llms}
+            for _ in range(rounds):
+                for name, moe in mods.items():
+                    t0 = time.perf_counter()
+                    moe(x)
+                    times[name].append(time.perf_counter() - t0)
+            for name, ts in times.items():
+                out[name][f"moe_t{t}_us"] = statistics.median(ts) * 1e6
     return out
 
 
-def measure(llm: LLM, vocab: int, new: int, conc: int, reps: int) -> dict:
+def decode_rates(llms: dict[str, LLM], vocab: int, new: int, conc: int, reps: int) -> dict[str, dict]:
+    """Batch-1 decode tok/s and the generated tok/s of `conc` concurrent requests, best of `reps`, the variants
+    interleaved rep by rep."""
     g = torch.Generator().manual_seed(0)
     prompts = [[0] + torch.randint(3, vocab, (15,), generator=g).tolist() for _ in range(conc)]
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm up
-    b1, cn = [], []
+    out = {name: {"b1_all": [], "conc_all": []} for name in llms}
+    for llm in llms.values():
+        llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm up
     for _ in range(reps):
-        t = time.perf_counter()
-        llm.generate([prompts[0]], sp)
-        b1.append(new / (time.perf_counter() - t))
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        cn.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
-    return {"b1_tok_s": max(b1), "conc_tok_s": max(cn), "b1_all": b1, "conc_all": cn}
+        for name, llm in llms.items():
+            t = time.perf_counter()
+            llm.generate([prompts[0]], sp)
+            out[name]["b1_all"].append(new / (time.perf_counter() - t))
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            out[name]["conc_all"].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+    for r in out.values():
+        r["b1_tok_s"], r["conc_tok_s"] = max(r["b1_all"]), max(r["conc_all"])
+    return out
 
 
 def main() -> None:
@@ -146,22 +161,24 @@ def main() -> None:
     shape = {**SHAPE, **(QUICK if args.quick else {})}
     new, reps = (8, 1) if args.quick else (args.new, args.reps)
     env = environment(args.threads)
-    rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         folders = make_folders(Path(tmp), shape)
-        for name, folder in zip(("identity experts", "forced real"), folders):
-            llm = LLM(str(folder), threads=args.threads, dtype="float32")
-            counts, stop = identity_share(llm, shape["n_routed_experts"])
-            r = measure(llm, shape["vocab_size"], new, args.conc, reps)
+        llms = {
+            name: LLM(str(folder), threads=args.threads, dtype="float32")
+            for name, folder in zip(("identity experts", "forced real"), folders)
+        }
+        counters = {name: identity_share(llm, shape["n_routed_experts"]) for name, llm in llms.items()}
+        results = decode_rates(llms, shape["vocab_size"], new, args.conc, reps)
+        for name, (counts, stop) in counters.items():
             stop()
-            r["identity_pair_share"] = counts[1] / counts[0]
-            r |= moe_op(llm, shape["hidden_size"], 20 if args.quick else 200)
-            results[name] = r
-            rows.append(
-                [name, f"{r['identity_pair_share']:.3f}", f"{r['b1_tok_s']:.1f}", f"{r['conc_tok_s']:.1f}"]
-                + [f"{r['moe_t1_us']:.0f}", f"{r['moe_t16_us']:.0f}"]
-            )
-            del llm
+            results[name]["identity_pair_share"] = counts[1] / counts[0]
+        for name, r in moe_calls(llms, shape["hidden_size"], 20 if args.quick else 200).items():
+            results[name] |= r
+    rows = [
+        [name, f"{r['identity_pair_share']:.3f}", f"{r['b1_tok_s']:.1f}", f"{r['conc_tok_s']:.1f}"]
+        + [f"{r['moe_t1_us']:.0f}", f"{r['moe_t16_us']:.0f}"]
+        for name, r in results.items()
+    ]
     headers = [
         "variant",
         "identity pair share",

@@ -268,9 +268,25 @@ def test_route_and_ledger_name_each_sublayer_and_the_cache_keeps_two_rows(longca
     cache = llm.runner.cache
     row = 16 + 8  # kv_lora_rank + qk_rope_head_dim
     assert cache.measured_bytes_per_token() == 2 * 2 * row * 4  # two layers x two sublayers x fp32 rows
+    assert type(cache).bytes_per_token(cache.kinds, torch.float32) == 2 * 2 * row * 4  # the declared specs
     for layer in cache.layers:
         assert set(layer.tensors) == {"latent", "latent_1"}
         assert layer.tensors["latent"].data_ptr() != layer.tensors["latent_1"].data_ptr()
+
+
+def test_prefix_cache_hit_restores_both_sublayers_rows(longcat):
+    """A prompt whose first 16 tokens (two pages) are cached: the hit serves both sublayers' rows of those pages
+    (one block table for every paged state), and the greedy tokens equal a run without the prefix cache."""
+    folder, _ = longcat("pow2")
+    ids = random_ids(28)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cold = LLM(str(folder), page_size=8, enable_prefix_caching=False).generate([ids], greedy)[0]
+    llm = LLM(str(folder), page_size=8, trace="memory")
+    llm.generate([ids[:20]], greedy)
+    warm = llm.generate([ids], greedy)[0]
+    cached = [q["cached_tokens"] for r in llm.runner.tracer.records for q in r["requests"] if q["cached_tokens"]]
+    assert cached == [16], cached
+    assert list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
 
 
 def test_checkpoint_extras_are_skipped_and_reported(longcat, tmp_path):
