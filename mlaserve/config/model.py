@@ -516,7 +516,7 @@ class _HFAdapter:
         first = self.family.first_dense_layers
         if first is not None:
             out = ("dense",) * first + ("moe",) * (num_layers - first)
-            dense = "first layer dense" if first == 1 else f"first {first} layers dense"
+            dense = "first layer dense" if first == 1 else f"first {first} layers dense" if first else "every layer MoE"
             return self.log.record("mlp_layer_types", out, f"class default ({self.family.name}: {dense})")
         n_dense = int(self.get("first_k_dense_replace"))
         if n_dense > num_layers:
