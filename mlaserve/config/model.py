@@ -436,6 +436,19 @@ class _HFAdapter:
                 f"{self.source}: qk_head_dim={qk} must equal qk_nope_head_dim + qk_rope_head_dim = "
                 f"{self.raw['qk_nope_head_dim'] + self.raw['qk_rope_head_dim']}"
             )
+        for key in (
+            "mla_scale_q_lora",
+            "mla_scale_kv_lora",
+        ):  # the original release's flags; transformers always scales
+            flag = self.raw.get(key)
+            if flag is not None and flag is not True:
+                raise ConfigError(
+                    f"{self.source}: {key}={flag!r}: {name} is run with the scale (transformers always applies it); "
+                    "a model trained without it is not this family"
+                )
+        method = self.raw.get("attention_method")
+        if method is not None and method != "MLA":
+            raise ConfigError(f"{self.source}: attention_method {method!r} is not supported ({name}: 'MLA')")
         scales = {}
         for part, rank, weight in (("q", q_lora, "q_b_proj"), ("kv", self.raw["kv_lora_rank"], "kv_a_layernorm")):
             s = (d / rank) ** 0.5  # transformers' (hidden_size / rank) ** 0.5
@@ -573,6 +586,9 @@ class _HFAdapter:
                 f"{self.source}: router_bias true is not supported for {name}: transformers then allocates "
                 "router.classifier.bias but its router never adds it"
             )
+        kind = self.raw.get("zero_expert_type")
+        if kind is not None and kind != "identity":  # the original release's key: transformers runs identity only
+            raise ConfigError(f"{self.source}: zero_expert_type {kind!r} is not supported ({name}: 'identity')")
         rule = f"family rule ({name}: LongcatFlashTopkRouter)"
         self.log.record("scoring_func", "softmax", rule)
         self.log.record("topk_method", "greedy", f"{rule}: top-k of softmax + e_score_correction_bias")

@@ -173,6 +173,16 @@ def test_config_is_read_with_provenance(longcat, capsys):
 def test_config_errors_name_the_field():
     raw = {**BASE, "model_type": "longcat_flash"}
     ModelConfig.from_hf(raw)
+    # the original release's keys, as it writes them (transformers ignores them; these values are what it runs)
+    ModelConfig.from_hf(
+        {
+            **raw,
+            "zero_expert_type": "identity",
+            "mla_scale_q_lora": True,
+            "mla_scale_kv_lora": True,
+            "attention_method": "MLA",
+        }
+    )
     for bad, match in (
         ({"num_hidden_layers": 6}, "num_hidden_layers=6 but num_layers=2"),
         ({"num_layers": "2"}, "num_layers must be an integer"),
@@ -184,6 +194,9 @@ def test_config_errors_name_the_field():
         ({"router_bias": "no"}, "router_bias must be true or false"),
         ({"q_lora_rank": None}, "q_lora_rank must be set for longcat_flash"),
         ({"ffn_hidden_size": 96, "intermediate_size": 50}, "ffn_hidden_size .longcat_flash's name for"),
+        ({"zero_expert_type": "zero"}, "zero_expert_type 'zero' is not supported"),
+        ({"mla_scale_kv_lora": False}, "mla_scale_kv_lora=False: longcat_flash is run with the scale"),
+        ({"attention_method": "MHA"}, "attention_method 'MHA' is not supported"),
     ):
         with pytest.raises(ConfigError, match=match):
             ModelConfig.from_hf({**raw, **bad})
