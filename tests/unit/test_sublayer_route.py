@@ -4,6 +4,7 @@ attention per layer keeps its records as they were (no `sublayers` key)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mlaserve.attention.router import route_step
@@ -60,3 +61,23 @@ def test_the_cache_allocates_both_states():
     for layer in cache.layers:
         assert {n: tuple(t.shape) for n, t in layer.tensors.items()} == {"latent": (9, 12), "latent_1": (9, 12)}
     assert cache.measured_bytes_per_token() == ModelCache.bytes_per_token(kinds, torch.float32) == 3 * 2 * 12 * 4
+
+
+def test_scale_placement_and_the_native_latent_write():
+    """A power-of-two scale is folded (plain modules, weights multiplied once at load); another stays a multiply
+    after q_b_proj / kv_a_layernorm, and then the native latent write (which applies kv_a_layernorm's weight
+    only) is refused with the reason, so the KernelPlan keeps the torch write."""
+    from mlaserve.models.longcat import LongcatAttention, ScaledLinear, ScaledRMSNorm
+
+    folded = LongcatAttention(ModelConfig.from_hf({**LONGCAT, "q_lora_rank": 8, "kv_lora_rank": 8}), 0, "latent")
+    assert type(folded.q_b_proj) is torch.nn.Linear and not isinstance(folded.kv_a_layernorm, ScaledRMSNorm)
+    assert folded.native_unfit() is None
+    w = folded.q_b_proj.weight.detach().clone()
+    folded.fold_latent_scales()
+    assert torch.equal(folded.q_b_proj.weight, w * 2.0)  # sqrt(32 / 8)
+    with pytest.raises(RuntimeError, match="folded into these weights already"):
+        folded.fold_latent_scales()
+    runtime = LongcatAttention(ModelConfig.from_hf({**LONGCAT, "q_lora_rank": 16, "kv_lora_rank": 16}), 0, "latent_1")
+    assert isinstance(runtime.q_b_proj, ScaledLinear) and isinstance(runtime.kv_a_layernorm, ScaledRMSNorm)
+    assert runtime.q_b_proj.scale == runtime.kv_a_layernorm.scale == 2**0.5 and runtime.cache_state == "latent_1"
+    assert "not a power of two" in runtime.native_unfit()
