@@ -9,8 +9,8 @@ Notation
   c  = b + attn_1(ln_in_1(b))                   attn_1 writes the layer's "latent_1" rows
   out = c + mlp_1(ln_post_1(c)) + s             ... and is added at the very end
   Each attention is MLA (models/deepseek.py MLAAttention) with q x sqrt(D / r_q) (nope and rope parts,
-  before the rope) and c_kv = kv_a_layernorm(.) x sqrt(D / r) before caching (transformers'
-  LongcatFlashMLA); the cached row is the scaled one, so every attention path reads it unchanged.
+  before the rope) and c_kv = kv_a_layernorm(.) x sqrt(D / r) before caching, k_pe unscaled (transformers'
+  LongcatFlashMLA.forward); the cached row is the scaled one, so every attention path reads it unchanged.
   Where a scale is a power of two it is folded into the weight at load (q_b_proj, kv_a_layernorm: exact,
   config/model.py LatentScale); otherwise q_b_proj / kv_a_layernorm multiply by it after their own op,
   in the reference's order.
