@@ -379,3 +379,14 @@ def test_convert_to_gguf_is_refused(longcat, tmp_path):
     with pytest.raises(ConvertError, match="longcat_flash has no llama.cpp architecture"):
         convert_hf_to_gguf(folder, tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_verify_identities_hold(longcat):
+    """`mlaserve verify`'s identities on LongCat (absorbed vs decompressed, chunked and token-by-token vs one pass,
+    torch vs the reference backend): each within its tolerance (measured up to 2.1e-5 on odd, the absorbed vs
+    decompressed pair: both paths' rounding, which test_logits_match_transformers holds to transformers)."""
+    from mlaserve.entrypoints.verify import run_checks
+
+    folder, ref_model = longcat("odd")
+    checks = run_checks(LLM(str(folder), page_size=8), random_ids(37, ref_model.config.vocab_size))
+    assert len(checks) >= 5 and all(c.passed and c.tolerance is not None for c in checks), checks
