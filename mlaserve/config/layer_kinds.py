@@ -38,9 +38,11 @@ Cache states (StateSpec)
 Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Layer and cache kinds"):
   linear attention (KDA): a recurrent state per request ("request", per_request=(H, dk), width dv,
   dtype float32) plus its short-conv state ("request", per_request=(kernel - 1,)), snapshot=True for the
-  prefix cache (the layer writes its rows at StepContext.snapshots); two MLA sublayers (LongCat-Flash): two
-  latent states in one layer. A layer reads and writes a request state at StepContext.state_slots (per
-  sequence) or token_state_slots (per token) of its LayerState tensor.
+  prefix cache (the layer writes its rows at StepContext.snapshots). A layer reads and writes a request state
+  at StepContext.state_slots (per sequence) or token_state_slots (per token) of its LayerState tensor.
+Two MLA sublayers per decoder layer (LongCat-Flash, family sublayers=2): one LayerKind of kind mla with two
+latent states, "latent" (sublayer 0) then "latent_1" (sublayer 1); `sublayers` names each sublayer's state,
+both sublayers execute the kind's plan, and the route records which state each sublayer writes.
 DeepSeek-V4 (family layer_kinds "deepseek_v4", config/deepseek_v4.py) declares one kind per layer from
 its layer_types / compress_ratios:
   v4_sliding  window [W x D] request, snapshot            the K=V rows of the last W positions (a ring)
@@ -137,6 +139,9 @@ class LayerKind:
     window: int = 0  # sliding_window: ring rows a query may attend
     ratio: int = 0  # tokens per compressed row (v4_csa, v4_hca)
     topk: int = 0  # v4_csa: index_topk, compressed rows a query keeps
+    # several attention sublayers per layer (LongCat-Flash): the latent state each one reads and writes, in
+    # sublayer order; () for a layer of one attention (its state is "latent")
+    sublayers: tuple[str, ...] = ()
 
     def state(self, name: str) -> StateSpec | None:
         return next((s for s in self.states if s.name == name), None)
@@ -206,11 +211,17 @@ def attention_kind(model: ModelConfig, i: int) -> str:
     return declared
 
 
+def sublayer_states(model: ModelConfig) -> tuple[str, ...]:
+    """The latent state of each attention sublayer of a decoder layer: "latent", then "latent_1", ..."""
+    return tuple("latent" if j == 0 else f"latent_{j}" for j in range(model.sublayers))
+
+
 def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
-    latent = StateSpec("latent", model.latent_dim)
+    names = sublayer_states(model)
+    latents = tuple(StateSpec(name, model.latent_dim) for name in names)
     role = indexer_role(model, i)
     keys = (StateSpec("index_keys", model.indexer.head_dim),) if sparse and role == "full" else ()
-    return LayerKind(i, attention_kind(model, i), role, (latent, *keys))
+    return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=names if len(names) > 1 else ())
 
 
 def attention_summary(model: ModelConfig, sparse: bool) -> str:
