@@ -15,7 +15,7 @@ from mlaserve.config.layer_kinds import layer_ranges
 @dataclass(frozen=True)
 class Segment:
     phase: str  # "decode" | "prefill"
-    path: str  # "absorbed" | "decompressed"
+    path: str  # "absorbed" | "decompressed" | V4's "window..." | KDA's "recurrent" | "chunked"
     sparse: bool
     token_start: int
     token_end: int
@@ -81,6 +81,8 @@ class AttentionPlan:
     kind: str = "mla"
     layers: tuple[int, ...] = ()  # the layers of this kind
     rows: KindRows | None = None  # DeepSeek-V4 kinds: the rows each request's queries attend (router.py)
+    state_bytes_per_request: int = 0  # request-addressed state the kind's layers keep per running request (KDA)
+    chunk: int = 0  # KDA: the chunked form's length its "chunked" segment runs (router.py KDA_CHUNK)
 
     def counts(self) -> dict[str, int]:
         return _counts(self.segments)
@@ -147,4 +149,8 @@ def _segment_record(s: Segment) -> dict:
 
 def _kind_record(p: AttentionPlan) -> dict:
     rec = {"kind": p.kind, "layers": layer_ranges(p.layers), "sparse": p.sparse, **p.counts()}
+    if p.state_bytes_per_request:
+        rec["state_bytes_per_request"] = p.state_bytes_per_request
+    if p.chunk:
+        rec["chunk"] = p.chunk
     return rec | ({"rows": p.rows.to_record()} if p.rows is not None else {})

@@ -68,7 +68,7 @@ import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
 
-ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca")
+ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca", "kda")
 # kinds whose layers read the paged latent rows through the segment tensors (attention/metadata.py)
 LATENT_KINDS = ("mla", "mla_dsa")
 # how a state's rows are found: "page" by the request's block table, "request" by the request's state slot
@@ -182,7 +182,10 @@ def indexer_role(model: ModelConfig, i: int) -> str | None:
 
 def attention_kind(model: ModelConfig, i: int) -> str:
     """The family declares the kind of its layers (config/families: `layer_kinds`); a layer without an
-    indexer role (an MTP block without indexer weights) is plain MLA."""
+    indexer role (an MTP block without indexer weights) is plain MLA. Kimi-Linear's KDA layers are "kda" (which
+    layers: ModelConfig.kda, read from the config's layer pattern)."""
+    if model.kda is not None and i in model.kda.layers:
+        return "kda"
     declared = model.family.layer_kinds
     if declared not in ATTENTION_KINDS:
         raise ConfigError(f"{model.model_type}: layer kind {declared!r} is not one this engine runs: {ATTENTION_KINDS}")
@@ -194,10 +197,29 @@ def attention_kind(model: ModelConfig, i: int) -> str:
 
 
 def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
+    if attention_kind(model, i) == "kda":
+        return LayerKind(i, "kda", None, kda_states(model))
     latent = StateSpec("latent", model.latent_dim)
     role = indexer_role(model, i)
     keys = (StateSpec("index_keys", model.indexer.head_dim),) if sparse and role == "full" else ()
     return LayerKind(i, attention_kind(model, i), role, (latent, *keys))
+
+
+def kda_states(model: ModelConfig) -> tuple[StateSpec, ...]:
+    """A KDA layer's request states: the delta rule's fp32 state [H, d, d] and the short conv's last K-1 inputs of
+    q, k and v [K-1, 3 H d] (the cache dtype: the inputs are the model's projections). No page-boundary
+    snapshots yet, so prefix caching runs off for these models (prefix_caching_blocker)."""
+    kda = model.kda
+    return (
+        StateSpec(
+            "recurrent",
+            kda.head_dim,
+            addressing="request",
+            per_request=(kda.num_heads, kda.head_dim),
+            dtype=torch.float32,
+        ),
+        StateSpec("conv", 3 * kda.width, addressing="request", per_request=(kda.conv_kernel - 1,)),
+    )
 
 
 def attention_summary(model: ModelConfig, sparse: bool) -> str:

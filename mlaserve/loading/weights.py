@@ -9,6 +9,9 @@ Named steps between the checkpoint layout and the model:
                   would otherwise load as a shallower model);
                   with speculative="mtp" they fill the model's mtp.{N - n}.* instead
   tie_embeddings  lm_head.weight shares embed_tokens.weight when the config ties them
+  renames         the family's checkpoint names read as the model's (Family.checkpoint_renames: Kimi-Linear's
+                  block_sparse_moe.experts.E.w1/w3/w2 -> mlp.experts.E.gate/up/down_proj); errors name the
+                  checkpoint's tensor
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
 
@@ -58,9 +61,12 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
     experts: dict[str, dict[tuple[str, int], str]] = {}
     _check_extra_layers(source, cfg)
     with_mtp = hasattr(model, "mtp")
+    renames = [(re.compile(p), r) for p, r in cfg.family.checkpoint_renames]
     for name in source.names():
         layer = _LAYER.match(name)
         target = name
+        for pattern, replacement in renames:
+            target = pattern.sub(replacement, target)
         if layer and int(layer.group(1)) >= cfg.num_layers:
             if not with_mtp:
                 report.skipped.append(name)  # MTP / nextn layers are run only for speculative decoding
