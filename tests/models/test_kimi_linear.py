@@ -159,3 +159,16 @@ def test_abort_gives_the_state_slot_back(kimi):
     assert engine.slots.num_free == engine.slots.num_slots == 2 and not engine.slots.owner
     while engine.has_unfinished():
         engine.step()  # the aborts' final outputs
+
+
+def test_a_reused_slot_starts_from_a_zeroed_state(kimi):
+    """One slot for every request: each prompt after the first starts in the slot the last one left full of its
+    state, which the runner zeroes (the chunk at token 0 says reset_state); the pad slot is never written."""
+    spec, ref, folder = kimi
+    llm = LLM(str(folder), max_num_seqs=1, max_num_batched_tokens=32)
+    for n in (70, 9, 66):
+        ids = random_ids(n, ref.config.vocab_size, 300 + n)
+        _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec}: length {n} in the reused slot")
+    cache = llm.runner.cache
+    for t in cache.request_tensors():
+        assert torch.count_nonzero(t[cache.state_pad_slot]) == 0
