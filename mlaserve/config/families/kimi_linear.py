@@ -9,6 +9,7 @@ What differs from deepseek_v3, and where it is read:
   `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim`.
 - the MLA layers are NoPE: the "rope" slice of q and of the cached row is kept but never rotated (transformers'
   KimiLinearAttention applies no rotary embedding); the rope table is the identity (`nope` below).
+- the dense/MoE layers: mlp_layer_types, else first_k_dense_replace (no class default is assumed for it).
 - the checkpoint's config names (transformers' attribute_map) are read under the MLA reader's names, each recorded.
 - the checkpoint's tensor names (`block_sparse_moe`, experts `w1`/`w3`/`w2`) are read as the MoE module's
   (`checkpoint_renames`, applied by loading/weights.py; errors name the checkpoint's tensor).
@@ -53,11 +54,12 @@ KIMI_LINEAR = DEEPSEEK_V3.derive(
         n_shared_experts=1,
         num_experts_per_tok=8,
         q_lora_rank=None,
-        first_k_dense_replace=1,
-        rope_interleave=False,
         linear_num_heads=32,
         linear_head_dim=128,
         linear_conv_kernel_dim=4,
     ),
     tokenizer_pre=frozen_map(),
+    # not attributes of transformers' class: first_k_dense_replace is a constructor keyword there (default 1),
+    # so a config with neither mlp_layer_types nor first_k_dense_replace is refused, naming the key; no rope
+    without=("rope_interleave", "first_k_dense_replace"),
 )
