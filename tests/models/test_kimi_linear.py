@@ -172,3 +172,70 @@ def test_a_reused_slot_starts_from_a_zeroed_state(kimi):
     cache = llm.runner.cache
     for t in cache.request_tensors():
         assert torch.count_nonzero(t[cache.state_pad_slot]) == 0
+
+
+def test_the_ledger_and_inspect_name_each_kind_and_its_state_bytes(kimi, capsys):
+    """The route records the kda kind (its layers, the recurrent / chunked segments, the chunk length and the
+    state bytes per request) beside the mla kind; `mlaserve inspect` lists the kinds, their states and sources."""
+    from mlaserve.entrypoints.cli import main
+
+    spec, ref, folder = kimi
+    llm = LLM(str(folder), trace="memory", max_num_batched_tokens=16)
+    prompts = [random_ids(3, ref.config.vocab_size, 1), random_ids(40, ref.config.vocab_size, 2)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    kinds = llm.runner.layer_kinds
+    kda_ids = [k.index for k in kinds if k.attention == "kda"]
+    per_layer = llm.runner.cache.measured_bytes_per_request() // len(kda_ids)
+    mixed = None
+    for rec in llm.runner.tracer.records:
+        kda = next(k for k in rec["kinds"] if k["kind"] == "kda")
+        assert kda["state_bytes_per_request"] == per_layer * len(kda_ids) and kda["chunk"] == 64
+        assert {k["kind"] for k in rec["kinds"]} == {"kda", "mla"}
+        paths = [s["path"] for s in rec["segments"] if s["kind"] == "kda"]
+        if paths == ["recurrent", "chunked"]:
+            mixed = rec
+        assert all(q["state_slot"] is not None for q in rec["requests"])
+    assert mixed is not None, "a step with a one-token sequence beside a prefill chunk"
+    impls = {s["implementation"] for s in mixed["segments"] if s["kind"] == "kda"}
+    assert impls == {"torch:kda_step", "torch:kda_chunked(64)"}
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "kda; cache: recurrent [" in out and "float32 per request (no snapshots)" in out
+    assert "kda_layers" in out and "no page-boundary snapshot" in out  # the pattern's source; prefix caching off
+
+
+@pytest.mark.parametrize(
+    "option, why",
+    [(dict(tensor_parallel_size=2), "KDA layers are not split"), (dict(quantization="int8"), "no quantized holders")],
+)
+def test_what_kimi_linear_does_not_run_yet_is_refused_with_its_reason(kimi, option, why):
+    from mlaserve.config.model import ConfigError
+
+    with pytest.raises(ConfigError, match=f"kimi_linear with {next(iter(option))}=.*{why}"):
+        LLM(str(kimi[2]), **option)
+
+
+def test_the_loader_is_strict_under_the_checkpoint_names(kimi, tmp_path):
+    """Every checkpoint tensor used once under its own name (block_sparse_moe experts' w1/w3/w2 read as the MoE
+    module's gate/up/down): a missing KDA tensor and an unexpected one are errors naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mlaserve.loading.safetensors_source import WeightError
+
+    spec, _, folder = kimi
+    tensors = load_file(folder / "model.safetensors")
+    kda = next(n for n in tensors if n.endswith("self_attn.A_log"))
+    for name, change in (
+        ("missing", lambda t: t.pop(kda)),
+        ("extra", lambda t: t.update({"model.extra.w": t[kda].clone()})),
+    ):
+        bad = tmp_path / name
+        shutil.copytree(folder, bad)
+        t = dict(tensors)
+        change(t)
+        save_file(t, bad / "model.safetensors")
+        match = kda.replace(".", "\\.") if name == "missing" else "unexpected tensor 'model.extra.w'"
+        with pytest.raises(WeightError, match=match):
+            LLM(str(bad))
