@@ -8,6 +8,9 @@ Attention kinds today
   mla      Multi-head Latent Attention over paged latent rows [c_kv | k_pe] (DeepSeek-V2/V3, GLM-4.7-Flash)
   mla_dsa  MLA with a DSA lightning indexer: a "full" layer owns an indexer and caches its keys, a
            "shared" layer reuses the previous full layer's top-k (DeepSeek-V3.2, GLM-5)
+  kda      Kimi Delta Attention (Kimi-Linear's linear-attention layers, models/kda): no paged rows; two request
+           states, `recurrent` [H, d, d] fp32 and `conv` [K-1, 3 H d] (kda_states), snapshot=False for now, so
+           prefix caching runs off for these models (prefix_caching_blocker records why)
 A kind is the architecture's: an mla_dsa layer run with attention="dense" keeps its kind, its route says
 sparse=False and it caches no index keys (the engine's choice, recorded in provenance).
 
