@@ -164,17 +164,28 @@ class ModelConfig:
         attn = q + d * self.latent_dim + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
         attn += h * self.v_head_dim * d
         total = 0
-        for kind in self.mlp_layer_types:
+        for i, kind in enumerate(self.mlp_layer_types):
+            total += self._kda_params() if self.kda is not None and i in self.kda.layers else attn
             if kind == "moe":
                 m = self.moe
-                total += attn + 3 * d * m.moe_intermediate_size * (m.n_routed_experts + m.n_shared_experts)
+                total += 3 * d * m.moe_intermediate_size * (m.n_routed_experts + m.n_shared_experts)
             else:
-                total += attn + 3 * d * self.intermediate_size
+                total += 3 * d * self.intermediate_size
         if self.indexer is not None:  # wq_b, wk, weights_proj on the layers that own an indexer
             ix = self.indexer
             per = (self.q_lora_rank or 0) * ix.n_heads * ix.head_dim + d * ix.head_dim + d * ix.n_heads
             total += per * sum(t == "full" for t in ix.layer_types)
         return total + d * self.vocab_size * (1 if self.tie_word_embeddings else 2)
+
+    def _kda_params(self) -> int:
+        """A KDA layer's weights: q/k/v/o projections, f_a/f_b and g_a/g_b (low rank d), b_proj, the convs."""
+        k, d = self.kda, self.hidden_size
+        return (
+            4 * d * k.width
+            + 2 * (d * k.head_dim + k.head_dim * k.width)
+            + d * k.num_heads
+            + 3 * k.width * k.conv_kernel
+        )
 
     @property
     def is_dsa_architecture(self) -> bool:
