@@ -122,3 +122,13 @@ def test_inspect_lines_name_each_kind_and_its_bytes_per_request():
     assert lines[0].startswith("layers 0, 2-3: kda; cache: recurrent [3 x 8 x 8] float32 per request (no snapshots)")
     assert lines[0].endswith("(0 bytes/token, 4896 bytes/request)")
     assert lines[1] == "layers 1: mla; cache: latent [24] (96 bytes/token)"
+
+
+def test_convert_to_gguf_is_refused_naming_the_kda_layers(tmp_path):
+    import json
+
+    from mlaserve.gguf.convert.convert import ConvertError, convert_hf_to_gguf
+
+    (tmp_path / "config.json").write_text(json.dumps(RAW))
+    with pytest.raises(ConvertError, match="kimi_linear \\(KDA layers \\[0, 2, 3\\]\\) has no GGUF layout"):
+        convert_hf_to_gguf(tmp_path, tmp_path / "out.gguf")

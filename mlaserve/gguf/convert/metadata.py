@@ -43,6 +43,11 @@ def _open_model(folder: Path) -> _Model:
     raw = _read_json(folder / "config.json")
     cfg = ModelConfig.from_hf(raw, source=str(folder / "config.json"))
     family = cfg.family
+    if cfg.kda is not None:  # llama.cpp's kimi-linear support is not merged upstream: no layout to write
+        raise ConvertError(
+            f"{folder}/config.json: {family.name} (KDA layers {list(cfg.kda.layers)}) has no GGUF layout this "
+            "converter writes"
+        )
     if cfg.moe is None:
         raise ConvertError(f"{folder}/config.json: no n_routed_experts -- dense MLA models are not supported")
     n = cfg.num_layers
