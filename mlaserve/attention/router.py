@@ -132,7 +132,7 @@ def route_step(
 def route_kda(batch: ForwardBatch, layers: tuple[int, ...], bytes_per_request: int = 0) -> AttentionPlan:
     """The KDA kind's plan (models/kda/layer.py): the leading sequences with one new token each take the batched
     recurrent step ("recurrent", one op over their slots' states), every other sequence its chunk through the
-    chunked form ("chunked", chunk CHUNK). Decided from the chunks' lengths alone, before the math.
+    chunked form ("chunked", KDA_CHUNK tokens at a time). Decided from the chunks' lengths alone, before the math.
     bytes_per_request: the request state the kind's layers keep per running request (the ledger records it)."""
     n_one = 0
     while n_one < len(batch.seqs) and batch.seqs[n_one].query_len == 1:
