@@ -107,3 +107,17 @@ def test_the_conv_continues_a_sequence_through_its_state(cuts):
         steps.append(y)
     got = torch.stack(steps, dim=1)
     assert (got - whole).abs().max() <= 1e-6 and torch.equal(states[0], last)
+
+
+@pytest.mark.parametrize("strength", [30.0, 200.0])
+def test_strong_decay_neither_overflows_nor_loses_the_state(strength):
+    """Log decays of -30 .. -200 per token and channel (a cumulative sum of ~-12800 over a 64-token chunk): the
+    chunked form's factors exp(G_i - G_e), exp(G_e - G_j) stay <= 1 (pair_scores), so nothing overflows, and the
+    result is the reference's: the state forgets all but the last token."""
+    q, k, v, g, beta, s0 = _inputs(130, seed=11)
+    q, k = recurrence.prepare(q, k)
+    g = g * strength
+    ref = recurrence.recurrent_reference(q, k, v, g, beta, s0)
+    got = recurrence.chunked(q, k, v, g, beta, s0)
+    assert all(torch.isfinite(t).all() for t in got)
+    assert _err(got, ref) <= 5e-6
