@@ -239,3 +239,17 @@ def test_the_loader_is_strict_under_the_checkpoint_names(kimi, tmp_path):
         match = kda.replace(".", "\\.") if name == "missing" else "unexpected tensor 'model.extra.w'"
         with pytest.raises(WeightError, match=match):
             LLM(str(bad))
+
+
+def test_bfloat16_keeps_the_recurrent_state_and_dt_bias_in_fp32(kimi):
+    """In a bf16 engine the recurrent state stays fp32 (its StateSpec dtype), the conv state takes the cache's
+    bf16 (it holds the bf16 projections exactly), dt_bias stays fp32 as transformers keeps it; logits finite. bf16
+    logits are not held to the fp32 bound (they round at other points than transformers')."""
+    _, ref, folder = kimi
+    llm = LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=40)
+    logits = llm.prompt_logits(random_ids(100, ref.config.vocab_size, 9))
+    assert torch.isfinite(logits).all()
+    layer = next(layer for layer in llm.runner.cache.layers if layer.kind.attention == "kda")
+    assert layer.tensors["recurrent"].dtype == torch.float32 and layer.tensors["conv"].dtype == torch.bfloat16
+    dt = [p.dtype for n, p in llm.loaded.model.named_parameters() if n.endswith("dt_bias")]
+    assert dt and set(dt) == {torch.float32}
