@@ -31,6 +31,8 @@ from mlaserve.models.kda import conv, recurrence
 if TYPE_CHECKING:
     from mlaserve.cache.model_cache import LayerState
     from mlaserve.executor.step_context import StepContext
+    from mlaserve.models.indexer import Selection
+    from mlaserve.models.layers import RotaryEmbedding
 
 
 class GatedRMSNorm(nn.Module):
@@ -92,8 +94,16 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, -1))
         return self.o_proj(self.o_norm(o, gate).flatten(1))
 
-    def forward(self, x: torch.Tensor, step: StepContext, rope, state: LayerState, prev):
-        """x [T, D] -> (out [T, D], prev unchanged: a KDA layer passes no DSA selection on)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: StepContext,
+        rope: RotaryEmbedding,
+        state: LayerState,
+        prev: tuple[Selection, ...] | None,
+    ) -> tuple[torch.Tensor, tuple[Selection, ...] | None]:
+        """x [T, D] -> (out [T, D], prev unchanged). The decoder layer's attention interface (MLAAttention's): a KDA
+        layer has no position encoding (rope unused) and passes a previous layer's DSA selection on untouched."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3 H d]
         g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
         rec, conv_state = state.tensors["recurrent"], state.tensors["conv"]
