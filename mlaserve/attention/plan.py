@@ -15,7 +15,7 @@ from mlaserve.config.layer_kinds import layer_ranges
 @dataclass(frozen=True)
 class Segment:
     phase: str  # "decode" | "prefill"
-    path: str  # "absorbed" | "decompressed"
+    path: str  # "absorbed" | "decompressed" | V4's "window..." | KDA's "recurrent" | "chunked"
     sparse: bool
     token_start: int
     token_end: int
@@ -87,6 +87,8 @@ class AttentionPlan:
     # layers of several attention sublayers (LongCat-Flash): the latent state each sublayer reads and writes, in
     # order; every sublayer executes these segments. () for one attention per layer
     sublayers: tuple[str, ...] = ()
+    state_bytes_per_request: int = 0  # request-addressed state the kind's layers keep per running request (KDA)
+    chunk: int = 0  # KDA: the chunked form's length its "chunked" segment runs (router.py KDA_CHUNK)
 
     def counts(self) -> dict[str, int]:
         return _counts(self.segments)
@@ -159,4 +161,8 @@ def _kind_record(p: AttentionPlan) -> dict:
     rec = {"kind": p.kind, "layers": layer_ranges(p.layers), "sparse": p.sparse, **p.counts()}
     if p.sublayers:  # which sublayer writes which cache state (a token's segments run once per sublayer)
         rec["sublayers"] = [{"sublayer": j, "state": name} for j, name in enumerate(p.sublayers)]
+    if p.state_bytes_per_request:
+        rec["state_bytes_per_request"] = p.state_bytes_per_request
+    if p.chunk:
+        rec["chunk"] = p.chunk
     return rec | ({"rows": p.rows.to_record()} if p.rows is not None else {})

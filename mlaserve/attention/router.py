@@ -33,6 +33,8 @@ from mlaserve.config.engine import MLA_PATHS
 from mlaserve.config.layer_kinds import LATENT_KINDS, LayerKind, kinds_in_order
 from mlaserve.executor.forward_batch import ForwardBatch
 
+KDA_CHUNK = 64  # the KDA chunked form's length (transformers' / fla's), carried by the plan to the layer
+
 
 def path_for(phase: str, mla_path: str, sparse: bool) -> str:
     if mla_path != "auto":
@@ -117,6 +119,10 @@ def route_step(
     plans = []
     for kind in kinds_in_order(layers):
         ids = tuple(k.index for k in layers if k.attention == kind)
+        if kind == "kda":  # Kimi-Linear's linear attention over its request states
+            kind_of = next(k for k in layers if k.attention == kind)
+            plans.append(route_kda(batch, ids, state_bytes(kind_of, key_dtype) * len(ids)))
+            continue
         if kind not in LATENT_KINDS:  # DeepSeek-V4: window + compressed rows, per sequence
             kind_of = next(k for k in layers if k.attention == kind)
             plans.append(route_v4(batch, kind_of, ids, v4_csa_dense, v4_implementation))
@@ -126,6 +132,51 @@ def route_step(
         subs = next(k.sublayers for k in layers if k.attention == kind)  # one stack: every layer has the same
         plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs))
     return StepRoute(tuple(plans))
+
+
+def route_kda(batch: ForwardBatch, layers: tuple[int, ...], bytes_per_request: int = 0) -> AttentionPlan:
+    """The KDA kind's plan (models/kda/layer.py): the leading sequences with one new token each take the batched
+    recurrent step ("recurrent", one op over their slots' states), every other sequence its chunk through the
+    chunked form ("chunked", KDA_CHUNK tokens at a time). Decided from the chunks' lengths alone, before the math.
+    bytes_per_request: the request state the kind's layers keep per running request (the ledger records it)."""
+    n_one = 0
+    while n_one < len(batch.seqs) and batch.seqs[n_one].query_len == 1:
+        n_one += 1
+    segments = []
+    for path, lo, hi in (("recurrent", 0, n_one), ("chunked", n_one, len(batch.seqs))):
+        if lo == hi:
+            continue
+        seqs = batch.seqs[lo:hi]
+        segments.append(
+            Segment(
+                phase="decode" if lo < batch.num_decode_seqs else "prefill",
+                path=path,
+                sparse=False,
+                token_start=seqs[0].query_start,
+                token_end=seqs[-1].query_start + seqs[-1].query_len,
+                seq_start=lo,
+                seq_end=hi,
+                request_ids=tuple(s.request_id for s in seqs),
+                backend="torch",
+                implementation="torch:kda_step" if path == "recurrent" else f"torch:kda_chunked({KDA_CHUNK})",
+                kind="kda",
+            )
+        )
+    return AttentionPlan(
+        segments=tuple(segments),
+        sparse=False,
+        index_topk=None,
+        effective_topk=None,
+        kind="kda",
+        layers=layers,
+        state_bytes_per_request=bytes_per_request,
+        chunk=KDA_CHUNK,
+    )
+
+
+def state_bytes(kind: LayerKind, cache_dtype: torch.dtype) -> int:
+    """One layer's request-state bytes per running request (a state of its own dtype counts its own size)."""
+    return sum(s.values_per_request() * s.element_size(cache_dtype) for s in kind.per_request)
 
 
 V4_PATHS = {"v4_sliding": "window", "v4_csa": "window+csa", "v4_hca": "window+hca"}

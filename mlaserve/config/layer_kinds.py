@@ -8,6 +8,9 @@ Attention kinds today
   mla      Multi-head Latent Attention over paged latent rows [c_kv | k_pe] (DeepSeek-V2/V3, GLM-4.7-Flash)
   mla_dsa  MLA with a DSA lightning indexer: a "full" layer owns an indexer and caches its keys, a
            "shared" layer reuses the previous full layer's top-k (DeepSeek-V3.2, GLM-5)
+  kda      Kimi Delta Attention (Kimi-Linear's linear-attention layers, models/kda): no paged rows; two request
+           states, `recurrent` [H, d, d] fp32 and `conv` [K-1, 3 H d] (kda_states), snapshot=False for now, so
+           prefix caching runs off for these models (prefix_caching_blocker records why)
 A kind is the architecture's: an mla_dsa layer run with attention="dense" keeps its kind, its route says
 sparse=False and it caches no index keys (the engine's choice, recorded in provenance).
 
@@ -68,7 +71,7 @@ import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
 
-ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca")
+ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca", "kda")
 # kinds whose layers read the paged latent rows through the segment tensors (attention/metadata.py)
 LATENT_KINDS = ("mla", "mla_dsa")
 # how a state's rows are found: "page" by the request's block table, "request" by the request's state slot
@@ -200,7 +203,10 @@ def indexer_role(model: ModelConfig, i: int) -> str | None:
 
 def attention_kind(model: ModelConfig, i: int) -> str:
     """The family declares the kind of its layers (config/families: `layer_kinds`); a layer without an
-    indexer role (an MTP block without indexer weights) is plain MLA."""
+    indexer role (an MTP block without indexer weights) is plain MLA. Kimi-Linear's KDA layers are "kda" (which
+    layers: ModelConfig.kda, read from the config's layer pattern)."""
+    if model.kda is not None and i in model.kda.layers:
+        return "kda"
     declared = model.family.layer_kinds
     if declared not in ATTENTION_KINDS:
         raise ConfigError(f"{model.model_type}: layer kind {declared!r} is not one this engine runs: {ATTENTION_KINDS}")
@@ -217,11 +223,30 @@ def sublayer_states(model: ModelConfig) -> tuple[str, ...]:
 
 
 def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
+    if attention_kind(model, i) == "kda":
+        return LayerKind(i, "kda", None, kda_states(model))
     names = sublayer_states(model)
     latents = tuple(StateSpec(name, model.latent_dim) for name in names)
     role = indexer_role(model, i)
     keys = (StateSpec("index_keys", model.indexer.head_dim),) if sparse and role == "full" else ()
     return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=names if len(names) > 1 else ())
+
+
+def kda_states(model: ModelConfig) -> tuple[StateSpec, ...]:
+    """A KDA layer's request states: the delta rule's fp32 state [H, d, d] and the short conv's last K-1 inputs of
+    q, k and v [K-1, 3 H d] (the cache dtype: the inputs are the model's projections). No page-boundary
+    snapshots yet, so prefix caching runs off for these models (prefix_caching_blocker)."""
+    kda = model.kda
+    return (
+        StateSpec(
+            "recurrent",
+            kda.head_dim,
+            addressing="request",
+            per_request=(kda.num_heads, kda.head_dim),
+            dtype=torch.float32,
+        ),
+        StateSpec("conv", 3 * kda.width, addressing="request", per_request=(kda.conv_kernel - 1,)),
+    )
 
 
 def attention_summary(model: ModelConfig, sparse: bool) -> str:

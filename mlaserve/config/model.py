@@ -46,7 +46,7 @@ class RopeConfig:
     dim: int
     theta: float
     interleaved: bool
-    rope_type: str = "default"  # "default" | "yarn"
+    rope_type: str = "default"  # "default" | "yarn" | "none" (NoPE: the identity, cos 1 and sin 0)
     factor: float = 1.0
     original_max_position_embeddings: int = 0
     beta_fast: float = 32.0
@@ -121,6 +121,21 @@ class IndexerConfig:
 
 
 @dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention (linear attention) layers: which layers, and their widths (config/families/kimi_linear.py)."""
+
+    layers: tuple[int, ...]  # the KDA layers' indices; every other layer is MLA
+    num_heads: int  # H
+    head_dim: int  # d = dk = dv
+    conv_kernel: int  # the causal depthwise short conv's width K (its state: the last K - 1 inputs)
+
+    @property
+    def width(self) -> int:
+        """H * d: the width of q, k and v each."""
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -148,6 +163,7 @@ class ModelConfig:
     # attention sublayers per decoder layer (LongCat-Flash: 2, each with its own latent row per token)
     sublayers: int = 1
     latent_scale: LatentScale | None = None  # LongCat-Flash's sqrt(hidden / rank) on q and c_kv
+    kda: KDAConfig | None = None  # Kimi-Linear: its KDA (linear-attention) layers; None: every layer MLA
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -181,17 +197,28 @@ class ModelConfig:
         # LongCat-Flash: two attention sublayers and two dense MLPs next to its MoE
         attn, dense = attn * self.sublayers, 3 * d * self.intermediate_size * (self.sublayers - 1)
         total = 0
-        for kind in self.mlp_layer_types:
+        for i, kind in enumerate(self.mlp_layer_types):
+            total += self._kda_params() if self.kda is not None and i in self.kda.layers else attn
             if kind == "moe":
                 m = self.moe
-                total += attn + dense + 3 * d * m.moe_intermediate_size * (m.n_routed_experts + m.n_shared_experts)
+                total += dense + 3 * d * m.moe_intermediate_size * (m.n_routed_experts + m.n_shared_experts)
             else:
-                total += attn + dense + 3 * d * self.intermediate_size
+                total += dense + 3 * d * self.intermediate_size
         if self.indexer is not None:  # wq_b, wk, weights_proj on the layers that own an indexer
             ix = self.indexer
             per = (self.q_lora_rank or 0) * ix.n_heads * ix.head_dim + d * ix.head_dim + d * ix.n_heads
             total += per * sum(t == "full" for t in ix.layer_types)
         return total + d * self.vocab_size * (1 if self.tie_word_embeddings else 2)
+
+    def _kda_params(self) -> int:
+        """A KDA layer's weights: q/k/v/o projections, f_a/f_b and g_a/g_b (low rank d), b_proj, the convs."""
+        k, d = self.kda, self.hidden_size
+        return (
+            4 * d * k.width
+            + 2 * (d * k.head_dim + k.head_dim * k.width)
+            + d * k.num_heads
+            + 3 * k.width * k.conv_kernel
+        )
 
     @property
     def is_dsa_architecture(self) -> bool:
@@ -377,6 +404,7 @@ class _HFAdapter:
             num_nextn_predict_layers=int(self.raw.get("num_nextn_predict_layers", 0) or 0),
             sublayers=self.family.sublayers,
             latent_scale=self._latent_scale(q_lora),
+            kda=self._kda(num_layers),
             provenance=self.log.freeze(),
         )
         check_model_config(cfg, self.source, self.field_sources)
@@ -465,6 +493,11 @@ class _HFAdapter:
         return LatentScale(scales["q"][0], scales["kv"][0], scales["q"][1], scales["kv"][1])
 
     def _rope(self) -> RopeConfig:
+        if self.family.nope is not None:  # NoPE: the rope slice is kept, never rotated
+            self.log.record(
+                "rope", "none (identity: cos 1, sin 0)", f"family rule ({self.family.name}: {self.family.nope})"
+            )
+            return RopeConfig(dim=self.raw["qk_rope_head_dim"], theta=10000.0, interleaved=False, rope_type="none")
         params = self.raw.get("rope_parameters")
         where = "rope_parameters"
         if params is None:  # pre-v5 configs: rope_theta + rope_scaling
@@ -605,6 +638,91 @@ class _HFAdapter:
             norm_topk_prob=False,
             routed_scaling_factor=float(g("routed_scaling_factor")),
             zero_experts=int(g("zero_expert_num") or 0),
+        )
+
+    def _kda(self, num_layers: int) -> KDAConfig | None:
+        """Kimi-Linear: which layers are KDA (from layer_types, else linear_attn_config's 1-indexed lists; neither
+        is an error naming the keys) and the KDA widths (linear_attn_config or the flat linear_* keys)."""
+        if not self.family.kda:
+            return None
+        sub = self.raw.get("linear_attn_config")
+        if sub is not None and not isinstance(sub, dict):
+            raise ConfigError(f"{self.source}: linear_attn_config must be a JSON object, got {sub!r}")
+        sub = sub or {}
+        kda = self._kda_layers(num_layers, sub)
+        widths = {}
+        for flat, nested in (
+            ("linear_num_heads", "num_heads"),
+            ("linear_head_dim", "head_dim"),
+            ("linear_conv_kernel_dim", "short_conv_kernel_size"),
+        ):
+            least = 2 if flat == "linear_conv_kernel_dim" else 1  # a conv of width 1 keeps no state
+            here = {k: v for k, v in ((flat, self.raw.get(flat)), (f"linear_attn_config.{nested}", sub.get(nested)))}
+            for key, value in here.items():
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                    raise ConfigError(f"{self.source}: {key} must be an integer >= {least}, got {value!r}")
+            given = {k: v for k, v in here.items() if v is not None}
+            if len(set(given.values())) > 1:
+                raise ConfigError(
+                    f"{self.source}: {' and '.join(f'{k}={v}' for k, v in given.items())} differ; give one"
+                )
+            if given:
+                key, value = next(reversed(given.items()))  # linear_attn_config's name when both agree
+                widths[flat] = self.log.record(flat, value, f"{self.source}:{key}")
+            else:
+                widths[flat] = self.get(flat)
+        return KDAConfig(
+            layers=kda,
+            num_heads=widths["linear_num_heads"],
+            head_dim=widths["linear_head_dim"],
+            conv_kernel=widths["linear_conv_kernel_dim"],
+        )
+
+    def _kda_layers(self, num_layers: int, sub: dict) -> tuple[int, ...]:
+        types = self.raw.get("layer_types")
+        from_types = None
+        if types is not None:
+            kinds = ("linear_attention", "full_attention")
+            if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(kinds):
+                raise ConfigError(
+                    f"{self.source}: layer_types must be a list of {num_layers} entries (num_hidden_layers), each "
+                    f"one of {kinds}, got {types!r}"
+                )
+            from_types = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+        from_sub = None
+        if "kda_layers" in sub or "full_attn_layers" in sub:
+            lists = {}
+            for key in ("kda_layers", "full_attn_layers"):
+                got = sub.get(key)
+                if not isinstance(got, list) or any(
+                    isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= num_layers for n in got
+                ):
+                    raise ConfigError(
+                        f"{self.source}: linear_attn_config.{key} must be a list of 1-indexed layer numbers in "
+                        f"[1, {num_layers}], got {got!r}"
+                    )
+                lists[key] = got
+            named = lists["kda_layers"] + lists["full_attn_layers"]
+            if sorted(named) != list(range(1, num_layers + 1)):
+                raise ConfigError(
+                    f"{self.source}: linear_attn_config.kda_layers and full_attn_layers must name every layer 1.."
+                    f"{num_layers} exactly once, got kda {lists['kda_layers']} and full {lists['full_attn_layers']}"
+                )
+            from_sub = tuple(sorted(n - 1 for n in lists["kda_layers"]))
+        if from_types is None and from_sub is None:
+            raise ConfigError(
+                f"{self.source}: kimi_linear needs its layer pattern: layer_types (per layer 'linear_attention' | "
+                "'full_attention') or linear_attn_config.kda_layers + full_attn_layers; neither is given"
+            )
+        if from_types is not None and from_sub is not None and from_types != from_sub:
+            raise ConfigError(
+                f"{self.source}: layer_types makes layers {list(from_types)} KDA but linear_attn_config.kda_layers "
+                f"makes {list(from_sub)} (0-indexed); give one"
+            )
+        if from_types is not None:
+            return self.log.record("kda_layers", from_types, f"{self.source}:layer_types ('linear_attention')")
+        return self.log.record(
+            "kda_layers", from_sub, f"{self.source}:linear_attn_config.kda_layers (1-indexed, read 0-indexed)"
         )
 
     def _indexer(self, num_layers: int) -> IndexerConfig | None:

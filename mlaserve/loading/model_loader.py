@@ -85,6 +85,8 @@ def build_model(
     for name, module in model.named_modules():
         if name.endswith(("mlp.gate", "mlp.router")):  # mlp.router: LongCat-Flash's (classifier + bias)
             module.float()
+        if hasattr(module, "keep_fp32"):  # parameters the reference keeps fp32 in any dtype (KDA's dt_bias)
+            module.keep_fp32()
         if name.endswith("mlp.experts"):
             module.impl = experts_impl
     return model.eval()
@@ -158,6 +160,13 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
             f"{path}: quantization={engine_cfg.kernels.quantization!r} is for float checkpoints; this one is already "
             f"{stored} (its stored blocks are used as they are)"
         )
+    if model_cfg.kda is not None:  # Kimi-Linear: what its KDA layers do not run yet, refused with the reason
+        for name, given, why in (
+            ("tensor_parallel_size", engine_cfg.parallel.tensor_parallel_size > 1, "its KDA layers are not split"),
+            ("quantization", engine_cfg.kernels.quantization is not None, "its KDA layers have no quantized holders"),
+        ):
+            if given:
+                raise ConfigError(f"{path}: kimi_linear with {name}={getattr(opts, name)!r}: not supported ({why})")
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
         if engine_cfg.kernels.quantization is not None:

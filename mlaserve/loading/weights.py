@@ -14,6 +14,9 @@ Named steps between the checkpoint layout and the model:
                   the identity experts' gate/up rows transformers saves) likewise
   optional        a module's OPTIONAL_TENSORS (LongCat's router correction bias) are zeros when the
                   checkpoint lacks them (as transformers initialises them), reported by name
+  renames         the family's checkpoint names read as the model's (Family.checkpoint_renames: Kimi-Linear's
+                  block_sparse_moe.experts.E.w1/w3/w2 -> mlp.experts.E.gate/up/down_proj); errors name the
+                  checkpoint's tensor
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
 
@@ -66,6 +69,7 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
     with_mtp = hasattr(model, "mtp")
     prefixes = cfg.family.skipped_tensor_prefixes if cfg.family is not None else {}
     skipped_by_prefix: dict[str, int] = {}
+    renames = [(re.compile(p), r) for p, r in cfg.family.checkpoint_renames] if cfg.family is not None else []
     for name in source.names():
         prefix = next((p for p in prefixes if name.startswith(p)), None)
         if prefix is not None:  # a part of the checkpoint the engine does not build (LongCat's MTP layer)
@@ -74,6 +78,8 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
             continue
         layer = _LAYER.match(name)
         target = name
+        for pattern, replacement in renames:
+            target = pattern.sub(replacement, target)
         if layer and int(layer.group(1)) >= cfg.num_layers:
             if not with_mtp:
                 report.skipped.append(name)  # MTP / nextn layers are run only for speculative decoding

@@ -1,4 +1,5 @@
-"""MLA causal LM for DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-4.7-Flash and GLM-5, one class selected by config.
+"""MLA causal LM for DeepSeek-V2/V3/V3.2, Kimi-K2, GLM-4.7-Flash, GLM-5 and Kimi-Linear, one class selected by config
+(Kimi-Linear: its KDA layers are models/kda's KimiDeltaAttention, its MLA layers NoPE through an identity rope).
 
 Notation
   T tokens (flat), D hidden, H heads, r = kv_lora_rank, dn/dr/dv = nope/rope/v head dims
@@ -28,6 +29,7 @@ from mlaserve.config.model import ModelConfig
 from mlaserve.kernels import native_layers
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.indexer import Indexer, Selection
+from mlaserve.models.kda.layer import KimiDeltaAttention
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from mlaserve.models.moe import MoE
 
@@ -214,7 +216,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, all_reduce: AllReduce = single_process) -> None:
         super().__init__()
         self.all_reduce = all_reduce
-        self.self_attn = MLAAttention(cfg, layer_idx)
+        kda = attention_kind(cfg, layer_idx) == "kda"  # Kimi-Linear's linear-attention layers (models/kda)
+        self.self_attn = KimiDeltaAttention(cfg, layer_idx) if kda else MLAAttention(cfg, layer_idx)
         if cfg.mlp_layer_types[layer_idx] == "moe":
             self.mlp = MoE(cfg.hidden_size, cfg.moe)
         else:

@@ -110,9 +110,17 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: it is derived from the config, never loaded, and must
         # survive building the module on the meta device.
         self.inv_freq = rope_inv_freq(rope)
+        # NoPE (Kimi-Linear's MLA): the rope slice is kept and never rotated. cos 1, sin 0 make every rotation the
+        # identity bit for bit (x * 1 - y * 0 = x), so the torch and native latent writes need no other path
+        self.identity = rope.rope_type == "none"
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] -> cos, sin each [T, d/2] (fp32 angles, cast to the compute dtype like the reference)."""
+        if self.identity:
+            shape = (positions.shape[0], self.inv_freq.shape[0])
+            return torch.ones(shape, dtype=dtype, device=positions.device), torch.zeros(
+                shape, dtype=dtype, device=positions.device
+            )
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 

@@ -73,6 +73,13 @@ class Family:
     unsupported: Mapping[str, str] = field(default_factory=frozen_map)
     has_indexer: bool = False  # DSA: a lightning indexer (needs q_lora_rank: it reads the query latent)
     indexer_rope_interleaved: bool = False  # else half-split, as transformers
+    # Linear-attention (KDA) layers beside the MLA ones, read by config/model.py _kda (Kimi-Linear)
+    kda: bool = False
+    # NoPE MLA: why its rope slice is never rotated (the rope table is the identity), or None (rotated)
+    nope: str | None = None
+    # The checkpoint's tensor names read as the model's: (regex, replacement) applied in order by the strict
+    # fill (loading/weights.py); errors still name the checkpoint's tensor
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     # --- GGUF (gguf/read/config.py, gguf/convert/metadata.py) -------------------------------
     # A file of gguf_arch reads back as this family. False where llama.cpp files the family under

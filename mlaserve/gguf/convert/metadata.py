@@ -48,6 +48,11 @@ def _open_model(folder: Path) -> _Model:
             f"{folder}/config.json: {family.name} has no llama.cpp architecture (gguf-py lists none), so there is "
             "no GGUF layout to write it in"
         )
+    if cfg.kda is not None:  # llama.cpp's kimi-linear support is not merged upstream: no layout to write
+        raise ConvertError(
+            f"{folder}/config.json: {family.name} (KDA layers {list(cfg.kda.layers)}) has no GGUF layout this "
+            "converter writes"
+        )
     if cfg.moe is None:
         raise ConvertError(f"{folder}/config.json: no n_routed_experts -- dense MLA models are not supported")
     n = cfg.num_layers

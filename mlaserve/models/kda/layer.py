@@ -1,0 +1,133 @@
+"""KimiDeltaAttention: one KDA layer of Kimi-Linear over its request states, with the checkpoint's names.
+
+Notation
+  T tokens of the step (decodes first), D hidden, H heads, d head width (dk = dv), K conv width
+  x [T, D]; q, k, v [T, H d] each (q_proj, k_proj, v_proj), then the short conv + SiLU (q_conv1d, k_conv1d,
+  v_conv1d: [H d, 1, K] each)
+  g [T, H, d]   forget gate, log space: -exp(A_log_h) softplus(f_b_proj(f_a_proj(x)) + dt_bias)  (no lower bound)
+  beta [T, H]   sigmoid(b_proj(x))
+  out = o_proj(o_norm(o, sigmoid(g_b_proj(g_a_proj(x)))))  o_norm: RMSNorm over d in fp32, times the gate
+Cache (config/layer_kinds.py, "request" addressing, one slot per running request, zeroed when a sequence starts):
+  recurrent [slots + 1, H, d, d] fp32   the delta rule's state S
+  conv      [slots + 1, K - 1, 3 H d]   the last K-1 conv inputs, columns [q | k | v]
+The step's "kda" plan (attention/router.py route_kda) names the route as data: a "recurrent" segment of
+sequences with one new token each (one batched step over [B, H, d, d], gathered from and written back to their
+slots) and a "chunked" segment (each sequence's chunk through the chunked form, chunk 64). The chunked segment
+loops over its sequences: each has its own length and its own starting state, so one batched call would pad
+every sequence to the longest and run the padded chunks for nothing; the projections, the gates and the output
+run over all T tokens at once. recurrence.recurrent_reference is the plain reference both are tested against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mlaserve.config.model import ModelConfig
+from mlaserve.models.kda import conv, recurrence
+
+if TYPE_CHECKING:
+    from mlaserve.cache.model_cache import LayerState
+    from mlaserve.executor.step_context import StepContext
+    from mlaserve.models.indexer import Selection
+    from mlaserve.models.layers import RotaryEmbedding
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's d values in fp32 (the weight too), times sigmoid(gate), cast back: transformers'
+    KimiLinearRMSNormGated."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (h * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    kind = "kda"  # the attention kind whose plan this layer executes (config/layer_kinds.py)
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        kda = cfg.kda
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim, self.width = kda.num_heads, kda.head_dim, kda.width
+        d, w, hd = cfg.hidden_size, kda.width, kda.head_dim
+        self.q_proj = nn.Linear(d, w, bias=False)
+        self.k_proj = nn.Linear(d, w, bias=False)
+        self.v_proj = nn.Linear(d, w, bias=False)
+        self.q_conv1d = nn.Conv1d(w, w, kda.conv_kernel, groups=w, bias=False)
+        self.k_conv1d = nn.Conv1d(w, w, kda.conv_kernel, groups=w, bias=False)
+        self.v_conv1d = nn.Conv1d(w, w, kda.conv_kernel, groups=w, bias=False)
+        self.f_a_proj = nn.Linear(d, hd, bias=False)
+        self.f_b_proj = nn.Linear(hd, w, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(w, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(1, 1, kda.num_heads, 1))
+        self.b_proj = nn.Linear(d, kda.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(d, hd, bias=False)
+        self.g_b_proj = nn.Linear(hd, w, bias=False)
+        self.o_norm = GatedRMSNorm(hd, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(w, d, bias=False)
+
+    def keep_fp32(self) -> None:
+        """dt_bias stays fp32 in a bf16 model, as transformers keeps it (_keep_in_fp32_modules_strict)."""
+        self.dt_bias.data = self.dt_bias.data.float()
+
+    def taps(self) -> torch.Tensor:
+        """The three depthwise convs' taps side by side: [3 H d, K] (q, k, v), as the conv state's columns."""
+        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> g [T, H, d] fp32, log space (<= 0). softplus written as transformers writes it."""
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, -1))
+        soft = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        return -self.A_log.float().view(self.num_heads, 1).exp() * soft
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [T, H, d] (model dtype) -> o_proj(gated RMSNorm of each head's d values)."""
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, -1))
+        return self.o_proj(self.o_norm(o, gate).flatten(1))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: StepContext,
+        rope: RotaryEmbedding,
+        state: LayerState,
+        prev: tuple[Selection, ...] | None,
+    ) -> tuple[torch.Tensor, tuple[Selection, ...] | None]:
+        """x [T, D] -> (out [T, D], prev unchanged). The decoder layer's attention interface (MLAAttention's): a KDA
+        layer has no position encoding (rope unused) and passes a previous layer's DSA selection on untouched."""
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3 H d]
+        g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
+        rec, conv_state = state.tensors["recurrent"], state.tensors["conv"]
+        taps, o = self.taps(), x.new_empty(x.shape[0], self.num_heads, self.head_dim)
+        plan = step.route.plan_of(self.kind)
+        for seg in plan.segments:
+            lo, hi = seg.token_start, seg.token_end
+            if seg.path == "recurrent":  # one new token per sequence: one batched step for all of them
+                slots = step.state_slots[seg.seq_start : seg.seq_end]
+                y, conv_new = conv.step(mixed[lo:hi], conv_state.index_select(0, slots), taps)
+                conv_state.index_copy_(0, slots, conv_new.to(conv_state.dtype))
+                q, k, v = self._split(y)
+                q, k = recurrence.prepare(q, k)
+                out, s = recurrence.step(q, k, v, g[lo:hi], beta[lo:hi], rec.index_select(0, slots))
+                rec.index_copy_(0, slots, s)
+                o[lo:hi] = out.to(o.dtype)
+                continue
+            for a, n, _, slot in step.seq_spans[seg.seq_start : seg.seq_end]:  # why a loop: see the module doc
+                y, conv_state[slot] = conv.prefill(mixed[a : a + n], conv_state[slot], taps)
+                q, k, v = self._split(y)
+                q, k = recurrence.prepare(q, k)
+                out, rec[slot] = recurrence.chunked(q, k, v, g[a : a + n], beta[a : a + n], rec[slot], plan.chunk)
+                o[a : a + n] = out.to(o.dtype)
+        return self.output(o, x), prev
+
+    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t.unflatten(-1, (self.num_heads, self.head_dim)) for t in y.split(self.width, dim=-1))
