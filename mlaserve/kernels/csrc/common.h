@@ -68,6 +68,9 @@ typedef void (*row_fn)(const uint8_t *, float *, int64_t); /* decode one row of 
 typedef void (*scaled_row_fn)(const uint8_t *, const float *, int64_t, float *, int64_t);
 /* one weight row times m activation rows: (w, x, ldx, m, k, y, ldy) */
 typedef void (*fused_fn)(const uint8_t *, const float *, int64_t, int64_t, int64_t, float *, int64_t);
+/* the same for a row whose fp32 scales lie apart, one per `group` columns: (w, srow, group, x, ldx, m, k, y, ldy) */
+typedef void (*scaled_fused_fn)(const uint8_t *, const float *, int64_t, const float *, int64_t, int64_t, int64_t,
+                                float *, int64_t);
 /* the same with int8 activations: (w, xq, xd, m, k, y, ldy) */
 typedef void (*q8rows_fn)(const uint8_t *, const int8_t *, const float *, int64_t, int64_t, float *, int64_t);
 

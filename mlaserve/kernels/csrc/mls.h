@@ -10,7 +10,7 @@
    as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
-   int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
+   int8-activation kernels, not whole 32-value blocks; for INT4, scale groups not whole 32-value chunks), -3 for router settings out of range, -4 when
    memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd;
    -6 for a sparse step a decode layer's indexer cannot run (no index-key cache, no selection to reuse).
 
@@ -22,7 +22,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 12
+#define MLS_ABI_VERSION 13
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -39,7 +39,10 @@ enum {
     MLS_Q6_K = 14,
     MLS_GGML_TYPES = 15,  /* the ggml ids above are below this */
     MLS_FP8_E4M3 = 1000,  /* float8 e4m3 values with block scales */
-    MLS_FP4_E2M1 = 1001   /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
+    MLS_FP4_E2M1 = 1001,  /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
+    MLS_INT4_PACKED = 1002 /* compressed-tensors pack-quantized INT4: int32 words of 8 values read as bytes (two
+                              per byte, low nibble first, each q + 8), one fp32 scale per row and group of a
+                              multiple of 32 values */
 };
 
 /* the router's settings (kernels/native.py SCORING, TOPK_METHOD) */
@@ -169,6 +172,8 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
 /* types.c: a type's block (bytes, values) and which kernels take it (bit 0 decode, 1 fused dot, 2 int8 dot);
    -1 for a type without a decoder */
 int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t *kernels);
+/* the instruction set the kernels were built for: "avx512", "avx2" or "scalar" */
+const char *mls_isa(void);
 
 /* layout.c */
 const mls_layout_entry_t *mls_layout(int64_t *n);
