@@ -3,8 +3,9 @@ on a Kimi-K2-shaped few-layer model (scaled down: one expert group, top-8, sigmo
 dense), random weights made here with transformers.
 
 Per variant: resident bytes of the routed experts, batch-1 decode tokens/s (--new tokens) and the
-generated tokens/s of --conc concurrent requests. Variants: int4 experts (fp32 compute, torch unpacking),
-fp32 and bf16 float folders, quantization="int4" (Q4_0 blocks at load, native kernels where they build).
+generated tokens/s of --conc concurrent requests. Variants: int4 experts with the native INT4 kernel and with
+the torch reference (unpack the routed experts, then the grouped GEMM), both fp32 compute; fp32 and bf16 float
+folders; quantization="int4" (the same weights as Q4_0 blocks at load, native kernels: what a Q4_0 GGUF runs).
 
   python benchmarks/int4_experts.py --quick    # a smoke test, not a benchmark
 """
@@ -126,7 +127,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         float_dir, int4_dir = make_folders(Path(tmp), layers)
         variants = [
-            ("int4 experts / fp32", int4_dir, dict(dtype="float32")),
+            ("int4 native / fp32", int4_dir, dict(dtype="float32", kernels="native")),
+            ("int4 torch ref / fp32", int4_dir, dict(dtype="float32", kernels="torch")),
             ("fp32", float_dir, dict(dtype="float32")),
             ("bf16", float_dir, dict(dtype="bfloat16")),
             ("Q4_0 at load / fp32", float_dir, dict(dtype="float32", quantization="int4")),

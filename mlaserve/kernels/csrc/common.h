@@ -58,6 +58,14 @@ static inline float f16(const uint8_t *p) {
     return f;
 }
 
+/* MXFP4's e8m0 scale byte as ggml's ggml_e8m0_to_fp32_half: 2^(e - 128) from its bits (e < 2: fp32 subnormals) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static inline uint32_t u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }

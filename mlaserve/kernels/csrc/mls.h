@@ -1,9 +1,9 @@
 /* mlaserve's native kernels: everything Python sees of them (kernels/native.py, kernels/native_layers.py).
 
    Matrix products on weights kept in their stored block formats, for small batches (decode):
-   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K), as
-   float8 e4m3 values with block scales, or as packed e2m1 (FP4) codes with group scales; the MoE
-   router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
+   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K, MXFP4), as
+   float8 e4m3 values with block scales, as packed e2m1 (FP4) codes with group scales, or as compressed-tensors
+   INT4 words with group scales; the MoE router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
    decode step (dense, or sparse with the DSA indexer inside).
 
    Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
@@ -37,7 +37,8 @@ enum {
     MLS_Q4_K = 12,
     MLS_Q5_K = 13,
     MLS_Q6_K = 14,
-    MLS_GGML_TYPES = 15,  /* the ggml ids above are below this */
+    MLS_MXFP4 = 39,       /* 32 e2m1 codes with one e8m0 scale byte */
+    MLS_GGML_TYPES = 40,  /* the ggml ids above are below this (the table leaves the others empty) */
     MLS_FP8_E4M3 = 1000,  /* float8 e4m3 values with block scales */
     MLS_FP4_E2M1 = 1001,  /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
     MLS_INT4_PACKED = 1002 /* compressed-tensors pack-quantized INT4: int32 words of 8 values read as bytes (two

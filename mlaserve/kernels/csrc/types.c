@@ -31,6 +31,7 @@ static const mls_type_t GGML_TYPES[MLS_GGML_TYPES] = {
     [MLS_Q4_K] = {144, 256, ISA(simd_q4_k, row_q4_k), 0, ISA(fused_q4_k, 0), 0},
     [MLS_Q5_K] = {176, 256, ISA(simd_q5_k, row_q5_k), 0, 0, 0},
     [MLS_Q6_K] = {210, 256, ISA(simd_q6_k, row_q6_k), 0, ISA(fused_q6_k, 0), 0},
+    [MLS_MXFP4] = {17, 32, ISA(simd_mxfp4, row_mxfp4), 0, ISA(fused_mxfp4, 0), 0},
 };
 static const mls_type_t FP8_E4M3 = {1, 1, 0, ISA(simd_fp8, row_fp8), 0, 0};
 static const mls_type_t FP4_E2M1 = {1, 2, 0, ISA(simd_e2m1, row_e2m1), 0, 0, 0};

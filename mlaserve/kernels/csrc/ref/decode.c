@@ -22,6 +22,20 @@ __attribute__((unused)) static void row_q4_0(const uint8_t *b, float *y, int64_t
     }
 }
 
+/* MXFP4 (gguf/quants.py _mxfp4): ggml's doubled e2m1 values times the halved e8m0 scale, low nibbles first */
+static const int8_t MXFP4_KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+__attribute__((unused)) static void row_mxfp4(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 17, y += 32) {
+        const float d = e8m0_half(b[0]);
+        const uint8_t *q = b + 1;
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)MXFP4_KVALUES[q[j] & 0x0F];
+            y[j + 16] = d * (float)MXFP4_KVALUES[q[j] >> 4];
+        }
+    }
+}
+
 __attribute__((unused)) static void row_q4_1(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k / 32; i++, b += 20, y += 32) {
         const float d = f16(b), m = f16(b + 2);

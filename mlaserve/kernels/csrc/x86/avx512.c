@@ -20,7 +20,7 @@ static inline __attribute__((always_inline)) void wide_codes_mr(const uint8_t *b
     __m512 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
-        const __m512 d = _mm512_set1_ps(f16(b));
+        const __m512 d = _mm512_set1_ps(block_d(b, type));
         __m128i g[2];
         block_codes16(b, type, g);
         const __m512 w0 = i8x16(g[0]), w1 = i8x16(g[1]);
@@ -31,6 +31,7 @@ static inline __attribute__((always_inline)) void wide_codes_mr(const uint8_t *b
 CODES_MR(wide_q8_0_mr, wide_codes_mr, 8)
 CODES_MR(wide_q4_0_mr, wide_codes_mr, 2)
 CODES_MR(wide_q5_0_mr, wide_codes_mr, 6)
+CODES_MR(wide_mxfp4_mr, wide_codes_mr, 39)
 
 static inline __attribute__((always_inline)) void wide_q4_k_mr(const uint8_t *b, const float *x, int64_t ldx,
                                                                const int mr, int64_t k, float *y, int64_t ldy) {
@@ -110,6 +111,7 @@ static inline __attribute__((always_inline)) void wide_int4_mr(const uint8_t *b,
 FUSED_ROW_FN(fused_q8_0, wide_q8_0_mr, k / 32 * 34, 8)
 FUSED_ROW_FN(fused_q4_0, wide_q4_0_mr, k / 32 * 18, 8)
 FUSED_ROW_FN(fused_q5_0, wide_q5_0_mr, k / 32 * 22, 8)
+FUSED_ROW_FN(fused_mxfp4, wide_mxfp4_mr, k / 32 * 17, 8)
 FUSED_ROW_FN(fused_q4_k, wide_q4_k_mr, k / 256 * 144, 8)
 FUSED_ROW_FN(fused_q6_k, wide_q6_k_mr, k / 256 * 210, 8)
 SCALED_ROW_FN(fused_int4, wide_int4_mr, k / 2, 8)
