@@ -1,7 +1,7 @@
 """ggml tensor types and their dequantization to float32, in torch.
 
 Notation: a ggml tensor is stored as *blocks*; ``block_size`` values are packed into ``type_size``
-bytes.  ``d``/``dmin`` are fp16 block scales, ``qs``/``ql`` low bits, ``qh`` high bits,
+bytes.  ``d``/``dmin`` are fp16 block scales (MXFP4: ``e``, an e8m0 byte), ``qs``/``ql`` low bits, ``qh`` high bits,
 ``sc``/``m`` the 6-bit sub-block scales/mins of the K-quants (256-value super-blocks of
 16 or 8 sub-blocks).  Shapes are torch order (outermost first); a row (the last torch dim,
 ggml's ne[0]) is always a whole number of blocks.
