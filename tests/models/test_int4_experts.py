@@ -195,42 +195,55 @@ def test_int4_experts_equal_dequantized_then_run(folders):
 @pytest.mark.skipif(not native.status().available, reason=f"native kernels unavailable: {native.status().detail}")
 def test_native_int4_kernel_equals_the_torch_path(folders, monkeypatch, capsys):
     """kernels="native": the plan gives the routed experts the native INT4 decode-and-dot (naming the ISA build
-    that runs) and the engine's steps call it with the INT4 type. Against kernels="torch" (the reference:
-    unpack, then the grouped GEMM) on the same folder: prompt logits one token per step (1 row, decode's shape)
-    and in chunks of 16, and greedy decoding of 3 requests at once (3 rows per step). The float layers take
-    their native kernels too, so the runs agree within fp32 summation order: measured max |diff| 2.6e-6 (one
-    token per step) and 2.2e-6 (chunks of 16), bound 1e-5 (the tiny fp32 models' rounding, |max logit| < 8);
-    greedy tokens equal, their logprobs within 1e-5."""
+    that runs) and each MoE layer's decode step the one-call block (csrc/moe/block.c, with the INT4 scales);
+    steps past 16 tokens take the per-op path, whose grouped products are the INT4 kernel. Against
+    kernels="torch" (the reference: unpack, then the grouped GEMM) on the same folder: prompt logits one token
+    per step (decode's shape), in chunks of 16 (the block) and 32 (per op), and greedy decoding of 3 requests at
+    once. The float layers take their native kernels too, so the runs agree within fp32 summation order:
+    measured max |diff| 2.5e-6, 2.3e-6 and 2.4e-6, bound 1e-5 (the tiny fp32 models' rounding, |max logit| <
+    8); greedy tokens equal, their logprobs within 1e-5."""
     from mlaserve.entrypoints.cli import main
+    from mlaserve.kernels import native_layers
 
     int4, _, _ = folders
     ids = random_ids(24)
-    calls = []
-    grouped = native.grouped_gemm
+    grouped_calls, block_calls = [], []
+    grouped, block = native.grouped_gemm, native_layers.moe_block
 
-    def counted(type_id, *args, **kwargs):
-        calls.append(type_id)
+    def counted_grouped(type_id, *args, **kwargs):
+        grouped_calls.append(type_id)
         return grouped(type_id, *args, **kwargs)
 
-    monkeypatch.setattr(native, "grouped_gemm", counted)
+    def counted_block(args, *rest, **kwargs):
+        block_calls.append((args.type_gu, args.type_dn))
+        return block(args, *rest, **kwargs)
+
+    monkeypatch.setattr(native, "grouped_gemm", counted_grouped)
+    monkeypatch.setattr(native_layers, "moe_block", counted_block)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = [ids[:5], ids[3:14], ids[8:11]]
-    runs = {}
+    runs, chunks = {}, (1, 16, 32)
     for kernels in ("native", "torch"):
-        for chunk in (1, 16):
+        for chunk in chunks:
             llm = LLM(str(int4), kernels=kernels, max_num_batched_tokens=chunk, page_size=8)
             experts = llm.loaded.model.model.layers[1].mlp.experts
             assert experts.kernel == kernels
             runs[kernels, chunk] = llm.prompt_logits(ids)
+            if kernels == "native":  # a chunk of 16 or fewer tokens: the block; of 24 (chunks of 32): per op
+                assert (bool(block_calls), bool(grouped_calls)) == (chunk <= 16, chunk > 16), (chunk, block_calls)
+                assert set(block_calls) <= {(native.INT4_PACKED,) * 2} and set(grouped_calls) <= {native.INT4_PACKED}
+                block_calls.clear(), grouped_calls.clear()
         runs[kernels, "greedy"] = llm.generate(prompts, greedy)
         if kernels == "native":
-            assert calls and set(calls) == {native.INT4_PACKED}, calls
-            choice = native_choice = llm.loaded.kernel_plan.of("model.layers.1.mlp.experts", "grouped_experts")
+            plan = llm.loaded.kernel_plan
+            choice = native_choice = plan.of("model.layers.1.mlp.experts", "grouped_experts")
             assert choice.impl == "native" and f"native ({native.isa()} INT4 decode-and-dot) up to" in choice.reason
-        else:
-            n_native = len(calls)
-    assert len(calls) == n_native, "the torch path called the native kernel"
-    for chunk in (1, 16):
+            assert plan.of("model.layers.1.mlp", "moe_block").impl == "native"
+            # decode steps of 1-3 tokens: the block; the first step's 19 prompt tokens: per op
+            assert block_calls and grouped_calls
+            block_calls.clear(), grouped_calls.clear()
+    assert not block_calls and not grouped_calls, "the torch path called a native INT4 kernel"
+    for chunk in chunks:
         with capsys.disabled():
             diff, top1 = compare_logits(runs["native", chunk], runs["torch", chunk])
         assert diff <= 1e-5 and top1 == 1.0, (chunk, diff, top1)

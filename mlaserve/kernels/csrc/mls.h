@@ -63,6 +63,10 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
     const uint8_t *sg, *su, *sd;
     int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
     int64_t int8; /* activations="int8": Q8_0 / Q4_0 products take int8 activations, as the per-op path's */
+    /* routed experts of a type with its scales apart (MLS_INT4_PACKED): fp32 scales per row and group of `group`
+       columns, gate_up [E, 2I, D / group] and down [E, D, I / group], scale_stride floats per expert; 0: none */
+    const float *gu_scale, *dn_scale;
+    int64_t gu_scale_stride, dn_scale_stride, group;
 } mls_moe_block_t;
 
 /* a decoder layer's decode step (decode_layer.c) */
