@@ -93,5 +93,6 @@ def test_mxfp4_experts_kept_in_blocks_equal_dequantized(mxfp4_file, capsys):
             assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
     main(["inspect", str(path)])
     out = capsys.readouterr().out
+    assert re.search(rf"^kernels +native +.*: {native.isa()} kernels, ", out, re.M), out  # the build's ISA
     kept_line = "stored MXFP4; kept in its blocks: only the experts a step routes to are multiplied"
     assert re.search(rf"gguf MXFP4 model\.layers\.\*\.mlp\.experts +layers 1-2 +{kept_line}", out), out
