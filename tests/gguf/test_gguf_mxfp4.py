@@ -96,3 +96,24 @@ def test_mxfp4_experts_kept_in_blocks_equal_dequantized(mxfp4_file, capsys):
     assert re.search(rf"^kernels +native +.*: {native.isa()} kernels, ", out, re.M), out  # the build's ISA
     kept_line = "stored MXFP4; kept in its blocks: only the experts a step routes to are multiplied"
     assert re.search(rf"gguf MXFP4 model\.layers\.\*\.mlp\.experts +layers 1-2 +{kept_line}", out), out
+
+
+def test_check_tensors_finds_an_overflowing_mxfp4_scale(mxfp4_file, tmp_path):
+    """e = 255 is 2^127 to ggml (not NaN): a block whose codes reach 6 then decodes to Inf, which the value scan
+    (`--check-tensors`) names; the file as written scans clean."""
+    from mlaserve.gguf.read.file import open_gguf
+    from mlaserve.loading.tensor_check import scan_gguf
+
+    path, _ = mxfp4_file
+    assert scan_gguf(open_gguf(path)) == []
+    gf = open_gguf(path)
+    info = gf.tensors["blk.2.ffn_down_exps.weight"]
+    data = bytearray(path.read_bytes())
+    start = info.offset  # absolute, in the file
+    data[start] = 255  # the first block's e8m0 byte
+    data[start + 1 : start + 17] = bytes([0x77]) * 16  # every code 6.0 (0b0111)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    found = scan_gguf(open_gguf(bad))
+    assert [b.name for b in found] == ["bad.gguf:blk.2.ffn_down_exps.weight"], found
+    assert "0 NaN, 32 Inf" in found[0].detail, found
