@@ -228,7 +228,7 @@ MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """e8m0 bytes [...] -> fp32 2^(e - 128), exactly ggml's ggml_e8m0_to_fp32_half (bits, no arithmetic)."""
     e = e.to(torch.int32)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)  # on e's device
     return bits.view(torch.float32)
 
 
