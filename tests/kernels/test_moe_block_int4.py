@@ -146,3 +146,27 @@ def test_where_the_int4_block_applies():
     finally:
         native_layers.moe_block = real
     assert calls == []
+
+
+def test_every_isa_build_of_the_int4_block(monkeypatch):
+    """The block's INT4 products on the narrower builds this CPU runs too (AVX2-only where it has AVX-512, and
+    the scalar fallback), each held to the same bound against the torch reference."""
+    from mlaserve.config.cpu import cpu_flags
+
+    builds = [(("-mno-avx512f",), "avx2")] if "avx512f" in cpu_flags() else []
+    builds.append((("-mno-avx512f", "-mno-avx2", "-mno-f16c"), "scalar"))
+    moe = make_int4_moe("v3", shared=True, seed=2)
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        set_kernel(moe, "torch")
+        ref = moe.per_op(x)
+    for flags, want in builds:
+        lib, detail = native._build(flags)
+        assert lib is not None, detail
+        monkeypatch.setitem(native._state, "lib", lib)
+        assert native.isa() == want
+        set_kernel(moe, "native")
+        block = GGUFMoEBlock(moe)
+        y, w, idx = routing(block, x)
+        excess = (y.double() - ref.double()).abs() - bound(moe, x, w, idx)
+        assert (excess <= 0).all(), (want, excess.max().item())
