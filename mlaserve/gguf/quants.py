@@ -1,7 +1,7 @@
 """ggml tensor types and their dequantization to float32, in torch.
 
 Notation: a ggml tensor is stored as *blocks*; ``block_size`` values are packed into ``type_size``
-bytes.  ``d``/``dmin`` are fp16 block scales, ``qs``/``ql`` low bits, ``qh`` high bits,
+bytes.  ``d``/``dmin`` are fp16 block scales (MXFP4: ``e``, an e8m0 byte), ``qs``/``ql`` low bits, ``qh`` high bits,
 ``sc``/``m`` the 6-bit sub-block scales/mins of the K-quants (256-value super-blocks of
 16 or 8 sub-blocks).  Shapes are torch order (outermost first); a row (the last torch dim,
 ggml's ne[0]) is always a whole number of blocks.
@@ -218,6 +218,26 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (dd * q).reshape(n, QK_K)
 
 
+# MXFP4 (OCP microscaling): a block is one e8m0 scale byte e, then 16 bytes of 32 e2m1 codes (values 0..15 in the
+# low nibbles, 16..31 in the high ones, as Q4_0). ggml keeps the e2m1 values doubled (exact small integers) and
+# halves the scale instead: value = KVALUES[code] * 2^(e - 128), d built from its bits as ggml_e8m0_to_fp32_half
+# (e < 2: the fp32 subnormals 2^-128, 2^-127; e = 255 is 2^127, not NaN), then one product per value.
+MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes [...] -> fp32 2^(e - 128), exactly ggml's ggml_e8m0_to_fp32_half (bits, no arithmetic)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)  # on e's device
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    d = e8m0_half(b[:, :1])
+    table = torch.tensor(MXFP4_KVALUES, dtype=torch.float32, device=b.device)
+    return d * table[_nibbles(b[:, 1:])]
+
+
 _BLOCK_DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     2: _q4_0,
     3: _q4_1,
@@ -229,6 +249,7 @@ _BLOCK_DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     12: _q4_k,
     13: _q5_k,
     14: _q6_k,
+    39: _mxfp4,
 }
 
 

@@ -32,8 +32,9 @@ SOURCE = CSRC / "mls.c"  # the translation unit; it includes every other file un
 HEADER = CSRC / "mls.h"  # the interface mirrored below (tests/kernels/test_kernel_bindings.py checks the mirror)
 FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
+INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized int4 words with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 12  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 13  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -135,6 +136,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]
     lib.mls_layout.argtypes = [ptr]
     lib.mls_layout.restype = ptr
+    lib.mls_isa.argtypes = []
+    lib.mls_isa.restype = ptr
     return lib, str(out)
 
 
@@ -151,6 +154,13 @@ def library() -> ctypes.CDLL | None:
 def status() -> NativeStatus:
     lib = library()
     return NativeStatus(lib is not None, str(_state["detail"]))
+
+
+def isa() -> str:
+    """The instruction set the library's kernels were built for ("avx512", "avx2", "scalar": csrc/common.h picks
+    them from the build's target, -march=native), for the kernel plan; "" without the library."""
+    lib = library()
+    return ctypes.string_at(lib.mls_isa()).decode() if lib is not None else ""
 
 
 @dataclass(frozen=True)

@@ -136,11 +136,15 @@ class MoEBlockArgs(ctypes.Structure):
         *((n, ctypes.c_void_p) for n in ("sg", "su", "sd")),
         *((n, ctypes.c_int64) for n in ("sg_row_bytes", "su_row_bytes", "sd_row_bytes")),
         ("int8", ctypes.c_int64),
+        ("gu_scale", ctypes.c_void_p),
+        ("dn_scale", ctypes.c_void_p),
+        *((n, ctypes.c_int64) for n in ("gu_scale_stride", "dn_scale_stride", "group")),
     ]
 
 
 MOE_BLOCK_ERRORS = {-1: "a weight type without a decoder",
-                    -2: "rows longer than the kernels take, not whole 32-value blocks for int8, or mismatched sizes",
+                    -2: "rows longer than the kernels take, not whole 32-value blocks for int8 (or INT4 groups), or "
+                        "mismatched sizes",
                     -3: "router settings out of range", -4: "out of memory"}  # fmt: skip
 
 

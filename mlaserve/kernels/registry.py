@@ -213,7 +213,9 @@ def native_contract(module: nn.Module) -> str | None:
     rows = getattr(module, "NATIVE_ROWS", None)
     if rows is None:
         return None
-    return f"native up to {rows} {module.NATIVE_UNIT} per step, else {module.NATIVE_FALLBACK}"
+    detail = getattr(module, "native_detail", None)  # a module may name the kernel build it runs (its ISA)
+    said = f" ({detail()})" if detail is not None else ""
+    return f"native{said} up to {rows} {module.NATIVE_UNIT} per step, else {module.NATIVE_FALLBACK}"
 
 
 # The ops whose module holds its own `kernel` switch (a KernelSwitch: setting it binds what the model calls):

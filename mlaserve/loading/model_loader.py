@@ -342,7 +342,9 @@ def _native_probe() -> tuple[bool, str]:
     from mlaserve.kernels import native
 
     status = native.status()
-    return status.available, status.detail
+    if not status.available:
+        return False, status.detail
+    return True, f"{native.isa()} kernels, {status.detail}"  # the ISA the build chose (csrc/common.h), for the record
 
 
 def _stored_bf16(source) -> bool:

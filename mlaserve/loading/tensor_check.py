@@ -27,7 +27,8 @@ SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
     "Q4_K": (0, 2),  # d dmin scales[12] qs[128]
     "Q5_K": (0, 2),
     "Q6_K": (208,),  # ql[128] qh[64] scales[16] d
-}
+    "MXFP4": (),  # e qs[16]: an e8m0 byte, every value finite (ggml reads 255 as 2^127); an Inf value is found
+}  # by scan_gguf's value scan
 MAX_LISTED = 8  # block indices listed per tensor; the count is always given
 
 

@@ -9,7 +9,11 @@ Notation
                so step = max|s| / m (m: Q8_0 127, Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32)
              types with a min (x = d q - dmin, q in [0, L-1]): step = (max(s) - min(s)) / (L - 1)
                (L: Q4_1 and Q4_K 16, Q5_1 and Q5_K 32, Q2_K 4)
+  MXFP4    e2m1 levels 0, 0.5, 1, 1.5, 2, 3, 4, 6 (and negatives) times S = 2^(e - 127) per 32 values: the
+           step depends on the value (S/2 below 2S, S below 4S, 2S above); ggml's quantizer sets e from
+           floor(log2 max|s|) - 2, so the largest stored |x| is 4S or 6S and S = 2^(floor(log2 max|x|) - 2)
   err^2(W) = sum_s n_s step(s)^2 / 12       rounding to the nearest level: uniform in +-step/2
+             (MXFP4: the sum of each value's own step^2 / 12)
   e(W)     = sqrt(err^2(W) / ||W||^2)       relative RMS error of the tensor
   float types: e = u / sqrt(3) with unit roundoff u (F16 2^-11, BF16 2^-8); F32 0
   block    "embed", "layer.i.attn" (attn_* and indexer.* of blk.i), "layer.i.mlp" (ffn_*, exp_probs_b),
@@ -89,6 +93,8 @@ def relative_error(w: torch.Tensor, type_name: str) -> float:
         return 0.0
     if type_name in _FLOAT_ROUNDOFF:
         return _FLOAT_ROUNDOFF[type_name] / 3**0.5
+    if type_name == "MXFP4":
+        return (_mxfp4_err2(w) / norm2) ** 0.5
     if type_name not in _BLOCK_GRID:
         raise ValueError(f"no quantization error model for ggml type {type_name}")
     size, symmetric, div = _BLOCK_GRID[type_name]
@@ -97,6 +103,16 @@ def relative_error(w: torch.Tensor, type_name: str) -> float:
     step = span / div
     err2 = float((step * step).sum()) * size / 12.0
     return (err2 / norm2) ** 0.5
+
+
+def _mxfp4_err2(w: torch.Tensor) -> float:
+    """err^2 of MXFP4 values (notation block): each value's grid step read off its block's scale."""
+    sub = w.reshape(-1, 32).double()
+    top = sub.abs().amax(dim=1, keepdim=True)
+    s = torch.where(top > 0, torch.exp2(torch.floor(torch.log2(top.clamp_min(1e-300))) - 2), 0.0)
+    r = sub.abs() / torch.where(s > 0, s, 1.0)
+    step = torch.where(r < 2, 0.5, torch.where(r < 4, 1.0, 2.0)) * s
+    return float((step * step).sum()) / 12.0
 
 
 def tensor_errors(gf: GGUFFile, num_layers: int) -> list[TensorError]:

@@ -24,6 +24,7 @@ from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.kernels import ggml, native, native_layers, registry
 from mlaserve.models.layers import SwiGLU
 from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
+from mlaserve.quant.int4_experts import INT4Experts
 
 # Decode steps of up to this many tokens run a MoE layer with a GGUFMoEBlock as one native call; more tokens
 # (prefill) take the per-op path, whose decode-then-GEMM products are faster there.
@@ -280,8 +281,10 @@ def rows_args(m: nn.Module) -> native_layers.LinArgs:
 class GGUFMoEBlock:
     """A MoE layer's decode step in one native call (kernels/csrc/moe/block.c mls_moe_block): the gate's logits, the router,
     the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
-    tensor ops. Attached by the loader (attach_moe_blocks) where every expert weight is a ggml-block holder run
-    by the native kernels (int8 activations where the per-op path has them); MoE.forward calls it. Its contract: steps
+    tensor ops. Attached by the loader (attach_moe_blocks) where the routed experts are a ggml-block holder (int8
+    activations where the per-op path has them) or INT4 pack-quantized experts (quant/int4_experts.py: their
+    decode-and-dot, scales beside the words), run by the native kernels, and the shared expert ggml blocks or
+    fp32 rows; MoE.forward calls it. Its contract: steps
     of up to BLOCK_TOKENS contiguous fp32 tokens; it hands any other step to the layer's per-op path (its declared
     fallback and reference, tests/kernels/test_moe_block.py). For the same routing
     its routed sum equals GGUFExperts' native one bit for bit; the gate's logits and the shared expert's silu
@@ -294,7 +297,8 @@ class GGUFMoEBlock:
         cfg = gate.cfg
         bias = gate.e_score_correction_bias
         a = native_layers.MoEBlockArgs()
-        a.d, a.e, a.kk, a.inter = ex.hidden, cfg.n_routed_experts, cfg.num_experts_per_tok, ex.inter
+        d, inter = ex.down_proj.shape[1], ex.gate_up_proj.shape[1] // 2
+        a.d, a.e, a.kk, a.inter = d, cfg.n_routed_experts, cfg.num_experts_per_tok, inter
         a.gate_w, a.bias = gate.weight.data_ptr(), bias.data_ptr() if bias is not None else None
         a.scoring, a.method = native.SCORING[cfg.scoring_func], native.TOPK_METHOD[cfg.topk_method]
         a.n_group, a.topk_group, a.norm, a.scale = (
@@ -303,15 +307,19 @@ class GGUFMoEBlock:
             int(cfg.norm_topk_prob),
             cfg.routed_scaling_factor,
         )
-        a.type_gu, a.type_dn, a.gate_up, a.down = (
-            ex.type_gate_up,
-            ex.type_down,
-            ex.gate_up_proj.data_ptr(),
-            ex.down_proj.data_ptr(),
-        )
-        a.gu_expert_stride, a.gu_row_bytes = ex.gate_up_proj.stride(0), ex.gate_up_proj.shape[2]
-        a.dn_expert_stride, a.dn_row_bytes = ex.down_proj.stride(0), ex.down_proj.shape[2]
-        keep = [gate.weight, bias, ex.gate_up_proj, ex.down_proj]
+        gu, dn = ex.gate_up_proj, ex.down_proj  # rows of bytes (ggml blocks) or of int32 words (INT4)
+        a.gate_up, a.down = gu.data_ptr(), dn.data_ptr()
+        a.gu_expert_stride, a.gu_row_bytes = gu.stride(0) * gu.element_size(), gu.shape[2] * gu.element_size()
+        a.dn_expert_stride, a.dn_row_bytes = dn.stride(0) * dn.element_size(), dn.shape[2] * dn.element_size()
+        keep = [gate.weight, bias, gu, dn]
+        if isinstance(ex, INT4Experts):
+            a.type_gu = a.type_dn = native.INT4_PACKED
+            s_gu, s_dn = ex.gate_up_proj_scale, ex.down_proj_scale  # [E, 2, I, D/g], [E, D, I/g] fp32
+            a.gu_scale, a.dn_scale, a.group = s_gu.data_ptr(), s_dn.data_ptr(), ex.group
+            a.gu_scale_stride, a.dn_scale_stride = s_gu[0].numel(), s_dn[0].numel()
+            keep += [s_gu, s_dn]
+        else:
+            a.type_gu, a.type_dn = ex.type_gate_up, ex.type_down
         if sh is not None:
             a.shared_inter = sh.gate_proj.out_features
             g, u, dn = (rows_args(m) for m in (sh.gate_proj, sh.up_proj, sh.down_proj))
@@ -319,7 +327,7 @@ class GGUFMoEBlock:
             a.sg, a.su, a.sd = g.w, u.w, dn.w
             a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = g.row_bytes, u.row_bytes, dn.row_bytes
             keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
-        a.int8 = int(ex.int8)
+        a.int8 = int(getattr(ex, "int8", False))  # INT4 experts have no int8-activation kernel
         self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
         self.fallback = moe.per_op
 
@@ -328,14 +336,15 @@ class GGUFMoEBlock:
         """Why this MoE layer cannot run as one native block, or None."""
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
         if (
-            not isinstance(ex, GGUFExperts)
+            not isinstance(ex, (GGUFExperts, INT4Experts))
             or not registry.runs_native(ex)
             or ex.impl != "grouped_mm"
             or not registry.runs_native(gate)
         ):
-            return "routed experts or router not ggml blocks with the native kernels"
+            return "routed experts or router not ggml blocks / INT4 experts with the native kernels"
+        int8 = getattr(ex, "int8", False)
         parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
-        if sh is not None and not (parts and all(native_rows(m, ex.int8) for m in parts)):
+        if sh is not None and not (parts and all(native_rows(m, int8) for m in parts)):
             return "shared expert not ggml blocks with the native kernels and the routed experts' activations"
         tensors = [gate.weight, ex.gate_up_proj, ex.down_proj, *(m.weight for m in parts)]
         bias = gate.e_score_correction_bias
@@ -347,6 +356,10 @@ class GGUFMoEBlock:
             return "gate weight / correction bias not contiguous fp32"
         if ex.gate_up_proj.stride(1) != ex.gate_up_proj.shape[2] or ex.down_proj.stride(1) != ex.down_proj.shape[2]:
             return "expert rows not contiguous"
+        if isinstance(ex, INT4Experts) and not (
+            ex.gate_up_proj_scale.is_contiguous() and ex.down_proj_scale.is_contiguous()
+        ):
+            return "INT4 expert scales not contiguous"
         return None  # the router's own limits: the gate runs native only where Gate.native_unfit passed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,8 @@ def _blocks(ggml_type: int, rows: int, k: int, seed: int) -> torch.Tensor:
     for off in SCALE_OFFSETS[t.name]:
         scale = (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half()
         raw[:, off : off + 2] = scale.view(torch.uint8).view(-1, 2)
+    if t.name == "MXFP4":  # its e8m0 byte: 2^(e - 128) in [2^-10, 2^-6] (x the codes' |12|: up to 0.19)
+        raw[:, 0] = torch.randint(118, 123, (raw.shape[0],), dtype=torch.uint8, generator=g)
     return raw.reshape(rows, -1)
 
 

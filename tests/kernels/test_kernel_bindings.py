@@ -160,9 +160,13 @@ def test_abi_version_and_type_table_agree_with_python():
     assert native.library().mls_abi_version() == native.ABI_VERSION
     types = re.search(r"enum\s*\{([^}]*\bMLS_GGML_TYPES\b[^}]*)\}", text).group(1)  # the weight types' enum
     ids = {m.group(1): int(m.group(2)) for m in re.finditer(r"\bMLS_(\w+) = (\d+)", types)}
-    assert (ids["FP8_E4M3"], ids["FP4_E2M1"]) == (native.FP8_E4M3, native.FP4_E2M1)
+    assert (ids["FP8_E4M3"], ids["FP4_E2M1"], ids["INT4_PACKED"]) == (
+        native.FP8_E4M3,
+        native.FP4_E2M1,
+        native.INT4_PACKED,
+    )
     ggml = {name: i for name, i in ids.items() if i < ids["GGML_TYPES"]}
-    assert len(ggml) == 11
+    assert len(ggml) == 12
     info = ctypes.c_int64 * 3
     int8 = set()
     for name, i in ggml.items():

@@ -11,6 +11,7 @@ W = q * S as fp32 weights, the same model for every reference.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.config.model import ConfigError
+from mlaserve.kernels import native
 from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.quant import int4_group
 from mlaserve.quant.config import parse_quantization
@@ -190,25 +192,71 @@ def test_int4_experts_equal_dequantized_then_run(folders):
     assert list(a) == list(b)
 
 
-def test_native_kernels_asked_for_take_the_torch_path_with_a_reason(folders, capsys):
-    """There is no native INT4 kernel yet: kernels="native" loads, the plan says the experts stay on torch and
-    why. The float layers do take the native kernels, so the logits equal the torch run's within fp32
-    rounding only (measured max |diff| 2.3e-6, bound 1e-5), not bit for bit."""
+@pytest.mark.skipif(not native.status().available, reason=f"native kernels unavailable: {native.status().detail}")
+def test_native_int4_kernel_equals_the_torch_path(folders, monkeypatch, capsys):
+    """kernels="native": the plan gives the routed experts the native INT4 decode-and-dot (naming the ISA build
+    that runs) and each MoE layer's decode step the one-call block (csrc/moe/block.c, with the INT4 scales);
+    steps past 16 tokens take the per-op path, whose grouped products are the INT4 kernel. Against
+    kernels="torch" (the reference: unpack, then the grouped GEMM) on the same folder: prompt logits one token
+    per step (decode's shape), in chunks of 16 (the block) and 32 (per op), and greedy decoding of 3 requests at
+    once. The float layers take their native kernels too, so the runs agree within fp32 summation order:
+    measured max |diff| 2.5e-6, 2.3e-6 and 2.4e-6, bound 1e-5 (the tiny fp32 models' rounding, |max logit| <
+    8); greedy tokens equal, their logprobs within 1e-5."""
     from mlaserve.entrypoints.cli import main
+    from mlaserve.kernels import native_layers
 
     int4, _, _ = folders
     ids = random_ids(24)
-    native = LLM(str(int4), kernels="native", max_num_batched_tokens=16, page_size=8)
-    assert native.loaded.model.model.layers[1].mlp.experts.kernel == "torch"
-    choice = next(c for c in native.loaded.kernel_plan.choices if c.module == "model.layers.1.mlp.experts")
-    print(choice)
-    assert choice.impl == "torch" and choice.reason, choice
-    torch_run = LLM(str(int4), kernels="torch", max_num_batched_tokens=16, page_size=8)
-    diff, top1 = compare_logits(native.prompt_logits(ids), torch_run.prompt_logits(ids))
-    assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
+    grouped_calls, block_calls = [], []
+    grouped, block = native.grouped_gemm, native_layers.moe_block
+
+    def counted_grouped(type_id, *args, **kwargs):
+        grouped_calls.append(type_id)
+        return grouped(type_id, *args, **kwargs)
+
+    def counted_block(args, *rest, **kwargs):
+        block_calls.append((args.type_gu, args.type_dn))
+        return block(args, *rest, **kwargs)
+
+    monkeypatch.setattr(native, "grouped_gemm", counted_grouped)
+    monkeypatch.setattr(native_layers, "moe_block", counted_block)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = [ids[:5], ids[3:14], ids[8:11]]
+    runs, chunks = {}, (1, 16, 32)
+    for kernels in ("native", "torch"):
+        for chunk in chunks:
+            llm = LLM(str(int4), kernels=kernels, max_num_batched_tokens=chunk, page_size=8)
+            experts = llm.loaded.model.model.layers[1].mlp.experts
+            assert experts.kernel == kernels
+            runs[kernels, chunk] = llm.prompt_logits(ids)
+            if kernels == "native":  # a chunk of 16 or fewer tokens: the block; of 24 (chunks of 32): per op
+                assert (bool(block_calls), bool(grouped_calls)) == (chunk <= 16, chunk > 16), (chunk, block_calls)
+                assert set(block_calls) <= {(native.INT4_PACKED,) * 2} and set(grouped_calls) <= {native.INT4_PACKED}
+                block_calls.clear(), grouped_calls.clear()
+        runs[kernels, "greedy"] = llm.generate(prompts, greedy)
+        if kernels == "native":
+            plan = llm.loaded.kernel_plan
+            choice = native_choice = plan.of("model.layers.1.mlp.experts", "grouped_experts")
+            assert choice.impl == "native" and f"native ({native.isa()} INT4 decode-and-dot) up to" in choice.reason
+            assert plan.of("model.layers.1.mlp", "moe_block").impl == "native"
+            # decode steps of 1-3 tokens: the block; the first step's 19 prompt tokens: per op
+            assert block_calls and grouped_calls
+            block_calls.clear(), grouped_calls.clear()
+    assert not block_calls and not grouped_calls, "the torch path called a native INT4 kernel"
+    for chunk in chunks:
+        with capsys.disabled():
+            diff, top1 = compare_logits(runs["native", chunk], runs["torch", chunk])
+        assert diff <= 1e-5 and top1 == 1.0, (chunk, diff, top1)
+    for a, b in zip(runs["native", "greedy"], runs["torch", "greedy"]):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        la = torch.tensor([next(iter(d.values())) for d in a.outputs[0].logprobs])
+        lb = torch.tensor([next(iter(d.values())) for d in b.outputs[0].logprobs])
+        assert (la - lb).abs().max() <= 1e-5
     main(["inspect", str(int4)])
     out = capsys.readouterr().out
     assert "int4" in out and "vision tower / projector tensor(s)" in out and "wrapper" in out, out
+    # the plan inspect prints
+    assert re.search(rf"grouped_experts +native +layers 1-2 +{re.escape(native_choice.reason)}\n", out), out
 
 
 def test_a_wrong_weight_shape_is_named(folders, tmp_path):

@@ -71,7 +71,9 @@ def test_a_router_the_native_kernels_lack_falls_back_with_its_reason(monkeypatch
         ("2", "torch", why),
     }
     moe = {c.layer: c.reason for c in plan.choices if c.op == "moe_block"}
-    assert moe == {i: "not native: routed experts or router not ggml blocks with the native kernels" for i in "12"}
+    assert moe == {
+        i: "not native: routed experts or router not ggml blocks / INT4 experts with the native kernels" for i in "12"
+    }
     dec = {c.layer: c.impl for c in plan.choices if c.op == "decode_layer"}
     assert dec == {"0": "native", "1": "per_op", "2": "per_op"}  # layer 0 is dense: no router
     got = llm.generate(PROMPTS, GREEDY)

@@ -58,6 +58,14 @@ static inline float f16(const uint8_t *p) {
     return f;
 }
 
+/* MXFP4's e8m0 scale byte as ggml's ggml_e8m0_to_fp32_half: 2^(e - 128) from its bits (e < 2: fp32 subnormals) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static inline uint32_t u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
@@ -68,6 +76,9 @@ typedef void (*row_fn)(const uint8_t *, float *, int64_t); /* decode one row of 
 typedef void (*scaled_row_fn)(const uint8_t *, const float *, int64_t, float *, int64_t);
 /* one weight row times m activation rows: (w, x, ldx, m, k, y, ldy) */
 typedef void (*fused_fn)(const uint8_t *, const float *, int64_t, int64_t, int64_t, float *, int64_t);
+/* the same for a row whose fp32 scales lie apart, one per `group` columns: (w, srow, group, x, ldx, m, k, y, ldy) */
+typedef void (*scaled_fused_fn)(const uint8_t *, const float *, int64_t, const float *, int64_t, int64_t, int64_t,
+                                float *, int64_t);
 /* the same with int8 activations: (w, xq, xd, m, k, y, ldy) */
 typedef void (*q8rows_fn)(const uint8_t *, const int8_t *, const float *, int64_t, int64_t, float *, int64_t);
 

@@ -39,6 +39,13 @@ int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const 
         for (int64_t r = 0; r < n; r++) fused(w + r * row_bytes, x, ldx, m, k, y + r, ldy);
         return 0;
     }
+    const scaled_fused_fn fs = ty->fused_scaled;
+    if (fs) { /* scales apart, one per bk columns (bn = 1: per row): the kernel takes whole 32-column chunks */
+        if (bn != 1 || bk % 32 || k % bk) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t r = 0; r < n; r++) fs(w + r * row_bytes, fp8_row_scales(&f, scale, r), bk, x, ldx, m, k, y + r, ldy);
+        return 0;
+    }
 #pragma omp parallel num_threads(threads)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)k);
@@ -75,6 +82,21 @@ int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int6
             const int64_t p0 = starts[a], m = starts[a + 1] - p0;
             const uint8_t *we = w + experts[a] * expert_stride;
             for (int64_t r = r0; r < r1; r++) fused(we + r * row_bytes, x + p0 * k, k, m, k, y + p0 * n + r, n);
+        }
+        return 0;
+    }
+    const scaled_fused_fn fs = ty->fused_scaled;
+    if (fs) { /* as mls_gemm's; each expert's scales scale_expert_stride floats apart */
+        if (bn != 1 || bk % 32 || k % bk) return -2;
+        const int64_t runs = (n + ROW_RUN - 1) / ROW_RUN;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t it = 0; it < groups * runs; it++) {
+            const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
+            const int64_t p0 = starts[a], m = starts[a + 1] - p0;
+            const uint8_t *we = w + experts[a] * expert_stride;
+            const float *sbase = scale + experts[a] * scale_expert_stride;
+            for (int64_t r = r0; r < r1; r++)
+                fs(we + r * row_bytes, fp8_row_scales(&f, sbase, r), bk, x + p0 * k, k, m, k, y + p0 * n + r, n);
         }
         return 0;
     }

@@ -40,6 +40,11 @@ static const mls_layout_entry_t LAYOUT[] = {
     FIELD(mls_moe_block_t, su_row_bytes),
     FIELD(mls_moe_block_t, sd_row_bytes),
     FIELD(mls_moe_block_t, int8),
+    FIELD(mls_moe_block_t, gu_scale),
+    FIELD(mls_moe_block_t, dn_scale),
+    FIELD(mls_moe_block_t, gu_scale_stride),
+    FIELD(mls_moe_block_t, dn_scale_stride),
+    FIELD(mls_moe_block_t, group),
 
     STRUCT(mls_lin_t),
     FIELD(mls_lin_t, type),

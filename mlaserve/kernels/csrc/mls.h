@@ -1,16 +1,16 @@
 /* mlaserve's native kernels: everything Python sees of them (kernels/native.py, kernels/native_layers.py).
 
    Matrix products on weights kept in their stored block formats, for small batches (decode):
-   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K), as
-   float8 e4m3 values with block scales, or as packed e2m1 (FP4) codes with group scales; the MoE
-   router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
+   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K, MXFP4), as
+   float8 e4m3 values with block scales, as packed e2m1 (FP4) codes with group scales, or as compressed-tensors
+   INT4 words with group scales; the MoE router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
    decode step (dense, or sparse with the DSA indexer inside).
 
    Threads: OpenMP over output rows (the process's one OpenMP runtime: torch's, loaded first), as many
    as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
-   int8-activation kernels, not whole 32-value blocks), -3 for router settings out of range, -4 when
+   int8-activation kernels, not whole 32-value blocks; for INT4, scale groups not whole 32-value chunks), -3 for router settings out of range, -4 when
    memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd;
    -6 for a sparse step a decode layer's indexer cannot run (no index-key cache, no selection to reuse).
 
@@ -22,7 +22,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 12
+#define MLS_ABI_VERSION 13
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -37,9 +37,13 @@ enum {
     MLS_Q4_K = 12,
     MLS_Q5_K = 13,
     MLS_Q6_K = 14,
-    MLS_GGML_TYPES = 15,  /* the ggml ids above are below this */
+    MLS_MXFP4 = 39,       /* 32 e2m1 codes with one e8m0 scale byte */
+    MLS_GGML_TYPES = 40,  /* the ggml ids above are below this (the table leaves the others empty) */
     MLS_FP8_E4M3 = 1000,  /* float8 e4m3 values with block scales */
-    MLS_FP4_E2M1 = 1001   /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
+    MLS_FP4_E2M1 = 1001,  /* two e2m1 codes per byte (low nibble first), one fp32 scale per row and group */
+    MLS_INT4_PACKED = 1002 /* compressed-tensors pack-quantized INT4: int32 words of 8 values read as bytes (two
+                              per byte, low nibble first, each q + 8), one fp32 scale per row and group of a
+                              multiple of 32 values */
 };
 
 /* the router's settings (kernels/native.py SCORING, TOPK_METHOD) */
@@ -59,6 +63,10 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
     const uint8_t *sg, *su, *sd;
     int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
     int64_t int8; /* activations="int8": Q8_0 / Q4_0 products take int8 activations, as the per-op path's */
+    /* routed experts of a type with its scales apart (MLS_INT4_PACKED): fp32 scales per row and group of `group`
+       columns, gate_up [E, 2I, D / group] and down [E, D, I / group], scale_stride floats per expert; 0: none */
+    const float *gu_scale, *dn_scale;
+    int64_t gu_scale_stride, dn_scale_stride, group;
 } mls_moe_block_t;
 
 /* a decoder layer's decode step (decode_layer.c) */
@@ -169,6 +177,8 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
 /* types.c: a type's block (bytes, values) and which kernels take it (bit 0 decode, 1 fused dot, 2 int8 dot);
    -1 for a type without a decoder */
 int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t *kernels);
+/* the instruction set the kernels were built for: "avx512", "avx2" or "scalar" */
+const char *mls_isa(void);
 
 /* layout.c */
 const mls_layout_entry_t *mls_layout(int64_t *n);

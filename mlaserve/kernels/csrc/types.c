@@ -9,6 +9,7 @@ typedef struct {
     scaled_row_fn decode_scaled;       /* one row with its scales apart (fp8, fp4), or 0 */
     fused_fn fused;                    /* decode-and-dot without a row buffer, or 0: decode, then dot */
     q8rows_fn int8;                    /* int8-activation rows (int8.c), or 0 */
+    scaled_fused_fn fused_scaled;      /* decode-and-dot of a row with its scales apart (INT4), or 0 */
 } mls_type_t;
 
 /* the ISA's kernel where there is one, else the reference's */
@@ -30,15 +31,22 @@ static const mls_type_t GGML_TYPES[MLS_GGML_TYPES] = {
     [MLS_Q4_K] = {144, 256, ISA(simd_q4_k, row_q4_k), 0, ISA(fused_q4_k, 0), 0},
     [MLS_Q5_K] = {176, 256, ISA(simd_q5_k, row_q5_k), 0, 0, 0},
     [MLS_Q6_K] = {210, 256, ISA(simd_q6_k, row_q6_k), 0, ISA(fused_q6_k, 0), 0},
+    [MLS_MXFP4] = {17, 32, ISA(simd_mxfp4, row_mxfp4), 0, ISA(fused_mxfp4, 0), 0},
 };
 static const mls_type_t FP8_E4M3 = {1, 1, 0, ISA(simd_fp8, row_fp8), 0, 0};
-static const mls_type_t FP4_E2M1 = {1, 2, 0, ISA(simd_e2m1, row_e2m1), 0, 0};
-static const mls_type_t NO_TYPE = {0, 0, 0, 0, 0, 0};
+static const mls_type_t FP4_E2M1 = {1, 2, 0, ISA(simd_e2m1, row_e2m1), 0, 0, 0};
+static const mls_type_t INT4_PACKED = {1, 2, 0, ISA(simd_int4, row_int4), 0, 0, ISA(fused_int4, ref_fused_int4)};
+static const mls_type_t NO_TYPE = {0, 0, 0, 0, 0, 0, 0};
 #undef ISA
 
 static inline const mls_type_t *type_of(int type) {
     if (type >= 0 && type < MLS_GGML_TYPES) return &GGML_TYPES[type];
-    return type == MLS_FP8_E4M3 ? &FP8_E4M3 : type == MLS_FP4_E2M1 ? &FP4_E2M1 : &NO_TYPE;
+    switch (type) {
+    case MLS_FP8_E4M3: return &FP8_E4M3;
+    case MLS_FP4_E2M1: return &FP4_E2M1;
+    case MLS_INT4_PACKED: return &INT4_PACKED;
+    default: return &NO_TYPE;
+    }
 }
 
 /* a ggml type's row decoder, or 0 */
@@ -55,6 +63,17 @@ int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t
     if (!t->decode && !t->decode_scaled) return -1;
     *block_bytes = t->block_bytes;
     *block_values = t->block_values;
-    *kernels = 1 | (t->fused ? 2 : 0) | (t->int8 ? 4 : 0);
+    *kernels = 1 | (t->fused || t->fused_scaled ? 2 : 0) | (t->int8 ? 4 : 0);
     return 0;
+}
+
+/* The instruction set this build's kernels were compiled for (common.h): what the type table above picked */
+const char *mls_isa(void) {
+#if defined(MLS_AVX512)
+    return "avx512";
+#elif defined(MLS_SIMD)
+    return "avx2";
+#else
+    return "scalar";
+#endif
 }

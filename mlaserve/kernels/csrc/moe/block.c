@@ -5,7 +5,9 @@
    instead of ~10 native calls and ~30 tensor ops. For the same routing the routed part is exactly what
    mls_moe_experts computes (each row's products do not depend on how many activation rows share them, and
    the weighted sum runs over j in the same order) and the shared part exactly what three mls_gemm calls give;
-   the gate's logits (dot order) and the shared SwiGLU's silu (expf) round differently from torch's. */
+   the gate's logits (dot order) and the shared SwiGLU's silu (expf) round differently from torch's. Routed
+   experts of a type whose scales lie apart (INT4: b->gu_scale / dn_scale) take that type's decode-and-dot
+   (types.c fused_scaled), each row with its scales, exactly as mls_grouped_gemm runs them. */
 
 /* x [T, D] (the post-attention norm's output, contiguous) -> out [T, D]; topk_w / topk_idx [T, kk] (may be 0)
    receive the routing. Returns mls_moe_route's -3 for router settings it refuses, -1 for a weight type without
@@ -14,11 +16,16 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                   int threads) {
     const int64_t d = b->d, e = b->e, kk = b->kk, inter = b->inter, si = b->shared_inter;
     const lin_kernel kgu = lin_rows(b->type_gu, b->gu_row_bytes), kdn = lin_rows(b->type_dn, b->dn_row_bytes);
-    const lin_kernel ksg = lin_rows(si ? b->type_sg : b->type_gu, b->sg_row_bytes),
-                     ksu = lin_rows(si ? b->type_su : b->type_gu, b->su_row_bytes),
-                     ksd = lin_rows(si ? b->type_sd : b->type_dn, b->sd_row_bytes);
-    if (!kgu.fn || !kdn.fn || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
+    /* without a shared expert its kernels are never called: F32 rows stand in so the check below passes */
+    const lin_kernel ksg = lin_rows(si ? b->type_sg : MLS_F32, b->sg_row_bytes),
+                     ksu = lin_rows(si ? b->type_su : MLS_F32, b->su_row_bytes),
+                     ksd = lin_rows(si ? b->type_sd : MLS_F32, b->sd_row_bytes);
+    const scaled_fused_fn fgu = b->gu_scale ? type_of((int)b->type_gu)->fused_scaled : 0;
+    const scaled_fused_fn fdn = b->dn_scale ? type_of((int)b->type_dn)->fused_scaled : 0;
+    if ((!kgu.fn && !fgu) || (!kdn.fn && !fdn) || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
     if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
+    const int64_t g = b->group;
+    if ((fgu || fdn) && (g < 32 || g % 32 || d % g || inter % g)) return -2;
     if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
     /* int8 activations where the per-op path takes them: each projection whose type has int8 kernels (Q8_0,
        Q4_0), on its own, as GGUFExperts' grouped products and the shared GGUFLinears decide */
@@ -97,6 +104,9 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                         const uint8_t *row = we + r * b->gu_row_bytes;
                         if (qgu)
                             qgu(row, xsq + p0 * d, xsd + p0 * (d / 32), m, d, gu + p0 * n_gu + r, n_gu);
+                        else if (fgu)
+                            fgu(row, b->gu_scale + act[a] * b->gu_scale_stride + r * (d / g), g, xs + p0 * d, d, m, d,
+                                gu + p0 * n_gu + r, n_gu);
                         else
                             lin_row(kgu, row, xs + p0 * d, d, m, d, gu + p0 * n_gu + r, n_gu, buf);
                     }
@@ -141,6 +151,9 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                         const uint8_t *row = we + r * b->dn_row_bytes;
                         if (qdn)
                             qdn(row, hq + p0 * inter, hd + p0 * (inter / 32), m, inter, ys + p0 * d + r, d);
+                        else if (fdn)
+                            fdn(row, b->dn_scale + act[a] * b->dn_scale_stride + r * (inter / g), g, h + p0 * inter,
+                                inter, m, inter, ys + p0 * d + r, d);
                         else
                             lin_row(kdn, row, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
                     }

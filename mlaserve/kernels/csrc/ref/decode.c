@@ -22,6 +22,20 @@ __attribute__((unused)) static void row_q4_0(const uint8_t *b, float *y, int64_t
     }
 }
 
+/* MXFP4 (gguf/quants.py _mxfp4): ggml's doubled e2m1 values times the halved e8m0 scale, low nibbles first */
+static const int8_t MXFP4_KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+__attribute__((unused)) static void row_mxfp4(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 17, y += 32) {
+        const float d = e8m0_half(b[0]);
+        const uint8_t *q = b + 1;
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)MXFP4_KVALUES[q[j] & 0x0F];
+            y[j + 16] = d * (float)MXFP4_KVALUES[q[j] >> 4];
+        }
+    }
+}
+
 __attribute__((unused)) static void row_q4_1(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k / 32; i++, b += 20, y += 32) {
         const float d = f16(b), m = f16(b + 2);
@@ -203,6 +217,46 @@ __attribute__((unused)) static void row_e2m1(const uint8_t *q, const float *srow
         const uint8_t b = q[c];
         y[2 * c] = E2M1[b & 15] * srow[(2 * c) / group];
         y[2 * c + 1] = E2M1[b >> 4] * srow[(2 * c + 1) / group];
+    }
+}
+
+/* compressed-tensors' pack-quantized INT4 (mlaserve/quant/int4_group.py): the int32 words read as their
+   little-endian bytes hold the columns in order, two per byte (low nibble first), each stored as q + 8; the
+   value is q * the row's group scale, one rounding, as the reference's unpack times the expanded scale */
+__attribute__((unused)) static void row_int4(const uint8_t *q, const float *srow, int64_t group, float *y, int64_t k) {
+    for (int64_t c = 0; c < k / 2; c++) {
+        const uint8_t b = q[c];
+        y[2 * c] = (float)((int)(b & 15) - 8) * srow[(2 * c) / group];
+        y[2 * c + 1] = (float)((int)(b >> 4) - 8) * srow[(2 * c + 1) / group];
+    }
+}
+
+/* The INT4 decode-and-dot without SIMD: per 32 values the codes (exact small integers) dotted with each
+   activation row, then the group's scale applied to that partial sum (as the SIMD kernels do, x86/avx2.c
+   fused_int4); rows in chunks of INT4_REF_ROWS so the accumulators are a fixed array. group % 32 == 0. */
+#define INT4_REF_ROWS 8
+__attribute__((unused)) static void ref_fused_int4(const uint8_t *b, const float *srow, int64_t group,
+                                                   const float *x, int64_t ldx, int64_t m, int64_t k, float *y,
+                                                   int64_t ldy) {
+    for (int64_t i0 = 0; i0 < m; i0 += INT4_REF_ROWS) {
+        const int64_t mr = m - i0 < INT4_REF_ROWS ? m - i0 : INT4_REF_ROWS;
+        float acc[INT4_REF_ROWS] = {0};
+        for (int64_t c0 = 0; c0 < k; c0 += 32) {
+            float w[32];
+            for (int j = 0; j < 16; j++) {
+                const uint8_t v = b[c0 / 2 + j];
+                w[2 * j] = (float)((int)(v & 15) - 8);
+                w[2 * j + 1] = (float)((int)(v >> 4) - 8);
+            }
+            const float d = srow[c0 / group];
+            for (int64_t i = 0; i < mr; i++) {
+                const float *xi = x + (i0 + i) * ldx + c0;
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += w[j] * xi[j];
+                acc[i] += d * s;
+            }
+        }
+        for (int64_t i = 0; i < mr; i++) y[(i0 + i) * ldy] = acc[i];
     }
 }
 

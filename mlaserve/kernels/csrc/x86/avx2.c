@@ -65,6 +65,17 @@ static void simd_q4_0(const uint8_t *b, float *y, int64_t k) {
         store32_mul(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), _mm256_set1_ps(f16(b)), y);
 }
 
+/* MXFP4: the nibbles (low ones first, as Q4_0) through a byte table of the doubled e2m1 values */
+static inline __m256i mxfp4_codes32(const uint8_t *q) {
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6,
+                                           8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm256_shuffle_epi8(table, nibbles32(q));
+}
+
+static void simd_mxfp4(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 17, y += 32) store32_mul(mxfp4_codes32(b + 1), _mm256_set1_ps(e8m0_half(b[0])), y);
+}
+
 static void simd_q4_1(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k / 32; i++, b += 20, y += 32)
         store32_mul_add(nibbles32(b + 4), _mm256_set1_ps(f16(b)), _mm256_set1_ps(f16(b + 2)), y);
@@ -241,6 +252,11 @@ static inline void block_codes16(const uint8_t *b, const int type, __m128i g[2])
     if (type == 8) {
         g[0] = _mm_loadu_si128((const __m128i *)(b + 2));
         g[1] = _mm_loadu_si128((const __m128i *)(b + 18));
+    } else if (type == 39) { /* MXFP4: the table lookup of each nibble (mxfp4_codes32) */
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 1)), m4 = _mm_set1_epi8(0x0F);
+        const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        g[0] = _mm_shuffle_epi8(table, _mm_and_si128(raw, m4));
+        g[1] = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
     } else if (type == 2) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
         g[0] = _mm_sub_epi8(_mm_and_si128(raw, m4), eight);
@@ -263,7 +279,10 @@ static inline void block_codes8(const uint8_t *b, const int type, __m128i g[4]) 
     g[0] = h[0], g[1] = _mm_srli_si128(h[0], 8), g[2] = h[1], g[3] = _mm_srli_si128(h[1], 8);
 }
 
-static inline int64_t block_bytes(const int type) { return type == 8 ? 34 : type == 2 ? 18 : 22; }
+static inline int64_t block_bytes(const int type) { return type == 8 ? 34 : type == 2 ? 18 : type == 39 ? 17 : 22; }
+
+/* a block's scale d: fp16 at its start, or MXFP4's e8m0 byte (the halved power of two its doubled codes take) */
+static inline float block_d(const uint8_t *b, const int type) { return type == 39 ? e8m0_half(b[0]) : f16(b); }
 
 /* one kernel for the three types (type is a constant where it is inlined, so each is specialised) */
 static inline __attribute__((always_inline)) void fused_codes_mr(const uint8_t *b, const int type, const float *x,
@@ -272,7 +291,7 @@ static inline __attribute__((always_inline)) void fused_codes_mr(const uint8_t *
     __m256 acc[8]; /* the row-chunk switch below names chunks up to 7 rows */
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
-        const __m256 d = _mm256_set1_ps(f16(b));
+        const __m256 d = _mm256_set1_ps(block_d(b, type));
         __m128i g[4];
         block_codes8(b, type, g);
         const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
@@ -290,6 +309,7 @@ static inline __attribute__((always_inline)) void fused_codes_mr(const uint8_t *
 CODES_MR(fused_q8_0_mr, fused_codes_mr, 8)
 CODES_MR(fused_q4_0_mr, fused_codes_mr, 2)
 CODES_MR(fused_q5_0_mr, fused_codes_mr, 6)
+CODES_MR(fused_mxfp4_mr, fused_codes_mr, 39)
 
 /* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
    rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
@@ -381,12 +401,80 @@ static inline __attribute__((always_inline)) void fused_q4_k_mr(const uint8_t *b
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
+/* compressed-tensors' pack-quantized INT4 (quant/int4_group.py): 16 bytes hold 32 columns in order, two per byte,
+   low nibble first, each q + 8. -> g[0] the codes q of columns 0..15, g[1] of 16..31, as int8 (the interleave
+   of the low and high nibbles puts them in column order; Q4_0 keeps its low nibbles first instead). */
+static inline void int4_codes16(const uint8_t *b, __m128i g[2]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    g[0] = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);
+    g[1] = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
+}
+
+/* INT4 decoder: q * the group's scale for 32 columns at a time (row_int4's products); a group that is not
+   whole 32-column chunks takes the scalar decoder's arithmetic */
+static void simd_int4(const uint8_t *q, const float *srow, int64_t group, float *y, int64_t k) {
+    if (group % 32) {
+        row_int4(q, srow, group, y, k);
+        return;
+    }
+    for (int64_t c = 0; c + 32 <= k; c += 32) {
+        __m128i g[2];
+        int4_codes16(q + c / 2, g);
+        store32_mul(_mm256_set_m128i(g[1], g[0]), _mm256_set1_ps(srow[c / group]), y + c);
+    }
+}
+
+/* INT4 decode-and-dot, the Q4_0 scheme (FUSED_BLOCK: the 32 codes times each row, the group's scale applied to
+   that partial sum) with the pack's nibble order and a float scale per group of `group` columns (a multiple of
+   32) read from the row's scales */
+static inline __attribute__((always_inline)) void fused_int4_mr(const uint8_t *b, const float *srow, int64_t group,
+                                                                const float *x, int64_t ldx, const int mr,
+                                                                int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t per = group / 32;
+    for (int64_t gi = 0, blk = 0; gi < k / group; gi++) {
+        const __m256 d = _mm256_set1_ps(srow[gi]);
+        for (int64_t j = 0; j < per; j++, blk++, b += 16) {
+            __m128i g[2];
+            int4_codes16(b, g);
+            const __m256 w0 = i8x8(g[0]), w1 = i8x8(_mm_srli_si128(g[0], 8));
+            const __m256 w2 = i8x8(g[1]), w3 = i8x8(_mm_srli_si128(g[1], 8));
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 32, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* FUSED_ROW_FN for the kernels whose scales lie apart (the row's srow, `group` columns each): the shape of
+   types.c's fused_scaled */
+#define SCALED_ROW_FN(name, kernel, bytes, chunk)                                                          \
+    static void name(const uint8_t *b, const float *s, int64_t group, const float *x, int64_t ldx, int64_t m, \
+                     int64_t k, float *y, int64_t ldy) {                                                   \
+        int64_t i = 0;                                                                                     \
+        prefetch_row(b, (bytes));                                                                          \
+        for (; i + (chunk) <= m; i += (chunk)) kernel(b, s, group, x + i * ldx, ldx, (chunk), k, y + i * ldy, ldy); \
+        switch (m - i) {                                                                                   \
+        case 7: kernel(b, s, group, x + i * ldx, ldx, 7, k, y + i * ldy, ldy); break;                      \
+        case 6: kernel(b, s, group, x + i * ldx, ldx, 6, k, y + i * ldy, ldy); break;                      \
+        case 5: kernel(b, s, group, x + i * ldx, ldx, 5, k, y + i * ldy, ldy); break;                      \
+        case 4: kernel(b, s, group, x + i * ldx, ldx, 4, k, y + i * ldy, ldy); break;                      \
+        case 3: kernel(b, s, group, x + i * ldx, ldx, 3, k, y + i * ldy, ldy); break;                      \
+        case 2: kernel(b, s, group, x + i * ldx, ldx, 2, k, y + i * ldy, ldy); break;                      \
+        case 1: kernel(b, s, group, x + i * ldx, ldx, 1, k, y + i * ldy, ldy); break;                      \
+        default: break;                                                                                    \
+        }                                                                                                  \
+    }
+
 #ifndef MLS_AVX512 /* otherwise x86/avx512.c instantiates these names with its 16-lane kernels */
 FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr, k / 32 * 34, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr, k / 32 * 18, FUSED_ROWS)
 FUSED_ROW_FN(fused_q5_0, fused_q5_0_mr, k / 32 * 22, FUSED_ROWS)
+FUSED_ROW_FN(fused_mxfp4, fused_mxfp4_mr, k / 32 * 17, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
 FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
+SCALED_ROW_FN(fused_int4, fused_int4_mr, k / 2, FUSED_ROWS)
 #endif
 
 /* ---------------------------------------------------------------- int8 activations (int8.c): the row kernels

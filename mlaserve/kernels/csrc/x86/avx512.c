@@ -20,7 +20,7 @@ static inline __attribute__((always_inline)) void wide_codes_mr(const uint8_t *b
     __m512 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
-        const __m512 d = _mm512_set1_ps(f16(b));
+        const __m512 d = _mm512_set1_ps(block_d(b, type));
         __m128i g[2];
         block_codes16(b, type, g);
         const __m512 w0 = i8x16(g[0]), w1 = i8x16(g[1]);
@@ -31,6 +31,7 @@ static inline __attribute__((always_inline)) void wide_codes_mr(const uint8_t *b
 CODES_MR(wide_q8_0_mr, wide_codes_mr, 8)
 CODES_MR(wide_q4_0_mr, wide_codes_mr, 2)
 CODES_MR(wide_q5_0_mr, wide_codes_mr, 6)
+CODES_MR(wide_mxfp4_mr, wide_codes_mr, 39)
 
 static inline __attribute__((always_inline)) void wide_q4_k_mr(const uint8_t *b, const float *x, int64_t ldx,
                                                                const int mr, int64_t k, float *y, int64_t ldy) {
@@ -88,9 +89,30 @@ static inline __attribute__((always_inline)) void wide_q6_k_mr(const uint8_t *b,
     for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
 }
 
+/* INT4 (x86/avx2.c fused_int4_mr): a 32-column chunk's codes in two registers, the group's scale on its partial sum */
+static inline __attribute__((always_inline)) void wide_int4_mr(const uint8_t *b, const float *srow, int64_t group,
+                                                               const float *x, int64_t ldx, const int mr, int64_t k,
+                                                               float *y, int64_t ldy) {
+    __m512 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t per = group / 32;
+    for (int64_t gi = 0, blk = 0; gi < k / group; gi++) {
+        const __m512 d = _mm512_set1_ps(srow[gi]);
+        for (int64_t j = 0; j < per; j++, blk++, b += 16) {
+            __m128i g[2];
+            int4_codes16(b, g);
+            const __m512 w0 = i8x16(g[0]), w1 = i8x16(g[1]);
+            WIDE_BLOCK(mr, acc, d, w0, w1, x + blk * 32, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
+
 FUSED_ROW_FN(fused_q8_0, wide_q8_0_mr, k / 32 * 34, 8)
 FUSED_ROW_FN(fused_q4_0, wide_q4_0_mr, k / 32 * 18, 8)
 FUSED_ROW_FN(fused_q5_0, wide_q5_0_mr, k / 32 * 22, 8)
+FUSED_ROW_FN(fused_mxfp4, wide_mxfp4_mr, k / 32 * 17, 8)
 FUSED_ROW_FN(fused_q4_k, wide_q4_k_mr, k / 256 * 144, 8)
 FUSED_ROW_FN(fused_q6_k, wide_q6_k_mr, k / 256 * 210, 8)
+SCALED_ROW_FN(fused_int4, wide_int4_mr, k / 2, 8)
 #endif
