@@ -1,0 +1,224 @@
+"""The web page in a real browser: headless Chromium (Debian's `chromium` and `chromium-driver`, driven by
+selenium) against real `mlaserve serve` processes on 127.0.0.1 with the embedded model.
+
+Checked against the server's own API, never against the page: the streamed chat answer equals the API's
+greedy answer (temperature 0) and its token count the API's usage; the route view's decode and prefill
+totals equal the sums over /debug/routes' segments and its bars are those steps'; the provenance table
+lists is_sparse with the source /debug/config gives; the API-key prompt refuses a wrong key and keeps the
+right one for the tab; a stopped server turns into a message, not a blank page.
+
+Screenshots of each view are written to this run's pytest tmp folder (`<basetemp>/ui-screenshots*/`, the
+path is printed), and also to $MLASERVE_UI_SCREENSHOTS when set (the README's images come from there).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from server_process import ServerProcess
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+if CHROMIUM is None or CHROMEDRIVER is None:
+    pytest.skip(
+        "the browser tests need Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)",
+        allow_module_level=True,
+    )
+webdriver = pytest.importorskip(
+    "selenium.webdriver", reason="the browser tests need selenium (pip install -e '.[test]')"
+)
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+pytestmark = pytest.mark.slow
+# Without the background-networking flags Chromium opens connections of its own (updates, sync, QUIC
+# probes); on a closed network they are refused many at a time and the page's own requests wait behind them.
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1280,900",
+)
+WAIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ui-screenshots")
+    print(f"\nscreenshots of the web page: {folder}")
+    return folder
+
+
+def _save(driver, shots: Path, name: str) -> None:
+    path = shots / f"{name}.png"
+    driver.save_screenshot(str(path))
+    assert path.stat().st_size > 5000, f"{name}: screenshot looks empty"
+    extra = os.environ.get("MLASERVE_UI_SCREENSHOTS")
+    if extra:
+        Path(extra).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(extra) / path.name)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in FLAGS:
+        opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--enable-debug-endpoints", "--verify")
+    yield srv
+    srv.stop()
+
+
+def _wait(driver, what, timeout: float = WAIT_S):
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: what(d))
+
+
+def _text(driver, css: str) -> str:
+    return driver.find_element(By.CSS_SELECTOR, css).text
+
+
+def _errors(driver) -> list[dict]:
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _tab(driver, view: str) -> None:
+    driver.find_element(By.CSS_SELECTOR, f'.tab[data-view="{view}"]').click()
+    _wait(driver, lambda d: d.find_element(By.ID, f"view-{view}").is_displayed())
+
+
+def test_the_page_loads_without_console_errors(browser, server):
+    browser.get(server.url + "/")
+    _wait(browser, lambda d: server.model in _text(d, "#model-name"))
+    time.sleep(1.5)  # a poll of each kind (health, routes, metrics) has run
+    assert _errors(browser) == []
+    assert not browser.find_element(By.ID, "banner").is_displayed()  # online: no message
+
+
+def test_a_chat_message_streams_the_api_greedy_answer(browser, server, shots):
+    prompt, settings = "Tell me about attention.", {"temperature": "0", "max_tokens": "24"}
+    for name, value in settings.items():
+        box = browser.find_element(By.ID, name)
+        box.clear()
+        box.send_keys(value)
+    browser.find_element(By.ID, "chat-input").send_keys(prompt)
+    browser.find_element(By.ID, "chat-send").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "chat-stats").get_attribute("data-completion-tokens"))
+    shown = browser.execute_script("return document.querySelector('#messages .msg.assistant .text').textContent")
+    tokens = int(browser.find_element(By.ID, "chat-stats").get_attribute("data-completion-tokens"))
+
+    reference = server.client().chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=24
+    )
+    assert shown == reference.choices[0].message.content and shown
+    assert tokens == reference.usage.completion_tokens
+    raw = browser.execute_script("return document.getElementById('raw-response').textContent")
+    assert raw.count("data: ") >= tokens and raw.rstrip().endswith("data: [DONE]")  # streamed, chunk by chunk
+    assert "tokens/s" in _text(browser, "#chat-stats")
+    assert _errors(browser) == []
+    _save(browser, shots, "chat")
+
+
+def _phase_totals(records: list[dict]) -> dict[str, int]:
+    totals = {"decode": 0, "prefill": 0}
+    for rec in records:
+        if rec.get("spec_phase") in (None, "target", "verify"):
+            for seg in rec["segments"]:
+                totals[seg["phase"]] += seg["num_tokens"]
+    return totals
+
+
+def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
+    records = server.get("/debug/routes", params={"last": 500}).json()["records"]
+    totals = _phase_totals(records)
+    assert totals["decode"] > 0 and totals["prefill"] > 0  # the chat above (page and API) ran both phases
+    _tab(browser, "route")
+
+    def shown(d):
+        return {p: int(_text(d, f"#phase-total-{p}")) for p in ("decode", "prefill")}
+
+    _wait(browser, lambda d: shown(d) == totals)  # the page polls each second; the server is idle now
+    # read the bars in one script: the chart is redrawn at each poll, so element handles go stale
+    bars = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#route-chart rect.bar')).map(b => "
+        "[b.dataset.phase, Number(b.dataset.tokens), Number(b.dataset.step)])"
+    )
+    by_phase = {p: sum(n for ph, n, _ in bars if ph == p) for p in totals}
+    assert by_phase == totals  # under 60 steps: every step is drawn, each bar its segment's tokens
+    assert {step for _, _, step in bars} == {r["step"] for r in records}
+    step = next(step for ph, _, step in bars if ph == "prefill")
+    # a bar may be a few pixels high: click its step by event, not by coordinates
+    browser.execute_script(
+        "document.querySelector(`#route-chart g.step[data-step='${arguments[0]}']`)"
+        ".dispatchEvent(new MouseEvent('click', {bubbles: true}))",
+        step,
+    )
+    _wait(browser, lambda d: f'"step": {step}' in _text(d, "#step-detail"))
+    assert '"phase": "prefill"' in _text(browser, "#step-detail")
+    assert _errors(browser) == []
+    _save(browser, shots, "route")
+
+
+def test_the_configuration_view_lists_is_sparse_with_its_source(browser, server, shots):
+    expected = {r["name"]: r for r in server.get("/debug/config").json()["provenance"]}["is_sparse"]
+    _tab(browser, "config")
+    row = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#provenance tr[data-name="is_sparse"]'))[0]
+    assert row.find_element(By.CSS_SELECTOR, "td.value").text == "true"
+    assert row.find_element(By.CSS_SELECTOR, "td.source").text == expected["source"]
+    assert "indexer weights" in expected["source"]
+    verify = _text(browser, "#verify")  # the server ran with --verify
+    assert "every check passed" in verify and "absorbed vs decompressed" in verify
+    assert _text(browser, "#kernels tbody")  # the kernel plan's rows
+    _wait(browser, lambda d: "no data yet" not in _text(d, '#metric-plots [data-key="mlaserve_kv_pages_in_use"]'))
+    assert _errors(browser) == []
+    _save(browser, shots, "config")
+
+
+def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, shots):
+    keyed = ServerProcess("--api-key", "sesame", "--enable-debug-endpoints")
+    try:
+        browser.get(keyed.url + "/")  # the page itself is public; its first call is refused
+        dialog = _wait(
+            browser,
+            lambda d: d.find_element(By.ID, "key-dialog").is_displayed() and d.find_element(By.ID, "key-dialog"),
+        )
+        _save(browser, shots, "api-key")
+        box = browser.find_element(By.ID, "key-input")
+        box.send_keys("wrong")
+        browser.find_element(By.ID, "key-save").click()
+        _wait(browser, lambda d: "refused" in _text(d, "#key-message"))  # asked again, saying why
+        box.send_keys("sesame")
+        browser.find_element(By.ID, "key-save").click()
+        _wait(browser, lambda d: keyed.model in _text(d, "#model-name"))
+        assert not dialog.is_displayed()
+        assert browser.execute_script("return sessionStorage.getItem('mlaserve-api-key')") == "sesame"
+        browser.refresh()  # kept for the tab: no second prompt
+        _wait(browser, lambda d: keyed.model in _text(d, "#model-name"))
+        assert not browser.find_element(By.ID, "key-dialog").is_displayed()
+    finally:
+        keyed.stop(signal.SIGTERM)
+    banner = _wait(
+        browser, lambda d: d.find_element(By.ID, "banner").is_displayed() and d.find_element(By.ID, "banner")
+    )
+    assert "is not answering" in banner.text and keyed.url in banner.text
+    _save(browser, shots, "server-gone")
