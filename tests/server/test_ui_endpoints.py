@@ -120,3 +120,25 @@ def test_verify_results_are_the_checks_run_before_serving(llm):
     assert out["ran"] is True and out["passed"] is True
     assert [c["name"] for c in out["checks"]] == [c.name for c in checks]
     assert [c["max_abs_diff"] for c in out["checks"]] == [c.max_abs_diff for c in checks]
+
+
+def test_debug_routes_hands_a_poller_only_the_records_it_has_not_seen(llm):
+    client = _client(llm, debug_endpoints=True)
+    first = client.get("/debug/routes", params={"last": 500}).json()
+    ring = llm.runner.tracer.ring
+    assert first["next"] == ring.total and first["records"] == list(ring.records)[-500:]
+    llm.generate([[9, 8, 7, 6]], SamplingParams(max_tokens=3, temperature=0))
+    new = client.get("/debug/routes", params={"last": 500, "since": first["next"]}).json()
+    assert [r["step"] for r in new["records"]] == [r["step"] for r in list(ring.records)[-3:]]  # 1 prefill + 2 decodes
+    assert new["next"] == first["next"] + 3
+    assert client.get("/debug/routes", params={"since": new["next"]}).json() == {"records": [], "next": new["next"]}
+
+
+def test_the_memory_ring_numbers_its_records():
+    from mlaserve.observability.trace import MemoryTracer
+
+    ring = MemoryTracer(maxlen=3)
+    for i in range(5):
+        ring.record({"i": i})
+    assert ring.since(0) == ([{"i": 2}, {"i": 3}, {"i": 4}], 5)  # 0 and 1 fell out of the ring
+    assert ring.since(4) == ([{"i": 4}], 5) and ring.since(5) == ([], 5) and ring.since(9) == ([], 5)

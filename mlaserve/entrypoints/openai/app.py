@@ -252,9 +252,11 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 def _add_debug_routes(app: FastAPI, serving: OpenAIServing, ring, verify) -> None:
     @app.get("/debug/routes")
-    async def routes(last: int = Query(20, ge=0)):
-        records = list(ring.records) if ring is not None else []
-        return {"records": records[-last:] if last else []}
+    async def routes(last: int = Query(20, ge=0), since: int = Query(0, ge=0)):
+        """The last `last` ledger records numbered >= since; `next`: the number to ask for next time
+        (a poller passes it back as since and gets only new records)."""
+        records, total = ring.since(since) if ring is not None else ([], 0)
+        return {"records": records[-last:] if last else [], "next": total}
 
     @app.get("/debug/config")
     async def config(paths: bool = False):

@@ -19,6 +19,7 @@ const state = {
   lastContact: null,
   keyWaiters: [],
   records: new Map(), // "step|rank|spec_phase|draft_depth" -> record
+  routesNext: 0, // /debug/routes' number of the next record not seen yet
   debugOff: false,
   selectedStep: null,
   history: [], // chat messages sent so far
@@ -317,7 +318,8 @@ async function pollRoutes() {
   if (state.debugOff || state.online === false || !$("key-dialog").hidden) return;
   let out;
   try {
-    out = await apiJSON("/debug/routes?last=" + ROUTE_RECORDS);
+    // only the records written since the last poll (the server numbers them); the first poll: the last 500
+    out = await apiJSON("/debug/routes?last=" + ROUTE_RECORDS + "&since=" + state.routesNext);
   } catch (e) {
     if (e.status === 404) {
       state.debugOff = true;
@@ -329,6 +331,13 @@ async function pollRoutes() {
     }
     return;
   }
+  if (out.next < state.routesNext) { // numbered from 0 again: the server restarted; start over
+    state.records.clear();
+    state.routesNext = 0;
+    return;
+  }
+  state.routesNext = out.next;
+  if (!out.records.length) return;
   for (const rec of out.records) state.records.set(recordKey(rec), rec);
   const keys = Array.from(state.records.keys());
   for (const k of keys.slice(0, Math.max(0, keys.length - ROUTE_RECORDS))) state.records.delete(k);
@@ -501,7 +510,7 @@ function drawCounters(recs) {
     ["requests", requests.size],
     ["prefix-cache hits", hits + " requests (" + hitTokens + " tokens not recomputed)"],
     ["preemptions", preempt + " (" + pages + " pages freed)"],
-    ["effective top-k", topk.length ? Array.from(new Set(topk.map((t) => t[1]))).join(", ") + " (" + topk.length + " sparse steps)" : "- (no sparse step)"],
+    ["effective top-k", topk.length ? topkRange(topk) + " (" + topk.length + " sparse steps)" : "- (no sparse step)"],
     ["speculative", proposed ? accepted + " / " + proposed + " drafts accepted (" + (100 * accepted / proposed).toFixed(1) + "%), " + drafts + " MTP passes" : "- (no drafts)"],
   ];
   const tbody = $("route-counters").querySelector("tbody");
@@ -513,6 +522,12 @@ function drawCounters(recs) {
   }
   sparkline($("topk-chart"), topk.slice(-CHART_STEPS), "no sparse step");
   sparkline($("spec-chart"), accept.slice(-CHART_STEPS), "no speculative step", 1);
+}
+
+function topkRange(topk) {
+  const ks = topk.map((t) => t[1]);
+  const lo = Math.min(...ks), hi = Math.max(...ks);
+  return lo === hi ? String(lo) : lo + " to " + hi;
 }
 
 function drawRanks(ranks, rankIds, disagree) {
@@ -555,7 +570,7 @@ function sparkline(svg, points, empty, ymax) {
   }
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs);
-  const top = ymax !== undefined ? ymax : Math.max(...ys, 1e-9);
+  const top = ymax !== undefined && ymax > 0 ? ymax : Math.max(...ys) > 0 ? Math.max(...ys) : 1;
   const px = (x) => pad + (x1 === x0 ? (W - 2 * pad) / 2 : ((x - x0) / (x1 - x0)) * (W - 2 * pad));
   const py = (y) => H - pad - (y / top) * (H - 2 * pad);
   const d = points.map((p, i) => (i ? "L" : "M") + px(p[0]).toFixed(1) + "," + py(p[1]).toFixed(1)).join(" ");
@@ -762,7 +777,7 @@ function drawMetrics() {
     for (const [title, key] of PLOTS) {
       const p = el("div", "plot"); p.dataset.key = key;
       p.appendChild(el("div", "plot-title", title));
-      p.appendChild(svgEl("svg", { class: "spark", viewBox: "0 0 300 60", preserveAspectRatio: "none" }));
+      p.appendChild(svgEl("svg", { class: "spark", viewBox: "0 0 300 60" }));
       box.appendChild(p);
     }
   }
