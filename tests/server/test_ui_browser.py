@@ -86,7 +86,9 @@ def browser(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--enable-debug-endpoints", "--verify")
+    # index_topk 32 < the checkpoint's 64: the chat's context passes it (the indexer selects), and the
+    # provenance table must mark the setting as differing from config.json
+    srv = ServerProcess("--enable-debug-endpoints", "--verify", "--index-topk", "32")
     yield srv
     srv.stop()
 
@@ -167,6 +169,19 @@ def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
     by_phase = {p: sum(n for ph, n, _ in bars if ph == p) for p in totals}
     assert by_phase == totals  # under 60 steps: every step is drawn, each bar its segment's tokens
     assert {step for _, _, step in bars} == {r["step"] for r in records}
+    # the table by phase x path x mode (mode as `trace summarize` names it), against the records' segments
+    table = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#route-totals tbody tr')).map(r => "
+        "[r.dataset.phase, r.dataset.path, r.dataset.mode, Number(r.querySelector('td.count').textContent)])"
+    )
+    expected = {}
+    for rec in records:
+        mode = "dense" if not rec["sparse"] else "sparse top-k" if rec["needs_selection"] else "sparse all rows"
+        for seg in rec["segments"]:
+            key = (seg["phase"], seg["path"], mode)
+            expected[key] = expected.get(key, 0) + seg["num_tokens"]
+    assert {tuple(row[:3]): row[3] for row in table} == expected
+    assert any(mode == "sparse top-k" for _, _, mode in expected)  # past index_topk 32: the indexer selected
     step = next(step for ph, _, step in bars if ph == "prefill")
     # a bar may be a few pixels high: click its step by event, not by coordinates
     browser.execute_script(
@@ -219,6 +234,12 @@ def test_the_configuration_view_lists_is_sparse_with_its_source(browser, server,
     assert row.find_element(By.CSS_SELECTOR, "td.value").text == "true"
     assert row.find_element(By.CSS_SELECTOR, "td.source").text == expected["source"]
     assert "indexer weights" in expected["source"]
+    assert row.find_element(By.CSS_SELECTOR, "td.mark").text == ""  # not a config.json key
+    topk = browser.find_element(By.CSS_SELECTOR, '#provenance tr[data-name="index_topk"]')
+    cells = [topk.find_element(By.CSS_SELECTOR, f"td.{c}").text for c in ("mark", "value", "source", "checkpoint")]
+    assert cells == ["≠", "32", "user option", "64"] and "differs" in topk.get_attribute("class")
+    marked = browser.find_elements(By.CSS_SELECTOR, "#provenance tr.differs")
+    assert [r.get_attribute("data-name") for r in marked] == ["index_topk"]
     verify = _text(browser, "#verify")  # the server ran with --verify
     assert "every check passed" in verify and "absorbed vs decompressed" in verify
     assert _text(browser, "#kernels tbody")  # the kernel plan's rows
@@ -228,7 +249,7 @@ def test_the_configuration_view_lists_is_sparse_with_its_source(browser, server,
 
 
 def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, shots):
-    keyed = ServerProcess("--api-key", "sesame", "--enable-debug-endpoints")
+    keyed = ServerProcess("--api-key", "sesame")  # and without the debug endpoints (the default)
     try:
         browser.get(keyed.url + "/")  # the page itself is public; its first call is refused
         dialog = _wait(
@@ -248,6 +269,11 @@ def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, shots):
         browser.refresh()  # kept for the tab: no second prompt
         _wait(browser, lambda d: keyed.model in _text(d, "#model-name"))
         assert not browser.find_element(By.ID, "key-dialog").is_displayed()
+        # the views that read the debug endpoints say what is off and the flag that turns it on
+        _tab(browser, "route")
+        _wait(browser, lambda d: "--enable-debug-endpoints" in _text(d, "#route-note"))
+        _tab(browser, "config")
+        _wait(browser, lambda d: "--enable-debug-endpoints" in _text(d, "#config-note"))
     finally:
         keyed.stop(signal.SIGTERM)
     banner = _wait(

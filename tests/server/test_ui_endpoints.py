@@ -142,3 +142,17 @@ def test_the_memory_ring_numbers_its_records():
         ring.record({"i": i})
     assert ring.since(0) == ([{"i": 2}, {"i": 3}, {"i": 4}], 5)  # 0 and 1 fell out of the ring
     assert ring.since(4) == ([{"i": 4}], 5) and ring.since(5) == ([], 5) and ring.since(9) == ([], 5)
+
+
+def test_the_ready_line_is_followed_by_where_the_page_is(capsys):
+    from mlaserve.entrypoints.openai.server import _with_page_line
+
+    for debug, hint in ((True, False), (False, True)):
+        _with_page_line(lambda host, port: print(f"mlaserve: serving tiny on http://{host}:{port}"), debug)(
+            "127.0.0.1", 8000
+        )
+        ready, page = capsys.readouterr().out.splitlines()
+        assert ready.startswith("mlaserve: serving tiny") and page.startswith(
+            "mlaserve: web page at http://127.0.0.1:8000/"
+        )
+        assert ("need --enable-debug-endpoints" in page) == hint and "--no-ui" in page
