@@ -195,38 +195,6 @@ def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
     _save(browser, shots, "route")
 
 
-def test_tensor_parallel_ranks_side_by_side_with_a_disagreement_marked(browser, server, shots):
-    # A TP server's ranks run the same route, so a real one never disagrees: the page is handed this
-    # server's own records as ranks 0 and 1, rank 1 changed at one step, and must mark exactly that step.
-    records = [r for r in server.get("/debug/routes", params={"last": 3}).json()["records"]]
-    bad = records[1]["step"]
-    ranks = []
-    for rank in (0, 1):
-        for rec in records:
-            rec = json.loads(json.dumps(rec)) | {"rank": rank}
-            if rank == 1 and rec["step"] == bad:
-                rec["segments"][0]["num_tokens"] += 1
-            ranks.append(rec)
-    browser.execute_script(
-        "state.debugOff = true; state.records.clear();"  # polling stops: only these records
-        "for (const r of arguments[0]) state.records.set(recordKey(r), r); drawRoute();",
-        ranks,
-    )
-    assert "disagree at step(s) " + str(bad) in _text(browser, "#ranks-summary")
-    marked = browser.execute_script(
-        "return Array.from(document.querySelectorAll('#route-chart g.step.disagree')).map(g => Number(g.dataset.step))"
-    )
-    assert marked == [bad]
-    browser.execute_script(
-        f"document.querySelector(`#route-chart g.step[data-step='{bad}']`).dispatchEvent(new MouseEvent('click', {{bubbles: true}}))"
-    )
-    columns = browser.find_elements(By.CSS_SELECTOR, "#step-detail .rank-col")
-    assert [c.find_element(By.TAG_NAME, "h3").text for c in columns] == ["rank 0 step", "rank 1 step"]
-    assert all("disagree" in c.get_attribute("class") for c in columns)
-    _save(browser, shots, "route-ranks")
-    browser.refresh()  # back to the server's own records for the next view
-
-
 def test_the_configuration_view_lists_is_sparse_with_its_source(browser, server, shots):
     expected = {r["name"]: r for r in server.get("/debug/config").json()["provenance"]}["is_sparse"]
     _tab(browser, "config")
@@ -246,6 +214,39 @@ def test_the_configuration_view_lists_is_sparse_with_its_source(browser, server,
     _wait(browser, lambda d: "no data yet" not in _text(d, '#metric-plots [data-key="mlaserve_kv_pages_in_use"]'))
     assert _errors(browser) == []
     _save(browser, shots, "config")
+
+
+def test_tensor_parallel_ranks_side_by_side_with_a_disagreement_marked(browser, server, shots):
+    # A TP server's ranks run the same route, so a real one never disagrees: the page is handed this
+    # server's own records as ranks 0 and 1, rank 1 changed at one step, and must mark exactly that step.
+    records = [r for r in server.get("/debug/routes", params={"last": 3}).json()["records"]]
+    bad = records[1]["step"]
+    ranks = []
+    for rank in (0, 1):
+        for rec in records:
+            rec = json.loads(json.dumps(rec)) | {"rank": rank}
+            if rank == 1 and rec["step"] == bad:
+                rec["segments"][0]["num_tokens"] += 1
+            ranks.append(rec)
+    _tab(browser, "route")
+    browser.execute_script(
+        "state.debugOff = true; state.records.clear();"  # polling stops: only these records
+        "for (const r of arguments[0]) state.records.set(recordKey(r), r); drawRoute();",
+        ranks,
+    )
+    assert "disagree at step(s) " + str(bad) in _text(browser, "#ranks-summary")
+    marked = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#route-chart g.step.disagree')).map(g => Number(g.dataset.step))"
+    )
+    assert marked == [bad]
+    browser.execute_script(
+        f"document.querySelector(`#route-chart g.step[data-step='{bad}']`).dispatchEvent(new MouseEvent('click', {{bubbles: true}}))"
+    )
+    columns = browser.find_elements(By.CSS_SELECTOR, "#step-detail .rank-col")
+    assert [c.find_element(By.TAG_NAME, "h3").text for c in columns] == ["rank 0 step", "rank 1 step"]
+    assert all("disagree" in c.get_attribute("class") for c in columns)
+    _save(browser, shots, "route-ranks")
+    browser.refresh()  # back to the server's own records for the next view
 
 
 def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, shots):

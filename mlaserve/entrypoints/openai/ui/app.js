@@ -421,7 +421,9 @@ function drawRoute() {
   // the stacked bars
   const svg = $("route-chart");
   svg.textContent = "";
-  const W = 900, H = 260, top = 16, bottom = 20, left = 40;
+  // drawn in pixels (the viewBox is the element's own size): text stays its size at any width
+  const W = svg.clientWidth || 900, H = 260, top = 16, bottom = 20, left = 40;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const perStep = shown.map((s) => main.get(s));
   const maxTokens = Math.max(1, ...perStep.map((r) => (r.segments || []).reduce((a, s) => a + s.num_tokens, 0)));
   const bw = (W - left) / Math.max(shown.length, 1);
@@ -561,7 +563,8 @@ function selectStep(step, quiet) {
 
 function sparkline(svg, points, empty, ymax) {
   svg.textContent = "";
-  const W = 300, H = 60, pad = 4;
+  const W = svg.clientWidth || 300, H = 60, pad = 4;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   if (!points.length) {
     const t = svgEl("text", { x: W / 2, y: H / 2 + 4, class: "empty", "text-anchor": "middle" });
     t.textContent = empty;
@@ -803,6 +806,10 @@ function start() {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); sendChat(); }
   });
   $("provenance-filter").addEventListener("input", filterProvenance);
+  window.addEventListener("resize", () => {
+    if (!$("view-route").hidden) drawRoute();
+    if (!$("view-config").hidden) drawMetrics();
+  });
   const view = location.hash.slice(1);
   if (["chat", "route", "config"].includes(view)) showView(view);
   loadModel();
