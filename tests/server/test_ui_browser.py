@@ -252,16 +252,18 @@ def test_tensor_parallel_ranks_side_by_side_with_a_disagreement_marked(browser, 
 def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, shots):
     keyed = ServerProcess("--api-key", "sesame")  # and without the debug endpoints (the default)
     try:
-        browser.get(keyed.url + "/")  # the page itself is public; its first call is refused
+        browser.get(keyed.url + "/")  # the page itself is public, and says a key is needed (/ui/server.json)
         dialog = _wait(
             browser,
             lambda d: d.find_element(By.ID, "key-dialog").is_displayed() and d.find_element(By.ID, "key-dialog"),
         )
+        assert _errors(browser) == []  # asked before any call: no refused request
         _save(browser, shots, "api-key")
         box = browser.find_element(By.ID, "key-input")
         box.send_keys("wrong")
         browser.find_element(By.ID, "key-save").click()
         _wait(browser, lambda d: "refused" in _text(d, "#key-message"))  # asked again, saying why
+        _errors(browser)  # the refused call is logged; reading the log empties it
         box.send_keys("sesame")
         browser.find_element(By.ID, "key-save").click()
         _wait(browser, lambda d: keyed.model in _text(d, "#model-name"))
@@ -275,6 +277,7 @@ def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, shots):
         _wait(browser, lambda d: "--enable-debug-endpoints" in _text(d, "#route-note"))
         _tab(browser, "config")
         _wait(browser, lambda d: "--enable-debug-endpoints" in _text(d, "#config-note"))
+        assert _errors(browser) == []  # the page never called an endpoint that is off (no 404)
     finally:
         keyed.stop(signal.SIGTERM)
     banner = _wait(

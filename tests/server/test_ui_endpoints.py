@@ -48,8 +48,11 @@ def test_the_page_is_served_at_root_and_not_with_ui_off(llm):
 
 def test_the_page_files_are_public_under_a_key_and_the_data_is_not(llm):
     client = _client(llm, api_key="k", debug_endpoints=True)
-    for path in ("/", "/ui/app.js", "/ui/style.css"):
+    for path in ("/", "/ui/app.js", "/ui/style.css", "/ui/server.json"):
         assert client.get(path).status_code == 200, path
+    # all the page learns without the key: that it needs one, and whether the debug endpoints are on
+    assert client.get("/ui/server.json").json() == {"api_key": True, "debug_endpoints": True}
+    assert _client(llm).get("/ui/server.json").json() == {"api_key": False, "debug_endpoints": False}
     for path in ("/v1/models", "/debug/routes", "/debug/provenance", "/debug/kernels", "/debug/verify"):
         assert client.get(path).status_code == 401, path
         assert client.get(path, headers={"Authorization": "Bearer k"}).status_code == 200, path

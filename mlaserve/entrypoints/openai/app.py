@@ -30,7 +30,7 @@ from mlaserve.entrypoints.openai.debug_views import (
     verify_rows,
 )
 from mlaserve.entrypoints.openai.errors import APIError, from_pydantic
-from mlaserve.entrypoints.openai.page import PAGE_FILES, add_page
+from mlaserve.entrypoints.openai.page import PUBLIC_PATHS, add_page
 from mlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,12 +68,12 @@ def build_app(
     if debug_endpoints:
         _add_debug_routes(app, serving, ring, verify)
     if ui:
-        add_page(app)
+        add_page(app, keyed=bool(api_key), debug_endpoints=debug_endpoints)
     _document(app, serving, bool(api_key))
     rejected = _rejections(serving)
     app.add_middleware(BodyLimit, max_body=max_body, on_reject=rejected)
     if api_key:
-        public = OPEN_PATHS + (tuple(PAGE_FILES) if ui else ())
+        public = OPEN_PATHS + (PUBLIC_PATHS if ui else ())
         app.add_middleware(ApiKey, key=api_key, on_reject=rejected, public=public)
     if allowed_origins:  # outermost: a preflight (OPTIONS, no key) is answered before the key check
         app.add_middleware(

@@ -321,14 +321,7 @@ async function pollRoutes() {
     // only the records written since the last poll (the server numbers them); the first poll: the last 500
     out = await apiJSON("/debug/routes?last=" + ROUTE_RECORDS + "&since=" + state.routesNext);
   } catch (e) {
-    if (e.status === 404) {
-      state.debugOff = true;
-      const note = $("route-note");
-      note.textContent = "This server runs without --enable-debug-endpoints, so /debug/routes is off: " +
-        "restart it with `mlaserve serve --enable-debug-endpoints` to see the route (`--trace FILE` and " +
-        "`mlaserve trace plot FILE` draw it offline).";
-      note.hidden = false;
-    }
+    if (e.status === 404) debugOff();
     return;
   }
   if (out.next < state.routesNext) { // numbered from 0 again: the server restarted; start over
@@ -342,6 +335,19 @@ async function pollRoutes() {
   const keys = Array.from(state.records.keys());
   for (const k of keys.slice(0, Math.max(0, keys.length - ROUTE_RECORDS))) state.records.delete(k);
   if (!$("view-route").hidden) drawRoute();
+}
+
+function debugOff() {
+  state.debugOff = true;
+  const note = $("route-note");
+  note.textContent = "This server runs without --enable-debug-endpoints, so /debug/routes is off: " +
+    "restart it with `mlaserve serve --enable-debug-endpoints` to see the route (`--trace FILE` and " +
+    "`mlaserve trace plot FILE` draw it offline).";
+  note.hidden = false;
+  const config = $("config-note");
+  config.textContent = "This server runs without --enable-debug-endpoints: the provenance, kernel plan and " +
+    "self-checks are off (`mlaserve inspect` prints them). The metrics below come from /metrics, which is always on.";
+  config.hidden = false;
 }
 
 function trunkByRank() {
@@ -594,7 +600,7 @@ function fmt(v) {
 // ---- configuration and health
 
 async function loadConfig() {
-  if (state.configLoaded) return;
+  if (state.configLoaded || state.debugOff) return;
   try {
     const [prov, kernels, verify] = await Promise.all([
       apiJSON("/debug/provenance"), apiJSON("/debug/kernels"), apiJSON("/debug/verify")]);
@@ -810,7 +816,20 @@ function start() {
     if (!$("view-route").hidden) drawRoute();
     if (!$("view-config").hidden) drawMetrics();
   });
-  const view = location.hash.slice(1);
+  boot();
+}
+
+async function boot() {
+  // what the server says about itself (public): ask for the key before the first call, never call an
+  // endpoint that is off
+  try {
+    const info = await (await fetch("/ui/server.json", { cache: "no-store" })).json();
+    if (!info.debug_endpoints) debugOff();
+    if (info.api_key && !sessionStorage.getItem(KEY_STORE)) await askKey("");
+  } catch (e) {
+    setOnline(false);
+  }
+  const view = location.hash.slice(1); // a link to a view: /#route, /#config
   if (["chat", "route", "config"].includes(view)) showView(view);
   loadModel();
   pollHealth();
