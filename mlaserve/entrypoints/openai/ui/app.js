@@ -324,6 +324,7 @@ async function pollRoutes() {
     if (e.status === 404) debugOff();
     return;
   }
+  if (state.debugOff) return; // turned off while this poll was in flight
   if (out.next < state.routesNext) { // numbered from 0 again: the server restarted; start over
     state.records.clear();
     state.routesNext = 0;
