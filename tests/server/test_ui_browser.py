@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,12 +86,23 @@ def browser(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server():
+def servers():
+    """Both servers, started at once (each start is mostly waiting on imports and loading): one with the
+    debug endpoints and --verify; one behind an API key without the debug endpoints (the default)."""
     # index_topk 32 < the checkpoint's 64: the chat's context passes it (the indexer selects), and the
     # provenance table must mark the setting as differing from config.json
-    srv = ServerProcess("--enable-debug-endpoints", "--verify", "--index-topk", "32")
-    yield srv
-    srv.stop()
+    with ThreadPoolExecutor(2) as pool:
+        main = pool.submit(ServerProcess, "--enable-debug-endpoints", "--verify", "--index-topk", "32")
+        keyed = pool.submit(ServerProcess, "--api-key", "sesame")
+        started = {"main": main.result(), "keyed": keyed.result()}
+    yield started
+    for srv in started.values():
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["main"]
 
 
 def _wait(driver, what, timeout: float = WAIT_S):
@@ -266,8 +278,8 @@ def test_tensor_parallel_ranks_side_by_side_with_a_disagreement_marked(browser, 
     browser.refresh()  # back to the server's own records for the next view
 
 
-def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, shots):
-    keyed = ServerProcess("--api-key", "sesame")  # and without the debug endpoints (the default)
+def test_the_api_key_prompt_then_a_server_gone_is_a_message(browser, servers, shots):
+    keyed = servers["keyed"]
     try:
         browser.get(keyed.url + "/")  # the page itself is public, and says a key is needed (/ui/server.json)
         dialog = _wait(
