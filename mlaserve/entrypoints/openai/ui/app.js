@@ -232,7 +232,8 @@ async function sendChat() {
   }
   out.parentElement.classList.remove("streaming");
   if (error) out.parentElement.appendChild(el("div", "error", "error: " + error));
-  state.history.push({ role: "assistant", content: answer });
+  if (error && !answer) state.history.pop(); // no answer: the turn is not part of the conversation (send again)
+  else state.history.push({ role: "assistant", content: answer });
   out.parentElement.dataset.finish = finish || "";
   showStats(usage, t0, tFirst, tLast, finish);
   state.abort = null;
@@ -766,7 +767,7 @@ async function pollMetrics() {
     if (key.startsWith("rate:")) {
       const name = key.slice(5);
       if (prev && samples[name] !== undefined) v = (samples[name] - prev.values[name]) / Math.max(t - prev.t, 1e-3);
-    } else if (key.startsWith("p")) {
+    } else if (/^p\d+:/.test(key)) {
       const [q, name] = key.split(":");
       if (hist[name]) v = quantile(parseInt(q.slice(1), 10) / 100, hist[name], before === hist ? null : before[name]);
     } else {
