@@ -159,3 +159,17 @@ def test_the_ready_line_is_followed_by_where_the_page_is(capsys):
             "mlaserve: web page at http://127.0.0.1:8000/"
         )
         assert ("need --enable-debug-endpoints" in page) == hint and "--no-ui" in page
+
+
+def test_a_tracer_swapped_in_after_load_gets_the_mtp_drafts_too():
+    # `serve` replaces the runner's tracer with its RouteTap after the load; the drafter held the old one,
+    # so /debug/routes (the page's acceptance view) and the MTP metrics never saw a `draft` record
+    spec = LLM(speculative="mtp", num_speculative_tokens=2)
+    spec.runner.tracer = route_tap(None)
+    app, _, serving = build_server(spec, "tiny", 8, debug_endpoints=True)
+    spec.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0))
+    records = TestClient(app).get("/debug/routes", params={"last": 100}).json()["records"]
+    phases = {r.get("spec_phase") for r in records}
+    assert {"target", "verify", "accept", "draft"} <= phases, phases
+    mtp = serving.metrics.registry.get_sample_value("mlaserve_spec_mtp_tokens_total")
+    assert mtp == sum(r["num_tokens"] for r in records if r.get("spec_phase") == "draft") > 0

@@ -122,7 +122,7 @@ async function pollHealth() {
 function showView(name) {
   document.querySelectorAll(".tab").forEach((b) => b.classList.toggle("active", b.dataset.view === name));
   document.querySelectorAll(".view").forEach((v) => { v.hidden = v.id !== "view-" + name; });
-  if (name === "config") loadConfig();
+  if (name === "config") { loadConfig(); drawMetrics(); }
   if (name === "route") drawRoute();
 }
 
