@@ -90,9 +90,11 @@ def servers():
     """Both servers, started at once (each start is mostly waiting on imports and loading): one with the
     debug endpoints and --verify; one behind an API key without the debug endpoints (the default)."""
     # index_topk 32 < the checkpoint's 64: the chat's context passes it (the indexer selects), and the
-    # provenance table must mark the setting as differing from config.json
+    # provenance table must mark the setting as differing from config.json. MTP speculation (the embedded
+    # model has its MTP layer): greedy output is plain greedy's, and the route view has drafts to count.
+    main_args = ("--enable-debug-endpoints", "--verify", "--index-topk", "32", "--speculative", "mtp")
     with ThreadPoolExecutor(2) as pool:
-        main = pool.submit(ServerProcess, "--enable-debug-endpoints", "--verify", "--index-topk", "32")
+        main = pool.submit(ServerProcess, *main_args)
         keyed = pool.submit(ServerProcess, "--api-key", "sesame")
         started = {"main": main.result(), "keyed": keyed.result()}
     yield started
@@ -156,18 +158,23 @@ def test_a_chat_message_streams_the_api_greedy_answer(browser, server, shots):
     assert shown == reference.choices[0].message.content and shown
     assert tokens == reference.usage.completion_tokens
     raw = browser.execute_script("return document.getElementById('raw-response').textContent")
-    assert raw.count("data: ") >= tokens and raw.rstrip().endswith("data: [DONE]")  # streamed, chunk by chunk
+    # streamed: several content chunks (with MTP drafts a chunk may carry more than one token), then [DONE]
+    assert raw.count('"content":') > 2 and raw.rstrip().endswith("data: [DONE]")
     assert "tokens/s" in _text(browser, "#chat-stats")
     assert _errors(browser) == []
     _save(browser, shots, "chat")
 
 
+def _trunk(records: list[dict]) -> list[dict]:
+    """The steps' own records (MTP's accept / draft / switch records are not routes of the trunk)."""
+    return [r for r in records if r.get("spec_phase") in (None, "target", "verify")]
+
+
 def _phase_totals(records: list[dict]) -> dict[str, int]:
     totals = {"decode": 0, "prefill": 0}
-    for rec in records:
-        if rec.get("spec_phase") in (None, "target", "verify"):
-            for seg in rec["segments"]:
-                totals[seg["phase"]] += seg["num_tokens"]
+    for rec in _trunk(records):
+        for seg in rec["segments"]:
+            totals[seg["phase"]] += seg["num_tokens"]
     return totals
 
 
@@ -190,7 +197,7 @@ def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
         "return Array.from(document.querySelectorAll('#route-chart rect.bar')).map(b => "
         "[b.dataset.phase, Number(b.dataset.tokens), Number(b.dataset.step)])"
     )
-    drawn = sorted(records, key=lambda r: r["step"])[-60:]  # the chart draws the last 60 steps
+    drawn = sorted(_trunk(records), key=lambda r: r["step"])[-60:]  # the chart draws the last 60 steps
     by_phase = {p: sum(n for ph, n, _ in bars if ph == p) for p in totals}
     assert by_phase == _phase_totals(drawn)  # each bar is its step's segment
     assert {step for _, _, step in bars} == {r["step"] for r in drawn}
@@ -200,13 +207,20 @@ def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
         "[r.dataset.phase, r.dataset.path, r.dataset.mode, Number(r.querySelector('td.count').textContent)])"
     )
     expected = {}
-    for rec in records:
+    for rec in _trunk(records):
         mode = "dense" if not rec["sparse"] else "sparse top-k" if rec["needs_selection"] else "sparse all rows"
         for seg in rec["segments"]:
             key = (seg["phase"], seg["path"], mode)
             expected[key] = expected.get(key, 0) + seg["num_tokens"]
     assert {tuple(row[:3]): row[3] for row in table} == expected
     assert any(mode == "sparse top-k" for _, _, mode in expected)  # past index_topk 32: the indexer selected
+    # speculative decoding: the drafts accepted / proposed of the records' accept entries
+    accepts = [r for r in records if r.get("spec_phase") == "accept"]
+    proposed, accepted = (sum(r[k] for r in accepts) for k in ("num_proposed_tokens", "num_accepted_tokens"))
+    assert proposed > 0
+    row = browser.find_element(By.CSS_SELECTOR, '#route-counters tr[data-name="speculative"] td').text
+    assert row.startswith(f"{accepted} / {proposed} drafts accepted"), row
+    assert browser.find_elements(By.CSS_SELECTOR, "#spec-chart path.spark-line")
     step = next(step for ph, _, step in bars if ph == "prefill")
     # a bar may be a few pixels high: click its step by event, not by coordinates
     browser.execute_script(
@@ -247,7 +261,7 @@ def test_tensor_parallel_ranks_side_by_side_with_a_disagreement_marked(browser, 
     # server's own records as ranks 0 and 1, rank 1 changed at one step, and must mark exactly that step.
     body = {"model": server.model, "prompt": "In the beginning", "max_tokens": 3, "temperature": 0}
     assert server.post("/v1/completions", json=body).status_code == 200  # three steps of its own
-    records = server.get("/debug/routes", params={"last": 3}).json()["records"]
+    records = _trunk(server.get("/debug/routes", params={"last": 50}).json()["records"])[-3:]
     _open(browser, server)
     bad = records[1]["step"]
     ranks = []
@@ -272,7 +286,8 @@ def test_tensor_parallel_ranks_side_by_side_with_a_disagreement_marked(browser, 
         f"document.querySelector(`#route-chart g.step[data-step='{bad}']`).dispatchEvent(new MouseEvent('click', {{bubbles: true}}))"
     )
     columns = browser.find_elements(By.CSS_SELECTOR, "#step-detail .rank-col")
-    assert [c.find_element(By.TAG_NAME, "h3").text for c in columns] == ["rank 0 step", "rank 1 step"]
+    titles = [c.find_element(By.TAG_NAME, "h3").text.split() for c in columns]  # "rank 0 verify", ...
+    assert [t[:2] for t in titles] == [["rank", "0"], ["rank", "1"]] and titles[0][2] == titles[1][2]
     assert all("disagree" in c.get_attribute("class") for c in columns)
     _save(browser, shots, "route-ranks")
     browser.refresh()  # back to the server's own records for the next view
