@@ -26,6 +26,9 @@ class Segment:
     implementation: str = "torch:absorbed"  # backend:operation, e.g. "torch:sparse_absorbed"
     index_scoring: str | None = None  # "fp32" | "bf16_then_fp32" when this segment selects its top-k
     kind: str = "mla"  # the attention kind whose layers run this segment
+    # layers of several attention sublayers (LongCat-Flash): the cache state of each sublayer that runs this
+    # segment, in order (the kind's AttentionPlan.sublayers); () for one attention per layer
+    sublayers: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,9 @@ class AttentionPlan:
     kind: str = "mla"
     layers: tuple[int, ...] = ()  # the layers of this kind
     rows: KindRows | None = None  # DeepSeek-V4 kinds: the rows each request's queries attend (router.py)
+    # layers of several attention sublayers (LongCat-Flash): the latent state each sublayer reads and writes, in
+    # order; every sublayer executes these segments. () for one attention per layer
+    sublayers: tuple[str, ...] = ()
 
     def counts(self) -> dict[str, int]:
         return _counts(self.segments)
@@ -140,6 +146,10 @@ def _counts(segments: tuple[Segment, ...]) -> dict[str, int]:
 
 def _segment_record(s: Segment) -> dict:
     rec = asdict(s)
+    if s.sublayers:
+        rec["sublayers"] = list(s.sublayers)
+    else:
+        del rec["sublayers"]  # one attention per layer: nothing to say
     rec["request_ids"] = list(s.request_ids)
     rec["num_tokens"] = s.num_tokens
     return rec
@@ -147,4 +157,6 @@ def _segment_record(s: Segment) -> dict:
 
 def _kind_record(p: AttentionPlan) -> dict:
     rec = {"kind": p.kind, "layers": layer_ranges(p.layers), "sparse": p.sparse, **p.counts()}
+    if p.sublayers:  # which sublayer writes which cache state (a token's segments run once per sublayer)
+        rec["sublayers"] = [{"sublayer": j, "state": name} for j, name in enumerate(p.sublayers)]
     return rec | ({"rows": p.rows.to_record()} if p.rows is not None else {})

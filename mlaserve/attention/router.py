@@ -51,9 +51,11 @@ def route(
     backend: str = "torch",
     kind: str = "mla",
     layers: tuple[int, ...] = (),
+    sublayers: tuple[str, ...] = (),
 ) -> AttentionPlan:
     """Split the batch into at most two segments (decode, prefill) and name each one's path.
-    key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments)."""
+    key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments).
+    sublayers: the cache state of each attention sublayer of these layers (LongCat-Flash), recorded."""
     if mla_path not in MLA_PATHS:
         raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
     if sparse and index_topk is None:
@@ -83,6 +85,7 @@ def route(
                 implementation=_implementation(backend, path, sparse, select),
                 index_scoring=kernels.index_scoring(key_dtype) if select else None,
                 kind=kind,
+                sublayers=sublayers,
             )
         )
     return AttentionPlan(
@@ -93,6 +96,7 @@ def route(
         needs_selection=select,
         kind=kind,
         layers=layers,
+        sublayers=sublayers,
     )
 
 
@@ -119,7 +123,8 @@ def route_step(
             continue
         kind_sparse = sparse and kind == "mla_dsa"
         topk = index_topk if kind_sparse else None
-        plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids))
+        subs = next(k.sublayers for k in layers if k.attention == kind)  # one stack: every layer has the same
+        plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs))
     return StepRoute(tuple(plans))
 
 

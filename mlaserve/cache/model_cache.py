@@ -17,6 +17,13 @@ request, N = max_num_seqs); slot N is the pad slot (`state_pad_slot`), zero and 
 batched kernel that pads its sequences to read. Bytes per request = sum over layers and request states
 of prod(per_request) * width * its dtype size. A model without request states allocates none (N = 0).
 `reset_states(slots)` zeroes slots before a step whose chunks start their sequences (SeqChunk.reset_state).
+
+Page-boundary snapshots (config/layer_kinds.py, StateSpec.snapshot), allocated when the engine keeps them
+(snapshots=True: prefix caching on): a snapshotted request state `name` has a companion `name_snapshot`
+[P + 1, *per_request, width], one row per page: the state after the page's last token, written by the layer
+when a chunk crosses or ends on that boundary (StepContext.snapshots). `restore_states(slots, pages)` starts
+a sequence at a prefix hit: every request state of the slot zeroed, then each snapshotted one copied from the
+row of the hit's last page. Bytes per token of snapshots = sum of their values per request * size / page_size.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mlaserve.config.layer_kinds import LayerKind, StateSpec, check_page_size, request_states
+from mlaserve.config.layer_kinds import LayerKind, StateSpec, check_page_size, request_states, snapshot_states
 from mlaserve.config.model import ConfigError
 
 
@@ -56,20 +63,29 @@ class ModelCache:
         device: str | torch.device = "cpu",
         num_slots: int = 0,
         prefault: bool = False,
+        snapshots: bool = False,
     ) -> None:
         """num_slots: state slots of the request-addressed states (the engine passes max_num_seqs when the
         stack declares any; 0 otherwise). prefault: write every byte now (the engine option kv_prefault), so
-        the pool is resident from the start instead of page by page as rows are first written (see `_zeros`)."""
+        the pool is resident from the start instead of page by page as rows are first written (see `_zeros`).
+        snapshots: keep the page-boundary snapshots of the snapshotted request states (prefix caching on)."""
         check_page_size(layers, page_size)
         check_request_states(layers, num_slots)
         self.page_size, self.num_pages, self.kinds = page_size, num_pages, layers
         self.pad_slot = num_pages * page_size  # the zero row after the pages (tokens_per_row 1 states)
         self.num_slots = num_slots if request_states(layers) else 0
         self.state_pad_slot = self.num_slots  # the zero slot after the request slots
+        self.keeps_snapshots = snapshots and bool(snapshot_states(layers))
         self.layers = tuple(
             LayerState(k, {s.name: _allocate(s, num_pages, page_size, num_slots, dtype, device) for s in k.states})
             for k in layers
         )
+        if self.keeps_snapshots:  # one row per page, then the zero pad row
+            for layer in self.layers:
+                for s in layer.kind.per_request:
+                    if s.snapshot:
+                        shape = (num_pages + 1, *s.request_shape)
+                        layer.tensors[s.name + "_snapshot"] = torch.zeros(shape, dtype=s.dtype or dtype, device=device)
         if prefault:
             for layer in self.layers:
                 for t in layer.tensors.values():
@@ -89,6 +105,32 @@ class ModelCache:
         for t in self.request_tensors():
             t.index_fill_(0, slots, 0)
 
+    def snapshot_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(request state [N + 1, ...], its snapshot rows [P + 1, ...]) of every snapshotted state kept."""
+        if not self.keeps_snapshots:
+            return []
+        return [
+            (layer.tensors[s.name], layer.tensors[s.name + "_snapshot"])
+            for layer in self.layers
+            for s in layer.kind.per_request
+            if s.snapshot
+        ]
+
+    def restore_states(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        """Start these slots at prefix hits ending on these pages (ForwardBatch.restores): zero every request
+        state (the carries empty at a page boundary stay so), then copy each snapshotted state from its page's
+        row. One fill and one gather-copy per state tensor, all slots at once."""
+        if not self.keeps_snapshots:
+            raise RuntimeError("restore_states: this cache keeps no page-boundary snapshots (prefix caching off)")
+        self.reset_states(slots)
+        for state, snap in self.snapshot_pairs():
+            state.index_copy_(0, slots, snap.index_select(0, pages))
+
+    @staticmethod
+    def snapshot_bytes_per_token(layers: tuple[LayerKind, ...], dtype: torch.dtype, page_size: int) -> float:
+        """Bytes per token of the page-boundary snapshots (one per page of every snapshotted request state)."""
+        return sum(s.values_per_request() * s.element_size(dtype) for _, s in snapshot_states(layers)) / page_size
+
     @staticmethod
     def bytes_per_token(layers: tuple[LayerKind, ...], dtype: torch.dtype) -> int:
         size = torch.empty((), dtype=dtype).element_size()
@@ -102,6 +144,7 @@ class ModelCache:
     def measured_bytes_per_token(self) -> int:
         """Allocated bytes per cached token of the paged states, the pad rows (a fixed row per state) left out."""
         paged = [layer.tensors[s.name] for layer in self.layers for s in layer.kind.paged]
+        paged += [snap for _, snap in self.snapshot_pairs()]  # one row per page, kept per page like the rows
         total = sum((t.shape[0] - 1) * t[0].numel() * t.element_size() for t in paged)
         return total // (self.num_pages * self.page_size)
 
@@ -113,19 +156,11 @@ class ModelCache:
 
 
 def check_request_states(layers: tuple[LayerKind, ...], num_slots: int) -> None:
-    """A stack with request states needs slots; page-boundary snapshots are designed, not built yet
-    (config/layer_kinds.py), so a state that claims them is refused rather than restored wrongly."""
+    """A stack with request states needs slots."""
     states = request_states(layers)
     if states and num_slots < 1:
         index, s = states[0]
         raise ConfigError(f"layer {index}'s request state {s.name!r} needs state slots; num_slots={num_slots}")
-    for index, s in states:
-        if s.snapshot:
-            raise ConfigError(
-                f"layer {index}'s request state {s.name!r} declares page-boundary snapshots, which this cache does "
-                "not keep yet (the hook is designed in config/layer_kinds.py); declare snapshot=False (prefix "
-                "caching then runs off)"
-            )
 
 
 def _allocate(

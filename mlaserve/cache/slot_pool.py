@@ -7,7 +7,8 @@ paged states only has no slot pool and no slot in any SeqChunk. The tensors the 
 
 Lifecycle: a slot is taken when a request is admitted to the running set and given back when it leaves
 it (finish, abort, failure, preemption). A freed slot's stale contents are never read: the first chunk
-of every (re-)admitted request says `reset_state` and the runner zeroes its slot before the step.
+of every (re-)admitted request says `reset_state` (the runner zeroes its slot before the step) or, at a
+prefix hit, `restore_page` (the runner zeroes it and copies the page's snapshot rows in).
 Slots are reused in the order they were freed (FIFO), so a slot freed this step is the last to be
 handed out again.
 """

@@ -544,3 +544,24 @@ def _ranges(ids: list[int]) -> str:
             out.append(f"{start}-{x}" if x > start else f"{x}")
             start = y
     return ", ".join(out)
+
+
+# DeepSeek-V4's default page: vLLM's 256 tokens, rounded up to a multiple of every compress ratio
+V4_PAGE_TOKENS = 256
+
+
+def v4_page_size(model) -> tuple[int, str]:
+    """The page size a DeepSeek-V4 stack gets when the user leaves page_size at the engine default, and why.
+    The pools keep one row per m tokens in pages, so the page must be a multiple of every ratio m; prefix hits
+    land on page boundaries, so a smaller page shares more; every page also keeps a snapshot of each layer's
+    ring (W rows) and overlap halves, so a larger page costs fewer snapshot bytes per token. 256 (vLLM's): for
+    V4-Flash (ratios 4, 128; W 128) the ring snapshots add W / 256 = half a K=V row per token and layer."""
+    ratios = sorted({model.ratio(i) for i, k in enumerate(model.layer_kinds) if k != "sliding"})
+    lcm = math.lcm(*ratios) if ratios else 1
+    page = -(-V4_PAGE_TOKENS // lcm) * lcm
+    why = (
+        f"family default (DeepSeek-V4): {V4_PAGE_TOKENS} tokens as vLLM, the smallest multiple of every compress "
+        f"ratio {tuple(ratios)} at or above it: compressed pool rows stay inside pages and a prefix hit lands on "
+        "a page boundary, where each ring and overlap half has its snapshot row"
+    )
+    return page, why

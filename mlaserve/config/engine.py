@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mlaserve.config import families
+from mlaserve.config.deepseek_v4 import v4_page_size
 from mlaserve.config.machine import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
@@ -357,6 +358,7 @@ def resolve(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         _user(log, name, value)
+    page_size = _page_size(model, opts.page_size, log)
     if not isinstance(opts.check_tensors, bool):
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
@@ -376,7 +378,7 @@ def resolve(
         if opts.malloc_tuning
         else "off: library default (a process-wide policy is the host's choice; LLM(malloc_tuning=True) turns it on)",
     )
-    num_pages = _num_pages(opts, max_model_len or model.max_position_embeddings, log)
+    num_pages = _num_pages(opts, page_size, max_model_len or model.max_position_embeddings, log)
     if not isinstance(opts.kv_prefault, bool):
         raise ConfigError(f"kv_prefault must be a bool, got {opts.kv_prefault!r}")
     _user(log, "kv_prefault", opts.kv_prefault)
@@ -387,7 +389,7 @@ def resolve(
         model=model,
         runtime=RuntimeConfig(device=device, dtype=dtype, threads=threads, malloc_tuning=opts.malloc_tuning),
         cache=CacheConfig(
-            page_size=opts.page_size,
+            page_size=page_size,
             num_pages=num_pages,
             enable_prefix_caching=opts.enable_prefix_caching,
             kv_prefault=opts.kv_prefault,
@@ -529,10 +531,19 @@ def _index_topk(model: ModelConfig, override: int | None, sparse: bool, log: Pro
     return model.indexer.topk
 
 
-def _num_pages(opts: EngineOptions, max_len: int, log: ProvenanceLog) -> int:
+def _page_size(model: ModelConfig, page_size: int, log: ProvenanceLog) -> int:
+    """The page size: the user's, or a family's own default in place of the engine's (DeepSeek-V4: its
+    compressed pools need a multiple of every compress ratio; config/deepseek_v4.py v4_page_size)."""
+    if model.family.layer_kinds != "deepseek_v4" or page_size != option_default("page_size"):
+        return page_size
+    chosen, why = v4_page_size(model)
+    return log.record("page_size", chosen, why)
+
+
+def _num_pages(opts: EngineOptions, page_size: int, max_len: int, log: ProvenanceLog) -> int:
     if opts.num_pages is not None:
         return log.record("num_pages", opts.num_pages, "user option")
     # Enough for max_num_seqs sequences of up to 2048 tokens, capped: the cache is small (latent rows).
-    per_seq = -(-min(max_len, 2048) // opts.page_size)
+    per_seq = -(-min(max_len, 2048) // page_size)
     n = max(per_seq * min(opts.max_num_seqs, 16), 64)
     return log.record("num_pages", n, f"engine default (16 sequences x {min(max_len, 2048)} tokens)")

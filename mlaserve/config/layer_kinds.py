@@ -21,42 +21,42 @@ Cache states (StateSpec)
   slot of it per running request (cache/slot_pool.py assigns slots on the scheduling rank, at admission;
   freed at finish, abort, failure and preemption) plus a zero pad slot; SeqChunk.state_slot names a
   request's slot and SeqChunk.reset_state says the runner zeroes it before the step (the chunk starts
-  the sequence: first admission or re-admission after preemption, which recomputes from token 0).
+  the sequence at token 0: first admission, or re-admission after preemption without a prefix hit).
   Prefix caching: a request state cannot be recomputed from paged rows, so a prefix hit is exact only
-  if the state was snapshotted at the page boundary the hit ends at. `snapshot` says whether a state
-  has such snapshots; a stack with a request state that lacks them runs with prefix caching off
-  (prefix_caching_blocker; the reason is recorded in provenance). The snapshot hook, designed and not
-  built yet (ModelCache refuses snapshot=True): a companion paged state `<name>_snapshot` with
-  tokens_per_row = page_size (one row per page: the state after the page's last token) written by the
-  layer when a chunk crosses a page boundary; a prefix hit then restores the slot from the row of the
-  last cached page instead of zeroing it (SeqChunk would carry that page as plain data). Speculative
+  if the state can be restored at the page boundary the hit ends at: `snapshot` (the state is saved there)
+  or `empty_at_page_boundary` (it holds nothing a later token reads there: a compressor's open window, the
+  page being a multiple of its ratio; a hit restores it by zeroing). A stack with a request state that is
+  neither runs with prefix caching off (prefix_caching_blocker; the reason is recorded in provenance).
+  The snapshot hook (built): with prefix caching on, ModelCache keeps a companion `<name>_snapshot`
+  [num_pages + 1, *per_request, width] per snapshotted state, one row per page (the state after the page's
+  last token), written by the layer when a chunk crosses or ends on the boundary (SeqChunk.snapshot_at ->
+  StepContext.snapshots: (k, page), plain data); a prefix hit restores the slot from the row of the last
+  cached page (SeqChunk.restore_page, ModelCache.restore_states) instead of zeroing it. Every page in the
+  prefix cache has its rows: a page is named only once full, by the step that wrote them. Speculative
   decoding is refused with request states (a rejected draft cannot be rolled out of a state).
 
 Kinds the next families need, and where they plug in (docs/ARCHITECTURE.md, "Layer and cache kinds"):
-  a ring window (DeepSeek-V4's 128-token window): paged rows read through the last `window` slots of the
-  block table, or a per-request ring (StateSpec(..., addressing="request", per_request=(window,)));
-  compressed pools (V4's CSA at 1 row per 4 tokens, HCA at 1 per 128): paged rows with tokens_per_row =
-  the ratio plus a compressor carry per request ("request": the buffered incomplete group, CSA's overlap
-  half); linear attention (KDA): a recurrent state per request ("request", per_request=(H, dk), width dv,
-  dtype float32) plus its short-conv state ("request", per_request=(kernel - 1,)), snapshotted at page
-  boundaries for the prefix cache once the hook is built; two MLA sublayers (LongCat-Flash): two latent
-  states in one layer. A layer reads and writes a request state at StepContext.state_slots (per sequence)
-  or token_state_slots (per token) of its LayerState tensor.
+  linear attention (KDA): a recurrent state per request ("request", per_request=(H, dk), width dv,
+  dtype float32) plus its short-conv state ("request", per_request=(kernel - 1,)), snapshot=True for the
+  prefix cache (the layer writes its rows at StepContext.snapshots). A layer reads and writes a request state
+  at StepContext.state_slots (per sequence) or token_state_slots (per token) of its LayerState tensor.
+Two MLA sublayers per decoder layer (LongCat-Flash, family sublayers=2): one LayerKind of kind mla with two
+latent states, "latent" (sublayer 0) then "latent_1" (sublayer 1); `sublayers` names each sublayer's state,
+both sublayers execute the kind's plan, and the route records which state each sublayer writes.
 DeepSeek-V4 (family layer_kinds "deepseek_v4", config/deepseek_v4.py) declares one kind per layer from
-its layer_types / compress_ratios, every state "request"-addressed (this first landing; why below):
-  v4_sliding  window [W x D]                               the K=V rows of the last W positions (a ring)
-  v4_hca      window + kv_carry [2 x m x D] + kv_pool [P x D]
-  v4_csa      window + kv_carry [2 x m x 2D] + kv_overlap [2 x m x D] + kv_pool [P x D]
-              + index_carry [2 x m x 2c] + index_overlap [2 x m x c] + index_pool [P x c]
-  (W sliding_window, D head_dim, m the layer's ratio, c index_head_dim, P = max_model_len // m; a carry
-  holds the open window's raw kv rows then its gate rows; an overlap the Ca half of the last closed window)
-Why the pools are "request" and not "page" addressed (tokens_per_row = m): the V4 attention reads each
-sequence's pool as one contiguous block (models/deepseek_v4/state.py), so a slot view serves it unchanged;
-paging them needs a block-table gather in the compressor and indexer, and buys memory proportional to the
-context instead of max_model_len, plus prefix caching once the carry is snapshotted -- the next step. The
-cost is recorded honestly: bytes per request include P rows per pool (describe, `mlaserve inspect`).
-The counters (rows filled, carry fill) are not stored: they are functions of the sequence's context_len
-(rows = context_len // m, fill = context_len % m), so a slot holds tensors only.
+its layer_types / compress_ratios:
+  v4_sliding  window [W x D] request, snapshot            the K=V rows of the last W positions (a ring)
+  v4_hca      window + kv_carry [2 x m x D] request, empty at page boundaries + kv_pool [D] per m tokens, paged
+  v4_csa      window + kv_carry [2 x m x 2D] (empty at page boundaries) + kv_overlap [2 x m x D] request, snapshot
+              + kv_pool [D] per m tokens, paged + index_carry [2 x m x 2c] + index_overlap [2 x m x c]
+              + index_pool [c] per m tokens, paged
+  (W sliding_window, D head_dim, m the layer's ratio, c index_head_dim; a carry holds the open window's raw kv
+  rows then its gate rows; an overlap the Ca half of the last closed window)
+The pools are paged (a page of page_size tokens holds page_size / m rows; memory grows with the context), so
+page_size is a multiple of every ratio: V4's default is 256 (vLLM's) rounded up to one (config/deepseek_v4.py
+v4_page_size, recorded in provenance). A page boundary is then a multiple of every m, so every carry is empty there
+and only the ring and the overlap halves need snapshots. The counters (rows filled, carry fill) are not stored: they
+are functions of the sequence's context_len (rows = context_len // m, fill = context_len % m).
 """
 
 from __future__ import annotations
@@ -86,13 +86,21 @@ class StateSpec:
     addressing: str = "page"
     per_request: tuple[int, ...] = ()  # "request": the leading dims of a request's block (rows, or heads x dk)
     snapshot: bool = False  # "request": snapshotted at page boundaries (prefix caching stays exact)
+    # "request": holds nothing a later token reads at any page boundary, so a prefix hit restores it by zeroing
+    # (a compressor's open-window carry: page_size is a multiple of its ratio, so the window is empty there)
+    empty_at_page_boundary: bool = False
     dtype: torch.dtype | None = None  # None: the cache dtype (a recurrent state may need float32)
 
     def __post_init__(self) -> None:
         if self.addressing not in ADDRESSING:
             raise ConfigError(f"state {self.name!r}: addressing {self.addressing!r} is not one of {ADDRESSING}")
-        if self.addressing == "page" and (self.per_request or self.snapshot):
-            raise ConfigError(f"state {self.name!r}: per_request and snapshot apply to 'request' addressing only")
+        if self.addressing == "page" and (self.per_request or self.snapshot or self.empty_at_page_boundary):
+            raise ConfigError(
+                f"state {self.name!r}: per_request, snapshot and empty_at_page_boundary apply to 'request' "
+                "addressing only"
+            )
+        if self.snapshot and self.empty_at_page_boundary:
+            raise ConfigError(f"state {self.name!r}: a state empty at page boundaries needs no snapshot")
         if self.addressing == "request" and self.tokens_per_row != 1:
             raise ConfigError(f"state {self.name!r}: a 'request' state has no rows per token (tokens_per_row 1)")
         if self.width < 1 or any(d < 1 for d in self.per_request):
@@ -112,6 +120,12 @@ class StateSpec:
     def element_size(self, cache_dtype: torch.dtype) -> int:
         return torch.empty((), dtype=self.dtype or cache_dtype).element_size()
 
+    @property
+    def restorable(self) -> bool:
+        """A prefix hit can restore this state at a page boundary: a paged state (its rows are the pages'),
+        a snapshotted request state, or one that is empty there."""
+        return self.addressing == "page" or self.snapshot or self.empty_at_page_boundary
+
 
 @dataclass(frozen=True)
 class LayerKind:
@@ -125,6 +139,9 @@ class LayerKind:
     window: int = 0  # sliding_window: ring rows a query may attend
     ratio: int = 0  # tokens per compressed row (v4_csa, v4_hca)
     topk: int = 0  # v4_csa: index_topk, compressed rows a query keeps
+    # several attention sublayers per layer (LongCat-Flash): the latent state each one reads and writes, in
+    # sublayer order; () for a layer of one attention (its state is "latent")
+    sublayers: tuple[str, ...] = ()
 
     def state(self, name: str) -> StateSpec | None:
         return next((s for s in self.states if s.name == name), None)
@@ -138,35 +155,36 @@ class LayerKind:
         return tuple(s for s in self.states if s.addressing == "request")
 
 
-def declare_layers(model: ModelConfig, sparse: bool, max_tokens: int | None = None) -> tuple[LayerKind, ...]:
+def declare_layers(model: ModelConfig, sparse: bool) -> tuple[LayerKind, ...]:
     """Every layer's kind and states. sparse: the engine runs DSA layers sparse (then "full" indexer layers
-    cache their keys); a dense run of a DSA model keeps the kind but caches latent rows only. max_tokens: the
-    longest sequence the engine runs (max_model_len), which sizes DeepSeek-V4's per-request pools."""
+    cache their keys); a dense run of a DSA model keeps the kind but caches latent rows only. No state is
+    sized by the longest sequence (DeepSeek-V4's pools are paged)."""
     if model.family.layer_kinds == "deepseek_v4":
-        if max_tokens is None:
-            raise ConfigError(f"{model.model_type}: its compressed pools are sized by max_tokens (max_model_len)")
-        return tuple(_v4_layer(model, i, max_tokens) for i in range(model.num_layers))
+        return tuple(_v4_layer(model, i) for i in range(model.num_layers))
     return tuple(_layer(model, i, sparse) for i in range(model.num_layers))
 
 
-def _v4_layer(model, i: int, max_tokens: int) -> LayerKind:
-    """A DeepSeek-V4 layer (config/deepseek_v4.py DeepseekV4Config): its kind and its request states."""
+def _v4_layer(model, i: int) -> LayerKind:
+    """A DeepSeek-V4 layer (config/deepseek_v4.py DeepseekV4Config): its kind, its paged pools (one row per m
+    tokens) and its request states (the ring and the overlap halves snapshotted at page boundaries; the
+    carries empty there, since page_size is a multiple of m)."""
     kind = model.layer_kinds[i]
     d, w = model.attention.head_dim, model.attention.sliding_window
-    states = [StateSpec("window", d, addressing="request", per_request=(w,))]
+    states = [StateSpec("window", d, addressing="request", per_request=(w,), snapshot=True)]
     if kind != "sliding":
         m = model.ratio(i)
-        rows = (max(1, max_tokens // m),)  # a pool row per m tokens, up to max_model_len
         overlap = kind == "csa"
-        states.append(StateSpec("kv_carry", 2 * d if overlap else d, addressing="request", per_request=(2, m)))
+        carry = {"addressing": "request", "per_request": (2, m), "empty_at_page_boundary": True}
+        half = {"addressing": "request", "per_request": (2, m), "snapshot": True}
+        states.append(StateSpec("kv_carry", 2 * d if overlap else d, **carry))
         if overlap:
-            states.append(StateSpec("kv_overlap", d, addressing="request", per_request=(2, m)))
-        states.append(StateSpec("kv_pool", d, addressing="request", per_request=rows))
+            states.append(StateSpec("kv_overlap", d, **half))
+        states.append(StateSpec("kv_pool", d, tokens_per_row=m))
         if overlap:
             c = model.compression.index_head_dim
-            states.append(StateSpec("index_carry", 2 * c, addressing="request", per_request=(2, m)))
-            states.append(StateSpec("index_overlap", c, addressing="request", per_request=(2, m)))
-            states.append(StateSpec("index_pool", c, addressing="request", per_request=rows))
+            states.append(StateSpec("index_carry", 2 * c, **carry))
+            states.append(StateSpec("index_overlap", c, **half))
+            states.append(StateSpec("index_pool", c, tokens_per_row=m))
     ratio = model.ratio(i)
     topk = model.compression.index_topk if kind == "csa" else 0
     return LayerKind(i, f"v4_{kind}", None, tuple(states), window=w, ratio=ratio, topk=topk)
@@ -193,11 +211,17 @@ def attention_kind(model: ModelConfig, i: int) -> str:
     return declared
 
 
+def sublayer_states(model: ModelConfig) -> tuple[str, ...]:
+    """The latent state of each attention sublayer of a decoder layer: "latent", then "latent_1", ..."""
+    return tuple("latent" if j == 0 else f"latent_{j}" for j in range(model.sublayers))
+
+
 def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
-    latent = StateSpec("latent", model.latent_dim)
+    names = sublayer_states(model)
+    latents = tuple(StateSpec(name, model.latent_dim) for name in names)
     role = indexer_role(model, i)
     keys = (StateSpec("index_keys", model.indexer.head_dim),) if sparse and role == "full" else ()
-    return LayerKind(i, attention_kind(model, i), role, (latent, *keys))
+    return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=names if len(names) > 1 else ())
 
 
 def attention_summary(model: ModelConfig, sparse: bool) -> str:
@@ -223,9 +247,10 @@ def check_page_size(layers: tuple[LayerKind, ...], page_size: int) -> None:
                 )
 
 
-def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
+def describe(layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int | None = None) -> list[str]:
     """`mlaserve inspect`'s lines: layers grouped by kind, indexer role and states, with cache bytes per token
-    (paged states) and per request (request states, one slot per running request)."""
+    (paged states), per request (request states, one slot per running request) and, given page_size, the
+    page-boundary snapshots of request states per token (one snapshot per page, kept with prefix caching on)."""
     groups: dict[tuple, list[int]] = {}
     for k in layers:
         groups.setdefault((k.attention, k.indexer, k.states), []).append(k.index)
@@ -236,10 +261,15 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
         paged = [s for s in states if s.addressing == "page"]
         per_token = sum(s.width // s.tokens_per_row for s in paged) * bytes_per_value * len(ids)
         sizes = f"{per_token} bytes/token"
+
         # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size
-        per_request = sum(
-            s.values_per_request() * (s.element_size(s.dtype) if s.dtype else bytes_per_value) for s in states
-        )
+        def size(s: StateSpec) -> int:
+            return s.values_per_request() * (s.element_size(s.dtype) if s.dtype else bytes_per_value)
+
+        snapped = sum(size(s) for s in states if s.snapshot)
+        if snapped and page_size:
+            sizes += f" + {snapped * len(ids) / page_size:g} bytes/token of snapshots with prefix caching"
+        per_request = sum(size(s) for s in states)
         if per_request:
             sizes += f", {per_request * len(ids)} bytes/request"
         lines.append(f"layers {layer_ranges(ids)}: {attention}{role}; cache: {kept} ({sizes})")
@@ -249,7 +279,13 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
 def _describe_state(s: StateSpec) -> str:
     if s.addressing == "request":
         dtype = f" {str(s.dtype).removeprefix('torch.')}" if s.dtype else ""
-        snap = "snapshots at page boundaries" if s.snapshot else "no snapshots"
+        snap = (
+            "snapshots at page boundaries"
+            if s.snapshot
+            else "empty at page boundaries"
+            if s.empty_at_page_boundary
+            else "no snapshots"
+        )
         return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
     return f"{s.name} [{s.width}]" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
 
@@ -259,12 +295,17 @@ def request_states(layers: tuple[LayerKind, ...]) -> tuple[tuple[int, StateSpec]
     return tuple((k.index, s) for k in layers for s in k.per_request)
 
 
+def snapshot_states(layers: tuple[LayerKind, ...]) -> tuple[tuple[int, StateSpec], ...]:
+    """(layer index, spec) of every request state kept with page-boundary snapshots."""
+    return tuple((i, s) for i, s in request_states(layers) if s.snapshot)
+
+
 def prefix_caching_blocker(layers: tuple[LayerKind, ...]) -> str | None:
-    """Why prefix caching must be off for this stack, or None. A request state without page-boundary
-    snapshots cannot be restored at the end of a cached prefix (it is not a function of the paged rows),
-    so a prefix hit would resume from a zeroed state: wrong."""
+    """Why prefix caching must be off for this stack, or None. A request state that is neither snapshotted at
+    page boundaries nor empty there cannot be restored at the end of a cached prefix (it is not a function of
+    the paged rows), so a prefix hit would resume from a zeroed state: wrong."""
     for index, s in request_states(layers):
-        if not s.snapshot:
+        if not s.restorable:
             return (
                 f"layer {index}'s request state {s.name!r} has no page-boundary snapshot, so a prefix-cache hit "
                 "could not restore it (prefix caching off)"

@@ -70,6 +70,26 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 @dataclass(frozen=True)
+class LatentScale:
+    """LongCat-Flash's LoRA-rank scaling: q (nope and rope parts) x `q` = sqrt(hidden / q_lora_rank) and
+    c_kv x `kv` = sqrt(hidden / kv_lora_rank) after kv_a_layernorm, before caching (transformers'
+    LongcatFlashMLA). A scale that is a power of two is folded into the weight (q_b_proj, kv_a_layernorm):
+    every product and partial sum is then scaled exactly, so the result is bit for bit the same; another
+    is applied at run time in the reference's order (norm, then x scale), since folding would round."""
+
+    q: float
+    kv: float
+    q_folded: bool
+    kv_folded: bool
+
+
+def power_of_two(x: float) -> bool:
+    """Whether multiplying by x is exact in binary floating point (no rounding: only the exponent moves)."""
+    m, _ = math.frexp(x)
+    return m == 0.5
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     n_routed_experts: int
     num_experts_per_tok: int
@@ -81,6 +101,14 @@ class MoEConfig:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
+    # LongCat-Flash: zero-computation identity experts scored after the real ones (router indices
+    # n_routed_experts .. n_routed_experts + zero_experts - 1); their output is weight x input
+    zero_experts: int = 0
+
+    @property
+    def scored_experts(self) -> int:
+        """The router's outputs: the real experts, then the identity experts."""
+        return self.n_routed_experts + self.zero_experts
 
 
 @dataclass(frozen=True)
@@ -117,6 +145,9 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     latent_norm_eps: float = LATENT_NORM_EPS
     num_nextn_predict_layers: int = 0
+    # attention sublayers per decoder layer (LongCat-Flash: 2, each with its own latent row per token)
+    sublayers: int = 1
+    latent_scale: LatentScale | None = None  # LongCat-Flash's sqrt(hidden / rank) on q and c_kv
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -147,13 +178,15 @@ class ModelConfig:
         )
         attn = q + d * self.latent_dim + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
         attn += h * self.v_head_dim * d
+        # LongCat-Flash: two attention sublayers and two dense MLPs next to its MoE
+        attn, dense = attn * self.sublayers, 3 * d * self.intermediate_size * (self.sublayers - 1)
         total = 0
         for kind in self.mlp_layer_types:
             if kind == "moe":
                 m = self.moe
-                total += attn + 3 * d * m.moe_intermediate_size * (m.n_routed_experts + m.n_shared_experts)
+                total += attn + dense + 3 * d * m.moe_intermediate_size * (m.n_routed_experts + m.n_shared_experts)
             else:
-                total += attn + 3 * d * self.intermediate_size
+                total += attn + dense + 3 * d * self.intermediate_size
         if self.indexer is not None:  # wq_b, wk, weights_proj on the layers that own an indexer
             ix = self.indexer
             per = (self.q_lora_rank or 0) * ix.n_heads * ix.head_dim + d * ix.head_dim + d * ix.n_heads
@@ -258,10 +291,21 @@ class _HFAdapter:
                     f"{self.source}: {old} (legacy key for {new}) = {raw[old]!r} but {new} = {raw[new]!r}; give one"
                 )
             out[new] = out.pop(old)
-            self.renamed[new] = old
+            self.renamed[new] = f"legacy key {old}"
             where = self.field_sources.get(old, f"{self.source}:{old}")
             self.field_sources = {**self.field_sources, new: f"{where} (from legacy key {old})"}
             self.log.record(f"{new} <- {old}", out[new], f"{where}: legacy key of {family.name}, read as {new}")
+        for own, new in family.own_keys.items():
+            if own not in raw:
+                continue
+            if new in raw and raw[new] != raw[own]:
+                raise ConfigError(
+                    f"{self.source}: {own} ({family.name}'s name for {new}) = {raw[own]!r} but {new} = {raw[new]!r}; give one"
+                )
+            out[new] = out.pop(own)
+            self.renamed[new] = f"{family.name} key {own}"
+            where = self.field_sources.get(own, f"{self.source}:{own}")
+            self.field_sources = {**self.field_sources, new: f"{where} ({family.name}'s name for {new})"}
         for key, why in family.dropped_keys.items():
             if key in out:
                 self.log.record(f"{key} (dropped)", out.pop(key), f"{self.source}:{key}: {why}")
@@ -277,10 +321,11 @@ class _HFAdapter:
 
     def build(self) -> ModelConfig:
         g = self.get
-        for key in _REQUIRED:
-            g(key, required=True)
         _check_sizes(self.raw, self.source, self.renamed)
-        num_layers = self.raw["num_hidden_layers"]
+        num_layers = self._decoder_layers()
+        for key in _REQUIRED:
+            if key != "num_hidden_layers":  # read by _decoder_layers
+                g(key, required=True)
         heads = self.raw["num_attention_heads"]
         kv_heads = self.raw.get("num_key_value_heads", heads)
         if kv_heads not in (None, heads):
@@ -330,17 +375,101 @@ class _HFAdapter:
             eos_token_ids=_as_tuple(self.raw.get("eos_token_id")),
             max_position_embeddings=int(self.raw.get("max_position_embeddings", 4096)),
             num_nextn_predict_layers=int(self.raw.get("num_nextn_predict_layers", 0) or 0),
+            sublayers=self.family.sublayers,
+            latent_scale=self._latent_scale(q_lora),
             provenance=self.log.freeze(),
         )
         check_model_config(cfg, self.source, self.field_sources)
         return cfg
+
+    def _decoder_layers(self) -> int:
+        """Decoder layers. A family of two attention sublayers per layer (LongCat-Flash) gives `num_layers`;
+        transformers derives num_hidden_layers = 2 x num_layers (LongcatFlashConfig's property, whose setter
+        reads a given num_hidden_layers back as num_layers = value // 2), recorded as derived."""
+        n_sub, name = self.family.sublayers, self.family.name
+        if n_sub == 1:
+            return self.get("num_hidden_layers", required=True)
+        given = self.raw.get("num_hidden_layers")
+        if "num_layers" in self.raw:
+            n = self.get("num_layers")
+            if given is not None and given != n_sub * n:
+                raise ConfigError(
+                    f"{self.source}: num_hidden_layers={given} but num_layers={n}: {name} has {n_sub} attention "
+                    f"sublayers per decoder layer, so num_hidden_layers must be {n_sub} x num_layers = {n_sub * n}"
+                )
+        elif given is not None:
+            if given % n_sub:
+                raise ConfigError(
+                    f"{self.source}: num_hidden_layers={given} is not a multiple of {n_sub} ({name}: {n_sub} "
+                    "attention sublayers per decoder layer) and num_layers is absent"
+                )
+            n = self.log.record(
+                "num_layers", given // n_sub, f"derived: {self.source}:num_hidden_layers / {n_sub} (num_layers absent)"
+            )
+        else:
+            raise ConfigError(f"{self.source}: missing required field 'num_layers' for model_type {name}")
+        self.log.record(
+            "num_hidden_layers",
+            n_sub * n,
+            f"derived: {n_sub} x num_layers ({name}: {n_sub} attention sublayers per decoder layer, "
+            "each with its own latent cache row)",
+        )
+        return n
+
+    def _latent_scale(self, q_lora: int | None) -> LatentScale | None:
+        """LongCat-Flash's sqrt(hidden / rank) on q and c_kv, and where each is applied (LatentScale)."""
+        if self.family.sublayers == 1:
+            return None
+        name, d = self.family.name, self.raw["hidden_size"]
+        if not q_lora:
+            raise ConfigError(f"{self.source}: q_lora_rank must be set for {name} (its query always has a latent)")
+        head_dim = self.raw.get("head_dim")
+        if head_dim is not None and head_dim != self.raw["qk_rope_head_dim"]:
+            # transformers builds the rope tables over head_dim and rotates the qk_rope_head_dim slice with them
+            raise ConfigError(
+                f"{self.source}: head_dim={head_dim} must equal qk_rope_head_dim={self.raw['qk_rope_head_dim']} "
+                f"({name}'s rope is built over head_dim and applied to the rope slice)"
+            )
+        qk = self.raw.get("qk_head_dim")
+        if qk is not None and qk != self.raw["qk_nope_head_dim"] + self.raw["qk_rope_head_dim"]:
+            raise ConfigError(
+                f"{self.source}: qk_head_dim={qk} must equal qk_nope_head_dim + qk_rope_head_dim = "
+                f"{self.raw['qk_nope_head_dim'] + self.raw['qk_rope_head_dim']}"
+            )
+        for key in (
+            "mla_scale_q_lora",
+            "mla_scale_kv_lora",
+        ):  # the original release's flags; transformers always scales
+            flag = self.raw.get(key)
+            if flag is not None and flag is not True:
+                raise ConfigError(
+                    f"{self.source}: {key}={flag!r}: {name} is run with the scale (transformers always applies it); "
+                    "a model trained without it is not this family"
+                )
+        method = self.raw.get("attention_method")
+        if method is not None and method != "MLA":
+            raise ConfigError(f"{self.source}: attention_method {method!r} is not supported ({name}: 'MLA')")
+        scales = {}
+        for part, rank, weight in (("q", q_lora, "q_b_proj"), ("kv", self.raw["kv_lora_rank"], "kv_a_layernorm")):
+            s = (d / rank) ** 0.5  # transformers' (hidden_size / rank) ** 0.5
+            folded = power_of_two(s)
+            where = (
+                f"folded into {weight}'s weight (a power of two: the same products bit for bit)"
+                if folded
+                else f"applied at run time after {weight} (not a power of two: folding would round)"
+            )
+            self.log.record(
+                f"{part}_latent_scale", s, f"derived: sqrt(hidden_size / {part}_lora_rank) = sqrt({d}/{rank}); {where}"
+            )
+            scales[part] = (s, folded)
+        return LatentScale(scales["q"][0], scales["kv"][0], scales["q"][1], scales["kv"][1])
 
     def _rope(self) -> RopeConfig:
         params = self.raw.get("rope_parameters")
         where = "rope_parameters"
         if params is None:  # pre-v5 configs: rope_theta + rope_scaling
             params = dict(self.raw.get("rope_scaling") or {})
-            params.setdefault("rope_theta", self.raw.get("rope_theta", 10000.0))
+            params.setdefault("rope_theta", self.raw.get("rope_theta", self._default_theta()))
             where = "rope_scaling/rope_theta"
         if not isinstance(params, dict):
             raise ConfigError(f"{self.source}: {where} must be a JSON object, got {params!r}")
@@ -360,7 +489,7 @@ class _HFAdapter:
         interleaved = self._rope_interleaved()
         rope = RopeConfig(
             dim=self.raw["qk_rope_head_dim"],
-            theta=num("rope_theta", 10000.0, zero_absent=False),
+            theta=num("rope_theta", self._default_theta(), zero_absent=False),
             interleaved=interleaved,
             rope_type=rope_type,
             factor=num("factor", 1.0, zero_absent=rope_type != "yarn"),  # yarn: 0 is an error, not 1
@@ -375,6 +504,10 @@ class _HFAdapter:
             raise ConfigError(f"{self.source}: {where}.original_max_position_embeddings is required for yarn")
         self.log.record("rope", f"{rope_type}, theta={rope.theta}, factor={rope.factor}", f"{self.source}:{where}")
         return rope
+
+    def _default_theta(self) -> float:
+        """rope_theta when the config gives none: the family's (transformers' default_theta), else 10000."""
+        return self.family.default_theta
 
     def _rope_interleaved(self) -> bool:
         rule = self.family.rope_rule
@@ -396,7 +529,7 @@ class _HFAdapter:
         first = self.family.first_dense_layers
         if first is not None:
             out = ("dense",) * first + ("moe",) * (num_layers - first)
-            dense = "first layer dense" if first == 1 else f"first {first} layers dense"
+            dense = "first layer dense" if first == 1 else f"first {first} layers dense" if first else "every layer MoE"
             return self.log.record("mlp_layer_types", out, f"class default ({self.family.name}: {dense})")
         n_dense = int(self.get("first_k_dense_replace"))
         if n_dense > num_layers:
@@ -408,6 +541,8 @@ class _HFAdapter:
         if not self.raw.get("n_routed_experts"):
             return None
         g, name = self.get, self.family.name
+        if self.family.zero_experts:
+            return self._zero_expert_moe()
         if self.family.scoring_func == "softmax":
             scoring, method = "softmax", g("topk_method")
             if method not in ("greedy", "group_limited_greedy"):
@@ -433,6 +568,43 @@ class _HFAdapter:
             topk_group=int(topk_group or 1),
             norm_topk_prob=norm,
             routed_scaling_factor=float(g("routed_scaling_factor")),
+        )
+
+    def _zero_expert_moe(self) -> MoEConfig:
+        """LongCat-Flash's router (LongcatFlashTopkRouter): softmax over the real and the identity experts, top-k
+        on the scores plus e_score_correction_bias, no renormalisation, x routed_scaling_factor; no shared expert."""
+        g, name = self.get, self.family.name
+        # transformers reads it with getattr(config, "router_bias", False): no class field, absent is False
+        given = self.raw.get("router_bias")
+        bias = self.log.record(
+            "router_bias",
+            bool(given),
+            f"{self.source}:router_bias" if given is not None else "absent: False (transformers' getattr default)",
+        )
+        if bias:
+            raise ConfigError(
+                f"{self.source}: router_bias true is not supported for {name}: transformers then allocates "
+                "router.classifier.bias but its router never adds it"
+            )
+        kind = self.raw.get("zero_expert_type")
+        if kind is not None and kind != "identity":  # the original release's key: transformers runs identity only
+            raise ConfigError(f"{self.source}: zero_expert_type {kind!r} is not supported ({name}: 'identity')")
+        rule = f"family rule ({name}: LongcatFlashTopkRouter)"
+        self.log.record("scoring_func", "softmax", rule)
+        self.log.record("topk_method", "greedy", f"{rule}: top-k of softmax + e_score_correction_bias")
+        self.log.record("norm_topk_prob", False, f"{rule}: the top-k weights are not renormalised")
+        return MoEConfig(
+            n_routed_experts=g("n_routed_experts"),
+            num_experts_per_tok=g("num_experts_per_tok"),
+            n_shared_experts=0,
+            moe_intermediate_size=g("moe_intermediate_size", required=True),
+            scoring_func="softmax",
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=float(g("routed_scaling_factor")),
+            zero_experts=int(g("zero_expert_num") or 0),
         )
 
     def _indexer(self, num_layers: int) -> IndexerConfig | None:
@@ -490,10 +662,14 @@ _INT_FIELDS = {
     "index_topk": 1,
     "index_head_dim": 1,
     "index_n_heads": 1,
+    "num_layers": 1,  # LongCat-Flash: decoder layers (two attention sublayers each)
+    "zero_expert_num": 0,
+    "head_dim": 1,
+    "qk_head_dim": 1,
 }
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
 # JSON booleans: a string ("false") or a number is an error naming the key, never read as truthy.
-_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "rope_interleave")
+_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "rope_interleave", "router_bias")
 # Fields with a vocabulary: a value outside it is an error naming the key (None: absent, the default).
 _CHOICE_FIELDS = {
     "topk_method": ("greedy", "group_limited_greedy", "noaux_tc"),
@@ -508,7 +684,7 @@ def _check_sizes(raw: dict[str, Any], source: str, renamed: dict[str, str] | Non
     """Integer fields are ints >= their minimum, float fields numbers, booleans JSON booleans, fields with a
     vocabulary one of its values: an error names the key (and the legacy key it was read from, `renamed`)."""
     renamed = renamed or {}
-    label = lambda key: f"{key} (legacy key {renamed[key]})" if key in renamed else key  # noqa: E731
+    label = lambda key: f"{key} ({renamed[key]})" if key in renamed else key  # noqa: E731
     for key in _BOOL_FIELDS:  # bool() of any other value ([] or "false" too) would pick a different model
         value = raw.get(key)
         if value is not None and not isinstance(value, bool):
@@ -561,7 +737,13 @@ def check_model_config(cfg: ModelConfig, source: str, field_sources: dict[str, s
 
 def _check_moe(moe: MoEConfig, source: str, origin: dict[str, str]) -> None:
     e = moe.n_routed_experts
-    if not 1 <= moe.num_experts_per_tok <= e:
+    if moe.zero_experts:  # LongCat-Flash: the top-k is over the real and the identity experts
+        if not 1 <= moe.num_experts_per_tok <= moe.scored_experts:
+            raise ConfigError(
+                f"{source}: num_experts_per_tok must be in [1, n_routed_experts + zero_expert_num = "
+                f"{moe.scored_experts}], got {moe.num_experts_per_tok}"
+            )
+    elif not 1 <= moe.num_experts_per_tok <= e:
         raise ConfigError(
             f"{source}: num_experts_per_tok must be in [1, n_routed_experts={e}], got {moe.num_experts_per_tok}"
         )

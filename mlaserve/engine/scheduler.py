@@ -9,8 +9,13 @@ computed; finish() frees a request's pages.
 Models that declare "request"-addressed cache states (config/layer_kinds.py) also get a SlotPool: a
 request takes a state slot when it is admitted (admission waits while none is free) and gives it back
 whenever it leaves the running set (finish, abort, failure, preemption). The chunk that starts a
-sequence (start == 0: first admission, or re-admission after preemption, which recomputes from token 0)
-says reset_state, and the runner zeroes the slot before that step.
+sequence (start == 0: first admission, or re-admission after preemption without a prefix hit, which
+recomputes from token 0) says reset_state, and the runner zeroes the slot before that step. With prefix
+caching on (every request state snapshotted at page boundaries or empty there), an admission that hits the
+prefix cache starts at the hit: its first chunk names the hit's last page (restore_page) and the runner
+restores the slot from that page's snapshot rows. A preempted request is re-admitted the same way: its
+registered pages stay cached (evictable) after the preemption, so it resumes from the last of them that
+survived instead of token 0 (with prefix caching off it recomputes from 0).
 """
 
 from __future__ import annotations
@@ -49,10 +54,17 @@ class ScheduledChunk:
             all_logits=self.num_draft > 0 or (r.params.prompt_logprobs is not None and self.start < len(r.prompt_ids)),
             num_cached=r.num_cached_prompt if self.start == r.num_cached_prompt else 0,
             state_slot=r.state_slot,
-            # the sequence starts here, so its request states start from zero (prefix caching is off for
-            # models with request states that lack page-boundary snapshots: start 0 is every fresh start)
+            # the sequence starts here, so its request states start from zero ...
             reset_state=r.state_slot is not None and self.start == 0,
+            # ... or at a prefix hit, from the snapshot row of the hit's last page (hits are whole pages, and a
+            # page is named in the prefix cache only once full, by the step that wrote its snapshot row)
+            restore_page=r.pages[self.start // page_size - 1] if self._starts_at_hit else None,
         )
+
+    @property
+    def _starts_at_hit(self) -> bool:
+        r = self.request
+        return r.state_slot is not None and self.start > 0 and self.start == r.num_cached_prompt
 
 
 @dataclass(frozen=True)

@@ -369,7 +369,9 @@ def _inspect(args) -> int:
     llm = make_llm(args, _progress_bar)
     print(format_table(llm.config.all_provenance()))
     size = llm.config.runtime.dtype.itemsize
-    print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size)))
+    # page-boundary snapshots of request states cost bytes per token only where the cache keeps them
+    snap_page = llm.config.cache.page_size if llm.runner.cache.keeps_snapshots else None
+    print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size, snap_page)))
     if llm.loaded.quant is not None:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
     if llm.loaded.gguf is not None:

@@ -9,6 +9,12 @@ Notation
 A request is a *decode* when its query length <= decode_threshold (1 by default, so a one-token
 prompt is a decode, as in vLLM and DeepSeek's reference). The batch only orders tokens by that
 rule; `attention.router.route` names the paths.
+
+Page-boundary snapshots of request states (config/layer_kinds.py; built with snapshots=True, when the cache
+keeps them): a chunk whose tokens reach page boundaries (context_len < b <= seq_len, b a multiple of
+page_size) lists them in snapshot_at as (k, page): the state after its first k tokens is the snapshot row of
+`page` = block_table[b / page_size - 1]. A chunk with restore_page starts at a prefix hit: the runner
+restores its slot from that page's snapshot row before the step (ForwardBatch.restores).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ class SeqChunk:
     query_start: int = 0  # first row of these tokens in the flat batch (set by ForwardBatch.build)
     state_slot: int | None = None  # the request's slot of the request-addressed states (None: the model has none)
     reset_state: bool = False  # the runner zeroes the slot before this step: the chunk starts the sequence
+    # the chunk starts at a prefix hit: the runner restores the slot from this page's snapshot row (the hit's
+    # last page) before the step, instead of zeroing it
+    restore_page: int | None = None
+    snapshot_at: tuple[tuple[int, int], ...] = ()  # (k, page): save the state after k tokens (set by build)
 
     @property
     def query_len(self) -> int:
@@ -57,6 +67,7 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [B] int64: each sequence's state slot, in batch order
     token_state_slots: torch.Tensor | None = None  # [T] int64: the state slot of each token's sequence
     reset_slots: tuple[int, ...] = ()  # slots the runner zeroes before the step (chunks with reset_state)
+    restores: tuple[tuple[int, int], ...] = ()  # (slot, page): restored from the page's snapshot before the step
 
     @property
     def num_tokens(self) -> int:
@@ -73,9 +84,11 @@ class ForwardBatch:
         decode_threshold: int,
         device: str | torch.device = "cpu",
         pad_slot: int = 0,
+        snapshots: bool = False,
     ) -> ForwardBatch:
         """pad_slot: the engine's caches have a zero row there (ModelCache.pad_slot); a bare batch (tests of
-        the metadata alone) may leave it 0."""
+        the metadata alone) may leave it 0. snapshots: the cache keeps page-boundary snapshots of request
+        states, so each chunk lists the boundaries it reaches (SeqChunk.snapshot_at)."""
         decodes = [c for c in chunks if c.query_len <= decode_threshold]
         prefills = [c for c in chunks if c.query_len > decode_threshold]
         ordered = decodes + prefills
@@ -90,7 +103,8 @@ class ForwardBatch:
             positions = range(c.context_len, c.seq_len)
             pos.extend(positions)
             slots.extend(c.block_table[p // page_size] * page_size + p % page_size for p in positions)
-            seqs.append(replace(c, query_start=start))
+            at = _boundaries(c, page_size) if snapshots and c.state_slot is not None else ()
+            seqs.append(replace(c, query_start=start, snapshot_at=at))
             wanted = range(c.query_len) if c.all_logits else ([c.query_len - 1] if c.needs_logits else [])
             lidx.extend(start + i for i in wanted)
             owner.extend((c.request_id, i) for i in wanted)
@@ -109,7 +123,19 @@ class ForwardBatch:
             if stateful
             else None,
             reset_slots=tuple(c.state_slot for c in ordered if c.reset_state) if stateful else (),
+            restores=tuple((c.state_slot, c.restore_page) for c in ordered if c.restore_page is not None)
+            if stateful
+            else (),
         )
+
+
+def _boundaries(c: SeqChunk, page_size: int) -> tuple[tuple[int, int], ...]:
+    """(k, page) for each page boundary b in (context_len, seq_len]: k = b - context_len tokens of the chunk."""
+    first = c.context_len // page_size + 1
+    return tuple(
+        (b - c.context_len, c.block_table[b // page_size - 1])
+        for b in range(first * page_size, c.seq_len + 1, page_size)
+    )
 
 
 def _check_state_slots(chunks: list[SeqChunk]) -> None:
@@ -120,6 +146,8 @@ def _check_state_slots(chunks: list[SeqChunk]) -> None:
     for c in chunks:
         if c.state_slot is None:
             raise ValueError(f"request {c.request_id}: no state slot in a step whose other requests have one")
+        if c.reset_state and c.restore_page is not None:
+            raise ValueError(f"request {c.request_id}: a chunk either resets its state or restores it, not both")
         if c.state_slot in seen:
             raise ValueError(f"requests {seen[c.state_slot]} and {c.request_id} share state slot {c.state_slot}")
         seen[c.state_slot] = c.request_id

@@ -1,10 +1,11 @@
 """Owns the model and its cache; executes one step: chunks -> batch -> route -> forward -> logits.
 
 Request-addressed states (config/layer_kinds.py): when the stack declares any, the cache keeps
-max_num_seqs state slots, prefix caching runs off unless every such state has page-boundary snapshots
-(the reason recorded in the config's provenance), and before each step the runner zeroes the slots the
-batch names in reset_slots (chunks that start their sequence), so a layer always finds its request's
-state as of the chunk's context_len. Speculative decoding is refused with them: a rejected draft would
+max_num_seqs state slots, prefix caching runs off unless every such state has page-boundary snapshots or is
+empty at page boundaries (the reason recorded in the config's provenance), and before each step the runner
+zeroes the slots the batch names in reset_slots (chunks that start their sequence) and restores those in
+restores from their pages' snapshot rows (chunks that start at a prefix hit), so a layer always finds its
+request's state as of the chunk's context_len. Speculative decoding is refused with them: a rejected draft would
 have advanced a state that cannot be rolled back.
 """
 
@@ -46,11 +47,8 @@ class ModelRunner:
         self.model, self.rank = model, rank
         self.v4_csa_dense = v4_csa_dense
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
-        max_tokens = min(
-            cfg.cache.num_pages * cfg.cache.page_size, cfg.model.max_position_embeddings
-        )  # Engine.max_model_len
         if layer_kinds is None:
-            layer_kinds = declare_layers(cfg.model, cfg.attention.sparse, max_tokens)
+            layer_kinds = declare_layers(cfg.model, cfg.attention.sparse)
         self.layer_kinds = layer_kinds
         self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
         slots = cfg.scheduler.max_num_seqs if request_states(self.layer_kinds) else 0
@@ -62,6 +60,9 @@ class ModelRunner:
             cfg.runtime.device,
             num_slots=slots,
             prefault=cfg.cache.kv_prefault,
+            # snapshots serve prefix hits only (preemption without them recomputes from token 0): kept with
+            # prefix caching on, and then only for stacks whose request states declare them
+            snapshots=cfg.cache.enable_prefix_caching,
         )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
@@ -92,7 +93,12 @@ class ModelRunner:
         `ledger`: extra fields for this step's record (speculative verification)."""
         cfg = self.cfg
         batch = ForwardBatch.build(
-            chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
+            chunks,
+            cfg.cache.page_size,
+            cfg.scheduler.decode_threshold,
+            cfg.runtime.device,
+            self.cache.pad_slot,
+            snapshots=self.cache.keeps_snapshots,
         )
         self._check_state_slots(batch)
         plan = route_step(
@@ -119,6 +125,12 @@ class ModelRunner:
             if batch.reset_slots:  # sequences that start here start from a zeroed state (plain data, decided
                 # by the scheduler: SeqChunk.reset_state), before any layer reads its slot
                 self.cache.reset_states(torch.tensor(batch.reset_slots, dtype=torch.long, device=cfg.runtime.device))
+            if batch.restores:  # sequences that start at a prefix hit: their states as of the hit's last page
+                slots, pages = zip(*batch.restores)
+                dev = cfg.runtime.device
+                self.cache.restore_states(
+                    torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(pages, dtype=torch.long, device=dev)
+                )
             hidden = self.model(batch.input_ids, step, self.cache, native)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits, hidden

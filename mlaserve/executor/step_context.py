@@ -45,6 +45,12 @@ class StepContext:
     # per sequence, in batch order, as plain ints: (query_start, query_len, context_len, state_slot); read by
     # models that run their attention per sequence over request states (DeepSeek-V4)
     seq_spans: tuple[tuple[int, int, int, int | None], ...] = ()
+    # per sequence, in batch order: its block table (pages of positions 0 .. seq_len - 1), and the page
+    # boundaries its chunk reaches as (k, page): a layer with snapshotted request states saves the state after
+    # the chunk's first k tokens into that page's snapshot row (empty unless the cache keeps snapshots)
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    snapshots: tuple[tuple[tuple[int, int], ...], ...] = ()
+    page_size: int = 0
 
     def of(self, kind: str) -> KindStep:
         """The part of the step a layer of this attention kind executes."""
@@ -69,4 +75,7 @@ class StepContext:
             batch.state_slots,
             batch.token_state_slots,
             spans,
+            tuple(s.block_table for s in batch.seqs),
+            tuple(s.snapshot_at for s in batch.seqs),
+            batch.page_size,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.models.longcat import LongcatForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
@@ -71,8 +73,9 @@ def build_model(
     all_reduce of a tensor-parallel rank (MLAForCausalLM). `mtp`: MTP layers to build (speculative
     decoding), as `model.mtp`. `prepare(model)`: runs on the meta-device model before anything is
     allocated (GGUF holders swapped in there never allocate the float weights they replace)."""
+    model_cls = LongcatForCausalLM if cfg.sublayers > 1 else MLAForCausalLM  # the family's decoder layer
     with torch.device("meta"):
-        model = MLAForCausalLM(cfg, **rank)
+        model = model_cls(cfg, **rank)
         if mtp:
             model.mtp = nn.ModuleList(MTPLayer(cfg, layout) for layout in mtp)
         if prepare is not None:
@@ -80,7 +83,7 @@ def build_model(
     model.to_empty(device=device)
     model.to(dtype)
     for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
+        if name.endswith(("mlp.gate", "mlp.router")):  # mlp.router: LongCat-Flash's (classifier + bias)
             module.float()
         if name.endswith("mlp.experts"):
             module.impl = experts_impl
@@ -136,6 +139,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
             if scheme is None and "quantization_config" in text:  # where Kimi-K2.x releases keep it
                 scheme = parse_quantization(text, source="config.json:text_config")
         tokenizer = _folder_tokenizer(path, model_cfg)
+    _refuse_unsupported(path, model_cfg, opts)
     quantized = scheme is not None or _has_gguf_blocks(source) or opts.quantization is not None
     probe = _native_probe if quantized else None
     engine_cfg = resolve(
@@ -172,6 +176,16 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                 f"({scheme.method} {scheme.fmt}) is not supported yet (its block scales are not split)"
             )
     return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors, skipped_note)
+
+
+def _refuse_unsupported(path: Path, model_cfg: ModelConfig, opts: EngineOptions) -> None:
+    """The engine options the family does not run (Family.unsupported), refused before any weight is read."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineOptions)}
+    for name, why in model_cfg.family.unsupported.items():
+        if getattr(opts, name) != defaults[name]:
+            raise ConfigError(
+                f"{path}: {model_cfg.model_type} with {name}={getattr(opts, name)!r}: not supported ({why})"
+            )
 
 
 def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
@@ -267,6 +281,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
+        report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
         attach_heads(model, ck.source, gguf_plan, model_cfg)
         report.notes.append(gguf_plan.summary())

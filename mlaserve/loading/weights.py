@@ -9,6 +9,11 @@ Named steps between the checkpoint layout and the model:
                   would otherwise load as a shallower model);
                   with speculative="mtp" they fill the model's mtp.{N - n}.* instead
   tie_embeddings  lm_head.weight shares embed_tokens.weight when the config ties them
+  skip_prefixes   tensors under the family's skipped_tensor_prefixes (LongCat-Flash's model.mtp.*) are
+                  skipped and reported; expert tensors a module declares unused (`unused_checkpoint_tensor`:
+                  the identity experts' gate/up rows transformers saves) likewise
+  optional        a module's OPTIONAL_TENSORS (LongCat's router correction bias) are zeros when the
+                  checkpoint lacks them (as transformers initialises them), reported by name
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
 
@@ -45,6 +50,7 @@ class LoadReport:
     loaded: int = 0
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unused_experts: int = 0  # of `skipped`: expert tensors their module declares unused
 
 
 def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progress=None) -> LoadReport:
@@ -58,7 +64,14 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
     experts: dict[str, dict[tuple[str, int], str]] = {}
     _check_extra_layers(source, cfg)
     with_mtp = hasattr(model, "mtp")
+    prefixes = cfg.family.skipped_tensor_prefixes if cfg.family is not None else {}
+    skipped_by_prefix: dict[str, int] = {}
     for name in source.names():
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:  # a part of the checkpoint the engine does not build (LongCat's MTP layer)
+            report.skipped.append(name)
+            skipped_by_prefix[prefix] = skipped_by_prefix.get(prefix, 0) + 1
+            continue
         layer = _LAYER.match(name)
         target = name
         if layer and int(layer.group(1)) >= cfg.num_layers:
@@ -74,8 +87,24 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
         report.loaded += 1
         tick(report.loaded, total)
     for prefix, parts in experts.items():
-        report.loaded += _stack_experts(prefix, parts, source, model, filled)
+        report.loaded += _stack_experts(prefix, parts, source, model, filled, report)
         tick(report.loaded, total)
+    optional = {
+        f"{mod}.{attr}" if mod else attr
+        for mod, module in model.named_modules()
+        for attr in getattr(module, "OPTIONAL_TENSORS", ())
+    }
+    absent = sorted(optional & (set(targets) - filled))
+    if absent:  # the model was allocated without initialising (meta, then to_empty): zero them here
+        with torch.no_grad():
+            for name in absent:
+                targets[name].zero_()
+        filled.update(absent)
+        report.notes.append(
+            f"{len(absent)} optional tensor(s) absent, zeros used (as transformers initialises them): "
+            + ", ".join(absent[:4])
+            + (" ..." if len(absent) > 4 else "")
+        )
     missing = sorted(set(targets) - filled)
     if missing:
         raise WeightError(
@@ -85,8 +114,11 @@ def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progr
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         report.notes.append("lm_head.weight tied to model.embed_tokens.weight (tie_word_embeddings)")
-    if report.skipped:
-        report.notes.append(f"skipped {len(report.skipped)} MTP/nextn tensor(s) of layers >= {cfg.num_layers}")
+    for prefix, n in skipped_by_prefix.items():
+        report.notes.append(f"skipped {n} tensor(s) under {prefix}: {prefixes[prefix]}")
+    layer_skips = len(report.skipped) - sum(skipped_by_prefix.values()) - report.unused_experts
+    if layer_skips:
+        report.notes.append(f"skipped {layer_skips} MTP/nextn tensor(s) of layers >= {cfg.num_layers}")
     return report
 
 
@@ -126,10 +158,16 @@ def _release(source: TensorSource, name: str) -> None:
 
 
 def _stack_experts(
-    prefix: str, parts: dict[tuple[str, int, str], str], source: TensorSource, model: nn.Module, filled: set[str]
+    prefix: str,
+    parts: dict[tuple[str, int, str], str],
+    source: TensorSource,
+    model: nn.Module,
+    filled: set[str],
+    report: LoadReport,
 ) -> int:
     """parts: (proj, expert, suffix) -> name. The experts module says where each suffix goes
-    (`checkpoint_slots`: "weight", and a quantized holder's scales / packed values)."""
+    (`checkpoint_slots`: "weight", and a quantized holder's scales / packed values), and which tensors it does
+    not use (`unused_checkpoint_tensor`: skipped, reported)."""
     any_name = next(iter(parts.values()))
     try:
         module = model.get_submodule(prefix)
@@ -141,6 +179,13 @@ def _stack_experts(
         )
     dst = module.checkpoint_slots()
     n_exp = next(iter(dst.values()))[0].shape[0]
+    unused = getattr(module, "unused_checkpoint_tensor", lambda proj, e: None)
+    dropped = [k for k in parts if unused(k[0], k[1]) is not None]
+    if dropped:
+        names = sorted(parts.pop(k) for k in dropped)
+        report.skipped.extend(names)
+        report.unused_experts += len(names)
+        report.notes.append(f"skipped {len(names)} unused expert tensor(s) of {prefix}: {unused(*dropped[0][:2])}")
     for e, proj, suffix in itertools.product(range(n_exp), _PROJS, dst):
         if (proj, e, suffix) not in parts:
             raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.{suffix}")

@@ -62,10 +62,13 @@ class MLAAttention(KernelSwitch, nn.Module):
     # forward calls self.write_latent: _write_latent_torch (the reference) or _write_latent_native, bound by `kernel`
     KERNEL_CALLS = {"write_latent": {"native": "_write_latent_native", "torch": "_write_latent_torch"}}
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_state: str = "latent") -> None:
+        """cache_state: the layer's latent state this attention reads and writes (LongCat-Flash's second
+        sublayer: "latent_1"; config/layer_kinds.py)."""
         super().__init__()
         self.cfg = cfg
         self.kind = attention_kind(cfg, layer_idx)  # which plan of the step's route this layer executes
+        self.cache_state = cache_state
         self.kernel = "torch"  # the reference; the loader sets the engine's kernels (binds self.write_latent)
         h, d = cfg.num_heads, cfg.hidden_size
         bias = cfg.attention_bias
@@ -113,7 +116,7 @@ class MLAAttention(KernelSwitch, nn.Module):
         prev: Selections,
     ) -> tuple[torch.Tensor, Selections]:
         cfg, mine = self.cfg, step.of(self.kind)
-        cache = state.latent
+        cache = state.tensors[self.cache_state]
         q, c_q = self.project_q(x)
         # Write first: each segment then reads its context *and* this step's rows from the cache.
         q_nope, q_pe = self.write_latent(q, self.kv_a_proj_with_mqa(x), step, rope, cache)
@@ -236,19 +239,24 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, all_reduce: AllReduce = single_process) -> None:
+    def __init__(self, cfg: ModelConfig, all_reduce: AllReduce = single_process, layer_cls=None) -> None:
+        """layer_cls: the decoder layer (DecoderLayer; LongCat-Flash's of two sublayers, models/longcat.py)."""
         super().__init__()
+        layer_cls = layer_cls or DecoderLayer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, all_reduce) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i, all_reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MLAForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_start: int = 0, all_reduce: AllReduce = single_process) -> None:
-        """vocab_start: first vocabulary row this rank holds (tensor parallel; 0 on one process)."""
+    def __init__(
+        self, cfg: ModelConfig, vocab_start: int = 0, all_reduce: AllReduce = single_process, layer_cls=None
+    ) -> None:
+        """vocab_start: first vocabulary row this rank holds (tensor parallel; 0 on one process). layer_cls: the
+        decoder layer class (None: DecoderLayer)."""
         super().__init__()
         self.cfg, self.vocab_start, self.all_reduce = cfg, vocab_start, all_reduce
-        self.model = DeepseekModel(cfg, all_reduce)
+        self.model = DeepseekModel(cfg, all_reduce, layer_cls)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rope)
         # step -> the native layers' shared step arguments, or None when the step is not theirs

@@ -33,6 +33,8 @@ def _request_record(s: SeqChunk) -> dict:
     out = {"id": s.request_id, "query_len": s.query_len, "context_len": s.context_len, "cached_tokens": s.num_cached}
     if s.state_slot is not None:  # a model with request states: its slot, and whether the runner zeroed it
         out |= {"state_slot": s.state_slot, "state_reset": s.reset_state}
+        if s.restore_page is not None:  # a prefix hit: the slot restored from this page's snapshot rows
+            out["state_restore_page"] = s.restore_page
     return out
 
 

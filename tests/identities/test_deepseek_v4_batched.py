@@ -50,7 +50,9 @@ def _run(llm: LLM, steps: list[list[tuple[str, list[int], int, int]]], batched: 
         for chunks in steps:
             seqs = []
             for rid, ids, done, slot in chunks:
-                table = tuple(range(slot * 8, slot * 8 + -(-(done + len(ids)) // ps)))
+                # each slot's request its own pages (the compressed pools are paged): 3 per slot, 64 in the cache
+                table = tuple(range(slot * 3, slot * 3 + -(-(done + len(ids)) // ps)))
+                assert len(table) <= 3 and slot * 3 + 3 <= llm.config.cache.num_pages
                 seqs.append(
                     SeqChunk(rid, tuple(ids), done, table, all_logits=True, state_slot=slot, reset_state=done == 0)
                 )

@@ -17,14 +17,14 @@ def _record_selections(model):
     for layer in model.model.layers:
         comp = layer.self_attn.compressor
         if comp is not None and hasattr(comp, "indexer"):
-            original = comp.indexer.select_rows  # what attention calls per sequence
+            original = comp.indexer.choose  # what attention calls per sequence
 
-            def select_rows(kv, gate, q, weights, positions, *rest, _orig=original, _ratio=comp.ratio):
-                mask = _orig(kv, gate, q, weights, positions, *rest)
+            def choose(q, weights, positions, *rest, _orig=original, _ratio=comp.ratio):
+                mask = _orig(q, weights, positions, *rest)
                 seen.append((mask, visible_rows(positions, mask.shape[1], _ratio)))
                 return mask
 
-            comp.indexer.select_rows = select_rows
+            comp.indexer.choose = choose
     return seen
 
 

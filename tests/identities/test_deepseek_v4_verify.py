@@ -128,15 +128,15 @@ def test_a_break_in_the_padded_batch_fails_only_the_batch_check(all_kinds, monke
 def test_an_indexer_that_drops_a_row_fails_only_sparse_vs_dense(all_kinds, monkeypatch):
     """Top-k that loses the first visible row even when every row fits: every schedule shares the fault, only
     the dense route (which bypasses the selection) sees it."""
-    real = Indexer.select_rows
+    real = Indexer.choose  # what attention calls per sequence
 
-    def select_rows(self, *args):
+    def choose(self, *args):
         mask = real(self, *args)
         if mask.shape[1]:
             mask[:, 0] = False
         return mask
 
-    monkeypatch.setattr(Indexer, "select_rows", select_rows)
+    monkeypatch.setattr(Indexer, "choose", choose)
     assert _failed(all_kinds) == {"CSA sparse vs dense, rows within index_topk"}
 
 

@@ -209,7 +209,7 @@ def test_todays_models_get_no_slots_and_an_unchanged_config(hf_model_dir):
         assert all(set(q) == {"id", "query_len", "context_len", "cached_tokens"} for q in r["requests"])
 
 
-def test_a_stateful_model_refuses_speculation_and_unbuilt_snapshots(hf_model_dir):
+def test_a_stateful_model_refuses_speculation_and_needs_slots(hf_model_dir):
     folder, _ = hf_model_dir("v3_yarn")
     cfg = load_model(str(folder), make_options()).config
     kinds = declare_layers(cfg.model, cfg.attention.sparse)
@@ -217,9 +217,10 @@ def test_a_stateful_model_refuses_speculation_and_unbuilt_snapshots(hf_model_dir
     with pytest.raises(ConfigError, match="speculative='mtp': layer 0's request state 'running_sum' would advance"):
         with_request_state_rules(replace(cfg, speculative=replace(cfg.speculative, method="mtp")), stateful)
     snap = (replace(kinds[0], states=(*kinds[0].states, _sum_state(8, snapshot=True))), *kinds[1:])
-    assert prefix_caching_blocker(snap) is None  # a snapshotted state would keep prefix caching ...
-    with pytest.raises(ConfigError, match="declares page-boundary snapshots, which this cache does not keep yet"):
-        ModelCache(snap, 4, 4, torch.float32, num_slots=2)  # ... but the cache refuses it until it is built
+    assert prefix_caching_blocker(snap) is None  # a snapshotted state keeps prefix caching on
+    kept = ModelCache(snap, 4, 4, torch.float32, num_slots=2, snapshots=True)  # one snapshot row per page + pad
+    assert kept.keeps_snapshots and kept.layers[0].tensors["running_sum_snapshot"].shape == (4 + 1, 1 + 8)
+    assert not ModelCache(snap, 4, 4, torch.float32, num_slots=2).keeps_snapshots  # prefix caching off: none
     with pytest.raises(ConfigError, match="needs state slots"):
         ModelCache(stateful, 4, 4, torch.float32)
 

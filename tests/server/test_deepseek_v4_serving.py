@@ -47,8 +47,12 @@ def test_generate_and_inspect_cli(v4_folder, tmp_path, capsys):
     assert main(["inspect", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "layers 0: sliding (sliding window 6; from layer_types)" in out  # the config's kinds and their key
-    assert "layers 1, 3: v4_csa; cache: window [6 x 24] per request" in out  # the engine's states
-    assert "enable_prefix_caching" in out and "no page-boundary snapshot" in out
+    assert "layers 1, 3: v4_csa; cache: window [6 x 24] per request (snapshots at page boundaries)" in out
+    assert "kv_pool [24] per 4 tokens" in out and "kv_carry [2 x 4 x 48] per request (empty at page boundaries)" in out
+    # the page size the family chose, and why; prefix caching on (every request state restorable at a page)
+    page = next(line for line in out.splitlines() if line.startswith("page_size"))
+    assert " 256 " in page and "family default (DeepSeek-V4)" in page
+    assert "no page-boundary snapshot" not in out
 
 
 def test_serve_completions_equal_llm_generate(v4_folder):
@@ -79,14 +83,14 @@ def test_ledger_rows_are_what_the_model_attended(v4_folder, monkeypatch):
     last query, counted inside the model; window rows and carry fill from the positions."""
     hf, folder = v4_folder
     selected: list[int] = []
-    real = Indexer.select_rows
+    real = Indexer.choose  # what attention calls per sequence
 
     def spy(self, *args, **kwargs):
         mask = real(self, *args, **kwargs)
         selected.append(int(mask[-1].sum()) if mask.shape[1] else 0)
         return mask
 
-    monkeypatch.setattr(Indexer, "select_rows", spy)
+    monkeypatch.setattr(Indexer, "choose", spy)
     llm = LLM(str(folder), max_num_batched_tokens=7, trace="memory")
     ids = [0] + list(range(5, 23))  # 19 tokens: chunks 7 + 7 + 5, windows close inside every chunk
     llm.prompt_logits(ids)
@@ -106,16 +110,27 @@ def test_ledger_rows_are_what_the_model_attended(v4_folder, monkeypatch):
 def test_bytes_per_request_are_the_allocated_bytes(v4_folder):
     hf, folder = v4_folder
     llm = LLM(str(folder), max_num_seqs=3)
-    cache, kinds = llm.runner.cache, llm.runner.layer_kinds
-    declared = ModelCache.bytes_per_request(kinds, llm.config.runtime.dtype)
+    cache, kinds, dtype = llm.runner.cache, llm.runner.layer_kinds, llm.config.runtime.dtype
+    ps = llm.config.cache.page_size
+    declared = ModelCache.bytes_per_request(kinds, dtype)
     assert cache.num_slots == 3 and cache.measured_bytes_per_request() == declared > 0
-    shown = sum(int(line.split(", ")[-1].split(" bytes/request")[0]) for line in describe(kinds, 4))
+    lines = describe(kinds, 4, ps)
+    shown = sum(int(line.split(", ")[-1].split(" bytes/request")[0]) for line in lines)
     assert shown == declared
-    # every pool holds max_model_len // m rows: the cache for the longest sequence the engine admits
-    m_len = llm.engine.max_model_len
-    assert cache.layers[1].tensors["kv_pool"].shape[1] == m_len // 4
-    assert cache.layers[2].tensors["kv_pool"].shape[1] == m_len // 8
-    assert ModelCache.bytes_per_token(kinds, llm.config.runtime.dtype) == 0  # nothing V4 keeps is paged yet
+    # the compressed pools are paged: one row per m tokens of every page, memory per cached token
+    pages = llm.config.cache.num_pages
+    assert cache.layers[1].tensors["kv_pool"].shape == (pages * ps // 4 + 1, 24)  # + the pad row
+    assert cache.layers[2].tensors["kv_pool"].shape == (pages * ps // 8 + 1, 24)
+    assert cache.layers[1].tensors["index_pool"].shape == (pages * ps // 4 + 1, 16)
+    # bytes per token: CSA (24 + 16) / 4 x 4 bytes x 2 layers, HCA 24 / 8 x 4 bytes: counted by hand
+    assert ModelCache.bytes_per_token(kinds, dtype) == 80 + 12
+    # snapshots, one per page: rings [6 x 24] x 4 layers, overlap halves [2 x 4 x (24 + 16)] x 2 CSA layers
+    snap = (4 * 6 * 24 + 2 * 2 * 4 * 40) * 4 / ps
+    assert ModelCache.snapshot_bytes_per_token(kinds, dtype, ps) == snap
+    assert cache.measured_bytes_per_token() == int(92 + snap)  # what was allocated, the pad rows left out
+    per_token = [float(line.split("(")[-1].split(" bytes/token")[0]) for line in lines]
+    snaps = [float(line.split(" + ")[-1].split(" bytes/token of snapshots")[0]) for line in lines]
+    assert sum(per_token) == 92 and sum(snaps) == snap
     assert torch.count_nonzero(cache.layers[0].tensors["window"]) == 0
 
 
@@ -136,5 +151,6 @@ def test_the_ready_line_reports_v4_state_bytes(v4_folder):
     llm = LLM(str(folder), max_num_seqs=2)
     line = _ready(llm, "v4", "127.0.0.1", 8000)
     per_request = llm.runner.cache.measured_bytes_per_request()
-    assert "attention window + compressed (DeepSeek-V4)" in line and "(0 bytes/token)" in line
+    per_token = llm.runner.cache.measured_bytes_per_token()  # the paged pools and the snapshots
+    assert "attention window + compressed (DeepSeek-V4)" in line and f"({per_token} bytes/token)" in line
     assert f"state slots 2 x {per_request} bytes/request" in line and per_request > 0

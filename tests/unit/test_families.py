@@ -21,6 +21,7 @@ def test_lookup_by_model_type_and_alias():
         "deepseek_v4",
         "sarvam_mla",
         "kimi_k25",
+        "longcat_flash",
     ]
     assert by_model_type("kimi_k2") is by_model_type("deepseek_v3")
     assert by_model_type("llama") is None
@@ -34,8 +35,9 @@ def test_lookup_by_gguf_arch():
     assert [f.name for f in gguf_readers("glm-dsa")] == ["glm_moe_dsa"]
     assert gguf_readers("llama") == ()
     # every MLA family's arch reads back as some family (glm4_moe_lite's as deepseek_v3); deepseek4 has no
-    # GGUF reader yet
-    assert all(gguf_readers(f.gguf_arch) for f in FAMILIES if f.reader == "mla")
+    # GGUF reader yet; longcat_flash has no llama.cpp arch at all (gguf_arch "")
+    assert all(gguf_readers(f.gguf_arch) for f in FAMILIES if f.reader == "mla" and f.gguf_arch)
+    assert [f.name for f in FAMILIES if not f.gguf_arch] == ["longcat_flash"]
     assert gguf_readers("deepseek4") == ()
 
 

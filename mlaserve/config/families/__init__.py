@@ -19,6 +19,7 @@ from mlaserve.config.families.family import Family
 from mlaserve.config.families.glm4_moe_lite import GLM4_MOE_LITE
 from mlaserve.config.families.glm_moe_dsa import GLM_MOE_DSA
 from mlaserve.config.families.kimi_k25 import KIMI_K25
+from mlaserve.config.families.longcat_flash import LONGCAT_FLASH
 from mlaserve.config.families.sarvam_mla import SARVAM_MLA
 
 __all__ = [
@@ -41,6 +42,7 @@ FAMILIES: tuple[Family, ...] = (
     DEEPSEEK_V4,
     SARVAM_MLA,
     KIMI_K25,
+    LONGCAT_FLASH,
 )
 
 _BY_TYPE = {f.name: f for f in FAMILIES} | {a: f for f in FAMILIES for a in f.aliases}

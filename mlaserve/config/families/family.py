@@ -43,9 +43,13 @@ class Family:
     scoring_func: str = "sigmoid"
     # Why the main rope is always interleaved (a family rule); None: config's rope_interleave.
     rope_rule: str | None = None
+    default_theta: float = 10000.0  # rope_theta when the config gives none (transformers' default_theta)
     # Legacy config.json keys read as their current name (legacy -> current; both given and different
     # is an error), keys the reference drops (key -> why), and rope types read as another (type -> type).
     legacy_keys: Mapping[str, str] = field(default_factory=frozen_map)
+    # The family's own names for fields the engine reads under another (transformers' attribute_map:
+    # LongCat's ffn_hidden_size is intermediate_size), read like legacy keys and recorded as the family's names.
+    own_keys: Mapping[str, str] = field(default_factory=frozen_map)
     dropped_keys: Mapping[str, str] = field(default_factory=frozen_map)
     rope_type_aliases: Mapping[str, str] = field(default_factory=frozen_map)
     # A multimodal wrapper: its config.json's `text_config` is a model of another family, whose tensors are
@@ -58,6 +62,15 @@ class Family:
     # Without mlp_layer_types: this many leading dense layers (the class default), or None to
     # derive them from first_k_dense_replace.
     first_dense_layers: int | None = None
+    # Attention sublayers per decoder layer (LongCat-Flash: 2, each with its own latent row per token);
+    # config.json then gives `num_layers` and transformers derives num_hidden_layers = sublayers x num_layers.
+    sublayers: int = 1
+    # The router scores `zero_expert_num` zero-computation identity experts after the real ones (LongCat-Flash).
+    zero_experts: bool = False
+    # Checkpoint tensors under these prefixes are skipped and reported (prefix -> why): a layer not built.
+    skipped_tensor_prefixes: Mapping[str, str] = field(default_factory=frozen_map)
+    # Engine options refused for this family (option -> why), before any weight is read.
+    unsupported: Mapping[str, str] = field(default_factory=frozen_map)
     has_indexer: bool = False  # DSA: a lightning indexer (needs q_lora_rank: it reads the query latent)
     indexer_rope_interleaved: bool = False  # else half-split, as transformers
 
@@ -88,6 +101,8 @@ class Family:
                 f"family {self.name}: scoring_func {self.scoring_func!r} not in {READERS[self.reader]} "
                 f"(what the {self.reader} reader knows)"
             )
+        if self.sublayers not in (1, 2):
+            raise ValueError(f"family {self.name}: sublayers {self.sublayers} (the models know 1 or 2)")
         if self.gguf_nextn_key not in NEXTN_KEY_RULES:
             raise ValueError(f"family {self.name}: gguf_nextn_key {self.gguf_nextn_key!r} not in {NEXTN_KEY_RULES}")
 

@@ -43,6 +43,11 @@ def _open_model(folder: Path) -> _Model:
     raw = _read_json(folder / "config.json")
     cfg = ModelConfig.from_hf(raw, source=str(folder / "config.json"))
     family = cfg.family
+    if not family.gguf_arch:
+        raise ConvertError(
+            f"{folder}/config.json: {family.name} has no llama.cpp architecture (gguf-py lists none), so there is "
+            "no GGUF layout to write it in"
+        )
     if cfg.moe is None:
         raise ConvertError(f"{folder}/config.json: no n_routed_experts -- dense MLA models are not supported")
     n = cfg.num_layers

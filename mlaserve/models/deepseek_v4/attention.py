@@ -14,9 +14,13 @@ Notation
   y        [S, hidden] o_b_proj(concat_g o_a_proj_g(out[:, heads of group g]))   grouped low-rank output
 A step holds the chunks of one or more sequences (spans): the projections, norms and rope run over all of its
 tokens at once; the ring, the compressors' windows and the indexer's top-k run per sequence (a Python loop
-over the spans: each updates its own state); the softmax runs per sequence (`batched` False: the plain
-reference) or once for the step over keys padded to [B, K] with masks (`batched` True, the engine's path):
-  Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence) Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
+over the spans: each updates its own state, with its own row counts; in the engine with prefix caching on, a
+sequence's update runs in pieces ending at the page boundaries its chunk reaches, saving the ring and
+overlap halves after each: the state at a boundary exists only mid-update); the softmax runs per sequence
+(`batched` False: the plain reference) or once for the step over keys padded to [B, K] with masks (`batched`
+True, the engine's path):
+  Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence)
+Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
 fixed at construction.
 """
 
@@ -100,28 +104,36 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), self.eps)
         q = rotate_trailing(q, cos, sin)
         kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
+        ckv = cgate = ikv = igate = None  # the compressors' projections, in the layers that have them
         if self.compressor is not None:
             ckv, cgate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
         if self.kind == "csa":
             ix = self.compressor.indexer
             ikv, igate = ix.kv_proj(x), ix.gate_proj(x)
             iq, iw = ix.queries(x, q_latent, positions, tables)
+        projected = (kv, ckv, cgate, ikv, igate)
 
         # Per sequence (a Python loop over the step's sequences: each updates its own state, whose row counts
         # differ): the ring, the compressors' windows and the indexer's choice -> that sequence's keys and mask.
         keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for a, n, start, state in spans:
             b, pos = a + n, positions[a : a + n]
-            keys, key_pos = state.ring.keys(kv[a:b], start)
-            state.ring.append(kv[a:b], start)
+            keys, key_pos = state.ring.keys(kv[a:b], start)  # read before the chunk's rows enter the ring
             visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
+            # the state updates, in pieces that end at the page boundaries the engine keeps snapshots of (plain
+            # data of the step, state.Snapshots): the state after the piece is that page's snapshot row. Pieces
+            # equal one pass, as chunked prefill does (the ring keeps the last W rows; windows close alike).
+            done = 0
+            for k, page in state.snapshots.at if state.snapshots is not None else ():
+                self._advance(state, a + done, a + k, start + done, projected, tables)
+                state.snapshots.save(page)
+                done = k
+            if done < n:
+                self._advance(state, a + done, b, start + done, projected, tables)
             if isinstance(state, (HCAState, CSAState)):
-                self.compressor.close(ckv[a:b], cgate[a:b], state.carry, state.pool, tables)
                 rows = state.pool.view()
                 if isinstance(state, CSAState):
-                    chosen = ix.select_rows(
-                        ikv[a:b], igate[a:b], iq[a:b], iw[a:b], pos, state.index_carry, state.index_pool, tables
-                    )
+                    chosen = ix.choose(iq[a:b], iw[a:b], pos, state.index_pool)
                     if csa_dense:
                         chosen = visible_rows(pos, rows.shape[0], self.ratio)
                 else:
@@ -139,6 +151,16 @@ class V4Attention(nn.Module):
         out = rotate_trailing(out, cos, -sin)  # the values carried rope: undo it at the query position
         grouped = out.reshape(s, self.o_a_proj.groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
+
+    def _advance(self, state: LayerState, lo: int, hi: int, start: int, projected: tuple, tables: V4RopeTables) -> None:
+        """Rows lo .. hi-1 of the step (positions start ..) enter one sequence's state: the ring, then the
+        compressors' windows (kv, and the indexer's keys in a CSA layer), closed rows appended to the pools."""
+        kv, ckv, cgate, ikv, igate = projected
+        state.ring.append(kv[lo:hi], start)
+        if isinstance(state, (HCAState, CSAState)):
+            self.compressor.close(ckv[lo:hi], cgate[lo:hi], state.carry, state.pool, tables)
+        if isinstance(state, CSAState):
+            self.compressor.indexer.close(ikv[lo:hi], igate[lo:hi], state.index_carry, state.index_pool, tables)
 
     def _attend_padded(self, q: torch.Tensor, keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """q [T, H, D]; per sequence b (rows a_b .. a_b+n_b-1 of q) its keys [K_b, D] and mask [n_b, K_b]

@@ -92,6 +92,13 @@ class Indexer(Compressor):
     ) -> torch.Tensor:
         """One sequence's projected rows and queries (projected with the step's tokens at once) -> [S, T] mask."""
         self.close(kv, gate, carry, pool, tables)  # the indexer's own compressed rows first
+        return self.choose(q, weights, positions, pool)
+
+    def choose(
+        self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, pool: CompressedPool
+    ) -> torch.Tensor:
+        """Queries [S, H, c] and head weights [S, H] over the pool's rows (the chunk's windows already closed
+        into it) -> [S, T] mask of the rows each query attends."""
         keys = pool.view()
         s, t = q.shape[0], keys.shape[0]
         if t == 0:

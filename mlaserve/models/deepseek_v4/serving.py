@@ -1,14 +1,22 @@
-"""DeepSeek-V4 inside the engine: the runner's model interface over the V4 stack and the cache's request states.
+"""DeepSeek-V4 inside the engine: the runner's model interface over the V4 stack and the cache's states.
 
 Notation
   T tokens of the step (decodes first), B sequences; per sequence b (StepContext.seq_spans, plain ints):
-  rows a_b .. a_b+n_b-1 of the step, positions c_b .. c_b+n_b-1 (c_b = context_len), state slot s_b
-  per layer i, the cache's tensors of its request states (config/layer_kinds.py _v4_layer), slot s_b:
-    window [W, D]  kv_carry [2, m, width]  kv_overlap [2, m, D]  kv_pool [P, D]  (index_* likewise, CSA)
-A sequence's layer state is built as views of its slot (state.py `over`), with the counters derived from
-c_b alone: pool rows = c_b // m, carry fill = c_b % m (the window ring needs none). Every write of the
-model's state code (ring index_copy_, pool rows, carry rows) lands in the cache slot, so the next step of
-that sequence continues exactly; the runner zeroed the slot when the sequence (re)started.
+  rows a_b .. a_b+n_b-1 of the step, positions c_b .. c_b+n_b-1 (c_b = context_len), state slot s_b, block
+  table pages_b (StepContext.block_tables)
+  per layer i, the cache's tensors (config/layer_kinds.py _v4_layer):
+    request states, slot s_b:  window [W, D]  kv_carry [2, m, width]  kv_overlap [2, m, D]  (index_* likewise)
+    paged pools, one row per m tokens:  kv_pool [S + 1, D]  index_pool [S + 1, c]; row r of sequence b at slot
+      pages_b[r // R] * R + r % R,  R = page_size / m rows per page
+A sequence's layer state is built as views of its slot (state.py `over`) and its pools as state.PagedPool, with the
+counters derived from c_b alone: pool rows = c_b // m, carry fill = c_b % m (the ring needs none). The pools' row
+slots are computed for all sequences at once per distinct ratio (`pool_slots`), and each layer reads the rows its
+sequences had before the step with one index_select (state.StepRows); the rows the step's chunks close are written
+with one index_copy_ per pool tensor after the forward (StepRows.flush). Every write of the model's state code (ring
+index_copy_, pool rows, carry rows) lands in the cache, so the next step of that sequence continues exactly; the
+runner zeroed the slot when the sequence (re)started, or restored it from a page's snapshot at a prefix hit.
+Snapshots (prefix caching on): at each page boundary its chunk reaches (StepContext.snapshots), a layer
+saves the sequence's ring and overlap halves into that page's snapshot rows (state.Snapshots).
 Attention (attention.py): the softmax runs once for the step over keys padded to [B, K] (batched_attention,
 the default) or per sequence (the plain reference); the state updates (ring, compressors, indexer) loop over
 the step's sequences; projections, MoE and mHC run over all T tokens at once.
@@ -25,29 +33,78 @@ from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlaserve.models.deepseek_v4.rope import V4RopeTables
 from mlaserve.models.deepseek_v4.state import (
-    CompressedPool,
     CompressorCarry,
     CSAState,
     HCAState,
     LayerState,
+    PagedPool,
     SlidingRing,
     SlidingState,
+    Snapshots,
+    StepRows,
 )
 
+# per sequence: (rows it had before the step, slots of the rows its chunk may close)
+PoolSlots = tuple[torch.Tensor, list[int], list[torch.Tensor]]
 
-def slot_state(layer: CacheLayer, slot: int, context_len: int) -> LayerState:
-    """One layer's state of the sequence in `slot`, as views of the cache tensors, at context_len tokens."""
-    t, m = layer.tensors, layer.kind.ratio
-    ring = SlidingRing.over(t["window"][slot])
-    if layer.kind.attention == "v4_sliding":
-        return SlidingState(ring)
-    carry = CompressorCarry.over(t["kv_carry"][slot], t["kv_overlap"][slot] if "kv_overlap" in t else None, 0)
-    carry.fill = context_len % m
-    pool = CompressedPool.over(t["kv_pool"][slot], context_len // m)
-    if layer.kind.attention == "v4_hca":
-        return HCAState(ring, carry, pool)
-    index_carry = CompressorCarry.over(t["index_carry"][slot], t["index_overlap"][slot], context_len % m)
-    return CSAState(ring, carry, pool, index_carry, CompressedPool.over(t["index_pool"][slot], context_len // m))
+
+def pool_slots(
+    tables: tuple[tuple[int, ...], ...], spans: tuple, ratio: int, page_size: int, device: torch.device
+) -> PoolSlots:
+    """For a ratio m, every sequence's pool row slots through its block table, computed for all sequences at
+    once: -> (gather: the slots of each sequence's rows before the step, in batch order; starts [B + 1] of
+    each sequence's part of it; per sequence the slots of rows c_b // m .. (c_b + n_b) // m - 1)."""
+    per_page = page_size // ratio
+    old = [c // ratio for _, _, c, _ in spans]
+    total = [(c + n) // ratio for _, n, c, _ in spans]
+    counts = torch.tensor(total, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(spans), device=device), counts)
+    first = torch.cumsum(counts, 0) - counts  # each sequence's first row in the flat list
+    r = torch.arange(int(counts.sum()), device=device) - first[seq]
+    flat = torch.tensor([p for t in tables for p in t], dtype=torch.long, device=device)
+    lens = torch.tensor([len(t) for t in tables], device=device)
+    table_start = torch.cumsum(lens, 0) - lens
+    slots = flat[table_start[seq] + r // per_page] * per_page + r % per_page
+    gather = slots[r < torch.tensor(old, device=device)[seq]]
+    starts = [0]
+    for o in old:
+        starts.append(starts[-1] + o)
+    at = [0]
+    for t in total:
+        at.append(at[-1] + t)
+    new = [slots[at[b] + old[b] : at[b + 1]] for b in range(len(spans))]  # views: slices of one tensor
+    return gather, starts, new
+
+
+def step_states(
+    step: StepContext, layer: CacheLayer, slots: dict[int, PoolSlots], pools: list[StepRows]
+) -> list[LayerState]:
+    """One layer's state of every sequence of the step: views of its slots, its paged pools (one StepRows per
+    pool tensor for the step, appended to `pools` for the flush), and where it saves its page snapshots."""
+    t, kind, m = layer.tensors, layer.kind, layer.kind.ratio
+    snapped = [s.name for s in kind.per_request if s.snapshot and s.name + "_snapshot" in t]
+    if kind.attention != "v4_sliding":
+        gather, starts, new = slots[m]
+        kv_rows = StepRows(t["kv_pool"], gather, starts)
+        index_rows = StepRows(t["index_pool"], gather, starts) if "index_pool" in t else None
+        pools.extend(r for r in (kv_rows, index_rows) if r is not None)
+    out = []
+    for b, ((_, _, context_len, slot), at) in enumerate(zip(step.seq_spans, step.snapshots)):
+        saves = Snapshots(at, [(t[name][slot], t[name + "_snapshot"]) for name in snapped]) if at else None
+        ring = SlidingRing.over(t["window"][slot])
+        if kind.attention == "v4_sliding":
+            out.append(SlidingState(ring, saves))
+            continue
+        carry = CompressorCarry.over(t["kv_carry"][slot], t["kv_overlap"][slot] if "kv_overlap" in t else None, 0)
+        carry.fill = context_len % m
+        pool = PagedPool(kv_rows, b, context_len // m, new[b])
+        if kind.attention == "v4_hca":
+            out.append(HCAState(ring, carry, pool, saves))
+            continue
+        index_carry = CompressorCarry.over(t["index_carry"][slot], t["index_overlap"][slot], context_len % m)
+        index_pool = PagedPool(index_rows, b, context_len // m, new[b])
+        out.append(CSAState(ring, carry, pool, index_carry, index_pool, saves))
+    return out
 
 
 class _MainRope:
@@ -78,14 +135,24 @@ class V4Serving(nn.Module):
         return None  # no native decode layer for V4 yet: the ledger says per_op
 
     def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None) -> torch.Tensor:
-        spans = []
-        for a, n, start, slot in step.seq_spans:
-            if slot is None:
-                raise ValueError("a DeepSeek-V4 step needs every sequence's state slot")
-            spans.append((a, n, start, [slot_state(layer, slot, start) for layer in cache.layers]))
+        if any(slot is None for *_, slot in step.seq_spans):
+            raise ValueError("a DeepSeek-V4 step needs every sequence's state slot")
+        ratios = {layer.kind.ratio for layer in cache.layers if layer.kind.attention != "v4_sliding"}
+        device = input_ids.device
+        slots = {m: pool_slots(step.block_tables, step.seq_spans, m, step.page_size, device) for m in ratios}
+        pools: list[StepRows] = []
+        per_layer = [step_states(step, layer, slots, pools) for layer in cache.layers]
+        spans = [
+            (a, n, start, [states[b] for states in per_layer]) for b, (a, n, start, _) in enumerate(step.seq_spans)
+        ]
         # the route decided whether the CSA layers run their top-k (plain data of the step, never inferred)
         csa = next((p for p in step.route.plans if p.kind == "v4_csa"), None)
-        return self.inner.forward_spans(input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse)
+        hidden = self.inner.forward_spans(
+            input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse
+        )
+        for rows in pools:  # the rows the step closed, one write per pool tensor
+            rows.flush()
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.lm_head(hidden).float()

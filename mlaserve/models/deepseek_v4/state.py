@@ -14,15 +14,17 @@ Notation
                   position bias added, valid once a window has closed (n > 0)
 
 How each maps to the engine's rooms (config/layer_kinds.py, docs/ARCHITECTURE.md "Layer and cache kinds"):
-  SlidingRing      "request" addressing: one [W, D] slot per running request (or, paged, the last W / page
-                   rows through the block table); nothing of it survives past W tokens, so a prefix-cache hit
-                   needs the ring of the hit's last W tokens -- the page pool's rows of those tokens.
-  CompressedPool   "page" addressing with tokens_per_row = m: a page of page_size tokens holds page_size / m
-                   rows; page_size a multiple of every ratio keeps rows inside pages (vLLM uses 256).
-  CompressorCarry  "request" addressing, fixed size (m x width + m x D): not recomputable from the pools (the
-                   raw hidden states are gone), so preemption and prefix caching must snapshot it at page
-                   boundaries; at a boundary that is a multiple of m, the buffer is empty and the overlap half
-                   is the only carry.
+  SlidingRing      "request" addressing: one [W, D] slot per running request, snapshotted at page boundaries
+                   (a prefix hit restores the ring of the hit's last W tokens from its last page's row).
+  CompressedPool   the model's own form (a contiguous [P, D] block: tests, the reference path). In the engine
+                   the pools are "page" addressed with tokens_per_row = m: PagedPool, the same interface over
+                   the paged cache (a page of page_size tokens holds page_size / m rows), the rows before the
+                   step gathered once per layer for all sequences (StepRows).
+  CompressorCarry  "request" addressing, fixed size: not recomputable from the pools (the raw hidden states
+                   are gone). page_size is a multiple of every m, so at a page boundary the open window is
+                   empty (fill 0: the carry needs no snapshot) and the overlap half (CSA) is the only carry,
+                   snapshotted there.
+  Snapshots        where a layer saves its page-boundary snapshots in the engine (one row per page).
 """
 
 from __future__ import annotations
@@ -89,6 +91,75 @@ class CompressedPool:
         return self.rows[: self.n]
 
 
+class StepRows:
+    """One layer's compressed rows of every sequence of a step, in the paged cache: the rows each sequence had
+    before the step, gathered with one index_select through the block tables (at the first read), and the
+    rows the step's chunks close, written with one index_copy_ after the step's forward (`flush`; within the
+    step a sequence reads its new rows from its PagedPool, so the cache needs them only for the next step).
+
+    Notation: pool [S + 1, D] the layer's paged tensor (row slot = page * page_size / m + offset); per
+    sequence b, old_b its rows before the step (context_len // m); gather [sum_b old_b] their slots in batch
+    order; starts [B + 1] the offsets of each sequence's part of the gather."""
+
+    def __init__(self, pool: torch.Tensor, gather: torch.Tensor, starts: list[int]) -> None:
+        self.pool, self.gather_slots, self.starts = pool, gather, starts
+        self._rows: torch.Tensor | None = None
+        self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, rows) closed this step
+
+    def old(self, b: int) -> torch.Tensor:
+        if self._rows is None:  # one gather for the whole step, at the layer's first read
+            self._rows = self.pool.index_select(0, self.gather_slots)
+        return self._rows[self.starts[b] : self.starts[b + 1]]
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self._writes.append((slots, rows))
+
+    def flush(self) -> None:
+        """The step's closed rows of every sequence into the cache, one index_copy_."""
+        if self._writes:
+            slots, rows = zip(*self._writes)
+            self.pool.index_copy_(0, torch.cat(slots), torch.cat(rows))
+            self._writes = []
+
+
+class PagedPool:
+    """A sequence's compressed rows in the paged cache (CompressedPool's interface: n, append, view): the rows
+    it had before the step (StepRows, gathered once for the step's sequences) and those its chunk closes, kept
+    here for the step's reads and queued for the cache at their slots (`new_slots`, rows n0 .. of the chunk)."""
+
+    def __init__(self, step: StepRows, b: int, n: int, new_slots: torch.Tensor) -> None:
+        self.step, self.b, self.n0, self.n = step, b, n, n
+        self.new_slots = new_slots
+        self.new: list[torch.Tensor] = []
+
+    def append(self, rows: torch.Tensor) -> None:
+        k, done = rows.shape[0], self.n - self.n0
+        if done + k > self.new_slots.shape[0]:
+            raise ValueError(
+                f"paged pool: {done + k} new rows, the block table has slots for {self.new_slots.shape[0]}"
+            )
+        rows = rows.to(self.step.pool.dtype)
+        self.step.write(self.new_slots[done : done + k], rows)
+        self.new.append(rows)
+        self.n += k
+
+    def view(self) -> torch.Tensor:
+        return torch.cat([self.step.old(self.b), *self.new], dim=0) if self.new else self.step.old(self.b)
+
+
+class Snapshots:
+    """Where one sequence's layer saves its page-boundary snapshots (engine caches with prefix caching on):
+    `at` the (k, page) boundaries its chunk reaches (the state after the chunk's first k tokens is page's row),
+    `pairs` (a snapshotted state's view of the sequence's slot, that state's snapshot rows [P + 1, ...])."""
+
+    def __init__(self, at: tuple[tuple[int, int], ...], pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.at, self.pairs = at, pairs
+
+    def save(self, page: int) -> None:
+        for state, rows in self.pairs:
+            rows[page].copy_(state)
+
+
 class CompressorCarry:
     def __init__(
         self, ratio: int, width: int, overlap_dim: int | None, dtype: torch.dtype, device: torch.device | str = "cpu"
@@ -115,22 +186,25 @@ class CompressorCarry:
 @dataclass
 class SlidingState:
     ring: SlidingRing
+    snapshots: Snapshots | None = None  # the engine's page-boundary saves (None: none this step)
 
 
 @dataclass
 class HCAState:
     ring: SlidingRing
     carry: CompressorCarry
-    pool: CompressedPool
+    pool: CompressedPool | PagedPool
+    snapshots: Snapshots | None = None
 
 
 @dataclass
 class CSAState:
     ring: SlidingRing
     carry: CompressorCarry
-    pool: CompressedPool
+    pool: CompressedPool | PagedPool
     index_carry: CompressorCarry
-    index_pool: CompressedPool
+    index_pool: CompressedPool | PagedPool
+    snapshots: Snapshots | None = None
 
 
 LayerState = SlidingState | HCAState | CSAState
