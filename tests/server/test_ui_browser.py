@@ -221,6 +221,13 @@ def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
     row = browser.find_element(By.CSS_SELECTOR, '#route-counters tr[data-name="speculative"] td').text
     assert row.startswith(f"{accepted} / {proposed} drafts accepted"), row
     assert browser.find_elements(By.CSS_SELECTOR, "#spec-chart path.spark-line")
+    scored = {}
+    for rec in _trunk(records):
+        for seg in rec["segments"]:
+            if seg["index_scoring"]:
+                scored[seg["index_scoring"]] = scored.get(seg["index_scoring"], 0) + seg["num_tokens"]
+    row = browser.find_element(By.CSS_SELECTOR, '#route-counters tr[data-name="index scoring"] td').text
+    assert scored and row == ", ".join(f"{k} ({n} tokens)" for k, n in scored.items()), row
     step = next(step for ph, _, step in bars if ph == "prefill")
     # a bar may be a few pixels high: click its step by event, not by coordinates
     browser.execute_script(

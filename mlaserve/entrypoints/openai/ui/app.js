@@ -457,7 +457,9 @@ function drawRoute() {
       y -= h;
       const r = svgEl("rect", { x: x + 1, y: y, width: Math.max(bw - 2, 1), height: h, fill: colorOf(cat),
         class: "bar", "data-step": step, "data-phase": seg.phase, "data-category": cat, "data-tokens": seg.num_tokens });
-      const tip = svgEl("title"); tip.textContent = "step " + step + ": " + seg.num_tokens + " tokens " + cat;
+      const tip = svgEl("title");
+      tip.textContent = "step " + step + ": " + seg.num_tokens + " tokens " + cat + " (" + seg.implementation +
+        (seg.index_scoring ? ", index scoring " + seg.index_scoring : "") + ")";
       r.appendChild(tip);
       g.appendChild(r);
     }
@@ -496,7 +498,11 @@ function drawCounters(recs) {
   const requests = new Set();
   let hits = 0, hitTokens = 0, preempt = 0, pages = 0;
   const topk = [];
+  const scoring = new Map(); // how selecting segments scored their keys -> tokens
   for (const rec of recs) {
+    for (const seg of rec.segments || []) {
+      if (seg.index_scoring) scoring.set(seg.index_scoring, (scoring.get(seg.index_scoring) || 0) + seg.num_tokens);
+    }
     for (const q of rec.requests || []) {
       requests.add(q.id);
       if (q.cached_tokens > 0) { hits += 1; hitTokens += q.cached_tokens; }
@@ -521,6 +527,7 @@ function drawCounters(recs) {
     ["prefix-cache hits", hits + " requests (" + hitTokens + " tokens not recomputed)"],
     ["preemptions", preempt + " (" + pages + " pages freed)"],
     ["effective top-k", topk.length ? topkRange(topk) + " (" + topk.length + " sparse steps)" : "- (no sparse step)"],
+    ["index scoring", scoring.size ? Array.from(scoring).map(([k, n]) => k + " (" + n + " tokens)").join(", ") : "- (no step selected)"],
     ["speculative", proposed ? accepted + " / " + proposed + " drafts accepted (" + (100 * accepted / proposed).toFixed(1) + "%), " + drafts + " MTP passes" : "- (no drafts)"],
   ];
   const tbody = $("route-counters").querySelector("tbody");
