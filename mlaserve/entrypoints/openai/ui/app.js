@@ -27,11 +27,11 @@ const state = {
   metrics: {}, // series name -> [[t, value]]
   histSnapshots: [], // [t, {histogram name -> {le -> cumulative count}}]
   configLoaded: false,
+  lastSamples: null, // the previous /metrics read: {t, values} (for rates)
+  lastTotals: null, // its samples (a plot's "of N" total)
 };
 
 // ---- the server: every call carries the key; 401 asks for it once; a failed fetch means the server is gone
-
-class Unauthorized extends Error {}
 
 function authHeaders(extra) {
   const key = sessionStorage.getItem(KEY_STORE);
