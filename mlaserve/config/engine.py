@@ -187,6 +187,11 @@ class EngineOptions:
         "write every KV cache page at start, so the whole pool is resident from the first request (RSS then "
         "measures leaks, not pages first written; costs the pool's memory at once)",
     )
+    ui: bool = _opt(
+        True,
+        "`mlaserve serve` shows a web page at / (chat playground, the live route, configuration and health; "
+        "docs/UI.md); --no-ui serves the API alone",
+    )
 
 
 def option_default(name: str):
@@ -282,11 +287,18 @@ class ChatConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """What `mlaserve serve` adds around the engine (the engine itself never reads it)."""
+
+    ui: bool = True  # the web page at / (entrypoints/openai/ui/)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The resolved, frozen configuration the engine runs with, as parts of one concept each, so a reader
     names the concern it depends on (`cfg.cache.page_size`) and a part can be passed alone. The grouping
     follows who reads what: the cache manager reads `cache`, the scheduler `scheduler`, the router
-    `attention`, the loader `kernels` and `parallel`, the speculative loop `speculative`, the server `chat`;
+    `attention`, the loader `kernels` and `parallel`, the speculative loop `speculative`, the server `chat` and `server`;
     `runtime` holds what every tensor is made with (device, dtype) and the process's resources. Every
     resolved switch lives in exactly one part; the names are EngineOptions' except where the part already
     says it (attention_backend -> attention.backend, kernels -> kernels.impl, speculative ->
@@ -302,6 +314,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
     chat: ChatConfig = ChatConfig()
+    server: ServerConfig = ServerConfig()
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     def all_provenance(self) -> tuple[Setting, ...]:
@@ -369,6 +382,9 @@ def resolve(
     if not isinstance(opts.kv_prefault, bool):
         raise ConfigError(f"kv_prefault must be a bool, got {opts.kv_prefault!r}")
     _user(log, "kv_prefault", opts.kv_prefault)
+    if not isinstance(opts.ui, bool):
+        raise ConfigError(f"ui must be a bool, got {opts.ui!r}")
+    _user(log, "ui", opts.ui)
     return EngineConfig(
         model=model,
         runtime=RuntimeConfig(device=device, dtype=dtype, threads=threads, malloc_tuning=opts.malloc_tuning),
@@ -398,6 +414,7 @@ def resolve(
             **_speculation_switch(opts, speculative, log),
         ),
         parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
+        server=ServerConfig(ui=opts.ui),
         provenance=log.freeze(),
     )
 

@@ -212,6 +212,15 @@ def _add_trace(sub) -> None:
     s.add_argument("file", metavar="FILE")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.set_defaults(func=_trace_summarize)
+    pl = tsub.add_parser(
+        "plot",
+        help="the route chart as a PNG: tokens per step by phase x path, effective top-k, hits, preemptions",
+        description="Draw a route ledger (JSON lines) as the web page's route chart, for a bug report "
+        "(needs matplotlib: pip install 'mlaserve[plot]'; docs/UI.md says what it shows).",
+    )
+    pl.add_argument("file", metavar="FILE")
+    pl.add_argument("-o", "--output", default=None, metavar="PNG", help="where to write it (default: FILE with .png)")
+    pl.set_defaults(func=_trace_plot)
 
 
 def _trace_summarize(args) -> int:
@@ -226,6 +235,18 @@ def _trace_summarize(args) -> int:
         print(json.dumps({"summary": whole, "ranks": ranked} if ranked else {"summary": whole}, indent=1))
     else:
         print(format_summary(by_rank))
+    return 0
+
+
+def _trace_plot(args) -> int:
+    from mlaserve.observability.route_plot import save_route_plot
+    from mlaserve.observability.summary import read_ledger
+
+    out = Path(args.output) if args.output else Path(args.file).with_suffix(".png")
+    if not out.parent.is_dir():
+        raise ValueError(f"-o {out}: folder {out.parent} does not exist (create it first)")
+    records = read_ledger(args.file)
+    print(f"wrote {save_route_plot(records, out, Path(args.file).name)} ({len(records)} records)")
     return 0
 
 

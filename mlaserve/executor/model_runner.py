@@ -68,6 +68,18 @@ class ModelRunner:
         self.step_count = 0
         self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative.method == "mtp" else None
 
+    @property
+    def tracer(self):
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer) -> None:
+        """One ledger for the trunk and the MTP drafter: `mlaserve serve` swaps in its RouteTap after the
+        load, and the drafter's `draft` records must follow (they feed /debug/routes and the MTP metrics)."""
+        self._tracer = tracer
+        if getattr(self, "drafter", None) is not None:
+            self.drafter.tracer = tracer
+
     def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
         """-> (batch, logits [len(batch.logits_indices), vocab] float32). `preempted`: the scheduler's
         Preemption records of this step, written to the ledger with the route."""

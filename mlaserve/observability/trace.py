@@ -7,6 +7,7 @@ for tests and the server). Model and attention code import nothing from here.
 from __future__ import annotations
 
 import json
+import threading
 from collections import deque
 from pathlib import Path
 
@@ -48,13 +49,26 @@ class NullTracer:
 
 
 class MemoryTracer:
+    """A ring of the last `maxlen` records. Each record written gets a sequence number (0, 1, ...), so a
+    reader on another thread (the server's /debug/routes) can ask for what it has not seen yet."""
+
     enabled = True
 
     def __init__(self, maxlen: int = 10000) -> None:
         self.records: deque[dict] = deque(maxlen=maxlen)
+        self.total = 0  # records ever written: the next record's sequence number
+        self._lock = threading.Lock()  # the ring and its count change together (the writer is the engine loop)
 
     def record(self, rec: dict) -> None:
-        self.records.append(rec)
+        with self._lock:
+            self.records.append(rec)
+            self.total += 1
+
+    def since(self, first: int) -> tuple[list[dict], int]:
+        """The records numbered >= first that the ring still holds, and the next number."""
+        with self._lock:
+            records, total = list(self.records), self.total
+        return records[max(0, first - (total - len(records))) :], total
 
     def close(self) -> None:
         pass

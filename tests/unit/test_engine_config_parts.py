@@ -44,6 +44,7 @@ WHERE = {
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "tool_call_parser": "chat.tool_call_parser",
     "reasoning_parser": "chat.reasoning_parser",
+    "ui": "server.ui",
 }
 # Checked and recorded at resolve, acted on by the loader (it reads EngineOptions): no resolved field.
 NOT_RESOLVED = {"check_tensors", "attention"}  # attention="auto"/... resolves to attention.sparse
@@ -84,6 +85,7 @@ SPEC = dict(
     speculative_min_acceptance=0.3,
     speculative_probe_interval=7,
     speculative_acceptance_weight=0.5,
+    ui=False,
 )
 
 

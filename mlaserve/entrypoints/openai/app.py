@@ -1,7 +1,8 @@
 """The FastAPI application: routes, API key, body-size limit and OpenAI-style error bodies.
 
 Every engine interaction goes through `OpenAIServing` (serving.py) and the engine loop; this
-module is HTTP only. /health and /metrics stay open when an API key is set.
+module is HTTP only. /health and /metrics stay open when an API key is set, and so do the web
+page's static files (page.py: they hold no data; the page's own calls carry the key).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mlaserve import __version__
 from mlaserve.entrypoints.openai import chat, completions
 from mlaserve.entrypoints.openai.constraints import below
+from mlaserve.entrypoints.openai.debug_views import (
+    checkpoint_config,
+    jsonable,
+    kernel_rows,
+    provenance_rows,
+    verify_rows,
+)
 from mlaserve.entrypoints.openai.errors import APIError, from_pydantic
+from mlaserve.entrypoints.openai.page import PUBLIC_PATHS, add_page
 from mlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,9 +52,13 @@ def build_app(
     max_body: int = MAX_BODY_BYTES,
     allowed_origins: list[str] | None = None,
     debug_endpoints: bool = False,
+    ui: bool = False,
+    verify=None,
 ):
-    """debug_endpoints: /debug/routes, /debug/config and the /docs, /redoc pages (off by default;
-    behind the API key when one is set, as every route but /health and /metrics)."""
+    """debug_endpoints: /debug/routes, /debug/config, /debug/provenance, /debug/kernels, /debug/verify
+    and the /docs, /redoc pages (off by default; behind the API key when one is set, as every route but
+    /health and /metrics). ui: the web page at / (page.py; its route and configuration views read the
+    debug endpoints). verify: `serve --verify`'s checks (verify.Check list; None: not run)."""
     docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
     app = FastAPI(title="mlaserve", version=__version__, **docs)
     app.state.serving = serving
@@ -53,12 +66,15 @@ def build_app(
     _add_api_routes(app, serving)
     _add_info_routes(app, serving)
     if debug_endpoints:
-        _add_debug_routes(app, serving, ring)
+        _add_debug_routes(app, serving, ring, verify)
+    if ui:
+        add_page(app, keyed=bool(api_key), debug_endpoints=debug_endpoints)
     _document(app, serving, bool(api_key))
     rejected = _rejections(serving)
     app.add_middleware(BodyLimit, max_body=max_body, on_reject=rejected)
     if api_key:
-        app.add_middleware(ApiKey, key=api_key, on_reject=rejected)
+        public = OPEN_PATHS + (PUBLIC_PATHS if ui else ())
+        app.add_middleware(ApiKey, key=api_key, on_reject=rejected, public=public)
     if allowed_origins:  # outermost: a preflight (OPTIONS, no key) is answered before the key check
         app.add_middleware(
             CORSMiddleware,
@@ -234,11 +250,13 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
         app.add_api_route(path, endpoint, methods=["HEAD"], response_class=PlainTextResponse, include_in_schema=False)
 
 
-def _add_debug_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
+def _add_debug_routes(app: FastAPI, serving: OpenAIServing, ring, verify) -> None:
     @app.get("/debug/routes")
-    async def routes(last: int = Query(20, ge=0)):
-        records = list(ring.records) if ring is not None else []
-        return {"records": records[-last:] if last else []}
+    async def routes(last: int = Query(20, ge=0), since: int = Query(0, ge=0)):
+        """The last `last` ledger records numbered >= since; `next`: the number to ask for next time
+        (a poller passes it back as since and gets only new records)."""
+        records, total = ring.since(since) if ring is not None else ([], 0)
+        return {"records": records[-last:] if last else [], "next": total}
 
     @app.get("/debug/config")
     async def config(paths: bool = False):
@@ -246,7 +264,7 @@ def _add_debug_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
         cfg = serving.llm.config
 
         def show(v):
-            v = _jsonable(v)
+            v = jsonable(v)
             return Path(v).name if isinstance(v, str) and not paths and Path(v).is_absolute() else v
 
         table = [{"name": s.name, "value": show(s.value), "source": s.source} for s in cfg.all_provenance()]
@@ -256,6 +274,23 @@ def _add_debug_routes(app: FastAPI, serving: OpenAIServing, ring) -> None:
         if ranks:
             out["ranks"] = ranks
         return out
+
+    @app.get("/debug/provenance")
+    async def provenance():
+        """Every setting with its source, and where the checkpoint's config.json says otherwise."""
+        path = Path(str(serving.llm.loaded.path))
+        checkpoint, compared = checkpoint_config(path)
+        rows = provenance_rows(serving.llm.config.all_provenance(), checkpoint)
+        ranks = getattr(serving.llm.runner, "rank_echoes", None) or []
+        return {"model": path.name, "compared_with": compared, "settings": rows, "ranks": ranks}
+
+    @app.get("/debug/kernels")
+    async def kernels():
+        return kernel_rows(serving.llm.loaded.kernel_plan)
+
+    @app.get("/debug/verify")
+    async def verified():
+        return verify_rows(verify)
 
 
 _ERROR_SCHEMA = {
@@ -350,14 +385,6 @@ def _bound_ids(node, top: int, max_items: int | None) -> None:
                 _bound_ids(v, top, max_items)
 
 
-def _jsonable(value):
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
-
-
 class BodyLimit:
     """ASGI middleware: bodies over max_body bytes get 413 before anything parses them (by their
     Content-Length, or while a chunked body is read)."""
@@ -390,14 +417,14 @@ class BodyLimit:
 
 
 class ApiKey:
-    """ASGI middleware: `Authorization: Bearer KEY` on every path but /health and /metrics;
-    compared in constant time."""
+    """ASGI middleware: `Authorization: Bearer KEY` on every path but the public ones (/health,
+    /metrics, and the web page's static files when it is served); compared in constant time."""
 
-    def __init__(self, app, key: str, on_reject=None) -> None:
-        self.app, self.key, self.on_reject = app, key.encode(), on_reject
+    def __init__(self, app, key: str, on_reject=None, public: tuple[str, ...] = OPEN_PATHS) -> None:
+        self.app, self.key, self.on_reject, self.public = app, key.encode(), on_reject, public
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.public:
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or ()).get(b"authorization", b"")
         token = auth[7:] if auth[:7].lower() == b"bearer " else b""

@@ -62,12 +62,14 @@ def _serve(args: argparse.Namespace) -> int:
     trace, args.trace = args.trace, None
     llm = make_llm(args)
     llm.runner.tracer = route_tap(trace)
-    if args.verify and not _verified(llm):
+    checks = _verified(llm) if args.verify else None
+    if checks is False:
         return 1
-    return run(args, llm, template)
+    return run(args, llm, template, checks)
 
 
-def _verified(llm) -> bool:
+def _verified(llm):
+    """-> the checks (all passed; /debug/verify shows them), or False when one failed."""
     from mlaserve.entrypoints.verify import format_checks, run_checks
 
     checks = run_checks(llm, llm.encode("The quick brown fox jumps over the lazy dog. " * 4))
@@ -75,4 +77,4 @@ def _verified(llm) -> bool:
     if not all(c.passed for c in checks):
         print("mlaserve: error: self-checks failed; not serving", file=sys.stderr)
         return False
-    return True
+    return checks

@@ -40,6 +40,7 @@ def build_server(
     serving = OpenAIServing(llm, loop, metrics, served_name, max_in_flight)
     serving.chat_template = chat_template
     ring = tap.ring if isinstance(tap, RouteTap) else None
+    app_kw.setdefault("ui", llm.config.server.ui)  # the web page at / (engine option ui, recorded)
     app = build_app(serving, api_key, ring, **app_kw)
     return app, loop, serving
 
@@ -66,7 +67,8 @@ class _Server(uvicorn.Server):
             self.ready_line(host, port)
 
 
-def run(args, llm, chat_template: str | None) -> int:
+def run(args, llm, chat_template: str | None, verify=None) -> int:
+    """verify: the checks `--verify` ran before serving (shown at /debug/verify); None when not run."""
     served = args.served_model_name or Path(str(llm.loaded.path)).name
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     app, loop, serving = build_server(
@@ -77,6 +79,7 @@ def run(args, llm, chat_template: str | None) -> int:
         chat_template,
         allowed_origins=origins or None,
         debug_endpoints=args.enable_debug_endpoints,
+        verify=verify,
     )
     set_chat_formats(serving, getattr(args, "tool_call_parser", None), getattr(args, "reasoning_parser", None))
     loop.start()
@@ -93,6 +96,8 @@ def run(args, llm, chat_template: str | None) -> int:
     )
     server = _Server(config)
     server.ready_line = lambda host, port: print(_ready(llm, served, host, port), flush=True)
+    if llm.config.server.ui:
+        server.ready_line = _with_page_line(server.ready_line, args.enable_debug_endpoints)
     server.on_shutdown = lambda: serving.cut_off_at(args.grace)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes that a
     # clean return, so SIGTERM exits 0 after the graceful stop.
@@ -120,6 +125,17 @@ def _ready(llm, served: str, host: str, port: int) -> str:
         f"attention {attention}, mla_path {cfg.attention.mla_path}, KV pool {cfg.cache.num_pages} pages x {cfg.cache.page_size} tokens "
         f"({cache.measured_bytes_per_token()} bytes/token){slots}, max_model_len {llm.engine.max_model_len})"
     )
+
+
+def _with_page_line(ready_line, debug_endpoints: bool):
+    """The ready line, then where the page is (and what its route view needs)."""
+
+    def lines(host, port) -> None:
+        ready_line(host, port)
+        views = "" if debug_endpoints else " (its route and configuration views need --enable-debug-endpoints)"
+        print(f"mlaserve: web page at http://{host}:{port}/{views}; --no-ui turns it off", flush=True)
+
+    return lines
 
 
 def setup_logging() -> None:
