@@ -1,0 +1,149 @@
+"""DeepSeek-V4's modules kept in a GGUF file's ggml blocks (Q8_0, Q4_K, MXFP4, ...), as quant/deepseek_v4.py
+keeps the release's FP8 / FP4 ones: the stored bytes are copied at load, never converted.
+
+Notation: R = ggml.row_bytes(type, K), the bytes of one stored row of K values (a whole number of blocks).
+  nn.Linear       -> GGUFLinear (quant/ggml_linear.py) weight [N, R_K]: q/kv/o projections, compressors,
+                     indexer, shared expert, lm_head
+  nn.Embedding    -> GGUFEmbedding                         weight [V, R_D]
+  GroupedLinear   -> GGUFGroupedLinear  o_a_proj           weight [G*o, R_(H/G*Dh)]
+  Experts         -> GGUFV4Experts      gate_up_proj [E, 2I, R_D] (gate rows first, gate and up of one type),
+                                        down_proj [E, D, R_I]; V4's clamped SwiGLU (models/deepseek_v4/moe.py)
+A tensor stored F32 / F16 / BF16 stays a float module (dequantized at load); the router (ffn_gate_inp) is a
+float parameter, and tid2eid, norms, sinks, position biases and the hc_* tensors load as floats (fp32).
+Plan (`plan_v4_gguf`, from the file's tensor types) -> swap (`swap_in_v4_gguf`, on the meta model) -> fill.
+GGUFGroupedLinear and GGUFV4Experts dequantize in torch (the routed experts one per routed expert and step);
+GGUFLinear has the native decode-and-dot kernels of the other GGUF models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mlaserve.gguf.quants import GGML_TYPES
+from mlaserve.kernels import ggml
+from mlaserve.models.deepseek_v4.moe import experts_loop
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFLinear, _raw
+from mlaserve.quant.ggml_plan import BLOCK_TYPES
+
+
+class GGUFGroupedLinear(nn.Module):
+    """o_a_proj in ggml blocks: y[:, g] = x[:, g] @ W_g^T for the G row blocks W_g of the [G*o, K] weight."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int, ggml_type: int, device) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.groups, self.ggml_type = in_per_group, out_features, groups, ggml_type
+        self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_per_group)), device)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return ggml.dense(self.weight, self.ggml_type, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, G, K] -> [S, G*o], in fp32 (the dequantized weight's dtype), rounded to x's dtype."""
+        w = self.dequantize().view(self.groups, -1, x.shape[-1]).transpose(1, 2)
+        return torch.bmm(x.float().transpose(0, 1), w).transpose(0, 1).flatten(1).to(x.dtype)
+
+
+class GGUFV4Experts(nn.Module):
+    """V4's routed experts in ggml blocks; forward = models/deepseek_v4/moe.experts_loop over expert(e), each
+    routed expert dequantized once per step."""
+
+    def __init__(self, hidden: int, n_experts: int, inter: int, limit: float, t_gate_up: int, t_down: int, device):
+        super().__init__()
+        self.hidden, self.inter, self.limit = hidden, inter, limit
+        self.type_gate_up, self.type_down = t_gate_up, t_down
+        self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(t_gate_up, hidden)), device)
+        self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(t_down, inter)), device)
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's dense (gate_up [2I, D], down [D, I]) in fp32."""
+        return (
+            ggml.dense(self.gate_up_proj[e], self.type_gate_up, self.hidden),
+            ggml.dense(self.down_proj[e], self.type_down, self.inter),
+        )
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.expert(e) for e in range(self.gate_up_proj.shape[0])]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return experts_loop(x, weights, idx, self.expert, self.limit)
+
+    def extra_repr(self) -> str:
+        gu, d = GGML_TYPES[self.type_gate_up].name, GGML_TYPES[self.type_down].name
+        return f"experts={self.gate_up_proj.shape[0]}, gate_up={gu}, down={d}"
+
+
+@dataclass(frozen=True)
+class V4GGUFPlan:
+    """Which modules keep their blocks (module name, ggml type name(s)) and which load as floats, and why."""
+
+    kept: tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]  # (module, type name(s), (part, type) pairs)
+    floats: tuple[tuple[str, str, str], ...]  # (module, stored type(s), why)
+    blocks: frozenset[str]  # checkpoint (release) names read as stored bytes
+
+    def summary(self) -> str:
+        types: dict[str, int] = {}
+        for _, t, _ in self.kept:
+            types[t] = types.get(t, 0) + 1
+        kinds = ", ".join(f"{n} {t}" for t, n in sorted(types.items()))
+        return f"GGUF blocks kept: {len(self.kept)} module(s) ({kinds}); {len(self.floats)} stored float or dense"
+
+
+def plan_v4_gguf(source, model: nn.Module) -> V4GGUFPlan:
+    """From the file's tensor types (source: V4GGUFTensors) and the model's module tree: a module whose stored
+    type is a block format keeps its blocks; a routed-expert stack keeps them when gate and up share a type."""
+    from mlaserve.loading.deepseek_v4 import target
+    from mlaserve.models.deepseek_v4.attention import GroupedLinear
+    from mlaserve.models.deepseek_v4.moe import Experts
+
+    module_names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    types: dict[str, dict] = {}  # module -> {part: ggml type}
+    names: dict[str, list[str]] = {}
+    for name in source.names():
+        t = target(name, module_names)
+        if t is None:
+            continue
+        module = t.name.rpartition(".")[0]
+        types.setdefault(module, {})[t.part or "weight"] = source.ggml_type(name)
+        names.setdefault(module, []).append(name)
+    kept, floats, blocks = [], [], set()
+    for module, parts in sorted(types.items()):
+        try:
+            m = model.get_submodule(module)
+        except AttributeError:
+            m = None
+        tnames = "/".join(sorted({GGML_TYPES[t].name for t in parts.values()}))
+        if not isinstance(m, (nn.Linear, nn.Embedding, GroupedLinear, Experts)):
+            continue  # norms, router, sinks, hc_*, biases, tid2eid: floats by the reference's rule
+        if not all(t in BLOCK_TYPES for t in parts.values()):
+            floats.append((module, tnames, "not a block format: loaded as floats"))
+            continue
+        if isinstance(m, Experts) and parts.get("w1") != parts.get("w3"):
+            floats.append((module, tnames, "gate and up stored in different types: dequantized at load"))
+            continue
+        kept.append((module, tnames, tuple(sorted(parts.items()))))
+        blocks.update(names[module])
+    return V4GGUFPlan(tuple(kept), tuple(floats), frozenset(blocks))
+
+
+def swap_in_v4_gguf(model: nn.Module, plan: V4GGUFPlan, dtype: torch.dtype) -> None:
+    """Replace the planned modules (on the model's device, the meta device at load) with their holders."""
+    from mlaserve.models.deepseek_v4.attention import GroupedLinear
+    from mlaserve.models.deepseek_v4.moe import Experts
+
+    for module, _, pairs in plan.kept:
+        old, parts = model.get_submodule(module), dict(pairs)
+        if isinstance(old, Experts):
+            e, two_i, d = old.gate_up_proj.shape
+            new = GGUFV4Experts(d, e, two_i // 2, old.limit, parts["w1"], parts["w2"], old.gate_up_proj.device)
+        elif isinstance(old, GroupedLinear):
+            o, k = old.weight.shape
+            new = GGUFGroupedLinear(k, o, old.groups, parts["weight"], old.weight.device)
+        elif isinstance(old, nn.Embedding):
+            new = GGUFEmbedding(old.num_embeddings, old.embedding_dim, parts["weight"], dtype, old.weight.device)
+        else:
+            new = GGUFLinear(old.in_features, old.out_features, parts["weight"], False, dtype, old.weight.device)
+        model.set_submodule(module, new)
