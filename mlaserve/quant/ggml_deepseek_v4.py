@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mlaserve.config.provenance import Setting
 from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.kernels import ggml
 from mlaserve.models.deepseek_v4.moe import experts_loop
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFLinear, _raw
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
+from mlaserve.quant.plan import _group
 
 
 class GGUFGroupedLinear(nn.Module):
@@ -83,6 +85,24 @@ class V4GGUFPlan:
     kept: tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]  # (module, type name(s), (part, type) pairs)
     floats: tuple[tuple[str, str, str], ...]  # (module, stored type(s), why)
     blocks: frozenset[str]  # checkpoint (release) names read as stored bytes
+
+    def settings(self) -> tuple[Setting, ...]:
+        """`mlaserve inspect`'s rows: per stored type and module kind, the layers kept in blocks; then the
+        modules loaded as floats, with why."""
+        kept: dict[str, list[str]] = {}
+        for module, tname, _ in self.kept:
+            kept.setdefault(tname, []).append(module)
+        rows = []
+        for tname, mods in sorted(kept.items()):
+            for kind, layers in _group(tuple(mods)):
+                rows.append(Setting(f"gguf {tname} {kind}", layers, f"stored {tname}; kept in its blocks"))
+        floats: dict[tuple[str, str], list[str]] = {}
+        for module, tname, why in self.floats:
+            floats.setdefault((tname, why), []).append(module)
+        for (tname, why), mods in floats.items():
+            for kind, layers in _group(tuple(mods)):
+                rows.append(Setting(f"gguf {tname} {kind}", layers, f"stored {tname}; {why}"))
+        return tuple(rows)
 
     def summary(self) -> str:
         types: dict[str, int] = {}

@@ -147,3 +147,16 @@ def test_wrongly_typed_key_is_an_error(float_folder, tmp_path):
     write_v4_gguf(float_folder, tmp_path / "bad.gguf", set_keys=bad)
     with pytest.raises(GGUFError, match="'deepseek4.hyper_connection.count' must be an integer"):
         load_v4_gguf(tmp_path / "bad.gguf")
+
+
+def test_inspect_shows_layer_kinds_with_their_source_and_block_types(files, capsys):
+    from mlaserve.entrypoints.cli import main
+
+    root, _ = files
+    assert main(["inspect", str(root / "model.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "layers 0: sliding (sliding window 6; from gguf:deepseek4.attention.compress_ratios)" in out
+    assert "layers 1, 3: csa (CSA m=4" in out and "layers 2: hca (HCA m'=8" in out
+    assert "gguf MXFP4 model.layers.*.mlp.experts" in out and "gguf Q8_0 model.layers.*.self_attn.q_a_proj" in out
+    assert "gguf:deepseek4.hyper_connection.count" in out  # the keys' provenance
+    assert "GGUF blocks kept" in out  # the load report

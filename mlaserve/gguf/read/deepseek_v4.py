@@ -219,7 +219,8 @@ def _moe(m: _Meta, cfg: dict, n: int) -> None:
     cfg["n_shared_experts"] = m.req("n_shared_experts", "expert_shared_count")
     cfg["moe_intermediate_size"] = m.req("moe_intermediate_size", "expert_feed_forward_length")
     cfg["routed_scaling_factor"] = m.req("routed_scaling_factor", "expert_weights_scale", _f32)
-    norm = m.opt("norm_topk_prob", "expert_weights_norm", True, _bool)
+    # recorded under the key's own name: the config's norm_topk_prob is "not read" (V4 always renormalises)
+    norm = m.opt("expert_weights_norm", "expert_weights_norm", True, _bool)
     if not norm:
         raise GGUFError(
             f"{m.gf.path}: '{m.key('expert_weights_norm')}'=false: DeepSeek-V4's router always renormalises its "
