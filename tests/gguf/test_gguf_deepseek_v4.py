@@ -33,7 +33,7 @@ def files(tmp_path_factory):
     ref = DeepseekV4ForCausalLM.from_pretrained(root / "deq", experts_implementation="eager").float().eval()
     with torch.no_grad():
         logits = ref(torch.tensor([IDS]), use_cache=False).logits[0].float()
-    return root, logits
+    return root, logits, ref
 
 
 def _ours(model):
@@ -42,7 +42,7 @@ def _ours(model):
 
 
 def test_gguf_matches_transformers_on_dequantized_weights(files):
-    root, ref = files
+    root, ref, _ = files
     model, report, ck = load_gguf(root / "model.gguf")
     err = (_ours(model) - ref).abs().max().item()
     assert err <= BOUND, err
@@ -61,7 +61,7 @@ def test_gguf_matches_transformers_on_dequantized_weights(files):
 
 
 def test_gguf_equals_the_folder_of_the_same_weights(files):
-    root, _ = files
+    root, *_ = files
     gguf_model, _, ck = load_gguf(root / "model.gguf")
     folder_model, _ = load_folder(root / "deq")
     err = (_ours(gguf_model) - _ours(folder_model)).abs().max().item()
@@ -74,7 +74,7 @@ def test_gguf_equals_the_folder_of_the_same_weights(files):
 def test_layer_kinds_and_keys_are_read_with_their_source(files):
     from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
 
-    root, _ = files
+    root, *_ = files
     ck = load_v4_gguf(root / "model.gguf")
     cfg = ck.config
     assert cfg.layer_kinds == ("sliding", "csa", "hca", "csa")
@@ -152,7 +152,7 @@ def test_wrongly_typed_key_is_an_error(float_folder, tmp_path):
 def test_inspect_shows_layer_kinds_with_their_source_and_block_types(files, capsys):
     from mlaserve.entrypoints.cli import main
 
-    root, _ = files
+    root, *_ = files
     assert main(["inspect", str(root / "model.gguf")]) == 0
     out = capsys.readouterr().out
     assert "layers 0: sliding (sliding window 6; from gguf:deepseek4.attention.compress_ratios)" in out
@@ -160,3 +160,21 @@ def test_inspect_shows_layer_kinds_with_their_source_and_block_types(files, caps
     assert "gguf MXFP4 model.layers.*.mlp.experts" in out and "gguf Q8_0 model.layers.*.self_attn.q_a_proj" in out
     assert "gguf:deepseek4.hyper_connection.count" in out  # the keys' provenance
     assert "GGUF blocks kept" in out  # the load report
+
+
+def test_engine_greedy_equals_transformers_full_recompute(files):
+    """The engine (V4Serving, paged pools, the kept holders) on the file: greedy tokens of a batch of two
+    prompts of different lengths == transformers' full-recompute greedy on the dequantized weights, each."""
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.sampling.params import SamplingParams
+
+    root, _, ref = files
+    llm = LLM(str(root / "model.gguf"))
+    prompts = [IDS[:13], IDS[3:30]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    for prompt, out in zip(prompts, outs):
+        seq = list(prompt)
+        for _ in out.outputs[0].token_ids:
+            with torch.no_grad():
+                seq.append(int(ref(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+        assert list(out.outputs[0].token_ids) == seq[len(prompt) :]
