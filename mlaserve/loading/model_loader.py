@@ -248,11 +248,10 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
         config = {"chat_template": tok.chat_template} if tok.chat_template else {}
         eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
         tokenizer = Tokenizer(ck.tokenizer.build_tokenizer(), config, eos or ck.config.eos_token_ids)
-    held = (
-        "the file's ggml blocks stay in DeepSeek-V4's GGUF holders (quant/ggml_deepseek_v4.py), which run in torch "
-        "(the native kernels are not wired to V4's modules yet)"
+    blocks = any(ck.tensors.gguf_type(n) not in ("F32", "F16", "BF16", "I32") for n in ck.tensors.names())
+    engine_cfg = resolve(
+        ck.config, opts, has_indexer_weights=False, native_kernels=_native_probe if blocks else None, gguf=True
     )
-    engine_cfg = resolve(ck.config, opts, has_indexer_weights=False, gguf=True, torch_holders=held)
     ck.close()
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
 
@@ -281,14 +280,17 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
     cfg = ck.engine_cfg
     if ck.path.is_file():  # a deepseek4 GGUF: block-quantized tensors kept in their blocks (gguf_weights)
         from mlaserve.loading.deepseek_v4 import load_gguf
+        from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
 
         model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, cfg.kernels.gguf_weights == "quantized")
         opened.close()
+        if v4.gguf is not None:
+            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, cfg.kernels.activations == "int8")
     else:
         model, v4 = load_folder(ck.path, cfg.runtime.dtype)
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
     if v4.gguf is not None:
-        report.notes.append(v4.gguf.summary())
+        report.notes += [v4.gguf.summary(), v4_kernels]
     if v4.quant is not None:
         q = v4.quant
         report.notes.append(

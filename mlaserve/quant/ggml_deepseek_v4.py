@@ -11,8 +11,10 @@ Notation: R = ggml.row_bytes(type, K), the bytes of one stored row of K values (
 A tensor stored F32 / F16 / BF16 stays a float module (dequantized at load); the router (ffn_gate_inp) is a
 float parameter, and tid2eid, norms, sinks, position biases and the hc_* tensors load as floats (fp32).
 Plan (`plan_v4_gguf`, from the file's tensor types) -> swap (`swap_in_v4_gguf`, on the meta model) -> fill.
-GGUFGroupedLinear and GGUFV4Experts dequantize in torch (the routed experts one per routed expert and step);
-GGUFLinear has the native decode-and-dot kernels of the other GGUF models.
+Kernels (`kernel`, set at load from the engine's `kernels`): GGUFLinear has the native decode-and-dot kernels
+of the other GGUF models; GGUFGroupedLinear and GGUFV4Experts decode their blocks per call (the routed experts
+one per routed expert and step) by the native decoder (bit for bit the torch reference's values) or in torch,
+then multiply in fp32 torch.
 """
 
 from __future__ import annotations
@@ -24,19 +26,38 @@ from torch import nn
 
 from mlaserve.config.provenance import Setting
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import ggml
+from mlaserve.kernels import ggml, native, registry
 from mlaserve.models.deepseek_v4.moe import experts_loop
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFLinear, _raw
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
 from mlaserve.quant.plan import _group
 
 
-class GGUFGroupedLinear(nn.Module):
+class _Decoder(registry.KernelSwitch):
+    """`decode(w [N, R] uint8, type, K) -> [N, K] fp32`: the native decoder or torch's (the same values)."""
+
+    KERNELS = ggml.KERNELS
+    KERNEL_CALLS = {"decode": {"native": "_decode_native", "torch": "_decode_torch"}}
+    NATIVE_FALLBACK = "none (every call decodes natively)"
+
+    @staticmethod
+    def _decode_native(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        return native.dequantize(ggml_type, w.contiguous(), k)
+
+    @staticmethod
+    def _decode_torch(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        return ggml.dense(w, ggml_type, k)
+
+
+class GGUFGroupedLinear(_Decoder, nn.Module):
     """o_a_proj in ggml blocks: y[:, g] = x[:, g] @ W_g^T for the G row blocks W_g of the [G*o, K] weight."""
 
+    KERNEL_OP = "grouped_linear"
+
     def __init__(self, in_per_group: int, out_features: int, groups: int, ggml_type: int, device) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.in_features, self.out_features, self.groups, self.ggml_type = in_per_group, out_features, groups, ggml_type
+        self.kernel = "torch"  # the reference until the loader sets the engine's kernels
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_per_group)), device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -44,30 +65,41 @@ class GGUFGroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, G, K] -> [S, G*o], in fp32 (the dequantized weight's dtype), rounded to x's dtype."""
-        w = self.dequantize().view(self.groups, -1, x.shape[-1]).transpose(1, 2)
+        w = self.decode(self.weight, self.ggml_type, self.in_features)
+        w = w.view(self.groups, -1, x.shape[-1]).transpose(1, 2)
         return torch.bmm(x.float().transpose(0, 1), w).transpose(0, 1).flatten(1).to(x.dtype)
 
 
-class GGUFV4Experts(nn.Module):
+class GGUFV4Experts(_Decoder, nn.Module):
     """V4's routed experts in ggml blocks; forward = models/deepseek_v4/moe.experts_loop over expert(e), each
-    routed expert dequantized once per step."""
+    routed expert decoded once per step."""
+
+    KERNEL_OP = "v4_experts"
 
     def __init__(self, hidden: int, n_experts: int, inter: int, limit: float, t_gate_up: int, t_down: int, device):
-        super().__init__()
+        nn.Module.__init__(self)
         self.hidden, self.inter, self.limit = hidden, inter, limit
+        self.kernel = "torch"  # the reference until the loader sets the engine's kernels
         self.type_gate_up, self.type_down = t_gate_up, t_down
         self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(t_gate_up, hidden)), device)
         self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(t_down, inter)), device)
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's dense (gate_up [2I, D], down [D, I]) in fp32."""
+        """Expert e's dense (gate_up [2I, D], down [D, I]) in fp32, by the chosen decoder."""
         return (
-            ggml.dense(self.gate_up_proj[e], self.type_gate_up, self.hidden),
-            ggml.dense(self.down_proj[e], self.type_down, self.inter),
+            self.decode(self.gate_up_proj[e], self.type_gate_up, self.hidden),
+            self.decode(self.down_proj[e], self.type_down, self.inter),
         )
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [self.expert(e) for e in range(self.gate_up_proj.shape[0])]
+        """The torch reference's values of every expert."""
+        pairs = [
+            (
+                ggml.dense(self.gate_up_proj[e], self.type_gate_up, self.hidden),
+                ggml.dense(self.down_proj[e], self.type_down, self.inter),
+            )
+            for e in range(self.gate_up_proj.shape[0])
+        ]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -167,3 +199,22 @@ def swap_in_v4_gguf(model: nn.Module, plan: V4GGUFPlan, dtype: torch.dtype) -> N
         else:
             new = GGUFLinear(old.in_features, old.out_features, parts["weight"], False, dtype, old.weight.device)
         model.set_submodule(module, new)
+
+
+def set_v4_kernels(model: nn.Module, kernel: str, int8: bool) -> str:
+    """The engine's kernels on every GGUF holder of a V4 model (at load, before any forward); int8: GGUFLinear's
+    int8 activations (activations="int8"). Returns the load report's line."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, registry.KernelSwitch):
+            m.kernel = kernel
+            if isinstance(m, GGUFLinear):
+                m.int8 = int8
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    held = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+    how = {
+        "native": "GGUFLinear native decode-and-dot; grouped o_a_proj and routed experts decoded natively, "
+        "multiplied in fp32 torch",
+        "torch": "torch (each call decodes its blocks)",
+    }[kernel]
+    return f"DeepSeek-V4 GGUF holders ({held}): {how}" + (", int8 activations" if int8 else "")
