@@ -95,10 +95,12 @@ def write_v4_gguf(
     drop_keys: tuple[str, ...] = (),
     reshape: dict[str, tuple[int, ...]] | None = None,
     set_keys: dict | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A save_pretrained folder of a float V4 model -> `out` (a deepseek4 GGUF). Returns the folder's tensors
     (save_pretrained names) as the `gguf` package dequantizes the bytes written: the reference weights.
-    drop_tensors / drop_keys / reshape / set_keys break the file on purpose (the tests of the reader's errors)."""
+    drop_tensors / drop_keys / reshape / set_keys / extra_tensors (F32) change the file on purpose (the tests of
+    the reader's errors and of its nextn skipping)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -134,6 +136,8 @@ def write_v4_gguf(
         values = _add(w, g, stack, choose_type, drop_tensors, reshape, deq_shape=tuple(stack.shape))
         for e, name, _ in items:
             deq[name] = values[e] if values is not None else None
+    for g, arr in (extra_tensors or {}).items():
+        w.add_tensor(g, arr.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -4,6 +4,7 @@ blocks; logits equal transformers' on the dequantized weights and our load of th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -199,3 +200,46 @@ def test_native_kernels_on_the_holders_match_transformers(files):
             got = model(torch.tensor(ids), model.new_state(len(ids)))
         assert (got - ref[: len(ids)]).abs().max().item() <= BOUND
     ck.close()
+
+
+def test_nextn_block_is_skipped_and_reported(float_folder, tmp_path):
+    import gguf
+
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+
+    u32 = gguf.GGUFValueType.UINT32
+    keys = {"deepseek4.block_count": (5, u32), "deepseek4.nextn_predict_layers": (1, u32)}
+    extra = {"blk.4.attn_norm.weight": np.ones(32), "blk.4.nextn.enorm.weight": np.ones(32)}
+    write_v4_gguf(float_folder, tmp_path / "mtp.gguf", set_keys=keys, extra_tensors=extra)
+    ck = load_v4_gguf(tmp_path / "mtp.gguf")
+    assert ck.config.num_layers == 4 and ck.config.num_nextn_predict_layers == 1
+    assert sorted(ck.skipped) == sorted(extra)
+    ck.close()
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        (dict(extra_tensors={"blk.1.attn_foo.weight": np.ones(4)}), "unknown tensor 'blk.1.attn_foo"),
+        (dict(extra_tensors={"blk.2.indexer.proj.weight": np.ones((8, 32))}), "unexpected tensor"),
+        (dict(extra_tensors={"blk.7.attn_norm.weight": np.ones(32)}), "belongs to no block"),
+    ],
+    ids=["unknown", "indexer_on_hca", "past_blocks"],
+)
+def test_tensor_not_in_the_layout_is_an_error(float_folder, tmp_path, broken, message):
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+
+    write_v4_gguf(float_folder, tmp_path / "bad.gguf", **broken)
+    with pytest.raises(GGUFError, match=message):
+        load_v4_gguf(tmp_path / "bad.gguf")
+
+
+def test_two_hca_ratios_are_an_error(float_folder, tmp_path):
+    import gguf
+
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+
+    ratios = {"deepseek4.attention.compress_ratios": ([0, 4, 8, 16], gguf.GGUFValueType.ARRAY)}
+    write_v4_gguf(float_folder, tmp_path / "bad.gguf", set_keys=ratios)
+    with pytest.raises(GGUFError, match="several HCA ratios"):
+        load_v4_gguf(tmp_path / "bad.gguf")
