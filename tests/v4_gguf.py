@@ -160,7 +160,10 @@ def _add(w, g: str, t: torch.Tensor, choose_type, drop, reshape, deq_shape):
     if qtype == gguf.GGMLQuantizationType.F32:
         w.add_tensor(g, arr)
         return torch.from_numpy(arr.copy()).reshape(deq_shape) if arr.shape == deq_shape else t
-    data = gguf.quants.quantize(arr, qtype)
+    try:
+        data = gguf.quants.quantize(arr, qtype)
+    except NotImplementedError:  # the package has no K-quant quantizer: random valid blocks (their own values)
+        data = random_blocks(arr.shape, qtype, seed=len(g))
     w.add_tensor(g, data, raw_dtype=qtype)
     values = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
     return values.reshape(deq_shape) if tuple(values.shape) == deq_shape else t
@@ -219,3 +222,20 @@ def write_dequantized_folder(saved_folder: Path, deq: dict[str, torch.Tensor], d
     dst.mkdir()
     (dst / "config.json").write_text((saved_folder / "config.json").read_text())
     save_file({k: v.contiguous() for k, v in deq.items()}, dst / "model.safetensors")
+
+
+def random_blocks(shape: tuple[int, ...], qtype, seed: int) -> np.ndarray:
+    """Random bytes of a K-quant tensor (any code and sub-scale byte is valid) with fp16 super-block scales
+    d, dmin set small enough for O(1) weights: the weights are what the `gguf` package decodes them to."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    n_blocks = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    scales = np.array([2e-3, 1e-3], dtype=np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin first
+        raw[:, :4] = scales
+    else:
+        raise NotImplementedError(f"random blocks of {qtype.name}")
+    return raw.reshape(*shape[:-1], shape[-1] // block * size)

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
-from v4_gguf import BLOCK_DIMS, write_dequantized_folder, write_v4_gguf  # noqa: E402
+from v4_gguf import BLOCK_DIMS, default_type, write_dequantized_folder, write_v4_gguf  # noqa: E402
 from v4_models import save_hf_v4  # noqa: E402
 
 from mlaserve.gguf.read.file import GGUFError  # noqa: E402
@@ -243,3 +243,45 @@ def test_two_hca_ratios_are_an_error(float_folder, tmp_path):
     write_v4_gguf(float_folder, tmp_path / "bad.gguf", set_keys=ratios)
     with pytest.raises(GGUFError, match="several HCA ratios"):
         load_v4_gguf(tmp_path / "bad.gguf")
+
+
+def test_every_kept_type_and_float_types_mixed(tmp_path):
+    """Q4_K (attn_q_a, random valid blocks), Q4_0 (attn_kv), Q8_0, MXFP4 gate/up with Q8_0 down in one expert
+    stack, BF16 (attn_output_b) and F16 (ape, shared experts) stored floats: == transformers on the `gguf`
+    package's dequantization; the plan keeps the block types and loads the float types as floats."""
+    import gguf
+    from transformers import DeepseekV4ForCausalLM
+
+    T = gguf.GGMLQuantizationType
+
+    def choose(name: str, ndim: int):
+        for part, t in (
+            ("attn_q_a.weight", T.Q4_K),
+            ("attn_kv.weight", T.Q4_0),
+            ("attn_output_b", T.BF16),
+            ("ape", T.F16),
+            ("shexp", T.F16),
+            ("ffn_down_exps", T.Q8_0),
+        ):
+            if part in name:
+                return t
+        return default_type(name, ndim)
+
+    save_hf_v4("all_kinds", tmp_path / "float", seed=7, **dict(BLOCK_DIMS, hidden_size=256))
+    deq = write_v4_gguf(tmp_path / "float", tmp_path / "mixed.gguf", choose_type=choose)
+    write_dequantized_folder(tmp_path / "float", deq, tmp_path / "deq")
+    ref = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "deq", experts_implementation="eager").float().eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([IDS]), use_cache=False).logits[0].float()
+    model, report, ck = load_gguf(tmp_path / "mixed.gguf")
+    kept = {m: t for m, t, _ in report.gguf.kept}
+    floats = {m: t for m, t, _ in report.gguf.floats}
+    assert kept["model.layers.0.self_attn.q_a_proj"] == "Q4_K" and kept["model.layers.0.self_attn.kv_proj"] == "Q4_0"
+    assert kept["model.layers.2.mlp.experts"] == "MXFP4/Q8_0"
+    assert (
+        floats["model.layers.1.self_attn.o_b_proj"] == "BF16"
+        and floats["model.layers.1.mlp.shared_experts.up_proj"] == "F16"
+    )
+    err = (_ours(model) - want).abs().max().item()
+    assert err <= BOUND, err
+    ck.close()
