@@ -285,3 +285,17 @@ def test_every_kept_type_and_float_types_mixed(tmp_path):
     err = (_ours(model) - want).abs().max().item()
     assert err <= BOUND, err
     ck.close()
+
+
+def test_every_key_is_read_or_listed_as_not_read(float_folder, tmp_path):
+    import gguf
+
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+
+    extra = {"deepseek4.attention.new_knob": (7, gguf.GGUFValueType.UINT32)}
+    write_v4_gguf(float_folder, tmp_path / "extra.gguf", set_keys=extra)
+    ck = load_v4_gguf(tmp_path / "extra.gguf")
+    sources = {k: src for k, (_, src) in ck.provenance.items()}
+    # every key the converter writes is read; only the one it does not know is listed as not read
+    assert [k for k, src in sources.items() if "not read" in src] == ["deepseek4.attention.new_knob"]
+    ck.close()

@@ -107,6 +107,12 @@ def _f32(x: Any) -> float:
     return _decimal(x)
 
 
+def _str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise ValueError(f"must be a string, got {x!r} ({type(x).__name__})")
+    return x
+
+
 def _ints(x: Any) -> list[int]:
     if not isinstance(x, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in x):
         raise ValueError(f"must be an array of integers, got {x!r}")
@@ -171,7 +177,18 @@ def derive_v4_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
     _moe(m, cfg, n)
     _rope(m, cfg)
     _vocab(m, cfg)
+    _unread(m)
     return cfg, m.prov
+
+
+def _unread(m: _Meta) -> None:
+    """Every `deepseek4.*` key this reader does not read is listed too (value and "not read"), so a key a newer
+    converter adds shows in `inspect` instead of passing unseen."""
+    read = {src.split()[0].removeprefix("gguf:") for _, src in m.prov.values() if src.startswith("gguf:")}
+    read |= {src.split("'")[1] for _, src in m.prov.values() if src.startswith(ABSENT)}
+    for key, value in m.gf.metadata.items():
+        if key.startswith(f"{m.arch}.") and key not in read:
+            m.put(key, value, f"gguf:{key} present; not read (no DeepSeek-V4 config field)")
 
 
 def _layer_kinds(m: _Meta, cfg: dict, n: int) -> None:
@@ -248,7 +265,7 @@ def _moe(m: _Meta, cfg: dict, n: int) -> None:
 
 def _rope(m: _Meta, cfg: dict) -> None:
     cfg["rope_theta"] = m.req("rope_theta", "rope.freq_base", _f32)
-    kind = m.opt("rope.scaling.type", "rope.scaling.type", "none", str)
+    kind = m.opt("rope.scaling.type", "rope.scaling.type", "none", _str)
     if kind == "none":
         return
     if kind != "yarn":
