@@ -403,6 +403,20 @@ def _inspect_v4(args) -> bool:
     from mlaserve.loading.model_loader import read_hf_config
 
     path = Path(args.model) if args.model else None
+    if path is not None and path.suffix == ".gguf" and path.is_file():  # a deepseek4 GGUF: kinds from its keys
+        from mlaserve.gguf.read.deepseek_v4 import ARCH, load_v4_gguf
+        from mlaserve.loading.model_loader import _gguf_arch
+
+        if _gguf_arch(path) != ARCH:
+            return False
+        ck = load_v4_gguf(path)
+        ck.close()
+        print(
+            "DeepSeek-V4 layer kinds (bfloat16 values; the engine's cache layout follows):\n  "
+            + "\n  ".join(describe_layers(ck.config, 2))
+            + "\n"
+        )
+        return False
     if path is None or not path.is_dir() or not (path / "config.json").is_file():
         return False
     raw = read_hf_config(path)

@@ -123,6 +123,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     if not path.is_dir() and regular_file(path, ConfigError):
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
+        if _gguf_arch(path) == "deepseek4":
+            return _open_v4_gguf(path, opts)
         model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors, opts.speculative == "mtp")
         scheme = None
     else:
@@ -202,19 +204,7 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     with their reason (README, docs/DEEPSEEK_V4.md)."""
     model_cfg = DeepseekV4Config.from_hf(hf_config, source=f"{path.name}/config.json")
     scheme = parse_quantization(hf_config)
-    refused = {
-        "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
-        # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
-        # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
-        "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
-        "speculative": (
-            opts.speculative is not None,
-            "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
-        ),
-    }
-    for name, (given, why) in refused.items():
-        if given:
-            raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
+    _refuse_v4(path, opts)
     if scheme is not None:  # refused here, before any weight is read, when V4 has no holder for its form
         from mlaserve.loading.deepseek_v4 import check_scheme
 
@@ -230,13 +220,77 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     return Checkpoint(path, model_cfg, engine_cfg, None, _folder_tokenizer(path, model_cfg), [], scheme)
 
 
+def _gguf_arch(path: Path) -> str | None:
+    from mlaserve.gguf.read.file import open_gguf
+
+    gf = open_gguf(path)
+    try:
+        return gf.metadata.get("general.architecture")
+    finally:
+        gf.close()
+
+
+def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
+    """A deepseek4 GGUF (llama.cpp's layout): every key, tensor name and shape checked at open
+    (gguf/read/deepseek_v4.py); the weights are read by _fill_v4."""
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+    from mlaserve.gguf.read.file import GGUFError, open_gguf
+
+    _refuse_v4(path, opts)
+    if opts.check_tensors:
+        bad = scan_gguf(open_gguf(path))
+        if bad:
+            raise GGUFError(f"{path}: check_tensors: {format_bad(bad)}")
+    ck = load_v4_gguf(path)
+    tokenizer = None
+    if ck.tokenizer is not None:
+        tok = ck.tokenizer
+        config = {"chat_template": tok.chat_template} if tok.chat_template else {}
+        eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
+        tokenizer = Tokenizer(ck.tokenizer.build_tokenizer(), config, eos or ck.config.eos_token_ids)
+    blocks = any(ck.tensors.gguf_type(n) not in ("F32", "F16", "BF16", "I32") for n in ck.tensors.names())
+    engine_cfg = resolve(
+        ck.config, opts, has_indexer_weights=False, native_kernels=_native_probe if blocks else None, gguf=True
+    )
+    ck.close()
+    return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
+
+
+def _refuse_v4(path: Path, opts: EngineOptions) -> None:
+    """The options DeepSeek-V4 does not run yet, refused with their reason (README, docs/DEEPSEEK_V4.md)."""
+    refused = {
+        "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
+        # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
+        # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
+        "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
+        "speculative": (
+            opts.speculative is not None,
+            "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
+        ),
+    }
+    for name, (given, why) in refused.items():
+        if given:
+            raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
+
+
 def _fill_v4(ck: Checkpoint) -> LoadedModel:
     from mlaserve.loading.deepseek_v4 import load_folder
     from mlaserve.models.deepseek_v4.serving import V4Serving
 
     cfg = ck.engine_cfg
-    model, v4 = load_folder(ck.path, cfg.runtime.dtype)
+    if ck.path.is_file():  # a deepseek4 GGUF: block-quantized tensors kept in their blocks (gguf_weights)
+        from mlaserve.loading.deepseek_v4 import load_gguf
+        from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
+
+        model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, cfg.kernels.gguf_weights == "quantized")
+        opened.close()
+        if v4.gguf is not None:
+            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, cfg.kernels.activations == "int8")
+    else:
+        model, v4 = load_folder(ck.path, cfg.runtime.dtype)
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
+    if v4.gguf is not None:
+        report.notes += [v4.gguf.summary(), v4_kernels]
     if v4.quant is not None:
         q = v4.quant
         report.notes.append(
@@ -250,8 +304,8 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         "DeepSeek-V4: state updates per sequence over its request states, one padded softmax per step (models/deepseek_v4)"
     )
     serving = V4Serving(model.to(cfg.runtime.device)).eval()
-    gen = read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
-    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant)
+    gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
+    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)
 
 
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
