@@ -14,7 +14,14 @@ from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
-from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
+from mlaserve.distributed.sharding import (
+    ShardedSource,
+    check_splits,
+    rank_config,
+    span_notes,
+    unit_spans,
+    vocab_range,
+)
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
 from mlaserve.loading.files import path_problem, read_json, regular_file
@@ -250,10 +257,12 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
+    sharded = ck.source
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
         rank = comm.rank
-        model_cfg = rank_config(ck.model_cfg, rank, n)
-        source = ShardedSource(source, ck.model_cfg, rank, n)
+        spans = unit_spans(source, ck.model_cfg, rank, n)  # an intermediate split inside blocks: a wider span
+        model_cfg = rank_config(ck.model_cfg, rank, n, spans)
+        source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
@@ -281,10 +290,12 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    if n > 1:
+        report.notes.extend(span_notes(sharded))
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
-        attach_heads(model, ck.source, gguf_plan, model_cfg)
+        attach_heads(model, sharded, gguf_plan, model_cfg)
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module

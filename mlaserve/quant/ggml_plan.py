@@ -13,6 +13,9 @@ Stays dense (dequantized at load, as today), with the reason recorded:
   weights_proj        the DSA indexer's head weights stay a float projection
   mlp.gate            the router reads its weight as a dense fp32 matrix
   experts             of a layer whose gate/up types differ, or whose projections are not all blocks
+Under tensor parallelism the source is a rank's ShardedSource: the same plan over the rank's slices (its
+heads' attn_k_b / attn_v_b too); an o_proj whose head columns fall inside blocks is the one tensor read
+dequantized there, with the reason naming it.
 Steps: plan_gguf (names + types -> GGUFPlan), swap_in_gguf (before the strict fill), BlockSource
 (the file's bytes for the planned tensors, so the loader copies bytes and never converts).
 """
@@ -139,6 +142,8 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         elif type(mod) is nn.Embedding:
             embeddings.append((module, t))
             blocks.add(name)
+        elif type(mod) is nn.Linear and _split_problem(source, name) is not None:
+            dense.append((module, tname, f"dequantized at load: {_split_problem(source, name)}"))
         elif type(mod) is nn.Linear:
             linears.append((module, t))
             blocks.add(name)
@@ -175,6 +180,12 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         frozenset(blocks),
         tuple(heads),
     )
+
+
+def _split_problem(source, name: str) -> str | None:
+    """A tensor-parallel rank's slice that is not whole blocks (distributed.sharding.ShardedSource), or None."""
+    problem = getattr(source, "block_split_problem", None)
+    return problem(name) if problem is not None else None
 
 
 def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig) -> None:
