@@ -23,6 +23,12 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   the other units give silu(0) * 0 = 0 and add exactly nothing (UnitSpan). An
                   o_proj whose head columns fall inside blocks is read dequantized, said at load
                   (block_split_problem) and recorded in the GGUF plan
+  FP8 blocks      kept in e4m3 on every rank: the weight's rows / columns as above, its block scales
+                  taken with them. A rank whose slices start inside the checkpoint's (bn, bk) blocks
+                  (tiny models: every split of a 128 x 128 block) re-expresses its scales on the finer
+                  grid (gcd of bn and every row start, of bk and every column start): each finer
+                  block lies inside one stored block and takes its scale, so q * s is the same value
+                  for every weight (regrid_fp8); a split on whole blocks keeps the stored grid
   replicated      the rest: q_a_proj (c_q), kv_a_proj_with_mqa (c_kv, k_pe: every head reads the
                   same latent rows, so each rank keeps the whole latent cache), norms, the DSA
                   indexer (its top-k must be the same on every rank), the MoE gate
@@ -30,6 +36,7 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -173,6 +180,45 @@ class ShardedSource:
         self.vocab = vocab_range(cfg.vocab_size, rank, n)
         self.spans = spans or {}
         self.heads = (rank * cfg.num_heads // n, (rank + 1) * cfg.num_heads // n)
+        self.fp8: tuple[str, tuple[int, int], tuple[int, int]] | None = None  # scale name, stored, rank's block
+
+    def regrid_fp8(self, scale_name: str, block: tuple[int, int]) -> tuple[int, int]:
+        """The (bn', bk') block this rank's FP8 scales are expressed on: the gcd of the stored block with the
+        start of every quantized slice it reads (the stored block where every slice starts on whole blocks).
+        Every scale this source returns from then on is on that grid."""
+        suffix, (gr, gc) = "." + scale_name, block
+        for name in self.names():
+            if not name.endswith(suffix):
+                continue
+            weight = name[: -len(suffix)] + ".weight"
+            start_row, start_col = (r[0] for r in self._ranges(weight))
+            gr, gc = math.gcd(gr, start_row), math.gcd(gc, start_col)
+        self.fp8 = (scale_name, block, (gr, gc))
+        return gr, gc
+
+    def _ranges(self, weight: str) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's rows and columns [start, stop) of a 2-D weight (the whole dim where it is not split)."""
+        shape = tuple(self.source.shape(weight))
+        rows, cols = (0, shape[0]), (0, shape[1])
+        kind = split_of(weight)
+        if kind == "vocabulary":
+            rows = self.vocab
+        elif kind == "rows":
+            rows = self._even(weight, shape, 0)
+        elif kind == "columns":
+            cols = self._even(weight, shape, 1)
+        return rows, cols
+
+    def _scale(self, name: str) -> torch.Tensor:
+        """A block scale [nb, kb] on this rank's grid: finer block (i, j) of its slice takes the stored block
+        holding its first weight (it lies inside that block: the grid divides the block and every start)."""
+        scale_name, (bn, bk), (gr, gc) = self.fp8
+        weight = name[: -len(scale_name) - 1] + ".weight"
+        stored = self.source.get(name)
+        (r0, r1), (c0, c1) = self._ranges(weight)
+        rows = (r0 + torch.arange(-(-(r1 - r0) // gr)) * gr) // bn
+        cols = (c0 + torch.arange(-(-(c1 - c0) // gc)) * gc) // bk
+        return stored[rows][:, cols].contiguous()
 
     def names(self) -> list[str]:
         return self.source.names()
@@ -254,6 +300,8 @@ class ShardedSource:
         return out
 
     def get(self, name: str) -> torch.Tensor:
+        if self.fp8 is not None and name.endswith("." + self.fp8[0]):
+            return self._scale(name)
         kind = split_of(name)
         if kind == "replicated" or (kind == "first" and self.rank == 0):
             return self.source.get(name)

@@ -177,10 +177,12 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                 f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
                 f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
             )
-        if scheme is not None:
+        if scheme is not None and (scheme.strategy != "block" or scheme.expert_dtype != "fp8"):
             raise ConfigError(
                 f"{path}: tensor_parallel_size={engine_cfg.parallel.tensor_parallel_size} with a quantized checkpoint "
-                f"({scheme.method} {scheme.fmt}) is not supported yet (its block scales are not split)"
+                f"({scheme.method} {scheme.fmt}, strategy {scheme.strategy}, experts {scheme.expert_dtype}) is not "
+                "supported yet (FP8 block scales are split; channel / tensor scales and FP4 / INT4 expert groups "
+                "are not)"
             )
     return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors, skipped_note)
 
@@ -282,16 +284,26 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         **rank_args,
     )
     gguf_plan = gguf[0] if gguf else None
+    notes_first = None
     if gguf_plan is not None:  # the loader copies the file's bytes into the holders
         source = BlockSource(source, gguf_plan.blocks)
     quant = None
+    if scheme is not None and n > 1:  # this rank's scales on the grid its slices start on (sharding.regrid_fp8)
+        grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)
+        if grid != scheme.block:
+            notes_first = (
+                f"rank {comm.rank}: {scheme.method} {scheme.fmt} kept per rank; its slices start inside the "
+                f"checkpoint's {list(scheme.block)} blocks, so its scales are held on {list(grid)} blocks "
+                "(each inside one stored block, with that block's scale: the same weights)"
+            )
+            scheme = dataclasses.replace(scheme, block=grid)
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         # + the skipped parts' modules: an ignore pattern may name only them (a wrapper's "re:.*vision_tower.*")
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if n > 1:
-        report.notes.extend(span_notes(sharded))
+        report.notes.extend(span_notes(sharded) + ([notes_first] if notes_first else []))
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
