@@ -221,7 +221,9 @@ class GGUFDecodeLayer:
         """Why this layer cannot run its decode steps as one native call, or None."""
         attn, cfg = layer.self_attn, layer.self_attn.cfg
         if layer.all_reduce is not single_process:
-            return "tensor parallel (the layer's outputs are all-reduced between its parts)"
+            # the C call adds o_proj's output to the residual and normalizes it before the MLP; under TP that
+            # output is this rank's partial sum, all-reduced first (and the MLP's after it): no reduce point inside
+            return "tensor parallel (o_proj's and the MLP's partial sums are all-reduced inside the layer's step)"
         if (why := _structure_unfit(layer)) is not None:
             return why
         if not registry.runs_native(attn) or not isinstance(attn.kept_heads, GGUFHeads):
