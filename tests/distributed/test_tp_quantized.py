@@ -22,6 +22,7 @@ from mlaserve import LLM
 from mlaserve.distributed.sharding import ShardedSource, unit_spans
 from mlaserve.distributed.spawn import live_workers
 from mlaserve.distributed.worker import held_weights
+from mlaserve.executor.forward_batch import SeqChunk
 from mlaserve.gguf.quants import GGML_TYPES, dequantize
 from mlaserve.gguf.read.checkpoint import load_gguf
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
@@ -183,3 +184,37 @@ def test_o_proj_columns_inside_blocks_are_named_and_read_dequantized():
     why = _split_problem(src, name)
     assert why is not None and name in why and "[64, 128)" in why and "256-value Q4_K" in why, why
     assert _split_problem(ShardedSource(tensors, ck.model_cfg, 1, 2), name) is None  # Q8_0: 2 whole blocks
+
+
+def _decode_step(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
+    """Each sequence but its last token prefilled (chunks of max_num_batched_tokens), then one pure decode
+    step of every last token together (explicit chunks on fixed pages, through the runner) -> its logits."""
+    ps, chunk = llm.config.cache.page_size, llm.config.scheduler.max_num_batched_tokens
+    per = -(-max(len(s) for s in seqs) // ps)
+    pages = [tuple(range(i * per, (i + 1) * per)) for i in range(len(seqs))]
+    for i, s in enumerate(seqs):
+        for start in range(0, len(s) - 1, chunk):
+            part = tuple(s[start : min(start + chunk, len(s) - 1)])
+            llm.runner.execute([SeqChunk(str(i), part, start, pages[i][: -(-(start + len(part)) // ps)])])
+    step = [SeqChunk(str(i), (s[-1],), len(s) - 1, pages[i][: -(-len(s) // ps)]) for i, s in enumerate(seqs)]
+    return llm.runner.execute(step)[1]
+
+
+def test_decode_steps_run_the_one_call_layers_on_every_rank(gguf_pair):
+    """A pure decode step of 3 requests: each rank runs every decoder layer as one native call (its reduce
+    hook sums o_proj's and the MLP's partial outputs over the ranks), == TP=1 (which runs them too) and ==
+    transformers on the dequantized weights at those positions."""
+    gtype, exp, one, two = gguf_pair
+    ids = exp["input_ids"].tolist()
+    seqs = [ids[:50], ids[:70], ids]
+    start = len(two.runner.tracer.records)
+    got, base = _decode_step(two, seqs), _decode_step(one, seqs)
+    last = [r for r in list(two.runner.tracer.records)[start:] if r["num_decode_tokens"] == 3]
+    assert sorted(r["rank"] for r in last) == [0, 1], last
+    assert all(r["kernels"]["decode_layer"] == "native" for r in last), [r["kernels"] for r in last]
+    assert all(r["comm"]["all_reduces"] == 2 * two.config.model.num_layers + 1 for r in last if "comm" in r)
+    diff, top1 = compare_logits(got, base)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (gtype, diff, top1)
+    want = exp[f"hf_dequant_logits_{gtype}"][[49, 69, len(ids) - 1]]
+    diff, top1 = compare_logits(got, want)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (gtype, diff, top1)
