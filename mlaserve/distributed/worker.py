@@ -65,7 +65,8 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
 
 def held_weights(model: torch.nn.Module) -> dict:
     """The rank's weights kept in a stored form: holders by class and form ("GGUFLinear gguf Q8_0": count),
-    the bytes of their stored tensors (uint8 blocks, float8) and the kernel plan's digest."""
+    the bytes of their stored tensors (uint8 blocks, float8), the kernel plan's digest and the load notes on
+    what the rank holds other than its even slice."""
     holders: dict[str, int] = {}
     stored = 0
     for module in model.modules():
@@ -83,6 +84,7 @@ def held_weights(model: torch.nn.Module) -> dict:
         "holders": dict(sorted(holders.items())),
         "stored_bytes": stored,
         "kernel_plan": plan.digest if plan is not None else None,
+        "notes": list(getattr(model, "rank_notes", ())),  # wider spans, FP8 scale grids (loading/model_loader.py)
     }
 
 

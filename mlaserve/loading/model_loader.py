@@ -302,8 +302,9 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
-    if n > 1:
-        report.notes.extend(span_notes(sharded) + ([notes_first] if notes_first else []))
+    if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
+        model.rank_notes = tuple(span_notes(sharded) + ([notes_first] if notes_first else []))
+        report.notes.extend(model.rank_notes)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:

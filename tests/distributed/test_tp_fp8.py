@@ -79,6 +79,8 @@ def test_fp8_every_rank_keeps_e4m3_holders(fp8_pair):
     )
     for e in two.runner.rank_echoes:
         assert e["holders"] == mine["holders"], (kind, e["rank"])
+        # rank 1's slices start inside the blocks: its echo says which grid its scales are on
+        assert any("scales are held on" in note for note in e["notes"]) == (e["rank"] == 1), e["notes"]
         assert e["stored_bytes"] <= float_bytes / 4 / 2 * 1.5, (kind, e["stored_bytes"], float_bytes)
     full = dict(one.loaded.model.named_parameters())
     halves = 0
