@@ -262,7 +262,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     sharded = ck.source
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
         rank = comm.rank
-        spans = unit_spans(source, ck.model_cfg, rank, n)  # an intermediate split inside blocks: a wider span
+        # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
+        spans = unit_spans(source, ck.model_cfg, rank, n) if engine_cfg.kernels.gguf_weights == "quantized" else {}
         model_cfg = rank_config(ck.model_cfg, rank, n, spans)
         source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}

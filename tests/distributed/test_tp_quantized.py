@@ -220,3 +220,20 @@ def test_decode_steps_run_the_one_call_layers_on_every_rank(gguf_pair):
     want = exp[f"hf_dequant_logits_{gtype}"][[49, 69, len(ids) - 1]]
     diff, top1 = compare_logits(got, want)
     assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (gtype, diff, top1)
+
+
+def test_dequantized_ranks_narrow_exactly_without_wider_spans():
+    """gguf_weights="dequantized" under TP=2: each rank's float slice narrowed from the blocks covering it (no
+    wider span: nothing is held in blocks), == transformers on the dequantized weights."""
+    from safetensors.torch import load_file
+
+    folder = fixture_dir("ds3")
+    exp = load_file(str(folder / "expected.safetensors"))
+    path = str(folder / "model-q4_k_m.gguf")
+    with LLM(path, tensor_parallel_size=2, gguf_weights="dequantized", **OPTS) as two:
+        got = two.prompt_logits(exp["input_ids"].tolist())
+        assert all(e["holders"] == {} and e["notes"] == [] for e in two.runner.rank_echoes)
+        assert two.config.model.intermediate_size == 256  # the whole model's; rank 0 holds 128 of its units
+        assert two.loaded.model.model.layers[0].mlp.gate_proj.out_features == 128
+    diff, top1 = compare_logits(got, exp["hf_dequant_logits_q4_k_m"])
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
