@@ -48,6 +48,10 @@ REBUILT_KEPT = (
 )
 ROUTER = "dequantized at load: the router reads its weight as a dense fp32 matrix"
 FLOATS = "not a block format: loaded as a float matrix"
+SPAN = (
+    "loader: the rank's split falls inside the down projection's stored blocks; it holds their whole blocks, "
+    "gate / up rows zero outside its own units (they add exactly 0), not a dequantized slice"
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class GGUFPlan:
     tied_head: bool  # lm_head is a GGUFLinear over the kept embedding (tie_word_embeddings)
     blocks: frozenset[str]  # checkpoint tensor names read as stored bytes
     heads: tuple[tuple[int, int, int], ...] = ()  # (layer, attn_k_b type, attn_v_b type) -> GGUFHeads
+    # tensor parallel: (dim, held units, why) for each intermediate dim this rank holds as a wider span
+    spans: tuple[tuple[str, str, str], ...] = ()
 
     def settings(self) -> tuple[Setting, ...]:
         """One row per module kind and type: kept in ggml blocks, or dense and why."""
@@ -89,6 +95,7 @@ class GGUFPlan:
         for (tname, why), mods in dense.items():
             for kind, layers in _group(tuple(mods)):
                 rows.append(Setting(f"gguf dense {kind}", layers, f"stored {tname}; {why}"))
+        rows.extend(Setting(f"tensor parallel {dim}", held, why) for dim, held, why in self.spans)
         return tuple(rows)
 
     def summary(self) -> str:
@@ -170,6 +177,11 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         else:
             floats.append((module, names, FLOATS))
     tied = cfg.tie_word_embeddings and any(m == "model.embed_tokens" for m, _ in embeddings)
+    spans = tuple(
+        (dim, f"units [{s.first}, {s.first + s.width}) for its own [{s.start}, {s.stop})", SPAN)
+        for dim, s in getattr(source, "spans", {}).items()
+        if s.widened
+    )
     return GGUFPlan(
         tuple(linears),
         tuple(embeddings),
@@ -179,6 +191,7 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         tied,
         frozenset(blocks),
         tuple(heads),
+        spans,
     )
 
 

@@ -120,6 +120,9 @@ def test_uneven_splits_are_named_at_load(gguf_pair):
     assert "rank 0: moe_intermediate_size units [0, 16) held as [0, 32)" in notes
     assert "rank 0: shared experts units [0, 16) held as [0, 32)" in notes
     assert ("rank 0: intermediate_size units [0, 128) held as [0, 256)" in notes) == (gtype == "q4_k_m")
+    rows = {s.name: s for s in two.loaded.gguf.settings()}  # rank 0's GGUF plan, as `inspect` prints it
+    assert rows["tensor parallel experts"].value == "units [0, 32) for its own [0, 16)", rows.keys()
+    assert ("tensor parallel dense" in rows) == (gtype == "q4_k_m")
     rank1 = two.runner.rank_echoes[1]["notes"]  # each rank's own, in its echo (mlaserve inspect prints them)
     assert any("rank 1: moe_intermediate_size units [16, 32) held as [0, 32)" in n for n in rank1), rank1
 
