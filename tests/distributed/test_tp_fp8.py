@@ -11,6 +11,8 @@ Bound: FP32_LOGITS_TOL (1e-5, conftest.py). Measured: TP=2 vs TP=1 2.7e-6 (v3_od
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import FP32_LOGITS_TOL, compare_logits
@@ -42,7 +44,10 @@ def fp8_pair(request, hf_model_dir, tmp_path_factory):
     two = LLM(str(tmp / "fp8"), tensor_parallel_size=2, **OPTS)
     yield kind, block, tmp / "fp8", ref, one, two
     two.close()
-    assert set(live_workers()) <= before or not set(live_workers()) - before
+    deadline = time.monotonic() + 60  # a bound for a leaked worker, left as soon as it is gone
+    while set(live_workers()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(live_workers()) - before
 
 
 def test_fp8_tp2_logits_equal_tp1_and_transformers(fp8_pair):
