@@ -384,6 +384,11 @@ def _inspect(args) -> int:
             f"{echo['weight_bytes'] / 2**20:.1f} MiB of weights, {echo['num_threads']} threads, "
             "configuration identical to rank 0"
         )
+        if echo.get("holders"):  # weights kept in their stored form on this rank
+            held = ", ".join(f"{n} x{c}" for n, c in echo["holders"].items())
+            print(f"  stored form: {held}; {echo['stored_bytes'] / 2**20:.2f} MiB; kernel plan {echo['kernel_plan']}")
+        for note in echo.get("notes", ()):
+            print(f"  {note}")
     plan = llm.loaded.kernel_plan
     if plan is not None:  # per op: which implementation runs which layers, and why (kernels/registry.py)
         print(f"\nkernel plan {plan.digest} (op, implementation, layers, why):\n" + plan.format())

@@ -14,7 +14,14 @@ from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
-from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
+from mlaserve.distributed.sharding import (
+    ShardedSource,
+    check_splits,
+    rank_config,
+    span_notes,
+    unit_spans,
+    vocab_range,
+)
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
 from mlaserve.loading.files import path_problem, read_json, regular_file
@@ -181,10 +188,12 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                 f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
                 f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
             )
-        if scheme is not None:
+        if scheme is not None and (scheme.strategy != "block" or scheme.expert_dtype != "fp8"):
             raise ConfigError(
                 f"{path}: tensor_parallel_size={engine_cfg.parallel.tensor_parallel_size} with a quantized checkpoint "
-                f"({scheme.method} {scheme.fmt}) is not supported yet (its block scales are not split)"
+                f"({scheme.method} {scheme.fmt}, strategy {scheme.strategy}, experts {scheme.expert_dtype}) is not "
+                "supported yet (FP8 block scales are split; channel / tensor scales and FP4 / INT4 expert groups "
+                "are not)"
             )
     return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors, skipped_note)
 
@@ -313,10 +322,13 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
+    sharded = ck.source
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
         rank = comm.rank
-        model_cfg = rank_config(ck.model_cfg, rank, n)
-        source = ShardedSource(source, ck.model_cfg, rank, n)
+        # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
+        spans = unit_spans(source, ck.model_cfg, rank, n) if engine_cfg.kernels.gguf_weights == "quantized" else {}
+        model_cfg = rank_config(ck.model_cfg, rank, n, spans)
+        source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
@@ -336,18 +348,31 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         **rank_args,
     )
     gguf_plan = gguf[0] if gguf else None
+    notes_first = None
     if gguf_plan is not None:  # the loader copies the file's bytes into the holders
         source = BlockSource(source, gguf_plan.blocks)
     quant = None
+    if scheme is not None and n > 1:  # this rank's scales on the grid its slices start on (sharding.regrid_fp8)
+        grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)
+        if grid != scheme.block:
+            notes_first = (
+                f"rank {comm.rank}: {scheme.method} {scheme.fmt} kept per rank; its slices start inside the "
+                f"checkpoint's {list(scheme.block)} blocks, so its scales are held on {list(grid)} blocks "
+                "(each inside one stored block, with that block's scale: the same weights)"
+            )
+            scheme = dataclasses.replace(scheme, block=grid)
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         # + the skipped parts' modules: an ignore pattern may name only them (a wrapper's "re:.*vision_tower.*")
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
+        model.rank_notes = tuple(span_notes(sharded) + ([notes_first] if notes_first else []))
+        report.notes.extend(model.rank_notes)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
-        attach_heads(model, ck.source, gguf_plan, model_cfg)
+        attach_heads(model, sharded, gguf_plan, model_cfg)
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module
