@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mlaserve.config import families
+from mlaserve.config.kv_cache import KV_CACHE_DTYPES, check_kv_cache_dtype
 from mlaserve.config.machine import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
@@ -181,6 +182,14 @@ class EngineOptions:
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "storage of the latent cache rows: auto = the compute dtype; int8 / fp8_e4m3 = c_kv as 8-bit codes with an "
+        "fp32 scale per 128 values (k_pe kept in the compute dtype) and, on DSA models, the indexer keys as FP8 e4m3 "
+        "with a scale per token: ~4x the tokens of float32 in the same memory, logits within a bound derived from "
+        "the scales (mlaserve verify)",
+        KV_CACHE_DTYPES,
+    )
     kv_prefault: bool = _opt(
         False,
         "write every KV cache page at start, so the whole pool is resident from the first request (RSS then "
@@ -219,6 +228,7 @@ class CacheConfig:
     num_pages: int
     enable_prefix_caching: bool
     kv_prefault: bool  # the cache tensors are written once at allocation (cache/model_cache.py)
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": 8-bit latent rows and index keys (config/kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -367,6 +377,7 @@ def resolve(
     if not isinstance(opts.kv_prefault, bool):
         raise ConfigError(f"kv_prefault must be a bool, got {opts.kv_prefault!r}")
     _user(log, "kv_prefault", opts.kv_prefault)
+    _user(log, "kv_cache_dtype", check_kv_cache_dtype(opts.kv_cache_dtype))
     return EngineConfig(
         model=model,
         runtime=RuntimeConfig(device=device, dtype=dtype, threads=threads, malloc_tuning=opts.malloc_tuning),
@@ -375,6 +386,7 @@ def resolve(
             num_pages=num_pages,
             enable_prefix_caching=opts.enable_prefix_caching,
             kv_prefault=opts.kv_prefault,
+            kv_cache_dtype=opts.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=opts.max_num_batched_tokens,

@@ -63,10 +63,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from mlaserve.config.kv_cache import RowFormat
 
 ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca")
 # kinds whose layers read the paged latent rows through the segment tensors (attention/metadata.py)
@@ -87,6 +91,7 @@ class StateSpec:
     per_request: tuple[int, ...] = ()  # "request": the leading dims of a request's block (rows, or heads x dk)
     snapshot: bool = False  # "request": snapshotted at page boundaries (prefix caching stays exact)
     dtype: torch.dtype | None = None  # None: the cache dtype (a recurrent state may need float32)
+    quant: RowFormat | None = None  # 8-bit rows (config/kv_cache.py, kv_cache_dtype); None: in the dtype above
 
     def __post_init__(self) -> None:
         if self.addressing not in ADDRESSING:
@@ -111,6 +116,10 @@ class StateSpec:
 
     def element_size(self, cache_dtype: torch.dtype) -> int:
         return torch.empty((), dtype=self.dtype or cache_dtype).element_size()
+
+    def bytes_per_row(self, compute_bytes: int) -> int:
+        """A paged row's bytes: its 8-bit codes, scales and kept values (quant), else width values."""
+        return self.quant.bytes_per_row(compute_bytes) if self.quant else self.width * compute_bytes
 
 
 @dataclass(frozen=True)
@@ -234,7 +243,7 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int) -> list[str]:
         role = f", indexer {indexer}" if indexer else ""
         kept = " + ".join(_describe_state(s) for s in states)
         paged = [s for s in states if s.addressing == "page"]
-        per_token = sum(s.width // s.tokens_per_row for s in paged) * bytes_per_value * len(ids)
+        per_token = sum(s.bytes_per_row(bytes_per_value) // s.tokens_per_row for s in paged) * len(ids)
         sizes = f"{per_token} bytes/token"
         # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size
         per_request = sum(
@@ -251,7 +260,8 @@ def _describe_state(s: StateSpec) -> str:
         dtype = f" {str(s.dtype).removeprefix('torch.')}" if s.dtype else ""
         snap = "snapshots at page boundaries" if s.snapshot else "no snapshots"
         return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
-    return f"{s.name} [{s.width}]" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
+    quant = f" as {s.quant.label()}" if s.quant else ""
+    return f"{s.name} [{s.width}]{quant}" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
 
 
 def request_states(layers: tuple[LayerKind, ...]) -> tuple[tuple[int, StateSpec], ...]:

@@ -341,6 +341,7 @@ def _speed_line(out) -> str:
 
 def _inspect(args) -> int:
     from mlaserve.config.layer_kinds import describe
+    from mlaserve.config.kv_cache import describe_layout
     from mlaserve.config.provenance import format_table
 
     if _inspect_v4(args):  # a V4 folder without weights: its config shown, nothing to load
@@ -349,6 +350,8 @@ def _inspect(args) -> int:
     print(format_table(llm.config.all_provenance()))
     size = llm.config.runtime.dtype.itemsize
     print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size)))
+    kv = llm.config.cache.kv_cache_dtype
+    print(f"kv cache layout: {describe_layout(llm.runner.layer_kinds, kv, str(llm.config.runtime.dtype)[6:])}")
     if llm.loaded.quant is not None:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
     if llm.loaded.gguf is not None:

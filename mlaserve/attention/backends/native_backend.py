@@ -43,10 +43,11 @@ def absorbed_attention(
 ) -> torch.Tensor:
     """Returns [B, Q, H, dv] like the torch backend's, whose code runs where the kernel does not pay or
     cannot run: segments of more than QUERIES queries per request (an absorbed prefill: a BLAS GEMM over
-    the gathered rows is faster than per-query dot products), caches not fp32 or not on the CPU, or no
+    the gathered rows is faster than per-query dot products), caches not fp32 or not on the CPU (8-bit rows
+    included: dequantized as they are gathered), or no
     native library (the engine routes those to `torch` anyway)."""
     small = seg.q_index.shape[1] <= QUERIES
-    if not small or cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
+    if not small or not _native_rows(cache) or native.library() is None:
         return torch_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed, heads)
     q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
     mask = _mask(seg, allowed).contiguous()
@@ -71,7 +72,7 @@ def sparse_absorbed_attention(
     [B, Q, H, dv], like the torch backend's, whose code runs where absorbed_attention's would. Each query is
     its own request of the kernel (slots [B * Q, k], its rows in position order)."""
     small = seg.q_index.shape[1] <= QUERIES
-    if not small or cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
+    if not small or not _native_rows(cache) or native.library() is None:
         return torch_sparse_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid, heads)
     b, qn, k = index.shape
     q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
@@ -81,6 +82,12 @@ def sparse_absorbed_attention(
     q_index = seg.q_index.reshape(b * qn, 1).contiguous()
     o_lat = native_layers.latent_mqa(q_lat, q_pe, q_index, cache, slots.contiguous(), mask.contiguous(), scale)
     return _expand(o_lat.view(b, qn, *o_lat.shape[2:]), w_uv, heads)
+
+
+def _native_rows(cache) -> bool:
+    """The kernel reads fp32 rows on the CPU where they lie; 8-bit rows (kv_cache_dtype, cache/quantized_rows.py)
+    take the torch code, which dequantizes the rows it gathers."""
+    return isinstance(cache, torch.Tensor) and cache.dtype == torch.float32 and cache.device.type == "cpu"
 
 
 class NativeBackend(TorchBackend):
