@@ -340,8 +340,8 @@ def _speed_line(out) -> str:
 
 
 def _inspect(args) -> int:
-    from mlaserve.config.layer_kinds import describe
     from mlaserve.config.kv_cache import describe_layout
+    from mlaserve.config.layer_kinds import describe
     from mlaserve.config.provenance import format_table
 
     if _inspect_v4(args):  # a V4 folder without weights: its config shown, nothing to load
