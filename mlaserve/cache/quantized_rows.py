@@ -49,6 +49,18 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: RowFormat) -> tor
     return (blocks * scales[..., None]).flatten(-2)
 
 
+def error_bound(codes: torch.Tensor, scales: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """Per value, a bound on |x - dequantize(code)| for the x that was quantized, from what the cache holds:
+    int8 scale / 2; e4m3 scale * max(|code| / 16, 2^-10) (half a step of 3 mantissa bits, or of the
+    subnormal step 2^-9); plus 2^-22 |x~| for the two fp32 roundings (x / scale, code * scale).
+    -> [..., q] fp32. The 8-bit-vs-full bounds (attention/cache_error.py) start here."""
+    typed = codes.view(torch.int8) if fmt.codes == "int8" else codes.view(FP8)
+    y = typed.float().unflatten(-1, (fmt.scales, fmt.block))
+    s = scales[..., None]
+    half = torch.full_like(y, 0.5) if fmt.codes == "int8" else (y.abs() / 16).clamp(min=2.0**-10)
+    return (half * s + (y * s).abs() * 2.0**-22).flatten(-2)
+
+
 class QuantizedRows:
     """One paged state's 8-bit rows. Duck-types the parts of a [rows, width] cache tensor its users touch:
     `shape`, `dtype` (the compute dtype rows are read in), `device`, `element_size()` (bytes of a read value,
@@ -89,6 +101,18 @@ class QuantizedRows:
             self.kept.index_copy_(0, slots, rows[:, fmt.quantized :].to(self.dtype))
         return self
 
+    def error(self, slots: torch.Tensor) -> torch.Tensor:
+        """error_bound of the quantized values at slots [...] -> [..., quantized] fp32 (kept values are exact)."""
+        flat = slots.reshape(-1)
+        codes, scales = torch.index_select(self.codes, 0, flat), torch.index_select(self.scales, 0, flat)
+        return error_bound(codes, scales, self.fmt).view(*slots.shape, self.fmt.quantized)
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, fmt: RowFormat) -> QuantizedRows:
+        """A standalone copy of full rows [S, width] in 8 bits (tests, `mlaserve verify`: the same rows both ways)."""
+        out = cls(fmt, rows.shape[0], rows.dtype, rows.device, _plain_zeros)
+        return out.index_copy_(0, torch.arange(rows.shape[0], device=rows.device), rows)
+
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows at slots [...] -> [..., width] in the compute dtype (dequantized codes, then kept values)."""
         flat = slots.reshape(-1)
@@ -98,3 +122,7 @@ class QuantizedRows:
         if self.kept is not None:
             values = torch.cat([values, torch.index_select(self.kept, 0, flat)], dim=-1)
         return values.view(*slots.shape, self.fmt.width)
+
+
+def _plain_zeros(rows: int, width: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    return torch.zeros(rows, width, dtype=dtype, device=device)
