@@ -1,0 +1,59 @@
+"""The native paths over an 8-bit cache (kv_cache_dtype): what reads fp32 rows in place steps aside, what writes
+rows goes through the cache's one quantizer, and the results equal the torch paths over the same 8-bit rows.
+
+- The native latent write (csrc/glue.c) writes the step's fp32 rows to a buffer the cache quantizes: the codes
+  equal the torch write's up to a boundary flip (the C norm's sum rounds differently), each within both rows'
+  error bounds; where none flipped, the logits equal to fp32 rounding (TOL, as tests/identities/).
+- The native backend's C latent MQA and the one-call decode layers read fp32 rows where they lie: over 8-bit
+  rows the backend takes the torch code (dequantizing what it gathers) and every decode step runs per op, as the
+  ledger says ("decode_layer": "per_op"); on a GGUF fixture (ds32, DSA) the tokens equal the torch kernels'.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import fixture_dir
+from hf_models import random_ids
+from test_kv8_engine import _compare_caches
+
+from mlaserve import LLM
+from mlaserve.kernels import native
+from mlaserve.sampling.params import SamplingParams
+
+NATIVE = native.status()
+pytestmark = pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("codes", ["int8", "fp8_e4m3"])
+def test_native_write_and_backend_over_8bit_rows(hf_model_dir, codes):
+    folder, _ = hf_model_dir("v32")
+    ids = random_ids(30, seed=2)
+    runs = {}
+    for kernels in ("native", "torch"):
+        llm = LLM(str(folder), quantization="int8", kernels=kernels, kv_cache_dtype=codes, page_size=4, trace="memory")
+        runs[kernels] = llm, llm.prompt_logits(ids)
+    (nat, a), (tor, b) = runs["native"], runs["torch"]
+    assert nat.config.attention.backend == "native" and tor.config.attention.backend == "torch"
+    assert {m.kernel for m in nat.loaded.model.modules() if type(m).__name__ == "MLAAttention"} == {"native"}
+    flips = _compare_caches(nat, tor, len(ids))
+    diff = (a - b).abs().max().item()
+    print(f"{codes}: {flips} codes flipped, max |logit diff| {diff:.3g}")
+    if not flips:
+        assert diff <= TOL
+
+
+def test_gguf_decode_layers_step_aside_for_8bit_rows():
+    path = fixture_dir("ds32") / "model-q8_0.gguf"
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [random_ids(n, seed=n, vocab=64) for n in (20, 5)]
+    out = {}
+    for kernels in ("native", "torch"):
+        llm = LLM(str(path), kernels=kernels, kv_cache_dtype="int8", trace="memory")
+        out[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        recs = llm.runner.tracer.records
+        assert {r["kernels"]["decode_layer"] for r in recs} == {"per_op"} and {r["kv_cache"] for r in recs} == {"int8"}
+    plain = LLM(str(path), kernels="native", trace="memory")
+    plain.generate(prompts, params)
+    assert any(r["kernels"]["decode_layer"] == "native" for r in plain.runner.tracer.records)  # without the option
+    assert out["native"] == out["torch"]
