@@ -4,20 +4,26 @@ rows goes through the cache's one quantizer, and the results equal the torch pat
 - The native latent write (csrc/glue.c) writes the step's fp32 rows to a buffer the cache quantizes: the codes
   equal the torch write's up to a boundary flip (the C norm's sum rounds differently), each within both rows'
   error bounds; where none flipped, the logits equal to fp32 rounding (TOL, as tests/identities/).
-- The native backend's C latent MQA and the one-call decode layers read fp32 rows where they lie: over 8-bit
-  rows the backend takes the torch code (dequantizing what it gathers) and every decode step runs per op, as the
+- The native backend's C latent MQA over 8-bit rows (mls_latent_mqa8) reads the codes where they lie and decodes
+  a tile at a time: equal bit for bit to the fp32 kernel (mls_latent_mqa) over the dequantized rows, dense and
+  sparse, int8 and e4m3 (the same products in the same order over the same decoded values).
+- The one-call decode layers read fp32 rows in place: over 8-bit rows every decode step runs per op, as the
   ledger says ("decode_layer": "per_op"); on a GGUF fixture (ds32, DSA) the tokens equal the torch kernels'.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import fixture_dir
 from hf_models import random_ids
 from test_kv8_engine import _compare_caches
 
 from mlaserve import LLM
-from mlaserve.kernels import native
+from mlaserve.attention.backends import native_backend
+from mlaserve.cache.quantized_rows import QuantizedRows
+from mlaserve.config.kv_cache import latent_format
+from mlaserve.kernels import native, native_layers
 from mlaserve.sampling.params import SamplingParams
 
 NATIVE = native.status()
@@ -57,3 +63,30 @@ def test_gguf_decode_layers_step_aside_for_8bit_rows():
     plain.generate(prompts, params)
     assert any(r["kernels"]["decode_layer"] == "native" for r in plain.runner.tracer.records)  # without the option
     assert out["native"] == out["torch"]
+
+
+@pytest.mark.parametrize("op", ["absorbed", "sparse_absorbed"])
+@pytest.mark.parametrize("codes", ["int8", "fp8_e4m3"])
+def test_c_mqa_over_8bit_rows_equals_fp32_kernel_over_dequantized_rows(codes, op, monkeypatch):
+    from test_attention_backends import _case, _selection
+
+    c = _case(0, torch.float32, "cpu")
+    r, dr = c.w_uk.shape[-1], c.q_pe.shape[-1]
+    eight = QuantizedRows.of(c.cache, latent_format(codes, r + dr, dr))
+    dequantized = eight.rows(torch.arange(c.cache.shape[0]))
+    calls = []
+    real = native_layers.latent_mqa8
+    monkeypatch.setattr(native_layers, "latent_mqa8", lambda *a: calls.append(1) or real(*a))
+    for i, seg in enumerate(c.segments("native")[:1]):  # the decode segment (the kernel's <= QUERIES)
+        index, valid = _selection(seg, i)
+        args = (c.q_nope, c.q_pe)
+        if op == "absorbed":
+            got = native_backend.absorbed_attention(*args, eight, c.w_uk, c.w_uv, seg, c.scale)
+            want = native_backend.absorbed_attention(*args, dequantized, c.w_uk, c.w_uv, seg, c.scale)
+        else:
+            got = native_backend.sparse_absorbed_attention(*args, eight, c.w_uk, c.w_uv, seg, c.scale, index, valid)
+            want = native_backend.sparse_absorbed_attention(
+                *args, dequantized, c.w_uk, c.w_uv, seg, c.scale, index, valid
+            )
+        assert torch.equal(got, want)
+    assert calls  # the 8-bit kernel ran

@@ -3,7 +3,8 @@ softmax, P c over the cache rows) in one C call (kernels/csrc/attention.c mls_la
 query's rows where the paged cache holds them, instead of gathering a copy and running ~15 tensor
 ops per layer: dense, or sparse (DSA) over each query's selected rows, taken in position order as the one-call
 decode layer takes them (csrc/decode_layer.c), so that the per-op path and that layer sum the same rows in the
-same order and agree to fp32 rounding even where int8 activations quantize the result (W_UV). For fp32 caches on the CPU (the engine picks it with the native kernels and fp32);
+same order and agree to fp32 rounding even where int8 activations quantize the result (W_UV). For fp32 caches on the CPU (the engine picks it with the native kernels and fp32), and 8-bit caches (kv_cache_dtype) with fp32 kept
+values, whose codes the kernel decodes a tile at a time (mls_latent_mqa8: a quarter of the bytes read);
 every other product is the torch backend's. Tested against `reference` like every backend
 (tests/identities/test_attention_backends.py runs every registered backend).
 
@@ -43,8 +44,8 @@ def absorbed_attention(
 ) -> torch.Tensor:
     """Returns [B, Q, H, dv] like the torch backend's, whose code runs where the kernel does not pay or
     cannot run: segments of more than QUERIES queries per request (an absorbed prefill: a BLAS GEMM over
-    the gathered rows is faster than per-query dot products), caches not fp32 or not on the CPU (8-bit rows
-    included: dequantized as they are gathered), or no
+    the gathered rows is faster than per-query dot products), caches not fp32 or not on the CPU (8-bit rows:
+    fp32 kept values), or no
     native library (the engine routes those to `torch` anyway)."""
     small = seg.q_index.shape[1] <= QUERIES
     if not small or not _native_rows(cache) or native.library() is None:
@@ -52,7 +53,7 @@ def absorbed_attention(
     q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
     mask = _mask(seg, allowed).contiguous()
     # the kernel reads each query's q_lat and q_pe where they are (token q_index), no concatenated copy
-    o_lat = native_layers.latent_mqa(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
+    o_lat = _mqa(cache)(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
     return _expand(o_lat, w_uv, heads)
 
 
@@ -80,14 +81,20 @@ def sparse_absorbed_attention(
     slots = seg.kv_slots.gather(1, pos.reshape(b, qn * k)).view(b * qn, k)
     mask = valid.gather(2, order).reshape(b * qn, 1, k)
     q_index = seg.q_index.reshape(b * qn, 1).contiguous()
-    o_lat = native_layers.latent_mqa(q_lat, q_pe, q_index, cache, slots.contiguous(), mask.contiguous(), scale)
+    o_lat = _mqa(cache)(q_lat, q_pe, q_index, cache, slots.contiguous(), mask.contiguous(), scale)
     return _expand(o_lat.view(b, qn, *o_lat.shape[2:]), w_uv, heads)
 
 
 def _native_rows(cache) -> bool:
-    """The kernel reads fp32 rows on the CPU where they lie; 8-bit rows (kv_cache_dtype, cache/quantized_rows.py)
-    take the torch code, which dequantizes the rows it gathers."""
-    return isinstance(cache, torch.Tensor) and cache.dtype == torch.float32 and cache.device.type == "cpu"
+    """The kernels read rows on the CPU where they lie: fp32 rows, or 8-bit rows (kv_cache_dtype,
+    cache/quantized_rows.py) with fp32 kept values (mls_latent_mqa8 decodes their codes a tile at a time)."""
+    return cache.dtype == torch.float32 and cache.device.type == "cpu"  # 8-bit rows: `dtype` of the kept values
+
+
+def _mqa(cache):
+    """The C latent MQA for this cache's rows: fp32 rows, or 8-bit codes (the cache's layout, decided at
+    allocation)."""
+    return native_layers.latent_mqa if isinstance(cache, torch.Tensor) else native_layers.latent_mqa8
 
 
 class NativeBackend(TorchBackend):

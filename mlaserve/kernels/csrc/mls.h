@@ -22,7 +22,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 12
+#define MLS_ABI_VERSION 13
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -150,6 +150,10 @@ int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const fl
                    int64_t qp_head, const int64_t *q_index, const float *cache, const int64_t *slots,
                    const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                    float scale, float *out, int threads);
+int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                    int64_t qp_head, const int64_t *q_index, const uint8_t *codes, const float *scales,
+                    const float *kept, int fp8, int64_t block, const int64_t *slots, const uint8_t *mask, int64_t b,
+                    int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr, float scale, float *out, int threads);
 int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float *w, float eps, float *y,
                  int64_t ldy, int threads);
 int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, int64_t dr, const float *w,
