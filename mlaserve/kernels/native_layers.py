@@ -305,3 +305,27 @@ def index_topk(
     if rc != 0:
         raise RuntimeError(f"native index_topk refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
     return index, valid
+
+
+def index_topk8(
+    q: torch.Tensor, w: torch.Tensor, keys, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """index_topk over index keys kept as FP8 e4m3 with a scale per key (keys: a cache/quantized_rows.QuantizedRows
+    of one block per row), decoded where they lie (csrc/indexer.c mls_index_topk8): the result equals index_topk
+    over the dequantized keys. Same shapes and contracts as index_topk."""
+    t, hi, di = q.shape
+    fmt = keys.fmt
+    if fmt.codes != "fp8_e4m3" or fmt.scales != 1 or fmt.quantized != di or fmt.kept:
+        raise ValueError(f"index_topk8: FP8 keys of {di} values with one scale each, got {fmt}")
+    tensors = (q, w, kv_slots, mask)
+    if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
+        raise ValueError("index_topk8: contiguous CPU tensors, q / w fp32")
+    index = torch.empty(t, k, dtype=torch.int64)
+    valid = torch.empty(t, k, dtype=torch.bool)
+    rc = library().mls_index_topk8(
+        q.data_ptr(), w.data_ptr(), t, hi, di, keys.codes.data_ptr(), keys.scales.data_ptr(), kv_slots.data_ptr(),
+        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native index_topk8 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
+    return index, valid

@@ -90,3 +90,32 @@ def test_c_mqa_over_8bit_rows_equals_fp32_kernel_over_dequantized_rows(codes, op
             )
         assert torch.equal(got, want)
     assert calls  # the 8-bit kernel ran
+
+
+def test_c_topk_over_fp8_keys_equals_fp32_topk_over_dequantized_keys(monkeypatch):
+    """mls_index_topk8 decodes each key where it lies: the same positions as mls_index_topk over the dequantized
+    keys (torch.equal); the native backend runs it for decode segments over FP8 keys."""
+    from test_attention_backends import TOPK, _case
+
+    from mlaserve.config.kv_cache import index_key_format
+
+    c = _case(1, torch.float32, "cpu")
+    # keys of magnitudes 0.1x..10x: their scales differ 100-fold, so a scale dropped or taken from the wrong key
+    # reorders the scores (the harness's keys are all of one magnitude)
+    g = torch.Generator().manual_seed(3)
+    spread = 10 ** (torch.rand(c.keys.shape[0], 1, generator=g) * 2 - 1)
+    keys = QuantizedRows.of(c.keys * spread, index_key_format(c.keys.shape[1]))
+    dequantized = keys.rows(torch.arange(c.keys.shape[0]))
+    seg = c.segments("native", torch.float32)[0]  # the decode segment
+    rows = seg.q_index[:, 0]
+    # positive head weights: every score >= 0, so a key's magnitude (its scale) decides its rank
+    args = (c.q_idx[rows].contiguous(), c.w[rows].abs().contiguous())
+    slots, mask = seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous()
+    got = native_layers.index_topk8(*args, keys, slots, mask, TOPK)
+    want = native_layers.index_topk(*args, dequantized, slots, mask, TOPK)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    calls = []
+    real = native_layers.index_topk8
+    monkeypatch.setattr(native_layers, "index_topk8", lambda *a: calls.append(1) or real(*a))
+    index = native_backend.NativeBackend.index_topk(c.q_idx, c.w.abs(), keys, seg, TOPK)
+    assert calls and torch.equal(index[:, 0].sort(-1).values, want[0].sort(-1).values)

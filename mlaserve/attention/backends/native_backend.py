@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mlaserve.attention.backends import torch_index
 from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _mask
 from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
 from mlaserve.attention.backends.torch_backend import sparse_absorbed_attention as torch_sparse_absorbed
@@ -97,7 +98,24 @@ def _mqa(cache):
     return native_layers.latent_mqa if isinstance(cache, torch.Tensor) else native_layers.latent_mqa8
 
 
+def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk: int) -> torch.Tensor:
+    """The torch backend's scoring, except over FP8 keys (kv_cache_dtype) in a decode segment (one query per
+    request): there the C top-k (csrc/indexer.c mls_index_topk8, the fused decode layer's scoring) reads the
+    codes where they lie instead of a dequantized copy of every key. Positions [B, 1, k], a set as torch's."""
+    b, nq = seg.q_index.shape
+    if isinstance(keys, torch.Tensor) or nq != 1 or native.library() is None:
+        return torch_index.index_topk(q, w, keys, seg, topk)
+    k = min(topk, seg.kv_slots.shape[1])
+    rows = seg.q_index[:, 0]
+    index, _ = native_layers.index_topk8(
+        q.index_select(0, rows).float().contiguous(), w.index_select(0, rows).float().contiguous(), keys,
+        seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous(), k,
+    )  # fmt: skip
+    return index.view(b, 1, k)
+
+
 class NativeBackend(TorchBackend):
     name = "native"
     absorbed = staticmethod(absorbed_attention)
     sparse_absorbed = staticmethod(sparse_absorbed_attention)
+    index_topk = staticmethod(index_topk)

@@ -165,6 +165,9 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
 int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                    const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
                    uint8_t *sel_valid, int threads);
+int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
+                    const float *scales, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k,
+                    int64_t *sel_index, uint8_t *sel_valid, int threads);
 
 /* decode_layer.c */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,
