@@ -153,7 +153,8 @@ def main() -> None:
         )
         for n in contexts:
             for batch in args.batches:
-                need = 2 * batch * n * 2 * (320 + 128) * 12 * 4 / 2**30  # two pools at most, fp32 rows + keys
+                # the float32 pool (latent rows [320] and keys [128] x 12 layers) and two 8-bit pools of ~0.4x it
+                need = batch * n * (320 + 128) * 12 * 4 * 1.8 / 2**30
                 if need > 0.8 * mem_available_gib():
                     print(f"[{kind}] context {n} batch {batch}: ~{need:.1f} GiB of pools won't fit -- skipped")
                     continue
