@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     environment,
     mem_available_gib,
     print_table,
+    random_prompt,
     rss_gib,
     slots_for,
     synthetic_index_keys,
@@ -113,6 +114,34 @@ def measure(llm, n: int, batch: int, reps: int, warmup: int, codes: tuple[str, .
     return out
 
 
+def greedy_agreement(folder, args, codes: tuple[str, ...]) -> dict:
+    """Greedy generation of args.greedy tokens after a random prompt of args.greedy_prompt tokens, once per layout
+    (a fresh engine each: the same weights, prefill and decode through the engine): the first position where an
+    8-bit layout's tokens leave the float32 cache's, and the share of equal positions."""
+    from mlaserve import LLM
+    from mlaserve.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.greedy, ignore_eos=True)
+    tokens = {}
+    for kv in ("auto", *codes):
+        llm = LLM(
+            model=str(folder), dtype="float32", kv_cache_dtype=kv, threads=args.threads,
+            **({"quantization": args.quantization} if args.quantization else {}),
+        )  # fmt: skip
+        prompt = random_prompt(args.greedy_prompt, llm.config.model.vocab_size, seed=0)
+        t0 = time.perf_counter()
+        tokens[kv] = llm.generate([prompt], params)[0].outputs[0].token_ids
+        print(f"  [{kv}] {args.greedy} greedy tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+        del llm
+        gc.collect()
+    out = {}
+    for kv in codes:
+        same = [a == b for a, b in zip(tokens[kv], tokens["auto"])]
+        first = same.index(False) if False in same else len(same)
+        out[kv] = {"first_divergence": first, "equal_share": sum(same) / len(same)}
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=["standard", "dsa"], choices=["standard", "dsa"])
@@ -122,6 +151,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--codes", nargs="*", default=list(CODES[1:]), choices=CODES[1:], help="8-bit layouts to run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--greedy", type=int, default=0, help="also greedy-decode this many tokens per layout, compared")
+    p.add_argument("--greedy-prompt", type=int, default=512, help="the random prompt's length for --greedy")
     p.add_argument("--quick", action="store_true", help="2-layer models, context 2048: a smoke test")
     return p.parse_args()
 
@@ -179,6 +210,12 @@ def main() -> None:
                     )
         del llm
         gc.collect()
+        if args.greedy:
+            print(f"[{kind}] greedy agreement over {args.greedy} tokens", flush=True)
+            agree = greedy_agreement(folder, args, tuple(args.codes))
+            results[f"{kind}/greedy"] = agree
+            for kv, a in agree.items():
+                print(f"[{kind}] {kv}: first divergence at token {a['first_divergence']}, {a['equal_share']:.0%} equal")
     print()
     quant = f", weights {args.quantization}" if args.quantization else ""
     print(f"decode step, float32 compute{quant}, {args.threads} threads{', QUICK' if args.quick else ''}")
