@@ -128,6 +128,9 @@ class KDAConfig:
     num_heads: int  # H
     head_dim: int  # d = dk = dv
     conv_kernel: int  # the causal depthwise short conv's width K (its state: the last K - 1 inputs)
+    # the forget gate's lower bound b < 0 (GLM-5.3-Flash: g = b sigmoid(exp(A_log) (f + dt_bias))), or None
+    # (Kimi-Linear: g = -exp(A_log) softplus(f + dt_bias), unbounded below)
+    lower_bound: float | None = None
 
     @property
     def width(self) -> int:
@@ -676,7 +679,18 @@ class _HFAdapter:
             num_heads=widths["linear_num_heads"],
             head_dim=widths["linear_head_dim"],
             conv_kernel=widths["linear_conv_kernel_dim"],
+            lower_bound=self._kda_lower_bound() if self.family.kda_lower_bound else None,
         )
+
+    def _kda_lower_bound(self) -> float | None:
+        """linear_lower_bound: a negative number (the log-space gate's floor), or null (no bound: the softplus gate)."""
+        if "linear_lower_bound" not in self.raw:
+            return self.get("linear_lower_bound")  # the family's class default, recorded as such
+        value = self.raw["linear_lower_bound"]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value < 0):
+            raise ConfigError(f"{self.source}: linear_lower_bound must be a negative number or null, got {value!r}")
+        bound = None if value is None else float(value)
+        return self.log.record("linear_lower_bound", bound, f"{self.source}:linear_lower_bound")
 
     def _kda_layers(self, num_layers: int, sub: dict) -> tuple[int, ...]:
         types = self.raw.get("layer_types")

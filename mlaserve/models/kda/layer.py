@@ -4,7 +4,9 @@ Notation
   T tokens of the step (decodes first), D hidden, H heads, d head width (dk = dv), K conv width
   x [T, D]; q, k, v [T, H d] each (q_proj, k_proj, v_proj), then the short conv + SiLU (q_conv1d, k_conv1d,
   v_conv1d: [H d, 1, K] each)
-  g [T, H, d]   forget gate, log space: -exp(A_log_h) softplus(f_b_proj(f_a_proj(x)) + dt_bias)  (no lower bound)
+  g [T, H, d]   forget gate, log space, f = f_b_proj(f_a_proj(x)) + dt_bias:
+                  Kimi-Linear: -exp(A_log_h) softplus(f)                 (no lower bound)
+                  GLM-5.3-Flash: b sigmoid(exp(A_log_h) f), b = linear_lower_bound < 0 (the "safe gate", in (b, 0))
   beta [T, H]   sigmoid(b_proj(x))
   out = o_proj(o_norm(o, sigmoid(g_b_proj(g_a_proj(x)))))  o_norm: RMSNorm over d in fp32, times the gate
 Cache (config/layer_kinds.py, "request" addressing, one slot per running request, zeroed when a sequence starts):
@@ -72,6 +74,8 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(d, hd, bias=False)
         self.f_b_proj = nn.Linear(hd, w, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(w, dtype=torch.float32))
+        self.lower_bound = kda.lower_bound  # config: which gate formula (KDAConfig), chosen at construction
+        self.gate_of = self._bounded_gate if kda.lower_bound is not None else self._softplus_gate
         self.A_log = nn.Parameter(torch.empty(1, 1, kda.num_heads, 1))
         self.b_proj = nn.Linear(d, kda.num_heads, bias=False)
         self.g_a_proj = nn.Linear(d, hd, bias=False)
@@ -90,8 +94,17 @@ class KimiDeltaAttention(nn.Module):
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> g [T, H, d] fp32, log space (<= 0). softplus written as transformers writes it."""
         g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, -1))
-        soft = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
-        return -self.A_log.float().view(self.num_heads, 1).exp() * soft
+        return self.gate_of(g, self.A_log.float().view(self.num_heads, 1).exp())
+
+    @staticmethod
+    def _softplus_gate(g: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+        """Kimi-Linear: -rate softplus(g), softplus as transformers writes it (g itself above 20)."""
+        return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+    def _bounded_gate(self, g: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+        """GLM-5.3-Flash: lower_bound sigmoid(rate g), in (lower_bound, 0): a per-token decay of at least
+        exp(lower_bound), so no chunk's cumulative gate underflows faster than that."""
+        return self.lower_bound * torch.sigmoid(rate * g)
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [T, H, d] (model dtype) -> o_proj(gated RMSNorm of each head's d values)."""
