@@ -118,6 +118,9 @@ class IndexerConfig:
     topk: int
     rope_interleaved: bool
     layer_types: tuple[str, ...]  # per layer: "full" (own indexer) | "shared" (reuse previous full layer)
+    # GLM-5.3-Flash's pooled indexer (models/pooled_indexer.py): keys pooled over kpool tokens (config.json's
+    # index_kpool); 0: the per-token indexer of DeepSeek-V3.2 / GLM-5
+    kpool: int = 0
 
 
 @dataclass(frozen=True)
