@@ -780,7 +780,7 @@ _INT_FIELDS = {
     "num_attention_heads": 1,
     "kv_lora_rank": 1,
     "qk_nope_head_dim": 1,
-    "qk_rope_head_dim": 2,
+    "qk_rope_head_dim": 0,  # 0: no rope slice (NoPE MLA, GLM-5.3-Flash's): the cache row is the latent only
     "v_head_dim": 1,
     "vocab_size": 1,
     "intermediate_size": 1,
