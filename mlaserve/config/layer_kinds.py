@@ -136,7 +136,9 @@ class LayerKind:
 
     index: int  # the layer's index in its stack
     attention: str  # one of ATTENTION_KINDS
-    indexer: str | None  # mla_dsa: "full" (own indexer and keys) | "shared" | None (no indexer in this layer)
+    # mla_dsa: "full" (own indexer and keys) | "shared" | "pooled" (GLM-5.3-Flash's pooled indexer,
+    # pooled_indexer_states) | None (no indexer in this layer)
+    indexer: str | None
     states: tuple[StateSpec, ...]
     # DeepSeek-V4 kinds (0 elsewhere): what the route records of them (attention/router.py)
     window: int = 0  # sliding_window: ring rows a query may attend
@@ -249,6 +251,14 @@ def kda_states(model: ModelConfig) -> tuple[StateSpec, ...]:
         ),
         StateSpec("conv", 3 * kda.width, addressing="request", per_request=(kda.conv_kernel - 1,), snapshot=True),
     )
+
+
+def pooled_indexer_states(head_dim: int, kpool: int) -> tuple[StateSpec, ...]:
+    """GLM-5.3-Flash's pooled DSA indexer (models/pooled_indexer.py), two paged states: `index_rows` [k | gate]
+    per token (the open tail pool and each pool's inputs) and `index_pools`, one pooled key per kpool tokens,
+    written once by the step that completes the pool (so page_size is a multiple of kpool: check_page_size).
+    A prefix hit reads both from the cached pages: nothing per request, nothing to snapshot."""
+    return (StateSpec("index_rows", 2 * head_dim), StateSpec("index_pools", head_dim, tokens_per_row=kpool))
 
 
 def attention_summary(model: ModelConfig, sparse: bool) -> str:

@@ -16,6 +16,9 @@ Notation
   (t + 1 - (t + 1) % P .. t, at most P - 1 tokens): what the query's MLA attends.
 transformers' Glm5NextTextIndexer rebuilds every pool from the cached per-token [k | gate] on every step; the
 result is the same. Sequences start at token 0 here (no left padding), so pools are anchored at 0 as there.
+In the engine (config/layer_kinds.py pooled_indexer_states): [k | gate] rows per token and one pooled row per
+kpool tokens, both paged; a chunk of tokens context_len .. seq_len - 1 completes pools completed_pools(...) and
+writes each one's row at pool_rows(...) of the block table.
 """
 
 from __future__ import annotations
@@ -26,6 +29,19 @@ import torch
 from torch import nn
 
 from mlaserve.config.model import IndexerConfig
+
+
+def completed_pools(context_len: int, seq_len: int, kpool: int) -> range:
+    """The pools whose last token is in this chunk (positions context_len .. seq_len - 1): p with
+    context_len < (p + 1) kpool <= seq_len. Plain ints: the step's plan, not read from a tensor."""
+    return range(context_len // kpool, seq_len // kpool)
+
+
+def pool_rows(block_table: tuple[int, ...], pools: range, page_size: int, kpool: int) -> list[int]:
+    """Each pool's row in the paged index_pools state: a page holds page_size / kpool pooled rows, pool p lies in
+    the page of its tokens (page_size is a multiple of kpool, so a pool never straddles two pages)."""
+    per_page = page_size // kpool
+    return [block_table[p * kpool // page_size] * per_page + (p * kpool % page_size) // kpool for p in pools]
 
 
 @dataclass(frozen=True)

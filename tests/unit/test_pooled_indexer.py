@@ -88,3 +88,44 @@ def test_kept_tokens_equal_transformers(kpool, heads, topk):
     assert exact >= N // 2, "most queries were meant to have no tie at the cut"
     partial = topk // kpool < N // kpool  # (4, 3, 64): every complete pool kept, the rest partial
     assert bool((sel.pools_selected < sel.pools_scored).any()) == partial
+
+
+@pytest.mark.parametrize("kpool, page", [(2, 8), (4, 16), (4, 4)])
+@pytest.mark.parametrize("budget", [1, 3, 5, 64])
+def test_pools_written_chunk_by_chunk_into_pages_equal_one_pass(kpool, page, budget):
+    """Each chunk pools the pools it completes (completed_pools) into their paged rows (pool_rows) through a
+    scattered block table; read back in pool order they equal pool() over the whole sequence, bit for bit."""
+    from mlaserve.cache.model_cache import ModelCache
+    from mlaserve.config.layer_kinds import LayerKind, check_page_size, pooled_indexer_states
+    from mlaserve.models.pooled_indexer import completed_pools, pool_rows
+
+    _, ours = _pair(kpool, 3, 8, seed=1)
+    n, num_pages = 45, 16
+    x, c_q = torch.randn(n, HIDDEN), torch.randn(n, QLORA)
+    kinds = (LayerKind(0, "mla_dsa", "pooled", pooled_indexer_states(DI, kpool)),)
+    check_page_size(kinds, page)
+    cache = ModelCache(kinds, num_pages, page, torch.float32)
+    pools = cache.layers[0].tensors["index_pools"]
+    table = tuple(reversed(range(num_pages)))[: -(-n // page)]  # pages out of order
+    with torch.no_grad():
+        _, k, gate, _ = ours.project(x, c_q)
+        for a in range(0, n, budget):
+            b = min(a + budget, n)
+            done = completed_pools(a, b, kpool)
+            if done:
+                # a completed pool's tokens may be in earlier chunks: the [k | gate] rows are cached per token
+                lo, hi = done.start * kpool, done.stop * kpool
+                rows = torch.tensor(pool_rows(table, done, page, kpool))
+                pools.index_copy_(0, rows, ours.pool(k[lo:hi], gate[lo:hi]))
+        whole = ours.pool(k[: n // kpool * kpool], gate[: n // kpool * kpool])
+    read = pools[torch.tensor(pool_rows(table, range(n // kpool), page, kpool))]
+    assert torch.equal(read, whole)
+
+
+def test_a_page_must_hold_whole_pools():
+    from mlaserve.config.layer_kinds import LayerKind, check_page_size, pooled_indexer_states
+    from mlaserve.config.model import ConfigError
+
+    kinds = (LayerKind(3, "mla_dsa", "pooled", pooled_indexer_states(DI, 4)),)
+    with pytest.raises(ConfigError, match="layer 3's index_pools keeps one row per 4 tokens; page_size must be"):
+        check_page_size(kinds, 6)
