@@ -102,8 +102,8 @@ class KimiDeltaAttention(nn.Module):
         return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
 
     def _bounded_gate(self, g: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
-        """GLM-5.3-Flash: lower_bound sigmoid(rate g), in (lower_bound, 0): a per-token decay of at least
-        exp(lower_bound), so no chunk's cumulative gate underflows faster than that."""
+        """GLM-5.3-Flash: lower_bound sigmoid(rate g), in [lower_bound, 0] (fp32's sigmoid reaches 1): each token
+        keeps at least exp(lower_bound) of the state per channel."""
         return self.lower_bound * torch.sigmoid(rate * g)
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
