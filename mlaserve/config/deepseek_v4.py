@@ -128,9 +128,14 @@ class V4MoE:
 
 @dataclass(frozen=True)
 class V4HyperConnections:
+    """mHC's settings (models/deepseek_v4/hyper.py), shared by DeepSeek-V4 and GLM-5.3-Flash."""
+
     hc_mult: int
     sinkhorn_iters: int
     eps: float
+    # the final collapse of the N streams before the last norm: learned sigmoid weights (DeepSeek-V4's hc_head_*
+    # tensors) or, False, their unweighted mean (GLM-5.3-Flash ships no head weights)
+    learned_head: bool = True
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ Attention kinds today
   mla_dsa  MLA with a DSA lightning indexer: a "full" layer owns an indexer and caches its keys, a
            "shared" layer reuses the previous full layer's top-k (DeepSeek-V3.2, GLM-5)
   kda      Kimi Delta Attention (Kimi-Linear's linear-attention layers, models/kda): no paged rows; two request
-           states, `recurrent` [H, d, d] fp32 and `conv` [K-1, 3 H d] (kda_states), snapshot=False for now, so
-           prefix caching runs off for these models (prefix_caching_blocker records why)
+           states, `recurrent` [H, d, d] fp32 and `conv` [K-1, 3 H d] (kda_states), both snapshotted at page
+           boundaries (the layer splits a chunk at each boundary it reaches), so prefix caching stays on
 A kind is the architecture's: an mla_dsa layer run with attention="dense" keeps its kind, its route says
 sparse=False and it caches no index keys (the engine's choice, recorded in provenance).
 
@@ -145,7 +145,9 @@ class LayerKind:
 
     index: int  # the layer's index in its stack
     attention: str  # one of ATTENTION_KINDS
-    indexer: str | None  # mla_dsa: "full" (own indexer and keys) | "shared" | None (no indexer in this layer)
+    # mla_dsa: "full" (own indexer and keys) | "shared" | "pooled" (GLM-5.3-Flash's pooled indexer,
+    # pooled_indexer_states) | None (no indexer in this layer)
+    indexer: str | None
     states: tuple[StateSpec, ...]
     # DeepSeek-V4 kinds (0 elsewhere): what the route records of them (attention/router.py)
     window: int = 0  # sliding_window: ring rows a query may attend
@@ -243,8 +245,9 @@ def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
 
 def kda_states(model: ModelConfig) -> tuple[StateSpec, ...]:
     """A KDA layer's request states: the delta rule's fp32 state [H, d, d] and the short conv's last K-1 inputs of
-    q, k and v [K-1, 3 H d] (the cache dtype: the inputs are the model's projections). No page-boundary
-    snapshots yet, so prefix caching runs off for these models (prefix_caching_blocker)."""
+    q, k and v [K-1, 3 H d] (the cache dtype: the inputs are the model's projections). Both are snapshotted at
+    page boundaries (models/kda/layer.py saves them after each boundary a chunk reaches), so a prefix hit
+    restores them exactly and prefix caching stays on."""
     kda = model.kda
     return (
         StateSpec(
@@ -253,9 +256,18 @@ def kda_states(model: ModelConfig) -> tuple[StateSpec, ...]:
             addressing="request",
             per_request=(kda.num_heads, kda.head_dim),
             dtype=torch.float32,
+            snapshot=True,
         ),
-        StateSpec("conv", 3 * kda.width, addressing="request", per_request=(kda.conv_kernel - 1,)),
+        StateSpec("conv", 3 * kda.width, addressing="request", per_request=(kda.conv_kernel - 1,), snapshot=True),
     )
+
+
+def pooled_indexer_states(head_dim: int, kpool: int) -> tuple[StateSpec, ...]:
+    """GLM-5.3-Flash's pooled DSA indexer (models/pooled_indexer.py), two paged states: `index_rows` [k | gate]
+    per token (the open tail pool and each pool's inputs) and `index_pools`, one pooled key per kpool tokens,
+    written once by the step that completes the pool (so page_size is a multiple of kpool: check_page_size).
+    A prefix hit reads both from the cached pages: nothing per request, nothing to snapshot."""
+    return (StateSpec("index_rows", 2 * head_dim), StateSpec("index_pools", head_dim, tokens_per_row=kpool))
 
 
 def attention_summary(model: ModelConfig, sparse: bool) -> str:

@@ -118,6 +118,9 @@ class IndexerConfig:
     topk: int
     rope_interleaved: bool
     layer_types: tuple[str, ...]  # per layer: "full" (own indexer) | "shared" (reuse previous full layer)
+    # GLM-5.3-Flash's pooled indexer (models/pooled_indexer.py): keys pooled over kpool tokens (config.json's
+    # index_kpool); 0: the per-token indexer of DeepSeek-V3.2 / GLM-5
+    kpool: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,9 @@ class KDAConfig:
     num_heads: int  # H
     head_dim: int  # d = dk = dv
     conv_kernel: int  # the causal depthwise short conv's width K (its state: the last K - 1 inputs)
+    # the forget gate's lower bound b < 0 (GLM-5.3-Flash: g = b sigmoid(exp(A_log) (f + dt_bias))), or None
+    # (Kimi-Linear: g = -exp(A_log) softplus(f + dt_bias), unbounded below)
+    lower_bound: float | None = None
 
     @property
     def width(self) -> int:
@@ -676,7 +682,18 @@ class _HFAdapter:
             num_heads=widths["linear_num_heads"],
             head_dim=widths["linear_head_dim"],
             conv_kernel=widths["linear_conv_kernel_dim"],
+            lower_bound=self._kda_lower_bound() if self.family.kda_lower_bound else None,
         )
+
+    def _kda_lower_bound(self) -> float | None:
+        """linear_lower_bound: a negative number (the log-space gate's floor), or null (no bound: the softplus gate)."""
+        if "linear_lower_bound" not in self.raw:
+            return self.get("linear_lower_bound")  # the family's class default, recorded as such
+        value = self.raw["linear_lower_bound"]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value < 0):
+            raise ConfigError(f"{self.source}: linear_lower_bound must be a negative number or null, got {value!r}")
+        bound = None if value is None else float(value)
+        return self.log.record("linear_lower_bound", bound, f"{self.source}:linear_lower_bound")
 
     def _kda_layers(self, num_layers: int, sub: dict) -> tuple[int, ...]:
         types = self.raw.get("layer_types")
@@ -763,7 +780,7 @@ _INT_FIELDS = {
     "num_attention_heads": 1,
     "kv_lora_rank": 1,
     "qk_nope_head_dim": 1,
-    "qk_rope_head_dim": 2,
+    "qk_rope_head_dim": 0,  # 0: no rope slice (NoPE MLA, GLM-5.3-Flash's): the cache row is the latent only
     "v_head_dim": 1,
     "vocab_size": 1,
     "intermediate_size": 1,

@@ -127,10 +127,19 @@ def test_a_batch_of_mixed_lengths_equals_each_alone(kimi):
 
 
 def test_preemption_recomputes_the_state_exactly(kimi):
-    """A pool small enough to preempt: a re-admitted request restarts from a zeroed slot and recomputes from
-    token 0 (no KDA state is saved); its tokens equal transformers' greedy."""
+    """A pool small enough to preempt, prefix caching off: a re-admitted request restarts from a zeroed slot and
+    recomputes from token 0; its tokens equal transformers' greedy. (With prefix caching on it resumes from a
+    page's snapshot: tests/identities/test_kimi_linear_prefix_cache.py.)"""
     spec, ref, folder = kimi
-    llm = LLM(str(folder), page_size=4, num_pages=14, max_num_seqs=3, max_num_batched_tokens=16, trace="memory")
+    llm = LLM(
+        str(folder),
+        page_size=4,
+        num_pages=14,
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        trace="memory",
+        enable_prefix_caching=False,
+    )
     prompts = [random_ids(n, ref.config.vocab_size, 50 + n) for n in (17, 5, 23, 9)]
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -200,8 +209,8 @@ def test_the_ledger_and_inspect_name_each_kind_and_its_state_bytes(kimi, capsys)
     assert impls == {"torch:kda_step", "torch:kda_chunked(64)"}
     assert main(["inspect", str(folder)]) == 0
     out = capsys.readouterr().out
-    assert "kda; cache: recurrent [" in out and "float32 per request (no snapshots)" in out
-    assert "kda_layers" in out and "no page-boundary snapshot" in out  # the pattern's source; prefix caching off
+    assert "kda; cache: recurrent [" in out and "float32 per request (snapshots at page boundaries)" in out
+    assert "kda_layers" in out and "bytes/token of snapshots with prefix caching" in out  # prefix caching on
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Kimi-Linear's config.json: the layer pattern (which layers are KDA, which MLA) and the KDA widths, each value
 type-checked and recorded with the key it came from; the checkpoint's config names; NoPE; the layer kinds, their
-request states and the rules they impose (prefix caching off with its reason, speculative decoding refused)."""
+request states and the rules they impose (prefix caching on: both states are snapshotted at page boundaries;
+speculative decoding refused)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ def test_the_layer_pattern_and_widths_are_read_with_their_source(raw, where):
     kinds = declare_layers(cfg, sparse=False)
     assert [k.attention for k in kinds] == ["kda", "mla", "kda", "kda"]
     rec = kinds[0].state("recurrent")
-    assert rec.request_shape == (3, 8, 8) and rec.dtype == torch.float32 and not rec.snapshot
+    assert rec.request_shape == (3, 8, 8) and rec.dtype == torch.float32 and rec.snapshot
     assert kinds[0].state("conv").request_shape == (3, 3 * 3 * 8)  # the last K - 1 inputs of q, k and v
+    assert kinds[0].state("conv").snapshot
     assert kinds[1].state("latent").width == 16 + 8  # the "rope" slice is cached (never rotated)
 
 
@@ -103,24 +105,25 @@ def test_bad_values_are_errors_naming_the_key(change, match):
         ModelConfig.from_hf({**RAW, **change})
 
 
-def test_prefix_caching_goes_off_with_its_reason_and_speculation_is_refused():
+def test_prefix_caching_stays_on_and_speculation_is_refused():
     cfg = ModelConfig.from_hf(RAW)
     kinds = declare_layers(cfg, sparse=False)
-    reason = prefix_caching_blocker(kinds)
-    assert "layer 0's request state 'recurrent' has no page-boundary snapshot" in reason
+    assert prefix_caching_blocker(kinds) is None  # both KDA states are snapshotted at page boundaries
     engine = with_request_state_rules(resolve(cfg, EngineOptions(enable_prefix_caching=True), False), kinds)
-    assert engine.cache.enable_prefix_caching is False
-    assert reason in next(s.source for s in engine.provenance if s.name == "enable_prefix_caching")
+    assert engine.cache.enable_prefix_caching is True
     with pytest.raises(ConfigError, match="speculative='mtp': layer 0's request state 'recurrent'"):
         with_request_state_rules(resolve(cfg, EngineOptions(speculative="mtp", num_speculative_tokens=1), False), kinds)
 
 
 def test_inspect_lines_name_each_kind_and_its_bytes_per_request():
     kinds = declare_layers(ModelConfig.from_hf(RAW), sparse=False)
-    lines = describe(kinds, bytes_per_value=4)
-    # KDA: recurrent 3 x 8 x 8 fp32 = 768 B + conv 3 x 72 x 4 B = 864 B, per layer, three layers
-    assert lines[0].startswith("layers 0, 2-3: kda; cache: recurrent [3 x 8 x 8] float32 per request (no snapshots)")
-    assert lines[0].endswith("(0 bytes/token, 4896 bytes/request)")
+    lines = describe(kinds, bytes_per_value=4, page_size=16)
+    # KDA: recurrent 3 x 8 x 8 fp32 = 768 B + conv 3 x 72 x 4 B = 864 B, per layer, three layers; one snapshot of
+    # both per page of 16 tokens: 4896 / 16 = 306 bytes/token
+    assert lines[0].startswith(
+        "layers 0, 2-3: kda; cache: recurrent [3 x 8 x 8] float32 per request (snapshots at page boundaries)"
+    )
+    assert lines[0].endswith("(0 bytes/token + 306 bytes/token of snapshots with prefix caching, 4896 bytes/request)")
     assert lines[1] == "layers 1: mla; cache: latent [24] (96 bytes/token)"
 
 

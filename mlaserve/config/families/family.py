@@ -75,6 +75,9 @@ class Family:
     indexer_rope_interleaved: bool = False  # else half-split, as transformers
     # Linear-attention (KDA) layers beside the MLA ones, read by config/model.py _kda (Kimi-Linear)
     kda: bool = False
+    # the KDA forget gate's lower bound is read from config.json's linear_lower_bound (GLM-5.3-Flash's "safe gate");
+    # False: the gate has none (Kimi-Linear's softplus gate, whatever the config says, as transformers reads it)
+    kda_lower_bound: bool = False
     # NoPE MLA: why its rope slice is never rotated (the rope table is the identity), or None (rotated)
     nope: str | None = None
     # The checkpoint's tensor names read as the model's: (regex, replacement) applied in order by the strict

@@ -10,7 +10,9 @@ Notation
   post  2 sigmoid(a_post * scale_1 + base_post)                 block output spread: post_k * block(x)
   comb  softmax_row(a_comb * scale_2 + base_comb) + eps, then Sinkhorn: columns, then (iters-1) times rows
         and columns, each divided by (sum + eps)                new streams h'_k = post_k y + sum_j comb_jk h_j
-The head (HyperHead) collapses the N streams with its own sigmoid weights before the final norm.
+The final collapse before the last norm (make_head, from V4HyperConnections.learned_head): HyperHead, its own
+sigmoid weights (DeepSeek-V4), or MeanHead, the streams' unweighted mean (GLM-5.3-Flash). One module for both
+families: the blocks' mixing is the same, only the head differs.
 """
 
 from __future__ import annotations
@@ -69,3 +71,16 @@ class HyperHead(nn.Module):
         mixes = F.linear(unweighted_rms_norm(h.flatten(1).float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
         return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+
+
+class MeanHead(nn.Module):
+    """GLM-5.3-Flash's final collapse: the N streams' unweighted mean (no weights in the checkpoint)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [S, N, D] -> [S, D]."""
+        return h.mean(dim=1)
+
+
+def make_head(hidden: int, hc: V4HyperConnections, norm_eps: float) -> nn.Module:
+    """The final collapse the config names (learned_head), built once at construction."""
+    return HyperHead(hidden, hc, norm_eps) if hc.learned_head else MeanHead()

@@ -19,7 +19,7 @@ from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.models.deepseek_v4.attention import Span, V4Attention
-from mlaserve.models.deepseek_v4.hyper import HyperConnection, HyperHead, expand
+from mlaserve.models.deepseek_v4.hyper import HyperConnection, expand, make_head
 from mlaserve.models.deepseek_v4.moe import V4MoEBlock
 from mlaserve.models.deepseek_v4.norm import RMSNorm
 from mlaserve.models.deepseek_v4.rope import V4RopeTables
@@ -60,7 +60,7 @@ class V4Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(V4DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.hc_head = HyperHead(d, cfg.hc, cfg.rms_norm_eps)
+        self.hc_head = make_head(d, cfg.hc, cfg.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

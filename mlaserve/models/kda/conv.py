@@ -22,6 +22,12 @@ def prefill(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[torc
     return F.silu(y), full[-(w.shape[1] - 1) :]
 
 
+def state_after(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The state after a chunk's first tokens x [k, C] (k may be < K-1), from the state before it [K-1, C]: the
+    last K-1 rows of [state; x], what prefill returns for x alone (a page boundary's snapshot)."""
+    return torch.cat([state.to(x.dtype), x])[-state.shape[0] :]
+
+
 def step(x: torch.Tensor, states: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B sequences (decode), batched. x [B, C], states [B, K-1, C] -> (y [B, C], new states)."""
     window = torch.cat([states.to(x.dtype), x[:, None]], dim=1)  # [B, K, C]

@@ -4,18 +4,24 @@ Notation
   T tokens of the step (decodes first), D hidden, H heads, d head width (dk = dv), K conv width
   x [T, D]; q, k, v [T, H d] each (q_proj, k_proj, v_proj), then the short conv + SiLU (q_conv1d, k_conv1d,
   v_conv1d: [H d, 1, K] each)
-  g [T, H, d]   forget gate, log space: -exp(A_log_h) softplus(f_b_proj(f_a_proj(x)) + dt_bias)  (no lower bound)
+  g [T, H, d]   forget gate, log space, f = f_b_proj(f_a_proj(x)) + dt_bias:
+                  Kimi-Linear: -exp(A_log_h) softplus(f)                 (no lower bound)
+                  GLM-5.3-Flash: b sigmoid(exp(A_log_h) f), b = linear_lower_bound < 0 (the "safe gate", in (b, 0))
   beta [T, H]   sigmoid(b_proj(x))
   out = o_proj(o_norm(o, sigmoid(g_b_proj(g_a_proj(x)))))  o_norm: RMSNorm over d in fp32, times the gate
 Cache (config/layer_kinds.py, "request" addressing, one slot per running request, zeroed when a sequence starts):
   recurrent [slots + 1, H, d, d] fp32   the delta rule's state S
   conv      [slots + 1, K - 1, 3 H d]   the last K-1 conv inputs, columns [q | k | v]
+  recurrent_snapshot, conv_snapshot [pages + 1, ...]  (prefix caching on) both states after each page's last token
 The step's "kda" plan (attention/router.py route_kda) names the route as data: a "recurrent" segment of
 sequences with one new token each (one batched step over [B, H, d, d], gathered from and written back to their
 slots) and a "chunked" segment (each sequence's chunk through the chunked form, chunk 64). The chunked segment
 loops over its sequences: each has its own length and its own starting state, so one batched call would pad
 every sequence to the longest and run the padded chunks for nothing; the projections, the gates and the output
-run over all T tokens at once. recurrence.recurrent_reference is the plain reference both are tested against.
+run over all T tokens at once. Page-boundary snapshots (StepContext.snapshots, (k, page) per sequence): a chunk
+is split at each boundary it reaches and the states after exactly k tokens go to the page's rows; the batched
+step copies the slots whose token ends a page. recurrence.recurrent_reference is the plain reference both are
+tested against.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(d, hd, bias=False)
         self.f_b_proj = nn.Linear(hd, w, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(w, dtype=torch.float32))
+        self.lower_bound = kda.lower_bound  # config: which gate formula (KDAConfig), chosen at construction
+        self.gate_of = self._bounded_gate if kda.lower_bound is not None else self._softplus_gate
         self.A_log = nn.Parameter(torch.empty(1, 1, kda.num_heads, 1))
         self.b_proj = nn.Linear(d, kda.num_heads, bias=False)
         self.g_a_proj = nn.Linear(d, hd, bias=False)
@@ -86,8 +94,17 @@ class KimiDeltaAttention(nn.Module):
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> g [T, H, d] fp32, log space (<= 0). softplus written as transformers writes it."""
         g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, -1))
-        soft = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
-        return -self.A_log.float().view(self.num_heads, 1).exp() * soft
+        return self.gate_of(g, self.A_log.float().view(self.num_heads, 1).exp())
+
+    @staticmethod
+    def _softplus_gate(g: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+        """Kimi-Linear: -rate softplus(g), softplus as transformers writes it (g itself above 20)."""
+        return -rate * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+    def _bounded_gate(self, g: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+        """GLM-5.3-Flash: lower_bound sigmoid(rate g), in [lower_bound, 0] (fp32's sigmoid reaches 1): each token
+        keeps at least exp(lower_bound) of the state per channel."""
+        return self.lower_bound * torch.sigmoid(rate * g)
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [T, H, d] (model dtype) -> o_proj(gated RMSNorm of each head's d values)."""
@@ -106,7 +123,10 @@ class KimiDeltaAttention(nn.Module):
         layer has no position encoding (rope unused) and passes a previous layer's DSA selection on untouched."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3 H d]
         g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
-        rec, conv_state = state.tensors["recurrent"], state.tensors["conv"]
+        t = state.tensors
+        rec, conv_state = t["recurrent"], t["conv"]
+        # page-boundary snapshot rows (prefix caching on; absent otherwise): [P + 1, ...] per state
+        rec_snap, conv_snap = t.get("recurrent_snapshot"), t.get("conv_snapshot")
         taps, o = self.taps(), x.new_empty(x.shape[0], self.num_heads, self.head_dim)
         plan = step.route.plan_of(self.kind)
         for seg in plan.segments:
@@ -120,14 +140,45 @@ class KimiDeltaAttention(nn.Module):
                 out, s = recurrence.step(q, k, v, g[lo:hi], beta[lo:hi], rec.index_select(0, slots))
                 rec.index_copy_(0, slots, s)
                 o[lo:hi] = out.to(o.dtype)
+                if rec_snap is not None:  # a token that ends a page: its slot's state is that page's row
+                    self._save_ended_pages(step, seg.seq_start, seg.seq_end, rec, conv_state, rec_snap, conv_snap)
                 continue
-            for a, n, _, slot in step.seq_spans[seg.seq_start : seg.seq_end]:  # why a loop: see the module doc
+            for b in range(seg.seq_start, seg.seq_end):  # why a loop: see the module doc
+                a, n, _, slot = step.seq_spans[b]
+                at = step.snapshots[b] if rec_snap is not None else ()
+                conv_before = conv_state[slot].clone() if at else None
                 y, conv_state[slot] = conv.prefill(mixed[a : a + n], conv_state[slot], taps)
                 q, k, v = self._split(y)
                 q, k = recurrence.prepare(q, k)
-                out, rec[slot] = recurrence.chunked(q, k, v, g[a : a + n], beta[a : a + n], rec[slot], plan.chunk)
-                o[a : a + n] = out.to(o.dtype)
+                # the chunk is split at each page boundary it reaches: the state after exactly k tokens is the
+                # page's snapshot row (the chunked form's chunks restart there, the result is the same recurrence)
+                s, done = rec[slot], 0
+                for cut, page in (*at, (n, None)):
+                    if cut > done:
+                        piece = slice(a + done, a + cut)
+                        out, s = recurrence.chunked(
+                            q[done:cut], k[done:cut], v[done:cut], g[piece], beta[piece], s, plan.chunk
+                        )
+                        o[piece] = out.to(o.dtype)
+                        done = cut
+                    if page is not None:
+                        rec_snap[page] = s
+                        conv_snap[page] = conv.state_after(mixed[a : a + cut], conv_before)
+                rec[slot] = s
         return self.output(o, x), prev
+
+    @staticmethod
+    def _save_ended_pages(step, first: int, end: int, rec, conv_state, rec_snap, conv_snap) -> None:
+        """Sequences first .. end-1 each ran one token; those whose token ends a page (snapshot_at ((1, page),))
+        copy their slot's states to that page's rows, one batched copy per state. The index lists are the step's
+        plain data (StepContext.snapshots), read here, not computed from a tensor."""
+        ended = [(step.seq_spans[b][3], step.snapshots[b][0][1]) for b in range(first, end) if step.snapshots[b]]
+        if not ended:
+            return
+        slots = torch.tensor([e[0] for e in ended], dtype=torch.long, device=rec.device)
+        pages = torch.tensor([e[1] for e in ended], dtype=torch.long, device=rec.device)
+        rec_snap.index_copy_(0, pages, rec.index_select(0, slots))
+        conv_snap.index_copy_(0, pages, conv_state.index_select(0, slots))
 
     def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(t.unflatten(-1, (self.num_heads, self.head_dim)) for t in y.split(self.width, dim=-1))

@@ -1,0 +1,117 @@
+"""GLM-5.3-Flash's pooled DSA indexer: queries score pools of `kpool` consecutive tokens, not single tokens; the
+top index_topk // kpool pools are expanded to their tokens, and the query's own incomplete pool (the tail) is
+always kept.
+
+Notation
+  T tokens, D hidden, Hi index heads, Di index_head_dim, P kpool, c_q [T, q_lora_rank] the query latent
+  q      [T, Hi, Di]  wq_b(c_q)                          (no rope: GLM-5.3-Flash is NoPE)
+  k      [T, Di]      k_norm(wk(x)) (LayerNorm with bias, eps 1e-6)       cached per token
+  gate   [T, Di]      x @ index_kpool_compress_gate^T                      cached per token
+  w      [T, Hi]      weights_proj(x) Hi^-0.5 (fp32)
+  pool p = tokens pP .. pP + P - 1 of the sequence, complete once its last token exists:
+  pooled_p [Di] = sum_j softmax_j(gate_{pP+j} + ape_j) * k_{pP+j}   (softmax per channel over the pool's j;
+                  ape = index_kpool_compress_ape [P, Di]); a complete pool never changes, so it is computed once
+  score(t, p) = sum_h w[t, h] ReLU(q[t, h] . pooled_p Di^-0.5)   for pools complete at t ((p + 1) P <= t + 1)
+  keep the top min(index_topk // P, pools complete at t) pools, expanded to their P tokens, plus the tail
+  (t + 1 - (t + 1) % P .. t, at most P - 1 tokens): what the query's MLA attends.
+transformers' Glm5NextTextIndexer rebuilds every pool from the cached per-token [k | gate] on every step; the
+result is the same. Sequences start at token 0 here (no left padding), so pools are anchored at 0 as there.
+In the engine (config/layer_kinds.py pooled_indexer_states): [k | gate] rows per token and one pooled row per
+kpool tokens, both paged; a chunk of tokens context_len .. seq_len - 1 completes pools completed_pools(...) and
+writes each one's row at pool_rows(...) of the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mlaserve.config.model import IndexerConfig
+
+
+def completed_pools(context_len: int, seq_len: int, kpool: int) -> range:
+    """The pools whose last token is in this chunk (positions context_len .. seq_len - 1): p with
+    context_len < (p + 1) kpool <= seq_len. Plain ints: the step's plan, not read from a tensor."""
+    return range(context_len // kpool, seq_len // kpool)
+
+
+def pool_rows(block_table: tuple[int, ...], pools: range, page_size: int, kpool: int) -> list[int]:
+    """Each pool's row in the paged index_pools state: a page holds page_size / kpool pooled rows, pool p lies in
+    the page of its tokens (page_size is a multiple of kpool, so a pool never straddles two pages)."""
+    per_page = page_size // kpool
+    return [block_table[p * kpool // page_size] * per_page + (p * kpool % page_size) // kpool for p in pools]
+
+
+@dataclass(frozen=True)
+class PooledSelection:
+    """One sequence's queries' kept tokens: index [Q, K * P + P - 1] positions, valid [Q, K * P + P - 1]; and what
+    the ledger records: pools scored per query (complete at its position), pools selected, tail lengths."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    pools_scored: torch.Tensor  # [Q]
+    pools_selected: torch.Tensor  # [Q]
+    tail: torch.Tensor  # [Q]
+
+
+class PooledIndexer(nn.Module):
+    """Parameters under the checkpoint's names (transformers' Glm5NextTextIndexer)."""
+
+    def __init__(self, hidden: int, q_lora_rank: int, cfg: IndexerConfig) -> None:
+        super().__init__()
+        if cfg.kpool < 1:
+            raise ValueError(f"a pooled indexer needs index_kpool >= 1, got {cfg.kpool}")
+        self.cfg = cfg
+        self.wq_b = nn.Linear(q_lora_rank, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(hidden, cfg.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden, cfg.n_heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(cfg.kpool, cfg.head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(cfg.head_dim, hidden))
+
+    def project(
+        self, x: torch.Tensor, c_q: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D], c_q [T, q_lora_rank] -> q [T, Hi, Di], k [T, Di], gate [T, Di], w [T, Hi] fp32."""
+        q = self.wq_b(c_q).unflatten(-1, (self.cfg.n_heads, -1))
+        k = self.k_norm(self.wk(x))
+        gate = torch.nn.functional.linear(x, self.index_kpool_compress_gate)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.cfg.n_heads**-0.5
+        return q, k, gate, w
+
+    def pool(self, k: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Complete pools' keys: k, gate [n P, Di] (n whole pools' tokens) -> pooled [n, Di]. Each pool on its own:
+        the caller computes a pool once, when its last token arrives, and keeps the row."""
+        p = self.cfg.kpool
+        logits = gate.float().unflatten(0, (-1, p)) + self.index_kpool_compress_ape.float()  # [n, P, Di]
+        return (logits.softmax(dim=1).to(k.dtype) * k.unflatten(0, (-1, p))).sum(dim=1)
+
+    def select(
+        self, q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor
+    ) -> PooledSelection:
+        """One sequence's queries: q [Q, Hi, Di], w [Q, Hi], pooled [N, Di] (every complete pool of the sequence up
+        to its last query), positions [Q] (the queries' token positions) -> the kept tokens per query."""
+        p, topk = self.cfg.kpool, self.cfg.topk
+        scale = self.cfg.head_dim**-0.5
+        scores = torch.relu(torch.einsum("qhd,nd->qhn", q.float(), pooled.float()) * scale)  # [Q, Hi, N]
+        scores = torch.einsum("qh,qhn->qn", w, scores)
+        complete = (positions + 1) // p  # pools complete at each query
+        pool_ids = torch.arange(pooled.shape[0], device=q.device)
+        selectable = pool_ids[None, :] < complete[:, None]  # [Q, N]
+        k = min(topk // p, pooled.shape[0])
+        top = scores.masked_fill(~selectable, float("-inf")).topk(k, dim=-1).indices  # [Q, k]
+        chosen = selectable.gather(1, top)
+        offsets = torch.arange(p, device=q.device)
+        tokens = (top[..., None] * p + offsets).flatten(1)  # [Q, k P]
+        token_valid = chosen[..., None].expand(-1, -1, p).flatten(1)
+        tail_len = (positions + 1) % p
+        tail_start = positions + 1 - tail_len
+        tail = tail_start[:, None] + offsets[None, : p - 1]  # [Q, P - 1]
+        tail_valid = offsets[None, : p - 1] < tail_len[:, None]
+        index = torch.cat([tokens, tail], dim=1)
+        valid = torch.cat([token_valid, tail_valid], dim=1)
+        return PooledSelection(
+            index.masked_fill(~valid, 0), valid, complete.clamp(max=pooled.shape[0]), chosen.sum(1), tail_len
+        )
