@@ -390,3 +390,18 @@ def test_verify_identities_hold(longcat):
     folder, ref_model = longcat("odd")
     checks = run_checks(LLM(str(folder), page_size=8), random_ids(37, ref_model.config.vocab_size))
     assert len(checks) >= 5 and all(c.passed and c.tolerance is not None for c in checks), checks
+
+
+def test_an_8bit_cache_quantizes_both_sublayers_latent_rows(longcat):
+    """kv_cache_dtype int8 stores every attention sublayer's latent rows as 8-bit codes (latent and latent_1),
+    and the bytes per token count both; the greedy tokens of the two caches are reported, not asserted (the
+    derived bound is per attention call: tests/identities/test_kv8_attention.py)."""
+    from mlaserve.cache.quantized_rows import QuantizedRows
+
+    folder, _ = longcat("pow2")
+    llm = LLM(str(folder), max_num_batched_tokens=16, page_size=8, kv_cache_dtype="int8")
+    llm.generate([random_ids(20)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    for layer in llm.runner.cache.layers:
+        assert all(isinstance(layer.tensors[name], QuantizedRows) for name in ("latent", "latent_1")), layer
+    # per sublayer row: 16 int8 codes + one fp32 scale + 8 fp32 rope values; two layers x two sublayers
+    assert llm.runner.cache.measured_bytes_per_token() == 2 * 2 * (16 + 4 + 8 * 4)
