@@ -66,14 +66,14 @@ def test_the_test_quantizer_round_trips():
     assert back.shape == x.shape and rel < 0.1
 
 
-@pytest.fixture(scope="module")
-def iq4_xs_file(tmp_path_factory):
+def write_tiny_v3_256(tmp, rewrite) -> tuple:
+    """The tiny DeepSeek-V3 at hidden 256 / expert width 256 as a GGUF whose tensors rewrite(name, f32 data) may
+    return as (blocks, ggml type) -> (path, bytes of the rewritten tensors)."""
     from test_gguf_convert import _byte_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mlaserve.gguf.convert.convert import convert_hf_to_gguf
 
-    tmp = tmp_path_factory.mktemp("iq4xs")
     folder = tmp / "v3"
     model_type, extra = SPECS["v3_yarn"]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, "hidden_size": 256, "moe_intermediate_size": 256})
@@ -88,24 +88,32 @@ def iq4_xs_file(tmp_path_factory):
     f32 = tmp / "v3-f32.gguf"
     convert_hf_to_gguf(folder, f32, "f32")
     reader = gguf.GGUFReader(f32)
-    out = tmp / "v3-iq4_xs-experts.gguf"
+    out = tmp / "v3-rewritten.gguf"
     writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
     copy_kv(reader, writer)
-    expert_bytes = 0
+    rewritten = 0
     for t in reader.tensors:
         data = np.ascontiguousarray(t.data)
-        if t.name.endswith(EXPERT_TENSORS):
-            q = quantize_iq4_xs(data)
-            writer.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.IQ4_XS)
-            expert_bytes += q.nbytes
-        else:
+        new = rewrite(t.name, data)
+        if new is None:
             writer.add_tensor(t.name, data)
+        else:
+            writer.add_tensor(t.name, new[0], raw_dtype=gguf.GGMLQuantizationType(new[1]))
+            rewritten += new[0].nbytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     shutil.rmtree(folder)
-    return out, expert_bytes
+    return out, rewritten
+
+
+@pytest.fixture(scope="module")
+def iq4_xs_file(tmp_path_factory):
+    def experts(name, data):
+        return (quantize_iq4_xs(data), IQ4_XS) if name.endswith(EXPERT_TENSORS) else None
+
+    return write_tiny_v3_256(tmp_path_factory.mktemp("iq4xs"), experts)
 
 
 def test_dequantized_experts_are_gguf_py_s(iq4_xs_file):
