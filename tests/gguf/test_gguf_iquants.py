@@ -116,3 +116,44 @@ def test_iq1_m_delta_sign_and_split_scale():
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.IQ1_M)
     assert _same_bits(b.numpy(), want)
     assert torch.equal(a[0, 8:], b[0, 8:]) and (a[0, :8] > b[0, :8]).all()
+
+
+def _one_tensor_file(path, name: str, blocks: np.ndarray, kind: str, ne: tuple[int, int] | None = None):
+    """A GGUF holding one tensor of `kind` with the given bytes; ne (ggml order) patched into its tensor info
+    afterwards where given (the dims a broken writer could record)."""
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if ne is not None:
+        data = bytearray(path.read_bytes())
+        at = data.index(name.encode()) + len(name)  # then n_dims (u32), ne[0], ne[1] (u64)
+        assert int.from_bytes(data[at : at + 4], "little") == 2
+        data[at + 4 : at + 20] = ne[0].to_bytes(8, "little") + ne[1].to_bytes(8, "little")
+        path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_read_back_and_layout_checked(name, tmp_path):
+    """A tensor of the type reads back as gguf-py decodes it; a row length that is not whole blocks, and more
+    rows than the bytes hold, are refused with the file and the tensor named."""
+    from mlaserve.gguf.read.file import GGUFError, open_gguf
+
+    t = GGML_TYPES[GGML_TYPE_IDS[name]]
+    tensor = "blk.0.ffn_up.weight"
+    raw = iq_blocks(name, 2 * 256 // t.block_size, seed=5).reshape(2, -1)
+    ok = _one_tensor_file(tmp_path / "ok.gguf", tensor, raw, name)
+    assert open_gguf(ok).tensors[tensor].ne[:2] == (256, 2)
+    got = open_gguf(ok).tensor(tensor)
+    assert _same_bits(got.numpy(), gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]))
+    bad = _one_tensor_file(tmp_path / "rows.gguf", tensor, raw, name, ne=(t.block_size + 16, 2))
+    with pytest.raises(
+        GGUFError, match=rf"rows.gguf: tensor '{tensor}' row length {t.block_size + 16} .* {name} block"
+    ):
+        open_gguf(bad)
+    short = _one_tensor_file(tmp_path / "short.gguf", tensor, raw, name, ne=(256, 3))  # the bytes of 2 rows
+    with pytest.raises(GGUFError, match=rf"short.gguf: .*tensor '{tensor}'"):
+        open_gguf(short)
