@@ -3,7 +3,8 @@
 Notation: a ggml tensor is stored as *blocks*; ``block_size`` values are packed into ``type_size``
 bytes.  ``d``/``dmin`` are fp16 block scales (MXFP4: ``e``, an e8m0 byte), ``qs``/``ql`` low bits, ``qh`` high bits,
 ``sc``/``m`` the 6-bit sub-block scales/mins of the K-quants (256-value super-blocks of
-16 or 8 sub-blocks).  Shapes are torch order (outermost first); a row (the last torch dim,
+16 or 8 sub-blocks); the i-quants' codes index published grids (``iq_grids.py``, notation at their
+dequantizers).  Shapes are torch order (outermost first); a row (the last torch dim,
 ggml's ne[0]) is always a whole number of blocks.
 
 Every dequantizer below is vectorized over all blocks at once and performs exactly the same

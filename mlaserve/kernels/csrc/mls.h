@@ -1,7 +1,7 @@
 /* mlaserve's native kernels: everything Python sees of them (kernels/native.py, kernels/native_layers.py).
 
    Matrix products on weights kept in their stored block formats, for small batches (decode):
-   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K, MXFP4), as
+   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K, MXFP4, IQ*, TQ*), as
    float8 e4m3 values with block scales, as packed e2m1 (FP4) codes with group scales, or as compressed-tensors
    INT4 words with group scales; the MoE router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
    decode step (dense, or sparse with the DSA indexer inside).
