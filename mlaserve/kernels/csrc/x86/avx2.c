@@ -366,6 +366,44 @@ static inline __attribute__((always_inline)) void fused_iq4_xs_mr(const uint8_t 
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
+/* IQ2_XXS / IQ3_XXS: each 8-value group's grid bytes (magnitudes <= 62: int8) with its 8 sign bits applied, as
+   int8 codes in the low 8 bytes; then the Q8_0 scheme per 32-value sub-block with its scale db
+   (ref/iquants.c forms db the same way) applied to the partial sum. */
+static inline __m128i signed_grid8(uint64_t entry, uint8_t signs) {
+    const __m128i bit = _mm_set_epi64x(0, (long long)0x8040201008040201ull);
+    const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_set1_epi8((char)signs), bit), bit);
+    return _mm_sign_epi8(_mm_cvtsi64_si128((long long)entry), _mm_or_si128(set, _mm_set1_epi8(1)));
+}
+
+static inline __attribute__((always_inline)) void fused_iq_xxs_mr(const uint8_t *b, const int type, const float *x,
+                                                                   int64_t ldx, const int mr, int64_t k, float *y,
+                                                                   int64_t ldy) {
+    __m256 acc[8];
+    const int64_t bytes = type == 16 ? 66 : 98;
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+        const float dsup = f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = b + 2 + 8 * ib;
+            const uint32_t aux = type == 16 ? u32(q + 4) : u32(b + 66 + 4 * ib);
+            const float db = type == 16 ? dsup * (0.5f + (float)(aux >> 28)) * 0.25f
+                                        : dsup * (0.5f + (float)(aux >> 28)) * 0.5f;
+            __m128i g[4];
+            for (int l = 0; l < 4; l++) {
+                const uint64_t entry = type == 16 ? IQ2XXS_GRID[q[l]]
+                                                  : IQ3XXS_GRID[q[2 * l]] | (uint64_t)IQ3XXS_GRID[q[2 * l + 1]] << 32;
+                g[l] = signed_grid8(entry, ksigns((aux >> (7 * l)) & 127));
+            }
+            const __m256 d = _mm256_set1_ps(db);
+            const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+CODES_MR(fused_iq2_xxs_mr, fused_iq_xxs_mr, 16)
+CODES_MR(fused_iq3_xxs_mr, fused_iq_xxs_mr, 18)
+
 /* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
    rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
    stay in registers. */
@@ -533,6 +571,9 @@ FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
 FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
 SCALED_ROW_FN(fused_int4, fused_int4_mr, k / 2, FUSED_ROWS)
 #endif
+/* the 8-lane kernels in both builds (no 16-lane variant yet) */
+FUSED_ROW_FN(fused_iq2_xxs, fused_iq2_xxs_mr, k / 256 * 66, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq3_xxs, fused_iq3_xxs_mr, k / 256 * 98, FUSED_ROWS)
 
 /* ---------------------------------------------------------------- int8 activations (int8.c): the row kernels
    One weight row (raw blocks b) times m quantized activation rows (xq [m, k] int8, xd [m, k / 32]) ->
