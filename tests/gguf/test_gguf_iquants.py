@@ -157,3 +157,27 @@ def test_read_back_and_layout_checked(name, tmp_path):
     short = _one_tensor_file(tmp_path / "short.gguf", tensor, raw, name, ne=(256, 3))  # the bytes of 2 rows
     with pytest.raises(GGUFError, match=rf"short.gguf: .*tensor '{tensor}'"):
         open_gguf(short)
+
+
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_check_tensors_names_a_non_finite_scale(name, tmp_path):
+    """`--check-tensors` on a file of the type: clean as written; an Inf fp16 d in block 1 is named (by its
+    offset in the block; IQ1_M, whose d is spread over its scale words, by the value scan)."""
+    from mlaserve.gguf.read.file import open_gguf
+    from mlaserve.loading.tensor_check import scan_gguf
+
+    t = GGML_TYPES[GGML_TYPE_IDS[name]]
+    tensor = "blk.0.ffn_up.weight"
+    raw = iq_blocks(name, 4 * 256 // t.block_size, seed=9).reshape(4, -1)
+    assert scan_gguf(open_gguf(_one_tensor_file(tmp_path / "ok.gguf", tensor, raw, name))) == []
+    blocks = raw.reshape(-1, t.type_size)
+    if name == "IQ1_M":  # d = +Inf (0x7c00): top nibbles 0, 0, c, 7 of the four words (bytes 49, 51, 53, 55)
+        for byte, nib in zip((49, 51, 53, 55), (0x0, 0x0, 0xC, 0x7), strict=True):
+            blocks[1, byte] = (blocks[1, byte] & 0x0F) | (nib << 4)
+    else:
+        off = SCALE_OFFSETS[name][0]
+        blocks[1, off : off + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    found = scan_gguf(open_gguf(_one_tensor_file(tmp_path / "bad.gguf", tensor, raw, name)))
+    assert [b.name for b in found] == [f"bad.gguf:{tensor}"], found
+    want = "Inf" if name == "IQ1_M" else "block scale NaN/Inf in blocks 1 "
+    assert want in found[0].detail, found
