@@ -121,7 +121,7 @@ class EngineOptions:
         "auto",
         "a GGUF file's block-quantized weights (Q8_0, Q4_K, ...): 'quantized' keeps them in their ggml blocks "
         "(resident memory ~ the file's size; products through `kernels`), 'dequantized' expands them at load; "
-        "auto: quantized on one process, dequantized with tensor_parallel_size > 1",
+        "auto: quantized (each tensor-parallel rank keeps its slice's blocks)",
         GGUF_WEIGHTS,
     )
     check_tensors: bool = _opt(

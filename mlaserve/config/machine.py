@@ -110,19 +110,12 @@ def choose_gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceL
     if not gguf:
         log.record("gguf_weights", None, f"unused ({requested!r}): the checkpoint is not a GGUF file")
         return None
-    if ranks > 1:
-        # Each rank reads its slice of the file dequantized; slicing raw ggml blocks across ranks
-        # (rows are whole blocks, columns split inside them) is not done.
-        why = f"tensor_parallel_size={ranks}: ranks read their slices dequantized (raw blocks are not sliced)"
-        if requested == "quantized":
-            raise ConfigError(f"gguf_weights='quantized' with {why}; use gguf_weights='auto' or 'dequantized'")
-        reason = "user option" if requested == "dequantized" else f"engine default (auto: {why})"
-        return log.record("gguf_weights", "dequantized", reason)
     if requested == "auto":
         return log.record(
             "gguf_weights",
             "quantized",
-            "engine default (auto: one process keeps block-quantized tensors in their ggml blocks)",
+            "engine default (auto: block-quantized tensors stay in their ggml blocks"
+            + (f"; each of the {ranks} ranks reads its slice's blocks)" if ranks > 1 else ")"),
         )
     return log.record("gguf_weights", requested, "user option")
 

@@ -14,8 +14,21 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   all-reduced once after the whole MLP / MoE
   vocabulary      embed_tokens, lm_head [V, D] rows: rank r holds a contiguous range (the first
                   V mod N ranks one row more); logits are gathered on rank 0
-  GGUF            rows are byte ranges of whole blocks; a column split must fall on a block
-                  boundary of the tensor's type (else an error naming the tensor and N)
+  GGUF            kept in its blocks on every rank (as one process): rows are byte ranges of whole
+                  blocks, columns ranges of whole blocks of each row. Where an intermediate dim's
+                  split (I/N, I_e/N) falls inside the down projection's blocks (Q8_0 at
+                  I_e/N = 16, Q4_K at I/N = 128), the rank holds a wider span of units instead:
+                  the down columns of the whole blocks covering its units (blocks past the end
+                  zero), and gate / up rows that are its own units' rows and zero elsewhere, so
+                  the other units give silu(0) * 0 = 0 and add exactly nothing (UnitSpan). An
+                  o_proj whose head columns fall inside blocks is read dequantized, said at load
+                  (block_split_problem) and recorded in the GGUF plan
+  FP8 blocks      kept in e4m3 on every rank: the weight's rows / columns as above, its block scales
+                  taken with them. A rank whose slices start inside the checkpoint's (bn, bk) blocks
+                  (tiny models: every split of a 128 x 128 block) re-expresses its scales on the finer
+                  grid (gcd of bn and every row start, of bk and every column start): each finer
+                  block lies inside one stored block and takes its scale, so q * s is the same value
+                  for every weight (regrid_fp8); a split on whole blocks keeps the stored grid
   replicated      the rest: q_a_proj (c_q), kv_a_proj_with_mqa (c_kv, k_pe: every head reads the
                   same latent rows, so each rank keeps the whole latent cache), norms, the DSA
                   indexer (its top-k must be the same on every rank), the MoE gate
@@ -23,12 +36,14 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
+from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.loading.safetensors_source import WeightError
 
 _RULES = (
@@ -39,6 +54,69 @@ _RULES = (
     (re.compile(r"\.mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight$"), "columns"),
     (re.compile(r"^(model\.embed_tokens|lm_head)\.weight$"), "vocabulary"),
 )
+
+
+# the intermediate dims a down projection's columns split: dense MLP (I), routed experts (I_e), shared experts
+_UNITS = (
+    (re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$"), "dense"),
+    (re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$"), "experts"),
+    (re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$"), "shared"),
+)
+
+
+@dataclass(frozen=True)
+class UnitSpan:
+    """A rank's part of an intermediate dim: its own units [start, stop) of the checkpoint, held inside a
+    span of `width` units starting at checkpoint unit `first` (first <= start, stop <= first + width).
+    gate / up rows outside [start, stop) are zero (those units compute silu(0) * 0 = 0), down columns are
+    the span's whole blocks (zero past the tensor's end). Even splits: first = start, width = stop - start."""
+
+    start: int
+    stop: int
+    first: int
+    width: int
+
+    @property
+    def widened(self) -> bool:
+        return self.first != self.start or self.width != self.stop - self.start
+
+
+def _unit_kind(name: str) -> str | None:
+    return next((kind for pattern, kind in _UNITS if pattern.search(name)), None)
+
+
+def _block(source, name: str) -> int:
+    """Values per stored block of a tensor along its columns (1: a float or non-GGUF tensor)."""
+    ggml_type = getattr(source, "ggml_type", None)
+    return GGML_TYPES[ggml_type(name)].block_size if ggml_type is not None else 1
+
+
+def unit_spans(source, cfg: ModelConfig, rank: int, n: int) -> dict[str, UnitSpan]:
+    """Rank r's UnitSpan of each intermediate dim ("dense", "experts", "shared"), from the stored block sizes
+    of the down projections that split it (one span per dim for every layer: the model config has one size).
+    The shared experts (n_shared x I_e units) follow the routed ones' width, n_shared x theirs."""
+    block = {"dense": 1, "experts": 1, "shared": 1}
+    for name in source.names():
+        kind = _unit_kind(name)
+        if kind is not None and name.endswith("down_proj.weight"):
+            block[kind] = max(block[kind], _block(source, name))
+    spans: dict[str, UnitSpan] = {}
+    n_shared = cfg.moe.n_shared_experts if cfg.moe is not None else 0
+    sizes = {"dense": cfg.intermediate_size, "experts": cfg.moe.moe_intermediate_size if cfg.moe else 0}
+    for kind, units in sizes.items():
+        part = units // n
+        start, stop = rank * part, (rank + 1) * part
+        b = max(block[kind], block["shared"]) if kind == "experts" else block[kind]
+        first = start // b * b
+        width = -(-stop // b) * b - first
+        if kind == "experts" and n_shared:
+            s0, s1 = n_shared * start, n_shared * stop
+            shared_first = s0 // b * b
+            width = max(width, -(-(-(-s1 // b) * b - shared_first) // n_shared))
+            width = -(-width // b) * b
+            spans["shared"] = UnitSpan(s0, s1, shared_first, n_shared * width)
+        spans[kind] = UnitSpan(start, stop, first, width)
+    return spans
 
 
 def split_of(name: str) -> str:
@@ -78,18 +156,18 @@ def check_splits(cfg: ModelConfig, n: int) -> None:
             )
 
 
-def rank_config(cfg: ModelConfig, rank: int, n: int) -> ModelConfig:
-    """The model config rank r runs: its heads, its slice of every intermediate dim and of V."""
+def rank_config(cfg: ModelConfig, rank: int, n: int, spans: dict[str, UnitSpan] | None = None) -> ModelConfig:
+    """The model config rank r runs: its heads, its slice of every intermediate dim (the width of its
+    UnitSpan where one is given) and of V."""
     check_splits(cfg, n)
     start, stop = vocab_range(cfg.vocab_size, rank, n)
-    moe = replace(cfg.moe, moe_intermediate_size=cfg.moe.moe_intermediate_size // n) if cfg.moe else None
-    return replace(
-        cfg,
-        num_heads=cfg.num_heads // n,
-        intermediate_size=cfg.intermediate_size // n,
-        vocab_size=stop - start,
-        moe=moe,
-    )
+    spans = spans or {}
+    inter = spans["dense"].width if "dense" in spans else cfg.intermediate_size // n
+    moe = None
+    if cfg.moe:
+        width = spans["experts"].width if "experts" in spans else cfg.moe.moe_intermediate_size // n
+        moe = replace(cfg.moe, moe_intermediate_size=width)
+    return replace(cfg, num_heads=cfg.num_heads // n, intermediate_size=inter, vocab_size=stop - start, moe=moe)
 
 
 class ShardedSource:
@@ -97,9 +175,50 @@ class ShardedSource:
     this rank's slice, read as a slice when the source can (safetensors: get_slice; GGUF: only
     the slice's blocks are dequantized); other sources are read whole and narrowed."""
 
-    def __init__(self, source, cfg: ModelConfig, rank: int, n: int) -> None:
+    def __init__(self, source, cfg: ModelConfig, rank: int, n: int, spans: dict[str, UnitSpan] | None = None) -> None:
         self.source, self.rank, self.n = source, rank, n
         self.vocab = vocab_range(cfg.vocab_size, rank, n)
+        self.spans = spans or {}
+        self.heads = (rank * cfg.num_heads // n, (rank + 1) * cfg.num_heads // n)
+        self.fp8: tuple[str, tuple[int, int], tuple[int, int]] | None = None  # scale name, stored, rank's block
+
+    def regrid_fp8(self, scale_name: str, block: tuple[int, int]) -> tuple[int, int]:
+        """The (bn', bk') block this rank's FP8 scales are expressed on: the gcd of the stored block with the
+        start of every quantized slice it reads (the stored block where every slice starts on whole blocks).
+        Every scale this source returns from then on is on that grid."""
+        suffix, (gr, gc) = "." + scale_name, block
+        for name in self.names():
+            if not name.endswith(suffix):
+                continue
+            weight = name[: -len(suffix)] + ".weight"
+            start_row, start_col = (r[0] for r in self._ranges(weight))
+            gr, gc = math.gcd(gr, start_row), math.gcd(gc, start_col)
+        self.fp8 = (scale_name, block, (gr, gc))
+        return gr, gc
+
+    def _ranges(self, weight: str) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's rows and columns [start, stop) of a 2-D weight (the whole dim where it is not split)."""
+        shape = tuple(self.source.shape(weight))
+        rows, cols = (0, shape[0]), (0, shape[1])
+        kind = split_of(weight)
+        if kind == "vocabulary":
+            rows = self.vocab
+        elif kind == "rows":
+            rows = self._even(weight, shape, 0)
+        elif kind == "columns":
+            cols = self._even(weight, shape, 1)
+        return rows, cols
+
+    def _scale(self, name: str) -> torch.Tensor:
+        """A block scale [nb, kb] on this rank's grid: finer block (i, j) of its slice takes the stored block
+        holding its first weight (it lies inside that block: the grid divides the block and every start)."""
+        scale_name, (bn, bk), (gr, gc) = self.fp8
+        weight = name[: -len(scale_name) - 1] + ".weight"
+        stored = self.source.get(name)
+        (r0, r1), (c0, c1) = self._ranges(weight)
+        rows = (r0 + torch.arange(-(-(r1 - r0) // gr)) * gr) // bn
+        cols = (c0 + torch.arange(-(-(c1 - c0) // gc)) * gc) // bk
+        return stored[rows][:, cols].contiguous()
 
     def names(self) -> list[str]:
         return self.source.names()
@@ -111,13 +230,87 @@ class ShardedSource:
         if hasattr(self.source, "release"):
             self.source.release(name)
 
+    # what a GGUF source also answers (plan_gguf): types and rebuilt tensors are the whole tensor's
+    def ggml_type(self, name: str) -> int:
+        return self.source.ggml_type(name)
+
+    def gguf_type(self, name: str) -> str:
+        return self.source.gguf_type(name)
+
+    def rebuilt(self, name: str) -> bool:
+        return self.source.rebuilt(name)
+
+    def span(self, name: str) -> UnitSpan | None:
+        """The widened UnitSpan a gate / up / down tensor is read by, or None (an even split)."""
+        kind = _unit_kind(name)
+        span = self.spans.get(kind) if kind is not None else None
+        return span if span is not None and span.widened else None
+
+    def block_split_problem(self, name: str) -> str | None:
+        """Why this rank's slice of `name` is not whole stored blocks (it is then read dequantized), or None."""
+        if split_of(name) != "columns" or self.span(name) is not None:
+            return None
+        shape = tuple(self.source.shape(name))
+        start, stop = self._even(name, shape, 1)
+        block = _block(self.source, name)
+        if start % block or stop % block:
+            return (
+                f"{self.where(name)}: the columns [{start}, {stop}) of {name!r} (tensor_parallel_size={self.n}, rank "
+                f"{self.rank}) fall inside its {block}-value {self.gguf_type(name)} blocks: read dequantized"
+            )
+        return None
+
+    def mla_split_blocks(self, layer: int):
+        """attn_k_b / attn_v_b blocks of this rank's heads (dim 0 of both), or None (a fused attn_kv_b)."""
+        split = self.source.mla_split_blocks(layer)
+        if split is None:
+            return None
+        h0, h1 = self.heads
+        return tuple((blocks[h0:h1], t) for blocks, t in split)
+
+    def get_blocks(self, name: str) -> torch.Tensor:
+        """This rank's slice of a tensor kept in its blocks, as stored bytes uint8 [rows, R]: rows are byte
+        ranges, columns whole blocks of every row (the file's bytes; nothing is converted)."""
+        kind = split_of(name)
+        whole = self.source.get_blocks(name)
+        if kind == "replicated":
+            return whole
+        if kind == "first":
+            raise WeightError(f"{self.where(name)}: {name!r} is not a blocks tensor")
+        span = self.span(name)
+        t = GGML_TYPES[self.ggml_type(name)]
+        if kind == "vocabulary":
+            return whole[self.vocab[0] : self.vocab[1]]
+        shape = tuple(self.source.shape(name))
+        if kind == "rows":
+            if span is None:
+                start, stop = self._even(name, shape, 0)
+                return whole[start:stop]
+            out = torch.zeros((span.width, whole.shape[1]), dtype=torch.uint8)
+            out[span.start - span.first : span.stop - span.first] = whole[span.start : span.stop]
+            return out
+        start, stop = (span.first, span.first + span.width) if span is not None else self._even(name, shape, 1)
+        if start % t.block_size or stop % t.block_size:
+            raise WeightError(self.block_split_problem(name) or f"{self.where(name)}: {name!r} columns off blocks")
+        b0, b1 = start // t.block_size * t.type_size, stop // t.block_size * t.type_size
+        if b1 <= whole.shape[1]:
+            return whole[:, b0:b1]
+        out = torch.zeros((whole.shape[0], b1 - b0), dtype=torch.uint8)  # blocks past the end: zero
+        out[:, : whole.shape[1] - b0] = whole[:, b0:]
+        return out
+
     def get(self, name: str) -> torch.Tensor:
+        if self.fp8 is not None and name.endswith("." + self.fp8[0]):
+            return self._scale(name)
         kind = split_of(name)
         if kind == "replicated" or (kind == "first" and self.rank == 0):
             return self.source.get(name)
         shape = tuple(self.source.shape(name))
         if kind == "first":
             return torch.zeros(shape)
+        span = self.span(name)
+        if span is not None:
+            return self._spanned(name, shape, kind, span)
         dim = 0 if kind in ("rows", "vocabulary") else 1
         start, stop = self.vocab if kind == "vocabulary" else self._even(name, shape, dim)
         if not hasattr(self.source, "get_slice"):
@@ -127,6 +320,21 @@ class ShardedSource:
         except ValueError as e:  # e.g. a GGUF column split inside a quantization block
             raise WeightError(f"{e} (tensor_parallel_size={self.n}, rank {self.rank})") from e
 
+    def _spanned(self, name: str, shape: tuple[int, ...], kind: str, span: UnitSpan) -> torch.Tensor:
+        """A widened span read as floats: the same values get_blocks' bytes dequantize to."""
+        dim = 0 if kind == "rows" else 1
+        lo, hi = (span.start, span.stop) if dim == 0 else (span.first, min(span.first + span.width, shape[1]))
+        part = self._read(name, dim, lo, hi)
+        out = torch.zeros((span.width, shape[1]) if dim == 0 else (shape[0], span.width), dtype=part.dtype)
+        at = lo - span.first
+        out.narrow(dim, at, hi - lo).copy_(part)
+        return out
+
+    def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if hasattr(self.source, "get_slice"):
+            return self.source.get_slice(name, dim, start, stop)
+        return self.source.get(name).narrow(dim, start, stop - start)
+
     def _even(self, name: str, shape: tuple[int, ...], dim: int) -> tuple[int, int]:
         if len(shape) <= dim or shape[dim] % self.n:
             raise WeightError(
@@ -135,3 +343,14 @@ class ShardedSource:
             )
         part = shape[dim] // self.n
         return self.rank * part, (self.rank + 1) * part
+
+
+def span_notes(source: ShardedSource) -> list[str]:
+    """For the load report: each intermediate dim a rank holds as a wider span, and why."""
+    names = {"dense": "intermediate_size", "experts": "moe_intermediate_size", "shared": "shared experts"}
+    return [
+        f"rank {source.rank}: {names[kind]} units [{s.start}, {s.stop}) held as [{s.first}, {s.first + s.width}) "
+        "(the split falls inside the down projection's stored blocks; the other units' gate / up rows are zero)"
+        for kind, s in source.spans.items()
+        if s.widened
+    ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mlaserve.config.engine import EngineConfig, EngineOptions
+from mlaserve.gguf.quants import GGML_TYPES
 
 JOINED = "mlaserve/joined/"  # store key a worker sets once connected (rank 0 waits for it)
 ERROR = "mlaserve/error/"  # store key of a failed rank's report
@@ -58,6 +59,32 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
         "vocab_rows": model.cfg.vocab_size,
         "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "num_threads": torch.get_num_threads(),
+        **held_weights(model),
+    }
+
+
+def held_weights(model: torch.nn.Module) -> dict:
+    """The rank's weights kept in a stored form: holders by class and form ("GGUFLinear gguf Q8_0": count),
+    the bytes of their stored tensors (uint8 blocks, float8), the kernel plan's digest and the load notes on
+    what the rank holds other than its even slice."""
+    holders: dict[str, int] = {}
+    stored = 0
+    for module in model.modules():
+        if hasattr(module, "describe"):
+            key = f"{type(module).__name__} {module.describe()[0]}"
+        elif hasattr(module, "type_k"):  # GGUFHeads: attn_k_b / attn_v_b blocks (the absorbed W_UK / W_UV)
+            key = f"{type(module).__name__} gguf {GGML_TYPES[module.type_k].name}"
+        else:
+            continue
+        holders[key] = holders.get(key, 0) + 1
+        own = module.parameters(recurse=False)
+        stored += sum(p.numel() * p.element_size() for p in own if not p.dtype.is_floating_point or p.itemsize == 1)
+    plan = getattr(model, "kernel_plan", None)
+    return {
+        "holders": dict(sorted(holders.items())),
+        "stored_bytes": stored,
+        "kernel_plan": plan.digest if plan is not None else None,
+        "notes": list(getattr(model, "rank_notes", ())),  # wider spans, FP8 scale grids (loading/model_loader.py)
     }
 
 

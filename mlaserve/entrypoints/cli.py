@@ -384,6 +384,11 @@ def _inspect(args) -> int:
             f"{echo['weight_bytes'] / 2**20:.1f} MiB of weights, {echo['num_threads']} threads, "
             "configuration identical to rank 0"
         )
+        if echo.get("holders"):  # weights kept in their stored form on this rank
+            held = ", ".join(f"{n} x{c}" for n, c in echo["holders"].items())
+            print(f"  stored form: {held}; {echo['stored_bytes'] / 2**20:.2f} MiB; kernel plan {echo['kernel_plan']}")
+        for note in echo.get("notes", ()):
+            print(f"  {note}")
     plan = llm.loaded.kernel_plan
     if plan is not None:  # per op: which implementation runs which layers, and why (kernels/registry.py)
         print(f"\nkernel plan {plan.digest} (op, implementation, layers, why):\n" + plan.format())
@@ -403,6 +408,20 @@ def _inspect_v4(args) -> bool:
     from mlaserve.loading.model_loader import read_hf_config
 
     path = Path(args.model) if args.model else None
+    if path is not None and path.suffix == ".gguf" and path.is_file():  # a deepseek4 GGUF: kinds from its keys
+        from mlaserve.gguf.read.deepseek_v4 import ARCH, load_v4_gguf
+        from mlaserve.loading.model_loader import _gguf_arch
+
+        if _gguf_arch(path) != ARCH:
+            return False
+        ck = load_v4_gguf(path)
+        ck.close()
+        print(
+            "DeepSeek-V4 layer kinds (bfloat16 values; the engine's cache layout follows):\n  "
+            + "\n  ".join(describe_layers(ck.config, 2))
+            + "\n"
+        )
+        return False
     if path is None or not path.is_dir() or not (path / "config.json").is_file():
         return False
     raw = read_hf_config(path)

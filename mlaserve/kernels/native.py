@@ -34,7 +34,7 @@ FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized int4 words with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 13  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 14  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()

@@ -209,7 +209,12 @@ class LayerArgs(ctypes.Structure):
         ("idx_norm_w", ctypes.c_void_p),
         ("idx_norm_b", ctypes.c_void_p),
         *((n, LinArgs) for n in ("idx_q_b", "idx_k", "idx_w")),
+        ("reduce", ctypes.c_void_p),  # a REDUCE_FN (tensor parallel) or None
     ]
+
+
+# mls_layer_t.reduce: int (*)(float *a, int64_t n), the ranks' sum of a [n] in place (0: done)
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
 
 
 INDEXER_ROLES = {None: 0, "full": 1, "shared": 2}  # mls_layer_t idx_role (config/layer_kinds.py indexer_role)
@@ -238,7 +243,8 @@ class DecodeStepArgs(ctypes.Structure):
 
 
 LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache",
-                -6: "a sparse step the layer's indexer cannot run (no index-key cache, or no selection to reuse)"}  # fmt: skip
+                -6: "a sparse step the layer's indexer cannot run (no index-key cache, or no selection to reuse)",
+                -7: "the tensor-parallel all-reduce failed"}  # fmt: skip
 
 
 def decode_layer(

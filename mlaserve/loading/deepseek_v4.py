@@ -126,6 +126,7 @@ class V4LoadReport:
     loaded: int = 0
     skipped: list[str] = field(default_factory=list)
     quant: QuantPlan | None = None  # an FP8 / FP4 folder: which modules hold stored blocks, which stayed float
+    gguf: object = None  # a GGUF file: its V4GGUFPlan (quant/ggml_deepseek_v4.py), None when not kept
 
 
 def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
@@ -252,3 +253,30 @@ _FP32 = ("norm", "sinks", "position_bias", "_hc.", "hc_head", "e_score_correctio
 
 def _kept_fp32(name: str) -> bool:
     return any(k in name for k in _FP32)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True):
+    """A deepseek4 GGUF file (gguf/read/deepseek_v4.py: every key, name and shape checked) -> (the model in
+    `dtype`, eval mode; its report; the opened file). keep_blocks: modules stored in a ggml block format keep
+    their blocks in quant/ggml_deepseek_v4.py's holders (the report's `gguf` plan says which); else every
+    tensor is dequantized to floats at load."""
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+    from mlaserve.quant.ggml_deepseek_v4 import plan_v4_gguf, swap_in_v4_gguf
+    from mlaserve.quant.ggml_plan import BlockSource
+
+    ck = load_v4_gguf(path)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(ck.config)
+    plan = plan_v4_gguf(ck.tensors, model) if keep_blocks else None
+    holders: set[str] = set()
+    if plan is not None:
+        swap_in_v4_gguf(model, plan, dtype)
+        holders = {module for module, _, _ in plan.kept}
+    model = model.to_empty(device="cpu")
+    for name, p in model.named_parameters():
+        if not _kept_fp32(name) and name.rpartition(".")[0] not in holders:
+            p.data = p.data.to(dtype)
+    report = load_into(model, BlockSource(ck.tensors, plan.blocks) if plan is not None else ck.tensors)
+    report.skipped = list(ck.skipped)
+    report.gguf = plan
+    return model.eval(), report, ck

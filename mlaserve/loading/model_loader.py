@@ -14,7 +14,14 @@ from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
-from mlaserve.distributed.sharding import ShardedSource, check_splits, rank_config, vocab_range
+from mlaserve.distributed.sharding import (
+    ShardedSource,
+    check_splits,
+    rank_config,
+    span_notes,
+    unit_spans,
+    vocab_range,
+)
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
 from mlaserve.loading.files import path_problem, read_json, regular_file
@@ -123,6 +130,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     if not path.is_dir() and regular_file(path, ConfigError):
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
+        if _gguf_arch(path) == "deepseek4":
+            return _open_v4_gguf(path, opts)
         model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors, opts.speculative == "mtp")
         scheme = None
     else:
@@ -179,10 +188,12 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                 f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
                 f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
             )
-        if scheme is not None:
+        if scheme is not None and (scheme.strategy != "block" or scheme.expert_dtype != "fp8"):
             raise ConfigError(
                 f"{path}: tensor_parallel_size={engine_cfg.parallel.tensor_parallel_size} with a quantized checkpoint "
-                f"({scheme.method} {scheme.fmt}) is not supported yet (its block scales are not split)"
+                f"({scheme.method} {scheme.fmt}, strategy {scheme.strategy}, experts {scheme.expert_dtype}) is not "
+                "supported yet (FP8 block scales are split; channel / tensor scales and FP4 / INT4 expert groups "
+                "are not)"
             )
     return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors, skipped_note)
 
@@ -202,19 +213,7 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     with their reason (README, docs/DEEPSEEK_V4.md)."""
     model_cfg = DeepseekV4Config.from_hf(hf_config, source=f"{path.name}/config.json")
     scheme = parse_quantization(hf_config)
-    refused = {
-        "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
-        # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
-        # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
-        "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
-        "speculative": (
-            opts.speculative is not None,
-            "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
-        ),
-    }
-    for name, (given, why) in refused.items():
-        if given:
-            raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
+    _refuse_v4(path, opts)
     if scheme is not None:  # refused here, before any weight is read, when V4 has no holder for its form
         from mlaserve.loading.deepseek_v4 import check_scheme
 
@@ -230,13 +229,77 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     return Checkpoint(path, model_cfg, engine_cfg, None, _folder_tokenizer(path, model_cfg), [], scheme)
 
 
+def _gguf_arch(path: Path) -> str | None:
+    from mlaserve.gguf.read.file import open_gguf
+
+    gf = open_gguf(path)
+    try:
+        return gf.metadata.get("general.architecture")
+    finally:
+        gf.close()
+
+
+def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
+    """A deepseek4 GGUF (llama.cpp's layout): every key, tensor name and shape checked at open
+    (gguf/read/deepseek_v4.py); the weights are read by _fill_v4."""
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+    from mlaserve.gguf.read.file import GGUFError, open_gguf
+
+    _refuse_v4(path, opts)
+    if opts.check_tensors:
+        bad = scan_gguf(open_gguf(path))
+        if bad:
+            raise GGUFError(f"{path}: check_tensors: {format_bad(bad)}")
+    ck = load_v4_gguf(path)
+    tokenizer = None
+    if ck.tokenizer is not None:
+        tok = ck.tokenizer
+        config = {"chat_template": tok.chat_template} if tok.chat_template else {}
+        eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
+        tokenizer = Tokenizer(ck.tokenizer.build_tokenizer(), config, eos or ck.config.eos_token_ids)
+    blocks = any(ck.tensors.gguf_type(n) not in ("F32", "F16", "BF16", "I32") for n in ck.tensors.names())
+    engine_cfg = resolve(
+        ck.config, opts, has_indexer_weights=False, native_kernels=_native_probe if blocks else None, gguf=True
+    )
+    ck.close()
+    return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
+
+
+def _refuse_v4(path: Path, opts: EngineOptions) -> None:
+    """The options DeepSeek-V4 does not run yet, refused with their reason (README, docs/DEEPSEEK_V4.md)."""
+    refused = {
+        "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
+        # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
+        # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
+        "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
+        "speculative": (
+            opts.speculative is not None,
+            "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
+        ),
+    }
+    for name, (given, why) in refused.items():
+        if given:
+            raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
+
+
 def _fill_v4(ck: Checkpoint) -> LoadedModel:
     from mlaserve.loading.deepseek_v4 import load_folder
     from mlaserve.models.deepseek_v4.serving import V4Serving
 
     cfg = ck.engine_cfg
-    model, v4 = load_folder(ck.path, cfg.runtime.dtype)
+    if ck.path.is_file():  # a deepseek4 GGUF: block-quantized tensors kept in their blocks (gguf_weights)
+        from mlaserve.loading.deepseek_v4 import load_gguf
+        from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
+
+        model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, cfg.kernels.gguf_weights == "quantized")
+        opened.close()
+        if v4.gguf is not None:
+            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, cfg.kernels.activations == "int8")
+    else:
+        model, v4 = load_folder(ck.path, cfg.runtime.dtype)
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
+    if v4.gguf is not None:
+        report.notes += [v4.gguf.summary(), v4_kernels]
     if v4.quant is not None:
         q = v4.quant
         report.notes.append(
@@ -250,8 +313,8 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         "DeepSeek-V4: state updates per sequence over its request states, one padded softmax per step (models/deepseek_v4)"
     )
     serving = V4Serving(model.to(cfg.runtime.device)).eval()
-    gen = read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
-    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant)
+    gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
+    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)
 
 
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
@@ -259,10 +322,13 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
+    sharded = ck.source
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
         rank = comm.rank
-        model_cfg = rank_config(ck.model_cfg, rank, n)
-        source = ShardedSource(source, ck.model_cfg, rank, n)
+        # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
+        spans = unit_spans(source, ck.model_cfg, rank, n) if engine_cfg.kernels.gguf_weights == "quantized" else {}
+        model_cfg = rank_config(ck.model_cfg, rank, n, spans)
+        source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
@@ -282,18 +348,31 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         **rank_args,
     )
     gguf_plan = gguf[0] if gguf else None
+    notes_first = None
     if gguf_plan is not None:  # the loader copies the file's bytes into the holders
         source = BlockSource(source, gguf_plan.blocks)
     quant = None
+    if scheme is not None and n > 1:  # this rank's scales on the grid its slices start on (sharding.regrid_fp8)
+        grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)
+        if grid != scheme.block:
+            notes_first = (
+                f"rank {comm.rank}: {scheme.method} {scheme.fmt} kept per rank; its slices start inside the "
+                f"checkpoint's {list(scheme.block)} blocks, so its scales are held on {list(grid)} blocks "
+                "(each inside one stored block, with that block's scale: the same weights)"
+            )
+            scheme = dataclasses.replace(scheme, block=grid)
     if scheme is not None:  # quantized modules swapped in before the strict fill, densified after
         # + the skipped parts' modules: an ignore pattern may name only them (a wrapper's "re:.*vision_tower.*")
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
+        model.rank_notes = tuple(span_notes(sharded) + ([notes_first] if notes_first else []))
+        report.notes.extend(model.rank_notes)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
-        attach_heads(model, ck.source, gguf_plan, model_cfg)
+        attach_heads(model, sharded, gguf_plan, model_cfg)
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module

@@ -16,7 +16,8 @@ per-row operations, in C, instead of ~20 native calls and ~60 tensor ops (and ~3
 path is the reference (tests/kernels/test_decode_layer.py, tests/kernels/test_decode_layer_sparse.py). With
 activations="int8" the Q8_0 / Q4_0 products take int8 activations where the per-op path's do.
 Where it applies is decided before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a
-native ggml holder or F32 rows, one activation choice for the layer, one process), and per step from the plan
+native ggml holder or F32 rows, one activation choice for the layer; under tensor parallelism the call hands
+o_proj's and the MLP's partial sums to the layer's all_reduce through mls_layer_t.reduce), and per step from the plan
 (decode_step: a single absorbed segment on the native backend, dense or sparse, one query per request in
 request order, at most BLOCK_TOKENS requests, fp32 caches on the CPU); a layer under forward hooks
 (observability.capture) takes its per-op path (GGUFDecodeLayer.hooked, checked per step), and a selection
@@ -212,6 +213,12 @@ class GGUFDecodeLayer:
             # the per-op path's scalars: w * Hi^-0.5 (Indexer.project), then * Di^-0.5 (Indexer.select), in fp32
             a.idx_w_scale, a.idx_d_scale = ix.cfg.n_heads**-0.5, ix.cfg.head_dim**-0.5
         self.args, self._tensors = a, tuple(keep)  # what the C struct points into stays alive with it
+        # tensor parallel: the C call hands o_proj's and the MLP's partial sums to the layer's all_reduce (the
+        # per-op path's two collectives, at the same points); an exception there is kept and re-raised after it
+        self._reduce, self._failed = None, []
+        if layer.all_reduce is not single_process:
+            self._reduce = native_layers.REDUCE_FN(self._make_reduce(layer.all_reduce))
+            a.reduce = ctypes.cast(self._reduce, ctypes.c_void_p).value
         # forward hooks (observability.capture) must see the sub-blocks run: such a layer takes its per-op path
         self._hookable = (layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
         self._hookable += (attn.indexer,) if attn.indexer is not None else ()
@@ -220,8 +227,6 @@ class GGUFDecodeLayer:
     def unfit(layer: DecoderLayer) -> str | None:
         """Why this layer cannot run its decode steps as one native call, or None."""
         attn, cfg = layer.self_attn, layer.self_attn.cfg
-        if layer.all_reduce is not single_process:
-            return "tensor parallel (the layer's outputs are all-reduced between its parts)"
         if (why := _structure_unfit(layer)) is not None:
             return why
         if not registry.runs_native(attn) or not isinstance(attn.kept_heads, GGUFHeads):
@@ -245,10 +250,33 @@ class GGUFDecodeLayer:
     def hooked(self) -> bool:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._hookable)
 
+    def _make_reduce(self, all_reduce):
+        failed = self._failed
+
+        def reduce(a, n: int) -> int:
+            try:  # a [n] fp32: the C call's buffer, summed over the ranks in place
+                buf = torch.frombuffer(
+                    (ctypes.c_float * n).from_address(ctypes.addressof(a.contents)), dtype=torch.float32
+                )
+                out = all_reduce(buf)
+                if out.data_ptr() != buf.data_ptr():
+                    buf.copy_(out)
+                return 0
+            except BaseException as e:  # noqa: BLE001 -- an exception cannot cross the C call: kept, re-raised
+                failed.append(e)
+                return 1
+
+        return reduce
+
     def __call__(
         self, x: torch.Tensor, step: native_layers.DecodeStepArgs, cache: torch.Tensor, index_keys: torch.Tensor | None
     ) -> torch.Tensor:
-        return native_layers.decode_layer(self.args, step, x, cache, index_keys)
+        try:
+            return native_layers.decode_layer(self.args, step, x, cache, index_keys)
+        except RuntimeError:
+            if self._failed:  # the all-reduce's own error (a rank that failed, died or hung), not the C code
+                raise self._failed.pop() from None
+            raise
 
 
 def _indexer_role(layer: DecoderLayer) -> str | None:

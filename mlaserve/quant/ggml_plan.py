@@ -13,6 +13,9 @@ Stays dense (dequantized at load, as today), with the reason recorded:
   weights_proj        the DSA indexer's head weights stay a float projection
   mlp.gate            the router reads its weight as a dense fp32 matrix
   experts             of a layer whose gate/up types differ, or whose projections are not all blocks
+Under tensor parallelism the source is a rank's ShardedSource: the same plan over the rank's slices (its
+heads' attn_k_b / attn_v_b too); an o_proj whose head columns fall inside blocks is the one tensor read
+dequantized there, with the reason naming it.
 Steps: plan_gguf (names + types -> GGUFPlan), swap_in_gguf (before the strict fill), BlockSource
 (the file's bytes for the planned tensors, so the loader copies bytes and never converts).
 """
@@ -45,6 +48,10 @@ REBUILT_KEPT = (
 )
 ROUTER = "dequantized at load: the router reads its weight as a dense fp32 matrix"
 FLOATS = "not a block format: loaded as a float matrix"
+SPAN = (
+    "loader: the rank's split falls inside the down projection's stored blocks; it holds their whole blocks, "
+    "gate / up rows zero outside its own units (they add exactly 0), not a dequantized slice"
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,8 @@ class GGUFPlan:
     tied_head: bool  # lm_head is a GGUFLinear over the kept embedding (tie_word_embeddings)
     blocks: frozenset[str]  # checkpoint tensor names read as stored bytes
     heads: tuple[tuple[int, int, int], ...] = ()  # (layer, attn_k_b type, attn_v_b type) -> GGUFHeads
+    # tensor parallel: (dim, held units, why) for each intermediate dim this rank holds as a wider span
+    spans: tuple[tuple[str, str, str], ...] = ()
 
     def settings(self) -> tuple[Setting, ...]:
         """One row per module kind and type: kept in ggml blocks, or dense and why."""
@@ -86,6 +95,7 @@ class GGUFPlan:
         for (tname, why), mods in dense.items():
             for kind, layers in _group(tuple(mods)):
                 rows.append(Setting(f"gguf dense {kind}", layers, f"stored {tname}; {why}"))
+        rows.extend(Setting(f"tensor parallel {dim}", held, why) for dim, held, why in self.spans)
         return tuple(rows)
 
     def summary(self) -> str:
@@ -139,6 +149,8 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         elif type(mod) is nn.Embedding:
             embeddings.append((module, t))
             blocks.add(name)
+        elif type(mod) is nn.Linear and _split_problem(source, name) is not None:
+            dense.append((module, tname, f"dequantized at load: {_split_problem(source, name)}"))
         elif type(mod) is nn.Linear:
             linears.append((module, t))
             blocks.add(name)
@@ -165,6 +177,11 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         else:
             floats.append((module, names, FLOATS))
     tied = cfg.tie_word_embeddings and any(m == "model.embed_tokens" for m, _ in embeddings)
+    spans = tuple(
+        (dim, f"units [{s.first}, {s.first + s.width}) for its own [{s.start}, {s.stop})", SPAN)
+        for dim, s in getattr(source, "spans", {}).items()
+        if s.widened
+    )
     return GGUFPlan(
         tuple(linears),
         tuple(embeddings),
@@ -174,7 +191,14 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         tied,
         frozenset(blocks),
         tuple(heads),
+        spans,
     )
+
+
+def _split_problem(source, name: str) -> str | None:
+    """A tensor-parallel rank's slice that is not whole blocks (distributed.sharding.ShardedSource), or None."""
+    problem = getattr(source, "block_split_problem", None)
+    return problem(name) if problem is not None else None
 
 
 def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig) -> None:

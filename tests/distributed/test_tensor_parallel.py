@@ -210,10 +210,10 @@ def test_a_tensor_that_does_not_split_names_the_tensor_and_n():
 
 
 def test_gguf_tp2_equals_dequantized_reference():
-    """A llama.cpp f16 file split across 2 ranks (each rank dequantizes only its rows / columns) ==
-    transformers on its dequantized weights; so does the q8_0 file, whose down_proj splits inside
-    its 32-value blocks (moe_intermediate_size 32 / 2 = 16 columns: those blocks are dequantized
-    whole, then narrowed)."""
+    """A llama.cpp f16 file split across 2 ranks (each rank reads only its rows / columns) == transformers
+    on its dequantized weights; so does the q8_0 file, kept in its blocks per rank, whose down_proj splits
+    inside its 32-value blocks (moe_intermediate_size 32 / 2 = 16 columns: held as a wider span,
+    distributed/sharding.py UnitSpan; more in test_tp_quantized.py)."""
     from conftest import fixture_dir
     from safetensors.torch import load_file
 
@@ -336,13 +336,14 @@ def test_two_nodes_in_network_namespaces_equal_one_process(hf_model_dir, tmp_pat
 
 
 def test_quantized_checkpoint_with_tensor_parallel_is_refused_before_any_process_starts(hf_model_dir, tmp_path):
-    """FP8 block scales are not split yet: a clear error naming the folder and the scheme."""
+    """FP4 expert groups are not split yet (FP8 blocks are: test_tp_fp8.py): a clear error naming the folder
+    and the scheme."""
     from mlaserve.quant.writer import write_fp8_folder
 
     folder, _ = hf_model_dir("v3_odd")
-    write_fp8_folder(folder, tmp_path / "fp8", "fp8", (128, 128))
+    write_fp8_folder(folder, tmp_path / "fp8", "fp8", (128, 128), experts="fp4")
     before = frozenset(live_workers())
-    with pytest.raises(ConfigError, match=r"fp8.*tensor_parallel_size=2 with a quantized checkpoint"):
+    with pytest.raises(ConfigError, match=r"fp8.*tensor_parallel_size=2 with a quantized checkpoint.*experts fp4"):
         LLM(str(tmp_path / "fp8"), tensor_parallel_size=2)
     assert set(live_workers()) == before
 

@@ -180,15 +180,14 @@ def test_gguf_weights_option_validated(hf_model_dir):
     from mlaserve.config.engine import make_options
     from mlaserve.loading.model_loader import open_checkpoint
 
-    # Tensor parallel: raw blocks are not sliced across ranks; auto says so, "quantized" is refused.
-    with pytest.raises(ConfigError, match="raw blocks are not sliced"):
-        open_checkpoint(path, make_options(tensor_parallel_size=2, gguf_weights="quantized"))
+    # Tensor parallel: each rank keeps its slice's blocks (tests/distributed/test_tp_quantized.py); auto says so
     ck = open_checkpoint(path, make_options(tensor_parallel_size=2))
     prov = {s.name: s for s in ck.engine_cfg.provenance}
     assert (
-        ck.engine_cfg.kernels.gguf_weights == "dequantized"
-        and "raw blocks are not sliced" in prov["gguf_weights"].source
+        ck.engine_cfg.kernels.gguf_weights == "quantized" and "2 ranks reads its slice" in prov["gguf_weights"].source
     )
+    ck = open_checkpoint(path, make_options(tensor_parallel_size=2, gguf_weights="dequantized"))
+    assert ck.engine_cfg.kernels.gguf_weights == "dequantized"
     folder, _ = hf_model_dir("v3_yarn")
     llm = LLM(str(folder))
     assert llm.config.kernels.gguf_weights is None and llm.loaded.gguf is None

@@ -1,7 +1,7 @@
 """DeepSeek-V4 (Flash, Pro): not MLA. A shared K=V 512-d MQA head with a sliding window on every layer,
 compressed KV pools (CSA with a lightning indexer, HCA), mHC residual streams, sqrt-softplus routing with
 hash-routed first layers. Its config.json is read by config/deepseek_v4.py (reader "deepseek_v4"), not by
-the MLA adapter; its layer kinds are declared there. llama.cpp arch deepseek4 (no GGUF reader yet)."""
+the MLA adapter; its layer kinds are declared there. llama.cpp arch deepseek4: read by gguf/read/deepseek_v4.py (not the MLA GGUF reader, hence gguf_reads_back=False)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@
    sparse steps torch's LayerNorm and score GEMMs (indexer.c) and the order in which the selected rows are summed.
    One call instead of ~20 native calls and ~60 tensor ops per layer (~35 more on a sparse step). */
 
+typedef int (*reduce_fn)(float *a, int64_t n); /* mls_layer_t.reduce (tensor parallel) */
+
 static int lin_apply(const mls_lin_t *L, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int int8,
                      int threads) {
     if (int8 && q8rows((int)L->type))
@@ -169,6 +171,7 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
                   threads);
     if (rc) goto done;
     if ((rc = lin_apply(&ly->o_proj, o, t, h * dv, a, d, i8, threads))) goto done;
+    if (ly->reduce && ((reduce_fn)ly->reduce)(a, t * d)) { rc = -7; goto done; } /* tensor parallel: the ranks' sum */
     for (int64_t i = 0; i < t * d; i++) out[i] = x[i] + a[i];
     norm_rows(out, t, d, ly->norm_post, ly->eps_post, xn, threads);
     if (ly->moe) {
@@ -181,6 +184,7 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
                 hh[tok * inter + i] = silu_mul(gu[tok * 2 * inter + i], gu[tok * 2 * inter + inter + i]);
         if ((rc = lin_apply(&ly->mlp_down, hh, t, inter, a, d, i8, threads))) goto done;
     }
+    if (ly->reduce && ((reduce_fn)ly->reduce)(a, t * d)) { rc = -7; goto done; }
     for (int64_t i = 0; i < t * d; i++) out[i] += a[i];
 done:
     free(mem);

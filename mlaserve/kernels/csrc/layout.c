@@ -101,6 +101,7 @@ static const mls_layout_entry_t LAYOUT[] = {
     FIELD(mls_layer_t, idx_q_b),
     FIELD(mls_layer_t, idx_k),
     FIELD(mls_layer_t, idx_w),
+    FIELD(mls_layer_t, reduce),
 
     STRUCT(mls_decode_step_t),
     FIELD(mls_decode_step_t, t),

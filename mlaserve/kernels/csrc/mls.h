@@ -22,7 +22,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 13
+#define MLS_ABI_VERSION 14
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -106,6 +106,10 @@ typedef struct { /* every field 8 bytes (the ctypes mirror in kernels/native_lay
     double idx_eps, idx_w_scale, idx_d_scale; /* k_norm's eps; Hi^-0.5 and Di^-0.5 (each rounded to float) */
     const float *idx_norm_w, *idx_norm_b;     /* k_norm (LayerNorm) [Di] */
     mls_lin_t idx_q_b, idx_k, idx_w;          /* wq_b [Hi Di, q_lora], wk [Di, D], weights_proj [Hi, D] */
+    /* tensor parallel: an int (*)(float *a, int64_t n) that sums a [n] over the ranks in place, called on o_proj's
+       and on the MLP's output before each is added to the residual (the ranks' partial sums); nonzero: it failed.
+       0 (one process): not called. Held as an address, as every pointer the ctypes mirror passes */
+    void *reduce;
 } mls_layer_t;
 
 typedef struct { /* one decode step, shared by every layer */

@@ -73,8 +73,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.tables = V4RopeTables(cfg.rope)
 
     def new_state(self, max_tokens: int) -> SequenceState:
-        p = self.lm_head.weight
-        return SequenceState(self.config, max_tokens, p.dtype, p.device)
+        # the activations' dtype: the embedding's output (a GGUF holder's weight is its stored uint8 bytes, and
+        # GGUFEmbedding says the dtype it returns)
+        e = self.model.embed_tokens
+        dtype = getattr(e, "dtype", None) or e.weight.dtype
+        return SequenceState(self.config, max_tokens, dtype, self.lm_head.weight.device)
 
     def forward(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
         """ids [S] (the next S tokens of the sequence) -> logits [S, V]; advances `state` by S tokens."""
