@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
 
 
+def _rows(cache, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] as fp32; a cache kept in 8 bits (kv_cache_dtype) dequantizes the rows it gathers
+    (cache/quantized_rows.py, the one dequantizer)."""
+    return (cache[slots] if isinstance(cache, torch.Tensor) else cache.rows(slots)).float()
+
+
 def _mask(seg: SegmentTensors, allowed: torch.Tensor | None) -> torch.Tensor:
     return seg.mask if allowed is None else seg.mask & allowed
 
@@ -51,7 +57,7 @@ class ReferenceBackend:
     def absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=None, heads=None) -> torch.Tensor:
         # heads (W_UK / W_UV kept as GGUF blocks) is ignored: the oracle multiplies the dense views
         r, mask = w_uk.shape[-1], _mask(seg, allowed)
-        rows = cache[seg.kv_slots].float()  # [B, L, r + dr]
+        rows = _rows(cache, seg.kv_slots)  # [B, L, r + dr]
         c_kv, k_pe = rows[..., :r], rows[..., r:]
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope.float(), w_uk.float())[seg.q_index]  # [B, Q, H, r]
         q_rot = q_pe.float()[seg.q_index]  # [B, Q, H, dr]
@@ -62,7 +68,7 @@ class ReferenceBackend:
 
     def decompressed(self, q_nope, q_pe, cache, kv_b, seg, scale, dn, allowed=None) -> torch.Tensor:
         h, r, mask = q_nope.shape[1], kv_b.shape[1], _mask(seg, allowed)
-        rows = cache[seg.kv_slots].float()
+        rows = _rows(cache, seg.kv_slots)
         c_kv, k_pe = rows[..., :r], rows[..., r:]
         kv = (c_kv @ kv_b.float().T).unflatten(-1, (h, -1))  # [B, L, H, dn + dv]
         k_nope, v = kv[..., :dn], kv[..., dn:]
@@ -80,7 +86,7 @@ class ReferenceBackend:
     def index_topk(self, q_idx, w, keys, seg, topk: int) -> torch.Tensor:
         """q_idx [N, Hi, Di], w [N, Hi] (Di^-0.5 folded in), keys [S, Di] -> positions [B, Q, k]."""
         q = q_idx.float()[seg.q_index]  # [B, Q, Hi, Di]
-        k = keys[seg.kv_slots].float()  # [B, L, Di]
+        k = _rows(keys, seg.kv_slots)  # [B, L, Di]
         per_head = torch.einsum("bqhd,bld->bqhl", q, k).relu()
         scores = torch.einsum("bqh,bqhl->bql", w.float()[seg.q_index], per_head)
         scores = scores.masked_fill(~seg.mask, float("-inf"))

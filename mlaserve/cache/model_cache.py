@@ -9,7 +9,9 @@ request serves every paged state (config/layer_kinds.py). Each paged state has o
 (slot S, `pad_slot`), zero and never written: the key positions a request pads to the segment's longest
 sequence read it, so padding never reads a real row (a stale row of a freed page, another request's). The bookkeeping of pages (free list, prefix
 cache) is cache/page_pool.py on the scheduling rank; this module holds only tensors.
-Bytes per token = sum over layers and paged states of width / tokens_per_row * dtype size.
+Bytes per token = sum over layers and paged states of a row's bytes / tokens_per_row: width * dtype size, or
+for a state kept in 8 bits (kv_cache_dtype; StateSpec.quant) its codes, fp32 scales and kept values
+(cache/quantized_rows.py QuantizedRows, which stands where the [rows, width] tensor would).
 
 Request-addressed states ("request": a fixed block per running request that does not grow with the
 sequence) are [N + 1, *per_request, width] for N state slots (cache/slot_pool.py, one per running
@@ -31,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.layer_kinds import LayerKind, StateSpec, check_page_size, request_states, snapshot_states
 from mlaserve.config.model import ConfigError
 
@@ -43,11 +46,11 @@ class LayerState:
         self.tensors = tensors
 
     @property
-    def latent(self) -> torch.Tensor:
+    def latent(self) -> torch.Tensor | QuantizedRows:
         return self.tensors["latent"]
 
     @property
-    def index_keys(self) -> torch.Tensor | None:
+    def index_keys(self) -> torch.Tensor | QuantizedRows | None:
         return self.tensors.get("index_keys")
 
 
@@ -134,7 +137,7 @@ class ModelCache:
     @staticmethod
     def bytes_per_token(layers: tuple[LayerKind, ...], dtype: torch.dtype) -> int:
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(s.width * size // s.tokens_per_row for k in layers for s in k.paged)
+        return sum(s.bytes_per_row(size) // s.tokens_per_row for k in layers for s in k.paged)
 
     @staticmethod
     def bytes_per_request(layers: tuple[LayerKind, ...], dtype: torch.dtype) -> int:
@@ -145,7 +148,7 @@ class ModelCache:
         """Allocated bytes per cached token of the paged states, the pad rows (a fixed row per state) left out."""
         paged = [layer.tensors[s.name] for layer in self.layers for s in layer.kind.paged]
         paged += [snap for _, snap in self.snapshot_pairs()]  # one row per page, kept per page like the rows
-        total = sum((t.shape[0] - 1) * t[0].numel() * t.element_size() for t in paged)
+        total = sum((t.shape[0] - 1) * _row_bytes(t) for t in paged)
         return total // (self.num_pages * self.page_size)
 
     def measured_bytes_per_request(self) -> int:
@@ -165,10 +168,19 @@ def check_request_states(layers: tuple[LayerKind, ...], num_slots: int) -> None:
 
 def _allocate(
     s: StateSpec, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device: str | torch.device
-) -> torch.Tensor:
+) -> torch.Tensor | QuantizedRows:
     if s.addressing == "request":  # one block per slot, then the zero pad slot
         return torch.zeros(num_slots + 1, *s.request_shape, dtype=s.dtype or dtype, device=device)
+    if s.quant is not None:  # 8-bit rows (kv_cache_dtype): codes, scales, kept values
+        return QuantizedRows(s.quant, s.rows(num_pages, page_size) + 1, dtype, device, _zeros)
     return _zeros(s.rows(num_pages, page_size) + 1, s.width, dtype, device)
+
+
+def _row_bytes(t: torch.Tensor | QuantizedRows) -> int:
+    """Bytes one row of a paged state holds, measured from what was allocated."""
+    if isinstance(t, QuantizedRows):
+        return sum(part[0].numel() * part.element_size() for part in t.tensors())
+    return t[0].numel() * t.element_size()
 
 
 def _zeros(rows: int, width: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:

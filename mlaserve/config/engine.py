@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from mlaserve.config import families
 from mlaserve.config.deepseek_v4 import v4_page_size
+from mlaserve.config.kv_cache import KV_CACHE_DTYPES, check_kv_cache_dtype, quantize_states
 from mlaserve.config.machine import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
@@ -77,6 +78,12 @@ class EngineOptions:
     max_num_batched_tokens: int = _opt(2048, "token budget per step (long prompts are prefilled in chunks of it)")
     max_num_seqs: int = _opt(64, "running requests at most")
     num_pages: int | None = _opt(None, "pages in the cache pool (default: 16 sequences of up to 2048 tokens)")
+    kv_cache_memory: float | None = _opt(
+        None,
+        "GiB for the paged cache pool instead of num_pages: as many pages as fit at the bytes a token takes in the "
+        "kv_cache_dtype layout (every layer's latent row and index key), so an 8-bit cache holds ~2.9x the tokens "
+        "of float32 in the same memory (r 512, dr 64)",
+    )
     decode_threshold: int | None = _opt(
         None,
         "a request whose query length is <= this is a decode (absorbed path); default 1, or "
@@ -182,6 +189,14 @@ class EngineOptions:
     # Process-wide, so a library does not change it behind its host's back: off unless asked; the
     # CLI and the server turn it on (see platform/allocator.py).
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "storage of the latent cache rows: auto = the compute dtype; int8 / fp8_e4m3 = c_kv as 8-bit codes with an "
+        "fp32 scale per 128 values (k_pe kept in the compute dtype) and, on DSA models, the indexer keys as FP8 e4m3 "
+        "with a scale per token: ~4x the tokens of float32 in the same memory, logits within a bound derived from "
+        "the scales (mlaserve verify)",
+        KV_CACHE_DTYPES,
+    )
     kv_prefault: bool = _opt(
         False,
         "write every KV cache page at start, so the whole pool is resident from the first request (RSS then "
@@ -225,6 +240,7 @@ class CacheConfig:
     num_pages: int
     enable_prefix_caching: bool
     kv_prefault: bool  # the cache tensors are written once at allocation (cache/model_cache.py)
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": 8-bit latent rows and index keys (config/kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -378,13 +394,14 @@ def resolve(
         if opts.malloc_tuning
         else "off: library default (a process-wide policy is the host's choice; LLM(malloc_tuning=True) turns it on)",
     )
-    num_pages = _num_pages(opts, page_size, max_model_len or model.max_position_embeddings, log)
+    num_pages = _num_pages(opts, page_size, max_model_len or model.max_position_embeddings, log, model, sparse, dtype)
     if not isinstance(opts.kv_prefault, bool):
         raise ConfigError(f"kv_prefault must be a bool, got {opts.kv_prefault!r}")
     _user(log, "kv_prefault", opts.kv_prefault)
     if not isinstance(opts.ui, bool):
         raise ConfigError(f"ui must be a bool, got {opts.ui!r}")
     _user(log, "ui", opts.ui)
+    _user(log, "kv_cache_dtype", check_kv_cache_dtype(opts.kv_cache_dtype))
     return EngineConfig(
         model=model,
         runtime=RuntimeConfig(device=device, dtype=dtype, threads=threads, malloc_tuning=opts.malloc_tuning),
@@ -393,6 +410,7 @@ def resolve(
             num_pages=num_pages,
             enable_prefix_caching=opts.enable_prefix_caching,
             kv_prefault=opts.kv_prefault,
+            kv_cache_dtype=opts.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=opts.max_num_batched_tokens,
@@ -540,10 +558,44 @@ def _page_size(model: ModelConfig, page_size: int, log: ProvenanceLog) -> int:
     return log.record("page_size", chosen, why)
 
 
-def _num_pages(opts: EngineOptions, page_size: int, max_len: int, log: ProvenanceLog) -> int:
+def _num_pages(
+    opts: EngineOptions,
+    page_size: int,
+    max_len: int,
+    log: ProvenanceLog,
+    model: ModelConfig,
+    sparse: bool,
+    dtype: torch.dtype,
+) -> int:
+    if opts.kv_cache_memory is not None:
+        return _pages_in_memory(opts, page_size, log, model, sparse, dtype)
     if opts.num_pages is not None:
         return log.record("num_pages", opts.num_pages, "user option")
     # Enough for max_num_seqs sequences of up to 2048 tokens, capped: the cache is small (latent rows).
     per_seq = -(-min(max_len, 2048) // page_size)
     n = max(per_seq * min(opts.max_num_seqs, 16), 64)
     return log.record("num_pages", n, f"engine default (16 sequences x {min(max_len, 2048)} tokens)")
+
+
+def _pages_in_memory(
+    opts: EngineOptions, page_size: int, log: ProvenanceLog, model: ModelConfig, sparse: bool, dtype: torch.dtype
+) -> int:
+    """kv_cache_memory GiB / (page_size x the bytes a token's paged rows take in the kv_cache_dtype layout)."""
+    from mlaserve.config.layer_kinds import declare_layers  # imports torch, which this module otherwise does not
+
+    gib = opts.kv_cache_memory
+    if opts.num_pages is not None:
+        raise ConfigError("kv_cache_memory and num_pages both size the cache pool: give one")
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+        raise ConfigError(f"kv_cache_memory must be a number of GiB > 0, got {gib!r}")
+    kinds = quantize_states(declare_layers(model, sparse), check_kv_cache_dtype(opts.kv_cache_dtype), model)
+    size = dtype.itemsize
+    per_token = sum(s.bytes_per_row(size) // s.tokens_per_row for k in kinds for s in k.paged)
+    if per_token == 0:
+        raise ConfigError(f"kv_cache_memory sizes paged cache rows; {model.model_type} keeps none (use num_pages)")
+    pages = int(gib * 2**30 // (per_token * page_size))
+    if pages < 1:
+        raise ConfigError(f"kv_cache_memory={gib} GiB holds no page of {page_size} tokens x {per_token} bytes")
+    log.record("kv_cache_memory", gib, "user option")
+    why = f"kv_cache_memory {gib} GiB / ({page_size} tokens x {per_token} bytes per token, {opts.kv_cache_dtype})"
+    return log.record("num_pages", pages, why)

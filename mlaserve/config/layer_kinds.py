@@ -66,10 +66,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from mlaserve.config.kv_cache import RowFormat
 
 ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca", "kda")
 # kinds whose layers read the paged latent rows through the segment tensors (attention/metadata.py)
@@ -93,6 +97,7 @@ class StateSpec:
     # (a compressor's open-window carry: page_size is a multiple of its ratio, so the window is empty there)
     empty_at_page_boundary: bool = False
     dtype: torch.dtype | None = None  # None: the cache dtype (a recurrent state may need float32)
+    quant: RowFormat | None = None  # 8-bit rows (config/kv_cache.py, kv_cache_dtype); None: in the dtype above
 
     def __post_init__(self) -> None:
         if self.addressing not in ADDRESSING:
@@ -128,6 +133,10 @@ class StateSpec:
         """A prefix hit can restore this state at a page boundary: a paged state (its rows are the pages'),
         a snapshotted request state, or one that is empty there."""
         return self.addressing == "page" or self.snapshot or self.empty_at_page_boundary
+
+    def bytes_per_row(self, compute_bytes: int) -> int:
+        """A paged row's bytes: its 8-bit codes, scales and kept values (quant), else width values."""
+        return self.quant.bytes_per_row(compute_bytes) if self.quant else self.width * compute_bytes
 
 
 @dataclass(frozen=True)
@@ -284,7 +293,7 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int
         role = f", indexer {indexer}" if indexer else ""
         kept = " + ".join(_describe_state(s) for s in states)
         paged = [s for s in states if s.addressing == "page"]
-        per_token = sum(s.width // s.tokens_per_row for s in paged) * bytes_per_value * len(ids)
+        per_token = sum(s.bytes_per_row(bytes_per_value) // s.tokens_per_row for s in paged) * len(ids)
         sizes = f"{per_token} bytes/token"
 
         # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size
@@ -312,7 +321,8 @@ def _describe_state(s: StateSpec) -> str:
             else "no snapshots"
         )
         return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
-    return f"{s.name} [{s.width}]" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
+    quant = f" as {s.quant.label()}" if s.quant else ""
+    return f"{s.name} [{s.width}]{quant}" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
 
 
 def request_states(layers: tuple[LayerKind, ...]) -> tuple[tuple[int, StateSpec], ...]:

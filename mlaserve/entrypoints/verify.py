@@ -11,6 +11,9 @@ of the logits and top-1 agreement:
   backend vs reference       the configured attention backend against `reference` (the plain oracle),
                              on each path, and for DSA models on a sparse step whose top-k really selects
                              (index_topk lowered to half the prompt when the prompt fits in it)
+  8-bit cache vs full        with kv_cache_dtype int8 / fp8_e4m3 (verify_kv8.py): every attention call within
+                             the bound derived from the scales, the logits and (DSA) the top-k agreement
+                             reported; the identities above then run over the full cache
 What these cannot see: a fault that every route shares. Wrong weights (a converter that swapped two heads
 of kv_b, a mis-sliced shard, a drifted quantized layer), model code outside attention (rope, norms, MoE
 routing, the indexer's projections) and a config read wrongly all give the same wrong answer on every
@@ -27,6 +30,7 @@ import torch
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.layer_kinds import LATENT_KINDS
 from mlaserve.entrypoints.llm import LLM
+from mlaserve.entrypoints.verify_kv8 import kv8_pairs
 from mlaserve.entrypoints.verify_v4 import is_v4, v4_pairs
 from mlaserve.executor.model_runner import ModelRunner
 
@@ -37,6 +41,7 @@ class Check:
     max_abs_diff: float
     top1_agreement: float
     tolerance: float | None  # None: informational (reduced precision, where routes round differently)
+    note: str = ""  # what the numbers are, where they are not a logits comparison (verify_kv8.py)
 
     @property
     def passed(self) -> bool:
@@ -59,6 +64,8 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     # rounding can flip an MoE expert choice, so the numbers are reported, not judged.
     tol = tolerance if tolerance is not None else (1e-4 if cfg.runtime.dtype == torch.float32 else None)
     base = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=max(len(ids), 1)))
+    # the identities over full rows: over 8-bit rows two routes may round a value to neighbouring codes
+    base = replace(base, cache=replace(base.cache, kv_cache_dtype="auto"))
     full = logits_with(llm, base, ids)
     # the MLA paths and attention backends exist only for kinds over latent rows (a DeepSeek-V4 stack has
     # none: its checks are token by token here and its own in verify_v4.py; a pair that cannot differ is not listed)
@@ -97,7 +104,10 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
         )
     pairs += _backend_pairs(llm, base, ids) if latent else []
     pairs += v4_pairs(llm, base, ids, full, decoded) if v4 else []
-    return [_compare(name, a, b, tol) for name, a, b in pairs]
+    checks = [_compare(name, a, b, tol) for name, a, b in pairs]
+    if cfg.cache.kv_cache_dtype != "auto":
+        checks += kv8_pairs(llm, base, ids, logits_with, Check)
+    return checks
 
 
 def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -143,10 +153,11 @@ def format_checks(checks: list[Check]) -> str:
     w = max(len(c.name) for c in checks)
     lines = [f"{'check':<{w}}  max|diff|   top-1    result"]
     for c in checks:
-        verdict = (
-            "info (run with --dtype float32 to judge)"
-            if c.tolerance is None
-            else f"{'ok' if c.passed else 'FAIL'} (tol {c.tolerance:g})"
-        )
+        if c.note:
+            verdict = f"{'info' if c.tolerance is None else 'ok' if c.passed else 'FAIL'}: {c.note}"
+        elif c.tolerance is None:
+            verdict = "info (run with --dtype float32 to judge)"
+        else:
+            verdict = f"{'ok' if c.passed else 'FAIL'} (tol {c.tolerance:g})"
         lines.append(f"{c.name:<{w}}  {c.max_abs_diff:9.2e}  {c.top1_agreement:6.1%}   {verdict}")
     return "\n".join(lines)

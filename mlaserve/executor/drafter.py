@@ -16,6 +16,7 @@ import torch
 from mlaserve.attention.router import route_step
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
+from mlaserve.config.kv_cache import quantize_states
 from mlaserve.config.layer_kinds import declare_layers
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.step_context import StepContext
@@ -31,7 +32,8 @@ class Drafter:
         self.layer = model.mtp[0]
         self.sparse = cfg.attention.sparse and self.layer.layout.indexer
         # the MTP layer as a stack of one: its kind (with an indexer or not) and its own cache states
-        self.layer_kinds = declare_layers(cache_config(cfg.model, self.layer.layout), self.sparse)
+        mtp_cfg = cache_config(cfg.model, self.layer.layout)
+        self.layer_kinds = quantize_states(declare_layers(mtp_cfg, self.sparse), cfg.cache.kv_cache_dtype, mtp_cfg)
         self.cache = ModelCache(
             self.layer_kinds,
             cfg.cache.num_pages,

@@ -19,6 +19,7 @@ import torch
 from mlaserve.attention.router import route_step
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
+from mlaserve.config.kv_cache import quantize_states
 from mlaserve.config.layer_kinds import LayerKind, declare_layers, prefix_caching_blocker, request_states
 from mlaserve.config.model import ConfigError
 from mlaserve.config.provenance import Setting
@@ -49,7 +50,8 @@ class ModelRunner:
         # every layer's kind and the cache states it keeps, declared once (config/layer_kinds.py)
         if layer_kinds is None:
             layer_kinds = declare_layers(cfg.model, cfg.attention.sparse)
-        self.layer_kinds = layer_kinds
+        # 8-bit latent rows and index keys (kv_cache_dtype): the states' formats, decided here once
+        self.layer_kinds = quantize_states(layer_kinds, cfg.cache.kv_cache_dtype, cfg.model)
         self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
         slots = cfg.scheduler.max_num_seqs if request_states(self.layer_kinds) else 0
         self.cache = ModelCache(
@@ -63,6 +65,12 @@ class ModelRunner:
             # snapshots serve prefix hits only (preemption without them recomputes from token 0): kept with
             # prefix caching on, and then only for stacks whose request states declare them
             snapshots=cfg.cache.enable_prefix_caching,
+        )
+        # the live storage of the cache rows in a word (the ledger's kv_cache; `inspect` prints the whole layout)
+        self.kv_cache_layout = (
+            str(cfg.runtime.dtype).removeprefix("torch.")
+            if cfg.cache.kv_cache_dtype == "auto"
+            else cfg.cache.kv_cache_dtype
         )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
@@ -119,6 +127,7 @@ class ModelRunner:
             if self.tracer.enabled:
                 rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
                 rec["kernels"] = self._kernels_record(native)
+                rec["kv_cache"] = self.kv_cache_layout
                 rec = rec | (ledger(batch, plan) if ledger else {})
                 self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.tensor_parallel_size > 1 else rec)
             self.step_count += 1

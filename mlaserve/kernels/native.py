@@ -34,7 +34,7 @@ FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized int4 words with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 14  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 15  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -125,6 +125,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_latent_mqa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.mls_latent_mqa.argtypes += [f32, ptr, c_int]
+    lib.mls_latent_mqa8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, c_int, i64, ptr, ptr]
+    lib.mls_latent_mqa8.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, c_int]
     lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
@@ -133,6 +135,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
     lib.mls_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int]
     lib.mls_index_topk.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
+    lib.mls_index_topk8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]
     lib.mls_layout.argtypes = [ptr]
     lib.mls_layout.restype = ptr

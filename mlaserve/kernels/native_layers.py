@@ -61,6 +61,37 @@ def latent_mqa(
     return out
 
 
+def latent_mqa8(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    q_index: torch.Tensor,
+    cache,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """latent_mqa over 8-bit rows (cache: a cache/quantized_rows.QuantizedRows with fp32 kept values): the codes
+    are read where they lie and decoded a tile at a time (csrc/attention.c mls_latent_mqa8); the result equals
+    latent_mqa over the dequantized rows bit for bit. Same shapes and contracts as latent_mqa."""
+    b, nq = q_index.shape
+    h, r = q_lat.shape[1], q_lat.shape[2]
+    fmt = cache.fmt
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or fmt.quantized != r or fmt.kept != q_pe.shape[2]:
+        raise ValueError("latent_mqa8: q_lat / q_pe need unit stride along the row, rows of r codes + dr kept")
+    if q_index.dtype != torch.int64 or not q_index.is_contiguous() or cache.kept.dtype != torch.float32:
+        raise ValueError("latent_mqa8: q_index must be contiguous int64, the kept values fp32")
+    out = torch.empty(b, nq, h, r, dtype=torch.float32)
+    rc = library().mls_latent_mqa8(
+        q_lat.data_ptr(), q_lat.stride(0), q_lat.stride(1), q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1),
+        q_index.data_ptr(), cache.codes.data_ptr(), cache.scales.data_ptr(), cache.kept.data_ptr(),
+        int(fmt.codes == "fp8_e4m3"), fmt.block, slots.data_ptr(), mask.data_ptr(), b, nq, slots.shape[1], h, r,
+        q_pe.shape[2], scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native latent_mqa8 failed (rc {rc})")
+    return out
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, d] fp32 with unit stride along d, w [d] fp32 contiguous -> [T, d] fp32: x * rsqrt(mean(x^2) + eps) * w,
     torch's fp32 rms_norm up to the rounding of the sum of squares."""
@@ -283,4 +314,28 @@ def index_topk(
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native index_topk refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
+    return index, valid
+
+
+def index_topk8(
+    q: torch.Tensor, w: torch.Tensor, keys, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """index_topk over index keys kept as FP8 e4m3 with a scale per key (keys: a cache/quantized_rows.QuantizedRows
+    of one block per row), decoded where they lie (csrc/indexer.c mls_index_topk8): the result equals index_topk
+    over the dequantized keys. Same shapes and contracts as index_topk."""
+    t, hi, di = q.shape
+    fmt = keys.fmt
+    if fmt.codes != "fp8_e4m3" or fmt.scales != 1 or fmt.quantized != di or fmt.kept:
+        raise ValueError(f"index_topk8: FP8 keys of {di} values with one scale each, got {fmt}")
+    tensors = (q, w, kv_slots, mask)
+    if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
+        raise ValueError("index_topk8: contiguous CPU tensors, q / w fp32")
+    index = torch.empty(t, k, dtype=torch.int64)
+    valid = torch.empty(t, k, dtype=torch.bool)
+    rc = library().mls_index_topk8(
+        q.data_ptr(), w.data_ptr(), t, hi, di, keys.codes.data_ptr(), keys.scales.data_ptr(), kv_slots.data_ptr(),
+        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native index_topk8 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
     return index, valid

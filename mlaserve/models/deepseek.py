@@ -141,10 +141,16 @@ class MLAAttention(KernelSwitch, nn.Module):
         if not _native_fits(q, kv, cache, step):
             return self._write_latent_torch(q, kv, step, rope, cache)
         cfg, norm = self.cfg, self.kv_a_layernorm
+        # 8-bit rows (kv_cache_dtype; cache/quantized_rows.py): the C call writes this step's fp32 rows to a
+        # buffer of T rows, then the cache quantizes them (its one write)
+        quantized = not isinstance(cache, torch.Tensor)
+        target = kv.new_empty(kv.shape) if quantized else cache
+        slots = torch.arange(kv.shape[0]) if quantized else step.slot_mapping
         native_layers.latent_rope_write(
-            kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, cache,
-            step.slot_mapping,
-        )  # fmt: skip
+            kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, target, slots
+        )
+        if quantized:
+            cache.index_copy_(0, step.slot_mapping, target)
         return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
 
     def _write_latent_torch(

@@ -319,6 +319,8 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
     ):
         return None
     latent = cache.state("latent")
+    if not all(isinstance(t, torch.Tensor) for t in latent + cache.state("index_keys") if t is not None):
+        return None  # 8-bit rows (kv_cache_dtype): the C layer reads fp32 rows; per op dequantizes what it gathers
     first = latent[0]
     if step.cos.dtype != torch.float32 or first.device.type != "cpu":
         return None

@@ -23,6 +23,7 @@ WHERE = {
     "num_pages": "cache.num_pages",
     "enable_prefix_caching": "cache.enable_prefix_caching",
     "kv_prefault": "cache.kv_prefault",
+    "kv_cache_dtype": "cache.kv_cache_dtype",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "max_num_seqs": "scheduler.max_num_seqs",
     "decode_threshold": "scheduler.decode_threshold",
@@ -47,7 +48,8 @@ WHERE = {
     "ui": "server.ui",
 }
 # Checked and recorded at resolve, acted on by the loader (it reads EngineOptions): no resolved field.
-NOT_RESOLVED = {"check_tensors", "attention"}  # attention="auto"/... resolves to attention.sparse
+# attention="auto"/... resolves to attention.sparse; kv_cache_memory to cache.num_pages
+NOT_RESOLVED = {"check_tensors", "attention", "kv_cache_memory"}
 
 
 def _read(cfg: EngineConfig, path: str):
@@ -77,6 +79,7 @@ SPEC = dict(
     experts_impl="loop",
     enable_prefix_caching=False,
     kv_prefault=True,
+    kv_cache_dtype="fp8_e4m3",
     threads=3,
     malloc_tuning=True,
     speculative="mtp",

@@ -23,9 +23,13 @@ def score_bytes(rows_per_query: int, length: int) -> int:
     return 3 * 4 * rows_per_query * length
 
 
-def gather_rows(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_rows(table, slots: torch.Tensor) -> torch.Tensor:
     """table[slots] for a 2-D table: index_select on the flattened slots is several times faster on
-    CPU than advanced indexing with a multi-dimensional index (the step's largest copy at long context)."""
+    CPU than advanced indexing with a multi-dimensional index (the step's largest copy at long context).
+    A cache state kept in 8 bits (cache/quantized_rows.py QuantizedRows, kv_cache_dtype) gathers its codes and
+    returns the rows dequantized in the compute dtype: every reader of the cache gets its rows here."""
+    if not isinstance(table, torch.Tensor):
+        return table.rows(slots)
     return torch.index_select(table, 0, slots.reshape(-1)).view(*slots.shape, table.shape[-1])
 
 

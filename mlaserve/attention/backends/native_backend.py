@@ -3,7 +3,8 @@ softmax, P c over the cache rows) in one C call (kernels/csrc/attention.c mls_la
 query's rows where the paged cache holds them, instead of gathering a copy and running ~15 tensor
 ops per layer: dense, or sparse (DSA) over each query's selected rows, taken in position order as the one-call
 decode layer takes them (csrc/decode_layer.c), so that the per-op path and that layer sum the same rows in the
-same order and agree to fp32 rounding even where int8 activations quantize the result (W_UV). For fp32 caches on the CPU (the engine picks it with the native kernels and fp32);
+same order and agree to fp32 rounding even where int8 activations quantize the result (W_UV). For fp32 caches on the CPU (the engine picks it with the native kernels and fp32), and 8-bit caches (kv_cache_dtype) with fp32 kept
+values, whose codes the kernel decodes a tile at a time (mls_latent_mqa8: a quarter of the bytes read);
 every other product is the torch backend's. Tested against `reference` like every backend
 (tests/identities/test_attention_backends.py runs every registered backend).
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mlaserve.attention.backends import torch_index
 from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _mask
 from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
 from mlaserve.attention.backends.torch_backend import sparse_absorbed_attention as torch_sparse_absorbed
@@ -43,15 +45,16 @@ def absorbed_attention(
 ) -> torch.Tensor:
     """Returns [B, Q, H, dv] like the torch backend's, whose code runs where the kernel does not pay or
     cannot run: segments of more than QUERIES queries per request (an absorbed prefill: a BLAS GEMM over
-    the gathered rows is faster than per-query dot products), caches not fp32 or not on the CPU, or no
+    the gathered rows is faster than per-query dot products), caches not fp32 or not on the CPU (8-bit rows:
+    fp32 kept values), or no
     native library (the engine routes those to `torch` anyway)."""
     small = seg.q_index.shape[1] <= QUERIES
-    if not small or cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
+    if not small or not _native_rows(cache) or native.library() is None:
         return torch_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed, heads)
     q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
     mask = _mask(seg, allowed).contiguous()
     # the kernel reads each query's q_lat and q_pe where they are (token q_index), no concatenated copy
-    o_lat = native_layers.latent_mqa(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
+    o_lat = _mqa(cache)(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
     return _expand(o_lat, w_uv, heads)
 
 
@@ -71,7 +74,7 @@ def sparse_absorbed_attention(
     [B, Q, H, dv], like the torch backend's, whose code runs where absorbed_attention's would. Each query is
     its own request of the kernel (slots [B * Q, k], its rows in position order)."""
     small = seg.q_index.shape[1] <= QUERIES
-    if not small or cache.dtype != torch.float32 or cache.device.type != "cpu" or native.library() is None:
+    if not small or not _native_rows(cache) or native.library() is None:
         return torch_sparse_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid, heads)
     b, qn, k = index.shape
     q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
@@ -79,11 +82,40 @@ def sparse_absorbed_attention(
     slots = seg.kv_slots.gather(1, pos.reshape(b, qn * k)).view(b * qn, k)
     mask = valid.gather(2, order).reshape(b * qn, 1, k)
     q_index = seg.q_index.reshape(b * qn, 1).contiguous()
-    o_lat = native_layers.latent_mqa(q_lat, q_pe, q_index, cache, slots.contiguous(), mask.contiguous(), scale)
+    o_lat = _mqa(cache)(q_lat, q_pe, q_index, cache, slots.contiguous(), mask.contiguous(), scale)
     return _expand(o_lat.view(b, qn, *o_lat.shape[2:]), w_uv, heads)
+
+
+def _native_rows(cache) -> bool:
+    """The kernels read rows on the CPU where they lie: fp32 rows, or 8-bit rows (kv_cache_dtype,
+    cache/quantized_rows.py) with fp32 kept values (mls_latent_mqa8 decodes their codes a tile at a time)."""
+    return cache.dtype == torch.float32 and cache.device.type == "cpu"  # 8-bit rows: `dtype` of the kept values
+
+
+def _mqa(cache):
+    """The C latent MQA for this cache's rows: fp32 rows, or 8-bit codes (the cache's layout, decided at
+    allocation)."""
+    return native_layers.latent_mqa if isinstance(cache, torch.Tensor) else native_layers.latent_mqa8
+
+
+def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk: int) -> torch.Tensor:
+    """The torch backend's scoring, except over FP8 keys (kv_cache_dtype) in a decode segment (one query per
+    request): there the C top-k (csrc/indexer.c mls_index_topk8, the fused decode layer's scoring) reads the
+    codes where they lie instead of a dequantized copy of every key. Positions [B, 1, k], a set as torch's."""
+    b, nq = seg.q_index.shape
+    if isinstance(keys, torch.Tensor) or nq != 1 or native.library() is None:
+        return torch_index.index_topk(q, w, keys, seg, topk)
+    k = min(topk, seg.kv_slots.shape[1])
+    rows = seg.q_index[:, 0]
+    index, _ = native_layers.index_topk8(
+        q.index_select(0, rows).float().contiguous(), w.index_select(0, rows).float().contiguous(), keys,
+        seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous(), k,
+    )  # fmt: skip
+    return index.view(b, 1, k)
 
 
 class NativeBackend(TorchBackend):
     name = "native"
     absorbed = staticmethod(absorbed_attention)
     sparse_absorbed = staticmethod(sparse_absorbed_attention)
+    index_topk = staticmethod(index_topk)

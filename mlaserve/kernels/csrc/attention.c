@@ -151,3 +151,104 @@ int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const fl
     }
     return rc;
 }
+
+/* ---------------------------------------------------------------- latent MQA over 8-bit rows (kv_cache_dtype)
+   mls_latent_mqa over a cache kept as 8-bit codes (cache/quantized_rows.py): codes [S, r] (int8, or e4m3fn bit
+   patterns when fp8), scales [S, r / block] fp32, kept [S, dr] fp32 (k_pe). The rows are read as 8-bit codes
+   where they lie (a quarter of the fp32 rows' bytes) and decoded a tile at a time into a per-thread fp32 buffer,
+   value = (float)code * scale (one rounding, as the torch dequantizer), then scored and summed exactly as
+   mls_latent_mqa does (the same helpers, rows in the same order): over the same decoded rows the two agree bit
+   for bit. A tile is decoded twice, once for the scores and once for P c after the softmax: decoding costs ~1
+   operation per value, the products H per value. */
+static inline void row8_decode(const uint8_t *codes, const float *sc, const float *kept, int fp8, int64_t r,
+                               int64_t dr, int64_t block, float *y) {
+    for (int64_t c0 = 0, blk = 0; c0 < r; c0 += block, blk++) {
+        const float s = sc[blk];
+        const uint8_t *q = codes + c0;
+        float *o = y + c0;
+        if (fp8)
+            for (int64_t k = 0; k < block; k++) o[k] = E4M3[q[k]] * s;
+        else
+            for (int64_t k = 0; k < block; k++) o[k] = (float)(int8_t)q[k] * s;
+    }
+    memcpy(y + r, kept, sizeof(float) * (size_t)dr);
+}
+
+int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                    int64_t qp_head, const int64_t *q_index, const uint8_t *codes, const float *scales,
+                    const float *kept, int fp8, int64_t block, const int64_t *slots, const uint8_t *mask, int64_t b,
+                    int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr, float scale, float *out, int threads) {
+    const int64_t c = r + dr, queries = b * nq;
+    if (queries <= 0 || h <= 0) return 0;
+    if (block <= 0 || r % block) return -1;
+    if (fp8 && !e4m3_ready) e4m3_init();
+    const int64_t nb = r / block;
+    int64_t splits = queries >= threads ? 1 : (threads + queries - 1) / queries;
+    if (splits > h) splits = h;
+    const int64_t hg = (h + splits - 1) / splits, items = queries * splits;
+    int rc = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* per thread: scores [hg, L], the allowed rows' slots, a decoded tile and the rows' addresses in it */
+        float *s = (float *)malloc(sizeof(float) * (size_t)(hg * l) + 1);
+        int64_t *ok = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
+        float *tile = (float *)malloc(sizeof(float) * (size_t)(MQA_TILE * c) + 1);
+        const float **rows = (const float **)malloc(sizeof(float *) * (size_t)l + 1);
+        if (!s || !ok || !tile || !rows) {
+#pragma omp atomic write
+            rc = -4;
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            if (!s || !ok || !tile || !rows) continue;
+            const int64_t qi = it / splits, h0 = (it % splits) * hg, h1 = h0 + hg < h ? h0 + hg : h;
+            const uint8_t *m = mask + qi * l;
+            const int64_t *sl = slots + (qi / nq) * l;
+            const float *ql = q_lat + q_index[qi] * ql_tok, *qp = q_pe + q_index[qi] * qp_tok;
+            float *o = out + qi * h * r;
+            int64_t n_ok = 0;
+            for (int64_t j = 0; j < l; j++)
+                if (m[j]) ok[n_ok++] = sl[j];
+            if (n_ok == 0) {
+                for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = NAN;
+                continue;
+            }
+            for (int64_t j0 = 0; j0 < n_ok; j0 += MQA_TILE) {
+                const int64_t j1 = j0 + MQA_TILE < n_ok ? j0 + MQA_TILE : n_ok;
+                for (int64_t j = j0; j < j1; j++)
+                    row8_decode(codes + ok[j] * r, scales + ok[j] * nb, kept + ok[j] * dr, fp8, r, dr, block,
+                                tile + (j - j0) * c);
+                for (int64_t hb = h0; hb < h1; hb += MQA_HS) {
+                    const int n = h1 - hb < MQA_HS ? (int)(h1 - hb) : MQA_HS;
+                    for (int64_t j = j0; j < j1; j++)
+                        mqa_scores(tile + (j - j0) * c, ql + hb * ql_head, ql_head, qp + hb * qp_head, qp_head, r,
+                                   dr, n, s + (hb - h0) * n_ok + j, n_ok);
+                }
+            }
+            for (int64_t hh = h0; hh < h1; hh++) {
+                float *sh = s + (hh - h0) * n_ok, mx = -INFINITY, sum = 0.0f;
+                for (int64_t j = 0; j < n_ok; j++) sh[j] *= scale;
+                for (int64_t j = 0; j < n_ok; j++) mx = sh[j] > mx ? sh[j] : mx;
+                for (int64_t j = 0; j < n_ok; j++) sum += (sh[j] = expf(sh[j] - mx));
+                for (int64_t j = 0; j < n_ok; j++) sh[j] = sh[j] / sum;
+            }
+            for (int64_t j0 = 0; j0 < n_ok; j0 += MQA_TILE) {
+                const int64_t j1 = j0 + MQA_TILE < n_ok ? j0 + MQA_TILE : n_ok;
+                for (int64_t j = j0; j < j1; j++) {
+                    row8_decode(codes + ok[j] * r, scales + ok[j] * nb, kept + ok[j] * dr, fp8, r, dr, block,
+                                tile + (j - j0) * c);
+                    rows[j] = tile + (j - j0) * c;
+                }
+                for (int64_t hb = h0; hb < h1; hb += MQA_HO) {
+                    const int n = h1 - hb < MQA_HO ? (int)(h1 - hb) : MQA_HO;
+                    mqa_outputs(rows, j0, j1, s + (hb - h0) * n_ok, n_ok, n, r, j0 > 0, o + hb * r);
+                }
+            }
+        }
+        free(s);
+        free(ok);
+        free(tile);
+        free((void *)rows);
+    }
+    return rc;
+}

@@ -69,9 +69,31 @@ static void index_keys_write(float *k, float *q, float *w, int64_t t, int64_t hi
     }
 }
 
+/* The top-k over keys kept as FP8 e4m3 codes with one fp32 scale per key (kv_cache_dtype; codes8 [S, Di] e4m3fn
+   bit patterns, scales8 [S]) when codes8 is not NULL (keys then unused): each key is decoded where it lies,
+   value = E4M3[code] * scale (one rounding, as the torch dequantizer), into a per-position buffer and scored as
+   an fp32 key is: the result equals the fp32 path's over the dequantized keys. */
+static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
+                      const uint8_t *codes8, const float *scales8, const int64_t *kv_slots, const uint8_t *mask,
+                      int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads);
+
 int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                    const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
                    uint8_t *sel_valid, int threads) {
+    return index_topk(q, w, t, hi, di, keys, NULL, NULL, kv_slots, mask, l, k, sel_index, sel_valid, threads);
+}
+
+int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
+                    const float *scales, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k,
+                    int64_t *sel_index, uint8_t *sel_valid, int threads) {
+    if (di > 1024) return -3; /* the decoded key's stack buffer */
+    if (!e4m3_ready) e4m3_init();
+    return index_topk(q, w, t, hi, di, NULL, codes, scales, kv_slots, mask, l, k, sel_index, sel_valid, threads);
+}
+
+static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
+                      const uint8_t *codes8, const float *scales8, const int64_t *kv_slots, const uint8_t *mask,
+                      int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads) {
     if (k <= 0 || k > l) return -2;
     float *s = (float *)malloc(sizeof(float) * (size_t)(2 * l) + 1);
     int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
@@ -99,7 +121,14 @@ int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_
         }
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
         for (int64_t a = 0; a < n_ok; a++) {
-            const float *key = keys + sl[pos[a]] * di;
+            float decoded[codes8 ? di : 1];
+            const float *key = keys + (codes8 ? 0 : sl[pos[a]] * di);
+            if (codes8) {
+                const uint8_t *code = codes8 + sl[pos[a]] * di;
+                const float sc = scales8[sl[pos[a]]];
+                for (int64_t e = 0; e < di; e++) decoded[e] = E4M3[code[e]] * sc;
+                key = decoded;
+            }
             float hs[MQA_HS], sum = 0.0f;
             for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
                 const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;

@@ -22,7 +22,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 14
+#define MLS_ABI_VERSION 15
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -173,6 +173,10 @@ int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const fl
                    int64_t qp_head, const int64_t *q_index, const float *cache, const int64_t *slots,
                    const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                    float scale, float *out, int threads);
+int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                    int64_t qp_head, const int64_t *q_index, const uint8_t *codes, const float *scales,
+                    const float *kept, int fp8, int64_t block, const int64_t *slots, const uint8_t *mask, int64_t b,
+                    int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr, float scale, float *out, int threads);
 int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float *w, float eps, float *y,
                  int64_t ldy, int threads);
 int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, int64_t dr, const float *w,
@@ -184,6 +188,9 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
 int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                    const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
                    uint8_t *sel_valid, int threads);
+int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
+                    const float *scales, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k,
+                    int64_t *sel_index, uint8_t *sel_valid, int threads);
 
 /* decode_layer.c */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,

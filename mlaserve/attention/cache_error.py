@@ -1,0 +1,60 @@
+"""How far attention over 8-bit cache rows (kv_cache_dtype) may be from attention over the full rows: a bound
+derived from the stored scales, for the tests and `mlaserve verify` (nothing on the serving path calls it).
+
+Notation (one segment, as attention/reference.py)
+  c_l [r], k_l [dr]   a key position's exact row [c_kv | k_pe]; the 8-bit row is [c_l + e_l | k_l] (k_pe is kept)
+  delta_l [r]         |e_l| <= delta_l per value (cache/quantized_rows.py error_bound, from codes and scales)
+  q_lat = q_nope W_UK [H, r], tau = the softmax scale, p_l the exact probabilities over the allowed positions
+Score:   s~_l - s_l = tau q_lat . e_l, so |ds_l| <= eps_l = tau sum_j |q_lat_j| delta_lj
+Softmax: p~_l = p_l exp(ds_l) / Z with Z = sum_m p_m exp(ds_m) in [e^-G, e^G], G = log sum_m p_m exp(eps_m)
+         (each exp(ds_m) lies in [e^-eps_m, e^eps_m]; 1 / Z <= sum_m p_m exp(eps_m) since 1/x is convex),
+         so p~_l <= p_l exp(eps_l + G) and |p~_l - p_l| <= p_l (exp(eps_l + G) - 1)
+Latent:  o~ - o = sum_l p~_l e_l + sum_l (p~_l - p_l) c_l
+         |o~_j - o_j| <= sum_l p_l exp(eps_l + G) delta_lj + sum_l p_l (exp(eps_l + G) - 1) |c_lj|
+         (l over the allowed positions)
+Output:  out = o W_UV^T, so |out~_v - out_v| <= sum_j |W_UV[v, j]| |o~_j - o_j|
+The decompressed path computes the same function (q_nope . (W_UK c_l) = q_lat . c_l, P (W_UV c) = W_UV (P c)),
+so one bound serves both paths; a DSA selection narrows the allowed positions (the same selection both ways).
+A first-order bound it is not: it holds for any error within delta, in exact arithmetic; the callers add the
+fp32 rounding of the two computations they compare.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from mlaserve.attention.metadata import SegmentTensors
+
+
+def attention_error_bound(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    rows: torch.Tensor,
+    delta: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    seg: SegmentTensors,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rows [B, L, r + dr] the exact rows of the segment's key positions, delta [B, L, r] their 8-bit error
+    bounds -> [B, Q, H, dv]: |attention over the 8-bit rows - attention over rows| per output value."""
+    r = w_uk.shape[-1]
+    mask = seg.mask if allowed is None else seg.mask & allowed  # [B, Q, L]
+    rows, delta = rows.double(), delta.double()
+    c, k = rows[..., :r], rows[..., r:]
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.double(), w_uk.double())[seg.q_index]  # [B, Q, H, r]
+    q_rot = q_pe.double()[seg.q_index]
+    scores = (torch.einsum("bqhr,blr->bqhl", q_lat, c) + torch.einsum("bqhd,bld->bqhl", q_rot, k)) * scale
+    probs = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
+    eps = torch.einsum("bqhr,blr->bqhl", q_lat.abs(), delta) * scale  # [B, Q, H, L]
+    eps = eps.masked_fill(~mask[:, :, None], 0.0)
+    g = torch.log((probs * eps.exp()).sum(dim=-1, keepdim=True))  # [B, Q, H, 1]
+    grow = torch.exp(eps + g)  # p~_l <= p_l grow_l
+    latent = torch.einsum("bqhl,blr->bqhr", probs * grow, delta) + torch.einsum(
+        "bqhl,blr->bqhr", probs * (grow - 1), c.abs()
+    )
+    return torch.einsum("bqhr,hvr->bqhv", latent, w_uv.double().abs()).float()
