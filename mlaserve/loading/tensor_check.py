@@ -28,7 +28,18 @@ SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
     "Q5_K": (0, 2),
     "Q6_K": (208,),  # ql[128] qh[64] scales[16] d
     "MXFP4": (),  # e qs[16]: an e8m0 byte, every value finite (ggml reads 255 as 2^127); an Inf value is found
-}  # by scan_gguf's value scan
+    "IQ2_XXS": (0,),  # d, then codes and sub-block scales (the i-quants of ggml-common.h)
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
+    "IQ1_S": (0,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "IQ1_M": (),  # qs[32] qh[16] scales[8]: its fp16 d is spread over the top nibbles of the scales; the value scan
+    "TQ1_0": (52,),  # qs[48] qh[4] d
+    "TQ2_0": (64,),  # qs[64] d
+}  # by scan_gguf's value scan (MXFP4, IQ1_M)
 MAX_LISTED = 8  # block indices listed per tensor; the count is always given
 
 

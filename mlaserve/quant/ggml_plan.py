@@ -2,7 +2,7 @@
 file's tensor types before loading (engine option gguf_weights="quantized").
 
 A module keeps its blocks when its stored type is a block format gguf/quants.py dequantizes
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, MXFP4) and the engine only multiplies by it (or looks rows up):
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, MXFP4, IQ*, TQ*) and the engine only multiplies by it (or looks rows up):
   linear layers       -> GGUFLinear      (lm_head too: the biggest single matrix)
   token embeddings    -> GGUFEmbedding   (and lm_head shares it when the config ties them)
   routed experts      -> GGUFExperts     (gate and up of a layer of one type; down may differ)

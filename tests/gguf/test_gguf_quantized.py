@@ -279,6 +279,11 @@ def _blocks(ggml_type: int, rows: int, k: int, seed: int) -> torch.Tensor:
         raw[:, off : off + 2] = scale.view(torch.uint8).view(-1, 2)
     if t.name == "MXFP4":  # its e8m0 byte: 2^(e - 128) in [2^-10, 2^-6] (x the codes' |12|: up to 0.19)
         raw[:, 0] = torch.randint(118, 123, (raw.shape[0],), dtype=torch.uint8, generator=g)
+    if t.name == "IQ1_M":  # its fp16 d is the top nibbles of the 4 scale words (bytes 48-55), lowest word first
+        d = (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half().view(torch.int16).to(torch.int32)
+        for w in range(4):
+            hi = raw[:, 49 + 2 * w].to(torch.int32)
+            raw[:, 49 + 2 * w] = ((hi & 0x0F) | (((d >> (4 * w)) & 0x0F) << 4)).to(torch.uint8)
     return raw.reshape(rows, -1)
 
 

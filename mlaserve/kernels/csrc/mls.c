@@ -9,6 +9,7 @@
 #include "common.h"
 
 #include "ref/decode.c"   /* the reference decoders (exact, scalar) */
+#include "ref/iquants.c"  /* the i-quant and ternary reference decoders, with their grids */
 #include "x86/avx2.c"     /* AVX2 decoders, fused decode-and-dot, int8 row kernels */
 #include "x86/avx512.c"   /* the AVX-512 fused kernels */
 #include "ref/int8.c"     /* the int8 row kernels without SIMD */

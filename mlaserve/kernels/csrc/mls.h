@@ -1,7 +1,7 @@
 /* mlaserve's native kernels: everything Python sees of them (kernels/native.py, kernels/native_layers.py).
 
    Matrix products on weights kept in their stored block formats, for small batches (decode):
-   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K, MXFP4), as
+   y[m, n] = sum_k x[m, k] * W[n, k], W given as raw rows of ggml blocks (Q4_0 ... Q6_K, MXFP4, IQ*, TQ*), as
    float8 e4m3 values with block scales, as packed e2m1 (FP4) codes with group scales, or as compressed-tensors
    INT4 words with group scales; the MoE router and experts, the latent MQA, the decode-step glue, a decode step's DSA top-k and a whole decoder layer's
    decode step (dense, or sparse with the DSA indexer inside).
@@ -37,6 +37,17 @@ enum {
     MLS_Q4_K = 12,
     MLS_Q5_K = 13,
     MLS_Q6_K = 14,
+    MLS_IQ2_XXS = 16, /* the i-quants: grid indices, sign bits and sub-block scales (ref/iquants.c) */
+    MLS_IQ2_XS = 17,
+    MLS_IQ3_XXS = 18,
+    MLS_IQ1_S = 19,
+    MLS_IQ4_NL = 20, /* 32 codes of a 16-value non-linear table with an fp16 d */
+    MLS_IQ3_S = 21,
+    MLS_IQ2_S = 22,
+    MLS_IQ4_XS = 23, /* IQ4_NL's table in 256-value super-blocks with 6-bit sub-block scales */
+    MLS_IQ1_M = 29,
+    MLS_TQ1_0 = 34, /* ternary: base-3 digits, 5 per byte */
+    MLS_TQ2_0 = 35, /* ternary: 2-bit codes */
     MLS_MXFP4 = 39,       /* 32 e2m1 codes with one e8m0 scale byte */
     MLS_GGML_TYPES = 40,  /* the ggml ids above are below this (the table leaves the others empty) */
     MLS_FP8_E4M3 = 1000,  /* float8 e4m3 values with block scales */

@@ -31,6 +31,17 @@ static const mls_type_t GGML_TYPES[MLS_GGML_TYPES] = {
     [MLS_Q4_K] = {144, 256, ISA(simd_q4_k, row_q4_k), 0, ISA(fused_q4_k, 0), 0},
     [MLS_Q5_K] = {176, 256, ISA(simd_q5_k, row_q5_k), 0, 0, 0},
     [MLS_Q6_K] = {210, 256, ISA(simd_q6_k, row_q6_k), 0, ISA(fused_q6_k, 0), 0},
+    [MLS_IQ2_XXS] = {66, 256, row_iq2_xxs, 0, ISA(fused_iq2_xxs, 0), 0},
+    [MLS_IQ2_XS] = {74, 256, row_iq2_xs, 0, 0, 0},
+    [MLS_IQ3_XXS] = {98, 256, row_iq3_xxs, 0, ISA(fused_iq3_xxs, 0), 0},
+    [MLS_IQ1_S] = {50, 256, row_iq1_s, 0, 0, 0},
+    [MLS_IQ4_NL] = {18, 32, ISA(simd_iq4_nl, row_iq4_nl), 0, ISA(fused_iq4_nl, 0), 0},
+    [MLS_IQ3_S] = {110, 256, row_iq3_s, 0, 0, 0},
+    [MLS_IQ2_S] = {82, 256, row_iq2_s, 0, 0, 0},
+    [MLS_IQ4_XS] = {136, 256, ISA(simd_iq4_xs, row_iq4_xs), 0, ISA(fused_iq4_xs, 0), 0},
+    [MLS_IQ1_M] = {56, 256, row_iq1_m, 0, 0, 0},
+    [MLS_TQ1_0] = {54, 256, row_tq1_0, 0, 0, 0},
+    [MLS_TQ2_0] = {66, 256, row_tq2_0, 0, 0, 0},
     [MLS_MXFP4] = {17, 32, ISA(simd_mxfp4, row_mxfp4), 0, ISA(fused_mxfp4, 0), 0},
 };
 static const mls_type_t FP8_E4M3 = {1, 1, 0, ISA(simd_fp8, row_fp8), 0, 0};

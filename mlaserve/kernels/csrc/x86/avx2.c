@@ -76,6 +76,34 @@ static void simd_mxfp4(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k / 32; i++, b += 17, y += 32) store32_mul(mxfp4_codes32(b + 1), _mm256_set1_ps(e8m0_half(b[0])), y);
 }
 
+/* IQ4_NL / IQ4_XS: the nibbles (low ones first) through a byte table of IQ4_NL's 16 values (all within int8) */
+static inline __m128i iq4nl_table(void) { return _mm_loadu_si128((const __m128i *)IQ4NL_VALUES); }
+
+static inline __m256i iq4_codes32(const uint8_t *q) {
+    const __m128i t = iq4nl_table();
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles32(q));
+}
+
+static void simd_iq4_nl(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 32; i++, b += 18, y += 32) store32_mul(iq4_codes32(b + 2), _mm256_set1_ps(f16(b)), y);
+}
+
+/* IQ4_XS's 8 sub-block scales d * (ls - 32), as ref/iquants.c forms them */
+static inline void iq4_xs_scales(const uint8_t *b, float dl[8]) {
+    const float d = f16(b);
+    const int sh = b[2] | (b[3] << 8);
+    for (int ib = 0; ib < 8; ib++)
+        dl[ib] = d * (float)((((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
+}
+
+static void simd_iq4_xs(const uint8_t *b, float *y, int64_t k) {
+    for (int64_t i = 0; i < k / 256; i++, b += 136) {
+        float dl[8];
+        iq4_xs_scales(b, dl);
+        for (int ib = 0; ib < 8; ib++, y += 32) store32_mul(iq4_codes32(b + 8 + 16 * ib), _mm256_set1_ps(dl[ib]), y);
+    }
+}
+
 static void simd_q4_1(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k / 32; i++, b += 20, y += 32)
         store32_mul_add(nibbles32(b + 4), _mm256_set1_ps(f16(b)), _mm256_set1_ps(f16(b + 2)), y);
@@ -257,6 +285,10 @@ static inline void block_codes16(const uint8_t *b, const int type, __m128i g[2])
         const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
         g[0] = _mm_shuffle_epi8(table, _mm_and_si128(raw, m4));
         g[1] = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    } else if (type == 20 || type == 23) { /* IQ4_NL (b: the block), IQ4_XS (b: a sub-block's 16 bytes) */
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(type == 20 ? b + 2 : b)), m4 = _mm_set1_epi8(0x0F);
+        g[0] = _mm_shuffle_epi8(iq4nl_table(), _mm_and_si128(raw, m4));
+        g[1] = _mm_shuffle_epi8(iq4nl_table(), _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
     } else if (type == 2) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2)), m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
         g[0] = _mm_sub_epi8(_mm_and_si128(raw, m4), eight);
@@ -279,7 +311,9 @@ static inline void block_codes8(const uint8_t *b, const int type, __m128i g[4]) 
     g[0] = h[0], g[1] = _mm_srli_si128(h[0], 8), g[2] = h[1], g[3] = _mm_srli_si128(h[1], 8);
 }
 
-static inline int64_t block_bytes(const int type) { return type == 8 ? 34 : type == 2 ? 18 : type == 39 ? 17 : 22; }
+static inline int64_t block_bytes(const int type) {
+    return type == 8 ? 34 : type == 2 || type == 20 ? 18 : type == 39 ? 17 : 22;
+}
 
 /* a block's scale d: fp16 at its start, or MXFP4's e8m0 byte (the halved power of two its doubled codes take) */
 static inline float block_d(const uint8_t *b, const int type) { return type == 39 ? e8m0_half(b[0]) : f16(b); }
@@ -310,6 +344,65 @@ CODES_MR(fused_q8_0_mr, fused_codes_mr, 8)
 CODES_MR(fused_q4_0_mr, fused_codes_mr, 2)
 CODES_MR(fused_q5_0_mr, fused_codes_mr, 6)
 CODES_MR(fused_mxfp4_mr, fused_codes_mr, 39)
+CODES_MR(fused_iq4_nl_mr, fused_codes_mr, 20)
+
+/* IQ4_XS: each 32-value sub-block as an IQ4_NL block whose d is the sub-block's scale d * (ls - 32) */
+static inline __attribute__((always_inline)) void fused_iq4_xs_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                  const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 136) {
+        float dl[8];
+        iq4_xs_scales(b, dl);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m256 d = _mm256_set1_ps(dl[ib]);
+            __m128i h[2];
+            block_codes16(b + 8 + 16 * ib, 23, h);
+            const __m256 w0 = i8x8(h[0]), w1 = i8x8(_mm_srli_si128(h[0], 8));
+            const __m256 w2 = i8x8(h[1]), w3 = i8x8(_mm_srli_si128(h[1], 8));
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* IQ2_XXS / IQ3_XXS: each 8-value group's grid bytes (magnitudes <= 62: int8) with its 8 sign bits applied, as
+   int8 codes in the low 8 bytes; then the Q8_0 scheme per 32-value sub-block with its scale db
+   (ref/iquants.c forms db the same way) applied to the partial sum. */
+static inline __m128i signed_grid8(uint64_t entry, uint8_t signs) {
+    const __m128i bit = _mm_set_epi64x(0, (long long)0x8040201008040201ull);
+    const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_set1_epi8((char)signs), bit), bit);
+    return _mm_sign_epi8(_mm_cvtsi64_si128((long long)entry), _mm_or_si128(set, _mm_set1_epi8(1)));
+}
+
+static inline __attribute__((always_inline)) void fused_iq_xxs_mr(const uint8_t *b, const int type, const float *x,
+                                                                   int64_t ldx, const int mr, int64_t k, float *y,
+                                                                   int64_t ldy) {
+    __m256 acc[8];
+    const int64_t bytes = type == 16 ? 66 : 98;
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+        const float dsup = f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = b + 2 + 8 * ib;
+            const uint32_t aux = type == 16 ? u32(q + 4) : u32(b + 66 + 4 * ib);
+            const float db = type == 16 ? dsup * (0.5f + (float)(aux >> 28)) * 0.25f
+                                        : dsup * (0.5f + (float)(aux >> 28)) * 0.5f;
+            __m128i g[4];
+            for (int l = 0; l < 4; l++) {
+                const uint64_t entry = type == 16 ? IQ2XXS_GRID[q[l]]
+                                                  : IQ3XXS_GRID[q[2 * l]] | (uint64_t)IQ3XXS_GRID[q[2 * l + 1]] << 32;
+                g[l] = signed_grid8(entry, ksigns((aux >> (7 * l)) & 127));
+            }
+            const __m256 d = _mm256_set1_ps(db);
+            const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+CODES_MR(fused_iq2_xxs_mr, fused_iq_xxs_mr, 16)
+CODES_MR(fused_iq3_xxs_mr, fused_iq_xxs_mr, 18)
 
 /* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
    rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
@@ -472,10 +565,15 @@ FUSED_ROW_FN(fused_q8_0, fused_q8_0_mr, k / 32 * 34, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_0, fused_q4_0_mr, k / 32 * 18, FUSED_ROWS)
 FUSED_ROW_FN(fused_q5_0, fused_q5_0_mr, k / 32 * 22, FUSED_ROWS)
 FUSED_ROW_FN(fused_mxfp4, fused_mxfp4_mr, k / 32 * 17, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq4_nl, fused_iq4_nl_mr, k / 32 * 18, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq4_xs, fused_iq4_xs_mr, k / 256 * 136, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
 FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
 SCALED_ROW_FN(fused_int4, fused_int4_mr, k / 2, FUSED_ROWS)
 #endif
+/* the 8-lane kernels in both builds (no 16-lane variant yet) */
+FUSED_ROW_FN(fused_iq2_xxs, fused_iq2_xxs_mr, k / 256 * 66, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq3_xxs, fused_iq3_xxs_mr, k / 256 * 98, FUSED_ROWS)
 
 /* ---------------------------------------------------------------- int8 activations (int8.c): the row kernels
    One weight row (raw blocks b) times m quantized activation rows (xq [m, k] int8, xd [m, k / 32]) ->

@@ -32,6 +32,26 @@ CODES_MR(wide_q8_0_mr, wide_codes_mr, 8)
 CODES_MR(wide_q4_0_mr, wide_codes_mr, 2)
 CODES_MR(wide_q5_0_mr, wide_codes_mr, 6)
 CODES_MR(wide_mxfp4_mr, wide_codes_mr, 39)
+CODES_MR(wide_iq4_nl_mr, wide_codes_mr, 20)
+
+/* IQ4_XS: each sub-block as an IQ4_NL block with its scale (x86/avx2.c fused_iq4_xs_mr) */
+static inline __attribute__((always_inline)) void wide_iq4_xs_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m512 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 136) {
+        float dl[8];
+        iq4_xs_scales(b, dl);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512 d = _mm512_set1_ps(dl[ib]);
+            __m128i g[2];
+            block_codes16(b + 8 + 16 * ib, 23, g);
+            const __m512 w0 = i8x16(g[0]), w1 = i8x16(g[1]);
+            WIDE_BLOCK(mr, acc, d, w0, w1, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
 
 static inline __attribute__((always_inline)) void wide_q4_k_mr(const uint8_t *b, const float *x, int64_t ldx,
                                                                const int mr, int64_t k, float *y, int64_t ldy) {
@@ -112,6 +132,8 @@ FUSED_ROW_FN(fused_q8_0, wide_q8_0_mr, k / 32 * 34, 8)
 FUSED_ROW_FN(fused_q4_0, wide_q4_0_mr, k / 32 * 18, 8)
 FUSED_ROW_FN(fused_q5_0, wide_q5_0_mr, k / 32 * 22, 8)
 FUSED_ROW_FN(fused_mxfp4, wide_mxfp4_mr, k / 32 * 17, 8)
+FUSED_ROW_FN(fused_iq4_nl, wide_iq4_nl_mr, k / 32 * 18, 8)
+FUSED_ROW_FN(fused_iq4_xs, wide_iq4_xs_mr, k / 256 * 136, 8)
 FUSED_ROW_FN(fused_q4_k, wide_q4_k_mr, k / 256 * 144, 8)
 FUSED_ROW_FN(fused_q6_k, wide_q6_k_mr, k / 256 * 210, 8)
 SCALED_ROW_FN(fused_int4, wide_int4_mr, k / 2, 8)
