@@ -13,6 +13,9 @@ Window w (absolute) with its m slots' kv_j, gate z_j (+ B_j):
   row_w <- rope_compress(kv_norm(row_w), position w m)
 The carry (state.CompressorCarry) holds the open window's raw rows and, for CSA, the Ca half of the last
 closed window, so a chunked sequence pools exactly the windows of one pass.
+Two forms of the same pooling: `close`, one sequence's rows (the plain reference), and `close_step`, the windows
+every sequence of a step closes at once, [N, m (2m), D] with one softmax, over the cache's carry tensors through
+a step_update.WindowPlan (index tensors computed once per step).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from mlaserve.models.deepseek_v4.norm import RMSNorm
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CompressedPool, CompressorCarry
+from mlaserve.models.deepseek_v4.step_update import WindowPlan
 
 
 class Compressor(nn.Module):
@@ -62,6 +66,45 @@ class Compressor(nn.Module):
         positions = (torch.arange(n, device=device) + pool.n) * m
         cos, sin = tables.cos_sin("compress", positions, pooled.dtype)
         pool.append(rotate_trailing(pooled, cos, sin))
+
+    def close_step(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        plan: WindowPlan,
+        carry: torch.Tensor,
+        overlap: torch.Tensor | None,
+        overlap_snapshot: torch.Tensor | None,
+        tables: V4RopeTables,
+    ) -> torch.Tensor:
+        """The step's projected rows kv, gate [T, width] -> the N rows every sequence's closed windows pool to
+        [N, D] (in plan order); updates the cache's carry [slots, 2, m, width] and (CSA) overlap [slots, 2, m, D]
+        and its page snapshots. The same values through the same ops as `close` per sequence."""
+        d = self.dim
+        old = carry.index_select(0, plan.seq_slots)  # [B, 2, m, width]: read before the carry writes below
+        src_kv = torch.cat([kv.to(carry.dtype), old[:, 0].flatten(0, 1)], dim=0)  # [T + B m, width]
+        src_gate = torch.cat([gate.to(carry.dtype), old[:, 1].flatten(0, 1)], dim=0)
+        carry[plan.carry_slot, 0, plan.carry_pos] = src_kv[plan.carry_row]
+        carry[plan.carry_slot, 1, plan.carry_pos] = src_gate[plan.carry_row]
+        wkv = src_kv[plan.src]  # [N, m, width]
+        wgate = src_gate[plan.src] + self.position_bias
+        if self.overlap:  # [N, 2m, D]: the previous window's Ca half, then this window's Cb half
+            halves = overlap.index_select(0, plan.seq_slots)  # [B, 2, m, D]
+            ca_kv = torch.cat([halves[:, 0], wkv[..., :d]], dim=0)[plan.prev]
+            ca_gate = torch.cat([halves[:, 1], wgate[..., :d]], dim=0)[plan.prev]
+            has = plan.has_prev[:, None, None]
+            ca_kv = torch.where(has, ca_kv, torch.zeros((), dtype=ca_kv.dtype, device=ca_kv.device))
+            ca_gate = torch.where(has, ca_gate, torch.full((), float("-inf"), dtype=ca_gate.dtype, device=kv.device))
+            overlap[plan.overlap_slot, 0] = wkv[plan.overlap_win, :, :d]
+            overlap[plan.overlap_slot, 1] = wgate[plan.overlap_win, :, :d]
+            if overlap_snapshot is not None:
+                overlap_snapshot[plan.snap_page, 0] = wkv[plan.snap_win, :, :d]
+                overlap_snapshot[plan.snap_page, 1] = wgate[plan.snap_win, :, :d]
+            wkv = torch.cat([ca_kv, wkv[..., d:]], dim=1)
+            wgate = torch.cat([ca_gate, wgate[..., d:]], dim=1)
+        pooled = self.kv_norm((wkv * wgate.softmax(dim=1, dtype=torch.float32).to(wkv.dtype)).sum(dim=1))
+        cos, sin = tables.cos_sin("compress", plan.positions, pooled.dtype)
+        return rotate_trailing(pooled, cos, sin)
 
     def _overlap(
         self, kv: torch.Tensor, gate: torch.Tensor, carry: CompressorCarry, had_window: bool
