@@ -95,11 +95,12 @@ class Compressor(nn.Module):
             has = plan.has_prev[:, None, None]
             ca_kv = torch.where(has, ca_kv, torch.zeros((), dtype=ca_kv.dtype, device=ca_kv.device))
             ca_gate = torch.where(has, ca_gate, torch.full((), float("-inf"), dtype=ca_gate.dtype, device=kv.device))
-            overlap[plan.overlap_slot, 0] = wkv[plan.overlap_win, :, :d]
-            overlap[plan.overlap_slot, 1] = wgate[plan.overlap_win, :, :d]
+            # stored in the cache's dtype (the gate carries the fp32 position bias), as the reference's copy_
+            overlap[plan.overlap_slot, 0] = wkv[plan.overlap_win, :, :d].to(overlap.dtype)
+            overlap[plan.overlap_slot, 1] = wgate[plan.overlap_win, :, :d].to(overlap.dtype)
             if overlap_snapshot is not None:
-                overlap_snapshot[plan.snap_page, 0] = wkv[plan.snap_win, :, :d]
-                overlap_snapshot[plan.snap_page, 1] = wgate[plan.snap_win, :, :d]
+                overlap_snapshot[plan.snap_page, 0] = wkv[plan.snap_win, :, :d].to(overlap_snapshot.dtype)
+                overlap_snapshot[plan.snap_page, 1] = wgate[plan.snap_win, :, :d].to(overlap_snapshot.dtype)
             wkv = torch.cat([ca_kv, wkv[..., d:]], dim=1)
             wgate = torch.cat([ca_gate, wgate[..., d:]], dim=1)
         pooled = self.kv_norm((wkv * wgate.softmax(dim=1, dtype=torch.float32).to(wkv.dtype)).sum(dim=1))
