@@ -81,17 +81,18 @@ class Compressor(nn.Module):
         [N, D] (in plan order); updates the cache's carry [slots, 2, m, width] and (CSA) overlap [slots, 2, m, D]
         and its page snapshots. The same values through the same ops as `close` per sequence."""
         d = self.dim
-        old = carry.index_select(0, plan.seq_slots)  # [B, 2, m, width]: read before the carry writes below
-        src_kv = torch.cat([kv.to(carry.dtype), old[:, 0].flatten(0, 1)], dim=0)  # [T + B m, width]
-        src_gate = torch.cat([gate.to(carry.dtype), old[:, 1].flatten(0, 1)], dim=0)
-        carry[plan.carry_slot, 0, plan.carry_pos] = src_kv[plan.carry_row]
-        carry[plan.carry_slot, 1, plan.carry_pos] = src_gate[plan.carry_row]
-        wkv = src_kv[plan.src]  # [N, m, width]
-        wgate = src_gate[plan.src] + self.position_bias
+        kv, gate = kv.to(carry.dtype), gate.to(carry.dtype)
+        # the windows' slots: row j of the sequence's carry (read before the carry writes below) or a step row
+        own = carry.index_select(0, plan.win_slot)  # [N, 2, m, width]: N windows' carries, not every sequence's
+        pick = plan.from_carry[..., None]
+        wkv = torch.where(pick, own[:, 0], kv[plan.step_row])  # [N, m, width]
+        wgate = torch.where(pick, own[:, 1], gate[plan.step_row]) + self.position_bias
+        carry[plan.carry_slot, 0, plan.carry_pos] = kv[plan.carry_from]
+        carry[plan.carry_slot, 1, plan.carry_pos] = gate[plan.carry_from]
         if self.overlap:  # [N, 2m, D]: the previous window's Ca half, then this window's Cb half
-            halves = overlap.index_select(0, plan.seq_slots)  # [B, 2, m, D]
-            ca_kv = torch.cat([halves[:, 0], wkv[..., :d]], dim=0)[plan.prev]
-            ca_gate = torch.cat([halves[:, 1], wgate[..., :d]], dim=0)[plan.prev]
+            stored = plan.prev_stored[:, None, None]
+            ca_kv = torch.where(stored, overlap[plan.prev_slot, 0], wkv[plan.prev_win, :, :d])
+            ca_gate = torch.where(stored, overlap[plan.prev_slot, 1], wgate[plan.prev_win, :, :d])
             has = plan.has_prev[:, None, None]
             ca_kv = torch.where(has, ca_kv, torch.zeros((), dtype=ca_kv.dtype, device=ca_kv.device))
             ca_gate = torch.where(has, ca_gate, torch.full((), float("-inf"), dtype=ca_gate.dtype, device=kv.device))

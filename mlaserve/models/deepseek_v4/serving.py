@@ -169,12 +169,9 @@ class V4Serving(nn.Module):
         pools: list[StepRows] = []
         plans = None
         if self.batched_state:  # the step's update as index tensors, once per step (W) and per ratio
-            n_rows = input_ids.shape[0]
             window = self.config.attention.sliding_window
             ring = ring_plan(step.seq_spans, step.snapshots, window, device)
-            windows = {
-                m: window_plan(step.seq_spans, step.snapshots, m, torch.cat(slots[m][2]), n_rows) for m in ratios
-            }
+            windows = {m: window_plan(step.seq_spans, step.snapshots, m, torch.cat(slots[m][2])) for m in ratios}
             plans = (ring, windows)
         built = [step_states(step, layer, slots, pools, plans) for layer in cache.layers]
         per_layer = [states for states, _ in built]

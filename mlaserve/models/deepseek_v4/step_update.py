@@ -16,12 +16,14 @@ Ring (RingPlan, one per step: W is the model's):
   snapshot at (k, page): the slot's ring before the step, overlaid with positions max(c_b, c_b+k-W) .. c_b+k-1
           (the W rows ending at c_b + k: rows older than the step keep their ring slot, as in the reference)
 Windows (WindowPlan, one per ratio): sequence b closes windows w = c_b // m .. (c_b + n_b) // m - 1, N in all
-  (flat, in sequence order, as its pool rows). src [N, m] indexes the source rows [T step rows | B x m old carry
-  rows]: slot j of window w is position p = w m + j, the carry row j when p < c_b (only the first window), else
-  step row a_b + p - c_b. CSA: prev [N] indexes [B old overlaps | N closed windows' Ca] (window w-1: the slot's
-  overlap half b when w-1 closed before the step, else B + its flat index); has_prev [N] is False for window 0 (its Ca
+  (flat, in sequence order, as its pool rows). Slot j of window w is position p = w m + j: the carry row j of
+  slot s_b when p < c_b (only the first window can hold carry rows), else step row a_b + p - c_b; so
+  from_carry [N, m] picks between step_row [N, m] (into the step's rows) and row j of the carry of slot
+  win_slot [N]: gathers of N m rows, whatever the number of sequences or their carry fills.
+  CSA: window w-1's Ca half is the slot's stored overlap half when w-1 closed before the step (prev_stored [N],
+  prev_slot [N]), else the closed window prev_win [N] of this step; has_prev [N] is False for window 0 (its Ca
   slots get gate -inf, kv 0, as the reference). Carry writes: the open window's rows the step adds,
-  (s_b, p - m ((c_b+n_b)//m)) <- step row a_b + p - c_b; overlap writes: (s_b) <- the sequence's last closed
+  (s_b, p - m ((c_b+n_b)//m)) <- step row a_b + p - c_b (carry_from); overlap writes: (s_b) <- the sequence's last closed
   window; overlap snapshot at (k, page) <- the window that closes at c_b + k (a page boundary is a multiple of
   m, so one closes there: the Ca half of the window w = (c_b+k)/m - 1).
 The per-sequence form (attention.py `_advance`, compressor.py `close`) stays the plain reference; this form
@@ -80,16 +82,19 @@ def apply_ring(plan: RingPlan, kv: torch.Tensor, window: torch.Tensor, snapshot:
 @dataclass(frozen=True)
 class WindowPlan:
     ratio: int
-    seq_slots: torch.Tensor  # [B] state slots of the step's sequences (their old carries and overlaps)
-    src: torch.Tensor  # [N, m] into [T step rows | B*m old carry rows]
-    prev: torch.Tensor  # [N] into [B old overlaps | N closed Ca halves] (b where has_prev is False: unread)
-    has_prev: torch.Tensor  # [N] bool
+    from_carry: torch.Tensor  # [N, m] bool: the window's slot j is a carry row (else a step row)
+    step_row: torch.Tensor  # [N, m] the step row (0 where from_carry: unread)
+    win_slot: torch.Tensor  # [N] the state slot of the window's sequence (its carry rows are rows j)
+    prev_stored: torch.Tensor  # [N] bool: window w-1's Ca half is the slot's stored overlap (else closed here)
+    prev_slot: torch.Tensor  # [N] that slot (0 where not prev_stored)
+    prev_win: torch.Tensor  # [N] window w-1's flat index when it closed this step (0 otherwise)
+    has_prev: torch.Tensor  # [N] bool: w > 0
     positions: torch.Tensor  # [N] w m: where each compressed row's rope is taken
     pool_slots: torch.Tensor  # [N] the paged pool's row slots
     starts: tuple[int, ...]  # [B + 1] each sequence's part of the N rows
     carry_slot: torch.Tensor  # [Nc]
     carry_pos: torch.Tensor  # [Nc] row of the open window
-    carry_row: torch.Tensor  # [Nc] step row
+    carry_from: torch.Tensor  # [Nc] step row
     overlap_slot: torch.Tensor  # [No] sequences that closed a window: their state slot
     overlap_win: torch.Tensor  # [No] their last closed window (flat)
     snap_page: torch.Tensor  # [Ns]
@@ -97,18 +102,21 @@ class WindowPlan:
 
 
 def window_plan(
-    spans: tuple[SeqSpan, ...], snapshots: tuple[Boundaries, ...], ratio: int, pool_slots: torch.Tensor, rows: int
+    spans: tuple[SeqSpan, ...], snapshots: tuple[Boundaries, ...], ratio: int, pool_slots: torch.Tensor
 ) -> WindowPlan:
-    """pool_slots [N]: the slots of the rows the step closes, in sequence order (serving.py pool_slots); rows: T."""
+    """pool_slots [N]: the slots of the rows the step closes, in sequence order (serving.py pool_slots)."""
     m, device = ratio, pool_slots.device
-    src, prev, has, pos, starts = [], [], [], [], [0]
+    fc, sr, cw, pst, psl, pwn, has, pos, starts = [], [], [], [], [], [], [], [], [0]
     cs, cp, cr, ovs, ovw, snp, snw = [], [], [], [], [], [], []
-    for b, ((a, n, c, slot), at) in enumerate(zip(spans, snapshots)):
+    for (a, n, c, slot), at in zip(spans, snapshots):
         w0, w1, first = c // m, (c + n) // m, starts[-1]
         for w in range(w0, w1):
-            src.append([rows + b * m + p - w * m if p < c else a + p - c for p in range(w * m, w * m + m)])
-            # window w-1: closed this step (entry B + its flat index), or before it (the slot's overlap: b)
-            prev.append(len(spans) + first + w - w0 - 1 if w > w0 else b)
+            slots = range(w * m, w * m + m)
+            fc.append([p < c for p in slots])
+            sr.append([a + p - c if p >= c else 0 for p in slots])
+            cw.append(slot)
+            stored = w == w0 and w > 0  # window w-1 closed before the step: its Ca half is in the slot
+            pst.append(stored), psl.append(slot if stored else 0), pwn.append(first + w - w0 - 1 if w > w0 else 0)
             has.append(w > 0)
             pos.append(w * m)
         for p in range(max(c, w1 * m), c + n):
@@ -126,9 +134,12 @@ def window_plan(
 
     return WindowPlan(
         m,
-        t([slot for *_, slot in spans]),
-        t(src).view(-1, m),
-        t(prev),
+        t(fc, torch.bool).view(-1, m),
+        t(sr).view(-1, m),
+        t(cw),
+        t(pst, torch.bool),
+        t(psl),
+        t(pwn),
         t(has, torch.bool),
         t(pos),
         pool_slots,
