@@ -83,25 +83,30 @@ class Compressor(nn.Module):
         d = self.dim
         kv, gate = kv.to(carry.dtype), gate.to(carry.dtype)
         # the windows' slots: row j of the sequence's carry (read before the carry writes below) or a step row
+        # (row gathers by index_select throughout: CPU's advanced indexing is several times slower for rows)
         own = carry.index_select(0, plan.win_slot)  # [N, 2, m, width]: N windows' carries, not every sequence's
         pick = plan.from_carry[..., None]
-        wkv = torch.where(pick, own[:, 0], kv[plan.step_row])  # [N, m, width]
-        wgate = torch.where(pick, own[:, 1], gate[plan.step_row]) + self.position_bias
-        carry[plan.carry_slot, 0, plan.carry_pos] = kv[plan.carry_from]
-        carry[plan.carry_slot, 1, plan.carry_pos] = gate[plan.carry_from]
+        rows = plan.step_row.flatten()
+        new_kv = kv.index_select(0, rows).view(*plan.step_row.shape, kv.shape[-1])
+        new_gate = gate.index_select(0, rows).view(*plan.step_row.shape, gate.shape[-1])
+        wkv = torch.where(pick, own[:, 0], new_kv)  # [N, m, width]
+        wgate = torch.where(pick, own[:, 1], new_gate) + self.position_bias
+        carry[plan.carry_slot, 0, plan.carry_pos] = kv.index_select(0, plan.carry_from)
+        carry[plan.carry_slot, 1, plan.carry_pos] = gate.index_select(0, plan.carry_from)
         if self.overlap:  # [N, 2m, D]: the previous window's Ca half, then this window's Cb half
             stored = plan.prev_stored[:, None, None]
-            ca_kv = torch.where(stored, overlap[plan.prev_slot, 0], wkv[plan.prev_win, :, :d])
-            ca_gate = torch.where(stored, overlap[plan.prev_slot, 1], wgate[plan.prev_win, :, :d])
+            halves = overlap.index_select(0, plan.prev_slot)  # [N, 2, m, D]
+            ca_kv = torch.where(stored, halves[:, 0], wkv.index_select(0, plan.prev_win)[..., :d])
+            ca_gate = torch.where(stored, halves[:, 1], wgate.index_select(0, plan.prev_win)[..., :d])
             has = plan.has_prev[:, None, None]
             ca_kv = torch.where(has, ca_kv, torch.zeros((), dtype=ca_kv.dtype, device=ca_kv.device))
             ca_gate = torch.where(has, ca_gate, torch.full((), float("-inf"), dtype=ca_gate.dtype, device=kv.device))
             # stored in the cache's dtype (the gate carries the fp32 position bias), as the reference's copy_
-            overlap[plan.overlap_slot, 0] = wkv[plan.overlap_win, :, :d].to(overlap.dtype)
-            overlap[plan.overlap_slot, 1] = wgate[plan.overlap_win, :, :d].to(overlap.dtype)
+            last = torch.stack([wkv.index_select(0, plan.overlap_win), wgate.index_select(0, plan.overlap_win)], 1)
+            overlap.index_copy_(0, plan.overlap_slot, last[..., :d].to(overlap.dtype))  # [No, 2, m, D]
             if overlap_snapshot is not None:
-                overlap_snapshot[plan.snap_page, 0] = wkv[plan.snap_win, :, :d].to(overlap_snapshot.dtype)
-                overlap_snapshot[plan.snap_page, 1] = wgate[plan.snap_win, :, :d].to(overlap_snapshot.dtype)
+                at = torch.stack([wkv.index_select(0, plan.snap_win), wgate.index_select(0, plan.snap_win)], 1)
+                overlap_snapshot.index_copy_(0, plan.snap_page, at[..., :d].to(overlap_snapshot.dtype))
             wkv = torch.cat([ca_kv, wkv[..., d:]], dim=1)
             wgate = torch.cat([ca_gate, wgate[..., d:]], dim=1)
         pooled = self.kv_norm((wkv * wgate.softmax(dim=1, dtype=torch.float32).to(wkv.dtype)).sum(dim=1))
