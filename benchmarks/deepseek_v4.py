@@ -1,9 +1,13 @@
 """DeepSeek-V4: mlaserve vs transformers on one V4-Flash-shaped model, scaled down to a 2-core CPU machine.
 
     python benchmarks/deepseek_v4.py [--threads 2] [--reps 3] [--contexts 1024 [16384]] [--quick]
-        [--engines mlaserve transformers mlaserve-per-seq] [--cases prefill decode concurrent]
+        [--engines mlaserve transformers mlaserve-per-seq mlaserve-per-seq-state] [--cases prefill decode concurrent]
+        [--profile]
 mlaserve-per-seq is mlaserve with the per-sequence reference softmax in place of the step's padded one
-(the before/after of the batched attention).
+(the before/after of the batched attention); mlaserve-per-seq-state is mlaserve with the per-sequence reference
+state updates (ring, compressors, indexer keys: V4Serving(batched_state=False)) in place of the step's batched
+ones (the before/after of models/deepseek_v4/step_update.py). --profile: each mlaserve engine's 16-concurrent
+decode steps under cProfile once, its time per function of the step (attention's parts, the MoE, ...).
 
 The model (random weights, seed 0, written once by transformers' save_pretrained under benchmarks/models/):
 V4-Flash's per-layer shape with the widths scaled down and its kinds kept: the 512-d shared K=V head, 64-d
@@ -123,14 +127,20 @@ def _spread(ts: list[float]) -> dict:
 class Mlaserve:
     name = "mlaserve"
 
-    def __init__(self, folder: Path, batched: bool = True) -> None:
+    def __init__(self, folder: Path, batched: bool = True, batched_state: bool = True) -> None:
         from mlaserve.entrypoints.llm import LLM
+        from mlaserve.models.deepseek_v4.serving import v4_implementation
 
         self.llm = LLM(str(folder), dtype="float32", max_num_seqs=16, max_num_batched_tokens=2048)
         if not batched:  # the per-sequence reference softmax (models/deepseek_v4/attention.py), for before/after
             self.name = "mlaserve-per-seq"
             for layer in self.llm.runner.model.inner.model.layers:
                 layer.self_attn.batched = False
+        if not batched_state:  # the per-sequence reference state updates (V4Serving), for before/after
+            self.name = "mlaserve-per-seq-state"
+            model = self.llm.runner.model
+            model.batched_state = False
+            model.v4_implementation = v4_implementation(model.batched_attention, False)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
         """(step seconds, outputs) for every step of the requests to the end."""
@@ -148,6 +158,34 @@ class Mlaserve:
 
     def prefill(self, ids: list[int]) -> float:
         return sum(t for t, _ in self._run([ids], 1))
+
+    def profile_decode(self, prompts: list[list[int]]) -> str:
+        """cProfile of DECODE_STEPS decode steps with every request in the step (after their prefills): the
+        step's time per function (cumulative), the engine's own functions first."""
+        import cProfile
+        import io
+        import pstats
+
+        from mlaserve.sampling.params import SamplingParams
+
+        engine = self.llm.engine
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 2, ignore_eos=True))
+        done = 0
+        while done < len(prompts):  # the prefills (each request's first token)
+            done += sum(len(o.outputs[0].token_ids) == 1 for o in engine.step())
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(DECODE_STEPS):
+            engine.step()
+        prof.disable()
+        wall = time.perf_counter() - t0
+        while engine.has_unfinished():
+            engine.step()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(r"mlaserve|torch/nn/functional", 40)
+        return f"{self.name}: {DECODE_STEPS} decode steps of {len(prompts)} in {wall:.2f} s\n{out.getvalue()}"
 
     def decode(self, prompts: list[list[int]]) -> float:
         """Mean step time of the DECODE_STEPS steps after every request has its first token."""
@@ -190,6 +228,7 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["mlaserve", "transformers"])
     ap.add_argument("--cases", nargs="+", default=None, help="a subset: prefill, decode, concurrent")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile each mlaserve engine's 16 concurrent decode")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -197,6 +236,7 @@ def main() -> None:
     folder = ensure_v4_model(args.quick)
     vocab = MODEL["vocab_size"]
     makers = {"mlaserve": Mlaserve, "mlaserve-per-seq": lambda f: Mlaserve(f, batched=False)}
+    makers["mlaserve-per-seq-state"] = lambda f: Mlaserve(f, batched_state=False)
     makers["transformers"] = Transformers
     engines = [makers[e](folder) for e in args.engines]
     cases = {"prefill 512": ("prefill", random_prompt(512, vocab, 1))}
@@ -206,6 +246,13 @@ def main() -> None:
     if args.cases:
         cases = {c: v for c, v in cases.items() if any(c.startswith(k) or k in c for k in args.cases)}
     raw: dict[str, dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
+    profiles = {}
+    if args.profile:  # before the timed reps (the profiler's own overhead stays out of them)
+        concurrent = [random_prompt(128, vocab, 10 + i) for i in range(16)]
+        for e in engines:
+            if isinstance(e, Mlaserve):
+                profiles[e.name] = e.profile_decode(concurrent)
+                print(profiles[e.name], flush=True)
     for rep in range(args.reps):
         order = engines if rep % 2 == 0 else engines[::-1]  # alternate: neither engine always runs first
         for case, (what, arg) in cases.items():
@@ -241,7 +288,7 @@ def main() -> None:
     env["loadavg_end"] = list(os.getloadavg())
     print(f"load average start {env['loadavg_start']} end {env['loadavg_end']}; cpu {env['cpu']} {env['cpu_simd']}")
     out = args.out or RESULTS_DIR / f"deepseek_v4{'-quick' if args.quick else ''}.json"
-    write_json(out, {"env": env, "model": cfg, "results": results, "kv_bytes_per_token_128k": kv})
+    write_json(out, {"env": env, "model": cfg, "results": results, "kv_bytes_per_token_128k": kv, "profiles": profiles})
 
 
 if __name__ == "__main__":

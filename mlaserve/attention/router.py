@@ -111,7 +111,7 @@ def route_step(
     key_dtype: torch.dtype = torch.float32,
     backend: str = "torch",
     v4_csa_dense: bool = False,
-    v4_implementation: str = "torch:padded_batch",
+    v4_implementation: str = "torch:padded_batch+batched_state",
 ) -> StepRoute:
     """One plan per attention kind of the stack. sparse: the engine runs DSA kinds sparse. DeepSeek-V4:
     v4_csa_dense, its CSA layers attend every visible compressed row (no top-k); v4_implementation, the
@@ -187,7 +187,7 @@ def route_v4(
     kind: LayerKind,
     layers: tuple[int, ...],
     csa_dense: bool = False,
-    implementation: str = "torch:padded_batch",
+    implementation: str = "torch:padded_batch+batched_state",
 ) -> AttentionPlan:
     """A DeepSeek-V4 kind's plan: its decode and prefill segments (the softmax `implementation` the model
     runs: one padded softmax per step over the sequences' keys, or one per sequence,

@@ -119,7 +119,7 @@ class ModelRunner:
             cfg.attention.backend,
             self.v4_csa_dense,
             # DeepSeek-V4: the softmax its model was built to run (V4Serving), recorded as what ran
-            getattr(self.model, "v4_implementation", "torch:padded_batch"),
+            getattr(self.model, "v4_implementation", "torch:padded_batch+batched_state"),
         )
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)

@@ -85,15 +85,17 @@ def _failed(folder) -> set[str]:
 
 def test_a_break_in_resumed_prefill_chunks_fails_only_the_chunked_checks(all_kinds, monkeypatch):
     """Compressed rows closed by a multi-token chunk that resumes a half-filled window come out scaled: one pass
-    (starts empty), token by token (one-token chunks) and the batch (same schedule alone) cannot see it."""
-    real = Compressor.close
+    (starts empty), token by token (one-token chunks) and the batch (same schedule alone) cannot see it. Broken
+    in the engine's batched update (Compressor.close_step): a window whose slots come from the carry and from
+    more than one of the step's rows."""
+    real = Compressor.close_step
 
-    def close(self, kv, gate, carry, pool, tables):
-        if carry.fill > 0 and kv.shape[0] > 1:
-            kv = kv * 1.01
-        return real(self, kv, gate, carry, pool, tables)
+    def close_step(self, kv, gate, plan, *rest):
+        rows = real(self, kv, gate, plan, *rest)
+        resumed = plan.from_carry.any(1) & ((~plan.from_carry).sum(1) > 1)
+        return torch.where(resumed[:, None], rows * 1.01, rows)
 
-    monkeypatch.setattr(Compressor, "close", close)
+    monkeypatch.setattr(Compressor, "close_step", close_step)
     assert _failed(all_kinds) == {"chunked prefill"}
 
 
@@ -102,10 +104,10 @@ def test_a_break_in_decode_steps_fails_the_decode_checks(all_kinds, monkeypatch)
     alone, the decoding sequence runs such steps throughout; beside prefills, not."""
     real = V4Attention.forward
 
-    def forward(self, x, positions, spans, tables, csa_dense=False):
+    def forward(self, x, positions, spans, tables, csa_dense=False, step=None):
         if all(n == 1 for _, n, _, _ in spans):
             x = x * 1.01
-        return real(self, x, positions, spans, tables, csa_dense)
+        return real(self, x, positions, spans, tables, csa_dense, step)
 
     monkeypatch.setattr(V4Attention, "forward", forward)
     assert _failed(all_kinds) == {

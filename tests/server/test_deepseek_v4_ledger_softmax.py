@@ -21,8 +21,8 @@ from mlaserve.observability.trace import MemoryTracer  # noqa: E402
 @pytest.mark.parametrize(
     ("batched", "recorded", "called"),
     [
-        (True, "torch:padded_batch", "_attend_padded"),
-        (False, "torch:per_sequence", "_attend"),
+        (True, "torch:padded_batch+batched_state", "_attend_padded"),
+        (False, "torch:per_sequence+batched_state", "_attend"),
     ],
 )
 def test_the_ledger_names_the_softmax_that_ran(tmp_path, monkeypatch, batched, recorded, called):

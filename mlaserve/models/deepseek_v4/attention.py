@@ -13,10 +13,13 @@ Notation
   out      [S, H, D] p @ kv, rope slice de-rotated at t (-sin), since the values carry rope
   y        [S, hidden] o_b_proj(concat_g o_a_proj_g(out[:, heads of group g]))   grouped low-rank output
 A step holds the chunks of one or more sequences (spans): the projections, norms and rope run over all of its
-tokens at once; the ring, the compressors' windows and the indexer's top-k run per sequence (a Python loop
-over the spans: each updates its own state, with its own row counts; in the engine with prefix caching on, a
-sequence's update runs in pieces ending at the page boundaries its chunk reaches, saving the ring and
-overlap halves after each: the state at a boundary exists only mid-update); the softmax runs per sequence
+tokens at once. The state updates (ring, compressors' windows, indexer keys) run in one of two forms, fixed by
+the caller before the step: `step` None, the plain reference, a Python loop over the spans (each updates its own
+state, with its own row counts; in the engine with prefix caching on, in pieces ending at the page boundaries
+its chunk reaches, saving the ring and overlap halves after each); or a step_update.LayerStep, every
+sequence's update at once through index tensors computed once per step (the engine's path: one pooling of all
+closed windows, one scatter per cache tensor, boundary snapshots computed from the same data). The chunk's keys
+(ring rows before the chunk, pool rows) and the indexer's top-k are read per sequence; the softmax runs per sequence
 (`batched` False: the plain reference) or once for the step over keys padded to [B, K] with masks (`batched`
 True, the engine's path):
   Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence)
@@ -36,6 +39,7 @@ from mlaserve.models.deepseek_v4.indexer import Indexer, visible_rows
 from mlaserve.models.deepseek_v4.norm import RMSNorm, unweighted_rms_norm
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CSAState, HCAState, LayerState
+from mlaserve.models.deepseek_v4.step_update import LayerStep, apply_ring
 
 # one sequence's part of a step: (first row in x, tokens, position of its first token, its layer state)
 Span = tuple[int, int, int, LayerState]
@@ -92,11 +96,13 @@ class V4Attention(nn.Module):
         spans: list[Span],
         tables: V4RopeTables,
         csa_dense: bool = False,
+        step: LayerStep | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] at `positions`: the tokens of one or more sequences, each a Span (its tokens' rows
         a .. a+n-1 of x, at sequence positions start .. start+n-1, continuing its layer state). csa_dense (the
         step's route): a CSA layer attends every causally visible compressed row, its indexer's pool still
-        filled (so later sparse steps continue exactly) but its top-k not applied."""
+        filled (so later sparse steps continue exactly) but its top-k not applied. step: the batched state
+        update's plan and cache tensors (None: the per-sequence reference updates each span's state)."""
         s = x.shape[0]
         cos, sin = tables.cos_sin(self.table, positions, x.dtype)
         # projections, norms and rope over every token of the step at once
@@ -112,23 +118,26 @@ class V4Attention(nn.Module):
             ikv, igate = ix.kv_proj(x), ix.gate_proj(x)
             iq, iw = ix.queries(x, q_latent, positions, tables)
         projected = (kv, ckv, cgate, ikv, igate)
+        if step is not None:  # batched: every sequence's windows close at once; its pools see the new rows
+            self._close_step(step, spans, projected, tables)
 
-        # Per sequence (a Python loop over the step's sequences: each updates its own state, whose row counts
-        # differ): the ring, the compressors' windows and the indexer's choice -> that sequence's keys and mask.
+        # Per sequence (a Python loop over the step's sequences: their key counts differ): the chunk's keys and
+        # mask, the indexer's choice; in the reference form also the state update (ring, windows, indexer keys).
         keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for a, n, start, state in spans:
             b, pos = a + n, positions[a : a + n]
             keys, key_pos = state.ring.keys(kv[a:b], start)  # read before the chunk's rows enter the ring
             visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
-            # the state updates, in pieces that end at the page boundaries the engine keeps snapshots of (plain
-            # data of the step, state.Snapshots): the state after the piece is that page's snapshot row. Pieces
-            # equal one pass, as chunked prefill does (the ring keeps the last W rows; windows close alike).
+            # the reference's state updates, in pieces that end at the page boundaries the engine keeps
+            # snapshots of (plain data of the step, state.Snapshots): the state after the piece is that page's
+            # snapshot row. Pieces equal one pass, as chunked prefill does (the ring keeps the last W rows;
+            # windows close alike).
             done = 0
-            for k, page in state.snapshots.at if state.snapshots is not None else ():
+            for k, page in state.snapshots.at if step is None and state.snapshots is not None else ():
                 self._advance(state, a + done, a + k, start + done, projected, tables)
                 state.snapshots.save(page)
                 done = k
-            if done < n:
+            if step is None and done < n:
                 self._advance(state, a + done, b, start + done, projected, tables)
             if isinstance(state, (HCAState, CSAState)):
                 rows = state.pool.view()
@@ -141,6 +150,8 @@ class V4Attention(nn.Module):
                 keys = torch.cat([keys, rows.to(keys.dtype)], dim=0)
                 visible = torch.cat([visible, chosen], dim=1)
             keyed.append((a, n, keys, visible))
+        if step is not None:  # after every read of the rings' old rows
+            apply_ring(step.ring, kv, step.tensors["window"], step.tensors.get("window_snapshot"))
         if self.batched:  # one padded key set and one softmax for the whole step
             out = self._attend_padded(q, keyed)
         else:  # the plain reference: one softmax per sequence
@@ -161,6 +172,30 @@ class V4Attention(nn.Module):
             self.compressor.close(ckv[lo:hi], cgate[lo:hi], state.carry, state.pool, tables)
         if isinstance(state, CSAState):
             self.compressor.indexer.close(ikv[lo:hi], igate[lo:hi], state.index_carry, state.index_pool, tables)
+
+    def _close_step(self, step: LayerStep, spans: list[Span], projected: tuple, tables: V4RopeTables) -> None:
+        """The batched form of the compressors' part of _advance for every span at once: close the step's windows
+        (kv, and the indexer's keys in a CSA layer), queue their rows for the paged pools in one write each, and
+        hand each span's PagedPool its slice (a loop over Python objects only: each sequence reads its own rows)."""
+        if self.compressor is None:
+            return
+        _, ckv, cgate, ikv, igate = projected
+        t, plan = step.tensors, step.plan
+        rows = self.compressor.close_step(
+            ckv, cgate, plan, t["kv_carry"], t.get("kv_overlap"), t.get("kv_overlap_snapshot"), tables
+        )
+        step.kv_rows.write(plan.pool_slots, rows.to(step.kv_rows.pool.dtype))
+        irows = None
+        if self.kind == "csa":
+            irows = self.compressor.indexer.close_step(
+                ikv, igate, plan, t["index_carry"], t["index_overlap"], t.get("index_overlap_snapshot"), tables
+            )
+            step.index_rows.write(plan.pool_slots, irows.to(step.index_rows.pool.dtype))
+        for b, (*_, state) in enumerate(spans):
+            lo, hi = plan.starts[b], plan.starts[b + 1]
+            state.pool.extend(rows[lo:hi])
+            if irows is not None:
+                state.index_pool.extend(irows[lo:hi])
 
     def _attend_padded(self, q: torch.Tensor, keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """q [T, H, D]; per sequence b (rows a_b .. a_b+n_b-1 of q) its keys [K_b, D] and mask [n_b, K_b]

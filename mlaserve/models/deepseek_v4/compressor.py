@@ -13,6 +13,9 @@ Window w (absolute) with its m slots' kv_j, gate z_j (+ B_j):
   row_w <- rope_compress(kv_norm(row_w), position w m)
 The carry (state.CompressorCarry) holds the open window's raw rows and, for CSA, the Ca half of the last
 closed window, so a chunked sequence pools exactly the windows of one pass.
+Two forms of the same pooling: `close`, one sequence's rows (the plain reference), and `close_step`, the windows
+every sequence of a step closes at once, [N, m (2m), D] with one softmax, over the cache's carry tensors through
+a step_update.WindowPlan (index tensors computed once per step).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from mlaserve.models.deepseek_v4.norm import RMSNorm
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CompressedPool, CompressorCarry
+from mlaserve.models.deepseek_v4.step_update import WindowPlan
 
 
 class Compressor(nn.Module):
@@ -62,6 +66,52 @@ class Compressor(nn.Module):
         positions = (torch.arange(n, device=device) + pool.n) * m
         cos, sin = tables.cos_sin("compress", positions, pooled.dtype)
         pool.append(rotate_trailing(pooled, cos, sin))
+
+    def close_step(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        plan: WindowPlan,
+        carry: torch.Tensor,
+        overlap: torch.Tensor | None,
+        overlap_snapshot: torch.Tensor | None,
+        tables: V4RopeTables,
+    ) -> torch.Tensor:
+        """The step's projected rows kv, gate [T, width] -> the N rows every sequence's closed windows pool to
+        [N, D] (in plan order); updates the cache's carry [slots, 2, m, width] and (CSA) overlap [slots, 2, m, D]
+        and its page snapshots. The same values through the same ops as `close` per sequence."""
+        d = self.dim
+        kv, gate = kv.to(carry.dtype), gate.to(carry.dtype)
+        # the windows' slots: row j of the sequence's carry (read before the carry writes below) or a step row
+        # (row gathers by index_select throughout: CPU's advanced indexing is several times slower for rows)
+        own = carry.index_select(0, plan.win_slot)  # [N, 2, m, width]: N windows' carries, not every sequence's
+        pick = plan.from_carry[..., None]
+        rows = plan.step_row.flatten()
+        new_kv = kv.index_select(0, rows).view(*plan.step_row.shape, kv.shape[-1])
+        new_gate = gate.index_select(0, rows).view(*plan.step_row.shape, gate.shape[-1])
+        wkv = torch.where(pick, own[:, 0], new_kv)  # [N, m, width]
+        wgate = torch.where(pick, own[:, 1], new_gate) + self.position_bias
+        carry[plan.carry_slot, 0, plan.carry_pos] = kv.index_select(0, plan.carry_from)
+        carry[plan.carry_slot, 1, plan.carry_pos] = gate.index_select(0, plan.carry_from)
+        if self.overlap:  # [N, 2m, D]: the previous window's Ca half, then this window's Cb half
+            stored = plan.prev_stored[:, None, None]
+            halves = overlap.index_select(0, plan.prev_slot)  # [N, 2, m, D]
+            ca_kv = torch.where(stored, halves[:, 0], wkv.index_select(0, plan.prev_win)[..., :d])
+            ca_gate = torch.where(stored, halves[:, 1], wgate.index_select(0, plan.prev_win)[..., :d])
+            has = plan.has_prev[:, None, None]
+            ca_kv = torch.where(has, ca_kv, torch.zeros((), dtype=ca_kv.dtype, device=ca_kv.device))
+            ca_gate = torch.where(has, ca_gate, torch.full((), float("-inf"), dtype=ca_gate.dtype, device=kv.device))
+            # stored in the cache's dtype (the gate carries the fp32 position bias), as the reference's copy_
+            last = torch.stack([wkv.index_select(0, plan.overlap_win), wgate.index_select(0, plan.overlap_win)], 1)
+            overlap.index_copy_(0, plan.overlap_slot, last[..., :d].to(overlap.dtype))  # [No, 2, m, D]
+            if overlap_snapshot is not None:
+                at = torch.stack([wkv.index_select(0, plan.snap_win), wgate.index_select(0, plan.snap_win)], 1)
+                overlap_snapshot.index_copy_(0, plan.snap_page, at[..., :d].to(overlap_snapshot.dtype))
+            wkv = torch.cat([ca_kv, wkv[..., d:]], dim=1)
+            wgate = torch.cat([ca_gate, wgate[..., d:]], dim=1)
+        pooled = self.kv_norm((wkv * wgate.softmax(dim=1, dtype=torch.float32).to(wkv.dtype)).sum(dim=1))
+        cos, sin = tables.cos_sin("compress", plan.positions, pooled.dtype)
+        return rotate_trailing(pooled, cos, sin)
 
     def _overlap(
         self, kv: torch.Tensor, gate: torch.Tensor, carry: CompressorCarry, had_window: bool

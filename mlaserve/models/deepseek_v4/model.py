@@ -24,6 +24,7 @@ from mlaserve.models.deepseek_v4.moe import V4MoEBlock
 from mlaserve.models.deepseek_v4.norm import RMSNorm
 from mlaserve.models.deepseek_v4.rope import V4RopeTables
 from mlaserve.models.deepseek_v4.state import LayerState, SequenceState
+from mlaserve.models.deepseek_v4.step_update import LayerStep
 
 
 class V4DecoderLayer(nn.Module):
@@ -45,9 +46,10 @@ class V4DecoderLayer(nn.Module):
         spans: list[Span],
         tables: V4RopeTables,
         csa_dense: bool = False,
+        step: LayerStep | None = None,
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
-        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, spans, tables, csa_dense), h)
+        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, spans, tables, csa_dense, step), h)
         post, comb, x = self.ffn_hc(h)
         return expand(post, comb, self.mlp(self.post_attention_layernorm(x), ids), h)
 
@@ -104,17 +106,25 @@ class DeepseekV4ForCausalLM(nn.Module):
         positions: torch.Tensor,
         spans: list[tuple[int, int, int, list[LayerState]]],
         csa_dense: bool = False,
+        steps: list[LayerStep] | None = None,
     ) -> torch.Tensor:
         """The tokens of several sequences in one step -> final hidden [T, D] (before lm_head). ids, positions
         [T]; per sequence (first row, tokens, position of its first token, its per-layer states). Embedding,
         mHC, norms, projections and the MoE run over all T tokens at once; attention loops over the spans
         (models/deepseek_v4/attention.py). csa_dense: the CSA layers attend every visible compressed row (the
-        route's choice, V4Serving)."""
+        route's choice, V4Serving). steps: per layer the batched state update (V4Serving; None: the
+        per-sequence reference updates each span's states)."""
         m = self.model
         h = m.embed_tokens(ids).unsqueeze(1).expand(-1, m.hc_mult, -1).contiguous()
         for i, layer in enumerate(m.layers):
             h = layer(
-                h, ids, positions, [(a, n, start, states[i]) for a, n, start, states in spans], self.tables, csa_dense
+                h,
+                ids,
+                positions,
+                [(a, n, start, states[i]) for a, n, start, states in spans],
+                self.tables,
+                csa_dense,
+                steps[i] if steps is not None else None,
             )
         return m.norm(m.hc_head(h))
 

@@ -18,8 +18,11 @@ runner zeroed the slot when the sequence (re)started, or restored it from a page
 Snapshots (prefix caching on): at each page boundary its chunk reaches (StepContext.snapshots), a layer
 saves the sequence's ring and overlap halves into that page's snapshot rows (state.Snapshots).
 Attention (attention.py): the softmax runs once for the step over keys padded to [B, K] (batched_attention,
-the default) or per sequence (the plain reference); the state updates (ring, compressors, indexer) loop over
-the step's sequences; projections, MoE and mHC run over all T tokens at once.
+the default) or per sequence (the plain reference); the state updates (ring, compressors, indexer) run batched
+over the step's sequences (batched_state, the default: step_update.py, the index tensors computed here once per
+step, per ratio, with the page-boundary snapshots written from the same data) or per sequence (the plain
+reference, snapshots saved between pieces); projections, MoE and mHC run over all T tokens at once. Both
+switches are constructor data, recorded in the route's implementation (`torch:<softmax>+<state update>`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from mlaserve.models.deepseek_v4.state import (
     Snapshots,
     StepRows,
 )
+from mlaserve.models.deepseek_v4.step_update import LayerStep, RingPlan, WindowPlan, ring_plan, window_plan
 
 # per sequence: (rows it had before the step, slots of the rows its chunk may close)
 PoolSlots = tuple[torch.Tensor, list[int], list[torch.Tensor]]
@@ -77,12 +81,18 @@ def pool_slots(
 
 
 def step_states(
-    step: StepContext, layer: CacheLayer, slots: dict[int, PoolSlots], pools: list[StepRows]
-) -> list[LayerState]:
+    step: StepContext,
+    layer: CacheLayer,
+    slots: dict[int, PoolSlots],
+    pools: list[StepRows],
+    plans: tuple[RingPlan, dict[int, WindowPlan]] | None = None,
+) -> tuple[list[LayerState], LayerStep | None]:
     """One layer's state of every sequence of the step: views of its slots, its paged pools (one StepRows per
-    pool tensor for the step, appended to `pools` for the flush), and where it saves its page snapshots."""
+    pool tensor for the step, appended to `pools` for the flush), and where it saves its page snapshots; with
+    `plans` (the batched update's, for the step) the layer's LayerStep, which then writes the snapshots."""
     t, kind, m = layer.tensors, layer.kind, layer.kind.ratio
     snapped = [s.name for s in kind.per_request if s.snapshot and s.name + "_snapshot" in t]
+    kv_rows = index_rows = None
     if kind.attention != "v4_sliding":
         gather, starts, new = slots[m]
         kv_rows = StepRows(t["kv_pool"], gather, starts)
@@ -90,7 +100,8 @@ def step_states(
         pools.extend(r for r in (kv_rows, index_rows) if r is not None)
     out = []
     for b, ((_, _, context_len, slot), at) in enumerate(zip(step.seq_spans, step.snapshots)):
-        saves = Snapshots(at, [(t[name][slot], t[name + "_snapshot"]) for name in snapped]) if at else None
+        reference_saves = at and plans is None  # the batched update writes the snapshots itself
+        saves = Snapshots(at, [(t[name][slot], t[name + "_snapshot"]) for name in snapped]) if reference_saves else None
         ring = SlidingRing.over(t["window"][slot])
         if kind.attention == "v4_sliding":
             out.append(SlidingState(ring, saves))
@@ -104,7 +115,17 @@ def step_states(
         index_carry = CompressorCarry.over(t["index_carry"][slot], t["index_overlap"][slot], context_len % m)
         index_pool = PagedPool(index_rows, b, context_len // m, new[b])
         out.append(CSAState(ring, carry, pool, index_carry, index_pool, saves))
-    return out
+    if plans is None:
+        return out, None
+    ring_steps, windows = plans
+    batched = LayerStep(ring_steps, windows.get(m), t, kv_rows, index_rows)
+    return out, batched
+
+
+def v4_implementation(batched_attention: bool, batched_state: bool) -> str:
+    """What the route records as running (attention/router.py route_v4): the softmax, then the state update."""
+    softmax = "padded_batch" if batched_attention else "per_sequence"
+    return f"torch:{softmax}+{'batched' if batched_state else 'per_sequence'}_state"
 
 
 class _MainRope:
@@ -120,16 +141,21 @@ class _MainRope:
 class V4Serving(nn.Module):
     """The runner's model: forward(input_ids, step, cache, native) -> hidden [T, D]; logits(hidden)."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, batched_attention: bool = True) -> None:
+    def __init__(
+        self, model: DeepseekV4ForCausalLM, batched_attention: bool = True, batched_state: bool = True
+    ) -> None:
         super().__init__()
         self.inner = model
         self.batched_attention = batched_attention
+        # the state updates: batched over the step's sequences (step_update.py) or the per-sequence reference
+        self.batched_state = batched_state
         for layer in model.model.layers:  # decided once, before any step (attention.py)
             layer.self_attn.batched = batched_attention
         self.config = model.config
         self.rope = _MainRope(model.tables)
         # what the route records as the softmax that runs (attention/router.py route_v4): the same switch
-        self.v4_implementation = "torch:padded_batch" if batched_attention else "torch:per_sequence"
+        # and the state update that runs (the switch forward reads)
+        self.v4_implementation = v4_implementation(batched_attention, batched_state)
 
     def fused_decode(self, step: StepContext, cache: ModelCache) -> None:
         return None  # no native decode layer for V4 yet: the ledger says per_op
@@ -141,14 +167,22 @@ class V4Serving(nn.Module):
         device = input_ids.device
         slots = {m: pool_slots(step.block_tables, step.seq_spans, m, step.page_size, device) for m in ratios}
         pools: list[StepRows] = []
-        per_layer = [step_states(step, layer, slots, pools) for layer in cache.layers]
+        plans = None
+        if self.batched_state:  # the step's update as index tensors, once per step (W) and per ratio
+            window = self.config.attention.sliding_window
+            ring = ring_plan(step.seq_spans, step.snapshots, window, device)
+            windows = {m: window_plan(step.seq_spans, step.snapshots, m, torch.cat(slots[m][2])) for m in ratios}
+            plans = (ring, windows)
+        built = [step_states(step, layer, slots, pools, plans) for layer in cache.layers]
+        per_layer = [states for states, _ in built]
+        steps = [batched for _, batched in built] if plans is not None else None
         spans = [
             (a, n, start, [states[b] for states in per_layer]) for b, (a, n, start, _) in enumerate(step.seq_spans)
         ]
         # the route decided whether the CSA layers run their top-k (plain data of the step, never inferred)
         csa = next((p for p in step.route.plans if p.kind == "v4_csa"), None)
         hidden = self.inner.forward_spans(
-            input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse
+            input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse, steps=steps
         )
         for rows in pools:  # the rows the step closed, one write per pool tensor
             rows.flush()

@@ -143,6 +143,13 @@ class PagedPool:
         self.new.append(rows)
         self.n += k
 
+    def extend(self, rows: torch.Tensor) -> None:
+        """The rows the step's batched update closed for this sequence (step_update.py), already queued for the
+        cache with every sequence's rows at once: kept here for the step's reads only."""
+        rows = rows.to(self.step.pool.dtype)
+        self.new.append(rows)
+        self.n += rows.shape[0]
+
     def view(self) -> torch.Tensor:
         return torch.cat([self.step.old(self.b), *self.new], dim=0) if self.new else self.step.old(self.b)
 
