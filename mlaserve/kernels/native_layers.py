@@ -78,12 +78,14 @@ def latent_mqa8(
     fmt = cache.fmt
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or fmt.quantized != r or fmt.kept != q_pe.shape[2]:
         raise ValueError("latent_mqa8: q_lat / q_pe need unit stride along the row, rows of r codes + dr kept")
-    if q_index.dtype != torch.int64 or not q_index.is_contiguous() or cache.kept.dtype != torch.float32:
+    # no kept values when the rows have no rope part (qk_rope_head_dim 0, NoPE MLA): dr = 0, nothing to read
+    kept = 0 if cache.kept is None else cache.kept.data_ptr()
+    if q_index.dtype != torch.int64 or not q_index.is_contiguous() or (kept and cache.kept.dtype != torch.float32):
         raise ValueError("latent_mqa8: q_index must be contiguous int64, the kept values fp32")
     out = torch.empty(b, nq, h, r, dtype=torch.float32)
     rc = library().mls_latent_mqa8(
         q_lat.data_ptr(), q_lat.stride(0), q_lat.stride(1), q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1),
-        q_index.data_ptr(), cache.codes.data_ptr(), cache.scales.data_ptr(), cache.kept.data_ptr(),
+        q_index.data_ptr(), cache.codes.data_ptr(), cache.scales.data_ptr(), kept,
         int(fmt.codes == "fp8_e4m3"), fmt.block, slots.data_ptr(), mask.data_ptr(), b, nq, slots.shape[1], h, r,
         q_pe.shape[2], scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

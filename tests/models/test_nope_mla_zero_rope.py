@@ -85,3 +85,31 @@ def test_zero_rope_width_is_exact_on_every_path(zero_rope, mla_path):
         err = (got - want).abs().max().item()
         assert err <= BOUND, f"{mla_path} budget {budget}: max abs {err:.3g}"
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_an_8bit_cache_without_a_rope_part_runs_on_the_native_backend(zero_rope):
+    """kv_cache_dtype int8 on rows with no rope part keeps no values beside the codes (QuantizedRows.kept is
+    None): the native latent MQA reads the codes alone and equals the reference backend over the same 8-bit rows
+    (fp32 rounding, BOUND). Chunks of 4 tokens keep each segment's queries under the native backend's threshold,
+    so its C MQA runs (with longer segments it hands the step to torch, and the test would not see the kernel)."""
+    pytest.importorskip("mlaserve.kernels.native")
+    from mlaserve.kernels import native
+
+    if native.library() is None:
+        pytest.skip("no native library on this machine (no C compiler)")
+    ref, folder = zero_rope
+    ids = random_ids(29, ref.config.vocab_size, 3)
+    got = {}
+    for backend in ("native", "reference"):
+        llm = LLM(
+            str(folder),
+            mla_path="absorbed",
+            kv_cache_dtype="int8",
+            quantization="int8",
+            attention_backend=backend,
+            max_num_batched_tokens=4,
+        )
+        assert llm.runner.cache.layers[0].tensors["latent"].kept is None
+        got[backend] = llm.prompt_logits(ids)
+    err = (got["native"] - got["reference"]).abs().max().item()
+    assert err <= BOUND, f"native vs reference over the same 8-bit rows: max abs {err:.3g}"
