@@ -580,8 +580,12 @@ def _num_pages(
 def _pages_in_memory(
     opts: EngineOptions, page_size: int, log: ProvenanceLog, model: ModelConfig, sparse: bool, dtype: torch.dtype
 ) -> int:
-    """kv_cache_memory GiB / (page_size x the bytes a token's paged rows take in the kv_cache_dtype layout)."""
-    from mlaserve.config.layer_kinds import declare_layers  # imports torch, which this module otherwise does not
+    """kv_cache_memory GiB / the bytes a page takes: page_size x the bytes a token's paged rows take in the
+    kv_cache_dtype layout, plus the page's snapshot rows of the request states that keep them (with prefix
+    caching on, one row per page of each snapshotted state: Kimi-Linear's recurrent states, DeepSeek-V4's rings;
+    the cache allocates them per page, so a budget without them is overrun)."""
+    # imports torch, which this module otherwise does not
+    from mlaserve.config.layer_kinds import declare_layers, prefix_caching_blocker, snapshot_states
 
     gib = opts.kv_cache_memory
     if opts.num_pages is not None:
@@ -593,9 +597,13 @@ def _pages_in_memory(
     per_token = sum(s.bytes_per_row(size) // s.tokens_per_row for k in kinds for s in k.paged)
     if per_token == 0:
         raise ConfigError(f"kv_cache_memory sizes paged cache rows; {model.model_type} keeps none (use num_pages)")
-    pages = int(gib * 2**30 // (per_token * page_size))
+    snapshots = opts.enable_prefix_caching and prefix_caching_blocker(kinds) is None
+    per_snapshot = sum(s.values_per_request() * s.element_size(dtype) for _, s in snapshot_states(kinds))
+    per_page = per_token * page_size + (per_snapshot if snapshots else 0)
+    pages = int(gib * 2**30 // per_page)
+    snap = f" + {per_snapshot} bytes of page-boundary snapshots" if snapshots and per_snapshot else ""
     if pages < 1:
-        raise ConfigError(f"kv_cache_memory={gib} GiB holds no page of {page_size} tokens x {per_token} bytes")
+        raise ConfigError(f"kv_cache_memory={gib} GiB holds no page of {page_size} tokens x {per_token} bytes{snap}")
     log.record("kv_cache_memory", gib, "user option")
-    why = f"kv_cache_memory {gib} GiB / ({page_size} tokens x {per_token} bytes per token, {opts.kv_cache_dtype})"
+    why = f"kv_cache_memory {gib} GiB / ({page_size} tokens x {per_token} bytes per token{snap}, {opts.kv_cache_dtype})"
     return log.record("num_pages", pages, why)
