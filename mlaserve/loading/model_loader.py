@@ -276,6 +276,11 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
             opts.speculative is not None,
             "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
         ),
+        # refused here, before any weight is read (config/kv_cache.py quantize_states refuses it again later)
+        "kv_cache_dtype": (
+            opts.kv_cache_dtype != "auto",
+            "its window and compressed rows are kept in the compute dtype; 8-bit rows are built for MLA latent rows",
+        ),
     }
     for name, (given, why) in refused.items():
         if given:
@@ -309,10 +314,10 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         )
     if v4.skipped:
         report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
-    report.notes.append(
-        "DeepSeek-V4: state updates per sequence over its request states, one padded softmax per step (models/deepseek_v4)"
-    )
     serving = V4Serving(model.to(cfg.runtime.device)).eval()
+    report.notes.append(
+        f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
+    )
     gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
     return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)
 
