@@ -74,7 +74,11 @@ class EngineOptions:
     mla_path: str = _opt(
         "auto", "auto: decode -> absorbed MQA, prefill -> decompressed MHA; or one path for all", MLA_PATHS
     )
-    page_size: int = _opt(16, "tokens per page of the latent cache")
+    page_size: int | None = _opt(
+        None,
+        "tokens per page of the cache (None: 16, or the family's own: DeepSeek-V4 256 rounded up to a multiple of "
+        "every compress ratio)",
+    )
     max_num_batched_tokens: int = _opt(2048, "token budget per step (long prompts are prefilled in chunks of it)")
     max_num_seqs: int = _opt(64, "running requests at most")
     num_pages: int | None = _opt(None, "pages in the cache pool (default: 16 sequences of up to 2048 tokens)")
@@ -371,6 +375,8 @@ def resolve(
     decode_threshold = _decode_threshold(opts.decode_threshold, num_spec, log)
     for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
         value = getattr(opts, name)
+        if name == "page_size" and value is None:
+            continue  # chosen below, per family
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         _user(log, name, value)
@@ -549,13 +555,19 @@ def _index_topk(model: ModelConfig, override: int | None, sparse: bool, log: Pro
     return model.indexer.topk
 
 
-def _page_size(model: ModelConfig, page_size: int, log: ProvenanceLog) -> int:
-    """The page size: the user's, or a family's own default in place of the engine's (DeepSeek-V4: its
-    compressed pools need a multiple of every compress ratio; config/deepseek_v4.py v4_page_size)."""
-    if model.family.layer_kinds != "deepseek_v4" or page_size != option_default("page_size"):
+DEFAULT_PAGE_SIZE = 16
+
+
+def _page_size(model: ModelConfig, page_size: int | None, log: ProvenanceLog) -> int:
+    """The page size: the user's (recorded as given, and checked against the stack's ratios by the cache), else a
+    family's own default (DeepSeek-V4: its compressed pools need a multiple of every compress ratio;
+    config/deepseek_v4.py v4_page_size), else the engine's 16. A given value is never replaced."""
+    if page_size is not None:
         return page_size
-    chosen, why = v4_page_size(model)
-    return log.record("page_size", chosen, why)
+    if model.family is not None and model.family.layer_kinds == "deepseek_v4":
+        chosen, why = v4_page_size(model)
+        return log.record("page_size", chosen, why)
+    return log.record("page_size", DEFAULT_PAGE_SIZE, f"engine default ({DEFAULT_PAGE_SIZE})")
 
 
 def _num_pages(

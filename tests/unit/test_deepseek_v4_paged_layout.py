@@ -76,6 +76,23 @@ def test_the_family_page_size_is_256_rounded_to_every_ratio_and_recorded():
     assert setting.value == 256 and "family default (DeepSeek-V4)" in setting.source and "(4, 128)" in setting.source
     user = resolve(_flash(), make_options(device="cpu", page_size=128), has_indexer_weights=False, max_model_len=4096)
     assert user.cache.page_size == 128  # the user's multiple is kept
+    # a given 16 (the engine's own default elsewhere) is the user's too: kept and recorded as given, never
+    # swapped for the family's 256; the cache then refuses it, naming the layer whose ratio it splits
+    given = resolve(_flash(), make_options(device="cpu", page_size=16), has_indexer_weights=False, max_model_len=4096)
+    assert given.cache.page_size == 16
+    assert next(s for s in given.provenance if s.name == "page_size").source == "user option"
+    with pytest.raises(ConfigError, match="kv_pool keeps one row per 128 tokens; page_size must be"):
+        check_page_size(declare_layers(_flash(), sparse=True), given.cache.page_size)
+
+
+def test_other_models_get_the_engine_page_size_recorded_as_its_default():
+    from hf_models import make_config
+
+    from mlaserve.config.model import ModelConfig
+
+    cfg = resolve(ModelConfig.from_hf(make_config("v3_yarn").to_dict()), make_options(), has_indexer_weights=False)
+    assert cfg.cache.page_size == 16
+    assert next(s for s in cfg.provenance if s.name == "page_size").source == "engine default (16)"
 
 
 def test_a_page_that_splits_a_pool_row_is_refused_naming_the_layer():
