@@ -197,8 +197,8 @@ class EngineOptions:
         "auto",
         "storage of the latent cache rows: auto = the compute dtype; int8 / fp8_e4m3 = c_kv as 8-bit codes with an "
         "fp32 scale per 128 values (k_pe kept in the compute dtype) and, on DSA models, the indexer keys as FP8 e4m3 "
-        "with a scale per token: ~4x the tokens of float32 in the same memory, logits within a bound derived from "
-        "the scales (mlaserve verify)",
+        "with a scale per token: ~2.5-2.9x the tokens of float32 in the same memory (c_kv alone ~3.9x), every "
+        "attention call within a bound derived from the scales (mlaserve verify)",
         KV_CACHE_DTYPES,
     )
     kv_prefault: bool = _opt(
