@@ -22,6 +22,9 @@ from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.sampling.params import SamplingParams
 
 TOL = 1e-5  # fp32 reassociation noise between two orders of the same sums (as test_identities.py)
+# codes that may differ between two routes: measured 0-1 per run (of ~3,500 codes here); 1 in 1,000 leaves room
+# for another CPU's rounding and still fails a route that writes different rows
+MAX_FLIP_FRACTION = 1e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [random_ids(n, seed=n) for n in (5, 17, 1, 33, 9)]
 
@@ -37,7 +40,7 @@ def _compare_caches(a: LLM, b: LLM, n: int) -> int:
     within fp32 noise of a rounding boundary lands on the neighbouring code (one step), which no fp32 tolerance
     can promise away."""
     slots = torch.arange(n)
-    flips = 0
+    flips = codes = 0
     for la, lb in zip(a.runner.cache.layers, b.runner.cache.layers):
         for name, qa in la.tensors.items():
             qb = lb.tensors[name]
@@ -47,6 +50,10 @@ def _compare_caches(a: LLM, b: LLM, n: int) -> int:
             assert bool(((va[:, :q] - vb[:, :q]).abs() <= slack).all()), name
             assert (va[:, q:] - vb[:, q:]).abs().max().item() <= TOL if qa.fmt.kept else True
             flips += int((qa.codes[:n] != qb.codes[:n]).sum())
+            codes += qa.codes[:n].numel()
+    # a flip is a value within fp32 noise of a rounding boundary: rare. Many flips are no longer that (a route that
+    # writes different rows), so they fail here even where the logits cannot be compared
+    assert flips <= max(2, MAX_FLIP_FRACTION * codes), f"{flips} of {codes} codes differ"
     return flips
 
 
