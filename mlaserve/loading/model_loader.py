@@ -30,6 +30,7 @@ from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.models.glm5_next import Glm5NextForCausalLM
 from mlaserve.models.longcat import LongcatForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.at_load import quantize_model
@@ -80,7 +81,8 @@ def build_model(
     all_reduce of a tensor-parallel rank (MLAForCausalLM). `mtp`: MTP layers to build (speculative
     decoding), as `model.mtp`. `prepare(model)`: runs on the meta-device model before anything is
     allocated (GGUF holders swapped in there never allocate the float weights they replace)."""
-    model_cls = LongcatForCausalLM if cfg.sublayers > 1 else MLAForCausalLM  # the family's decoder layer
+    # the family's decoder layer: LongCat-Flash's two sublayers, GLM-5.3-Flash's mHC streams, else one MLA layer
+    model_cls = LongcatForCausalLM if cfg.sublayers > 1 else Glm5NextForCausalLM if cfg.hyper else MLAForCausalLM
     with torch.device("meta"):
         model = model_cls(cfg, **rank)
         if mtp:
