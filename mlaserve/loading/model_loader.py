@@ -171,13 +171,20 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
             f"{path}: quantization={engine_cfg.kernels.quantization!r} is for float checkpoints; this one is already "
             f"{stored} (its stored blocks are used as they are)"
         )
-    if model_cfg.kda is not None:  # Kimi-Linear: what its KDA layers do not run yet, refused with the reason
+    if model_cfg.swiglu_limit is not None and scheme is not None:  # GLM-5.3-Flash's clamps live in the float modules
+        raise ConfigError(
+            f"{path}: {model_cfg.model_type} stored {scheme.method} {scheme.fmt}: not supported (the quantized expert "
+            "and linear holders run the plain SwiGLU, not its swiglu_limit clamps)"
+        )
+    if model_cfg.kda is not None:  # Kimi-Linear, GLM-5.3-Flash: what KDA layers do not run yet, refused with the reason
         for name, given, why in (
             ("tensor_parallel_size", engine_cfg.parallel.tensor_parallel_size > 1, "its KDA layers are not split"),
             ("quantization", engine_cfg.kernels.quantization is not None, "its KDA layers have no quantized holders"),
         ):
             if given:
-                raise ConfigError(f"{path}: kimi_linear with {name}={getattr(opts, name)!r}: not supported ({why})")
+                raise ConfigError(
+                    f"{path}: {model_cfg.model_type} with {name}={getattr(opts, name)!r}: not supported ({why})"
+                )
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
         if engine_cfg.kernels.quantization is not None:
