@@ -384,11 +384,12 @@ class _HFAdapter:
             if act
             else "class default (silu; 'hidden_act' absent)",
         )
-        self.log.record(
-            "latent_norm_eps",
-            LATENT_NORM_EPS,
-            "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says",
-        )
+        if not self.family.glm5_next:  # GLM-5.3-Flash's attention uses rms_norm_eps there (_glm5_next records it)
+            self.log.record(
+                "latent_norm_eps",
+                LATENT_NORM_EPS,
+                "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says",
+            )
         cfg = ModelConfig(
             model_type=self.family.name,
             vocab_size=self.raw["vocab_size"],

@@ -107,8 +107,10 @@ def decide_tie(cfg: ModelConfig, source: TextPartSource) -> ModelConfig:
     has_head = source.has("lm_head.weight")
     tie = not has_head
     flag = next(s for s in cfg.provenance if s.name == "tie_word_embeddings")
+    family = source.family
+    stored = "lm_head.weight" if "lm_head.weight" in family.text_top_level else f"{family.text_prefix}lm_head.weight"
     why = (
-        f"loader: {source.family.text_prefix}lm_head.weight is {'present' if has_head else 'absent'}, so "
+        f"loader: {stored} is {'present' if has_head else 'absent'}, so "
         f"{'a separate lm_head' if has_head else 'lm_head tied to the embeddings'} (the config said {flag.value}: "
         f"{flag.source})"
     )
