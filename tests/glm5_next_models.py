@@ -68,6 +68,18 @@ SPECS = {
         index_kpool=2,
     ),
 }
+# not in SPECS (run by one test only): a "shared" indexer layer right after a full one (the pattern transformers runs;
+# after a KDA layer it raises, docs/GLM5_NEXT.md), and KDA layers whose indexer_types entry is "shared" (unread)
+EXTRA = {
+    "shared_after_full": dict(
+        num_hidden_layers=4,
+        layer_types=[K, M, M, K],
+        indexer_types=["shared", "full", "shared", "full"],
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        linear_num_heads=3,
+        index_kpool=4,
+    ),
+}
 VISION = dict(
     depth=1,
     hidden_size=16,
@@ -85,7 +97,7 @@ VISION = dict(
 def build_hf_glm5_next(spec: str, seed: int = 0):
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    cfg = Glm5NextConfig(text_config=dict(TEXT) | SPECS[spec], vision_config=VISION)
+    cfg = Glm5NextConfig(text_config=dict(TEXT) | (SPECS | EXTRA)[spec], vision_config=VISION)
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(cfg).eval()
     reinit_(model, seed)

@@ -800,6 +800,8 @@ class _HFAdapter:
             return None
         g = self.get
         types = self.raw.get("indexer_types")
+        if self.family.glm5_next:  # per layer, KDA layers included: read by config/glm5_next.py (_glm5_next)
+            types = ["full"] * num_layers
         if types is None:
             types = ["full"] * num_layers
             self.log.record("indexer_types", "all full", "class default (no indexer_types)")

@@ -107,3 +107,17 @@ def test_greedy_in_a_batch_equals_transformers(glm):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == _hf_greedy(ref, p, 10), f"{spec}: prompt of {len(p)} tokens"
+
+
+def test_a_shared_indexer_layer_after_a_full_one(tmp_path):
+    """indexer_types read per layer (a KDA layer's entry unread, even "shared" at layer 0): the full layer holds the
+    pooled indexer, the shared one none; logits == transformers' (which runs a shared layer right after a full one)."""
+    hf = save_hf_glm5_next("shared_after_full", tmp_path, seed=3)
+    ref = float64_copy(hf)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=37)
+    assert llm.config.model.indexer.layer_types == ("none", "full", "shared", "none")
+    kinds = [(k.attention, k.indexer) for k in declare_layers(llm.config.model, sparse=True)]
+    assert kinds == [("kda", None), ("mla_dsa", "pooled"), ("mla_dsa", "shared"), ("kda", None)]
+    assert llm.runner.model.model.layers[2].self_attn.indexer is None
+    ids = random_ids(150, ref.config.text_config.vocab_size, 9)
+    _close(llm.prompt_logits(ids), hf_logits(ref, ids), "shared_after_full length 150 budget 37")
