@@ -239,7 +239,12 @@ def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
     names = sublayer_states(model)
     latents = tuple(StateSpec(name, model.latent_dim) for name in names)
     role = indexer_role(model, i)
-    keys = (StateSpec("index_keys", model.indexer.head_dim),) if sparse and role == "full" else ()
+    keys: tuple[StateSpec, ...] = ()
+    if role == "full" and model.indexer.kpool:  # GLM-5.3-Flash: its own pooled indexer
+        role = "pooled"
+        keys = pooled_indexer_states(model.indexer.head_dim, model.indexer.kpool) if sparse else ()
+    elif sparse and role == "full":
+        keys = (StateSpec("index_keys", model.indexer.head_dim),)
     return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=names if len(names) > 1 else ())
 
 

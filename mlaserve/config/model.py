@@ -170,6 +170,10 @@ class ModelConfig:
     sublayers: int = 1
     latent_scale: LatentScale | None = None  # LongCat-Flash's sqrt(hidden / rank) on q and c_kv
     kda: KDAConfig | None = None  # Kimi-Linear: its KDA (linear-attention) layers; None: every layer MLA
+    # GLM-5.3-Flash: the mHC residual (config/deepseek_v4.py V4HyperConnections: streams, Sinkhorn iterations, eps,
+    # the final collapse a mean) and the SwiGLU clamp of every MLP and expert; None elsewhere
+    hyper: Any = None
+    swiglu_limit: float | None = None
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -380,11 +384,12 @@ class _HFAdapter:
             if act
             else "class default (silu; 'hidden_act' absent)",
         )
-        self.log.record(
-            "latent_norm_eps",
-            LATENT_NORM_EPS,
-            "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says",
-        )
+        if not self.family.glm5_next:  # GLM-5.3-Flash's attention uses rms_norm_eps there (_glm5_next records it)
+            self.log.record(
+                "latent_norm_eps",
+                LATENT_NORM_EPS,
+                "reference: transformers builds q_a_layernorm/kv_a_layernorm with eps 1e-6 whatever rms_norm_eps says",
+            )
         cfg = ModelConfig(
             model_type=self.family.name,
             vocab_size=self.raw["vocab_size"],
@@ -413,8 +418,56 @@ class _HFAdapter:
             kda=self._kda(num_layers),
             provenance=self.log.freeze(),
         )
+        if self.family.glm5_next:
+            cfg = self._glm5_next(cfg)
         check_model_config(cfg, self.source, self.field_sources)
         return cfg
+
+    def _glm5_next(self, cfg: ModelConfig) -> ModelConfig:
+        """GLM-5.3-Flash's schedules and the fields the MLA reader does not know, from config/glm5_next.py's reader
+        (checked there against transformers' own parse), each recorded with its source."""
+        # imported here: config/glm5_next.py builds on this module's KDAConfig and ConfigError
+        from mlaserve.config.glm5_next import read_glm5_next
+
+        layout = read_glm5_next(self.raw, self.source)
+        mlp = tuple("dense" if t == "dense" else "moe" for t in layout.mlp_layer_types)
+        if any(t == "moe" for t in mlp) and cfg.moe is None:
+            raise ConfigError(f"{self.source}: mlp_layer_types names sparse layers but n_routed_experts is not set")
+        # KDA layers have no indexer; an indexed layer's role is its indexer_types entry
+        roles = tuple(
+            "none" if t != "indexed_attention" else r for t, r in zip(layout.layer_types, layout.indexer_types)
+        )
+        indexer = replace(cfg.indexer, layer_types=roles, kpool=layout.index_kpool, topk=layout.index_topk)
+        # The pooled indexer's step route is not built yet (docs/GLM5_NEXT.md): the MLA layers run dense, which is
+        # the pooled selection itself while a context is <= index_topk tokens (every complete pool is among the top
+        # index_topk // kpool, the tail is always kept), so the context is capped there
+        limit = min(cfg.max_position_embeddings, layout.index_topk)
+        self.log.record(
+            "max_position_embeddings",
+            limit,
+            f"min(max_position_embeddings, index_topk={layout.index_topk}): the pooled DSA route is not built, "
+            "the MLA layers run dense, exact while a context is <= index_topk",
+        )
+        return replace(
+            cfg,
+            max_position_embeddings=limit,
+            mlp_layer_types=mlp,
+            indexer=indexer,
+            kda=layout.kda,
+            hyper=layout.hc,
+            swiglu_limit=layout.swiglu_limit,
+            latent_norm_eps=cfg.rms_norm_eps,
+            provenance=cfg.provenance
+            + layout.provenance
+            + self.log.freeze()[-1:]
+            + (
+                Setting(
+                    "latent_norm_eps",
+                    cfg.rms_norm_eps,
+                    "reference: Glm5NextTextAttention builds q_a_layernorm / kv_a_layernorm with rms_norm_eps",
+                ),
+            ),
+        )
 
     def _decoder_layers(self) -> int:
         """Decoder layers. A family of two attention sublayers per layer (LongCat-Flash) gives `num_layers`;
@@ -747,6 +800,8 @@ class _HFAdapter:
             return None
         g = self.get
         types = self.raw.get("indexer_types")
+        if self.family.glm5_next:  # per layer, KDA layers included: read by config/glm5_next.py (_glm5_next)
+            types = ["full"] * num_layers
         if types is None:
             types = ["full"] * num_layers
             self.log.record("indexer_types", "all full", "class default (no indexer_types)")

@@ -30,6 +30,7 @@ from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
 from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.models.glm5_next import Glm5NextForCausalLM
 from mlaserve.models.longcat import LongcatForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
 from mlaserve.quant.at_load import quantize_model
@@ -80,7 +81,8 @@ def build_model(
     all_reduce of a tensor-parallel rank (MLAForCausalLM). `mtp`: MTP layers to build (speculative
     decoding), as `model.mtp`. `prepare(model)`: runs on the meta-device model before anything is
     allocated (GGUF holders swapped in there never allocate the float weights they replace)."""
-    model_cls = LongcatForCausalLM if cfg.sublayers > 1 else MLAForCausalLM  # the family's decoder layer
+    # the family's decoder layer: LongCat-Flash's two sublayers, GLM-5.3-Flash's mHC streams, else one MLA layer
+    model_cls = LongcatForCausalLM if cfg.sublayers > 1 else Glm5NextForCausalLM if cfg.hyper else MLAForCausalLM
     with torch.device("meta"):
         model = model_cls(cfg, **rank)
         if mtp:
@@ -169,13 +171,20 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
             f"{path}: quantization={engine_cfg.kernels.quantization!r} is for float checkpoints; this one is already "
             f"{stored} (its stored blocks are used as they are)"
         )
-    if model_cfg.kda is not None:  # Kimi-Linear: what its KDA layers do not run yet, refused with the reason
+    if model_cfg.swiglu_limit is not None and scheme is not None:  # GLM-5.3-Flash's clamps live in the float modules
+        raise ConfigError(
+            f"{path}: {model_cfg.model_type} stored {scheme.method} {scheme.fmt}: not supported (the quantized expert "
+            "and linear holders run the plain SwiGLU, not its swiglu_limit clamps)"
+        )
+    if model_cfg.kda is not None:  # Kimi-Linear, GLM-5.3-Flash: what KDA layers do not run yet, refused with the reason
         for name, given, why in (
             ("tensor_parallel_size", engine_cfg.parallel.tensor_parallel_size > 1, "its KDA layers are not split"),
             ("quantization", engine_cfg.kernels.quantization is not None, "its KDA layers have no quantized holders"),
         ):
             if given:
-                raise ConfigError(f"{path}: kimi_linear with {name}={getattr(opts, name)!r}: not supported ({why})")
+                raise ConfigError(
+                    f"{path}: {model_cfg.model_type} with {name}={getattr(opts, name)!r}: not supported ({why})"
+                )
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
         if engine_cfg.kernels.quantization is not None:

@@ -5,6 +5,7 @@ Names, stored -> served:
   language_model.model.layers.N.*   -> model.layers.N.*   (the released checkpoints)
   language_model.model.blocks.N.*   -> model.layers.N.*   (transformers' save_pretrained renames layers to blocks)
   language_model.model.{embed_tokens,norm}.*, language_model.lm_head.weight -> without the prefix
+  model.language_model.X -> model.X, lm_head.weight as is (glm5_next: text_served_prefix, text_top_level)
   the family's skipped prefixes (vision tower, projector) -> skipped, listed with their bytes
 Any other name is an error naming the tensor and its file: nothing is dropped silently.
 """
@@ -49,12 +50,15 @@ class TextPartSource:
             if name.startswith(family.skipped_prefixes):
                 skipped.append(name)
                 continue
+            if name in family.text_top_level:  # the wrapper's own tensor of the text model (GLM's lm_head)
+                self._stored[name] = name
+                continue
             if not name.startswith(family.text_prefix):
                 raise WeightError(
                     f"{source.where(name)}: tensor {name!r} is neither under {family.text_prefix!r} (the text model) "
                     f"nor under {', '.join(family.skipped_prefixes)} (skipped parts) of a {family.name} checkpoint"
                 )
-            served = _BLOCKS.sub(r"model.layers.\1.", name[len(family.text_prefix) :])
+            served = _BLOCKS.sub(r"model.layers.\1.", family.text_served_prefix + name[len(family.text_prefix) :])
             if served in self._stored:
                 raise WeightError(f"{source.where(name)}: {name!r} and {self._stored[served]!r} are both {served!r}")
             self._stored[served] = name
@@ -103,8 +107,10 @@ def decide_tie(cfg: ModelConfig, source: TextPartSource) -> ModelConfig:
     has_head = source.has("lm_head.weight")
     tie = not has_head
     flag = next(s for s in cfg.provenance if s.name == "tie_word_embeddings")
+    family = source.family
+    stored = "lm_head.weight" if "lm_head.weight" in family.text_top_level else f"{family.text_prefix}lm_head.weight"
     why = (
-        f"loader: {source.family.text_prefix}lm_head.weight is {'present' if has_head else 'absent'}, so "
+        f"loader: {stored} is {'present' if has_head else 'absent'}, so "
         f"{'a separate lm_head' if has_head else 'lm_head tied to the embeddings'} (the config said {flag.value}: "
         f"{flag.source})"
     )

@@ -32,6 +32,7 @@ from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.kda.layer import KimiDeltaAttention
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from mlaserve.models.moe import MoE
+from mlaserve.models.pooled_indexer import PooledIndexer
 
 if TYPE_CHECKING:
     from mlaserve.attention.backends import AttentionBackend
@@ -86,7 +87,10 @@ class MLAAttention(KernelSwitch, nn.Module):
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=bias)
         # DSA: a "full" layer owns an indexer; a "shared" layer reuses the previous full layer's top-k.
         full = cfg.indexer is not None and cfg.indexer.layer_types[layer_idx] == "full"
-        self.indexer = Indexer(d, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.indexer) if full else None
+        if full and cfg.indexer.kpool:  # GLM-5.3-Flash's pooled indexer (its route: docs/GLM5_NEXT.md)
+            self.indexer = PooledIndexer(d, cfg.q_lora_rank, cfg.indexer)
+        else:
+            self.indexer = Indexer(d, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.indexer) if full else None
         # W_UK / W_UV also kept as a GGUF's attn_k_b / attn_v_b blocks (quant.ggml_linear.GGUFHeads, set by
         # the loader after the fill); the absorbed path's backend multiplies those instead of kv_b_proj's views
         self.kept_heads = None

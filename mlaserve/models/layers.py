@@ -11,6 +11,7 @@ product between two rotated vectors is unchanged, so queries and cached keys agr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,17 +65,32 @@ def _native_fits(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
-    def __init__(self, hidden: int, inter: int) -> None:
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """GLM-5.3-Flash's (and DeepSeek-V4's) clamps: silu(min(gate, L)) * clamp(up, -L, L)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def activation(limit: float | None):
+    """The SwiGLU product a config names, chosen once at construction: clamped at `limit` (swiglu_limit), or plain."""
+    return swiglu if limit is None else functools.partial(clamped_swiglu, limit=limit)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts (limit: the clamps, activation())."""
+
+    def __init__(self, hidden: int, inter: int, limit: float | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act = activation(limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 def rope_inv_freq(rope: RopeConfig) -> torch.Tensor:

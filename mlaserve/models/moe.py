@@ -19,7 +19,7 @@ from torch import nn
 from mlaserve.config.model import MoEConfig
 from mlaserve.kernels import native
 from mlaserve.kernels.registry import KernelSwitch
-from mlaserve.models.layers import SwiGLU
+from mlaserve.models.layers import SwiGLU, activation
 
 # steps of up to this many tokens take the native router (kernel "native"; its top-k is a plain O(k E) scan per
 # token, one thread); more tokens take the torch router (Gate._route_native's contract)
@@ -117,12 +117,14 @@ class Gate(KernelSwitch, nn.Module):
 class Experts(nn.Module):
     """Routed experts stored stacked: gate_up [E, 2I, D], down [E, D, I]."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+    def __init__(self, hidden: int, cfg: MoEConfig, limit: float | None = None) -> None:
+        """limit: swiglu_limit's clamps on every expert (GLM-5.3-Flash), None: the plain product."""
         super().__init__()
         e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
         self.impl = "grouped_mm"
+        self.act = activation(limit)
 
     def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Where each expert's checkpoint tensors go (the loader stacks them): tensor suffix ->
@@ -145,7 +147,7 @@ class Experts(nn.Module):
         xs = x[token_of]
         gate_up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = gate_up.chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        ys = torch._grouped_mm(self.act(gate, up), self.down_proj.transpose(1, 2), offs=offs)
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -154,7 +156,7 @@ class Experts(nn.Module):
         for e in torch.unique(topk_idx).tolist():
             tok, slot = torch.where(topk_idx == e)
             gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * topk_w[tok, slot, None].to(x.dtype)
+            y = F.linear(self.act(gate, up), self.down_proj[e]) * topk_w[tok, slot, None].to(x.dtype)
             out.index_add_(0, tok, y)
         return out
 
@@ -162,12 +164,13 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     KERNEL_OP = "moe_block"  # native: the decode step in one C call (quant/ggml_linear.py GGUFMoEBlock)
 
-    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+    def __init__(self, hidden: int, cfg: MoEConfig, limit: float | None = None) -> None:
+        """limit: swiglu_limit (GLM-5.3-Flash's clamps, on the routed and the shared experts), None: none."""
         super().__init__()
         self.gate = Gate(hidden, cfg)
-        self.experts = Experts(hidden, cfg)
+        self.experts = Experts(hidden, cfg, limit)
         n_shared = cfg.n_shared_experts
-        self.shared_experts = SwiGLU(hidden, cfg.moe_intermediate_size * n_shared) if n_shared else None
+        self.shared_experts = SwiGLU(hidden, cfg.moe_intermediate_size * n_shared, limit) if n_shared else None
         # the whole block as one native call for decode steps (quant.ggml_linear.GGUFMoEBlock), set by the KernelPlan
         # where every expert weight is a ggml-block holder with the native kernels; per_op below is its reference
         # and its declared fallback for steps outside its contract

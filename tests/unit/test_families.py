@@ -23,6 +23,8 @@ def test_lookup_by_model_type_and_alias():
         "kimi_k25",
         "longcat_flash",
         "kimi_linear",
+        "glm5_next_text",
+        "glm5_next",
     ]
     assert by_model_type("kimi_k2") is by_model_type("deepseek_v3")
     assert by_model_type("llama") is None
@@ -37,10 +39,10 @@ def test_lookup_by_gguf_arch():
     assert gguf_readers("llama") == ()
     # every MLA family's arch reads back as some family (glm4_moe_lite's as deepseek_v3); deepseek4 and
     # kimi-linear (llama.cpp's support not merged upstream) have no GGUF reader yet; longcat_flash has no
-    # llama.cpp arch at all (gguf_arch "")
+    # llama.cpp arch at all (gguf_arch ""), nor has glm5_next
     readable = [f for f in FAMILIES if f.reader == "mla" and f.gguf_arch and f.name != "kimi_linear"]
     assert all(gguf_readers(f.gguf_arch) for f in readable)
-    assert [f.name for f in FAMILIES if not f.gguf_arch] == ["longcat_flash"]
+    assert [f.name for f in FAMILIES if not f.gguf_arch] == ["longcat_flash", "glm5_next_text", "glm5_next"]
     assert gguf_readers("kimi-linear") == ()
     assert gguf_readers("deepseek4") == ()
 

@@ -17,6 +17,7 @@ from mlaserve.config.families.deepseek_v4 import DEEPSEEK_V4
 from mlaserve.config.families.deepseek_v32 import DEEPSEEK_V32
 from mlaserve.config.families.family import Family
 from mlaserve.config.families.glm4_moe_lite import GLM4_MOE_LITE
+from mlaserve.config.families.glm5_next import GLM5_NEXT, GLM5_NEXT_TEXT
 from mlaserve.config.families.glm_moe_dsa import GLM_MOE_DSA
 from mlaserve.config.families.kimi_k25 import KIMI_K25
 from mlaserve.config.families.kimi_linear import KIMI_LINEAR
@@ -45,6 +46,8 @@ FAMILIES: tuple[Family, ...] = (
     KIMI_K25,
     LONGCAT_FLASH,
     KIMI_LINEAR,
+    GLM5_NEXT_TEXT,
+    GLM5_NEXT,
 )
 
 _BY_TYPE = {f.name: f for f in FAMILIES} | {a: f for f in FAMILIES for a in f.aliases}

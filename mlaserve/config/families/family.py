@@ -56,6 +56,10 @@ class Family:
     # under `text_prefix`; tensors under `skipped_prefixes` (vision tower, projector) are skipped and reported.
     text_config: bool = False
     text_prefix: str = ""
+    # what a text tensor's name is served under after text_prefix is cut (GLM-5.3-Flash: model.language_model.X ->
+    # model.X), and the wrapper's own tensors that are the text model's as named (its top-level lm_head.weight)
+    text_served_prefix: str = ""
+    text_top_level: tuple[str, ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
     tie_default: bool = False  # the wrapper class's tie_word_embeddings default (the loader decides by weights)
     reads_mlp_layer_types: bool = False  # config.json's mlp_layer_types decides dense/MoE layers
@@ -78,6 +82,9 @@ class Family:
     # the KDA forget gate's lower bound is read from config.json's linear_lower_bound (GLM-5.3-Flash's "safe gate");
     # False: the gate has none (Kimi-Linear's softplus gate, whatever the config says, as transformers reads it)
     kda_lower_bound: bool = False
+    # GLM-5.3-Flash: the layer / MLP / indexer schedules, KDA widths, index_kpool, mHC and swiglu_limit are read by
+    # config/glm5_next.py (read_glm5_next) instead of the generic MLA reader's rules
+    glm5_next: bool = False
     # NoPE MLA: why its rope slice is never rotated (the rope table is the identity), or None (rotated)
     nope: str | None = None
     # The checkpoint's tensor names read as the model's: (regex, replacement) applied in order by the strict
