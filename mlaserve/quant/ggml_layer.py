@@ -226,6 +226,8 @@ class GGUFDecodeLayer:
     @staticmethod
     def unfit(layer: DecoderLayer) -> str | None:
         """Why this layer cannot run its decode steps as one native call, or None."""
+        if not isinstance(layer.self_attn, MLAAttention):  # Kimi-Linear's KDA layers (a GGUF's too)
+            return f"{type(layer.self_attn).__name__} layer: the one call repeats an MLA layer"
         attn, cfg = layer.self_attn, layer.self_attn.cfg
         if (why := _structure_unfit(layer)) is not None:
             return why
