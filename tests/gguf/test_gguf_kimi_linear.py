@@ -121,7 +121,10 @@ def test_an_f32_file_reads_back_the_saved_weights(files):
     "broken, message",
     [
         (dict(drop_tensors=("blk.0.ssm_f_b.weight",)), "missing tensor 'blk.0.ssm_f_b.weight'"),
-        (dict(drop_tensors=("blk.3.ssm_a",)), "missing tensor 'blk.3.ssm_a' (needed for model.layers.3.self_attn.A_log)"),
+        (
+            dict(drop_tensors=("blk.3.ssm_a",)),
+            "missing tensor 'blk.3.ssm_a' (needed for model.layers.3.self_attn.A_log)",
+        ),
         (dict(drop_tensors=("blk.1.attn_k_b.weight",)), "'blk.1.attn_k_b.weight'"),
         (dict(reshape={"blk.2.ssm_beta.weight": (4, 64)}), "tensor 'blk.2.ssm_beta.weight' has shape [4, 64]"),
         (dict(reshape={"blk.0.ssm_conv1d_k.weight": (1, 160, 1, 3)}), "tensor 'blk.0.ssm_conv1d_k.weight' has shape"),
