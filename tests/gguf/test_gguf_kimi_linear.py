@@ -152,3 +152,53 @@ def test_inspect_shows_layer_kinds_with_their_source_and_block_types(files, caps
     assert "layers 0, 2-3: kda; cache: recurrent [5 x 32 x 32]" in out and "layers 1: mla;" in out
     assert "gguf:kimi-linear.kda.head_dim" in out and "gguf:kimi-linear.ssm.conv_kernel" in out
     assert "gguf Q8_0 model.layers.*.self_attn.f_b_proj" in out and "gguf Q8_0 model.layers.*.mlp.experts" in out
+
+
+def test_ssm_a_not_negative_is_an_error_naming_it(files, tmp_path):
+    """A file holding A_log itself where llama.cpp stores A = -exp(A_log) (one value >= 0) is refused, not read."""
+    import numpy as np
+    from gguf_helpers import gguf_f32, rewrite_gguf
+
+    from mlaserve.gguf.read.checkpoint import load_gguf
+
+    src = files[0] / "model.gguf"
+    a = gguf_f32(src, "blk.2.ssm_a").copy()
+    a.flat[3] = 0.5
+    rewrite_gguf(src, tmp_path / "bad.gguf", replace={"blk.2.ssm_a": a.astype(np.float32)})
+    with pytest.raises(GGUFError, match=r"tensor 'blk\.2\.ssm_a' must be negative everywhere"):
+        load_gguf(tmp_path / "bad.gguf")
+
+
+def test_wrongly_typed_key_is_an_error(files, tmp_path):
+    import gguf
+    from gguf_helpers import rewrite_gguf
+
+    from mlaserve.gguf.read.checkpoint import load_gguf
+
+    bad = {"kimi-linear.kda.head_dim": ("thirty-two", gguf.GGUFValueType.STRING)}
+    rewrite_gguf(files[0] / "model.gguf", tmp_path / "bad.gguf", set_keys=bad)
+    with pytest.raises(GGUFError, match="'kimi-linear.kda.head_dim' must be an integer"):
+        load_gguf(tmp_path / "bad.gguf")
+
+
+def test_a_scalar_head_count_serves_both_layer_kinds(tmp_path):
+    """llama.cpp may write attention.head_count as one number (the released model: 32 KDA and 32 MLA heads): both
+    kinds read it, and the model equals transformers'."""
+    import gguf
+    from gguf_helpers import rewrite_gguf
+    from transformers import KimiLinearForCausalLM
+
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.gguf.read.checkpoint import load_gguf
+
+    save_block_kimi(tmp_path / "float", seed=4, linear_num_heads=3)
+    deq = write_kimi_gguf(tmp_path / "float", tmp_path / "arr.gguf")
+    scalar = {"kimi-linear.attention.head_count": (3, gguf.GGUFValueType.UINT32)}
+    rewrite_gguf(tmp_path / "arr.gguf", tmp_path / "model.gguf", set_keys=scalar)
+    ck = load_gguf(tmp_path / "model.gguf")
+    assert (ck.hf_config["linear_num_heads"], ck.hf_config["num_attention_heads"]) == (3, 3)
+    ck.close()
+    write_dequantized_folder(tmp_path / "float", deq, tmp_path / "deq")
+    ref = float64_copy(KimiLinearForCausalLM.from_pretrained(tmp_path / "deq").float().eval())
+    ids = random_ids(70, ref.config.vocab_size, 5)
+    _close(LLM(str(tmp_path / "model.gguf")).prompt_logits(ids), hf_logits(ref, ids), "scalar head_count")

@@ -333,7 +333,7 @@ class _Mapper:
                     if not bool((a < 0).all()):
                         raise GGUFError(
                             f"{self.gf.path}: tensor '{gname}' must be negative everywhere (llama.cpp stores "
-                            f"A = -exp(A_log)); min {float(a.max()):g} >= 0"
+                            f"A = -exp(A_log)); its largest value is {float(a.max()):g}"
                         )
                     self.entries[pre + _KDA[suf]] = _Entry("a_log", (gname,), info.shape)
                 else:
