@@ -320,7 +320,7 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
         or t > BLOCK_TOKENS
     ):
         return None
-    latent = cache.state("latent")
+    latent = [t for t in cache.state("latent") if t is not None]  # None: a layer without latent rows (KDA)
     if not all(isinstance(t, torch.Tensor) for t in latent + cache.state("index_keys") if t is not None):
         return None  # 8-bit rows (kv_cache_dtype): the C layer reads fp32 rows; per op dequantizes what it gathers
     first = latent[0]

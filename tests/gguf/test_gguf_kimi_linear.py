@@ -202,3 +202,18 @@ def test_a_scalar_head_count_serves_both_layer_kinds(tmp_path):
     ref = float64_copy(KimiLinearForCausalLM.from_pretrained(tmp_path / "deq").float().eval())
     ids = random_ids(70, ref.config.vocab_size, 5)
     _close(LLM(str(tmp_path / "model.gguf")).prompt_logits(ids), hf_logits(ref, ids), "scalar head_count")
+
+
+def test_greedy_through_the_state_equals_transformers(files, llm):
+    """Two prompts in flight together (KDA decode steps batched, the MLA layer's absorbed path on attn_k_b /
+    attn_v_b blocks) generate transformers' full-recompute greedy tokens on the dequantized weights."""
+    from mlaserve.sampling.params import SamplingParams
+
+    _, ref = files
+    prompts = [random_ids(9, ref.config.vocab_size, 1), random_ids(70, ref.config.vocab_size, 2)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        for _ in range(10):
+            ids.append(int(hf_logits(ref, ids)[-1].argmax()))
+        assert list(out.outputs[0].token_ids) == ids[len(prompt) :]
