@@ -217,3 +217,22 @@ def test_greedy_through_the_state_equals_transformers(files, llm):
         for _ in range(10):
             ids.append(int(hf_logits(ref, ids)[-1].argmax()))
         assert list(out.outputs[0].token_ids) == ids[len(prompt) :]
+
+
+def test_router_keys_the_converter_does_not_write_take_llama_cpps_graph(files, tmp_path):
+    """llama.cpp's converter writes no expert_weights_norm / expert_gating_func for kimi-linear (its graph always
+    renormalizes, sigmoid routing): a file without them reads as that, and its logits equal transformers'."""
+    from gguf_helpers import rewrite_gguf
+
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.gguf.read.checkpoint import load_gguf
+
+    root, ref = files
+    drop = ("kimi-linear.expert_weights_norm", "kimi-linear.expert_gating_func")
+    rewrite_gguf(root / "model.gguf", tmp_path / "model.gguf", drop_keys=drop)
+    ck = load_gguf(tmp_path / "model.gguf")
+    assert (ck.hf_config["norm_topk_prob"], ck.hf_config["scoring_func"]) == (True, "sigmoid")
+    assert "llama.cpp kimi-linear graph" in ck.provenance["norm_topk_prob"][1]
+    ck.close()
+    ids = random_ids(40, ref.config.vocab_size, 9)
+    _close(LLM(str(tmp_path / "model.gguf")).prompt_logits(ids), hf_logits(ref, ids), "converter's keys only")

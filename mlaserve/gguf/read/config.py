@@ -154,6 +154,21 @@ def _kda_fields(m: _Meta, cfg: dict) -> None:
     cfg["linear_conv_kernel_dim"] = m.req("linear_conv_kernel_dim", "ssm.conv_kernel")
 
 
+def _kimi_linear_router(m: _Meta, cfg: dict) -> None:
+    """llama.cpp's converter (KimiLinearModel) writes neither expert_weights_norm nor expert_gating_func: its
+    kimi-linear graph renormalizes the top-k weights always (build_moe_ffn norm_w = true) and the model routes by
+    sigmoid + exp_probs_b. An absent key takes those, not the deepseek2 defaults (no renormalization, softmax)."""
+    if not m.has("expert_weights_norm"):
+        cfg["norm_topk_prob"] = m.put(
+            "norm_topk_prob", True, f"{ABSENT}: '{m.key('expert_weights_norm')}' -> llama.cpp {m.arch} graph (norm_w)"
+        )
+    if not m.has("expert_gating_func"):
+        cfg["scoring_func"] = m.put(
+            "scoring_func", "sigmoid", f"{ABSENT}: '{m.key('expert_gating_func')}' -> {m.arch}: sigmoid + exp_probs_b"
+        )
+        cfg["topk_method"] = m.put("topk_method", "noaux_tc", "derived (not stored in GGUF): sigmoid + exp_probs_b")
+
+
 def _attention_fields(m: _Meta, cfg: dict) -> None:
     cfg["hidden_size"] = m.req("hidden_size", "embedding_length")
     if "num_attention_heads" not in cfg:  # kimi-linear: read per layer kind by _kda_fields
@@ -367,6 +382,8 @@ def derive_hf_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
         _kda_fields(m, cfg)  # before the MLA fields: the per-layer head_count names both kinds' heads
     _attention_fields(m, cfg)
     _moe_fields(m, cfg)
+    if family.kda:
+        _kimi_linear_router(m, cfg)
     _check_dense_layers(m, cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
     cfg["rms_norm_eps"] = m.req("rms_norm_eps", "attention.layer_norm_rms_epsilon", _decimal)
     cfg["hidden_act"] = m.put("hidden_act", "silu", "llama.cpp MLA graphs (SwiGLU experts, fixed)")
