@@ -8,7 +8,8 @@ converter (convert_hf_to_gguf.py, KimiLinearModel) writes them:
   o_norm -> ssm_norm; o_proj -> attn_output; MLA as deepseek2 (kv_b_proj split into attn_k_b [H, L, n] and
   attn_v_b [H, v, L]); the routed experts stacked per layer.
   attention.head_count_kv per layer: 0 at the KDA layers (llama.cpp's recurrent-layer marker);
-  attention.head_count per layer (the KDA layers' and the MLA layers' heads differ here on purpose);
+  attention.head_count per layer (the KDA layers' and the MLA layers' heads differ here on purpose; the converter
+  writes one number, tested by rewriting the key);
   kda.head_dim, ssm.conv_kernel, key_length_mla / value_length_mla, kv_lora_rank, rope.dimension_count (the
   never-rotated slice of NoPE MLA).
 Projections whose rows are whole 32-value blocks are Q8_0; norms, convs, ssm_a, dt_bias, the router and the
