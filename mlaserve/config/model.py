@@ -727,7 +727,7 @@ class _HFAdapter:
                 )
             if given:
                 key, value = next(reversed(given.items()))  # linear_attn_config's name when both agree
-                widths[flat] = self.log.record(flat, value, f"{self.source}:{key}")
+                widths[flat] = self.log.record(flat, value, self.field_sources.get(key, f"{self.source}:{key}"))
             else:
                 widths[flat] = self.get(flat)
         return KDAConfig(
@@ -790,7 +790,8 @@ class _HFAdapter:
                 f"makes {list(from_sub)} (0-indexed); give one"
             )
         if from_types is not None:
-            return self.log.record("kda_layers", from_types, f"{self.source}:layer_types ('linear_attention')")
+            where = self.field_sources.get("layer_types", f"{self.source}:layer_types")  # a GGUF: its key
+            return self.log.record("kda_layers", from_types, f"{where} ('linear_attention')")
         return self.log.record(
             "kda_layers", from_sub, f"{self.source}:linear_attn_config.kda_layers (1-indexed, read 0-indexed)"
         )

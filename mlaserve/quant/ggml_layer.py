@@ -226,6 +226,8 @@ class GGUFDecodeLayer:
     @staticmethod
     def unfit(layer: DecoderLayer) -> str | None:
         """Why this layer cannot run its decode steps as one native call, or None."""
+        if not isinstance(layer.self_attn, MLAAttention):  # Kimi-Linear's KDA layers (a GGUF's too)
+            return f"{type(layer.self_attn).__name__} layer: the one call repeats an MLA layer"
         attn, cfg = layer.self_attn, layer.self_attn.cfg
         if (why := _structure_unfit(layer)) is not None:
             return why
@@ -318,7 +320,7 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
         or t > BLOCK_TOKENS
     ):
         return None
-    latent = cache.state("latent")
+    latent = [t for t in cache.state("latent") if t is not None]  # None: a layer without latent rows (KDA)
     if not all(isinstance(t, torch.Tensor) for t in latent + cache.state("index_keys") if t is not None):
         return None  # 8-bit rows (kv_cache_dtype): the C layer reads fp32 rows; per op dequantizes what it gathers
     first = latent[0]

@@ -13,7 +13,7 @@ What differs from deepseek_v3, and where it is read:
 - the checkpoint's config names (transformers' attribute_map) are read under the MLA reader's names, each recorded.
 - the checkpoint's tensor names (`block_sparse_moe`, experts `w1`/`w3`/`w2`) are read as the MoE module's
   (`checkpoint_renames`, applied by loading/weights.py; errors name the checkpoint's tensor).
-No llama.cpp arch is read back (llama.cpp's support is not merged upstream).
+A llama.cpp `kimi-linear` GGUF is read back (gguf/read/config.py `_kda_fields`, gguf/read/checkpoint.py `_KDA`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ KIMI_LINEAR = DEEPSEEK_V3.derive(
     "kimi_linear",
     hf_architecture="KimiLinearForCausalLM",
     gguf_arch="kimi-linear",
-    gguf_reads_back=False,
+    gguf_reads_back=True,
     reads_mlp_layer_types=True,
     kda=True,
     nope="transformers' KimiLinearAttention never rotates the k_rot slice (every released checkpoint is NoPE)",

@@ -82,6 +82,34 @@ _NEXTN = {
     "nextn.shared_head_head.weight": "shared_head.head.weight",
     "nextn.shared_head_norm.weight": "shared_head.norm.weight",
 }
+# kimi-linear KDA layers (llama.cpp's names; gguf-py MODEL_ARCH.KIMI_LINEAR). W = linear_num_heads * linear_head_dim,
+# hd = linear_head_dim, Hk = linear_num_heads, K = conv kernel. Torch shapes:
+#   attn_q / attn_k / attn_v   [W, D]        q_proj / k_proj / v_proj
+#   ssm_conv1d_{q,k,v}         [1, W, 1, K] (or [W, 1, K])   {q,k,v}_conv1d.weight [W, 1, K], F32
+#   ssm_f_a / ssm_g_a          [hd, D]       f_a_proj / g_a_proj;  ssm_f_b / ssm_g_b [W, hd]
+#   ssm_beta                   [Hk, D]       b_proj
+#   ssm_a                      [1, 1, Hk, 1] -exp(A_log): the converter stores A itself; A_log = log(-ssm_a)
+#   ssm_dt.bias                [W]           dt_bias
+#   ssm_norm                   [hd]          o_norm.weight (the gated RMSNorm)
+#   attn_output                [D, W]        o_proj
+_KDA = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "ssm_conv1d_q.weight": "self_attn.q_conv1d.weight",
+    "ssm_conv1d_k.weight": "self_attn.k_conv1d.weight",
+    "ssm_conv1d_v.weight": "self_attn.v_conv1d.weight",
+    "ssm_f_a.weight": "self_attn.f_a_proj.weight",
+    "ssm_f_b.weight": "self_attn.f_b_proj.weight",
+    "ssm_g_a.weight": "self_attn.g_a_proj.weight",
+    "ssm_g_b.weight": "self_attn.g_b_proj.weight",
+    "ssm_beta.weight": "self_attn.b_proj.weight",
+    "ssm_a": "self_attn.A_log",
+    "ssm_dt.bias": "self_attn.dt_bias",
+    "ssm_norm.weight": "self_attn.o_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+}
+_CONV = ("ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight")
 _EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
 _K_B, _V_B, _KV_B = "attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight"
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -89,7 +117,7 @@ _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 @dataclass(frozen=True)
 class _Entry:
-    kind: str  # "plain" | "expert" | "kv_b_split"
+    kind: str  # "plain" | "expert" | "kv_b_split" | "reshape" (a KDA conv) | "a_log" (log(-ssm_a))
     sources: tuple[str, ...]  # GGUF tensor names
     shape: tuple[int, ...]  # torch shape of the HF tensor
     index: int = -1  # expert index for kind "expert"
@@ -97,9 +125,15 @@ class _Entry:
 
 def _layer_expectations(cfg: dict, layer: int) -> tuple[set[str], set[str]]:
     """(required, optional) GGUF suffixes of one layer under this config."""
-    req = {"attn_norm.weight", "ffn_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_output.weight"}
-    req |= {"attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"} if cfg["q_lora_rank"] else {"attn_q.weight"}
-    opt = {_K_B, _V_B, _KV_B}  # one of the two layouts, checked separately
+    if _is_kda(cfg, layer):
+        req, opt = {"attn_norm.weight", "ffn_norm.weight", *_KDA}, set()
+    else:
+        req = {"attn_norm.weight", "ffn_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight"}
+        req |= {"attn_output.weight"}
+        req |= (
+            {"attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"} if cfg["q_lora_rank"] else {"attn_q.weight"}
+        )
+        opt = {_K_B, _V_B, _KV_B}  # one of the two layouts, checked separately
     if layer < cfg["first_k_dense_replace"]:
         req |= {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
     else:
@@ -110,6 +144,32 @@ def _layer_expectations(cfg: dict, layer: int) -> tuple[set[str], set[str]]:
     if "index_topk" in cfg and cfg.get("indexer_types", ["full"] * (layer + 1))[layer] == "full":
         req |= {s for s in _LAYER if s.startswith("indexer.")}
     return req, opt
+
+
+def _is_kda(cfg: dict, layer: int) -> bool:
+    types = cfg.get("layer_types")
+    return types is not None and layer < len(types) and types[layer] == "linear_attention"
+
+
+def _kda_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """torch shape of every KDA tensor (by layer suffix); the conv's alternatives are checked by _Mapper._conv."""
+    hid, Hk, hd = cfg["hidden_size"], cfg["linear_num_heads"], cfg["linear_head_dim"]
+    W = Hk * hd
+    return {
+        "attn_q.weight": (W, hid),
+        "attn_k.weight": (W, hid),
+        "attn_v.weight": (W, hid),
+        **{c: (1, W, 1, cfg["linear_conv_kernel_dim"]) for c in _CONV},
+        "ssm_f_a.weight": (hd, hid),
+        "ssm_g_a.weight": (hd, hid),
+        "ssm_f_b.weight": (W, hd),
+        "ssm_g_b.weight": (W, hd),
+        "ssm_beta.weight": (Hk, hid),
+        "ssm_a": (1, 1, Hk, 1),
+        "ssm_dt.bias": (W,),
+        "ssm_norm.weight": (hd,),
+        "attn_output.weight": (hid, W),
+    }
 
 
 def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -172,6 +232,7 @@ class _Mapper:
         self.gf, self.cfg, self.with_mtp = gf, cfg, with_mtp
         self._arch = gf.metadata["general.architecture"]
         self.shapes = _expected_shapes(cfg)
+        self.kda_shapes = _kda_shapes(cfg) if "linear_head_dim" in cfg else {}
         self.entries: dict[str, _Entry] = {}
         self.mla: dict[int, dict[str, str]] = {}
         self.skipped: list[str] = []
@@ -211,9 +272,9 @@ class _Mapper:
             if g not in self.gf.tensors:
                 raise GGUFError(f"{self.gf.path}: missing tensor '{g}' (needed for {_GLOBAL[g]})")
 
-    def _check_shape(self, gname: str, key: str) -> TensorInfo:
+    def _check_shape(self, gname: str, key: str, shapes: dict | None = None) -> TensorInfo:
         info = self.gf.tensors[gname]
-        want = self.shapes.get(key)
+        want = (self.shapes if shapes is None else shapes).get(key)
         if want is not None and info.shape != want:
             raise GGUFError(
                 f"{self.gf.path}: tensor '{gname}' has shape {list(info.shape)} (ggml ne "
@@ -248,6 +309,9 @@ class _Mapper:
                 f"(not part of layer {i} for this config: {self._layer_kind(i)})"
             )
         pre = f"model.layers.{i}."
+        if _is_kda(cfg or self.cfg, i):
+            self._kda_layer(pre, present)
+            return
         for suf, gname in present.items():
             if suf in _EXPERTS:
                 self._experts(i, suf, gname)
@@ -255,12 +319,52 @@ class _Mapper:
                 self._plain(gname, pre + _LAYER[suf], suf)
         self._kv_b(i, present)
 
+    def _kda_layer(self, pre: str, present: dict[str, str]) -> None:
+        """A KDA layer: its attention tensors by _KDA (shapes from the KDA widths), its MLP as any layer's."""
+        for suf, gname in present.items():
+            if suf in _EXPERTS:
+                self._experts(int(pre.split(".")[2]), suf, gname)
+            elif suf in _CONV:
+                self._conv(gname, pre + _KDA[suf], suf)
+            elif suf in _KDA:
+                info = self._check_shape(gname, suf, self.kda_shapes)
+                if suf == "ssm_a":  # A = -exp(A_log) as the converter stores it: must be negative to invert
+                    a = self.gf.tensor(gname)
+                    if not bool((a < 0).all()):
+                        raise GGUFError(
+                            f"{self.gf.path}: tensor '{gname}' must be negative everywhere (llama.cpp stores "
+                            f"A = -exp(A_log)); its largest value is {float(a.max()):g}"
+                        )
+                    self.entries[pre + _KDA[suf]] = _Entry("a_log", (gname,), info.shape)
+                else:
+                    self.entries[pre + _KDA[suf]] = _Entry("plain", (gname,), info.shape)
+                self.consumed.add(gname)
+            else:
+                self._plain(gname, pre + _LAYER[suf], suf)
+
+    def _conv(self, gname: str, hf: str, key: str) -> None:
+        """A depthwise conv: [1, W, 1, K] as the converter writes it, or the 3-D [W, 1, K]; read as [W, 1, K]."""
+        info = self.gf.tensors[gname]
+        _, W, _, K = self.kda_shapes[key]
+        if info.shape not in ((1, W, 1, K), (W, 1, K)):
+            raise GGUFError(
+                f"{self.gf.path}: tensor '{gname}' has shape {list(info.shape)} (ggml ne {list(info.ne)}), "
+                f"expected {[1, W, 1, K]} (or {[W, 1, K]}) from the config (linear_num_heads * linear_head_dim, "
+                f"linear_conv_kernel_dim)"
+            )
+        self.entries[hf] = _Entry("reshape", (gname,), (W, 1, K))
+        self.consumed.add(gname)
+
     def _layer_kind(self, i: int) -> str:
+        if _is_kda(self.cfg, i):
+            return f"KDA layer (gguf:attention.head_count_kv[{i}] = 0), {'dense MLP' if i < self.cfg['first_k_dense_replace'] else 'MoE'}"
         q = f"q_lora_rank={self.cfg['q_lora_rank']}"
         mlp = "dense MLP" if i < self.cfg["first_k_dense_replace"] else "MoE"
         return f"{q}, {mlp}, n_shared_experts={self.cfg['n_shared_experts']}"
 
     def _hf_hint(self, i: int, suf: str) -> str:
+        if _is_kda(self.cfg, i) and suf in _KDA:
+            return f"model.layers.{i}.{_KDA[suf]}"
         if suf in _EXPERTS:
             return f"model.layers.{i}.mlp.experts.*.{_EXPERTS[suf]}.weight"
         return f"model.layers.{i}.{_LAYER.get(suf, suf)}"
@@ -394,6 +498,10 @@ class GGUFTensors:
             return self._gf.tensor(e.sources[0])
         if e.kind == "expert":
             return self._gf.slice0(e.sources[0], e.index)
+        if e.kind == "reshape":
+            return self._gf.tensor(e.sources[0]).reshape(e.shape)
+        if e.kind == "a_log":  # checked negative at open
+            return torch.log(-self._gf.tensor(e.sources[0]).reshape(e.shape))
         k_b, v_b = (self._gf.tensor(s) for s in e.sources)
         return _join_kv_b(k_b, v_b)
 
@@ -404,7 +512,7 @@ class GGUFTensors:
         then narrow (the values are the same as the whole tensor's). kv_b (rebuilt from k_b / v_b) is
         rebuilt whole, then narrowed."""
         e = self._entry(name)
-        if e.kind == "kv_b_split" or len(e.shape) != 2:
+        if e.kind in ("kv_b_split", "reshape", "a_log") or len(e.shape) != 2:
             return self.get(name).narrow(dim, start, stop - start)
         info = self._gf.info(e.sources[0])
         rows, cols = e.shape

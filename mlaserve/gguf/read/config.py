@@ -116,9 +116,63 @@ def _put_family(m: _Meta, family: Family, source: str) -> Family:
     return family
 
 
+def _kda_fields(m: _Meta, cfg: dict) -> None:
+    """kimi-linear: the layer pattern and the KDA widths (llama.cpp's KimiLinearModel.set_gguf_parameters).
+
+    attention.head_count_kv   per-layer array: 0 marks a KDA (recurrent) layer, as llama.cpp's loader reads it
+                              (recurrent_layer_arr = n_head_kv(il) == 0); any other value an MLA layer
+    attention.head_count      scalar (both kinds have that many heads) or per layer (each layer's own kind)
+    kda.head_dim              linear_head_dim;  ssm.conv_kernel  linear_conv_kernel_dim
+    """
+    n = cfg["num_hidden_layers"]
+    kv_key = m.key("attention.head_count_kv")
+    kv = m.raw("attention.head_count_kv")
+    if not isinstance(kv, list) or any(not _is_int(x) for x in kv) or len(kv) < n:
+        raise GGUFError(
+            f"{m.gf.path}: metadata key '{kv_key}' must be an array of {n} integers (0 marks a KDA layer), got {kv!r}"
+        )
+    types = ["linear_attention" if x == 0 else "full_attention" for x in kv[:n]]
+    cfg["layer_types"] = m.put("layer_types", types, f"gguf:{kv_key} (0 = KDA layer)")
+    heads_key = m.key("attention.head_count")
+    heads = m.raw("attention.head_count")
+    if heads is None:
+        raise GGUFError(f"{m.gf.path}: required metadata key '{heads_key}' is missing (the heads of every layer)")
+    per_layer = heads[:n] if isinstance(heads, list) else [heads] * n
+    if len(per_layer) < n or any(not _is_int(x) for x in per_layer):
+        raise GGUFError(f"{m.gf.path}: metadata key '{heads_key}' must be an integer or {n} integers, got {heads!r}")
+    for kind, fld in (("linear_attention", "linear_num_heads"), ("full_attention", "num_attention_heads")):
+        got = sorted({h for h, t in zip(per_layer, types) if t == kind})
+        if len(got) > 1:
+            raise GGUFError(f"{m.gf.path}: metadata key '{heads_key}' = {heads!r}: {kind} layers differ ({got})")
+        if got:
+            cfg[fld] = m.put(fld, got[0], f"gguf:{heads_key} at the {kind} layers")
+    if "num_attention_heads" not in cfg:  # no MLA layer: the MLA widths still describe the (unused) config
+        cfg["num_attention_heads"] = m.put("num_attention_heads", per_layer[0], f"gguf:{heads_key}")
+    if "linear_num_heads" not in cfg:  # no KDA layer
+        cfg["linear_num_heads"] = m.put("linear_num_heads", cfg["num_attention_heads"], f"gguf:{heads_key}")
+    cfg["linear_head_dim"] = m.req("linear_head_dim", "kda.head_dim")
+    cfg["linear_conv_kernel_dim"] = m.req("linear_conv_kernel_dim", "ssm.conv_kernel")
+
+
+def _kimi_linear_router(m: _Meta, cfg: dict) -> None:
+    """llama.cpp's converter (KimiLinearModel) writes neither expert_weights_norm nor expert_gating_func: its
+    kimi-linear graph renormalizes the top-k weights always (build_moe_ffn norm_w = true) and the model routes by
+    sigmoid + exp_probs_b. An absent key takes those, not the deepseek2 defaults (no renormalization, softmax)."""
+    if not m.has("expert_weights_norm"):
+        cfg["norm_topk_prob"] = m.put(
+            "norm_topk_prob", True, f"{ABSENT}: '{m.key('expert_weights_norm')}' -> llama.cpp {m.arch} graph (norm_w)"
+        )
+    if not m.has("expert_gating_func"):
+        cfg["scoring_func"] = m.put(
+            "scoring_func", "sigmoid", f"{ABSENT}: '{m.key('expert_gating_func')}' -> {m.arch}: sigmoid + exp_probs_b"
+        )
+        cfg["topk_method"] = m.put("topk_method", "noaux_tc", "derived (not stored in GGUF): sigmoid + exp_probs_b")
+
+
 def _attention_fields(m: _Meta, cfg: dict) -> None:
     cfg["hidden_size"] = m.req("hidden_size", "embedding_length")
-    cfg["num_attention_heads"] = m.req("num_attention_heads", "attention.head_count", _scalar)
+    if "num_attention_heads" not in cfg:  # kimi-linear: read per layer kind by _kda_fields
+        cfg["num_attention_heads"] = m.req("num_attention_heads", "attention.head_count", _scalar)
     cfg["num_key_value_heads"] = m.put(
         "num_key_value_heads",
         cfg["num_attention_heads"],
@@ -324,12 +378,19 @@ def derive_hf_config(gf: GGUFFile) -> tuple[dict[str, Any], Provenance]:
         "num_hidden_layers", blocks - nextn, f"derived: gguf:{m.key('block_count')} - nextn_predict_layers"
     )
     cfg["num_nextn_predict_layers"] = nextn
+    if family.kda:
+        _kda_fields(m, cfg)  # before the MLA fields: the per-layer head_count names both kinds' heads
     _attention_fields(m, cfg)
     _moe_fields(m, cfg)
+    if family.kda:
+        _kimi_linear_router(m, cfg)
     _check_dense_layers(m, cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
     cfg["rms_norm_eps"] = m.req("rms_norm_eps", "attention.layer_norm_rms_epsilon", _decimal)
     cfg["hidden_act"] = m.put("hidden_act", "silu", "llama.cpp MLA graphs (SwiGLU experts, fixed)")
-    _rope_fields(m, cfg, family)
+    if family.kda:  # NoPE MLA: rope.dimension_count is the width of the cached, never rotated slice
+        cfg["max_position_embeddings"] = m.req("max_position_embeddings", "context_length")
+    else:
+        _rope_fields(m, cfg, family)
     _vocab_fields(m, cfg)
     _token_ids(m, cfg)
     if family.has_indexer:
