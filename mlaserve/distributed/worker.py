@@ -132,7 +132,11 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     runner = ModelRunner(loaded.model, loaded.config, MemoryTracer(maxlen=1), rank=rank)
     # the runner's config: the loaded one with the cache's rules applied, as rank 0's runner compares it
     comm.gather_objects(rank_echo(rank, runner.cfg, loaded.model))
-    sizes = vocab_sizes(loaded.config.model.vocab_size, world_size)
+    sizes = (
+        vocab_sizes(loaded.config.model.vocab_size, world_size)
+        if loaded.config.parallel.tensor_parallel_size > 1
+        else None
+    )
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "stop":
@@ -140,6 +144,7 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
         _, chunks, preempted, trace = msg
         before = replace(comm.stats)
         _, logits = runner.execute(chunks, preempted)
-        comm.gather_logits(logits, sizes)
+        if sizes is not None:  # expert parallel: rank 0 has the whole vocabulary's logits
+            comm.gather_logits(logits, sizes)
         if trace:  # a worker's record is sent after its step, so it carries the step's all-reduces
             comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})
