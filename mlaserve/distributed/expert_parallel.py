@@ -53,9 +53,16 @@ class ReceivedPairs:
     """Running total of the (token, expert) pairs this rank's experts received (like CommStats: the
     ledger takes the difference over a step), for load balance."""
 
-    def __init__(self) -> None:
-        self.pairs = 0
-        self.tokens = 0
+    def __init__(self, pairs: int = 0, tokens: int = 0) -> None:
+        self.pairs, self.tokens = pairs, tokens
+
+    def snapshot(self) -> ReceivedPairs:
+        return ReceivedPairs(self.pairs, self.tokens)
+
+    def since(self, before: ReceivedPairs) -> dict:
+        """The step's (token, expert) pairs this rank's experts ran, summed over the MoE layers, and the token
+        rows they came in (a token with two pairs on this rank counts once per layer)."""
+        return {"pairs": self.pairs - before.pairs, "tokens": self.tokens - before.tokens}
 
 
 class ExpertParallelRouted(nn.Module):

@@ -212,11 +212,18 @@ class TensorParallelRunner(ModelRunner):
     def _execute_all(self, chunks: list[SeqChunk], preempted: tuple) -> tuple[ForwardBatch, torch.Tensor]:
         comm = self.group.comm
         comm.broadcast_object(("step", chunks, preempted, self.tracer.enabled))
+        received = getattr(self.model, "expert_received", None)
+        before = received.snapshot() if received is not None else None
         batch, local = super().execute(chunks, preempted)
         logits = comm.gather_logits(local, self.vocab_sizes) if self.vocab_sizes is not None else local
         if self.tracer.enabled:
-            for rec in comm.gather_objects(None)[1:]:
+            recs = comm.gather_objects(None)[1:]
+            for rec in recs:
                 self.tracer.record(rec)
+            if received is not None:  # expert parallel: every rank's received pairs of this step, side by side
+                load = [{"rank": 0, **received.since(before)}]
+                load += [{"rank": r["rank"], **r["experts_received"]} for r in recs]
+                self.tracer.record({"step": self.step_count - 1, "expert_load": load})
         return batch, logits
 
     def check_configs(self) -> None:
