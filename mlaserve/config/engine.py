@@ -145,6 +145,12 @@ class EngineOptions:
         "processes the model is split across on this machine (heads, MLP/expert intermediate dims and "
         "vocabulary split; latent cache and DSA indexer replicated); workers are started by the engine",
     )
+    expert_parallel_size: int = _opt(
+        1,
+        "processes the routed experts are spread across on this machine (each holds a contiguous range of every "
+        "MoE layer's experts; attention, shared expert, router, norms and embedding replicated; one all-reduce "
+        "per MoE layer); not combined with tensor_parallel_size yet",
+    )
     speculative: str | None = _opt(
         None,
         "speculative decoding: 'mtp' drafts with the checkpoint's multi-token-prediction layer and verifies the "
@@ -296,6 +302,12 @@ class ParallelConfig:
     """How the model is split across processes."""
 
     tensor_parallel_size: int = 1  # ranks holding a slice of the weights (mlaserve/distributed)
+    expert_parallel_size: int = 1  # ranks holding a range of the routed experts (distributed/expert_parallel.py)
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the group (TP x EP is refused at configuration, so one of the two is 1)."""
+        return self.tensor_parallel_size * self.expert_parallel_size
 
 
 @dataclass(frozen=True)
@@ -363,7 +375,8 @@ def resolve(
     quantization = choose_quantization(opts.quantization, log)
     kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders)
     activations = choose_activations(opts.activations, kernels, log)
-    dtype = choose_dtype(opts.dtype, device, native_kernels is not None, opts.tensor_parallel_size, stored_bf16, log)
+    ranks = opts.tensor_parallel_size * opts.expert_parallel_size
+    dtype = choose_dtype(opts.dtype, device, native_kernels is not None, ranks, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
     topk = _index_topk(model, opts.index_topk, sparse, log)
     for name, allowed in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
@@ -373,7 +386,7 @@ def resolve(
         _user(log, name, getattr(opts, name))
     speculative, num_spec = _speculative(opts, log)
     decode_threshold = _decode_threshold(opts.decode_threshold, num_spec, log)
-    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "expert_parallel_size"):
         value = getattr(opts, name)
         if name == "page_size" and value is None:
             continue  # chosen below, per family
@@ -385,12 +398,19 @@ def resolve(
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
     backend = choose_attention_backend(opts.attention_backend, kernels, dtype, log)
-    gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, opts.tensor_parallel_size, log)
-    threads, why = choose_threads(model, opts.threads, opts.tensor_parallel_size)
-    log.record("threads", threads, why)
-    if opts.tensor_parallel_size > 1 and device != "cpu":
+    if opts.tensor_parallel_size > 1 and opts.expert_parallel_size > 1:
         raise ConfigError(
-            f"tensor_parallel_size={opts.tensor_parallel_size} runs on CPU (gloo) only; device={device!r} "
+            f"tensor_parallel_size={opts.tensor_parallel_size} with expert_parallel_size={opts.expert_parallel_size}"
+            " is not supported yet: choose one (TP x EP needs a two-level group)"
+        )
+    world = opts.tensor_parallel_size * opts.expert_parallel_size
+    gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, world, log)
+    threads, why = choose_threads(model, opts.threads, world)
+    log.record("threads", threads, why)
+    if world > 1 and device != "cpu":
+        raise ConfigError(
+            f"tensor_parallel_size={opts.tensor_parallel_size} / expert_parallel_size={opts.expert_parallel_size}"
+            f" run on CPU (gloo) only; device={device!r} "
             "(pass device='cpu')"
         )
     log.record(
@@ -437,7 +457,9 @@ def resolve(
             max_seqs=_speculative_max_seqs(opts.speculative_max_seqs, speculative, log),
             **_speculation_switch(opts, speculative, log),
         ),
-        parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
+        parallel=ParallelConfig(
+            tensor_parallel_size=opts.tensor_parallel_size, expert_parallel_size=opts.expert_parallel_size
+        ),
         server=ServerConfig(ui=opts.ui),
         provenance=log.freeze(),
     )

@@ -3,8 +3,9 @@
 Per step (rank 0 -> all, then all -> rank 0):
   broadcast_object  the step's work (scheduled SeqChunks + preemptions: plain data) from rank 0
   all_reduce        sum of partial hidden states: after o_proj, after the MLP / MoE, after the
-                    vocab-parallel embedding (2 * layers + 1 per step)
-  gather_logits     each rank's vocabulary slice of the logits, concatenated on rank 0
+                    vocab-parallel embedding (2 * layers + 1 per step); expert parallel: the
+                    routed experts' partial sums, one per MoE layer (nothing else: the rest is replicated)
+  gather_logits     each rank's vocabulary slice of the logits, concatenated on rank 0 (TP only)
   gather_objects    each rank's route record (when tracing) for rank 0's ledger
 At start: gather_objects of each rank's effective configuration (checked on rank 0).
 

@@ -59,7 +59,7 @@ class TensorParallelGroup:
         """Start ranks 1..N-1 on this machine. rank_overrides {rank: {option: value}}: start a rank
         with different options (tests use it to prove that a rank whose configuration differs is
         caught)."""
-        n = opts.tensor_parallel_size
+        n = opts.tensor_parallel_size * opts.expert_parallel_size
         store = master_store(n)
         group = cls(store, None, [])
         for rank in range(1, n):
@@ -199,7 +199,11 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, group: TensorParallelGroup, tracer=None) -> None:
         super().__init__(loaded.model, loaded.config, tracer, rank=0)
         self.group = group
-        self.vocab_sizes = vocab_sizes(loaded.config.model.vocab_size, loaded.config.parallel.tensor_parallel_size)
+        par = loaded.config.parallel
+        # expert parallel: every rank computes the whole vocabulary's logits (replicated lm_head): nothing to gather
+        self.vocab_sizes = (
+            vocab_sizes(loaded.config.model.vocab_size, par.world_size) if par.tensor_parallel_size > 1 else None
+        )
         self.rank_echoes: list[dict] = []
 
     def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
@@ -208,11 +212,18 @@ class TensorParallelRunner(ModelRunner):
     def _execute_all(self, chunks: list[SeqChunk], preempted: tuple) -> tuple[ForwardBatch, torch.Tensor]:
         comm = self.group.comm
         comm.broadcast_object(("step", chunks, preempted, self.tracer.enabled))
+        received = getattr(self.model, "expert_received", None)
+        before = received.snapshot() if received is not None else None
         batch, local = super().execute(chunks, preempted)
-        logits = comm.gather_logits(local, self.vocab_sizes)
+        logits = comm.gather_logits(local, self.vocab_sizes) if self.vocab_sizes is not None else local
         if self.tracer.enabled:
-            for rec in comm.gather_objects(None)[1:]:
+            recs = comm.gather_objects(None)[1:]
+            for rec in recs:
                 self.tracer.record(rec)
+            if received is not None:  # expert parallel: every rank's received pairs of this step, side by side
+                load = [{"rank": 0, **received.since(before)}]
+                load += [{"rank": r["rank"], **r["experts_received"]} for r in recs]
+                self.tracer.record({"step": self.step_count - 1, "expert_load": load})
         return batch, logits
 
     def check_configs(self) -> None:
@@ -239,9 +250,10 @@ def start_tensor_parallel(path, opts: EngineOptions, tracer, progress=None, rank
     from mlaserve.distributed.launch import torchrun_rendezvous
 
     ck = open_checkpoint(path, opts)
-    joined = torchrun_rendezvous(opts.tensor_parallel_size)
+    world = opts.tensor_parallel_size * opts.expert_parallel_size
+    joined = torchrun_rendezvous(world)
     if joined is not None:
-        group = TensorParallelGroup.join(joined[0], opts.tensor_parallel_size)
+        group = TensorParallelGroup.join(joined[0], world)
     else:
         group = TensorParallelGroup.start(str(path), opts, rank_overrides)
     loaded = group.guard(fill_model, ck, progress, group.comm)

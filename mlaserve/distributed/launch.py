@@ -32,7 +32,7 @@ def torchrun_rendezvous(n: int):
         return None
     world = int(os.environ["WORLD_SIZE"])
     if world != n:
-        raise ConfigError(f"torchrun started {world} processes but tensor_parallel_size={n}: they must be equal")
+        raise ConfigError(f"torchrun started {world} processes but the group has {n} ranks: they must be equal")
     if rank != 0:
         raise ConfigError(f"rank {rank} under torchrun serves steps (serve_torchrun_rank); only rank 0 runs the engine")
     from mlaserve.distributed.collectives import environment_store
@@ -46,9 +46,10 @@ def serve_torchrun_rank(path: str, opts: EngineOptions) -> None:
     from mlaserve.distributed.worker import serve
 
     world = int(os.environ["WORLD_SIZE"])
-    if world != opts.tensor_parallel_size:
+    n = opts.tensor_parallel_size * opts.expert_parallel_size
+    if world != n:
         raise ConfigError(
-            f"torchrun started {world} processes but tensor_parallel_size={opts.tensor_parallel_size}: they must be equal"
+            f"torchrun started {world} processes but tensor_parallel_size x expert_parallel_size={n}: they must be equal"
         )
     store, rank, world = environment_store()
     serve(store, rank, world, str(path), opts)

@@ -59,8 +59,22 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
         "vocab_rows": model.cfg.vocab_size,
         "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "num_threads": torch.get_num_threads(),
+        "routed_experts": routed_experts(model),
         **held_weights(model),
     }
+
+
+def routed_experts(model: torch.nn.Module) -> list[dict]:
+    """Expert parallel: each MoE layer's experts this rank holds and their bytes (empty in one process / TP)."""
+    from mlaserve.distributed.expert_parallel import expert_bytes
+
+    out = []
+    for name, m in model.named_modules():
+        shard = getattr(m, "expert_shard", None)
+        if shard is not None:
+            s = shard.shard
+            out.append({"layer": name, "experts": [s.start, s.stop], "bytes": expert_bytes(shard.experts)})
+    return out
 
 
 def held_weights(model: torch.nn.Module) -> dict:
@@ -132,14 +146,24 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     runner = ModelRunner(loaded.model, loaded.config, MemoryTracer(maxlen=1), rank=rank)
     # the runner's config: the loaded one with the cache's rules applied, as rank 0's runner compares it
     comm.gather_objects(rank_echo(rank, runner.cfg, loaded.model))
-    sizes = vocab_sizes(loaded.config.model.vocab_size, world_size)
+    sizes = (
+        vocab_sizes(loaded.config.model.vocab_size, world_size)
+        if loaded.config.parallel.tensor_parallel_size > 1
+        else None
+    )
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "stop":
             return
         _, chunks, preempted, trace = msg
         before = replace(comm.stats)
+        received = getattr(loaded.model, "expert_received", None)
+        before_received = received.snapshot() if received is not None else None
         _, logits = runner.execute(chunks, preempted)
-        comm.gather_logits(logits, sizes)
+        if sizes is not None:  # expert parallel: rank 0 has the whole vocabulary's logits
+            comm.gather_logits(logits, sizes)
         if trace:  # a worker's record is sent after its step, so it carries the step's all-reduces
-            comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})
+            rec = {**runner.tracer.records.pop(), "comm": comm.stats.since(before)}
+            if received is not None:  # expert parallel: what this rank's experts ran this step (load balance)
+                rec["experts_received"] = received.since(before_received)
+            comm.gather_objects(rec)

@@ -41,7 +41,7 @@ class LLM:
 
         opts = make_options(**options)
         path, tracer = model or default_model_path(), make_tracer(trace)
-        if opts.tensor_parallel_size > 1:
+        if opts.tensor_parallel_size * opts.expert_parallel_size > 1:
             from mlaserve.distributed.group import start_tensor_parallel
 
             self.loaded, self.runner = start_tensor_parallel(path, opts, tracer, progress)

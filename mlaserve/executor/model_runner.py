@@ -129,7 +129,7 @@ class ModelRunner:
                 rec["kernels"] = self._kernels_record(native)
                 rec["kv_cache"] = self.kv_cache_layout
                 rec = rec | (ledger(batch, plan) if ledger else {})
-                self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.tensor_parallel_size > 1 else rec)
+                self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.world_size > 1 else rec)
             self.step_count += 1
             if batch.reset_slots:  # sequences that start here start from a zeroed state (plain data, decided
                 # by the scheduler: SeqChunk.reset_state), before any layer reads its slot

@@ -14,6 +14,7 @@ from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
+from mlaserve.distributed.expert_parallel import expert_range, shard_experts
 from mlaserve.distributed.sharding import (
     ShardedSource,
     check_splits,
@@ -185,6 +186,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                 raise ConfigError(
                     f"{path}: {model_cfg.model_type} with {name}={getattr(opts, name)!r}: not supported ({why})"
                 )
+    if engine_cfg.parallel.expert_parallel_size > 1:
+        _refuse_expert_parallel(path, model_cfg, engine_cfg, scheme)
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
         if engine_cfg.kernels.quantization is not None:
@@ -274,10 +277,31 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
 
 
+def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg, scheme) -> None:
+    """What expert parallelism does not spread yet, refused with the reason."""
+    n = engine_cfg.parallel.expert_parallel_size
+    why = None
+    if model_cfg.moe is None:
+        why = "the model has no MoE layers"
+    elif model_cfg.moe.zero_experts:
+        why = "its identity (zero-computation) experts are not spread across ranks yet"
+    elif model_cfg.kda is not None:
+        why = "its KDA layers are not built for several ranks"
+    elif engine_cfg.speculative.method is not None:
+        why = f"speculative={engine_cfg.speculative.method!r}: the MTP layer's experts are not spread"
+    elif scheme is not None:
+        why = f"a {scheme.method} {scheme.fmt} checkpoint: its expert holders are not cut per rank yet"
+    else:
+        expert_range(model_cfg.moe.n_routed_experts, 0, n)  # more ranks than experts: a named error
+    if why is not None:
+        raise ConfigError(f"{path}: expert_parallel_size={n}: not supported ({why})")
+
+
 def _refuse_v4(path: Path, opts: EngineOptions) -> None:
     """The options DeepSeek-V4 does not run yet, refused with their reason (README, docs/DEEPSEEK_V4.md)."""
     refused = {
         "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
+        "expert_parallel_size": (opts.expert_parallel_size != 1, "its hash-routed layers are not spread yet"),
         # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
         # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
         "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
@@ -394,6 +418,13 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(
             f"quantization={engine_cfg.kernels.quantization}: {len(quantized_at_load)} module kind(s) listed"
         )
+    ep = engine_cfg.parallel.expert_parallel_size
+    if (
+        ep > 1
+    ):  # this rank's range of every MoE layer's routed experts; the rest replicated (distributed/expert_parallel)
+        model.expert_received, notes = shard_experts(model, comm.rank, ep, comm.all_reduce)
+        model.rank_notes = tuple(notes)
+        report.notes.extend(notes)
     # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
     kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels.impl, engine_cfg.kernels.activations == "int8"))
     model.kernel_plan = kernel_plan

@@ -175,6 +175,9 @@ class MoE(nn.Module):
         # where every expert weight is a ggml-block holder with the native kernels; per_op below is its reference
         # and its declared fallback for steps outside its contract
         self.native_block = None
+        # expert parallelism (distributed/expert_parallel.py): this rank's experts, their partial sum all-reduced;
+        # set at load, None in one process
+        self.expert_shard = None
 
     @property
     def native_block(self):
@@ -193,7 +196,8 @@ class MoE(nn.Module):
     def per_op(self, x: torch.Tensor) -> torch.Tensor:
         """The reference: the gate, the routed experts and the shared expert as separate ops."""
         topk_w, topk_idx = self.gate(x)
-        out = self.experts(x, topk_w, topk_idx)
+        routed = self.experts if self.expert_shard is None else self.expert_shard
+        out = routed(x, topk_w, topk_idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

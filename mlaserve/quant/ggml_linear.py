@@ -335,6 +335,8 @@ class GGUFMoEBlock:
     def unfit(moe: MoE) -> str | None:
         """Why this MoE layer cannot run as one native block, or None."""
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+        if moe.expert_shard is not None:
+            return "expert parallel: this rank's experts' partial sum is all-reduced between the ops (per op)"
         if (
             not isinstance(ex, (GGUFExperts, INT4Experts))
             or not registry.runs_native(ex)

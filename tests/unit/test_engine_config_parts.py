@@ -43,6 +43,7 @@ WHERE = {
     "speculative_probe_interval": "speculative.probe_interval",
     "speculative_acceptance_weight": "speculative.acceptance_weight",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "expert_parallel_size": "parallel.expert_parallel_size",
     "tool_call_parser": "chat.tool_call_parser",
     "reasoning_parser": "chat.reasoning_parser",
     "ui": "server.ui",

@@ -1,0 +1,129 @@
+"""Expert parallelism: each of N ranks holds a contiguous range of every MoE layer's routed experts;
+everything else (attention, the shared expert, the router, norms, dense MLPs, embedding, lm_head) is
+replicated, so every rank computes the same router top-k for every token (same weights, same input
+bits, same ops) and only the routed experts' sum needs the other ranks.
+
+Notation
+  T tokens, D hidden, E routed experts, k experts per token, N ranks, r this rank
+  [e0, e1)   rank r's experts (expert_range: E // N each, the first E mod N ranks one more)
+  topk_idx   [T, k] global expert ids from the replicated gate; topk_w [T, k] their weights
+  mine       [T, k] bool: the pair's expert is one of this rank's
+  rows       [T_r] the tokens with at least one pair on this rank (T_r <= T)
+  partial    [T, D] sum over this rank's pairs of w * expert(x) (zero rows elsewhere)
+  routed     [T, D] = all_reduce(partial): the sum over every rank's pairs, the one-process value up
+             to the order of the fp32 additions
+A step: the gate (replicated) -> this rank's experts on the rows routed to them, the other pairs of
+those rows weighted 0 (a holder runs [T_r, k] pairs; weight 0 times a finite value adds exactly 0)
+-> one all-reduce per MoE layer (distributed/collectives.py) -> + the shared expert (replicated,
+added once after the sum). Every rank sees every token, so no dispatch is needed; an all-to-all that
+sends each rank only its pairs' hidden states (and runs no zero-weight pairs) is the later
+optimisation. Hash-routed layers (DeepSeek-V4) and identity experts (LongCat) are refused at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mlaserve.config.model import ConfigError
+
+
+def expert_range(n_experts: int, rank: int, n: int) -> tuple[int, int]:
+    """Rank r's experts [start, stop): contiguous, the first E mod N ranks one more."""
+    if n_experts < n:
+        raise ConfigError(f"expert_parallel_size={n} exceeds n_routed_experts={n_experts}: a rank would hold none")
+    base, extra = divmod(n_experts, n)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's experts of one MoE layer, decided at load (plain data)."""
+
+    rank: int
+    n: int
+    start: int
+    stop: int
+
+
+class ReceivedPairs:
+    """Running total of the (token, expert) pairs this rank's experts received (like CommStats: the
+    ledger takes the difference over a step), for load balance."""
+
+    def __init__(self, pairs: int = 0, tokens: int = 0) -> None:
+        self.pairs, self.tokens = pairs, tokens
+
+    def snapshot(self) -> ReceivedPairs:
+        return ReceivedPairs(self.pairs, self.tokens)
+
+    def since(self, before: ReceivedPairs) -> dict:
+        """The step's (token, expert) pairs this rank's experts ran, summed over the MoE layers, and the token
+        rows they came in (a token with two pairs on this rank counts once per layer)."""
+        return {"pairs": self.pairs - before.pairs, "tokens": self.tokens - before.tokens}
+
+
+class ExpertParallelRouted(nn.Module):
+    """The routed experts of one MoE layer on one rank: holds the layer's experts module cut to this
+    rank's range, computes the partial sum and all-reduces it."""
+
+    def __init__(self, experts: nn.Module, shard: ExpertShard, all_reduce, received: ReceivedPairs) -> None:
+        super().__init__()
+        self.experts, self.shard, self.all_reduce, self.received = experts, shard, all_reduce, received
+
+    def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        s = self.shard
+        mine = (topk_idx >= s.start) & (topk_idx < s.stop)
+        rows = mine.any(dim=1).nonzero().squeeze(1)
+        partial = torch.zeros_like(x)
+        if rows.numel():  # a rank none of whose experts is chosen adds zeros (it still joins the all-reduce)
+            local_idx = (topk_idx[rows] - s.start).clamp_(0, s.stop - s.start - 1)
+            local_w = torch.where(mine[rows], topk_w[rows], torch.zeros((), dtype=topk_w.dtype))
+            partial[rows] = self.experts(x[rows], local_w, local_idx)
+        self.received.pairs += int(mine.sum())
+        self.received.tokens += int(rows.numel())
+        return self.all_reduce(partial)
+
+
+def _cut(module: nn.Module, n_experts: int, start: int, stop: int) -> None:
+    """Keep experts [start, stop) of every parameter / buffer stacked by expert (dim 0 == E), as a copy
+    (the whole stack is freed): GGUF blocks, FP8 weights and scales, float stacks alike."""
+    for name, p in list(module.named_parameters(recurse=False)):
+        if p.dim() and p.shape[0] == n_experts:
+            setattr(module, name, nn.Parameter(p.data[start:stop].clone(), requires_grad=False))
+    for name, b in list(module.named_buffers(recurse=False)):
+        if b is not None and b.dim() and b.shape[0] == n_experts:
+            module.register_buffer(name, b[start:stop].clone())
+    for child in module.children():
+        _cut(child, n_experts, start, stop)
+
+
+def expert_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def shard_experts(model: nn.Module, rank: int, n: int, all_reduce) -> tuple[ReceivedPairs, list[str]]:
+    """Cut every MoE layer's routed experts of a loaded model to rank r's range and route their sum
+    through all_reduce. -> (the rank's received-pairs counter, load notes naming its experts)."""
+    from mlaserve.models.moe import MoE
+
+    received, notes = ReceivedPairs(), []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        e = module.gate.cfg.n_routed_experts
+        start, stop = expert_range(e, rank, n)
+        before = expert_bytes(module.experts)
+        _cut(module.experts, e, start, stop)
+        after = expert_bytes(module.experts)
+        # the one-call block (and the decode layer holding it) computes the whole routed sum in C: the kernel plan,
+        # made after this, keeps this layer per op (GGUFMoEBlock.unfit names expert parallelism)
+        module.expert_shard = ExpertParallelRouted(
+            module.experts, ExpertShard(rank, n, start, stop), all_reduce, received
+        )
+        notes.append(f"rank {rank}: {name} experts [{start}, {stop}) of {e}, {after} of {before} expert bytes")
+    if not notes:
+        raise ConfigError(f"expert_parallel_size={n}: the model has no MoE layer to spread")
+    return received, notes
