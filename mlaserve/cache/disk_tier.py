@@ -112,13 +112,13 @@ class DiskTier:
             header = json.loads(blob[start : start + hlen])
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"unreadable header ({e})") from None
+        payload = blob[start + hlen :]
+        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            raise ValueError(f"checksum mismatch ({len(payload)} payload bytes): truncated or corrupt")
         if header.get("identity") != self.identity:
             raise ValueError("written by another model, dtype, cache layout, page size or sparse switch")
         if header.get("hash") != chain_hash or header.get("tokens") != list(token_ids):
             raise ValueError("holds another page (hash chain or token ids differ)")
-        payload = blob[start + hlen :]
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            raise ValueError(f"checksum mismatch ({len(payload)} payload bytes): truncated or corrupt")
         parts, offset = {}, 0
         for name, dtype, shape, nbytes in header["parts"]:
             if self.layout.get(name) != (dtype, tuple(shape)):

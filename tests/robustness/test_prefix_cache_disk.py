@@ -20,6 +20,7 @@ import torch
 from hf_models import random_ids
 
 from mlaserve import LLM
+from mlaserve.cache.disk_tier import DiskTier
 from mlaserve.sampling.params import SamplingParams
 
 # fp32: the engine's prefill vs transformers' forward differ by summation order only; measured max |diff|
@@ -77,17 +78,22 @@ def test_corrupt_files_are_skipped_and_recomputed(hf_model_dir, tmp_path, caplog
     ids = random_ids(23, seed=5)
     _last_logits(_llm(folder, tmp_path), ids)
     files = _files(tmp_path)
-    # which file is which page is not visible from the name; corrupt two of them, both ways
+    # which file is which page is not visible from the name; corrupt two of them, one way each
     p = tmp_path / files[0]
     raw = bytearray(p.read_bytes())
-    raw[-3] ^= 0x40
+    raw[len(raw) // 2] ^= 0x40  # one bit of one payload value (the header is at the front)
     p.write_bytes(bytes(raw))
     q = tmp_path / files[1]
     q.write_bytes(q.read_bytes()[:-10])
     with caplog.at_level(logging.WARNING, logger="mlaserve.disk_cache"):
         got, m = _last_logits(_llm(folder, tmp_path), ids)
-    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert skipped and any(files[0] in s or files[1] in s for s in skipped)
+    # the chain stops at the first bad file it meets; read both bad files directly to see each one named
+    tier = _llm(folder, tmp_path).runner.disk_tier
+    for f in files[:2]:
+        h = int(f.split("-")[1].removesuffix(".page"), 16)
+        assert tier.read(h - 2**64 if h >= 2**63 else h, ids) is None
+    for f in files[:2]:
+        assert any(f in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records), f
     assert m["num_disk_cached_tokens"] < 20  # the chain stops at the first bad page
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1].float()
@@ -100,15 +106,15 @@ def test_another_layout_is_not_used(hf_model_dir, tmp_path):
     _last_logits(_llm(folder, tmp_path), ids)
     _, m = _last_logits(_llm(folder, tmp_path, kv_cache_dtype="int8"), ids)
     assert m["num_disk_cached_tokens"] == 0
-    # and a file renamed to the other identity's name is refused by its header
-    llm8 = _llm(folder, tmp_path)
-    tier = llm8.runner.disk_tier
-    other = [f for f in _files(tmp_path) if not f.startswith(tier.identity[:16])][0]
-    mine = [f for f in _files(tmp_path) if f.startswith(tier.identity[:16])][0]
-    os.replace(tmp_path / other, tmp_path / mine)
-    before = tier.stats["skipped"]
-    _last_logits(llm8, ids)
-    assert tier.stats["skipped"] > before
+    # a file of another model with this very layout (same names, dtypes, shapes), put under this engine's
+    # file name, is refused by its header's identity
+    tier = _llm(folder, tmp_path).runner.disk_tier
+    other = DiskTier(str(tmp_path / "other"), 2**30, "another model's weights", tier.layout)
+    page = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (dt, shape) in tier.layout.items()}
+    other.submit([(12345, [1, 2, 3, 4])], {k: v[None] for k, v in page.items()})
+    other.flush()
+    os.replace(other.path(12345), tier.path(12345))
+    assert tier.read(12345, [1, 2, 3, 4]) is None and tier.stats["skipped"] == 1
 
 
 def test_size_cap_evicts_least_recently_used(hf_model_dir, tmp_path):
@@ -122,11 +128,25 @@ def test_size_cap_evicts_least_recently_used(hf_model_dir, tmp_path):
     assert cap_llm.runner.disk_tier.stats["evicted"] == 1
 
 
-def test_a_half_written_temp_file_is_never_read(hf_model_dir, tmp_path):
+def test_a_half_written_temp_file_is_never_read(hf_model_dir, tmp_path, monkeypatch):
     folder, _ = hf_model_dir("v3_yarn")
     ids = random_ids(13, seed=8)
     a = _llm(folder, tmp_path)
+    renames = []
+    replace = os.replace
+
+    def watch(src, dst):  # the final name appears only by a rename of a whole temp file
+        assert not os.path.exists(dst) and str(src).endswith(".tmp")
+        renames.append(os.path.getsize(src))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", watch)
     _last_logits(a, ids)
+    monkeypatch.setattr(os, "replace", replace)
+    assert len(renames) == len(_files(tmp_path)) == 3
+    assert renames == [os.path.getsize(tmp_path / f) for f in _files(tmp_path)] or sorted(renames) == sorted(
+        os.path.getsize(tmp_path / f) for f in _files(tmp_path)
+    )
     # another writer is mid-way: its temp file holds half a page under a name no reader opens
     f = _files(tmp_path)[0]
     whole = (tmp_path / f).read_bytes()
