@@ -152,13 +152,15 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
+        # prefix pages read from disk fill their pages before anything reads them: also when the request that
+        # found them could not be admitted (its pages stay named in the prefix cache, so they must hold the rows)
+        if plan.disk_loads:
+            self.runner.cache.load_pages([d.page for d in plan.disk_loads], [d.parts for d in plan.disk_loads])
         if not plan.chunks:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request: the page pool is too small")
             return aborted
         step_no, self.step_count = self.step_count, self.step_count + 1
-        if plan.disk_loads:  # prefix pages read from disk fill their pages before anything reads them
-            self.runner.cache.load_pages([d.page for d in plan.disk_loads], [d.parts for d in plan.disk_loads])
         try:
             return aborted + self._step(plan, step_no)
         finally:

@@ -156,3 +156,26 @@ def test_a_half_written_temp_file_is_never_read(hf_model_dir, tmp_path, monkeypa
     b = _llm(folder, tmp_path)
     _, m = _last_logits(b, ids)
     assert m["num_disk_cached_tokens"] == 0 and b.runner.disk_tier.stats["skipped"] == 0
+
+
+def test_snapshot_rows_travel_with_the_page(tmp_path):
+    """Kimi-Linear keeps its KDA state as a request state snapshotted at page boundaries: a disk hit must bring
+    the snapshot rows too (the restored state is the one after the hit's last page). Bit-equal to an in-memory
+    hit; within TOL of transformers in float64 (tests/identities/test_kimi_linear_prefix_cache.py: ours
+    1.1e-6 .. 7.5e-6 from float64)."""
+    from kimi_linear_models import float64_copy, hf_logits, save_hf_kimi
+    from kimi_linear_models import random_ids as kimi_ids
+
+    folder = tmp_path / "kimi"
+    hf = float64_copy(save_hf_kimi("kda_mla_kda", folder, seed=5))
+    ids = kimi_ids(40, hf.config.vocab_size, seed=2)  # 2 full pages of 16 before the last token
+    a = LLM(str(folder), prefix_cache_dir=str(tmp_path / "d"), page_size=16)
+    assert a.runner.cache.keeps_snapshots and any(k.endswith("_snapshot") for k in a.runner.disk_tier.layout)
+    _last_logits(a, ids)
+    warm, m = _last_logits(a, ids)
+    assert m["num_cached_prompt_tokens"] == 32
+    b = LLM(str(folder), prefix_cache_dir=str(tmp_path / "d"), page_size=16)
+    disk, m = _last_logits(b, ids)
+    assert m["num_disk_cached_tokens"] == 32
+    assert torch.equal(disk, warm)
+    assert (disk - hf_logits(hf, ids)[-1]).abs().max().item() <= TOL
