@@ -26,6 +26,11 @@ Page-boundary snapshots (config/layer_kinds.py, StateSpec.snapshot), allocated w
 when a chunk crosses or ends on that boundary (StepContext.snapshots). `restore_states(slots, pages)` starts
 a sequence at a prefix hit: every request state of the slot zeroed, then each snapshotted one copied from the
 row of the hit's last page. Bytes per token of snapshots = sum of their values per request * size / page_size.
+
+A page's parts (the prefix cache's disk tier, cache/disk_tier.py): every paged state's rows of the page
+(each part of an 8-bit state) and, where kept, its snapshot row of every snapshotted state; `gather_pages`
+copies them out for the writer (one index_select per tensor, all of a step's new pages), `load_pages` writes
+pages read from disk back (one index_copy per tensor).
 """
 
 from __future__ import annotations
