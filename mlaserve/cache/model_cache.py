@@ -26,6 +26,11 @@ Page-boundary snapshots (config/layer_kinds.py, StateSpec.snapshot), allocated w
 when a chunk crosses or ends on that boundary (StepContext.snapshots). `restore_states(slots, pages)` starts
 a sequence at a prefix hit: every request state of the slot zeroed, then each snapshotted one copied from the
 row of the hit's last page. Bytes per token of snapshots = sum of their values per request * size / page_size.
+
+A page's parts (the prefix cache's disk tier, cache/disk_tier.py): every paged state's rows of the page
+(each part of an 8-bit state) and, where kept, its snapshot row of every snapshotted state; `gather_pages`
+copies them out for the writer (one index_select per tensor, all of a step's new pages), `load_pages` writes
+pages read from disk back (one index_copy per tensor).
 """
 
 from __future__ import annotations
@@ -128,6 +133,55 @@ class ModelCache:
         self.reset_states(slots)
         for state, snap in self.snapshot_pairs():
             state.index_copy_(0, slots, snap.index_select(0, pages))
+
+    def _page_parts(self) -> list[tuple[str, torch.Tensor, int]]:
+        """Every tensor that holds a page's rows (the disk tier's parts): (name, tensor, rows per page). Paged
+        states give page_size / tokens_per_row rows per page (each part of an 8-bit state alike); snapshot
+        rows give one."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            for s in layer.kind.paged:
+                t, per = layer.tensors[s.name], self.page_size // s.tokens_per_row
+                if isinstance(t, QuantizedRows):
+                    out += [(f"{i}.{s.name}.{k}", part, per) for k, part in enumerate(t.tensors())]
+                else:
+                    out.append((f"{i}.{s.name}", t, per))
+            if self.keeps_snapshots:
+                out += [
+                    (f"{i}.{s.name}_snapshot", layer.tensors[s.name + "_snapshot"], 0)
+                    for s in layer.kind.per_request
+                    if s.snapshot
+                ]
+        return out
+
+    def page_layout(self) -> dict[str, tuple[str, tuple]]:
+        """Each part's dtype name and one page's shape of it (part of the disk tier's identity)."""
+        return {
+            name: (str(t.dtype).removeprefix("torch."), ((per,) if per else ()) + tuple(t.shape[1:]))
+            for name, t, per in self._page_parts()
+        }
+
+    def _page_index(self, pages: list[int], per: int, device) -> torch.Tensor:
+        p = torch.tensor(pages, dtype=torch.long, device=device)
+        if not per:  # a snapshot row per page
+            return p
+        return (p[:, None] * per + torch.arange(per, device=device)).reshape(-1)
+
+    def gather_pages(self, pages: list[int]) -> dict[str, torch.Tensor]:
+        """A copy of these pages' rows, per part [n, *page shape]: one index_select per tensor, all pages."""
+        out = {}
+        for name, t, per in self._page_parts():
+            rows = t.index_select(0, self._page_index(pages, per, t.device))
+            out[name] = rows.view(len(pages), *(((per,) if per else ()) + tuple(t.shape[1:]))).cpu()
+        return out
+
+    def load_pages(self, pages: list[int], parts: list[dict[str, torch.Tensor]]) -> None:
+        """Write pages read from disk into these pages' rows: one index_copy per tensor, all pages."""
+        if not pages:
+            return
+        for name, t, per in self._page_parts():
+            rows = torch.stack([p[name] for p in parts]).to(t.device)
+            t.index_copy_(0, self._page_index(pages, per, t.device), rows.reshape(-1, *t.shape[1:]))
 
     @staticmethod
     def snapshot_bytes_per_token(layers: tuple[LayerKind, ...], dtype: torch.dtype, page_size: int) -> float:

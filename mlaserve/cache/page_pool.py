@@ -74,12 +74,13 @@ class PagePool:
             self.ref[p] += 1
         return pages
 
-    def register(self, page: int, content_hash: int) -> None:
-        """Name a page that just became full; a page already named, or a duplicate, is left alone."""
+    def register(self, page: int, content_hash: int) -> bool:
+        """Name a page that just became full; a page already named, or a duplicate, is left alone (False)."""
         if not self.prefix_caching or page in self._hash_of or content_hash in self._page_of:
-            return
+            return False
         self._hash_of[page] = content_hash
         self._page_of[content_hash] = page
+        return True
 
 
 def page_hashes(token_ids: list[int], page_size: int, num_full: int) -> list[int]:

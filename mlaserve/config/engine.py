@@ -95,6 +95,13 @@ class EngineOptions:
     )
     index_topk: int | None = _opt(None, "override the DSA top-k of the model")
     enable_prefix_caching: bool = _opt(True, "reuse cached pages of a shared prompt prefix")
+    prefix_cache_dir: str | None = _opt(
+        None,
+        "directory where full prefix-cache pages are also kept on disk (written in the background, keyed by the "
+        "hash chain and the model's identity), so a restarted engine loads a repeated prefix instead of "
+        "recomputing it; shareable by several engines",
+    )
+    prefix_cache_dir_gib: float = _opt(8.0, "size cap of prefix_cache_dir in GiB (least recently used files go)")
     experts_impl: str = _opt(
         "grouped_mm", "routed experts: one grouped GEMM per step, or the per-expert loop", EXPERT_IMPLS
     )
@@ -251,6 +258,8 @@ class CacheConfig:
     enable_prefix_caching: bool
     kv_prefault: bool  # the cache tensors are written once at allocation (cache/model_cache.py)
     kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": 8-bit latent rows and index keys (config/kv_cache.py)
+    prefix_cache_dir: str | None = None  # full pages also kept on disk (cache/disk_tier.py)
+    prefix_cache_dir_gib: float = 8.0  # its size cap
 
 
 @dataclass(frozen=True)
@@ -428,6 +437,7 @@ def resolve(
         raise ConfigError(f"ui must be a bool, got {opts.ui!r}")
     _user(log, "ui", opts.ui)
     _user(log, "kv_cache_dtype", check_kv_cache_dtype(opts.kv_cache_dtype))
+    _check_prefix_cache_dir(opts, log)
     return EngineConfig(
         model=model,
         runtime=RuntimeConfig(device=device, dtype=dtype, threads=threads, malloc_tuning=opts.malloc_tuning),
@@ -437,6 +447,8 @@ def resolve(
             enable_prefix_caching=opts.enable_prefix_caching,
             kv_prefault=opts.kv_prefault,
             kv_cache_dtype=opts.kv_cache_dtype,
+            prefix_cache_dir=opts.prefix_cache_dir,
+            prefix_cache_dir_gib=float(opts.prefix_cache_dir_gib),
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=opts.max_num_batched_tokens,
@@ -463,6 +475,21 @@ def resolve(
         server=ServerConfig(ui=opts.ui),
         provenance=log.freeze(),
     )
+
+
+def _check_prefix_cache_dir(opts: EngineOptions, log: ProvenanceLog) -> None:
+    d, gib = opts.prefix_cache_dir, opts.prefix_cache_dir_gib
+    if d is not None and (not isinstance(d, str) or not d):
+        raise ConfigError(f"prefix_cache_dir must be a directory path, got {d!r}")
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+        raise ConfigError(f"prefix_cache_dir_gib must be a positive number of GiB, got {gib!r}")
+    if d is not None and opts.tensor_parallel_size != 1:
+        # each rank holds a slice of every row: a page file would need every rank's slice
+        raise ConfigError(f"prefix_cache_dir runs with tensor_parallel_size 1, got {opts.tensor_parallel_size}")
+    if d is not None and not opts.enable_prefix_caching:
+        raise ConfigError("prefix_cache_dir needs enable_prefix_caching (the disk keeps the prefix cache's pages)")
+    _user(log, "prefix_cache_dir", d)
+    _user(log, "prefix_cache_dir_gib", gib)
 
 
 def _user(log: ProvenanceLog, name: str, value) -> None:

@@ -51,7 +51,12 @@ class Engine:
         self.slots = SlotPool(runner.cache.num_slots) if runner.cache.num_slots else None
         max_len = cfg.cache.num_pages * cfg.cache.page_size
         self.scheduler = Scheduler(
-            self.pool, cfg.cache.page_size, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, self.slots
+            self.pool,
+            cfg.cache.page_size,
+            cfg.scheduler.max_num_batched_tokens,
+            cfg.scheduler.max_num_seqs,
+            self.slots,
+            runner.disk_tier,
         )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -147,11 +152,30 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
+        # prefix pages read from disk fill their pages before anything reads them: also when the request that
+        # found them could not be admitted (its pages stay named in the prefix cache, so they must hold the rows)
+        if plan.disk_loads:
+            self.runner.cache.load_pages([d.page for d in plan.disk_loads], [d.parts for d in plan.disk_loads])
         if not plan.chunks:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request: the page pool is too small")
             return aborted
         step_no, self.step_count = self.step_count, self.step_count + 1
+        try:
+            return aborted + self._step(plan, step_no)
+        finally:
+            self._write_new_pages()
+
+    def _write_new_pages(self) -> None:
+        """Hand the pages named this step to the disk tier: one gather per cache tensor (a copy), the file
+        writes on its thread."""
+        new = self.scheduler.drain_new_pages()
+        if new and self.runner.disk_tier is not None:
+            gathered = self.runner.cache.gather_pages([p for p, _, _ in new])
+            self.runner.disk_tier.submit([(h, ids) for _, h, ids in new], gathered)
+
+    def _step(self, plan: SchedulePlan, step_no: int) -> list[RequestOutput]:
+        aborted: list[RequestOutput] = []
         if self.runner.drafter is not None:  # verify the drafts, accept, draft again (engine/speculative.py)
             try:
                 speculative_step(self, plan, step_no)
@@ -399,6 +423,7 @@ def _metrics(req: Request) -> dict:
         "num_output_tokens": len(req.output_ids),
         "num_preemptions": req.num_preemptions,
         "num_cached_prompt_tokens": req.num_cached_prompt,
+        "num_disk_cached_tokens": req.num_disk_cached,
     }
     if req.num_verify_steps:
         m["num_draft_tokens"] = req.num_draft_tokens

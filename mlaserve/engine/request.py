@@ -32,6 +32,7 @@ class Request:
     num_computed: int = 0  # tokens whose latent rows are in the cache
     pages: list[int] = field(default_factory=list)
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on admission
+    num_disk_cached: int = 0  # of those, tokens whose pages were loaded from the disk tier (prefix_cache_dir)
     num_registered: int = 0  # leading pages already named in the prefix cache
     state_slot: int | None = None  # its slot of the request-addressed cache states while running (SlotPool)
     generator: torch.Generator | None = None

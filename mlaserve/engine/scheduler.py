@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from mlaserve.cache.disk_tier import DiskLoad, DiskTier
 from mlaserve.cache.page_pool import PagePool, page_hashes
 from mlaserve.cache.slot_pool import SlotPool
 from mlaserve.engine.request import Request, Status
@@ -77,6 +78,7 @@ class Preemption:
 class SchedulePlan:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Preemption, ...]  # requests sent back to the queue this step (in the route ledger)
+    disk_loads: tuple[DiskLoad, ...] = ()  # pages to fill from the disk tier before this step's forward
 
 
 class Scheduler:
@@ -87,9 +89,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         slots: SlotPool | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
-        """slots: the state-slot pool when the model declares request states, else None (no slots)."""
-        self.pool, self.page_size, self.slots = pool, page_size, slots
+        """slots: the state-slot pool when the model declares request states, else None (no slots).
+        disk: the prefix cache's disk tier (prefix_cache_dir), else None."""
+        self.pool, self.page_size, self.slots, self.disk = pool, page_size, slots, disk
+        self._disk_loads: list[DiskLoad] = []
+        self.new_pages: list[tuple[int, int, list[int]]] = []  # (page, chain hash, token ids) named since drained
         self.budget, self.max_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -102,6 +108,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulePlan:
         budget, chunks, preempted = self.budget, [], []
+        self._disk_loads = []
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING or budget == 0:
                 continue
@@ -132,7 +139,8 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed, n))
             budget -= n
         # Decodes first in the batch is ForwardBatch's job; keep arrival order here.
-        return SchedulePlan(tuple(c for c in chunks if c.request.status is Status.RUNNING), tuple(preempted))
+        live = tuple(c for c in chunks if c.request.status is Status.RUNNING)
+        return SchedulePlan(live, tuple(preempted), tuple(self._disk_loads))
 
     def _reserve(self, req: Request, num_tokens: int, preempted: list[Preemption]) -> bool:
         """Pages for num_tokens, preempting the newest other running requests if needed."""
@@ -157,9 +165,38 @@ class Scheduler:
         ps = self.page_size
         hashes = page_hashes(req.all_ids, ps, (req.num_tokens - 1) // ps)
         req.pages = self.pool.lookup(hashes)
+        if self.disk is not None and len(req.pages) < len(hashes):
+            self._reuse_from_disk(req, hashes)
         req.num_computed = len(req.pages) * ps
         req.num_cached_prompt = req.num_computed
         req.num_registered = len(req.pages)
+
+    def _reuse_from_disk(self, req: Request, hashes: list[int]) -> None:
+        """Extend the memory hit with the pages the disk tier holds next in the chain (verified files read
+        now, their rows copied into free pages before the step's forward: SchedulePlan.disk_loads). Such a
+        page is named in the prefix cache at once; it stays a hit even if the forward fails."""
+        ps, loads = self.page_size, []
+        # one free page stays for the rest of the prompt; without one the request waits like any other
+        for i in range(len(req.pages), len(hashes)):
+            if len(loads) + 1 >= self.pool.num_free:
+                break
+            parts = self.disk.read(hashes[i], req.all_ids[i * ps : (i + 1) * ps])
+            if parts is None:
+                break
+            loads.append((hashes[i], parts))
+        if not loads:
+            return
+        pages = self.pool.allocate(len(loads))
+        for page, (h, parts) in zip(pages, loads):
+            self.pool.register(page, h)
+            self._disk_loads.append(DiskLoad(page, self.disk.path(h), parts))
+        req.pages = req.pages + pages
+        req.num_disk_cached = len(pages) * ps
+
+    def drain_new_pages(self) -> list[tuple[int, int, list[int]]]:
+        """Pages named in the prefix cache since the last call (the disk tier writes them)."""
+        out, self.new_pages = self.new_pages, []
+        return out
 
     def _drop_pages(self, req: Request) -> None:
         self.pool.release(req.pages)
@@ -169,10 +206,10 @@ class Scheduler:
         full = req.num_computed // self.page_size
         if not self.pool.prefix_caching or full <= req.num_registered:
             return
-        for page, h in zip(
-            req.pages[req.num_registered : full], page_hashes(req.all_ids, self.page_size, full)[req.num_registered :]
-        ):
-            self.pool.register(page, h)
+        ps, hashes = self.page_size, page_hashes(req.all_ids, self.page_size, full)
+        for k in range(req.num_registered, full):
+            if self.pool.register(req.pages[k], hashes[k]) and self.disk is not None:
+                self.new_pages.append((req.pages[k], hashes[k], req.all_ids[k * ps : (k + 1) * ps]))
         req.num_registered = full
 
     def _grow(self, req: Request, num_tokens: int) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from mlaserve.attention.router import route_step
+from mlaserve.cache.disk_tier import DiskTier, model_identity
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.kv_cache import quantize_states
@@ -72,6 +73,21 @@ class ModelRunner:
             if cfg.cache.kv_cache_dtype == "auto"
             else cfg.cache.kv_cache_dtype
         )
+        # the prefix cache's disk tier (prefix_cache_dir): pages keyed by the hash chain and what the rows are
+        # (the weights' identity, dtype, layout incl. kv_cache_dtype, page size, sparse switch)
+        self.disk_tier = None
+        if cfg.cache.prefix_cache_dir is not None and cfg.cache.enable_prefix_caching:
+            identity = model_identity(
+                f"{cfg.model!r}|{cfg.runtime.dtype}|{cfg.cache.kv_cache_dtype}|{cfg.cache.page_size}|"
+                f"sparse={cfg.attention.sparse}",
+                model.state_dict(),
+            )
+            self.disk_tier = DiskTier(
+                cfg.cache.prefix_cache_dir,
+                int(cfg.cache.prefix_cache_dir_gib * 2**30),
+                identity,
+                self.cache.page_layout(),
+            )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
         self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative.method == "mtp" else None

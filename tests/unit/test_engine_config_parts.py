@@ -24,6 +24,8 @@ WHERE = {
     "enable_prefix_caching": "cache.enable_prefix_caching",
     "kv_prefault": "cache.kv_prefault",
     "kv_cache_dtype": "cache.kv_cache_dtype",
+    "prefix_cache_dir": "cache.prefix_cache_dir",
+    "prefix_cache_dir_gib": "cache.prefix_cache_dir_gib",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "max_num_seqs": "scheduler.max_num_seqs",
     "decode_threshold": "scheduler.decode_threshold",
