@@ -26,10 +26,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 from v4_models import SPECS, build_hf_v4, hf_v4_logits  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
-from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
@@ -63,27 +63,6 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
     assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
     return err
-
-
-def _prefill(runner, rid, ids, done, table, slot, budget, first_restore=None) -> torch.Tensor:
-    """ids[done:] through the runner in chunks of `budget`, all logits; the first chunk resets the slot (done 0)
-    or restores it from `first_restore` (a prefix hit ending at done)."""
-    ps, out, start = runner.cfg.cache.page_size, [], done
-    while done < len(ids):
-        chunk = tuple(ids[done : done + budget])
-        seq = SeqChunk(
-            rid,
-            chunk,
-            done,
-            tuple(table[: -(-(done + len(chunk)) // ps)]),
-            all_logits=True,
-            state_slot=slot,
-            reset_state=done == 0,
-            restore_page=first_restore if done == start and done > 0 else None,
-        )
-        out.append(runner.execute([seq])[1])
-        done += len(chunk)
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("budget", [3, 5, 64])  # chunks crossing boundaries mid-chunk, ending on them, one pass

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
+from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
@@ -47,27 +48,6 @@ def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def _prefill(runner, rid, ids, done, table, slot, budget, first_restore=None) -> torch.Tensor:
-    """ids[done:] through the runner in chunks of `budget`, all logits; the first chunk resets the slot (done 0)
-    or restores it from `first_restore` (a prefix hit ending at done)."""
-    out, start = [], done
-    while done < len(ids):
-        chunk = tuple(ids[done : done + budget])
-        seq = SeqChunk(
-            rid,
-            chunk,
-            done,
-            tuple(table[: -(-(done + len(chunk)) // PAGE)]),
-            all_logits=True,
-            state_slot=slot,
-            reset_state=done == 0,
-            restore_page=first_restore if done == start and done > 0 else None,
-        )
-        out.append(runner.execute([seq])[1])
-        done += len(chunk)
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("budget", [5, 64])

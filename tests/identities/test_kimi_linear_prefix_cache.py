@@ -21,9 +21,9 @@ import torch
 pytest.importorskip("transformers")
 
 from kimi_linear_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_kimi  # noqa: E402
+from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
-from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
@@ -43,27 +43,6 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
     assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
     return err
-
-
-def _prefill(runner, rid, ids, done, table, slot, budget, first_restore=None) -> torch.Tensor:
-    """ids[done:] through the runner in chunks of `budget`, all logits; the first chunk resets the slot (done 0)
-    or restores it from `first_restore` (a prefix hit ending at done)."""
-    out, start = [], done
-    while done < len(ids):
-        chunk = tuple(ids[done : done + budget])
-        seq = SeqChunk(
-            rid,
-            chunk,
-            done,
-            tuple(table[: -(-(done + len(chunk)) // PAGE)]),
-            all_logits=True,
-            state_slot=slot,
-            reset_state=done == 0,
-            restore_page=first_restore if done == start and done > 0 else None,
-        )
-        out.append(runner.execute([seq])[1])
-        done += len(chunk)
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("budget", [1, 3, 5, 64])
