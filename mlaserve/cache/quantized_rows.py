@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.config.kv_cache import AMAX_FLOOR, QMAX, RowFormat
+from mlaserve.config.row_format import AMAX_FLOOR, QMAX, RowFormat
 
 FP8 = torch.float8_e4m3fn
 

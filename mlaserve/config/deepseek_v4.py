@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlaserve.config import families
-from mlaserve.config.model import ConfigError, RopeConfig
+from mlaserve.config.model_parts import ConfigError, RopeConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
 
 # config.json names -> the short kind names used in the model and state code

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlaserve.config.deepseek_v4 import V4HyperConnections
-from mlaserve.config.model import ConfigError, KDAConfig
+from mlaserve.config.model_parts import ConfigError, KDAConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
 
 DEFAULTS: dict[str, Any] = dict(

@@ -66,14 +66,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from mlaserve.config.model import ConfigError, ModelConfig
-
-if TYPE_CHECKING:
-    from mlaserve.config.kv_cache import RowFormat
+from mlaserve.config.row_format import RowFormat
 
 ATTENTION_KINDS = ("mla", "mla_dsa", "v4_sliding", "v4_csa", "v4_hca", "kda")
 # kinds whose layers read the paged latent rows through the segment tensors (attention/metadata.py)
@@ -97,7 +94,7 @@ class StateSpec:
     # (a compressor's open-window carry: page_size is a multiple of its ratio, so the window is empty there)
     empty_at_page_boundary: bool = False
     dtype: torch.dtype | None = None  # None: the cache dtype (a recurrent state may need float32)
-    quant: RowFormat | None = None  # 8-bit rows (config/kv_cache.py, kv_cache_dtype); None: in the dtype above
+    quant: RowFormat | None = None  # 8-bit rows (config/row_format.py, kv_cache_dtype); None: in the dtype above
 
     def __post_init__(self) -> None:
         if self.addressing not in ADDRESSING:

@@ -26,7 +26,7 @@ import torch
 from mlaserve.attention.cache_error import attention_error_bound
 from mlaserve.attention.reference import ReferenceBackend
 from mlaserve.cache.quantized_rows import QuantizedRows
-from mlaserve.config.kv_cache import index_key_format, latent_format
+from mlaserve.config.row_format import index_key_format, latent_format
 from mlaserve.models.deepseek import MLAAttention
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 checkpoint names -> models/deepseek_v4's module tree (transformers' DeepseekV4ForCausalLM names), and a
+"""DeepSeek-V4 checkpoints -> models/deepseek_v4's module tree (the names: loading/deepseek_v4_names.py), and a
 strict folder loader: every tensor used once, every parameter filled, every shape checked; errors name the
 tensor and its file.
 
@@ -21,7 +21,6 @@ mtp.* (num_nextn_predict_layers) is skipped and reported: the MTP layer is not b
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.model import ConfigError
+from mlaserve.loading.deepseek_v4_names import SCALE, Target, target
 from mlaserve.loading.files import path_problem, read_json
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -36,89 +36,7 @@ from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.deepseek_v4 import swap_in_fp8
 from mlaserve.quant.plan import QuantPlan
 
-_TOP = {
-    "embed.weight": "model.embed_tokens.weight",
-    "embed_tokens.weight": "model.embed_tokens.weight",
-    "head.weight": "lm_head.weight",
-    "lm_head.weight": "lm_head.weight",
-    "norm.weight": "model.norm.weight",
-    "hc_head_fn": "model.hc_head.hc_fn",
-    "hc_head_base": "model.hc_head.hc_base",
-    "hc_head_scale": "model.hc_head.hc_scale",
-    "hc_head.hc_fn": "model.hc_head.hc_fn",
-    "hc_head.hc_base": "model.hc_head.hc_base",
-    "hc_head.hc_scale": "model.hc_head.hc_scale",
-}
-_COMPRESSOR = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias"}
-_COMPRESSOR |= {"norm.weight": "kv_norm.weight", "kv_norm.weight": "kv_norm.weight"}
-_LAYER = {
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
-    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.kv_norm.weight": "self_attn.kv_norm.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight",
-    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
-    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
-    "attn.attn_sink": "self_attn.sinks",
-    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
-    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn.gate.weight": "mlp.gate.weight",
-    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
-    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-}
-_LAYER |= {f"hc_{s}_{p}": f"{s}_hc.{p}" for s in ("attn", "ffn") for p in ("fn", "base", "scale")}
-_LAYER |= {f"attn.compressor.{k}": f"self_attn.compressor.{v}" for k, v in _COMPRESSOR.items()}
-_LAYER |= {f"attn.indexer.compressor.{k}": f"self_attn.compressor.indexer.{v}" for k, v in _COMPRESSOR.items()}
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a checkpoint tensor goes: a parameter or buffer name, and for a released expert projection its
-    expert and which part (w1 gate rows, w3 up rows of gate_up_proj; w2 down_proj)."""
-
-    name: str
-    expert: int | None = None
-    part: str | None = None
-
-
 _STORED = (torch.float8_e4m3fn, torch.int8)  # quantized codes: copied as stored (FP8 e4m3, packed FP4 e2m1)
-SCALE = ".weight_scale_inv"  # DeepSeek FP8 block scales (quant/config.py), beside `<module>.weight`
-_EXPERT_SCALE = {"gate_up_proj": "gate_up_scale", "down_proj": "down_scale"}  # quant/deepseek_v4.FP8V4Experts
-
-
-def target(name: str, module_names: set[str]) -> Target | None:
-    """The module tensor a checkpoint name fills; None for the MTP layers (skipped)."""
-    if name in module_names:
-        return Target(name)
-    if name.endswith(SCALE):  # the scale of a weight goes beside that weight's target
-        t = target(name.removesuffix(SCALE) + ".weight", module_names)
-        if t is None or t.expert is None:
-            return t and Target(t.name.removesuffix(".weight") + SCALE)
-        layer, _, which = t.name.rpartition(".")
-        return Target(f"{layer}.{_EXPERT_SCALE[which]}", t.expert, t.part)
-    bare = name[len("model.") :] if name.startswith("model.") else name
-    if bare.startswith("mtp."):
-        return None
-    if bare in _TOP:
-        return Target(_TOP[bare])
-    m = _LAYER_RE.match(bare)
-    if m:
-        layer, rest = m.groups()
-        if rest in _LAYER:
-            return Target(f"model.layers.{layer}.{_LAYER[rest]}")
-        e = _EXPERT_RE.match(rest)
-        if e:
-            which = "down_proj" if e.group(2) == "w2" else "gate_up_proj"
-            return Target(f"model.layers.{layer}.mlp.experts.{which}", int(e.group(1)), e.group(2))
-    raise WeightError(f"unknown DeepSeek-V4 tensor {name!r}")
 
 
 @dataclass

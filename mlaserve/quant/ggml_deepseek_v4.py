@@ -27,6 +27,7 @@ from torch import nn
 from mlaserve.config.provenance import Setting
 from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.kernels import ggml, native, registry
+from mlaserve.loading.deepseek_v4_names import target
 from mlaserve.models.deepseek_v4.moe import experts_loop
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFLinear, _raw
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
@@ -147,7 +148,6 @@ class V4GGUFPlan:
 def plan_v4_gguf(source, model: nn.Module) -> V4GGUFPlan:
     """From the file's tensor types (source: V4GGUFTensors) and the model's module tree: a module whose stored
     type is a block format keeps its blocks; a routed-expert stack keeps them when gate and up share a type."""
-    from mlaserve.loading.deepseek_v4 import target
     from mlaserve.models.deepseek_v4.attention import GroupedLinear
     from mlaserve.models.deepseek_v4.moe import Experts
 

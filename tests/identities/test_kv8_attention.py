@@ -22,7 +22,7 @@ from test_attention_backends import DN, FP32_TOL, NAMES, REF, TOPK, Case, _as_ma
 from mlaserve.attention.backends import BACKENDS
 from mlaserve.attention.cache_error import attention_error_bound
 from mlaserve.cache.quantized_rows import QuantizedRows
-from mlaserve.config.kv_cache import index_key_format, latent_format
+from mlaserve.config.row_format import index_key_format, latent_format
 
 CODES = ["int8", "fp8_e4m3"]
 OPS = ["absorbed", "decompressed", "sparse_absorbed", "sparse_decompressed"]

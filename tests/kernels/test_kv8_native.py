@@ -22,7 +22,7 @@ from test_kv8_engine import _compare_caches
 from mlaserve import LLM
 from mlaserve.attention.backends import native_backend
 from mlaserve.cache.quantized_rows import QuantizedRows
-from mlaserve.config.kv_cache import latent_format
+from mlaserve.config.row_format import latent_format
 from mlaserve.kernels import native, native_layers
 from mlaserve.sampling.params import SamplingParams
 
@@ -97,7 +97,7 @@ def test_c_topk_over_fp8_keys_equals_fp32_topk_over_dequantized_keys(monkeypatch
     keys (torch.equal); the native backend runs it for decode segments over FP8 keys."""
     from test_attention_backends import TOPK, _case
 
-    from mlaserve.config.kv_cache import index_key_format
+    from mlaserve.config.row_format import index_key_format
 
     c = _case(1, torch.float32, "cpu")
     # keys of magnitudes 0.1x..10x: their scales differ 100-fold, so a scale dropped or taken from the wrong key

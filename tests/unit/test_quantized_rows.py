@@ -15,9 +15,10 @@ import torch
 
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.cache.quantized_rows import QuantizedRows, dequantize, error_bound, quantize
-from mlaserve.config.kv_cache import RowFormat, describe_layout, index_key_format, latent_format, quantize_states
+from mlaserve.config.kv_cache import describe_layout, quantize_states
 from mlaserve.config.layer_kinds import LayerKind, StateSpec, describe
 from mlaserve.config.model import ConfigError
+from mlaserve.config.row_format import RowFormat, index_key_format, latent_format
 
 
 def _e4m3_table() -> np.ndarray:

@@ -48,6 +48,7 @@ from mlaserve.config.provenance import Setting
 from mlaserve.gguf.read.config import ABSENT, Provenance, _bool, _decimal, _Meta
 from mlaserve.gguf.read.file import GGUFError, GGUFFile, open_gguf
 from mlaserve.gguf.read.tokenizer import GGUFTokenizer
+from mlaserve.loading.deepseek_v4_names import target
 
 ARCH = "deepseek4"
 LLAMA_CPP_HC_MULT = 4  # llama.cpp's deepseek4 graph refuses any other hyper_connection.count
@@ -389,8 +390,6 @@ def _expected(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
 def _map_tensors(gf: GGUFFile, cfg: DeepseekV4Config) -> tuple[dict[str, _Entry], list[str]]:
     """Every GGUF tensor -> the release name(s) it fills (each used once), shapes checked against the model;
     every model tensor filled. Returns the entries and the skipped nextn (MTP) tensors."""
-    from mlaserve.loading.deepseek_v4 import target
-
     expected = _expected(cfg)
     modules = set(expected)
     entries: dict[str, _Entry] = {}
