@@ -19,7 +19,7 @@ from torch import nn
 from mlaserve.config.model import MoEConfig
 from mlaserve.kernels import native
 from mlaserve.kernels.registry import KernelSwitch
-from mlaserve.models.layers import SwiGLU, activation
+from mlaserve.models.layers import SwiGLU, activation, swiglu
 
 # steps of up to this many tokens take the native router (kernel "native"; its top-k is a plain O(k E) scan per
 # token, one thread); more tokens take the torch router (Gate._route_native's contract)
@@ -116,6 +116,10 @@ class Gate(KernelSwitch, nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stored stacked: gate_up [E, 2I, D], down [E, D, I]."""
+
+    # the plain SwiGLU product unless __init__ is given swiglu_limit's clamps (an Experts made without __init__,
+    # as the holders' tests make their dense references, computes the plain product too)
+    act = staticmethod(swiglu)
 
     def __init__(self, hidden: int, cfg: MoEConfig, limit: float | None = None) -> None:
         """limit: swiglu_limit's clamps on every expert (GLM-5.3-Flash), None: the plain product."""
