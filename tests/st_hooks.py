@@ -18,6 +18,9 @@ Two refusals of schema-valid data are right and no JSON Schema can state them:
   response_format or llama.cpp's grammar / json_schema fields (a schema can say "a string",
   not "a regular expression that parses"). Dropped after checking that xgrammar, called here on the
   request's own value, refuses it too.
+- an integer at the edge of a 64-bit bound (`seed` < 2**63): the generator compares such values as doubles,
+  in which 2**63 + 191 equals 2**63, so it sends one it takes for valid. Dropped after checking, in exact
+  integer arithmetic, that the named field's value really is outside the bound the refusal states.
 Each dropped failure is appended to $ST_DROPPED (JSON lines) so the test can count them; anything else
 stays a failure.
 """
@@ -38,6 +41,7 @@ NOT_COMPILED = re.compile(
     r"(structured_outputs|response_format|grammar|json_schema): structured (\w+): cannot be compiled: .*", re.S
 )
 NOT_JSON = re.compile(r"messages: tool_call (.*): arguments are not a JSON object")
+INT_BOUND = re.compile(r"(\w+): Input should be (less than|greater than or equal to) (-?\d+)")
 TOO_LONG = re.compile(r"prompt of (\d+) tokens does not fit the context \((\d+) tokens, one left to generate\)")
 
 
@@ -139,6 +143,13 @@ def filter_failure(ctx, failure, case, response) -> bool:
         if absent:
             _record({"message": err["message"], "tools": names})
         return not absent
+    if m := INT_BOUND.fullmatch(err.get("message", "")):
+        value, bound = case.body.get(m.group(1)), int(m.group(3))
+        exact = isinstance(value, int) and not isinstance(value, bool) and err.get("param") == m.group(1)
+        outside = exact and (value >= bound if m.group(2) == "less than" else value < bound)
+        if outside:
+            _record({"message": err["message"], "value": str(value)})
+        return not outside
     if m := NOT_COMPILED.fullmatch(err.get("message", "")):
         refused = _does_not_compile(case.body, m.group(1), m.group(2))
         if refused:

@@ -63,6 +63,8 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     assert run.returncode == 0, out[-6000:]
     assert "generated" in out  # it ran cases
     for line in dropped.read_text().splitlines() if dropped.exists() else []:
-        message = json.loads(line)["message"]  # only the two verified kinds were dropped
-        assert "context of 48" in message or "context (48" in message or "arguments are not a JSON object" in message
+        message = json.loads(line)["message"]  # only the verified kinds (tests/st_hooks.py) were dropped
+        verified = ("context of 48", "context (48", "arguments are not a JSON object", "appears twice")
+        verified += ("which is not among the tools", "cannot be compiled", "Input should be")
+        assert any(v in message for v in verified), message
     assert server.wait_idle() == 0 and server.serving.in_flight == 0
