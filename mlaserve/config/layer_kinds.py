@@ -150,6 +150,9 @@ class LayerKind:
     window: int = 0  # sliding_window: ring rows a query may attend
     ratio: int = 0  # tokens per compressed row (v4_csa, v4_hca)
     topk: int = 0  # v4_csa: index_topk, compressed rows a query keeps
+    # mla_dsa with a pooled indexer (GLM-5.3-Flash, "pooled" and the "shared" layers after it): index_kpool, the
+    # tokens per pooled key its route scores (attention/router.py); 0 elsewhere
+    kpool: int = 0
     # several attention sublayers per layer (LongCat-Flash): the latent state each one reads and writes, in
     # sublayer order; () for a layer of one attention (its state is "latent")
     sublayers: tuple[str, ...] = ()
@@ -237,12 +240,14 @@ def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
     latents = tuple(StateSpec(name, model.latent_dim) for name in names)
     role = indexer_role(model, i)
     keys: tuple[StateSpec, ...] = ()
-    if role == "full" and model.indexer.kpool:  # GLM-5.3-Flash: its own pooled indexer
+    kpool = model.indexer.kpool if role is not None else 0
+    if role == "full" and kpool:  # GLM-5.3-Flash: its own pooled indexer
         role = "pooled"
-        keys = pooled_indexer_states(model.indexer.head_dim, model.indexer.kpool) if sparse else ()
+        keys = pooled_indexer_states(model.indexer.head_dim, kpool) if sparse else ()
     elif sparse and role == "full":
         keys = (StateSpec("index_keys", model.indexer.head_dim),)
-    return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=names if len(names) > 1 else ())
+    subs = names if len(names) > 1 else ()
+    return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=subs, kpool=kpool)
 
 
 def kda_states(model: ModelConfig) -> tuple[StateSpec, ...]:

@@ -341,19 +341,8 @@ class _HFAdapter:
             "none" if t != "indexed_attention" else r for t, r in zip(layout.layer_types, layout.indexer_types)
         )
         indexer = replace(cfg.indexer, layer_types=roles, kpool=layout.index_kpool, topk=layout.index_topk)
-        # The pooled indexer's step route is not built yet (docs/GLM5_NEXT.md): the MLA layers run dense, which is
-        # the pooled selection itself while a context is <= index_topk tokens (every complete pool is among the top
-        # index_topk // kpool, the tail is always kept), so the context is capped there
-        limit = min(cfg.max_position_embeddings, layout.index_topk)
-        self.log.record(
-            "max_position_embeddings",
-            limit,
-            f"min(max_position_embeddings, index_topk={layout.index_topk}): the pooled DSA route is not built, "
-            "the MLA layers run dense, exact while a context is <= index_topk",
-        )
         return replace(
             cfg,
-            max_position_embeddings=limit,
             mlp_layer_types=mlp,
             indexer=indexer,
             kda=layout.kda,
@@ -362,7 +351,6 @@ class _HFAdapter:
             latent_norm_eps=cfg.rms_norm_eps,
             provenance=cfg.provenance
             + layout.provenance
-            + self.log.freeze()[-1:]
             + (
                 Setting(
                     "latent_norm_eps",
@@ -704,9 +692,9 @@ class _HFAdapter:
             return None
         g = self.get
         types = self.raw.get("indexer_types")
-        if self.family.glm5_next:  # per layer, KDA layers included: read by config/glm5_next.py (_glm5_next)
-            types = ["full"] * num_layers
-        if types is None:
+        if self.family.glm5_next:  # per layer, KDA layers included: read and recorded by config/glm5_next.py
+            types = ["full"] * num_layers  # (_glm5_next replaces these roles; recording them here listed it twice)
+        elif types is None:
             types = ["full"] * num_layers
             self.log.record("indexer_types", "all full", "class default (no indexer_types)")
         else:
