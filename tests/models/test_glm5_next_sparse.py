@@ -165,3 +165,11 @@ def test_greedy_decode_past_index_topk_equals_transformers(glm):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == _hf_greedy(ref, p, 12), f"{spec}: prompt of {len(p)} tokens"
+
+
+def test_the_decompressed_path_selects_the_same_rows(glm):
+    """mla_path='decompressed': masked MHA over the selection's mask (Selection.as_mask) == transformers."""
+    spec, ref, folder = glm
+    ids = random_ids(N, ref.config.text_config.vocab_size, 5)
+    llm = LLM(str(folder), mla_path="decompressed", max_num_batched_tokens=9)
+    _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} decompressed budget 9")
