@@ -329,6 +329,43 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int
     return lines
 
 
+def describe_route(layers: tuple[LayerKind, ...], sparse: bool, index_topk: int | None) -> list[str]:
+    """`mlaserve inspect`'s "attention route" lines: per attention kind, what its layers attend (the route
+    attention/router.py plans every step from these kinds and the engine's sparse / index_topk)."""
+    lines = []
+    for kind in kinds_in_order(layers):
+        of = [k for k in layers if k.attention == kind]
+        if kind == "kda":
+            text = "linear attention: each request's recurrent state, no cached rows attended"
+        elif kind == "mla":
+            text = "dense: every cached row"
+        elif kind == "mla_dsa":
+            text = _dsa_route(of, sparse, index_topk)
+        else:
+            text = "window + compressed rows (DeepSeek-V4)"
+        lines.append(f"layers {layer_ranges([k.index for k in of])}: {kind}: {text}")
+    return lines
+
+
+def _dsa_route(of: list[LayerKind], sparse: bool, topk: int | None) -> str:
+    kpool = max(k.kpool for k in of)
+    if not sparse:
+        exact = topk + kpool - 1 if kpool else topk
+        return f"dense (attention='dense'): every cached row, the indexer unused; the same attention while a context is <= {exact} tokens"
+    if kpool:
+        text = (
+            f"pooled DSA sparse: a query scores its complete pools of {kpool} tokens, keeps the top {topk // kpool} "
+            f"(index_topk {topk} // index_kpool {kpool}) expanded to their tokens, and its incomplete pool's tokens "
+            f"(< {kpool})"
+        )
+    else:
+        text = f"DSA sparse: a query keeps the top {topk} cached rows by its indexer's score"
+    shared = [k.index for k in of if k.indexer == "shared"]
+    if shared:
+        text += f"; layers {layer_ranges(shared)} reuse the nearest previous selecting layer's selection"
+    return text
+
+
 def _describe_state(s: StateSpec) -> str:
     if s.addressing == "request":
         dtype = f" {str(s.dtype).removeprefix('torch.')}" if s.dtype else ""

@@ -350,7 +350,7 @@ class _HFAdapter:
             swiglu_limit=layout.swiglu_limit,
             latent_norm_eps=cfg.rms_norm_eps,
             provenance=cfg.provenance
-            + layout.provenance
+            + tuple(s for s in layout.provenance if s not in cfg.provenance)  # a key both readers record: once
             + (
                 Setting(
                     "latent_norm_eps",

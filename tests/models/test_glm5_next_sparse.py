@@ -173,3 +173,28 @@ def test_the_decompressed_path_selects_the_same_rows(glm):
     ids = random_ids(N, ref.config.text_config.vocab_size, 5)
     llm = LLM(str(folder), mla_path="decompressed", max_num_batched_tokens=9)
     _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} decompressed budget 9")
+
+
+def test_inspect_shows_the_route(glm, capsys):
+    """`mlaserve inspect` prints the pooled route (kpool, pools kept per query, the tail; which layers reuse a
+    selection) or, with attention='dense', that it runs dense and up to which context that is the same attention;
+    indexer_types and num_hidden_layers listed once."""
+    from mlaserve.entrypoints.cli import main
+
+    spec, ref, folder = glm
+    text = ref.config.text_config
+    p, k = text.index_kpool, text.index_topk // text.index_kpool
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    route = out[out.index("attention route:") :]
+    assert f"pooled DSA sparse: a query scores its complete pools of {p} tokens, keeps the top {k} " in route
+    assert f"and its incomplete pool's tokens (< {p})" in route
+    assert ("reuse the nearest previous selecting layer's selection" in route) == ("shared" in text.indexer_types)
+    firsts = [line.split()[:1] for line in out.splitlines()]
+    assert firsts.count(["indexer_types"]) == firsts.count(["num_hidden_layers"]) == 1
+    assert main(["inspect", str(folder), "--attention", "dense"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"dense (attention='dense'): every cached row, the indexer unused; the same attention while a context is <= {text.index_topk + p - 1} tokens"
+        in out
+    )
