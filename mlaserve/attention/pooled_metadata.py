@@ -55,11 +55,7 @@ def build_pooled_tensors(batch: ForwardBatch, plan: AttentionPlan) -> PooledTens
     if plan.needs_selection:
         for seg in plan.segments:
             seqs = batch.seqs[seg.seq_start : seg.seq_end]
-            n_max = max(s.seq_len // p for s in seqs)
-            table = torch.full((len(seqs), max(n_max, 1)), pad_row, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                n = s.seq_len // p
-                table[i, :n] = torch.tensor(pool_rows(s.block_table, range(n), ps, p), dtype=torch.long)
+            table = _pool_table(seqs, p, ps, pad_row)
             q_max = max(s.query_len for s in seqs)
             off = torch.arange(q_max)
             ctx = torch.tensor([s.context_len for s in seqs])
@@ -74,3 +70,17 @@ def build_pooled_tensors(batch: ForwardBatch, plan: AttentionPlan) -> PooledTens
         torch.tensor(rows, dtype=torch.long, device=dev),
         tuple(PooledSegment(s.pool_rows.to(dev), s.positions.to(dev)) for s in segments),
     )
+
+
+def _pool_table(seqs, p: int, ps: int, pad_row: int) -> torch.Tensor:
+    """[B, N] rows of each sequence's complete pools (pool_rows, as one tensor op over the block tables rather than a
+    Python list per pool: N reaches context / kpool), the pad row past a sequence's own."""
+    n = torch.tensor([s.seq_len // p for s in seqs])
+    n_max = max(int(n.max()), 1)
+    pages = torch.zeros(len(seqs), max(len(s.block_table) for s in seqs), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        pages[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    first = torch.arange(n_max) * p  # each pool's first token
+    page_idx = (first // ps).clamp(max=pages.shape[1] - 1)
+    rows = pages[:, page_idx] * (ps // p) + (first % ps // p)[None, :]
+    return torch.where(torch.arange(n_max)[None, :] < n[:, None], rows, pad_row)

@@ -89,3 +89,26 @@ def test_a_parked_entry_does_not_hide_a_selected_position_zero():
     valid = torch.tensor([[[False, True, False, True, False]]])
     assert Selection(index, valid).as_mask(4).tolist() == [[[True, False, True, False]]]
     assert Selection(index, torch.zeros_like(valid)).as_mask(4).tolist() == [[[False] * 4]]
+
+
+def test_the_pool_tables_equal_pool_rows_per_sequence():
+    """The selecting segment's [B, N] table (one tensor op over the block tables) == pool_rows (the plain
+    reference) per sequence, scattered pages, kpool 2 and 4, pages of 4 and 8 tokens."""
+    from mlaserve.models.pooled_indexer import pool_rows
+
+    g = torch.Generator().manual_seed(0)
+    for kpool, page in ((2, 4), (4, 8), (4, 4), (2, 8)):
+        lens = [(1, 37), (6, 0), (1, 12), (9, 20)]
+        chunks = [
+            (f"r{i}", q, c, tuple(torch.randperm(16, generator=g)[: -(-(q + c) // page)].tolist()))
+            for i, (q, c) in enumerate(lens)
+        ]
+        batch = _batch(*chunks, page=page)
+        plan = route(batch, "auto", True, kpool, kind="mla_dsa", layers=(0,), kpool=kpool)
+        tables = build_pooled_tensors(batch, plan).segments
+        for seg, tensors in zip(plan.segments, tables):
+            for i, s in enumerate(batch.seqs[seg.seq_start : seg.seq_end]):
+                n = s.seq_len // kpool
+                row = tensors.pool_rows[i].tolist()
+                assert row[:n] == pool_rows(s.block_table, range(n), page, kpool)
+                assert set(row[n:]) <= {16 * page // kpool}
