@@ -167,12 +167,15 @@ def test_greedy_decode_past_index_topk_equals_transformers(glm):
         assert list(o.outputs[0].token_ids) == _hf_greedy(ref, p, 12), f"{spec}: prompt of {len(p)} tokens"
 
 
-def test_the_decompressed_path_selects_the_same_rows(glm):
-    """mla_path='decompressed': masked MHA over the selection's mask (Selection.as_mask) == transformers."""
+@pytest.mark.parametrize("option", [dict(mla_path="decompressed"), dict(attention_backend="reference")])
+def test_the_other_paths_select_the_same_rows(glm, option):
+    """mla_path='decompressed' (masked MHA over Selection.as_mask) and the reference backend (its sparse_absorbed: a
+    mask over the segment's keys) == transformers: both build a mask from the selection, where its unused entries,
+    parked at position 0, must not unselect a selected position 0."""
     spec, ref, folder = glm
     ids = random_ids(N, ref.config.text_config.vocab_size, 5)
-    llm = LLM(str(folder), mla_path="decompressed", max_num_batched_tokens=9)
-    _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} decompressed budget 9")
+    llm = LLM(str(folder), max_num_batched_tokens=9, **option)
+    _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} {option} budget 9")
 
 
 def test_inspect_shows_the_route(glm, capsys):
