@@ -181,7 +181,7 @@ def _read(r: RawConfig) -> ModelConfig:
     check_sizes(r.raw, r.source, r.renamed)
     num_layers = decoder_layers(r)
     for key in _REQUIRED:
-        if key != "num_hidden_layers":  # read by _decoder_layers
+        if key != "num_hidden_layers":  # read by decoder_layers
             g(key, required=True)
     heads = r.raw["num_attention_heads"]
     kv_heads = r.raw.get("num_key_value_heads", heads)
