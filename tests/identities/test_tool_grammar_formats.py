@@ -5,9 +5,10 @@ calls whose names are the tools' and whose arguments validate (jsonschema) again
 This is what holds the parser and the grammar to one format (V4's `<｜DSML｜tool_calls>` against V3.2's
 `function_calls`, for example).
 
-With the families' real chat templates (../shared/fixtures/chat_templates/<format>.jinja, skipped when
-absent; MLASERVE_CHAT_TEMPLATES names another folder): the parsed call, sent back as an assistant message with a tool result, is rendered by the real
-template, and the format's parser reads the same name and arguments back from the rendered text."""
+With the families' published chat templates (tests/fixtures/chat_templates/<format>.jinja, where they come from:
+its README; MLASERVE_CHAT_TEMPLATES names another folder): the parsed call, sent back as an assistant message with
+a tool result, is rendered by the real template, and the format's parser reads the same name and arguments back
+from the rendered text. V3.2 and V4 publish a Python encoder, no template: test_dsml_official_encoding.py."""
 
 from __future__ import annotations
 
@@ -46,8 +47,7 @@ SCHEMAS = {"get_weather": WEATHER, "find_verse": VERSE}
 # the families' published templates, named by format (deepseek_v31.jinja, glm45.jinja, ...); another folder
 # of them can be named by MLASERVE_CHAT_TEMPLATES
 TEMPLATES = Path(
-    os.environ.get("MLASERVE_CHAT_TEMPLATES")
-    or Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "chat_templates"
+    os.environ.get("MLASERVE_CHAT_TEMPLATES") or Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 )
 
 
