@@ -40,8 +40,10 @@ def choose_format(model_type: str | None, chat_template: str | None, override: s
     if "<arg_key>" in t:
         return "glm45", "chat template writes <arg_key>"
     if "<｜tool▁sep｜>" in t:
-        if "function<｜tool▁sep｜>" in t or "'function' + '<｜tool▁sep｜>'" in t:
-            return "deepseek_v3", "chat template writes function<｜tool▁sep｜>NAME"
+        # V3 / R1 fence the arguments as ```json (their published templates write tool['type'] + '<｜tool▁sep｜>',
+        # so the text "function<｜tool▁sep｜>" appears only once rendered); V3.1 writes NAME<｜tool▁sep｜>ARGS
+        if "```json" in t or "function<｜tool▁sep｜>" in t or "'function' + '<｜tool▁sep｜>'" in t:
+            return "deepseek_v3", "chat template writes function<｜tool▁sep｜>NAME and fenced JSON"
         return "deepseek_v31", "chat template writes NAME<｜tool▁sep｜>"
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type], f"model_type {model_type}"
