@@ -9,8 +9,8 @@ per call, and the weight bytes read per call / time (GB/s).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -18,17 +18,10 @@ import torch.nn.functional as F
 from mlaserve.kernels import ggml, native
 from mlaserve.quant import int4_group
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import timed  # noqa: E402
+
 N, K = 2048, 7168  # Kimi-K2: moe_intermediate_size x hidden_size
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,7 +56,7 @@ def main() -> None:
     for name, nbytes, fn in variants:
         for rows in (1, 16):
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-            t = timed(lambda: fn(x), args.reps)
+            t = timed(lambda: fn(x), args.reps)["median_s"]  # one warm-up call, then the median of reps
             print(f"{name:<16} {nbytes / 2**20:>6.1f} {rows:>4} {t * 1e3:>8.2f} {nbytes / t / 1e9:>6.1f}")
 
 

@@ -208,6 +208,16 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids]), use_cache=False).logits[0].float()
 
 
+def hf_greedy(model, prompt: list[int], n: int, logits=hf_logits) -> list[int]:
+    """transformers' greedy continuation by full recompute (the reference the engine's cached decode is held to):
+    the whole sequence through `logits(model, ids)` ([len(ids), vocab], one pass, no cache) for every new token
+    -> the n new tokens. `logits`: the family's own pass where it is not hf_logits' (its helper module's)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(logits(model, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
 def random_ids(n: int, vocab: int = 256, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed + 1000)
     return [0] + torch.randint(3, vocab, (n - 1,), generator=g).tolist()

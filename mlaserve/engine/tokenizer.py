@@ -1,5 +1,7 @@
 """Tokenizer of a model folder: `tokenizer.json` (the `tokenizers` library) plus
-`tokenizer_config.json` (special tokens, chat template rendered with jinja2)."""
+`tokenizer_config.json` (special tokens, chat template rendered with jinja2). Without a template, the prompt
+encoding its release publishes instead (`encoding`: DeepSeek-V3.2 / V4, engine/dsml_encoding.py; the loader
+decides it, tools/select.py `choose_encoding`), else a plain transcript."""
 
 from __future__ import annotations
 
@@ -7,12 +9,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from mlaserve.engine.dsml_encoding import ENCODINGS, encode
+
 
 class Tokenizer:
     def __init__(self, tok: _HFTokenizer, config: dict, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tok = tok
         self.config = config
         self.chat_template: str | None = config.get("chat_template")
+        self.encoding: str | None = None  # a published Python encoding used without a template (dsml_encoding)
         ids = list(eos_token_ids)
         eos = config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -49,9 +54,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def has_token(self, text: str) -> bool:
+        return self.tok.token_to_id(text) is not None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render the folder's chat template (kwargs: more template variables, e.g. tools); without one, a
-        plain 'role: content' transcript (tools, if any, named on a first 'tools: ...' line)."""
+        """Render the folder's chat template (kwargs: more template variables, e.g. tools); without one, the
+        release's published encoding (its thinking mode from kwargs `thinking` / `enable_thinking`, as the
+        templates of the family read them; it always opens the assistant turn after a user turn or tool results,
+        as the encoders do), else a plain 'role: content' transcript (tools, if any, named on a first
+        'tools: ...' line)."""
+        if not self.chat_template and self.encoding is not None:
+            thinking = kwargs.get("thinking", kwargs.get("enable_thinking", False))
+            return encode(ENCODINGS[self.encoding], messages, kwargs.get("tools"), bool(thinking))
         if not self.chat_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             if kwargs.get("tools"):

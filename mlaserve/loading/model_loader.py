@@ -40,7 +40,7 @@ from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
-from mlaserve.tools.select import chat_formats
+from mlaserve.tools.select import chat_formats, choose_encoding
 
 
 @dataclass
@@ -165,7 +165,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         stored_bf16=lambda: _stored_bf16(source),
     )
     template = tokenizer.chat_template if tokenizer is not None else None
-    engine_cfg = chat_formats(engine_cfg, template, opts.tool_call_parser, opts.reasoning_parser)
+    encoding = _set_encoding(tokenizer, model_cfg.model_type)
+    engine_cfg = chat_formats(engine_cfg, template, opts.tool_call_parser, opts.reasoning_parser, encoding=encoding)
     if engine_cfg.kernels.quantization is not None and (scheme is not None or _has_gguf_blocks(source)):
         stored = f"{scheme.method} {scheme.fmt}" if scheme is not None else "GGUF block-quantized"
         raise ConfigError(
@@ -238,7 +239,9 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
             "in DeepSeek-V4's holders, which run in torch (no native kernel serves them yet)"
         )
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, torch_holders=held)
-    return Checkpoint(path, model_cfg, engine_cfg, None, _folder_tokenizer(path, model_cfg), [], scheme)
+    tokenizer = _folder_tokenizer(path, model_cfg)
+    _set_encoding(tokenizer, model_cfg.model_type)
+    return Checkpoint(path, model_cfg, engine_cfg, None, tokenizer, [], scheme)
 
 
 def _gguf_arch(path: Path) -> str | None:
@@ -269,6 +272,7 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
         config = {"chat_template": tok.chat_template} if tok.chat_template else {}
         eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
         tokenizer = Tokenizer(ck.tokenizer.build_tokenizer(), config, eos or ck.config.eos_token_ids)
+        _set_encoding(tokenizer, ck.config.model_type)
     blocks = any(ck.tensors.gguf_type(n) not in ("F32", "F16", "BF16", "I32") for n in ck.tensors.names())
     engine_cfg = resolve(
         ck.config, opts, has_indexer_weights=False, native_kernels=_native_probe if blocks else None, gguf=True
@@ -485,6 +489,15 @@ def _has_gguf_blocks(source) -> bool:
     if not hasattr(source, "gguf_type"):
         return False
     return any(source.gguf_type(n) not in ("F32", "F16", "BF16") for n in source.names())
+
+
+def _set_encoding(tokenizer: Tokenizer | None, model_type: str | None) -> str | None:
+    """Decide once, at load, what writes a chat prompt without a template: the encoding the release publishes
+    (DeepSeek-V3.2 / V4), else the plain transcript (tools/select.py choose_encoding)."""
+    if tokenizer is None:
+        return None
+    tokenizer.encoding = choose_encoding(model_type, tokenizer.chat_template, tokenizer.has_token)
+    return tokenizer.encoding
 
 
 def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:

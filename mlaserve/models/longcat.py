@@ -12,7 +12,7 @@ Notation
   before the rope) and c_kv = kv_a_layernorm(.) x sqrt(D / r) before caching, k_pe unscaled (transformers'
   LongcatFlashMLA.forward); the cached row is the scaled one, so every attention path reads it unchanged.
   Where a scale is a power of two it is folded into the weight at load (q_b_proj, kv_a_layernorm: exact,
-  config/model.py LatentScale); otherwise q_b_proj / kv_a_layernorm multiply by it after their own op,
+  config/model_parts.py LatentScale); otherwise q_b_proj / kv_a_layernorm multiply by it after their own op,
   in the reference's order.
 Parameter names follow the checkpoint: model.layers.N.self_attn.{0,1}.*, mlps.{0,1}.*,
 input_layernorm.{0,1}, post_attention_layernorm.{0,1}, mlp.router.classifier, mlp.experts.E.*.

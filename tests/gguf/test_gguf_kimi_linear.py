@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
+from hf_models import hf_greedy  # noqa: E402
 from kimi_gguf import save_block_kimi, write_dequantized_folder, write_kimi_gguf  # noqa: E402
 from kimi_linear_models import float64_copy, hf_logits, random_ids  # noqa: E402
 
@@ -213,10 +214,7 @@ def test_greedy_through_the_state_equals_transformers(files, llm):
     prompts = [random_ids(9, ref.config.vocab_size, 1), random_ids(70, ref.config.vocab_size, 2)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
     for prompt, out in zip(prompts, outs):
-        ids = list(prompt)
-        for _ in range(10):
-            ids.append(int(hf_logits(ref, ids)[-1].argmax()))
-        assert list(out.outputs[0].token_ids) == ids[len(prompt) :]
+        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, 10, hf_logits)
 
 
 def test_router_keys_the_converter_does_not_write_take_llama_cpps_graph(files, tmp_path):

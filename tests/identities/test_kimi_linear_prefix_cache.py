@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from engine_drain import drain, token_ids  # noqa: E402
+from hf_models import hf_greedy  # noqa: E402
 from kimi_linear_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_kimi  # noqa: E402
 from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 
@@ -68,13 +70,6 @@ def test_a_hit_at_every_boundary_equals_a_cold_run_and_transformers(kimi, budget
         _close(got, hf_logits(ref, second)[ctx:], what + ": vs transformers")
 
 
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(ref, ids)[-1].argmax()))
-    return ids[len(prompt) :]
-
-
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
@@ -91,16 +86,16 @@ def test_the_engine_serves_a_hit_mid_chunk_and_the_ledger_shows_it(kimi):
     b = a[:37] + random_ids(9, vocab, 9)[1:]
     (out_a,) = llm.generate([a], _greedy(12))
     got_a = list(out_a.outputs[0].token_ids)
-    assert got_a == _hf_greedy(ref, a, 12), spec
+    assert got_a == hf_greedy(ref, a, 12, hf_logits), spec
     (out_b,) = llm.generate([b], _greedy(6))
-    assert list(out_b.outputs[0].token_ids) == _hf_greedy(ref, b, 6), spec
+    assert list(out_b.outputs[0].token_ids) == hf_greedy(ref, b, 6, hf_logits), spec
     records = list(llm.runner.tracer.records)
     firsts = [q for r in records for q in r["requests"] if q["id"].startswith(out_b.request_id + "/")]
     assert firsts[0]["cached_tokens"] == 32 and firsts[0]["context_len"] == 32
     assert firsts[0]["state_restore_page"] is not None and not firsts[0]["state_reset"]
     c = a + got_a + random_ids(4, vocab, 5)[1:]  # 40 + 12 + 3 tokens: a's pages 0-2 are full
     (out_c,) = llm.generate([c], _greedy(4))
-    assert list(out_c.outputs[0].token_ids) == _hf_greedy(ref, c, 4), spec
+    assert list(out_c.outputs[0].token_ids) == hf_greedy(ref, c, 4, hf_logits), spec
     firsts = [q for r in llm.runner.tracer.records for q in r["requests"] if q["id"].startswith(out_c.request_id + "/")]
     assert firsts[0]["cached_tokens"] == 48 and "state_restore_page" in firsts[0]
 
@@ -116,18 +111,14 @@ def test_preemption_resumes_from_a_snapshot_exactly(kimi):
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(p, _greedy(8), request_id=f"r{i}")
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
+    outs = token_ids(drain(engine))
     records = list(llm.runner.tracer.records)
     preempted = {p["id"] for r in records for p in r["preempted"]}
     assert preempted, "the pool was meant to be small enough to preempt"
     resumed = [q for r in records for q in r["requests"] if q["id"] in preempted and "state_restore_page" in q]
     assert resumed, "a preempted request was meant to resume from a snapshot"
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == _hf_greedy(ref, p, 8), f"{spec}: prompt of {len(p)} tokens"
+        assert outs[f"r{i}"] == hf_greedy(ref, p, 8, hf_logits), f"{spec}: prompt of {len(p)} tokens"
     assert engine.slots.num_free == engine.slots.num_slots and not engine.slots.owner
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_drain import drain, token_ids
 from hf_models import random_ids
 
 from mlaserve.cache.model_cache import ModelCache
@@ -86,16 +87,16 @@ def _run(engine: Engine, model, prompts, params=GREEDY) -> tuple[dict[str, list[
     """Run to the end, checking every state after every step -> (tokens by id, states checked, peak slots held)."""
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"r{i}")
-    outs, checked, peak = {}, 0, 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
+    checked, peak = 0, 0
+
+    def check() -> None:
+        nonlocal checked, peak
         checked += _check_states(engine, model)
         held = engine.slots.num_slots - engine.slots.num_free if engine.slots else 0
         peak = max(peak, held)
         assert held == sum(r.state_slot is not None for r in engine.scheduler.running)
-    return outs, checked, peak
+
+    return token_ids(drain(engine, check)), checked, peak
 
 
 PROMPTS = [random_ids(n, seed=n) for n in (5, 17, 1, 33, 9)]
@@ -173,12 +174,7 @@ def test_children_of_one_prompt_keep_their_own_state(hf_model_dir):
         engine.add_request(PROMPTS[1], p, request_id=f"c{j}")
     engine.step()
     assert sorted(r.state_slot for r in engine.scheduler.running) == [0, 1, 2]
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
-        _check_states(engine, model)
+    outs = token_ids(drain(engine, lambda: _check_states(engine, model)))
     assert len({tuple(v) for v in outs.values()}) > 1  # the children diverged, and each state followed its own
 
 

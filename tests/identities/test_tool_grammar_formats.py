@@ -5,9 +5,11 @@ calls whose names are the tools' and whose arguments validate (jsonschema) again
 This is what holds the parser and the grammar to one format (V4's `<｜DSML｜tool_calls>` against V3.2's
 `function_calls`, for example).
 
-With the families' real chat templates (../shared/fixtures/chat_templates/<format>.jinja, skipped when
-absent; MLASERVE_CHAT_TEMPLATES names another folder): the parsed call, sent back as an assistant message with a tool result, is rendered by the real
-template, and the format's parser reads the same name and arguments back from the rendered text."""
+With the families' published chat templates (tests/fixtures/chat_templates/<format>.jinja, where they come from:
+its README; MLASERVE_CHAT_TEMPLATES names another folder): the parsed call, sent back as an assistant message with
+a tool result, is rendered by the real template, and the format's parser reads the same name and arguments back
+from the rendered text. V3.2 and V4 publish a Python encoder, no template: their transcript is written by
+engine/dsml_encoding.py (held to the encoder's examples in test_dsml_official_encoding.py)."""
 
 from __future__ import annotations
 
@@ -46,8 +48,7 @@ SCHEMAS = {"get_weather": WEATHER, "find_verse": VERSE}
 # the families' published templates, named by format (deepseek_v31.jinja, glm45.jinja, ...); another folder
 # of them can be named by MLASERVE_CHAT_TEMPLATES
 TEMPLATES = Path(
-    os.environ.get("MLASERVE_CHAT_TEMPLATES")
-    or Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "chat_templates"
+    os.environ.get("MLASERVE_CHAT_TEMPLATES") or Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 )
 
 
@@ -88,35 +89,51 @@ def test_grammar_output_parses_and_validates(engine, name):
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_real_template_renders_what_the_parser_reads(engine, name):
-    path = TEMPLATES / f"{name}.jinja"
-    if not path.is_file():
-        pytest.skip(f"no real chat template at {path}")
+    """One grammar-made call, then two (from two walks: GLM's parallel walks rarely end within the budget), each
+    with and without assistant text before them, each answered by a tool result with its tool_call_id."""
+    from mlaserve.engine.dsml_encoding import ENCODINGS
     from mlaserve.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer(engine.tokenizer.tok, {"chat_template": path.read_text()}, [])
+    path = TEMPLATES / f"{name}.jinja"
+    if path.is_file():
+        tok = Tokenizer(engine.tokenizer.tok, {"chat_template": path.read_text()}, [])
+    elif (
+        name in ENCODINGS
+    ):  # V3.2, V4: the published encoder's text (held to its examples: test_dsml_official_encoding)
+        tok = Tokenizer(engine.tokenizer.tok, {}, [])
+        tok.encoding = name
+    else:
+        pytest.skip(f"no real chat template at {path}")
+    walks = []
     for seed in range(8):
-        text, calls = _calls(engine, name, "required", parallel=seed >= 4, seed=seed)
-        if text is None:
-            continue
-        messages = [
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": calls},
-            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"},
-        ]
-        # what the server hands the template: the request's messages through transcript()
-        msgs = transcript([ChatMessage(**m) for m in messages], FORMATS[name], has_template=True)
-        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=TOOLS)
-        assert "sunny" in rendered
-        # the assistant turn: from the user's text to the tool result
-        turn = rendered[rendered.index("Weather in Paris?") + len("Weather in Paris?") : rendered.index("sunny")]
-        start = turn.find(FORMATS[name].START)
-        assert start >= 0, (name, turn)
-        _, parsed = FORMATS[name].parse(_section(turn[start:], FORMATS[name].END), TOOLS)
-        assert [(c.name, json.loads(c.arguments)) for c in parsed] == [
-            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
-        ]
-        return
-    pytest.fail(f"{name}: no walk ended")
+        _, calls = _calls(engine, name, "required", parallel=False, seed=seed)
+        if calls is not None:
+            walks.append(calls)
+        if len(walks) == 2:
+            break
+    assert len(walks) == 2, f"{name}: {len(walks)} of 8 walks ended"
+    fmt = FORMATS[name]
+    for calls in (walks[0], walks[0] + walks[1]):
+        for content in ("", "Let me check."):
+            messages = [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": content, "tool_calls": calls},
+            ]
+            messages += [
+                {"role": "tool", "tool_call_id": c["id"], "content": f"result {i}"} for i, c in enumerate(calls)
+            ]
+            # what the server hands the template: the request's messages through transcript()
+            msgs = transcript([ChatMessage(**m) for m in messages], fmt, has_template=True)
+            rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=TOOLS)
+            assert all(f"result {i}" in rendered for i in range(len(calls)))
+            # the assistant turn: from the user's text to the first tool result
+            turn = rendered[rendered.index("Weather in Paris?") + len("Weather in Paris?") : rendered.index("result 0")]
+            start = turn.find(fmt.START)
+            assert start >= 0 and content in turn[:start], (name, turn)
+            _, parsed = fmt.parse(_section(turn[start:], fmt.END), TOOLS)
+            assert [(c.name, json.loads(c.arguments)) for c in parsed] == [
+                (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
+            ], (name, turn)
 
 
 def _section(text: str, end: str) -> str:

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from conftest import compare_logits, fp32_logits_tol
-from hf_models import BASE, random_ids, reinit_
+from hf_models import BASE, hf_greedy, random_ids, reinit_
 from safetensors.torch import load_file, save_file
 
 from mlaserve import LLM, SamplingParams
@@ -124,10 +124,7 @@ def test_released_layout_and_absent_tie_flag(kimi, tmp_path):
     # greedy through the cache == transformers' text model
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     got = llm.generate([ids[:10]], greedy)[0].outputs[0].token_ids
-    seq = list(ids[:10])
-    for _ in range(6):
-        seq.append(int(ref_logits(ref_model, seq)[-1].argmax()))
-    assert list(got) == seq[10:]
+    assert list(got) == hf_greedy(ref_model, ids[:10], 6, ref_logits)
 
 
 def test_config_errors_and_stray_tensors(kimi, tmp_path):

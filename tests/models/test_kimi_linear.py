@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from engine_drain import drain, token_ids  # noqa: E402
+from hf_models import hf_greedy  # noqa: E402
 from kimi_linear_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_kimi  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -68,13 +70,6 @@ def test_nope_mla_absorbed_and_decompressed_both_exact(kimi, mla_path):
     _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} mla_path={mla_path}")
 
 
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(ref, ids)[-1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_greedy_through_the_state_equals_transformers(kimi):
     """Two requests in flight together (decodes batched in one recurrent step, beside the other's prefill chunks)
     generate transformers' greedy tokens (its full recompute, no cache)."""
@@ -83,7 +78,7 @@ def test_greedy_through_the_state_equals_transformers(kimi):
     prompts = [random_ids(70, ref.config.vocab_size, 70), random_ids(4, ref.config.vocab_size, 4)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == _hf_greedy(ref, p, 12), f"{spec}: prompt of {len(p)} tokens"
+        assert list(o.outputs[0].token_ids) == hf_greedy(ref, p, 12, hf_logits), f"{spec}: prompt of {len(p)} tokens"
 
 
 def test_a_batch_of_mixed_lengths_equals_each_alone(kimi):
@@ -144,14 +139,10 @@ def test_preemption_recomputes_the_state_exactly(kimi):
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), request_id=f"r{i}")
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
+    outs = token_ids(drain(engine))
     assert any(r["preempted"] for r in llm.runner.tracer.records), "the pool was meant to be small enough to preempt"
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == _hf_greedy(ref, p, 8), f"{spec}: prompt of {len(p)} tokens"
+        assert outs[f"r{i}"] == hf_greedy(ref, p, 8, hf_logits), f"{spec}: prompt of {len(p)} tokens"
     assert engine.slots.num_free == engine.slots.num_slots and not engine.slots.owner
 
 
@@ -166,8 +157,7 @@ def test_abort_gives_the_state_slot_back(kimi):
     assert engine.slots.num_free == 0
     assert engine.abort("a") and engine.abort("b")
     assert engine.slots.num_free == engine.slots.num_slots == 2 and not engine.slots.owner
-    while engine.has_unfinished():
-        engine.step()  # the aborts' final outputs
+    drain(engine)  # the aborts' final outputs
 
 
 def test_a_reused_slot_starts_from_a_zeroed_state(kimi):

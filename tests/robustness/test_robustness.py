@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from engine_drain import drain
 
 from mlaserve import LLM
 from mlaserve.sampling.params import SamplingParams
@@ -124,7 +125,7 @@ def test_output_fault_fails_only_that_request(llm, alone, monkeypatch):
         raise RuntimeError("injected detokenizer fault")
 
     monkeypatch.setattr(detok, "add", broken)
-    finals = _drain(eng)
+    finals = drain(eng)
     bad = finals[rids[1]].outputs[0]
     assert bad.finish_reason == "error" and "injected detokenizer fault" in bad.error and rids[1] in bad.error
     assert [finals[rids[i]].outputs[0].token_ids for i in (0, 2)] == [alone[0], alone[2]]
@@ -145,7 +146,7 @@ def test_forward_fault_fails_the_step_and_the_engine_goes_on(llm, alone, monkeyp
 
     monkeypatch.setattr(llm.runner, "execute", flaky)
     rids = [eng.add_request(p, GREEDY, request_id=f"fwd-{i}") for i, p in enumerate(PROMPTS)]
-    finals = _drain(eng)
+    finals = drain(eng)
     for rid in rids:
         out = finals[rid].outputs[0]
         assert out.finish_reason == "error" and "forward pass failed" in out.error and "injected" in out.error
@@ -168,22 +169,13 @@ def test_nonfinite_logits_row_fails_that_request(llm, alone, monkeypatch):
 
     monkeypatch.setattr(llm.runner, "execute", poison)
     rids = [eng.add_request(p, GREEDY, request_id=f"nan-{i}") for i, p in enumerate(PROMPTS)]
-    finals = _drain(eng)
+    finals = drain(eng)
     bad = finals[poisoned].outputs[0]
     assert bad.finish_reason == "error" and bad.token_ids == alone[1][:1]
     assert "non-finite logits" in bad.error and poisoned in bad.error and "step" in bad.error
     assert "mlaserve verify --check-tensors" in bad.error
     assert [finals[rids[i]].outputs[0].token_ids for i in (0, 2)] == [alone[0], alone[2]]
     _assert_idle(llm)
-
-
-def _drain(eng) -> dict:
-    finals = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 # ------------------------------------------------------------------ threads (finding 2)
@@ -266,7 +258,7 @@ def test_fault_when_finishing_or_aborting_still_frees_the_pages(llm, alone, monk
         monkeypatch.setattr(eng._detok[rid], "finish", broken)
     eng.step()
     assert eng.abort(rids[1])
-    finals = _drain(eng)
+    finals = drain(eng)
     assert (
         finals[rids[0]].outputs[0].finish_reason == "error"
         and "injected finish fault" in finals[rids[0]].outputs[0].error

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_drain import drain
 from hf_models import random_ids
 
 from mlaserve import LLM
@@ -72,8 +73,7 @@ def test_abort_frees_pages(hf_model_dir):
     assert llm.engine.abort(ids[1]) and not llm.engine.abort("no-such-request")
     step()
     assert llm.engine.abort(ids[3]) and not llm.engine.abort(ids[1])  # already gone
-    while llm.engine.has_unfinished():
-        step()
+    finals.update(drain(llm.engine))
     assert finals[ids[1]].outputs[0].finish_reason == "abort"
     assert finals[ids[3]].outputs[0].finish_reason == "abort"
     assert sorted(finals) == sorted(ids) and llm.engine.requests == {} and llm.engine._detok == {}

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from conftest import fixture_dir
+from engine_drain import drain
 
 from mlaserve import LLM
 from mlaserve.entrypoints.cli import main
@@ -27,8 +28,7 @@ def run(llm: LLM, script: list[list[tuple[list[int], int]]]) -> dict:
         for prompt, n in phase:
             engine.add_request(prompt, params(n))
         engine.step()
-    while engine.has_unfinished():
-        engine.step()
+    drain(engine)
     return summarize(llm.runner.tracer.records)[None].to_json()
 
 
@@ -51,8 +51,7 @@ def test_dense_one_token_multi_token_mixed_and_prefix_hit():
     engine.add_request(list(range(200, 210)), params(3))
     engine.step()
     engine.add_request(P20, params(2))
-    while engine.has_unfinished():
-        engine.step()
+    drain(engine)
     s = summarize(llm.runner.tracer.records)[None].to_json()
     assert (s["steps"], s["requests"], s["tokens"], s["decode_tokens"]) == (6, 4, 39, 5)
     assert route(s) == {("decode", "absorbed", "dense"): 5, ("prefill", "decompressed", "dense"): 34}

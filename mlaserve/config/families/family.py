@@ -1,6 +1,6 @@
 """Family: everything the engine knows about one model family (a config.json `model_type`), in one
 frozen object. The generic readers ask it instead of testing names: the config.json adapter
-(config/model.py), the GGUF metadata reader (gguf/read/config.py) and the converter
+(config/model.py and config/mla_reader/), the GGUF metadata reader (gguf/read/config.py) and the converter
 (gguf/convert/metadata.py, tokenizer.py). Plain data only: this module imports nothing of the
 implementation.
 """
@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 SCORING_FUNCS = ("softmax", "sigmoid")
-# The config.json readers: "mla" (config/model.py, every MLA family) and "deepseek_v4" (config/deepseek_v4.py);
+# The config.json readers: "mla" (config/mla_reader/, every MLA family) and "deepseek_v4" (config/deepseek_v4.py);
 # each knows its own routers' scoring functions.
 READERS = {"mla": SCORING_FUNCS, "deepseek_v4": ("sqrtsoftplus",)}
 NEXTN_KEY_RULES = ("never", "if_set", "if_kept")
@@ -37,7 +37,7 @@ class Family:
     layer_kinds: str = "mla"
     reader: str = "mla"  # which config.json reader builds its config (READERS)
 
-    # --- config.json rules (config/model.py) ---------------------------------------------
+    # --- config.json rules (config/mla_reader/) ------------------------------------------
     # "softmax": the V2 router (topk_method greedy | group_limited_greedy from the config;
     # transformers ignores norm_topk_prob). "sigmoid": + e_score_correction_bias, noaux_tc.
     scoring_func: str = "sigmoid"
@@ -77,7 +77,7 @@ class Family:
     unsupported: Mapping[str, str] = field(default_factory=frozen_map)
     has_indexer: bool = False  # DSA: a lightning indexer (needs q_lora_rank: it reads the query latent)
     indexer_rope_interleaved: bool = False  # else half-split, as transformers
-    # Linear-attention (KDA) layers beside the MLA ones, read by config/model.py _kda (Kimi-Linear)
+    # Linear-attention (KDA) layers beside the MLA ones, read by config/mla_reader/kimi_linear.py (Kimi-Linear)
     kda: bool = False
     # the KDA forget gate's lower bound is read from config.json's linear_lower_bound (GLM-5.3-Flash's "safe gate");
     # False: the gate has none (Kimi-Linear's softplus gate, whatever the config says, as transformers reads it)

@@ -4,7 +4,7 @@ bounded ("safe") forget gate and NoPE MLA layers carrying GLM-5.3-Flash's pooled
 streams, a dense-then-MoE schedule from `mlp_layer_types`, SwiGLU clamps (`swiglu_limit`).
 
 Where the fields that are not DeepSeek-V3's are read: config/glm5_next.py (`read_glm5_next`: layer / MLP / indexer
-schedules, KDA widths and bound, index_kpool, mHC, swiglu_limit, each with its source), applied by config/model.py.
+schedules, KDA widths and bound, index_kpool, mHC, swiglu_limit, each with its source), applied by config/mla_reader/glm5_next.py.
 Tensors: the text model's under `model.language_model.` (the loader's text part); the vision tower
 (`model.visual.`) is skipped and reported by name and size. llama.cpp has no arch for it.
 """

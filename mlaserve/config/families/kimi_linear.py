@@ -4,7 +4,7 @@ a recurrent state per request) and NoPE MLA layers, with DeepSeek-V3's sigmoid +
 What differs from deepseek_v3, and where it is read:
 - which layers are KDA and which MLA: `layer_types` ("linear_attention" | "full_attention") or the checkpoint's
   `linear_attn_config.{kda_layers, full_attn_layers}` (1-indexed); a config with neither is refused (transformers
-  falls back to a guess, every 4th layer MLA, which need not be the released layout). config/model.py `_kda`.
+  falls back to a guess, every 4th layer MLA, which need not be the released layout). config/mla_reader/kimi_linear.py `read_kda`.
 - the KDA widths: `linear_attn_config.{num_heads, head_dim, short_conv_kernel_size}` or the flat
   `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim`.
 - the MLA layers are NoPE: the "rope" slice of q and of the cached row is kept but never rotated (transformers'

@@ -24,7 +24,8 @@ def set_chat_formats(serving, tool_override: str | None = None, reasoning_overri
         )
     elif llm.config.chat.tool_call_parser is None or tool_override or reasoning_override:
         template = serving.tokenizer.chat_template if serving.tokenizer else None
-        llm.config = chat_formats(llm.config, template, tool_override, reasoning_override)
+        encoding = serving.tokenizer.encoding if serving.tokenizer else None  # the loader's (no template)
+        llm.config = chat_formats(llm.config, template, tool_override, reasoning_override, encoding=encoding)
     serving.tool_format, serving.reasoning_parser = llm.config.chat.tool_call_parser, llm.config.chat.reasoning_parser
     for s in llm.config.provenance:
         if s.name in ("tool_call_parser", "reasoning_parser"):
@@ -45,7 +46,10 @@ def thinks(serving) -> bool:
 
 
 def _has_template(serving) -> bool:
-    return bool(serving.chat_template or (serving.tokenizer and serving.tokenizer.chat_template))
+    """The prompt is written by a template or a published encoding (which read tool_calls as calls), not by
+    the plain transcript (which needs the calls written into the content)."""
+    tok = serving.tokenizer
+    return bool(serving.chat_template or (tok and (tok.chat_template or tok.encoding)))
 
 
 def tool_context(serving, req, thinking: bool = False) -> ToolContext | None:

@@ -73,15 +73,17 @@ def render(calls: list[ToolCall]) -> str:
 
 
 def render_dsml(calls: list[ToolCall], start: str, end: str) -> str:
-    out = [start]
+    """The calls as DeepSeek's encoders write them into an assistant turn (encoding_dsv32.py /
+    encoding_dsv4.py): a blank line, the section, one invoke per call with its parameters one a line (an
+    invoke without parameters keeps the empty line between its tags)."""
+    invokes = []
     for c in calls:
-        out.append(f'<｜DSML｜invoke name="{c.name}">')
+        params = []
         for key, value in json.loads(c.arguments).items():
             if isinstance(value, str):
-                out.append(f'<｜DSML｜parameter name="{key}" string="true">{value}</｜DSML｜parameter>')
+                params.append(f'<｜DSML｜parameter name="{key}" string="true">{value}</｜DSML｜parameter>')
             else:
                 text = json.dumps(value, ensure_ascii=False)
-                out.append(f'<｜DSML｜parameter name="{key}" string="false">{text}</｜DSML｜parameter>')
-        out.append("</｜DSML｜invoke>")
-    out.append(end)
-    return "\n\n" + "\n".join(out)
+                params.append(f'<｜DSML｜parameter name="{key}" string="false">{text}</｜DSML｜parameter>')
+        invokes.append(f'<｜DSML｜invoke name="{c.name}">\n' + "\n".join(params) + "\n</｜DSML｜invoke>")
+    return f"\n\n{start}\n" + "\n".join(invokes) + f"\n{end}"
