@@ -80,6 +80,13 @@ EXTRA = {
         index_kpool=4,
     ),
 }
+# past index_topk (the pooled route selecting: prompts of ~100 tokens keep 4 of up to 25 pools), 8 index heads so
+# that exact-zero score ties (every head's ReLU 0 for two pools at the cut) are rare; tests/models/test_glm5_next_sparse.py
+SPARSE = {
+    "sparse_kda3_kpool4": dict(SPECS["kda3_mla_kpool4"], index_topk=16, index_n_heads=8),
+    "sparse_mla_first_kpool2": dict(SPECS["mla_first_kpool2"], index_topk=8, index_n_heads=8),
+    "sparse_shared_after_full": dict(EXTRA["shared_after_full"], index_topk=12, index_n_heads=8),
+}
 VISION = dict(
     depth=1,
     hidden_size=16,
@@ -97,7 +104,7 @@ VISION = dict(
 def build_hf_glm5_next(spec: str, seed: int = 0):
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    cfg = Glm5NextConfig(text_config=dict(TEXT) | (SPECS | EXTRA)[spec], vision_config=VISION)
+    cfg = Glm5NextConfig(text_config=dict(TEXT) | (SPECS | EXTRA | SPARSE)[spec], vision_config=VISION)
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(cfg).eval()
     reinit_(model, seed)

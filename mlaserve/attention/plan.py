@@ -71,6 +71,45 @@ class KindRows:
 
 
 @dataclass(frozen=True)
+class PooledRequest:
+    """One request's pooled selection (GLM-5.3-Flash) at its chunk's last query, position t."""
+
+    request_id: str
+    pools_scored: int  # (t + 1) // kpool: the complete pools the query scores
+    pools_selected: int  # min(index_topk // kpool, pools_scored): the effective top-k, in pools
+    tail: int  # (t + 1) % kpool: the incomplete pool's tokens, always kept
+
+
+@dataclass(frozen=True)
+class PooledRows:
+    """The pooled DSA route of an mla_dsa kind (models/pooled_indexer.py): per request at the chunk's last query,
+    and summed over every query token of the step; the same in every layer of the kind (functions of positions)."""
+
+    kpool: int
+    pools_per_query: int  # index_topk // kpool: the most pools a query keeps
+    selecting_layers: tuple[int, ...]  # layers with their own pooled indexer (they score and select)
+    sharing_layers: tuple[int, ...]  # "shared" layers: the selection of the nearest previous selecting layer
+    new_pools: int  # pools this step completes (each pooled once and kept in index_pools)
+    requests: tuple[PooledRequest, ...]
+    pools_scored: int  # sums over the step's query tokens
+    pools_selected: int
+    tail: int
+
+    def to_record(self) -> dict:
+        return {
+            "kpool": self.kpool,
+            "pools_per_query": self.pools_per_query,
+            "selecting_layers": layer_ranges(self.selecting_layers),
+            "sharing_layers": layer_ranges(self.sharing_layers),
+            "new_pools": self.new_pools,
+            "pools_scored": self.pools_scored,
+            "pools_selected": self.pools_selected,
+            "tail": self.tail,
+            "requests": [asdict(r) for r in self.requests],
+        }
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """One attention kind's route for the step."""
 
@@ -89,6 +128,7 @@ class AttentionPlan:
     sublayers: tuple[str, ...] = ()
     state_bytes_per_request: int = 0  # request-addressed state the kind's layers keep per running request (KDA)
     chunk: int = 0  # KDA: the chunked form's length its "chunked" segment runs (router.py KDA_CHUNK)
+    pooled: PooledRows | None = None  # a sparse mla_dsa kind with a pooled indexer (GLM-5.3-Flash): its counts
 
     def counts(self) -> dict[str, int]:
         return _counts(self.segments)
@@ -165,4 +205,6 @@ def _kind_record(p: AttentionPlan) -> dict:
         rec["state_bytes_per_request"] = p.state_bytes_per_request
     if p.chunk:
         rec["chunk"] = p.chunk
+    if p.pooled is not None:
+        rec["pooled"] = p.pooled.to_record()
     return rec | ({"rows": p.rows.to_record()} if p.rows is not None else {})

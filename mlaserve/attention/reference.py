@@ -78,10 +78,13 @@ class ReferenceBackend:
         return torch.einsum("bqhl,blhv->bqhv", probs, _values(v)).to(q_nope.dtype)
 
     def sparse_absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid, heads=None) -> torch.Tensor:
+        # entries not valid go to a spare column L, dropped: a pooled selection (models/pooled_indexer.py) parks its
+        # unused entries at position 0, which a valid entry may also name (a scatter of both there has no winner)
         b, nq, _ = index.shape
-        selected = torch.zeros(b, nq, seg.mask.shape[-1], dtype=torch.bool, device=index.device)
-        selected.scatter_(2, index, valid)
-        return self.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=selected)
+        length = seg.mask.shape[-1]
+        selected = torch.zeros(b, nq, length + 1, dtype=torch.bool, device=index.device)
+        selected.scatter_(2, index.masked_fill(~valid, length), True)
+        return self.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=selected[..., :length])
 
     def index_topk(self, q_idx, w, keys, seg, topk: int) -> torch.Tensor:
         """q_idx [N, Hi, Di], w [N, Hi] (Di^-0.5 folded in), keys [S, Di] -> positions [B, Q, k]."""

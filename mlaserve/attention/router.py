@@ -28,10 +28,19 @@ from __future__ import annotations
 import torch
 
 from mlaserve.attention.backends import get_backend
-from mlaserve.attention.plan import AttentionPlan, KindRows, RequestRows, Segment, StepRoute
+from mlaserve.attention.plan import (
+    AttentionPlan,
+    KindRows,
+    PooledRequest,
+    PooledRows,
+    RequestRows,
+    Segment,
+    StepRoute,
+)
 from mlaserve.config.engine import MLA_PATHS
 from mlaserve.config.layer_kinds import LATENT_KINDS, LayerKind, kinds_in_order
 from mlaserve.executor.forward_batch import ForwardBatch
+from mlaserve.models.pooled_indexer import completed_pools
 
 KDA_CHUNK = 64  # the KDA chunked form's length (transformers' / fla's), carried by the plan to the layer
 
@@ -54,17 +63,25 @@ def route(
     kind: str = "mla",
     layers: tuple[int, ...] = (),
     sublayers: tuple[str, ...] = (),
+    kpool: int = 0,
+    sharing: tuple[int, ...] = (),
 ) -> AttentionPlan:
     """Split the batch into at most two segments (decode, prefill) and name each one's path.
     key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments).
-    sublayers: the cache state of each attention sublayer of these layers (LongCat-Flash), recorded."""
+    sublayers: the cache state of each attention sublayer of these layers (LongCat-Flash), recorded.
+    kpool: a pooled indexer's tokens per pooled key (GLM-5.3-Flash; 0: DSA's per-token indexer); sharing: the
+    layers of `layers` that reuse a previous layer's selection ("shared"), recorded."""
     if mla_path not in MLA_PATHS:
         raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
     if sparse and index_topk is None:
         raise ValueError("a sparse route needs index_topk")
     kernels = get_backend(backend)  # an unknown name fails here, before the ledger records it
     longest = max((s.seq_len for s in batch.seqs), default=0)
-    select = sparse and longest > index_topk
+    pooled = sparse and kpool > 0
+    # per-token DSA selects once a sequence is longer than index_topk; the pooled route once a query has more
+    # complete pools than it keeps (below that its selection is every complete pool plus the tail: every token)
+    select = sparse and (longest // kpool > index_topk // kpool if pooled else longest > index_topk)
+    scoring = ("fp32" if pooled else kernels.index_scoring(key_dtype)) if select else None
     n_dec = batch.num_decode_seqs
     bounds = [("decode", 0, n_dec), ("prefill", n_dec, len(batch.seqs))]
     segments = []
@@ -84,22 +101,60 @@ def route(
                 seq_end=hi,
                 request_ids=tuple(s.request_id for s in seqs),
                 backend=backend,
-                implementation=_implementation(backend, path, sparse, select),
-                index_scoring=kernels.index_scoring(key_dtype) if select else None,
+                implementation=_implementation(backend, path, sparse, select, pooled),
+                index_scoring=scoring,
                 kind=kind,
                 sublayers=sublayers,
             )
         )
+    effective = min(index_topk, longest) if sparse else None
+    if pooled:  # the selected pools' rows (the tail adds up to kpool - 1 more)
+        effective = min(index_topk // kpool, longest // kpool) * kpool
     return AttentionPlan(
         segments=tuple(segments),
         sparse=sparse,
         index_topk=index_topk if sparse else None,
-        effective_topk=min(index_topk, longest) if sparse else None,
+        effective_topk=effective,
         needs_selection=select,
         kind=kind,
         layers=layers,
         sublayers=sublayers,
+        pooled=pooled_rows(batch, kpool, index_topk, layers, sharing) if pooled else None,
     )
+
+
+def pooled_rows(
+    batch: ForwardBatch, kpool: int, index_topk: int, layers: tuple[int, ...], sharing: tuple[int, ...]
+) -> PooledRows:
+    """The pooled route's counts (models/pooled_indexer.py), from the chunks' positions alone: a query at t scores
+    the (t + 1) // kpool complete pools, keeps min(index_topk // kpool, that) of them and the (t + 1) % kpool tokens
+    of its incomplete pool; sums over a chunk's queries in closed form (pooled_sums)."""
+    k = index_topk // kpool
+    requests, sums, new = [], [0, 0, 0], 0
+    for s in batch.seqs:
+        hi, lo = pooled_sums(s.seq_len, kpool, k), pooled_sums(s.context_len, kpool, k)
+        for i in range(3):
+            sums[i] += hi[i] - lo[i]
+        new += len(completed_pools(s.context_len, s.seq_len, kpool))
+        scored = s.seq_len // kpool
+        requests.append(PooledRequest(s.request_id, scored, min(k, scored), s.seq_len % kpool))
+    selecting = tuple(i for i in layers if i not in sharing)
+    return PooledRows(kpool, k, selecting, sharing, new, tuple(requests), *sums)
+
+
+def pooled_sums(n: int, kpool: int, k: int) -> tuple[int, int, int]:
+    """Over queries at t = 0 .. n - 1 (m = t + 1 = 1 .. n): sum of m // P (pools scored), of min(k, m // P) (pools
+    selected) and of m % P (tail tokens), P = kpool. With F(n) = sum m // P = P q (q - 1) / 2 + q (r + 1) for
+    n = q P + r: m // P <= k exactly while m <= (k + 1) P - 1 = n0, so the selected sum is F(min(n, n0)) plus k per
+    query after n0; the tails are sum m - P F(n)."""
+
+    def f(n: int) -> int:
+        q, r = divmod(n, kpool)
+        return kpool * q * (q - 1) // 2 + q * (r + 1)
+
+    n0 = (k + 1) * kpool - 1
+    scored = f(n)
+    return scored, f(min(n, n0)) + k * max(0, n - n0), n * (n + 1) // 2 - kpool * scored
 
 
 def route_step(
@@ -130,7 +185,9 @@ def route_step(
         kind_sparse = sparse and kind == "mla_dsa"
         topk = index_topk if kind_sparse else None
         subs = next(k.sublayers for k in layers if k.attention == kind)  # one stack: every layer has the same
-        plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs))
+        kpool = max(k.kpool for k in layers if k.attention == kind)  # GLM-5.3-Flash's pooled indexer, else 0
+        sharing = tuple(k.index for k in layers if k.attention == kind and k.indexer == "shared")
+        plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs, kpool, sharing))
     return StepRoute(tuple(plans))
 
 
@@ -246,7 +303,9 @@ def _v4_rows(t: int, window: int, ratio: int, topk: int) -> tuple[int, int, int]
     return min(t + 1, window), compressed, min(topk, compressed) if topk else compressed
 
 
-def _implementation(backend: str, path: str, sparse: bool, select: bool) -> str:
+def _implementation(backend: str, path: str, sparse: bool, select: bool, pooled: bool = False) -> str:
     if not sparse:
         return f"{backend}:{path}"
+    if pooled:
+        return f"{backend}:pooled_sparse_{path}" + ("" if select else "(every pool within index_topk)")
     return f"{backend}:sparse_{path}" + ("" if select else "(all rows within index_topk)")

@@ -568,18 +568,6 @@ def _attention(model: ModelConfig, mode: str, has_indexer_weights: bool, log: Pr
         raise ConfigError(
             f"model_type {model.model_type} is a DSA architecture but the checkpoint has no indexer weights"
         )
-    if dsa and model.indexer.kpool:  # GLM-5.3-Flash: its MLA layers run dense within index_topk (config/model.py)
-        if mode == "sparse":
-            raise ConfigError(
-                f"attention='sparse' on {model.model_type}: the pooled DSA indexer's route is not built yet; its MLA "
-                f"layers run dense, exact while a context is <= index_topk ({model.indexer.topk}, the context limit)"
-            )
-        return log.record(
-            "is_sparse",
-            False,
-            f"{model.model_type}: pooled DSA indexer, route not built; dense attention == its selection within "
-            f"index_topk ({model.indexer.topk} tokens, the context limit)",
-        )
     if mode == "sparse" and not dsa:
         dsa_types = ", ".join(f.name for f in families.FAMILIES if f.is_dsa)
         raise ConfigError(f"attention='sparse' needs a DSA model ({dsa_types}); {model.model_type} has no indexer")
@@ -599,6 +587,8 @@ def _attention(model: ModelConfig, mode: str, has_indexer_weights: bool, log: Pr
         if dsa
         else f"attention='auto': {model.model_type} has no indexer"
     )
+    if dsa and model.indexer.kpool:  # GLM-5.3-Flash: the pooled route (models/pooled_indexer.py)
+        reason += f" (pooled indexer: top index_topk // {model.indexer.kpool} pools + the incomplete tail)"
     return log.record("is_sparse", dsa, reason)
 
 

@@ -1,6 +1,6 @@
 """GLM-5.3-Flash's text config (transformers' Glm5NextTextConfig, under the Glm5NextConfig wrapper's text_config):
-the layer schedule and the fields that are not DeepSeek-V3's, each with where it was read. Not a served family
-yet (docs/GLM5_NEXT.md): this is the reader the family will build on, checked against transformers' own parse.
+the layer schedule and the fields that are not DeepSeek-V3's, each with where it was read (docs/GLM5_NEXT.md): the
+reader the glm5_next family builds on (config/model.py _glm5_next), checked against transformers' own parse.
 
 What it reads (transformers 5.24 class defaults where absent, recorded as such):
   layer_types      per layer "linear_attention" (KDA) | "indexed_attention" (MLA + pooled DSA indexer);

@@ -150,6 +150,9 @@ class LayerKind:
     window: int = 0  # sliding_window: ring rows a query may attend
     ratio: int = 0  # tokens per compressed row (v4_csa, v4_hca)
     topk: int = 0  # v4_csa: index_topk, compressed rows a query keeps
+    # mla_dsa with a pooled indexer (GLM-5.3-Flash, "pooled" and the "shared" layers after it): index_kpool, the
+    # tokens per pooled key its route scores (attention/router.py); 0 elsewhere
+    kpool: int = 0
     # several attention sublayers per layer (LongCat-Flash): the latent state each one reads and writes, in
     # sublayer order; () for a layer of one attention (its state is "latent")
     sublayers: tuple[str, ...] = ()
@@ -237,12 +240,14 @@ def _layer(model: ModelConfig, i: int, sparse: bool) -> LayerKind:
     latents = tuple(StateSpec(name, model.latent_dim) for name in names)
     role = indexer_role(model, i)
     keys: tuple[StateSpec, ...] = ()
-    if role == "full" and model.indexer.kpool:  # GLM-5.3-Flash: its own pooled indexer
+    kpool = model.indexer.kpool if role is not None else 0
+    if role == "full" and kpool:  # GLM-5.3-Flash: its own pooled indexer
         role = "pooled"
-        keys = pooled_indexer_states(model.indexer.head_dim, model.indexer.kpool) if sparse else ()
+        keys = pooled_indexer_states(model.indexer.head_dim, kpool) if sparse else ()
     elif sparse and role == "full":
         keys = (StateSpec("index_keys", model.indexer.head_dim),)
-    return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=names if len(names) > 1 else ())
+    subs = names if len(names) > 1 else ()
+    return LayerKind(i, attention_kind(model, i), role, (*latents, *keys), sublayers=subs, kpool=kpool)
 
 
 def kda_states(model: ModelConfig) -> tuple[StateSpec, ...]:
@@ -322,6 +327,43 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int
             sizes += f", {per_request * len(ids)} bytes/request"
         lines.append(f"layers {layer_ranges(ids)}: {attention}{role}; cache: {kept} ({sizes})")
     return lines
+
+
+def describe_route(layers: tuple[LayerKind, ...], sparse: bool, index_topk: int | None) -> list[str]:
+    """`mlaserve inspect`'s "attention route" lines: per attention kind, what its layers attend (the route
+    attention/router.py plans every step from these kinds and the engine's sparse / index_topk)."""
+    lines = []
+    for kind in kinds_in_order(layers):
+        of = [k for k in layers if k.attention == kind]
+        if kind == "kda":
+            text = "linear attention: each request's recurrent state, no cached rows attended"
+        elif kind == "mla":
+            text = "dense: every cached row"
+        elif kind == "mla_dsa":
+            text = _dsa_route(of, sparse, index_topk)
+        else:
+            text = "window + compressed rows (DeepSeek-V4)"
+        lines.append(f"layers {layer_ranges([k.index for k in of])}: {kind}: {text}")
+    return lines
+
+
+def _dsa_route(of: list[LayerKind], sparse: bool, topk: int | None) -> str:
+    kpool = max(k.kpool for k in of)
+    if not sparse:
+        exact = topk + kpool - 1 if kpool else topk
+        return f"dense (attention='dense'): every cached row, the indexer unused; the same attention while a context is <= {exact} tokens"
+    if kpool:
+        text = (
+            f"pooled DSA sparse: a query scores its complete pools of {kpool} tokens, keeps the top {topk // kpool} "
+            f"(index_topk {topk} // index_kpool {kpool}) expanded to their tokens, and its incomplete pool's tokens "
+            f"(< {kpool})"
+        )
+    else:
+        text = f"DSA sparse: a query keeps the top {topk} cached rows by its indexer's score"
+    shared = [k.index for k in of if k.indexer == "shared"]
+    if shared:
+        text += f"; layers {layer_ranges(shared)} reuse the nearest previous selecting layer's selection"
+    return text
 
 
 def _describe_state(s: StateSpec) -> str:

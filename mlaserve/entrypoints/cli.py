@@ -362,7 +362,7 @@ def _speed_line(out) -> str:
 
 def _inspect(args) -> int:
     from mlaserve.config.kv_cache import describe_layout
-    from mlaserve.config.layer_kinds import describe
+    from mlaserve.config.layer_kinds import describe, describe_route
     from mlaserve.config.provenance import format_table
 
     if _inspect_v4(args):  # a V4 folder without weights: its config shown, nothing to load
@@ -373,6 +373,8 @@ def _inspect(args) -> int:
     # page-boundary snapshots of request states cost bytes per token only where the cache keeps them
     snap_page = llm.config.cache.page_size if llm.runner.cache.keeps_snapshots else None
     print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size, snap_page)))
+    att = llm.config.attention
+    print("attention route:\n  " + "\n  ".join(describe_route(llm.runner.layer_kinds, att.sparse, att.index_topk)))
     kv = llm.config.cache.kv_cache_dtype
     print(f"kv cache layout: {describe_layout(llm.runner.layer_kinds, kv, str(llm.config.runtime.dtype)[6:])}")
     if llm.loaded.quant is not None:

@@ -9,6 +9,7 @@ import torch
 from mlaserve.attention.backends import AttentionBackend, get_backend
 from mlaserve.attention.metadata import SegmentTensors, build_segment_tensors
 from mlaserve.attention.plan import AttentionPlan, StepRoute
+from mlaserve.attention.pooled_metadata import PooledTensors, build_pooled_tensors
 from mlaserve.config.layer_kinds import LATENT_KINDS
 from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.models.layers import RotaryEmbedding
@@ -21,11 +22,13 @@ class KindStep:
     plan: AttentionPlan
     segments: tuple[SegmentTensors, ...]
     backends: tuple[AttentionBackend, ...]  # per segment: the backend its route names
+    pooled: PooledTensors | None = None  # the pooled DSA route's index tensors (plan.pooled), else None
 
     @staticmethod
     def build(batch: ForwardBatch, plan: AttentionPlan) -> KindStep:
         segs = tuple(build_segment_tensors(batch, s) for s in plan.segments)
-        return KindStep(plan, segs, tuple(get_backend(s.backend) for s in plan.segments))
+        pooled = build_pooled_tensors(batch, plan) if plan.pooled is not None else None
+        return KindStep(plan, segs, tuple(get_backend(s.backend) for s in plan.segments), pooled)
 
 
 @dataclass(frozen=True)

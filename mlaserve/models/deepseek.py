@@ -128,7 +128,7 @@ class MLAAttention(KernelSwitch, nn.Module):
         q_nope, q_pe = self.write_latent(q, self.kv_a_proj_with_mqa(x), step, rope, cache)
         selections = None
         if mine.plan.sparse:
-            selections = self.select(x, c_q, step, mine, state.index_keys, prev)
+            selections = self.select(x, c_q, step, mine, state, prev)
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
         for i, (seg, backend) in enumerate(zip(mine.segments, mine.backends)):
             sel = selections[i] if selections is not None else None
@@ -178,13 +178,19 @@ class MLAAttention(KernelSwitch, nn.Module):
         c_q: torch.Tensor,
         step: StepContext,
         mine: KindStep,
-        index_keys: torch.Tensor | None,
+        state: LayerState,
         prev: Selections,
     ) -> Selections:
         if self.indexer is None:
             if prev is None and mine.plan.needs_selection:
                 raise RuntimeError("a shared-indexer layer needs the top-k of a previous full indexer layer")
             return prev
+        if mine.pooled is not None:  # the plan's pooled route (GLM-5.3-Flash): models/pooled_indexer.py
+            t = state.tensors
+            return self.indexer.step(
+                x, c_q, step.slot_mapping, mine.pooled, mine.segments, t["index_rows"], t["index_pools"]
+            )
+        index_keys = state.index_keys
         q_idx, k_idx, w = self.indexer.project(x, c_q, step.cos, step.sin)
         index_keys.index_copy_(0, step.slot_mapping, k_idx.to(index_keys.dtype))
         if not mine.plan.needs_selection:

@@ -9,9 +9,8 @@ Notation
 Each layer's attention is the engine's module of its declared kind (config/layer_kinds.py): a KDA layer is
 models/kda's KimiDeltaAttention with `A_log` stored [H], an MLA layer models/deepseek.py's
 MLAAttention (NoPE: qk_rope_head_dim 0). The MLP of each layer is dense or MoE as mlp_layer_types says, both with
-swiglu_limit's clamps. The pooled indexer's weights are held by its MLA layers (models/pooled_indexer.py); the step
-runs them dense while a sequence fits in index_topk (config/engine.py: within it the pooled selection keeps every
-token, so dense attention is the same attention).
+swiglu_limit's clamps. The pooled indexer is held by its MLA layers (models/pooled_indexer.py) and runs the step's
+pooled route (attention/router.py: top index_topk // kpool pools + the incomplete tail; docs/GLM5_NEXT.md).
 """
 
 from __future__ import annotations

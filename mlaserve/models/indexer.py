@@ -34,9 +34,12 @@ class Selection:
     valid: torch.Tensor  # [B, Q, k] the chosen position is a real, causal key
 
     def as_mask(self, length: int) -> torch.Tensor:
-        """[B, Q, L] True at selected positions (for the masked-MHA form)."""
+        """[B, Q, L] True at selected positions (for the masked-MHA form). An entry that is not valid is sent to a
+        spare column L and dropped: a pooled selection (models/pooled_indexer.py) parks its unused entries at
+        position 0, which a valid entry may also name, and a scatter of both values there has no defined winner."""
         b, q, _ = self.index.shape
-        return torch.zeros(b, q, length, dtype=torch.bool, device=self.index.device).scatter_(2, self.index, self.valid)
+        mask = torch.zeros(b, q, length + 1, dtype=torch.bool, device=self.index.device)
+        return mask.scatter_(2, self.index.masked_fill(~self.valid, length), True)[..., :length]
 
 
 class Indexer(nn.Module):

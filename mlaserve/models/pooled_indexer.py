@@ -18,17 +18,27 @@ transformers' Glm5NextTextIndexer rebuilds every pool from the cached per-token 
 result is the same. Sequences start at token 0 here (no left padding), so pools are anchored at 0 as there.
 In the engine (config/layer_kinds.py pooled_indexer_states): [k | gate] rows per token and one pooled row per
 kpool tokens, both paged; a chunk of tokens context_len .. seq_len - 1 completes pools completed_pools(...) and
-writes each one's row at pool_rows(...) of the block table.
+writes each one's row at pool_rows(...) of the block table. The route (attention/router.py) is plain data: which
+pools a step completes, whether it selects (some query has more complete pools than it keeps) and the ledger's
+counts; `step` executes one layer's part; attention then reads the selected rows as DSA's sparse route does
+(a Selection: positions on the segment's key axis).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mlaserve.attention.backends.blocks import query_blocks
 from mlaserve.config.model import IndexerConfig
+from mlaserve.models.indexer import Selection
+
+if TYPE_CHECKING:
+    from mlaserve.attention.metadata import SegmentTensors
+    from mlaserve.attention.pooled_metadata import PooledTensors
 
 
 def completed_pools(context_len: int, seq_len: int, kpool: int) -> range:
@@ -91,27 +101,62 @@ class PooledIndexer(nn.Module):
     def select(
         self, q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor
     ) -> PooledSelection:
-        """One sequence's queries: q [Q, Hi, Di], w [Q, Hi], pooled [N, Di] (every complete pool of the sequence up
-        to its last query), positions [Q] (the queries' token positions) -> the kept tokens per query."""
+        """Queries of one sequence, or of B sequences (a leading [B] on every argument): q [(B,) Q, Hi, Di],
+        w [(B,) Q, Hi], pooled [(B,) N, Di] (each sequence's complete pools up to its last query, in pool order;
+        pools past a query's complete ones are never selected, so padding rows are unread), positions [(B,) Q]
+        (the queries' token positions) -> the kept tokens per query (positions on the sequence's key axis)."""
         p, topk = self.cfg.kpool, self.cfg.topk
         scale = self.cfg.head_dim**-0.5
-        scores = torch.relu(torch.einsum("qhd,nd->qhn", q.float(), pooled.float()) * scale)  # [Q, Hi, N]
-        scores = torch.einsum("qh,qhn->qn", w, scores)
+        scores = torch.relu(torch.einsum("...qhd,...nd->...qhn", q.float(), pooled.float()) * scale)  # [Q, Hi, N]
+        scores = torch.einsum("...qh,...qhn->...qn", w, scores)
+        n = pooled.shape[-2]
         complete = (positions + 1) // p  # pools complete at each query
-        pool_ids = torch.arange(pooled.shape[0], device=q.device)
-        selectable = pool_ids[None, :] < complete[:, None]  # [Q, N]
-        k = min(topk // p, pooled.shape[0])
+        pool_ids = torch.arange(n, device=q.device)
+        selectable = pool_ids < complete[..., None]  # [Q, N]
+        k = min(topk // p, n)
         top = scores.masked_fill(~selectable, float("-inf")).topk(k, dim=-1).indices  # [Q, k]
-        chosen = selectable.gather(1, top)
+        chosen = selectable.gather(-1, top)
         offsets = torch.arange(p, device=q.device)
-        tokens = (top[..., None] * p + offsets).flatten(1)  # [Q, k P]
-        token_valid = chosen[..., None].expand(-1, -1, p).flatten(1)
+        tokens = (top[..., None] * p + offsets).flatten(-2)  # [Q, k P]
+        token_valid = chosen[..., None].expand(*chosen.shape, p).flatten(-2)
         tail_len = (positions + 1) % p
         tail_start = positions + 1 - tail_len
-        tail = tail_start[:, None] + offsets[None, : p - 1]  # [Q, P - 1]
-        tail_valid = offsets[None, : p - 1] < tail_len[:, None]
-        index = torch.cat([tokens, tail], dim=1)
-        valid = torch.cat([token_valid, tail_valid], dim=1)
-        return PooledSelection(
-            index.masked_fill(~valid, 0), valid, complete.clamp(max=pooled.shape[0]), chosen.sum(1), tail_len
-        )
+        tail = tail_start[..., None] + offsets[: p - 1]  # [Q, P - 1]
+        tail_valid = offsets[: p - 1] < tail_len[..., None]
+        index = torch.cat([tokens, tail], dim=-1)
+        valid = torch.cat([token_valid, tail_valid], dim=-1)
+        return PooledSelection(index.masked_fill(~valid, 0), valid, complete.clamp(max=n), chosen.sum(-1), tail_len)
+
+    def step(
+        self,
+        x: torch.Tensor,
+        c_q: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        pooled: PooledTensors,
+        segments: tuple[SegmentTensors, ...],
+        index_rows: torch.Tensor,
+        index_pools: torch.Tensor,
+    ) -> tuple[Selection, ...] | None:
+        """One layer's part of a pooled sparse step (attention/pooled_metadata.py has the index tensors): this step's
+        [k | gate] rows written; each pool the step completes pooled once from the cached rows of its tokens (one
+        gather over every sequence) and written to index_pools; then, on a selecting step, per segment (decode,
+        prefill) one gather of its sequences' pooled keys and the batched selection, in query blocks whose scores
+        fit the attention workspace. -> a Selection per segment (positions on its key axis), or None when the
+        step selects nothing (every pool and the tail are kept: dense attention is the same attention)."""
+        q, k, gate, w = self.project(x, c_q)
+        index_rows.index_copy_(0, slot_mapping, torch.cat([k, gate], dim=-1).to(index_rows.dtype))
+        if pooled.new_rows.numel():
+            kg = index_rows.index_select(0, pooled.new_tokens)
+            done = self.pool(*kg.split(self.cfg.head_dim, dim=-1))
+            index_pools.index_copy_(0, pooled.new_rows, done.to(index_pools.dtype))
+        if not pooled.segments:
+            return None
+        out = []
+        for seg, tensors in zip(segments, pooled.segments):  # at most two: the decode and the prefill segment
+            rows = tensors.pool_rows
+            keys = index_pools.index_select(0, rows.flatten()).view(*rows.shape, -1)  # [B, N, Di]
+            qs, ws, pos = q[seg.q_index], w[seg.q_index], tensors.positions  # [B, Q, Hi, Di], [B, Q, Hi], [B, Q]
+            per_query = 3 * 4 * rows.shape[0] * self.cfg.n_heads * rows.shape[1]  # the [B, Hi, N] fp32 scores
+            parts = [self.select(qs[:, s], ws[:, s], keys, pos[:, s]) for s in query_blocks(pos.shape[1], per_query)]
+            out.append(Selection(torch.cat([p.index for p in parts], 1), torch.cat([p.valid for p in parts], 1)))
+        return tuple(out)

@@ -9,8 +9,8 @@ magnitude ~3.8): transformers' own fp32 run 1.9e-6 / 4.4e-6 from float64 (the tw
 the reference. A defect moves logits by 1e-2 .. 1 (a clamp left out, a stream mixed
 the wrong way round, the mean head replaced by one stream, a KDA state not carried across a chunk).
 
-Every prompt here is <= index_topk (256): the engine runs the MLA+DSA layers dense there, which is the pooled
-selection (config/model.py _glm5_next caps the context at index_topk until the pooled route is built).
+Every prompt here is <= index_topk (256): the pooled route keeps every token there (its steps select nothing, the
+route says so); past index_topk, where it selects, tests/models/test_glm5_next_sparse.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ pytest.importorskip("transformers.models.glm5_next")
 from glm5_next_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
 
 from mlaserve.config.layer_kinds import declare_layers  # noqa: E402
-from mlaserve.config.model import ConfigError  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
@@ -62,7 +61,7 @@ def test_prompt_logits_equal_transformers(glm, budget):
 def test_load_reports_the_vision_tower_and_declares_the_layer_kinds(glm):
     """The vision tower is skipped and reported by name and size; the layers' kinds are declared as data: KDA with its
     two request states, MLA+DSA with its pooled indexer (index_rows per token, index_pools per kpool tokens when the
-    route runs sparse; dense here: the latent rows only)."""
+    route runs sparse, the default; dense: the latent rows only). The context is not capped at index_topk."""
     spec, ref, folder = glm
     llm = LLM(str(folder))
     report = llm.loaded.report
@@ -71,8 +70,8 @@ def test_load_reports_the_vision_tower_and_declares_the_layer_kinds(glm):
     cfg = llm.config.model
     text = ref.config.text_config
     assert cfg.indexer.kpool == text.index_kpool
-    assert cfg.max_position_embeddings == text.index_topk
-    assert not llm.config.attention.sparse
+    assert cfg.max_position_embeddings == text.max_position_embeddings > text.index_topk
+    assert llm.config.attention.sparse
     for kind, layer_type in zip(declare_layers(cfg, sparse=True), text.layer_types):
         if layer_type == "linear_attention":
             assert (kind.attention, kind.indexer) == ("kda", None)
@@ -84,10 +83,9 @@ def test_load_reports_the_vision_tower_and_declares_the_layer_kinds(glm):
                 ("index_rows", 1),
                 ("index_pools", text.index_kpool),
             ]
-    with pytest.raises(ConfigError, match="pooled DSA indexer's route is not built"):
-        LLM(str(folder), attention="sparse")
-    with pytest.raises(ValueError, match="does not fit max_model_len"):
-        llm.prompt_logits(random_ids(text.index_topk + 1, text.vocab_size, 1))
+    dense = LLM(str(folder), attention="dense")
+    assert not dense.config.attention.sparse
+    assert all(s.name == "latent" for k in dense.runner.layer_kinds for s in k.states if k.attention == "mla_dsa")
 
 
 def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:

@@ -12,9 +12,9 @@ def read_indexer(r: RawConfig, num_layers: int) -> IndexerConfig | None:
         return None
     g = r.get
     types = r.raw.get("indexer_types")
-    if r.family.glm5_next:  # per layer, KDA layers included: read by config/glm5_next.py (_glm5_next)
-        types = ["full"] * num_layers
-    if types is None:
+    if r.family.glm5_next:  # per layer, KDA layers included: read and recorded by config/glm5_next.py
+        types = ["full"] * num_layers  # (apply_glm5_next replaces these roles; recording them here listed it twice)
+    elif types is None:
         types = ["full"] * num_layers
         r.log.record("indexer_types", "all full", "class default (no indexer_types)")
     else:

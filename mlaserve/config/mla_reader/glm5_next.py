@@ -28,19 +28,8 @@ def apply_glm5_next(r: RawConfig, cfg: ModelConfig) -> ModelConfig:
         "none" if t != "indexed_attention" else role for t, role in zip(layout.layer_types, layout.indexer_types)
     )
     indexer = replace(cfg.indexer, layer_types=roles, kpool=layout.index_kpool, topk=layout.index_topk)
-    # The pooled indexer's step route is not built yet (docs/GLM5_NEXT.md): the MLA layers run dense, which is
-    # the pooled selection itself while a context is <= index_topk tokens (every complete pool is among the top
-    # index_topk // kpool, the tail is always kept), so the context is capped there
-    limit = min(cfg.max_position_embeddings, layout.index_topk)
-    r.log.record(
-        "max_position_embeddings",
-        limit,
-        f"min(max_position_embeddings, index_topk={layout.index_topk}): the pooled DSA route is not built, "
-        "the MLA layers run dense, exact while a context is <= index_topk",
-    )
     return replace(
         cfg,
-        max_position_embeddings=limit,
         mlp_layer_types=mlp,
         indexer=indexer,
         kda=layout.kda,
@@ -48,8 +37,7 @@ def apply_glm5_next(r: RawConfig, cfg: ModelConfig) -> ModelConfig:
         swiglu_limit=layout.swiglu_limit,
         latent_norm_eps=cfg.rms_norm_eps,
         provenance=cfg.provenance
-        + layout.provenance
-        + r.log.freeze()[-1:]
+        + tuple(s for s in layout.provenance if s not in cfg.provenance)  # a key both readers record: once
         + (
             Setting(
                 "latent_norm_eps",

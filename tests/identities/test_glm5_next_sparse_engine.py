@@ -1,0 +1,154 @@
+"""GLM-5.3-Flash's pooled DSA route in the engine's identities, past index_topk (tests/glm5_next_models.py SPARSE:
+queries keep 4 of up to 25 complete pools): a prefix-cache hit reads the pooled keys and the per-token [k | gate] rows
+from the cached pages (pools are written once, by the step that completes them, never rewritten) == a cold run ==
+transformers; preemption resumes exactly; a batch of mixed lengths (one-token decodes beside prefills, each selecting
+over its own pools in one batched selection per segment) == each alone == transformers.
+
+Bound: 1e-5 max abs against transformers' float64 run, 100% top-1, as tests/models/test_glm5_next_sparse.py (measured
+there: ours 1.8e-6 .. 3.4e-6, transformers' own fp32 run 1.9e-6 .. 3.3e-6; dense attention is 0.8 .. 3.6 away past
+index_topk, so a step that ran dense, or read a pool from the wrong row, fails by orders of magnitude).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.glm5_next")
+
+from glm5_next_models import SPARSE, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
+from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
+
+from mlaserve.entrypoints.llm import LLM  # noqa: E402
+from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
+from mlaserve.sampling.params import SamplingParams  # noqa: E402
+
+BOUND = 1e-5
+PAGE = 16
+
+
+@pytest.fixture(scope="module", params=list(SPARSE))
+def glm(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"glm5_sparse_engine_{request.param}")
+    hf = save_hf_glm5_next(request.param, folder, seed=5)
+    return request.param, float64_copy(hf), folder
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = (ours - ref).abs().max().item()
+    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
+
+
+def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf_logits(ref, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("budget", [5, 64])
+def test_a_hit_past_index_topk_equals_a_cold_run_and_transformers(glm, budget):
+    """The owner's prompt writes every page's rows (latent, [k | gate], pooled keys) and snapshots; a second prompt
+    sharing `hit` pages (16 .. 64 tokens: 4 .. 16 pools of kpool 4, 8 .. 32 of kpool 2, more than a query keeps)
+    continues from the hit: its logits == a cold run's == transformers', at every position after the hit."""
+    spec, ref, folder = glm
+    llm = LLM(str(folder), page_size=PAGE, num_pages=64, max_num_seqs=4, trace="memory")
+    runner, vocab = llm.runner, ref.config.text_config.vocab_size
+    n = 5 * PAGE + 5
+    first = random_ids(n, vocab, 7)
+    owner = list(range(0, 8))
+    _prefill(runner, "a", first, 0, owner, 0, budget)
+    for hit in (1, 2, 4):
+        ctx = hit * PAGE
+        second = first[: ctx + 1] + random_ids(n - ctx - 1 + hit, vocab, 100 + hit)[1:]
+        table = owner[:hit] + list(range(8 * hit, 8 * hit + 8))
+        got = _prefill(runner, "b", second, ctx, table, 1, budget, first_restore=owner[hit - 1])
+        cold = _prefill(runner, "c", second, 0, list(range(56, 64)), 2, budget)[ctx:]
+        what = f"{spec} hit at {ctx} of {len(second)} budget {budget}"
+        _close(got, cold, what + ": restored vs cold")
+        _close(got, hf_logits(ref, second)[ctx:], what + ": vs transformers")
+    assert any(r["needs_selection"] for r in runner.tracer.records), "the prompts were meant to select"
+
+
+def test_a_prefix_hit_through_the_scheduler_decodes_exactly(glm):
+    """b shares 53 tokens with a (a hit at 48: three full pages); b's greedy tokens, decoded over pools from the
+    cached pages and its own, == transformers'."""
+    spec, ref, folder = glm
+    vocab = ref.config.text_config.vocab_size
+    llm = LLM(str(folder), page_size=PAGE, max_num_batched_tokens=11, trace="memory")
+    a = random_ids(60, vocab, 21)
+    b = a[:53] + random_ids(9, vocab, 9)[1:]
+    (out_a,) = llm.generate([a], _greedy(8))
+    assert list(out_a.outputs[0].token_ids) == _hf_greedy(ref, a, 8), spec
+    (out_b,) = llm.generate([b], _greedy(6))
+    assert list(out_b.outputs[0].token_ids) == _hf_greedy(ref, b, 6), spec
+    firsts = [q for r in llm.runner.tracer.records for q in r["requests"] if q["id"].startswith(out_b.request_id + "/")]
+    assert firsts[0]["cached_tokens"] == 48 and firsts[0]["context_len"] == 48
+
+
+def test_preemption_past_index_topk_resumes_exactly(glm):
+    """A pool small enough to preempt: the re-admitted requests (their pools recomputed from token 0 into new pages)
+    decode transformers' greedy tokens; every state slot is free at the end."""
+    spec, ref, folder = glm
+    llm = LLM(str(folder), page_size=4, num_pages=20, max_num_seqs=3, max_num_batched_tokens=16, trace="memory")
+    prompts = [random_ids(n, ref.config.text_config.vocab_size, 50 + n) for n in (37, 21, 43, 29)]
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(p, _greedy(6), request_id=f"r{i}")
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    assert any(r["preempted"] for r in llm.runner.tracer.records), "the pool was meant to be small enough to preempt"
+    assert any(r["needs_selection"] for r in llm.runner.tracer.records)
+    for i, p in enumerate(prompts):
+        assert outs[f"r{i}"] == _hf_greedy(ref, p, 6), f"{spec}: prompt of {len(p)} tokens"
+    assert engine.slots.num_free == engine.slots.num_slots and not engine.slots.owner
+
+
+def test_a_batch_of_mixed_lengths_equals_each_alone(glm):
+    """Steps mixing one-token sequences (the decode segment) with prefills of several lengths (the prefill segment),
+    every one past index_topk, each in its own pages and slot == each sequence alone, and == transformers."""
+    spec, ref, folder = glm
+    llm = LLM(str(folder), max_num_seqs=4, trace="memory")
+    runner, vocab, ps = llm.runner, ref.config.text_config.vocab_size, llm.config.cache.page_size
+    prompts = {"a": random_ids(90, vocab, 1), "b": random_ids(40, vocab, 2), "c": random_ids(86, vocab, 3)}
+    pages = {r: list(range(i * 16, i * 16 + 16)) for i, r in enumerate(prompts)}
+
+    def chunk(rid, ids, done, slot):
+        table = tuple(pages[rid][: -(-(done + len(ids)) // ps)])
+        return SeqChunk(rid, tuple(ids), done, table, all_logits=True, state_slot=slot, reset_state=done == 0)
+
+    plan = {"a": (85, 86, 87, 90), "b": (33, 34, 40), "c": (50, 83, 84, 86)}  # each sequence's chunk ends, in steps
+    alone = {}
+    for rid, ends in plan.items():
+        rows, done = [], 0
+        for end in ends:
+            rows.append(runner.execute([chunk(rid, prompts[rid][done:end], done, 0)])[1])
+            done = end
+        alone[rid] = torch.cat(rows)
+    together: dict[str, list[torch.Tensor]] = {r: [] for r in prompts}
+    done = dict.fromkeys(prompts, 0)
+    decodes = []
+    for i in range(4):
+        chunks = []
+        for slot, (rid, ends) in enumerate(plan.items(), start=1):
+            if i < len(ends):
+                chunks.append(chunk(rid, prompts[rid][done[rid] : ends[i]], done[rid], slot))
+                done[rid] = ends[i]
+        batch, logits = runner.execute(chunks)
+        decodes.append(batch.num_decode_seqs)
+        for (rid, _), row in zip(batch.logits_owner, logits):
+            together[rid].append(row)
+    assert decodes[1] == decodes[2] == 2, decodes  # one-token chunks beside prefills
+    assert runner.tracer.records[-3]["needs_selection"]
+    for rid, rows in together.items():
+        got = torch.stack(rows)
+        _close(got, alone[rid], f"{spec} request {rid}: batch vs alone")
+        _close(got, hf_logits(ref, prompts[rid][: done[rid]]), f"{spec} request {rid} vs transformers")
