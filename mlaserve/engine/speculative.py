@@ -355,7 +355,9 @@ def speculative_step(engine: SpeculativeHost, plan: SchedulePlan, step_no: int) 
     if runner.tracer.enabled and any(c.num_draft for c in plan.chunks):
         runner.tracer.record(accept_record(runner.step_count - 1, plan, accepted))
     # request states (DeepSeek-V4): the rejected drafts' advances put back before anything reads them again
-    runner.rollback({c.request.request_id: 1 + accepted.get(c.request.request_id, 0) for c in plan.chunks if c.num_draft})
+    runner.rollback(
+        {c.request.request_id: 1 + accepted.get(c.request.request_id, 0) for c in plan.chunks if c.num_draft}
+    )
     for c in sampling:
         engine.scheduler.commit_drafts(c.request, accepted[c.request.request_id])
     draft(engine, plan, batch, hidden, accepted)
