@@ -150,3 +150,15 @@ def test_speculative_needs_the_mtp_layer(tmp_path):
     build_hf_v4("hc2_learned", seed=1).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="MTP layer"):
         LLM(str(tmp_path), speculative="mtp")
+
+
+def test_speculative_refused_on_a_deepseek4_gguf(tmp_path):
+    """llama.cpp's deepseek4 converter writes no MTP tensors: the option is refused with that reason."""
+    pytest.importorskip("gguf")
+    from v4_gguf import BLOCK_DIMS, write_v4_gguf
+    from v4_models import save_hf_v4
+
+    save_hf_v4("all_kinds", tmp_path / "float", seed=1, **BLOCK_DIMS)
+    write_v4_gguf(tmp_path / "float", tmp_path / "model.gguf")
+    with pytest.raises(ConfigError, match="speculative='mtp'.*deepseek4 GGUF layout carries no MTP layer"):
+        LLM(str(tmp_path / "model.gguf"), speculative="mtp")
