@@ -100,6 +100,26 @@ def test_greedy_and_logprobs_equal_plain(model, k, monkeypatch):
     assert 0 < accepted < proposed  # accepted and rejected drafts both happened
 
 
+def test_paused_and_probing_requests_equal_plain(model):
+    """The acceptance switch pauses the random MTP's requests and probes them every 2 steps: a probe's MTP
+    pass first catches up the positions decoded plainly (from the kept streams), then drafts."""
+    kind, folder, plain = model
+    llm = LLM(
+        str(folder),
+        page_size=PAGE[kind],
+        max_num_seqs=16,
+        speculative="mtp",
+        num_speculative_tokens=2,
+        speculative_min_acceptance=0.9,
+        speculative_probe_interval=2,
+    )
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert _tokens(outs) == _tokens(plain)
+    assert _logprob_error(outs, plain) <= BOUND
+    assert sum(o.metrics["num_spec_paused_steps"] for o in outs) > 0
+    assert sum(o.metrics["num_spec_probes"] for o in outs) > 0
+
+
 def test_acceptance_in_ledger_and_metrics(model, monkeypatch):
     kind, folder, plain = model
     if kind != "all_kinds":
