@@ -23,6 +23,9 @@ over the step's sequences (batched_state, the default: step_update.py, the index
 step, per ratio, with the page-boundary snapshots written from the same data) or per sequence (the plain
 reference, snapshots saved between pieces); projections, MoE and mHC run over all T tokens at once. Both
 switches are constructor data, recorded in the route's implementation (`torch:<softmax>+<state update>`).
+forward returns the mHC streams after the last layer [T, N*D] (the MTP layer's input); `logits` collapses the
+logits rows only (hc_head, norm, head). Speculative decoding (mtp.py, rollback.py): a verify step's tape keeps what
+`rollback` needs to put the rejected drafts' state changes back; `draft` runs the MTP layer over its own cache.
 """
 
 from __future__ import annotations
