@@ -183,6 +183,12 @@ def attach_mtp(model: DeepseekV4ForCausalLM, names: list[str], where) -> None:
             f"{where}: speculative='mtp' needs the checkpoint's MTP layer (mtp.0.e_proj, mtp.0.h_proj, ... of "
             f"num_nextn_predict_layers={model.config.num_nextn_predict_layers}); this checkpoint has none"
         )
+    kinds = model.config.mtp_layer_kinds
+    if kinds and kinds[0] != "sliding":
+        raise ConfigError(
+            f"{where}: config.json's compress_ratios gives the MTP layer the kind {kinds[0]!r}; the release's MTP "
+            "block is a sliding-window layer (no compressor tensors), and a compressed MTP block is not built"
+        )
     model.mtp = torch.nn.ModuleList([V4MTPLayer(model.config)])
 
 

@@ -131,3 +131,30 @@ def test_mtp_missing_or_unknown_tensor_named(tmp_path):
     save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, path)
     with pytest.raises(ConfigError, match="MTP layer"):
         load_folder(tmp_path, mtp=True)
+
+
+def test_release_compress_ratios_list_the_mtp_layer(tmp_path):
+    """The release's config.json lists num_hidden_layers + num_nextn_predict_layers compress_ratios (V4-Flash:
+    43 + 1, the last 0): the main layers' kinds from the first N, the MTP layer's recorded; a compressed MTP
+    kind is refused when the layer is built (the release's block has no compressor)."""
+    import json
+
+    from mlaserve.config.deepseek_v4 import DeepseekV4Config
+
+    save_v4_with_mtp("hc3_hash", tmp_path, seed=1)  # compress_ratios [4, 0, 4]
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("layer_types", None)
+    raw["compress_ratios"] = [4, 0, 4, 0]
+    cfg = DeepseekV4Config.from_hf(raw)
+    assert cfg.layer_kinds == ("csa", "sliding", "csa") and cfg.mtp_layer_kinds == ("sliding",)
+    assert any(s.name == "mtp_layer_kinds" and "compress_ratios[3:]" in s.source for s in cfg.provenance)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model, _ = load_folder(tmp_path, mtp=True)
+    assert model.config.mtp_layer_kinds == ("sliding",)
+    raw["compress_ratios"] = [4, 0, 4, 4]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="MTP layer the kind 'csa'"):
+        load_folder(tmp_path, mtp=True)
+    raw["compress_ratios"] = [4, 0, 4, 0, 0]  # neither N nor N + num_nextn_predict_layers entries
+    with pytest.raises(ConfigError, match="compress_ratios must be a list of 3 entries"):
+        DeepseekV4Config.from_hf(raw)
