@@ -158,3 +158,46 @@ def test_release_compress_ratios_list_the_mtp_layer(tmp_path):
     raw["compress_ratios"] = [4, 0, 4, 0, 0]  # neither N nor N + num_nextn_predict_layers entries
     with pytest.raises(ConfigError, match="compress_ratios must be a list of 3 entries"):
         DeepseekV4Config.from_hf(raw)
+
+
+def test_fp8_folder_keeps_the_mtp_layer_quantized(tmp_path):
+    """The project's FP8 writer (ue8m0, 16x16 blocks) stores the MTP layer's projections and experts as the
+    trunk's; loaded with the MTP, they sit in the FP8 holders (no dequantized copy) and the MTP logits equal our
+    float model on the dequantized weights (pinned above against the reference) within the bound (measured
+    7e-7: the holders dequantize the same blocks, then the same products)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mlaserve.quant import fp8_block
+    from mlaserve.quant.deepseek_v4 import FP8V4Experts
+    from mlaserve.quant.linear import FP8Linear
+    from mlaserve.quant.writer import write_fp8_folder
+
+    block = (16, 16)
+    trunk, _, _ = save_v4_with_mtp("all_kinds", tmp_path / "float", seed=3)
+    write_fp8_folder(tmp_path / "float", tmp_path / "fp8", block=block, keep_dtype=torch.float32, scale_fmt="ue8m0")
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    assert stored["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn
+    deq = {}
+    for name, t in stored.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = stored.get(name.removesuffix("weight") + "weight_scale_inv")
+        deq[name] = t if scale is None else fp8_block.dequantize_reference(t, scale.float(), block)
+    (tmp_path / "deq").mkdir()
+    save_file(deq, tmp_path / "deq" / "model.safetensors")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config.pop("quantization_config")
+    (tmp_path / "deq" / "config.json").write_text(json.dumps(config))
+    quantized, _ = load_folder(tmp_path / "fp8", mtp=True)
+    mtp = quantized.mtp[0]
+    assert isinstance(mtp.e_proj, FP8Linear) and isinstance(mtp.h_proj, FP8Linear)
+    assert isinstance(mtp.self_attn.q_a_proj, FP8Linear) and isinstance(mtp.mlp.experts, FP8V4Experts)
+    assert mtp.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    floats, _ = load_folder(tmp_path / "deq", mtp=True)
+    ids = _ids(19, trunk.config.vocab_size, seed=5)
+    got, _ = ours_mtp(quantized, ids)
+    want, _ = ours_mtp(floats, ids)
+    assert (got - want).abs().max().item() <= BOUND
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
