@@ -9,9 +9,10 @@ next tokens, every third one wrong; the MTP still runs): full acceptance, partia
 happen, and with k = 3 (4-token verify chunks) CSA / HCA windows close inside the kept drafts and inside the
 rejected ones. Prompts of 1 .. 13 tokens (every length mod 3, 4, 6 and 8) in one batch of mixed lengths.
 
-Bound on logprobs: 1e-5. A verify step computes positions c .. c+k as one chunk where plain decoding runs them one
+Bound on logits and logprobs: 1e-5. A verify step computes positions c .. c+k as one chunk where plain decoding runs them one
 by one: the chunked-vs-token-by-token difference of tests/identities/test_deepseek_v4_engine.py (logits within
-2.3e-6 of each other there), doubled by the log-softmax's normaliser; measured 9.5e-7 .. 2.1e-6 on the three configs, k = 1, 2, 3. A state not rolled back
+2.3e-6 of each other there), doubled by the log-softmax's normaliser; measured 9.5e-7 .. 2.1e-6 (logprobs, k = 1, 2, 3) and 1.3e-6 .. 2.0e-6 (the kept
+positions' logits rows, k = 3) on the three configs. A state not rolled back
 (a ring row of a rejected position, a window pooled over rejected tokens) changes later tokens: the test fails
 with runner.rollback disabled (checked when the test was written).
 """
@@ -98,6 +99,40 @@ def test_greedy_and_logprobs_equal_plain(model, k, monkeypatch):
     proposed = sum(o.metrics["num_draft_tokens"] for o in outs)
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
     assert 0 < accepted < proposed  # accepted and rejected drafts both happened
+
+
+def _logits_by_position(llm: LLM) -> dict[tuple[str, int], torch.Tensor]:
+    """Spy on the runner: (request id, position) -> the logits row computed there. A rejected draft's position
+    is computed again by a later step, which overwrites it: what remains are the kept positions' rows."""
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    run = llm.runner.execute_with_hidden
+
+    def spy(chunks, *args, **kwargs):
+        batch, logits, hidden = run(chunks, *args, **kwargs)
+        starts = {s.request_id: s.context_len for s in batch.seqs}
+        for row, (rid, offset) in enumerate(batch.logits_owner):
+            seen[(rid, starts[rid] + offset)] = logits[row].clone()
+        return batch, logits, hidden
+
+    llm.runner.execute_with_hidden = spy
+    return seen
+
+
+def test_logits_of_kept_positions_equal_plain(model, monkeypatch):
+    """Every generated position's logits row (a verify step's kept rows) == plain decoding's row there."""
+    kind, folder, plain = model
+    base = LLM(str(folder), page_size=PAGE[kind], max_num_seqs=16)
+    want = _logits_by_position(base)
+    base.generate(PROMPTS, GREEDY)
+    llm = LLM(str(folder), page_size=PAGE[kind], max_num_seqs=16, speculative="mtp", num_speculative_tokens=3)
+    got = _logits_by_position(llm)
+    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))})
+    llm.generate(PROMPTS, GREEDY)
+    # the sampling positions: the last prompt token's and every generated token's but the last
+    keys = {(f"llm-{j}/0", len(p) - 1 + i) for j, p in enumerate(PROMPTS) for i in range(GREEDY.max_tokens)}
+    assert keys <= want.keys() and keys <= got.keys()
+    err = max((got[k] - want[k]).abs().max().item() for k in keys)
+    assert err <= BOUND, f"{kind}: kept positions' logits {err:.2e} from plain decoding"
 
 
 def test_paused_and_probing_requests_equal_plain(model):
