@@ -158,6 +158,9 @@ class DeepseekV4Config:
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 1048576
     num_nextn_predict_layers: int = 0
+    # the MTP layers' kinds when compress_ratios lists them after the main layers (the release's config.json:
+    # num_hidden_layers + num_nextn_predict_layers entries); () when the config gives the main layers' only
+    mtp_layer_kinds: tuple[str, ...] = ()
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)
 
     # The engine's questions of a model config (config/engine.py resolve, config/layer_kinds.py), answered for
@@ -232,7 +235,7 @@ class _V4Reader:
                 raise ConfigError(f"{self.source}: {key}=true is not supported for deepseek_v4 (no biases)")
         attention = self._attention()
         compression = self._compression()
-        kinds, kinds_source = self._layer_kinds(n)
+        kinds, kinds_source, mtp_kinds = self._layer_kinds(n)
         cfg = DeepseekV4Config(
             model_type=self.family.name,
             vocab_size=self.raw["vocab_size"],
@@ -252,6 +255,7 @@ class _V4Reader:
             eos_token_ids=_as_ints(self.raw.get("eos_token_id"), self.source),
             max_position_embeddings=int(g("max_position_embeddings")),
             num_nextn_predict_layers=int(g("num_nextn_predict_layers")),
+            mtp_layer_kinds=mtp_kinds,
             provenance=self.log.freeze(),
         )
         _check(cfg, self.source)
@@ -341,7 +345,7 @@ class _V4Reader:
             index_topk=int(self.get("index_topk")),
         )
 
-    def _layer_kinds(self, n: int) -> tuple[tuple[str, ...], str]:
+    def _layer_kinds(self, n: int) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
         src, raw = self.source, self.raw
         types, ratios = raw.get("layer_types"), raw.get("compress_ratios")
         from_ratios = None
@@ -359,8 +363,17 @@ class _V4Reader:
             )
         key = "layer_types" if types is not None else "compress_ratios"
         chosen = types if types is not None else from_ratios
+        mtp: list = []
+        nextn = raw.get("num_nextn_predict_layers") or 0
+        if from_ratios is not None and isinstance(nextn, int) and nextn > 0 and len(from_ratios) == n + nextn:
+            # the release lists the MTP layers' ratios after the main layers' (V4-Flash: 43 + 1 entries)
+            from_ratios, mtp = from_ratios[:n], from_ratios[n:]
+            chosen = types if types is not None else from_ratios
         if not isinstance(chosen, list) or len(chosen) != n:
-            raise ConfigError(f"{src}: {key} must be a list of {n} entries (num_hidden_layers), got {raw[key]!r}")
+            raise ConfigError(
+                f"{src}: {key} must be a list of {n} entries (num_hidden_layers; compress_ratios may add one per "
+                f"num_nextn_predict_layers), got {raw[key]!r}"
+            )
         bad = [t for t in chosen if t not in LAYER_TYPES]
         if bad:
             raise ConfigError(f"{src}: layer_types entries must be from {tuple(LAYER_TYPES)}, got {bad}")
@@ -368,7 +381,10 @@ class _V4Reader:
             raise ConfigError(f"{src}: layer_types and compress_ratios disagree; set one of them")
         kinds = tuple(LAYER_TYPES[t] for t in chosen)
         self.log.record("layer_kinds", kinds, f"{src}:{key}")
-        return kinds, key
+        mtp_kinds = tuple(LAYER_TYPES[t] for t in mtp)
+        if mtp_kinds:
+            self.log.record("mtp_layer_kinds", mtp_kinds, f"{src}:compress_ratios[{n}:]")
+        return kinds, key, mtp_kinds
 
     def _mlp_layer_types(self, n: int) -> tuple[str, ...]:
         src, raw = self.source, self.raw

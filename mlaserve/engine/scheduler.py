@@ -60,6 +60,7 @@ class ScheduledChunk:
             # ... or at a prefix hit, from the snapshot row of the hit's last page (hits are whole pages, and a
             # page is named in the prefix cache only once full, by the step that wrote its snapshot row)
             restore_page=r.pages[self.start // page_size - 1] if self._starts_at_hit else None,
+            num_draft=self.num_draft,
         )
 
     @property

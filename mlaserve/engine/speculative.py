@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -127,7 +128,18 @@ def first_draft_chunk(c: ScheduledChunk, sampled: bool, accepted: int, page_size
     m = c.num_tokens - c.num_draft + accepted if sampled else c.num_tokens
     ids = req.all_ids[c.start + 1 : c.start + m + 1]
     end = c.start + m
-    return SeqChunk(req.request_id, tuple(ids), c.start, tuple(req.pages[: -(-end // page_size)]), sampled)
+    slot = req.state_slot
+    return SeqChunk(
+        req.request_id,
+        tuple(ids),
+        c.start,
+        tuple(req.pages[: -(-end // page_size)]),
+        sampled,
+        # a model with request states (DeepSeek-V4): the MTP's own states in the request's slot, starting empty
+        # where the request's MTP rows start (position 0, or a prefix hit: no MTP state is cached with pages)
+        state_slot=slot,
+        reset_state=slot is not None and (c.start == 0 or c.start == req.num_cached_prompt),
+    )
 
 
 def draft_budget(req: Request, k: int, max_model_len: int) -> int:
@@ -177,7 +189,7 @@ def draft(
         first, pending = take_pending(req.spec, x.context_len)
         if pending is not None:  # catch up: the MTP rows of the positions it skipped, then this step's
             ids = req.all_ids[first + 1 : x.context_len + x.query_len + 1]
-            x = SeqChunk(rid, tuple(ids), first, x.block_table, x.needs_logits)
+            x = replace(x, token_ids=tuple(ids), context_len=first)
             extra.append(torch.cat([pending, rows]))
             starts[rid], offset = offset, offset + extra[-1].shape[0]
         chunks.append(x)
@@ -197,6 +209,8 @@ def draft(
         req.draft_ids = [tok]
         want[rid] = draft_budget(req, cfg.speculative.num_tokens, engine.max_model_len)
     last = {s.request_id: s.query_start + s.query_len - 1 for s in mbatch.seqs}
+    deeper_slots = [by_id[rid].state_slot for rid, n in want.items() if n > 1 and by_id[rid].state_slot is not None]
+    runner.drafter.hold(deeper_slots)  # states a deeper pass advances are put back below (end_draft)
     for depth in range(2, cfg.speculative.num_tokens + 1):
         deeper = _deeper_chunks(engine, want, depth, ps)
         if not deeper:
@@ -205,6 +219,7 @@ def draft(
         for (rid, _), tok in zip(mbatch.logits_owner, logits.argmax(-1).tolist()):
             by_id[rid].draft_ids.append(tok)
         last = {s.request_id: s.query_start for s in mbatch.seqs}
+    runner.drafter.end_draft()
     for rid, n in want.items():
         del by_id[rid].draft_ids[n:]
 
@@ -226,7 +241,7 @@ def _deeper_chunks(engine: SpeculativeHost, want: dict[str, int], depth: int, pa
             want[rid] = depth - 1  # no free page for the row: stop this request's drafts here
             continue
         pages = tuple(req.pages[: -(-(pos + 1) // page_size)])
-        out.append(SeqChunk(rid, (req.draft_ids[-1],), pos, pages))
+        out.append(SeqChunk(rid, (req.draft_ids[-1],), pos, pages, state_slot=req.state_slot))
     return out
 
 
@@ -339,6 +354,10 @@ def speculative_step(engine: SpeculativeHost, plan: SchedulePlan, step_no: int) 
     accepted = verify(engine, sampling, batch, logits) if sampling else {}
     if runner.tracer.enabled and any(c.num_draft for c in plan.chunks):
         runner.tracer.record(accept_record(runner.step_count - 1, plan, accepted))
+    # request states (DeepSeek-V4): the rejected drafts' advances put back before anything reads them again
+    runner.rollback(
+        {c.request.request_id: 1 + accepted.get(c.request.request_id, 0) for c in plan.chunks if c.num_draft}
+    )
     for c in sampling:
         engine.scheduler.commit_drafts(c.request, accepted[c.request.request_id])
     draft(engine, plan, batch, hidden, accepted)

@@ -25,6 +25,16 @@ from mlaserve.models.mtp import cache_config
 from mlaserve.observability.trace import step_record
 
 
+def make_drafter(model, cfg: EngineConfig, tracer):
+    """The MTP drafter of the runner's model: DeepSeek-V4's (its mHC streams and a sliding ring per request,
+    executor/drafter_v4.py) or the MLA families' (this module)."""
+    if getattr(model, "mtp_drafts_streams", False):
+        from mlaserve.executor.drafter_v4 import V4Drafter  # only a V4 model reaches it
+
+        return V4Drafter(model, cfg, tracer)
+    return Drafter(model, cfg, tracer)
+
+
 class Drafter:
     def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer) -> None:
         # Deeper drafts reuse the first MTP layer (DeepSeek-V3 and GLM-5 ship one), as vLLM does.
@@ -76,3 +86,10 @@ class Drafter:
             g = self.layer(batch.input_ids, h, step, self.model.rope, self.cache.layers[0])
             logits = self.layer.logits(g[batch.logits_indices])
         return batch, logits, g
+
+    def hold(self, slots: list[int]) -> None:
+        """Before the deeper drafts (DeepSeek-V4's drafter keeps its rings here); the MLA layer keeps nothing."""
+
+    def end_draft(self) -> None:
+        """After a step's deeper drafts: nothing to put back (their latent rows are never read before the
+        next MTP pass rewrites those positions)."""

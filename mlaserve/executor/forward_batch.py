@@ -42,6 +42,9 @@ class SeqChunk:
     # last page) before the step, instead of zeroing it
     restore_page: int | None = None
     snapshot_at: tuple[tuple[int, int], ...] = ()  # (k, page): save the state after k tokens (set by build)
+    # speculative verification: the chunk's last num_draft tokens are drafts, which the verdict may reject (a
+    # model with request states keeps what it needs to roll them back; models/deepseek_v4/rollback.py)
+    num_draft: int = 0
 
     @property
     def query_len(self) -> int:

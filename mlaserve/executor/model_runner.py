@@ -5,8 +5,11 @@ max_num_seqs state slots, prefix caching runs off unless every such state has pa
 empty at page boundaries (the reason recorded in the config's provenance), and before each step the runner
 zeroes the slots the batch names in reset_slots (chunks that start their sequence) and restores those in
 restores from their pages' snapshot rows (chunks that start at a prefix hit), so a layer always finds its
-request's state as of the chunk's context_len. Speculative decoding is refused with them: a rejected draft would
-have advanced a state that cannot be rolled back.
+request's state as of the chunk's context_len. Speculative decoding is refused with them (a rejected draft would
+have advanced a state that cannot be rolled back) unless the model rolls its states back (`rolls_back`:
+DeepSeek-V4, models/deepseek_v4/rollback.py): then a verify step keeps a tape (`self.tape`: the verifying slots'
+states before the step, the layers' projections of their rows) and `rollback` puts the rejected drafts' state
+changes back after the verdict, in the same engine step.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from mlaserve.config.kv_cache import quantize_states
 from mlaserve.config.layer_kinds import LayerKind, declare_layers, prefix_caching_blocker, request_states
 from mlaserve.config.model import ConfigError
 from mlaserve.config.provenance import Setting
-from mlaserve.executor.drafter import Drafter
+from mlaserve.executor.drafter import make_drafter
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek import MLAForCausalLM
+from mlaserve.models.deepseek_v4.rollback import RollbackTape
 from mlaserve.observability.trace import NullTracer, step_record
 
 
@@ -53,7 +57,7 @@ class ModelRunner:
             layer_kinds = declare_layers(cfg.model, cfg.attention.sparse)
         # 8-bit latent rows and index keys (kv_cache_dtype): the states' formats, decided here once
         self.layer_kinds = quantize_states(layer_kinds, cfg.cache.kv_cache_dtype, cfg.model)
-        self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds)
+        self.cfg = cfg = with_request_state_rules(cfg, self.layer_kinds, getattr(model, "rolls_back", False))
         slots = cfg.scheduler.max_num_seqs if request_states(self.layer_kinds) else 0
         self.cache = ModelCache(
             self.layer_kinds,
@@ -90,7 +94,9 @@ class ModelRunner:
             )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
-        self.drafter = Drafter(model, cfg, self.tracer) if cfg.speculative.method == "mtp" else None
+        self.drafter = make_drafter(model, cfg, self.tracer) if cfg.speculative.method == "mtp" else None
+        # the last verify step's rollback tape (models that roll back request states), consumed by rollback()
+        self.tape = None
 
     @property
     def tracer(self):
@@ -156,9 +162,24 @@ class ModelRunner:
                 self.cache.restore_states(
                     torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(pages, dtype=torch.long, device=dev)
                 )
-            hidden = self.model(batch.input_ids, step, self.cache, native)
+            self.tape = None
+            if self.cache.num_slots and any(step.drafts):  # a verify step over request states: keep its tape
+                ids = tuple(s.request_id for s in batch.seqs)
+                self.tape = RollbackTape.build(step, self.cache, step.drafts, ids)
+                hidden = self.model(batch.input_ids, step, self.cache, native, tape=self.tape)
+            else:
+                hidden = self.model(batch.input_ids, step, self.cache, native)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits, hidden
+
+    def rollback(self, kept: dict[str, int]) -> None:
+        """After the last verify step's verdict: kept[request_id] tokens of its chunk stay (1 + accepted drafts);
+        the model puts the request states of the rest back (a model without request states needs nothing: its
+        rejected rows are never read and the next step rewrites them)."""
+        tape, self.tape = self.tape, None
+        if tape is None:
+            return
+        self.model.rollback(tape, [kept[rid] for rid in tape.request_ids], self.cache, self.cfg.cache.page_size)
 
     def _check_state_slots(self, batch: ForwardBatch) -> None:
         """A model with request states needs every sequence's slot (in range); one without takes none."""
@@ -200,13 +221,16 @@ class ModelRunner:
         return torch.cat(out)
 
 
-def with_request_state_rules(cfg: EngineConfig, layers: tuple[LayerKind, ...]) -> EngineConfig:
+def with_request_state_rules(
+    cfg: EngineConfig, layers: tuple[LayerKind, ...], rolls_back: bool = False
+) -> EngineConfig:
     """The engine rules a stack's request states impose, applied to the resolved config: prefix caching off
     (recorded with its reason) when a request state lacks page-boundary snapshots; speculative decoding
-    refused. A stack without request states gets cfg back unchanged (the same object)."""
+    refused unless the model rolls its states back after rejected drafts (rolls_back). A stack without
+    request states gets cfg back unchanged (the same object)."""
     if not request_states(layers):
         return cfg
-    if cfg.speculative.method is not None:
+    if cfg.speculative.method is not None and not rolls_back:
         index, s = request_states(layers)[0]
         raise ConfigError(
             f"speculative={cfg.speculative.method!r}: layer {index}'s request state {s.name!r} would advance through "

@@ -54,6 +54,8 @@ class StepContext:
     block_tables: tuple[tuple[int, ...], ...] = ()
     snapshots: tuple[tuple[tuple[int, int], ...], ...] = ()
     page_size: int = 0
+    # per sequence, in batch order: its chunk's draft tokens (speculative verification; 0 otherwise)
+    drafts: tuple[int, ...] = ()
 
     def of(self, kind: str) -> KindStep:
         """The part of the step a layer of this attention kind executes."""
@@ -81,4 +83,5 @@ class StepContext:
             tuple(s.block_table for s in batch.seqs),
             tuple(s.snapshot_at for s in batch.seqs),
             batch.page_size,
+            tuple(s.num_draft for s in batch.seqs),
         )

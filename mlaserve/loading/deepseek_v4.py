@@ -16,7 +16,10 @@ Experts E: w1 (gate) and w3 (up) stack into mlp.experts.gate_up_proj[E] = [w1; w
 DeepSeek FP8 (quantization_config quant_method fp8, 128x128 e4m3 blocks, ue8m0 or fp32 scales): every module
 with a `<module>.weight_scale_inv` is swapped for its quantized holder (quant/deepseek_v4.py, FP8Linear) before
 the fill, and its stored bytes are copied as they are.
-mtp.* (num_nextn_predict_layers) is skipped and reported: the MTP layer is not built yet.
+mtp.j.* (num_nextn_predict_layers): with `mtp` (speculative="mtp") they fill the MTP layers
+(models/deepseek_v4/mtp.py: released names mtp.j.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*} and the block's
+layer names, or the module names mtp.j.self_attn.* ...), strictly like the trunk; without it they are skipped
+and reported.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from mlaserve.loading.deepseek_v4_names import SCALE, Target, target
 from mlaserve.loading.files import path_problem, read_json
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from mlaserve.models.deepseek_v4.mtp import V4MTPLayer
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.deepseek_v4 import swap_in_fp8
 from mlaserve.quant.plan import QuantPlan
@@ -133,9 +137,12 @@ def check_scheme(scheme, folder: Path) -> None:
         )
 
 
-def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DeepseekV4ForCausalLM, V4LoadReport]:
+def load_folder(
+    folder: str | Path, dtype: torch.dtype = torch.float32, mtp: bool = False
+) -> tuple[DeepseekV4ForCausalLM, V4LoadReport]:
     """A Hugging Face folder (config.json + safetensors; float, or DeepSeek FP8 blocks kept in their stored
-    form by the quantized holders) -> the model in `dtype`, eval mode."""
+    form by the quantized holders) -> the model in `dtype`, eval mode. mtp: build and fill the MTP layer
+    (`model.mtp[0]`; an error naming the folder when it has none)."""
     folder = Path(folder)
     if path_problem(folder / "config.json") == "does not exist":
         raise ConfigError(f"{folder}: no config.json")
@@ -145,6 +152,8 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple
     source = SafetensorsSource(folder)
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(cfg)
+        if mtp:
+            attach_mtp(model, source.names(), folder)
     holders: set[str] = set()
     plan = None
     if scheme is not None:
@@ -164,6 +173,23 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple
     report = load_into(model, source)
     report.quant = plan
     return model.eval(), report
+
+
+def attach_mtp(model: DeepseekV4ForCausalLM, names: list[str], where) -> None:
+    """Build the checkpoint's first MTP layer as `model.mtp[0]` (drafts reuse it for every depth, as vLLM
+    does); the strict fill then needs every one of its tensors. No mtp.0.* tensor: an error naming `where`."""
+    if not any(n.removeprefix("model.").startswith("mtp.0.") for n in names):
+        raise ConfigError(
+            f"{where}: speculative='mtp' needs the checkpoint's MTP layer (mtp.0.e_proj, mtp.0.h_proj, ... of "
+            f"num_nextn_predict_layers={model.config.num_nextn_predict_layers}); this checkpoint has none"
+        )
+    kinds = model.config.mtp_layer_kinds
+    if kinds and kinds[0] != "sliding":
+        raise ConfigError(
+            f"{where}: config.json's compress_ratios gives the MTP layer the kind {kinds[0]!r}; the release's MTP "
+            "block is a sliding-window layer (no compressor tensors), and a compressed MTP block is not built"
+        )
+    model.mtp = torch.nn.ModuleList([V4MTPLayer(model.config)])
 
 
 _FP32 = ("norm", "sinks", "position_bias", "_hc.", "hc_head", "e_score_correction_bias", "layernorm")

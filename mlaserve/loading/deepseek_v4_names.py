@@ -50,6 +50,10 @@ _LAYER |= {f"hc_{s}_{p}": f"{s}_hc.{p}" for s in ("attn", "ffn") for p in ("fn",
 _LAYER |= {f"attn.compressor.{k}": f"self_attn.compressor.{v}" for k, v in _COMPRESSOR.items()}
 _LAYER |= {f"attn.indexer.compressor.{k}": f"self_attn.compressor.indexer.{v}" for k, v in _COMPRESSOR.items()}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+# the MTP layer's own tensors (models/deepseek_v4/mtp.py); its block uses _LAYER's names
+_MTP = {f"{k}.weight": f"{k}.weight" for k in ("e_proj", "h_proj", "enorm", "hnorm", "norm")}
+_MTP |= {f"hc_head_{p}": f"hc_head.hc_{p}" for p in ("fn", "base", "scale")}
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
@@ -68,7 +72,8 @@ _EXPERT_SCALE = {"gate_up_proj": "gate_up_scale", "down_proj": "down_scale"}  # 
 
 
 def target(name: str, module_names: set[str]) -> Target | None:
-    """The module tensor a checkpoint name fills; None for the MTP layers (skipped)."""
+    """The module tensor a checkpoint name fills; None for an MTP layer the model did not build (skipped:
+    speculative decoding off)."""
     if name in module_names:
         return Target(name)
     if name.endswith(SCALE):  # the scale of a weight goes beside that weight's target
@@ -79,16 +84,43 @@ def target(name: str, module_names: set[str]) -> Target | None:
         return Target(f"{layer}.{_EXPERT_SCALE[which]}", t.expert, t.part)
     bare = name[len("model.") :] if name.startswith("model.") else name
     if bare.startswith("mtp."):
-        return None
+        return _mtp_target(bare, module_names)
     if bare in _TOP:
         return Target(_TOP[bare])
     m = _LAYER_RE.match(bare)
     if m:
         layer, rest = m.groups()
-        if rest in _LAYER:
-            return Target(f"model.layers.{layer}.{_LAYER[rest]}")
-        e = _EXPERT_RE.match(rest)
-        if e:
-            which = "down_proj" if e.group(2) == "w2" else "gate_up_proj"
-            return Target(f"model.layers.{layer}.mlp.experts.{which}", int(e.group(1)), e.group(2))
+        found = _layer_target(f"model.layers.{layer}.", rest)
+        if found is not None:
+            return found
     raise WeightError(f"unknown DeepSeek-V4 tensor {name!r}")
+
+
+def _layer_target(prefix: str, rest: str, extra: dict[str, str] | None = None) -> Target | None:
+    """A decoder layer's released tensor name (after `layers.N.` or `mtp.j.`) -> its module tensor."""
+    if extra and rest in extra:
+        return Target(prefix + extra[rest])
+    if rest in _LAYER:
+        return Target(prefix + _LAYER[rest])
+    e = _EXPERT_RE.match(rest)
+    if e:
+        which = "down_proj" if e.group(2) == "w2" else "gate_up_proj"
+        return Target(f"{prefix}mlp.experts.{which}", int(e.group(1)), e.group(2))
+    return None
+
+
+def _mtp_target(bare: str, module_names: set[str]) -> Target | None:
+    """mtp.j.* (released names or the module names): the MTP layer j's tensor when the model built it
+    (speculative="mtp"), else None (skipped)."""
+    m = _MTP_RE.match(bare)
+    if m is None:
+        raise WeightError(f"unknown DeepSeek-V4 tensor {bare!r} (MTP tensors are named mtp.<j>.*)")
+    prefix = f"mtp.{m.group(1)}."
+    if prefix + "e_proj.weight" not in module_names:
+        return None  # the MTP layer is not built: its tensors are skipped and reported
+    if bare in module_names:
+        return Target(bare)
+    found = _layer_target(prefix, m.group(2), _MTP)
+    if found is None:
+        raise WeightError(f"unknown DeepSeek-V4 MTP tensor {bare!r}")
+    return found

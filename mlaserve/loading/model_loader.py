@@ -309,9 +309,11 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
         # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
         # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
         "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
+        # a V4 folder's MTP layer drafts (models/deepseek_v4/mtp.py; rejected drafts rolled back by rollback.py);
+        # llama.cpp's deepseek4 converter writes no MTP tensors, so a GGUF has none to draft with
         "speculative": (
-            opts.speculative is not None,
-            "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
+            opts.speculative is not None and path.is_file(),
+            "llama.cpp's deepseek4 GGUF layout carries no MTP layer; use the folder",
         ),
         # refused here, before any weight is read (config/kv_cache.py quantize_states refuses it again later)
         "kv_cache_dtype": (
@@ -338,7 +340,7 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         if v4.gguf is not None:
             v4_kernels = set_v4_kernels(model, cfg.kernels.impl, cfg.kernels.activations == "int8")
     else:
-        model, v4 = load_folder(ck.path, cfg.runtime.dtype)
+        model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp")
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
     if v4.gguf is not None:
         report.notes += [v4.gguf.summary(), v4_kernels]

@@ -217,7 +217,6 @@ def test_a_reused_slot_starts_zeroed(all_kinds):
 @pytest.mark.parametrize(
     "option, why",
     [
-        (dict(speculative="mtp", num_speculative_tokens=1), "MTP layer is not built yet"),
         (dict(tensor_parallel_size=2), "not split across ranks"),
         (dict(quantization="int8"), "quantizing its float weights at load is not built"),
         (dict(kv_cache_dtype="int8"), "kept in the compute dtype"),

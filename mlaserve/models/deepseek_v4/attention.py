@@ -118,6 +118,8 @@ class V4Attention(nn.Module):
             ikv, igate = ix.kv_proj(x), ix.gate_proj(x)
             iq, iw = ix.queries(x, q_latent, positions, tables)
         projected = (kv, ckv, cgate, ikv, igate)
+        if step is not None and step.tape is not None:  # a verify step: what a rollback replays
+            step.tape.keep(step.layer, projected)
         if step is not None:  # batched: every sequence's windows close at once; its pools see the new rows
             self._close_step(step, spans, projected, tables)
 

@@ -107,8 +107,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         spans: list[tuple[int, int, int, list[LayerState]]],
         csa_dense: bool = False,
         steps: list[LayerStep] | None = None,
+        streams: bool = False,
     ) -> torch.Tensor:
-        """The tokens of several sequences in one step -> final hidden [T, D] (before lm_head). ids, positions
+        """The tokens of several sequences in one step -> final hidden [T, D] (before lm_head); with `streams`
+        the mHC streams after the last layer [T, N, D] instead (before hc_head: what the MTP layer reads). ids, positions
         [T]; per sequence (first row, tokens, position of its first token, its per-layer states). Embedding,
         mHC, norms, projections and the MoE run over all T tokens at once; attention loops over the spans
         (models/deepseek_v4/attention.py). csa_dense: the CSA layers attend every visible compressed row (the
@@ -126,7 +128,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                 csa_dense,
                 steps[i] if steps is not None else None,
             )
-        return m.norm(m.hc_head(h))
+        return h if streams else self.head_hidden(h)
+
+    def head_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The streams after the last layer [T, N, D] -> the final hidden [T, D] (hc_head, norm)."""
+        return self.model.norm(self.model.hc_head(h))
 
     @torch.no_grad()
     def generate_greedy(self, prompt: list[int], new_tokens: int) -> list[int]:

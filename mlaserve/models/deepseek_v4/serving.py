@@ -23,6 +23,9 @@ over the step's sequences (batched_state, the default: step_update.py, the index
 step, per ratio, with the page-boundary snapshots written from the same data) or per sequence (the plain
 reference, snapshots saved between pieces); projections, MoE and mHC run over all T tokens at once. Both
 switches are constructor data, recorded in the route's implementation (`torch:<softmax>+<state update>`).
+forward returns the mHC streams after the last layer [T, N*D] (the MTP layer's input); `logits` collapses the
+logits rows only (hc_head, norm, head). Speculative decoding (mtp.py, rollback.py): a verify step's tape keeps what
+`rollback` needs to put the rejected drafts' state changes back; `draft` runs the MTP layer over its own cache.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mlaserve.cache.model_cache import LayerState as CacheLayer
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from mlaserve.models.deepseek_v4.rollback import RollbackTape, rollback
 from mlaserve.models.deepseek_v4.rope import V4RopeTables
 from mlaserve.models.deepseek_v4.state import (
     CompressorCarry,
@@ -86,6 +90,8 @@ def step_states(
     slots: dict[int, PoolSlots],
     pools: list[StepRows],
     plans: tuple[RingPlan, dict[int, WindowPlan]] | None = None,
+    tape: RollbackTape | None = None,
+    index: int = 0,
 ) -> tuple[list[LayerState], LayerStep | None]:
     """One layer's state of every sequence of the step: views of its slots, its paged pools (one StepRows per
     pool tensor for the step, appended to `pools` for the flush), and where it saves its page snapshots; with
@@ -118,7 +124,7 @@ def step_states(
     if plans is None:
         return out, None
     ring_steps, windows = plans
-    batched = LayerStep(ring_steps, windows.get(m), t, kv_rows, index_rows)
+    batched = LayerStep(ring_steps, windows.get(m), t, kv_rows, index_rows, tape, index)
     return out, batched
 
 
@@ -152,6 +158,8 @@ class V4Serving(nn.Module):
         for layer in model.model.layers:  # decided once, before any step (attention.py)
             layer.self_attn.batched = batched_attention
         self.config = model.config
+        # the loader built the MTP layer (speculative="mtp"): it drafts from the trunk's mHC streams
+        self.mtp_drafts_streams = hasattr(model, "mtp")
         self.rope = _MainRope(model.tables)
         # what the route records as the softmax that runs (attention/router.py route_v4): the same switch
         # and the state update that runs (the switch forward reads)
@@ -160,9 +168,26 @@ class V4Serving(nn.Module):
     def fused_decode(self, step: StepContext, cache: ModelCache) -> None:
         return None  # no native decode layer for V4 yet: the ledger says per_op
 
-    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None) -> torch.Tensor:
+    @property
+    def rolls_back(self) -> bool:
+        """Whether a verify step's request states can be rolled back (rollback.py replays the batched update)."""
+        return self.batched_state
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        step: StepContext,
+        cache: ModelCache,
+        native=None,
+        tape: RollbackTape | None = None,
+    ) -> torch.Tensor:
+        """-> the mHC streams after the last layer, flattened [T, N*D] (the MTP layer's input; `logits` applies
+        hc_head, the norm and the head). tape: a verify step's RollbackTape (RollbackTape.build), which
+        the layers fill with their projections of the verifying rows."""
         if any(slot is None for *_, slot in step.seq_spans):
             raise ValueError("a DeepSeek-V4 step needs every sequence's state slot")
+        if tape is not None and not self.batched_state:
+            raise ValueError("a verify step's rollback replays the batched state update (batched_state=True)")
         ratios = {layer.kind.ratio for layer in cache.layers if layer.kind.attention != "v4_sliding"}
         device = input_ids.device
         slots = {m: pool_slots(step.block_tables, step.seq_spans, m, step.page_size, device) for m in ratios}
@@ -173,7 +198,7 @@ class V4Serving(nn.Module):
             ring = ring_plan(step.seq_spans, step.snapshots, window, device)
             windows = {m: window_plan(step.seq_spans, step.snapshots, m, torch.cat(slots[m][2])) for m in ratios}
             plans = (ring, windows)
-        built = [step_states(step, layer, slots, pools, plans) for layer in cache.layers]
+        built = [step_states(step, layer, slots, pools, plans, tape, i) for i, layer in enumerate(cache.layers)]
         per_layer = [states for states, _ in built]
         steps = [batched for _, batched in built] if plans is not None else None
         spans = [
@@ -181,12 +206,37 @@ class V4Serving(nn.Module):
         ]
         # the route decided whether the CSA layers run their top-k (plain data of the step, never inferred)
         csa = next((p for p in step.route.plans if p.kind == "v4_csa"), None)
-        hidden = self.inner.forward_spans(
-            input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse, steps=steps
+        h = self.inner.forward_spans(
+            input_ids, step.positions, spans, csa_dense=csa is not None and not csa.sparse, steps=steps, streams=True
         )
         for rows in pools:  # the rows the step closed, one write per pool tensor
             rows.flush()
-        return hidden
+        return h.flatten(1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner.lm_head(hidden).float()
+        """hidden [n, N*D] (forward's streams) -> [n, V] float32."""
+        h = hidden.view(hidden.shape[0], self.config.hc.hc_mult, self.config.hidden_size)
+        return self.inner.lm_head(self.inner.head_hidden(h)).float()
+
+    def rollback(self, tape: RollbackTape, kept: list[int], cache: ModelCache, page_size: int) -> None:
+        """After a verify step's verdict: kept[j] tokens of the tape's sequence j stay (rollback.py)."""
+        attns = [layer.self_attn for layer in self.inner.model.layers]
+        with torch.inference_mode():
+            rollback(tape, kept, cache, attns, self.inner.tables, page_size, pool_slots)
+
+    def draft(self, layer, input_ids: torch.Tensor, streams: torch.Tensor, step: StepContext, cache: ModelCache):
+        """The MTP layer (mtp.V4MTPLayer) over a draft step: input_ids [T] the next tokens t_{i+1}, streams
+        [T, N, D] the trunk's (or its own) streams at i; cache: its own one-layer cache (a ring per slot)
+        -> its output streams [T, N, D]."""
+        if any(slot is None for *_, slot in step.seq_spans):
+            raise ValueError("a DeepSeek-V4 MTP step needs every sequence's state slot")
+        window = self.config.attention.sliding_window
+        plans = (ring_plan(step.seq_spans, step.snapshots, window, input_ids.device), {})
+        states, batched = step_states(step, cache.layers[0], {}, [], plans)
+        spans = [(a, n, start, states[b]) for b, (a, n, start, _) in enumerate(step.seq_spans)]
+        embedded = self.inner.model.embed_tokens(input_ids)
+        return layer.draft(embedded, streams, input_ids, step.positions, spans, self.inner.tables, batched)
+
+    def draft_logits(self, layer, streams: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's output streams [n, N, D] -> [n, V] float32 (its hc_head and norm, the trunk's head)."""
+        return self.inner.lm_head(layer.collapse(streams)).float()

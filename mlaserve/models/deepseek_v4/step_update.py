@@ -158,10 +158,14 @@ def window_plan(
 class LayerStep:
     """One layer's batched update for the step: the step's ring plan, its ratio's window plan (None for a
     sliding layer), the layer's cache tensors by state name (window, kv_carry, kv_overlap, index_*, and their
-    `_snapshot` rows when the cache keeps them) and its paged pools' StepRows (the closed rows' one write)."""
+    `_snapshot` rows when the cache keeps them) and its paged pools' StepRows (the closed rows' one write);
+    `tape`: a verify step's rollback.RollbackTape, on which the layer (index `layer`) keeps its projections of
+    the verifying rows (None: no sequence of the step verifies drafts)."""
 
     ring: RingPlan
     plan: WindowPlan | None
     tensors: dict[str, torch.Tensor]
     kv_rows: StepRows | None
     index_rows: StepRows | None
+    tape: object | None = None
+    layer: int = 0
