@@ -57,8 +57,8 @@ def linear_torch(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8:
 
 
 def linear_native(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False) -> torch.Tensor:
-    """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: Q8_0 / Q4_0 weights take int8
-    activations, engine option activations="int8": not exact); more rows: the weight decoded natively (the
+    """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: the weight types native.takes_int8
+    names take int8 activations, engine option activations: not exact); more rows: the weight decoded natively (the
     reference's values bit for bit), then the BLAS GEMM."""
     x = x.float().contiguous()
     if x.shape[0] <= GEMV_ROWS:
@@ -162,8 +162,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """[T, D] fp32 = sum_j topk_w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_idx[t, j], in one
     native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference). int8: int8
-    activations when both types take them."""
-    int8 = int8 and {type_gate_up, type_down} <= native.Q8_ACTIVATION_TYPES
+    activations when both types take them under that setting (native.takes_int8)."""
+    int8 = native.takes_int8(type_gate_up, int8) and native.takes_int8(type_down, int8)
     return native.moe_experts(
         type_gate_up,
         type_down,

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from mlaserve.config.layer_kinds import layer_ranges
-from mlaserve.kernels import native_layers, registry
+from mlaserve.kernels import native, native_layers, registry
 from mlaserve.models.deepseek import DecoderLayer, MLAAttention, MLAForCausalLM, single_process
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, SwiGLU
@@ -204,7 +204,7 @@ class GGUFDecodeLayer:
             keep.append(mlp.native_block)
         else:
             a.mlp_inter = mlp.gate_proj.out_features
-        a.int8 = int(heads.int8)
+        a.int8 = native.int8_cap(heads.int8)
         self.role = _indexer_role(layer)
         a.idx_role = native_layers.INDEXER_ROLES[self.role]
         if self.role == "full":
@@ -242,7 +242,7 @@ class GGUFDecodeLayer:
         mlp = layer.mlp
         if not isinstance(mlp, (MoE, SwiGLU)):
             return f"an MLP of type {type(mlp).__name__} (the one call runs a MoE block or a SwiGLU)"
-        if isinstance(mlp, MoE) and (mlp.native_block is None or bool(mlp.native_block.args.int8) != int8):
+        if isinstance(mlp, MoE) and (mlp.native_block is None or mlp.native_block.args.int8 != native.int8_cap(int8)):
             return "MoE layer without its native block (or with other activations)"
         for part, m in _parts(layer):
             if (why := _part_unfit(part, m, int8)) is not None:
