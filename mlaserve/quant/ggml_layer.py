@@ -14,7 +14,7 @@ step selects, the scores and the top-k, W_UK per head, the latent MQA over the p
 rows, W_UV per head, o_proj, residual, post norm, the MoE block or a dense SwiGLU, residual) with the same
 per-row operations, in C, instead of ~20 native calls and ~60 tensor ops (and ~35 more for the indexer); that
 path is the reference (tests/kernels/test_decode_layer.py, tests/kernels/test_decode_layer_sparse.py). With
-activations="int8" the Q8_0 / Q4_0 products take int8 activations where the per-op path's do.
+activations (int8 for weights of <= 6 bits by default) the products take int8 activations where the per-op path's do.
 Where it applies is decided before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a
 native ggml holder or F32 rows, one activation choice for the layer; under tensor parallelism the call hands
 o_proj's and the MLP's partial sums to the layer's all_reduce through mls_layer_t.reduce), and per step from the plan
