@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_block import BLOCK_TOKENS, D, INTER, ROUTERS, U, _random_blocks, routing, set_kernel
+from test_moe_block import BLOCK_TOKENS, INTER, ROUTERS, D, U, _random_blocks, routing, set_kernel
 
 from mlaserve.config.model import MoEConfig
 from mlaserve.gguf.quants import GGML_TYPE_IDS
