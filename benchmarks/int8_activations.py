@@ -49,7 +49,9 @@ def blocks(name: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (N * K // t.block_size, t.type_size), dtype=torch.uint8, generator=g)
     for off in SCALES[name]:
-        raw[:, off : off + 2] = (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(-1, 2)
+        raw[:, off : off + 2] = (
+            (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(-1, 2)
+        )
     return raw.reshape(N, -1).contiguous()
 
 
