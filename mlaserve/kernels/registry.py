@@ -142,15 +142,25 @@ def plan_kernels(model: nn.Module, ctx: KernelContext) -> KernelPlan:
         for name, module in model.named_modules():
             if getattr(module, "KERNEL_OP", None) != op:
                 continue
-            impl, passed = _choose(op, module, ctx)
+            impl, passed = _first(op, module, ctx)
             impl.apply(module, ctx)  # before the note: it may say what apply set (a holder's activations)
-            said = impl.note(module) if impl.note is not None else None
-            reason = "; ".join([*passed, *([said] if said else [])]) or f"first choice, kernels={ctx.kernels}"
+            reason = _reason(impl, module, passed, ctx)
             choices.append(KernelChoice(name, _layer_of(name), op, impl.name, reason))
     return KernelPlan(tuple(choices))
 
 
-def _choose(op: str, module: nn.Module, ctx: KernelContext) -> tuple[Impl, list[str]]:
+def _choose(op: str, module: nn.Module, ctx: KernelContext) -> tuple[Impl, str]:
+    """The implementation the plan would take for this module, and why (without applying it)."""
+    impl, passed = _first(op, module, ctx)
+    return impl, _reason(impl, module, passed, ctx)
+
+
+def _reason(impl: Impl, module: nn.Module, passed: list[str], ctx: KernelContext) -> str:
+    said = impl.note(module) if impl.note is not None else None
+    return "; ".join([*passed, *([said] if said else [])]) or f"first choice, kernels={ctx.kernels}"
+
+
+def _first(op: str, module: nn.Module, ctx: KernelContext) -> tuple[Impl, list[str]]:
     """The first implementation whose check passes, and why each preferred one did not."""
     impls = _IMPLS[op]
     if not impls:
