@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mlaserve.config.cpu import cpu_flags
-from mlaserve.gguf.quants import GGML_TYPE_IDS
+from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
 from mlaserve.kernels import ggml, native
 
 STATUS = native.status()
@@ -261,3 +261,23 @@ def test_int8_setting_caps_the_weight_bits():
     assert torch.equal(native.gemm(t, x, raw, 256, int8=6), int8_product_reference(raw, "Q4_K", x))
     assert torch.equal(native.gemm(t, x, raw, 256, int8=3), native.gemm(t, x, raw, 256))
     assert not torch.equal(native.gemm(t, x, raw, 256, int8=6), native.gemm(t, x, raw, 256))
+
+
+@needs_native
+@pytest.mark.parametrize("type_id", sorted(native.Q8_ACTIVATION_TYPES))
+def test_a_rows_int8_result_does_not_depend_on_its_batch(type_id):
+    """Every int8 kernel (Q8_0 / Q4_0 too): row i of a 1-16 row call is bit for bit its result alone (one request's
+    result independent of the batch it rides in)."""
+    name = GGML_TYPES[type_id].name
+    k = 512
+    if name in KQUANTS:
+        raw = _blocks(name, 11, k, seed=14)
+    else:
+        g = torch.Generator().manual_seed(14)
+        raw = torch.randint(0, 256, (11, k // 32, GGML_TYPES[type_id].type_size), dtype=torch.uint8, generator=g)
+        raw[..., :2] = (torch.rand(11, k // 32, generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(11, -1, 2)
+        raw = raw.flatten(-2).contiguous()
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(15))
+    alone = torch.cat([native.gemm(type_id, x[i : i + 1].contiguous(), raw, k, int8=True) for i in range(16)])
+    for rows in (2, 5, 16):
+        assert torch.equal(native.gemm(type_id, x[:rows].contiguous(), raw, k, int8=True), alone[:rows]), rows
