@@ -14,7 +14,10 @@ each weight row is decoded once (bit-identical values) and dotted with every x r
 blocks straight from memory (Q8_0, Q4_0, Q5_0, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS, Q4_K, Q6_K: fused, the (sub-)block scale applied to each partial
 sum, a rounding within the same bound); more rows than that are compute-bound, so the weight is decoded once
 by the native decoder and the BLAS GEMM does the rest. Both agree with the reference up to fp32
-summation order (tests/kernels/test_kernels.py holds them to that bound).
+summation order (tests/kernels/test_kernels.py holds them to that bound). With int8 (engine option
+activations; native.takes_int8 says which weight types under which setting) the small-batch products quantize
+their activations as llama.cpp does and take integer dot products: not exact, within the activations'
+quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to llama.cpp's definitions exactly).
 """
 
 from __future__ import annotations
