@@ -1,7 +1,7 @@
 /* ---------------------------------------------------------------- int8 activations
    llama.cpp's integer dot products. Each activation row is quantized once per product to int8 codes with fp32
    scales, in the form the weight type's kernel takes (types.c `act`):
-   - Q8_0-style (Q8_0, Q5_0, Q4_0 weights): each 32-value block with d_x = max|x| / 127, q_x = x / d_x rounded to
+   - Q8_0-style (Q8_0, Q4_0 weights): each 32-value block with d_x = max|x| / 127, q_x = x / d_x rounded to
      nearest; a block's product is d_w * d_x * (the exact int32 sum of q_w q_x).
    - Q8_K-style (Q4_K, Q5_K, Q6_K weights), llama.cpp's quantize_row_q8_K: each 256-value super-block with
      iscale = -127 / max (max: the value of largest magnitude, the first of ties), q_x = nearest(iscale * x)

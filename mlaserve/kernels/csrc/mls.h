@@ -74,7 +74,7 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
     const uint8_t *sg, *su, *sd;
     int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
     int64_t int8; /* int8 activations, as the per-op path's: 0 none; else the widest weight type (bits per value:
-                     Q8_0 8, Q6_K 6, Q5_K / Q5_0 5, Q4_K / Q4_0 4) whose products take them (types.c q8rows_in) */
+                     Q8_0 8, Q6_K 6, Q5_K 5, Q4_K / Q4_0 4) whose products take them (types.c q8rows_in) */
     /* routed experts of a type with its scales apart (MLS_INT4_PACKED): fp32 scales per row and group of `group`
        columns, gate_up [E, 2I, D / group] and down [E, D, I / group], scale_stride floats per expert; 0: none */
     const float *gu_scale, *dn_scale;
@@ -147,7 +147,7 @@ int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, con
 int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
                            int64_t n, int64_t row_bytes, int64_t k, float *out, int threads);
 
-/* int8.c: the same products with int8 activations (Q8_0 / Q5_0 / Q4_0: per 32 values; Q4_K / Q5_K / Q6_K: llama.cpp's
+/* int8.c: the same products with int8 activations (Q8_0 / Q4_0: per 32 values; Q4_K / Q5_K / Q6_K: llama.cpp's
    q8_K, per 256); mls_quantize_act: x [m, k] (row stride ldx) -> the codes q [m, k] and k / 32 float slots per row
    (d) that a type's int8 kernel reads (common.h q8k_meta), exposed for its tests */
 int mls_quantize_act(int type, const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d);

@@ -597,12 +597,11 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, in
                                                             const float *xd, const int mr, int64_t k, float *y,
                                                             int64_t ldy) {
     __m256 acc[4];
-    const int64_t kb = k / 32, bytes = type == 8 ? 34 : type == 6 ? 22 : 18;
+    const int64_t kb = k / 32, bytes = type == 8 ? 34 : 18;
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < kb; blk++, b += bytes) {
-        const __m256i w = type == 8   ? _mm256_loadu_si256((const __m256i *)(b + 2))
-                          : type == 6 ? q5_0_codes(b)
-                                      : _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+        const __m256i w = type == 8 ? _mm256_loadu_si256((const __m256i *)(b + 2))
+                                    : _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
         const __m256i aw = _mm256_sign_epi8(w, w);
         const float dw = f16(b);
         for (int i = 0; i < mr; i++) {
@@ -618,7 +617,7 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, in
                      int64_t ldy) {                                                                        \
         const int64_t kb = k / 32;                                                                         \
         int64_t i = 0;                                                                                     \
-        prefetch_row(b, kb * (type == 8 ? 34 : type == 6 ? 22 : 18));                                      \
+        prefetch_row(b, kb * (type == 8 ? 34 : 18));                                                       \
         for (; i + 4 <= m; i += 4) q8rows_mr(b, type, xq + i * k, xd + i * kb, 4, k, y + i * ldy, ldy);    \
         switch (m - i) {                                                                                   \
         case 3: q8rows_mr(b, type, xq + i * k, xd + i * kb, 3, k, y + i * ldy, ldy); break;                \
@@ -629,7 +628,6 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, in
     }
 Q8ROWS_FN(q8rows_q8_0, 8)
 Q8ROWS_FN(q8rows_q4_0, 2)
-Q8ROWS_FN(q8rows_q5_0, 6)
 
 /* ---------------------------------------------------------------- int8 activations for the K-quants (Q8_K-style)
    llama.cpp's scheme (ggml_vec_dot_q4_K_q8_K and its kin): per super-block of 256 values and activation row,
