@@ -120,10 +120,12 @@ class EngineOptions:
         KERNELS,
     )
     activations: str = _opt(
-        "float",
+        "auto",
         "how the native kernels take activations on their small-batch path (<= 16 rows per weight: decode): "
-        "float = exact products over the stored weights; int8 = each 32-value block quantized to int8 with "
-        "its own scale and integer dot products with Q8_0 / Q4_0 weights (llama.cpp's method: faster, not exact)",
+        "float = exact products over the stored weights; int8 = quantized to int8 as llama.cpp does (32-value "
+        "blocks for Q4_0 / Q8_0, 256-value q8_K blocks for Q4_K / Q5_K / Q6_K) with integer dot products "
+        "(faster, not exact); int8_6bit = the same for weights of 6 bits or fewer only, Q8_0 exact; auto = "
+        "int8_6bit for GGUF files with the native kernels (llama.cpp's choice), else float",
         ACTIVATIONS,
     )
     quantization: str | None = _opt(
@@ -287,7 +289,7 @@ class KernelConfig:
     quantization, the routed experts' implementation, a GGUF's blocks kept or expanded."""
 
     impl: str  # "native" | "torch": quantized matmuls and decode-step glue (kernels/)
-    activations: str  # "int8": the native decode kernels quantize activations (Q8_0 / Q4_0 weights)
+    activations: str  # "float" | "int8_6bit" | "int8": machine.INT8_BITS, the weights whose products take int8
     quantization: str | None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
     experts_impl: str
     gguf_weights: str | None  # a GGUF's block-quantized weights: "quantized" | "dequantized" (None: not GGUF)
@@ -383,7 +385,7 @@ def resolve(
     device = choose_device(opts.device, log)
     quantization = choose_quantization(opts.quantization, log)
     kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders)
-    activations = choose_activations(opts.activations, kernels, log)
+    activations = choose_activations(opts.activations, kernels, gguf, log)
     ranks = opts.tensor_parallel_size * opts.expert_parallel_size
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, ranks, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)

@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS = ("auto", "torch", "native", "reference")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "native", "torch")
-ACTIVATIONS = ("float", "int8")
+ACTIVATIONS = ("auto", "float", "int8", "int8_6bit")
+# a resolved activations value -> the widest weight (bits per value) whose products take int8 activations (0: none;
+# kernels/native.takes_int8 applies it per weight type)
+INT8_BITS = {"float": 0, "int8_6bit": 6, "int8": 8}
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 DTYPES = {  # name -> torch's attribute (torch is imported when a config is built, not for `--help`)
@@ -87,21 +90,42 @@ def choose_kernels(requested: str, device: str, probe, log: ProvenanceLog, torch
     return log.record("kernels", "native", f"{how}: {detail}")
 
 
-def choose_activations(requested: str, kernels: str, log: ProvenanceLog) -> str:
+INT8_SCOPE = (
+    "products of <= 16 activation rows per weight (decode; routed experts and attn_k_b / attn_v_b of small "
+    "chunks) quantize their activations to int8 as llama.cpp does (32-value blocks for Q4_0 / Q8_0, q8_K's "
+    "256-value blocks for Q4_K / Q5_K / Q6_K) and take integer dot products (not exact: |dy| <= sum |w| |d_x| / 2)"
+)
+
+
+def choose_activations(requested: str, kernels: str, gguf: bool, log: ProvenanceLog) -> str:
+    """float | int8_6bit | int8 (INT8_BITS). auto: int8 activations for a GGUF's weights of 6 bits or fewer with the
+    native kernels (llama.cpp's own choice; the added error stays well inside the file's own quantization error,
+    which `verify --against` measures per layer), exact float for Q8_0 and wider; float elsewhere."""
     check_choice("activations", requested, ACTIVATIONS)
     if requested == "float":
-        return log.record("activations", "float", "engine default (exact products)")
+        return log.record("activations", "float", "user option (exact products)")
+    if requested == "auto":
+        if kernels != "native" or not gguf:
+            why = f"kernels={kernels}" if kernels != "native" else "not a GGUF file"
+            return log.record("activations", "float", f"engine default (auto: exact products; {why})")
+        return log.record(
+            "activations",
+            "int8_6bit",
+            f"engine default (auto, llama.cpp's choice for weights of 6 bits or fewer): {INT8_SCOPE}; Q8_0 and "
+            "other weights stay exact, as do larger chunks and the attention over the cache (activations='float': "
+            "exact everywhere)",
+        )
     if kernels != "native":
         raise ConfigError(
-            "activations='int8' runs in the native kernels, but kernels resolved to 'torch' "
+            f"activations={requested!r} runs in the native kernels, but kernels resolved to 'torch' "
             f"({log.source('kernels')}); it needs quantized weights (a GGUF, FP8 or quantization=...) on CPU"
         )
+    which = "every weight type with int8 kernels (Q8_0 too)" if requested == "int8" else "weights of <= 6 bits"
     return log.record(
         "activations",
-        "int8",
-        "user option: products of <= 16 activation rows per Q8_0 / Q4_0 weight (decode; routed experts and "
-        "attn_k_b / attn_v_b of small chunks) quantize each 32-value activation block to int8 (not exact: "
-        "|dy| <= sum |w| d_x / 2); other weight types, larger chunks and the attention over the cache stay exact",
+        requested,
+        f"user option: {which}: {INT8_SCOPE}; other weight types, larger chunks and the attention over the cache "
+        "stay exact",
     )
 
 

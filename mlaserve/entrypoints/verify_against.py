@@ -15,6 +15,15 @@ differs only by its own weights, so an error in layer 1 does not also light up l
 The free-running hidden state of every layer (each model on its own previous output) is reported too:
 it shows how far a divergence has travelled by the logits, but it is not judged (a merely quantized
 MoE may legitimately flip an expert choice downstream).
+
+Both copies run exact (float-activation) products: the files are compared. Where MODEL's engine would take int8
+activations (engine option activations; the default for a GGUF's weights of <= 6 bits), the error they add is
+reported beside the file's own, per block:
+  act(X)      = sqrt(sum_p ||y_p^int8 - y_p||^2 / sum_p ||y_p||^2) over the products p of X's GGUF holders
+              (linear layers, routed experts, lm_head) on the inputs they saw in the teacher-forced run, in
+              decode-sized chunks of <= GEMV_ROWS rows (where the int8 kernels run); W_UK / W_UV (attn_k_b /
+              attn_v_b) are not included
+reported with e(X) (the rule: act well inside e), not judged.
 """
 
 from __future__ import annotations
@@ -24,8 +33,11 @@ from pathlib import Path
 
 import torch
 
+from mlaserve.config.machine import INT8_BITS, choose_activations
+from mlaserve.config.provenance import ProvenanceLog
 from mlaserve.entrypoints.llm import LLM
 from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.kernels import ggml, native
 from mlaserve.observability.capture import Activations, Capture
 from mlaserve.observability.weight_error import (
     DequantCheck,
@@ -79,6 +91,7 @@ class Side:
     block_error: dict[str, float] = field(default_factory=dict)  # e(X) of this side's file
     types: dict[str, dict[str, int]] = field(default_factory=dict)  # tensor types per block (GGUF)
     dequant: DequantCheck | None = None  # GGUF: ours vs the gguf package
+    activations: str = "float"  # what this copy's engine runs with these options (machine.choose_activations)
 
 
 @dataclass
@@ -94,6 +107,9 @@ class AgainstReport:
     notes: list[str]
     dequant_checks: list[tuple[str, DequantCheck]]
     topk_overlap: dict[int, float] = field(default_factory=dict)  # DSA layer -> shared fraction of top-k
+    activations: str = "float"  # MODEL's activations setting; int8: activation_error is measured
+    activation_error: dict[str, float] = field(default_factory=dict)  # block -> act(X) (int8 activations)
+    file_error: dict[str, float] = field(default_factory=dict)  # block -> e(X) of MODEL's file
 
     @property
     def first_failure(self) -> BlockDiff | None:
@@ -105,9 +121,12 @@ class AgainstReport:
 
 
 def open_side(path: str, **options) -> Side:
-    """Load one copy in float32 (the comparison is of the files' weights, not of a runtime dtype)."""
-    llm = LLM(path, **{**options, "dtype": "float32"})
-    side = Side(path, llm)
+    """Load one copy in float32 with exact products (the comparison is of the files' weights, not of a runtime
+    dtype or activation rounding); the activations its engine would take with these options are kept apart."""
+    llm = LLM(path, **{**options, "dtype": "float32", "activations": "float"})
+    gguf = llm.loaded.path.suffix == ".gguf"
+    would = choose_activations(options.get("activations", "auto"), llm.config.kernels.impl, gguf, ProvenanceLog())
+    side = Side(path, llm, activations=would)
     if llm.loaded.path.suffix == ".gguf":
         from mlaserve.gguf.read.file import open_gguf
 
@@ -138,6 +157,7 @@ def compare(model: Side, against: Side, ids: list[int]) -> AgainstReport:
     layers = [_layer(i, ref[f"layer.{i}"], free[f"layer.{i}"]) for i in range(n)]
     top1 = (ref["logits"].argmax(-1) == free["logits"].argmax(-1)).float().mean().item()
     checks = [(s.path, s.dequant) for s in (model, against) if s.dequant is not None]
+    act = activation_errors(model, ids, ref) if INT8_BITS[model.activations] else {}
     return AgainstReport(
         model.path,
         against.path,
@@ -150,7 +170,73 @@ def compare(model: Side, against: Side, ids: list[int]) -> AgainstReport:
         [],
         checks,
         _topk_overlaps(ref, forced, n),
+        model.activations,
+        act,
+        {b: model.block_error.get(b, 0.0) for b in act},
     )
+
+
+def _block_of(module: str) -> str | None:
+    """The block (as _block_order names them) a module's products belong to; None outside them (MTP)."""
+    parts = module.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[3] in ("self_attn", "mlp"):
+        return f"layer.{parts[2]}.{'attn' if parts[3] == 'self_attn' else 'mlp'}"
+    return "logits" if module == "lm_head" else None
+
+
+def activation_errors(side: Side, ids: list[int], ref: Activations) -> dict[str, float]:
+    """act(X) per block (module docstring): the teacher-forced run once more with a forward hook on every GGUF
+    holder whose weights take int8 activations under the side's setting, then each recorded product twice, exact
+    and with int8 activations, GEMV_ROWS rows (tokens) at a time. The holders are not changed: the products are
+    the kernels' functions called with the setting (kernels/ggml.py)."""
+    from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
+
+    cap = INT8_BITS[side.activations]
+    seen: list[tuple[str, torch.nn.Module, tuple]] = []
+    hooks = []
+    for name, m in side.llm.loaded.model.named_modules():
+        block = _block_of(name)
+        if block is None:
+            continue
+        types = (
+            (m.ggml_type,)
+            if isinstance(m, GGUFLinear)
+            else (m.type_gate_up, m.type_down)
+            if isinstance(m, GGUFExperts)
+            else ()
+        )
+        if any(native.takes_int8(t, cap) for t in types):
+            hook = lambda mod, args, out, b=block: seen.append((b, mod, tuple(a.detach() for a in args)))  # noqa: E731
+            hooks.append(m.register_forward_hook(hook))
+    try:
+        _forward(side.llm, ids, force=ref)
+    finally:
+        for h in hooks:
+            h.remove()
+    sums: dict[str, list[float]] = {}
+    for block, m, args in seen:
+        for c0 in range(0, args[0].reshape(-1, args[0].shape[-1]).shape[0], ggml.GEMV_ROWS):
+            exact, fast = _products(m, args, c0, cap)
+            acc = sums.setdefault(block, [0.0, 0.0])
+            acc[0] += (fast.double() - exact.double()).pow(2).sum().item()
+            acc[1] += exact.double().pow(2).sum().item()
+    return {b: (d / max(r, 1e-300)) ** 0.5 for b, (d, r) in sums.items()}
+
+
+def _products(m: torch.nn.Module, args: tuple, c0: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows c0 .. c0 + GEMV_ROWS of a holder's call, exact and with int8 activations under the setting cap."""
+    from mlaserve.quant.ggml_linear import GGUFLinear
+
+    c1 = c0 + ggml.GEMV_ROWS
+    if isinstance(m, GGUFLinear):
+        x = args[0].reshape(-1, m.in_features)[c0:c1].float().contiguous()
+        return tuple(ggml.linear_native(x, m.weight, m.ggml_type, m.in_features, i8) for i8 in (0, cap))
+    x, topk_w, topk_idx = (a[c0:c1] for a in args)  # GGUFExperts(x [T, D], topk_w [T, k], topk_idx [T, k])
+
+    def with_int8(i8: int):
+        return lambda xs, w, t, k, active, offs, _: ggml.expert_linear_native(xs, w, t, k, active, offs, i8)
+
+    return tuple(m._grouped(x.float(), topk_w, topk_idx, with_int8(i8)) for i8 in (0, cap))
 
 
 def _block_order(num_layers: int) -> list[str]:
@@ -297,6 +383,14 @@ def format_report(report: AgainstReport) -> str:
         )
     lines.append(_edge_row("logits", by_name["logits"], _types_cell(report.types, "logits")))
     lines.append(f"final logits, free-running: top-1 agreement {report.logits_top1:.1%}")
+    if report.activation_error:
+        lines.append(
+            f"int8 activations ({report.activations}): error their products add / the file's own e(X), per block "
+            "(not judged; the rule: well inside e)"
+        )
+        for b, act in report.activation_error.items():
+            e = report.file_error.get(b, 0.0)
+            lines.append(f"  {b:<14} {act:.2e} / {e:.2e}" + (f"  = {act / e:.2f}" if e else ""))
     if report.topk_overlap:
         shared = ", ".join(f"layer {i} {v:.1%}" for i, v in report.topk_overlap.items())
         lines.append(f"DSA top-k rows shared with OTHER (MODEL attended over OTHER's; not judged): {shared}")
@@ -340,4 +434,8 @@ def to_json(report: AgainstReport) -> dict:
             for p, c in report.dequant_checks
         ],
         "tolerance_rule": {"fp32_rel_tol": FP32_REL_TOL, "quant_safety": QUANT_SAFETY},
+        "activations": report.activations,
+        "activation_error": {
+            b: {"rel": v, "file_error": report.file_error.get(b, 0.0)} for b, v in report.activation_error.items()
+        },
     }

@@ -14,7 +14,10 @@ each weight row is decoded once (bit-identical values) and dotted with every x r
 blocks straight from memory (Q8_0, Q4_0, Q5_0, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS, Q4_K, Q6_K: fused, the (sub-)block scale applied to each partial
 sum, a rounding within the same bound); more rows than that are compute-bound, so the weight is decoded once
 by the native decoder and the BLAS GEMM does the rest. Both agree with the reference up to fp32
-summation order (tests/kernels/test_kernels.py holds them to that bound).
+summation order (tests/kernels/test_kernels.py holds them to that bound). With int8 (engine option
+activations; native.takes_int8 says which weight types under which setting) the small-batch products quantize
+their activations as llama.cpp does and take integer dot products: not exact, within the activations'
+quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to llama.cpp's definitions exactly).
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ def linear_torch(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8:
 
 
 def linear_native(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False) -> torch.Tensor:
-    """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: Q8_0 / Q4_0 weights take int8
-    activations, engine option activations="int8": not exact); more rows: the weight decoded natively (the
+    """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: the weight types native.takes_int8
+    names take int8 activations, engine option activations: not exact); more rows: the weight decoded natively (the
     reference's values bit for bit), then the BLAS GEMM."""
     x = x.float().contiguous()
     if x.shape[0] <= GEMV_ROWS:
@@ -162,8 +165,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """[T, D] fp32 = sum_j topk_w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_idx[t, j], in one
     native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference). int8: int8
-    activations when both types take them."""
-    int8 = int8 and {type_gate_up, type_down} <= native.Q8_ACTIVATION_TYPES
+    activations when both types take them under that setting (native.takes_int8)."""
+    int8 = native.takes_int8(type_gate_up, int8) and native.takes_int8(type_down, int8)
     return native.moe_experts(
         type_gate_up,
         type_down,

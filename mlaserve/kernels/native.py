@@ -33,8 +33,11 @@ HEADER = CSRC / "mls.h"  # the interface mirrored below (tests/kernels/test_kern
 FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized int4 words with per-row group scales
-Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 15  # mls.h MLS_ABI_VERSION: the functions and signatures below
+# the weight types the int8-activation kernels take -> their bits per value (what an int8 setting caps: takes_int8)
+Q8_ACTIVATION_BITS = {2: 4, 8: 8, 12: 4, 13: 5, 14: 6}  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K
+Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
+INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
+ABI_VERSION = 16  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -141,6 +144,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_layout.restype = ptr
     lib.mls_isa.argtypes = []
     lib.mls_isa.restype = ptr
+    lib.mls_int8_isa.argtypes = []
+    lib.mls_int8_isa.restype = ptr
+    lib.mls_quantize_act.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr]
     return lib, str(out)
 
 
@@ -164,6 +170,38 @@ def isa() -> str:
     them from the build's target, -march=native), for the kernel plan; "" without the library."""
     lib = library()
     return ctypes.string_at(lib.mls_isa()).decode() if lib is not None else ""
+
+
+def int8_isa() -> str:
+    """The int8 dot products' instructions ("avx512vnni", "avxvnni", "avx2", "scalar"), for the kernel plan."""
+    lib = library()
+    return ctypes.string_at(lib.mls_int8_isa()).decode() if lib is not None else ""
+
+
+def int8_cap(int8: bool | int) -> int:
+    """An int8 setting as the C structs take it: 0 none; else the widest weight (bits per value) whose products
+    take int8 activations. True (the holders' and tests' plain switch) means every type (INT8_ALL)."""
+    return INT8_ALL if int8 is True else int(int8)
+
+
+def takes_int8(type_id: int, int8: bool | int) -> bool:
+    """Whether a product with a weight of this type takes int8 activations under the setting int8."""
+    bits = Q8_ACTIVATION_BITS.get(type_id)
+    return bits is not None and bits <= int8_cap(int8)
+
+
+def quantize_act(type_id: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (q [M, K] int8, d [M, K / 32] fp32 slots): the activations the type's int8 kernel reads
+    (csrc/int8.c; for the K-quants each super-block's 8 slots hold common.h's q8k_meta). For the tests."""
+    lib = library()
+    x = x.float().contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32, dtype=torch.float32)
+    rc = lib.mls_quantize_act(type_id, x.data_ptr(), m, k, k, q.data_ptr(), d.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native quantize_act refused type {type_id} with {k} columns (rc {rc})")
+    return q, d
 
 
 @dataclass(frozen=True)
@@ -192,11 +230,11 @@ def gemm(
     type_id: int, x: torch.Tensor, w: torch.Tensor, k: int, grid: ScaleGrid | None = None, int8: bool = False
 ) -> torch.Tensor:
     """x [M, K] fp32 contiguous, w [N, R] uint8 contiguous -> y [M, N] fp32. int8: int8 activations
-    (csrc/int8.c, not exact) where the type takes them (Q8_ACTIVATION_TYPES)."""
+    (csrc/int8.c, not exact) where the type takes them under that setting (takes_int8)."""
     lib = library()
     m, n = x.shape[0], w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if int8 and type_id in Q8_ACTIVATION_TYPES:
+    if takes_int8(type_id, int8):
         rc = lib.mls_gemm_q8(
             type_id, x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], y.data_ptr(), n, torch.get_num_threads()
         )
@@ -238,7 +276,7 @@ def grouped_gemm(
     n = w.shape[1]
     y = torch.empty(xs.shape[0], n, dtype=torch.float32)
     stride, groups, threads = w.stride(0) * w.element_size(), experts.shape[0], torch.get_num_threads()
-    if int8 and type_id in Q8_ACTIVATION_TYPES:
+    if takes_int8(type_id, int8):
         rc = lib.mls_grouped_gemm_q8(
             type_id,
             xs.data_ptr(),

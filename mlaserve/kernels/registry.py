@@ -44,7 +44,7 @@ class KernelContext:
     """The engine's switches an implementation's check may read (config/machine.py resolved them)."""
 
     kernels: str  # "native" | "torch"
-    int8: bool  # activations="int8": int8 dot products where the native kernels have them
+    int8: int  # activations: 0 float; else the widest weight (bits per value) whose products take int8 (native.takes_int8)
 
 
 Supports = Callable[[nn.Module, KernelContext], "str | None"]
@@ -142,13 +142,26 @@ def plan_kernels(model: nn.Module, ctx: KernelContext) -> KernelPlan:
         for name, module in model.named_modules():
             if getattr(module, "KERNEL_OP", None) != op:
                 continue
-            impl, reason = _choose(op, module, ctx)
-            impl.apply(module, ctx)
+            impl, passed = _first(op, module, ctx)
+            impl.apply(module, ctx)  # before the note: it may say what apply set (a holder's activations)
+            reason = _reason(impl, module, passed, ctx)
             choices.append(KernelChoice(name, _layer_of(name), op, impl.name, reason))
     return KernelPlan(tuple(choices))
 
 
 def _choose(op: str, module: nn.Module, ctx: KernelContext) -> tuple[Impl, str]:
+    """The implementation the plan would take for this module, and why (without applying it)."""
+    impl, passed = _first(op, module, ctx)
+    return impl, _reason(impl, module, passed, ctx)
+
+
+def _reason(impl: Impl, module: nn.Module, passed: list[str], ctx: KernelContext) -> str:
+    said = impl.note(module) if impl.note is not None else None
+    return "; ".join([*passed, *([said] if said else [])]) or f"first choice, kernels={ctx.kernels}"
+
+
+def _first(op: str, module: nn.Module, ctx: KernelContext) -> tuple[Impl, list[str]]:
+    """The first implementation whose check passes, and why each preferred one did not."""
     impls = _IMPLS[op]
     if not impls:
         raise RuntimeError(f"kernel op {op!r} has no implementation registered (its module was not imported)")
@@ -156,9 +169,7 @@ def _choose(op: str, module: nn.Module, ctx: KernelContext) -> tuple[Impl, str]:
     for impl in impls:
         why_not = impl.supports(module, ctx)
         if why_not is None:
-            said = impl.note(module) if impl.note is not None else None
-            reason = "; ".join([*passed, *([said] if said else [])]) or f"first choice, kernels={ctx.kernels}"
-            return impl, reason
+            return impl, passed
         passed.append(f"not {impl.name}: {why_not}")
     raise RuntimeError(f"{op}: no implementation supports {type(module).__name__} ({'; '.join(passed)})")
 
@@ -214,7 +225,8 @@ def native_contract(module: nn.Module) -> str | None:
     if rows is None:
         return None
     detail = getattr(module, "native_detail", None)  # a module may name the kernel build it runs (its ISA)
-    said = f" ({detail()})" if detail is not None else ""
+    said = detail() if detail is not None else None  # or the activations it takes (GGUF holders with int8)
+    said = f" ({said})" if said else ""
     return f"native{said} up to {rows} {module.NATIVE_UNIT} per step, else {module.NATIVE_FALLBACK}"
 
 
@@ -238,7 +250,7 @@ def _native_module(module: nn.Module, ctx: KernelContext) -> str | None:
 def _apply_native(module: nn.Module, ctx: KernelContext) -> None:
     module.kernel = "native"
     if ctx.int8 and hasattr(module, "int8"):  # GGUF block holders: llama.cpp's integer dots (not exact)
-        module.int8 = True
+        module.int8 = ctx.int8
 
 
 for _op in MODULE_OPS:

@@ -12,6 +12,7 @@ from torch import nn
 from mlaserve.config import families
 from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
+from mlaserve.config.machine import INT8_BITS
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.distributed.expert_parallel import expert_range, shard_experts
@@ -338,7 +339,7 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, cfg.kernels.gguf_weights == "quantized")
         opened.close()
         if v4.gguf is not None:
-            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, cfg.kernels.activations == "int8")
+            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
     else:
         model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp")
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
@@ -432,7 +433,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         model.rank_notes = tuple(notes)
         report.notes.extend(notes)
     # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
-    kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels.impl, engine_cfg.kernels.activations == "int8"))
+    kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels.impl, INT8_BITS[engine_cfg.kernels.activations]))
     model.kernel_plan = kernel_plan
     layers = enable_decode_step(model)
     blocks = sum(c.op == "moe_block" and c.impl == "native" and c.layer.isdigit() for c in kernel_plan.choices)

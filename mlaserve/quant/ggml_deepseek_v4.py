@@ -201,9 +201,9 @@ def swap_in_v4_gguf(model: nn.Module, plan: V4GGUFPlan, dtype: torch.dtype) -> N
         model.set_submodule(module, new)
 
 
-def set_v4_kernels(model: nn.Module, kernel: str, int8: bool) -> str:
+def set_v4_kernels(model: nn.Module, kernel: str, int8: int) -> str:
     """The engine's kernels on every GGUF holder of a V4 model (at load, before any forward); int8: GGUFLinear's
-    int8 activations (activations="int8"). Returns the load report's line."""
+    int8 activations (engine option activations: the cap of native.takes_int8, 0 none). Returns the load report's line."""
     counts: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, registry.KernelSwitch):

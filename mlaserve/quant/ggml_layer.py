@@ -14,7 +14,7 @@ step selects, the scores and the top-k, W_UK per head, the latent MQA over the p
 rows, W_UV per head, o_proj, residual, post norm, the MoE block or a dense SwiGLU, residual) with the same
 per-row operations, in C, instead of ~20 native calls and ~60 tensor ops (and ~35 more for the indexer); that
 path is the reference (tests/kernels/test_decode_layer.py, tests/kernels/test_decode_layer_sparse.py). With
-activations="int8" the Q8_0 / Q4_0 products take int8 activations where the per-op path's do.
+activations (int8 for weights of <= 6 bits by default) the products take int8 activations where the per-op path's do.
 Where it applies is decided before anything runs: at load, per layer (GGUFDecodeLayer.unfit: every weight a
 native ggml holder or F32 rows, one activation choice for the layer; under tensor parallelism the call hands
 o_proj's and the MLP's partial sums to the layer's all_reduce through mls_layer_t.reduce), and per step from the plan
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from mlaserve.config.layer_kinds import layer_ranges
-from mlaserve.kernels import native_layers, registry
+from mlaserve.kernels import native, native_layers, registry
 from mlaserve.models.deepseek import DecoderLayer, MLAAttention, MLAForCausalLM, single_process
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, SwiGLU
@@ -204,7 +204,7 @@ class GGUFDecodeLayer:
             keep.append(mlp.native_block)
         else:
             a.mlp_inter = mlp.gate_proj.out_features
-        a.int8 = int(heads.int8)
+        a.int8 = native.int8_cap(heads.int8)
         self.role = _indexer_role(layer)
         a.idx_role = native_layers.INDEXER_ROLES[self.role]
         if self.role == "full":
@@ -242,7 +242,7 @@ class GGUFDecodeLayer:
         mlp = layer.mlp
         if not isinstance(mlp, (MoE, SwiGLU)):
             return f"an MLP of type {type(mlp).__name__} (the one call runs a MoE block or a SwiGLU)"
-        if isinstance(mlp, MoE) and (mlp.native_block is None or bool(mlp.native_block.args.int8) != int8):
+        if isinstance(mlp, MoE) and (mlp.native_block is None or mlp.native_block.args.int8 != native.int8_cap(int8)):
             return "MoE layer without its native block (or with other activations)"
         for part, m in _parts(layer):
             if (why := _part_unfit(part, m, int8)) is not None:

@@ -42,6 +42,13 @@ def _describe(ggml_type: int) -> tuple[str, tuple[int, int]]:
     return f"gguf {t.name}", (1, t.block_size)
 
 
+def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
+    """What the kernel plan says of a holder's activations: the types of its weights that take int8 activations
+    under its setting, and the instructions (native.int8_isa); None where none does (float products)."""
+    taken = sorted({GGML_TYPES[t].name for t in types if native.takes_int8(t, int8)})
+    return f"int8 activations for {', '.join(taken)} ({native.int8_isa()})" if taken else None
+
+
 class GGUFLinear(registry.KernelSwitch, nn.Module):
     """y = x W^T (+ b), W kept as the file's ggml blocks."""
 
@@ -54,7 +61,7 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
         self.kernel = "torch"  # the reference until the loader sets the engine's kernels (binds self.matmul)
-        self.int8 = False  # activations="int8" (set by the loader with the native kernels)
+        self.int8 = False  # int8 activations: False, or the cap of kernels/native.takes_int8 (set by the KernelPlan)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -78,6 +85,9 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
 
     def describe(self) -> tuple[str, tuple[int, int]]:
         return _describe(self.ggml_type)
+
+    def native_detail(self) -> str | None:
+        return int8_detail((self.ggml_type,), self.int8)
 
     def extra_repr(self) -> str:
         t = GGML_TYPES[self.ggml_type].name
@@ -132,6 +142,9 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         gu = ggml.dense(self.gate_up_proj, self.type_gate_up, self.hidden)
         return gu.to(dtype), ggml.dense(self.down_proj, self.type_down, self.inter).to(dtype)
 
+    def native_detail(self) -> str | None:
+        return int8_detail((self.type_gate_up, self.type_down), self.int8)
+
     def describe(self) -> tuple[str, tuple[int, int]]:
         name, block = _describe(self.type_gate_up)
         if self.type_down != self.type_gate_up:
@@ -148,7 +161,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         grouped by expert, each product native. The pair-by-pair call takes int8 activations only for both
         projections at once; with a mixed pair the grouped path decides per projection, as it does for more
         pairs (and as the MoE block does)."""
-        pairwise = not self.int8 or {self.type_gate_up, self.type_down} <= native.Q8_ACTIVATION_TYPES
+        pairwise = native.takes_int8(self.type_gate_up, self.int8) == native.takes_int8(self.type_down, self.int8)
         if topk_idx.numel() <= self.NATIVE_ROWS and pairwise:
             gu, dn = self.gate_up_proj, self.down_proj
             return ggml.moe_experts(x, topk_w, topk_idx, gu, self.type_gate_up, dn, self.type_down, self.int8)
@@ -208,6 +221,9 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         self.v_b = nn.Parameter(v_b, requires_grad=False)
         self.heads = k_b.shape[0]
         self._group_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def native_detail(self) -> str | None:
+        return int8_detail((self.type_k, self.type_v), self.int8)
 
     def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
         """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix, by the C kernels."""
@@ -327,7 +343,7 @@ class GGUFMoEBlock:
             a.sg, a.su, a.sd = g.w, u.w, dn.w
             a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = g.row_bytes, u.row_bytes, dn.row_bytes
             keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
-        a.int8 = int(getattr(ex, "int8", False))  # INT4 experts have no int8-activation kernel
+        a.int8 = native.int8_cap(getattr(ex, "int8", False))  # INT4 experts have no int8-activation kernel
         self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
         self.fallback = moe.per_op
 

@@ -66,7 +66,9 @@ def test_kept_blocks_equal_dequantized(name, gtype, kernels):
     if not path.exists():
         pytest.skip(f"../shared/fixtures/{name} has no {gtype} file")
     ids = load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
-    kept = LLM(str(path), max_num_batched_tokens=40, kernels=kernels)
+    # activations="float": the exact products this identity pins (the default takes int8 activations for weights
+    # of <= 6 bits: tests/gguf/test_gguf_int8_default.py)
+    kept = LLM(str(path), max_num_batched_tokens=40, kernels=kernels, activations="float")
     dense = LLM(str(path), max_num_batched_tokens=40, gguf_weights="dequantized")
     assert kept.config.kernels.gguf_weights == "quantized" and dense.config.kernels.gguf_weights == "dequantized"
     assert all(m.kernel == kernels for m in _holders(kept) if hasattr(m, "kernel"))
@@ -92,7 +94,7 @@ def test_native_decode_equals_dequantized(name, gtype):
         pytest.skip(f"../shared/fixtures/{name} has no {gtype} file")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     runs = []
-    for opts in ({"kernels": "native"}, {"gguf_weights": "dequantized"}):
+    for opts in ({"kernels": "native", "activations": "float"}, {"gguf_weights": "dequantized"}):
         llm = LLM(str(path), **opts)
         kept = [layer.self_attn.kept_heads for layer in llm.runner.model.model.layers]
         # the trunk's W_UK / W_UV read attn_k_b / attn_v_b blocks with the native kernels (glm5's are F16)
@@ -122,7 +124,7 @@ def test_int8_activations_error_measured(name, gtype, max_rel):
     folder = fixture_dir(name)
     path = folder / f"model-{gtype}.gguf"
     ids = load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
-    exact = LLM(str(path), max_num_batched_tokens=1, kernels="native")
+    exact = LLM(str(path), max_num_batched_tokens=1, kernels="native", activations="float")
     fast = LLM(str(path), max_num_batched_tokens=1, activations="int8")
     assert fast.config.kernels.activations == "int8" and exact.config.kernels.activations == "float"
     holders = [m for m in fast.runner.model.modules() if hasattr(m, "int8")]

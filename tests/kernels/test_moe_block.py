@@ -168,26 +168,29 @@ def test_routed_sum_equals_the_pairwise_experts_call(types, tokens):
 @pytest.mark.parametrize("tokens", [1, 2, 5, BLOCK_TOKENS])
 @pytest.mark.parametrize("types", list(TYPES))
 def test_int8_routed_experts_follow_the_per_op_rule(types, tokens):
-    """activations="int8": the block quantizes a projection's activations when its type has int8 kernels (Q8_0,
-    Q4_0), each projection on its own, as GGUFExperts' per-op path does. All-Q8_0: bit for bit the pairwise int8
-    call. No int8 type: the float block, bit for bit. A mixed pair (Q4_0 gate_up, Q6_K down): gate_up quantized,
-    the per-op path's result to fp32 rounding."""
+    """activations="int8": the block quantizes a projection's activations when its type has int8 kernels under the
+    setting (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; native.takes_int8), each projection on its own, as GGUFExperts' per-op
+    path does. All-Q8_0: bit for bit the pairwise int8 call. A setting no type takes (3 bits): the float block, bit
+    for bit. Mixed pairs (Q4_0 / Q6_K, Q4_K / Q5_0 without an int8 kernel): the per-op path's result to fp32
+    rounding."""
     moe = make_moe("v3", types, shared=False)
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
     y_float, w, idx = routing(GGUFMoEBlock(moe), x)
     for m in moe.modules():
         if hasattr(m, "int8"):
+            m.int8 = 3  # below every type's bits
+    assert torch.equal(routing(GGUFMoEBlock(moe), x)[0], y_float)
+    for m in moe.modules():
+        if hasattr(m, "int8"):
             m.int8 = True
     block = GGUFMoEBlock(moe)
-    assert block.args.int8 == 1
+    assert block.args.int8 == native.INT8_ALL  # a holder's int8=True: every type with int8 kernels
     y, w8, idx8 = routing(block, x)
     assert torch.equal(w8, w) and torch.equal(idx8, idx)
     ex = moe.experts
     if types == "q8_0":
         want = ggml.moe_experts(x, w, idx, ex.gate_up_proj, ex.type_gate_up, ex.down_proj, ex.type_down, int8=True)
         assert torch.equal(y, want) and not torch.equal(y, y_float)
-    elif types == "q4_k-q5_0-q8_0":
-        assert torch.equal(y, y_float)
     else:
         with torch.no_grad():
             per_op = ex(x, w, idx)

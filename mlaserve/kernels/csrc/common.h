@@ -82,6 +82,17 @@ typedef void (*scaled_fused_fn)(const uint8_t *, const float *, int64_t, const f
 /* the same with int8 activations: (w, xq, xd, m, k, y, ldy) */
 typedef void (*q8rows_fn)(const uint8_t *, const int8_t *, const float *, int64_t, int64_t, float *, int64_t);
 
+/* int8 activations (int8.c): a row of k values becomes k int8 codes and k / 32 float slots. Q8_0-style (the
+   32-value types Q8_0, Q4_0): slot b holds block b's scale. Q8_K-style (the K-quants): the 8 slots of each
+   256-value super-block hold a q8k_meta: its scale and the sums of its codes per 32 values (what a K-quant's
+   sub-block mins multiply). One buffer shape for both, so every caller sizes and offsets it alike. */
+typedef struct {
+    float d;          /* the super-block's scale: x ~ d * q (llama.cpp's q8_K: d = -max / 127, signed) */
+    int16_t bsum[8];  /* sum of the 32 codes of sub-block j (|sum| <= 32 * 127) */
+    int32_t pad[3];
+} q8k_meta;
+#define Q8K_SLOTS 8 /* floats of xd per super-block: sizeof(q8k_meta) / sizeof(float) */
+
 static inline float silu_mul(float g, float u) { return (g / (1.0f + expf(-g))) * u; }
 
 #endif

@@ -18,7 +18,7 @@ typedef int (*reduce_fn)(float *a, int64_t n); /* mls_layer_t.reduce (tensor par
 
 static int lin_apply(const mls_lin_t *L, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int int8,
                      int threads) {
-    if (int8 && q8rows((int)L->type))
+    if (q8rows_in((int)L->type, int8))
         return mls_gemm_q8((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, y, ldy, threads);
     return mls_gemm((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, 0, 1, 1, 1, L->n, y, ldy, threads);
 }
@@ -34,7 +34,7 @@ static void norm_rows(const float *x, int64_t t, int64_t d, const float *w, doub
 static int per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t row_bytes, int64_t h, int64_t n,
                     int64_t k, const float *x, int64_t ldx, int64_t x_head, int64_t t, float *y, int64_t ldy,
                     int int8, int threads) {
-    if (int8 && q8rows((int)type)) { /* as GGUFHeads with int8: the rows gathered head by head, one grouped call */
+    if (q8rows_in((int)type, int8)) { /* as GGUFHeads with int8: the rows gathered head by head, one grouped call */
         float *xs = (float *)malloc(sizeof(float) * (size_t)(h * t * k + h * t * n) + 1);
         int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * h + 1));
         int rc = xs && ids ? 0 : -4;

@@ -1,9 +1,15 @@
-/* ---------------------------------------------------------------- int8 activations (an explicit option)
-   llama.cpp's integer dot products, for Q8_0 and Q4_0 weights: each 32-value block of an activation row
-   is quantized to int8 with its own fp32 scale d_x = max|x| / 127 (q_x = x / d_x rounded to nearest), and
-   a block's product is d_w * d_x * (the exact int32 sum of q_w q_x). Not exact: |x - d_x q_x| <= d_x / 2
-   per value, so |y - y_exact| <= sum_j |w_j| d_x(j) / 2, plus fp32 rounding of the block sums. About half
-   the instructions of the float path per weight. Return -1 for other weight types. */
+/* ---------------------------------------------------------------- int8 activations
+   llama.cpp's integer dot products. Each activation row is quantized once per product to int8 codes with fp32
+   scales, in the form the weight type's kernel takes (types.c `act`):
+   - Q8_0-style (Q8_0, Q4_0 weights): each 32-value block with d_x = max|x| / 127, q_x = x / d_x rounded to
+     nearest; a block's product is d_w * d_x * (the exact int32 sum of q_w q_x).
+   - Q8_K-style (Q4_K, Q5_K, Q6_K weights), llama.cpp's quantize_row_q8_K: each 256-value super-block with
+     iscale = -127 / max (max: the value of largest magnitude, the first of ties), q_x = nearest(iscale * x)
+     and d_x = 1 / iscale, plus the sums of its codes per 32 values (q8k_meta); the weight's sub-block scales
+     and mins apply to exact integer sums (x86/avx2.c).
+   Not exact: |x - d_x q_x| <= |d_x| / 2 per value, so |y - y_exact| <= sum_j |w_j| |d_x(j)| / 2, plus fp32
+   rounding of the block sums. About half the instructions of the float path per weight, or fewer. Return -1 for
+   other weight types. */
 
 /* x [m, k] (row stride ldx) -> q [m, k] int8 in [-127, 127] and d [m, k / 32]. A block holding NaN or
    Inf gets scale NaN (its products come out NaN, as the float path's would) and codes 0; a block too
@@ -29,18 +35,72 @@ static void quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, 
         }
 }
 
+/* x [m, k] -> q [m, k] and Q8_K-style scales: 8 float slots per super-block hold a q8k_meta (common.h). A
+   super-block holding NaN or Inf gets d NaN and codes 0 (as quantize_rows_q8); an all-zero one d 0 and codes 0
+   (llama.cpp's rule); one whose largest magnitude is too small for a finite 127 / max also quantizes to zeros. */
+static void quantize_rows_q8k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d) {
+    const int64_t slots = k / 32;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t blk = 0; blk < k / 256; blk++) {
+            const float *xb = x + i * ldx + blk * 256;
+            int8_t *qb = q + i * k + blk * 256;
+            q8k_meta *meta = (q8k_meta *)(d + i * slots + blk * Q8K_SLOTS);
+            float amax = 0.0f, max = 0.0f;
+            int finite = 1;
+            for (int j = 0; j < 256; j++) {
+                finite &= isfinite(xb[j]) != 0;
+                const float ax = fabsf(xb[j]);
+                if (ax > amax) {
+                    amax = ax;
+                    max = xb[j];
+                }
+            }
+            float iscale = finite && amax > 0.0f ? -127.0f / max : 0.0f;
+            if (!isfinite(iscale)) iscale = 0.0f;
+            for (int j = 0; j < 256; j++) {
+                const float v = iscale != 0.0f ? nearbyintf(iscale * xb[j]) : 0.0f;
+                qb[j] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+            for (int j = 0; j < 8; j++) {
+                int32_t s = 0;
+                for (int l = 0; l < 32; l++) s += qb[32 * j + l];
+                meta->bsum[j] = (int16_t)s;
+            }
+            meta->pad[0] = meta->pad[1] = meta->pad[2] = 0;
+            meta->d = !finite ? NAN : iscale != 0.0f ? 1.0f / iscale : 0.0f;
+        }
+}
+
+/* x [m, k] -> the activations a type's int8 kernel takes (q [m, k], k / 32 float slots per row) */
+static inline void quantize_act(int type, const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d) {
+    if (type_of(type)->act == 256)
+        quantize_rows_q8k(x, m, k, ldx, q, d);
+    else
+        quantize_rows_q8(x, m, k, ldx, q, d);
+}
+
+/* whether rows of k values fit a type's int8 activations (whole activation blocks) */
+static inline int act_fits(int type, int64_t k) { return type_of(type)->act > 0 && k % type_of(type)->act == 0; }
+
+int mls_quantize_act(int type, const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d) {
+    if (!q8rows(type)) return -1;
+    if (!act_fits(type, k) || k > MAX_K) return -2;
+    quantize_act(type, x, m, k, ldx, q, d);
+    return 0;
+}
+
 static inline float q8dot(q8rows_fn fn, const uint8_t *b, const int8_t *xq, const float *xd, int64_t k) {
     float y;
     fn(b, xq, xd, 1, k, &y, 1);
     return y;
 }
 
-/* Activations quantized once, then as mls_gemm / mls_grouped_gemm. */
+/* Activations quantized once (for the type's kernel), then as mls_gemm / mls_grouped_gemm. */
 int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
                 int64_t row_bytes, float *y, int64_t ldy, int threads) {
     q8rows_fn fn = q8rows(type);
     if (!fn) return -1;
-    if (k % 32) return -2;
+    if (!act_fits(type, k)) return -2;
     int8_t *xq = (int8_t *)malloc((size_t)(m * k) + 1);
     float *xd = (float *)malloc(sizeof(float) * (size_t)(m * (k / 32)) + 1);
     if (!xq || !xd) {
@@ -48,7 +108,7 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
         free(xd);
         return -4;
     }
-    quantize_rows_q8(x, m, k, ldx, xq, xd);
+    quantize_act(type, x, m, k, ldx, xq, xd);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) fn(w + r * row_bytes, xq, xd, m, k, y + r, ldy);
     free(xq);
@@ -61,7 +121,7 @@ int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, i
                         float *y, int threads) {
     q8rows_fn fn = q8rows(type);
     if (!fn) return -1;
-    if (k % 32) return -2;
+    if (!act_fits(type, k)) return -2;
     const int64_t p = starts[groups], kb = k / 32, runs = (n + ROW_RUN - 1) / ROW_RUN;
     int8_t *xq = (int8_t *)malloc((size_t)(p * k) + 1);
     float *xd = (float *)malloc(sizeof(float) * (size_t)(p * kb) + 1);
@@ -70,7 +130,7 @@ int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, i
         free(xd);
         return -4;
     }
-    quantize_rows_q8(x, p, k, k, xq, xd);
+    quantize_act(type, x, p, k, k, xq, xd);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t it = 0; it < groups * runs; it++) {
         const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;

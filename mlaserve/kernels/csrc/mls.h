@@ -10,7 +10,7 @@
    as the caller passes (torch.get_num_threads(): an OpenMP thread's own default would ignore
    torch.set_num_threads called from another thread, e.g. the server's engine thread).
    Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
-   int8-activation kernels, not whole 32-value blocks; for INT4, scale groups not whole 32-value chunks), -3 for router settings out of range, -4 when
+   int8-activation kernels, not whole activation blocks of the type: 32 or 256 values; for INT4, scale groups not whole 32-value chunks), -3 for router settings out of range, -4 when
    memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd;
    -6 for a sparse step a decode layer's indexer cannot run (no index-key cache, no selection to reuse).
 
@@ -22,7 +22,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 15
+#define MLS_ABI_VERSION 16
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -73,7 +73,8 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
     int64_t type_sg, type_su, type_sd; /* the shared expert's gate_proj [Is, D], up_proj [Is, D], down_proj [D, Is] */
     const uint8_t *sg, *su, *sd;
     int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
-    int64_t int8; /* activations="int8": Q8_0 / Q4_0 products take int8 activations, as the per-op path's */
+    int64_t int8; /* int8 activations, as the per-op path's: 0 none; else the widest weight type (bits per value:
+                     Q8_0 8, Q6_K 6, Q5_K 5, Q4_K / Q4_0 4) whose products take them (types.c q8rows_in) */
     /* routed experts of a type with its scales apart (MLS_INT4_PACKED): fp32 scales per row and group of `group`
        columns, gate_up [E, 2I, D / group] and down [E, D, I / group], scale_stride floats per expert; 0: none */
     const float *gu_scale, *dn_scale;
@@ -99,7 +100,7 @@ typedef struct { /* every field 8 bytes (the ctypes mirror in kernels/native_lay
     int64_t mlp_inter; /* a dense SwiGLU's intermediate size; 0: the MoE block below */
     mls_lin_t mlp_gate, mlp_up, mlp_down;
     const mls_moe_block_t *moe;
-    int64_t int8; /* activations="int8": Q8_0 / Q4_0 products with int8 activations, as the per-op path's */
+    int64_t int8; /* int8 activations: as mls_moe_block_t.int8 */
     /* the DSA indexer (indexer.c). idx_role 0: none (dense MLA); 1 full: its own indexer and key cache; 2 shared:
        attends the rows the last full layer before it selected in this step (GLM-5's indexer_types) */
     int64_t idx_role, idx_h, idx_d, idx_interleaved; /* Hi index heads, Di index_head_dim, the indexer's rope */
@@ -146,7 +147,10 @@ int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, con
 int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
                            int64_t n, int64_t row_bytes, int64_t k, float *out, int threads);
 
-/* int8.c: the same products with int8 activations */
+/* int8.c: the same products with int8 activations (Q8_0 / Q4_0: per 32 values; Q4_K / Q5_K / Q6_K: llama.cpp's
+   q8_K, per 256); mls_quantize_act: x [m, k] (row stride ldx) -> the codes q [m, k] and k / 32 float slots per row
+   (d) that a type's int8 kernel reads (common.h q8k_meta), exposed for its tests */
+int mls_quantize_act(int type, const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d);
 int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
                 int64_t row_bytes, float *y, int64_t ldy, int threads);
 int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
@@ -201,6 +205,8 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
 int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t *kernels);
 /* the instruction set the kernels were built for: "avx512", "avx2" or "scalar" */
 const char *mls_isa(void);
+/* the int8 dot products' instructions: "avx512vnni", "avxvnni", "avx2" or "scalar" */
+const char *mls_int8_isa(void);
 
 /* layout.c */
 const mls_layout_entry_t *mls_layout(int64_t *n);

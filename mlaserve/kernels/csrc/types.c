@@ -10,6 +10,8 @@ typedef struct {
     fused_fn fused;                    /* decode-and-dot without a row buffer, or 0: decode, then dot */
     q8rows_fn int8;                    /* int8-activation rows (int8.c), or 0 */
     scaled_fused_fn fused_scaled;      /* decode-and-dot of a row with its scales apart (INT4), or 0 */
+    int64_t bits;                      /* with int8: the weight's bits per value (what mls_layer_t.int8 caps) */
+    int64_t act;                       /* with int8: its activations' block, 32 (Q8_0-style) or 256 (Q8_K-style) */
 } mls_type_t;
 
 /* the ISA's kernel where there is one, else the reference's */
@@ -21,16 +23,16 @@ typedef struct {
 
 static const mls_type_t GGML_TYPES[MLS_GGML_TYPES] = {
     [MLS_F32] = {4, 1, row_f32, 0, fused_f32, 0},
-    [MLS_Q4_0] = {18, 32, ISA(simd_q4_0, row_q4_0), 0, ISA(fused_q4_0, 0), q8rows_q4_0},
+    [MLS_Q4_0] = {18, 32, ISA(simd_q4_0, row_q4_0), 0, ISA(fused_q4_0, 0), q8rows_q4_0, 0, 4, 32},
     [MLS_Q4_1] = {20, 32, ISA(simd_q4_1, row_q4_1), 0, 0, 0},
     [MLS_Q5_0] = {22, 32, ISA(simd_q5_0, row_q5_0), 0, ISA(fused_q5_0, 0), 0},
     [MLS_Q5_1] = {24, 32, ISA(simd_q5_1, row_q5_1), 0, 0, 0},
-    [MLS_Q8_0] = {34, 32, ISA(simd_q8_0, row_q8_0), 0, ISA(fused_q8_0, 0), q8rows_q8_0},
+    [MLS_Q8_0] = {34, 32, ISA(simd_q8_0, row_q8_0), 0, ISA(fused_q8_0, 0), q8rows_q8_0, 0, 8, 32},
     [MLS_Q2_K] = {84, 256, row_q2_k, 0, 0, 0},
     [MLS_Q3_K] = {110, 256, row_q3_k, 0, 0, 0},
-    [MLS_Q4_K] = {144, 256, ISA(simd_q4_k, row_q4_k), 0, ISA(fused_q4_k, 0), 0},
-    [MLS_Q5_K] = {176, 256, ISA(simd_q5_k, row_q5_k), 0, 0, 0},
-    [MLS_Q6_K] = {210, 256, ISA(simd_q6_k, row_q6_k), 0, ISA(fused_q6_k, 0), 0},
+    [MLS_Q4_K] = {144, 256, ISA(simd_q4_k, row_q4_k), 0, ISA(fused_q4_k, 0), q8rows_q4_k, 0, 4, 256},
+    [MLS_Q5_K] = {176, 256, ISA(simd_q5_k, row_q5_k), 0, 0, q8rows_q5_k, 0, 5, 256},
+    [MLS_Q6_K] = {210, 256, ISA(simd_q6_k, row_q6_k), 0, ISA(fused_q6_k, 0), q8rows_q6_k, 0, 6, 256},
     [MLS_IQ2_XXS] = {66, 256, row_iq2_xxs, 0, ISA(fused_iq2_xxs, 0), 0},
     [MLS_IQ2_XS] = {74, 256, row_iq2_xs, 0, 0, 0},
     [MLS_IQ3_XXS] = {98, 256, row_iq3_xxs, 0, ISA(fused_iq3_xxs, 0), 0},
@@ -69,6 +71,14 @@ static inline fused_fn fused_row(int type) { return type_of(type)->fused; }
 /* the int8-activation row kernel for a type, or 0 */
 static inline q8rows_fn q8rows(int type) { return type_of(type)->int8; }
 
+/* The same under a layer's or block's int8 setting (mls_layer_t.int8): 0 never; else the widest weight (bits
+   per value) whose products take int8 activations: 8 every type with an int8 kernel, 6 those of 6 bits or fewer
+   (activations="auto": Q8_0 stays exact) */
+static inline q8rows_fn q8rows_in(int type, int64_t int8) {
+    const mls_type_t *t = type_of(type);
+    return int8 && t->bits <= int8 ? t->int8 : 0;
+}
+
 int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t *kernels) {
     const mls_type_t *t = type_of(type);
     if (!t->decode && !t->decode_scaled) return -1;
@@ -76,6 +86,20 @@ int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t
     *block_values = t->block_values;
     *kernels = 1 | (t->fused || t->fused_scaled ? 2 : 0) | (t->int8 ? 4 : 0);
     return 0;
+}
+
+/* the int8 dot products' instructions in this build: "avx512vnni" (vpdpbusd on 256-bit vectors), "avxvnni",
+   "avx2" (vpmaddubsw + vpmaddwd) or "scalar" (the K-quants' int8 products come out the same in each: x86/avx2.c) */
+const char *mls_int8_isa(void) {
+#if defined(MLS_SIMD) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512vnni";
+#elif defined(MLS_SIMD) && defined(__AVXVNNI__)
+    return "avxvnni";
+#elif defined(MLS_SIMD)
+    return "avx2";
+#else
+    return "scalar";
+#endif
 }
 
 /* The instruction set this build's kernels were compiled for (common.h): what the type table above picked */

@@ -27,20 +27,27 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     const int64_t g = b->group;
     if ((fgu || fdn) && (g < 32 || g % 32 || d % g || inter % g)) return -2;
     if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
-    /* int8 activations where the per-op path takes them: each projection whose type has int8 kernels (Q8_0,
-       Q4_0), on its own, as GGUFExperts' grouped products and the shared GGUFLinears decide */
-    const q8rows_fn qgu = b->int8 ? q8rows((int)b->type_gu) : 0, qdn = b->int8 ? q8rows((int)b->type_dn) : 0;
-    const q8rows_fn qsg = b->int8 && si ? q8rows((int)b->type_sg) : 0, qsu = b->int8 && si ? q8rows((int)b->type_su) : 0;
-    const q8rows_fn qsd = b->int8 && si ? q8rows((int)b->type_sd) : 0;
-    if ((qgu || qsg || qsu || qsd) && (d % 32 || inter % 32 || si % 32)) return -2;
+    /* int8 activations where the per-op path takes them: each projection whose type has int8 kernels under the
+       block's setting (q8rows_in), on its own, as GGUFExperts' grouped products and the shared GGUFLinears
+       decide; each quantizes its input in its type's form (shared gate and up each their own copy of x) */
+    const int64_t i8 = b->int8;
+    const q8rows_fn qgu = q8rows_in((int)b->type_gu, i8), qdn = q8rows_in((int)b->type_dn, i8);
+    const q8rows_fn qsg = si ? q8rows_in((int)b->type_sg, i8) : 0, qsu = si ? q8rows_in((int)b->type_su, i8) : 0;
+    const q8rows_fn qsd = si ? q8rows_in((int)b->type_sd, i8) : 0;
+    if ((qgu && !act_fits((int)b->type_gu, d)) || (qdn && !act_fits((int)b->type_dn, inter)) ||
+        (qsg && !act_fits((int)b->type_sg, d)) || (qsu && !act_fits((int)b->type_su, d)) ||
+        (qsd && !act_fits((int)b->type_sd, si)))
+        return -2;
+    const int any8 = qgu || qdn || qsg || qsu || qsd;
     const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
     /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
        xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
     const size_t nf = (size_t)(t * e + pairs + pairs * d + pairs * n_gu + pairs * inter + pairs * d + t * n_sgu +
                                t * si + t * d);
     const size_t ni = (size_t)(pairs + e + (e + 1) + e + pairs + pairs);
-    /* int8 codes and scales of xs, h, x and the shared h (allocated only with int8) */
-    const size_t nq = b->int8 ? (size_t)(pairs * d + pairs * inter + t * d + t * si) : 0;
+    /* int8 codes and scales of xs, h, x (for the shared gate), the shared h and x (for the shared up) (allocated
+       only with int8) */
+    const size_t nq = any8 ? (size_t)(pairs * d + pairs * inter + t * d + t * si + t * d) : 0;
     char *mem = (char *)malloc(sizeof(float) * nf + sizeof(int64_t) * ni + nq * (1 + sizeof(float)) + 64);
     if (!mem) return -4;
     int64_t *idx = (int64_t *)mem, *count = idx + pairs, *start = count + e, *act = start + e + 1;
@@ -49,7 +56,9 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     float *h = gu + pairs * n_gu, *ys = h + pairs * inter, *sgu = ys + pairs * d, *sh = sgu + t * n_sgu;
     float *ysh = sh + t * si;
     float *xsd = ysh + t * d, *hd = xsd + pairs * d / 32, *xd = hd + pairs * inter / 32, *shd = xd + t * d / 32;
-    int8_t *xsq = (int8_t *)(shd + t * si / 32), *hq = xsq + pairs * d, *xq = hq + pairs * inter, *shq = xq + t * d;
+    float *xud = shd + t * si / 32;
+    int8_t *xsq = (int8_t *)(xud + t * d / 32), *hq = xsq + pairs * d, *xq = hq + pairs * inter, *shq = xq + t * d;
+    int8_t *xuq = shq + t * si;
     int64_t groups = 0;
     int rc = 0;
 #pragma omp parallel num_threads(threads)
@@ -85,11 +94,12 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
         if (rc == 0) {
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < pairs; q++) memcpy(xs + q * d, x + (order[q] / kk) * d, sizeof(float) * (size_t)d);
-            if (b->int8) {
+            if (any8) {
 #pragma omp single
                 {
-                    if (qgu) quantize_rows_q8(xs, pairs, d, d, xsq, xsd);
-                    if (qsg || qsu) quantize_rows_q8(x, t, d, d, xq, xd);
+                    if (qgu) quantize_act((int)b->type_gu, xs, pairs, d, d, xsq, xsd);
+                    if (qsg) quantize_act((int)b->type_sg, x, t, d, d, xq, xd);
+                    if (qsu) quantize_act((int)b->type_su, x, t, d, d, xuq, xud);
                 }
             }
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert */
@@ -117,7 +127,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                         const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
                         const q8rows_fn q8 = up ? qsu : qsg;
                         if (q8)
-                            q8(row, xq, xd, t, d, sgu + r, n_sgu);
+                            q8(row, up ? xuq : xq, up ? xud : xd, t, d, sgu + r, n_sgu);
                         else
                             lin_row(up ? ksu : ksg, row, x, d, t, d, sgu + r, n_sgu, buf);
                     }
@@ -136,8 +146,8 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
             if (qdn || qsd) {
 #pragma omp single
                 {
-                    if (qdn) quantize_rows_q8(h, pairs, inter, inter, hq, hd);
-                    if (qsd) quantize_rows_q8(sh, t, si, si, shq, shd);
+                    if (qdn) quantize_act((int)b->type_dn, h, pairs, inter, inter, hq, hd);
+                    if (qsd) quantize_act((int)b->type_sd, sh, t, si, si, shq, shd);
                 }
             }
             const int64_t druns = (d + ROW_RUN - 1) / ROW_RUN, sdruns = si ? druns : 0;

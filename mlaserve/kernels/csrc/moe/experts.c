@@ -65,14 +65,14 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
     return 0;
 }
 
-/* mls_moe_experts with int8 activations: x quantized before gate_up, h before down. */
+/* mls_moe_experts with int8 activations: x quantized before gate_up, h before down (each for its type). */
 int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
                        const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
                        int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
                        int64_t kk, float *out, int threads) {
     q8rows_fn fn_gu = q8rows(type_gu), fn_dn = q8rows(type_dn);
     if (!fn_gu || !fn_dn) return -1;
-    if (d % 32 || inter % 32) return -2;
+    if (!act_fits(type_gu, d) || !act_fits(type_dn, inter)) return -2;
     const int64_t pairs = t * kk, n_gu = 2 * inter, runs = (n_gu + ROW_RUN - 1) / ROW_RUN;
     int8_t *xq = (int8_t *)malloc((size_t)(t * d) + 1), *hq = (int8_t *)malloc((size_t)(pairs * inter) + 1);
     float *xd = (float *)malloc(sizeof(float) * (size_t)(t * d / 32) + 1);
@@ -84,7 +84,7 @@ int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int6
         rc = -4;
         goto done;
     }
-    quantize_rows_q8(x, t, d, d, xq, xd);
+    quantize_act(type_gu, x, t, d, d, xq, xd);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -102,7 +102,7 @@ int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int6
             h[it] = (g / (1.0f + expf(-g))) * gu[p * n_gu + inter + i];
         }
 #pragma omp single
-        quantize_rows_q8(h, pairs, inter, inter, hq, hd);
+        quantize_act(type_dn, h, pairs, inter, inter, hq, hd);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < t * d; it++) {
             const int64_t tok = it / d, r = it % d;

@@ -128,6 +128,19 @@ static void k_scale_min(const uint8_t *s, float d, float dmin, float *dd, float 
     }
 }
 
+/* the same 6-bit scales and mins as integers (the int8-activation kernels apply them to integer sums) */
+static inline void k_scales_int(const uint8_t *s, int32_t sc[8], int32_t mn[8]) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+        } else {
+            sc[j] = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+            mn[j] = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+        }
+    }
+}
+
 __attribute__((unused)) static void row_q4_k(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k / 256; i++, b += 144, y += 256) {
         float dd[8], dm[8];

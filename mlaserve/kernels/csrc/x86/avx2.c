@@ -628,4 +628,141 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, in
     }
 Q8ROWS_FN(q8rows_q8_0, 8)
 Q8ROWS_FN(q8rows_q4_0, 2)
+
+/* ---------------------------------------------------------------- int8 activations for the K-quants (Q8_K-style)
+   llama.cpp's scheme (ggml_vec_dot_q4_K_q8_K and its kin): per super-block of 256 values and activation row,
+   every sub-block's u8 x s8 products are summed exactly in int32, times the sub-block's integer scale, summed in
+   int32 over the super-block (|S| < 2^28), and only then touch floats, in a fixed order per row:
+     Q4_K, Q5_K: y += (d * d_x) * S;  y -= (dmin * d_x) * M   (S = sum_j sc_j sum_i q_i x_i, M = sum_j m_j bsum_j)
+     Q6_K:       y += (d * d_x) * S                            (S = sum_g sc_g sum_i (q_i - 32) x_i)
+   ref/int8.c runs the same integer sums and the same float operations, so every build (VNNI, AVX2, scalar)
+   gives the same bits, and a row's result does not depend on how many rows share the call. */
+
+/* 8 int32 lanes, lane l = sc(l) * (the sum of the 4 products u[4l..4l+3] * s[4l..4l+3]): sc holds the scale of
+   values 0..15 in its low 128 bits and of values 16..31 in its high 128 bits (Q8K_SCALES). u <= 63 and
+   |s| <= 127, so maddubs' pair sums stay inside int16 and both forms are exact. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define Q8K_SCALES(lo, hi) _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo))
+static inline __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i sc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s), sc);
+#else
+    return _mm256_mullo_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s), sc);
+#endif
+}
+#else
+#define Q8K_SCALES(lo, hi) _mm256_set_m128i(_mm_set1_epi16((short)(hi)), _mm_set1_epi16((short)(lo)))
+static inline __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i sc) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc);
+}
+#endif
+
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Q4_K (five = 0) and Q5_K (five = 1): the codes are unsigned (0..15 / 0..31), straight into maddubs / vpdpbusd;
+   the mins meet the activation's per-32 code sums (q8k_meta.bsum) */
+static inline __attribute__((always_inline)) void q8k_q45_mr(const uint8_t *b, const int five, const int8_t *xq,
+                                                             const float *xd, const int mr, int64_t k, float *y,
+                                                             int64_t ldy) {
+    const int64_t slots = k / 32, bytes = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+        int32_t sc[8], mn[8];
+        k_scales_int(b + 4, sc, mn);
+        const float dw = f16(b), dmin = f16(b + 2);
+        const uint8_t *qs = b + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        __m256i sum[4];
+        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h;
+                __m256i w = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                if (five)
+                    w = _mm256_or_si256(w, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
+                const __m256i s = Q8K_SCALES(sc[j], sc[j]);
+                for (int i = 0; i < mr; i++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * j));
+                    sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(w, x, s));
+                }
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            int32_t msum = 0;
+            for (int j = 0; j < 8; j++) msum += mn[j] * meta->bsum[j];
+            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
+            acc[i] -= (dmin * meta->d) * (float)msum;
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
+}
+
+/* Q6_K: the codes q - 32 are signed: their magnitudes go into maddubs / vpdpbusd, their signs onto x */
+static inline __attribute__((always_inline)) void q8k_q6k_mr(const uint8_t *b, const int8_t *xq, const float *xd,
+                                                             const int mr, int64_t k, float *y, int64_t ldy) {
+    const int64_t slots = k / 32;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
+        const int8_t *scs = (const int8_t *)(b + 192);
+        const float dw = f16(b + 208);
+        __m256i sum[4];
+        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                const __m256i w = q6k_codes(ql0, ql1, qh, g), aw = _mm256_sign_epi8(w, w);
+                const int t = 128 * h + 32 * g;
+                const __m256i s = Q8K_SCALES(scs[t >> 4], scs[(t >> 4) + 1]);
+                for (int i = 0; i < mr; i++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + t));
+                    sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(aw, _mm256_sign_epi8(x, w), s));
+                }
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
+}
+
+static inline __attribute__((always_inline)) void q8k_q4k_mr(const uint8_t *b, const int8_t *xq, const float *xd,
+                                                             const int mr, int64_t k, float *y, int64_t ldy) {
+    q8k_q45_mr(b, 0, xq, xd, mr, k, y, ldy);
+}
+static inline __attribute__((always_inline)) void q8k_q5k_mr(const uint8_t *b, const int8_t *xq, const float *xd,
+                                                             const int mr, int64_t k, float *y, int64_t ldy) {
+    q8k_q45_mr(b, 1, xq, xd, mr, k, y, ldy);
+}
+
+/* one weight row times m activation rows, in chunks of up to 4 rows (each row's operations are the same in
+   every chunk) */
+#define Q8K_ROWS_FN(name, kernel, bytes)                                                                    \
+    static void name(const uint8_t *b, const int8_t *xq, const float *xd, int64_t m, int64_t k, float *y,    \
+                     int64_t ldy) {                                                                        \
+        const int64_t slots = k / 32;                                                                      \
+        int64_t i = 0;                                                                                     \
+        prefetch_row(b, k / 256 * (bytes));                                                                \
+        for (; i + 4 <= m; i += 4) kernel(b, xq + i * k, xd + i * slots, 4, k, y + i * ldy, ldy);          \
+        switch (m - i) {                                                                                   \
+        case 3: kernel(b, xq + i * k, xd + i * slots, 3, k, y + i * ldy, ldy); break;                      \
+        case 2: kernel(b, xq + i * k, xd + i * slots, 2, k, y + i * ldy, ldy); break;                      \
+        case 1: kernel(b, xq + i * k, xd + i * slots, 1, k, y + i * ldy, ldy); break;                      \
+        default: break;                                                                                    \
+        }                                                                                                  \
+    }
+Q8K_ROWS_FN(q8rows_q4_k, q8k_q4k_mr, 144)
+Q8K_ROWS_FN(q8rows_q5_k, q8k_q5k_mr, 176)
+Q8K_ROWS_FN(q8rows_q6_k, q8k_q6k_mr, 210)
 #endif

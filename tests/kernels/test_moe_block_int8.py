@@ -1,0 +1,56 @@
+"""The MoE block under activations="int8_6bit" (the default for GGUF files): the C block and GGUFExperts' per-op
+path must agree on which projection takes int8 activations (the C side: types.c q8rows_in; the holders:
+native.takes_int8). A Q4_K gate_up with a Q8_0 down: gate_up int8 (q8_K), down exact. The per-op path runs the
+same gate_up codes and products (a row's int8 result does not depend on its batch), so the two differ by the
+output's rounding only, as in test_moe_block.py's mixed pairs (measured 1-2 ulp of |y|max there; bound 4 ulp).
+Were Q8_0 quantized on one side only, they would differ by the int8 error itself (~1% of |y|)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_block import BLOCK_TOKENS, INTER, ROUTERS, D, U, _random_blocks, routing, set_kernel
+
+from mlaserve.config.model import MoEConfig
+from mlaserve.gguf.quants import GGML_TYPE_IDS
+from mlaserve.kernels import native
+from mlaserve.models.moe import MoE
+from mlaserve.quant.ggml_linear import GGUFExperts, GGUFMoEBlock
+
+pytestmark = pytest.mark.skipif(not native.status().available, reason="native kernels unavailable")
+
+
+def _moe(gu: str, dn: str) -> MoE:
+    scoring, method, e, groups, topk_group, k, norm, scale = ROUTERS["v3"]
+    moe = MoE(D, MoEConfig(e, k, 0, INTER, scoring, method, groups, topk_group, norm, scale))
+    g = torch.Generator().manual_seed(21)
+    ex = GGUFExperts(D, e, INTER, GGML_TYPE_IDS[gu], GGML_TYPE_IDS[dn], "cpu")
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(_random_blocks(gu, (e, 2 * INTER), D, g))
+        ex.down_proj.copy_(_random_blocks(dn, (e, D), INTER, g))
+        moe.gate.weight.copy_(torch.randn(e, D, generator=g) * 0.1)
+        moe.gate.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.05)
+    moe.experts = ex
+    set_kernel(moe, "native")
+    return moe
+
+
+@pytest.mark.parametrize("tokens", [1, 2, BLOCK_TOKENS])
+@pytest.mark.parametrize("types", [("Q4_K", "Q8_0"), ("Q6_K", "Q4_K")])
+def test_block_takes_int8_where_the_holders_do(types, tokens):
+    moe = _moe(*types)
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
+    y_float, w, idx = routing(GGUFMoEBlock(moe), x)
+    moe.experts.int8 = 6
+    block = GGUFMoEBlock(moe)
+    assert block.args.int8 == 6
+    y, w8, idx8 = routing(block, x)
+    assert torch.equal(w8, w) and torch.equal(idx8, idx) and not torch.equal(y, y_float)
+    with torch.no_grad():
+        per_op = moe.experts(x, w, idx)
+    diff, ulp = (y - per_op).abs().max().item(), 2 * U * per_op.abs().max().item()
+    print(
+        f"\n{types} {tokens}: fused vs per-op {diff:.2e} ({diff / ulp:.1f} ulp); int8 vs float "
+        f"{(y - y_float).abs().max().item():.2e}"
+    )
+    assert diff <= 4 * ulp, (diff, ulp)
