@@ -404,6 +404,207 @@ static inline __attribute__((always_inline)) void fused_iq_xxs_mr(const uint8_t 
 CODES_MR(fused_iq2_xxs_mr, fused_iq_xxs_mr, 16)
 CODES_MR(fused_iq3_xxs_mr, fused_iq_xxs_mr, 18)
 
+/* The other grid i-quants and the ternary types, the same scheme: each 8-value group's codes as int8 in the low
+   8 bytes (grid bytes with their sign bits; IQ1_S / IQ1_M: the grid's -1 / 0 / 1 with the group's delta added in
+   float, exact), the scale the reference forms (ref/iquants.c, the same expression) applied to the partial sum of
+   the values that share it: a 32-value sub-block (FUSED_BLOCK) or its two 16-value halves (FUSED_HALVES, the
+   Q6_K scheme). Grid magnitudes: IQ2_XS / IQ2_S <= 43, IQ3_S <= 15 (int8). */
+#define FUSED_HALVES(mr, acc, s0, s1, w0, w1, w2, w3, xb, ldx)                                 \
+    for (int i = 0; i < (mr); i++) {                                                           \
+        const float *xi = (xb) + i * (ldx);                                                    \
+        __m256 p0 = _mm256_mul_ps((w0), _mm256_loadu_ps(xi));                                  \
+        p0 = _mm256_fmadd_ps((w1), _mm256_loadu_ps(xi + 8), p0);                               \
+        __m256 p1 = _mm256_mul_ps((w2), _mm256_loadu_ps(xi + 16));                             \
+        p1 = _mm256_fmadd_ps((w3), _mm256_loadu_ps(xi + 24), p1);                              \
+        (acc)[i] = _mm256_fmadd_ps((s1), p1, _mm256_fmadd_ps((s0), p0, (acc)[i]));             \
+    }
+
+/* IQ2_XS (74 bytes): 32 uint16 of a 9-bit grid index and 7 sign bits (+ parity); a 4-bit scale per 16 values */
+static inline __attribute__((always_inline)) void fused_iq2_xs_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                  const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 74) {
+        const float d = f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t sc = b[66 + ib]; /* groups 4 ib, 4 ib + 1: low nibble; 4 ib + 2, 4 ib + 3: high */
+            const __m256 s0 = _mm256_set1_ps(d * (0.5f + (float)(sc & 0x0F)) * 0.25f);
+            const __m256 s1 = _mm256_set1_ps(d * (0.5f + (float)(sc >> 4)) * 0.25f);
+            __m128i g[4];
+            for (int l = 0; l < 4; l++) {
+                const uint16_t q = u16(b + 2 + 2 * (4 * ib + l));
+                g[l] = signed_grid8(IQ2XS_GRID[q & 511], ksigns(q >> 9));
+            }
+            const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
+            FUSED_HALVES(mr, acc, s0, s1, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* IQ2_S (82 bytes): 8 low index bits per group, 2 high ones in qh, 8 sign bits per group; a 4-bit scale per 16 */
+static inline __attribute__((always_inline)) void fused_iq2_s_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 82) {
+        const float d = f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t sc = b[74 + ib];
+            const __m256 s0 = _mm256_set1_ps(d * (0.5f + (float)(sc & 0x0F)) * 0.25f);
+            const __m256 s1 = _mm256_set1_ps(d * (0.5f + (float)(sc >> 4)) * 0.25f);
+            __m128i g[4];
+            for (int l = 0; l < 4; l++) {
+                const int gi = 4 * ib + l, idx = b[2 + gi] | (((b[66 + ib] >> (2 * l)) & 3) << 8);
+                g[l] = signed_grid8(IQ2S_GRID[idx], b[34 + gi]);
+            }
+            const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
+            FUSED_HALVES(mr, acc, s0, s1, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* IQ3_S (110 bytes): per group two 9-bit indices of 4-value grid entries, 8 sign bits; a 4-bit scale per 32 */
+static inline __attribute__((always_inline)) void fused_iq3_s_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 110) {
+        const float d = f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const int s = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+            const uint8_t qh = b[66 + ib];
+            __m128i g[4];
+            for (int l = 0; l < 4; l++) {
+                const int e = 8 * ib + 2 * l;
+                const int i1 = b[2 + e] | (((qh >> (2 * l)) & 1) << 8), i2 = b[3 + e] | (((qh >> (2 * l + 1)) & 1) << 8);
+                g[l] = signed_grid8(IQ3S_GRID[i1] | (uint64_t)IQ3S_GRID[i2] << 32, b[74 + 4 * ib + l]);
+            }
+            const __m256 db = _mm256_set1_ps(d * (float)(1 + 2 * s));
+            const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
+            FUSED_BLOCK(mr, acc, db, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* an IQ1 group: the grid entry's int8 -1 / 0 / 1 plus delta (+-1/8), exact in float */
+static inline __m256 iq1_group(uint64_t entry, __m256 delta) {
+    return _mm256_add_ps(i8x8(_mm_cvtsi64_si128((long long)entry)), delta);
+}
+
+/* IQ1_S (50 bytes): per 32 values a uint16 of 4 x 3 index bits, a 3-bit scale and the delta's sign */
+static inline __attribute__((always_inline)) void fused_iq1_s_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 50) {
+        const float d = f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t qh = u16(b + 34 + 2 * ib);
+            const __m256 dl = _mm256_set1_ps(d * (float)(2 * ((qh >> 12) & 7) + 1));
+            const __m256 delta = _mm256_set1_ps(qh & 0x8000 ? -IQ1_DELTA : IQ1_DELTA);
+            const uint8_t *q = b + 2 + 4 * ib;
+            const __m256 w0 = iq1_group(IQ1S_GRID[q[0] | ((qh & 7) << 8)], delta);
+            const __m256 w1 = iq1_group(IQ1S_GRID[q[1] | (((qh >> 3) & 7) << 8)], delta);
+            const __m256 w2 = iq1_group(IQ1S_GRID[q[2] | (((qh >> 6) & 7) << 8)], delta);
+            const __m256 w3 = iq1_group(IQ1S_GRID[q[3] | (((qh >> 9) & 7) << 8)], delta);
+            FUSED_BLOCK(mr, acc, dl, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* IQ1_M (56 bytes): per group 8 index bits and a nibble (3 index bits, the delta's sign); a 3-bit scale per 16
+   values in 4 uint16 whose top nibbles hold the fp16 d */
+static inline __attribute__((always_inline)) void fused_iq1_m_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 56) {
+        uint16_t s[4];
+        for (int w = 0; w < 4; w++) s[w] = u16(b + 48 + 2 * w);
+        const uint16_t dbits = (s[0] >> 12) | ((s[1] & 0xF000) >> 8) | ((s[2] & 0xF000) >> 4) | (s[3] & 0xF000);
+        const uint8_t dbytes[2] = {(uint8_t)dbits, (uint8_t)(dbits >> 8)};
+        const float d = f16(dbytes);
+        for (int ib = 0; ib < 8; ib++) {
+            const int h0 = 2 * ib, h1 = 2 * ib + 1; /* the two 16-value halves' scales */
+            const __m256 s0 = _mm256_set1_ps(d * (float)(2 * ((s[h0 / 4] >> (3 * (h0 % 4))) & 7) + 1));
+            const __m256 s1 = _mm256_set1_ps(d * (float)(2 * ((s[h1 / 4] >> (3 * (h1 % 4))) & 7) + 1));
+            __m256 w[4];
+            for (int l = 0; l < 4; l++) {
+                const int gi = 4 * ib + l, nib = (b[32 + gi / 2] >> (4 * (gi % 2))) & 0x0F;
+                w[l] = iq1_group(IQ1S_GRID[b[gi] | ((nib & 7) << 8)], _mm256_set1_ps(nib & 8 ? -IQ1_DELTA : IQ1_DELTA));
+            }
+            FUSED_HALVES(mr, acc, s0, s1, w[0], w[1], w[2], w[3], x + blk * 256 + 32 * ib, ldx)
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* TQ2_0 (66 bytes): 2-bit codes, value 32 j + m of chunk (j, l) in bits 2 l of byte 32 j + m; code - 1 */
+static inline __attribute__((always_inline)) void fused_tq2_0_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 66) {
+        const __m256 d = _mm256_set1_ps(f16(b + 64));
+        for (int j = 0; j < 2; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
+            for (int l = 0; l < 4; l++) {
+                const __m256i q = _mm256_sub_epi8(_mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * l)), three), one);
+                const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                const __m256 w0 = i8x8(lo), w1 = i8x8(_mm_srli_si128(lo, 8)), w2 = i8x8(hi), w3 = i8x8(_mm_srli_si128(hi, 8));
+                FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 256 + 128 * j + 32 * l, ldx)
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
+/* TQ1_0's base-3 digit of 8 bytes (as int32 lanes) times their powers of 3: ((uint8)(q p) * 3) >> 8, minus 1 */
+static inline __m256 tq1_digits8(__m256i q, __m256i pow3) {
+    const __m256i t = _mm256_and_si256(_mm256_mullo_epi32(q, pow3), _mm256_set1_epi32(0xFF));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(_mm256_mullo_epi32(t, _mm256_set1_epi32(3)), 8),
+                                               _mm256_set1_epi32(1)));
+}
+
+static inline __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* TQ1_0 (54 bytes): values 0..159: digit n of bytes 0..31; 160..239: digit n of bytes 32..47; 240..255: digit n
+   of bytes 48..51 (ref/iquants.c row_tq1_0's order); 32 values per partial sum, d per super-block */
+static inline __attribute__((always_inline)) void fused_tq1_0_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    static const int POW3[5] = {1, 3, 9, 27, 81};
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 54) {
+        const __m256 d = _mm256_set1_ps(f16(b + 52));
+        const float *xb = x + blk * 256;
+        const __m256i q0 = u8x8(b), q1 = u8x8(b + 8), q2 = u8x8(b + 16), q3 = u8x8(b + 24);
+        for (int n = 0; n < 5; n++) { /* values 32 n .. 32 n + 31 */
+            const __m256i p = _mm256_set1_epi32(POW3[n]);
+            const __m256 w0 = tq1_digits8(q0, p), w1 = tq1_digits8(q1, p), w2 = tq1_digits8(q2, p), w3 = tq1_digits8(q3, p);
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb + 32 * n, ldx)
+        }
+        const __m256i r0 = u8x8(b + 32), r1 = u8x8(b + 40);
+        for (int n = 0; n < 4; n += 2) { /* values 160 + 16 n .. : digits n and n + 1 of bytes 32..47 */
+            const __m256i p0 = _mm256_set1_epi32(POW3[n]), p1 = _mm256_set1_epi32(POW3[n + 1]);
+            const __m256 w0 = tq1_digits8(r0, p0), w1 = tq1_digits8(r1, p0), w2 = tq1_digits8(r0, p1), w3 = tq1_digits8(r1, p1);
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb + 160 + 16 * n, ldx)
+        }
+        /* values 224..239: digit 4 of bytes 32..47; 240..255: digits 0..3 of bytes 48..51, 4 values each */
+        const __m256i p4 = _mm256_set1_epi32(81), tail = _mm256_cvtepu8_epi32(_mm_set1_epi32((int)u32(b + 48)));
+        const __m256 w0 = tq1_digits8(r0, p4), w1 = tq1_digits8(r1, p4);
+        const __m256 w2 = tq1_digits8(tail, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        const __m256 w3 = tq1_digits8(tail, _mm256_setr_epi32(9, 9, 9, 9, 27, 27, 27, 27));
+        FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb + 224, ldx)
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
+
 /* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
    rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
    stay in registers. */
@@ -574,6 +775,13 @@ SCALED_ROW_FN(fused_int4, fused_int4_mr, k / 2, FUSED_ROWS)
 /* the 8-lane kernels in both builds (no 16-lane variant yet) */
 FUSED_ROW_FN(fused_iq2_xxs, fused_iq2_xxs_mr, k / 256 * 66, FUSED_ROWS)
 FUSED_ROW_FN(fused_iq3_xxs, fused_iq3_xxs_mr, k / 256 * 98, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq2_xs, fused_iq2_xs_mr, k / 256 * 74, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq2_s, fused_iq2_s_mr, k / 256 * 82, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq3_s, fused_iq3_s_mr, k / 256 * 110, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq1_s, fused_iq1_s_mr, k / 256 * 50, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq1_m, fused_iq1_m_mr, k / 256 * 56, FUSED_ROWS)
+FUSED_ROW_FN(fused_tq1_0, fused_tq1_0_mr, k / 256 * 54, FUSED_ROWS)
+FUSED_ROW_FN(fused_tq2_0, fused_tq2_0_mr, k / 256 * 66, FUSED_ROWS)
 
 /* ---------------------------------------------------------------- int8 activations (int8.c): the row kernels
    One weight row (raw blocks b) times m quantized activation rows (xq [m, k] int8, xd [m, k / 32]) ->
