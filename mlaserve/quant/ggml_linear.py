@@ -42,6 +42,14 @@ def _describe(ggml_type: int) -> tuple[str, tuple[int, int]]:
     return f"gguf {t.name}", (1, t.block_size)
 
 
+def _types_detail(types: dict[str, int]) -> str:
+    """native.product_detail of one type, or of each part's where the parts differ ("gate_up ...; down ...")."""
+    if len(set(types.values())) == 1:
+        t = next(iter(types.values()))
+        return native.product_detail(t, GGML_TYPES[t].name)
+    return "; ".join(f"{part} {native.product_detail(t, GGML_TYPES[t].name)}" for part, t in types.items())
+
+
 class GGUFLinear(registry.KernelSwitch, nn.Module):
     """y = x W^T (+ b), W kept as the file's ggml blocks."""
 
@@ -78,6 +86,10 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
 
     def describe(self) -> tuple[str, tuple[int, int]]:
         return _describe(self.ggml_type)
+
+    def native_detail(self) -> str:
+        """The plan's note: the build and whether the type has a fused decode-and-dot kernel in it."""
+        return native.product_detail(self.ggml_type, GGML_TYPES[self.ggml_type].name)
 
     def extra_repr(self) -> str:
         t = GGML_TYPES[self.ggml_type].name
@@ -137,6 +149,10 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         if self.type_down != self.type_gate_up:
             name += f" (down_proj {GGML_TYPES[self.type_down].name})"
         return name, block
+
+    def native_detail(self) -> str:
+        """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""
+        return _types_detail({"gate_up": self.type_gate_up, "down": self.type_down})
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
@@ -249,6 +265,9 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         lead = o_lat.shape[:-2]
         y = self.per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r)
         return y.reshape(*lead, self.heads, -1).to(o_lat.dtype)
+
+    def native_detail(self) -> str:
+        return _types_detail({"k_b": self.type_k, "v_b": self.type_v})
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"

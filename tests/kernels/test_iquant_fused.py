@@ -105,3 +105,25 @@ def test_long_rows_and_expert_groups():
         wa = torch.cat([w[0].abs().expand(2, -1, -1), w[2].abs().expand(3, -1, -1)])
         bound = 2 * k * U * torch.einsum("pk,pnk->pn", x.abs(), wa)
         assert ((y - ref).abs() <= bound).all(), (name, t.name)
+
+
+def test_the_kernel_plan_records_the_fused_kernel():
+    """The plan's note for a holder of each type names the build and the kernel: decode-and-dot for the fused types,
+    "decode, then dot" for a type without one (Q2_K), per projection where an expert stack mixes them."""
+    from torch import nn
+
+    from mlaserve.kernels.registry import KernelContext, plan_kernels
+    from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
+
+    model = nn.Module()
+    for name in (*NEW_FUSED, "Q2_K"):
+        model.add_module(name.lower(), GGUFLinear(256, 8, GGML_TYPE_IDS[name], False, torch.float32, "cpu"))
+    model.experts = GGUFExperts(256, 2, 256, GGML_TYPE_IDS["IQ2_XS"], GGML_TYPE_IDS["Q2_K"], "cpu")
+    plan = plan_kernels(model, KernelContext("native", False))
+    isa = native.isa()
+    for name in NEW_FUSED:
+        c = plan.of(name.lower(), "linear")
+        assert c.impl == "native" and f"({isa} {name} decode-and-dot)" in c.reason, c
+    assert f"({isa} Q2_K decode, then dot)" in plan.of("q2_k", "linear").reason
+    mixed = plan.of("experts", "grouped_experts").reason
+    assert f"gate_up {isa} IQ2_XS decode-and-dot; down {isa} Q2_K decode, then dot" in mixed, mixed
