@@ -127,3 +127,23 @@ def test_the_kernel_plan_records_the_fused_kernel():
     assert f"({isa} Q2_K decode, then dot)" in plan.of("q2_k", "linear").reason
     mixed = plan.of("experts", "grouped_experts").reason
     assert f"gate_up {isa} IQ2_XS decode-and-dot; down {isa} Q2_K decode, then dot" in mixed, mixed
+
+
+def test_decode_then_dot_build_is_the_unfused_path(monkeypatch):
+    """benchmarks/iquant_kernel.py's reference build (MLS_DECODE_THEN_DOT): the same products by decoding each row,
+    then dotting it, also within the bound, and not the fused kernel's rounding (the switch took effect)."""
+    fused_lib = native.library()
+    lib, detail = native._build(("-DMLS_DECODE_THEN_DOT",))
+    assert lib is not None, detail
+    from test_gguf_iquants import iq_blocks
+
+    tid = GGML_TYPE_IDS["IQ2_XS"]
+    raw = torch.from_numpy(iq_blocks("IQ2_XS", 64 * 4, seed=9)).reshape(64, -1).contiguous()
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(9))
+    fused = native.gemm(tid, x, raw, 1024)
+    monkeypatch.setitem(native._state, "lib", lib)
+    unfused = native.gemm(tid, x, raw, 1024)
+    w = ggml.dense(raw, tid, 1024)
+    bound = 2 * 1024 * U * (x.abs() @ w.abs().T)
+    assert ((unfused - F.linear(x, w)).abs() <= bound).all()
+    assert not torch.equal(fused, unfused) and fused_lib is not lib
