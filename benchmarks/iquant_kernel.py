@@ -3,8 +3,9 @@ kernels, per ggml block type: Q4_K and Q4_0 (the 4-bit reference points) and eve
 type runs twice: the build's kernel (fused decode-and-dot for every type listed) and the same build compiled with
 MLS_DECODE_THEN_DOT (each weight row decoded into a buffer by the type's decoder, then dotted with each activation
 row: what the types without a fused kernel ran before). Random valid blocks (fp16 scales of a sane size): the time
-does not depend on the values. Columns: median ms per call (benchmarks/common.py's timer), the weight bytes read
-per call / time (GB/s), the fused kernel's speed-up over decode-then-dot and its time relative to Q4_K's.
+does not depend on the values. Columns: median and fastest ms per call (benchmarks/common.py's timer; on a shared machine
+the fastest is the least disturbed), decode-then-dot's median, the fused kernel's speed-up over it and its median
+relative to Q4_K's, the weight bytes read per call / median time (GB/s).
 The JSON (results, CPU model and SIMD flags, load average before and after) goes to benchmarks/results/.
 
   python benchmarks/iquant_kernel.py [--threads N] [--reps R] [--json PATH]
@@ -36,10 +37,16 @@ def blocks(name: str) -> torch.Tensor:
     t = GGML_TYPES[GGML_TYPE_IDS[name]]
     g = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (N * K // t.block_size, t.type_size), dtype=torch.uint8, generator=g)
-    for off in SCALE_OFFSETS[name]:
-        raw[:, off : off + 2] = (
-            (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(-1, 2)
-        )
+    d = (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half()
+    if name == "IQ1_M":  # d's 16 bits are the top nibbles of the 4 scale words (random ones: subnormals, NaNs)
+        bits = d.view(torch.int16).to(torch.int32) & 0xFFFF
+        words = raw[:, 48:56].clone().view(torch.int16).to(torch.int32) & 0xFFFF
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        raw[:, 48:56] = words.to(torch.int16).view(torch.uint8).view(-1, 8)
+    else:
+        for off in SCALE_OFFSETS[name]:
+            raw[:, off : off + 2] = d.view(torch.uint8).view(-1, 2)
     return raw.reshape(N, -1).contiguous()
 
 
@@ -67,7 +74,8 @@ def main() -> None:
             ms = {}
             for how, lib in (("fused", fused_lib), ("decode_then_dot", unfused_lib)):
                 native._state["lib"] = lib  # the library native.gemm calls
-                ms[how] = timed(lambda: ggml.linear(x, w, tid, K, kernel="native"), args.reps)["median_s"] * 1e3
+                t_s = timed(lambda: ggml.linear(x, w, tid, K, kernel="native"), args.reps)
+                ms[how], ms[f"{how}_min"] = t_s["median_s"] * 1e3, t_s["min_s"] * 1e3
             native._state["lib"] = fused_lib
             fused = bool(native.type_kernels(tid) & 2)
             results.append(
@@ -78,7 +86,9 @@ def main() -> None:
                     "rows": rows,
                     "kernel": "fused" if fused else "decode, then dot",
                     "ms": ms["fused"],
+                    "ms_min": ms["fused_min"],
                     "ms_decode_then_dot": ms["decode_then_dot"],
+                    "ms_decode_then_dot_min": ms["decode_then_dot_min"],
                     "gb_s": w.numel() / ms["fused"] / 1e6,
                 }
             )
@@ -90,6 +100,7 @@ def main() -> None:
             f"{r['mib']:.1f}",
             r["rows"],
             f"{r['ms']:.2f}",
+            f"{r['ms_min']:.2f}",
             f"{r['ms_decode_then_dot']:.2f}",
             f"{r['ms_decode_then_dot'] / r['ms']:.1f}x",
             f"{r['ms'] / q4k[r['rows']]:.2f}",
@@ -97,7 +108,7 @@ def main() -> None:
         ]
         for r in results
     ]
-    heads = ["format", "bits/w", "MiB", "rows", "ms", "decode-then-dot ms", "speed-up", "vs Q4_K", "GB/s"]
+    heads = ["format", "bits/w", "MiB", "rows", "ms", "min ms", "decode-then-dot ms", "speed-up", "vs Q4_K", "GB/s"]
     print_table(heads, table)
     env["loadavg_end"] = list(os.getloadavg())
     out = args.json or RESULTS_DIR / f"iquant_kernel-{time.strftime('%Y%m%d-%H%M%S')}.json"
