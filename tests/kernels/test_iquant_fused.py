@@ -1,4 +1,5 @@
-"""The fused decode-and-dot kernels of IQ3_S, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0 and TQ2_0 (kernels/csrc/x86/avx2.c):
+"""The fused decode-and-dot kernels of IQ3_S, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0 and TQ2_0 (kernels/csrc/x86/avx2.c, the
+16-lane grid kernels in x86/avx512.c):
 registered in the type table (mls_type_info's fused bit) in every SIMD build, and their products at every row count
 1-16 within the fp32 summation bound 2 K u (|x| @ |W|^T) of "decode (bit-identical to gguf-py), then matmul": the
 kernel sums s * sum_j(code_j x_j) where the reference sums (s * code_j) x_j, two roundings of one exact sum, each
@@ -75,7 +76,7 @@ def test_fused_within_the_summation_bound_every_entry_every_row_count(name, caps
 
 
 def test_avx2_build_where_the_machine_has_avx512(monkeypatch):
-    """The 8-lane kernels serve both builds; the AVX2 one is built here too so a machine without AVX-512 is covered."""
+    """The AVX2 build (8-lane kernels) here too, so that a machine without AVX-512 is covered."""
     if "avx512f" not in cpu_flags():
         pytest.skip("the machine's build is the AVX2 one (tested above)")
     lib, detail = native._build(("-mno-avx512f",))
