@@ -470,12 +470,15 @@ static inline float iq1_m_d(const uint8_t *b) {
 }
 
 static inline __attribute__((always_inline)) void iq1_m_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
-    const int h0 = 2 * ib, h1 = 2 * ib + 1; /* the two 16-value halves: scale word h / 4, bits 3 (h % 4) */
-    o->s0 = d * (float)(2 * ((u16(b + 48 + 2 * (h0 / 4)) >> (3 * (h0 % 4))) & 7) + 1);
-    o->s1 = d * (float)(2 * ((u16(b + 48 + 2 * (h1 / 4)) >> (3 * (h1 % 4))) & 7) + 1);
+    const uint16_t sw = u16(b + 48 + 2 * (ib / 2)); /* halves 2 ib, 2 ib + 1: word ib / 2, bits 6 (ib % 2) + 0, 3 */
+    const int sh = 6 * (ib % 2);
+    o->s0 = d * (float)(2 * ((sw >> sh) & 7) + 1);
+    o->s1 = d * (float)(2 * ((sw >> (sh + 3)) & 7) + 1);
+    const uint16_t qh = u16(b + 32 + 2 * ib); /* the 4 groups' nibbles */
+    const uint8_t *q = b + 4 * ib;
     for (int l = 0; l < 4; l++) {
-        const int gi = 4 * ib + l, nib = (b[32 + gi / 2] >> (4 * (gi % 2))) & 0x0F;
-        o->g[l] = _mm_cvtsi64_si128((long long)IQ1S_GRID[b[gi] | ((nib & 7) << 8)]);
+        const int nib = (qh >> (4 * l)) & 0x0F;
+        o->g[l] = _mm_cvtsi64_si128((long long)IQ1S_GRID[q[l] | ((nib & 7) << 8)]);
         o->delta[l] = IQ1_DELTAS[nib >> 3];
     }
 }
