@@ -83,7 +83,7 @@ def _multipliers(db: torch.Tensor, per: int, bits: int, form) -> tuple[torch.Ten
 
 def quantize(x: np.ndarray, name: str) -> np.ndarray:
     """x [n, K] float32 (K a multiple of 256; IQ4_NL: of 32) -> [n, K / block * type_size] uint8 blocks."""
-    return QUANTIZERS[name](torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).double().reshape(-1, 256))
+    return QUANTIZERS[name](torch.from_numpy(np.array(x, dtype=np.float32)).double().reshape(-1, 256))
 
 
 # ------------------------------------------------------------------------------------------ IQ4

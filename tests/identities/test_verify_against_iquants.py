@@ -62,16 +62,23 @@ def test_error_model_needs_the_scales():
         relative_error(torch.ones(256), "IQ2_XS")
 
 
-def write_quantized(src, dst, name: str, corrupt: bool = False):
-    """ds3's f32 GGUF with QUANTIZED stored as `name`; corrupt: blk.0.ffn_down quantized from 16 x its weights."""
+def write_quantized(src, dst, name: str, corrupt: bool = False, cache: dict | None = None):
+    """ds3's f32 GGUF with QUANTIZED stored as `name`; corrupt: blk.0.ffn_down quantized from 16 x its weights.
+    cache: tensor name -> blocks of the sound file, filled and reused (the corrupted file requantizes one)."""
+    cache = {} if cache is None else cache
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
     copy_kv(reader, writer)
     for t in reader.tensors:
         data = np.ascontiguousarray(t.data)
         if t.name in QUANTIZED:
-            x = data * (16.0 if corrupt and t.name == "blk.0.ffn_down.weight" else 1.0)
-            writer.add_tensor(t.name, blocks_of(x, name), raw_dtype=gguf.GGMLQuantizationType[name])
+            if corrupt and t.name == "blk.0.ffn_down.weight":
+                raw = blocks_of(data * 16.0, name)
+            else:
+                if t.name not in cache:
+                    cache[t.name] = blocks_of(data, name)
+                raw = cache[t.name]
+            writer.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType[name])
         else:
             writer.add_tensor(t.name, data)
     writer.write_header_to_file()
@@ -86,6 +93,7 @@ def ds3_hf():
     return open_side(str(fixture_dir("ds3")))
 
 
+@pytest.mark.slow  # 11 types, two files and three forward passes each (~60 s on 2 cores)
 @pytest.mark.fixtures
 @pytest.mark.parametrize("name", TYPES)
 def test_a_file_of_each_type_passes_and_a_corrupted_one_fails(name, ds3_hf, tmp_path, capsys):
@@ -94,7 +102,8 @@ def test_a_file_of_each_type_passes_and_a_corrupted_one_fails(name, ds3_hf, tmp_
     give): the error model reads the same relative error off those blocks, the output is off by ~15x, and the
     verdict names layer 0's MLP."""
     src = fixture_dir("ds3") / "model-f32.gguf"
-    sound = open_side(str(write_quantized(src, tmp_path / f"{name}.gguf", name)))
+    cache: dict = {}
+    sound = open_side(str(write_quantized(src, tmp_path / f"{name}.gguf", name, cache=cache)))
     ids, _ = encode_prompt(sound, ds3_hf, PROMPT)
     report = compare(sound, ds3_hf, ids)
     assert report.passed, describe_failure(report)
@@ -102,7 +111,7 @@ def test_a_file_of_each_type_passes_and_a_corrupted_one_fails(name, ds3_hf, tmp_
     by = {b.block: b for b in report.blocks}
     for block in ("layer.0.mlp", "layer.1.attn"):
         assert 1e-3 < by[block].rel_diff <= by[block].tolerance, (name, by[block])
-    bad = open_side(str(write_quantized(src, tmp_path / f"{name}-bad.gguf", name, corrupt=True)))
+    bad = open_side(str(write_quantized(src, tmp_path / f"{name}-bad.gguf", name, corrupt=True, cache=cache)))
     failed = compare(bad, ds3_hf, ids)
     f = failed.first_failure
     with capsys.disabled():
