@@ -475,14 +475,14 @@ _BLOCK_SCALES: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def value_scales(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The scale of each value of an i-quant or ternary tensor's raw bytes -> float32 [values], in the values'
-    order (observability/weight_error.py reads the grid step of each value off it)."""
+def sub_block_scales(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The scales of an i-quant or ternary tensor's raw bytes -> float32 [sub-blocks], one per run of values that
+    share it, in the values' order (values per scale: the tensor's values / this length);
+    observability/weight_error.py reads each value's grid step off it."""
     t = GGML_TYPES[ggml_type]
     if ggml_type not in _BLOCK_SCALES:
         raise NotImplementedError(f"no sub-block scales for ggml type {t.name}")
-    s = _BLOCK_SCALES[ggml_type](raw.reshape(-1, t.type_size))
-    return s.repeat_interleave(t.block_size // s.shape[1], dim=1).reshape(-1)
+    return _BLOCK_SCALES[ggml_type](raw.reshape(-1, t.type_size)).reshape(-1)
 
 
 def _plain(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ Notation
            step depends on the value (S/2 below 2S, S below 4S, 2S above); ggml's quantizer sets e from
            floor(log2 max|s|) - 2, so the largest stored |x| is 4S or 6S and S = 2^(floor(log2 max|x|) - 2)
   i-quants  a value is s * (grid or table value), s its sub-block's scale read from the blocks
-           (gguf/quants.py value_scales, as the dequantizer forms it):
+           (gguf/quants.py sub_block_scales, as the dequantizer forms it):
              IQ4_NL, IQ4_XS: the 16-value table; step = s * the table's spacing around the value (the mean of
                its two gaps, an end value's one gap)
              grid types: the quantizer picks one of N grid entries for n values (signs apart) whose coordinates
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaserve.gguf.quants import IQ4NL_VALUES, value_scales
+from mlaserve.gguf.quants import IQ4NL_VALUES, sub_block_scales
 from mlaserve.gguf.read.file import GGUFFile
 
 # type -> (values per sub-block that share a scale, symmetric, m for symmetric types | L - 1 for types
@@ -121,8 +121,8 @@ def block_of(gguf_name: str, num_layers: int) -> str | None:
 
 
 def relative_error(w: torch.Tensor, type_name: str, scales: torch.Tensor | None = None) -> float:
-    """e(W) for a tensor stored as type_name (see the notation block); scales: each value's sub-block scale
-    (gguf/quants.py value_scales), which the i-quants' and ternary types' model needs."""
+    """e(W) for a tensor stored as type_name (see the notation block); scales: the sub-block scales in the values'
+    order (gguf/quants.py sub_block_scales), which the i-quants' and ternary types' model needs."""
     norm2 = float(w.double().pow(2).sum())
     if norm2 == 0.0:
         return 0.0
@@ -133,7 +133,7 @@ def relative_error(w: torch.Tensor, type_name: str, scales: torch.Tensor | None 
     if type_name in IQ_ERROR_TYPES:
         if scales is None:
             raise ValueError(f"the {type_name} error model reads each value's scale from the blocks: none given")
-        return (_iq_err2(w.reshape(-1), scales.reshape(-1), type_name) / norm2) ** 0.5
+        return (_iq_err2(w.reshape(scales.numel(), -1), scales.reshape(-1), type_name) / norm2) ** 0.5
     if type_name not in _BLOCK_GRID:
         raise ValueError(f"no quantization error model for ggml type {type_name}")
     size, symmetric, div = _BLOCK_GRID[type_name]
@@ -155,18 +155,23 @@ def _mxfp4_err2(w: torch.Tensor) -> float:
 
 
 def _iq_err2(w: torch.Tensor, s: torch.Tensor, type_name: str) -> float:
-    """err^2 of i-quant or ternary values w [n] with their scales s [n] (notation block)."""
+    """err^2 of i-quant or ternary values w [sub-blocks, values per scale] with their scales s [sub-blocks]
+    (notation block). Per sub-block where the step is the scale's alone; IQ4 reads each value's table entry, a
+    chunk of rows at a time (a whole expert stack's levels at once would double its memory)."""
     s = s.double()
     if type_name in _GRID_STEP:
-        step = s.abs() * _GRID_STEP[type_name]
-    else:  # IQ4: the table's spacing around each value's entry (IQ4_XS's scale may be negative, or 0: no step)
-        table = torch.tensor(IQ4NL_VALUES, dtype=torch.float64)
-        gaps = table[1:] - table[:-1]
-        spacing = torch.cat([gaps[:1], (gaps[1:] + gaps[:-1]) / 2, gaps[-1:]])
-        level = w.double() / torch.where(s != 0, s, 1.0)
-        nearest = torch.bucketize(level, (table[1:] + table[:-1]) / 2)  # the entry whose cell holds the level
-        step = s.abs() * spacing[nearest]
-    return float((step * step).sum()) / 12.0
+        return float((s * s).sum()) * w.shape[1] * _GRID_STEP[type_name] ** 2 / 12.0
+    table = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)
+    gaps = table[1:] - table[:-1]
+    spacing = torch.cat([gaps[:1], (gaps[1:] + gaps[:-1]) / 2, gaps[-1:]]).double()
+    mids = (table[1:] + table[:-1]) / 2
+    total = 0.0
+    for c in range(0, w.shape[0], 1 << 16):  # IQ4_XS's scale may be negative, or 0 (its values 0: no step)
+        sc = s[c : c + (1 << 16)]
+        level = w[c : c + (1 << 16)].float() / torch.where(sc != 0, sc, 1.0).float()[:, None]
+        step = spacing[torch.bucketize(level, mids)] * sc.abs()[:, None]  # the entry whose cell holds the level
+        total += float((step * step).sum())
+    return total / 12.0
 
 
 def tensor_errors(gf: GGUFFile, num_layers: int) -> list[TensorError]:
@@ -175,7 +180,7 @@ def tensor_errors(gf: GGUFFile, num_layers: int) -> list[TensorError]:
         block = block_of(name, num_layers)
         e = 0.0
         if block is not None:
-            scales = value_scales(gf.raw(name), info.ggml_type) if info.type_name in IQ_ERROR_TYPES else None
+            scales = sub_block_scales(gf.raw(name), info.ggml_type) if info.type_name in IQ_ERROR_TYPES else None
             e = relative_error(gf.tensor(name), info.type_name, scales)
         out.append(TensorError(name, info.type_name, block, e))
     return out

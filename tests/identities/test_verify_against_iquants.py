@@ -17,7 +17,7 @@ from gguf_helpers import copy_kv
 from iq_quantize import QUANTIZERS, quantize
 
 from mlaserve.entrypoints.verify_against import compare, describe_failure, encode_prompt, open_side
-from mlaserve.gguf.quants import GGML_TYPE_IDS, value_scales
+from mlaserve.gguf.quants import GGML_TYPE_IDS, sub_block_scales
 from mlaserve.observability.weight_error import relative_error
 
 gguf = pytest.importorskip("gguf")
@@ -40,7 +40,9 @@ def estimate_and_actual(x: np.ndarray, name: str) -> tuple[float, float]:
     raw = blocks_of(x, name)
     deq = np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(tid)), dtype=np.float32)
     actual = float(np.linalg.norm(deq - x) / np.linalg.norm(x))
-    est = relative_error(torch.from_numpy(deq), name, value_scales(torch.from_numpy(np.ascontiguousarray(raw)), tid))
+    est = relative_error(
+        torch.from_numpy(deq), name, sub_block_scales(torch.from_numpy(np.ascontiguousarray(raw)), tid)
+    )
     return est, actual
 
 
