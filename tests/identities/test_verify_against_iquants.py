@@ -122,3 +122,38 @@ def test_a_file_of_each_type_passes_and_a_corrupted_one_fails(name, ds3_hf, tmp_
         )
         print(f"\n{name}: sound {cells}; corrupted: {f.block if f else None} rel {f.rel_diff if f else 0:.2f}")
     assert f is not None and f.block == "layer.0.mlp", describe_failure(failed)
+
+
+def test_iq4_xs_negative_and_zero_scales():
+    """IQ4_XS's sub-block scale d (ls - 32) is negative for ls < 32 and 0 at 32. Each value's table entry, found by
+    exact equality with the dequantizer's d * entry (an independent route to what the model bucketizes), gives the
+    same err^2: a sign slip would read a level off the table's other side (its spacing differs there)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "gguf"))
+    from test_gguf_iquants import iq_blocks
+
+    from mlaserve.gguf.iq_grids import IQ4NL_VALUES
+    from mlaserve.gguf.quants import dequantize
+
+    tid = GGML_TYPE_IDS["IQ4_XS"]
+    raw = torch.from_numpy(iq_blocks("IQ4_XS", 64, seed=4))
+    s = sub_block_scales(raw, tid)
+    assert (s < 0).any() and (s > 0).any()
+    raw[0, 4] = 0x00  # sub-blocks 0 and 1: ls = 32 (low nibbles 0, high bits 2), d (ls - 32) = 0
+    raw[0, 2] = (raw[0, 2] & 0xF0) | 0x0A
+    s = sub_block_scales(raw, tid)
+    assert s[0] == 0 and s[1] == 0
+    w = dequantize(raw, tid, (64 * 256,)).reshape(-1, 32)
+    table = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)
+    gaps = (table[1:] - table[:-1]).tolist()
+    spacing = [gaps[0]] + [(a + b) / 2 for a, b in zip(gaps[:-1], gaps[1:])] + [gaps[-1]]
+    err2 = 0.0
+    for row, sc in zip(w, s.tolist()):
+        for v in row.tolist():
+            hits = [i for i, t in enumerate(table.tolist()) if np.float32(sc) * np.float32(t) == np.float32(v)]
+            assert hits or sc == 0
+            err2 += (abs(sc) * spacing[hits[0]]) ** 2 / 12 if sc else 0.0
+    want = (err2 / float(w.double().pow(2).sum())) ** 0.5
+    assert relative_error(w.reshape(-1), "IQ4_XS", s) == pytest.approx(want, rel=1e-9)
