@@ -292,36 +292,53 @@ def _u16(b: torch.Tensor) -> torch.Tensor:
     return q[..., 0] | (q[..., 1] << 8)
 
 
+def _iq4_nl_scales(b: torch.Tensor) -> torch.Tensor:  # [n, 1]: d
+    return _f16(b[:, :2])
+
+
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:  # d qs[16]
     table = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=b.device)
-    return _f16(b[:, :2]) * table[_nibbles(b[:, 2:])]
+    return _iq4_nl_scales(b) * table[_nibbles(b[:, 2:])]
+
+
+def _iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:  # [n, 8]: d (ls - 32) per 32 values
+    n = b.shape[0]
+    lo = (_shifted(b[:, 4:8], (0, 4), (2, 1)).transpose(1, 2).reshape(n, 8)) & 0x0F  # sub-block j: byte j/2, nibble
+    hi = (_u16(b[:, 2:4]) >> torch.arange(0, 16, 2, device=b.device)) & 3
+    return _f16(b[:, :2]) * ((lo | (hi << 4)) - 32).to(torch.float32)
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:  # d scales_h[2] scales_l[4] qs[128]: 8 sub-blocks of 32
     n = b.shape[0]
-    lo = (_shifted(b[:, 4:8], (0, 4), (2, 1)).transpose(1, 2).reshape(n, 8)) & 0x0F  # sub-block j: byte j/2, nibble
-    hi = (_u16(b[:, 2:4]) >> torch.arange(0, 16, 2, device=b.device)) & 3
-    dl = (_f16(b[:, :2]) * ((lo | (hi << 4)) - 32).to(torch.float32)).reshape(n, 8, 1)
+    dl = _iq4_xs_scales(b).reshape(n, 8, 1)
     table = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=b.device)
     q = _nibbles(b[:, 8:].reshape(n * 8, 16)).reshape(n, 8, 32)
     return (dl * table[q]).reshape(n, QK_K)
 
 
+def _iq2_xxs_scales(b: torch.Tensor) -> torch.Tensor:  # [n, 8]: db per 32 values
+    aux = _u32(b[:, 2:]).reshape(b.shape[0], 8, 2)[..., 1]
+    return _f16(b[:, :2]) * (0.5 + (aux >> 28).to(torch.float32)) * 0.25
+
+
 def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:  # d qs[64]: per 32 values 4 grid bytes, then a uint32 of signs/scale
     n = b.shape[0]
-    words = _u32(b[:, 2:]).reshape(n, 8, 2)
-    aux = words[..., 1]
-    db = (_f16(b[:, :2]) * (0.5 + (aux >> 28).to(torch.float32)) * 0.25).reshape(n, 8, 1, 1)
+    aux = _u32(b[:, 2:]).reshape(n, 8, 2)[..., 1]
+    db = _iq2_xxs_scales(b).reshape(n, 8, 1, 1)
     idx = b[:, 2:].reshape(n, 8, 8)[..., :4].to(torch.int64)  # the first word's bytes
     signs = _ksigns().to(b.device)[(aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=b.device)) & 0x7F]
     return (db * _grid_on("IQ2XXS", b.device)[idx] * signs).reshape(n, QK_K)
 
 
+def _half_scales(b: torch.Tensor, at: int) -> torch.Tensor:  # [n, 16]: IQ2_XS / IQ2_S db per 16 values
+    sc = (_shifted(b[:, at : at + 8], (0, 4), (2, 1)).transpose(1, 2).reshape(b.shape[0], 16)) & 0x0F
+    return _f16(b[:, :2]) * (0.5 + sc.to(torch.float32)) * 0.25
+
+
 def _iq2_xs(b: torch.Tensor) -> torch.Tensor:  # d qs[32 x uint16: 9-bit grid index, 7 sign bits] scales[8]
     n = b.shape[0]
     qs = _u16(b[:, 2:66])
-    sc = (_shifted(b[:, 66:74], (0, 4), (2, 1)).transpose(1, 2).reshape(n, 16)) & 0x0F
-    db = (_f16(b[:, :2]) * (0.5 + sc.to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
+    db = _half_scales(b, 66).reshape(n, 16, 1, 1)
     signs = _ksigns().to(b.device)[qs >> 9].reshape(n, 16, 2, 8)
     grid = _grid_on("IQ2XS", b.device)[qs & 511].reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
@@ -329,8 +346,7 @@ def _iq2_xs(b: torch.Tensor) -> torch.Tensor:  # d qs[32 x uint16: 9-bit grid in
 
 def _iq2_s(b: torch.Tensor) -> torch.Tensor:  # d qs[32] signs[32] qh[8] scales[8]
     n = b.shape[0]
-    sc = (_shifted(b[:, 74:82], (0, 4), (2, 1)).transpose(1, 2).reshape(n, 16)) & 0x0F
-    db = (_f16(b[:, :2]) * (0.5 + sc.to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
+    db = _half_scales(b, 74).reshape(n, 16, 1, 1)
     signs = _sign_bits(b[:, 34:66]).reshape(n, 16, 2, 8)
     qh = (_shifted(b[:, 66:74], (0, 2, 4, 6), (4, 1)).transpose(1, 2).reshape(n, 32)) & 3
     idx = b[:, 2:34].to(torch.int64) | (qh.to(torch.int64) << 8)
@@ -338,19 +354,27 @@ def _iq2_s(b: torch.Tensor) -> torch.Tensor:  # d qs[32] signs[32] qh[8] scales[
     return (db * grid * signs).reshape(n, QK_K)
 
 
+def _iq3_xxs_scales(b: torch.Tensor) -> torch.Tensor:  # [n, 8]: db per 32 values
+    return _f16(b[:, :2]) * (0.5 + (_u32(b[:, 66:98]) >> 28).to(torch.float32)) * 0.5
+
+
 def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:  # d qs[64] (grid bytes) scales[32] (8 uint32: 4 x 7 sign bits, scale)
     n = b.shape[0]
     aux = _u32(b[:, 66:98])
-    db = (_f16(b[:, :2]) * (0.5 + (aux >> 28).to(torch.float32)) * 0.5).reshape(n, 8, 1, 1)
+    db = _iq3_xxs_scales(b).reshape(n, 8, 1, 1)
     signs = _ksigns().to(b.device)[(aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=b.device)) & 0x7F]
     grid = _grid_on("IQ3XXS", b.device)[b[:, 2:66].to(torch.int64)].reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
+def _iq3_s_scales(b: torch.Tensor) -> torch.Tensor:  # [n, 8]: db per 32 values
+    sc = (_shifted(b[:, 106:110], (0, 4), (2, 1)).transpose(1, 2).reshape(b.shape[0], 8)) & 0x0F
+    return _f16(b[:, :2]) * (1 + 2 * sc).to(torch.float32)
+
+
 def _iq3_s(b: torch.Tensor) -> torch.Tensor:  # d qs[64] qh[8] signs[32] scales[4]
     n = b.shape[0]
-    sc = (_shifted(b[:, 106:110], (0, 4), (2, 1)).transpose(1, 2).reshape(n, 8)) & 0x0F
-    db = (_f16(b[:, :2]) * (1 + 2 * sc).to(torch.float32)).reshape(n, 8, 1, 1)
+    db = _iq3_s_scales(b).reshape(n, 8, 1, 1)
     signs = _sign_bits(b[:, 74:106]).reshape(n, 8, 4, 8)
     qh = (_shifted(b[:, 66:74], range(8), (8, 1)).transpose(1, 2).reshape(n, 64)) & 1
     idx = b[:, 2:66].to(torch.int64) | (qh.to(torch.int64) << 8)
@@ -358,10 +382,14 @@ def _iq3_s(b: torch.Tensor) -> torch.Tensor:  # d qs[64] qh[8] signs[32] scales[
     return (db * grid * signs).reshape(n, QK_K)
 
 
+def _iq1_s_scales(b: torch.Tensor) -> torch.Tensor:  # [n, 8]: dl per 32 values
+    return _f16(b[:, :2]) * (2 * ((_u16(b[:, 34:50]) >> 12) & 7) + 1).to(torch.float32)
+
+
 def _iq1_s(b: torch.Tensor) -> torch.Tensor:  # d qs[32] qh[8 x uint16: 4 x 3 index bits, 3 scale bits, delta sign]
     n = b.shape[0]
     qh = _u16(b[:, 34:50])
-    dl = (_f16(b[:, :2]) * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)).reshape(n, 8, 1, 1)
+    dl = _iq1_s_scales(b).reshape(n, 8, 1, 1)
     delta = torch.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA).reshape(n, 8, 1, 1)
     hi = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
     idx = b[:, 2:34].to(torch.int64) | (hi.reshape(n, 32) << 8)
@@ -369,13 +397,18 @@ def _iq1_s(b: torch.Tensor) -> torch.Tensor:  # d qs[32] qh[8 x uint16: 4 x 3 in
     return (dl * (grid + delta)).reshape(n, QK_K)
 
 
-def _iq1_m(b: torch.Tensor) -> torch.Tensor:  # qs[32] qh[16] scales[8]: 4 uint16 of 3-bit scales, d in their tops
+def _iq1_m_scales(b: torch.Tensor) -> torch.Tensor:  # [n, 16]: dl per 16 values
     n = b.shape[0]
     s = _u16(b[:, 48:56])
     bits = ((s & 0xF000) >> torch.tensor([12, 8, 4, 0], device=b.device)).sum(1)  # disjoint nibbles: sum == or
     d = _f16(torch.stack([bits & 0xFF, bits >> 8], dim=1).to(torch.uint8))
     sc = ((s.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7).reshape(n, 16)
-    dl = (d * (2 * sc + 1).to(torch.float32)).reshape(n, 8, 2, 1, 1)
+    return d * (2 * sc + 1).to(torch.float32)
+
+
+def _iq1_m(b: torch.Tensor) -> torch.Tensor:  # qs[32] qh[16] scales[8]: 4 uint16 of 3-bit scales, d in their tops
+    n = b.shape[0]
+    dl = _iq1_m_scales(b).reshape(n, 8, 2, 1, 1)
     nib = (_shifted(b[:, 32:48], (0, 4), (2, 1)).transpose(1, 2).reshape(n, 32)) & 0x0F
     idx = b[:, :32].to(torch.int64) | ((nib & 7).to(torch.int64) << 8)
     delta = torch.where((nib & 8) == 0, IQ1_DELTA, -IQ1_DELTA).reshape(n, 8, 2, 2, 1)
@@ -423,6 +456,33 @@ _BLOCK_DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     34: _tq1_0,
     35: _tq2_0,
 }
+
+
+# the i-quants' and ternary types' scales: [n_blocks, sub-blocks], each the factor of sub-block's values (its grid
+# or table value, signs and IQ1's delta are the other factor), formed as the dequantizers form them
+_BLOCK_SCALES: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    16: _iq2_xxs_scales,
+    17: lambda b: _half_scales(b, 66),
+    18: _iq3_xxs_scales,
+    19: _iq1_s_scales,
+    20: _iq4_nl_scales,
+    21: _iq3_s_scales,
+    22: lambda b: _half_scales(b, 74),
+    23: _iq4_xs_scales,
+    29: _iq1_m_scales,
+    34: lambda b: _f16(b[:, 52:54]),
+    35: lambda b: _f16(b[:, 64:66]),
+}
+
+
+def sub_block_scales(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The scales of an i-quant or ternary tensor's raw bytes -> float32 [sub-blocks], one per run of values that
+    share it, in the values' order (values per scale: the tensor's values / this length);
+    observability/weight_error.py reads each value's grid step off it."""
+    t = GGML_TYPES[ggml_type]
+    if ggml_type not in _BLOCK_SCALES:
+        raise NotImplementedError(f"no sub-block scales for ggml type {t.name}")
+    return _BLOCK_SCALES[ggml_type](raw.reshape(-1, t.type_size)).reshape(-1)
 
 
 def _plain(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ These functions are the seam (LINEAR / EXPERT_LINEAR: an implementation per name
 load). kernel="torch" is the reference: "dequantize (gguf.quants, bit-exact
 with gguf-py), then one fp32 GEMM". kernel="native" (csrc/): up to GEMV_ROWS rows per weight,
 each weight row is decoded once (bit-identical values) and dotted with every x row, reading the
-blocks straight from memory (Q8_0, Q4_0, Q5_0, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS, Q4_K, Q6_K: fused, the (sub-)block scale applied to each partial
+blocks straight from memory (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q6_K, every i-quant, TQ1_0, TQ2_0: fused, the (sub-)block scale applied to each partial
 sum, a rounding within the same bound); more rows than that are compute-bound, so the weight is decoded once
 by the native decoder and the BLAS GEMM does the rest. Both agree with the reference up to fp32
 summation order (tests/kernels/test_kernels.py holds them to that bound). With int8 (engine option

@@ -204,6 +204,23 @@ def quantize_act(type_id: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return q, d
 
 
+def type_kernels(type_id: int) -> int:
+    """The kernels this build has for a weight type (csrc/types.c mls_type_info): bit 0 decode, bit 1 fused
+    decode-and-dot, bit 2 int8 activations; 0 without the library or for a type it does not decode."""
+    lib = library()
+    v = (ctypes.c_int64 * 3)()
+    if lib is None or lib.mls_type_info(type_id, ctypes.byref(v, 0), ctypes.byref(v, 8), ctypes.byref(v, 16)):
+        return 0
+    return int(v[2])
+
+
+def product_detail(type_id: int, name: str) -> str:
+    """What a product on a type runs in this build, for the kernel plan: "avx512 IQ2_XS decode-and-dot" (the
+    fused kernel), or "scalar IQ2_XS decode, then dot" (each row decoded into a buffer, then dotted)."""
+    how = "decode-and-dot" if type_kernels(type_id) & 2 else "decode, then dot"
+    return f"{isa()} {name} {how}"
+
+
 @dataclass(frozen=True)
 class ScaleGrid:
     """Where the fp32 scales of an fp8 / fp4 weight are (see csrc/gemv.c fp8_scales): blocks of bn rows x

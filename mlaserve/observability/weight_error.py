@@ -12,8 +12,20 @@ Notation
   MXFP4    e2m1 levels 0, 0.5, 1, 1.5, 2, 3, 4, 6 (and negatives) times S = 2^(e - 127) per 32 values: the
            step depends on the value (S/2 below 2S, S below 4S, 2S above); ggml's quantizer sets e from
            floor(log2 max|s|) - 2, so the largest stored |x| is 4S or 6S and S = 2^(floor(log2 max|x|) - 2)
+  i-quants  a value is s * (grid or table value), s its sub-block's scale read from the blocks
+           (gguf/quants.py sub_block_scales, as the dequantizer forms it):
+             IQ4_NL, IQ4_XS: the 16-value table; step = s * the table's spacing around the value (the mean of
+               its two gaps, an end value's one gap)
+             grid types: the quantizer picks one of N grid entries for n values (signs apart) whose coordinates
+               take L levels Delta apart (IQ2_*: 8, 25, 43, Delta 17.5; IQ3_XXS: 4, 12, ..., 62, Delta 8; IQ3_S:
+               1, 3, ..., 15, Delta 2; IQ1_*: -1, 0, 1 (+ delta), Delta 1). The full lattice of L^n points has
+               cells Delta^n; N entries cover the same region with cells L^n / N times larger, the spacing of
+               an equal-volume cubic cell Delta (L^n / N)^(1/n); 7 stored sign bits per 8 values (IQ2_XXS,
+               IQ2_XS, IQ3_XXS: the 8th is their parity) halve the sign patterns: another 2^(1/8). step = s
+               times that. (IQ2_XXS 1.64 Delta, IQ2_XS 1.50, IQ2_S 1.26, IQ3_XXS 2.18, IQ3_S 1.68, IQ1 1.16)
+             TQ1_0, TQ2_0: d (-1, 0, 1): step = d
   err^2(W) = sum_s n_s step(s)^2 / 12       rounding to the nearest level: uniform in +-step/2
-             (MXFP4: the sum of each value's own step^2 / 12)
+             (MXFP4 and the i-quants: the sum of each value's own step^2 / 12)
   e(W)     = sqrt(err^2(W) / ||W||^2)       relative RMS error of the tensor
   float types: e = u / sqrt(3) with unit roundoff u (F16 2^-11, BF16 2^-8); F32 0
   block    "embed", "layer.i.attn" (attn_* and indexer.* of blk.i), "layer.i.mlp" (ffn_*, exp_probs_b),
@@ -42,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaserve.gguf.quants import IQ4NL_VALUES, sub_block_scales
 from mlaserve.gguf.read.file import GGUFFile
 
 # type -> (values per sub-block that share a scale, symmetric, m for symmetric types | L - 1 for types
@@ -59,6 +72,27 @@ _BLOCK_GRID: dict[str, tuple[int, bool, int]] = {
     "Q5_K": (32, False, 31),
 }
 _FLOAT_ROUNDOFF = {"F32": 0.0, "F64": 0.0, "F16": 2.0**-11, "BF16": 2.0**-8}
+
+
+def _cell(levels: int, n: int, entries: int, parity: bool) -> float:
+    """The spacing factor of an equal-volume cubic cell of a grid of `entries` points of n coordinates over the
+    levels**n lattice, with half the sign patterns where the 8th sign is a parity bit (notation block)."""
+    return (levels**n / entries) ** (1 / n) * (2 ** (1 / 8) if parity else 1.0)
+
+
+# grid and ternary types -> the step of a value in units of its scale: Delta * cell factor
+_GRID_STEP: dict[str, float] = {
+    "IQ2_XXS": 17.5 * _cell(3, 8, 256, True),
+    "IQ2_XS": 17.5 * _cell(3, 8, 512, True),
+    "IQ2_S": 17.5 * _cell(3, 8, 1024, False),
+    "IQ3_XXS": 8.0 * _cell(8, 4, 256, True),
+    "IQ3_S": 2.0 * _cell(8, 4, 512, False),
+    "IQ1_S": 1.0 * _cell(3, 8, 2048, False),
+    "IQ1_M": 1.0 * _cell(3, 8, 2048, False),
+    "TQ1_0": 1.0,
+    "TQ2_0": 1.0,
+}
+IQ_ERROR_TYPES = frozenset({*_GRID_STEP, "IQ4_NL", "IQ4_XS"})  # the types whose model reads the blocks' scales
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -86,8 +120,9 @@ def block_of(gguf_name: str, num_layers: int) -> str | None:
     return None
 
 
-def relative_error(w: torch.Tensor, type_name: str) -> float:
-    """e(W) for a tensor stored as type_name (see the notation block)."""
+def relative_error(w: torch.Tensor, type_name: str, scales: torch.Tensor | None = None) -> float:
+    """e(W) for a tensor stored as type_name (see the notation block); scales: the sub-block scales in the values'
+    order (gguf/quants.py sub_block_scales), which the i-quants' and ternary types' model needs."""
     norm2 = float(w.double().pow(2).sum())
     if norm2 == 0.0:
         return 0.0
@@ -95,6 +130,10 @@ def relative_error(w: torch.Tensor, type_name: str) -> float:
         return _FLOAT_ROUNDOFF[type_name] / 3**0.5
     if type_name == "MXFP4":
         return (_mxfp4_err2(w) / norm2) ** 0.5
+    if type_name in IQ_ERROR_TYPES:
+        if scales is None:
+            raise ValueError(f"the {type_name} error model reads each value's scale from the blocks: none given")
+        return (_iq_err2(w.reshape(scales.numel(), -1), scales.reshape(-1), type_name) / norm2) ** 0.5
     if type_name not in _BLOCK_GRID:
         raise ValueError(f"no quantization error model for ggml type {type_name}")
     size, symmetric, div = _BLOCK_GRID[type_name]
@@ -115,11 +154,34 @@ def _mxfp4_err2(w: torch.Tensor) -> float:
     return float((step * step).sum()) / 12.0
 
 
+def _iq_err2(w: torch.Tensor, s: torch.Tensor, type_name: str) -> float:
+    """err^2 of i-quant or ternary values w [sub-blocks, values per scale] with their scales s [sub-blocks]
+    (notation block). Per sub-block where the step is the scale's alone; IQ4 reads each value's table entry, a
+    chunk of rows at a time (a whole expert stack's levels at once would double its memory)."""
+    s = s.double()
+    if type_name in _GRID_STEP:
+        return float((s * s).sum()) * w.shape[1] * _GRID_STEP[type_name] ** 2 / 12.0
+    table = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)
+    gaps = table[1:] - table[:-1]
+    spacing = torch.cat([gaps[:1], (gaps[1:] + gaps[:-1]) / 2, gaps[-1:]]).double()
+    mids = (table[1:] + table[:-1]) / 2
+    total = 0.0
+    for c in range(0, w.shape[0], 1 << 16):  # IQ4_XS's scale may be negative, or 0 (its values 0: no step)
+        sc = s[c : c + (1 << 16)]
+        level = w[c : c + (1 << 16)].float() / torch.where(sc != 0, sc, 1.0).float()[:, None]
+        step = spacing[torch.bucketize(level, mids)] * sc.abs()[:, None]  # the entry whose cell holds the level
+        total += float((step * step).sum())
+    return total / 12.0
+
+
 def tensor_errors(gf: GGUFFile, num_layers: int) -> list[TensorError]:
     out = []
     for name, info in gf.tensors.items():
         block = block_of(name, num_layers)
-        e = relative_error(gf.tensor(name), info.type_name) if block is not None else 0.0
+        e = 0.0
+        if block is not None:
+            scales = sub_block_scales(gf.raw(name), info.ggml_type) if info.type_name in IQ_ERROR_TYPES else None
+            e = relative_error(gf.tensor(name), info.type_name, scales)
         out.append(TensorError(name, info.type_name, block, e))
     return out
 

@@ -49,6 +49,21 @@ def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
     return f"int8 activations for {', '.join(taken)} ({native.int8_isa()})" if taken else None
 
 
+def _plan_note(types: dict[str, int], int8: bool | int) -> str:
+    """A holder's kernel-plan note: what its products run (fused or not) and, where any takes them, its int8
+    activations."""
+    taken = int8_detail(tuple(types.values()), int8)
+    return f"{_types_detail(types)}; {taken}" if taken else _types_detail(types)
+
+
+def _types_detail(types: dict[str, int]) -> str:
+    """native.product_detail of one type, or of each part's where the parts differ ("gate_up ...; down ...")."""
+    if len(set(types.values())) == 1:
+        t = next(iter(types.values()))
+        return native.product_detail(t, GGML_TYPES[t].name)
+    return "; ".join(f"{part} {native.product_detail(t, GGML_TYPES[t].name)}" for part, t in types.items())
+
+
 class GGUFLinear(registry.KernelSwitch, nn.Module):
     """y = x W^T (+ b), W kept as the file's ggml blocks."""
 
@@ -86,8 +101,9 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
     def describe(self) -> tuple[str, tuple[int, int]]:
         return _describe(self.ggml_type)
 
-    def native_detail(self) -> str | None:
-        return int8_detail((self.ggml_type,), self.int8)
+    def native_detail(self) -> str:
+        """The plan's note: the build and whether the type has a fused decode-and-dot kernel in it."""
+        return _plan_note({"weight": self.ggml_type}, self.int8)
 
     def extra_repr(self) -> str:
         t = GGML_TYPES[self.ggml_type].name
@@ -142,14 +158,15 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         gu = ggml.dense(self.gate_up_proj, self.type_gate_up, self.hidden)
         return gu.to(dtype), ggml.dense(self.down_proj, self.type_down, self.inter).to(dtype)
 
-    def native_detail(self) -> str | None:
-        return int8_detail((self.type_gate_up, self.type_down), self.int8)
-
     def describe(self) -> tuple[str, tuple[int, int]]:
         name, block = _describe(self.type_gate_up)
         if self.type_down != self.type_gate_up:
             name += f" (down_proj {GGML_TYPES[self.type_down].name})"
         return name, block
+
+    def native_detail(self) -> str:
+        """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""
+        return _plan_note({"gate_up": self.type_gate_up, "down": self.type_down}, self.int8)
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
@@ -222,9 +239,6 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         self.heads = k_b.shape[0]
         self._group_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def native_detail(self) -> str | None:
-        return int8_detail((self.type_k, self.type_v), self.int8)
-
     def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
         """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix, by the C kernels."""
         n, h = x.shape[0], self.heads
@@ -265,6 +279,9 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         lead = o_lat.shape[:-2]
         y = self.per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r)
         return y.reshape(*lead, self.heads, -1).to(o_lat.dtype)
+
+    def native_detail(self) -> str:
+        return _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"

@@ -147,7 +147,8 @@ def test_a_loaded_model_calls_what_its_plan_records():
     assert {op for op, _ in seen} == set(registry.MODULE_OPS)
     notes = {(c.op, c.reason) for c in plan.choices if c.impl == "native"}
     assert ("router", f"native up to {ROUTE_TOKENS} rows per step, else torch") in notes
-    assert ("linear", f"native up to {ggml.GEMV_ROWS} rows per step, else native decode, then BLAS") in notes
+    fused = f"native ({native.isa()} Q8_0 decode-and-dot) up to {ggml.GEMV_ROWS} rows per step"
+    assert ("linear", f"{fused}, else native decode, then BLAS") in notes
     assert ("moe_block", f"one call for steps of up to {BLOCK_TOKENS} fp32 tokens, else per_op") in notes
 
 

@@ -33,7 +33,11 @@ int mls_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const 
     if (k > MAX_K) return -2;
     if (type == MLS_FP8_E4M3 && !e4m3_ready) e4m3_init();
     fp8_scales f = {scale, bn, kb, bk, part_rows, ((part_rows + bn - 1) / bn) * kb};
+#ifdef MLS_DECODE_THEN_DOT /* a build for benchmarks/iquant_kernel.py: every type's rows decoded, then dotted */
+    const fused_fn fused = 0;
+#else
     const fused_fn fused = ty->fused;
+#endif
     if (fused) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r = 0; r < n; r++) fused(w + r * row_bytes, x, ldx, m, k, y + r, ldy);

@@ -366,43 +366,237 @@ static inline __attribute__((always_inline)) void fused_iq4_xs_mr(const uint8_t 
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
-/* IQ2_XXS / IQ3_XXS: each 8-value group's grid bytes (magnitudes <= 62: int8) with its 8 sign bits applied, as
-   int8 codes in the low 8 bytes; then the Q8_0 scheme per 32-value sub-block with its scale db
-   (ref/iquants.c forms db the same way) applied to the partial sum. */
-static inline __m128i signed_grid8(uint64_t entry, uint8_t signs) {
-    const __m128i bit = _mm_set_epi64x(0, (long long)0x8040201008040201ull);
-    const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_set1_epi8((char)signs), bit), bit);
-    return _mm_sign_epi8(_mm_cvtsi64_si128((long long)entry), _mm_or_si128(set, _mm_set1_epi8(1)));
+/* SIGNS8[s]: byte j is -1 where bit j of s is set, else 1 (_mm_sign_epi8's operand for 8 grid bytes), filled when
+   the library loads: one load per group instead of a broadcast, a mask and a compare */
+static uint64_t SIGNS8[256];
+__attribute__((constructor)) static void signs8_init(void) {
+    for (int s = 0; s < 256; s++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)((s >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+        SIGNS8[s] = v;
+    }
 }
 
-static inline __attribute__((always_inline)) void fused_iq_xxs_mr(const uint8_t *b, const int type, const float *x,
-                                                                   int64_t ldx, const int mr, int64_t k, float *y,
-                                                                   int64_t ldy) {
+/* The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M): per 32-value sub-block, each 8-value
+   group's codes as int8 in the low 8 bytes (grid bytes, magnitudes <= 62, with their sign bits applied; IQ1: the
+   grid's -1 / 0 / 1, the group's delta added in float, exact) and the scale the reference forms (ref/iquants.c,
+   the same expression), applied to the partial sum of the values sharing it: the whole sub-block, or its two
+   16-value halves (IQ2_XS, IQ2_S, IQ1_M: the Q6_K scheme). One sub-block reader per type (iq_sub_t), shared by
+   the 8-lane kernels below and the 16-lane ones of x86/avx512.c. */
+static inline __m128i signed_grid8(uint64_t entry, uint8_t signs) {
+    return _mm_sign_epi8(_mm_cvtsi64_si128((long long)entry), _mm_cvtsi64_si128((long long)SIGNS8[signs]));
+}
+
+typedef struct {
+    __m128i g[4];    /* the 4 groups' int8 codes (low 8 bytes each) */
+    float s0, s1;    /* the scales of values 0..15 and 16..31 (equal where one scale covers the sub-block) */
+    float delta[4];  /* IQ1: each group's delta; else unused */
+} iq_sub_t;
+
+static inline float iq_d_f16(const uint8_t *b) { return f16(b); }
+
+static inline __attribute__((always_inline)) void iq2_xxs_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
+    const uint8_t *q = b + 2 + 8 * ib;
+    const uint32_t aux = u32(q + 4);
+    o->s0 = o->s1 = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+    for (int l = 0; l < 4; l++) o->g[l] = signed_grid8(IQ2XXS_GRID[q[l]], ksigns((aux >> (7 * l)) & 127));
+}
+
+static inline __attribute__((always_inline)) void iq3_xxs_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
+    const uint8_t *q = b + 2 + 8 * ib;
+    const uint32_t aux = u32(b + 66 + 4 * ib);
+    o->s0 = o->s1 = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+    for (int l = 0; l < 4; l++)
+        o->g[l] = signed_grid8(IQ3XXS_GRID[q[2 * l]] | (uint64_t)IQ3XXS_GRID[q[2 * l + 1]] << 32,
+                               ksigns((aux >> (7 * l)) & 127));
+}
+
+/* IQ2_XS (74 bytes): 32 uint16 of a 9-bit grid index and 7 sign bits (+ parity); a 4-bit scale per 16 values
+   (groups 4 ib, 4 ib + 1: the low nibble of byte 66 + ib; 4 ib + 2, 4 ib + 3: the high one) */
+static inline __attribute__((always_inline)) void iq2_xs_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
+    const uint8_t sc = b[66 + ib];
+    o->s0 = d * (0.5f + (float)(sc & 0x0F)) * 0.25f;
+    o->s1 = d * (0.5f + (float)(sc >> 4)) * 0.25f;
+    for (int l = 0; l < 4; l++) {
+        const uint16_t q = u16(b + 2 + 2 * (4 * ib + l));
+        o->g[l] = signed_grid8(IQ2XS_GRID[q & 511], ksigns(q >> 9));
+    }
+}
+
+/* IQ2_S (82 bytes): 8 low index bits per group, 2 high ones in qh, 8 sign bits per group; a 4-bit scale per 16 */
+static inline __attribute__((always_inline)) void iq2_s_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
+    const uint8_t sc = b[74 + ib];
+    o->s0 = d * (0.5f + (float)(sc & 0x0F)) * 0.25f;
+    o->s1 = d * (0.5f + (float)(sc >> 4)) * 0.25f;
+    for (int l = 0; l < 4; l++) {
+        const int gi = 4 * ib + l, idx = b[2 + gi] | (((b[66 + ib] >> (2 * l)) & 3) << 8);
+        o->g[l] = signed_grid8(IQ2S_GRID[idx], b[34 + gi]);
+    }
+}
+
+/* IQ3_S (110 bytes): per group two 9-bit indices of 4-value grid entries, 8 sign bits; a 4-bit scale per 32 */
+static inline __attribute__((always_inline)) void iq3_s_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
+    const int s = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+    const uint8_t qh = b[66 + ib];
+    o->s0 = o->s1 = d * (float)(1 + 2 * s);
+    for (int l = 0; l < 4; l++) {
+        const int e = 8 * ib + 2 * l;
+        const int i1 = b[2 + e] | (((qh >> (2 * l)) & 1) << 8), i2 = b[3 + e] | (((qh >> (2 * l + 1)) & 1) << 8);
+        o->g[l] = signed_grid8(IQ3S_GRID[i1] | (uint64_t)IQ3S_GRID[i2] << 32, b[74 + 4 * ib + l]);
+    }
+}
+
+/* IQ1's delta (+-1/8) from its sign bit, the float's bits formed in an integer: the bit is data, and a table
+   lookup or a ?: compiled to a branch on it mispredicted every other group (IQ1_M 6x slower) */
+static inline float iq1_delta(uint32_t negative) {
+    const uint32_t bits = 0x3E000000u | (negative << 31); /* 0.125f with the sign bit */
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* IQ1_S (50 bytes): per 32 values a uint16 of 4 x 3 index bits, a 3-bit scale and the delta's sign */
+static inline __attribute__((always_inline)) void iq1_s_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
+    const uint16_t qh = u16(b + 34 + 2 * ib);
+    const uint8_t *q = b + 2 + 4 * ib;
+    o->s0 = o->s1 = d * (float)(2 * ((qh >> 12) & 7) + 1);
+    for (int l = 0; l < 4; l++) {
+        o->g[l] = _mm_cvtsi64_si128((long long)IQ1S_GRID[q[l] | (((qh >> (3 * l)) & 7) << 8)]);
+        o->delta[l] = iq1_delta(qh >> 15);
+    }
+}
+
+/* IQ1_M (56 bytes): per group 8 index bits and a nibble (3 index bits, the delta's sign); a 3-bit scale per 16
+   values in 4 uint16 whose top nibbles hold the fp16 d */
+static inline float iq1_m_d(const uint8_t *b) {
+    const uint16_t s0 = u16(b + 48), s1 = u16(b + 50), s2 = u16(b + 52), s3 = u16(b + 54);
+    const uint16_t dbits = (s0 >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000);
+    const uint8_t dbytes[2] = {(uint8_t)dbits, (uint8_t)(dbits >> 8)};
+    return f16(dbytes);
+}
+
+static inline __attribute__((always_inline)) void iq1_m_sub(const uint8_t *b, float d, int ib, iq_sub_t *o) {
+    const uint16_t sw = u16(b + 48 + 2 * (ib / 2)); /* halves 2 ib, 2 ib + 1: word ib / 2, bits 6 (ib % 2) + 0, 3 */
+    const int sh = 6 * (ib % 2);
+    o->s0 = d * (float)(2 * ((sw >> sh) & 7) + 1);
+    o->s1 = d * (float)(2 * ((sw >> (sh + 3)) & 7) + 1);
+    const uint16_t qh = u16(b + 32 + 2 * ib); /* the 4 groups' nibbles */
+    const uint8_t *q = b + 4 * ib;
+    for (int l = 0; l < 4; l++) {
+        const int nib = (qh >> (4 * l)) & 0x0F;
+        o->g[l] = _mm_cvtsi64_si128((long long)IQ1S_GRID[q[l] | ((nib & 7) << 8)]);
+        o->delta[l] = iq1_delta((uint32_t)nib >> 3);
+    }
+}
+
+/* acc[i] += s0 * (w0 x[i, 0:8] + w1 x[i, 8:16]) + s1 * (w2 x[i, 16:24] + w3 x[i, 24:32]) for i < mr */
+#define FUSED_HALVES(mr, acc, s0, s1, w0, w1, w2, w3, xb, ldx)                                 \
+    for (int i = 0; i < (mr); i++) {                                                           \
+        const float *xi = (xb) + i * (ldx);                                                    \
+        __m256 p0 = _mm256_mul_ps((w0), _mm256_loadu_ps(xi));                                  \
+        p0 = _mm256_fmadd_ps((w1), _mm256_loadu_ps(xi + 8), p0);                               \
+        __m256 p1 = _mm256_mul_ps((w2), _mm256_loadu_ps(xi + 16));                             \
+        p1 = _mm256_fmadd_ps((w3), _mm256_loadu_ps(xi + 24), p1);                              \
+        (acc)[i] = _mm256_fmadd_ps((s1), p1, _mm256_fmadd_ps((s0), p0, (acc)[i]));             \
+    }
+
+/* name(b, x, ldx, mr, k, y, ldy): a grid type's 8-lane kernel from its block bytes, d reader and sub-block reader;
+   halves: the two 16-value scales apply apart; deltas: IQ1's per-group delta is added to the codes */
+#define GRID_MR(name, bytes, d_of, sub, halves, deltas)                                                           \
+    static inline __attribute__((always_inline)) void name(const uint8_t *b, const float *x, int64_t ldx,        \
+                                                           const int mr, int64_t k, float *y, int64_t ldy) {    \
+        __m256 acc[8];                                                                                          \
+        for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();                                              \
+        for (int64_t blk = 0; blk < k / 256; blk++, b += (bytes)) {                                             \
+            const float d = d_of(b);                                                                            \
+            for (int ib = 0; ib < 8; ib++) {                                                                    \
+                iq_sub_t o;                                                                                     \
+                sub(b, d, ib, &o);                                                                              \
+                __m256 w[4];                                                                                    \
+                for (int l = 0; l < 4; l++)                                                                     \
+                    w[l] = (deltas) ? _mm256_add_ps(i8x8(o.g[l]), _mm256_set1_ps(o.delta[l])) : i8x8(o.g[l]);   \
+                const __m256 s0 = _mm256_set1_ps(o.s0), s1 = _mm256_set1_ps(o.s1);                              \
+                const float *xb = x + blk * 256 + 32 * ib;                                                      \
+                if (halves) {                                                                                   \
+                    FUSED_HALVES(mr, acc, s0, s1, w[0], w[1], w[2], w[3], xb, ldx)                              \
+                } else {                                                                                        \
+                    FUSED_BLOCK(mr, acc, s0, w[0], w[1], w[2], w[3], xb, ldx)                                   \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);                                                \
+    }
+GRID_MR(fused_iq2_xxs_mr, 66, iq_d_f16, iq2_xxs_sub, 0, 0)
+GRID_MR(fused_iq3_xxs_mr, 98, iq_d_f16, iq3_xxs_sub, 0, 0)
+GRID_MR(fused_iq2_xs_mr, 74, iq_d_f16, iq2_xs_sub, 1, 0)
+GRID_MR(fused_iq2_s_mr, 82, iq_d_f16, iq2_s_sub, 1, 0)
+GRID_MR(fused_iq3_s_mr, 110, iq_d_f16, iq3_s_sub, 0, 0)
+GRID_MR(fused_iq1_s_mr, 50, iq_d_f16, iq1_s_sub, 0, 1)
+GRID_MR(fused_iq1_m_mr, 56, iq1_m_d, iq1_m_sub, 1, 1)
+
+/* The ternary types: 2-bit codes (TQ2_0), base-3 digits (TQ1_0), one fp16 d per 256 values on each 32-value
+   partial sum. */
+/* TQ2_0 (66 bytes): 2-bit codes, value 32 j + m of chunk (j, l) in bits 2 l of byte 32 j + m; code - 1 */
+static inline __attribute__((always_inline)) void fused_tq2_0_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
     __m256 acc[8];
-    const int64_t bytes = type == 16 ? 66 : 98;
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
-        const float dsup = f16(b);
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *q = b + 2 + 8 * ib;
-            const uint32_t aux = type == 16 ? u32(q + 4) : u32(b + 66 + 4 * ib);
-            const float db = type == 16 ? dsup * (0.5f + (float)(aux >> 28)) * 0.25f
-                                        : dsup * (0.5f + (float)(aux >> 28)) * 0.5f;
-            __m128i g[4];
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 66) {
+        const __m256 d = _mm256_set1_ps(f16(b + 64));
+        for (int j = 0; j < 2; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
             for (int l = 0; l < 4; l++) {
-                const uint64_t entry = type == 16 ? IQ2XXS_GRID[q[l]]
-                                                  : IQ3XXS_GRID[q[2 * l]] | (uint64_t)IQ3XXS_GRID[q[2 * l + 1]] << 32;
-                g[l] = signed_grid8(entry, ksigns((aux >> (7 * l)) & 127));
+                const __m256i q = _mm256_sub_epi8(_mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * l)), three), one);
+                const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                const __m256 w0 = i8x8(lo), w1 = i8x8(_mm_srli_si128(lo, 8)), w2 = i8x8(hi), w3 = i8x8(_mm_srli_si128(hi, 8));
+                FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 256 + 128 * j + 32 * l, ldx)
             }
-            const __m256 d = _mm256_set1_ps(db);
-            const __m256 w0 = i8x8(g[0]), w1 = i8x8(g[1]), w2 = i8x8(g[2]), w3 = i8x8(g[3]);
-            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, x + blk * 256 + 32 * ib, ldx)
         }
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
 }
-CODES_MR(fused_iq2_xxs_mr, fused_iq_xxs_mr, 16)
-CODES_MR(fused_iq3_xxs_mr, fused_iq_xxs_mr, 18)
+
+/* TQ1_0's base-3 digit of 8 bytes (as int32 lanes) times their powers of 3: ((uint8)(q p) * 3) >> 8, minus 1 */
+static inline __m256 tq1_digits8(__m256i q, __m256i pow3) {
+    const __m256i t = _mm256_and_si256(_mm256_mullo_epi32(q, pow3), _mm256_set1_epi32(0xFF));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(_mm256_mullo_epi32(t, _mm256_set1_epi32(3)), 8),
+                                               _mm256_set1_epi32(1)));
+}
+
+static inline __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* TQ1_0 (54 bytes): values 0..159: digit n of bytes 0..31; 160..239: digit n of bytes 32..47; 240..255: digit n
+   of bytes 48..51 (ref/iquants.c row_tq1_0's order); 32 values per partial sum, d per super-block */
+static inline __attribute__((always_inline)) void fused_tq1_0_mr(const uint8_t *b, const float *x, int64_t ldx,
+                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
+    __m256 acc[8];
+    static const int POW3[5] = {1, 3, 9, 27, 81};
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 54) {
+        const __m256 d = _mm256_set1_ps(f16(b + 52));
+        const float *xb = x + blk * 256;
+        const __m256i q0 = u8x8(b), q1 = u8x8(b + 8), q2 = u8x8(b + 16), q3 = u8x8(b + 24);
+        for (int n = 0; n < 5; n++) { /* values 32 n .. 32 n + 31 */
+            const __m256i p = _mm256_set1_epi32(POW3[n]);
+            const __m256 w0 = tq1_digits8(q0, p), w1 = tq1_digits8(q1, p), w2 = tq1_digits8(q2, p), w3 = tq1_digits8(q3, p);
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb + 32 * n, ldx)
+        }
+        const __m256i r0 = u8x8(b + 32), r1 = u8x8(b + 40);
+        for (int n = 0; n < 4; n += 2) { /* values 160 + 16 n .. : digits n and n + 1 of bytes 32..47 */
+            const __m256i p0 = _mm256_set1_epi32(POW3[n]), p1 = _mm256_set1_epi32(POW3[n + 1]);
+            const __m256 w0 = tq1_digits8(r0, p0), w1 = tq1_digits8(r1, p0), w2 = tq1_digits8(r0, p1), w3 = tq1_digits8(r1, p1);
+            FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb + 160 + 16 * n, ldx)
+        }
+        /* values 224..239: digit 4 of bytes 32..47; 240..255: digits 0..3 of bytes 48..51, 4 values each */
+        const __m256i p4 = _mm256_set1_epi32(81), tail = _mm256_cvtepu8_epi32(_mm_set1_epi32((int)u32(b + 48)));
+        const __m256 w0 = tq1_digits8(r0, p4), w1 = tq1_digits8(r1, p4);
+        const __m256 w2 = tq1_digits8(tail, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+        const __m256 w3 = tq1_digits8(tail, _mm256_setr_epi32(9, 9, 9, 9, 27, 27, 27, 27));
+        FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb + 224, ldx)
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
+}
 
 /* One weight row (raw blocks b) times m activation rows (x, stride ldx) -> y[i * ldy], in chunks of `chunk`
    rows (FUSED_ROWS = 4 for AVX2, 8 for AVX-512); the chunk size is a constant in each call so the accumulators
@@ -570,10 +764,17 @@ FUSED_ROW_FN(fused_iq4_xs, fused_iq4_xs_mr, k / 256 * 136, FUSED_ROWS)
 FUSED_ROW_FN(fused_q4_k, fused_q4_k_mr, k / 256 * 144, FUSED_ROWS)
 FUSED_ROW_FN(fused_q6_k, fused_q6_k_mr, k / 256 * 210, FUSED_ROWS)
 SCALED_ROW_FN(fused_int4, fused_int4_mr, k / 2, FUSED_ROWS)
-#endif
-/* the 8-lane kernels in both builds (no 16-lane variant yet) */
 FUSED_ROW_FN(fused_iq2_xxs, fused_iq2_xxs_mr, k / 256 * 66, FUSED_ROWS)
 FUSED_ROW_FN(fused_iq3_xxs, fused_iq3_xxs_mr, k / 256 * 98, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq2_xs, fused_iq2_xs_mr, k / 256 * 74, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq2_s, fused_iq2_s_mr, k / 256 * 82, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq3_s, fused_iq3_s_mr, k / 256 * 110, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq1_s, fused_iq1_s_mr, k / 256 * 50, FUSED_ROWS)
+FUSED_ROW_FN(fused_iq1_m, fused_iq1_m_mr, k / 256 * 56, FUSED_ROWS)
+#endif
+/* the 8-lane kernels in both builds (no 16-lane variant: the digits are formed in 32-bit lanes, 8 at a time) */
+FUSED_ROW_FN(fused_tq1_0, fused_tq1_0_mr, k / 256 * 54, FUSED_ROWS)
+FUSED_ROW_FN(fused_tq2_0, fused_tq2_0_mr, k / 256 * 66, FUSED_ROWS)
 
 /* ---------------------------------------------------------------- int8 activations (int8.c): the row kernels
    One weight row (raw blocks b) times m quantized activation rows (xq [m, k] int8, xd [m, k / 32]) ->

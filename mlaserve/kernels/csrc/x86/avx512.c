@@ -128,6 +128,51 @@ static inline __attribute__((always_inline)) void wide_int4_mr(const uint8_t *b,
     for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
 }
 
+/* The grid i-quants (x86/avx2.c GRID_MR, the same sub-block readers): a sub-block's 4 groups as two 16-value
+   registers (groups 0, 1 and 2, 3: one scale each where the type keeps two); IQ1's deltas added per 8 lanes */
+static inline __m512 halves16(float a, float b) { /* lanes 0..7 a, 8..15 b */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+#define WIDE_GRID_MR(name, bytes, d_of, sub, halves, deltas)                                                      \
+    static inline __attribute__((always_inline)) void name(const uint8_t *b, const float *x, int64_t ldx,        \
+                                                           const int mr, int64_t k, float *y, int64_t ldy) {    \
+        __m512 acc[8];                                                                                          \
+        for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();                                              \
+        for (int64_t blk = 0; blk < k / 256; blk++, b += (bytes)) {                                             \
+            const float d = d_of(b);                                                                            \
+            for (int ib = 0; ib < 8; ib++) {                                                                    \
+                iq_sub_t o;                                                                                     \
+                sub(b, d, ib, &o);                                                                              \
+                __m512 w0 = i8x16(_mm_unpacklo_epi64(o.g[0], o.g[1])), w1 = i8x16(_mm_unpacklo_epi64(o.g[2], o.g[3])); \
+                if (deltas) {                                                                                   \
+                    w0 = _mm512_add_ps(w0, halves16(o.delta[0], o.delta[1]));                                   \
+                    w1 = _mm512_add_ps(w1, halves16(o.delta[2], o.delta[3]));                                   \
+                }                                                                                               \
+                const __m512 s0 = _mm512_set1_ps(o.s0), s1 = _mm512_set1_ps(o.s1);                              \
+                const float *xb = x + blk * 256 + 32 * ib;                                                      \
+                if (halves) {                                                                                   \
+                    for (int i = 0; i < mr; i++) {                                                              \
+                        const float *xi = xb + i * ldx;                                                         \
+                        const __m512 p0 = _mm512_mul_ps(w0, _mm512_loadu_ps(xi));                               \
+                        const __m512 p1 = _mm512_mul_ps(w1, _mm512_loadu_ps(xi + 16));                          \
+                        acc[i] = _mm512_fmadd_ps(s1, p1, _mm512_fmadd_ps(s0, p0, acc[i]));                      \
+                    }                                                                                           \
+                } else {                                                                                        \
+                    WIDE_BLOCK(mr, acc, s0, w0, w1, xb, ldx)                                                    \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int i = 0; i < mr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);                                 \
+    }
+WIDE_GRID_MR(wide_iq2_xxs_mr, 66, iq_d_f16, iq2_xxs_sub, 0, 0)
+WIDE_GRID_MR(wide_iq3_xxs_mr, 98, iq_d_f16, iq3_xxs_sub, 0, 0)
+WIDE_GRID_MR(wide_iq2_xs_mr, 74, iq_d_f16, iq2_xs_sub, 1, 0)
+WIDE_GRID_MR(wide_iq2_s_mr, 82, iq_d_f16, iq2_s_sub, 1, 0)
+WIDE_GRID_MR(wide_iq3_s_mr, 110, iq_d_f16, iq3_s_sub, 0, 0)
+WIDE_GRID_MR(wide_iq1_s_mr, 50, iq_d_f16, iq1_s_sub, 0, 1)
+WIDE_GRID_MR(wide_iq1_m_mr, 56, iq1_m_d, iq1_m_sub, 1, 1)
+
 FUSED_ROW_FN(fused_q8_0, wide_q8_0_mr, k / 32 * 34, 8)
 FUSED_ROW_FN(fused_q4_0, wide_q4_0_mr, k / 32 * 18, 8)
 FUSED_ROW_FN(fused_q5_0, wide_q5_0_mr, k / 32 * 22, 8)
@@ -137,4 +182,11 @@ FUSED_ROW_FN(fused_iq4_xs, wide_iq4_xs_mr, k / 256 * 136, 8)
 FUSED_ROW_FN(fused_q4_k, wide_q4_k_mr, k / 256 * 144, 8)
 FUSED_ROW_FN(fused_q6_k, wide_q6_k_mr, k / 256 * 210, 8)
 SCALED_ROW_FN(fused_int4, wide_int4_mr, k / 2, 8)
+FUSED_ROW_FN(fused_iq2_xxs, wide_iq2_xxs_mr, k / 256 * 66, 8)
+FUSED_ROW_FN(fused_iq3_xxs, wide_iq3_xxs_mr, k / 256 * 98, 8)
+FUSED_ROW_FN(fused_iq2_xs, wide_iq2_xs_mr, k / 256 * 74, 8)
+FUSED_ROW_FN(fused_iq2_s, wide_iq2_s_mr, k / 256 * 82, 8)
+FUSED_ROW_FN(fused_iq3_s, wide_iq3_s_mr, k / 256 * 110, 8)
+FUSED_ROW_FN(fused_iq1_s, wide_iq1_s_mr, k / 256 * 50, 8)
+FUSED_ROW_FN(fused_iq1_m, wide_iq1_m_mr, k / 256 * 56, 8)
 #endif
