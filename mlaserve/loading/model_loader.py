@@ -309,10 +309,11 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
             opts.speculative is not None,
             "its MTP layer is not built yet, and its request states cannot roll back a rejected draft",
         ),
-        # refused here, before any weight is read (config/kv_cache.py quantize_states refuses it again later)
+        # refused here, before any weight is read (config/kv_cache.py _quantize_v4 refuses it again later)
         "kv_cache_dtype": (
-            opts.kv_cache_dtype != "auto",
-            "its window and compressed rows are kept in the compute dtype; 8-bit rows are built for MLA latent rows",
+            opts.kv_cache_dtype == "int8",
+            "the official code rounds its rows through FP8 only: kv_cache_dtype='fp8_e4m3' keeps its compressed "
+            "rows in that format",
         ),
     }
     for name, (given, why) in refused.items():
@@ -347,7 +348,7 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         )
     if v4.skipped:
         report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
-    serving = V4Serving(model.to(cfg.runtime.device)).eval()
+    serving = V4Serving(model.to(cfg.runtime.device), numerics=cfg.attention.v4_numerics).eval()
     report.notes.append(
         f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
     )
