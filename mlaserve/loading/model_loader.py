@@ -352,6 +352,11 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
     report.notes.append(
         f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
     )
+    if (numerics := cfg.attention.v4_numerics).official:  # config/v4_numerics.py
+        report.notes.append(
+            f"DeepSeek-V4 numerics as DeepSeek's own inference code: KV rows {numerics.kv_rounding}, indexer "
+            f"{numerics.indexer} (transformers' default: none, exact)"
+        )
     gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
     return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)
 
