@@ -294,8 +294,13 @@ class AttentionConfig:
     index_topk: int | None
     mla_path: str
     backend: str  # name in attention.backends' registry; the router writes it per segment
-    # DeepSeek-V4's official-code roundings (config/v4_numerics.py; default transformers' numerics)
-    v4_numerics: V4Numerics = V4Numerics()
+    # DeepSeek-V4's official-code roundings (config/v4_numerics.py; the defaults are transformers' numerics)
+    v4_kv_rounding: str = "none"  # "fp8_ue8m0": FP8 e4m3 of every K=V row's non-rope part
+    v4_indexer: str = "exact"  # "hadamard_fp4": Hadamard rotation + FP4 of the indexer's queries and keys
+
+    @property
+    def v4_numerics(self) -> V4Numerics:
+        return V4Numerics(self.v4_kv_rounding, self.v4_indexer)
 
 
 @dataclass(frozen=True)
@@ -474,7 +479,12 @@ def resolve(
             decode_threshold=decode_threshold,
         ),
         attention=AttentionConfig(
-            sparse=sparse, index_topk=topk, mla_path=opts.mla_path, backend=backend, v4_numerics=v4_numerics
+            sparse=sparse,
+            index_topk=topk,
+            mla_path=opts.mla_path,
+            backend=backend,
+            v4_kv_rounding=v4_numerics.kv_rounding,
+            v4_indexer=v4_numerics.indexer,
         ),
         kernels=KernelConfig(
             impl=kernels,
