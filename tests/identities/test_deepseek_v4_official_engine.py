@@ -196,3 +196,17 @@ def test_bytes_per_token_of_the_8bit_pools(folder):
         for kv in ("auto", "fp8_e4m3")
     }
     assert pages == {"auto": 2**20 // (PAGE * by_hand_full), "fp8_e4m3": 2**20 // (PAGE * by_hand_eight)}
+
+
+def test_verify_checks_the_8bit_cache_as_an_identity(folder):
+    """`mlaserve verify` on a V4 model with the 8-bit cache: the pools vs the full cache with the rounding, an
+    identity judged at verify's fp32 tolerance (1e-4; measured 0), beside V4's own identities (which run over
+    the rounded rows: a code one step apart there stays within 1e-4; measured <= 1.6e-5, batch vs alone)."""
+    from mlaserve.entrypoints.verify import run_checks
+
+    hf, path = folder
+    checks = run_checks(LLM(str(path), kv_cache_dtype="fp8_e4m3", page_size=PAGE), _ids(30, hf.config.vocab_size, 1))
+    by_name = {c.name: c for c in checks}
+    eight = by_name["8-bit cache (fp8_e4m3) vs full cache + official FP8 rounding"]
+    assert eight.passed and eight.max_abs_diff <= BOUND and eight.top1_agreement == 1.0
+    assert all(c.passed for c in checks), [(c.name, c.max_abs_diff) for c in checks if not c.passed]
