@@ -210,3 +210,31 @@ def test_verify_checks_the_8bit_cache_as_an_identity(folder):
     eight = by_name["8-bit cache (fp8_e4m3) vs full cache + official FP8 rounding"]
     assert eight.passed and eight.max_abs_diff <= BOUND and eight.top1_agreement == 1.0
     assert all(c.passed for c in checks), [(c.name, c.max_abs_diff) for c in checks if not c.passed]
+
+
+def test_bf16_and_the_disk_tier_with_the_8bit_cache(folder, tmp_path):
+    """bfloat16: the 8-bit pools (codes, scales; the rope part kept in bf16) == the bf16 cache with the rounding,
+    bit for bit (the rounded values are e4m3 codes times powers of two, exact in bf16). The disk tier: a
+    restarted engine reads the 8-bit pages back (the hit counted as disk-cached) and decodes the same tokens."""
+    hf, path = folder
+    ids = _ids(26, hf.config.vocab_size, 11)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = dict(dtype="bfloat16", page_size=PAGE, max_num_batched_tokens=5)
+    full = LLM(str(path), v4_kv_rounding="fp8_ue8m0", **kw)
+    eight = LLM(str(path), kv_cache_dtype="fp8_e4m3", **kw)
+    assert torch.equal(full.prompt_logits(ids), eight.prompt_logits(ids))
+    disk = tmp_path / "pages"
+    first = LLM(str(path), kv_cache_dtype="fp8_e4m3", page_size=PAGE, prefix_cache_dir=str(disk))
+    before = first.generate([ids], params)[0]
+    first.runner.disk_tier.flush()
+    again = LLM(str(path), kv_cache_dtype="fp8_e4m3", page_size=PAGE, prefix_cache_dir=str(disk))
+    after = again.generate([ids], params)[0]
+    assert after.metrics["num_disk_cached_tokens"] == 24  # three full pages of 8, read back from disk
+    assert list(after.outputs[0].token_ids) == list(before.outputs[0].token_ids)
+    # the rounding is part of the pages' identity: pages of a rounded run on a full cache are never read by a
+    # run without it (same kv_cache_dtype, same weights: only the rows differ)
+    rounded = LLM(str(path), v4_kv_rounding="fp8_ue8m0", page_size=PAGE, prefix_cache_dir=str(tmp_path / "full"))
+    rounded.generate([ids], params)
+    rounded.runner.disk_tier.flush()
+    plain = LLM(str(path), page_size=PAGE, prefix_cache_dir=str(tmp_path / "full"))
+    assert plain.generate([ids], params)[0].metrics["num_disk_cached_tokens"] == 0
