@@ -111,7 +111,7 @@ def _spy(model) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
-@pytest.mark.parametrize("chunk", [1, 3, 4, 7])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, 4, 7])  # 1: token by token
 def test_chunked_continues_the_rounded_state(pair, option, chunk):
     """Chunks of 1, 3, 4, 7 (windows closed across chunk edges, carries continued) == transformers with the
     official roundings, at every position. Why not always within BOUND: a rounding to FP8 is discontinuous, and a
