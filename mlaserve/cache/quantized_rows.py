@@ -33,13 +33,27 @@ def quantize(x: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tenso
     n = x.shape[0]
     blocks = x.float().reshape(n, fmt.scales, fmt.block)
     qmax = QMAX[fmt.codes]
-    scales = blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / qmax  # clamp keeps NaN
+    scales = block_scales(blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR), fmt)  # clamp keeps NaN
     y = blocks / scales[..., None]
     if fmt.codes == "int8":
         codes = y.round().clamp(-qmax, qmax).to(torch.int8).view(torch.uint8)
     else:
         codes = y.clamp(-qmax, qmax).to(FP8).view(torch.uint8)
     return codes.reshape(n, fmt.quantized), scales
+
+
+def block_scales(amax: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """amax [...] (already floored at AMAX_FLOOR) -> scales [...] fp32. "amax": amax / QMAX. "ue8m0": the
+    power of two 2^ceil(log2(amax * (1/QMAX))), as DeepSeek's act_quant with scale_fmt ue8m0 (its kernel
+    multiplies by the fp32 reciprocal, then reads the exponent bits: + 1 unless the mantissa is zero); x / scale
+    and code * scale are then exact. A non-finite amax keeps a non-finite scale."""
+    qmax = QMAX[fmt.codes]
+    if fmt.scale == "amax":
+        return amax / qmax
+    ratio = amax * torch.tensor(1.0 / qmax, dtype=torch.float32)
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
+    up = exponent - (mantissa == 0.5).to(exponent.dtype)  # ceil(log2(ratio)): an exact power keeps its own
+    return torch.where(ratio.isfinite(), torch.ldexp(torch.ones_like(ratio), up), ratio)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
@@ -112,6 +126,13 @@ class QuantizedRows:
         """A standalone copy of full rows [S, width] in 8 bits (tests, `mlaserve verify`: the same rows both ways)."""
         out = cls(fmt, rows.shape[0], rows.dtype, rows.device, _plain_zeros)
         return out.index_copy_(0, torch.arange(rows.shape[0], device=rows.device), rows)
+
+    def index_select(self, dim: int, slots: torch.Tensor) -> torch.Tensor:
+        """The read of a [rows, width] tensor's rows (DeepSeek-V4's paged pools gather with it,
+        models/deepseek_v4/state.py StepRows): rows(slots), dequantized in the compute dtype."""
+        if dim != 0:
+            raise ValueError(f"cache rows are read along dim 0, not {dim}")
+        return self.rows(slots)
 
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows at slots [...] -> [..., width] in the compute dtype (dequantized codes, then kept values)."""

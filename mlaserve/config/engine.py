@@ -35,6 +35,7 @@ from mlaserve.config.machine import (
 )
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
+from mlaserve.config.v4_numerics import V4_INDEXERS, V4_KV_ROUNDINGS, V4Numerics, resolve_v4_numerics
 
 if TYPE_CHECKING:
     import torch
@@ -216,6 +217,19 @@ class EngineOptions:
         "attention call within a bound derived from the scales (mlaserve verify)",
         KV_CACHE_DTYPES,
     )
+    v4_kv_rounding: str = _opt(
+        "auto",
+        "DeepSeek-V4: fp8_ue8m0 = DeepSeek's own inference code's FP8 simulation of every K=V row's non-rope part "
+        "(e4m3 in blocks of 64, power-of-two scales; docs/DEEPSEEK_V4.md); none = transformers' rows in the compute "
+        "dtype; auto = none, or fp8_ue8m0 with kv_cache_dtype=fp8_e4m3 (which stores those rows)",
+        V4_KV_ROUNDINGS,
+    )
+    v4_indexer: str = _opt(
+        "exact",
+        "DeepSeek-V4's CSA indexer: hadamard_fp4 = DeepSeek's own inference code (queries and keys rotated by a "
+        "Hadamard matrix, then rounded through FP4 e2m1 in blocks of 32); exact = transformers",
+        V4_INDEXERS,
+    )
     kv_prefault: bool = _opt(
         False,
         "write every KV cache page at start, so the whole pool is resident from the first request (RSS then "
@@ -275,12 +289,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """How attention is routed: sparse (DSA) or dense, its top-k, the MLA path, the backend."""
+    """How attention is routed: sparse (DSA) or dense, its top-k, the MLA path, the backend; DeepSeek-V4's
+    numerics (the official code's roundings, when asked for)."""
 
     sparse: bool
     index_topk: int | None
     mla_path: str
     backend: str  # name in attention.backends' registry; the router writes it per segment
+    # DeepSeek-V4's official-code roundings (config/v4_numerics.py; the defaults are transformers' numerics)
+    v4_kv_rounding: str = "none"  # "fp8_ue8m0": FP8 e4m3 of every K=V row's non-rope part
+    v4_indexer: str = "exact"  # "hadamard_fp4": Hadamard rotation + FP4 of the indexer's queries and keys
+
+    @property
+    def v4_numerics(self) -> V4Numerics:
+        return V4Numerics(self.v4_kv_rounding, self.v4_indexer)
 
 
 @dataclass(frozen=True)
@@ -439,6 +461,7 @@ def resolve(
         raise ConfigError(f"ui must be a bool, got {opts.ui!r}")
     _user(log, "ui", opts.ui)
     _user(log, "kv_cache_dtype", check_kv_cache_dtype(opts.kv_cache_dtype))
+    v4_numerics = resolve_v4_numerics(model, opts.v4_kv_rounding, opts.v4_indexer, opts.kv_cache_dtype, log)
     _check_prefix_cache_dir(opts, log)
     return EngineConfig(
         model=model,
@@ -457,7 +480,14 @@ def resolve(
             max_num_seqs=opts.max_num_seqs,
             decode_threshold=decode_threshold,
         ),
-        attention=AttentionConfig(sparse=sparse, index_topk=topk, mla_path=opts.mla_path, backend=backend),
+        attention=AttentionConfig(
+            sparse=sparse,
+            index_topk=topk,
+            mla_path=opts.mla_path,
+            backend=backend,
+            v4_kv_rounding=v4_numerics.kv_rounding,
+            v4_indexer=v4_numerics.indexer,
+        ),
         kernels=KernelConfig(
             impl=kernels,
             activations=activations,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.row_format import index_key_format, latent_format
+from mlaserve.config.v4_numerics import KV_BLOCK, kv_format
 
 if TYPE_CHECKING:  # annotations only: layer_kinds imports torch, which config/engine.py (the CLI's --help) must not
     from mlaserve.config.layer_kinds import LayerKind
@@ -24,12 +25,14 @@ def check_kv_cache_dtype(value) -> str:
 
 def quantize_states(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model: ModelConfig) -> tuple[LayerKind, ...]:
     """The stack's kinds with each 8-bit state's RowFormat set (`StateSpec.quant`): every layer's latent rows and
-    full indexer layers' keys (model: the config whose qk_rope_head_dim the latent rows keep). auto: the kinds as
-    they are. A stack with neither (DeepSeek-V4's window and
-    compressed states) is refused: nothing would be quantized, and the option must not claim it was."""
+    full indexer layers' keys (model: the config whose qk_rope_head_dim the latent rows keep); DeepSeek-V4's
+    compressed K=V rows (_quantize_v4). auto: the kinds as they are. A stack with none of them is refused:
+    nothing would be quantized, and the option must not claim it was."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         return layers
+    if any(k.attention.startswith("v4_") for k in layers):  # DeepSeek-V4's kinds (config/layer_kinds.py)
+        return _quantize_v4(layers, kv_cache_dtype, model)
     out = []
     for k in layers:
         states = []
@@ -44,8 +47,35 @@ def quantize_states(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model: M
     if not any(s.quant for k in out for s in k.states):
         raise ConfigError(
             f"kv_cache_dtype={kv_cache_dtype!r} quantizes MLA latent rows and DSA index keys; this model's cache "
-            "keeps neither (DeepSeek-V4's window and compressed states stay in the compute dtype): use 'auto'"
+            "keeps neither: use 'auto'"
         )
+    return tuple(out)
+
+
+def _quantize_v4(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model) -> tuple[LayerKind, ...]:
+    """DeepSeek-V4 (model: a DeepseekV4Config): fp8_e4m3 keeps every CSA / HCA layer's compressed K=V rows
+    (`kv_pool`) in the official code's FP8 format (config/v4_numerics.py kv_format: the non-rope part as e4m3
+    codes with a power-of-two scale per 64, the rope part kept), so the run's FP8 rounding (implied,
+    resolve_v4_numerics) and the cache hold the same values. What stays in the compute dtype, and why: the
+    window ring (a per-request state of W rows, already holding rounded values; not paged), the indexer's
+    pool (the official code keeps its keys in bf16), the carries and overlap halves (raw projections the
+    pooling still needs). int8 is refused: the official code rounds V4's rows through FP8 only."""
+    if kv_cache_dtype != "fp8_e4m3":
+        raise ConfigError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: DeepSeek-V4's compressed rows are kept only as the official code "
+            "rounds them, FP8 e4m3 (kv_cache_dtype='fp8_e4m3'); an int8 layout is not offered"
+        )
+    a = model.attention
+    if a.nope_dim % KV_BLOCK:
+        raise ConfigError(
+            f"kv_cache_dtype='fp8_e4m3': DeepSeek-V4's {a.nope_dim} non-rope values per row (head_dim {a.head_dim} - "
+            f"rope {a.rope_dim}) do not split into the official blocks of {KV_BLOCK}: use 'auto'"
+        )
+    fmt = kv_format(a.nope_dim, a.rope_dim)
+    out = []
+    for k in layers:
+        states = tuple(replace(s, quant=fmt) if s.name == "kv_pool" else s for s in k.states)
+        out.append(replace(k, states=states))
     return tuple(out)
 
 

@@ -8,7 +8,9 @@ Notation
   index key   [Di]: FP8 e4m3 codes with one fp32 scale per token (block = Di) whenever the latent rows are
               8-bit (DeepSeek-V3.2's reference inference keeps its indexer key cache this way)
               bytes per row = Di + 4   (auto: Di * c)
-  scale = max(amax(|block|), AMAX_FLOOR) / QMAX (QMAX 127 int8, 448 e4m3);  y = x / scale;
+  scale = max(amax(|block|), AMAX_FLOOR) / QMAX (QMAX 127 int8, 448 e4m3), or with `scale` "ue8m0" that value
+  rounded up to a power of two, 2^ceil(log2(max(amax, AMAX_FLOOR) * (1/QMAX))) (DeepSeek's act_quant with
+  scale_fmt ue8m0: DeepSeek-V4's KV rows, config/v4_numerics.py);  y = x / scale;
   code = round(y) clamped to +-127 (int8) | y rounded to the nearest e4m3 value, +-448 at most (fp8_e4m3)
   x~ = code * scale (one fp32 rounding, relative 2^-24) and
   |x - x~| <= scale / 2 (int8) | <= max(|x| / 16, scale / 1024) (e4m3: half a step of its 3 mantissa bits,
@@ -33,7 +35,8 @@ QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest code magnitude; scale =
 # The smallest amax a scale is made from (DeepSeek's act_quant clamps amax the same way): a zero row (the pad
 # row, a zero block) gets a finite scale and zero codes instead of 0 / 0.
 AMAX_FLOOR = 1e-4
-SCALE_BYTES = 4  # fp32
+SCALE_BYTES = 4  # fp32 (a ue8m0 scale is a power of two, held exactly in the same fp32 slot)
+SCALE_RULES = ("amax", "ue8m0")
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,13 @@ class RowFormat:
     quantized: int
     block: int
     kept: int = 0
+    scale: str = "amax"  # "amax": amax / QMAX; "ue8m0": rounded up to a power of two (SCALE_RULES)
 
     def __post_init__(self) -> None:
         if self.codes not in QMAX:
             raise ConfigError(f"row codes {self.codes!r} are not one of {tuple(QMAX)}")
+        if self.scale not in SCALE_RULES:
+            raise ConfigError(f"row scale rule {self.scale!r} is not one of {SCALE_RULES}")
         if self.block < 1 or self.quantized % self.block:
             raise ConfigError(f"{self.quantized} quantized values do not split into blocks of {self.block}")
 
@@ -65,7 +71,8 @@ class RowFormat:
 
     def label(self) -> str:
         kept = f" + {self.kept} kept" if self.kept else ""
-        return f"{self.codes} [{self.quantized}] / {self.block} per scale{kept}"
+        rule = " (ue8m0: power-of-two scales)" if self.scale == "ue8m0" else ""
+        return f"{self.codes} [{self.quantized}] / {self.block} per scale{rule}{kept}"
 
 
 def latent_format(kv_cache_dtype: str, latent_dim: int, rope_dim: int) -> RowFormat:

@@ -78,12 +78,13 @@ class ModelRunner:
             else cfg.cache.kv_cache_dtype
         )
         # the prefix cache's disk tier (prefix_cache_dir): pages keyed by the hash chain and what the rows are
-        # (the weights' identity, dtype, layout incl. kv_cache_dtype, page size, sparse switch)
+        # (the weights' identity, dtype, layout incl. kv_cache_dtype, page size, sparse switch; DeepSeek-V4's
+        # official-code roundings, which change the rows and snapshots a page holds)
         self.disk_tier = None
         if cfg.cache.prefix_cache_dir is not None and cfg.cache.enable_prefix_caching:
             identity = model_identity(
                 f"{cfg.model!r}|{cfg.runtime.dtype}|{cfg.cache.kv_cache_dtype}|{cfg.cache.page_size}|"
-                f"sparse={cfg.attention.sparse}",
+                f"sparse={cfg.attention.sparse}" + (f"|{v4!r}" if (v4 := cfg.attention.v4_numerics).official else ""),
                 model.state_dict(),
             )
             self.disk_tier = DiskTier(

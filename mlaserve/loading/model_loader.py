@@ -316,10 +316,11 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
             opts.speculative is not None and path.is_file(),
             "llama.cpp's deepseek4 GGUF layout carries no MTP layer; use the folder",
         ),
-        # refused here, before any weight is read (config/kv_cache.py quantize_states refuses it again later)
+        # refused here, before any weight is read (config/kv_cache.py _quantize_v4 refuses it again later)
         "kv_cache_dtype": (
-            opts.kv_cache_dtype != "auto",
-            "its window and compressed rows are kept in the compute dtype; 8-bit rows are built for MLA latent rows",
+            opts.kv_cache_dtype == "int8",
+            "the official code rounds its rows through FP8 only: kv_cache_dtype='fp8_e4m3' keeps its compressed "
+            "rows in that format",
         ),
     }
     for name, (given, why) in refused.items():
@@ -354,10 +355,15 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         )
     if v4.skipped:
         report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
-    serving = V4Serving(model.to(cfg.runtime.device)).eval()
+    serving = V4Serving(model.to(cfg.runtime.device), numerics=cfg.attention.v4_numerics).eval()
     report.notes.append(
         f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
     )
+    if (numerics := cfg.attention.v4_numerics).official:  # config/v4_numerics.py
+        report.notes.append(
+            f"DeepSeek-V4 numerics as DeepSeek's own inference code: KV rows {numerics.kv_rounding}, indexer "
+            f"{numerics.indexer} (transformers' default: none, exact)"
+        )
     gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
     return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)
 

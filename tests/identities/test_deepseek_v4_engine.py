@@ -219,7 +219,7 @@ def test_a_reused_slot_starts_zeroed(all_kinds):
     [
         (dict(tensor_parallel_size=2), "not split across ranks"),
         (dict(quantization="int8"), "quantizing its float weights at load is not built"),
-        (dict(kv_cache_dtype="int8"), "kept in the compute dtype"),
+        (dict(kv_cache_dtype="int8"), "rounds its rows through FP8 only"),
     ],
 )
 def test_what_v4_does_not_run_yet_is_refused_with_its_reason(all_kinds, option, why):

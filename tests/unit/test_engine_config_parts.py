@@ -33,6 +33,8 @@ WHERE = {
     "index_topk": "attention.index_topk",
     "mla_path": "attention.mla_path",
     "attention_backend": "attention.backend",
+    "v4_kv_rounding": "attention.v4_kv_rounding",
+    "v4_indexer": "attention.v4_indexer",
     "kernels": "kernels.impl",
     "activations": "kernels.activations",
     "quantization": "kernels.quantization",
@@ -117,8 +119,16 @@ def test_resolve_fills_each_part_with_what_provenance_records():
     cfg = _config(**SPEC)
     recorded = {s.name: s.value for s in cfg.provenance}
     # not recorded by resolve: the chat formats (the loader decides them with the chat template),
-    # index_topk (v3_yarn has no indexer), enable_prefix_caching (recorded only when the runner turns it off)
-    assert set(WHERE) - set(recorded) == {"tool_call_parser", "reasoning_parser", "index_topk", "enable_prefix_caching"}
+    # index_topk (v3_yarn has no indexer), enable_prefix_caching (recorded only when the runner turns it off),
+    # DeepSeek-V4's numerics (recorded for V4 models only; config/v4_numerics.py)
+    assert set(WHERE) - set(recorded) == {
+        "tool_call_parser",
+        "reasoning_parser",
+        "index_topk",
+        "enable_prefix_caching",
+        "v4_kv_rounding",
+        "v4_indexer",
+    }
     for name in set(WHERE) & set(recorded):
         assert _read(cfg, WHERE[name]) == recorded[name], name
     assert cfg.attention.index_topk is None and cfg.chat.tool_call_parser is None

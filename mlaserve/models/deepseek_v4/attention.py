@@ -6,7 +6,8 @@ Notation
   K   keys visible to the chunk: min(start, W-1) ring rows + S new rows, then T compressed rows
   q_latent [S, r]    q_a_norm(q_a_proj(x))           (also the indexer's query input)
   q        [S, H, D] rope(unweighted_rms(q_b_proj(q_latent)))   per head, no weight
-  kv       [S, D]    rope(kv_norm(kv_proj(x)))        one head, used as key and as value
+  kv       [S, D]    rope(kv_norm(kv_proj(x)))        one head, used as key and as value (with the official
+                     FP8 rounding of its non-rope part when the run asks for it: official.py)
   logits   [S, H, K] q . kv * D^-1/2, masked: ring rows t-W < p <= t; compressed rows by the layer kind
                      (HCA: s < (t+1)//m; CSA: the indexer's top-k of those)
   p        softmax over [logits | sink_h] with the sink column dropped (a per-head extra logit)
@@ -34,9 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
+from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics, check_v4_numerics
 from mlaserve.models.deepseek_v4.compressor import Compressor
 from mlaserve.models.deepseek_v4.indexer import Indexer, visible_rows
 from mlaserve.models.deepseek_v4.norm import RMSNorm, unweighted_rms_norm
+from mlaserve.models.deepseek_v4.official import index_rounding, kv_rounding
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CSAState, HCAState, LayerState
 from mlaserve.models.deepseek_v4.step_update import LayerStep, apply_ring
@@ -60,8 +63,9 @@ class GroupedLinear(nn.Module):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer: int, numerics: V4Numerics = TRANSFORMERS) -> None:
         super().__init__()
+        self.cfg = cfg
         a, c, eps = cfg.attention, cfg.compression, cfg.rms_norm_eps
         self.kind = cfg.layer_kinds[layer]
         self.table = "main" if self.kind == "sliding" else "compress"
@@ -88,6 +92,20 @@ class V4Attention(nn.Module):
             self.compressor.indexer = Indexer(
                 hidden, a.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, self.ratio, eps
             )
+        self.set_numerics(numerics)
+
+    def set_numerics(self, numerics: V4Numerics) -> None:
+        """The official-code roundings (config/v4_numerics.py), fixed before any forward: every K=V row this
+        layer attends (its window rows and its compressor's rows) through `kv_round`, the indexer's queries and
+        keys through its `round_rows` (models/deepseek_v4/official.py; the identity by default)."""
+        a = self.cfg.attention
+        check_v4_numerics(self.cfg, numerics)
+        self.numerics = numerics
+        self.kv_round = kv_rounding(numerics.kv_rounding, a.nope_dim, a.rope_dim)
+        if self.compressor is not None:  # its own instance: the same map, a module of its own (tests spy on each)
+            self.compressor.round_rows = kv_rounding(numerics.kv_rounding, a.nope_dim, a.rope_dim)
+        if self.kind == "csa":
+            self.compressor.indexer.round_rows = index_rounding(numerics.indexer)
 
     def forward(
         self,
@@ -109,7 +127,7 @@ class V4Attention(nn.Module):
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), self.eps)
         q = rotate_trailing(q, cos, sin)
-        kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = self.kv_round(rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin))
         ckv = cgate = ikv = igate = None  # the compressors' projections, in the layers that have them
         if self.compressor is not None:
             ckv, cgate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)

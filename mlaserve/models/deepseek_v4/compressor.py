@@ -10,7 +10,8 @@ Window w (absolute) with its m slots' kv_j, gate z_j (+ B_j):
   HCA  row_w = sum_j softmax_j(z_j) * kv_j                   over the m slots of window w, per channel
   CSA  row_w = sum_j softmax_j(z_j) * kv_j                   over 2m slots: Ca of window w-1, Cb of window w
        (window 0 has no predecessor: its Ca slots get gate -inf, weight 0)
-  row_w <- rope_compress(kv_norm(row_w), position w m)
+  row_w <- rope_compress(kv_norm(row_w), position w m), then `round_rows` (the official-code rounding of a run
+           that asks for it, official.py: FP8 of the non-rope part; Hadamard + FP4 in the indexer)
 The carry (state.CompressorCarry) holds the open window's raw rows and, for CSA, the Ca half of the last
 closed window, so a chunked sequence pools exactly the windows of one pass.
 Two forms of the same pooling: `close`, one sequence's rows (the plain reference), and `close_step`, the windows
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from mlaserve.models.deepseek_v4.norm import RMSNorm
+from mlaserve.models.deepseek_v4.official import KeepRows
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CompressedPool, CompressorCarry
 from mlaserve.models.deepseek_v4.step_update import WindowPlan
@@ -38,6 +40,8 @@ class Compressor(nn.Module):
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(dim, eps)
+        # the pooled rows' official-code rounding (official.py; set by the attention layer, identity by default)
+        self.round_rows: nn.Module = KeepRows()
 
     def forward(self, x: torch.Tensor, carry: CompressorCarry, pool: CompressedPool, tables: V4RopeTables) -> None:
         """x [S, hidden]: project, close the windows the chunk completes, append their rows to `pool`, keep the
@@ -65,7 +69,7 @@ class Compressor(nn.Module):
         pooled = self.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
         positions = (torch.arange(n, device=device) + pool.n) * m
         cos, sin = tables.cos_sin("compress", positions, pooled.dtype)
-        pool.append(rotate_trailing(pooled, cos, sin))
+        pool.append(self.round_rows(rotate_trailing(pooled, cos, sin)))
 
     def close_step(
         self,
@@ -111,7 +115,7 @@ class Compressor(nn.Module):
             wgate = torch.cat([ca_gate, wgate[..., d:]], dim=1)
         pooled = self.kv_norm((wkv * wgate.softmax(dim=1, dtype=torch.float32).to(wkv.dtype)).sum(dim=1))
         cos, sin = tables.cos_sin("compress", plan.positions, pooled.dtype)
-        return rotate_trailing(pooled, cos, sin)
+        return self.round_rows(rotate_trailing(pooled, cos, sin))
 
     def _overlap(
         self, kv: torch.Tensor, gate: torch.Tensor, carry: CompressorCarry, had_window: bool

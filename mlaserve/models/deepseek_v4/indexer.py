@@ -4,8 +4,9 @@ causally visible compressed rows per query.
 Notation
   S queries (positions t), T compressed rows of the layer so far, H index_n_heads, c index_head_dim
   m the CSA ratio, k = min(index_topk, T)
-  q      [S, H, c]  q_b_proj(query latent), compress-table rope at t (no norm)
-  K      [T, c]     the indexer's compressed rows (its own pool)
+  q      [S, H, c]  q_b_proj(query latent), compress-table rope at t (no norm), then round_rows
+  K      [T, c]     the indexer's compressed rows (its own pool), round_rows applied as they close
+  round_rows        identity, or the official code's Hadamard rotation + FP4 rounding (official.py)
   w      [S, H]     weights_proj(x) * H^-1/2
   score  [S, T]     sum_h w_h * relu(q_h . K_s) * c^-1/2        (fp32)
 Causal rule: row s pools tokens up to (s+1) m - 1, so query t may see it only when s < (t+1) // m.
@@ -77,7 +78,7 @@ class Indexer(Compressor):
         s = x.shape[0]
         cos, sin = tables.cos_sin("compress", positions, x.dtype)
         q = rotate_trailing(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), cos, sin)
-        return q, self.scorer.head_weights(x)
+        return self.round_rows(q), self.scorer.head_weights(x)
 
     def select_rows(
         self,

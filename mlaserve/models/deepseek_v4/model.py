@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
+from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics
 from mlaserve.models.deepseek_v4.attention import Span, V4Attention
 from mlaserve.models.deepseek_v4.hyper import HyperConnection, expand, make_head
 from mlaserve.models.deepseek_v4.moe import V4MoEBlock
@@ -66,13 +67,21 @@ class V4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config) -> None:
+    def __init__(self, cfg: DeepseekV4Config, numerics: V4Numerics = TRANSFORMERS) -> None:
         super().__init__()
         self.config = cfg
         self.model = V4Model(cfg)
+        self.set_numerics(numerics)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # derived from the config, never loaded (plain attributes survive a meta-device build)
         self.tables = V4RopeTables(cfg.rope)
+
+    def set_numerics(self, numerics: V4Numerics) -> None:
+        """DeepSeek's official-code roundings (config/v4_numerics.py), set on every layer before any forward
+        (the loaders build the model from its config alone; the runner sets the engine's choice)."""
+        self.numerics = numerics
+        for layer in self.model.layers:
+            layer.self_attn.set_numerics(numerics)
 
     def new_state(self, max_tokens: int) -> SequenceState:
         # the activations' dtype: the embedding's output (a GGUF holder's weight is its stored uint8 bytes, and

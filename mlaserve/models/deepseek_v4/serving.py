@@ -35,6 +35,7 @@ from torch import nn
 
 from mlaserve.cache.model_cache import LayerState as CacheLayer
 from mlaserve.cache.model_cache import ModelCache
+from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlaserve.models.deepseek_v4.rollback import RollbackTape, rollback
@@ -148,10 +149,15 @@ class V4Serving(nn.Module):
     """The runner's model: forward(input_ids, step, cache, native) -> hidden [T, D]; logits(hidden)."""
 
     def __init__(
-        self, model: DeepseekV4ForCausalLM, batched_attention: bool = True, batched_state: bool = True
+        self,
+        model: DeepseekV4ForCausalLM,
+        batched_attention: bool = True,
+        batched_state: bool = True,
+        numerics: V4Numerics = TRANSFORMERS,
     ) -> None:
         super().__init__()
         self.inner = model
+        model.set_numerics(numerics)  # the official-code roundings the engine resolved (config/v4_numerics.py)
         self.batched_attention = batched_attention
         # the state updates: batched over the step's sequences (step_update.py) or the per-sequence reference
         self.batched_state = batched_state
