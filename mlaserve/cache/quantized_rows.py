@@ -78,7 +78,7 @@ def error_bound(codes: torch.Tensor, scales: torch.Tensor, fmt: RowFormat) -> to
 class QuantizedRows:
     """One paged state's 8-bit rows. Duck-types the parts of a [rows, width] cache tensor its users touch:
     `shape`, `dtype` (the compute dtype rows are read in), `device`, `element_size()` (bytes of a read value,
-    which sizes the readers' temporaries), `index_copy_(0, slots, rows)` (the write) and `zero_()`."""
+    which sizes the readers' temporaries), `index_copy_(0, slots, rows)` (the write), `index_fill_(0, slots, 0)` and `zero_()`."""
 
     def __init__(self, fmt: RowFormat, rows: int, dtype: torch.dtype, device: str | torch.device, zeros) -> None:
         """zeros(rows, width, dtype, device): the cache's allocator (model_cache._zeros: calloc'd on the CPU)."""
@@ -101,6 +101,16 @@ class QuantizedRows:
     def zero_(self) -> QuantizedRows:
         for t in self.tensors():
             t.zero_()
+        return self
+
+    def index_fill_(self, dim: int, slots: torch.Tensor, value: float) -> QuantizedRows:
+        """Rows at slots [T] back to the fresh cache's zeros (codes, scales and kept values 0, which read as 0):
+        DeepSeek-V4's rollback drops the pool rows of rejected drafts with it. Only 0: a filled row of another
+        value would have to be quantized."""
+        if dim != 0 or value != 0:
+            raise ValueError(f"cache rows are cleared along dim 0 to 0, not dim {dim} to {value}")
+        for t in self.tensors():
+            t.index_fill_(0, slots, 0)
         return self
 
     def index_copy_(self, dim: int, slots: torch.Tensor, rows: torch.Tensor) -> QuantizedRows:
