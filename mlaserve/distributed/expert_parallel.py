@@ -88,8 +88,8 @@ class ExpertParallelRouted(nn.Module):
 
 
 def _cut(module: nn.Module, n_experts: int, start: int, stop: int) -> None:
-    """Keep experts [start, stop) of every parameter / buffer stacked by expert (dim 0 == E), as a copy
-    (the whole stack is freed): GGUF blocks, FP8 weights and scales, float stacks alike."""
+    """Keep experts [start, stop) of every parameter / buffer stacked by expert (dim 0 == E): on the meta
+    device, before anything is allocated (cut_experts), so the rank never holds the others' stacks."""
     for name, p in list(module.named_parameters(recurse=False)):
         if p.dim() and p.shape[0] == n_experts:
             setattr(module, name, nn.Parameter(p.data[start:stop].clone(), requires_grad=False))
@@ -104,26 +104,40 @@ def expert_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def shard_experts(model: nn.Module, rank: int, n: int, all_reduce) -> tuple[ReceivedPairs, list[str]]:
-    """Cut every MoE layer's routed experts of a loaded model to rank r's range and route their sum
-    through all_reduce. -> (the rank's received-pairs counter, load notes naming its experts)."""
+def _moe_layers(model: nn.Module):
     from mlaserve.models.moe import MoE
 
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def cut_experts(model: nn.Module, rank: int, n: int) -> None:
+    """On the meta-device model (build_model's prepare, before the stored-form holders are swapped in and
+    anything is allocated): every MoE layer's routed experts module cut to rank r's range, so the holders
+    (GGUFExperts, FP8Experts, FP4Experts, INT4Experts, float stacks) are made for its experts only and the
+    loader fills them from the rank's ExpertRangeSource (distributed/expert_source.py)."""
+    layers = _moe_layers(model)
+    if not layers:
+        raise ConfigError(f"expert_parallel_size={n}: the model has no MoE layer to spread")
+    for _, module in layers:
+        e = module.gate.cfg.n_routed_experts
+        _cut(module.experts, e, *expert_range(e, rank, n))
+
+
+def shard_experts(model: nn.Module, rank: int, n: int, all_reduce) -> tuple[ReceivedPairs, list[str]]:
+    """After the fill: route every MoE layer's routed experts (already rank r's range, cut_experts) through
+    the partial sum and all_reduce. -> (the rank's received-pairs counter, load notes naming its experts)."""
     received, notes = ReceivedPairs(), []
-    for name, module in model.named_modules():
-        if not isinstance(module, MoE):
-            continue
+    for name, module in _moe_layers(model):
         e = module.gate.cfg.n_routed_experts
         start, stop = expert_range(e, rank, n)
-        before = expert_bytes(module.experts)
-        _cut(module.experts, e, start, stop)
-        after = expert_bytes(module.experts)
+        held = next(p.shape[0] for p in module.experts.parameters())
+        if held != stop - start:  # the loader's contract with cut_experts, checked rather than assumed
+            raise RuntimeError(f"{name}.experts holds {held} experts, rank {rank} of {n} should hold [{start}, {stop})")
+        module.experts.first_expert = start  # for messages naming an expert by its checkpoint id
         # the one-call block (and the decode layer holding it) computes the whole routed sum in C: the kernel plan,
         # made after this, keeps this layer per op (GGUFMoEBlock.unfit names expert parallelism)
         module.expert_shard = ExpertParallelRouted(
             module.experts, ExpertShard(rank, n, start, stop), all_reduce, received
         )
-        notes.append(f"rank {rank}: {name} experts [{start}, {stop}) of {e}, {after} of {before} expert bytes")
-    if not notes:
-        raise ConfigError(f"expert_parallel_size={n}: the model has no MoE layer to spread")
+        notes.append(f"rank {rank}: {name} experts [{start}, {stop}) of {e}, {expert_bytes(module.experts)} bytes held")
     return received, notes

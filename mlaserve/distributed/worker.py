@@ -60,8 +60,19 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
         "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "num_threads": torch.get_num_threads(),
         "routed_experts": routed_experts(model),
+        # what the load read from the checkpoint (an expert-parallel rank: its own experts only) and the process's
+        # peak resident memory so far (rank 0's includes its front end)
+        "file_bytes_read": getattr(model, "file_bytes_read", None),
+        "peak_rss_bytes": peak_rss_bytes(),
         **held_weights(model),
     }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (getrusage: KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def routed_experts(model: torch.nn.Module) -> list[dict]:

@@ -14,7 +14,8 @@ from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
-from mlaserve.distributed.expert_parallel import expert_range, shard_experts
+from mlaserve.distributed.expert_parallel import cut_experts, expert_range, shard_experts
+from mlaserve.distributed.expert_source import ExpertRangeSource
 from mlaserve.distributed.sharding import (
     ShardedSource,
     check_splits,
@@ -187,7 +188,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                     f"{path}: {model_cfg.model_type} with {name}={getattr(opts, name)!r}: not supported ({why})"
                 )
     if engine_cfg.parallel.expert_parallel_size > 1:
-        _refuse_expert_parallel(path, model_cfg, engine_cfg, scheme)
+        _refuse_expert_parallel(path, model_cfg, engine_cfg)
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
         if engine_cfg.kernels.quantization is not None:
@@ -277,7 +278,7 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
 
 
-def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg, scheme) -> None:
+def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg) -> None:
     """What expert parallelism does not spread yet, refused with the reason."""
     n = engine_cfg.parallel.expert_parallel_size
     why = None
@@ -289,8 +290,6 @@ def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg, scheme) -> None:
         why = "its KDA layers are not built for several ranks"
     elif engine_cfg.speculative.method is not None:
         why = f"speculative={engine_cfg.speculative.method!r}: the MTP layer's experts are not spread"
-    elif scheme is not None:
-        why = f"a {scheme.method} {scheme.fmt} checkpoint: its expert holders are not cut per rank yet"
     else:
         expert_range(model_cfg.moe.n_routed_experts, 0, n)  # more ranks than experts: a named error
     if why is not None:
@@ -368,14 +367,21 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         model_cfg = rank_config(ck.model_cfg, rank, n, spans)
         source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
+    ep = engine_cfg.parallel.expert_parallel_size
+    if ep > 1:  # this rank's routed experts only: the others' are neither listed nor read (distributed/expert_source)
+        e = model_cfg.moe.n_routed_experts
+        source = ranged = ExpertRangeSource(source, e, *expert_range(e, comm.rank, ep))
+    read_before = getattr(ck.source, "bytes_read", None)
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
 
-    def keep_blocks(meta_model: nn.Module) -> None:  # holders swapped in before the strict fill
-        gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
-        swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
+    def prepare(meta_model: nn.Module) -> None:  # on the meta device, before anything is allocated
+        if ep > 1:  # the experts modules cut to this rank's range: the holders below are made for those only
+            cut_experts(meta_model, comm.rank, ep)
+        if engine_cfg.kernels.gguf_weights == "quantized":  # holders swapped in before the strict fill
+            gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
+            swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
 
-    prepare = keep_blocks if engine_cfg.kernels.gguf_weights == "quantized" else None
     model = build_model(
         model_cfg,
         engine_cfg.runtime.dtype,
@@ -418,11 +424,14 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(
             f"quantization={engine_cfg.kernels.quantization}: {len(quantized_at_load)} module kind(s) listed"
         )
-    ep = engine_cfg.parallel.expert_parallel_size
-    if (
-        ep > 1
-    ):  # this rank's range of every MoE layer's routed experts; the rest replicated (distributed/expert_parallel)
+    if read_before is not None:  # the checkpoint's tensor bytes this load read (an EP rank: its experts only)
+        report.bytes_read = model.file_bytes_read = ck.source.bytes_read - read_before
+    if ep > 1:  # this rank's range of every MoE layer's routed experts; the rest replicated (expert_parallel.py)
         model.expert_received, notes = shard_experts(model, comm.rank, ep, comm.all_reduce)
+        notes.append(
+            f"rank {comm.rank}: read {report.bytes_read} bytes of tensors from the checkpoint (the other ranks' "
+            f"{ranged.hidden} routed-expert tensors not read)"
+        )
         model.rank_notes = tuple(notes)
         report.notes.extend(notes)
     # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes

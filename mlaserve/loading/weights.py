@@ -54,6 +54,7 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     unused_experts: int = 0  # of `skipped`: expert tensors their module declares unused
+    bytes_read: int | None = None  # tensor bytes read from the checkpoint while filling (None: not counted)
 
 
 def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progress=None) -> LoadReport:
