@@ -18,6 +18,10 @@ those rows weighted 0 (a holder runs [T_r, k] pairs; weight 0 times a finite val
 added once after the sum). Every rank sees every token, so no dispatch is needed; an all-to-all that
 sends each rank only its pairs' hidden states (and runs no zero-weight pairs) is the later
 optimisation. Hash-routed layers (DeepSeek-V4) and identity experts (LongCat) are refused at load.
+Load: cut_experts cuts every experts module to [e0, e1) on the meta device (before the stored-form holders
+are made: float stacks, GGUFExperts, FP8 / FP4 / INT4 experts), the loader fills it from the rank's
+ExpertRangeSource (expert_source.py: the other ranks' expert tensors are never read), then shard_experts
+routes the layer through ExpertParallelRouted.
 """
 
 from __future__ import annotations
