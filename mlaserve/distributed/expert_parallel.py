@@ -127,9 +127,13 @@ def cut_experts(model: nn.Module, rank: int, n: int) -> None:
         _cut(module.experts, e, *expert_range(e, rank, n))
 
 
-def shard_experts(model: nn.Module, rank: int, n: int, all_reduce) -> tuple[ReceivedPairs, list[str]]:
+def shard_experts(
+    model: nn.Module, rank: int, n: int, all_reduce, who: str | None = None
+) -> tuple[ReceivedPairs, list[str]]:
     """After the fill: route every MoE layer's routed experts (already rank r's range, cut_experts) through
-    the partial sum and all_reduce. -> (the rank's received-pairs counter, load notes naming its experts)."""
+    the partial sum and all_reduce (the EP group's under TP x EP). -> (the rank's received-pairs counter, load
+    notes naming its experts, headed by `who`: the process's world rank, default "rank r")."""
+    who = who or f"rank {rank}"
     received, notes = ReceivedPairs(), []
     for name, module in _moe_layers(model):
         e = module.gate.cfg.n_routed_experts

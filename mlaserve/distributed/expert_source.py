@@ -75,6 +75,15 @@ class ExpertRangeSource:
     def rebuilt(self, name: str) -> bool:
         return self.source.rebuilt(self._stored[name])
 
+    def block_split_problem(self, name: str) -> str | None:
+        """Under TP x EP the inner source is the rank's ShardedSource (its slices): asked through."""
+        problem = getattr(self.source, "block_split_problem", None)
+        return problem(self._stored[name]) if problem is not None else None
+
+    @property
+    def spans(self) -> dict:
+        return getattr(self.source, "spans", {})
+
     def mla_split_blocks(self, layer: int):
         return self.source.mla_split_blocks(layer)
 

@@ -27,7 +27,7 @@ from mlaserve.config.engine import EngineOptions
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.collectives import CONNECT_TIMEOUT, Collectives, master_store
 from mlaserve.distributed.heartbeat import Watchdog
-from mlaserve.distributed.sharding import vocab_sizes
+from mlaserve.distributed.mesh import logits_sizes
 from mlaserve.distributed.spawn import WorkerProcess
 from mlaserve.distributed.worker import ERROR, JOINED, WorkerSpec, effective_config, rank_echo
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
@@ -207,8 +207,8 @@ class TensorParallelRunner(ModelRunner):
         self.group = group
         par = loaded.config.parallel
         # expert parallel: every rank computes the whole vocabulary's logits (replicated lm_head): nothing to gather
-        self.vocab_sizes = (
-            vocab_sizes(loaded.config.model.vocab_size, par.world_size) if par.tensor_parallel_size > 1 else None
+        self.vocab_sizes = logits_sizes(
+            loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size
         )
         self.rank_echoes: list[dict] = []
 

@@ -345,11 +345,13 @@ class ShardedSource:
         return self.rank * part, (self.rank + 1) * part
 
 
-def span_notes(source: ShardedSource) -> list[str]:
-    """For the load report: each intermediate dim a rank holds as a wider span, and why."""
+def span_notes(source: ShardedSource, who: str | None = None) -> list[str]:
+    """For the load report: each intermediate dim a rank holds as a wider span, and why. who: the process's
+    label (TP x EP: its world rank, distributed/mesh.py), default "rank r" of its tensor-parallel rank."""
     names = {"dense": "intermediate_size", "experts": "moe_intermediate_size", "shared": "shared experts"}
+    who = who or f"rank {source.rank}"
     return [
-        f"rank {source.rank}: {names[kind]} units [{s.start}, {s.stop}) held as [{s.first}, {s.first + s.width}) "
+        f"{who}: {names[kind]} units [{s.start}, {s.stop}) held as [{s.first}, {s.first + s.width}) "
         "(the split falls inside the down projection's stored blocks; the other units' gate / up rows are zero)"
         for kind, s in source.spans.items()
         if s.widened

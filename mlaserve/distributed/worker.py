@@ -141,7 +141,7 @@ def serve(store, rank: int, world_size: int, path: str, options: EngineOptions) 
 
 def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions) -> None:
     from mlaserve.distributed.collectives import Collectives
-    from mlaserve.distributed.sharding import vocab_sizes
+    from mlaserve.distributed.mesh import logits_sizes
     from mlaserve.executor.model_runner import ModelRunner
     from mlaserve.loading.model_loader import load_model
     from mlaserve.observability.trace import MemoryTracer
@@ -157,11 +157,8 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     runner = ModelRunner(loaded.model, loaded.config, MemoryTracer(maxlen=1), rank=rank)
     # the runner's config: the loaded one with the cache's rules applied, as rank 0's runner compares it
     comm.gather_objects(rank_echo(rank, runner.cfg, loaded.model))
-    sizes = (
-        vocab_sizes(loaded.config.model.vocab_size, world_size)
-        if loaded.config.parallel.tensor_parallel_size > 1
-        else None
-    )
+    par = loaded.config.parallel
+    sizes = logits_sizes(loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size)
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "stop":

@@ -16,6 +16,7 @@ from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.distributed.expert_parallel import cut_experts, expert_range, shard_experts
 from mlaserve.distributed.expert_source import ExpertRangeSource
+from mlaserve.distributed.mesh import place_of, reducers
 from mlaserve.distributed.sharding import (
     ShardedSource,
     check_splits,
@@ -359,25 +360,28 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
+    ep = engine_cfg.parallel.expert_parallel_size
     sharded = ck.source
+    if n * ep > 1:  # this process's TP and EP ranks and the groups it reduces over (distributed/mesh.py)
+        place = place_of(comm.rank, n, ep)
+        tp_reduce, ep_reduce = reducers(comm, place)
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
-        rank = comm.rank
+        rank = place.tp_rank
         # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
         spans = unit_spans(source, ck.model_cfg, rank, n) if engine_cfg.kernels.gguf_weights == "quantized" else {}
         model_cfg = rank_config(ck.model_cfg, rank, n, spans)
         source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans)
-        rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
-    ep = engine_cfg.parallel.expert_parallel_size
+        rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": tp_reduce}
     if ep > 1:  # this rank's routed experts only: the others' are neither listed nor read (distributed/expert_source)
         e = model_cfg.moe.n_routed_experts
-        source = ranged = ExpertRangeSource(source, e, *expert_range(e, comm.rank, ep))
+        source = ranged = ExpertRangeSource(source, e, *expert_range(e, place.ep_rank, ep))
     read_before = getattr(ck.source, "bytes_read", None)
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
 
     def prepare(meta_model: nn.Module) -> None:  # on the meta device, before anything is allocated
         if ep > 1:  # the experts modules cut to this rank's range: the holders below are made for those only
-            cut_experts(meta_model, comm.rank, ep)
+            cut_experts(meta_model, place.ep_rank, ep)
         if engine_cfg.kernels.gguf_weights == "quantized":  # holders swapped in before the strict fill
             gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
             swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
@@ -411,7 +415,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
-        model.rank_notes = tuple(span_notes(sharded) + ([notes_first] if notes_first else []))
+        model.rank_notes = tuple(span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else []))
         report.notes.extend(model.rank_notes)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
@@ -427,12 +431,12 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if read_before is not None:  # the checkpoint's tensor bytes this load read (an EP rank: its experts only)
         report.bytes_read = model.file_bytes_read = ck.source.bytes_read - read_before
     if ep > 1:  # this rank's range of every MoE layer's routed experts; the rest replicated (expert_parallel.py)
-        model.expert_received, notes = shard_experts(model, comm.rank, ep, comm.all_reduce)
+        model.expert_received, notes = shard_experts(model, place.ep_rank, ep, ep_reduce, f"rank {comm.rank}")
         notes.append(
             f"rank {comm.rank}: read {report.bytes_read} bytes of tensors from the checkpoint (the other ranks' "
             f"{ranged.hidden} routed-expert tensors not read)"
         )
-        model.rank_notes = tuple(notes)
+        model.rank_notes = (*getattr(model, "rank_notes", ()), *notes)
         report.notes.extend(notes)
     # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
     kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels.impl, engine_cfg.kernels.activations == "int8"))
