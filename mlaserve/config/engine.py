@@ -155,8 +155,9 @@ class EngineOptions:
     expert_parallel_size: int = _opt(
         1,
         "processes the routed experts are spread across on this machine (each holds a contiguous range of every "
-        "MoE layer's experts; attention, shared expert, router, norms and embedding replicated; one all-reduce "
-        "per MoE layer); not combined with tensor_parallel_size yet",
+        "MoE layer's experts and reads only those; attention, shared expert, router, norms and embedding "
+        "replicated; one all-reduce per MoE layer); with tensor_parallel_size T: T x N processes, each of the "
+        "N expert groups split T ways",
     )
     speculative: str | None = _opt(
         None,

@@ -147,5 +147,5 @@ def shard_experts(
         module.expert_shard = ExpertParallelRouted(
             module.experts, ExpertShard(rank, n, start, stop), all_reduce, received
         )
-        notes.append(f"rank {rank}: {name} experts [{start}, {stop}) of {e}, {expert_bytes(module.experts)} bytes held")
+        notes.append(f"{who}: {name} experts [{start}, {stop}) of {e}, {expert_bytes(module.experts)} bytes held")
     return received, notes

@@ -59,6 +59,7 @@ def _compare(path: str, ids: list[int], ref: torch.Tensor | None = None) -> None
         assert echo["num_local_heads"] == cfg.num_heads // 2
         assert echo["vocab_rows"] == (cfg.vocab_size + 1 - t) // 2
         assert {tuple(h["experts"]) for h in echo["routed_experts"]} == {expert_range(e, ep, 2)}
+        assert echo["notes"] and all(note.startswith(f"rank {g}: ") for note in echo["notes"]), echo["notes"]
     # per step and process: 2 all-reduces per layer + the embedding's (TP group), 1 per MoE layer (EP group)
     moe_layers = sum(kind == "moe" for kind in cfg.mlp_layer_types)
     comm = [r["comm"]["all_reduces"] for r in records if "comm" in r]
