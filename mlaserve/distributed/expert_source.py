@@ -50,7 +50,14 @@ class ExpertRangeSource:
         return list(self._stored)
 
     def where(self, name: str) -> str:
-        return self.source.where(self._stored[name])
+        """The checkpoint's file and, for one of the rank's experts, its own name (messages name that id)."""
+        stored = self._stored[name]
+        return self.source.where(stored) + (f" ({stored})" if stored != name else "")
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of a local one, listed or not (the loader names a missing expert tensor by it)."""
+        m = _EXPERT.match(name)
+        return f"{m.group(1)}.{int(m.group(2)) + self.start}.{m.group(3)}" if m else name
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.source.shape(self._stored[name])

@@ -195,7 +195,9 @@ def _stack_experts(
         report.notes.append(f"skipped {len(names)} unused expert tensor(s) of {prefix}: {unused(*dropped[0][:2])}")
     for e, proj, suffix in itertools.product(range(n_exp), _PROJS, dst):
         if (proj, e, suffix) not in parts:
-            raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.{suffix}")
+            # an expert-parallel rank lists its experts from 0 (distributed/expert_source.py): name the checkpoint's
+            name = getattr(source, "checkpoint_name", lambda n: n)(f"{prefix}.{e}.{proj}.{suffix}")
+            raise WeightError(f"checkpoint is missing {name}")
     extra = [parts[k] for k in parts if k[1] >= n_exp or k[2] not in dst]
     if extra:
         raise WeightError(
