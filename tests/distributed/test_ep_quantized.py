@@ -6,6 +6,8 @@ Forms (tiny models made here, as the releases store them):
         weight is one partial block), FP8Experts
   fp4   DeepSeek-V4-style e2m1 routed experts with group-32 scales, FP8 (16, 16) blocks elsewhere (v3_yarn),
         FP4Experts
+  nvfp4 compressed-tensors NVFP4 experts (e2m1 codes, e4m3 group-16 scales over a per-tensor global scale,
+        weight_global_scale: one more per-expert tensor), FP8 (16, 16) blocks elsewhere (glm_dsa), FP4Experts
   int4  Kimi-K2.5 compressed-tensors pack-quantized int4 experts (int32 words, bf16 group-32 scales,
         weight_shape), the multimodal wrapper's text model, INT4Experts
 The reference is one process on the same folder (the quantized holders themselves are held to transformers on
@@ -15,7 +17,8 @@ Bound: FP32_LOGITS_TOL (1e-5, conftest.py). EP=2 computes the same experts' outp
 weights; only the order of the fp32 additions (each rank's partial sum, then the all-reduce) and the rows a
 holder's product sees (a rank also runs its rows' zero-weight pairs, which can change the per-expert row
 counts the kernels choose their path by) differ. Measured max |EP=2 - one process| on the prompt logits
-(logits up to ~5): fp8 0, fp4 0 (top-2: a sum of two terms is the same in either order), int4 9.5e-7;
+(logits up to ~5): fp8 0, fp4 0 (top-2: a sum of two terms is the same in either order), nvfp4 1.2e-6,
+int4 9.5e-7;
 greedy tokens identical. Broken on purpose (every rank's shard start taken as 0): fp8 off by 3.0."""
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from mlaserve.quant.writer import write_fp8_folder
 from mlaserve.sampling.params import SamplingParams
 
 OPTS = dict(page_size=8, max_num_batched_tokens=24)
-HOLDER = {"fp8": "FP8Experts", "fp4": "FP4Experts", "int4": "INT4Experts"}
+HOLDER = {"fp8": "FP8Experts", "fp4": "FP4Experts", "nvfp4": "FP4Experts", "int4": "INT4Experts"}
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +47,13 @@ def form_folder(hf_model_dir, tmp_path_factory, request):
     def make(form: str):
         if form == "int4":
             return request.getfixturevalue("folders")[0]
-        kind, block, experts = {"fp8": ("kimi_k2", (128, 128), "fp8"), "fp4": ("v3_yarn", (16, 16), "fp4")}[form]
+        kind, fmt, block, experts = {
+            "fp8": ("kimi_k2", "fp8", (128, 128), "fp8"),
+            "fp4": ("v3_yarn", "fp8", (16, 16), "fp4"),
+            "nvfp4": ("glm_dsa", "compressed-tensors", (16, 16), "nvfp4"),
+        }[form]
         dst = tmp_path_factory.mktemp(f"ep-{form}")
-        write_fp8_folder(hf_model_dir(kind)[0], dst, "fp8", block, experts=experts)
+        write_fp8_folder(hf_model_dir(kind)[0], dst, fmt, block, experts=experts)
         return dst
 
     return make
@@ -66,7 +73,7 @@ def _expert_file_bytes(path) -> dict[int, dict[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("form", ["fp8", "fp4", "int4"])
+@pytest.mark.parametrize("form", ["fp8", "fp4", "nvfp4", "int4"])
 def test_ep2_on_a_quantized_folder_equals_one_process(form, form_folder):
     folder = form_folder(form)
     ids = random_ids(30)
