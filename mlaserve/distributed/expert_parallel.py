@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mlaserve.config.model import ConfigError
+from mlaserve.config.model import ConfigError, MoEConfig
+from mlaserve.models.moe import Experts
 
 
 def expert_range(n_experts: int, rank: int, n: int) -> tuple[int, int]:
@@ -51,6 +52,9 @@ class ExpertShard:
     n: int
     start: int
     stop: int
+    # TP x EP over whole experts (distributed/mesh.py): the reduced routed sum is added by TP rank 0 only (the
+    # decoder's TP all-reduce then counts it once); the others return zeros
+    adds: bool = True
 
 
 class ReceivedPairs:
@@ -88,7 +92,8 @@ class ExpertParallelRouted(nn.Module):
             partial[rows] = self.experts(x[rows], local_w, local_idx)
         self.received.pairs += int(mine.sum())
         self.received.tokens += int(rows.numel())
-        return self.all_reduce(partial)
+        routed = self.all_reduce(partial)
+        return routed if s.adds else torch.zeros_like(routed)
 
 
 def _cut(module: nn.Module, n_experts: int, start: int, stop: int) -> None:
@@ -114,7 +119,7 @@ def _moe_layers(model: nn.Module):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def cut_experts(model: nn.Module, rank: int, n: int) -> None:
+def cut_experts(model: nn.Module, rank: int, n: int, whole: MoEConfig | None = None) -> None:
     """On the meta-device model (build_model's prepare, before the stored-form holders are swapped in and
     anything is allocated): every MoE layer's routed experts module cut to rank r's range, so the holders
     (GGUFExperts, FP8Experts, FP4Experts, INT4Experts, float stacks) are made for its experts only and the
@@ -124,11 +129,13 @@ def cut_experts(model: nn.Module, rank: int, n: int) -> None:
         raise ConfigError(f"expert_parallel_size={n}: the model has no MoE layer to spread")
     for _, module in layers:
         e = module.gate.cfg.n_routed_experts
+        if whole is not None:  # TP x EP over whole experts: the checkpoint's width, not the TP rank's slice
+            module.experts = Experts(module.gate.weight.shape[1], whole)
         _cut(module.experts, e, *expert_range(e, rank, n))
 
 
 def shard_experts(
-    model: nn.Module, rank: int, n: int, all_reduce, who: str | None = None
+    model: nn.Module, rank: int, n: int, all_reduce, who: str | None = None, adds: bool = True
 ) -> tuple[ReceivedPairs, list[str]]:
     """After the fill: route every MoE layer's routed experts (already rank r's range, cut_experts) through
     the partial sum and all_reduce (the EP group's under TP x EP). -> (the rank's received-pairs counter, load
@@ -145,7 +152,7 @@ def shard_experts(
         # the one-call block (and the decode layer holding it) computes the whole routed sum in C: the kernel plan,
         # made after this, keeps this layer per op (GGUFMoEBlock.unfit names expert parallelism)
         module.expert_shard = ExpertParallelRouted(
-            module.experts, ExpertShard(rank, n, start, stop), all_reduce, received
+            module.experts, ExpertShard(rank, n, start, stop, adds), all_reduce, received
         )
         notes.append(f"{who}: {name} experts [{start}, {stop}) of {e}, {expert_bytes(module.experts)} bytes held")
     return received, notes

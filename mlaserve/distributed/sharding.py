@@ -81,6 +81,9 @@ class UnitSpan:
         return self.first != self.start or self.width != self.stop - self.start
 
 
+_ROUTED = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
 def _unit_kind(name: str) -> str | None:
     return next((kind for pattern, kind in _UNITS if pattern.search(name)), None)
 
@@ -175,8 +178,18 @@ class ShardedSource:
     this rank's slice, read as a slice when the source can (safetensors: get_slice; GGUF: only
     the slice's blocks are dequantized); other sources are read whole and narrowed."""
 
-    def __init__(self, source, cfg: ModelConfig, rank: int, n: int, spans: dict[str, UnitSpan] | None = None) -> None:
-        self.source, self.rank, self.n = source, rank, n
+    def __init__(
+        self,
+        source,
+        cfg: ModelConfig,
+        rank: int,
+        n: int,
+        spans: dict[str, UnitSpan] | None = None,
+        whole_experts: bool = False,
+    ) -> None:
+        """whole_experts: the routed experts are not split (TP x EP over expert groups TP does not split,
+        distributed/mesh.py): read whole, their scales as stored."""
+        self.source, self.rank, self.n, self.whole_experts = source, rank, n, whole_experts
         self.vocab = vocab_range(cfg.vocab_size, rank, n)
         self.spans = spans or {}
         self.heads = (rank * cfg.num_heads // n, (rank + 1) * cfg.num_heads // n)
@@ -188,7 +201,7 @@ class ShardedSource:
         Every scale this source returns from then on is on that grid."""
         suffix, (gr, gc) = "." + scale_name, block
         for name in self.names():
-            if not name.endswith(suffix):
+            if not name.endswith(suffix) or (self.whole_experts and _ROUTED.search(name)):  # read as stored
                 continue
             weight = name[: -len(suffix)] + ".weight"
             start_row, start_col = (r[0] for r in self._ranges(weight))
@@ -200,7 +213,7 @@ class ShardedSource:
         """This rank's rows and columns [start, stop) of a 2-D weight (the whole dim where it is not split)."""
         shape = tuple(self.source.shape(weight))
         rows, cols = (0, shape[0]), (0, shape[1])
-        kind = split_of(weight)
+        kind = self._kind(weight)
         if kind == "vocabulary":
             rows = self.vocab
         elif kind == "rows":
@@ -248,7 +261,7 @@ class ShardedSource:
 
     def block_split_problem(self, name: str) -> str | None:
         """Why this rank's slice of `name` is not whole stored blocks (it is then read dequantized), or None."""
-        if split_of(name) != "columns" or self.span(name) is not None:
+        if self._kind(name) != "columns" or self.span(name) is not None:
             return None
         shape = tuple(self.source.shape(name))
         start, stop = self._even(name, shape, 1)
@@ -271,7 +284,7 @@ class ShardedSource:
     def get_blocks(self, name: str) -> torch.Tensor:
         """This rank's slice of a tensor kept in its blocks, as stored bytes uint8 [rows, R]: rows are byte
         ranges, columns whole blocks of every row (the file's bytes; nothing is converted)."""
-        kind = split_of(name)
+        kind = self._kind(name)
         whole = self.source.get_blocks(name)
         if kind == "replicated":
             return whole
@@ -299,10 +312,14 @@ class ShardedSource:
         out[:, : whole.shape[1] - b0] = whole[:, b0:]
         return out
 
+    def _kind(self, name: str) -> str:
+        return "replicated" if self.whole_experts and _ROUTED.search(name) else split_of(name)
+
     def get(self, name: str) -> torch.Tensor:
-        if self.fp8 is not None and name.endswith("." + self.fp8[0]):
+        whole = self.whole_experts and _ROUTED.search(name)  # an expert group's own scales, as stored
+        if self.fp8 is not None and name.endswith("." + self.fp8[0]) and not whole:
             return self._scale(name)
-        kind = split_of(name)
+        kind = self._kind(name)
         if kind == "replicated" or (kind == "first" and self.rank == 0):
             return self.source.get(name)
         shape = tuple(self.source.shape(name))

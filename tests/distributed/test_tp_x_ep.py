@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import FP32_LOGITS_TOL, compare_logits, fixture_dir
 from hf_models import hf_logits, make_config, random_ids, reinit_
+from test_int4_experts import folders  # noqa: F401 -- the Kimi-K2.5 INT4 folder fixture
 
 from mlaserve import LLM
 from mlaserve.distributed.expert_parallel import expert_range
@@ -36,7 +38,8 @@ def test_places_and_groups_are_plain_data():
     assert logits_sizes(801, 1, 3) is None
 
 
-def _compare(path: str, ids: list[int], ref: torch.Tensor | None = None) -> None:
+def _compare(path: str, ids: list[int], ref: torch.Tensor | None = None, experts_over: int = 2) -> None:
+    """experts_over: the processes the experts are spread over (2: the EP ranks; 4: every process, whole)."""
     one = LLM(path, **OPTS)
     with LLM(path, tensor_parallel_size=2, expert_parallel_size=2, trace="memory", **OPTS) as four:
         a, b = one.prompt_logits(ids), four.prompt_logits(ids)
@@ -58,9 +61,10 @@ def _compare(path: str, ids: list[int], ref: torch.Tensor | None = None) -> None
         t, ep = g % 2, g // 2
         assert echo["num_local_heads"] == cfg.num_heads // 2
         assert echo["vocab_rows"] == (cfg.vocab_size + 1 - t) // 2
-        assert {tuple(h["experts"]) for h in echo["routed_experts"]} == {expert_range(e, ep, 2)}
+        held = expert_range(e, ep, 2) if experts_over == 2 else expert_range(e, g, 4)
+        assert {tuple(h["experts"]) for h in echo["routed_experts"]} == {held}
         assert echo["notes"] and all(note.startswith(f"rank {g}: ") for note in echo["notes"]), echo["notes"]
-    # per step and process: 2 all-reduces per layer + the embedding's (TP group), 1 per MoE layer (EP group)
+    # per step and process: 2 all-reduces per layer + the embedding's (TP group), 1 per MoE layer (EP group / world)
     moe_layers = sum(kind == "moe" for kind in cfg.mlp_layer_types)
     comm = [r["comm"]["all_reduces"] for r in records if "comm" in r]
     assert len(comm) >= 3 and set(comm) == {2 * cfg.num_layers + 1 + moe_layers}, comm
@@ -102,3 +106,20 @@ def test_tp2_x_ep2_on_an_fp8_block_folder_equals_one_process(hf_model_dir, tmp_p
 
     write_fp8_folder(hf_model_dir("kimi_k2")[0], tmp_path / "fp8", "fp8", (16, 32))
     _compare(str(tmp_path / "fp8"), random_ids(20))
+
+
+@pytest.mark.parametrize("form", ["fp4", "int4"])
+def test_tp2_x_ep2_holds_fp4_and_int4_experts_whole(form, hf_model_dir, tmp_path, request):
+    """Expert groups tensor parallelism does not split (DeepSeek-V4-style e2m1, Kimi-K2.5 INT4 packed): under
+    TP x EP the experts are held whole, spread over all 4 processes (2 of the 8 each), their partials summed
+    over the world and added by TP rank 0 of each group only (the others add 0) before the TP all-reduce.
+    Measured: fp4 2.5e-6, int4 2.7e-6 from one process. Broken on purpose (every TP rank adding the sum): fp4
+    off by 2.6."""
+    from mlaserve.quant.writer import write_fp8_folder
+
+    if form == "int4":
+        folder = request.getfixturevalue("folders")[0]
+    else:
+        folder = tmp_path / "fp4"
+        write_fp8_folder(hf_model_dir("v3_yarn")[0], folder, "fp8", (16, 16), experts="fp4")
+    _compare(str(folder), random_ids(20), experts_over=4)
