@@ -13,6 +13,9 @@ over the EP group (= the routed partial of t's units over every expert, what ran
 Everything is replicated across the E TP groups (each computes every token); rank 0 gathers the logits
 from its own TP group (the other groups' copies are not sent).
 With T == 1 or E == 1 the one group is the whole world (no subgroup is made).
+Whole experts (expert groups TP does not split: FP4, INT4; loading/model_loader.py decides): the routed experts
+are spread over all W processes instead (expert_range over W), their partials all-reduced over the world, and
+only the processes with t == 0 add that sum before the TP all-reduce (the others add 0), so it counts once.
 """
 
 from __future__ import annotations
