@@ -130,6 +130,7 @@ def cut_experts(model: nn.Module, rank: int, n: int, whole: MoEConfig | None = N
     for _, module in layers:
         e = module.gate.cfg.n_routed_experts
         if whole is not None:  # TP x EP over whole experts: the checkpoint's width, not the TP rank's slice
+            # (no swiglu_limit: its clamps come with no quantized checkpoint, refused at open)
             module.experts = Experts(module.gate.weight.shape[1], whole)
         _cut(module.experts, e, *expert_range(e, rank, n))
 

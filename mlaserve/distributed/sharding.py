@@ -29,6 +29,8 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   grid (gcd of bn and every row start, of bk and every column start): each finer
                   block lies inside one stored block and takes its scale, so q * s is the same value
                   for every weight (regrid_fp8); a split on whole blocks keeps the stored grid
+  whole experts   TP x EP over expert groups TP does not split (FP4, INT4; distributed/mesh.py): the routed
+                  experts are read whole, their scales as stored (whole_experts)
   replicated      the rest: q_a_proj (c_q), kv_a_proj_with_mqa (c_kv, k_pe: every head reads the
                   same latent rows, so each rank keeps the whole latent cache), norms, the DSA
                   indexer (its top-k must be the same on every rank), the MoE gate
