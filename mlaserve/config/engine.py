@@ -158,8 +158,9 @@ class EngineOptions:
     expert_parallel_size: int = _opt(
         1,
         "processes the routed experts are spread across on this machine (each holds a contiguous range of every "
-        "MoE layer's experts; attention, shared expert, router, norms and embedding replicated; one all-reduce "
-        "per MoE layer); not combined with tensor_parallel_size yet",
+        "MoE layer's experts and reads only those; attention, shared expert, router, norms and embedding "
+        "replicated; one all-reduce per MoE layer); with tensor_parallel_size T: T x N processes, each of the "
+        "N expert groups split T ways",
     )
     speculative: str | None = _opt(
         None,
@@ -339,7 +340,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes of the group (TP x EP is refused at configuration, so one of the two is 1)."""
+        """Processes of the group: T x E (distributed/mesh.py: rank = e * T + t)."""
         return self.tensor_parallel_size * self.expert_parallel_size
 
 
@@ -431,11 +432,6 @@ def resolve(
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
     backend = choose_attention_backend(opts.attention_backend, kernels, dtype, log)
-    if opts.tensor_parallel_size > 1 and opts.expert_parallel_size > 1:
-        raise ConfigError(
-            f"tensor_parallel_size={opts.tensor_parallel_size} with expert_parallel_size={opts.expert_parallel_size}"
-            " is not supported yet: choose one (TP x EP needs a two-level group)"
-        )
     world = opts.tensor_parallel_size * opts.expert_parallel_size
     gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, world, log)
     threads, why = choose_threads(model, opts.threads, world)

@@ -6,6 +6,7 @@ Per step (rank 0 -> all, then all -> rank 0):
                     vocab-parallel embedding (2 * layers + 1 per step); expert parallel: the
                     routed experts' partial sums, one per MoE layer (nothing else: the rest is replicated)
   gather_logits     each rank's vocabulary slice of the logits, concatenated on rank 0 (TP only)
+  subgroup          TP x EP: the tensor-parallel and expert-parallel groups' all-reduces (distributed/mesh.py)
   gather_objects    each rank's route record (when tracing) for rank 0's ledger
 At start: gather_objects of each rank's effective configuration (checked on rank 0).
 
@@ -82,6 +83,15 @@ class Collectives:
         self._pg = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
         self._interrupt = interrupt
         self.stats = CommStats()
+
+    def subgroup(self, name: str, members: list[int]) -> Collectives:
+        """Collectives among some of this group's ranks (TP x EP, distributed/mesh.py): its own gloo group over
+        a prefix of the store; every member calls it with the same name and members. Its all-reduces count
+        in this rank's stats (the ledger's `comm`)."""
+        store = dist.PrefixStore(f"mlaserve/group/{name}", self._store)
+        sub = Collectives(store, members.index(self.rank), len(members), self._interrupt)
+        sub.stats = self.stats
+        return sub
 
     def _wait(self, work) -> None:
         """work.wait(), in slices when an interrupt is set, so that rank 0 fails the step as soon

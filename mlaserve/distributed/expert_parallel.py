@@ -18,6 +18,10 @@ those rows weighted 0 (a holder runs [T_r, k] pairs; weight 0 times a finite val
 added once after the sum). Every rank sees every token, so no dispatch is needed; an all-to-all that
 sends each rank only its pairs' hidden states (and runs no zero-weight pairs) is the later
 optimisation. Hash-routed layers (DeepSeek-V4) and identity experts (LongCat) are refused at load.
+Load: cut_experts cuts every experts module to [e0, e1) on the meta device (before the stored-form holders
+are made: float stacks, GGUFExperts, FP8 / FP4 / INT4 experts), the loader fills it from the rank's
+ExpertRangeSource (expert_source.py: the other ranks' expert tensors are never read), then shard_experts
+routes the layer through ExpertParallelRouted.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mlaserve.config.model import ConfigError
+from mlaserve.config.model import ConfigError, MoEConfig
+from mlaserve.models.moe import Experts
 
 
 def expert_range(n_experts: int, rank: int, n: int) -> tuple[int, int]:
@@ -47,6 +52,9 @@ class ExpertShard:
     n: int
     start: int
     stop: int
+    # TP x EP over whole experts (distributed/mesh.py): the reduced routed sum is added by TP rank 0 only (the
+    # decoder's TP all-reduce then counts it once); the others return zeros
+    adds: bool = True
 
 
 class ReceivedPairs:
@@ -84,12 +92,13 @@ class ExpertParallelRouted(nn.Module):
             partial[rows] = self.experts(x[rows], local_w, local_idx)
         self.received.pairs += int(mine.sum())
         self.received.tokens += int(rows.numel())
-        return self.all_reduce(partial)
+        routed = self.all_reduce(partial)
+        return routed if s.adds else torch.zeros_like(routed)
 
 
 def _cut(module: nn.Module, n_experts: int, start: int, stop: int) -> None:
-    """Keep experts [start, stop) of every parameter / buffer stacked by expert (dim 0 == E), as a copy
-    (the whole stack is freed): GGUF blocks, FP8 weights and scales, float stacks alike."""
+    """Keep experts [start, stop) of every parameter / buffer stacked by expert (dim 0 == E): on the meta
+    device, before anything is allocated (cut_experts), so the rank never holds the others' stacks."""
     for name, p in list(module.named_parameters(recurse=False)):
         if p.dim() and p.shape[0] == n_experts:
             setattr(module, name, nn.Parameter(p.data[start:stop].clone(), requires_grad=False))
@@ -104,26 +113,47 @@ def expert_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def shard_experts(model: nn.Module, rank: int, n: int, all_reduce) -> tuple[ReceivedPairs, list[str]]:
-    """Cut every MoE layer's routed experts of a loaded model to rank r's range and route their sum
-    through all_reduce. -> (the rank's received-pairs counter, load notes naming its experts)."""
+def _moe_layers(model: nn.Module):
     from mlaserve.models.moe import MoE
 
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def cut_experts(model: nn.Module, rank: int, n: int, whole: MoEConfig | None = None) -> None:
+    """On the meta-device model (build_model's prepare, before the stored-form holders are swapped in and
+    anything is allocated): every MoE layer's routed experts module cut to rank r's range, so the holders
+    (GGUFExperts, FP8Experts, FP4Experts, INT4Experts, float stacks) are made for its experts only and the
+    loader fills them from the rank's ExpertRangeSource (distributed/expert_source.py)."""
+    layers = _moe_layers(model)
+    if not layers:
+        raise ConfigError(f"expert_parallel_size={n}: the model has no MoE layer to spread")
+    for _, module in layers:
+        e = module.gate.cfg.n_routed_experts
+        if whole is not None:  # TP x EP over whole experts: the checkpoint's width, not the TP rank's slice
+            # (no swiglu_limit: its clamps come with no quantized checkpoint, refused at open)
+            module.experts = Experts(module.gate.weight.shape[1], whole)
+        _cut(module.experts, e, *expert_range(e, rank, n))
+
+
+def shard_experts(
+    model: nn.Module, rank: int, n: int, all_reduce, who: str | None = None, adds: bool = True
+) -> tuple[ReceivedPairs, list[str]]:
+    """After the fill: route every MoE layer's routed experts (already rank r's range, cut_experts) through
+    the partial sum and all_reduce (the EP group's under TP x EP). -> (the rank's received-pairs counter, load
+    notes naming its experts, headed by `who`: the process's world rank, default "rank r")."""
+    who = who or f"rank {rank}"
     received, notes = ReceivedPairs(), []
-    for name, module in model.named_modules():
-        if not isinstance(module, MoE):
-            continue
+    for name, module in _moe_layers(model):
         e = module.gate.cfg.n_routed_experts
         start, stop = expert_range(e, rank, n)
-        before = expert_bytes(module.experts)
-        _cut(module.experts, e, start, stop)
-        after = expert_bytes(module.experts)
+        held = next(p.shape[0] for p in module.experts.parameters())
+        if held != stop - start:  # the loader's contract with cut_experts, checked rather than assumed
+            raise RuntimeError(f"{name}.experts holds {held} experts, rank {rank} of {n} should hold [{start}, {stop})")
+        module.experts.first_expert = start  # for messages naming an expert by its checkpoint id
         # the one-call block (and the decode layer holding it) computes the whole routed sum in C: the kernel plan,
         # made after this, keeps this layer per op (GGUFMoEBlock.unfit names expert parallelism)
         module.expert_shard = ExpertParallelRouted(
-            module.experts, ExpertShard(rank, n, start, stop), all_reduce, received
+            module.experts, ExpertShard(rank, n, start, stop, adds), all_reduce, received
         )
-        notes.append(f"rank {rank}: {name} experts [{start}, {stop}) of {e}, {after} of {before} expert bytes")
-    if not notes:
-        raise ConfigError(f"expert_parallel_size={n}: the model has no MoE layer to spread")
+        notes.append(f"{who}: {name} experts [{start}, {stop}) of {e}, {expert_bytes(module.experts)} bytes held")
     return received, notes

@@ -27,7 +27,7 @@ from mlaserve.config.engine import EngineOptions
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.collectives import CONNECT_TIMEOUT, Collectives, master_store
 from mlaserve.distributed.heartbeat import Watchdog
-from mlaserve.distributed.sharding import vocab_sizes
+from mlaserve.distributed.mesh import logits_sizes
 from mlaserve.distributed.spawn import WorkerProcess
 from mlaserve.distributed.worker import ERROR, JOINED, WorkerSpec, effective_config, rank_echo
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
@@ -193,6 +193,12 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def holdings(echo: dict) -> dict:
+    """A rank's experts per MoE layer, their bytes, the checkpoint bytes its load read and its peak RSS."""
+    keys = ("routed_experts", "file_bytes_read", "peak_rss_bytes")
+    return {"rank": echo["rank"], **{k: echo[k] for k in keys}}
+
+
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: each step runs on every rank; logits and route records come back here."""
 
@@ -201,8 +207,8 @@ class TensorParallelRunner(ModelRunner):
         self.group = group
         par = loaded.config.parallel
         # expert parallel: every rank computes the whole vocabulary's logits (replicated lm_head): nothing to gather
-        self.vocab_sizes = (
-            vocab_sizes(loaded.config.model.vocab_size, par.world_size) if par.tensor_parallel_size > 1 else None
+        self.vocab_sizes = logits_sizes(
+            loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size
         )
         self.rank_echoes: list[dict] = []
 
@@ -237,6 +243,9 @@ class TensorParallelRunner(ModelRunner):
                     f"{k}: rank 0 {mine['config'][k]}, rank {echo['rank']} {echo['config'].get(k)}" for k in diff
                 )
                 raise ConfigError(f"tensor-parallel rank {echo['rank']} runs a different configuration: {lines}")
+        if self.tracer.enabled and self.cfg.parallel.expert_parallel_size > 1:
+            # expert parallel: the ledger's first record says which rank holds which experts and what each read
+            self.tracer.record({"expert_holdings": [holdings(echo) for echo in self.rank_echoes]})
 
     def close(self) -> None:
         self.group.shutdown()

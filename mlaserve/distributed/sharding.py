@@ -29,6 +29,8 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   grid (gcd of bn and every row start, of bk and every column start): each finer
                   block lies inside one stored block and takes its scale, so q * s is the same value
                   for every weight (regrid_fp8); a split on whole blocks keeps the stored grid
+  whole experts   TP x EP over expert groups TP does not split (FP4, INT4; distributed/mesh.py): the routed
+                  experts are read whole, their scales as stored (whole_experts)
   replicated      the rest: q_a_proj (c_q), kv_a_proj_with_mqa (c_kv, k_pe: every head reads the
                   same latent rows, so each rank keeps the whole latent cache), norms, the DSA
                   indexer (its top-k must be the same on every rank), the MoE gate
@@ -79,6 +81,9 @@ class UnitSpan:
     @property
     def widened(self) -> bool:
         return self.first != self.start or self.width != self.stop - self.start
+
+
+_ROUTED = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
 def _unit_kind(name: str) -> str | None:
@@ -175,8 +180,18 @@ class ShardedSource:
     this rank's slice, read as a slice when the source can (safetensors: get_slice; GGUF: only
     the slice's blocks are dequantized); other sources are read whole and narrowed."""
 
-    def __init__(self, source, cfg: ModelConfig, rank: int, n: int, spans: dict[str, UnitSpan] | None = None) -> None:
-        self.source, self.rank, self.n = source, rank, n
+    def __init__(
+        self,
+        source,
+        cfg: ModelConfig,
+        rank: int,
+        n: int,
+        spans: dict[str, UnitSpan] | None = None,
+        whole_experts: bool = False,
+    ) -> None:
+        """whole_experts: the routed experts are not split (TP x EP over expert groups TP does not split,
+        distributed/mesh.py): read whole, their scales as stored."""
+        self.source, self.rank, self.n, self.whole_experts = source, rank, n, whole_experts
         self.vocab = vocab_range(cfg.vocab_size, rank, n)
         self.spans = spans or {}
         self.heads = (rank * cfg.num_heads // n, (rank + 1) * cfg.num_heads // n)
@@ -188,7 +203,7 @@ class ShardedSource:
         Every scale this source returns from then on is on that grid."""
         suffix, (gr, gc) = "." + scale_name, block
         for name in self.names():
-            if not name.endswith(suffix):
+            if not name.endswith(suffix) or (self.whole_experts and _ROUTED.search(name)):  # read as stored
                 continue
             weight = name[: -len(suffix)] + ".weight"
             start_row, start_col = (r[0] for r in self._ranges(weight))
@@ -200,7 +215,7 @@ class ShardedSource:
         """This rank's rows and columns [start, stop) of a 2-D weight (the whole dim where it is not split)."""
         shape = tuple(self.source.shape(weight))
         rows, cols = (0, shape[0]), (0, shape[1])
-        kind = split_of(weight)
+        kind = self._kind(weight)
         if kind == "vocabulary":
             rows = self.vocab
         elif kind == "rows":
@@ -248,7 +263,7 @@ class ShardedSource:
 
     def block_split_problem(self, name: str) -> str | None:
         """Why this rank's slice of `name` is not whole stored blocks (it is then read dequantized), or None."""
-        if split_of(name) != "columns" or self.span(name) is not None:
+        if self._kind(name) != "columns" or self.span(name) is not None:
             return None
         shape = tuple(self.source.shape(name))
         start, stop = self._even(name, shape, 1)
@@ -271,7 +286,7 @@ class ShardedSource:
     def get_blocks(self, name: str) -> torch.Tensor:
         """This rank's slice of a tensor kept in its blocks, as stored bytes uint8 [rows, R]: rows are byte
         ranges, columns whole blocks of every row (the file's bytes; nothing is converted)."""
-        kind = split_of(name)
+        kind = self._kind(name)
         whole = self.source.get_blocks(name)
         if kind == "replicated":
             return whole
@@ -299,10 +314,14 @@ class ShardedSource:
         out[:, : whole.shape[1] - b0] = whole[:, b0:]
         return out
 
+    def _kind(self, name: str) -> str:
+        return "replicated" if self.whole_experts and _ROUTED.search(name) else split_of(name)
+
     def get(self, name: str) -> torch.Tensor:
-        if self.fp8 is not None and name.endswith("." + self.fp8[0]):
+        whole = self.whole_experts and _ROUTED.search(name)  # an expert group's own scales, as stored
+        if self.fp8 is not None and name.endswith("." + self.fp8[0]) and not whole:
             return self._scale(name)
-        kind = split_of(name)
+        kind = self._kind(name)
         if kind == "replicated" or (kind == "first" and self.rank == 0):
             return self.source.get(name)
         shape = tuple(self.source.shape(name))
@@ -345,11 +364,13 @@ class ShardedSource:
         return self.rank * part, (self.rank + 1) * part
 
 
-def span_notes(source: ShardedSource) -> list[str]:
-    """For the load report: each intermediate dim a rank holds as a wider span, and why."""
+def span_notes(source: ShardedSource, who: str | None = None) -> list[str]:
+    """For the load report: each intermediate dim a rank holds as a wider span, and why. who: the process's
+    label (TP x EP: its world rank, distributed/mesh.py), default "rank r" of its tensor-parallel rank."""
     names = {"dense": "intermediate_size", "experts": "moe_intermediate_size", "shared": "shared experts"}
+    who = who or f"rank {source.rank}"
     return [
-        f"rank {source.rank}: {names[kind]} units [{s.start}, {s.stop}) held as [{s.first}, {s.first + s.width}) "
+        f"{who}: {names[kind]} units [{s.start}, {s.stop}) held as [{s.first}, {s.first + s.width}) "
         "(the split falls inside the down projection's stored blocks; the other units' gate / up rows are zero)"
         for kind, s in source.spans.items()
         if s.widened

@@ -60,8 +60,19 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
         "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "num_threads": torch.get_num_threads(),
         "routed_experts": routed_experts(model),
+        # what the load read from the checkpoint (an expert-parallel rank: its own experts only) and the process's
+        # peak resident memory so far (rank 0's includes its front end)
+        "file_bytes_read": getattr(model, "file_bytes_read", None),
+        "peak_rss_bytes": peak_rss_bytes(),
         **held_weights(model),
     }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (getrusage: KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def routed_experts(model: torch.nn.Module) -> list[dict]:
@@ -130,7 +141,7 @@ def serve(store, rank: int, world_size: int, path: str, options: EngineOptions) 
 
 def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions) -> None:
     from mlaserve.distributed.collectives import Collectives
-    from mlaserve.distributed.sharding import vocab_sizes
+    from mlaserve.distributed.mesh import logits_sizes
     from mlaserve.executor.model_runner import ModelRunner
     from mlaserve.loading.model_loader import load_model
     from mlaserve.observability.trace import MemoryTracer
@@ -146,11 +157,8 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     runner = ModelRunner(loaded.model, loaded.config, MemoryTracer(maxlen=1), rank=rank)
     # the runner's config: the loaded one with the cache's rules applied, as rank 0's runner compares it
     comm.gather_objects(rank_echo(rank, runner.cfg, loaded.model))
-    sizes = (
-        vocab_sizes(loaded.config.model.vocab_size, world_size)
-        if loaded.config.parallel.tensor_parallel_size > 1
-        else None
-    )
+    par = loaded.config.parallel
+    sizes = logits_sizes(loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size)
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "stop":

@@ -15,7 +15,9 @@ from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
 from mlaserve.config.machine import INT8_BITS
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
-from mlaserve.distributed.expert_parallel import expert_range, shard_experts
+from mlaserve.distributed.expert_parallel import cut_experts, expert_range, shard_experts
+from mlaserve.distributed.expert_source import ExpertRangeSource
+from mlaserve.distributed.mesh import place_of, reducers
 from mlaserve.distributed.sharding import (
     ShardedSource,
     check_splits,
@@ -189,7 +191,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                     f"{path}: {model_cfg.model_type} with {name}={getattr(opts, name)!r}: not supported ({why})"
                 )
     if engine_cfg.parallel.expert_parallel_size > 1:
-        _refuse_expert_parallel(path, model_cfg, engine_cfg, scheme)
+        _refuse_expert_parallel(path, model_cfg, engine_cfg)
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
         if engine_cfg.kernels.quantization is not None:
@@ -202,14 +204,23 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
                 f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
                 f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
             )
-        if scheme is not None and (scheme.strategy != "block" or scheme.expert_dtype != "fp8"):
+        if scheme is not None and not _tp_splits(scheme, engine_cfg.parallel.expert_parallel_size):
             raise ConfigError(
                 f"{path}: tensor_parallel_size={engine_cfg.parallel.tensor_parallel_size} with a quantized checkpoint "
                 f"({scheme.method} {scheme.fmt}, strategy {scheme.strategy}, experts {scheme.expert_dtype}) is not "
-                "supported yet (FP8 block scales are split; channel / tensor scales and FP4 / INT4 expert groups "
-                "are not)"
+                "supported yet (FP8 block scales are split; channel / tensor scales are not, FP4 / INT4 expert groups "
+                "only with expert_parallel_size > 1, which holds them whole)"
             )
     return Checkpoint(path, model_cfg, engine_cfg, source, tokenizer, skipped, scheme, opts.check_tensors, skipped_note)
+
+
+def _tp_splits(scheme, ep: int) -> bool:
+    """Tensor parallelism can hold this quantized checkpoint: FP8 block scales are split with their weights;
+    FP4 / INT4 expert groups are not split, but under TP x EP the experts are held whole (distributed/mesh.py),
+    so there only the linears' scales (FP8 blocks, or none) must split."""
+    if scheme.expert_dtype == "fp8":
+        return scheme.strategy == "block"
+    return ep > 1 and scheme.strategy in ("block", "none")
 
 
 def _refuse_unsupported(path: Path, model_cfg: ModelConfig, opts: EngineOptions) -> None:
@@ -282,7 +293,7 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
 
 
-def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg, scheme) -> None:
+def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg) -> None:
     """What expert parallelism does not spread yet, refused with the reason."""
     n = engine_cfg.parallel.expert_parallel_size
     why = None
@@ -294,8 +305,6 @@ def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg, scheme) -> None:
         why = "its KDA layers are not built for several ranks"
     elif engine_cfg.speculative.method is not None:
         why = f"speculative={engine_cfg.speculative.method!r}: the MTP layer's experts are not spread"
-    elif scheme is not None:
-        why = f"a {scheme.method} {scheme.fmt} checkpoint: its expert holders are not cut per rank yet"
     else:
         expert_range(model_cfg.moe.n_routed_experts, 0, n)  # more ranks than experts: a named error
     if why is not None:
@@ -373,22 +382,36 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
+    ep = engine_cfg.parallel.expert_parallel_size
     sharded = ck.source
+    # TP x EP with expert groups TP does not split (FP4 / INT4): whole experts spread over every process
+    whole = n > 1 and ep > 1 and scheme is not None and scheme.expert_dtype != "fp8"
+    if n * ep > 1:  # this process's TP and EP ranks and the groups it reduces over (distributed/mesh.py)
+        place = place_of(comm.rank, n, ep)
+        tp_reduce, ep_reduce = reducers(comm, place)
+        # whole experts: ranges over all n x ep processes, their partials summed over the world
+        ep_rank, ep_n, ep_reduce = (comm.rank, n * ep, comm.all_reduce) if whole else (place.ep_rank, ep, ep_reduce)
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
-        rank = comm.rank
+        rank = place.tp_rank
         # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
         spans = unit_spans(source, ck.model_cfg, rank, n) if engine_cfg.kernels.gguf_weights == "quantized" else {}
         model_cfg = rank_config(ck.model_cfg, rank, n, spans)
-        source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans)
-        rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": comm.all_reduce}
+        source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans, whole_experts=whole)
+        rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": tp_reduce}
+    if ep > 1:  # this rank's routed experts only: the others' are neither listed nor read (distributed/expert_source)
+        e = model_cfg.moe.n_routed_experts
+        source = ranged = ExpertRangeSource(source, e, *expert_range(e, ep_rank, ep_n))
+    read_before = getattr(ck.source, "bytes_read", None)
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
 
-    def keep_blocks(meta_model: nn.Module) -> None:  # holders swapped in before the strict fill
-        gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
-        swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
+    def prepare(meta_model: nn.Module) -> None:  # on the meta device, before anything is allocated
+        if ep > 1:  # the experts modules cut to this rank's range: the holders below are made for those only
+            cut_experts(meta_model, ep_rank, ep_n, ck.model_cfg.moe if whole else None)
+        if engine_cfg.kernels.gguf_weights == "quantized":  # holders swapped in before the strict fill
+            gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
+            swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
 
-    prepare = keep_blocks if engine_cfg.kernels.gguf_weights == "quantized" else None
     model = build_model(
         model_cfg,
         engine_cfg.runtime.dtype,
@@ -403,7 +426,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if gguf_plan is not None:  # the loader copies the file's bytes into the holders
         source = BlockSource(source, gguf_plan.blocks)
     quant = None
-    if scheme is not None and n > 1:  # this rank's scales on the grid its slices start on (sharding.regrid_fp8)
+    if scheme is not None and n > 1 and scheme.block is not None:  # its scales on its slices' grid (regrid_fp8)
         grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)
         if grid != scheme.block:
             notes_first = (
@@ -418,7 +441,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
-        model.rank_notes = tuple(span_notes(sharded) + ([notes_first] if notes_first else []))
+        model.rank_notes = tuple(span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else []))
         report.notes.extend(model.rank_notes)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
@@ -431,12 +454,16 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(
             f"quantization={engine_cfg.kernels.quantization}: {len(quantized_at_load)} module kind(s) listed"
         )
-    ep = engine_cfg.parallel.expert_parallel_size
-    if (
-        ep > 1
-    ):  # this rank's range of every MoE layer's routed experts; the rest replicated (distributed/expert_parallel)
-        model.expert_received, notes = shard_experts(model, comm.rank, ep, comm.all_reduce)
-        model.rank_notes = tuple(notes)
+    if read_before is not None:  # the checkpoint's tensor bytes this load read (an EP rank: its experts only)
+        report.bytes_read = model.file_bytes_read = ck.source.bytes_read - read_before
+    if ep > 1:  # this rank's range of every MoE layer's routed experts; the rest replicated (expert_parallel.py)
+        adds = not whole or place.tp_rank == 0  # whole experts: the world's sum added once per TP group
+        model.expert_received, notes = shard_experts(model, ep_rank, ep_n, ep_reduce, f"rank {comm.rank}", adds)
+        notes.append(
+            f"rank {comm.rank}: read {report.bytes_read} bytes of tensors from the checkpoint (the other ranks' "
+            f"{ranged.hidden} routed-expert tensors not read)"
+        )
+        model.rank_notes = (*getattr(model, "rank_notes", ()), *notes)
         report.notes.extend(notes)
     # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
     kernel_plan = plan_kernels(model, KernelContext(engine_cfg.kernels.impl, INT8_BITS[engine_cfg.kernels.activations]))

@@ -30,6 +30,7 @@ class SafetensorsSource:
         self._file_of = self._index()
         self._handles: dict[Path, object] = {}
         self._read: dict[Path, int] = {}  # bytes handed out by each open handle
+        self.bytes_read = 0  # tensor bytes read so far, every file (a load's share of the checkpoint)
 
     def _index(self) -> dict[str, Path]:
         index = self.folder / "model.safetensors.index.json"
@@ -77,6 +78,7 @@ class SafetensorsSource:
         except Exception as e:
             raise WeightError(f"{path}: cannot read tensor {name!r} ({e})") from e
         self._read[path] = self._read.get(path, 0) + tensor.nbytes
+        self.bytes_read += tensor.nbytes
         return tensor
 
     def release(self, name: str) -> None:
@@ -104,6 +106,7 @@ class SafetensorsSource:
             raise WeightError(f"{self.where(name)}: cannot read {name!r}[{index}] ({e})") from e
         path = self._file_of[name]
         self._read[path] = self._read.get(path, 0) + part.nbytes
+        self.bytes_read += part.nbytes
         return part
 
     def _slice(self, name: str):

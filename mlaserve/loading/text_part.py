@@ -68,6 +68,10 @@ class TextPartSource:
     def names(self) -> list[str]:
         return list(self._stored)
 
+    @property
+    def bytes_read(self) -> int:
+        return getattr(self.source, "bytes_read", 0)
+
     def has(self, name: str) -> bool:
         return name in self._stored
 

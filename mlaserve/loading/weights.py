@@ -54,6 +54,7 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     unused_experts: int = 0  # of `skipped`: expert tensors their module declares unused
+    bytes_read: int | None = None  # tensor bytes read from the checkpoint while filling (None: not counted)
 
 
 def load_weights(model: nn.Module, source: TensorSource, cfg: ModelConfig, progress=None) -> LoadReport:
@@ -194,7 +195,9 @@ def _stack_experts(
         report.notes.append(f"skipped {len(names)} unused expert tensor(s) of {prefix}: {unused(*dropped[0][:2])}")
     for e, proj, suffix in itertools.product(range(n_exp), _PROJS, dst):
         if (proj, e, suffix) not in parts:
-            raise WeightError(f"checkpoint is missing {prefix}.{e}.{proj}.{suffix}")
+            # an expert-parallel rank lists its experts from 0 (distributed/expert_source.py): name the checkpoint's
+            name = getattr(source, "checkpoint_name", lambda n: n)(f"{prefix}.{e}.{proj}.{suffix}")
+            raise WeightError(f"checkpoint is missing {name}")
     extra = [parts[k] for k in parts if k[1] >= n_exp or k[2] not in dst]
     if extra:
         raise WeightError(

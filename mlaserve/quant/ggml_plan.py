@@ -247,6 +247,9 @@ class BlockSource:
     def where(self, name: str) -> str:
         return self.source.where(name)
 
+    def checkpoint_name(self, name: str) -> str:
+        return getattr(self.source, "checkpoint_name", lambda n: n)(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.source.shape(name)
 

@@ -76,8 +76,10 @@ class INT4Experts(FP8Experts):
         ):
             bad = (got != torch.tensor(want)).any(dim=-1).nonzero().flatten().tolist()
             if bad:
+                # first_expert: an expert-parallel rank holds experts [first, ...) of the checkpoint's
+                e = bad[0] + getattr(self, "first_expert", 0)
                 raise WeightError(
-                    f"{name}.{bad[0]}.{proj}.weight_shape is {got[bad[0]].tolist()}, the config implies {list(want)}"
+                    f"{name}.{e}.{proj}.weight_shape is {got[bad[0]].tolist()}, the config implies {list(want)}"
                 )
 
     def native_unfit(self) -> str | None:

@@ -30,12 +30,6 @@ def test_expert_ranges_are_contiguous_and_the_first_ranks_take_the_remainder():
         expert_range(2, 0, 3)
 
 
-def test_tensor_times_expert_parallel_is_refused_by_name(tmp_path):
-    path = str(fixture_dir("ds3") / "model-q8_0.gguf")
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 with expert_parallel_size=2"):
-        LLM(path, tensor_parallel_size=2, expert_parallel_size=2)
-
-
 def _compare(path: str, ids: list[int], ref: torch.Tensor | None = None):
     """(one process, EP=2 LLM) on `path`: prompt logits within the bound (and of the reference), greedy
     tokens identical, every rank's experts ~1/N of the layer's bytes, the ledger's pairs all accounted."""

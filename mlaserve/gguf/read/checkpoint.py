@@ -437,6 +437,11 @@ class GGUFTensors:
     def names(self) -> list[str]:
         return list(self._entries)
 
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read from the file so far (GGUFFile.raw's count)."""
+        return self._gf.bytes_read
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 

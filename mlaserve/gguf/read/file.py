@@ -311,6 +311,9 @@ class GGUFFile:
                 if name in self.tensors:
                     raise GGUFError(f"{shard.path}: duplicate tensor name '{name}' (also in {self.tensors[name].path})")
                 self.tensors[name], self._shard_of[name] = info, shard
+        # bytes of tensor data handed out by raw() (views of the map the caller reads or copies): what a load
+        # read from the file, e.g. an expert-parallel rank's share of it (distributed/expert_source.py)
+        self.bytes_read = 0
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -319,7 +322,9 @@ class GGUFFile:
 
     def raw(self, name: str, start: int = 0, length: int | None = None) -> torch.Tensor:
         info = self.info(name)
-        return self._shard_of[name].raw(info, start, length)
+        view = self._shard_of[name].raw(info, start, length)
+        self.bytes_read += view.numel()
+        return view
 
     def release(self, name: str, start: int = 0, length: int | None = None) -> None:
         """Drop a copied tensor's (or a byte range of it) file pages from memory (see _release)."""
