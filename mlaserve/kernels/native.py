@@ -34,7 +34,7 @@ FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized int4 words with per-row group scales
 Q8_ACTIVATION_TYPES = frozenset({2, 8})  # Q4_0, Q8_0: the weight types the int8-activation kernels take
-ABI_VERSION = 15  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 16  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -134,6 +134,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
     lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
     lib.mls_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.mls_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, c_int, ptr, ptr]
     lib.mls_index_topk.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_index_topk8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]
