@@ -151,3 +151,25 @@ def test_a_layout_the_call_cannot_read_is_refused_by_name():
         ctypes.byref(layer.args), ctypes.byref(step), x.data_ptr(), out.data_ptr(), ctypes.byref(bad), None, 1
     )
     assert rc == -6 and "8-bit rows" in native_layers.LAYER_ERRORS[rc]
+
+
+def test_c_reads_every_e4m3_code_as_torch_does():
+    """The C kernels decode e4m3 codes 8 at a time (attention.c e4m3_scaled, bit tricks instead of the table):
+    every finite code (subnormals and -0 included), read through mls_latent_mqa8 over one row (the softmax over
+    one key is 1, so the output is the decoded row), equals torch's float8_e4m3fn -> fp32 times the scale."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0x00, 0x80], dtype=torch.uint8)  # 256
+    fmt = RowFormat("fp8_e4m3", 256, 128, 0)
+    rows = QuantizedRows(fmt, 2, torch.float32, "cpu", lambda n, w, dt, dev: torch.zeros(n, w, dtype=dt))
+    rows.codes[0] = codes
+    rows.scales[0] = torch.tensor([0.75, 3.0])
+    want = codes.view(torch.float8_e4m3fn).float().view(2, 128) * rows.scales[0, :, None]
+    q_lat, q_pe = torch.randn(1, 1, 256), torch.zeros(1, 1, 0)
+    index = torch.zeros(1, 1, dtype=torch.int64)
+    got = native_layers.latent_mqa8(q_lat, q_pe, index, rows, index, torch.ones(1, 1, 1, dtype=torch.bool), 1.0)
+    assert torch.equal(got.view(2, 128), want)
+    rows.codes[0, 200] = 0x7F  # e4m3fn's NaN code: NaN, as the table and torch read it, so the output is NaN
+    assert (
+        native_layers.latent_mqa8(q_lat, q_pe, index, rows, index, torch.ones(1, 1, 1, dtype=torch.bool), 1.0)
+        .isnan()
+        .all()
+    )
