@@ -125,3 +125,22 @@ def test_two_writers_and_a_reader_share_a_directory(hf_model_dir, tmp_path):
         _, m = _last_logits(third, ids)
         assert m["num_disk_cached_tokens"] == 24
     assert third.runner.disk_tier.stats["skipped"] == 0
+
+
+def test_disk_hits_after_preemption_keep_greedy_output(hf_model_dir, tmp_path):
+    """A restarted engine with a pool too small for its batch: requests are preempted and resumed, and their
+    prompts' full pages come from engine A's files; the tokens equal each prompt generated alone over an 8-bit
+    cache without the directory (tests/identities/test_kv8_engine.py holds the same without the disk)."""
+    folder, _ = hf_model_dir("v32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [random_ids(n, seed=30 + n) for n in (17, 13, 21)]
+    alone = _llm(folder, kv_cache_dtype="int8")
+    want = [alone.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+    a = _llm(folder, tmp_path, kv_cache_dtype="int8")
+    a.generate(prompts, greedy)
+    a.runner.disk_tier.flush()
+    b = _llm(folder, tmp_path, kv_cache_dtype="int8", num_pages=16, max_num_batched_tokens=7)
+    outs = b.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    assert sum(o.metrics["num_disk_cached_tokens"] for o in outs) > 0 and b.runner.disk_tier.stats["skipped"] == 0
