@@ -144,3 +144,24 @@ def test_disk_hits_after_preemption_keep_greedy_output(hf_model_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     assert sum(o.metrics["num_disk_cached_tokens"] for o in outs) > 0 and b.runner.disk_tier.stats["skipped"] == 0
+
+
+def test_a_corrupt_8bit_page_is_skipped_and_recomputed(hf_model_dir, tmp_path, caplog):
+    """One flipped bit among a page file's int8 codes: the checksum refuses the file with a log line naming it,
+    the page is recomputed, and the logits equal a recomputation without the directory (within TOL; the pages
+    before the bad one still come from disk)."""
+    import logging
+
+    folder, _ = hf_model_dir("v3_yarn")
+    ids = random_ids(23, seed=12)
+    _last_logits(_llm(folder, tmp_path, kv_cache_dtype="int8"), ids)
+    files = _pages(tmp_path)
+    raw = bytearray((tmp_path / files[0]).read_bytes())
+    raw[-1] ^= 0x01  # the payload's last byte
+    (tmp_path / files[0]).write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="mlaserve.disk_cache"):
+        got, m = _last_logits(_llm(folder, tmp_path, kv_cache_dtype="int8"), ids)
+    assert m["num_disk_cached_tokens"] < 20
+    assert any(files[0] in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
+    fresh, _ = _last_logits(_llm(folder, kv_cache_dtype="int8"), ids)
+    assert (got - fresh).abs().max().item() <= TOL
