@@ -12,7 +12,9 @@ hits them alike. Reported per (model, context, batch, cache dtype): the step's m
 bytes per token, the tokens a fixed budget (the compute-dtype pool of that row) holds, and the decode step's
 logits against the compute-dtype cache's (max |diff|, top-1 agreement over the batch; same context rows).
 --quantization int8 puts the weights in Q8_0 at load, which brings the native kernels and the native attention
-backend (its C latent MQA reads fp32 rows in place; over 8-bit rows it takes the torch code).
+backend (its C latent MQA and DSA top-k read fp32 rows, or the 8-bit codes, in place). These folders' layers run
+decode steps per op: the one-call decode layer needs a GGUF's attn_k_b / attn_v_b blocks (the load report says
+so), so the figures are the per-op native path's, the same for both caches.
 Results: a table on stdout and benchmarks/results/kv_cache_dtype[-quick].json.
 """
 
@@ -216,6 +218,8 @@ def main() -> None:
             results[f"{kind}/greedy"] = agree
             for kv, a in agree.items():
                 print(f"[{kind}] {kv}: first divergence at token {a['first_divergence']}, {a['equal_share']:.0%} equal")
+    if not rows:  # every row skipped (memory): nothing to tabulate
+        return
     print()
     quant = f", weights {args.quantization}" if args.quantization else ""
     print(f"decode step, float32 compute{quant}, {args.threads} threads{', QUICK' if args.quick else ''}")

@@ -37,7 +37,7 @@ INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized i
 Q8_ACTIVATION_BITS = {2: 4, 8: 8, 12: 4, 13: 5, 14: 6}  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 16  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 17  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -137,6 +137,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
     lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
     lib.mls_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.mls_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, c_int, ptr, ptr]
     lib.mls_index_topk.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_index_topk8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]

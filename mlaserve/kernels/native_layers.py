@@ -276,21 +276,42 @@ class DecodeStepArgs(ctypes.Structure):
 
 
 LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache",
-                -6: "a sparse step the layer's indexer cannot run (no index-key cache, or no selection to reuse)",
+                -6: "a sparse step the layer's indexer cannot run (no index-key cache, or no selection to reuse), "
+                    "or 8-bit rows of a layout the call does not read",
                 -7: "the tensor-parallel all-reduce failed"}  # fmt: skip
 
 
-def decode_layer(
-    args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache: torch.Tensor, index_keys: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [T, D] fp32 contiguous -> the layer's output [T, D]; writes the step's rows into cache [S, r + dr] (fp32
-    contiguous, S = step.n_slots) and, on a sparse step of a full indexer layer, into index_keys [S, Di] (fp32
-    contiguous). The tensors args and step point into are kept alive by their callers."""
+class RowsArgs(ctypes.Structure):
+    """csrc/mls.h mls_rows_t: a layer's paged state, fp32 rows or 8-bit codes (every field 8 bytes)."""
+
+    _c_type_ = "mls_rows_t"
+
+    _fields_ = [*((n, ctypes.c_void_p) for n in ("rows", "codes", "scales", "kept")), ("fp8", ctypes.c_int64),
+                ("block", ctypes.c_int64)]  # fmt: skip
+
+
+def rows_of(state) -> RowsArgs:
+    """An mls_rows_t of a layer's state: a contiguous fp32 tensor [S, width], or a cache/quantized_rows.QuantizedRows
+    with fp32 kept values (the callers check both: quant/ggml_layer.decode_step)."""
+    if isinstance(state, torch.Tensor):
+        return RowsArgs(state.data_ptr())
+    kept = state.kept.data_ptr() if state.kept is not None else None
+    fmt = state.fmt
+    return RowsArgs(
+        None, state.codes.data_ptr(), state.scales.data_ptr(), kept, int(fmt.codes == "fp8_e4m3"), fmt.block
+    )
+
+
+def decode_layer(args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache, index_keys=None) -> torch.Tensor:
+    """x [T, D] fp32 contiguous -> the layer's output [T, D]; writes the step's rows into cache [S, r + dr] and, on
+    a sparse step of a full indexer layer, into index_keys [S, Di] (S = step.n_slots): each a contiguous fp32
+    tensor, or a QuantizedRows (kv_cache_dtype) whose codes and scales the call writes and reads in place. The
+    tensors args and step point into are kept alive by their callers."""
     _check_rows(x, args.d, "decode_layer")
     out = torch.empty(x.shape, dtype=torch.float32)
-    keys = index_keys.data_ptr() if index_keys is not None else None
+    keys = ctypes.byref(rows_of(index_keys)) if index_keys is not None else None
     rc = library().mls_decode_layer(
-        ctypes.byref(args), ctypes.byref(step), x.data_ptr(), out.data_ptr(), cache.data_ptr(), keys,
+        ctypes.byref(args), ctypes.byref(step), x.data_ptr(), out.data_ptr(), ctypes.byref(rows_of(cache)), keys,
         torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -341,3 +362,17 @@ def index_topk8(
     if rc != 0:
         raise RuntimeError(f"native index_topk8 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
     return index, valid
+
+
+def quantize_rows(x: torch.Tensor, block: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode layer's quantizer (csrc/rows8.c) on its own, for its tests: x [T, q] fp32 contiguous ->
+    (codes [T, q] uint8, scales [T, q / block] fp32), cache/quantized_rows.quantize's bit for bit."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] % block:
+        raise ValueError(f"quantize_rows: contiguous fp32 [T, q] with q a multiple of {block}, got {tuple(x.shape)}")
+    t, q = x.shape
+    codes = torch.empty(t, q, dtype=torch.uint8)
+    scales = torch.empty(t, q // block, dtype=torch.float32)
+    rc = library().mls_quantize_rows(x.data_ptr(), t, q, q, block, int(fp8), codes.data_ptr(), scales.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native quantize_rows refused block {block} (rc {rc})")
+    return codes, scales

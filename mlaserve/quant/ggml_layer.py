@@ -4,8 +4,10 @@ Notation: T tokens of a pure-decode step (T requests, one query each), D hidden,
 dn / dr / dv the nope / rope / v head dims, S the rows of a layer's latent cache, Di the DSA index_head_dim,
 L the step's key positions per request, K = min(index_topk, L) the rows a selecting step keeps.
   x           [T, D]       the residual stream entering the layer, fp32
-  cache       [S, r + dr]  the layer's paged latent rows, fp32
-  index_keys  [S, Di]      a full DSA indexer layer's key cache (sparse routes), fp32
+  cache       [S, r + dr]  the layer's paged latent rows, fp32, or 8-bit (kv_cache_dtype: codes [S, r], scales
+                           [S, r / block], k_pe [S, dr] fp32; cache/quantized_rows.py)
+  index_keys  [S, Di]      a full DSA indexer layer's key cache (sparse routes), fp32, or FP8 codes [S, Di] with a
+                           scale per key when the latent rows are 8-bit
   selection   [T, 1, K]    positions on the key axis and their validity (models.indexer.Selection), written by a
                            full layer's call, read by the shared layers after it: one buffer per step (FusedStep)
 What runs is the layer's per-op native path (input norm, q_a / norm / q_b or q_proj, kv_a, the latent row with
@@ -19,7 +21,8 @@ Where it applies is decided before anything runs: at load, per layer (GGUFDecode
 native ggml holder or F32 rows, one activation choice for the layer; under tensor parallelism the call hands
 o_proj's and the MLP's partial sums to the layer's all_reduce through mls_layer_t.reduce), and per step from the plan
 (decode_step: a single absorbed segment on the native backend, dense or sparse, one query per request in
-request order, at most BLOCK_TOKENS requests, fp32 caches on the CPU); a layer under forward hooks
+request order, at most BLOCK_TOKENS requests, fp32 or 8-bit caches on the CPU: 8-bit rows are written through
+the cache's quantizer in C (csrc/rows8.c, bit-identical to QuantizedRows.index_copy_) and read as codes); a layer under forward hooks
 (observability.capture) takes its per-op path (GGUFDecodeLayer.hooked, checked per step), and a selection
 passes between the two paths through the step's buffer (FusedStep.carry).
 """
@@ -302,9 +305,9 @@ class FusedStep:
 
 def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
     """The step's shared arguments when it is a pure decode step the native layers take, else None (then every
-    layer runs its per-op path): one absorbed segment (dense, or sparse with fp32 index keys) on the native
-    backend, one query per request in request order, at most BLOCK_TOKENS of them, fp32 rope and caches on the
-    CPU."""
+    layer runs its per-op path): one absorbed segment (dense, or sparse with fp32 or FP8 index keys) on the
+    native backend, one query per request in request order, at most BLOCK_TOKENS of them, fp32 rope and caches
+    (fp32 rows, or 8-bit rows with fp32 kept values) on the CPU."""
     if len(step.kinds) != 1:
         return None  # the C layers run one MLA route for the whole stack
     (mine,) = step.kinds.values()
@@ -321,16 +324,14 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
     ):
         return None
     latent = [t for t in cache.state("latent") if t is not None]  # None: a layer without latent rows (KDA)
-    if not all(isinstance(t, torch.Tensor) for t in latent + cache.state("index_keys") if t is not None):
-        return None  # 8-bit rows (kv_cache_dtype): the C layer reads fp32 rows; per op dequantizes what it gathers
     first = latent[0]
     if step.cos.dtype != torch.float32 or first.device.type != "cpu":
         return None
-    if not all(c.dtype == torch.float32 and c.is_contiguous() and c.shape == first.shape for c in latent):
+    if not all(_fp32_rows(c) and c.shape == first.shape for c in latent):
         return None
-    if plan.sparse:  # the full layers' key caches: fp32 rows of the latent cache's slots
+    if plan.sparse:  # the full layers' key caches: fp32 (or 8-bit) rows of the latent cache's slots
         keys = [k for k in cache.state("index_keys") if k is not None]
-        if not all(k.dtype == torch.float32 and k.is_contiguous() and k.shape[0] == first.shape[0] for k in keys):
+        if not all(_fp32_rows(k) and k.shape[0] == first.shape[0] for k in keys):
             return None  # a bf16 key cache scores bf16_then_fp32 (attention/backends/torch_index.py): per op
     if not torch.equal(seg.q_index[:, 0], torch.arange(t, device=seg.q_index.device)):
         return None  # the C layer writes request b's output at token b
@@ -346,6 +347,14 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
         mask.data_ptr(), kv_slots.shape[1], int(plan.sparse), topk, *(x.data_ptr() if x is not None else None for x in sel),
     )  # fmt: skip
     return FusedStep(args, (kv_slots, mask, q_index, cos, sin, slots, *sel), carry)
+
+
+def _fp32_rows(state) -> bool:
+    """A state the C layer reads in place: contiguous fp32 rows, or 8-bit rows (kv_cache_dtype: codes and scales
+    as the cache allocates them, contiguous) whose kept values are fp32 (an fp32 compute dtype)."""
+    if isinstance(state, torch.Tensor):
+        return state.dtype == torch.float32 and state.is_contiguous()
+    return state.dtype == torch.float32 and all(t.is_contiguous() and t.device.type == "cpu" for t in state.tensors())
 
 
 def _decode_layer_fits(layer: DecoderLayer, ctx: registry.KernelContext) -> str | None:

@@ -119,7 +119,14 @@ def test_the_header_parses_into_every_function_and_struct():
     assert protos["mls_gemm"][0] == "int" and len(protos["mls_gemm"][1]) == 16
     assert protos["mls_layout"] == ("const mls_layout_entry_t *", [("n", "int64_t *")])
     assert protos["mls_abi_version"] == ("int", [])
-    assert set(fields) == {"mls_moe_block_t", "mls_lin_t", "mls_layer_t", "mls_decode_step_t", "mls_layout_entry_t"}
+    assert set(fields) == {
+        "mls_moe_block_t",
+        "mls_lin_t",
+        "mls_layer_t",
+        "mls_decode_step_t",
+        "mls_rows_t",
+        "mls_layout_entry_t",
+    }
     assert fields["mls_moe_block_t"][5:7] == [("gate_w", "const float *"), ("bias", "const float *")]
     assert fields["mls_layer_t"][17] == ("q_a", "mls_lin_t")
 

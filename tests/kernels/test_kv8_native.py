@@ -7,8 +7,8 @@ rows goes through the cache's one quantizer, and the results equal the torch pat
 - The native backend's C latent MQA over 8-bit rows (mls_latent_mqa8) reads the codes where they lie and decodes
   a tile at a time: equal bit for bit to the fp32 kernel (mls_latent_mqa) over the dequantized rows, dense and
   sparse, int8 and e4m3 (the same products in the same order over the same decoded values).
-- The one-call decode layers read fp32 rows in place: over 8-bit rows every decode step runs per op, as the
-  ledger says ("decode_layer": "per_op"); on a GGUF fixture (ds32, DSA) the tokens equal the torch kernels'.
+- The one-call decode layers run over 8-bit rows too (the ledger says "decode_layer": "native"); on a GGUF
+  fixture (ds32, DSA) the tokens equal the torch kernels'.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def test_native_write_and_backend_over_8bit_rows(hf_model_dir, codes):
         assert diff <= TOL
 
 
-def test_gguf_decode_layers_step_aside_for_8bit_rows():
+def test_gguf_decode_layers_run_over_8bit_rows():
+    """The one-call layers read 8-bit rows (csrc/decode_layer.c over mls_rows_t; they fell back to per op every
+    step before): the ledger says so, and on a GGUF fixture (ds32, DSA) the tokens equal the torch kernels'.
+    tests/kernels/test_decode_layer_kv8.py holds them to the per-op path."""
     path = fixture_dir("ds32") / "model-q8_0.gguf"
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [random_ids(n, seed=n, vocab=64) for n in (20, 5)]
@@ -58,10 +61,8 @@ def test_gguf_decode_layers_step_aside_for_8bit_rows():
         llm = LLM(str(path), kernels=kernels, kv_cache_dtype="int8", trace="memory")
         out[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         recs = llm.runner.tracer.records
-        assert {r["kernels"]["decode_layer"] for r in recs} == {"per_op"} and {r["kv_cache"] for r in recs} == {"int8"}
-    plain = LLM(str(path), kernels="native", trace="memory")
-    plain.generate(prompts, params)
-    assert any(r["kernels"]["decode_layer"] == "native" for r in plain.runner.tracer.records)  # without the option
+        want = {"native", "per_op"} if kernels == "native" else {"per_op"}  # native: decode steps; per op: prefill
+        assert {r["kernels"]["decode_layer"] for r in recs} == want and {r["kv_cache"] for r in recs} == {"int8"}
     assert out["native"] == out["torch"]
 
 

@@ -12,7 +12,11 @@
    the attention kernel), so the result equals it up to where that path leaves C: torch's silu (the dense
    SwiGLU), BLAS for F32 rows (another summation order), the MoE block's own differences (moe/block.c), and on
    sparse steps torch's LayerNorm and score GEMMs (indexer.c) and the order in which the selected rows are summed.
-   One call instead of ~20 native calls and ~60 tensor ops per layer (~35 more on a sparse step). */
+   One call instead of ~20 native calls and ~60 tensor ops per layer (~35 more on a sparse step).
+   The states (mls_rows_t) are fp32 rows or 8-bit codes (kv_cache_dtype): over 8-bit ones the step's latent rows
+   and index keys are computed into a buffer of T rows by the same code and quantized into the cache
+   (rows8.c, the per-op path's write: QuantizedRows.index_copy_ of the same rows), and the attention and the
+   top-k read the codes where they lie (mls_latent_mqa8, mls_index_topk8), as the per-op native path does. */
 
 typedef int (*reduce_fn)(float *a, int64_t n); /* mls_layer_t.reduce (tensor parallel) */
 
@@ -75,36 +79,56 @@ static int per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t
 /* A full indexer layer's part of a sparse step: its query, key (written to index_keys) and weights, and when the
    step selects, the top K into st->sel_index / sel_valid. cq [T, q_lora] the normed query latent, xn [T, D]. */
 static int indexer_step(const mls_layer_t *ly, const mls_decode_step_t *st, const float *xn, const float *cq,
-                        float *index_keys, int i8, int threads) {
+                        const mls_rows_t *index_keys, int i8, int threads) {
     const int64_t t = st->t, hi = ly->idx_h, di = ly->idx_d;
-    float *qi = (float *)malloc(sizeof(float) * (size_t)(t * hi * di + t * di + t * hi) + 1);
+    const int eight = !index_keys->rows;
+    /* qi, the keys' rows, weights, and over 8-bit keys the step's T key rows and their slots 0..T-1 */
+    const size_t nf = ((size_t)(t * hi * di + t * di + t * hi + (eight ? t * di : 0)) + 1) & ~(size_t)1;
+    float *qi = (float *)malloc(sizeof(float) * nf + sizeof(int64_t) * (size_t)(eight ? t : 0) + 1);
     if (!qi) return -4;
-    float *kk = qi + t * hi * di, *wt = kk + t * di;
+    float *kk = qi + t * hi * di, *wt = kk + t * di, *fresh = wt + t * hi;
+    int64_t *own = (int64_t *)(qi + nf); /* 8-byte aligned: nf is even */
+    for (int64_t tok = 0; eight && tok < t; tok++) own[tok] = tok;
     int rc = lin_apply(&ly->idx_q_b, cq, t, ly->q_lora, qi, hi * di, i8, threads);
     if (!rc) rc = lin_apply(&ly->idx_k, xn, t, ly->d, kk, di, i8, threads);
     if (!rc) rc = lin_apply(&ly->idx_w, xn, t, ly->d, wt, hi, i8, threads);
     if (!rc) {
         index_keys_write(kk, qi, wt, t, hi, di, ly->dr, ly->idx_norm_w, ly->idx_norm_b, (float)ly->idx_eps,
                          (float)ly->idx_w_scale, (float)ly->idx_d_scale, st->cos, st->sin, (int)ly->idx_interleaved,
-                         index_keys, st->slots);
-        if (st->topk)
-            rc = mls_index_topk(qi, wt, t, hi, di, index_keys, st->kv_slots, st->mask, st->l, st->topk, st->sel_index,
-                                st->sel_valid, threads);
+                         eight ? fresh : index_keys->rows, eight ? own : st->slots);
+        if (eight) rc = rows8_write(fresh, t, di, di, di, index_keys, st->slots, st->n_slots);
     }
+    if (!rc && st->topk)
+        rc = eight ? mls_index_topk8(qi, wt, t, hi, di, index_keys->codes, index_keys->scales, st->kv_slots,
+                                     st->mask, st->l, st->topk, st->sel_index, st->sel_valid, threads)
+                   : mls_index_topk(qi, wt, t, hi, di, index_keys->rows, st->kv_slots, st->mask, st->l, st->topk,
+                                    st->sel_index, st->sel_valid, threads);
     free(qi);
     return rc;
 }
 
+/* the latent MQA over the rows at slots [T, L] of the layer's cache, fp32 rows or 8-bit codes */
+static int cache_mqa(const mls_layer_t *ly, const mls_decode_step_t *st, const float *q_lat, const float *q,
+                     const mls_rows_t *cache, const int64_t *slots, const uint8_t *mask, int64_t l, float *o_lat,
+                     int threads) {
+    const int64_t h = ly->h, r = ly->r, dr = ly->dr, lq = h * (ly->dn + dr);
+    if (cache->rows)
+        return mls_latent_mqa(q_lat, h * r, r, q + ly->dn, lq, ly->dn + dr, st->q_index, cache->rows, slots, mask,
+                              st->t, 1, l, h, r, dr, (float)ly->scale, o_lat, threads);
+    return mls_latent_mqa8(q_lat, h * r, r, q + ly->dn, lq, ly->dn + dr, st->q_index, cache->codes, cache->scales,
+                           cache->kept, (int)cache->fp8, cache->block, slots, mask, st->t, 1, l, h, r, dr,
+                           (float)ly->scale, o_lat, threads);
+}
+
 /* The latent MQA over each request's K selected rows (st->sel_index / sel_valid): their cache slots gathered. */
 static int sparse_mqa(const mls_layer_t *ly, const mls_decode_step_t *st, const float *q_lat, const float *q,
-                      const float *cache, float *o_lat, int threads) {
-    const int64_t t = st->t, k = st->topk, h = ly->h, r = ly->r, dr = ly->dr, lq = h * (ly->dn + dr);
+                      const mls_rows_t *cache, float *o_lat, int threads) {
+    const int64_t t = st->t, k = st->topk;
     int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)(t * k) + 1);
     if (!slots) return -4;
     for (int64_t tok = 0; tok < t; tok++)
         for (int64_t i = 0; i < k; i++) slots[tok * k + i] = st->kv_slots[tok * st->l + st->sel_index[tok * k + i]];
-    const int rc = mls_latent_mqa(q_lat, h * r, r, q + ly->dn, lq, ly->dn + dr, st->q_index, cache, slots,
-                                  st->sel_valid, t, 1, k, h, r, dr, (float)ly->scale, o_lat, threads);
+    const int rc = cache_mqa(ly, st, q_lat, q, cache, slots, st->sel_valid, k, o_lat, threads);
     free(slots);
     return rc;
 }
@@ -112,9 +136,11 @@ static int sparse_mqa(const mls_layer_t *ly, const mls_decode_step_t *st, const 
 /* x [T, D] -> out [T, D] (out may not be x), the layer's cache [n_slots, r + dr] written at the step's slots, and
    on a sparse step a full indexer layer's index_keys [n_slots, Di] too (0 otherwise).
    Returns 0, or the first refusal of a part (-1 type, -2 sizes, -3 router, -4 memory, -5 slot, -6 a sparse step
-   the layer's indexer cannot run: no key cache, no query latent, or a shared layer with no selection before it). */
-int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,
-                     float *index_keys, int threads) {
+   the layer's indexer cannot run: no key cache, no query latent, or a shared layer with no selection before it;
+   or a state it cannot read: 8-bit rows whose block does not divide r, 8-bit index keys not one e4m3 block of at
+   most 1024 values). */
+int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out,
+                     const mls_rows_t *cache, const mls_rows_t *index_keys, int threads) {
     const int64_t t = st->t, d = ly->d, h = ly->h, dn = ly->dn, dr = ly->dr, dv = ly->dv, r = ly->r;
     const int64_t lq = h * (dn + dr), ql = ly->q_lora, inter = ly->mlp_inter;
     const int i8 = (int)ly->int8;
@@ -136,15 +162,22 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
         return -2;
     if ((role == 1 && (!index_keys || !ql)) || (st->topk && (role == 0 || !st->sel_index || !st->sel_valid)))
         return -6;
+    if (!cache->rows && (cache->block <= 0 || r % cache->block || (dr && !cache->kept))) return -6;
+    if (role == 1 && !index_keys->rows && (!index_keys->fp8 || index_keys->block != ly->idx_d || ly->idx_d > 1024))
+        return -6;
     if (!ly->moe && (!lin_for(ly->mlp_gate.type).fn || !lin_for(ly->mlp_up.type).fn || !lin_for(ly->mlp_down.type).fn))
         return -1;
+    const int eight = !cache->rows; /* 8-bit rows: the step's T rows go to `fresh` (slots `own`), then quantized */
     const size_t nf = (size_t)(t * d + t * ql + t * lq + t * (r + dr) + 2 * t * h * r + t * h * dv + t * d +
-                               t * 2 * inter + t * inter);
-    float *mem = (float *)malloc(sizeof(float) * nf + 64);
+                               t * 2 * inter + t * inter + (eight ? t * (r + dr) : 0));
+    const size_t nf8 = (nf + 1) & ~(size_t)1; /* `own` starts 8-byte aligned */
+    float *mem = (float *)malloc(sizeof(float) * nf8 + sizeof(int64_t) * (size_t)(eight ? t : 0) + 64);
     if (!mem) return -4;
     float *xn = mem, *cq = xn + t * d, *q = cq + t * ql, *kv = q + t * lq, *q_lat = kv + t * (r + dr);
     float *o_lat = q_lat + t * h * r, *o = o_lat + t * h * r, *a = o + t * h * dv, *gu = a + t * d;
-    float *hh = gu + t * 2 * inter;
+    float *hh = gu + t * 2 * inter, *fresh = hh + t * inter;
+    int64_t *own = (int64_t *)(mem + nf8);
+    for (int64_t tok = 0; eight && tok < t; tok++) own[tok] = tok;
     int rc = 0;
     norm_rows(x, t, d, ly->norm_in, ly->eps_in, xn, threads);
     if (ql) {
@@ -155,7 +188,9 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
         goto done;
     if ((rc = lin_apply(&ly->kv_a, xn, t, d, kv, r + dr, i8, threads))) goto done;
     rc = mls_latent_rope_write(kv, t, r + dr, r, dr, ly->norm_kv, (float)ly->eps_kv, q, h, dn + dr, dn, st->cos,
-                               st->sin, (int)ly->interleaved, cache, st->n_slots, st->slots, threads);
+                               st->sin, (int)ly->interleaved, eight ? fresh : cache->rows, eight ? t : st->n_slots,
+                               eight ? own : st->slots, threads);
+    if (!rc && eight) rc = rows8_write(fresh, t, r + dr, r + dr, r, cache, st->slots, st->n_slots);
     if (rc) goto done;
     if (role == 1 && (rc = indexer_step(ly, st, xn, cq, index_keys, i8, threads))) goto done;
     rc = per_head(ly->type_k, ly->k_b, ly->k_head_stride, ly->k_row_bytes, h, r, dn, q, lq, dn + dr, t, q_lat, h * r,
@@ -164,8 +199,7 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
     if (st->topk) /* a sparse step that selects: the K rows of the last full layer's top-k */
         rc = sparse_mqa(ly, st, q_lat, q, cache, o_lat, threads);
     else
-        rc = mls_latent_mqa(q_lat, h * r, r, q + dn, lq, dn + dr, st->q_index, cache, st->kv_slots, st->mask, t, 1,
-                            st->l, h, r, dr, (float)ly->scale, o_lat, threads);
+        rc = cache_mqa(ly, st, q_lat, q, cache, st->kv_slots, st->mask, st->l, o_lat, threads);
     if (rc) goto done;
     rc = per_head(ly->type_v, ly->v_b, ly->v_head_stride, ly->v_row_bytes, h, dv, r, o_lat, h * r, r, t, o, h * dv, i8,
                   threads);

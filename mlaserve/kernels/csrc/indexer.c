@@ -124,9 +124,7 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
             float decoded[codes8 ? di : 1];
             const float *key = keys + (codes8 ? 0 : sl[pos[a]] * di);
             if (codes8) {
-                const uint8_t *code = codes8 + sl[pos[a]] * di;
-                const float sc = scales8[sl[pos[a]]];
-                for (int64_t e = 0; e < di; e++) decoded[e] = E4M3[code[e]] * sc;
+                e4m3_scaled(codes8 + sl[pos[a]] * di, scales8[sl[pos[a]]], di, decoded);
                 key = decoded;
             }
             float hs[MQA_HS], sum = 0.0f;

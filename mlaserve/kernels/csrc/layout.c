@@ -118,6 +118,14 @@ static const mls_layout_entry_t LAYOUT[] = {
     FIELD(mls_decode_step_t, sel_index),
     FIELD(mls_decode_step_t, sel_valid),
 
+    STRUCT(mls_rows_t),
+    FIELD(mls_rows_t, rows),
+    FIELD(mls_rows_t, codes),
+    FIELD(mls_rows_t, scales),
+    FIELD(mls_rows_t, kept),
+    FIELD(mls_rows_t, fp8),
+    FIELD(mls_rows_t, block),
+
     STRUCT(mls_layout_entry_t),
     FIELD(mls_layout_entry_t, type),
     FIELD(mls_layout_entry_t, field),

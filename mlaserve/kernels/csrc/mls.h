@@ -12,7 +12,8 @@
    Return value: 0; -1 for a type a function does not take, -2 for rows longer than MAX_K (or, for the
    int8-activation kernels, not whole activation blocks of the type: 32 or 256 values; for INT4, scale groups not whole 32-value chunks), -3 for router settings out of range, -4 when
    memory cannot be allocated, -5 for a cache slot outside the cache; -2 also for a rope slice longer than MAX_ROPE or odd;
-   -6 for a sparse step a decode layer's indexer cannot run (no index-key cache, no selection to reuse).
+   -6 for a sparse step a decode layer's indexer cannot run (no index-key cache, no selection to reuse), or a
+   state it cannot read (8-bit rows with a block that does not divide them, index keys past 1024 values).
 
    The Python side mirrors this file by hand (ctypes argtypes and Structures); tests/kernels/test_kernel_bindings.py
    holds every prototype and struct below to it (mls_layout gives the compiled sizes and offsets). Change
@@ -22,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 16
+#define MLS_ABI_VERSION 17
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -128,6 +129,15 @@ typedef struct { /* one decode step, shared by every layer */
     uint8_t *sel_valid;      /* [T, K] shared layers after it; valid 0 where a request has fewer than K rows */
 } mls_decode_step_t;
 
+typedef struct { /* a layer's paged state (latent rows or index keys): fp32 rows, or 8-bit codes (rows8.c) */
+    float *rows;     /* [S, width] fp32 rows; 0 when the state is kept in 8 bits (kv_cache_dtype) */
+    uint8_t *codes;  /* [S, q] int8 codes, or e4m3fn bit patterns when fp8 */
+    float *scales;   /* [S, q / block] fp32 */
+    float *kept;     /* [S, width - q] fp32 (the latent row's k_pe), 0 when width = q */
+    int64_t fp8;     /* 1: e4m3 codes, 0: int8 codes */
+    int64_t block;   /* codes per scale */
+} mls_rows_t;
+
 /* one field of a struct above as this compiler lays it out (layout.c); field 0: the whole struct */
 typedef struct {
     const char *type, *field;
@@ -197,8 +207,12 @@ int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64
                     int64_t *sel_index, uint8_t *sel_valid, int threads);
 
 /* decode_layer.c */
-int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out, float *cache,
-                     float *index_keys, int threads);
+int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out,
+                     const mls_rows_t *cache, const mls_rows_t *index_keys, int threads);
+
+/* rows8.c: the 8-bit cache's quantizer (cache/quantized_rows.py quantize), exposed for its tests */
+int mls_quantize_rows(const float *x, int64_t t, int64_t ldx, int64_t q, int64_t block, int fp8, uint8_t *codes,
+                      float *scales);
 
 /* types.c: a type's block (bytes, values) and which kernels take it (bit 0 decode, 1 fused dot, 2 int8 dot);
    -1 for a type without a decoder */
