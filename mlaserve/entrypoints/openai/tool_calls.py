@@ -52,11 +52,12 @@ def _has_template(serving) -> bool:
     return bool(serving.chat_template or (tok and (tok.chat_template or tok.encoding)))
 
 
-def tool_context(serving, req, thinking: bool = False) -> ToolContext | None:
-    """thinking: the prompt opened <think>; the grammar lets the reasoning finish before any call."""
+def tool_context(serving, req) -> ToolContext | None:
+    """The tools' grammar from the first token; a thinking request puts the reasoning block before it
+    (chat.py: StructuredOutputs.after_reasoning, as for response_format)."""
     try:
         fmt = tool_format(serving)
-        ctx = ToolContext.build(req.tools, req.tool_choice, req.parallel_tool_calls, fmt, thinking)
+        ctx = ToolContext.build(req.tools, req.tool_choice, req.parallel_tool_calls, fmt)
     except ToolRequestError as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
     if ctx is not None:
