@@ -229,3 +229,15 @@ def test_mode_from_the_publishers_prompts(name, kwargs, mode):
     prompt = _render(name, **kwargs)
     assert reasoning_start(True, prompt[-64:]).mode == mode, prompt[-80:]
     assert reasoning_start(False, prompt[-64:]).mode == "off"  # reasoning parser none: never a block
+
+
+def test_recorded_in_provenance():
+    """The decision for the served template, with its reason (inspect, /debug/config, the startup log)."""
+    from mlaserve import LLM
+    from mlaserve.tools.select import chat_formats
+
+    llm = LLM()
+    got = {s.name: (s.value, s.source) for s in llm.config.all_provenance()}
+    assert got["reasoning_grammar"][0] == "from_first_token"  # the embedded model's template has no think tags
+    got = {s.name: (s.value, s.source) for s in chat_formats(llm.config, "x</think>y").provenance}
+    assert got["reasoning_grammar"][0] == "after_reasoning" and "</think>" in got["reasoning_grammar"][1]

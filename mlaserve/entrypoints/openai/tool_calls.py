@@ -28,7 +28,7 @@ def set_chat_formats(serving, tool_override: str | None = None, reasoning_overri
         llm.config = chat_formats(llm.config, template, tool_override, reasoning_override, encoding=encoding)
     serving.tool_format, serving.reasoning_parser = llm.config.chat.tool_call_parser, llm.config.chat.reasoning_parser
     for s in llm.config.provenance:
-        if s.name in ("tool_call_parser", "reasoning_parser"):
+        if s.name in ("tool_call_parser", "reasoning_parser", "reasoning_grammar"):
             log.info("%s %s (%s)", s.name, s.value, s.source)
 
 
