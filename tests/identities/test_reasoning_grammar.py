@@ -241,3 +241,35 @@ def test_recorded_in_provenance():
     assert got["reasoning_grammar"][0] == "from_first_token"  # the embedded model's template has no think tags
     got = {s.name: (s.value, s.source) for s in chat_formats(llm.config, "x</think>y").provenance}
     assert got["reasoning_grammar"][0] == "after_reasoning" and "</think>" in got["reasoning_grammar"][1]
+
+
+def test_bad_modes_and_legacy_tags_are_refused_by_name(engine):
+    with pytest.raises(ValueError, match="after_reasoning must be one of inside, optional, got 'always'"):
+        StructuredOutputs(regex="a", after_reasoning="always")
+    legacy = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
+    with pytest.raises(ValueError, match="structured structural_tag: cannot be compiled: .*legacy form"):
+        engine.check_params_structured(StructuredOutputs(structural_tag=legacy, after_reasoning="inside"))
+
+
+def test_auto_tool_choice_after_reasoning(engine):
+    """`auto` (the lazy call: free text until the start marker) after the reasoning: a walk that closes the
+    reasoning, then spells the format's start marker, ends in a call that validates; the text before the
+    marker is content, the reasoning is not in it."""
+    fmt = FORMATS["deepseek_v31"]
+    ctx = ToolContext.build(TOOLS, "auto", False, fmt)
+    spec = replace(ctx.structured, after_reasoning="inside")
+    backend, tok = engine.grammar_backend(), engine.tokenizer
+    m = backend.matcher(spec)
+    for t in tok.tok.encode("Plan: ask." + CLOSE + "Sure." + fmt.START, add_special_tokens=False).ids:
+        m.accept(t)
+    rng, avoid, tokens = random.Random(0), byte_level_tokens_with(tok, 0xED), []
+    for _ in range(400):
+        t = rng.choice(_allowed(m, backend.vocab_size, avoid))
+        m.accept(t)
+        if t in engine.eos_ids:
+            break
+        tokens.append(t)
+    content = _split("inside", "Plan: ask." + CLOSE + "Sure." + fmt.START + tok.decode(tokens), "Plan: ask.")
+    msg, reason = ctx.message(content, "stop")
+    assert reason == "tool_calls" and msg["content"] == "Sure.", content
+    jsonschema.validate(json.loads(msg["tool_calls"][0]["function"]["arguments"]), WEATHER)
