@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from mlaserve.structured.spec import StructuredOutputs
+from mlaserve.structured.reasoning import after_reasoning_tag
+from mlaserve.structured.spec import StructuredOutputs, choice_regex
 from mlaserve.structured.strict import plain_length_strings
 
 _ERR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
@@ -85,6 +86,8 @@ class GrammarBackend:
 
     def _compile(self, spec: StructuredOutputs):
         c = self.compiler
+        if spec.after_reasoning is not None:  # the reasoning block, then the constraint (structured/reasoning.py)
+            return c.compile_structural_tag(after_reasoning_tag(spec))
         kind = spec.kind
         if kind == "json":
             # Compact JSON (no free whitespace): the output still validates, and a model cannot spend
@@ -96,7 +99,7 @@ class GrammarBackend:
         if kind == "regex":
             return c.compile_regex(spec.regex)
         if kind == "choice":
-            return c.compile_regex("|".join(_regex_literal(s) for s in spec.choice))
+            return c.compile_regex(choice_regex(spec.choice))
         if kind == "structural_tag":
             return c.compile_structural_tag(spec.structural_tag)
         return c.compile_grammar(spec.grammar)
@@ -115,8 +118,3 @@ def fill_bitmask(matchers: Sequence[Matcher | None], vocab_size: int) -> torch.T
         if m is not None:
             m.fill(bitmask, row)
     return bitmask
-
-
-def _regex_literal(s: str) -> str:
-    """s as a regex that matches exactly s (xgrammar's regex dialect: escape every metacharacter)."""
-    return "(" + "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch for ch in s) + ")"

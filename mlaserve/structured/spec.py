@@ -11,6 +11,10 @@ Exactly one of the kinds is set:
     structural_tag  an xgrammar structural tag (dict or JSON text): free text with constrained
                  sections, e.g. a model's tool calls (mlaserve/tools/)
 
+`after_reasoning` ("inside" | "optional"; default None) puts a reasoning block before the constraint: the
+model reasons freely up to `</think>`, then the constraint holds (structured/reasoning.py; a chat request sets
+it from its prompt when the reasoning parser is on).
+
 The field names are vLLM's `structured_outputs` names. `strict` (json only; default True): the output must
 validate, so a schema with a part the grammar engine does not enforce (structured/strict.py) is refused;
 False is OpenAI's `strict: false`, best effort (the grammar holds what it enforces, the rest is not promised).
@@ -34,6 +38,7 @@ class StructuredOutputs:
     grammar: str | None = None
     structural_tag: Any = None
     strict: bool = True
+    after_reasoning: str | None = None  # None | "inside" | "optional" (structured/reasoning.py MODES)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -76,6 +81,13 @@ class StructuredOutputs:
             raise ValueError(f"structured strict must be a bool, got {self.strict!r}")
         if self.strict and self.json is not None:
             check_strict(self.schema, "structured json")
+        if self.after_reasoning is not None:
+            from mlaserve.structured.reasoning import MODES
+
+            if self.after_reasoning not in MODES:
+                raise ValueError(
+                    f"structured after_reasoning must be one of {', '.join(MODES)}, got {self.after_reasoning!r}"
+                )
 
     def kinds(self) -> list[str]:
         return [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -97,7 +109,14 @@ class StructuredOutputs:
             value = json.dumps(list(value))
         elif k == "json_object":
             value = ""
+        if self.after_reasoning is not None:  # another grammar: the reasoning block comes first
+            k = f"{k}+after_reasoning={self.after_reasoning}"
         return k, value
+
+
+def choice_regex(choice) -> str:
+    """A regex that matches exactly one of the strings (xgrammar's regex dialect: every metacharacter escaped)."""
+    return "|".join("(" + "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch for ch in s) + ")" for s in choice)
 
 
 def check_strict(schema, where: str) -> None:

@@ -7,6 +7,7 @@
 
 required / named: the output *is* the tool-call section, generated under the tools' JSON schemas.
 auto: free text until the model writes the format's start marker; from there the grammar holds.
+A thinking request's reasoning comes first, before either (entrypoints/openai/chat.py, structured/reasoning.py).
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ class ToolContext:
     sent: dict = field(default_factory=dict)  # choice index -> characters of content streamed
 
     @staticmethod
-    def build(tools, tool_choice, parallel_tool_calls, fmt, thinking: bool = False) -> ToolContext | None:
+    def build(tools, tool_choice, parallel_tool_calls, fmt) -> ToolContext | None:
+        """The grammar holds from the first token; a reasoning block before it is added the same way for
+        every format and for response_format (StructuredOutputs.after_reasoning, structured/reasoning.py),
+        not by xgrammar's per-model `reasoning`, which differs by model."""
         tools = check_tools(tools) if tools is not None else None
         mode, allowed = check_tool_choice(tool_choice, tools)
         if mode == "none":
@@ -111,7 +115,7 @@ class ToolContext:
                 fmt.XGRAMMAR_MODEL,
                 tools=grammar_tools,
                 tool_choice="required" if mode == "forced" else mode,
-                reasoning="enabled" if thinking else "disabled",
+                reasoning="disabled",
                 parallel_tool_calls=parallel_tool_calls is not False,
                 max_whitespace_cnt=1,  # the schema's values, not blank space
             )

@@ -1,7 +1,8 @@
 """Which tool-call format a checkpoint speaks: its chat template's markers first (a template is what the
 model was trained to read and write), then its model type. --tool-call-parser overrides. Whether its chat
 output carries reasoning to separate: the template's `</think>`; --reasoning-parser overrides. Both are
-decided once per served template (`chat_formats`) and recorded in the engine config's provenance. Without a
+decided once per served template (`chat_formats`) and recorded in the engine config's provenance, with
+`reasoning_grammar`: where a grammar starts when the reasoning parser is on (after the reasoning). Without a
 template, DeepSeek-V3.2 and V4 checkpoints are prompted with the encoding their releases publish instead
 (`choose_encoding`, engine/dsml_encoding.py)."""
 
@@ -76,6 +77,18 @@ def choose_reasoning(
     return "none", "chat template has no </think>" if chat_template else "no chat template"
 
 
+# How a constrained request (structured output, tools) meets the reasoning: decided with the reasoning parser;
+# per request, the prompt says which block (structured/reasoning.py, entrypoints/openai/reasoning.py).
+_REASONING_GRAMMAR = {
+    "think": (
+        "after_reasoning",
+        "reasoning parser think: one grammar, the reasoning block (free text up to </think>; opened by the prompt "
+        "or optionally by the model) then the constraint, rather than a matcher switched on at </think>",
+    ),
+    "none": ("from_first_token", "reasoning parser none: the grammar holds from the first token"),
+}
+
+
 def chat_formats(
     cfg: EngineConfig,
     chat_template: str | None,
@@ -91,7 +104,11 @@ def chat_formats(
     reasoning, reasoning_why = choose_reasoning(chat_template, reasoning_override, encoding)
     if template_source:
         tool_why, reasoning_why = (w.replace("chat template", template_source) for w in (tool_why, reasoning_why))
-    new = (Setting("tool_call_parser", tool, tool_why), Setting("reasoning_parser", reasoning, reasoning_why))
+    new = (
+        Setting("tool_call_parser", tool, tool_why),
+        Setting("reasoning_parser", reasoning, reasoning_why),
+        Setting("reasoning_grammar", *_REASONING_GRAMMAR[reasoning]),
+    )
     names = {s.name for s in new}
     kept = tuple(s for s in cfg.provenance if s.name not in names)
     chat = replace(cfg.chat, tool_call_parser=tool, reasoning_parser=reasoning)

@@ -6,6 +6,7 @@ Template: --chat-template FILE, else the model folder's chat_template, else the 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -13,13 +14,11 @@ from mlaserve.entrypoints.openai.completions import usage
 from mlaserve.entrypoints.openai.constraints import sampling_extras
 from mlaserve.entrypoints.openai.errors import APIError
 from mlaserve.entrypoints.openai.protocol import ChatCompletionRequest
-from mlaserve.entrypoints.openai.reasoning import (
-    ReasoningSplitter,
-    after_reasoning,
-    prompt_opens_thinking,
-)
+from mlaserve.entrypoints.openai.reasoning import ReasoningSplitter, prompt_start
 from mlaserve.entrypoints.openai.serving import Job, OpenAIServing, SubRequest, choice_error, new_id, sse_chunk
 from mlaserve.entrypoints.openai.tool_calls import thinks, tool_context
+
+log = logging.getLogger("mlaserve.server")
 
 
 def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, list]:
@@ -32,18 +31,19 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     max_tokens = serving.max_tokens(requested, len(ids), name, "messages")
     n_lp = (req.top_logprobs or 0) if req.logprobs else None
     extras = sampling_extras(serving, req, req.n)
-    # a thinking template whose prompt opens <think>: reasoning first, then content (and the grammar)
-    splitter = ReasoningSplitter(prompt_opens_thinking(serving, ids)) if thinks(serving) else None
-    thinking = splitter is not None and splitter.in_reasoning
-    ctx = tool_context(serving, req, thinking)  # tools: the grammar of the model's tool-call format
+    # a thinking template: reasoning first (the prompt opened <think>, or the model may open it), then content
+    start = prompt_start(serving, ids, thinks(serving))
+    splitter = ReasoningSplitter(start.mode == "inside") if thinks(serving) else None
+    ctx = tool_context(serving, req)  # tools: the grammar of the model's tool-call format
     if ctx is not None:
         extras["structured"] = ctx.structured
-    elif thinking and extras["structured"] is not None:
+    spec = extras["structured"]
+    if spec is not None and start.mode != "off":  # the grammar starts where the reasoning ends
+        field = "tools" if ctx is not None else "response_format" if req.response_format else "structured_outputs"
         try:
-            extras["structured"] = after_reasoning(extras["structured"])
+            extras["structured"] = replace(spec, after_reasoning=start.mode)
             serving.llm.engine.check_params_structured(extras["structured"])
         except ValueError as e:
-            field = "response_format" if req.response_format is not None else "structured_outputs"
             raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
     sp = serving.sampling(req, max_tokens, logprobs=n_lp, **extras)
     job_id = new_id("chatcmpl")
@@ -51,6 +51,8 @@ def build_job(serving: OpenAIServing, req: ChatCompletionRequest) -> tuple[Job, 
     params = [replace(sp, seed=None if sp.seed is None else sp.seed + j) for j in range(req.n)]
     job = Job(job_id, subs)
     job.tool_ctx, job.reasoning = ctx, splitter
+    if spec is not None and thinks(serving):  # the decision, recorded with the request
+        log.info("%s grammar after reasoning: %s (%s)", job_id, start.mode, start.why)
     return job, params
 
 

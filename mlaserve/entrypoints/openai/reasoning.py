@@ -6,17 +6,42 @@ template writes `</think>`, or --reasoning-parser think) and either the rendered
 opener (DeepSeek-R1 / V3.1 / V3.2 thinking mode: the template writes `<think>` and the model continues
 inside it) or the output itself begins with `<think>` (GLM-4.5..5). Reasoning parser "none" (a template
 without think tags, e.g. the embedded model's plain transcript) leaves the text as it is.
+
+A grammar starts where the reasoning ends (`reasoning_start`, then structured/reasoning.py): the prompt
+opened `<think>` ("inside"), or left it to the model ("optional": Kimi-K2-Thinking, DeepSeek-R1's template
+write no opener and the model writes `<think>` itself), or closed it ("off": thinking off, unchanged).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-OPEN, CLOSE = "<think>", "</think>"
+from mlaserve.structured.reasoning import CLOSE, OPEN
 
 
-def prompt_opens_thinking(serving, ids: list[int]) -> bool:
-    return serving.decode(ids[-16:], skip_special_tokens=False).rstrip().endswith(OPEN)
+@dataclass(frozen=True)
+class ReasoningStart:
+    """How a chat request's output may begin, decided from the rendered prompt before anything runs; a
+    grammar (structured output, tools) starts after the reasoning: StructuredOutputs.after_reasoning."""
+
+    mode: str  # "inside" | "optional" | "off" (structured/reasoning.py)
+    why: str
+
+
+def reasoning_start(thinks: bool, prompt_tail: str) -> ReasoningStart:
+    """thinks: the reasoning parser is "think"; prompt_tail: the rendered prompt's last tokens as text."""
+    if not thinks:
+        return ReasoningStart("off", "reasoning parser none")
+    tail = prompt_tail.rstrip()
+    if tail.endswith(OPEN):
+        return ReasoningStart("inside", f"the prompt opens {OPEN}")
+    if tail.endswith(CLOSE):
+        return ReasoningStart("off", f"the prompt closes the reasoning ({CLOSE}: thinking off)")
+    return ReasoningStart("optional", f"the prompt leaves {OPEN} to the model")
+
+
+def prompt_start(serving, ids: list[int], thinks: bool) -> ReasoningStart:
+    return reasoning_start(thinks, serving.decode(ids[-16:], skip_special_tokens=False))
 
 
 @dataclass
@@ -54,29 +79,3 @@ def _hold(text: str, tag: str) -> str:
         if tag.startswith(text[-k:]):
             return text[:-k]
     return text
-
-
-def after_reasoning(spec):
-    """A StructuredOutputs that lets the model finish its thinking (any text up to </think>) and then
-    holds the answer to `spec`: the grammar never constrains the reasoning."""
-    import json
-
-    from mlaserve.structured.backend import _regex_literal
-    from mlaserve.structured.spec import StructuredOutputs
-
-    kind = spec.kind
-    if kind == "json":
-        inner = {"type": "json_schema", "json_schema": spec.schema}
-    elif kind == "json_object":
-        inner = {"type": "json_schema", "json_schema": {"type": "object"}}
-    elif kind == "regex":
-        inner = {"type": "regex", "pattern": spec.regex}
-    elif kind == "choice":
-        inner = {"type": "regex", "pattern": "|".join(_regex_literal(c) for c in spec.choice)}
-    elif kind == "grammar":
-        inner = {"type": "grammar", "grammar": spec.grammar}
-    else:
-        raise ValueError(f"structured {kind} cannot follow a model's reasoning")
-    think = {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [OPEN, CLOSE]}, "end": CLOSE}
-    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [think, inner]}}
-    return StructuredOutputs(structural_tag=json.dumps(tag))

@@ -28,7 +28,7 @@ def set_chat_formats(serving, tool_override: str | None = None, reasoning_overri
         llm.config = chat_formats(llm.config, template, tool_override, reasoning_override, encoding=encoding)
     serving.tool_format, serving.reasoning_parser = llm.config.chat.tool_call_parser, llm.config.chat.reasoning_parser
     for s in llm.config.provenance:
-        if s.name in ("tool_call_parser", "reasoning_parser"):
+        if s.name in ("tool_call_parser", "reasoning_parser", "reasoning_grammar"):
             log.info("%s %s (%s)", s.name, s.value, s.source)
 
 
@@ -52,11 +52,12 @@ def _has_template(serving) -> bool:
     return bool(serving.chat_template or (tok and (tok.chat_template or tok.encoding)))
 
 
-def tool_context(serving, req, thinking: bool = False) -> ToolContext | None:
-    """thinking: the prompt opened <think>; the grammar lets the reasoning finish before any call."""
+def tool_context(serving, req) -> ToolContext | None:
+    """The tools' grammar from the first token; a thinking request puts the reasoning block before it
+    (chat.py: StructuredOutputs.after_reasoning, as for response_format)."""
     try:
         fmt = tool_format(serving)
-        ctx = ToolContext.build(req.tools, req.tool_choice, req.parallel_tool_calls, fmt, thinking)
+        ctx = ToolContext.build(req.tools, req.tool_choice, req.parallel_tool_calls, fmt)
     except ToolRequestError as e:
         raise APIError(400, str(e), e.param, "invalid_value") from None
     if ctx is not None:

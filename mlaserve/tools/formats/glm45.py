@@ -53,7 +53,7 @@ def _value(name: str, key: str, text: str, schema) -> object:
     (a string type, or string members of its enum / const / anyOf, e.g. {"enum": ["Genesis", "Psalms"]})."""
     strings = _string_members(schema)
     if strings is True:
-        return text
+        return _layout_stripped(text)
     word = text.strip()  # around a value that is not a free string, blank space is layout (as around JSON)
     try:
         value = json.loads(text)
@@ -67,6 +67,21 @@ def _value(name: str, key: str, text: str, schema) -> object:
             return value
         return word  # "3" where the enum holds the string "3"
     raise ToolParseError(f"{NAME}: call {name!r} argument {key!r} is not JSON: {text[:80]!r}")
+
+
+def _layout_stripped(text: str) -> str:
+    """A free string without the blank the grammar writes around it: xgrammar's glm_xml grammar allows one
+    whitespace character of layout on each side of a value (`max_whitespace_cnt` 1; the value's own
+    schema, a maxLength say, holds what is inside it), so that character is not part of the string.
+    (The template writes `<arg_value>{{ v }}</arg_value>`, no blank: a template-written value is unchanged.)"""
+    if text[:1] in _BLANK:
+        text = text[1:]
+    if text[-1:] in _BLANK:
+        text = text[:-1]
+    return text
+
+
+_BLANK = (" ", "\t", "\n", "\r")
 
 
 def _string_members(schema):
