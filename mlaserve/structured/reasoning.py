@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import json
 
+from mlaserve.structured.spec import REASONING_MODES, choice_regex
 from mlaserve.structured.strict import plain_length_strings
 
 OPEN, CLOSE = "<think>", "</think>"
-MODES = ("inside", "optional")
+MODES = REASONING_MODES
 
 
 def reasoning_block(mode: str) -> dict:
@@ -61,8 +62,6 @@ def constrained_element(spec) -> dict:
     if kind == "regex":
         return {"type": "regex", "pattern": spec.regex}
     if kind == "choice":
-        from mlaserve.structured.spec import choice_regex
-
         return {"type": "regex", "pattern": choice_regex(spec.choice)}
     if kind == "grammar":
         return {"type": "grammar", "grammar": spec.grammar}

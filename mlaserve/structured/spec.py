@@ -26,6 +26,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# where a thinking request's constraint starts (structured/reasoning.py builds the grammar of each): "inside" a
+# reasoning block the prompt opened, or after an "optional" one the model may open
+REASONING_MODES = ("inside", "optional")
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
@@ -38,7 +42,7 @@ class StructuredOutputs:
     grammar: str | None = None
     structural_tag: Any = None
     strict: bool = True
-    after_reasoning: str | None = None  # None | "inside" | "optional" (structured/reasoning.py MODES)
+    after_reasoning: str | None = None  # None | "inside" | "optional" (REASONING_MODES; structured/reasoning.py)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -82,11 +86,10 @@ class StructuredOutputs:
         if self.strict and self.json is not None:
             check_strict(self.schema, "structured json")
         if self.after_reasoning is not None:
-            from mlaserve.structured.reasoning import MODES
-
-            if self.after_reasoning not in MODES:
+            if self.after_reasoning not in REASONING_MODES:
                 raise ValueError(
-                    f"structured after_reasoning must be one of {', '.join(MODES)}, got {self.after_reasoning!r}"
+                    f"structured after_reasoning must be one of {', '.join(REASONING_MODES)}, "
+                    f"got {self.after_reasoning!r}"
                 )
 
     def kinds(self) -> list[str]:
