@@ -146,7 +146,7 @@ def cpu_flags() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gguf", action="append", required=True)
+    ap.add_argument("--gguf", action="append", default=[])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)

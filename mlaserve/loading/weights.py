@@ -156,12 +156,14 @@ def _copy(name: str, source: TensorSource, targets: dict, filled: set[str], targ
     _check_stored_dtype(name, tensor.dtype, targets[target].dtype, source)
     _check_shape(name, tuple(tensor.shape), tuple(targets[target].shape), source)
     with torch.no_grad():
-        if _keeps(source, name, tensor, targets[target]):
+        kept = _keeps(source, name, tensor, targets[target])
+        if kept:
             targets[target].data = tensor  # the mapped file's bytes are the weight: no copy
         else:
             targets[target].copy_(tensor)
     filled.add(target)
-    _release(source, name)
+    if not kept:  # a kept view's pages are the weight's: they stay
+        _release(source, name)
 
 
 def _keeps(source: TensorSource, name: str, tensor: torch.Tensor, target: torch.Tensor) -> bool:
@@ -257,9 +259,7 @@ def _keep_stacks(
             continue
         _check_shape(names[0], tuple(whole.shape), tuple(slot.shape), source)
         with torch.no_grad():
-            slot.data = whole
-        for name in names:
-            _release(source, name)
+            slot.data = whole  # kept: its pages are the weight's, not released
         kept.add((proj, suffix))
     return kept
 

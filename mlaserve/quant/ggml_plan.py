@@ -265,8 +265,8 @@ class BlockSource:
         return self.source.shape(name)
 
     def release(self, name: str) -> None:
-        if not self.in_place(name):  # kept bytes are the weights: their pages stay
-            self.source.release(name)
+        """The loader copied this tensor (it never releases one it keeps): drop its pages."""
+        self.source.release(name)
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.blocks:

@@ -296,9 +296,9 @@ class GGUFShard:
 
 
 def _release(mm: np.memmap, start: int, length: int) -> None:
-    """Drop the pages of bytes [start, start + length) from this process's memory (the map is private
-    and never written, so a later read faults them in from the file again): the loader calls it after
-    copying a tensor, so file pages do not pile up on top of the copies while a model loads."""
+    """Drop the pages of bytes [start, start + length) from this process's memory (the map is never
+    written, so a later read faults them in from the file again): the loader calls it after copying a
+    tensor, so file pages do not pile up on top of the copies while a model loads."""
     raw = getattr(mm, "_mmap", None)
     if raw is None or not hasattr(raw, "madvise") or length <= 0:
         return
@@ -347,7 +347,10 @@ class GGUFFile:
         """Drop a copied tensor's (or a byte range of it) file pages from memory (see _release)."""
         info = self.info(name)
         length = info.nbytes - start if length is None else length
-        _release(self._shard_of[name].mm, info.offset + start, length)
+        shard = self._shard_of[name]
+        for mm in (shard.mm, shard.shared):  # copied out of either map (the shared one's pages stay cached)
+            if mm is not None:
+                _release(mm, info.offset + start, length)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, torch shape (F32 tensors: a view of the file)."""
