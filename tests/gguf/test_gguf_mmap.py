@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gguf_helpers import need_fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,9 +145,7 @@ def test_second_process_shares_the_pages():
     here = _maps(path, shared_only=True)
     assert here, "this process should map the file read-only and shared"
     child = _child_smaps(path, "on")
-    weights = sum(
-        n for p, (name, n) in _storages(llm.runner.model).items() if any(lo <= p < hi for lo, hi in here)
-    )
+    weights = sum(n for p, (name, n) in _storages(llm.runner.model).items() if any(lo <= p < hi for lo, hi in here))
     # the child's resident file pages: at least the bytes every prompt reads (the linears and heads)
     assert child.get("Rss", 0) >= 0.5 * weights, (child, weights)
     # Shared: mapped by this process too. Not all of them: a page fault maps up to 16 neighbouring pages that
