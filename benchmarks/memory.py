@@ -95,7 +95,10 @@ def worker(spec: dict) -> dict:
         max_num_batched_tokens=max(2048, spec["prompt"]),
     )
     load_s = time.perf_counter() - t0
+    from mlaserve.kernels import ggml
+
     out = {"load_s": round(load_s, 3), "after_load": smaps(), **weight_bytes(llm.runner.model, spec["gguf"])}
+    out["expert_decode_cap_mib"] = ggml.EXPERT_BYTES >> 20
     pool = llm.runner.cache
     kv = {s.data_ptr(): s.nbytes() for t in pool_tensors(pool) for s in [t.untyped_storage()]}
     out["kv_pool"] = round(sum(kv.values()) / 2**30, 4)
@@ -158,7 +161,9 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    runs = []
+    runs: list[dict] = []
+    out = Path(args.out or HERE / "results" / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for rep in range(args.reps):
         for path in args.gguf:
             for mm in args.mmap:
@@ -181,16 +186,18 @@ def main() -> None:
                         f"{row['start_s']:.1f} s (load avg {load:.1f})",
                         flush=True,
                     )
+                    write(out, runs)  # after every run: a series stopped early keeps what it measured
+    print(f"wrote {out}")
+
+
+def write(out: Path, runs: list[dict]) -> None:
     env = {
         "cpu_flags": cpu_flags(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "load_after": os.getloadavg(),
     }
-    out = Path(args.out or HERE / "results" / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "runs": runs}, indent=1))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
