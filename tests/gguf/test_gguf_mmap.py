@@ -197,3 +197,19 @@ def test_copied_bytes_leave_no_resident_pages():
         present, total = present + p, total + t
     assert total >= 8, "the fixture's experts should span whole pages"
     assert present == 0, f"{present} of {total} pages of copied expert slices still resident"
+
+
+@pytest.mark.fixtures
+def test_the_option_is_checked_and_recorded():
+    """A non-bool is refused naming the option; with gguf_weights="dequantized" there are no kept blocks to map,
+    and the record says so (and nothing lies in a shared map)."""
+    from mlaserve import LLM
+    from mlaserve.config.model import ConfigError
+
+    path = _file("ds3", "q8_0")
+    with pytest.raises(ConfigError, match="gguf_mmap must be a bool"):
+        LLM(str(path), gguf_mmap="yes")
+    dense = LLM(str(path), gguf_weights="dequantized")
+    recorded = {s.name: s for s in dense.config.provenance}["gguf_mmap"]
+    assert recorded.value is False and "dequantized" in recorded.source
+    assert dense.config.kernels.gguf_mmap is False
