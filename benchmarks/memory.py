@@ -7,6 +7,8 @@ Each configuration runs in a fresh process (`--worker`), so the peak (VmHWM) is 
 
     python benchmarks/memory.py --gguf PATH [--gguf PATH2] [--reps 2] [--prompt 512] [--threads 2]
         # every (gguf_mmap, malloc_tuning) pair, alternating, each --reps times; JSON to benchmarks/results/
+    python benchmarks/memory.py --gguf PATH --pair
+        # two engines on the file at once (mapped, then copied): the second one's Rss, Pss, shared pages
 
 Figures (GiB unless named otherwise), read from /proc/self/smaps_rollup and /proc/self/status:
   rss / anon / file    Rss, Anonymous, and Rss - Anonymous (file-backed: the mapped GGUF, the libraries)
@@ -103,7 +105,7 @@ def worker(spec: dict) -> dict:
     kv = {s.data_ptr(): s.nbytes() for t in pool_tensors(pool) for s in [t.untyped_storage()]}
     out["kv_pool"] = round(sum(kv.values()) / 2**30, 4)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 30000, (spec["prompt"],), generator=g).tolist()
+    ids = torch.randint(3, min(30000, llm.config.model.vocab_size), (spec["prompt"],), generator=g).tolist()
     t1 = time.perf_counter()
     llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
     out["first_token_s"] = round(time.perf_counter() - t1, 3)
@@ -111,7 +113,29 @@ def worker(spec: dict) -> dict:
     out["peak"], out["after_prefill"] = status("VmHWM"), smaps()
     llm.generate([ids[:64]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     out["after_decode"], out["peak_end"] = smaps(), status("VmHWM")
+    if spec.get("hold"):  # --pair: stay alive (pages mapped) until the parent closes stdin
+        print(json.dumps(out), flush=True)
+        sys.stdin.read()
     return out
+
+
+def pair(path: str, mmap_on: bool, args) -> dict:
+    """Two engines on one file at once: the first loads, runs its prompt and stays; the second does the same
+    and reports its own smaps, where pages both map count half in Pss."""
+    spec = dict(gguf=path, gguf_mmap=mmap_on, malloc_tuning=False, prompt=args.prompt, threads=args.threads)
+    first = subprocess.Popen(
+        [sys.executable, __file__, "--worker", json.dumps({**spec, "hold": True})],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        a = json.loads(first.stdout.readline())
+        res = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True)
+        b = json.loads(res.stdout.strip().splitlines()[-1])
+    finally:
+        first.communicate("")
+    return {"gguf": path, "gguf_mmap": mmap_on, "first": a, "second": b}
 
 
 def pool_tensors(cache) -> list:
@@ -156,10 +180,23 @@ def main() -> None:
     ap.add_argument("--mmap", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--malloc-tuning", nargs="+", default=["off", "on"], choices=["on", "off"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pair", action="store_true", help="two engines on one file at once (mapped, then copied)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.pair:
+        out = Path(args.out or HERE / "results" / f"memory-pair-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        runs = [pair(path, mm == "on", args) for path in args.gguf for mm in args.mmap]
+        for r in runs:
+            b = r["second"]["after_decode"]
+            print(
+                f"{Path(r['gguf']).name} mmap={r['gguf_mmap']}: second engine rss {b['rss']:.2f} pss {b['pss']:.2f} "
+                f"anon {b['anonymous']:.2f} file {b['file']:.2f} shared {b['shared_clean']:.2f}"
+            )
+        write(out, runs)
         return
     runs: list[dict] = []
     out = Path(args.out or HERE / "results" / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json")
