@@ -145,6 +145,12 @@ class EngineOptions:
         "auto: quantized (each tensor-parallel rank keeps its slice's blocks)",
         GGUF_WEIGHTS,
     )
+    gguf_mmap: bool = _opt(
+        True,
+        "a GGUF's kept blocks are views of the file mapped read-only (no copy at load; the pages are shared with "
+        "the page cache and with every process that maps the file); off: copied into the process at load. Only "
+        "the fused routed-expert gate/up blocks are copied either way (the kernels read them as one [E, 2I] stack)",
+    )
     check_tensors: bool = _opt(
         False,
         "scan every weight for NaN/Inf at load (and each block scale of a GGUF) and refuse the model naming "
@@ -243,6 +249,24 @@ class EngineOptions:
     )
 
 
+def _gguf_mmap(requested: bool, gguf_weights: str | None, log) -> bool:
+    """On only where there are kept blocks to map (a GGUF with gguf_weights 'quantized')."""
+    if not isinstance(requested, bool):
+        raise ConfigError(f"gguf_mmap must be a bool, got {requested!r}")
+    if gguf_weights != "quantized":
+        why = "not a GGUF" if gguf_weights is None else "gguf_weights='dequantized': the blocks are expanded at load"
+        return log.record("gguf_mmap", False, f"unused ({requested!r}): {why}")
+    if requested:
+        return log.record(
+            "gguf_mmap",
+            True,
+            "engine default: kept blocks are views of the file mapped read-only (shared pages, no copy at load)"
+            if requested == option_default("gguf_mmap")
+            else "user option",
+        )
+    return log.record("gguf_mmap", False, "user option: kept blocks copied into the process at load")
+
+
 def option_default(name: str):
     return EngineOptions.__dataclass_fields__[name].default
 
@@ -316,6 +340,7 @@ class KernelConfig:
     quantization: str | None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
     experts_impl: str
     gguf_weights: str | None  # a GGUF's block-quantized weights: "quantized" | "dequantized" (None: not GGUF)
+    gguf_mmap: bool = False  # kept blocks are views of the read-only mapped file (loading/gguf_mapping.py)
 
 
 @dataclass(frozen=True)
@@ -434,6 +459,7 @@ def resolve(
     backend = choose_attention_backend(opts.attention_backend, kernels, dtype, log)
     world = opts.tensor_parallel_size * opts.expert_parallel_size
     gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, world, log)
+    gguf_mmap = _gguf_mmap(opts.gguf_mmap, gguf_weights, log)
     threads, why = choose_threads(model, opts.threads, world)
     log.record("threads", threads, why)
     if world > 1 and device != "cpu":
@@ -490,6 +516,7 @@ def resolve(
             quantization=quantization,
             experts_impl=opts.experts_impl,
             gguf_weights=gguf_weights,
+            gguf_mmap=gguf_mmap,
         ),
         speculative=SpeculativeConfig(
             method=speculative,

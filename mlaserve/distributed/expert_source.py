@@ -70,8 +70,8 @@ class ExpertRangeSource:
             self.source.release(self._stored[name])
 
     # what a GGUF source also answers (plan_gguf, BlockSource, attach_heads)
-    def get_blocks(self, name: str) -> torch.Tensor:
-        return self.source.get_blocks(self._stored[name])
+    def get_blocks(self, name: str, mapped: bool = False) -> torch.Tensor:
+        return self.source.get_blocks(self._stored[name], mapped)
 
     def ggml_type(self, name: str) -> int:
         return self.source.ggml_type(self._stored[name])
@@ -91,8 +91,8 @@ class ExpertRangeSource:
     def spans(self) -> dict:
         return getattr(self.source, "spans", {})
 
-    def mla_split_blocks(self, layer: int):
-        return self.source.mla_split_blocks(layer)
+    def mla_split_blocks(self, layer: int, mapped: bool = False):
+        return self.source.mla_split_blocks(layer, mapped)
 
     def stored_type(self, name: str) -> str:
         return self.source.stored_type(self._stored[name])

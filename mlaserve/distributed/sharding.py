@@ -275,19 +275,21 @@ class ShardedSource:
             )
         return None
 
-    def mla_split_blocks(self, layer: int):
+    def mla_split_blocks(self, layer: int, mapped: bool = False):
         """attn_k_b / attn_v_b blocks of this rank's heads (dim 0 of both), or None (a fused attn_kv_b)."""
-        split = self.source.mla_split_blocks(layer)
+        split = self.source.mla_split_blocks(layer, mapped)
         if split is None:
             return None
         h0, h1 = self.heads
         return tuple((blocks[h0:h1], t) for blocks, t in split)
 
-    def get_blocks(self, name: str) -> torch.Tensor:
+    def get_blocks(self, name: str, mapped: bool = False) -> torch.Tensor:
         """This rank's slice of a tensor kept in its blocks, as stored bytes uint8 [rows, R]: rows are byte
-        ranges, columns whole blocks of every row (the file's bytes; nothing is converted)."""
+        ranges, columns whole blocks of every row (the file's bytes; nothing is converted). mapped: views of
+        the read-only shared map where the slice is whole rows (a rank then touches only its rows' pages);
+        a column slice is not contiguous, so the loader copies it."""
         kind = self._kind(name)
-        whole = self.source.get_blocks(name)
+        whole = self.source.get_blocks(name, mapped)
         if kind == "replicated":
             return whole
         if kind == "first":

@@ -37,8 +37,10 @@ GEMV_ROWS = 16
 # pair (decode at batch 1-2): two tokens sharing an expert read it twice, but ~30 tensor ops of
 # sorting and scattering are saved; more pairs are sorted by expert and grouped (expert_linear).
 MOE_PAIRS = 8
-# Decoded fp32 expert weights per chunk when many rows per expert take decode-then-GEMM (prefill).
-EXPERT_BYTES = 64 << 20
+# Decoded fp32 expert weights per chunk when many rows per expert take decode-then-GEMM (prefill). 16 MiB: the
+# peak of a 512-token prefill of the standard benchmark model's Q8_0 file was 0.09 GiB above 64 MiB's (a chunk
+# and its transposed copy), and alternating prefills were no slower (docs/PERFORMANCE.md, Memory).
+EXPERT_BYTES = 16 << 20
 KERNELS = ("native", "torch")
 
 
@@ -135,7 +137,8 @@ def _decoded_grouped(
 ) -> torch.Tensor:
     """Many rows per expert (prefill): the experts decoded natively, then grouped GEMMs, for at most
     EXPERT_BYTES of decoded fp32 weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
-    15 GB in fp32 at once (the standard benchmark model's 128 MB; chunks were measured no slower there).
+    15 GB in fp32 at once (the standard benchmark model's 128 MB; chunks were measured no slower there, see
+    EXPERT_BYTES).
     Each expert's rows meet that expert alone, so the chunks give the products of one call."""
     a, n = experts.shape[0], w.shape[1]
     per = max(1, EXPERT_BYTES // (n * k * 4))

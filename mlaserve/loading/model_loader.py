@@ -423,8 +423,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     )
     gguf_plan = gguf[0] if gguf else None
     notes_first = None
-    if gguf_plan is not None:  # the loader copies the file's bytes into the holders
-        source = BlockSource(source, gguf_plan.blocks)
+    # the loader keeps the file's mapped bytes as the holders' weights (gguf_mmap), or copies them in
+    mapped = engine_cfg.kernels.gguf_mmap and engine_cfg.runtime.device == "cpu"
+    if gguf_plan is not None:
+        source = BlockSource(source, gguf_plan.blocks, mapped)
     quant = None
     if scheme is not None and n > 1 and scheme.block is not None:  # its scales on its slices' grid (regrid_fp8)
         grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)
@@ -446,7 +448,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
-        attach_heads(model, sharded, gguf_plan, model_cfg)
+        attach_heads(model, sharded, gguf_plan, model_cfg, mapped)
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module

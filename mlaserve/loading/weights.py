@@ -17,6 +17,11 @@ Named steps between the checkpoint layout and the model:
   renames         the family's checkpoint names read as the model's (Family.checkpoint_renames: Kimi-Linear's
                   block_sparse_moe.experts.E.w1/w3/w2 -> mlp.experts.E.gate/up/down_proj); errors name the
                   checkpoint's tensor
+  in_place        a source that maps its file (a GGUF with gguf_mmap) says which tensors are kept as they
+                  come (`in_place(name)`): the parameter then becomes that view of the mapped file instead of
+                  receiving a copy, and a routed-expert stack the file stores as one tensor (`stacked_blocks`)
+                  becomes the module's stacked parameter where its slot is a whole parameter (down_proj; the
+                  fused gate_up_proj interleaves two stored tensors per expert, so it is filled by copies)
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
 
@@ -41,7 +46,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 class TensorSource(Protocol):
     """Also optional: release(name), called once a tensor is copied (a memory-mapped source drops the
-    pages it read), get_slice(name, dim, start, stop) for tensor-parallel ranks."""
+    pages it read), get_slice(name, dim, start, stop) for tensor-parallel ranks, in_place(name) and
+    stacked_blocks(names) (tensors kept as views of a mapped file, see the module docstring)."""
 
     def names(self) -> list[str]: ...
     def get(self, name: str) -> torch.Tensor: ...
@@ -151,9 +157,27 @@ def _copy(name: str, source: TensorSource, targets: dict, filled: set[str], targ
     _check_stored_dtype(name, tensor.dtype, targets[target].dtype, source)
     _check_shape(name, tuple(tensor.shape), tuple(targets[target].shape), source)
     with torch.no_grad():
-        targets[target].copy_(tensor)
+        kept = _keeps(source, name, tensor, targets[target])
+        if kept:
+            targets[target].data = tensor  # the mapped file's bytes are the weight: no copy
+        else:
+            targets[target].copy_(tensor)
     filled.add(target)
-    _release(source, name)
+    if not kept:  # a kept view's pages are the weight's: they stay
+        _release(source, name)
+
+
+def _keeps(source: TensorSource, name: str, tensor: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether the parameter becomes `tensor` itself: the source offers it in place, and it has the
+    parameter's dtype, device and a contiguous layout (a column slice of a rank is copied instead)."""
+    in_place = getattr(source, "in_place", None)
+    return (
+        in_place is not None
+        and in_place(name)
+        and tensor.dtype == target.dtype
+        and tensor.device == target.device
+        and tensor.is_contiguous()
+    )
 
 
 def _release(source: TensorSource, name: str) -> None:
@@ -204,8 +228,11 @@ def _stack_experts(
             f"{source.where(extra[0])}: unexpected tensor {extra[0]!r} (the layer has {n_exp} experts "
             f"holding {sorted(dst)})"
         )
+    kept = _keep_stacks(prefix, parts, source, dst, n_exp)
     with torch.no_grad():
         for (proj, e, suffix), name in parts.items():
+            if (proj, suffix) in kept:
+                continue
             target = dst[suffix][_PROJS.index(proj)][e]
             tensor = source.get(name)
             _check_stored_dtype(name, tensor.dtype, target.dtype, source)
@@ -214,6 +241,30 @@ def _stack_experts(
             _release(source, name)
     filled.update(f"{prefix}.{n}" for n, _ in list(module.named_parameters()) + list(module.named_buffers()))
     return len(parts)
+
+
+def _keep_stacks(
+    prefix: str, parts: dict[tuple[str, int, str], str], source: TensorSource, dst: dict, n_exp: int
+) -> set[tuple[str, str]]:
+    """(proj, suffix) stacks kept as views of the mapped file: the module's slot is a whole parameter and
+    the source stores experts 0..E-1 as one tensor of its shape. The others are copied expert by expert."""
+    stacked = getattr(source, "stacked_blocks", None)
+    kept: set[tuple[str, str]] = set()
+    if stacked is None:
+        return kept
+    for proj, suffix in itertools.product(_PROJS, dst):
+        slot = dst[suffix][_PROJS.index(proj)]
+        if not isinstance(slot, nn.Parameter):  # a slice of a fused parameter (gate_up_proj's halves)
+            continue
+        names = [parts[(proj, e, suffix)] for e in range(n_exp)]
+        whole = stacked(names)
+        if whole is None or whole.dtype != slot.dtype or whole.device != slot.device:
+            continue
+        _check_shape(names[0], tuple(whole.shape), tuple(slot.shape), source)
+        with torch.no_grad():
+            slot.data = whole  # kept: its pages are the weight's, not released
+        kept.add((proj, suffix))
+    return kept
 
 
 def _check_stored_dtype(name: str, got: torch.dtype, want: torch.dtype, source: TensorSource) -> None:

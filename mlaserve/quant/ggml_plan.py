@@ -201,16 +201,17 @@ def _split_problem(source, name: str) -> str | None:
     return problem(name) if problem is not None else None
 
 
-def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig) -> None:
-    """After the fill: each planned layer's attention gets its attn_k_b / attn_v_b bytes (copied out of
-    the file) as GGUFHeads, beside the dense kv_b_proj rebuilt from the same tensors."""
+def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig, mapped: bool = False) -> None:
+    """After the fill: each planned layer's attention gets its attn_k_b / attn_v_b bytes as GGUFHeads, beside
+    the dense kv_b_proj rebuilt from the same tensors: views of the read-only mapped file (mapped, on the CPU,
+    where the rank's heads are whole rows of it), else copied out of the file."""
     for layer, type_k, type_v in plan.heads:
-        (k_b, _), (v_b, _) = source.mla_split_blocks(layer)
+        (k_b, _), (v_b, _) = source.mla_split_blocks(layer, mapped)
         attn = model.model.layers[layer].self_attn
         device = attn.kv_b_proj.weight.device
-        attn.kept_heads = GGUFHeads(
-            k_b.to(device, copy=True), type_k, v_b.to(device, copy=True), type_v, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        )
+        keep = mapped and device.type == "cpu" and k_b.is_contiguous() and v_b.is_contiguous()
+        k_b, v_b = (w if keep else w.to(device, copy=True) for w in (k_b, v_b))
+        attn.kept_heads = GGUFHeads(k_b, type_k, v_b, type_v, cfg.qk_nope_head_dim, cfg.kv_lora_rank)
 
 
 def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:
@@ -236,10 +237,23 @@ def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:
 
 class BlockSource:
     """A GGUF tensor source whose planned tensors come back as their stored bytes (uint8 [rows, R]);
-    the others dequantized as before."""
+    the others dequantized as before. mapped (engine option gguf_mmap): the bytes are views of the file's
+    read-only shared map and the loader keeps them in place (`in_place`, `stacked_blocks`) instead of
+    copying them; else views of the private map, copied, then released."""
 
-    def __init__(self, source, blocks: frozenset[str]) -> None:
-        self.source, self.blocks = source, blocks
+    def __init__(self, source, blocks: frozenset[str], mapped: bool = False) -> None:
+        self.source, self.blocks, self.mapped = source, blocks, mapped
+
+    def in_place(self, name: str) -> bool:
+        """The loader may keep `get(name)` as the parameter itself (a view of the mapped file)."""
+        return self.mapped and name in self.blocks
+
+    def stacked_blocks(self, names: list[str]) -> torch.Tensor | None:
+        """A routed-expert stack [E, rows, R] kept in place, when the file stores it as one tensor (else None)."""
+        stacked = getattr(self.source, "stacked_blocks", None)
+        if not self.mapped or stacked is None or not all(n in self.blocks for n in names):
+            return None
+        return stacked(names, mapped=True)
 
     def names(self) -> list[str]:
         return self.source.names()
@@ -254,12 +268,13 @@ class BlockSource:
         return self.source.shape(name)
 
     def release(self, name: str) -> None:
+        """The loader copied this tensor (it never releases one it keeps): drop its pages."""
         self.source.release(name)
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.blocks:
             try:
-                return self.source.get_blocks(name)
+                return self.source.get_blocks(name, mapped=self.mapped)
             except (ValueError, RuntimeError) as e:  # a view the file's bytes cannot give: name the tensor
                 raise WeightError(f"{self.source.where(name)}: tensor {name!r}: {e}") from e
         return self.source.get(name)

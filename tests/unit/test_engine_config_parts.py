@@ -40,6 +40,7 @@ WHERE = {
     "quantization": "kernels.quantization",
     "experts_impl": "kernels.experts_impl",
     "gguf_weights": "kernels.gguf_weights",
+    "gguf_mmap": "kernels.gguf_mmap",
     "speculative": "speculative.method",
     "num_speculative_tokens": "speculative.num_tokens",
     "speculative_max_seqs": "speculative.max_seqs",

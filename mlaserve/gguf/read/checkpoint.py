@@ -473,9 +473,11 @@ class GGUFTensors:
         it has no stored bytes of its own, only a dequantized value."""
         return self._entry(name).kind == "kv_b_split"
 
-    def get_blocks(self, name: str) -> torch.Tensor:
+    def get_blocks(self, name: str, mapped: bool = False) -> torch.Tensor:
         """The stored bytes of an HF tensor as uint8 [rows, R] (R = bytes of one row of ggml blocks),
-        a view of the file (read-only); a routed expert's slice of its stack. Nothing is converted."""
+        a view of the file; a routed expert's slice of its stack. Nothing is converted. mapped: a view of
+        the read-only shared map, to be kept in place (GGUFFile.view); else of the private map, to be
+        copied (and its pages released)."""
         e = self._entry(name)
         if e.kind == "kv_b_split":
             raise GGUFError(f"{self.where(name)}: {name!r} is rebuilt from two tensors; it has no stored blocks")
@@ -483,7 +485,23 @@ class GGUFTensors:
         rows = math.prod(e.shape[:-1])
         per_row = info.nbytes // math.prod(info.shape[:-1])
         start = e.index * rows * per_row if e.kind == "expert" else 0
-        return self._gf.raw(e.sources[0], start, rows * per_row).view(rows, per_row)
+        read = self._gf.view if mapped else self._gf.raw
+        return read(e.sources[0], start, rows * per_row).view(rows, per_row)
+
+    def stacked_blocks(self, names: list[str], mapped: bool = False) -> torch.Tensor | None:
+        """The stored bytes of a whole routed-expert stack [E, rows, R] when `names` are experts 0..E-1
+        of one stored 3-D tensor, in order (as llama.cpp's merged ffn_*_exps are); else None."""
+        entries = [self._entries.get(n) for n in names]
+        if not entries or any(e is None or e.kind != "expert" for e in entries):
+            return None
+        src = entries[0].sources[0]
+        info = self._gf.info(src)
+        if any(e.sources[0] != src or e.index != i for i, e in enumerate(entries)) or len(entries) != info.shape[0]:
+            return None
+        rows = math.prod(entries[0].shape[:-1])
+        per_row = info.nbytes // math.prod(info.shape[:-1])
+        read = self._gf.view if mapped else self._gf.raw
+        return read(src, 0, info.nbytes).view(len(entries), rows, per_row)
 
     def release(self, name: str) -> None:
         """The loader has copied this tensor: drop its file pages (a routed expert: its slice only, as
@@ -552,9 +570,12 @@ class GGUFTensors:
             return self._gf.tensor(src["k_b"]), self._gf.tensor(src["v_b"])
         return _split_kv_b(self._gf.tensor(src["kv_b"]), self._cfg)
 
-    def mla_split_blocks(self, layer: int) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]] | None:
+    def mla_split_blocks(
+        self, layer: int, mapped: bool = False
+    ) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]] | None:
         """The stored bytes of attn_k_b ([H, L, R_n] uint8, rows of n values) and attn_v_b ([H, v, R_L])
-        with their ggml type ids, views of the file; None where the file stores a fused attn_kv_b."""
+        with their ggml type ids, views of the file (mapped: of the read-only shared map, see get_blocks);
+        None where the file stores a fused attn_kv_b."""
         src = self._mla_sources(layer)
         if "k_b" not in src:
             return None
@@ -563,7 +584,8 @@ class GGUFTensors:
             info = self._gf.info(src[key])
             lead = tuple(info.shape[:-1])
             per_row = info.nbytes // math.prod(lead)
-            out.append((self._gf.raw(src[key], 0, info.nbytes).view(*lead, per_row), info.ggml_type))
+            read = self._gf.view if mapped else self._gf.raw
+            out.append((read(src[key], 0, info.nbytes).view(*lead, per_row), info.ggml_type))
         return out[0], out[1]
 
     def _mla_sources(self, layer: int) -> dict[str, str]:

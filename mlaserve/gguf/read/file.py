@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,7 @@ class GGUFShard:
         if self.path.stat().st_size < 4:
             raise GGUFError(f"{self.path}: truncated file ({self.path.stat().st_size} bytes), not GGUF")
         self.mm = np.memmap(self.path, dtype=np.uint8, mode="c")
+        self.shared: np.memmap | None = None  # the read-only shared map for views kept in place (`view`)
         cur = _Cursor(self.mm, self.path)
         self._read_preamble(cur)
         self.metadata, self.value_types = self._read_kv(cur)
@@ -277,11 +279,26 @@ class GGUFShard:
         view = np.asarray(self.mm[info.offset + start : info.offset + start + length])
         return torch.from_numpy(view)
 
+    def view(self, info: TensorInfo, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """uint8 view of a tensor's bytes in a read-only, shared map of the file, for weights kept in place.
+
+        Unlike `raw`'s private map, these pages are the page cache's own: every process that maps the
+        file reads the same physical pages, and nothing here can write to them (a write would fault, so
+        a holder over such a view must never be modified in place). The address is the map's (page
+        aligned) plus the tensor's offset, which the file aligns to `general.alignment`."""
+        if self.shared is None:
+            self.shared = np.memmap(self.path, dtype=np.uint8, mode="r")
+        length = info.nbytes - start if length is None else length
+        view = np.asarray(self.shared[info.offset + start : info.offset + start + length])
+        with warnings.catch_warnings():  # torch warns that the array is not writable: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(view)
+
 
 def _release(mm: np.memmap, start: int, length: int) -> None:
-    """Drop the pages of bytes [start, start + length) from this process's memory (the map is private
-    and never written, so a later read faults them in from the file again): the loader calls it after
-    copying a tensor, so file pages do not pile up on top of the copies while a model loads."""
+    """Drop the pages of bytes [start, start + length) from this process's memory (the map is never
+    written, so a later read faults them in from the file again): the loader calls it after copying a
+    tensor, so file pages do not pile up on top of the copies while a model loads."""
     raw = getattr(mm, "_mmap", None)
     if raw is None or not hasattr(raw, "madvise") or length <= 0:
         return
@@ -311,8 +328,9 @@ class GGUFFile:
                 if name in self.tensors:
                     raise GGUFError(f"{shard.path}: duplicate tensor name '{name}' (also in {self.tensors[name].path})")
                 self.tensors[name], self._shard_of[name] = info, shard
-        # bytes of tensor data handed out by raw() (views of the map the caller reads or copies): what a load
-        # read from the file, e.g. an expert-parallel rank's share of it (distributed/expert_source.py)
+        # bytes of tensor data handed out by raw() and view() (views of a map the caller copies or keeps in
+        # place): what a load took from the file, e.g. an expert-parallel rank's share of it
+        # (distributed/expert_source.py); a kept view's pages come in when a step first reads them
         self.bytes_read = 0
 
     def info(self, name: str) -> TensorInfo:
@@ -326,11 +344,21 @@ class GGUFFile:
         self.bytes_read += view.numel()
         return view
 
+    def view(self, name: str, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """As `raw`, but from the read-only shared map (GGUFShard.view): for bytes kept in place."""
+        info = self.info(name)
+        view = self._shard_of[name].view(info, start, length)
+        self.bytes_read += view.numel()
+        return view
+
     def release(self, name: str, start: int = 0, length: int | None = None) -> None:
         """Drop a copied tensor's (or a byte range of it) file pages from memory (see _release)."""
         info = self.info(name)
         length = info.nbytes - start if length is None else length
-        _release(self._shard_of[name].mm, info.offset + start, length)
+        shard = self._shard_of[name]
+        for mm in (shard.mm, shard.shared):  # copied out of either map (the shared one's pages stay cached)
+            if mm is not None:
+                _release(mm, info.offset + start, length)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, torch shape (F32 tensors: a view of the file)."""
@@ -352,7 +380,7 @@ class GGUFFile:
     def close(self) -> None:
         """Drop our references to the maps (tensors already handed out keep theirs alive)."""
         for s in self.shards:
-            s.mm = None
+            s.mm = s.shared = None
 
 
 def _dequant(info: TensorInfo, raw: torch.Tensor, shape) -> torch.Tensor:

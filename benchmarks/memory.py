@@ -1,0 +1,241 @@
+"""Where a GGUF engine's resident memory goes: RSS after load, peak during a prefill, after decode steps, split
+into anonymous memory (copies, the cache pool, temporaries, the runtime) and file-backed pages (the mapped GGUF:
+shared with the page cache and with every other process that maps the file), with the start time (load to
+first token).
+
+Each configuration runs in a fresh process (`--worker`), so the peak (VmHWM) is that configuration's own.
+
+    python benchmarks/memory.py --gguf PATH [--gguf PATH2] [--reps 2] [--prompt 512] [--threads 2]
+        # every (gguf_mmap, malloc_tuning) pair, alternating, each --reps times; JSON to benchmarks/results/
+    python benchmarks/memory.py --gguf PATH --pair
+        # two engines on the file at once (mapped, then copied): the second one's Rss, Pss, shared pages
+
+Figures (GiB unless named otherwise), read from /proc/self/smaps_rollup and /proc/self/status:
+  rss / anon / file    Rss, Anonymous, and Rss - Anonymous (file-backed: the mapped GGUF, the libraries)
+  pss                  proportional set size (file pages another process also maps count half)
+  weights_copied       bytes of the model's parameters and buffers that live in anonymous memory
+  weights_mapped       bytes of them that are views of the mapped file
+  kv_pool              the paged cache pool's tensors
+  peak                 VmHWM after the prefill (the process's highest RSS so far)
+  start_s              load_s + the first token of a --prompt tokens prompt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def smaps() -> dict:
+    """/proc/self/smaps_rollup in GiB (Rss, Pss, Anonymous, Shared_Clean, Private_Dirty, ...) plus file = Rss - Anon."""
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":").lower()] = int(parts[1]) / 2**20
+    out["file"] = out["rss"] - out["anonymous"]
+    return {k: round(v, 4) for k, v in out.items() if k in ("rss", "pss", "anonymous", "file", "shared_clean")}
+
+
+def status(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return round(int(line.split()[1]) / 2**20, 4)
+    return float("nan")
+
+
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's maps of `path`."""
+    real, out = os.path.realpath(path), []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and os.path.realpath(fields[5]) == real:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def weight_bytes(model, path: str) -> dict:
+    """Parameter and buffer bytes (each storage once) inside the file's map vs elsewhere."""
+    ranges, seen, mapped, copied = mapped_ranges(path), set(), 0, 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        s = t.untyped_storage()
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        if any(lo <= s.data_ptr() < hi for lo, hi in ranges):
+            mapped += s.nbytes()
+        else:
+            copied += s.nbytes()
+    return {"weights_mapped": round(mapped / 2**30, 4), "weights_copied": round(copied / 2**30, 4)}
+
+
+def worker(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from mlaserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        spec["gguf"],
+        threads=spec["threads"],
+        malloc_tuning=spec["malloc_tuning"],
+        gguf_mmap=spec["gguf_mmap"],
+        num_pages=spec["prompt"] // 16 + 8,
+        max_num_batched_tokens=max(2048, spec["prompt"]),
+    )
+    load_s = time.perf_counter() - t0
+    from mlaserve.kernels import ggml
+
+    out = {"load_s": round(load_s, 3), "after_load": smaps(), **weight_bytes(llm.runner.model, spec["gguf"])}
+    out["expert_decode_cap_mib"] = ggml.EXPERT_BYTES >> 20
+    pool = llm.runner.cache
+    kv = {s.data_ptr(): s.nbytes() for t in pool_tensors(pool) for s in [t.untyped_storage()]}
+    out["kv_pool"] = round(sum(kv.values()) / 2**30, 4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(30000, llm.config.model.vocab_size), (spec["prompt"],), generator=g).tolist()
+    t1 = time.perf_counter()
+    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+    out["first_token_s"] = round(time.perf_counter() - t1, 3)
+    out["start_s"] = round(load_s + out["first_token_s"], 3)
+    out["peak"], out["after_prefill"] = status("VmHWM"), smaps()
+    llm.generate([ids[:64]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    out["after_decode"], out["peak_end"] = smaps(), status("VmHWM")
+    if spec.get("hold"):  # --pair: stay alive (pages mapped) until the parent closes stdin
+        print(json.dumps(out), flush=True)
+        sys.stdin.read()
+    return out
+
+
+def pair(path: str, mmap_on: bool, args) -> dict:
+    """Two engines on one file at once: the first loads, runs its prompt and stays; the second does the same
+    and reports its own smaps, where pages both map count half in Pss."""
+    spec = dict(gguf=path, gguf_mmap=mmap_on, malloc_tuning=False, prompt=args.prompt, threads=args.threads)
+    first = subprocess.Popen(
+        [sys.executable, __file__, "--worker", json.dumps({**spec, "hold": True})],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        a = json.loads(first.stdout.readline())
+        res = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True)
+        b = json.loads(res.stdout.strip().splitlines()[-1])
+    finally:
+        first.communicate("")
+    return {"gguf": path, "gguf_mmap": mmap_on, "first": a, "second": b}
+
+
+def pool_tensors(cache) -> list:
+    """Every tensor the cache object holds (attributes, lists, dicts; one level of nested objects)."""
+    import torch
+
+    found, stack, seen = [], [cache], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("mlaserve.cache"):
+            stack.extend(vars(obj).values())
+    return found
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    want = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+                    return " ".join(x for x in line.split(":")[1].split() if x in want)
+    except OSError:
+        pass
+    return ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", action="append", default=[])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mmap", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--malloc-tuning", nargs="+", default=["off", "on"], choices=["on", "off"])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--pair", action="store_true", help="two engines on one file at once (mapped, then copied)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.pair:
+        out = Path(args.out or HERE / "results" / f"memory-pair-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        runs = [pair(path, mm == "on", args) for path in args.gguf for mm in args.mmap]
+        for r in runs:
+            b = r["second"]["after_decode"]
+            print(
+                f"{Path(r['gguf']).name} mmap={r['gguf_mmap']}: second engine rss {b['rss']:.2f} pss {b['pss']:.2f} "
+                f"anon {b['anonymous']:.2f} file {b['file']:.2f} shared {b['shared_clean']:.2f}"
+            )
+        write(out, runs)
+        return
+    runs: list[dict] = []
+    out = Path(args.out or HERE / "results" / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for rep in range(args.reps):
+        for path in args.gguf:
+            for mm in args.mmap:
+                for mt in args.malloc_tuning:
+                    spec = dict(gguf=path, gguf_mmap=mm == "on", malloc_tuning=mt == "on", rep=rep)
+                    spec.update(prompt=args.prompt, threads=args.threads)
+                    load = os.getloadavg()[0]
+                    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+                    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                    if res.returncode:
+                        sys.exit(f"worker failed for {spec}:\n{res.stderr[-4000:]}")
+                    row = {**spec, "load_before": round(load, 2), **json.loads(res.stdout.strip().splitlines()[-1])}
+                    runs.append(row)
+                    print(
+                        f"{Path(path).name} mmap={mm} malloc_tuning={mt} rep={rep}: after load "
+                        f"{row['after_load']['rss']:.2f} (anon {row['after_load']['anonymous']:.2f}, file "
+                        f"{row['after_load']['file']:.2f}), peak {row['peak']:.2f}, after decode "
+                        f"{row['after_decode']['rss']:.2f}; weights copied {row['weights_copied']:.2f} mapped "
+                        f"{row['weights_mapped']:.2f}, kv {row['kv_pool']:.3f}; load {row['load_s']:.1f} s, start "
+                        f"{row['start_s']:.1f} s (load avg {load:.1f})",
+                        flush=True,
+                    )
+                    write(out, runs)  # after every run: a series stopped early keeps what it measured
+    print(f"wrote {out}")
+
+
+def write(out: Path, runs: list[dict]) -> None:
+    env = {
+        "cpu_flags": cpu_flags(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_after": os.getloadavg(),
+    }
+    out.write_text(json.dumps({"env": env, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
