@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import hf_greedy
 
 pytest.importorskip("transformers")
 
@@ -73,14 +74,6 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' full recompute: the whole sequence through the model for every new token, no cache."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_v4_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt) :]
-
-
 @pytest.mark.parametrize("budget", [pytest.param(1, marks=pytest.mark.slow), 3, 4, 7])  # 1: token by token
 def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
     """Chunked prefill through the engine (chunks of `budget` tokens, the cache's request-state slot carried
@@ -100,7 +93,7 @@ def test_greedy_32_tokens_equal_transformers_full_recompute(all_kinds):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(prompts, params)  # both in flight together: decodes batched with the other's prefill
     for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == _hf_greedy(hf, p, 32), f"prompt of {len(p)} tokens"
+        assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, 32, hf_v4_logits), f"prompt of {len(p)} tokens"
 
 
 def test_a_batch_of_mixed_lengths_equals_each_alone(all_kinds):
@@ -180,7 +173,7 @@ def test_preemption_mid_window_is_exact(all_kinds):
         again = next(q for r in recs if r["step"] > step for q in r["requests"] if q["id"] == rid)
         assert again["context_len"] == 0 and again["state_reset"] and "state_restore_page" not in again
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == _hf_greedy(hf, p, 10), f"prompt of {len(p)} tokens"
+        assert outs[f"r{i}"] == hf_greedy(hf, p, 10, hf_v4_logits), f"prompt of {len(p)} tokens"
 
 
 def test_more_requests_than_slots_reuse_them_exactly(all_kinds):
@@ -190,7 +183,7 @@ def test_more_requests_than_slots_reuse_them_exactly(all_kinds):
     outs, recs = _engine_run(llm, prompts, 8)
     assert {q["state_slot"] for r in recs for q in r["requests"]} == {0, 1}  # five requests through two slots
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == _hf_greedy(hf, p, 8), f"prompt of {len(p)} tokens"
+        assert outs[f"r{i}"] == hf_greedy(hf, p, 8, hf_v4_logits), f"prompt of {len(p)} tokens"
 
 
 def test_a_reused_slot_starts_zeroed(all_kinds):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import hf_greedy
 
 pytest.importorskip("transformers")
 
@@ -96,13 +97,6 @@ def all_kinds(tmp_path_factory):
     return hf, folder
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_v4_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt) :]
-
-
 def _firsts(records) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for r in records:
@@ -123,8 +117,8 @@ def test_the_engine_serves_a_hit_mid_window_and_the_ledger_shows_it(all_kinds):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (out_a,) = llm.generate([a], params)
     (out_b,) = llm.generate([b], params)
-    assert list(out_a.outputs[0].token_ids) == _hf_greedy(hf, a, 12)
-    assert list(out_b.outputs[0].token_ids) == _hf_greedy(hf, b, 12)
+    assert list(out_a.outputs[0].token_ids) == hf_greedy(hf, a, 12, hf_v4_logits)
+    assert list(out_b.outputs[0].token_ids) == hf_greedy(hf, b, 12, hf_v4_logits)
     first_b = [q for q in _firsts(llm.runner.tracer.records).values() if q["cached_tokens"]]
     assert len(first_b) == 1 and first_b[0]["cached_tokens"] == 16 and first_b[0]["context_len"] == 16
     assert "state_restore_page" in first_b[0] and first_b[0]["state_reset"] is False
@@ -158,4 +152,4 @@ def test_preemption_mid_window_resumes_from_a_snapshot_exactly(all_kinds):
     assert any(n % 4 for n in reached), f"no preemption inside a CSA window: contexts {reached}"
     assert any("state_restore_page" in q and q["context_len"] > 0 for q in resumed), resumed
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == _hf_greedy(hf, p, 10), f"prompt of {len(p)} tokens"
+        assert outs[f"r{i}"] == hf_greedy(hf, p, 10, hf_v4_logits), f"prompt of {len(p)} tokens"

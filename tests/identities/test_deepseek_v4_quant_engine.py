@@ -17,6 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from hf_models import hf_greedy  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from v4_models import dequantized_folder, hf_v4_logits, save_hf_v4  # noqa: E402
 
@@ -57,13 +58,6 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
     return [0] + torch.randint(2, vocab, (n - 1,), generator=g).tolist()
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_v4_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_quantized_folder_through_the_engine_equals_transformers_on_the_dequantized_weights(quantized):
     form, folder, ref = quantized
     llm = LLM(str(folder), max_num_batched_tokens=3)  # chunks of 3 cross every window edge of CSA 4 / HCA 8
@@ -92,7 +86,7 @@ def test_quantized_folder_through_the_engine_equals_transformers_on_the_dequanti
     prompts = [_ids(11, vocab, 11), _ids(3, vocab, 3)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == _hf_greedy(ref, p, 16), f"{form}: prompt of {len(p)} tokens"
+        assert list(o.outputs[0].token_ids) == hf_greedy(ref, p, 16, hf_v4_logits), f"{form}: prompt of {len(p)} tokens"
 
 
 def test_inspect_shows_the_weight_forms(quantized, capsys):

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
+from hf_models import hf_greedy  # noqa: E402
 from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -37,13 +38,6 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     err = (ours - ref).abs().max().item()
     assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-
-
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(ref, ids)[-1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -83,9 +77,9 @@ def test_a_prefix_hit_mid_kda_chunk_is_exact_and_the_ledger_shows_it(glm):
     a = random_ids(40, vocab, 21)
     b = a[:37] + random_ids(9, vocab, 9)[1:]
     (out_a,) = llm.generate([a], _greedy(8))
-    assert list(out_a.outputs[0].token_ids) == _hf_greedy(ref, a, 8), spec
+    assert list(out_a.outputs[0].token_ids) == hf_greedy(ref, a, 8, hf_logits), spec
     (out_b,) = llm.generate([b], _greedy(6))
-    assert list(out_b.outputs[0].token_ids) == _hf_greedy(ref, b, 6), spec
+    assert list(out_b.outputs[0].token_ids) == hf_greedy(ref, b, 6, hf_logits), spec
     firsts = [q for r in llm.runner.tracer.records for q in r["requests"] if q["id"].startswith(out_b.request_id + "/")]
     assert firsts[0]["cached_tokens"] == 32 and firsts[0]["context_len"] == 32
     assert firsts[0]["state_restore_page"] is not None and not firsts[0]["state_reset"]
@@ -107,7 +101,7 @@ def test_preemption_resumes_exactly(glm):
                 outs[o.request_id] = list(o.outputs[0].token_ids)
     assert any(r["preempted"] for r in llm.runner.tracer.records), "the pool was meant to be small enough to preempt"
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == _hf_greedy(ref, p, 6), f"{spec}: prompt of {len(p)} tokens"
+        assert outs[f"r{i}"] == hf_greedy(ref, p, 6, hf_logits), f"{spec}: prompt of {len(p)} tokens"
     assert engine.slots.num_free == engine.slots.num_slots and not engine.slots.owner
 
 

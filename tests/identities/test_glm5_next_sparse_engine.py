@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_models import SPARSE, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
+from hf_models import hf_greedy  # noqa: E402
 from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -38,13 +39,6 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     err = (ours - ref).abs().max().item()
     assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-
-
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(ref, ids)[-1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -84,9 +78,9 @@ def test_a_prefix_hit_through_the_scheduler_decodes_exactly(glm):
     a = random_ids(60, vocab, 21)
     b = a[:53] + random_ids(9, vocab, 9)[1:]
     (out_a,) = llm.generate([a], _greedy(8))
-    assert list(out_a.outputs[0].token_ids) == _hf_greedy(ref, a, 8), spec
+    assert list(out_a.outputs[0].token_ids) == hf_greedy(ref, a, 8, hf_logits), spec
     (out_b,) = llm.generate([b], _greedy(6))
-    assert list(out_b.outputs[0].token_ids) == _hf_greedy(ref, b, 6), spec
+    assert list(out_b.outputs[0].token_ids) == hf_greedy(ref, b, 6, hf_logits), spec
     firsts = [q for r in llm.runner.tracer.records for q in r["requests"] if q["id"].startswith(out_b.request_id + "/")]
     assert firsts[0]["cached_tokens"] == 48 and firsts[0]["context_len"] == 48
 
@@ -108,7 +102,7 @@ def test_preemption_past_index_topk_resumes_exactly(glm):
     assert any(r["preempted"] for r in llm.runner.tracer.records), "the pool was meant to be small enough to preempt"
     assert any(r["needs_selection"] for r in llm.runner.tracer.records)
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == _hf_greedy(ref, p, 6), f"{spec}: prompt of {len(p)} tokens"
+        assert outs[f"r{i}"] == hf_greedy(ref, p, 6, hf_logits), f"{spec}: prompt of {len(p)} tokens"
     assert engine.slots.num_free == engine.slots.num_slots and not engine.slots.owner
 
 

@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
+from hf_models import hf_greedy  # noqa: E402
 
 from mlaserve.config.layer_kinds import declare_layers  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -88,13 +89,6 @@ def test_load_reports_the_vision_tower_and_declares_the_layer_kinds(glm):
     assert all(s.name == "latent" for k in dense.runner.layer_kinds for s in k.states if k.attention == "mla_dsa")
 
 
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(ref, ids)[-1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_greedy_in_a_batch_equals_transformers(glm):
     """Two requests in flight together (decodes batched beside the other's prefill chunks) generate transformers'
     greedy tokens (its full recompute, no cache)."""
@@ -104,7 +98,7 @@ def test_greedy_in_a_batch_equals_transformers(glm):
     prompts = [random_ids(70, vocab, 70), random_ids(4, vocab, 4)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == _hf_greedy(ref, p, 10), f"{spec}: prompt of {len(p)} tokens"
+        assert list(o.outputs[0].token_ids) == hf_greedy(ref, p, 10, hf_logits), f"{spec}: prompt of {len(p)} tokens"
 
 
 def test_a_shared_indexer_layer_after_a_full_one(tmp_path):

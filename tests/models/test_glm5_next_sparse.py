@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_models import SPARSE, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
+from hf_models import hf_greedy  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
@@ -148,13 +149,6 @@ def test_the_ledger_records_pools_scored_selected_and_tail(glm):
         done += n
 
 
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(ref, ids)[-1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_greedy_decode_past_index_topk_equals_transformers(glm):
     """Decode == prefill: two requests in flight (decodes batched beside the other's prefill chunks), each decode
     step selecting over pools written by earlier steps, generate transformers' greedy tokens (its full recompute)."""
@@ -164,7 +158,7 @@ def test_greedy_decode_past_index_topk_equals_transformers(glm):
     prompts = [random_ids(45, vocab, 45), random_ids(14, vocab, 14)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == _hf_greedy(ref, p, 12), f"{spec}: prompt of {len(p)} tokens"
+        assert list(o.outputs[0].token_ids) == hf_greedy(ref, p, 12, hf_logits), f"{spec}: prompt of {len(p)} tokens"
 
 
 @pytest.mark.parametrize("option", [dict(mla_path="decompressed"), dict(attention_backend="reference")])
