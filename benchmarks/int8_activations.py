@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, ensure_model, environment, gguf_path, random_prompt, with_tokenizer, write_json
+from common import RESULTS_DIR, ensure_model, environment, gguf_path, random_prompt, timed, with_tokenizer, write_json
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
 from mlaserve.kernels import native
@@ -55,16 +55,6 @@ def blocks(name: str) -> torch.Tensor:
     return raw.reshape(N, -1).contiguous()
 
 
-def calls(fn, reps: int) -> list[float]:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return ts
-
-
 def kernels(args) -> dict:
     rows_out = []
     for name in TYPES:
@@ -74,7 +64,7 @@ def kernels(args) -> dict:
             per: dict[bool, list[list[float]]] = {False: [], True: []}
             for _ in range(args.rounds):
                 for int8 in (False, True):
-                    per[int8].append(calls(lambda i=int8: native.gemm(tid, x, w, K, int8=i), args.reps))
+                    per[int8].append(timed(lambda i=int8: native.gemm(tid, x, w, K, int8=i), args.reps)["all_s"])
             # best: the fastest call of all rounds (the machine's uncontended speed: neighbours only add time);
             # med: the median over rounds of each round's median, with the spread of those (min-max)
             row = {"type": name, "rows": rows, "weight_mib": w.numel() / 2**20}
