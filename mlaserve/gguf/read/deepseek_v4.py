@@ -368,14 +368,16 @@ class V4GGUFTensors:
             return self._gf.raw(e.source).view(torch.int32).reshape(info.shape)
         return self._gf.slice0(e.source, e.expert) if e.expert >= 0 else self._gf.tensor(e.source)
 
-    def get_blocks(self, name: str) -> torch.Tensor:
-        """The stored bytes as uint8 [rows, R] (a view of the file; an expert: its slice of the stack)."""
+    def get_blocks(self, name: str, mapped: bool = False) -> torch.Tensor:
+        """The stored bytes as uint8 [rows, R] (a view of the file; an expert: its slice of the stack). mapped:
+        of the read-only shared map (GGUFFile.view; the V4 loader copies, so it never asks for it yet)."""
         e = self._entries[name]
         info = self._gf.info(e.source)
         rows = math.prod(e.shape[:-1])
         per_row = info.nbytes // math.prod(info.shape[:-1])
         start = e.expert * rows * per_row if e.expert >= 0 else 0
-        return self._gf.raw(e.source, start, rows * per_row).view(rows, per_row)
+        read = self._gf.view if mapped else self._gf.raw
+        return read(e.source, start, rows * per_row).view(rows, per_row)
 
 
 def _expected(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
