@@ -190,7 +190,12 @@ class Mlaserve:
         from mlaserve.models.deepseek_v4.serving import v4_implementation
 
         spec = {"speculative": "mtp"} if mtp else {}
-        self.llm = LLM(str(folder), dtype="float32", max_num_seqs=16, max_num_batched_tokens=2048, **spec)
+        # threads: the engine sets torch's process-wide pool at load (default: every core), so the benchmark's
+        # --threads must reach it, or it would also change the thread count of the transformers engine
+        threads = torch.get_num_threads()
+        self.llm = LLM(
+            str(folder), dtype="float32", threads=threads, max_num_seqs=16, max_num_batched_tokens=2048, **spec
+        )
         self.tokens_per_step: list[float] = []  # decode(): tokens out per timed step (> batch with accepted drafts)
         if mtp:
             self.name = "mlaserve-mtp"
