@@ -2,7 +2,7 @@
 
     python benchmarks/deepseek_v4.py [--threads 2] [--reps 3] [--contexts 1024 [16384]] [--quick]
         [--engines mlaserve transformers mlaserve-per-seq mlaserve-per-seq-state] [--cases prefill decode concurrent]
-        [--profile]
+        [--profile] [--mtp]
 mlaserve-per-seq is mlaserve with the per-sequence reference softmax in place of the step's padded one
 (the before/after of the batched attention); mlaserve-per-seq-state is mlaserve with the per-sequence reference
 state updates (ring, compressors, indexer keys: V4Serving(batched_state=False)) in place of the step's batched
@@ -19,7 +19,14 @@ CSA; Flash has 43). Both engines run the same folder in float32 with the same to
 Measured, engines alternated within every repetition (the order flips each rep), median and spread (min-max)
 over the reps:
   prefill 512    one 512-token prompt, first token (mlaserve: one step; transformers: one forward, cache on)
-  decode @N      batch 1, context N: the mean step time of 8 decode steps after an N-token prefill
+  prefill @N     batch 1, the N-token prompt of decode @N up to its first token, timed once per engine (a 16K
+                 prefill takes many minutes here). mlaserve prefills in its 2048-token chunks; transformers in
+                 --hf-chunk-token forwards with the cache (one 16K forward would build [16, 16K, 20K] fp32
+                 attention scores and a [16K, 64, 4K] indexer product: tens of GB)
+  decode @N      batch 1, context N: each engine prefills the N-token prompt once and keeps its cache; each rep
+                 then times 8 more decode steps of that same request (the mean step), engines alternated, so
+                 rep r decodes at context N + 8r (+1). The first greedy token of each engine is recorded: equal
+                 tokens say both engines ran the same model over the same context
   16 concurrent  16 requests of 128 tokens, then 8 decode steps with all 16 in the step (transformers: one
                  batch of 16, no padding needed as the lengths are equal)
 The KV bytes per token at 128K context are computed from the config for V4's cache (growing compressed rows +
@@ -104,6 +111,57 @@ def ensure_v4_model(quick: bool) -> Path:
     return folder
 
 
+def ensure_v4_mtp_model(folder: Path) -> Path:
+    """`folder`'s trunk plus a random MTP layer (`mtp.0.*` under the module names, as tests/v4_mtp_models.py
+    writes them): a sliding-window decoder layer built by transformers (layer N of a model one layer deeper,
+    the same init as the trunk's), e_proj / h_proj / norms and the hc head. Random, so its drafts are ~never
+    accepted: the row measures what useless drafts cost (the acceptance switch pauses them)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+
+    cfg = json.loads((folder / "bench_config.json").read_text())
+    out = folder.with_name(folder.name + "-mtp")
+    stamp = out / "bench_config.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == cfg:
+        return out
+    print(f"[build] writing the V4 model with a random MTP layer to {out} ...", flush=True)
+    n = cfg["num_hidden_layers"]
+    deeper = DeepseekV4Config(**dict(cfg, num_hidden_layers=n + 1, layer_types=cfg["layer_types"] + [SW]))
+    torch.manual_seed(1)
+    block = DeepseekV4DecoderLayer(deeper, n).float()
+    g = torch.Generator().manual_seed(1)
+    d, hc = cfg["hidden_size"], cfg["hc_mult"]
+    with torch.no_grad():  # the trunk's init (ensure_v4_model)
+        for name, p in block.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            elif "norm" in name or name.endswith("scale"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    extras = {
+        "e_proj.weight": torch.randn(d, d, generator=g) * d**-0.5,
+        "h_proj.weight": torch.randn(d, d, generator=g) * d**-0.5,
+        "enorm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+        "norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+        "hc_head.hc_fn": torch.randn(hc, hc * d, generator=g) * (hc * d) ** -0.5,
+        "hc_head.hc_base": 0.1 * torch.randn(hc, generator=g),
+        "hc_head.hc_scale": 1 + 0.1 * torch.randn(1, generator=g),
+    }
+    mtp = {f"mtp.0.{k}": v.detach().contiguous().clone() for k, v in (block.state_dict() | extras).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if f.name not in ("model.safetensors", "config.json", "bench_config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file(load_file(folder / "model.safetensors") | mtp, out / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(raw, num_nextn_predict_layers=1)))
+    stamp.write_text(json.dumps(cfg))
+    return out
+
+
 def kv_bytes_per_token(kinds: dict, head_dim: int, index_dim: int, window: int, csa: int, hca: int, ctx: int):
     """(V4, V3.2 layout of the same width and depth) bytes per token at `ctx` tokens, bf16 values.
     V4: CSA keeps a [512] row and a [128] index key per m tokens, HCA a [512] row per m' tokens; every layer a
@@ -127,11 +185,20 @@ def _spread(ts: list[float]) -> dict:
 class Mlaserve:
     name = "mlaserve"
 
-    def __init__(self, folder: Path, batched: bool = True, batched_state: bool = True) -> None:
+    def __init__(self, folder: Path, batched: bool = True, batched_state: bool = True, mtp: bool = False) -> None:
         from mlaserve.entrypoints.llm import LLM
         from mlaserve.models.deepseek_v4.serving import v4_implementation
 
-        self.llm = LLM(str(folder), dtype="float32", max_num_seqs=16, max_num_batched_tokens=2048)
+        spec = {"speculative": "mtp"} if mtp else {}
+        # threads: the engine sets torch's process-wide pool at load (default: every core), so the benchmark's
+        # --threads must reach it, or it would also change the thread count of the transformers engine
+        threads = torch.get_num_threads()
+        self.llm = LLM(
+            str(folder), dtype="float32", threads=threads, max_num_seqs=16, max_num_batched_tokens=2048, **spec
+        )
+        self.tokens_per_step: list[float] = []  # decode(): tokens out per timed step (> batch with accepted drafts)
+        if mtp:
+            self.name = "mlaserve-mtp"
         if not batched:  # the per-sequence reference softmax (models/deepseek_v4/attention.py), for before/after
             self.name = "mlaserve-per-seq"
             for layer in self.llm.runner.model.inner.model.layers:
@@ -142,22 +209,56 @@ class Mlaserve:
             model.batched_state = False
             model.v4_implementation = v4_implementation(model.batched_attention, False)
 
-    def _run(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
-        """(step seconds, outputs) for every step of the requests to the end."""
+    def _run(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int, int]]:
+        """(step seconds, tokens out, first tokens out) for every step of the requests to the end."""
         from mlaserve.sampling.params import SamplingParams
 
         engine = self.llm.engine
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        steps = []
+        steps, seen = [], {}  # (seconds, tokens out, requests that got their first token)
         while engine.has_unfinished():
             t0 = time.perf_counter()
             outs = engine.step()
-            steps.append((time.perf_counter() - t0, len(outs)))
+            dt, new, first = time.perf_counter() - t0, 0, 0
+            for o in outs:  # token_ids is the request's whole output so far
+                first += seen.get(o.request_id, 0) == 0 and len(o.outputs[0].token_ids) > 0
+                new += len(o.outputs[0].token_ids) - seen.get(o.request_id, 0)
+                seen[o.request_id] = len(o.outputs[0].token_ids)
+            steps.append((dt, new, first))
         return steps
 
     def prefill(self, ids: list[int]) -> float:
-        return sum(t for t, _ in self._run([ids], 1))
+        return sum(t for t, _, _ in self._run([ids], 1))
+
+    def start(self, ids: list[int], steps: int) -> tuple[float, int]:
+        """Prefill one request that will decode `steps` more tokens; -> (seconds to its first token, that token)."""
+        from mlaserve.sampling.params import SamplingParams
+
+        engine = self.llm.engine
+        self._rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+        total = 0.0
+        while True:
+            t0 = time.perf_counter()
+            outs = engine.step()
+            total += time.perf_counter() - t0
+            firsts = [o.outputs[0].token_ids for o in outs if o.request_id == self._rid and o.outputs[0].token_ids]
+            if firsts:
+                return total, int(firsts[0][0])
+
+    def steps(self, n: int) -> float:
+        """Mean time of the next n steps of the started request (one decode token each)."""
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.llm.engine.step()
+            ts.append(time.perf_counter() - t0)
+        return statistics.mean(ts)
+
+    def finish(self) -> None:
+        self.llm.engine.abort(self._rid)
+        while self.llm.engine.has_unfinished():
+            self.llm.engine.step()
 
     def profile_decode(self, prompts: list[list[int]]) -> str:
         """cProfile of DECODE_STEPS decode steps with every request in the step (after their prefills): the
@@ -188,18 +289,50 @@ class Mlaserve:
         return f"{self.name}: {DECODE_STEPS} decode steps of {len(prompts)} in {wall:.2f} s\n{out.getvalue()}"
 
     def decode(self, prompts: list[list[int]]) -> float:
-        """Mean step time of the DECODE_STEPS steps after every request has its first token."""
+        """Mean step time of the DECODE_STEPS steps after every request has its first token (with drafts
+        accepted the requests finish in fewer steps: then the mean over the steps after the prefills)."""
         steps = self._run(prompts, DECODE_STEPS + 1)
-        return statistics.mean(t for t, _ in steps[-DECODE_STEPS:])
+        firsts, start = 0, 0
+        while firsts < len(prompts):  # the prefill steps: until every request has its first token
+            firsts += steps[start][2]
+            start += 1
+        timed = steps[start:]
+        self.tokens_per_step.append(sum(n for _, n, _ in timed) / len(timed))
+        return statistics.mean(t for t, _, _ in timed)
 
 
 class Transformers:
     name = "transformers"
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, chunk: int = 1024) -> None:
         from transformers import DeepseekV4ForCausalLM
 
         self.model = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.chunk = chunk
+
+    @torch.no_grad()
+    def start(self, ids: list[int], steps: int) -> tuple[float, int]:
+        """Prefill in `chunk`-token forwards through the cache; -> (seconds, the first greedy token)."""
+        t0 = time.perf_counter()
+        past = None
+        for i in range(0, len(ids), self.chunk):
+            out = self.model(torch.tensor([ids[i : i + self.chunk]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        self._past, self._next = past, out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - t0, int(self._next[0, 0])
+
+    @torch.no_grad()
+    def steps(self, n: int) -> float:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            out = self.model(self._next, past_key_values=self._past, use_cache=True)
+            self._past, self._next = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            ts.append(time.perf_counter() - t0)
+        return statistics.mean(ts)
+
+    def finish(self) -> None:
+        self._past = self._next = None
 
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> float:
@@ -229,6 +362,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=None, help="a subset: prefill, decode, concurrent")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile each mlaserve engine's 16 concurrent decode")
+    ap.add_argument("--hf-chunk", type=int, default=1024, help="transformers' prefill chunk for decode @N")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -237,15 +371,34 @@ def main() -> None:
     vocab = MODEL["vocab_size"]
     makers = {"mlaserve": Mlaserve, "mlaserve-per-seq": lambda f: Mlaserve(f, batched=False)}
     makers["mlaserve-per-seq-state"] = lambda f: Mlaserve(f, batched_state=False)
-    makers["transformers"] = Transformers
+    makers["transformers"] = lambda f: Transformers(f, args.hf_chunk)
+    makers["mlaserve-mtp"] = lambda f: Mlaserve(ensure_v4_mtp_model(f), mtp=True)
     engines = [makers[e](folder) for e in args.engines]
     cases = {"prefill 512": ("prefill", random_prompt(512, vocab, 1))}
-    for n in args.contexts:
-        cases[f"decode @{n}"] = ("decode", [random_prompt(n, vocab, 2)])
     cases["16 concurrent"] = ("decode", [random_prompt(128, vocab, 10 + i) for i in range(16)])
+    contexts = args.contexts
     if args.cases:
         cases = {c: v for c, v in cases.items() if any(c.startswith(k) or k in c for k in args.cases)}
+        contexts = contexts if "decode" in args.cases else []
     raw: dict[str, dict[str, list[float]]] = {c: {e.name: [] for e in engines} for c in cases}
+    first_tokens: dict[str, dict[str, int]] = {}
+    for n in contexts:  # one prefill per engine, then the reps' decode steps continue the same request
+        prompt = random_prompt(n, vocab, 2)
+        raw[f"prefill @{n}"] = {e.name: [] for e in engines}
+        raw[f"decode @{n}"] = {e.name: [] for e in engines}
+        first_tokens[f"decode @{n}"] = {}
+        for eng in engines:
+            t, tok = eng.start(prompt, DECODE_STEPS * args.reps)
+            raw[f"prefill @{n}"][eng.name].append(t)
+            first_tokens[f"decode @{n}"][eng.name] = tok
+            print(f"prefill @{n} {eng.name:12s} {t:9.1f} s, first token {tok}", flush=True)
+        for rep in range(args.reps):
+            for eng in engines if rep % 2 == 0 else engines[::-1]:
+                t = eng.steps(DECODE_STEPS)
+                raw[f"decode @{n}"][eng.name].append(t)
+                print(f"[rep {rep}] decode @{n} {eng.name:12s} {t * 1e3:9.1f} ms/step", flush=True)
+        for eng in engines:
+            eng.finish()
     profiles = {}
     if args.profile:  # before the timed reps (the profiler's own overhead stays out of them)
         concurrent = [random_prompt(128, vocab, 10 + i) for i in range(16)]
@@ -267,7 +420,9 @@ def main() -> None:
         row = [case]
         for e in engines:
             r = per[e.name]
-            tokens = 512 if case.startswith("prefill") else batch
+            tokens = int(case.split()[-1].lstrip("@")) if case.startswith("prefill") else batch
+            if case == "16 concurrent" and getattr(e, "tokens_per_step", None):  # drafts may add tokens
+                tokens = statistics.median(e.tokens_per_step)
             row += [f"{fmt(r['median_s'] * 1e3)} ({fmt(r['min_s'] * 1e3)}-{fmt(r['max_s'] * 1e3)})"]
             row += [fmt(tokens / r["median_s"])]
         rows.append(row)
@@ -288,7 +443,22 @@ def main() -> None:
     env["loadavg_end"] = list(os.getloadavg())
     print(f"load average start {env['loadavg_start']} end {env['loadavg_end']}; cpu {env['cpu']} {env['cpu_simd']}")
     out = args.out or RESULTS_DIR / f"deepseek_v4{'-quick' if args.quick else ''}.json"
-    write_json(out, {"env": env, "model": cfg, "results": results, "kv_bytes_per_token_128k": kv, "profiles": profiles})
+    if first_tokens:
+        print(f"first greedy token after each prompt: {first_tokens}")
+    meta = {"decode_steps_per_rep": DECODE_STEPS, "reps": args.reps, "hf_prefill_chunk": args.hf_chunk}
+    write_json(
+        out,
+        {
+            "env": env,
+            "settings": meta,
+            "model": cfg,
+            "results": results,
+            "first_tokens": first_tokens,
+            "tokens_per_step_16_concurrent": {e.name: getattr(e, "tokens_per_step", None) for e in engines},
+            "kv_bytes_per_token_128k": kv,
+            "profiles": profiles,
+        },
+    )
 
 
 if __name__ == "__main__":
