@@ -45,7 +45,7 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     cmd = [
         _st(), "run", server.url + "/openapi.json",
         "--checks", "all",
-        "--mode", "all", "--max-examples", "12", "--seed", "7", "--max-time", "75",
+        "--mode", "all", "--max-examples", "12", "--seed", "7", "--max-time", "40",
         "--workers", "1", "--request-timeout", "30", "--output-truncate", "true",
         "--report", "junit", "--report-dir", str(tmp_path),
     ]  # fmt: skip
