@@ -30,13 +30,10 @@ from pathlib import Path
 import torch
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
-from mlaserve.config.machine import INT8_BITS
 from mlaserve.config.model import ConfigError
 from mlaserve.loading.deepseek_v4_names import SCALE, Target, target
 from mlaserve.loading.files import path_problem, read_json
-from mlaserve.loading.loaded import Checkpoint, LoadedModel
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
-from mlaserve.loading.weights import LoadReport
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlaserve.models.deepseek_v4.mtp import V4MTPLayer
 from mlaserve.quant.config import parse_quantization
@@ -227,43 +224,3 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
     report.skipped = list(ck.skipped)
     report.gguf = plan
     return model.eval(), report, ck
-
-
-def fill_v4(ck: Checkpoint) -> LoadedModel:
-    """A DeepSeek-V4 checkpoint opened by loading/model_loader.py, filled: a folder strictly (load_folder), a deepseek4
-    GGUF with its blocks kept (gguf_weights), then wrapped for serving (models/deepseek_v4/serving.py)."""
-    from mlaserve.models.deepseek_v4.serving import V4Serving
-
-    cfg = ck.engine_cfg
-    if ck.path.is_file():  # a deepseek4 GGUF: block-quantized tensors kept in their blocks (gguf_weights)
-        from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
-
-        model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, cfg.kernels.gguf_weights == "quantized")
-        opened.close()
-        if v4.gguf is not None:
-            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
-    else:
-        model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp")
-    report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
-    if v4.gguf is not None:
-        report.notes += [v4.gguf.summary(), v4_kernels]
-    if v4.quant is not None:
-        q = v4.quant
-        report.notes.append(
-            f"{q.scheme.method} {q.scheme.fmt} {q.scheme.strategy} {q.scheme.block or ''}: {len(q.linears)} "
-            f"linear(s) and {len(q.experts)} expert stack(s) ({q.scheme.expert_dtype}) kept quantized, "
-            f"{len(q.kept)} linear(s) stored float"
-        )
-    if v4.skipped:
-        report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
-    serving = V4Serving(model.to(cfg.runtime.device), numerics=cfg.attention.v4_numerics).eval()
-    report.notes.append(
-        f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
-    )
-    if (numerics := cfg.attention.v4_numerics).official:  # config/v4_numerics.py
-        report.notes.append(
-            f"DeepSeek-V4 numerics as DeepSeek's own inference code: KV rows {numerics.kv_rounding}, indexer "
-            f"{numerics.indexer} (transformers' default: none, exact)"
-        )
-    gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
-    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)

@@ -1,6 +1,6 @@
 """A load's two stages as plain data: Checkpoint (opened: the config resolved, no tensor read yet) and LoadedModel
 (filled: the model, its engine config, tokenizer and load report). loading/model_loader.py makes both; the
-DeepSeek-V4 fill (loading/deepseek_v4.py) and the tensor-parallel workers read them."""
+tensor-parallel workers (distributed/group.py) read them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """From a path (a Hugging Face folder or a GGUF file) to a filled model, its engine config and tokenizer: open
 (config read and resolved, what the engine does not run refused, no weight read) -> Checkpoint, then fill ->
 LoadedModel (loading/loaded.py). resolve()'s questions of the checkpoint are loading/probes.py's, its tokenizer
-loading/checkpoint_tokenizer.py's; a DeepSeek-V4 checkpoint is filled by loading/deepseek_v4.py."""
+loading/checkpoint_tokenizer.py's."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
-from mlaserve.loading.weights import load_weights
+from mlaserve.loading.weights import LoadReport, load_weights
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.glm5_next import Glm5NextForCausalLM
 from mlaserve.models.longcat import LongcatForCausalLM
@@ -239,7 +239,7 @@ def _gguf_arch(path: Path) -> str | None:
 
 def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
     """A deepseek4 GGUF (llama.cpp's layout): every key, tensor name and shape checked at open
-    (gguf/read/deepseek_v4.py); the weights are read by loading/deepseek_v4.py fill_v4."""
+    (gguf/read/deepseek_v4.py); the weights are read by _fill_v4."""
     from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
     from mlaserve.gguf.read.file import GGUFError, open_gguf
 
@@ -305,11 +305,49 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
             raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
 
 
+def _fill_v4(ck: Checkpoint) -> LoadedModel:
+    from mlaserve.loading.deepseek_v4 import load_folder
+    from mlaserve.models.deepseek_v4.serving import V4Serving
+
+    cfg = ck.engine_cfg
+    if ck.path.is_file():  # a deepseek4 GGUF: block-quantized tensors kept in their blocks (gguf_weights)
+        from mlaserve.loading.deepseek_v4 import load_gguf
+        from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
+
+        model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, cfg.kernels.gguf_weights == "quantized")
+        opened.close()
+        if v4.gguf is not None:
+            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
+    else:
+        model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp")
+    report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
+    if v4.gguf is not None:
+        report.notes += [v4.gguf.summary(), v4_kernels]
+    if v4.quant is not None:
+        q = v4.quant
+        report.notes.append(
+            f"{q.scheme.method} {q.scheme.fmt} {q.scheme.strategy} {q.scheme.block or ''}: {len(q.linears)} "
+            f"linear(s) and {len(q.experts)} expert stack(s) ({q.scheme.expert_dtype}) kept quantized, "
+            f"{len(q.kept)} linear(s) stored float"
+        )
+    if v4.skipped:
+        report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
+    serving = V4Serving(model.to(cfg.runtime.device), numerics=cfg.attention.v4_numerics).eval()
+    report.notes.append(
+        f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
+    )
+    if (numerics := cfg.attention.v4_numerics).official:  # config/v4_numerics.py
+        report.notes.append(
+            f"DeepSeek-V4 numerics as DeepSeek's own inference code: KV rows {numerics.kv_rounding}, indexer "
+            f"{numerics.indexer} (transformers' default: none, exact)"
+        )
+    gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
+    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)
+
+
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if isinstance(ck.model_cfg, DeepseekV4Config):
-        from mlaserve.loading.deepseek_v4 import fill_v4
-
-        return fill_v4(ck)
+        return _fill_v4(ck)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
     ep = engine_cfg.parallel.expert_parallel_size
