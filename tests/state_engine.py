@@ -1,4 +1,4 @@
-"""What the engine tests of the request-state models (Kimi-Linear, GLM-5.3-Flash) share: a module's model fixture
+"""What the engine tests of the request-state models (Kimi-Linear, GLM-5.3-Flash, DeepSeek-V4) share: a module's model fixture
 (a seeded transformers model saved by its save_pretrained, its float64 copy the reference), the logits check
 against a bound, greedy sampling, and the steps that run sequences of mixed lengths together and each alone.
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compare_logits
 
 from mlaserve.executor.forward_batch import SeqChunk
 from mlaserve.sampling.params import SamplingParams
@@ -29,10 +30,11 @@ def model_fixture(name: str, specs, save: Callable, float64_copy: Callable, seed
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, bound: float, what: str) -> float:
-    """max |ours - ref| <= bound and the same top-1 at every row; -> the max abs difference."""
-    err = (ours - ref).abs().max().item()
+    """max |ours - ref| <= bound and the same top-1 at every row (conftest.py compare_logits); -> the max abs
+    difference."""
+    err, top1 = compare_logits(ours, ref)
     assert err <= bound, f"{what}: max abs {err:.3g} > {bound}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
+    assert top1 == 1.0, f"{what}: top-1 differs"
     return err
 
 
