@@ -13,7 +13,9 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   the shared experts and every routed expert (I/N or I_e/N each): partial sums,
                   all-reduced once after the whole MLP / MoE
   vocabulary      embed_tokens, lm_head [V, D] rows: rank r holds a contiguous range (the first
-                  V mod N ranks one row more); logits are gathered on rank 0
+                  V mod N ranks one row more); logits are gathered on rank 0. The MTP layer's own
+                  embed_tokens and shared_head.head the same (its attention, MLP / experts split as
+                  a decoder layer's; eh_proj, enorm, hnorm, shared_head.norm replicated)
   GGUF            kept in its blocks on every rank (as one process): rows are byte ranges of whole
                   blocks, columns ranges of whole blocks of each row. Where an intermediate dim's
                   split (I/N, I_e/N) falls inside the down projection's blocks (Q8_0 at
@@ -55,6 +57,8 @@ _RULES = (
     (re.compile(r"\.mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj)\.weight$"), "rows"),
     (re.compile(r"\.mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight$"), "columns"),
     (re.compile(r"^(model\.embed_tokens|lm_head)\.weight$"), "vocabulary"),
+    # the MTP layer's own embedding and head (model.layers.N.*, N = num_hidden_layers), split as the trunk's
+    (re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$"), "vocabulary"),
 )
 
 

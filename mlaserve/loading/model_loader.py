@@ -90,7 +90,7 @@ def build_model(
     with torch.device("meta"):
         model = model_cls(cfg, **rank)
         if mtp:
-            model.mtp = nn.ModuleList(MTPLayer(cfg, layout) for layout in mtp)
+            model.mtp = nn.ModuleList(MTPLayer(cfg, layout, **rank) for layout in mtp)
         if prepare is not None:
             prepare(model)
     model.to_empty(device=device)
@@ -198,11 +198,6 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
             raise ConfigError(
                 f"{path}: quantization={engine_cfg.kernels.quantization!r} with tensor_parallel_size="
                 f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (each rank would quantize its slices)"
-            )
-        if engine_cfg.speculative.method is not None:
-            raise ConfigError(
-                f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
-                f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
             )
         if scheme is not None and not _tp_splits(scheme, engine_cfg.parallel.expert_parallel_size):
             raise ConfigError(
@@ -483,7 +478,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
             decode_layer_misses(kernel_plan)
         )  # block holders on the native kernels: say what did not fit
     for layer in getattr(model, "mtp", ()):
-        layer.share_trunk(model.model.embed_tokens, model.lm_head)
+        layer.share_trunk(model.embed, model.lm_head)  # model.embed: vocabulary-parallel under TP
     if quant is not None:
         densify(model, quant, engine_cfg.runtime.dtype)
         report.notes.append(
