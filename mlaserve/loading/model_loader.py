@@ -22,6 +22,7 @@ from mlaserve.distributed.expert_source import ExpertRangeSource
 from mlaserve.distributed.mesh import place_of, reducers
 from mlaserve.distributed.sharding import (
     ShardedSource,
+    at_load_split_notes,
     check_splits,
     rank_config,
     span_notes,
@@ -41,6 +42,7 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.glm5_next import Glm5NextForCausalLM
 from mlaserve.models.longcat import LongcatForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
+from mlaserve.quant.at_load import BLOCK as BLOCK_AT_LOAD
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
@@ -76,7 +78,7 @@ def build_model(
     with torch.device("meta"):
         model = model_cls(cfg, **rank)
         if mtp:
-            model.mtp = nn.ModuleList(MTPLayer(cfg, layout) for layout in mtp)
+            model.mtp = nn.ModuleList(MTPLayer(cfg, layout, **rank) for layout in mtp)
         if prepare is not None:
             prepare(model)
     model.to_empty(device=device)
@@ -165,16 +167,6 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         _refuse_expert_parallel(path, model_cfg, engine_cfg)
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
-        if engine_cfg.kernels.quantization is not None:
-            raise ConfigError(
-                f"{path}: quantization={engine_cfg.kernels.quantization!r} with tensor_parallel_size="
-                f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (each rank would quantize its slices)"
-            )
-        if engine_cfg.speculative.method is not None:
-            raise ConfigError(
-                f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
-                f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
-            )
         if scheme is not None and not _tp_splits(scheme, engine_cfg.parallel.expert_parallel_size):
             raise ConfigError(
                 f"{path}: tensor_parallel_size={engine_cfg.parallel.tensor_parallel_size} with a quantized checkpoint "
@@ -362,7 +354,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
         rank = place.tp_rank
         # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
-        spans = unit_spans(source, ck.model_cfg, rank, n) if engine_cfg.kernels.gguf_weights == "quantized" else {}
+        # quantization at load: each rank quantizes its own slices, on the blocks one process quantizes
+        at_load = BLOCK_AT_LOAD if engine_cfg.kernels.quantization is not None else 1
+        quantized = engine_cfg.kernels.gguf_weights == "quantized" or at_load > 1
+        spans = unit_spans(source, ck.model_cfg, rank, n, at_load) if quantized else {}
         model_cfg = rank_config(ck.model_cfg, rank, n, spans)
         source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans, whole_experts=whole)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": tp_reduce}
@@ -411,7 +406,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
-        model.rank_notes = tuple(span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else []))
+        notes = span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else [])
+        if engine_cfg.kernels.quantization is not None:
+            notes += at_load_split_notes(sharded, BLOCK_AT_LOAD, engine_cfg.kernels.quantization, f"rank {comm.rank}")
+        model.rank_notes = tuple(notes)
         report.notes.extend(model.rank_notes)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
@@ -451,7 +449,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
             decode_layer_misses(kernel_plan)
         )  # block holders on the native kernels: say what did not fit
     for layer in getattr(model, "mtp", ()):
-        layer.share_trunk(model.model.embed_tokens, model.lm_head)
+        layer.share_trunk(model.embed, model.lm_head)  # model.embed: vocabulary-parallel under TP
     if quant is not None:
         densify(model, quant, engine_cfg.runtime.dtype)
         report.notes.append(
