@@ -128,6 +128,8 @@ class StateSpec:
     def request_bytes(self, compute_bytes: int) -> int:
         """A "request" state's bytes per request (or per snapshot row): its rows in 8 bits (quant: codes,
         scales, kept values per row) or its values in its dtype (compute_bytes: the cache dtype's size)."""
+        if self.addressing != "request":
+            return 0
         rows = math.prod(self.per_request)
         if self.quant:
             return rows * self.quant.bytes_per_row(compute_bytes)
@@ -386,7 +388,8 @@ def _describe_state(s: StateSpec) -> str:
             if s.empty_at_page_boundary
             else "no snapshots"
         )
-        return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
+        quant = f" as {s.quant.label()}" if s.quant else ""  # DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3
+        return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype}{quant} per request ({snap})"
     quant = f" as {s.quant.label()}" if s.quant else ""
     return f"{s.name} [{s.width}]{quant}" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
 
