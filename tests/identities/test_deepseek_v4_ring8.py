@@ -225,6 +225,7 @@ def test_attention_over_8bit_rows_within_the_derived_bound(folder, monkeypatch):
             slots = torch.arange(keys.shape[0])
             rows8 = eight.rows(slots)
             delta = torch.cat([eight.error(slots), torch.zeros(keys.shape[0], ROPE)], dim=-1)
+            assert ((rows8 - keys).abs() <= delta).all()  # per value, the bound the attention bound starts from
             with torch.inference_mode():  # the captured tensors are inference tensors
                 want = attn._attend(q[a : a + n], keys, visible)
                 got = attn._attend(q[a : a + n], rows8, visible)
