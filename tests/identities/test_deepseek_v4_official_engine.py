@@ -215,6 +215,11 @@ def test_verify_checks_the_8bit_cache_as_an_identity(folder):
     by_name = {c.name: c for c in checks}
     eight = by_name["8-bit cache (fp8_e4m3) vs full cache + official FP8 rounding"]
     assert eight.passed and eight.max_abs_diff <= BOUND and eight.top1_agreement == 1.0
+    # against the exact rows (verify_v4_kv8.py): every attention call within the bound derived from the scales
+    bound = by_name["8-bit cache (fp8_e4m3) vs exact rows: attention, every layer"]
+    assert bound.tolerance == 1.0 and 0 < bound.max_abs_diff <= 1.0 and "attention calls" in bound.note
+    assert int(bound.note.split(" over ")[1].split()[0]) >= 4  # every layer
+    assert by_name["8-bit cache (fp8_e4m3) vs exact rows: logits"].max_abs_diff > 1e-2  # the rounding moves them
     assert all(c.passed for c in checks), [(c.name, c.max_abs_diff) for c in checks if not c.passed]
 
 
