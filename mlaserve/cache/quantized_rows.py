@@ -198,6 +198,19 @@ class QuantizedRows:
             t.index_put_(indices, part)
         return self
 
+    def copy_(self, src: torch.Tensor | QuantizedRows) -> QuantizedRows:
+        """All rows from src (a slot's rows into a snapshot row: models/deepseek_v4/state.py Snapshots.save): 8-bit
+        rows of the same format copied part by part as stored, full rows quantized once."""
+        if isinstance(src, QuantizedRows):
+            if src.fmt != self.fmt:
+                raise ValueError(f"8-bit rows of {src.fmt.label()} cannot be copied into {self.fmt.label()}")
+            parts = src.tensors()
+        else:
+            parts = self._encode(src)
+        for t, part in zip(self.tensors(), parts):
+            t.copy_(part)
+        return self
+
     def take(self, slots: torch.Tensor) -> QuantizedRows:
         """A copy of the rows at slots [T] as they are stored (codes, scales, kept values): [T, *L[1:], width]."""
         return self._over(self.fmt, self.dtype, tuple(torch.index_select(t, 0, slots) for t in self.tensors()))

@@ -251,3 +251,59 @@ def test_attention_over_8bit_rows_within_the_derived_bound(folder, monkeypatch):
         f"{(a - b).abs().max():.3g}, top-1 {(a.argmax(-1) == b.argmax(-1)).float().mean():.3f}; greedy agrees "
         f"on the first {agree} of 32 tokens"
     )
+
+
+def _equal_caches(a, b, at: str) -> None:
+    for j, (la, lb) in enumerate(zip(a.cache.layers, b.cache.layers)):
+        for name, t in la.tensors.items():
+            u = lb.tensors[name]
+            parts = zip(t.tensors(), u.tensors()) if isinstance(t, QuantizedRows) else [(t, u)]
+            assert all(torch.equal(x, y) for x, y in parts), f"{at}: layer {j} {name}"
+
+
+def test_per_sequence_reference_over_the_8bit_ring_equals_the_batched_update(folder):
+    """The plain reference state update (V4Serving(batched_state=False): each sequence's ring written through its
+    slot's view, page snapshots saved between pieces with copy_) and the batched one (index_put_, snapshot rows
+    from the ring read back) over the 8-bit rings: every cache part (codes, e8m0 scales, kept values) and the
+    logits bitwise equal after every step of a schedule with chunks across page boundaries, a decode beside
+    prefills and a prefix hit restoring a slot from an 8-bit snapshot mid CSA window."""
+    from mlaserve.executor.forward_batch import SeqChunk
+    from mlaserve.executor.model_runner import ModelRunner
+    from mlaserve.models.deepseek_v4.serving import V4Serving
+
+    hf, path = folder
+    vocab = hf.config.vocab_size
+    llm = LLM(str(path), page_size=PAGE, num_pages=24, max_num_seqs=3, kv_cache_dtype="fp8_e4m3")
+    fast, ref = (ModelRunner(V4Serving(llm.loaded.model.inner, batched_state=b), llm.config) for b in (True, False))
+    a = _ids(4 * PAGE + 3, vocab, 61)
+    toks = {"a": a, "b": _ids(PAGE + 4, vocab, 62), "c": a[: 2 * PAGE + 1] + _ids(PAGE + 6, vocab, 63)[1:]}
+    pages = {"a": list(range(0, 6)), "b": list(range(8, 12)), "c": [0, 1] + list(range(16, 20))}
+    slot = {"a": 0, "b": 1, "c": 2}
+    steps = [
+        [("a", 2 * PAGE + 3, None), ("b", PAGE - 1, None)],  # a crosses two page boundaries and many windows
+        [("b", 1, None), ("a", PAGE + 2, None)],
+        [("b", 1, None), ("a", 1, None), ("c", PAGE + 4, (2 * PAGE, 1))],  # c: a hit on a's page 1 (16 tokens)
+        [("a", 1, None), ("c", 1, None), ("b", 1, None)],
+    ]
+    done = dict.fromkeys(toks, 0)
+    for i, step in enumerate(steps):
+        chunks = []
+        for rid, n, resume in step:
+            restore = None
+            if resume is not None:
+                done[rid], restore = resume
+            c = done[rid]
+            table = tuple(pages[rid][: -(-(c + n) // PAGE)])
+            ids = tuple(toks[rid][c : c + n])
+            chunks.append(
+                SeqChunk(
+                    rid, ids, c, table, all_logits=True, state_slot=slot[rid], reset_state=c == 0, restore_page=restore
+                )
+            )
+            done[rid] = c + n
+        _, got = fast.execute(chunks)
+        _, want = ref.execute(chunks)
+        _equal_caches(fast, ref, f"step {i}")
+        assert torch.equal(got, want), f"step {i}: logits differ"
+    snap = fast.cache.layers[0].tensors["window_snapshot"]
+    assert isinstance(snap, QuantizedRows) and snap.codes[1].any() and snap.codes[2].any()  # pages 1, 2 written
