@@ -33,6 +33,7 @@ from v4_models import build_hf_v4, hf_v4_logits  # noqa: E402
 
 from mlaserve.attention.cache_error import shared_kv_error_bound  # noqa: E402
 from mlaserve.cache.quantized_rows import QuantizedRows  # noqa: E402
+from mlaserve.config.kv_cache import describe_layout  # noqa: E402
 from mlaserve.config.layer_kinds import describe  # noqa: E402
 from mlaserve.config.v4_numerics import kv_format  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -80,6 +81,9 @@ def test_ring_and_snapshots_are_8bit_and_counted(folder, dtype, size):
             assert isinstance(t, QuantizedRows) and t.fmt == kv_format(NOPE, ROPE), name
             assert t.codes.dtype == torch.uint8 and t.scales.dtype == torch.uint8, name  # e8m0: one byte a scale
             assert t.kept.dtype == eight.config.runtime.dtype and t.shape[1:] == (W, D), name
+    # `inspect`'s layout line names both 8-bit states
+    layout = describe_layout(eight.runner.layer_kinds, "fp8_e4m3", dtype)
+    assert "kv_pool fp8_e4m3 [128] / 64 per scale (ue8m0" in layout and "window fp8_e4m3 [128] / 64" in layout
     row, full_row = _ring_row(size), D * size
     # as stated: fp32 162 vs 544 bytes a ring row (3.36x), bf16 146 vs 272 (1.86x)
     assert (row, full_row) == ((162, 544) if size == 4 else (146, 272))
