@@ -233,7 +233,8 @@ def route_kda(batch: ForwardBatch, layers: tuple[int, ...], bytes_per_request: i
 
 def state_bytes(kind: LayerKind, cache_dtype: torch.dtype) -> int:
     """One layer's request-state bytes per running request (a state of its own dtype counts its own size)."""
-    return sum(s.values_per_request() * s.element_size(cache_dtype) for s in kind.per_request)
+    size = torch.empty((), dtype=cache_dtype).element_size()
+    return sum(s.request_bytes(size) for s in kind.per_request)
 
 
 V4_PATHS = {"v4_sliding": "window", "v4_csa": "window+csa", "v4_hca": "window+hca"}

@@ -125,6 +125,16 @@ class StateSpec:
     def element_size(self, cache_dtype: torch.dtype) -> int:
         return torch.empty((), dtype=self.dtype or cache_dtype).element_size()
 
+    def request_bytes(self, compute_bytes: int) -> int:
+        """A "request" state's bytes per request (or per snapshot row): its rows in 8 bits (quant: codes,
+        scales, kept values per row) or its values in its dtype (compute_bytes: the cache dtype's size)."""
+        if self.addressing != "request":
+            return 0
+        rows = math.prod(self.per_request)
+        if self.quant:
+            return rows * self.quant.bytes_per_row(compute_bytes)
+        return rows * self.width * (self.element_size(self.dtype) if self.dtype else compute_bytes)
+
     @property
     def restorable(self) -> bool:
         """A prefix hit can restore this state at a page boundary: a paged state (its rows are the pages'),
@@ -312,12 +322,14 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int
         role = f", indexer {indexer}" if indexer else ""
         kept = " + ".join(_describe_state(s) for s in states)
         paged = [s for s in states if s.addressing == "page"]
-        per_token = sum(s.bytes_per_row(bytes_per_value) // s.tokens_per_row for s in paged) * len(ids)
-        sizes = f"{per_token} bytes/token"
+        # a row of one per m tokens counts 1/m of its bytes (not floored: an 8-bit row's bytes need not divide)
+        per_token = sum(s.bytes_per_row(bytes_per_value) / s.tokens_per_row for s in paged) * len(ids)
+        sizes = f"{per_token:g} bytes/token"
 
-        # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size
+        # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size, an
+        # 8-bit one (DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3) its codes, scales and kept values
         def size(s: StateSpec) -> int:
-            return s.values_per_request() * (s.element_size(s.dtype) if s.dtype else bytes_per_value)
+            return s.request_bytes(bytes_per_value)
 
         snapped = sum(size(s) for s in states if s.snapshot)
         if snapped and page_size:
@@ -376,7 +388,8 @@ def _describe_state(s: StateSpec) -> str:
             if s.empty_at_page_boundary
             else "no snapshots"
         )
-        return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
+        quant = f" as {s.quant.label()}" if s.quant else ""  # DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3
+        return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype}{quant} per request ({snap})"
     quant = f" as {s.quant.label()}" if s.quant else ""
     return f"{s.name} [{s.width}]{quant}" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
 
