@@ -34,8 +34,9 @@ def _with_block(spec: str) -> dict:
     return text
 
 
-def mtp_tensors(spec: str, seed: int) -> dict[str, torch.Tensor]:
-    """The MTP layer's tensors under their Hub names (model.language_model.layers.N.*)."""
+def mtp_tensors(spec: str, seed: int):
+    """-> (the MTP layer's tensors under their Hub names (model.language_model.layers.N.*), transformers' model of
+    N + 1 layers whose layer N holds the block's weights: the reference's modules, tests/models/test_glm5_next_mtp.py)."""
     from safetensors.torch import load_file
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
@@ -55,18 +56,19 @@ def mtp_tensors(spec: str, seed: int) -> dict[str, torch.Tensor]:
     block[prefix + "hnorm.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
     block[prefix + "eh_proj.weight"] = torch.randn(d, 2 * d, generator=g) * (2 * d) ** -0.5
     block[prefix + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
-    return block
+    return block, full
 
 
 def save_glm5_next_with_mtp(spec: str, folder: Path, seed: int = 0):
-    """-> (the transformers trunk, the MTP layer's tensors); the checkpoint (trunk + layer N) at `folder`."""
+    """-> (the transformers trunk, the MTP layer's tensors, transformers' N + 1 layer model holding the block); the
+    checkpoint (trunk + layer N) at `folder`."""
     from safetensors.torch import load_file, save_file
 
     trunk = save_hf_glm5_next(spec, folder, seed)
-    block = mtp_tensors(spec, seed)
+    block, full = mtp_tensors(spec, seed)
     path = folder / "model.safetensors"
     save_file(load_file(str(path)) | block, str(path), metadata={"format": "pt"})
     cfg = json.loads((folder / "config.json").read_text())
     cfg["text_config"]["num_nextn_predict_layers"] = 1
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    return trunk, block
+    return trunk, block, full
