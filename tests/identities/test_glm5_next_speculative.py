@@ -99,6 +99,8 @@ def _llm(folder, k: int, **kw) -> LLM:
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_equals_plain_and_transformers(model, k, monkeypatch):
     name, folder, plain, ref = model
+    if k == 1 and name != "kda3_mla_kpool4":
+        pytest.skip("k = 1 on the dense config; the selecting one runs k = 3 (suite time)")
     for prompt, out in zip(PROMPTS[::4], _tokens(plain[::4])):  # the plain run == transformers' greedy (the trunk)
         assert list(out) == hf_greedy(ref, prompt, GREEDY.max_tokens, hf_logits), name
     llm = _llm(folder, k)
