@@ -2,7 +2,10 @@
 loads its slice of the weights, echoes its effective configuration, then runs every step rank 0
 broadcasts until told to stop. It never samples: its logits slice and route record go to rank 0.
 
-Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("stop",).
+Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("draft", chunks, rows,
+step_no, source, trace): an MTP pass over the rows `source` names ("trunk": the last step's hidden states,
+"draft": the last pass's output, or the rows themselves; distributed/group.py TensorParallelDrafter) |
+("stop",).
 """
 
 from __future__ import annotations
@@ -159,15 +162,24 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     comm.gather_objects(rank_echo(rank, runner.cfg, loaded.model))
     par = loaded.config.parallel
     sizes = logits_sizes(loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size)
+    hidden = g = None  # the last step's hidden states and the last MTP pass's output (an MTP pass reads them)
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "stop":
             return
-        _, chunks, preempted, trace = msg
         before = replace(comm.stats)
+        if msg[0] == "draft":  # speculative decoding: one MTP pass, as rank 0 runs it
+            _, chunks, rows, step_no, source, trace = msg
+            rows_in = {"trunk": hidden, "draft": g}.get(source) if isinstance(source, str) else source
+            _, logits, g = runner.drafter.forward(chunks, rows_in, rows, step_no)
+            comm.gather_logits(logits, sizes)
+            if trace:
+                comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})
+            continue
+        _, chunks, preempted, trace = msg
         received = getattr(loaded.model, "expert_received", None)
         before_received = received.snapshot() if received is not None else None
-        _, logits = runner.execute(chunks, preempted)
+        _, logits, hidden = runner.execute_with_hidden(chunks, preempted)
         if sizes is not None:  # expert parallel: rank 0 has the whole vocabulary's logits
             comm.gather_logits(logits, sizes)
         if trace:  # a worker's record is sent after its step, so it carries the step's all-reduces

@@ -25,10 +25,12 @@ def build_draft_step(
     ledger: Callable[[ForwardBatch, object], dict] | None,
     sparse: bool,
     *route_extra,
+    rank: int = 0,
 ) -> tuple[ForwardBatch, StepRoute]:
     """-> (the draft chunks' batch, its route). route_extra: route_step's trailing arguments a drafter needs
     (DeepSeek-V4's: csa_dense, its implementation label). Records the step when the tracer is on; the record's
-    `layers` says the MTP layer's checkpoint index."""
+    `layers` says the MTP layer's checkpoint index, and under tensor parallelism `rank` the rank that ran it
+    (as the runner's records do)."""
     batch = ForwardBatch.build(
         chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, pad_slot
     )
@@ -45,5 +47,6 @@ def build_draft_step(
     if tracer.enabled:
         rec = step_record(step_no, batch, plan, 1, ())
         rec["layers"] = f"mtp ({cfg.model.num_layers})"
-        tracer.record(rec | (ledger(batch, plan) if ledger else {}))
+        rec = rec | (ledger(batch, plan) if ledger else {})
+        tracer.record({"rank": rank, **rec} if cfg.parallel.world_size > 1 else rec)
     return batch, plan

@@ -24,20 +24,24 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import cache_config
 
 
-def make_drafter(model, cfg: EngineConfig, tracer):
+def make_drafter(model, cfg: EngineConfig, tracer, rank: int = 0):
     """The MTP drafter of the runner's model: DeepSeek-V4's (its mHC streams and a sliding ring per request,
-    executor/drafter_v4.py) or the MLA families' (this module)."""
+    executor/drafter_v4.py; one process only) or the MLA families' (this module). rank: the tensor-parallel
+    rank, named in its ledger records as the runner's are."""
     if getattr(model, "mtp_drafts_streams", False):
         from mlaserve.executor.drafter_v4 import V4Drafter  # only a V4 model reaches it
 
         return V4Drafter(model, cfg, tracer)
-    return Drafter(model, cfg, tracer)
+    return Drafter(model, cfg, tracer, rank)
 
 
 class Drafter:
-    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer) -> None:
+    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer, rank: int = 0) -> None:
+        """Under tensor parallelism every rank has one, over its slice of the MTP layer and its own copy of
+        the cache (replicated, as the trunk's); rank 0's is wrapped by distributed/group.py's
+        TensorParallelDrafter, which runs each pass on every rank."""
         # Deeper drafts reuse the first MTP layer (DeepSeek-V3 and GLM-5 ship one), as vLLM does.
-        self.model, self.cfg, self.tracer = model, cfg, tracer
+        self.model, self.cfg, self.tracer, self.rank = model, cfg, tracer, rank
         self.layer = model.mtp[0]
         self.sparse = cfg.attention.sparse and self.layer.layout.indexer
         # the MTP layer as a stack of one: its kind (with an indexer or not) and its own cache states
@@ -63,7 +67,15 @@ class Drafter:
         """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
         cfg = self.cfg
         batch, plan = build_draft_step(
-            cfg, self.layer_kinds, self.cache.pad_slot, self.tracer, chunks, step_no, ledger, self.sparse
+            cfg,
+            self.layer_kinds,
+            self.cache.pad_slot,
+            self.tracer,
+            chunks,
+            step_no,
+            ledger,
+            self.sparse,
+            rank=self.rank,
         )
         src = [rows[s.request_id] + j for s in batch.seqs for j in range(s.query_len)]
         with torch.inference_mode():
