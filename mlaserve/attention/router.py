@@ -25,6 +25,8 @@ Backend
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mlaserve.attention.backends import get_backend
@@ -187,7 +189,9 @@ def route_step(
         subs = next(k.sublayers for k in layers if k.attention == kind)  # one stack: every layer has the same
         kpool = max(k.kpool for k in layers if k.attention == kind)  # GLM-5.3-Flash's pooled indexer, else 0
         sharing = tuple(k.index for k in layers if k.attention == kind and k.indexer == "shared")
-        plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs, kpool, sharing))
+        plan = route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs, kpool, sharing)
+        reuses = tuple((k.index, k.reuses) for k in layers if k.attention == kind and k.reuses is not None)
+        plans.append(replace(plan, reuses=reuses) if reuses else plan)
     return StepRoute(tuple(plans))
 
 

@@ -65,7 +65,7 @@ are functions of the sequence's context_len (rows = context_len // m, fill = con
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -166,6 +166,9 @@ class LayerKind:
     # several attention sublayers per layer (LongCat-Flash): the latent state each one reads and writes, in
     # sublayer order; () for a layer of one attention (its state is "latent")
     sublayers: tuple[str, ...] = ()
+    # a "shared" indexer layer: the index of the selecting layer whose selection it reuses (the nearest previous
+    # "full" / "pooled" layer; KDA layers between pass it on, docs/GLM5_NEXT.md); None elsewhere
+    reuses: int | None = None
 
     def state(self, name: str) -> StateSpec | None:
         return next((s for s in self.states if s.name == name), None)
@@ -185,7 +188,20 @@ def declare_layers(model: ModelConfig, sparse: bool) -> tuple[LayerKind, ...]:
     sized by the longest sequence (DeepSeek-V4's pools are paged)."""
     if model.family.layer_kinds == "deepseek_v4":
         return tuple(_v4_layer(model, i) for i in range(model.num_layers))
-    return tuple(_layer(model, i, sparse) for i in range(model.num_layers))
+    return _with_reuse(tuple(_layer(model, i, sparse) for i in range(model.num_layers)))
+
+
+def _with_reuse(layers: tuple[LayerKind, ...]) -> tuple[LayerKind, ...]:
+    """Each "shared" indexer layer names the selecting layer it reuses: the nearest previous one with its own
+    indexer (what the model's layers pass on, models/deepseek.py Selections). Decided here, as data."""
+    out, last = [], None
+    for k in layers:
+        if k.indexer in ("full", "pooled"):
+            last = k.index
+        elif k.indexer == "shared" and last is not None:  # none before it: reuses stays None (nothing to reuse)
+            k = replace(k, reuses=last)
+        out.append(k)
+    return tuple(out)
 
 
 def _v4_layer(model, i: int) -> LayerKind:
@@ -372,9 +388,13 @@ def _dsa_route(of: list[LayerKind], sparse: bool, topk: int | None) -> str:
         )
     else:
         text = f"DSA sparse: a query keeps the top {topk} cached rows by its indexer's score"
-    shared = [k.index for k in of if k.indexer == "shared"]
+    shared = [k for k in of if k.indexer == "shared"]
     if shared:
-        text += f"; layers {layer_ranges(shared)} reuse the nearest previous selecting layer's selection"
+        which = ", ".join(f"{k.index} <- {k.reuses}" for k in shared)
+        text += f"; layers {layer_ranges([k.index for k in shared])} reuse the nearest previous selecting layer's selection ({which})"
+        across = [k.index for k in shared if k.reuses != k.index - 1]
+        if across:
+            text += f"; layers {layer_ranges(across)} reuse it across KDA layers (this engine's decision: transformers raises there)"
     return text
 
 
