@@ -32,7 +32,7 @@ Notation
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -41,7 +41,16 @@ from mlaserve.models.kda import conv, recurrence
 if TYPE_CHECKING:
     from mlaserve.cache.model_cache import ModelCache
     from mlaserve.executor.step_context import StepContext
-    from mlaserve.models.kda.layer import KimiDeltaAttention
+
+
+class KDAWeights(Protocol):
+    """What the replay reads of a KDA layer (models/kda/layer.py KimiDeltaAttention), stated here so the layer can
+    name this module's tape without an import circle."""
+
+    def taps(self) -> torch.Tensor: ...
+
+    def split_heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
 
 STATE_NAMES = ("recurrent", "conv")  # the request states a KDA layer keeps (config/layer_kinds.py kda_states)
 
@@ -90,7 +99,7 @@ class KDATape:
         self.inputs[layer] = tuple(x.index_select(0, self.rows) for x in (mixed, g, beta))
 
 
-def rollback(tape: KDATape, kept: list[int], cache: ModelCache, layers: dict[int, KimiDeltaAttention]) -> None:
+def rollback(tape: KDATape, kept: list[int], cache: ModelCache, layers: dict[int, KDAWeights]) -> None:
     """kept[j]: tokens of sequence j's chunk that stay. For every j with kept[j] < n_j, in every KDA layer: the slot's
     states as they were before the step, then the kept tokens replayed; its snapshot rows past kept[j] zeroed."""
     cut = [j for j, (_, n, _) in enumerate(tape.spans) if kept[j] < n]
@@ -155,7 +164,7 @@ def _replay_plan(tape: KDATape, cut: list[int], kept: list[int], device) -> Repl
 
 
 def replay(
-    attn: KimiDeltaAttention,
+    attn: KDAWeights,
     plan: ReplayPlan,
     conv0: torch.Tensor,
     rec0: torch.Tensor,
