@@ -16,6 +16,11 @@ if TYPE_CHECKING:  # annotations only: layer_kinds imports torch, which config/e
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 V4_FP8_STATES = ("kv_pool", "window")  # DeepSeek-V4's states kept in FP8 under fp8_e4m3 (_quantize_v4)
+# The keys an indexer scores every step, kept as DeepSeek-V3.2's reference keeps its key cache (FP8, a scale per
+# row): a full DSA layer's `index_keys`, and GLM-5.3-Flash's pooled keys `index_pools`. The pooled indexer's
+# per-token [k | gate] rows (`index_rows`) stay in the compute dtype: each is read once, when its pool completes,
+# and its gate enters a softmax, so rounding it would round the pooled key twice (docs/GLM5_NEXT.md).
+INDEX_KEY_STATES = ("index_keys", "index_pools")
 
 
 def check_kv_cache_dtype(value) -> str:
@@ -26,8 +31,8 @@ def check_kv_cache_dtype(value) -> str:
 
 def quantize_states(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model: ModelConfig) -> tuple[LayerKind, ...]:
     """The stack's kinds with each 8-bit state's RowFormat set (`StateSpec.quant`): every layer's latent rows and
-    full indexer layers' keys (model: the config whose qk_rope_head_dim the latent rows keep); DeepSeek-V4's
-    compressed K=V rows (_quantize_v4). auto: the kinds as they are. A stack with none of them is refused:
+    the keys indexers score (INDEX_KEY_STATES) (model: the config whose qk_rope_head_dim the latent rows keep);
+    DeepSeek-V4's compressed K=V rows (_quantize_v4). auto: the kinds as they are. A stack with none of them is refused:
     nothing would be quantized, and the option must not claim it was."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
@@ -41,7 +46,7 @@ def quantize_states(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model: M
             # every attention sublayer's latent rows (LongCat-Flash: latent, latent_1)
             if s.addressing == "page" and (s.name == "latent" or s.name in k.sublayers):
                 s = replace(s, quant=latent_format(kv_cache_dtype, s.width, model.qk_rope_head_dim))
-            elif s.addressing == "page" and s.name == "index_keys":
+            elif s.addressing == "page" and s.name in INDEX_KEY_STATES:
                 s = replace(s, quant=index_key_format(s.width))
             states.append(s)
         out.append(replace(k, states=tuple(states)))

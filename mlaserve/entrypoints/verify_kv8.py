@@ -11,7 +11,9 @@ step, which no fp32 tolerance promises away; tests/identities/test_kv8_engine.py
                                 top-1, reported (no bound through the whole stack is derived)
   top-k, FP8 vs exact keys      DSA models, full indexer layers: the positions the reference scoring keeps
                                 from the FP8 keys vs from the exact keys, mean and lowest overlap over queries
-                                that select (reported, not asserted: near-ties may swap)
+                                that select (reported, not asserted: near-ties may swap); GLM-5.3-Flash's
+                                pooled indexer: the tokens its selection keeps from the FP8 pooled keys vs the
+                                exact ones, over queries with more complete pools than they keep
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mlaserve.attention.reference import ReferenceBackend
 from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.row_format import index_key_format, latent_format
 from mlaserve.models.deepseek import MLAAttention
+from mlaserve.models.pooled_indexer import PooledIndexer
 
 if TYPE_CHECKING:
     from mlaserve.config.engine import EngineConfig
@@ -86,7 +89,9 @@ def _observed(llm: LLM, codes: str, stats: dict) -> Iterator[None]:
     try:
         for attn in layers:
             attn.attend = _attend_observer(attn, codes, stats)
-            if attn.indexer is not None:
+            if isinstance(attn.indexer, PooledIndexer):
+                attn.indexer.select = _pooled_select_observer(attn.indexer, stats)
+            elif attn.indexer is not None:
                 attn.indexer.select = _select_observer(attn.indexer, stats)
         yield
     finally:
@@ -132,5 +137,30 @@ def _select_observer(indexer, stats: dict) -> Callable:
         if selecting.any():
             stats["overlaps"].append(((a & b).sum(-1).float() / a.sum(-1).clamp(min=1))[selecting])
         return chosen
+
+    return select
+
+
+def _pooled_select_observer(indexer: PooledIndexer, stats: dict) -> Callable:
+    """GLM-5.3-Flash's pooled selection (models/pooled_indexer.py select) from the exact pooled keys vs from the
+    same keys in FP8 as the cache keeps them (index_key_format): the kept tokens' overlap per selecting query."""
+    original = indexer.select
+    fmt = index_key_format(indexer.cfg.head_dim)
+    keep = indexer.cfg.topk // indexer.cfg.kpool
+
+    def select(q, w, pooled, positions):
+        exact = original(q, w, pooled, positions)
+        flat = pooled.reshape(-1, pooled.shape[-1])
+        eight = QuantizedRows.of(flat.float(), fmt).rows(torch.arange(flat.shape[0])).view(pooled.shape)
+        other = original(q, w, eight.to(pooled.dtype), positions)
+        selecting = exact.pools_scored > keep  # a query with no more complete pools than it keeps keeps them all
+        if selecting.any():
+            n = int(positions.max()) + 2  # token positions 0 .. max, then a column for the unused entries
+            a, b = (torch.zeros(*s.index.shape[:-1], n, dtype=torch.bool, device=q.device) for s in (exact, other))
+            a.scatter_(-1, exact.index.masked_fill(~exact.valid, n - 1), True)
+            b.scatter_(-1, other.index.masked_fill(~other.valid, n - 1), True)
+            a, b = a[..., : n - 1], b[..., : n - 1]
+            stats["overlaps"].append(((a & b).sum(-1).float() / a.sum(-1).clamp(min=1))[selecting])
+        return exact
 
     return select
