@@ -299,8 +299,6 @@ def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg) -> None:
     why = None
     if model_cfg.moe is None:
         why = "the model has no MoE layers"
-    elif model_cfg.moe.zero_experts:
-        why = "its identity (zero-computation) experts are not spread across ranks yet"
     elif model_cfg.kda is not None:
         why = "its KDA layers are not built for several ranks"
     elif engine_cfg.speculative.method is not None:
