@@ -164,6 +164,13 @@ def cut_experts(model: nn.Module, rank: int, n: int, whole: MoEConfig | None = N
         _cut(module.experts, e, *expert_range(e, rank, n))
 
 
+def cut_range(model: nn.Module, start: int, stop: int) -> None:
+    """Every MoE layer's routed experts cut to [start, stop) on the meta-device model (DeepSeek-V4's loader: its
+    FP8 / FP4 holders are made after this, for those experts only)."""
+    for _, module in _moe_layers(model):
+        _cut(module.experts, routed_layout(module)[0], start, stop)
+
+
 def shard_experts(
     model: nn.Module, rank: int, n: int, all_reduce, who: str | None = None, adds: bool = True
 ) -> tuple[ReceivedPairs, list[str]]:

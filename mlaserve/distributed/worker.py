@@ -52,11 +52,13 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
     """What a rank reports at start: its effective config (must agree across ranks) and its own
     slice: local heads, weight bytes held, threads."""
     params = {id(p): p for p in list(model.parameters()) + list(model.buffers())}
+    # DeepSeek-V4's runner model (V4Serving) keeps its own config as .config (heads under .attention); never split
+    v4 = getattr(model, "config", None) if not hasattr(model, "cfg") else None
     return {
         "rank": rank,
         "config": effective_config(cfg),
-        "num_local_heads": model.cfg.num_heads,
-        "vocab_rows": model.cfg.vocab_size,
+        "num_local_heads": v4.attention.num_heads if v4 is not None else model.cfg.num_heads,
+        "vocab_rows": (v4 or model.cfg).vocab_size,
         "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "num_threads": torch.get_num_threads(),
         "routed_experts": routed_experts(model),
@@ -80,7 +82,8 @@ def routed_experts(model: torch.nn.Module) -> list[dict]:
     from mlaserve.distributed.expert_parallel import expert_bytes
 
     out = []
-    for name, m in model.named_modules():
+    # DeepSeek-V4's runner model wraps the stack as .inner: its layers named as the checkpoint's (model.layers.N)
+    for name, m in getattr(model, "inner", model).named_modules():
         shard = getattr(m, "expert_shard", None)
         if shard is not None:
             s = shard.shard
