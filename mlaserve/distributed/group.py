@@ -211,16 +211,24 @@ class TensorParallelRunner(ModelRunner):
             loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size
         )
         self.rank_echoes: list[dict] = []
+        if self.drafter is not None:  # speculative under expert parallelism: every rank runs every draft pass
+            self.drafter = SharedDrafter(self.drafter, group)
 
-    def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
-        return self.group.guard(self._execute_all, chunks, preempted)
+    def execute_with_hidden(
+        self, chunks: list[SeqChunk], preempted: tuple = (), ledger=None
+    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+        """Every step (plain, or a speculative verify step with its `ledger` fields, rank 0's record only) runs on
+        every rank; execute() comes here too."""
+        return self.group.guard(self._execute_all, chunks, preempted, ledger)
 
-    def _execute_all(self, chunks: list[SeqChunk], preempted: tuple) -> tuple[ForwardBatch, torch.Tensor]:
+    def _execute_all(
+        self, chunks: list[SeqChunk], preempted: tuple, ledger
+    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         comm = self.group.comm
         comm.broadcast_object(("step", chunks, preempted, self.tracer.enabled))
         received = getattr(self.model, "expert_received", None)
         before = received.snapshot() if received is not None else None
-        batch, local = super().execute(chunks, preempted)
+        batch, local, hidden = super().execute_with_hidden(chunks, preempted, ledger)
         logits = comm.gather_logits(local, self.vocab_sizes) if self.vocab_sizes is not None else local
         if self.tracer.enabled:
             recs = comm.gather_objects(None)[1:]
@@ -230,7 +238,14 @@ class TensorParallelRunner(ModelRunner):
                 load = [{"rank": 0, **received.since(before)}]
                 load += [{"rank": r["rank"], **r["experts_received"]} for r in recs]
                 self.tracer.record({"step": self.step_count - 1, "expert_load": load})
-        return batch, logits
+        return batch, logits, hidden
+
+    def rollback(self, kept: dict[str, int]) -> None:
+        """A verify step's rejected drafts put back on every rank (each keeps its own copy of the request
+        states); only after a step that kept a tape (every rank kept one: the same chunks)."""
+        if self.tape is not None:
+            self.group.guard(self.group.comm.broadcast_object, ("rollback", kept))
+        super().rollback(kept)
 
     def check_configs(self) -> None:
         """Gather every rank's echo; a rank whose effective configuration differs is an error."""
@@ -249,6 +264,39 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         self.group.shutdown()
+
+
+class SharedDrafter:
+    """Rank 0's MTP drafter under expert parallelism: the MTP layer's experts are spread like the trunk's, so
+    every rank runs every draft pass (its MoE all-reduces). Rank 0 sends each pass's chunks with the rows it
+    reads ([T, D]: a request that skipped drafting keeps its pending rows on rank 0 only), and the deeper
+    drafts' hold / end_draft; the other ranks run the same pass on those rows (worker.py)."""
+
+    def __init__(self, inner, group: TensorParallelGroup) -> None:
+        self.inner, self.group = inner, group
+
+    @property
+    def tracer(self):
+        return self.inner.tracer
+
+    @tracer.setter
+    def tracer(self, tracer) -> None:
+        self.inner.tracer = tracer
+
+    def forward(self, chunks, hidden, rows, step_no, ledger=None):
+        def share(batch, h):  # the rows in batch order: a worker reads row i of its pass at i
+            starts = {s.request_id: s.query_start for s in batch.seqs}
+            self.group.comm.broadcast_object(("draft", chunks, h, starts, step_no))
+
+        return self.group.guard(self.inner.forward, chunks, hidden, rows, step_no, ledger, share)
+
+    def hold(self, slots: list[int]) -> None:
+        self.group.guard(self.group.comm.broadcast_object, ("hold", slots))
+        self.inner.hold(slots)
+
+    def end_draft(self) -> None:
+        self.group.guard(self.group.comm.broadcast_object, ("end_draft",))
+        self.inner.end_draft()
 
 
 def start_tensor_parallel(path, opts: EngineOptions, tracer, progress=None, rank_overrides=None):

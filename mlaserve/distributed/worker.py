@@ -2,7 +2,9 @@
 loads its slice of the weights, echoes its effective configuration, then runs every step rank 0
 broadcasts until told to stop. It never samples: its logits slice and route record go to rank 0.
 
-Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("stop",).
+Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("stop",); with speculative decoding
+under expert parallelism also ("draft", chunks, rows, starts, step_no) | ("hold", slots) | ("end_draft",) |
+("rollback", kept) (group.py SharedDrafter, TensorParallelRunner.rollback).
 """
 
 from __future__ import annotations
@@ -166,6 +168,9 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
         msg = comm.broadcast_object()
         if msg[0] == "stop":
             return
+        if msg[0] != "step":  # speculative decoding under expert parallelism (group.py SharedDrafter)
+            _speculative(runner, msg)
+            continue
         _, chunks, preempted, trace = msg
         before = replace(comm.stats)
         received = getattr(loaded.model, "expert_received", None)
@@ -178,3 +183,20 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
             if received is not None:  # expert parallel: what this rank's experts ran this step (load balance)
                 rec["experts_received"] = received.since(before_received)
             comm.gather_objects(rec)
+
+
+def _speculative(runner, msg: tuple) -> None:
+    """The draft work rank 0 sends: a draft pass over the rows it sent (rows[request_id]: its first row there),
+    the deeper drafts' hold / end_draft, a verify step's rollback."""
+    kind, *args = msg
+    if kind == "draft":
+        chunks, h, rows, step_no = args
+        runner.drafter.forward(chunks, h, rows, step_no)
+    elif kind == "hold":
+        runner.drafter.hold(*args)
+    elif kind == "end_draft":
+        runner.drafter.end_draft()
+    elif kind == "rollback":
+        runner.rollback(*args)
+    else:
+        raise ValueError(f"unknown message {kind!r} from rank 0")

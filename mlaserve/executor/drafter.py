@@ -60,8 +60,11 @@ class Drafter:
         rows: dict[str, int],
         step_no: int,
         ledger: Callable[[ForwardBatch, object], dict] | None = None,
+        share: Callable[[ForwardBatch, torch.Tensor], None] | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
-        """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
+        """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order).
+        share(batch, h): called with the rows [T, D] the pass reads, before its math (expert parallelism: rank 0
+        sends them to the other ranks, which run the same pass; distributed/group.py)."""
         cfg = self.cfg
         batch = ForwardBatch.build(
             chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
@@ -83,6 +86,8 @@ class Drafter:
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
             h = hidden[torch.tensor(src, dtype=torch.long, device=hidden.device)]
+            if share is not None:  # expert parallel: the rows this pass reads, sent to every rank (group.py)
+                share(batch, h)
             g = self.layer(batch.input_ids, h, step, self.model.rope, self.cache.layers[0])
             logits = self.layer.logits(g[batch.logits_indices])
         return batch, logits, g

@@ -303,8 +303,6 @@ def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg) -> None:
         why = "the model has no MoE layers"
     elif model_cfg.kda is not None:
         why = "its KDA layers are not built for several ranks"
-    elif engine_cfg.speculative.method is not None:
-        why = f"speculative={engine_cfg.speculative.method!r}: the MTP layer's experts are not spread"
     else:
         expert_range(model_cfg.moe.n_routed_experts, 0, n)  # more ranks than experts: a named error
     if why is not None:
@@ -316,10 +314,8 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
     refused = {
         "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
         "expert_parallel_size": (
-            opts.expert_parallel_size != 1 and (path.is_file() or opts.speculative is not None),
-            "a deepseek4 GGUF's block holders are not cut per rank yet; use the folder"
-            if path.is_file()
-            else f"speculative={opts.speculative!r}: the MTP layer's experts are not spread yet",
+            opts.expert_parallel_size != 1 and path.is_file(),
+            "a deepseek4 GGUF's block holders are not cut per rank yet; use the folder",
         ),
         # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
         # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
