@@ -194,6 +194,9 @@ def shard_experts(
         ident = (
             f" (+ {module.router.cfg.zero_experts} identity experts, added by every rank)"
             if identity_from is not None
+            # DeepSeek-V4's hash layers: the table is replicated, every rank looks the step's token ids up
+            else " (hash-routed: tid2eid[token id] on every rank)"
+            if getattr(module.gate, "hashed", False)
             else ""
         )
         notes.append(

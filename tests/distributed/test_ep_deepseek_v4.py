@@ -83,7 +83,12 @@ def test_v4_ep2_equals_one_process_and_transformers(v4):
             held = [next(h for h in echo["routed_experts"] if h["layer"] == name) for echo in echoes]
             assert [tuple(h["experts"]) for h in held] == [(0, 3), (3, 5)], name
             assert held[0]["bytes"] * 2 == held[1]["bytes"] * 3, name
-        assert any("model.layers.0.mlp experts [3, 5) of 5" in n for n in echoes[1]["notes"])
+        notes = echoes[1]["notes"]
+        assert (
+            "rank 1: model.layers.0.mlp experts [3, 5) of 5 (hash-routed: tid2eid[token id] on every rank), 12288 bytes held"
+            in notes
+        )
+        assert any(n.startswith("rank 1: model.layers.1.mlp experts [3, 5) of 5, ") for n in notes), notes
         assert any("(the other ranks' 36 routed-expert tensors not read)" in n for n in echoes[1]["notes"])
         # a rank reads its experts' w1 / w2 / w3 only (I x D fp32 each), the rest as one process does
         per_expert = 3 * hf.config.moe_intermediate_size * hf.config.hidden_size * 4
