@@ -1,17 +1,24 @@
-"""DeepSeek-V4 under expert parallelism (CPU, gloo, 2 processes): every MoE layer's routed experts spread (5 over
-2 ranks: [0, 3) and [3, 5)), attention, mHC, the shared expert and the routers replicated. The hash-routed layer
-(layer 0: idx = tid2eid[token_id]) routes on every rank from the step's own token ids (every rank runs the
-step's whole batch); the learned sqrt-softplus layers route on every rank from the replicated hidden states.
-EP=2 == one process == transformers' deepseek_v4 on the same random fp32 weights (tests/v4_models.py
-"all_kinds": sliding + CSA ratio 4 + HCA ratio 8, hc_mult 4, one hash layer).
+"""DeepSeek-V4 under expert parallelism (CPU, gloo, 2 processes): every MoE layer's routed experts spread (6 over 2
+ranks: [0, 3) and [3, 6)), the MTP layer's too; attention, mHC, the shared expert and the routers replicated. The
+hash-routed layer (layer 0: idx = tid2eid[token_id]) routes on every rank from the step's own token ids (every rank
+runs the step's whole batch, verify steps included); the learned sqrt-softplus layers route on every rank from the
+replicated hidden states. One spawn, with speculative="mtp" (tests/v4_mtp_models.py "all_kinds": sliding + CSA
+ratio 4 + HCA ratio 8, hc_mult 4, one hash layer; its MTP layer in the module layout, stacked experts, which a
+rank reads whole and slices), checks:
+- prompt logits: EP=2 == one process == transformers' deepseek_v4 (the trunk) on a 23-token prompt (3 mod 4);
+- greedy decode across the compression boundaries (prompt 7, 14 new tokens: CSA rows close at 8, 12, 16, 20, the
+  HCA row at 8 and 16) == transformers' full recompute, with speculation under EP;
+- the MTP layer's real drafts under EP=2 == one process's, token for token at every step (a wrong MTP layer under
+  EP would only lower acceptance, never change the output), and with oracle drafts (the plain run's next tokens,
+  every third one wrong: acceptance, partial acceptance and the request states' rollback on both ranks) a batch
+  of mixed lengths == one process without speculation;
+- which rank holds which experts (echo, notes, ledger), the bytes each reads, every (token, expert) pair once.
 
 Bound: 1e-5 max abs (fp32 logits of magnitude ~4; tests/identities/test_deepseek_v4_engine.py measures the
 engine 0 .. 2.3e-6 from transformers at every position). EP=2 only reorders the routed experts' fp32 additions
-(each rank's partial, then the all-reduce). Measured here: EP=2 vs one process 7.8e-7, vs transformers 1.2e-6;
-the greedy decode across the compression boundaries (prompt 7 = 3 mod 4, 14 new tokens: CSA rows close at 8,
-12, 16, 20, the HCA row at 8 and 16) identical to one process and to transformers' full recompute.
-Broken on purpose: rank 1's hash router reading token id 0 for every token moves the logits by 0.64.
-One spawn serves every check."""
+(each rank's partial, then the all-reduce). Measured here: EP=2 vs one process 1.2e-6, vs transformers 9.5e-7.
+Broken on purpose: rank 1's hash router reading token id 0 for every token moves the logits by 0.64; a worker
+skipping the rollback message changes the greedy tokens."""
 
 from __future__ import annotations
 
@@ -21,22 +28,25 @@ from hf_models import hf_greedy
 
 pytest.importorskip("transformers")
 
-from v4_models import build_hf_v4, hf_v4_logits  # noqa: E402
+from v4_models import hf_v4_logits  # noqa: E402
 
+import mlaserve.engine.speculative as spec  # noqa: E402
 from mlaserve import LLM  # noqa: E402
 from mlaserve.config.model import ConfigError  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
-E = 5
+E = 5  # the quantized folders' experts: 3 + 2
+SPEC = dict(speculative="mtp", num_speculative_tokens=2, page_size=8, max_num_seqs=8, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    hf = build_hf_v4("all_kinds", seed=3, n_routed_experts=E)
+    from v4_mtp_models import save_v4_with_mtp
+
     folder = tmp_path_factory.mktemp("v4_ep")
-    hf.save_pretrained(folder)
-    return hf, str(folder)
+    trunk, _, _ = save_v4_with_mtp("all_kinds", folder, seed=3, layout="module")
+    return trunk, str(folder)
 
 
 def _ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -51,67 +61,114 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{what}: top-1 differs"
 
 
-def test_v4_ep2_equals_one_process_and_transformers(v4):
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _record_drafts(monkeypatch) -> list:
+    """Every draft pass's proposals, per step: [(prompt, output length, draft ids)]."""
+    seen, real = [], spec.draft
+
+    def draft(engine, plan, batch, hidden, accepted):
+        real(engine, plan, batch, hidden, accepted)
+        reqs = [c.request for c in plan.chunks]
+        seen.append(sorted((tuple(r.prompt_ids), len(r.output_ids), tuple(r.draft_ids)) for r in reqs))
+
+    monkeypatch.setattr(spec, "draft", draft)
+    return seen
+
+
+def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int) -> None:
+    """After the real MTP pass, propose the reference's next tokens, every third one wrong."""
+    real = spec.draft
+
+    def draft(engine, plan, batch, hidden, accepted):
+        real(engine, plan, batch, hidden, accepted)
+        for c in plan.chunks:
+            req = c.request
+            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
+            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
+            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(truth)]
+
+    monkeypatch.setattr(spec, "draft", draft)
+
+
+def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
     hf, path = v4
-    vocab = hf.config.vocab_size
+    vocab, n_experts = hf.config.vocab_size, hf.config.n_routed_experts
     tid2eid = hf.model.layers[0].mlp.gate.tid2eid
-    one = LLM(path, max_num_batched_tokens=16)
-    with LLM(path, expert_parallel_size=2, max_num_batched_tokens=16, trace="memory") as two:
+    prompts = [_ids(n, vocab, n) for n in (7, 11, 3, 13)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain_llm = LLM(path, max_num_batched_tokens=16, page_size=8)
+    plain = _tokens(plain_llm.generate(prompts, greedy))
+    one = LLM(path, **SPEC)
+    with monkeypatch.context() as m:
+        one_drafts = _record_drafts(m)
+        assert _tokens(one.generate(prompts, greedy)) == plain
+    with LLM(path, expert_parallel_size=2, trace="memory", **SPEC) as two:
         ids = _ids(23, vocab, 5)  # 23 = 3 mod 4: the CSA window boundary of the reported wrong token
         hashed = tid2eid[torch.tensor(ids)]
         assert (hashed < 3).any() and (hashed >= 3).any()  # the hash layer's pairs fall on both ranks
-        a, b = one.prompt_logits(ids), two.prompt_logits(ids)
-        _close(b, a, "EP=2 vs one process")
+        b = two.prompt_logits(ids)
+        _close(b, plain_llm.prompt_logits(ids), "EP=2 vs one process")
         _close(b, hf_v4_logits(hf, ids), "EP=2 vs transformers")
 
-        # greedy decode across the compression boundaries, alone and batched with other lengths
+        # greedy decode across the compression boundaries, with speculation under EP: transformers' full recompute
         prompt = _ids(7, vocab, 7)
         params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-        want = hf_greedy(hf, prompt, 14, logits=hf_v4_logits)
+        assert two.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 14, logits=hf_v4_logits)
+
+        # the MTP layer's real drafts == one process's; greedy == plain one process
         before = len(two.runner.tracer.records)
-        assert two.generate([prompt], params)[0].outputs[0].token_ids == want
-        prompts = [prompt, _ids(11, vocab, 11), _ids(3, vocab, 3)]
-        short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in two.generate(prompts, short)]
-        assert got == [o.outputs[0].token_ids for o in one.generate(prompts, short)]
+        with monkeypatch.context() as m:
+            two_drafts = _record_drafts(m)
+            assert _tokens(two.generate(prompts, greedy)) == plain
+        assert two_drafts == one_drafts and any(d for step in two_drafts for *_, d in step)
+        # oracle drafts: accepted, partly accepted, rejected (the request states rolled back on both ranks)
+        with monkeypatch.context() as m:
+            _oracle(m, {tuple(p): t for p, t in zip(prompts, plain)}, vocab)
+            mark = len(two.runner.tracer.records)
+            assert _tokens(two.generate(prompts, greedy)) == plain
         records = list(two.runner.tracer.records)
+        summary = spec.acceptance_summary(records[mark:])
+        assert 0 < summary["num_accepted_tokens"] < summary["num_proposed_tokens"], summary
 
         # which rank holds which experts (echo, notes for inspect, the ledger's first record), and the reads
         echoes = two.runner.rank_echoes
-        for layer in range(hf.config.num_hidden_layers):
-            name = f"model.layers.{layer}.mlp"
+        layers = [f"model.layers.{i}.mlp" for i in range(hf.config.num_hidden_layers)] + ["mtp.0.mlp"]
+        for name in layers:
             held = [next(h for h in echo["routed_experts"] if h["layer"] == name) for echo in echoes]
-            assert [tuple(h["experts"]) for h in held] == [(0, 3), (3, 5)], name
-            assert held[0]["bytes"] * 2 == held[1]["bytes"] * 3, name
+            assert [tuple(h["experts"]) for h in held] == [(0, 3), (3, n_experts)], name
+            assert held[0]["bytes"] == held[1]["bytes"], name
         notes = echoes[1]["notes"]
-        assert (
-            "rank 1: model.layers.0.mlp experts [3, 5) of 5 (hash-routed: tid2eid[token id] on every rank), 12288 bytes held"
-            in notes
-        )
-        assert any(n.startswith("rank 1: model.layers.1.mlp experts [3, 5) of 5, ") for n in notes), notes
-        assert any("(the other ranks' 36 routed-expert tensors not read)" in n for n in echoes[1]["notes"])
-        # a rank reads its experts' w1 / w2 / w3 only (I x D fp32 each), the rest as one process does
+        hash_note = "rank 1: model.layers.0.mlp experts [3, 6) of 6 (hash-routed: tid2eid[token id] on every rank)"
+        assert any(n.startswith(hash_note) for n in notes), notes
+        assert any(n.startswith("rank 1: model.layers.1.mlp experts [3, 6) of 6, ") for n in notes), notes
+        assert any(n.startswith("rank 1: mtp.0.mlp experts [3, 6) of 6, ") for n in notes), notes
+        assert any("(the other ranks' 36 routed-expert tensors not read)" in n for n in notes), notes
+        # a rank skips the others' per-expert w1 / w2 / w3 of the trunk (I x D fp32 each); the MTP layer's stacks
+        # (module layout) are read whole and sliced
         per_expert = 3 * hf.config.moe_intermediate_size * hf.config.hidden_size * 4
         whole = one.loaded.report.bytes_read
-        assert [whole - echo["file_bytes_read"] for echo in echoes] == [2 * per_expert * 4, 3 * per_expert * 4]
+        assert [whole - echo["file_bytes_read"] for echo in echoes] == [3 * per_expert * 4] * 2
         assert any("expert_holdings" in r for r in records)
 
-        # every (token, expert) pair ran on exactly one rank: the ranks' pairs add up to tokens x k x layers
+        # every (token, expert) pair of the trunk's steps (verify steps included) ran on exactly one rank
         new = records[before:]
         steps = {r["step"]: r["num_tokens"] for r in new if r.get("rank") == 0 and "num_tokens" in r}
         loads = [r for r in new if "expert_load" in r]
         assert loads and len(loads) == len(steps)
-        k, layers = hf.config.num_experts_per_tok, hf.config.num_hidden_layers
+        k, n_layers = hf.config.num_experts_per_tok, hf.config.num_hidden_layers
         for rec in loads:
             assert [x["rank"] for x in rec["expert_load"]] == [0, 1]
-            assert sum(x["pairs"] for x in rec["expert_load"]) == steps[rec["step"]] * k * layers, rec
+            assert sum(x["pairs"] for x in rec["expert_load"]) == steps[rec["step"]] * k * n_layers, rec
 
 
 def test_v4_ep_refusals_are_named(v4, tmp_path):
     """What V4 under EP does not run yet, refused before any worker starts."""
     _, path = v4
-    with pytest.raises(ConfigError, match="expert_parallel_size=6 exceeds n_routed_experts=5"):
-        LLM(path, expert_parallel_size=6)
+    with pytest.raises(ConfigError, match="expert_parallel_size=7 exceeds n_routed_experts=6"):
+        LLM(path, expert_parallel_size=7)
     with pytest.raises(ConfigError, match="DeepSeek-V4 with tensor_parallel_size=2: not supported"):
         LLM(path, tensor_parallel_size=2)
 
