@@ -1,5 +1,7 @@
 """Index tensors of the pooled DSA route (GLM-5.3-Flash, models/pooled_indexer.py), built once per step from the
-plan's plain data (the chunks' positions and block tables) and shared by every pooled layer of the step.
+plan's plain data (the chunks' positions and block tables) and shared by every pooled layer of the step; and the
+pools' geometry in plain ints (`completed_pools`: the pools a chunk completes, `pool_rows`: their paged rows), which
+the route (attention/router.py) and the layer read.
 
 Notation
   P kpool, ps page_size, n the pools this step completes (over every sequence), B a segment's sequences,
@@ -20,11 +22,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mlaserve.models.pooled_indexer import completed_pools, pool_rows
-
 if TYPE_CHECKING:
     from mlaserve.attention.plan import AttentionPlan
     from mlaserve.executor.forward_batch import ForwardBatch
+
+
+def completed_pools(context_len: int, seq_len: int, kpool: int) -> range:
+    """The pools whose last token is in this chunk (positions context_len .. seq_len - 1): p with
+    context_len < (p + 1) kpool <= seq_len. Plain ints: the step's plan, not read from a tensor."""
+    return range(context_len // kpool, seq_len // kpool)
+
+
+def pool_rows(block_table: tuple[int, ...], pools: range, page_size: int, kpool: int) -> list[int]:
+    """Each pool's row in the paged index_pools state: a page holds page_size / kpool pooled rows, pool p lies in
+    the page of its tokens (page_size is a multiple of kpool, so a pool never straddles two pages)."""
+    per_page = page_size // kpool
+    return [block_table[p * kpool // page_size] * per_page + (p * kpool % page_size) // kpool for p in pools]
 
 
 @dataclass(frozen=True)

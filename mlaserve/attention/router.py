@@ -37,10 +37,10 @@ from mlaserve.attention.plan import (
     Segment,
     StepRoute,
 )
+from mlaserve.attention.pooled_metadata import completed_pools
 from mlaserve.config.engine import MLA_PATHS
 from mlaserve.config.layer_kinds import LATENT_KINDS, LayerKind, kinds_in_order
 from mlaserve.executor.forward_batch import ForwardBatch
-from mlaserve.models.pooled_indexer import completed_pools
 
 KDA_CHUNK = 64  # the KDA chunked form's length (transformers' / fla's), carried by the plan to the layer
 

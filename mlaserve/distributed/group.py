@@ -13,6 +13,19 @@ Rank 0 owns the scheduler and the sampler. Each step it broadcasts the step's wo
 SeqChunks and preemptions: plain data); every rank builds the same ForwardBatch and route from it
 and runs the forward on its slice; rank 0 gathers the logits (vocabulary slices) and, when
 tracing, every rank's route record, and alone samples.
+
+Speculative decoding (MTP) is one view, the leader's: rank 0 alone verifies the drafts, accepts and
+chooses the next drafts (argmax of the gathered MTP logits); the other ranks never decide anything. A
+verify step is a plain step whose chunks carry the drafts as tokens; each MTP pass is broadcast as its
+chunks and the rows of hidden states it reads (TensorParallelDrafter): the trunk's last output or the last
+pass's, which every rank holds itself (each the output of the same all-reduce and replicated ops), or,
+for rows only rank 0 kept (a paused request's catch-up, engine/speculative.py), the rows themselves. So
+every rank runs the same passes over the same inputs in the same order, and its caches hold the same rows.
+Rejected drafts need no rollback on the MLA families: their rows are never read (attention is causal)
+and the next step rewrites them. DeepSeek-V4's request states do (it is not split by tensor parallelism,
+but spread by expert parallelism, its MTP layer's experts too): there rank 0 sends the verdict ("rollback")
+and the deeper drafts' ring hold / end_draft, and every rank puts its own copy back. The ledger's speculative fields of a step (verify, draft depth) are rank 0's, copied into every
+rank's record of that step; the switch and accept records are rank 0's alone.
 """
 
 from __future__ import annotations
@@ -211,29 +224,30 @@ class TensorParallelRunner(ModelRunner):
             loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size
         )
         self.rank_echoes: list[dict] = []
-        if self.drafter is not None:  # speculative under expert parallelism: every rank runs every draft pass
-            self.drafter = SharedDrafter(self.drafter, group)
+        self.last_hidden: torch.Tensor | None = None
+        if self.drafter is not None:  # each MTP pass on every rank (speculative decoding, module docstring)
+            self.drafter = TensorParallelDrafter(self.drafter, self)
 
     def execute_with_hidden(
         self, chunks: list[SeqChunk], preempted: tuple = (), ledger=None
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
-        """Every step (plain, or a speculative verify step with its `ledger` fields, rank 0's record only) runs on
-        every rank; execute() comes here too."""
+        """A step on every rank (ModelRunner.execute goes through here): -> (batch, the whole vocabulary's
+        logits, rank 0's hidden states [T, D], which every rank holds the same)."""
         return self.group.guard(self._execute_all, chunks, preempted, ledger)
 
-    def _execute_all(
-        self, chunks: list[SeqChunk], preempted: tuple, ledger
-    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+    def _execute_all(self, chunks: list[SeqChunk], preempted: tuple, ledger) -> tuple:
         comm = self.group.comm
         comm.broadcast_object(("step", chunks, preempted, self.tracer.enabled))
         received = getattr(self.model, "expert_received", None)
         before = received.snapshot() if received is not None else None
-        batch, local, hidden = super().execute_with_hidden(chunks, preempted, ledger)
+        tap, fields = _tap(ledger)
+        batch, local, hidden = super().execute_with_hidden(chunks, preempted, tap)
+        self.last_hidden = hidden  # the rows an MTP pass may read next (TensorParallelDrafter)
         logits = comm.gather_logits(local, self.vocab_sizes) if self.vocab_sizes is not None else local
         if self.tracer.enabled:
             recs = comm.gather_objects(None)[1:]
             for rec in recs:
-                self.tracer.record(rec)
+                self.tracer.record(rec | fields)  # a verify step's fields are rank 0's: one view
             if received is not None:  # expert parallel: every rank's received pairs of this step, side by side
                 load = [{"rank": 0, **received.since(before)}]
                 load += [{"rank": r["rank"], **r["experts_received"]} for r in recs]
@@ -241,8 +255,9 @@ class TensorParallelRunner(ModelRunner):
         return batch, logits, hidden
 
     def rollback(self, kept: dict[str, int]) -> None:
-        """A verify step's rejected drafts put back on every rank (each keeps its own copy of the request
-        states); only after a step that kept a tape (every rank kept one: the same chunks)."""
+        """A verify step's rejected drafts put back on every rank (DeepSeek-V4 under expert parallelism: each
+        rank keeps its own copy of the request states); only after a step that kept a tape, which every rank
+        kept (the same chunks)."""
         if self.tape is not None:
             self.group.guard(self.group.comm.broadcast_object, ("rollback", kept))
         super().rollback(kept)
@@ -266,37 +281,78 @@ class TensorParallelRunner(ModelRunner):
         self.group.shutdown()
 
 
-class SharedDrafter:
-    """Rank 0's MTP drafter under expert parallelism: the MTP layer's experts are spread like the trunk's, so
-    every rank runs every draft pass (its MoE all-reduces). Rank 0 sends each pass's chunks with the rows it
-    reads ([T, D]: a request that skipped drafting keeps its pending rows on rank 0 only), and the deeper
-    drafts' hold / end_draft; the other ranks run the same pass on those rows (worker.py)."""
+def _tap(ledger):
+    """(a ledger callable that also keeps what it returned, that dict): rank 0's fields for every rank's record."""
+    fields: dict = {}
+    if ledger is None:
+        return None, fields
 
-    def __init__(self, inner, group: TensorParallelGroup) -> None:
-        self.inner, self.group = inner, group
+    def tap(batch, route) -> dict:
+        fields.update(ledger(batch, route))
+        return fields
+
+    return tap, fields
+
+
+class TensorParallelDrafter:
+    """Rank 0's drafter under tensor and / or expert parallelism: each MTP pass runs on every rank (its slice of
+    the MTP layer, or its range of the MTP layer's experts; its all-reduces), the logits' vocabulary slices
+    gathered here (under expert parallelism alone every rank has the whole vocabulary: nothing to gather),
+    where the engine picks the drafts. hold / end_draft run on every rank (DeepSeek-V4's drafter keeps its
+    rings there; nothing on the MLA families' drafter)."""
+
+    def __init__(self, local, runner: TensorParallelRunner) -> None:
+        self.local, self.runner = local, runner
+        self.last_g: torch.Tensor | None = None  # the last pass's output, which every rank holds the same
 
     @property
     def tracer(self):
-        return self.inner.tracer
+        return self.local.tracer
 
     @tracer.setter
     def tracer(self, tracer) -> None:
-        self.inner.tracer = tracer
-
-    def forward(self, chunks, hidden, rows, step_no, ledger=None):
-        def share(batch, h):  # the rows in batch order: a worker reads row i of its pass at i
-            starts = {s.request_id: s.query_start for s in batch.seqs}
-            self.group.comm.broadcast_object(("draft", chunks, h, starts, step_no))
-
-        return self.group.guard(self.inner.forward, chunks, hidden, rows, step_no, ledger, share)
+        self.local.tracer = tracer
 
     def hold(self, slots: list[int]) -> None:
-        self.group.guard(self.group.comm.broadcast_object, ("hold", slots))
-        self.inner.hold(slots)
+        self.runner.group.guard(self.runner.group.comm.broadcast_object, ("hold", slots))
+        self.local.hold(slots)
 
     def end_draft(self) -> None:
-        self.group.guard(self.group.comm.broadcast_object, ("end_draft",))
-        self.inner.end_draft()
+        self.runner.group.guard(self.runner.group.comm.broadcast_object, ("end_draft",))
+        self.local.end_draft()
+
+    def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor, rows: dict[str, int], step_no: int, ledger=None):
+        return self.runner.group.guard(self._forward_all, chunks, hidden, rows, step_no, ledger)
+
+    def _forward_all(self, chunks, hidden, rows, step_no, ledger):
+        comm, runner = self.runner.group.comm, self.runner
+        if hidden is self.last_g:
+            source = "draft"
+        elif hidden is runner.last_hidden:
+            source = "trunk"
+        else:  # rows only rank 0 kept (a paused request's trunk rows): the rows this pass reads, sent
+            hidden, rows = rows_read(chunks, hidden, rows)
+            source = hidden
+        trace = self.local.tracer.enabled
+        comm.broadcast_object(("draft", chunks, rows, step_no, source, trace))
+        tap, fields = _tap(ledger)
+        batch, local, g = self.local.forward(chunks, hidden, rows, step_no, tap)
+        self.last_g = g
+        logits = comm.gather_logits(local, runner.vocab_sizes) if runner.vocab_sizes is not None else local
+        if trace:
+            for rec in comm.gather_objects(None)[1:]:
+                self.local.tracer.record(rec | fields)  # the pass's depth: rank 0's fields, one view
+        return batch, logits, g
+
+
+def rows_read(chunks: list[SeqChunk], hidden: torch.Tensor, rows: dict[str, int]):
+    """The rows of hidden an MTP pass over chunks reads (each chunk's query_len rows from rows[request_id]),
+    packed in chunk order -> (packed [R, D], each request's first row in it)."""
+    parts, packed = [], {}
+    for c in chunks:
+        packed[c.request_id] = sum(p.shape[0] for p in parts)
+        parts.append(hidden[rows[c.request_id] : rows[c.request_id] + len(c.token_ids)])
+    return torch.cat(parts), packed
 
 
 def start_tensor_parallel(path, opts: EngineOptions, tracer, progress=None, rank_overrides=None):

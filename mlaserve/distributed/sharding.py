@@ -13,7 +13,9 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   the shared experts and every routed expert (I/N or I_e/N each): partial sums,
                   all-reduced once after the whole MLP / MoE
   vocabulary      embed_tokens, lm_head [V, D] rows: rank r holds a contiguous range (the first
-                  V mod N ranks one row more); logits are gathered on rank 0
+                  V mod N ranks one row more); logits are gathered on rank 0. The MTP layer's own
+                  embed_tokens and shared_head.head the same (its attention, MLP / experts split as
+                  a decoder layer's; eh_proj, enorm, hnorm, shared_head.norm replicated)
   GGUF            kept in its blocks on every rank (as one process): rows are byte ranges of whole
                   blocks, columns ranges of whole blocks of each row. Where an intermediate dim's
                   split (I/N, I_e/N) falls inside the down projection's blocks (Q8_0 at
@@ -23,6 +25,13 @@ Splits (HF parameter names; "rows" = dim 0 = outputs, "columns" = dim 1 = inputs
                   the other units give silu(0) * 0 = 0 and add exactly nothing (UnitSpan). An
                   o_proj whose head columns fall inside blocks is read dequantized, said at load
                   (block_split_problem) and recorded in the GGUF plan
+  at load         quantization="int8" / "int4" (Q8_0 / Q4_0: 32 values along a row): each rank quantizes
+                  its own slices after the fill. A row split keeps whole rows, so each row's blocks are
+                  one process's; a column split on whole blocks takes one process's blocks of those
+                  columns. An intermediate dim of whole blocks is spanned on them as above (the down
+                  columns of the covering blocks hold the checkpoint's values, so their blocks are one
+                  process's); an o_proj whose head columns fall inside blocks stays float on every
+                  rank, named at load (at_load_split_notes)
   FP8 blocks      kept in e4m3 on every rank: the weight's rows / columns as above, its block scales
                   taken with them. A rank whose slices start inside the checkpoint's (bn, bk) blocks
                   (tiny models: every split of a 128 x 128 block) re-expresses its scales on the finer
@@ -55,6 +64,8 @@ _RULES = (
     (re.compile(r"\.mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj)\.weight$"), "rows"),
     (re.compile(r"\.mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight$"), "columns"),
     (re.compile(r"^(model\.embed_tokens|lm_head)\.weight$"), "vocabulary"),
+    # the MTP layer's own embedding and head (model.layers.N.*, N = num_hidden_layers), split as the trunk's
+    (re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$"), "vocabulary"),
 )
 
 
@@ -96,10 +107,13 @@ def _block(source, name: str) -> int:
     return GGML_TYPES[ggml_type(name)].block_size if ggml_type is not None else 1
 
 
-def unit_spans(source, cfg: ModelConfig, rank: int, n: int) -> dict[str, UnitSpan]:
+def unit_spans(source, cfg: ModelConfig, rank: int, n: int, at_load: int = 1) -> dict[str, UnitSpan]:
     """Rank r's UnitSpan of each intermediate dim ("dense", "experts", "shared"), from the stored block sizes
     of the down projections that split it (one span per dim for every layer: the model config has one size).
-    The shared experts (n_shared x I_e units) follow the routed ones' width, n_shared x theirs."""
+    The shared experts (n_shared x I_e units) follow the routed ones' width, n_shared x theirs.
+    at_load: the block (values along a row) of quantization at load; a dim that is whole blocks of it (one
+    process quantizes its down projections) is spanned on them, so each rank quantizes the very blocks one
+    process does (a dim that is not stays float in both)."""
     block = {"dense": 1, "experts": 1, "shared": 1}
     for name in source.names():
         kind = _unit_kind(name)
@@ -108,6 +122,9 @@ def unit_spans(source, cfg: ModelConfig, rank: int, n: int) -> dict[str, UnitSpa
     spans: dict[str, UnitSpan] = {}
     n_shared = cfg.moe.n_shared_experts if cfg.moe is not None else 0
     sizes = {"dense": cfg.intermediate_size, "experts": cfg.moe.moe_intermediate_size if cfg.moe else 0}
+    for kind, units in (*sizes.items(), ("shared", n_shared * sizes["experts"])):
+        if units and units % at_load == 0:
+            block[kind] = max(block[kind], at_load)
     for kind, units in sizes.items():
         part = units // n
         start, stop = rank * part, (rank + 1) * part
@@ -366,6 +383,26 @@ class ShardedSource:
         return self.rank * part, (self.rank + 1) * part
 
 
+def at_load_split_notes(source: ShardedSource, block: int, scheme: str, who: str) -> list[str]:
+    """Quantization at load: each column-split tensor (o_proj: its heads' columns) that one process quantizes
+    (its rows are whole `block`-value blocks) but whose rank slice falls inside a block: no rank can quantize
+    the blocks one process does, so it stays float on every rank (said here, named). The intermediate dims'
+    down projections never land here: they are spanned on whole blocks (unit_spans at_load)."""
+    out = []
+    for name in source.names():
+        if split_of(name) != "columns" or source.span(name) is not None:
+            continue
+        shape = tuple(source.source.shape(name))
+        start, stop = source._even(name, shape, 1)
+        if shape[1] % block == 0 and (start % block or stop % block):
+            out.append(
+                f"{who}: quantization={scheme}: the columns [{start}, {stop}) of {name!r} (tensor_parallel_size="
+                f"{source.n}) fall inside its {block}-value blocks: kept float on every rank (one process "
+                "quantizes it)"
+            )
+    return out
+
+
 def span_notes(source: ShardedSource, who: str | None = None) -> list[str]:
     """For the load report: each intermediate dim a rank holds as a wider span, and why. who: the process's
     label (TP x EP: its world rank, distributed/mesh.py), default "rank r" of its tensor-parallel rank."""
@@ -373,7 +410,8 @@ def span_notes(source: ShardedSource, who: str | None = None) -> list[str]:
     who = who or f"rank {source.rank}"
     return [
         f"{who}: {names[kind]} units [{s.start}, {s.stop}) held as [{s.first}, {s.first + s.width}) "
-        "(the split falls inside the down projection's stored blocks; the other units' gate / up rows are zero)"
+        "(the split falls inside the down projection's blocks, stored or quantized at load; the other units' gate / "
+        "up rows are zero)"
         for kind, s in source.spans.items()
         if s.widened
     ]

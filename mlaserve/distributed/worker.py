@@ -2,9 +2,11 @@
 loads its slice of the weights, echoes its effective configuration, then runs every step rank 0
 broadcasts until told to stop. It never samples: its logits slice and route record go to rank 0.
 
-Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("stop",); with speculative decoding
-under expert parallelism also ("draft", chunks, rows, starts, step_no) | ("hold", slots) | ("end_draft",) |
-("rollback", kept) (group.py SharedDrafter, TensorParallelRunner.rollback).
+Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("draft", chunks, rows,
+step_no, source, trace): an MTP pass over the rows `source` names ("trunk": the last step's hidden states,
+"draft": the last pass's output, or the rows themselves; distributed/group.py TensorParallelDrafter) |
+("hold", slots) | ("end_draft",) | ("rollback", kept): the deeper drafts' ring hold and a verify step's
+rollback (DeepSeek-V4 under expert parallelism; group.py) | ("stop",).
 """
 
 from __future__ import annotations
@@ -164,18 +166,34 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     comm.gather_objects(rank_echo(rank, runner.cfg, loaded.model))
     par = loaded.config.parallel
     sizes = logits_sizes(loaded.config.model.vocab_size, par.tensor_parallel_size, par.expert_parallel_size)
+    hidden = g = None  # the last step's hidden states and the last MTP pass's output (an MTP pass reads them)
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "stop":
             return
-        if msg[0] != "step":  # speculative decoding under expert parallelism (group.py SharedDrafter)
-            _speculative(runner, msg)
+        before = replace(comm.stats)
+        if msg[0] == "draft":  # speculative decoding: one MTP pass, as rank 0 runs it
+            _, chunks, rows, step_no, source, trace = msg
+            rows_in = {"trunk": hidden, "draft": g}.get(source) if isinstance(source, str) else source
+            _, logits, g = runner.drafter.forward(chunks, rows_in, rows, step_no)
+            if sizes is not None:  # expert parallel alone: rank 0 has the whole vocabulary's logits
+                comm.gather_logits(logits, sizes)
+            if trace:
+                comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})
+            continue
+        if msg[0] == "hold":  # DeepSeek-V4 under expert parallelism: its drafter's rings, its request states
+            runner.drafter.hold(msg[1])
+            continue
+        if msg[0] == "end_draft":
+            runner.drafter.end_draft()
+            continue
+        if msg[0] == "rollback":
+            runner.rollback(msg[1])
             continue
         _, chunks, preempted, trace = msg
-        before = replace(comm.stats)
         received = getattr(loaded.model, "expert_received", None)
         before_received = received.snapshot() if received is not None else None
-        _, logits = runner.execute(chunks, preempted)
+        _, logits, hidden = runner.execute_with_hidden(chunks, preempted)
         if sizes is not None:  # expert parallel: rank 0 has the whole vocabulary's logits
             comm.gather_logits(logits, sizes)
         if trace:  # a worker's record is sent after its step, so it carries the step's all-reduces
@@ -183,20 +201,3 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
             if received is not None:  # expert parallel: what this rank's experts ran this step (load balance)
                 rec["experts_received"] = received.since(before_received)
             comm.gather_objects(rec)
-
-
-def _speculative(runner, msg: tuple) -> None:
-    """The draft work rank 0 sends: a draft pass over the rows it sent (rows[request_id]: its first row there),
-    the deeper drafts' hold / end_draft, a verify step's rollback."""
-    kind, *args = msg
-    if kind == "draft":
-        chunks, h, rows, step_no = args
-        runner.drafter.forward(chunks, h, rows, step_no)
-    elif kind == "hold":
-        runner.drafter.hold(*args)
-    elif kind == "end_draft":
-        runner.drafter.end_draft()
-    elif kind == "rollback":
-        runner.rollback(*args)
-    else:
-        raise ValueError(f"unknown message {kind!r} from rank 0")

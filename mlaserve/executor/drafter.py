@@ -25,20 +25,24 @@ from mlaserve.models.mtp import cache_config
 from mlaserve.observability.trace import step_record
 
 
-def make_drafter(model, cfg: EngineConfig, tracer):
+def make_drafter(model, cfg: EngineConfig, tracer, rank: int = 0):
     """The MTP drafter of the runner's model: DeepSeek-V4's (its mHC streams and a sliding ring per request,
-    executor/drafter_v4.py) or the MLA families' (this module)."""
+    executor/drafter_v4.py; one process only) or the MLA families' (this module). rank: the tensor-parallel
+    rank, named in its ledger records as the runner's are."""
     if getattr(model, "mtp_drafts_streams", False):
         from mlaserve.executor.drafter_v4 import V4Drafter  # only a V4 model reaches it
 
         return V4Drafter(model, cfg, tracer)
-    return Drafter(model, cfg, tracer)
+    return Drafter(model, cfg, tracer, rank)
 
 
 class Drafter:
-    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer) -> None:
+    def __init__(self, model: MLAForCausalLM, cfg: EngineConfig, tracer, rank: int = 0) -> None:
+        """Under tensor parallelism every rank has one, over its slice of the MTP layer and its own copy of
+        the cache (replicated, as the trunk's); rank 0's is wrapped by distributed/group.py's
+        TensorParallelDrafter, which runs each pass on every rank."""
         # Deeper drafts reuse the first MTP layer (DeepSeek-V3 and GLM-5 ship one), as vLLM does.
-        self.model, self.cfg, self.tracer = model, cfg, tracer
+        self.model, self.cfg, self.tracer, self.rank = model, cfg, tracer, rank
         self.layer = model.mtp[0]
         self.sparse = cfg.attention.sparse and self.layer.layout.indexer
         # the MTP layer as a stack of one: its kind (with an indexer or not) and its own cache states
@@ -60,11 +64,8 @@ class Drafter:
         rows: dict[str, int],
         step_no: int,
         ledger: Callable[[ForwardBatch, object], dict] | None = None,
-        share: Callable[[ForwardBatch, torch.Tensor], None] | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
-        """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order).
-        share(batch, h): called with the rows [T, D] the pass reads, before its math (expert parallelism: rank 0
-        sends them to the other ranks, which run the same pass; distributed/group.py)."""
+        """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
         cfg = self.cfg
         batch = ForwardBatch.build(
             chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
@@ -81,13 +82,12 @@ class Drafter:
         if self.tracer.enabled:
             rec = step_record(step_no, batch, plan, 1, ())
             rec["layers"] = f"mtp ({cfg.model.num_layers})"
-            self.tracer.record(rec | (ledger(batch, plan) if ledger else {}))
+            rec = rec | (ledger(batch, plan) if ledger else {})
+            self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.world_size > 1 else rec)
         src = [rows[s.request_id] + j for s in batch.seqs for j in range(s.query_len)]
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
             h = hidden[torch.tensor(src, dtype=torch.long, device=hidden.device)]
-            if share is not None:  # expert parallel: the rows this pass reads, sent to every rank (group.py)
-                share(batch, h)
             g = self.layer(batch.input_ids, h, step, self.model.rope, self.cache.layers[0])
             logits = self.layer.logits(g[batch.logits_indices])
         return batch, logits, g

@@ -55,11 +55,8 @@ class V4Drafter:
         rows: dict[str, int],
         step_no: int,
         ledger: Callable[[ForwardBatch, object], dict] | None = None,
-        share: Callable[[ForwardBatch, torch.Tensor], None] | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
-        """-> (batch, logits at the chunks' logits rows [n, vocab] float32, output streams [T, N*D]).
-        share(batch, h): called with the rows [T, N*D] the pass reads, before its math (expert parallelism: rank 0
-        sends them to the other ranks, which run the same pass; distributed/group.py)."""
+        """-> (batch, logits at the chunks' logits rows [n, vocab] float32, output streams [T, N*D])."""
         cfg = self.cfg
         batch = ForwardBatch.build(
             chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
@@ -84,10 +81,7 @@ class V4Drafter:
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
             if batch.reset_slots:
                 self.cache.reset_states(torch.tensor(batch.reset_slots, dtype=torch.long, device=cfg.runtime.device))
-            h = hidden[torch.tensor(src, dtype=torch.long, device=hidden.device)]
-            if share is not None:  # expert parallel: the rows this pass reads, sent to every rank (group.py)
-                share(batch, h)
-            h = h.view(-1, self.hc, self.hidden)
+            h = hidden[torch.tensor(src, dtype=torch.long, device=hidden.device)].view(-1, self.hc, self.hidden)
             g = self.model.draft(self.layer, batch.input_ids, h, step, self.cache)
             logits = self.model.draft_logits(self.layer, g[batch.logits_indices])
         return batch, logits, g.flatten(1)

@@ -95,7 +95,7 @@ class ModelRunner:
             )
         self.tracer = tracer or NullTracer()
         self.step_count = 0
-        self.drafter = make_drafter(model, cfg, self.tracer) if cfg.speculative.method == "mtp" else None
+        self.drafter = make_drafter(model, cfg, self.tracer, rank) if cfg.speculative.method == "mtp" else None
         # the last verify step's rollback tape (models that roll back request states), consumed by rollback()
         self.tape = None
 

@@ -1,9 +1,11 @@
-"""From a path (a Hugging Face folder) to a filled model, its engine config and tokenizer."""
+"""From a path (a Hugging Face folder or a GGUF file) to a filled model, its engine config and tokenizer: open
+(config read and resolved, what the engine does not run refused, no weight read) -> Checkpoint, then fill ->
+LoadedModel (loading/loaded.py). resolve()'s questions of the checkpoint are loading/probes.py's, its tokenizer
+loading/checkpoint_tokenizer.py's."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 
 from mlaserve.config import families
 from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
-from mlaserve.config.engine import EngineConfig, EngineOptions, resolve
+from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.machine import INT8_BITS
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
@@ -20,15 +22,18 @@ from mlaserve.distributed.expert_source import ExpertRangeSource
 from mlaserve.distributed.mesh import place_of, reducers
 from mlaserve.distributed.sharding import (
     ShardedSource,
+    at_load_split_notes,
     check_splits,
     rank_config,
     span_notes,
     unit_spans,
     vocab_range,
 )
-from mlaserve.engine.tokenizer import Tokenizer
-from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
+from mlaserve.kernels.registry import KernelContext, plan_kernels
+from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
 from mlaserve.loading.files import path_problem, read_json, regular_file
+from mlaserve.loading.loaded import Checkpoint, LoadedModel
+from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
@@ -37,27 +42,14 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.glm5_next import Glm5NextForCausalLM
 from mlaserve.models.longcat import LongcatForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
+from mlaserve.quant.at_load import BLOCK as BLOCK_AT_LOAD
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
-from mlaserve.quant.plan import QuantPlan, densify, plan_quantization, swap_in
-from mlaserve.tools.select import chat_formats, choose_encoding
-
-
-@dataclass
-class LoadedModel:
-    model: MLAForCausalLM
-    config: EngineConfig
-    tokenizer: Tokenizer | None
-    report: LoadReport
-    path: Path
-    generation_config: dict  # the folder's generation_config.json ({} when absent): sampling defaults
-    quant: QuantPlan | None = None  # which modules hold quantized weights (None: an unquantized checkpoint)
-    gguf: GGUFPlan | None = None  # a GGUF's modules kept in their ggml blocks (None: not kept / not GGUF)
-    quantized_at_load: tuple[Setting, ...] = ()  # quantization=int8|int4: what became which blocks, what stayed
-    kernel_plan: KernelPlan | None = None  # per layer and op, the implementation and why (kernels/registry.py)
+from mlaserve.quant.plan import densify, plan_quantization, swap_in
+from mlaserve.tools.select import chat_formats
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -65,10 +57,6 @@ def read_hf_config(folder: Path) -> dict:
     if path_problem(path) == "does not exist":
         raise ConfigError(f"{folder}: no config.json")
     return read_json(path, ConfigError)
-
-
-def has_indexer_weights(names: list[str]) -> bool:
-    return any(".self_attn.indexer." in n for n in names)
 
 
 def build_model(
@@ -90,7 +78,7 @@ def build_model(
     with torch.device("meta"):
         model = model_cls(cfg, **rank)
         if mtp:
-            model.mtp = nn.ModuleList(MTPLayer(cfg, layout) for layout in mtp)
+            model.mtp = nn.ModuleList(MTPLayer(cfg, layout, **rank) for layout in mtp)
         if prepare is not None:
             prepare(model)
     model.to_empty(device=device)
@@ -103,21 +91,6 @@ def build_model(
         if name.endswith("mlp.experts"):
             module.impl = experts_impl
     return model.eval()
-
-
-@dataclass
-class Checkpoint:
-    """An opened checkpoint: config resolved, tensors not read yet."""
-
-    path: Path
-    model_cfg: ModelConfig
-    engine_cfg: EngineConfig
-    source: object  # SafetensorsSource | GGUFTensors
-    tokenizer: Tokenizer | None
-    skipped: list[str]
-    scheme: object = None  # the checkpoint's quantization (quant.config), None when unquantized
-    check_tensors: bool = False  # scan the filled weights for NaN/Inf (a GGUF was scanned at open)
-    skipped_note: str = ""  # what `skipped` is (default: a GGUF's nextn/MTP tensors)
 
 
 def load_model(path: str | Path, opts: EngineOptions, progress=None, comm=None) -> LoadedModel:
@@ -155,22 +128,22 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
             text = hf_config.get("text_config") or {}
             if scheme is None and "quantization_config" in text:  # where Kimi-K2.x releases keep it
                 scheme = parse_quantization(text, source="config.json:text_config")
-        tokenizer = _folder_tokenizer(path, model_cfg)
+        tokenizer = folder_tokenizer(path, model_cfg)
     _refuse_unsupported(path, model_cfg, opts)
-    quantized = scheme is not None or _has_gguf_blocks(source) or opts.quantization is not None
-    probe = _native_probe if quantized else None
+    quantized = scheme is not None or has_gguf_blocks(source) or opts.quantization is not None
+    probe = native_probe if quantized else None
     engine_cfg = resolve(
         model_cfg,
         opts,
         has_indexer_weights(source.names()),
         native_kernels=probe,
         gguf=path.is_file(),
-        stored_bf16=lambda: _stored_bf16(source),
+        stored_bf16=lambda: stored_bf16(source),
     )
     template = tokenizer.chat_template if tokenizer is not None else None
-    encoding = _set_encoding(tokenizer, model_cfg.model_type)
+    encoding = set_encoding(tokenizer, model_cfg.model_type)
     engine_cfg = chat_formats(engine_cfg, template, opts.tool_call_parser, opts.reasoning_parser, encoding=encoding)
-    if engine_cfg.kernels.quantization is not None and (scheme is not None or _has_gguf_blocks(source)):
+    if engine_cfg.kernels.quantization is not None and (scheme is not None or has_gguf_blocks(source)):
         stored = f"{scheme.method} {scheme.fmt}" if scheme is not None else "GGUF block-quantized"
         raise ConfigError(
             f"{path}: quantization={engine_cfg.kernels.quantization!r} is for float checkpoints; this one is already "
@@ -194,16 +167,6 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         _refuse_expert_parallel(path, model_cfg, engine_cfg)
     if engine_cfg.parallel.tensor_parallel_size > 1:
         check_splits(model_cfg, engine_cfg.parallel.tensor_parallel_size)
-        if engine_cfg.kernels.quantization is not None:
-            raise ConfigError(
-                f"{path}: quantization={engine_cfg.kernels.quantization!r} with tensor_parallel_size="
-                f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (each rank would quantize its slices)"
-            )
-        if engine_cfg.speculative.method is not None:
-            raise ConfigError(
-                f"{path}: speculative={engine_cfg.speculative.method!r} with tensor_parallel_size="
-                f"{engine_cfg.parallel.tensor_parallel_size} is not supported yet (the MTP layer is not split)"
-            )
         if scheme is not None and not _tp_splits(scheme, engine_cfg.parallel.expert_parallel_size):
             raise ConfigError(
                 f"{path}: tensor_parallel_size={engine_cfg.parallel.tensor_parallel_size} with a quantized checkpoint "
@@ -253,8 +216,8 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
             "in DeepSeek-V4's holders, which run in torch (no native kernel serves them yet)"
         )
     engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, torch_holders=held)
-    tokenizer = _folder_tokenizer(path, model_cfg)
-    _set_encoding(tokenizer, model_cfg.model_type)
+    tokenizer = folder_tokenizer(path, model_cfg)
+    set_encoding(tokenizer, model_cfg.model_type)
     return Checkpoint(path, model_cfg, engine_cfg, None, tokenizer, [], scheme)
 
 
@@ -282,14 +245,11 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
     ck = load_v4_gguf(path)
     tokenizer = None
     if ck.tokenizer is not None:
-        tok = ck.tokenizer
-        config = {"chat_template": tok.chat_template} if tok.chat_template else {}
-        eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
-        tokenizer = Tokenizer(ck.tokenizer.build_tokenizer(), config, eos or ck.config.eos_token_ids)
-        _set_encoding(tokenizer, ck.config.model_type)
+        tokenizer = gguf_tokenizer(path, ck.tokenizer, ck.config.eos_token_ids)
+        set_encoding(tokenizer, ck.config.model_type)
     blocks = any(ck.tensors.gguf_type(n) not in ("F32", "F16", "BF16", "I32") for n in ck.tensors.names())
     engine_cfg = resolve(
-        ck.config, opts, has_indexer_weights=False, native_kernels=_native_probe if blocks else None, gguf=True
+        ck.config, opts, has_indexer_weights=False, native_kernels=native_probe if blocks else None, gguf=True
     )
     ck.close()
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
@@ -406,7 +366,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
         rank = place.tp_rank
         # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
-        spans = unit_spans(source, ck.model_cfg, rank, n) if engine_cfg.kernels.gguf_weights == "quantized" else {}
+        # quantization at load: each rank quantizes its own slices, on the blocks one process quantizes
+        at_load = BLOCK_AT_LOAD if engine_cfg.kernels.quantization is not None else 1
+        quantized = engine_cfg.kernels.gguf_weights == "quantized" or at_load > 1
+        spans = unit_spans(source, ck.model_cfg, rank, n, at_load) if quantized else {}
         model_cfg = rank_config(ck.model_cfg, rank, n, spans)
         source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans, whole_experts=whole)
         rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": tp_reduce}
@@ -455,7 +418,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
     if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
-        model.rank_notes = tuple(span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else []))
+        notes = span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else [])
+        if engine_cfg.kernels.quantization is not None:
+            notes += at_load_split_notes(sharded, BLOCK_AT_LOAD, engine_cfg.kernels.quantization, f"rank {comm.rank}")
+        model.rank_notes = tuple(notes)
         report.notes.extend(model.rank_notes)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
@@ -495,7 +461,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
             decode_layer_misses(kernel_plan)
         )  # block holders on the native kernels: say what did not fit
     for layer in getattr(model, "mtp", ()):
-        layer.share_trunk(model.model.embed_tokens, model.lm_head)
+        layer.share_trunk(model.embed, model.lm_head)  # model.embed: vocabulary-parallel under TP
     if quant is not None:
         densify(model, quant, engine_cfg.runtime.dtype)
         report.notes.append(
@@ -514,51 +480,6 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     return LoadedModel(
         model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan, quantized_at_load, kernel_plan
     )
-
-
-def _native_probe() -> tuple[bool, str]:
-    from mlaserve.kernels import native
-
-    status = native.status()
-    if not status.available:
-        return False, status.detail
-    return True, f"{native.isa()} kernels, {status.detail}"  # the ISA the build chose (csrc/common.h), for the record
-
-
-def _stored_bf16(source) -> bool:
-    """Every matrix (2+ dims) of the checkpoint is stored in bfloat16 (norms and biases may be F32), so that
-    dtype=auto may compute in bfloat16 without rounding a stored weight (from headers; no tensor is read)."""
-    stored = source.gguf_type if hasattr(source, "gguf_type") else getattr(source, "stored_type", None)
-    if stored is None:
-        return False
-    return all(stored(n) == "BF16" for n in source.names() if len(source.shape(n)) >= 2)
-
-
-def _has_gguf_blocks(source) -> bool:
-    """A GGUF with block-quantized tensors (Q8_0, Q4_K, ...), not only float ones."""
-    if not hasattr(source, "gguf_type"):
-        return False
-    return any(source.gguf_type(n) not in ("F32", "F16", "BF16") for n in source.names())
-
-
-def _set_encoding(tokenizer: Tokenizer | None, model_type: str | None) -> str | None:
-    """Decide once, at load, what writes a chat prompt without a template: the encoding the release publishes
-    (DeepSeek-V3.2 / V4), else the plain transcript (tools/select.py choose_encoding)."""
-    if tokenizer is None:
-        return None
-    tokenizer.encoding = choose_encoding(model_type, tokenizer.chat_template, tokenizer.has_token)
-    return tokenizer.encoding
-
-
-def _folder_tokenizer(path: Path, model_cfg: ModelConfig) -> Tokenizer | None:
-    if not regular_file(path / "tokenizer.json", ConfigError, required=False):
-        return None
-    try:
-        return Tokenizer.from_folder(path, model_cfg.eos_token_ids)
-    except ConfigError:  # names its own file (tokenizer_config.json, chat_template.jinja)
-        raise
-    except Exception as e:  # the tokenizers library raises its own types; name the file
-        raise ConfigError(f"{path / 'tokenizer.json'}: cannot build the tokenizer: {type(e).__name__}: {e}") from e
 
 
 def _mtp_layouts(path: Path, source, cfg: ModelConfig) -> tuple[MTPLayout, ...]:
@@ -584,14 +505,4 @@ def _open_gguf(path: Path, check_tensors: bool = False, with_mtp: bool = False):
     ck = load_gguf(path, with_mtp=with_mtp)
     sources = {k: src for k, (_, src) in ck.provenance.items()}
     model_cfg = ModelConfig.from_hf(ck.hf_config, source=path.name, field_sources=sources)
-    tok = ck.tokenizer
-    config = {"chat_template": tok.chat_template} if tok.chat_template else {}
-    eos = tuple(i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None)
-    try:
-        built = ck.build_tokenizer()
-    except GGUFError:
-        raise
-    except Exception as e:  # a broken token list: name the file and the keys
-        raise GGUFError(f"{path}: cannot build the tokenizer from tokenizer.ggml.*: {type(e).__name__}: {e}") from e
-    tokenizer = Tokenizer(built, config, eos or model_cfg.eos_token_ids)
-    return model_cfg, ck.tensors, tokenizer, list(ck.skipped)
+    return model_cfg, ck.tensors, gguf_tokenizer(path, ck.tokenizer, model_cfg.eos_token_ids), list(ck.skipped)

@@ -59,6 +59,17 @@ def single_process(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def vocab_parallel_embed(table: nn.Module, input_ids: torch.Tensor, vocab_start: int, all_reduce: AllReduce):
+    """table holds vocabulary rows [vocab_start, vocab_start + rows) (all of them on one process): this rank's
+    rows, zeros for ids another rank holds, summed over ranks by all_reduce -> the full embedding [T, D]."""
+    if all_reduce is single_process:
+        return table(input_ids)
+    rows = table.num_embeddings
+    local = input_ids - vocab_start
+    mine = (local >= 0) & (local < rows)
+    return all_reduce(table(local.clamp(0, rows - 1)).masked_fill(~mine[:, None], 0.0))
+
+
 class MLAAttention(KernelSwitch, nn.Module):
     KERNEL_OP = "latent_write"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
     KERNELS = ("native", "torch")  # native: the latent row and the query rope in one C call
@@ -319,12 +330,7 @@ class MLAForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: this rank's rows, zeros for ids another rank holds; the sum
         over ranks is the full embedding."""
-        if self.all_reduce is single_process:
-            return self.model.embed_tokens(input_ids)
-        local = input_ids - self.vocab_start
-        mine = (local >= 0) & (local < self.cfg.vocab_size)
-        x = self.model.embed_tokens(local.clamp(0, self.cfg.vocab_size - 1)).masked_fill(~mine[:, None], 0.0)
-        return self.all_reduce(x)
+        return vocab_parallel_embed(self.model.embed_tokens, input_ids, self.vocab_start, self.all_reduce)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, V] (tensor parallel: this rank's vocabulary columns, gathered by the runner)."""

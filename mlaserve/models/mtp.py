@@ -12,6 +12,12 @@ vLLM's and SGLang's MTP layers) take the embedding half first, so this module do
 Deeper drafts (k > 1) reuse the layer on its own output: x_{i+1} = eh_proj([enorm(Emb(d_1)); hnorm(g_i)]).
 The block keeps its own latent cache rows: the row at position i is computed from (h_i, t_{i+1}).
 
+Tensor parallel: cfg is the rank's config, so the block's heads and MLP / expert units are the rank's, its
+partial sums go through `all_reduce` as a decoder layer's do; its own embed_tokens and shared_head.head hold
+the rank's vocabulary rows (the embedding looked up vocabulary-parallel, the logits the rank's columns,
+gathered by the runner); eh_proj, enorm, hnorm and shared_head.norm are replicated
+(distributed/sharding.py).
+
 Checkpoint layout (layer N = num_hidden_layers): model.layers.N.{enorm,hnorm,eh_proj,shared_head.norm,
 shared_head.head,embed_tokens (optional)} + the decoder layer's own self_attn.*, mlp.*, *_layernorm.
 """
@@ -19,6 +25,7 @@ shared_head.head,embed_tokens (optional)} + the decoder layer's own self_attn.*,
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -26,7 +33,7 @@ import torch
 from torch import nn
 
 from mlaserve.config.model import ModelConfig
-from mlaserve.models.deepseek import DecoderLayer
+from mlaserve.models.deepseek import AllReduce, DecoderLayer, single_process, vocab_parallel_embed
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -103,25 +110,31 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """One MTP module: the decoder layer's parameters keep their checkpoint names (self_attn.*, mlp.*)."""
 
-    def __init__(self, cfg: ModelConfig, layout: MTPLayout) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layout: MTPLayout, vocab_start: int = 0, all_reduce: AllReduce = single_process
+    ) -> None:
+        """vocab_start, all_reduce: the tensor-parallel rank's, as MLAForCausalLM takes them."""
         block_cfg = block_config(cfg, layout)
-        super().__init__(block_cfg, cfg.num_layers)
-        self.layout = layout
+        super().__init__(block_cfg, cfg.num_layers, all_reduce)
+        self.layout, self.vocab_start = layout, vocab_start
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         self.shared_head = SharedHead(cfg, layout.own_head)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d) if layout.own_embed else None
-        # The trunk's embedding and lm_head, when the checkpoint shares them (set by share_trunk; not
-        # registered as submodules, so they are neither loaded twice nor listed as MTP parameters).
-        self._trunk: tuple[nn.Embedding, nn.Linear] | None = None
+        # The trunk's embedding (its lookup, vocabulary-parallel under TP) and lm_head, when the checkpoint
+        # shares them (set by share_trunk; not registered as submodules, so they are neither loaded twice
+        # nor listed as MTP parameters).
+        self._trunk: tuple[Callable[[torch.Tensor], torch.Tensor], nn.Module] | None = None
 
-    def share_trunk(self, embed: nn.Embedding, lm_head: nn.Linear) -> None:
+    def share_trunk(self, embed: Callable[[torch.Tensor], torch.Tensor], lm_head: nn.Module) -> None:
         self._trunk = (embed, lm_head)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.embed_tokens if self.embed_tokens is not None else self._trunk[0])(ids)
+        if self.embed_tokens is None:
+            return self._trunk[0](ids)
+        return vocab_parallel_embed(self.embed_tokens, ids, self.vocab_start, self.all_reduce)
 
     def forward(  # type: ignore[override]
         self,

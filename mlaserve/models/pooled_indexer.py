@@ -18,7 +18,8 @@ transformers' Glm5NextTextIndexer rebuilds every pool from the cached per-token 
 result is the same. Sequences start at token 0 here (no left padding), so pools are anchored at 0 as there.
 In the engine (config/layer_kinds.py pooled_indexer_states): [k | gate] rows per token and one pooled row per
 kpool tokens, both paged; a chunk of tokens context_len .. seq_len - 1 completes pools completed_pools(...) and
-writes each one's row at pool_rows(...) of the block table. The route (attention/router.py) is plain data: which
+writes each one's row at pool_rows(...) of the block table (both in attention/pooled_metadata.py, which the
+route and this layer read). The route (attention/router.py) is plain data: which
 pools a step completes, whether it selects (some query has more complete pools than it keeps) and the ledger's
 counts; `step` executes one layer's part; attention then reads the selected rows as DSA's sparse route does
 (a Selection: positions on the segment's key axis).
@@ -39,19 +40,6 @@ from mlaserve.models.indexer import Selection
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
     from mlaserve.attention.pooled_metadata import PooledTensors
-
-
-def completed_pools(context_len: int, seq_len: int, kpool: int) -> range:
-    """The pools whose last token is in this chunk (positions context_len .. seq_len - 1): p with
-    context_len < (p + 1) kpool <= seq_len. Plain ints: the step's plan, not read from a tensor."""
-    return range(context_len // kpool, seq_len // kpool)
-
-
-def pool_rows(block_table: tuple[int, ...], pools: range, page_size: int, kpool: int) -> list[int]:
-    """Each pool's row in the paged index_pools state: a page holds page_size / kpool pooled rows, pool p lies in
-    the page of its tokens (page_size is a multiple of kpool, so a pool never straddles two pages)."""
-    per_page = page_size // kpool
-    return [block_table[p * kpool // page_size] * per_page + (p * kpool % page_size) // kpool for p in pools]
 
 
 @dataclass(frozen=True)

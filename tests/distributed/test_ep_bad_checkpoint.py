@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from hf_models import make_config, reinit_
+from parallel_compare import save_uneven_experts
 from safetensors.torch import load_file, save_file
 
 from mlaserve import LLM
@@ -19,16 +18,9 @@ LAYER = "model.layers.1.mlp.experts"
 
 @pytest.fixture(scope="module")
 def tensors_and_save(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     src = tmp_path_factory.mktemp("ep5")
-    cfg = make_config("kimi_k2")
-    cfg.n_routed_experts = 5
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    reinit_(model, 0)
-    model.eval().save_pretrained(src)
+    save_uneven_experts(src)
     config = json.loads((src / "config.json").read_text())
-    config.pop("head_dim", None)
 
     def save(tensors: dict, name: str):
         dst = tmp_path_factory.mktemp(name)

@@ -8,17 +8,20 @@ rank reads whole and slices), checks:
 - prompt logits: EP=2 == one process == transformers' deepseek_v4 (the trunk) on a 23-token prompt (3 mod 4);
 - greedy decode across the compression boundaries (prompt 7, 14 new tokens: CSA rows close at 8, 12, 16, 20, the
   HCA row at 8 and 16) == transformers' full recompute, with speculation under EP;
-- the MTP layer's real drafts under EP=2 == one process's, token for token at every step (a wrong MTP layer under
-  EP would only lower acceptance, never change the output), and with oracle drafts (the plain run's next tokens,
-  every third one wrong: acceptance, partial acceptance and the request states' rollback on both ranks) a batch
-  of mixed lengths == one process without speculation;
+- every MTP pass's logits under EP=2 == one process's (measured 3.6e-7 .. 9.5e-7) and the drafts token for token
+  (a wrong MTP layer under EP would only lower acceptance, never change the output), with the real drafts and
+  with oracle drafts (the plain run's next tokens, every third one wrong: acceptance, partial acceptance and the
+  request states' rollback on both ranks), and a batch of mixed lengths == one process without speculation.
+  num_speculative_tokens 3: a depth-3 pass writes the MTP ring row that the next step's first pass still reads,
+  so the workers' ring hold / end_draft matter (at 2 they do not: measured);
 - which rank holds which experts (echo, notes, ledger), the bytes each reads, every (token, expert) pair once.
 
 Bound: 1e-5 max abs (fp32 logits of magnitude ~4; tests/identities/test_deepseek_v4_engine.py measures the
 engine 0 .. 2.3e-6 from transformers at every position). EP=2 only reorders the routed experts' fp32 additions
 (each rank's partial, then the all-reduce). Measured here: EP=2 vs one process 1.2e-6, vs transformers 9.5e-7.
 Broken on purpose: rank 1's hash router reading token id 0 for every token moves the logits by 0.64; a worker
-skipping the rollback message changes the greedy tokens."""
+skipping the rollback message changes the greedy tokens; a worker skipping end_draft moves an MTP pass's
+logits by 0.06."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
 E = 5  # the quantized folders' experts: 3 + 2
-SPEC = dict(speculative="mtp", num_speculative_tokens=2, page_size=8, max_num_seqs=8, max_num_batched_tokens=16)
+SPEC = dict(speculative="mtp", num_speculative_tokens=3, page_size=8, max_num_seqs=8, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,20 @@ def _record_drafts(monkeypatch) -> list:
     return seen
 
 
+def _capture_mtp_logits(monkeypatch, llm: LLM) -> list:
+    """Every MTP pass's logits [n, V] on rank 0, in order (the drafts are their argmax; the logits also show a
+    worker whose MTP ring or experts' rows differ, which an argmax may not)."""
+    seen, real = [], llm.runner.drafter.forward
+
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out[1].clone())
+        return out
+
+    monkeypatch.setattr(llm.runner.drafter, "forward", forward)
+    return seen
+
+
 def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int) -> None:
     """After the real MTP pass, propose the reference's next tokens, every third one wrong."""
     real = spec.draft
@@ -103,7 +120,7 @@ def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
     plain = _tokens(plain_llm.generate(prompts, greedy))
     one = LLM(path, **SPEC)
     with monkeypatch.context() as m:
-        one_drafts = _record_drafts(m)
+        one_drafts, one_logits = _record_drafts(m), _capture_mtp_logits(m, one)
         assert _tokens(one.generate(prompts, greedy)) == plain
     with LLM(path, expert_parallel_size=2, trace="memory", **SPEC) as two:
         ids = _ids(23, vocab, 5)  # 23 = 3 mod 4: the CSA window boundary of the reported wrong token
@@ -121,14 +138,28 @@ def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
         # the MTP layer's real drafts == one process's; greedy == plain one process
         before = len(two.runner.tracer.records)
         with monkeypatch.context() as m:
-            two_drafts = _record_drafts(m)
+            two_drafts, two_logits = _record_drafts(m), _capture_mtp_logits(m, two)
             assert _tokens(two.generate(prompts, greedy)) == plain
         assert two_drafts == one_drafts and any(d for step in two_drafts for *_, d in step)
-        # oracle drafts: accepted, partly accepted, rejected (the request states rolled back on both ranks)
+        assert len(two_logits) == len(one_logits) > 0
+        for got, want in zip(two_logits, one_logits):
+            _close(got, want, "an MTP pass, EP=2 vs one process")
+        # oracle drafts: accepted, partly accepted, rejected (the request states rolled back on both ranks); the
+        # drafting stays on, so deeper passes run (their ring hold / end_draft on both ranks): every MTP pass's
+        # logits == one process's under the same oracle
+        oracle = {tuple(p): t for p, t in zip(prompts, plain)}
         with monkeypatch.context() as m:
-            _oracle(m, {tuple(p): t for p, t in zip(prompts, plain)}, vocab)
+            _oracle(m, oracle, vocab)
+            one_logits = _capture_mtp_logits(m, one)
+            assert _tokens(one.generate(prompts, greedy)) == plain
+        with monkeypatch.context() as m:
+            _oracle(m, oracle, vocab)
+            two_logits = _capture_mtp_logits(m, two)
             mark = len(two.runner.tracer.records)
             assert _tokens(two.generate(prompts, greedy)) == plain
+        assert len(two_logits) == len(one_logits) > len(prompts)
+        for got, want in zip(two_logits, one_logits):
+            _close(got, want, "an MTP pass under oracle drafts, EP=2 vs one process")
         records = list(two.runner.tracer.records)
         summary = spec.acceptance_summary(records[mark:])
         assert 0 < summary["num_accepted_tokens"] < summary["num_proposed_tokens"], summary

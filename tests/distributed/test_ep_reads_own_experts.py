@@ -13,9 +13,8 @@ import json
 import re
 import struct
 
-import torch
 from conftest import fixture_dir
-from hf_models import make_config, reinit_
+from parallel_compare import save_uneven_experts
 
 from mlaserve import LLM
 from mlaserve.distributed.expert_parallel import expert_range
@@ -80,16 +79,7 @@ def test_gguf_ep_rank_reads_only_its_expert_slices_of_the_stacks():
 
 def test_safetensors_ep_rank_reads_only_its_own_expert_tensors(tmp_path):
     """A float kimi_k2 folder with 5 experts: rank 0 reads experts [0, 3), rank 1 [3, 5) of every layer."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = make_config("kimi_k2")
-    cfg.n_routed_experts = 5
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    reinit_(model, 0)
-    model.eval().save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.pop("head_dim", None)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_uneven_experts(tmp_path)
     one, echoes, _ = _ep2(str(tmp_path))
     per_expert = _safetensors_expert_bytes(tmp_path / "model.safetensors")
     assert per_expert and all(len(x) == 5 for x in per_expert.values())

@@ -1,6 +1,6 @@
 """Speculative decoding (speculative="mtp") under expert parallelism (CPU, gloo, 2 processes): the MTP layer's
 routed experts are spread like the trunk's, so every rank runs every draft pass (rank 0 sends each pass's rows,
-distributed/group.py SharedDrafter), every verify step, and every rollback of DeepSeek-V4's request states.
+distributed/group.py TensorParallelDrafter), every verify step, and every rollback of DeepSeek-V4's request states.
 
 Checked per model, one spawn each: (1) the real MTP drafts under EP=2 are the one-process drafts, token for token
 at every step (a wrong MTP layer under EP would only lower acceptance, never change the output, so the drafts
@@ -16,6 +16,7 @@ the drafts differ from one process."""
 from __future__ import annotations
 
 import pytest
+from conftest import compare_logits, fp32_logits_tol
 from hf_models import random_ids
 
 pytest.importorskip("transformers")
@@ -48,6 +49,20 @@ def _record_drafts(monkeypatch) -> list:
     return seen
 
 
+def _capture_mtp_logits(monkeypatch, llm: LLM) -> list:
+    """Every MTP pass's logits [n, V] on rank 0, in order (the drafts are their argmax; the logits also show a
+    worker whose MTP ring or experts' rows differ, which an argmax may not)."""
+    seen, real = [], llm.runner.drafter.forward
+
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out[1].clone())
+        return out
+
+    monkeypatch.setattr(llm.runner.drafter, "forward", forward)
+    return seen
+
+
 def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int) -> None:
     real = spec.draft
 
@@ -65,14 +80,19 @@ def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int) -> None:
 def _check(monkeypatch, path: str, prompts: list, vocab: int, mtp_layer: str, **opts) -> None:
     plain = _tokens(LLM(path, **opts).generate(prompts, GREEDY))
     spec_opts = dict(speculative="mtp", num_speculative_tokens=2, **opts)
+    one = LLM(path, **spec_opts)
     with monkeypatch.context() as m:
-        want_drafts = _record_drafts(m)
-        assert _tokens(LLM(path, **spec_opts).generate(prompts, GREEDY)) == plain
+        want_drafts, want_logits = _record_drafts(m), _capture_mtp_logits(m, one)
+        assert _tokens(one.generate(prompts, GREEDY)) == plain
     with LLM(path, expert_parallel_size=2, trace="memory", **spec_opts) as two:
         with monkeypatch.context() as m:
-            got_drafts = _record_drafts(m)
+            got_drafts, got_logits = _record_drafts(m), _capture_mtp_logits(m, two)
             assert _tokens(two.generate(prompts, GREEDY)) == plain
         assert got_drafts == want_drafts and any(d for step in got_drafts for *_, d in step)
+        assert len(got_logits) == len(want_logits) > 0
+        for got, want in zip(got_logits, want_logits):
+            diff, top1 = compare_logits(got, want)
+            assert diff <= fp32_logits_tol(want) and top1 == 1.0, diff
         with monkeypatch.context() as m:
             _oracle(m, {tuple(p): t for p, t in zip(prompts, plain)}, vocab)
             before = len(two.runner.tracer.records)

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FP32_LOGITS_TOL, compare_logits, fixture_dir
-from hf_models import hf_logits, make_config, random_ids, reinit_
+from conftest import fixture_dir
+from hf_models import hf_logits, random_ids
+from parallel_compare import OPTS, assert_equals_one_process, save_uneven_experts
 
 from mlaserve import LLM
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.expert_parallel import expert_range
-from mlaserve.sampling.params import SamplingParams
-
-OPTS = dict(max_num_batched_tokens=40)
 
 
 def test_expert_ranges_are_contiguous_and_the_first_ranks_take_the_remainder():
@@ -35,20 +33,9 @@ def _compare(path: str, ids: list[int], ref: torch.Tensor | None = None):
     tokens identical, every rank's experts ~1/N of the layer's bytes, the ledger's pairs all accounted."""
     one = LLM(path, **OPTS)
     with LLM(path, expert_parallel_size=2, trace="memory", **OPTS) as two:
-        a, b = one.prompt_logits(ids), two.prompt_logits(ids)
-        diff, top1 = compare_logits(b, a)
-        assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (path, diff)
-        if ref is not None:
-            diff, top1 = compare_logits(b, ref)
-            assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (path, diff)
-        prompts = [random_ids(n, seed=n) for n in (12, 5, 9)]
-        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
-        before = len(two.runner.tracer.records)
-        got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
-        assert got == want, path
+        records = assert_equals_one_process(one, two, ids, ref, max_tokens=6, what=path)
         _check_holdings(one, two)
-        _check_ledger(two, list(two.runner.tracer.records)[before:])
+        _check_ledger(two, records)
 
 
 def _check_holdings(one: LLM, two: LLM) -> None:
@@ -103,18 +90,6 @@ def test_ep2_equals_one_process_on_the_gguf_fixture(form, tmp_path):
 
 def test_ep2_uneven_experts_equals_one_process_and_transformers(tmp_path):
     """5 routed experts over 2 ranks (3 + 2), a float checkpoint made here; transformers is the reference."""
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    cfg = make_config("kimi_k2")
-    cfg.n_routed_experts = 5
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    reinit_(model, 0)
-    model.eval().save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.pop("head_dim", None)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = save_uneven_experts(tmp_path)
     ids = random_ids(16, seed=5)
     _compare(str(tmp_path), ids, hf_logits(model, ids))

@@ -13,20 +13,16 @@ partials all-reduced over the whole world instead of the EP group): Q4_K_M off b
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import FP32_LOGITS_TOL, compare_logits, fixture_dir
-from hf_models import hf_logits, make_config, random_ids, reinit_
+from conftest import fixture_dir
+from hf_models import hf_logits, random_ids
+from parallel_compare import OPTS, assert_equals_one_process, save_uneven_experts
 from test_int4_experts import folders  # noqa: F401 -- the Kimi-K2.5 INT4 folder fixture
 
 from mlaserve import LLM
 from mlaserve.distributed.expert_parallel import expert_range
 from mlaserve.distributed.mesh import logits_sizes, place_of
-from mlaserve.sampling.params import SamplingParams
-
-OPTS = dict(max_num_batched_tokens=40)
 
 
 def test_places_and_groups_are_plain_data():
@@ -42,18 +38,7 @@ def _compare(path: str, ids: list[int], ref: torch.Tensor | None = None, experts
     """experts_over: the processes the experts are spread over (2: the EP ranks; 4: every process, whole)."""
     one = LLM(path, **OPTS)
     with LLM(path, tensor_parallel_size=2, expert_parallel_size=2, trace="memory", **OPTS) as four:
-        a, b = one.prompt_logits(ids), four.prompt_logits(ids)
-        diff, top1 = compare_logits(b, a)
-        assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (path, diff)
-        if ref is not None:
-            diff, top1 = compare_logits(b, ref)
-            assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (path, diff)
-        prompts = [random_ids(n, seed=n) for n in (12, 5, 9)]
-        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-        want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
-        before = len(four.runner.tracer.records)
-        assert [o.outputs[0].token_ids for o in four.generate(prompts, params)] == want, path
-        records = list(four.runner.tracer.records)[before:]
+        records = assert_equals_one_process(one, four, ids, ref, max_tokens=5, what=path)
         echoes = four.runner.rank_echoes
     cfg = one.config.model
     e = cfg.moe.n_routed_experts
@@ -84,17 +69,7 @@ def test_tp2_x_ep2_equals_one_process_on_the_gguf_fixture(tmp_path):
 
 def test_tp2_x_ep2_uneven_experts_equals_transformers(tmp_path):
     """5 routed experts over 2 EP ranks (3 + 2), each expert's 40 units over 2 TP ranks; a float folder."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = make_config("kimi_k2")
-    cfg.n_routed_experts = 5
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    reinit_(model, 0)
-    model.eval().save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.pop("head_dim", None)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = save_uneven_experts(tmp_path)
     ids = random_ids(16, seed=5)
     _compare(str(tmp_path), ids, hf_logits(model, ids))
 

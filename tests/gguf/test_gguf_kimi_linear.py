@@ -20,6 +20,7 @@ pytest.importorskip("gguf")
 from hf_models import hf_greedy  # noqa: E402
 from kimi_gguf import save_block_kimi, write_dequantized_folder, write_kimi_gguf  # noqa: E402
 from kimi_linear_models import float64_copy, hf_logits, random_ids  # noqa: E402
+from state_engine import assert_close  # noqa: E402
 
 from mlaserve.gguf.read.file import GGUFError  # noqa: E402
 
@@ -48,17 +49,11 @@ def llm(files):
     return LLM(str(files[0] / "model.gguf"), max_num_batched_tokens=40)
 
 
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-
-
 def test_gguf_logits_equal_transformers_on_the_dequantized_weights(files, llm):
     _, ref = files
     for n in LENGTHS:  # prefill in chunks of 40 tokens: the KDA states carried across steps
         ids = random_ids(n, ref.config.vocab_size, n)
-        _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"length {n}")
+        assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, f"length {n}")
 
 
 def test_projections_stay_in_their_blocks_and_the_rest_float(llm):
@@ -85,7 +80,7 @@ def test_gguf_equals_the_folder_of_the_same_weights(files, llm):
     root, ref = files
     folder = LLM(str(root / "deq"), max_num_batched_tokens=40)
     ids = random_ids(130, ref.config.vocab_size, 11)
-    _close(llm.prompt_logits(ids), folder.prompt_logits(ids), "gguf vs folder")
+    assert_close(llm.prompt_logits(ids), folder.prompt_logits(ids), BOUND, "gguf vs folder")
 
 
 def test_an_f32_file_reads_back_the_saved_weights(files):
@@ -202,7 +197,7 @@ def test_a_scalar_head_count_serves_both_layer_kinds(tmp_path):
     write_dequantized_folder(tmp_path / "float", deq, tmp_path / "deq")
     ref = float64_copy(KimiLinearForCausalLM.from_pretrained(tmp_path / "deq").float().eval())
     ids = random_ids(70, ref.config.vocab_size, 5)
-    _close(LLM(str(tmp_path / "model.gguf")).prompt_logits(ids), hf_logits(ref, ids), "scalar head_count")
+    assert_close(LLM(str(tmp_path / "model.gguf")).prompt_logits(ids), hf_logits(ref, ids), BOUND, "scalar head_count")
 
 
 def test_greedy_through_the_state_equals_transformers(files, llm):
@@ -233,4 +228,6 @@ def test_router_keys_the_converter_does_not_write_take_llama_cpps_graph(files, t
     assert "llama.cpp kimi-linear graph" in ck.provenance["norm_topk_prob"][1]
     ck.close()
     ids = random_ids(40, ref.config.vocab_size, 9)
-    _close(LLM(str(tmp_path / "model.gguf")).prompt_logits(ids), hf_logits(ref, ids), "converter's keys only")
+    assert_close(
+        LLM(str(tmp_path / "model.gguf")).prompt_logits(ids), hf_logits(ref, ids), BOUND, "converter's keys only"
+    )

@@ -25,6 +25,7 @@ from hf_models import hf_greedy
 
 pytest.importorskip("transformers")
 
+from state_engine import assert_close  # noqa: E402
 from v4_models import SPECS, build_hf_v4, hf_v4_logits, largest_ratio  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -68,12 +69,6 @@ def _boundary_lengths(folder: Path, kind: str) -> list[int]:
     return sorted({n for m in _ratios(folder) for n in range(1, top + 1) if n % m in (0, 1, m - 1)})
 
 
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-
-
 @pytest.mark.parametrize("budget", [pytest.param(1, marks=pytest.mark.slow), 3, 4, 7])  # 1: token by token
 def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
     """Chunked prefill through the engine (chunks of `budget` tokens, the cache's request-state slot carried
@@ -83,7 +78,7 @@ def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
     assert llm.config.cache.enable_prefix_caching is True  # on for V4: every request state restorable at a page
     for n in _boundary_lengths(folder, kind):
         ids = _ids(n, hf.config.vocab_size, n)
-        _close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), f"{kind} length {n} budget {budget}")
+        assert_close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), BOUND, f"{kind} length {n} budget {budget}")
 
 
 def test_greedy_32_tokens_equal_transformers_full_recompute(all_kinds):
@@ -129,8 +124,8 @@ def test_a_batch_of_mixed_lengths_equals_each_alone(all_kinds):
         got = torch.stack(rows)
         ref = alone[rid][: got.shape[0]]
         worst = max(worst, (got - ref).abs().max().item())
-        _close(got, ref, f"request {rid}: batch vs alone (worst so far {worst:.3g})")
-        _close(got, hf_v4_logits(hf, prompts[rid])[: got.shape[0]], f"request {rid} vs transformers")
+        assert_close(got, ref, BOUND, f"request {rid}: batch vs alone (worst so far {worst:.3g})")
+        assert_close(got, hf_v4_logits(hf, prompts[rid])[: got.shape[0]], BOUND, f"request {rid} vs transformers")
 
 
 def _engine_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict[str, list[int]], list[dict]]:

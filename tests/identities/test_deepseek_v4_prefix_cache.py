@@ -27,6 +27,7 @@ from hf_models import hf_greedy
 
 pytest.importorskip("transformers")
 
+from state_engine import assert_close  # noqa: E402
 from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 from v4_models import SPECS, build_hf_v4, hf_v4_logits  # noqa: E402
 
@@ -59,13 +60,6 @@ def _page(ratios: set[int]) -> int:
     return math.lcm(*ratios)
 
 
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-    return err
-
-
 @pytest.mark.parametrize("budget", [3, 5, 64])  # chunks crossing boundaries mid-chunk, ending on them, one pass
 def test_a_hit_at_every_boundary_equals_a_cold_run_and_transformers(v4, budget):
     kind, hf, folder, ratios = v4
@@ -85,8 +79,8 @@ def test_a_hit_at_every_boundary_equals_a_cold_run_and_transformers(v4, budget):
         cold = _prefill(runner, "c", second, 0, list(range(56, 64)), 2, budget)[ctx:]
         want = hf_v4_logits(hf, second)[ctx:]
         what = f"{kind} page {ps} hit at {ctx} of {len(second)} budget {budget}"
-        _close(got, cold, what + ": restored vs cold")
-        _close(got, want, what + ": vs transformers")
+        assert_close(got, cold, BOUND, what + ": restored vs cold")
+        assert_close(got, want, BOUND, what + ": vs transformers")
 
 
 @pytest.fixture(scope="module")

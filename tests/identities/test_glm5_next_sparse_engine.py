@@ -12,37 +12,21 @@ index_topk, so a step that ran dense, or read a pool from the wrong row, fails b
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers.models.glm5_next")
 
+from engine_drain import drain, token_ids  # noqa: E402
 from glm5_next_models import SPARSE, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
 from hf_models import hf_greedy  # noqa: E402
+from state_engine import assert_close, greedy, model_fixture, together_and_alone  # noqa: E402
 from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
-from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
-from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
 PAGE = 16
 
-
-@pytest.fixture(scope="module", params=list(SPARSE))
-def glm(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"glm5_sparse_engine_{request.param}")
-    hf = save_hf_glm5_next(request.param, folder, seed=5)
-    return request.param, float64_copy(hf), folder
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+glm = model_fixture("glm", SPARSE, save_hf_glm5_next, float64_copy, seed=5)
 
 
 @pytest.mark.parametrize("budget", [5, 64])
@@ -64,8 +48,8 @@ def test_a_hit_past_index_topk_equals_a_cold_run_and_transformers(glm, budget):
         got = _prefill(runner, "b", second, ctx, table, 1, budget, first_restore=owner[hit - 1])
         cold = _prefill(runner, "c", second, 0, list(range(56, 64)), 2, budget)[ctx:]
         what = f"{spec} hit at {ctx} of {len(second)} budget {budget}"
-        _close(got, cold, what + ": restored vs cold")
-        _close(got, hf_logits(ref, second)[ctx:], what + ": vs transformers")
+        assert_close(got, cold, BOUND, what + ": restored vs cold")
+        assert_close(got, hf_logits(ref, second)[ctx:], BOUND, what + ": vs transformers")
     assert any(r["needs_selection"] for r in runner.tracer.records), "the prompts were meant to select"
 
 
@@ -77,9 +61,9 @@ def test_a_prefix_hit_through_the_scheduler_decodes_exactly(glm):
     llm = LLM(str(folder), page_size=PAGE, max_num_batched_tokens=11, trace="memory")
     a = random_ids(60, vocab, 21)
     b = a[:53] + random_ids(9, vocab, 9)[1:]
-    (out_a,) = llm.generate([a], _greedy(8))
+    (out_a,) = llm.generate([a], greedy(8))
     assert list(out_a.outputs[0].token_ids) == hf_greedy(ref, a, 8, hf_logits), spec
-    (out_b,) = llm.generate([b], _greedy(6))
+    (out_b,) = llm.generate([b], greedy(6))
     assert list(out_b.outputs[0].token_ids) == hf_greedy(ref, b, 6, hf_logits), spec
     firsts = [q for r in llm.runner.tracer.records for q in r["requests"] if q["id"].startswith(out_b.request_id + "/")]
     assert firsts[0]["cached_tokens"] == 48 and firsts[0]["context_len"] == 48
@@ -93,12 +77,8 @@ def test_preemption_past_index_topk_resumes_exactly(glm):
     prompts = [random_ids(n, ref.config.text_config.vocab_size, 50 + n) for n in (37, 21, 43, 29)]
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(p, _greedy(6), request_id=f"r{i}")
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
+        engine.add_request(p, greedy(6), request_id=f"r{i}")
+    outs = token_ids(drain(engine))
     assert any(r["preempted"] for r in llm.runner.tracer.records), "the pool was meant to be small enough to preempt"
     assert any(r["needs_selection"] for r in llm.runner.tracer.records)
     for i, p in enumerate(prompts):
@@ -111,38 +91,13 @@ def test_a_batch_of_mixed_lengths_equals_each_alone(glm):
     every one past index_topk, each in its own pages and slot == each sequence alone, and == transformers."""
     spec, ref, folder = glm
     llm = LLM(str(folder), max_num_seqs=4, trace="memory")
-    runner, vocab, ps = llm.runner, ref.config.text_config.vocab_size, llm.config.cache.page_size
+    vocab = ref.config.text_config.vocab_size
     prompts = {"a": random_ids(90, vocab, 1), "b": random_ids(40, vocab, 2), "c": random_ids(86, vocab, 3)}
-    pages = {r: list(range(i * 16, i * 16 + 16)) for i, r in enumerate(prompts)}
-
-    def chunk(rid, ids, done, slot):
-        table = tuple(pages[rid][: -(-(done + len(ids)) // ps)])
-        return SeqChunk(rid, tuple(ids), done, table, all_logits=True, state_slot=slot, reset_state=done == 0)
-
     plan = {"a": (85, 86, 87, 90), "b": (33, 34, 40), "c": (50, 83, 84, 86)}  # each sequence's chunk ends, in steps
-    alone = {}
-    for rid, ends in plan.items():
-        rows, done = [], 0
-        for end in ends:
-            rows.append(runner.execute([chunk(rid, prompts[rid][done:end], done, 0)])[1])
-            done = end
-        alone[rid] = torch.cat(rows)
-    together: dict[str, list[torch.Tensor]] = {r: [] for r in prompts}
-    done = dict.fromkeys(prompts, 0)
-    decodes = []
-    for i in range(4):
-        chunks = []
-        for slot, (rid, ends) in enumerate(plan.items(), start=1):
-            if i < len(ends):
-                chunks.append(chunk(rid, prompts[rid][done[rid] : ends[i]], done[rid], slot))
-                done[rid] = ends[i]
-        batch, logits = runner.execute(chunks)
-        decodes.append(batch.num_decode_seqs)
-        for (rid, _), row in zip(batch.logits_owner, logits):
-            together[rid].append(row)
+    alone, together, decodes = together_and_alone(llm.runner, prompts, plan)
     assert decodes[1] == decodes[2] == 2, decodes  # one-token chunks beside prefills
-    assert runner.tracer.records[-3]["needs_selection"]
-    for rid, rows in together.items():
-        got = torch.stack(rows)
-        _close(got, alone[rid], f"{spec} request {rid}: batch vs alone")
-        _close(got, hf_logits(ref, prompts[rid][: done[rid]]), f"{spec} request {rid} vs transformers")
+    assert llm.runner.tracer.records[-3]["needs_selection"]
+    for rid, got in together.items():
+        assert_close(got, alone[rid], BOUND, f"{spec} request {rid}: batch vs alone")
+        want = hf_logits(ref, prompts[rid][: plan[rid][-1]])
+        assert_close(got, want, BOUND, f"{spec} request {rid} vs transformers")

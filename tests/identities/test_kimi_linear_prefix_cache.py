@@ -16,35 +16,22 @@ by 1e-2 .. 1 (seen when each was broken on purpose).
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from engine_drain import drain, token_ids  # noqa: E402
 from hf_models import hf_greedy  # noqa: E402
 from kimi_linear_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_kimi  # noqa: E402
+from state_engine import assert_close, greedy, model_fixture  # noqa: E402
 from state_prefill import prefill_in_chunks as _prefill  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
-from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
 PAGE = 16
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
-def kimi(request, tmp_path_factory):
-    """(spec, float64 transformers reference, folder written by its save_pretrained)."""
-    folder = tmp_path_factory.mktemp(f"kimi_prefix_{request.param}")
-    hf = save_hf_kimi(request.param, folder, seed=5)
-    return request.param, float64_copy(hf), folder
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-    return err
+kimi = model_fixture("kimi", SPECS, save_hf_kimi, float64_copy, seed=5)
 
 
 @pytest.mark.parametrize("budget", [1, 3, 5, 64])
@@ -66,12 +53,8 @@ def test_a_hit_at_every_boundary_equals_a_cold_run_and_transformers(kimi, budget
         got = _prefill(runner, "b", second, ctx, table, 1, budget, first_restore=owner[hit - 1])
         cold = _prefill(runner, "c", second, 0, list(range(56, 64)), 2, budget)[ctx:]
         what = f"{spec} hit at {ctx} of {len(second)} budget {budget}"
-        _close(got, cold, what + ": restored vs cold")
-        _close(got, hf_logits(ref, second)[ctx:], what + ": vs transformers")
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        assert_close(got, cold, BOUND, what + ": restored vs cold")
+        assert_close(got, hf_logits(ref, second)[ctx:], BOUND, what + ": vs transformers")
 
 
 def test_the_engine_serves_a_hit_mid_chunk_and_the_ledger_shows_it(kimi):
@@ -84,17 +67,17 @@ def test_the_engine_serves_a_hit_mid_chunk_and_the_ledger_shows_it(kimi):
     llm = LLM(str(folder), page_size=PAGE, max_num_batched_tokens=7, trace="memory")
     a = random_ids(40, vocab, 21)
     b = a[:37] + random_ids(9, vocab, 9)[1:]
-    (out_a,) = llm.generate([a], _greedy(12))
+    (out_a,) = llm.generate([a], greedy(12))
     got_a = list(out_a.outputs[0].token_ids)
     assert got_a == hf_greedy(ref, a, 12, hf_logits), spec
-    (out_b,) = llm.generate([b], _greedy(6))
+    (out_b,) = llm.generate([b], greedy(6))
     assert list(out_b.outputs[0].token_ids) == hf_greedy(ref, b, 6, hf_logits), spec
     records = list(llm.runner.tracer.records)
     firsts = [q for r in records for q in r["requests"] if q["id"].startswith(out_b.request_id + "/")]
     assert firsts[0]["cached_tokens"] == 32 and firsts[0]["context_len"] == 32
     assert firsts[0]["state_restore_page"] is not None and not firsts[0]["state_reset"]
     c = a + got_a + random_ids(4, vocab, 5)[1:]  # 40 + 12 + 3 tokens: a's pages 0-2 are full
-    (out_c,) = llm.generate([c], _greedy(4))
+    (out_c,) = llm.generate([c], greedy(4))
     assert list(out_c.outputs[0].token_ids) == hf_greedy(ref, c, 4, hf_logits), spec
     firsts = [q for r in llm.runner.tracer.records for q in r["requests"] if q["id"].startswith(out_c.request_id + "/")]
     assert firsts[0]["cached_tokens"] == 48 and "state_restore_page" in firsts[0]
@@ -110,7 +93,7 @@ def test_preemption_resumes_from_a_snapshot_exactly(kimi):
     prompts = [random_ids(n, ref.config.vocab_size, 50 + n) for n in (17, 5, 23, 9)]
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(p, _greedy(8), request_id=f"r{i}")
+        engine.add_request(p, greedy(8), request_id=f"r{i}")
     outs = token_ids(drain(engine))
     records = list(llm.runner.tracer.records)
     preempted = {p["id"] for r in records for p in r["preempted"]}

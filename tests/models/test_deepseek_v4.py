@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from state_engine import assert_close  # noqa: E402
 from v4_models import SPECS, build_hf_v4, hf_v4_logits, largest_ratio, ours_from_hf  # noqa: E402
 
 BOUND = 1e-5
@@ -43,16 +44,10 @@ def _run(model, ids: list[int], chunks: list[int], max_tokens: int) -> torch.Ten
     return torch.cat(out)
 
 
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
-
-
 def test_one_pass_matches_transformers(pair):
     kind, hf, ours = pair
     ids = _ids(3 * largest_ratio(kind) + 13, hf.config.vocab_size, 0)
-    _close(_run(ours, ids, [len(ids)], len(ids)), hf_v4_logits(hf, ids), kind)
+    assert_close(_run(ours, ids, [len(ids)], len(ids)), hf_v4_logits(hf, ids), BOUND, kind)
 
 
 def test_every_prompt_length_one_pass_chunked_token_by_token(pair):
@@ -65,14 +60,14 @@ def test_every_prompt_length_one_pass_chunked_token_by_token(pair):
     ids = _ids(longest + DECODE_AFTER, hf.config.vocab_size, 1)
     ref = hf_v4_logits(hf, ids)  # causal: its first n rows are the logits of the first n tokens
     # chunk 1 is token by token: one run covers every prompt length
-    _close(_run(ours, ids, [1], len(ids)), ref, f"{kind} token by token")
+    assert_close(_run(ours, ids, [1], len(ids)), ref, BOUND, f"{kind} token by token")
     checked = 0
     with torch.no_grad():
         for length in range(1, longest + 1):  # one pass
             state = ours.new_state(len(ids))
             out = [ours(torch.tensor(ids[:length]), state)]
             out += [ours(torch.tensor([t]), state) for t in ids[length : length + DECODE_AFTER]]
-            _close(torch.cat(out), ref[: length + DECODE_AFTER], f"{kind} prompt {length} one pass")
+            assert_close(torch.cat(out), ref[: length + DECODE_AFTER], BOUND, f"{kind} prompt {length} one pass")
             checked += 1
         for chunk in (3, 4, 7):
             state, done, b = ours.new_state(len(ids)), [], 0  # state after ids[:b] in whole chunks
@@ -87,7 +82,7 @@ def test_every_prompt_length_one_pass_chunked_token_by_token(pair):
                         after, last = fork.clone(), out[0]
                     out += [ours(torch.tensor([t]), fork) for t in ids[length : length + DECODE_AFTER]]
                     what = f"{kind} prompt {length} chunk {chunk}"
-                    _close(torch.cat(done + out), ref[: length + DECODE_AFTER], what)
+                    assert_close(torch.cat(done + out), ref[: length + DECODE_AFTER], BOUND, what)
                     checked += 1
                 if b + chunk < longest:
                     state, b = after, b + chunk

@@ -16,12 +16,12 @@ route says so); past index_topk, where it selects, tests/models/test_glm5_next_s
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
 from hf_models import hf_greedy  # noqa: E402
+from state_engine import assert_close, model_fixture  # noqa: E402
 
 from mlaserve.config.layer_kinds import declare_layers  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -33,18 +33,7 @@ LONG = 3 * 64 + 5  # 197: three full 64-token KDA chunks and a tail
 LENGTHS = (1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 129, LONG)
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
-def glm(request, tmp_path_factory):
-    """(spec, float64 transformers reference, folder written by its save_pretrained)."""
-    folder = tmp_path_factory.mktemp(f"glm5_{request.param}")
-    hf = save_hf_glm5_next(request.param, folder, seed=3)
-    return request.param, float64_copy(hf), folder
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
+glm = model_fixture("glm", SPECS, save_hf_glm5_next, float64_copy, seed=3)
 
 
 @pytest.mark.parametrize("budget", [1, 5, 64, 512])  # 1: token by token; 512: one pass
@@ -56,7 +45,7 @@ def test_prompt_logits_equal_transformers(glm, budget):
     vocab = ref.config.text_config.vocab_size
     for n in LENGTHS if budget in (5, 512) else (LONG,):
         ids = random_ids(n, vocab, n)
-        _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} length {n} budget {budget}")
+        assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, f"{spec} length {n} budget {budget}")
 
 
 def test_load_reports_the_vision_tower_and_declares_the_layer_kinds(glm):
@@ -112,4 +101,4 @@ def test_a_shared_indexer_layer_after_a_full_one(tmp_path):
     assert kinds == [("kda", None), ("mla_dsa", "pooled"), ("mla_dsa", "shared"), ("kda", None)]
     assert llm.runner.model.model.layers[2].self_attn.indexer is None
     ids = random_ids(150, ref.config.text_config.vocab_size, 9)
-    _close(llm.prompt_logits(ids), hf_logits(ref, ids), "shared_after_full length 150 budget 37")
+    assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, "shared_after_full length 150 budget 37")

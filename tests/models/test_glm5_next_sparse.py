@@ -16,12 +16,12 @@ selected, tail) are checked against what transformers' indexer keeps, query by q
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_models import SPARSE, float64_copy, hf_logits, random_ids, save_hf_glm5_next  # noqa: E402
 from hf_models import hf_greedy  # noqa: E402
+from state_engine import assert_close, model_fixture  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
@@ -30,18 +30,7 @@ BOUND = 1e-5
 N = 97
 
 
-@pytest.fixture(scope="module", params=list(SPARSE))
-def glm(request, tmp_path_factory):
-    """(spec, float64 transformers reference, folder written by its save_pretrained)."""
-    folder = tmp_path_factory.mktemp(f"glm5_sparse_{request.param}")
-    hf = save_hf_glm5_next(request.param, folder, seed=3)
-    return request.param, float64_copy(hf), folder
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
+glm = model_fixture("glm", SPARSE, save_hf_glm5_next, float64_copy, seed=3)
 
 
 def _selecting_from(text) -> int:
@@ -60,14 +49,14 @@ def test_sparse_is_the_default_and_differs_from_dense(glm):
     assert llm.config.attention.sparse and "pooled indexer" in prov["is_sparse"].source
     ids = random_ids(N, text.vocab_size, 5)
     want = hf_logits(ref, ids)
-    _close(llm.prompt_logits(ids), want, f"{spec} one pass")
+    assert_close(llm.prompt_logits(ids), want, BOUND, f"{spec} one pass")
     with pytest.warns(UserWarning, match="attention='dense'"):
         dense = LLM(str(folder), attention="dense")
     assert not dense.config.attention.sparse
     assert "user option attention='dense'" in {s.name: s for s in dense.config.all_provenance()}["is_sparse"].source
     got = dense.prompt_logits(ids)
     cut = _selecting_from(text)
-    _close(got[:cut], want[:cut], f"{spec} dense before the first selecting query")
+    assert_close(got[:cut], want[:cut], BOUND, f"{spec} dense before the first selecting query")
     far = (got[cut:] - want[cut:]).abs().max().item()
     assert far > 1e4 * BOUND, f"{spec}: dense is only {far:.3g} from the sparse reference past index_topk"
 
@@ -83,7 +72,7 @@ def test_chunked_prefill_past_index_topk_equals_transformers(glm, budget):
     lengths = (N,) if budget not in (7, 512) else (cut, cut + 1, cut + 2, 2 * cut + 3, 64, 65, N + 4)
     for n in lengths:
         ids = random_ids(n, text.vocab_size, n)
-        _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} length {n} budget {budget}")
+        assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, f"{spec} length {n} budget {budget}")
 
 
 def _kept_by_transformers(ref, ids: list[int]) -> list[tuple[int, int]]:
@@ -169,7 +158,7 @@ def test_the_other_paths_select_the_same_rows(glm, option):
     spec, ref, folder = glm
     ids = random_ids(N, ref.config.text_config.vocab_size, 5)
     llm = LLM(str(folder), max_num_batched_tokens=9, **option)
-    _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} {option} budget 9")
+    assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, f"{spec} {option} budget 9")
 
 
 def test_inspect_shows_the_route(glm, capsys):

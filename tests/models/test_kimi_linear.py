@@ -23,9 +23,9 @@ pytest.importorskip("transformers")
 from engine_drain import drain, token_ids  # noqa: E402
 from hf_models import hf_greedy  # noqa: E402
 from kimi_linear_models import SPECS, float64_copy, hf_logits, random_ids, save_hf_kimi  # noqa: E402
+from state_engine import assert_close, model_fixture, together_and_alone  # noqa: E402
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
-from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
@@ -34,18 +34,7 @@ LONG = 3 * 64 + 5  # 197: three full 64-token blocks and a tail
 LENGTHS = (1, 2, 3, 4, 5, 63, 64, 65, 127, 128, 129, LONG)
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
-def kimi(request, tmp_path_factory):
-    """(spec, float64 transformers reference, folder written by its save_pretrained)."""
-    folder = tmp_path_factory.mktemp(f"kimi_{request.param}")
-    hf = save_hf_kimi(request.param, folder, seed=3)
-    return request.param, float64_copy(hf), folder
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (ours - ref).abs().max().item()
-    assert err <= BOUND, f"{what}: max abs {err:.3g} > {BOUND}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{what}: top-1 differs"
+kimi = model_fixture("kimi", SPECS, save_hf_kimi, float64_copy, seed=3)
 
 
 @pytest.mark.parametrize("budget", [1, 5, 64, 100, 512])  # 1: token by token (the batched step); 512: one pass
@@ -58,7 +47,7 @@ def test_prompt_logits_equal_transformers_at_every_position(kimi, budget):
     vocab = ref.config.vocab_size
     for n in LENGTHS if budget in (5, 512) else (LONG,):  # every length on two budgets, the long prompt on all
         ids = random_ids(n, vocab, n)
-        _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} length {n} budget {budget}")
+        assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, f"{spec} length {n} budget {budget}")
 
 
 @pytest.mark.parametrize("mla_path", ["absorbed", "decompressed"])
@@ -67,7 +56,7 @@ def test_nope_mla_absorbed_and_decompressed_both_exact(kimi, mla_path):
     spec, ref, folder = kimi
     llm = LLM(str(folder), mla_path=mla_path, max_num_batched_tokens=40)
     ids = random_ids(LONG, ref.config.vocab_size, 7)
-    _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec} mla_path={mla_path}")
+    assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, f"{spec} mla_path={mla_path}")
 
 
 def test_greedy_through_the_state_equals_transformers(kimi):
@@ -86,39 +75,17 @@ def test_a_batch_of_mixed_lengths_equals_each_alone(kimi):
     its own slot == each sequence alone, and == transformers."""
     spec, ref, folder = kimi
     llm = LLM(str(folder), max_num_seqs=4)
-    runner, vocab, ps = llm.runner, ref.config.vocab_size, llm.config.cache.page_size
+    vocab = ref.config.vocab_size
     prompts = {"a": random_ids(70, vocab, 1), "b": random_ids(9, vocab, 2), "c": random_ids(66, vocab, 3)}
-    pages = {r: list(range(i * 16, i * 16 + 16)) for i, r in enumerate(prompts)}
-
-    def chunk(rid, ids, done, slot):
-        table = tuple(pages[rid][: -(-(done + len(ids)) // ps)])
-        return SeqChunk(rid, tuple(ids), done, table, all_logits=True, state_slot=slot, reset_state=done == 0)
-
-    plan = {"a": (65, 66, 67), "b": (1, 2, 9), "c": (60, 66)}  # each sequence's chunk ends, in steps
-    alone = {}
-    for rid, ends in plan.items():  # alone, in slot 0
-        rows, done = [], 0
-        for end in ends:
-            rows.append(runner.execute([chunk(rid, prompts[rid][done:end], done, 0)])[1])
-            done = end
-        alone[rid] = torch.cat(rows)
-    together: dict[str, list[torch.Tensor]] = {r: [] for r in prompts}
-    done = dict.fromkeys(prompts, 0)
-    for i in range(3):  # step 1: three prefills; step 2: a and b one token each beside c; step 3: a and b's tails
-        chunks = []
-        for slot, (rid, ends) in enumerate(plan.items(), start=1):
-            if i < len(ends):
-                chunks.append(chunk(rid, prompts[rid][done[rid] : ends[i]], done[rid], slot))
-                done[rid] = ends[i]
-        batch, logits = runner.execute(chunks)
-        if i == 1:
-            assert batch.num_decode_seqs == 2  # two one-token sequences beside a prefill
-        for (rid, _), row in zip(batch.logits_owner, logits):
-            together[rid].append(row)
-    for rid, rows in together.items():
-        got = torch.stack(rows)
-        _close(got, alone[rid], f"{spec} request {rid}: batch vs alone")
-        _close(got, hf_logits(ref, prompts[rid][: done[rid]]), f"{spec} request {rid} vs transformers")
+    # each sequence's chunk ends, in steps: step 1 three prefills; step 2 a and b one token each beside c; step 3
+    # a and b's tails
+    plan = {"a": (65, 66, 67), "b": (1, 2, 9), "c": (60, 66)}
+    alone, together, decodes = together_and_alone(llm.runner, prompts, plan)
+    assert decodes[1] == 2  # two one-token sequences beside a prefill
+    for rid, got in together.items():
+        assert_close(got, alone[rid], BOUND, f"{spec} request {rid}: batch vs alone")
+        want = hf_logits(ref, prompts[rid][: plan[rid][-1]])
+        assert_close(got, want, BOUND, f"{spec} request {rid} vs transformers")
 
 
 def test_preemption_recomputes_the_state_exactly(kimi):
@@ -167,7 +134,7 @@ def test_a_reused_slot_starts_from_a_zeroed_state(kimi):
     llm = LLM(str(folder), max_num_seqs=1, max_num_batched_tokens=32)
     for n in (70, 9, 66):
         ids = random_ids(n, ref.config.vocab_size, 300 + n)
-        _close(llm.prompt_logits(ids), hf_logits(ref, ids), f"{spec}: length {n} in the reused slot")
+        assert_close(llm.prompt_logits(ids), hf_logits(ref, ids), BOUND, f"{spec}: length {n} in the reused slot")
     cache = llm.runner.cache
     for t in cache.request_tensors():
         assert torch.count_nonzero(t[cache.state_pad_slot]) == 0

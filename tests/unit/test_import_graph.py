@@ -23,8 +23,9 @@ def modules(root: Path, package: str) -> dict[str, Path]:
     return out
 
 
-def imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """The modules of `mods` that module `name` imports, anywhere in its body but TYPE_CHECKING blocks."""
+def imports(name: str, path: Path, mods: dict[str, Path], annotations: bool = False) -> set[str]:
+    """The modules of `mods` that module `name` imports, anywhere in its body but TYPE_CHECKING blocks (those too
+    with `annotations`)."""
 
     def deepest(dotted: str) -> str | None:
         while dotted and dotted not in mods:
@@ -36,7 +37,7 @@ def imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if not annotations and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
             if isinstance(child, ast.Import):
                 found.update(deepest(a.name) for a in child.names)
@@ -52,9 +53,9 @@ def imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     return {m for m in found if m is not None and m != name}
 
 
-def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+def import_graph(root: Path, package: str, annotations: bool = False) -> dict[str, set[str]]:
     mods = modules(root, package)
-    return {name: imports(name, path, mods) for name, path in mods.items()}
+    return {name: imports(name, path, mods, annotations) for name, path in mods.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:

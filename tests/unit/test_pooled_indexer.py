@@ -95,9 +95,9 @@ def test_kept_tokens_equal_transformers(kpool, heads, topk):
 def test_pools_written_chunk_by_chunk_into_pages_equal_one_pass(kpool, page, budget):
     """Each chunk pools the pools it completes (completed_pools) into their paged rows (pool_rows) through a
     scattered block table; read back in pool order they equal pool() over the whole sequence, bit for bit."""
+    from mlaserve.attention.pooled_metadata import completed_pools, pool_rows
     from mlaserve.cache.model_cache import ModelCache
     from mlaserve.config.layer_kinds import LayerKind, check_page_size, pooled_indexer_states
-    from mlaserve.models.pooled_indexer import completed_pools, pool_rows
 
     _, ours = _pair(kpool, 3, 8, seed=1)
     n, num_pages = 45, 16

@@ -94,7 +94,7 @@ def test_a_parked_entry_does_not_hide_a_selected_position_zero():
 def test_the_pool_tables_equal_pool_rows_per_sequence():
     """The selecting segment's [B, N] table (one tensor op over the block tables) == pool_rows (the plain
     reference) per sequence, scattered pages, kpool 2 and 4, pages of 4 and 8 tokens."""
-    from mlaserve.models.pooled_indexer import pool_rows
+    from mlaserve.attention.pooled_metadata import pool_rows
 
     g = torch.Generator().manual_seed(0)
     for kpool, page in ((2, 4), (4, 8), (4, 4), (2, 8)):

@@ -13,7 +13,7 @@ What differs from deepseek_v3, and where it is read:
 - the checkpoint's config names (transformers' attribute_map) are read under the MLA reader's names, each recorded.
 - the checkpoint's tensor names (`block_sparse_moe`, experts `w1`/`w3`/`w2`) are read as the MoE module's
   (`checkpoint_renames`, applied by loading/weights.py; errors name the checkpoint's tensor).
-A llama.cpp `kimi-linear` GGUF is read back (gguf/read/config.py `_kda_fields`, gguf/read/checkpoint.py `_KDA`).
+A llama.cpp `kimi-linear` GGUF is read back (gguf/read/config.py `_kda_fields`, gguf/read/mapping.py `_KDA`).
 """
 
 from __future__ import annotations

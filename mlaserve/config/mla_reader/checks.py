@@ -5,12 +5,33 @@ naming the key and where its value came from."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from mlaserve.config.model_parts import ConfigError, MoEConfig
+from mlaserve.config.model_parts import ConfigError, MoEConfig, RopeConfig
+from mlaserve.config.provenance import Setting
 
-if TYPE_CHECKING:  # annotations only: config/model.py builds the config with these checks
-    from mlaserve.config.model import ModelConfig
+
+class BuiltConfig(Protocol):
+    """The fields of a built ModelConfig these checks read (a Protocol, not config/model.py's class: model.py
+    builds the config with these checks, so naming its class here would make an import circle)."""
+
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def rope(self) -> RopeConfig: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def moe(self) -> MoEConfig | None: ...
+    @property
+    def mlp_layer_types(self) -> tuple[str, ...]: ...
+    @property
+    def provenance(self) -> tuple[Setting, ...]: ...
+
 
 # Integer fields and their least sensible value; a float, a string or a bool is an error naming the key.
 _INT_FIELDS = {
@@ -81,7 +102,7 @@ def check_sizes(raw: dict[str, Any], source: str, renamed: dict[str, str] | None
             raise ConfigError(f"{source}: {label(key)} must be a number, got {value!r} ({type(value).__name__})")
 
 
-def check_model_config(cfg: ModelConfig, source: str, field_sources: dict[str, str] | None = None) -> None:
+def check_model_config(cfg: BuiltConfig, source: str, field_sources: dict[str, str] | None = None) -> None:
     """Values that cannot define a model, rejected at load naming the key (they would otherwise
     give NaN logits or a different model at the first forward pass)."""
     origin = {st.name: st.source for st in cfg.provenance} | (field_sources or {})

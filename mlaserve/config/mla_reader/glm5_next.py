@@ -5,18 +5,32 @@ config the MLA reader built from the DeepSeek-V3 fields, each recorded with its 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from mlaserve.config.glm5_next import read_glm5_next
 from mlaserve.config.mla_reader.raw import RawConfig
-from mlaserve.config.model_parts import ConfigError
+from mlaserve.config.model_parts import ConfigError, IndexerConfig, MoEConfig
 from mlaserve.config.provenance import Setting
 
-if TYPE_CHECKING:  # annotations only: config/model.py applies this to the config it built
-    from mlaserve.config.model import ModelConfig
+
+class MLAFields(Protocol):
+    """The fields of the config the MLA reader built that this reads (a Protocol, not config/model.py's ModelConfig:
+    model.py applies this to the config it built, so naming its class here would make an import circle)."""
+
+    @property
+    def moe(self) -> MoEConfig | None: ...
+    @property
+    def indexer(self) -> IndexerConfig | None: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def provenance(self) -> tuple[Setting, ...]: ...
 
 
-def apply_glm5_next(r: RawConfig, cfg: ModelConfig) -> ModelConfig:
+Config = TypeVar("Config", bound=MLAFields)  # a frozen dataclass (ModelConfig): replace() returns its own type
+
+
+def apply_glm5_next(r: RawConfig, cfg: Config) -> Config:
     """GLM-5.3-Flash's schedules and the fields the MLA reader does not know, from config/glm5_next.py's reader
     (checked there against transformers' own parse), each recorded with its source."""
     layout = read_glm5_next(r.raw, r.source)

@@ -48,7 +48,7 @@ def _open_model(folder: Path) -> _Model:
             f"{folder}/config.json: {family.name} has no llama.cpp architecture (gguf-py lists none), so there is "
             "no GGUF layout to write it in"
         )
-    if cfg.kda is not None:  # a kimi-linear GGUF is read (gguf/read/checkpoint.py), not written: no KDA writer
+    if cfg.kda is not None:  # a kimi-linear GGUF is read (gguf/read/mapping.py), not written: no KDA writer
         raise ConvertError(
             f"{folder}/config.json: {family.name} (KDA layers {list(cfg.kda.layers)}) has no GGUF layout this "
             "converter writes"
