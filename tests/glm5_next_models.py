@@ -79,6 +79,17 @@ EXTRA = {
         linear_num_heads=3,
         index_kpool=4,
     ),
+    # a "shared" MLA layer after KDA layers: transformers raises there, the engine reuses layer 0's selection
+    # (docs/GLM5_NEXT.md; tests/models/test_glm5_next_shared_reuse.py reads the decision, no transformers run)
+    "shared_after_kda": dict(
+        num_hidden_layers=4,
+        layer_types=[M, K, K, M],
+        indexer_types=["full", "full", "full", "shared"],
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        linear_num_heads=3,
+        index_kpool=4,
+        index_topk=8,
+    ),
 }
 # past index_topk (the pooled route selecting: prompts of ~100 tokens keep 4 of up to 25 pools), 8 index heads so
 # that exact-zero score ties (every head's ReLU 0 for two pools at the cut) are rare; tests/models/test_glm5_next_sparse.py

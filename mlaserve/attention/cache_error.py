@@ -1,5 +1,6 @@
 """How far attention over 8-bit cache rows (kv_cache_dtype) may be from attention over the full rows: a bound
 derived from the stored scales, for the tests and `mlaserve verify` (nothing on the serving path calls it).
+MLA's latent rows (attention_error_bound) and DeepSeek-V4's shared K=V rows with sinks (shared_kv_error_bound).
 
 Notation (one segment, as attention/reference.py)
   c_l [r], k_l [dr]   a key position's exact row [c_kv | k_pe]; the 8-bit row is [c_l + e_l | k_l] (k_pe is kept)
@@ -58,3 +59,28 @@ def attention_error_bound(
         "bqhl,blr->bqhr", probs * (grow - 1), c.abs()
     )
     return torch.einsum("bqhr,hvr->bqhv", latent, w_uv.double().abs()).float()
+
+
+def shared_kv_error_bound(
+    q: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """DeepSeek-V4's attention (one K=V head shared by every query head, a per-head sink logit with a zero value)
+    over 8-bit K=V rows: the bound above with W_UK = W_UV = identity and the sink joining the softmax.
+    q [S, H, D] the queries, rows [K, D] the exact rows the keys were made from, delta [K, D] their per-value
+    error bounds (0 on the rope part the cache keeps), visible [S, K], sinks [H] -> [S, H, D]:
+    |attention over the 8-bit rows - attention over rows| per output value (before the output's de-rotation).
+    The sink is a softmax entry without error and without value: Z = sum_m p_m exp(ds_m) + p_sink, so
+    G = log(sum_m p_m exp(eps_m) + p_sink), and it adds nothing to the output sums."""
+    q, rows, delta = q.double(), rows.double(), delta.double()
+    mask = visible[:, None, :]  # [S, 1, K]
+    scores = torch.einsum("shd,kd->shk", q, rows) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.double().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+    p, p_sink = probs[..., :-1], probs[..., -1:]
+    eps = (torch.einsum("shd,kd->shk", q.abs(), delta) * scale).masked_fill(~mask, 0.0)
+    g = torch.log((p * eps.exp()).sum(dim=-1, keepdim=True) + p_sink)
+    grow = torch.exp(eps + g)
+    return (
+        torch.einsum("shk,kd->shd", p * grow, delta) + torch.einsum("shk,kd->shd", p * (grow - 1), rows.abs())
+    ).float()

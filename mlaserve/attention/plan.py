@@ -129,6 +129,8 @@ class AttentionPlan:
     state_bytes_per_request: int = 0  # request-addressed state the kind's layers keep per running request (KDA)
     chunk: int = 0  # KDA: the chunked form's length its "chunked" segment runs (router.py KDA_CHUNK)
     pooled: PooledRows | None = None  # a sparse mla_dsa kind with a pooled indexer (GLM-5.3-Flash): its counts
+    # "shared" indexer layers: (layer, the selecting layer whose selection it reuses), from LayerKind.reuses
+    reuses: tuple[tuple[int, int], ...] = ()
 
     def counts(self) -> dict[str, int]:
         return _counts(self.segments)
@@ -207,4 +209,6 @@ def _kind_record(p: AttentionPlan) -> dict:
         rec["chunk"] = p.chunk
     if p.pooled is not None:
         rec["pooled"] = p.pooled.to_record()
+    if p.reuses:  # which selection each shared indexer layer reuses (docs/GLM5_NEXT.md: after KDA layers too)
+        rec["reuses"] = [{"layer": layer, "selection_of": of} for layer, of in p.reuses]
     return rec | ({"rows": p.rows.to_record()} if p.rows is not None else {})

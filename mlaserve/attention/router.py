@@ -25,6 +25,8 @@ Backend
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mlaserve.attention.backends import get_backend
@@ -187,7 +189,9 @@ def route_step(
         subs = next(k.sublayers for k in layers if k.attention == kind)  # one stack: every layer has the same
         kpool = max(k.kpool for k in layers if k.attention == kind)  # GLM-5.3-Flash's pooled indexer, else 0
         sharing = tuple(k.index for k in layers if k.attention == kind and k.indexer == "shared")
-        plans.append(route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs, kpool, sharing))
+        plan = route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs, kpool, sharing)
+        reuses = tuple((k.index, k.reuses) for k in layers if k.attention == kind and k.reuses is not None)
+        plans.append(replace(plan, reuses=reuses) if reuses else plan)
     return StepRoute(tuple(plans))
 
 
@@ -233,7 +237,8 @@ def route_kda(batch: ForwardBatch, layers: tuple[int, ...], bytes_per_request: i
 
 def state_bytes(kind: LayerKind, cache_dtype: torch.dtype) -> int:
     """One layer's request-state bytes per running request (a state of its own dtype counts its own size)."""
-    return sum(s.values_per_request() * s.element_size(cache_dtype) for s in kind.per_request)
+    size = torch.empty((), dtype=cache_dtype).element_size()
+    return sum(s.request_bytes(size) for s in kind.per_request)
 
 
 V4_PATHS = {"v4_sliding": "window", "v4_csa": "window+csa", "v4_hca": "window+hca"}

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mlaserve.cache.quantized_rows import QuantizedRows
+from mlaserve.cache.quantized_rows import QuantizedRows, plain_zeros
 from mlaserve.config.layer_kinds import LayerKind, StateSpec, check_page_size, request_states, snapshot_states
 from mlaserve.config.model import ConfigError
 
@@ -92,8 +92,7 @@ class ModelCache:
             for layer in self.layers:
                 for s in layer.kind.per_request:
                     if s.snapshot:
-                        shape = (num_pages + 1, *s.request_shape)
-                        layer.tensors[s.name + "_snapshot"] = torch.zeros(shape, dtype=s.dtype or dtype, device=device)
+                        layer.tensors[s.name + "_snapshot"] = _allocate_block(s, num_pages + 1, dtype, device)
         if prefault:
             for layer in self.layers:
                 for t in layer.tensors.values():
@@ -132,7 +131,7 @@ class ModelCache:
             raise RuntimeError("restore_states: this cache keeps no page-boundary snapshots (prefix caching off)")
         self.reset_states(slots)
         for state, snap in self.snapshot_pairs():
-            state.index_copy_(0, slots, snap.index_select(0, pages))
+            state.index_copy_(0, slots, take(snap, pages))
 
     def _page_parts(self) -> list[tuple[str, torch.Tensor, int]]:
         """Every tensor that holds a page's rows (the disk tier's parts): (name, tensor, rows per page). Paged
@@ -147,11 +146,14 @@ class ModelCache:
                 else:
                     out.append((f"{i}.{s.name}", t, per))
             if self.keeps_snapshots:
-                out += [
-                    (f"{i}.{s.name}_snapshot", layer.tensors[s.name + "_snapshot"], 0)
-                    for s in layer.kind.per_request
-                    if s.snapshot
-                ]
+                for s in layer.kind.per_request:
+                    if not s.snapshot:
+                        continue
+                    t = layer.tensors[s.name + "_snapshot"]
+                    if isinstance(t, QuantizedRows):  # an 8-bit snapshot (V4's ring): each part, as the pools
+                        out += [(f"{i}.{s.name}_snapshot.{k}", part, 0) for k, part in enumerate(t.tensors())]
+                    else:
+                        out.append((f"{i}.{s.name}_snapshot", t, 0))
         return out
 
     def page_layout(self) -> dict[str, tuple[str, tuple]]:
@@ -186,7 +188,8 @@ class ModelCache:
     @staticmethod
     def snapshot_bytes_per_token(layers: tuple[LayerKind, ...], dtype: torch.dtype, page_size: int) -> float:
         """Bytes per token of the page-boundary snapshots (one per page of every snapshotted request state)."""
-        return sum(s.values_per_request() * s.element_size(dtype) for _, s in snapshot_states(layers)) / page_size
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(s.request_bytes(size) for _, s in snapshot_states(layers)) / page_size
 
     @staticmethod
     def bytes_per_token(layers: tuple[LayerKind, ...], dtype: torch.dtype) -> int:
@@ -196,7 +199,8 @@ class ModelCache:
     @staticmethod
     def bytes_per_request(layers: tuple[LayerKind, ...], dtype: torch.dtype) -> int:
         """Bytes of request-addressed state one running request holds (0 for paged-only stacks)."""
-        return sum(s.values_per_request() * s.element_size(dtype) for k in layers for s in k.per_request)
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(s.request_bytes(size) for k in layers for s in k.per_request)
 
     def measured_bytes_per_token(self) -> int:
         """Allocated bytes per cached token of the paged states, the pad rows (a fixed row per state) left out."""
@@ -209,7 +213,7 @@ class ModelCache:
         """Allocated bytes of request state per slot, the pad slot left out (0 without request states)."""
         if not self.num_slots:
             return 0
-        return sum(t[: self.num_slots].numel() * t.element_size() for t in self.request_tensors()) // self.num_slots
+        return sum(_nbytes(t) * self.num_slots // t.shape[0] for t in self.request_tensors()) // self.num_slots
 
 
 def check_request_states(layers: tuple[LayerKind, ...], num_slots: int) -> None:
@@ -224,10 +228,30 @@ def _allocate(
     s: StateSpec, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device: str | torch.device
 ) -> torch.Tensor | QuantizedRows:
     if s.addressing == "request":  # one block per slot, then the zero pad slot
-        return torch.zeros(num_slots + 1, *s.request_shape, dtype=s.dtype or dtype, device=device)
+        return _allocate_block(s, num_slots + 1, dtype, device)
     if s.quant is not None:  # 8-bit rows (kv_cache_dtype): codes, scales, kept values
         return QuantizedRows(s.quant, s.rows(num_pages, page_size) + 1, dtype, device, _zeros)
     return _zeros(s.rows(num_pages, page_size) + 1, s.width, dtype, device)
+
+
+def _allocate_block(
+    s: StateSpec, n: int, dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor | QuantizedRows:
+    """n blocks of a request state [n, *per_request, width] (slots, or one snapshot row per page): 8-bit rows
+    when the state is kept so (DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3), else its dtype."""
+    if s.quant is not None:
+        return QuantizedRows(s.quant, (n, *s.per_request), dtype, device, plain_zeros)
+    return torch.zeros(n, *s.request_shape, dtype=s.dtype or dtype, device=device)
+
+
+def take(t: torch.Tensor | QuantizedRows, index: torch.Tensor) -> torch.Tensor | QuantizedRows:
+    """A copy of t's rows at index as stored (8-bit rows keep their codes: copied back, nothing is quantized
+    twice)."""
+    return t.take(index) if isinstance(t, QuantizedRows) else t.index_select(0, index)
+
+
+def _nbytes(t: torch.Tensor | QuantizedRows) -> int:
+    return t.nbytes() if isinstance(t, QuantizedRows) else t.numel() * t.element_size()
 
 
 def _row_bytes(t: torch.Tensor | QuantizedRows) -> int:

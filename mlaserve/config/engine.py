@@ -403,16 +403,21 @@ def _pages_in_memory(
         raise ConfigError(f"kv_cache_memory must be a number of GiB > 0, got {gib!r}")
     kinds = quantize_states(declare_layers(model, sparse), check_kv_cache_dtype(opts.kv_cache_dtype), model)
     size = dtype.itemsize
-    per_token = sum(s.bytes_per_row(size) // s.tokens_per_row for k in kinds for s in k.paged)
+    # a page's rows: page_size / tokens_per_row of each paged state (a whole number: check_page_size), so an
+    # 8-bit row whose bytes do not divide by its tokens is counted exactly
+    rows_per_page = sum(s.bytes_per_row(size) * (page_size // s.tokens_per_row) for k in kinds for s in k.paged)
+    per_token = rows_per_page / page_size
     if per_token == 0:
         raise ConfigError(f"kv_cache_memory sizes paged cache rows; {model.model_type} keeps none (use num_pages)")
     snapshots = opts.enable_prefix_caching and prefix_caching_blocker(kinds) is None
-    per_snapshot = sum(s.values_per_request() * s.element_size(dtype) for _, s in snapshot_states(kinds))
-    per_page = per_token * page_size + (per_snapshot if snapshots else 0)
+    per_snapshot = sum(s.request_bytes(size) for _, s in snapshot_states(kinds))
+    per_page = rows_per_page + (per_snapshot if snapshots else 0)
     pages = int(gib * 2**30 // per_page)
     snap = f" + {per_snapshot} bytes of page-boundary snapshots" if snapshots and per_snapshot else ""
     if pages < 1:
-        raise ConfigError(f"kv_cache_memory={gib} GiB holds no page of {page_size} tokens x {per_token} bytes{snap}")
+        raise ConfigError(f"kv_cache_memory={gib} GiB holds no page of {page_size} tokens x {per_token:g} bytes{snap}")
     log.record("kv_cache_memory", gib, "user option")
-    why = f"kv_cache_memory {gib} GiB / ({page_size} tokens x {per_token} bytes per token{snap}, {opts.kv_cache_dtype})"
+    why = (
+        f"kv_cache_memory {gib} GiB / ({page_size} tokens x {per_token:g} bytes per token{snap}, {opts.kv_cache_dtype})"
+    )
     return log.record("num_pages", pages, why)

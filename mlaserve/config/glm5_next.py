@@ -146,7 +146,32 @@ def read_glm5_next(raw: dict, source: str = "config.json") -> Glm5NextLayout:
         float(get("hc_eps")),
         learned_head=False,
     )
+    _shared_after_kda(layer_types, indexer, where, log)
     return Glm5NextLayout(n, layer_types, mlp, indexer, kda, kpool, topk, hc, float(get("swiglu_limit")), log.freeze())
+
+
+def _shared_after_kda(layer_types: tuple[str, ...], indexer: tuple[str, ...], where: str, log) -> None:
+    """A "shared" indexed layer reuses the nearest previous "full" indexed layer's selection (docs/GLM5_NEXT.md
+    "Shared indexer layers after KDA layers"). Where KDA layers lie between the two, transformers raises (it passes a
+    selection only from the immediately preceding decoder layer): that reuse is this engine's decision, recorded in
+    the provenance as (shared layer, the layer whose selection it reuses) pairs."""
+    across, last_full = [], None
+    for i, (kind, role) in enumerate(zip(layer_types, indexer)):
+        if kind != INDEXED:
+            continue  # a KDA layer's indexer_types entry is not read
+        if role == "full":
+            last_full = i
+            continue
+        if last_full is not None and last_full != i - 1:  # none before it: nothing to reuse (the layer raises
+            # if a step ever asks it to select, as transformers' does)
+            across.append((i, last_full))
+    if across:
+        log.record(
+            "shared_indexer_reuse",
+            tuple(across),
+            "engine: a shared layer after KDA layers reuses the nearest previous full layer's selection "
+            "(transformers raises there; docs/GLM5_NEXT.md)",
+        )
 
 
 def _per_layer(text: dict, key: str, n: int, allowed: tuple[str, ...], where: str, log) -> tuple[str, ...] | None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # annotations only: layer_kinds imports torch, which config/e
     from mlaserve.config.layer_kinds import LayerKind
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+V4_FP8_STATES = ("kv_pool", "window")  # DeepSeek-V4's states kept in FP8 under fp8_e4m3 (_quantize_v4)
 
 
 def check_kv_cache_dtype(value) -> str:
@@ -53,13 +54,17 @@ def quantize_states(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model: M
 
 
 def _quantize_v4(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model) -> tuple[LayerKind, ...]:
-    """DeepSeek-V4 (model: a DeepseekV4Config): fp8_e4m3 keeps every CSA / HCA layer's compressed K=V rows
-    (`kv_pool`) in the official code's FP8 format (config/v4_numerics.py kv_format: the non-rope part as e4m3
-    codes with a power-of-two scale per 64, the rope part kept), so the run's FP8 rounding (implied,
-    resolve_v4_numerics) and the cache hold the same values. What stays in the compute dtype, and why: the
-    window ring (a per-request state of W rows, already holding rounded values; not paged), the indexer's
-    pool (the official code keeps its keys in bf16), the carries and overlap halves (raw projections the
-    pooling still needs). int8 is refused: the official code rounds V4's rows through FP8 only."""
+    """DeepSeek-V4 (model: a DeepseekV4Config): fp8_e4m3 keeps every K=V row the attention reads in the official
+    code's FP8 format (config/v4_numerics.py kv_format: the non-rope part as e4m3 codes with a power-of-two scale
+    per 64, stored as one e8m0 byte; the rope part kept): every CSA / HCA layer's compressed pool (`kv_pool`,
+    paged) and every layer's sliding-window ring (`window`, a request state of W rows per slot, and with it its
+    page snapshots, which the cache allocates in the state's form). The run's FP8 rounding is implied
+    (resolve_v4_numerics), so the rows a step writes are already what the codes hold: a rounded value
+    re-quantizes to itself under a power-of-two scale, and a ring row read back and written again (a snapshot,
+    a rollback's restore) keeps its codes. What stays in the compute dtype, and why: the indexer's pool (the
+    official code keeps its keys in bf16), the carries and overlap halves and their snapshots (raw projections
+    the pooling still needs: rounding them would change the pooled rows, so they could not be restored
+    exactly). int8 is refused: the official code rounds V4's rows through FP8 only."""
     if kv_cache_dtype != "fp8_e4m3":
         raise ConfigError(
             f"kv_cache_dtype={kv_cache_dtype!r}: DeepSeek-V4's compressed rows are kept only as the official code "
@@ -74,7 +79,7 @@ def _quantize_v4(layers: tuple[LayerKind, ...], kv_cache_dtype: str, model) -> t
     fmt = kv_format(a.nope_dim, a.rope_dim)
     out = []
     for k in layers:
-        states = tuple(replace(s, quant=fmt) if s.name == "kv_pool" else s for s in k.states)
+        states = tuple(replace(s, quant=fmt) if s.name in V4_FP8_STATES else s for s in k.states)
         out.append(replace(k, states=states))
     return tuple(out)
 

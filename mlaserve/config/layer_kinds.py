@@ -65,7 +65,7 @@ are functions of the sequence's context_len (rows = context_len // m, fill = con
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,6 +125,16 @@ class StateSpec:
     def element_size(self, cache_dtype: torch.dtype) -> int:
         return torch.empty((), dtype=self.dtype or cache_dtype).element_size()
 
+    def request_bytes(self, compute_bytes: int) -> int:
+        """A "request" state's bytes per request (or per snapshot row): its rows in 8 bits (quant: codes,
+        scales, kept values per row) or its values in its dtype (compute_bytes: the cache dtype's size)."""
+        if self.addressing != "request":
+            return 0
+        rows = math.prod(self.per_request)
+        if self.quant:
+            return rows * self.quant.bytes_per_row(compute_bytes)
+        return rows * self.width * (self.element_size(self.dtype) if self.dtype else compute_bytes)
+
     @property
     def restorable(self) -> bool:
         """A prefix hit can restore this state at a page boundary: a paged state (its rows are the pages'),
@@ -156,6 +166,9 @@ class LayerKind:
     # several attention sublayers per layer (LongCat-Flash): the latent state each one reads and writes, in
     # sublayer order; () for a layer of one attention (its state is "latent")
     sublayers: tuple[str, ...] = ()
+    # a "shared" indexer layer: the index of the selecting layer whose selection it reuses (the nearest previous
+    # "full" / "pooled" layer; KDA layers between pass it on, docs/GLM5_NEXT.md); None elsewhere
+    reuses: int | None = None
 
     def state(self, name: str) -> StateSpec | None:
         return next((s for s in self.states if s.name == name), None)
@@ -175,7 +188,20 @@ def declare_layers(model: ModelConfig, sparse: bool) -> tuple[LayerKind, ...]:
     sized by the longest sequence (DeepSeek-V4's pools are paged)."""
     if model.family.layer_kinds == "deepseek_v4":
         return tuple(_v4_layer(model, i) for i in range(model.num_layers))
-    return tuple(_layer(model, i, sparse) for i in range(model.num_layers))
+    return _with_reuse(tuple(_layer(model, i, sparse) for i in range(model.num_layers)))
+
+
+def _with_reuse(layers: tuple[LayerKind, ...]) -> tuple[LayerKind, ...]:
+    """Each "shared" indexer layer names the selecting layer it reuses: the nearest previous one with its own
+    indexer (what the model's layers pass on, models/deepseek.py Selections). Decided here, as data."""
+    out, last = [], None
+    for k in layers:
+        if k.indexer in ("full", "pooled"):
+            last = k.index
+        elif k.indexer == "shared" and last is not None:  # none before it: reuses stays None (nothing to reuse)
+            k = replace(k, reuses=last)
+        out.append(k)
+    return tuple(out)
 
 
 def _v4_layer(model, i: int) -> LayerKind:
@@ -312,12 +338,14 @@ def describe(layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int
         role = f", indexer {indexer}" if indexer else ""
         kept = " + ".join(_describe_state(s) for s in states)
         paged = [s for s in states if s.addressing == "page"]
-        per_token = sum(s.bytes_per_row(bytes_per_value) // s.tokens_per_row for s in paged) * len(ids)
-        sizes = f"{per_token} bytes/token"
+        # a row of one per m tokens counts 1/m of its bytes (not floored: an 8-bit row's bytes need not divide)
+        per_token = sum(s.bytes_per_row(bytes_per_value) / s.tokens_per_row for s in paged) * len(ids)
+        sizes = f"{per_token:g} bytes/token"
 
-        # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size
+        # a request state of its own dtype (a float32 recurrent state in a bf16 cache) counts its own size, an
+        # 8-bit one (DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3) its codes, scales and kept values
         def size(s: StateSpec) -> int:
-            return s.values_per_request() * (s.element_size(s.dtype) if s.dtype else bytes_per_value)
+            return s.request_bytes(bytes_per_value)
 
         snapped = sum(size(s) for s in states if s.snapshot)
         if snapped and page_size:
@@ -360,9 +388,13 @@ def _dsa_route(of: list[LayerKind], sparse: bool, topk: int | None) -> str:
         )
     else:
         text = f"DSA sparse: a query keeps the top {topk} cached rows by its indexer's score"
-    shared = [k.index for k in of if k.indexer == "shared"]
+    shared = [k for k in of if k.indexer == "shared"]
     if shared:
-        text += f"; layers {layer_ranges(shared)} reuse the nearest previous selecting layer's selection"
+        which = ", ".join(f"{k.index} <- {k.reuses}" for k in shared)
+        text += f"; layers {layer_ranges([k.index for k in shared])} reuse the nearest previous selecting layer's selection ({which})"
+        across = [k.index for k in shared if k.reuses != k.index - 1]
+        if across:
+            text += f"; layers {layer_ranges(across)} reuse it across KDA layers (this engine's decision: transformers raises there)"
     return text
 
 
@@ -376,7 +408,8 @@ def _describe_state(s: StateSpec) -> str:
             if s.empty_at_page_boundary
             else "no snapshots"
         )
-        return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype} per request ({snap})"
+        quant = f" as {s.quant.label()}" if s.quant else ""  # DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3
+        return f"{s.name} [{' x '.join(map(str, s.request_shape))}]{dtype}{quant} per request ({snap})"
     quant = f" as {s.quant.label()}" if s.quant else ""
     return f"{s.name} [{s.width}]{quant}" + (f" per {s.tokens_per_row} tokens" if s.tokens_per_row > 1 else "")
 

@@ -194,7 +194,9 @@ class EngineOptions:
         "storage of the latent cache rows: auto = the compute dtype; int8 / fp8_e4m3 = c_kv as 8-bit codes with an "
         "fp32 scale per 128 values (k_pe kept in the compute dtype) and, on DSA models, the indexer keys as FP8 e4m3 "
         "with a scale per token: ~2.5-2.9x the tokens of float32 in the same memory (c_kv alone ~3.9x), every "
-        "attention call within a bound derived from the scales (mlaserve verify)",
+        "attention call within a bound derived from the scales (mlaserve verify); DeepSeek-V4: fp8_e4m3 only, its "
+        "compressed pools and window rings (and their prefix-cache snapshots) as the official FP8 rows, e4m3 per 64 "
+        "with a 1-byte e8m0 scale, the rope part kept",
         KV_CACHE_DTYPES,
     )
     v4_kv_rounding: str = _opt(

@@ -15,6 +15,11 @@ Notation
   x~ = code * scale (one fp32 rounding, relative 2^-24) and
   |x - x~| <= scale / 2 (int8) | <= max(|x| / 16, scale / 1024) (e4m3: half a step of its 3 mantissa bits,
   2^-10 below the smallest normal code 2^-6): the per-value error bound every 8-bit-vs-full check derives from.
+  Stored scales: fp32 (4 bytes) for "amax"; for "ue8m0" one byte, the e8m0 exponent b of 2^(b - 127)
+  (DeepSeek's ue8m0 and vLLM's fp8_ds_mla scales): a power of two is its exponent alone, so the byte holds
+  the scale exactly (cache/quantized_rows.py encode_scales / decode_scales; byte 255 is NaN, a non-finite
+  block's scale; byte 0, never a scale since amax is floored, reads as 0: the zero pad row).
+  bytes per row = quantized + scale_bytes * quantized / block + kept * c
 
 Why blocks of 128 latent values: DeepSeek's FP8 uses 1 x 128 activation blocks and vLLM's `fp8_ds_mla` cache
 keeps 4 scales per 512-value latent row, i.e. 128 values per scale; an fp32 scale per 128 codes costs 3% of
@@ -35,14 +40,15 @@ QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest code magnitude; scale =
 # The smallest amax a scale is made from (DeepSeek's act_quant clamps amax the same way): a zero row (the pad
 # row, a zero block) gets a finite scale and zero codes instead of 0 / 0.
 AMAX_FLOOR = 1e-4
-SCALE_BYTES = 4  # fp32 (a ue8m0 scale is a power of two, held exactly in the same fp32 slot)
+SCALE_BYTES = {"amax": 4, "ue8m0": 1}  # fp32; e8m0 (a power of two is held exactly by its exponent byte)
 SCALE_RULES = ("amax", "ue8m0")
 
 
 @dataclass(frozen=True)
 class RowFormat:
     """How one paged state's rows are stored when they are 8-bit: `quantized` leading values as codes in blocks
-    of `block` with an fp32 scale each, then `kept` trailing values in the compute dtype."""
+    of `block` with a scale each (fp32, or one e8m0 byte for power-of-two scales), then `kept` trailing values in
+    the compute dtype."""
 
     codes: str  # "int8" | "fp8_e4m3"
     quantized: int
@@ -66,12 +72,17 @@ class RowFormat:
     def width(self) -> int:
         return self.quantized + self.kept
 
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of one stored scale: 4 (fp32) for "amax", 1 (e8m0) for "ue8m0"."""
+        return SCALE_BYTES[self.scale]
+
     def bytes_per_row(self, compute_bytes: int) -> int:
-        return self.quantized + SCALE_BYTES * self.scales + self.kept * compute_bytes
+        return self.quantized + self.scale_bytes * self.scales + self.kept * compute_bytes
 
     def label(self) -> str:
         kept = f" + {self.kept} kept" if self.kept else ""
-        rule = " (ue8m0: power-of-two scales)" if self.scale == "ue8m0" else ""
+        rule = " (ue8m0: power-of-two scales, 1 byte each)" if self.scale == "ue8m0" else ""
         return f"{self.codes} [{self.quantized}] / {self.block} per scale{rule}{kept}"
 
 

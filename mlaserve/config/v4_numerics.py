@@ -19,8 +19,8 @@ departs from transformers, as data: which of the official roundings a run applie
                            both sides leaves every score unchanged; the FP4 rounding after it is what changes
                            the selection.
 
-kv_cache_dtype fp8_e4m3 on a V4 model keeps the compressed pools' rows as those FP8 codes and scales
-(config/kv_cache.py `v4_kv_format`), so it implies kv_rounding "fp8_ue8m0" (every other row the attention
+kv_cache_dtype fp8_e4m3 on a V4 model keeps the compressed pools' rows and the window rings as those FP8 codes
+and scales (config/kv_cache.py `_quantize_v4`; the scales as one e8m0 byte each), so it implies kv_rounding "fp8_ue8m0" (every other row the attention
 reads is rounded alike); `resolve_v4_numerics` records that and refuses "none" beside it.
 """
 
@@ -93,6 +93,14 @@ def resolve_v4_numerics(model, kv_rounding: str, indexer: str, kv_cache_dtype: s
             )
         return V4Numerics()
     fp8_cache = kv_cache_dtype == "fp8_e4m3"
+    if fp8_cache:
+        log.record(
+            "v4_kv_cache_layout",
+            "fp8_e4m3 / 64 + e8m0 scales (1 byte) + rope kept: kv_pool, window ring and its snapshots",
+            "kv_cache_dtype=fp8_e4m3 (config/kv_cache.py _quantize_v4): the official code's ue8m0 scales are "
+            "powers of two, so one exponent byte holds each exactly (an fp32 slot would add 3 bytes per 64 "
+            "values and no precision)",
+        )
     if kv_rounding == "auto":
         if fp8_cache:
             kv_rounding = log.record(

@@ -32,6 +32,7 @@ from mlaserve.config.layer_kinds import LATENT_KINDS
 from mlaserve.entrypoints.llm import LLM
 from mlaserve.entrypoints.verify_kv8 import kv8_pairs
 from mlaserve.entrypoints.verify_v4 import is_v4, v4_pairs
+from mlaserve.entrypoints.verify_v4_kv8 import v4_kv8_checks
 from mlaserve.executor.model_runner import ModelRunner
 
 
@@ -113,6 +114,8 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     checks = [_compare(name, a, b, tol) for name, a, b in pairs]
     if cfg.cache.kv_cache_dtype != "auto" and not v4:
         checks += kv8_pairs(llm, base, ids, logits_with, Check)
+    if cfg.cache.kv_cache_dtype != "auto" and v4:  # the 8-bit rows against the exact ones (verify_v4_kv8.py)
+        checks += v4_kv8_checks(llm, base, ids, logits_with, Check)
     return checks
 
 

@@ -13,16 +13,15 @@ from collections.abc import Callable
 
 import torch
 
-from mlaserve.attention.router import route_step
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.kv_cache import quantize_states
 from mlaserve.config.layer_kinds import declare_layers
+from mlaserve.executor.draft_step import build_draft_step
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.mtp import cache_config
-from mlaserve.observability.trace import step_record
 
 
 def make_drafter(model, cfg: EngineConfig, tracer, rank: int = 0):
@@ -67,23 +66,17 @@ class Drafter:
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         """-> (batch, logits at the chunks' logits rows [n, vocab] float32, g [T, D] in batch order)."""
         cfg = self.cfg
-        batch = ForwardBatch.build(
-            chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
-        )
-        plan = route_step(
-            batch,
+        batch, plan = build_draft_step(
+            cfg,
             self.layer_kinds,
-            cfg.attention.mla_path,
+            self.cache.pad_slot,
+            self.tracer,
+            chunks,
+            step_no,
+            ledger,
             self.sparse,
-            cfg.attention.index_topk,
-            cfg.runtime.dtype,
-            cfg.attention.backend,
+            rank=self.rank,
         )
-        if self.tracer.enabled:
-            rec = step_record(step_no, batch, plan, 1, ())
-            rec["layers"] = f"mtp ({cfg.model.num_layers})"
-            rec = rec | (ledger(batch, plan) if ledger else {})
-            self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.world_size > 1 else rec)
         src = [rows[s.request_id] + j for s in batch.seqs for j in range(s.query_len)]
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)

@@ -19,14 +19,13 @@ from collections.abc import Callable
 
 import torch
 
-from mlaserve.attention.router import route_step
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.layer_kinds import declare_layers
+from mlaserve.executor.draft_step import build_draft_step
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek_v4.mtp import mtp_config
-from mlaserve.observability.trace import step_record
 
 
 class V4Drafter:
@@ -58,24 +57,18 @@ class V4Drafter:
     ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         """-> (batch, logits at the chunks' logits rows [n, vocab] float32, output streams [T, N*D])."""
         cfg = self.cfg
-        batch = ForwardBatch.build(
-            chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
-        )
-        plan = route_step(
-            batch,
+        batch, plan = build_draft_step(
+            cfg,
             self.layer_kinds,
-            cfg.attention.mla_path,
-            False,
-            cfg.attention.index_topk,
-            cfg.runtime.dtype,
-            cfg.attention.backend,
+            self.cache.pad_slot,
+            self.tracer,
+            chunks,
+            step_no,
+            ledger,
+            False,  # no indexer in the MTP block (a sliding-window layer)
             False,
             self.model.v4_implementation,
         )
-        if self.tracer.enabled:
-            rec = step_record(step_no, batch, plan, 1, ())
-            rec["layers"] = f"mtp ({cfg.model.num_layers})"
-            self.tracer.record(rec | (ledger(batch, plan) if ledger else {}))
         src = [rows[s.request_id] + j for s in batch.seqs for j in range(s.query_len)]
         with torch.inference_mode():
             step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)

@@ -6,10 +6,10 @@ empty at page boundaries (the reason recorded in the config's provenance), and b
 zeroes the slots the batch names in reset_slots (chunks that start their sequence) and restores those in
 restores from their pages' snapshot rows (chunks that start at a prefix hit), so a layer always finds its
 request's state as of the chunk's context_len. Speculative decoding is refused with them (a rejected draft would
-have advanced a state that cannot be rolled back) unless the model rolls its states back (`rolls_back`:
-DeepSeek-V4, models/deepseek_v4/rollback.py): then a verify step keeps a tape (`self.tape`: the verifying slots'
-states before the step, the layers' projections of their rows) and `rollback` puts the rejected drafts' state
-changes back after the verdict, in the same engine step.
+have advanced a state that cannot be rolled back) unless the model rolls its states back (`rolls_back`, the
+protocol of models/rollback.py: DeepSeek-V4, GLM-5.3-Flash): then a verify step keeps the model's tape (`self.tape`,
+from `model.verify_tape`; what it holds is the model's business) and `rollback` hands it back to the model with the
+verdict, in the same engine step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from mlaserve.executor.drafter import make_drafter
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek import MLAForCausalLM
-from mlaserve.models.deepseek_v4.rollback import RollbackTape
 from mlaserve.observability.trace import NullTracer, step_record
 
 
@@ -164,9 +163,9 @@ class ModelRunner:
                     torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(pages, dtype=torch.long, device=dev)
                 )
             self.tape = None
-            if self.cache.num_slots and any(step.drafts):  # a verify step over request states: keep its tape
+            if self.cache.num_slots and any(step.drafts):  # a verify step over request states: the model's tape
                 ids = tuple(s.request_id for s in batch.seqs)
-                self.tape = RollbackTape.build(step, self.cache, step.drafts, ids)
+                self.tape = self.model.verify_tape(step, self.cache, ids)
                 hidden = self.model(batch.input_ids, step, self.cache, native, tape=self.tape)
             else:
                 hidden = self.model(batch.input_ids, step, self.cache, native)

@@ -245,10 +245,11 @@ class DecoderLayer(nn.Module):
         self.all_reduce = all_reduce
         kda = attention_kind(cfg, layer_idx) == "kda"  # Kimi-Linear's linear-attention layers (models/kda)
         self.self_attn = KimiDeltaAttention(cfg, layer_idx) if kda else MLAAttention(cfg, layer_idx)
+        # swiglu_limit: GLM-5.3-Flash's clamps (its MTP block is this layer); None for every other family
         if cfg.mlp_layer_types[layer_idx] == "moe":
-            self.mlp = MoE(cfg.hidden_size, cfg.moe)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.swiglu_limit)
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the whole layer as one native call for pure decode steps (quant.ggml_layer.GGUFDecodeLayer), set by the

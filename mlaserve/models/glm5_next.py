@@ -11,6 +11,9 @@ models/kda's KimiDeltaAttention with `A_log` stored [H], an MLA layer models/dee
 MLAAttention (NoPE: qk_rope_head_dim 0). The MLP of each layer is dense or MoE as mlp_layer_types says, both with
 swiglu_limit's clamps. The pooled indexer is held by its MLA layers (models/pooled_indexer.py) and runs the step's
 pooled route (attention/router.py: top index_topk // kpool pools + the incomplete tail; docs/GLM5_NEXT.md).
+Speculative decoding: the MTP layer (models/mtp.py, a plain-residual MLA+DSA block on the final hidden state) drafts;
+a verify step's tape and rollback put the KDA states back after rejected drafts (models/rollback.py's protocol,
+models/kda/rollback.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from mlaserve.config.model import ModelConfig
 from mlaserve.models.deepseek import AllReduce, MLAAttention, MLAForCausalLM, Selections, single_process
 from mlaserve.models.deepseek_v4.hyper import HyperConnection, expand, make_head
 from mlaserve.models.kda.layer import KimiDeltaAttention
+from mlaserve.models.kda.rollback import KDATape, rollback
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from mlaserve.models.moe import MoE
 
@@ -48,8 +52,8 @@ class Glm5NextDecoderLayer(nn.Module):
         super().__init__()
         if all_reduce is not single_process:
             raise ValueError("glm5_next runs on one process (its KDA layers and mHC streams are not split)")
-        kda = attention_kind(cfg, layer_idx) == "kda"
-        self.self_attn = Glm5NextLinearAttention(cfg, layer_idx) if kda else MLAAttention(cfg, layer_idx)
+        self.kda = attention_kind(cfg, layer_idx) == "kda"  # decided once: a KDA layer also fills a verify tape
+        self.self_attn = Glm5NextLinearAttention(cfg, layer_idx) if self.kda else MLAAttention(cfg, layer_idx)
         limit = cfg.swiglu_limit
         if cfg.mlp_layer_types[layer_idx] == "moe":
             self.mlp = MoE(cfg.hidden_size, cfg.moe, limit)
@@ -62,11 +66,21 @@ class Glm5NextDecoderLayer(nn.Module):
         self.native_layer = None  # no fused native decode layer for this family: every step runs per op
 
     def forward(
-        self, h: torch.Tensor, step: StepContext, rope: RotaryEmbedding, state: LayerState, prev: Selections
+        self,
+        h: torch.Tensor,
+        step: StepContext,
+        rope: RotaryEmbedding,
+        state: LayerState,
+        prev: Selections,
+        tape: KDATape | None = None,
     ) -> tuple[torch.Tensor, Selections]:
-        """h [T, N, D] -> [T, N, D]. A KDA layer passes `prev` (the last full indexer layer's selection) on."""
+        """h [T, N, D] -> [T, N, D]. A KDA layer passes `prev` (the last full indexer layer's selection) on and keeps
+        its inputs of the verifying rows on a verify step's `tape` (the MLA layers' rows need no rollback)."""
         post, comb, x = self.attn_hc(h)
-        y, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev)
+        if self.kda:
+            y, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev, tape)
+        else:
+            y, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev)
         h = expand(post, comb, y, h)
         post, comb, x = self.ffn_hc(h)
         return expand(post, comb, self.mlp(self.post_attention_layernorm(x)), h), selections
@@ -77,11 +91,28 @@ class Glm5NextForCausalLM(MLAForCausalLM):
         super().__init__(cfg, vocab_start, all_reduce, layer_cls=Glm5NextDecoderLayer)
         self.hc_head = make_head(cfg.hidden_size, cfg.hyper, cfg.rms_norm_eps)  # MeanHead: no weights
 
-    def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None) -> torch.Tensor:
-        """-> final hidden states [T, D] (normed). `native` is always None here (no fused decode layers)."""
+    # the rollback protocol (models/rollback.py): a verify step's KDA states can be put back (models/kda/rollback.py)
+    rolls_back = True
+
+    def forward(
+        self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None, tape: KDATape | None = None
+    ) -> torch.Tensor:
+        """-> final hidden states [T, D] (normed; the MTP layer's input). `native` is always None here (no fused
+        decode layers); tape: a verify step's KDATape (verify_tape), which the KDA layers fill."""
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, self.cfg.hyper.hc_mult, -1).contiguous()
         selections: Selections = None
         for i, layer in enumerate(self.model.layers):
-            h, selections = layer(h, step, self.rope, cache.layers[i], selections)
+            h, selections = layer(h, step, self.rope, cache.layers[i], selections, tape)
         return self.model.norm(self.hc_head(h))
+
+    def verify_tape(self, step: StepContext, cache: ModelCache, request_ids: tuple[str, ...]) -> KDATape | None:
+        """The verifying slots' KDA states before the step (None when no sequence verifies drafts)."""
+        return KDATape.build(step, cache, self.cfg.kda.layers, request_ids)
+
+    def rollback(self, tape: KDATape, kept: list[int], cache: ModelCache, page_size: int) -> None:
+        """After the verdict: kept[j] tokens of the tape's sequence j stay; the KDA states of the rest are put back.
+        page_size is the protocol's (the KDA states have no paged rows to drop)."""
+        layers = {i: self.model.layers[i].self_attn for i in self.cfg.kda.layers}
+        with torch.inference_mode():
+            rollback(tape, kept, cache, layers)

@@ -20,6 +20,10 @@ gathered by the runner); eh_proj, enorm, hnorm and shared_head.norm are replicat
 
 Checkpoint layout (layer N = num_hidden_layers): model.layers.N.{enorm,hnorm,eh_proj,shared_head.norm,
 shared_head.head,embed_tokens (optional)} + the decoder layer's own self_attn.*, mlp.*, *_layernorm.
+GLM-5.3-Flash (glm5_next; model.language_model.layers.45.* read as model.layers.45.*, loading/text_part.py): the
+same module on the trunk's final hidden state norm(mean of the mHC streams), with no hc_* tensors (the block's
+residual is plain, as vLLM's and SGLang's GLM-5.3 MTP run it), no shared_head.head (lm_head shared), an MLA+DSA
+block (NoPE, its own pooled indexer: "full") and swiglu_limit's clamps on its MoE (models/deepseek.py DecoderLayer).
 """
 
 from __future__ import annotations
@@ -155,6 +159,8 @@ class MTPLayer(DecoderLayer):
 
 
 def cache_config(cfg: ModelConfig, layout: MTPLayout) -> ModelConfig:
-    """A one-layer config for the MTP layer's own latent cache (and its indexer keys when it has an indexer)."""
+    """A one-layer config for the MTP layer's own latent cache (and its indexer keys when it has an indexer; GLM-5.3-
+    Flash's pooled indexer keeps its per-token rows and pools). The block is MLA whatever the trunk's layer 0 is
+    (GLM-5.3-Flash's is KDA): no KDA layer, so no request state and no state slot in the drafter's cache."""
     indexer = replace(cfg.indexer, layer_types=("full",)) if cfg.indexer is not None and layout.indexer else None
-    return replace(cfg, num_layers=1, mlp_layer_types=("moe" if layout.moe else "dense",), indexer=indexer)
+    return replace(cfg, num_layers=1, mlp_layer_types=("moe" if layout.moe else "dense",), indexer=indexer, kda=None)

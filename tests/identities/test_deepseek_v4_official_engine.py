@@ -12,7 +12,7 @@ K=V row, index_head_dim 64).
   whose later chunks read the earlier ones' rows from the 8-bit pools, greedy decoding of two requests in
   flight, and a prefix hit that reads a cached page's 8-bit rows. Without the rounding the 8-bit cache would
   be several 1e-2 away (test_the_rounding_is_what_the_cache_keeps), so the equality is not vacuous.
-- Bytes: the 8-bit pools' rows hold nope + 4 nope / 64 + rope x 4 bytes instead of head_dim x 4 (fp32), counted
+- Bytes: the 8-bit pools' rows hold nope + nope / 64 + rope x 4 bytes instead of head_dim x 4 (fp32), counted
   by hand == the layer kinds' count (`inspect`) == the allocation; kv_cache_memory fits that many more pages.
 """
 
@@ -120,10 +120,14 @@ def test_the_8bit_cache_is_what_the_pools_hold(pair):
     pools = [layer.tensors["kv_pool"] for layer in eight.runner.cache.layers if "kv_pool" in layer.tensors]
     assert pools and all(type(p).__name__ == "QuantizedRows" for p in pools)
     assert all(p.codes.dtype == torch.uint8 and p.fmt.block == 64 and p.fmt.scale == "ue8m0" for p in pools)
-    # what stays in the compute dtype (config/kv_cache.py _quantize_v4): the ring, the indexer pool, the carries
+    assert all(p.scales.dtype == torch.uint8 for p in pools)  # one e8m0 byte per scale
+    # the rings and their snapshots are 8-bit too (tests/identities/test_deepseek_v4_ring8.py); what stays in the
+    # compute dtype (config/kv_cache.py _quantize_v4): the indexer pool, the carries, the overlap halves
     for layer in eight.runner.cache.layers:
         for name, t in layer.tensors.items():
-            if name != "kv_pool":
+            if name in ("kv_pool", "window", "window_snapshot"):
+                assert type(t).__name__ == "QuantizedRows", name
+            else:
                 assert isinstance(t, torch.Tensor) and t.dtype == torch.float32, name
 
 
@@ -178,15 +182,17 @@ def test_bytes_per_token_of_the_8bit_pools(folder):
     eight = LLM(str(path), page_size=PAGE, enable_prefix_caching=False, num_pages=16, kv_cache_dtype="fp8_e4m3")
     d, rope, c = 136, 8, 64  # head_dim, rope dims, index_head_dim; all_kinds: sliding, CSA 4, HCA 8, CSA 4
     nope = d - rope
-    row8 = nope + 4 * (nope // 64) + 4 * rope  # codes + fp32 scales + kept rope values
-    by_hand_full = 2 * (d * 4 + c * 4) // 4 + d * 4 // 8
-    by_hand_eight = 2 * (row8 + c * 4) // 4 + row8 // 8
+    row8 = nope + nope // 64 + 4 * rope  # codes + e8m0 scales (1 byte each) + kept rope values
+    # per page of PAGE tokens (a whole number of rows of each pool); per token it need not be whole (162-byte rows)
+    page_full = 2 * (d * 4 + c * 4) * (PAGE // 4) + d * 4 * (PAGE // 8)
+    page_eight = 2 * (row8 + c * 4) * (PAGE // 4) + row8 * (PAGE // 8)
+    by_hand_full, by_hand_eight = page_full // PAGE, page_eight // PAGE  # what the allocation measures (floored)
     assert full.runner.cache.measured_bytes_per_token() == by_hand_full
     assert eight.runner.cache.measured_bytes_per_token() == by_hand_eight
     lines = describe(eight.runner.layer_kinds, 4)
     assert any(f"kv_pool [{d}] as fp8_e4m3 [{nope}] / 64 per scale (ue8m0" in line for line in lines)
-    counted = sum(int(line.split(" bytes/token")[0].rsplit("(", 1)[1]) for line in lines)
-    assert counted == by_hand_eight
+    counted = sum(float(line.split(" bytes/token")[0].rsplit("(", 1)[1]) for line in lines)
+    assert counted == page_eight / PAGE
     # kv_cache_memory: pages sized by the bytes a token takes in the 8-bit layout
     gib = 2**20 / 2**30
     pages = {
@@ -195,7 +201,7 @@ def test_bytes_per_token_of_the_8bit_pools(folder):
         ).config.cache.num_pages
         for kv in ("auto", "fp8_e4m3")
     }
-    assert pages == {"auto": 2**20 // (PAGE * by_hand_full), "fp8_e4m3": 2**20 // (PAGE * by_hand_eight)}
+    assert pages == {"auto": 2**20 // page_full, "fp8_e4m3": 2**20 // page_eight}
 
 
 def test_verify_checks_the_8bit_cache_as_an_identity(folder):
@@ -209,6 +215,11 @@ def test_verify_checks_the_8bit_cache_as_an_identity(folder):
     by_name = {c.name: c for c in checks}
     eight = by_name["8-bit cache (fp8_e4m3) vs full cache + official FP8 rounding"]
     assert eight.passed and eight.max_abs_diff <= BOUND and eight.top1_agreement == 1.0
+    # against the exact rows (verify_v4_kv8.py): every attention call within the bound derived from the scales
+    bound = by_name["8-bit cache (fp8_e4m3) vs exact rows: attention, every layer"]
+    assert bound.tolerance == 1.0 and 0 < bound.max_abs_diff <= 1.0 and "attention calls" in bound.note
+    assert int(bound.note.split(" over ")[1].split()[0]) >= 4  # every layer
+    assert by_name["8-bit cache (fp8_e4m3) vs exact rows: logits"].max_abs_diff > 1e-2  # the rounding moves them
     assert all(c.passed for c in checks), [(c.name, c.max_abs_diff) for c in checks if not c.passed]
 
 

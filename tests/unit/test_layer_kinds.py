@@ -99,9 +99,18 @@ def test_ledger_names_each_kinds_layers(hf_model_dir):
     llm = LLM(str(folder), trace=tracer)
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=2))
     n = llm.config.model.num_layers
+    # each shared layer names the full layer whose selection it reuses (LayerKind.reuses)
+    reuses = [{"layer": k.index, "selection_of": k.index - 1} for k in llm.runner.layer_kinds if k.indexer == "shared"]
+    assert reuses
     for rec in tracer.records:
         assert rec["kinds"] == [
-            {"kind": "mla_dsa", "layers": f"0-{n - 1}", "sparse": True, **{k: rec[k] for k in _COUNTS}}
+            {
+                "kind": "mla_dsa",
+                "layers": f"0-{n - 1}",
+                "sparse": True,
+                **{k: rec[k] for k in _COUNTS},
+                "reuses": reuses,
+            }
         ]
     with pytest.warns(UserWarning, match="attention='dense' on glm_moe_dsa"):
         dense = LLM(str(folder), attention="dense", trace=(tracer := MemoryTracer()))

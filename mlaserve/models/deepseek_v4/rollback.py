@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlaserve.cache.model_cache import take
 from mlaserve.models.deepseek_v4.step_update import apply_ring, ring_plan, window_plan
 
 # the request states a verify step advances (config/layer_kinds.py _v4_layer); pools and snapshots are paged
@@ -82,7 +83,7 @@ class RollbackTape:
             at += n
         slots = torch.tensor([s for *_, s in spans], dtype=torch.long, device=device)
         saved = [
-            {name: layer.tensors[name].index_select(0, slots) for name in STATE_NAMES if name in layer.tensors}
+            {name: take(layer.tensors[name], slots) for name in STATE_NAMES if name in layer.tensors}
             for layer in cache.layers
         ]
         return RollbackTape(
@@ -119,7 +120,7 @@ def rollback(tape: RollbackTape, kept: list[int], cache, layers, tables, page_si
     for i, (layer, attn) in enumerate(zip(cache.layers, layers)):
         t, taped = layer.tensors, tape.layers[i]
         for name, before in tape.saved[i].items():  # the slots as they were before the step
-            t[name].index_copy_(0, slots, before.index_select(0, sel))
+            t[name].index_copy_(0, slots, take(before, sel))
         if dropped:
             pages = torch.tensor(dropped, dtype=torch.long, device=device)
             for name in STATE_NAMES:

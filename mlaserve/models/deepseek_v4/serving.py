@@ -224,6 +224,10 @@ class V4Serving(nn.Module):
         h = hidden.view(hidden.shape[0], self.config.hc.hc_mult, self.config.hidden_size)
         return self.inner.lm_head(self.inner.head_hidden(h)).float()
 
+    def verify_tape(self, step: StepContext, cache: ModelCache, request_ids: tuple[str, ...]) -> RollbackTape | None:
+        """The rollback protocol's first half (models/rollback.py): the verifying slots' states before the step."""
+        return RollbackTape.build(step, cache, step.drafts, request_ids)
+
     def rollback(self, tape: RollbackTape, kept: list[int], cache: ModelCache, page_size: int) -> None:
         """After a verify step's verdict: kept[j] tokens of the tape's sequence j stay (rollback.py)."""
         attns = [layer.self_attn for layer in self.inner.model.layers]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaserve.cache.model_cache import take
 from mlaserve.models.deepseek_v4.state import StepRows
 
 # the runner's per-sequence plain data: (first row, tokens, context_len, state slot)
@@ -70,13 +71,17 @@ def ring_plan(spans: tuple[SeqSpan, ...], snapshots: tuple[Boundaries, ...], win
 
 def apply_ring(plan: RingPlan, kv: torch.Tensor, window: torch.Tensor, snapshot: torch.Tensor | None) -> None:
     """kv [T, D] the step's K=V rows -> the ring slots (and the page snapshots, first: they start from the ring
-    before the step). Run after every read of the old ring rows (the chunk's keys)."""
+    before the step). Run after every read of the old ring rows (the chunk's keys). window / snapshot: tensors,
+    or 8-bit rows (cache/quantized_rows.py, kv_cache_dtype fp8_e4m3): the same calls, each row quantized once, at
+    its write; a snapshot starts from the ring's rows as stored (`take`: codes and scales copied, not read back
+    and quantized again, which gives the same values but may pick the other of two equal encodings: a code of
+    224 at 2^(k+1) re-quantizes as 448 at 2^k), so its bytes are those the per-sequence reference saves."""
     kv = kv.to(window.dtype)
     if snapshot is not None:
-        snap = window.index_select(0, plan.snap_slot)
-        snap[plan.over_snap, plan.over_pos] = kv[plan.over_row]
+        snap = take(window, plan.snap_slot)
+        snap.index_put_((plan.over_snap, plan.over_pos), kv[plan.over_row])
         snapshot.index_copy_(0, plan.snap_page, snap)
-    window[plan.write_slot, plan.write_pos] = kv[plan.write_row]
+    window.index_put_((plan.write_slot, plan.write_pos), kv[plan.write_row])
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ every sequence to the longest and run the padded chunks for nothing; the project
 run over all T tokens at once. Page-boundary snapshots (StepContext.snapshots, (k, page) per sequence): a chunk
 is split at each boundary it reaches and the states after exactly k tokens go to the page's rows; the batched
 step copies the slots whose token ends a page. recurrence.recurrent_reference is the plain reference both are
-tested against.
+tested against. Speculative verification (GLM-5.3-Flash): a verify step's tape keeps the layer's per-token inputs of
+the verifying rows, and a rollback replays the kept tokens from the states before the step (models/kda/rollback.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from mlaserve.cache.model_cache import LayerState
     from mlaserve.executor.step_context import StepContext
     from mlaserve.models.indexer import Selection
+    from mlaserve.models.kda.rollback import KDATape
     from mlaserve.models.layers import RotaryEmbedding
 
 
@@ -118,11 +120,15 @@ class KimiDeltaAttention(nn.Module):
         rope: RotaryEmbedding,
         state: LayerState,
         prev: tuple[Selection, ...] | None,
+        tape: KDATape | None = None,
     ) -> tuple[torch.Tensor, tuple[Selection, ...] | None]:
         """x [T, D] -> (out [T, D], prev unchanged). The decoder layer's attention interface (MLAAttention's): a KDA
-        layer has no position encoding (rope unused) and passes a previous layer's DSA selection on untouched."""
+        layer has no position encoding (rope unused) and passes a previous layer's DSA selection on untouched.
+        tape: a verify step's KDATape (models/kda/rollback.py), which keeps this layer's inputs of the verifying rows."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3 H d]
         g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
+        if tape is not None:  # what a rollback replays: the recurrence's inputs of the verifying rows
+            tape.keep(self.layer_idx, mixed, g, beta)
         t = state.tensors
         rec, conv_state = t["recurrent"], t["conv"]
         # page-boundary snapshot rows (prefix caching on; absent otherwise): [P + 1, ...] per state
@@ -135,7 +141,7 @@ class KimiDeltaAttention(nn.Module):
                 slots = step.state_slots[seg.seq_start : seg.seq_end]
                 y, conv_new = conv.step(mixed[lo:hi], conv_state.index_select(0, slots), taps)
                 conv_state.index_copy_(0, slots, conv_new.to(conv_state.dtype))
-                q, k, v = self._split(y)
+                q, k, v = self.split_heads(y)
                 q, k = recurrence.prepare(q, k)
                 out, s = recurrence.step(q, k, v, g[lo:hi], beta[lo:hi], rec.index_select(0, slots))
                 rec.index_copy_(0, slots, s)
@@ -148,7 +154,7 @@ class KimiDeltaAttention(nn.Module):
                 at = step.snapshots[b] if rec_snap is not None else ()
                 conv_before = conv_state[slot].clone() if at else None
                 y, conv_state[slot] = conv.prefill(mixed[a : a + n], conv_state[slot], taps)
-                q, k, v = self._split(y)
+                q, k, v = self.split_heads(y)
                 q, k = recurrence.prepare(q, k)
                 # the chunk is split at each page boundary it reaches: the state after exactly k tokens is the
                 # page's snapshot row (the chunked form's chunks restart there, the result is the same recurrence)
@@ -180,5 +186,5 @@ class KimiDeltaAttention(nn.Module):
         rec_snap.index_copy_(0, pages, rec.index_select(0, slots))
         conv_snap.index_copy_(0, pages, conv_state.index_select(0, slots))
 
-    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(t.unflatten(-1, (self.num_heads, self.head_dim)) for t in y.split(self.width, dim=-1))
