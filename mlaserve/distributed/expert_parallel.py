@@ -17,7 +17,15 @@ those rows weighted 0 (a holder runs [T_r, k] pairs; weight 0 times a finite val
 -> one all-reduce per MoE layer (distributed/collectives.py) -> + the shared expert (replicated,
 added once after the sum). Every rank sees every token, so no dispatch is needed; an all-to-all that
 sends each rank only its pairs' hidden states (and runs no zero-weight pairs) is the later
-optimisation. Hash-routed layers (DeepSeek-V4) and identity experts (LongCat) are refused at load.
+optimisation.
+Identity experts (LongCat-Flash's zero-computation experts, ids [E, E + Z): y = w x, no weights) are held by no
+rank: every rank already has every token's x and routing (replicated), so each adds the identity share
+sum_{identity pairs} w x AFTER the all-reduce, to the reduced sum. Exact and counted once: the all-reduce
+carries the real experts' pairs only (no rank puts an identity pair into its partial, whose experts are
+[e0, e1) within [0, E)), and every rank adds the same identity share once to the same reduced sum (adding it
+to each partial instead would count it N times).
+Hash-routed layers (DeepSeek-V4's first layers: idx = tid2eid[token_id]) need nothing more: every rank runs
+the step's whole batch, token ids included, through the replicated router.
 Load: cut_experts cuts every experts module to [e0, e1) on the meta device (before the stored-form holders
 are made: float stacks, GGUFExperts, FP8 / FP4 / INT4 experts), the loader fills it from the rank's
 ExpertRangeSource (expert_source.py: the other ranks' expert tensors are never read), then shard_experts
@@ -32,7 +40,9 @@ import torch
 from torch import nn
 
 from mlaserve.config.model import ConfigError, MoEConfig
-from mlaserve.models.moe import Experts
+from mlaserve.models.deepseek_v4.moe import V4MoEBlock
+from mlaserve.models.moe import Experts, MoE
+from mlaserve.models.zero_experts import ZeroExpertMoE, identity_share
 
 
 def expert_range(n_experts: int, rank: int, n: int) -> tuple[int, int]:
@@ -55,22 +65,29 @@ class ExpertShard:
     # TP x EP over whole experts (distributed/mesh.py): the reduced routed sum is added by TP rank 0 only (the
     # decoder's TP all-reduce then counts it once); the others return zeros
     adds: bool = True
+    # the first identity expert's id (E: LongCat-Flash's zero-computation experts are ids >= E), None: none
+    identity_from: int | None = None
 
 
 class ReceivedPairs:
     """Running total of the (token, expert) pairs this rank's experts received (like CommStats: the
     ledger takes the difference over a step), for load balance."""
 
-    def __init__(self, pairs: int = 0, tokens: int = 0) -> None:
-        self.pairs, self.tokens = pairs, tokens
+    def __init__(self, pairs: int = 0, tokens: int = 0, identity: int = 0) -> None:
+        self.pairs, self.tokens, self.identity = pairs, tokens, identity
 
     def snapshot(self) -> ReceivedPairs:
-        return ReceivedPairs(self.pairs, self.tokens)
+        return ReceivedPairs(self.pairs, self.tokens, self.identity)
 
     def since(self, before: ReceivedPairs) -> dict:
         """The step's (token, expert) pairs this rank's experts ran, summed over the MoE layers, and the token
-        rows they came in (a token with two pairs on this rank counts once per layer)."""
-        return {"pairs": self.pairs - before.pairs, "tokens": self.tokens - before.tokens}
+        rows they came in (a token with two pairs on this rank counts once per layer); `identity`: the pairs
+        routed to identity experts (every rank adds them, so every rank reports the same count)."""
+        return {
+            "pairs": self.pairs - before.pairs,
+            "tokens": self.tokens - before.tokens,
+            "identity": self.identity - before.identity,
+        }
 
 
 class ExpertParallelRouted(nn.Module):
@@ -93,6 +110,9 @@ class ExpertParallelRouted(nn.Module):
         self.received.pairs += int(mine.sum())
         self.received.tokens += int(rows.numel())
         routed = self.all_reduce(partial)
+        if s.identity_from is not None:  # after the sum, on every rank, once (the module docstring: why exact)
+            routed = routed + identity_share(x, topk_w, topk_idx, s.identity_from)
+            self.received.identity += int((topk_idx >= s.identity_from).sum())
         return routed if s.adds else torch.zeros_like(routed)
 
 
@@ -114,9 +134,18 @@ def expert_bytes(module: nn.Module) -> int:
 
 
 def _moe_layers(model: nn.Module):
-    from mlaserve.models.moe import MoE
+    """Every MoE layer: the MLA families' MoE, LongCat-Flash's ZeroExpertMoE, DeepSeek-V4's V4MoEBlock (an MTP
+    layer's too: model.mtp is a submodule)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (MoE, ZeroExpertMoE, V4MoEBlock))]
 
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+def routed_layout(module: nn.Module) -> tuple[int, int | None]:
+    """A MoE layer's (E experts with weights, the first identity expert's id or None): read from its router's
+    weight (rows = E) or LongCat's config (its classifier scores E + Z)."""
+    if isinstance(module, ZeroExpertMoE):
+        cfg = module.router.cfg
+        return cfg.n_routed_experts, (cfg.n_routed_experts if cfg.zero_experts else None)
+    return module.gate.weight.shape[0], None
 
 
 def cut_experts(model: nn.Module, rank: int, n: int, whole: MoEConfig | None = None) -> None:
@@ -128,11 +157,18 @@ def cut_experts(model: nn.Module, rank: int, n: int, whole: MoEConfig | None = N
     if not layers:
         raise ConfigError(f"expert_parallel_size={n}: the model has no MoE layer to spread")
     for _, module in layers:
-        e = module.gate.cfg.n_routed_experts
+        e, _ = routed_layout(module)
         if whole is not None:  # TP x EP over whole experts: the checkpoint's width, not the TP rank's slice
             # (no swiglu_limit: its clamps come with no quantized checkpoint, refused at open)
             module.experts = Experts(module.gate.weight.shape[1], whole)
         _cut(module.experts, e, *expert_range(e, rank, n))
+
+
+def cut_range(model: nn.Module, start: int, stop: int) -> None:
+    """Every MoE layer's routed experts cut to [start, stop) on the meta-device model (DeepSeek-V4's loader: its
+    FP8 / FP4 holders are made after this, for those experts only)."""
+    for _, module in _moe_layers(model):
+        _cut(module.experts, routed_layout(module)[0], start, stop)
 
 
 def shard_experts(
@@ -144,7 +180,7 @@ def shard_experts(
     who = who or f"rank {rank}"
     received, notes = ReceivedPairs(), []
     for name, module in _moe_layers(model):
-        e = module.gate.cfg.n_routed_experts
+        e, identity_from = routed_layout(module)
         start, stop = expert_range(e, rank, n)
         held = next(p.shape[0] for p in module.experts.parameters())
         if held != stop - start:  # the loader's contract with cut_experts, checked rather than assumed
@@ -153,7 +189,17 @@ def shard_experts(
         # the one-call block (and the decode layer holding it) computes the whole routed sum in C: the kernel plan,
         # made after this, keeps this layer per op (GGUFMoEBlock.unfit names expert parallelism)
         module.expert_shard = ExpertParallelRouted(
-            module.experts, ExpertShard(rank, n, start, stop, adds), all_reduce, received
+            module.experts, ExpertShard(rank, n, start, stop, adds, identity_from), all_reduce, received
         )
-        notes.append(f"{who}: {name} experts [{start}, {stop}) of {e}, {expert_bytes(module.experts)} bytes held")
+        ident = (
+            f" (+ {module.router.cfg.zero_experts} identity experts, added by every rank)"
+            if identity_from is not None
+            # DeepSeek-V4's hash layers: the table is replicated, every rank looks the step's token ids up
+            else " (hash-routed: tid2eid[token id] on every rank)"
+            if getattr(module.gate, "hashed", False)
+            else ""
+        )
+        notes.append(
+            f"{who}: {name} experts [{start}, {stop}) of {e}{ident}, {expert_bytes(module.experts)} bytes held"
+        )
     return received, notes

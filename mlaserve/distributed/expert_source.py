@@ -10,8 +10,10 @@ Notation
                 its whole stack
 A GGUF's stacked ffn_{gate,up,down}_exps are served per expert already (GGUFTensors: expert e is a byte range
 of the stack), so a hidden expert's bytes are never touched; a safetensors folder stores one tensor per
-expert, read only when asked for. Expert ids outside [0, E) stay listed (renamed like the rank's own) so the
-loader names them as it would in one process. `where` names the checkpoint's own tensor.
+expert, read only when asked for. Expert ids e >= E stay listed, renamed to (e1 - e0) + (e - E): after the
+rank's own, where they sit after one process's E, so the experts module judges them as in one process
+(LongCat-Flash's identity experts, whose unused gate/up rows transformers saves, are skipped and reported; an
+id past those is an unexpected tensor). `where` names the checkpoint's own tensor.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class ExpertRangeSource:
     the other ranks' experts absent, everything else as stored."""
 
     def __init__(self, source, n_experts: int, start: int, stop: int) -> None:
-        self.source, self.start, self.stop = source, start, stop
+        self.source, self.start, self.stop, self.n_experts = source, start, stop, n_experts
         self._stored: dict[str, str] = {}  # the name the loader sees -> the checkpoint's name
         self.hidden = 0  # expert tensors of other ranks, never read
         for name in source.names():
@@ -40,7 +42,11 @@ class ExpertRangeSource:
             if e < start or stop <= e < n_experts:
                 self.hidden += 1
                 continue
-            self._stored[f"{m.group(1)}.{e - start}.{m.group(3)}"] = name
+            self._stored[f"{m.group(1)}.{self._local(e)}.{m.group(3)}"] = name
+
+    def _local(self, e: int) -> int:
+        """A checkpoint expert id -> the rank's: its own from 0, ids >= E after them (the docstring)."""
+        return e - self.start if e < self.n_experts else self.stop - self.start + e - self.n_experts
 
     @property
     def bytes_read(self) -> int:
@@ -57,7 +63,11 @@ class ExpertRangeSource:
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's name of a local one, listed or not (the loader names a missing expert tensor by it)."""
         m = _EXPERT.match(name)
-        return f"{m.group(1)}.{int(m.group(2)) + self.start}.{m.group(3)}" if m else name
+        if m is None:
+            return name
+        local, held = int(m.group(2)), self.stop - self.start
+        e = local + self.start if local < held else self.n_experts + local - held
+        return f"{m.group(1)}.{e}.{m.group(3)}"
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.source.shape(self._stored[name])

@@ -21,9 +21,10 @@ chunks and the rows of hidden states it reads (TensorParallelDrafter): the trunk
 pass's, which every rank holds itself (each the output of the same all-reduce and replicated ops), or,
 for rows only rank 0 kept (a paused request's catch-up, engine/speculative.py), the rows themselves. So
 every rank runs the same passes over the same inputs in the same order, and its caches hold the same rows.
-Rejected drafts need no rollback on any rank: their rows are never read (attention is causal) and the
-next step rewrites them; the families whose request states would need one (DeepSeek-V4, KDA) are not
-split. The ledger's speculative fields of a step (verify, draft depth) are rank 0's, copied into every
+Rejected drafts need no rollback on the MLA families: their rows are never read (attention is causal)
+and the next step rewrites them. DeepSeek-V4's request states do (it is not split by tensor parallelism,
+but spread by expert parallelism, its MTP layer's experts too): there rank 0 sends the verdict ("rollback")
+and the deeper drafts' ring hold / end_draft, and every rank puts its own copy back. The ledger's speculative fields of a step (verify, draft depth) are rank 0's, copied into every
 rank's record of that step; the switch and accept records are rank 0's alone.
 """
 
@@ -253,6 +254,14 @@ class TensorParallelRunner(ModelRunner):
                 self.tracer.record({"step": self.step_count - 1, "expert_load": load})
         return batch, logits, hidden
 
+    def rollback(self, kept: dict[str, int]) -> None:
+        """A verify step's rejected drafts put back on every rank (DeepSeek-V4 under expert parallelism: each
+        rank keeps its own copy of the request states); only after a step that kept a tape, which every rank
+        kept (the same chunks)."""
+        if self.tape is not None:
+            self.group.guard(self.group.comm.broadcast_object, ("rollback", kept))
+        super().rollback(kept)
+
     def check_configs(self) -> None:
         """Gather every rank's echo; a rank whose effective configuration differs is an error."""
         mine = rank_echo(0, self.cfg, self.model)
@@ -286,9 +295,11 @@ def _tap(ledger):
 
 
 class TensorParallelDrafter:
-    """Rank 0's drafter under tensor parallelism: each MTP pass runs on every rank (its slice of the MTP
-    layer, its all-reduces), the logits' vocabulary slices gathered here, where the engine picks the drafts.
-    hold / end_draft are the local drafter's (nothing on the MLA families' drafter, the only one split)."""
+    """Rank 0's drafter under tensor and / or expert parallelism: each MTP pass runs on every rank (its slice of
+    the MTP layer, or its range of the MTP layer's experts; its all-reduces), the logits' vocabulary slices
+    gathered here (under expert parallelism alone every rank has the whole vocabulary: nothing to gather),
+    where the engine picks the drafts. hold / end_draft run on every rank (DeepSeek-V4's drafter keeps its
+    rings there; nothing on the MLA families' drafter)."""
 
     def __init__(self, local, runner: TensorParallelRunner) -> None:
         self.local, self.runner = local, runner
@@ -303,9 +314,11 @@ class TensorParallelDrafter:
         self.local.tracer = tracer
 
     def hold(self, slots: list[int]) -> None:
+        self.runner.group.guard(self.runner.group.comm.broadcast_object, ("hold", slots))
         self.local.hold(slots)
 
     def end_draft(self) -> None:
+        self.runner.group.guard(self.runner.group.comm.broadcast_object, ("end_draft",))
         self.local.end_draft()
 
     def forward(self, chunks: list[SeqChunk], hidden: torch.Tensor, rows: dict[str, int], step_no: int, ledger=None):
@@ -325,7 +338,7 @@ class TensorParallelDrafter:
         tap, fields = _tap(ledger)
         batch, local, g = self.local.forward(chunks, hidden, rows, step_no, tap)
         self.last_g = g
-        logits = comm.gather_logits(local, runner.vocab_sizes)
+        logits = comm.gather_logits(local, runner.vocab_sizes) if runner.vocab_sizes is not None else local
         if trace:
             for rec in comm.gather_objects(None)[1:]:
                 self.local.tracer.record(rec | fields)  # the pass's depth: rank 0's fields, one view

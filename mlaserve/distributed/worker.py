@@ -5,7 +5,8 @@ broadcasts until told to stop. It never samples: its logits slice and route reco
 Messages from rank 0 (broadcast_object): ("step", chunks, preempted, trace) | ("draft", chunks, rows,
 step_no, source, trace): an MTP pass over the rows `source` names ("trunk": the last step's hidden states,
 "draft": the last pass's output, or the rows themselves; distributed/group.py TensorParallelDrafter) |
-("stop",).
+("hold", slots) | ("end_draft",) | ("rollback", kept): the deeper drafts' ring hold and a verify step's
+rollback (DeepSeek-V4 under expert parallelism; group.py) | ("stop",).
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ def rank_echo(rank: int, cfg: EngineConfig, model: torch.nn.Module) -> dict:
     """What a rank reports at start: its effective config (must agree across ranks) and its own
     slice: local heads, weight bytes held, threads."""
     params = {id(p): p for p in list(model.parameters()) + list(model.buffers())}
+    # DeepSeek-V4's runner model (V4Serving) keeps its own config as .config (heads under .attention); never split
+    v4 = getattr(model, "config", None) if not hasattr(model, "cfg") else None
     return {
         "rank": rank,
         "config": effective_config(cfg),
-        "num_local_heads": model.cfg.num_heads,
-        "vocab_rows": model.cfg.vocab_size,
+        "num_local_heads": v4.attention.num_heads if v4 is not None else model.cfg.num_heads,
+        "vocab_rows": (v4 or model.cfg).vocab_size,
         "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "num_threads": torch.get_num_threads(),
         "routed_experts": routed_experts(model),
@@ -83,7 +86,8 @@ def routed_experts(model: torch.nn.Module) -> list[dict]:
     from mlaserve.distributed.expert_parallel import expert_bytes
 
     out = []
-    for name, m in model.named_modules():
+    # DeepSeek-V4's runner model wraps the stack as .inner: its layers named as the checkpoint's (model.layers.N)
+    for name, m in getattr(model, "inner", model).named_modules():
         shard = getattr(m, "expert_shard", None)
         if shard is not None:
             s = shard.shard
@@ -172,9 +176,19 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
             _, chunks, rows, step_no, source, trace = msg
             rows_in = {"trunk": hidden, "draft": g}.get(source) if isinstance(source, str) else source
             _, logits, g = runner.drafter.forward(chunks, rows_in, rows, step_no)
-            comm.gather_logits(logits, sizes)
+            if sizes is not None:  # expert parallel alone: rank 0 has the whole vocabulary's logits
+                comm.gather_logits(logits, sizes)
             if trace:
                 comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})
+            continue
+        if msg[0] == "hold":  # DeepSeek-V4 under expert parallelism: its drafter's rings, its request states
+            runner.drafter.hold(msg[1])
+            continue
+        if msg[0] == "end_draft":
+            runner.drafter.end_draft()
+            continue
+        if msg[0] == "rollback":
+            runner.rollback(msg[1])
             continue
         _, chunks, preempted, trace = msg
         received = getattr(loaded.model, "expert_received", None)

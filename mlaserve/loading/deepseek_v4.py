@@ -16,6 +16,10 @@ Experts E: w1 (gate) and w3 (up) stack into mlp.experts.gate_up_proj[E] = [w1; w
 DeepSeek FP8 (quantization_config quant_method fp8, 128x128 e4m3 blocks, ue8m0 or fp32 scales): every module
 with a `<module>.weight_scale_inv` is swapped for its quantized holder (quant/deepseek_v4.py, FP8Linear) before
 the fill, and its stored bytes are copied as they are.
+Expert parallelism (`experts=(e0, e1)`, distributed/expert_parallel.py): every MoE layer's routed experts are cut
+to [e0, e1) on the meta device (before the FP8 / FP4 holders are made), the rank's expert tensors fill local ids
+0 .. e1 - e0 - 1, and the other ranks' per-expert tensors are never read (counted in the report); a stacked
+module-layout tensor is read whole and sliced.
 mtp.j.* (num_nextn_predict_layers): with `mtp` (speculative="mtp") they fill the MTP layers
 (models/deepseek_v4/mtp.py: released names mtp.j.{e_proj,h_proj,enorm,hnorm,norm,hc_head_*} and the block's
 layer names, or the module names mtp.j.self_attn.* ...), strictly like the trunk; without it they are skipped
@@ -24,13 +28,14 @@ and reported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.model import ConfigError
+from mlaserve.distributed.expert_parallel import cut_range
 from mlaserve.loading.deepseek_v4_names import SCALE, Target, target
 from mlaserve.loading.files import path_problem, read_json
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
@@ -49,11 +54,18 @@ class V4LoadReport:
     skipped: list[str] = field(default_factory=list)
     quant: QuantPlan | None = None  # an FP8 / FP4 folder: which modules hold stored blocks, which stayed float
     gguf: object = None  # a GGUF file: its V4GGUFPlan (quant/ggml_deepseek_v4.py), None when not kept
+    bytes_read: int = 0  # tensor bytes read from the checkpoint (an expert-parallel rank: its experts only)
+    hidden: int = 0  # expert tensors of other expert-parallel ranks, never read
 
 
-def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
-    """Fill every parameter and buffer of `model` from `source` (names(), get(name), where(name))."""
+_STACKS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_scale", "experts.down_scale")
+
+
+def load_into(model: DeepseekV4ForCausalLM, source, experts: tuple[int, int] | None = None) -> V4LoadReport:
+    """Fill every parameter and buffer of `model` from `source` (names(), get(name), where(name)). experts: this
+    expert-parallel rank's range [e0, e1) (the model's stacks already cut to it), None: every expert."""
     report = V4LoadReport()
+    e0, e1 = experts or (0, model.config.moe.n_routed_experts)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     filled: dict[str, set] = {}
     for name in source.names():
@@ -65,12 +77,19 @@ def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
         if t.name not in tensors:
             raise WeightError(f"{where} -> {t.name}: the model built from config.json has no such tensor")
         dest = tensors[t.name]
+        if t.expert is not None and experts is not None:
+            if not e0 <= t.expert < e1 and t.expert < model.config.moe.n_routed_experts:
+                report.hidden += 1  # another rank's expert: not read
+                continue
+            t = replace(t, expert=t.expert - e0)  # the rank's local id (one past its range: named below)
         value = source.get(name)
+        if experts is not None and t.expert is None and t.name.endswith(_STACKS):
+            value = value[e0:e1]  # a stacked tensor of every expert (module layout): the rank's rows
         if t.expert is None:
             view, key = dest, None
         else:
             if t.expert >= dest.shape[0]:
-                raise WeightError(f"{where}: expert {t.expert} >= n_routed_experts={dest.shape[0]}")
+                raise WeightError(f"{where}: expert {t.expert + e0} >= n_routed_experts={e0 + dest.shape[0]}")
             view, key = _expert_view(dest, t), (t.expert, t.part)
         if tuple(value.shape) != tuple(view.shape):
             raise WeightError(f"{where}: shape {tuple(value.shape)} but {t.name} needs {tuple(view.shape)}")
@@ -86,16 +105,17 @@ def load_into(model: DeepseekV4ForCausalLM, source) -> V4LoadReport:
         with torch.no_grad():
             view.copy_(value.to(view.dtype))
         report.loaded += 1
-    experts = model.config.moe.n_routed_experts
+    held = e1 - e0
     for name in tensors:
         need = None
         if name.endswith(("experts.gate_up_proj", "experts.gate_up_scale")):
-            need = {(e, p) for e in range(experts) for p in ("w1", "w3")}
+            need = {(e, p) for e in range(held) for p in ("w1", "w3")}
         elif name.endswith(("experts.down_proj", "experts.down_scale")):
-            need = {(e, "w2") for e in range(experts)}
+            need = {(e, "w2") for e in range(held)}
         have = filled.get(name, set())
         if (need is None and not have) or (need is not None and have != need and have != {None}):
-            missing = "" if need is None else f" (experts/parts missing: {sorted(need - have)[:4]}...)"
+            gone = sorted((e + e0, part) for e, part in need - have) if need is not None else []
+            missing = "" if need is None else f" (experts/parts missing: {gone[:4]}...)"
             raise WeightError(f"checkpoint has no tensor for {name}{missing}")
     return report
 
@@ -138,11 +158,12 @@ def check_scheme(scheme, folder: Path) -> None:
 
 
 def load_folder(
-    folder: str | Path, dtype: torch.dtype = torch.float32, mtp: bool = False
+    folder: str | Path, dtype: torch.dtype = torch.float32, mtp: bool = False, experts: tuple[int, int] | None = None
 ) -> tuple[DeepseekV4ForCausalLM, V4LoadReport]:
     """A Hugging Face folder (config.json + safetensors; float, or DeepSeek FP8 blocks kept in their stored
     form by the quantized holders) -> the model in `dtype`, eval mode. mtp: build and fill the MTP layer
-    (`model.mtp[0]`; an error naming the folder when it has none)."""
+    (`model.mtp[0]`; an error naming the folder when it has none). experts: an expert-parallel rank's range
+    [e0, e1) of every MoE layer's routed experts (the MTP layer's too), the only ones it holds and reads."""
     folder = Path(folder)
     if path_problem(folder / "config.json") == "does not exist":
         raise ConfigError(f"{folder}: no config.json")
@@ -154,24 +175,26 @@ def load_folder(
         model = DeepseekV4ForCausalLM(cfg)
         if mtp:
             attach_mtp(model, source.names(), folder)
+        if experts is not None:  # before the holders are made: they are made for the rank's experts only
+            cut_range(model, *experts)
     holders: set[str] = set()
     plan = None
     if scheme is not None:
         check_scheme(scheme, folder)
         names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-        linears, experts = fp8_modules(source.names(), names)
-        swap_in_fp8(model, linears, experts, scheme)
-        holders = linears | experts
+        linears, stacks = fp8_modules(source.names(), names)
+        swap_in_fp8(model, linears, stacks, scheme)
+        holders = linears | stacks
         float_linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n not in holders}
-        plan = QuantPlan(scheme, tuple(sorted(linears)), tuple(sorted(experts)), tuple(sorted(float_linears)))
+        plan = QuantPlan(scheme, tuple(sorted(linears)), tuple(sorted(stacks)), tuple(sorted(float_linears)))
     model = model.to_empty(device="cpu")
     for name, p in model.named_parameters():
         # the reference keeps norms, sinks, position biases, mHC and the router bias in fp32 in any dtype;
         # a quantized holder keeps its stored form
         if not _kept_fp32(name) and name.rpartition(".")[0] not in holders:
             p.data = p.data.to(dtype)
-    report = load_into(model, source)
-    report.quant = plan
+    report = load_into(model, source, experts)
+    report.quant, report.bytes_read = plan, source.bytes_read
     return model.eval(), report
 
 

@@ -202,6 +202,8 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     model_cfg = DeepseekV4Config.from_hf(hf_config, source=f"{path.name}/config.json")
     scheme = parse_quantization(hf_config)
     _refuse_v4(path, opts)
+    if opts.expert_parallel_size > 1:  # more ranks than experts: a named error before any worker starts
+        expert_range(model_cfg.moe.n_routed_experts, 0, opts.expert_parallel_size)
     if scheme is not None:  # refused here, before any weight is read, when V4 has no holder for its form
         from mlaserve.loading.deepseek_v4 import check_scheme
 
@@ -259,12 +261,8 @@ def _refuse_expert_parallel(path: Path, model_cfg, engine_cfg) -> None:
     why = None
     if model_cfg.moe is None:
         why = "the model has no MoE layers"
-    elif model_cfg.moe.zero_experts:
-        why = "its identity (zero-computation) experts are not spread across ranks yet"
     elif model_cfg.kda is not None:
         why = "its KDA layers are not built for several ranks"
-    elif engine_cfg.speculative.method is not None:
-        why = f"speculative={engine_cfg.speculative.method!r}: the MTP layer's experts are not spread"
     else:
         expert_range(model_cfg.moe.n_routed_experts, 0, n)  # more ranks than experts: a named error
     if why is not None:
@@ -275,7 +273,10 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
     """The options DeepSeek-V4 does not run yet, refused with their reason (README, docs/DEEPSEEK_V4.md)."""
     refused = {
         "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
-        "expert_parallel_size": (opts.expert_parallel_size != 1, "its hash-routed layers are not spread yet"),
+        "expert_parallel_size": (
+            opts.expert_parallel_size != 1 and path.is_file(),
+            "a deepseek4 GGUF's block holders are not cut per rank yet; use the folder",
+        ),
         # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
         # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
         "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
@@ -297,7 +298,8 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
             raise ConfigError(f"{path}: DeepSeek-V4 with {name}={getattr(opts, name)!r}: not supported ({why})")
 
 
-def _fill_v4(ck: Checkpoint) -> LoadedModel:
+def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
+    """comm: this rank's Collectives under expert parallelism (it holds and reads its range of the experts)."""
     from mlaserve.loading.deepseek_v4 import load_folder
     from mlaserve.models.deepseek_v4.serving import V4Serving
 
@@ -311,8 +313,10 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
         if v4.gguf is not None:
             v4_kernels = set_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
     else:
-        model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp")
-    report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped))
+        ep, e = cfg.parallel.expert_parallel_size, ck.model_cfg.moe.n_routed_experts
+        experts = expert_range(e, comm.rank, ep) if ep > 1 else None
+        model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp", experts=experts)
+    report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped), bytes_read=v4.bytes_read or None)
     if v4.gguf is not None:
         report.notes += [v4.gguf.summary(), v4_kernels]
     if v4.quant is not None:
@@ -325,6 +329,14 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
     if v4.skipped:
         report.notes.append(f"skipped {len(v4.skipped)} tensor(s) of layers not built yet (MTP)")
     serving = V4Serving(model.to(cfg.runtime.device), numerics=cfg.attention.v4_numerics).eval()
+    if cfg.parallel.expert_parallel_size > 1:  # every MoE layer (hash or learned) through the rank's partial sum
+        serving.expert_received, notes = shard_experts(model, comm.rank, ep, comm.all_reduce)
+        notes.append(
+            f"rank {comm.rank}: read {v4.bytes_read} bytes of tensors from the checkpoint (the other ranks' "
+            f"{v4.hidden} routed-expert tensors not read)"
+        )
+        serving.rank_notes, serving.file_bytes_read = tuple(notes), v4.bytes_read
+        report.notes.extend(notes)
     report.notes.append(
         f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
     )
@@ -339,7 +351,7 @@ def _fill_v4(ck: Checkpoint) -> LoadedModel:
 
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if isinstance(ck.model_cfg, DeepseekV4Config):
-        return _fill_v4(ck)
+        return _fill_v4(ck, comm)
     engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
     n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
     ep = engine_cfg.parallel.expert_parallel_size

@@ -13,6 +13,8 @@ The (token, expert) pairs are sorted by expert once: the real experts' pairs com
 grouped GEMM per projection over exactly those rows, the identity experts' pairs are one elementwise product;
 a step whose tokens pick only identity experts multiplies no expert weight (the grouped GEMMs get 0 rows).
 transformers' LongcatFlashExperts is the reference (a loop over the experts hit, identity ones by nn.Identity).
+Under expert parallelism (distributed/expert_parallel.py) a rank holds a range of the real experts; the identity
+pairs are added by every rank after the real experts' all-reduce (identity_share), once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from torch import nn
 
 from mlaserve.config.model import MoEConfig
 from mlaserve.models.moe import Experts
+
+
+def identity_share(x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor, first: int) -> torch.Tensor:
+    """The identity experts' part of the routed sum: per token, sum over its pairs with id >= first of w * x
+    -> [T, D]. Each pair's product is formed as one process forms it (w in x's dtype, times x); the other pairs
+    are weighted 0 and add exactly 0 (a [T, k, D] product: k is a handful)."""
+    w = torch.where(topk_idx >= first, topk_w, torch.zeros((), dtype=topk_w.dtype)).to(x.dtype)
+    return (x.unsqueeze(1) * w.unsqueeze(-1)).sum(dim=1)
 
 
 class ZeroExpertRouter(nn.Module):
@@ -100,7 +110,11 @@ class ZeroExpertMoE(nn.Module):
         super().__init__()
         self.router = ZeroExpertRouter(hidden, cfg)
         self.experts = ZeroExpertExperts(hidden, cfg)
+        # expert parallelism (distributed/expert_parallel.py): this rank's real experts, their partial sum
+        # all-reduced, then the identity share; set at load, None in one process
+        self.expert_shard = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_w, topk_idx = self.router(x)
-        return self.experts(x, topk_w, topk_idx)
+        routed = self.experts if self.expert_shard is None else self.expert_shard
+        return routed(x, topk_w, topk_idx)

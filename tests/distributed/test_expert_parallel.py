@@ -93,12 +93,3 @@ def test_ep2_uneven_experts_equals_one_process_and_transformers(tmp_path):
     model = save_uneven_experts(tmp_path)
     ids = random_ids(16, seed=5)
     _compare(str(tmp_path), ids, hf_logits(model, ids))
-
-
-def test_hash_routed_v4_is_refused_by_name(tmp_path):
-    """DeepSeek-V4's first layers pick experts by token id (tid2eid): not spread yet, refused before any worker."""
-    from v4_models import save_hf_v4
-
-    save_hf_v4("hc3_hash", tmp_path)
-    with pytest.raises(ConfigError, match="DeepSeek-V4 with expert_parallel_size=2.*hash-routed"):
-        LLM(str(tmp_path), expert_parallel_size=2)

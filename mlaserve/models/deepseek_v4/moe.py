@@ -11,6 +11,8 @@ Notation
   y = sum_k weights_k expert_idx_k(x) + shared(x)
 Experts are stacked as the reference's module: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I];
 the batch runs as one grouped GEMM per projection where rows align, else (and as the reference) per expert.
+Under expert parallelism each rank holds a range of the experts (expert_shard); the router is replicated, so a
+hash layer's tid2eid[token_id] is looked up on every rank from the step's own token ids.
 """
 
 from __future__ import annotations
@@ -131,7 +133,11 @@ class V4MoEBlock(nn.Module):
         self.experts = Experts(hidden, cfg)
         # transformers builds one shared MLP of moe_intermediate_size (n_shared_experts 0 or 1 is checked)
         self.shared_experts = SharedExpert(hidden, cfg.moe_intermediate_size, cfg.swiglu_limit)
+        # expert parallelism (distributed/expert_parallel.py): this rank's experts, their partial sum all-reduced;
+        # set at load, None in one process. The router (hash or learned) runs on every rank over the step's tokens
+        self.expert_shard = None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, token_ids)
-        return self.experts(x, weights, idx) + self.shared_experts(x)
+        routed = self.experts if self.expert_shard is None else self.expert_shard
+        return routed(x, weights, idx) + self.shared_experts(x)

@@ -1,0 +1,113 @@
+"""Speculative decoding (speculative="mtp") under expert parallelism (CPU, gloo, 2 processes): the MTP layer's
+routed experts are spread like the trunk's, so every rank runs every draft pass (rank 0 sends each pass's rows,
+distributed/group.py TensorParallelDrafter), every verify step, and every rollback of DeepSeek-V4's request states.
+
+Checked per model, one spawn each: (1) the real MTP drafts under EP=2 are the one-process drafts, token for token
+at every step (a wrong MTP layer under EP would only lower acceptance, never change the output, so the drafts
+themselves are compared); (2) greedy output under EP=2 with speculation == one process without it, with the real
+drafts and with oracle drafts (the plain run's next tokens, every third one wrong: acceptance, partial
+acceptance and rejection all happen, so V4's rollback runs on both ranks); (3) each rank holds its range of the
+MTP layer's experts too (echo and notes). Model: DeepSeek-V3 with its MTP layer (tests/mtp_models.py "v3_yarn");
+DeepSeek-V4's MTP layer under EP is checked in test_ep_deepseek_v4.py, in that file's one spawn (its hash
+layer, CSA / HCA windows closing inside verify chunks, the rollback). Token equality is the check (greedy). Broken on purpose: a worker
+that skips the rollback message diverges from the plain tokens; a worker reading zeros for the draft rows makes
+the drafts differ from one process."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import compare_logits, fp32_logits_tol
+from hf_models import random_ids
+
+pytest.importorskip("transformers")
+
+import mlaserve.engine.speculative as spec  # noqa: E402
+from mlaserve import LLM  # noqa: E402
+from mlaserve.sampling.params import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _record_drafts(monkeypatch) -> list:
+    """Every draft pass's proposals, per step: [(prompt, output length, draft ids)]."""
+    seen, real = [], spec.draft
+
+    def draft(engine, plan, batch, hidden, accepted):
+        real(engine, plan, batch, hidden, accepted)
+        seen.append(
+            sorted(
+                (tuple(c.request.prompt_ids), len(c.request.output_ids), tuple(c.request.draft_ids))
+                for c in plan.chunks
+            )
+        )
+
+    monkeypatch.setattr(spec, "draft", draft)
+    return seen
+
+
+def _capture_mtp_logits(monkeypatch, llm: LLM) -> list:
+    """Every MTP pass's logits [n, V] on rank 0, in order (the drafts are their argmax; the logits also show a
+    worker whose MTP ring or experts' rows differ, which an argmax may not)."""
+    seen, real = [], llm.runner.drafter.forward
+
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out[1].clone())
+        return out
+
+    monkeypatch.setattr(llm.runner.drafter, "forward", forward)
+    return seen
+
+
+def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int) -> None:
+    real = spec.draft
+
+    def draft(engine, plan, batch, hidden, accepted):
+        real(engine, plan, batch, hidden, accepted)
+        for c in plan.chunks:
+            req = c.request
+            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
+            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
+            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(truth)]
+
+    monkeypatch.setattr(spec, "draft", draft)
+
+
+def _check(monkeypatch, path: str, prompts: list, vocab: int, mtp_layer: str, **opts) -> None:
+    plain = _tokens(LLM(path, **opts).generate(prompts, GREEDY))
+    spec_opts = dict(speculative="mtp", num_speculative_tokens=2, **opts)
+    one = LLM(path, **spec_opts)
+    with monkeypatch.context() as m:
+        want_drafts, want_logits = _record_drafts(m), _capture_mtp_logits(m, one)
+        assert _tokens(one.generate(prompts, GREEDY)) == plain
+    with LLM(path, expert_parallel_size=2, trace="memory", **spec_opts) as two:
+        with monkeypatch.context() as m:
+            got_drafts, got_logits = _record_drafts(m), _capture_mtp_logits(m, two)
+            assert _tokens(two.generate(prompts, GREEDY)) == plain
+        assert got_drafts == want_drafts and any(d for step in got_drafts for *_, d in step)
+        assert len(got_logits) == len(want_logits) > 0
+        for got, want in zip(got_logits, want_logits):
+            diff, top1 = compare_logits(got, want)
+            assert diff <= fp32_logits_tol(want) and top1 == 1.0, diff
+        with monkeypatch.context() as m:
+            _oracle(m, {tuple(p): t for p, t in zip(prompts, plain)}, vocab)
+            before = len(two.runner.tracer.records)
+            assert _tokens(two.generate(prompts, GREEDY)) == plain
+        summary = spec.acceptance_summary(list(two.runner.tracer.records)[before:])
+        assert 0 < summary["num_accepted_tokens"] < summary["num_proposed_tokens"], summary
+        # the MTP layer's experts: rank 0 the first range, rank 1 the rest, as every trunk layer's
+        held = [[h["experts"] for h in e["routed_experts"] if h["layer"] == mtp_layer] for e in two.runner.rank_echoes]
+        trunk = [e["routed_experts"][0]["experts"] for e in two.runner.rank_echoes]
+        assert held == [[trunk[0]], [trunk[1]]] and trunk[0][0] == 0 and trunk[0][1] == trunk[1][0], held
+
+
+def test_mla_mtp_under_ep2(monkeypatch, tmp_path_factory):
+    from mtp_models import BASE, mtp_model_folder
+
+    folder, _ = mtp_model_folder("v3_yarn", tmp_path_factory)
+    prompts = [random_ids(n, seed=n) for n in (5, 12, 1, 9)]
+    _check(monkeypatch, str(folder), prompts, BASE["vocab_size"], "mtp.0.mlp")
