@@ -253,7 +253,7 @@ def test_int8_setting_caps_the_weight_bits():
     type with an int8 kernel."""
     assert native.takes_int8(GGML_TYPE_IDS["Q6_K"], 6) and native.takes_int8(GGML_TYPE_IDS["Q4_0"], 6)
     assert not native.takes_int8(GGML_TYPE_IDS["Q8_0"], 6) and native.takes_int8(GGML_TYPE_IDS["Q8_0"], True)
-    assert not native.takes_int8(GGML_TYPE_IDS["Q5_0"], True)  # no int8 kernel: float
+    assert not native.takes_int8(GGML_TYPE_IDS["Q3_K"], True)  # no int8 kernel: float
     g = torch.Generator().manual_seed(10)
     x = torch.randn(2, 256, generator=g)
     raw = _blocks("Q4_K", 8, 256, seed=11)
