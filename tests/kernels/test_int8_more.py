@@ -293,3 +293,18 @@ def test_nan_activation_stays_nan(name):
     y = ggml.linear(x, raw, t, k, kernel="native", int8=True)
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
     assert torch.allclose(y[0], F.linear(x[:1], ggml.dense(raw, t, k))[0], rtol=0.05, atol=0.05)
+
+
+def test_auto_names_the_new_types_in_provenance():
+    """activations="auto" on a GGUF with the native kernels records int8_6bit, and its reason names the per-32 and
+    q8_K types it covers, the new ones among them."""
+    from hf_models import make_config
+
+    from mlaserve.config.engine import EngineOptions, resolve
+    from mlaserve.config.model import ModelConfig
+
+    cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
+    eng = resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=lambda: (True, "built"), gguf=True)
+    why = {s.name: s for s in eng.provenance}["activations"].source
+    assert eng.kernels.activations == "int8_6bit"
+    assert "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL" in why and "Q4_K / Q5_K / Q6_K / IQ4_XS" in why
