@@ -38,6 +38,7 @@ INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized i
 Q8_ACTIVATION_BITS = {
     **{2: 4, 3: 4, 6: 5, 7: 5, 8: 8, 20: 4},  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: per-32 activation blocks
     **{12: 4, 13: 5, 14: 6, 23: 4},  # Q4_K, Q5_K, Q6_K, IQ4_XS: q8_K's 256-value super-blocks
+    **{16: 2, 17: 2, 22: 2, 18: 3, 21: 3, 19: 1, 29: 1},  # IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: q8_K
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)

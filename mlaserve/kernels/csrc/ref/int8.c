@@ -80,6 +80,48 @@ static void q8rows_iq4_xs(const uint8_t *b0, const int8_t *xq, const float *xd, 
     }
 }
 
+/* The grid i-quants with Q8_K-style activations (x86/avx2.c q8k_grid_mr): the integer codes and multipliers of
+   ref/iquants.c, the same integer sums and float operations */
+static void q8rows_grid(const uint8_t *b0, int type, int64_t bytes, const int8_t *xq, const float *xd, int64_t m,
+                        int64_t k, float *y, int64_t ldy) {
+    const int64_t slots = k / 32;
+    prefetch_row(b0, k / 256 * bytes);
+    for (int64_t i = 0; i < m; i++) {
+        const uint8_t *b = b0;
+        float acc = 0.0f;
+        for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+            const int8_t *x = xq + i * k + blk * 256;
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            int32_t s = 0;
+            for (int ib = 0; ib < 8; ib++) {
+                int8_t w[32];
+                int32_t ls[2];
+                iq_sub_int(b, type, ib, w);
+                iq_ls(b, type, ib, ls);
+                for (int h = 0; h < 2; h++) {
+                    int32_t sh = 0;
+                    for (int j = 16 * h; j < 16 * h + 16; j++) sh += w[j] * x[32 * ib + j];
+                    s += ls[h] * sh;
+                }
+            }
+            acc += (iq_int_d(b, type) * meta->d) * (float)s;
+        }
+        y[i * ldy] = acc * iq_int_factor(type);
+    }
+}
+#define Q8ROWS_GRID(name, type, bytes)                                                                         \
+    static void name(const uint8_t *b, const int8_t *xq, const float *xd, int64_t m, int64_t k, float *y,       \
+                     int64_t ldy) {                                                                           \
+        q8rows_grid(b, type, bytes, xq, xd, m, k, y, ldy);                                                    \
+    }
+Q8ROWS_GRID(q8rows_iq2_xxs, MLS_IQ2_XXS, 66)
+Q8ROWS_GRID(q8rows_iq2_xs, MLS_IQ2_XS, 74)
+Q8ROWS_GRID(q8rows_iq2_s, MLS_IQ2_S, 82)
+Q8ROWS_GRID(q8rows_iq3_xxs, MLS_IQ3_XXS, 98)
+Q8ROWS_GRID(q8rows_iq3_s, MLS_IQ3_S, 110)
+Q8ROWS_GRID(q8rows_iq1_s, MLS_IQ1_S, 50)
+Q8ROWS_GRID(q8rows_iq1_m, MLS_IQ1_M, 56)
+
 /* The K-quants with Q8_K-style activations (x86/avx2.c says the scheme): the same integer sums, value by value,
    and the same float operations per super-block and row, hence the SIMD builds' bits. */
 static void q8rows_kquant(const uint8_t *b0, int type, const int8_t *xq, const float *xd, int64_t m, int64_t k,
