@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from int8_reference import grid_blocks
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
@@ -272,6 +273,8 @@ def test_a_rows_int8_result_does_not_depend_on_its_batch(type_id):
     k = 512
     if name in KQUANTS:
         raw = _blocks(name, 11, k, seed=14)
+    elif name.startswith(("IQ1", "IQ2", "IQ3")):
+        raw = grid_blocks(name, 11, k, seed=14)
     else:
         g = torch.Generator().manual_seed(14)
         t = GGML_TYPES[type_id]

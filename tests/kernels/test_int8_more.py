@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from int8_reference import U, builds, q8_0_reference, q8k_reference, with_build
 
-from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
 from mlaserve.kernels import ggml, native
 
@@ -35,7 +35,6 @@ needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels 
 BLOCK32 = ["Q4_1", "Q5_0", "Q5_1", "IQ4_NL"]
 NEW = [*BLOCK32, "IQ4_XS"]
 F32 = np.float32
-U = 2.0**-24
 IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int64)
 SCALES = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "IQ4_XS": [0]}  # fp16 fields (d, m)
 
@@ -69,7 +68,9 @@ def codes_of(raw: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, np.nda
         qs = b[..., 8:].reshape(n, -1, 8, 16)
         nib = np.concatenate([qs & 15, qs >> 4], -1)  # [N, nb, 8, 32]: value j low nibble, j + 16 high
         sh = b[..., 2] | (b[..., 3] << 8)
-        ls = np.stack([((b[..., 4 + ib // 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4) for ib in range(8)], -1)
+        ls = np.stack(
+            [((b[..., 4 + ib // 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4) for ib in range(8)], -1
+        )
         d = f16(raw.reshape(n, -1, size)[..., 0:2])
         return IQ4NL[nib].reshape(n, -1), np.repeat(d, 8, -1), (ls - 32).reshape(n, -1)
     qoff = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8, "IQ4_NL": 2}[name]
@@ -83,31 +84,6 @@ def codes_of(raw: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, np.nda
     d = f16(raw.reshape(n, -1, size)[..., 0:2])
     m = f16(raw.reshape(n, -1, size)[..., 2:4]) if name in ("Q4_1", "Q5_1") else np.zeros_like(d)
     return codes.reshape(n, -1), d, m
-
-
-def q8_0_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per 32 values: d = max|x| / 127, codes nearest(x * (1 / d)) (round half to even, as the SIMD quantizers of
-    ggml do), 0 where d is 0. -> codes [M, K] int8, d [M, K / 32] fp32."""
-    m, k = x.shape
-    xb = x.reshape(m, k // 32, 32).astype(F32)
-    d = (np.abs(xb).max(-1) / F32(127)).astype(F32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d > 0, F32(1) / np.where(d > 0, d, F32(1)), F32(0)).astype(F32)
-    q = np.clip(np.rint((xb * inv[..., None]).astype(F32)), -127, 127).astype(np.int8)
-    return q.reshape(m, k), d
-
-
-def q8k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's quantize_row_q8_K_ref: per 256 values iscale = -127 / max (max the value of largest magnitude,
-    the first of ties), codes nearest(iscale x) capped at 127, d = 1 / iscale."""
-    m, k = x.shape
-    xb = x.reshape(m, k // 256, 256).astype(F32)
-    mx = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)[..., 0]
-    with np.errstate(divide="ignore"):
-        iscale = np.where(mx != 0, F32(-127.0) / np.where(mx != 0, mx, F32(1)), F32(0)).astype(F32)
-        d = np.where(iscale != 0, F32(1) / np.where(iscale != 0, iscale, F32(1)), F32(0)).astype(F32)
-    q = np.minimum(F32(127), np.rint(iscale[..., None] * xb)).astype(np.int8)
-    return q.reshape(m, k), d
 
 
 def block32_reference(raw: torch.Tensor, name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,21 +171,6 @@ def test_activation_quantization(name):
     assert np.array_equal(q.numpy(), want_q) and np.array_equal(got_d, want_d)
 
 
-def _with_build(monkeypatch, flags: tuple[str, ...]) -> str:
-    lib, detail = native._build(flags)
-    assert lib is not None, detail
-    monkeypatch.setitem(native._state, "lib", lib)
-    return native.int8_isa()
-
-
-def _builds() -> list[tuple[str, ...]]:
-    builds = [()]
-    if "avx512f" in cpu_flags():
-        builds.append(("-mno-avx512f",))  # AVX2: vpmaddubsw + vpmaddwd instead of vpdpbusd
-    builds.append(("-mno-avx512f", "-mno-avx2", "-mno-f16c"))  # no SIMD: ref/int8.c
-    return builds
-
-
 def _check(name: str, got: torch.Tensor, raw: torch.Tensor, x: torch.Tensor, what: str) -> None:
     if name == "IQ4_XS":
         assert torch.equal(got, iq4_xs_reference(raw, x)), what
@@ -229,8 +190,8 @@ def test_int8_products_equal_the_reference_in_every_build(name, monkeypatch):
     other = blocks(name, n, k, seed=7)
     x = _x(16, k, seed=6)
     seen, results = [], []
-    for flags in _builds():
-        seen.append(_with_build(monkeypatch, flags))
+    for flags in builds():
+        seen.append(with_build(monkeypatch, flags))
         full = native.gemm(t, x, raw, k, int8=True)
         _check(name, full, raw, x, seen[-1])
         for rows in (1, 2, 3, 4, 5, 8, 13):
