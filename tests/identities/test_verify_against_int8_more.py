@@ -1,6 +1,6 @@
 """`verify --against` and the engine with int8 activations on the types that took them last: Q5_0 / Q5_1 (the
 q4_k_m fixtures keep most tensors of 128-wide rows in them: 25-28 Q5_0 and 3 Q5_1 tensors each in ds2lite, ds32 and
-glm5) and IQ4_NL / IQ4_XS (ds3's f32 file with its 256-wide tensors quantized by tests/iq_quantize.py).
+glm5) and the i-quants (ds3's f32 file with its 256-wide tensors quantized by tests/iq_quantize.py).
 
 The rule (activations="auto", docs/FORMATS.md): int8 activations where the error they add stays well inside the
 file's own quantization error, taken as act(X) <= e(X) / 2 per block, both measured by `verify --against` on the
@@ -33,7 +33,7 @@ QUANTIZED += ("blk.1.attn_q_a.weight", "blk.1.attn_kv_a_mqa.weight")
 
 
 def _iq_file(dst, name: str):
-    """ds3's f32 GGUF with QUANTIZED stored as `name` (IQ4_NL / IQ4_XS)."""
+    """ds3's f32 GGUF with QUANTIZED stored as the i-quant `name`."""
     reader = gguf.GGUFReader(fixture_dir("ds3") / "model-f32.gguf")
     writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
     copy_kv(reader, writer)
@@ -76,8 +76,10 @@ def test_q5_files_report_the_activation_error_inside_the_files_own(name, capsys)
     _check_report(model, open_side(str(src)), blocks, f"{name} q4_k_m", capsys)
 
 
-@pytest.mark.slow  # quantizes five tensors per type and runs verify (~20 s each on 2 cores)
-@pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
+@pytest.mark.slow  # quantizes five tensors per type and runs verify (~10-20 s each on 2 cores)
+@pytest.mark.parametrize(
+    "name", ["IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
+)
 def test_iq4_files_report_the_activation_error_inside_the_files_own(name, tmp_path, capsys):
     model = open_side(str(_iq_file(tmp_path / f"{name}.gguf", name)))
     assert model.activations == "int8_6bit"

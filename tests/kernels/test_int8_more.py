@@ -268,4 +268,7 @@ def test_auto_names_the_new_types_in_provenance():
     eng = resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=lambda: (True, "built"), gguf=True)
     why = {s.name: s for s in eng.provenance}["activations"].source
     assert eng.kernels.activations == "int8_6bit"
-    assert "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL" in why and "Q4_K / Q5_K / Q6_K / IQ4_XS" in why
+    assert (
+        "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL" in why
+        and "Q4_K / Q5_K / Q6_K / IQ4_XS / IQ3_XXS / IQ3_S / IQ2_XXS / IQ2_XS / IQ2_S / IQ1_S / IQ1_M" in why
+    )
