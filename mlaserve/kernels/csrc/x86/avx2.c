@@ -1006,6 +1006,15 @@ static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b,
    integer multipliers (ref/iquants.c iq_ls), S = sum over the super-block of ls * (the exact sums of code
    products), acc += (d_w * d_x) * S, and the row's sum times the type's power-of-two factor at the end
    (llama.cpp's ggml_vec_dot_iq2_xxs_q8_K and kin: `0.125f * sumf`) */
+/* 8 bytes of +1, or of -1 where the delta is negative, from its sign bit in an integer (no branch on the data:
+   iq1_delta says why) */
+static inline long long iq1_pm(float delta) {
+    uint32_t bits;
+    memcpy(&bits, &delta, 4);
+    const uint64_t neg = 0 - (uint64_t)(bits >> 31);
+    return (long long)(0x0101010101010101ULL ^ (neg & 0xFEFEFEFEFEFEFEFEULL));
+}
+
 static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, const int type, const int8_t *xq,
                                                               const float *xd, const int mr, int64_t k, float *y,
                                                               int64_t ldy) {
@@ -1032,10 +1041,8 @@ static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, 
             __m256i w = _mm256_set_m128i(_mm_unpacklo_epi64(o.g[2], o.g[3]), _mm_unpacklo_epi64(o.g[0], o.g[1]));
             if (iq1) { /* 8 g + 1 or 8 g - 1 per 8-value group, by the sign of its delta */
                 const __m256i w2 = _mm256_add_epi8(w, w), w4 = _mm256_add_epi8(w2, w2);
-                const __m256i pm = _mm256_setr_epi64x(o.delta[0] < 0 ? -1 : 0x0101010101010101LL,
-                                                      o.delta[1] < 0 ? -1 : 0x0101010101010101LL,
-                                                      o.delta[2] < 0 ? -1 : 0x0101010101010101LL,
-                                                      o.delta[3] < 0 ? -1 : 0x0101010101010101LL);
+                const __m256i pm = _mm256_setr_epi64x(iq1_pm(o.delta[0]), iq1_pm(o.delta[1]), iq1_pm(o.delta[2]),
+                                                      iq1_pm(o.delta[3]));
                 w = _mm256_add_epi8(_mm256_add_epi8(w4, w4), pm);
             }
             int32_t ls[2];
