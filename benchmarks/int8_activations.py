@@ -1,12 +1,12 @@
 """Float vs int8 activations (engine option activations) on the native kernels: one weight at 1 and 16 rows per
 type, and batch-1 decode of the standard model in a Q4_K_M mix.
 
-  python benchmarks/int8_activations.py kernels [--threads N] [--rounds R]
+  python benchmarks/int8_activations.py kernels [--threads N] [--rounds R] [--types Q4_1,Q5_0,...]
   python benchmarks/int8_activations.py decode [--threads N] [--rounds R] [--tokens T]
 
 kernels: one DeepSeek-V3 expert matrix (2048 x 7168) of random valid blocks (the time does not depend on the
 values) times 1 and 16 activation rows, `native.gemm` with int8=False / True, per type (Q4_K, Q5_K, Q6_K, Q4_0,
-Q8_0). Each round times both settings back to back (median of --reps calls each), so that a neighbour's load hits
+Q8_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS and the grid i-quants; --types picks some). Each round times both settings back to back (median of --reps calls each), so that a neighbour's load hits
 both; the table gives the median over rounds and the spread (min-max) of the rounds' medians.
 
 decode: the standard model (common.py) written as a GGUF in llama.cpp's Q4_K_M type mix (Q6_K for output and for
@@ -39,8 +39,12 @@ from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
 from mlaserve.kernels import native
 
 N, K = 2048, 7168
-TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0")
-SCALES = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q4_0": [0], "Q8_0": [0]}
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S")
+TYPES += ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+SCALES = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q4_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_0": [0]}
+SCALES.update({"Q5_1": [0, 2], "IQ4_NL": [0], "IQ4_XS": [0]})  # where each type keeps its fp16 d (and m / dmin)
+SCALES.update({n: [0] for n in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")})
+SCALES["IQ1_M"] = []  # its d lies in the top nibbles of its scale words: set in blocks()
 Q4_K, Q6_K, Q8_0 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["Q6_K"], GGML_TYPE_IDS["Q8_0"]
 
 
@@ -52,12 +56,14 @@ def blocks(name: str) -> torch.Tensor:
         raw[:, off : off + 2] = (
             (torch.rand(raw.shape[0], generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(-1, 2)
         )
+    if name == "IQ1_M":  # d = 0x3333 (0.22) from the 4 nibbles, not a random NaN or subnormal
+        raw[:, 49:57:2] = (raw[:, 49:57:2] & 0x0F) | 0x30
     return raw.reshape(N, -1).contiguous()
 
 
 def kernels(args) -> dict:
     rows_out = []
-    for name in TYPES:
+    for name in args.types.split(","):
         tid, w = GGML_TYPE_IDS[name], blocks(name)
         for rows in (1, 16):
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
@@ -215,6 +221,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10, help="kernels: calls per timing")
     ap.add_argument("--tokens", type=int, default=64, help="decode: output tokens per run")
+    ap.add_argument("--types", default=",".join(TYPES), help="kernels: the weight types, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     env = environment(args.threads)
@@ -223,7 +230,9 @@ def main() -> None:
     result = kernels(args) if args.what == "kernels" else decode(args)
     env["loadavg_end"] = list(os.getloadavg())
     print(f"load average before {env['loadavg_start']}, after {env['loadavg_end']}")
-    write_json(RESULTS_DIR / f"int8_activations-{args.what}.json", {"environment": env, **result})
+    some = args.what == "kernels" and args.types != ",".join(TYPES)  # a subset: its own file beside the full run's
+    name = f"int8_activations-{args.what}" + (f"-{args.types.replace(',', '-').lower()}" if some else "")
+    write_json(RESULTS_DIR / f"{name}.json", {"environment": env, **result})
 
 
 if __name__ == "__main__":

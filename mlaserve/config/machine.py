@@ -92,8 +92,9 @@ def choose_kernels(requested: str, device: str, probe, log: ProvenanceLog, torch
 
 INT8_SCOPE = (
     "products of <= 16 activation rows per weight (decode; routed experts and attn_k_b / attn_v_b of small "
-    "chunks) quantize their activations to int8 as llama.cpp does (32-value blocks for Q4_0 / Q8_0, q8_K's "
-    "256-value blocks for Q4_K / Q5_K / Q6_K) and take integer dot products (not exact: |dy| <= sum |w| |d_x| / 2)"
+    "chunks) quantize their activations to int8 as llama.cpp does (32-value blocks for Q4_0 / Q4_1 / Q5_0 / Q5_1 / "
+    "Q8_0 / IQ4_NL, q8_K's 256-value blocks for Q4_K / Q5_K / Q6_K / IQ4_XS / IQ3_XXS / IQ3_S / IQ2_XXS / IQ2_XS "
+    "/ IQ2_S / IQ1_S / IQ1_M) and take integer dot products (not exact: |dy| <= sum |w| |d_x| / 2)"
 )
 
 

@@ -34,7 +34,12 @@ FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized int4 words with per-row group scales
 # the weight types the int8-activation kernels take -> their bits per value (what an int8 setting caps: takes_int8)
-Q8_ACTIVATION_BITS = {2: 4, 8: 8, 12: 4, 13: 5, 14: 6}  # Q4_0, Q8_0, Q4_K, Q5_K, Q6_K
+# (csrc/types.c `bits`; tests/kernels/test_int8_more.py holds the two to each other)
+Q8_ACTIVATION_BITS = {
+    **{2: 4, 3: 4, 6: 5, 7: 5, 8: 8, 20: 4},  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: per-32 activation blocks
+    **{12: 4, 13: 5, 14: 6, 23: 4},  # Q4_K, Q5_K, Q6_K, IQ4_XS: q8_K's 256-value super-blocks
+    **{16: 2, 17: 2, 22: 2, 18: 3, 21: 3, 19: 1, 29: 1},  # IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: q8_K
+}
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
 ABI_VERSION = 17  # mls.h MLS_ABI_VERSION: the functions and signatures below

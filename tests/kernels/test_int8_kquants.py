@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from int8_reference import grid_blocks
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
@@ -253,7 +254,7 @@ def test_int8_setting_caps_the_weight_bits():
     type with an int8 kernel."""
     assert native.takes_int8(GGML_TYPE_IDS["Q6_K"], 6) and native.takes_int8(GGML_TYPE_IDS["Q4_0"], 6)
     assert not native.takes_int8(GGML_TYPE_IDS["Q8_0"], 6) and native.takes_int8(GGML_TYPE_IDS["Q8_0"], True)
-    assert not native.takes_int8(GGML_TYPE_IDS["Q5_0"], True)  # no int8 kernel: float
+    assert not native.takes_int8(GGML_TYPE_IDS["Q3_K"], True)  # no int8 kernel: float
     g = torch.Generator().manual_seed(10)
     x = torch.randn(2, 256, generator=g)
     raw = _blocks("Q4_K", 8, 256, seed=11)
@@ -266,16 +267,21 @@ def test_int8_setting_caps_the_weight_bits():
 @needs_native
 @pytest.mark.parametrize("type_id", sorted(native.Q8_ACTIVATION_TYPES))
 def test_a_rows_int8_result_does_not_depend_on_its_batch(type_id):
-    """Every int8 kernel (Q8_0 / Q4_0 too): row i of a 1-16 row call is bit for bit its result alone (one request's
+    """Every int8 kernel (the 32-value types and IQ4_XS too): row i of a 1-16 row call is bit for bit its result alone (one request's
     result independent of the batch it rides in)."""
     name = GGML_TYPES[type_id].name
     k = 512
     if name in KQUANTS:
         raw = _blocks(name, 11, k, seed=14)
+    elif name.startswith(("IQ1", "IQ2", "IQ3")):
+        raw = grid_blocks(name, 11, k, seed=14)
     else:
         g = torch.Generator().manual_seed(14)
-        raw = torch.randint(0, 256, (11, k // 32, GGML_TYPES[type_id].type_size), dtype=torch.uint8, generator=g)
-        raw[..., :2] = (torch.rand(11, k // 32, generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(11, -1, 2)
+        t = GGML_TYPES[type_id]
+        raw = torch.randint(0, 256, (11, k // t.block_size, t.type_size), dtype=torch.uint8, generator=g)
+        for off in (0, 2) if name in ("Q4_1", "Q5_1") else (0,):  # finite fp16 d (and Q4_1 / Q5_1's m)
+            d = (torch.rand(11, k // t.block_size, generator=g) * 0.02 + 0.001).half()
+            raw[..., off : off + 2] = d.view(torch.uint8).view(11, -1, 2)
         raw = raw.flatten(-2).contiguous()
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(15))
     alone = torch.cat([native.gemm(type_id, x[i : i + 1].contiguous(), raw, k, int8=True) for i in range(16)])

@@ -183,3 +183,97 @@ __attribute__((unused)) static void row_tq2_0(const uint8_t *b, float *y, int64_
                 for (int m = 0; m < 32; m++) y[j * 128 + l * 32 + m] = d * (float)(((b[32 * j + m] >> (2 * l)) & 3) - 1);
     }
 }
+
+/* ---------------------------------------------------------------- the grid i-quants as integers (int8.c)
+   For the int8-activation kernels: a sub-block's 32 codes w as int8 and the integer multipliers ls of its two
+   16-value halves, so that value = d * factor * ls * w exactly (ls = 2 s + 1, IQ3_S 1 + 2 s; IQ1: w = 8 g +- 1,
+   the grid value and the delta's sign, as 8 (g +- 1/8)): factor IQ2_* 1/8, IQ3_XXS 1/4, IQ3_S 1, IQ1_* 1/8 (a
+   power of two: the kernels apply it once, to the row's sum). Used by both builds (ls, d; the codes by the
+   scalar one: the SIMD one reads them with its own readers, x86/avx2.c, held to these by the tests). */
+static inline float iq_int_factor(int type) {
+    return type == MLS_IQ3_XXS ? 0.25f : type == MLS_IQ3_S ? 1.0f : 0.125f;
+}
+
+static inline float iq_int_d(const uint8_t *b, int type) {
+    if (type != MLS_IQ1_M) return f16(b);
+    const uint16_t s0 = u16(b + 48), s1 = u16(b + 50), s2 = u16(b + 52), s3 = u16(b + 54);
+    const uint16_t dbits = (s0 >> 12) | ((s1 & 0xF000) >> 8) | ((s2 & 0xF000) >> 4) | (s3 & 0xF000);
+    const uint8_t dbytes[2] = {(uint8_t)dbits, (uint8_t)(dbits >> 8)};
+    return f16(dbytes);
+}
+
+static inline void iq_ls(const uint8_t *b, int type, int ib, int32_t ls[2]) {
+    switch (type) {
+    case MLS_IQ2_XXS: ls[0] = ls[1] = 2 * (int32_t)(u32(b + 2 + 8 * ib + 4) >> 28) + 1; break;
+    case MLS_IQ3_XXS: ls[0] = ls[1] = 2 * (int32_t)(u32(b + 66 + 4 * ib) >> 28) + 1; break;
+    case MLS_IQ2_XS:
+    case MLS_IQ2_S: {
+        const uint8_t sc = b[(type == MLS_IQ2_XS ? 66 : 74) + ib];
+        ls[0] = 2 * (sc & 0x0F) + 1, ls[1] = 2 * (sc >> 4) + 1;
+        break;
+    }
+    case MLS_IQ3_S: ls[0] = ls[1] = 1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F); break;
+    case MLS_IQ1_S: ls[0] = ls[1] = 2 * ((u16(b + 34 + 2 * ib) >> 12) & 7) + 1; break;
+    default: { /* IQ1_M */
+        const uint16_t sw = u16(b + 48 + 2 * (ib / 2));
+        const int sh = 6 * (ib % 2);
+        ls[0] = 2 * ((sw >> sh) & 7) + 1, ls[1] = 2 * ((sw >> (sh + 3)) & 7) + 1;
+    }
+    }
+}
+
+static inline void signed8(uint64_t entry, uint8_t signs, int8_t *w) {
+    for (int j = 0; j < 8; j++) {
+        const int v = (uint8_t)(entry >> (8 * j));
+        w[j] = (int8_t)((signs >> j) & 1 ? -v : v);
+    }
+}
+
+static inline void iq1_8(uint64_t entry, int negative, int8_t *w) {
+    for (int j = 0; j < 8; j++) w[j] = (int8_t)(8 * (int8_t)(uint8_t)(entry >> (8 * j)) + (negative ? -1 : 1));
+}
+
+__attribute__((unused)) static void iq_sub_int(const uint8_t *b, int type, int ib, int8_t w[32]) {
+    for (int l = 0; l < 4; l++) {
+        int8_t *g = w + 8 * l;
+        switch (type) {
+        case MLS_IQ2_XXS: {
+            const uint8_t *q = b + 2 + 8 * ib;
+            signed8(IQ2XXS_GRID[q[l]], ksigns((u32(q + 4) >> (7 * l)) & 127), g);
+            break;
+        }
+        case MLS_IQ3_XXS: {
+            const uint8_t *q = b + 2 + 8 * ib;
+            const uint64_t e = IQ3XXS_GRID[q[2 * l]] | (uint64_t)IQ3XXS_GRID[q[2 * l + 1]] << 32;
+            signed8(e, ksigns((u32(b + 66 + 4 * ib) >> (7 * l)) & 127), g);
+            break;
+        }
+        case MLS_IQ2_XS: {
+            const uint16_t q = u16(b + 2 + 2 * (4 * ib + l));
+            signed8(IQ2XS_GRID[q & 511], ksigns(q >> 9), g);
+            break;
+        }
+        case MLS_IQ2_S: {
+            const int gi = 4 * ib + l, idx = b[2 + gi] | (((b[66 + ib] >> (2 * l)) & 3) << 8);
+            signed8(IQ2S_GRID[idx], b[34 + gi], g);
+            break;
+        }
+        case MLS_IQ3_S: {
+            const int e = 8 * ib + 2 * l;
+            const uint8_t qh = b[66 + ib];
+            const int i1 = b[2 + e] | (((qh >> (2 * l)) & 1) << 8), i2 = b[3 + e] | (((qh >> (2 * l + 1)) & 1) << 8);
+            signed8(IQ3S_GRID[i1] | (uint64_t)IQ3S_GRID[i2] << 32, b[74 + 4 * ib + l], g);
+            break;
+        }
+        case MLS_IQ1_S: {
+            const uint16_t qh = u16(b + 34 + 2 * ib);
+            iq1_8(IQ1S_GRID[b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8)], qh >> 15, g);
+            break;
+        }
+        default: { /* IQ1_M */
+            const int nib = (u16(b + 32 + 2 * ib) >> (4 * l)) & 0x0F;
+            iq1_8(IQ1S_GRID[b[4 * ib + l] | ((nib & 7) << 8)], nib >> 3, g);
+        }
+        }
+    }
+}

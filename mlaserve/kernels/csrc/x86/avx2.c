@@ -794,20 +794,45 @@ static inline __m256 i8dot32(__m256i aw, __m256i w, __m256i x) {
 #endif
 }
 
-static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, int type, const int8_t *xq,
+/* The 32-value block types against Q8_0-style activations (one scale per 32 values), llama.cpp's
+   vec_dot_q4_0_q8_0 and its kin: a block's codes as 32 int8 lanes (signed: Q8_0, Q4_0 nibble - 8, Q5_0 five bits
+   - 16, IQ4_NL's table values; unsigned: Q4_1 nibbles, Q5_1 five bits), each activation block's products summed
+   exactly in 8 int32 lanes of 4 values, then per lane acc = fma(d_w * d_x, S, acc); Q4_1 / Q5_1 (value = d q + m)
+   add their min per lane: acc = fma(m * d_x, X, acc), X the lane's sum of activation codes (llama.cpp's q8_1 keeps
+   d_x times that sum in the activation block; here the kernel forms it: the slots hold one float per 32 values).
+   The row's 8 lanes are summed as hsum8 does. ref/int8.c runs the same lanes and operations (fmaf), so every
+   build gives the same bits, and a row's result does not depend on the rows that share its call. */
+static inline __m256i q8_codes32(const uint8_t *b, const int type) {
+    switch (type) {
+    case 8: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case 2: return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    case 6: return q5_0_codes(b);
+    case 20: return iq4_codes32(b + 2);
+    case 3: return nibbles32(b + 4);
+    default: return _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(bits32(u32(b + 4)), _mm256_set1_epi8(16)));
+    }
+}
+static inline int64_t q8_block_bytes(const int type) {
+    return type == 8 ? 34 : type == 2 || type == 20 ? 18 : type == 6 ? 22 : type == 3 ? 20 : 24;
+}
+
+static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, const int type, const int8_t *xq,
                                                             const float *xd, const int mr, int64_t k, float *y,
                                                             int64_t ldy) {
     __m256 acc[4];
-    const int64_t kb = k / 32, bytes = type == 8 ? 34 : 18;
+    const int64_t kb = k / 32, bytes = q8_block_bytes(type);
+    const int with_min = type == 3 || type == 7;
+    const __m256i ones = _mm256_set1_epi8(1);
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < kb; blk++, b += bytes) {
-        const __m256i w = type == 8 ? _mm256_loadu_si256((const __m256i *)(b + 2))
-                                    : _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+        const __m256i w = q8_codes32(b, type);
         const __m256i aw = _mm256_sign_epi8(w, w);
-        const float dw = f16(b);
+        const float dw = f16(b), mw = with_min ? f16(b + 2) : 0.0f;
         for (int i = 0; i < mr; i++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 32));
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * kb + blk]), i8dot32(aw, w, x), acc[i]);
+            const float dx = xd[i * kb + blk];
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), i8dot32(aw, w, x), acc[i]);
+            if (with_min) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(mw * dx), i8dot32(ones, ones, x), acc[i]);
         }
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(acc[i]);
@@ -818,7 +843,7 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, in
                      int64_t ldy) {                                                                        \
         const int64_t kb = k / 32;                                                                         \
         int64_t i = 0;                                                                                     \
-        prefetch_row(b, kb * (type == 8 ? 34 : 18));                                                       \
+        prefetch_row(b, kb * q8_block_bytes(type));                                                        \
         for (; i + 4 <= m; i += 4) q8rows_mr(b, type, xq + i * k, xd + i * kb, 4, k, y + i * ldy, ldy);    \
         switch (m - i) {                                                                                   \
         case 3: q8rows_mr(b, type, xq + i * k, xd + i * kb, 3, k, y + i * ldy, ldy); break;                \
@@ -829,6 +854,10 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, in
     }
 Q8ROWS_FN(q8rows_q8_0, 8)
 Q8ROWS_FN(q8rows_q4_0, 2)
+Q8ROWS_FN(q8rows_q4_1, 3)
+Q8ROWS_FN(q8rows_q5_0, 6)
+Q8ROWS_FN(q8rows_q5_1, 7)
+Q8ROWS_FN(q8rows_iq4_nl, 20)
 
 /* ---------------------------------------------------------------- int8 activations for the K-quants (Q8_K-style)
    llama.cpp's scheme (ggml_vec_dot_q4_K_q8_K and its kin): per super-block of 256 values and activation row,
@@ -938,6 +967,112 @@ static inline __attribute__((always_inline)) void q8k_q6k_mr(const uint8_t *b, c
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
 
+/* IQ4_XS: IQ4_NL's table values (signed, |q| <= 127: their magnitudes into maddubs / vpdpbusd, their signs onto
+   x) in 32-value sub-blocks with integer scales ls - 32; S = sum_ib (ls_ib - 32) sum_i q_i x_i, y += (d * d_x) * S
+   (llama.cpp's ggml_vec_dot_iq4_xs_q8_K) */
+static inline void iq4_xs_ls(const uint8_t *b, int32_t ls[8]) {
+    const int sh = b[2] | (b[3] << 8);
+    for (int ib = 0; ib < 8; ib++) ls[ib] = ((((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4))) - 32;
+}
+
+static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b, const int8_t *xq, const float *xd,
+                                                               const int mr, int64_t k, float *y, int64_t ldy) {
+    const int64_t slots = k / 32;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t blk = 0; blk < k / 256; blk++, b += 136) {
+        int32_t ls[8];
+        iq4_xs_ls(b, ls);
+        const float dw = f16(b);
+        __m256i sum[4];
+        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const __m256i w = iq4_codes32(b + 8 + 16 * ib), aw = _mm256_sign_epi8(w, w);
+            const __m256i s = Q8K_SCALES(ls[ib], ls[ib]);
+            for (int i = 0; i < mr; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
+                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(aw, _mm256_sign_epi8(x, w), s));
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
+}
+
+/* The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) on q8_K: a sub-block's codes from the
+   fused kernels' readers (iq_sub_t: signed grid values; IQ1 as 8 g +- 1 from the group's delta), its halves'
+   integer multipliers (ref/iquants.c iq_ls), S = sum over the super-block of ls * (the exact sums of code
+   products), acc += (d_w * d_x) * S, and the row's sum times the type's power-of-two factor at the end
+   (llama.cpp's ggml_vec_dot_iq2_xxs_q8_K and kin: `0.125f * sumf`) */
+/* 8 bytes of +1, or of -1 where the delta is negative, from its sign bit in an integer (no branch on the data:
+   iq1_delta says why) */
+static inline long long iq1_pm(float delta) {
+    uint32_t bits;
+    memcpy(&bits, &delta, 4);
+    const uint64_t neg = 0 - (uint64_t)(bits >> 31);
+    return (long long)(0x0101010101010101ULL ^ (neg & 0xFEFEFEFEFEFEFEFEULL));
+}
+
+static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, const int type, const int8_t *xq,
+                                                              const float *xd, const int mr, int64_t k, float *y,
+                                                              int64_t ldy) {
+    const int64_t slots = k / 32;
+    const int64_t bytes = type == MLS_IQ2_XXS ? 66 : type == MLS_IQ2_XS ? 74 : type == MLS_IQ2_S ? 82
+                        : type == MLS_IQ3_XXS ? 98 : type == MLS_IQ3_S ? 110 : type == MLS_IQ1_S ? 50 : 56;
+    const int iq1 = type == MLS_IQ1_S || type == MLS_IQ1_M;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+        const float dw = iq_int_d(b, type);
+        __m256i sum[4];
+        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            iq_sub_t o;
+            switch (type) {
+            case MLS_IQ2_XXS: iq2_xxs_sub(b, dw, ib, &o); break;
+            case MLS_IQ3_XXS: iq3_xxs_sub(b, dw, ib, &o); break;
+            case MLS_IQ2_XS: iq2_xs_sub(b, dw, ib, &o); break;
+            case MLS_IQ2_S: iq2_s_sub(b, dw, ib, &o); break;
+            case MLS_IQ3_S: iq3_s_sub(b, dw, ib, &o); break;
+            case MLS_IQ1_S: iq1_s_sub(b, dw, ib, &o); break;
+            default: iq1_m_sub(b, dw, ib, &o);
+            }
+            __m256i w = _mm256_set_m128i(_mm_unpacklo_epi64(o.g[2], o.g[3]), _mm_unpacklo_epi64(o.g[0], o.g[1]));
+            if (iq1) { /* 8 g + 1 or 8 g - 1 per 8-value group, by the sign of its delta */
+                const __m256i w2 = _mm256_add_epi8(w, w), w4 = _mm256_add_epi8(w2, w2);
+                const __m256i pm = _mm256_setr_epi64x(iq1_pm(o.delta[0]), iq1_pm(o.delta[1]), iq1_pm(o.delta[2]),
+                                                      iq1_pm(o.delta[3]));
+                w = _mm256_add_epi8(_mm256_add_epi8(w4, w4), pm);
+            }
+            int32_t ls[2];
+            iq_ls(b, type, ib, ls);
+            const __m256i aw = _mm256_sign_epi8(w, w), s = Q8K_SCALES(ls[0], ls[1]);
+            for (int i = 0; i < mr; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
+                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(aw, _mm256_sign_epi8(x, w), s));
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = acc[i] * iq_int_factor(type);
+}
+#define GRID_Q8K(name, type)                                                                                    \
+    static inline __attribute__((always_inline)) void name(const uint8_t *b, const int8_t *xq, const float *xd, \
+                                                           const int mr, int64_t k, float *y, int64_t ldy) {   \
+        q8k_grid_mr(b, (type), xq, xd, mr, k, y, ldy);                                                         \
+    }
+GRID_Q8K(q8k_iq2_xxs_mr, MLS_IQ2_XXS)
+GRID_Q8K(q8k_iq2_xs_mr, MLS_IQ2_XS)
+GRID_Q8K(q8k_iq2_s_mr, MLS_IQ2_S)
+GRID_Q8K(q8k_iq3_xxs_mr, MLS_IQ3_XXS)
+GRID_Q8K(q8k_iq3_s_mr, MLS_IQ3_S)
+GRID_Q8K(q8k_iq1_s_mr, MLS_IQ1_S)
+GRID_Q8K(q8k_iq1_m_mr, MLS_IQ1_M)
+
 static inline __attribute__((always_inline)) void q8k_q4k_mr(const uint8_t *b, const int8_t *xq, const float *xd,
                                                              const int mr, int64_t k, float *y, int64_t ldy) {
     q8k_q45_mr(b, 0, xq, xd, mr, k, y, ldy);
@@ -966,4 +1101,12 @@ static inline __attribute__((always_inline)) void q8k_q5k_mr(const uint8_t *b, c
 Q8K_ROWS_FN(q8rows_q4_k, q8k_q4k_mr, 144)
 Q8K_ROWS_FN(q8rows_q5_k, q8k_q5k_mr, 176)
 Q8K_ROWS_FN(q8rows_q6_k, q8k_q6k_mr, 210)
+Q8K_ROWS_FN(q8rows_iq4_xs, q8k_iq4xs_mr, 136)
+Q8K_ROWS_FN(q8rows_iq2_xxs, q8k_iq2_xxs_mr, 66)
+Q8K_ROWS_FN(q8rows_iq2_xs, q8k_iq2_xs_mr, 74)
+Q8K_ROWS_FN(q8rows_iq2_s, q8k_iq2_s_mr, 82)
+Q8K_ROWS_FN(q8rows_iq3_xxs, q8k_iq3_xxs_mr, 98)
+Q8K_ROWS_FN(q8rows_iq3_s, q8k_iq3_s_mr, 110)
+Q8K_ROWS_FN(q8rows_iq1_s, q8k_iq1_s_mr, 50)
+Q8K_ROWS_FN(q8rows_iq1_m, q8k_iq1_m_mr, 56)
 #endif
