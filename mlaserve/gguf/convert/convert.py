@@ -9,6 +9,7 @@ order (outermost first; GGUF's ne is the reverse).
 
 Architecture: deepseek_v2 / deepseek_v3 / kimi_k2 / glm4_moe_lite -> ``deepseek2`` (llama.cpp maps
 Glm4MoeLiteForCausalLM there too), deepseek_v32 -> ``deepseek32``, glm_moe_dsa -> ``glm-dsa``.
+A DeepSeek-V4 folder (not MLA) goes to deepseek_v4.py's converter -> ``deepseek4``.
 
 Tensors (HF name under model.layers.N. -> blk.N.):
     kv_b_proj [H*(n+v), L]  -> attn_k_b [H, L, n] (each head's k rows, transposed) + attn_v_b [H, v, L]
