@@ -179,6 +179,11 @@ def test_same_keys_names_and_bytes_as_llama_cpps_layout(converted, tmp_path, out
     assert _keys(root / f"{outtype}.gguf") == _keys(tmp_path / "llama_cpp_layout.gguf")
     ours, theirs = _tensors(root / f"{outtype}.gguf"), _tensors(tmp_path / "llama_cpp_layout.gguf")
     assert sorted(ours) == sorted(theirs)
+    order = list(ours)  # llama.cpp's converter's order: tid2eid, then each layer's stacks gate / down / up
+    assert order[:4] == [
+        "blk.0.ffn_gate_tid2eid.weight",
+        *(f"blk.0.ffn_{p}_exps.weight" for p in ("gate", "down", "up")),
+    ]
     differ = [n for n in ours if ours[n] != theirs[n]]
     assert not differ, differ[:5]
 
@@ -245,3 +250,45 @@ def test_what_llama_cpp_cannot_store_is_refused(tmp_path):
     with pytest.raises(ConvertError, match="CSA ratio 3"):
         convert_hf_to_gguf(tmp_path / "odd", tmp_path / "odd.gguf", "f32")
     assert not (tmp_path / "odd.gguf").exists()
+
+
+def test_hash_layers_everywhere_kinds_from_compress_ratios(tmp_path):
+    """hc3_hash: every layer hash-routed, the kinds from the legacy compress_ratios [4, 0, 4], hc_mult 3, 9 heads in
+    3 groups, YaRN on the compressed table: the F32 file == transformers."""
+    _, raw = save_hf_v4("hc3_hash", tmp_path / "f", seed=4)
+    byte_tokenizer(tmp_path / "f", 96)
+    report = convert_hf_to_gguf(tmp_path / "f", tmp_path / "h.gguf", "f32")
+    assert sum(n.endswith("tid2eid.weight") for n in report.tensors) == 3
+    keys = {k: v for k, _, v in _keys(tmp_path / "h.gguf")}
+    assert keys["deepseek4.hash_layer_count"] == 3 and keys["deepseek4.attention.compress_ratios"] == [4, 0, 4]
+    model, _, ck = load_gguf(tmp_path / "h.gguf")
+    err = (logits_of(model) - transformers_logits(tmp_path / "f")).abs().max().item()
+    assert err <= BOUND, err
+    ck.close()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("model.layers.2.ffn.experts.3.w3.weight"), "blk.2.ffn_up_exps.weight: experts [3] missing"),
+        (lambda t: t.update({"model.layers.1.attn.foo.weight": torch.ones(2)}), "unknown DeepSeek-V4 tensor"),
+        (
+            lambda t: t.update({"model.layers.1.attn.wq_a.weight": torch.ones(16, 32)}),
+            "model.layers.1.attn.wq_a.weight has shape [16, 32], blk.1.attn_q_a.weight needs [32, 32]",
+        ),
+    ],
+    ids=["missing_expert", "unknown", "shape"],
+)
+def test_a_broken_folder_names_the_tensor(converted, tmp_path, edit, message):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    root, *_ = converted
+    shutil.copytree(root / "float", tmp_path / "bad")
+    tensors = saved_tensors(tmp_path / "bad")
+    edit(tensors)
+    save_file(tensors, tmp_path / "bad" / "model.safetensors")
+    with pytest.raises(ConvertError) as e:
+        convert_hf_to_gguf(tmp_path / "bad", tmp_path / "bad.gguf", "f32")
+    assert message in str(e.value) and str(tmp_path / "bad") in str(e.value)

@@ -37,6 +37,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
@@ -100,7 +101,7 @@ class _V4Source:
     either as MXFP4 blocks (`mxfp4`) or dequantized."""
 
     def __init__(self, folder: Path, raw: dict):
-        self.st = SafetensorsSource(folder)
+        self.folder, self.st = folder, SafetensorsSource(folder)
         names = self.st.names()
         self.scales = {n.removesuffix(SCALE) + ".weight" for n in names if n.endswith(SCALE)}
         self.names = [n for n in names if not n.endswith(SCALE)]
@@ -175,6 +176,7 @@ def _v4_keys(cfg: DeepseekV4Config) -> list[tuple[str, MetaValue]]:
     a, at, c, moe, hc = ARCH, cfg.attention, cfg.compression, cfg.moe, cfg.hc
     n = cfg.num_layers
     ratio = {"sliding": 0, "csa": c.csa_ratio, "hca": c.hca_ratio}
+    limit = float(np.float32(moe.swiglu_limit))  # an array is stored as float32 (the reader reads 0.3 back as 0.3)
     out = [
         (f"{a}.block_count", u32(n)),
         (f"{a}.context_length", u32(cfg.max_position_embeddings)),
@@ -206,8 +208,8 @@ def _v4_keys(cfg: DeepseekV4Config) -> list[tuple[str, MetaValue]]:
         (f"{a}.expert_shared_count", u32(moe.n_shared_experts)),
         (f"{a}.expert_weights_scale", f32(moe.routed_scaling_factor)),
         (f"{a}.expert_weights_norm", boolean(True)),  # V4's router always renormalises its top-k
-        (f"{a}.swiglu_clamp_exp", array([float(moe.swiglu_limit)] * n, FLOAT32)),
-        (f"{a}.swiglu_clamp_shexp", array([float(moe.swiglu_limit)] * n, FLOAT32)),
+        (f"{a}.swiglu_clamp_exp", array([limit] * n, FLOAT32)),
+        (f"{a}.swiglu_clamp_shexp", array([limit] * n, FLOAT32)),
         (f"{a}.attention.indexer.head_count", u32(c.index_n_heads)),
         (f"{a}.attention.indexer.key_length", u32(c.index_head_dim)),
         (f"{a}.attention.indexer.top_k", u32(c.index_topk)),
@@ -287,7 +289,7 @@ class _V4Planner:
                 gguf = f"blk.{i}.ffn_{part}_exps.weight"
                 by = experts.pop(gguf, None)
                 if by is None:
-                    raise ConvertError(f"{self.src.st.where(self.src.names[0])}: no routed experts for {gguf}")
+                    raise ConvertError(f"{self.src.folder}: no routed expert tensors for {gguf} (layer {i})")
                 out.append(self._stack(gguf, by, n_exp))
         return out
 
@@ -299,11 +301,14 @@ class _V4Planner:
             )
         if sorted(by) != list(range(n_exp)):
             missing = sorted(set(range(n_exp)) - set(by))
-            raise ConvertError(f"{gguf}: experts {missing or sorted(by)} missing or extra (n_routed_experts={n_exp})")
+            raise ConvertError(
+                f"{self.src.folder}: {gguf}: experts {missing or sorted(by)} missing or extra "
+                f"(n_routed_experts={n_exp}; e.g. {by[min(by)]})"
+            )
         names = [by[e] for e in range(n_exp)]
         forms = {self.src.stored(n) for n in names}
         if len(forms) != 1:
-            raise ConvertError(f"{gguf}: the experts are stored in different forms {sorted(forms)}")
+            raise ConvertError(f"{self.src.folder}: {gguf}: the experts are stored in different forms {sorted(forms)}")
         form = forms.pop()
         inter, hidden = self.cfg.moe.moe_intermediate_size, self.cfg.hidden_size
         want = (hidden, inter) if "_down_" in gguf else (inter, hidden)
@@ -378,10 +383,20 @@ def _check_read_back(path: Path, cfg: DeepseekV4Config) -> None:
     ck = load_v4_gguf(path)
     try:
         got = dataclasses.replace(ck.config, layer_kinds_source=cfg.layer_kinds_source)
+        kinds = set(cfg.layer_kinds)  # a ratio no layer uses is not in compress_ratios: the reader's default
+        got = dataclasses.replace(
+            got,
+            compression=dataclasses.replace(
+                got.compression,
+                csa_ratio=got.compression.csa_ratio if "csa" in kinds else cfg.compression.csa_ratio,
+                hca_ratio=got.compression.hca_ratio if "hca" in kinds else cfg.compression.hca_ratio,
+            ),
+        )
         want = dataclasses.replace(cfg, bos_token_id=got.bos_token_id, eos_token_ids=got.eos_token_ids)
         want = dataclasses.replace(want, num_nextn_predict_layers=0, mtp_layer_kinds=())
         for f in dataclasses.fields(want):
             if f.compare and getattr(got, f.name) != getattr(want, f.name):
+                path.unlink()  # not the folder's model: no file rather than a wrong one
                 raise ConvertError(
                     f"{path}: read back, '{f.name}' is {getattr(got, f.name)!r}, the folder's {getattr(want, f.name)!r}"
                     f" (the {ARCH} metadata cannot say it)"
