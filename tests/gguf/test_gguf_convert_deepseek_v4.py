@@ -292,3 +292,21 @@ def test_a_broken_folder_names_the_tensor(converted, tmp_path, edit, message):
     with pytest.raises(ConvertError) as e:
         convert_hf_to_gguf(tmp_path / "bad", tmp_path / "bad.gguf", "f32")
     assert message in str(e.value) and str(tmp_path / "bad") in str(e.value)
+
+
+def test_fp4_experts_without_power_of_two_scales_are_dequantized(converted, tmp_path):
+    """fp32 group scales (not ue8m0) have no MXFP4 form: the experts are dequantized and written at the outtype,
+    each value the folder's FP4 value exactly (F32), and the report says which forms were converted."""
+    from mlaserve.quant import fp4_group
+    from mlaserve.quant.writer import write_fp8_folder
+
+    root, *_ = converted
+    write_fp8_folder(root / "float", tmp_path / "fp4", experts="fp4")
+    report = convert_hf_to_gguf(tmp_path / "fp4", tmp_path / "fp4.gguf", "f32")
+    assert report.tensors["blk.1.ffn_gate_exps.weight"] == "F32"
+    assert any("fp4" in n and "fp8" in n for n in report.notes)
+    stored = saved_tensors(tmp_path / "fp4")
+    files = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "fp4.gguf")).tensors}
+    name = "model.layers.3.ffn.experts.5.w2.weight"
+    want = fp4_group.dequantize_reference(stored[name], stored[name + "_scale_inv"].float())
+    assert torch.equal(torch.from_numpy(np.array(files["blk.3.ffn_down_exps.weight"].data[5])), want)

@@ -17,6 +17,9 @@ float chunks (whole rows each), quantizes a chunk, writes it and drops it.  Peak
 chunk, never the model.  The file appears under its name only when complete (written to
 ``<name>.part``, then renamed).
 
+MXFP4 (RAW_TYPES) is not quantized here: its chunks are uint8 rows already in ggml's block layout (DeepSeek-V4's
+FP4 experts repacked by gguf/convert/deepseek_v4.py) and are written as they are.
+
 The quantizers reproduce gguf-py's ``gguf.quants.quantize`` bit for bit (which in turn matches
 ggml's C reference); they must keep its float32 operation order -- see `quantize_q8_0`.
 """
