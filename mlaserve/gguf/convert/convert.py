@@ -9,6 +9,7 @@ order (outermost first; GGUF's ne is the reverse).
 
 Architecture: deepseek_v2 / deepseek_v3 / kimi_k2 / glm4_moe_lite -> ``deepseek2`` (llama.cpp maps
 Glm4MoeLiteForCausalLM there too), deepseek_v32 -> ``deepseek32``, glm_moe_dsa -> ``glm-dsa``.
+A DeepSeek-V4 folder (not MLA) goes to deepseek_v4.py's converter -> ``deepseek4``.
 
 Tensors (HF name under model.layers.N. -> blk.N.):
     kv_b_proj [H*(n+v), L]  -> attn_k_b [H, L, n] (each head's k rows, transposed) + attn_v_b [H, v, L]
@@ -53,37 +54,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from mlaserve.config.deepseek_v4 import is_v4
+from mlaserve.gguf.convert.deepseek_v4 import convert_v4
 from mlaserve.gguf.convert.metadata import OUTTYPES, _metadata, _Model, _open_model, size_label
-from mlaserve.gguf.convert.tokenizer import ConvertError
+from mlaserve.gguf.convert.plan import ConvertReport, Plan, rows
+from mlaserve.gguf.convert.tokenizer import ConvertError, _read_json
 from mlaserve.gguf.convert.writer import F16, F32, GGUFWriter, can_quantize
 from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.loading.safetensors_source import SafetensorsSource
 
 __all__ = ["ConvertError", "ConvertReport", "OUTTYPES", "convert_hf_to_gguf", "size_label", "tensor_type"]
-
-CHUNK_VALUES = 1 << 22  # floats per chunk handed to the writer
-
-
-@dataclass
-class ConvertReport:
-    path: Path
-    arch: str
-    outtype: str
-    tensors: dict[str, str] = field(default_factory=dict)  # GGUF name -> ggml type name
-    skipped: list[str] = field(default_factory=list)  # HF tensors not written (MTP of deepseek2)
-    notes: list[str] = field(default_factory=list)
-
-    def type_counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for t in self.tensors.values():
-            out[t] = out.get(t, 0) + 1
-        return out
-
 
 # =============================================================================================
 # tensors
@@ -139,13 +123,6 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], outtype: str) -> int:
     return t if can_quantize(t, shape[-1]) else F16  # llama.cpp: QuantError -> "falling back to F16"
 
 
-@dataclass
-class _Plan:
-    name: str  # GGUF tensor name
-    shape: tuple[int, ...]  # torch order
-    chunks: Callable[[], Iterator[torch.Tensor]]  # its values: float32, whole rows, storage order
-
-
 class _Source:
     """Tensors of the folder by HF name.  FP8 weights with ``<name>_scale_inv`` block scales
     (DeepSeek's released checkpoints) are dequantized as llama.cpp's converter does: float32
@@ -174,14 +151,6 @@ class _Source:
         return t.to(torch.float32) * scale[: t.shape[0], : t.shape[1]]
 
 
-def _rows(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """A tensor as float32 chunks of whole rows: a bf16 embedding is never copied whole to f32."""
-    t2 = t.reshape(-1, t.shape[-1])
-    step = max(1, CHUNK_VALUES // t2.shape[1])
-    for i in range(0, t2.shape[0], step):
-        yield t2[i : i + step].to(torch.float32)
-
-
 def _interleave_rope(w: torch.Tensor, head_dim: int, r: int) -> torch.Tensor:
     """Rows of each head [.. | rope(r)] from half-split order (i, i + r/2 pairs) to interleaved
     (2i, 2i+1): llama.cpp's deepseek2 graph only has interleaved RoPE; q.k is unchanged."""
@@ -191,15 +160,15 @@ def _interleave_rope(w: torch.Tensor, head_dim: int, r: int) -> torch.Tensor:
     return h.reshape(w.shape)
 
 
-class _Planner:
+class Planner:
     """HF tensor names -> the GGUF tensors to write, each with a lazy producer of its data."""
 
     def __init__(self, m: _Model, src: _Source):
         self.m, self.src, self.c = m, src, m.cfg
-        self.plans: list[_Plan] = []
+        self.plans: list[Plan] = []
         self.skipped: list[str] = []
 
-    def run(self) -> list[_Plan]:
+    def run(self) -> list[Plan]:
         """Plans in the checkpoint's tensor order, as llama.cpp writes them (so for the fixtures
         the whole file comes out byte-identical to llama.cpp's)."""
         layers: dict[int, list[str]] = {}
@@ -230,9 +199,9 @@ class _Planner:
     def _plain(self, gguf_name: str, hf: str, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         def chunks() -> Iterator[torch.Tensor]:
             t = self.src.get(hf)
-            yield from _rows(transform(t) if transform else t)
+            yield from rows(transform(t) if transform else t)
 
-        self.plans.append(_Plan(gguf_name, self.src.shape(hf), chunks))
+        self.plans.append(Plan(gguf_name, self.src.shape(hf), chunks))
 
     def _layer(self, layer: int, names: list[str]) -> None:
         pre, blk = f"model.layers.{layer}.", f"blk.{layer}."
@@ -268,7 +237,7 @@ class _Planner:
         head = c.kv_lora_rank + r if "kv_a" in suffix else c.qk_nope_head_dim + r
         return lambda w: _interleave_rope(w, head, r)
 
-    def _experts(self, blk: str, proj: str, by_index: dict[int, str]) -> _Plan:
+    def _experts(self, blk: str, proj: str, by_index: dict[int, str]) -> Plan:
         n_exp = self.c.moe.n_routed_experts
         if sorted(by_index) != list(range(n_exp)):
             missing = sorted(set(range(n_exp)) - set(by_index))
@@ -283,9 +252,9 @@ class _Planner:
 
         def chunks() -> Iterator[torch.Tensor]:
             for n in names:  # one expert at a time: the stack is never built in memory
-                yield from _rows(self.src.get(n))
+                yield from rows(self.src.get(n))
 
-        return _Plan(f"{blk}ffn_{proj}_exps.weight", (n_exp, *shapes.pop()), chunks)
+        return Plan(f"{blk}ffn_{proj}_exps.weight", (n_exp, *shapes.pop()), chunks)
 
     def _kv_b(self, blk: str, name: str) -> None:
         c = self.c
@@ -301,8 +270,8 @@ class _Planner:
             for h in range(H):
                 yield (kv[h, :n].T if k_part else kv[h, n:]).to(torch.float32)
 
-        self.plans.append(_Plan(f"{blk}attn_k_b.weight", (H, L, n), lambda: per_head(True)))
-        self.plans.append(_Plan(f"{blk}attn_v_b.weight", (H, v, L), lambda: per_head(False)))
+        self.plans.append(Plan(f"{blk}attn_k_b.weight", (H, L, n), lambda: per_head(True)))
+        self.plans.append(Plan(f"{blk}attn_v_b.weight", (H, v, L), lambda: per_head(False)))
 
 
 # =============================================================================================
@@ -330,8 +299,11 @@ def convert_hf_to_gguf(
         raise ConvertError(f"{folder}: not a Hugging Face model folder")
     if not Path(out_path).resolve().parent.is_dir():  # before minutes of work, not after
         raise ConvertError(f"{out_path}: the output folder does not exist")
+    raw = _read_json(folder / "config.json")
+    if is_v4(raw):  # not MLA: llama.cpp's deepseek4 layout, its own converter
+        return convert_v4(folder, raw, out_path, outtype, name, pre_tokenizer)
     m = _open_model(folder)
-    planner = _Planner(m, _Source(folder, m.raw))
+    planner = Planner(m, _Source(folder, m.raw))
     plans = {p.name: p for p in planner.run()}
     meta = _metadata(m, outtype, name, pre_tokenizer, {p.name: p.shape for p in plans.values()})
     writer = GGUFWriter(out_path)

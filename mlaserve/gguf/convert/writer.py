@@ -1,4 +1,4 @@
-"""GGUF v3 writer (streaming) and the float -> ggml quantizers: F32, F16, BF16, Q8_0 (and Q4_0, for
+"""GGUF v3 writer (streaming) and the float -> ggml quantizers: F32, F16, BF16, Q8_0, I32 (integer ids) (and Q4_0, for
 quantize-at-load).
 
 Notation: the file written is
@@ -16,6 +16,9 @@ before any data exists; then `GGUFWriter.write` asks for each tensor's data as a
 float chunks (whole rows each), quantizes a chunk, writes it and drops it.  Peak memory is one
 chunk, never the model.  The file appears under its name only when complete (written to
 ``<name>.part``, then renamed).
+
+MXFP4 (RAW_TYPES) is not quantized here: its chunks are uint8 rows already in ggml's block layout (DeepSeek-V4's
+FP4 experts repacked by gguf/convert/deepseek_v4.py) and are written as they are.
 
 The quantizers reproduce gguf-py's ``gguf.quants.quantize`` bit for bit (which in turn matches
 ggml's C reference); they must keep its float32 operation order -- see `quantize_q8_0`.
@@ -37,7 +40,10 @@ from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, tensor_nbytes
 from mlaserve.gguf.read.file import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
 
 GGUF_VERSION = 3
-F32, F16, BF16, Q8_0, Q4_0 = (GGML_TYPE_IDS[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0"))
+F32, F16, BF16, Q8_0, Q4_0, I32, MXFP4 = (
+    GGML_TYPE_IDS[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "I32", "MXFP4")
+)
+RAW_TYPES = (MXFP4,)  # written from blocks made elsewhere (DeepSeek-V4's FP4 experts repacked): chunks are bytes
 
 # GGUF metadata value type ids
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
@@ -183,6 +189,16 @@ def quantize_bf16(x: torch.Tensor) -> torch.Tensor:
     return n.to(torch.int16).view(torch.uint8)
 
 
+def quantize_i32(x: torch.Tensor) -> torch.Tensor:
+    """Integers (DeepSeek-V4's tid2eid expert ids) as little-endian int32; a float or out-of-range value is refused
+    rather than truncated."""
+    if x.dtype.is_floating_point or x.dtype == torch.bool:
+        raise GGUFWriteError(f"I32: integer values expected, got {x.dtype}")
+    if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
+        raise GGUFWriteError("I32: a value does not fit in 32 bits")
+    return x.to(torch.int32).contiguous().view(torch.uint8)
+
+
 def _roundf_(v: torch.Tensor) -> torch.Tensor:
     """C roundf (half away from zero) as gguf-py's np_roundf computes it in float32:
     sign(v) * (floor(|v|) + floor(2 * (|v| - floor(|v|)))).  In place where possible (speed)."""
@@ -231,6 +247,7 @@ QUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     BF16: quantize_bf16,
     Q4_0: quantize_q4_0,
     Q8_0: quantize_q8_0,
+    I32: quantize_i32,
 }
 
 
@@ -303,7 +320,8 @@ class GGUFWriter:
             raise GGUFWriteError(f"tensor '{name}' added twice")
         if not 1 <= len(shape) <= MAX_DIMS:
             raise GGUFWriteError(f"tensor '{name}' has {len(shape)} dimensions (1..{MAX_DIMS} allowed)")
-        if not can_quantize(ggml_type, shape[-1]):
+        raw = ggml_type in RAW_TYPES and shape[-1] % GGML_TYPES[ggml_type].block_size == 0
+        if not raw and not can_quantize(ggml_type, shape[-1]):
             raise GGUFWriteError(
                 f"tensor '{name}': rows of length {shape[-1]} cannot be stored as {GGML_TYPES[ggml_type].name}"
             )
@@ -341,7 +359,18 @@ class GGUFWriter:
 
     def _write_tensor(self, f, spec: TensorSpec, chunks: Iterable[torch.Tensor]) -> None:
         written, row = 0, spec.shape[-1]
+        if spec.ggml_type in RAW_TYPES:  # uint8 rows of blocks, already in the type's layout
+            row = tensor_nbytes(spec.ggml_type, (row,))
         for chunk in chunks:
+            if spec.ggml_type in RAW_TYPES:
+                data = chunk.contiguous().view(torch.uint8).reshape(-1)
+                if chunk.dtype != torch.uint8 or data.numel() % row:
+                    raise GGUFWriteError(f"tensor '{spec.name}': {chunk.dtype} chunk is not whole rows of {row} bytes")
+                written += data.numel()
+                if written > spec.nbytes:
+                    break
+                f.write(data.numpy())
+                continue
             if chunk.numel() % row:
                 raise GGUFWriteError(
                     f"tensor '{spec.name}': a chunk of {chunk.numel()} values is not whole rows of {row}"

@@ -389,6 +389,22 @@ def _expected(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
+def gguf_names(num_layers: int, modules: set[str]) -> dict[tuple[str, str | None], str]:
+    """This module's name table read the other way (the converter writes with it): (module tensor, expert part
+    w1 | w2 | w3 or None) -> the GGUF tensor, for every tensor the table names in `num_layers` layers (a layer's
+    kind decides which of them its model has). Experts: gate_up_proj's w1 / w3 parts -> ffn_gate_exps /
+    ffn_up_exps, down_proj's w2 -> ffn_down_exps."""
+    out: dict[tuple[str, str | None], str] = {}
+    for i in range(num_layers):
+        for suf, rel in _LAYER.items():
+            out.setdefault((target(f"layers.{i}.{rel}", modules).name, None), f"blk.{i}.{suf}")
+        for suf, w in _EXPERTS.items():
+            out[(target(f"layers.{i}.ffn.experts.0.{w}.weight", modules).name, w)] = f"blk.{i}.{suf}"
+    for g, rel in _GLOBAL.items():
+        out[(target(rel, modules).name, None)] = g
+    return out
+
+
 def _map_tensors(gf: GGUFFile, cfg: DeepseekV4Config) -> tuple[dict[str, _Entry], list[str]]:
     """Every GGUF tensor -> the release name(s) it fills (each used once), shapes checked against the model;
     every model tensor filled. Returns the entries and the skipped nextn (MTP) tensors."""
@@ -398,12 +414,8 @@ def _map_tensors(gf: GGUFFile, cfg: DeepseekV4Config) -> tuple[dict[str, _Entry]
     filled: dict[str, set] = {}
     skipped: list[str] = []
     gguf_of: dict[str, str] = {}  # module tensor -> the GGUF tensor that fills it (for "missing" errors)
-    for i in range(cfg.num_layers):
-        for suf, rel in [*_LAYER.items(), *((s, f"ffn.experts.0.{w}.weight") for s, w in _EXPERTS.items())]:
-            t = target(f"layers.{i}.{rel}", modules)
-            gguf_of.setdefault(t.name, f"blk.{i}.{suf}")
-    for g, rel in _GLOBAL.items():
-        gguf_of[target(rel, modules).name] = g
+    for (module, _), g in gguf_names(cfg.num_layers, modules).items():
+        gguf_of.setdefault(module, g)
 
     for name, info in gf.tensors.items():
         mt = _BLK.match(name)
