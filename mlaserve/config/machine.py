@@ -112,16 +112,20 @@ def choose_activations(requested: str, kernels: str, gguf: bool, log: Provenance
         return log.record(
             "activations",
             "int8_6bit",
-            f"engine default (auto, llama.cpp's choice for weights of 6 bits or fewer): {INT8_SCOPE}; Q8_0 and "
-            "other weights stay exact, as do larger chunks and the attention over the cache (activations='float': "
-            "exact everywhere)",
+            f"engine default (auto, llama.cpp's choice for weights of 6 bits or fewer): {INT8_SCOPE}; Q8_0, "
+            "Q5_0 / Q5_1 (their int8 logits moved over half a fixture's own error) and other weights stay exact, "
+            "as do larger chunks and the attention over the cache (activations='float': exact everywhere)",
         )
     if kernels != "native":
         raise ConfigError(
             f"activations={requested!r} runs in the native kernels, but kernels resolved to 'torch' "
             f"({log.source('kernels')}); it needs quantized weights (a GGUF, FP8 or quantization=...) on CPU"
         )
-    which = "every weight type with int8 kernels (Q8_0 too)" if requested == "int8" else "weights of <= 6 bits"
+    which = (
+        "every weight type with int8 kernels (Q8_0 too)"
+        if requested == "int8"
+        else "weights of <= 6 bits but Q5_0 / Q5_1"
+    )
     return log.record(
         "activations",
         requested,

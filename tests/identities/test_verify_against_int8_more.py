@@ -1,4 +1,5 @@
-"""`verify --against` and the engine with int8 activations on the types that took them last: Q5_0 / Q5_1 (the
+"""`verify --against` and the engine with int8 activations on the types that took them last: Q5_0 / Q5_1 (under
+activations="int8"; the default keeps them exact, tests/gguf/test_gguf_int8_default.py says why; the
 q4_k_m fixtures keep most tensors of 128-wide rows in them: 25-28 Q5_0 and 3 Q5_1 tensors each in ds2lite, ds32 and
 glm5) and the i-quants (ds3's f32 file with its 256-wide tensors quantized by tests/iq_quantize.py).
 
@@ -51,15 +52,17 @@ def _iq_file(dst, name: str):
     return dst
 
 
-def _check_report(model, hf, blocks: set[str], label: str, capsys) -> None:
+def _check_report(model, hf, blocks: set[str], label: str, capsys, setting: str = "int8_6bit") -> None:
     ids, _ = encode_prompt(model, hf, PROMPT)
     report = compare(model, hf, ids)
     assert report.passed  # judged on exact products
     assert blocks <= set(report.activation_error), (label, sorted(report.activation_error))
     for block, act in report.activation_error.items():
+        if setting == "int8" and block not in blocks:
+            continue  # "int8" also takes the Q8_0 head's products, which reach e / 2: why Q8_0 stays exact by default
         e = report.file_error[block]
         assert 0 < act <= e / 2, (label, block, act, e)
-    assert "int8 activations (int8_6bit)" in format_report(report)
+    assert f"int8 activations ({setting})" in format_report(report)
     with capsys.disabled():
         cells = ", ".join(f"{b} {a:.1e}/{report.file_error[b]:.1e}" for b, a in report.activation_error.items())
         print(f"\n{label}: act/e {cells}")
@@ -67,13 +70,14 @@ def _check_report(model, hf, blocks: set[str], label: str, capsys) -> None:
 
 @pytest.mark.parametrize("name", ["ds2lite", "ds32", "glm5"])
 def test_q5_files_report_the_activation_error_inside_the_files_own(name, capsys):
-    """The q4_k_m fixtures whose products are mostly Q5_0 / Q5_1: every layer's blocks take int8 activations under
-    the default and each block's act stays within e / 2."""
+    """The q4_k_m fixtures whose products are mostly Q5_0 / Q5_1, under activations="int8" (the default keeps
+    Q5_0 / Q5_1 exact: tests/gguf/test_gguf_int8_default.py): every layer's blocks take int8 activations and each
+    block's act stays within e / 2."""
     src = fixture_dir(name)
-    model = open_side(str(src / "model-q4_k_m.gguf"))
-    assert model.activations == "int8_6bit"
+    model = open_side(str(src / "model-q4_k_m.gguf"), activations="int8")
+    assert model.activations == "int8"
     blocks = {f"layer.{i}.{p}" for i in range(3) for p in ("attn", "mlp")}
-    _check_report(model, open_side(str(src)), blocks, f"{name} q4_k_m", capsys)
+    _check_report(model, open_side(str(src)), blocks, f"{name} q4_k_m", capsys, setting="int8")
 
 
 @pytest.mark.slow  # quantizes five tensors per type and runs verify (~10-20 s each on 2 cores)

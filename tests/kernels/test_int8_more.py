@@ -236,11 +236,13 @@ def test_int8_products_within_the_activation_bound(name, rows):
 @needs_native
 def test_the_python_table_matches_the_library():
     """native.Q8_ACTIVATION_BITS (what takes_int8 reads) names exactly the types the library has int8 kernels for,
-    and activations="auto" (int8 = 6) takes every new type (all at most 5 bits per value)."""
+    activations="int8" (8) takes every new type and "auto" (int8 = 6) every one but Q5_0 / Q5_1, held exact with
+    Q8_0 (tests/gguf/test_gguf_int8_default.py says why)."""
     lib_types = {t for t in GGML_TYPES if native.type_kernels(t) & 4}
     assert lib_types == set(native.Q8_ACTIVATION_TYPES)
     for name in NEW:
-        assert native.takes_int8(GGML_TYPE_IDS[name], 6), name
+        assert native.takes_int8(GGML_TYPE_IDS[name], 8), name
+        assert native.takes_int8(GGML_TYPE_IDS[name], 6) == (name not in ("Q5_0", "Q5_1")), name
 
 
 @needs_native
