@@ -69,13 +69,15 @@ def test_required_calls_validate_across_seeds_and_n2(server):
 
 
 def test_named_tool_and_parallel(server):
-    r = _chat(server, tool_choice={"type": "function", "function": {"name": "find_verse"}}, temperature=1.0, seed=4)
+    named = dict(tool_choice={"type": "function", "function": {"name": "find_verse"}}, temperature=1.0, seed=4)
+    parallel = dict(tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=9)
+    with ThreadPoolExecutor(2) as pool:  # at once: the server batches them (one after the other took twice as long)
+        r, second = pool.map(lambda kw: _chat(server, **kw), (named, parallel))
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     _check_calls(ch.message.tool_calls, only="find_verse")
     assert len(ch.message.tool_calls) == 1
-    r = _chat(server, tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=9)
-    ch = r.choices[0]
+    ch = second.choices[0]
     if ch.finish_reason == "tool_calls":  # else a second call ran past the context: "length"
         _check_calls(ch.message.tool_calls)
     else:
