@@ -116,6 +116,18 @@ def hf_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def embedded_server():
+    """One `mlaserve serve` on the embedded model with the default options, shared by the server test files
+    that only send it requests (no options, metrics, logs or shutdown of their own): each start is an
+    interpreter, a torch import and a model load, ~5 s on 2 cores. It must still exit cleanly."""
+    from server_process import ServerProcess
+
+    srv = ServerProcess()
+    yield srv
+    assert srv.stop() == 0, srv.logs()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Tiny test models are dominated by per-op overhead, where one thread is fastest and immune

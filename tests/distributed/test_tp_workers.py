@@ -57,27 +57,27 @@ def _check(out: Path, ref: torch.Tensor, proc: subprocess.CompletedProcess) -> t
 
 def test_tp2_from_stdin_and_from_a_script_without_main_guard(tp1_logits, tmp_path):
     folder, ids, ref = tp1_logits
-    from_stdin = tmp_path / "stdin.pt"
-    proc = subprocess.run(
-        [sys.executable, "-"],
-        input=SCRIPT.format(folder=folder, ids=ids, out=str(from_stdin)),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-        timeout=RUN_TIMEOUT_S,
-    )
-    a = _check(from_stdin, ref, proc)
-
+    from_stdin, from_file = tmp_path / "stdin.pt", tmp_path / "file.pt"
     script_dir = tmp_path / "elsewhere"
     script_dir.mkdir()
     script = script_dir / "run_tp.py"
-    from_file = tmp_path / "file.pt"
     script.write_text(SCRIPT.format(folder=folder, ids=ids, out=str(from_file)))
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=RUN_TIMEOUT_S
-    )
-    b = _check(from_file, ref, proc)
+    # both callers at once: each is an interpreter + torch import, then a worker's, one core busy at a time
+    # (run one after the other they cost twice the wall time on 2 cores)
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env())
+    stdin_proc = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, **kw)
+    file_proc = subprocess.Popen([sys.executable, str(script)], **kw)
+    done = []
+    for proc, text in ((stdin_proc, SCRIPT.format(folder=folder, ids=ids, out=str(from_stdin))), (file_proc, None)):
+        try:
+            out, err = proc.communicate(text, timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for p in (stdin_proc, file_proc):
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    a = _check(from_stdin, ref, done[0])
+    b = _check(from_file, ref, done[1])
     assert torch.equal(a, b)  # the same group either way
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 import httpx
@@ -16,7 +17,6 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI
 from pydantic import Field
-from server_process import ServerProcess
 
 agents = pytest.importorskip("agents")
 agents.set_tracing_disabled(True)  # nothing is exported: the run stays offline
@@ -25,10 +25,8 @@ RESULT = "sunny, 31 degrees"
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess()
-    yield srv
-    assert srv.stop() == 0, srv.logs()
+def server(embedded_server):
+    return embedded_server  # the session's (conftest.py): these tests only send it requests
 
 
 def _run(server, seed: int):
@@ -71,9 +69,21 @@ def _run(server, seed: int):
     return asyncio.run(main()), calls, sent, get_weather.params_json_schema
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_agent_calls_the_tool_and_answers(server, seed):
-    result, calls, sent, schema = _run(server, seed)
+SEEDS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def runs(server):
+    """seed -> the future of its run: the runs go to the server at once (its batch holds both; one after the
+    other they took twice the time), each test takes its own seed's result or exception."""
+    pool = ThreadPoolExecutor(len(SEEDS))
+    yield {seed: pool.submit(_run, server, seed) for seed in SEEDS}
+    pool.shutdown()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_agent_calls_the_tool_and_answers(server, runs, seed):
+    result, calls, sent, schema = runs[seed].result()
     # the function ran once, on arguments the SDK parsed from the call, and they fit its schema
     assert len(calls) == 1, (calls, [i.type for i in result.new_items])
     jsonschema.validate(calls[0], schema)

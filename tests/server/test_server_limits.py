@@ -62,10 +62,14 @@ def test_queue_bound_answers_429_with_retry_after(server):
     body = {"prompt": "In the beginning", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     auth = {"Authorization": f"Bearer {KEY}"}
 
-    def call():
-        statuses.append(server.post("/v1/completions", json=body, headers=auth).status_code)
+    def call(max_tokens):
+        statuses.append(
+            server.post("/v1/completions", json=dict(body, max_tokens=max_tokens), headers=auth).status_code
+        )
 
-    threads = [threading.Thread(target=call) for _ in range(2)]
+    # the first runs long enough to hold the one slot while the second waits and the third is refused; the queued
+    # one's own length is not the point (it ran 400 tokens more, alone, after the first)
+    threads = [threading.Thread(target=call, args=(n,)) for n in (body["max_tokens"], 8)]
     threads[0].start()
     _wait_for(server, "mlaserve_running_requests", 1)
     threads[1].start()

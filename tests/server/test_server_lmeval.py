@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_process import ServerProcess
 
 pytest.importorskip("lm_eval")
 DATA = Path(__file__).parents[1] / "data" / "serve_mc.jsonl"
@@ -54,7 +53,7 @@ def reference(llm, hf_tok, items) -> tuple[float, list[list[float]]]:
     return correct / len(items), lls
 
 
-def test_lm_eval_local_completions_matches_prompt_logits(tmp_path):
+def test_lm_eval_local_completions_matches_prompt_logits(tmp_path, embedded_server):
     from transformers import AutoTokenizer
 
     from mlaserve.embedded import default_model_path
@@ -62,7 +61,7 @@ def test_lm_eval_local_completions_matches_prompt_logits(tmp_path):
 
     (tmp_path / "task").mkdir()
     (tmp_path / "task" / "serve_mc.yaml").write_text(TASK.format(data=DATA))
-    srv = ServerProcess()
+    srv = embedded_server  # the session's (conftest.py): it must exit cleanly at the session's end
     try:
         args = (
             f"model={srv.model},base_url={srv.url}/v1/completions,tokenizer={default_model_path()},"
@@ -85,7 +84,7 @@ def test_lm_eval_local_completions_matches_prompt_logits(tmp_path):
         run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
     finally:
-        assert srv.stop() == 0
+        assert srv.proc.poll() is None, srv.logs()  # still serving after lm-eval's run
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
     samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_*.jsonl")).read_text().splitlines()]
     items = [json.loads(line) for line in DATA.read_text().splitlines()]

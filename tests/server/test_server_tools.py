@@ -5,11 +5,11 @@ generated under the tools' schemas, so their arguments must validate (jsonschema
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
 
 WEATHER = {
     "type": "object",
@@ -36,10 +36,8 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Jerusalem?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess()
-    yield srv
-    assert srv.stop() == 0, srv.logs()
+def server(embedded_server):
+    return embedded_server  # the session's (conftest.py): these tests only send it requests
 
 
 def _chat(server, **kw):
@@ -58,8 +56,12 @@ def _check_calls(calls, only=None):
 
 
 def test_required_calls_validate_across_seeds_and_n2(server):
-    for seed in range(3):
-        r = _chat(server, tool_choice="required", temperature=1.0, seed=seed, n=2)
+    # the seeds' requests at once (the server batches them: one after the other took three times as long)
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(
+            pool.map(lambda seed: _chat(server, tool_choice="required", temperature=1.0, seed=seed, n=2), range(3))
+        )
+    for r in answers:
         for ch in r.choices:
             assert ch.finish_reason == "tool_calls", ch.message
             _check_calls(ch.message.tool_calls)
@@ -67,13 +69,15 @@ def test_required_calls_validate_across_seeds_and_n2(server):
 
 
 def test_named_tool_and_parallel(server):
-    r = _chat(server, tool_choice={"type": "function", "function": {"name": "find_verse"}}, temperature=1.0, seed=4)
+    named = dict(tool_choice={"type": "function", "function": {"name": "find_verse"}}, temperature=1.0, seed=4)
+    parallel = dict(tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=9)
+    with ThreadPoolExecutor(2) as pool:  # at once: the server batches them (one after the other took twice as long)
+        r, second = pool.map(lambda kw: _chat(server, **kw), (named, parallel))
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     _check_calls(ch.message.tool_calls, only="find_verse")
     assert len(ch.message.tool_calls) == 1
-    r = _chat(server, tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=9)
-    ch = r.choices[0]
+    ch = second.choices[0]
     if ch.finish_reason == "tool_calls":  # else a second call ran past the context: "length"
         _check_calls(ch.message.tool_calls)
     else:
