@@ -140,7 +140,6 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, c_int, ptr, ptr]
     lib.mls_index_topk.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_index_topk8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
-    lib.mls_index_scores.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, c_int, ptr]
     lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]
     lib.mls_layout.argtypes = [ptr]
     lib.mls_layout.restype = ptr

@@ -364,30 +364,6 @@ def index_topk8(
     return index, valid
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys, simd: bool = True) -> tuple[torch.Tensor, bool]:
-    """The DSA index scores of csrc/index_score.c (heads along the vector lanes; the top-k's scoring where the
-    build has AVX-512 and Hi is a multiple of 16, at most 64) for one token, for its tests: q [Hi, Di], w [Hi] fp32
-    (Hi^-0.5 Di^-0.5 folded in), keys [n, Di] fp32 or FP8 e4m3 QuantizedRows with a scale per key -> (scores [n],
-    whether the SIMD form ran). simd=False runs the scalar form."""
-    hi, di = q.shape
-    if q.dtype != torch.float32 or w.dtype != torch.float32 or not (q.is_contiguous() and w.is_contiguous()):
-        raise ValueError("index_scores: contiguous fp32 q / w")
-    if isinstance(keys, torch.Tensor):
-        if keys.dtype != torch.float32 or not keys.is_contiguous() or keys.shape[1] != di:
-            raise ValueError(f"index_scores: contiguous fp32 keys [n, {di}], got {keys.dtype} {tuple(keys.shape)}")
-        n, ptrs = keys.shape[0], (keys.data_ptr(), None, None)
-    else:
-        fmt = keys.fmt
-        if fmt.codes != "fp8_e4m3" or fmt.scales != 1 or fmt.quantized != di or fmt.kept:
-            raise ValueError(f"index_scores: FP8 keys of {di} values with one scale each, got {fmt}")
-        n, ptrs = keys.codes.shape[0], (None, keys.codes.data_ptr(), keys.scales.data_ptr())
-    out = torch.empty(n, dtype=torch.float32)
-    rc = library().mls_index_scores(q.data_ptr(), w.data_ptr(), hi, di, *ptrs, n, int(simd), out.data_ptr())
-    if rc < 0:
-        raise ValueError(f"index_scores: {hi} heads do not fit the lanes kernel (a multiple of 16, at most 64)")
-    return out, bool(rc)
-
-
 def quantize_rows(x: torch.Tensor, block: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode layer's quantizer (csrc/rows8.c) on its own, for its tests: x [T, q] fp32 contiguous ->
     (codes [T, q] uint8, scales [T, q / block] fp32), cache/quantized_rows.quantize's bit for bit."""

@@ -10,9 +10,6 @@
    K (the caller's min(index_topk, L)): the K best allowed positions in position order, or, when a request has
    at most K allowed positions, every one of them followed by disallowed positions marked invalid (what the
    per-op path's top-k over -inf scores keeps: a position it never attends).
-   Scoring: with the heads along the vector lanes (index_score.c, AVX-512 builds, Hi a multiple of 16 up to 64:
-   one qT row load feeds 4 keys' FMAs), else head by head (mqa_scores, 8 heads per pass with a horizontal sum
-   per head and key). Both are within fp32 rounding of the reference (tests/kernels/test_index_score_lanes.py).
    Ties at the K-th score: the earlier positions are kept (torch's topk leaves the choice unspecified; with
    fp32 scores summed over >= 8 heads exact ties do not occur in practice). */
 
@@ -106,15 +103,6 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
         return -4;
     }
     float *tmp = s + l;
-    /* heads along the lanes (index_score.c) where this build runs them in SIMD and the head count fits; else the
-       head-by-head dot products below */
-    const int lanes = index_lanes_simd() && index_lanes_ok(hi);
-    float *qT = lanes ? (float *)malloc(sizeof(float) * (size_t)(hi * di)) : NULL;
-    if (lanes && !qT) {
-        free(s);
-        free(pos);
-        return -4;
-    }
     for (int64_t tok = 0; tok < t; tok++) {
         const uint8_t *m = mask + tok * l;
         const int64_t *sl = kv_slots + tok * l;
@@ -131,42 +119,21 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
                 if (!m[j]) idx[c] = j, val[c++] = 0;
             continue;
         }
-        if (lanes) {
-            index_q_transpose(qt, hi, di, qT);
-            const int64_t nb = (n_ok + ISC_NK - 1) / ISC_NK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
-            for (int64_t bk = 0; bk < nb; bk++) {
-                const int64_t a0 = bk * ISC_NK;
-                const int n = n_ok - a0 < ISC_NK ? (int)(n_ok - a0) : ISC_NK;
-                float dec[codes8 ? ISC_NK * di : 1];
-                const float *kp[ISC_NK];
-                for (int j = 0; j < n; j++) {
-                    const int64_t row = sl[pos[a0 + j]];
-                    if (codes8) {
-                        e4m3_scaled(codes8 + row * di, scales8[row], di, dec + j * di);
-                        kp[j] = dec + j * di;
-                    } else
-                        kp[j] = keys + row * di;
-                }
-                index_scores_lanes(qT, wt, hi, di, kp, n, 1, s + a0);
+        for (int64_t a = 0; a < n_ok; a++) {
+            float decoded[codes8 ? di : 1];
+            const float *key = keys + (codes8 ? 0 : sl[pos[a]] * di);
+            if (codes8) {
+                e4m3_scaled(codes8 + sl[pos[a]] * di, scales8[sl[pos[a]]], di, decoded);
+                key = decoded;
             }
-        } else {
-#pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
-            for (int64_t a = 0; a < n_ok; a++) {
-                float decoded[codes8 ? di : 1];
-                const float *key = keys + (codes8 ? 0 : sl[pos[a]] * di);
-                if (codes8) {
-                    e4m3_scaled(codes8 + sl[pos[a]] * di, scales8[sl[pos[a]]], di, decoded);
-                    key = decoded;
-                }
-                float hs[MQA_HS], sum = 0.0f;
-                for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
-                    const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
-                    mqa_scores(key, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
-                    for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] > 0.0f ? hs[i] : 0.0f);
-                }
-                s[a] = sum;
+            float hs[MQA_HS], sum = 0.0f;
+            for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
+                const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
+                mqa_scores(key, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
+                for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] > 0.0f ? hs[i] : 0.0f);
             }
+            s[a] = sum;
         }
         memcpy(tmp, s, sizeof(float) * (size_t)n_ok);
         const float thr = kth_largest(tmp, n_ok, k);
@@ -183,40 +150,5 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
     }
     free(s);
     free(pos);
-    free(qT);
     return 0;
-}
-
-/* The lanes kernel's scores on their own (tests/kernels/test_index_score_lanes.py): q [Hi, Di] one token's queries,
-   w [Hi] its head weights (Hi^-0.5 Di^-0.5 folded in), n keys as fp32 rows keys [n, Di] or (codes not NULL) FP8 e4m3
-   codes [n, Di] with scales [n] -> out [n]. simd = 0 runs the scalar form. Returns 1 when the SIMD form ran, 0 the
-   scalar one, -1 when Hi does not fit the kernel, -4 without memory. */
-int mls_index_scores(const float *q, const float *w, int64_t hi, int64_t di, const float *keys, const uint8_t *codes,
-                     const float *scales, int64_t n, int simd, float *out) {
-    if (!index_lanes_ok(hi) || di > 1024) return -1;
-    if (codes && !e4m3_ready) e4m3_init();
-    float *qT = (float *)malloc(sizeof(float) * (size_t)(hi * di) + 1);
-    float *dec = (float *)malloc(sizeof(float) * (size_t)(ISC_NK * di) + 1);
-    if (!qT || !dec) {
-        free(qT);
-        free(dec);
-        return -4;
-    }
-    index_q_transpose(q, hi, di, qT);
-    const int use = simd && index_lanes_simd();
-    for (int64_t a0 = 0; a0 < n; a0 += ISC_NK) {
-        const int m = n - a0 < ISC_NK ? (int)(n - a0) : ISC_NK;
-        const float *kp[ISC_NK];
-        for (int j = 0; j < m; j++) {
-            if (codes) {
-                e4m3_scaled(codes + (a0 + j) * di, scales[a0 + j], di, dec + j * di);
-                kp[j] = dec + j * di;
-            } else
-                kp[j] = keys + (a0 + j) * di;
-        }
-        index_scores_lanes(qT, w, hi, di, kp, m, use, out + a0);
-    }
-    free(qT);
-    free(dec);
-    return use;
 }

@@ -22,7 +22,6 @@
 #include "moe/block.c"    /* a decode step's MoE block in one call */
 #include "attention.c"    /* the latent MQA over paged rows */
 #include "glue.c"         /* RMSNorm, a step's latent rows and query rope */
-#include "index_score.c"  /* DSA index scores with the heads along the vector lanes */
 #include "indexer.c"      /* the DSA indexer of a decode step: index keys, scores, top-k */
 #include "rows8.c"        /* the 8-bit cache's quantizer (kv_cache_dtype) */
 #include "decode_layer.c" /* a decoder layer's decode step in one call */

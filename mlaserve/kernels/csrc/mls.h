@@ -205,9 +205,6 @@ int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_
 int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
                     const float *scales, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k,
                     int64_t *sel_index, uint8_t *sel_valid, int threads);
-/* the index scores with the heads along the lanes (index_score.c) of n keys, fp32 rows or FP8 codes + scales */
-int mls_index_scores(const float *q, const float *w, int64_t hi, int64_t di, const float *keys, const uint8_t *codes,
-                     const float *scales, int64_t n, int simd, float *out);
 
 /* decode_layer.c */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out,
