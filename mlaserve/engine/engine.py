@@ -155,7 +155,7 @@ class Engine:
         # prefix pages read from disk fill their pages before anything reads them: also when the request that
         # found them could not be admitted (its pages stay named in the prefix cache, so they must hold the rows)
         if plan.disk_loads:
-            self.runner.cache.load_pages([d.page for d in plan.disk_loads], [d.parts for d in plan.disk_loads])
+            self.runner.load_pages([d.page for d in plan.disk_loads], [d.parts for d in plan.disk_loads])
         if not plan.chunks:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler could not place any request: the page pool is too small")
@@ -171,7 +171,7 @@ class Engine:
         writes on its thread."""
         new = self.scheduler.drain_new_pages()
         if new and self.runner.disk_tier is not None:
-            gathered = self.runner.cache.gather_pages([p for p, _, _ in new])
+            gathered = self.runner.gather_pages([p for p, _, _ in new])
             self.runner.disk_tier.submit([(h, ids) for _, h, ids in new], gathered)
 
     def _step(self, plan: SchedulePlan, step_no: int) -> list[RequestOutput]:

@@ -76,9 +76,13 @@ class ModelRunner:
             if cfg.cache.kv_cache_dtype == "auto"
             else cfg.cache.kv_cache_dtype
         )
+        self.tracer = tracer or NullTracer()
+        self.step_count = 0
+        self.drafter = make_drafter(model, cfg, self.tracer, rank) if cfg.speculative.method == "mtp" else None
         # the prefix cache's disk tier (prefix_cache_dir): pages keyed by the hash chain and what the rows are
         # (the weights' identity, dtype, layout incl. kv_cache_dtype, page size, sparse switch; DeepSeek-V4's
-        # official-code roundings, which change the rows and snapshots a page holds)
+        # official-code roundings, which change the rows and snapshots a page holds); with MTP speculation a page
+        # holds the MTP layer's rows too (page_layout), so such files are read only by an engine that drafts
         self.disk_tier = None
         if cfg.cache.prefix_cache_dir is not None and cfg.cache.enable_prefix_caching:
             identity = model_identity(
@@ -90,11 +94,8 @@ class ModelRunner:
                 cfg.cache.prefix_cache_dir,
                 int(cfg.cache.prefix_cache_dir_gib * 2**30),
                 identity,
-                self.cache.page_layout(),
+                self.page_layout(),
             )
-        self.tracer = tracer or NullTracer()
-        self.step_count = 0
-        self.drafter = make_drafter(model, cfg, self.tracer, rank) if cfg.speculative.method == "mtp" else None
         # the last verify step's rollback tape (models that roll back request states), consumed by rollback()
         self.tape = None
 
@@ -109,6 +110,30 @@ class ModelRunner:
         self._tracer = tracer
         if getattr(self, "drafter", None) is not None:
             self.drafter.tracer = tracer
+
+    def _paged_caches(self) -> list[tuple[str, ModelCache]]:
+        """The caches whose rows a page holds, with their part-name prefixes: the trunk's and, under MTP
+        speculation, the drafter's own cache (same pages, same block tables): a prefix hit read from disk must
+        bring the MTP's rows of the pages as an in-memory hit keeps them, or the drafter would attend over zero
+        or a freed page's stale rows there."""
+        out = [("", self.cache)]
+        drafter_cache = getattr(getattr(self, "drafter", None), "cache", None)
+        if drafter_cache is not None:
+            out.append(("mtp.", drafter_cache))
+        return out
+
+    def page_layout(self) -> dict[str, tuple[str, tuple]]:
+        """Every page part of every paged cache (the disk tier's layout): name -> (dtype name, page shape)."""
+        return {p + k: v for p, c in self._paged_caches() for k, v in c.page_layout().items()}
+
+    def gather_pages(self, pages: list[int]) -> dict[str, torch.Tensor]:
+        """A copy of these pages' rows in every paged cache, per part [n, *page shape] (the disk writer's)."""
+        return {p + k: v for p, c in self._paged_caches() for k, v in c.gather_pages(pages).items()}
+
+    def load_pages(self, pages: list[int], parts: list[dict[str, torch.Tensor]]) -> None:
+        """Write pages read from disk into every paged cache's rows of these pages."""
+        for p, c in self._paged_caches():
+            c.load_pages(pages, [{k[len(p) :]: v for k, v in d.items() if k.startswith(p)} for d in parts])
 
     def execute(self, chunks: list[SeqChunk], preempted: tuple = ()) -> tuple[ForwardBatch, torch.Tensor]:
         """-> (batch, logits [len(batch.logits_indices), vocab] float32). `preempted`: the scheduler's
