@@ -357,20 +357,30 @@ def phases(s: dict, P: dict, res: dict, greedy: dict):
 
 
 def run_engines(engines: list[Engine], s: dict, P: dict, sequential: bool) -> tuple[dict, dict]:
+    """Every phase on every engine. res["loadavg"] keeps the 1/5/15-minute load average at the start of
+    each phase (per engine and phase with --sequential): on a shared machine a figure means little without
+    the load it was measured under."""
     res: dict = {e.spec: {} for e in engines}
+    res["loadavg"] = []
     greedy: dict = {}
     ph = phases(s, P, res, greedy)
+
+    def header(name: str, spec: str | None = None) -> None:
+        load = [round(x, 2) for x in os.getloadavg()]
+        res["loadavg"].append({"phase": name, **({"engine": spec} if spec else {}), "loadavg": load})
+        print(f"[{name}] loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+
     if sequential:
         for e in engines:
             if e.start():
                 for name, fn in ph:
-                    print(f"[{name}]", flush=True)
+                    header(name, e.spec)
                     fn(e)
             e.stop()
     else:
         live = [e for e in engines if e.start()]
         for name, fn in ph:
-            print(f"[{name}]", flush=True)
+            header(name)
             for e in live:
                 fn(e)
         for e in live:
