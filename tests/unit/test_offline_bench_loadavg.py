@@ -66,3 +66,22 @@ def test_sequential_runs_record_each_engine_phase(offline, monkeypatch, tmp_path
     res, names = _run(offline, monkeypatch, tmp_path, sequential=True)
     assert [(r["engine"], r["phase"]) for r in res["loadavg"]] == [(e, n) for e in ("a", "b") for n in names]
     assert [r["loadavg"][0] for r in res["loadavg"]] == [float(i) for i in range(1, 2 * len(names) + 1)]
+
+
+def test_phases_picks_the_named_measurements(offline, monkeypatch, tmp_path):
+    """`--phases prefill c16`: the warm-up, the two asked for, the info call; nothing else is run."""
+    s, P = offline.QUICK, offline.prompts_for(offline.QUICK, 1000)
+    every = [name for name, _ in offline.phases(s, P, {}, {})]
+    picked = [name for name, _ in offline.phases(s, P, {}, {}, ["prefill", "c16"])]
+    assert len(every) == len(offline.PHASES) + 2
+    assert picked == ["warm-up", f"prefill {s['prefill_len']}", "16 concurrent (32+8)", "info"]
+    assert offline.parse_args(["--phases", "decode", "c16"]).phases == ["decode", "c16"]
+    with pytest.raises(SystemExit):
+        offline.parse_args(["--phases", "c8"])
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"x")
+    e = StandIn("a", weights)
+    monkeypatch.setattr(offline.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    res, _ = offline.run_engines([e], s, P, False, ["decode"])
+    assert [r["phase"] for r in res["loadavg"]] == ["warm-up", "decode batch 1 (32+8)", "info"]
+    assert e.calls == ["generate", "generate", "info"]  # warm-up, the one decode prompt of QUICK, info
