@@ -87,6 +87,8 @@ KINDS = {  # engine kind -> which copy of the weights it reads
     "transformers": "folder",
 }
 DEFAULT_ENGINES = ["mlaserve", "mlaserve-gguf", "llama.cpp", "transformers"]
+# the measurements `--phases` can pick (cN: N concurrent requests); warm-up and info always run
+PHASES = ("prefill", "decode", "long", "c4", "c16", "kv", "steps")
 # GGUF types an engine can name (`llama.cpp@q4_0`): q8_0 is written by `mlaserve convert`; the others by
 # llama.cpp's own quantizer (llama_model_quantize) from that Q8_0 file, so they need llama-cpp-python.
 GGUF_TYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype values
@@ -113,6 +115,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "once, cached), a path, or none (drop the GGUF engines)",
     )
     p.add_argument("--sequential", action="store_true", help="one engine process at a time (less memory)")
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=PHASES,
+        default=None,
+        help="run only these measurements (default: all; the warm-up and the info call always run)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<dtype>[-quick].json)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--worker-args", default=None, help=argparse.SUPPRESS)
@@ -278,8 +287,9 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
-def phases(s: dict, P: dict, res: dict, greedy: dict):
-    """(name, fn(engine)) in run order; each fn fills res[engine.spec]."""
+def phases(s: dict, P: dict, res: dict, greedy: dict, only: list[str] | None = None):
+    """(name, fn(engine)) in run order; each fn fills res[engine.spec]. `only`: the PHASES keys to run
+    (None: all); the warm-up and info phases always run."""
 
     def warmup(e):  # lazy initialisation, allocator, native kernel builds: not measured
         e.call("generate", P["warmup"], 2)
@@ -346,31 +356,43 @@ def phases(s: dict, P: dict, res: dict, greedy: dict):
             res[e.spec]["rss_over_weights"] = res[e.spec]["peak_rss_gib"] * 2**30 / weights.stat().st_size
 
     out = [
-        ("warm-up", warmup),
-        (f"prefill {s['prefill_len']}", prefill),
-        (f"decode batch 1 ({s['dec_prompt']}+{s['dec_new']})", decode),
-        (f"decode batch 1 at context {s['long_prompt']} ({s['long_prompt']}+{s['long_new']})", long),
+        (None, "warm-up", warmup),
+        ("prefill", f"prefill {s['prefill_len']}", prefill),
+        ("decode", f"decode batch 1 ({s['dec_prompt']}+{s['dec_new']})", decode),
+        ("long", f"decode batch 1 at context {s['long_prompt']} ({s['long_prompt']}+{s['long_new']})", long),
     ]
-    out += [(f"{b} concurrent ({s['conc_prompt']}+{s['conc_new']})", conc(b)) for b in s["concs"]]
-    out += [("KV bytes per token", kv), ("decode step vs context", steps), ("info", info)]
-    return out
+    out += [(f"c{b}", f"{b} concurrent ({s['conc_prompt']}+{s['conc_new']})", conc(b)) for b in s["concs"]]
+    out += [("kv", "KV bytes per token", kv), ("steps", "decode step vs context", steps), (None, "info", info)]
+    return [(name, fn) for key, name, fn in out if key is None or only is None or key in only]
 
 
-def run_engines(engines: list[Engine], s: dict, P: dict, sequential: bool) -> tuple[dict, dict]:
+def run_engines(
+    engines: list[Engine], s: dict, P: dict, sequential: bool, only: list[str] | None = None
+) -> tuple[dict, dict]:
+    """Every phase on every engine. res["loadavg"] keeps the 1/5/15-minute load average at the start of
+    each phase (per engine and phase with --sequential): on a shared machine a figure means little without
+    the load it was measured under."""
     res: dict = {e.spec: {} for e in engines}
+    res["loadavg"] = []
     greedy: dict = {}
-    ph = phases(s, P, res, greedy)
+    ph = phases(s, P, res, greedy, only)
+
+    def header(name: str, spec: str | None = None) -> None:
+        load = [round(x, 2) for x in os.getloadavg()]
+        res["loadavg"].append({"phase": name, **({"engine": spec} if spec else {}), "loadavg": load})
+        print(f"[{name}] loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+
     if sequential:
         for e in engines:
             if e.start():
                 for name, fn in ph:
-                    print(f"[{name}]", flush=True)
+                    header(name, e.spec)
                     fn(e)
             e.stop()
     else:
         live = [e for e in engines if e.start()]
         for name, fn in ph:
-            print(f"[{name}]", flush=True)
+            header(name)
             for e in live:
                 fn(e)
         for e in live:
@@ -618,7 +640,7 @@ def main() -> None:
     engines = [Engine(sp, files[parse_spec(sp)[1]], args, s) for sp in specs]
     torch.set_num_threads(args.threads)
     roof = roofline(engines, files, args.dtype, args.threads, args.quick)
-    res, greedy = run_engines(engines, s, prompts_for(s, vocab), args.sequential)
+    res, greedy = run_engines(engines, s, prompts_for(s, vocab), args.sequential, args.phases)
     res["greedy_agreement_b1"] = agreement(greedy, engines)
     wall = time.perf_counter() - wall0
     table = report(args, s, engines, res, roof, env, wall, skipped)
@@ -631,6 +653,7 @@ def main() -> None:
             "quick": args.quick,
             "threads": args.threads,
             "sequential": args.sequential,
+            "phases": args.phases or list(PHASES),
             "settings": s,
             "env": env,
             "wall_s": wall,

@@ -1,0 +1,87 @@
+"""benchmarks/offline.py keeps the load average at the start of every phase of a run (`res["loadavg"]`): on a
+shared machine a figure is quoted with the load it was measured under. Checked with stand-in engines (no
+model, no worker process) and a scripted load average, so the records can be compared exactly."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture()
+def offline(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("offline", None)
+    import offline
+
+    yield offline
+    sys.modules.pop("offline", None)
+
+
+class StandIn:
+    """What run_engines and the phases touch of an Engine; every call answers "failed" (None)."""
+
+    def __init__(self, spec: str, path: Path) -> None:
+        self.spec, self.path, self.load, self.last_rss = spec, path, {}, {}
+        self.calls: list[str] = []
+
+    def start(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+    def call(self, op: str, *args):
+        self.calls.append(op)
+        return None
+
+
+def _run(offline, monkeypatch, tmp_path, sequential: bool):
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"x")
+    engines = [StandIn("a", weights), StandIn("b", weights)]
+    counter = itertools.count(1)
+    monkeypatch.setattr(offline.os, "getloadavg", lambda: (float(next(counter)), 0.5, 0.25))
+    s = offline.QUICK
+    P = offline.prompts_for(s, 1000)
+    res, _ = offline.run_engines(engines, s, P, sequential)
+    names = [name for name, _ in offline.phases(s, P, {}, {})]
+    return res, names
+
+
+def test_one_load_record_per_phase_in_run_order(offline, monkeypatch, tmp_path):
+    res, names = _run(offline, monkeypatch, tmp_path, sequential=False)
+    assert [r["phase"] for r in res["loadavg"]] == names
+    # the n-th reading of the scripted clock belongs to the n-th phase: read when the phase starts
+    assert [r["loadavg"] for r in res["loadavg"]] == [[float(i), 0.5, 0.25] for i in range(1, len(names) + 1)]
+    assert all("engine" not in r for r in res["loadavg"])
+
+
+def test_sequential_runs_record_each_engine_phase(offline, monkeypatch, tmp_path):
+    res, names = _run(offline, monkeypatch, tmp_path, sequential=True)
+    assert [(r["engine"], r["phase"]) for r in res["loadavg"]] == [(e, n) for e in ("a", "b") for n in names]
+    assert [r["loadavg"][0] for r in res["loadavg"]] == [float(i) for i in range(1, 2 * len(names) + 1)]
+
+
+def test_phases_picks_the_named_measurements(offline, monkeypatch, tmp_path):
+    """`--phases prefill c16`: the warm-up, the two asked for, the info call; nothing else is run."""
+    s, P = offline.QUICK, offline.prompts_for(offline.QUICK, 1000)
+    every = [name for name, _ in offline.phases(s, P, {}, {})]
+    picked = [name for name, _ in offline.phases(s, P, {}, {}, ["prefill", "c16"])]
+    assert len(every) == len(offline.PHASES) + 2
+    assert picked == ["warm-up", f"prefill {s['prefill_len']}", "16 concurrent (32+8)", "info"]
+    assert offline.parse_args(["--phases", "decode", "c16"]).phases == ["decode", "c16"]
+    with pytest.raises(SystemExit):
+        offline.parse_args(["--phases", "c8"])
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"x")
+    e = StandIn("a", weights)
+    monkeypatch.setattr(offline.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    res, _ = offline.run_engines([e], s, P, False, ["decode"])
+    assert [r["phase"] for r in res["loadavg"]] == ["warm-up", "decode batch 1 (32+8)", "info"]
+    assert e.calls == ["generate", "generate", "info"]  # warm-up, the one decode prompt of QUICK, info
