@@ -31,6 +31,7 @@ from hf_models import hf_greedy
 
 pytest.importorskip("transformers")
 
+from draft_oracle import oracle_drafts
 from v4_models import hf_v4_logits  # noqa: E402
 
 import mlaserve.engine.speculative as spec  # noqa: E402
@@ -95,21 +96,6 @@ def _capture_mtp_logits(monkeypatch, llm: LLM) -> list:
     return seen
 
 
-def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int) -> None:
-    """After the real MTP pass, propose the reference's next tokens, every third one wrong."""
-    real = spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        for c in plan.chunks:
-            req = c.request
-            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
-            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
-            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(truth)]
-
-    monkeypatch.setattr(spec, "draft", draft)
-
-
 def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
     hf, path = v4
     vocab, n_experts = hf.config.vocab_size, hf.config.n_routed_experts
@@ -149,11 +135,11 @@ def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
         # logits == one process's under the same oracle
         oracle = {tuple(p): t for p, t in zip(prompts, plain)}
         with monkeypatch.context() as m:
-            _oracle(m, oracle, vocab)
+            oracle_drafts(m, oracle, vocab)
             one_logits = _capture_mtp_logits(m, one)
             assert _tokens(one.generate(prompts, greedy)) == plain
         with monkeypatch.context() as m:
-            _oracle(m, oracle, vocab)
+            oracle_drafts(m, oracle, vocab)
             two_logits = _capture_mtp_logits(m, two)
             mark = len(two.runner.tracer.records)
             assert _tokens(two.generate(prompts, greedy)) == plain

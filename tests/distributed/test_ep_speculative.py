@@ -21,6 +21,8 @@ from hf_models import random_ids
 
 pytest.importorskip("transformers")
 
+from draft_oracle import oracle_drafts
+
 import mlaserve.engine.speculative as spec  # noqa: E402
 from mlaserve import LLM  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
@@ -63,20 +65,6 @@ def _capture_mtp_logits(monkeypatch, llm: LLM) -> list:
     return seen
 
 
-def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int) -> None:
-    real = spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        for c in plan.chunks:
-            req = c.request
-            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
-            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
-            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(truth)]
-
-    monkeypatch.setattr(spec, "draft", draft)
-
-
 def _check(monkeypatch, path: str, prompts: list, vocab: int, mtp_layer: str, **opts) -> None:
     plain = _tokens(LLM(path, **opts).generate(prompts, GREEDY))
     spec_opts = dict(speculative="mtp", num_speculative_tokens=2, **opts)
@@ -94,7 +82,7 @@ def _check(monkeypatch, path: str, prompts: list, vocab: int, mtp_layer: str, **
             diff, top1 = compare_logits(got, want)
             assert diff <= fp32_logits_tol(want) and top1 == 1.0, diff
         with monkeypatch.context() as m:
-            _oracle(m, {tuple(p): t for p, t in zip(prompts, plain)}, vocab)
+            oracle_drafts(m, {tuple(p): t for p, t in zip(prompts, plain)}, vocab)
             before = len(two.runner.tracer.records)
             assert _tokens(two.generate(prompts, GREEDY)) == plain
         summary = spec.acceptance_summary(list(two.runner.tracer.records)[before:])

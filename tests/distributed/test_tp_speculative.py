@@ -23,11 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FP32_LOGITS_TOL, compare_logits
+from draft_oracle import oracle_drafts
 from hf_models import random_ids
 from mtp_models import hf_block_model, hf_trunk, save_mtp_model
 
 import mlaserve.distributed.group as group_module
-import mlaserve.engine.speculative as spec
 from mlaserve import LLM
 from mlaserve.distributed.spawn import live_workers
 from mlaserve.executor.forward_batch import SeqChunk
@@ -156,29 +156,13 @@ def test_speculative_greedy_tp2_equals_plain_and_one_process(models, monkeypatch
     assert all(o.metrics.get("num_draft_tokens", 0) == 0 for o in plain)  # no drafts: the plain path
 
 
-def _oracle(monkeypatch, reference: dict[tuple, list[int]]) -> None:
-    """After the real MTP pass, propose the reference's next tokens, every third one wrong (rank 0 decides:
-    the other rank sees the drafts only as the next verify step's tokens)."""
-    real = spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        for c in plan.chunks:
-            req = c.request
-            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
-            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
-            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % 256 for j, t in enumerate(truth)]
-
-    monkeypatch.setattr(spec, "draft", draft)
-
-
 def test_acceptance_and_ledger_are_one_view(models, monkeypatch):
     """With drafts accepted and rejected: tokens == one process, the same drafts proposed and accepted per
     request; the ledger has each verify / draft step once per rank with rank 0's fields, switch and
     accept records once (the leader's)."""
     _, one, two = models
     reference = {tuple(p): t for p, t in zip(PROMPTS, _tokens(one.generate(PROMPTS, GREEDY)))}
-    _oracle(monkeypatch, reference)
+    oracle_drafts(monkeypatch, reference, 256)
     a = one.generate(PROMPTS, GREEDY)
     start = len(two.runner.tracer.records)
     b = two.generate(PROMPTS, GREEDY)

@@ -24,6 +24,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from draft_oracle import oracle_drafts
 from v4_mtp_models import save_v4_with_mtp  # noqa: E402
 
 import mlaserve.engine.speculative as spec  # noqa: E402
@@ -55,21 +56,6 @@ def model(request, tmp_path_factory):
     return kind, folder, plain
 
 
-def _oracle(monkeypatch, reference: dict[tuple, list[int]]) -> None:
-    """After the real MTP pass, propose the reference's next tokens, every third one wrong."""
-    real = spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        for c in plan.chunks:
-            req = c.request
-            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
-            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
-            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % VOCAB for j, t in enumerate(truth)]
-
-    monkeypatch.setattr(spec, "draft", draft)
-
-
 def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
@@ -91,7 +77,7 @@ def test_greedy_and_logprobs_equal_plain(model, k, monkeypatch):
     assert llm.loaded.report.skipped == []  # the MTP layer was built and filled
     real = llm.generate(PROMPTS[:4], GREEDY)  # the real (random) MTP's drafts: nearly all rejected
     assert _tokens(real) == _tokens(plain[:4])
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     outs = llm.generate(PROMPTS, GREEDY)
     assert _tokens(outs) == _tokens(plain)
     err = _logprob_error(outs, plain)
@@ -126,7 +112,7 @@ def test_logits_of_kept_positions_equal_plain(model, monkeypatch):
     base.generate(PROMPTS, GREEDY)
     llm = LLM(str(folder), page_size=PAGE[kind], max_num_seqs=16, speculative="mtp", num_speculative_tokens=3)
     got = _logits_by_position(llm)
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     llm.generate(PROMPTS, GREEDY)
     # the sampling positions: the last prompt token's and every generated token's but the last
     keys = {(f"llm-{j}/0", len(p) - 1 + i) for j, p in enumerate(PROMPTS) for i in range(GREEDY.max_tokens)}
@@ -162,7 +148,7 @@ def test_acceptance_in_ledger_and_metrics(model, monkeypatch):
     llm = LLM(
         str(folder), page_size=PAGE[kind], max_num_seqs=16, speculative="mtp", num_speculative_tokens=3, trace="memory"
     )
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     outs = llm.generate(PROMPTS[4:9], GREEDY)
     assert _tokens(outs) == _tokens(plain[4:9])
     recs = list(llm.runner.tracer.records)
@@ -185,7 +171,7 @@ def test_prefix_hit_and_preemption_equal_plain(model, monkeypatch):
     base = LLM(str(folder), page_size=ps, enable_prefix_caching=False).generate(prompts, GREEDY)
     llm = LLM(str(folder), page_size=ps, speculative="mtp", num_speculative_tokens=2)
     reference = {tuple(p): o for p, o in zip(prompts + PROMPTS, _tokens(base) + _tokens(plain))}
-    _oracle(monkeypatch, reference)
+    oracle_drafts(monkeypatch, reference, VOCAB)
     first = llm.generate(prompts[:1], GREEDY)
     second = llm.generate(prompts[1:], GREEDY)
     assert second[0].metrics["num_cached_prompt_tokens"] == 2 * ps

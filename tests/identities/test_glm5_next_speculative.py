@@ -26,11 +26,11 @@ import torch
 
 pytest.importorskip("transformers.models.glm5_next")
 
+from draft_oracle import oracle_drafts
 from glm5_next_models import float64_copy, hf_logits  # noqa: E402
 from glm5_next_mtp_models import save_glm5_next_with_mtp  # noqa: E402
 from hf_models import hf_greedy  # noqa: E402
 
-import mlaserve.engine.speculative as spec  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
@@ -55,21 +55,6 @@ def model(request, tmp_path_factory):
     trunk, *_ = save_glm5_next_with_mtp(request.param, folder, seed=3)
     plain = LLM(str(folder), page_size=PS, max_num_seqs=16).generate(PROMPTS, GREEDY)
     return request.param, folder, plain, float64_copy(trunk)
-
-
-def _oracle(monkeypatch, reference: dict[tuple, list[int]]) -> None:
-    """After the real MTP pass, propose the reference's next tokens, every third one wrong."""
-    real = spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        for c in plan.chunks:
-            req = c.request
-            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
-            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
-            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % VOCAB for j, t in enumerate(truth)]
-
-    monkeypatch.setattr(spec, "draft", draft)
 
 
 def _tokens(outs):
@@ -109,7 +94,7 @@ def test_greedy_equals_plain_and_transformers(model, k, monkeypatch):
     assert _tokens(real) == _tokens(plain)
     proposed, accepted = _counts(real)
     assert proposed > 0 and accepted < proposed / 2, (proposed, accepted)
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     outs = llm.generate(PROMPTS, GREEDY)
     assert _tokens(outs) == _tokens(plain)
     err = _logprob_error(outs, plain)
@@ -125,7 +110,7 @@ def test_without_rollback_the_output_differs(model, monkeypatch):
         pytest.skip("one config shows it")
     llm = _llm(folder, 3)
     monkeypatch.setattr(llm.runner, "rollback", lambda kept: setattr(llm.runner, "tape", None))
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     outs = llm.generate(PROMPTS, GREEDY)
     assert _tokens(outs) != _tokens(plain)
 
@@ -139,7 +124,7 @@ def test_prefix_hit_and_preemption_equal_plain(model, monkeypatch):
     base = LLM(str(folder), page_size=PS, enable_prefix_caching=False).generate(prompts, GREEDY)
     llm = _llm(folder, 2)
     reference = {tuple(p): o for p, o in zip(prompts + PROMPTS, _tokens(base) + _tokens(plain))}
-    _oracle(monkeypatch, reference)
+    oracle_drafts(monkeypatch, reference, VOCAB)
     first = llm.generate(prompts[:1], GREEDY)
     second = llm.generate(prompts[1:], GREEDY)
     assert second[0].metrics["num_cached_prompt_tokens"] == 2 * PS

@@ -5,7 +5,8 @@ the same 8-bit cache, with drafts accepted, partly accepted and rejected (test_s
 from __future__ import annotations
 
 import pytest
-from test_speculative import GREEDY, PROMPTS, _oracle, _tokens
+from draft_oracle import oracle_drafts
+from test_speculative import GREEDY, PROMPTS, _tokens
 
 from mlaserve import LLM
 from mlaserve.cache.quantized_rows import QuantizedRows
@@ -20,7 +21,7 @@ def test_speculative_over_8bit_rows_equals_plain(tmp_path_factory, monkeypatch, 
     llm = LLM(str(folder), kv_cache_dtype=codes, speculative="mtp", num_speculative_tokens=2)
     drafter = llm.runner.drafter.cache.layers[0]
     assert isinstance(drafter.latent, QuantizedRows) and drafter.latent.fmt.codes == codes
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     outs = llm.generate(PROMPTS[:4], GREEDY)
     assert _tokens(outs) == plain
     rate = sum(o.metrics["num_accepted_tokens"] for o in outs) / sum(o.metrics["num_draft_tokens"] for o in outs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import nullcontext as _nothing
 
 import pytest
+from draft_oracle import oracle_drafts
 from hf_models import random_ids
 from mtp_models import mtp_model_folder
 
@@ -35,21 +36,6 @@ def models(tmp_path_factory):
     return out
 
 
-def _oracle(monkeypatch, reference: dict[tuple, list[int]], vocab: int = 256) -> None:
-    """After the real MTP pass, propose the reference's next tokens, every third one wrong."""
-    real = spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        for c in plan.chunks:
-            req = c.request
-            n, ref = len(req.output_ids), reference[tuple(req.prompt_ids)]
-            truth = (ref + [3] * 8)[n : n + len(req.draft_ids)]
-            req.draft_ids = [t if (n + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(truth)]
-
-    monkeypatch.setattr(spec, "draft", draft)
-
-
 def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
@@ -60,7 +46,7 @@ def test_batch_one_equals_plain(models, kind, k, monkeypatch):
     folder, plain = models[kind]
     llm = LLM(str(folder), speculative="mtp", num_speculative_tokens=k)
     assert _tokens(llm.generate(PROMPTS[:2], GREEDY)) == plain[:2]  # the real MTP's drafts
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     outs = [llm.generate([p], GREEDY)[0] for p in PROMPTS[:3]]
     assert _tokens(outs) == plain[:3]
     rate = sum(o.metrics["num_accepted_tokens"] for o in outs) / sum(o.metrics["num_draft_tokens"] for o in outs)
@@ -71,7 +57,7 @@ def test_batch_one_equals_plain(models, kind, k, monkeypatch):
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mixed_batch_with_chunked_prefill_and_preemption(models, kind, k, monkeypatch):
     folder, plain = models[kind]
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     llm = LLM(
         str(folder),
         speculative="mtp",
@@ -93,7 +79,7 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(models, kind, k, monkey
 
 def test_ledger_shows_verify_route_and_counts(models, monkeypatch):
     folder, plain = models["v3_yarn"]
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     llm = LLM(str(folder), speculative="mtp", num_speculative_tokens=2, trace="memory")
     assert llm.config.scheduler.decode_threshold == 3
     why = {s.name: s.source for s in llm.config.provenance}["decode_threshold"]
@@ -138,7 +124,7 @@ def test_absorbed_and_decompressed_verification_equal(models, kind, decompressed
         runs[name] = (logits, paths, llm)
     assert runs["absorbed"][1] == {"absorbed"} and runs["decompressed"][1] == {"decompressed"}
     assert (runs["absorbed"][0] - runs["decompressed"][0]).abs().max().item() <= 1e-5
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     assert _tokens(runs["absorbed"][2].generate(PROMPTS[:3], GREEDY)) == plain[:3]
     assert _tokens(runs["decompressed"][2].generate(PROMPTS[:3], GREEDY)) == plain[:3]
     for name, (_, _, llm) in runs.items():
@@ -153,7 +139,7 @@ def test_prefix_caching_and_seeded_sampling(models, monkeypatch):
     shared = random_ids(20, seed=41)
     prompts = [shared + random_ids(6, seed=s)[1:] for s in (42, 43, 44)]
     plain = _tokens(LLM(str(folder)).generate(prompts, GREEDY))
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(prompts, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(prompts, plain)}, 256)
     llm = LLM(str(folder), speculative="mtp", num_speculative_tokens=2, page_size=4, trace="memory")
     outs = [llm.generate([p], GREEDY)[0] for p in prompts]
     assert _tokens(outs) == plain
@@ -167,7 +153,7 @@ def test_ledger_summary_counts_speculation(models, monkeypatch, tmp_path):
     from mlaserve.observability.summary import format_summary, read_ledger, summarize
 
     folder, plain = models["glm_dsa"]
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     path = tmp_path / "ledger.jsonl"
     llm = LLM(str(folder), speculative="mtp", num_speculative_tokens=3, trace=str(path))
     outs = llm.generate(PROMPTS[:2], GREEDY)
@@ -184,7 +170,7 @@ def test_ledger_summary_counts_speculation(models, monkeypatch, tmp_path):
 
 def test_off_switch_by_batch_size(models, monkeypatch):
     folder, plain = models["v3_yarn"]
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     llm = LLM(str(folder), speculative="mtp", speculative_max_seqs=2, trace="memory")
     lengths = (3, 5, 14, 14)  # two requests finish early: the last two then speculate
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -198,7 +184,7 @@ def test_prometheus_counters(models, monkeypatch):
     from mlaserve.observability.metrics import ServerMetrics
 
     folder, plain = models["v3_yarn"]
-    _oracle(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, plain)}, 256)
     llm = LLM(str(folder), speculative="mtp", num_speculative_tokens=2, trace="memory")
     outs = llm.generate(PROMPTS[:2], GREEDY)
     metrics = ServerMetrics()
