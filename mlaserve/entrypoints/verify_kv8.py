@@ -48,26 +48,7 @@ def kv8_pairs(llm: LLM, base: EngineConfig, ids: list[int], logits_with: Callabl
     with _observed(llm, codes, stats):
         full = logits_with(llm, base, ids)
     eight = logits_with(llm, replace(base, cache=replace(base.cache, kv_cache_dtype=codes)), ids)
-    # no attention call observed (e.g. every step ran a fused decode layer) checks nothing: a failure, not a pass
-    calls = stats["calls"]
-    out = [
-        check(
-            f"8-bit cache ({codes}) vs full: attention, every layer",
-            stats["ratio"] if calls else float("inf"),
-            1.0,
-            1.0,
-            f"worst |error| / derived bound over {calls} attention calls (ok <= 1)"
-            if calls
-            else "no attention call was observed, so nothing was checked",
-        ),
-        check(
-            f"8-bit cache ({codes}) vs full: logits",
-            (eight - full).abs().max().item(),
-            (eight.argmax(-1) == full.argmax(-1)).float().mean().item(),
-            None,
-            "reported (the bound is per attention call)",
-        ),
-    ]
+    out = cache_checks(check, f"8-bit cache ({codes}) vs full", stats, eight, full, "the bound is per attention call")
     if stats["overlaps"]:
         ov = torch.cat(stats["overlaps"])
         out.append(
@@ -164,3 +145,28 @@ def _pooled_select_observer(indexer: PooledIndexer, stats: dict) -> Callable:
         return exact
 
     return select
+
+
+def cache_checks(check: Callable, what: str, stats: dict, eight: torch.Tensor, full: torch.Tensor, note: str) -> list:
+    """The two rows every 8-bit cache check reports: the worst attention call against its derived bound (no call
+    observed, e.g. every step ran a fused decode layer, checks nothing: a failure, not a pass), and the logits,
+    reported (no bound through the whole stack is claimed)."""
+    calls = stats["calls"]
+    return [
+        check(
+            f"{what}: attention, every layer",
+            stats["ratio"] if calls else float("inf"),
+            1.0,
+            1.0,
+            f"worst |error| / derived bound over {calls} attention calls (ok <= 1)"
+            if calls
+            else "no attention call was observed, so nothing was checked",
+        ),
+        check(
+            f"{what}: logits",
+            (eight - full).abs().max().item(),
+            (eight.argmax(-1) == full.argmax(-1)).float().mean().item(),
+            None,
+            f"reported ({note})",
+        ),
+    ]
