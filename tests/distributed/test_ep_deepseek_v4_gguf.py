@@ -26,6 +26,7 @@ pytest.importorskip("gguf")
 from v4_gguf import BLOCK_DIMS, default_type, write_v4_gguf  # noqa: E402
 
 from mlaserve import LLM  # noqa: E402
+from mlaserve.config.model import ConfigError  # noqa: E402
 from mlaserve.distributed.expert_parallel import expert_range  # noqa: E402
 from mlaserve.loading.deepseek_v4 import load_gguf  # noqa: E402
 from mlaserve.quant.ggml_deepseek_v4 import GGUFV4Experts  # noqa: E402
@@ -82,6 +83,8 @@ def test_v4_gguf_rank_reads_and_holds_only_its_experts_blocks(tmp_path, experts)
 
 def test_v4_gguf_ep2_equals_one_process(tmp_path):
     path = str(_write(tmp_path))
+    with pytest.raises(ConfigError, match="expert_parallel_size=7 exceeds n_routed_experts=6"):
+        LLM(path, expert_parallel_size=7)  # refused before any worker starts
     g = torch.Generator().manual_seed(5)
     one = LLM(path, max_num_batched_tokens=32, page_size=8)
     vocab = json.loads((tmp_path / "float" / "config.json").read_text())["vocab_size"]
