@@ -2,9 +2,10 @@
 ffn_{gate,up,down}_exps tensors, into GGUFV4Experts holders made for those experts (cut on the meta device before
 the holders are made, as for folders), any block type.
 
-- in-process, per block type of the experts (MXFP4 as llama.cpp's converter writes a release, Q8_0): each rank's
-  holders hold exactly one process's stored bytes of its experts, bit for bit, and the bytes the rank took from
-  the file are one process's minus the other ranks' experts' blocks, to the byte;
+- in-process, per block type of the experts (MXFP4 as llama.cpp's converter writes a release, Q8_0; and MXFP4
+  dequantized at load): each rank's holders hold exactly one process's stored bytes (or decoded floats) of its
+  experts, bit for bit, and the bytes the rank took from the file are one process's minus the other ranks'
+  experts' blocks, to the byte;
 - one spawn (CPU, gloo, 2 processes, 6 experts: [0, 3) and [3, 6); the hash-routed layer 0 too): prompt logits
   under EP=2 == one process on the same file.
 
@@ -29,6 +30,7 @@ from mlaserve import LLM  # noqa: E402
 from mlaserve.config.model import ConfigError  # noqa: E402
 from mlaserve.distributed.expert_parallel import expert_range  # noqa: E402
 from mlaserve.loading.deepseek_v4 import load_gguf  # noqa: E402
+from mlaserve.models.deepseek_v4.moe import Experts  # noqa: E402
 from mlaserve.quant.ggml_deepseek_v4 import GGUFV4Experts  # noqa: E402
 
 BOUND = 1e-5
@@ -61,18 +63,21 @@ def _expert_bytes(path) -> int:
         gf.close()
 
 
-@pytest.mark.parametrize("experts", ["mxfp4", "q8_0"])
+@pytest.mark.parametrize("experts", ["mxfp4", "q8_0", "mxfp4 dequantized"])
 def test_v4_gguf_rank_reads_and_holds_only_its_experts_blocks(tmp_path, experts):
-    path = _write(tmp_path, default_type if experts == "mxfp4" else _q8_experts)
-    whole, whole_report, f = load_gguf(path)
+    """Blocks kept (GGUFV4Experts) or dequantized at load (gguf_weights="dequantized": float Experts)."""
+    path = _write(tmp_path, _q8_experts if experts == "q8_0" else default_type)
+    keep = "dequantized" not in experts
+    holder = GGUFV4Experts if keep else Experts
+    whole, whole_report, f = load_gguf(path, keep_blocks=keep)
     f.close()
     all_experts = _expert_bytes(path)
     for rank in range(2):
         start, stop = expert_range(E, rank, 2)
-        part, report, f = load_gguf(path, experts=(start, stop))
+        part, report, f = load_gguf(path, keep_blocks=keep, experts=(start, stop))
         f.close()
         for mine, full in zip(part.model.layers, whole.model.layers):
-            assert type(mine.mlp.experts) is GGUFV4Experts
+            assert type(mine.mlp.experts) is holder
             for name, p in mine.mlp.experts.named_parameters():
                 ref = dict(full.mlp.experts.named_parameters())[name]
                 assert p.shape[0] == stop - start and torch.equal(p, ref[start:stop]), name
