@@ -222,11 +222,19 @@ def _kept_fp32(name: str) -> bool:
     return any(k in name for k in _FP32)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = True):
+def load_gguf(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    keep_blocks: bool = True,
+    experts: tuple[int, int] | None = None,
+):
     """A deepseek4 GGUF file (gguf/read/deepseek_v4.py: every key, name and shape checked) -> (the model in
     `dtype`, eval mode; its report; the opened file). keep_blocks: modules stored in a ggml block format keep
     their blocks in quant/ggml_deepseek_v4.py's holders (the report's `gguf` plan says which); else every
-    tensor is dequantized to floats at load."""
+    tensor is dequantized to floats at load. experts: an expert-parallel rank's range [e0, e1): the model's
+    expert stacks are cut to it on the meta device (so GGUFV4Experts holders are made for those experts only),
+    and only their byte ranges of the stacked ffn_*_exps are read (V4GGUFTensors serves each expert as its
+    slice of the stack; the report's bytes_read counts what the file handed out)."""
     from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
     from mlaserve.quant.ggml_deepseek_v4 import plan_v4_gguf, swap_in_v4_gguf
     from mlaserve.quant.ggml_plan import BlockSource
@@ -234,6 +242,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
     ck = load_v4_gguf(path)
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(ck.config)
+        if experts is not None:  # before the holders are made: they are made for the rank's experts only
+            cut_range(model, *experts)
     plan = plan_v4_gguf(ck.tensors, model) if keep_blocks else None
     holders: set[str] = set()
     if plan is not None:
@@ -243,7 +253,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
     for name, p in model.named_parameters():
         if not _kept_fp32(name) and name.rpartition(".")[0] not in holders:
             p.data = p.data.to(dtype)
-    report = load_into(model, BlockSource(ck.tensors, plan.blocks) if plan is not None else ck.tensors)
-    report.skipped = list(ck.skipped)
+    read_before = ck.file.bytes_read
+    report = load_into(model, BlockSource(ck.tensors, plan.blocks) if plan is not None else ck.tensors, experts)
+    report.skipped, report.bytes_read = list(ck.skipped), ck.file.bytes_read - read_before
     report.gguf = plan
     return model.eval(), report, ck

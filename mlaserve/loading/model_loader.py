@@ -273,10 +273,6 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
     """The options DeepSeek-V4 does not run yet, refused with their reason (README, docs/DEEPSEEK_V4.md)."""
     refused = {
         "tensor_parallel_size": (opts.tensor_parallel_size != 1, "its layers are not split across ranks yet"),
-        "expert_parallel_size": (
-            opts.expert_parallel_size != 1 and path.is_file(),
-            "a deepseek4 GGUF's block holders are not cut per rank yet; use the folder",
-        ),
         # a DeepSeek FP8 / FP4-expert folder loads into its holders (quant/deepseek_v4.py); quantizing float V4
         # weights at load (int8 / int4 into GGUF blocks) is not built: those holders are MLA modules
         "quantization": (opts.quantization is not None, "quantizing its float weights at load is not built"),
@@ -304,17 +300,18 @@ def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
     from mlaserve.models.deepseek_v4.serving import V4Serving
 
     cfg = ck.engine_cfg
+    ep, e = cfg.parallel.expert_parallel_size, ck.model_cfg.moe.n_routed_experts
+    experts = expert_range(e, comm.rank, ep) if ep > 1 else None  # the rank's routed experts, in either form
     if ck.path.is_file():  # a deepseek4 GGUF: block-quantized tensors kept in their blocks (gguf_weights)
         from mlaserve.loading.deepseek_v4 import load_gguf
         from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
 
-        model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, cfg.kernels.gguf_weights == "quantized")
+        quantized = cfg.kernels.gguf_weights == "quantized"
+        model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, quantized, experts=experts)
         opened.close()
         if v4.gguf is not None:
             v4_kernels = set_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
     else:
-        ep, e = cfg.parallel.expert_parallel_size, ck.model_cfg.moe.n_routed_experts
-        experts = expert_range(e, comm.rank, ep) if ep > 1 else None
         model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp", experts=experts)
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped), bytes_read=v4.bytes_read or None)
     if v4.gguf is not None:

@@ -225,18 +225,3 @@ def test_v4_quantized_folder_rank_holds_its_experts_stored_bytes(tmp_path, exper
     # the two ranks together read the replicated tensors twice and every expert once
     replicated = sum(read) - whole_report.bytes_read
     assert 0 < replicated < whole_report.bytes_read and read[0] > read[1]
-
-
-def test_v4_gguf_under_ep_is_refused_by_name(tmp_path):
-    """A deepseek4 GGUF's block holders are not cut per rank yet: refused before any worker, naming the folder
-    as the form that runs."""
-    pytest.importorskip("gguf")
-    from v4_gguf import BLOCK_DIMS, write_v4_gguf
-    from v4_models import save_hf_v4
-
-    save_hf_v4("all_kinds", tmp_path / "float", seed=1, **BLOCK_DIMS)
-    write_v4_gguf(tmp_path / "float", tmp_path / "model.gguf")
-    with pytest.raises(
-        ConfigError, match="DeepSeek-V4 with expert_parallel_size=2: not supported .a deepseek4 GGUF's block holders"
-    ):
-        LLM(str(tmp_path / "model.gguf"), expert_parallel_size=2)
