@@ -410,7 +410,7 @@ def _inspect_v4(args) -> bool:
     and there is nothing to load); False otherwise (the engine's own inspection follows)."""
     from pathlib import Path
 
-    from mlaserve.config.deepseek_v4 import DeepseekV4Config, describe_layers, is_v4
+    from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
     from mlaserve.config.provenance import format_table
     from mlaserve.loading.model_loader import read_hf_config
 
@@ -423,11 +423,7 @@ def _inspect_v4(args) -> bool:
             return False
         ck = load_v4_gguf(path)
         ck.close()
-        print(
-            "DeepSeek-V4 layer kinds (bfloat16 values; the engine's cache layout follows):\n  "
-            + "\n  ".join(describe_layers(ck.config, 2))
-            + "\n"
-        )
+        print(_v4_layer_lines(args, ck.config) + "\n")
         return False
     if path is None or not path.is_dir() or not (path / "config.json").is_file():
         return False
@@ -435,16 +431,33 @@ def _inspect_v4(args) -> bool:
     if not is_v4(raw):
         return False
     cfg = DeepseekV4Config.from_hf(raw, source=f"{path.name}/config.json")
-    print(
-        "DeepSeek-V4 layer kinds (bfloat16 values; the engine's cache layout follows):\n  "
-        + "\n  ".join(describe_layers(cfg, 2))
-    )
+    print(_v4_layer_lines(args, cfg))
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         print()
         return False
     print(format_table(cfg.provenance))
     print(f"\nno weights in the folder: the config only ({path})")
     return True
+
+
+def _v4_layer_lines(args, cfg) -> str:
+    """The config-level layer kinds of a V4 model in the layout the command's options ask for: the states of
+    declare_layers with kv_cache_dtype's 8-bit formats (quantize_states, as the runner computes them), values in
+    --dtype (bfloat16 when not given), snapshots per token at the page size the engine would pick, when prefix
+    caching is on."""
+    from mlaserve.config.deepseek_v4 import describe_layers, v4_page_size
+    from mlaserve.config.kv_cache import quantize_states
+    from mlaserve.config.layer_kinds import declare_layers
+
+    kv = args.kv_cache_dtype or "auto"
+    layers = quantize_states(declare_layers(cfg, False), kv, cfg)
+    dtype = args.dtype if args.dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    page = (args.page_size or v4_page_size(cfg)[0]) if args.enable_prefix_caching is not False else None
+    return (
+        f"DeepSeek-V4 layer kinds ({dtype} values, kv_cache_dtype {kv}; the engine's cache layout follows):\n  "
+        + "\n  ".join(describe_layers(cfg, layers, size, page))
+    )
 
 
 if __name__ == "__main__":
