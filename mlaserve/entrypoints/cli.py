@@ -377,6 +377,9 @@ def _inspect(args) -> int:
     print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size, snap_page)))
     att = llm.config.attention
     print("attention route:\n  " + "\n  ".join(describe_route(llm.runner.layer_kinds, att.sparse, att.index_topk)))
+    spec = llm.config.speculative
+    if spec.method is not None:
+        print("speculative:\n  " + "\n  ".join(_speculative_lines(llm.runner.layer_kinds, spec, size)))
     kv = llm.config.cache.kv_cache_dtype
     print(f"kv cache layout: {describe_layout(llm.runner.layer_kinds, kv, str(llm.config.runtime.dtype)[6:])}")
     if llm.loaded.quant is not None:
@@ -402,6 +405,22 @@ def _inspect(args) -> int:
     if llm.loaded.report.notes:
         print("\nload report:\n  " + "\n  ".join(llm.loaded.report.notes))
     return 0
+
+
+def _speculative_lines(layers, spec, compute_bytes: int) -> list[str]:
+    """`inspect`'s speculative section: the drafts per verify step and, for KDA layers (GLM-5.3-Flash), the
+    rollback tape a verify step holds per verifying request (models/kda/rollback.py tape_bytes, from the config)."""
+    from mlaserve.models.kda.rollback import tape_bytes
+
+    n = 1 + spec.num_tokens
+    lines = [f"{spec.method}: {spec.num_tokens} draft tokens per step, verified as {n} rows per request"]
+    kda = [k.index for k in layers if k.attention == "kda"]
+    if kda:
+        lines.append(
+            f"KDA rollback tape: {tape_bytes(layers, n, compute_bytes)} bytes per verifying request ({len(kda)} "
+            f"KDA layers x (saved recurrent + conv states + {n} rows of inputs: mixed, g fp32, beta))"
+        )
+    return lines
 
 
 def _inspect_v4(args) -> bool:
