@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlaserve.config import families
 from mlaserve.config.model_parts import ConfigError, RopeConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
+
+if TYPE_CHECKING:  # annotations only: layer_kinds imports torch, which a config read must not need
+    from mlaserve.config.layer_kinds import LayerKind
 
 # config.json names -> the short kind names used in the model and state code
 LAYER_TYPES = {
@@ -527,33 +530,48 @@ def _as_ints(value: Any, src: str) -> tuple[int, ...]:
     return values
 
 
-def describe_layers(cfg: DeepseekV4Config, bytes_per_value: int) -> list[str]:
+def describe_layers(
+    cfg: DeepseekV4Config, layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int | None = None
+) -> list[str]:
     """`mlaserve inspect`'s lines for V4: layers grouped by kind, the key the kinds came from, what each kind
-    keeps per sequence: rows that grow with the sequence (bytes per token) and fixed per-sequence state."""
+    keeps per sequence: rows that grow with the sequence (bytes per token), their page snapshots (given page_size:
+    one per page, kept with prefix caching on) and fixed per-sequence state.
+    layers: the stack's LayerKinds in the live layout (config/layer_kinds.py declare_layers, then config/kv_cache.py
+    quantize_states for the kv_cache_dtype); every figure is their StateSpecs' bytes (bytes_per_row,
+    request_bytes), the ones the cache allocates, so an 8-bit ring or pool counts its codes, scales and kept values."""
     a, c = cfg.attention, cfg.compression
     groups: dict[str, list[int]] = {}
     for i, kind in enumerate(cfg.layer_kinds):
         groups.setdefault(kind, []).append(i)
+    names = {"window": "ring", "kv_pool": "kv rows", "index_pool": "index keys"}
     lines = []
     for kind, ids in groups.items():
-        ring = a.sliding_window * a.head_dim
         if kind == "sliding":
-            what, rows, fixed = f"sliding window {a.sliding_window}", [], ring
-        else:
+            what = f"sliding window {a.sliding_window}"
+        elif kind == "csa":
             m = c.ratio(kind)
-            if kind == "csa":
-                what = f"CSA m={m}, overlapping 2m pooling, indexer top-{c.index_topk} ({c.index_n_heads} heads)"
-                rows = [("kv rows", a.head_dim, m), ("index keys", c.index_head_dim, m)]
-                # open window's raw [kv | gate] of both compressors + their overlap (Ca) halves
-                fixed = ring + m * (4 * a.head_dim + 4 * c.index_head_dim) + m * (2 * a.head_dim + 2 * c.index_head_dim)
-            else:
-                what = f"HCA m'={m}, non-overlapping pooling, every visible row"
-                rows, fixed = [("kv rows", a.head_dim, m)], ring + m * 2 * a.head_dim
-        kept = " + ".join(f"{name} [{w}] per {m} tokens" for name, w, m in rows) or "no growing rows"
-        per_token = sum(w / m for _, w, m in rows) * bytes_per_value * len(ids)
+            what = f"CSA m={m}, overlapping 2m pooling, indexer top-{c.index_topk} ({c.index_n_heads} heads)"
+        else:
+            what = f"HCA m'={c.ratio(kind)}, non-overlapping pooling, every visible row"
+        states = layers[ids[0]].states  # a kind's layers keep the same states (config/layer_kinds.py _v4_layer)
+        kept = []
+        for s in states:
+            if s.name not in names:  # carries and overlap halves: in the fixed per-sequence bytes
+                continue
+            shape = " x ".join(map(str, s.request_shape)) if s.addressing == "request" else str(s.width)
+            per = f" per {s.tokens_per_row} tokens" if s.addressing == "page" else ""
+            kept.append(f"{names[s.name]} [{shape}]{per}" + (f" as {s.quant.label()}" if s.quant else ""))
+        paged = [s for s in states if s.addressing == "page"]
+        # a row of one per m tokens counts 1/m of its bytes (not floored: an 8-bit row's bytes need not divide by m)
+        per_token = sum(s.bytes_per_row(bytes_per_value) / s.tokens_per_row for s in paged) * len(ids)
+        sizes = f"{per_token:g} bytes/token"
+        snapped = sum(s.request_bytes(bytes_per_value) for s in states if s.snapshot) * len(ids)
+        if snapped and page_size:
+            sizes += f" + {snapped / page_size:g} bytes/token of snapshots with prefix caching"
+        fixed = sum(s.request_bytes(bytes_per_value) for s in states) * len(ids)
         lines.append(
-            f"layers {_ranges(ids)}: {kind} ({what}; from {cfg.layer_kinds_source}); keeps ring [{a.sliding_window} x "
-            f"{a.head_dim}] + {kept} ({per_token:g} bytes/token); fixed per sequence {fixed * bytes_per_value * len(ids)} bytes"
+            f"layers {_ranges(ids)}: {kind} ({what}; from {cfg.layer_kinds_source}); keeps {' + '.join(kept)} "
+            f"({sizes}); fixed per sequence {fixed} bytes"
         )
     return lines
 

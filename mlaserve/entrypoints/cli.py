@@ -377,6 +377,9 @@ def _inspect(args) -> int:
     print("\nlayer kinds:\n  " + "\n  ".join(describe(llm.runner.layer_kinds, size, snap_page)))
     att = llm.config.attention
     print("attention route:\n  " + "\n  ".join(describe_route(llm.runner.layer_kinds, att.sparse, att.index_topk)))
+    spec = llm.config.speculative
+    if spec.method is not None:
+        print("speculative:\n  " + "\n  ".join(_speculative_lines(llm.runner.layer_kinds, spec, size)))
     kv = llm.config.cache.kv_cache_dtype
     print(f"kv cache layout: {describe_layout(llm.runner.layer_kinds, kv, str(llm.config.runtime.dtype)[6:])}")
     if llm.loaded.quant is not None:
@@ -404,13 +407,29 @@ def _inspect(args) -> int:
     return 0
 
 
+def _speculative_lines(layers, spec, compute_bytes: int) -> list[str]:
+    """`inspect`'s speculative section: the drafts per verify step and, for KDA layers (GLM-5.3-Flash), the
+    rollback tape a verify step holds per verifying request (models/kda/rollback.py tape_bytes, from the config)."""
+    from mlaserve.models.kda.rollback import tape_bytes
+
+    n = 1 + spec.num_tokens
+    lines = [f"{spec.method}: {spec.num_tokens} draft tokens per step, verified as {n} rows per request"]
+    kda = [k.index for k in layers if k.attention == "kda"]
+    if kda:
+        lines.append(
+            f"KDA rollback tape: {tape_bytes(layers, n, compute_bytes)} bytes per verifying request ({len(kda)} "
+            f"KDA layers x (saved recurrent + conv states + {n} rows of inputs: mixed, g fp32, beta))"
+        )
+    return lines
+
+
 def _inspect_v4(args) -> bool:
     """A DeepSeek-V4 folder: print its layer kinds (with the key they came from and what each keeps per token
     and per sequence). Returns True when the folder has no weights (then its config's provenance is printed
     and there is nothing to load); False otherwise (the engine's own inspection follows)."""
     from pathlib import Path
 
-    from mlaserve.config.deepseek_v4 import DeepseekV4Config, describe_layers, is_v4
+    from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
     from mlaserve.config.provenance import format_table
     from mlaserve.loading.model_loader import read_hf_config
 
@@ -423,11 +442,7 @@ def _inspect_v4(args) -> bool:
             return False
         ck = load_v4_gguf(path)
         ck.close()
-        print(
-            "DeepSeek-V4 layer kinds (bfloat16 values; the engine's cache layout follows):\n  "
-            + "\n  ".join(describe_layers(ck.config, 2))
-            + "\n"
-        )
+        print(_v4_layer_lines(args, ck.config) + "\n")
         return False
     if path is None or not path.is_dir() or not (path / "config.json").is_file():
         return False
@@ -435,16 +450,33 @@ def _inspect_v4(args) -> bool:
     if not is_v4(raw):
         return False
     cfg = DeepseekV4Config.from_hf(raw, source=f"{path.name}/config.json")
-    print(
-        "DeepSeek-V4 layer kinds (bfloat16 values; the engine's cache layout follows):\n  "
-        + "\n  ".join(describe_layers(cfg, 2))
-    )
+    print(_v4_layer_lines(args, cfg))
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         print()
         return False
     print(format_table(cfg.provenance))
     print(f"\nno weights in the folder: the config only ({path})")
     return True
+
+
+def _v4_layer_lines(args, cfg) -> str:
+    """The config-level layer kinds of a V4 model in the layout the command's options ask for: the states of
+    declare_layers with kv_cache_dtype's 8-bit formats (quantize_states, as the runner computes them), values in
+    --dtype (bfloat16 when not given), snapshots per token at the page size the engine would pick, when prefix
+    caching is on."""
+    from mlaserve.config.deepseek_v4 import describe_layers, v4_page_size
+    from mlaserve.config.kv_cache import quantize_states
+    from mlaserve.config.layer_kinds import declare_layers
+
+    kv = args.kv_cache_dtype or "auto"
+    layers = quantize_states(declare_layers(cfg, False), kv, cfg)
+    dtype = args.dtype if args.dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    page = (args.page_size or v4_page_size(cfg)[0]) if args.enable_prefix_caching is not False else None
+    return (
+        f"DeepSeek-V4 layer kinds ({dtype} values, kv_cache_dtype {kv}; the engine's cache layout follows):\n  "
+        + "\n  ".join(describe_layers(cfg, layers, size, page))
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ Why this tape and not the others:
     (the MoE dominates) per rejection, where the replay is the recurrence alone (~H d^2 per token and layer).
   The replay costs nothing when every draft is accepted (no sequence is cut); a rejection replays at most k tokens.
 
+Size (`tape_bytes`, printed by `mlaserve inspect` with speculative decoding): per verifying request of n rows and per
+KDA layer, its two saved states (their StateSpecs' bytes: recurrent fp32, conv in the cache dtype) plus n rows of
+inputs: mixed [C] and beta [H] in the compute dtype, g [H, d] fp32 (the forget gate is computed in fp32).
+
 Notation
   R verifying sequences j (batch order), each: step rows a_j .. a_j + n_j - 1, state slot s_j
   tape rows: the verifying rows in sequence order, [sum_j n_j, ...]; kept_j tokens kept (1 + accepted drafts)
@@ -40,6 +44,7 @@ from mlaserve.models.kda import conv, recurrence
 
 if TYPE_CHECKING:
     from mlaserve.cache.model_cache import ModelCache
+    from mlaserve.config.layer_kinds import LayerKind
     from mlaserve.executor.step_context import StepContext
 
 
@@ -53,6 +58,22 @@ class KDAWeights(Protocol):
 
 
 STATE_NAMES = ("recurrent", "conv")  # the request states a KDA layer keeps (config/layer_kinds.py kda_states)
+GATE_BYTES = 4  # g is fp32 whatever the model dtype (KimiDeltaAttention.forget_gate)
+
+
+def tape_bytes(layers: tuple[LayerKind, ...], num_tokens: int, compute_bytes: int) -> int:
+    """The bytes a verify step's tape holds per verifying request of num_tokens rows (1 + drafts), from the config
+    alone: per KDA layer its saved states (StateSpec.request_bytes, what the cache allocates per slot) and
+    num_tokens rows of the inputs `keep` takes (mixed [C], beta [H]: compute dtype; g [H, d]: fp32)."""
+    total = 0
+    for k in layers:
+        if k.attention != "kda":
+            continue
+        rec, conv_state = k.state("recurrent"), k.state("conv")
+        heads, head_dim = rec.per_request[0], rec.width
+        row = conv_state.width * compute_bytes + heads * head_dim * GATE_BYTES + heads * compute_bytes
+        total += rec.request_bytes(compute_bytes) + conv_state.request_bytes(compute_bytes) + num_tokens * row
+    return total
 
 
 @dataclass
