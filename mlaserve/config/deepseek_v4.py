@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mlaserve.config import families
 from mlaserve.config.model_parts import ConfigError, RopeConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
-
-if TYPE_CHECKING:  # annotations only: layer_kinds imports torch, which a config read must not need
-    from mlaserve.config.layer_kinds import LayerKind
 
 # config.json names -> the short kind names used in the model and state code
 LAYER_TYPES = {
@@ -530,8 +527,15 @@ def _as_ints(value: Any, src: str) -> tuple[int, ...]:
     return values
 
 
+class KindStates(Protocol):
+    """What describe_layers reads of a layer kind (config/layer_kinds.py LayerKind, which imports torch and this
+    module: named here by its field so neither a config read needs torch nor the two modules each other)."""
+
+    states: tuple
+
+
 def describe_layers(
-    cfg: DeepseekV4Config, layers: tuple[LayerKind, ...], bytes_per_value: int, page_size: int | None = None
+    cfg: DeepseekV4Config, layers: tuple[KindStates, ...], bytes_per_value: int, page_size: int | None = None
 ) -> list[str]:
     """`mlaserve inspect`'s lines for V4: layers grouped by kind, the key the kinds came from, what each kind
     keeps per sequence: rows that grow with the sequence (bytes per token), their page snapshots (given page_size:
