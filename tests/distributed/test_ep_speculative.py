@@ -7,7 +7,9 @@ at every step (a wrong MTP layer under EP would only lower acceptance, never cha
 themselves are compared); (2) greedy output under EP=2 with speculation == one process without it, with the real
 drafts and with oracle drafts (the plain run's next tokens, every third one wrong: acceptance, partial
 acceptance and rejection all happen, so V4's rollback runs on both ranks); (3) each rank holds its range of the
-MTP layer's experts too (echo and notes). Model: DeepSeek-V3 with its MTP layer (tests/mtp_models.py "v3_yarn");
+MTP layer's experts too (echo and notes); (4) every trunk step and every MTP pass has its expert_load record
+(`pass` "trunk" / "mtp"), whose ranks' pairs add up to tokens x k per MoE layer (broken on purpose: rank 0 or the
+worker not counting the MTP pass's pairs fails it). Model: DeepSeek-V3 with its MTP layer (tests/mtp_models.py "v3_yarn");
 DeepSeek-V4's MTP layer under EP is checked in test_ep_deepseek_v4.py, in that file's one spawn (its hash
 layer, CSA / HCA windows closing inside verify chunks, the rollback). Token equality is the check (greedy). Broken on purpose: a worker
 that skips the rollback message diverges from the plain tokens; a worker reading zeros for the draft rows makes
