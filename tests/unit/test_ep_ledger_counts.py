@@ -40,3 +40,23 @@ def test_expert_load_lists_rank_0_then_the_workers():
         "pass": "mtp",
         "expert_load": [{"rank": 0, **mine}, {"rank": 1, "pairs": 5, "tokens": 4, "identity": 0}],
     }
+
+
+def test_a_ledger_with_expert_parallel_records_summarizes(tmp_path):
+    """`trace summarize` (and `generate --trace`'s closing table) read an expert-parallel ledger: its expert_holdings
+    and expert_load records are read, and are not steps."""
+    import json
+
+    from mlaserve.observability.summary import read_ledger, summarize
+
+    step = {"step": 0, "rank": 0, "segments": [], "requests": [], "sparse": False, "num_decode_tokens": 0}
+    records = [
+        {"expert_holdings": [{"rank": 0, "routed_experts": [], "file_bytes_read": 1, "peak_rss_bytes": 1}]},
+        step,
+        {**step, "rank": 1},
+        expert_load(0, {"pairs": 3, "tokens": 2, "identity": 0}, [{"rank": 1, "experts_received": {}}], "trunk"),
+    ]
+    path = tmp_path / "ledger.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    by_rank = summarize(read_ledger(path))
+    assert {rank: s.steps for rank, s in by_rank.items()} == {None: 0, 0: 1, 1: 1}
