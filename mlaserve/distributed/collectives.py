@@ -1,7 +1,8 @@
 """Every place ranks talk. Nothing else in mlaserve calls torch.distributed.
 
 Per step (rank 0 -> all, then all -> rank 0):
-  broadcast_object  the step's work (scheduled SeqChunks + preemptions: plain data) from rank 0
+  broadcast_object  the step's work (scheduled SeqChunks + preemptions: plain data) from rank 0; an MTP
+                    pass's, with a paused request's catch-up rows of hidden states (counted: CommStats)
   all_reduce        sum of partial hidden states: after o_proj, after the MLP / MoE, after the
                     vocab-parallel embedding (2 * layers + 1 per step); expert parallel: the
                     routed experts' partial sums, one per MoE layer (nothing else: the rest is replicated)
@@ -58,17 +59,29 @@ def environment_store() -> tuple[dist.Store, int, int]:
 @dataclass
 class CommStats:
     """Running totals of this rank's all-reduces (the per-step hot path): count, payload bytes and
-    seconds spent in them (waiting for the slowest rank included)."""
+    seconds spent in them (waiting for the slowest rank included); and the hidden-state rows rank 0 sent in a
+    draft message (a paused request's catch-up rows under speculative decoding: distributed/group.py
+    TensorParallelDrafter), counted by the rank that receives them (add_rows)."""
 
     all_reduces: int = 0
     all_reduce_bytes: int = 0
     all_reduce_s: float = 0.0
+    catch_up_rows: int = 0
+    catch_up_bytes: int = 0
+
+    def add_rows(self, rows: torch.Tensor) -> None:
+        """Rows [R, D] received from rank 0: R rows, their payload R x D x element size (the pickle's framing of
+        the message around them is not counted)."""
+        self.catch_up_rows += rows.shape[0]
+        self.catch_up_bytes += rows.numel() * rows.element_size()
 
     def since(self, before: CommStats) -> dict:
         return {
             "all_reduces": self.all_reduces - before.all_reduces,
             "all_reduce_bytes": self.all_reduce_bytes - before.all_reduce_bytes,
             "all_reduce_ms": round(1e3 * (self.all_reduce_s - before.all_reduce_s), 3),
+            "catch_up_rows": self.catch_up_rows - before.catch_up_rows,
+            "catch_up_bytes": self.catch_up_bytes - before.catch_up_bytes,
         }
 
 

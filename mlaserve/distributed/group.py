@@ -249,9 +249,7 @@ class TensorParallelRunner(ModelRunner):
             for rec in recs:
                 self.tracer.record(rec | fields)  # a verify step's fields are rank 0's: one view
             if received is not None:  # expert parallel: every rank's received pairs of this step, side by side
-                load = [{"rank": 0, **received.since(before)}]
-                load += [{"rank": r["rank"], **r["experts_received"]} for r in recs]
-                self.tracer.record({"step": self.step_count - 1, "expert_load": load})
+                self.tracer.record(expert_load(self.step_count - 1, received.since(before), recs, "trunk"))
         return batch, logits, hidden
 
     def rollback(self, kept: dict[str, int]) -> None:
@@ -279,6 +277,14 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         self.group.shutdown()
+
+
+def expert_load(step: int, mine: dict, recs: list[dict], phase: str) -> dict:
+    """The ledger's expert_load record of one forward pass: rank 0's received pairs (`mine`) and every worker's
+    (its record's `experts_received`), side by side; `pass`: "trunk" (a step's decoder layers) or "mtp" (an MTP
+    pass: the MTP layer's MoE; the record also carries the pass's `draft_depth`)."""
+    load = [{"rank": 0, **mine}] + [{"rank": r["rank"], **r["experts_received"]} for r in recs]
+    return {"step": step, "pass": phase, "expert_load": load}
 
 
 def _tap(ledger):
@@ -335,13 +341,19 @@ class TensorParallelDrafter:
             source = hidden
         trace = self.local.tracer.enabled
         comm.broadcast_object(("draft", chunks, rows, step_no, source, trace))
+        received = getattr(runner.model, "expert_received", None)
+        before = received.snapshot() if received is not None else None
         tap, fields = _tap(ledger)
         batch, local, g = self.local.forward(chunks, hidden, rows, step_no, tap)
         self.last_g = g
         logits = comm.gather_logits(local, runner.vocab_sizes) if runner.vocab_sizes is not None else local
         if trace:
-            for rec in comm.gather_objects(None)[1:]:
+            recs = comm.gather_objects(None)[1:]
+            for rec in recs:
                 self.local.tracer.record(rec | fields)  # the pass's depth: rank 0's fields, one view
+            if received is not None:  # expert parallel: the MTP layer's pairs of this pass, every rank's
+                load = expert_load(step_no, received.since(before), recs, "mtp")
+                self.local.tracer.record(load | {"draft_depth": fields.get("draft_depth")})
         return batch, logits, g
 
 

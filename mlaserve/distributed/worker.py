@@ -172,14 +172,23 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
         if msg[0] == "stop":
             return
         before = replace(comm.stats)
+        received = getattr(loaded.model, "expert_received", None)
+        before_received = received.snapshot() if received is not None else None
         if msg[0] == "draft":  # speculative decoding: one MTP pass, as rank 0 runs it
             _, chunks, rows, step_no, source, trace = msg
-            rows_in = {"trunk": hidden, "draft": g}.get(source) if isinstance(source, str) else source
+            if isinstance(source, str):
+                rows_in = {"trunk": hidden, "draft": g}[source]
+            else:  # the rows themselves: a paused request's catch-up rows, which only rank 0 kept
+                rows_in = source
+                comm.stats.add_rows(source)
             _, logits, g = runner.drafter.forward(chunks, rows_in, rows, step_no)
             if sizes is not None:  # expert parallel alone: rank 0 has the whole vocabulary's logits
                 comm.gather_logits(logits, sizes)
             if trace:
-                comm.gather_objects({**runner.tracer.records.pop(), "comm": comm.stats.since(before)})
+                rec = {**runner.tracer.records.pop(), "comm": comm.stats.since(before)}
+                if received is not None:  # expert parallel: the MTP layer's pairs on this rank's experts
+                    rec["experts_received"] = received.since(before_received)
+                comm.gather_objects(rec)
             continue
         if msg[0] == "hold":  # DeepSeek-V4 under expert parallelism: its drafter's rings, its request states
             runner.drafter.hold(msg[1])
@@ -191,8 +200,6 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
             runner.rollback(msg[1])
             continue
         _, chunks, preempted, trace = msg
-        received = getattr(loaded.model, "expert_received", None)
-        before_received = received.snapshot() if received is not None else None
         _, logits, hidden = runner.execute_with_hidden(chunks, preempted)
         if sizes is not None:  # expert parallel: rank 0 has the whole vocabulary's logits
             comm.gather_logits(logits, sizes)

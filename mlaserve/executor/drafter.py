@@ -26,12 +26,12 @@ from mlaserve.models.mtp import cache_config
 
 def make_drafter(model, cfg: EngineConfig, tracer, rank: int = 0):
     """The MTP drafter of the runner's model: DeepSeek-V4's (its mHC streams and a sliding ring per request,
-    executor/drafter_v4.py; one process only) or the MLA families' (this module). rank: the tensor-parallel
+    executor/drafter_v4.py; one process or expert parallelism) or the MLA families' (this module). rank: the tensor-parallel
     rank, named in its ledger records as the runner's are."""
     if getattr(model, "mtp_drafts_streams", False):
         from mlaserve.executor.drafter_v4 import V4Drafter  # only a V4 model reaches it
 
-        return V4Drafter(model, cfg, tracer)
+        return V4Drafter(model, cfg, tracer, rank)
     return Drafter(model, cfg, tracer, rank)
 
 

@@ -29,9 +29,10 @@ from mlaserve.models.deepseek_v4.mtp import mtp_config
 
 
 class V4Drafter:
-    def __init__(self, model, cfg: EngineConfig, tracer) -> None:
+    def __init__(self, model, cfg: EngineConfig, tracer, rank: int = 0) -> None:
         # model: the runner's V4Serving; drafts at every depth reuse the first MTP layer (the release ships one)
-        self.model, self.cfg, self.tracer = model, cfg, tracer
+        # rank: the expert-parallel rank, named in its ledger records as the runner's are
+        self.model, self.cfg, self.tracer, self.rank = model, cfg, tracer, rank
         self.layer = model.inner.mtp[0]
         self.hc, self.hidden = cfg.model.hc.hc_mult, cfg.model.hidden_size
         self.layer_kinds = declare_layers(mtp_config(cfg.model), False)
@@ -68,6 +69,7 @@ class V4Drafter:
             False,  # no indexer in the MTP block (a sliding-window layer)
             False,
             self.model.v4_implementation,
+            rank=self.rank,
         )
         src = [rows[s.request_id] + j for s in batch.seqs for j in range(s.query_len)]
         with torch.inference_mode():

@@ -19,6 +19,7 @@ Counts
                     sat paused or probed, and how often it paused and resumed a request
   per rank          records with a "rank" field are summarised per rank (tensor parallel ledgers);
                     a ledger without one is one rank, shown without a rank header
+Expert parallelism's `expert_holdings` and `expert_load` records carry no route: read, not steps.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class LedgerSummary:
         return sum(self.tokens.values())
 
     def add(self, rec: dict) -> None:
+        if "expert_load" in rec or "expert_holdings" in rec:  # expert parallelism's records: no route, not a step
+            return
         phase = rec.get("spec_phase")
         if phase == "accept":
             self.verifications += len(rec["requests"])
@@ -162,6 +165,10 @@ def read_ledger(path: str | Path, offset: int = 0) -> list[dict]:
                 need = ("requests", "num_proposed_tokens", "num_accepted_tokens")
             if rec.get("spec_phase") == "switch":  # the acceptance switch's decisions
                 need = ("requests", "num_drafting", "num_paused")
+            if "expert_load" in rec:  # expert parallelism: a pass's (token, expert) pairs per rank
+                need = ("step", "pass")
+            if "expert_holdings" in rec:  # expert parallelism: which rank holds which experts
+                need = ()
             missing = [k for k in need if k not in rec]
             if missing:
                 raise ValueError(f"{path}: record {n} is not a route ledger record (no {', '.join(missing)})")

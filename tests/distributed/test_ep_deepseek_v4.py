@@ -170,16 +170,23 @@ def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
         assert [whole - echo["file_bytes_read"] for echo in echoes] == [3 * per_expert * 4] * 2
         assert any("expert_holdings" in r for r in records)
 
-        # every (token, expert) pair of the trunk's steps (verify steps included) ran on exactly one rank
+        # every (token, expert) pair of the trunk's steps (verify steps included) and of the MTP passes (the MTP
+        # layer's one MoE) ran on exactly one rank: tokens x k per MoE layer, as one process routes
         new = records[before:]
-        trunk = [r for r in new if r.get("rank") == 0 and "num_tokens" in r and "mtp" not in r.get("layers", "")]
-        steps = {r["step"]: r["num_tokens"] for r in trunk}  # the MTP passes' records (layers "mtp (N)") left out
+        ranked = [r for r in new if r.get("rank") == 0 and "num_tokens" in r]
+        steps = {r["step"]: r["num_tokens"] for r in ranked if "mtp" not in r["layers"]}
+        passes = {(r["step"], r["draft_depth"]): r["num_tokens"] for r in ranked if "mtp" in r["layers"]}
         loads = [r for r in new if "expert_load" in r]
-        assert loads and len(loads) == len(steps)
+        assert [r["step"] for r in loads if r["pass"] == "trunk"] == list(steps)
+        assert [(r["step"], r["draft_depth"]) for r in loads if r["pass"] == "mtp"] == list(passes) != []
         k, n_layers = hf.config.num_experts_per_tok, hf.config.num_hidden_layers
         for rec in loads:
             assert [x["rank"] for x in rec["expert_load"]] == [0, 1]
-            assert sum(x["pairs"] for x in rec["expert_load"]) == steps[rec["step"]] * k * n_layers, rec
+            pairs = sum(x["pairs"] for x in rec["expert_load"])
+            if rec["pass"] == "trunk":
+                assert pairs == steps[rec["step"]] * k * n_layers, rec
+            else:
+                assert pairs == passes[(rec["step"], rec["draft_depth"])] * k, rec
 
 
 def test_v4_ep_refusals_are_named(v4, tmp_path):

@@ -11,7 +11,9 @@ the first pass == the formula over transformers' trunk and block; speculative gr
 group without speculation == one process; drafts proposed / accepted per request equal one process's
 (the real MTP, and an oracle that is right two times in three so that acceptance happens); the ledger holds
 each verify and draft step once per rank with rank 0's speculative fields, and the leader's switch / accept
-records once.
+records once; the catch-up rows rank 0 sends (a paused request's trunk rows) are in rank 1's `comm`:
+rows x hidden x 4 bytes, counted from what rank 0 packed (broken on purpose: a worker that does not count them
+fails it).
 
 Bound: FP32_LOGITS_TOL (1e-5, conftest.py): fp32 partial sums added in another order, as the other TP
 tests. Measured: the first MTP pass TP=2 vs one process 2.8e-6, vs the formula 2.8e-6; the generation's passes
@@ -139,12 +141,27 @@ def test_speculative_greedy_tp2_equals_plain_and_one_process(models, monkeypatch
     Every MTP pass at TP=2 == one process's pass; tokens == plain greedy of the same TP group with its
     drafter off == one process; drafts proposed / accepted equal one process's."""
     _, one, two = models
-    sent = []
+    sent = []  # the packed rows of each pass that sends its rows [R, D]
     real_rows = group_module.rows_read
-    monkeypatch.setattr(group_module, "rows_read", lambda *a: sent.append(1) or real_rows(*a))
+
+    def rows_sent(*args):
+        out = real_rows(*args)
+        sent.append(out[0])
+        return out
+
+    monkeypatch.setattr(group_module, "rows_read", rows_sent)
     mine, theirs = _passes(one, monkeypatch), _passes(two, monkeypatch)
+    start = len(two.runner.tracer.records)
     a, b = one.generate(PROMPTS, GREEDY), two.generate(PROMPTS, GREEDY)
     assert len(mine) == len(theirs) > 0 and sent, (len(mine), len(theirs), len(sent))
+    # the catch-up rows are in rank 1's comm stats: rows x hidden x 4 bytes (fp32), on its draft records only
+    hidden = two.config.model.hidden_size
+    worker = [r for r in list(two.runner.tracer.records)[start:] if r.get("rank") == 1]
+    rows = sum(t.shape[0] for t in sent)
+    assert all(t.shape == (t.shape[0], hidden) and t.dtype == torch.float32 for t in sent)
+    assert sum(r["comm"]["catch_up_rows"] for r in worker) == rows > 0, rows
+    assert sum(r["comm"]["catch_up_bytes"] for r in worker) == rows * hidden * 4
+    assert all(r["comm"]["catch_up_rows"] == 0 for r in worker if r["spec_phase"] != "draft")
     for (who_a, la), (who_b, lb) in zip(mine, theirs):
         assert [n for _, n in who_a] == [n for _, n in who_b]
         diff, top1 = compare_logits(lb, la)
