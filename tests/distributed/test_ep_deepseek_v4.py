@@ -31,7 +31,7 @@ from hf_models import hf_greedy
 
 pytest.importorskip("transformers")
 
-from draft_oracle import oracle_drafts
+from draft_oracle import capture_mtp_logits, oracle_drafts, record_drafts
 from v4_models import hf_v4_logits  # noqa: E402
 
 import mlaserve.engine.speculative as spec  # noqa: E402
@@ -69,33 +69,6 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _record_drafts(monkeypatch) -> list:
-    """Every draft pass's proposals, per step: [(prompt, output length, draft ids)]."""
-    seen, real = [], spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        reqs = [c.request for c in plan.chunks]
-        seen.append(sorted((tuple(r.prompt_ids), len(r.output_ids), tuple(r.draft_ids)) for r in reqs))
-
-    monkeypatch.setattr(spec, "draft", draft)
-    return seen
-
-
-def _capture_mtp_logits(monkeypatch, llm: LLM) -> list:
-    """Every MTP pass's logits [n, V] on rank 0, in order (the drafts are their argmax; the logits also show a
-    worker whose MTP ring or experts' rows differ, which an argmax may not)."""
-    seen, real = [], llm.runner.drafter.forward
-
-    def forward(*args, **kwargs):
-        out = real(*args, **kwargs)
-        seen.append(out[1].clone())
-        return out
-
-    monkeypatch.setattr(llm.runner.drafter, "forward", forward)
-    return seen
-
-
 def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
     hf, path = v4
     vocab, n_experts = hf.config.vocab_size, hf.config.n_routed_experts
@@ -106,7 +79,7 @@ def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
     plain = _tokens(plain_llm.generate(prompts, greedy))
     one = LLM(path, **SPEC)
     with monkeypatch.context() as m:
-        one_drafts, one_logits = _record_drafts(m), _capture_mtp_logits(m, one)
+        one_drafts, one_logits = record_drafts(m), capture_mtp_logits(m, one)
         assert _tokens(one.generate(prompts, greedy)) == plain
     with LLM(path, expert_parallel_size=2, trace="memory", **SPEC) as two:
         ids = _ids(23, vocab, 5)  # 23 = 3 mod 4: the CSA window boundary of the reported wrong token
@@ -124,7 +97,7 @@ def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
         # the MTP layer's real drafts == one process's; greedy == plain one process
         before = len(two.runner.tracer.records)
         with monkeypatch.context() as m:
-            two_drafts, two_logits = _record_drafts(m), _capture_mtp_logits(m, two)
+            two_drafts, two_logits = record_drafts(m), capture_mtp_logits(m, two)
             assert _tokens(two.generate(prompts, greedy)) == plain
         assert two_drafts == one_drafts and any(d for step in two_drafts for *_, d in step)
         assert len(two_logits) == len(one_logits) > 0
@@ -136,11 +109,11 @@ def test_v4_ep2_equals_one_process_and_transformers(v4, monkeypatch):
         oracle = {tuple(p): t for p, t in zip(prompts, plain)}
         with monkeypatch.context() as m:
             oracle_drafts(m, oracle, vocab)
-            one_logits = _capture_mtp_logits(m, one)
+            one_logits = capture_mtp_logits(m, one)
             assert _tokens(one.generate(prompts, greedy)) == plain
         with monkeypatch.context() as m:
             oracle_drafts(m, oracle, vocab)
-            two_logits = _capture_mtp_logits(m, two)
+            two_logits = capture_mtp_logits(m, two)
             mark = len(two.runner.tracer.records)
             assert _tokens(two.generate(prompts, greedy)) == plain
         assert len(two_logits) == len(one_logits) > len(prompts)

@@ -23,7 +23,7 @@ from hf_models import random_ids
 
 pytest.importorskip("transformers")
 
-from draft_oracle import oracle_drafts
+from draft_oracle import capture_mtp_logits, oracle_drafts, record_drafts
 
 import mlaserve.engine.speculative as spec  # noqa: E402
 from mlaserve import LLM  # noqa: E402
@@ -36,47 +36,16 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _record_drafts(monkeypatch) -> list:
-    """Every draft pass's proposals, per step: [(prompt, output length, draft ids)]."""
-    seen, real = [], spec.draft
-
-    def draft(engine, plan, batch, hidden, accepted):
-        real(engine, plan, batch, hidden, accepted)
-        seen.append(
-            sorted(
-                (tuple(c.request.prompt_ids), len(c.request.output_ids), tuple(c.request.draft_ids))
-                for c in plan.chunks
-            )
-        )
-
-    monkeypatch.setattr(spec, "draft", draft)
-    return seen
-
-
-def _capture_mtp_logits(monkeypatch, llm: LLM) -> list:
-    """Every MTP pass's logits [n, V] on rank 0, in order (the drafts are their argmax; the logits also show a
-    worker whose MTP ring or experts' rows differ, which an argmax may not)."""
-    seen, real = [], llm.runner.drafter.forward
-
-    def forward(*args, **kwargs):
-        out = real(*args, **kwargs)
-        seen.append(out[1].clone())
-        return out
-
-    monkeypatch.setattr(llm.runner.drafter, "forward", forward)
-    return seen
-
-
 def _check(monkeypatch, path: str, prompts: list, vocab: int, mtp_layer: str, **opts) -> None:
     plain = _tokens(LLM(path, **opts).generate(prompts, GREEDY))
     spec_opts = dict(speculative="mtp", num_speculative_tokens=2, **opts)
     one = LLM(path, **spec_opts)
     with monkeypatch.context() as m:
-        want_drafts, want_logits = _record_drafts(m), _capture_mtp_logits(m, one)
+        want_drafts, want_logits = record_drafts(m), capture_mtp_logits(m, one)
         assert _tokens(one.generate(prompts, GREEDY)) == plain
     with LLM(path, expert_parallel_size=2, trace="memory", **spec_opts) as two:
         with monkeypatch.context() as m:
-            got_drafts, got_logits = _record_drafts(m), _capture_mtp_logits(m, two)
+            got_drafts, got_logits = record_drafts(m), capture_mtp_logits(m, two)
             assert _tokens(two.generate(prompts, GREEDY)) == plain
         assert got_drafts == want_drafts and any(d for step in got_drafts for *_, d in step)
         assert len(got_logits) == len(want_logits) > 0

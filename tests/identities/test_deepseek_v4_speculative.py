@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from draft_oracle import oracle_drafts
+from draft_oracle import oracle_drafts, top_logprob_error
 from v4_mtp_models import save_v4_with_mtp  # noqa: E402
 
 import mlaserve.engine.speculative as spec  # noqa: E402
@@ -60,16 +60,6 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _logprob_error(a, b) -> float:
-    """Max |difference| of the top-20 logprobs at every generated position (the same tokens ranked)."""
-    worst = 0.0
-    for x, y in zip(a, b):
-        for da, db in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert set(da) == set(db)
-            worst = max(worst, max(abs(da[t] - db[t]) for t in da))
-    return worst
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_and_logprobs_equal_plain(model, k, monkeypatch):
     kind, folder, plain = model
@@ -80,7 +70,7 @@ def test_greedy_and_logprobs_equal_plain(model, k, monkeypatch):
     oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     outs = llm.generate(PROMPTS, GREEDY)
     assert _tokens(outs) == _tokens(plain)
-    err = _logprob_error(outs, plain)
+    err = top_logprob_error(outs, plain)
     assert err <= BOUND, f"{kind} k={k}: logprobs {err:.2e} from plain decoding"
     proposed = sum(o.metrics["num_draft_tokens"] for o in outs)
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
@@ -136,7 +126,7 @@ def test_paused_and_probing_requests_equal_plain(model):
     )
     outs = llm.generate(PROMPTS, GREEDY)
     assert _tokens(outs) == _tokens(plain)
-    assert _logprob_error(outs, plain) <= BOUND
+    assert top_logprob_error(outs, plain) <= BOUND
     assert sum(o.metrics["num_spec_paused_steps"] for o in outs) > 0
     assert sum(o.metrics["num_spec_probes"] for o in outs) > 0
 
@@ -176,13 +166,13 @@ def test_prefix_hit_and_preemption_equal_plain(model, monkeypatch):
     second = llm.generate(prompts[1:], GREEDY)
     assert second[0].metrics["num_cached_prompt_tokens"] == 2 * ps
     assert _tokens(first + second) == _tokens(base)
-    assert _logprob_error(first + second, base) <= BOUND
+    assert top_logprob_error(first + second, base) <= BOUND
     # few pages: decodes preempt each other (drafts never preempt; the preempted recompute or hit)
     tight = LLM(str(folder), page_size=ps, num_pages=7, max_num_seqs=3, speculative="mtp", num_speculative_tokens=3)
     outs = tight.generate(PROMPTS[8:11], GREEDY)
     assert _tokens(outs) == _tokens(plain[8:11])
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
-    assert _logprob_error(outs, plain[8:11]) <= BOUND
+    assert top_logprob_error(outs, plain[8:11]) <= BOUND
 
 
 def test_speculative_needs_the_mtp_layer(tmp_path):

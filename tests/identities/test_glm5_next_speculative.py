@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("transformers.models.glm5_next")
 
-from draft_oracle import oracle_drafts
+from draft_oracle import oracle_drafts, top_logprob_error
 from glm5_next_models import float64_copy, hf_logits  # noqa: E402
 from glm5_next_mtp_models import save_glm5_next_with_mtp  # noqa: E402
 from hf_models import hf_greedy  # noqa: E402
@@ -65,16 +65,6 @@ def _counts(outs) -> tuple[int, int]:
     return sum(o.metrics["num_draft_tokens"] for o in outs), sum(o.metrics["num_accepted_tokens"] for o in outs)
 
 
-def _logprob_error(a, b) -> float:
-    """Max |difference| of the top-20 logprobs at every generated position (the same tokens ranked)."""
-    worst = 0.0
-    for x, y in zip(a, b):
-        for da, db in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert set(da) == set(db)
-            worst = max(worst, max(abs(da[t] - db[t]) for t in da))
-    return worst
-
-
 def _llm(folder, k: int, **kw) -> LLM:
     # the acceptance switch off (min acceptance 0): the random MTP's requests keep drafting every step
     kw = {"page_size": PS, "max_num_seqs": 16, **kw}
@@ -97,7 +87,7 @@ def test_greedy_equals_plain_and_transformers(model, k, monkeypatch):
     oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     outs = llm.generate(PROMPTS, GREEDY)
     assert _tokens(outs) == _tokens(plain)
-    err = _logprob_error(outs, plain)
+    err = top_logprob_error(outs, plain)
     assert err <= BOUND, f"{name} k={k}: logprobs {err:.2e} from plain decoding"
     proposed, accepted = _counts(outs)
     assert 0 < accepted < proposed, (proposed, accepted)  # accepted and rejected drafts both happened
@@ -129,9 +119,9 @@ def test_prefix_hit_and_preemption_equal_plain(model, monkeypatch):
     second = llm.generate(prompts[1:], GREEDY)
     assert second[0].metrics["num_cached_prompt_tokens"] == 2 * PS
     assert _tokens(first + second) == _tokens(base)
-    assert _logprob_error(first + second, base) <= BOUND
+    assert top_logprob_error(first + second, base) <= BOUND
     tight = _llm(folder, 3, num_pages=7, max_num_seqs=3)
     outs = tight.generate(PROMPTS[8:11], GREEDY)
     assert _tokens(outs) == _tokens(plain[8:11])
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
-    assert _logprob_error(outs, plain[8:11]) <= BOUND
+    assert top_logprob_error(outs, plain[8:11]) <= BOUND
