@@ -1,6 +1,6 @@
-"""What the expert-parallel tests share (tests/distributed/test_expert_parallel.py, test_tp_x_ep.py): a parallel
-LLM against one process on the same checkpoint, and the float kimi_k2 folder whose 5 routed experts split unevenly
-over 2 ranks (3 + 2).
+"""What the expert-parallel tests share (tests/distributed/test_expert_parallel.py, test_tp_x_ep.py,
+test_parallel_bf16.py): a parallel LLM against one process on the same checkpoint, and the float (fp32 or bf16)
+kimi_k2 folder whose 5 routed experts split unevenly over 2 ranks (3 + 2).
 
 Bound: FP32_LOGITS_TOL (conftest.py); each test module writes what it measured against it and why."""
 
@@ -39,10 +39,11 @@ def assert_equals_one_process(
     return list(many.runner.tracer.records)[before:]
 
 
-def save_uneven_experts(folder: Path):
-    """kimi_k2 with 5 routed experts (3 + 2 over 2 ranks), float32, saved by transformers' save_pretrained to
-    `folder` (its head_dim key dropped, as tests/hf_models.py save_hf_model does: real DeepSeek configs have
-    none). -> the transformers model, the reference."""
+def save_uneven_experts(folder: Path, dtype: torch.dtype = torch.float32):
+    """kimi_k2 with 5 routed experts (3 + 2 over 2 ranks), stored in `dtype` (float32, or bfloat16: the weights
+    rounded once), saved by transformers' save_pretrained to `folder` (its head_dim key dropped, as
+    tests/hf_models.py save_hf_model does: real DeepSeek configs have none). -> the transformers model in float32
+    holding the stored weights (bf16 widens exactly), the reference."""
     from transformers import AutoModelForCausalLM
 
     cfg = make_config("kimi_k2")
@@ -50,8 +51,13 @@ def save_uneven_experts(folder: Path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     reinit_(model, 0)
-    model.eval().save_pretrained(folder)
+    with torch.no_grad():  # the parameters rounded to the stored dtype in place (buffers such as RoPE's stay)
+        for p in model.parameters():
+            p.copy_(p.to(dtype))
+    stored = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.eval().save_pretrained(folder, state_dict=stored)
     config = json.loads((folder / "config.json").read_text())
     config.pop("head_dim", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config))
     return model

@@ -139,28 +139,35 @@ class TensorParallelGroup:
             raise err from e
 
     def _diagnose(self, exc: BaseException) -> BaseException:
-        """The watchdog's report on a hung rank, else the failed rank's own report if it left
-        one, else which worker died and how; else exc (rank 0's own error)."""
+        """The cause, not a consequence: the watchdog's report on a hung rank, else a worker a signal
+        ended, else a failed rank's own report (one whose collective lost a peer only after the
+        others'), else which worker died and how; else exc (rank 0's own error). Under TP x EP a
+        killed process's peers in its groups fail first with a gloo read error, which names them,
+        not it: the dead process is the one to name."""
         if not isinstance(exc, RuntimeError) or isinstance(exc, TensorParallelError):
             return exc
         n = self.comm.world_size if self.comm is not None else len(self.procs) + 1
         keys = {r: f"{ERROR}{r}" for r in range(1, n)}
-        deadline, dead_since = time.monotonic() + FAULT_WAIT_S, None
+        deadline, since = time.monotonic() + FAULT_WAIT_S, None
         while time.monotonic() < deadline:
             hung = self.hang_report()
             if hung is not None:
                 return TensorParallelError(hung)
-            for rank, key in keys.items():
-                if self.store.check([key]):
-                    return TensorParallelError(f"tensor-parallel rank {rank} failed: {self.store.get(key).decode()}")
             dead = [(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
-            if dead and dead_since is None:
-                dead_since = time.monotonic()
-            if dead and time.monotonic() - dead_since > 0.5:  # no report came: it was killed
-                rank, proc = dead[0]
-                return TensorParallelError(
-                    f"tensor-parallel rank {rank} died ({_exit_reason(proc.exitcode)}){_last_words(proc)}"
-                )
+            killed = [(r, p) for r, p in dead if (p.exitcode or 0) < 0]
+            if killed:  # a signal ended it: it left no report, the others' are about losing it
+                return _died(*killed[0])
+            reports = {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
+            own = [r for r, text in reports.items() if not _lost_a_peer(text)]
+            if own:
+                return TensorParallelError(f"tensor-parallel rank {own[0]} failed: {reports[own[0]]}")
+            if (dead or reports) and since is None:
+                since = time.monotonic()
+            if since is not None and time.monotonic() - since > 0.5:  # no other cause showed up
+                if reports:
+                    rank = min(reports)
+                    return TensorParallelError(f"tensor-parallel rank {rank} failed: {reports[rank]}")
+                return _died(*dead[0])
             time.sleep(0.05)
         if not self.procs:  # torchrun: the ranks are not our children
             return TensorParallelError(f"tensor-parallel collective failed (a rank exited or is unreachable): {exc}")
@@ -198,6 +205,16 @@ def _last_words(proc) -> str:
     leave a report: an import or start-up failure)."""
     tail = proc.stderr_tail().strip() if hasattr(proc, "stderr_tail") else ""
     return f"; its stderr ends:\n{tail}" if tail else ""
+
+
+def _died(rank: int, proc) -> TensorParallelError:
+    return TensorParallelError(f"tensor-parallel rank {rank} died ({_exit_reason(proc.exitcode)}){_last_words(proc)}")
+
+
+def _lost_a_peer(report: str) -> bool:
+    """A rank's report of a collective whose peer went away (gloo's transport error: "Connection reset by
+    peer", "Connection closed by peer"): a consequence of another rank's failure, not a cause."""
+    return "gloo/transport" in report
 
 
 def _exit_reason(code: int | None) -> str:

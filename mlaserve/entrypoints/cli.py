@@ -228,15 +228,18 @@ def _add_trace(sub) -> None:
 def _trace_summarize(args) -> int:
     import json
 
+    from mlaserve.observability.expert_load import summarize_expert_load
     from mlaserve.observability.summary import format_summary, read_ledger, summarize
 
-    by_rank = summarize(read_ledger(args.file))
+    records = read_ledger(args.file)
+    by_rank, experts = summarize(records), summarize_expert_load(records)
     if args.json:
         ranked = {str(r): s.to_json() for r, s in by_rank.items() if r is not None}
         whole = by_rank[None].to_json() if None in by_rank else None
-        print(json.dumps({"summary": whole, "ranks": ranked} if ranked else {"summary": whole}, indent=1))
+        out = {"summary": whole, "ranks": ranked} if ranked else {"summary": whole}
+        print(json.dumps(out | ({"expert_parallel": experts.to_json()} if experts else {}), indent=1))
     else:
-        print(format_summary(by_rank))
+        print(format_summary(by_rank, experts))
     return 0
 
 
@@ -280,10 +283,12 @@ def _generate(args) -> int:
                 text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             _stream(llm, llm.encode(text), params, prompt)
     if args.trace:
+        from mlaserve.observability.expert_load import summarize_expert_load
         from mlaserve.observability.summary import format_summary, read_ledger, summarize
 
         llm.runner.tracer.close()
-        print(format_summary(summarize(read_ledger(args.trace, start))), file=sys.stderr)
+        records = read_ledger(args.trace, start)
+        print(format_summary(summarize(records), summarize_expert_load(records)), file=sys.stderr)
     return 0
 
 

@@ -19,7 +19,8 @@ Counts
                     sat paused or probed, and how often it paused and resumed a request
   per rank          records with a "rank" field are summarised per rank (tensor parallel ledgers);
                     a ledger without one is one rank, shown without a rank header
-Expert parallelism's `expert_holdings` and `expert_load` records carry no route: read, not steps.
+Expert parallelism's `expert_holdings` and `expert_load` records carry no route: not steps; their per-rank
+totals are observability/expert_load.py's, printed after the rank blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mlaserve.observability.expert_load import ExpertLoadSummary, format_expert_load
 
 MODES = ("dense", "sparse top-k", "sparse all rows")
 # The acceptance switch's counts: (request, step) pairs per decision (engine/spec_switch.py), then how
@@ -143,6 +146,8 @@ def summarize(records) -> dict:
     """rank (None for a ledger without ranks) -> LedgerSummary, ranks in order."""
     out: dict = {}
     for rec in records:
+        if "expert_load" in rec or "expert_holdings" in rec:  # no rank and no route: expert_load.py's
+            continue
         out.setdefault(rec.get("rank"), LedgerSummary()).add(rec)
     return dict(sorted(out.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)))
 
@@ -176,13 +181,14 @@ def read_ledger(path: str | Path, offset: int = 0) -> list[dict]:
     return records
 
 
-def format_summary(by_rank: dict) -> str:
-    if not by_rank:
-        return "route ledger: no steps"
-    blocks = []
+def format_summary(by_rank: dict, experts: ExpertLoadSummary | None = None) -> str:
+    """The route blocks (one per rank), then an expert-parallel ledger's per-rank totals when given."""
+    blocks = [] if by_rank else ["route ledger: no steps"]
     for rank, s in by_rank.items():
         head = "route ledger" if rank is None else f"route ledger, rank {rank}"
         blocks.append(f"{head}:\n" + _format_one(s))
+    if experts is not None:
+        blocks.append(format_expert_load(experts))
     return "\n".join(blocks)
 
 

@@ -18,6 +18,7 @@ from parallel_compare import OPTS, assert_equals_one_process, save_uneven_expert
 from mlaserve import LLM
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.expert_parallel import expert_range
+from mlaserve.observability.expert_load import summarize_expert_load
 
 
 def test_expert_ranges_are_contiguous_and_the_first_ranks_take_the_remainder():
@@ -70,6 +71,12 @@ def _check_ledger(two: LLM, records: list[dict]) -> None:
         assert [x["rank"] for x in rec["expert_load"]] == [0, 1]
         pairs = sum(x["pairs"] for x in rec["expert_load"])
         assert pairs == steps[rec["step"]] * cfg.moe.num_experts_per_tok * moe_layers, rec
+    # `trace summarize`'s per-rank totals: the pairs of the run add up to what one process routes, the worker's
+    # all-reduce payload is one fp32 hidden row per token and MoE layer
+    ep = summarize_expert_load(records).to_json()
+    tokens = sum(steps.values())
+    assert sum(r["pairs"]["trunk"] for r in ep["ranks"]) == tokens * cfg.moe.num_experts_per_tok * moe_layers
+    assert ep["ranks"][1]["all_reduce_bytes"] == tokens * cfg.hidden_size * 4 * moe_layers, ep
 
 
 @pytest.mark.parametrize("form", ["f32", "q8_0", "q4_k_m"])

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -278,59 +277,19 @@ def test_gguf_slices_are_the_blocks_of_the_whole_tensor(gtype):
     assert split == 2 * len(names) and (inside_blocks > 0) == (gtype != "f16"), (split, inside_blocks)
 
 
-def _netns_unavailable() -> str | None:
-    import shutil
-    import subprocess
-
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "needs root and iproute2 (ip netns) to build two network namespaces"
-    probe = f"mlaprobe{os.getpid()}"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
-        return "ip netns add is not permitted here (no CAP_NET_ADMIN)"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 def test_two_nodes_in_network_namespaces_equal_one_process(hf_model_dir, tmp_path):
     """Two "machines": network namespaces joined by a veth pair, one torchrun per namespace
     (node ranks 0 and 1, static rendezvous over 10.x addresses). TP=2 logits == TP=1."""
-    import subprocess
-    import sys
+    from network_namespaces import namespaces_unavailable, run_two_nodes
 
-    reason = _netns_unavailable()
+    reason = namespaces_unavailable()
     if reason:
         pytest.skip(reason)
     folder, _ = hf_model_dir("v3_odd")
     ids = random_ids(40)
     want = LLM(str(folder), **OPTS).prompt_logits(ids)
-    tag = f"{os.getpid() % 100000}"
-    ns, veth, net = [f"mla{tag}a", f"mla{tag}b"], [f"mv{tag}a", f"mv{tag}b"], f"10.{os.getpid() % 200 + 20}.77"
-    ip = ["ip", "netns", "exec"]
-    setup = [
-        *(["ip", "netns", "add", n] for n in ns),
-        ["ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]],
-        *(["ip", "link", "set", v, "netns", n] for v, n in zip(veth, ns)),
-        *([*ip, n, "ip", "addr", "add", f"{net}.{i + 1}/24", "dev", v] for i, (v, n) in enumerate(zip(veth, ns))),
-        *([*ip, n, "ip", "link", "set", v, "up"] for v, n in zip(veth, ns)),
-        *([*ip, n, "ip", "link", "set", "lo", "up"] for n in ns),
-    ]
     out = tmp_path / "logits.pt"
-    node = str(Path(__file__).parent / "tp_node.py")
-    try:
-        for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True)
-        procs = []
-        for rank, (n, v) in enumerate(zip(ns, veth)):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=v, OMP_NUM_THREADS="1")
-            cmd = [*ip, n, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-            cmd += ["--node-rank", str(rank), "--master-addr", f"{net}.1", "--master-port", "29517"]
-            cmd += [node, str(folder), str(out), ",".join(map(str, ids))]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        logs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-        assert all(p.returncode == 0 for p in procs), logs
-    finally:
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+    run_two_nodes([str(folder), str(out), ",".join(map(str, ids))], port=29517)
     diff, top1 = compare_logits(torch.load(out), want)
     assert diff <= 1e-5 and top1 == 1.0, (diff, top1)
 
