@@ -111,6 +111,8 @@ class _V4Experts:
 
 
 class FP8V4Experts(_V4Experts, FP8Experts):
+    """V4's routed experts in e4m3 blocks: FP8Experts' step with the clamped SwiGLU (both projections one block)."""
+
     def __init__(self, hidden: int, n_experts: int, inter: int, limit: float, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
         self._init_v4(scheme, hidden, inter, limit)
@@ -130,6 +132,9 @@ class FP8V4Experts(_V4Experts, FP8Experts):
 
 
 class FP4V4Experts(_V4Experts, FP4Experts):
+    """The release's FP4 routed experts: FP4Experts' "fp4" variant (int8 codes, fp32 group-32 scales) with the
+    clamped SwiGLU."""
+
     def __init__(self, hidden: int, n_experts: int, inter: int, limit: float, scheme: QuantScheme, device) -> None:
         nn.Module.__init__(self)
         self._init_v4(scheme, hidden, inter, limit)
