@@ -2,12 +2,18 @@
 
     python benchmarks/deepseek_v4.py [--threads 2] [--reps 3] [--contexts 1024 [16384]] [--quick]
         [--engines mlaserve transformers mlaserve-per-seq mlaserve-per-seq-state] [--cases prefill decode concurrent]
-        [--profile] [--mtp]
+        [--profile] [--mtp] [--weights float|fp8|fp4]
 mlaserve-per-seq is mlaserve with the per-sequence reference softmax in place of the step's padded one
 (the before/after of the batched attention); mlaserve-per-seq-state is mlaserve with the per-sequence reference
 state updates (ring, compressors, indexer keys: V4Serving(batched_state=False)) in place of the step's batched
 ones (the before/after of models/deepseek_v4/step_update.py). --profile: each mlaserve engine's 16-concurrent
 decode steps under cProfile once, its time per function of the step (attention's parts, the MoE, ...).
+--weights fp8 | fp4: the same model written by the project's writer as a DeepSeek FP8 folder (e4m3 128x128
+blocks, fp32 scales; routed experts FP8 or packed FP4 as released; embeddings, head, router, compressors float)
+and run kept quantized by the engines mlaserve (kernels auto: the native kernels on the holders, the KernelPlan's
+choice), mlaserve-torch (kernels="torch": each holder dequantized by torch per call, routed experts batched) and
+mlaserve-loop (kernels="torch" with the routed experts' plain reference loop, one pass per expert: what ran before
+the holders had native kernels and a batched path); transformers does not read these folders.
 
 The model (random weights, seed 0, written once by transformers' save_pretrained under benchmarks/models/):
 V4-Flash's per-layer shape with the widths scaled down and its kinds kept: the 512-d shared K=V head, 64-d
@@ -182,14 +188,39 @@ def _spread(ts: list[float]) -> dict:
     return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "all_s": ts}
 
 
+def ensure_v4_quantized(folder: Path, experts: str) -> Path:
+    """`folder` written as a DeepSeek FP8 folder (quant/writer.py: e4m3 128x128 blocks, fp32 scales; the routed
+    experts FP8 or FP4 as `experts` says), once, beside it."""
+    from mlaserve.quant.writer import write_fp8_folder
+
+    out = folder.with_name(f"{folder.name}-fp8-experts-{experts}")
+    stamp = out / "bench_config.json"
+    if stamp.exists() and stamp.read_text() == (folder / "bench_config.json").read_text():
+        return out
+    print(f"[build] writing {out.name} ...", flush=True)
+    write_fp8_folder(folder, out, block=(128, 128), keep_dtype=torch.float32, experts=experts)
+    stamp.write_text((folder / "bench_config.json").read_text())
+    return out
+
+
 class Mlaserve:
     name = "mlaserve"
 
-    def __init__(self, folder: Path, batched: bool = True, batched_state: bool = True, mtp: bool = False) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        batched: bool = True,
+        batched_state: bool = True,
+        mtp: bool = False,
+        kernels: str = "auto",
+        expert_loop: bool = False,
+    ) -> None:
         from mlaserve.entrypoints.llm import LLM
         from mlaserve.models.deepseek_v4.serving import v4_implementation
 
         spec = {"speculative": "mtp"} if mtp else {}
+        if kernels != "auto":
+            spec["kernels"] = kernels
         # threads: the engine sets torch's process-wide pool at load (default: every core), so the benchmark's
         # --threads must reach it, or it would also change the thread count of the transformers engine
         threads = torch.get_num_threads()
@@ -199,6 +230,15 @@ class Mlaserve:
         self.tokens_per_step: list[float] = []  # decode(): tokens out per timed step (> batch with accepted drafts)
         if mtp:
             self.name = "mlaserve-mtp"
+        if kernels == "torch":
+            self.name = "mlaserve-torch"
+        if expert_loop:  # the quantized routed experts' plain reference loop (their `reference`), for before/after
+            self.name = "mlaserve-loop"
+            for m in self.llm.runner.model.modules():
+                if hasattr(m, "reference") and hasattr(m, "routed"):
+                    m.__dict__["routed"] = m.reference
+        plan = self.llm.loaded.kernel_plan
+        self.kernels = sorted({f"{c.op} {c.impl}" for c in plan.choices}) if plan is not None else []
         if not batched:  # the per-sequence reference softmax (models/deepseek_v4/attention.py), for before/after
             self.name = "mlaserve-per-seq"
             for layer in self.llm.runner.model.inner.model.layers:
@@ -364,15 +404,20 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile each mlaserve engine's 16 concurrent decode")
     ap.add_argument("--hf-chunk", type=int, default=1024, help="transformers' prefill chunk for decode @N")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--weights", choices=["float", "fp8", "fp4"], default="float", help="fp8 / fp4: see above")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     env = environment(args.threads)
     folder = ensure_v4_model(args.quick)
+    if args.weights != "float":
+        folder = ensure_v4_quantized(folder, args.weights)
     vocab = MODEL["vocab_size"]
     makers = {"mlaserve": Mlaserve, "mlaserve-per-seq": lambda f: Mlaserve(f, batched=False)}
     makers["mlaserve-per-seq-state"] = lambda f: Mlaserve(f, batched_state=False)
     makers["transformers"] = lambda f: Transformers(f, args.hf_chunk)
     makers["mlaserve-mtp"] = lambda f: Mlaserve(ensure_v4_mtp_model(f), mtp=True)
+    makers["mlaserve-torch"] = lambda f: Mlaserve(f, kernels="torch")
+    makers["mlaserve-loop"] = lambda f: Mlaserve(f, kernels="torch", expert_loop=True)
     engines = [makers[e](folder) for e in args.engines]
     cases = {"prefill 512": ("prefill", random_prompt(512, vocab, 1))}
     cases["16 concurrent"] = ("decode", [random_prompt(128, vocab, 10 + i) for i in range(16)])
@@ -446,6 +491,7 @@ def main() -> None:
     if first_tokens:
         print(f"first greedy token after each prompt: {first_tokens}")
     meta = {"decode_steps_per_rep": DECODE_STEPS, "reps": args.reps, "hf_prefill_chunk": args.hf_chunk}
+    meta |= {"weights": args.weights, "kernel_plans": {e.name: getattr(e, "kernels", None) for e in engines}}
     write_json(
         out,
         {

@@ -22,6 +22,7 @@ quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to lla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -165,10 +166,12 @@ def moe_experts(
     down: torch.Tensor,
     type_down: int,
     int8: bool = False,
+    limit: float = math.inf,
 ) -> torch.Tensor:
     """[T, D] fp32 = sum_j topk_w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_idx[t, j], in one
     native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference). int8: int8
-    activations when both types take them under that setting (native.takes_int8)."""
+    activations when both types take them under that setting (native.takes_int8). limit: gate and up clamped
+    first (DeepSeek-V4's swiglu_limit: models/deepseek_v4/moe.clamped_swiglu); inf: none."""
     int8 = native.takes_int8(type_gate_up, int8) and native.takes_int8(type_down, int8)
     return native.moe_experts(
         type_gate_up,
@@ -179,4 +182,5 @@ def moe_experts(
         topk_idx.to(torch.int64).contiguous(),
         topk_w.float().contiguous(),
         int8,
+        limit,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -45,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 17  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 18  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -131,7 +132,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     f32 = ctypes.c_float
     lib.mls_moe_route.argtypes = [ptr, i64, i64, ptr, c_int, c_int, i64, i64, i64, c_int, f32, ptr, ptr]
     lib.mls_moe_experts.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
-    lib.mls_moe_experts.argtypes += [ptr, c_int]
+    lib.mls_moe_experts.argtypes += [f32, ptr, c_int]
     lib.mls_moe_experts_q8.argtypes = lib.mls_moe_experts.argtypes
     lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_latent_mqa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
@@ -427,9 +428,11 @@ def moe_experts(
     topk_idx: torch.Tensor,
     topk_w: torch.Tensor,
     int8: bool = False,
+    limit: float = math.inf,
 ) -> torch.Tensor:
     """x [T, D] fp32, gate_up [E, 2I, R_D] / down [E, D, R_I] uint8, topk_idx [T, k] int64, topk_w [T, k]
-    fp32 (all contiguous) -> [T, D] fp32: the routed experts' weighted sum, pair by pair."""
+    fp32 (all contiguous) -> [T, D] fp32: the routed experts' weighted sum, pair by pair. limit: the SwiGLU's
+    clamp (DeepSeek-V4's swiglu_limit; inf: none)."""
     lib = library()
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float32)
@@ -449,6 +452,7 @@ def moe_experts(
         topk_idx.data_ptr(),
         topk_w.data_ptr(),
         topk_idx.shape[1],
+        limit,
         out.data_ptr(),
         torch.get_num_threads(),
     )

@@ -36,6 +36,7 @@ import torch
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.expert_parallel import cut_range
+from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
 from mlaserve.loading.deepseek_v4_names import SCALE, Target, target
 from mlaserve.loading.files import path_problem, read_json
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
@@ -196,6 +197,29 @@ def load_folder(
     report = load_into(model, source, experts)
     report.quant, report.bytes_read = plan, source.bytes_read
     return model.eval(), report
+
+
+def plan_v4_kernels(model: torch.nn.Module, kernels: str, int8: int) -> tuple[KernelPlan, str]:
+    """The KernelPlan of a V4 model (kernels/registry.py; made at load, after any expert-parallel cut): its
+    quantized holders (FP8 / FP4 folder: FP8Linear, FP8GroupedLinear, FP8V4Experts / FP4V4Experts; GGUF:
+    GGUFLinear, GGUFGroupedLinear, GGUFV4Experts) take the engine's kernels, native where they have it; V4's own
+    modules (norms, router, attention) have one implementation each. -> the plan and the load report's line:
+    the holders per class and implementation, and the float routed experts' form (decided from the shapes)."""
+    from mlaserve.models.deepseek_v4.moe import Experts
+
+    plan = plan_kernels(model, KernelContext(kernels, int8))
+    held: dict[str, int] = {}
+    for c in plan.choices:
+        key = f"{type(model.get_submodule(c.module)).__name__} {c.impl}"
+        held[key] = held.get(key, 0) + 1
+    forms: dict[str, int] = {}
+    for m in model.modules():
+        if type(m) is Experts:  # float stacks: grouped_mm where rows are 16-byte aligned, else the loop
+            forms[m.impl] = forms.get(m.impl, 0) + 1
+    parts = [", ".join(f"{n} {k}" for k, n in sorted(held.items())) if held else "no quantized holders"]
+    parts += [f"float routed experts {', '.join(f'{n} {k}' for k, n in sorted(forms.items()))}"] if forms else []
+    line = f"DeepSeek-V4 kernels (plan {plan.digest}): " + "; ".join(parts)
+    return plan, line + (", int8 activations where the plan says" if int8 and held else "")
 
 
 def attach_mtp(model: DeepseekV4ForCausalLM, names: list[str], where) -> None:

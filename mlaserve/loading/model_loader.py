@@ -208,14 +208,10 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
         from mlaserve.loading.deepseek_v4 import check_scheme
 
         check_scheme(scheme, path)
-    # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer
-    held = None
-    if scheme is not None:  # its FP8 / FP4 holders multiply in torch (quant/deepseek_v4.py): no native kernel yet
-        held = (
-            f"the checkpoint's {scheme.method} {scheme.fmt} weights (experts {scheme.expert_dtype}) stay quantized "
-            "in DeepSeek-V4's holders, which run in torch (no native kernel serves them yet)"
-        )
-    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, torch_holders=held)
+    # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer; its FP8 /
+    # FP4 holders (quant/deepseek_v4.py) have the native kernels of FP8Linear / FP8Experts / FP4Experts
+    probe = native_probe if scheme is not None else None
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, native_kernels=probe)
     tokenizer = folder_tokenizer(path, model_cfg)
     set_encoding(tokenizer, model_cfg.model_type)
     return Checkpoint(path, model_cfg, engine_cfg, None, tokenizer, [], scheme)
@@ -296,7 +292,7 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
 
 def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
     """comm: this rank's Collectives under expert parallelism (it holds and reads its range of the experts)."""
-    from mlaserve.loading.deepseek_v4 import load_folder
+    from mlaserve.loading.deepseek_v4 import load_folder, plan_v4_kernels
     from mlaserve.models.deepseek_v4.serving import V4Serving
 
     cfg = ck.engine_cfg
@@ -304,18 +300,15 @@ def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
     experts = expert_range(e, comm.rank, ep) if ep > 1 else None  # the rank's routed experts, in either form
     if ck.path.is_file():  # a deepseek4 GGUF: block-quantized tensors kept in their blocks (gguf_weights)
         from mlaserve.loading.deepseek_v4 import load_gguf
-        from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
 
         quantized = cfg.kernels.gguf_weights == "quantized"
         model, v4, opened = load_gguf(ck.path, cfg.runtime.dtype, quantized, experts=experts)
         opened.close()
-        if v4.gguf is not None:
-            v4_kernels = set_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
     else:
         model, v4 = load_folder(ck.path, cfg.runtime.dtype, mtp=cfg.speculative.method == "mtp", experts=experts)
     report = LoadReport(loaded=v4.loaded, skipped=list(v4.skipped), bytes_read=v4.bytes_read or None)
     if v4.gguf is not None:
-        report.notes += [v4.gguf.summary(), v4_kernels]
+        report.notes.append(v4.gguf.summary())
     if v4.quant is not None:
         q = v4.quant
         report.notes.append(
@@ -334,6 +327,9 @@ def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
         )
         serving.rank_notes, serving.file_bytes_read = tuple(notes), v4.bytes_read
         report.notes.extend(notes)
+    # every holder's implementation, chosen with its reason (kernels/registry.py), after the expert-parallel cut
+    serving.kernel_plan, kernels_line = plan_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
+    report.notes.append(kernels_line)
     report.notes.append(
         f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"
     )
@@ -343,7 +339,7 @@ def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
             f"{numerics.indexer} (transformers' default: none, exact)"
         )
     gen = {} if ck.path.is_file() else read_json(ck.path / "generation_config.json", ConfigError, required=False) or {}
-    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf)
+    return LoadedModel(serving, cfg, ck.tokenizer, report, ck.path, gen, v4.quant, v4.gguf, (), serving.kernel_plan)
 
 
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:

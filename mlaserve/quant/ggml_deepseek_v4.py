@@ -11,10 +11,12 @@ Notation: R = ggml.row_bytes(type, K), the bytes of one stored row of K values (
 A tensor stored F32 / F16 / BF16 stays a float module (dequantized at load); the router (ffn_gate_inp) is a
 float parameter, and tid2eid, norms, sinks, position biases and the hc_* tensors load as floats (fp32).
 Plan (`plan_v4_gguf`, from the file's tensor types) -> swap (`swap_in_v4_gguf`, on the meta model) -> fill.
-Kernels (`kernel`, set at load from the engine's `kernels`): GGUFLinear has the native decode-and-dot kernels
-of the other GGUF models; GGUFGroupedLinear and GGUFV4Experts decode their blocks per call (the routed experts
-one per routed expert and step) by the native decoder (bit for bit the torch reference's values) or in torch,
-then multiply in fp32 torch.
+Kernels (the KernelPlan, loading/deepseek_v4.plan_v4_kernels: each holder's `kernel` bound at load from the
+engine's `kernels`): GGUFLinear has the native decode-and-dot kernels of the other GGUF models; GGUFGroupedLinear
+runs its G groups as one native grouped decode-and-dot at few rows (else the weight decoded natively, then the
+block products); GGUFV4Experts is GGUFExperts (one native call pair by pair at decode, the pairs sorted by expert
+and grouped native products beyond, int8 activations where the engine's `activations` gives them) with the
+clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -28,82 +30,84 @@ from mlaserve.config.provenance import Setting
 from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.kernels import ggml, native, registry
 from mlaserve.loading.deepseek_v4_names import target
-from mlaserve.models.deepseek_v4.moe import experts_loop
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFLinear, _raw
+from mlaserve.models.deepseek_v4.moe import clamped_swiglu, experts_loop
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear, _raw
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
 from mlaserve.quant.plan import _group
 
 
-class _Decoder(registry.KernelSwitch):
-    """`decode(w [N, R] uint8, type, K) -> [N, K] fp32`: the native decoder or torch's (the same values)."""
+class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
+    """o_a_proj in ggml blocks: y[:, g] = x[:, g] @ W_g^T for the G row blocks W_g of the [G*o, K] weight.
+    Kernels (the KernelPlan's op "linear"): native up to NATIVE_ROWS rows the C grouped decode-and-dot (the groups
+    as the "experts" of one call: a group's rows are whole ggml rows), more rows the weight decoded by the C
+    decoder (the reference's values bit for bit), then the G block products; torch: decoded by torch, then them."""
 
+    KERNEL_OP = "linear"
     KERNELS = ggml.KERNELS
-    KERNEL_CALLS = {"decode": {"native": "_decode_native", "torch": "_decode_torch"}}
-    NATIVE_FALLBACK = "none (every call decodes natively)"
-
-    @staticmethod
-    def _decode_native(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        return native.dequantize(ggml_type, w.contiguous(), k)
-
-    @staticmethod
-    def _decode_torch(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        return ggml.dense(w, ggml_type, k)
-
-
-class GGUFGroupedLinear(_Decoder, nn.Module):
-    """o_a_proj in ggml blocks: y[:, g] = x[:, g] @ W_g^T for the G row blocks W_g of the [G*o, K] weight."""
-
-    KERNEL_OP = "grouped_linear"
+    KERNEL_CALLS = {"matmul": {"native": "_matmul_native", "torch": "_matmul_torch"}}
+    NATIVE_ROWS, NATIVE_FALLBACK = ggml.GEMV_ROWS, "native decode, then the G block products"
 
     def __init__(self, in_per_group: int, out_features: int, groups: int, ggml_type: int, device) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features, self.groups, self.ggml_type = in_per_group, out_features, groups, ggml_type
-        self.kernel = "torch"  # the reference until the loader sets the engine's kernels
+        self.kernel = "torch"  # the reference until the KernelPlan binds the engine's kernels
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_per_group)), device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return ggml.dense(self.weight, self.ggml_type, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [S, G, K] -> [S, G*o], in fp32 (the dequantized weight's dtype), rounded to x's dtype."""
-        w = self.decode(self.weight, self.ggml_type, self.in_features)
+        """x [S, G, K] -> [S, G*o], in fp32, rounded to x's dtype."""
+        return self.matmul(x)
+
+    def _products(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [S, G, K], the dense weight w [G*o, K] fp32 -> [S, G*o] in x's dtype."""
         w = w.view(self.groups, -1, x.shape[-1]).transpose(1, 2)
         return torch.bmm(x.float().transpose(0, 1), w).transpose(0, 1).flatten(1).to(x.dtype)
 
+    def _matmul_torch(self, x: torch.Tensor) -> torch.Tensor:
+        return self._products(x, ggml.dense(self.weight, self.ggml_type, self.in_features))
 
-class GGUFV4Experts(_Decoder, nn.Module):
-    """V4's routed experts in ggml blocks; forward = models/deepseek_v4/moe.experts_loop over expert(e), each
-    routed expert decoded once per step."""
+    def _matmul_native(self, x: torch.Tensor) -> torch.Tensor:
+        s, g = x.shape[0], self.groups
+        if s > self.NATIVE_ROWS:
+            return self._products(x, native.dequantize(self.ggml_type, self.weight, self.in_features))
+        xs = x.float().transpose(0, 1).reshape(g * s, -1).contiguous()  # group a's rows: a*S .. (a+1)*S - 1
+        experts = torch.arange(g, dtype=torch.int64)
+        starts = torch.arange(0, g * s + 1, s, dtype=torch.int64)
+        w = self.weight.view(g, -1, self.weight.shape[-1])
+        y = native.grouped_gemm(self.ggml_type, xs, w, self.in_features, experts, starts)
+        return y.view(g, s, -1).transpose(0, 1).reshape(s, -1).to(x.dtype)
 
-    KERNEL_OP = "v4_experts"
+    def native_detail(self) -> str:
+        return f"{native.product_detail(self.ggml_type, GGML_TYPES[self.ggml_type].name)}, {self.groups} groups"
+
+    def describe(self) -> tuple[str, tuple[int, int]]:
+        t = GGML_TYPES[self.ggml_type]
+        return f"gguf {t.name}", (1, t.block_size)
+
+
+class GGUFV4Experts(GGUFExperts):
+    """V4's routed experts in ggml blocks: GGUFExperts (pairs sorted by expert, grouped products, one index_add;
+    up to NATIVE_ROWS pairs one native call pair by pair) with V4's clamped SwiGLU between the products.
+    `reference` is the plain loop over experts (models/deepseek_v4/moe.experts_loop over `expert(e)`, torch's
+    dequantizer) the fast paths are tested against."""
 
     def __init__(self, hidden: int, n_experts: int, inter: int, limit: float, t_gate_up: int, t_down: int, device):
-        nn.Module.__init__(self)
-        self.hidden, self.inter, self.limit = hidden, inter, limit
-        self.kernel = "torch"  # the reference until the loader sets the engine's kernels
-        self.type_gate_up, self.type_down = t_gate_up, t_down
-        self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(t_gate_up, hidden)), device)
-        self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(t_down, inter)), device)
+        super().__init__(hidden, n_experts, inter, t_gate_up, t_down, device)
+        self.limit = self.swiglu_limit = limit
+
+    def _swiglu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(g, u, self.limit)
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's dense (gate_up [2I, D], down [D, I]) in fp32, by the chosen decoder."""
+        """Expert e's dense (gate_up [2I, D], down [D, I]) in fp32, by torch's dequantizer (the reference's)."""
         return (
-            self.decode(self.gate_up_proj[e], self.type_gate_up, self.hidden),
-            self.decode(self.down_proj[e], self.type_down, self.inter),
+            ggml.dense(self.gate_up_proj[e], self.type_gate_up, self.hidden),
+            ggml.dense(self.down_proj[e], self.type_down, self.inter),
         )
 
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch reference's values of every expert."""
-        pairs = [
-            (
-                ggml.dense(self.gate_up_proj[e], self.type_gate_up, self.hidden),
-                ggml.dense(self.down_proj[e], self.type_down, self.inter),
-            )
-            for e in range(self.gate_up_proj.shape[0])
-        ]
-        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return experts_loop(x, weights, idx, self.expert, self.limit)
 
     def extra_repr(self) -> str:
@@ -199,22 +203,3 @@ def swap_in_v4_gguf(model: nn.Module, plan: V4GGUFPlan, dtype: torch.dtype) -> N
         else:
             new = GGUFLinear(old.in_features, old.out_features, parts["weight"], False, dtype, old.weight.device)
         model.set_submodule(module, new)
-
-
-def set_v4_kernels(model: nn.Module, kernel: str, int8: int) -> str:
-    """The engine's kernels on every GGUF holder of a V4 model (at load, before any forward); int8: GGUFLinear's
-    int8 activations (engine option activations: the cap of native.takes_int8, 0 none). Returns the load report's line."""
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        if isinstance(m, registry.KernelSwitch):
-            m.kernel = kernel
-            if isinstance(m, GGUFLinear):
-                m.int8 = int8
-            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
-    held = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
-    how = {
-        "native": "GGUFLinear native decode-and-dot; grouped o_a_proj and routed experts decoded natively, "
-        "multiplied in fp32 torch",
-        "torch": "torch (each call decodes its blocks)",
-    }[kernel]
-    return f"DeepSeek-V4 GGUF holders ({held}): {how}" + (", int8 activations" if int8 else "")

@@ -16,6 +16,8 @@ dequantize() up to fp32 summation order.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,12 +182,20 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         pairs (and as the MoE block does)."""
         pairwise = native.takes_int8(self.type_gate_up, self.int8) == native.takes_int8(self.type_down, self.int8)
         if topk_idx.numel() <= self.NATIVE_ROWS and pairwise:
-            gu, dn = self.gate_up_proj, self.down_proj
-            return ggml.moe_experts(x, topk_w, topk_idx, gu, self.type_gate_up, dn, self.type_down, self.int8)
+            gu, dn, t_gu, t_dn = self.gate_up_proj, self.down_proj, self.type_gate_up, self.type_down
+            return ggml.moe_experts(x, topk_w, topk_idx, gu, t_gu, dn, t_dn, self.int8, self.swiglu_limit)
         return self._grouped(x.float(), topk_w, topk_idx, ggml.expert_linear_native)
 
     def _routed_torch(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         return self._grouped(x.float(), topk_w, topk_idx, ggml.expert_linear_torch)
+
+    # the activation between the two products; DeepSeek-V4's holder clamps it (quant/ggml_deepseek_v4.py), and
+    # the pair-by-pair native call takes the clamp as its limit (inf: none)
+    swiglu_limit = math.inf
+
+    @staticmethod
+    def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return F.silu(g) * u
 
     def _grouped(
         self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor, product: ggml.ExpertProduct
@@ -199,7 +209,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         xs = x[token_of]
         gu = product(xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs, self.int8)
         g, u = gu.chunk(2, dim=-1)
-        h = F.silu(g) * u
+        h = self._swiglu(g, u)
         ys = product(h, self.down_proj, self.type_down, self.inter, active, offs, self.int8)
         ys = ys * topk_w.reshape(-1)[order, None].float()
         return torch.zeros_like(x).index_add_(0, token_of, ys)
@@ -212,7 +222,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
             tok, slot = torch.where(topk_idx == e)
             gu = product(x[tok], self.gate_up_proj[e], self.type_gate_up, self.hidden)
             g, u = gu.chunk(2, dim=-1)
-            y = product(F.silu(g) * u, self.down_proj[e], self.type_down, self.inter)
+            y = product(self._swiglu(g, u), self.down_proj[e], self.type_down, self.inter)
             out.index_add_(0, tok, y * topk_w[tok, slot, None].float())
         return out
 

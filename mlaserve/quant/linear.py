@@ -185,7 +185,7 @@ class FP8Experts(KernelSwitch, Experts):
         xs = x.float()[token_of].contiguous()
         t, (gu, k_gu, gu_grid), (down, k_down, down_grid) = self._native_operands()
         g, u = native.grouped_gemm(t, xs, gu, k_gu, experts, starts, gu_grid).chunk(2, dim=-1)
-        ys = native.grouped_gemm(t, (F.silu(g) * u).contiguous(), down, k_down, experts, starts, down_grid)
+        ys = native.grouped_gemm(t, self._swiglu(g, u).contiguous(), down, k_down, experts, starts, down_grid)
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token_of, ys).to(x.dtype)
 
@@ -211,6 +211,11 @@ class FP8Experts(KernelSwitch, Experts):
         return decode(*gate_up).to(dtype), decode(*down).to(dtype)
 
     @staticmethod
+    def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The activation between the two products (DeepSeek-V4's holders clamp it: quant/deepseek_v4.py)."""
+        return F.silu(g) * u
+
+    @staticmethod
     def _grid(scale: torch.Tensor, block: tuple[int, int], part_rows: int) -> native.ScaleGrid:
         """scale [E, (parts,) nb, kb]: rows come in parts of part_rows (gate, up) with a grid each."""
         return native.ScaleGrid(scale.contiguous(), block[0], scale.shape[-1], block[1], part_rows)
@@ -222,7 +227,7 @@ class FP8Experts(KernelSwitch, Experts):
         token_of = order // k
         offs = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)
         g, u = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+        ys = torch._grouped_mm(self._swiglu(g, u), down.transpose(1, 2), offs=offs)
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -231,7 +236,7 @@ class FP8Experts(KernelSwitch, Experts):
         for a in range(gate_up.shape[0]):
             tok, slot = torch.where(local == a)
             g, u = F.linear(x[tok], gate_up[a]).chunk(2, dim=-1)
-            out.index_add_(0, tok, F.linear(F.silu(g) * u, down[a]) * topk_w[tok, slot, None].to(x.dtype))
+            out.index_add_(0, tok, F.linear(self._swiglu(g, u), down[a]) * topk_w[tok, slot, None].to(x.dtype))
         return out
 
 

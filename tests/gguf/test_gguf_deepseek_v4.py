@@ -182,19 +182,18 @@ def test_engine_greedy_equals_transformers_full_recompute(files):
 
 
 def test_native_kernels_on_the_holders_match_transformers(files):
-    """GGUFLinear's native decode-and-dot (fp32 sums in another order) and the native block decoder of the
-    grouped o_a_proj and the MXFP4 experts (bit for bit the torch decoder's values): the same bound."""
+    """GGUFLinear's native decode-and-dot (fp32 sums in another order), the grouped o_a_proj's and the MXFP4
+    experts' native products (the KernelPlan binds them): the same bound."""
     from mlaserve.kernels import native
-    from mlaserve.quant.ggml_deepseek_v4 import set_v4_kernels
+    from mlaserve.loading.deepseek_v4 import plan_v4_kernels
 
     if not native.status().available:
         pytest.skip(f"native kernels unavailable: {native.status().detail}")
     root, ref, _ = files
     model, _, ck = load_gguf(root / "model.gguf")
-    note = set_v4_kernels(model, "native", False)
-    assert "4 GGUFV4Experts" in note and "GGUFLinear native" in note
-    experts = model.model.layers[1].mlp.experts
-    assert torch.equal(experts.expert(2)[0], experts.dequantize()[0][2])  # native decoder == torch's values
+    plan, note = plan_v4_kernels(model, "native", 0)
+    assert "4 GGUFV4Experts native" in note and "GGUFLinear native" in note and "GGUFGroupedLinear native" in note
+    assert {c.impl for c in plan.choices} == {"native"}
     for ids in (IDS, IDS[:5]):  # 36 rows: decoded weight + BLAS; 5 rows: the decode-and-dot GEMV
         with torch.no_grad():
             got = model(torch.tensor(ids), model.new_state(len(ids)))

@@ -1,6 +1,8 @@
-"""`mlaserve inspect` on DeepSeek-V4: the kernels line says why the kernels are torch, and the reason is true of
-the checkpoint (an FP8 / FP4-expert folder does hold quantized weights; a float folder holds none). The
-settings themselves are unchanged: kernels torch (V4's holders have no native kernel), dtype float32."""
+"""`mlaserve inspect` on DeepSeek-V4: the kernels line and the kernel plan are true of the checkpoint. An FP8 /
+FP4-expert folder's holders have the native kernels (FP8Linear, FP8GroupedLinear, FP8V4Experts / FP4V4Experts:
+quant/deepseek_v4.py), so kernels auto resolves to native where the library builds and the plan names every
+holder's implementation; kernels="torch" binds the torch reference on every holder; a float folder holds no
+quantized weights, so there is nothing for the native kernels to run."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ from v4_models import save_hf_v4  # noqa: E402
 
 from mlaserve.entrypoints.cli import main  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
+from mlaserve.kernels import native  # noqa: E402
 from mlaserve.quant.writer import write_fp8_folder  # noqa: E402
+
+needs_native = pytest.mark.skipif(not native.status().available, reason="native kernels unavailable")
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +33,34 @@ def _line(out: str, name: str) -> str:
     return next(ln for ln in out.splitlines() if ln.lstrip().startswith(name))
 
 
+@needs_native
 @pytest.mark.parametrize("experts", ["fp8", "fp4"])
-def test_a_quantized_folder_is_said_to_hold_quantized_weights(folders, experts, capsys):
+def test_a_quantized_folder_runs_its_holders_on_the_native_kernels(folders, experts, capsys):
     assert main(["inspect", str(folders / experts)]) == 0
-    line = _line(capsys.readouterr().out, "kernels")
-    assert "holds no quantized weights" not in line, line
-    assert f"fp8 e4m3 weights (experts {experts}) stay quantized in DeepSeek-V4's holders" in line, line
-    assert "run in torch" in line
-    cfg = LLM(str(folders / experts)).config
-    assert cfg.kernels.impl == "torch" and cfg.runtime.dtype == torch.float32  # the choices stand
+    out = capsys.readouterr().out
+    line = _line(out, "kernels")
+    assert "native" in line and "engine default (auto: built for this CPU)" in line, line
+    plan = out.split("kernel plan ", 1)[1]
+    holder = "FP4V4Experts" if experts == "fp4" else "FP8V4Experts"
+    assert f"{holder} native" in out and "FP8GroupedLinear native" in out and "FP8Linear native" in out
+    assert "grouped_experts  native" in plan and "linear           native" in plan, plan
+    llm = LLM(str(folders / experts))
+    assert llm.config.kernels.impl == "native" and llm.config.runtime.dtype == torch.float32
+    assert {c.impl for c in llm.loaded.kernel_plan.choices} == {"native"}
+    assert {c.op for c in llm.loaded.kernel_plan.choices} == {"linear", "grouped_experts"}
+
+
+def test_kernels_torch_binds_the_reference_on_every_holder(folders):
+    llm = LLM(str(folders / "fp8"), kernels="torch")
+    plan = llm.loaded.kernel_plan
+    assert plan.choices and {c.impl for c in plan.choices} == {"torch"}
+    experts = llm.runner.model.inner.model.layers[1].mlp.experts
+    assert experts.routed.__func__.__name__ == "_routed_torch"
 
 
 def test_a_float_folder_holds_none(folders, capsys):
     assert main(["inspect", str(folders / "float")]) == 0
-    line = _line(capsys.readouterr().out, "kernels")
+    out = capsys.readouterr().out
+    line = _line(out, "kernels")
     assert "the checkpoint holds no quantized weights" in line, line
+    assert "no quantized holders" in out and "float routed experts" in out

@@ -94,5 +94,11 @@ typedef struct {
 #define Q8K_SLOTS 8 /* floats of xd per super-block: sizeof(q8k_meta) / sizeof(float) */
 
 static inline float silu_mul(float g, float u) { return (g / (1.0f + expf(-g))) * u; }
+/* DeepSeek-V4's clamped SwiGLU: silu(min(g, limit)) * clamp(u, -limit, limit); limit INFINITY is silu_mul */
+static inline float silu_mul_clamped(float g, float u, float limit) {
+    g = g < limit ? g : limit;
+    u = u < -limit ? -limit : (u > limit ? limit : u);
+    return silu_mul(g, u);
+}
 
 #endif

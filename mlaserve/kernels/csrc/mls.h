@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 17
+#define MLS_ABI_VERSION 18
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -171,14 +171,15 @@ int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, i
 int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, int scoring, int method,
                   int64_t n_group, int64_t topk_group, int64_t k, int norm, float scale, float *out_w,
                   int64_t *out_idx);
+/* limit: the SwiGLU's clamp (DeepSeek-V4's swiglu_limit: silu(min(g, limit)) * clamp(u, +-limit)); INFINITY none */
 int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
                     const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
                     int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
-                    float *out, int threads);
+                    float limit, float *out, int threads);
 int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
                        const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
                        int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
-                       int64_t kk, float *out, int threads);
+                       int64_t kk, float limit, float *out, int threads);
 int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
                   int threads);
 

@@ -12,12 +12,13 @@ static inline float row_dot(row_fn fn, fused_fn fused, const uint8_t *w, const f
 
 /* Routed experts for the (token, expert) pairs of a few tokens, unsorted: pair p = t * kk + j uses
    expert idx[p] with weight wt[p]. gate_up [E, 2I] rows of gu_row_bytes (gate rows first), down [E, D]
-   rows of dn_row_bytes. out [T, D] = sum_j wt[t, j] * down_e(silu(gate_e x_t) * up_e x_t).
+   rows of dn_row_bytes. out [T, D] = sum_j wt[t, j] * down_e(silu(gate_e x_t) * up_e x_t), gate and up clamped
+   at limit first (DeepSeek-V4's SwiGLU; INFINITY: no clamp, the same values as silu_mul).
    One parallel region: pairs x rows of gate_up, then silu * up, then output rows. */
 int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
                     const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
                     int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
-                    float *out, int threads) {
+                    float limit, float *out, int threads) {
     row_fn fn_gu = ggml_row(type_gu), fn_dn = ggml_row(type_dn);
     if (!fn_gu || !fn_dn) return -1;
     if (d > MAX_K || inter > MAX_K) return -2;
@@ -44,8 +45,7 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < pairs * inter; it++) {
             const int64_t p = it / inter, i = it % inter;
-            const float g = gu[p * n_gu + i];
-            h[it] = (g / (1.0f + expf(-g))) * gu[p * n_gu + inter + i];
+            h[it] = silu_mul_clamped(gu[p * n_gu + i], gu[p * n_gu + inter + i], limit);
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < t * d; it++) {
@@ -69,7 +69,7 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
 int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
                        const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
                        int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
-                       int64_t kk, float *out, int threads) {
+                       int64_t kk, float limit, float *out, int threads) {
     q8rows_fn fn_gu = q8rows(type_gu), fn_dn = q8rows(type_dn);
     if (!fn_gu || !fn_dn) return -1;
     if (!act_fits(type_gu, d) || !act_fits(type_dn, inter)) return -2;
@@ -98,8 +98,7 @@ int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int6
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < pairs * inter; it++) {
             const int64_t p = it / inter, i = it % inter;
-            const float g = gu[p * n_gu + i];
-            h[it] = (g / (1.0f + expf(-g))) * gu[p * n_gu + inter + i];
+            h[it] = silu_mul_clamped(gu[p * n_gu + i], gu[p * n_gu + inter + i], limit);
         }
 #pragma omp single
         quantize_act(type_dn, h, pairs, inter, inter, hq, hd);
