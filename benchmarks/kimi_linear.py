@@ -26,8 +26,9 @@ Phases (engines alternated rep by rep inside each, so load drift hits them alike
    Transformers: its DynamicCache (KDA layers: LinearAttentionLayer's conv [B, 3 H d, K] and recurrent
    [B, H, d, d]; MLA layers: the latent kv [B, 1, N, 512] and k_rot [B, 1, N, 64] it caches) holds the same
    values, copied from ours. Transformers expands every cached latent through kv_b_proj at every step
-   ([B, N, H, 256] plus the [B, H, N, 192] keys, fp32), so a configuration whose cache + that expansion (or ours,
-   whose cache) does not fit in --max-gib is not run: the bytes it needs are reported instead.
+   ([B, N, H, 256] plus the [B, H, N, 192] keys, fp32), so a configuration whose cache + that expansion (ours: its
+   cache) needs more than --max-gib, or would leave under HEADROOM_GIB of the machine's available memory, is not
+   run: the bytes it needs are reported instead.
 4. resident state per request from the engine's accounting: the cache's measured state bytes per slot plus the
    pool's pages a request at context N holds times the cache's measured bytes per token of a page; transformers'
    cache objects' tensors per request where it ran.
@@ -103,6 +104,7 @@ FULL = dict(contexts=[1024, 16384, 65536], batches=[1, 16], prefill=4096, budget
 QUICK = dict(contexts=[64, 200], batches=[1, 3], prefill=96, budget=32, check=64)
 PAGE = 16
 SLOW_S = 15.0  # a step slower than this (its warm-up) is timed once
+HEADROOM_GIB = 3.0  # a configuration that would leave less available memory than this is not run (shared machine)
 
 
 def folder(name: str, quick: bool):
@@ -390,15 +392,28 @@ def agreement(o: Ours, h: Theirs, n: int) -> float:
     return float((got - ref).abs().max())
 
 
+def fits(need: float) -> bool:
+    """Whether `need` more bytes leave HEADROOM_GIB of the machine's available memory (it is shared)."""
+    return need < (mem_available_gib() - HEADROOM_GIB) * 2**30
+
+
+def skip_reason(need: float, max_bytes: float) -> dict:
+    why = f"over --max-gib {max_bytes / 2**30:g}" if need > max_bytes else f"{mem_available_gib():.1f} GiB available"
+    return dict(need_gib=need / 2**30, why=why)
+
+
 def phase_decode(ours: dict, theirs: dict, contexts, batches, reps: int, max_bytes: float) -> list[dict]:
     runs = []
     for n in contexts:
         for b in batches:
             fns, skipped = {}, {}
             for name, o in ours.items():
-                need = b * n * o.cache.measured_bytes_per_token() + b * o.cache.measured_bytes_per_request()
-                if need > max_bytes:
-                    skipped[f"ours/{name}"] = need
+                # the rows not written yet (the cache's memory becomes resident as rows are first written)
+                need = sum(max(0, n - f) for f in o.filled[:b]) + max(0, b - len(o.filled)) * n
+                need = need * o.cache.measured_bytes_per_token()
+                total = b * n * o.cache.measured_bytes_per_token()
+                if total > max_bytes or not fits(need):
+                    skipped[f"ours/{name}"] = skip_reason(total, max_bytes)
                     continue
                 o.grow(b, n, seed=100 + n + b)
                 chunks = o.chunks(b, n)
@@ -406,21 +421,22 @@ def phase_decode(ours: dict, theirs: dict, contexts, batches, reps: int, max_byt
             caches = {}
             for name, h in theirs.items():
                 need = h.need_bytes(b, n)
-                if need > max_bytes or f"ours/{name}" not in fns:  # filled from ours
-                    skipped[f"transformers/{name}"] = need
+                if need > max_bytes or not fits(need) or f"ours/{name}" not in fns:  # filled from ours
+                    skipped[f"transformers/{name}"] = skip_reason(need, max_bytes)
                     continue
                 caches[name] = h.cache_from(ours[name], b, n)
                 fns[f"transformers/{name}"] = lambda h=h, c=caches[name], b=b: h.step(c, b)
             load = os.getloadavg()
             t = alternate(fns, reps) if fns else {}
-            run = dict(context=n, batch=b, load_before=load, load_after=os.getloadavg(), skipped_need_bytes=skipped)
+            run = dict(context=n, batch=b, load_before=load, load_after=os.getloadavg(), skipped=skipped)
+            run["mem_available_gib"] = mem_available_gib()
             run |= {k: dict(step_ms=v["median_s"] * 1e3, all_ms=[x * 1e3 for x in v["all_s"]]) for k, v in t.items()}
             for name, c in caches.items():
                 run[f"transformers/{name}"]["cache_bytes_per_request"] = Theirs.bytes_per_request(c, b)
             caches.clear()
             runs.append(run)
             ms = ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in t.items())
-            skip = ", ".join(f"{k} not run (needs {v / 2**30:.1f} GiB)" for k, v in skipped.items())
+            skip = ", ".join(f"{k} not run (needs {v['need_gib']:.1f} GiB: {v['why']})" for k, v in skipped.items())
             print(f"decode context {n}, batch {b}: {ms}" + (f"; {skip}" if skip else ""), flush=True)
     return runs
 
