@@ -1,7 +1,8 @@
 """Kimi-Linear: the decode step against the context and the batch, beside a same-width all-MLA stack and transformers.
 
     python benchmarks/kimi_linear.py [--threads 1] [--contexts 1024 16384 65536] [--batches 1 16] [--reps 3]
-                                     [--max-gib 8] [--hf-prefill] [--no-transformers] [--quick]
+                                     [--max-gib 8] [--hf-prefill] [--no-transformers] [--no-prefill] [--tag T]
+                                     [--quick]
 
 The models (random weights, seed 0, written once by transformers' save_pretrained under benchmarks/models/):
 Kimi-Linear-48B's per-layer widths (hidden 2304, 32 KDA heads x 128, conv 4; MLA 32 heads, kv_lora 512, nope 128,
@@ -402,7 +403,8 @@ def skip_reason(need: float, max_bytes: float) -> dict:
     return dict(need_gib=need / 2**30, why=why)
 
 
-def phase_decode(ours: dict, theirs: dict, contexts, batches, reps: int, max_bytes: float) -> list[dict]:
+def phase_decode(ours: dict, theirs: dict, contexts, batches, reps: int, max_bytes: float, save) -> list[dict]:
+    """save(runs): called after every configuration, so a run killed later (memory) keeps what it measured."""
     runs = []
     for n in contexts:
         for b in batches:
@@ -435,6 +437,7 @@ def phase_decode(ours: dict, theirs: dict, contexts, batches, reps: int, max_byt
                 run[f"transformers/{name}"]["cache_bytes_per_request"] = Theirs.bytes_per_request(c, b)
             caches.clear()
             runs.append(run)
+            save(runs)
             ms = ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in t.items())
             skip = ", ".join(f"{k} not run (needs {v['need_gib']:.1f} GiB: {v['why']})" for k, v in skipped.items())
             print(f"decode context {n}, batch {b}: {ms}" + (f"; {skip}" if skip else ""), flush=True)
@@ -450,11 +453,13 @@ def main() -> None:
     ap.add_argument("--prefill-reps", type=int, default=1)
     ap.add_argument("--max-gib", type=float, default=8.0, help="skip a configuration whose cache needs more")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the 4K prefill (phase 1)")
     ap.add_argument(
         "--hf-prefill",
         action="store_true",
         help="also time transformers' prefill of the 4K prompt (its reference chunk_kda takes minutes here)",
     )
+    ap.add_argument("--tag", default="", help="suffix of the JSON's name (a partial run beside the full one)")
     ap.add_argument("--quick", action="store_true", help="toy widths, short contexts: a smoke run in seconds")
     args = ap.parse_args()
     plan = QUICK if args.quick else FULL
@@ -481,9 +486,20 @@ def main() -> None:
         out[f"{name}_snapshot_bytes_per_token"] = ModelCache.snapshot_bytes_per_token(kinds, torch.float32, PAGE)
         print(name, *out[f"{name}_layer_kinds"], sep="\n  ")
     print("decode steps run on synthetic caches (rows and KDA states written directly; nothing prefilled)")
-    out["prefill"] = phase_prefill(ours, theirs, plan["prefill"], args.prefill_reps, args.quick or args.hf_prefill)
+    if not args.no_prefill:
+        out["prefill"] = phase_prefill(ours, theirs, plan["prefill"], args.prefill_reps, args.quick or args.hf_prefill)
     out["check"] = phase_check(ours, theirs, plan["check"], args.reps)
-    out["decode"] = phase_decode(ours, theirs, contexts, batches, args.reps, args.max_gib * 2**30)
+    path = RESULTS_DIR / f"kimi_linear{'-quick' if args.quick else ''}{args.tag}.json"
+    write_json(path, out)
+    out["decode"] = phase_decode(
+        ours,
+        theirs,
+        contexts,
+        batches,
+        args.reps,
+        args.max_gib * 2**30,
+        lambda runs: write_json(path, out | {"decode": runs}),
+    )
     out["resident"] = {name: {n: o.resident(n) for n in contexts} for name, o in ours.items()}
     for name in ours:
         for n, r in out["resident"][name].items():
@@ -493,7 +509,7 @@ def main() -> None:
                 flush=True,
             )
     out["load_after"] = os.getloadavg()
-    write_json(RESULTS_DIR / ("kimi_linear-quick.json" if args.quick else "kimi_linear.json"), out)
+    write_json(path, out)
 
 
 if __name__ == "__main__":
