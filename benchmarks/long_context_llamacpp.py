@@ -217,6 +217,7 @@ def main() -> None:
     check = logits_check(path, llm, args, cfg.model.vocab_size) if args.check_tokens else None
     out = Path(args.out) if args.out else RESULTS_DIR / f"long_context_llamacpp-{args.model}.json"
     rel = os.path.relpath(path, BENCH_DIR.parent)
+    args.out = os.path.relpath(out, BENCH_DIR.parent) if out.resolve().is_relative_to(BENCH_DIR.parent) else out.name
 
     if not args.contexts:  # the logits check alone
         write_json(out, {"env": env, "args": vars(args), "file": rel, "logits_check": check})
