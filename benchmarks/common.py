@@ -109,6 +109,26 @@ def ensure_model(kind: str, quick: bool) -> Path:
     return folder
 
 
+def with_max_positions(folder: Path, max_positions: int) -> Path:
+    """The folder's model allowed `max_positions` tokens of context: a sibling folder
+    `<folder>-pos<max_positions>` whose config.json is the folder's with max_position_embeddings
+    changed and whose model.safetensors is a link to the folder's (the same weights). The standard
+    model says 8192; its rope is the default (theta 1e4, no scaling), so a longer limit changes no
+    logit at any position, only what the engines (llama.cpp's n_ctx_train, the GGUF's
+    context_length) accept."""
+    out = folder.with_name(f"{folder.name}-pos{max_positions}")
+    cfg = dict(json.loads((folder / "config.json").read_text()), max_position_embeddings=max_positions)
+    out.mkdir(parents=True, exist_ok=True)
+    link = out / "model.safetensors"
+    if not link.is_symlink():
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(folder / "model.safetensors", out))
+    cfg_path = out / "config.json"
+    if not cfg_path.exists() or json.loads(cfg_path.read_text()) != cfg:
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def count_params(folder: Path) -> int:
     from safetensors import safe_open
 
