@@ -22,13 +22,12 @@ sequence's update at once through index tensors computed once per step (the engi
 closed windows, one scatter per cache tensor, boundary snapshots computed from the same data). The chunk's keys
 (ring rows before the chunk, the chunk's rows, pool rows) and the indexer's top-k are then read in one of two forms:
 with `step` and `batched` (the engine's path, `_step_keys`) for every sequence at once from the cache tensors
-through the step's plan (step_keys.py: one read of the sequences' rings, one gather per key source, masks by
-tensor ops, the indexer's scoring and top-k batched over sequences: Indexer.choose_step), one softmax for the step
-over the padded keys (`_attend_step`); otherwise a Python loop over the spans reads each sequence's keys from its
+through the step's plan (step_keys.py: one read of the sequences' rings, one gather of the keys, masks by tensor
+ops, the indexer's scoring and top-k batched over sequences: Indexer.choose_step), one softmax for the step over
+the padded keys (`_attend_step`); otherwise a Python loop over the spans reads each sequence's keys from its
 state objects (`_attend_spans`), then one softmax per sequence (`batched` False: the plain reference) or one
-padded softmax (`_attend_padded`). Padded:
-  Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk; K = most keys of one sequence in the loop's
-  form, max window keys + max pool rows in the batched form: step_keys.py)
+padded softmax (`_attend_padded`). Padded, both forms alike (each sequence's keys packed in the reference's order):
+  Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence)
 Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
 fixed at construction.
 """
