@@ -5,7 +5,8 @@ checks measure what that rounding, which the cache implies, costs against the ex
 with v4_kv_rounding none and the compute-dtype cache):
   8-bit vs exact rows, attention  every layer's every attention call of a one-pass prefill, on the call's own
                                   queries, K=V rows (ring, new and compressed rows) and mask (the CSA selection
-                                  held fixed): the layer's softmax over the rows quantized as the cache keeps them
+                                  held fixed; observed at the padded softmax, each sequence's part): the
+                                  layer's softmax over the rows quantized as the cache keeps them
                                   vs over the exact rows, against attention/cache_error.py shared_kv_error_bound
                                   plus fp32 rounding (verify_kv8.FP32_SLACK); the worst |error| / allowed (ok <= 1)
   8-bit vs exact rows, logits     the prompt's logits: max |diff| and top-1, reported (no whole-stack bound)
@@ -24,7 +25,7 @@ from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.v4_numerics import kv_format
 from mlaserve.entrypoints.verify_kv8 import FP32_SLACK, cache_checks
-from mlaserve.models.deepseek_v4.attention import V4Attention
+from mlaserve.models.deepseek_v4.attention import V4Attention, keyed_of
 
 
 def v4_kv8_checks(llm, base: EngineConfig, ids: list[int], logits_with: Callable, check: Callable) -> list:
@@ -37,11 +38,12 @@ def v4_kv8_checks(llm, base: EngineConfig, ids: list[int], logits_with: Callable
     try:
         for attn in layers:  # for this run only: the exact rows, and an instance attribute over the method
             attn.set_numerics(replace(resolved, kv_rounding="none"))
-            attn._attend_padded = _observer(attn, stats)
+            attn._attend_padded, attn._attend_step = _observers(attn, stats)
         full = logits_with(llm, exact, ids)
     finally:
         for attn in layers:  # the model's numerics as the engine resolved them (set at load)
             vars(attn).pop("_attend_padded", None)
+            vars(attn).pop("_attend_step", None)
             attn.set_numerics(resolved)
     eight = logits_with(llm, replace(base, cache=replace(base.cache, kv_cache_dtype=codes)), ids)
     what, note = (
@@ -51,12 +53,14 @@ def v4_kv8_checks(llm, base: EngineConfig, ids: list[int], logits_with: Callable
     return cache_checks(check, what, stats, eight, full, note)
 
 
-def _observer(attn: V4Attention, stats: dict) -> Callable:
-    original = attn._attend_padded
+def _observers(attn: V4Attention, stats: dict) -> tuple[Callable, Callable]:
+    """Observers of the layer's padded softmax in both its forms: over the loop's per-sequence keys
+    (_attend_padded) and over every sequence's keys read at once (_attend_step, the engine's path)."""
+    padded, step = attn._attend_padded, attn._attend_step
     a = attn.cfg.attention
     fmt = kv_format(a.nope_dim, a.rope_dim)
 
-    def attend_padded(q, keyed):
+    def observe(q, keyed):
         # loops over the step's sequences (their key counts differ): a check, off the serving path
         for first, n, keys, visible in keyed:
             rows = keys.float()
@@ -70,6 +74,13 @@ def _observer(attn: V4Attention, stats: dict) -> Callable:
             allowed = bound + FP32_SLACK * max(1.0, want.abs().max().item())
             stats["ratio"] = max(stats["ratio"], ((got - want).abs() / allowed).max().item())
             stats["calls"] += 1
-        return original(q, keyed)
 
-    return attend_padded
+    def attend_padded(q, keyed):
+        observe(q, keyed)
+        return padded(q, keyed)
+
+    def attend_step(q, keys, mask, queries):
+        observe(q, keyed_of(keys, mask, queries))
+        return step(q, keys, mask, queries)
+
+    return attend_padded, attend_step

@@ -38,7 +38,7 @@ from mlaserve.config.layer_kinds import describe  # noqa: E402
 from mlaserve.config.v4_numerics import kv_format  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.entrypoints.verify_kv8 import FP32_SLACK  # noqa: E402
-from mlaserve.models.deepseek_v4.attention import V4Attention  # noqa: E402
+from mlaserve.models.deepseek_v4.attention import V4Attention, keyed_of  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 PAGE = 8  # a multiple of CSA 4 and HCA 8
@@ -209,18 +209,19 @@ def test_attention_over_8bit_rows_within_the_derived_bound(folder, monkeypatch):
     hf, path = folder
     vocab = hf.config.vocab_size
     calls = []
-    original = V4Attention._attend_padded
+    original = V4Attention._attend_step  # the engine's softmax over every sequence's keys, read at once
 
-    def capture(self, q, keyed):
+    def capture(self, q, keys, mask, queries):
+        keyed = keyed_of(keys, mask, queries)  # each sequence's part (its pad columns zero rows, never visible)
         calls.append((self, q.detach().clone(), [(a, n, k.clone(), v.clone()) for a, n, k, v in keyed]))
-        return original(self, q, keyed)
+        return original(self, q, keys, mask, queries)
 
-    monkeypatch.setattr(V4Attention, "_attend_padded", capture)
+    monkeypatch.setattr(V4Attention, "_attend_step", capture)
     ids = _ids(27, vocab, 41)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     full = LLM(str(path), page_size=PAGE, max_num_batched_tokens=7)
     full.generate([ids], params)
-    monkeypatch.setattr(V4Attention, "_attend_padded", original)
+    monkeypatch.setattr(V4Attention, "_attend_step", original)
     fmt = kv_format(NOPE, ROPE)
     worst, checked = 0.0, 0
     for attn, q, keyed in calls:

@@ -118,27 +118,27 @@ def test_a_break_in_decode_steps_fails_the_decode_checks(all_kinds, monkeypatch)
 
 
 def test_a_break_in_the_padded_batch_fails_only_the_batch_check(all_kinds, monkeypatch):
-    real = V4Attention._attend_padded
+    real = V4Attention._attend_step  # the engine's padded softmax over every sequence's keys
 
-    def attend_padded(self, q, keyed):
-        return real(self, q * 1.01 if len(keyed) > 1 else q, keyed)
+    def attend_step(self, q, keys, mask, queries):
+        return real(self, q * 1.01 if keys.shape[0] > 1 else q, keys, mask, queries)
 
-    monkeypatch.setattr(V4Attention, "_attend_padded", attend_padded)
+    monkeypatch.setattr(V4Attention, "_attend_step", attend_step)
     assert _failed(all_kinds) == {"batch of 3 vs each alone"}
 
 
 def test_an_indexer_that_drops_a_row_fails_only_sparse_vs_dense(all_kinds, monkeypatch):
     """Top-k that loses the first visible row even when every row fits: every schedule shares the fault, only
     the dense route (which bypasses the selection) sees it."""
-    real = Indexer.choose  # what attention calls per sequence
+    real = Indexer.choose_step  # what the engine's attention calls for the step's sequences
 
-    def choose(self, *args):
-        mask = real(self, *args)
-        if mask.shape[1]:
-            mask[:, 0] = False
+    def choose_step(self, *args):
+        mask = real(self, *args).clone()  # [B, S, rows]
+        if mask.shape[-1]:
+            mask[..., 0] = False
         return mask
 
-    monkeypatch.setattr(Indexer, "choose", choose)
+    monkeypatch.setattr(Indexer, "choose_step", choose_step)
     assert _failed(all_kinds) == {"CSA sparse vs dense, rows within index_topk"}
 
 

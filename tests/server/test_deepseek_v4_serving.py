@@ -83,14 +83,14 @@ def test_ledger_rows_are_what_the_model_attended(v4_folder, monkeypatch):
     last query, counted inside the model; window rows and carry fill from the positions."""
     hf, folder = v4_folder
     selected: list[int] = []
-    real = Indexer.choose  # what attention calls per sequence
+    real = Indexer.choose_step  # what the engine's attention calls for the step's sequences (one here)
 
     def spy(self, *args, **kwargs):
-        mask = real(self, *args, **kwargs)
-        selected.append(int(mask[-1].sum()) if mask.shape[1] else 0)
+        mask = real(self, *args, **kwargs)  # [1, S, rows]: the chunk's last query is the last row
+        selected.append(int(mask[0, -1].sum()) if mask.shape[-1] else 0)
         return mask
 
-    monkeypatch.setattr(Indexer, "choose", spy)
+    monkeypatch.setattr(Indexer, "choose_step", spy)
     llm = LLM(str(folder), max_num_batched_tokens=7, trace="memory")
     ids = [0] + list(range(5, 23))  # 19 tokens: chunks 7 + 7 + 5, windows close inside every chunk
     llm.prompt_logits(ids)

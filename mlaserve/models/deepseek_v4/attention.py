@@ -20,9 +20,13 @@ state, with its own row counts; in the engine with prefix caching on, in pieces 
 its chunk reaches, saving the ring and overlap halves after each); or a step_update.LayerStep, every
 sequence's update at once through index tensors computed once per step (the engine's path: one pooling of all
 closed windows, one scatter per cache tensor, boundary snapshots computed from the same data). The chunk's keys
-(ring rows before the chunk, pool rows) and the indexer's top-k are read per sequence; the softmax runs per sequence
-(`batched` False: the plain reference) or once for the step over keys padded to [B, K] with masks (`batched`
-True, the engine's path):
+(ring rows before the chunk, the chunk's rows, pool rows) and the indexer's top-k are then read in one of two forms:
+with `step` and `batched` (the engine's path, `_step_keys`) for every sequence at once from the cache tensors
+through the step's plan (step_keys.py: one read of the sequences' rings, one gather of the keys, masks by tensor
+ops, the indexer's scoring and top-k batched over sequences: Indexer.choose_step), one softmax for the step over
+the padded keys (`_attend_step`); otherwise a Python loop over the spans reads each sequence's keys from its
+state objects (`_attend_spans`), then one softmax per sequence (`batched` False: the plain reference) or one
+padded softmax (`_attend_padded`). Padded, both forms alike (each sequence's keys packed in the reference's order):
   Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence)
 Layer kinds pick the table (sliding: main; CSA/HCA: compress) and the compressor: plain data from the config,
 fixed at construction.
@@ -42,6 +46,7 @@ from mlaserve.models.deepseek_v4.norm import RMSNorm, unweighted_rms_norm
 from mlaserve.models.deepseek_v4.official import index_rounding, kv_rounding
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CSAState, HCAState, LayerState
+from mlaserve.models.deepseek_v4.step_keys import StepQueries
 from mlaserve.models.deepseek_v4.step_update import LayerStep, apply_ring
 
 # one sequence's part of a step: (first row in x, tokens, position of its first token, its layer state)
@@ -128,7 +133,7 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), self.eps)
         q = rotate_trailing(q, cos, sin)
         kv = self.kv_round(rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin))
-        ckv = cgate = ikv = igate = None  # the compressors' projections, in the layers that have them
+        ckv = cgate = ikv = igate = iq = iw = None  # the compressors' and indexer's, in the layers that have them
         if self.compressor is not None:
             ckv, cgate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
         if self.kind == "csa":
@@ -138,11 +143,38 @@ class V4Attention(nn.Module):
         projected = (kv, ckv, cgate, ikv, igate)
         if step is not None and step.tape is not None:  # a verify step: what a rollback replays
             step.tape.keep(step.layer, projected)
+        closed = None
         if step is not None:  # batched: every sequence's windows close at once; its pools see the new rows
-            self._close_step(step, spans, projected, tables)
+            closed = self._close_step(step, spans, projected, tables, per_sequence_reads=not self.batched)
+        if step is not None and self.batched:  # the engine's path: every sequence's keys read at once
+            keys, mask = self._step_keys(step, kv, closed, iq, iw, csa_dense)
+            apply_ring(step.ring, kv, step.tensors["window"], step.tensors.get("window_snapshot"))
+            out = self._attend_step(q, keys, mask, step.keys.queries)
+        else:
+            out = self._attend_spans(q, kv, positions, spans, projected, tables, csa_dense, step, iq, iw)
 
-        # Per sequence (a Python loop over the step's sequences: their key counts differ): the chunk's keys and
-        # mask, the indexer's choice; in the reference form also the state update (ring, windows, indexer keys).
+        out = rotate_trailing(out, cos, -sin)  # the values carried rope: undo it at the query position
+        grouped = out.reshape(s, self.o_a_proj.groups, -1)
+        return self.o_b_proj(self.o_a_proj(grouped))
+
+    def _attend_spans(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        spans: list[Span],
+        projected: tuple,
+        tables: V4RopeTables,
+        csa_dense: bool,
+        step: LayerStep | None,
+        iq: torch.Tensor | None,
+        iw: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The per-sequence form (the plain reference with `step` None): a Python loop over the step's
+        sequences (their key counts differ) reads each one's keys and mask and the indexer's choice; with `step`
+        None it also runs each sequence's state update (ring, windows, indexer keys). Then one softmax per
+        sequence (`batched` False) or one padded softmax for the step."""
+        ix = self.compressor.indexer if self.kind == "csa" else None
         keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for a, n, start, state in spans:
             b, pos = a + n, positions[a : a + n]
@@ -173,15 +205,47 @@ class V4Attention(nn.Module):
         if step is not None:  # after every read of the rings' old rows
             apply_ring(step.ring, kv, step.tensors["window"], step.tensors.get("window_snapshot"))
         if self.batched:  # one padded key set and one softmax for the whole step
-            out = self._attend_padded(q, keyed)
-        else:  # the plain reference: one softmax per sequence
-            out = torch.empty_like(q)
-            for a, n, keys, visible in keyed:
-                out[a : a + n] = self._attend(q[a : a + n], keys, visible)
+            return self._attend_padded(q, keyed)
+        out = torch.empty_like(q)  # the plain reference: one softmax per sequence
+        for a, n, keys, visible in keyed:
+            out[a : a + n] = self._attend(q[a : a + n], keys, visible)
+        return out
 
-        out = rotate_trailing(out, cos, -sin)  # the values carried rope: undo it at the query position
-        grouped = out.reshape(s, self.o_a_proj.groups, -1)
-        return self.o_b_proj(self.o_a_proj(grouped))
+    def _step_keys(
+        self,
+        step: LayerStep,
+        kv: torch.Tensor,
+        closed: tuple[torch.Tensor, torch.Tensor | None] | None,
+        iq: torch.Tensor | None,
+        iw: torch.Tensor | None,
+        csa_dense: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's keys [B, K, D] and mask [B, S, K] at once, from the step's plan (step_keys.py): one
+        read of the sequences' rings (before the step's ring writes), then one gather of [rings | the step's rows
+        | pool rows before the step | rows the step closed | a zero row], packed per sequence in the reference's
+        order (ring rows by position, the chunk's rows, pool rows) and padded with the zero row; the masks from
+        positions (window rule, causal rule) and, in a CSA layer's sparse route, the indexer's batched top-k."""
+        queries, plan = step.keys.queries, step.keys.layers[self.ratio if self.compressor is not None else 0]
+        rings = step.tensors["window"].index_select(0, plan.ring_slots)  # [B, W, D] (8-bit rows: dequantized)
+        parts = [rings.reshape(-1, kv.shape[-1]).to(kv.dtype), kv]
+        if self.compressor is not None:  # the pool's dtype first, as the reference's PagedPool keeps the rows
+            rows, irows = closed
+            parts += [step.kv_rows.before().to(kv.dtype), rows.to(step.kv_rows.pool.dtype).to(kv.dtype)]
+        keys = torch.cat([*parts, kv.new_zeros(1, kv.shape[-1])])[plan.source]  # [B, K, D]
+        t, key_pos = queries.pos[:, :, None], plan.key_pos[:, None, :]
+        mask = (key_pos <= t) & (key_pos > t - self.window)  # [B, S, K]: window columns
+        if self.compressor is None:
+            return keys, mask
+        pool_row = plan.pool_row[:, None, :]
+        visible = pool_row < (t + 1) // self.ratio  # pool columns (pads and window columns: PAD rows)
+        if self.kind == "csa" and not csa_dense:
+            ix, index_rows = self.compressor.indexer, step.index_rows
+            ikeys = torch.cat([index_rows.before(), irows.to(index_rows.pool.dtype)])[plan.pool_source]
+            chosen = ix.choose_step(_pad(iq, queries), _pad(iw, queries), queries.pos, ikeys, plan.sizes)
+            if chosen.shape[-1]:  # [B, S, Kp] by pool row -> the pool columns
+                at = plan.pool_row.clamp(max=chosen.shape[-1] - 1)[:, None, :].expand(-1, chosen.shape[1], -1)
+                visible = visible & torch.gather(chosen, 2, at)
+        return keys, mask | visible
 
     def _advance(self, state: LayerState, lo: int, hi: int, start: int, projected: tuple, tables: V4RopeTables) -> None:
         """Rows lo .. hi-1 of the step (positions start ..) enter one sequence's state: the ring, then the
@@ -193,12 +257,16 @@ class V4Attention(nn.Module):
         if isinstance(state, CSAState):
             self.compressor.indexer.close(ikv[lo:hi], igate[lo:hi], state.index_carry, state.index_pool, tables)
 
-    def _close_step(self, step: LayerStep, spans: list[Span], projected: tuple, tables: V4RopeTables) -> None:
+    def _close_step(
+        self, step: LayerStep, spans: list[Span], projected: tuple, tables: V4RopeTables, per_sequence_reads: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The batched form of the compressors' part of _advance for every span at once: close the step's windows
-        (kv, and the indexer's keys in a CSA layer), queue their rows for the paged pools in one write each, and
-        hand each span's PagedPool its slice (a loop over Python objects only: each sequence reads its own rows)."""
+        (kv, and the indexer's keys in a CSA layer), queue their rows for the paged pools in one write each
+        -> the closed rows (kv [N, D], index keys [N, c] or None; None in a sliding layer). per_sequence_reads:
+        also hand each span's PagedPool its slice (a loop over Python objects only: each sequence then reads its
+        own rows; the batched reads take the returned rows instead)."""
         if self.compressor is None:
-            return
+            return None
         _, ckv, cgate, ikv, igate = projected
         t, plan = step.tensors, step.plan
         rows = self.compressor.close_step(
@@ -211,18 +279,17 @@ class V4Attention(nn.Module):
                 ikv, igate, plan, t["index_carry"], t["index_overlap"], t.get("index_overlap_snapshot"), tables
             )
             step.index_rows.write(plan.pool_slots, irows.to(step.index_rows.pool.dtype))
-        for b, (*_, state) in enumerate(spans):
+        for b, (*_, state) in enumerate(spans if per_sequence_reads else ()):
             lo, hi = plan.starts[b], plan.starts[b + 1]
             state.pool.extend(rows[lo:hi])
             if irows is not None:
                 state.index_pool.extend(irows[lo:hi])
+        return rows, irows
 
     def _attend_padded(self, q: torch.Tensor, keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """q [T, H, D]; per sequence b (rows a_b .. a_b+n_b-1 of q) its keys [K_b, D] and mask [n_b, K_b]
         -> [T, H, D]. Padded to Q [B, S, H, D] (S = max n_b), keys [B, K, D] (K = max K_b, pad rows zero) and
-        mask [B, S, K] (pad rows and columns False). Masked logits are selected to -inf (torch.where), never
-        multiplied by zero: a masked logit times 0 would still carry a NaN or inf. A pad query row sees only its
-        sink, so its probabilities are 0 and its output 0 (dropped). Equal to _attend per sequence up to fp32
+        mask [B, S, K] (pad rows and columns False), then _softmax_batch. Equal to _attend per sequence up to fp32
         summation order (a softmax over K >= K_b columns; tests/identities/test_deepseek_v4_batched.py)."""
         b_n, s_n, k_n = len(keyed), max(n for _, n, _, _ in keyed), max(k.shape[0] for _, _, k, _ in keyed)
         # which (sequence, slot) each of the T query rows occupies: plain ints from the spans
@@ -236,16 +303,33 @@ class V4Attention(nn.Module):
             mask[i, :n, : k.shape[0]] = visible
         qp = q.new_zeros(b_n, s_n, *q.shape[1:])
         qp[seq_of, slot_of] = q[rows]
+        outp = self._softmax_batch(qp, keys, mask)
+        out = torch.empty_like(q)
+        out[rows] = outp[seq_of, slot_of]
+        return out
+
+    def _attend_step(
+        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, queries: StepQueries
+    ) -> torch.Tensor:
+        """q [T, H, D], every sequence's keys [B, K, D] and mask [B, S, K] (_step_keys) -> [T, H, D]: the
+        queries padded by the step's plan, one _softmax_batch."""
+        outp = self._softmax_batch(_pad(q, queries), keys, mask)
+        out = torch.empty_like(q)
+        out[queries.rows] = outp[queries.seq, queries.slot]
+        return out
+
+    def _softmax_batch(self, qp: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """qp [B, S, H, D], keys [B, K, D], mask [B, S, K] -> [B, S, H, D]. Masked logits are selected to -inf
+        (torch.where), never multiplied by zero: a masked logit times 0 would still carry a NaN or inf. A pad
+        query row sees only its sink, so its probabilities are 0 and its output 0 (dropped)."""
+        b_n, s_n = qp.shape[0], qp.shape[1]
         logits = torch.matmul(qp, keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [B, S, H, K]
         logits = torch.where(mask[:, :, None, :], logits.float(), float("-inf"))
         sinks = self.sinks.float().view(1, 1, -1, 1).expand(b_n, s_n, -1, 1)
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-        outp = torch.matmul(probs.to(keys.dtype), keys.unsqueeze(1))  # [B, S, H, D]
-        out = torch.empty_like(q)
-        out[rows] = outp[seq_of, slot_of]
-        return out
+        return torch.matmul(probs.to(keys.dtype), keys.unsqueeze(1))  # [B, S, H, D]
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """q [S, H, D], kv [K, D], visible [S, K] -> [S, H, D]; the per-head sink joins the softmax only."""
@@ -257,3 +341,23 @@ class V4Attention(nn.Module):
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
         return torch.matmul(probs.to(kv.dtype), kv)
+
+
+def _pad(x: torch.Tensor, queries: StepQueries) -> torch.Tensor:
+    """x [T, ...] the step's rows -> [B, S, ...] by the step's query layout, zeros on pad slots."""
+    out = x.new_zeros(*queries.pos.shape, *x.shape[1:])
+    out[queries.seq, queries.slot] = x[queries.rows]
+    return out
+
+
+def keyed_of(
+    keys: torch.Tensor, mask: torch.Tensor, queries: StepQueries
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """A batched call's keys [B, K, D] and mask [B, S, K] (_attend_step's) as the per-sequence loop's list of
+    (first row, tokens, keys [K, D], mask [n_b, K]) per sequence, the pad columns kept (zero rows no query sees):
+    for checks that observe each sequence's attention (verify, tests), off the serving path."""
+    out = []
+    for b in range(keys.shape[0]):
+        rows = queries.rows[queries.seq == b]  # a_b .. a_b + n_b - 1
+        out.append((int(rows[0]), rows.shape[0], keys[b], mask[b, : rows.shape[0]]))
+    return out

@@ -12,6 +12,13 @@ Notation
 Causal rule: row s pools tokens up to (s+1) m - 1, so query t may see it only when s < (t+1) // m.
 Selection: top-k of the scores with the invisible rows at -inf; a pick that lands on an invisible row (a
 query with fewer than k visible rows) is dropped. Returns the [S, T] boolean mask of attended rows.
+Batched over a step's sequences (choose_step, the engine's path): queries padded to [B, S], each sequence's rows
+padded to [B, Kp] (pad columns beyond its R_b rows, invisible by the causal rule), one scoring and one top-k for
+the step. Ties: torch's top-k breaks a tie by the row's length (measured on the CPU: a row of 8 scores with five
+exact zeros keeps a different zero once padded with -inf), so where the k-th and (k+1)-th scores of a query with
+more than k visible rows are equal (in practice exact zeros: every head's relu at 0), the rows chosen are not
+fixed by the scores alone: that sequence's selection is redone by the reference's own top-k over its unpadded
+[n_b, R_b] scores, and the chosen rows are the reference's.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ class Scorer(nn.Module):
         """q [S, H, c], keys [T, c], weights [S, H] -> scores [S, T] (fp32)."""
         scores = F.relu(torch.matmul(q.float(), keys.float().t())) * self.softmax_scale  # [S, H, T]
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
+
+    def batch(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward for B sequences at once: q [B, S, H, c], keys [B, T, c], weights [B, S, H] -> [B, S, T]."""
+        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2).unsqueeze(1))) * self.softmax_scale
+        return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
 
 class Indexer(Compressor):
@@ -106,7 +118,35 @@ class Indexer(Compressor):
             return torch.zeros(s, 0, dtype=torch.bool, device=q.device)
         scores = self.scorer(q, keys, weights)
         visible = visible_rows(positions, t, self.ratio)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        picks = scores.topk(min(self.topk, t), dim=-1).indices
-        chosen = torch.zeros(s, t, dtype=torch.bool, device=q.device).scatter_(1, picks, True)
-        return chosen & visible
+        return self.pick(scores.masked_fill(~visible, float("-inf")), visible)
+
+    def pick(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """scores [..., T] (invisible rows at -inf), visible [..., T] -> the chosen rows' mask: top-k, k =
+        min(index_topk, T), a pick on an invisible row dropped."""
+        picks = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        return torch.zeros_like(visible).scatter_(-1, picks, True) & visible
+
+    def choose_step(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        sizes: tuple[tuple[int, int], ...],
+    ) -> torch.Tensor:
+        """choose for a step's sequences at once: queries q [B, S, H, c] and weights [B, S, H] padded (zeros),
+        positions [B, S] (-1 on pad slots), keys [B, Kp, c] each sequence's pool rows padded, sizes (n_b, R_b)
+        per sequence (its queries and rows, plain ints) -> [B, S, Kp] mask of the rows each query attends."""
+        b, s, kp = positions.shape[0], positions.shape[1], keys.shape[1]
+        visible = visible_rows(positions.reshape(-1), kp, self.ratio).view(b, s, kp)
+        if kp <= self.topk:  # every visible row fits: the reference chooses them all (its picks cover them)
+            return visible
+        scores = self.scorer.batch(q, keys, weights).masked_fill(~visible, float("-inf"))
+        top = scores.topk(self.topk + 1, dim=-1)
+        chosen = torch.zeros_like(visible).scatter_(-1, top.indices[..., : self.topk], True) & visible
+        # a tie at the cutoff of a query with more than k visible rows: the reference's top-k on its own shape
+        tied = (visible.sum(-1) > self.topk) & (top.values[..., self.topk - 1] == top.values[..., self.topk])
+        for i in tied.any(dim=-1).nonzero().flatten().tolist():  # rare: exact equal scores
+            n, rows = sizes[i]
+            chosen[i, :n, :rows] = self.pick(scores[i, :n, :rows], visible[i, :n, :rows])
+        return chosen

@@ -6,7 +6,8 @@ Notation
   per layer:  post, comb, x = attn_hc(h);  h = expand(post, comb, attention(input_layernorm(x)), h)
               post, comb, x = ffn_hc(h);   h = expand(post, comb, moe(post_attention_layernorm(x), ids), h)
   logits [S, V] = lm_head(norm(hc_head(h)))
-forward_spans runs several sequences' chunks in one step (attention loops over them, the rest is batched);
+forward_spans runs several sequences' chunks in one step (the reference attention loops over them; the engine's,
+with a LayerStep per layer, reads every sequence's keys at once; the rest is batched);
 forward is its one-sequence form. One pass over a prompt, the same prompt in chunks of any sizes, and token by
 token all run this forward with a fresh state; the state carries exactly what the next chunk needs (state.py). Module and parameter names are
 transformers' DeepseekV4ForCausalLM's (loading/deepseek_v4.py maps the released and save_pretrained layouts onto them).
@@ -121,8 +122,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The tokens of several sequences in one step -> final hidden [T, D] (before lm_head); with `streams`
         the mHC streams after the last layer [T, N, D] instead (before hc_head: what the MTP layer reads). ids, positions
         [T]; per sequence (first row, tokens, position of its first token, its per-layer states). Embedding,
-        mHC, norms, projections and the MoE run over all T tokens at once; attention loops over the spans
-        (models/deepseek_v4/attention.py). csa_dense: the CSA layers attend every visible compressed row (the
+        mHC, norms, projections and the MoE run over all T tokens at once; attention reads the spans' keys in a
+        loop (steps None) or all at once (models/deepseek_v4/attention.py). csa_dense: the CSA layers attend every visible compressed row (the
         route's choice, V4Serving). steps: per layer the batched state update (V4Serving; None: the
         per-sequence reference updates each span's states)."""
         m = self.model

@@ -18,7 +18,9 @@ runner zeroed the slot when the sequence (re)started, or restored it from a page
 Snapshots (prefix caching on): at each page boundary its chunk reaches (StepContext.snapshots), a layer
 saves the sequence's ring and overlap halves into that page's snapshot rows (state.Snapshots).
 Attention (attention.py): the softmax runs once for the step over keys padded to [B, K] (batched_attention,
-the default) or per sequence (the plain reference); the state updates (ring, compressors, indexer) run batched
+the default) or per sequence (the plain reference); with both defaults every sequence's keys (ring rows, pool
+rows) and the CSA top-k are read at once through the step's key plan (step_keys.py, computed here once per step
+and per ratio), otherwise in a loop over the sequences; the state updates (ring, compressors, indexer) run batched
 over the step's sequences (batched_state, the default: step_update.py, the index tensors computed here once per
 step, per ratio, with the page-boundary snapshots written from the same data) or per sequence (the plain
 reference, snapshots saved between pieces); projections, MoE and mHC run over all T tokens at once. Both
@@ -51,6 +53,7 @@ from mlaserve.models.deepseek_v4.state import (
     Snapshots,
     StepRows,
 )
+from mlaserve.models.deepseek_v4.step_keys import StepKeys, step_keys
 from mlaserve.models.deepseek_v4.step_update import LayerStep, RingPlan, WindowPlan, ring_plan, window_plan
 
 # per sequence: (rows it had before the step, slots of the rows its chunk may close)
@@ -90,7 +93,7 @@ def step_states(
     layer: CacheLayer,
     slots: dict[int, PoolSlots],
     pools: list[StepRows],
-    plans: tuple[RingPlan, dict[int, WindowPlan]] | None = None,
+    plans: tuple[RingPlan, dict[int, WindowPlan], StepKeys | None] | None = None,
     tape: RollbackTape | None = None,
     index: int = 0,
 ) -> tuple[list[LayerState], LayerStep | None]:
@@ -124,13 +127,15 @@ def step_states(
         out.append(CSAState(ring, carry, pool, index_carry, index_pool, saves))
     if plans is None:
         return out, None
-    ring_steps, windows = plans
-    batched = LayerStep(ring_steps, windows.get(m), t, kv_rows, index_rows, tape, index)
+    ring_steps, windows, keys = plans
+    batched = LayerStep(ring_steps, windows.get(m), t, kv_rows, index_rows, tape, index, keys)
     return out, batched
 
 
 def v4_implementation(batched_attention: bool, batched_state: bool) -> str:
-    """What the route records as running (attention/router.py route_v4): the softmax, then the state update."""
+    """What the route records as running (attention/router.py route_v4): the softmax, then the state update.
+    padded_batch with batched_state also reads every sequence's keys and CSA top-k at once (the key plan comes
+    with the batched update's); padded_batch with per_sequence_state reads them in a loop over the sequences."""
     softmax = "padded_batch" if batched_attention else "per_sequence"
     return f"torch:{softmax}+{'batched' if batched_state else 'per_sequence'}_state"
 
@@ -203,7 +208,8 @@ class V4Serving(nn.Module):
             window = self.config.attention.sliding_window
             ring = ring_plan(step.seq_spans, step.snapshots, window, device)
             windows = {m: window_plan(step.seq_spans, step.snapshots, m, torch.cat(slots[m][2])) for m in ratios}
-            plans = (ring, windows)
+            # the keys every sequence reads (ring rows, pool rows per ratio) and the queries' padded layout
+            plans = (ring, windows, step_keys(step.seq_spans, window, ratios, device))
         built = [step_states(step, layer, slots, pools, plans, tape, i) for i, layer in enumerate(cache.layers)]
         per_layer = [states for states, _ in built]
         steps = [batched for _, batched in built] if plans is not None else None
@@ -241,7 +247,8 @@ class V4Serving(nn.Module):
         if any(slot is None for *_, slot in step.seq_spans):
             raise ValueError("a DeepSeek-V4 MTP step needs every sequence's state slot")
         window = self.config.attention.sliding_window
-        plans = (ring_plan(step.seq_spans, step.snapshots, window, input_ids.device), {})
+        # no key plan: the MTP layer's attention reads each sequence's keys (its `batched` stays False)
+        plans = (ring_plan(step.seq_spans, step.snapshots, window, input_ids.device), {}, None)
         states, batched = step_states(step, cache.layers[0], {}, [], plans)
         spans = [(a, n, start, states[b]) for b, (a, n, start, _) in enumerate(step.seq_spans)]
         embedded = self.inner.model.embed_tokens(input_ids)

@@ -106,10 +106,14 @@ class StepRows:
         self._rows: torch.Tensor | None = None
         self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, rows) closed this step
 
-    def old(self, b: int) -> torch.Tensor:
+    def before(self) -> torch.Tensor:
+        """Every sequence's rows before the step [sum_b old_b, D], in batch order."""
         if self._rows is None:  # one gather for the whole step, at the layer's first read
             self._rows = self.pool.index_select(0, self.gather_slots)
-        return self._rows[self.starts[b] : self.starts[b + 1]]
+        return self._rows
+
+    def old(self, b: int) -> torch.Tensor:
+        return self.before()[self.starts[b] : self.starts[b + 1]]
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         self._writes.append((slots, rows))

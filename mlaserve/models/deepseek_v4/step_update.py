@@ -38,6 +38,7 @@ import torch
 
 from mlaserve.cache.model_cache import take
 from mlaserve.models.deepseek_v4.state import StepRows
+from mlaserve.models.deepseek_v4.step_keys import StepKeys
 
 # the runner's per-sequence plain data: (first row, tokens, context_len, state slot)
 SeqSpan = tuple[int, int, int, int]
@@ -165,7 +166,8 @@ class LayerStep:
     sliding layer), the layer's cache tensors by state name (window, kv_carry, kv_overlap, index_*, and their
     `_snapshot` rows when the cache keeps them) and its paged pools' StepRows (the closed rows' one write);
     `tape`: a verify step's rollback.RollbackTape, on which the layer (index `layer`) keeps its projections of
-    the verifying rows (None: no sequence of the step verifies drafts)."""
+    the verifying rows (None: no sequence of the step verifies drafts); `keys`: the step's key reads
+    (step_keys.py: the query layout, window keys, pool keys per ratio), which the batched attention reads."""
 
     ring: RingPlan
     plan: WindowPlan | None
@@ -174,3 +176,4 @@ class LayerStep:
     index_rows: StepRows | None
     tape: object | None = None
     layer: int = 0
+    keys: StepKeys | None = None

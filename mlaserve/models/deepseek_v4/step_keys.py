@@ -1,0 +1,123 @@
+"""The keys every sequence of a DeepSeek-V4 step attends, as index tensors computed once per step from the step's
+plain data (the runner's spans): each attention layer then reads all sequences' keys with one gather per source
+and builds their masks with tensor ops (attention.py `_attend_step`), no loop over sequences.
+
+Notation
+  B sequences of the step; per sequence b: rows a_b .. a_b+n_b-1 of the step's T rows, positions c_b ..
+  c_b+n_b-1, state slot s_b; S = max_b n_b (queries padded to [B, S])
+  W sliding_window; f_b = max(0, c_b - (W - 1)) the oldest position the chunk's first query sees, o_b = c_b - f_b
+    ring rows read (the reference's SlidingRing.keys), then the chunk's n_b new rows
+  m a compress ratio; P_b = c_b // m pool rows before the step, R_b = (c_b + n_b) // m after it
+
+Queries (StepQueries, one per step)
+  seq, slot, rows [sum n_b]  step row rows[i] sits at [seq[i], slot[i]] of the padded queries
+  pos [B, S]                 c_b + j; -1 on pad slots (a pad query sees no key, only its sink)
+Keys (LayerKeys, one per ratio; ratio 0 for the sliding layers: no pool rows), packed per sequence in the
+reference's order: its o_b ring rows by position, its n_b new rows, its R_b pool rows, then padding up to
+K = max_b (o_b + n_b + R_b) (the layout the loop's padded softmax builds, so the two compute alike):
+  ring_slots [B]   the slots whose rings are read: one index_select of [B, W, D] before the step's ring writes
+  source [B, K]    into [those rings flat (B W rows) | the step's K=V rows (T) | the pool rows before the step,
+                   in sequence order (state.StepRows: sum_b P_b) | the rows the step closes (step_update.WindowPlan's
+                   order: sum_b R_b - P_b) | one zero row]: k < o_b -> b W + (f_b + k) % W; k < o_b + n_b ->
+                   B W + a_b + k - o_b; pool row r = k - o_b - n_b < P_b -> B W + T + (P_<b) + r, < R_b ->
+                   B W + T + sum P + (R-P)_<b + r - P_b; pad -> the zero row (a pad key is 0, never visible)
+  key_pos [B, K]   f_b + k on window columns; PAD elsewhere (after every query: never visible as a window key)
+  pool_row [B, K]  r on pool columns; PAD elsewhere (never below (t + 1) // m)
+  pool_source [B, Kp], Kp = max_b R_b: column r of b -> its pool row r in [before | closed] (the indexer's keys,
+                   gathered alike); sizes (n_b, R_b) per sequence, plain ints
+Masks (attention.py): a window column visible to query (b, j) at t = pos[b, j] iff t - W < key_pos <= t; a pool
+  column iff pool_row < (t + 1) // m (HCA, CSA dense), and chosen by the indexer's top-k (CSA sparse).
+The per-sequence reference (attention.py's loop over spans: SlidingRing.keys, the pools' view, Indexer.choose)
+reads the same keys in the same order; tests/models/test_deepseek_v4_varlen.py holds the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# the runner's per-sequence plain data: (first row, tokens, context_len, state slot)
+SeqSpan = tuple[int, int, int, int]
+PAD = 2**62  # a key position or pool row no query reaches
+
+
+@dataclass(frozen=True)
+class StepQueries:
+    seq: torch.Tensor  # [sum n_b] the sequence of each step row
+    slot: torch.Tensor  # [sum n_b] its place in the sequence's chunk
+    rows: torch.Tensor  # [sum n_b] the step row
+    pos: torch.Tensor  # [B, S] positions, -1 on pad slots
+
+
+@dataclass(frozen=True)
+class LayerKeys:
+    ratio: int  # 0: a sliding layer's (no pool rows)
+    ring_slots: torch.Tensor  # [B]
+    source: torch.Tensor  # [B, K]
+    key_pos: torch.Tensor  # [B, K]
+    pool_row: torch.Tensor  # [B, K]
+    pool_source: torch.Tensor  # [B, Kp]
+    sizes: tuple[tuple[int, int], ...]  # (n_b, R_b)
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """The step's query layout and its keys per ratio (0: the sliding layers')."""
+
+    queries: StepQueries
+    layers: dict[int, LayerKeys]
+
+
+def _ints(spans: tuple[SeqSpan, ...], device) -> tuple[torch.Tensor, ...]:
+    a, n, c, s = zip(*spans)
+    return tuple(torch.tensor(v, dtype=torch.long, device=device) for v in (a, n, c, s))
+
+
+def step_queries(spans: tuple[SeqSpan, ...], device) -> StepQueries:
+    a, n, c, _ = _ints(spans, device)
+    b = len(spans)
+    seq = torch.repeat_interleave(torch.arange(b, device=device), n)
+    slot = torch.arange(seq.shape[0], device=device) - (torch.cumsum(n, 0) - n)[seq]
+    j = torch.arange(int(n.max()), device=device)[None, :]
+    pos = torch.where(j < n[:, None], c[:, None] + j, -1)
+    return StepQueries(seq, slot, a[seq] + slot, pos)
+
+
+def layer_keys(spans: tuple[SeqSpan, ...], window: int, ratio: int, device) -> LayerKeys:
+    """The keys of the layers of one ratio (0: sliding) for every sequence of the step."""
+    a, n, c, slots = _ints(spans, device)
+    b, rows = len(spans), max(a_ + n_ for a_, n_, _, _ in spans)  # the step's T rows
+    first = (c - (window - 1)).clamp(min=0)
+    old = c - first
+    before = c // ratio if ratio else torch.zeros_like(c)
+    after = (c + n) // ratio if ratio else torch.zeros_like(c)
+    closed = after - before
+    held = old + n  # window columns
+    k = torch.arange(int((held + after).max()), device=device)[None, :]
+    r = k - held[:, None]  # the pool row of a pool column
+    ring = torch.arange(b, device=device)[:, None] * window + (first[:, None] + k) % window
+    new = b * window + a[:, None] + k - old[:, None]
+    base = b * window + rows
+    old_start, new_start = torch.cumsum(before, 0) - before, torch.cumsum(closed, 0) - closed
+    pooled = base + torch.where(
+        r < before[:, None], old_start[:, None] + r, int(before.sum()) + new_start[:, None] + r - before[:, None]
+    )
+    zero = base + int(after.sum())
+    source = torch.where(
+        k < old[:, None], ring, torch.where(k < held[:, None], new, torch.where(r < after[:, None], pooled, zero))
+    )
+    is_window, is_pool = k < held[:, None], (r >= 0) & (r < after[:, None])
+    key_pos = torch.where(is_window, first[:, None] + k, PAD)
+    pool_row = torch.where(is_pool, r, PAD)
+    p = torch.arange(int(after.max()), device=device)[None, :]
+    pool_source = torch.where(
+        p < before[:, None], old_start[:, None] + p, int(before.sum()) + new_start[:, None] + p - before[:, None]
+    )
+    pool_source = torch.where(p < after[:, None], pool_source, 0)
+    sizes = tuple((n_, (c_ + n_) // ratio if ratio else 0) for _, n_, c_, _ in spans)
+    return LayerKeys(ratio, slots, source, key_pos, pool_row, pool_source, sizes)
+
+
+def step_keys(spans: tuple[SeqSpan, ...], window: int, ratios: set[int], device) -> StepKeys:
+    return StepKeys(step_queries(spans, device), {m: layer_keys(spans, window, m, device) for m in {0, *ratios}})
