@@ -30,7 +30,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-lc = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional; CI has none)")
+try:
+    import llama_cpp as lc
+except ImportError as e:  # an optional dependency: CI has none
+    pytest.skip(f"llama.cpp's Python binding is not importable ({e})", allow_module_level=True)
 from v4_models import CSA, HCA, SW, YARN, save_hf_v4  # noqa: E402
 
 from mlaserve.gguf.convert.convert import convert_hf_to_gguf  # noqa: E402
