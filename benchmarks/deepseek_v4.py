@@ -1,8 +1,11 @@
 """DeepSeek-V4: mlaserve vs transformers on one V4-Flash-shaped model, scaled down to a 2-core CPU machine.
 
     python benchmarks/deepseek_v4.py [--threads 2] [--reps 3] [--contexts 1024 [16384]] [--quick]
-        [--engines mlaserve transformers mlaserve-per-seq mlaserve-per-seq-state] [--cases prefill decode concurrent]
-        [--profile] [--mtp] [--weights float|fp8|fp4]
+        [--engines mlaserve transformers mlaserve-per-seq mlaserve-per-seq-state mlaserve-gguf llama.cpp]
+        [--cases prefill decode concurrent] [--profile] [--mtp] [--weights float|fp8|fp4] [--llama-extra-bufts]
+mlaserve-gguf and llama.cpp run the same model's Q8_0 GGUF, written once beside the folder by `mlaserve convert`
+(llama.cpp's deepseek4 layout): mlaserve with its blocks kept (native kernels), llama.cpp through
+llama-cpp-python's C API (its 8-bit activations; extra weight buffers off, see LlamaCpp).
 mlaserve-per-seq is mlaserve with the per-sequence reference softmax in place of the step's padded one
 (the before/after of the batched attention); mlaserve-per-seq-state is mlaserve with the per-sequence reference
 state updates (ring, compressors, indexer keys: V4Serving(batched_state=False)) in place of the step's batched
@@ -214,6 +217,7 @@ class Mlaserve:
         mtp: bool = False,
         kernels: str = "auto",
         expert_loop: bool = False,
+        name: str = "",
     ) -> None:
         from mlaserve.entrypoints.llm import LLM
         from mlaserve.models.deepseek_v4.serving import v4_implementation
@@ -239,6 +243,8 @@ class Mlaserve:
                     m.__dict__["routed"] = m.reference
         plan = self.llm.loaded.kernel_plan
         self.kernels = sorted({f"{c.op} {c.impl}" for c in plan.choices}) if plan is not None else []
+        if name:
+            self.name = name
         if not batched:  # the per-sequence reference softmax (models/deepseek_v4/attention.py), for before/after
             self.name = "mlaserve-per-seq"
             for layer in self.llm.runner.model.inner.model.layers:
@@ -393,6 +399,114 @@ class Transformers:
         return statistics.mean(ts)
 
 
+class LlamaCpp:
+    """llama.cpp on the same model's Q8_0 GGUF (`mlaserve convert`), through llama-cpp-python's low-level C API
+    (the scheme of benchmarks/offline_workers.py's LlamaCppWorker): one context per batch shape (n_seq_max = the
+    requests, n_ctx = n_seq_max x the padded per-request length), prompts in n_batch-token llama_decode calls,
+    then one token per sequence per call, greedy. Its own defaults otherwise (F16 K cache, flash attention
+    auto), except `extra_bufts`: off by default, as its AMX repack of Q8_0 weights aborts this graph
+    (GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched) on an AMX CPU."""
+
+    name = "llama.cpp"
+    N_BATCH, N_UBATCH = 2048, 512  # llama.cpp's defaults
+
+    def __init__(self, path: Path, threads: int, extra_bufts: bool = False) -> None:
+        import llama_cpp as lc
+        import numpy as np
+
+        self.lc, self.np, self.threads = lc, np, threads
+        self._keep_log = lc.llama_log_callback(self._log)
+        lc.llama_log_set(self._keep_log, None)
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path} (its log above says why)")
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.ctx, self.batch, self.ctx_params = None, None, None
+        self.model_params = {"use_extra_bufts": bool(mp.use_extra_bufts), "use_mmap": getattr(mp, "use_mmap", None)}
+
+    @staticmethod
+    def _log(level, text, user_data) -> None:
+        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
+            sys.stderr.write("[llama.cpp] " + text.decode(errors="replace"))
+
+    def _context(self, n_seq: int, per_seq: int) -> None:
+        lc = self.lc
+        self.finish()
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_seq * (-(-per_seq // 256) * 256)
+        cp.n_batch, cp.n_ubatch, cp.n_seq_max = self.N_BATCH, self.N_UBATCH, n_seq
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama_init_from_model failed (n_ctx {cp.n_ctx}, n_seq_max {n_seq})")
+        self.batch = lc.llama_batch_init(self.N_BATCH, 0, 1)
+        self.ctx_params = {"n_ctx": cp.n_ctx, "n_batch": cp.n_batch, "n_ubatch": cp.n_ubatch, "n_seq_max": n_seq}
+        self.ctx_params |= {"flash_attn_type": cp.flash_attn_type, "type_k": cp.type_k, "type_v": cp.type_v}
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, pos, seq, wants logits), one llama_decode per n_batch items; -> the argmax token of
+        every item that wants logits, in order."""
+        lc, b, picks = self.lc, self.batch, []
+        for start in range(0, len(items), self.N_BATCH):
+            part = items[start : start + self.N_BATCH]
+            for i, (tok, pos, seq, out) in enumerate(part):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(out)
+                b.seq_id[i][0] = seq
+            b.n_tokens = len(part)
+            if (rc := lc.llama_decode(self.ctx, b)) != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            for i, item in enumerate(part):
+                if item[3]:
+                    row = self.np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                    picks.append(int(row.argmax()))
+        return picks
+
+    def _prompts(self, prompts: list[list[int]]) -> list[int]:
+        return self._decode([(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)])
+
+    def prefill(self, ids: list[int]) -> float:
+        self._context(1, len(ids) + 1)
+        t0 = time.perf_counter()
+        self._prompts([ids])
+        return time.perf_counter() - t0
+
+    def start(self, ids: list[int], steps: int) -> tuple[float, int]:
+        self._context(1, len(ids) + steps + 1)
+        t0 = time.perf_counter()
+        (self._next,) = self._prompts([ids])
+        self._pos = len(ids)
+        return time.perf_counter() - t0, self._next
+
+    def steps(self, n: int) -> float:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            (self._next,) = self._decode([(self._next, self._pos, 0, True)])
+            ts.append(time.perf_counter() - t0)
+            self._pos += 1
+        return statistics.mean(ts)
+
+    def finish(self) -> None:
+        if self.ctx is not None:
+            self.lc.llama_free(self.ctx)
+            self.lc.llama_batch_free(self.batch)
+            self.ctx = self.batch = None
+
+    def decode(self, prompts: list[list[int]]) -> float:
+        n = len(prompts[0])
+        self._context(len(prompts), n + DECODE_STEPS + 1)
+        nxt, ts = self._prompts(prompts), []
+        for step in range(DECODE_STEPS):
+            t0 = time.perf_counter()
+            nxt = self._decode([(t, n + step, s, True) for s, t in enumerate(nxt)])
+            ts.append(time.perf_counter() - t0)
+        return statistics.mean(ts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -405,6 +519,11 @@ def main() -> None:
     ap.add_argument("--hf-chunk", type=int, default=1024, help="transformers' prefill chunk for decode @N")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--weights", choices=["float", "fp8", "fp4"], default="float", help="fp8 / fp4: see above")
+    ap.add_argument(
+        "--llama-extra-bufts",
+        action="store_true",
+        help="llama.cpp: its extra (repacking) weight buffers on (off by default: AMX's aborts this graph)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     env = environment(args.threads)
@@ -418,6 +537,16 @@ def main() -> None:
     makers["mlaserve-mtp"] = lambda f: Mlaserve(ensure_v4_mtp_model(f), mtp=True)
     makers["mlaserve-torch"] = lambda f: Mlaserve(f, kernels="torch")
     makers["mlaserve-loop"] = lambda f: Mlaserve(f, kernels="torch", expert_loop=True)
+    files: dict[str, Path] = {}
+
+    def q8_0(f: Path) -> Path:  # the same model's Q8_0 GGUF (`mlaserve convert`), written once beside the folder
+        from common import ensure_gguf
+
+        files.setdefault("q8_0", ensure_gguf(f, "q8_0"))
+        return files["q8_0"]
+
+    makers["mlaserve-gguf"] = lambda f: Mlaserve(q8_0(f), name="mlaserve-gguf")
+    makers["llama.cpp"] = lambda f: LlamaCpp(q8_0(f), args.threads, args.llama_extra_bufts)
     engines = [makers[e](folder) for e in args.engines]
     cases = {"prefill 512": ("prefill", random_prompt(512, vocab, 1))}
     cases["16 concurrent"] = ("decode", [random_prompt(128, vocab, 10 + i) for i in range(16)])
@@ -492,6 +621,18 @@ def main() -> None:
         print(f"first greedy token after each prompt: {first_tokens}")
     meta = {"decode_steps_per_rep": DECODE_STEPS, "reps": args.reps, "hf_prefill_chunk": args.hf_chunk}
     meta |= {"weights": args.weights, "kernel_plans": {e.name: getattr(e, "kernels", None) for e in engines}}
+    if files:  # relative to the checkout: no machine paths in results
+        root = Path(__file__).resolve().parent.parent
+        meta["gguf"] = {k: os.path.relpath(v, root) for k, v in files.items()}
+        meta["gguf_mib"] = {k: v.stat().st_size / 2**20 for k, v in files.items()}
+    for e in engines:
+        if isinstance(e, LlamaCpp):
+            meta["llama.cpp"] = {
+                "llama_cpp_python": getattr(e.lc, "__version__", None),
+                "system_info": e.lc.llama_print_system_info().decode(errors="replace").strip(),
+                "model_params": e.model_params,
+                "context_params": e.ctx_params,
+            }
     write_json(
         out,
         {

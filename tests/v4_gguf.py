@@ -195,6 +195,9 @@ def _metadata(w, cfg: dict, n: int) -> None:
     w.add_uint32(f"{a}.attention.sliding_window", cfg["sliding_window"])
     w.add_uint32(f"{a}.expert_count", cfg["n_routed_experts"])
     w.add_uint32(f"{a}.expert_used_count", cfg["num_experts_per_tok"])
+    # TextModel's: from config.json's scoring_func ("sqrtsoftplus" -> gguf-py's ExpertGatingFuncType 4); llama.cpp's
+    # deepseek4 loader requires the key
+    w.add_uint32(f"{a}.expert_gating_func", {"sqrtsoftplus": 4}[cfg["scoring_func"]])
     w.add_uint32(f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"])
     w.add_uint32(f"{a}.expert_shared_count", cfg["n_shared_experts"])
     w.add_float32(f"{a}.expert_weights_scale", cfg["routed_scaling_factor"])
@@ -213,6 +216,7 @@ def _metadata(w, cfg: dict, n: int) -> None:
     w.add_float32(f"{a}.hyper_connection.epsilon", cfg["hc_eps"])
     mlp = cfg.get("mlp_layer_types")
     w.add_uint32(f"{a}.hash_layer_count", mlp.count("hash_moe") if mlp else cfg["num_hash_layers"])
+    w.add_uint32(f"{a}.embedding_length_out", cfg["hidden_size"] * cfg["hc_mult"])  # DeepseekV4Model's last key
 
 
 def write_dequantized_folder(saved_folder: Path, deq: dict[str, torch.Tensor], dst: Path) -> None:

@@ -139,6 +139,27 @@ def test_broken_file_names_what_is_wrong(float_folder, tmp_path, broken, message
     assert message in str(e.value) and str(tmp_path / "bad.gguf") in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("deepseek4.expert_gating_func", 2, "'deepseek4.expert_gating_func'=2: DeepSeek-V4 routes by sqrt-softplus"),
+        ("deepseek4.embedding_length_out", 64 * 3, "'deepseek4.embedding_length_out'=192 is not embedding_length"),
+    ],
+    ids=["sigmoid_gating", "stream_width"],
+)
+def test_key_llama_cpp_checks_is_checked_here(float_folder, tmp_path, key, value, message):
+    """llama.cpp's deepseek4 loader refuses a gating function other than sqrt-softplus (4); the streams' width is
+    embedding_length x hyper_connection.count (its loader derives it): a file that says otherwise is refused."""
+    import gguf
+
+    from mlaserve.gguf.read.deepseek_v4 import load_v4_gguf
+
+    write_v4_gguf(float_folder, tmp_path / "bad.gguf", set_keys={key: (value, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(GGUFError) as e:
+        load_v4_gguf(tmp_path / "bad.gguf")
+    assert message in str(e.value) and str(tmp_path / "bad.gguf") in str(e.value)
+
+
 def test_wrongly_typed_key_is_an_error(float_folder, tmp_path):
     import gguf
 

@@ -64,7 +64,7 @@ from mlaserve.gguf.convert.writer import (
     u32,
 )
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.gguf.read.deepseek_v4 import ARCH, CSA_RATIO, _expected, gguf_names, load_v4_gguf
+from mlaserve.gguf.read.deepseek_v4 import ARCH, CSA_RATIO, SQRT_SOFTPLUS, _expected, gguf_names, load_v4_gguf
 from mlaserve.loading.deepseek_v4_names import SCALE, target
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.quant import fp4_group, fp8_block
@@ -204,6 +204,9 @@ def _v4_keys(cfg: DeepseekV4Config) -> list[tuple[str, MetaValue]]:
         (f"{a}.attention.sliding_window", u32(at.sliding_window)),
         (f"{a}.expert_count", u32(moe.n_routed_experts)),
         (f"{a}.expert_used_count", u32(moe.num_experts_per_tok)),
+        # llama.cpp's loader requires it (4, sqrt-softplus: the only routing its deepseek4 graph runs); its
+        # converter writes it from config.json's scoring_func (TextModel.set_gguf_parameters)
+        (f"{a}.expert_gating_func", u32(SQRT_SOFTPLUS)),
         (f"{a}.expert_feed_forward_length", u32(moe.moe_intermediate_size)),
         (f"{a}.expert_shared_count", u32(moe.n_shared_experts)),
         (f"{a}.expert_weights_scale", f32(moe.routed_scaling_factor)),
@@ -221,6 +224,7 @@ def _v4_keys(cfg: DeepseekV4Config) -> list[tuple[str, MetaValue]]:
         (f"{a}.hyper_connection.sinkhorn_iterations", u32(hc.sinkhorn_iters)),
         (f"{a}.hyper_connection.epsilon", f32(hc.eps)),
         (f"{a}.hash_layer_count", u32(cfg.mlp_layer_types.count("hash_moe"))),
+        (f"{a}.embedding_length_out", u32(cfg.hidden_size * hc.hc_mult)),  # the mHC streams' width
     ]
     return out
 

@@ -53,6 +53,7 @@ from mlaserve.loading.deepseek_v4_names import target
 ARCH = "deepseek4"
 LLAMA_CPP_HC_MULT = 4  # llama.cpp's deepseek4 graph refuses any other hyper_connection.count
 CSA_RATIO = 4  # llama.cpp: the layers of compress ratio 4 carry the lightning indexer (CSA)
+SQRT_SOFTPLUS = 4  # expert_gating_func: gguf-py's ExpertGatingFuncType.SQRTSOFTPLUS
 I32 = 26  # ggml type id of tid2eid
 
 # GGUF name -> the release's name (loading/deepseek_v4.py maps those onto the module tree)
@@ -229,6 +230,13 @@ def _hyper_connections(m: _Meta, cfg: dict) -> None:
         )
     cfg["hc_sinkhorn_iters"] = m.req("hc_sinkhorn_iters", "hyper_connection.sinkhorn_iterations")
     cfg["hc_eps"] = m.req("hc_eps", "hyper_connection.epsilon", _f32)
+    # the streams' width (llama.cpp's converter writes it; its loader derives the same from the two keys)
+    width = m.opt("hc_stream_width", "embedding_length_out", cfg["hidden_size"] * hc)
+    if width != cfg["hidden_size"] * hc:
+        raise GGUFError(
+            f"{m.gf.path}: '{m.key('embedding_length_out')}'={width} is not embedding_length x "
+            f"hyper_connection.count = {cfg['hidden_size']} x {hc}"
+        )
 
 
 def _moe(m: _Meta, cfg: dict, n: int) -> None:
@@ -245,12 +253,17 @@ def _moe(m: _Meta, cfg: dict, n: int) -> None:
             "top-k (transformers' DeepseekV4TopKRouter); a file that says otherwise is not this model"
         )
     gating = m.raw("expert_gating_func")
+    if gating is not None and gating != SQRT_SOFTPLUS:
+        raise GGUFError(
+            f"{m.gf.path}: '{m.key('expert_gating_func')}'={gating}: DeepSeek-V4 routes by sqrt-softplus "
+            f"({SQRT_SOFTPLUS}; llama.cpp's deepseek4 loader refuses any other value too)"
+        )
     m.put(
         "expert_gating_func",
         gating,
-        f"gguf:{m.key('expert_gating_func')} (recorded; V4 routes by sqrt-softplus)"
+        f"gguf:{m.key('expert_gating_func')} (sqrt-softplus)"
         if gating is not None
-        else f"{ABSENT}: '{m.key('expert_gating_func')}' (V4 routes by sqrt-softplus)",
+        else f"{ABSENT}: '{m.key('expert_gating_func')}' (V4 routes by sqrt-softplus; llama.cpp requires the key)",
     )
     cfg["num_hash_layers"] = m.req("num_hash_layers", "hash_layer_count")
     exp = m.req("swiglu_limit", "swiglu_clamp_exp", _floats)
