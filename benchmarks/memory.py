@@ -4,18 +4,26 @@ shared with the page cache and with every other process that maps the file), wit
 first token).
 
 Each configuration runs in a fresh process (`--worker`), so the peak (VmHWM) is that configuration's own.
+llama.cpp (llama-cpp-python's C API, its default mmap, n_batch 2048 / n_ubatch 512) runs the same prompt and
+decode steps in its own process beside them, so every series has its reference from the same minutes.
 
     python benchmarks/memory.py --gguf PATH [--gguf PATH2] [--reps 2] [--prompt 512] [--threads 2]
-        # every (gguf_mmap, malloc_tuning) pair, alternating, each --reps times; JSON to benchmarks/results/
+        # every (gguf_mmap, malloc_tuning) pair and llama.cpp, alternating, each --reps times; JSON to
+        # benchmarks/results/ (the GGUF named relative to the checkout)
     python benchmarks/memory.py --gguf PATH --pair
         # two engines on the file at once (mapped, then copied): the second one's Rss, Pss, shared pages
 
 Figures (GiB unless named otherwise), read from /proc/self/smaps_rollup and /proc/self/status:
   rss / anon / file    Rss, Anonymous, and Rss - Anonymous (file-backed: the mapped GGUF, the libraries)
   pss                  proportional set size (file pages another process also maps count half)
+  runtime              smaps after the engine's imports, before any model: Python + torch (+ mlaserve's
+                       modules) for mlaserve, Python + numpy + the llama.cpp libraries for llama.cpp
   weights_copied       bytes of the model's parameters and buffers that live in anonymous memory
   weights_mapped       bytes of them that are views of the mapped file
   kv_pool              the paged cache pool's tensors
+  torch_tensors        weights_copied + kv_pool: what torch itself holds after load (its own share of the
+                       anonymous memory); load_rest = after-load anonymous - runtime anonymous - torch_tensors
+                       (the native kernels' library, plans, tokenizer, allocator slack of the load)
   peak                 VmHWM after the prefill (the process's highest RSS so far)
   start_s              load_s + the first token of a --prompt tokens prompt
 """
@@ -32,6 +40,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the checkout's mlaserve, not an installed copy of another one
 
 
 def smaps() -> dict:
@@ -82,11 +91,14 @@ def weight_bytes(model, path: str) -> dict:
 
 
 def worker(spec: dict) -> dict:
+    if spec.get("engine") == "llama.cpp":
+        return llama_worker(spec)
     import torch
 
     torch.set_num_threads(spec["threads"])
     from mlaserve import LLM, SamplingParams
 
+    runtime = smaps()  # Python + torch + mlaserve's modules, before any model
     t0 = time.perf_counter()
     llm = LLM(
         spec["gguf"],
@@ -104,6 +116,8 @@ def worker(spec: dict) -> dict:
     pool = llm.runner.cache
     kv = {s.data_ptr(): s.nbytes() for t in pool_tensors(pool) for s in [t.untyped_storage()]}
     out["kv_pool"] = round(sum(kv.values()) / 2**30, 4)
+    out["runtime"], out["torch_tensors"] = runtime, round(out["weights_copied"] + out["kv_pool"], 4)
+    out["load_rest"] = round(out["after_load"]["anonymous"] - runtime["anonymous"] - out["torch_tensors"], 4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, min(30000, llm.config.model.vocab_size), (spec["prompt"],), generator=g).tolist()
     t1 = time.perf_counter()
@@ -116,6 +130,64 @@ def worker(spec: dict) -> dict:
     if spec.get("hold"):  # --pair: stay alive (pages mapped) until the parent closes stdin
         print(json.dumps(out), flush=True)
         sys.stdin.read()
+    return out
+
+
+def llama_worker(spec: dict) -> dict:
+    """llama.cpp on the same file, prompt and decode steps: its runtime, load, first token, peak and smaps."""
+    import llama_cpp as lc
+    import numpy as np
+
+    runtime = smaps()  # Python + numpy + llama.cpp's libraries, before any model
+    keep_log = lc.llama_log_callback(lambda level, text, user: None)  # quiet: the figures are the output
+    lc.llama_log_set(keep_log, None)
+    lc.llama_backend_init()
+    t0 = time.perf_counter()
+    mp = lc.llama_model_default_params()
+    mp.load_mode = lc.LLAMA_LOAD_MODE_MMAP  # the file mapped, as mlaserve's gguf_mmap (auto would pick it on a CPU)
+    # no extra buffer types (llama-cli's --no-repack): with them this build (AMX) stops at context creation on
+    # these models (GGML_ASSERT cur_backend_id != -1); without, its weights are the mapped file's pages
+    mp.use_extra_bufts = False
+    model = lc.llama_model_load_from_file(spec["gguf"].encode(), mp)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {spec['gguf']}")
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = -(-(spec["prompt"] + 64) // 256) * 256
+    cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.no_perf = 2048, 512, 1, True
+    cp.n_threads = cp.n_threads_batch = spec["threads"]
+    ctx = lc.llama_init_from_model(model, cp)
+    load_s = time.perf_counter() - t0
+    out = {"load_s": round(load_s, 3), "after_load": smaps(), "runtime": runtime}
+    out["model_params"] = {"load_mode": int(mp.load_mode), "use_extra_bufts": bool(mp.use_extra_bufts)}
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(2048, 0, 1)
+
+    def decode(tokens: list[int], pos0: int) -> int:
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos0 + i, 1, 0
+            batch.seq_id[i][0] = 0
+        batch.logits[len(tokens) - 1] = 1
+        batch.n_tokens = len(tokens)
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, len(tokens) - 1), shape=(n_vocab,))
+        return int(logits.argmax())
+
+    g = np.random.default_rng(0)  # the same lengths as mlaserve's run (the ids need not match: memory only)
+    ids = [int(x) for x in g.integers(3, min(30000, n_vocab), spec["prompt"])]
+    t1 = time.perf_counter()
+    tok = decode(ids, 0)
+    out["first_token_s"] = round(time.perf_counter() - t1, 3)
+    out["start_s"] = round(load_s + out["first_token_s"], 3)
+    out["peak"], out["after_prefill"] = status("VmHWM"), smaps()
+    lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+    tok = decode(ids[:64], 0)
+    for step in range(15):
+        tok = decode([tok], 64 + step)
+    out["after_decode"], out["peak_end"] = smaps(), status("VmHWM")
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
     return out
 
 
@@ -135,7 +207,7 @@ def pair(path: str, mmap_on: bool, args) -> dict:
         b = json.loads(res.stdout.strip().splitlines()[-1])
     finally:
         first.communicate("")
-    return {"gguf": path, "gguf_mmap": mmap_on, "first": a, "second": b}
+    return {"gguf": checkout_relative(path), "gguf_mmap": mmap_on, "first": a, "second": b}
 
 
 def pool_tensors(cache) -> list:
@@ -179,6 +251,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mmap", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--malloc-tuning", nargs="+", default=["off", "on"], choices=["on", "off"])
+    ap.add_argument("--llama-cpp", default="on", choices=["on", "off"], help="llama.cpp's run beside each series")
     ap.add_argument("--out", default=None)
     ap.add_argument("--pair", action="store_true", help="two engines on one file at once (mapped, then copied)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -203,28 +276,50 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for rep in range(args.reps):
         for path in args.gguf:
-            for mm in args.mmap:
-                for mt in args.malloc_tuning:
-                    spec = dict(gguf=path, gguf_mmap=mm == "on", malloc_tuning=mt == "on", rep=rep)
-                    spec.update(prompt=args.prompt, threads=args.threads)
-                    load = os.getloadavg()[0]
-                    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
-                    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                    if res.returncode:
-                        sys.exit(f"worker failed for {spec}:\n{res.stderr[-4000:]}")
-                    row = {**spec, "load_before": round(load, 2), **json.loads(res.stdout.strip().splitlines()[-1])}
-                    runs.append(row)
-                    print(
-                        f"{Path(path).name} mmap={mm} malloc_tuning={mt} rep={rep}: after load "
-                        f"{row['after_load']['rss']:.2f} (anon {row['after_load']['anonymous']:.2f}, file "
-                        f"{row['after_load']['file']:.2f}), peak {row['peak']:.2f}, after decode "
-                        f"{row['after_decode']['rss']:.2f}; weights copied {row['weights_copied']:.2f} mapped "
-                        f"{row['weights_mapped']:.2f}, kv {row['kv_pool']:.3f}; load {row['load_s']:.1f} s, start "
-                        f"{row['start_s']:.1f} s (load avg {load:.1f})",
-                        flush=True,
-                    )
-                    write(out, runs)  # after every run: a series stopped early keeps what it measured
+            specs = [
+                dict(engine="mlaserve", gguf_mmap=mm == "on", malloc_tuning=mt == "on")
+                for mm in args.mmap
+                for mt in args.malloc_tuning
+            ]
+            if args.llama_cpp == "on":  # in the middle of the series: alternating with mlaserve's runs
+                specs.insert(len(specs) // 2, dict(engine="llama.cpp"))
+            for spec in specs:
+                spec.update(gguf=path, rep=rep, prompt=args.prompt, threads=args.threads)
+                load = os.getloadavg()[0]
+                cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+                res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if res.returncode:
+                    sys.exit(f"worker failed for {spec}:\n{res.stderr[-4000:]}")
+                row = {**spec, "load_before": round(load, 2), **json.loads(res.stdout.strip().splitlines()[-1])}
+                row["gguf"] = checkout_relative(path)
+                runs.append(row)
+                print(describe(row, load), flush=True)
+                write(out, runs)  # after every run: a series stopped early keeps what it measured
     print(f"wrote {out}")
+
+
+def describe(row: dict, load: float) -> str:
+    """One run's line: the engine, RSS after load (anon / file) and its parts, peak, after decode, start."""
+    a, rt = row["after_load"], row["runtime"]
+    if row["engine"] == "llama.cpp":
+        what, parts = "llama.cpp", ""
+    else:
+        what = f"mlaserve mmap={'on' if row['gguf_mmap'] else 'off'} malloc_tuning={'on' if row['malloc_tuning'] else 'off'}"
+        parts = (
+            f"; torch tensors {row['torch_tensors']:.2f} (weights copied {row['weights_copied']:.2f}, kv "
+            f"{row['kv_pool']:.3f}), load rest {row['load_rest']:.2f}, weights mapped {row['weights_mapped']:.2f}"
+        )
+    return (
+        f"{Path(row['gguf']).name} {what} rep={row['rep']}: runtime {rt['rss']:.2f} (anon {rt['anonymous']:.2f}), "
+        f"after load {a['rss']:.2f} (anon {a['anonymous']:.2f}, file {a['file']:.2f}){parts}; peak "
+        f"{row['peak']:.2f}, after decode {row['after_decode']['rss']:.2f}; load {row['load_s']:.1f} s, start "
+        f"{row['start_s']:.1f} s (load avg {load:.1f})"
+    )
+
+
+def checkout_relative(path: str) -> str:
+    """A result names its file relative to the checkout (no machine paths in committed results)."""
+    return os.path.relpath(os.path.abspath(path), HERE.parent)
 
 
 def write(out: Path, runs: list[dict]) -> None:

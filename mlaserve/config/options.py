@@ -122,8 +122,8 @@ class EngineOptions:
     gguf_mmap: bool = _opt(
         True,
         "a GGUF's kept blocks are views of the file mapped read-only (no copy at load; the pages are shared with "
-        "the page cache and with every process that maps the file); off: copied into the process at load. Only "
-        "the fused routed-expert gate/up blocks are copied either way (the kernels read them as one [E, 2I] stack)",
+        "the page cache and with every process that maps the file; the routed experts' gate, up and down stacks "
+        "included); off: copied into the process at load",
     )
     check_tensors: bool = _opt(
         False,

@@ -7,6 +7,9 @@ Notation
   y   [M, N]   fp32, = x @ dequantize(W)^T up to float summation order
   Experts: W [E, N, R]; xs [P, K] the (token, expert) pairs sorted by expert; experts [A] the active
   expert ids (ascending), offs [A] int32 cumulative pair counts (the end of each group in xs).
+  W may also be a tuple of stacks [E, N_i, R] whose rows follow one another (N = sum N_i): a MoE layer's gate
+  and up stacks, kept where the file stores them (ffn_gate_exps, ffn_up_exps) and multiplied as the one
+  [E, 2I, R] stack they were once copied into (the same values, the same GEMMs).
 These functions are the seam (LINEAR / EXPERT_LINEAR: an implementation per name, which a holder binds at
 load). kernel="torch" is the reference: "dequantize (gguf.quants, bit-exact
 with gguf-py), then one fp32 GEMM". kernel="native" (csrc/): up to GEMV_ROWS rows per weight,
@@ -72,9 +75,16 @@ def linear_native(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8
     return F.linear(x, native.dequantize(ggml_type, w, k))
 
 
+Stacks = torch.Tensor | tuple[torch.Tensor, ...]  # an expert weight, or its parts whose rows follow one another
+
+
+def _parts(w: Stacks) -> tuple[torch.Tensor, ...]:
+    return w if isinstance(w, tuple) else (w,)
+
+
 def expert_linear_torch(
     xs: torch.Tensor,
-    w: torch.Tensor,
+    w: Stacks,
     ggml_type: int,
     k: int,
     experts: torch.Tensor,
@@ -82,12 +92,13 @@ def expert_linear_torch(
     int8: bool = False,
 ) -> torch.Tensor:
     """The reference: ys [P, N] fp32, rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight."""
-    return torch._grouped_mm(xs.float(), dense(w[experts], ggml_type, k).transpose(1, 2), offs=offs)
+    dense_w = torch.cat([dense(p[experts], ggml_type, k) for p in _parts(w)], dim=1)
+    return torch._grouped_mm(xs.float(), dense_w.transpose(1, 2), offs=offs)
 
 
 def expert_linear_native(
     xs: torch.Tensor,
-    w: torch.Tensor,
+    w: Stacks,
     ggml_type: int,
     k: int,
     experts: torch.Tensor,
@@ -95,13 +106,15 @@ def expert_linear_native(
     int8: bool = False,
 ) -> torch.Tensor:
     """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert the grouped decode-and-dot
-    (int8: as linear_native); more: the active experts decoded natively, then grouped GEMMs (_decoded_grouped)."""
+    (int8: as linear_native; each output row is its own dot product, so parts run one call each); more: the
+    active experts decoded natively, then grouped GEMMs (_decoded_grouped)."""
     xs = xs.float().contiguous()
     if xs.shape[0] <= GEMV_ROWS * experts.shape[0]:
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
-        return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
-    return _decoded_grouped(xs, w, ggml_type, k, experts.to(torch.int64).contiguous(), offs)
+        ys = [native.grouped_gemm(ggml_type, xs, p, k, experts, starts, int8=int8) for p in _parts(w)]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+    return _decoded_grouped(xs, _parts(w), ggml_type, k, experts.to(torch.int64).contiguous(), offs)
 
 
 ExpertProduct = Callable[..., torch.Tensor]  # expert_linear_native / expert_linear_torch
@@ -134,17 +147,17 @@ def expert_linear(
 
 
 def _decoded_grouped(
-    xs: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, experts: torch.Tensor, offs: torch.Tensor
+    xs: torch.Tensor, parts: tuple[torch.Tensor, ...], ggml_type: int, k: int, experts: torch.Tensor, offs: torch.Tensor
 ) -> torch.Tensor:
     """Many rows per expert (prefill): the experts decoded natively, then grouped GEMMs, for at most
     EXPERT_BYTES of decoded fp32 weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
     15 GB in fp32 at once (the standard benchmark model's 128 MB; chunks were measured no slower there, see
     EXPERT_BYTES).
     Each expert's rows meet that expert alone, so the chunks give the products of one call."""
-    a, n = experts.shape[0], w.shape[1]
+    a, n = experts.shape[0], sum(p.shape[1] for p in parts)
     per = max(1, EXPERT_BYTES // (n * k * 4))
     if a <= per:
-        return torch._grouped_mm(xs, native.dequantize_experts(ggml_type, w, experts, k).transpose(1, 2), offs=offs)
+        return torch._grouped_mm(xs, _decode_parts(parts, ggml_type, experts, k).transpose(1, 2), offs=offs)
     ys = xs.new_empty(xs.shape[0], n)
     ends = [0, *offs.tolist()]  # one host copy of A ends per projection (prefill)
     for c0 in range(0, a, per):
@@ -152,16 +165,30 @@ def _decoded_grouped(
         lo, hi = ends[c0], ends[c1]
         if hi == lo:
             continue
-        dense_w = native.dequantize_experts(ggml_type, w, experts[c0:c1], k)
+        dense_w = _decode_parts(parts, ggml_type, experts[c0:c1], k)
         ys[lo:hi] = torch._grouped_mm(xs[lo:hi], dense_w.transpose(1, 2), offs=offs[c0:c1] - lo)
     return ys
+
+
+def _decode_parts(parts: tuple[torch.Tensor, ...], ggml_type: int, experts: torch.Tensor, k: int) -> torch.Tensor:
+    """[A, N, K] fp32: the experts' rows of every part, each part decoded where it lies into its rows of one
+    buffer (gate rows, then up rows: the fused stack's decoded values, without a fused copy of the blocks)."""
+    if len(parts) == 1:
+        return native.dequantize_experts(ggml_type, parts[0], experts, k)
+    out = torch.empty(experts.shape[0], sum(p.shape[1] for p in parts), k, dtype=torch.float32)
+    row = 0
+    for p in parts:
+        native.dequantize_experts(ggml_type, p, experts, k, out=out[:, row : row + p.shape[1]])
+        row += p.shape[1]
+    return out
 
 
 def moe_experts(
     x: torch.Tensor,
     topk_w: torch.Tensor,
     topk_idx: torch.Tensor,
-    gate_up: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
     type_gate_up: int,
     down: torch.Tensor,
     type_down: int,
@@ -169,15 +196,17 @@ def moe_experts(
     limit: float = math.inf,
 ) -> torch.Tensor:
     """[T, D] fp32 = sum_j topk_w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_idx[t, j], in one
-    native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference). int8: int8
-    activations when both types take them under that setting (native.takes_int8). limit: gate and up clamped
-    first (DeepSeek-V4's swiglu_limit: models/deepseek_v4/moe.clamped_swiglu); inf: none."""
+    native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference). gate / up
+    [E, I, R]: two stacks, wherever they lie. int8: int8 activations when both types take them under that
+    setting (native.takes_int8). limit: gate and up clamped first (DeepSeek-V4's swiglu_limit:
+    models/deepseek_v4/moe.clamped_swiglu); inf: none."""
     int8 = native.takes_int8(type_gate_up, int8) and native.takes_int8(type_down, int8)
     return native.moe_experts(
         type_gate_up,
         type_down,
         x.float().contiguous(),
-        gate_up,
+        gate,
+        up,
         down,
         topk_idx.to(torch.int64).contiguous(),
         topk_w.float().contiguous(),

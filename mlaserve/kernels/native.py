@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 18  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 19  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -131,8 +131,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_dequantize.argtypes = [c_int, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, c_int]
     f32 = ctypes.c_float
     lib.mls_moe_route.argtypes = [ptr, i64, i64, ptr, c_int, c_int, i64, i64, i64, c_int, f32, ptr, ptr]
-    lib.mls_moe_experts.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
-    lib.mls_moe_experts.argtypes += [f32, ptr, c_int]
+    lib.mls_moe_experts.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
+    lib.mls_moe_experts.argtypes += [i64, f32, ptr, c_int]
     lib.mls_moe_experts_q8.argtypes = lib.mls_moe_experts.argtypes
     lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_latent_mqa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
@@ -140,7 +140,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_mqa8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, c_int, i64, ptr, ptr]
     lib.mls_latent_mqa8.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
-    lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, c_int]
+    lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
     lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
     lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
@@ -361,17 +361,24 @@ def dequantize(type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = N
     return out
 
 
-def dequantize_experts(type_id: int, w: torch.Tensor, experts: torch.Tensor, k: int) -> torch.Tensor:
+def dequantize_experts(
+    type_id: int, w: torch.Tensor, experts: torch.Tensor, k: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """w [E, N, R] uint8 (rows contiguous), experts [A] int64 contiguous -> [A, N, K] fp32: those experts'
-    rows decoded bit-identically with the reference, read in place (ggml block types)."""
+    rows decoded bit-identically with the reference, read in place (ggml block types). out: where to write them,
+    an [A, N, K] fp32 view whose experts may lie further apart than N * K (a slice of a larger buffer: a layer's
+    gate and up stacks decoded into the halves of one [A, 2N, K] buffer); its rows contiguous."""
     a, n = experts.shape[0], w.shape[1]
     if w.stride(2) != 1 or w.stride(1) != w.shape[2] or experts.dtype != torch.int64 or not experts.is_contiguous():
         raise ValueError("dequantize_experts: w needs contiguous rows per expert, experts contiguous int64")
     if a and not 0 <= int(experts.min()) <= int(experts.max()) < w.shape[0]:
         raise IndexError(f"dequantize_experts: an expert id outside the stack of {w.shape[0]}")
-    out = torch.empty(a, n, k, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(a, n, k, dtype=torch.float32)
+    elif out.shape != (a, n, k) or out.dtype != torch.float32 or out.stride()[1:] != (k, 1):
+        raise ValueError(f"dequantize_experts: out {tuple(out.shape)} {out.dtype} is not [{a}, {n}, {k}] fp32 rows")
     rc = library().mls_dequantize_experts(
-        type_id, w.data_ptr(), w.stride(0), experts.data_ptr(), a, n, w.shape[2], k, out.data_ptr(),
+        type_id, w.data_ptr(), w.stride(0), experts.data_ptr(), a, n, w.shape[2], k, out.data_ptr(), out.stride(0),
         torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -423,16 +430,20 @@ def moe_experts(
     type_gu: int,
     type_dn: int,
     x: torch.Tensor,
-    gate_up: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
     down: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_w: torch.Tensor,
     int8: bool = False,
     limit: float = math.inf,
 ) -> torch.Tensor:
-    """x [T, D] fp32, gate_up [E, 2I, R_D] / down [E, D, R_I] uint8, topk_idx [T, k] int64, topk_w [T, k]
-    fp32 (all contiguous) -> [T, D] fp32: the routed experts' weighted sum, pair by pair. limit: the SwiGLU's
-    clamp (DeepSeek-V4's swiglu_limit; inf: none)."""
+    """x [T, D] fp32, gate / up [E, I, R_D] (one type, each expert's rows contiguous, the same expert stride) /
+    down [E, D, R_I] uint8, topk_idx [T, k] int64, topk_w [T, k] fp32 (all contiguous) -> [T, D] fp32: the
+    routed experts' weighted sum, pair by pair. gate and up may lie anywhere (two stacks of the mapped file). limit:
+    the SwiGLU's clamp (DeepSeek-V4's swiglu_limit; inf: none)."""
+    if gate.shape != up.shape or gate.stride() != up.stride():
+        raise ValueError(f"moe_experts: gate {tuple(gate.shape)} and up {tuple(up.shape)} stacks differ in layout")
     lib = library()
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float32)
@@ -442,10 +453,11 @@ def moe_experts(
         x.data_ptr(),
         t,
         d,
-        gate_up.shape[1] // 2,
-        gate_up.data_ptr(),
-        gate_up.stride(0),
-        gate_up.shape[2],
+        gate.shape[1],
+        gate.data_ptr(),
+        up.data_ptr(),
+        gate.stride(0),
+        gate.shape[2],
         down.data_ptr(),
         down.stride(0),
         down.shape[2],

@@ -20,8 +20,9 @@ Named steps between the checkpoint layout and the model:
   in_place        a source that maps its file (a GGUF with gguf_mmap) says which tensors are kept as they
                   come (`in_place(name)`): the parameter then becomes that view of the mapped file instead of
                   receiving a copy, and a routed-expert stack the file stores as one tensor (`stacked_blocks`)
-                  becomes the module's stacked parameter where its slot is a whole parameter (down_proj; the
-                  fused gate_up_proj interleaves two stored tensors per expert, so it is filled by copies)
+                  becomes the module's stacked parameter where its slot is a whole parameter (GGUFExperts'
+                  gate_proj / up_proj / down_proj; a float model's fused gate_up_proj interleaves two stored
+                  tensors per expert, so it is filled by copies)
 A source is anything with names(), get(name) and where(name) (safetensors folder or GGUF file).
 """
 

@@ -30,7 +30,7 @@ from mlaserve.kernels import native_layers
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.kda.layer import KimiDeltaAttention
-from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, embedding
 from mlaserve.models.moe import MoE
 from mlaserve.models.pooled_indexer import PooledIndexer
 
@@ -274,7 +274,7 @@ class DeepseekModel(nn.Module):
         """layer_cls: the decoder layer (DecoderLayer; LongCat-Flash's of two sublayers, models/longcat.py)."""
         super().__init__()
         layer_cls = layer_cls or DecoderLayer
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_cls(cfg, i, all_reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

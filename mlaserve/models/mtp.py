@@ -38,7 +38,7 @@ from torch import nn
 
 from mlaserve.config.model import ModelConfig
 from mlaserve.models.deepseek import AllReduce, DecoderLayer, single_process, vocab_parallel_embed
-from mlaserve.models.layers import RMSNorm, RotaryEmbedding
+from mlaserve.models.layers import RMSNorm, RotaryEmbedding, embedding
 
 if TYPE_CHECKING:
     from mlaserve.cache.model_cache import LayerState
@@ -126,7 +126,7 @@ class MTPLayer(DecoderLayer):
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         self.shared_head = SharedHead(cfg, layout.own_head)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, d) if layout.own_embed else None
+        self.embed_tokens = embedding(cfg.vocab_size, d) if layout.own_embed else None
         # The trunk's embedding (its lookup, vocabulary-parallel under TP) and lm_head, when the checkpoint
         # shares them (set by share_trunk; not registered as submodules, so they are neither loaded twice
         # nor listed as MTP parameters).

@@ -84,7 +84,9 @@ def quantize_model(model: nn.Module, scheme: str, dtype: torch.dtype) -> tuple[S
                     continue
                 new = GGUFExperts(d, e, two_i // 2, main, main, module.gate_up_proj.device)
                 new.impl = module.impl
-                new.gate_up_proj.copy_(_blocks(module.gate_up_proj, main, name))
+                i = two_i // 2
+                new.gate_proj.copy_(_blocks(module.gate_up_proj[:, :i], main, name))
+                new.up_proj.copy_(_blocks(module.gate_up_proj[:, i:], main, name))
                 new.down_proj.copy_(_blocks(module.down_proj, main, name))
                 model.set_submodule(name, new)
                 done.setdefault((_name(main), "experts"), []).append(name)

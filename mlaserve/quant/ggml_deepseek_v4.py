@@ -96,6 +96,19 @@ class GGUFV4Experts(GGUFExperts):
     def __init__(self, hidden: int, n_experts: int, inter: int, limit: float, t_gate_up: int, t_down: int, device):
         super().__init__(hidden, n_experts, inter, t_gate_up, t_down, device)
         self.limit = self.swiglu_limit = limit
+        # V4's reader fills one fused stack per layer (gate rows first, loading/deepseek_v4.py's gate_up_proj), so
+        # gate_proj / up_proj are its two halves: views with the same shape and expert stride, which the kernels
+        # take as two stacks wherever they lie (GGUFExperts keeps the file's two tensors in place instead)
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(t_gate_up, hidden)), device)
+
+    @property
+    def gate_proj(self) -> torch.Tensor:
+        return self.gate_up_proj[:, : self.inter]
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        return self.gate_up_proj[:, self.inter :]
 
     def _swiglu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return clamped_swiglu(g, u, self.limit)

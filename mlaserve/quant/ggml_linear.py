@@ -5,8 +5,10 @@ Notation: K in features, N out features, R = row_bytes(type, K) bytes of a store
 a whole number of blocks, so it is an independent byte range); D hidden, I expert intermediate,
 E experts, V vocabulary.
   GGUFLinear     weight [N, R] uint8: the file's bytes of the [N, K] matrix
-  GGUFExperts    gate_up_proj [E, 2I, R_D] (gate rows first, as models/moe.py), down_proj [E, D, R_I];
-                 gate/up share one ggml type, down may have another (Q4_K_M files mix them)
+  GGUFExperts    gate_proj [E, I, R_D], up_proj [E, I, R_D], down_proj [E, D, R_I]: the file's three stacks
+                 (ffn_gate_exps, ffn_up_exps, ffn_down_exps), each kept where it lies in the mapped file (no
+                 fused [E, 2I] copy: the kernels take gate and up at their own addresses); gate/up share one
+                 ggml type, down may have another (Q4_K_M files mix them)
   GGUFEmbedding  weight [V, R] uint8; a lookup dequantizes only the rows it reads
   GGUFMoEBlock   not a holder: a MoE layer of such holders run as one native call per decode step
 Every product runs in fp32 (kernels.ggml: exact dequantized weights, fp32 accumulation) and is
@@ -152,12 +154,24 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         nn.Module.__init__(self)
         self.impl, self.hidden, self.inter, self.kernel, self.int8 = "grouped_mm", hidden, inter, "torch", False
         self.type_gate_up, self.type_down = type_gate_up, type_down
-        self.gate_up_proj = _raw((n_experts, 2 * inter, ggml.row_bytes(type_gate_up, hidden)), device)
+        self.gate_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
+        self.up_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(type_down, inter)), device)
 
+    @property
+    def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_proj, up_proj): the two stacks whose rows are, in this order, each expert's [2I] gate_up rows
+        (kernels.ggml takes them as one weight of two parts)."""
+        return self.gate_proj, self.up_proj
+
+    def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Three whole stacks: the loader keeps each as a view of the mapped file (loading/weights.py in_place)
+        or copies the experts into it."""
+        return {"weight": (self.gate_proj, self.up_proj, self.down_proj)}
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense gate_up [E, 2I, D] and down [E, D, I]: the reference."""
-        gu = ggml.dense(self.gate_up_proj, self.type_gate_up, self.hidden)
+        """Dense gate_up [E, 2I, D] (gate rows first) and down [E, D, I]: the reference."""
+        gu = torch.cat([ggml.dense(p, self.type_gate_up, self.hidden) for p in self.gate_up], dim=1)
         return gu.to(dtype), ggml.dense(self.down_proj, self.type_down, self.inter).to(dtype)
 
     def describe(self) -> tuple[str, tuple[int, int]]:
@@ -182,8 +196,8 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         pairs (and as the MoE block does)."""
         pairwise = native.takes_int8(self.type_gate_up, self.int8) == native.takes_int8(self.type_down, self.int8)
         if topk_idx.numel() <= self.NATIVE_ROWS and pairwise:
-            gu, dn, t_gu, t_dn = self.gate_up_proj, self.down_proj, self.type_gate_up, self.type_down
-            return ggml.moe_experts(x, topk_w, topk_idx, gu, t_gu, dn, t_dn, self.int8, self.swiglu_limit)
+            g, u, dn, t_gu, t_dn = self.gate_proj, self.up_proj, self.down_proj, self.type_gate_up, self.type_down
+            return ggml.moe_experts(x, topk_w, topk_idx, g, u, t_gu, dn, t_dn, self.int8, self.swiglu_limit)
         return self._grouped(x.float(), topk_w, topk_idx, ggml.expert_linear_native)
 
     def _routed_torch(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
@@ -207,7 +221,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
-        gu = product(xs, self.gate_up_proj, self.type_gate_up, self.hidden, active, offs, self.int8)
+        gu = product(xs, self.gate_up, self.type_gate_up, self.hidden, active, offs, self.int8)
         g, u = gu.chunk(2, dim=-1)
         h = self._swiglu(g, u)
         ys = product(h, self.down_proj, self.type_down, self.inter, active, offs, self.int8)
@@ -220,7 +234,8 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         out = torch.zeros_like(x)
         for e in torch.unique(topk_idx).tolist():
             tok, slot = torch.where(topk_idx == e)
-            gu = product(x[tok], self.gate_up_proj[e], self.type_gate_up, self.hidden)
+            w = torch.cat((self.gate_proj[e], self.up_proj[e]))  # one expert's [2I, R] rows (a small copy)
+            gu = product(x[tok], w, self.type_gate_up, self.hidden)
             g, u = gu.chunk(2, dim=-1)
             y = product(self._swiglu(g, u), self.down_proj[e], self.type_down, self.inter)
             out.index_add_(0, tok, y * topk_w[tok, slot, None].float())
@@ -340,7 +355,8 @@ class GGUFMoEBlock:
         cfg = gate.cfg
         bias = gate.e_score_correction_bias
         a = native_layers.MoEBlockArgs()
-        d, inter = ex.down_proj.shape[1], ex.gate_up_proj.shape[1] // 2
+        g, u, dn = _gate_up_stacks(ex)  # rows of bytes (ggml blocks) or of int32 words (INT4)
+        d, inter = dn.shape[1], g.shape[1]
         a.d, a.e, a.kk, a.inter = d, cfg.n_routed_experts, cfg.num_experts_per_tok, inter
         a.gate_w, a.bias = gate.weight.data_ptr(), bias.data_ptr() if bias is not None else None
         a.scoring, a.method = native.SCORING[cfg.scoring_func], native.TOPK_METHOD[cfg.topk_method]
@@ -350,11 +366,10 @@ class GGUFMoEBlock:
             int(cfg.norm_topk_prob),
             cfg.routed_scaling_factor,
         )
-        gu, dn = ex.gate_up_proj, ex.down_proj  # rows of bytes (ggml blocks) or of int32 words (INT4)
-        a.gate_up, a.down = gu.data_ptr(), dn.data_ptr()
-        a.gu_expert_stride, a.gu_row_bytes = gu.stride(0) * gu.element_size(), gu.shape[2] * gu.element_size()
+        a.gate, a.up, a.down = g.data_ptr(), u.data_ptr(), dn.data_ptr()
+        a.gu_expert_stride, a.gu_row_bytes = g.stride(0) * g.element_size(), g.shape[2] * g.element_size()
         a.dn_expert_stride, a.dn_row_bytes = dn.stride(0) * dn.element_size(), dn.shape[2] * dn.element_size()
-        keep = [gate.weight, bias, gu, dn]
+        keep = [gate.weight, bias, g, u, dn]
         if isinstance(ex, INT4Experts):
             a.type_gu = a.type_dn = native.INT4_PACKED
             s_gu, s_dn = ex.gate_up_proj_scale, ex.down_proj_scale  # [E, 2, I, D/g], [E, D, I/g] fp32
@@ -391,7 +406,8 @@ class GGUFMoEBlock:
         parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
         if sh is not None and not (parts and all(native_rows(m, int8) for m in parts)):
             return "shared expert not ggml blocks with the native kernels and the routed experts' activations"
-        tensors = [gate.weight, ex.gate_up_proj, ex.down_proj, *(m.weight for m in parts)]
+        g, u, dn = _gate_up_stacks(ex)
+        tensors = [gate.weight, g, u, dn, *(m.weight for m in parts)]
         bias = gate.e_score_correction_bias
         if any(t.device.type != "cpu" for t in tensors) or gate.weight.dtype != torch.float32:
             return "weights not on the CPU, or the gate not fp32"
@@ -399,8 +415,8 @@ class GGUFMoEBlock:
             bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())
         ):
             return "gate weight / correction bias not contiguous fp32"
-        if ex.gate_up_proj.stride(1) != ex.gate_up_proj.shape[2] or ex.down_proj.stride(1) != ex.down_proj.shape[2]:
-            return "expert rows not contiguous"
+        if any(w.stride(2) != 1 or w.stride(1) != w.shape[2] for w in (g, u, dn)) or g.stride(0) != u.stride(0):
+            return "expert rows not contiguous, or gate and up stacks of different expert strides"
         if isinstance(ex, INT4Experts) and not (
             ex.gate_up_proj_scale.is_contiguous() and ex.down_proj_scale.is_contiguous()
         ):
@@ -411,6 +427,15 @@ class GGUFMoEBlock:
         if x.shape[0] > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous():
             return self.fallback(x)  # prefill (or an input outside the C call's contract): the per-op path
         return native_layers.moe_block(self.args, x)
+
+
+def _gate_up_stacks(ex: GGUFExperts | INT4Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [E, I, R], up [E, I, R], down): GGUFExperts' own stacks; INT4Experts' fused gate_up_proj's halves
+    (views: the C struct reads each at its address, the same expert stride)."""
+    if isinstance(ex, GGUFExperts):
+        return ex.gate_proj, ex.up_proj, ex.down_proj
+    i = ex.gate_up_proj.shape[1] // 2
+    return ex.gate_up_proj[:, :i], ex.gate_up_proj[:, i:], ex.down_proj
 
 
 def _moe_block_fits(moe: MoE, ctx: registry.KernelContext) -> str | None:

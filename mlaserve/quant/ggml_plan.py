@@ -164,7 +164,7 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
             continue  # a missing or mixed-up expert tensor: the strict loader names it
         tg, tu, td = (next(iter(types[p])) for p in _PROJS)
         if tg != tu:
-            why = "dequantized at load: gate_proj and up_proj differ in type (one stacked gate_up_proj holds both)"
+            why = "dequantized at load: gate_proj and up_proj differ in type (the kernels read both with one type)"
         elif not {tg, td} <= BLOCK_TYPES:
             why = "dequantized at load: not every projection is stored in a block format"
         else:

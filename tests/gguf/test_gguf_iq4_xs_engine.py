@@ -147,7 +147,7 @@ def test_iq4_xs_experts_kept_in_blocks_equal_dequantized(iq4_xs_file, capsys):
             assert experts and all(
                 (e.type_gate_up, e.type_down, e.kernel) == (IQ4_XS, IQ4_XS, kernels) for e in experts
             )
-            assert sum(e.gate_up_proj.nbytes + e.down_proj.nbytes for e in experts) == expert_bytes
+            assert sum(e.gate_proj.nbytes + e.up_proj.nbytes + e.down_proj.nbytes for e in experts) == expert_bytes
             a, b = kept.prompt_logits(ids), dense[chunk].prompt_logits(ids)
             diff = (a - b).abs().max().item()
             with capsys.disabled():

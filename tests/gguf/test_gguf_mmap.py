@@ -46,9 +46,7 @@ def _storages(model) -> dict[int, tuple[str, int]]:
     return out
 
 
-def _kept_in_place(name: str) -> bool:
-    """The holders whose bytes are the file's as stored: everything but the fused gate_up stack."""
-    return name.endswith(("weight", "down_proj", "k_b", "v_b")) and "gate_up_proj" not in name
+_HOLDERS = ("weight", "gate_proj", "up_proj", "down_proj", "k_b", "v_b")  # the kept holders' block tensors
 
 
 @pytest.mark.fixtures
@@ -70,8 +68,10 @@ def test_mapped_equals_copied_bitwise(kind):
 
 @pytest.mark.fixtures
 def test_kept_blocks_are_views_of_the_file():
-    """With gguf_mmap every kept holder but the fused gate_up stacks lies inside the read-only shared map of
-    the file; without it none does. Break check: BlockSource.in_place returning False fails the first half."""
+    """With gguf_mmap every kept holder (the routed experts' gate, up and down stacks included) lies inside the
+    read-only shared map of the file; without it none does. Break check: BlockSource.in_place returning False
+    fails the first half; GGUFExperts.checkpoint_slots giving slices of one fused stack (the copied gate_up
+    layout) fails it for the gate_proj / up_proj stacks."""
     from mlaserve import LLM
     from mlaserve.quant.ggml_linear import GGUFExperts, GGUFHeads, GGUFLinear
 
@@ -84,7 +84,7 @@ def test_kept_blocks_are_views_of_the_file():
         holders = [
             (f"{m}.{attr}", getattr(mod, attr))
             for m, mod in model.named_modules()
-            for attr in ("weight", "gate_up_proj", "down_proj", "k_b", "v_b")
+            for attr in _HOLDERS
             if isinstance(mod, (GGUFLinear, GGUFExperts, GGUFHeads)) and hasattr(mod, attr)
         ]
         assert any(isinstance(m, GGUFExperts) for m in model.modules()) and any(
@@ -92,7 +92,7 @@ def test_kept_blocks_are_views_of_the_file():
         ), "the fixture should exercise expert stacks and kept heads"
         for name, t in holders:
             in_map = any(lo <= t.data_ptr() < hi for lo, hi in ranges)
-            assert in_map == (on and _kept_in_place(name)), (name, on, in_map)
+            assert in_map == on, (name, on, in_map)
         if not on:
             assert not inside
 
@@ -173,7 +173,8 @@ def _present_pages(lo: int, hi: int) -> tuple[int, int]:
 
 @pytest.mark.fixtures
 def test_copied_bytes_leave_no_resident_pages():
-    """A tensor the loader copies out of the shared map (the fused gate_up stacks' experts) has its pages
+    """A tensor the loader copies out of the shared map (here each expert's gate slice, as a holder whose slot
+    is not the whole stored tensor copies it: a tensor-parallel rank's columns, a float model's fused stack) has its pages
     dropped from this process once copied (madvise), so it is not resident twice (copy + file page).
     Checked right after the release, by the present bit of each page wholly inside the tensor (no fault
     in between: in a whole load, a nearby fault may map neighbours back, the kernel's fault-around).

@@ -77,7 +77,7 @@ def test_mxfp4_experts_kept_in_blocks_equal_dequantized(mxfp4_file, capsys):
             kept = LLM(str(path), kernels=kernels, max_num_batched_tokens=chunk)
             experts = [m for m in kept.runner.model.modules() if isinstance(m, GGUFExperts)]
             assert experts and all((e.type_gate_up, e.type_down, e.kernel) == (MXFP4, MXFP4, kernels) for e in experts)
-            assert sum(e.gate_up_proj.nbytes + e.down_proj.nbytes for e in experts) == expert_bytes
+            assert sum(e.gate_proj.nbytes + e.up_proj.nbytes + e.down_proj.nbytes for e in experts) == expert_bytes
             a, b = kept.prompt_logits(ids), dense[chunk].prompt_logits(ids)
             diff = (a - b).abs().max().item()
             with capsys.disabled():

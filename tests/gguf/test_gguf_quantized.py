@@ -382,7 +382,9 @@ def test_experts_holder_equals_dense(ggml_type, impl, t, kernel):
     ex = GGUFExperts(d, e, inter, ggml_type, down_type, "cpu")
     ex.impl, ex.kernel = impl, kernel
     with torch.no_grad():
-        ex.gate_up_proj.copy_(_blocks(ggml_type, e * 2 * inter, d, 2).reshape(e, 2 * inter, -1))
+        gate_up = _blocks(ggml_type, e * 2 * inter, d, 2).reshape(e, 2 * inter, -1)
+        ex.gate_proj.copy_(gate_up[:, :inter])
+        ex.up_proj.copy_(gate_up[:, inter:])
         ex.down_proj.copy_(_blocks(down_type, e * d, inter, 3).reshape(e, d, -1))
     gu, down = ex.dequantize()
     assert gu.shape == (e, 2 * inter, d) and down.shape == (e, d, inter)

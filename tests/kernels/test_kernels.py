@@ -338,8 +338,9 @@ def test_native_int8_moe_experts_within_their_bound(name, tokens):
     x = torch.randn(tokens, d, generator=g)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
     wts = torch.rand(tokens, k, generator=g)
-    got = ggml.moe_experts(x, wts, idx, gate_up, t, down, t, int8=True)
-    exact = ggml.moe_experts(x, wts, idx, gate_up, t, down, t, int8=False)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]  # two stacks at their own addresses (one expert stride)
+    got = ggml.moe_experts(x, wts, idx, gate, up, t, down, t, int8=True)
+    exact = ggml.moe_experts(x, wts, idx, gate, up, t, down, t, int8=False)
     assert not torch.allclose(got, exact, rtol=1e-6, atol=0)
     wgu, wdn = ggml.dense(gate_up, t, d).double(), ggml.dense(down, t, inter).double()
     step_x = (x.abs().view(tokens, -1, 32).amax(-1) / 127).repeat_interleave(32, 1).double() / 2

@@ -53,7 +53,9 @@ def make_moe(router: str, types: str, shared: bool = True, seed: int = 0) -> MoE
     moe = MoE(D, cfg)
     ex = GGUFExperts(D, e, INTER, tgu, tdn, "cpu")
     with torch.no_grad():
-        ex.gate_up_proj.copy_(_random_blocks(TYPES[types][0], (e, 2 * INTER), D, g))
+        gate_up = _random_blocks(TYPES[types][0], (e, 2 * INTER), D, g)
+        ex.gate_proj.copy_(gate_up[:, :INTER])
+        ex.up_proj.copy_(gate_up[:, INTER:])
         ex.down_proj.copy_(_random_blocks(TYPES[types][1], (e, D), INTER, g))
         moe.gate.weight.copy_(torch.randn(e, D, generator=g) * 0.1)
         if moe.gate.e_score_correction_bias is not None:
@@ -159,7 +161,7 @@ def test_routed_sum_equals_the_pairwise_experts_call(types, tokens):
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
     y, w, idx = routing(block, x)
     ex = moe.experts
-    want = native.moe_experts(ex.type_gate_up, ex.type_down, x, ex.gate_up_proj, ex.down_proj, idx, w)
+    want = native.moe_experts(ex.type_gate_up, ex.type_down, x, ex.gate_proj, ex.up_proj, ex.down_proj, idx, w)
     assert torch.equal(y, want)
     if tokens == BLOCK_TOKENS:
         assert idx.unique().numel() < idx.numel()  # some expert serves several pairs: the grouped branch ran
@@ -189,7 +191,8 @@ def test_int8_routed_experts_follow_the_per_op_rule(types, tokens):
     assert torch.equal(w8, w) and torch.equal(idx8, idx)
     ex = moe.experts
     if types == "q8_0":
-        want = ggml.moe_experts(x, w, idx, ex.gate_up_proj, ex.type_gate_up, ex.down_proj, ex.type_down, int8=True)
+        g, u, dn = ex.gate_proj, ex.up_proj, ex.down_proj
+        want = ggml.moe_experts(x, w, idx, g, u, ex.type_gate_up, dn, ex.type_down, int8=True)
         assert torch.equal(y, want) and not torch.equal(y, y_float)
     else:
         with torch.no_grad():

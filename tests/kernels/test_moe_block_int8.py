@@ -26,7 +26,9 @@ def _moe(gu: str, dn: str) -> MoE:
     g = torch.Generator().manual_seed(21)
     ex = GGUFExperts(D, e, INTER, GGML_TYPE_IDS[gu], GGML_TYPE_IDS[dn], "cpu")
     with torch.no_grad():
-        ex.gate_up_proj.copy_(_random_blocks(gu, (e, 2 * INTER), D, g))
+        gate_up = _random_blocks(gu, (e, 2 * INTER), D, g)
+        ex.gate_proj.copy_(gate_up[:, :INTER])
+        ex.up_proj.copy_(gate_up[:, INTER:])
         ex.down_proj.copy_(_random_blocks(dn, (e, D), INTER, g))
         moe.gate.weight.copy_(torch.randn(e, D, generator=g) * 0.1)
         moe.gate.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.05)

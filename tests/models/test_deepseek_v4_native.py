@@ -157,18 +157,20 @@ def test_the_clamp_is_what_the_fast_paths_apply(monkeypatch):
 
 
 def test_the_native_pair_call_clamps_like_torch():
-    """The C pair-by-pair call's limit (kernel ABI 18) == clamped_swiglu in torch, per pair."""
+    """The C pair-by-pair call's limit == clamped_swiglu in torch, per pair."""
     h = gguf_experts()
     gate_up, down = h.dequantize()
     x, weights, idx = routing(3, seed=9)  # 6 pairs: the pair-by-pair call
     got = native.moe_experts(
-        h.type_gate_up, h.type_down, x, h.gate_up_proj, h.down_proj, idx.contiguous(), weights, limit=LIMIT
+        h.type_gate_up, h.type_down, x, h.gate_proj, h.up_proj, h.down_proj, idx.contiguous(), weights, limit=LIMIT
     )
     gu = torch.einsum("td,tkid->tki", x.double(), gate_up[idx].double())
     hh = clamped_swiglu(*gu.chunk(2, -1), LIMIT)
     want = (torch.einsum("tki,tkdi->tkd", hh, down[idx].double()) * weights.double()[..., None]).sum(1)
     assert (got.double() - want).abs().max().item() <= TOL_EXPERTS  # measured 4.6e-8
-    plain = native.moe_experts(h.type_gate_up, h.type_down, x, h.gate_up_proj, h.down_proj, idx.contiguous(), weights)
+    plain = native.moe_experts(
+        h.type_gate_up, h.type_down, x, h.gate_proj, h.up_proj, h.down_proj, idx.contiguous(), weights
+    )
     assert (plain - got).abs().max() > 1e-2  # inf (the default): no clamp
 
 

@@ -39,7 +39,7 @@ def held_in_blocks(model) -> dict[str, int]:
         if isinstance(m, (GGUFLinear, GGUFEmbedding)) and not (tied and name == "lm_head"):
             out[f"{name}.weight"] = m.ggml_type
         elif isinstance(m, GGUFExperts):
-            for e in range(m.gate_up_proj.shape[0]):
+            for e in range(m.down_proj.shape[0]):
                 for proj, t in (("gate_proj", m.type_gate_up), ("up_proj", m.type_gate_up), ("down_proj", m.type_down)):
                     out[f"{name}.{e}.{proj}.weight"] = t
     return out

@@ -137,16 +137,19 @@ int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, con
 
 
 /* out [A, N, K] fp32 = the decoded rows of experts experts[0..A) of a stack (expert e's N rows of row_bytes
-   start at w + e * expert_stride): a prefill's active experts, decoded where they lie (no gathered copy). */
+   start at w + e * expert_stride): a prefill's active experts, decoded where they lie (no gathered copy).
+   Expert j's rows go to out + j * out_expert_stride floats (N * K: packed; 2N * K with out and out + N * K:
+   a layer's gate and up stacks decoded into the halves of one [A, 2N, K] buffer, as one fused stack was). */
 int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
-                           int64_t n, int64_t row_bytes, int64_t k, float *out, int threads) {
+                           int64_t n, int64_t row_bytes, int64_t k, float *out, int64_t out_expert_stride,
+                           int threads) {
     row_fn fn = ggml_row(type);
     if (!fn) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t it = 0; it < a * n; it++) {
         const uint8_t *row = w + experts[it / n] * expert_stride + (it % n) * row_bytes;
         prefetch_row(row, row_bytes);
-        fn(row, out + it * k, k);
+        fn(row, out + (it / n) * out_expert_stride + (it % n) * k, k);
     }
     return 0;
 }

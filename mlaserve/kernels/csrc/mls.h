@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 18
+#define MLS_ABI_VERSION 19
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -69,7 +69,10 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
     int64_t scoring, method, n_group, topk_group, norm;
     double scale; /* routed_scaling_factor (rounded to float, as the router's argument) */
     int64_t type_gu, type_dn;
-    const uint8_t *gate_up, *down; /* [E, 2I] and [E, D] rows of ggml blocks */
+    /* rows of ggml blocks: expert e's I gate rows at gate + e * gu_expert_stride, its I up rows at up + e *
+       gu_expert_stride (two stacks of the file, kept where they lie: up need not follow gate), its D down rows
+       at down + e * dn_expert_stride; gu_row_bytes for gate and up (one type), dn_row_bytes for down */
+    const uint8_t *gate, *up, *down;
     int64_t gu_expert_stride, gu_row_bytes, dn_expert_stride, dn_row_bytes;
     int64_t type_sg, type_su, type_sd; /* the shared expert's gate_proj [Is, D], up_proj [Is, D], down_proj [D, Is] */
     const uint8_t *sg, *su, *sd;
@@ -155,7 +158,8 @@ int mls_grouped_gemm(int type, const float *x, int64_t k, const uint8_t *w, int6
 int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const float *scale, int64_t bn,
                    int64_t kb, int64_t bk, int64_t part_rows, int64_t k, float *out, int threads);
 int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
-                           int64_t n, int64_t row_bytes, int64_t k, float *out, int threads);
+                           int64_t n, int64_t row_bytes, int64_t k, float *out, int64_t out_expert_stride,
+                           int threads);
 
 /* int8.c: the same products with int8 activations (Q8_0 / Q4_0: per 32 values; Q4_K / Q5_K / Q6_K: llama.cpp's
    q8_K, per 256); mls_quantize_act: x [m, k] (row stride ldx) -> the codes q [m, k] and k / 32 float slots per row
@@ -173,12 +177,12 @@ int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, 
                   int64_t *out_idx);
 /* limit: the SwiGLU's clamp (DeepSeek-V4's swiglu_limit: silu(min(g, limit)) * clamp(u, +-limit)); INFINITY none */
 int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
-                    const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
-                    int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
+                    const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
+                    const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
                     float limit, float *out, int threads);
 int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
-                       const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
-                       int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
+                       const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
+                       const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
                        int64_t kk, float limit, float *out, int threads);
 int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
                   int threads);

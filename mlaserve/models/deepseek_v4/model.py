@@ -27,6 +27,7 @@ from mlaserve.models.deepseek_v4.norm import RMSNorm
 from mlaserve.models.deepseek_v4.rope import V4RopeTables
 from mlaserve.models.deepseek_v4.state import LayerState, SequenceState
 from mlaserve.models.deepseek_v4.step_update import LayerStep
+from mlaserve.models.layers import embedding
 
 
 class V4DecoderLayer(nn.Module):
@@ -61,7 +62,7 @@ class V4Model(nn.Module):
         super().__init__()
         d = cfg.hidden_size
         self.hc_mult = cfg.hc.hc_mult
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.embed_tokens = embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(V4DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hc_head = make_head(d, cfg.hc, cfg.rms_norm_eps)

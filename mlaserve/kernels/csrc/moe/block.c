@@ -109,9 +109,9 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 if (it < groups * runs) {
                     const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
-                    const uint8_t *we = b->gate_up + act[a] * b->gu_expert_stride;
                     for (int64_t r = r0; r < r1; r++) {
-                        const uint8_t *row = we + r * b->gu_row_bytes;
+                        const uint8_t *row =
+                            gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
                         if (qgu)
                             qgu(row, xsq + p0 * d, xsd + p0 * (d / 32), m, d, gu + p0 * n_gu + r, n_gu);
                         else if (fgu)

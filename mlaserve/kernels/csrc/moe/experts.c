@@ -10,14 +10,21 @@ static inline float row_dot(row_fn fn, fused_fn fused, const uint8_t *w, const f
     return dot(buf, x, k);
 }
 
+/* Row r of expert e's gate rows then up rows (r < inter: gate row r; else up row r - inter): the two stacks of
+   a layer lie where the file keeps them (GGUF ffn_gate_exps, ffn_up_exps), each expert at e * expert_stride. */
+static inline const uint8_t *gate_up_row(const uint8_t *gate, const uint8_t *up, int64_t e, int64_t expert_stride,
+                                         int64_t row_bytes, int64_t inter, int64_t r) {
+    return r < inter ? gate + e * expert_stride + r * row_bytes : up + e * expert_stride + (r - inter) * row_bytes;
+}
+
 /* Routed experts for the (token, expert) pairs of a few tokens, unsorted: pair p = t * kk + j uses
-   expert idx[p] with weight wt[p]. gate_up [E, 2I] rows of gu_row_bytes (gate rows first), down [E, D]
-   rows of dn_row_bytes. out [T, D] = sum_j wt[t, j] * down_e(silu(gate_e x_t) * up_e x_t), gate and up clamped
-   at limit first (DeepSeek-V4's SwiGLU; INFINITY: no clamp, the same values as silu_mul).
+   expert idx[p] with weight wt[p]. gate [E, I] and up [E, I] rows of gu_row_bytes (expert e at
+   e * gu_expert_stride of each), down [E, D] rows of dn_row_bytes. out [T, D] = sum_j wt[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
+   gate and up clamped at limit first (DeepSeek-V4's SwiGLU; INFINITY: no clamp, the same values as silu_mul).
    One parallel region: pairs x rows of gate_up, then silu * up, then output rows. */
 int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
-                    const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
-                    int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
+                    const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
+                    const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt, int64_t kk,
                     float limit, float *out, int threads) {
     row_fn fn_gu = ggml_row(type_gu), fn_dn = ggml_row(type_dn);
     if (!fn_gu || !fn_dn) return -1;
@@ -38,9 +45,10 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < pairs * runs; it++) {
             const int64_t p = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
-            const uint8_t *we = gate_up + idx[p] * gu_expert_stride;
-            for (int64_t r = r0; r < r1; r++)
-                gu[p * n_gu + r] = row_dot(fn_gu, fz_gu, we + r * gu_row_bytes, x + (p / kk) * d, d, buf);
+            for (int64_t r = r0; r < r1; r++) {
+                const uint8_t *row = gate_up_row(gate, up, idx[p], gu_expert_stride, gu_row_bytes, inter, r);
+                gu[p * n_gu + r] = row_dot(fn_gu, fz_gu, row, x + (p / kk) * d, d, buf);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < pairs * inter; it++) {
@@ -67,8 +75,8 @@ int mls_moe_experts(int type_gu, int type_dn, const float *x, int64_t t, int64_t
 
 /* mls_moe_experts with int8 activations: x quantized before gate_up, h before down (each for its type). */
 int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
-                       const uint8_t *gate_up, int64_t gu_expert_stride, int64_t gu_row_bytes, const uint8_t *down,
-                       int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
+                       const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
+                       const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
                        int64_t kk, float limit, float *out, int threads) {
     q8rows_fn fn_gu = q8rows(type_gu), fn_dn = q8rows(type_dn);
     if (!fn_gu || !fn_dn) return -1;
@@ -90,10 +98,11 @@ int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int6
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < pairs * runs; it++) {
             const int64_t p = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
-            const uint8_t *we = gate_up + idx[p] * gu_expert_stride;
             const int64_t tok = p / kk;
-            for (int64_t r = r0; r < r1; r++)
-                gu[p * n_gu + r] = q8dot(fn_gu, we + r * gu_row_bytes, xq + tok * d, xd + tok * (d / 32), d);
+            for (int64_t r = r0; r < r1; r++) {
+                const uint8_t *row = gate_up_row(gate, up, idx[p], gu_expert_stride, gu_row_bytes, inter, r);
+                gu[p * n_gu + r] = q8dot(fn_gu, row, xq + tok * d, xd + tok * (d / 32), d);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < pairs * inter; it++) {
