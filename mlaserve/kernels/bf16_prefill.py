@@ -3,7 +3,8 @@ GEMM (oneDNN through torch: AMX-BF16 or AVX512-BF16 where the CPU has them), the
 
 Notation
   x   [M, K]      fp32 activations (M > GEMV_ROWS: the many-rows path of kernels/ggml.py)
-  W   [N, K]      fp32, the weight decoded natively (the reference dequantizer's values bit for bit)
+  W   [N, K]      bf16, the weight decoded natively and rounded to the nearest bf16 in the same pass
+                  (native.dequantize_bf16: the reference dequantizer's values, rounded as torch rounds them)
   xs  [P, K], Ws [A, N, K], offs [A]: the grouped form (routed experts, attention heads), as kernels/ggml.py
   y   [M, N]      fp32 = bf(bf(x) @ bf(W)^T), bf = round to nearest bfloat16 (8 significant bits, u = 2^-8);
                   the sum accumulates in fp32 inside oneDNN and torch's CPU GEMMs return bf16 (no bf16 x bf16 ->
@@ -51,7 +52,7 @@ def takes_bf16(type_id: int, cap: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """y [M, N] fp32 = bf(bf(x) @ bf(w)^T): x [M, K] fp32, w [N, K] fp32 (decoded)."""
+    """y [M, N] fp32 = bf(bf(x) @ bf(w)^T): x [M, K] fp32, w [N, K] bf16 (or fp32, then rounded here)."""
     return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
 
 

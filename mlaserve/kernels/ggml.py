@@ -74,8 +74,9 @@ def linear_native(
     x = x.float().contiguous()
     if x.shape[0] <= GEMV_ROWS:
         return native.gemm(ggml_type, x, w, k, int8=int8)
-    dense_w = native.dequantize(ggml_type, w, k)
-    return bf16_prefill.linear(x, dense_w) if bf16 else F.linear(x, dense_w)
+    if bf16:  # decoded straight to bf16 (one pass; the values of dequantize, rounded)
+        return bf16_prefill.linear(x, native.dequantize_bf16(ggml_type, w, k))
+    return F.linear(x, native.dequantize(ggml_type, w, k))
 
 
 def expert_linear_torch(
@@ -153,16 +154,16 @@ def _decoded_grouped(
     bf16: bool = False,
 ) -> torch.Tensor:
     """Many rows per expert (prefill): the experts decoded natively, then grouped GEMMs, for at most
-    EXPERT_BYTES of decoded fp32 weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
+    EXPERT_BYTES of decoded weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
     15 GB in fp32 at once (the standard benchmark model's 128 MB; chunks were measured no slower there, see
     EXPERT_BYTES).
-    Each expert's rows meet that expert alone, so the chunks give the products of one call. bf16: each chunk's
-    GEMMs in bf16 (bf16_prefill.grouped)."""
+    Each expert's rows meet that expert alone, so the chunks give the products of one call. bf16: the experts
+    decoded straight to bf16 (twice the experts per chunk) and each chunk's GEMMs in bf16 (bf16_prefill.grouped)."""
     a, n = experts.shape[0], w.shape[1]
-    per = max(1, EXPERT_BYTES // (n * k * 4))
-    gemm = bf16_prefill.grouped if bf16 else _grouped_fp32
+    dtype, gemm = (torch.bfloat16, bf16_prefill.grouped) if bf16 else (torch.float32, _grouped_fp32)
+    per = max(1, EXPERT_BYTES // (n * k * dtype.itemsize))
     if a <= per:
-        return gemm(xs, native.dequantize_experts(ggml_type, w, experts, k), offs)
+        return gemm(xs, native.dequantize_experts(ggml_type, w, experts, k, dtype), offs)
     ys = xs.new_empty(xs.shape[0], n)
     ends = [0, *offs.tolist()]  # one host copy of A ends per projection (prefill)
     for c0 in range(0, a, per):
@@ -170,7 +171,7 @@ def _decoded_grouped(
         lo, hi = ends[c0], ends[c1]
         if hi == lo:
             continue
-        dense_w = native.dequantize_experts(ggml_type, w, experts[c0:c1], k)
+        dense_w = native.dequantize_experts(ggml_type, w, experts[c0:c1], k, dtype)
         ys[lo:hi] = gemm(xs[lo:hi], dense_w, offs[c0:c1] - lo)
     return ys
 

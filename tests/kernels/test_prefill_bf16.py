@@ -232,3 +232,23 @@ def test_the_rule_per_weight_type_on_the_fixtures():
     for kind, ratio in worst.items():
         auto = bf16_prefill.takes_bf16(GGML_TYPE_IDS[kind], BF16_BITS["bf16_6bit"])
         assert (ratio <= 0.5) == auto, (kind, ratio, auto)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "Q5_1"])
+def test_native_bf16_decode_is_torchs_rounding_of_the_reference(name):
+    """The bf16 operand is decoded in one pass: bit for bit the reference dequantizer's values rounded by torch (random
+    bits, so some scales are Inf / NaN: NaN where the reference has NaN, whatever its payload)."""
+    g = torch.Generator().manual_seed(6)
+    t, k = GGML_TYPE_IDS[name], 512
+    raw = torch.randint(0, 256, (6, 40, ggml.row_bytes(t, k)), dtype=torch.uint8, generator=g)
+    ref = ggml.dense(raw, t, k).to(torch.bfloat16)
+    assert ref.isfinite().float().mean() > 0.5
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        nan = b.isnan()
+        return torch.equal(a.isnan(), nan) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+    assert same(native.dequantize_bf16(t, raw[2].contiguous(), k), ref[2])
+    experts = torch.tensor([4, 0, 5])
+    assert same(native.dequantize_experts(t, raw, experts, k, torch.bfloat16), ref[experts])
