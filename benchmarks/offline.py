@@ -122,6 +122,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="run only these measurements (default: all; the warm-up and the info call always run)",
     )
+    p.add_argument(
+        "--prefill-len",
+        type=int,
+        default=None,
+        help="prompt tokens of the prefill measurement (default 512; 128 with --quick)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<dtype>[-quick].json)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--worker-args", default=None, help=argparse.SUPPRESS)
@@ -623,7 +629,9 @@ def main() -> None:
     import torch
     from common import RESULTS_DIR, count_params, ensure_model, environment, write_json
 
-    s = QUICK if args.quick else FULL
+    s = dict(QUICK if args.quick else FULL)
+    if args.prefill_len is not None:
+        s["prefill_len"] = args.prefill_len
     wall0 = time.perf_counter()
     folder = ensure_model("standard", args.quick)
     specs, files, skipped = resolve_engines(args, folder)

@@ -37,6 +37,7 @@ from mlaserve.config.machine import (
     choose_dtype,
     choose_gguf_weights,
     choose_kernels,
+    choose_prefill_matmul,
     choose_quantization,
     choose_threads,
 )
@@ -107,6 +108,7 @@ def resolve(
     quantization = choose_quantization(opts.quantization, log)
     kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders)
     activations = choose_activations(opts.activations, kernels, gguf, log)
+    prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log)
     ranks = opts.tensor_parallel_size * opts.expert_parallel_size
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, ranks, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
@@ -186,6 +188,7 @@ def resolve(
         kernels=KernelConfig(
             impl=kernels,
             activations=activations,
+            prefill_matmul=prefill_matmul,
             quantization=quantization,
             experts_impl=opts.experts_impl,
             gguf_weights=gguf_weights,

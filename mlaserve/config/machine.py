@@ -24,6 +24,10 @@ ACTIVATIONS = ("auto", "float", "int8", "int8_6bit")
 # a resolved activations value -> the widest weight (bits per value) whose products take int8 activations (0: none;
 # kernels/native.takes_int8 applies it per weight type)
 INT8_BITS = {"float": 0, "int8_6bit": 6, "int8": 8}
+PREFILL_MATMULS = ("auto", "float", "bf16", "bf16_6bit")
+# a resolved prefill_matmul value -> the widest weight (bits per value) whose many-rows products run in bf16 (0: none;
+# kernels/bf16_prefill.takes_bf16 applies it per weight type, BF16_ALL = every type)
+BF16_BITS = {"float": 0, "bf16_6bit": 6, "bf16": 64}
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 DTYPES = {  # name -> torch's attribute (torch is imported when a config is built, not for `--help`)
@@ -132,6 +136,48 @@ def choose_activations(requested: str, kernels: str, gguf: bool, log: Provenance
         f"user option: {which}: {INT8_SCOPE}; other weight types, larger chunks and the attention over the cache "
         "stay exact",
     )
+
+
+BF16_SCOPE = (
+    "products of more than 16 activation rows per weight (prefill: the weight decoded natively, then one GEMM) "
+    "round the decoded weight and the activations to bfloat16 and run a bf16 GEMM with fp32 accumulation "
+    "(oneDNN; not exact: |dy| <= u |y| + (2u + K 2^-24) sum |x| |w|, u = 2^-8)"
+)
+BF16_RULE = (
+    "weights of 6 bits or fewer (bf16 adds 0.04-0.16x their own quantization error on the fixtures' products); "
+    "Q8_0 stays fp32 (0.54-0.57x, over the rule's 1/2)"
+)
+
+
+def choose_prefill_matmul(requested: str, kernels: str, gguf: bool, log: ProvenanceLog) -> str:
+    """float | bf16_6bit | bf16 (BF16_BITS). auto: bf16 GEMMs for a GGUF's weights of 6 bits or fewer with the native
+    kernels on a CPU whose bf16 GEMMs are fast (config/cpu.fast_bf16: AMX-BF16 or AVX512-BF16), their added error
+    measured well inside the file's own (kernels/bf16_prefill.py); exact fp32 elsewhere."""
+    check_choice("prefill_matmul", requested, PREFILL_MATMULS)
+    if requested == "float":
+        return log.record("prefill_matmul", "float", "user option (fp32 GEMMs on the exact decoded weights)")
+    fast, cpu = fast_bf16()
+    if requested == "auto":
+        if kernels != "native" or not gguf:
+            why = f"kernels={kernels}" if kernels != "native" else "not a GGUF file"
+            return log.record("prefill_matmul", "float", f"engine default (auto: fp32 GEMMs; {why})")
+        if not fast:
+            why = f"engine default (auto: {cpu}: bf16 GEMMs are slower than fp32 here, so fp32 GEMMs)"
+            return log.record("prefill_matmul", "float", why)
+        return log.record(
+            "prefill_matmul",
+            "bf16_6bit",
+            f"engine default (auto: {cpu}): {BF16_SCOPE}, for {BF16_RULE}; decode products unchanged "
+            "(prefill_matmul='float': fp32 everywhere)",
+        )
+    if kernels != "native":
+        raise ConfigError(
+            f"prefill_matmul={requested!r} runs in the native kernels, but kernels resolved to 'torch' "
+            f"({log.source('kernels')}); it needs quantized weights (a GGUF or quantization=...) on CPU"
+        )
+    which = "every weight type (Q8_0 too)" if requested == "bf16" else BF16_RULE
+    slow = "" if fast else f"; {cpu}: slower than fp32 here"
+    return log.record("prefill_matmul", requested, f"user option: {which}: {BF16_SCOPE}{slow}")
 
 
 def choose_gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceLog) -> str | None:

@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlaserve.config.kv_cache import KV_CACHE_DTYPES
-from mlaserve.config.machine import ACTIVATIONS, ATTENTION_BACKENDS, DEVICES, GGUF_WEIGHTS, KERNELS, QUANTIZATIONS
+from mlaserve.config.machine import (
+    ACTIVATIONS,
+    ATTENTION_BACKENDS,
+    DEVICES,
+    GGUF_WEIGHTS,
+    KERNELS,
+    PREFILL_MATMULS,
+    QUANTIZATIONS,
+)
 from mlaserve.config.v4_numerics import V4_INDEXERS, V4_KV_ROUNDINGS
 
 # The vocabulary of the switches (those about the machine -- devices, kernels, dtypes, attention backends --
@@ -102,6 +110,16 @@ class EngineOptions:
         "(faster, not exact); int8_6bit = the same for weights of 6 bits or fewer only, Q8_0 / Q5_0 / Q5_1 exact; auto = "
         "int8_6bit for GGUF files with the native kernels (llama.cpp's choice), else float",
         ACTIVATIONS,
+    )
+    prefill_matmul: str = _opt(
+        "auto",
+        "how the native kernels multiply on their many-rows path (> 16 rows per weight: prefill), where each weight "
+        "is decoded, then one GEMM runs: float = fp32 GEMM on the exact decoded weights; bf16 = the decoded weight "
+        "and the activations rounded to bfloat16, a bf16 GEMM with fp32 accumulation (oneDNN: AMX-BF16 / "
+        "AVX512-BF16 where the CPU has them; not exact, within bf16's rounding); bf16_6bit = the same for weights of "
+        "6 bits or fewer only, Q8_0 fp32; auto = bf16_6bit for GGUF files with the native kernels on a CPU with "
+        "AMX-BF16 or AVX512-BF16 (Q8_0's added error is over half its own), else float",
+        PREFILL_MATMULS,
     )
     quantization: str | None = _opt(
         None,

@@ -123,7 +123,7 @@ class AgainstReport:
 def open_side(path: str, **options) -> Side:
     """Load one copy in float32 with exact products (the comparison is of the files' weights, not of a runtime
     dtype or activation rounding); the activations its engine would take with these options are kept apart."""
-    llm = LLM(path, **{**options, "dtype": "float32", "activations": "float"})
+    llm = LLM(path, **{**options, "dtype": "float32", "activations": "float", "prefill_matmul": "float"})
     gguf = llm.loaded.path.suffix == ".gguf"
     would = choose_activations(options.get("activations", "auto"), llm.config.kernels.impl, gguf, ProvenanceLog())
     side = Side(path, llm, activations=would)
@@ -234,7 +234,7 @@ def _products(m: torch.nn.Module, args: tuple, c0: int, cap: int) -> tuple[torch
     x, topk_w, topk_idx = (a[c0:c1] for a in args)  # GGUFExperts(x [T, D], topk_w [T, k], topk_idx [T, k])
 
     def with_int8(i8: int):
-        return lambda xs, w, t, k, active, offs, _: ggml.expert_linear_native(xs, w, t, k, active, offs, i8)
+        return lambda xs, w, t, k, active, offs, *_: ggml.expert_linear_native(xs, w, t, k, active, offs, i8)
 
     return tuple(m._grouped(x.float(), topk_w, topk_idx, with_int8(i8)) for i8 in (0, cap))
 

@@ -21,6 +21,9 @@ summation order (tests/kernels/test_kernels.py holds them to that bound). With i
 activations; native.takes_int8 says which weight types under which setting) the small-batch products quantize
 their activations as llama.cpp does and take integer dot products: not exact, within the activations'
 quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to llama.cpp's definitions exactly).
+With bf16 (engine option prefill_matmul; bf16_prefill.takes_bf16 says which weight types, decided per weight at
+load) the many-rows products round the decoded weight and the activations to bfloat16 and run one bf16 GEMM
+(kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.gguf.quants import GGML_TYPES, dequantize
-from mlaserve.kernels import native
+from mlaserve.kernels import bf16_prefill, native
 
 # Rows of x per weight up to which the decode-and-dot kernel beats decode-then-BLAS (measured on
 # 2-core AVX2 EPYCs: at 16 rows the two are about even for a 1024 x 1024 Q8_0 weight).
@@ -65,13 +68,18 @@ def linear_torch(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8:
     return F.linear(x.float(), dense(w, ggml_type, k))
 
 
-def linear_native(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False) -> torch.Tensor:
+def linear_native(
+    x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False, bf16: bool = False
+) -> torch.Tensor:
     """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: the weight types native.takes_int8
     names take int8 activations, engine option activations: not exact); more rows: the weight decoded natively (the
-    reference's values bit for bit), then the BLAS GEMM."""
+    reference's values bit for bit), then the BLAS GEMM in fp32, or with bf16 (this weight takes bf16 prefill, the
+    holder's choice at load) the bf16 GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
     if x.shape[0] <= GEMV_ROWS:
         return native.gemm(ggml_type, x, w, k, int8=int8)
+    if bf16:  # decoded straight to bf16 (one pass; the values of dequantize, rounded)
+        return bf16_prefill.linear(x, native.dequantize_bf16(ggml_type, w, k))
     return F.linear(x, native.dequantize(ggml_type, w, k))
 
 
@@ -90,8 +98,10 @@ def expert_linear_torch(
     experts: torch.Tensor,
     offs: torch.Tensor,
     int8: bool = False,
+    bf16: bool = False,
 ) -> torch.Tensor:
-    """The reference: ys [P, N] fp32, rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight."""
+    """The reference: ys [P, N] fp32, rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight
+    (exact: int8 and bf16 are the native kernels' only; the kernel plan sets them only on the native path)."""
     dense_w = torch.cat([dense(p[experts], ggml_type, k) for p in _parts(w)], dim=1)
     return torch._grouped_mm(xs.float(), dense_w.transpose(1, 2), offs=offs)
 
@@ -104,17 +114,18 @@ def expert_linear_native(
     experts: torch.Tensor,
     offs: torch.Tensor,
     int8: bool = False,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert the grouped decode-and-dot
     (int8: as linear_native; each output row is its own dot product, so parts run one call each); more: the
-    active experts decoded natively, then grouped GEMMs (_decoded_grouped)."""
+    active experts decoded natively, then grouped GEMMs (_decoded_grouped; bf16: in bf16, as linear_native)."""
     xs = xs.float().contiguous()
     if xs.shape[0] <= GEMV_ROWS * experts.shape[0]:
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         ys = [native.grouped_gemm(ggml_type, xs, p, k, experts, starts, int8=int8) for p in _parts(w)]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-    return _decoded_grouped(xs, _parts(w), ggml_type, k, experts.to(torch.int64).contiguous(), offs)
+    return _decoded_grouped(xs, _parts(w), ggml_type, k, experts.to(torch.int64).contiguous(), offs, bf16)
 
 
 ExpertProduct = Callable[..., torch.Tensor]  # expert_linear_native / expert_linear_torch
@@ -147,17 +158,25 @@ def expert_linear(
 
 
 def _decoded_grouped(
-    xs: torch.Tensor, parts: tuple[torch.Tensor, ...], ggml_type: int, k: int, experts: torch.Tensor, offs: torch.Tensor
+    xs: torch.Tensor,
+    parts: tuple[torch.Tensor, ...],
+    ggml_type: int,
+    k: int,
+    experts: torch.Tensor,
+    offs: torch.Tensor,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """Many rows per expert (prefill): the experts decoded natively, then grouped GEMMs, for at most
-    EXPERT_BYTES of decoded fp32 weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
+    EXPERT_BYTES of decoded weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
     15 GB in fp32 at once (the standard benchmark model's 128 MB; chunks were measured no slower there, see
     EXPERT_BYTES).
-    Each expert's rows meet that expert alone, so the chunks give the products of one call."""
+    Each expert's rows meet that expert alone, so the chunks give the products of one call. bf16: the experts
+    decoded straight to bf16 (twice the experts per chunk) and each chunk's GEMMs in bf16 (bf16_prefill.grouped)."""
     a, n = experts.shape[0], sum(p.shape[1] for p in parts)
-    per = max(1, EXPERT_BYTES // (n * k * 4))
+    dtype, gemm = (torch.bfloat16, bf16_prefill.grouped) if bf16 else (torch.float32, _grouped_fp32)
+    per = max(1, EXPERT_BYTES // (n * k * dtype.itemsize))
     if a <= per:
-        return torch._grouped_mm(xs, _decode_parts(parts, ggml_type, experts, k).transpose(1, 2), offs=offs)
+        return gemm(xs, _decode_parts(parts, ggml_type, experts, k, dtype), offs)
     ys = xs.new_empty(xs.shape[0], n)
     ends = [0, *offs.tolist()]  # one host copy of A ends per projection (prefill)
     for c0 in range(0, a, per):
@@ -165,22 +184,30 @@ def _decoded_grouped(
         lo, hi = ends[c0], ends[c1]
         if hi == lo:
             continue
-        dense_w = _decode_parts(parts, ggml_type, experts[c0:c1], k)
-        ys[lo:hi] = torch._grouped_mm(xs[lo:hi], dense_w.transpose(1, 2), offs=offs[c0:c1] - lo)
+        dense_w = _decode_parts(parts, ggml_type, experts[c0:c1], k, dtype)
+        ys[lo:hi] = gemm(xs[lo:hi], dense_w, offs[c0:c1] - lo)
     return ys
 
 
-def _decode_parts(parts: tuple[torch.Tensor, ...], ggml_type: int, experts: torch.Tensor, k: int) -> torch.Tensor:
-    """[A, N, K] fp32: the experts' rows of every part, each part decoded where it lies into its rows of one
-    buffer (gate rows, then up rows: the fused stack's decoded values, without a fused copy of the blocks)."""
+def _decode_parts(
+    parts: tuple[torch.Tensor, ...], ggml_type: int, experts: torch.Tensor, k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[A, N, K] in dtype (fp32, or bf16: the same values rounded): the experts' rows of every part, each part
+    decoded where it lies into its rows of one buffer (gate rows, then up rows: the fused stack's decoded values,
+    without a fused copy of the blocks)."""
     if len(parts) == 1:
-        return native.dequantize_experts(ggml_type, parts[0], experts, k)
-    out = torch.empty(experts.shape[0], sum(p.shape[1] for p in parts), k, dtype=torch.float32)
+        return native.dequantize_experts(ggml_type, parts[0], experts, k, dtype)
+    out = torch.empty(experts.shape[0], sum(p.shape[1] for p in parts), k, dtype=dtype)
     row = 0
     for p in parts:
-        native.dequantize_experts(ggml_type, p, experts, k, out=out[:, row : row + p.shape[1]])
+        native.dequantize_experts(ggml_type, p, experts, k, dtype, out=out[:, row : row + p.shape[1]])
         row += p.shape[1]
     return out
+
+
+def _grouped_fp32(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """ys [P, N] fp32: rows of group a times ws[a]^T ([A, N, K] decoded), the exact path's fp32 grouped GEMM."""
+    return torch._grouped_mm(xs, ws.transpose(1, 2), offs=offs)
 
 
 def moe_experts(

@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 19  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 20  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -141,6 +141,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_mqa8.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
+    lib.mls_dequantize_bf16.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
+    lib.mls_dequantize_experts_bf16.argtypes = lib.mls_dequantize_experts.argtypes
     lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
     lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
@@ -361,23 +363,43 @@ def dequantize(type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = N
     return out
 
 
+def dequantize_bf16(type_id: int, w: torch.Tensor, k: int) -> torch.Tensor:
+    """w [N, R] uint8 contiguous (a ggml block type) -> [N, K] bf16: the reference's fp32 values rounded to the nearest
+    bf16, the bits of dequantize(...).to(torch.bfloat16), written in one pass (the bf16 prefill GEMMs' operand)."""
+    n = w.shape[0]
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    rc = library().mls_dequantize_bf16(
+        type_id, w.data_ptr(), n, w.shape[-1], k, out.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"native dequantize_bf16 refused type {type_id} (rc {rc})")
+    return out
+
+
 def dequantize_experts(
-    type_id: int, w: torch.Tensor, experts: torch.Tensor, k: int, out: torch.Tensor | None = None
+    type_id: int,
+    w: torch.Tensor,
+    experts: torch.Tensor,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """w [E, N, R] uint8 (rows contiguous), experts [A] int64 contiguous -> [A, N, K] fp32: those experts'
-    rows decoded bit-identically with the reference, read in place (ggml block types). out: where to write them,
-    an [A, N, K] fp32 view whose experts may lie further apart than N * K (a slice of a larger buffer: a layer's
-    gate and up stacks decoded into the halves of one [A, 2N, K] buffer); its rows contiguous."""
+    rows decoded bit-identically with the reference, read in place (ggml block types). dtype bfloat16: those values
+    rounded to the nearest bf16 in the same pass (as dequantize_bf16). out: where to write them, an [A, N, K]
+    view of that dtype whose experts may lie further apart than N * K (a slice of a larger buffer: a layer's gate
+    and up stacks decoded into the halves of one [A, 2N, K] buffer); its rows contiguous."""
     a, n = experts.shape[0], w.shape[1]
     if w.stride(2) != 1 or w.stride(1) != w.shape[2] or experts.dtype != torch.int64 or not experts.is_contiguous():
         raise ValueError("dequantize_experts: w needs contiguous rows per expert, experts contiguous int64")
     if a and not 0 <= int(experts.min()) <= int(experts.max()) < w.shape[0]:
         raise IndexError(f"dequantize_experts: an expert id outside the stack of {w.shape[0]}")
     if out is None:
-        out = torch.empty(a, n, k, dtype=torch.float32)
-    elif out.shape != (a, n, k) or out.dtype != torch.float32 or out.stride()[1:] != (k, 1):
-        raise ValueError(f"dequantize_experts: out {tuple(out.shape)} {out.dtype} is not [{a}, {n}, {k}] fp32 rows")
-    rc = library().mls_dequantize_experts(
+        out = torch.empty(a, n, k, dtype=dtype)
+    elif out.shape != (a, n, k) or out.dtype != dtype or out.stride()[1:] != (k, 1):
+        raise ValueError(f"dequantize_experts: out {tuple(out.shape)} {out.dtype} is not [{a}, {n}, {k}] {dtype} rows")
+    fn = {torch.float32: library().mls_dequantize_experts, torch.bfloat16: library().mls_dequantize_experts_bf16}[dtype]
+    rc = fn(
         type_id, w.data_ptr(), w.stride(0), experts.data_ptr(), a, n, w.shape[2], k, out.data_ptr(), out.stride(0),
         torch.get_num_threads(),
     )  # fmt: skip

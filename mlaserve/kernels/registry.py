@@ -45,6 +45,7 @@ class KernelContext:
 
     kernels: str  # "native" | "torch"
     int8: int  # activations: 0 float; else the widest weight (bits per value) whose products take int8 (native.takes_int8)
+    bf16: int = 0  # prefill_matmul: 0 fp32; else the widest weight whose many-rows products run in bf16 (bf16_prefill)
 
 
 Supports = Callable[[nn.Module, KernelContext], "str | None"]
@@ -251,6 +252,8 @@ def _apply_native(module: nn.Module, ctx: KernelContext) -> None:
     module.kernel = "native"
     if ctx.int8 and hasattr(module, "int8"):  # GGUF block holders: llama.cpp's integer dots (not exact)
         module.int8 = ctx.int8
+    if ctx.bf16 and hasattr(module, "set_prefill_bf16"):  # GGUF block holders: bf16 GEMMs on prefill (not exact)
+        module.set_prefill_bf16(ctx.bf16)
 
 
 for _op in MODULE_OPS:

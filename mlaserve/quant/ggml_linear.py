@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import ggml, native, native_layers, registry
+from mlaserve.kernels import bf16_prefill, ggml, native, native_layers, registry
 from mlaserve.models.layers import SwiGLU
 from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
 from mlaserve.quant.int4_experts import INT4Experts
@@ -53,11 +53,18 @@ def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
     return f"int8 activations for {', '.join(taken)} ({native.int8_isa()})" if taken else None
 
 
-def _plan_note(types: dict[str, int], int8: bool | int) -> str:
+def bf16_detail(types: tuple[int, ...], bf16: tuple[bool, ...]) -> str | None:
+    """What the kernel plan says of a holder's prefill products: the types of its weights whose many-rows products
+    run in bf16 (bf16_prefill.units: the CPU's bf16 units); None where none does (fp32 GEMMs)."""
+    taken = sorted({GGML_TYPES[t].name for t, b in zip(types, bf16, strict=True) if b})
+    return f"bf16 prefill GEMMs for {', '.join(taken)} ({bf16_prefill.units()})" if taken else None
+
+
+def _plan_note(types: dict[str, int], int8: bool | int, bf16: tuple[bool, ...] = ()) -> str:
     """A holder's kernel-plan note: what its products run (fused or not) and, where any takes them, its int8
-    activations."""
-    taken = int8_detail(tuple(types.values()), int8)
-    return f"{_types_detail(types)}; {taken}" if taken else _types_detail(types)
+    activations and its bf16 prefill GEMMs (bf16: per part of `types`, in order)."""
+    said = [int8_detail(tuple(types.values()), int8), bf16_detail(tuple(types.values()), bf16) if bf16 else None]
+    return "; ".join([_types_detail(types), *(s for s in said if s)])
 
 
 def _types_detail(types: dict[str, int]) -> str:
@@ -81,6 +88,7 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
         self.kernel = "torch"  # the reference until the loader sets the engine's kernels (binds self.matmul)
         self.int8 = False  # int8 activations: False, or the cap of kernels/native.takes_int8 (set by the KernelPlan)
+        self.bf16 = False  # prefill (many-rows) products in bf16 (set by the KernelPlan: set_prefill_bf16)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -97,7 +105,7 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _matmul_native(self, x2: torch.Tensor) -> torch.Tensor:
-        return ggml.linear_native(x2, self.weight, self.ggml_type, self.in_features, self.int8)
+        return ggml.linear_native(x2, self.weight, self.ggml_type, self.in_features, self.int8, self.bf16)
 
     def _matmul_torch(self, x2: torch.Tensor) -> torch.Tensor:
         return ggml.linear_torch(x2, self.weight, self.ggml_type, self.in_features)
@@ -105,9 +113,13 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
     def describe(self) -> tuple[str, tuple[int, int]]:
         return _describe(self.ggml_type)
 
+    def set_prefill_bf16(self, cap: int) -> None:
+        """The KernelPlan's bf16 prefill setting (the widest weight taking it, bits per value): decided here, once."""
+        self.bf16 = bf16_prefill.takes_bf16(self.ggml_type, cap)
+
     def native_detail(self) -> str:
         """The plan's note: the build and whether the type has a fused decode-and-dot kernel in it."""
-        return _plan_note({"weight": self.ggml_type}, self.int8)
+        return _plan_note({"weight": self.ggml_type}, self.int8, (self.bf16,))
 
     def extra_repr(self) -> str:
         t = GGML_TYPES[self.ggml_type].name
@@ -154,6 +166,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         nn.Module.__init__(self)
         self.impl, self.hidden, self.inter, self.kernel, self.int8 = "grouped_mm", hidden, inter, "torch", False
         self.type_gate_up, self.type_down = type_gate_up, type_down
+        self.bf16_gate_up = self.bf16_down = False  # prefill products in bf16, per projection (set_prefill_bf16)
         self.gate_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.up_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(type_down, inter)), device)
@@ -180,9 +193,15 @@ class GGUFExperts(registry.KernelSwitch, Experts):
             name += f" (down_proj {GGML_TYPES[self.type_down].name})"
         return name, block
 
+    def set_prefill_bf16(self, cap: int) -> None:
+        """The KernelPlan's bf16 prefill setting, decided once per projection (their types may differ)."""
+        self.bf16_gate_up = bf16_prefill.takes_bf16(self.type_gate_up, cap)
+        self.bf16_down = bf16_prefill.takes_bf16(self.type_down, cap)
+
     def native_detail(self) -> str:
         """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""
-        return _plan_note({"gate_up": self.type_gate_up, "down": self.type_down}, self.int8)
+        types = {"gate_up": self.type_gate_up, "down": self.type_down}
+        return _plan_note(types, self.int8, (self.bf16_gate_up, self.bf16_down))
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
@@ -221,10 +240,10 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
-        gu = product(xs, self.gate_up, self.type_gate_up, self.hidden, active, offs, self.int8)
+        gu = product(xs, self.gate_up, self.type_gate_up, self.hidden, active, offs, self.int8, self.bf16_gate_up)
         g, u = gu.chunk(2, dim=-1)
         h = self._swiglu(g, u)
-        ys = product(h, self.down_proj, self.type_down, self.inter, active, offs, self.int8)
+        ys = product(h, self.down_proj, self.type_down, self.inter, active, offs, self.int8, self.bf16_down)
         ys = ys * topk_w.reshape(-1)[order, None].float()
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -259,24 +278,27 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
     def __init__(self, k_b: torch.Tensor, type_k: int, v_b: torch.Tensor, type_v: int, dn: int, r: int) -> None:
         super().__init__()
         self.type_k, self.type_v, self.dn, self.r, self.kernel, self.int8 = type_k, type_v, dn, r, "torch", False
+        self.bf16_k = self.bf16_v = False  # prefill products in bf16, per matrix (set_prefill_bf16)
         self.k_b = nn.Parameter(k_b, requires_grad=False)
         self.v_b = nn.Parameter(v_b, requires_grad=False)
         self.heads = k_b.shape[0]
         self._group_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix, by the C kernels."""
+    def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: bool) -> torch.Tensor:
+        """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix, by the C kernels (bf16: the matrix's
+        many-rows products in bf16, the plan's choice for it)."""
         n, h = x.shape[0], self.heads
         xs = x.float().transpose(0, 1).reshape(h * n, k)  # grouped by head
         if n <= self.NATIVE_ROWS:  # decode: straight to the grouped GEMV
             heads, starts = self._groups(n)
             y = native.grouped_gemm(ggml_type, xs.contiguous(), w, k, heads, starts, int8=self.int8)
         else:
-            y = ggml.expert_linear_native(xs, w, ggml_type, k, *self._offsets(n, x.device), self.int8)
+            y = ggml.expert_linear_native(xs, w, ggml_type, k, *self._offsets(n, x.device), self.int8, bf16)
         return y.view(h, n, -1).transpose(0, 1)
 
-    def _per_head_torch(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        """The reference of _per_head_native: one grouped GEMM over the dequantized heads."""
+    def _per_head_torch(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: bool) -> torch.Tensor:
+        """The reference of _per_head_native: one grouped GEMM over the dequantized heads (exact: bf16 is the
+        native path's only, and the plan sets it only there)."""
         n, h = x.shape[0], self.heads
         xs = x.float().transpose(0, 1).reshape(h * n, k)
         y = ggml.expert_linear_torch(xs, w, ggml_type, k, *self._offsets(n, x.device))
@@ -297,16 +319,20 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, H, dn] -> q_nope W_UK: [N, H, r] in q_nope's dtype."""
-        return self.per_head(q_nope, self.k_b, self.type_k, self.dn).to(q_nope.dtype)
+        return self.per_head(q_nope, self.k_b, self.type_k, self.dn, self.bf16_k).to(q_nope.dtype)
 
     def expand(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [..., H, r] -> o_lat W_UV^T: [..., H, dv] in o_lat's dtype."""
         lead = o_lat.shape[:-2]
-        y = self.per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r)
+        y = self.per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r, self.bf16_v)
         return y.reshape(*lead, self.heads, -1).to(o_lat.dtype)
 
+    def set_prefill_bf16(self, cap: int) -> None:
+        """The KernelPlan's bf16 prefill setting, decided once per matrix."""
+        self.bf16_k, self.bf16_v = bf16_prefill.takes_bf16(self.type_k, cap), bf16_prefill.takes_bf16(self.type_v, cap)
+
     def native_detail(self) -> str:
-        return _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8)
+        return _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v))
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"

@@ -37,6 +37,7 @@ WHERE = {
     "v4_indexer": "attention.v4_indexer",
     "kernels": "kernels.impl",
     "activations": "kernels.activations",
+    "prefill_matmul": "kernels.prefill_matmul",
     "quantization": "kernels.quantization",
     "experts_impl": "kernels.experts_impl",
     "gguf_weights": "kernels.gguf_weights",

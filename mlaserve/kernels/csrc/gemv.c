@@ -154,6 +154,70 @@ int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, co
     return 0;
 }
 
+/* bf16 out: the decoded fp32 rows rounded to the nearest bf16 (ties to even; NaN -> 0x7FC0), the bits torch's
+   .to(torch.bfloat16) gives: what the bf16 prefill GEMMs read (kernels/bf16_prefill.py), written once instead of
+   fp32 rows then a conversion pass. Each thread decodes a row into its own fp32 buffer. */
+static inline void bf16_row(const float *src, uint16_t *dst, int64_t k) {
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t u;
+        memcpy(&u, &src[i], 4);
+        uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : r;
+    }
+}
+
+/* mls_dequantize for ggml types, out [N, K] bf16 bits */
+int mls_dequantize_bf16(int type, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, uint16_t *out,
+                        int threads) {
+    row_fn fn = ggml_row(type);
+    if (!fn) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)k);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            if (!buf) continue;
+            prefetch_row(w + r * row_bytes, row_bytes);
+            fn(w + r * row_bytes, buf, k);
+            bf16_row(buf, out + r * k, k);
+        }
+        free(buf);
+    }
+    return failed ? -4 : 0;
+}
+
+/* mls_dequantize_experts, out [A, N, K] bf16 bits (expert j's rows at out + j * out_expert_stride) */
+int mls_dequantize_experts_bf16(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
+                                int64_t n, int64_t row_bytes, int64_t k, uint16_t *out, int64_t out_expert_stride,
+                                int threads) {
+    row_fn fn = ggml_row(type);
+    if (!fn) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)k);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < a * n; it++) {
+            if (!buf) continue;
+            const uint8_t *row = w + experts[it / n] * expert_stride + (it % n) * row_bytes;
+            prefetch_row(row, row_bytes);
+            fn(row, buf, k);
+            bf16_row(buf, out + (it / n) * out_expert_stride + (it % n) * k, k);
+        }
+        free(buf);
+    }
+    return failed ? -4 : 0;
+}
+
 /* ---------------------------------------------------------------- a linear's rows, for the one-call layers
    (moe/block.c, decode_layer.c): a type's kernels looked up once, then mls_gemm's per-row operations. */
 typedef struct {

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 19
+#define MLS_ABI_VERSION 20
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -160,6 +160,11 @@ int mls_dequantize(int type, const uint8_t *w, int64_t n, int64_t row_bytes, con
 int mls_dequantize_experts(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
                            int64_t n, int64_t row_bytes, int64_t k, float *out, int64_t out_expert_stride,
                            int threads);
+int mls_dequantize_bf16(int type, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, uint16_t *out,
+                        int threads);
+int mls_dequantize_experts_bf16(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
+                                int64_t n, int64_t row_bytes, int64_t k, uint16_t *out,
+                                int64_t out_expert_stride, int threads);
 
 /* int8.c: the same products with int8 activations (Q8_0 / Q4_0: per 32 values; Q4_K / Q5_K / Q6_K: llama.cpp's
    q8_K, per 256); mls_quantize_act: x [m, k] (row stride ldx) -> the codes q [m, k] and k / 32 float slots per row

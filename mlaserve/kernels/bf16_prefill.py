@@ -1,0 +1,67 @@
+"""Prefill products on the matrix units: the decoded weight and the activations rounded to bfloat16, one bf16
+GEMM (oneDNN through torch: AMX-BF16 or AVX512-BF16 where the CPU has them), the result widened to fp32.
+
+Notation
+  x   [M, K]      fp32 activations (M > GEMV_ROWS: the many-rows path of kernels/ggml.py)
+  W   [N, K]      bf16, the weight decoded natively and rounded to the nearest bf16 in the same pass
+                  (native.dequantize_bf16: the reference dequantizer's values, rounded as torch rounds them)
+  xs  [P, K], Ws [A, N, K], offs [A]: the grouped form (routed experts, attention heads), as kernels/ggml.py
+  y   [M, N]      fp32 = bf(bf(x) @ bf(W)^T), bf = round to nearest bfloat16 (8 significant bits, u = 2^-8);
+                  the sum accumulates in fp32 inside oneDNN and torch's CPU GEMMs return bf16 (no bf16 x bf16 ->
+                  fp32 GEMM on the CPU in torch 2.13), so the output is rounded once more:
+                  |y - x W^T| <= u |x W^T| + (2u + u^2 + K 2^-24)(1 + u) sum_k |x_k| |W_k|
+                  (tests/kernels/test_prefill_bf16.py holds the products to it against an fp64 computation).
+
+Which weights take it (a setting: the widest weight, in bits per value, whose products run in bf16; 0 none):
+the rule of docs/FORMATS.md, as for int8 activations: the error bf16 adds must stay well inside (at most half)
+the file's own quantization error. Measured per type on the fixtures' tensors (products with N(0,1)
+activations, ||y_bf16 - y_file|| / ||y_file|| against ||y_file - y_f32|| / ||y_f32||, the f32 file the
+reference): Q4_0 0.035x, Q4_K 0.041x, Q5_0 0.071x, Q5_1 0.078x, Q5_K 0.080x, Q6_K 0.16x, Q8_0 0.54-0.57x
+(over the rule: bf16 keeps 8 significant bits, Q8_0's own step is about as fine). So the automatic choice
+(prefill_matmul "bf16_6bit", config/machine.BF16_BITS) takes weights of 6 bits or fewer and Q8_0 stays fp32;
+prefill_matmul="bf16" takes every type (BF16_ALL).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mlaserve.config.cpu import cpu_flags
+from mlaserve.gguf.quants import GGML_TYPES
+
+# bits per stored value of each block type (what a bf16 setting caps); types not listed (F32, F16, BF16) never
+# take bf16 prefill under a cap below BF16_ALL
+WEIGHT_BITS = {
+    "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "IQ4_NL": 4, "MXFP4": 4,
+    "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_XS": 4,
+    "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3, "IQ3_S": 3, "IQ1_S": 1, "IQ1_M": 1,
+    "TQ1_0": 2, "TQ2_0": 2,
+}  # fmt: skip
+BF16_UNITS = ("amx_bf16", "avx512_bf16")  # the flags of the units, fastest first
+BF16_ALL = 64  # a setting under which every weight type takes bf16 prefill (prefill_matmul="bf16")
+
+
+def takes_bf16(type_id: int, cap: int) -> bool:
+    """Whether products with a weight of this ggml type run in bf16 on the many-rows path under the setting
+    `cap` (asked once per weight at load, when the kernel plan binds the holders)."""
+    if cap >= BF16_ALL:
+        return True
+    bits = WEIGHT_BITS.get(GGML_TYPES[type_id].name)
+    return bits is not None and bits <= cap
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [M, N] fp32 = bf(bf(x) @ bf(w)^T): x [M, K] fp32, w [N, K] bf16 (or fp32, then rounded here)."""
+    return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+
+
+def grouped(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times ws[a]^T, in bf16 as linear()."""
+    return torch._grouped_mm(xs.to(torch.bfloat16), ws.to(torch.bfloat16).transpose(1, 2), offs=offs).float()
+
+
+def units() -> str:
+    """The CPU's bf16 matrix units oneDNN runs these GEMMs on, for the kernel plan's note."""
+    found = [f for f in BF16_UNITS if f in cpu_flags()]
+    return f"oneDNN on {found[0]}" if found else "no AMX-BF16 / AVX512-BF16 here: torch's bf16 GEMM in fp32 units"
