@@ -289,7 +289,9 @@ def _zeros(rows: int, width: int, dtype: torch.dtype, device: str | torch.device
     nbytes = rows * width * size
     if torch.device(device).type != "cpu" or nbytes < _MAPPED_FROM:
         return torch.zeros(rows, width, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(rows, width)
+    # private: counted as the process's anonymous memory (RssAnon) and not shared with a forked child
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapped, dtype=torch.uint8).view(dtype).view(rows, width)
 
 
 _MAPPED_FROM = 16 * mmap.PAGESIZE  # smaller blocks (the pad rows of tiny models) are written at once
