@@ -321,7 +321,7 @@ def windows(samples, width: float) -> list[dict]:
 def fill_pool(url: str, model: str, vocab: int, context: int, page_size: int, pid: int | None, seed: int) -> dict:
     """Write every KV page once before the soak, so that its RSS baseline has the whole pool resident.
 
-    The cache tensors are calloc'd (cache/model_cache.py): a page costs memory when a row of it is first
+    The cache tensors are zero pages of memory maps (cache/model_cache.py): a page costs memory when a row of it is first
     written, and the page pool hands out never-used pages first (FIFO; prefix caching keeps released full
     pages until no never-used page is left). Prompts of distinct random tokens (no prefix-cache hit) with
     max_tokens 1 write ceil(L / page_size) pages each; prompts of k pages minus one token leave no

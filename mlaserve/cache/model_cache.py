@@ -35,10 +35,12 @@ pages read from disk back (one index_copy per tensor).
 
 from __future__ import annotations
 
-import numpy as np
+import math
+import mmap
+
 import torch
 
-from mlaserve.cache.quantized_rows import QuantizedRows, plain_zeros
+from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.layer_kinds import LayerKind, StateSpec, check_page_size, request_states, snapshot_states
 from mlaserve.config.model import ConfigError
 
@@ -209,6 +211,17 @@ class ModelCache:
         total = sum((t.shape[0] - 1) * _row_bytes(t) for t in paged)
         return total // (self.num_pages * self.page_size)
 
+    def measured_page_bytes(self) -> tuple[int, int]:
+        """(bytes of one page's rows, bytes of its snapshot rows) as allocated, the pad rows left out: the pool
+        costs num_pages x their sum (`inspect` and the server's ready line state it)."""
+        rows = sum(
+            (layer.tensors[s.name].shape[0] - 1) * _row_bytes(layer.tensors[s.name])
+            for layer in self.layers
+            for s in layer.kind.paged
+        )
+        snaps = sum((snap.shape[0] - 1) * _row_bytes(snap) for _, snap in self.snapshot_pairs())
+        return rows // self.num_pages, snaps // self.num_pages
+
     def measured_bytes_per_request(self) -> int:
         """Allocated bytes of request state per slot, the pad slot left out (0 without request states)."""
         if not self.num_slots:
@@ -238,10 +251,14 @@ def _allocate_block(
     s: StateSpec, n: int, dtype: torch.dtype, device: str | torch.device
 ) -> torch.Tensor | QuantizedRows:
     """n blocks of a request state [n, *per_request, width] (slots, or one snapshot row per page): 8-bit rows
-    when the state is kept so (DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3), else its dtype."""
+    when the state is kept so (DeepSeek-V4's ring under kv_cache_dtype fp8_e4m3), else its dtype. Zero pages
+    as the paged rows (`_zeros`): a snapshot row becomes resident when its page's boundary is first reached,
+    a slot when a request first runs in it (torch.zeros wrote every byte at start: 12.8 GiB of snapshots for a
+    4-layer Kimi-Linear-shaped stack's default pool before a request arrived)."""
     if s.quant is not None:
-        return QuantizedRows(s.quant, (n, *s.per_request), dtype, device, plain_zeros)
-    return torch.zeros(n, *s.request_shape, dtype=s.dtype or dtype, device=device)
+        return QuantizedRows(s.quant, (n, *s.per_request), dtype, device, _zeros)
+    values = math.prod(s.request_shape)  # a block's values, allocated flat: zero pages like the rows (`_zeros`)
+    return _zeros(n, values, s.dtype or dtype, device).view(n, *s.request_shape)
 
 
 def take(t: torch.Tensor | QuantizedRows, index: torch.Tensor) -> torch.Tensor | QuantizedRows:
@@ -262,10 +279,19 @@ def _row_bytes(t: torch.Tensor | QuantizedRows) -> int:
 
 
 def _zeros(rows: int, width: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """A zeroed [rows, width] tensor. On the CPU its memory comes from calloc (numpy.zeros), which for a
-    large block maps zero pages that become resident only when a row is first written: the cache sized
-    for every page costs memory as requests fill it, not at startup (torch.zeros writes every byte)."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(rows, width, dtype=dtype, device=device)
+    """A zeroed [rows, width] tensor. On the CPU a block of more than a few pages is its own anonymous memory
+    map: zero pages that become resident only when first written, so the cache sized for every page costs
+    memory as requests fill it, not at startup (torch.zeros writes every byte). Not calloc: glibc serves a
+    block below its mmap threshold from the heap and clears reused memory by writing it, and the threshold
+    moves (it grows to the largest block freed, up to 32 MiB; malloc_tuning sets 32 MiB), so calloc left
+    smaller snapshot and slot blocks resident. The map is unmapped when the tensor is freed."""
     size = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(rows * width * size, dtype=np.uint8)).view(dtype).view(rows, width)
+    nbytes = rows * width * size
+    if torch.device(device).type != "cpu" or nbytes < _MAPPED_FROM:
+        return torch.zeros(rows, width, dtype=dtype, device=device)
+    # private: counted as the process's anonymous memory (RssAnon) and not shared with a forked child
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapped, dtype=torch.uint8).view(dtype).view(rows, width)
+
+
+_MAPPED_FROM = 16 * mmap.PAGESIZE  # smaller blocks (the pad rows of tiny models) are written at once

@@ -112,7 +112,7 @@ class QuantizedRows:
         self, fmt: RowFormat, rows: int | tuple[int, ...], dtype: torch.dtype, device: str | torch.device, zeros
     ) -> None:
         """rows: the leading dims L (an int: one); zeros(rows, width, dtype, device): the cache's allocator
-        (model_cache._zeros: calloc'd on the CPU), called with prod(L) rows."""
+        (model_cache._zeros: zero pages mapped on the CPU), called with prod(L) rows."""
         lead = (rows,) if isinstance(rows, int) else tuple(rows)
         n = math.prod(lead)
         self.fmt, self.dtype, self.device = fmt, dtype, torch.device(device)

@@ -63,7 +63,12 @@ class EngineOptions:
     )
     max_num_batched_tokens: int = _opt(2048, "token budget per step (long prompts are prefilled in chunks of it)")
     max_num_seqs: int = _opt(64, "running requests at most")
-    num_pages: int | None = _opt(None, "pages in the cache pool (default: 16 sequences of up to 2048 tokens)")
+    num_pages: int | None = _opt(
+        None,
+        "pages in the cache pool (default: 16 sequences of up to 2048 tokens; where each page also keeps "
+        "page-boundary snapshots of request states, i.e. prefix caching on Kimi-Linear, GLM-5.3-Flash or "
+        "DeepSeek-V4, at most 4 GiB of rows and snapshots, and at least one 2048-token sequence)",
+    )
     kv_cache_memory: float | None = _opt(
         None,
         "GiB for the paged cache pool instead of num_pages: as many pages as fit at the bytes a token takes in the "

@@ -368,6 +368,7 @@ def _speed_line(out) -> str:
 
 
 def _inspect(args) -> int:
+    from mlaserve.config.engine import pages_footprint
     from mlaserve.config.kv_cache import describe_layout
     from mlaserve.config.layer_kinds import describe, describe_route
     from mlaserve.config.provenance import format_table
@@ -387,6 +388,7 @@ def _inspect(args) -> int:
         print("speculative:\n  " + "\n  ".join(_speculative_lines(llm.runner.layer_kinds, spec, size)))
     kv = llm.config.cache.kv_cache_dtype
     print(f"kv cache layout: {describe_layout(llm.runner.layer_kinds, kv, str(llm.config.runtime.dtype)[6:])}")
+    print(f"cache pool: {pages_footprint(llm.config.cache.num_pages, *llm.runner.cache.measured_page_bytes())}")
     if llm.loaded.quant is not None:
         print("\nquantized weights:\n" + format_table(llm.loaded.quant.settings()))
     if llm.loaded.gguf is not None:

@@ -1,6 +1,6 @@
 """kv_prefault: the KV pool is resident from the start instead of page by page as rows are first written.
 
-The cache tensors are calloc'd (cache/model_cache.py `_zeros`), so without the option a pool costs
+The cache tensors are zero pages of their own memory maps (cache/model_cache.py `_zeros`), so without the option a pool costs
 almost nothing until requests write to it, and a soak's RSS rises for minutes as traffic walks the pool
 (benchmarks/README.md). With it every byte is written once at allocation. Measured here as the growth of
 this process's RSS over a 96 MiB pool (12 layers x 4096 rows x 512 fp32 values): ~96 MiB with the option,

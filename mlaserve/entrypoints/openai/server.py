@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from mlaserve.config.engine import pages_footprint
 from mlaserve.config.layer_kinds import attention_summary
 from mlaserve.engine.engine_loop import EngineLoop
 from mlaserve.entrypoints.openai.app import build_app
@@ -120,10 +121,12 @@ def _ready(llm, served: str, host: str, port: int) -> str:
         if cache.num_slots
         else ""
     )
+    rows, snap = cache.measured_page_bytes()  # page-boundary snapshots (prefix caching on a hybrid stack)
+    snapshots = f", cache pool {pages_footprint(cfg.cache.num_pages, rows, snap)}" if snap else ""
     return (
         f"mlaserve: serving {served} on http://{host}:{port} (dtype {str(cfg.runtime.dtype).removeprefix('torch.')}, "
         f"attention {attention}, mla_path {cfg.attention.mla_path}, KV pool {cfg.cache.num_pages} pages x {cfg.cache.page_size} tokens "
-        f"({cache.measured_bytes_per_token()} bytes/token){slots}, max_model_len {llm.engine.max_model_len})"
+        f"({cache.measured_bytes_per_token()} bytes/token){snapshots}{slots}, max_model_len {llm.engine.max_model_len})"
     )
 
 
