@@ -1,11 +1,13 @@
 """DeepSeek-V4: mlaserve vs transformers on one V4-Flash-shaped model, scaled down to a 2-core CPU machine.
 
     python benchmarks/deepseek_v4.py [--threads 2] [--reps 3] [--contexts 1024 [16384]] [--quick]
-        [--engines mlaserve transformers mlaserve-per-seq mlaserve-per-seq-state mlaserve-gguf llama.cpp]
+        [--engines mlaserve transformers mlaserve-per-seq mlaserve-per-seq-state mlaserve-gguf
+                   mlaserve-gguf-int8 llama.cpp]
         [--cases prefill decode concurrent] [--profile] [--mtp] [--weights float|fp8|fp4] [--llama-extra-bufts]
 mlaserve-gguf and llama.cpp run the same model's Q8_0 GGUF, written once beside the folder by `mlaserve convert`
 (llama.cpp's deepseek4 layout): mlaserve with its blocks kept (native kernels), llama.cpp through
-llama-cpp-python's C API (its 8-bit activations; extra weight buffers off, see LlamaCpp).
+llama-cpp-python's C API (its 8-bit activations; extra weight buffers off, see LlamaCpp); mlaserve-gguf-int8 is
+mlaserve-gguf with activations="int8" (Q8_0's products on int8 activations, llama.cpp's arithmetic, not exact).
 mlaserve-per-seq is mlaserve with the per-sequence reference softmax in place of the step's padded one
 (the before/after of the batched attention); mlaserve-per-seq-state is mlaserve with the per-sequence reference
 state updates (ring, compressors, indexer keys: V4Serving(batched_state=False)) in place of the step's batched
@@ -218,6 +220,7 @@ class Mlaserve:
         kernels: str = "auto",
         expert_loop: bool = False,
         name: str = "",
+        activations: str = "auto",
     ) -> None:
         from mlaserve.entrypoints.llm import LLM
         from mlaserve.models.deepseek_v4.serving import v4_implementation
@@ -225,6 +228,8 @@ class Mlaserve:
         spec = {"speculative": "mtp"} if mtp else {}
         if kernels != "auto":
             spec["kernels"] = kernels
+        if activations != "auto":
+            spec["activations"] = activations
         # threads: the engine sets torch's process-wide pool at load (default: every core), so the benchmark's
         # --threads must reach it, or it would also change the thread count of the transformers engine
         threads = torch.get_num_threads()
@@ -546,6 +551,9 @@ def main() -> None:
         return files["q8_0"]
 
     makers["mlaserve-gguf"] = lambda f: Mlaserve(q8_0(f), name="mlaserve-gguf")
+    # the same file with Q8_0's products on int8 activations (llama.cpp's arithmetic; not exact): the kernels'
+    # share of the gap to llama.cpp apart from the rest of the step
+    makers["mlaserve-gguf-int8"] = lambda f: Mlaserve(q8_0(f), name="mlaserve-gguf-int8", activations="int8")
     makers["llama.cpp"] = lambda f: LlamaCpp(q8_0(f), args.threads, args.llama_extra_bufts)
     engines = [makers[e](folder) for e in args.engines]
     cases = {"prefill 512": ("prefill", random_prompt(512, vocab, 1))}
