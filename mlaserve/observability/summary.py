@@ -3,8 +3,9 @@ table `mlaserve generate --trace FILE` ends with). The ledger's fields are descr
 
 Counts
   steps             records (one per engine step that ran a forward pass)
-  tokens            per (phase, path, attention mode), summed over segments; the mode is
-                      dense             the step ran dense attention
+  tokens            per (phase, path, attention mode), summed over segments; the mode is the segment's
+                    own where it records `sparse` (layer kinds of one step differ), else the step's:
+                      dense             the segment (step) ran without index selection
                       sparse top-k      a sparse step whose indexer selected (needs_selection)
                       sparse all rows   a sparse step where every sequence fit in index_topk (no selection)
   prefix-cache hits requests whose first chunk started after cached pages (cached_tokens > 0), and
@@ -87,9 +88,8 @@ class LedgerSummary:
             self.verify_tokens += rec["num_verify_tokens"]
         self.steps += 1
         self.decode_tokens += rec["num_decode_tokens"]
-        mode = _mode(rec)
         for seg in rec["segments"]:
-            self.tokens[(seg["phase"], seg["path"], mode)] += seg["num_tokens"]
+            self.tokens[(seg["phase"], seg["path"], _mode(rec, seg))] += seg["num_tokens"]
             self.backends[seg.get("backend", "torch")] += seg["num_tokens"]
         for r in rec["requests"]:
             self.requests.add(r["id"])
@@ -136,8 +136,10 @@ class LedgerSummary:
         }
 
 
-def _mode(rec: dict) -> str:
-    if not rec["sparse"]:
+def _mode(rec: dict, seg: dict) -> str:
+    """The segment's own mode where it records one (a step whose layer kinds differ: DeepSeek-V4's window and
+    HCA layers beside its CSA layers, which alone select), else the step's."""
+    if not seg.get("sparse", rec["sparse"]):
         return "dense"
     return "sparse top-k" if rec["needs_selection"] else "sparse all rows"
 
