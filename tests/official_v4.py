@@ -38,6 +38,21 @@ def fp8_rows(x: torch.Tensor, nope: int, block: int = 64) -> torch.Tensor:
     return torch.cat([out, x[..., nope:]], dim=-1)
 
 
+def pinned_fp8_rows(x: torch.Tensor, nope: int, other: torch.Tensor, pins: list, delta: float = 1e-5):
+    """fp8_rows(x) taking `other`'s decisions (the engine's rows entering its rounding at the same places)
+    where the two rows' non-rope parts lie within `delta` (fp32 noise) and a rounding boundary lies between
+    them: a value within fp32 noise of a midpoint, or a block amax at a power of two, rounds by the summation
+    order (mlaserve/entrypoints/verify_v4_pins.py says why). Both sides through this file's fp8_rows; appends
+    the number of values so decided to `pins`."""
+    a, b = x.reshape(-1, x.shape[-1]), other.reshape(-1, other.shape[-1]).to(x.dtype)
+    ra, rb = fp8_rows(a, nope), fp8_rows(b, nope)
+    near = (a[:, :nope] - b[:, :nope]).abs().amax(dim=-1, keepdim=True) <= delta
+    flip = near & (ra[:, :nope] != rb[:, :nope])
+    pins.append(int(flip.sum()))
+    out = torch.cat([torch.where(flip, rb[:, :nope], ra[:, :nope]), ra[:, nope:]], dim=-1)  # x's rope part
+    return out.view(x.shape)
+
+
 def sylvester(c: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < c:
@@ -65,17 +80,27 @@ def hadamard_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (fp4_nearest((r / scale).clamp(-6, 6)) * scale).flatten(-2).to(x.dtype)
 
 
-def official_hooks(hf_model, kv: bool, indexer: bool) -> list:
-    """Attach the official roundings to a transformers V4 model; returns the hook handles (remove() them)."""
+def official_hooks(hf_model, kv: bool, indexer: bool, engine_rows: dict | None = None, pins: list | None = None):
+    """Attach the official roundings to a transformers V4 model; returns the hook handles (remove() them).
+    engine_rows: {transformers' kv_norm module name: the engine's rows entering the FP8 rounding there, one
+    pass}: the FP8 rounding takes the engine's decision where the two lie within fp32 noise of a boundary
+    (pinned_fp8_rows; the count of such values appended to `pins`)."""
     cfg = hf_model.config
     nope = cfg.head_dim - int(cfg.head_dim * cfg.partial_rotary_factor)
     handles = []
-    for layer in hf_model.model.layers:
+
+    def fp8_hook(name: str):
+        if engine_rows is None:
+            return lambda m, args, out: fp8_rows(out, nope)
+        return lambda m, args, out: pinned_fp8_rows(out, nope, engine_rows[name], pins)
+
+    for i, layer in enumerate(hf_model.model.layers):
         attn = layer.self_attn
         if kv:
-            handles.append(attn.kv_norm.register_forward_hook(lambda m, args, out: fp8_rows(out, nope)))
+            handles.append(attn.kv_norm.register_forward_hook(fp8_hook(f"model.layers.{i}.self_attn.kv_norm")))
             if attn.compressor is not None:
-                handles.append(attn.compressor.kv_norm.register_forward_hook(lambda m, args, out: fp8_rows(out, nope)))
+                name = f"model.layers.{i}.self_attn.compressor.kv_norm"
+                handles.append(attn.compressor.kv_norm.register_forward_hook(fp8_hook(name)))
         if indexer and attn.compressor is not None and hasattr(attn.compressor, "indexer"):
 
             def pre(m, args):

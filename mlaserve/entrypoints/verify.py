@@ -33,6 +33,7 @@ from mlaserve.entrypoints.llm import LLM
 from mlaserve.entrypoints.verify_kv8 import kv8_pairs
 from mlaserve.entrypoints.verify_v4 import is_v4, v4_pairs
 from mlaserve.entrypoints.verify_v4_kv8 import v4_kv8_checks
+from mlaserve.entrypoints.verify_v4_pins import has_roundings, pinned_run, recorded
 from mlaserve.executor.model_runner import ModelRunner
 
 
@@ -67,11 +68,18 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     base = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=max(len(ids), 1)))
     # the identities over full rows: over 8-bit rows two routes may round a value to neighbouring codes
     base = replace(base, cache=replace(base.cache, kv_cache_dtype="auto"))
-    full = logits_with(llm, base, ids)
     # the MLA paths and attention backends exist only for kinds over latent rows (a DeepSeek-V4 stack has
     # none: its checks are token by token here and its own in verify_v4.py; a pair that cannot differ is not listed)
     latent = any(k.attention in LATENT_KINDS for k in llm.runner.layer_kinds)
     v4 = is_v4(llm.runner.layer_kinds)  # V4 chunks by its compression ratios instead (verify_v4.py)
+    # V4's official roundings decide a value within fp32 noise of a boundary by the schedule's summation order:
+    # the one pass's decisions are recorded and the other one-sequence schedules take them (verify_v4_pins.py)
+    log = None
+    if v4 and has_roundings(llm.loaded.model):
+        with recorded(llm.loaded.model) as log:
+            full = logits_with(llm, base, ids)
+    else:
+        full = logits_with(llm, base, ids)
     pairs = (
         []
         if v4
@@ -83,8 +91,9 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
             )
         ]
     )
-    decoded = logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1)), ids)
-    pairs.append(("token-by-token decode vs one pass", decoded, full))
+    token_by_token = replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1))
+    decoded, note = pinned_run(llm.loaded.model, log, lambda: logits_with(llm, token_by_token, ids))
+    pairs.append(("token-by-token decode vs one pass", decoded, full, note))
     if latent:
         pairs.insert(
             0,
@@ -104,14 +113,14 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
             )
         )
     pairs += _backend_pairs(llm, base, ids) if latent else []
-    pairs += v4_pairs(llm, base, ids, full, decoded) if v4 else []
+    pairs += v4_pairs(llm, base, ids, full, decoded, log) if v4 else []
     if v4 and cfg.cache.kv_cache_dtype != "auto":
         # DeepSeek-V4's 8-bit pools hold exactly the values the official FP8 rounding makes (config/kv_cache.py
         # _quantize_v4), and the model rounds the full cache's rows the same way: an identity, not a bound
         codes = cfg.cache.kv_cache_dtype
         eight = logits_with(llm, replace(base, cache=replace(base.cache, kv_cache_dtype=codes)), ids)
         pairs.append((f"8-bit cache ({codes}) vs full cache + official FP8 rounding", eight, full))
-    checks = [_compare(name, a, b, tol) for name, a, b in pairs]
+    checks = [_compare(name, a, b, tol, *note) for name, a, b, *note in pairs]
     if cfg.cache.kv_cache_dtype != "auto" and not v4:
         checks += kv8_pairs(llm, base, ids, logits_with, Check)
     if cfg.cache.kv_cache_dtype != "auto" and v4:  # the 8-bit rows against the exact ones (verify_v4_kv8.py)
@@ -154,8 +163,9 @@ def tensor_parallel_check(llm: LLM, ids: list[int], n: int, options: dict) -> Ch
         return Check(name, float("nan"), 0.0, 0.0 if tol is None else tol)
 
 
-def _compare(name: str, a: torch.Tensor, b: torch.Tensor, tol: float | None) -> Check:
-    return Check(name, (a - b).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item(), tol)
+def _compare(name: str, a: torch.Tensor, b: torch.Tensor, tol: float | None, note: str = "") -> Check:
+    note = f"tol {tol:g}; {note}" if note and tol is not None else note
+    return Check(name, (a - b).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item(), tol, note)
 
 
 def format_checks(checks: list[Check]) -> str:

@@ -27,10 +27,11 @@ import torch
 from mlaserve.attention.router import V4_PATHS
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.layer_kinds import LayerKind
+from mlaserve.entrypoints.verify_v4_pins import pinned_run, recorded
 from mlaserve.executor.forward_batch import SeqChunk
 from mlaserve.executor.model_runner import ModelRunner
 
-Pair = tuple[str, torch.Tensor, torch.Tensor]
+Pair = tuple[str, torch.Tensor, torch.Tensor] | tuple[str, torch.Tensor, torch.Tensor, str]  # (.., note)
 
 
 def is_v4(layers: tuple[LayerKind, ...]) -> bool:
@@ -85,10 +86,15 @@ def _alone(llm, cfg: EngineConfig, ids: list[int], sizes: list[int], csa_dense: 
     return schedule_logits(llm.loaded.model, cfg, {"verify": (ids, sizes)}, csa_dense)["verify"]
 
 
-def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decoded: torch.Tensor) -> list[Pair]:
+def v4_pairs(
+    llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decoded: torch.Tensor, log: dict | None = None
+) -> list[Pair]:
     """The V4 identities on `ids` (full, decoded: their logits through `base` in one pass and token by token,
-    the latter also the decoding sequence's schedule alone in the batch check)."""
+    the latter also the decoding sequence's schedule alone in the batch check). log: the one pass's rows
+    entering the official roundings (verify_v4_pins.py), None without them; with it the one-sequence schedules
+    take the one pass's rounding decisions where their rows are the same up to fp32 noise."""
     layers = llm.runner.layer_kinds
+    model = llm.loaded.model
     n, pairs = len(ids), []
     ratios = sorted({k.ratio for k in layers if k.ratio})
     chunked: dict[int, torch.Tensor] = {}
@@ -96,18 +102,14 @@ def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decode
         for c in (m - 1, m + 1):
             if c < 2 or c >= n or c in chunked:  # 1 is token by token; >= n is one pass
                 continue
-            chunked[c] = _alone(llm, base, ids, _sizes(n, c))
+            chunked[c], note = pinned_run(model, log, lambda c=c: _alone(llm, base, ids, _sizes(n, c)))
             reached = {(j * c) % m for j in range(1, -(-n // c))}
-            pairs.append(
-                (
-                    f"chunked prefill ({c}) vs one pass: chunk ends at {len(reached)}/{m} residues mod {m}",
-                    chunked[c],
-                    full,
-                )
-            )
+            name = f"chunked prefill ({c}) vs one pass: chunk ends at {len(reached)}/{m} residues mod {m}"
+            pairs.append((name, chunked[c], full, note))
     if n > 1:
         half = n // 2
-        pairs.append(("prefill then decode vs one pass", _alone(llm, base, ids, [half] + [1] * (n - half)), full))
+        then, note = pinned_run(model, log, lambda: _alone(llm, base, ids, [half] + [1] * (n - half)))
+        pairs.append(("prefill then decode vs one pass", then, full, note))
         # the batch: the prompt decoding every step, beside it in 3-token chunks and a shifted prompt in one pass
         other = ids[1:] + ids[:1]
         three = _sizes(n, 3)
@@ -116,9 +118,11 @@ def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decode
             base,
             {"decoding": (ids, [1] * n), "chunks_of_3": (ids, three), "one_pass": (other, [n])},
         )
+        # several sequences' rows share each call there, so no record lines up with them: judged unpinned, the
+        # single runs beside them unpinned too
         alone = {
-            "decoding": decoded,
-            "chunks_of_3": chunked.get(3) if 3 in chunked else _alone(llm, base, ids, three),
+            "decoding": decoded if log is None else _alone(llm, base, ids, [1] * n),
+            "chunks_of_3": chunked[3] if 3 in chunked and log is None else _alone(llm, base, ids, three),
             "one_pass": _alone(llm, base, other, [n]),
         }
         worst = max(alone, key=lambda r: (together[r] - alone[r]).abs().max().item())
@@ -127,11 +131,11 @@ def v4_pairs(llm, base: EngineConfig, ids: list[int], full: torch.Tensor, decode
     if csa is not None:
         # the longest prompt whose visible CSA rows ((t+1) // m at its last position) fit in index_topk
         short = ids[: min(n, (csa.topk + 1) * csa.ratio - 1)]
-        pairs.append(
-            (
-                f"CSA sparse vs dense, rows within index_topk ({len(short)} tokens, <= {csa.topk} rows)",
-                _alone(llm, base, short, [len(short)]),
-                _alone(llm, base, short, [len(short)], csa_dense=True),
-            )
+        with recorded(model) as dense_log:
+            dense = _alone(llm, base, short, [len(short)], csa_dense=True)
+        sparse, note = pinned_run(
+            model, dense_log if log is not None else None, lambda: _alone(llm, base, short, [len(short)])
         )
+        name = f"CSA sparse vs dense, rows within index_topk ({len(short)} tokens, <= {csa.topk} rows)"
+        pairs.append((name, sparse, dense, note))
     return pairs

@@ -4,7 +4,9 @@ K=V row, index_head_dim 64).
 
 - The options resolve with their provenance, and the engine (batched state update, paged pools) equals
   transformers with the official roundings re-derived in the test (tests/official_v4.py) in one pass
-  (bound 1e-5, the V4 bound against transformers; measured <= 1.5e-6).
+  (bound 1e-5, the V4 bound against transformers; measured <= 1.5e-6 on an AMD EPYC). An FP8 value within fp32
+  noise of a rounding boundary takes the engine's decision in the reference (pinned_fp8_rows, counted: on an
+  Intel Xeon with AVX-512/AMX one value, which unpinned moved the logits 1.13e-5).
 - kv_cache_dtype=fp8_e4m3 == the full-precision cache with v4_kv_rounding=fp8_ue8m0: the pools hold the FP8
   codes and power-of-two scales of the rows the rounding makes (the same quantizer), so every read returns
   the value the rounding gave (a power-of-two scale makes code x scale exact, and the rounding's output
@@ -28,6 +30,8 @@ from v4_models import build_hf_v4, hf_v4_logits  # noqa: E402
 
 from mlaserve.config.model_parts import ConfigError  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
+from mlaserve.entrypoints.verify_v4_pins import recorded  # noqa: E402
+from mlaserve.models.deepseek_v4.official import FP8KVRows  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
@@ -47,13 +51,28 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
     return [0] + torch.randint(2, vocab, (n - 1,), generator=g).tolist()
 
 
-def _official(hf, ids, kv: bool, indexer: bool) -> torch.Tensor:
-    handles = official_hooks(hf, kv, indexer)
+def _official(hf, ids, kv: bool, indexer: bool, engine_rows: dict | None = None, pins: list | None = None):
+    handles = official_hooks(hf, kv, indexer, engine_rows, pins)
     try:
         return hf_v4_logits(hf, ids)
     finally:
         for h in handles:
             h.remove()
+
+
+def _engine_prompt_logits(llm, ids) -> tuple[torch.Tensor, dict]:
+    """The engine's prompt logits in one pass, and the rows entering its FP8 KV roundings, named by the
+    transformers module whose output the reference rounds (kv_norm: the non-rope part is the same before and
+    after rope)."""
+    with recorded(llm.loaded.model) as log:
+        got = llm.prompt_logits(ids)
+    names = {m: n for n, m in llm.loaded.model.named_modules()}
+    rows = {}
+    for m, calls in log.items():
+        if isinstance(m, FP8KVRows):
+            name = names[m].removeprefix("inner.").replace("kv_round", "kv_norm").replace("round_rows", "kv_norm")
+            rows[name] = torch.cat(calls)
+    return got, rows
 
 
 def _settings(llm) -> dict:
@@ -76,9 +95,15 @@ def test_options_resolve_with_provenance_and_equal_the_official_computation(fold
         assert settings["v4_kv_rounding"] == ("fp8_ue8m0" if kv else "none", "user option")
         assert settings["v4_indexer"][0] == ("hadamard_fp4" if indexer else "exact")
         assert any("DeepSeek's own inference code" in n for n in llm.loaded.report.notes)
-        got, ref = llm.prompt_logits(ids), _official(hf, ids, kv, indexer)
+        # the reference takes the engine's FP8 decision on a value within fp32 noise of a rounding boundary
+        # (measured here, Intel Xeon AVX-512/AMX: one value, -0.00415068 vs -0.00415028 about the midpoint
+        # -0.00415039, moved the logits 1.13e-5; pinned, 1.9e-6); counted, and few
+        got, rows = _engine_prompt_logits(llm, ids)
+        pins: list[int] = []
+        ref = _official(hf, ids, kv, indexer, rows if kv else None, pins)
+        assert sum(pins) <= 4, f"kv {kv} indexer {indexer}: {sum(pins)} FP8 decisions pinned (fp32 noise: a few)"
         err = (got - ref).abs().max().item()
-        assert err <= BOUND, f"kv {kv} indexer {indexer}: max abs {err:.3g} > {BOUND}"
+        assert err <= BOUND, f"kv {kv} indexer {indexer}: max abs {err:.3g} > {BOUND} ({sum(pins)} pinned)"
         assert (got - hf_v4_logits(hf, ids)).abs().max() > 1e-2  # the option is not the identity here
 
 
@@ -206,8 +231,9 @@ def test_bytes_per_token_of_the_8bit_pools(folder):
 
 def test_verify_checks_the_8bit_cache_as_an_identity(folder):
     """`mlaserve verify` on a V4 model with the 8-bit cache: the pools vs the full cache with the rounding, an
-    identity judged at verify's fp32 tolerance (1e-4; measured 0), beside V4's own identities (which run over
-    the rounded rows: a code one step apart there stays within 1e-4; measured <= 1.6e-5, batch vs alone)."""
+    identity judged at verify's fp32 tolerance (1e-4; measured 0), beside V4's own identities over the rounded
+    rows (a value within fp32 noise of a rounding boundary takes the one pass's decision: verify_v4_pins.py;
+    measured on an Intel Xeon with AVX-512/AMX: one value pinned per chunked / decode check, else 6.4e-3)."""
     from mlaserve.entrypoints.verify import run_checks
 
     hf, path = folder
