@@ -9,7 +9,8 @@ engines load side by side and take each phase in turn (alternating, so backgroun
 offline.py makes the Q8_0 file with `mlaserve convert` and the other types from it with llama.cpp's own
 quantizer. llama.cpp runs with `repack=false` (`llama-bench --repack 0`): with its AMX / repacked buffers it
 aborts on MLA files on the AMX CPU measured (benchmarks/README.md). A cell whose JSON exists is skipped
-(`--run N` writes a repeat). Cells run in the order given, models outer: the standard model first.
+(`--run N` writes a repeat); a partial one (a run stopped after some phases: offline.py writes the JSON
+after every phase, `"complete": false`) is run again. Cells run in the order given, models outer: the standard model first.
 `python benchmarks/matrix_table.py docs/results/matrix-*.json` prints the table and plots the ratios.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +34,11 @@ RESULTS = Path("docs") / "results"  # relative to the checkout
 def cell_path(date: str, model: str, qtype: str, run: int) -> Path:
     """docs/results/matrix-<date>-<model>-<type>[-runN].json (run 1 has no suffix)."""
     return RESULTS / f"matrix-{date}-{model}-{qtype}{'' if run == 1 else f'-run{run}'}.json"
+
+
+def cell_done(path: Path) -> bool:
+    """A cell is done when its JSON exists and is not a partial one (offline.py writes one after every phase)."""
+    return path.exists() and json.loads(path.read_text()).get("complete", True) is not False
 
 
 def cell_command(model: str, qtype: str, phases: list[str], out: Path) -> list[str]:
@@ -64,7 +71,7 @@ def main() -> None:
         for qtype in args.types:
             out = cell_path(args.date, model, qtype, args.run)
             cmd = cell_command(model, qtype, args.phases, out)
-            if (root / out).exists():
+            if cell_done(root / out):
                 print(f"[matrix] {out} exists: skipped", flush=True)
                 continue
             print(f"[matrix] {model} {qtype}: {' '.join(cmd[1:])}", flush=True)

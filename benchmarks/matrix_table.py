@@ -4,7 +4,8 @@ issue #31's target for it, from matrix.py's JSON files (offline.py's format).
     python benchmarks/matrix_table.py docs/results/matrix-*.json [--plot docs/matrix-vs-llamacpp.png]
 
 Ratios are mlaserve / llama.cpp for every metric; for speed higher is better, for peak RSS lower is better.
-Repeats of a cell (-runN files) are separate rows. Needs matplotlib for --plot only.
+Repeats of a cell (-runN files) are separate rows; a partial run (stopped after some phases) is marked so.
+Needs matplotlib for --plot only.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def cell(doc: dict, run: str = "") -> dict:
     res = doc["results"]
     ours, theirs = engine_pair({k: v for k, v in res.items() if isinstance(v, dict)})
     row = {"model": doc.get("model_name", "standard"), "type": file_type(ours), "run": run, "metrics": {}}
+    row["partial"] = doc.get("complete") is False  # stopped after some phases: the others are missing
     for key, _, target, higher in METRICS:
         a, b = res[ours].get(key), res[theirs].get(key)
         ratio = a / b if a and b else None
@@ -62,7 +64,7 @@ def markdown(rows: list[dict]) -> str:
     head = ["model", "file", "run"] + [label for _, label, _, _ in METRICS] + ["load avg (1 min)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["model"], r["type"].upper(), r["run"] or "1"]
+        cells = [r["model"], r["type"].upper(), (r["run"] or "1") + (" (partial)" if r.get("partial") else "")]
         for key, _, target, higher in METRICS:
             m = r["metrics"][key]
             nd = 2 if key == "peak_rss_gib" else 1

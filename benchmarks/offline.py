@@ -381,11 +381,12 @@ def phases(s: dict, P: dict, res: dict, greedy: dict, only: list[str] | None = N
 
 
 def run_engines(
-    engines: list[Engine], s: dict, P: dict, sequential: bool, only: list[str] | None = None
+    engines: list[Engine], s: dict, P: dict, sequential: bool, only: list[str] | None = None, on_phase=None
 ) -> tuple[dict, dict]:
     """Every phase on every engine. res["loadavg"] keeps the 1/5/15-minute load average at the start of
     each phase (per engine and phase with --sequential): on a shared machine a figure means little without
-    the load it was measured under."""
+    the load it was measured under. on_phase(res): called after each phase (main writes the partial JSON, so
+    a run stopped on a loaded machine keeps the phases it finished)."""
     res: dict = {e.spec: {} for e in engines}
     res["loadavg"] = []
     greedy: dict = {}
@@ -402,6 +403,8 @@ def run_engines(
                 for name, fn in ph:
                     header(name, e.spec)
                     fn(e)
+                    if on_phase is not None:
+                        on_phase(res)
             e.stop()
     else:
         live = [e for e in engines if e.start()]
@@ -409,6 +412,8 @@ def run_engines(
             header(name)
             for e in live:
                 fn(e)
+            if on_phase is not None:
+                on_phase(res)
         for e in live:
             e.stop()
     return res, greedy
@@ -663,15 +668,13 @@ def main() -> None:
     engines = [Engine(sp, files[parse_spec(sp)[1]], args, s) for sp in specs]
     torch.set_num_threads(args.threads)
     roof = roofline(engines, files, args.dtype, args.threads, args.quick)
-    res, greedy = run_engines(engines, s, prompts_for(s, vocab), args.sequential, args.phases)
-    res["greedy_agreement_b1"] = agreement(greedy, engines)
-    wall = time.perf_counter() - wall0
-    table = report(args, s, engines, res, roof, env, wall, skipped)
     out = Path(args.out) if args.out else RESULTS_DIR / f"offline-{args.dtype}{'-quick' if args.quick else ''}.json"
-    write_json(
-        out,
-        {
+    params = count_params(folder)
+
+    def doc(res: dict, table: str | None, complete: bool) -> dict:
+        return {
             "benchmark": "offline",
+            "complete": complete,
             "model_name": args.model,
             "dtype": args.dtype,
             "quick": args.quick,
@@ -680,10 +683,10 @@ def main() -> None:
             "phases": args.phases or list(PHASES),
             "settings": s,
             "env": env,
-            "wall_s": wall,
+            "wall_s": time.perf_counter() - wall0,
             "model": {
                 "folder": checkout_relative(folder),
-                "params": count_params(folder),
+                "params": params,
                 "config": json.loads((folder / "config.json").read_text()),
                 "gguf": env["weights"],
             },
@@ -699,9 +702,17 @@ def main() -> None:
                 "transformers 5.x caches the compressed latent ([c_kv], [k_pe]) too, but re-expands the whole "
                 "cached context through kv_b_proj at every step",
                 "llama.cpp quantizes activations to 8 bits for its Q8_0 dot products; mlaserve multiplies in float",
-            ],
-        },
-    )
+            ]
+            + ([] if complete else ["partial: written after a phase; the run had not finished"]),
+        }
+
+    def partial(res: dict) -> None:
+        write_json(out, doc(res, None, complete=False))
+
+    res, greedy = run_engines(engines, s, prompts_for(s, vocab), args.sequential, args.phases, partial)
+    res["greedy_agreement_b1"] = agreement(greedy, engines)
+    table = report(args, s, engines, res, roof, env, time.perf_counter() - wall0, skipped)
+    write_json(out, doc(res, table, complete=True))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,22 @@ def test_cell_with_a_failed_engine_has_no_ratio(bench):
     assert "300.0 / - = - (>=2.0x)" in mt.markdown([row])
 
 
+def test_partial_run_is_marked_and_run_again(bench, tmp_path):
+    mt, matrix = bench[0], bench[1]
+    d = doc({"prefill_tok_s": 300.0}, {"prefill_tok_s": 100.0})
+    d["complete"] = False
+    row = mt.cell(d)
+    assert row["partial"] and "| glm-real | Q4_K_M | 1 (partial) | 300.0 / 100.0 = 3.00x (>=2.0x ok) |" in mt.markdown(
+        [row]
+    )
+    f = tmp_path / "cell.json"
+    assert not matrix.cell_done(f)
+    f.write_text('{"complete": false}')
+    assert not matrix.cell_done(f)
+    f.write_text('{"complete": true}')
+    assert matrix.cell_done(f)
+
+
 def test_cell_needs_one_engine_of_each(bench):
     mt = bench[0]
     d = doc({}, {})
@@ -119,3 +135,36 @@ def test_real_shape_models_keep_the_released_widths(bench):
     } == glm
     assert common.model_folder("glm-real", quick=False).name == "mla-glm-real-l4-seed0"
     assert common.model_folder("standard", quick=False).name == "mla-std-l12-seed0"  # unchanged
+
+
+class _Engine:
+    """What run_engines touches of offline.Engine; every call answers "failed" (None)."""
+
+    def __init__(self, spec: str, path: Path) -> None:
+        self.spec, self.path, self.load, self.last_rss, self.status = spec, path, {}, {}, None
+
+    def start(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+    def call(self, op: str, *args):
+        return None
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_offline_hands_over_the_results_after_every_phase(bench, tmp_path, sequential):
+    """offline.py writes its JSON after each phase (a cell stopped on a loaded machine keeps what it measured):
+    run_engines calls on_phase once per phase (per engine and phase with --sequential), with the load records
+    of the phases run so far."""
+    offline = bench[2]
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"x")
+    s = offline.QUICK
+    P = offline.prompts_for(s, 1000)
+    seen: list[int] = []
+    engines = [_Engine("a", weights), _Engine("b", weights)]
+    offline.run_engines(engines, s, P, sequential, ["prefill"], lambda res: seen.append(len(res["loadavg"])))
+    n = 3 * (2 if sequential else 1)  # warm-up, prefill, info
+    assert seen == list(range(1, n + 1))
