@@ -8,6 +8,8 @@ The standard benchmark model (random weights, seeded, DeepSeek-V3 layout, ~0.76B
 Its DSA variant (long_context.py) is the same model with model_type deepseek_v32 and a GLM-5-like
 lightning indexer: index_n_heads 32, index_head_dim 128, index_topk 2048, one indexer per layer.
 `--quick` variants keep every width and cut the depth to 2 layers (1 dense + 1 MoE).
+The real-shape models (DS_REAL, GLM_REAL, GLM_REAL_DSA below) carry released checkpoints' layer widths
+at 4 layers, for the per-model benchmark matrix (matrix.py).
 """
 
 from __future__ import annotations
@@ -77,16 +79,81 @@ DSA = dict(
 )
 
 
+# The real-shape models: every width of the released checkpoints, 4 layers (1 dense + 3 MoE), vocab cut
+# to the standard model's 32768 (the released 102400 / 154880 would add only embedding rows, which a
+# decode step reads one of). Sizes: ~2.0B (DeepSeek-shaped) and ~2.1B (GLM-shaped) parameters, ~2 GiB at
+# Q8_0; building one holds the float32 model in memory (~8 GiB).
+DS_REAL = dict(  # DeepSeek-V2-Lite's widths (hidden 2048, 64 experts top-6, 2 shared) with V3's q_lora and router
+    STANDARD,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    n_group=1,
+    topk_group=1,
+)
+
+GLM_REAL = dict(  # GLM-4.7-Flash's widths (llama.cpp reads glm4_moe_lite as its deepseek2 architecture)
+    STANDARD,
+    model_type="glm4_moe_lite",
+    architectures=["Glm4MoeLiteForCausalLM"],
+    hidden_size=2048,
+    intermediate_size=10240,
+    moe_intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=20,
+    num_key_value_heads=20,
+    kv_lora_rank=512,
+    q_lora_rank=768,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=192,
+    v_head_dim=256,
+    n_routed_experts=64,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.8,
+    rms_norm_eps=1e-5,
+)
+
+GLM_REAL_DSA = dict(  # the same layers as GLM-5 writes them: glm_moe_dsa with an indexer per layer
+    GLM_REAL,
+    model_type="glm_moe_dsa",
+    architectures=["GlmMoeDsaForCausalLM"],
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    max_position_embeddings=65536,
+)
+
+MODELS = {  # --model name -> (config, folder stem)
+    "standard": (STANDARD, "mla-std"),
+    "dsa": (DSA, "mla-dsa"),
+    "ds-real": (DS_REAL, "mla-ds-real"),
+    "glm-real": (GLM_REAL, "mla-glm-real"),
+    "glm-real-dsa": (GLM_REAL_DSA, "mla-glm-real-dsa"),
+}
+
+
 def model_config(kind: str, quick: bool) -> dict:
-    cfg = dict({"standard": STANDARD, "dsa": DSA}[kind])
+    cfg = dict(MODELS[kind][0])
     if quick:
         cfg["num_hidden_layers"] = 2
     return cfg
 
 
 def model_folder(kind: str, quick: bool) -> Path:
-    name = {"standard": "mla-std", "dsa": "mla-dsa"}[kind]
-    return MODELS_DIR / f"{name}-{'l2-quick' if quick else 'l12'}-seed{SEED}"
+    cfg, name = MODELS[kind]
+    depth = "l2-quick" if quick else f"l{cfg['num_hidden_layers']}"
+    return MODELS_DIR / f"{name}-{depth}-seed{SEED}"
 
 
 def ensure_model(kind: str, quick: bool) -> Path:

@@ -1,7 +1,8 @@
 """Offline benchmark: mlaserve vs llama.cpp vs Hugging Face transformers on the same random weights,
 same thread count, in one run.
 
-    python benchmarks/offline.py [--dtype float32|bfloat16] [--quick] [--threads 2]
+    python benchmarks/offline.py [--model standard|dsa|ds-real|glm-real|glm-real-dsa]
+                                 [--dtype float32|bfloat16] [--quick] [--threads 2]
                                  [--gguf auto|PATH|none] [--engines mlaserve mlaserve-gguf llama.cpp transformers]
 
 Engines (each in its own process, so each one's peak RSS is its own; the metrics are interleaved
@@ -12,7 +13,8 @@ engine by engine, so background load hits all alike; `--sequential` runs one eng
   llama.cpp       llama.cpp (llama-cpp-python's low-level API) on the same GGUF
   transformers    transformers on the safetensors folder, --dtype
 An mlaserve engine takes engine options after a colon: `mlaserve-gguf:kernels=torch`,
-`mlaserve:quantization=int4` (any `LLM(...)` keyword; the column is named by the whole spec).
+`mlaserve:quantization=int4` (any `LLM(...)` keyword; the column is named by the whole spec); llama.cpp
+takes `repack=false` (no AMX / repacked weight buffers, as `llama-bench --repack 0`).
 
 Measures (see benchmarks/README.md for the exact definitions):
   prefill tokens/s        one 512-token prompt, end to end to its first token
@@ -92,6 +94,10 @@ PHASES = ("prefill", "decode", "long", "c4", "c16", "kv", "steps")
 # GGUF types an engine can name (`llama.cpp@q4_0`): q8_0 is written by `mlaserve convert`; the others by
 # llama.cpp's own quantizer (llama_model_quantize) from that Q8_0 file, so they need llama-cpp-python.
 GGUF_TYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype values
+# llama.cpp's engine options: repack=false loads without its extra buffer types (AMX tiles, CPU repacked
+# layouts), as `llama-bench --repack 0`; its default (true) aborts on MLA files on some CPUs (README).
+LLAMA_CPP_OPTIONS = {"repack"}
+MODEL_NAMES = ("standard", "dsa", "ds-real", "glm-real", "glm-real-dsa")  # common.MODELS' keys (no torch import here)
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36 (see benchmarks/README.md)"
 
 
@@ -99,6 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="mlaserve (folder) and transformers dtype")
     p.add_argument("--quick", action="store_true", help="2-layer model, short prompts: a smoke test, not a benchmark")
+    p.add_argument(
+        "--model",
+        default="standard",
+        choices=MODEL_NAMES,
+        help="benchmark model (benchmarks/common.py MODELS): the standard one, its DSA variant, or a real-shape one",
+    )
     p.add_argument("--threads", type=int, default=2, help="threads for every engine (torch / llama.cpp; spec: 2)")
     p.add_argument(
         "--engines",
@@ -165,8 +177,10 @@ def parse_spec(spec: str) -> tuple[str, str, dict]:
                     break
                 except ValueError:
                     pass
-    if opts and not kind.startswith("mlaserve"):
-        raise SystemExit(f"--engines {spec}: only mlaserve engines take options")
+    if kind == "llama.cpp" and set(opts) - LLAMA_CPP_OPTIONS:
+        raise SystemExit(f"--engines {spec}: llama.cpp takes only {', '.join(sorted(LLAMA_CPP_OPTIONS))}")
+    if opts and not kind.startswith("mlaserve") and kind != "llama.cpp":
+        raise SystemExit(f"--engines {spec}: only mlaserve and llama.cpp engines take options")
     return kind, weights, opts
 
 
@@ -373,11 +387,12 @@ def phases(s: dict, P: dict, res: dict, greedy: dict, only: list[str] | None = N
 
 
 def run_engines(
-    engines: list[Engine], s: dict, P: dict, sequential: bool, only: list[str] | None = None
+    engines: list[Engine], s: dict, P: dict, sequential: bool, only: list[str] | None = None, on_phase=None
 ) -> tuple[dict, dict]:
     """Every phase on every engine. res["loadavg"] keeps the 1/5/15-minute load average at the start of
     each phase (per engine and phase with --sequential): on a shared machine a figure means little without
-    the load it was measured under."""
+    the load it was measured under. on_phase(res): called after each phase (main writes the partial JSON, so
+    a run stopped on a loaded machine keeps the phases it finished)."""
     res: dict = {e.spec: {} for e in engines}
     res["loadavg"] = []
     greedy: dict = {}
@@ -394,6 +409,8 @@ def run_engines(
                 for name, fn in ph:
                     header(name, e.spec)
                     fn(e)
+                    if on_phase is not None:
+                        on_phase(res)
             e.stop()
     else:
         live = [e for e in engines if e.start()]
@@ -401,6 +418,8 @@ def run_engines(
             header(name)
             for e in live:
                 fn(e)
+            if on_phase is not None:
+                on_phase(res)
         for e in live:
             e.stop()
     return res, greedy
@@ -534,7 +553,7 @@ def report(args, s: dict, engines: list[Engine], res: dict, roof: dict, env: dic
     print()
     print(
         f"offline benchmark -- dtype {args.dtype} (folder engines), {args.threads} threads, "
-        f"{'QUICK (2 layers)' if args.quick else 'standard model (12 layers)'}"
+        f"{args.model} model{' QUICK (2 layers)' if args.quick else ''}"
         + "".join(f", {Path(env['weights'][k]).name} ({mib:.0f} MiB)" for k, mib in env["gguf_mib"].items())
     )
     table = print_table(headers, rows)
@@ -618,6 +637,15 @@ def quantize_main(src: str, dst: str, weights: str) -> None:
     os.replace(tmp, dst)
 
 
+def checkout_relative(path: Path) -> str:
+    """A path as the results JSON keeps it: relative to the checkout when inside it (no machine paths)."""
+    root = Path(BENCH_DIR).parent
+    try:
+        return str(Path(os.path.abspath(path)).relative_to(root))
+    except ValueError:
+        return Path(path).name
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
@@ -633,10 +661,10 @@ def main() -> None:
     if args.prefill_len is not None:
         s["prefill_len"] = args.prefill_len
     wall0 = time.perf_counter()
-    folder = ensure_model("standard", args.quick)
+    folder = ensure_model(args.model, args.quick)
     specs, files, skipped = resolve_engines(args, folder)
     env = environment(args.threads)
-    env["weights"] = {k: str(v) for k, v in files.items()}
+    env["weights"] = {k: checkout_relative(v) for k, v in files.items()}
     env["gguf_mib"] = {k: v.stat().st_size / 2**20 for k, v in files.items() if k != "folder"}
     print(
         f"[env] {env['cpu']} ({' '.join(env['cpu_simd'])}), {env['cpus']} CPUs, threads {args.threads}, "
@@ -648,15 +676,14 @@ def main() -> None:
     engines = [Engine(sp, files[parse_spec(sp)[1]], args, s) for sp in specs]
     torch.set_num_threads(args.threads)
     roof = roofline(engines, files, args.dtype, args.threads, args.quick)
-    res, greedy = run_engines(engines, s, prompts_for(s, vocab), args.sequential, args.phases)
-    res["greedy_agreement_b1"] = agreement(greedy, engines)
-    wall = time.perf_counter() - wall0
-    table = report(args, s, engines, res, roof, env, wall, skipped)
     out = Path(args.out) if args.out else RESULTS_DIR / f"offline-{args.dtype}{'-quick' if args.quick else ''}.json"
-    write_json(
-        out,
-        {
+    params = count_params(folder)
+
+    def doc(res: dict, table: str | None, complete: bool) -> dict:
+        return {
             "benchmark": "offline",
+            "complete": complete,
+            "model_name": args.model,
             "dtype": args.dtype,
             "quick": args.quick,
             "threads": args.threads,
@@ -664,10 +691,10 @@ def main() -> None:
             "phases": args.phases or list(PHASES),
             "settings": s,
             "env": env,
-            "wall_s": wall,
+            "wall_s": time.perf_counter() - wall0,
             "model": {
-                "folder": str(folder),
-                "params": count_params(folder),
+                "folder": checkout_relative(folder),
+                "params": params,
                 "config": json.loads((folder / "config.json").read_text()),
                 "gguf": env["weights"],
             },
@@ -683,9 +710,17 @@ def main() -> None:
                 "transformers 5.x caches the compressed latent ([c_kv], [k_pe]) too, but re-expands the whole "
                 "cached context through kv_b_proj at every step",
                 "llama.cpp quantizes activations to 8 bits for its Q8_0 dot products; mlaserve multiplies in float",
-            ],
-        },
-    )
+            ]
+            + ([] if complete else ["partial: written after a phase; the run had not finished"]),
+        }
+
+    def partial(res: dict) -> None:
+        write_json(out, doc(res, None, complete=False))
+
+    res, greedy = run_engines(engines, s, prompts_for(s, vocab), args.sequential, args.phases, partial)
+    res["greedy_agreement_b1"] = agreement(greedy, engines)
+    table = report(args, s, engines, res, roof, env, time.perf_counter() - wall0, skipped)
+    write_json(out, doc(res, table, complete=True))
 
 
 if __name__ == "__main__":

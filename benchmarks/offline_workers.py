@@ -264,6 +264,8 @@ class LlamaCppWorker:
         lc.llama_log_set(self._keep_log, None)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
+        if "repack" in options:  # llama-bench's --repack: AMX / repacked weight buffers (extra buffer types)
+            mp.use_extra_bufts = bool(options["repack"])
         self.model = lc.llama_model_load_from_file(path.encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path} (its log above says why)")
@@ -271,7 +273,9 @@ class LlamaCppWorker:
         self.ctx, self.ctx_shape, self.batch = None, None, None
         # how the weights are read (mmap by default; the field names differ across versions)
         self.model_params = {
-            k: getattr(mp, k) for k in ("use_mmap", "use_mlock", "load_mode", "lazy_mode") if hasattr(mp, k)
+            k: getattr(mp, k)
+            for k in ("use_mmap", "use_mlock", "load_mode", "lazy_mode", "use_extra_bufts")
+            if hasattr(mp, k)
         }
 
     @staticmethod

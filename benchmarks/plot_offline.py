@@ -5,6 +5,7 @@
 One group of bars per metric, one bar per run (its date and label from the file name), the issue's
 targets as marks. Speed ratios are mlaserve-gguf / llama.cpp (higher is better); memory is the GGUF file's
 size / mlaserve's peak RSS (higher is better there too; the target is RSS <= 1.15x the file). Needs matplotlib.
+`plot_matrix` draws the per-(model, file type) matrix of matrix.py's runs (called by matrix_table.py --plot).
 """
 
 from __future__ import annotations
@@ -32,6 +33,32 @@ def ratios(path: Path, ours: str, theirs: str) -> list[float | None]:
         a, b = results[ours].get(key), results[theirs].get(key)
         out.append((1 / a if a else None) if own else (None if not a or not b else a / b))
     return out
+
+
+def plot_matrix(rows: list[dict], metrics, out: Path) -> None:
+    """The benchmark matrix (matrix_table.py's rows): one panel per metric, one bar per (model, file, run)
+    cell, the ratio mlaserve / llama.cpp against the target (dashed) and parity (grey)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']} {r['type'].upper()}" + (f" r{r['run']}" if r["run"] else "") for r in rows]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.8), sharey=False)
+    for ax, (key, label, target, higher) in zip(axes, metrics):
+        vals = [r["metrics"][key]["ratio"] for r in rows]
+        xs = [i for i, v in enumerate(vals) if v is not None]
+        colors = ["tab:green" if rows[i]["metrics"][key]["met"] else "tab:red" for i in xs]
+        ax.bar(xs, [vals[i] for i in xs], color=colors)
+        ax.axhline(target, color="black", linestyle="dashed", linewidth=1)
+        ax.axhline(1.0, color="grey", linewidth=0.5)
+        ax.set_title(f"{label}\n(target {'>=' if higher else '<='} {target}x)", fontsize=9)
+        ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    axes[0].set_ylabel("mlaserve / llama.cpp")
+    fig.suptitle("mlaserve vs llama.cpp per model and GGUF type, same file, same run", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 def main() -> None:

@@ -1,0 +1,170 @@
+"""The benchmark matrix's pieces (benchmarks/matrix.py, matrix_table.py): each cell's ratios against issue #31's
+targets from an offline.py result, the table line, the file names, and the options the cell's engines take.
+Worked from hand-made results whose ratios are known exactly."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    names = ("matrix_table", "matrix", "offline", "common")
+    for n in names:
+        sys.modules.pop(n, None)
+    import common
+    import matrix
+    import matrix_table
+    import offline
+
+    yield matrix_table, matrix, offline, common
+    for n in names:
+        sys.modules.pop(n, None)
+
+
+def doc(ours: dict, theirs: dict, qtype: str = "q4_k_m") -> dict:
+    return {
+        "model_name": "glm-real",
+        "results": {
+            f"mlaserve-gguf@{qtype}": ours,
+            f"llama.cpp@{qtype}:repack=false": theirs,
+            "loadavg": [
+                {"phase": "prefill 512", "loadavg": [14.5, 15, 16]},
+                {"phase": "c16", "loadavg": [12.25, 1, 1]},
+            ],
+            "greedy_agreement_b1": {},
+        },
+    }
+
+
+def test_cell_ratios_against_targets(bench):
+    mt = bench[0]
+    ours = {"prefill_tok_s": 300.0, "decode_tok_s_b1": 30.0, "output_tok_s_c16": 50.0, "peak_rss_gib": 1.2}
+    theirs = {"prefill_tok_s": 100.0, "decode_tok_s_b1": 40.0, "output_tok_s_c16": 25.0, "peak_rss_gib": 1.0}
+    row = mt.cell(doc(ours, theirs), run="2")
+    m = row["metrics"]
+    assert (row["model"], row["type"], row["run"]) == ("glm-real", "q4_k_m", "2")
+    assert m["prefill_tok_s"]["ratio"] == 3.0 and m["prefill_tok_s"]["met"] is True  # >= 2x
+    assert m["decode_tok_s_b1"]["ratio"] == 0.75 and m["decode_tok_s_b1"]["met"] is False  # < 1.2x
+    assert m["output_tok_s_c16"]["ratio"] == 2.0 and m["output_tok_s_c16"]["met"] is True  # exactly the target
+    assert m["peak_rss_gib"]["ratio"] == pytest.approx(1.2) and m["peak_rss_gib"]["met"] is False  # > 1.15x
+    assert row["loadavg_1min"] == (12.25, 14.5)
+    line = mt.markdown([row]).splitlines()[2]
+    assert "| glm-real | Q4_K_M | 2 | 300.0 / 100.0 = 3.00x (>=2.0x ok) |" in line
+    assert "30.0 / 40.0 = 0.75x (>=1.2x miss)" in line
+    assert "1.20 / 1.00 = 1.20x (<=1.15x miss)" in line and line.endswith("| 12.2-14.5 |")
+
+
+def test_cell_with_a_failed_engine_has_no_ratio(bench):
+    mt = bench[0]
+    row = mt.cell(doc({"prefill_tok_s": 300.0}, {}), run="")
+    assert row["metrics"]["prefill_tok_s"] == {"ours": 300.0, "theirs": None, "ratio": None, "target": 2.0, "met": None}
+    assert "300.0 / - = - (>=2.0x)" in mt.markdown([row])
+
+
+def test_partial_run_is_marked_and_run_again(bench, tmp_path):
+    mt, matrix = bench[0], bench[1]
+    d = doc({"prefill_tok_s": 300.0}, {"prefill_tok_s": 100.0})
+    d["complete"] = False
+    row = mt.cell(d)
+    assert row["partial"] and "| glm-real | Q4_K_M | 1 (partial) | 300.0 / 100.0 = 3.00x (>=2.0x ok) |" in mt.markdown(
+        [row]
+    )
+    f = tmp_path / "cell.json"
+    assert not matrix.cell_done(f)
+    f.write_text('{"complete": false}')
+    assert not matrix.cell_done(f)
+    f.write_text('{"complete": true}')
+    assert matrix.cell_done(f)
+
+
+def test_cell_needs_one_engine_of_each(bench):
+    mt = bench[0]
+    d = doc({}, {})
+    d["results"]["mlaserve-gguf@q8_0"] = {}
+    with pytest.raises(ValueError, match="one mlaserve and one llama.cpp engine"):
+        mt.cell(d)
+
+
+def test_file_type_and_cell_files(bench):
+    mt, matrix, offline, common = bench
+    assert mt.file_type("mlaserve-gguf@q6_k") == "q6_k"
+    assert mt.file_type("llama.cpp@q4_0:repack=false") == "q4_0"
+    assert mt.file_type("mlaserve-gguf") == "q8_0"
+    assert (
+        str(matrix.cell_path("2026-12-02", "standard", "q8_0", 1))
+        == "docs/results/matrix-2026-12-02-standard-q8_0.json"
+    )
+    assert matrix.cell_path("2026-12-02", "ds-real", "q4_0", 3).name == "matrix-2026-12-02-ds-real-q4_0-run3.json"
+    cmd = matrix.cell_command("ds-real", "q6_k", ["prefill"], Path("x.json"))
+    assert cmd[cmd.index("--engines") + 1 : cmd.index("--phases")] == [
+        "mlaserve-gguf@q6_k",
+        "llama.cpp@q6_k:repack=false",
+    ]
+    # offline.py names the models without importing torch; the names are common.MODELS' keys
+    assert set(offline.MODEL_NAMES) == set(common.MODELS)
+
+
+def test_llama_cpp_engine_takes_repack_only(bench):
+    offline = bench[2]
+    assert offline.parse_spec("llama.cpp@q4_k_m:repack=false") == ("llama.cpp", "q4_k_m", {"repack": False})
+    with pytest.raises(SystemExit, match="llama.cpp takes only repack"):
+        offline.parse_spec("llama.cpp:kernels=torch")
+    with pytest.raises(SystemExit, match="only mlaserve and llama.cpp engines take options"):
+        offline.parse_spec("transformers:repack=false")
+
+
+def test_real_shape_models_keep_the_released_widths(bench):
+    common = bench[3]
+    ds, glm, dsa = (common.model_config(k, quick=False) for k in ("ds-real", "glm-real", "glm-real-dsa"))
+    assert (ds["hidden_size"], ds["kv_lora_rank"], ds["q_lora_rank"], ds["n_routed_experts"]) == (2048, 512, 1536, 64)
+    assert (ds["num_experts_per_tok"], ds["n_shared_experts"], ds["num_hidden_layers"]) == (6, 2, 4)
+    assert (glm["q_lora_rank"], glm["kv_lora_rank"], glm["qk_nope_head_dim"], glm["v_head_dim"]) == (768, 512, 192, 256)
+    assert (glm["num_attention_heads"], glm["n_routed_experts"], glm["num_experts_per_tok"]) == (20, 64, 4)
+    assert dsa["model_type"] == "glm_moe_dsa" and dsa["index_topk"] == 2048
+    assert {k: v for k, v in dsa.items() if not k.startswith("index_")} | {
+        "model_type": glm["model_type"],
+        "architectures": glm["architectures"],
+        "max_position_embeddings": glm["max_position_embeddings"],
+    } == glm
+    assert common.model_folder("glm-real", quick=False).name == "mla-glm-real-l4-seed0"
+    assert common.model_folder("standard", quick=False).name == "mla-std-l12-seed0"  # unchanged
+
+
+class _Engine:
+    """What run_engines touches of offline.Engine; every call answers "failed" (None)."""
+
+    def __init__(self, spec: str, path: Path) -> None:
+        self.spec, self.path, self.load, self.last_rss, self.status = spec, path, {}, {}, None
+
+    def start(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+    def call(self, op: str, *args):
+        return None
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_offline_hands_over_the_results_after_every_phase(bench, tmp_path, sequential):
+    """offline.py writes its JSON after each phase (a cell stopped on a loaded machine keeps what it measured):
+    run_engines calls on_phase once per phase (per engine and phase with --sequential), with the load records
+    of the phases run so far."""
+    offline = bench[2]
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(b"x")
+    s = offline.QUICK
+    P = offline.prompts_for(s, 1000)
+    seen: list[int] = []
+    engines = [_Engine("a", weights), _Engine("b", weights)]
+    offline.run_engines(engines, s, P, sequential, ["prefill"], lambda res: seen.append(len(res["loadavg"])))
+    n = 3 * (2 if sequential else 1)  # warm-up, prefill, info
+    assert seen == list(range(1, n + 1))
