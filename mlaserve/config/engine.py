@@ -108,7 +108,7 @@ def resolve(
     quantization = choose_quantization(opts.quantization, log)
     kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders)
     activations = choose_activations(opts.activations, kernels, gguf, log)
-    prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log)
+    prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log, _bf16_unbound(model))
     ranks = opts.tensor_parallel_size * opts.expert_parallel_size
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, ranks, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
@@ -406,6 +406,13 @@ def _num_pages(
         f"CPU KV cache default; at least one {tokens}-token sequence): {pages_footprint(pages, rows, snapshot)}"
     )
     return log.record("num_pages", pages, why)
+
+
+def _bf16_unbound(model: ModelConfig) -> str | None:
+    """Why the model's kernel plan binds no bf16 prefill products (None: it does, config/machine.BF16_BITS)."""
+    if model.family is not None and model.family.layer_kinds == "deepseek_v4":
+        return "DeepSeek-V4's kernel plan (loading/deepseek_v4.plan_v4_kernels) binds no bf16 prefill products"
+    return None
 
 
 def pages_footprint(pages: int, rows: int, snapshot: int) -> str:

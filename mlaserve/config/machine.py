@@ -149,13 +149,20 @@ BF16_RULE = (
 )
 
 
-def choose_prefill_matmul(requested: str, kernels: str, gguf: bool, log: ProvenanceLog) -> str:
+def choose_prefill_matmul(
+    requested: str, kernels: str, gguf: bool, log: ProvenanceLog, unbound: str | None = None
+) -> str:
     """float | bf16_6bit | bf16 (BF16_BITS). auto: bf16 GEMMs for a GGUF's weights of 6 bits or fewer with the native
     kernels on a CPU whose bf16 GEMMs are fast (config/cpu.fast_bf16: AMX-BF16 or AVX512-BF16), their added error
-    measured well inside the file's own (kernels/bf16_prefill.py); exact fp32 elsewhere."""
+    measured well inside the file's own (kernels/bf16_prefill.py); exact fp32 elsewhere. unbound: why this model's
+    kernel plan binds no bf16 products (None: it does); then auto is float and a bf16 request is refused."""
     check_choice("prefill_matmul", requested, PREFILL_MATMULS)
     if requested == "float":
         return log.record("prefill_matmul", "float", "user option (fp32 GEMMs on the exact decoded weights)")
+    if unbound is not None:
+        if requested != "auto":
+            raise ConfigError(f"prefill_matmul={requested!r}: {unbound}; use 'auto' or 'float'")
+        return log.record("prefill_matmul", "float", f"engine default (auto: fp32 GEMMs; {unbound})")
     fast, cpu = fast_bf16()
     if requested == "auto":
         if kernels != "native" or not gguf:

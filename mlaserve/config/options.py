@@ -123,7 +123,8 @@ class EngineOptions:
         "and the activations rounded to bfloat16, a bf16 GEMM with fp32 accumulation (oneDNN: AMX-BF16 / "
         "AVX512-BF16 where the CPU has them; not exact, within bf16's rounding); bf16_6bit = the same for weights of "
         "6 bits or fewer only, Q8_0 fp32; auto = bf16_6bit for GGUF files with the native kernels on a CPU with "
-        "AMX-BF16 or AVX512-BF16 (Q8_0's added error is over half its own), else float",
+        "AMX-BF16 or AVX512-BF16 (Q8_0's added error is over half its own), else float (DeepSeek-V4: float, its "
+        "kernel plan binds no bf16 products; bf16 / bf16_6bit refused there)",
         PREFILL_MATMULS,
     )
     quantization: str | None = _opt(

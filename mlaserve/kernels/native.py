@@ -398,6 +398,8 @@ def dequantize_experts(
         out = torch.empty(a, n, k, dtype=dtype)
     elif out.shape != (a, n, k) or out.dtype != dtype or out.stride()[1:] != (k, 1):
         raise ValueError(f"dequantize_experts: out {tuple(out.shape)} {out.dtype} is not [{a}, {n}, {k}] {dtype} rows")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize_experts: dtype {dtype}; the kernels write float32 or bfloat16 rows")
     fn = {torch.float32: library().mls_dequantize_experts, torch.bfloat16: library().mls_dequantize_experts_bf16}[dtype]
     rc = fn(
         type_id, w.data_ptr(), w.stride(0), experts.data_ptr(), a, n, w.shape[2], k, out.data_ptr(), out.stride(0),

@@ -166,7 +166,8 @@ def test_batched_key_reads_equal_the_per_sequence_reference_and_transformers(v4,
         assert err <= BOUND, f"request {rid}: batched vs transformers max abs {err:.3g}"
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"request {rid}: top-1 differs"
     print(f"batched vs transformers: {worst:.2g}, dense vs transformers' selection {moved:.2g}")
-    assert moved > 1e-3 if dense else True
+    if dense:  # the sparse route asserted each request above
+        assert moved > 1e-3, f"dense vs transformers' selection moved the logits only {moved:.3g}"
 
 
 def test_ties_choose_the_reference_rows(tmp_path, monkeypatch):

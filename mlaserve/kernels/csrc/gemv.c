@@ -166,31 +166,6 @@ static inline void bf16_row(const float *src, uint16_t *dst, int64_t k) {
     }
 }
 
-/* mls_dequantize for ggml types, out [N, K] bf16 bits */
-int mls_dequantize_bf16(int type, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, uint16_t *out,
-                        int threads) {
-    row_fn fn = ggml_row(type);
-    if (!fn) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)k);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            if (!buf) continue;
-            prefetch_row(w + r * row_bytes, row_bytes);
-            fn(w + r * row_bytes, buf, k);
-            bf16_row(buf, out + r * k, k);
-        }
-        free(buf);
-    }
-    return failed ? -4 : 0;
-}
-
 /* mls_dequantize_experts, out [A, N, K] bf16 bits (expert j's rows at out + j * out_expert_stride) */
 int mls_dequantize_experts_bf16(int type, const uint8_t *w, int64_t expert_stride, const int64_t *experts, int64_t a,
                                 int64_t n, int64_t row_bytes, int64_t k, uint16_t *out, int64_t out_expert_stride,
@@ -216,6 +191,14 @@ int mls_dequantize_experts_bf16(int type, const uint8_t *w, int64_t expert_strid
         free(buf);
     }
     return failed ? -4 : 0;
+}
+
+/* mls_dequantize for ggml types, out [N, K] bf16 bits: the one-expert case of mls_dequantize_experts_bf16
+   (expert 0 of a stack of one, packed output), the same rows per thread */
+int mls_dequantize_bf16(int type, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, uint16_t *out,
+                        int threads) {
+    const int64_t only = 0;
+    return mls_dequantize_experts_bf16(type, w, 0, &only, 1, n, row_bytes, k, out, n * k, threads);
 }
 
 /* ---------------------------------------------------------------- a linear's rows, for the one-call layers
