@@ -57,8 +57,24 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def grouped(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times ws[a]^T, in bf16 as linear()."""
-    return torch._grouped_mm(xs.to(torch.bfloat16), ws.to(torch.bfloat16).transpose(1, 2), offs=offs).float()
+    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times ws[a]^T, in bf16 as linear(). Each group's
+    rows are padded with zero rows to a multiple of ROW_BUCKET: torch runs a bf16 grouped GEMM on the CPU as one
+    oneDNN GEMM per group, and oneDNN keeps a primitive (with its buffers) per distinct row count, so a
+    prefill's experts of every size between 1 and hundreds of rows grew the process by ~0.4 GiB
+    (docs/PERFORMANCE.md); bucketed, a few row counts serve them all. A padded row is zero and its output is
+    dropped; a real row's product is the same bf16 GEMM."""
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
+    padded = (counts + ROW_BUCKET - 1) // ROW_BUCKET * ROW_BUCKET
+    ends = torch.cumsum(padded, 0)
+    group = torch.repeat_interleave(torch.arange(counts.shape[0], device=xs.device), counts)
+    dest = (ends - padded)[group] + torch.arange(xs.shape[0], device=xs.device) - (offs.to(torch.int64) - counts)[group]
+    xp = xs.new_zeros(int(ends[-1]) if ends.numel() else 0, xs.shape[1], dtype=torch.bfloat16)
+    xp[dest] = xs.to(torch.bfloat16)
+    yp = torch._grouped_mm(xp, ws.to(torch.bfloat16).transpose(1, 2), offs=ends.to(torch.int32))
+    return yp[dest].float()
+
+
+ROW_BUCKET = 32  # rows per group rounded up to this (the padding is at most 31 zero rows per active expert)
 
 
 def units() -> str:
