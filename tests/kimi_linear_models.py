@@ -47,6 +47,35 @@ BASE = dict(
     rms_norm_eps=1e-3,
 )
 K, M = "linear_attention", "full_attention"
+# the engine's own config.json form (mlaserve's kimi_linear reader), not transformers' (BASE): the config tests'
+# model, and the base the snapshot-memory test widens to Kimi-Linear-48B's per-layer shape
+RAW_CONFIG = dict(
+    model_type="kimi_linear",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=3,
+    num_key_value_heads=3,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    num_experts=4,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_renormalize=True,
+    num_expert_group=1,
+    topk_group=1,
+    model_max_length=4096,
+    first_k_dense_replace=1,
+    layer_types=[K, M, K, K],
+    linear_num_heads=3,
+    linear_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
 SPECS = {
     # the released pattern's shape: KDA layers around one MLA layer; q_proj without a LoRA; 5 KDA heads
     "kda_mla_kda": dict(num_hidden_layers=4, layer_types=[K, M, K, K], linear_num_heads=5, q_lora_rank=None),

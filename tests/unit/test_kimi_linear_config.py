@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kimi_linear_models import RAW_CONFIG as RAW
 
 from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.layer_kinds import declare_layers, describe, prefix_caching_blocker
@@ -14,33 +15,6 @@ from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.executor.model_runner import with_request_state_rules
 
 K, M = "linear_attention", "full_attention"
-RAW = dict(
-    model_type="kimi_linear",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=4,
-    num_attention_heads=3,
-    num_key_value_heads=3,
-    kv_lora_rank=16,
-    q_lora_rank=None,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_renormalize=True,
-    num_expert_group=1,
-    topk_group=1,
-    model_max_length=4096,
-    first_k_dense_replace=1,
-    layer_types=[K, M, K, K],
-    linear_num_heads=3,
-    linear_head_dim=8,
-    linear_conv_kernel_dim=4,
-)
 RELEASED = {  # the released checkpoint's form: 1-indexed lists and the widths inside linear_attn_config
     **{k: v for k, v in RAW.items() if not k.startswith(("layer_types", "linear_"))},
     "linear_attn_config": {

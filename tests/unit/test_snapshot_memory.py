@@ -20,6 +20,7 @@ import mmap
 
 import pytest
 import torch
+from kimi_linear_models import RAW_CONFIG
 
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.engine import DEFAULT_SNAPSHOT_POOL_GIB, EngineOptions, resolve
@@ -27,32 +28,18 @@ from mlaserve.config.layer_kinds import declare_layers
 from mlaserve.config.model import ModelConfig
 
 K, M = "linear_attention", "full_attention"
-SHAPED = dict(  # the Kimi-Linear-shaped 4-layer stack of the defect: 3 KDA + 1 MLA
-    model_type="kimi_linear",
-    vocab_size=64,
+SHAPED = RAW_CONFIG | dict(  # the Kimi-Linear-shaped 4-layer stack of the defect: 3 KDA + 1 MLA
     hidden_size=2304,
     intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=4,
     num_attention_heads=32,
     num_key_value_heads=32,
     kv_lora_rank=512,
-    q_lora_rank=None,
     qk_rope_head_dim=64,
     qk_nope_head_dim=128,
     v_head_dim=128,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_renormalize=True,
-    num_expert_group=1,
-    topk_group=1,
-    model_max_length=4096,
-    first_k_dense_replace=1,
     layer_types=[K, K, K, M],
     linear_num_heads=32,
     linear_head_dim=128,
-    linear_conv_kernel_dim=4,
 )
 ROWS = 16 * 2304  # a 16-token page of the MLA layer's fp32 latent rows [512 | 64]
 SNAPSHOT = 3 * (32 * 128 * 128 * 4 + 3 * 32 * 128 * 3 * 4)  # per KDA layer: recurrent [H, d, d] + conv [3, W, K - 1]
