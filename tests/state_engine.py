@@ -77,3 +77,20 @@ def together_and_alone(
         for (rid, _), row in zip(batch.logits_owner, logits):
             together[rid].append(row)
     return alone, {rid: torch.stack(rows) for rid, rows in together.items()}, decodes
+
+
+def state_chunk(
+    rid: str, ids: list[int], done: int, pages: list[int], slot: int, page_size: int, drafts: int = 0
+) -> SeqChunk:
+    """A chunk of request rid (its ids after `done` tokens) over the pages it reaches, in its state slot; its first
+    chunk resets the slot; `drafts` of its ids are MTP drafts to verify."""
+    end = done + len(ids)
+    return SeqChunk(
+        rid,
+        tuple(ids),
+        done,
+        tuple(pages[: -(-end // page_size)]),
+        state_slot=slot,
+        reset_state=done == 0,
+        num_draft=drafts,
+    )

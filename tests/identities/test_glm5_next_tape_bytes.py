@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("transformers.models.glm5_next")
 
 from glm5_next_mtp_models import save_glm5_next_with_mtp  # noqa: E402
+from state_engine import state_chunk
 
 from mlaserve.entrypoints.cli import main  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
@@ -34,16 +35,7 @@ def folder(tmp_path_factory):
 
 
 def _chunk(rid: str, ids: list[int], done: int, pages: list[int], drafts: int = 0) -> SeqChunk:
-    end = done + len(ids)
-    return SeqChunk(
-        rid,
-        tuple(ids),
-        done,
-        tuple(pages[: -(-end // PS)]),
-        state_slot=SLOTS[rid],
-        reset_state=done == 0,
-        num_draft=drafts,
-    )
+    return state_chunk(rid, ids, done, pages, SLOTS[rid], PS, drafts)
 
 
 def _tape_nbytes(llm: LLM) -> int:
