@@ -7,6 +7,15 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run under Triton's interpreter where torch sees no GPU (mlaserve/platform/triton_runtime.py):
+# set before any test imports a kernel module, since Triton reads it when a kernel is defined. A GPU run
+# compiles them (TRITON_INTERPRET unset), unless the caller sets it.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 # The suite is grouped by room (unit/, identities/, models/, kernels/, gguf/, server/, distributed/, gpu/,
 # robustness/); the shared helpers (hf_models, gguf_helpers, server_process, ...) live here, and a test may
 # import a helper of another test's module: every room is on sys.path, whatever order pytest collects in.
