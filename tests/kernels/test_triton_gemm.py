@@ -9,8 +9,8 @@ Products: y = x @ W^T of 1, 3 and 16 rows (the small-batch kernel) within the fp
 each side's error is at most K u sum |x w|; the kernels sum in fp32 with input_precision="ieee"); measured here
 at most 0.03 of it. Past TRITON_ROWS rows the decoded weight goes to F.linear: equal to the reference exactly.
 The kernel plan: which holder takes `triton` and why the others do not (engine kernels, format not covered,
-no GPU); the kernels option's resolution; and a tiny GGUF model served end to end through the kernels against
-transformers on that file's dequantized weights.
+no GPU); the kernels option's resolution; and a tiny GGUF model (Q4_K_M: Q4_K and Q8_0 linears) and a tiny FP8
+folder served end to end through the kernels against transformers on their dequantized weights.
 """
 
 from __future__ import annotations
@@ -180,4 +180,25 @@ def test_gguf_model_through_the_triton_kernels_matches_transformers():
     taken = {c.reason.split(" decode")[0] for c in llm.loaded.kernel_plan.choices if c.impl == "triton"}
     assert taken == {"triton Q4_K", "triton Q8_0"}
     diff, top1 = compare_logits(llm.prompt_logits(ids), exp["hf_dequant_logits_q4_k_m"][:20])
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
+
+
+def test_fp8_folder_through_the_triton_kernels_matches_transformers(hf_model_dir, tmp_path):
+    """A DeepSeek-V3 FP8 folder in (32, 24) blocks (partial edge blocks): its FP8Linear holders through the
+    kernels (a 12-token prompt: one small-batch step), against transformers on the folder's dequantized weights
+    (tests/models/test_fp8.py's oracle: q.float() * the block's scale, computed there)."""
+    from hf_models import hf_logits, random_ids
+    from test_fp8 import _hf_from, dequantized_folder
+
+    from mlaserve import LLM
+    from mlaserve.quant.writer import write_fp8_folder
+
+    src, _ = hf_model_dir("v3_yarn")
+    write_fp8_folder(src, tmp_path / "fp8", "fp8", (32, 24))
+    ids = random_ids(12)
+    ref = hf_logits(_hf_from(dequantized_folder(tmp_path / "fp8", tmp_path / "deq")), ids)
+    llm = LLM(str(tmp_path / "fp8"), kernels="triton", dtype="float32")
+    fp8 = [c for c in llm.loaded.kernel_plan.choices if c.impl == "triton"]
+    assert fp8 and all(c.reason.startswith("triton fp8 e4m3 (32, 24) decode-and-multiply") for c in fp8)
+    diff, top1 = compare_logits(llm.prompt_logits(ids), ref)
     assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
