@@ -97,16 +97,18 @@ def resolve(
     gguf: bool = False,
     stored_bf16: Callable[[], bool] | None = None,
     torch_holders: str | None = None,
+    triton: Callable[[str], tuple[str | None, str]] | None = None,
 ) -> EngineConfig:
     """native_kernels: the loader's probe of the native kernels (builds them; -> (available, detail)),
     passed only when the checkpoint holds quantized weights that native kernels serve. torch_holders: why
     quantized weights without native kernels run in torch (the kernels line's reason; None: none held). gguf: the checkpoint is a GGUF file
-    (gguf_weights applies). stored_bf16: whether the checkpoint's matrices are stored in bfloat16 (asked
+    (gguf_weights applies). triton: the loader's probe of Triton on a device (-> (mode, reason): kernels
+    "triton"). stored_bf16: whether the checkpoint's matrices are stored in bfloat16 (asked
     only when dtype=auto could pick bfloat16)."""
     log = ProvenanceLog()
     device = choose_device(opts.device, log)
     quantization = choose_quantization(opts.quantization, log)
-    kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders)
+    kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders, triton)
     activations = choose_activations(opts.activations, kernels, gguf, log)
     prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log, _bf16_unbound(model))
     ranks = opts.tensor_parallel_size * opts.expert_parallel_size

@@ -70,7 +70,7 @@ class KernelConfig:
     """How weights are held and multiplied: the kernel family, activation quantization, bf16 prefill GEMMs, load-time
     quantization, the routed experts' implementation, a GGUF's blocks kept or expanded."""
 
-    impl: str  # "native" | "torch": quantized matmuls and decode-step glue (kernels/)
+    impl: str  # "native" | "triton" | "torch": quantized matmuls and decode-step glue (kernels/)
     activations: str  # "float" | "int8_6bit" | "int8": machine.INT8_BITS, the weights whose products take int8
     prefill_matmul: str  # "float" | "bf16_6bit" | "bf16": machine.BF16_BITS, the weights whose prefill GEMMs are bf16
     quantization: str | None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load

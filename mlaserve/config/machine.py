@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("auto", "torch", "native", "reference")
 DEVICES = ("auto", "cpu", "cuda")
-KERNELS = ("auto", "native", "torch")
+KERNELS = ("auto", "native", "triton", "torch")
 ACTIVATIONS = ("auto", "float", "int8", "int8_6bit")
 # a resolved activations value -> the widest weight (bits per value) whose products take int8 activations (0: none;
 # kernels/native.takes_int8 applies it per weight type)
@@ -69,21 +69,32 @@ def choose_quantization(requested: str | None, log: ProvenanceLog) -> str | None
     return log.record("quantization", requested, f"user option: float weights put into {blocks} blocks at load")
 
 
-def choose_kernels(requested: str, device: str, probe, log: ProvenanceLog, torch_holders: str | None = None) -> str:
+def choose_kernels(
+    requested: str, device: str, probe, log: ProvenanceLog, torch_holders: str | None = None, triton=None
+) -> str:
     """probe: the native kernels' probe, given when the checkpoint's quantized weights have native kernels.
     torch_holders: without a probe, why quantized weights the checkpoint does hold run in torch (None: it
-    holds none), so the recorded reason is what is true of this checkpoint."""
+    holds none), so the recorded reason is what is true of this checkpoint. triton: the loader's probe of
+    Triton on a device (device -> (mode, reason), platform/triton_runtime.py): "compiled" on a CUDA GPU, where
+    auto takes it; "interpreter" (TRITON_INTERPRET=1, tests) only when asked for by name."""
     check_choice("kernels", requested, KERNELS)
     if requested == "torch":
         return log.record("kernels", "torch", "user option")
     if probe is None:
-        how = "user option" if requested == "native" else "engine default (auto)"
+        how = "user option" if requested != "auto" else "engine default (auto)"
         return log.record("kernels", "torch", f"{how}: {torch_holders or 'the checkpoint holds no quantized weights'}")
+    mode, why = triton(device) if triton is not None else (None, "Triton was not probed")
+    if requested == "triton":
+        if mode is None:
+            raise ConfigError(f"kernels='triton' cannot run on {device}: {why}")
+        return log.record("kernels", "triton", f"user option: {why}")
     if device != "cpu":
         if requested == "native":
             raise ConfigError(f"kernels='native' runs on the CPU; device is {device!r} (pass kernels='torch')")
+        if mode == "compiled":
+            return log.record("kernels", "triton", f"engine default (auto: {why}; FP8 / GGUF Q8_0 / Q4_K weights)")
         return log.record(
-            "kernels", "torch", f"engine default (auto: the native kernels are CPU code; device {device})"
+            "kernels", "torch", f"engine default (auto: the native kernels are CPU code; device {device}; {why})"
         )
     available, detail = probe()
     if not available:
@@ -122,7 +133,7 @@ def choose_activations(requested: str, kernels: str, gguf: bool, log: Provenance
         )
     if kernels != "native":
         raise ConfigError(
-            f"activations={requested!r} runs in the native kernels, but kernels resolved to 'torch' "
+            f"activations={requested!r} runs in the native kernels, but kernels resolved to {kernels!r} "
             f"({log.source('kernels')}); it needs quantized weights (a GGUF, FP8 or quantization=...) on CPU"
         )
     which = (
@@ -179,7 +190,7 @@ def choose_prefill_matmul(
         )
     if kernels != "native":
         raise ConfigError(
-            f"prefill_matmul={requested!r} runs in the native kernels, but kernels resolved to 'torch' "
+            f"prefill_matmul={requested!r} runs in the native kernels, but kernels resolved to {kernels!r} "
             f"({log.source('kernels')}); it needs quantized weights (a GGUF or quantization=...) on CPU"
         )
     which = "every weight type (Q8_0 too)" if requested == "bf16" else BF16_RULE

@@ -102,8 +102,10 @@ class EngineOptions:
         "auto",
         "for checkpoints with quantized weights (GGUF blocks, FP8, quantization=): native = C kernels built at first "
         "use with the system compiler (decode-and-dot matmuls, the MoE router and routed experts of a decode step, "
-        "RMSNorm, each layer's rope and cache write); torch = dequantize, then GEMM, and torch ops (the reference); "
-        "auto = native on CPU if it builds",
+        "RMSNorm, each layer's rope and cache write); triton = Triton kernels on a CUDA GPU for FP8 blocks and GGUF "
+        "Q8_0 / Q4_K blocks (decode-and-multiply up to 16 rows, else decode, then GEMM; other weights as torch; "
+        "on CPU only with TRITON_INTERPRET=1, Triton's interpreter, for tests); torch = dequantize, then GEMM, and "
+        "torch ops (the reference); auto = native on CPU if it builds, triton on CUDA where Triton compiles",
         KERNELS,
     )
     activations: str = _opt(

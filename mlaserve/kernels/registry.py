@@ -13,7 +13,8 @@ matmul / routed / per_head); a native method hands a step past its row limit (NA
 to its declared fallback, and the plan's reason says so.
 
 Ops, in the order they are planned (a fused op's check reads the choices of the ops it fuses):
-  linear           a matrix kept in a stored format (GGUF blocks, FP8 blocks): native decode-and-dot | torch
+  linear           a matrix kept in a stored format (GGUF blocks, FP8 blocks): triton (FP8, GGUF Q8_0 / Q4_K on
+                   a GPU, triton_linear.py) | native decode-and-dot | torch
   grouped_experts  a routed-expert stack kept in a stored format: native | torch
   heads            W_UK / W_UV kept as a GGUF's attn_k_b / attn_v_b blocks: native grouped GEMV | torch
   norm             RMSNorm: native (one C call, fp32 CPU) | torch
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mlaserve.config.layer_kinds import layer_ranges
+from mlaserve.kernels import triton_linear
 
 OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write", "moe_block", "decode_layer")
 
@@ -43,7 +45,7 @@ OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write", "
 class KernelContext:
     """The engine's switches an implementation's check may read (config/machine.py resolved them)."""
 
-    kernels: str  # "native" | "torch"
+    kernels: str  # "native" | "triton" | "torch"
     int8: int  # activations: 0 float; else the widest weight (bits per value) whose products take int8 (native.takes_int8)
     bf16: int = 0  # prefill_matmul: 0 fp32; else the widest weight whose many-rows products run in bf16 (bf16_prefill)
 
@@ -256,6 +258,13 @@ def _apply_native(module: nn.Module, ctx: KernelContext) -> None:
         module.set_prefill_bf16(ctx.bf16)
 
 
+def _triton_module(module: nn.Module, ctx: KernelContext) -> str | None:
+    return triton_linear.supports(module, ctx.kernels)
+
+
+# The holders whose format has a Triton kernel (FP8Linear, GGUFLinear of Q8_0 / Q4_K) take it first where the
+# engine's kernels are "triton" (a GPU); the plan names why each other one did not (no GPU, format not covered).
+register("linear", "triton", _triton_module, set_kernel("triton"), triton_linear.detail)
 for _op in MODULE_OPS:
     register(_op, "native", _native_module, _apply_native, native_contract)
     register(_op, "torch", always, set_kernel("torch"))

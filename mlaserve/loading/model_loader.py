@@ -33,7 +33,7 @@ from mlaserve.kernels.registry import KernelContext, plan_kernels
 from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.loaded import Checkpoint, LoadedModel
-from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16
+from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16, triton_probe
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
@@ -138,6 +138,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         has_indexer_weights(source.names()),
         native_kernels=probe,
         gguf=path.is_file(),
+        triton=triton_probe,
         stored_bf16=lambda: stored_bf16(source),
     )
     template = tokenizer.chat_template if tokenizer is not None else None
@@ -211,7 +212,7 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer; its FP8 /
     # FP4 holders (quant/deepseek_v4.py) have the native kernels of FP8Linear / FP8Experts / FP4Experts
     probe = native_probe if scheme is not None else None
-    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, native_kernels=probe)
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, native_kernels=probe, triton=triton_probe)
     tokenizer = folder_tokenizer(path, model_cfg)
     set_encoding(tokenizer, model_cfg.model_type)
     return Checkpoint(path, model_cfg, engine_cfg, None, tokenizer, [], scheme)
@@ -245,7 +246,12 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
         set_encoding(tokenizer, ck.config.model_type)
     blocks = any(ck.tensors.gguf_type(n) not in ("F32", "F16", "BF16", "I32") for n in ck.tensors.names())
     engine_cfg = resolve(
-        ck.config, opts, has_indexer_weights=False, native_kernels=native_probe if blocks else None, gguf=True
+        ck.config,
+        opts,
+        has_indexer_weights=False,
+        native_kernels=native_probe if blocks else None,
+        gguf=True,
+        triton=triton_probe,
     )
     ck.close()
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_prefill, ggml, native, native_layers, registry
+from mlaserve.kernels import bf16_prefill, ggml, native, native_layers, registry, triton_linear
 from mlaserve.models.layers import SwiGLU
 from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
 from mlaserve.quant.int4_experts import INT4Experts
@@ -79,8 +79,8 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
     """y = x W^T (+ b), W kept as the file's ggml blocks."""
 
     KERNEL_OP = "linear"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
-    KERNELS = ggml.KERNELS  # what `kernel` may be set to
-    KERNEL_CALLS = {"matmul": {"native": "_matmul_native", "torch": "_matmul_torch"}}
+    KERNELS = ("triton", *ggml.KERNELS)  # what `kernel` may be set to (triton: Q8_0 / Q4_K, triton_unfit)
+    KERNEL_CALLS = {"matmul": {"triton": "_matmul_triton", "native": "_matmul_native", "torch": "_matmul_torch"}}
     NATIVE_ROWS, NATIVE_FALLBACK = ggml.GEMV_ROWS, "native decode, then BLAS"  # kernels.ggml.linear_native
 
     def __init__(self, in_features: int, out_features: int, ggml_type: int, bias: bool, dtype, device) -> None:
@@ -109,6 +109,18 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
 
     def _matmul_torch(self, x2: torch.Tensor) -> torch.Tensor:
         return ggml.linear_torch(x2, self.weight, self.ggml_type, self.in_features)
+
+    def _matmul_triton(self, x2: torch.Tensor) -> torch.Tensor:
+        return triton_linear.gguf_linear(x2, self.weight, self.triton_format(), self.in_features)
+
+    def triton_unfit(self) -> str | None:
+        """The Triton kernels cover Q8_0 and Q4_K blocks (kernels/triton/); other types stay with the others."""
+        name = GGML_TYPES[self.ggml_type].name
+        covered = [f for f in triton_linear.MODULES if f != "fp8"]
+        return None if name in covered else f"gguf {name}: the Triton kernels cover {' and '.join(covered)}"
+
+    def triton_format(self) -> str:
+        return GGML_TYPES[self.ggml_type].name
 
     def describe(self) -> tuple[str, tuple[int, int]]:
         return _describe(self.ggml_type)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.kernels import native
+from mlaserve.kernels import native, triton_linear
 from mlaserve.kernels.ggml import GEMV_ROWS
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.moe import Experts
@@ -46,8 +46,8 @@ class FP8Linear(KernelSwitch, nn.Module):
     """y = x W^T (+ b), W stored as e4m3 Q [N, K] and its scale tensor (named as the checkpoint)."""
 
     KERNEL_OP = "linear"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
-    KERNELS = ("native", "torch")  # what `kernel` may be set to
-    KERNEL_CALLS = {"matmul": {"native": "_matmul_native", "torch": "_matmul_torch"}}
+    KERNELS = ("triton", "native", "torch")  # what `kernel` may be set to
+    KERNEL_CALLS = {"matmul": {"triton": "_matmul_triton", "native": "_matmul_native", "torch": "_matmul_torch"}}
     NATIVE_ROWS, NATIVE_FALLBACK = GEMV_ROWS, "native decode, then BLAS"
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool, dtype, device) -> None:
@@ -92,6 +92,20 @@ class FP8Linear(KernelSwitch, nn.Module):
         bias = self.bias.float() if self.bias is not None else None
         w = fp8_block.dequantize(self.weight, self.scale, self.block)
         return F.linear(x.float(), w, bias).to(x.dtype)
+
+    def _matmul_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """The Triton kernels (kernels/triton_linear.py): the blocks decoded tile by tile, fp32 products."""
+        y = triton_linear.fp8_linear(x.reshape(-1, self.in_features), self.weight, self.scale, self.block)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def triton_unfit(self) -> str | None:
+        """Every block shape (channel, tensor and (bn, bk) blocks, partial edge blocks) has the Triton kernel."""
+        return None
+
+    def triton_format(self) -> str:
+        return f"fp8 e4m3 {self.block}"
 
     def describe(self) -> tuple[str, tuple[int, int]]:
         return f"{self.scheme.method} {self.scheme.fmt}", self.block

@@ -299,3 +299,49 @@ def test_engine_on_fp8_folder_on_cuda_equals_cpu(hf_model_dir, tmp_path, record_
     err = (got - want).abs().max().item()
     record_property("max_abs_diff", err)
     assert err <= FP32_TOL and torch.equal(got.argmax(-1), want.argmax(-1)), err
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "Q8_0", "Q4_K"])
+def test_triton_gemm_kernels_on_cuda_equal_the_reference(fmt):
+    """The Triton kernels compiled (kernels/triton/): the tile decoder equals the CPU reference bit for bit
+    (fp8_block.dequantize_reference; gguf-py), and the products of 1 / 3 / 16 rows stay within the fp32
+    summation-order bound of tests/kernels/test_triton_gemm.py (IEEE fp32 tl.dot, no TF32)."""
+    from test_kernels import assert_within_sum_bound, gguf_py_dense, random_blocks
+
+    from mlaserve.kernels import triton_linear
+    from mlaserve.quant import fp8_block
+
+    mod = triton_linear.kernel_module(fmt)
+    g = torch.Generator().manual_seed(21)
+    n, k = (200, 300) if fmt == "fp8" else (200, 320) if fmt == "Q8_0" else (200, 512)
+    if fmt == "fp8":
+        q, s = fp8_block.quantize(torch.randn(n, k, generator=g), (128, 128))
+        ref = fp8_block.dequantize_reference(q, s, (128, 128))
+        decoded = mod.dequantize(q.cuda(), s.cuda(), (128, 128)).cpu()
+        product = lambda x: mod.linear(x.cuda(), q.cuda(), s.cuda(), (128, 128)).cpu()  # noqa: E731
+    else:
+        raw = random_blocks(fmt, n, k, g)
+        ref = gguf_py_dense(raw, fmt)
+        decoded = mod.dequantize(raw.cuda(), k).cpu()
+        product = lambda x: mod.linear(x.cuda(), raw.cuda(), k).cpu()  # noqa: E731
+    assert torch.equal(decoded.view(torch.int32), ref.view(torch.int32))
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, k, generator=g)
+        assert_within_sum_bound(product(x), F.linear(x, ref), x, ref)
+
+
+def test_engine_on_gguf_through_triton_on_cuda_matches_transformers(record_property):
+    """kernels=auto on CUDA takes the Triton kernels for the Q4_K_M file's Q4_K and Q8_0 linears (the plan says
+    so); logits against transformers on the file's dequantized weights, as the CPU engine's (FP32_LOGITS_TOL)."""
+    from conftest import compare_logits, fixture_dir
+    from safetensors.torch import load_file
+
+    folder = fixture_dir("ds3")
+    exp = load_file(str(folder / "expected.safetensors"))
+    llm = LLM(str(folder / "model-q4_k_m.gguf"), device="cuda", dtype="float32", max_num_batched_tokens=BUDGET)
+    assert llm.config.kernels.impl == "triton"
+    taken = {c.reason.split(" decode")[0] for c in llm.loaded.kernel_plan.choices if c.impl == "triton"}
+    assert taken == {"triton Q4_K", "triton Q8_0"}, llm.loaded.kernel_plan.format()
+    diff, top1 = compare_logits(llm.prompt_logits(exp["input_ids"].tolist()).cpu(), exp["hf_dequant_logits_q4_k_m"])
+    record_property("max_abs_diff", diff)
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
