@@ -146,7 +146,10 @@ class Experts(nn.Module):
         flat_idx = topk_idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         token_of = order // k  # which token each sorted (token, expert) pair came from
-        counts = torch.bincount(flat_idx, minlength=self.gate_up_proj.shape[0])
+        # pairs per expert by a scatter, not bincount: bincount sizes its output from the largest index (a host
+        # read on CUDA, which a CUDA graph cannot capture: executor/host_sync.py); the same integers
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=flat_idx.device)
+        counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
         gate_up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
