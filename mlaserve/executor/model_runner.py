@@ -188,9 +188,12 @@ class ModelRunner:
             getattr(self.model, "v4_implementation", "torch:padded_batch+batched_state"),
         )
         with torch.inference_mode():
-            step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
-            native = self.model.fused_decode(step, self.cache)  # decided before the math, recorded with the route
-            graph = plan_graph(batch, plan, self.graph_settings, native is not None)
+            # a replayed step needs no eager StepContext (its padded one is built in _replay); a model with native
+            # decode layers (CPU only) is never replayed
+            graph = plan_graph(batch, plan, self.graph_settings, getattr(self.model, "native_decode", None) is not None)
+            step = None if graph.replay else StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
+            # decided before the math, recorded with the route
+            native = None if graph.replay else self.model.fused_decode(step, self.cache)
             if self.tracer.enabled:
                 rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
                 rec["kernels"] = self._kernels_record(native)

@@ -143,3 +143,25 @@ def test_ledger_says_every_step_ran_eagerly_and_why(hf_model_dir):
     assert {r["graph"]["reason"] for r in recs} == {
         "cuda_graphs off (engine default (auto: off on device 'cpu', on for cuda only))"
     }
+
+
+def test_capture_blocker_reads_the_model():
+    from torch import nn
+
+    from mlaserve.executor.padded_decode import capture_blocker
+    from mlaserve.models.deepseek import MLAForCausalLM
+
+    model = MLAForCausalLM(ModelConfig.from_hf(make_config("v3_yarn").to_dict()))
+    assert "routed experts in float32" in capture_blocker(model)
+    model = model.to(torch.bfloat16)
+    assert capture_blocker(model) is None
+    moe = model.model.layers[1].mlp
+    moe.experts.impl = "loop"
+    assert "experts_impl 'loop'" in capture_blocker(model)
+    moe.experts.impl = "grouped_mm"
+
+    class OtherLayer(nn.Module):
+        pass
+
+    model.model.layers[2] = OtherLayer()
+    assert capture_blocker(model) == "decoder layers of class OtherLayer (not checked for capture)"
