@@ -43,6 +43,10 @@ class DecodeGraphs:
         self.captures: list[dict] = []  # per capture: bucket, context_pages, capture_s, pool bytes
         self.replays = 0  # steps replayed (the first step of a key included: it replays after its capture)
 
+    def captured(self, plan: GraphPlan) -> bool:
+        """Whether the plan's graph exists (else this step captures it first)."""
+        return plan.key in self.graphs
+
     def run(self, plan: GraphPlan, padded: PaddedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits [n, V], hidden [n, D]) of the plan's real rows, by replay (capturing first if new)."""
         g = self.graphs.get(plan.key)

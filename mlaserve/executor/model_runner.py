@@ -199,6 +199,8 @@ class ModelRunner:
                 rec["kernels"] = self._kernels_record(native)
                 rec["kv_cache"] = self.kv_cache_layout
                 rec["graph"] = graph.to_record()
+                if graph.replay and self.graphs is not None:  # this step captures its bucket's graph first
+                    rec["graph"]["capture"] = not self.graphs.captured(graph)
                 rec = rec | (ledger(batch, plan) if ledger else {})
                 self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.world_size > 1 else rec)
             self.step_count += 1

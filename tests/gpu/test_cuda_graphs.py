@@ -89,7 +89,7 @@ def test_replay_equals_eager_of_the_same_bucket(hf_model_dir, dense_folder, kind
         for rep in range(3):  # the first captures, the others replay
             replayed = runner.execute(chunks)[1]
             rec = runner.tracer.records[-1]["graph"]
-            assert rec["replayed"] and rec["rows"] == n, rec
+            assert rec["replayed"] and rec["rows"] == n and rec["capture"] == (rep == 0), rec
             eager, plan = runner.padded_eager(chunks)
             assert rec["bucket"] == plan.bucket
             assert torch.equal(replayed, eager), f"bucket {plan.bucket} rep {rep}: {(replayed - eager).abs().max()}"

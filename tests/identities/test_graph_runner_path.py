@@ -24,6 +24,9 @@ class EagerGraphs:
     def __init__(self, model, cache) -> None:
         self.model, self.cache, self.keys = model, cache, []
 
+    def captured(self, plan) -> bool:
+        return plan.key in self.keys
+
     def run(self, plan, padded):
         self.keys.append(plan.key)
         logits, hidden = run_padded(self.model, self.cache, padded)
@@ -47,6 +50,8 @@ def test_pure_decode_steps_take_the_graph_path(hf_model_dir):
     # the batch shrinks 5 -> 1 as requests finish: buckets 8, 4, 2, 1
     assert {r["graph"]["bucket"] for r in replayed} == {8, 4, 2, 1}
     assert all(r["graph"]["rows"] == len(r["requests"]) == r["num_decode_tokens"] == r["num_tokens"] for r in replayed)
+    # the first step of each key captures (here: the first time run() saw it), the others replay
+    assert sum(r["graph"]["capture"] for r in replayed) == len(set(runner.graphs.keys))
     assert eager and all(r["num_tokens"] > r["num_decode_tokens"] for r in eager)
     assert all(r["graph"]["reason"].startswith("prefill or mixed step") for r in eager)
     assert not any(layer.latent[runner.cache.pad_slot].any() for layer in runner.cache.layers)
