@@ -8,7 +8,7 @@
 #
 # Python wheels in a .whl/ folder at the root (for a machine without a package index) are installed into /tmp/site
 # first. Without a GPU the tests skip and the benchmark runs a --quick CPU smoke test (CUDA graphs off there): the
-# script's own check, a minute or two on a CPU. Limits (seconds; env overrides): T_TESTS 150, T_TRITON 45,
+# script's own check (4 minutes on a 2-core CPU under load ~13). Limits (seconds; env overrides): T_TESTS 150, T_TRITON 45,
 # T_BENCH 180, T_BENCH_DSA 60. Exit status: that of the GPU tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -13,11 +13,12 @@ hundreds. Powers of two cost at most 2x the keys of the step and log2(num_pages)
 
 A step is replayed only when it is a pure decode (every sequence one token), on the torch attention backend, with
 no request states (their slots are zeroed, restored and snapshotted on the host's word), no speculative verify,
-no native decode layers (CPU C calls), a cache in the compute dtype, float weights (quantized holders are not checked
-for capture), the plain decoder layer (not LongCat-Flash's) and routed experts in bf16 (torch._grouped_mm's other dtypes read the group offsets on the host), and no kind
-other than MLA / MLA+DSA (DeepSeek-V4's and KDA's layers run per
-sequence over request states); each refusal says which. A selecting DSA segment the route scores bf16_then_fp32
-(whose rescoring width is read on the host, torch_index.py) is scored in fp32 in the graph: the top-k both find. Everything else runs eagerly, as every step always did.
+no native decode layers (CPU C calls), a cache in the compute dtype, float weights (quantized holders are not
+checked for capture), the plain decoder layer (not LongCat-Flash's), routed experts in bf16 (torch._grouped_mm's
+other dtypes read the group offsets on the host) and no kind other than MLA / MLA+DSA (DeepSeek-V4's and KDA's
+layers run per sequence over request states); each refusal says which. A selecting DSA segment the route scores
+bf16_then_fp32 (whose rescoring width is read on the host, torch_index.py) is scored in fp32 in the graph: the
+top-k both are built to find. Everything else runs eagerly, as every step always did.
 """
 
 from __future__ import annotations
