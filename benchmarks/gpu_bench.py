@@ -1,15 +1,23 @@
-"""GPU benchmark: mlaserve vs Hugging Face transformers on the standard benchmark model (common.py),
-same random weights, same dtype, same device, in one run.
+"""GPU benchmark: mlaserve with CUDA graphs, mlaserve eager and Hugging Face transformers on a benchmark model
+(common.py: `--model standard` or `dsa`), same random weights, same dtype, same device, in one run.
 
-    python benchmarks/gpu_bench.py [--device cuda] [--dtype bfloat16] [--quick] [--out FILE] [--skip-hf]
+    python benchmarks/gpu_bench.py [--model standard|dsa] [--device cuda] [--dtype bfloat16] [--quick]
+                                   [--engines graphs,eager,transformers] [--long] [--out FILE]
 
-Measures (the offline benchmark's definitions, on the device):
+Measures (the offline benchmark's definitions, on the device), per engine:
   prefill tokens/s        one 512-token prompt, end to end to its first token (median of reps)
   decode tokens/s (B=1)   128-token prompt, 64 new tokens: (n-1) / (last token time - first token time)
-  output tokens/s (B=16)  16 concurrent requests, prompt 128, 128 new tokens: 16*128 / wall time
-Greedy, ignore_eos, distinct prompts (no prefix-cache hits). The JSON is rewritten after every
-measurement, so a run cut short by a timeout still leaves what it measured. `--quick`: the 2-layer
-model and short runs (a smoke test of the script, e.g. on a CPU).
+  output tokens/s (B=16, B=64)  16 / 64 concurrent requests, prompt 128, 128 new tokens: B*128 / wall time
+  prefill 8K (--long)     one 8,000-token prompt, once, last (the part a short budget drops first)
+  memory                  per engine: what its load holds (weights, cache pool: loaded_gpu_mem_gib) and per phase
+                          the peak above what every loaded engine holds (<phase>_peak_above_loaded_gib); an engine's
+                          peak is their sum
+  graphs                  mlaserve with cuda_graphs on: graphs captured, capture seconds and memory reserved by the
+                          captures (DecodeGraphs.summary), replayed steps
+The two mlaserve engines are loaded side by side and measured alternately (graphs, eager, graphs, ...: the same
+conditions for both), transformers after them. Greedy, ignore_eos, distinct prompts (no prefix-cache hits). The JSON
+is rewritten after every measurement, so a run cut short by a timeout still leaves what it measured. `--quick`: the
+2-layer model and short runs (a smoke test of the script, e.g. on a CPU, where graphs are off: engine "eager" only).
 """
 
 from __future__ import annotations
@@ -30,9 +38,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, count_params, ensure_model, random_prompt  # noqa: E402
 
 FULL = dict(
-    prefill_len=512, prefill_reps=3, dec_prompt=128, dec_new=64, dec_reps=2, conc=16, conc_prompt=128, conc_new=128
+    prefill_len=512,
+    prefill_reps=3,
+    dec_prompt=128,
+    dec_new=64,
+    dec_reps=2,
+    conc=(16, 64),
+    conc_prompt=128,
+    conc_new=128,
+    long_len=8000,
 )
-QUICK = dict(prefill_len=64, prefill_reps=1, dec_prompt=16, dec_new=8, dec_reps=1, conc=4, conc_prompt=16, conc_new=8)
+QUICK = dict(
+    prefill_len=64,
+    prefill_reps=1,
+    dec_prompt=16,
+    dec_new=8,
+    dec_reps=1,
+    conc=(4,),
+    conc_prompt=16,
+    conc_new=8,
+    long_len=200,
+)
 PAGE_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -41,8 +67,14 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--model", default="standard", choices=["standard", "dsa"])
     p.add_argument("--quick", action="store_true", help="2-layer model, short runs (a smoke test)")
-    p.add_argument("--skip-hf", action="store_true", help="mlaserve only")
+    p.add_argument(
+        "--engines",
+        default=None,
+        help="comma-separated of graphs, eager, transformers (default: all three on cuda, eager,transformers on cpu)",
+    )
+    p.add_argument("--long", action="store_true", help="also one 8,000-token prefill per engine, last")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu-<dtype>[-quick].json)")
     return p.parse_args()
 
@@ -53,14 +85,13 @@ def sync(device: str) -> None:
 
 
 class MlaServe:
-    name = "mlaserve"
-
-    def __init__(self, folder: Path, device: str, dtype: str, s: dict) -> None:
+    def __init__(self, folder: Path, device: str, dtype: str, s: dict, graphs: bool) -> None:
         from mlaserve import LLM
 
-        need = s["conc"] * math.ceil((s["conc_prompt"] + s["conc_new"]) / PAGE_SIZE)
+        self.name = "mlaserve-graphs" if graphs else "mlaserve-eager"
+        need = max(s["conc"]) * math.ceil((s["conc_prompt"] + s["conc_new"]) / PAGE_SIZE)
         need = max(
-            need, math.ceil((s["prefill_len"] + 1) / PAGE_SIZE), math.ceil((s["dec_prompt"] + s["dec_new"]) / PAGE_SIZE)
+            need, math.ceil((s["long_len"] + 1) / PAGE_SIZE), math.ceil((s["dec_prompt"] + s["dec_new"]) / PAGE_SIZE)
         )
         self.llm = LLM(
             model=str(folder),
@@ -68,10 +99,19 @@ class MlaServe:
             dtype=dtype,
             page_size=PAGE_SIZE,
             max_num_batched_tokens=2048,
-            max_num_seqs=max(16, s["conc"]),
+            max_num_seqs=max(16, *s["conc"]),
             num_pages=need + 16,
+            cuda_graphs="on" if graphs else "off",
         )
         self.device = device
+
+    def extra(self) -> dict:
+        """The graphs' figures (capture time and memory, graphs, replays) and the decode steps' refusal reasons."""
+        graphs = self.llm.runner.graphs
+        out = {"cuda_graphs": self.llm.loaded.config.runtime.cuda_graphs}
+        if graphs is not None:
+            out["graphs"] = graphs.summary()
+        return out
 
     def generate(self, prompts: list[list[int]], new: int) -> list[list[int]]:
         from mlaserve import SamplingParams
@@ -102,6 +142,9 @@ class _Stamps:
 
 class HF:
     name = "transformers"
+
+    def extra(self) -> dict:
+        return {"impl": self.impl}
 
     def __init__(self, folder: Path, device: str, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -156,35 +199,106 @@ def agreement(a: list[int], b: list[int]) -> str:
     return f"{same}/{len(a)}"
 
 
-def measure(e, s: dict, vocab: int, device: str, res: dict, save) -> dict:
-    """Every figure for one engine; seeds differ per call so no prompt repeats."""
-    r = res.setdefault(e.name, {})
-    seed = iter(range(1000 * (1 + (e.name == "transformers")), 10**6))
+def phases(s: dict, vocab: int, long: bool) -> list:
+    """The measurements in order, each (key, fn(engine, seed) -> (value, extra fields)); the long prefill last."""
+
+    def prefill(e, seed, n=s["prefill_len"], reps=s["prefill_reps"]):
+        ts = timed(lambda: e.generate([random_prompt(n, vocab, next(seed))], 1), e.device, reps)
+        return n / median(ts), {"s": ts}
+
+    def decode(e, seed):
+        rates, greedy = [], []
+        for rep in range(s["dec_reps"]):
+            rate, ids = e.decode_rate(random_prompt(s["dec_prompt"], vocab, 500 + rep), s["dec_new"])
+            rates.append(rate)
+            greedy.append(ids)
+        return median(rates), {"all": rates, "greedy": greedy}
+
+    def concurrent(b):
+        def run(e, seed):
+            prompts = [random_prompt(s["conc_prompt"], vocab, next(seed)) for _ in range(b)]
+            ts = timed(lambda: e.generate(prompts, s["conc_new"]), e.device, 1)
+            return b * s["conc_new"] / ts[0], {"s": ts}
+
+        return run
+
+    out = [("prefill_tok_s", prefill), ("decode_tok_s_b1", decode)]
+    out += [(f"output_tok_s_concurrent_{b}", concurrent(b)) for b in s["conc"]]
+    if long:
+        out.append(("prefill_long_tok_s", lambda e, seed: prefill(e, seed, s["long_len"], 1)))
+    return out
+
+
+def warm_up(e, s: dict, vocab: int, seed) -> float:
     t0 = time.perf_counter()
-    e.generate([random_prompt(32, vocab, next(seed)), random_prompt(20, vocab, next(seed))], 4)  # warm-up
+    e.generate([random_prompt(32, vocab, next(seed)), random_prompt(20, vocab, next(seed))], 4)
     e.generate([random_prompt(s["prefill_len"], vocab, next(seed))], 1)
-    sync(device)
-    r["warmup_s"] = time.perf_counter() - t0
-    ts = timed(lambda: e.generate([random_prompt(s["prefill_len"], vocab, next(seed))], 1), device, s["prefill_reps"])
-    r["prefill_tok_s"], r["prefill_s"] = s["prefill_len"] / median(ts), ts
-    print(f"  {e.name}: prefill {s['prefill_len']}: {r['prefill_tok_s']:.0f} tok/s", flush=True)
-    save()
-    rates, greedy = [], []
-    for rep in range(s["dec_reps"]):
-        rate, ids = e.decode_rate(random_prompt(s["dec_prompt"], vocab, 500 + rep), s["dec_new"])
-        rates.append(rate)
-        greedy.append(ids)
-    r["decode_tok_s_b1"], r["decode_tok_s_b1_all"] = median(rates), rates
-    print(f"  {e.name}: decode batch 1: {r['decode_tok_s_b1']:.1f} tok/s", flush=True)
-    save()
-    prompts = [random_prompt(s["conc_prompt"], vocab, next(seed)) for _ in range(s["conc"])]
-    ts = timed(lambda: e.generate(prompts, s["conc_new"]), device, 1)
-    r["output_tok_s_concurrent"], r["concurrent_s"] = s["conc"] * s["conc_new"] / ts[0], ts
-    print(f"  {e.name}: {s['conc']} concurrent: {r['output_tok_s_concurrent']:.0f} output tok/s", flush=True)
-    if device == "cuda":
-        r["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    save()
-    return {"greedy_b1": greedy}
+    sync(e.device)
+    return time.perf_counter() - t0
+
+
+def measure_alternating(engines: list, s: dict, vocab: int, res: dict, save, long: bool) -> None:
+    """Every phase for each engine in turn (graphs, eager, graphs, ...): the mlaserve engines under the same
+    conditions; a failing engine is recorded and dropped, the others go on."""
+    seeds = {e.name: iter(range(1000 * (i + 1), 1000 * (i + 1) + 900)) for i, e in enumerate(engines)}
+    live = list(engines)
+    for e in list(live):
+        try:
+            res[e.name]["warmup_s"] = warm_up(e, s, vocab, seeds[e.name])
+        except Exception as exc:
+            _failed(res, e, exc, live)
+    for key, fn in phases(s, vocab, long):
+        for e in list(live):
+            if e.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            try:
+                value, extra = fn(e, seeds[e.name])
+            except Exception as exc:
+                _failed(res, e, exc, live)
+                continue
+            r = res[e.name]
+            r[key] = value
+            r.update({f"{key}_{k}": v for k, v in extra.items()})
+            if e.device == "cuda":  # this phase's peak above what every loaded engine holds
+                r[f"{key}_peak_above_loaded_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            r.update(e.extra())
+            print(f"  {e.name}: {key}: {value:.1f}", flush=True)
+            save()
+
+
+def _failed(res: dict, e, exc: Exception, live: list) -> None:
+    res[e.name]["error"] = f"{type(exc).__name__}: {exc}"
+    res[e.name]["traceback"] = traceback.format_exc()
+    print(res[e.name]["traceback"], flush=True)
+    live.remove(e)
+
+
+def engine_names(args) -> list[str]:
+    if args.engines:
+        return [n.strip() for n in args.engines.split(",") if n.strip()]
+    return ["graphs", "eager", "transformers"] if args.device == "cuda" else ["eager", "transformers"]
+
+
+def load(name: str, folder: Path, args, s: dict, res: dict):
+    """One engine, its load time and the device memory it holds once loaded (weights, cache pool)."""
+    print(f"[{name}] loading", flush=True)
+    before, t = gpu_allocated(args.device), time.perf_counter()
+    if name == "transformers":
+        e = HF(folder, args.device, args.dtype)
+    elif name in ("graphs", "eager"):
+        e = MlaServe(folder, args.device, args.dtype, s, graphs=name == "graphs")
+    else:
+        raise SystemExit(f"--engines: unknown engine {name!r} (graphs, eager, transformers)")
+    r = res.setdefault(e.name, {})
+    r["load_s"] = time.perf_counter() - t
+    if args.device == "cuda":
+        r["loaded_gpu_mem_gib"] = (gpu_allocated(args.device) - before) / 2**30
+    return e
+
+
+def gpu_allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
 
 
 def main() -> None:
@@ -193,11 +307,13 @@ def main() -> None:
         print("no CUDA device (torch.cuda.is_available() is False): nothing to measure on cuda")
         return
     s = QUICK if args.quick else FULL
-    out = Path(args.out) if args.out else RESULTS_DIR / f"gpu-{args.dtype}{'-quick' if args.quick else ''}.json"
+    tag = f"{args.model}-{args.dtype}{'-quick' if args.quick else ''}"
+    out = Path(args.out) if args.out else RESULTS_DIR / f"gpu-{tag}.json"
     import transformers
 
     res: dict = {
         "settings": s,
+        "model_kind": args.model,
         "device": args.device,
         "dtype": args.dtype,
         "torch": torch.__version__,
@@ -213,44 +329,57 @@ def main() -> None:
         out.write_text(json.dumps(res, indent=2, default=str))
 
     t0 = time.perf_counter()
-    folder = ensure_model("standard", args.quick)
+    folder = ensure_model(args.model, args.quick)
     res["model"] = {"folder": folder.name, "params": count_params(folder), "build_or_find_s": time.perf_counter() - t0}
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     save()
-    greedy = {}
-    engines = [("mlaserve", lambda: MlaServe(folder, args.device, args.dtype, s))]
-    if not args.skip_hf:
-        engines.append(("transformers", lambda: HF(folder, args.device, args.dtype)))
-    for name, make in engines:
-        print(f"[{name}] loading", flush=True)
-        try:
-            t = time.perf_counter()
-            if args.device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            e = make()
-            res.setdefault(name, {})["load_s"] = time.perf_counter() - t
-            if name == "transformers":
-                res[name]["impl"] = e.impl
-            greedy[name] = measure(e, s, vocab, args.device, res, save)["greedy_b1"]
-        except Exception as exc:  # record and go on to the other engine
-            res.setdefault(name, {})["error"] = f"{type(exc).__name__}: {exc}"
-            res[name]["traceback"] = traceback.format_exc()
-            print(res[name]["traceback"], flush=True)
-        e = None
+    names = engine_names(args)
+    ours = [n for n in names if n != "transformers"]
+    # the mlaserve engines side by side, measured alternately; then transformers alone
+    for group in (ours, [n for n in names if n == "transformers"]):
+        engines = []
+        for name in group:
+            try:
+                engines.append(load(name, folder, args, s, res))
+            except Exception as exc:
+                res.setdefault(name, {})["error"] = f"{type(exc).__name__}: {exc}"
+                res[name]["traceback"] = traceback.format_exc()
+                print(res[name]["traceback"], flush=True)
+            save()
+        if engines:
+            measure_alternating(engines, s, vocab, res, save, args.long)
+        engines = None
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
         save()
-    if len(greedy) == 2:
-        res["greedy_agreement_b1"] = [agreement(a, b) for a, b in zip(greedy["mlaserve"], greedy["transformers"])]
-    ml, hf = res.get("mlaserve", {}), res.get("transformers", {})
-    for key in ("prefill_tok_s", "decode_tok_s_b1", "output_tok_s_concurrent"):
-        if key in ml and key in hf:
-            res.setdefault("ratio_mlaserve_over_transformers", {})[key] = ml[key] / hf[key]
+    summarise(res)
     res["status"], res["wall_s"] = "done", time.perf_counter() - t0
     save()
-    print(json.dumps({k: res.get(k) for k in ("ratio_mlaserve_over_transformers", "greedy_agreement_b1")}, indent=1))
+    print(json.dumps({k: res.get(k) for k in ("ratios", "greedy_agreement_b1")}, indent=1))
     print(f"[results] wrote {out}")
+
+
+def summarise(res: dict) -> None:
+    """Ratios between engines on every shared figure, and greedy agreement of the batch-1 decodes."""
+    keys = ("prefill_tok_s", "decode_tok_s_b1", "prefill_long_tok_s") + tuple(
+        k
+        for k in res.get("mlaserve-eager", res.get("mlaserve-graphs", {}))
+        if k.startswith("output_tok_s_concurrent_") and not k.endswith("_s")
+    )
+    pairs = [
+        ("mlaserve-graphs", "mlaserve-eager"),
+        ("mlaserve-graphs", "transformers"),
+        ("mlaserve-eager", "transformers"),
+    ]
+    for a, b in pairs:
+        ra, rb = res.get(a, {}), res.get(b, {})
+        for key in keys:
+            if isinstance(ra.get(key), float) and isinstance(rb.get(key), float):
+                res.setdefault("ratios", {}).setdefault(f"{a} / {b}", {})[key] = ra[key] / rb[key]
+        ga, gb = ra.get("decode_tok_s_b1_greedy"), rb.get("decode_tok_s_b1_greedy")
+        if ga and gb:
+            res.setdefault("greedy_agreement_b1", {})[f"{a} vs {b}"] = [agreement(x, y) for x, y in zip(ga, gb)]
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from mlaserve.config.machine import (
     check_choice,
     choose_activations,
     choose_attention_backend,
+    choose_cuda_graphs,
     choose_device,
     choose_dtype,
     choose_gguf_weights,
@@ -142,9 +143,10 @@ def resolve(
     if world > 1 and device != "cpu":
         raise ConfigError(
             f"tensor_parallel_size={opts.tensor_parallel_size} / expert_parallel_size={opts.expert_parallel_size}"
-            f" run on CPU (gloo) only; device={device!r} "
-            "(pass device='cpu')"
+            f" run on CPU (gloo) only; device={device!r}: the GPU path's collectives (NCCL) are not implemented, "
+            "and no machine with 2+ GPUs was available to test one (pass device='cpu')"
         )
+    graphs, graph_max_batch = choose_cuda_graphs(opts.cuda_graphs, device, opts.cuda_graph_max_batch, log)
     log.record(
         "malloc_tuning",
         opts.malloc_tuning,
@@ -164,7 +166,14 @@ def resolve(
     _check_prefix_cache_dir(opts, log)
     return EngineConfig(
         model=model,
-        runtime=RuntimeConfig(device=device, dtype=dtype, threads=threads, malloc_tuning=opts.malloc_tuning),
+        runtime=RuntimeConfig(
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            malloc_tuning=opts.malloc_tuning,
+            cuda_graphs=graphs,
+            cuda_graph_max_batch=graph_max_batch,
+        ),
         cache=CacheConfig(
             page_size=page_size,
             num_pages=num_pages,

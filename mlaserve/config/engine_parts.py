@@ -23,6 +23,9 @@ class RuntimeConfig:
     dtype: torch.dtype
     threads: int
     malloc_tuning: bool
+    # pure decode steps replay a CUDA graph per batch bucket (executor/cuda_graphs.py); off on the CPU
+    cuda_graphs: bool = False
+    cuda_graph_max_batch: int = 64  # the largest batch bucket captured (1, 2, 4, ... up to this)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("auto", "torch", "native", "reference")
 DEVICES = ("auto", "cpu", "cuda")
+CUDA_GRAPHS = ("auto", "on", "off")
 KERNELS = ("auto", "native", "triton", "torch")
 ACTIVATIONS = ("auto", "float", "int8", "int8_6bit")
 # a resolved activations value -> the widest weight (bits per value) whose products take int8 activations (0: none;
@@ -294,3 +295,25 @@ def choose_threads(cfg: ModelConfig, requested: int | None, ranks: int = 1) -> t
         per_rank = max(1, cores // ranks)
         return per_rank, f"engine default (auto: ~{n / 1e6:.0f}M parameters: {cores} usable cores / {ranks} ranks)"
     return cores, f"engine default (auto: ~{n / 1e6:.0f}M parameters: every usable core, {cores})"
+
+
+def choose_cuda_graphs(requested: str, device: str, max_batch: int, log: ProvenanceLog) -> tuple[bool, int]:
+    """Whether pure decode steps replay a captured CUDA graph (executor/cuda_graphs.py), and the largest batch
+    bucket captured. auto = on for device cuda, off elsewhere; on with another device is refused: a CUDA graph
+    replays CUDA kernels, and there is nothing to capture on a CPU."""
+    check_choice("cuda_graphs", requested, CUDA_GRAPHS)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ConfigError(f"cuda_graph_max_batch must be an integer >= 1, got {max_batch!r}")
+    if requested == "on" and device != "cuda":
+        raise ConfigError(
+            f"cuda_graphs='on' needs device 'cuda' (device is {device!r}: {log.source('device')}); a CUDA graph "
+            "replays captured CUDA kernels, so there is nothing to capture there (use 'auto' or 'off')"
+        )
+    if requested == "auto":
+        on = device == "cuda"
+        why = "engine default (auto: " + ("device cuda)" if on else f"off on device {device!r}, on for cuda only)")
+    else:
+        on, why = requested == "on", "user option"
+    log.record("cuda_graphs", on, why)
+    log.record("cuda_graph_max_batch", max_batch, "user option" if max_batch != 64 else "engine default (64)")
+    return on, max_batch

@@ -13,6 +13,7 @@ from mlaserve.config.kv_cache import KV_CACHE_DTYPES
 from mlaserve.config.machine import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
+    CUDA_GRAPHS,
     DEVICES,
     GGUF_WEIGHTS,
     KERNELS,
@@ -98,6 +99,18 @@ class EngineOptions:
         ATTENTION_BACKENDS,
     )
     device: str = _opt("auto", "where weights, cache and step tensors live (auto: cuda when torch sees one)", DEVICES)
+    cuda_graphs: str = _opt(
+        "auto",
+        "pure decode steps (every sequence one token, no prefill, no speculative verify, no request states) replay "
+        "a CUDA graph captured per batch bucket (1, 2, 4, ... cuda_graph_max_batch) and context bucket (a power of "
+        "two of pages), padded rows masked; every other step runs eagerly, and the ledger says which and why. auto = "
+        "on for device cuda, off elsewhere; on with another device is refused. Capture time and graph memory are "
+        "logged; not yet measured on a GPU",
+        CUDA_GRAPHS,
+    )
+    cuda_graph_max_batch: int = _opt(
+        64, "the largest batch bucket a CUDA graph is captured for (a larger decode step runs eagerly)"
+    )
     kernels: str = _opt(
         "auto",
         "for checkpoints with quantized weights (GGUF blocks, FP8, quantization=): native = C kernels built at first "

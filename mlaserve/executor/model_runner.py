@@ -29,6 +29,8 @@ from mlaserve.config.model import ConfigError
 from mlaserve.config.provenance import Setting
 from mlaserve.executor.drafter import make_drafter
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
+from mlaserve.executor.graph_plan import GraphPlan, GraphSettings, plan_graph
+from mlaserve.executor.padded_decode import PaddedStep, capture_blocker, pad_decode_step, run_padded
 from mlaserve.executor.step_context import StepContext
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.observability.trace import NullTracer, step_record
@@ -98,6 +100,23 @@ class ModelRunner:
             )
         # the last verify step's rollback tape (models that roll back request states), consumed by rollback()
         self.tape = None
+        # CUDA graphs of pure decode steps (cuda_graphs; executor/graph_plan.py decides per step, cuda_graphs.py
+        # captures and replays): decided from the config once here, per step in execute
+        self.graph_settings = GraphSettings(
+            enabled=cfg.runtime.cuda_graphs,
+            max_batch=cfg.runtime.cuda_graph_max_batch,
+            page_size=cfg.cache.page_size,
+            num_pages=cfg.cache.num_pages,
+            disabled_why=f"cuda_graphs off ({_source(cfg, 'cuda_graphs')})",
+            request_states=bool(self.cache.num_slots),
+            quantized_cache=cfg.cache.kv_cache_dtype != "auto",
+            model_blocker=capture_blocker(model),
+        )
+        self.graphs = None
+        if cfg.runtime.cuda_graphs:
+            from mlaserve.executor.cuda_graphs import DecodeGraphs  # torch.cuda's graph API: cuda only
+
+            self.graphs = DecodeGraphs(model, self.cache)
 
     @property
     def tracer(self):
@@ -169,12 +188,19 @@ class ModelRunner:
             getattr(self.model, "v4_implementation", "torch:padded_batch+batched_state"),
         )
         with torch.inference_mode():
-            step = StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
-            native = self.model.fused_decode(step, self.cache)  # decided before the math, recorded with the route
+            # a replayed step needs no eager StepContext (its padded one is built in _replay); a model with native
+            # decode layers (CPU only) is never replayed
+            graph = plan_graph(batch, plan, self.graph_settings, getattr(self.model, "native_decode", None) is not None)
+            step = None if graph.replay else StepContext.build(batch, plan, self.model.rope, cfg.runtime.dtype)
+            # decided before the math, recorded with the route
+            native = None if graph.replay else self.model.fused_decode(step, self.cache)
             if self.tracer.enabled:
                 rec = step_record(self.step_count, batch, plan, cfg.model.num_layers, preempted)
                 rec["kernels"] = self._kernels_record(native)
                 rec["kv_cache"] = self.kv_cache_layout
+                rec["graph"] = graph.to_record()
+                if graph.replay and self.graphs is not None:  # this step captures its bucket's graph first
+                    rec["graph"]["capture"] = not self.graphs.captured(graph)
                 rec = rec | (ledger(batch, plan) if ledger else {})
                 self.tracer.record({"rank": self.rank, **rec} if cfg.parallel.world_size > 1 else rec)
             self.step_count += 1
@@ -188,6 +214,9 @@ class ModelRunner:
                     torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(pages, dtype=torch.long, device=dev)
                 )
             self.tape = None
+            if graph.replay:  # a pure decode step: its bucket's graph (plan_graph refused every other step)
+                logits, hidden = self._replay(batch, plan, graph)
+                return batch, logits[batch.logits_indices], hidden
             if self.cache.num_slots and any(step.drafts):  # a verify step over request states: the model's tape
                 ids = tuple(s.request_id for s in batch.seqs)
                 self.tape = self.model.verify_tape(step, self.cache, ids)
@@ -196,6 +225,41 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, step, self.cache, native)
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits, hidden
+
+    def _replay(self, batch: ForwardBatch, route, graph: GraphPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden) of the step's real rows through its bucket's CUDA graph."""
+        padded = pad_decode_step(batch, route, graph, self.model.rope, self.cfg.runtime.dtype, self.cfg.cache.page_size)
+        return self.graphs.run(graph, padded)
+
+    def padded_step(self, chunks: list[SeqChunk]) -> tuple[PaddedStep, GraphPlan]:
+        """A pure decode step's padded form (what a graph captures and replays) and its graph plan, planned as if
+        cuda_graphs were on and the weights capturable (model_blocker): the CPU tests' handle on the graph's body
+        (fp32 ones included, to compare with transformers), the GPU tests' reference of a replay."""
+        cfg = self.cfg
+        batch = ForwardBatch.build(
+            chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
+        )
+        route = route_step(
+            batch,
+            self.layer_kinds,
+            cfg.attention.mla_path,
+            cfg.attention.sparse,
+            cfg.attention.index_topk,
+            cfg.runtime.dtype,
+            cfg.attention.backend,
+        )
+        graph = plan_graph(batch, route, replace(self.graph_settings, enabled=True, model_blocker=None))
+        if not graph.replay:
+            raise ValueError(f"padded_step: this step is not one a graph replays ({graph.reason})")
+        with torch.inference_mode():
+            return pad_decode_step(batch, route, graph, self.model.rope, cfg.runtime.dtype, cfg.cache.page_size), graph
+
+    def padded_eager(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, GraphPlan]:
+        """(logits [n, V] of the real rows, graph plan) of a pure decode step run padded, eagerly."""
+        padded, graph = self.padded_step(chunks)
+        with torch.inference_mode():
+            logits, _ = run_padded(self.model, self.cache, padded)
+        return logits[: graph.real_rows], graph
 
     def rollback(self, kept: dict[str, int]) -> None:
         """After the last verify step's verdict: kept[request_id] tokens of its chunk stay (1 + accepted drafts);
@@ -244,6 +308,11 @@ class ModelRunner:
             out.append(self.execute([seq])[1])
             done += len(chunk)
         return torch.cat(out)
+
+
+def _source(cfg: EngineConfig, name: str) -> str:
+    """A setting's provenance source (the option's reason) for the runner's records."""
+    return next((s.source for s in cfg.provenance if s.name == name), "not recorded")
 
 
 def with_request_state_rules(

@@ -144,10 +144,13 @@ class Experts(nn.Module):
     def _forward_grouped(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         t, k = topk_idx.shape
         flat_idx = topk_idx.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)
+        sorted_idx, order = torch.sort(flat_idx, stable=True)
         token_of = order // k  # which token each sorted (token, expert) pair came from
-        counts = torch.bincount(flat_idx, minlength=self.gate_up_proj.shape[0])
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        # each expert's end row in the sorted pairs (= the cumulative pair counts) by a search, not bincount:
+        # bincount sizes its output from the largest index, a host read on CUDA that a CUDA graph cannot capture
+        # (executor/host_sync.py); the same integers, and fewer ops
+        experts = torch.arange(self.gate_up_proj.shape[0], device=flat_idx.device)
+        offs = torch.searchsorted(sorted_idx, experts, right=True, out_int32=True)
         xs = x[token_of]
         gate_up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = gate_up.chunk(2, dim=-1)

@@ -19,6 +19,8 @@ WHERE = {
     "dtype": "runtime.dtype",
     "threads": "runtime.threads",
     "malloc_tuning": "runtime.malloc_tuning",
+    "cuda_graphs": "runtime.cuda_graphs",
+    "cuda_graph_max_batch": "runtime.cuda_graph_max_batch",
     "page_size": "cache.page_size",
     "num_pages": "cache.num_pages",
     "enable_prefix_caching": "cache.enable_prefix_caching",
