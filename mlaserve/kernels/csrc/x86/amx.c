@@ -174,50 +174,48 @@ static void amx_pack(const int8_t *xq, const float *xd, int64_t mr, int64_t k, i
     }
 }
 
-/* One pass: 16 unpacked weight rows x 16 packed activation rows -> acc [16 weight rows, 16 activation rows] */
-static void amx_pass(int type, const amx_rows_t *W, const int32_t *xp, const float *dx, const int32_t *bsum, int64_t k,
-                     float *acc) {
+/* One super-block blk of 16 unpacked weight rows times 16 packed activation rows, added to acc [16 weight rows, 16
+   activation rows] (the rows' running sums over the super-blocks before blk, in their order) */
+static void amx_superblock(int type, const amx_rows_t *W, int64_t blk, const int32_t *xp, const float *dx,
+                           const int32_t *bsum, int64_t k, float *acc) {
     const int q6 = type == MLS_Q6_K;
     const int64_t kb = k / 256, plane = AMX_ROWS * k;
     int32_t cbuf[AMX_PLANES][AMX_ROWS * 16] __attribute__((aligned(64)));
-    __m512 y[AMX_ROWS];
-    for (int r = 0; r < AMX_ROWS; r++) y[r] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < kb; blk++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        for (int64_t c0 = blk * 256; c0 < (blk + 1) * 256; c0 += 64) {
-            _tile_loadd(3, xp + c0 / 4 * AMX_ROWS, 64);
-            _tile_loadd(4, W->a + c0, k);
-            _tile_loadd(5, W->a + plane + c0, k);
-            if (q6) {
-                _tile_loadd(6, W->a + 2 * plane + c0, k);
-                _tile_dpbssd(0, 4, 3);
-                _tile_dpbssd(1, 5, 3);
-                _tile_dpbssd(2, 6, 3);
-            } else {
-                _tile_dpbusd(0, 4, 3);
-                _tile_dpbusd(1, 5, 3);
-            }
-        }
-        _tile_stored(0, cbuf[0], 64);
-        _tile_stored(1, cbuf[1], 64);
-        if (q6) _tile_stored(2, cbuf[2], 64);
-        const __m512 d_x = _mm512_loadu_ps(dx + blk * AMX_ROWS);
-        for (int r = 0; r < AMX_ROWS; r++) {
-            __m512i S = _mm512_add_epi32(_mm512_load_si512(cbuf[0] + 16 * r), _mm512_slli_epi32(_mm512_load_si512(cbuf[1] + 16 * r), 3));
-            if (q6) S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(cbuf[2] + 16 * r), 6));
-            y[r] = _mm512_add_ps(y[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(W->d[r * kb + blk]), d_x), _mm512_cvtepi32_ps(S)));
-            if (!q6) {
-                const int32_t *mn = W->mn + r * kb * 4 + blk * 4;
-                __m512i M = _mm512_madd_epi16(_mm512_set1_epi32(mn[0]), _mm512_loadu_si512(bsum + blk * 4 * AMX_ROWS));
-                for (int j = 1; j < 4; j++)
-                    M = _mm512_add_epi32(M, _mm512_madd_epi16(_mm512_set1_epi32(mn[j]), _mm512_loadu_si512(bsum + (blk * 4 + j) * AMX_ROWS)));
-                y[r] = _mm512_sub_ps(y[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(W->dmin[r * kb + blk]), d_x), _mm512_cvtepi32_ps(M)));
-            }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t c0 = blk * 256; c0 < (blk + 1) * 256; c0 += 64) {
+        _tile_loadd(3, xp + c0 / 4 * AMX_ROWS, 64);
+        _tile_loadd(4, W->a + c0, k);
+        _tile_loadd(5, W->a + plane + c0, k);
+        if (q6) {
+            _tile_loadd(6, W->a + 2 * plane + c0, k);
+            _tile_dpbssd(0, 4, 3);
+            _tile_dpbssd(1, 5, 3);
+            _tile_dpbssd(2, 6, 3);
+        } else {
+            _tile_dpbusd(0, 4, 3);
+            _tile_dpbusd(1, 5, 3);
         }
     }
-    for (int r = 0; r < AMX_ROWS; r++) _mm512_storeu_ps(acc + 16 * r, y[r]);
+    _tile_stored(0, cbuf[0], 64);
+    _tile_stored(1, cbuf[1], 64);
+    if (q6) _tile_stored(2, cbuf[2], 64);
+    const __m512 d_x = _mm512_loadu_ps(dx + blk * AMX_ROWS);
+    for (int r = 0; r < AMX_ROWS; r++) {
+        __m512i S = _mm512_add_epi32(_mm512_load_si512(cbuf[0] + 16 * r), _mm512_slli_epi32(_mm512_load_si512(cbuf[1] + 16 * r), 3));
+        if (q6) S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(cbuf[2] + 16 * r), 6));
+        __m512 y = _mm512_load_ps(acc + 16 * r);
+        y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(W->d[r * kb + blk]), d_x), _mm512_cvtepi32_ps(S)));
+        if (!q6) {
+            const int32_t *mn = W->mn + r * kb * 4 + blk * 4;
+            __m512i M = _mm512_madd_epi16(_mm512_set1_epi32(mn[0]), _mm512_loadu_si512(bsum + blk * 4 * AMX_ROWS));
+            for (int j = 1; j < 4; j++)
+                M = _mm512_add_epi32(M, _mm512_madd_epi16(_mm512_set1_epi32(mn[j]), _mm512_loadu_si512(bsum + (blk * 4 + j) * AMX_ROWS)));
+            y = _mm512_sub_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(W->dmin[r * kb + blk]), d_x), _mm512_cvtepi32_ps(M)));
+        }
+        _mm512_store_ps(acc + 16 * r, y);
+    }
 }
 
 /* y [m, n] (row stride ldy) = X W^T for quantized activations xq [m, k] / xd and weight rows w [n] (row_bytes
@@ -239,7 +237,7 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
-        const size_t bytes = sizeof(float) * AMX_ROWS * 16 + (size_t)(AMX_PLANES * AMX_ROWS * k) +
+        const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)groups + (size_t)(AMX_PLANES * AMX_ROWS * k) +
                              sizeof(int32_t) * (size_t)(AMX_ROWS * kb * 4) + 2 * sizeof(float) * (size_t)(AMX_ROWS * kb);
         char *mem = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!mem) {
@@ -249,7 +247,7 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
         amx_rows_t W;
         float *acc = (float *)mem;
         if (mem) {
-            W.a = (int8_t *)(acc + AMX_ROWS * 16);
+            W.a = (int8_t *)(acc + AMX_ROWS * 16 * groups);
             W.mn = (int32_t *)(W.a + AMX_PLANES * AMX_ROWS * k);
             W.d = (float *)(W.mn + AMX_ROWS * kb * 4);
             W.dmin = W.d + AMX_ROWS * kb;
@@ -260,12 +258,18 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
             if (!mem) continue;
             const int64_t r0 = bi * AMX_ROWS, nr = n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS;
             amx_unpack(type, w + r0 * row_bytes, row_bytes, nr, k, &W);
+            memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups);
+            /* super-blocks outside, activation groups inside: a super-block's planes (16 rows x 256 values each) stay
+               in L1 while every group's activations stream past them */
+            for (int64_t blk = 0; blk < kb; blk++)
+                for (int64_t g = 0; g < groups; g++) {
+                    const int32_t *xp = (const int32_t *)packed + g * per_group;
+                    amx_superblock(type, &W, blk, xp, (const float *)(xp + xp_n), xp + xp_n + dx_n, k, acc + g * AMX_ROWS * 16);
+                }
             for (int64_t g = 0; g < groups; g++) {
-                const int32_t *xp = (const int32_t *)packed + g * per_group;
                 const int64_t i0 = g * AMX_ROWS, mr = m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS;
-                amx_pass(type, &W, xp, (const float *)(xp + xp_n), xp + xp_n + dx_n, k, acc);
                 for (int64_t r = 0; r < nr; r++)
-                    for (int64_t i = 0; i < mr; i++) y[(i0 + i) * ldy + r0 + r] = acc[16 * r + i];
+                    for (int64_t i = 0; i < mr; i++) y[(i0 + i) * ldy + r0 + r] = acc[g * AMX_ROWS * 16 + 16 * r + i];
             }
         }
         if (mem) _tile_release();
