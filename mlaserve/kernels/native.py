@@ -194,6 +194,7 @@ def int8_isa() -> str:
 
 INT8_TILE_TYPES = {12: "Q4_K", 14: "Q6_K"}  # csrc/x86/amx.c amx_type: the weights whose int8 products take the tiles
 INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which they do
+NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"
 
 
 def int8_tiles() -> str:
@@ -207,7 +208,7 @@ def int8_tiles() -> str:
     if rc == 1:
         return f"amx-int8 tiles for {', '.join(INT8_TILE_TYPES.values())} at >= {INT8_TILE_ROWS} rows"
     if rc == 0:
-        return "no amx-int8 tiles: the build's CPU has no AMX-INT8"
+        return f"no amx-int8 tiles: {NO_TILES_IN_BUILD}"
     return f"no amx-int8 tiles: the kernel refused the tile state (arch_prctl errno {-rc})"
 
 

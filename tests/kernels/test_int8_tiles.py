@@ -14,10 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from int8_reference import with_build
 from test_int8_kquants import _blocks, _special_x, kquant_codes, q8k_reference
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import native
+from mlaserve.quant.ggml_linear import int8_detail
 
 STATUS = native.status()
 TILES = native.int8_tiles() if STATUS.available else ""
@@ -89,5 +91,21 @@ def test_grouped_tile_products_equal_the_reference(name):
 
 @needs_tiles
 def test_the_plan_names_the_tiles():
-    """The kernel plan's words: which types, from how many rows (the C constants' mirror in native.py)."""
+    """The kernel plan's words: which types, from how many rows (the C constants' mirror in native.py), on a holder
+    whose weights take them, not on one whose weights do not (Q8_0)."""
     assert TILES == "amx-int8 tiles for Q4_K, Q6_K at >= 16 rows"
+    q4k, q6k, q8 = (GGML_TYPE_IDS[n] for n in ("Q4_K", "Q6_K", "Q8_0"))
+    assert int8_detail((q4k, q6k), 6) == f"int8 activations for Q4_K, Q6_K ({native.int8_isa()}), {TILES}"
+    assert int8_detail((q8,), True) == f"int8 activations for Q8_0 ({native.int8_isa()})"
+
+
+@needs_tiles
+def test_a_build_without_tiles_runs_the_vnni_rows_with_the_same_bits(monkeypatch):
+    """The plain path kept: the same sources built without AMX (-mno-amx-*) run the VNNI rows at 16+ rows, give the
+    reference's bits, and the plan then says nothing of tiles."""
+    with_build(monkeypatch, ("-mno-amx-tile", "-mno-amx-int8"))
+    assert native.int8_tiles() == f"no amx-int8 tiles: {native.NO_TILES_IN_BUILD}"
+    t, k = GGML_TYPE_IDS["Q4_K"], 512
+    raw, x = _blocks("Q4_K", 19, k, seed=9), _special_x(33, k, seed=10)
+    assert torch.equal(native.gemm(t, x, raw, k, int8=True), reference(raw, "Q4_K", x))
+    assert int8_detail((t,), 6) == f"int8 activations for Q4_K ({native.int8_isa()})"
