@@ -1,15 +1,18 @@
 """AMX-INT8 tiles vs the VNNI row kernels for the K-quants' int8 products (csrc/x86/amx.c against x86/avx2.c's
-q8k rows), one weight at several row counts.
+q8k rows), and vs the bf16 prefill GEMM (decode to bf16, then oneDNN), one weight at several row counts.
 
-  PYTHONPATH=$PWD python benchmarks/int8_tiles.py [--threads N] [--rounds R] [--reps N] [--rows 1,8,16,64,512]
+  PYTHONPATH=$PWD python benchmarks/int8_tiles.py [--threads N] [--rounds R] [--reps N] [--rows 1,16,64,512]
 
 One DeepSeek-V3 expert matrix (2048 x 7168) of random valid Q4_K / Q6_K blocks (int8_activations.py's: the time does
-not depend on the values) times --rows activation rows, `native.gemm(..., int8=True)` in two builds of the kernels
-loaded side by side: this CPU's (-march=native: the tiles from 16 rows where the CPU has AMX-INT8) and the same
-without AMX (-mno-amx-tile -mno-amx-int8: the VNNI rows at every count). Each round times both back to back (median
-of --reps calls each), so a neighbour's load hits both; the table gives the best call and the median over rounds.
-Below 16 rows both builds run the same VNNI rows (the control: ratio ~1). Prints the CPU flags and the load average
-before and after; JSON to benchmarks/results/int8_tiles.json.
+not depend on the values) times --rows activation rows:
+  tiles  `native.gemm(..., int8=True)` in this CPU's build (-march=native: the tiles from 16 rows on AMX-INT8)
+  vnni   the same call in the same sources built without AMX (-mno-amx-tile -mno-amx-int8), loaded side by side:
+         the VNNI rows at every count (below 16 rows both builds run these: the control, ratio ~1)
+  bf16   what the many-rows path runs at prefill_matmul auto: the weight decoded to bf16, then bf16_prefill.linear
+Each round times the three back to back (--reps calls each); per call both the wall time and the process's CPU time
+(with one thread the CPU time leaves out the time a loaded machine takes the core away: the steadier figure under
+load). The table gives the best call of all rounds and the median over rounds. Prints the CPU flags and the load
+average before and after; JSON to benchmarks/results/int8_tiles.json.
 """
 
 from __future__ import annotations
@@ -18,16 +21,17 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, environment, timed, write_json
+from common import RESULTS_DIR, environment, write_json
 from int8_activations import K, N, blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import native
+from mlaserve.kernels import bf16_prefill, native
 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
 
@@ -42,10 +46,10 @@ def builds() -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--rows", default="1,8,16,32,64,512")
+    ap.add_argument("--rows", default="1,16,32,64,128,512")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,26 +64,42 @@ def main() -> None:
         tid, w = GGML_TYPE_IDS[name], blocks(name)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-            per: dict[str, list[list[float]]] = {"tiles": [], "vnni": []}
+            calls = {
+                "tiles": (libs["tiles"], lambda: native.gemm(tid, x, w, K, int8=True)),
+                "vnni": (libs["vnni"], lambda: native.gemm(tid, x, w, K, int8=True)),
+                "bf16": (libs["tiles"], lambda: bf16_prefill.linear(x, native.dequantize_bf16(tid, w, K))),
+            }
+            wall: dict[str, list[list[float]]] = {key: [] for key in calls}
+            cpu: dict[str, list[list[float]]] = {key: [] for key in calls}
             outs = {}
             for _ in range(args.rounds):
-                for key, lib in libs.items():
+                for key, (lib, fn) in calls.items():
                     native._state["lib"] = lib
-                    outs[key] = native.gemm(tid, x, w, K, int8=True)
-                    per[key].append(timed(lambda: native.gemm(tid, x, w, K, int8=True), args.reps)["all_s"])
+                    outs[key] = fn()
+                    ws, cs = [], []
+                    for _ in range(args.reps):
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        fn()
+                        ws.append(time.perf_counter() - t0)
+                        cs.append(time.process_time() - c0)
+                    wall[key].append(ws)
+                    cpu[key].append(cs)
             native._state["lib"] = libs["tiles"]
             row = {"type": name, "rows": rows, "bit_equal": bool(torch.equal(outs["tiles"], outs["vnni"]))}
-            for key in per:
-                meds = [statistics.median(r) * 1e3 for r in per[key]]
-                row[f"{key}_best_ms"] = min(min(r) for r in per[key]) * 1e3
-                row[f"{key}_median_ms"], row[f"{key}_spread_ms"] = statistics.median(meds), [min(meds), max(meds)]
-            row["speedup_best"] = row["vnni_best_ms"] / row["tiles_best_ms"]
-            row["speedup_median"] = row["vnni_median_ms"] / row["tiles_median_ms"]
+            for key in calls:
+                for what, per in (("wall", wall), ("cpu", cpu)):
+                    meds = [statistics.median(r) * 1e3 for r in per[key]]
+                    row[f"{key}_{what}_best_ms"] = min(min(r) for r in per[key]) * 1e3
+                    row[f"{key}_{what}_median_ms"] = statistics.median(meds)
+            for other in ("vnni", "bf16"):
+                row[f"cpu_best_vs_{other}"] = row[f"{other}_cpu_best_ms"] / row["tiles_cpu_best_ms"]
+                row[f"wall_median_vs_{other}"] = row[f"{other}_wall_median_ms"] / row["tiles_wall_median_ms"]
             rows_out.append(row)
             print(
-                f"{name:<5} {rows:>4} rows: best vnni {row['vnni_best_ms']:8.2f} ms, tiles {row['tiles_best_ms']:8.2f} ms"
-                f" = {row['speedup_best']:.2f}x | median {row['vnni_median_ms']:8.2f} / {row['tiles_median_ms']:8.2f}"
-                f" = {row['speedup_median']:.2f}x  bit-equal {row['bit_equal']}",
+                f"{name:<5} {rows:>4} rows, best CPU ms: tiles {row['tiles_cpu_best_ms']:7.2f}, vnni "
+                f"{row['vnni_cpu_best_ms']:7.2f} ({row['cpu_best_vs_vnni']:.2f}x), bf16 {row['bf16_cpu_best_ms']:7.2f}"
+                f" ({row['cpu_best_vs_bf16']:.2f}x) | median wall ms {row['tiles_wall_median_ms']:7.2f} / "
+                f"{row['vnni_wall_median_ms']:7.2f} / {row['bf16_wall_median_ms']:7.2f}  bit-equal {row['bit_equal']}",
                 flush=True,
             )
     env["loadavg_after"] = os.getloadavg()

@@ -197,16 +197,17 @@ INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which t
 NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"
 
 
-def int8_tiles() -> str:
+def int8_tiles(names: tuple[str, ...] = tuple(INT8_TILE_TYPES.values())) -> str:
     """Whether int8 products of many rows run on AMX-INT8 tiles (csrc/x86/amx.c), in words for the kernel plan:
-    "amx-int8 tiles for Q4_K, Q6_K at >= 16 rows", or why not ("no amx-int8 tiles: ..."); "" without the library.
-    Decided once per process: the build's target (-march=native) and the kernel's answer to the tile request."""
+    "amx-int8 tiles for Q4_K, Q6_K at >= 16 rows" (names: the types to name, of INT8_TILE_TYPES), or why not
+    ("no amx-int8 tiles: ..."); "" without the library. Decided once per process: the build's target
+    (-march=native) and the kernel's answer to the tile request."""
     lib = library()
     if lib is None:
         return ""
     rc = lib.mls_int8_tiles()
     if rc == 1:
-        return f"amx-int8 tiles for {', '.join(INT8_TILE_TYPES.values())} at >= {INT8_TILE_ROWS} rows"
+        return f"amx-int8 tiles for {', '.join(names)} at >= {INT8_TILE_ROWS} rows"
     if rc == 0:
         return f"no amx-int8 tiles: {NO_TILES_IN_BUILD}"
     return f"no amx-int8 tiles: the kernel refused the tile state (arch_prctl errno {-rc})"
