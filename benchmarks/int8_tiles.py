@@ -13,6 +13,14 @@ Each round times the three back to back (--reps calls each); per call both the w
 (with one thread the CPU time leaves out the time a loaded machine takes the core away: the steadier figure under
 load). The table gives the best call of all rounds and the median over rounds. Prints the CPU flags and the load
 average before and after; JSON to benchmarks/results/int8_tiles.json.
+
+  PYTHONPATH=$PWD python benchmarks/int8_tiles.py --step16 [--file q4_k_m] [--new 16] [--rounds R]
+
+A 16-sequence decode in the engine: the standard model's GGUF (benchmarks/models, --file the type), 1 thread, at
+its defaults; per round 16 distinct prompts of 32 tokens generated to 1 token and to --new + 1 tokens, the
+process's CPU time of each; decode output tok/s = 16 * new / (the difference). Run it with this checkout and with
+another on PYTHONPATH (before / after; the mlaserve in use says whether it has the tiles), alternating runs.
+JSON to benchmarks/results/int8_tiles-step16.json.
 """
 
 from __future__ import annotations
@@ -44,6 +52,40 @@ def builds() -> dict[str, object]:
     return {"tiles": tiles, "vnni": plain}
 
 
+def step16(args, env: dict) -> None:
+    from common import MODELS_DIR, random_prompt
+
+    from mlaserve import LLM
+    from mlaserve.sampling.params import SamplingParams
+
+    path = MODELS_DIR / f"mla-std-l12-seed0-{args.file}.gguf"
+    llm = LLM(model=str(path), threads=1, page_size=16, max_num_seqs=16, num_pages=16 * 4 + 16)
+    tiles = getattr(native, "int8_tiles", lambda: "(this mlaserve has no int8 tiles)")()
+    print(f"{path.name}: {tiles}", flush=True)
+
+    def cpu_of(seed: int, new: int) -> float:
+        prompts = [random_prompt(32, 32768, seed * 100 + i) for i in range(16)]
+        c0 = time.process_time()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        return time.process_time() - c0
+
+    cpu_of(0, 2)  # warm-up
+    rounds = []
+    for r in range(args.rounds):
+        one, full = cpu_of(2 * r + 1, 1), cpu_of(2 * r + 2, args.new + 1)
+        rounds.append({"cpu_1_s": one, "cpu_new_s": full, "decode_tok_s_cpu": 16 * args.new / (full - one)})
+        print(
+            f"round {r}: prefill + 1 token {one:.2f} s CPU, + {args.new} more {full:.2f} s: "
+            f"{rounds[-1]['decode_tok_s_cpu']:.1f} output tok/s of CPU time",
+            flush=True,
+        )
+    env["loadavg_after"] = os.getloadavg()
+    best = max(x["decode_tok_s_cpu"] for x in rounds)
+    print(f"best {best:.1f} tok/s; load after {env['loadavg_after']}")
+    out = {"env": env, "file": path.name, "tiles": tiles, "new": args.new, "rounds": rounds, "best_tok_s": best}
+    write_json(RESULTS_DIR / "int8_tiles-step16.json", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -51,10 +93,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rows", default="1,16,32,64,128,512")
     ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--step16", action="store_true", help="a 16-sequence decode in the engine (see above)")
+    ap.add_argument("--file", default="q4_k_m", help="--step16: the standard model's GGUF type")
+    ap.add_argument("--new", type=int, default=16, help="--step16: decode steps timed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     env = environment(args.threads)
-    env.update(int8_isa=native.int8_isa(), int8_tiles=native.int8_tiles(), loadavg_before=os.getloadavg())
+    env["loadavg_before"] = os.getloadavg()
+    if args.step16:
+        return step16(args, env)
+    env.update(int8_isa=native.int8_isa(), int8_tiles=native.int8_tiles())
     print(
         f"{env['cpu']}: {' '.join(env['cpu_simd'])}; {env['int8_isa']}; {env['int8_tiles']}; load {env['loadavg_before']}"
     )
