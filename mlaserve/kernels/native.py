@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 20  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 21  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -158,6 +158,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_isa.restype = ptr
     lib.mls_int8_isa.argtypes = []
     lib.mls_int8_isa.restype = ptr
+    lib.mls_int8_tiles.argtypes = []
+    lib.mls_int8_tiles.restype = c_int
     lib.mls_quantize_act.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr]
     return lib, str(out)
 
@@ -188,6 +190,27 @@ def int8_isa() -> str:
     """The int8 dot products' instructions ("avx512vnni", "avxvnni", "avx2", "scalar"), for the kernel plan."""
     lib = library()
     return ctypes.string_at(lib.mls_int8_isa()).decode() if lib is not None else ""
+
+
+INT8_TILE_TYPES = {12: "Q4_K", 14: "Q6_K"}  # csrc/x86/amx.c amx_type: the weights whose int8 products take the tiles
+INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which they do
+NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"
+
+
+def int8_tiles(names: tuple[str, ...] = tuple(INT8_TILE_TYPES.values())) -> str:
+    """Whether int8 products of many rows run on AMX-INT8 tiles (csrc/x86/amx.c), in words for the kernel plan:
+    "amx-int8 tiles for Q4_K, Q6_K at >= 16 rows" (names: the types to name, of INT8_TILE_TYPES), or why not
+    ("no amx-int8 tiles: ..."); "" without the library. Decided once per process: the build's target
+    (-march=native) and the kernel's answer to the tile request."""
+    lib = library()
+    if lib is None:
+        return ""
+    rc = lib.mls_int8_tiles()
+    if rc == 1:
+        return f"amx-int8 tiles for {', '.join(names)} at >= {INT8_TILE_ROWS} rows"
+    if rc == 0:
+        return f"no amx-int8 tiles: {NO_TILES_IN_BUILD}"
+    return f"no amx-int8 tiles: the kernel refused the tile state (arch_prctl errno {-rc})"
 
 
 def int8_cap(int8: bool | int) -> int:

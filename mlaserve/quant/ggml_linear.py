@@ -50,7 +50,13 @@ def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
     """What the kernel plan says of a holder's activations: the types of its weights that take int8 activations
     under its setting, and the instructions (native.int8_isa); None where none does (float products)."""
     taken = sorted({GGML_TYPES[t].name for t in types if native.takes_int8(t, int8)})
-    return f"int8 activations for {', '.join(taken)} ({native.int8_isa()})" if taken else None
+    if not taken:
+        return None
+    on_tiles = tuple(n for n in taken if n in native.INT8_TILE_TYPES.values())
+    tiles = native.int8_tiles(on_tiles) if on_tiles else ""
+    said = f"int8 activations for {', '.join(taken)} ({native.int8_isa()})"
+    # the tiles where the build has them: in use, or the kernel's refusal (a CPU without them says nothing)
+    return f"{said}, {tiles}" if tiles and native.NO_TILES_IN_BUILD not in tiles else said
 
 
 def bf16_detail(types: tuple[int, ...], bf16: tuple[bool, ...]) -> str | None:

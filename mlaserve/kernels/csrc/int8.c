@@ -109,11 +109,19 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
         return -4;
     }
     quantize_act(type, x, m, k, ldx, xq, xd);
+    int rc = 0;
+#ifdef MLS_AMX
+    if (amx_takes(type, m))
+        rc = amx_gemm(type, w, n, row_bytes, xq, xd, m, k, y, ldy, threads);
+    else
+#endif
+    {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) fn(w + r * row_bytes, xq, xd, m, k, y + r, ldy);
+        for (int64_t r = 0; r < n; r++) fn(w + r * row_bytes, xq, xd, m, k, y + r, ldy);
+    }
     free(xq);
     free(xd);
-    return 0;
+    return rc;
 }
 
 int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
@@ -131,14 +139,27 @@ int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, i
         return -4;
     }
     quantize_act(type, x, p, k, k, xq, xd);
+    int rc = 0;
+    /* the groups of many rows on the tiles, one after another (each spread over the threads); the rest below */
+#ifdef MLS_AMX
+    for (int64_t a = 0; a < groups && rc == 0; a++)
+        if (amx_takes(type, starts[a + 1] - starts[a]))
+            rc = amx_gemm(type, w + experts[a] * expert_stride, n, row_bytes, xq + starts[a] * k, xd + starts[a] * kb,
+                          starts[a + 1] - starts[a], k, y + starts[a] * n, n, threads);
+#define AMX_TOOK(m) amx_takes(type, (m))
+#else
+#define AMX_TOOK(m) 0
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t it = 0; it < groups * runs; it++) {
         const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
         const uint8_t *we = w + experts[a] * expert_stride;
         const int64_t p0 = starts[a];
+        if (AMX_TOOK(starts[a + 1] - p0)) continue;
         for (int64_t r = r0; r < r1; r++) fn(we + r * row_bytes, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k, y + p0 * n + r, n);
     }
+#undef AMX_TOOK
     free(xq);
     free(xd);
-    return 0;
+    return rc;
 }

@@ -1,0 +1,161 @@
+"""AMX-INT8 tiles vs the VNNI row kernels for the K-quants' int8 products (csrc/x86/amx.c against x86/avx2.c's
+q8k rows), and vs the bf16 prefill GEMM (decode to bf16, then oneDNN), one weight at several row counts.
+
+  PYTHONPATH=$PWD python benchmarks/int8_tiles.py [--threads N] [--rounds R] [--reps N] [--rows 1,16,64,512]
+
+One DeepSeek-V3 expert matrix (2048 x 7168) of random valid Q4_K / Q6_K blocks (int8_activations.py's: the time does
+not depend on the values) times --rows activation rows:
+  tiles  `native.gemm(..., int8=True)` in this CPU's build (-march=native: the tiles from 16 rows on AMX-INT8)
+  vnni   the same call in the same sources built without AMX (-mno-amx-tile -mno-amx-int8), loaded side by side:
+         the VNNI rows at every count (below 16 rows both builds run these: the control, ratio ~1)
+  bf16   what the many-rows path runs at prefill_matmul auto: the weight decoded to bf16, then bf16_prefill.linear
+Each round times the three back to back (--reps calls each); per call both the wall time and the process's CPU time
+(with one thread the CPU time leaves out the time a loaded machine takes the core away: the steadier figure under
+load). The table gives the best call of all rounds and the median over rounds. Prints the CPU flags and the load
+average before and after; JSON to benchmarks/results/int8_tiles.json.
+
+  PYTHONPATH=$PWD python benchmarks/int8_tiles.py --step16 [--file q4_k_m] [--new 16] [--rounds R]
+
+A 16-sequence decode in the engine: the standard model's GGUF (benchmarks/models, --file the type), 1 thread, at
+its defaults; per round 16 distinct prompts of 32 tokens generated to 1 token and to --new + 1 tokens, the
+process's CPU time of each; decode output tok/s = 16 * new / (the difference). Run it with this checkout and with
+another on PYTHONPATH (before / after; the mlaserve in use says whether it has the tiles), alternating runs.
+JSON to benchmarks/results/int8_tiles-step16.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, environment, write_json
+from int8_activations import K, N, blocks
+
+from mlaserve.gguf.quants import GGML_TYPE_IDS
+from mlaserve.kernels import bf16_prefill, native
+
+NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
+
+
+def builds() -> dict[str, object]:
+    tiles = native.library()
+    plain, detail = native._build(NO_AMX)
+    if tiles is None or plain is None:
+        raise SystemExit(f"native kernels unavailable: {detail}")
+    return {"tiles": tiles, "vnni": plain}
+
+
+def step16(args, env: dict) -> None:
+    from common import MODELS_DIR, random_prompt
+
+    from mlaserve import LLM
+    from mlaserve.sampling.params import SamplingParams
+
+    path = MODELS_DIR / f"mla-std-l12-seed0-{args.file}.gguf"
+    llm = LLM(model=str(path), threads=1, page_size=16, max_num_seqs=16, num_pages=16 * 4 + 16)
+    tiles = getattr(native, "int8_tiles", lambda: "(this mlaserve has no int8 tiles)")()
+    print(f"{path.name}: {tiles}", flush=True)
+
+    def cpu_of(seed: int, new: int) -> float:
+        prompts = [random_prompt(32, 32768, seed * 100 + i) for i in range(16)]
+        c0 = time.process_time()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        return time.process_time() - c0
+
+    cpu_of(0, 2)  # warm-up
+    rounds = []
+    for r in range(args.rounds):
+        one, full = cpu_of(2 * r + 1, 1), cpu_of(2 * r + 2, args.new + 1)
+        rounds.append({"cpu_1_s": one, "cpu_new_s": full, "decode_tok_s_cpu": 16 * args.new / (full - one)})
+        print(
+            f"round {r}: prefill + 1 token {one:.2f} s CPU, + {args.new} more {full:.2f} s: "
+            f"{rounds[-1]['decode_tok_s_cpu']:.1f} output tok/s of CPU time",
+            flush=True,
+        )
+    env["loadavg_after"] = os.getloadavg()
+    best = max(x["decode_tok_s_cpu"] for x in rounds)
+    print(f"best {best:.1f} tok/s; load after {env['loadavg_after']}")
+    out = {"env": env, "file": path.name, "tiles": tiles, "new": args.new, "rounds": rounds, "best_tok_s": best}
+    write_json(RESULTS_DIR / "int8_tiles-step16.json", out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rows", default="1,16,32,64,128,512")
+    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--step16", action="store_true", help="a 16-sequence decode in the engine (see above)")
+    ap.add_argument("--file", default="q4_k_m", help="--step16: the standard model's GGUF type")
+    ap.add_argument("--new", type=int, default=16, help="--step16: decode steps timed")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    env = environment(args.threads)
+    env["loadavg_before"] = os.getloadavg()
+    if args.step16:
+        return step16(args, env)
+    env.update(int8_isa=native.int8_isa(), int8_tiles=native.int8_tiles())
+    print(
+        f"{env['cpu']}: {' '.join(env['cpu_simd'])}; {env['int8_isa']}; {env['int8_tiles']}; load {env['loadavg_before']}"
+    )
+    libs = builds()
+    rows_out = []
+    for name in args.types.split(","):
+        tid, w = GGML_TYPE_IDS[name], blocks(name)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+            calls = {
+                "tiles": (libs["tiles"], lambda: native.gemm(tid, x, w, K, int8=True)),
+                "vnni": (libs["vnni"], lambda: native.gemm(tid, x, w, K, int8=True)),
+                "bf16": (libs["tiles"], lambda: bf16_prefill.linear(x, native.dequantize_bf16(tid, w, K))),
+            }
+            wall: dict[str, list[list[float]]] = {key: [] for key in calls}
+            cpu: dict[str, list[list[float]]] = {key: [] for key in calls}
+            outs = {}
+            for _ in range(args.rounds):
+                for key, (lib, fn) in calls.items():
+                    native._state["lib"] = lib
+                    outs[key] = fn()
+                    ws, cs = [], []
+                    for _ in range(args.reps):
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        fn()
+                        ws.append(time.perf_counter() - t0)
+                        cs.append(time.process_time() - c0)
+                    wall[key].append(ws)
+                    cpu[key].append(cs)
+            native._state["lib"] = libs["tiles"]
+            row = {"type": name, "rows": rows, "bit_equal": bool(torch.equal(outs["tiles"], outs["vnni"]))}
+            for key in calls:
+                for what, per in (("wall", wall), ("cpu", cpu)):
+                    meds = [statistics.median(r) * 1e3 for r in per[key]]
+                    row[f"{key}_{what}_best_ms"] = min(min(r) for r in per[key]) * 1e3
+                    row[f"{key}_{what}_median_ms"] = statistics.median(meds)
+            for other in ("vnni", "bf16"):
+                row[f"cpu_best_vs_{other}"] = row[f"{other}_cpu_best_ms"] / row["tiles_cpu_best_ms"]
+                row[f"wall_median_vs_{other}"] = row[f"{other}_wall_median_ms"] / row["tiles_wall_median_ms"]
+            rows_out.append(row)
+            print(
+                f"{name:<5} {rows:>4} rows, best CPU ms: tiles {row['tiles_cpu_best_ms']:7.2f}, vnni "
+                f"{row['vnni_cpu_best_ms']:7.2f} ({row['cpu_best_vs_vnni']:.2f}x), bf16 {row['bf16_cpu_best_ms']:7.2f}"
+                f" ({row['cpu_best_vs_bf16']:.2f}x) | median wall ms {row['tiles_wall_median_ms']:7.2f} / "
+                f"{row['vnni_wall_median_ms']:7.2f} / {row['bf16_wall_median_ms']:7.2f}  bit-equal {row['bit_equal']}",
+                flush=True,
+            )
+    env["loadavg_after"] = os.getloadavg()
+    print(f"load after {env['loadavg_after']}")
+    write_json(
+        RESULTS_DIR / "int8_tiles.json", {"env": env, "shape": [N, K], "threads": args.threads, "rows": rows_out}
+    )
+
+
+if __name__ == "__main__":
+    main()
