@@ -30,6 +30,7 @@ from mlaserve.distributed.sharding import (
     vocab_range,
 )
 from mlaserve.kernels.registry import KernelContext, plan_kernels
+from mlaserve.loading.allocate import allocate
 from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.loaded import Checkpoint, LoadedModel
@@ -81,7 +82,7 @@ def build_model(
             model.mtp = nn.ModuleList(MTPLayer(cfg, layout, **rank) for layout in mtp)
         if prepare is not None:
             prepare(model)
-    model.to_empty(device=device)
+    allocate(model, device)
     model.to(dtype)
     for name, module in model.named_modules():
         if name.endswith(("mlp.gate", "mlp.router")):  # mlp.router: LongCat-Flash's (classifier + bias)
