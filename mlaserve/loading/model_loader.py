@@ -110,9 +110,13 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     if not path.is_dir() and regular_file(path, ConfigError):
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
-        if _gguf_arch(path) == "deepseek4":
+        from mlaserve.gguf.read.file import open_gguf
+
+        gf = open_gguf(path)  # its header parsed once: the architecture picks the reader, which takes the file
+        if gf.metadata.get("general.architecture") == "deepseek4":
+            gf.close()
             return _open_v4_gguf(path, opts)
-        model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors, opts.speculative == "mtp")
+        model_cfg, source, tokenizer, skipped = _open_gguf(path, gf, opts.check_tensors, opts.speculative == "mtp")
         scheme = None
     else:
         hf_config = read_hf_config(path)
@@ -489,17 +493,17 @@ def _mtp_layouts(path: Path, source, cfg: ModelConfig) -> tuple[MTPLayout, ...]:
     return layouts
 
 
-def _open_gguf(path: Path, check_tensors: bool = False, with_mtp: bool = False):
+def _open_gguf(path: Path, gf, check_tensors: bool = False, with_mtp: bool = False):
     """GGUF metadata -> config (each field's source is its GGUF key or the llama.cpp default taken),
-    tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*."""
+    tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*. gf: the opened file."""
     from mlaserve.gguf.read.checkpoint import load_gguf
-    from mlaserve.gguf.read.file import GGUFError, open_gguf
+    from mlaserve.gguf.read.file import GGUFError
 
     if check_tensors:  # before load_gguf's numeric checks, which a NaN scale would fail less clearly
-        bad = scan_gguf(open_gguf(path))
+        bad = scan_gguf(gf)
         if bad:
             raise GGUFError(f"{path}: check_tensors: {format_bad(bad)}")
-    ck = load_gguf(path, with_mtp=with_mtp)
+    ck = load_gguf(path, with_mtp=with_mtp, file=gf)
     sources = {k: src for k, (_, src) in ck.provenance.items()}
     model_cfg = ModelConfig.from_hf(ck.hf_config, source=path.name, field_sources=sources)
     return model_cfg, ck.tensors, gguf_tokenizer(path, ck.tokenizer, model_cfg.eos_token_ids), list(ck.skipped)

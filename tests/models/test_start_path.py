@@ -18,8 +18,11 @@ import torch
 from conftest import fixture_dir
 from torch import nn
 
+from mlaserve.config.engine import make_options
+from mlaserve.gguf.read import file as gguf_file
 from mlaserve.gguf.read.checkpoint import _identity_check_layers
 from mlaserve.loading.allocate import allocate
+from mlaserve.loading.model_loader import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("sympy", "torch._dynamo", "transformers", "fastapi", "xgrammar", "matplotlib")
@@ -74,3 +77,18 @@ def test_identity_checked_on_every_fused_layer_and_the_first_rebuilt_one():
     assert _identity_check_layers({3: fused, 1: split, 0: fused, 2: split}) == [0, 1, 3]
     assert _identity_check_layers({0: {**split, **fused}, 1: split}) == [0, 1]
     assert _identity_check_layers({}) == []
+
+
+def test_a_gguf_load_parses_its_header_once(monkeypatch):
+    """The architecture (deepseek4 or an MLA reader) is read from the header load_gguf then maps: one parse.
+    Break check: open_checkpoint asking _gguf_arch(path) again counts 2."""
+    parsed = []
+    shard_init = gguf_file.GGUFShard.__init__
+
+    def counting(self, path):
+        parsed.append(path)
+        shard_init(self, path)
+
+    monkeypatch.setattr(gguf_file.GGUFShard, "__init__", counting)
+    loaded = load_model(fixture_dir("ds3") / "model-q8_0.gguf", make_options())
+    assert loaded.model is not None and len(parsed) == 1

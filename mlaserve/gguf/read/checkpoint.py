@@ -300,14 +300,17 @@ class GGUFCheckpoint:
         self.file.close()
 
 
-def load_gguf(path: str | Path, validate_numeric: bool = True, with_mtp: bool = False) -> GGUFCheckpoint:
+def load_gguf(
+    path: str | Path, validate_numeric: bool = True, with_mtp: bool = False, file: GGUFFile | None = None
+) -> GGUFCheckpoint:
     """Open an MLA GGUF model (any shard of a split model) and map it to HF naming.
     with_mtp: map the nextn (MTP) blocks to model.layers.N.* too (else they are skipped and listed).
+    file: `path` already opened (open_gguf), so that a caller who read its header does not parse it again.
 
     Raises GGUFError on malformed files, missing required keys/tensors, unknown tensors,
     shape mismatches, a wrongly oriented attn_k_b/attn_v_b, or a failed MLA identity check.
     """
-    gf = open_gguf(path)
+    gf = file if file is not None else open_gguf(path)
     cfg, prov = derive_hf_config(gf)
     mapper = TensorMapper(gf, cfg, with_mtp)
     mapper.run()
