@@ -29,6 +29,7 @@ from mlaserve.distributed.sharding import (
     unit_spans,
     vocab_range,
 )
+from mlaserve.kernels.ggml import dense_native
 from mlaserve.kernels.registry import KernelContext, plan_kernels
 from mlaserve.loading.allocate import allocate
 from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
@@ -398,6 +399,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     notes_first = None
     # the loader keeps the file's mapped bytes as the holders' weights (gguf_mmap), or copies them in
     mapped = engine_cfg.kernels.gguf_mmap and engine_cfg.runtime.device == "cpu"
+    decoded_note = _decode_natively(ck.source, engine_cfg)
     if gguf_plan is not None:
         source = BlockSource(source, gguf_plan.blocks, mapped)
     quant = None
@@ -415,6 +417,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    if decoded_note:
+        report.notes.append(decoded_note)
     if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
         notes = span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else [])
         if engine_cfg.kernels.quantization is not None:
@@ -491,6 +495,19 @@ def _mtp_layouts(path: Path, source, cfg: ModelConfig) -> tuple[MTPLayout, ...]:
             "and the rest of that layer); this checkpoint has none"
         )
     return layouts
+
+
+def _decode_natively(source, engine_cfg) -> str | None:
+    """A GGUF's tensors held dense (kv_b_proj rebuilt from attn_k_b / attn_v_b; every weight with
+    gguf_weights=dequantized) decoded by the native kernels where the engine runs them (kernels=native): the
+    reference's values bit for bit, without its bit unpacking in torch ops (the standard model's Q4_K_M file:
+    5 of a 7 s fill at load average 20 on 2 cores). The load report's note says so."""
+    from mlaserve.gguf.read.checkpoint import GGUFTensors
+
+    if engine_cfg.kernels.impl != "native" or not isinstance(source, GGUFTensors):
+        return None
+    source.decode_with(dense_native)
+    return "tensors held dense decoded from the GGUF's blocks by the native kernels (kernels=native), bit for bit"
 
 
 def _open_gguf(path: Path, gf, check_tensors: bool = False, with_mtp: bool = False):

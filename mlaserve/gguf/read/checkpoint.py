@@ -63,6 +63,10 @@ class GGUFTensors:
         """Tensor bytes read from the file so far (GGUFFile.raw's count)."""
         return self._gf.bytes_read
 
+    def decode_with(self, decoder) -> None:
+        """How `get` decodes block types from now on (file.Decoder; None: the reference, gguf/quants.py)."""
+        self._gf.decoder = decoder
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 

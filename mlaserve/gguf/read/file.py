@@ -21,6 +21,7 @@ import mmap
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ _NUMPY_OF = {
     12: "<f8",
 }
 _U64 = struct.Struct("<Q")
+# raw bytes [nbytes] uint8, ggml type id, torch shape -> the float32 tensor, or None where it does not decode that type
+Decoder = Callable[[torch.Tensor, int, tuple[int, ...]], "torch.Tensor | None"]
 _SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -368,6 +371,9 @@ class GGUFFile:
         # place): what a load took from the file, e.g. an expert-parallel rank's share of it
         # (distributed/expert_source.py); a kept view's pages come in when a step first reads them
         self.bytes_read = 0
+        # how tensor() / slice0() decode block types: None = the reference (gguf/quants.py); the loader sets the
+        # native kernels' decoder (bit-identical with it) where the engine runs them (loading/model_loader.py)
+        self.decoder: Decoder | None = None
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -399,7 +405,7 @@ class GGUFFile:
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, torch shape (F32 tensors: a view of the file)."""
         info = self.info(name)
-        return _dequant(info, self.raw(name), info.shape)
+        return _dequant(info, self.raw(name), info.shape, self.decoder)
 
     def slice0(self, name: str, index: int) -> torch.Tensor:
         """Dequantize only ``tensor[index]`` (outermost torch dim), reading just its bytes.
@@ -411,7 +417,7 @@ class GGUFFile:
         if not 0 <= index < n0:
             raise IndexError(f"{self.path}: index {index} out of range for '{name}' with {n0} slices")
         per = info.nbytes // n0
-        return _dequant(info, self.raw(name, index * per, per), info.shape[1:])
+        return _dequant(info, self.raw(name, index * per, per), info.shape[1:], self.decoder)
 
     def close(self) -> None:
         """Drop our references to the maps (tensors already handed out keep theirs alive)."""
@@ -419,7 +425,11 @@ class GGUFFile:
             s.mm = s.shared = None
 
 
-def _dequant(info: TensorInfo, raw: torch.Tensor, shape) -> torch.Tensor:
+def _dequant(info: TensorInfo, raw: torch.Tensor, shape, decoder: Decoder | None = None) -> torch.Tensor:
+    if decoder is not None:
+        out = decoder(raw, info.ggml_type, tuple(shape))
+        if out is not None:
+            return out
     try:
         return dequantize(raw, info.ggml_type, shape)
     except NotImplementedError as e:
