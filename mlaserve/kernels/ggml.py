@@ -63,6 +63,19 @@ def dense(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     return dequantize(w.contiguous(), ggml_type, (*w.shape[:-1], k))
 
 
+def dense_native(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A whole tensor's stored bytes [nbytes] uint8 -> fp32 `shape` by the native decoder, bit for bit the
+    reference's (tests/kernels/test_kernels.py): the loader's decoder for the tensors it holds dense (kv_b_proj
+    rebuilt from attn_k_b / attn_v_b, norms, the router). None for a type the build does not decode and for the
+    float types (F32 / F16 / BF16: the reference's view or cast is as fast)."""
+    t = GGML_TYPES.get(ggml_type)
+    if t is None or t.block_size == 1 or not native.type_kernels(ggml_type) & 1 or not shape:
+        return None
+    k = shape[-1]
+    rows = raw.numel() // (k // t.block_size * t.type_size)
+    return native.dequantize(ggml_type, raw.contiguous().view(rows, -1), k).view(shape)
+
+
 def linear_torch(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False) -> torch.Tensor:
     """The reference: y [M, N] fp32 = x [M, K] @ dequantize(w [N, R])^T (int8 is the native kernels' only)."""
     return F.linear(x.float(), dense(w, ggml_type, k))

@@ -37,6 +37,7 @@ from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.model import ConfigError
 from mlaserve.distributed.expert_parallel import cut_range
 from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
+from mlaserve.loading.allocate import allocate
 from mlaserve.loading.deepseek_v4_names import SCALE, Target, target
 from mlaserve.loading.files import path_problem, read_json
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
@@ -188,7 +189,7 @@ def load_folder(
         holders = linears | stacks
         float_linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n not in holders}
         plan = QuantPlan(scheme, tuple(sorted(linears)), tuple(sorted(stacks)), tuple(sorted(float_linears)))
-    model = model.to_empty(device="cpu")
+    model = allocate(model, "cpu")
     for name, p in model.named_parameters():
         # the reference keeps norms, sinks, position biases, mHC and the router bias in fp32 in any dtype;
         # a quantized holder keeps its stored form
@@ -273,7 +274,7 @@ def load_gguf(
     if plan is not None:
         swap_in_v4_gguf(model, plan, dtype)
         holders = {module for module, _, _ in plan.kept}
-    model = model.to_empty(device="cpu")
+    model = allocate(model, "cpu")
     for name, p in model.named_parameters():
         if not _kept_fp32(name) and name.rpartition(".")[0] not in holders:
             p.data = p.data.to(dtype)

@@ -29,7 +29,9 @@ from mlaserve.distributed.sharding import (
     unit_spans,
     vocab_range,
 )
+from mlaserve.kernels.ggml import dense_native
 from mlaserve.kernels.registry import KernelContext, plan_kernels
+from mlaserve.loading.allocate import allocate
 from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.loaded import Checkpoint, LoadedModel
@@ -81,7 +83,7 @@ def build_model(
             model.mtp = nn.ModuleList(MTPLayer(cfg, layout, **rank) for layout in mtp)
         if prepare is not None:
             prepare(model)
-    model.to_empty(device=device)
+    allocate(model, device)
     model.to(dtype)
     for name, module in model.named_modules():
         if name.endswith(("mlp.gate", "mlp.router")):  # mlp.router: LongCat-Flash's (classifier + bias)
@@ -109,9 +111,13 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
     if not path.is_dir() and regular_file(path, ConfigError):
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: expected a Hugging Face folder (config.json + *.safetensors) or a .gguf file")
-        if _gguf_arch(path) == "deepseek4":
+        from mlaserve.gguf.read.file import open_gguf
+
+        gf = open_gguf(path)  # its header parsed once: the architecture picks the reader, which takes the file
+        if gf.metadata.get("general.architecture") == "deepseek4":
+            gf.close()
             return _open_v4_gguf(path, opts)
-        model_cfg, source, tokenizer, skipped = _open_gguf(path, opts.check_tensors, opts.speculative == "mtp")
+        model_cfg, source, tokenizer, skipped = _open_gguf(path, gf, opts.check_tensors, opts.speculative == "mtp")
         scheme = None
     else:
         hf_config = read_hf_config(path)
@@ -399,6 +405,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     notes_first = None
     # the loader keeps the file's mapped bytes as the holders' weights (gguf_mmap), or copies them in
     mapped = engine_cfg.kernels.gguf_mmap and engine_cfg.runtime.device == "cpu"
+    decoded_note = _decode_natively(ck.source, engine_cfg)
     if gguf_plan is not None:
         source = BlockSource(source, gguf_plan.blocks, mapped)
     quant = None
@@ -416,6 +423,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         modules = {name for name, _ in model.named_modules()} | {n.rsplit(".", 1)[0] for n in skipped}
         quant = swap_in(model, plan_quantization(scheme, source.names(), model_cfg, modules), engine_cfg.runtime.dtype)
     report = load_weights(model, source, model_cfg, progress)
+    if decoded_note:
+        report.notes.append(decoded_note)
     if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
         notes = span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else [])
         if engine_cfg.kernels.quantization is not None:
@@ -494,17 +503,30 @@ def _mtp_layouts(path: Path, source, cfg: ModelConfig) -> tuple[MTPLayout, ...]:
     return layouts
 
 
-def _open_gguf(path: Path, check_tensors: bool = False, with_mtp: bool = False):
+def _decode_natively(source, engine_cfg) -> str | None:
+    """A GGUF's tensors held dense (kv_b_proj rebuilt from attn_k_b / attn_v_b; every weight with
+    gguf_weights=dequantized) decoded by the native kernels where the engine runs them (kernels=native): the
+    reference's values bit for bit, without its bit unpacking in torch ops (the standard model's Q4_K_M file:
+    5 of a 7 s fill at load average 20 on 2 cores). The load report's note says so."""
+    from mlaserve.gguf.read.checkpoint import GGUFTensors
+
+    if engine_cfg.kernels.impl != "native" or not isinstance(source, GGUFTensors):
+        return None
+    source.decode_with(dense_native)
+    return "tensors held dense decoded from the GGUF's blocks by the native kernels (kernels=native), bit for bit"
+
+
+def _open_gguf(path: Path, gf, check_tensors: bool = False, with_mtp: bool = False):
     """GGUF metadata -> config (each field's source is its GGUF key or the llama.cpp default taken),
-    tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*."""
+    tensors under Hugging Face names, and the tokenizer built from tokenizer.ggml.*. gf: the opened file."""
     from mlaserve.gguf.read.checkpoint import load_gguf
-    from mlaserve.gguf.read.file import GGUFError, open_gguf
+    from mlaserve.gguf.read.file import GGUFError
 
     if check_tensors:  # before load_gguf's numeric checks, which a NaN scale would fail less clearly
-        bad = scan_gguf(open_gguf(path))
+        bad = scan_gguf(gf)
         if bad:
             raise GGUFError(f"{path}: check_tensors: {format_bad(bad)}")
-    ck = load_gguf(path, with_mtp=with_mtp)
+    ck = load_gguf(path, with_mtp=with_mtp, file=gf)
     sources = {k: src for k, (_, src) in ck.provenance.items()}
     model_cfg = ModelConfig.from_hf(ck.hf_config, source=path.name, field_sources=sources)
     return model_cfg, ck.tensors, gguf_tokenizer(path, ck.tokenizer, model_cfg.eos_token_ids), list(ck.skipped)

@@ -21,6 +21,7 @@ import mmap
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,9 @@ _NUMPY_OF = {
     11: "<i8",
     12: "<f8",
 }
+_U64 = struct.Struct("<Q")
+# raw bytes [nbytes] uint8, ggml type id, torch shape -> the float32 tensor, or None where it does not decode that type
+Decoder = Callable[[torch.Tensor, int, tuple[int, ...]], "torch.Tensor | None"]
 _SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -90,10 +94,13 @@ class TensorInfo:
 
 
 class _Cursor:
-    """Sequential little-endian reader over the mapped header; reports truncation clearly."""
+    """Sequential little-endian reader over the mapped header; reports truncation clearly.
+
+    Reads go through a memoryview of the map (struct.unpack_from and str() on its slices): a
+    numpy slice per value cost ~5 us, and a tokenizer's vocabulary is 10^5 strings."""
 
     def __init__(self, buf: np.ndarray, path: Path):
-        self.buf, self.path, self.pos = buf, path, 0
+        self.buf, self.path, self.pos = memoryview(buf), path, 0
 
     def take(self, n: int) -> int:
         start = self.pos
@@ -112,8 +119,11 @@ class _Cursor:
     def string(self) -> str:
         n = self.scalar("<Q")
         start = self.take(n)
+        return self._decode(start, n)
+
+    def _decode(self, start: int, n: int) -> str:
         try:
-            return self.buf[start : start + n].tobytes().decode("utf-8")
+            return str(self.buf[start : start + n], "utf-8")
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path}: invalid UTF-8 string at byte {start}: {e}") from None
 
@@ -134,7 +144,33 @@ class _Cursor:
             start = self.take(n * width)
             arr = np.frombuffer(self.buf, dtype=_NUMPY_OF[etype], count=n, offset=start)
             return [bool(x) for x in arr] if etype == 7 else arr.tolist()
+        if etype == 8:
+            return self.strings(n)
         return [self.value(etype, key) for _ in range(n)]
+
+    def strings(self, n: int) -> list[str]:
+        """n strings in a row (a vocabulary, merges): the loop of `string` with its lookups hoisted."""
+        buf, pos, size, unpack, out = self.buf, self.pos, len(self.buf), _U64.unpack_from, []
+        for _ in range(n):
+            if pos + 8 > size:
+                self.pos = pos
+                self.take(8)  # raises: truncated
+            (k,) = unpack(buf, pos)
+            pos += 8
+            if pos + k > size:
+                self.pos = pos
+                self.take(k)  # raises: truncated
+            try:
+                out.append(str(buf[pos : pos + k], "utf-8"))
+            except UnicodeDecodeError:
+                self._decode(pos, k)  # raises, naming the byte
+            pos += k
+        self.pos = pos
+        return out
+
+    def release(self) -> None:
+        """Let go of the memoryview, so the map can be closed."""
+        self.buf.release()
 
 
 class GGUFShard:
@@ -153,10 +189,13 @@ class GGUFShard:
         self.mm = np.memmap(self.path, dtype=np.uint8, mode="c")
         self.shared: np.memmap | None = None  # the read-only shared map for views kept in place (`view`)
         cur = _Cursor(self.mm, self.path)
-        self._read_preamble(cur)
-        self.metadata, self.value_types = self._read_kv(cur)
-        self.alignment = self._alignment()
-        infos = self._read_tensor_infos(cur)
+        try:
+            self._read_preamble(cur)
+            self.metadata, self.value_types = self._read_kv(cur)
+            self.alignment = self._alignment()
+            infos = self._read_tensor_infos(cur)
+        finally:
+            cur.release()
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment
         self.tensors = self._place_tensors(infos)
 
@@ -332,6 +371,9 @@ class GGUFFile:
         # place): what a load took from the file, e.g. an expert-parallel rank's share of it
         # (distributed/expert_source.py); a kept view's pages come in when a step first reads them
         self.bytes_read = 0
+        # how tensor() / slice0() decode block types: None = the reference (gguf/quants.py); the loader sets the
+        # native kernels' decoder (bit-identical with it) where the engine runs them (loading/model_loader.py)
+        self.decoder: Decoder | None = None
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -363,7 +405,7 @@ class GGUFFile:
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, torch shape (F32 tensors: a view of the file)."""
         info = self.info(name)
-        return _dequant(info, self.raw(name), info.shape)
+        return _dequant(info, self.raw(name), info.shape, self.decoder)
 
     def slice0(self, name: str, index: int) -> torch.Tensor:
         """Dequantize only ``tensor[index]`` (outermost torch dim), reading just its bytes.
@@ -375,7 +417,7 @@ class GGUFFile:
         if not 0 <= index < n0:
             raise IndexError(f"{self.path}: index {index} out of range for '{name}' with {n0} slices")
         per = info.nbytes // n0
-        return _dequant(info, self.raw(name, index * per, per), info.shape[1:])
+        return _dequant(info, self.raw(name, index * per, per), info.shape[1:], self.decoder)
 
     def close(self) -> None:
         """Drop our references to the maps (tensors already handed out keep theirs alive)."""
@@ -383,7 +425,11 @@ class GGUFFile:
             s.mm = s.shared = None
 
 
-def _dequant(info: TensorInfo, raw: torch.Tensor, shape) -> torch.Tensor:
+def _dequant(info: TensorInfo, raw: torch.Tensor, shape, decoder: Decoder | None = None) -> torch.Tensor:
+    if decoder is not None:
+        out = decoder(raw, info.ggml_type, tuple(shape))
+        if out is not None:
+            return out
     try:
         return dequantize(raw, info.ggml_type, shape)
     except NotImplementedError as e:
