@@ -42,6 +42,7 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.glm5_next import Glm5NextForCausalLM
 from mlaserve.models.longcat import LongcatForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
+from mlaserve.platform.triton_runtime import triton_mode
 from mlaserve.quant.at_load import BLOCK as BLOCK_AT_LOAD
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
@@ -139,6 +140,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         native_kernels=probe,
         gguf=path.is_file(),
         stored_bf16=lambda: stored_bf16(source),
+        triton=triton_mode,
     )
     template = tokenizer.chat_template if tokenizer is not None else None
     encoding = set_encoding(tokenizer, model_cfg.model_type)
@@ -211,7 +213,7 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer; its FP8 /
     # FP4 holders (quant/deepseek_v4.py) have the native kernels of FP8Linear / FP8Experts / FP4Experts
     probe = native_probe if scheme is not None else None
-    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, native_kernels=probe)
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, native_kernels=probe, triton=triton_mode)
     tokenizer = folder_tokenizer(path, model_cfg)
     set_encoding(tokenizer, model_cfg.model_type)
     return Checkpoint(path, model_cfg, engine_cfg, None, tokenizer, [], scheme)
@@ -245,7 +247,12 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
         set_encoding(tokenizer, ck.config.model_type)
     blocks = any(ck.tensors.gguf_type(n) not in ("F32", "F16", "BF16", "I32") for n in ck.tensors.names())
     engine_cfg = resolve(
-        ck.config, opts, has_indexer_weights=False, native_kernels=native_probe if blocks else None, gguf=True
+        ck.config,
+        opts,
+        has_indexer_weights=False,
+        native_kernels=native_probe if blocks else None,
+        gguf=True,
+        triton=triton_mode,
     )
     ck.close()
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)
