@@ -214,11 +214,18 @@ def latent_mqa(
         part_o, part_ml,
         n_q, h, n_keys, plan.keys_per_split, plan.splits, scale,
         R=r, DR=dr, BLOCK_R=_pow2(r), BLOCK_DR=_pow2(dr), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        SPARSE=sparse, HAS_MASK=mask is not None,
+        SPARSE=sparse, HAS_MASK=mask is not None, num_warps=_warps(r), num_stages=1,
     )  # fmt: skip
     out = torch.empty(b, n_q, h, r, dtype=torch.float32, device=q.device)
     _reduce_kernel[(b * n_q, head_blocks)](part_o, part_ml, out, h, plan.splits, R=r, BLOCK_R=_pow2(r), BLOCK_H=BLOCK_H)
     return out
+
+
+def _warps(r: int) -> int:
+    """Warps per program: the [BLOCK_H, r] accumulator and a [BLOCK_N, r] tile of rows live in registers, so wide
+    latent rows take more threads (a guess to be measured on a GPU; the interpreter ignores it). One pipeline
+    stage (num_stages=1) keeps the shared memory to one tile of rows."""
+    return 8 if r > 256 else 4
 
 
 def _pow2(n: int) -> int:
