@@ -103,7 +103,7 @@ def route(
                 seq_end=hi,
                 request_ids=tuple(s.request_id for s in seqs),
                 backend=backend,
-                implementation=_implementation(backend, path, sparse, select, pooled, kernels),
+                implementation=_implementation(backend, path, sparse, select, pooled),
                 index_scoring=scoring,
                 kind=kind,
                 sublayers=sublayers,
@@ -308,11 +308,9 @@ def _v4_rows(t: int, window: int, ratio: int, topk: int) -> tuple[int, int, int]
     return min(t + 1, window), compressed, min(topk, compressed) if topk else compressed
 
 
-def _implementation(backend: str, path: str, sparse: bool, select: bool, pooled: bool = False, kernels=None) -> str:
-    # a kernel backend that runs an operation as torch ops says so (TritonBackend.TORCH_OPS): never claim its kernels
-    torch_ops = "(torch ops)" if path in getattr(kernels, "TORCH_OPS", ()) else ""
+def _implementation(backend: str, path: str, sparse: bool, select: bool, pooled: bool = False) -> str:
     if not sparse:
-        return f"{backend}:{path}{torch_ops}"
+        return f"{backend}:{path}"
     if pooled:
-        return f"{backend}:pooled_sparse_{path}{torch_ops}" + ("" if select else "(every pool within index_topk)")
-    return f"{backend}:sparse_{path}{torch_ops}" + ("" if select else "(all rows within index_topk)")
+        return f"{backend}:pooled_sparse_{path}" + ("" if select else "(every pool within index_topk)")
+    return f"{backend}:sparse_{path}" + ("" if select else "(all rows within index_topk)")

@@ -313,7 +313,7 @@ def test_triton_kernels_on_cuda_equal_the_reference(monkeypatch):
 
     assert triton_mode("cuda").mode in ("compiled", "interpreter")
     for heads, r, ps in cases.DIMS:
-        cases.test_latent_mqa_equals_reference(heads, r, ps, "cuda")
+        cases.test_both_paths_equal_reference(heads, r, ps, "cuda")
     cases.test_split_k_over_a_long_context("cuda", monkeypatch)
     cases.test_index_topk_selects_the_reference_set("cuda")
     cases.test_rows_a_query_does_not_read_never_reach_it("cuda")

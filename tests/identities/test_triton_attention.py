@@ -4,7 +4,7 @@ tensors (tests/conftest.py sets TRITON_INTERPRET=1 where torch sees no GPU) and 
 
 Cases: kv_lora_rank 256 with 17 heads (odd, two head blocks of the kernel) and 512 with 5 heads, rope 64, page
 sizes 16 and 8; one batch of three decodes and two prompt chunks (one after cached context) of different
-lengths; a long context whose key axis several splits read (split-K, then the reduce kernel); DSA: the sparse
+lengths; the absorbed and the decompressed path, each with and without an `allowed` mask; a long context whose key axis several splits read (split-K, then the reduce kernel); DSA: the sparse
 latent MQA over a given selection (with unused entries) and the index scores' top-k; non-finite cache rows a
 query does not read (another request's pages, free pages, the pad row, its own later positions, unselected
 rows, unread index keys) must not reach it. Then the engine end to end: a tiny dense and a tiny DSA model's
@@ -100,6 +100,12 @@ def _absorbed(backend, c: Case, seg, allowed=None, cache=None):
     return backend.absorbed(q_nope, q_pe, cache, c.w_uk, c.w_uv, seg, (DN + DR) ** -0.5, allowed)
 
 
+def _decompressed(backend, c: Case, seg, allowed=None, cache=None):
+    q_nope, q_pe = c.q[..., :DN], c.q[..., DN:]
+    cache = c.cache if cache is None else cache
+    return backend.decompressed(q_nope, q_pe, cache, c.kv_b, seg, (DN + DR) ** -0.5, DN, allowed)
+
+
 def _sparse(backend, c: Case, seg, index, valid, cache=None):
     q_nope, q_pe = c.q[..., :DN], c.q[..., DN:]
     cache = c.cache if cache is None else cache
@@ -133,7 +139,7 @@ DIMS = [(17, 256, 16), (5, 512, 8)]  # (heads, kv_lora_rank, page size)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads,r,ps", DIMS, ids=["h17_r256_ps16", "h5_r512_ps8"])
-def test_latent_mqa_equals_reference(heads, r, ps, device):
+def test_both_paths_equal_reference(heads, r, ps, device):
     c = _case(heads, r, ps, SEQS, device)
     segs = c.segments()
     assert [(s.segment.phase, s.q_index.shape[1]) for s in segs] == [("decode", 1), ("prefill", 12)]
@@ -143,6 +149,8 @@ def test_latent_mqa_equals_reference(heads, r, ps, device):
         allowed = torch.zeros_like(seg.mask).scatter_(2, index, valid)  # the dense kernel with a narrower mask
         _close(_absorbed(TRITON, c, seg, allowed), _absorbed(REF, c, seg, allowed), seg)
         _close(_sparse(TRITON, c, seg, *_parked(index, valid)), _sparse(REF, c, seg, index, valid), seg)
+        _close(_decompressed(TRITON, c, seg), _decompressed(REF, c, seg), seg)
+        _close(_decompressed(TRITON, c, seg, allowed), _decompressed(REF, c, seg, allowed), seg)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -184,8 +192,9 @@ def _scores(c: Case, seg: SegmentTensors) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_a_query_does_not_read_never_reach_it(device):
     """NaN / inf in the pad row, free pages and the prompt request's later positions: every output the reference
-    leaves finite is finite and equal; those that read a poisoned row are NaN on both sides. A -inf in a row a
-    decode reads: the heads whose score there is -inf give it probability 0 and stay finite (the P @ c_kv operand
+    leaves finite is finite and equal; those that read a poisoned row are NaN on both sides (the absorbed path,
+    and the decompressed one over the prompt chunk, whose kernel loads a key some query of its block reads). A -inf
+    in a row a decode reads: the heads whose score there is -inf give it probability 0 and stay finite (the P @ c_kv operand
     is zeroed where non-finite), the others are NaN."""
     c = _case(5, 256, 8, SEQS, device)
     decode, prefill = c.segments()
@@ -198,9 +207,9 @@ def test_rows_a_query_does_not_read_never_reach_it(device):
     victim = prefill.kv_slots[0, 32]  # request r3 (30 cached tokens): its query at offset 2 reads position 32 first
     poisoned[victim] = float("nan")
     poisoned[decode.kv_slots[0, 3], 5] = float("-inf")  # read by the first decode (position 9)
-    for seg in (decode, prefill):
-        want = _absorbed(REF, c, seg, cache=poisoned)[seg.q_valid]
-        got = _absorbed(TRITON, c, seg, cache=poisoned)[seg.q_valid]
+    for seg, path in ((decode, _absorbed), (prefill, _absorbed), (prefill, _decompressed)):
+        want = path(REF, c, seg, cache=poisoned)[seg.q_valid]
+        got = path(TRITON, c, seg, cache=poisoned)[seg.q_valid]
         assert torch.equal(got.isnan(), want.isnan())
         finite = ~want.isnan()
         assert finite.any() and (got[finite] - want[finite]).abs().max() <= FP32_TOL
@@ -241,7 +250,8 @@ def test_index_keys_a_query_does_not_read_never_reach_it():
 @pytest.mark.parametrize("fixture", ["ds3", "ds32"])
 def test_engine_logits_equal_the_reference_backend(fixture):
     """Every prompt token down the absorbed path (mla_path="absorbed"; DSA: sparse over the indexer's top-k) in
-    chunks of 16, on the latent cache's pages: triton against reference, and the ledger names what ran."""
+    chunks of 16, on the latent cache's pages: triton against reference, and the ledger names what ran. (The
+    decompressed path's kernel is checked above, and in the engine by the NaN-isolation test's DSA model.)"""
     ids = random_ids(40, seed=5)  # > ds32's index_topk 16: the indexer selects
     runs = {}
     for backend in ("reference", "triton"):
@@ -261,12 +271,10 @@ def test_engine_logits_equal_the_reference_backend(fixture):
     assert setting.value == "triton" and f"Triton kernels {triton_mode('cpu').mode}" in setting.source
 
 
-def test_decompressed_is_labelled_torch_ops():
-    """The triton backend has no MHA kernel yet: the prefill's decompressed path runs the torch backend's ops and
-    the route says so."""
+def test_route_names_the_triton_kernels():
     c = _case(5, 256, 16, SEQS, "cpu")
     plan = route(c.batch, "auto", False, None, torch.float32, "triton")
-    assert [s.implementation for s in plan.segments] == ["triton:absorbed", "triton:decompressed(torch ops)"]
+    assert [s.implementation for s in plan.segments] == ["triton:absorbed", "triton:decompressed"]
 
 
 def test_option_resolution():

@@ -1,5 +1,6 @@
-"""The `triton` attention backend: the absorbed path's latent MQA (dense and DSA-sparse) and the DSA indexer's
-scores as Triton kernels over the paged cache (attention/backends/triton_kernels/); tested against `reference`.
+"""The `triton` attention backend: the absorbed path's latent MQA (dense and DSA-sparse), the DSA indexer's scores
+and the decompressed path's MHA as Triton kernels over the paged cache (attention/backends/triton_kernels/);
+tested against `reference`.
 
 Compiled on a CUDA device; on the CPU, Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on CPU
 tensors, which is how the tests check them without a GPU (far too slow to serve with: the engine accepts the
@@ -13,8 +14,9 @@ Per operation
                    `allowed` honoured), split over the key axis, a reduce kernel; then W_UV (torch).
   sparse_absorbed  the same kernel over each query's selected rows (index / valid [B, Q, k]).
   index_topk       index_scores: sum_h w_h ReLU(q_h . key) in a Triton kernel, then torch.topk (a set).
-  decompressed     the torch backend's function (torch ops, no Triton kernel yet): the route's implementation
-                   label says so (TORCH_OPS).
+  decompressed     [k_nope | v] = c_kv kv_b^T (torch, one GEMM over the gathered rows); latent_mha: one Triton
+                   kernel, each head's queries over its keys (k_pe read from the cache rows), causal from q_pos,
+                   `allowed` honoured.
 An 8-bit cache (kv_cache_dtype, cache/quantized_rows.py) is refused at config time (config/machine.py).
 """
 
@@ -24,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mlaserve.attention.backends.blocks import gather_rows
 from mlaserve.attention.backends.torch_backend import _expand, _latent_queries
-from mlaserve.attention.backends.torch_backend import decompressed_attention as torch_decompressed
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
@@ -71,6 +73,28 @@ def sparse_absorbed_attention(
     return _expand(o_lat.to(q_nope.dtype), w_uv, heads)
 
 
+def decompressed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    kv_b: torch.Tensor,
+    seg: SegmentTensors,
+    scale: float,
+    dn: int,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """kv_b: kv_b_proj weight [H * (dn + dv), r]. The up-projection is one torch GEMM over the gathered c_kv rows,
+    the attention one Triton kernel (k_pe read from the cache rows through kv_slots). Returns [B, Q, H, dv]."""
+    from mlaserve.attention.backends.triton_kernels.latent_mha import latent_mha
+
+    r, h = kv_b.shape[1], q_nope.shape[1]
+    cache = _rows(cache)
+    kv = torch.nn.functional.linear(gather_rows(cache, seg.kv_slots)[..., :r], kv_b).unflatten(-1, (h, -1))
+    q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, dn + dr]
+    out = latent_mha(q, kv, cache, seg.kv_slots, seg.q_pos, scale, dn, allowed)
+    return out.to(q_nope.dtype)
+
+
 def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk: int) -> torch.Tensor:
     """q [N, Hi, Di], w [N, Hi], keys [S, Di] -> positions [B, Q, min(topk, L)] (a set, unsorted)."""
     from mlaserve.attention.backends.triton_kernels.index_scores import index_scores
@@ -94,13 +118,11 @@ class TritonBackend:
     """Triton kernels: compiled on CUDA, interpreted on CPU tensors (tests only)."""
 
     name = "triton"
-    # operations this backend runs as torch ops (no Triton kernel): the route labels them (router._implementation)
-    TORCH_OPS = ("decompressed",)
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         return "fp32"  # every key upcast to fp32 in the kernel, as the reference scores
 
     absorbed = staticmethod(absorbed_attention)
-    decompressed = staticmethod(torch_decompressed)
+    decompressed = staticmethod(decompressed_attention)
     sparse_absorbed = staticmethod(sparse_absorbed_attention)
     index_topk = staticmethod(index_topk)
