@@ -97,8 +97,10 @@ def test_the_poisoned_model_really_poisons(hf_model_dir):
         _engine(hf_model_dir("v3_yarn")[0]).prompt_logits(_bad_prompt(BAD))  # rows 6.. non-finite, 0..5 finite
 
 
-def test_sparse_dsa_triton(hf_model_dir):
-    """The triton backend (Triton's interpreter on CPU: slow, so one path) on the path where all its kernels run:
-    the indexer's scores and the sparse latent MQA, in decode and prompt steps. Its dense absorbed kernel is held
-    to the same rule on poisoned caches in tests/identities/test_triton_attention.py."""
-    _check(hf_model_dir("glm_dsa")[0], attention_backend="triton", mla_path="auto", page_size=4)
+@pytest.mark.parametrize("kind", ["v3_yarn", "glm_dsa"])
+def test_triton(hf_model_dir, kind):
+    """The triton backend (Triton's interpreter on CPU: slow, so one mla_path per model) where all its kernels run:
+    mla_path auto, i.e. the dense model's decodes absorbed and prompts decompressed, the DSA model's indexer
+    scores and sparse latent MQA in decode and prompt steps. Its kernels are held to the same rule on poisoned
+    caches, path by path, in tests/identities/test_triton_attention.py."""
+    _check(hf_model_dir(kind)[0], attention_backend="triton", mla_path="auto", page_size=4)
