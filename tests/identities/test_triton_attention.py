@@ -10,8 +10,9 @@ query does not read (another request's pages, free pages, the pad row, its own l
 rows, unread index keys) must not reach it. Then the engine end to end: a tiny dense and a tiny DSA model's
 logits with attention_backend="triton" against "reference", and how the option is resolved.
 
-Bounds: fp32 on both sides, sums in another order (the kernel's tiles and online softmax vs one einsum): the
-worst measured here is 1.1e-6 (outputs O(1)): FP32_TOL = 1e-5, as the harness. A wrong row, mask or a merge
+Bounds: fp32 on both sides, sums in another order (the kernel's tiles and online softmax vs one einsum): over
+seeds 0-2 of these cases the worst is 1.0e-6 (absorbed, with allowed, sparse, decompressed; 8.6e-8 split-K), on
+outputs O(1); the engine's logits 4.3e-6 (ds32): FP32_TOL = 1e-5, as the harness. A wrong row, mask or a merge
 without its rescale moves the output by O(0.1).
 """
 
