@@ -7,6 +7,7 @@ Notation
   kv_slots [B, L]     cache row of each (request, key position); padding points at the pad slot (a zero
                       row no request writes: ModelCache.pad_slot), never at another request's row
   mask     [B, Q, L]  key allowed: causal (key_pos <= query_pos) and inside the sequence
+  q_pos    [B, Q]     each query's position (padding: 0), the causal bound kernels compute the mask from
   valid_flat [V]      positions in the flattened [B * Q] of the V valid queries (row-major)
   out_index  [V]      their flat token rows (q_index at valid_flat)
 Padding queries are given key 0 so their softmax stays finite; their outputs are discarded.
@@ -35,6 +36,7 @@ class SegmentTensors:
     # Built once per step, not per layer (a boolean-mask index costs a nonzero and a gather each time):
     valid_flat: torch.Tensor  # [V] where the valid queries are in [B * Q]
     out_index: torch.Tensor  # [V] flat token rows of the valid queries, in q_valid order
+    q_pos: torch.Tensor  # [B, Q] positions: mask[b, q, l] == (l <= q_pos[b, q]) (q_pos < seq_lens[b])
 
 
 def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTensors:
@@ -57,7 +59,7 @@ def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTenso
     valid_flat = q_valid.flatten().nonzero().flatten()
     out_index = q_index.flatten()[valid_flat]
     dev = batch.input_ids.device
-    tensors = (q_index, q_valid, kv_slots, mask, seq_lens, valid_flat, out_index)
+    tensors = (q_index, q_valid, kv_slots, mask, seq_lens, valid_flat, out_index, q_pos)
     return SegmentTensors(segment, *(t.to(dev) for t in tensors))
 
 

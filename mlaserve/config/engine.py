@@ -98,14 +98,14 @@ def resolve(
     gguf: bool = False,
     stored_bf16: Callable[[], bool] | None = None,
     torch_holders: str | None = None,
-    triton: Callable[[str], tuple[str | None, str]] | None = None,
+    triton: Callable | None = None,
 ) -> EngineConfig:
     """native_kernels: the loader's probe of the native kernels (builds them; -> (available, detail)),
     passed only when the checkpoint holds quantized weights that native kernels serve. torch_holders: why
     quantized weights without native kernels run in torch (the kernels line's reason; None: none held). gguf: the checkpoint is a GGUF file
-    (gguf_weights applies). triton: the loader's probe of Triton on a device (-> (mode, reason): kernels
-    "triton"). stored_bf16: whether the checkpoint's matrices are stored in bfloat16 (asked
-    only when dtype=auto could pick bfloat16)."""
+    (gguf_weights applies). stored_bf16: whether the checkpoint's matrices are stored in bfloat16 (asked
+    only when dtype=auto could pick bfloat16). triton: how Triton kernels run on a device
+    (platform/triton_runtime.py triton_mode: kernels='triton' and attention_backend='triton')."""
     log = ProvenanceLog()
     device = choose_device(opts.device, log)
     quantization = choose_quantization(opts.quantization, log)
@@ -134,7 +134,7 @@ def resolve(
     if not isinstance(opts.check_tensors, bool):
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
-    backend = choose_attention_backend(opts.attention_backend, kernels, dtype, log)
+    backend = choose_attention_backend(opts.attention_backend, kernels, dtype, log, device, opts.kv_cache_dtype, triton)
     world = opts.tensor_parallel_size * opts.expert_parallel_size
     gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, world, log)
     gguf_mmap = _gguf_mmap(opts.gguf_mmap, gguf_weights, log)

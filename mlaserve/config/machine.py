@@ -8,6 +8,7 @@ names are re-exported there, with the rest of the switches' vocabulary.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mlaserve.config.cpu import fast_bf16
@@ -17,7 +18,7 @@ from mlaserve.config.provenance import ProvenanceLog
 if TYPE_CHECKING:
     import torch
 
-ATTENTION_BACKENDS = ("auto", "torch", "native", "reference")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "reference")
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_GRAPHS = ("auto", "on", "off")
 KERNELS = ("auto", "native", "triton", "torch")
@@ -76,7 +77,7 @@ def choose_kernels(
     """probe: the native kernels' probe, given when the checkpoint's quantized weights have native kernels.
     torch_holders: without a probe, why quantized weights the checkpoint does hold run in torch (None: it
     holds none), so the recorded reason is what is true of this checkpoint. triton: the loader's probe of
-    Triton on a device (device -> (mode, reason), platform/triton_runtime.py): "compiled" on a CUDA GPU, where
+    Triton on a device (platform/triton_runtime.py triton_mode: device -> .mode, .reason): "compiled" on a CUDA GPU, where
     auto takes it; "interpreter" (TRITON_INTERPRET=1, tests) only when asked for by name."""
     check_choice("kernels", requested, KERNELS)
     if requested == "torch":
@@ -84,7 +85,8 @@ def choose_kernels(
     if probe is None:
         how = "user option" if requested != "auto" else "engine default (auto)"
         return log.record("kernels", "torch", f"{how}: {torch_holders or 'the checkpoint holds no quantized weights'}")
-    mode, why = triton(device) if triton is not None else (None, "Triton was not probed")
+    probed = triton(device) if triton is not None else None
+    mode, why = (probed.mode, probed.reason) if probed is not None else (None, "Triton was not probed")
     if requested == "triton":
         if mode is None:
             raise ConfigError(f"kernels='triton' cannot run on {device}: {why}")
@@ -214,12 +216,23 @@ def choose_gguf_weights(requested: str, gguf: bool, ranks: int, log: ProvenanceL
     return log.record("gguf_weights", requested, "user option")
 
 
-def choose_attention_backend(requested: str, kernels: str, dtype: torch.dtype, log: ProvenanceLog) -> str:
+def choose_attention_backend(
+    requested: str,
+    kernels: str,
+    dtype: torch.dtype,
+    log: ProvenanceLog,
+    device: str = "cpu",
+    kv_cache_dtype: str = "auto",
+    triton: Callable | None = None,
+) -> str:
+    """triton: the loader's probe of how Triton kernels run on a device (platform/triton_runtime.py triton_mode:
+    device -> .mode "compiled" | "interpreter" | None, .reason), asked only for attention_backend='triton'."""
     import torch
 
     check_choice("attention_backend", requested, ATTENTION_BACKENDS)
     fits = kernels == "native" and dtype == torch.float32
     if requested == "auto":
+        # never triton: on a CPU only its interpreter runs the kernels (for tests), and on CUDA it is unmeasured
         if fits:
             why = "engine default (auto: native kernels and an fp32 cache: the latent MQA in one C call per layer)"
             return log.record("attention_backend", "native", why)
@@ -229,7 +242,25 @@ def choose_attention_backend(requested: str, kernels: str, dtype: torch.dtype, l
             f"attention_backend='native' needs the native kernels and dtype float32 (kernels {kernels!r}: "
             f"{log.source('kernels')}; dtype {dtype})"
         )
+    if requested == "triton":
+        return log.record("attention_backend", "triton", "user option; " + _triton_runs(device, kv_cache_dtype, triton))
     return log.record("attention_backend", requested, "user option")
+
+
+def _triton_runs(device: str, kv_cache_dtype: str, triton: Callable | None) -> str:
+    """How the triton backend's kernels run on `device` (compiled or interpreted, for provenance), or a ConfigError
+    naming why they cannot."""
+    if triton is None:
+        raise ConfigError("attention_backend='triton': how Triton kernels run on this device was not probed")
+    mode = triton(device)
+    if mode.mode is None:
+        raise ConfigError(f"attention_backend='triton' cannot run on device {device!r}: {mode.reason}")
+    if kv_cache_dtype not in (None, "auto"):
+        raise ConfigError(
+            f"attention_backend='triton' reads fp32 / bf16 / fp16 cache rows; kv_cache_dtype={kv_cache_dtype!r} "
+            "(8-bit rows) is not supported by its kernels (use attention_backend='torch' or 'native')"
+        )
+    return f"Triton kernels {mode.mode}: {mode.reason}"
 
 
 def choose_dtype(

@@ -95,7 +95,10 @@ class EngineOptions:
     )
     attention_backend: str = _opt(
         "auto",
-        "attention kernels (auto: native with the native kernels and float32, else torch; reference: the plain oracle)",
+        "attention kernels (auto: native with the native kernels and float32, else torch; triton: the latent MQA "
+        "(dense and DSA-sparse), the MHA of the decompressed path and the DSA index scores as Triton kernels over "
+        "the paged cache, compiled on CUDA or run by Triton's interpreter where TRITON_INTERPRET=1 (tests), never "
+        "chosen by auto, not with an 8-bit kv_cache_dtype; reference: the plain oracle)",
         ATTENTION_BACKENDS,
     )
     device: str = _opt("auto", "where weights, cache and step tensors live (auto: cuda when torch sees one)", DEVICES)

@@ -35,7 +35,7 @@ from mlaserve.loading.allocate import allocate
 from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.loaded import Checkpoint, LoadedModel
-from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16, triton_probe
+from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
@@ -44,6 +44,7 @@ from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.models.glm5_next import Glm5NextForCausalLM
 from mlaserve.models.longcat import LongcatForCausalLM
 from mlaserve.models.mtp import MTPLayer, MTPLayout, mtp_layouts
+from mlaserve.platform.triton_runtime import triton_mode
 from mlaserve.quant.at_load import BLOCK as BLOCK_AT_LOAD
 from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
@@ -144,8 +145,8 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         has_indexer_weights(source.names()),
         native_kernels=probe,
         gguf=path.is_file(),
-        triton=triton_probe,
         stored_bf16=lambda: stored_bf16(source),
+        triton=triton_mode,
     )
     template = tokenizer.chat_template if tokenizer is not None else None
     encoding = set_encoding(tokenizer, model_cfg.model_type)
@@ -218,7 +219,7 @@ def _open_v4(path: Path, hf_config: dict, opts: EngineOptions) -> Checkpoint:
     # V4's indexer weights belong to its CSA layers (declared as their states), not to an MLA DSA indexer; its FP8 /
     # FP4 holders (quant/deepseek_v4.py) have the native kernels of FP8Linear / FP8Experts / FP4Experts
     probe = native_probe if scheme is not None else None
-    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, native_kernels=probe, triton=triton_probe)
+    engine_cfg = resolve(model_cfg, opts, has_indexer_weights=False, native_kernels=probe, triton=triton_mode)
     tokenizer = folder_tokenizer(path, model_cfg)
     set_encoding(tokenizer, model_cfg.model_type)
     return Checkpoint(path, model_cfg, engine_cfg, None, tokenizer, [], scheme)
@@ -257,7 +258,7 @@ def _open_v4_gguf(path: Path, opts: EngineOptions) -> Checkpoint:
         has_indexer_weights=False,
         native_kernels=native_probe if blocks else None,
         gguf=True,
-        triton=triton_probe,
+        triton=triton_mode,
     )
     ck.close()
     return Checkpoint(path, ck.config, engine_cfg, None, tokenizer, list(ck.skipped), None, opts.check_tensors)

@@ -18,14 +18,6 @@ def native_probe() -> tuple[bool, str]:
     return True, f"{native.isa()} kernels, {status.detail}"  # the ISA the build chose (csrc/common.h), for the record
 
 
-def triton_probe(device: str) -> tuple[str | None, str]:
-    """How Triton kernels would run on `device` (compiled, interpreter or None) and why (config's kernels)."""
-    from mlaserve.platform.triton_runtime import triton_mode
-
-    mode = triton_mode(device)
-    return mode.mode, mode.reason
-
-
 def stored_bf16(source) -> bool:
     """Every matrix (2+ dims) of the checkpoint is stored in bfloat16 (norms and biases may be F32), so that
     dtype=auto may compute in bfloat16 without rounding a stored weight (from headers; no tensor is read)."""

@@ -345,3 +345,39 @@ def test_engine_on_gguf_through_triton_on_cuda_matches_transformers(record_prope
     diff, top1 = compare_logits(llm.prompt_logits(exp["input_ids"].tolist()).cpu(), exp["hf_dequant_logits_q4_k_m"])
     record_property("max_abs_diff", diff)
     assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
+
+
+# The triton attention backend, compiled (TRITON_INTERPRET unset where torch sees a GPU): its kernels on CUDA tensors
+# against the reference (the cases of tests/identities/test_triton_attention.py, which runs them under the
+# interpreter on CPU), and the engine with it on CUDA against the CPU engine with the reference backend.
+
+
+def test_triton_kernels_on_cuda_equal_the_reference(monkeypatch):
+    import test_triton_attention as cases
+
+    from mlaserve.platform.triton_runtime import triton_mode
+
+    assert triton_mode("cuda").mode in ("compiled", "interpreter")
+    for heads, r, ps in cases.DIMS:
+        cases.test_both_paths_equal_reference(heads, r, ps, "cuda")
+    cases.test_split_k_over_a_long_context("cuda", monkeypatch)
+    cases.test_index_topk_selects_the_reference_set("cuda")
+    cases.test_rows_a_query_does_not_read_never_reach_it("cuda")
+
+
+@pytest.mark.parametrize("mla_path", ["auto", "absorbed"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_backend_on_cuda_equals_cpu_reference(hf_model_dir, kind, mla_path, record_property):
+    folder, _ = hf_model_dir(kind)
+    ids = random_ids(PROMPT_LEN, seed=3)
+    want = _cpu_logits(folder, kind, mla_path, "reference", ids)
+    llm = _llm(folder, "cuda", dtype="float32", mla_path=mla_path, attention_backend="triton", trace="memory")
+    got = llm.prompt_logits(ids)
+    err = (got - want).abs().max().item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    record_property("max_abs_diff", err)
+    assert err <= FP32_TOL and top1 == 1.0, f"{kind} {mla_path} triton: max |cuda - cpu| {err:.3g}, top-1 {top1}"
+    records = list(llm.runner.tracer.records)
+    assert {s["backend"] for r in records for s in r["segments"]} == {"triton"}
+    (setting,) = [s for s in llm.runner.cfg.provenance if s.name == "attention_backend"]
+    assert "Triton kernels" in setting.source

@@ -9,6 +9,8 @@
    printed next to it, and rows read one slot off break it (the bound is not vacuous).
 3. DSA: index_topk over FP8 keys with a scale per token, every backend == the reference over the same keys (the
    set, compared by the dequantized keys' exact scores, as the harness compares sets).
+Every backend that reads 8-bit rows: `triton` does not (the engine refuses kv_cache_dtype with it at config time,
+tests/identities/test_triton_attention.py test_option_resolution; its kernels' caller raises on such a cache, below).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.row_format import index_key_format, latent_format
 
 CODES = ["int8", "fp8_e4m3"]
+EIGHT_BIT = [n for n in NAMES if n != "triton"]
 OPS = ["absorbed", "decompressed", "sparse_absorbed", "sparse_decompressed"]
 
 
@@ -48,7 +51,7 @@ def _run(op: str, backend, c: Case, seg, index, valid) -> torch.Tensor:
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("codes", CODES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EIGHT_BIT)
 def test_backend_over_8bit_equals_reference_over_8bit(name, codes, op):
     c = _eight_bit(_case(0, torch.float32, "cpu"), codes)
     for i, seg in enumerate(c.segments(name)):
@@ -98,7 +101,7 @@ def test_the_bound_sees_rows_one_slot_off(codes):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EIGHT_BIT)
 def test_index_topk_over_fp8_keys_equals_reference(name, seed):
     c = _eight_bit(_case(seed, torch.float32, "cpu"), "int8")
     assert isinstance(c.keys, QuantizedRows) and c.keys.fmt.codes == "fp8_e4m3" and c.keys.fmt.scales == 1
@@ -111,3 +114,10 @@ def test_index_topk_over_fp8_keys_equals_reference(name, seed):
         exact = exact.masked_fill(~seg.mask, float("-inf"))
         chosen = [exact.gather(2, i).sort(dim=-1).values[seg.q_valid] for i in (got, want)]
         torch.testing.assert_close(chosen[0], chosen[1], rtol=1e-6, atol=0)
+
+
+def test_triton_refuses_8bit_rows():
+    c = _eight_bit(_case(0, torch.float32, "cpu"), "int8")
+    seg = c.segments("triton")[0]
+    with pytest.raises(TypeError, match="kv_cache_dtype is not supported with attention_backend='triton'"):
+        BACKENDS["triton"].absorbed(c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv, seg, c.scale)

@@ -95,3 +95,12 @@ def test_the_poisoned_model_really_poisons(hf_model_dir):
     """The premise: alone, the bad prompt's logits are non-finite (so the tests above exercise NaN rows)."""
     with pytest.raises(FloatingPointError, match=r"from prompt position 6 on \(14 of 20 positions\)"):
         _engine(hf_model_dir("v3_yarn")[0]).prompt_logits(_bad_prompt(BAD))  # rows 6.. non-finite, 0..5 finite
+
+
+@pytest.mark.parametrize("kind", ["v3_yarn", "glm_dsa"])
+def test_triton(hf_model_dir, kind):
+    """The triton backend (Triton's interpreter on CPU: slow, so one mla_path per model) where all its kernels run:
+    mla_path auto, i.e. the dense model's decodes absorbed and prompts decompressed, the DSA model's indexer
+    scores and sparse latent MQA in decode and prompt steps. Its kernels are held to the same rule on poisoned
+    caches, path by path, in tests/identities/test_triton_attention.py."""
+    _check(hf_model_dir(kind)[0], attention_backend="triton", mla_path="auto", page_size=4)
