@@ -27,7 +27,7 @@ from mlaserve.config.model import ConfigError
 from mlaserve.config.provenance import ProvenanceLog
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import registry, triton_linear
-from mlaserve.platform.triton_runtime import triton_mode
+from mlaserve.platform.triton_runtime import TritonMode, triton_mode
 from mlaserve.quant import fp8_block
 
 pytestmark = pytest.mark.skipif(
@@ -155,7 +155,7 @@ def test_kernels_option_resolves_triton_only_on_a_gpu_or_by_name_under_the_inter
     assert cpu("auto") == "native"  # the CPU's default is unchanged
     assert cpu("triton") == "triton"  # by name, with TRITON_INTERPRET=1: the interpreter (tests)
     assert resolve(cfg, EngineOptions(device="cpu", kernels="triton"), False).kernels.impl == "torch"  # nothing held
-    compiled = lambda device: ("compiled", "CUDA device: Triton compiles the kernels")  # noqa: E731
+    compiled = lambda device: TritonMode("compiled", "CUDA device: Triton compiles the kernels")  # noqa: E731
     assert choose_kernels("auto", "cuda", ok, ProvenanceLog(), triton=compiled) == "triton"
     assert choose_kernels("auto", "cuda", ok, ProvenanceLog(), triton=triton_mode) == "torch"  # interpreted: no
     assert choose_kernels("auto", "cuda", None, ProvenanceLog(), triton=compiled) == "torch"  # nothing quantized
