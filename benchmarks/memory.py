@@ -8,8 +8,9 @@ llama.cpp (llama-cpp-python's C API, its default mmap, n_batch 2048 / n_ubatch 5
 decode steps in its own process beside them, so every series has its reference from the same minutes.
 
     python benchmarks/memory.py --gguf PATH [--gguf PATH2] [--reps 2] [--prompt 512] [--threads 2]
-        # every (gguf_mmap, malloc_tuning) pair and llama.cpp, alternating, each --reps times; JSON to
-        # benchmarks/results/ (the GGUF named relative to the checkout)
+            [--prefill-matmul auto float] [--torch-share]
+        # every (gguf_mmap, malloc_tuning, prefill_matmul) triple and llama.cpp, alternating, each --reps times;
+        # JSON to benchmarks/results/ (the GGUF named relative to the checkout)
     python benchmarks/memory.py --gguf PATH --pair
         # two engines on the file at once (mapped, then copied): the second one's Rss, Pss, shared pages
 
@@ -25,12 +26,21 @@ Figures (GiB unless named otherwise), read from /proc/self/smaps_rollup and /pro
                        anonymous memory); load_rest = after-load anonymous - runtime anonymous - torch_tensors
                        (the native kernels' library, plans, tokenizer, allocator slack of the load)
   peak                 VmHWM after the prefill (the process's highest RSS so far)
+  torch_prefill_peak   (--torch-share) the most bytes torch's allocator held at once during the prefill, above
+                       what it held when the prefill began (torch.profiler's memory events: every tensor torch
+                       allocates, none of oneDNN's own buffers, glibc's free lists or the runtime); with
+                       torch_tensors, torch's own share of the peak; the rest of the anonymous peak is
+                       the runtime, load_rest, and what the libraries and the allocator keep. The profiler's
+                       own records raise the process's peak (+0.3-0.6 GiB measured on a 2,048-token prefill), so
+                       run --torch-share as a series of its own: its peak and smaps are not the engine's
+  prefill_matmul       the engine's resolved choice (auto: bf16_6bit on CPUs with AMX-BF16 / AVX512-BF16)
   start_s              load_s + the first token of a --prompt tokens prompt
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -105,6 +115,7 @@ def worker(spec: dict) -> dict:
         threads=spec["threads"],
         malloc_tuning=spec["malloc_tuning"],
         gguf_mmap=spec["gguf_mmap"],
+        prefill_matmul=spec.get("prefill_matmul", "auto"),
         num_pages=spec["prompt"] // 16 + 8,
         max_num_batched_tokens=max(2048, spec["prompt"]),
     )
@@ -113,6 +124,7 @@ def worker(spec: dict) -> dict:
 
     out = {"load_s": round(load_s, 3), "after_load": smaps(), **weight_bytes(llm.runner.model, spec["gguf"])}
     out["expert_decode_cap_mib"] = ggml.EXPERT_BYTES >> 20
+    out["prefill_matmul_resolved"] = llm.config.kernels.prefill_matmul
     pool = llm.runner.cache
     kv = {s.data_ptr(): s.nbytes() for t in pool_tensors(pool) for s in [t.untyped_storage()]}
     out["kv_pool"] = round(sum(kv.values()) / 2**30, 4)
@@ -121,7 +133,12 @@ def worker(spec: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, min(30000, llm.config.model.vocab_size), (spec["prompt"],), generator=g).tolist()
     t1 = time.perf_counter()
-    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+    if spec.get("torch_share"):
+        with torch_allocations() as held:
+            llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+        out["torch_prefill_peak"] = round(held["peak"] / 2**30, 4)
+    else:
+        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
     out["first_token_s"] = round(time.perf_counter() - t1, 3)
     out["start_s"] = round(load_s + out["first_token_s"], 3)
     out["peak"], out["after_prefill"] = status("VmHWM"), smaps()
@@ -131,6 +148,23 @@ def worker(spec: dict) -> dict:
         print(json.dumps(out), flush=True)
         sys.stdin.read()
     return out
+
+
+@contextlib.contextmanager
+def torch_allocations():
+    """Within the block, torch.profiler's memory events (each allocation and free of torch's CPU allocator, with
+    its time); on exit held["peak"] is the highest running sum of them in time order: the most bytes torch held
+    at once above what it held on entry."""
+    from torch.profiler import ProfilerActivity, profile
+
+    held = {"peak": 0}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield held
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    now = 0
+    for _, nbytes in events:
+        now += nbytes
+        held["peak"] = max(held["peak"], now)
 
 
 def llama_worker(spec: dict) -> dict:
@@ -251,6 +285,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mmap", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--malloc-tuning", nargs="+", default=["off", "on"], choices=["on", "off"])
+    ap.add_argument("--prefill-matmul", nargs="+", default=["auto"], choices=["auto", "float", "bf16", "bf16_6bit"])
+    ap.add_argument("--torch-share", action="store_true", help="torch's allocations' peak during the prefill")
     ap.add_argument("--llama-cpp", default="on", choices=["on", "off"], help="llama.cpp's run beside each series")
     ap.add_argument("--out", default=None)
     ap.add_argument("--pair", action="store_true", help="two engines on one file at once (mapped, then copied)")
@@ -277,9 +313,16 @@ def main() -> None:
     for rep in range(args.reps):
         for path in args.gguf:
             specs = [
-                dict(engine="mlaserve", gguf_mmap=mm == "on", malloc_tuning=mt == "on")
+                dict(
+                    engine="mlaserve",
+                    gguf_mmap=mm == "on",
+                    malloc_tuning=mt == "on",
+                    prefill_matmul=pm,
+                    torch_share=args.torch_share,
+                )
                 for mm in args.mmap
                 for mt in args.malloc_tuning
+                for pm in args.prefill_matmul
             ]
             if args.llama_cpp == "on":  # in the middle of the series: alternating with mlaserve's runs
                 specs.insert(len(specs) // 2, dict(engine="llama.cpp"))
@@ -304,7 +347,10 @@ def describe(row: dict, load: float) -> str:
     if row["engine"] == "llama.cpp":
         what, parts = "llama.cpp", ""
     else:
-        what = f"mlaserve mmap={'on' if row['gguf_mmap'] else 'off'} malloc_tuning={'on' if row['malloc_tuning'] else 'off'}"
+        what = (
+            f"mlaserve mmap={'on' if row['gguf_mmap'] else 'off'} malloc_tuning={'on' if row['malloc_tuning'] else 'off'}"
+            f" prefill_matmul={row.get('prefill_matmul_resolved', '?')}"
+        )
         parts = (
             f"; torch tensors {row['torch_tensors']:.2f} (weights copied {row['weights_copied']:.2f}, kv "
             f"{row['kv_pool']:.3f}), load rest {row['load_rest']:.2f}, weights mapped {row['weights_mapped']:.2f}"
@@ -312,8 +358,16 @@ def describe(row: dict, load: float) -> str:
     return (
         f"{Path(row['gguf']).name} {what} rep={row['rep']}: runtime {rt['rss']:.2f} (anon {rt['anonymous']:.2f}), "
         f"after load {a['rss']:.2f} (anon {a['anonymous']:.2f}, file {a['file']:.2f}){parts}; peak "
-        f"{row['peak']:.2f}, after decode {row['after_decode']['rss']:.2f}; load {row['load_s']:.1f} s, start "
+        f"{row['peak']:.2f}{torch_part(row)}, after decode {row['after_decode']['rss']:.2f}; load {row['load_s']:.1f} s, start "
         f"{row['start_s']:.1f} s (load avg {load:.1f})"
+    )
+
+
+def torch_part(row: dict) -> str:
+    return (
+        f" (under the profiler; torch's allocations during the prefill +{row['torch_prefill_peak']:.2f})"
+        if "torch_prefill_peak" in row
+        else ""
     )
 
 

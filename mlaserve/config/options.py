@@ -142,8 +142,10 @@ class EngineOptions:
         "AVX512-BF16 where the CPU has them; not exact, within bf16's rounding); bf16_6bit = the same for weights of "
         "6 bits or fewer only, Q8_0 fp32; auto = bf16_6bit for GGUF files with the native kernels on a CPU with "
         "AMX-BF16 or AVX512-BF16 (Q8_0's added error is over half its own), else float (DeepSeek-V4: float, its "
-        "kernel plan binds no bf16 products; bf16 / bf16_6bit refused there). bf16 raises peak memory (+0.28 GiB after a "
-        "2048-token step of the standard model's Q4_K_M file, docs/PERFORMANCE.md); float keeps the lower peak",
+        "kernel plan binds no bf16 products; bf16 / bf16_6bit refused there). bf16 raises peak memory (~+0.3 GiB after a "
+        "2048-token step of the standard model's Q4_K_M file: oneDNN's cached primitives and the heap they pin; rows "
+        "are padded to a ladder of row counts so they do not grow with every prompt length, docs/PERFORMANCE.md); "
+        "float keeps the lower peak",
         PREFILL_MATMULS,
     )
     quantization: str | None = _opt(

@@ -52,19 +52,25 @@ def takes_bf16(type_id: int, cap: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """y [M, N] fp32 = bf(bf(x) @ bf(w)^T): x [M, K] fp32, w [N, K] bf16 (or fp32, then rounded here)."""
-    return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    """y [M, N] fp32 = bf(bf(x) @ bf(w)^T): x [M, K] fp32, w [N, K] bf16 (or fp32, then rounded here). x's rows
+    are padded with zero rows to bucket_rows(M) (a step's token count differs from step to step, and oneDNN keeps
+    a primitive per row count and weight shape: without the ladder a server's cache grows by one primitive per
+    dense weight shape for every distinct prompt length); the padded rows' outputs are dropped."""
+    m = x.shape[0]
+    xp = x.new_zeros(bucket_rows(m), x.shape[1], dtype=torch.bfloat16)
+    xp[:m] = x
+    return F.linear(xp, w.to(torch.bfloat16))[:m].float()
 
 
 def grouped(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times ws[a]^T, in bf16 as linear(). Each group's
-    rows are padded with zero rows to a multiple of ROW_BUCKET: torch runs a bf16 grouped GEMM on the CPU as one
+    rows are padded with zero rows to bucket_rows(count): torch runs a bf16 grouped GEMM on the CPU as one
     oneDNN GEMM per group, and oneDNN keeps a primitive (with its buffers) per distinct row count, so a
     prefill's experts of every size between 1 and hundreds of rows grew the process by ~0.4 GiB
     (docs/PERFORMANCE.md); bucketed, a few row counts serve them all. A padded row is zero and its output is
     dropped; a real row's product is the same bf16 GEMM."""
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
-    padded = (counts + ROW_BUCKET - 1) // ROW_BUCKET * ROW_BUCKET
+    padded = bucket_rows_tensor(counts)
     ends = torch.cumsum(padded, 0)
     group = torch.repeat_interleave(torch.arange(counts.shape[0], device=xs.device), counts)
     dest = (ends - padded)[group] + torch.arange(xs.shape[0], device=xs.device) - (offs.to(torch.int64) - counts)[group]
@@ -74,7 +80,34 @@ def grouped(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     return yp[dest].float()
 
 
-ROW_BUCKET = 32  # rows per group rounded up to this (the padding is at most 31 zero rows per active expert)
+# The row ladder. Every primitive oneDNN caches (one per row count and weight shape) stays alive, and those small
+# long-lived blocks land between a prefill's large temporaries, so glibc cannot hand the freed space back: on the
+# standard model's Q4_K_M file one 2,048-token step ran its bf16 GEMMs at 64 distinct shapes (ONEDNN_VERBOSE) and
+# kept ~0.4 GiB more anonymous memory than with oneDNN's cache off (docs/PERFORMANCE.md). Up to LADDER_FINE rows
+# the counts round up to a multiple of ROW_BUCKET (at most 31 zero rows); above, to LADDER_STEPS steps per
+# octave (at most 1/LADDER_STEPS of the rows added), so the row counts a process ever meets grow with the log
+# of the largest group, not linearly.
+ROW_BUCKET = 32
+LADDER_FINE = 128
+LADDER_STEPS = 4
+
+
+def bucket_rows(rows: int) -> int:
+    """The padded row count of a GEMM with `rows` rows (0 stays 0): a multiple of ROW_BUCKET up to LADDER_FINE,
+    then a multiple of 2^(floor(log2(rows - 1)) - log2(LADDER_STEPS))."""
+    if rows <= LADDER_FINE:
+        return -(-rows // ROW_BUCKET) * ROW_BUCKET
+    step = (1 << (rows - 1).bit_length()) // (2 * LADDER_STEPS)
+    return -(-rows // step) * step
+
+
+def bucket_rows_tensor(rows: torch.Tensor) -> torch.Tensor:
+    """bucket_rows for an int64 tensor of counts (the groups of one grouped GEMM), without a host copy."""
+    fine = (rows + ROW_BUCKET - 1) // ROW_BUCKET * ROW_BUCKET
+    octave = torch.floor(torch.log2((rows - 1).clamp(min=1).double())).to(torch.int64) + 1  # bit_length(rows - 1)
+    step = torch.pow(2, octave) // (2 * LADDER_STEPS)
+    coarse = (rows + step - 1) // step.clamp(min=1) * step
+    return torch.where(rows <= LADDER_FINE, fine, coarse)
 
 
 def units() -> str:

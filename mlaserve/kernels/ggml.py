@@ -183,13 +183,16 @@ def _decoded_grouped(
     EXPERT_BYTES of decoded weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
     15 GB in fp32 at once (the standard benchmark model's 128 MB; chunks were measured no slower there, see
     EXPERT_BYTES).
-    Each expert's rows meet that expert alone, so the chunks give the products of one call. bf16: the experts
-    decoded straight to bf16 (twice the experts per chunk) and each chunk's GEMMs in bf16 (bf16_prefill.grouped)."""
+    Each expert's rows meet that expert alone, so the chunks give the products of one call. Every chunk is decoded
+    into the same buffer (allocated once per call: one block of the allocator's instead of one per chunk between
+    the GEMMs' temporaries). bf16: the experts decoded straight to bf16 (twice the experts per chunk) and each
+    chunk's GEMMs in bf16 (bf16_prefill.grouped)."""
     a, n = experts.shape[0], sum(p.shape[1] for p in parts)
     dtype, gemm = (torch.bfloat16, bf16_prefill.grouped) if bf16 else (torch.float32, _grouped_fp32)
     per = max(1, EXPERT_BYTES // (n * k * dtype.itemsize))
+    buf = torch.empty(min(a, per), n, k, dtype=dtype)
     if a <= per:
-        return gemm(xs, _decode_parts(parts, ggml_type, experts, k, dtype), offs)
+        return gemm(xs, _decode_parts(parts, ggml_type, experts, k, buf), offs)
     ys = xs.new_empty(xs.shape[0], n)
     ends = [0, *offs.tolist()]  # one host copy of A ends per projection (prefill)
     for c0 in range(0, a, per):
@@ -197,23 +200,20 @@ def _decoded_grouped(
         lo, hi = ends[c0], ends[c1]
         if hi == lo:
             continue
-        dense_w = _decode_parts(parts, ggml_type, experts[c0:c1], k, dtype)
+        dense_w = _decode_parts(parts, ggml_type, experts[c0:c1], k, buf[: c1 - c0])
         ys[lo:hi] = gemm(xs[lo:hi], dense_w, offs[c0:c1] - lo)
     return ys
 
 
 def _decode_parts(
-    parts: tuple[torch.Tensor, ...], ggml_type: int, experts: torch.Tensor, k: int, dtype: torch.dtype
+    parts: tuple[torch.Tensor, ...], ggml_type: int, experts: torch.Tensor, k: int, out: torch.Tensor
 ) -> torch.Tensor:
-    """[A, N, K] in dtype (fp32, or bf16: the same values rounded): the experts' rows of every part, each part
-    decoded where it lies into its rows of one buffer (gate rows, then up rows: the fused stack's decoded values,
-    without a fused copy of the blocks)."""
-    if len(parts) == 1:
-        return native.dequantize_experts(ggml_type, parts[0], experts, k, dtype)
-    out = torch.empty(experts.shape[0], sum(p.shape[1] for p in parts), k, dtype=dtype)
+    """out [A, N, K] (fp32, or bf16: the same values rounded), filled with the experts' rows of every part, each
+    part decoded where it lies into its rows of the buffer (gate rows, then up rows: the fused stack's decoded
+    values, without a fused copy of the blocks)."""
     row = 0
     for p in parts:
-        native.dequantize_experts(ggml_type, p, experts, k, dtype, out=out[:, row : row + p.shape[1]])
+        native.dequantize_experts(ggml_type, p, experts, k, out.dtype, out=out[:, row : row + p.shape[1]])
         row += p.shape[1]
     return out
 

@@ -28,8 +28,8 @@ def test_decoded_experts_never_exceed_the_cap(monkeypatch, bf16):
     seen: list[int] = []
     decode = native.dequantize_experts
 
-    def recording(ggml_type, w, which, kk, dtype=torch.float32):
-        out = decode(ggml_type, w, which, kk, dtype)
+    def recording(ggml_type, w, which, kk, dtype=torch.float32, out=None):
+        out = decode(ggml_type, w, which, kk, dtype, out=out)
         seen.append(out.numel() * out.element_size())
         return out
 
