@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "reference")
 DEVICES = ("auto", "cpu", "cuda")
 CUDA_GRAPHS = ("auto", "on", "off")
+# what auto's GPU choices (kernels triton, cuda_graphs on) say until a GPU run has checked them (tests/gpu/)
+NOT_RUN_ON_GPU = "not yet run on a GPU: benchmarks/gpu_check.sh's tests check it"
 KERNELS = ("auto", "native", "triton", "torch")
 ACTIVATIONS = ("auto", "float", "int8", "int8_6bit")
 # a resolved activations value -> the widest weight (bits per value) whose products take int8 activations (0: none;
@@ -95,7 +97,9 @@ def choose_kernels(
         if requested == "native":
             raise ConfigError(f"kernels='native' runs on the CPU; device is {device!r} (pass kernels='torch')")
         if mode == "compiled":
-            return log.record("kernels", "triton", f"engine default (auto: {why}; FP8 / GGUF Q8_0 / Q4_K weights)")
+            return log.record(
+                "kernels", "triton", f"engine default (auto: {why}; FP8 / GGUF Q8_0 / Q4_K weights; {NOT_RUN_ON_GPU})"
+            )
         return log.record(
             "kernels", "torch", f"engine default (auto: the native kernels are CPU code; device {device}; {why})"
         )
@@ -342,7 +346,9 @@ def choose_cuda_graphs(requested: str, device: str, max_batch: int, log: Provena
         )
     if requested == "auto":
         on = device == "cuda"
-        why = "engine default (auto: " + ("device cuda)" if on else f"off on device {device!r}, on for cuda only)")
+        why = "engine default (auto: " + (
+            f"device cuda; {NOT_RUN_ON_GPU})" if on else f"off on device {device!r}, on for cuda only)"
+        )
     else:
         on, why = requested == "on", "user option"
     log.record("cuda_graphs", on, why)

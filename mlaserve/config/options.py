@@ -121,7 +121,7 @@ class EngineOptions:
         "RMSNorm, each layer's rope and cache write); triton = Triton kernels on a CUDA GPU for FP8 blocks and GGUF "
         "Q8_0 / Q4_K blocks (decode-and-multiply up to 16 rows, else decode, then GEMM; other weights as torch; "
         "on CPU only with TRITON_INTERPRET=1, Triton's interpreter, for tests); torch = dequantize, then GEMM, and "
-        "torch ops (the reference); auto = native on CPU if it builds, triton on CUDA where Triton compiles",
+        "torch ops (the reference); auto = native on CPU if it builds, triton on CUDA where Triton compiles (not yet run on a GPU)",
         KERNELS,
     )
     activations: str = _opt(

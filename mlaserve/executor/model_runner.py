@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import torch
 
+from mlaserve.attention.plan import StepRoute
 from mlaserve.attention.router import route_step
 from mlaserve.cache.disk_tier import DiskTier, model_identity
 from mlaserve.cache.model_cache import ModelCache
@@ -166,27 +167,8 @@ class ModelRunner:
         """execute() that also returns the final hidden states [T, D] (the MTP layer's input);
         `ledger`: extra fields for this step's record (speculative verification)."""
         cfg = self.cfg
-        batch = ForwardBatch.build(
-            chunks,
-            cfg.cache.page_size,
-            cfg.scheduler.decode_threshold,
-            cfg.runtime.device,
-            self.cache.pad_slot,
-            snapshots=self.cache.keeps_snapshots,
-        )
+        batch, plan = self._batch_and_route(chunks)
         self._check_state_slots(batch)
-        plan = route_step(
-            batch,
-            self.layer_kinds,
-            cfg.attention.mla_path,
-            cfg.attention.sparse,
-            cfg.attention.index_topk,
-            cfg.runtime.dtype,
-            cfg.attention.backend,
-            self.v4_csa_dense,
-            # DeepSeek-V4: the softmax its model was built to run (V4Serving), recorded as what ran
-            getattr(self.model, "v4_implementation", "torch:padded_batch+batched_state"),
-        )
         with torch.inference_mode():
             # a replayed step needs no eager StepContext (its padded one is built in _replay); a model with native
             # decode layers (CPU only) is never replayed
@@ -226,6 +208,31 @@ class ModelRunner:
             logits = self.model.logits(hidden[batch.logits_indices])
         return batch, logits, hidden
 
+    def _batch_and_route(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, StepRoute]:
+        """The step's batch and its route (plain data, before the math): execute's, and padded_step's the same."""
+        cfg = self.cfg
+        batch = ForwardBatch.build(
+            chunks,
+            cfg.cache.page_size,
+            cfg.scheduler.decode_threshold,
+            cfg.runtime.device,
+            self.cache.pad_slot,
+            snapshots=self.cache.keeps_snapshots,
+        )
+        route = route_step(
+            batch,
+            self.layer_kinds,
+            cfg.attention.mla_path,
+            cfg.attention.sparse,
+            cfg.attention.index_topk,
+            cfg.runtime.dtype,
+            cfg.attention.backend,
+            self.v4_csa_dense,
+            # DeepSeek-V4: the softmax its model was built to run (V4Serving), recorded as what ran
+            getattr(self.model, "v4_implementation", "torch:padded_batch+batched_state"),
+        )
+        return batch, route
+
     def _replay(self, batch: ForwardBatch, route, graph: GraphPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of the step's real rows through its bucket's CUDA graph."""
         padded = pad_decode_step(batch, route, graph, self.model.rope, self.cfg.runtime.dtype, self.cfg.cache.page_size)
@@ -236,18 +243,7 @@ class ModelRunner:
         cuda_graphs were on and the weights capturable (model_blocker): the CPU tests' handle on the graph's body
         (fp32 ones included, to compare with transformers), the GPU tests' reference of a replay."""
         cfg = self.cfg
-        batch = ForwardBatch.build(
-            chunks, cfg.cache.page_size, cfg.scheduler.decode_threshold, cfg.runtime.device, self.cache.pad_slot
-        )
-        route = route_step(
-            batch,
-            self.layer_kinds,
-            cfg.attention.mla_path,
-            cfg.attention.sparse,
-            cfg.attention.index_topk,
-            cfg.runtime.dtype,
-            cfg.attention.backend,
-        )
+        batch, route = self._batch_and_route(chunks)
         graph = plan_graph(batch, route, replace(self.graph_settings, enabled=True, model_blocker=None))
         if not graph.replay:
             raise ValueError(f"padded_step: this step is not one a graph replays ({graph.reason})")

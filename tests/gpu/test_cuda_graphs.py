@@ -19,6 +19,10 @@ import torch
 from conftest import FP32_LOGITS_TOL
 from hf_models import make_config, random_ids, reinit_
 
+# test_cuda.py's bound on bf16 vs fp32 logits (reasoned there), and its IEEE fp32 matmuls (an autouse fixture, so
+# imported here it applies to this module's tests too)
+from test_cuda import BF16_REL_TOL, _ieee_fp32_matmuls  # noqa: F401
+
 from mlaserve import LLM, SamplingParams
 from mlaserve.executor.forward_batch import SeqChunk
 
@@ -30,17 +34,6 @@ pytestmark = pytest.mark.skipif(
 
 PAGE = 8
 LENGTHS = {1: (23,), 2: (11, 30), 3: (5, 17, 30), 5: (9, 18, 27, 36, 41)}  # buckets 1, 2, 4, 8
-
-
-@pytest.fixture(autouse=True)
-def _ieee_fp32_matmuls():
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(before)
-
-
-BF16_REL_TOL = 0.15  # test_cuda.py's bound on bf16 vs fp32 logits (reasoned there)
 
 
 @pytest.fixture(scope="module")

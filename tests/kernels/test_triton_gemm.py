@@ -156,7 +156,9 @@ def test_kernels_option_resolves_triton_only_on_a_gpu_or_by_name_under_the_inter
     assert cpu("triton") == "triton"  # by name, with TRITON_INTERPRET=1: the interpreter (tests)
     assert resolve(cfg, EngineOptions(device="cpu", kernels="triton"), False).kernels.impl == "torch"  # nothing held
     compiled = lambda device: TritonMode("compiled", "CUDA device: Triton compiles the kernels")  # noqa: E731
-    assert choose_kernels("auto", "cuda", ok, ProvenanceLog(), triton=compiled) == "triton"
+    log = ProvenanceLog()
+    assert choose_kernels("auto", "cuda", ok, log, triton=compiled) == "triton"
+    assert "not yet run on a GPU" in log.source("kernels")  # auto's untested choice says so
     assert choose_kernels("auto", "cuda", ok, ProvenanceLog(), triton=triton_mode) == "torch"  # interpreted: no
     assert choose_kernels("auto", "cuda", None, ProvenanceLog(), triton=compiled) == "torch"  # nothing quantized
     assert choose_kernels("torch", "cuda", ok, ProvenanceLog(), triton=compiled) == "torch"

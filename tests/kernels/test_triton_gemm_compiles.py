@@ -38,15 +38,14 @@ cases = {
                  ["M", "N", "K", "KB"], [*fp8, *tile]), {**fp8, **tile}),
     "fp8_decode": (fp8_block_gemm._decode, sig({"q_ptr": "*u8", "s_ptr": "*fp32", "w_ptr": "*fp32"},
                    ["N", "K", "KB"], [*fp8, "BN", "BK"]), {**fp8, "BN": 64, "BK": 64}),
-    "q8_0_gemm": (gguf_q8_0._gemm, sig({"x_ptr": "*fp32", "q_ptr": "*i8", "d_ptr": "*fp16", "y_ptr": "*fp32"},
-                  ["M", "N", "K"], tile), tile),
-    "q8_0_decode": (gguf_q8_0._decode, sig({"q_ptr": "*i8", "d_ptr": "*fp16", "w_ptr": "*fp32"}, ["N", "K"],
-                    ["BN", "BK"]), {"BN": 64, "BK": 64}),
-    "q4_k_gemm": (gguf_q4_k._gemm, sig({"x_ptr": "*fp32", "q_ptr": "*u8", "h_ptr": "*fp16", "y_ptr": "*fp32"},
-                  ["M", "N", "K"], tile), tile),
-    "q4_k_decode": (gguf_q4_k._decode, sig({"q_ptr": "*u8", "h_ptr": "*fp16", "w_ptr": "*fp32"}, ["N", "K"],
-                    ["BN", "BK"]), {"BN": 64, "BK": 64}),
 }
+# the GGUF formats: tiles.py's shared kernel bodies, each format's tile decoder passed as the constexpr DECODE
+for name, mod, q in (("q8_0", gguf_q8_0, "*i8"), ("q4_k", gguf_q4_k, "*u8")):
+    dec = {"DECODE": mod.decode_tile}
+    cases[name + "_gemm"] = (tiles.gguf_gemm, sig({"x_ptr": "*fp32", "q_ptr": q, "d_ptr": "*fp16", "y_ptr": "*fp32"},
+                             ["M", "N", "K"], [*dec, *tile]), {**dec, **tile})
+    cases[name + "_decode"] = (tiles.gguf_decode, sig({"q_ptr": q, "d_ptr": "*fp16", "w_ptr": "*fp32"}, ["N", "K"],
+                               [*dec, "BN", "BK"]), {**dec, "BN": 64, "BK": 64})
 target = GPUTarget("cuda", 90, 32)
 out = {}
 for name, (fn, signature, consts) in cases.items():

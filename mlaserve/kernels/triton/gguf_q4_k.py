@@ -49,27 +49,6 @@ def decode_tile(q_ptr, h_ptr, offs_n, offs_k, N, K):
     return tl.where(mask, ds * q.to(tl.float32) - dm, 0.0)
 
 
-@triton.jit
-def _gemm(x_ptr, q_ptr, h_ptr, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        w = decode_tile(q_ptr, h_ptr, offs_n, offs_k, N, K)
-        acc = tiles.dot_tile(acc, tiles.load_x(x_ptr, offs_m, offs_k, M, K), w)
-    tiles.store_y(y_ptr, acc, offs_m, offs_n, M, N)
-
-
-@triton.jit
-def _decode(q_ptr, h_ptr, w_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
-    w = decode_tile(q_ptr, h_ptr, offs_n, offs_k, N, K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=mask)
-
-
 def _views(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """raw [N, R] uint8 -> (the bytes, d / dmin as fp16): two views of the same memory."""
     if k % QK_K or raw.dim() != 2 or raw.shape[1] != k // QK_K * BLOCK_BYTES or raw.dtype != torch.uint8:
@@ -81,18 +60,10 @@ def _views(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def linear(x: torch.Tensor, raw: torch.Tensor, k: int) -> torch.Tensor:
     """y [M, N] fp32 = x [M, K] @ dequantize(raw [N, R])^T."""
     q, h = _views(raw, k)
-    x = x.float().contiguous()
-    m, n = x.shape[0], raw.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    grid = tiles.gemm_grid(m, n)
-    _gemm[grid](x, q, h, y, m, n, k, tiles.BM, tiles.BN, tiles.BK, **tiles.LAUNCH)
-    return y
+    return tiles.gguf_linear(decode_tile, q, h, x, raw.shape[0], k)
 
 
 def dequantize(raw: torch.Tensor, k: int) -> torch.Tensor:
     """W [N, K] fp32 by the kernels' tile decoder (equal to gguf-py's dequantizer bit for bit)."""
     q, h = _views(raw, k)
-    n = raw.shape[0]
-    w = torch.empty(n, k, dtype=torch.float32, device=raw.device)
-    _decode[tiles.decode_grid(n, k)](q, h, w, n, k, tiles.BN, tiles.BK, **tiles.LAUNCH)
-    return w
+    return tiles.gguf_dequantize(decode_tile, q, h, raw.shape[0], k)
