@@ -89,10 +89,12 @@ TEST_RC=${PIPESTATUS[0]}
 log "tests exit status $TEST_RC"
 
 # The Triton kernels compiled for the GPU (TRITON_INTERPRET unset: tests/conftest.py sets it only where torch sees
-# no GPU): the attention backends' triton cases against their references, and the GEMM kernels compiled for sm_90
+# no GPU): the attention backends' triton cases against their references (the harness, and the backend's own
+# cases at kv_lora 256 / 512, split-K, DSA; their CPU cases skip there: no interpreter), and the GEMM kernels compiled for sm_90
 # (test_triton_gemm_compiles.py). test_triton_gemm.py is the interpreter's and skips here, saying so: the GEMM
 # kernels' GPU results are held to their references by tests/gpu/test_cuda.py, in the tests above.
-mapfile -t TRITON < <(existing tests/identities/test_attention_backends.py $(compgen -G "tests/kernels/test_triton_*.py"))
+mapfile -t TRITON < <(existing tests/identities/test_attention_backends.py tests/identities/test_triton_attention.py \
+  $(compgen -G "tests/kernels/test_triton_*.py"))
 if [ "$CUDA" = 1 ] && [ "${#TRITON[@]}" -gt 0 ]; then
   log "triton tests: ${TRITON[*]}"
   env -u TRITON_INTERPRET timeout -k 10 "$T_TRITON" python3 -m pytest "${TRITON[@]}" -k triton -q -rs \

@@ -65,6 +65,16 @@ FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 FP32_LOGITS_TOL = 1e-5
 
 
+def skip_unless_triton_runs(device: str) -> None:
+    """Skip a Triton case on a device where its kernels cannot run: CPU tensors need the interpreter, which this
+    conftest turns on only where torch sees no GPU (a GPU run compiles, and takes the CUDA cases)."""
+    from mlaserve.platform.triton_runtime import triton_mode
+
+    mode = triton_mode(device)
+    if mode.mode is None:
+        pytest.skip(f"Triton kernels do not run on {device} here: {mode.reason}")
+
+
 def fp32_logits_tol(ref) -> float:
     """FP32_LOGITS_TOL for logits up to |max| 8; rounding is relative, so larger logits get a proportionally
     larger bound. v3_tied's tied std-1 embeddings give |max| 62 (std 8.5): there the engine is 1.8e-5 from

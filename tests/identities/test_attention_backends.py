@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from conftest import fixture_dir
+from conftest import fixture_dir, skip_unless_triton_runs
 from hf_models import random_ids
 
 from mlaserve import LLM
@@ -158,6 +158,8 @@ def workspace(request, monkeypatch):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", NAMES)
 def test_attention_equals_reference(name, op, dtype, device, workspace):
+    if name == "triton":
+        skip_unless_triton_runs(device)
     c = _case(0, dtype, device)
     segs = c.segments(name)
     assert [s.segment.phase for s in segs] == ["decode", "prefill"]
@@ -185,6 +187,8 @@ def _chosen(scores: torch.Tensor, index: torch.Tensor, seg: SegmentTensors) -> t
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", NAMES)
 def test_index_topk_selects_the_reference_set(name, seed, keys, key_dtype, device, workspace):
+    if name == "triton":
+        skip_unless_triton_runs(device)
     c = _case(seed, key_dtype, device, near_ties=keys == "near_ties")
     for seg in c.segments(name, key_dtype):
         assert seg.segment.index_scoring == BACKENDS[name].index_scoring(key_dtype)
