@@ -1,16 +1,19 @@
-"""The benchmark matrix of issue #31: mlaserve vs llama.cpp per (model, GGUF file type), one offline.py run
-per cell, one JSON per run in docs/results/.
+"""The benchmark matrix of issue #31: mlaserve vs llama.cpp (and ik_llama.cpp, given its tools) per (model, GGUF
+file type), one offline.py run per cell, one JSON per run in docs/results/.
 
-    python benchmarks/matrix.py [--models standard ds-real glm-real] [--types q8_0 q6_k q4_k_m q4_0]
-                                [--phases prefill decode c16] [--date YYYY-MM-DD] [--run N] [--dry-run]
+    python benchmarks/matrix.py [--models standard ds-real glm-real] [--types q8_0 q6_k q4_k_m q4_0 iq_mix]
+                                [--phases prefill decode long c16] [--threads N] [--reps N] [--tag NAME]
+                                [--ik-llama-bin DIR] [--date YYYY-MM-DD] [--run N] [--dry-run]
 
-Each cell is `offline.py --model M --engines mlaserve-gguf@T llama.cpp@T:repack=false --phases ...`: the two
-engines load side by side and take each phase in turn (alternating, so background load hits both alike);
-offline.py makes the Q8_0 file with `mlaserve convert` and the other types from it with llama.cpp's own
-quantizer. llama.cpp runs with `repack=false` (`llama-bench --repack 0`): with its AMX / repacked buffers it
-aborts on MLA files on the AMX CPU measured (benchmarks/README.md). A cell whose JSON exists is skipped
-(`--run N` writes a repeat); a partial one (a run stopped after some phases: offline.py writes the JSON
-after every phase, `"complete": false`) is run again. Cells run in the order given, models outer: the standard model first.
+Each cell is `offline.py --model M --engines mlaserve-gguf@T llama.cpp@T:repack=false [ik_llama.cpp@T:...]
+--phases ... --long-prompt 4096`: the engines load side by side and take each phase in turn (alternating, so
+background load hits all alike); offline.py makes the Q8_0 file with `mlaserve convert` and Q6_K / Q4_K_M /
+Q4_0 from it with llama.cpp's own quantizer; the IQ mix is made once by iq_mix.py. llama.cpp runs with
+`repack=false` (`llama-bench --repack 0`): with its AMX / repacked buffers it aborts on MLA files on the AMX CPU
+measured (benchmarks/README.md). A cell whose JSON exists is skipped (`--run N` writes a repeat); a partial one
+(a run stopped after some phases: offline.py writes the JSON after every phase, `"complete": false`) is run
+again. `--tag` names a part of each cell (some phases now, others in another part): matrix_table.py unites the
+parts. Cells run in the order given, models outer: the standard model first.
 `python benchmarks/matrix_table.py docs/results/matrix-*.json` prints the table and plots the ratios.
 """
 

@@ -102,12 +102,18 @@ def markdown(rows: list[dict]) -> str:
     head = ["model", "file", "run", "metric", "mlaserve", "llama.cpp", "ik_llama.cpp", "vs llama.cpp"]
     head += ["vs ik_llama.cpp", "target", "load avg (1 min)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    missing = []  # (cell, metric) no engine has a figure for: left out of the table, listed under it
     for r in rows:
         la = r["loadavg_1min"]
         load = "-" if la is None else f"{la[0]:.1f}-{la[1]:.1f}"
         run = (r["run"] or "1") + (" (partial)" if r.get("partial") else "")
         for key, label, target, higher in METRICS:
             m = r["metrics"][key]
+            if m["ours"] is None and m["theirs"] is None and m["ik"] is None:
+                missing.append(
+                    f"{r['model']} {r['type'].upper()} run {run}: {label.format(long=r.get('long_prompt', 2048))}"
+                )
+                continue
             nd = 2 if key in ("peak_rss_gib",) else 1
             ik = "not run" if not r.get("has_ik") else _fmt(m["ik"], nd) + (" *" if key == "output_tok_s_c16" else "")
             cells = [r["model"], r["type"].upper(), run, label.format(long=r.get("long_prompt", 2048))]
@@ -115,6 +121,8 @@ def markdown(rows: list[dict]) -> str:
             cells += [_ratio(m["ratio"], m["met"]), _ratio(m["ratio_ik"], m["met_ik"])]
             cells += [f"{'>=' if higher else '<='} {target}x", load]
             lines.append("| " + " | ".join(cells) + " |")
+    if missing:
+        lines += ["", "Not measured (no engine has a figure): " + "; ".join(missing) + "."]
     if any(r.get("has_ik") for r in rows):
         lines += ["", f"\\* {IK_C16_NOTE}."]
     return "\n".join(lines)
@@ -165,7 +173,7 @@ def load_rows(files: list[Path]) -> list[dict]:
         doc = json.loads(f.read_text())
         groups.setdefault(cell_key(f, doc), []).append(doc)
     rows = []
-    for (_, _, run), docs in groups.items():
+    for (_, _, run), docs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2] or 1))):
         row = cell(merge_parts(docs), run)
         row["parts"] = len(docs)
         rows.append(row)

@@ -177,4 +177,6 @@ def test_a_cell_in_parts_is_one_row(bench, tmp_path):
     assert r["partial"] and r["parts"] == 2 and r["loadavg_1min"] == (12.0, 14.0) and r["long_prompt"] == 4096
     table = mt.markdown(rows)
     assert "| decode b1 at 4096 tok/s | 3.0 | 2.0 | - | 1.50x ok | - | >= 1.2x |" in table
-    assert "| 16 concurrent tok/s | - | - | - * |" in table and "token 0 at every position" in table
+    assert "Not measured (no engine has a figure): standard Q8_0 run 1 (partial): decode b1 at 128 tok/s; " in table
+    assert table.splitlines()[-3].endswith("standard Q8_0 run 1 (partial): 16 concurrent tok/s.")
+    assert "16 concurrent tok/s |" not in table and "token 0 at every position" in table

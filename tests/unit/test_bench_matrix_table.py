@@ -61,7 +61,11 @@ def test_cell_ratios_against_targets(bench):
         == "| glm-real | Q4_K_M | 2 | prefill 512 tok/s | 300.0 | 100.0 | not run | 3.00x ok | - | >= 2.0x | 12.2-14.5 |"
     )
     assert "| decode b1 at 128 tok/s | 30.0 | 40.0 | not run | 0.75x **miss** | - | >= 1.2x |" in lines[3]
-    assert "| peak RSS GiB | 1.20 | 1.00 | not run | 1.20x **miss** | - | <= 1.15x |" in lines[6]
+    assert "| peak RSS GiB | 1.20 | 1.00 | not run | 1.20x **miss** | - | <= 1.15x |" in lines[5]
+    assert (
+        lines[-1]
+        == "Not measured (no engine has a figure): glm-real Q4_K_M run 2: decode b1 at 2048 tok/s; glm-real Q4_K_M run 2: start s."
+    )
 
 
 def test_cell_with_a_failed_engine_has_no_ratio(bench):
