@@ -128,6 +128,26 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compact(rows: list[dict]) -> str:
+    """The summary: one line per (model, file type), per metric mlaserve's ratio to llama.cpp in each run
+    ("a / b" for runs 1 and 2, "**miss**" after each missed target, "-" not measured), the targets in the head."""
+    head = ["model", "file"] + [f"{label} ({'>=' if h else '<='} {t}x)" for _, label, t, h in METRICS]
+    long = rows[0].get("long_prompt", 2048) if rows else 2048
+    lines = ["| " + " | ".join(head).format(long=long) + " |", "|" + "---|" * len(head)]
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["type"]), []).append(r)
+    for (model, qtype), runs in cells.items():
+        out = [model, qtype.upper()]
+        for key, _, _, _ in METRICS:
+            vals = [r["metrics"][key] for r in runs]
+            out.append(
+                " / ".join("-" if m["ratio"] is None else _ratio(m["ratio"], m["met"]).replace(" ok", "") for m in vals)
+            )
+        lines.append("| " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 # measured by every run of a cell (each part loads the engines): the merge keeps the largest
 MAX_OVER_PARTS = ("peak_rss_gib", "load_s")
 
@@ -184,9 +204,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--plot", type=Path, default=None, help="also plot the ratios against the targets (PNG)")
+    p.add_argument("--compact", action="store_true", help="one line per (model, type): the ratios to llama.cpp only")
     args = p.parse_args()
     rows = load_rows(args.files)
-    print(markdown(rows))
+    print(compact(rows) if args.compact else markdown(rows))
     if args.plot:
         from plot_offline import plot_matrix
 
