@@ -11,10 +11,13 @@ engine by engine, so background load hits all alike; `--sequential` runs one eng
   mlaserve-gguf   mlaserve on the GGUF (`--gguf auto`: the folder converted once by `mlaserve convert
                   --outtype q8_0`, with a synthetic tokenizer; cached under benchmarks/models/)
   llama.cpp       llama.cpp (llama-cpp-python's low-level API) on the same GGUF
+  ik_llama.cpp    ik_llama.cpp through its own llama-bench / llama-batched-bench (--ik-llama-bin DIR;
+                  benchmarks/ik_llama_worker.py says what each measure runs)
   transformers    transformers on the safetensors folder, --dtype
 An mlaserve engine takes engine options after a colon: `mlaserve-gguf:kernels=torch`,
 `mlaserve:quantization=int4` (any `LLM(...)` keyword; the column is named by the whole spec); llama.cpp
-takes `repack=false` (no AMX / repacked weight buffers, as `llama-bench --repack 0`).
+takes `repack=false` (no AMX / repacked weight buffers, as `llama-bench --repack 0`); ik_llama.cpp takes
+mla, fa, fmoe, rtr (its -mla / -fa / -fmoe / -rtr; defaults 3, true, true, false).
 
 Measures (see benchmarks/README.md for the exact definitions):
   prefill tokens/s        one 512-token prompt, end to end to its first token
@@ -45,6 +48,7 @@ from pathlib import Path
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
+from ik_llama_worker import IK_OPTIONS  # noqa: E402
 from offline_workers import WORKERS, rss  # noqa: E402
 
 FULL = dict(
@@ -86,6 +90,7 @@ KINDS = {  # engine kind -> which copy of the weights it reads
     "mlaserve": "folder",
     "mlaserve-gguf": "gguf",
     "llama.cpp": "gguf",
+    "ik_llama.cpp": "gguf",
     "transformers": "folder",
 }
 DEFAULT_ENGINES = ["mlaserve", "mlaserve-gguf", "llama.cpp", "transformers"]
@@ -93,7 +98,9 @@ DEFAULT_ENGINES = ["mlaserve", "mlaserve-gguf", "llama.cpp", "transformers"]
 PHASES = ("prefill", "decode", "long", "c4", "c16", "kv", "steps")
 # GGUF types an engine can name (`llama.cpp@q4_0`): q8_0 is written by `mlaserve convert`; the others by
 # llama.cpp's own quantizer (llama_model_quantize) from that Q8_0 file, so they need llama-cpp-python.
-GGUF_TYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype values
+# iq_mix: llama-quantize's IQ4_XS / IQ3_XXS / IQ2_XXS mix with an importance matrix, made by benchmarks/iq_mix.py
+# (an imatrix cannot be passed through llama_model_quantize's Python binding), so it has no ftype here.
+GGUF_TYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18, "iq_mix": None}  # llama_ftype values
 # llama.cpp's engine options: repack=false loads without its extra buffer types (AMX tiles, CPU repacked
 # layouts), as `llama-bench --repack 0`; its default (true) aborts on MLA files on some CPUs (README).
 LLAMA_CPP_OPTIONS = {"repack"}
@@ -140,6 +147,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="prompt tokens of the prefill measurement (default 512; 128 with --quick)",
     )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="prompts per prefill and batch-1 decode measurement (default 3 and 2; the median is reported)",
+    )
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=None,
+        help="prompt tokens of the long-context decode measurement (default 2048; 256 with --quick)",
+    )
+    p.add_argument(
+        "--ik-llama-bin",
+        default=None,
+        metavar="DIR",
+        help="folder of ik_llama.cpp's llama-bench and llama-batched-bench (the ik_llama.cpp engine; not in the JSON)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline-<dtype>[-quick].json)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--worker-args", default=None, help=argparse.SUPPRESS)
@@ -179,8 +204,10 @@ def parse_spec(spec: str) -> tuple[str, str, dict]:
                     pass
     if kind == "llama.cpp" and set(opts) - LLAMA_CPP_OPTIONS:
         raise SystemExit(f"--engines {spec}: llama.cpp takes only {', '.join(sorted(LLAMA_CPP_OPTIONS))}")
-    if opts and not kind.startswith("mlaserve") and kind != "llama.cpp":
-        raise SystemExit(f"--engines {spec}: only mlaserve and llama.cpp engines take options")
+    if kind == "ik_llama.cpp" and set(opts) - set(IK_OPTIONS):
+        raise SystemExit(f"--engines {spec}: ik_llama.cpp takes only {', '.join(IK_OPTIONS)}")
+    if opts and kind == "transformers":
+        raise SystemExit(f"--engines {spec}: only mlaserve, llama.cpp and ik_llama.cpp engines take options")
     return kind, weights, opts
 
 
@@ -192,9 +219,11 @@ def worker_main(spec: str, init: dict) -> None:
     sys.stdout = sys.stderr
     kind, _, options = parse_spec(spec)
     t0 = time.perf_counter()
+    settings = {**init["settings"], "ik_llama_bin": init.get("ik_llama_bin")}  # a machine path: not in the JSON
     try:
-        engine = WORKERS[kind](init["path"], init["dtype"], init["threads"], init["settings"], options)
-        proto.write(json.dumps({"ok": True, "load_s": time.perf_counter() - t0, "rss_gib": rss()}) + "\n")
+        engine = WORKERS[kind](init["path"], init["dtype"], init["threads"], settings, options)
+        engine_rss = getattr(engine, "rss", rss)  # a tool-driven engine: its child processes' memory
+        proto.write(json.dumps({"ok": True, "load_s": time.perf_counter() - t0, "rss_gib": engine_rss()}) + "\n")
     except Exception as ex:  # noqa: BLE001 -- the parent reports it and goes on with the other engines
         traceback.print_exc()
         proto.write(json.dumps({"ok": False, "error": f"{type(ex).__name__}: {ex}"}) + "\n")
@@ -209,7 +238,7 @@ def worker_main(spec: str, init: dict) -> None:
         except Exception as ex:  # noqa: BLE001
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
-        reply.update(rss())
+        reply.update(engine_rss())
         proto.write(json.dumps(reply, default=str) + "\n")
 
 
@@ -226,6 +255,7 @@ class Engine:
 
     def start(self) -> bool:
         init = {"path": str(self.path), "dtype": self.args.dtype, "threads": self.args.threads, "settings": self.s}
+        init["ik_llama_bin"] = getattr(self.args, "ik_llama_bin", None)
         print(f"[load] {self.spec} <- {self.path.name}", flush=True)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", self.spec, "--worker-args", json.dumps(init)],
@@ -327,7 +357,8 @@ def phases(s: dict, P: dict, res: dict, greedy: dict, only: list[str] | None = N
             r = e.call("generate", [p], s["dec_new"])
             if r:
                 rates.append(r["rate_b1"])
-                greedy.setdefault(rep, {})[e.spec] = r["ids"]
+                if r["ids"] is not None:  # a tool-driven engine (ik_llama.cpp) returns no tokens
+                    greedy.setdefault(rep, {})[e.spec] = r["ids"]
         if rates:
             res[e.spec]["decode_tok_s_b1"] = _median(rates)
             res[e.spec]["decode_tok_s_b1_all"] = rates
@@ -474,15 +505,16 @@ def ratio_pairs(engines: list[Engine]) -> list[tuple[str, str]]:
     """mlaserve on the folder / transformers (same weights, same dtype); every mlaserve engine / the
     llama.cpp engine on the same GGUF (the Q8_0 one for mlaserve on the folder)."""
     tf = next((e.spec for e in engines if e.kind == "transformers"), None)
-    lc = {}
-    for e in engines:
-        if e.kind == "llama.cpp":
-            lc.setdefault(e.weights, e.spec)
     pairs = [(e.spec, tf) for e in engines if e.kind == "mlaserve" and tf]
-    for e in engines:
-        other = lc.get(e.weights) or lc.get("q8_0") or next(iter(lc.values()), None)
-        if e.kind.startswith("mlaserve") and other:
-            pairs.append((e.spec, other))
+    for kind in ("llama.cpp", "ik_llama.cpp"):
+        lc = {}
+        for e in engines:
+            if e.kind == kind:
+                lc.setdefault(e.weights, e.spec)
+        for e in engines:
+            other = lc.get(e.weights) or lc.get("q8_0") or next(iter(lc.values()), None)
+            if e.kind.startswith("mlaserve") and other:
+                pairs.append((e.spec, other))
     return pairs
 
 
@@ -596,6 +628,8 @@ def resolve_engines(args, folder: Path) -> tuple[list[str], dict, dict]:
         kind, weights, _ = parse_spec(sp)
         if kind == "llama.cpp" and not has_lc:
             skipped[sp] = f"not installed: {LLAMA_CPP_INSTALL}"
+        elif kind == "ik_llama.cpp" and not args.ik_llama_bin:
+            skipped[sp] = "no --ik-llama-bin DIR (its build: benchmarks/README.md, ik_llama.cpp)"
         elif weights == "folder" or weights in files:
             continue
         elif args.gguf == "none":
@@ -604,6 +638,13 @@ def resolve_engines(args, folder: Path) -> tuple[list[str], dict, dict]:
             files[weights] = ensure_gguf(folder, "q8_0") if args.gguf == "auto" else Path(args.gguf)
             if not files[weights].is_file():
                 raise SystemExit(f"--gguf {files[weights]}: not a file")
+        elif GGUF_TYPES[weights] is None:  # made by its own script (an importance matrix): found, not made here
+            q8 = Path(args.gguf)
+            files[weights] = (
+                gguf_path(folder, weights) if args.gguf == "auto" else q8.with_name(f"{q8.stem}-{weights}.gguf")
+            )
+            if not files[weights].is_file():
+                raise SystemExit(f"{files[weights].name} missing: make it with benchmarks/{weights}.py --llama-bin DIR")
         elif not has_lc:
             skipped[sp] = f"a {weights} GGUF is made by llama.cpp's quantizer: {LLAMA_CPP_INSTALL}"
         else:
@@ -660,6 +701,10 @@ def main() -> None:
     s = dict(QUICK if args.quick else FULL)
     if args.prefill_len is not None:
         s["prefill_len"] = args.prefill_len
+    if args.long_prompt is not None:
+        s["long_prompt"] = args.long_prompt
+    if args.reps is not None:
+        s["prefill_reps"] = s["dec_reps"] = args.reps
     wall0 = time.perf_counter()
     folder = ensure_model(args.model, args.quick)
     specs, files, skipped = resolve_engines(args, folder)

@@ -11,6 +11,8 @@ import math
 import sys
 import time
 
+from ik_llama_worker import IkLlamaWorker
+
 PAGE_SIZE = 16
 
 
@@ -372,6 +374,7 @@ WORKERS = {
     "mlaserve-gguf": MlaServeWorker,
     "transformers": HFWorker,
     "llama.cpp": LlamaCppWorker,
+    "ik_llama.cpp": IkLlamaWorker,
 }
 
 

@@ -36,26 +36,33 @@ def ratios(path: Path, ours: str, theirs: str) -> list[float | None]:
 
 
 def plot_matrix(rows: list[dict], metrics, out: Path) -> None:
-    """The benchmark matrix (matrix_table.py's rows): one panel per metric, one bar per (model, file, run)
-    cell, the ratio mlaserve / llama.cpp against the target (dashed) and parity (grey)."""
+    """The benchmark matrix (matrix_table.py's rows): one panel per metric, per (model, file, run) cell the
+    ratio mlaserve / llama.cpp (solid) and mlaserve / ik_llama.cpp (hatched, where run), green where the
+    target is met, red where missed, against the target (dashed) and parity (grey)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{r['model']} {r['type'].upper()}" + (f" r{r['run']}" if r["run"] else "") for r in rows]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.8), sharey=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.0 * len(metrics), 4.0), sharey=False)
     for ax, (key, label, target, higher) in zip(axes, metrics):
-        vals = [r["metrics"][key]["ratio"] for r in rows]
-        xs = [i for i, v in enumerate(vals) if v is not None]
-        colors = ["tab:green" if rows[i]["metrics"][key]["met"] else "tab:red" for i in xs]
-        ax.bar(xs, [vals[i] for i in xs], color=colors)
+        for ratio_key, met_key, dx, hatch in (("ratio", "met", -0.2, None), ("ratio_ik", "met_ik", 0.2, "//")):
+            vals = [r["metrics"][key][ratio_key] for r in rows]
+            xs = [i for i, v in enumerate(vals) if v is not None]
+            colors = ["tab:green" if rows[i]["metrics"][key][met_key] else "tab:red" for i in xs]
+            ax.bar([x + dx for x in xs], [vals[i] for i in xs], width=0.4, color=colors, hatch=hatch, edgecolor="k")
         ax.axhline(target, color="black", linestyle="dashed", linewidth=1)
         ax.axhline(1.0, color="grey", linewidth=0.5)
-        ax.set_title(f"{label}\n(target {'>=' if higher else '<='} {target}x)", fontsize=9)
+        long = rows[0].get("long_prompt", 2048) if rows else 2048
+        ax.set_title(f"{label.format(long=long)}\n(target {'>=' if higher else '<='} {target}x)", fontsize=9)
         ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    axes[0].set_ylabel("mlaserve / llama.cpp")
-    fig.suptitle("mlaserve vs llama.cpp per model and GGUF type, same file, same run", fontsize=10)
+    axes[0].set_ylabel("mlaserve / other engine")
+    fig.suptitle(
+        "mlaserve / llama.cpp (solid) and / ik_llama.cpp (hatched) per model and GGUF type, same file, same run; "
+        "green: target met, red: missed",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")

@@ -55,17 +55,26 @@ def test_cell_ratios_against_targets(bench):
     assert m["output_tok_s_c16"]["ratio"] == 2.0 and m["output_tok_s_c16"]["met"] is True  # exactly the target
     assert m["peak_rss_gib"]["ratio"] == pytest.approx(1.2) and m["peak_rss_gib"]["met"] is False  # > 1.15x
     assert row["loadavg_1min"] == (12.25, 14.5)
-    line = mt.markdown([row]).splitlines()[2]
-    assert "| glm-real | Q4_K_M | 2 | 300.0 / 100.0 = 3.00x (>=2.0x ok) |" in line
-    assert "30.0 / 40.0 = 0.75x (>=1.2x miss)" in line
-    assert "1.20 / 1.00 = 1.20x (<=1.15x miss)" in line and line.endswith("| 12.2-14.5 |")
+    lines = mt.markdown([row]).splitlines()
+    assert (
+        lines[2]
+        == "| glm-real | Q4_K_M | 2 | prefill 512 tok/s | 300.0 | 100.0 | not run | 3.00x ok | - | >= 2.0x | 12.2-14.5 |"
+    )
+    assert "| decode b1 at 128 tok/s | 30.0 | 40.0 | not run | 0.75x **miss** | - | >= 1.2x |" in lines[3]
+    assert "| peak RSS GiB | 1.20 | 1.00 | not run | 1.20x **miss** | - | <= 1.15x |" in lines[5]
+    assert (
+        lines[-1]
+        == "Not measured (no engine has a figure): glm-real Q4_K_M run 2: decode b1 at 2048 tok/s; glm-real Q4_K_M run 2: start s."
+    )
 
 
 def test_cell_with_a_failed_engine_has_no_ratio(bench):
     mt = bench[0]
     row = mt.cell(doc({"prefill_tok_s": 300.0}, {}), run="")
-    assert row["metrics"]["prefill_tok_s"] == {"ours": 300.0, "theirs": None, "ratio": None, "target": 2.0, "met": None}
-    assert "300.0 / - = - (>=2.0x)" in mt.markdown([row])
+    m = row["metrics"]["prefill_tok_s"]
+    assert (m["ours"], m["theirs"], m["ik"], m["ratio"], m["met"], m["target"]) == (300.0, None, None, None, None, 2.0)
+    assert row["metrics"]["prefill_tok_s"]["ratio_ik"] is None
+    assert "| prefill 512 tok/s | 300.0 | - | not run | - | - | >= 2.0x |" in mt.markdown([row])
 
 
 def test_partial_run_is_marked_and_run_again(bench, tmp_path):
@@ -73,7 +82,7 @@ def test_partial_run_is_marked_and_run_again(bench, tmp_path):
     d = doc({"prefill_tok_s": 300.0}, {"prefill_tok_s": 100.0})
     d["complete"] = False
     row = mt.cell(d)
-    assert row["partial"] and "| glm-real | Q4_K_M | 1 (partial) | 300.0 / 100.0 = 3.00x (>=2.0x ok) |" in mt.markdown(
+    assert row["partial"] and "| glm-real | Q4_K_M | 1 (partial) | prefill 512 tok/s | 300.0 | 100.0 |" in mt.markdown(
         [row]
     )
     f = tmp_path / "cell.json"
@@ -89,6 +98,10 @@ def test_cell_needs_one_engine_of_each(bench):
     d = doc({}, {})
     d["results"]["mlaserve-gguf@q8_0"] = {}
     with pytest.raises(ValueError, match="one mlaserve and one llama.cpp engine"):
+        mt.cell(d)
+    d = doc({}, {})
+    d["results"]["ik_llama.cpp@q4_k_m"] = d["results"]["ik_llama.cpp@q4_k_m:rtr=true"] = {}
+    with pytest.raises(ValueError, match="at most one ik_llama.cpp"):
         mt.cell(d)
 
 
@@ -116,7 +129,7 @@ def test_llama_cpp_engine_takes_repack_only(bench):
     assert offline.parse_spec("llama.cpp@q4_k_m:repack=false") == ("llama.cpp", "q4_k_m", {"repack": False})
     with pytest.raises(SystemExit, match="llama.cpp takes only repack"):
         offline.parse_spec("llama.cpp:kernels=torch")
-    with pytest.raises(SystemExit, match="only mlaserve and llama.cpp engines take options"):
+    with pytest.raises(SystemExit, match="only mlaserve, llama.cpp and ik_llama.cpp engines take options"):
         offline.parse_spec("transformers:repack=false")
 
 
