@@ -2,7 +2,7 @@
 (common.py: `--model standard` or `dsa`), same random weights, same dtype, same device, in one run.
 
     python benchmarks/gpu_bench.py [--model standard|dsa] [--device cuda] [--dtype bfloat16] [--quick]
-                                   [--engines graphs,eager,transformers] [--long] [--out FILE]
+                                   [--engines graphs,graphs-triton,eager,transformers] [--long] [--out FILE]
 
 Measures (the offline benchmark's definitions, on the device), per engine:
   prefill tokens/s        one 512-token prompt, end to end to its first token (median of reps)
@@ -14,7 +14,10 @@ Measures (the offline benchmark's definitions, on the device), per engine:
                           peak is their sum
   graphs                  mlaserve with cuda_graphs on: graphs captured, capture seconds and memory reserved by the
                           captures (DecodeGraphs.summary), replayed steps
-The two mlaserve engines are loaded side by side and measured alternately (graphs, eager, graphs, ...: the same
+Engines: graphs and eager (mlaserve, attention_backend auto: torch), graphs-triton (cuda_graphs on with
+attention_backend triton: the compiled Triton attention kernels replayed in the graphs; opt-in, name it in
+--engines), transformers.
+The mlaserve engines are loaded side by side and measured alternately (graphs, eager, graphs, ...: the same
 conditions for both), transformers after them. Greedy, ignore_eos, distinct prompts (no prefix-cache hits). The JSON
 is rewritten after every measurement, so a run cut short by a timeout still leaves what it measured. `--quick`: the
 2-layer model and short runs (a smoke test of the script, e.g. on a CPU, where graphs are off: engine "eager" only).
@@ -72,7 +75,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--engines",
         default=None,
-        help="comma-separated of graphs, eager, transformers (default: all three on cuda, eager,transformers on cpu)",
+        help="comma-separated of graphs, graphs-triton, eager, transformers (default: graphs,eager,transformers on "
+        "cuda, eager,transformers on cpu)",
     )
     p.add_argument("--long", action="store_true", help="also one 8,000-token prefill per engine, last")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu-<dtype>[-quick].json)")
@@ -85,10 +89,14 @@ def sync(device: str) -> None:
 
 
 class MlaServe:
-    def __init__(self, folder: Path, device: str, dtype: str, s: dict, graphs: bool) -> None:
+    def __init__(
+        self, folder: Path, device: str, dtype: str, s: dict, graphs: bool, attention_backend: str = "auto"
+    ) -> None:
         from mlaserve import LLM
 
-        self.name = "mlaserve-graphs" if graphs else "mlaserve-eager"
+        self.name = ("mlaserve-graphs" if graphs else "mlaserve-eager") + (
+            "" if attention_backend == "auto" else f"-{attention_backend}"
+        )
         need = max(s["conc"]) * math.ceil((s["conc_prompt"] + s["conc_new"]) / PAGE_SIZE)
         need = max(
             need, math.ceil((s["long_len"] + 1) / PAGE_SIZE), math.ceil((s["dec_prompt"] + s["dec_new"]) / PAGE_SIZE)
@@ -102,6 +110,7 @@ class MlaServe:
             max_num_seqs=max(16, *s["conc"]),
             num_pages=need + 16,
             cuda_graphs="on" if graphs else "off",
+            attention_backend=attention_backend,
         )
         self.device = device
 
@@ -288,8 +297,10 @@ def load(name: str, folder: Path, args, s: dict, res: dict):
         e = HF(folder, args.device, args.dtype)
     elif name in ("graphs", "eager"):
         e = MlaServe(folder, args.device, args.dtype, s, graphs=name == "graphs")
+    elif name == "graphs-triton":
+        e = MlaServe(folder, args.device, args.dtype, s, graphs=True, attention_backend="triton")
     else:
-        raise SystemExit(f"--engines: unknown engine {name!r} (graphs, eager, transformers)")
+        raise SystemExit(f"--engines: unknown engine {name!r} (graphs, graphs-triton, eager, transformers)")
     r = res.setdefault(e.name, {})
     r["load_s"] = time.perf_counter() - t
     if args.device == "cuda":
@@ -364,10 +375,12 @@ def summarise(res: dict) -> None:
     """Ratios between engines on every shared figure, and greedy agreement of the batch-1 decodes."""
     keys = ("prefill_tok_s", "decode_tok_s_b1", "prefill_long_tok_s") + tuple(
         k
-        for k in res.get("mlaserve-eager", res.get("mlaserve-graphs", {}))
+        for k in res.get("mlaserve-eager", res.get("mlaserve-graphs", res.get("mlaserve-graphs-triton", {})))
         if k.startswith("output_tok_s_concurrent_") and not k.endswith("_s")
     )
     pairs = [
+        ("mlaserve-graphs-triton", "mlaserve-graphs"),
+        ("mlaserve-graphs-triton", "mlaserve-eager"),
         ("mlaserve-graphs", "mlaserve-eager"),
         ("mlaserve-graphs", "transformers"),
         ("mlaserve-eager", "transformers"),

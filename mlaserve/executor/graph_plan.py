@@ -11,7 +11,9 @@ Why a context bucket: a captured graph has fixed shapes, and attention's cost gr
 at the longest context would make every short step pay for the longest; one per page count would capture
 hundreds. Powers of two cost at most 2x the keys of the step and log2(num_pages) + 1 graphs per batch bucket.
 
-A step is replayed only when it is a pure decode (every sequence one token), on the torch attention backend, with
+A step is replayed only when it is a pure decode (every sequence one token), on the torch or triton attention
+backend (triton: its split of the key axis and every launch grid are functions of the padded shapes, so fixed per
+graph; `key_splits` records the split), with
 no request states (their slots are zeroed, restored and snapshotted on the host's word), no speculative verify,
 no native decode layers (CPU C calls), a cache in the compute dtype, float weights (quantized holders are not
 checked for capture), the plain decoder layer (not LongCat-Flash's), routed experts in bf16 (torch._grouped_mm's
@@ -25,11 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlaserve.attention.backends.triton_kernels.key_split import split_plan
 from mlaserve.attention.plan import StepRoute
 from mlaserve.config.layer_kinds import LATENT_KINDS
 from mlaserve.executor.forward_batch import ForwardBatch
 
-GRAPH_BACKENDS = ("torch",)  # the backends whose decode step is checked free of host synchronisation
+# the backends whose padded decode step is held to executor/host_sync.py's guard in the tests (triton: under
+# Triton's interpreter on CPU, whose own host copies of the kernel arguments are no part of a compiled launch)
+GRAPH_BACKENDS = ("torch", "triton")
 # bf16_then_fp32 index scoring reads its rescoring width on the host (torch_index.py); a replayed step scores every
 # key in fp32 instead, the top-k both are built to find (recorded in the ledger's graph field)
 GRAPH_SCORING = "fp32"
@@ -60,6 +65,9 @@ class GraphPlan:
     shape: tuple[tuple, ...] = ()
     # a selecting segment the route scores bf16_then_fp32 is scored in fp32 in the graph (GRAPH_SCORING)
     rescored: bool = False
+    # the triton backend's latent MQA split of the graph's key axis (context_pages * page_size keys), fixed per
+    # graph: the kernels take it from that padded shape, never from the step's real lengths (None: no triton segment)
+    key_splits: int | None = None
 
     @property
     def key(self) -> tuple:
@@ -70,6 +78,7 @@ class GraphPlan:
         if not self.replay:
             return {"replayed": False, "reason": self.reason}
         rec = {"replayed": True, "bucket": self.bucket, "context_pages": self.context_pages, "rows": self.real_rows}
+        rec |= {"key_splits": self.key_splits} if self.key_splits is not None else {}
         return rec | ({"index_scoring": GRAPH_SCORING} if self.rescored else {})
 
 
@@ -109,7 +118,10 @@ def plan_graph(batch: ForwardBatch, route: StepRoute, s: GraphSettings, native_d
         for seg in p.segments
     )
     rescored = "bf16_then_fp32" in scorings
-    return GraphPlan(True, None, batch_bucket(n, s.max_batch), context_bucket(pages, s.num_pages), n, shape, rescored)
+    context = context_bucket(pages, s.num_pages)
+    triton = any(seg.backend == "triton" for p in route.plans for seg in p.segments)
+    splits = split_plan(context * s.page_size).splits if triton else None
+    return GraphPlan(True, None, batch_bucket(n, s.max_batch), context, n, shape, rescored, splits)
 
 
 def graph_scoring(scoring: str | None) -> str | None:

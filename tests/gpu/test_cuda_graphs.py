@@ -6,7 +6,10 @@ the ledger says which steps replayed, in which bucket, and why the others did no
 
 Models: the MoE models replay in bf16 only (torch._grouped_mm's fp32 form reads its offsets on the host: the runner
 refuses it, saying so), held to the CPU's fp32 logits by test_cuda's BF16_REL_TOL; an all-dense copy of v3_yarn
-(first_k_dense_replace = every layer) replays in fp32, held to FP32_LOGITS_TOL.
+(first_k_dense_replace = every layer) replays in fp32, held to FP32_LOGITS_TOL. Each on the torch attention backend,
+and the dense and DSA models on the triton backend too (compiled kernels; split-K fixed per graph by its padded key
+axis, recorded as key_splits; tests/identities/test_padded_decode_triton.py holds the padded triton step to the guard
+and to the eager step on the CPU, under Triton's interpreter).
 
 Skipped (saying why) where torch sees no CUDA device; `benchmarks/gpu_check.sh` runs it on a GPU. Not yet run on a
 GPU: the bitwise claim is what this test is there to check.
@@ -50,8 +53,8 @@ def dense_folder(tmp_path_factory):
     return folder
 
 
-def _llm(folder, device: str, dtype: str = "float32", **kw) -> LLM:
-    return LLM(str(folder), device=device, dtype=dtype, attention_backend="torch", page_size=PAGE, num_pages=64, **kw)
+def _llm(folder, device: str, dtype: str = "float32", backend: str = "torch", **kw) -> LLM:
+    return LLM(str(folder), device=device, dtype=dtype, attention_backend=backend, page_size=PAGE, num_pages=64, **kw)
 
 
 def _prefill(runner, lengths, seed: int):
@@ -69,10 +72,19 @@ def _decode_chunks(seqs):
     return [SeqChunk(rid, (ids[-1],), len(ids) - 1, pages) for rid, ids, pages in seqs]
 
 
-@pytest.mark.parametrize("kind, dtype", [("dense", "float32"), ("v3_yarn", "bfloat16"), ("v32", "bfloat16")])
-def test_replay_equals_eager_of_the_same_bucket(hf_model_dir, dense_folder, kind, dtype):
+@pytest.mark.parametrize(
+    "kind, dtype, backend",
+    [
+        ("dense", "float32", "torch"),
+        ("v3_yarn", "bfloat16", "torch"),
+        ("v32", "bfloat16", "torch"),
+        ("dense", "float32", "triton"),
+        ("v32", "bfloat16", "triton"),
+    ],
+)
+def test_replay_equals_eager_of_the_same_bucket(hf_model_dir, dense_folder, kind, dtype, backend):
     folder = dense_folder if kind == "dense" else hf_model_dir(kind)[0]
-    gpu = _llm(folder, "cuda", dtype, cuda_graphs="on", trace="memory")
+    gpu = _llm(folder, "cuda", dtype, backend, cuda_graphs="on", trace="memory")
     cpu = _llm(folder, "cpu", kernels="torch")
     runner = gpu.runner
     for n, lengths in LENGTHS.items():
@@ -85,6 +97,8 @@ def test_replay_equals_eager_of_the_same_bucket(hf_model_dir, dense_folder, kind
             assert rec["replayed"] and rec["rows"] == n and rec["capture"] == (rep == 0), rec
             eager, plan = runner.padded_eager(chunks)
             assert rec["bucket"] == plan.bucket
+            # triton: the key axis' split is the graph's (from its padded context), recorded
+            assert rec.get("key_splits") == plan.key_splits == (None if backend == "torch" else 1), rec
             assert torch.equal(replayed, eager), f"bucket {plan.bucket} rep {rep}: {(replayed - eager).abs().max()}"
         ref = cpu.runner.execute(chunks)[1]
         if dtype == "float32":
@@ -97,15 +111,16 @@ def test_replay_equals_eager_of_the_same_bucket(hf_model_dir, dense_folder, kind
     print(f"{kind}: captures {summary}")
 
 
-def test_generation_with_graphs_equals_without(dense_folder):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_generation_with_graphs_equals_without(dense_folder, backend):
     """Many decode steps in a row; requests of different lengths finish, so the batch moves 5 -> ... -> 1 across
-    buckets 8, 4, 2, 1; the tokens are those of the eager engine on the same GPU (fp32: padding changes sums by
-    ulps only)."""
+    buckets 8, 4, 2, 1; the tokens are those of the eager engine on the same GPU and backend (fp32: padding changes
+    sums by ulps only)."""
     folder = dense_folder
     prompts = [random_ids(n, seed=n) for n in (5, 17, 9, 33, 12)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 9, 14, 20, 24)]
-    graphs = _llm(folder, "cuda", cuda_graphs="on", trace="memory")
-    eager = _llm(folder, "cuda", cuda_graphs="off", trace="memory")
+    graphs = _llm(folder, "cuda", backend=backend, cuda_graphs="on", trace="memory")
+    eager = _llm(folder, "cuda", backend=backend, cuda_graphs="off", trace="memory")
     got = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert got == want

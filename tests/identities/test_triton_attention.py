@@ -44,7 +44,7 @@ HI, DI = 20, 64  # index heads (a block of 16 and a partial one) and index head 
 TOPK = 12
 # (query length, context length): three decodes, a chunk after 30 cached tokens, a fresh prompt of 12
 SEQS = [(1, 9), (1, 40), (1, 23), (5, 30), (12, 0)]
-LONG = [(1, 1100), (3, 1000)]  # 1,103 keys: 3 splits (latent_mqa.KEYS_PER_SPLIT 512)
+LONG = [(1, 1100), (3, 1000)]  # 1,103 keys: 3 splits (key_split.KEYS_PER_SPLIT 512)
 
 
 @dataclass
@@ -158,17 +158,17 @@ def test_both_paths_equal_reference(heads, r, ps, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_split_k_over_a_long_context(device, monkeypatch):
-    from mlaserve.attention.backends.triton_kernels import latent_mqa
+    from mlaserve.attention.backends.triton_kernels import key_split
 
     c = _case(5, 256, 16, LONG, device)
     (decode, prefill) = c.segments()
-    assert latent_mqa.split_plan(decode.kv_slots.shape[1]) == latent_mqa.SplitPlan(3, 384)
+    assert key_split.split_plan(decode.kv_slots.shape[1]) == key_split.SplitPlan(3, 384)
     for seg in (decode, prefill):
         want = _absorbed(REF, c, seg)
         _close(_absorbed(TRITON, c, seg), want, seg)
         with monkeypatch.context() as m:  # one split: the same result through the reduce of a single partial
-            m.setattr(latent_mqa, "KEYS_PER_SPLIT", 4096)
-            assert latent_mqa.split_plan(seg.kv_slots.shape[1]).splits == 1
+            m.setattr(key_split, "KEYS_PER_SPLIT", 4096)
+            assert key_split.split_plan(seg.kv_slots.shape[1]).splits == 1
             _close(_absorbed(TRITON, c, seg), want, seg)
 
 

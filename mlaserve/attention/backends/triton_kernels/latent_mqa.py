@@ -23,32 +23,14 @@ fp32 products (input_precision="ieee": no TF32 on a GPU), as the reference compu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32  # keys per tile
+from mlaserve.attention.backends.triton_kernels.key_split import KEY_TILE, split_plan
+
+BLOCK_N = KEY_TILE  # keys per tile (key_split.py rounds each split to whole tiles)
 BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
-KEYS_PER_SPLIT = 512  # the key axis is split so that one split reads about this many keys
-MAX_SPLITS = 16  # partials per (query, head) the reduce kernel merges
-
-
-@dataclass(frozen=True)
-class SplitPlan:
-    """How the key axis of one launch is split: decided on the host from the key count before launch."""
-
-    splits: int
-    keys_per_split: int  # a multiple of BLOCK_N
-
-
-def split_plan(n_keys: int) -> SplitPlan:
-    """ceil(n_keys / KEYS_PER_SPLIT) splits (1 .. MAX_SPLITS) of equal length, rounded up to whole tiles."""
-    splits = max(1, min(MAX_SPLITS, -(-n_keys // KEYS_PER_SPLIT)))
-    per = -(-n_keys // splits)
-    per = -(-per // BLOCK_N) * BLOCK_N
-    return SplitPlan(-(-n_keys // per) if n_keys else 1, per)
 
 
 @triton.jit
@@ -193,7 +175,7 @@ def latent_mqa(
     dr = c - r
     q = q.float().contiguous()
     n_keys = index.shape[-1] if sparse else kv_slots.shape[1]
-    plan = split_plan(n_keys)
+    plan = split_plan(n_keys)  # from the key axis' shape: a graph's padded length fixes it (key_split.py)
     mask = valid if sparse else allowed
     mask = None if mask is None else mask.contiguous().view(torch.uint8)
     dummy = kv_slots  # pointer arguments a variant does not read
