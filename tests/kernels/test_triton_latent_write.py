@@ -10,7 +10,8 @@ roundings of sqrt / reciprocal and the two products (at most 4 u each side): |y 
 Measured here (interpreter): at most 7.2e-7 absolute, 0.015 of that bound.
 Rows no token writes keep their content (the cache starts random), and padding rows (token 0 at position 0,
 all writing the pad slot) write it as the reference does. A tiny GGUF model (Q4_K_M: its linears take the Triton
-GEMMs, so kernels=triton applies) runs end to end with the kernel in every layer, against transformers.
+GEMMs, so kernels=triton applies) runs end to end with the kernel in every layer, against transformers, and with
+an int8 cache (the kernel's rows quantized by the cache) against kernels=torch.
 """
 
 from __future__ import annotations
@@ -179,3 +180,32 @@ def test_gguf_model_with_the_triton_latent_write_matches_transformers():
     assert writes and all(c.impl == "triton" for c in writes), llm.loaded.kernel_plan.format()
     diff, top1 = compare_logits(llm.prompt_logits(ids), exp["hf_dequant_logits_q4_k_m"][:16])
     assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
+
+
+def test_int8_cache_rows_through_the_triton_latent_write_match_the_torch_kernels():
+    """kv_cache_dtype=int8 (cache/quantized_rows.py): the kernel writes the step's fp32 rows to a buffer, the cache
+    quantizes them. Against kernels=torch on the same file and cache (the reference path; transformers has no
+    8-bit cache): measured 2.1e-6 apart (the linears' and the norm's fp32 sum orders; no int8 code flipped)."""
+    from mlaserve import LLM
+
+    folder = fixture_dir("ds3")
+    ids = load_file_ids(folder)[:16]
+    logits = {}
+    for kernels in ("triton", "torch"):
+        llm = LLM(
+            str(folder / "model-q4_k_m.gguf"),
+            kernels=kernels,
+            dtype="float32",
+            max_num_batched_tokens=8,
+            kv_cache_dtype="int8",
+        )
+        assert {c.impl for c in llm.loaded.kernel_plan.choices if c.op == "latent_write"} == {kernels}
+        logits[kernels] = llm.prompt_logits(ids)
+    diff, top1 = compare_logits(logits["triton"], logits["torch"])
+    assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
+
+
+def load_file_ids(folder) -> list[int]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "expected.safetensors"))["input_ids"].tolist()
