@@ -19,7 +19,8 @@ Ops, in the order they are planned (a fused op's check reads the choices of the 
   heads            W_UK / W_UV kept as a GGUF's attn_k_b / attn_v_b blocks: native grouped GEMV | torch
   norm             RMSNorm: native (one C call, fp32 CPU) | torch
   router           the MoE gate's scoring and group-limited top-k: native | torch
-  latent_write     kv_a norm, rope of k_pe and q_pe, the cache row write: native | torch
+  latent_write     kv_a norm, rope of k_pe and q_pe, the cache row write: triton (one kernel per step, fp32, on a
+                   GPU; kernels/triton/latent_write.py) | native | torch
   moe_block        a MoE layer's decode step as one call: native | per_op
   decode_layer     a decoder layer's pure decode step as one call: native | per_op
 Attention over the cache (latent MQA, decompressed MHA, index scoring) is chosen per step by the router
@@ -37,6 +38,7 @@ from torch import nn
 
 from mlaserve.config.layer_kinds import layer_ranges
 from mlaserve.kernels import triton_linear
+from mlaserve.platform.triton_runtime import triton_mode
 
 OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write", "moe_block", "decode_layer")
 
@@ -262,9 +264,33 @@ def _triton_module(module: nn.Module, ctx: KernelContext) -> str | None:
     return triton_linear.supports(module, ctx.kernels)
 
 
+def _triton_latent(module: nn.Module, ctx: KernelContext) -> str | None:
+    """The Triton latent write's check: the module's kernel list and load-time check (an fp32 norm weight),
+    Triton can run on its device (compiled on CUDA, the interpreter under TRITON_INTERPRET=1), kernels=triton."""
+    if "triton" not in getattr(module, "KERNELS", ()):
+        return f"{type(module).__name__} has no Triton kernel"
+    unfit = module.triton_unfit()
+    if unfit is not None:
+        return unfit
+    mode = triton_mode(module.triton_device())
+    if mode.mode is None:
+        return mode.reason
+    if ctx.kernels != "triton":
+        return f"engine kernels={ctx.kernels} ({mode.mode} Triton not asked for)"
+    return None
+
+
+def _triton_latent_note(module: nn.Module) -> str:
+    mode = triton_mode(module.triton_device()).mode
+    return f"triton norm + rope + cache write in one kernel per step ({mode}), fp32 steps, else torch"
+
+
 # The holders whose format has a Triton kernel (FP8Linear, GGUFLinear of Q8_0 / Q4_K) take it first where the
 # engine's kernels are "triton" (a GPU); the plan names why each other one did not (no GPU, format not covered).
 register("linear", "triton", _triton_module, set_kernel("triton"), triton_linear.detail)
+# MLAAttention's latent write: one Triton kernel where the engine's kernels are "triton" (a GPU; tests: the
+# interpreter), its fp32 norm weight checked at load
+register("latent_write", "triton", _triton_latent, set_kernel("triton"), _triton_latent_note)
 for _op in MODULE_OPS:
     register(_op, "native", _native_module, _apply_native, native_contract)
     register(_op, "torch", always, set_kernel("torch"))

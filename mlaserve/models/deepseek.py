@@ -54,6 +54,13 @@ def _native_fits(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, step: S
     return fp32 and cache.device.type == "cpu" and q.is_contiguous() and kv.stride(-1) == 1
 
 
+def _triton_fits(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, step: StepContext) -> bool:
+    """The Triton latent write's contract on a step's input: fp32 (the norm weight's device and Triton's mode
+    were checked at load, MLAAttention.triton_unfit). A quantized cache takes the kernel's fp32 rows."""
+    cache_fp32 = not isinstance(cache, torch.Tensor) or cache.dtype == torch.float32
+    return q.dtype == kv.dtype == step.cos.dtype == torch.float32 and cache_fp32
+
+
 def single_process(x: torch.Tensor) -> torch.Tensor:
     """The all-reduce of a group of one."""
     return x
@@ -72,9 +79,17 @@ def vocab_parallel_embed(table: nn.Module, input_ids: torch.Tensor, vocab_start:
 
 class MLAAttention(KernelSwitch, nn.Module):
     KERNEL_OP = "latent_write"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
-    KERNELS = ("native", "torch")  # native: the latent row and the query rope in one C call
-    # forward calls self.write_latent: _write_latent_torch (the reference) or _write_latent_native, bound by `kernel`
-    KERNEL_CALLS = {"write_latent": {"native": "_write_latent_native", "torch": "_write_latent_torch"}}
+    # native: the latent row and the query rope in one C call; triton: the same in one Triton kernel (a GPU)
+    KERNELS = ("triton", "native", "torch")
+    # forward calls self.write_latent: _write_latent_torch (the reference), _write_latent_native or
+    # _write_latent_triton, bound by `kernel`
+    KERNEL_CALLS = {
+        "write_latent": {
+            "triton": "_write_latent_triton",
+            "native": "_write_latent_native",
+            "torch": "_write_latent_torch",
+        }
+    }
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_state: str = "latent") -> None:
         """cache_state: the layer's latent state this attention reads and writes (LongCat-Flash's second
@@ -110,6 +125,15 @@ class MLAAttention(KernelSwitch, nn.Module):
         """The native latent write's load-time check: kv_a_layernorm's weight fp32 on the CPU."""
         w = self.kv_a_layernorm.weight
         return None if w.dtype == torch.float32 and w.device.type == "cpu" else "kv_a_layernorm not fp32 on the CPU"
+
+    def triton_unfit(self) -> str | None:
+        """The Triton latent write's load-time check: kv_a_layernorm's weight fp32 (the kernel's dtype)."""
+        w = self.kv_a_layernorm.weight
+        return None if w.dtype == torch.float32 else f"kv_a_layernorm weight {w.dtype}, the Triton kernel takes fp32"
+
+    def triton_device(self) -> str:
+        """Where the Triton kernel would run: the device of the weights."""
+        return self.kv_a_layernorm.weight.device.type
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj per head: W_UK [H, dn, r] and W_UV [H, dv, r] (no copies)."""
@@ -167,6 +191,28 @@ class MLAAttention(KernelSwitch, nn.Module):
         if quantized:
             cache.index_copy_(0, step.slot_mapping, target)
         return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+
+    def _write_latent_triton(
+        self, q: torch.Tensor, kv: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """_write_latent_torch as one Triton kernel per step (kernels/triton/latent_write.py): the rope bit for
+        bit, the norm equal up to its sum's order. Its contract: fp32 tensors (_triton_fits); another step
+        takes the reference (the plan says so)."""
+        if not _triton_fits(q, kv, cache, step):
+            return self._write_latent_torch(q, kv, step, rope, cache)
+        from mlaserve.kernels.triton import latent_write  # defined after triton_runtime said how it runs
+
+        cfg, norm = self.cfg, self.kv_a_layernorm
+        # 8-bit rows (cache/quantized_rows.py): the kernel writes T fp32 rows to a buffer, the cache quantizes them
+        quantized = not isinstance(cache, torch.Tensor)
+        target = kv.new_empty(kv.shape) if quantized else cache
+        slots = torch.arange(kv.shape[0], device=kv.device) if quantized else step.slot_mapping
+        q_pe = latent_write.latent_write(
+            kv, q, cfg.qk_nope_head_dim, norm.weight, norm.eps, step.cos, step.sin, rope.interleaved, target, slots
+        )
+        if quantized:
+            cache.index_copy_(0, step.slot_mapping, target)
+        return q[..., : cfg.qk_nope_head_dim], q_pe
 
     def _write_latent_torch(
         self, q: torch.Tensor, kv: torch.Tensor, step: StepContext, rope: RotaryEmbedding, cache: torch.Tensor

@@ -93,7 +93,15 @@ ONE_CALL_FORWARDS = (
     (DecoderLayer, "forward"),
     *(
         (MLAAttention, name)
-        for name in ("forward", "project_q", "_write_latent_torch", "_write_latent_native", "select", "attend")
+        for name in (
+            "forward",
+            "project_q",
+            "_write_latent_torch",
+            "_write_latent_native",
+            "_write_latent_triton",
+            "select",
+            "attend",
+        )
     ),
     *((Indexer, name) for name in ("project", "select")),
 )

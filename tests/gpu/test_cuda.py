@@ -340,7 +340,9 @@ def test_engine_on_gguf_through_triton_on_cuda_matches_transformers(record_prope
     exp = load_file(str(folder / "expected.safetensors"))
     llm = LLM(str(folder / "model-q4_k_m.gguf"), device="cuda", dtype="float32", max_num_batched_tokens=BUDGET)
     assert llm.config.kernels.impl == "triton"
-    taken = {c.reason.split(" decode")[0] for c in llm.loaded.kernel_plan.choices if c.impl == "triton"}
+    taken = {
+        c.reason.split(" decode")[0] for c in llm.loaded.kernel_plan.choices if c.impl == "triton" and c.op == "linear"
+    }
     assert taken == {"triton Q4_K", "triton Q8_0"}, llm.loaded.kernel_plan.format()
     diff, top1 = compare_logits(llm.prompt_logits(exp["input_ids"].tolist()).cpu(), exp["hf_dequant_logits_q4_k_m"])
     record_property("max_abs_diff", diff)
@@ -363,6 +365,17 @@ def test_triton_kernels_on_cuda_equal_the_reference(monkeypatch):
     cases.test_split_k_over_a_long_context("cuda", monkeypatch)
     cases.test_index_topk_selects_the_reference_set("cuda")
     cases.test_rows_a_query_does_not_read_never_reach_it("cuda")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_latent_write_on_cuda_equals_the_cpu_reference(interleaved):
+    """The Triton latent write compiled (kernels/triton/latent_write.py) on CUDA tensors against the torch reference
+    on the CPU: the cases and bounds of tests/kernels/test_triton_latent_write.py (rope bit for bit with fp fusion
+    off, norm within (r + 8) u, untouched rows, the pad slot)."""
+    import test_triton_latent_write as cases
+
+    for shape in cases.SHAPES:
+        cases.check_against_the_reference(shape, interleaved, "cuda")
 
 
 @pytest.mark.parametrize("mla_path", ["auto", "absorbed"])

@@ -178,7 +178,9 @@ def test_gguf_model_through_the_triton_kernels_matches_transformers():
     exp = load_file(str(folder / "expected.safetensors"))
     ids = exp["input_ids"].tolist()[:20]  # a prefix: the interpreter runs each tile in numpy
     llm = LLM(str(folder / "model-q4_k_m.gguf"), kernels="triton", dtype="float32", max_num_batched_tokens=16)
-    taken = {c.reason.split(" decode")[0] for c in llm.loaded.kernel_plan.choices if c.impl == "triton"}
+    taken = {
+        c.reason.split(" decode")[0] for c in llm.loaded.kernel_plan.choices if c.impl == "triton" and c.op == "linear"
+    }
     assert taken == {"triton Q4_K", "triton Q8_0"}
     diff, top1 = compare_logits(llm.prompt_logits(ids), exp["hf_dequant_logits_q4_k_m"][:20])
     assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)
@@ -199,7 +201,7 @@ def test_fp8_folder_through_the_triton_kernels_matches_transformers(hf_model_dir
     ids = random_ids(12)
     ref = hf_logits(_hf_from(dequantized_folder(tmp_path / "fp8", tmp_path / "deq")), ids)
     llm = LLM(str(tmp_path / "fp8"), kernels="triton", dtype="float32")
-    fp8 = [c for c in llm.loaded.kernel_plan.choices if c.impl == "triton"]
+    fp8 = [c for c in llm.loaded.kernel_plan.choices if c.impl == "triton" and c.op == "linear"]
     assert fp8 and all(c.reason.startswith("triton fp8 e4m3 (32, 24) decode-and-multiply") for c in fp8)
     diff, top1 = compare_logits(llm.prompt_logits(ids), ref)
     assert diff <= FP32_LOGITS_TOL and top1 == 1.0, (diff, top1)

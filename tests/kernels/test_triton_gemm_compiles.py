@@ -1,8 +1,9 @@
 """The Triton kernels of mlaserve/kernels/triton/ compile for a CUDA GPU (sm_90) on a machine without one: Triton
 lowers them to PTX and its bundled ptxas to a cubin, so code that only the interpreter accepts fails here, in CPU
-CI, not first on a GPU. The decode kernels' PTX holds no fused multiply-add with fp fusion off (the launch's
-tiles.LAUNCH: enable_fp_fusion=False), and would with it on (Q4_K's (d * sc) * q - dmin * m: an FMA
-skips a rounding, and the decode would no longer equal gguf-py's bit for bit).
+CI, not first on a GPU. The decode kernels' and the latent write's PTX holds no fused multiply-add with fp fusion
+off (the launch's tiles.LAUNCH: enable_fp_fusion=False), and would with it on (Q4_K's (d * sc) * q - dmin * m,
+the rope's x1 cos - x2 sin: an FMA skips a rounding, and the decode would no longer equal gguf-py's, the rope
+the reference's, bit for bit).
 
 A subprocess: the kernels must be defined with TRITON_INTERPRET unset (tests/conftest.py sets it where torch sees
 no GPU), and Triton reads it when a kernel is defined. Marked slow (it starts a process; ~10 s of compiling).
@@ -26,7 +27,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mlaserve.kernels.triton import fp8_block_gemm, gguf_q4_k, gguf_q8_0, tiles
+from mlaserve.kernels.triton import fp8_block_gemm, gguf_q4_k, gguf_q8_0, latent_write, tiles
 
 def sig(ptrs, ints, consts):
     return {**ptrs, **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
@@ -46,6 +47,12 @@ for name, mod, q in (("q8_0", gguf_q8_0, "*i8"), ("q4_k", gguf_q4_k, "*u8")):
                              ["M", "N", "K"], [*dec, *tile]), {**dec, **tile})
     cases[name + "_decode"] = (tiles.gguf_decode, sig({"q_ptr": q, "d_ptr": "*fp16", "w_ptr": "*fp32"}, ["N", "K"],
                                [*dec, "BN", "BK"]), {**dec, "BN": 64, "BK": 64})
+# the latent write (kv_a norm, rope, cache row): DeepSeek's r 512, dr 64, interleaved rope, 16 heads per tile
+lw = {"INTERLEAVED": True, "BR": 512, "BHALF": 32, "BH": 16}
+cases["latent_write"] = (latent_write._latent_write, sig(
+    {n: "*fp32" for n in ("kv_ptr", "q_ptr", "w_ptr", "cos_ptr", "sin_ptr")} | {"slot_ptr": "*i64",
+     "cache_ptr": "*fp32", "qpe_ptr": "*fp32", "eps": "fp32"},
+    ["R", "H", "DN", "HALF", "stride_kv", "stride_qt", "stride_qh", "stride_cache", "stride_cs"], [*lw]), lw)
 target = GPUTarget("cuda", 90, 32)
 out = {}
 for name, (fn, signature, consts) in cases.items():
@@ -66,5 +73,5 @@ def test_kernels_compile_for_sm90_without_fused_decode_arithmetic(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(v["cubin"] > 0 for v in got.values()), got
-    assert all(got[n]["fma"] == 0 for n in ("fp8_decode", "q8_0_decode", "q4_k_decode")), got
+    assert all(got[n]["fma"] == 0 for n in ("fp8_decode", "q8_0_decode", "q4_k_decode", "latent_write")), got
     assert got["q4_k_decode_fused"]["fma"] > 0, got  # what enable_fp_fusion=False prevents

@@ -32,8 +32,13 @@ def test_every_op_module_has_one_choice(hf_model_dir):
     plan = llm.loaded.kernel_plan
     assert sorted((c.module, c.op) for c in plan.choices) == sorted(_ops(llm.runner.model))
     # float weights on the torch kernels: the reference everywhere, saying why
-    assert {(c.impl, c.reason) for c in plan.choices if c.op in registry.MODULE_OPS} == {
+    assert {(c.impl, c.reason) for c in plan.choices if c.op in registry.MODULE_OPS and c.op != "latent_write"} == {
         ("torch", "not native: engine kernels=torch")
+    }
+    # the latent write has a Triton kernel too: why not (no GPU, or the interpreter not asked for), then native
+    why_not = registry._triton_latent(llm.runner.model.model.layers[0].self_attn, registry.KernelContext("torch", 0))
+    assert {(c.impl, c.reason) for c in plan.choices if c.op == "latent_write"} == {
+        ("torch", f"not triton: {why_not}; not native: engine kernels=torch")
     }
     assert {c.impl for c in plan.choices if c.op in ("moe_block", "decode_layer")} == {"per_op"}
 
