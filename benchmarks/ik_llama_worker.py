@@ -12,7 +12,8 @@ call runs one of its binaries from `offline.py --ik-llama-bin DIR` and reads the
                             than B distinct requests would. The JSON and the table say so.
 Start (load_s) is the wall time of the smallest whole run (`llama-batched-bench -npp 1 -ntg 1 -npl 1`: the
 process, the model load, a context, two decodes), peak RSS the largest ru_maxrss of every run (the kernel's
-VmHWM of each child). Options (engine spec `ik_llama.cpp@TYPE:k=v`): mla (default 3), fa (flash attention,
+VmHWM of each child; on Linux at least the worker's own resident set, which the child's record inherits when it
+execs: the worker is a small process, so that floor is far below any model's figure). Options (engine spec `ik_llama.cpp@TYPE:k=v`): mla (default 3), fa (flash attention,
 default true), fmoe (fused MoE up/gate, default true), rtr (run-time repack, default false; it turns mmap off).
 """
 
