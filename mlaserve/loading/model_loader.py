@@ -52,6 +52,7 @@ from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import densify, plan_quantization, swap_in
+from mlaserve.quant.transient_kv_b import drop_dense
 from mlaserve.tools.select import chat_formats
 
 
@@ -390,7 +391,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         if ep > 1:  # the experts modules cut to this rank's range: the holders below are made for those only
             cut_experts(meta_model, ep_rank, ep_n, ck.model_cfg.moe if whole else None)
         if engine_cfg.kernels.gguf_weights == "quantized":  # holders swapped in before the strict fill
-            gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
+            native = engine_cfg.kernels.impl == "native"
+            # the reference backend's absorbed path reads kv_b_proj dense at every step: held there
+            transient = native and engine_cfg.attention.backend != "reference"
+            gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=native, transient_kv_b=transient))
             swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
 
     model = build_model(
@@ -436,6 +440,8 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
         attach_heads(model, sharded, gguf_plan, model_cfg, mapped)
+        if gguf_plan.transient_kv_b:  # the dense copies freed: a prefill step decodes its own (the plan's row)
+            drop_dense(model, tuple(layer for layer, _, _ in gguf_plan.heads))
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module

@@ -46,6 +46,10 @@ REBUILT_KEPT = (
     "dequantized at load for the decompressed path (rebuilt from attn_k_b + attn_v_b); the absorbed path "
     "multiplies attn_k_b / attn_v_b in their blocks"
 )
+REBUILT_TRANSIENT = (
+    "not held: decoded per prefill step from attn_k_b / attn_v_b for the decompressed path and dropped after "
+    "the layer (quant/transient_kv_b.py); the absorbed path multiplies attn_k_b / attn_v_b in their blocks"
+)
 ROUTER = "dequantized at load: the router reads its weight as a dense fp32 matrix"
 FLOATS = "not a block format: loaded as a float matrix"
 SPAN = (
@@ -66,6 +70,8 @@ class GGUFPlan:
     heads: tuple[tuple[int, int, int], ...] = ()  # (layer, attn_k_b type, attn_v_b type) -> GGUFHeads
     # tensor parallel: (dim, held units, why) for each intermediate dim this rank holds as a wider span
     spans: tuple[tuple[str, str, str], ...] = ()
+    # the heads' layers hold no dense kv_b_proj (TransientKvB): decided at plan time from the attention backend
+    transient_kv_b: bool = False
 
     def settings(self) -> tuple[Setting, ...]:
         """One row per module kind and type: kept in ggml blocks, or dense and why."""
@@ -104,15 +110,24 @@ class GGUFPlan:
             f"{len(self.experts)} expert stack(s) kept in their ggml blocks; {len(self.dense)} block-quantized "
             "module(s) dequantized at load"
             + (f"; W_UK/W_UV of {len(self.heads)} layer(s) also kept as attn_k_b/attn_v_b blocks" if self.heads else "")
+            + (
+                "; their kv_b_proj not held dense (decoded per prefill step)"
+                if self.heads and self.transient_kv_b
+                else ""
+            )
         )
 
 
-def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = False) -> GGUFPlan:
+def plan_gguf(
+    source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = False, transient_kv_b: bool = False
+) -> GGUFPlan:
     """source: GGUFTensors (HF names, ggml_type / rebuilt); model: the built model (its module kinds).
     MTP layers (model.layers.N >= num_hidden_layers) are planned under the model's mtp.{j} names when
     the model has them (speculative="mtp"), else skipped like the loader skips them.
     kept_heads: also keep the trunk's attn_k_b / attn_v_b blocks for the absorbed path (the engine does
-    with the native kernels; with the torch ones the dense views are the faster product)."""
+    with the native kernels; with the torch ones the dense views are the faster product).
+    transient_kv_b: those layers then hold no dense kv_b_proj (the engine: unless the attention backend is the
+    reference, whose absorbed path reads the dense views at every step)."""
     modules = dict(model.named_modules())
     with_mtp = hasattr(model, "mtp")
     linears, embeddings, dense, floats, blocks, heads = [], [], [], [], set(), []
@@ -141,7 +156,7 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
             split = blocks_of(int(layer.group(1))) if blocks_of is not None else None
             if split is not None and {split[0][1], split[1][1]} <= BLOCK_TYPES:
                 heads.append((int(layer.group(1)), split[0][1], split[1][1]))
-                dense.append((module, tname, REBUILT_KEPT))
+                dense.append((module, tname, REBUILT_TRANSIENT if transient_kv_b else REBUILT_KEPT))
             else:
                 dense.append((module, tname, REBUILT))
         elif kind in DENSE_AT_LOAD:
@@ -192,6 +207,7 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         frozenset(blocks),
         tuple(heads),
         spans,
+        transient_kv_b and bool(heads),
     )
 
 

@@ -13,14 +13,19 @@ from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import native
 from mlaserve.kernels.ggml import dense_native
 from mlaserve.loading.model_loader import load_model
+from mlaserve.quant.transient_kv_b import TransientKvB
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native kernels are not built")
 NOTE = "decoded from the GGUF's blocks by the native kernels"
 
 
 def _dense(model) -> dict[str, torch.Tensor]:
-    """Every float parameter and buffer (the blocks kept as uint8 are the file's bytes either way)."""
+    """Every float parameter and buffer (the blocks kept as uint8 are the file's bytes either way), and the
+    kv_b_proj a layer that holds none (quant/transient_kv_b.py) decodes for a prefill step."""
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(getattr(layer.self_attn, "kv_b_proj", None), TransientKvB):
+            tensors[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = layer.self_attn.kv_b_weight()
     return {n: t for n, t in tensors.items() if t.is_floating_point()}
 
 
