@@ -52,7 +52,6 @@ from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import densify, plan_quantization, swap_in
-from mlaserve.quant.transient_kv_b import drop_dense
 from mlaserve.tools.select import chat_formats
 
 
@@ -412,7 +411,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     mapped = engine_cfg.kernels.gguf_mmap and engine_cfg.runtime.device == "cpu"
     decoded_note = _decode_natively(ck.source, engine_cfg)
     if gguf_plan is not None:
-        source = BlockSource(source, gguf_plan.blocks, mapped)
+        source = BlockSource(source, gguf_plan.blocks, mapped, gguf_plan.skipped())
     quant = None
     if scheme is not None and n > 1 and scheme.block is not None:  # its scales on its slices' grid (regrid_fp8)
         grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)
@@ -440,8 +439,6 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
         attach_heads(model, sharded, gguf_plan, model_cfg, mapped)
-        if gguf_plan.transient_kv_b:  # the dense copies freed: a prefill step decodes its own (the plan's row)
-            drop_dense(model, tuple(layer for layer, _, _ in gguf_plan.heads))
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module

@@ -36,6 +36,7 @@ from mlaserve.models.moe import Experts
 from mlaserve.models.mtp import mtp_param_name
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
 from mlaserve.quant.plan import DENSE_AT_LOAD, _group
+from mlaserve.quant.transient_kv_b import drop_dense
 
 BLOCK_TYPES = frozenset(DEQUANTIZABLE - {0, 1, 30})  # not F32 / F16 / BF16: those load as floats
 _EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
@@ -103,6 +104,12 @@ class GGUFPlan:
                 rows.append(Setting(f"gguf dense {kind}", layers, f"stored {tname}; {why}"))
         rows.extend(Setting(f"tensor parallel {dim}", held, why) for dim, held, why in self.spans)
         return tuple(rows)
+
+    def skipped(self) -> frozenset[str]:
+        """Checkpoint tensors the model holds no weight for: the transient kv_b_proj of the heads' layers."""
+        if not self.transient_kv_b:
+            return frozenset()
+        return frozenset(f"model.layers.{layer}.self_attn.kv_b_proj.weight" for layer, _, _ in self.heads)
 
     def summary(self) -> str:
         return (
@@ -224,7 +231,7 @@ def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig, map
     for layer, type_k, type_v in plan.heads:
         (k_b, _), (v_b, _) = source.mla_split_blocks(layer, mapped)
         attn = model.model.layers[layer].self_attn
-        device = attn.kv_b_proj.weight.device
+        device = attn.kv_a_layernorm.weight.device  # (kv_b_proj may hold no weight: TransientKvB)
         keep = mapped and device.type == "cpu" and k_b.is_contiguous() and v_b.is_contiguous()
         k_b, v_b = (w if keep else w.to(device, copy=True) for w in (k_b, v_b))
         attn.kept_heads = GGUFHeads(k_b, type_k, v_b, type_v, cfg.qk_nope_head_dim, cfg.kv_lora_rank)
@@ -237,6 +244,8 @@ def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:
         old = model.get_submodule(name)
         new = GGUFLinear(old.in_features, old.out_features, t, old.bias is not None, dtype, old.weight.device)
         model.set_submodule(name, new)
+    if plan.transient_kv_b:  # never allocated: the fill skips these layers' kv_b_proj (BlockSource.names)
+        drop_dense(model, tuple(layer for layer, _, _ in plan.heads), dtype)
     for name, t in plan.embeddings:
         old = model.get_submodule(name)
         model.set_submodule(name, GGUFEmbedding(old.num_embeddings, old.embedding_dim, t, dtype, old.weight.device))
@@ -257,8 +266,10 @@ class BlockSource:
     read-only shared map and the loader keeps them in place (`in_place`, `stacked_blocks`) instead of
     copying them; else views of the private map, copied, then released."""
 
-    def __init__(self, source, blocks: frozenset[str], mapped: bool = False) -> None:
-        self.source, self.blocks, self.mapped = source, blocks, mapped
+    def __init__(
+        self, source, blocks: frozenset[str], mapped: bool = False, skipped: frozenset[str] = frozenset()
+    ) -> None:
+        self.source, self.blocks, self.mapped, self.skipped = source, blocks, mapped, skipped
 
     def in_place(self, name: str) -> bool:
         """The loader may keep `get(name)` as the parameter itself (a view of the mapped file)."""
@@ -272,7 +283,8 @@ class BlockSource:
         return stacked(names, mapped=True)
 
     def names(self) -> list[str]:
-        return self.source.names()
+        """The file's tensors less `skipped` (a transient kv_b_proj: the model holds no weight for it)."""
+        return [n for n in self.source.names() if n not in self.skipped]
 
     def where(self, name: str) -> str:
         return self.source.where(name)

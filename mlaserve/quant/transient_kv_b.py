@@ -59,9 +59,10 @@ def _decode(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.
     return dequantize(flat, ggml_type, shape)
 
 
-def drop_dense(model: nn.Module, layers: tuple[int, ...]) -> None:
-    """After attach_heads: each listed layer's kv_b_proj replaced by a TransientKvB (its dense weight freed)."""
+def drop_dense(model: nn.Module, layers: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Before the fill (on the meta device): each listed layer's kv_b_proj replaced by a TransientKvB, so its
+    dense weight is never allocated."""
     for layer in layers:
         attn = model.model.layers[layer].self_attn
         old = attn.kv_b_proj
-        attn.kv_b_proj = TransientKvB(old.in_features, old.out_features, old.weight.dtype)
+        attn.kv_b_proj = TransientKvB(old.in_features, old.out_features, dtype)

@@ -37,7 +37,8 @@ def test_prefill_decodes_the_dense_copy_it_no_longer_holds(qtype, mla_path, monk
     row = {s.name: s for s in lean.loaded.gguf.settings()}["gguf dense model.layers.*.self_attn.kv_b_proj"]
     assert "decoded per prefill step from attn_k_b / attn_v_b" in row.source
     with monkeypatch.context() as m:  # the load as before: the dense copy kept beside the blocks
-        m.setattr(model_loader, "drop_dense", lambda model, layers: None)
+        plan = model_loader.plan_gguf
+        m.setattr(model_loader, "plan_gguf", lambda *a, **k: plan(*a, **{**k, "transient_kv_b": False}))
         held = LLM(path, **opts)
     assert all(type(m) is torch.nn.Linear for m in _kv_b(held))
     for a, b in zip(held.runner.model.model.layers, lean.runner.model.model.layers):  # the load-time rebuild's bits
