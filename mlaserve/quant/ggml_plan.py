@@ -9,7 +9,9 @@ A module keeps its blocks when its stored type is a block format gguf/quants.py 
 Stays dense (dequantized at load, as today), with the reason recorded:
   kv_b_proj           rebuilt from attn_k_b + attn_v_b (the decompressed path and the reference backend
                       read it dense); with the native kernels the absorbed path's W_UK / W_UV products
-                      read attn_k_b / attn_v_b in their blocks too (GGUFHeads, `heads` below)
+                      read attn_k_b / attn_v_b in their blocks too (GGUFHeads, `heads` below), and then,
+                      unless the attention backend is the reference, kv_b_proj is not held at all
+                      (transient_kv_b: decoded per prefill step, quant/transient_kv_b.py)
   weights_proj        the DSA indexer's head weights stay a float projection
   mlp.gate            the router reads its weight as a dense fp32 matrix
   experts             of a layer whose gate/up types differ, or whose projections are not all blocks
