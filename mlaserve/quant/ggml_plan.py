@@ -116,7 +116,7 @@ class GGUFPlan:
     def summary(self) -> str:
         return (
             f"gguf: {len(self.linears) + int(self.tied_head)} linear(s), {len(self.embeddings)} embedding(s) and "
-            f"{len(self.experts)} expert stack(s) kept in their ggml blocks; {len(self.dense)} block-quantized "
+            f"{len(self.experts)} expert stack(s) kept in their ggml blocks; {len(self.dense) - len(self.skipped())} block-quantized "
             "module(s) dequantized at load"
             + (f"; W_UK/W_UV of {len(self.heads)} layer(s) also kept as attn_k_b/attn_v_b blocks" if self.heads else "")
             + (
