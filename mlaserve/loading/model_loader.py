@@ -390,7 +390,10 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         if ep > 1:  # the experts modules cut to this rank's range: the holders below are made for those only
             cut_experts(meta_model, ep_rank, ep_n, ck.model_cfg.moe if whole else None)
         if engine_cfg.kernels.gguf_weights == "quantized":  # holders swapped in before the strict fill
-            gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=engine_cfg.kernels.impl == "native"))
+            native = engine_cfg.kernels.impl == "native"
+            # the reference backend's absorbed path reads kv_b_proj dense at every step: held there
+            transient = native and engine_cfg.attention.backend != "reference"
+            gguf.append(plan_gguf(source, model_cfg, meta_model, kept_heads=native, transient_kv_b=transient))
             swap_in_gguf(meta_model, gguf[0], engine_cfg.runtime.dtype)
 
     model = build_model(
@@ -408,7 +411,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     mapped = engine_cfg.kernels.gguf_mmap and engine_cfg.runtime.device == "cpu"
     decoded_note = _decode_natively(ck.source, engine_cfg)
     if gguf_plan is not None:
-        source = BlockSource(source, gguf_plan.blocks, mapped)
+        source = BlockSource(source, gguf_plan.blocks, mapped, gguf_plan.skipped())
     quant = None
     if scheme is not None and n > 1 and scheme.block is not None:  # its scales on its slices' grid (regrid_fp8)
         grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)

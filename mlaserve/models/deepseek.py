@@ -135,10 +135,18 @@ class MLAAttention(KernelSwitch, nn.Module):
         """Where the Triton kernel would run: the device of the weights."""
         return self.kv_a_layernorm.weight.device.type
 
-    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of kv_b_proj per head: W_UK [H, dn, r] and W_UV [H, dv, r] (no copies)."""
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight [H * (dn + dv), r]: the held one, or, where the loader keeps none (a
+        quant.transient_kv_b.TransientKvB beside GGUFHeads), decoded now from attn_k_b / attn_v_b (a new tensor)."""
+        decode = getattr(self.kv_b_proj, "decode", None)
+        return decode(self.kept_heads) if decode is not None else self.kv_b_proj.weight
+
+    def w_uk_uv(self, kv_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b [H * (dn + dv), r] (default kv_b_weight()) per head: W_UK [H, dn, r] and W_UV [H, dv, r]."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = (self.kv_b_weight() if kv_b is None else kv_b).view(
+            cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+        )
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     def project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -165,9 +173,14 @@ class MLAAttention(KernelSwitch, nn.Module):
         if mine.plan.sparse:
             selections = self.select(x, c_q, step, mine, state, prev)
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
+        # the held kv_b_proj (a TransientKvB's: a meta tensor, shapes only); a decompressed segment in the
+        # route reads values: decoded once for the layer's step, dropped when this call returns
+        kv_b = self.kv_b_proj.weight
+        if kv_b.is_meta and any(seg.segment.path != "absorbed" for seg in mine.segments):
+            kv_b = self.kv_b_weight()
         for i, (seg, backend) in enumerate(zip(mine.segments, mine.backends)):
             sel = selections[i] if selections is not None else None
-            per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel).flatten(0, 1)  # [B * Q, H, dv]
+            per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel, kv_b).flatten(0, 1)  # [B * Q, H, dv]
             out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat).to(out.dtype))
         return self.o_proj(out.flatten(1)), selections
 
@@ -266,11 +279,13 @@ class MLAAttention(KernelSwitch, nn.Module):
         cache: torch.Tensor,
         seg: SegmentTensors,
         sel: Selection | None,
+        kv_b: torch.Tensor,
     ) -> torch.Tensor:
-        """The segment's route (path, and its top-k when sparse) executed by the backend it names."""
+        """The segment's route (path, and its top-k when sparse) executed by the backend it names.
+        kv_b: kv_b_proj's weight for this step (forward's)."""
         cfg, scale = self.cfg, self.cfg.softmax_scale
         if seg.segment.path == "absorbed":
-            w_uk, w_uv = self.w_uk_uv()
+            w_uk, w_uv = self.w_uk_uv(kv_b)
             heads = self.kept_heads
             if sel is not None:
                 return backend.sparse_absorbed(
@@ -278,9 +293,7 @@ class MLAAttention(KernelSwitch, nn.Module):
                 )
             return backend.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, heads=heads)
         allowed = sel.as_mask(seg.mask.shape[-1]) if sel is not None else None
-        return backend.decompressed(
-            q_nope, q_pe, cache, self.kv_b_proj.weight, seg, scale, cfg.qk_nope_head_dim, allowed
-        )
+        return backend.decompressed(q_nope, q_pe, cache, kv_b, seg, scale, cfg.qk_nope_head_dim, allowed)
 
 
 class DecoderLayer(nn.Module):

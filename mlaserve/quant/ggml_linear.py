@@ -282,7 +282,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
 class GGUFHeads(registry.KernelSwitch, nn.Module):
     """W_UK and W_UV of absorbed attention kept as the file's attn_k_b / attn_v_b blocks, so that a decode
     step reads them quantized (a fourth of the fp32 bytes for Q8_0) instead of the dense kv_b_proj
-    rebuilt from them (which stays for the decompressed prefill path and the reference backend).
+    rebuilt from them (held for the reference backend; else decoded per prefill step: quant/transient_kv_b.py).
       k_b [H, r, R_dn]  per head the [r, dn] matrix: q_lat[h] = k_b[h] @ q_nope[h]
       v_b [H, dv, R_r]  per head the [dv, r] matrix: o[h] = v_b[h] @ o_lat[h]
     Heads are the groups of a grouped product (kernels.ggml.expert_linear): group h is head h's rows."""

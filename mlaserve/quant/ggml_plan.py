@@ -9,7 +9,9 @@ A module keeps its blocks when its stored type is a block format gguf/quants.py 
 Stays dense (dequantized at load, as today), with the reason recorded:
   kv_b_proj           rebuilt from attn_k_b + attn_v_b (the decompressed path and the reference backend
                       read it dense); with the native kernels the absorbed path's W_UK / W_UV products
-                      read attn_k_b / attn_v_b in their blocks too (GGUFHeads, `heads` below)
+                      read attn_k_b / attn_v_b in their blocks too (GGUFHeads, `heads` below), and then,
+                      unless the attention backend is the reference, kv_b_proj is not held at all
+                      (transient_kv_b: decoded per prefill step, quant/transient_kv_b.py)
   weights_proj        the DSA indexer's head weights stay a float projection
   mlp.gate            the router reads its weight as a dense fp32 matrix
   experts             of a layer whose gate/up types differ, or whose projections are not all blocks
@@ -36,6 +38,7 @@ from mlaserve.models.moe import Experts
 from mlaserve.models.mtp import mtp_param_name
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
 from mlaserve.quant.plan import DENSE_AT_LOAD, _group
+from mlaserve.quant.transient_kv_b import drop_dense
 
 BLOCK_TYPES = frozenset(DEQUANTIZABLE - {0, 1, 30})  # not F32 / F16 / BF16: those load as floats
 _EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
@@ -45,6 +48,10 @@ REBUILT = "dequantized at load: rebuilt from attn_k_b + attn_v_b, read as per-he
 REBUILT_KEPT = (
     "dequantized at load for the decompressed path (rebuilt from attn_k_b + attn_v_b); the absorbed path "
     "multiplies attn_k_b / attn_v_b in their blocks"
+)
+REBUILT_TRANSIENT = (
+    "not held: decoded per prefill step from attn_k_b / attn_v_b for the decompressed path and dropped after "
+    "the layer (quant/transient_kv_b.py); the absorbed path multiplies attn_k_b / attn_v_b in their blocks"
 )
 ROUTER = "dequantized at load: the router reads its weight as a dense fp32 matrix"
 FLOATS = "not a block format: loaded as a float matrix"
@@ -66,6 +73,8 @@ class GGUFPlan:
     heads: tuple[tuple[int, int, int], ...] = ()  # (layer, attn_k_b type, attn_v_b type) -> GGUFHeads
     # tensor parallel: (dim, held units, why) for each intermediate dim this rank holds as a wider span
     spans: tuple[tuple[str, str, str], ...] = ()
+    # the heads' layers hold no dense kv_b_proj (TransientKvB): decided at plan time from the attention backend
+    transient_kv_b: bool = False
 
     def settings(self) -> tuple[Setting, ...]:
         """One row per module kind and type: kept in ggml blocks, or dense and why."""
@@ -98,21 +107,36 @@ class GGUFPlan:
         rows.extend(Setting(f"tensor parallel {dim}", held, why) for dim, held, why in self.spans)
         return tuple(rows)
 
+    def skipped(self) -> frozenset[str]:
+        """Checkpoint tensors the model holds no weight for: the transient kv_b_proj of the heads' layers."""
+        if not self.transient_kv_b:
+            return frozenset()
+        return frozenset(f"model.layers.{layer}.self_attn.kv_b_proj.weight" for layer, _, _ in self.heads)
+
     def summary(self) -> str:
         return (
             f"gguf: {len(self.linears) + int(self.tied_head)} linear(s), {len(self.embeddings)} embedding(s) and "
-            f"{len(self.experts)} expert stack(s) kept in their ggml blocks; {len(self.dense)} block-quantized "
+            f"{len(self.experts)} expert stack(s) kept in their ggml blocks; {len(self.dense) - len(self.skipped())} block-quantized "
             "module(s) dequantized at load"
             + (f"; W_UK/W_UV of {len(self.heads)} layer(s) also kept as attn_k_b/attn_v_b blocks" if self.heads else "")
+            + (
+                "; their kv_b_proj not held dense (decoded per prefill step)"
+                if self.heads and self.transient_kv_b
+                else ""
+            )
         )
 
 
-def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = False) -> GGUFPlan:
+def plan_gguf(
+    source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = False, transient_kv_b: bool = False
+) -> GGUFPlan:
     """source: GGUFTensors (HF names, ggml_type / rebuilt); model: the built model (its module kinds).
     MTP layers (model.layers.N >= num_hidden_layers) are planned under the model's mtp.{j} names when
     the model has them (speculative="mtp"), else skipped like the loader skips them.
     kept_heads: also keep the trunk's attn_k_b / attn_v_b blocks for the absorbed path (the engine does
-    with the native kernels; with the torch ones the dense views are the faster product)."""
+    with the native kernels; with the torch ones the dense views are the faster product).
+    transient_kv_b: those layers then hold no dense kv_b_proj (the engine: unless the attention backend is the
+    reference, whose absorbed path reads the dense views at every step)."""
     modules = dict(model.named_modules())
     with_mtp = hasattr(model, "mtp")
     linears, embeddings, dense, floats, blocks, heads = [], [], [], [], set(), []
@@ -141,7 +165,7 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
             split = blocks_of(int(layer.group(1))) if blocks_of is not None else None
             if split is not None and {split[0][1], split[1][1]} <= BLOCK_TYPES:
                 heads.append((int(layer.group(1)), split[0][1], split[1][1]))
-                dense.append((module, tname, REBUILT_KEPT))
+                dense.append((module, tname, REBUILT_TRANSIENT if transient_kv_b else REBUILT_KEPT))
             else:
                 dense.append((module, tname, REBUILT))
         elif kind in DENSE_AT_LOAD:
@@ -192,6 +216,7 @@ def plan_gguf(source, cfg: ModelConfig, model: nn.Module, kept_heads: bool = Fal
         frozenset(blocks),
         tuple(heads),
         spans,
+        transient_kv_b and bool(heads),
     )
 
 
@@ -208,7 +233,7 @@ def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig, map
     for layer, type_k, type_v in plan.heads:
         (k_b, _), (v_b, _) = source.mla_split_blocks(layer, mapped)
         attn = model.model.layers[layer].self_attn
-        device = attn.kv_b_proj.weight.device
+        device = attn.kv_a_layernorm.weight.device  # (kv_b_proj may hold no weight: TransientKvB)
         keep = mapped and device.type == "cpu" and k_b.is_contiguous() and v_b.is_contiguous()
         k_b, v_b = (w if keep else w.to(device, copy=True) for w in (k_b, v_b))
         attn.kept_heads = GGUFHeads(k_b, type_k, v_b, type_v, cfg.qk_nope_head_dim, cfg.kv_lora_rank)
@@ -221,6 +246,8 @@ def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:
         old = model.get_submodule(name)
         new = GGUFLinear(old.in_features, old.out_features, t, old.bias is not None, dtype, old.weight.device)
         model.set_submodule(name, new)
+    if plan.transient_kv_b:  # never allocated: the fill skips these layers' kv_b_proj (BlockSource.names)
+        drop_dense(model, tuple(layer for layer, _, _ in plan.heads), dtype)
     for name, t in plan.embeddings:
         old = model.get_submodule(name)
         model.set_submodule(name, GGUFEmbedding(old.num_embeddings, old.embedding_dim, t, dtype, old.weight.device))
@@ -241,8 +268,10 @@ class BlockSource:
     read-only shared map and the loader keeps them in place (`in_place`, `stacked_blocks`) instead of
     copying them; else views of the private map, copied, then released."""
 
-    def __init__(self, source, blocks: frozenset[str], mapped: bool = False) -> None:
-        self.source, self.blocks, self.mapped = source, blocks, mapped
+    def __init__(
+        self, source, blocks: frozenset[str], mapped: bool = False, skipped: frozenset[str] = frozenset()
+    ) -> None:
+        self.source, self.blocks, self.mapped, self.skipped = source, blocks, mapped, skipped
 
     def in_place(self, name: str) -> bool:
         """The loader may keep `get(name)` as the parameter itself (a view of the mapped file)."""
@@ -256,7 +285,8 @@ class BlockSource:
         return stacked(names, mapped=True)
 
     def names(self) -> list[str]:
-        return self.source.names()
+        """The file's tensors less `skipped` (a transient kv_b_proj: the model holds no weight for it)."""
+        return [n for n in self.source.names() if n not in self.skipped]
 
     def where(self, name: str) -> str:
         return self.source.where(name)

@@ -27,6 +27,7 @@ from mlaserve.loading.tensor_check import SCALE_OFFSETS
 from mlaserve.models.moe import Experts
 from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
+from mlaserve.quant.transient_kv_b import TransientKvB
 from mlaserve.sampling.params import SamplingParams
 
 FILES = [(m, t) for m in ("ds3", "ds2lite", "ds32", "glm5") for t in ("f16", "q8_0", "q4_k_m", "q4_0")]
@@ -152,20 +153,24 @@ def test_resident_weights_near_file_size(name):
 
 
 def test_kept_modules_and_provenance():
-    """lm_head, embeddings, projections and experts keep their blocks; kv_b_proj is dense and the
-    plan says why; the engine option's value and source are recorded."""
+    """lm_head, embeddings, projections and experts keep their blocks; kv_b_proj is dense (torch kernels) or
+    not held (native: decoded per prefill step from the kept attn_k_b / attn_v_b) and the plan says why; the
+    engine option's value and source are recorded."""
     llm = LLM(str(fixture_dir("ds3") / "model-q4_k_m.gguf"))
     model = llm.runner.model
     assert isinstance(model.lm_head, GGUFLinear) and GGML_TYPES[model.lm_head.ggml_type].name == "Q6_K"
     assert isinstance(model.model.embed_tokens, GGUFEmbedding)
     assert isinstance(model.model.layers[1].mlp.experts, GGUFExperts)
-    assert type(model.model.layers[0].self_attn.kv_b_proj) is torch.nn.Linear
-    assert model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float32
+    native = llm.config.kernels.impl == "native"
+    kv_b = model.model.layers[0].self_attn.kv_b_proj
+    assert type(kv_b) is (TransientKvB if native else torch.nn.Linear)
+    assert kv_b.weight.dtype == torch.float32 and kv_b.weight.is_meta == native
     assert type(model.model.layers[1].mlp.gate.weight) is torch.nn.Parameter
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     rows = {s.name: s for s in llm.loaded.gguf.settings()}
-    assert "rebuilt from attn_k_b + attn_v_b" in rows["gguf dense model.layers.*.self_attn.kv_b_proj"].source
-    if llm.config.kernels.impl == "native":  # the absorbed path's W_UK / W_UV read the blocks (Q5_0 in this file)
+    why = "decoded per prefill step from attn_k_b / attn_v_b" if native else "rebuilt from attn_k_b + attn_v_b"
+    assert why in rows["gguf dense model.layers.*.self_attn.kv_b_proj"].source
+    if native:  # the absorbed path's W_UK / W_UV read the blocks (Q5_0 in this file)
         assert "W_UK / W_UV" in rows["gguf Q5_0 model.layers.*.self_attn.kv_b_proj"].source
     assert rows["gguf Q6_K lm_head"].value == "yes"
     assert "not a block format" in rows["gguf dense model.layers.*.self_attn.q_b_proj"].source  # F16 in this file
