@@ -50,6 +50,8 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 class ReferenceBackend:
     name = "reference"
+    # the oracle reads the dense kv_b_proj (W_UK / W_UV views), never a GGUF's kept attn_k_b / attn_v_b blocks
+    reads_dense_heads = True
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         return "fp32"

@@ -86,10 +86,10 @@ def _attend_observer(attn: MLAAttention, codes: str, stats: dict) -> Callable:
     original = attn.attend
     fmt = latent_format(codes, attn.cfg.latent_dim, attn.cfg.qk_rope_head_dim)
 
-    def attend(backend, q_nope, q_pe, cache, seg, sel):
-        out = original(backend, q_nope, q_pe, cache, seg, sel)
+    def attend(backend, q_nope, q_pe, cache, seg, sel, kv_b):
+        out = original(backend, q_nope, q_pe, cache, seg, sel, kv_b)
         eight = QuantizedRows.of(cache.float(), fmt)
-        w_uk, w_uv = attn.w_uk_uv()
+        w_uk, w_uv = attn.w_uk_uv(kv_b)
         scale = attn.cfg.softmax_scale
         allowed = sel.as_mask(seg.mask.shape[-1]) if sel is not None else None
         want = REF.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed)[seg.q_valid].float()

@@ -174,9 +174,13 @@ class MLAAttention(KernelSwitch, nn.Module):
             selections = self.select(x, c_q, step, mine, state, prev)
         out = x.new_empty(x.shape[0], cfg.num_heads, cfg.v_head_dim)
         # the held kv_b_proj (a TransientKvB's: a meta tensor, shapes only); a decompressed segment in the
-        # route reads values: decoded once for the layer's step, dropped when this call returns
+        # route, or a backend that reads the dense W_UK / W_UV (the reference: verify runs it on the same model),
+        # reads values: decoded once for the layer's step, dropped when this call returns
         kv_b = self.kv_b_proj.weight
-        if kv_b.is_meta and any(seg.segment.path != "absorbed" for seg in mine.segments):
+        if kv_b.is_meta and any(
+            seg.segment.path != "absorbed" or backend.reads_dense_heads
+            for seg, backend in zip(mine.segments, mine.backends)
+        ):
             kv_b = self.kv_b_weight()
         for i, (seg, backend) in enumerate(zip(mine.segments, mine.backends)):
             sel = selections[i] if selections is not None else None

@@ -24,8 +24,8 @@ def test_verify_catches_a_broken_absorbed_path(hf_model_dir, monkeypatch):
     llm = LLM(str(folder))
     original = MLAAttention.w_uk_uv
 
-    def wrong_w_uk(self):  # a W_UK from the wrong head: the bug class a mis-split kv_b produces
-        w_uk, w_uv = original(self)
+    def wrong_w_uk(self, kv_b=None):  # a W_UK from the wrong head: the bug class a mis-split kv_b produces
+        w_uk, w_uv = original(self, kv_b)
         return torch.roll(w_uk, 1, dims=0), w_uv
 
     monkeypatch.setattr(MLAAttention, "w_uk_uv", wrong_w_uk)

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 class AttentionBackend(Protocol):
     name: str
+    # whether the absorbed path reads the dense W_UK / W_UV views even when a GGUF's attn_k_b / attn_v_b blocks are
+    # kept (`heads`): a layer whose kv_b_proj is not held (quant/transient_kv_b.py) then decodes it for the step
+    reads_dense_heads: bool
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         """How index_topk scores over keys of this dtype ("fp32" or "bf16_then_fp32"): a label for the

@@ -179,6 +179,7 @@ class TorchBackend:
     """The default backend (CPU and CUDA: plain torch ops, no custom kernels)."""
 
     name = "torch"
+    reads_dense_heads = False  # the absorbed path multiplies a GGUF's kept heads when given (`heads`)
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         # bf16 products are exact, so a bf16 pass with a rounding bound finds the fp32 top-k (measured on

@@ -118,6 +118,7 @@ class TritonBackend:
     """Triton kernels: compiled on CUDA, interpreted on CPU tensors (tests only)."""
 
     name = "triton"
+    reads_dense_heads = False  # the latent queries and W_UV through a GGUF's kept heads when given
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         return "fp32"  # every key upcast to fp32 in the kernel, as the reference scores
