@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.attention.backends import torch_index
-from mlaserve.attention.backends.torch_backend import TorchBackend, _expand, _mask
+from mlaserve.attention.backends.torch_backend import TorchBackend, _mask, expand_latent
 from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
 from mlaserve.attention.backends.torch_backend import sparse_absorbed_attention as torch_sparse_absorbed
 from mlaserve.kernels import native, native_layers
@@ -55,7 +55,7 @@ def absorbed_attention(
     mask = _mask(seg, allowed).contiguous()
     # the kernel reads each query's q_lat and q_pe where they are (token q_index), no concatenated copy
     o_lat = _mqa(cache)(q_lat, q_pe, seg.q_index, cache, seg.kv_slots.contiguous(), mask, scale)
-    return _expand(o_lat, w_uv, heads)
+    return expand_latent(o_lat, w_uv, heads)
 
 
 def sparse_absorbed_attention(
@@ -83,7 +83,7 @@ def sparse_absorbed_attention(
     mask = valid.gather(2, order).reshape(b * qn, 1, k)
     q_index = seg.q_index.reshape(b * qn, 1).contiguous()
     o_lat = _mqa(cache)(q_lat, q_pe, q_index, cache, slots.contiguous(), mask.contiguous(), scale)
-    return _expand(o_lat.view(b, qn, *o_lat.shape[2:]), w_uv, heads)
+    return expand_latent(o_lat.view(b, qn, *o_lat.shape[2:]), w_uv, heads)
 
 
 def _native_rows(cache) -> bool:

@@ -43,14 +43,14 @@ def absorbed_attention(
 ) -> torch.Tensor:
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones). heads: W_UK / W_UV
     kept as GGUF blocks (then the products read those; w_uk / w_uv give only shapes)."""
-    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
+    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
     mask, r = _mask(seg, allowed), w_uk.shape[-1]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     b, nq, h, _ = q.shape
     values = finite_values(rows, nq > 1)
     blocks = query_blocks(nq, score_bytes(b * h, rows.shape[1]))
     o_lat = torch.cat([_latent_mqa(q[:, s], rows, mask[:, s], scale, r, values) for s in blocks], dim=1)
-    return _expand(o_lat, w_uv, heads)
+    return expand_latent(o_lat, w_uv, heads)
 
 
 def decompressed_attention(
@@ -110,7 +110,7 @@ def sparse_absorbed_attention(
     """MQA over only the selected rows. index/valid [B, Q, k] (positions on the segment's key axis).
     Gathers k rows per query instead of scoring all L: the point of DSA at long context."""
     b, qn, k = index.shape
-    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
+    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
     per_query = b * (k * cache.shape[1] * cache.element_size() + score_bytes(q.shape[2], k))
     o_lat = torch.cat(
         [
@@ -119,7 +119,7 @@ def sparse_absorbed_attention(
         ],
         dim=1,
     )
-    return _expand(o_lat, w_uv, heads)
+    return expand_latent(o_lat, w_uv, heads)
 
 
 def _sparse_block(
@@ -140,7 +140,7 @@ def _sparse_block(
     return o_lat.view(b, qn, *o_lat.shape[2:])
 
 
-def _latent_queries(
+def latent_queries(
     q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, heads: GGUFHeads | None
 ) -> torch.Tensor:
     """[q_nope W_UK | q_pe]: [N, H, r + dr], the query that scores a cache row [c_kv | k_pe] in one product."""
@@ -148,7 +148,7 @@ def _latent_queries(
     return torch.cat([q_lat, q_pe], dim=-1)
 
 
-def _expand(o_lat: torch.Tensor, w_uv: torch.Tensor, heads: GGUFHeads | None) -> torch.Tensor:
+def expand_latent(o_lat: torch.Tensor, w_uv: torch.Tensor, heads: GGUFHeads | None) -> torch.Tensor:
     """o_lat [B, Q, H, r] -> o_lat W_UV^T [B, Q, H, dv]."""
     return heads.expand(o_lat) if heads is not None else torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.attention.backends.blocks import gather_rows
-from mlaserve.attention.backends.torch_backend import _expand, _latent_queries
+from mlaserve.attention.backends.torch_backend import expand_latent, latent_queries
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
@@ -48,9 +48,9 @@ def absorbed_attention(
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones)."""
     from mlaserve.attention.backends.triton_kernels.latent_mqa import latent_mqa
 
-    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
+    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
     o_lat = latent_mqa(q, _rows(cache), seg.kv_slots, scale, w_uk.shape[-1], q_pos=seg.q_pos, allowed=allowed)
-    return _expand(o_lat.to(q_nope.dtype), w_uv, heads)
+    return expand_latent(o_lat.to(q_nope.dtype), w_uv, heads)
 
 
 def sparse_absorbed_attention(
@@ -68,9 +68,9 @@ def sparse_absorbed_attention(
     """MQA over only each query's selected rows, index / valid [B, Q, k] (positions on the segment's key axis)."""
     from mlaserve.attention.backends.triton_kernels.latent_mqa import latent_mqa
 
-    q = _latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]
+    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]
     o_lat = latent_mqa(q, _rows(cache), seg.kv_slots, scale, w_uk.shape[-1], index=index, valid=valid)
-    return _expand(o_lat.to(q_nope.dtype), w_uv, heads)
+    return expand_latent(o_lat.to(q_nope.dtype), w_uv, heads)
 
 
 def decompressed_attention(
