@@ -26,8 +26,16 @@ def namespaces_unavailable() -> str | None:
     return None
 
 
+def assert_clean_exit(rank: int, code: int, log: str) -> None:
+    """Node `rank` runs rank `rank` alone; its torchrun exits 0 only when that rank did (a rank that ends by a
+    signal, e.g. SIGABRT while the interpreter exits, makes torchrun report "exitcode: -6" and exit 1)."""
+    done = f"tp_node: rank done {rank}" in log
+    when = "after its work was done (a teardown failure)" if done else "before its work was done"
+    assert code == 0, f"rank {rank} (node {rank}) exited with code {code} {when}; its log:\n{log}"
+
+
 def run_two_nodes(node_args: list[str], port: int) -> list[str]:
-    """tp_node.py `node_args` on two nodes (one process each); asserts both exit 0 -> their logs. The namespaces
+    """tp_node.py `node_args` on two nodes (one process each); asserts every rank exits 0 -> their logs. The namespaces
     and the veth pair are named after this process (parallel test runs do not collide) and removed after."""
     tag = f"{os.getpid() % 100000}"
     ns, veth, net = [f"mla{tag}a", f"mla{tag}b"], [f"mv{tag}a", f"mv{tag}b"], f"10.{os.getpid() % 200 + 20}.77"
@@ -53,7 +61,8 @@ def run_two_nodes(node_args: list[str], port: int) -> list[str]:
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             )
         logs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-        assert all(p.returncode == 0 for p in procs), logs
+        for rank, (p, log) in enumerate(zip(procs, logs)):
+            assert_clean_exit(rank, p.returncode, log)
         return logs
     finally:
         for p in procs:  # a node still running (a hang, a timeout): its torchrun and its rank, by their session

@@ -174,7 +174,9 @@ class TensorParallelGroup:
         return exc
 
     def shutdown(self) -> None:
-        """Stop every worker: "stop" when the group is healthy, then terminate, then kill."""
+        """Stop every worker: "stop" when the group is healthy, then terminate, then kill. After a healthy run
+        a worker that ended on its own other than with exit code 0 (e.g. SIGABRT at exit: heartbeat.py, Exit)
+        is an error naming it: its work was done, but the process did not exit cleanly."""
         if self.closed:
             return
         self.closed = True
@@ -188,6 +190,7 @@ class TensorParallelGroup:
         deadline = time.monotonic() + (STOP_WAIT_S if self.failure is None else 0.5)
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        exited = {r: p.exitcode for r, p in enumerate(self.procs, 1) if not p.is_alive()}  # on their own
         for p in self.procs:
             if p.is_alive() and self.failure is None:
                 p.terminate()
@@ -198,6 +201,11 @@ class TensorParallelGroup:
         if self.failure is not None:  # freeing it would wait for an abandoned collective's timeout
             self._failed_comm = self.comm
         self.comm = None
+        unclean = sorted(r for r, code in exited.items() if code != 0)
+        if self.failure is None and unclean:
+            rank = unclean[0]
+            self.failure = f"tensor-parallel rank {rank} did not exit cleanly after stop ({_exit_reason(exited[rank])})"
+            raise TensorParallelError(self.failure + _last_words(self.procs[rank - 1]))
 
 
 def _last_words(proc) -> str:

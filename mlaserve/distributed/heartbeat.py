@@ -19,12 +19,21 @@ What a heartbeat sees, and what it cannot:
 A long legitimate step is not a hang for the same reason: the heartbeat thread beats while the
 main thread computes (torch kernels release the GIL; Python code yields it every few ms). Only
 one call holding the GIL for longer than HANG_TIMEOUT_S would be taken for a hang.
+
+Exit: both threads call the store (C++, the GIL released). A daemon thread still inside such a call when
+the interpreter finalizes aborts the process: CPython ends a thread that wants the GIL back then with
+pthread_exit, whose unwinding runs into pybind11's GIL guard (a noexcept destructor) -> std::terminate
+("terminate called without an active exception", SIGABRT) -- after the rank's work was done. So stop()
+joins the thread until it has ended (each store call returns or raises within the store's timeout), and
+an atexit hook stops any thread its owner left running (atexit runs before finalization).
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 HEARTBEAT = "mlaserve/heartbeat/"  # store key of a rank's heartbeat counter
@@ -37,6 +46,23 @@ HEARTBEAT_INTERVAL_S = 0.5
 # asks for < 10 s), not after gloo's COLLECTIVE_TIMEOUT.
 HANG_TIMEOUT_S = 5.0
 POLL_S = 0.25  # how often the watchdog reads the counters
+
+_started: weakref.WeakSet = weakref.WeakSet()  # every Heartbeat and Watchdog started in this process
+
+
+def _join(stop: threading.Event, thread: threading.Thread) -> None:
+    """Stop a store-calling thread and wait until it has ended (module docstring: Exit). No timeout: a
+    store call returns or raises within the store's timeout, and the loop ends at its next check."""
+    stop.set()
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join()
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop every heartbeat and watchdog still running, before the interpreter finalizes (module docstring)."""
+    for t in list(_started):
+        t.stop()
 
 
 class Heartbeat:
@@ -51,6 +77,7 @@ class Heartbeat:
     def start(self) -> Heartbeat:
         self.store.add(self.key, 1)
         self._thread.start()
+        _started.add(self)
         return self
 
     def _run(self) -> None:
@@ -61,8 +88,8 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2 * HEARTBEAT_INTERVAL_S)
+        """Stop beating; returns once the thread has ended (module docstring: Exit)."""
+        _join(self._stop, self._thread)
 
 
 class Watchdog:
@@ -81,13 +108,13 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._thread.start()
+        _started.add(self)
         return self
 
     def stop(self) -> None:
-        """Stop watching (the group shuts down); waits for the thread unless called from it."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5 * POLL_S)
+        """Stop watching (the group shuts down); returns once the thread has ended, unless called from it
+        (module docstring: Exit)."""
+        _join(self._stop, self._thread)
 
     def _run(self) -> None:
         now = time.monotonic()

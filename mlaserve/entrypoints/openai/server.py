@@ -2,7 +2,7 @@
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting, waits up to the grace period for
 in-flight responses, then cancels them (their engine requests are aborted); the engine loop
-stops; the process exits 0.
+stops (its thread joined); the tensor-parallel workers are stopped (LLM.close); the process exits 0.
 """
 
 from __future__ import annotations
@@ -106,8 +106,11 @@ def run(args, llm, chat_template: str | None, verify=None) -> int:
     try:
         server.run()
     finally:
-        loop.stop()
+        # the loop thread ends before the process does: one left inside a step's collective when the interpreter
+        # finalizes aborts the process (distributed/heartbeat.py: Exit); then the workers are stopped
+        loop.stop(timeout=None)
         llm.runner.tracer.close()
+        llm.close()
     print("mlaserve: stopped", file=sys.stderr, flush=True)
     return 0
 
