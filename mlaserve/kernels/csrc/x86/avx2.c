@@ -894,8 +894,40 @@ static inline int32_t hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* Q4_K (five = 0) and Q5_K (five = 1): the codes are unsigned (0..15 / 0..31), straight into maddubs / vpdpbusd;
-   the mins meet the activation's per-32 code sums (q8k_meta.bsum) */
+/* The Q4_K / Q5_K / Q6_K row kernels below take the same integer sums another way, with fewer instructions per 32
+   values (llama.cpp's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K on AVX2): maddubs forms 16 int16 lanes of pair sums of
+   unsigned codes times activation codes (exact: u <= 63 and |x| <= 127, so a pair stays below 2^14), and one
+   vpdpwssd (or vpmaddwd and an add without VNNI) multiplies them by the sub-block's int16 scale and adds pairs of
+   them into the int32 sums: 2 instructions where vpdpbusd, vpmulld (2 uops, 10 cycles' latency) and an add took
+   4. Q6_K's codes stay unsigned (0..63): sum (q - 32) x = sum q x - 32 sum x, the second term by a second maddubs
+   with 32s, in int16 (|sum q x - 32 sum x| over a pair <= 2 * 63 * 127 + 2 * 32 * 127 < 2^15). The sums are the
+   same integers, so every result keeps its bits. */
+static inline __m256i madd16_acc(__m256i acc, __m256i p16, __m256i sc16) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p16, sc16);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, p16, sc16);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sc16));
+#endif
+}
+
+/* a Q4_K / Q5_K super-block's 6-bit sub-block scales and mins (k_scales_int) as 16 bytes: scales 0..7, mins 0..7
+   (llama.cpp's utmp shuffle of the 12 scale bytes) */
+static inline __m128i k_scales_mins8(const uint8_t *s) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t sc_lo = u[0] & m6, sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    const uint32_t mn_lo = u[1] & m6, mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    return _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo);
+}
+
+/* int16 lanes all equal to lane j (0..7) of v (int16 x8 in both 128-bit halves) */
+static inline __m256i bcast16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+}
+
 static inline __attribute__((always_inline)) void q8k_q45_mr(const uint8_t *b, const int five, const int8_t *xq,
                                                              const float *xd, const int mr, int64_t k, float *y,
                                                              int64_t ldy) {
@@ -903,65 +935,78 @@ static inline __attribute__((always_inline)) void q8k_q45_mr(const uint8_t *b, c
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
-        int32_t sc[8], mn[8];
-        k_scales_int(b + 4, sc, mn);
+        const __m128i sm = k_scales_mins8(b + 4);
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)); /* scales 0..7, both halves */
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
         const float dw = f16(b), dmin = f16(b + 2);
         const uint8_t *qs = b + (five ? 48 : 16);
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        __m256i sum[4];
-        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+        __m256i sum[4][2]; /* two chains per row: one vpdpwssd's latency (5 cycles) would bound a single one */
+        for (int i = 0; i < mr; i++) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+#pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const int j = 2 * c + h;
                 __m256i w = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
                 if (five)
                     w = _mm256_or_si256(w, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
-                const __m256i s = Q8K_SCALES(sc[j], sc[j]);
+                const __m256i s = bcast16(sc16, j);
                 for (int i = 0; i < mr; i++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * j));
-                    sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(w, x, s));
+                    sum[i][h] = madd16_acc(sum[i][h], _mm256_maddubs_epi16(w, x), s);
                 }
             }
         }
         for (int i = 0; i < mr; i++) {
             const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            int32_t msum = 0;
-            for (int j = 0; j < 8; j++) msum += mn[j] * meta->bsum[j];
-            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
-            acc[i] -= (dmin * meta->d) * (float)msum;
+            const __m128i bs = _mm_loadu_si128((const __m128i *)meta->bsum);
+            __m128i ms = _mm_madd_epi16(mn16, bs); /* the exact int32 sum of mins x code sums, as a scalar loop's */
+            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4E));
+            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xB1));
+            acc[i] += (dw * meta->d) * (float)hsum_i32(_mm256_add_epi32(sum[i][0], sum[i][1]));
+            acc[i] -= (dmin * meta->d) * (float)_mm_cvtsi128_si32(ms);
         }
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
 
-/* Q6_K: the codes q - 32 are signed: their magnitudes go into maddubs / vpdpbusd, their signs onto x */
+/* Q6_K: unsigned codes q (0..63) and sum (q - 32) x = sum q x - 32 sum x per int16 pair (above) */
 static inline __attribute__((always_inline)) void q8k_q6k_mr(const uint8_t *b, const int8_t *xq, const float *xd,
                                                              const int mr, int64_t k, float *y, int64_t ldy) {
     const int64_t slots = k / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
-        const int8_t *scs = (const int8_t *)(b + 192);
+        const __m128i scs = _mm_loadu_si128((const __m128i *)(b + 192)); /* 16 int8 scales, one per 16 values */
         const float dw = f16(b + 208);
-        __m256i sum[4];
-        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+        __m256i sum[4][2]; /* two chains per row, as in q8k_q45_mr */
+        for (int i = 0; i < mr; i++) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+#pragma GCC unroll 4
             for (int g = 0; g < 4; g++) {
-                const __m256i w = q6k_codes(ql0, ql1, qh, g), aw = _mm256_sign_epi8(w, w);
-                const int t = 128 * h + 32 * g;
-                const __m256i s = Q8K_SCALES(scs[t >> 4], scs[(t >> 4) + 1]);
+                const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0), m4);
+                const __m256i hi = _mm256_and_si256(g ? _mm256_srli_epi16(qh, 2 * g) : qh, m3);
+                const __m256i w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                const int t = 128 * h + 32 * g, q = t >> 4; /* values 0..15 take scale q, 16..31 scale q + 1 */
+                const __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ULL * (uint64_t)(q + 1)),
+                                                    (long long)(0x0101010101010101ULL * (uint64_t)q));
+                const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scs, pick));
                 for (int i = 0; i < mr; i++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + t));
-                    sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(aw, _mm256_sign_epi8(x, w), s));
+                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(w, x), _mm256_maddubs_epi16(k32, x));
+                    sum[i][g & 1] = madd16_acc(sum[i][g & 1], p, s);
                 }
             }
         }
         for (int i = 0; i < mr; i++) {
             const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
+            acc[i] += (dw * meta->d) * (float)hsum_i32(_mm256_add_epi32(sum[i][0], sum[i][1]));
         }
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
