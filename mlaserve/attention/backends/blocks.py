@@ -17,6 +17,16 @@ def query_blocks(n_queries: int, bytes_per_query: int) -> list[slice]:
     return [slice(a, min(a + step, n_queries)) for a in range(0, n_queries, step)]
 
 
+def head_blocks(n_heads: int, bytes_per_head: int) -> list[slice]:
+    """Consecutive slices of the head axis whose temporaries fit in WORKSPACE_BYTES (>= 1 head each): the
+    decompressed path's K / V expanded from the latent rows are [L, H, dn + dv] per request, sized by the context
+    times every head (the standard model at 4096 tokens: ~0.2 GiB in fp32 with the copies; DeepSeek-V3's 128
+    heads, 8x that), so they are built for a group of heads at a time. Heads are independent: each head's result
+    is the one of a single group."""
+    step = max(1, WORKSPACE_BYTES // max(1, bytes_per_head))
+    return [slice(a, min(a + step, n_heads)) for a in range(0, n_heads, step)]
+
+
 def score_bytes(rows_per_query: int, length: int) -> int:
     """Temporaries per query of one softmax attention: ~3 [rows, L] tensors of <= 4 bytes (the scores,
     a transposed or fp32 copy, the probabilities)."""

@@ -12,8 +12,9 @@ Absorbed (MQA):      score = (q_nope W_UK) . c_kv + q_pe . k_pe;  out = (P c_kv)
 Decompressed (MHA):  [k_nope | v] = kv_b(c_kv);  score = q_nope . k_nope + q_pe . k_pe;  out = P v
 Both read the same cache rows and the same mask; `allowed` may narrow the mask further (DSA top-k).
 Long prompts: score-sized temporaries ([Q, H, L] per segment, [Q, k, r + dr] for sparse) are built
-for one block of queries at a time, so that they stay within WORKSPACE_BYTES; every query's result
-is the same as in one block (queries are independent), only peak memory changes.
+for one block of queries at a time, and the decompressed path's K / V ([L, H, dn + dv]) for one group
+of heads at a time, so that they stay within WORKSPACE_BYTES; every query's and head's result is the
+same as in one block (queries and heads are independent), only peak memory changes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.attention.backends import torch_index
-from mlaserve.attention.backends.blocks import drop_unread_rows, finite_values, gather_rows, query_blocks, score_bytes
+from mlaserve.attention.backends.blocks import (
+    drop_unread_rows,
+    finite_values,
+    gather_rows,
+    head_blocks,
+    query_blocks,
+    score_bytes,
+)
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
@@ -63,23 +71,45 @@ def decompressed_attention(
     dn: int,
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]."""
-    r = kv_b.shape[1]
+    """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]. K and V are expanded for one group of
+    heads at a time (head_blocks): their size is the context's times the heads', not the step's."""
     h = q_nope.shape[1]
-    mask = _mask(seg, allowed)
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
-    kv = torch.nn.functional.linear(rows[..., :r], kv_b).unflatten(-1, (h, -1))  # [B, L, H, dn + dv]
-    # Heads-major, contiguous K = [k_nope | k_pe] and V, so that scores come out as contiguous
-    # [B, H, Q, L] and the elementwise passes over them run at memory speed (the [B, Q, H, L] layout
-    # of a per-part einsum made each pass ~5x slower on CPU).
-    k_pe = rows[:, :, None, r:].expand(-1, -1, h, -1)
-    k = torch.cat([kv[..., :dn], k_pe], dim=-1).transpose(1, 2).contiguous()  # [B, H, L, dn + dr]
-    # V is a fresh copy (K was concatenated from kv before): its non-finite values are zeroed in place
-    v = finite_values(
-        kv[..., dn:].transpose(1, 2).contiguous(), seg.q_index.shape[1] > 1, inplace=True
-    )  # [B, H, L, dv]
+    w = kv_b.unflatten(0, (h, -1))  # [H, dn + dv, r], head-major as kv_b's rows
     q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
-    blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * h, rows.shape[1]))
+    mask, causal = _mask(seg, allowed), seg.q_index.shape[1] > 1
+    groups = head_blocks(h, expansion_bytes(rows, w.shape[1], q.shape[-1]))
+    parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal) for g in groups]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def expansion_bytes(rows: torch.Tensor, dn_dv: int, dn_dr: int) -> int:
+    """Temporaries per head of _decompressed_heads' K / V: [k_nope | v] (dn + dv), K concatenated then made
+    contiguous (2 x (dn + dr)), V contiguous (dv <= dn + dv) per row of every request."""
+    return rows.shape[0] * rows.shape[1] * rows.element_size() * (2 * dn_dv + 2 * dn_dr)
+
+
+def _decompressed_heads(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    dn: int,
+    causal: bool,
+) -> torch.Tensor:
+    """One group of G heads: q [B, G, Q, dn + dr], rows [B, L, r + dr], w [G, dn + dv, r] -> [B, Q, G, dv]."""
+    g, r = w.shape[0], w.shape[2]
+    kv = torch.nn.functional.linear(rows[..., :r], w.flatten(0, 1)).unflatten(-1, (g, -1))  # [B, L, G, dn + dv]
+    # Heads-major, contiguous K = [k_nope | k_pe] and V, so that scores come out as contiguous
+    # [B, G, Q, L] and the elementwise passes over them run at memory speed (the [B, Q, H, L] layout
+    # of a per-part einsum made each pass ~5x slower on CPU).
+    k_pe = rows[:, :, None, r:].expand(-1, -1, g, -1)
+    k = torch.cat([kv[..., :dn], k_pe], dim=-1).transpose(1, 2).contiguous()  # [B, G, L, dn + dr]
+    # V is a fresh copy (K was concatenated from kv before): its non-finite values are zeroed in place
+    v = finite_values(kv[..., dn:].transpose(1, 2).contiguous(), causal, inplace=True)  # [B, G, L, dv]
+    del kv  # not read again: freed before the scores are made
+    blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * g, rows.shape[1]))
     return torch.cat([_mha(q[:, :, s], k, v, mask[:, s], scale) for s in blocks], dim=1)
 
 
