@@ -2,9 +2,10 @@
 q8k rows), and vs the bf16 prefill GEMM (decode to bf16, then oneDNN), one weight at several row counts.
 
   PYTHONPATH=$PWD python benchmarks/int8_tiles.py [--threads N] [--rounds R] [--reps N] [--rows 1,16,64,512]
+      [--shapes NxK,...]
 
-One DeepSeek-V3 expert matrix (2048 x 7168) of random valid Q4_K / Q6_K blocks (int8_activations.py's: the time does
-not depend on the values) times --rows activation rows:
+One DeepSeek-V3 expert matrix (2048 x 7168; --shapes 1024x1024,1024x512: the standard model's) of random valid
+Q4_K / Q6_K blocks (int8_activations.py's: the time does not depend on the values) times --rows activation rows:
   tiles  `native.gemm(..., int8=True)` in this CPU's build (-march=native: the tiles from 16 rows on AMX-INT8)
   vnni   the same call in the same sources built without AMX (-mno-amx-tile -mno-amx-int8), loaded side by side:
          the VNNI rows at every count (below 16 rows both builds run these: the control, ratio ~1)
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import int8_activations
 from common import RESULTS_DIR, environment, write_json
 from int8_activations import K, N, blocks
 
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rows", default="1,16,32,64,128,512")
     ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--shapes", default=f"{N}x{K}", help="weights as NxK, comma-separated (kernels/ggml.TILE_ROWS)")
     ap.add_argument("--step16", action="store_true", help="a 16-sequence decode in the engine (see above)")
     ap.add_argument("--file", default="q4_k_m", help="--step16: the standard model's GGUF type")
     ap.add_argument("--new", type=int, default=16, help="--step16: decode steps timed")
@@ -108,14 +111,16 @@ def main() -> None:
     )
     libs = builds()
     rows_out = []
-    for name in args.types.split(","):
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for (n, k), name in ((shape, name) for shape in shapes for name in args.types.split(",")):
+        int8_activations.N, int8_activations.K = n, k  # the shape blocks() makes
         tid, w = GGML_TYPE_IDS[name], blocks(name)
         for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             calls = {
-                "tiles": (libs["tiles"], lambda: native.gemm(tid, x, w, K, int8=True)),
-                "vnni": (libs["vnni"], lambda: native.gemm(tid, x, w, K, int8=True)),
-                "bf16": (libs["tiles"], lambda: bf16_prefill.linear(x, native.dequantize_bf16(tid, w, K))),
+                "tiles": (libs["tiles"], lambda: native.gemm(tid, x, w, k, int8=True)),
+                "vnni": (libs["vnni"], lambda: native.gemm(tid, x, w, k, int8=True)),
+                "bf16": (libs["tiles"], lambda: bf16_prefill.linear(x, native.dequantize_bf16(tid, w, k))),
             }
             wall: dict[str, list[list[float]]] = {key: [] for key in calls}
             cpu: dict[str, list[list[float]]] = {key: [] for key in calls}
@@ -133,7 +138,12 @@ def main() -> None:
                     wall[key].append(ws)
                     cpu[key].append(cs)
             native._state["lib"] = libs["tiles"]
-            row = {"type": name, "rows": rows, "bit_equal": bool(torch.equal(outs["tiles"], outs["vnni"]))}
+            row = {
+                "type": name,
+                "shape": [n, k],
+                "rows": rows,
+                "bit_equal": bool(torch.equal(outs["tiles"], outs["vnni"])),
+            }
             for key in calls:
                 for what, per in (("wall", wall), ("cpu", cpu)):
                     meds = [statistics.median(r) * 1e3 for r in per[key]]
@@ -144,7 +154,7 @@ def main() -> None:
                 row[f"wall_median_vs_{other}"] = row[f"{other}_wall_median_ms"] / row["tiles_wall_median_ms"]
             rows_out.append(row)
             print(
-                f"{name:<5} {rows:>4} rows, best CPU ms: tiles {row['tiles_cpu_best_ms']:7.2f}, vnni "
+                f"{name:<5} {n}x{k} {rows:>4} rows, best CPU ms: tiles {row['tiles_cpu_best_ms']:7.2f}, vnni "
                 f"{row['vnni_cpu_best_ms']:7.2f} ({row['cpu_best_vs_vnni']:.2f}x), bf16 {row['bf16_cpu_best_ms']:7.2f}"
                 f" ({row['cpu_best_vs_bf16']:.2f}x) | median wall ms {row['tiles_wall_median_ms']:7.2f} / "
                 f"{row['vnni_wall_median_ms']:7.2f} / {row['bf16_wall_median_ms']:7.2f}  bit-equal {row['bit_equal']}",
@@ -153,7 +163,7 @@ def main() -> None:
     env["loadavg_after"] = os.getloadavg()
     print(f"load after {env['loadavg_after']}")
     write_json(
-        RESULTS_DIR / "int8_tiles.json", {"env": env, "shape": [N, K], "threads": args.threads, "rows": rows_out}
+        RESULTS_DIR / "int8_tiles.json", {"env": env, "shapes": shapes, "threads": args.threads, "rows": rows_out}
     )
 
 

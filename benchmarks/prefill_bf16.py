@@ -1,10 +1,12 @@
 """Prefill with fp32 vs bf16 GEMMs on the many-rows path (engine option prefill_matmul), the standard model's GGUF
 files, in one process: the engines (one per file and mode) are loaded first, then every repetition runs each of
 them in turn (alternating, so a busy machine slows them alike), each on a prompt of its own (no prefix-cache hit).
-Prefill tok/s = prompt tokens / the wall time of a 1-token generate. llama.cpp's figure on the same files comes from
+Prefill tok/s = prompt tokens / the wall time of a 1-token generate; per CPU second: / the process's CPU time of it
+(the steadier figure on a loaded machine at 1 thread). llama.cpp's figure on the same files comes from
 its own llama-bench (see benchmarks/README.md, "Prefill on the matrix units").
 
   python benchmarks/prefill_bf16.py --files q8_0 q4_k_m --modes float bf16 --lens 512 --reps 2
+  python benchmarks/prefill_bf16.py --files q4_k_m --modes bf16_6bit int8 --threads 1   (int8 prefill on the tiles)
 """
 
 from __future__ import annotations
@@ -53,12 +55,17 @@ def main() -> None:
         for rep in range(args.reps):
             for (f, mode), llm in engines.items():
                 seed += 1
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 llm.generate([random_prompt(n, 32768, seed)], one)
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 load = list(os.getloadavg())
-                runs.append({"file": f, "mode": mode, "len": n, "rep": rep, "tok_s": n / wall, "loadavg": load})
-                print(f"{f} {mode:<6} {n:>5} rep {rep}: {n / wall:7.1f} tok/s  (loadavg {load[0]:.1f})", flush=True)
+                run = {"file": f, "mode": mode, "len": n, "rep": rep, "tok_s": n / wall, "cpu_tok_s": n / cpu}
+                runs.append(run | {"loadavg": load})
+                print(
+                    f"{f} {mode:<9} {n:>5} rep {rep}: {n / wall:7.1f} tok/s, {n / cpu:7.1f} per CPU second "
+                    f"(loadavg {load[0]:.1f})",
+                    flush=True,
+                )
     chosen = {f"{f} {m}": e.config.kernels.prefill_matmul for (f, m), e in engines.items()}
     write_json(
         Path(args.out),

@@ -53,6 +53,7 @@ def pytest_collection_modifyitems(config, items):
 # dtype="auto" picks bfloat16 on CPUs with AVX512-BF16/AMX (mlaserve/config/cpu.py): the suite runs the exact
 # float32 default on every machine (also in the processes it starts), and tests of that choice set both values.
 os.environ["MLASERVE_FAST_BF16"] = "0"
+os.environ["MLASERVE_AMX_INT8"] = "0"  # the same for prefill_matmul="auto"'s int8 tiles
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 

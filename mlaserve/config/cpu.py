@@ -3,7 +3,8 @@
 bf16 matmuls are ~2x faster than fp32 on CPUs with AVX512-BF16 or AMX-BF16 (measured on 2-core EPYCs
 with AVX512-BF16) and ~4x slower without (AVX2 only: torch converts and multiplies in fp32). The flags
 come from /proc/cpuinfo; MLASERVE_FAST_BF16=1|0 overrides the detection (the test suite sets 0 so its
-outcomes never depend on the machine it runs on; tests of the choice set it both ways).
+outcomes never depend on the machine it runs on; tests of the choice set it both ways); MLASERVE_AMX_INT8=1|0
+the same for AMX-INT8 (prefill_matmul="auto": int8 prefill products on the tiles).
 """
 
 from __future__ import annotations
@@ -34,3 +35,18 @@ def fast_bf16() -> tuple[bool, str]:
     if found:
         return True, f"this CPU has {found[0]}"
     return False, "this CPU has neither AVX512-BF16 nor AMX-BF16"
+
+
+AMX_INT8_OVERRIDE = "MLASERVE_AMX_INT8"
+
+
+def amx_int8() -> tuple[bool, str]:
+    """(whether the CPU has AMX-INT8 tiles, why: the flag, its absence, or the override MLASERVE_AMX_INT8=1|0, which
+    the test suite sets to 0 as it does MLASERVE_FAST_BF16). The automatic prefill choice asks it only where bf16 is
+    fast (fast_bf16): it pairs the tiles with bf16 GEMMs above their rows."""
+    forced = os.environ.get(AMX_INT8_OVERRIDE)
+    if forced in ("0", "1"):
+        return forced == "1", f"{AMX_INT8_OVERRIDE}={forced} in the environment"
+    if "amx_int8" in cpu_flags():
+        return True, "this CPU has amx_int8"
+    return False, "this CPU has no AMX-INT8"

@@ -111,7 +111,7 @@ def resolve(
     quantization = choose_quantization(opts.quantization, log)
     kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders, triton)
     activations = choose_activations(opts.activations, kernels, gguf, log)
-    prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log, _bf16_unbound(model))
+    prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log, _bf16_unbound(model), activations)
     ranks = opts.tensor_parallel_size * opts.expert_parallel_size
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, ranks, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)

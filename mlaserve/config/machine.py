@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mlaserve.config.cpu import fast_bf16
+from mlaserve.config.cpu import amx_int8, fast_bf16
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import ProvenanceLog
 
@@ -28,10 +28,14 @@ ACTIVATIONS = ("auto", "float", "int8", "int8_6bit")
 # a resolved activations value -> the widest weight (bits per value) whose products take int8 activations (0: none;
 # kernels/native.takes_int8 applies it per weight type)
 INT8_BITS = {"float": 0, "int8_6bit": 6, "int8": 8}
-PREFILL_MATMULS = ("auto", "float", "bf16", "bf16_6bit")
+PREFILL_MATMULS = ("auto", "float", "bf16", "bf16_6bit", "int8")
 # a resolved prefill_matmul value -> the widest weight (bits per value) whose many-rows products run in bf16 (0: none;
-# kernels/bf16_prefill.takes_bf16 applies it per weight type, BF16_ALL = every type)
-BF16_BITS = {"float": 0, "bf16_6bit": 6, "bf16": 64}
+# kernels/bf16_prefill.takes_bf16 applies it per weight type, BF16_ALL = every type); "int8": bf16_6bit above the
+# tiles' rows
+BF16_BITS = {"float": 0, "bf16_6bit": 6, "bf16": 64, "int8": 6}
+# the resolved prefill_matmul values whose int8 products of up to kernels/ggml.TILE_ROWS rows run on the AMX-INT8
+# tiles (registry.KernelContext.tiles; each holder asks native.takes_tiles per weight at load)
+PREFILL_TILES = frozenset({"int8"})
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 DTYPES = {  # name -> torch's attribute (torch is imported when a config is built, not for `--help`)
@@ -167,16 +171,38 @@ BF16_RULE = (
 )
 
 
+INT8_PREFILL_SCOPE = (
+    "products of up to 64 rows per weight (per active expert on average: kernels/ggml.TILE_ROWS, measured "
+    "crossover) whose weights take int8 activations (activations) and have AMX-INT8 tile kernels stay int8 on the "
+    "tiles instead of bf16 decode-then-GEMM (the decode kernels' bits; the rounding is the int8 activations' "
+    "instead of bf16's, within the same rule: verify --against reports it per layer as act)"
+)
+
+
 def choose_prefill_matmul(
-    requested: str, kernels: str, gguf: bool, log: ProvenanceLog, unbound: str | None = None
+    requested: str,
+    kernels: str,
+    gguf: bool,
+    log: ProvenanceLog,
+    unbound: str | None = None,
+    activations: str = "float",
 ) -> str:
-    """float | bf16_6bit | bf16 (BF16_BITS). auto: bf16 GEMMs for a GGUF's weights of 6 bits or fewer with the native
-    kernels on a CPU whose bf16 GEMMs are fast (config/cpu.fast_bf16: AMX-BF16 or AVX512-BF16), their added error
-    measured well inside the file's own (kernels/bf16_prefill.py); exact fp32 elsewhere. unbound: why this model's
-    kernel plan binds no bf16 products (None: it does); then auto is float and a bf16 request is refused."""
+    """float | bf16_6bit | bf16 | int8 (BF16_BITS, PREFILL_TILES). auto: bf16 GEMMs for a GGUF's weights of 6 bits or
+    fewer with the native kernels on a CPU whose bf16 GEMMs are fast (config/cpu.fast_bf16: AMX-BF16 or
+    AVX512-BF16), their added error measured well inside the file's own (kernels/bf16_prefill.py), and on a CPU
+    with AMX-INT8 where int8 activations apply (activations resolved, not float) int8: the products of up to
+    kernels/ggml.TILE_ROWS rows of the weights with tile kernels stay int8 on the tiles (measured faster there),
+    bf16_6bit above; exact fp32 elsewhere. unbound: why this model's kernel plan binds no bf16 products (None: it
+    does); then auto is float and a bf16 / int8 request is refused."""
     check_choice("prefill_matmul", requested, PREFILL_MATMULS)
     if requested == "float":
         return log.record("prefill_matmul", "float", "user option (fp32 GEMMs on the exact decoded weights)")
+    if requested == "int8" and INT8_BITS[activations] == 0:
+        raise ConfigError(
+            f"prefill_matmul='int8' keeps int8 activations on the prefill products, but activations resolved to "
+            f"'float' ({log.source('activations')}); use activations='auto' / 'int8_6bit' / 'int8', or another "
+            "prefill_matmul"
+        )
     if unbound is not None:
         if requested != "auto":
             raise ConfigError(f"prefill_matmul={requested!r}: {unbound}; use 'auto' or 'float'")
@@ -189,6 +215,15 @@ def choose_prefill_matmul(
         if not fast:
             why = f"engine default (auto: {cpu}: bf16 GEMMs are slower than fp32 here, so fp32 GEMMs)"
             return log.record("prefill_matmul", "float", why)
+        tiles, tiles_cpu = amx_int8()
+        if tiles and INT8_BITS[activations]:
+            return log.record(
+                "prefill_matmul",
+                "int8",
+                f"engine default (auto: {tiles_cpu}, activations {activations}): {INT8_PREFILL_SCOPE}; above, and "
+                f"for the other weights, {BF16_SCOPE}, for {BF16_RULE} (prefill_matmul='bf16_6bit': bf16 GEMMs "
+                "only; 'float': fp32 everywhere)",
+            )
         return log.record(
             "prefill_matmul",
             "bf16_6bit",
@@ -202,6 +237,11 @@ def choose_prefill_matmul(
         )
     which = "every weight type (Q8_0 too)" if requested == "bf16" else BF16_RULE
     slow = "" if fast else f"; {cpu}: slower than fp32 here"
+    if requested == "int8":
+        tiles, tiles_cpu = amx_int8()
+        none = "" if tiles else f"; {tiles_cpu}: no product takes the tiles here"
+        why = f"user option: {INT8_PREFILL_SCOPE}{none}; above, and for the other weights, {BF16_SCOPE}, for {which}"
+        return log.record("prefill_matmul", requested, why + slow)
     return log.record("prefill_matmul", requested, f"user option: {which}: {BF16_SCOPE}{slow}")
 
 

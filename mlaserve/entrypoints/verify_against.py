@@ -22,7 +22,9 @@ reported beside the file's own, per block:
   act(X)      = sqrt(sum_p ||y_p^int8 - y_p||^2 / sum_p ||y_p||^2) over the products p of X's GGUF holders
               (linear layers, routed experts, lm_head) on the inputs they saw in the teacher-forced run, in
               decode-sized chunks of <= GEMV_ROWS rows (where the int8 kernels run); W_UK / W_UV (attn_k_b /
-              attn_v_b) are not included
+              attn_v_b) are not included; every row is quantized on its own and the AMX-INT8 tiles give the
+              decode kernels' bits, so this is also the error of prefill_matmul "int8"'s prefill products
+              (those of up to kernels/ggml.TILE_ROWS rows on the tiles)
 reported with e(X) (the rule: act well inside e), not judged.
 """
 

@@ -24,6 +24,9 @@ quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to lla
 With bf16 (engine option prefill_matmul; bf16_prefill.takes_bf16 says which weight types, decided per weight at
 load) the many-rows products round the decoded weight and the activations to bfloat16 and run one bf16 GEMM
 (kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there.
+With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decided per weight at load) the products of
+up to TILE_ROWS rows keep the int8 call, which runs them on the AMX-INT8 tiles from 16 rows: the decode kernels'
+bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ MOE_PAIRS = 8
 # peak of a 512-token prefill of the standard benchmark model's Q8_0 file was 0.09 GiB above 64 MiB's (a chunk
 # and its transposed copy), and alternating prefills were no slower (docs/PERFORMANCE.md, Memory).
 EXPERT_BYTES = 16 << 20
+# Rows per product (per active expert: the mean of a grouped call) up to which a prefill product of a weight that
+# takes the AMX-INT8 tiles (native.takes_tiles; the holder's choice at load, prefill_matmul "int8") runs there with
+# int8 activations instead of decode-then-GEMM. Measured (benchmarks/int8_tiles.py --shapes: the kernel alone,
+# 1 thread, best CPU ms, Intel Xeon with AMX, load average 6.6-6.8 on 2 cores): tiles / bf16 decode+oneDNN at 64
+# rows: Q4_K 1024 x 1024 1.32 / 1.74, 1024 x 512 0.85 / 1.01, 2048 x 7168 9.5 / 13.9; Q6_K 1.42 / 1.82, 1.12 /
+# 1.07, 21.1 / 20.9; at 128 rows Q4_K's tiles are even with bf16 or slower on the small shapes and Q6_K's 1.2-1.4x
+# slower. 64 is where every measured type and shape is at least even (docs/PERFORMANCE.md, int8 prefill).
+TILE_ROWS = 64
 KERNELS = ("native", "torch")
 
 
@@ -82,14 +93,22 @@ def linear_torch(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8:
 
 
 def linear_native(
-    x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, int8: bool = False, bf16: bool = False
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ggml_type: int,
+    k: int,
+    int8: bool = False,
+    bf16: bool = False,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: the weight types native.takes_int8
-    names take int8 activations, engine option activations: not exact); more rows: the weight decoded natively (the
-    reference's values bit for bit), then the BLAS GEMM in fp32, or with bf16 (this weight takes bf16 prefill, the
-    holder's choice at load) the bf16 GEMM of bf16_prefill.linear."""
+    names take int8 activations, engine option activations: not exact); with tiles (this weight's int8 products run
+    on the AMX-INT8 tiles, the holder's choice at load: native.takes_tiles) up to TILE_ROWS rows the same int8 call
+    (the tiles, the same bits as the decode kernels'); more rows: the weight decoded natively (the reference's
+    values bit for bit), then the BLAS GEMM in fp32, or with bf16 (this weight takes bf16 prefill, the holder's
+    choice at load) the bf16 GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
-    if x.shape[0] <= GEMV_ROWS:
+    if x.shape[0] <= (TILE_ROWS if tiles else GEMV_ROWS):
         return native.gemm(ggml_type, x, w, k, int8=int8)
     if bf16:  # decoded straight to bf16 (one pass; the values of dequantize, rounded)
         return bf16_prefill.linear(x, native.dequantize_bf16(ggml_type, w, k))
@@ -112,9 +131,10 @@ def expert_linear_torch(
     offs: torch.Tensor,
     int8: bool = False,
     bf16: bool = False,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """The reference: ys [P, N] fp32, rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight
-    (exact: int8 and bf16 are the native kernels' only; the kernel plan sets them only on the native path)."""
+    (exact: int8, bf16 and tiles are the native kernels' only; the kernel plan sets them only on the native path)."""
     dense_w = torch.cat([dense(p[experts], ggml_type, k) for p in _parts(w)], dim=1)
     return torch._grouped_mm(xs.float(), dense_w.transpose(1, 2), offs=offs)
 
@@ -128,12 +148,15 @@ def expert_linear_native(
     offs: torch.Tensor,
     int8: bool = False,
     bf16: bool = False,
+    tiles: bool = False,
 ) -> torch.Tensor:
-    """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert the grouped decode-and-dot
-    (int8: as linear_native; each output row is its own dot product, so parts run one call each); more: the
-    active experts decoded natively, then grouped GEMMs (_decoded_grouped; bf16: in bf16, as linear_native)."""
+    """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: TILE_ROWS, as
+    linear_native, the mean over the active experts) the grouped decode-and-dot in one call per part (int8: as
+    linear_native; each output row is its own dot product, so parts run one call each; the C call takes each
+    group of 16+ rows to the tiles, the rest to the row kernels); more: the active experts decoded natively, then
+    grouped GEMMs (_decoded_grouped; bf16: in bf16, as linear_native)."""
     xs = xs.float().contiguous()
-    if xs.shape[0] <= GEMV_ROWS * experts.shape[0]:
+    if xs.shape[0] <= (TILE_ROWS if tiles else GEMV_ROWS) * experts.shape[0]:
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         ys = [native.grouped_gemm(ggml_type, xs, p, k, experts, starts, int8=int8) for p in _parts(w)]

@@ -213,6 +213,20 @@ def int8_tiles(names: tuple[str, ...] = tuple(INT8_TILE_TYPES.values())) -> str:
     return f"no amx-int8 tiles: the kernel refused the tile state (arch_prctl errno {-rc})"
 
 
+def tiles_granted() -> bool:
+    """Whether this process's library runs int8 products on AMX-INT8 tiles (the build has them and the kernel
+    granted the tile state; asked once per process, csrc/x86/amx.c amx_permission)."""
+    lib = library()
+    return lib is not None and lib.mls_int8_tiles() == 1
+
+
+def takes_tiles(type_id: int, int8: bool | int) -> bool:
+    """Whether a product with a weight of this type runs on the AMX-INT8 tiles from INT8_TILE_ROWS rows on under the
+    int8 setting: the type takes int8 activations there (takes_int8), has a tile kernel (INT8_TILE_TYPES) and the
+    process has the tiles (tiles_granted)."""
+    return takes_int8(type_id, int8) and type_id in INT8_TILE_TYPES and tiles_granted()
+
+
 def int8_cap(int8: bool | int) -> int:
     """An int8 setting as the C structs take it: 0 none; else the widest weight (bits per value) whose products
     take int8 activations. True (the holders' and tests' plain switch) means every type (INT8_ALL)."""

@@ -50,6 +50,7 @@ class KernelContext:
     kernels: str  # "native" | "triton" | "torch"
     int8: int  # activations: 0 float; else the widest weight (bits per value) whose products take int8 (native.takes_int8)
     bf16: int = 0  # prefill_matmul: 0 fp32; else the widest weight whose many-rows products run in bf16 (bf16_prefill)
+    tiles: bool = False  # prefill_matmul "int8": int8 prefill products on the AMX-INT8 tiles up to ggml.TILE_ROWS rows
 
 
 Supports = Callable[[nn.Module, KernelContext], "str | None"]
@@ -258,6 +259,8 @@ def _apply_native(module: nn.Module, ctx: KernelContext) -> None:
         module.int8 = ctx.int8
     if ctx.bf16 and hasattr(module, "set_prefill_bf16"):  # GGUF block holders: bf16 GEMMs on prefill (not exact)
         module.set_prefill_bf16(ctx.bf16)
+    if ctx.tiles and hasattr(module, "set_prefill_tiles"):  # after int8: the tiles take the int8 products' weights
+        module.set_prefill_tiles()
 
 
 def _triton_module(module: nn.Module, ctx: KernelContext) -> str | None:

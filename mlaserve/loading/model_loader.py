@@ -14,7 +14,7 @@ from torch import nn
 from mlaserve.config import families
 from mlaserve.config.deepseek_v4 import DeepseekV4Config, is_v4
 from mlaserve.config.engine import EngineOptions, resolve
-from mlaserve.config.machine import BF16_BITS, INT8_BITS
+from mlaserve.config.machine import BF16_BITS, INT8_BITS, PREFILL_TILES
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.distributed.expert_parallel import cut_experts, expert_range, shard_experts
@@ -460,7 +460,13 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
     kcfg = engine_cfg.kernels
     kernel_plan = plan_kernels(
-        model, KernelContext(kcfg.impl, INT8_BITS[kcfg.activations], BF16_BITS[kcfg.prefill_matmul])
+        model,
+        KernelContext(
+            kcfg.impl,
+            INT8_BITS[kcfg.activations],
+            BF16_BITS[kcfg.prefill_matmul],
+            kcfg.prefill_matmul in PREFILL_TILES,
+        ),
     )
     model.kernel_plan = kernel_plan
     layers = enable_decode_step(model)

@@ -66,10 +66,31 @@ def bf16_detail(types: tuple[int, ...], bf16: tuple[bool, ...]) -> str | None:
     return f"bf16 prefill GEMMs for {', '.join(taken)} ({bf16_prefill.units()})" if taken else None
 
 
-def _plan_note(types: dict[str, int], int8: bool | int, bf16: tuple[bool, ...] = ()) -> str:
+def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
+    """What the kernel plan says of a holder's prefill products on the AMX-INT8 tiles: the types of its weights whose
+    products of up to ggml.TILE_ROWS rows (per active expert) stay int8 on the tiles instead of decode-then-GEMM,
+    and what runs above; None where none does."""
+    taken = sorted({GGML_TYPES[t].name for t, b in zip(types, tiles, strict=True) if b})
+    if not taken:
+        return None
+    return (
+        f"int8 prefill on amx-int8 tiles for {', '.join(taken)} up to {ggml.TILE_ROWS} rows per product "
+        "(measured crossover with bf16 decode-then-GEMM: kernels/ggml.TILE_ROWS), decode-then-GEMM above"
+    )
+
+
+def _plan_note(
+    types: dict[str, int], int8: bool | int, bf16: tuple[bool, ...] = (), tiles: tuple[bool, ...] = ()
+) -> str:
     """A holder's kernel-plan note: what its products run (fused or not) and, where any takes them, its int8
-    activations and its bf16 prefill GEMMs (bf16: per part of `types`, in order)."""
-    said = [int8_detail(tuple(types.values()), int8), bf16_detail(tuple(types.values()), bf16) if bf16 else None]
+    activations, its int8 prefill on the tiles and its bf16 prefill GEMMs (bf16, tiles: per part of `types`, in
+    order)."""
+    kinds = tuple(types.values())
+    said = [
+        int8_detail(kinds, int8),
+        tiles_detail(kinds, tiles) if tiles else None,
+        bf16_detail(kinds, bf16) if bf16 else None,
+    ]
     return "; ".join([_types_detail(types), *(s for s in said if s)])
 
 
@@ -95,6 +116,7 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         self.kernel = "torch"  # the reference until the loader sets the engine's kernels (binds self.matmul)
         self.int8 = False  # int8 activations: False, or the cap of kernels/native.takes_int8 (set by the KernelPlan)
         self.bf16 = False  # prefill (many-rows) products in bf16 (set by the KernelPlan: set_prefill_bf16)
+        self.tiles = False  # prefill products of <= ggml.TILE_ROWS rows int8 on the tiles (set_prefill_tiles)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -111,7 +133,8 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _matmul_native(self, x2: torch.Tensor) -> torch.Tensor:
-        return ggml.linear_native(x2, self.weight, self.ggml_type, self.in_features, self.int8, self.bf16)
+        w, t, k = self.weight, self.ggml_type, self.in_features
+        return ggml.linear_native(x2, w, t, k, self.int8, self.bf16, self.tiles)
 
     def _matmul_torch(self, x2: torch.Tensor) -> torch.Tensor:
         return ggml.linear_torch(x2, self.weight, self.ggml_type, self.in_features)
@@ -135,9 +158,14 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         """The KernelPlan's bf16 prefill setting (the widest weight taking it, bits per value): decided here, once."""
         self.bf16 = bf16_prefill.takes_bf16(self.ggml_type, cap)
 
+    def set_prefill_tiles(self) -> None:
+        """The KernelPlan's int8 prefill setting (prefill_matmul "int8"), decided here once, after the int8 one:
+        whether this weight's int8 products run on the AMX-INT8 tiles in this process (native.takes_tiles)."""
+        self.tiles = native.takes_tiles(self.ggml_type, self.int8)
+
     def native_detail(self) -> str:
         """The plan's note: the build and whether the type has a fused decode-and-dot kernel in it."""
-        return _plan_note({"weight": self.ggml_type}, self.int8, (self.bf16,))
+        return _plan_note({"weight": self.ggml_type}, self.int8, (self.bf16,), (self.tiles,))
 
     def extra_repr(self) -> str:
         t = GGML_TYPES[self.ggml_type].name
@@ -185,6 +213,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         self.impl, self.hidden, self.inter, self.kernel, self.int8 = "grouped_mm", hidden, inter, "torch", False
         self.type_gate_up, self.type_down = type_gate_up, type_down
         self.bf16_gate_up = self.bf16_down = False  # prefill products in bf16, per projection (set_prefill_bf16)
+        self.tiles_gate_up = self.tiles_down = False  # prefill products int8 on the tiles, per projection
         self.gate_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.up_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(type_down, inter)), device)
@@ -216,10 +245,16 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         self.bf16_gate_up = bf16_prefill.takes_bf16(self.type_gate_up, cap)
         self.bf16_down = bf16_prefill.takes_bf16(self.type_down, cap)
 
+    def set_prefill_tiles(self) -> None:
+        """The KernelPlan's int8 prefill setting, decided once per projection after the int8 one (native.takes_tiles)."""
+        self.tiles_gate_up = native.takes_tiles(self.type_gate_up, self.int8)
+        self.tiles_down = native.takes_tiles(self.type_down, self.int8)
+
     def native_detail(self) -> str:
         """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""
         types = {"gate_up": self.type_gate_up, "down": self.type_down}
-        return _plan_note(types, self.int8, (self.bf16_gate_up, self.bf16_down))
+        tiles = (self.tiles_gate_up, self.tiles_down)
+        return _plan_note(types, self.int8, (self.bf16_gate_up, self.bf16_down), tiles)
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
@@ -258,10 +293,15 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
-        gu = product(xs, self.gate_up, self.type_gate_up, self.hidden, active, offs, self.int8, self.bf16_gate_up)
+        gu = product(
+            xs, self.gate_up, self.type_gate_up, self.hidden, active, offs, self.int8, self.bf16_gate_up,
+            self.tiles_gate_up,
+        )  # fmt: skip
         g, u = gu.chunk(2, dim=-1)
         h = self._swiglu(g, u)
-        ys = product(h, self.down_proj, self.type_down, self.inter, active, offs, self.int8, self.bf16_down)
+        ys = product(
+            h, self.down_proj, self.type_down, self.inter, active, offs, self.int8, self.bf16_down, self.tiles_down
+        )
         ys = ys * topk_w.reshape(-1)[order, None].float()
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
