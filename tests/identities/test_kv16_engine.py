@@ -68,7 +68,12 @@ def test_logits_equal_transformers_over_the_same_16bit_rows(hf_model_dir, kind, 
     stored = _stored_rows(llm, len(ids))
     assert all(isinstance(layer.latent, QuantizedRows) and layer.latent.fmt.half for layer in llm.runner.cache.layers)
     assert len(seen) == len(stored)
-    flips = sum(int((a != b).sum()) for a, b in zip(stored, seen))
+    # c_kv value by value; k_pe as each row's multiset of values: the engine keeps the roped pairs in the order its
+    # weights lay them out, which for DeepSeek-V2's interleaved rope is not transformers' (its apply_rotary_pos_emb
+    # de-interleaves): the same values, in another column order
+    r = hf.config.kv_lora_rank
+    flips = sum(int((a[:, :r] != b[:, :r]).sum()) for a, b in zip(stored, seen))
+    flips += sum(int((a[:, r:].sort(-1).values != b[:, r:].sort(-1).values).sum()) for a, b in zip(stored, seen))
     values = sum(a.numel() for a in stored)
     diff = (got - want).abs().max().item()
     spread = (got - plain).abs().max().item()
