@@ -306,7 +306,7 @@ class DecodeStepArgs(ctypes.Structure):
 
 LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache",
                 -6: "a sparse step the layer's indexer cannot run (no index-key cache, or no selection to reuse), "
-                    "or 8-bit / 16-bit rows of a layout the call does not read",
+                    "or 8-bit rows (or 16-bit rows) of a layout the call does not read",
                 -7: "the tensor-parallel all-reduce failed"}  # fmt: skip
 
 
