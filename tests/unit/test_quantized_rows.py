@@ -196,7 +196,10 @@ def test_engine_option_resolved_and_recorded():
     auto = resolve(model, make_options(), has_indexer_weights=False)
     assert auto.cache.kv_cache_dtype == "auto"
     assert [s.source for s in auto.provenance if s.name == "kv_cache_dtype"] == ["engine default ('auto')"]
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of \\('auto', 'int8', 'fp8_e4m3', 'float16', 'bfloat16'\\), got 'fp8'"):
+    with pytest.raises(
+        ConfigError,
+        match="kv_cache_dtype must be one of \\('auto', 'int8', 'fp8_e4m3', 'float16', 'bfloat16'\\), got 'fp8'",
+    ):
         resolve(model, make_options(kv_cache_dtype="fp8"), has_indexer_weights=False)
 
 
