@@ -121,7 +121,7 @@ def main() -> None:
         env["loadavg_end"] = list(os.getloadavg())
         print(print_table(["rows", "cache", "best cpu ms", "median cpu ms", "bytes read"], rows))
         out = Path(args.out) if args.out else RESULTS_DIR / "kv16_decode-kernel.json"
-        write_json(out, {"environment": env, "args": vars(args), "results": results})
+        write_json(out, {"environment": env, "args": vars(args) | {"out": None}, "results": results})
         print(f"[results] wrote {out}")
         return
     if not args.gguf:
@@ -140,7 +140,7 @@ def main() -> None:
     print(print_table(["context", "cache", "tok/s", "step ms", "cpu ms", "bytes/token", "max|dlogit|"], rows))
     name = Path(args.gguf).stem
     out = Path(args.out) if args.out else RESULTS_DIR / f"kv16_decode-{name}.json"
-    write_json(out, {"file": Path(args.gguf).name, "environment": env, "args": vars(args) | {"gguf": name},
+    write_json(out, {"file": Path(args.gguf).name, "environment": env, "args": vars(args) | {"gguf": name, "out": None},
                      "results": results})  # fmt: skip
     print(f"[results] wrote {out}")
 

@@ -1,6 +1,11 @@
 """The cache's storage layout (`kv_cache_dtype`), as data: which paged states keep 8-bit or 16-bit rows (the
 formats and their error bound: config/row_format.py). Decided once from the config (`quantize_states`); the cache allocates
-what a StateSpec's `quant` says and every reader dequantizes the rows it gathers."""
+what a StateSpec's `quant` says and every reader dequantizes the rows it gathers.
+
+`auto` is the compute dtype for every checkpoint, GGUF files included (decided 2026-12-02, docs/PERFORMANCE.md "A
+16-bit latent cache"): float16 meets the rule for a lossy default (`verify --against` measured the error it adds
+to an attention block at 0.7-1.0% of a Q8_0 file's own e(X), 0.07-0.1% of a Q4_K_M's), but a decode step at 4096
+context showed no measurable gain, and `auto` is the exact cache every reference test relies on."""
 
 from __future__ import annotations
 
