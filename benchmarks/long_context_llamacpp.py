@@ -191,7 +191,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="*", default=[16384, 32768])
     p.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     p.add_argument("--llama-caches", nargs="*", default=["q8_0", "f16"], choices=["q8_0", "f16"])
-    p.add_argument("--caches", nargs="*", default=["auto", "int8", "fp8_e4m3"], choices=["auto", "int8", "fp8_e4m3"])
+    p.add_argument(
+        "--caches",
+        nargs="*",
+        default=["auto", "int8", "fp8_e4m3"],
+        choices=["auto", "int8", "fp8_e4m3", "float16", "bfloat16"],  # float16: llama.cpp's F16 cache, like for like
+    )
     p.add_argument("--threads", type=int, default=1, help="threads for both engines (1: steadier on a loaded machine)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of alternating engines")
     p.add_argument("--steps", type=int, default=2, help="timed decode steps per engine per round")

@@ -1,12 +1,15 @@
-"""How far attention over 8-bit cache rows (kv_cache_dtype) may be from attention over the full rows: a bound
-derived from the stored scales, for the tests and `mlaserve verify` (nothing on the serving path calls it).
+"""How far attention over 8-bit or 16-bit cache rows (kv_cache_dtype) may be from attention over the full rows: a
+bound derived from the stored scales (16-bit: from the stored values and the unit roundoff), for the tests and
+`mlaserve verify` (nothing on the serving path calls it).
 MLA's latent rows (attention_error_bound) and DeepSeek-V4's shared K=V rows with sinks (shared_kv_error_bound).
 
 Notation (one segment, as attention/reference.py)
   c_l [r], k_l [dr]   a key position's exact row [c_kv | k_pe]; the 8-bit row is [c_l + e_l | k_l] (k_pe is kept)
   delta_l [r]         |e_l| <= delta_l per value (cache/quantized_rows.py error_bound, from codes and scales)
   q_lat = q_nope W_UK [H, r], tau = the softmax scale, p_l the exact probabilities over the allowed positions
+  16-bit rows round k_pe too: [c_l + e_l | k_l + f_l], |f_l| <= phi_l [dr] (delta then spans the row, r + dr)
 Score:   s~_l - s_l = tau q_lat . e_l, so |ds_l| <= eps_l = tau sum_j |q_lat_j| delta_lj
+         (16-bit: + tau q_pe . f_l, so eps_l += tau sum_i |q_pe_i| phi_li; the value part below is c_l alone)
 Softmax: p~_l = p_l exp(ds_l) / Z with Z = sum_m p_m exp(ds_m) in [e^-G, e^G], G = log sum_m p_m exp(eps_m)
          (each exp(ds_m) lies in [e^-eps_m, e^eps_m]; 1 / Z <= sum_m p_m exp(eps_m) since 1/x is convex),
          so p~_l <= p_l exp(eps_l + G) and |p~_l - p_l| <= p_l (exp(eps_l + G) - 1)
@@ -42,16 +45,20 @@ def attention_error_bound(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rows [B, L, r + dr] the exact rows of the segment's key positions, delta [B, L, r] their 8-bit error
-    bounds -> [B, Q, H, dv]: |attention over the 8-bit rows - attention over rows| per output value."""
+    bounds (k_pe kept exactly), or [B, L, r + dr] the 16-bit rows' (k_pe rounded too) -> [B, Q, H, dv]:
+    |attention over the stored rows - attention over rows| per output value."""
     r = w_uk.shape[-1]
     mask = seg.mask if allowed is None else seg.mask & allowed  # [B, Q, L]
     rows, delta = rows.double(), delta.double()
     c, k = rows[..., :r], rows[..., r:]
+    delta, phi = delta[..., :r], delta[..., r:]  # phi: the rope part's bounds (empty when k_pe is kept)
     q_lat = torch.einsum("nhd,hdr->nhr", q_nope.double(), w_uk.double())[seg.q_index]  # [B, Q, H, r]
     q_rot = q_pe.double()[seg.q_index]
     scores = (torch.einsum("bqhr,blr->bqhl", q_lat, c) + torch.einsum("bqhd,bld->bqhl", q_rot, k)) * scale
     probs = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
     eps = torch.einsum("bqhr,blr->bqhl", q_lat.abs(), delta) * scale  # [B, Q, H, L]
+    if phi.shape[-1]:
+        eps = eps + torch.einsum("bqhd,bld->bqhl", q_rot.abs(), phi) * scale
     eps = eps.masked_fill(~mask[:, :, None], 0.0)
     g = torch.log((probs * eps.exp()).sum(dim=-1, keepdim=True))  # [B, Q, H, 1]
     grow = torch.exp(eps + g)  # p~_l <= p_l grow_l

@@ -1,4 +1,5 @@
-"""A state kept in 8 bits (kv_cache_dtype int8 / fp8_e4m3): codes, block scales, kept values.
+"""A state kept in 8 bits (kv_cache_dtype int8 / fp8_e4m3): codes, block scales, kept values; or in 16 bits
+(kv_cache_dtype float16 / bfloat16): every value of the row as one 16-bit float, no scales, nothing kept.
 
 Notation (one layer's state; the format is config/row_format.py's RowFormat)
   L the leading dims: (S + 1,) for a paged state of S rows and the zero pad row; (N + 1, W) for a request
@@ -9,6 +10,8 @@ Notation (one layer's state; the format is config/row_format.py's RowFormat)
                    power-of-two scale held exactly in one byte, encode_scales / decode_scales)
   kept   [*L, k]   the compute dtype (the latent row's k_pe, V4's rope part); absent when k = 0 (index keys)
   a row = [dequantize(codes, scales) (q) | kept (k)], as the full cache's row [c_kv | k_pe] or [key]
+  16-bit (fmt.half): codes [*L, width] float16 / bfloat16 (torch's round-to-nearest-even cast of the row), scales
+  and kept absent; a row = codes in the compute dtype (exact: every 16-bit value is an fp32 value)
 Quantized once, at the cache write (`index_copy_` / `index_put_`, the signatures of the tensor it replaces, so
 the layers' writes are the same line); every reader gathers rows through `rows(slots)` / `index_select` and gets
 them dequantized in the compute dtype: the backends' row gathers (attention/backends/blocks.gather_rows, the
@@ -26,9 +29,10 @@ import math
 
 import torch
 
-from mlaserve.config.row_format import AMAX_FLOOR, QMAX, RowFormat
+from mlaserve.config.row_format import AMAX_FLOOR, HALF_CODES, QMAX, RowFormat
 
 FP8 = torch.float8_e4m3fn
+HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # config/row_format.py HALF_CODES as torch dtypes
 
 
 def quantize(x: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +105,16 @@ def error_bound(codes: torch.Tensor, scales: torch.Tensor, fmt: RowFormat) -> to
     return (half * s + (y * s).abs() * 2.0**-22).flatten(-2)
 
 
+def half_error_bound(stored: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """Per value, a bound on |x - x~| for the x whose 16-bit rounding x~ the cache holds (config/row_format.py):
+    u / (1 - u) |x~| + the subnormal half-step; inf where x~ is not finite (float16's overflow). -> fp32."""
+    u, tiny = HALF_CODES[fmt.codes]
+    y = stored.float()
+    return torch.where(y.isfinite(), y.abs() * (u / (1.0 - u)) + tiny, torch.full_like(y, float("inf")))
+
+
 class QuantizedRows:
-    """One state's 8-bit rows. Duck-types the parts of a [*L, width] cache tensor its users touch along dim 0:
+    """One state's 8-bit (or 16-bit: fmt.half) rows. Duck-types the parts of a [*L, width] cache tensor its users touch along dim 0:
     `shape`, `dtype` (the compute dtype rows are read in), `device`, `element_size()` (bytes of a read value,
     which sizes the readers' temporaries), `index_copy_(0, slots, rows)` (the write), `index_select(0, slots)`
     (the read), `index_fill_(0, slots, 0)`, `zero_()`; with two leading dims (a request state) also `[slot]` (the
@@ -116,18 +128,24 @@ class QuantizedRows:
         lead = (rows,) if isinstance(rows, int) else tuple(rows)
         n = math.prod(lead)
         self.fmt, self.dtype, self.device = fmt, dtype, torch.device(device)
+        self.shape = torch.Size((*lead, fmt.width))
+        if fmt.half:  # the rows alone, in 16 bits
+            self.codes = zeros(n, fmt.quantized, HALF[fmt.codes], device).view(*lead, fmt.quantized)
+            self.scales = self.kept = None
+            return
         scale_dtype = torch.float32 if fmt.scale_bytes == 4 else torch.uint8
         self.codes = zeros(n, fmt.quantized, torch.uint8, device).view(*lead, fmt.quantized)
         self.scales = zeros(n, fmt.scales, scale_dtype, device).view(*lead, fmt.scales)
         self.kept = zeros(n, fmt.kept, dtype, device).view(*lead, fmt.kept) if fmt.kept else None
-        self.shape = torch.Size((*lead, fmt.width))
 
     @classmethod
     def _over(cls, fmt: RowFormat, dtype: torch.dtype, parts: tuple[torch.Tensor, ...]) -> QuantizedRows:
-        """Rows over existing parts (codes, scales[, kept]): views of another's (a slot) or a copy (`take`)."""
+        """Rows over existing parts (codes, scales[, kept]; 16-bit: codes alone): views of another's (a slot) or a
+        copy (`take`)."""
         out = cls.__new__(cls)
         out.fmt, out.dtype, out.device = fmt, dtype, parts[0].device
-        out.codes, out.scales = parts[0], parts[1]
+        out.codes = parts[0]
+        out.scales = parts[1] if len(parts) > 1 else None
         out.kept = parts[2] if len(parts) > 2 else None
         out.shape = torch.Size((*parts[0].shape[:-1], fmt.width))
         return out
@@ -144,7 +162,8 @@ class QuantizedRows:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.codes, self.scales) + ((self.kept,) if self.kept is not None else ())
+        """The stored parts: (codes, scales[, kept]), or 16-bit rows' (codes,)."""
+        return tuple(t for t in (self.codes, self.scales, self.kept) if t is not None)
 
     def __getitem__(self, i: int) -> QuantizedRows:
         """The rows under leading index i (a request state's slot [W, width]): views, so writes land here."""
@@ -170,6 +189,8 @@ class QuantizedRows:
     def _encode(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [..., width] -> the parts [..., q], [..., nb], [..., k] as stored (quantized once)."""
         fmt, lead = self.fmt, rows.shape[:-1]
+        if fmt.half:  # one rounding to nearest (ties to even), as llama.cpp's F16 cache write
+            return (rows.to(HALF[fmt.codes]),)
         codes, scales = quantize(rows[..., : fmt.quantized].reshape(-1, fmt.quantized), fmt)
         parts = (codes.view(*lead, fmt.quantized), encode_scales(scales, fmt).view(*lead, fmt.scales))
         if self.kept is not None:
@@ -220,6 +241,8 @@ class QuantizedRows:
         exact)."""
         flat = slots.reshape(-1)
         codes = torch.index_select(self.codes, 0, flat)
+        if self.fmt.half:
+            return half_error_bound(codes, self.fmt).view(*slots.shape, *self.shape[1:-1], self.fmt.quantized)
         scales = decode_scales(torch.index_select(self.scales, 0, flat), self.fmt)
         return error_bound(codes, scales, self.fmt).view(*slots.shape, *self.shape[1:-1], self.fmt.quantized)
 
@@ -242,6 +265,8 @@ class QuantizedRows:
         values)."""
         flat = slots.reshape(-1)
         codes = torch.index_select(self.codes, 0, flat)
+        if self.fmt.half:
+            return codes.to(self.dtype).view(*slots.shape, *self.shape[1:])
         scales = decode_scales(torch.index_select(self.scales, 0, flat), self.fmt)
         values = dequantize(codes, scales, self.fmt).to(self.dtype)
         if self.kept is not None:

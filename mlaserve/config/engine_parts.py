@@ -36,7 +36,7 @@ class CacheConfig:
     num_pages: int
     enable_prefix_caching: bool
     kv_prefault: bool  # the cache tensors are written once at allocation (cache/model_cache.py)
-    kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3": 8-bit latent rows and index keys (config/kv_cache.py)
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8_e4m3" | "float16" | "bfloat16": 8/16-bit rows (config/kv_cache.py)
     prefix_cache_dir: str | None = None  # full pages also kept on disk (cache/disk_tier.py)
     prefix_cache_dir_gib: float = 8.0  # its size cap
 

@@ -301,8 +301,10 @@ def _triton_runs(device: str, kv_cache_dtype: str, triton: Callable | None) -> s
         raise ConfigError(f"attention_backend='triton' cannot run on device {device!r}: {mode.reason}")
     if kv_cache_dtype not in (None, "auto"):
         raise ConfigError(
-            f"attention_backend='triton' reads fp32 / bf16 / fp16 cache rows; kv_cache_dtype={kv_cache_dtype!r} "
-            "(8-bit rows) is not supported by its kernels (use attention_backend='torch' or 'native')"
+            f"attention_backend='triton' reads cache rows in the compute dtype (fp32 / bf16 / fp16); "
+            f"kv_cache_dtype={kv_cache_dtype!r} (rows stored apart from it: 8-bit codes or 16-bit rows under an fp32 "
+            "compute dtype) is not supported by its kernels (use attention_backend='torch' or 'native'; an engine "
+            "with dtype float16 / bfloat16 keeps its cache in 16 bits with kv_cache_dtype='auto')"
         )
     return f"Triton kernels {mode.mode}: {mode.reason}"
 

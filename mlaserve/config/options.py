@@ -242,9 +242,12 @@ class EngineOptions:
     malloc_tuning: bool = _opt(False, "glibc keeps freed large blocks (+~15% prefill; RSS stays near peak)", cli=False)
     kv_cache_dtype: str = _opt(
         "auto",
-        "storage of the latent cache rows: auto = the compute dtype; int8 / fp8_e4m3 = c_kv as 8-bit codes with an "
-        "fp32 scale per 128 values (k_pe kept in the compute dtype) and, on DSA models, the indexer keys as FP8 e4m3 "
-        "with a scale per token: ~2.5-2.9x the tokens of float32 in the same memory (c_kv alone ~3.9x), every "
+        "storage of the latent cache rows: auto = the compute dtype; float16 / bfloat16 = every value of the row "
+        "[c_kv | k_pe] (and, on DSA models, of the indexer keys) as one 16-bit float, compute stays fp32: half the "
+        "bytes of float32 (float16 is llama.cpp's default F16 cache for MLA models), every attention call within a "
+        "bound from the rounding (u = 2^-11 / 2^-8; mlaserve verify); int8 / fp8_e4m3 = c_kv as 8-bit codes with "
+        "an fp32 scale per 128 values (k_pe kept in the compute dtype) and, on DSA models, the indexer keys as FP8 "
+        "e4m3 with a scale per token: ~2.5-2.9x the tokens of float32 in the same memory (c_kv alone ~3.9x), every "
         "attention call within a bound derived from the scales (mlaserve verify); DeepSeek-V4: fp8_e4m3 only, its "
         "compressed pools and window rings (and their prefix-cache snapshots) as the official FP8 rows, e4m3 per 64 "
         "with a 1-byte e8m0 scale, the rope part kept",

@@ -1,7 +1,15 @@
-"""How a paged state's 8-bit rows are stored (`kv_cache_dtype`): the row formats and their error bound.
+"""How a paged state's rounded rows are stored (`kv_cache_dtype`): the row formats and their error bound.
 
 Notation
   r = kv_lora_rank, dr = qk_rope_head_dim, Di = index_head_dim, c = the compute dtype's bytes per value
+  16-bit rows (kv_cache_dtype float16 / bfloat16): every value of the row ([c_kv | k_pe], or an index key) is
+              stored as one IEEE half / bfloat16, rounded to nearest (ties to even), no scales, nothing kept
+              bytes per row = 2 * width (llama.cpp's F16 cache for MLA models: the same row, the same bytes)
+              x~ = round16(x): |x - x~| <= u |x| with u = 2^-11 (float16) / 2^-8 (bfloat16) in the normal range,
+              so |x - x~| <= u / (1 - u) |x~| from what the cache holds; below the smallest normal the step is
+              fixed, |x - x~| <= 2^-25 (float16 subnormals 2^-24 apart) / 2^-134 (bfloat16, fp32's range);
+              |x| beyond float16's largest finite value 65504 rounds to inf (the bound is then inf: nothing is
+              promised for it), bfloat16 has fp32's range
   latent row  [c_kv (r) | k_pe (dr)]: with kv_cache_dtype int8 / fp8_e4m3, c_kv is stored as r 8-bit codes
               in blocks of `block` values with one fp32 scale each; k_pe stays in the compute dtype
               bytes per row = r + 4 * r / block + dr * c   (auto: (r + dr) * c)
@@ -40,33 +48,44 @@ QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest code magnitude; scale =
 # The smallest amax a scale is made from (DeepSeek's act_quant clamps amax the same way): a zero row (the pad
 # row, a zero block) gets a finite scale and zero codes instead of 0 / 0.
 AMAX_FLOOR = 1e-4
-SCALE_BYTES = {"amax": 4, "ue8m0": 1}  # fp32; e8m0 (a power of two is held exactly by its exponent byte)
-SCALE_RULES = ("amax", "ue8m0")
+SCALE_BYTES = {"amax": 4, "ue8m0": 1, "none": 0}  # fp32; e8m0 (a power of two is held exactly by its exponent byte)
+SCALE_RULES = ("amax", "ue8m0", "none")  # "none": 16-bit rows, each value stored alone (HALF_CODES)
+# 16-bit storage: unit roundoff u (half the relative spacing of the stored values) and the absolute rounding
+# error below the smallest normal (half the subnormal step); the module docstring derives both
+HALF_CODES = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
 
 
 @dataclass(frozen=True)
 class RowFormat:
     """How one paged state's rows are stored when they are 8-bit: `quantized` leading values as codes in blocks
     of `block` with a scale each (fp32, or one e8m0 byte for power-of-two scales), then `kept` trailing values in
-    the compute dtype."""
+    the compute dtype; when they are 16-bit (HALF_CODES): every value as one 16-bit float (block = quantized =
+    the row, scale "none", nothing kept)."""
 
-    codes: str  # "int8" | "fp8_e4m3"
+    codes: str  # "int8" | "fp8_e4m3" | "float16" | "bfloat16"
     quantized: int
     block: int
     kept: int = 0
     scale: str = "amax"  # "amax": amax / QMAX; "ue8m0": rounded up to a power of two (SCALE_RULES)
 
     def __post_init__(self) -> None:
-        if self.codes not in QMAX:
-            raise ConfigError(f"row codes {self.codes!r} are not one of {tuple(QMAX)}")
+        if self.codes not in QMAX and self.codes not in HALF_CODES:
+            raise ConfigError(f"row codes {self.codes!r} are not one of {tuple(QMAX) + tuple(HALF_CODES)}")
+        if (self.codes in HALF_CODES) != (self.scale == "none") or (self.half and self.kept):
+            raise ConfigError(f"16-bit rows ({self.codes}) have no scales and keep nothing; 8-bit rows have scales")
         if self.scale not in SCALE_RULES:
             raise ConfigError(f"row scale rule {self.scale!r} is not one of {SCALE_RULES}")
         if self.block < 1 or self.quantized % self.block:
             raise ConfigError(f"{self.quantized} quantized values do not split into blocks of {self.block}")
 
     @property
+    def half(self) -> bool:
+        """16-bit rows (every value stored alone, no scales)."""
+        return self.codes in HALF_CODES
+
+    @property
     def scales(self) -> int:
-        return self.quantized // self.block
+        return 0 if self.half else self.quantized // self.block
 
     @property
     def width(self) -> int:
@@ -78,16 +97,27 @@ class RowFormat:
         return SCALE_BYTES[self.scale]
 
     def bytes_per_row(self, compute_bytes: int) -> int:
-        return self.quantized + self.scale_bytes * self.scales + self.kept * compute_bytes
+        code_bytes = 2 if self.half else 1
+        return code_bytes * self.quantized + self.scale_bytes * self.scales + self.kept * compute_bytes
 
     def label(self) -> str:
+        if self.half:
+            return f"{self.codes} [{self.quantized}]"
         kept = f" + {self.kept} kept" if self.kept else ""
         rule = " (ue8m0: power-of-two scales, 1 byte each)" if self.scale == "ue8m0" else ""
         return f"{self.codes} [{self.quantized}] / {self.block} per scale{rule}{kept}"
 
 
+def half_format(kv_cache_dtype: str, width: int) -> RowFormat:
+    """The whole row [width] in 16 bits (kv_cache_dtype float16 / bfloat16)."""
+    return RowFormat(kv_cache_dtype, width, width, 0, scale="none")
+
+
 def latent_format(kv_cache_dtype: str, latent_dim: int, rope_dim: int) -> RowFormat:
-    """c_kv in 8-bit blocks of LATENT_BLOCK (one block when r < LATENT_BLOCK), k_pe kept."""
+    """16-bit: the whole row [c_kv | k_pe] (as llama.cpp's F16 cache); 8-bit: c_kv in blocks of LATENT_BLOCK (one
+    block when r < LATENT_BLOCK), k_pe kept."""
+    if kv_cache_dtype in HALF_CODES:
+        return half_format(kv_cache_dtype, latent_dim)
     r = latent_dim - rope_dim
     block = min(LATENT_BLOCK, r)
     if r % block:
@@ -98,7 +128,10 @@ def latent_format(kv_cache_dtype: str, latent_dim: int, rope_dim: int) -> RowFor
     return RowFormat(kv_cache_dtype, r, block, rope_dim)
 
 
-def index_key_format(head_dim: int) -> RowFormat:
-    """One index key per token: FP8 e4m3 codes, one fp32 scale per token (DeepSeek-V3.2: k_cache fp8 with
-    k_scale_cache [.., Di / 128], and Di = 128)."""
+def index_key_format(head_dim: int, kv_cache_dtype: str = INDEX_KEY_CODES) -> RowFormat:
+    """One index key per token. Under an 8-bit kv_cache_dtype: FP8 e4m3 codes, one fp32 scale per token
+    (DeepSeek-V3.2: k_cache fp8 with k_scale_cache [.., Di / 128], and Di = 128); under a 16-bit one the key in
+    the same 16 bits as the latent rows."""
+    if kv_cache_dtype in HALF_CODES:
+        return half_format(kv_cache_dtype, head_dim)
     return RowFormat(INDEX_KEY_CODES, head_dim, head_dim)

@@ -14,6 +14,7 @@ of the logits and top-1 agreement:
   8-bit cache vs full        with kv_cache_dtype int8 / fp8_e4m3 (verify_kv8.py): every attention call within
                              the bound derived from the scales, the logits and (DSA) the top-k agreement
                              reported; the identities above then run over the full cache
+  16-bit cache vs full       the same with kv_cache_dtype float16 / bfloat16, the bound from the unit roundoff
 What these cannot see: a fault that every route shares. Wrong weights (a converter that swapped two heads
 of kv_b, a mis-sliced shard, a drifted quantized layer), model code outside attention (rope, norms, MoE
 routing, the indexer's projections) and a config read wrongly all give the same wrong answer on every

@@ -26,6 +26,11 @@ reported beside the file's own, per block:
               decode kernels' bits, so this is also the error of prefill_matmul "int8"'s prefill products
               (those of up to kernels/ggml.TILE_ROWS rows on the tiles)
 reported with e(X) (the rule: act well inside e), not judged.
+Where MODEL's engine keeps a rounded cache (kv_cache_dtype not auto: 8-bit codes or 16-bit rows), the error the
+cache adds is reported the same way, per attention block:
+  cache(X)    = ||y_b^kv(X) - y_b(X)||_F / ||y_b(X)||_F, the teacher-forced block with its cache rows stored in
+              kv_cache_dtype vs in float32 (the same weights, the same input): the error of the stored rows alone
+reported with e(X) (the rule for a lossy default: cache well inside e), not judged.
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class AgainstReport:
     activations: str = "float"  # MODEL's activations setting; int8: activation_error is measured
     activation_error: dict[str, float] = field(default_factory=dict)  # block -> act(X) (int8 activations)
     file_error: dict[str, float] = field(default_factory=dict)  # block -> e(X) of MODEL's file
+    kv_cache_dtype: str = "auto"  # MODEL's cache layout; not auto: cache_error is measured
+    cache_error: dict[str, float] = field(default_factory=dict)  # attention block -> cache(X)
 
     @property
     def first_failure(self) -> BlockDiff | None:
@@ -160,6 +167,8 @@ def compare(model: Side, against: Side, ids: list[int]) -> AgainstReport:
     top1 = (ref["logits"].argmax(-1) == free["logits"].argmax(-1)).float().mean().item()
     checks = [(s.path, s.dequant) for s in (model, against) if s.dequant is not None]
     act = activation_errors(model, ids, ref) if INT8_BITS[model.activations] else {}
+    kv = model.llm.config.cache.kv_cache_dtype
+    cache = cache_errors(model, ids, ref, forced) if kv != "auto" else {}
     return AgainstReport(
         model.path,
         against.path,
@@ -174,8 +183,21 @@ def compare(model: Side, against: Side, ids: list[int]) -> AgainstReport:
         _topk_overlaps(ref, forced, n),
         model.activations,
         act,
-        {b: model.block_error.get(b, 0.0) for b in act},
+        {b: model.block_error.get(b, 0.0) for b in (*act, *cache)},
+        kv,
+        cache,
     )
+
+
+def cache_errors(side: Side, ids: list[int], ref: Activations, forced: Activations) -> dict[str, float]:
+    """cache(X) per attention block (module docstring): the teacher-forced run once more over a float32 cache."""
+    full = _forward(side.llm, ids, force=ref, kv_cache_dtype="auto")
+    out = {}
+    for x in _block_order(side.llm.config.model.num_layers):
+        if x.endswith(".attn"):
+            a, b = full[x].double(), forced[x].double()
+            out[x] = ((b - a).norm() / a.norm().clamp(min=1e-30)).item()
+    return out
 
 
 def _block_of(module: str) -> str | None:
@@ -250,14 +272,18 @@ def _tolerance(block: str, *sides: Side) -> float:
     return FP32_REL_TOL + QUANT_SAFETY * sum(s.block_error.get(block, 0.0) for s in sides)
 
 
-def _forward(llm: LLM, ids: list[int], force: Activations | None = None) -> Activations:
-    """The whole prompt in one step through a fresh runner (own cache), hooks capturing every block."""
+def _forward(
+    llm: LLM, ids: list[int], force: Activations | None = None, kv_cache_dtype: str | None = None
+) -> Activations:
+    """The whole prompt in one step through a fresh runner (own cache, in kv_cache_dtype when given, else the
+    engine's), hooks capturing every block."""
     cfg = llm.config
     pages = -(-len(ids) // cfg.cache.page_size) + 1
+    kv = kv_cache_dtype or cfg.cache.kv_cache_dtype
     cfg = replace(
         cfg,
         scheduler=replace(cfg.scheduler, max_num_batched_tokens=len(ids)),
-        cache=replace(cfg.cache, num_pages=pages),
+        cache=replace(cfg.cache, num_pages=pages, kv_cache_dtype=kv),
     )
     runner = ModelRunner(llm.loaded.model, cfg)
     with Capture(llm.loaded.model, force) as acts:
@@ -393,6 +419,14 @@ def format_report(report: AgainstReport) -> str:
         for b, act in report.activation_error.items():
             e = report.file_error.get(b, 0.0)
             lines.append(f"  {b:<14} {act:.2e} / {e:.2e}" + (f"  = {act / e:.2f}" if e else ""))
+    if report.cache_error:
+        lines.append(
+            f"cache rows in {report.kv_cache_dtype}: error they add to the attention block / the file's own e(X) "
+            "(not judged; the rule for a lossy default: well inside e)"
+        )
+        for b, err in report.cache_error.items():
+            e = report.file_error.get(b, 0.0)
+            lines.append(f"  {b:<14} {err:.2e} / {e:.2e}" + (f"  = {err / e:.4f}" if e else ""))
     if report.topk_overlap:
         shared = ", ".join(f"layer {i} {v:.1%}" for i, v in report.topk_overlap.items())
         lines.append(f"DSA top-k rows shared with OTHER (MODEL attended over OTHER's; not judged): {shared}")
@@ -439,5 +473,9 @@ def to_json(report: AgainstReport) -> dict:
         "activations": report.activations,
         "activation_error": {
             b: {"rel": v, "file_error": report.file_error.get(b, 0.0)} for b, v in report.activation_error.items()
+        },
+        "kv_cache_dtype": report.kv_cache_dtype,
+        "cache_error": {
+            b: {"rel": v, "file_error": report.file_error.get(b, 0.0)} for b, v in report.cache_error.items()
         },
     }

@@ -1,4 +1,6 @@
-"""`mlaserve verify` with an 8-bit cache (kv_cache_dtype int8 / fp8_e4m3): the 8-bit cache against the full one.
+"""`mlaserve verify` with an 8-bit cache (kv_cache_dtype int8 / fp8_e4m3) or a 16-bit one (float16 / bfloat16):
+the stored rows against the full ones (the checks below name the 16-bit ones "16-bit cache", "float16 index keys";
+their bound starts from the unit roundoff instead of the scales, config/row_format.py).
 
 Run on the prompt through the full cache (the route identities above it run there too: a value within fp32 noise
 of a rounding boundary lands on either neighbouring code, so two routes over 8-bit rows may differ by one code
@@ -28,7 +30,7 @@ import torch
 from mlaserve.attention.cache_error import attention_error_bound
 from mlaserve.attention.reference import ReferenceBackend
 from mlaserve.cache.quantized_rows import QuantizedRows
-from mlaserve.config.row_format import index_key_format, latent_format
+from mlaserve.config.row_format import HALF_CODES, index_key_format, latent_format
 from mlaserve.models.deepseek import MLAAttention
 from mlaserve.models.pooled_indexer import PooledIndexer
 
@@ -44,16 +46,18 @@ def kv8_pairs(llm: LLM, base: EngineConfig, ids: list[int], logits_with: Callabl
     """-> Checks (built by `check(name, value, top1, tolerance, note)`) for the engine's kv_cache_dtype; `base`
     is the full-cache config the identities ran with."""
     codes = llm.config.cache.kv_cache_dtype
+    half = codes in HALF_CODES
     stats = {"ratio": 0.0, "calls": 0, "overlaps": []}
     with _observed(llm, codes, stats):
         full = logits_with(llm, base, ids)
     eight = logits_with(llm, replace(base, cache=replace(base.cache, kv_cache_dtype=codes)), ids)
-    out = cache_checks(check, f"8-bit cache ({codes}) vs full", stats, eight, full, "the bound is per attention call")
+    what = f"{16 if half else 8}-bit cache ({codes}) vs full"
+    out = cache_checks(check, what, stats, eight, full, "the bound is per attention call")
     if stats["overlaps"]:
         ov = torch.cat(stats["overlaps"])
         out.append(
             check(
-                "top-k from FP8 index keys vs exact keys",
+                f"top-k from {codes if half else 'FP8'} index keys vs exact keys",
                 1.0 - ov.mean().item(),
                 ov.mean().item(),
                 None,
@@ -71,9 +75,9 @@ def _observed(llm: LLM, codes: str, stats: dict) -> Iterator[None]:
         for attn in layers:
             attn.attend = _attend_observer(attn, codes, stats)
             if isinstance(attn.indexer, PooledIndexer):
-                attn.indexer.select = _pooled_select_observer(attn.indexer, stats)
+                attn.indexer.select = _pooled_select_observer(attn.indexer, codes, stats)
             elif attn.indexer is not None:
-                attn.indexer.select = _select_observer(attn.indexer, stats)
+                attn.indexer.select = _select_observer(attn.indexer, codes, stats)
         yield
     finally:
         for attn in layers:
@@ -104,9 +108,9 @@ def _attend_observer(attn: MLAAttention, codes: str, stats: dict) -> Callable:
     return attend
 
 
-def _select_observer(indexer, stats: dict) -> Callable:
+def _select_observer(indexer, codes: str, stats: dict) -> Callable:
     original = indexer.select
-    fmt = index_key_format(indexer.cfg.head_dim)
+    fmt = index_key_format(indexer.cfg.head_dim, codes)
 
     def select(q, w, keys, seg, topk, backend):
         chosen = original(q, w, keys, seg, topk, backend)
@@ -122,11 +126,11 @@ def _select_observer(indexer, stats: dict) -> Callable:
     return select
 
 
-def _pooled_select_observer(indexer: PooledIndexer, stats: dict) -> Callable:
+def _pooled_select_observer(indexer: PooledIndexer, codes: str, stats: dict) -> Callable:
     """GLM-5.3-Flash's pooled selection (models/pooled_indexer.py select) from the exact pooled keys vs from the
     same keys in FP8 as the cache keeps them (index_key_format): the kept tokens' overlap per selecting query."""
     original = indexer.select
-    fmt = index_key_format(indexer.cfg.head_dim)
+    fmt = index_key_format(indexer.cfg.head_dim, codes)
     keep = indexer.cfg.topk // indexer.cfg.kpool
 
     def select(q, w, pooled, positions):

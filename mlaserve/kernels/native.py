@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 21  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 22  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -139,6 +139,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_mqa.argtypes += [f32, ptr, c_int]
     lib.mls_latent_mqa8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, c_int, i64, ptr, ptr]
     lib.mls_latent_mqa8.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
+    lib.mls_latent_mqa16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, c_int, ptr, ptr]
+    lib.mls_latent_mqa16.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
     lib.mls_dequantize_bf16.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
@@ -151,6 +153,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, c_int, ptr, ptr]
     lib.mls_index_topk.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_index_topk8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
+    lib.mls_index_topk16.argtypes = [ptr, ptr, i64, i64, i64, ptr, c_int, ptr, ptr, i64, i64, ptr, ptr, c_int]
+    lib.mls_round16_rows.argtypes = [ptr, i64, i64, c_int, ptr]
     lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]
     lib.mls_layout.argtypes = [ptr]
     lib.mls_layout.restype = ptr

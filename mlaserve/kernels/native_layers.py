@@ -94,6 +94,36 @@ def latent_mqa8(
     return out
 
 
+def latent_mqa16(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    q_index: torch.Tensor,
+    cache,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """latent_mqa over 16-bit rows (cache: a cache/quantized_rows.QuantizedRows of a 16-bit format): the rows are
+    read where they lie and widened a tile at a time (csrc/attention.c mls_latent_mqa16); the result equals
+    latent_mqa over the widened rows bit for bit. Same shapes and contracts as latent_mqa."""
+    b, nq = q_index.shape
+    h, r = q_lat.shape[1], q_lat.shape[2]
+    fmt = cache.fmt
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or not fmt.half or fmt.quantized != r + q_pe.shape[2]:
+        raise ValueError("latent_mqa16: q_lat / q_pe need unit stride along the row, 16-bit rows of r + dr values")
+    if q_index.dtype != torch.int64 or not q_index.is_contiguous() or not cache.codes.is_contiguous():
+        raise ValueError("latent_mqa16: q_index must be contiguous int64, the rows contiguous")
+    out = torch.empty(b, nq, h, r, dtype=torch.float32)
+    rc = library().mls_latent_mqa16(
+        q_lat.data_ptr(), q_lat.stride(0), q_lat.stride(1), q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1),
+        q_index.data_ptr(), cache.codes.data_ptr(), HALF_KINDS[fmt.codes], slots.data_ptr(), mask.data_ptr(), b, nq,
+        slots.shape[1], h, r, q_pe.shape[2], scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native latent_mqa16 failed (rc {rc})")
+    return out
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, d] fp32 with unit stride along d, w [d] fp32 contiguous -> [T, d] fp32: x * rsqrt(mean(x^2) + eps) * w,
     torch's fp32 rms_norm up to the rounding of the sum of squares."""
@@ -276,24 +306,29 @@ class DecodeStepArgs(ctypes.Structure):
 
 LAYER_ERRORS = {**MOE_BLOCK_ERRORS, -5: "a slot outside the cache",
                 -6: "a sparse step the layer's indexer cannot run (no index-key cache, or no selection to reuse), "
-                    "or 8-bit rows of a layout the call does not read",
+                    "or 8-bit rows (or 16-bit rows) of a layout the call does not read",
                 -7: "the tensor-parallel all-reduce failed"}  # fmt: skip
 
 
 class RowsArgs(ctypes.Structure):
-    """csrc/mls.h mls_rows_t: a layer's paged state, fp32 rows or 8-bit codes (every field 8 bytes)."""
+    """csrc/mls.h mls_rows_t: a layer's paged state, fp32 rows, 8-bit codes or 16-bit rows (every field 8 bytes)."""
 
     _c_type_ = "mls_rows_t"
 
     _fields_ = [*((n, ctypes.c_void_p) for n in ("rows", "codes", "scales", "kept")), ("fp8", ctypes.c_int64),
-                ("block", ctypes.c_int64)]  # fmt: skip
+                ("block", ctypes.c_int64), ("half", ctypes.c_int64)]  # fmt: skip
+
+
+HALF_KINDS = {"float16": 1, "bfloat16": 2}  # csrc/rows16.c HALF_F16 / HALF_BF16
 
 
 def rows_of(state) -> RowsArgs:
     """An mls_rows_t of a layer's state: a contiguous fp32 tensor [S, width], or a cache/quantized_rows.QuantizedRows
-    with fp32 kept values (the callers check both: quant/ggml_layer.decode_step)."""
+    with fp32 kept values, or 16-bit rows (fmt.half) (the callers check both: quant/ggml_layer.decode_step)."""
     if isinstance(state, torch.Tensor):
         return RowsArgs(state.data_ptr())
+    if state.fmt.half:
+        return RowsArgs(None, state.codes.data_ptr(), None, None, 0, 0, HALF_KINDS[state.fmt.codes])
     kept = state.kept.data_ptr() if state.kept is not None else None
     fmt = state.fmt
     return RowsArgs(
@@ -361,6 +396,42 @@ def index_topk8(
     if rc != 0:
         raise RuntimeError(f"native index_topk8 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
     return index, valid
+
+
+def index_topk16(
+    q: torch.Tensor, w: torch.Tensor, keys, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """index_topk over index keys kept in 16 bits (keys: a cache/quantized_rows.QuantizedRows of a 16-bit format),
+    widened where they lie (csrc/indexer.c mls_index_topk16): the result equals index_topk over the widened keys.
+    Same shapes and contracts as index_topk."""
+    t, hi, di = q.shape
+    fmt = keys.fmt
+    if not fmt.half or fmt.quantized != di or not keys.codes.is_contiguous():
+        raise ValueError(f"index_topk16: contiguous 16-bit keys of {di} values, got {fmt}")
+    tensors = (q, w, kv_slots, mask)
+    if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
+        raise ValueError("index_topk16: contiguous CPU tensors, q / w fp32")
+    index = torch.empty(t, k, dtype=torch.int64)
+    valid = torch.empty(t, k, dtype=torch.bool)
+    rc = library().mls_index_topk16(
+        q.data_ptr(), w.data_ptr(), t, hi, di, keys.codes.data_ptr(), HALF_KINDS[fmt.codes], kv_slots.data_ptr(),
+        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native index_topk16 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
+    return index, valid
+
+
+def round16_rows(x: torch.Tensor, codes: str) -> torch.Tensor:
+    """The decode layer's 16-bit rounding (csrc/rows16.c) on its own, for its tests: x [T, width] fp32 contiguous
+    -> [T, width] float16 / bfloat16 (codes), torch's cast bit for bit."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"round16_rows: contiguous fp32 [T, width], got {tuple(x.shape)} {x.dtype}")
+    out = torch.empty(x.shape, dtype=torch.float16 if codes == "float16" else torch.bfloat16)
+    rc = library().mls_round16_rows(x.data_ptr(), x.shape[0], x.shape[1], HALF_KINDS[codes], out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native round16_rows refused {codes!r} (rc {rc})")
+    return out
 
 
 def quantize_rows(x: torch.Tensor, block: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:

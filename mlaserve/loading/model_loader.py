@@ -293,9 +293,9 @@ def _refuse_v4(path: Path, opts: EngineOptions) -> None:
         ),
         # refused here, before any weight is read (config/kv_cache.py _quantize_v4 refuses it again later)
         "kv_cache_dtype": (
-            opts.kv_cache_dtype == "int8",
+            opts.kv_cache_dtype not in ("auto", "fp8_e4m3"),
             "the official code rounds its rows through FP8 only: kv_cache_dtype='fp8_e4m3' keeps its compressed "
-            "rows in that format",
+            "rows in that format (no int8 or 16-bit layout of its pools and rings)",
         ),
     }
     for name, (given, why) in refused.items():

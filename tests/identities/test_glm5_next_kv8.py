@@ -276,26 +276,25 @@ def test_verify_bounds_every_attention_call_and_reports_the_pooled_agreement(glm
     assert "FAIL" not in format_checks(checks)
 
 
-def test_prefix_hit_and_preemption_over_the_8bit_cache_keep_greedy_output(glm):
+@pytest.mark.parametrize("codes", ["fp8_e4m3", "float16"])
+def test_prefix_hit_and_preemption_over_the_8bit_cache_keep_greedy_output(glm, codes):
     """A hit of 48 cached tokens (latent rows, [k | gate] rows and FP8 pooled keys read from the cached pages) and a
     pool small enough to preempt (pools recomputed into new pages) give a fresh engine's greedy tokens over the
-    same 8-bit layout."""
+    same 8-bit layout (and over float16 rows and pooled keys)."""
     spec, folder = glm
     a = random_ids(60, 96, 31)
     b = a[:53] + random_ids(12, 96, 32)[1:]
     prompts = [random_ids(n, 96, 40 + n) for n in (37, 21, 43)]
-    fresh = LLM(str(folder), page_size=PAGE, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False)
+    fresh = LLM(str(folder), page_size=PAGE, kv_cache_dtype=codes, enable_prefix_caching=False)
     want_b = fresh.generate([b], greedy(6))[0].outputs[0].token_ids
     want = [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy(6))]
 
-    llm = LLM(str(folder), page_size=PAGE, kv_cache_dtype="fp8_e4m3", trace="memory")
+    llm = LLM(str(folder), page_size=PAGE, kv_cache_dtype=codes, trace="memory")
     llm.generate([a], greedy(4))
     assert llm.generate([b], greedy(6))[0].outputs[0].token_ids == want_b, spec
     assert max(q["cached_tokens"] for r in llm.runner.tracer.records for q in r["requests"]) == 48
 
-    small = LLM(
-        str(folder), page_size=4, num_pages=20, max_num_seqs=3, max_num_batched_tokens=16, kv_cache_dtype="fp8_e4m3"
-    )
+    small = LLM(str(folder), page_size=4, num_pages=20, max_num_seqs=3, max_num_batched_tokens=16, kv_cache_dtype=codes)
     outs = small.generate(prompts, greedy(6))
     assert [o.outputs[0].token_ids for o in outs] == want, spec
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0

@@ -1,5 +1,6 @@
-"""Attention over an 8-bit cache (kv_cache_dtype int8 / fp8_e4m3), on the backend harness's inputs
-(test_attention_backends.py: scattered pages, two decodes and two prompt chunks, one after cached context).
+"""Attention over an 8-bit cache (kv_cache_dtype int8 / fp8_e4m3) or a 16-bit one (float16 / bfloat16: the whole
+row [c_kv | k_pe] rounded, u = 2^-11 / 2^-8 per stored value, config/row_format.py), on the backend harness's
+inputs (test_attention_backends.py: scattered pages, two decodes and two prompt chunks, one after cached context).
 
 1. Every registered backend over the 8-bit cache == the reference over the same 8-bit cache (fp32 rounding:
    FP32_TOL, the harness's bound for two fp32 computations of the same sums in another order).
@@ -26,16 +27,16 @@ from mlaserve.attention.cache_error import attention_error_bound
 from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.row_format import index_key_format, latent_format
 
-CODES = ["int8", "fp8_e4m3"]
+CODES = ["int8", "fp8_e4m3", "float16", "bfloat16"]
 EIGHT_BIT = [n for n in NAMES if n != "triton"]
 OPS = ["absorbed", "decompressed", "sparse_absorbed", "sparse_decompressed"]
 
 
 def _eight_bit(c: Case, codes: str) -> Case:
-    """The same case with its cache rows (and index keys) stored in 8 bits."""
+    """The same case with its cache rows (and index keys) stored in 8 bits (or 16: the keys then in 16 too)."""
     r, dr = c.w_uk.shape[-1], c.q_pe.shape[-1]
     cache = QuantizedRows.of(c.cache, latent_format(codes, r + dr, dr))
-    keys = QuantizedRows.of(c.keys, index_key_format(c.keys.shape[1]))
+    keys = QuantizedRows.of(c.keys, index_key_format(c.keys.shape[1], codes))
     return Case(**{**c.__dict__, "cache": cache, "keys": keys})
 
 
@@ -80,7 +81,7 @@ def test_8bit_vs_full_within_the_derived_bound(seed, codes, op):
         bound = _bound(full, eight, seg, allowed)[seg.q_valid]
         err = (got - want).abs()
         assert bool((err <= bound + FP32_TOL).all()), (err - bound).max().item()
-        assert err.max() > 0  # the 8-bit rows really differ
+        assert err.max() > 0  # the 8-bit (16-bit) rows really differ
         worst = max(worst, (err / bound).max().item())
     print(f"{codes} {op}: worst error / bound {worst:.3f}")
 
@@ -100,11 +101,13 @@ def test_the_bound_sees_rows_one_slot_off(codes):
     assert bool(((got - want).abs() > bound + FP32_TOL).any()), ((got - want).abs() / bound).max()
 
 
+@pytest.mark.parametrize("codes", ["int8", "float16"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", EIGHT_BIT)
-def test_index_topk_over_fp8_keys_equals_reference(name, seed):
-    c = _eight_bit(_case(seed, torch.float32, "cpu"), "int8")
-    assert isinstance(c.keys, QuantizedRows) and c.keys.fmt.codes == "fp8_e4m3" and c.keys.fmt.scales == 1
+def test_index_topk_over_fp8_keys_equals_reference(name, seed, codes):
+    c = _eight_bit(_case(seed, torch.float32, "cpu"), codes)
+    want_fmt = ("fp8_e4m3", 1) if codes == "int8" else ("float16", 0)  # FP8 + a scale per key, or 16 bits
+    assert isinstance(c.keys, QuantizedRows) and (c.keys.fmt.codes, c.keys.fmt.scales) == want_fmt
     for seg in c.segments(name, torch.float32):
         got = BACKENDS[name].index_topk(c.q_idx, c.w, c.keys, seg, TOPK)
         want = REF.index_topk(c.q_idx, c.w, c.keys, seg, TOPK)
@@ -116,8 +119,9 @@ def test_index_topk_over_fp8_keys_equals_reference(name, seed):
         torch.testing.assert_close(chosen[0], chosen[1], rtol=1e-6, atol=0)
 
 
-def test_triton_refuses_8bit_rows():
-    c = _eight_bit(_case(0, torch.float32, "cpu"), "int8")
+@pytest.mark.parametrize("codes", ["int8", "float16"])
+def test_triton_refuses_8bit_rows(codes):
+    c = _eight_bit(_case(0, torch.float32, "cpu"), codes)
     seg = c.segments("triton")[0]
     with pytest.raises(TypeError, match="kv_cache_dtype is not supported with attention_backend='triton'"):
         BACKENDS["triton"].absorbed(c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv, seg, c.scale)

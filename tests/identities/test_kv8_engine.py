@@ -25,6 +25,11 @@ TOL = 1e-5  # fp32 reassociation noise between two orders of the same sums (as t
 # codes that may differ between two routes: measured 0-1 per run (of ~3,500 codes here); 1 in 1,000 leaves room
 # for another CPU's rounding and still fails a route that writes different rows
 MAX_FLIP_FRACTION = 1e-3
+# 16-bit rows: float16's relative spacing 2^-10 is far finer than an 8-bit code's, so more values lie within fp32
+# noise (~1e-6 relative between two summation orders, e.g. TP=2's split reductions) of a midpoint: ~1e-3 of them
+# (measured 1.4e-3 under TP=2, 0-5e-4 in one process); each flip must be the neighbouring value (checked above),
+# and a route that writes different rows moves most values by many steps
+MAX_FLIP_FRACTION_16 = 1e-2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [random_ids(n, seed=n) for n in (5, 17, 1, 33, 9)]
 
@@ -41,6 +46,7 @@ def _compare_caches(a: LLM, b: LLM, n: int) -> int:
     can promise away."""
     slots = torch.arange(n)
     flips = codes = 0
+    half = False
     for la, lb in zip(a.runner.cache.layers, b.runner.cache.layers):
         for name, qa in la.tensors.items():
             qb = lb.tensors[name]
@@ -51,9 +57,14 @@ def _compare_caches(a: LLM, b: LLM, n: int) -> int:
             assert (va[:, q:] - vb[:, q:]).abs().max().item() <= TOL if qa.fmt.kept else True
             flips += int((qa.codes[:n] != qb.codes[:n]).sum())
             codes += qa.codes[:n].numel()
+            if qa.fmt.half:  # a 16-bit flip is the neighbouring value: bit patterns one apart
+                steps = (qa.codes[:n].view(torch.int16).int() - qb.codes[:n].view(torch.int16).int()).abs()
+                assert int(steps.max()) <= 1, name
+                half = True
     # a flip is a value within fp32 noise of a rounding boundary: rare. Many flips are no longer that (a route that
     # writes different rows), so they fail here even where the logits cannot be compared
-    assert flips <= max(2, MAX_FLIP_FRACTION * codes), f"{flips} of {codes} codes differ"
+    limit = MAX_FLIP_FRACTION_16 if half else MAX_FLIP_FRACTION
+    assert flips <= max(2, limit * codes), f"{flips} of {codes} codes differ"
     return flips
 
 

@@ -47,3 +47,22 @@ def test_verify_catches_a_dequantizer_that_is_off(hf_model_dir, monkeypatch, cod
     monkeypatch.setattr(quantized_rows, "dequantize", lambda c, s, fmt: real(c, s * factor, fmt))
     (attention,) = [c for c in run_checks(llm, random_ids(24)) if c.name.endswith("attention, every layer")]
     assert not attention.passed and attention.max_abs_diff > 1.0
+
+
+@pytest.mark.parametrize("codes,slip", [("float16", 2**-6), ("bfloat16", 2**-4)])
+def test_verify_with_a_16bit_cache_passes_and_catches_a_widening_that_is_off(hf_model_dir, monkeypatch, codes, slip):
+    """The 16-bit cache's checks (the bound from the unit roundoff, k_pe's rounding in the score error) pass on a
+    correct model, name the layout, and fail when the stored rows are read back `slip` too large (32 ulps of
+    float16, 16 of bfloat16). Measured worst |error| / bound: float16 0.04 correct; bfloat16 0.04 correct, 0.39 at
+    2^-6 off: the bound is a worst case over the errors' signs, so a systematic slip must exceed it to show."""
+    folder, _ = hf_model_dir("glm_dsa")
+    llm = LLM(str(folder), kv_cache_dtype=codes)
+    checks = run_checks(llm, random_ids(40))
+    by_name = {c.name: c for c in checks}
+    attention = by_name[f"16-bit cache ({codes}) vs full: attention, every layer"]
+    assert attention.passed and 0 < attention.max_abs_diff <= 1.0 and "over 3 attention calls" in attention.note
+    assert f"top-k from {codes} index keys vs exact keys" in by_name
+    real = quantized_rows.QuantizedRows.rows
+    monkeypatch.setattr(quantized_rows.QuantizedRows, "rows", lambda self, s: real(self, s) * (1 + slip))
+    (attention,) = [c for c in run_checks(llm, random_ids(40)) if c.name.endswith("attention, every layer")]
+    assert not attention.passed and attention.max_abs_diff > 1.0

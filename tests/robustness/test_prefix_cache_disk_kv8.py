@@ -1,6 +1,7 @@
-"""The prefix cache on disk with an 8-bit cache, and two engines writing one directory at once.
+"""The prefix cache on disk with an 8-bit (or 16-bit) cache, and two engines writing one directory at once.
 
-- restart over 8-bit rows: engine B loads engine A's full pages (codes, scales and k_pe as stored) and its
+- restart over 8-bit rows (and 16-bit ones, stored as they are too): engine B loads engine A's full pages (codes,
+  scales and k_pe as stored) and its
   last-position logits equal an in-memory hit over the same pages bit for bit, and a fresh engine's
   recomputation (no directory: the whole prompt prefilled, writing and reading the same 8-bit rows) within TOL
   where no code flipped (the suffix is computed in another chunk shape, so its rows differ by fp32 rounding,
@@ -58,7 +59,7 @@ def _pages(d) -> list[str]:
     return sorted(f for f in os.listdir(d) if f.endswith(".page"))
 
 
-@pytest.mark.parametrize("codes", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("codes", ["int8", "fp8_e4m3", "float16", "bfloat16"])
 def test_restart_over_8bit_rows_equals_recomputation(hf_model_dir, tmp_path, codes):
     folder, _ = hf_model_dir("v3_yarn")
     ids = random_ids(23, seed=11)  # 5 full pages of 4 before the last token

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mlaserve.cache.model_cache import ModelCache
-from mlaserve.cache.quantized_rows import QuantizedRows, dequantize, error_bound, quantize
+from mlaserve.cache.quantized_rows import QuantizedRows, dequantize, error_bound, plain_zeros, quantize
 from mlaserve.config.kv_cache import describe_layout, quantize_states
 from mlaserve.config.layer_kinds import LayerKind, StateSpec, describe
 from mlaserve.config.model import ConfigError
@@ -196,7 +196,10 @@ def test_engine_option_resolved_and_recorded():
     auto = resolve(model, make_options(), has_indexer_weights=False)
     assert auto.cache.kv_cache_dtype == "auto"
     assert [s.source for s in auto.provenance if s.name == "kv_cache_dtype"] == ["engine default ('auto')"]
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of \\('auto', 'int8', 'fp8_e4m3'\\), got 'fp8'"):
+    with pytest.raises(
+        ConfigError,
+        match="kv_cache_dtype must be one of \\('auto', 'int8', 'fp8_e4m3', 'float16', 'bfloat16'\\), got 'fp8'",
+    ):
         resolve(model, make_options(kv_cache_dtype="fp8"), has_indexer_weights=False)
 
 
@@ -204,3 +207,39 @@ def test_prefault_writes_every_part():
     kinds = quantize_states(_kinds(dsa=True), "fp8_e4m3", _Model())
     cache = ModelCache(kinds, num_pages=2, page_size=16, dtype=torch.float32, prefault=True)
     assert all(bool((t == 0).all()) for t in cache.layers[0].latent.tensors())
+
+
+@pytest.mark.parametrize("codes", ["float16", "bfloat16"])
+def test_16bit_rows_round_once_read_exactly_and_stay_within_their_bound(codes):
+    """16-bit rows (config/row_format.py half_format): the write is torch's cast, the read widens exactly, a row
+    moved between two 16-bit states is copied as stored, and |x - x~| <= u / (1 - u) |x~| + the subnormal half-step
+    for every finite x~ over sixteen decades (float16's subnormals included); float16's overflow reads inf, and
+    its bound is inf (nothing is promised there)."""
+    from mlaserve.config.row_format import half_format
+
+    fmt = half_format(codes, 48)
+    assert (fmt.half, fmt.scales, fmt.kept, fmt.bytes_per_row(4), fmt.label()) == (True, 0, 0, 96, f"{codes} [48]")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g) * 10.0 ** torch.randint(-9, 7, (64, 1), generator=g).float()
+    x[0, 0] = 1e6  # beyond float16's 65504
+    rows = QuantizedRows.of(x, fmt)
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[codes]
+    assert rows.codes.dtype == dtype and rows.scales is None and rows.kept is None and rows.tensors() == (rows.codes,)
+    slots = torch.arange(64)
+    got = rows.rows(slots)
+    assert torch.equal(got, x.to(dtype).float())
+    bound = rows.error(slots)
+    finite = got.isfinite()
+    assert bool(((x - got).abs()[finite] <= bound[finite]).all())
+    assert (codes == "float16") == bool(bound[0, 0].isinf())  # float16 overflowed, bfloat16 has fp32's range
+    other = QuantizedRows(fmt, 65, torch.float32, "cpu", plain_zeros)
+    other.index_copy_(0, slots + 1, rows.take(slots))  # moved as stored: no second rounding
+    assert torch.equal(other.rows(slots + 1), got) and bool((other.rows(torch.tensor([0])) == 0).all())
+    other.index_fill_(0, torch.tensor([1]), 0)
+    assert bool((other.rows(torch.tensor([1])) == 0).all())
+    with pytest.raises(ValueError, match="cannot be copied into"):
+        other.index_copy_(0, slots, QuantizedRows.of(x, latent_format("int8", 48, 16)))
+    with pytest.raises(ConfigError, match="16-bit rows .* have no scales and keep nothing"):
+        RowFormat(codes, 48, 48, 16, "none")
+    with pytest.raises(ConfigError, match="16-bit rows"):
+        RowFormat(codes, 48, 48, 0, "amax")

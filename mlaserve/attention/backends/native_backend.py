@@ -4,7 +4,8 @@ query's rows where the paged cache holds them, instead of gathering a copy and r
 ops per layer: dense, or sparse (DSA) over each query's selected rows, taken in position order as the one-call
 decode layer takes them (csrc/decode_layer.c), so that the per-op path and that layer sum the same rows in the
 same order and agree to fp32 rounding even where int8 activations quantize the result (W_UV). For fp32 caches on the CPU (the engine picks it with the native kernels and fp32), and 8-bit caches (kv_cache_dtype) with fp32 kept
-values, whose codes the kernel decodes a tile at a time (mls_latent_mqa8: a quarter of the bytes read);
+values, whose codes the kernel decodes a tile at a time (mls_latent_mqa8: a quarter of the bytes read), and
+16-bit caches (float16 / bfloat16), whose rows it widens a tile at a time (mls_latent_mqa16: half the bytes);
 every other product is the torch backend's. Tested against `reference` like every backend
 (tests/identities/test_attention_backends.py runs every registered backend).
 
@@ -88,26 +89,30 @@ def sparse_absorbed_attention(
 
 def _native_rows(cache) -> bool:
     """The kernels read rows on the CPU where they lie: fp32 rows, or 8-bit rows (kv_cache_dtype,
-    cache/quantized_rows.py) with fp32 kept values (mls_latent_mqa8 decodes their codes a tile at a time)."""
-    return cache.dtype == torch.float32 and cache.device.type == "cpu"  # 8-bit rows: `dtype` of the kept values
+    cache/quantized_rows.py) with fp32 kept values (mls_latent_mqa8 decodes their codes a tile at a time), or
+    16-bit rows read in an fp32 compute dtype (mls_latent_mqa16 widens them a tile at a time)."""
+    return cache.dtype == torch.float32 and cache.device.type == "cpu"  # coded rows: `dtype` is the compute dtype
 
 
 def _mqa(cache):
-    """The C latent MQA for this cache's rows: fp32 rows, or 8-bit codes (the cache's layout, decided at
-    allocation)."""
-    return native_layers.latent_mqa if isinstance(cache, torch.Tensor) else native_layers.latent_mqa8
+    """The C latent MQA for this cache's rows: fp32 rows, 8-bit codes or 16-bit rows (the cache's layout, decided
+    at allocation)."""
+    if isinstance(cache, torch.Tensor):
+        return native_layers.latent_mqa
+    return native_layers.latent_mqa16 if cache.fmt.half else native_layers.latent_mqa8
 
 
 def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk: int) -> torch.Tensor:
-    """The torch backend's scoring, except over FP8 keys (kv_cache_dtype) in a decode segment (one query per
-    request): there the C top-k (csrc/indexer.c mls_index_topk8, the fused decode layer's scoring) reads the
-    codes where they lie instead of a dequantized copy of every key. Positions [B, 1, k], a set as torch's."""
+    """The torch backend's scoring, except over FP8 or 16-bit keys (kv_cache_dtype) in a decode segment (one query
+    per request): there the C top-k (csrc/indexer.c mls_index_topk8 / mls_index_topk16, the fused decode layer's
+    scoring) reads the codes where they lie instead of a dequantized copy of every key. Positions [B, 1, k], a set as torch's."""
     b, nq = seg.q_index.shape
     if isinstance(keys, torch.Tensor) or nq != 1 or native.library() is None:
         return torch_index.index_topk(q, w, keys, seg, topk)
     k = min(topk, seg.kv_slots.shape[1])
     rows = seg.q_index[:, 0]
-    index, _ = native_layers.index_topk8(
+    topk_coded = native_layers.index_topk16 if keys.fmt.half else native_layers.index_topk8
+    index, _ = topk_coded(
         q.index_select(0, rows).float().contiguous(), w.index_select(0, rows).float().contiguous(), keys,
         seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous(), k,
     )  # fmt: skip

@@ -196,15 +196,31 @@ static inline void row8_decode(const uint8_t *codes, const float *sc, const floa
     memcpy(y + r, kept, sizeof(float) * (size_t)dr);
 }
 
-int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
-                    int64_t qp_head, const int64_t *q_index, const uint8_t *codes, const float *scales,
-                    const float *kept, int fp8, int64_t block, const int64_t *slots, const uint8_t *mask, int64_t b,
-                    int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr, float scale, float *out, int threads) {
+/* A cache's stored rows for the decoding MQA below: 8-bit codes (int8 or e4m3, scales, kept k_pe) or 16-bit
+   values (half = HALF_F16 / HALF_BF16, codes then [S, r + dr] 16-bit values; rows16.c). */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales, *kept;
+    int fp8, half;
+    int64_t block;
+} coded_rows;
+
+/* cache row `slot` -> y [r + dr] fp32 */
+static inline void coded_decode(const coded_rows *cr, int64_t slot, int64_t r, int64_t dr, float *y) {
+    if (cr->half) {
+        row16_decode((const uint16_t *)cr->codes + slot * (r + dr), cr->half, r + dr, y);
+        return;
+    }
+    const int64_t nb = r / cr->block;
+    row8_decode(cr->codes + slot * r, cr->scales + slot * nb, cr->kept + slot * dr, cr->fp8, r, dr, cr->block, y);
+}
+
+static int latent_mqa_coded(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                            int64_t qp_head, const int64_t *q_index, const coded_rows *cr, const int64_t *slots,
+                            const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
+                            float scale, float *out, int threads) {
     const int64_t c = r + dr, queries = b * nq;
     if (queries <= 0 || h <= 0) return 0;
-    if (block <= 0 || r % block) return -1;
-    if (fp8 && !e4m3_ready) e4m3_init();
-    const int64_t nb = r / block;
     int64_t splits = queries >= threads ? 1 : (threads + queries - 1) / queries;
     if (splits > h) splits = h;
     const int64_t hg = (h + splits - 1) / splits, items = queries * splits;
@@ -238,8 +254,7 @@ int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const f
             for (int64_t j0 = 0; j0 < n_ok; j0 += MQA_TILE) {
                 const int64_t j1 = j0 + MQA_TILE < n_ok ? j0 + MQA_TILE : n_ok;
                 for (int64_t j = j0; j < j1; j++)
-                    row8_decode(codes + ok[j] * r, scales + ok[j] * nb, kept + ok[j] * dr, fp8, r, dr, block,
-                                tile + (j - j0) * c);
+                    coded_decode(cr, ok[j], r, dr, tile + (j - j0) * c);
                 for (int64_t hb = h0; hb < h1; hb += MQA_HS) {
                     const int n = h1 - hb < MQA_HS ? (int)(h1 - hb) : MQA_HS;
                     for (int64_t j = j0; j < j1; j++)
@@ -257,8 +272,7 @@ int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const f
             for (int64_t j0 = 0; j0 < n_ok; j0 += MQA_TILE) {
                 const int64_t j1 = j0 + MQA_TILE < n_ok ? j0 + MQA_TILE : n_ok;
                 for (int64_t j = j0; j < j1; j++) {
-                    row8_decode(codes + ok[j] * r, scales + ok[j] * nb, kept + ok[j] * dr, fp8, r, dr, block,
-                                tile + (j - j0) * c);
+                    coded_decode(cr, ok[j], r, dr, tile + (j - j0) * c);
                     rows[j] = tile + (j - j0) * c;
                 }
                 for (int64_t hb = h0; hb < h1; hb += MQA_HO) {
@@ -273,4 +287,28 @@ int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const f
         free((void *)rows);
     }
     return rc;
+}
+
+int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                    int64_t qp_head, const int64_t *q_index, const uint8_t *codes, const float *scales,
+                    const float *kept, int fp8, int64_t block, const int64_t *slots, const uint8_t *mask, int64_t b,
+                    int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr, float scale, float *out, int threads) {
+    if (block <= 0 || r % block) return -1;
+    if (fp8 && !e4m3_ready) e4m3_init();
+    const coded_rows cr = {codes, scales, kept, fp8, 0, block};
+    return latent_mqa_coded(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
+                            dr, scale, out, threads);
+}
+
+/* mls_latent_mqa over rows kept in 16 bits (rows16.c): rows [S, r + dr] float16 (half 1) or bfloat16 (half 2),
+   read where they lie (half the fp32 rows' bytes) and widened a tile at a time: over the same widened rows equal
+   to mls_latent_mqa bit for bit. */
+int mls_latent_mqa16(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                     int64_t qp_head, const int64_t *q_index, const uint16_t *rows, int half, const int64_t *slots,
+                     const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
+                     float scale, float *out, int threads) {
+    if (half != HALF_F16 && half != HALF_BF16) return -1;
+    const coded_rows cr = {(const uint8_t *)rows, NULL, NULL, 0, half, 0};
+    return latent_mqa_coded(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
+                            dr, scale, out, threads);
 }

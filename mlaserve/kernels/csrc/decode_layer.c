@@ -13,10 +13,11 @@
    SwiGLU), BLAS for F32 rows (another summation order), the MoE block's own differences (moe/block.c), and on
    sparse steps torch's LayerNorm and score GEMMs (indexer.c) and the order in which the selected rows are summed.
    One call instead of ~20 native calls and ~60 tensor ops per layer (~35 more on a sparse step).
-   The states (mls_rows_t) are fp32 rows or 8-bit codes (kv_cache_dtype): over 8-bit ones the step's latent rows
-   and index keys are computed into a buffer of T rows by the same code and quantized into the cache
-   (rows8.c, the per-op path's write: QuantizedRows.index_copy_ of the same rows), and the attention and the
-   top-k read the codes where they lie (mls_latent_mqa8, mls_index_topk8), as the per-op native path does. */
+   The states (mls_rows_t) are fp32 rows, 8-bit codes or 16-bit rows (kv_cache_dtype): over 8-bit (16-bit) ones
+   the step's latent rows and index keys are computed into a buffer of T rows by the same code and quantized
+   (rounded) into the cache (rows8.c / rows16.c, the per-op path's write: QuantizedRows.index_copy_ of the same
+   rows), and the attention and the top-k read the codes where they lie (mls_latent_mqa8 / mls_latent_mqa16,
+   mls_index_topk8 / mls_index_topk16), as the per-op native path does. */
 
 typedef int (*reduce_fn)(float *a, int64_t n); /* mls_layer_t.reduce (tensor parallel) */
 
@@ -81,7 +82,7 @@ static int per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t
 static int indexer_step(const mls_layer_t *ly, const mls_decode_step_t *st, const float *xn, const float *cq,
                         const mls_rows_t *index_keys, int i8, int threads) {
     const int64_t t = st->t, hi = ly->idx_h, di = ly->idx_d;
-    const int eight = !index_keys->rows;
+    const int eight = !index_keys->rows; /* 8-bit or 16-bit keys: computed into `fresh`, then stored */
     /* qi, the keys' rows, weights, and over 8-bit keys the step's T key rows and their slots 0..T-1 */
     const size_t nf = ((size_t)(t * hi * di + t * di + t * hi + (eight ? t * di : 0)) + 1) & ~(size_t)1;
     float *qi = (float *)malloc(sizeof(float) * nf + sizeof(int64_t) * (size_t)(eight ? t : 0) + 1);
@@ -96,9 +97,16 @@ static int indexer_step(const mls_layer_t *ly, const mls_decode_step_t *st, cons
         index_keys_write(kk, qi, wt, t, hi, di, ly->dr, ly->idx_norm_w, ly->idx_norm_b, (float)ly->idx_eps,
                          (float)ly->idx_w_scale, (float)ly->idx_d_scale, st->cos, st->sin, (int)ly->idx_interleaved,
                          eight ? fresh : index_keys->rows, eight ? own : st->slots);
-        if (eight) rc = rows8_write(fresh, t, di, di, di, index_keys, st->slots, st->n_slots);
+        if (eight && index_keys->half)
+            rc = rows16_write(fresh, t, di, di, (int)index_keys->half, (uint16_t *)index_keys->codes, st->slots,
+                              st->n_slots);
+        else if (eight)
+            rc = rows8_write(fresh, t, di, di, di, index_keys, st->slots, st->n_slots);
     }
-    if (!rc && st->topk)
+    if (!rc && st->topk && index_keys->half)
+        rc = mls_index_topk16(qi, wt, t, hi, di, (const uint16_t *)index_keys->codes, (int)index_keys->half,
+                              st->kv_slots, st->mask, st->l, st->topk, st->sel_index, st->sel_valid, threads);
+    else if (!rc && st->topk)
         rc = eight ? mls_index_topk8(qi, wt, t, hi, di, index_keys->codes, index_keys->scales, st->kv_slots,
                                      st->mask, st->l, st->topk, st->sel_index, st->sel_valid, threads)
                    : mls_index_topk(qi, wt, t, hi, di, index_keys->rows, st->kv_slots, st->mask, st->l, st->topk,
@@ -107,7 +115,7 @@ static int indexer_step(const mls_layer_t *ly, const mls_decode_step_t *st, cons
     return rc;
 }
 
-/* the latent MQA over the rows at slots [T, L] of the layer's cache, fp32 rows or 8-bit codes */
+/* the latent MQA over the rows at slots [T, L] of the layer's cache, fp32 rows, 8-bit codes or 16-bit rows */
 static int cache_mqa(const mls_layer_t *ly, const mls_decode_step_t *st, const float *q_lat, const float *q,
                      const mls_rows_t *cache, const int64_t *slots, const uint8_t *mask, int64_t l, float *o_lat,
                      int threads) {
@@ -115,6 +123,10 @@ static int cache_mqa(const mls_layer_t *ly, const mls_decode_step_t *st, const f
     if (cache->rows)
         return mls_latent_mqa(q_lat, h * r, r, q + ly->dn, lq, ly->dn + dr, st->q_index, cache->rows, slots, mask,
                               st->t, 1, l, h, r, dr, (float)ly->scale, o_lat, threads);
+    if (cache->half)
+        return mls_latent_mqa16(q_lat, h * r, r, q + ly->dn, lq, ly->dn + dr, st->q_index,
+                                (const uint16_t *)cache->codes, (int)cache->half, slots, mask, st->t, 1, l, h, r, dr,
+                                (float)ly->scale, o_lat, threads);
     return mls_latent_mqa8(q_lat, h * r, r, q + ly->dn, lq, ly->dn + dr, st->q_index, cache->codes, cache->scales,
                            cache->kept, (int)cache->fp8, cache->block, slots, mask, st->t, 1, l, h, r, dr,
                            (float)ly->scale, o_lat, threads);
@@ -162,12 +174,16 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
         return -2;
     if ((role == 1 && (!index_keys || !ql)) || (st->topk && (role == 0 || !st->sel_index || !st->sel_valid)))
         return -6;
-    if (!cache->rows && (cache->block <= 0 || r % cache->block || (dr && !cache->kept))) return -6;
-    if (role == 1 && !index_keys->rows && (!index_keys->fp8 || index_keys->block != ly->idx_d || ly->idx_d > 1024))
+    if (!cache->rows && !cache->half && (cache->block <= 0 || r % cache->block || (dr && !cache->kept))) return -6;
+    if (!cache->rows && cache->half && cache->half != HALF_F16 && cache->half != HALF_BF16) return -6;
+    if (role == 1 && !index_keys->rows && !index_keys->half &&
+        (!index_keys->fp8 || index_keys->block != ly->idx_d || ly->idx_d > 1024))
+        return -6;
+    if (role == 1 && index_keys->half && (ly->idx_d > 1024 || (index_keys->half != HALF_F16 && index_keys->half != HALF_BF16)))
         return -6;
     if (!ly->moe && (!lin_for(ly->mlp_gate.type).fn || !lin_for(ly->mlp_up.type).fn || !lin_for(ly->mlp_down.type).fn))
         return -1;
-    const int eight = !cache->rows; /* 8-bit rows: the step's T rows go to `fresh` (slots `own`), then quantized */
+    const int eight = !cache->rows; /* 8/16-bit rows: the step's T rows go to `fresh` (slots `own`), then stored */
     const size_t nf = (size_t)(t * d + t * ql + t * lq + t * (r + dr) + 2 * t * h * r + t * h * dv + t * d +
                                t * 2 * inter + t * inter + (eight ? t * (r + dr) : 0));
     const size_t nf8 = (nf + 1) & ~(size_t)1; /* `own` starts 8-byte aligned */
@@ -190,7 +206,10 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
     rc = mls_latent_rope_write(kv, t, r + dr, r, dr, ly->norm_kv, (float)ly->eps_kv, q, h, dn + dr, dn, st->cos,
                                st->sin, (int)ly->interleaved, eight ? fresh : cache->rows, eight ? t : st->n_slots,
                                eight ? own : st->slots, threads);
-    if (!rc && eight) rc = rows8_write(fresh, t, r + dr, r + dr, r, cache, st->slots, st->n_slots);
+    if (!rc && eight && cache->half)
+        rc = rows16_write(fresh, t, r + dr, r + dr, (int)cache->half, (uint16_t *)cache->codes, st->slots, st->n_slots);
+    else if (!rc && eight)
+        rc = rows8_write(fresh, t, r + dr, r + dr, r, cache, st->slots, st->n_slots);
     if (rc) goto done;
     if (role == 1 && (rc = indexer_step(ly, st, xn, cq, index_keys, i8, threads))) goto done;
     rc = per_head(ly->type_k, ly->k_b, ly->k_head_stride, ly->k_row_bytes, h, r, dn, q, lq, dn + dr, t, q_lat, h * r,

@@ -74,13 +74,13 @@ static void index_keys_write(float *k, float *q, float *w, int64_t t, int64_t hi
    value = E4M3[code] * scale (one rounding, as the torch dequantizer), into a per-position buffer and scored as
    an fp32 key is: the result equals the fp32 path's over the dequantized keys. */
 static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
-                      const uint8_t *codes8, const float *scales8, const int64_t *kv_slots, const uint8_t *mask,
-                      int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads);
+                      const uint8_t *codes8, const float *scales8, int half, const int64_t *kv_slots,
+                      const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads);
 
 int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                    const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
                    uint8_t *sel_valid, int threads) {
-    return index_topk(q, w, t, hi, di, keys, NULL, NULL, kv_slots, mask, l, k, sel_index, sel_valid, threads);
+    return index_topk(q, w, t, hi, di, keys, NULL, NULL, 0, kv_slots, mask, l, k, sel_index, sel_valid, threads);
 }
 
 int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
@@ -88,12 +88,23 @@ int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64
                     int64_t *sel_index, uint8_t *sel_valid, int threads) {
     if (di > 1024) return -3; /* the decoded key's stack buffer */
     if (!e4m3_ready) e4m3_init();
-    return index_topk(q, w, t, hi, di, NULL, codes, scales, kv_slots, mask, l, k, sel_index, sel_valid, threads);
+    return index_topk(q, w, t, hi, di, NULL, codes, scales, 0, kv_slots, mask, l, k, sel_index, sel_valid, threads);
+}
+
+/* The top-k over keys kept in 16 bits (rows16.c; keys16 [S, Di], half HALF_F16 / HALF_BF16), each widened where it
+   lies: the result equals the fp32 path's over the widened keys. */
+int mls_index_topk16(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint16_t *keys16,
+                     int half, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
+                     uint8_t *sel_valid, int threads) {
+    if (di > 1024) return -3; /* the decoded key's stack buffer */
+    if (half != HALF_F16 && half != HALF_BF16) return -2;
+    return index_topk(q, w, t, hi, di, NULL, (const uint8_t *)keys16, NULL, half, kv_slots, mask, l, k, sel_index,
+                      sel_valid, threads);
 }
 
 static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
-                      const uint8_t *codes8, const float *scales8, const int64_t *kv_slots, const uint8_t *mask,
-                      int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads) {
+                      const uint8_t *codes8, const float *scales8, int half, const int64_t *kv_slots,
+                      const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads) {
     if (k <= 0 || k > l) return -2;
     float *s = (float *)malloc(sizeof(float) * (size_t)(2 * l) + 1);
     int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
@@ -123,7 +134,10 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
         for (int64_t a = 0; a < n_ok; a++) {
             float decoded[codes8 ? di : 1];
             const float *key = keys + (codes8 ? 0 : sl[pos[a]] * di);
-            if (codes8) {
+            if (codes8 && half) {
+                row16_decode((const uint16_t *)codes8 + sl[pos[a]] * di, half, di, decoded);
+                key = decoded;
+            } else if (codes8) {
                 e4m3_scaled(codes8 + sl[pos[a]] * di, scales8[sl[pos[a]]], di, decoded);
                 key = decoded;
             }

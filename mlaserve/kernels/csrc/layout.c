@@ -126,6 +126,7 @@ static const mls_layout_entry_t LAYOUT[] = {
     FIELD(mls_rows_t, kept),
     FIELD(mls_rows_t, fp8),
     FIELD(mls_rows_t, block),
+    FIELD(mls_rows_t, half),
 
     STRUCT(mls_layout_entry_t),
     FIELD(mls_layout_entry_t, type),

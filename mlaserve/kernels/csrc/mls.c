@@ -21,6 +21,7 @@
 #include "moe/route.c"    /* the MoE router */
 #include "moe/experts.c"  /* routed experts, pair by pair */
 #include "moe/block.c"    /* a decode step's MoE block in one call */
+#include "rows16.c"      /* 16-bit cache rows: widening reads, rounding writes (kv_cache_dtype) */
 #include "attention.c"    /* the latent MQA over paged rows */
 #include "glue.c"         /* RMSNorm, a step's latent rows and query rope */
 #include "indexer.c"      /* the DSA indexer of a decode step: index keys, scores, top-k */

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 21
+#define MLS_ABI_VERSION 22
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -132,13 +132,15 @@ typedef struct { /* one decode step, shared by every layer */
     uint8_t *sel_valid;      /* [T, K] shared layers after it; valid 0 where a request has fewer than K rows */
 } mls_decode_step_t;
 
-typedef struct { /* a layer's paged state (latent rows or index keys): fp32 rows, or 8-bit codes (rows8.c) */
-    float *rows;     /* [S, width] fp32 rows; 0 when the state is kept in 8 bits (kv_cache_dtype) */
-    uint8_t *codes;  /* [S, q] int8 codes, or e4m3fn bit patterns when fp8 */
+typedef struct { /* a layer's paged state (latent rows or index keys): fp32 rows, 8-bit codes (rows8.c) or 16-bit
+                    values (rows16.c) */
+    float *rows;     /* [S, width] fp32 rows; 0 when the state is kept in 8 or 16 bits (kv_cache_dtype) */
+    uint8_t *codes;  /* [S, q] int8 codes, or e4m3fn bit patterns when fp8; 16-bit: [S, width] values */
     float *scales;   /* [S, q / block] fp32 */
     float *kept;     /* [S, width - q] fp32 (the latent row's k_pe), 0 when width = q */
     int64_t fp8;     /* 1: e4m3 codes, 0: int8 codes */
     int64_t block;   /* codes per scale */
+    int64_t half;    /* 1 float16, 2 bfloat16: codes are the whole rows in 16 bits (scales, kept unused); 0 8-bit */
 } mls_rows_t;
 
 /* one field of a struct above as this compiler lays it out (layout.c); field 0: the whole struct */
@@ -201,6 +203,10 @@ int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const f
                     int64_t qp_head, const int64_t *q_index, const uint8_t *codes, const float *scales,
                     const float *kept, int fp8, int64_t block, const int64_t *slots, const uint8_t *mask, int64_t b,
                     int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr, float scale, float *out, int threads);
+int mls_latent_mqa16(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
+                     int64_t qp_head, const int64_t *q_index, const uint16_t *rows, int half, const int64_t *slots,
+                     const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
+                     float scale, float *out, int threads);
 int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float *w, float eps, float *y,
                  int64_t ldy, int threads);
 int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, int64_t dr, const float *w,
@@ -215,6 +221,9 @@ int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_
 int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
                     const float *scales, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k,
                     int64_t *sel_index, uint8_t *sel_valid, int threads);
+int mls_index_topk16(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint16_t *keys16,
+                     int half, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
+                     uint8_t *sel_valid, int threads);
 
 /* decode_layer.c */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out,
@@ -223,6 +232,8 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
 /* rows8.c: the 8-bit cache's quantizer (cache/quantized_rows.py quantize), exposed for its tests */
 int mls_quantize_rows(const float *x, int64_t t, int64_t ldx, int64_t q, int64_t block, int fp8, uint8_t *codes,
                       float *scales);
+/* rows16.c: the 16-bit cache's rounding (torch's casts to float16 / bfloat16; half 1 / 2), exposed for its tests */
+int mls_round16_rows(const float *x, int64_t t, int64_t width, int half, uint16_t *out);
 
 /* types.c: a type's block (bytes, values) and which kernels take it (bit 0 decode, 1 fused dot, 2 int8 dot);
    -1 for a type without a decoder */
