@@ -199,10 +199,13 @@ INT8_TILE_TYPES = {
     13: "Q5_K",
     14: "Q6_K",
     16: "IQ2_XXS",
+    17: "IQ2_XS",
     18: "IQ3_XXS",
     19: "IQ1_S",
     21: "IQ3_S",
+    22: "IQ2_S",
     23: "IQ4_XS",
+    29: "IQ1_M",
 }
 INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which they do
 NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"

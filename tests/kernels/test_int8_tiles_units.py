@@ -1,11 +1,10 @@
-"""The AMX-INT8 tiles for the super-block types with one integer scale per 32 values (csrc/x86/amx_units.c: IQ4_XS,
-IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, Q5_K), against the independent numpy references of their int8 tests
+"""The AMX-INT8 tiles for the super-block types with one integer scale per 32 or 16 values (csrc/x86/amx_units.c:
+IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, Q5_K; per 16: IQ2_XS, IQ2_S, IQ1_M), against the independent numpy references of their int8 tests
 (test_int8_more: IQ4_XS; test_int8_iq_grids: the grids, codes from gguf-py's dequantizer over the scale fields;
 test_int8_kquants: Q5_K from ggml's layout; activations: llama.cpp's q8_K quantizer) and against the VNNI row
 kernels of the same sources built without AMX.
 
-The tiles sum each sub-block's integer products exactly (int32), scale them by the sub-block's integer multiplier in
-int32 and apply the VNNI kernel's float operations in the same order per row, so every product must equal the
+The tiles sum each unit's integer products exactly (int32), scale them by the unit's integer multiplier in int32 and apply the VNNI kernel's float operations in the same order per row, so every product must equal the
 reference bit for bit at every row count: 16..64 rows (the tiles), odd counts (a partly empty last tile of
 activation rows), 37 weight rows (the last 16-row weight tile holds 5), several super-blocks per row. Below 16 rows
 the VNNI rows run; the same rows give the same bits either way (a row's result does not depend on its batch).
@@ -32,7 +31,7 @@ from mlaserve.kernels import native
 STATUS = native.status()
 TILES = native.int8_tiles() if STATUS.available else ""
 needs_tiles = pytest.mark.skipif(not TILES.startswith("amx-int8 tiles"), reason=f"no AMX-INT8 tiles here: {TILES}")
-UNITS = ["IQ4_XS", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ1_S", "Q5_K"]
+UNITS = ["IQ4_XS", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ1_S", "Q5_K", "IQ2_XS", "IQ2_S", "IQ1_M"]
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
 F32 = np.float32
 

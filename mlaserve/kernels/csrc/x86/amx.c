@@ -46,10 +46,10 @@ static int amx_permission(void) {
     return s;
 }
 
-/* the types of x86/amx_units.c (one integer scale per 32 values that no byte plane holds): amx_gemm hands them on */
+/* the types of x86/amx_units.c (one integer scale per 32 or 16 values that no byte plane holds): amx_gemm hands them on */
 static inline int amx_unit_type(int type) {
     return type == MLS_IQ4_XS || type == MLS_IQ2_XXS || type == MLS_IQ3_XXS || type == MLS_IQ3_S || type == MLS_IQ1_S ||
-           type == MLS_Q5_K;
+           type == MLS_Q5_K || type == MLS_IQ2_XS || type == MLS_IQ2_S || type == MLS_IQ1_M;
 }
 static int amx_unit_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
                          int64_t m, int64_t k, float *y, int64_t ldy, int threads);

@@ -2,23 +2,26 @@
    The tiles (x86/amx.c) for the super-block types whose VNNI int8 kernels (x86/avx2.c q8k_iq4xs_mr, q8k_grid_mr,
    q8k_q45_mr) sum, per super-block of 256 values, each 32-value sub-block's code products exactly and multiply
    that sum by the sub-block's integer scale: IQ4_XS (codes IQ4_NL's table values -127..113, scales -32..31),
-   IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S (signed grid codes, |q| <= 62, IQ1: 8 g +- 1; odd scales 1..31) and Q5_K
-   (codes 0..31, scales 0..63, mins as Q4_K's). A code times its scale does not fit a byte here (x86/amx.c's
-   base-8 digit planes need |q s_p| <= 127), so the tiles sum one sub-block per product and the scale applies to
-   the int32 sums:
+   IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S (signed grid codes, |q| <= 62, IQ1: 8 g +- 1; odd scales 1..31), Q5_K
+   (codes 0..31, scales 0..63, mins as Q4_K's), and with a scale per 16-value half IQ2_XS / IQ2_S / IQ1_M. A code
+   times its scale does not fit a byte here (x86/amx.c's base-8 digit planes need |q s_p| <= 127), so the tiles
+   sum one unit (the u = 32 or 16 values sharing a scale) per product and the scale applies to the int32 sums:
 
-   Notation (one pass: 16 weight rows r, 16 activation rows i, super-block blk, sub-blocks j = 0..7):
-     A_j [16, 32]   int8   the weight rows' codes of sub-block j (unpacked once per call for all activation rows)
-     B_j [8, 64]    int8   the activation rows' codes of sub-block j, 4 consecutive values per int32 (x86/amx.c
-                           amx_pack's layout: quads 8 j .. 8 j + 7 of the super-block)
-     C_j [16, 16]   int32  = A_j B_j (TDPBSSD, K = 32: half a full tile's depth), exact
+   Notation (one pass: 16 weight rows r, 16 activation rows i, super-block blk, units j = 0 .. 256 / u - 1):
+     A_j [16, u]    int8   the weight rows' codes of unit j (unpacked once per call for all activation rows)
+     B_j [u / 4, 64] int8  the activation rows' codes of unit j, 4 consecutive values per int32 (x86/amx.c
+                           amx_pack's layout: quads j u / 4 .. (j + 1) u / 4 - 1 of the super-block)
+     C_j [16, 16]   int32  = A_j B_j (TDPBSSD, K = u: half (u 32) or a quarter (u 16) of a tile's depth), exact
      S   [16, 16]   int32  = sum_j ls[r, j] C_j[r, :], the VNNI kernel's integer sum (exact: |S| < 2^28)
      y[i, r] += (d_w[r] * d_x[i]) * S[r, i]    (Q5_K also y -= (dmin_w[r] * d_x[i]) * M[r, i], M as Q4_K's)
      y_out = y * factor                        (the grid types' power of two, iq_int_factor; the others none)
    The integer sums are exact and the float operations are the VNNI kernel's, in the same order per row (and
    ref/int8.c's), so each y comes out bit for bit as theirs. */
 #ifdef MLS_AMX
-#define AMX_UNIT 32 /* values per sub-block: one tile product's depth */
+#define AMX_UNITS_MAX 16 /* units per super-block, at most (u = 16) */
+
+/* u: the values sharing one integer scale, one tile product's depth */
+static inline int amx_unit_size(int type) { return type == MLS_IQ2_XS || type == MLS_IQ2_S || type == MLS_IQ1_M ? 16 : 32; }
 
 static inline int amx_unit_bytes(int type) {
     switch (type) {
@@ -27,6 +30,9 @@ static inline int amx_unit_bytes(int type) {
     case MLS_IQ3_XXS: return 98;
     case MLS_IQ3_S: return 110;
     case MLS_IQ1_S: return 50;
+    case MLS_IQ2_XS: return 74;
+    case MLS_IQ2_S: return 82;
+    case MLS_IQ1_M: return 56;
     default: return 176; /* Q5_K */
     }
 }
@@ -34,35 +40,38 @@ static inline int amx_unit_bytes(int type) {
 /* One block of up to 16 weight rows, unpacked: codes, sub-block scales, per super-block d_w (Q5_K: dmin_w, mins) */
 typedef struct {
     int8_t *a;   /* [16, k] */
-    int32_t *ls; /* [16, k / 32] */
+    int32_t *ls; /* [16, k / u] */
     int32_t *mn; /* [16, k / 256 * 4] (Q5_K): mins 2j | 2j + 1 << 16 */
     float *d;    /* [16, k / 256] */
     float *dmin; /* [16, k / 256] (Q5_K) */
 } amx_unit_rows_t;
 
-/* a grid type's sub-block ib: its 32 codes (x86/avx2.c q8k_grid_mr's, IQ1's delta folded in) and scale */
-static inline __m256i amx_grid_codes(const uint8_t *b, int type, float dw, int ib, int32_t *ls) {
+/* a grid type's sub-block ib: its 32 codes (x86/avx2.c q8k_grid_mr's, IQ1's delta folded in) and its halves'
+   scales ls[0], ls[1] (equal but for IQ2_XS, IQ2_S, IQ1_M) */
+static inline __m256i amx_grid_codes(const uint8_t *b, int type, float dw, int ib, int32_t ls[2]) {
     iq_sub_t o;
     switch (type) {
     case MLS_IQ2_XXS: iq2_xxs_sub(b, dw, ib, &o); break;
     case MLS_IQ3_XXS: iq3_xxs_sub(b, dw, ib, &o); break;
     case MLS_IQ3_S: iq3_s_sub(b, dw, ib, &o); break;
-    default: iq1_s_sub(b, dw, ib, &o);
+    case MLS_IQ2_XS: iq2_xs_sub(b, dw, ib, &o); break;
+    case MLS_IQ2_S: iq2_s_sub(b, dw, ib, &o); break;
+    case MLS_IQ1_S: iq1_s_sub(b, dw, ib, &o); break;
+    default: iq1_m_sub(b, dw, ib, &o);
     }
     __m256i w = _mm256_set_m128i(_mm_unpacklo_epi64(o.g[2], o.g[3]), _mm_unpacklo_epi64(o.g[0], o.g[1]));
-    if (type == MLS_IQ1_S) {
+    if (type == MLS_IQ1_S || type == MLS_IQ1_M) {
         const __m256i w2 = _mm256_add_epi8(w, w), w4 = _mm256_add_epi8(w2, w2);
         const __m256i pm = _mm256_setr_epi64x(iq1_pm(o.delta[0]), iq1_pm(o.delta[1]), iq1_pm(o.delta[2]), iq1_pm(o.delta[3]));
         w = _mm256_add_epi8(_mm256_add_epi8(w4, w4), pm);
     }
-    int32_t l2[2];
-    iq_ls(b, type, ib, l2); /* one scale per sub-block for these types: l2[0] == l2[1] */
-    *ls = l2[0];
+    iq_ls(b, type, ib, ls);
     return w;
 }
 
 static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, amx_unit_rows_t *o) {
-    const int64_t kb = k / 256, units = k / AMX_UNIT, bytes = amx_unit_bytes(type);
+    const int u = amx_unit_size(type);
+    const int64_t kb = k / 256, units = k / u, bytes = amx_unit_bytes(type);
     memset(o->a, 0, (size_t)(AMX_ROWS * k));
     memset(o->ls, 0, sizeof(int32_t) * (size_t)(AMX_ROWS * units));
     for (int64_t r = 0; r < nr; r++) {
@@ -71,7 +80,7 @@ static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64
         for (int64_t blk = 0; blk < kb; blk++) {
             const uint8_t *b = w + r * row_bytes + blk * bytes;
             int8_t *ab = a + blk * 256;
-            int32_t *lb = ls + blk * 8;
+            int32_t *lb = ls + blk * (256 / u);
             if (type == MLS_IQ4_XS) {
                 o->d[r * kb + blk] = f16(b);
                 iq4_xs_ls(b, lb);
@@ -93,20 +102,27 @@ static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64
             } else {
                 const float dw = iq_int_d(b, type);
                 o->d[r * kb + blk] = dw;
-                for (int ib = 0; ib < 8; ib++) _mm256_storeu_si256((__m256i *)(ab + 32 * ib), amx_grid_codes(b, type, dw, ib, lb + ib));
+                for (int ib = 0; ib < 8; ib++) {
+                    int32_t l2[2];
+                    _mm256_storeu_si256((__m256i *)(ab + 32 * ib), amx_grid_codes(b, type, dw, ib, l2));
+                    if (u == 16)
+                        lb[2 * ib] = l2[0], lb[2 * ib + 1] = l2[1];
+                    else
+                        lb[ib] = l2[0];
+                }
             }
         }
     }
 }
 
-/* tiles 0..3: C_j of 4 sub-blocks; 4, 5: A_j; 6, 7: B_j */
-static void amx_unit_configure(void) {
+/* tiles 0..3: C_j of 4 units; 4, 5: A_j [16, u]; 6, 7: B_j [u / 4, 64] */
+static void amx_unit_configure(int u) {
     amx_cfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = t < 6 ? AMX_ROWS : AMX_UNIT / 4;
-        c.colsb[t] = t < 4 || t >= 6 ? 64 : AMX_UNIT;
+        c.rows[t] = (uint8_t)(t < 6 ? AMX_ROWS : u / 4);
+        c.colsb[t] = (uint16_t)(t < 4 || t >= 6 ? 64 : u);
     }
     _tile_loadconfig(&c);
 }
@@ -114,8 +130,8 @@ static void amx_unit_configure(void) {
 /* C_j of super-block blk into tile t, through A tile ta and B tile tb (tile numbers: literal immediates) */
 #define AMX_UNIT_DP(t, j, ta, tb)                                                                              \
     do {                                                                                                       \
-        _tile_loadd(tb, xp + (blk * 256 + AMX_UNIT * (j)) / 4 * AMX_ROWS, 64);                                  \
-        _tile_loadd(ta, W->a + blk * 256 + AMX_UNIT * (j), k);                                                  \
+        _tile_loadd(tb, xp + (blk * 256 + u * (j)) / 4 * AMX_ROWS, 64);                                         \
+        _tile_loadd(ta, W->a + blk * 256 + u * (j), k);                                                         \
         _tile_dpbssd(t, ta, tb);                                                                                \
     } while (0)
 
@@ -123,9 +139,10 @@ static void amx_unit_configure(void) {
    activation rows] (x86/amx.c amx_superblock's contract) */
 static void amx_unit_superblock(int type, const amx_unit_rows_t *W, int64_t blk, const int32_t *xp, const float *dx,
                                 const int32_t *bsum, int64_t k, float *acc) {
-    const int64_t kb = k / 256, units = k / AMX_UNIT;
-    int32_t cbuf[8][AMX_ROWS * 16] __attribute__((aligned(64)));
-    for (int h = 0; h < 2; h++) {
+    const int u = amx_unit_size(type), per = 256 / u;
+    const int64_t kb = k / 256, units = k / u;
+    int32_t cbuf[AMX_UNITS_MAX][AMX_ROWS * 16] __attribute__((aligned(64)));
+    for (int h = 0; h < per / 4; h++) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -141,9 +158,9 @@ static void amx_unit_superblock(int type, const amx_unit_rows_t *W, int64_t blk,
     }
     const __m512 d_x = _mm512_loadu_ps(dx + blk * AMX_ROWS);
     for (int r = 0; r < AMX_ROWS; r++) {
-        const int32_t *ls = W->ls + r * units + blk * 8;
+        const int32_t *ls = W->ls + r * units + blk * per;
         __m512i S = _mm512_mullo_epi32(_mm512_set1_epi32(ls[0]), _mm512_load_si512(cbuf[0] + 16 * r));
-        for (int j = 1; j < 8; j++) S = _mm512_add_epi32(S, _mm512_mullo_epi32(_mm512_set1_epi32(ls[j]), _mm512_load_si512(cbuf[j] + 16 * r)));
+        for (int j = 1; j < per; j++) S = _mm512_add_epi32(S, _mm512_mullo_epi32(_mm512_set1_epi32(ls[j]), _mm512_load_si512(cbuf[j] + 16 * r)));
         __m512 y = _mm512_load_ps(acc + 16 * r);
         y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(W->d[r * kb + blk]), d_x), _mm512_cvtepi32_ps(S)));
         if (type == MLS_Q5_K) {
@@ -168,7 +185,7 @@ static inline float amx_unit_out(int type, float acc) {
 static int amx_unit_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
                          int64_t m, int64_t k, float *y, int64_t ldy, int threads) {
     const int64_t groups = (m + AMX_ROWS - 1) / AMX_ROWS, blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
-    const int64_t kb = k / 256, slots = k / 32, units = k / AMX_UNIT;
+    const int64_t kb = k / 256, slots = k / 32, units = k / amx_unit_size(type);
     const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
     const size_t per_group = xp_n + dx_n + bs_n; /* int32 / float slots */
     char *packed = (char *)aligned_alloc(64, ((size_t)groups * per_group * 4 + 63) / 64 * 64);
@@ -198,7 +215,7 @@ static int amx_unit_gemm(int type, const uint8_t *w, int64_t n, int64_t row_byte
             W.mn = W.ls + AMX_ROWS * units;
             W.d = (float *)(W.mn + AMX_ROWS * kb * 4);
             W.dmin = W.d + AMX_ROWS * kb;
-            amx_unit_configure();
+            amx_unit_configure(amx_unit_size(type));
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bi = 0; bi < blocks; bi++) {
@@ -223,5 +240,5 @@ static int amx_unit_gemm(int type, const uint8_t *w, int64_t n, int64_t row_byte
     free(packed);
     return rc;
 }
-#undef AMX_UNIT
+#undef AMX_UNITS_MAX
 #endif
