@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 22  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 24  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -196,7 +196,21 @@ def int8_isa() -> str:
     return ctypes.string_at(lib.mls_int8_isa()).decode() if lib is not None else ""
 
 
-INT8_TILE_TYPES = {12: "Q4_K", 14: "Q6_K"}  # csrc/x86/amx.c amx_type: the weights whose int8 products take the tiles
+# csrc/x86/amx.c amx_type: the weights whose int8 products take the tiles (Q4_K, Q6_K: amx.c's digit planes; the
+# rest: x86/amx_units.c's scaled 32-value units)
+INT8_TILE_TYPES = {
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    29: "IQ1_M",
+}
 INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which they do
 NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"
 

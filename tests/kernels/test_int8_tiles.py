@@ -93,9 +93,12 @@ def test_grouped_tile_products_equal_the_reference(name):
 def test_the_plan_names_the_tiles():
     """The kernel plan's words: which types, from how many rows (the C constants' mirror in native.py), on a holder
     whose weights take them, not on one whose weights do not (Q8_0)."""
-    assert TILES == "amx-int8 tiles for Q4_K, Q6_K at >= 16 rows"
+    assert TILES == f"amx-int8 tiles for {', '.join(native.INT8_TILE_TYPES.values())} at >= 16 rows"
     q4k, q6k, q8 = (GGML_TYPE_IDS[n] for n in ("Q4_K", "Q6_K", "Q8_0"))
-    assert int8_detail((q4k, q6k), 6) == f"int8 activations for Q4_K, Q6_K ({native.int8_isa()}), {TILES}"
+    assert (
+        int8_detail((q4k, q6k), 6)
+        == f"int8 activations for Q4_K, Q6_K ({native.int8_isa()}), amx-int8 tiles for Q4_K, Q6_K at >= 16 rows"
+    )
     assert (
         int8_detail((q4k, q8), True)
         == f"int8 activations for Q4_K, Q8_0 ({native.int8_isa()}), amx-int8 tiles for Q4_K at >= 16 rows"

@@ -13,6 +13,7 @@
 #include "x86/avx2.c"     /* AVX2 decoders, fused decode-and-dot, int8 row kernels */
 #include "x86/avx512.c"   /* the AVX-512 fused kernels */
 #include "x86/amx.c"      /* AMX-INT8 tiles for the K-quants' int8 products of many rows */
+#include "x86/amx_units.c" /* the same for the types with one integer scale per 32 values */
 #include "ref/int8.c"     /* the int8 row kernels without SIMD */
 #include "dot.c"          /* the fp32 dot product, F32 rows */
 #include "types.c"        /* the type table: each type's block and kernels */

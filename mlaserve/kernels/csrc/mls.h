@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 22
+#define MLS_ABI_VERSION 24
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -242,7 +242,8 @@ int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t
 const char *mls_isa(void);
 /* the int8 dot products' instructions: "avx512vnni", "avxvnni", "avx2" or "scalar" */
 const char *mls_int8_isa(void);
-/* x86/amx.c: whether the int8 products of many rows (Q4_K, Q6_K, 16+ activation rows) run on AMX-INT8 tiles:
+/* x86/amx.c: whether the int8 products of many rows (16+ activation rows; Q4_K, Q6_K, and x86/amx_units.c's Q5_K,
+   IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) run on AMX-INT8 tiles:
    1 yes, 0 a build without them, -errno the kernel refused the process the tile state */
 int mls_int8_tiles(void);
 

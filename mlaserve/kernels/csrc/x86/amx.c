@@ -46,7 +46,15 @@ static int amx_permission(void) {
     return s;
 }
 
-static inline int amx_type(int type) { return type == MLS_Q4_K || type == MLS_Q6_K; }
+/* the types of x86/amx_units.c (one integer scale per 32 or 16 values that no byte plane holds): amx_gemm hands them on */
+static inline int amx_unit_type(int type) {
+    return type == MLS_IQ4_XS || type == MLS_IQ2_XXS || type == MLS_IQ3_XXS || type == MLS_IQ3_S || type == MLS_IQ1_S ||
+           type == MLS_Q5_K || type == MLS_IQ2_XS || type == MLS_IQ2_S || type == MLS_IQ1_M;
+}
+static int amx_unit_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
+                         int64_t m, int64_t k, float *y, int64_t ldy, int threads);
+
+static inline int amx_type(int type) { return type == MLS_Q4_K || type == MLS_Q6_K || amx_unit_type(type); }
 
 /* whether a product of m activation rows on this type runs on the tiles */
 static inline int amx_takes(int type, int64_t m) { return amx_type(type) && m >= AMX_MIN_ROWS && amx_permission() == 1; }
@@ -222,6 +230,7 @@ static void amx_superblock(int type, const amx_rows_t *W, int64_t blk, const int
    apart), on the tiles. Returns 0, -4 when memory runs out. */
 static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
                     int64_t m, int64_t k, float *y, int64_t ldy, int threads) {
+    if (amx_unit_type(type)) return amx_unit_gemm(type, w, n, row_bytes, xq, xd, m, k, y, ldy, threads);
     const int64_t groups = (m + AMX_ROWS - 1) / AMX_ROWS, blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t kb = k / 256, slots = k / 32;
     const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
