@@ -91,7 +91,7 @@ class Collectives:
     def __init__(
         self, store: dist.Store, rank: int, world_size: int, interrupt: Callable[[], str | None] | None = None
     ) -> None:
-        """interrupt (rank 0): returns why to stop waiting for a collective (a hung rank), or None."""
+        """interrupt (rank 0): returns why to stop waiting for a collective (a hung or dead rank), or None."""
         self.rank, self.world_size, self._store = rank, world_size, store
         self._pg = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
         self._interrupt = interrupt

@@ -93,7 +93,7 @@ class TensorParallelGroup:
     def _connect(self, n: int) -> None:
         """Rank 0's collectives (interrupted when a rank is found hung), then the watchdog: every
         worker beats from before it connects, so the watchdog starts with every heartbeat there."""
-        self.comm = self.guard(Collectives, self.store, 0, n, self.hang_report)
+        self.comm = self.guard(Collectives, self.store, 0, n, self.stop_reason)
         self.watchdog = Watchdog(self.store, range(1, n), self._on_hang).start()
 
     def _on_hang(self, rank: int, report: str) -> None:
@@ -111,6 +111,19 @@ class TensorParallelGroup:
         """The first hung rank's report, or None (polled by rank 0's waits)."""
         for rank, report in sorted(self.hung.items()):
             return f"tensor-parallel rank {rank} {report}"
+        return None
+
+    def stop_reason(self) -> str | None:
+        """Why rank 0 should stop waiting for a collective (polled every WAIT_SLICE): a hung rank (the watchdog),
+        or a worker of ours that is no longer alive. A dead peer usually fails gloo's transfer at once, but not
+        always: a collective that is not reading from its connection when the peer dies waits for
+        COLLECTIVE_TIMEOUT (seen once in CI: a SIGKILLed EP rank, 300 s). _diagnose then names the cause."""
+        hung = self.hang_report()
+        if hung is not None:
+            return hung
+        for rank, proc in enumerate(self.procs, 1):
+            if not proc.is_alive():
+                return str(_died(rank, proc))
         return None
 
     def _wait_joined(self, store, n: int) -> None:
