@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import signal
 import time
+import warnings
 from dataclasses import replace
 
 import torch
@@ -66,6 +67,7 @@ class TensorParallelGroup:
         self.hung: dict[int, str] = {}  # rank -> the watchdog's report (set from its thread)
         self.watchdog: Watchdog | None = None
         self._failed_comm: Collectives | None = None
+        self.unclean_exit: str | None = None  # a worker's non-zero exit after a healthy stop (shutdown)
 
     @classmethod
     def start(cls, path: str, opts: EngineOptions, rank_overrides: dict | None = None):
@@ -189,7 +191,7 @@ class TensorParallelGroup:
     def shutdown(self) -> None:
         """Stop every worker: "stop" when the group is healthy, then terminate, then kill. After a healthy run
         a worker that ended on its own other than with exit code 0 (e.g. SIGABRT at exit: heartbeat.py, Exit)
-        is an error naming it: its work was done, but the process did not exit cleanly."""
+        is named in a RuntimeWarning and `unclean_exit`: its work was done, but the process did not exit cleanly."""
         if self.closed:
             return
         self.closed = True
@@ -216,9 +218,13 @@ class TensorParallelGroup:
         self.comm = None
         unclean = sorted(r for r, code in exited.items() if code != 0)
         if self.failure is None and unclean:
+            # named, not raised: every result was already delivered (an abort at the worker's interpreter exit,
+            # heartbeat.py Exit, still shows up about once in a CI run; raising here failed a finished run)
             rank = unclean[0]
-            self.failure = f"tensor-parallel rank {rank} did not exit cleanly after stop ({_exit_reason(exited[rank])})"
-            raise TensorParallelError(self.failure + _last_words(self.procs[rank - 1]))
+            self.unclean_exit = (
+                f"tensor-parallel rank {rank} did not exit cleanly after stop ({_exit_reason(exited[rank])})"
+            )
+            warnings.warn(self.unclean_exit + _last_words(self.procs[rank - 1]), RuntimeWarning, stacklevel=2)
 
 
 def _last_words(proc) -> str:
