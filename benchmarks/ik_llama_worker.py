@@ -79,7 +79,8 @@ class IkLlamaWorker:
     def _run(self, tool: str, args: list[str]) -> str:
         cmd = [str(self.bin / tool), "-m", self.path, "-t", str(self.threads), *args]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # errors="replace": the tools print the model's token pieces, which need not be whole UTF-8 sequences
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
