@@ -412,21 +412,17 @@ def format_report(report: AgainstReport) -> str:
     lines.append(_edge_row("logits", by_name["logits"], _types_cell(report.types, "logits")))
     lines.append(f"final logits, free-running: top-1 agreement {report.logits_top1:.1%}")
     if report.activation_error:
-        lines.append(
+        title = (
             f"int8 activations ({report.activations}): error their products add / the file's own e(X), per block "
             "(not judged; the rule: well inside e)"
         )
-        for b, act in report.activation_error.items():
-            e = report.file_error.get(b, 0.0)
-            lines.append(f"  {b:<14} {act:.2e} / {e:.2e}" + (f"  = {act / e:.2f}" if e else ""))
+        lines += _against_file_error(title, report.activation_error, report.file_error, digits=2)
     if report.cache_error:
-        lines.append(
+        title = (
             f"cache rows in {report.kv_cache_dtype}: error they add to the attention block / the file's own e(X) "
             "(not judged; the rule for a lossy default: well inside e)"
         )
-        for b, err in report.cache_error.items():
-            e = report.file_error.get(b, 0.0)
-            lines.append(f"  {b:<14} {err:.2e} / {e:.2e}" + (f"  = {err / e:.4f}" if e else ""))
+        lines += _against_file_error(title, report.cache_error, report.file_error, digits=4)
     if report.topk_overlap:
         shared = ", ".join(f"layer {i} {v:.1%}" for i, v in report.topk_overlap.items())
         lines.append(f"DSA top-k rows shared with OTHER (MODEL attended over OTHER's; not judged): {shared}")
@@ -434,6 +430,15 @@ def format_report(report: AgainstReport) -> str:
     lines += [f"{Path(p).name}: {c.describe()}" for p, c in report.dequant_checks]
     lines.append(("PASS: " if report.passed else "FAIL: ") + describe_failure(report))
     return "\n".join(lines)
+
+
+def _against_file_error(title: str, added: dict[str, float], file_error: dict[str, float], digits: int) -> list[str]:
+    """A lossy choice's added error per block beside the file's own quantization error e(X), and their ratio."""
+    lines = [title]
+    for b, err in added.items():
+        e = file_error.get(b, 0.0)
+        lines.append(f"  {b:<14} {err:.2e} / {e:.2e}" + (f"  = {err / e:.{digits}f}" if e else ""))
+    return lines
 
 
 def _cell(b: BlockDiff) -> str:
