@@ -4,6 +4,7 @@ builds every int8 test holds to the reference (the machine's own, AVX2 where it 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from mlaserve.config.cpu import cpu_flags
@@ -69,3 +70,56 @@ def grid_blocks(name: str, rows: int, k: int, seed: int) -> torch.Tensor:
         raw[..., 0] = (d & 0xFF).to(torch.uint8)
         raw[..., 1] = (d >> 8).to(torch.uint8)
     return raw.flatten(-2).contiguous()
+
+
+# The AMX-INT8 tile tests' shared pieces (tests/kernels/test_int8_tiles*.py): every tile type is held to the same
+# float steps after its exact integer sums, at the same row counts, in the same grouped call.
+TILE_ROW_COUNTS = (1, 15, 16, 17, 31, 32, 33, 48, 63, 64)  # below 16 the VNNI rows, from 16 the tiles; odd tails
+
+
+def tiles_here() -> str:
+    """The kernel plan's words on the tiles in this process ("" without the native kernels)."""
+    return native.int8_tiles() if native.status().available else ""
+
+
+def needs_tiles(f):
+    """Skip where this process has no AMX-INT8 tiles (the build or the kernel)."""
+    tiles = tiles_here()
+    return pytest.mark.skipif(not tiles.startswith("amx-int8 tiles"), reason=f"no AMX-INT8 tiles here: {tiles}")(f)
+
+
+def super_block_sums(s, d, dx, mins=None, dmin=None) -> np.ndarray:
+    """The VNNI row kernels' float steps over exact integer sums, as numpy float32 array operations (each an IEEE fp32
+    operation per element, as the scalar loop's): per super-block blk in order, y += (d_w d_x) S (with mins also
+    y -= (dmin_w d_x) M). s, mins [M, N, nb] integers; d, dmin [N, nb]; dx [M, nb]. -> y [M, N] fp32."""
+    m, n = s.shape[:2]
+    y = np.zeros((m, n), dtype=F32)
+    for blk in range(d.shape[1]):
+        scale = (d[None, :, blk].astype(F32) * dx[:, None, blk].astype(F32)).astype(F32)
+        y = (y + (scale * s[:, :, blk].astype(F32)).astype(F32)).astype(F32)
+        if mins is not None:
+            scale_min = (dmin[None, :, blk].astype(F32) * dx[:, None, blk].astype(F32)).astype(F32)
+            y = (y - (scale_min * mins[:, :, blk].astype(F32)).astype(F32)).astype(F32)
+    return y
+
+
+def assert_tile_rows(name: str, raw: torch.Tensor, x: torch.Tensor, want: torch.Tensor) -> None:
+    """native.gemm at every TILE_ROW_COUNTS (x has 64 rows) equal to want's bits, and rows 5..25 inside another batch
+    the same (a row's result does not depend on its batch)."""
+    t, k = GGML_TYPE_IDS[name], x.shape[1]
+    for rows in TILE_ROW_COUNTS:
+        got = native.gemm(t, x[:rows].contiguous(), raw, k, int8=True)
+        assert torch.equal(got, want[:rows]), (name, rows, (got - want[:rows]).abs().max().item())
+    assert torch.equal(native.gemm(t, x[5:26].contiguous(), raw, k, int8=True), want[5:26]), name
+
+
+def assert_grouped_tiles(name: str, blocks, reference, x: torch.Tensor) -> None:
+    """The grouped gemm of x (50 rows) with groups above and below 16 rows (tiles and VNNI rows in one call), experts
+    out of order: each group equal to reference(weight, name, its rows). blocks(name, rows, k, seed) makes a weight."""
+    t, k, n = GGML_TYPE_IDS[name], x.shape[1], 21
+    stacked = torch.stack([blocks(name, n, k, seed=s) for s in (5, 6, 7)])
+    experts, starts = torch.tensor([2, 0, 1]), torch.tensor([0, 19, 24, 50])
+    ys = native.grouped_gemm(t, x, stacked, k, experts, starts, int8=True)
+    for a in range(3):
+        s0, s1 = starts[a].item(), starts[a + 1].item()
+        assert torch.equal(ys[s0:s1], reference(stacked[experts[a]], name, x[s0:s1])), (name, a)

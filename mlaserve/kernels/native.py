@@ -196,8 +196,8 @@ def int8_isa() -> str:
     return ctypes.string_at(lib.mls_int8_isa()).decode() if lib is not None else ""
 
 
-# csrc/x86/amx.c amx_type: the weights whose int8 products take the tiles (Q4_K, Q6_K: amx.c's digit planes; the
-# rest: x86/amx_units.c's scaled 32-value units)
+# csrc/x86/amx.c amx_type: the weights whose int8 products take the tiles (Q4_K, Q6_K: x86/amx_planes.c's digit
+# planes; the rest: x86/amx_units.c's scaled 32-value units)
 INT8_TILE_TYPES = {
     12: "Q4_K",
     13: "Q5_K",

@@ -1,6 +1,7 @@
-"""The AMX-INT8 tile kernel (csrc/x86/amx.c) for the K-quants' int8 products of many rows, against the numpy
-reference of tests/kernels/test_int8_kquants.py (llama.cpp's q8_K quantizer, the weight codes read from the ggml
-layout and checked against gguf-py there, exact integer sums, then each documented fp32 operation once).
+"""The AMX-INT8 tiles (csrc/x86/amx.c's driver, x86/amx_planes.c's hook) for the K-quants' int8 products of many
+rows, against the numpy reference of tests/kernels/test_int8_kquants.py (llama.cpp's q8_K quantizer, the weight
+codes read from the ggml layout and checked against gguf-py there, exact integer sums, then each documented fp32
+operation once).
 
 The tiles sum the same integer products exactly and apply the same float operations in the same order per row, so
 their products must equal the reference bit for bit at every row count: 16..64 rows (the tiles), odd counts (a
@@ -14,17 +15,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from int8_reference import with_build
+from int8_reference import (
+    assert_grouped_tiles,
+    assert_tile_rows,
+    needs_tiles,
+    super_block_sums,
+    tiles_here,
+    with_build,
+)
 from test_int8_kquants import _blocks, _special_x, kquant_codes, q8k_reference
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import native
 from mlaserve.quant.ggml_linear import int8_detail
 
-STATUS = native.status()
-TILES = native.int8_tiles() if STATUS.available else ""
-needs_tiles = pytest.mark.skipif(not TILES.startswith("amx-int8 tiles"), reason=f"no AMX-INT8 tiles here: {TILES}")
-F32 = np.float32
+TILES = tiles_here()
 
 
 def reference(raw: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -39,13 +44,7 @@ def reference(raw: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
     cb = codes.reshape(n, nb, 256 // group, group)
     s_int = (np.einsum("nbgl,mbgl->mnbg", cb, qb) * sc[None]).sum(-1)  # [M, N, nb], exact
     m_int = (mn[None] * bsum.reshape(m, 1, nb, 8)).sum(-1) if name != "Q6_K" else None
-    y = np.zeros((m, n), dtype=F32)
-    for blk in range(nb):
-        scale = (d[None, :, blk].astype(F32) * dx[:, None, blk].astype(F32)).astype(F32)
-        y = (y + (scale * s_int[:, :, blk].astype(F32)).astype(F32)).astype(F32)
-        if m_int is not None:
-            scale_min = (dmin[None, :, blk].astype(F32) * dx[:, None, blk].astype(F32)).astype(F32)
-            y = (y - (scale_min * m_int[:, :, blk].astype(F32)).astype(F32)).astype(F32)
+    y = super_block_sums(s_int, d, dx, m_int, dmin)
     return torch.from_numpy(y)
 
 
@@ -64,29 +63,15 @@ def test_the_vectorized_reference_is_the_scalar_one():
 def test_tile_products_equal_the_reference_bit_for_bit(name):
     """gemm at 1..64 rows (below 16 the VNNI rows, from 16 the tiles), 37 weight rows (the last 16-row tile holds 5),
     3 super-blocks: every result equal to the reference's bits."""
-    t, k, n = GGML_TYPE_IDS[name], 768, 37
-    raw = _blocks(name, n, k, seed=3)
-    x = _special_x(64, k, seed=4)
-    want = reference(raw, name, x)
-    for rows in (1, 15, 16, 17, 31, 32, 33, 48, 63, 64):
-        got = native.gemm(t, x[:rows].contiguous(), raw, k, int8=True)
-        assert torch.equal(got, want[:rows]), (name, rows, (got - want[:rows]).abs().max().item())
-    got = native.gemm(t, x[5:26].contiguous(), raw, k, int8=True)  # the same rows inside another batch
-    assert torch.equal(got, want[5:26])
+    raw, x = _blocks(name, 37, 768, seed=3), _special_x(64, 768, seed=4)
+    assert_tile_rows(name, raw, x, reference(raw, name, x))
 
 
 @needs_tiles
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_grouped_tile_products_equal_the_reference(name):
     """The grouped gemm with groups above and below 16 rows (tiles and VNNI rows in one call), experts out of order."""
-    t, k, n = GGML_TYPE_IDS[name], 512, 21
-    stacked = torch.stack([_blocks(name, n, k, seed=5), _blocks(name, n, k, seed=6), _blocks(name, n, k, seed=7)])
-    x = _special_x(50, k, seed=8)
-    experts, starts = torch.tensor([2, 0, 1]), torch.tensor([0, 19, 24, 50])
-    ys = native.grouped_gemm(t, x, stacked, k, experts, starts, int8=True)
-    for a in range(3):
-        s0, s1 = starts[a].item(), starts[a + 1].item()
-        assert torch.equal(ys[s0:s1], reference(stacked[experts[a]], name, x[s0:s1])), (name, a)
+    assert_grouped_tiles(name, _blocks, reference, _special_x(50, 512, seed=8))
 
 
 @needs_tiles

@@ -15,7 +15,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from int8_reference import grid_blocks, with_build
+from int8_reference import (
+    assert_grouped_tiles,
+    assert_tile_rows,
+    grid_blocks,
+    needs_tiles,
+    super_block_sums,
+    tiles_here,
+    with_build,
+)
 from test_int8_iq_grids import FACTOR
 from test_int8_iq_grids import codes_of as grid_codes
 from test_int8_iq_grids import reference as grid_reference
@@ -28,9 +36,7 @@ from test_int8_more import iq4_xs_reference
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import native
 
-STATUS = native.status()
-TILES = native.int8_tiles() if STATUS.available else ""
-needs_tiles = pytest.mark.skipif(not TILES.startswith("amx-int8 tiles"), reason=f"no AMX-INT8 tiles here: {TILES}")
+TILES = tiles_here()
 UNITS = ["IQ4_XS", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ1_S", "Q5_K", "IQ2_XS", "IQ2_S", "IQ1_M"]
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
 F32 = np.float32
@@ -71,14 +77,7 @@ def reference(raw: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
     per super-block in order, then the grids' power of two (y = factor * acc)."""
     q, dx, bsum = q8k_reference(x.numpy())
     s, d, mins, dmin = integer_sums(raw.numpy(), name, q, bsum)
-    m, n = q.shape[0], d.shape[0]
-    y = np.zeros((m, n), dtype=F32)
-    for blk in range(d.shape[1]):
-        scale = (d[None, :, blk].astype(F32) * dx[:, None, blk].astype(F32)).astype(F32)
-        y = (y + (scale * s[:, :, blk].astype(F32)).astype(F32)).astype(F32)
-        if mins is not None:
-            scale_min = (dmin[None, :, blk].astype(F32) * dx[:, None, blk].astype(F32)).astype(F32)
-            y = (y - (scale_min * mins[:, :, blk].astype(F32)).astype(F32)).astype(F32)
+    y = super_block_sums(s, d, dx, mins, dmin)
     if name not in ("Q5_K", "IQ4_XS"):
         y = (y * F32(FACTOR.get(name, 0.125))).astype(F32)
     return torch.from_numpy(y)
@@ -103,16 +102,10 @@ def test_the_vectorized_reference_is_the_scalar_one(name):
 def test_tile_products_equal_the_reference_and_the_vnni_rows_bit_for_bit(name, monkeypatch):
     """gemm at 1..64 rows (below 16 the VNNI rows, from 16 the tiles), 37 weight rows, 3 super-blocks: every result
     equal to the reference's bits, and to the VNNI rows' (the same sources without AMX) at the tiles' counts."""
-    t, k, n = GGML_TYPE_IDS[name], 768, 37
-    raw = blocks(name, n, k, seed=3)
-    x = _special_x(64, k, seed=4)
+    t, k = GGML_TYPE_IDS[name], 768
+    raw, x = blocks(name, 37, k, seed=3), _special_x(64, k, seed=4)
     want = reference(raw, name, x)
-    counts = (1, 15, 16, 17, 31, 32, 33, 48, 63, 64)
-    for rows in counts:
-        got = native.gemm(t, x[:rows].contiguous(), raw, k, int8=True)
-        assert torch.equal(got, want[:rows]), (name, rows, (got - want[:rows]).abs().max().item())
-    got = native.gemm(t, x[5:26].contiguous(), raw, k, int8=True)  # the same rows inside another batch
-    assert torch.equal(got, want[5:26])
+    assert_tile_rows(name, raw, x, want)
     with_build(monkeypatch, NO_AMX)
     assert native.int8_tiles() == f"no amx-int8 tiles: {native.NO_TILES_IN_BUILD}"
     for rows in (16, 33, 64):
@@ -123,14 +116,7 @@ def test_tile_products_equal_the_reference_and_the_vnni_rows_bit_for_bit(name, m
 @pytest.mark.parametrize("name", UNITS)
 def test_grouped_tile_products_equal_the_reference(name):
     """The grouped gemm with groups above and below 16 rows (tiles and VNNI rows in one call), experts out of order."""
-    t, k, n = GGML_TYPE_IDS[name], 512, 21
-    stacked = torch.stack([blocks(name, n, k, seed=s) for s in (5, 6, 7)])
-    x = _special_x(50, k, seed=8)
-    experts, starts = torch.tensor([2, 0, 1]), torch.tensor([0, 19, 24, 50])
-    ys = native.grouped_gemm(t, x, stacked, k, experts, starts, int8=True)
-    for a in range(3):
-        s0, s1 = starts[a].item(), starts[a + 1].item()
-        assert torch.equal(ys[s0:s1], reference(stacked[experts[a]], name, x[s0:s1])), (name, a)
+    assert_grouped_tiles(name, blocks, reference, _special_x(50, 512, seed=8))
 
 
 @needs_tiles

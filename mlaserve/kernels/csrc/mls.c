@@ -12,8 +12,9 @@
 #include "ref/iquants.c"  /* the i-quant and ternary reference decoders, with their grids */
 #include "x86/avx2.c"     /* AVX2 decoders, fused decode-and-dot, int8 row kernels */
 #include "x86/avx512.c"   /* the AVX-512 fused kernels */
-#include "x86/amx.c"      /* AMX-INT8 tiles for the K-quants' int8 products of many rows */
-#include "x86/amx_units.c" /* the same for the types with one integer scale per 32 values */
+#include "x86/amx.c"        /* AMX-INT8 tiles for int8 products of many rows: the driver, the hook contract */
+#include "x86/amx_planes.c" /* its hook for Q4_K, Q6_K (scales as base-8 digit planes) */
+#include "x86/amx_units.c"  /* its hook for the types with one integer scale per 32 or 16 values */
 #include "ref/int8.c"     /* the int8 row kernels without SIMD */
 #include "dot.c"          /* the fp32 dot product, F32 rows */
 #include "types.c"        /* the type table: each type's block and kernels */

@@ -1,11 +1,12 @@
 /* ---------------------------------------------------------------- AMX-INT8 tiles: scaled 32-value units
-   The tiles (x86/amx.c) for the super-block types whose VNNI int8 kernels (x86/avx2.c q8k_iq4xs_mr, q8k_grid_mr,
-   q8k_q45_mr) sum, per super-block of 256 values, each 32-value sub-block's code products exactly and multiply
-   that sum by the sub-block's integer scale: IQ4_XS (codes IQ4_NL's table values -127..113, scales -32..31),
-   IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S (signed grid codes, |q| <= 62, IQ1: 8 g +- 1; odd scales 1..31), Q5_K
-   (codes 0..31, scales 0..63, mins as Q4_K's), and with a scale per 16-value half IQ2_XS / IQ2_S / IQ1_M. A code
-   times its scale does not fit a byte here (x86/amx.c's base-8 digit planes need |q s_p| <= 127), so the tiles
-   sum one unit (the u = 32 or 16 values sharing a scale) per product and the scale applies to the int32 sums:
+   The hook (x86/amx.c's driver and contract) of the super-block types whose VNNI int8 kernels (x86/avx2.c
+   q8k_iq4xs_mr, q8k_grid_mr, q8k_q45_mr) sum, per super-block of 256 values, each 32-value sub-block's code
+   products exactly and multiply that sum by the sub-block's integer scale: IQ4_XS (codes IQ4_NL's table values
+   -127..113, scales -32..31), IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S (signed grid codes, |q| <= 62, IQ1: 8 g +- 1;
+   odd scales 1..31), Q5_K (codes 0..31, scales 0..63, mins as Q4_K's), and with a scale per 16-value half
+   IQ2_XS / IQ2_S / IQ1_M. A code times its scale does not fit a byte here (x86/amx_planes.c's base-8 digit
+   planes need |q s_p| <= 127), so the tiles sum one unit (the u = 32 or 16 values sharing a scale) per product
+   and the scale applies to the int32 sums:
 
    Notation (one pass: 16 weight rows r, 16 activation rows i, super-block blk, units j = 0 .. 256 / u - 1):
      A_j [16, u]    int8   the weight rows' codes of unit j (unpacked once per call for all activation rows)
@@ -13,10 +14,8 @@
                            amx_pack's layout: quads j u / 4 .. (j + 1) u / 4 - 1 of the super-block)
      C_j [16, 16]   int32  = A_j B_j (TDPBSSD, K = u: half (u 32) or a quarter (u 16) of a tile's depth), exact
      S   [16, 16]   int32  = sum_j ls[r, j] C_j[r, :], the VNNI kernel's integer sum (exact: |S| < 2^28)
-     y[i, r] += (d_w[r] * d_x[i]) * S[r, i]    (Q5_K also y -= (dmin_w[r] * d_x[i]) * M[r, i], M as Q4_K's)
-     y_out = y * factor                        (the grid types' power of two, iq_int_factor; the others none)
-   The integer sums are exact and the float operations are the VNNI kernel's, in the same order per row (and
-   ref/int8.c's), so each y comes out bit for bit as theirs. */
+   The driver's float steps then follow the VNNI kernels': Q5_K has mins (as Q4_K's), the grid types' factor is
+   their power of two (iq_int_factor), IQ4_XS's and Q5_K's 1. */
 #ifdef MLS_AMX
 #define AMX_UNITS_MAX 16 /* units per super-block, at most (u = 16) */
 
@@ -36,15 +35,6 @@ static inline int amx_unit_bytes(int type) {
     default: return 176; /* Q5_K */
     }
 }
-
-/* One block of up to 16 weight rows, unpacked: codes, sub-block scales, per super-block d_w (Q5_K: dmin_w, mins) */
-typedef struct {
-    int8_t *a;   /* [16, k] */
-    int32_t *ls; /* [16, k / u] */
-    int32_t *mn; /* [16, k / 256 * 4] (Q5_K): mins 2j | 2j + 1 << 16 */
-    float *d;    /* [16, k / 256] */
-    float *dmin; /* [16, k / 256] (Q5_K) */
-} amx_unit_rows_t;
 
 /* a grid type's sub-block ib: its 32 codes (x86/avx2.c q8k_grid_mr's, IQ1's delta folded in) and its halves'
    scales ls[0], ls[1] (equal but for IQ2_XS, IQ2_S, IQ1_M) */
@@ -69,11 +59,9 @@ static inline __m256i amx_grid_codes(const uint8_t *b, int type, float dw, int i
     return w;
 }
 
-static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, amx_unit_rows_t *o) {
+static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, const amx_rows_t *o) {
     const int u = amx_unit_size(type);
     const int64_t kb = k / 256, units = k / u, bytes = amx_unit_bytes(type);
-    memset(o->a, 0, (size_t)(AMX_ROWS * k));
-    memset(o->ls, 0, sizeof(int32_t) * (size_t)(AMX_ROWS * units));
     for (int64_t r = 0; r < nr; r++) {
         int8_t *a = o->a + r * k;
         int32_t *ls = o->ls + r * units;
@@ -116,15 +104,12 @@ static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64
 }
 
 /* tiles 0..3: C_j of 4 units; 4, 5: A_j [16, u]; 6, 7: B_j [u / 4, 64] */
-static void amx_unit_configure(int u) {
-    amx_cfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
+static void amx_unit_tiles(int type, amx_cfg_t *c) {
+    const int u = amx_unit_size(type);
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)(t < 6 ? AMX_ROWS : u / 4);
-        c.colsb[t] = (uint16_t)(t < 4 || t >= 6 ? 64 : u);
+        c->rows[t] = (uint8_t)(t < 6 ? AMX_ROWS : u / 4);
+        c->colsb[t] = (uint16_t)(t < 4 || t >= 6 ? 64 : u);
     }
-    _tile_loadconfig(&c);
 }
 
 /* C_j of super-block blk into tile t, through A tile ta and B tile tb (tile numbers: literal immediates) */
@@ -135,12 +120,12 @@ static void amx_unit_configure(int u) {
         _tile_dpbssd(t, ta, tb);                                                                                \
     } while (0)
 
-/* One super-block blk of 16 unpacked weight rows times 16 packed activation rows, added to acc [16 weight rows, 16
-   activation rows] (x86/amx.c amx_superblock's contract) */
-static void amx_unit_superblock(int type, const amx_unit_rows_t *W, int64_t blk, const int32_t *xp, const float *dx,
-                                const int32_t *bsum, int64_t k, float *acc) {
+/* Super-block blk into acc: the units' C_j, 4 at a time (alternating A and B tiles, so a load need not wait for
+   the previous product), each times its integer scale in int32, each row's S to amx_accumulate */
+static void amx_unit_product(int type, const amx_rows_t *W, int64_t blk, const amx_acts_t *x, int64_t k, float *acc) {
     const int u = amx_unit_size(type), per = 256 / u;
-    const int64_t kb = k / 256, units = k / u;
+    const int32_t *xp = x->xp;
+    const int64_t units = k / u;
     int32_t cbuf[AMX_UNITS_MAX][AMX_ROWS * 16] __attribute__((aligned(64)));
     for (int h = 0; h < per / 4; h++) {
         _tile_zero(0);
@@ -156,89 +141,20 @@ static void amx_unit_superblock(int type, const amx_unit_rows_t *W, int64_t blk,
         _tile_stored(2, cbuf[4 * h + 2], 64);
         _tile_stored(3, cbuf[4 * h + 3], 64);
     }
-    const __m512 d_x = _mm512_loadu_ps(dx + blk * AMX_ROWS);
     for (int r = 0; r < AMX_ROWS; r++) {
         const int32_t *ls = W->ls + r * units + blk * per;
-        __m512i S = _mm512_mullo_epi32(_mm512_set1_epi32(ls[0]), _mm512_load_si512(cbuf[0] + 16 * r));
-        for (int j = 1; j < per; j++) S = _mm512_add_epi32(S, _mm512_mullo_epi32(_mm512_set1_epi32(ls[j]), _mm512_load_si512(cbuf[j] + 16 * r)));
-        __m512 y = _mm512_load_ps(acc + 16 * r);
-        y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(W->d[r * kb + blk]), d_x), _mm512_cvtepi32_ps(S)));
-        if (type == MLS_Q5_K) {
-            const int32_t *mn = W->mn + r * kb * 4 + blk * 4;
-            __m512i M = _mm512_madd_epi16(_mm512_set1_epi32(mn[0]), _mm512_loadu_si512(bsum + blk * 4 * AMX_ROWS));
-            for (int j = 1; j < 4; j++)
-                M = _mm512_add_epi32(M, _mm512_madd_epi16(_mm512_set1_epi32(mn[j]), _mm512_loadu_si512(bsum + (blk * 4 + j) * AMX_ROWS)));
-            y = _mm512_sub_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(W->dmin[r * kb + blk]), d_x), _mm512_cvtepi32_ps(M)));
-        }
-        _mm512_store_ps(acc + 16 * r, y);
+        __m512i s = _mm512_mullo_epi32(_mm512_set1_epi32(ls[0]), _mm512_load_si512(cbuf[0] + 16 * r));
+        for (int j = 1; j < per; j++) s = _mm512_add_epi32(s, _mm512_mullo_epi32(_mm512_set1_epi32(ls[j]), _mm512_load_si512(cbuf[j] + 16 * r)));
+        amx_accumulate(W, type == MLS_Q5_K, blk, k / 256, x, r, s, acc + 16 * r);
     }
 }
 #undef AMX_UNIT_DP
 
-/* the row's sum's last step: the grid types' power of two (x86/avx2.c q8k_grid_mr: y = acc * factor) */
-static inline float amx_unit_out(int type, float acc) {
-    return type == MLS_IQ4_XS || type == MLS_Q5_K ? acc : acc * iq_int_factor(type);
-}
-
-/* x86/amx.c amx_gemm's contract and schedule (activations packed once per call by amx_pack; each 16-row weight
-   block unpacked once, its super-blocks outside and the activation groups inside) for these types */
-static int amx_unit_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
-                         int64_t m, int64_t k, float *y, int64_t ldy, int threads) {
-    const int64_t groups = (m + AMX_ROWS - 1) / AMX_ROWS, blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
-    const int64_t kb = k / 256, slots = k / 32, units = k / amx_unit_size(type);
-    const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
-    const size_t per_group = xp_n + dx_n + bs_n; /* int32 / float slots */
-    char *packed = (char *)aligned_alloc(64, ((size_t)groups * per_group * 4 + 63) / 64 * 64);
-    if (!packed) return -4;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t g = 0; g < groups; g++) {
-        int32_t *xp = (int32_t *)packed + g * per_group;
-        const int64_t mr = m - g * AMX_ROWS < AMX_ROWS ? m - g * AMX_ROWS : AMX_ROWS;
-        amx_pack(xq + g * AMX_ROWS * k, xd + g * AMX_ROWS * slots, mr, k, xp, (float *)(xp + xp_n), xp + xp_n + dx_n);
-    }
-    int rc = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)groups + (size_t)(AMX_ROWS * k) +
-                             sizeof(int32_t) * (size_t)(AMX_ROWS * units) + sizeof(int32_t) * (size_t)(AMX_ROWS * kb * 4) +
-                             2 * sizeof(float) * (size_t)(AMX_ROWS * kb);
-        char *mem = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!mem) {
-#pragma omp atomic write
-            rc = -4;
-        }
-        amx_unit_rows_t W;
-        float *acc = (float *)mem;
-        if (mem) {
-            W.a = (int8_t *)(acc + AMX_ROWS * 16 * groups);
-            W.ls = (int32_t *)(W.a + AMX_ROWS * k);
-            W.mn = W.ls + AMX_ROWS * units;
-            W.d = (float *)(W.mn + AMX_ROWS * kb * 4);
-            W.dmin = W.d + AMX_ROWS * kb;
-            amx_unit_configure(amx_unit_size(type));
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            if (!mem) continue;
-            const int64_t r0 = bi * AMX_ROWS, nr = n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS;
-            amx_unit_unpack(type, w + r0 * row_bytes, row_bytes, nr, k, &W);
-            memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups);
-            for (int64_t blk = 0; blk < kb; blk++)
-                for (int64_t g = 0; g < groups; g++) {
-                    const int32_t *xp = (const int32_t *)packed + g * per_group;
-                    amx_unit_superblock(type, &W, blk, xp, (const float *)(xp + xp_n), xp + xp_n + dx_n, k, acc + g * AMX_ROWS * 16);
-                }
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t i0 = g * AMX_ROWS, mr = m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS;
-                for (int64_t r = 0; r < nr; r++)
-                    for (int64_t i = 0; i < mr; i++) y[(i0 + i) * ldy + r0 + r] = amx_unit_out(type, acc[g * AMX_ROWS * 16 + 16 * r + i]);
-            }
-        }
-        if (mem) _tile_release();
-        free(mem);
-    }
-    free(packed);
-    return rc;
+static amx_hook_t amx_unit_hook(int type) {
+    /* the grids' row sums end times their power of two (x86/avx2.c q8k_grid_mr: y = acc * factor) */
+    const float factor = type == MLS_IQ4_XS || type == MLS_Q5_K ? 1.0f : iq_int_factor(type);
+    const amx_hook_t h = {1, 256 / amx_unit_size(type), factor, amx_unit_tiles, amx_unit_unpack, amx_unit_product};
+    return h;
 }
 #undef AMX_UNITS_MAX
 #endif

@@ -1,0 +1,139 @@
+/* ---------------------------------------------------------------- AMX-INT8 tiles: Q4_K, Q6_K as digit planes
+   The hook (x86/amx.c's contract) of the K-quants whose code times scale fits bytes once the scale is split into
+   base-8 digits, so a super-block is 4 tile products per plane with no per-unit work after the tiles. A "unit" =
+   the values sharing one integer scale sc: Q4_K 32 (a sub-block, sc 0..63), Q6_K 16 (sc -128..127); codes q:
+   Q4_K 0..15, Q6_K q - 32 in -32..31.
+     sc = sum_p 8^p s_p   the scale in base-8 digits ("planes" p): Q4_K 2 digits 0..7, Q6_K 3 digits -3..4, so
+                          that q * s_p fits the tiles' bytes (Q4_K <= 105 unsigned; Q6_K -128..124 signed)
+     A_p [16, k]   int8   q * s_p of each value's unit
+     C_p [16, 16]  int32  = sum over a super-block's 256 values of A_p B: 4 tile products of 64 values (TDPBUSD for
+                          Q4_K, B's codes signed and A_p's unsigned; TDPBSSD for Q6_K), exact
+     S = sum_p 8^p C_p = sum_units sc * (sum of q x over the unit), x86/avx2.c q8k_q45_mr / q8k_q6k_mr's integer sum
+   Q4_K has mins (dmin_w, mn); Q6_K none. */
+#ifdef MLS_AMX
+#define AMX_PLANES 3 /* most scale digits (Q6_K) */
+
+static inline int amx_planes(int type) { return type == MLS_Q6_K ? 3 : 2; }
+
+/* sc -> its base-8 digits: Q4_K (0..63) 0..7 each; Q6_K (-128..127) -3..4 each (the residue mod 8 in -3..4) */
+static inline void amx_digits(int32_t sc, int q6, int8_t s[AMX_PLANES]) {
+    for (int p = 0; p < AMX_PLANES; p++) {
+        const int32_t dgt = q6 ? ((sc + 3) & 7) - 3 : sc & 7;
+        s[p] = (int8_t)dgt;
+        sc = (sc - dgt) / 8;
+    }
+}
+
+/* a unit's 32 codes (int8 lanes of codes) times its scale's digits into the planes */
+static inline void amx_put(int8_t *a, int64_t plane, const __m256i codes, const int8_t s[AMX_PLANES], int planes) {
+    for (int p = 0; p < planes; p++) {
+        /* q * s_p in int16 (exact, |.| <= 128), back to bytes (within int8 by the digits' range) */
+        const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)), _mm256_set1_epi16(s[p]));
+        const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)), _mm256_set1_epi16(s[p]));
+        const __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xD8);
+        _mm256_storeu_si256((__m256i *)(a + p * plane), v);
+    }
+}
+
+static void amx_plane_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, const amx_rows_t *o) {
+    const int64_t kb = k / 256, plane = AMX_ROWS * k;
+    const int q6 = type == MLS_Q6_K;
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *b = w + r * row_bytes;
+        int8_t *a = o->a + r * k;
+        for (int64_t blk = 0; blk < kb; blk++) {
+            int8_t s[AMX_PLANES];
+            if (!q6) {
+                const uint8_t *q = b + blk * 144;
+                int32_t sc[8], mn[8];
+                k_scales_int(q + 4, sc, mn);
+                for (int j = 0; j < 4; j++) o->mn[r * kb * 4 + blk * 4 + j] = (mn[2 * j] & 0xFFFF) | (mn[2 * j + 1] << 16);
+                o->d[r * kb + blk] = f16(q);
+                o->dmin[r * kb + blk] = f16(q + 2);
+                const __m256i m4 = _mm256_set1_epi8(0x0F);
+                for (int c = 0; c < 4; c++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
+                    amx_digits(sc[2 * c], 0, s);
+                    amx_put(a + blk * 256 + 64 * c, plane, _mm256_and_si256(raw, m4), s, 2);
+                    amx_digits(sc[2 * c + 1], 0, s);
+                    amx_put(a + blk * 256 + 64 * c + 32, plane, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), s, 2);
+                }
+            } else {
+                const uint8_t *q = b + blk * 210;
+                const int8_t *sc = (const int8_t *)(q + 192);
+                o->d[r * kb + blk] = f16(q + 208);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+                    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+                    for (int g = 0; g < 4; g++) {
+                        const int t = 128 * h + 32 * g;
+                        const __m256i codes = q6k_codes(ql0, ql1, qh, g);
+                        int8_t s0[AMX_PLANES], s1[AMX_PLANES];
+                        amx_digits(sc[t >> 4], 1, s0);
+                        amx_digits(sc[(t >> 4) + 1], 1, s1);
+                        /* the two 16-value units of the group, each with its digits: the digit vectors per lane */
+                        for (int p = 0; p < 3; p++) {
+                            const __m256i dg = _mm256_set_m128i(_mm_set1_epi16(s1[p]), _mm_set1_epi16(s0[p]));
+                            const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)),
+                                                                  _mm256_permute2x128_si256(dg, dg, 0x00));
+                            const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)),
+                                                                  _mm256_permute2x128_si256(dg, dg, 0x11));
+                            const __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xD8);
+                            _mm256_storeu_si256((__m256i *)(a + p * plane + blk * 256 + t), v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* tiles 0..2: C_p; 3: B; 4..6: A_p; each 16 rows of 64 bytes */
+static void amx_plane_tiles(int type, amx_cfg_t *c) {
+    (void)type;
+    for (int t = 0; t < 7; t++) {
+        c->rows[t] = AMX_ROWS;
+        c->colsb[t] = 64;
+    }
+}
+
+/* Super-block blk into acc: the planes' C_p (4 tile products each), S = sum_p 8^p C_p per row to amx_accumulate */
+static void amx_plane_product(int type, const amx_rows_t *W, int64_t blk, const amx_acts_t *x, int64_t k, float *acc) {
+    const int q6 = type == MLS_Q6_K;
+    const int64_t plane = AMX_ROWS * k;
+    const int32_t *xp = x->xp;
+    int32_t cbuf[AMX_PLANES][AMX_ROWS * 16] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t c0 = blk * 256; c0 < (blk + 1) * 256; c0 += 64) {
+        _tile_loadd(3, xp + c0 / 4 * AMX_ROWS, 64);
+        _tile_loadd(4, W->a + c0, k);
+        _tile_loadd(5, W->a + plane + c0, k);
+        if (q6) {
+            _tile_loadd(6, W->a + 2 * plane + c0, k);
+            _tile_dpbssd(0, 4, 3);
+            _tile_dpbssd(1, 5, 3);
+            _tile_dpbssd(2, 6, 3);
+        } else {
+            _tile_dpbusd(0, 4, 3);
+            _tile_dpbusd(1, 5, 3);
+        }
+    }
+    _tile_stored(0, cbuf[0], 64);
+    _tile_stored(1, cbuf[1], 64);
+    if (q6) _tile_stored(2, cbuf[2], 64);
+    for (int r = 0; r < AMX_ROWS; r++) {
+        __m512i s = _mm512_add_epi32(_mm512_load_si512(cbuf[0] + 16 * r), _mm512_slli_epi32(_mm512_load_si512(cbuf[1] + 16 * r), 3));
+        if (q6) s = _mm512_add_epi32(s, _mm512_slli_epi32(_mm512_load_si512(cbuf[2] + 16 * r), 6));
+        amx_accumulate(W, !q6, blk, k / 256, x, r, s, acc + 16 * r);
+    }
+}
+
+static amx_hook_t amx_plane_hook(int type) {
+    const amx_hook_t h = {amx_planes(type), 0, 1.0f, amx_plane_tiles, amx_plane_unpack, amx_plane_product};
+    return h;
+}
+#undef AMX_PLANES
+#endif
