@@ -197,10 +197,12 @@ class TensorParallelGroup:
         self.closed = True
         if self.watchdog is not None:  # first, so that workers leaving are never taken for hung
             self.watchdog.stop()
+        stopped = False  # "stop" reached every rank: no collective is left pending
         if self.failure is None and self.comm is not None:
             try:
                 self.comm.broadcast_object(("stop",))
-            except RuntimeError:
+                stopped = True
+            except RuntimeError:  # a dead or abandoned peer: the broadcast may still be pending in gloo
                 pass
         deadline = time.monotonic() + (STOP_WAIT_S if self.failure is None else 0.5)
         for p in self.procs:
@@ -213,7 +215,9 @@ class TensorParallelGroup:
             if p.is_alive():  # SIGKILL: also ends a stopped process (SIGTERM waits for SIGCONT)
                 p.kill()
                 p.join()
-        if self.failure is not None:  # freeing it would wait for an abandoned collective's timeout
+        if stopped:  # "stop" was the last collective: gloo's threads joined now (collectives.py Exit)
+            self.comm.close()
+        elif self.comm is not None:  # freeing it could wait for an abandoned collective's timeout
             self._failed_comm = self.comm
         self.comm = None
         unclean = sorted(r for r, code in exited.items() if code != 0)
