@@ -189,9 +189,10 @@ class TensorParallelGroup:
         return exc
 
     def shutdown(self) -> None:
-        """Stop every worker: "stop" when the group is healthy, then terminate, then kill. After a healthy run
-        a worker that ended on its own other than with exit code 0 (e.g. SIGABRT at exit: heartbeat.py, Exit)
-        is named in a RuntimeWarning and `unclean_exit`: its work was done, but the process did not exit cleanly."""
+        """Stop every worker: "stop" when the group is healthy, then terminate, then kill; then close rank 0's
+        collectives (collectives.py, Exit) when "stop" reached every rank. After a healthy run a worker that ended
+        on its own other than with exit code 0 (e.g. SIGABRT at exit: heartbeat.py and collectives.py, Exit) is
+        named in a RuntimeWarning and `unclean_exit`: its work was done, but the process did not exit cleanly."""
         if self.closed:
             return
         self.closed = True
@@ -222,8 +223,8 @@ class TensorParallelGroup:
         self.comm = None
         unclean = sorted(r for r, code in exited.items() if code != 0)
         if self.failure is None and unclean:
-            # named, not raised: every result was already delivered (an abort at the worker's interpreter exit,
-            # heartbeat.py Exit, still shows up about once in a CI run; raising here failed a finished run)
+            # named, not raised: every result was already delivered (an abort at the worker's interpreter exit:
+            # heartbeat.py and collectives.py, Exit; raising here failed a finished run)
             rank = unclean[0]
             self.unclean_exit = (
                 f"tensor-parallel rank {rank} did not exit cleanly after stop ({_exit_reason(exited[rank])})"
