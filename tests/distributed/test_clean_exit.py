@@ -214,3 +214,36 @@ def test_close_frees_the_subgroups_too():
         with pytest.raises(RuntimeError, match="closed collectives"):
             c.all_reduce(torch.ones(2))
     comm.close()  # twice: a no-op
+
+
+class FakeComm:
+    """Rank 0's collectives as shutdown uses them: the "stop" broadcast (which may fail) and close()."""
+
+    def __init__(self, stop_fails: bool = False) -> None:
+        self.stop_fails, self.calls = stop_fails, []
+
+    def broadcast_object(self, obj) -> None:
+        self.calls.append(obj[0])
+        if self.stop_fails:
+            raise RuntimeError("gloo/transport: connection closed by peer")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_rank_0_closes_its_collectives_only_after_stop_reached_every_rank():
+    """A healthy shutdown closes rank 0's collectives after "stop" (gloo's threads joined before its interpreter
+    exits); when "stop" failed, or the group failed, they are kept (freeing a group with a collective pending
+    waits for gloo's timeout)."""
+    comm = FakeComm()
+    TensorParallelGroup(None, comm, [ExitedWorker(0)]).shutdown()
+    assert comm.calls == ["stop", "close"]
+    comm = FakeComm(stop_fails=True)
+    group = TensorParallelGroup(None, comm, [ExitedWorker(0)])
+    group.shutdown()
+    assert comm.calls == ["stop"] and group._failed_comm is comm
+    comm = FakeComm()
+    group = TensorParallelGroup(None, comm, [ExitedWorker(1)])
+    group.failure = "tensor-parallel rank 1 failed: ..."
+    group.shutdown()
+    assert comm.calls == [] and group._failed_comm is comm
