@@ -136,8 +136,9 @@ def serve(store, rank: int, world_size: int, path: str, options: EngineOptions) 
     beats all along, for rank 0's watchdog to tell a stuck rank (heartbeat.py).
 
     Exit after "stop", in order, while the interpreter is whole: the collectives are closed (gloo's threads
-    joined: collectives.py, Exit), then the heartbeat thread is joined (heartbeat.py, Exit); the store and the
-    model go with the interpreter, and no thread of ours or gloo's is left to want the GIL then."""
+    joined: collectives.py, Exit), then the heartbeat thread is joined (heartbeat.py, Exit); the store (no
+    thread of its own) and the model go with the interpreter. Only spawn.py's parent watch is left, blocked in a
+    plain read: ended at finalization, it unwinds C frames alone, no C++ destructor."""
     from mlaserve.distributed.heartbeat import Heartbeat
 
     heartbeat = Heartbeat(store, rank).start()
