@@ -15,6 +15,16 @@ A group is its own gloo ProcessGroup over a TCPStore (no process-global default 
 application can hold several engines, and a peer that dies fails the next collective at once
 (the socket closes) instead of hanging. A peer that is alive but stuck is another matter: rank 0
 waits in slices of WAIT_SLICE and gives up as soon as its watchdog (heartbeat.py) names a hung rank.
+
+Exit (close): gloo runs each collective on its own threads, and the thread drops the collective's last
+reference to its tensors only after wait() has returned here. A tensor whose Python object died meanwhile
+owns that object (torch keeps it alive), so the drop takes the GIL. When that thread asks for the GIL just
+before the interpreter finalizes and gets it during finalization (the process group freed then, its
+destructor releases the GIL to join its threads), CPython ends the thread with pthread_exit, whose unwinding
+meets the tensor's noexcept destructor: std::terminate, "terminate called without an active exception",
+SIGABRT after a healthy stop (tests/distributed/test_clean_exit.py reproduces it). So a rank closes its
+collectives once its last one is done, while the interpreter is whole: freeing the process group joins
+gloo's threads, which finish their drops first.
 """
 
 from __future__ import annotations
@@ -96,6 +106,7 @@ class Collectives:
         self._pg = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
         self._interrupt = interrupt
         self.stats = CommStats()
+        self._subgroups: list[Collectives] = []
 
     def subgroup(self, name: str, members: list[int]) -> Collectives:
         """Collectives among some of this group's ranks (TP x EP, distributed/mesh.py): its own gloo group over
@@ -104,7 +115,17 @@ class Collectives:
         store = dist.PrefixStore(f"mlaserve/group/{name}", self._store)
         sub = Collectives(store, members.index(self.rank), len(members), self._interrupt)
         sub.stats = self.stats
+        self._subgroups.append(sub)  # closed with this group (close)
         return sub
+
+    def close(self) -> None:
+        """Free this group's gloo process groups (its subgroups' first), which joins their threads (module
+        docstring: Exit). Only after every collective is done: freeing a group with one pending waits for it.
+        A model that still holds a reducer of it keeps the Python object; a collective on it then raises."""
+        for sub in self._subgroups:
+            sub.close()
+        self._subgroups = []
+        self._pg = _CLOSED  # our reference was the group's last one: freeing it joins its threads
 
     def _wait(self, work) -> None:
         """work.wait(), in slices when an interrupt is set, so that rank 0 fails the step as soon
@@ -173,6 +194,16 @@ class Collectives:
         parts = [torch.empty_like(buf) for _ in range(self.world_size)]
         self._wait(self._pg.gather([parts], [buf], dist.GatherOptions()))  # root: rank 0
         return [pickle.loads(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+
+class _Closed:
+    """The process group of closed Collectives: any collective on it is an error."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"collective {name} on closed collectives (the group has stopped)")
+
+
+_CLOSED = _Closed()
 
 
 def _root(rank: int) -> dist.BroadcastOptions:

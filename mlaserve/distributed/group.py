@@ -189,18 +189,21 @@ class TensorParallelGroup:
         return exc
 
     def shutdown(self) -> None:
-        """Stop every worker: "stop" when the group is healthy, then terminate, then kill. After a healthy run
-        a worker that ended on its own other than with exit code 0 (e.g. SIGABRT at exit: heartbeat.py, Exit)
-        is named in a RuntimeWarning and `unclean_exit`: its work was done, but the process did not exit cleanly."""
+        """Stop every worker: "stop" when the group is healthy, then terminate, then kill; then close rank 0's
+        collectives (collectives.py, Exit) when "stop" reached every rank. After a healthy run a worker that ended
+        on its own other than with exit code 0 (e.g. SIGABRT at exit: heartbeat.py and collectives.py, Exit) is
+        named in a RuntimeWarning and `unclean_exit`: its work was done, but the process did not exit cleanly."""
         if self.closed:
             return
         self.closed = True
         if self.watchdog is not None:  # first, so that workers leaving are never taken for hung
             self.watchdog.stop()
+        stopped = False  # "stop" reached every rank: no collective is left pending
         if self.failure is None and self.comm is not None:
             try:
                 self.comm.broadcast_object(("stop",))
-            except RuntimeError:
+                stopped = True
+            except RuntimeError:  # a dead or abandoned peer: the broadcast may still be pending in gloo
                 pass
         deadline = time.monotonic() + (STOP_WAIT_S if self.failure is None else 0.5)
         for p in self.procs:
@@ -213,13 +216,15 @@ class TensorParallelGroup:
             if p.is_alive():  # SIGKILL: also ends a stopped process (SIGTERM waits for SIGCONT)
                 p.kill()
                 p.join()
-        if self.failure is not None:  # freeing it would wait for an abandoned collective's timeout
+        if stopped:  # "stop" was the last collective: gloo's threads joined now (collectives.py Exit)
+            self.comm.close()
+        elif self.comm is not None:  # freeing it could wait for an abandoned collective's timeout
             self._failed_comm = self.comm
         self.comm = None
         unclean = sorted(r for r, code in exited.items() if code != 0)
         if self.failure is None and unclean:
-            # named, not raised: every result was already delivered (an abort at the worker's interpreter exit,
-            # heartbeat.py Exit, still shows up about once in a CI run; raising here failed a finished run)
+            # named, not raised: every result was already delivered (an abort at the worker's interpreter exit:
+            # heartbeat.py and collectives.py, Exit; raising here failed a finished run)
             rank = unclean[0]
             self.unclean_exit = (
                 f"tensor-parallel rank {rank} did not exit cleanly after stop ({_exit_reason(exited[rank])})"

@@ -25,7 +25,8 @@ the interpreter finalizes aborts the process: CPython ends a thread that wants t
 pthread_exit, whose unwinding runs into pybind11's GIL guard (a noexcept destructor) -> std::terminate
 ("terminate called without an active exception", SIGABRT) -- after the rank's work was done. So stop()
 joins the thread until it has ended (each store call returns or raises within the store's timeout), and
-an atexit hook stops any thread its owner left running (atexit runs before finalization).
+an atexit hook stops any thread its owner left running (atexit runs before finalization). gloo's own threads
+meet the same end through a tensor they release after a collective: collectives.py, Exit.
 """
 
 from __future__ import annotations

@@ -133,7 +133,12 @@ def serve(store, rank: int, world_size: int, path: str, options: EngineOptions) 
     """Run rank `rank` until rank 0 says stop. Any exception is written to the store for rank 0
     (ERROR + rank: "Type: message" and the traceback) before the process exits; the exit also
     fails rank 0's pending collective, so rank 0 reads the report at once. A heartbeat thread
-    beats all along, for rank 0's watchdog to tell a stuck rank (heartbeat.py)."""
+    beats all along, for rank 0's watchdog to tell a stuck rank (heartbeat.py).
+
+    Exit after "stop", in order, while the interpreter is whole: the collectives are closed (gloo's threads
+    joined: collectives.py, Exit), then the heartbeat thread is joined (heartbeat.py, Exit); the store (no
+    thread of its own) and the model go with the interpreter. Only spawn.py's parent watch is left, blocked in a
+    plain read: ended at finalization, it unwinds C frames alone, no C++ destructor."""
     from mlaserve.distributed.heartbeat import Heartbeat
 
     heartbeat = Heartbeat(store, rank).start()
@@ -169,7 +174,8 @@ def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions)
     hidden = g = None  # the last step's hidden states and the last MTP pass's output (an MTP pass reads them)
     while True:
         msg = comm.broadcast_object()
-        if msg[0] == "stop":
+        if msg[0] == "stop":  # the last collective: free the groups now, not at interpreter exit (collectives.py Exit)
+            comm.close()
             return
         before = replace(comm.stats)
         received = getattr(loaded.model, "expert_received", None)

@@ -7,10 +7,16 @@ guard (a noexcept destructor) -> std::terminate, "terminate called without an ac
 the rank's work was done (the two-node test's rank 0 failed so, 1 run in 20 under load). Broken on purpose: the
 old stop() (join with a timeout of 1 s) fails test_stop_waits_for_a_slow_store_call (the thread still alive);
 without the atexit hook test_threads_left_running_at_exit_do_not_abort_the_process fails (rc -6, SIGABRT).
+
+The same abort from gloo's own threads (mlaserve/distributed/collectives.py, Exit): a gloo thread that drops a
+finished collective's tensors after wait() returned wants the GIL; got during finalization, the same unwinding
+ends in std::terminate. test_a_rank_that_closes_its_collectives_exits_cleanly holds that window open for
+certain; without close() its rank aborts every time (test_without_close_the_window_aborts: the control).
 """
 
 from __future__ import annotations
 
+import mmap
 import signal
 import subprocess
 import sys
@@ -19,8 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mlaserve.distributed import heartbeat
+from mlaserve.distributed.collectives import Collectives, _root, master_store
 from mlaserve.distributed.group import TensorParallelGroup
 from mlaserve.distributed.heartbeat import Heartbeat, Watchdog
 
@@ -123,3 +131,119 @@ def test_shutdown_names_a_worker_that_did_not_exit_cleanly():
     failed = TensorParallelGroup(None, None, [ExitedWorker(1)])
     failed.failure = "tensor-parallel rank 1 failed: ..."
     failed.shutdown()
+
+
+# Rank 1 of a 2-rank group. A broadcast is left in flight (gloo's thread holds it and its tensor, whose Python
+# object is dropped: the tensor now owns it), and the main thread keeps the GIL (no forced switch: interval
+# 100 s) while rank 0 sends: gloo's thread finishes the broadcast and waits for the GIL to drop the tensor.
+# Then close() (or not), and the script ends with the collectives in a reference cycle, as a worker's model
+# holds them: freed at finalization, whose GIL release hands the waiting thread the GIL then.
+_RANK1 = """
+import mmap, sys, time
+import torch
+from mlaserve.distributed.collectives import Collectives, _root, worker_store
+port, flag, close = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "close"
+sys.setswitchinterval(100.0)
+comm = Collectives(worker_store("127.0.0.1", port, 2), 1, 2)
+buf = torch.empty(4)
+work = comm._pg.broadcast([buf], _root(0))
+del work, buf
+comm._store.set("in-flight", "1")
+with open(flag, "r+b") as f:
+    sent = mmap.mmap(f.fileno(), 1)
+while sent[0] == 0:  # reads shared memory: the GIL is kept
+    pass
+until = time.monotonic() + 1.0  # time for gloo's thread to finish the broadcast and ask for the GIL
+while time.monotonic() < until:
+    pass
+if close:
+    comm.close()
+cycle = [comm]
+cycle.append(cycle)
+del comm, cycle
+"""
+
+
+def _rank1_exit(tmp_path, close: bool) -> subprocess.CompletedProcess:
+    """Run _RANK1 against this process as rank 0; its CompletedProcess."""
+    flag = tmp_path / "sent"
+    flag.write_bytes(b"\0")
+    store = master_store(2)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-c", _RANK1, str(store.port), str(flag), "close" if close else "keep"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        comm = Collectives(store, 0, 2)
+        store.wait(["in-flight"])
+        comm._pg.broadcast([torch.ones(4)], _root(0)).wait()
+        with open(flag, "r+b") as f:
+            mmap.mmap(f.fileno(), 1)[0] = 1
+        out, err = proc.communicate(timeout=600)  # a bound for a hung process
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    comm.close()
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("repeat", range(2))
+def test_a_rank_that_closes_its_collectives_exits_cleanly(tmp_path, repeat):
+    """close() after the last collective: gloo's threads are joined before finalization, and the rank exits 0."""
+    proc = _rank1_exit(tmp_path, close=True)
+    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr:\n{proc.stderr}"
+    assert "terminate called" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="CPython 3.14 parks such a thread instead of ending it")
+def test_without_close_the_window_aborts(tmp_path):
+    """The control: the same rank without close() aborts at exit (the window above is really held open)."""
+    proc = _rank1_exit(tmp_path, close=False)
+    assert proc.returncode == -signal.SIGABRT, f"exit code {proc.returncode}; stderr:\n{proc.stderr}"
+    assert "terminate called without an active exception" in proc.stderr, proc.stderr
+
+
+def test_close_frees_the_subgroups_too():
+    """TP x EP: close() also closes the subgroups (a model's reducers hold them); a collective after close
+    raises instead of running on a freed group."""
+    store = master_store(1)
+    comm = Collectives(store, 0, 1)
+    sub = comm.subgroup("tp0", [0])
+    assert sub.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+    comm.close()
+    for c in (comm, sub):
+        with pytest.raises(RuntimeError, match="closed collectives"):
+            c.all_reduce(torch.ones(2))
+    comm.close()  # twice: a no-op
+
+
+class FakeComm:
+    """Rank 0's collectives as shutdown uses them: the "stop" broadcast (which may fail) and close()."""
+
+    def __init__(self, stop_fails: bool = False) -> None:
+        self.stop_fails, self.calls = stop_fails, []
+
+    def broadcast_object(self, obj) -> None:
+        self.calls.append(obj[0])
+        if self.stop_fails:
+            raise RuntimeError("gloo/transport: connection closed by peer")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_rank_0_closes_its_collectives_only_after_stop_reached_every_rank():
+    """A healthy shutdown closes rank 0's collectives after "stop" (gloo's threads joined before its interpreter
+    exits); when "stop" failed, or the group failed, they are kept (freeing a group with a collective pending
+    waits for gloo's timeout)."""
+    comm = FakeComm()
+    TensorParallelGroup(None, comm, [ExitedWorker(0)]).shutdown()
+    assert comm.calls == ["stop", "close"]
+    comm = FakeComm(stop_fails=True)
+    group = TensorParallelGroup(None, comm, [ExitedWorker(0)])
+    group.shutdown()
+    assert comm.calls == ["stop"] and group._failed_comm is comm
+    comm = FakeComm()
+    group = TensorParallelGroup(None, comm, [ExitedWorker(1)])
+    group.failure = "tensor-parallel rank 1 failed: ..."
+    group.shutdown()
+    assert comm.calls == [] and group._failed_comm is comm
