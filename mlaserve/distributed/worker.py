@@ -12,6 +12,8 @@ rollback (DeepSeek-V4 under expert parallelism; group.py) | ("stop",).
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import traceback
 from dataclasses import dataclass, replace
 
@@ -146,9 +148,19 @@ def serve(store, rank: int, world_size: int, path: str, options: EngineOptions) 
         _serve(store, rank, world_size, path, options)
     except BaseException as e:  # noqa: BLE001 -- everything is reported, then the process exits
         store.set(f"{ERROR}{rank}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
-    finally:
         heartbeat.stop()
+        _exit_failed()
+    heartbeat.stop()
+
+
+def _exit_failed() -> None:
+    """A failed rank's exit: status 1 at once, after its report is in the store and its output flushed. Its
+    collectives stay open (one may still be pending, and freeing the group would wait for gloo's timeout), so
+    finalizing the interpreter could let one of gloo's threads end in std::terminate (collectives.py, Exit) and
+    turn the rank's status 1 into SIGABRT: rank 0 would name a crash instead of the report it has."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _serve(store, rank: int, world_size: int, path: str, options: EngineOptions) -> None:
