@@ -14,11 +14,19 @@ equality tests also run at KEYS_PER_SPLIT 16, where bucket 8's padded 64-key axi
 tiles), so the reduce kernel merges partials in the graph's step too. A split taken from the real lengths needs them
 on the host (q_pos or seq_lens read back): the guard fails it.
 
+Prefill: the prompts are prefilled on the `torch` backend (_prefill_on_torch): the step under test only reads the
+cache rows a prefill wrote, and the interpreted prefill (~130 sparse queries on v32) took ~90 % of this file's time;
+the triton backend's prefill is tests/identities/test_triton_attention.py's subject. The decode steps compared here
+(padded, eager, under the guard) all run on the triton backend.
+
 Tolerance: as tests/identities/test_padded_decode.py (FP32_LOGITS_TOL 1e-5): measured max |padded - eager| on the
 triton backend 0 to 1.7e-6, |padded - transformers| 1.7e-6 to 2.4e-6 (the same at both split widths).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,6 +43,22 @@ from mlaserve.executor.padded_decode import run_padded
 def _llm(folder, dtype: str) -> LLM:
     skip_unless_triton_runs("cpu")
     return LLM(str(folder), kernels="torch", attention_backend="triton", page_size=PAGE, num_pages=64, dtype=dtype)
+
+
+@contextmanager
+def _torch_backend(runner):
+    """The runner's steps routed to the `torch` attention backend while inside (the route reads cfg per step)."""
+    cfg = runner.cfg
+    runner.cfg = replace(cfg, attention=replace(cfg.attention, backend="torch"))
+    try:
+        yield
+    finally:
+        runner.cfg = cfg
+
+
+def _prefill_on_torch(runner, lengths, seed):
+    with _torch_backend(runner):
+        return _prefill(runner, lengths, seed)
 
 
 @pytest.fixture(scope="module", params=["v3_yarn", "v32"])
@@ -54,8 +78,9 @@ def bf16_engine(request, hf_model_dir):
 def test_padded_triton_step_matches_eager_and_transformers(engine, n, keys_per_split, monkeypatch):
     kind, runner, hf = engine
     monkeypatch.setattr(key_split, "KEYS_PER_SPLIT", keys_per_split)
-    seqs = _prefill(runner, LENGTHS[n], seed=10 * n)
+    seqs = _prefill_on_torch(runner, LENGTHS[n], seed=10 * n)
     chunks = _decode_chunks(seqs)
+    assert {seg.backend for p in runner.padded_step(chunks)[0].step.route.plans for seg in p.segments} == {"triton"}
     padded, plan = runner.padded_eager(chunks)
     assert plan.bucket == {1: 1, 3: 4, 5: 8}[n] and plan.context_pages == {1: 4, 3: 4, 5: 8}[n]
     # whole 32-key tiles per split: 1 split at 512; at 16, 1 over 32 keys (4 pages), 2 over 64 (8 pages)
@@ -74,7 +99,7 @@ def test_padded_triton_step_needs_no_host(bf16_engine, monkeypatch):
     _, runner = bf16_engine
     monkeypatch.setattr(key_split, "KEYS_PER_SPLIT", 16)
     assert runner.graph_settings.model_blocker is None
-    padded, plan = runner.padded_step(_decode_chunks(_prefill(runner, LENGTHS[5], seed=7)))
+    padded, plan = runner.padded_step(_decode_chunks(_prefill_on_torch(runner, LENGTHS[5], seed=7)))
     assert plan.replay and plan.bucket == 8 and plan.key_splits == 2
     assert {seg.backend for p in padded.step.route.plans for seg in p.segments} == {"triton"}
     with torch.inference_mode(), HostSyncGuard():
