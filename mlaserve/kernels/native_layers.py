@@ -353,6 +353,51 @@ def decode_layer(args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache, 
     return out
 
 
+class LayerStack:
+    """The C arrays of mls_decode_layers: the layers' mls_layer_t (constant) and their states' mls_rows_t (built from
+    one ModelCache's layer states, kept while the same state objects are passed: `states_key`)."""
+
+    def __init__(self, layers: list[LayerArgs]) -> None:
+        self.n = len(layers)
+        self.d = layers[0].d
+        self._layers = layers  # kept alive: the array points into them
+        self.args = (ctypes.c_void_p * self.n)(*(ctypes.addressof(a) for a in layers))
+        self._states: tuple | None = None  # (the states, rows array, keys array or None, the RowsArgs kept)
+
+    def rows(self, states: list) -> tuple:
+        """states: per layer (cache, index_keys or None) -> (rows array, keys array or None)."""
+        if (
+            self._states is None
+            or len(states) != len(self._states[0])
+            or any(a is not b or ka is not kb for (a, ka), (b, kb) in zip(states, self._states[0]))
+        ):
+            rows = [rows_of(c) for c, _ in states]
+            keys = [rows_of(k) if k is not None else None for _, k in states]
+            rows_arr = (ctypes.c_void_p * self.n)(*(ctypes.addressof(r) for r in rows))
+            keys_arr = None
+            if any(k is not None for k in keys):
+                keys_arr = (ctypes.c_void_p * self.n)(*(ctypes.addressof(k) if k is not None else None for k in keys))
+            self._states = (list(states), rows_arr, keys_arr, rows, keys)
+        return self._states[1], self._states[2]
+
+
+def decode_layers(stack: LayerStack, step: DecodeStepArgs, x: torch.Tensor, states: list) -> torch.Tensor:
+    """decode_layer over every layer of `stack` in one C call (mls_decode_layers): x [T, D] fp32 contiguous -> the
+    last layer's output [T, D], bit for bit the n calls of decode_layer; states: per layer (cache, index_keys or
+    None), as decode_layer takes them."""
+    _check_rows(x, stack.d, "decode_layers")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rows, keys = stack.rows(states)
+    failed = ctypes.c_int64(-1)
+    rc = library().mls_decode_layers(
+        stack.args, stack.n, ctypes.byref(step), x.data_ptr(), out.data_ptr(), rows, keys, ctypes.byref(failed),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native decode_layers refused at layer {failed.value}: {LAYER_ERRORS.get(rc, rc)}")
+    return out
+
+
 def index_topk(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

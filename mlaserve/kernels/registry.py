@@ -13,6 +13,7 @@ matmul / routed / per_head); a native method hands a step past its row limit (NA
 to its declared fallback, and the plan's reason says so.
 
 Ops, in the order they are planned (a fused op's check reads the choices of the ops it fuses):
+  embedding        a token table kept as GGUF blocks: native decode of the rows looked up | torch
   linear           a matrix kept in a stored format (GGUF blocks, FP8 blocks): triton (FP8, GGUF Q8_0 / Q4_K on
                    a GPU, triton_linear.py) | native decode-and-dot | torch
   grouped_experts  a routed-expert stack kept in a stored format: native | torch
@@ -40,7 +41,7 @@ from mlaserve.config.layer_kinds import layer_ranges
 from mlaserve.kernels import triton_linear
 from mlaserve.platform.triton_runtime import triton_mode
 
-OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write", "moe_block", "decode_layer")
+OPS = ("embedding", "linear", "grouped_experts", "heads", "norm", "router", "latent_write", "moe_block", "decode_layer")
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ def native_contract(module: nn.Module) -> str | None:
 # the native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
 # check (native_unfit: limits of the C code, dtype / device / layout known at load) passes; else the torch
 # reference.
-MODULE_OPS = ("linear", "grouped_experts", "heads", "norm", "router", "latent_write")
+MODULE_OPS = ("embedding", "linear", "grouped_experts", "heads", "norm", "router", "latent_write")
 
 
 def _native_module(module: nn.Module, ctx: KernelContext) -> str | None:

@@ -356,6 +356,8 @@ class MLAForCausalLM(nn.Module):
         # step -> the native layers' shared step arguments, or None when the step is not theirs
         # (quant.ggml_layer.decode_step, set by the loader with the native layers)
         self.native_decode: Callable | None = None
+        # trunk's native layers -> their calls in one (quant.ggml_layer.DecodeStacks), or None: layer by layer
+        self.native_stack: Callable | None = None
         self.kernel_plan = None  # the load's KernelPlan (kernels/registry.py), which the ledger names by digest
 
     def fused_decode(self, step: StepContext, cache: ModelCache):
@@ -367,6 +369,13 @@ class MLAForCausalLM(nn.Module):
         """-> final hidden states [T, D] (normed). native: fused_decode(step, cache) of this step (a
         quant.ggml_layer.FusedStep), or None (every layer per op)."""
         x = self.embed(input_ids)
+        stack = None
+        if native is not None and self.native_stack is not None:
+            stack = self.native_stack([layer.native_layer for layer in self.model.layers])
+        if stack is not None and not stack.hooked():
+            # the layers' calls in one; on a selecting sparse step the selection stays in the step's buffer
+            x = stack(x, native.args, [(s.latent, s.index_keys) for s in cache.layers])
+            return self.model.norm(x)
         selections: Selections = None
         for i, layer in enumerate(self.model.layers):
             fast = layer.native_layer

@@ -392,11 +392,56 @@ registry.register("decode_layer", "native", _decode_layer_fits, _attach_layer, _
 registry.register("decode_layer", "per_op", registry.always, _per_op_layer)
 
 
+class GGUFDecodeStack:
+    """Every trunk layer's native call of a step in one (native_layers.decode_layers, csrc mls_decode_layers): the
+    same C code as the layers' own calls, bit for bit, without the caller's glue between them. Built for the
+    model's current GGUFDecodeLayers (stacks_of: rebuilt when one is replaced); a step where some layer is under a
+    forward hook takes the layers one by one (MLAForCausalLM.forward)."""
+
+    def __init__(self, layers: list[GGUFDecodeLayer]) -> None:
+        self.layers = layers
+        self.c = native_layers.LayerStack([layer.args for layer in layers])
+
+    def hooked(self) -> bool:
+        return any(layer.hooked() for layer in self.layers)
+
+    def __call__(self, x: torch.Tensor, step: native_layers.DecodeStepArgs, states: list) -> torch.Tensor:
+        try:
+            return native_layers.decode_layers(self.c, step, x, states)
+        except RuntimeError:
+            for layer in self.layers:  # the all-reduce's own error (a rank that failed, died or hung), not the C code
+                if layer._failed:
+                    raise layer._failed.pop() from None
+            raise
+
+
+class DecodeStacks:
+    """model.native_stack: the GGUFDecodeStack of the trunk's current native layers (the one built last, while the
+    same layers are passed), or None where some trunk layer runs per op or a shared-indexer layer comes before any
+    full one (the per-layer path refuses that step by name)."""
+
+    def __init__(self) -> None:
+        self._last: GGUFDecodeStack | None = None
+
+    def __call__(self, fasts: list) -> GGUFDecodeStack | None:
+        last = self._last
+        if last is not None and len(fasts) == len(last.layers) and all(a is b for a, b in zip(fasts, last.layers)):
+            return last
+        if not fasts or any(f is None for f in fasts):
+            return None
+        roles = [f.role for f in fasts if f.role is not None]
+        if roles and roles[0] != "full":
+            return None
+        self._last = GGUFDecodeStack(fasts)
+        return self._last
+
+
 def enable_decode_step(model: MLAForCausalLM) -> int:
-    """After the KernelPlan: the model asks decode_step once per step where some trunk layer runs natively.
-    -> how many trunk layers do."""
+    """After the KernelPlan: the model asks decode_step once per step where some trunk layer runs natively, and
+    where every one does, runs them in one call (DecodeStacks). -> how many trunk layers do."""
     n = sum(layer.native_layer is not None for layer in model.model.layers)
     model.native_decode = decode_step if n else None
+    model.native_stack = DecodeStacks() if n else None
     return n
 
 

@@ -33,11 +33,14 @@ def _llm(name: str, gtype: str, **kw) -> LLM:
 
 def _run(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, int]:
     calls = []
-    real = native_layers.decode_layer
+    real, real_stack = native_layers.decode_layer, native_layers.decode_layers
     monkeypatch.setattr(native_layers, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    # the layers' calls in one (GGUFDecodeStack): one per layer
+    monkeypatch.setattr(native_layers, "decode_layers", lambda s, *a: calls.extend([1] * s.n) or real_stack(s, *a))
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
     outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     monkeypatch.setattr(native_layers, "decode_layer", real)
+    monkeypatch.setattr(native_layers, "decode_layers", real_stack)
     return [o.token_ids for o in outs], [[sorted(s.values()) for s in o.logprobs] for o in outs], len(calls)
 
 
@@ -124,3 +127,29 @@ def test_where_the_native_layers_do_not_run(monkeypatch):
     with Capture(llm.runner.model) as acts:
         _, _, calls = _run(llm, [[5, 9, 2, 7]], monkeypatch)
     assert calls == 0 and acts.tensors
+
+
+@pytest.mark.parametrize("name,gtype", [("ds3", "q4_k_m"), ("ds2lite", "q8_0")])
+def test_the_layers_in_one_call_equal_their_calls_one_by_one(name, gtype, monkeypatch):
+    """GGUFDecodeStack (mls_decode_layers) runs each layer's own C code in order, so a pure decode step gives the same
+    bits as the layers' calls one by one; a replaced native layer is picked up (a new stack), and a layer under a
+    hook takes the per-layer path (tested above: test_where_the_native_layers_do_not_run)."""
+    llm = _llm(name, gtype)
+    model = llm.runner.model
+    n = len(model.model.layers)
+    stacked: list[int] = []
+    real = native_layers.decode_layers
+    monkeypatch.setattr(native_layers, "decode_layers", lambda s, *a: stacked.append(s.n) or real(s, *a))
+    tok_a, lp_a, calls = _run(llm, PROMPTS, monkeypatch)
+    assert len(stacked) >= 9 and set(stacked) == {n} and calls == n * len(stacked)
+    stacks, model.native_stack = model.native_stack, None  # layer by layer
+    stacked.clear()
+    tok_b, lp_b, calls_b = _run(llm, PROMPTS, monkeypatch)
+    assert not stacked and calls_b == calls
+    assert tok_a == tok_b and lp_a == lp_b  # the same bits
+    model.native_stack = stacks
+    first = stacks([layer.native_layer for layer in model.model.layers])
+    model.model.layers[0].native_layer = type(first.layers[0])(model.model.layers[0], first.layers[0].args.interleaved)
+    assert stacks([layer.native_layer for layer in model.model.layers]) is not first
+    tok_c, lp_c, _ = _run(llm, PROMPTS, monkeypatch)
+    assert tok_c == tok_a and lp_c == lp_a

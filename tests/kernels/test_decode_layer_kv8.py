@@ -80,11 +80,14 @@ def _llm(name: str, gtype: str, **kw) -> LLM:
 
 def _run(llm: LLM, monkeypatch) -> tuple[list, list, int]:
     calls = []
-    real = native_layers.decode_layer
+    real, real_stack = native_layers.decode_layer, native_layers.decode_layers
     monkeypatch.setattr(native_layers, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    # the layers' calls in one (GGUFDecodeStack): one per layer
+    monkeypatch.setattr(native_layers, "decode_layers", lambda s, *a: calls.extend([1] * s.n) or real_stack(s, *a))
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     monkeypatch.setattr(native_layers, "decode_layer", real)
+    monkeypatch.setattr(native_layers, "decode_layers", real_stack)
     return [o.token_ids for o in outs], [[sorted(s.values()) for s in o.logprobs] for o in outs], len(calls)
 
 

@@ -117,11 +117,14 @@ def _llm(path: Path, **kw) -> LLM:
 
 def _run(llm: LLM, prompts: list[list[int]], monkeypatch, max_tokens: int = 12) -> tuple[list, list, int]:
     calls = []
-    real = native_layers.decode_layer
+    real, real_stack = native_layers.decode_layer, native_layers.decode_layers
     monkeypatch.setattr(native_layers, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    # the layers' calls in one (GGUFDecodeStack): one per layer
+    monkeypatch.setattr(native_layers, "decode_layers", lambda s, *a: calls.extend([1] * s.n) or real_stack(s, *a))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     monkeypatch.setattr(native_layers, "decode_layer", real)
+    monkeypatch.setattr(native_layers, "decode_layers", real_stack)
     return [o.token_ids for o in outs], [[sorted(s.values()) for s in o.logprobs] for o in outs], len(calls)
 
 
@@ -195,6 +198,9 @@ def test_sparse_decode_steps_equal_the_per_op_path(dsa_gguf, kind, gtype, activa
     model = llm.runner.model
     n = len(model.model.layers)
     assert all(layer.native_layer is not None for layer in model.model.layers), llm.loaded.report.notes
+    # the layers' calls one by one, so that each full layer's selection is read between them (the layers in one
+    # call give the same bits: test_the_layers_in_one_call_select_as_one_by_one below)
+    model.native_stack = None
     worst = 0.0
     for lengths in (LONG, SHORT):
         prompts = _prompts(lengths)
@@ -210,6 +216,27 @@ def test_sparse_decode_steps_equal_the_per_op_path(dsa_gguf, kind, gtype, activa
     print(f"{kind} {gtype} {activations}: fused sparse vs per-op max |dlogprob| {worst:.2e}")
     if activations == "float":
         assert worst <= BOUND, worst
+
+
+@pytest.mark.parametrize("kind", ["v32", "glm_dsa_shared"])
+def test_the_layers_in_one_call_select_as_one_by_one(dsa_gguf, kind, monkeypatch):
+    """Sparse steps through the layers in one call (GGUFDecodeStack: each full layer's top-k stays in the step's
+    buffer for the layers after it) give the bits of the layers' calls one by one."""
+    llm = _llm(dsa_gguf(kind, "q8_0"), attention="sparse")
+    model = llm.runner.model
+    stacked: list[int] = []
+    real = native_layers.decode_layers
+    monkeypatch.setattr(native_layers, "decode_layers", lambda s, *a: stacked.append(s.n) or real(s, *a))
+    for lengths in (LONG, SHORT):
+        prompts = _prompts(lengths)
+        stacked.clear()
+        tok_a, lp_a, _ = _run(llm, prompts, monkeypatch)
+        assert len(stacked) == 11
+        stacks, model.native_stack = model.native_stack, None
+        stacked.clear()
+        tok_b, lp_b, _ = _run(llm, prompts, monkeypatch)
+        model.native_stack = stacks
+        assert not stacked and tok_a == tok_b and lp_a == lp_b
 
 
 def test_the_selection_is_what_is_attended(dsa_gguf, monkeypatch):

@@ -243,3 +243,28 @@ done:
     free(mem);
     return rc;
 }
+
+/* n decoder layers of one pure decode step in one call: layer i (layers[i]) over its states (caches[i],
+   index_keys[i] or 0), each layer's output the next one's input; x [T, D] -> out [T, D] (out may not be x).
+   Exactly mls_decode_layer called n times in order (the same code on the same values, so the same bits), without
+   returning to the caller between layers: per layer that saves the caller's glue (a ctypes call and its checks),
+   which on a batch-1 step runs cold after each layer's weights went through the caches. Returns 0, or the first
+   refusal (mls_decode_layer's codes, -4 for the ping-pong buffer) with *failed the layer that refused. */
+int mls_decode_layers(const mls_layer_t *const *layers, int64_t n, const mls_decode_step_t *st, const float *x,
+                      float *out, const mls_rows_t *const *caches, const mls_rows_t *const *index_keys,
+                      int64_t *failed, int threads) {
+    const int64_t td = st->t * (n > 0 ? layers[0]->d : 0);
+    float *tmp = n > 1 ? (float *)malloc(sizeof(float) * (size_t)td + 1) : 0;
+    if (n > 1 && !tmp) return -4;
+    int rc = 0;
+    const float *in = x;
+    for (int64_t i = 0; i < n && !rc; i++) {
+        if (layers[i]->d != layers[0]->d) { rc = -2; *failed = i; break; }
+        float *dst = (n - 1 - i) % 2 ? tmp : out; /* the last layer writes out */
+        rc = mls_decode_layer(layers[i], st, in, dst, caches[i], index_keys ? index_keys[i] : 0, threads);
+        if (rc) *failed = i;
+        in = dst;
+    }
+    free(tmp);
+    return rc;
+}

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 24
+#define MLS_ABI_VERSION 25
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -228,6 +228,9 @@ int mls_index_topk16(const float *q, const float *w, int64_t t, int64_t hi, int6
 /* decode_layer.c */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out,
                      const mls_rows_t *cache, const mls_rows_t *index_keys, int threads);
+int mls_decode_layers(const mls_layer_t *const *layers, int64_t n, const mls_decode_step_t *st, const float *x,
+                      float *out, const mls_rows_t *const *caches, const mls_rows_t *const *index_keys,
+                      int64_t *failed, int threads);
 
 /* rows8.c: the 8-bit cache's quantizer (cache/quantized_rows.py quantize), exposed for its tests */
 int mls_quantize_rows(const float *x, int64_t t, int64_t ldx, int64_t q, int64_t block, int fp8, uint8_t *codes,
