@@ -23,6 +23,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,6 +71,8 @@ class IkLlamaWorker:
         if unknown:
             raise RuntimeError(f"ik_llama.cpp takes only {', '.join(IK_OPTIONS)}, not {', '.join(sorted(unknown))}")
         self.path, self.threads = path, threads
+        # the tools' own files (llama-batched-bench writes llama.log into its working folder) stay out of the checkout
+        self.workdir = tempfile.mkdtemp(prefix="ik_llama-")
         self.opts = {**IK_OPTIONS, **options}
         self.peak_kib = self.last_kib = 0
         self.runs: list[dict] = []
@@ -77,10 +80,12 @@ class IkLlamaWorker:
         self.start_s = self.runs[-1]["wall_s"]
 
     def _run(self, tool: str, args: list[str]) -> str:
-        cmd = [str(self.bin / tool), "-m", self.path, "-t", str(self.threads), *args]
+        cmd = [str(self.bin / tool), "-m", os.path.abspath(self.path), "-t", str(self.threads), *args]
         t0 = time.perf_counter()
         # errors="replace": the tools print the model's token pieces, which need not be whole UTF-8 sequences
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", cwd=self.workdir
+        )
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
