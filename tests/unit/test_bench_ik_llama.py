@@ -6,6 +6,7 @@ Also the IQ-mix file's commands (benchmarks/iq_mix.py) and a matrix cell measure
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,7 +87,12 @@ def test_worker_maps_each_measure_to_its_tool(bench, tmp_path):
     c16 = w.generate([list(range(128))] * 16, 128)  # 16 concurrent: batched-bench, 127 steps after the prompts
     assert (c16["wall_s"], c16["first_s"]) == (28.0, 8.0)
     calls = (bin_dir / "calls.txt").read_text().splitlines()
-    assert calls[0].startswith("llama-batched-bench -m m.gguf -t 1 ") and "-npp 1 -ntg 1 -npl 1" in calls[0]  # start
+    # the model by its absolute path: the tools run in a folder of their own (their llama.log stays out of the cwd)
+    assert (
+        calls[0].startswith(f"llama-batched-bench -m {os.path.abspath('m.gguf')} -t 1 ")
+        and "-npp 1 -ntg 1 -npl 1" in calls[0]
+    )
+    assert os.path.abspath(w.workdir) != os.getcwd()
     assert "-p 512 -n 0 -mla 3 -fa 1 -fmoe 1 -rtr 1" in calls[1]
     assert "-p 0 -n 0 -gp 4096,15 -mla 3 -fa 1 -fmoe 1 -rtr 1" in calls[2]
     assert "-c 4096 -b 2048 -ub 512 -npp 128 -ntg 127 -npl 16 -mla 3 -fa on -rtr" in calls[3]
