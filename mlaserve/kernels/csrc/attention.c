@@ -44,41 +44,61 @@ static inline __attribute__((always_inline)) void mqa_scores_n(const float *row,
 static inline void mqa_scores(const float *row, const float *ql, int64_t ql_head, const float *qp, int64_t qp_head,
                               int64_t r, int64_t dr, int n, float *s, int64_t ls) {
 #ifdef MLS_SIMD
-    if (n == MQA_HS) /* a constant count: the accumulators stay in registers */
-        mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, MQA_HS, s, ls);
-    else
-        mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, n, s, ls);
+    /* a constant count per call: the accumulators stay in registers for a remainder block too (20 heads over 2
+       threads leave blocks of 8 and 2) */
+    switch (n) {
+    case 8: mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, 8, s, ls); break;
+    case 4: mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, 4, s, ls); break;
+    case 2: mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, 2, s, ls); break;
+    default: mqa_scores_n(row, ql, ql_head, qp, qp_head, r, dr, n, s, ls);
+    }
 #else
     for (int i = 0; i < n; i++) s[i * ls] = dot(row, ql + i * ql_head, r) + dot(row + r, qp + i * qp_head, dr);
 #endif
 }
 
 /* o[i * r + k] (+)= sum_j p[i * lp + j] rows[j][k] for n <= MQA_HO heads, j over rows [j0, j1) in order; `acc`
-   continues the sums already in o (a later tile of rows), so the result is the same sequential sum over j. */
+   continues the sums already in o (a later tile of rows), so the result is the same sequential sum over j. Each
+   output is one fma chain over j (vector lanes or fmaf alike: one rounding per step), so every head count takes
+   the vector loop: a remainder of 1-3 heads (10 heads per thread leave 2) once summed each value in a scalar
+   loop that read the rows with a stride, ~2.5x the whole step at 4K context on 20 heads. */
+#ifdef MLS_SIMD
+static inline __attribute__((always_inline)) int64_t mqa_outputs_n(const float *const *rows, int64_t j0, int64_t j1,
+                                                                   const float *p, int64_t lp, const int n, int64_t r,
+                                                                   int acc, float *o) {
+    int64_t k = 0;
+    for (; k + 16 <= r; k += 16) {
+        __m256 a[MQA_HO][2];
+        for (int i = 0; i < n; i++) {
+            a[i][0] = acc ? _mm256_loadu_ps(o + i * r + k) : _mm256_setzero_ps();
+            a[i][1] = acc ? _mm256_loadu_ps(o + i * r + k + 8) : _mm256_setzero_ps();
+        }
+        for (int64_t j = j0; j < j1; j++) {
+            const __m256 v0 = _mm256_loadu_ps(rows[j] + k), v1 = _mm256_loadu_ps(rows[j] + k + 8);
+            for (int i = 0; i < n; i++) {
+                const __m256 pv = _mm256_broadcast_ss(p + i * lp + j);
+                a[i][0] = _mm256_fmadd_ps(pv, v0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(pv, v1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            _mm256_storeu_ps(o + i * r + k, a[i][0]);
+            _mm256_storeu_ps(o + i * r + k + 8, a[i][1]);
+        }
+    }
+    return k;
+}
+#endif
+
 static inline void mqa_outputs(const float *const *rows, int64_t j0, int64_t j1, const float *p, int64_t lp, int n,
                                int64_t r, int acc, float *o) {
     int64_t k = 0;
 #ifdef MLS_SIMD
-    if (n == MQA_HO) {
-        for (; k + 16 <= r; k += 16) {
-            __m256 a[MQA_HO][2];
-            for (int i = 0; i < MQA_HO; i++) {
-                a[i][0] = acc ? _mm256_loadu_ps(o + i * r + k) : _mm256_setzero_ps();
-                a[i][1] = acc ? _mm256_loadu_ps(o + i * r + k + 8) : _mm256_setzero_ps();
-            }
-            for (int64_t j = j0; j < j1; j++) {
-                const __m256 v0 = _mm256_loadu_ps(rows[j] + k), v1 = _mm256_loadu_ps(rows[j] + k + 8);
-                for (int i = 0; i < MQA_HO; i++) {
-                    const __m256 pv = _mm256_broadcast_ss(p + i * lp + j);
-                    a[i][0] = _mm256_fmadd_ps(pv, v0, a[i][0]);
-                    a[i][1] = _mm256_fmadd_ps(pv, v1, a[i][1]);
-                }
-            }
-            for (int i = 0; i < MQA_HO; i++) {
-                _mm256_storeu_ps(o + i * r + k, a[i][0]);
-                _mm256_storeu_ps(o + i * r + k + 8, a[i][1]);
-            }
-        }
+    switch (n) { /* a constant count per call: the accumulators stay in registers */
+    case 4: k = mqa_outputs_n(rows, j0, j1, p, lp, 4, r, acc, o); break;
+    case 3: k = mqa_outputs_n(rows, j0, j1, p, lp, 3, r, acc, o); break;
+    case 2: k = mqa_outputs_n(rows, j0, j1, p, lp, 2, r, acc, o); break;
+    default: k = mqa_outputs_n(rows, j0, j1, p, lp, 1, r, acc, o);
     }
 #endif
     for (int i = 0; i < n; i++)
