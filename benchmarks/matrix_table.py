@@ -153,8 +153,9 @@ MAX_OVER_PARTS = ("peak_rss_gib", "load_s")
 
 
 def merge_parts(docs: list[dict]) -> dict:
-    """One cell measured in parts (matrix.py --tag: some phases per run, on a loaded machine): every engine's
-    figures united, the load records concatenated; peak RSS and start the largest over the parts (each part
+    """One cell measured in parts (matrix.py --tag: some phases per run, on a loaded machine, or a phase measured
+    again): every engine's figures united (a later part's figure replaces an earlier one's), the load records
+    concatenated; peak RSS and start the largest over the parts (each part
     loads the engines again, and its own workload sets its peak); partial if any part is."""
     if len(docs) == 1:
         return docs[0]
@@ -194,6 +195,9 @@ def load_rows(files: list[Path]) -> list[dict]:
         groups.setdefault(cell_key(f, doc), []).append(doc)
     rows = []
     for (_, _, run), docs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2] or 1))):
+        # parts in the order they were measured: a metric measured again (a phase rerun after a fix, under its own
+        # tag) takes the later figure, whatever the files' names
+        docs.sort(key=lambda d: d.get("env", {}).get("date", ""))
         row = cell(merge_parts(docs), run)
         row["parts"] = len(docs)
         rows.append(row)

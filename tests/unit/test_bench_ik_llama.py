@@ -143,9 +143,10 @@ def test_iq_mix_commands(bench, tmp_path):
         iq.imatrix_command(tmp_path / "none", Path("a"), Path("b"), Path("c"), 1, 1)
 
 
-def _part(phases: list[str], ours: dict, theirs: dict, load: float, complete: bool = True) -> dict:
+def _part(phases: list[str], ours: dict, theirs: dict, load: float, complete: bool = True, date: str = "") -> dict:
     return {
         "model_name": "standard",
+        "env": {"date": date},
         "complete": complete,
         "phases": phases,
         "settings": {"long_prompt": 4096 if "long" in phases else 2048},
@@ -185,6 +186,13 @@ def test_a_cell_in_parts_is_one_row(bench, tmp_path):
     assert r["partial"] and r["parts"] == 2 and r["loadavg_1min"] == (12.0, 14.0) and r["long_prompt"] == 4096
     table = mt.markdown(rows)
     assert "| decode b1 at 4096 tok/s | 3.0 | 2.0 | - | 1.50x ok | - | >= 1.2x |" in table
+    # a phase measured again later (after a fix, under another tag) replaces the earlier figure, whatever the names
+    again = _part(["long"], {"decode_tok_s_long": 4.0}, {"decode_tok_s_long": 2.0}, 1.0, date="2026-12-02 20:00:00")
+    b["env"]["date"] = "2026-12-02 10:00:00"
+    (tmp_path / "matrix-2026-12-02-standard-q8_0-b.json").write_text(json.dumps(b))
+    (tmp_path / "matrix-2026-12-02-standard-q8_0-0-again.json").write_text(json.dumps(again))
+    m = mt.load_rows(sorted(tmp_path.glob("*.json")))[0]["metrics"]
+    assert (m["decode_tok_s_long"]["ours"], m["decode_tok_s_long"]["ratio"]) == (4.0, 2.0)
     assert "Not measured (no engine has a figure): standard Q8_0 run 1 (partial): decode b1 at 128 tok/s; " in table
     assert table.splitlines()[-3].endswith("standard Q8_0 run 1 (partial): 16 concurrent tok/s.")
     assert "16 concurrent tok/s |" not in table and "token 0 at every position" in table
