@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -361,8 +362,24 @@ def _cpu_simd() -> list[str]:
 
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str))
+    path.write_text(json.dumps(without_machine_paths(json.loads(json.dumps(data, default=str))), indent=2))
     print(f"[results] wrote {path}")
+
+
+# an absolute path of two or more parts, not inside a word or a URL's "//" (GB/s, tok/s, file:///x stay)
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:])/(?:[\w.+-]+/)+([\w.+-]+)")
+
+
+def without_machine_paths(obj):
+    """Results keep no machine's paths: an absolute path in any string (a kernel library in the user's cache, a
+    tool's source file in its abort message) becomes its last part; the checkout's files are already relative."""
+    if isinstance(obj, dict):
+        return {k: without_machine_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [without_machine_paths(v) for v in obj]
+    if isinstance(obj, str):
+        return ABSOLUTE_PATH.sub(r"\1", obj)
+    return obj
 
 
 def fmt(v, nd=1) -> str:

@@ -4,6 +4,7 @@ Worked from hand-made results whose ratios are known exactly."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -181,3 +182,19 @@ def test_offline_hands_over_the_results_after_every_phase(bench, tmp_path, seque
     offline.run_engines(engines, s, P, sequential, ["prefill"], lambda res: seen.append(len(res["loadavg"])))
     n = 3 * (2 if sequential else 1)  # warm-up, prefill, info
     assert seen == list(range(1, n + 1))
+
+
+def test_results_keep_no_machine_paths(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import common
+
+    doc = {
+        "kernels": ["avx512 kernels, /home/u/.cache/mlaserve/kernels/mls-1.so"],
+        "error": {"tool": "aborted at /src/ik/llama-hparams.cpp:1097: Fatal error", "rate": "12 tok/s, 3 GB/s"},
+        "weights": "benchmarks/models/m-q8_0.gguf",
+    }
+    common.write_json(tmp_path / "r.json", doc)
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert got["kernels"] == ["avx512 kernels, mls-1.so"]
+    assert got["error"] == {"tool": "aborted at llama-hparams.cpp:1097: Fatal error", "rate": "12 tok/s, 3 GB/s"}
+    assert got["weights"] == "benchmarks/models/m-q8_0.gguf"  # relative to the checkout: kept
