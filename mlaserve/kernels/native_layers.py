@@ -355,7 +355,7 @@ def decode_layer(args: LayerArgs, step: DecodeStepArgs, x: torch.Tensor, cache, 
 
 class LayerStack:
     """The C arrays of mls_decode_layers: the layers' mls_layer_t (constant) and their states' mls_rows_t (built from
-    one ModelCache's layer states, kept while the same state objects are passed: `states_key`)."""
+    one ModelCache's layer states, kept while the same state objects are passed: `rows`)."""
 
     def __init__(self, layers: list[LayerArgs]) -> None:
         self.n = len(layers)
