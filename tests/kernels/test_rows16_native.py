@@ -129,14 +129,34 @@ def test_one_call_layers_over_16bit_rows_equal_the_per_op_path(name, codes, atte
     assert calls_b == 0 and tok_a == tok_b
     per_op = _half_states(llm)
     assert torch.equal(fused[0], per_op[0])  # layer 0: the same input, the same rounding, the same bytes
-    flips = sum(int((a != b).sum()) for a, b in zip(fused, per_op))
+    per_layer = [int((a != b).sum()) for a, b in zip(fused, per_op)]
+    flips = sum(per_layer)
     written = sum(int((a != 0).any(-1).sum()) * a.shape[1] for a in fused)
     worst = max(abs(x - y) for ra, rb in zip(lp_a, lp_b) for sa, sb in zip(ra, rb) for x, y in zip(sa, sb))
     print(
-        f"{name} {codes}: one call vs per op over 16-bit rows, max |dlogprob| {worst:.2e}, {flips} of {written} differ"
+        f"{name} {codes}: one call vs per op over 16-bit rows, max |dlogprob| {worst:.2e}, {flips} of {written} "
+        f"differ (per state {per_layer})"
     )
-    assert flips <= 1e-3 * written, (flips, written)  # a value within fp32 noise of a rounding midpoint: rare
-    if not flips:
+    # The later layers' inputs differ by fp32 rounding (the two paths' own orders), so a value within that noise of
+    # a rounding midpoint lands on the neighbouring 16-bit code. In the first state that differs at all, those
+    # crossings are independent: each one code apart, and rare. How rare: over fp32 rows the two paths' latent
+    # values differ by 3-7e-7 relative on average (max 3e-4), which crosses a float16 midpoint at an expected
+    # 4.4-9.8e-4 of the values (|delta| / the grid's spacing at each value, both fixtures' layers), bfloat16 at
+    # 0.6-1.2e-4; so at most 3e-3 of a state's values (a state holds ~4,700: an expected <= 4.6 crossings, and
+    # 14 or more come by chance ~2e-4 of the time; a wrong value is not one code off). A crossing then
+    # moves the later layers' inputs by a 16-bit step, not by fp32 noise, and their rows differ in a cascade
+    # (measured: 2 crossings in ds3 float16's second layer, 29 values of its third, up to 27 codes apart near 0),
+    # so only the first differing state is held to that rule, and the logprobs to 1e-3 (the cascade measured
+    # 1.2e-4; a wrong row, scale or selection moves them by >= 1e-2).
+    first = next((i for i, f in enumerate(per_layer) if f), None)
+    if first is not None:
+        a, b = fused[first], per_op[first]
+        d = a != b
+        steps = (a.view(torch.int16)[d].int() - b.view(torch.int16)[d].int()).abs()
+        assert (steps == 1).all(), (first, steps.max())
+        assert per_layer[first] <= 3e-3 * int((a != 0).any(-1).sum()) * a.shape[1], (first, per_layer)
+        assert worst <= 1e-3, worst
+    else:
         assert worst <= BOUND, worst
 
 

@@ -144,7 +144,7 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
             float hs[MQA_HS], sum = 0.0f;
             for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
                 const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
-                mqa_scores(key, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
+                mqa_scores(&key, 1, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
                 for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] > 0.0f ? hs[i] : 0.0f);
             }
             s[a] = sum;
