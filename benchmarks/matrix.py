@@ -29,7 +29,8 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from offline import GGUF_TYPES, MODEL_NAMES  # noqa: E402
+from offline import MODEL_NAMES  # noqa: E402
+from offline_engines import GGUF_TYPES  # noqa: E402
 
 RESULTS = Path("docs") / "results"  # relative to the checkout
 

@@ -1,5 +1,5 @@
 """The engine workers of benchmarks/offline.py: one engine each, in a process of its own (offline.py --worker
-serves one of these over JSON lines; see offline.py for the protocol and the run).
+serves one of these over JSON lines; see offline_engines.py for the protocol, offline_phases.py for the run).
 
 MlaServeWorker runs mlaserve (a folder or a GGUF), HFWorker transformers' AutoModelForCausalLM, LlamaCppWorker
 llama.cpp through llama-cpp-python's low-level C API. Every worker answers the same calls (below)."""

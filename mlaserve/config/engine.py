@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mlaserve.config import families
-from mlaserve.config.deepseek_v4 import v4_page_size
+from mlaserve.config.deepseek_v4_layers import v4_page_size
 from mlaserve.config.engine_parts import (
     AttentionConfig,
     CacheConfig,
@@ -372,7 +372,7 @@ DEFAULT_PAGE_SIZE = 16
 def _page_size(model: ModelConfig, page_size: int | None, log: ProvenanceLog) -> int:
     """The page size: the user's (recorded as given, and checked against the stack's ratios by the cache), else a
     family's own default (DeepSeek-V4: its compressed pools need a multiple of every compress ratio;
-    config/deepseek_v4.py v4_page_size), else the engine's 16. A given value is never replaced."""
+    config/deepseek_v4_layers.py v4_page_size), else the engine's 16. A given value is never replaced."""
     if page_size is not None:
         return page_size
     if model.family is not None and model.family.layer_kinds == "deepseek_v4":

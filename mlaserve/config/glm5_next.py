@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlaserve.config.deepseek_v4 import V4HyperConnections
+from mlaserve.config.deepseek_v4_parts import V4HyperConnections
 from mlaserve.config.model_parts import ConfigError, KDAConfig
 from mlaserve.config.provenance import ProvenanceLog, Setting
 

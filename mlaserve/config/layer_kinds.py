@@ -56,7 +56,7 @@ its layer_types / compress_ratios:
   (W sliding_window, D head_dim, m the layer's ratio, c index_head_dim; a carry holds the open window's raw kv
   rows then its gate rows; an overlap the Ca half of the last closed window)
 The pools are paged (a page of page_size tokens holds page_size / m rows; memory grows with the context), so
-page_size is a multiple of every ratio: V4's default is 256 (vLLM's) rounded up to one (config/deepseek_v4.py
+page_size is a multiple of every ratio: V4's default is 256 (vLLM's) rounded up to one (config/deepseek_v4_layers.py
 v4_page_size, recorded in provenance). A page boundary is then a multiple of every m, so every carry is empty there
 and only the ring and the overlap halves need snapshots. The counters (rows filled, carry fill) are not stored: they
 are functions of the sequence's context_len (rows = context_len // m, fill = context_len % m).

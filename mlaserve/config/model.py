@@ -93,8 +93,8 @@ class ModelConfig:
     sublayers: int = 1
     latent_scale: LatentScale | None = None  # LongCat-Flash's sqrt(hidden / rank) on q and c_kv
     kda: KDAConfig | None = None  # Kimi-Linear: its KDA (linear-attention) layers; None: every layer MLA
-    # GLM-5.3-Flash: the mHC residual (config/deepseek_v4.py V4HyperConnections: streams, Sinkhorn iterations, eps,
-    # the final collapse a mean) and the SwiGLU clamp of every MLP and expert; None elsewhere
+    # GLM-5.3-Flash: the mHC residual (config/deepseek_v4_parts.py V4HyperConnections: streams, Sinkhorn iterations,
+    # eps, the final collapse a mean) and the SwiGLU clamp of every MLP and expert; None elsewhere
     hyper: Any = None
     swiglu_limit: float | None = None
     provenance: tuple[Setting, ...] = field(default=(), compare=False, repr=False)

@@ -471,7 +471,7 @@ def _v4_layer_lines(args, cfg) -> str:
     declare_layers with kv_cache_dtype's 8-bit formats (quantize_states, as the runner computes them), values in
     --dtype (bfloat16 when not given), snapshots per token at the page size the engine would pick, when prefix
     caching is on."""
-    from mlaserve.config.deepseek_v4 import describe_layers, v4_page_size
+    from mlaserve.config.deepseek_v4_layers import describe_layers, v4_page_size
     from mlaserve.config.kv_cache import quantize_states
     from mlaserve.config.layer_kinds import declare_layers
 

@@ -1,9 +1,9 @@
-"""`mlaserve inspect`'s config-level DeepSeek-V4 lines (config/deepseek_v4.py describe_layers) against the cache the
-engine allocates for the same options: per kind, the bytes per token of the paged pools, the bytes per token of the
-page snapshots and the fixed bytes per sequence, read from the printed text, equal what the allocated tensors hold
-(counted here from their nbytes: codes, e8m0 scales and kept values for an 8-bit state), under kv_cache_dtype auto
-and fp8_e4m3. Exact: both sides are integers of bytes divided by the same page and ratio, printed with %g, so the
-figures are compared as the command prints them (no tolerance).
+"""`mlaserve inspect`'s config-level DeepSeek-V4 lines (config/deepseek_v4_layers.py describe_layers) against the
+cache the engine allocates for the same options: per kind, the bytes per token of the paged pools, the bytes per
+token of the page snapshots and the fixed bytes per sequence, read from the printed text, equal what the allocated
+tensors hold (counted here from their nbytes: codes, e8m0 scales and kept values for an 8-bit state), under
+kv_cache_dtype auto and fp8_e4m3. Exact: both sides are integers of bytes divided by the same page and ratio,
+printed with %g, so the figures are compared as the command prints them (no tolerance).
 
 The tiny config takes the official FP8 shapes (tests/official_v4.py OFFICIAL_SHAPES: 128 non-rope values per row),
 every kind: sliding, CSA 4, HCA 8, CSA 4. Page 8 (a multiple of both ratios), prefix caching on (the default).

@@ -32,7 +32,7 @@ def test_sinkhorn_one_iteration_and_autograd_take_the_reference_math():
 def test_hyper_connection_under_inference_mode(monkeypatch):
     """The module's path as the engine runs it (inference mode, fp32 parameters): its outputs equal those with
     the reference Sinkhorn in its place, bit for bit."""
-    from mlaserve.config.deepseek_v4 import V4HyperConnections
+    from mlaserve.config.deepseek_v4_parts import V4HyperConnections
     from mlaserve.models.deepseek_v4 import hyper
 
     torch.manual_seed(0)

@@ -28,15 +28,26 @@ llama_print_timings: load time = 1.0 ms
 @pytest.fixture()
 def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    names = ("ik_llama_worker", "iq_mix", "matrix_table", "offline", "offline_workers", "common")
+    names = (
+        "ik_llama_worker",
+        "iq_mix",
+        "matrix_table",
+        "offline",
+        "offline_engines",
+        "offline_phases",
+        "offline_report",
+        "offline_workers",
+        "common",
+    )
     for n in names:
         sys.modules.pop(n, None)
     import ik_llama_worker
     import iq_mix
     import matrix_table
     import offline
+    import offline_engines
 
-    yield ik_llama_worker, iq_mix, matrix_table, offline
+    yield ik_llama_worker, iq_mix, matrix_table, offline, offline_engines
     for n in names:
         sys.modules.pop(n, None)
 
@@ -114,14 +125,14 @@ def test_worker_refuses_a_missing_tool_and_unknown_options(bench, tmp_path):
 
 
 def test_offline_engine_spec_and_skip(bench):
-    offline = bench[3]
-    assert offline.parse_spec("ik_llama.cpp@iq_mix:mla=3,fmoe=false") == (
+    offline, engines = bench[3], bench[4]
+    assert engines.parse_spec("ik_llama.cpp@iq_mix:mla=3,fmoe=false") == (
         "ik_llama.cpp",
         "iq_mix",
         {"mla": 3, "fmoe": False},
     )
     with pytest.raises(SystemExit, match="ik_llama.cpp takes only mla, fa, fmoe, rtr"):
-        offline.parse_spec("ik_llama.cpp:repack=false")
+        engines.parse_spec("ik_llama.cpp:repack=false")
     args = offline.parse_args(["--engines", "ik_llama.cpp@q8_0", "--gguf", "none"])
     assert args.ik_llama_bin is None
     _, _, skipped = offline.resolve_engines(args, Path("folder"))

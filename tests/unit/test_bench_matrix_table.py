@@ -16,15 +16,17 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.fixture()
 def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    names = ("matrix_table", "matrix", "offline", "common")
+    names = ("matrix_table", "matrix", "offline", "offline_engines", "offline_phases", "offline_report", "common")
     for n in names:
         sys.modules.pop(n, None)
     import common
     import matrix
     import matrix_table
     import offline
+    import offline_engines
+    import offline_phases
 
-    yield matrix_table, matrix, offline, common
+    yield matrix_table, matrix, offline, common, offline_engines, offline_phases
     for n in names:
         sys.modules.pop(n, None)
 
@@ -107,7 +109,7 @@ def test_cell_needs_one_engine_of_each(bench):
 
 
 def test_file_type_and_cell_files(bench):
-    mt, matrix, offline, common = bench
+    mt, matrix, offline, common = bench[:4]
     assert mt.file_type("mlaserve-gguf@q6_k") == "q6_k"
     assert mt.file_type("llama.cpp@q4_0:repack=false") == "q4_0"
     assert mt.file_type("mlaserve-gguf") == "q8_0"
@@ -126,12 +128,12 @@ def test_file_type_and_cell_files(bench):
 
 
 def test_llama_cpp_engine_takes_repack_only(bench):
-    offline = bench[2]
-    assert offline.parse_spec("llama.cpp@q4_k_m:repack=false") == ("llama.cpp", "q4_k_m", {"repack": False})
+    engines = bench[4]
+    assert engines.parse_spec("llama.cpp@q4_k_m:repack=false") == ("llama.cpp", "q4_k_m", {"repack": False})
     with pytest.raises(SystemExit, match="llama.cpp takes only repack"):
-        offline.parse_spec("llama.cpp:kernels=torch")
+        engines.parse_spec("llama.cpp:kernels=torch")
     with pytest.raises(SystemExit, match="only mlaserve, llama.cpp and ik_llama.cpp engines take options"):
-        offline.parse_spec("transformers:repack=false")
+        engines.parse_spec("transformers:repack=false")
 
 
 def test_real_shape_models_keep_the_released_widths(bench):
@@ -152,7 +154,7 @@ def test_real_shape_models_keep_the_released_widths(bench):
 
 
 class _Engine:
-    """What run_engines touches of offline.Engine; every call answers "failed" (None)."""
+    """What run_engines touches of offline_engines.Engine; every call answers "failed" (None)."""
 
     def __init__(self, spec: str, path: Path) -> None:
         self.spec, self.path, self.load, self.last_rss, self.status = spec, path, {}, {}, None
@@ -172,14 +174,14 @@ def test_offline_hands_over_the_results_after_every_phase(bench, tmp_path, seque
     """offline.py writes its JSON after each phase (a cell stopped on a loaded machine keeps what it measured):
     run_engines calls on_phase once per phase (per engine and phase with --sequential), with the load records
     of the phases run so far."""
-    offline = bench[2]
+    offline, run = bench[2], bench[5]
     weights = tmp_path / "w.gguf"
     weights.write_bytes(b"x")
     s = offline.QUICK
-    P = offline.prompts_for(s, 1000)
+    P = run.prompts_for(s, 1000)
     seen: list[int] = []
     engines = [_Engine("a", weights), _Engine("b", weights)]
-    offline.run_engines(engines, s, P, sequential, ["prefill"], lambda res: seen.append(len(res["loadavg"])))
+    run.run_engines(engines, s, P, sequential, ["prefill"], lambda res: seen.append(len(res["loadavg"])))
     n = 3 * (2 if sequential else 1)  # warm-up, prefill, info
     assert seen == list(range(1, n + 1))
 

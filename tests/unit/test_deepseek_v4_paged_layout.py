@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mlaserve.cache.model_cache import ModelCache
-from mlaserve.config.deepseek_v4 import DeepseekV4Config, v4_page_size
+from mlaserve.config.deepseek_v4 import DeepseekV4Config
+from mlaserve.config.deepseek_v4_layers import v4_page_size
 from mlaserve.config.engine import make_options, resolve
 from mlaserve.config.layer_kinds import (
     check_page_size,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaserve.config.deepseek_v4 import V4HyperConnections
+from mlaserve.config.deepseek_v4_parts import V4HyperConnections
 from mlaserve.models.deepseek_v4.hyper import HyperConnection, HyperHead, MeanHead, make_head
 
 BOUND = 1e-6

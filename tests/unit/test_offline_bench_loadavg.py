@@ -1,4 +1,5 @@
-"""benchmarks/offline.py keeps the load average at the start of every phase of a run (`res["loadavg"]`): on a
+"""benchmarks/offline.py keeps the load average at the start of every phase of a run (offline_phases.py run_engines,
+`res["loadavg"]`): on a
 shared machine a figure is quoted with the load it was measured under. Checked with stand-in engines (no
 model, no worker process) and a scripted load average, so the records can be compared exactly."""
 
@@ -14,13 +15,18 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture()
-def offline(monkeypatch):
+def bench(monkeypatch):
+    """offline.py (the settings, the command line) and offline_phases.py (the run), freshly imported."""
     monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("offline", None)
+    names = ("offline", "offline_phases", "offline_report", "offline_engines")
+    for n in names:
+        sys.modules.pop(n, None)
     import offline
+    import offline_phases
 
-    yield offline
-    sys.modules.pop("offline", None)
+    yield offline, offline_phases
+    for n in names:
+        sys.modules.pop(n, None)
 
 
 class StandIn:
@@ -41,39 +47,41 @@ class StandIn:
         return None
 
 
-def _run(offline, monkeypatch, tmp_path, sequential: bool):
+def _run(bench, monkeypatch, tmp_path, sequential: bool):
+    offline, run = bench
     weights = tmp_path / "w.gguf"
     weights.write_bytes(b"x")
     engines = [StandIn("a", weights), StandIn("b", weights)]
     counter = itertools.count(1)
-    monkeypatch.setattr(offline.os, "getloadavg", lambda: (float(next(counter)), 0.5, 0.25))
+    monkeypatch.setattr(run.os, "getloadavg", lambda: (float(next(counter)), 0.5, 0.25))
     s = offline.QUICK
-    P = offline.prompts_for(s, 1000)
-    res, _ = offline.run_engines(engines, s, P, sequential)
-    names = [name for name, _ in offline.phases(s, P, {}, {})]
+    P = run.prompts_for(s, 1000)
+    res, _ = run.run_engines(engines, s, P, sequential)
+    names = [name for name, _ in run.phases(s, P, {}, {})]
     return res, names
 
 
-def test_one_load_record_per_phase_in_run_order(offline, monkeypatch, tmp_path):
-    res, names = _run(offline, monkeypatch, tmp_path, sequential=False)
+def test_one_load_record_per_phase_in_run_order(bench, monkeypatch, tmp_path):
+    res, names = _run(bench, monkeypatch, tmp_path, sequential=False)
     assert [r["phase"] for r in res["loadavg"]] == names
     # the n-th reading of the scripted clock belongs to the n-th phase: read when the phase starts
     assert [r["loadavg"] for r in res["loadavg"]] == [[float(i), 0.5, 0.25] for i in range(1, len(names) + 1)]
     assert all("engine" not in r for r in res["loadavg"])
 
 
-def test_sequential_runs_record_each_engine_phase(offline, monkeypatch, tmp_path):
-    res, names = _run(offline, monkeypatch, tmp_path, sequential=True)
+def test_sequential_runs_record_each_engine_phase(bench, monkeypatch, tmp_path):
+    res, names = _run(bench, monkeypatch, tmp_path, sequential=True)
     assert [(r["engine"], r["phase"]) for r in res["loadavg"]] == [(e, n) for e in ("a", "b") for n in names]
     assert [r["loadavg"][0] for r in res["loadavg"]] == [float(i) for i in range(1, 2 * len(names) + 1)]
 
 
-def test_phases_picks_the_named_measurements(offline, monkeypatch, tmp_path):
+def test_phases_picks_the_named_measurements(bench, monkeypatch, tmp_path):
     """`--phases prefill c16`: the warm-up, the two asked for, the info call; nothing else is run."""
-    s, P = offline.QUICK, offline.prompts_for(offline.QUICK, 1000)
-    every = [name for name, _ in offline.phases(s, P, {}, {})]
-    picked = [name for name, _ in offline.phases(s, P, {}, {}, ["prefill", "c16"])]
-    assert len(every) == len(offline.PHASES) + 2
+    offline, run = bench
+    s, P = offline.QUICK, run.prompts_for(offline.QUICK, 1000)
+    every = [name for name, _ in run.phases(s, P, {}, {})]
+    picked = [name for name, _ in run.phases(s, P, {}, {}, ["prefill", "c16"])]
+    assert len(every) == len(run.PHASES) + 2
     assert picked == ["warm-up", f"prefill {s['prefill_len']}", "16 concurrent (32+8)", "info"]
     assert offline.parse_args(["--phases", "decode", "c16"]).phases == ["decode", "c16"]
     with pytest.raises(SystemExit):
@@ -81,7 +89,7 @@ def test_phases_picks_the_named_measurements(offline, monkeypatch, tmp_path):
     weights = tmp_path / "w.gguf"
     weights.write_bytes(b"x")
     e = StandIn("a", weights)
-    monkeypatch.setattr(offline.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
-    res, _ = offline.run_engines([e], s, P, False, ["decode"])
+    monkeypatch.setattr(run.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    res, _ = run.run_engines([e], s, P, False, ["decode"])
     assert [r["phase"] for r in res["loadavg"]] == ["warm-up", "decode batch 1 (32+8)", "info"]
     assert e.calls == ["generate", "generate", "info"]  # warm-up, the one decode prompt of QUICK, info

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.config.deepseek_v4 import V4HyperConnections
+from mlaserve.config.deepseek_v4_parts import V4HyperConnections
 from mlaserve.models.deepseek_v4.norm import unweighted_rms_norm
 
 

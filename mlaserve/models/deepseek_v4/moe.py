@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.config.deepseek_v4 import V4MoE
+from mlaserve.config.deepseek_v4_parts import V4MoE
 
 
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:

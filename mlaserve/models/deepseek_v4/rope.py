@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.config.deepseek_v4 import V4Rope
+from mlaserve.config.deepseek_v4_parts import V4Rope
 from mlaserve.models.layers import rope_inv_freq
 
 
