@@ -6,7 +6,7 @@ call runs one of its binaries from `offline.py --ik-llama-bin DIR` and reads the
     generate([p], n)        batch-1 decode at context len(p): `llama-bench -gp len(p),n-1`, the n-1 decode
                             steps after the prompt (its -gp times the generation only), random tokens
     generate(ps, n), B > 1  `llama-batched-bench -npp len(p) -ntg n-1 -npl B`: B prompts decoded in
-                            n_batch chunks, then n-1 steps of B tokens (as offline.py's llama.cpp worker).
+                            n_batch chunks, then n-1 steps of B tokens (as offline_workers.py's llama.cpp worker).
                             Its tool feeds token 0 at every position of every sequence (not random): every
                             sequence routes to the same experts, which reads fewer expert weights per step
                             than B distinct requests would. The JSON and the table say so.

@@ -10,8 +10,8 @@ from mlaserve.config.deepseek_v4 import DeepseekV4Config
 
 
 class KindStates(Protocol):
-    """What describe_layers reads of a layer kind (config/layer_kinds.py LayerKind, which imports torch and this
-    module: named here by its field so neither a config read needs torch nor the two modules each other)."""
+    """What describe_layers reads of a layer kind (config/layer_kinds.py LayerKind, which imports torch: named
+    here by its field so that reading a config does not need torch)."""
 
     states: tuple
 
