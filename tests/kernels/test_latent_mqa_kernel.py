@@ -60,14 +60,16 @@ def test_native_latent_mqa_equals_float64(h, r, dr, threads, length):
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("h", [6, 12, 16, 22])
 def test_native_latent_mqa_does_not_depend_on_the_batch(h, threads):
-    """A query's result is bit-identical alone (its heads split over the threads: items of ceil(h / threads)
-    heads) and inside a batch of 3 (one item per query, all heads): a head's arithmetic does not depend on how
-    heads are grouped, so speculative verification (1 + k queries) and decode (1) agree exactly."""
+    """A query's result is bit-identical alone and inside a batch of 3, so speculative verification (1 + k
+    queries) and decode (1) agree exactly. Over 300 rows (3 tiles) the kernel shares the work three ways: with
+    fewer queries than threads by tiles (alone on 2-4 threads, the batch on 4: each tile's partial kept, then
+    folded), else by queries (1 thread; the batch on 2-3), a query's heads split over the threads where queries
+    are fewer than threads but the tiles are one: a head's arithmetic is the same in each."""
     g = torch.Generator().manual_seed(h + 10 * threads)
-    r, dr, t, length = 40, 12, 3, 50
+    r, dr, t, length = 40, 12, 3, 300
     q = torch.randn(t, h, r + dr, generator=g)
-    cache = torch.randn(200, r + dr, generator=g)
-    slots = torch.randperm(200, generator=g)[: 3 * length].view(3, length).contiguous()
+    cache = torch.randn(1000, r + dr, generator=g)
+    slots = torch.randperm(1000, generator=g)[: 3 * length].view(3, length).contiguous()
     mask = torch.rand(3, 1, length, generator=g) < 0.8
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -80,3 +82,28 @@ def test_native_latent_mqa_does_not_depend_on_the_batch(h, threads):
             assert torch.equal(alone[0], batch[i])
     finally:
         torch.set_num_threads(prev)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("h", [1, 16, 20])
+def test_native_latent_mqa_by_tiles_equals_float64(h, threads):
+    """Fewer queries than threads over several tiles: the work is shared by tiles (partials kept, folded in order);
+    the result within fp32 rounding of the float64 one, and a query with no allowed key NaN there too."""
+    g = torch.Generator().manual_seed(h + threads)
+    r, dr, length = 64, 16, 700  # 6 tiles of 128 rows, the last partial
+    q_lat, q_pe = torch.randn(2, h, r, generator=g), torch.randn(2, h, dr, generator=g)
+    cache = torch.randn(length + 50, r + dr, generator=g)
+    slots = torch.randperm(length + 50, generator=g)[:length].view(1, length).expand(2, length).contiguous()
+    mask = torch.rand(2, 1, length, generator=g) < 0.9
+    mask[1] = False
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native_layers.latent_mqa(q_lat, q_pe, torch.tensor([[0], [1]]), cache, slots, mask, 0.1)
+    finally:
+        torch.set_num_threads(prev)
+    want = reference(q_lat, q_pe, torch.tensor([[0], [1]]), cache, slots, mask, 0.1)
+    assert got[1].isnan().all()
+    err = (got[0].double() - want[0]).abs().max().item()
+    assert err <= 2e-6, err

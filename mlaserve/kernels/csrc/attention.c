@@ -181,23 +181,31 @@ static inline void mqa_outputs(const float *const *rows, int64_t j0, int64_t j1,
         }
 }
 
-/* One head's running softmax over a tile's scores sh[0 .. nt) (scaled here): m' = max(m, max_j sh[j]); on a later
-   tile (first == 0) the outputs so far o[0 .. r) and the sum are multiplied by exp(m - m') when the max moved;
-   sh[j] = exp(sh[j] - m') (the weights of this tile's rows), sum += their sum in order. */
-static inline void mqa_softmax_step(float *sh, int64_t nt, float scale, int first, float *m, float *sum, float *o,
-                                    int64_t r) {
+/* One head's softmax over one tile's scores sh[0 .. nt) (scaled here): its max m_t, sh[j] = exp(sh[j] - m_t) (the
+   weights of the tile's rows), their sum l_t in order. */
+static inline void mqa_tile_softmax(float *sh, int64_t nt, float scale, float *m_t, float *l_t) {
     float mt = -INFINITY, ts = 0.0f;
     for (int64_t j = 0; j < nt; j++) sh[j] *= scale;
     for (int64_t j = 0; j < nt; j++) mt = sh[j] > mt ? sh[j] : mt;
-    const float m1 = first || mt > *m ? mt : *m;
-    if (!first && m1 != *m) {
-        const float alpha = expf(*m - m1);
-        for (int64_t k = 0; k < r; k++) o[k] *= alpha;
-        *sum *= alpha;
+    for (int64_t j = 0; j < nt; j++) ts += (sh[j] = expf(sh[j] - mt));
+    *m_t = mt;
+    *l_t = ts;
+}
+
+/* One head's running result (o [r], max m, sum l) takes the next tile's partial (o_t [r], m_t, l_t): the first
+   is copied; then M = max(m, m_t), o = o exp(m - M) + o_t exp(m_t - M), l likewise. */
+static inline void mqa_fold(float *o, const float *o_t, int64_t r, int first, float *m, float *l, float m_t,
+                            float l_t) {
+    if (first) {
+        memcpy(o, o_t, sizeof(float) * (size_t)r);
+        *m = m_t;
+        *l = l_t;
+        return;
     }
-    for (int64_t j = 0; j < nt; j++) ts += (sh[j] = expf(sh[j] - m1));
-    *sum = first ? ts : *sum + ts;
-    *m = m1;
+    const float mm = m_t > *m ? m_t : *m, a = expf(*m - mm), b = expf(m_t - mm);
+    for (int64_t k = 0; k < r; k++) o[k] = o[k] * a + o_t[k] * b;
+    *l = *l * a + l_t * b;
+    *m = mm;
 }
 
 /* ---------------------------------------------------------------- a tile of cache rows, fp32 or coded
@@ -267,83 +275,163 @@ static inline void coded_decode(const coded_rows *cr, int64_t slot, int64_t r, i
     row8_decode(cr->codes + slot * r, cr->scales + slot * nb, cr->kept + slot * dr, cr->fp8, r, dr, cr->block, y);
 }
 
-/* ---------------------------------------------------------------- the driver: online softmax, tile by tile
-   One work item is one query and a group of heads [h0, h1) (the heads are split when there are fewer queries than
-   threads). Its allowed rows (mask) are compacted in order and taken MQA_TILE at a time: the tile is loaded once
-   (tile_load) and both products read it from L2. Per head the softmax is the running one of flash attention:
-   scores of the tile -> its max m_t; m' = max(m, m_t); the outputs so far and the running sum are multiplied by
-   alpha = exp(m - m') (only when the max moved), p_j = exp(s_j - m'), sum += sum_j p_j, o += sum_j p_j row_j[:r];
-   at the end o / sum. The tiles start at the first allowed row whatever the threads or the grouping, so a head's
-   result is the same for every thread count, head grouping and batch.
-   Why one pass: the exact two-pass softmax read every row twice (scores, then P c after the softmax), and the
-   second pass, one 64-byte line of each of 128 rows at a time, missed the hardware prefetcher: at 4K rows per
-   layer, with the weights streamed between layers evicting the rows from the last-level cache, the attention
-   of a 16-head layer took 12.5 ms of CPU per call (DeepSeek-V3-shaped Q8_0 file, 2 threads), 7.6 of it in the
-   output pass. */
+/* ---------------------------------------------------------------- the driver: tile partials, folded in order
+   A query's allowed rows (mask) are compacted in order and cut into tiles of MQA_TILE from the first. For a tile
+   and a head: the tile is loaded once (coded_decode) and both products read it from L2; the tile's partial is
+   its scores' max m_t, the weights exp(s - m_t), their sum l_t and o_t = their weighted sum of the rows' first r
+   values (mqa_tile_softmax, mqa_outputs). The head's result folds the partials in tile order (mqa_fold: the
+   recurrence of flash attention) and divides by the sum at the end.
+   Two ways to share the work, with the same operations per head, so a head's result is the same bit for bit
+   whatever the threads, the batch or the grouping (test_latent_mqa_kernel):
+   - by heads: each item is a query and a group of heads (the heads split when queries < threads) and runs its
+     tiles in order, folding each partial as it comes;
+   - by tiles, when there are fewer queries than threads and their partials fit MQA_PARTS_BYTES: each item is
+     one tile of one query with all heads, its partial kept; the folds follow, per query and head, in order.
+     Each row is then loaded by one thread instead of by every thread that holds some of its heads.
+   Why tiles: the exact two-pass softmax read every row twice (scores, then P c after the softmax), the second
+   pass one 64-byte line of each of 128 rows at a time, which the hardware prefetcher does not follow: at 4K rows
+   per layer, with the weights streamed between layers evicting the rows from the last-level cache, a 16-head
+   layer's attention took 11.6-12.5 ms of CPU per call (DeepSeek-V3-shaped Q8_0 file, 2 threads). */
+#define MQA_PARTS_BYTES ((int64_t)64 << 20)
+
+typedef struct {
+    const float *ql, *qp;
+    int64_t ql_head, qp_head, r, dr;
+    float scale;
+} mqa_query;
+
+/* the partial of one tile (rows[0 .. nt), loaded) for heads [h0, h1): o_t [h1 - h0, r], m_t / l_t [h1 - h0];
+   s: scores scratch [h1 - h0, MQA_TILE] */
+static void mqa_tile_partial(const mqa_query *q, const float *const *rows, int64_t nt, int64_t h0, int64_t h1,
+                             float *s, float *o_t, float *m_t, float *l_t) {
+    const int64_t r = q->r;
+    for (int64_t hb = h0; hb < h1; hb += MQA_HS) {
+        const int n = h1 - hb < MQA_HS ? (int)(h1 - hb) : MQA_HS;
+        for (int64_t j = 0; j < nt; j += 2)
+            mqa_scores(rows + j, j + 1 < nt ? 2 : 1, q->ql + hb * q->ql_head, q->ql_head, q->qp + hb * q->qp_head,
+                       q->qp_head, r, q->dr, n, s + (hb - h0) * MQA_TILE + j, MQA_TILE);
+    }
+    for (int64_t i = 0; i < h1 - h0; i++) mqa_tile_softmax(s + i * MQA_TILE, nt, q->scale, &m_t[i], &l_t[i]);
+    for (int64_t hb = h0; hb < h1; hb += MQA_HO) {
+        const int n = h1 - hb < MQA_HO ? (int)(h1 - hb) : MQA_HO;
+        mqa_outputs(rows, 0, nt, s + (hb - h0) * MQA_TILE, MQA_TILE, n, r, 0, o_t + (hb - h0) * r);
+    }
+}
+
+/* the allowed rows' slots of query qi, in order -> their count */
+static inline int64_t mqa_allowed(const uint8_t *m, const int64_t *sl, int64_t l, int64_t *ok) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < l; j++)
+        if (m[j]) ok[n++] = sl[j];
+    return n;
+}
+
 static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
                            int64_t qp_head, const int64_t *q_index, const coded_rows *cr, const int64_t *slots,
                            const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                            float scale, float *out, int threads) {
     const int64_t c = r + dr, queries = b * nq;
     if (queries <= 0 || h <= 0) return 0;
-    int64_t splits = queries >= threads ? 1 : (threads + queries - 1) / queries;
+    /* by tiles: every query's tiles (their partials [tiles, h, r + 2] must fit MQA_PARTS_BYTES) */
+    int64_t *first = NULL, tiles = 0;
+    if (queries < threads) {
+        first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(queries + 1));
+        if (!first) return -4;
+        for (int64_t qi = 0; qi < queries; qi++) {
+            int64_t n_ok = 0;
+            for (int64_t j = 0; j < l; j++) n_ok += mask[qi * l + j] != 0;
+            first[qi] = tiles;
+            tiles += (n_ok + MQA_TILE - 1) / MQA_TILE;
+        }
+        first[queries] = tiles;
+        if (tiles < 2 || tiles * h * (r + 2) * (int64_t)sizeof(float) > MQA_PARTS_BYTES) {
+            free(first);
+            first = NULL;
+        }
+    }
+    float *parts = first ? (float *)malloc(sizeof(float) * (size_t)(tiles * h * (r + 2))) : NULL;
+    if (first && !parts) {
+        free(first);
+        return -4;
+    }
+    int64_t splits = first || queries >= threads ? 1 : (threads + queries - 1) / queries;
     if (splits > h) splits = h;
-    const int64_t hg = (h + splits - 1) / splits, items = queries * splits;
+    const int64_t hg = (h + splits - 1) / splits, items = first ? tiles : queries * splits;
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: the allowed rows' slots, a loaded tile and its rows' addresses, the tile's scores [hg,
-           MQA_TILE], each head's running max and sum */
+        /* per thread: the allowed rows' slots, a loaded tile and its rows' addresses, scores [hg, MQA_TILE], a
+           tile's partial [hg, r + 2] and the running max and sum [2 hg] */
         int64_t *ok = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
         float *tile = (float *)malloc(sizeof(float) * (size_t)(MQA_TILE * c) + 1);
         const float **rows = (const float **)malloc(sizeof(float *) * MQA_TILE);
         float *s = (float *)malloc(sizeof(float) * (size_t)(hg * MQA_TILE) + 1);
-        float *run = (float *)malloc(sizeof(float) * (size_t)(2 * hg) + 1);
-        if (!ok || !tile || !rows || !s || !run) {
+        float *part = (float *)malloc(sizeof(float) * (size_t)(hg * (r + 2) + 2 * hg) + 1);
+        if (!ok || !tile || !rows || !s || !part) {
 #pragma omp atomic write
             rc = -4;
         }
         for (int64_t j = 0; j < MQA_TILE && rows; j++) rows[j] = tile + j * c;
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            if (!ok || !tile || !rows || !s || !run) continue;
-            const int64_t qi = it / splits, h0 = (it % splits) * hg, h1 = h0 + hg < h ? h0 + hg : h;
-            const uint8_t *m = mask + qi * l;
-            const int64_t *sl = slots + (qi / nq) * l;
-            const float *ql = q_lat + q_index[qi] * ql_tok, *qp = q_pe + q_index[qi] * qp_tok;
-            float *o = out + qi * h * r, *mx = run, *sum = run + hg;
-            int64_t n_ok = 0;
-            for (int64_t j = 0; j < l; j++)
-                if (m[j]) ok[n_ok++] = sl[j];
+            if (!ok || !tile || !rows || !s || !part) continue;
+            int64_t qi = it / splits, t0 = 0;
+            if (first) { /* the query whose tiles hold item `it` */
+                qi = 0;
+                while (first[qi + 1] <= it) qi++;
+                t0 = it - first[qi];
+            }
+            const int64_t h0 = first ? 0 : (it % splits) * hg, h1 = h0 + hg < h ? h0 + hg : h, nh = h1 - h0;
+            const mqa_query q = {q_lat + q_index[qi] * ql_tok, q_pe + q_index[qi] * qp_tok, ql_head, qp_head, r, dr,
+                                 scale};
+            float *o = out + qi * h * r, *mx = part + hg * (r + 2), *sum = mx + hg;
+            const int64_t n_ok = mqa_allowed(mask + qi * l, slots + (qi / nq) * l, l, ok);
             if (n_ok == 0) {
                 for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = NAN;
                 continue;
             }
-            for (int64_t j0 = 0; j0 < n_ok; j0 += MQA_TILE) {
+            for (int64_t j0 = first ? t0 * MQA_TILE : 0; j0 < n_ok; j0 += MQA_TILE) {
                 const int64_t nt = j0 + MQA_TILE < n_ok ? MQA_TILE : n_ok - j0;
                 for (int64_t j = 0; j < nt; j++) coded_decode(cr, ok[j0 + j], r, dr, tile + j * c);
-                for (int64_t hb = h0; hb < h1; hb += MQA_HS) {
-                    const int n = h1 - hb < MQA_HS ? (int)(h1 - hb) : MQA_HS;
-                    for (int64_t j = 0; j < nt; j += 2)
-                        mqa_scores(rows + j, j + 1 < nt ? 2 : 1, ql + hb * ql_head, ql_head, qp + hb * qp_head,
-                                   qp_head, r, dr, n, s + (hb - h0) * MQA_TILE + j, MQA_TILE);
+                if (first) { /* this tile's partial, kept: [h, r] outputs, then [h] maxes and [h] sums */
+                    float *pt = parts + it * h * (r + 2);
+                    mqa_tile_partial(&q, rows, nt, 0, h, s, pt, pt + h * r, pt + h * (r + 1));
+                    break;
                 }
-                for (int64_t i = 0; i < h1 - h0; i++)
-                    mqa_softmax_step(s + i * MQA_TILE, nt, scale, j0 == 0, &mx[i], &sum[i], o + (h0 + i) * r, r);
-                for (int64_t hb = h0; hb < h1; hb += MQA_HO) {
-                    const int n = h1 - hb < MQA_HO ? (int)(h1 - hb) : MQA_HO;
-                    mqa_outputs(rows, 0, nt, s + (hb - h0) * MQA_TILE, MQA_TILE, n, r, j0 > 0, o + hb * r);
-                }
+                float *m_t = part + nh * r, *l_t = m_t + nh;
+                mqa_tile_partial(&q, rows, nt, h0, h1, s, part, m_t, l_t);
+                for (int64_t i = 0; i < nh; i++)
+                    mqa_fold(o + (h0 + i) * r, part + i * r, r, j0 == 0, &mx[i], &sum[i], m_t[i], l_t[i]);
             }
-            for (int64_t i = 0; i < h1 - h0; i++)
-                for (int64_t k = 0; k < r; k++) o[(h0 + i) * r + k] /= sum[i];
+            if (!first)
+                for (int64_t i = 0; i < nh; i++)
+                    for (int64_t k = 0; k < r; k++) o[(h0 + i) * r + k] /= sum[i];
+        }
+        /* by tiles: each query's heads fold their tiles' partials in order */
+        if (first) {
+#pragma omp for schedule(static)
+            for (int64_t qh = 0; qh < queries * h; qh++) {
+                const int64_t qi = qh / h, hh = qh % h, t1 = first[qi + 1];
+                float *o = out + qi * h * r + hh * r, m = 0.0f, sum = 0.0f;
+                if (first[qi] == t1) { /* no allowed row (no tile, no item above) */
+                    for (int64_t k = 0; k < r; k++) o[k] = NAN;
+                    continue;
+                }
+                for (int64_t t = first[qi]; t < t1; t++) {
+                    const float *pt = parts + t * h * (r + 2);
+                    mqa_fold(o, pt + hh * r, r, t == first[qi], &m, &sum, pt[h * r + hh], pt[h * (r + 1) + hh]);
+                }
+                for (int64_t k = 0; k < r; k++) o[k] /= sum;
+            }
         }
         free(ok);
         free(tile);
         free((void *)rows);
         free(s);
-        free(run);
+        free(part);
     }
+    free(first);
+    free(parts);
     return rc;
 }
 
