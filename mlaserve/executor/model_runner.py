@@ -282,11 +282,15 @@ class ModelRunner:
                     f"request {s.request_id}: state slot {s.state_slot} outside [0, {self.cache.num_slots})"
                 )
 
-    def _kernels_record(self, native: tuple | None) -> dict:
-        """The ledger's kernel fields: the load's KernelPlan by its digest (`mlaserve inspect` prints the plan)
-        and whether this step's decoder layers run as one native call each."""
+    def _kernels_record(self, native) -> dict:
+        """The ledger's kernel fields: the load's KernelPlan by its digest (`mlaserve inspect` prints the plan),
+        whether this step's decoder layers run as one native call each (decode_layer), and on such a step whether
+        those calls are made as one for the whole trunk or layer by layer (decode_calls: "one", "per_layer")."""
         plan = getattr(self.model, "kernel_plan", None)
-        return {"plan": plan.digest if plan is not None else None, "decode_layer": "native" if native else "per_op"}
+        rec = {"plan": plan.digest if plan is not None else None, "decode_layer": "native" if native else "per_op"}
+        if native:
+            rec["decode_calls"] = "one" if native.stack is not None else "per_layer"
+        return rec
 
     def prompt_logits(
         self, request_id: str, ids: list[int], pages: list[int], state_slot: int | None = None

@@ -19,6 +19,7 @@ Tensor parallel: cfg is this rank's config (its H/N heads, I/N intermediate, V/N
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -361,20 +362,22 @@ class MLAForCausalLM(nn.Module):
         self.kernel_plan = None  # the load's KernelPlan (kernels/registry.py), which the ledger names by digest
 
     def fused_decode(self, step: StepContext, cache: ModelCache):
-        """The native decode layers' step arguments when this step is theirs (decided from the route, before
-        the forward pass, so the ledger can say so), else None."""
-        return self.native_decode(step, cache) if self.native_decode is not None else None
+        """The native decode layers' step arguments when this step is theirs, else None; with every trunk layer's
+        call in one (FusedStep.stack) where each is native and none is under a forward hook. Decided from the
+        route and the layers before the forward pass, so the ledger can say so."""
+        native = self.native_decode(step, cache) if self.native_decode is not None else None
+        if native is None or self.native_stack is None:
+            return native
+        stack = self.native_stack([layer.native_layer for layer in self.model.layers])
+        return native if stack is None or stack.hooked() else replace(native, stack=stack)
 
     def forward(self, input_ids: torch.Tensor, step: StepContext, cache: ModelCache, native=None) -> torch.Tensor:
         """-> final hidden states [T, D] (normed). native: fused_decode(step, cache) of this step (a
         quant.ggml_layer.FusedStep), or None (every layer per op)."""
         x = self.embed(input_ids)
-        stack = None
-        if native is not None and self.native_stack is not None:
-            stack = self.native_stack([layer.native_layer for layer in self.model.layers])
-        if stack is not None and not stack.hooked():
+        if native is not None and native.stack is not None:
             # the layers' calls in one; on a selecting sparse step the selection stays in the step's buffer
-            x = stack(x, native.args, [(s.latent, s.index_keys) for s in cache.layers])
+            x = native.stack(x, native.args, [(s.latent, s.index_keys) for s in cache.layers])
             return self.model.norm(x)
         selections: Selections = None
         for i, layer in enumerate(self.model.layers):

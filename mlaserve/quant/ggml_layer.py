@@ -309,6 +309,9 @@ class FusedStep:
     args: native_layers.DecodeStepArgs
     keep: tuple
     carry: tuple[Selection] | None = None
+    # every trunk layer's call in one (GGUFDecodeStack), decided with the step (MLAForCausalLM.fused_decode), or
+    # None: layer by layer
+    stack: GGUFDecodeStack | None = None
 
 
 def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:

@@ -134,19 +134,34 @@ def test_the_layers_in_one_call_equal_their_calls_one_by_one(name, gtype, monkey
     """GGUFDecodeStack (mls_decode_layers) runs each layer's own C code in order, so a pure decode step gives the same
     bits as the layers' calls one by one; a replaced native layer is picked up (a new stack), and a layer under a
     hook takes the per-layer path (tested above: test_where_the_native_layers_do_not_run)."""
-    llm = _llm(name, gtype)
+    llm = _llm(name, gtype, trace="memory")
     model = llm.runner.model
     n = len(model.model.layers)
     stacked: list[int] = []
     real = native_layers.decode_layers
     monkeypatch.setattr(native_layers, "decode_layers", lambda s, *a: stacked.append(s.n) or real(s, *a))
+
+    def calls_recorded() -> list:  # the ledger's decode_calls of the native steps since the last look
+        recs = [r["kernels"] for r in llm.runner.tracer.records]
+        llm.runner.tracer.records.clear()
+        return [k["decode_calls"] for k in recs if k["decode_layer"] == "native"]
+
     tok_a, lp_a, calls = _run(llm, PROMPTS, monkeypatch)
     assert len(stacked) >= 9 and set(stacked) == {n} and calls == n * len(stacked)
+    assert calls_recorded() == ["one"] * len(stacked)  # the ledger names the one call, decided before the step
     stacks, model.native_stack = model.native_stack, None  # layer by layer
     stacked.clear()
     tok_b, lp_b, calls_b = _run(llm, PROMPTS, monkeypatch)
     assert not stacked and calls_b == calls
     assert tok_a == tok_b and lp_a == lp_b  # the same bits
+    assert set(calls_recorded()) == {"per_layer"}
+    model.native_stack = stacks
+    handle = model.model.layers[-1].register_forward_hook(lambda *a: None)
+    try:  # a hooked layer: the other layers' calls one by one, said so
+        _run(llm, PROMPTS, monkeypatch)
+    finally:
+        handle.remove()
+    assert not stacked and set(calls_recorded()) == {"per_layer"}
     model.native_stack = stacks
     first = stacks([layer.native_layer for layer in model.model.layers])
     model.model.layers[0].native_layer = type(first.layers[0])(model.model.layers[0], first.layers[0].args.interleaved)
