@@ -51,6 +51,11 @@ MOE_PAIRS = 8
 # peak of a 512-token prefill of the standard benchmark model's Q8_0 file was 0.09 GiB above 64 MiB's (a chunk
 # and its transposed copy), and alternating prefills were no slower (docs/PERFORMANCE.md, Memory).
 EXPERT_BYTES = 16 << 20
+# The routed experts' activations per chunk of a prefill's (token, expert) pairs (quant/ggml_linear.py
+# GGUFExperts._grouped): each pair's gathered input, gate and up outputs, activation and down output, fp32, for whole
+# experts at a time. Without it a 2,048-token step of a 64-expert top-6 model at hidden 2048 held ~0.5 GB of them at
+# once (12,288 pairs) while llama.cpp's whole compute buffer is sized for 512 tokens.
+MOE_CHUNK_BYTES = 32 << 20
 # Rows per product (per active expert: the mean of a grouped call) up to which a prefill product of a weight that
 # takes the AMX-INT8 tiles (native.takes_tiles; the holder's choice at load, prefill_matmul "int8") runs there with
 # int8 activations instead of decode-then-GEMM. Measured (benchmarks/int8_tiles.py --shapes: the kernel alone,

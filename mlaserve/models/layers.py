@@ -87,6 +87,16 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def swiglu_into(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """swiglu (limit None) or clamped_swiglu computed in gate's memory, up clamped in its own: the same values (each
+    op rounds once either way). gate and up must be the caller's own fresh tensors. Why: at a 2,048-token prefill
+    step a dense MLP of intermediate 10944 held gate, up, silu(gate) and their product at once, 85.5 MiB each."""
+    if limit is not None:
+        gate.clamp_(max=limit)
+        up.clamp_(min=-limit, max=limit)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 def activation(limit: float | None):
     """The SwiGLU product a config names, chosen once at construction: clamped at `limit` (swiglu_limit), or plain."""
     return swiglu if limit is None else functools.partial(clamped_swiglu, limit=limit)
@@ -101,9 +111,13 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.act = activation(limit)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.requires_grad or up.requires_grad:  # autograd keeps the inputs: out of place
+            return self.down_proj(self.act(gate, up))
+        return self.down_proj(swiglu_into(gate, up, self.limit))
 
 
 def rope_inv_freq(rope: RopeConfig) -> torch.Tensor:

@@ -311,20 +311,43 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // k  # which token each sorted (token, expert) pair came from
-        active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in xs
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        xs = x[token_of]
-        gu = product(
-            xs, self.gate_up, self.type_gate_up, self.hidden, active, offs, self.int8, self.bf16_gate_up,
-            self.tiles_gate_up,
-        )  # fmt: skip
-        g, u = gu.chunk(2, dim=-1)
-        h = self._swiglu(g, u)
-        ys = product(
-            h, self.down_proj, self.type_down, self.inter, active, offs, self.int8, self.bf16_down, self.tiles_down
-        )
-        ys = ys * topk_w.reshape(-1)[order, None].float()
-        return torch.zeros_like(x).index_add_(0, token_of, ys)
+        active, counts = torch.unique(flat, return_counts=True)  # ascending: the groups' order in the pairs
+        ends = torch.cumsum(counts, 0)
+        weights = topk_w.reshape(-1)[order, None].float()
+        out = torch.zeros_like(x)
+        # whole experts per chunk, so every expert's product has the rows it has unchunked; the sums into `out`
+        # come in the same (expert) order
+        for a0, a1, lo, hi in self._pair_chunks(counts, flat.numel(), x.shape[1]):
+            offs = (ends[a0:a1] - lo).to(torch.int32)
+            gu = product(
+                x[token_of[lo:hi]], self.gate_up, self.type_gate_up, self.hidden, active[a0:a1], offs, self.int8,
+                self.bf16_gate_up, self.tiles_gate_up,
+            )  # fmt: skip
+            h = self._swiglu(*gu.chunk(2, dim=-1))
+            del gu
+            ys = product(
+                h, self.down_proj, self.type_down, self.inter, active[a0:a1], offs, self.int8, self.bf16_down,
+                self.tiles_down,
+            )  # fmt: skip
+            del h
+            out.index_add_(0, token_of[lo:hi], ys.mul_(weights[lo:hi]))
+        return out
+
+    def _pair_chunks(self, counts: torch.Tensor, pairs: int, hidden: int) -> list[tuple[int, int, int, int]]:
+        """The sorted pairs cut into runs of whole experts of at most ggml.MOE_CHUNK_BYTES of activations each (an
+        expert with more is a run of its own): [(first expert, past the last, first pair, past the last)]."""
+        per_pair = 4 * (2 * hidden + 3 * self.inter)  # fp32: input, gate and up, activation, output
+        cap = max(1, ggml.MOE_CHUNK_BYTES // per_pair)
+        if pairs <= cap:
+            return [(0, counts.shape[0], 0, pairs)]
+        runs, a0, lo, hi = [], 0, 0, 0
+        for a, n in enumerate(counts.tolist()):
+            if hi > lo and hi + n - lo > cap:
+                runs.append((a0, a, lo, hi))
+                a0, lo = a, hi
+            hi += n
+        runs.append((a0, counts.shape[0], lo, hi))
+        return runs
 
     def _loop(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         """The per-expert reference (impl "loop"): one product per active expert, float activations."""
