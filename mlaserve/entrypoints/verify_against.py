@@ -257,8 +257,10 @@ def _products(m: torch.nn.Module, args: tuple, c0: int, cap: int) -> tuple[torch
         return tuple(ggml.linear_native(x, m.weight, m.ggml_type, m.in_features, i8) for i8 in (0, cap))
     x, topk_w, topk_idx = (a[c0:c1] for a in args)  # GGUFExperts(x [T, D], topk_w [T, k], topk_idx [T, k])
 
-    def with_int8(i8: int):
-        return lambda xs, w, t, k, active, offs, *_: ggml.expert_linear_native(xs, w, t, k, active, offs, i8)
+    def with_int8(i8: int):  # the step's mean rows per expert (_grouped's last argument) picks the path, as it runs
+        return lambda xs, w, t, k, active, offs, *rest: ggml.expert_linear_native(
+            xs, w, t, k, active, offs, i8, rows_per_expert=rest[-1]
+        )
 
     return tuple(m._grouped(x.float(), topk_w, topk_idx, with_int8(i8)) for i8 in (0, cap))
 

@@ -137,9 +137,11 @@ def expert_linear_torch(
     int8: bool = False,
     bf16: bool = False,
     tiles: bool = False,
+    rows_per_expert: float | None = None,
 ) -> torch.Tensor:
     """The reference: ys [P, N] fp32, rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s weight
-    (exact: int8, bf16 and tiles are the native kernels' only; the kernel plan sets them only on the native path)."""
+    (exact: int8, bf16, tiles and rows_per_expert are the native kernels' only; the kernel plan sets them only on
+    the native path)."""
     dense_w = torch.cat([dense(p[experts], ggml_type, k) for p in _parts(w)], dim=1)
     return torch._grouped_mm(xs.float(), dense_w.transpose(1, 2), offs=offs)
 
@@ -154,14 +156,18 @@ def expert_linear_native(
     int8: bool = False,
     bf16: bool = False,
     tiles: bool = False,
+    rows_per_expert: float | None = None,
 ) -> torch.Tensor:
     """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: TILE_ROWS, as
     linear_native, the mean over the active experts) the grouped decode-and-dot in one call per part (int8: as
     linear_native; each output row is its own dot product, so parts run one call each; the C call takes each
     group of 16+ rows to the tiles, the rest to the row kernels); more: the active experts decoded natively, then
-    grouped GEMMs (_decoded_grouped; bf16: in bf16, as linear_native)."""
+    grouped GEMMs (_decoded_grouped; bf16: in bf16, as linear_native). rows_per_expert: the mean to decide by
+    when these experts are a chunk of a step's (GGUFExperts._grouped: the step's mean, so every chunk takes the
+    path the whole step would), else this call's."""
     xs = xs.float().contiguous()
-    if xs.shape[0] <= (TILE_ROWS if tiles else GEMV_ROWS) * experts.shape[0]:
+    mean = xs.shape[0] / max(1, experts.shape[0]) if rows_per_expert is None else rows_per_expert
+    if mean <= (TILE_ROWS if tiles else GEMV_ROWS):
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         ys = [native.grouped_gemm(ggml_type, xs, p, k, experts, starts, int8=int8) for p in _parts(w)]

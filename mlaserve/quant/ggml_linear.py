@@ -316,18 +316,19 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         weights = topk_w.reshape(-1)[order, None].float()
         out = torch.zeros_like(x)
         # whole experts per chunk, so every expert's product has the rows it has unchunked; the sums into `out`
-        # come in the same (expert) order
+        # come in the same (expert) order; every chunk takes the path the step's mean rows per expert picks
+        mean = flat.numel() / active.shape[0]
         for a0, a1, lo, hi in self._pair_chunks(counts, flat.numel(), x.shape[1]):
             offs = (ends[a0:a1] - lo).to(torch.int32)
             gu = product(
                 x[token_of[lo:hi]], self.gate_up, self.type_gate_up, self.hidden, active[a0:a1], offs, self.int8,
-                self.bf16_gate_up, self.tiles_gate_up,
+                self.bf16_gate_up, self.tiles_gate_up, mean,
             )  # fmt: skip
             h = self._swiglu(*gu.chunk(2, dim=-1))
             del gu
             ys = product(
                 h, self.down_proj, self.type_down, self.inter, active[a0:a1], offs, self.int8, self.bf16_down,
-                self.tiles_down,
+                self.tiles_down, mean,
             )  # fmt: skip
             del h
             out.index_add_(0, token_of[lo:hi], ys.mul_(weights[lo:hi]))

@@ -71,3 +71,22 @@ def test_a_heavy_expert_is_a_chunk_of_its_own(monkeypatch):
     monkeypatch.setattr(ggml, "MOE_CHUNK_BYTES", 10 * per_pair)
     counts = torch.tensor([3, 25, 4, 4])
     assert ex._pair_chunks(counts, 36, 256) == [(0, 1, 0, 3), (1, 2, 3, 28), (2, 4, 28, 36)]
+
+
+def test_every_chunk_takes_the_path_of_the_whole_step(monkeypatch):
+    """The native products pick decode-and-dot (tiles) or decode-then-GEMM by the mean rows per active expert; a
+    chunk passes the step's mean, so a chunk of a few crowded experts does not switch paths (it did: 975 pairs over
+    15 experts, 65 > ggml.TILE_ROWS, took the bf16 GEMMs in a 512-token prefill whose mean was 48)."""
+    e, d, inter, t, k = 16, 256, 128, 256, 6
+    ex = _experts(e, d, inter, "torch")
+    x, w, idx = _route(t, e, k)
+    monkeypatch.setattr(ggml, "MOE_CHUNK_BYTES", 200 * 4 * (2 * d + 3 * inter))
+    means = []
+
+    def product(xs, *args):
+        means.append(args[-1])
+        return ggml.expert_linear_torch(xs, *args)
+
+    with torch.no_grad():
+        ex._grouped(x, w, idx, product)
+    assert len(means) >= 14 and set(means) == {t * k / e}
