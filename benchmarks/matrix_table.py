@@ -148,15 +148,19 @@ def compact(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# measured by every run of a cell (each part loads the engines): the merge keeps the largest
-MAX_OVER_PARTS = ("peak_rss_gib", "load_s")
+# measured by every run of a cell (each part loads the engines): the merge keeps peak RSS's largest (each part's
+# workload sets its own peak) and start's smallest (a part run after other models' files filled the page cache
+# loads its file from disk: llama.cpp's 0.3-0.5 s start became 2.2-4.7 s in such parts on 2026-12-03, which the
+# largest would have compared against mlaserve's warm one)
+MAX_OVER_PARTS = ("peak_rss_gib",)
+MIN_OVER_PARTS = ("load_s",)
 
 
 def merge_parts(docs: list[dict]) -> dict:
     """One cell measured in parts (matrix.py --tag: some phases per run, on a loaded machine, or a phase measured
     again): every engine's figures united (a later part's figure replaces an earlier one's), the load records
-    concatenated; peak RSS and start the largest over the parts (each part
-    loads the engines again, and its own workload sets its peak); partial if any part is."""
+    concatenated; peak RSS the largest over the parts (each part loads the engines again, and its own workload
+    sets its peak), start the smallest (MIN_OVER_PARTS says why); partial if any part is."""
     if len(docs) == 1:
         return docs[0]
     out = {k: v for k, v in docs[0].items() if k != "results"}
@@ -172,8 +176,8 @@ def merge_parts(docs: list[dict]) -> dict:
             elif isinstance(vals, dict):
                 merged = res.setdefault(spec, {})
                 for k, v in vals.items():
-                    if k in MAX_OVER_PARTS and merged.get(k) is not None and v is not None:
-                        merged[k] = max(merged[k], v)
+                    if k in MAX_OVER_PARTS + MIN_OVER_PARTS and merged.get(k) is not None and v is not None:
+                        merged[k] = max(merged[k], v) if k in MAX_OVER_PARTS else min(merged[k], v)
                     elif v is not None or k not in merged:
                         merged[k] = v
     out["results"] = res

@@ -115,7 +115,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if gate.requires_grad or up.requires_grad:  # autograd keeps the inputs: out of place
+        # out of place where autograd keeps the inputs, or a forward hook may have kept the projections' outputs
+        if gate.requires_grad or up.requires_grad or self.gate_proj._forward_hooks or self.up_proj._forward_hooks:
             return self.down_proj(self.act(gate, up))
         return self.down_proj(swiglu_into(gate, up, self.limit))
 
