@@ -5,9 +5,10 @@
    [c_kv | k_pe], slots [B, L] (cache row of each key position), mask [B, Q, L] (bool bytes) -> out
    [B, Q, H, r] = softmax_l(scale * q . row_l) @ row_l[:r]. Rows are read where they are; each work item is
    one query and a group of heads. Attention over one shared row is compute-bound (every head reads it), so
-   both products are register-blocked over heads: a row's 8-value slice, loaded once, is multiplied into
-   MQA_HS heads' scores, and P c into MQA_HO heads x 16 outputs (a row slice is loaded once per MQA_HO heads
-   instead of once per head, the accumulators stay in registers across all the rows). The softmax is taken a
+   both products are register-blocked over heads: a row's 8-value slice (16 with AVX-512, two rows at a time),
+   loaded once, is multiplied into MQA_HS heads' scores, and P c into MQA_HO heads x 16 outputs (8 heads x 32
+   with AVX-512; a row slice is loaded once per MQA_HO heads instead of once per head, the accumulators stay in
+   registers across the tile's rows). The softmax is taken a
    tile of rows at a time with a running max and sum (the driver below says how); a query with no allowed key
    gets NaN. */
 #define MQA_HS 8 /* heads per score pass over a row */
