@@ -333,26 +333,31 @@ static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, 
                            float scale, float *out, int threads) {
     const int64_t c = r + dr, queries = b * nq;
     if (queries <= 0 || h <= 0) return 0;
-    /* by tiles: every query's tiles (their partials [tiles, h, r + 2] must fit MQA_PARTS_BYTES) */
-    int64_t *first = NULL, tiles = 0;
+    /* by tiles: every query's tiles (their partials [tiles, h, r + 2] must fit MQA_PARTS_BYTES), its allowed
+       rows' slots compacted once here for all its tiles (allowed [queries, l], counts n_all) */
+    int64_t *first = NULL, *allowed = NULL, *n_all = NULL, tiles = 0;
     if (queries < threads) {
         first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(queries + 1));
-        if (!first) return -4;
+        allowed = (int64_t *)malloc(sizeof(int64_t) * (size_t)(queries * l) + 1);
+        n_all = (int64_t *)malloc(sizeof(int64_t) * (size_t)queries);
+        if (!first || !allowed || !n_all) {
+            free(first), free(allowed), free(n_all);
+            return -4;
+        }
         for (int64_t qi = 0; qi < queries; qi++) {
-            int64_t n_ok = 0;
-            for (int64_t j = 0; j < l; j++) n_ok += mask[qi * l + j] != 0;
+            n_all[qi] = mqa_allowed(mask + qi * l, slots + (qi / nq) * l, l, allowed + qi * l);
             first[qi] = tiles;
-            tiles += (n_ok + MQA_TILE - 1) / MQA_TILE;
+            tiles += (n_all[qi] + MQA_TILE - 1) / MQA_TILE;
         }
         first[queries] = tiles;
         if (tiles < 2 || tiles * h * (r + 2) * (int64_t)sizeof(float) > MQA_PARTS_BYTES) {
-            free(first);
-            first = NULL;
+            free(first), free(allowed), free(n_all);
+            first = allowed = n_all = NULL;
         }
     }
     float *parts = first ? (float *)malloc(sizeof(float) * (size_t)(tiles * h * (r + 2))) : NULL;
     if (first && !parts) {
-        free(first);
+        free(first), free(allowed), free(n_all);
         return -4;
     }
     int64_t splits = first || queries >= threads ? 1 : (threads + queries - 1) / queries;
@@ -386,14 +391,15 @@ static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, 
             const mqa_query q = {q_lat + q_index[qi] * ql_tok, q_pe + q_index[qi] * qp_tok, ql_head, qp_head, r, dr,
                                  scale};
             float *o = out + qi * h * r, *mx = part + hg * (r + 2), *sum = mx + hg;
-            const int64_t n_ok = mqa_allowed(mask + qi * l, slots + (qi / nq) * l, l, ok);
+            const int64_t *rows_ok = first ? allowed + qi * l : ok;
+            const int64_t n_ok = first ? n_all[qi] : mqa_allowed(mask + qi * l, slots + (qi / nq) * l, l, ok);
             if (n_ok == 0) {
                 for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = NAN;
                 continue;
             }
             for (int64_t j0 = first ? t0 * MQA_TILE : 0; j0 < n_ok; j0 += MQA_TILE) {
                 const int64_t nt = j0 + MQA_TILE < n_ok ? MQA_TILE : n_ok - j0;
-                for (int64_t j = 0; j < nt; j++) coded_decode(cr, ok[j0 + j], r, dr, tile + j * c);
+                for (int64_t j = 0; j < nt; j++) coded_decode(cr, rows_ok[j0 + j], r, dr, tile + j * c);
                 if (first) { /* this tile's partial, kept: [h, r] outputs, then [h] maxes and [h] sums */
                     float *pt = parts + it * h * (r + 2);
                     mqa_tile_partial(&q, rows, nt, 0, h, s, pt, pt + h * r, pt + h * (r + 1));
@@ -432,6 +438,8 @@ static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, 
         free(part);
     }
     free(first);
+    free(allowed);
+    free(n_all);
     free(parts);
     return rc;
 }
