@@ -28,12 +28,12 @@ import ctypes
 import importlib
 import importlib.util
 import json
-import os
 import struct
 import sys
 import time
-import traceback
 import types
+
+from worker_protocol import error_reply, private_stdout, serve_calls
 
 TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # ggml_type
 N_BATCH, N_UBATCH = 2048, 512  # llama.cpp's defaults
@@ -249,28 +249,16 @@ def tiled_state(blob: bytes, p: int, n: int) -> bytes:
 
 def main() -> None:
     init = json.loads(sys.argv[1])
-    proto = os.fdopen(os.dup(1), "w", buffering=1)  # replies on a private copy of stdout
-    os.dup2(2, 1)  # whatever the library prints goes to stderr
-    sys.stdout = sys.stderr
+    proto = private_stdout()
     try:
         session = Session(
             init["path"], init["threads"], init["cache"], init["n_seq"], init["per_seq"], init.get("flash_attn", True)
         )
         proto.write(json.dumps({"ok": True}) + "\n")
     except Exception as ex:  # noqa: BLE001 -- the parent reports it
-        traceback.print_exc()
-        proto.write(json.dumps({"ok": False, "error": f"{type(ex).__name__}: {ex}"}) + "\n")
+        proto.write(json.dumps(error_reply(ex)) + "\n")
         return
-    for line in sys.stdin:
-        call = json.loads(line)
-        if call["op"] == "quit":
-            break
-        try:
-            reply = {"ok": True, "result": getattr(session, call["op"])(*call.get("args", []))}
-        except Exception as ex:  # noqa: BLE001
-            traceback.print_exc()
-            reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
-        proto.write(json.dumps(reply) + "\n")
+    serve_calls(proto, session)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from ik_llama_worker import IK_OPTIONS
 from offline_workers import WORKERS, rss
+from worker_protocol import error_reply, private_stdout, serve_calls
 
 # the script a worker process runs (`offline.py --worker SPEC ...`): Engine.start starts it
 OFFLINE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline.py")
@@ -76,9 +76,7 @@ def parse_spec(spec: str) -> tuple[str, str, dict]:
 def worker_main(spec: str, init: dict) -> None:
     """Serve calls from the parent: one JSON line in, one JSON line out, on a private copy of stdout
     (fd 1 itself goes to stderr, so nothing a library prints can garble the replies)."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    proto = private_stdout()
     kind, _, options = parse_spec(spec)
     t0 = time.perf_counter()
     settings = {**init["settings"], "ik_llama_bin": init.get("ik_llama_bin")}  # a machine path: not in the JSON
@@ -87,21 +85,9 @@ def worker_main(spec: str, init: dict) -> None:
         engine_rss = getattr(engine, "rss", rss)  # a tool-driven engine: its child processes' memory
         proto.write(json.dumps({"ok": True, "load_s": time.perf_counter() - t0, "rss_gib": engine_rss()}) + "\n")
     except Exception as ex:  # noqa: BLE001 -- the parent reports it and goes on with the other engines
-        traceback.print_exc()
-        proto.write(json.dumps({"ok": False, "error": f"{type(ex).__name__}: {ex}"}) + "\n")
+        proto.write(json.dumps(error_reply(ex)) + "\n")
         return
-    for line in sys.stdin:
-        call = json.loads(line)
-        if call["op"] == "quit":
-            break
-        try:
-            result = getattr(engine, call["op"])(*call.get("args", []))
-            reply = {"ok": True, "result": result}
-        except Exception as ex:  # noqa: BLE001
-            traceback.print_exc()
-            reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
-        reply.update(engine_rss())
-        proto.write(json.dumps(reply, default=str) + "\n")
+    serve_calls(proto, engine, engine_rss)
 
 
 class Engine:
