@@ -23,7 +23,8 @@ their activations as llama.cpp does and take integer dot products: not exact, wi
 quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to llama.cpp's definitions exactly).
 With bf16 (engine option prefill_matmul; bf16_prefill.takes_bf16 says which weight types, decided per weight at
 load) the many-rows products round the decoded weight and the activations to bfloat16 and run one bf16 GEMM
-(kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there.
+(kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there; Q8_0's
+(bf16_prefill.BF16X3) run on the AMX-BF16 tiles split into bf16 pairs (kernels/bf16x3.py: fp32 grade).
 With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decided per weight at load) the products of
 up to TILE_ROWS rows keep the int8 call, which runs them on the AMX-INT8 tiles from 16 rows: the decode kernels'
 bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's.
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.gguf.quants import GGML_TYPES, dequantize
-from mlaserve.kernels import bf16_prefill, native
+from mlaserve.kernels import bf16_prefill, bf16x3, native
 
 # Rows of x per weight up to which the decode-and-dot kernel beats decode-then-BLAS (measured on
 # 2-core AVX2 EPYCs: at 16 rows the two are about even for a 1024 x 1024 Q8_0 weight).
@@ -103,7 +104,7 @@ def linear_native(
     ggml_type: int,
     k: int,
     int8: bool = False,
-    bf16: bool = False,
+    bf16: int = 0,
     tiles: bool = False,
 ) -> torch.Tensor:
     """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: the weight types native.takes_int8
@@ -115,6 +116,8 @@ def linear_native(
     x = x.float().contiguous()
     if x.shape[0] <= (TILE_ROWS if tiles else GEMV_ROWS):
         return native.gemm(ggml_type, x, w, k, int8=int8)
+    if bf16 == bf16_prefill.BF16X3:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
+        return bf16x3.linear(x, w, k)
     if bf16:  # decoded straight to bf16 (one pass; the values of dequantize, rounded)
         return bf16_prefill.linear(x, native.dequantize_bf16(ggml_type, w, k))
     return F.linear(x, native.dequantize(ggml_type, w, k))
@@ -135,7 +138,7 @@ def expert_linear_torch(
     experts: torch.Tensor,
     offs: torch.Tensor,
     int8: bool = False,
-    bf16: bool = False,
+    bf16: int = 0,
     tiles: bool = False,
     rows_per_expert: float | None = None,
 ) -> torch.Tensor:
@@ -154,7 +157,7 @@ def expert_linear_native(
     experts: torch.Tensor,
     offs: torch.Tensor,
     int8: bool = False,
-    bf16: bool = False,
+    bf16: int = 0,
     tiles: bool = False,
     rows_per_expert: float | None = None,
 ) -> torch.Tensor:
@@ -211,7 +214,7 @@ def _decoded_grouped(
     k: int,
     experts: torch.Tensor,
     offs: torch.Tensor,
-    bf16: bool = False,
+    bf16: int = 0,
 ) -> torch.Tensor:
     """Many rows per expert (prefill): the experts decoded natively, then grouped GEMMs, for at most
     EXPERT_BYTES of decoded weights at a time: a DeepSeek-V3 layer's 256 gate_up matrices would be
@@ -221,6 +224,8 @@ def _decoded_grouped(
     into the same buffer (allocated once per call: one block of the allocator's instead of one per chunk between
     the GEMMs' temporaries). bf16: the experts decoded straight to bf16 (twice the experts per chunk) and each
     chunk's GEMMs in bf16 (bf16_prefill.grouped)."""
+    if bf16 == bf16_prefill.BF16X3:  # Q8_0 on the AMX-BF16 tiles: the blocks read in place, nothing decoded here
+        return bf16x3.grouped(xs, parts, k, experts, offs)
     a, n = experts.shape[0], sum(p.shape[1] for p in parts)
     dtype, gemm = (torch.bfloat16, bf16_prefill.grouped) if bf16 else (torch.float32, _grouped_fp32)
     per = max(1, EXPERT_BYTES // (n * k * dtype.itemsize))

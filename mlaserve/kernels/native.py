@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 25  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 26  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -165,6 +165,10 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_int8_isa.restype = ptr
     lib.mls_int8_tiles.argtypes = []
     lib.mls_int8_tiles.restype = c_int
+    lib.mls_q8_0_bf16x3.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
+    lib.mls_q8_0_bf16x3_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
+    lib.mls_bf16_tiles.argtypes = []
+    lib.mls_bf16_tiles.restype = c_int
     lib.mls_quantize_act.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr]
     return lib, str(out)
 

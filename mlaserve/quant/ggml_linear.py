@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_prefill, ggml, native, native_layers, registry, triton_linear
+from mlaserve.kernels import bf16_prefill, bf16x3, ggml, native, native_layers, registry, triton_linear
 from mlaserve.models.layers import SwiGLU
 from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
 from mlaserve.quant.int4_experts import INT4Experts
@@ -59,11 +59,19 @@ def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
     return f"{said}, {tiles}" if tiles and native.NO_TILES_IN_BUILD not in tiles else said
 
 
-def bf16_detail(types: tuple[int, ...], bf16: tuple[bool, ...]) -> str | None:
+def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
     """What the kernel plan says of a holder's prefill products: the types of its weights whose many-rows products
-    run in bf16 (bf16_prefill.units: the CPU's bf16 units); None where none does (fp32 GEMMs)."""
-    taken = sorted({GGML_TYPES[t].name for t, b in zip(types, bf16, strict=True) if b})
-    return f"bf16 prefill GEMMs for {', '.join(taken)} ({bf16_prefill.units()})" if taken else None
+    run in bf16 (bf16_prefill.units: the CPU's bf16 units) or as bf16 pairs on the AMX-BF16 tiles (kernels/bf16x3.py);
+    None where none does (fp32 GEMMs)."""
+    said = []
+    for mode, what in (
+        (bf16_prefill.BF16, f"bf16 prefill GEMMs for {{}} ({bf16_prefill.units()})"),
+        (bf16_prefill.BF16X3, f"bf16x3 prefill for {{}} ({bf16x3.tiles_detail()}: bf16 pairs, fp32 grade)"),
+    ):
+        taken = sorted({GGML_TYPES[t].name for t, b in zip(types, bf16, strict=True) if b == mode})
+        if taken:
+            said.append(what.format(", ".join(taken)))
+    return "; ".join(said) or None
 
 
 def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
@@ -387,7 +395,7 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         self.heads = k_b.shape[0]
         self._group_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: bool) -> torch.Tensor:
+    def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: int) -> torch.Tensor:
         """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix, by the C kernels (bf16: the matrix's
         many-rows products in bf16, the plan's choice for it)."""
         n, h = x.shape[0], self.heads
@@ -399,7 +407,7 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
             y = ggml.expert_linear_native(xs, w, ggml_type, k, *self._offsets(n, x.device), self.int8, bf16)
         return y.view(h, n, -1).transpose(0, 1)
 
-    def _per_head_torch(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: bool) -> torch.Tensor:
+    def _per_head_torch(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: int) -> torch.Tensor:
         """The reference of _per_head_native: one grouped GEMM over the dequantized heads (exact: bf16 is the
         native path's only, and the plan sets it only there)."""
         n, h = x.shape[0], self.heads

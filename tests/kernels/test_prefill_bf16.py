@@ -26,7 +26,7 @@ from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.machine import BF16_BITS
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import bf16_prefill, ggml, native
+from mlaserve.kernels import bf16_prefill, bf16x3, ggml, native
 from mlaserve.quant.ggml_linear import GGUFExperts, GGUFHeads, GGUFLinear
 
 STATUS = native.status()
@@ -105,9 +105,14 @@ def test_weight_types_by_setting():
     assert not any(bf16_prefill.takes_bf16(t, 0) for t in (q8, q6, q4))
     auto = BF16_BITS["bf16_6bit"]
     assert BF16_BITS["bf16"] >= bf16_prefill.BF16_ALL and BF16_BITS["float"] == 0
-    assert bf16_prefill.takes_bf16(q6, auto) and bf16_prefill.takes_bf16(q4, auto)
-    assert not bf16_prefill.takes_bf16(q8, auto)
-    assert all(bf16_prefill.takes_bf16(t, bf16_prefill.BF16_ALL) for t in (q8, q6, q4, GGML_TYPE_IDS["F16"]))
+    assert bf16_prefill.takes_bf16(q6, auto) == bf16_prefill.takes_bf16(q4, auto) == bf16_prefill.BF16
+    # Q8_0 never plain bf16 under auto: bf16 pairs on the AMX-BF16 tiles where this process has them, else fp32
+    q8_auto = bf16x3.granted() and bf16_prefill.BF16X3 or bf16_prefill.FP32
+    assert bf16_prefill.takes_bf16(q8, auto) == q8_auto
+    assert all(
+        bf16_prefill.takes_bf16(t, bf16_prefill.BF16_ALL) == bf16_prefill.BF16
+        for t in (q8, q6, q4, GGML_TYPE_IDS["F16"])
+    )
 
 
 def _resolve(monkeypatch, fast: str, **kw):
@@ -125,7 +130,7 @@ def _resolve(monkeypatch, fast: str, **kw):
 def test_auto_resolves_by_the_cpu_flag_and_the_file(monkeypatch):
     value, why = _resolve(monkeypatch, "1")
     assert value == "bf16_6bit" and why.startswith("engine default (auto: MLASERVE_FAST_BF16=1 in the environment)")
-    assert "Q8_0 stays fp32" in why
+    assert "Q8_0 takes bf16 pairs on AMX-BF16 tiles (fp32 grade), fp32 elsewhere" in why
     value, why = _resolve(monkeypatch, "0")
     assert value == "float" and "bf16 GEMMs are slower than fp32 here" in why
     assert _resolve(monkeypatch, "1", gguf=False) == ("float", "engine default (auto: fp32 GEMMs; not a GGUF file)")
@@ -171,8 +176,10 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
     taken = {  # weight type -> whether its holders' prefill products run in bf16 (per part)
         GGML_TYPES[t].name: b for m in fast.runner.model.modules() for t, b in _parts(m)
     }
-    # the file's Q4_K, Q5_0, Q5_1, Q6_K weights take bf16 (6 bits or fewer), its two Q8_0 ones stay fp32
-    assert taken == {"Q4_K": True, "Q5_0": True, "Q5_1": True, "Q6_K": True, "Q8_0": False}, taken
+    # the file's Q4_K, Q5_0, Q5_1, Q6_K weights take bf16 (6 bits or fewer), its two Q8_0 ones are not plain bf16:
+    # the bf16 pairs where this process has the AMX-BF16 tiles (kernels/bf16x3.py), else fp32
+    q8 = bf16_prefill.BF16X3 if bf16x3.granted() else bf16_prefill.FP32
+    assert taken == {"Q4_K": 1, "Q5_0": 1, "Q5_1": 1, "Q6_K": 1, "Q8_0": q8}, taken
     reasons = " ".join(c.reason for c in fast.loaded.kernel_plan.choices)
     assert f"bf16 prefill GEMMs for Q4_K ({bf16_prefill.units()})" in reasons
     assert "bf16 prefill" not in " ".join(c.reason for c in exact.loaded.kernel_plan.choices)
@@ -187,15 +194,21 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
 
 
 @needs_native
-def test_q8_0_stays_fp32_under_auto(monkeypatch):
-    """Q8_0 fails the rule (bf16 adds ~0.55x its own error): under auto its products stay fp32, bit for bit."""
+def test_q8_0_is_not_plain_bf16_under_auto(monkeypatch):
+    """Q8_0 fails the rule (bf16 adds ~0.55x its own error): under auto its products stay fp32, bit for bit, or,
+    where the process has AMX-BF16 tiles, take the bf16 pairs (kernels/bf16x3.py; their error: test_bf16x3.py)."""
     monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
     path = str(fixture_dir("ds3") / "model-q8_0.gguf")
     ids = list(range(3, 60))
     auto, exact = LLM(path), LLM(path, prefill_matmul="float")
     assert auto.config.kernels.prefill_matmul == "bf16_6bit"
-    assert "bf16 prefill" not in " ".join(c.reason for c in auto.loaded.kernel_plan.choices)
-    assert torch.equal(auto.prompt_logits(ids), exact.prompt_logits(ids))
+    reasons = " ".join(c.reason for c in auto.loaded.kernel_plan.choices)
+    assert "bf16 prefill GEMMs" not in reasons
+    if bf16x3.granted():
+        assert f"bf16x3 prefill for Q8_0 ({bf16x3.tiles_detail()}: bf16 pairs, fp32 grade)" in reasons
+    else:
+        assert "bf16x3" not in reasons
+        assert torch.equal(auto.prompt_logits(ids), exact.prompt_logits(ids))
     forced = LLM(path, prefill_matmul="bf16")
     assert not torch.equal(forced.prompt_logits(ids), exact.prompt_logits(ids))
 
@@ -230,7 +243,7 @@ def test_the_rule_per_weight_type_on_the_fixtures():
     print("\nbf16 added / the file's own error, worst per type:", {k: round(v, 3) for k, v in sorted(worst.items())})
     assert set(worst) >= {"Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
     for kind, ratio in worst.items():
-        auto = bf16_prefill.takes_bf16(GGML_TYPE_IDS[kind], BF16_BITS["bf16_6bit"])
+        auto = bf16_prefill.takes_bf16(GGML_TYPE_IDS[kind], BF16_BITS["bf16_6bit"]) == bf16_prefill.BF16
         assert (ratio <= 0.5) == auto, (kind, ratio, auto)
 
 

@@ -1,0 +1,81 @@
+"""Prefill products of Q8_0 weights on the AMX-BF16 tiles at fp32 grade: every value split into two bfloat16s
+(its rounding and the rounding's remainder) and three bf16 products summed in fp32 by the tile unit
+(csrc/x86/amx_bf16.c; the scheme some matrix libraries call bf16x3).
+
+Notation (bf = round to nearest even bfloat16, u = 2^-8)
+  x   [M, K]   fp32 activations (M > ggml.GEMV_ROWS: the many-rows path)
+  W   [N, R]   uint8 Q8_0 blocks; w = d q its values (fp16 d times int8 q: exact in fp32, the reference's)
+  y   [M, N]   fp32 = sum_k w_h x_h + w_l x_h + w_h x_l,  w_h = bf(w), w_l = bf(w - w_h), x_h, x_l alike
+               |y - x W^T| <= (3 u^2 (1 + u)^2 + 3K 2^-24 (1 + 3 u^2)) sum_k |x_k| |w_k|
+               (tests/kernels/test_bf16x3.py holds it to that against fp64; a row's bits do not depend on the batch)
+Why Q8_0 only: plain bf16 adds 0.54-0.57x Q8_0's own quantization error (kernels/bf16_prefill.py, over the rule's
+1/2), while this adds ~u^2 per product, ~2^-8 of that; the lower-bit types take plain bf16 (or the int8 tiles),
+which is faster and already well inside their rule. Float weights (F16, BF16, F32) have no many-rows native path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlaserve.kernels import native
+
+Q8_0 = 8  # ggml's type id: the one weight type these products take
+NO_TILES_IN_BUILD = "the build's CPU has no AMX-BF16"
+
+
+def granted() -> bool:
+    """Whether this process runs them: the build has AMX-BF16 and the kernel granted the tile state (asked once per
+    process, csrc/x86/amx.c amx_permission)."""
+    lib = native.library()
+    return lib is not None and lib.mls_bf16_tiles() == 1
+
+
+def tiles_detail() -> str:
+    """In words, for the kernel plan: the unit, or why not."""
+    lib = native.library()
+    rc = lib.mls_bf16_tiles() if lib is not None else 0
+    if rc == 1:
+        return "amx-bf16 tiles"
+    if rc == 0:
+        return f"no amx-bf16 tiles: {NO_TILES_IN_BUILD}"
+    return f"no amx-bf16 tiles: the kernel refused the tile state (arch_prctl errno {-rc})"
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"native bf16x3 {what} failed (rc {rc}: {tiles_detail()})")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] W^T for Q8_0 rows w [N, R] (contiguous)."""
+    x = x.float().contiguous()
+    m, n = x.shape[0], w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib = native.library()
+    rc = lib.mls_q8_0_bf16x3(
+        x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], y.data_ptr(), n, torch.get_num_threads()
+    )
+    _check(rc, "product")
+    return y
+
+
+def grouped(
+    xs: torch.Tensor, parts: tuple[torch.Tensor, ...], k: int, experts: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s rows of every part (stacks
+    [E, N_i, R] whose rows follow one another: gate then up), each part written into its columns of ys."""
+    xs = xs.float().contiguous()
+    n = sum(p.shape[1] for p in parts)
+    ys = torch.empty(xs.shape[0], n, dtype=torch.float32)
+    starts = torch.nn.functional.pad(offs.to(torch.int64), (1, 0)).contiguous()
+    experts = experts.to(torch.int64).contiguous()
+    lib, col = native.library(), 0
+    for p in parts:
+        assert p.stride(2) == 1 and p.stride(1) == p.shape[2], "expert stacks: rows of whole blocks, one after another"
+        rc = lib.mls_q8_0_bf16x3_grouped(
+            xs.data_ptr(), k, p.data_ptr(), p.shape[1], p.shape[2], p.stride(0), experts.data_ptr(),
+            starts.data_ptr(), experts.shape[0], ys[:, col:].data_ptr(), n, torch.get_num_threads(),
+        )  # fmt: skip
+        _check(rc, "grouped product")
+        col += p.shape[1]
+    return ys
