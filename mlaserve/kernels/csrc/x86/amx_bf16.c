@@ -191,16 +191,24 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
         free(wp);
     }
     if (rc == 0) {
+        /* per activation row, its 32 outputs of a block gathered from the two tiles' column i (y written in rows) */
+        const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(16));
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t bi = 0; bi < blocks; bi++)
-            for (int64_t g = 0; g < groups; g++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t mr = m - 16 * g < 16 ? m - 16 * g : 16;
+            for (int64_t bi = 0; bi < blocks; bi++) {
                 const float *ca = acc + (bi * pairs + g / 2) * 1024 + (g % 2) * 256;
-                const int64_t mr = m - 16 * g < 16 ? m - 16 * g : 16;
-                for (int64_t r = 0; r < BX_BLOCK && bi * BX_BLOCK + r < n; r++) {
-                    const float *t = ca + (r / 16) * 512 + (r % 16) * 16;
-                    for (int64_t i = 0; i < mr; i++) y[(16 * g + i) * ldy + bi * BX_BLOCK + r] = t[i];
+                const int64_t r0 = bi * BX_BLOCK, nr = n - r0 < BX_BLOCK ? n - r0 : BX_BLOCK;
+                const __mmask16 m0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+                const __mmask16 m1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
+                for (int64_t i = 0; i < mr; i++) {
+                    float *yr = y + (16 * g + i) * ldy + r0;
+                    _mm512_mask_storeu_ps(yr, m0, _mm512_i32gather_ps(col, ca + i, 4));
+                    if (m1) _mm512_mask_storeu_ps(yr + 16, m1, _mm512_i32gather_ps(col, ca + 512 + i, 4));
                 }
             }
+        }
     }
     free(packed);
     free(acc);
