@@ -37,22 +37,51 @@ static inline void bx_split(__m512 v0, __m512 v1, __m512i *hi, __m512i *lo) {
     *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, f1), _mm512_sub_ps(v0, f0));
 }
 
+/* r [16] rows of 16 int32 -> their transpose in place (r[c] = column c): 32-bit, 64-bit, then 128-bit interleaves */
+static inline void bx_transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) { /* rows 4g .. 4g + 3: b[4g + j] holds column 4L + j of them in 128-bit lane L */
+        b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* column 4L + j = lane L of b[j], b[4 + j], b[8 + j], b[12 + j] */
+        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
 /* Activation rows [0, mr) (mr <= 16) of x (row stride ldx) into X' steps [3k / 32][16 pairs][16 rows] int32:
-   per 32-value block x_h, x_h, x_l (rows past mr zero) */
+   per 32-value block x_h, x_h, x_l (rows past mr zero): each block's 16 rows split, then transposed */
 static void bx_acts(const float *x, int64_t ldx, int64_t mr, int64_t k, int32_t *xp) {
     const int64_t nb = k / 32;
-    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(16));
-    memset(xp, 0, (size_t)(nb * 3) * BX_STEP_BYTES);
-    for (int64_t i = 0; i < mr; i++)
-        for (int64_t b = 0; b < nb; b++) {
-            __m512i hi, lo;
-            bx_split(_mm512_loadu_ps(x + i * ldx + 32 * b), _mm512_loadu_ps(x + i * ldx + 32 * b + 16), &hi, &lo);
-            int32_t *s = xp + b * 3 * 256 + i;
-            _mm512_i32scatter_epi32(s, lanes, hi, 4);
-            _mm512_i32scatter_epi32(s + 256, lanes, hi, 4);
-            _mm512_i32scatter_epi32(s + 512, lanes, lo, 4);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i hi[16], lo[16];
+        for (int64_t i = 0; i < 16; i++) {
+            if (i < mr)
+                bx_split(_mm512_loadu_ps(x + i * ldx + 32 * b), _mm512_loadu_ps(x + i * ldx + 32 * b + 16), &hi[i], &lo[i]);
+            else
+                hi[i] = lo[i] = _mm512_setzero_si512();
         }
+        bx_transpose16(hi);
+        bx_transpose16(lo);
+        int32_t *s = xp + b * 3 * 256;
+        for (int p = 0; p < 16; p++) {
+            _mm512_storeu_si512(s + 16 * p, hi[p]);
+            _mm512_storeu_si512(s + 256 + 16 * p, hi[p]);
+            _mm512_storeu_si512(s + 512 + 16 * p, lo[p]);
+        }
+    }
 }
 
 /* Weight rows [0, nr) (nr <= 32) of Q8_0 blocks (row_bytes apart), values [k0, k0 + kc), into W' in tile order:
