@@ -24,7 +24,7 @@ quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to lla
 With bf16 (engine option prefill_matmul; bf16_prefill.takes_bf16 says which weight types, decided per weight at
 load) the many-rows products round the decoded weight and the activations to bfloat16 and run one bf16 GEMM
 (kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there; Q8_0's
-(bf16_prefill.BF16X3) run on the AMX-BF16 tiles split into bf16 pairs (kernels/bf16x3.py: fp32 grade).
+(bf16_prefill.BF16_PAIRS) run on the AMX-BF16 tiles split into bf16 pairs (kernels/bf16_pairs.py: fp32 grade).
 With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decided per weight at load) the products of
 up to TILE_ROWS rows keep the int8 call, which runs them on the AMX-INT8 tiles from 16 rows: the decode kernels'
 bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's.
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.gguf.quants import GGML_TYPES, dequantize
-from mlaserve.kernels import bf16_prefill, bf16x3, native
+from mlaserve.kernels import bf16_pairs, bf16_prefill, native
 
 # Rows of x per weight up to which the decode-and-dot kernel beats decode-then-BLAS (measured on
 # 2-core AVX2 EPYCs: at 16 rows the two are about even for a 1024 x 1024 Q8_0 weight).
@@ -116,8 +116,8 @@ def linear_native(
     x = x.float().contiguous()
     if x.shape[0] <= (TILE_ROWS if tiles else GEMV_ROWS):
         return native.gemm(ggml_type, x, w, k, int8=int8)
-    if bf16 == bf16_prefill.BF16X3:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
-        return bf16x3.linear(x, w, k)
+    if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
+        return bf16_pairs.linear(x, w, k)
     if bf16:  # decoded straight to bf16 (one pass; the values of dequantize, rounded)
         return bf16_prefill.linear(x, native.dequantize_bf16(ggml_type, w, k))
     return F.linear(x, native.dequantize(ggml_type, w, k))
@@ -224,8 +224,8 @@ def _decoded_grouped(
     into the same buffer (allocated once per call: one block of the allocator's instead of one per chunk between
     the GEMMs' temporaries). bf16: the experts decoded straight to bf16 (twice the experts per chunk) and each
     chunk's GEMMs in bf16 (bf16_prefill.grouped)."""
-    if bf16 == bf16_prefill.BF16X3:  # Q8_0 on the AMX-BF16 tiles: the blocks read in place, nothing decoded here
-        return bf16x3.grouped(xs, parts, k, experts, offs)
+    if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles: the blocks read in place, nothing decoded here
+        return bf16_pairs.grouped(xs, parts, k, experts, offs)
     a, n = experts.shape[0], sum(p.shape[1] for p in parts)
     dtype, gemm = (torch.bfloat16, bf16_prefill.grouped) if bf16 else (torch.float32, _grouped_fp32)
     per = max(1, EXPERT_BYTES // (n * k * dtype.itemsize))

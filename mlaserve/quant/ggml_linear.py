@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_prefill, bf16x3, ggml, native, native_layers, registry, triton_linear
+from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native, native_layers, registry, triton_linear
 from mlaserve.models.layers import SwiGLU
 from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
 from mlaserve.quant.int4_experts import INT4Experts
@@ -61,12 +61,15 @@ def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
 
 def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
     """What the kernel plan says of a holder's prefill products: the types of its weights whose many-rows products
-    run in bf16 (bf16_prefill.units: the CPU's bf16 units) or as bf16 pairs on the AMX-BF16 tiles (kernels/bf16x3.py);
+    run in bf16 (bf16_prefill.units: the CPU's bf16 units) or as bf16 pairs on the AMX-BF16 tiles (kernels/bf16_pairs.py);
     None where none does (fp32 GEMMs)."""
     said = []
     for mode, what in (
         (bf16_prefill.BF16, f"bf16 prefill GEMMs for {{}} ({bf16_prefill.units()})"),
-        (bf16_prefill.BF16X3, f"bf16x3 prefill for {{}} ({bf16x3.tiles_detail()}: bf16 pairs, fp32 grade)"),
+        (
+            bf16_prefill.BF16_PAIRS,
+            f"bf16-pair prefill for {{}} ({bf16_pairs.tiles_detail()}: exact codes, activations as bf16 pairs, fp32 grade)",
+        ),
     ):
         taken = sorted({GGML_TYPES[t].name for t, b in zip(types, bf16, strict=True) if b == mode})
         if taken:

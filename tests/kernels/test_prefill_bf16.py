@@ -26,7 +26,7 @@ from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.machine import BF16_BITS
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import bf16_prefill, bf16x3, ggml, native
+from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native
 from mlaserve.quant.ggml_linear import GGUFExperts, GGUFHeads, GGUFLinear
 
 STATUS = native.status()
@@ -107,7 +107,7 @@ def test_weight_types_by_setting():
     assert BF16_BITS["bf16"] >= bf16_prefill.BF16_ALL and BF16_BITS["float"] == 0
     assert bf16_prefill.takes_bf16(q6, auto) == bf16_prefill.takes_bf16(q4, auto) == bf16_prefill.BF16
     # Q8_0 never plain bf16 under auto: bf16 pairs on the AMX-BF16 tiles where this process has them, else fp32
-    q8_auto = bf16x3.granted() and bf16_prefill.BF16X3 or bf16_prefill.FP32
+    q8_auto = bf16_pairs.granted() and bf16_prefill.BF16_PAIRS or bf16_prefill.FP32
     assert bf16_prefill.takes_bf16(q8, auto) == q8_auto
     assert all(
         bf16_prefill.takes_bf16(t, bf16_prefill.BF16_ALL) == bf16_prefill.BF16
@@ -177,8 +177,8 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
         GGML_TYPES[t].name: b for m in fast.runner.model.modules() for t, b in _parts(m)
     }
     # the file's Q4_K, Q5_0, Q5_1, Q6_K weights take bf16 (6 bits or fewer), its two Q8_0 ones are not plain bf16:
-    # the bf16 pairs where this process has the AMX-BF16 tiles (kernels/bf16x3.py), else fp32
-    q8 = bf16_prefill.BF16X3 if bf16x3.granted() else bf16_prefill.FP32
+    # the bf16 pairs where this process has the AMX-BF16 tiles (kernels/bf16_pairs.py), else fp32
+    q8 = bf16_prefill.BF16_PAIRS if bf16_pairs.granted() else bf16_prefill.FP32
     assert taken == {"Q4_K": 1, "Q5_0": 1, "Q5_1": 1, "Q6_K": 1, "Q8_0": q8}, taken
     reasons = " ".join(c.reason for c in fast.loaded.kernel_plan.choices)
     assert f"bf16 prefill GEMMs for Q4_K ({bf16_prefill.units()})" in reasons
@@ -196,7 +196,7 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
 @needs_native
 def test_q8_0_is_not_plain_bf16_under_auto(monkeypatch):
     """Q8_0 fails the rule (bf16 adds ~0.55x its own error): under auto its products stay fp32, bit for bit, or,
-    where the process has AMX-BF16 tiles, take the bf16 pairs (kernels/bf16x3.py; their error: test_bf16x3.py)."""
+    where the process has AMX-BF16 tiles, take the bf16 pairs (kernels/bf16_pairs.py; their error: test_bf16_pairs.py)."""
     monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
     path = str(fixture_dir("ds3") / "model-q8_0.gguf")
     ids = list(range(3, 60))
@@ -204,10 +204,13 @@ def test_q8_0_is_not_plain_bf16_under_auto(monkeypatch):
     assert auto.config.kernels.prefill_matmul == "bf16_6bit"
     reasons = " ".join(c.reason for c in auto.loaded.kernel_plan.choices)
     assert "bf16 prefill GEMMs" not in reasons
-    if bf16x3.granted():
-        assert f"bf16x3 prefill for Q8_0 ({bf16x3.tiles_detail()}: bf16 pairs, fp32 grade)" in reasons
+    if bf16_pairs.granted():
+        assert (
+            f"bf16-pair prefill for Q8_0 ({bf16_pairs.tiles_detail()}: exact codes, activations as bf16 pairs, fp32 grade)"
+            in reasons
+        )
     else:
-        assert "bf16x3" not in reasons
+        assert "pairs" not in reasons
         assert torch.equal(auto.prompt_logits(ids), exact.prompt_logits(ids))
     forced = LLM(path, prefill_matmul="bf16")
     assert not torch.equal(forced.prompt_logits(ids), exact.prompt_logits(ids))

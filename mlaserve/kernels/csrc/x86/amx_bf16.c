@@ -1,24 +1,24 @@
-/* ---------------------------------------------------------------- AMX-BF16 tiles: Q8_0 products as bf16 pairs
+/* ---------------------------------------------------------------- AMX-BF16 tiles: Q8_0 products, activations as bf16 pairs
    Prefill products of Q8_0 weights (more than GEMV_ROWS activation rows) on the bf16 tile unit, without giving up
-   fp32-grade results: each value is split into two bfloat16s, its rounding and the rounding's remainder, and the
-   three products that matter are summed in fp32 by the unit (the "bf16x3" scheme: a bf16 GEMM of three times the
-   depth). Q8_0's own step is about as fine as bf16's 8 significant bits, so a plain bf16 GEMM would add ~0.57x
-   the file's quantization error (kernels/bf16_prefill.py); this adds ~2^-16 per product.
+   fp32-grade results. A Q8_0 code q is an int8, exact in bf16; each activation is split into two bfloat16s, its
+   rounding and the rounding's remainder; the unit sums code times both halves in fp32 per 32-value block, and the
+   block's fp16 scale multiplies that sum in fp32 outside the unit. Plain bf16 (the weight value d q and x rounded)
+   adds ~0.57x a Q8_0 file's own quantization error (kernels/bf16_prefill.py); this adds ~2^-16 per product.
 
    Notation (one product y = x W^T; bf = round to nearest even bfloat16, u = 2^-8):
-     w = d q               a Q8_0 weight value: fp16 block scale d times int8 code q, exact in fp32 (<= 18 bits),
-                           the reference dequantizer's value bit for bit
-     w_h = bf(w), w_l = bf(w - w_h)      (w - w_h is exact in fp32)
-     x_h = bf(x), x_l = bf(x - x_h)      (the fp32 activations, the same split)
-     y[i, r] = sum_k (w_h x_h + w_l x_h + w_h x_l)[r, i, k]     products exact, sums fp32 inside the unit
-     error: x w - (the three) = x_l w_l + (x - x_h - x_l) w + x_h (w - w_h - w_l)-ish, each <= u^2 |x| |w| (1 + u)^2,
-            so |y - x W^T| <= (3 u^2 (1 + u)^2 + 3K 2^-24 (1 + 3 u^2)) sum_k |x_k| |w_k|   (fp32 sums of 3K terms)
+     w = d q               a Q8_0 weight value: fp16 block scale d times int8 code q (the reference's value)
+     x_h = bf(x), x_l = bf(x - x_h)      (x - x_h exact in fp32; |x - x_h - x_l| <= u^2 |x|)
+     S_b[r, i] = sum_{k in block b} q[r, k] (x_h + x_l)[i, k]     two tile products (codes x x_h, codes x x_l):
+                                                                  products exact, sums fp32 inside the unit
+     y[i, r] = sum_b d[r, b] S_b[r, i]   fp32, one fma per block in block order
+     error: |y - x W^T| <= (u^2 + (K / 32 + 65) 2^-24 (1 + 2u)) sum_k |x_k| |w_k|
+            (the remainder's remainder; <= 64 roundings inside a block's two tile products, one per block outside)
    Layout (TDPBF16PS C[r, i] += sum_p A[r, 2p] B[p, i].lo + A[r, 2p + 1] B[p, i].hi, tiles of 16 x 64 bytes):
-     A  weights  W' [32 rows, 3K] bf16 per block of 32 weight rows (bx_weights, once per block per call): for each
-                 32-value Q8_0 block b the three steps w_h(b), w_l(b), w_h(b); a tile = 16 rows x one step
-     B  acts     X' [groups, 3K / 32, 16 pairs, 16 rows] (bx_acts, once per call): steps x_h(b), x_h(b), x_l(b)
-     C  [r, i]   fp32, 2 weight tiles x 2 activation tiles in tiles 0-3, kept over the whole depth, then written
-                 transposed into y [i, r]
+     A  codes    per block of 32 weight rows and depth chunk (bx_weights, once per call): [blocks][2 tiles][16 rows]
+                 [32 bf16], with their scales d [blocks][32]
+     B  acts     X' [groups, 2K / 32, 16 pairs, 16 rows] (bx_acts, once per call): per block x_h(b), x_l(b)
+     C  [r, i]   the block's sums S_b, 2 weight tiles x 2 activation groups in tiles 0-3, stored and scaled into
+                 acc [blocks][pairs of groups][4 tiles][16][16] fp32 (bx_block), written transposed into y [i, r]
    A row's result is the same whatever the batch: its 16-row group's tiles take the same steps in the same order.
    The unit treats bf16 subnormal inputs as zero and flushes fp32 subnormal outputs (below 2^-126: no effect at
    activation scales); an infinite x becomes NaN (x - x_h), which the engine's NaN checks report. */
@@ -61,8 +61,8 @@ static inline void bx_transpose16(__m512i r[16]) {
     }
 }
 
-/* Activation rows [0, mr) (mr <= 16) of x (row stride ldx) into X' steps [3k / 32][16 pairs][16 rows] int32:
-   per 32-value block x_h, x_h, x_l (rows past mr zero): each block's 16 rows split, then transposed */
+/* Activation rows [0, mr) (mr <= 16) of x (row stride ldx) into X' steps [2k / 32][16 pairs][16 rows] int32:
+   per 32-value block x_h, x_l (rows past mr zero): each block's 16 rows split, then transposed */
 static void bx_acts(const float *x, int64_t ldx, int64_t mr, int64_t k, int32_t *xp) {
     const int64_t nb = k / 32;
     for (int64_t b = 0; b < nb; b++) {
@@ -75,96 +75,91 @@ static void bx_acts(const float *x, int64_t ldx, int64_t mr, int64_t k, int32_t 
         }
         bx_transpose16(hi);
         bx_transpose16(lo);
-        int32_t *s = xp + b * 3 * 256;
+        int32_t *s = xp + b * 2 * 256;
         for (int p = 0; p < 16; p++) {
             _mm512_storeu_si512(s + 16 * p, hi[p]);
-            _mm512_storeu_si512(s + 256 + 16 * p, hi[p]);
-            _mm512_storeu_si512(s + 512 + 16 * p, lo[p]);
+            _mm512_storeu_si512(s + 256 + 16 * p, lo[p]);
         }
     }
 }
 
 /* Weight rows [0, nr) (nr <= 32) of Q8_0 blocks (row_bytes apart), values [k0, k0 + kc), into W' in tile order:
-   [3 kc / 32 steps][2 tiles][16 rows][32 bf16] (a step's two tiles 2 KiB, one after another), per block w_h, w_l,
-   w_h; rows past nr zero */
-static void bx_weights(const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k0, int64_t kc, int32_t *wp) {
+   [kc / 32 blocks][2 tiles][16 rows][32 bf16] the codes q (exact in bf16), and their scales dw [kc / 32][32];
+   rows past nr zero */
+static void bx_weights(const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k0, int64_t kc, int32_t *wp,
+                       float *dw) {
     const int64_t nb = kc / 32;
     for (int64_t r = 0; r < BX_BLOCK; r++) {
-        int32_t *o = wp + (r / 16) * 256 + (r % 16) * 16; /* the row in step 0: 16 int32 pairs */
+        int32_t *o = wp + (r / 16) * 256 + (r % 16) * 16; /* the row in block 0: 16 int32 pairs */
         if (r >= nr) {
-            for (int64_t s = 0; s < 3 * nb; s++) _mm512_storeu_si512(o + s * 512, _mm512_setzero_si512());
+            for (int64_t b = 0; b < nb; b++) {
+                _mm512_storeu_si512(o + b * 512, _mm512_setzero_si512());
+                dw[b * BX_BLOCK + r] = 0.0f;
+            }
             continue;
         }
         const uint8_t *row = w + r * row_bytes + 34 * (k0 / 32);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + 34 * b;
-            const __m512 d = _mm512_set1_ps(f16(blk));
             const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2)), q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-            __m512i hi, lo;
-            bx_split(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))),
-                     _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))), &hi, &lo);
-            _mm512_storeu_si512(o + (3 * b) * 512, hi);
-            _mm512_storeu_si512(o + (3 * b + 1) * 512, lo);
-            _mm512_storeu_si512(o + (3 * b + 2) * 512, hi);
+            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1));
+            _mm512_storeu_si512(o + b * 512, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+            dw[b * BX_BLOCK + r] = f16(blk);
         }
     }
 }
 
-/* The accumulators of one block of 32 weight rows and activation groups g, g + 1 (tiles 0-3: weight tile a x
-   group b -> tile 2a + b, each [16 weight rows][16 activation rows] fp32) from / to acc */
-static inline void bx_load_c(const float *acc, int two) {
-    _tile_loadd(0, acc, 64);
-    _tile_loadd(2, acc + 512, 64);
+/* One 32-value block of a depth chunk for a block's two weight tiles (A: codes at a) and activation groups b0 (and
+   b1 when two; each x_h then x_l): the tiles' integer-code sums S[r, i] = sum q (x_h + x_l), then acc += d_w[r] S in
+   fp32, per weight row in order (acc: [4 tiles][16 weight rows][16 activation rows], in L1) */
+static inline void bx_block(const char *a, const char *b0, const char *b1, int two, const float *d, float *cb,
+                            float *acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a + 1024, 64);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
     if (two) {
-        _tile_loadd(1, acc + 256, 64);
-        _tile_loadd(3, acc + 768, 64);
+        _tile_loadd(7, b1, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
     }
-}
-
-static inline void bx_store_c(float *acc, int two) {
-    _tile_stored(0, acc, 64);
-    _tile_stored(2, acc + 512, 64);
+    _tile_loadd(6, b0 + BX_STEP_BYTES, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
     if (two) {
-        _tile_stored(1, acc + 256, 64);
-        _tile_stored(3, acc + 768, 64);
+        _tile_loadd(7, b1 + BX_STEP_BYTES, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
     }
-}
-
-/* The products of one depth chunk (steps of 32 bf16) for a block's two weight tiles (W' in tile order) and
-   activation groups b0 (and b1 when two), added to tiles 0-3 */
-static inline void bx_steps(const char *a, const char *b0, const char *b1, int two, int64_t steps) {
-    if (two)
-        for (int64_t s = 0; s < steps; s++) {
-            _tile_loadd(4, a + 2048 * s, 64);
-            _tile_loadd(5, a + 2048 * s + 1024, 64);
-            _tile_loadd(6, b0 + s * BX_STEP_BYTES, 64);
-            _tile_loadd(7, b1 + s * BX_STEP_BYTES, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    else
-        for (int64_t s = 0; s < steps; s++) {
-            _tile_loadd(4, a + 2048 * s, 64);
-            _tile_loadd(5, a + 2048 * s + 1024, 64);
-            _tile_loadd(6, b0 + s * BX_STEP_BYTES, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
+    _tile_stored(0, cb, 64);
+    _tile_stored(2, cb + 512, 64);
+    if (two) {
+        _tile_stored(1, cb + 256, 64);
+        _tile_stored(3, cb + 768, 64);
+    }
+    for (int t = 0; t < (two ? 4 : 4); t += two ? 1 : 2) /* tile 2a + g: weight tile a, group g */
+        for (int rr = 0; rr < 16; rr++) {
+            float *y = acc + t * 256 + rr * 16;
+            const __m512 dr = _mm512_set1_ps(d[(t / 2) * 16 + rr]);
+            _mm512_store_ps(y, _mm512_fmadd_ps(dr, _mm512_load_ps(cb + t * 256 + rr * 16), _mm512_load_ps(y)));
         }
 }
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T for Q8_0 weight rows w [n] (row_bytes apart) on the
-   bf16 tiles, by the split above. The depth is taken BX_KC values at a time (the Goto order): every group's
-   activation steps of a chunk (24 KiB a group: 768 KiB at 512 rows) stay in L2 while the weight blocks pass, each
-   block's chunk decoded once (48 KiB), the accumulators kept in acc [blocks][pairs][4 tiles] between chunks and
-   written transposed into y at the end. Returns 0, -4 when memory runs out. */
-#define BX_KC 1024
+   bf16 tiles, as above. The depth is taken BX_KC values at a time (the Goto order): every group's
+   activation steps of a chunk stay in L2 while the weight blocks pass, each block's chunk of codes converted once,
+   the accumulators kept in acc [blocks][pairs][4 tiles] between chunks and written transposed into y at the end.
+   Returns 0, -4 when memory runs out. */
+#define BX_KC 256
 static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *x, int64_t ldx, int64_t m, int64_t k,
                    float *y, int64_t ldy, int threads) {
     const int64_t groups = (m + 15) / 16, pairs = (groups + 1) / 2, blocks = (n + BX_BLOCK - 1) / BX_BLOCK;
-    const int64_t steps = 3 * k / 32;
-    const size_t per_group = (size_t)steps * BX_STEP_BYTES;
+    const size_t per_group = (size_t)(2 * k / 32) * BX_STEP_BYTES;
     char *packed = (char *)aligned_alloc(64, (size_t)groups * per_group);
     float *acc = (float *)aligned_alloc(64, sizeof(float) * 1024 * (size_t)(blocks * pairs));
     if (!packed || !acc) {
@@ -175,10 +170,13 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; g++)
         bx_acts(x + g * 16 * ldx, ldx, m - 16 * g < 16 ? m - 16 * g : 16, k, (int32_t *)(packed + g * per_group));
+    memset(acc, 0, sizeof(float) * 1024 * (size_t)(blocks * pairs));
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
-        char *wp = (char *)aligned_alloc(64, (size_t)(3 * BX_KC / 32) * 2048);
+        /* per thread: the block's codes (2 KiB per 32 values), their scales, the 4 tiles' sums of one block */
+        const size_t wbytes = (size_t)(BX_KC / 32) * 2048, dbytes = sizeof(float) * (BX_KC / 32) * BX_BLOCK;
+        char *wp = (char *)aligned_alloc(64, wbytes + dbytes + 4096);
         if (!wp) {
 #pragma omp atomic write
             rc = -4;
@@ -192,27 +190,21 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
             }
             _tile_loadconfig(&c);
         }
+        float *dw = (float *)(wp + wbytes), *cb = (float *)(wp + wbytes + dbytes);
         for (int64_t k0 = 0; k0 < k; k0 += BX_KC) {
-            const int64_t kc = k - k0 < BX_KC ? k - k0 : BX_KC, s0 = 3 * k0 / 32, cs = 3 * kc / 32;
+            const int64_t kc = k - k0 < BX_KC ? k - k0 : BX_KC, nb = kc / 32;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t bi = 0; bi < blocks; bi++) {
                 if (!wp) continue;
                 const int64_t r0 = bi * BX_BLOCK, nr = n - r0 < BX_BLOCK ? n - r0 : BX_BLOCK;
-                bx_weights(w + r0 * row_bytes, row_bytes, nr, k0, kc, (int32_t *)wp);
+                bx_weights(w + r0 * row_bytes, row_bytes, nr, k0, kc, (int32_t *)wp, dw);
                 for (int64_t pr = 0; pr < pairs; pr++) {
                     const int64_t g = 2 * pr;
-                    const int two = g + 1 < groups;
+                    const char *b0 = packed + g * per_group + (2 * k0 / 32) * BX_STEP_BYTES;
                     float *ca = acc + (bi * pairs + pr) * 1024;
-                    const char *b0 = packed + g * per_group + s0 * BX_STEP_BYTES;
-                    if (k0 == 0) {
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                    } else
-                        bx_load_c(ca, two);
-                    bx_steps(wp, b0, b0 + per_group, two, cs);
-                    bx_store_c(ca, two);
+                    for (int64_t b = 0; b < nb; b++)
+                        bx_block(wp + b * 2048, b0 + 2 * b * BX_STEP_BYTES, b0 + per_group + 2 * b * BX_STEP_BYTES,
+                                 g + 1 < groups, dw + b * BX_BLOCK, cb, ca);
                 }
             }
         }
@@ -246,9 +238,9 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
 #endif
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) dequantize(W)^T for Q8_0 rows w [n] (row_bytes apart), on
-   the AMX-BF16 tiles by the bf16 split (x86/amx_bf16.c): 0, -1 this build or process has no bf16 tiles, -2 k not a
+   the AMX-BF16 tiles with the activations as bf16 pairs (above): 0, -1 this build or process has no bf16 tiles, -2 k not a
    multiple of 32, -4 out of memory */
-int mls_q8_0_bf16x3(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n, int64_t row_bytes,
+int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n, int64_t row_bytes,
                     float *y, int64_t ldy, int threads) {
 #ifdef MLS_AMX_BF16
     if (amx_permission() != 1) return -1;
@@ -263,12 +255,12 @@ int mls_q8_0_bf16x3(const float *x, int64_t m, int64_t k, int64_t ldx, const uin
 
 /* the grouped form (routed experts): rows [starts[a], starts[a + 1]) of x [P, k] times expert experts[a]'s rows
    (w + experts[a] * expert_stride), into y [P, ldy]; one group after another, each spread over the threads */
-int mls_q8_0_bf16x3_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                             int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                             float *y, int64_t ldy, int threads) {
     for (int64_t a = 0; a < groups; a++) {
         const int64_t p0 = starts[a], rows = starts[a + 1] - p0;
-        const int rc = mls_q8_0_bf16x3(x + p0 * k, rows, k, k, w + experts[a] * expert_stride, n, row_bytes,
+        const int rc = mls_q8_0_bf16_pairs(x + p0 * k, rows, k, k, w + experts[a] * expert_stride, n, row_bytes,
                                        y + p0 * ldy, ldy, threads);
         if (rc) return rc;
     }

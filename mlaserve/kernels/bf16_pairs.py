@@ -1,16 +1,18 @@
-"""Prefill products of Q8_0 weights on the AMX-BF16 tiles at fp32 grade: every value split into two bfloat16s
-(its rounding and the rounding's remainder) and three bf16 products summed in fp32 by the tile unit
-(csrc/x86/amx_bf16.c; the scheme some matrix libraries call bf16x3).
+"""Prefill products of Q8_0 weights on the AMX-BF16 tiles at fp32 grade: the int8 codes are exact in bf16, each
+activation is split into two bfloat16s (its rounding and the rounding's remainder), the tile unit sums codes times
+both halves in fp32 per 32-value block, and each block's scale multiplies that sum in fp32 (csrc/x86/amx_bf16.c).
 
 Notation (bf = round to nearest even bfloat16, u = 2^-8)
-  x   [M, K]   fp32 activations (M > ggml.GEMV_ROWS: the many-rows path)
-  W   [N, R]   uint8 Q8_0 blocks; w = d q its values (fp16 d times int8 q: exact in fp32, the reference's)
-  y   [M, N]   fp32 = sum_k w_h x_h + w_l x_h + w_h x_l,  w_h = bf(w), w_l = bf(w - w_h), x_h, x_l alike
-               |y - x W^T| <= (3 u^2 (1 + u)^2 + 3K 2^-24 (1 + 3 u^2)) sum_k |x_k| |w_k|
-               (tests/kernels/test_bf16x3.py holds it to that against fp64; a row's bits do not depend on the batch)
-Why Q8_0 only: plain bf16 adds 0.54-0.57x Q8_0's own quantization error (kernels/bf16_prefill.py, over the rule's
-1/2), while this adds ~u^2 per product, ~2^-8 of that; the lower-bit types take plain bf16 (or the int8 tiles),
-which is faster and already well inside their rule. Float weights (F16, BF16, F32) have no many-rows native path.
+  x   [M, K]   fp32 activations (M > ggml.GEMV_ROWS: the many-rows path); x_h = bf(x), x_l = bf(x - x_h)
+  W   [N, R]   uint8 Q8_0 blocks; w = d q its values (fp16 d per 32 values times int8 q: the reference's)
+  y   [M, N]   fp32 = sum_b d_b sum_{k in b} q (x_h + x_l)
+               |y - x W^T| <= (u^2 + (K / 32 + 65) 2^-24 (1 + 2u)) sum_k |x_k| |w_k|
+               (tests/kernels/test_bf16_pairs.py holds it to that against fp64; a row's bits do not depend on the
+               batch or the threads)
+Why Q8_0 only: plain bf16 (d q and x rounded) adds 0.54-0.57x Q8_0's own quantization error
+(kernels/bf16_prefill.py, over the rule's 1/2), while this adds ~u^2 per product; the lower-bit types take plain
+bf16 (or the int8 tiles), which is faster and already well inside their rule. Float weights (F16, BF16, F32) have
+no many-rows native path.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def tiles_detail() -> str:
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"native bf16x3 {what} failed (rc {rc}: {tiles_detail()})")
+        raise RuntimeError(f"native bf16-pair {what} failed (rc {rc}: {tiles_detail()})")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
@@ -52,7 +54,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
     m, n = x.shape[0], w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     lib = native.library()
-    rc = lib.mls_q8_0_bf16x3(
+    rc = lib.mls_q8_0_bf16_pairs(
         x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[-1], y.data_ptr(), n, torch.get_num_threads()
     )
     _check(rc, "product")
@@ -72,7 +74,7 @@ def grouped(
     lib, col = native.library(), 0
     for p in parts:
         assert p.stride(2) == 1 and p.stride(1) == p.shape[2], "expert stacks: rows of whole blocks, one after another"
-        rc = lib.mls_q8_0_bf16x3_grouped(
+        rc = lib.mls_q8_0_bf16_pairs_grouped(
             xs.data_ptr(), k, p.data_ptr(), p.shape[1], p.shape[2], p.stride(0), experts.data_ptr(),
             starts.data_ptr(), experts.shape[0], ys[:, col:].data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
