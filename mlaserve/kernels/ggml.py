@@ -23,8 +23,9 @@ their activations as llama.cpp does and take integer dot products: not exact, wi
 quantization bound (tests/kernels/test_int8_kquants.py holds the K-quants to llama.cpp's definitions exactly).
 With bf16 (engine option prefill_matmul; bf16_prefill.takes_bf16 says which weight types, decided per weight at
 load) the many-rows products round the decoded weight and the activations to bfloat16 and run one bf16 GEMM
-(kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there; Q8_0's
-(bf16_prefill.BF16_PAIRS) run on the AMX-BF16 tiles split into bf16 pairs (kernels/bf16_pairs.py: fp32 grade).
+(kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there. Q8_0's
+products under that setting (bf16_prefill.BF16_PAIRS) run on the AMX-BF16 tiles instead, the codes exact and each
+activation as a pair of bf16s (kernels/bf16_pairs.py: fp32 grade, the blocks read where they lie).
 With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decided per weight at load) the products of
 up to TILE_ROWS rows keep the int8 call, which runs them on the AMX-INT8 tiles from 16 rows: the decode kernels'
 bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's.

@@ -61,15 +61,13 @@ def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
 
 def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
     """What the kernel plan says of a holder's prefill products: the types of its weights whose many-rows products
-    run in bf16 (bf16_prefill.units: the CPU's bf16 units) or as bf16 pairs on the AMX-BF16 tiles (kernels/bf16_pairs.py);
-    None where none does (fp32 GEMMs)."""
+    run in bf16 (bf16_prefill.units: the CPU's bf16 units) or on the AMX-BF16 tiles with the activations as bf16
+    pairs (kernels/bf16_pairs.py); None where none does (fp32 GEMMs)."""
+    pairs = f"{bf16_pairs.tiles_detail()}: exact codes, activations as bf16 pairs, fp32 grade"
     said = []
     for mode, what in (
         (bf16_prefill.BF16, f"bf16 prefill GEMMs for {{}} ({bf16_prefill.units()})"),
-        (
-            bf16_prefill.BF16_PAIRS,
-            f"bf16-pair prefill for {{}} ({bf16_pairs.tiles_detail()}: exact codes, activations as bf16 pairs, fp32 grade)",
-        ),
+        (bf16_prefill.BF16_PAIRS, f"bf16-pair prefill for {{}} ({pairs})"),
     ):
         taken = sorted({GGML_TYPES[t].name for t, b in zip(types, bf16, strict=True) if b == mode})
         if taken:

@@ -1,7 +1,8 @@
-"""Q8_0 products on the AMX-BF16 tiles with the activations as bf16 pairs (kernels/bf16_pairs.py, csrc/x86/amx_bf16.c), held to fp64 by the
-bound derived in the module (its notation), to batch and thread independence, the grouped form to the plain one, and
-in the engine to the exact fp32 prefill of the same file. On a CPU without AMX-BF16 (or a kernel refusing the tile
-state) the kernel tests skip and say so; the engine's choice there is fp32 (test_prefill_bf16.py)."""
+"""Q8_0 products on the AMX-BF16 tiles with the activations as bf16 pairs (kernels/bf16_pairs.py,
+csrc/x86/amx_bf16.c), held to fp64 by the bound derived in the module (its notation), to batch and thread
+independence, the grouped form to the plain one, and in the engine to the exact fp32 prefill of the same file. On a
+CPU without AMX-BF16 (or a kernel refusing the tile state) the kernel tests skip and say so; the engine's choice there
+is fp32 (test_prefill_bf16.py)."""
 
 from __future__ import annotations
 

@@ -249,16 +249,16 @@ const char *mls_int8_isa(void);
    IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) run on AMX-INT8 tiles:
    1 yes, 0 a build without them, -errno the kernel refused the process the tile state */
 int mls_int8_tiles(void);
-/* x86/amx_bf16.c: Q8_0 products of many rows on AMX-BF16 tiles: the int8 codes exact in bf16, each activation split
-   into two bf16s (~2^-16 per product), block scales applied in fp32; y [m, ldy], x [m, ldx]. 0, -1 no bf16 tiles here, -2 k not
-   a multiple of 32, -4 out of memory */
-int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n, int64_t row_bytes,
-                    float *y, int64_t ldy, int threads);
+/* x86/amx_bf16.c: Q8_0 products of many rows on AMX-BF16 tiles: the int8 codes exact in bf16, each activation
+   split into two bf16s (~2^-16 per product), block scales applied in fp32; y [m, ldy], x [m, ldx]. 0, -1 no bf16
+   tiles here, -2 k not a multiple of 32, -4 out of memory */
+int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+                        int64_t row_bytes, float *y, int64_t ldy, int threads);
 /* the grouped form: rows [starts[a], starts[a + 1]) of x [P, k] times expert experts[a] (w + experts[a] *
    expert_stride), into y [P, ldy] */
 int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                            int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                            float *y, int64_t ldy, int threads);
+                                int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                                float *y, int64_t ldy, int threads);
 /* whether the bf16 tiles run here: 1 yes, 0 a build without AMX-BF16, -errno the kernel refused the tile state */
 int mls_bf16_tiles(void);
 

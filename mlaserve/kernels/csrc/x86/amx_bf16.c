@@ -1,4 +1,4 @@
-/* ---------------------------------------------------------------- AMX-BF16 tiles: Q8_0 products, activations as bf16 pairs
+/* ---------------------------------------------------- AMX-BF16 tiles: Q8_0 products, activations as bf16 pairs
    Prefill products of Q8_0 weights (more than GEMV_ROWS activation rows) on the bf16 tile unit, without giving up
    fp32-grade results. A Q8_0 code q is an int8, exact in bf16; each activation is split into two bfloat16s, its
    rounding and the rounding's remainder; the unit sums code times both halves in fp32 per 32-value block, and the
@@ -69,7 +69,8 @@ static void bx_acts(const float *x, int64_t ldx, int64_t mr, int64_t k, int32_t 
         __m512i hi[16], lo[16];
         for (int64_t i = 0; i < 16; i++) {
             if (i < mr)
-                bx_split(_mm512_loadu_ps(x + i * ldx + 32 * b), _mm512_loadu_ps(x + i * ldx + 32 * b + 16), &hi[i], &lo[i]);
+                bx_split(_mm512_loadu_ps(x + i * ldx + 32 * b), _mm512_loadu_ps(x + i * ldx + 32 * b + 16), &hi[i],
+                         &lo[i]);
             else
                 hi[i] = lo[i] = _mm512_setzero_si512();
         }
@@ -101,8 +102,10 @@ static void bx_weights(const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t 
         const uint8_t *row = w + r * row_bytes + 34 * (k0 / 32);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + 34 * b;
-            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2)), q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1));
+            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+            const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0));
+            const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1));
             _mm512_storeu_si512(o + b * 512, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
             dw[b * BX_BLOCK + r] = f16(blk);
         }
@@ -142,7 +145,8 @@ static inline void bx_block(const char *a, const char *b0, const char *b1, int t
         _tile_stored(1, cb + 256, 64);
         _tile_stored(3, cb + 768, 64);
     }
-    for (int t = 0; t < (two ? 4 : 4); t += two ? 1 : 2) /* tile 2a + g: weight tile a, group g */
+    const int step = two ? 1 : 2; /* tiles 2a + g: weight tile a, group g (one group: tiles 0 and 2) */
+    for (int t = 0; t < 4; t += step)
         for (int rr = 0; rr < 16; rr++) {
             float *y = acc + t * 256 + rr * 16;
             const __m512 dr = _mm512_set1_ps(d[(t / 2) * 16 + rr]);
@@ -238,10 +242,10 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
 #endif
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) dequantize(W)^T for Q8_0 rows w [n] (row_bytes apart), on
-   the AMX-BF16 tiles with the activations as bf16 pairs (above): 0, -1 this build or process has no bf16 tiles, -2 k not a
-   multiple of 32, -4 out of memory */
-int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n, int64_t row_bytes,
-                    float *y, int64_t ldy, int threads) {
+   the AMX-BF16 tiles with the activations as bf16 pairs (above): 0, -1 this build or process has no bf16 tiles,
+   -2 k not a multiple of 32, -4 out of memory */
+int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+                        int64_t row_bytes, float *y, int64_t ldy, int threads) {
 #ifdef MLS_AMX_BF16
     if (amx_permission() != 1) return -1;
     if (k % 32) return -2;
@@ -256,12 +260,12 @@ int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const
 /* the grouped form (routed experts): rows [starts[a], starts[a + 1]) of x [P, k] times expert experts[a]'s rows
    (w + experts[a] * expert_stride), into y [P, ldy]; one group after another, each spread over the threads */
 int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                            int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                            float *y, int64_t ldy, int threads) {
+                                int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                                float *y, int64_t ldy, int threads) {
     for (int64_t a = 0; a < groups; a++) {
         const int64_t p0 = starts[a], rows = starts[a + 1] - p0;
         const int rc = mls_q8_0_bf16_pairs(x + p0 * k, rows, k, k, w + experts[a] * expert_stride, n, row_bytes,
-                                       y + p0 * ldy, ldy, threads);
+                                           y + p0 * ldy, ldy, threads);
         if (rc) return rc;
     }
     return 0;
