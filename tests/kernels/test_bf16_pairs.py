@@ -28,6 +28,12 @@ def q8_0(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     return torch.cat([d.view(torch.uint8).view(n, k // 32, 2), q.view(torch.uint8)], 2).reshape(n, -1).contiguous()
 
 
+def case(seed: int, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, x): n random Q8_0 rows of k values and m activation rows, from the seed."""
+    g = torch.Generator().manual_seed(seed)
+    return q8_0(n, k, g), torch.randn(m, k, generator=g)
+
+
 def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The module's bound per output: (u^2 + (K / 32 + 65) 2^-24 (1 + 2u)) sum_k |x_k| |w_k| (fp64)."""
     k = x.shape[1]
@@ -59,10 +65,8 @@ def test_products_within_the_derived_bound(m, n, k):
 @needs_tiles
 def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
     """Each row the same bits alone, among 50 rows (a partial activation tile), and on 1 or 2 threads."""
-    g = torch.Generator().manual_seed(1)
-    k, n = 544, 70
-    w = q8_0(n, k, g)
-    x = torch.randn(50, k, generator=g)
+    k = 544
+    w, x = case(1, 50, 70, k)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # the weight blocks shared by two threads, then one thread taking them all
@@ -79,10 +83,8 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
 @needs_tiles
 def test_nan_stays_in_its_row():
     """A NaN activation makes its own row's outputs NaN and no other's (the engine's NaN checks name the request)."""
-    g = torch.Generator().manual_seed(2)
-    k, n = 96, 40
-    w = q8_0(n, k, g)
-    x = torch.randn(20, k, generator=g)
+    k = 96
+    w, x = case(2, 20, 40, k)
     clean = bf16_pairs.linear(x, w, k)
     x[5, 7] = float("nan")
     y = bf16_pairs.linear(x, w, k)

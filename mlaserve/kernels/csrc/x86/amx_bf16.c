@@ -174,7 +174,6 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; g++)
         bx_acts(x + g * 16 * ldx, ldx, m - 16 * g < 16 ? m - 16 * g : 16, k, (int32_t *)(packed + g * per_group));
-    memset(acc, 0, sizeof(float) * 1024 * (size_t)(blocks * pairs));
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -206,6 +205,7 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
                     const int64_t g = 2 * pr;
                     const char *b0 = packed + g * per_group + (2 * k0 / 32) * BX_STEP_BYTES;
                     float *ca = acc + (bi * pairs + pr) * 1024;
+                    if (k0 == 0) memset(ca, 0, sizeof(float) * 1024); /* by the thread that adds into it first */
                     for (int64_t b = 0; b < nb; b++)
                         bx_block(wp + b * 2048, b0 + 2 * b * BX_STEP_BYTES, b0 + per_group + 2 * b * BX_STEP_BYTES,
                                  g + 1 < groups, dw + b * BX_BLOCK, cb, ca);
