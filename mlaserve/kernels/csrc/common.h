@@ -30,14 +30,24 @@
 #define MAX_K 65536
 #define MAX_ROPE 1024 /* longest rope slice (qk_rope_head_dim) the glue kernels take */
 #define ROW_RUN 8 /* weight rows per parallel work item where items would otherwise be single short rows */
-/* Software prefetch: each weight row, when its turn comes, asks for the bytes PREFETCH_AHEAD further on (the
-   rows a thread takes next lie there). Weights stream from DRAM once per step and the hardware prefetcher alone
-   kept a Q8_0 GEMV at ~14 GB/s on 2 threads where the memory reads ~27 GB/s; with this, ~21 GB/s (4 KiB ahead
-   measured best of 0.5-8 KiB; 2-core Xeon, AVX-512). A prefetch never faults, past the end of a matrix too. */
+/* Software prefetch. Weights stream from DRAM once per step and the hardware prefetcher alone kept a Q8_0 GEMV at
+   ~14 GB/s on 2 threads where the memory reads ~27 GB/s. The fused row kernels (x86/avx2.c, x86/avx512.c) keep a
+   stream PREFETCH_AHEAD bytes in front of the block they read: one line asked for per 64 bytes consumed
+   (prefetch_stream, called per block; 4 KiB ahead measured best of 0.5-8 KiB; 2-core Xeon, AVX-512). The
+   rows a thread takes next lie there, so the stream runs on across rows. The first scheme asked for a whole row's
+   lines at once when the row began (prefetch_row, still used by the decode-then-dot paths, whose rows are
+   short): on rows of 5-11 KB (K = 5120, 10240) those bursts outran the line-fill buffers and the GEMV read 9-11
+   GB/s against 13-17 streamed (benchmarks/README.md, "prefetch"). A prefetch never faults, past the end of a
+   matrix too. */
 #define PREFETCH_AHEAD 4096
 static inline void prefetch_row(const uint8_t *row, int64_t row_bytes) {
     const char *p = (const char *)row + PREFETCH_AHEAD;
     for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+/* the stream: next is the first line not yet asked for; returns it after asking up to at + PREFETCH_AHEAD */
+static inline const char *prefetch_stream(const char *next, const uint8_t *at) {
+    for (; next < (const char *)at + PREFETCH_AHEAD; next += 64) __builtin_prefetch(next, 0, 3);
+    return next;
 }
 
 static inline float f16(const uint8_t *p) {

@@ -324,7 +324,9 @@ static inline __attribute__((always_inline)) void fused_codes_mr(const uint8_t *
                                                                  int64_t ldy) {
     __m256 acc[8]; /* the row-chunk switch below names chunks up to 7 rows */
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
+        pf = prefetch_stream(pf, b);
         const __m256 d = _mm256_set1_ps(block_d(b, type));
         __m128i g[4];
         block_codes8(b, type, g);
@@ -351,7 +353,9 @@ static inline __attribute__((always_inline)) void fused_iq4_xs_mr(const uint8_t 
                                                                   const int mr, int64_t k, float *y, int64_t ldy) {
     __m256 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 136) {
+        pf = prefetch_stream(pf, b);
         float dl[8];
         iq4_xs_scales(b, dl);
         for (int ib = 0; ib < 8; ib++) {
@@ -507,7 +511,9 @@ static inline __attribute__((always_inline)) void iq1_m_sub(const uint8_t *b, fl
                                                            const int mr, int64_t k, float *y, int64_t ldy) {    \
         __m256 acc[8];                                                                                          \
         for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();                                              \
+        const char *pf = (const char *)b + PREFETCH_AHEAD;                                                      \
         for (int64_t blk = 0; blk < k / 256; blk++, b += (bytes)) {                                             \
+            pf = prefetch_stream(pf, b);                                                                        \
             const float d = d_of(b);                                                                            \
             for (int ib = 0; ib < 8; ib++) {                                                                    \
                 iq_sub_t o;                                                                                     \
@@ -542,7 +548,9 @@ static inline __attribute__((always_inline)) void fused_tq2_0_mr(const uint8_t *
     __m256 acc[8];
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 66) {
+        pf = prefetch_stream(pf, b);
         const __m256 d = _mm256_set1_ps(f16(b + 64));
         for (int j = 0; j < 2; j++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
@@ -573,7 +581,9 @@ static inline __attribute__((always_inline)) void fused_tq1_0_mr(const uint8_t *
     __m256 acc[8];
     static const int POW3[5] = {1, 3, 9, 27, 81};
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 54) {
+        pf = prefetch_stream(pf, b);
         const __m256 d = _mm256_set1_ps(f16(b + 52));
         const float *xb = x + blk * 256;
         const __m256i q0 = u8x8(b), q1 = u8x8(b + 8), q2 = u8x8(b + 16), q3 = u8x8(b + 24);
@@ -605,7 +615,6 @@ static inline __attribute__((always_inline)) void fused_tq1_0_mr(const uint8_t *
     static void name(const uint8_t *b, const float *x, int64_t ldx, int64_t m, int64_t k, float *y,      \
                      int64_t ldy) {                                                                   \
         int64_t i = 0;                                                                                \
-        prefetch_row(b, (bytes));                                                                     \
         for (; i + (chunk) <= m; i += (chunk)) kernel(b, x + i * ldx, ldx, (chunk), k, y + i * ldy, ldy); \
         switch (m - i) {                                                                              \
         case 7: kernel(b, x + i * ldx, ldx, 7, k, y + i * ldy, ldy); break;                           \
@@ -624,7 +633,9 @@ static inline __attribute__((always_inline)) void fused_q6_k_mr(const uint8_t *b
                                                                 const int mr, int64_t k, float *y, int64_t ldy) {
     __m256 acc[8]; /* the row-chunk switch below names chunks up to 7 rows */
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
+        pf = prefetch_stream(pf, b);
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = f16(b + 208);
         for (int h = 0; h < 2; h++) {
@@ -661,7 +672,9 @@ static inline __attribute__((always_inline)) void fused_q4_k_mr(const uint8_t *b
     __m256 acc[8];
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 144) {
+        pf = prefetch_stream(pf, b);
         float dd[8], dm[8];
         k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
         for (int c = 0; c < 4; c++) {
@@ -721,9 +734,11 @@ static inline __attribute__((always_inline)) void fused_int4_mr(const uint8_t *b
     __m256 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     const int64_t per = group / 32;
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t gi = 0, blk = 0; gi < k / group; gi++) {
         const __m256 d = _mm256_set1_ps(srow[gi]);
         for (int64_t j = 0; j < per; j++, blk++, b += 16) {
+            pf = prefetch_stream(pf, b);
             __m128i g[2];
             int4_codes16(b, g);
             const __m256 w0 = i8x8(g[0]), w1 = i8x8(_mm_srli_si128(g[0], 8));
@@ -740,7 +755,6 @@ static inline __attribute__((always_inline)) void fused_int4_mr(const uint8_t *b
     static void name(const uint8_t *b, const float *s, int64_t group, const float *x, int64_t ldx, int64_t m, \
                      int64_t k, float *y, int64_t ldy) {                                                   \
         int64_t i = 0;                                                                                     \
-        prefetch_row(b, (bytes));                                                                          \
         for (; i + (chunk) <= m; i += (chunk)) kernel(b, s, group, x + i * ldx, ldx, (chunk), k, y + i * ldy, ldy); \
         switch (m - i) {                                                                                   \
         case 7: kernel(b, s, group, x + i * ldx, ldx, 7, k, y + i * ldy, ldy); break;                      \
@@ -824,7 +838,9 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, co
     const int with_min = type == 3 || type == 7;
     const __m256i ones = _mm256_set1_epi8(1);
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < kb; blk++, b += bytes) {
+        pf = prefetch_stream(pf, b);
         const __m256i w = q8_codes32(b, type);
         const __m256i aw = _mm256_sign_epi8(w, w);
         const float dw = f16(b), mw = with_min ? f16(b + 2) : 0.0f;
@@ -843,7 +859,6 @@ static inline __attribute__((always_inline)) void q8rows_mr(const uint8_t *b, co
                      int64_t ldy) {                                                                        \
         const int64_t kb = k / 32;                                                                         \
         int64_t i = 0;                                                                                     \
-        prefetch_row(b, kb * q8_block_bytes(type));                                                        \
         for (; i + 4 <= m; i += 4) q8rows_mr(b, type, xq + i * k, xd + i * kb, 4, k, y + i * ldy, ldy);    \
         switch (m - i) {                                                                                   \
         case 3: q8rows_mr(b, type, xq + i * k, xd + i * kb, 3, k, y + i * ldy, ldy); break;                \
@@ -934,7 +949,9 @@ static inline __attribute__((always_inline)) void q8k_q45_mr(const uint8_t *b, c
     const int64_t slots = k / 32, bytes = five ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+        pf = prefetch_stream(pf, b);
         const __m128i sm = k_scales_mins8(b + 4);
         const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)); /* scales 0..7, both halves */
         const __m128i mn16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
@@ -978,7 +995,9 @@ static inline __attribute__((always_inline)) void q8k_q6k_mr(const uint8_t *b, c
     const int64_t slots = k / 32;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
+        pf = prefetch_stream(pf, b);
         const __m128i scs = _mm_loadu_si128((const __m128i *)(b + 192)); /* 16 int8 scales, one per 16 values */
         const float dw = f16(b + 208);
         __m256i sum[4][2]; /* two chains per row, as in q8k_q45_mr */
@@ -1024,7 +1043,9 @@ static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b,
                                                                const int mr, int64_t k, float *y, int64_t ldy) {
     const int64_t slots = k / 32;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 136) {
+        pf = prefetch_stream(pf, b);
         int32_t ls[8];
         iq4_xs_ls(b, ls);
         const float dw = f16(b);
@@ -1068,7 +1089,9 @@ static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, 
                         : type == MLS_IQ3_XXS ? 98 : type == MLS_IQ3_S ? 110 : type == MLS_IQ1_S ? 50 : 56;
     const int iq1 = type == MLS_IQ1_S || type == MLS_IQ1_M;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+        pf = prefetch_stream(pf, b);
         const float dw = iq_int_d(b, type);
         __m256i sum[4];
         for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
@@ -1134,7 +1157,6 @@ static inline __attribute__((always_inline)) void q8k_q5k_mr(const uint8_t *b, c
                      int64_t ldy) {                                                                        \
         const int64_t slots = k / 32;                                                                      \
         int64_t i = 0;                                                                                     \
-        prefetch_row(b, k / 256 * (bytes));                                                                \
         for (; i + 4 <= m; i += 4) kernel(b, xq + i * k, xd + i * slots, 4, k, y + i * ldy, ldy);          \
         switch (m - i) {                                                                                   \
         case 3: kernel(b, xq + i * k, xd + i * slots, 3, k, y + i * ldy, ldy); break;                      \

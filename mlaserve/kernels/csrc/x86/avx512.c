@@ -19,7 +19,9 @@ static inline __attribute__((always_inline)) void wide_codes_mr(const uint8_t *b
                                                                 int64_t ldy) {
     __m512 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 32; blk++, b += block_bytes(type)) {
+        pf = prefetch_stream(pf, b);
         const __m512 d = _mm512_set1_ps(block_d(b, type));
         __m128i g[2];
         block_codes16(b, type, g);
@@ -39,7 +41,9 @@ static inline __attribute__((always_inline)) void wide_iq4_xs_mr(const uint8_t *
                                                                  const int mr, int64_t k, float *y, int64_t ldy) {
     __m512 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 136) {
+        pf = prefetch_stream(pf, b);
         float dl[8];
         iq4_xs_scales(b, dl);
         for (int ib = 0; ib < 8; ib++) {
@@ -58,7 +62,9 @@ static inline __attribute__((always_inline)) void wide_q4_k_mr(const uint8_t *b,
     __m512 acc[8];
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 144) {
+        pf = prefetch_stream(pf, b);
         float dd[8], dm[8];
         k_scale_min(b + 4, f16(b), f16(b + 2), dd, dm);
         for (int c = 0; c < 4; c++) {
@@ -86,7 +92,9 @@ static inline __attribute__((always_inline)) void wide_q6_k_mr(const uint8_t *b,
                                                                const int mr, int64_t k, float *y, int64_t ldy) {
     __m512 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
+        pf = prefetch_stream(pf, b);
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = f16(b + 208);
         for (int h = 0; h < 2; h++) {
@@ -116,9 +124,11 @@ static inline __attribute__((always_inline)) void wide_int4_mr(const uint8_t *b,
     __m512 acc[8];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     const int64_t per = group / 32;
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t gi = 0, blk = 0; gi < k / group; gi++) {
         const __m512 d = _mm512_set1_ps(srow[gi]);
         for (int64_t j = 0; j < per; j++, blk++, b += 16) {
+            pf = prefetch_stream(pf, b);
             __m128i g[2];
             int4_codes16(b, g);
             const __m512 w0 = i8x16(g[0]), w1 = i8x16(g[1]);
@@ -139,7 +149,9 @@ static inline __m512 halves16(float a, float b) { /* lanes 0..7 a, 8..15 b */
                                                            const int mr, int64_t k, float *y, int64_t ldy) {    \
         __m512 acc[8];                                                                                          \
         for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();                                              \
+        const char *pf = (const char *)b + PREFETCH_AHEAD;                                                      \
         for (int64_t blk = 0; blk < k / 256; blk++, b += (bytes)) {                                             \
+            pf = prefetch_stream(pf, b);                                                                        \
             const float d = d_of(b);                                                                            \
             for (int ib = 0; ib < 8; ib++) {                                                                    \
                 iq_sub_t o;                                                                                     \
