@@ -50,6 +50,14 @@ static inline __m256i bits32(uint32_t x) {
     return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
+static inline __m256i fifth_bits(uint32_t qh) { /* bit j of qh -> 16 in byte lane j, else 0 */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)); /* one masked move for AVX2's five */
+#else
+    return _mm256_and_si256(bits32(qh), _mm256_set1_epi8(16));
+#endif
+}
+
 static void simd_q8_0(const uint8_t *b, float *y, int64_t k) {
     for (int64_t i = 0; i < k / 32; i++, b += 34, y += 32) {
         const __m256 d = _mm256_set1_ps(f16(b));
@@ -112,15 +120,14 @@ static void simd_q4_1(const uint8_t *b, float *y, int64_t k) {
 static void simd_q5_0(const uint8_t *b, float *y, int64_t k) {
     const __m256i sixteen = _mm256_set1_epi8(16);
     for (int64_t i = 0; i < k / 32; i++, b += 22, y += 32) {
-        __m256i q = _mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen));
+        __m256i q = _mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2)));
         store32_mul(_mm256_sub_epi8(q, sixteen), _mm256_set1_ps(f16(b)), y);
     }
 }
 
 static void simd_q5_1(const uint8_t *b, float *y, int64_t k) {
-    const __m256i sixteen = _mm256_set1_epi8(16);
     for (int64_t i = 0; i < k / 32; i++, b += 24, y += 32) {
-        __m256i q = _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(bits32(u32(b + 4)), sixteen));
+        __m256i q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(u32(b + 4)));
         store32_mul_add(q, _mm256_set1_ps(f16(b)), _mm256_set1_ps(f16(b + 2)), y);
     }
 }
@@ -270,8 +277,7 @@ static inline float hsum8(__m256 a) {
 /* The blocks whose value is d * code with 32 exact integer codes: Q8_0 (the bytes), Q4_0 (nibble - 8), Q5_0
    (nibble with the fifth bit from qh, - 16). d comes out of the block's sum exactly. */
 static inline __m256i q5_0_codes(const uint8_t *b) {
-    const __m256i sixteen = _mm256_set1_epi8(16);
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bits32(u32(b + 2)), sixteen)), sixteen);
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2))), _mm256_set1_epi8(16));
 }
 
 /* A block's 32 codes as 16-value halves (g[0]: values 0..15, g[1]: 16..31), with the loads and shuffles each type
@@ -823,7 +829,7 @@ static inline __m256i q8_codes32(const uint8_t *b, const int type) {
     case 6: return q5_0_codes(b);
     case 20: return iq4_codes32(b + 2);
     case 3: return nibbles32(b + 4);
-    default: return _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(bits32(u32(b + 4)), _mm256_set1_epi8(16)));
+    default: return _mm256_or_si256(nibbles32(b + 8), fifth_bits(u32(b + 4)));
     }
 }
 static inline int64_t q8_block_bytes(const int type) {
