@@ -6,7 +6,8 @@ JSON files (offline.py's format).
 
 Ratios are mlaserve / the other engine for every metric; for speed higher is better, for peak RSS and start
 lower is better.
-Repeats of a cell (-runN files) are separate rows; a partial run (stopped after some phases) is marked so.
+Repeats of a cell (-runN files) are separate rows (with --latest, one row: each metric from the run that measured
+it last); a partial run (stopped after some phases) is marked so.
 Needs matplotlib for --plot only.
 """
 
@@ -192,11 +193,14 @@ def cell_key(path: Path, doc: dict) -> tuple[str, str, str]:
     return doc.get("model_name", "standard"), file_type(specs["mlaserve"]), run
 
 
-def load_rows(files: list[Path]) -> list[dict]:
+def load_rows(files: list[Path], latest: bool = False) -> list[dict]:
+    """One row per cell and run; latest: one row per cell, every run's parts united (each metric from the run that
+    measured it last; peak RSS the largest and start the smallest over them, as for parts)."""
     groups: dict = {}
     for f in sorted(files):
         doc = json.loads(f.read_text())
-        groups.setdefault(cell_key(f, doc), []).append(doc)
+        model, qtype, run = cell_key(f, doc)
+        groups.setdefault((model, qtype, "" if latest else run), []).append(doc)
     rows = []
     for (_, _, run), docs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], int(kv[0][2] or 1))):
         # parts in the order they were measured: a metric measured again (a phase rerun after a fix, under its own
@@ -213,8 +217,9 @@ def main() -> None:
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--plot", type=Path, default=None, help="also plot the ratios against the targets (PNG)")
     p.add_argument("--compact", action="store_true", help="one line per (model, type): the ratios to llama.cpp only")
+    p.add_argument("--latest", action="store_true", help="one row per (model, type): each metric from its latest run")
     args = p.parse_args()
-    rows = load_rows(args.files)
+    rows = load_rows(args.files, args.latest)
     print(compact(rows) if args.compact else markdown(rows))
     if args.plot:
         from plot_offline import plot_matrix

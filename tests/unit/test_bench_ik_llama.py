@@ -218,3 +218,24 @@ def test_compact_table_has_one_line_per_file_type(bench, tmp_path):
     lines = mt.compact(mt.load_rows(sorted(tmp_path.glob("*.json")))).splitlines()
     assert lines[0].startswith("| model | file | prefill 512 tok/s (>= 2.0x) | decode b1 at 128 tok/s (>= 1.2x) |")
     assert len(lines) == 3 and lines[2].startswith("| standard | Q8_0 | 2.00x / 1.20x **miss** | - / - |")
+
+
+def test_latest_unites_the_runs_of_a_cell(bench, tmp_path):
+    """--latest: one row per (model, type); a metric measured in a later run replaces the earlier run's, the
+    metrics a later run did not measure keep the earlier figures."""
+    mt = bench[2]
+    run2 = _part(
+        ["prefill", "decode"],
+        {"prefill_tok_s": 100.0, "decode_tok_s_b1": 30.0},
+        {"prefill_tok_s": 50.0, "decode_tok_s_b1": 40.0},
+        1.0,
+        date="2026-12-03 10:00:00",
+    )
+    run4 = _part(["decode"], {"decode_tok_s_b1": 48.0}, {"decode_tok_s_b1": 40.0}, 1.0, date="2026-12-03 15:00:00")
+    (tmp_path / "matrix-2026-12-03-standard-q8_0-run2.json").write_text(json.dumps(run2))
+    (tmp_path / "matrix-2026-12-03-standard-q8_0-decode-run4.json").write_text(json.dumps(run4))
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(mt.load_rows(files)) == 2  # runs are rows of their own by default
+    (row,) = mt.load_rows(files, latest=True)
+    assert row["metrics"]["decode_tok_s_b1"]["ratio"] == 1.2 and row["metrics"]["decode_tok_s_b1"]["met"] is True
+    assert row["metrics"]["prefill_tok_s"]["ratio"] == 2.0 and row["parts"] == 2
