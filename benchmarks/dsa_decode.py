@@ -1,6 +1,6 @@
 """Batch-1 sparse (DSA) decode on a GGUF: the one-call native decode layers vs the per-op path, alternating.
 
-    python benchmarks/dsa_decode.py [--gguf PATH] [--contexts 3072 8192] [--reps 5] [--threads 2]
+    python benchmarks/dsa_decode.py [--gguf PATH] [--contexts 3072 8192] [--reps 5] [--threads 2] [--dense]
 
 One engine (the GGUF, kernels native, attention sparse), its cache filled with synthetic rows (as
 long_context.py: latent rows and index keys for positions [0, N)), then a single-token decode step at
@@ -10,6 +10,9 @@ from other processes hits them alike:
   per_op         every layer per op (model.native_decode off): the native backend's sparse MQA in C
   per_op_torch   per op with the sparse MQA of the torch backend (the per-op path before the fused sparse
                  layer: NativeBackend.sparse_absorbed was the torch backend's)
+  dense          (--dense) the same file forced dense (`attention="dense"`: no indexer, the absorbed MQA over all
+                 N rows), a second engine whose cache holds the same latent rows; its one-call decode layers.
+                 Issue #31's target: at 16K, sparse (fused) >= 1.5x faster than this.
 Contexts past index_topk (2048 on the benchmark model) select; the step's ledger would say decode_layer native
 for `fused`. Default GGUF: benchmarks/models/mla-dsa-l12-seed0-q8_0.gguf (offline.py writes it).
 Results: a table on stdout and benchmarks/results/dsa_decode.json (every timing, CPU flags, load average).
@@ -41,6 +44,7 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="*", default=[3072, 8192])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dense", action="store_true", help="also the same file forced dense (a second engine)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from mlaserve import LLM
@@ -51,15 +55,22 @@ def main() -> None:
 
     n_max = max(args.contexts)
     pages_needed = math.ceil((n_max + 1) / PAGE_SIZE)
-    llm = LLM(
-        model=str(args.gguf), kernels="native", attention="sparse", page_size=PAGE_SIZE, max_num_seqs=1,
-        num_pages=pages_needed + 1, threads=args.threads, malloc_tuning=True,
-    )  # fmt: skip
+
+    def engine(attention: str):
+        e = LLM(
+            model=str(args.gguf), kernels="native", attention=attention, page_size=PAGE_SIZE, max_num_seqs=1,
+            num_pages=pages_needed + 1, threads=args.threads, malloc_tuning=True,
+        )  # fmt: skip
+        assert e.runner.model.native_decode is not None, e.loaded.report.notes
+        held = e.engine.pool.allocate(pages_needed)
+        fill_mlaserve_cache(e, held, n_max, seed=1)  # the same seed: the same latent rows in both engines
+        return e, held
+
+    llm, pages = engine("sparse")
+    dense, dense_pages = engine("dense") if args.dense else (None, None)
+    modes = MODES + (("dense",) if args.dense else ())
     model = llm.runner.model
     fused, native_sparse = model.native_decode, NativeBackend.sparse_absorbed
-    assert fused is not None, llm.loaded.report.notes
-    pages = llm.engine.pool.allocate(pages_needed)
-    fill_mlaserve_cache(llm, pages, n_max, seed=1)
     topk = llm.config.attention.index_topk
 
     def use(mode: str) -> None:
@@ -71,24 +82,32 @@ def main() -> None:
     res: dict = {"gguf": str(args.gguf), "threads": args.threads, "index_topk": topk, "contexts": {}}
     res["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
     res["loadavg_before"] = os.getloadavg()
+
+    def step(mode: str, n: int) -> float:
+        """One decode step at context n; returns its seconds."""
+        e, held = (dense, dense_pages) if mode == "dense" else (llm, pages)
+        if mode != "dense":
+            use(mode)
+        chunk = [SeqChunk("dsa", (5,), n, tuple(held[: math.ceil((n + 1) / PAGE_SIZE)]))]
+        t0 = time.perf_counter()
+        e.runner.execute(chunk)
+        return time.perf_counter() - t0
+
     for n in args.contexts:
-        chunk = [SeqChunk("dsa", (5,), n, tuple(pages[: math.ceil((n + 1) / PAGE_SIZE)]))]
-        ts: dict = {m: [] for m in MODES}
-        for m in MODES:  # warm-up, one step each
-            use(m)
-            llm.runner.execute(chunk)
+        ts: dict = {m: [] for m in modes}
+        for m in modes:  # warm-up, one step each
+            step(m, n)
         for _ in range(args.reps):
-            for m in MODES:
-                use(m)
-                t0 = time.perf_counter()
-                llm.runner.execute(chunk)
-                ts[m].append(time.perf_counter() - t0)
+            for m in modes:
+                ts[m].append(step(m, n))
         row = {m: {"median_ms": statistics.median(v) * 1e3, "all_ms": [t * 1e3 for t in v]} for m, v in ts.items()}
         res["contexts"][n] = row
         cells = ", ".join(
             f"{m} {r['median_ms']:.1f} ms ({1e3 / r['median_ms']:.2f} tok/s; {min(r['all_ms']):.1f}-{max(r['all_ms']):.1f})"
             for m, r in row.items()
         )
+        if args.dense:
+            cells += f"; dense / fused {row['dense']['median_ms'] / row['fused']['median_ms']:.2f}x"
         print(f"context {n} (selects: {n + 1 > topk}): {cells}", flush=True)
     use("fused")
     res["loadavg_after"] = os.getloadavg()
