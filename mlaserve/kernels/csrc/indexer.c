@@ -102,22 +102,32 @@ int mls_index_topk16(const float *q, const float *w, int64_t t, int64_t hi, int6
                       sel_valid, threads);
 }
 
+/* the key at slot `slot` as fp32: the cache's row itself, or (8 / 16-bit caches) decoded into buf [Di] */
+static inline const float *index_key(const float *keys, const uint8_t *codes8, const float *scales8, int half,
+                                     int64_t slot, int64_t di, float *buf) {
+    if (!codes8) return keys + slot * di;
+    if (half)
+        row16_decode((const uint16_t *)codes8 + slot * di, half, di, buf);
+    else
+        e4m3_scaled(codes8 + slot * di, scales8[slot], di, buf);
+    return buf;
+}
+
 #ifdef MLS_AVX512
-/* The scores of fp32 keys, four keys at a time, with the heads along the vector lanes: qt [Di, hp] is the token's
+/* The scores of four keys at a time, with the heads along the vector lanes: qt [Di, hp] is the token's
    queries transposed (hp = Hi rounded up to 16, the padding heads' queries and weights zero), and for each d one
    broadcast of each key's d-th value times the row qt[d] accumulates every head's dot product at once: no
    per-(key, head) horizontal sum (the row-wise scorer, mqa_scores, spent ~600 cycles per key of 32 heads x 128
    on those sums and on loading the queries once per fma; this is ~2 fmas per 16 multiply-adds, the fma bound).
    Each head's dot product is one fma chain over d (a different summation order from mqa_scores': scores agree to
    fp32 rounding, not bit for bit; the selection is held to torch's in tests/kernels/test_decode_layer_sparse.py).
-   score = sum_h w[h] ReLU(dot_h), summed in the lanes then across them. */
+   score = sum_h w[h] ReLU(dot_h), summed in the lanes then across them. kr: the four keys in fp32 (the cache's rows,
+   or rows of the 8 / 16-bit caches decoded by index_key); n <= 4 of them are scored into s[0 .. n). */
 #define INDEX_KEYS 4
 #define INDEX_LANES 4 /* hp <= 64 */
-static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, int64_t di, const float *keys,
-                               const int64_t *sl, const int64_t *pos, int64_t a0, int64_t n, float *s) {
+static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, int64_t di,
+                               const float *const kr[INDEX_KEYS], int64_t n, float *s) {
     const int c = (int)(hp / 16);
-    const float *kr[INDEX_KEYS];
-    for (int j = 0; j < INDEX_KEYS; j++) kr[j] = keys + sl[pos[a0 + (j < n ? j : n - 1)]] * di;
     __m512 acc[INDEX_KEYS][INDEX_LANES];
     for (int j = 0; j < INDEX_KEYS; j++)
         for (int h = 0; h < c; h++) acc[j][h] = _mm512_setzero_ps();
@@ -132,7 +142,7 @@ static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, i
         __m512 sum = _mm512_setzero_ps();
         for (int h = 0; h < c; h++)
             sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(acc[j][h], _mm512_setzero_ps()), sum);
-        s[a0 + j] = _mm512_reduce_add_ps(sum);
+        s[j] = _mm512_reduce_add_ps(sum);
     }
 }
 #endif
@@ -143,7 +153,7 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
     if (k <= 0 || k > l) return -2;
 #ifdef MLS_AVX512
     const int64_t hp = (hi + 15) / 16 * 16;
-    const int lanes = !codes8 && hp <= 16 * INDEX_LANES; /* fp32 keys, up to 64 heads: the lane scorer */
+    const int lanes = hp <= 16 * INDEX_LANES; /* up to 64 heads: the lane scorer */
     float *qtr = lanes ? (float *)calloc((size_t)(di * hp + hp), sizeof(float)) : NULL; /* qt transposed, w */
     if (lanes && !qtr) return -4;
 #endif
@@ -185,22 +195,20 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t a0 = b * INDEX_KEYS, n = n_ok - a0 < INDEX_KEYS ? n_ok - a0 : INDEX_KEYS;
-                index_scores_lanes(qtr, wpad, hp, di, keys, sl, pos, a0, n, s);
+                float buf[codes8 ? INDEX_KEYS * di : 1];
+                const float *kr[INDEX_KEYS];
+                for (int j = 0; j < INDEX_KEYS; j++) /* a short block repeats its last key (not stored) */
+                    kr[j] = j < n ? index_key(keys, codes8, scales8, half, sl[pos[a0 + j]], di, buf + (codes8 ? j * di : 0))
+                                  : kr[n - 1];
+                index_scores_lanes(qtr, wpad, hp, di, kr, n, s + a0);
             }
         } else
 #endif
-        { /* keys decoded where they lie (8 / 16-bit caches), or more heads: row by row */
+        { /* more than 64 heads, or no AVX-512: row by row */
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
             for (int64_t a = 0; a < n_ok; a++) {
                 float decoded[codes8 ? di : 1];
-                const float *key = keys + (codes8 ? 0 : sl[pos[a]] * di);
-                if (codes8 && half) {
-                    row16_decode((const uint16_t *)codes8 + sl[pos[a]] * di, half, di, decoded);
-                    key = decoded;
-                } else if (codes8) {
-                    e4m3_scaled(codes8 + sl[pos[a]] * di, scales8[sl[pos[a]]], di, decoded);
-                    key = decoded;
-                }
+                const float *key = index_key(keys, codes8, scales8, half, sl[pos[a]], di, decoded);
                 float hs[MQA_HS], sum = 0.0f;
                 for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
                     const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
