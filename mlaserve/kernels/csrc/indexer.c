@@ -102,23 +102,52 @@ int mls_index_topk16(const float *q, const float *w, int64_t t, int64_t hi, int6
                       sel_valid, threads);
 }
 
+/* Where a layer's index keys lie: fp32 rows (keys), or codes8 with half (16-bit rows, rows16.c) or with scales8
+   (FP8 e4m3 codes and a scale per key) */
+typedef struct {
+    const float *keys;
+    const uint8_t *codes8;
+    const float *scales8;
+    int half;
+    int64_t di;
+} index_keys_t;
+
 /* the key at slot `slot` as fp32: the cache's row itself, or (8 / 16-bit caches) decoded into buf [Di] */
-static inline const float *index_key(const float *keys, const uint8_t *codes8, const float *scales8, int half,
-                                     int64_t slot, int64_t di, float *buf) {
-    if (!codes8) return keys + slot * di;
-    if (half)
-        row16_decode((const uint16_t *)codes8 + slot * di, half, di, buf);
+static inline const float *index_key(const index_keys_t *kc, int64_t slot, float *buf) {
+    const int64_t di = kc->di;
+    if (!kc->codes8) return kc->keys + slot * di;
+    if (kc->half)
+        row16_decode((const uint16_t *)kc->codes8 + slot * di, kc->half, di, buf);
     else
-        e4m3_scaled(codes8 + slot * di, scales8[slot], di, buf);
+        e4m3_scaled(kc->codes8 + slot * di, kc->scales8[slot], di, buf);
     return buf;
+}
+
+/* s[a] = score of the key at slot sl[pos[a]], a < n_ok, for one token (qt [Hi, Di], wt [Hi]): row by row, each
+   key against MQA_HS heads at a time (mqa_scores), the weighted ReLUs summed in head order */
+static void index_scores_rows(const index_keys_t *kc, const float *qt, const float *wt, int64_t hi,
+                              const int64_t *sl, const int64_t *pos, int64_t n_ok, float *s, int threads) {
+    const int64_t di = kc->di;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
+    for (int64_t a = 0; a < n_ok; a++) {
+        float decoded[kc->codes8 ? di : 1];
+        const float *key = index_key(kc, sl[pos[a]], decoded);
+        float hs[MQA_HS], sum = 0.0f;
+        for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
+            const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
+            mqa_scores(&key, 1, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
+            for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] > 0.0f ? hs[i] : 0.0f);
+        }
+        s[a] = sum;
+    }
 }
 
 #ifdef MLS_AVX512
 /* The scores of four keys at a time, with the heads along the vector lanes: qt [Di, hp] is the token's
    queries transposed (hp = Hi rounded up to 16, the padding heads' queries and weights zero), and for each d one
    broadcast of each key's d-th value times the row qt[d] accumulates every head's dot product at once: no
-   per-(key, head) horizontal sum (the row-wise scorer, mqa_scores, spent ~600 cycles per key of 32 heads x 128
-   on those sums and on loading the queries once per fma; this is ~2 fmas per 16 multiply-adds, the fma bound).
+   per-(key, head) horizontal sum (the row scorer spent ~600 cycles per key of 32 heads x 128 on those sums and on
+   loading the queries once per fma; this is ~2 fmas per 16 multiply-adds, the fma bound).
    Each head's dot product is one fma chain over d (a different summation order from mqa_scores': scores agree to
    fp32 rounding, not bit for bit; the selection is held to torch's in tests/kernels/test_decode_layer_sparse.py).
    score = sum_h w[h] ReLU(dot_h), summed in the lanes then across them. kr: the four keys in fp32 (the cache's rows,
@@ -145,17 +174,57 @@ static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, i
         s[j] = _mm512_reduce_add_ps(sum);
     }
 }
+
+/* index_scores_rows' s, four keys per pass with the heads along the lanes. qtr [Di * hp + hp]: room for the
+   token's queries transposed and its weights (zero beyond Hi) */
+static void index_scores_by_lanes(const index_keys_t *kc, const float *qt, const float *wt, int64_t hi, int64_t hp,
+                                  float *qtr, const int64_t *sl, const int64_t *pos, int64_t n_ok, float *s,
+                                  int threads) {
+    const int64_t di = kc->di, blocks = (n_ok + INDEX_KEYS - 1) / INDEX_KEYS;
+    float *wpad = qtr + di * hp;
+    for (int64_t h = 0; h < hi; h++) {
+        wpad[h] = wt[h];
+        for (int64_t d = 0; d < di; d++) qtr[d * hp + h] = qt[h * di + d];
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t a0 = b * INDEX_KEYS, n = n_ok - a0 < INDEX_KEYS ? n_ok - a0 : INDEX_KEYS;
+        float buf[kc->codes8 ? INDEX_KEYS * di : 1];
+        const float *kr[INDEX_KEYS];
+        for (int j = 0; j < INDEX_KEYS; j++) /* a short block repeats its last key (not stored) */
+            kr[j] = j < n ? index_key(kc, sl[pos[a0 + j]], buf + (kc->codes8 ? j * di : 0)) : kr[n - 1];
+        index_scores_lanes(qtr, wpad, hp, di, kr, n, s + a0);
+    }
+}
 #endif
+
+/* idx / val [K]: the K best of the n_ok scored positions (s [n_ok], positions pos) in position order; ties at the
+   K-th score keep the earliest. tmp [n_ok]: scratch. */
+static void select_top_k(const float *s, float *tmp, const int64_t *pos, int64_t n_ok, int64_t k, int64_t *idx,
+                         uint8_t *val) {
+    memcpy(tmp, s, sizeof(float) * (size_t)n_ok);
+    const float thr = kth_largest(tmp, n_ok, k);
+    int64_t above = 0, c = 0;
+    for (int64_t a = 0; a < n_ok; a++) above += s[a] > thr;
+    int64_t ties = k - above; /* positions scoring exactly thr that fit: the earliest */
+    for (int64_t a = 0; a < n_ok; a++) {
+        const int take = s[a] > thr || (s[a] == thr && ties > 0);
+        if (take) {
+            ties -= s[a] == thr;
+            idx[c] = pos[a], val[c++] = 1;
+        }
+    }
+}
 
 static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                       const uint8_t *codes8, const float *scales8, int half, const int64_t *kv_slots,
                       const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads) {
     if (k <= 0 || k > l) return -2;
+    const index_keys_t kc = {keys, codes8, scales8, half, di};
 #ifdef MLS_AVX512
-    const int64_t hp = (hi + 15) / 16 * 16;
-    const int lanes = hp <= 16 * INDEX_LANES; /* up to 64 heads: the lane scorer */
-    float *qtr = lanes ? (float *)calloc((size_t)(di * hp + hp), sizeof(float)) : NULL; /* qt transposed, w */
-    if (lanes && !qtr) return -4;
+    const int64_t hp = (hi + 15) / 16 * 16; /* up to 64 heads: the lane scorer */
+    float *qtr = hp <= 16 * INDEX_LANES ? (float *)calloc((size_t)(di * hp + hp), sizeof(float)) : NULL;
+    if (hp <= 16 * INDEX_LANES && !qtr) return -4;
 #endif
     float *s = (float *)malloc(sizeof(float) * (size_t)(2 * l) + 1);
     int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
@@ -167,7 +236,6 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
 #endif
         return -4;
     }
-    float *tmp = s + l;
     for (int64_t tok = 0; tok < t; tok++) {
         const uint8_t *m = mask + tok * l;
         const int64_t *sl = kv_slots + tok * l;
@@ -185,51 +253,12 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
             continue;
         }
 #ifdef MLS_AVX512
-        if (lanes) {
-            float *wpad = qtr + di * hp;
-            for (int64_t h = 0; h < hi; h++) {
-                wpad[h] = wt[h];
-                for (int64_t d = 0; d < di; d++) qtr[d * hp + h] = qt[h * di + d];
-            }
-            const int64_t blocks = (n_ok + INDEX_KEYS - 1) / INDEX_KEYS;
-#pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t a0 = b * INDEX_KEYS, n = n_ok - a0 < INDEX_KEYS ? n_ok - a0 : INDEX_KEYS;
-                float buf[codes8 ? INDEX_KEYS * di : 1];
-                const float *kr[INDEX_KEYS];
-                for (int j = 0; j < INDEX_KEYS; j++) /* a short block repeats its last key (not stored) */
-                    kr[j] = j < n ? index_key(keys, codes8, scales8, half, sl[pos[a0 + j]], di, buf + (codes8 ? j * di : 0))
-                                  : kr[n - 1];
-                index_scores_lanes(qtr, wpad, hp, di, kr, n, s + a0);
-            }
-        } else
+        if (qtr)
+            index_scores_by_lanes(&kc, qt, wt, hi, hp, qtr, sl, pos, n_ok, s, threads);
+        else
 #endif
-        { /* more than 64 heads, or no AVX-512: row by row */
-#pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
-            for (int64_t a = 0; a < n_ok; a++) {
-                float decoded[codes8 ? di : 1];
-                const float *key = index_key(keys, codes8, scales8, half, sl[pos[a]], di, decoded);
-                float hs[MQA_HS], sum = 0.0f;
-                for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
-                    const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
-                    mqa_scores(&key, 1, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
-                    for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] > 0.0f ? hs[i] : 0.0f);
-                }
-                s[a] = sum;
-            }
-        }
-        memcpy(tmp, s, sizeof(float) * (size_t)n_ok);
-        const float thr = kth_largest(tmp, n_ok, k);
-        int64_t above = 0, c = 0;
-        for (int64_t a = 0; a < n_ok; a++) above += s[a] > thr;
-        int64_t ties = k - above; /* positions scoring exactly thr that fit: the earliest */
-        for (int64_t a = 0; a < n_ok; a++) {
-            const int take = s[a] > thr || (s[a] == thr && ties > 0);
-            if (take) {
-                ties -= s[a] == thr;
-                idx[c] = pos[a], val[c++] = 1;
-            }
-        }
+            index_scores_rows(&kc, qt, wt, hi, sl, pos, n_ok, s, threads);
+        select_top_k(s, s + l, pos, n_ok, k, idx, val);
     }
     free(s);
     free(pos);
