@@ -34,9 +34,9 @@
    ~14 GB/s on 2 threads where the memory reads ~27 GB/s. The fused row kernels (x86/avx2.c, x86/avx512.c) keep a
    stream PREFETCH_AHEAD bytes in front of the block they read: one line asked for per 64 bytes consumed
    (prefetch_stream, called per block; 4 KiB ahead measured best of 0.5-8 KiB; 2-core Xeon, AVX-512). The
-   rows a thread takes next lie there, so the stream runs on across rows. The first scheme asked for a whole row's
-   lines at once when the row began (prefetch_row, still used by the decode-then-dot paths, whose rows are
-   short): on rows of 5-11 KB (K = 5120, 10240) those bursts outran the line-fill buffers and the GEMV read 9-11
+   rows a thread takes next lie there, so the stream runs on across rows; F32 rows (dot.c fused_f32) stream too.
+   The first scheme asked for a whole row's lines at once when the row began (prefetch_row, still used by the
+   decode-then-dot paths: Q4_1, Q5_1, Q2_K, Q3_K, Q5_K with float activations): on rows of 5-11 KB (K = 5120, 10240) those bursts outran the line-fill buffers and the GEMV read 9-11
    GB/s against 13-17 streamed (benchmarks/README.md, "prefetch"). A prefetch never faults, past the end of a
    matrix too. */
 #define PREFETCH_AHEAD 4096

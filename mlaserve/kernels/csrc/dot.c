@@ -1,10 +1,14 @@
 /* The fp32 dot product of a decoded row with an activation row, and F32 rows dotted where they lie. */
 
-static inline float dot(const float *w, const float *x, int64_t k) {
+/* stream: keep a prefetch stream PREFETCH_AHEAD bytes ahead of w (common.h: rows read from memory; a row decoded
+   into a buffer needs none). The arithmetic is the same either way. */
+static inline float dot_rows(const float *w, const float *x, int64_t k, int stream) {
 #ifdef __AVX2__
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     int64_t i = 0;
+    const char *pf = (const char *)w + PREFETCH_AHEAD;
     for (; i + 32 <= k; i += 32) {
+        if (stream) pf = prefetch_stream(pf, (const uint8_t *)(w + i));
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
         a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
@@ -28,12 +32,15 @@ static inline float dot(const float *w, const float *x, int64_t k) {
         s3 += w[i + 3] * x[i + 3];
     }
     for (; i < k; i++) s0 += w[i] * x[i];
+    (void)stream;
     return (s0 + s1) + (s2 + s3);
 #endif
 }
 
-/* F32 rows: dotted where they lie */
+static inline float dot(const float *w, const float *x, int64_t k) { return dot_rows(w, x, k, 0); }
+
+/* F32 rows: dotted where they lie, streamed as the fused row kernels are (a 2048-wide row's whole-row prefetch was a
+   burst of 128 lines) */
 static void fused_f32(const uint8_t *b, const float *x, int64_t ldx, int64_t m, int64_t k, float *y, int64_t ldy) {
-    prefetch_row(b, 4 * k);
-    for (int64_t i = 0; i < m; i++) y[i * ldy] = dot((const float *)b, x + i * ldx, k);
+    for (int64_t i = 0; i < m; i++) y[i * ldy] = dot_rows((const float *)b, x + i * ldx, k, i == 0);
 }
