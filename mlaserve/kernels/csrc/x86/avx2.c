@@ -1134,16 +1134,110 @@ static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, 
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i] * iq_int_factor(type);
 }
+/* The sign-grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) on q8_K, llama.cpp's way (ggml_vec_dot_iq2_xxs_q8_K
+   and kin): the grid bytes as they are stored (all in 1..62) into the unsigned operand, each group's sign bits onto
+   the activations as one 64-bit word of +-1 bytes from a table (KSIGNS64: 7 bits + parity, ksigns; SIGNS8: 8 stored
+   bits), and no sub-block reader (iq_sub_t's signed codes, their magnitudes and their float scales, which the int8
+   products never read). Each product g x (+-1) is the one q8k_grid_mr forms (|w| sign(x, w)), summed in the same
+   lanes and order: the same int32 sums and the same bits, at about half the instructions per sub-block. Measured
+   on a 2-core AVX-512 Xeon, one thread: IQ2_XXS 0.16-0.19 -> 0.10 ns per weight, IQ3_XXS 0.23-0.25 -> 0.15
+   (llama.cpp's own 0.09-0.10 and 0.14-0.15). */
+static uint64_t KSIGNS64[128];
+__attribute__((constructor)) static void ksigns64_init(void) {
+    for (int i = 0; i < 128; i++) {
+        const uint8_t s = ksigns((uint32_t)i);
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)((s >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+        KSIGNS64[i] = v;
+    }
+}
+
+static inline __m256i words4(uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3) { /* w0: bytes 0..7 */
+    return _mm256_set_epi64x((long long)w3, (long long)w2, (long long)w1, (long long)w0);
+}
+
+/* sub-block ib's 32 grid bytes (*g, unsigned) and its 4 groups' sign words (*sg) */
+static inline __attribute__((always_inline)) void sign_grid32(const uint8_t *b, const int type, const int ib, __m256i *g,
+                                                              __m256i *sg) {
+    if (type == MLS_IQ2_XXS || type == MLS_IQ3_XXS) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t aux = type == MLS_IQ2_XXS ? u32(q + 4) : u32(b + 66 + 4 * ib);
+        if (type == MLS_IQ2_XXS)
+            *g = words4(IQ2XXS_GRID[q[0]], IQ2XXS_GRID[q[1]], IQ2XXS_GRID[q[2]], IQ2XXS_GRID[q[3]]);
+        else
+            *g = _mm256_set_epi32((int)IQ3XXS_GRID[q[7]], (int)IQ3XXS_GRID[q[6]], (int)IQ3XXS_GRID[q[5]],
+                                  (int)IQ3XXS_GRID[q[4]], (int)IQ3XXS_GRID[q[3]], (int)IQ3XXS_GRID[q[2]],
+                                  (int)IQ3XXS_GRID[q[1]], (int)IQ3XXS_GRID[q[0]]);
+        *sg = words4(KSIGNS64[aux & 127], KSIGNS64[(aux >> 7) & 127], KSIGNS64[(aux >> 14) & 127],
+                     KSIGNS64[(aux >> 21) & 127]);
+    } else if (type == MLS_IQ2_XS) {
+        const uint16_t q0 = u16(b + 2 + 8 * ib), q1 = u16(b + 4 + 8 * ib), q2 = u16(b + 6 + 8 * ib), q3 = u16(b + 8 + 8 * ib);
+        *g = words4(IQ2XS_GRID[q0 & 511], IQ2XS_GRID[q1 & 511], IQ2XS_GRID[q2 & 511], IQ2XS_GRID[q3 & 511]);
+        *sg = words4(KSIGNS64[q0 >> 9], KSIGNS64[q1 >> 9], KSIGNS64[q2 >> 9], KSIGNS64[q3 >> 9]);
+    } else if (type == MLS_IQ2_S) {
+        const uint8_t *q = b + 2 + 4 * ib, *sb = b + 34 + 4 * ib;
+        const int qh = b[66 + ib];
+        *g = words4(IQ2S_GRID[q[0] | ((qh & 3) << 8)], IQ2S_GRID[q[1] | ((qh & 12) << 6)],
+                    IQ2S_GRID[q[2] | ((qh & 48) << 4)], IQ2S_GRID[q[3] | ((qh & 192) << 2)]);
+        *sg = words4(SIGNS8[sb[0]], SIGNS8[sb[1]], SIGNS8[sb[2]], SIGNS8[sb[3]]);
+    } else { /* IQ3_S: two 9-bit indices of 4-value entries per group */
+        const uint8_t *q = b + 2 + 8 * ib, *sb = b + 74 + 4 * ib;
+        const int qh = b[66 + ib];
+        *g = _mm256_set_epi32((int)IQ3S_GRID[q[7] | ((qh << 1) & 256)], (int)IQ3S_GRID[q[6] | ((qh << 2) & 256)],
+                              (int)IQ3S_GRID[q[5] | ((qh << 3) & 256)], (int)IQ3S_GRID[q[4] | ((qh << 4) & 256)],
+                              (int)IQ3S_GRID[q[3] | ((qh << 5) & 256)], (int)IQ3S_GRID[q[2] | ((qh << 6) & 256)],
+                              (int)IQ3S_GRID[q[1] | ((qh << 7) & 256)], (int)IQ3S_GRID[q[0] | ((qh << 8) & 256)]);
+        *sg = words4(SIGNS8[sb[0]], SIGNS8[sb[1]], SIGNS8[sb[2]], SIGNS8[sb[3]]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8k_sign_grid_mr(const uint8_t *b, const int type, const int8_t *xq,
+                                                                   const float *xd, const int mr, int64_t k, float *y,
+                                                                   int64_t ldy) {
+    const int64_t slots = k / 32;
+    const int64_t bytes = type == MLS_IQ2_XXS ? 66 : type == MLS_IQ2_XS ? 74 : type == MLS_IQ2_S ? 82
+                        : type == MLS_IQ3_XXS ? 98 : 110;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const char *pf = (const char *)b + PREFETCH_AHEAD;
+    for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
+        pf = prefetch_stream(pf, b);
+        const float dw = f16(b);
+        __m256i sum[4];
+        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            __m256i g, sg;
+            sign_grid32(b, type, ib, &g, &sg);
+            int32_t ls[2];
+            iq_ls(b, type, ib, ls);
+            const __m256i sc = Q8K_SCALES(ls[0], ls[1]);
+            for (int i = 0; i < mr; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
+                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(g, _mm256_sign_epi8(x, sg), sc));
+            }
+        }
+        for (int i = 0; i < mr; i++) {
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = acc[i] * iq_int_factor(type);
+}
+#define SIGN_GRID_Q8K(name, type)                                                                               \
+    static inline __attribute__((always_inline)) void name(const uint8_t *b, const int8_t *xq, const float *xd, \
+                                                           const int mr, int64_t k, float *y, int64_t ldy) {   \
+        q8k_sign_grid_mr(b, (type), xq, xd, mr, k, y, ldy);                                                    \
+    }
+SIGN_GRID_Q8K(q8k_iq2_xxs_mr, MLS_IQ2_XXS)
+SIGN_GRID_Q8K(q8k_iq3_xxs_mr, MLS_IQ3_XXS)
+SIGN_GRID_Q8K(q8k_iq2_xs_mr, MLS_IQ2_XS)
+SIGN_GRID_Q8K(q8k_iq2_s_mr, MLS_IQ2_S)
+SIGN_GRID_Q8K(q8k_iq3_s_mr, MLS_IQ3_S)
+
 #define GRID_Q8K(name, type)                                                                                    \
     static inline __attribute__((always_inline)) void name(const uint8_t *b, const int8_t *xq, const float *xd, \
                                                            const int mr, int64_t k, float *y, int64_t ldy) {   \
         q8k_grid_mr(b, (type), xq, xd, mr, k, y, ldy);                                                         \
     }
-GRID_Q8K(q8k_iq2_xxs_mr, MLS_IQ2_XXS)
-GRID_Q8K(q8k_iq2_xs_mr, MLS_IQ2_XS)
-GRID_Q8K(q8k_iq2_s_mr, MLS_IQ2_S)
-GRID_Q8K(q8k_iq3_xxs_mr, MLS_IQ3_XXS)
-GRID_Q8K(q8k_iq3_s_mr, MLS_IQ3_S)
 GRID_Q8K(q8k_iq1_s_mr, MLS_IQ1_S)
 GRID_Q8K(q8k_iq1_m_mr, MLS_IQ1_M)
 
