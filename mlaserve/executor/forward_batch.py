@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 
@@ -158,7 +157,5 @@ def _check_state_slots(chunks: list[SeqChunk]) -> None:
 
 
 def _longs(values: list[int], device) -> torch.Tensor:
-    # Built on the host (numpy: fewer torch ops, which run cold in a decode step: attention/metadata.py) and
-    # copied once to another device.
-    t = torch.from_numpy(np.array(values, dtype=np.int64))
-    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+    # Built on the host and copied once: a list -> device tensor directly is one transfer per call anyway.
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

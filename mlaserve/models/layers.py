@@ -165,12 +165,8 @@ class RotaryEmbedding(nn.Module):
             return torch.ones(shape, dtype=dtype, device=positions.device), torch.zeros(
                 shape, dtype=dtype, device=positions.device
             )
-        inv_freq = self.inv_freq if self.inv_freq.device == positions.device else self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.scale != 1.0:  # x * 1.0 is x bit for bit: the op is skipped, not the arithmetic changed
-            cos, sin = cos * self.scale, sin * self.scale
-        return cos.to(dtype), sin.to(dtype)
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, cos, sin, self.interleaved)

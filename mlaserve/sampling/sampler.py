@@ -155,6 +155,9 @@ class SamplingBatch:
         V = vocab_size
         dev = torch.device(device) if device is not None else torch.device("cpu")
 
+        def f32(values):
+            return torch.tensor(values, dtype=torch.float32, device=dev)
+
         greedy = [p.greedy for p in params]
         top_k = [min(p.top_k, V) for p in params]
         rep = [p.repetition_penalty for p in params]
@@ -168,24 +171,16 @@ class SamplingBatch:
         requested = [p.logprobs for p in params if p.logprobs is not None]
         if token_bitmask is not None and tuple(token_bitmask.shape) != (B, (V + 31) // 32):
             raise ValueError(f"token_bitmask must be [{B}, {(V + 31) // 32}], got {list(token_bitmask.shape)}")
-        # the six float parameters as rows of one tensor (one host-to-tensor copy per step, not six: each torch op
-        # of a decode step runs with cold caches, attention/metadata.py says why)
-        temperature, top_p, min_p, rep_t, pres_t, freq_t = torch.tensor(
-            [[1.0 if g else p.temperature for g, p in zip(greedy, params)], [p.top_p for p in params],
-             [p.min_p for p in params], rep, pres, freq],
-            dtype=torch.float32,
-            device=dev,
-        ).unbind(0)  # fmt: skip
         return cls(
             vocab_size=V,
-            temperature=temperature,
+            temperature=f32([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=rep_t,
-            presence_penalty=pres_t,
-            frequency_penalty=freq_t,
+            top_p=f32([p.top_p for p in params]),
+            min_p=f32([p.min_p for p in params]),
+            repetition_penalty=f32(rep),
+            presence_penalty=f32(pres),
+            frequency_penalty=f32(freq),
             output_counts=output_counts,
             seen_mask=seen_mask,
             token_bitmask=token_bitmask.to(dev) if token_bitmask is not None else None,
