@@ -1073,67 +1073,6 @@ static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b,
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
 
-/* The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) on q8_K: a sub-block's codes from the
-   fused kernels' readers (iq_sub_t: signed grid values; IQ1 as 8 g +- 1 from the group's delta), its halves'
-   integer multipliers (ref/iquants.c iq_ls), S = sum over the super-block of ls * (the exact sums of code
-   products), acc += (d_w * d_x) * S, and the row's sum times the type's power-of-two factor at the end
-   (llama.cpp's ggml_vec_dot_iq2_xxs_q8_K and kin: `0.125f * sumf`) */
-/* 8 bytes of +1, or of -1 where the delta is negative, from its sign bit in an integer (no branch on the data:
-   iq1_delta says why) */
-static inline long long iq1_pm(float delta) {
-    uint32_t bits;
-    memcpy(&bits, &delta, 4);
-    const uint64_t neg = 0 - (uint64_t)(bits >> 31);
-    return (long long)(0x0101010101010101ULL ^ (neg & 0xFEFEFEFEFEFEFEFEULL));
-}
-
-static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, const int type, const int8_t *xq,
-                                                              const float *xd, const int mr, int64_t k, float *y,
-                                                              int64_t ldy) {
-    const int64_t slots = k / 32;
-    const int64_t bytes = type == MLS_IQ2_XXS ? 66 : type == MLS_IQ2_XS ? 74 : type == MLS_IQ2_S ? 82
-                        : type == MLS_IQ3_XXS ? 98 : type == MLS_IQ3_S ? 110 : type == MLS_IQ1_S ? 50 : 56;
-    const int iq1 = type == MLS_IQ1_S || type == MLS_IQ1_M;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const char *pf = (const char *)b + PREFETCH_AHEAD;
-    for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
-        pf = prefetch_stream(pf, b);
-        const float dw = iq_int_d(b, type);
-        __m256i sum[4];
-        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            iq_sub_t o;
-            switch (type) {
-            case MLS_IQ2_XXS: iq2_xxs_sub(b, dw, ib, &o); break;
-            case MLS_IQ3_XXS: iq3_xxs_sub(b, dw, ib, &o); break;
-            case MLS_IQ2_XS: iq2_xs_sub(b, dw, ib, &o); break;
-            case MLS_IQ2_S: iq2_s_sub(b, dw, ib, &o); break;
-            case MLS_IQ3_S: iq3_s_sub(b, dw, ib, &o); break;
-            case MLS_IQ1_S: iq1_s_sub(b, dw, ib, &o); break;
-            default: iq1_m_sub(b, dw, ib, &o);
-            }
-            __m256i w = _mm256_set_m128i(_mm_unpacklo_epi64(o.g[2], o.g[3]), _mm_unpacklo_epi64(o.g[0], o.g[1]));
-            if (iq1) { /* 8 g + 1 or 8 g - 1 per 8-value group, by the sign of its delta */
-                const __m256i w2 = _mm256_add_epi8(w, w), w4 = _mm256_add_epi8(w2, w2);
-                const __m256i pm = _mm256_setr_epi64x(iq1_pm(o.delta[0]), iq1_pm(o.delta[1]), iq1_pm(o.delta[2]),
-                                                      iq1_pm(o.delta[3]));
-                w = _mm256_add_epi8(_mm256_add_epi8(w4, w4), pm);
-            }
-            int32_t ls[2];
-            iq_ls(b, type, ib, ls);
-            const __m256i aw = _mm256_sign_epi8(w, w), s = Q8K_SCALES(ls[0], ls[1]);
-            for (int i = 0; i < mr; i++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
-                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(aw, _mm256_sign_epi8(x, w), s));
-            }
-        }
-        for (int i = 0; i < mr; i++) {
-            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
-        }
-    }
-    for (int i = 0; i < mr; i++) y[i * ldy] = acc[i] * iq_int_factor(type);
-}
 /* The sign-grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) on q8_K, llama.cpp's way (ggml_vec_dot_iq2_xxs_q8_K
    and kin): the grid bytes as they are stored (all in 1..62) into the unsigned operand, each group's sign bits onto
    the activations as one 64-bit word of +-1 bytes from a table (KSIGNS64: 7 bits + parity, ksigns; SIGNS8: 8 stored
@@ -1191,28 +1130,61 @@ static inline __attribute__((always_inline)) void sign_grid32(const uint8_t *b, 
     }
 }
 
-static inline __attribute__((always_inline)) void q8k_sign_grid_mr(const uint8_t *b, const int type, const int8_t *xq,
-                                                                   const float *xd, const int mr, int64_t k, float *y,
-                                                                   int64_t ldy) {
+/* 8 bytes of +1, or of -1 where the delta is negative, from its sign bit in an integer (no branch on the data:
+   iq1_delta says why) */
+static inline long long iq1_pm(float delta) {
+    uint32_t bits;
+    memcpy(&bits, &delta, 4);
+    const uint64_t neg = 0 - (uint64_t)(bits >> 31);
+    return (long long)(0x0101010101010101ULL ^ (neg & 0xFEFEFEFEFEFEFEFEULL));
+}
+
+/* IQ1_S / IQ1_M: a sub-block's codes 8 g +- 1 (the grid's -1 / 0 / 1 times 8, the group's delta by its sign) from
+   the fused kernels' readers, as the unsigned magnitudes and the signed codes whose signs go onto the activations */
+static inline __attribute__((always_inline)) void iq1_operands(const uint8_t *b, const int type, const int ib,
+                                                               __m256i *u, __m256i *sg) {
+    iq_sub_t o;
+    if (type == MLS_IQ1_S)
+        iq1_s_sub(b, 1.0f, ib, &o);
+    else
+        iq1_m_sub(b, 1.0f, ib, &o);
+    const __m256i w = _mm256_set_m128i(_mm_unpacklo_epi64(o.g[2], o.g[3]), _mm_unpacklo_epi64(o.g[0], o.g[1]));
+    const __m256i w2 = _mm256_add_epi8(w, w), w4 = _mm256_add_epi8(w2, w2);
+    const __m256i pm = _mm256_setr_epi64x(iq1_pm(o.delta[0]), iq1_pm(o.delta[1]), iq1_pm(o.delta[2]), iq1_pm(o.delta[3]));
+    *sg = _mm256_add_epi8(_mm256_add_epi8(w4, w4), pm);
+    *u = _mm256_sign_epi8(*sg, *sg);
+}
+
+/* The grid i-quants on q8_K: per sub-block the unsigned operand u and the sign source sg (sign_grid32,
+   iq1_operands), its halves' integer multipliers (ref/iquants.c iq_ls), S = sum over the super-block of
+   ls * (the exact sums of u * sign(x, sg)), acc += (d_w * d_x) * S, and the row's sum times the type's power-of-two
+   factor at the end (llama.cpp's ggml_vec_dot_iq2_xxs_q8_K and kin: `0.125f * sumf`) */
+static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, const int type, const int8_t *xq,
+                                                              const float *xd, const int mr, int64_t k, float *y,
+                                                              int64_t ldy) {
     const int64_t slots = k / 32;
     const int64_t bytes = type == MLS_IQ2_XXS ? 66 : type == MLS_IQ2_XS ? 74 : type == MLS_IQ2_S ? 82
-                        : type == MLS_IQ3_XXS ? 98 : 110;
+                        : type == MLS_IQ3_XXS ? 98 : type == MLS_IQ3_S ? 110 : type == MLS_IQ1_S ? 50 : 56;
+    const int iq1 = type == MLS_IQ1_S || type == MLS_IQ1_M;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
         pf = prefetch_stream(pf, b);
-        const float dw = f16(b);
+        const float dw = iq_int_d(b, type);
         __m256i sum[4];
         for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {
-            __m256i g, sg;
-            sign_grid32(b, type, ib, &g, &sg);
+            __m256i u, sg;
+            if (iq1)
+                iq1_operands(b, type, ib, &u, &sg);
+            else
+                sign_grid32(b, type, ib, &u, &sg);
             int32_t ls[2];
             iq_ls(b, type, ib, ls);
             const __m256i sc = Q8K_SCALES(ls[0], ls[1]);
             for (int i = 0; i < mr; i++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
-                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(g, _mm256_sign_epi8(x, sg), sc));
+                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(u, _mm256_sign_epi8(x, sg), sc));
             }
         }
         for (int i = 0; i < mr; i++) {
@@ -1222,22 +1194,16 @@ static inline __attribute__((always_inline)) void q8k_sign_grid_mr(const uint8_t
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i] * iq_int_factor(type);
 }
-#define SIGN_GRID_Q8K(name, type)                                                                               \
-    static inline __attribute__((always_inline)) void name(const uint8_t *b, const int8_t *xq, const float *xd, \
-                                                           const int mr, int64_t k, float *y, int64_t ldy) {   \
-        q8k_sign_grid_mr(b, (type), xq, xd, mr, k, y, ldy);                                                    \
-    }
-SIGN_GRID_Q8K(q8k_iq2_xxs_mr, MLS_IQ2_XXS)
-SIGN_GRID_Q8K(q8k_iq3_xxs_mr, MLS_IQ3_XXS)
-SIGN_GRID_Q8K(q8k_iq2_xs_mr, MLS_IQ2_XS)
-SIGN_GRID_Q8K(q8k_iq2_s_mr, MLS_IQ2_S)
-SIGN_GRID_Q8K(q8k_iq3_s_mr, MLS_IQ3_S)
-
 #define GRID_Q8K(name, type)                                                                                    \
     static inline __attribute__((always_inline)) void name(const uint8_t *b, const int8_t *xq, const float *xd, \
                                                            const int mr, int64_t k, float *y, int64_t ldy) {   \
         q8k_grid_mr(b, (type), xq, xd, mr, k, y, ldy);                                                         \
     }
+GRID_Q8K(q8k_iq2_xxs_mr, MLS_IQ2_XXS)
+GRID_Q8K(q8k_iq3_xxs_mr, MLS_IQ3_XXS)
+GRID_Q8K(q8k_iq2_xs_mr, MLS_IQ2_XS)
+GRID_Q8K(q8k_iq2_s_mr, MLS_IQ2_S)
+GRID_Q8K(q8k_iq3_s_mr, MLS_IQ3_S)
 GRID_Q8K(q8k_iq1_s_mr, MLS_IQ1_S)
 GRID_Q8K(q8k_iq1_m_mr, MLS_IQ1_M)
 
