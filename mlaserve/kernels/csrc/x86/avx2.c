@@ -1077,8 +1077,9 @@ static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b,
    and kin): the grid bytes as they are stored (all in 1..62) into the unsigned operand, each group's sign bits onto
    the activations as one 64-bit word of +-1 bytes from a table (KSIGNS64: 7 bits + parity, ksigns; SIGNS8: 8 stored
    bits), and no sub-block reader (iq_sub_t's signed codes, their magnitudes and their float scales, which the int8
-   products never read). Each product g x (+-1) is the one q8k_grid_mr forms (|w| sign(x, w)), summed in the same
-   lanes and order: the same int32 sums and the same bits, at about half the instructions per sub-block. Measured
+   products never read; until 2026-12-03 these types went through it as IQ1 still does: iq1_operands). Each product
+   g x (+-1) is the one |w| sign(x, w) of the signed codes formed, in the same lanes and order: the same int32 sums
+   and the same bits, at about half the instructions per sub-block. Measured
    on a 2-core AVX-512 Xeon, one thread: IQ2_XXS 0.16-0.19 -> 0.10 ns per weight, IQ3_XXS 0.23-0.25 -> 0.15
    (llama.cpp's own 0.09-0.10 and 0.14-0.15). */
 static uint64_t KSIGNS64[128];
