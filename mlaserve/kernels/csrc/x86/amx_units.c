@@ -36,27 +36,18 @@ static inline int amx_unit_bytes(int type) {
     }
 }
 
-/* a grid type's sub-block ib: its 32 codes (x86/avx2.c q8k_grid_mr's, IQ1's delta folded in) and its halves'
+/* a grid type's sub-block ib: its 32 signed codes (IQ1's delta folded in) from the int8 products' operands
+   (x86/avx2.c sign_grid32: the grid bytes with their signs applied in one instruction; iq1_operands) and its halves'
    scales ls[0], ls[1] (equal but for IQ2_XS, IQ2_S, IQ1_M) */
-static inline __m256i amx_grid_codes(const uint8_t *b, int type, float dw, int ib, int32_t ls[2]) {
-    iq_sub_t o;
-    switch (type) {
-    case MLS_IQ2_XXS: iq2_xxs_sub(b, dw, ib, &o); break;
-    case MLS_IQ3_XXS: iq3_xxs_sub(b, dw, ib, &o); break;
-    case MLS_IQ3_S: iq3_s_sub(b, dw, ib, &o); break;
-    case MLS_IQ2_XS: iq2_xs_sub(b, dw, ib, &o); break;
-    case MLS_IQ2_S: iq2_s_sub(b, dw, ib, &o); break;
-    case MLS_IQ1_S: iq1_s_sub(b, dw, ib, &o); break;
-    default: iq1_m_sub(b, dw, ib, &o);
-    }
-    __m256i w = _mm256_set_m128i(_mm_unpacklo_epi64(o.g[2], o.g[3]), _mm_unpacklo_epi64(o.g[0], o.g[1]));
-    if (type == MLS_IQ1_S || type == MLS_IQ1_M) {
-        const __m256i w2 = _mm256_add_epi8(w, w), w4 = _mm256_add_epi8(w2, w2);
-        const __m256i pm = _mm256_setr_epi64x(iq1_pm(o.delta[0]), iq1_pm(o.delta[1]), iq1_pm(o.delta[2]), iq1_pm(o.delta[3]));
-        w = _mm256_add_epi8(_mm256_add_epi8(w4, w4), pm);
-    }
+static inline __m256i amx_grid_codes(const uint8_t *b, int type, int ib, int32_t ls[2]) {
+    __m256i u, sg;
     iq_ls(b, type, ib, ls);
-    return w;
+    if (type == MLS_IQ1_S || type == MLS_IQ1_M) {
+        iq1_operands(b, type, ib, &u, &sg);
+        return sg;
+    }
+    sign_grid32(b, type, ib, &u, &sg);
+    return _mm256_sign_epi8(u, sg);
 }
 
 static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, const amx_rows_t *o) {
@@ -92,7 +83,7 @@ static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64
                 o->d[r * kb + blk] = dw;
                 for (int ib = 0; ib < 8; ib++) {
                     int32_t l2[2];
-                    _mm256_storeu_si256((__m256i *)(ab + 32 * ib), amx_grid_codes(b, type, dw, ib, l2));
+                    _mm256_storeu_si256((__m256i *)(ab + 32 * ib), amx_grid_codes(b, type, ib, l2));
                     if (u == 16)
                         lb[2 * ib] = l2[0], lb[2 * ib + 1] = l2[1];
                     else
