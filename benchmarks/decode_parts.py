@@ -30,9 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, environment, random_prompt, write_json
 
+from mlaserve.config.machine import INT8_BITS
 from mlaserve.kernels import native
 
-INT8_AUTO = 6  # activations="auto": int8 for weights of 6 bits or fewer (kernels/native.py int8_cap)
+INT8_AUTO = INT8_BITS["int8_6bit"]  # activations="auto" on a GGUF: int8 for weights of 6 bits or fewer
 
 # gguf tensor name (after blk.N.) -> the part it belongs to
 PARTS = {

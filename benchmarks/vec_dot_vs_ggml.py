@@ -31,7 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, environment, write_json
 
+from mlaserve.config.machine import INT8_BITS
 from mlaserve.kernels import native
+
+AUTO = INT8_BITS["int8_6bit"]  # activations="auto" on a GGUF: int8 for weights of 6 bits or fewer
 
 HARNESS = r"""
 #include <stdio.h>
@@ -69,18 +72,11 @@ def build_harness(src: Path, lib: Path, work: Path) -> Path:
     c, exe = work / "vec_dot.c", work / "vec_dot"
     c.write_text(HARNESS)
     inc = src / "ggml" / "include"
-    cmd = [
-        "cc",
-        "-O2",
-        f"-I{inc}",
-        str(c),
-        f"-L{lib}",
-        "-lggml-cpu",
-        "-lggml-base",
-        f"-Wl,-rpath,{lib}",
-        "-o",
-        str(exe),
-    ]
+    cc = native._compiler()  # the compiler the engine builds its own kernels with
+    if cc is None:
+        raise SystemExit("no C compiler on PATH (set CC)")
+    libs = [f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}"]
+    cmd = [cc, "-O2", f"-I{inc}", str(c), *libs, "-o", str(exe)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"could not build the llama.cpp harness against {src} / {lib}:\n{run.stderr[:2000]}")
@@ -106,11 +102,11 @@ def pick_tensors(reader, names: list[str] | None) -> list:
 
 def mlaserve_best(t, rows: torch.Tensor, k: int, reps: int) -> float:
     x = torch.randn(1, k)
-    native.gemm(int(t.tensor_type), x, rows, k, int8=6)  # activations="auto": int8 for 6 bits or fewer
+    native.gemm(int(t.tensor_type), x, rows, k, int8=AUTO)
     best = 1e9
     for _ in range(reps):
         t0 = time.perf_counter()
-        native.gemm(int(t.tensor_type), x, rows, k, int8=6)
+        native.gemm(int(t.tensor_type), x, rows, k, int8=AUTO)
         best = min(best, time.perf_counter() - t0)
     return best
 
