@@ -10,6 +10,9 @@ Notation
   q_pos    [B, Q]     each query's position (padding: 0), the causal bound kernels compute the mask from
   valid_flat [V]      positions in the flattened [B * Q] of the V valid queries (row-major)
   out_index  [V]      their flat token rows (q_index at valid_flat)
+  key_ends   (Q,)     host ints: queries at offsets <= j read keys below key_ends[j] only (every request's
+                      min(context + j + 1, sequence length), the largest): a block of queries ending at j
+                      may leave out the keys from there on, all masked for it
 Padding queries are given key 0 so their softmax stays finite; their outputs are discarded.
 """
 
@@ -37,6 +40,7 @@ class SegmentTensors:
     valid_flat: torch.Tensor  # [V] where the valid queries are in [B * Q]
     out_index: torch.Tensor  # [V] flat token rows of the valid queries, in q_valid order
     q_pos: torch.Tensor  # [B, Q] positions: mask[b, q, l] == (l <= q_pos[b, q]) (q_pos < seq_lens[b])
+    key_ends: tuple[int, ...]  # (Q,) on the host, from the plan's plain data: see the notation above
 
 
 def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTensors:
@@ -60,7 +64,8 @@ def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTenso
     out_index = q_index.flatten()[valid_flat]
     dev = batch.input_ids.device
     tensors = (q_index, q_valid, kv_slots, mask, seq_lens, valid_flat, out_index, q_pos)
-    return SegmentTensors(segment, *(t.to(dev) for t in tensors))
+    key_ends = torch.minimum(ctx[:, None] + q_off[None, :] + 1, seq_lens[:, None]).amax(dim=0)
+    return SegmentTensors(segment, *(t.to(dev) for t in tensors), tuple(key_ends.tolist()))
 
 
 def _slots(seqs, k_pos: torch.Tensor, page_size: int, seq_lens: torch.Tensor, pad_slot: int) -> torch.Tensor:

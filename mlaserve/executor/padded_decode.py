@@ -97,7 +97,7 @@ def _padded_segment(
     segment = None  # set by _padded_kind
     q_pos = (seq_lens - 1)[:, None]  # each row's one query is its last position (a padding row: 0)
     tensors = (rows[:, None], torch.ones(p, 1, dtype=torch.bool), kv_slots, mask, seq_lens, rows, rows.clone(), q_pos)
-    return SegmentTensors(segment, *(t.to(dev) for t in tensors))
+    return SegmentTensors(segment, *(t.to(dev) for t in tensors), (length,))
 
 
 def zero_pad_rows(cache: ModelCache) -> None:

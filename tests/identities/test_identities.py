@@ -93,8 +93,8 @@ def test_query_blocks_equal_one_block(hf_model_dir, kind, mla_path, monkeypatch)
     sizes = []
     real = blocks.query_blocks
 
-    def counted(n, per_query):
-        blocks = real(n, per_query)
+    def counted(n, per_query, most=None):
+        blocks = real(n, per_query, most)
         sizes.append(len(blocks))
         return blocks
 

@@ -11,9 +11,18 @@ import torch
 WORKSPACE_BYTES = 64 * 2**20
 
 
-def query_blocks(n_queries: int, bytes_per_query: int) -> list[slice]:
-    """Consecutive slices of the query axis whose temporaries fit in WORKSPACE_BYTES (>= 1 query each)."""
+# Queries per block of a causal prompt's attention (the decompressed path): each block reads the keys up to its
+# last query only (SegmentTensors.key_ends), so a prompt in blocks of 128 skips most of the masked half of its
+# scores. 128 measured level with 32 and 64: the standard model's Q4_K_M / Q8_0 files prefill a 512-token prompt
+# 10-14% faster than in one block, a 2048-token one 33-39% (2-core Xeon with AVX-512 and AMX, 2 threads).
+CAUSAL_BLOCK = 128
+
+
+def query_blocks(n_queries: int, bytes_per_query: int, most: int | None = None) -> list[slice]:
+    """Consecutive slices of the query axis whose temporaries fit in WORKSPACE_BYTES (>= 1 query each), of at most
+    `most` queries where given."""
     step = max(1, WORKSPACE_BYTES // max(1, bytes_per_query))
+    step = step if most is None else min(step, most)
     return [slice(a, min(a + step, n_queries)) for a in range(0, n_queries, step)]
 
 

@@ -25,6 +25,7 @@ import torch
 
 from mlaserve.attention.backends import torch_index
 from mlaserve.attention.backends.blocks import (
+    CAUSAL_BLOCK,
     drop_unread_rows,
     finite_values,
     gather_rows,
@@ -79,7 +80,7 @@ def decompressed_attention(
     q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
     mask, causal = _mask(seg, allowed), seg.q_index.shape[1] > 1
     groups = head_blocks(h, expansion_bytes(rows, w.shape[1], q.shape[-1]))
-    parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal) for g in groups]
+    parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal, seg.key_ends) for g in groups]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -97,8 +98,12 @@ def _decompressed_heads(
     scale: float,
     dn: int,
     causal: bool,
+    key_ends: tuple[int, ...],
 ) -> torch.Tensor:
-    """One group of G heads: q [B, G, Q, dn + dr], rows [B, L, r + dr], w [G, dn + dv, r] -> [B, Q, G, dv]."""
+    """One group of G heads: q [B, G, Q, dn + dr], rows [B, L, r + dr], w [G, dn + dv, r] -> [B, Q, G, dv].
+    Each block of queries reads the keys below its key_ends only: the rest are masked for all of its queries
+    (probability 0, and V's later rows are finite), so the outputs are those of the whole key range up to the
+    products' rounding."""
     g, r = w.shape[0], w.shape[2]
     kv = torch.nn.functional.linear(rows[..., :r], w.flatten(0, 1)).unflatten(-1, (g, -1))  # [B, L, G, dn + dv]
     # Heads-major, contiguous K = [k_nope | k_pe] and V, so that scores come out as contiguous
@@ -109,8 +114,12 @@ def _decompressed_heads(
     # V is a fresh copy (K was concatenated from kv before): its non-finite values are zeroed in place
     v = finite_values(kv[..., dn:].transpose(1, 2).contiguous(), causal, inplace=True)  # [B, G, L, dv]
     del kv  # not read again: freed before the scores are made
-    blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * g, rows.shape[1]))
-    return torch.cat([_mha(q[:, :, s], k, v, mask[:, s], scale) for s in blocks], dim=1)
+    blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * g, rows.shape[1]), CAUSAL_BLOCK if causal else None)
+    parts = []
+    for s in blocks:
+        n = key_ends[s.stop - 1]
+        parts.append(_mha(q[:, :, s], k[:, :, :n], v[:, :, :n], mask[:, s, :n], scale))
+    return torch.cat(parts, dim=1)
 
 
 def _mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
