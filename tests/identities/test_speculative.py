@@ -15,7 +15,7 @@ from mtp_models import mtp_model_folder
 
 import mlaserve.engine.speculative as spec
 from mlaserve import LLM
-from mlaserve.entrypoints.cli import _speed_line
+from mlaserve.entrypoints.commands.generation import speed_line
 from mlaserve.executor.forward_batch import SeqChunk
 from mlaserve.sampling.params import SamplingParams
 
@@ -101,7 +101,7 @@ def test_ledger_shows_verify_route_and_counts(models, monkeypatch):
     assert summary["num_accepted_tokens"] == sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
     assert summary["num_proposed_tokens"] == sum(o.metrics["num_draft_tokens"] for o in outs)
     assert 1 < summary["mean_accepted_length"] <= 3
-    assert "MTP drafts" in _speed_line(outs[0])  # what `mlaserve generate` prints
+    assert "MTP drafts" in speed_line(outs[0])  # what `mlaserve generate` prints
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ def test_every_flag_has_help():
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    for add in (cli._add_generate, cli._add_inspect, cli._add_verify, cli._add_convert, cli._add_trace, cli.add_serve):
+    for add in cli.SUBCOMMANDS:
         add(sub)
     for name, p in sub.choices.items():
         for action in p._actions:
