@@ -24,14 +24,21 @@ static inline void amx_digits(int32_t sc, int q6, int8_t s[AMX_PLANES]) {
     }
 }
 
-/* a unit's 32 codes (int8 lanes of codes) times its scale's digits into the planes */
-static inline void amx_put(int8_t *a, int64_t plane, const __m256i codes, const int8_t s[AMX_PLANES], int planes) {
-    for (int p = 0; p < planes; p++) {
-        /* q * s_p in int16 (exact, |.| <= 128), back to bytes (within int8 by the digits' range) */
-        const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)), _mm256_set1_epi16(s[p]));
-        const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)), _mm256_set1_epi16(s[p]));
-        const __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xD8);
-        _mm256_storeu_si256((__m256i *)(a + p * plane), v);
+/* Q4_K's plane bytes q * s_p (q 0..15, s_p 0..7: at most 105) looked up, not multiplied: one shuffle per 32 codes
+   and plane where an int16 multiply took six instructions (widen twice, multiply twice, pack, reorder); the same
+   bytes. Row d holds d * (0..15) in both 128-bit lanes. */
+#define AMX_Q4_ROW(d) \
+    {0 * (d), 1 * (d), 2 * (d), 3 * (d), 4 * (d), 5 * (d), 6 * (d), 7 * (d), 8 * (d), 9 * (d), 10 * (d), 11 * (d), \
+     12 * (d), 13 * (d), 14 * (d), 15 * (d), 0 * (d), 1 * (d), 2 * (d), 3 * (d), 4 * (d), 5 * (d), 6 * (d), 7 * (d), \
+     8 * (d), 9 * (d), 10 * (d), 11 * (d), 12 * (d), 13 * (d), 14 * (d), 15 * (d)}
+static const uint8_t AMX_Q4_TIMES[8][32] __attribute__((aligned(32))) = {
+    AMX_Q4_ROW(0), AMX_Q4_ROW(1), AMX_Q4_ROW(2), AMX_Q4_ROW(3), AMX_Q4_ROW(4), AMX_Q4_ROW(5), AMX_Q4_ROW(6), AMX_Q4_ROW(7)};
+#undef AMX_Q4_ROW
+
+static inline void amx_put_q4(int8_t *a, int64_t plane, const __m256i codes, const int8_t s[AMX_PLANES]) {
+    for (int p = 0; p < 2; p++) {
+        const __m256i times = _mm256_load_si256((const __m256i *)AMX_Q4_TIMES[s[p]]);
+        _mm256_storeu_si256((__m256i *)(a + p * plane), _mm256_shuffle_epi8(times, codes));
     }
 }
 
@@ -54,9 +61,9 @@ static void amx_plane_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
                 for (int c = 0; c < 4; c++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
                     amx_digits(sc[2 * c], 0, s);
-                    amx_put(a + blk * 256 + 64 * c, plane, _mm256_and_si256(raw, m4), s, 2);
+                    amx_put_q4(a + blk * 256 + 64 * c, plane, _mm256_and_si256(raw, m4), s);
                     amx_digits(sc[2 * c + 1], 0, s);
-                    amx_put(a + blk * 256 + 64 * c + 32, plane, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), s, 2);
+                    amx_put_q4(a + blk * 256 + 64 * c + 32, plane, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), s);
                 }
             } else {
                 const uint8_t *q = b + blk * 210;
