@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from mlaserve.config import families
-from mlaserve.config.deepseek_v4_layers import v4_page_size
+from mlaserve.config.cache_pool import choose_num_pages, choose_page_size
 from mlaserve.config.engine_parts import (
     AttentionConfig,
     CacheConfig,
@@ -28,7 +27,7 @@ from mlaserve.config.engine_parts import (
     ServerConfig,
     SpeculativeConfig,
 )
-from mlaserve.config.kv_cache import check_kv_cache_dtype, quantize_states
+from mlaserve.config.kv_cache import check_kv_cache_dtype
 from mlaserve.config.machine import (
     check_choice,
     choose_activations,
@@ -57,9 +56,6 @@ from mlaserve.config.options import (
 )
 from mlaserve.config.provenance import ProvenanceLog
 from mlaserve.config.v4_numerics import resolve_v4_numerics
-
-if TYPE_CHECKING:
-    import torch
 
 # The options (config/options.py) and the resolved parts (config/engine_parts.py) are imported from here by the
 # rest of the package: this module is the engine configuration's one entry.
@@ -130,7 +126,7 @@ def resolve(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         _user(log, name, value)
-    page_size = _page_size(model, opts.page_size, log)
+    page_size = choose_page_size(model, opts.page_size, log)
     if not isinstance(opts.check_tensors, bool):
         raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
     _user(log, "check_tensors", opts.check_tensors)
@@ -154,7 +150,9 @@ def resolve(
         if opts.malloc_tuning
         else "off: library default (a process-wide policy is the host's choice; LLM(malloc_tuning=True) turns it on)",
     )
-    num_pages = _num_pages(opts, page_size, max_model_len or model.max_position_embeddings, log, model, sparse, dtype)
+    num_pages = choose_num_pages(
+        opts, page_size, max_model_len or model.max_position_embeddings, log, model, sparse, dtype
+    )
     if not isinstance(opts.kv_prefault, bool):
         raise ConfigError(f"kv_prefault must be a bool, got {opts.kv_prefault!r}")
     _user(log, "kv_prefault", opts.kv_prefault)
@@ -366,113 +364,8 @@ def _gguf_mmap(requested: bool, gguf_weights: str | None, log) -> bool:
     return log.record("gguf_mmap", False, "user option: kept blocks copied into the process at load")
 
 
-DEFAULT_PAGE_SIZE = 16
-
-
-def _page_size(model: ModelConfig, page_size: int | None, log: ProvenanceLog) -> int:
-    """The page size: the user's (recorded as given, and checked against the stack's ratios by the cache), else a
-    family's own default (DeepSeek-V4: its compressed pools need a multiple of every compress ratio;
-    config/deepseek_v4_layers.py v4_page_size), else the engine's 16. A given value is never replaced."""
-    if page_size is not None:
-        return page_size
-    if model.family is not None and model.family.layer_kinds == "deepseek_v4":
-        chosen, why = v4_page_size(model)
-        return log.record("page_size", chosen, why)
-    return log.record("page_size", DEFAULT_PAGE_SIZE, f"engine default ({DEFAULT_PAGE_SIZE})")
-
-
-# The default pool of a stack that keeps page-boundary snapshots (prefix caching on a hybrid model) is bounded by
-# this many GiB of cache, rows and snapshots counted: vLLM's CPU backend sizes its KV cache from a budget,
-# VLLM_CPU_KVCACHE_SPACE, 4 GiB when unset. A rows-only stack keeps the 16 x 2048-token default (its rows are small).
-DEFAULT_SNAPSHOT_POOL_GIB = 4
-
-
-def _num_pages(
-    opts: EngineOptions,
-    page_size: int,
-    max_len: int,
-    log: ProvenanceLog,
-    model: ModelConfig,
-    sparse: bool,
-    dtype: torch.dtype,
-) -> int:
-    if opts.kv_cache_memory is not None:
-        return _pages_in_memory(opts, page_size, log, model, sparse, dtype)
-    if opts.num_pages is not None:
-        return log.record("num_pages", opts.num_pages, "user option")
-    # Enough for max_num_seqs sequences of up to 2048 tokens, capped: the cache is small (latent rows).
-    tokens = min(max_len, 2048)
-    per_seq = -(-tokens // page_size)
-    n = max(per_seq * min(opts.max_num_seqs, 16), 64)
-    rows, snapshot = page_bytes(opts, page_size, model, sparse, dtype)
-    if not snapshot:
-        return log.record("num_pages", n, f"engine default (16 sequences x {tokens} tokens)")
-    # Each page also keeps a snapshot row of every snapshotted request state (a recurrent state per KDA layer,
-    # DeepSeek-V4's rings), hundreds of times its rows: the pool is bounded by a budget, but holds at least one
-    # sequence of `tokens`.
-    fit = DEFAULT_SNAPSHOT_POOL_GIB * 2**30 // (rows + snapshot)
-    pages = min(n, max(fit, per_seq))
-    why = (
-        f"engine default: 16 sequences x {tokens} tokens, bounded by {DEFAULT_SNAPSHOT_POOL_GIB} GiB of cache (vLLM's "
-        f"CPU KV cache default; at least one {tokens}-token sequence): {pages_footprint(pages, rows, snapshot)}"
-    )
-    return log.record("num_pages", pages, why)
-
-
 def _bf16_unbound(model: ModelConfig) -> str | None:
     """Why the model's kernel plan binds no bf16 prefill products (None: it does, config/machine.BF16_BITS)."""
     if model.family is not None and model.family.layer_kinds == "deepseek_v4":
         return "DeepSeek-V4's kernel plan (loading/deepseek_v4.plan_v4_kernels) binds no bf16 prefill products"
     return None
-
-
-def pages_footprint(pages: int, rows: int, snapshot: int) -> str:
-    """The pool's bytes in words: pages x (rows + snapshot rows of a page) = total."""
-    total = pages * (rows + snapshot)
-    return f"{pages} pages x ({rows} bytes of rows + {snapshot} bytes of page-boundary snapshots) = {total / 2**30:.3g} GiB"
-
-
-def page_bytes(
-    opts: EngineOptions, page_size: int, model: ModelConfig, sparse: bool, dtype: torch.dtype
-) -> tuple[int, int]:
-    """(bytes of one page's rows, bytes of its snapshot rows): page_size / tokens_per_row rows of each paged state
-    in the kv_cache_dtype layout, and one snapshot row per page of every snapshotted request state where the
-    cache keeps them (prefix caching on and every request state restorable at a page boundary; else 0)."""
-    # imports torch, which this module otherwise does not
-    from mlaserve.config.layer_kinds import declare_layers, prefix_caching_blocker, snapshot_states
-
-    kinds = quantize_states(declare_layers(model, sparse), check_kv_cache_dtype(opts.kv_cache_dtype), model)
-    size = dtype.itemsize
-    # a whole number of rows per page (check_page_size), so an 8-bit row whose bytes do not divide by its
-    # tokens is counted exactly
-    rows = sum(s.bytes_per_row(size) * (page_size // s.tokens_per_row) for k in kinds for s in k.paged)
-    snapshots = opts.enable_prefix_caching and prefix_caching_blocker(kinds) is None
-    snapshot = sum(s.request_bytes(size) for _, s in snapshot_states(kinds)) if snapshots else 0
-    return rows, snapshot
-
-
-def _pages_in_memory(
-    opts: EngineOptions, page_size: int, log: ProvenanceLog, model: ModelConfig, sparse: bool, dtype: torch.dtype
-) -> int:
-    """kv_cache_memory GiB / the bytes a page takes: page_size x the bytes a token's paged rows take in the
-    kv_cache_dtype layout, plus the page's snapshot rows of the request states that keep them (with prefix
-    caching on, one row per page of each snapshotted state: Kimi-Linear's recurrent states, DeepSeek-V4's rings;
-    the cache allocates them per page, so a budget without them is overrun)."""
-    gib = opts.kv_cache_memory
-    if opts.num_pages is not None:
-        raise ConfigError("kv_cache_memory and num_pages both size the cache pool: give one")
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
-        raise ConfigError(f"kv_cache_memory must be a number of GiB > 0, got {gib!r}")
-    rows_per_page, per_snapshot = page_bytes(opts, page_size, model, sparse, dtype)
-    per_token = rows_per_page / page_size
-    if per_token == 0:
-        raise ConfigError(f"kv_cache_memory sizes paged cache rows; {model.model_type} keeps none (use num_pages)")
-    pages = int(gib * 2**30 // (rows_per_page + per_snapshot))
-    snap = f" + {per_snapshot} bytes of page-boundary snapshots" if per_snapshot else ""
-    if pages < 1:
-        raise ConfigError(f"kv_cache_memory={gib} GiB holds no page of {page_size} tokens x {per_token:g} bytes{snap}")
-    log.record("kv_cache_memory", gib, "user option")
-    why = (
-        f"kv_cache_memory {gib} GiB / ({page_size} tokens x {per_token:g} bytes per token{snap}, {opts.kv_cache_dtype})"
-    )
-    return log.record("num_pages", pages, why)

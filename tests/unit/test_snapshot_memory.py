@@ -23,7 +23,8 @@ import torch
 from kimi_linear_models import RAW_CONFIG
 
 from mlaserve.cache.model_cache import ModelCache
-from mlaserve.config.engine import DEFAULT_SNAPSHOT_POOL_GIB, EngineOptions, resolve
+from mlaserve.config.cache_pool import DEFAULT_SNAPSHOT_POOL_GIB
+from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.layer_kinds import declare_layers
 from mlaserve.config.model import ModelConfig
 

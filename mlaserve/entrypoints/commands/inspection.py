@@ -17,7 +17,7 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from mlaserve.config.engine import pages_footprint
+    from mlaserve.config.cache_pool import pages_footprint
     from mlaserve.config.kv_cache import describe_layout
     from mlaserve.config.layer_kinds import describe, describe_route
     from mlaserve.config.provenance import format_table

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from mlaserve.config.engine import pages_footprint
+from mlaserve.config.cache_pool import pages_footprint
 from mlaserve.config.layer_kinds import attention_summary
 from mlaserve.engine.engine_loop import EngineLoop
 from mlaserve.entrypoints.openai.app import build_app
