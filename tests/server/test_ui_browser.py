@@ -191,7 +191,18 @@ def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
     def shown(d):
         return {p: int(_text(d, f"#phase-total-{p}")) for p in ("decode", "prefill")}
 
-    _wait(browser, lambda d: shown(d) == totals)  # the page polls each second; the server is idle now
+    # speculative decoding: the drafts accepted / proposed of the records' accept entries
+    accepts = [r for r in records if r.get("spec_phase") == "accept"]
+    proposed, accepted = (sum(r[k] for r in accepts) for k in ("num_proposed_tokens", "num_accepted_tokens"))
+    assert proposed > 0
+    spec = f"{accepted} / {proposed} drafts accepted"
+
+    def spec_shown(d):
+        return _text(d, '#route-counters tr[data-name="speculative"] td').startswith(spec)
+
+    # The page polls each second and the server is idle now: wait for a poll that holds every record. The phase
+    # totals alone can match one poll early (a step's accept record follows its step record: one draft short).
+    _wait(browser, lambda d: shown(d) == totals and spec_shown(d))
     # read the bars in one script: the chart is redrawn at each poll, so element handles go stale
     bars = browser.execute_script(
         "return Array.from(document.querySelectorAll('#route-chart rect.bar')).map(b => "
@@ -214,12 +225,8 @@ def test_the_route_chart_counts_what_debug_routes_holds(browser, server, shots):
             expected[key] = expected.get(key, 0) + seg["num_tokens"]
     assert {tuple(row[:3]): row[3] for row in table} == expected
     assert any(mode == "sparse top-k" for _, _, mode in expected)  # past index_topk 32: the indexer selected
-    # speculative decoding: the drafts accepted / proposed of the records' accept entries
-    accepts = [r for r in records if r.get("spec_phase") == "accept"]
-    proposed, accepted = (sum(r[k] for r in accepts) for k in ("num_proposed_tokens", "num_accepted_tokens"))
-    assert proposed > 0
     row = browser.find_element(By.CSS_SELECTOR, '#route-counters tr[data-name="speculative"] td').text
-    assert row.startswith(f"{accepted} / {proposed} drafts accepted"), row
+    assert row.startswith(spec), row
     assert browser.find_elements(By.CSS_SELECTOR, "#spec-chart path.spark-line")
     scored = {}
     for rec in _trunk(records):
