@@ -11,8 +11,9 @@ import torch
 from conftest import fixture_dir
 from safetensors.torch import load_file, save_file
 
+from mlaserve.entrypoints.against_report import describe_failure, to_json
 from mlaserve.entrypoints.cli import main
-from mlaserve.entrypoints.verify_against import compare, describe_failure, encode_prompt, open_side, to_json
+from mlaserve.entrypoints.verify_against import compare, encode_prompt, open_side
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 

@@ -19,7 +19,8 @@ from gguf_helpers import copy_kv
 from iq_quantize import quantize
 
 from mlaserve import LLM
-from mlaserve.entrypoints.verify_against import compare, encode_prompt, format_report, open_side
+from mlaserve.entrypoints.against_report import format_report
+from mlaserve.entrypoints.verify_against import compare, encode_prompt, open_side
 from mlaserve.kernels import native
 
 gguf = pytest.importorskip("gguf")

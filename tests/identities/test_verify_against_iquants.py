@@ -16,7 +16,8 @@ from conftest import fixture_dir
 from gguf_helpers import copy_kv
 from iq_quantize import QUANTIZERS, quantize
 
-from mlaserve.entrypoints.verify_against import compare, describe_failure, encode_prompt, open_side
+from mlaserve.entrypoints.against_report import describe_failure
+from mlaserve.entrypoints.verify_against import compare, encode_prompt, open_side
 from mlaserve.gguf.quants import GGML_TYPE_IDS, sub_block_scales
 from mlaserve.observability.weight_error import relative_error
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 from conftest import fixture_dir
 
-from mlaserve.entrypoints.verify_against import compare, encode_prompt, format_report, open_side, to_json
+from mlaserve.entrypoints.against_report import format_report, to_json
+from mlaserve.entrypoints.verify_against import compare, encode_prompt, open_side
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 

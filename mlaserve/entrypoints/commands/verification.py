@@ -67,8 +67,9 @@ def run(args) -> int:
 def _verify_against(args) -> int:
     import json
 
+    from mlaserve.entrypoints.against_report import format_report, to_json
     from mlaserve.entrypoints.engine_args import engine_options
-    from mlaserve.entrypoints.verify_against import format_report, to_json, verify_against
+    from mlaserve.entrypoints.verify_against import verify_against
 
     if args.model is None:
         raise ValueError("verify --against needs MODEL (the copy to check) as well as OTHER")
