@@ -64,8 +64,9 @@ def build_segment_tensors(batch: ForwardBatch, segment: Segment) -> SegmentTenso
     out_index = q_index.flatten()[valid_flat]
     dev = batch.input_ids.device
     tensors = (q_index, q_valid, kv_slots, mask, seq_lens, valid_flat, out_index, q_pos)
-    key_ends = torch.minimum(ctx[:, None] + q_off[None, :] + 1, seq_lens[:, None]).amax(dim=0)
-    return SegmentTensors(segment, *(t.to(dev) for t in tensors), tuple(key_ends.tolist()))
+    # plain ints from the chunks (no tensor ops: a decode step builds this too, with Q = 1)
+    key_ends = tuple(max(min(s.context_len + j + 1, s.seq_len) for s in seqs) for j in range(q_max))
+    return SegmentTensors(segment, *(t.to(dev) for t in tensors), key_ends)
 
 
 def _slots(seqs, k_pos: torch.Tensor, page_size: int, seq_lens: torch.Tensor, pad_slot: int) -> torch.Tensor:
