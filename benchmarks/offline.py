@@ -20,7 +20,8 @@ takes `repack=false` (no AMX / repacked weight buffers, as `llama-bench --repack
 mla, fa, fmoe, rtr (its -mla / -fa / -fmoe / -rtr; defaults 3, true, true, false).
 
 Measures (see benchmarks/README.md for the exact definitions):
-  prefill tokens/s        one 512-token prompt, end to end to its first token
+  prefill tokens/s        one 512-token prompt, end to end to its first token, after a warm-up prompt of
+                          the same length (as llama-bench's); the warm-up's time is kept (prefill_warmup_s)
   decode tokens/s (B=1)   128-token prompt, 64 new tokens: (n-1) / (last token time - first token time);
                           and the same after a 2048-token prompt (16 new tokens)
   output tokens/s (B=4, 16)  4 / 16 concurrent requests, prompt 128, 128 new tokens: B*128 / wall time

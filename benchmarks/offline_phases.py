@@ -22,6 +22,7 @@ def prompts_for(s: dict, vocab: int) -> dict:
 
     return {
         "warmup": [random_prompt(16, vocab, 1), random_prompt(16, vocab, 2)],
+        "warmup_prefill": random_prompt(s["prefill_len"], vocab, 90),
         "prefill": [random_prompt(s["prefill_len"], vocab, 100 + r) for r in range(s["prefill_reps"])],
         "decode": [random_prompt(s["dec_prompt"], vocab, 500 + r) for r in range(s["dec_reps"])],
         "long": [random_prompt(s["long_prompt"], vocab, 700 + r) for r in range(s["long_reps"])],
@@ -46,6 +47,14 @@ def phases(s: dict, P: dict, res: dict, greedy: dict, only: list[str] | None = N
 
     def warmup(e):  # lazy initialisation, allocator, native kernel builds: not measured
         e.call("generate", P["warmup"], 2)
+        # and one prompt of the measured length, as llama-bench warms up before its prompt test: a process's
+        # first long prompt also pays its first touch of the step's temporaries (page faults; 0.1-0.6 s on the
+        # real-shape files), a start cost that the prefill figure (a median of 2 is their mean) would take in at
+        # half weight; its wall time stays in the JSON (prefill_warmup_s)
+        if only is None or "prefill" in only:
+            r = e.call("generate", [P["warmup_prefill"]], 1)
+            if r:
+                res[e.spec]["prefill_warmup_s"] = r["wall_s"]
 
     def prefill(e):
         walls = [r["wall_s"] for p in P["prefill"] if (r := e.call("generate", [p], 1))]

@@ -93,3 +93,15 @@ def test_phases_picks_the_named_measurements(bench, monkeypatch, tmp_path):
     res, _ = run.run_engines([e], s, P, False, ["decode"])
     assert [r["phase"] for r in res["loadavg"]] == ["warm-up", "decode batch 1 (32+8)", "info"]
     assert e.calls == ["generate", "generate", "info"]  # warm-up, the one decode prompt of QUICK, info
+
+    # with the prefill measured, the warm-up adds one prompt of its length (as llama-bench's), timed apart
+    class Timed(StandIn):
+        def call(self, op: str, *args):
+            self.calls.append(op)
+            return {"wall_s": 0.5, "first_s": 0.5} if op == "generate" and len(args[0][0]) == s["prefill_len"] else None
+
+    e = Timed("b", weights)
+    res, _ = run.run_engines([e], s, P, False, ["prefill"])
+    assert e.calls == ["generate"] * (2 + s["prefill_reps"]) + ["info"]
+    assert len(P["warmup_prefill"]) == s["prefill_len"] and P["warmup_prefill"] not in P["prefill"]
+    assert res["b"]["prefill_warmup_s"] == 0.5 and res["b"]["prefill_s"] == [0.5] * s["prefill_reps"]
