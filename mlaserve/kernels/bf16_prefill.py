@@ -65,10 +65,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     are padded with zero rows to bucket_rows(M) (a step's token count differs from step to step, and oneDNN keeps
     a primitive per row count and weight shape: without the ladder a server's cache grows by one primitive per
     dense weight shape for every distinct prompt length); the padded rows' outputs are dropped."""
-    m = x.shape[0]
-    xp = x.new_zeros(bucket_rows(m), x.shape[1], dtype=torch.bfloat16)
-    xp[:m] = x
-    return F.linear(xp, w.to(torch.bfloat16))[:m].float()
+    return F.linear(padded_rows(x), w.to(torch.bfloat16))[: x.shape[0]].float()
+
+
+def padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded to bf16 and padded with zero rows to bucket_rows(M): linear()'s left operand (a caller
+    that multiplies x by a weight in parts rounds it once)."""
+    xp = x.new_zeros(bucket_rows(x.shape[0]), x.shape[1], dtype=torch.bfloat16)
+    xp[: x.shape[0]] = x
+    return xp
 
 
 def grouped(xs: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,12 @@ MOE_PAIRS = 8
 # peak of a 512-token prefill of the standard benchmark model's Q8_0 file was 0.09 GiB above 64 MiB's (a chunk
 # and its transposed copy), and alternating prefills were no slower (docs/PERFORMANCE.md, Memory).
 EXPERT_BYTES = 16 << 20
+# Decoded bytes of a dense weight per part (about) when a many-rows product takes decode-then-GEMM (linear_native):
+# the weight is decoded a part at a time into one buffer, each part's GEMM writing its columns of y. Whole, a
+# DeepSeek-V3 dense layer's gate, up or down matrix is 264 MB in bf16 and 528 MB in fp32, which glibc serves (over
+# its 32 MiB mmap threshold) with fresh pages on every prefill step; in parts it is 1.1-1.6x faster at that shape
+# (the part stays in L3) and 0.2-0.5 GiB lower at the peak (docs/PERFORMANCE.md, dense weights decoded in parts).
+DENSE_BYTES = 16 << 20
 # The routed experts' activations per chunk of a prefill's (token, expert) pairs (quant/ggml_linear.py
 # GGUFExperts._grouped): each pair's gathered input, gate and up outputs, activation and down output, fp32, for whole
 # experts at a time. Without it a 2,048-token step of a 64-expert top-6 model at hidden 2048 held ~0.5 GB of them at
@@ -119,9 +125,37 @@ def linear_native(
         return native.gemm(ggml_type, x, w, k, int8=int8)
     if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
         return bf16_pairs.linear(x, w, k)
-    if bf16:  # decoded straight to bf16 (one pass; the values of dequantize, rounded)
-        return bf16_prefill.linear(x, native.dequantize_bf16(ggml_type, w, k))
-    return F.linear(x, native.dequantize(ggml_type, w, k))
+    return _decoded_linear(x, w, ggml_type, k, bool(bf16))
+
+
+def _decoded_linear(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: bool) -> torch.Tensor:
+    """Decode-then-GEMM, in parts of about DENSE_BYTES of decoded rows (the same products: each output column is
+    one weight row's, whichever part it falls in). bf16: decoded straight to bf16 (one pass; the values of
+    dequantize, rounded) and bf16 GEMMs (bf16_prefill.linear); else fp32 and the BLAS GEMM."""
+    decode = native.dequantize_bf16 if bf16 else native.dequantize
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    n = w.shape[0]
+    per = chunk_rows(n, k * dtype.itemsize, DENSE_BYTES)
+    if per >= n:
+        dense = decode(ggml_type, w, k)
+        return bf16_prefill.linear(x, dense) if bf16 else F.linear(x, dense)
+    m = x.shape[0]
+    y = x.new_empty(m, n)
+    buf = torch.empty(per, k, dtype=dtype)
+    left = bf16_prefill.padded_rows(x) if bf16 else x
+    for n0 in range(0, n, per):
+        n1 = min(n, n0 + per)
+        part = decode(ggml_type, w[n0:n1], k, out=buf[: n1 - n0])
+        y[:, n0:n1] = F.linear(left, part)[:m]
+    return y
+
+
+def chunk_rows(n: int, row_bytes: int, cap: int) -> int:
+    """Rows per part when n rows of row_bytes each are cut into parts of about `cap` bytes: equal parts (the last
+    one shorter) rounded up to a multiple of 16 rows, at least 16."""
+    parts = max(1, -(-n * row_bytes // cap))
+    per = -(-n // parts)
+    return max(16, -(-per // 16) * 16)
 
 
 Stacks = torch.Tensor | tuple[torch.Tensor, ...]  # an expert weight, or its parts whose rows follow one another

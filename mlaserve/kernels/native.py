@@ -410,11 +410,24 @@ def grouped_gemm(
     return y
 
 
-def dequantize(type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = None) -> torch.Tensor:
-    """w [N, R] uint8 -> [N, K] fp32, bit-identical with the reference dequantizers."""
+def _out_buffer(out: torch.Tensor | None, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A decoder's destination: a new [n, k] tensor, or the caller's buffer, checked (the C side writes n * k values
+    from its first element)."""
+    if out is None:
+        return torch.empty(n, k, dtype=dtype)
+    if out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"decoder buffer {tuple(out.shape)} {out.dtype}: wants contiguous ({n}, {k}) {dtype}")
+    return out
+
+
+def dequantize(
+    type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """w [N, R] uint8 -> [N, K] fp32, bit-identical with the reference dequantizers (out: a contiguous [N, K] fp32
+    buffer to write them into)."""
     lib = library()
     n = w.shape[0]
-    out = torch.empty(n, k, dtype=torch.float32)
+    out = _out_buffer(out, n, k, torch.float32)
     rc = lib.mls_dequantize(
         type_id, w.data_ptr(), n, w.shape[-1], *_grid_args(grid, n), k, out.data_ptr(), torch.get_num_threads()
     )
@@ -423,11 +436,12 @@ def dequantize(type_id: int, w: torch.Tensor, k: int, grid: ScaleGrid | None = N
     return out
 
 
-def dequantize_bf16(type_id: int, w: torch.Tensor, k: int) -> torch.Tensor:
+def dequantize_bf16(type_id: int, w: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """w [N, R] uint8 contiguous (a ggml block type) -> [N, K] bf16: the reference's fp32 values rounded to the nearest
-    bf16, the bits of dequantize(...).to(torch.bfloat16), written in one pass (the bf16 prefill GEMMs' operand)."""
+    bf16, the bits of dequantize(...).to(torch.bfloat16), written in one pass (the bf16 prefill GEMMs' operand; out:
+    a contiguous [N, K] bf16 buffer to write them into)."""
     n = w.shape[0]
-    out = torch.empty(n, k, dtype=torch.bfloat16)
+    out = _out_buffer(out, n, k, torch.bfloat16)
     rc = library().mls_dequantize_bf16(
         type_id, w.data_ptr(), n, w.shape[-1], k, out.data_ptr(), torch.get_num_threads()
     )

@@ -109,6 +109,31 @@ def test_native_prefill_experts_in_chunks_equal_one_call(monkeypatch, chunk_expe
 
 
 @needs_native
+@pytest.mark.parametrize("parts", [2, 3, 7])
+def test_native_prefill_dense_in_parts_equals_one_call(monkeypatch, parts):
+    """Many rows of a dense weight decode it DENSE_BYTES of rows at a time into one buffer: the same products as
+    decoding it whole (each output column is one weight row's dot products, whichever part it falls in)."""
+    g = torch.Generator().manual_seed(7)
+    t, k, n = GGML_TYPE_IDS["Q4_K"], 256, 100  # 100 rows: parts of 16-row multiples and a shorter last one
+    raw = random_blocks("Q4_K", n, k, g)
+    x = torch.randn(ggml.GEMV_ROWS + 9, k, generator=g)
+    whole = ggml.linear(x, raw, t, k, kernel="native")
+    monkeypatch.setattr(ggml, "DENSE_BYTES", -(-n // parts) * k * 4)
+    assert len(range(0, n, ggml.chunk_rows(n, k * 4, ggml.DENSE_BYTES))) == parts
+    assert torch.equal(ggml.linear(x, raw, t, k, kernel="native"), whole)
+    assert_within_sum_bound(whole, F.linear(x, gguf_py_dense(raw, "Q4_K")), x, gguf_py_dense(raw, "Q4_K"))
+
+
+def test_dense_parts_and_decoder_buffers():
+    assert ggml.chunk_rows(100, 1024, 1 << 20) == 112  # one part: the whole weight (rounded up to 16 rows)
+    assert ggml.chunk_rows(1000, 1024, 256 << 10) == 256  # four parts of 250 rows, rounded up to 16
+    assert ggml.chunk_rows(40, 1 << 20, 1) == 16  # never fewer than 16 rows
+    raw = random_blocks("Q8_0", 4, 64, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"decoder buffer \(4, 32\)"):
+        native.dequantize(GGML_TYPE_IDS["Q8_0"], raw, 64, out=torch.empty(4, 32))
+
+
+@needs_native
 @pytest.mark.parametrize("name", list(SCALE_BYTES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, ggml.GEMV_ROWS, ggml.GEMV_ROWS + 1, 40])
 def test_native_linear_equals_dequantize_then_gemm(name, rows):

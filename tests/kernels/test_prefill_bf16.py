@@ -70,6 +70,20 @@ def test_linear_bf16_against_gguf_py_and_fp64(name):
 
 
 @needs_native
+def test_linear_bf16_in_parts(monkeypatch):
+    """A dense weight decoded DENSE_BYTES of rows at a time (made small: 3 parts, the last shorter): every part's
+    columns within the bound, and the same products as the weight decoded whole."""
+    g = torch.Generator().manual_seed(6)
+    t, k, n, m = GGML_TYPE_IDS["Q4_K"], 256, 80, ggml.GEMV_ROWS + 40
+    w, x = random_blocks("Q4_K", n, k, g), torch.randn(m, k, generator=g)
+    whole = ggml.linear_native(x, w, t, k, bf16=True)
+    monkeypatch.setattr(ggml, "DENSE_BYTES", 32 * k * 2)
+    y = ggml.linear_native(x, w, t, k, bf16=True)
+    assert_bf16_product(y, x, gguf_py_dense(w, "Q4_K"))
+    assert torch.equal(y, whole)
+
+
+@needs_native
 def test_decode_sized_products_do_not_change():
     """Up to GEMV_ROWS rows the decode-and-dot kernels run whatever the prefill setting: the same bits."""
     g = torch.Generator().manual_seed(4)
