@@ -48,9 +48,10 @@ def phases(s: dict, P: dict, res: dict, greedy: dict, only: list[str] | None = N
     def warmup(e):  # lazy initialisation, allocator, native kernel builds: not measured
         e.call("generate", P["warmup"], 2)
         # and one prompt of the measured length, as llama-bench warms up before its prompt test: a process's
-        # first long prompt also pays its first touch of the step's temporaries (page faults; 0.1-0.6 s on the
-        # real-shape files), a start cost that the prefill figure (a median of 2 is their mean) would take in at
-        # half weight; its wall time stays in the JSON (prefill_warmup_s)
+        # first long prompt also pages in the mapped file's blocks that the short prompts did not touch (most
+        # routed experts; from disk where the page cache lost them: 1.2 s more on glm-real's Q8_0 file) and
+        # first-touches the step's temporaries, start costs that the prefill figure (a median of 2 is their mean)
+        # would take in at half weight; its wall time stays in the JSON (prefill_warmup_s)
         if only is None or "prefill" in only:
             r = e.call("generate", [P["warmup_prefill"]], 1)
             if r:
