@@ -134,6 +134,7 @@ def resolve(
     world = opts.tensor_parallel_size * opts.expert_parallel_size
     gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, world, log)
     gguf_mmap = _gguf_mmap(opts.gguf_mmap, gguf_weights, log)
+    gguf_prefetch = _gguf_prefetch(opts.gguf_prefetch, gguf_mmap, log)
     threads, why = choose_threads(model, opts.threads, world)
     log.record("threads", threads, why)
     if world > 1 and device != "cpu":
@@ -202,6 +203,7 @@ def resolve(
             experts_impl=opts.experts_impl,
             gguf_weights=gguf_weights,
             gguf_mmap=gguf_mmap,
+            gguf_prefetch=gguf_prefetch,
         ),
         speculative=SpeculativeConfig(
             method=speculative,
@@ -362,6 +364,24 @@ def _gguf_mmap(requested: bool, gguf_weights: str | None, log) -> bool:
             else "user option",
         )
     return log.record("gguf_mmap", False, "user option: kept blocks copied into the process at load")
+
+
+def _gguf_prefetch(requested: bool, gguf_mmap: bool, log) -> bool:
+    """On only where the kept blocks are the mapped file's pages (gguf_mmap); whether the files fit in the available
+    memory is the load's reading (loading/prefetch.py), said in the load report."""
+    if not isinstance(requested, bool):
+        raise ConfigError(f"gguf_prefetch must be a bool, got {requested!r}")
+    if not gguf_mmap:
+        return log.record("gguf_prefetch", False, f"unused ({requested!r}): the blocks are not a mapped GGUF's")
+    if requested:
+        return log.record(
+            "gguf_prefetch",
+            True,
+            "engine default: the mapped files are read into the page cache in the background after load"
+            if requested == option_default("gguf_prefetch")
+            else "user option",
+        )
+    return log.record("gguf_prefetch", False, "user option: pages are read from disk as steps first touch them")
 
 
 def _bf16_unbound(model: ModelConfig) -> str | None:

@@ -81,6 +81,7 @@ class KernelConfig:
     experts_impl: str
     gguf_weights: str | None  # a GGUF's block-quantized weights: "quantized" | "dequantized" (None: not GGUF)
     gguf_mmap: bool = False  # kept blocks are views of the read-only mapped file (loading/gguf_mapping.py)
+    gguf_prefetch: bool = False  # the mapped files read into the page cache after load (loading/prefetch.py)
 
 
 @dataclass(frozen=True)

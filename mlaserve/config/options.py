@@ -178,6 +178,12 @@ class EngineOptions:
         "the page cache and with every process that maps the file; the routed experts' gate, up and down stacks "
         "included); off: copied into the process at load",
     )
+    gguf_prefetch: bool = _opt(
+        True,
+        "with gguf_mmap, read the GGUF's files into the page cache in a background thread once the model is "
+        "loaded (as llama.cpp reads its file at load), so the first prompts do not wait on the disk; skipped when "
+        "the files exceed four fifths of the available memory",
+    )
     check_tensors: bool = _opt(
         False,
         "scan every weight for NaN/Inf at load (and each block scale of a GGUF) and refuse the model naming "

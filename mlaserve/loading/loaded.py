@@ -12,6 +12,7 @@ from mlaserve.config.model import ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.kernels.registry import KernelPlan
+from mlaserve.loading.prefetch import Prefetch
 from mlaserve.loading.weights import LoadReport
 from mlaserve.models.deepseek import MLAForCausalLM
 from mlaserve.quant.ggml_plan import GGUFPlan
@@ -45,3 +46,4 @@ class LoadedModel:
     gguf: GGUFPlan | None = None  # a GGUF's modules kept in their ggml blocks (None: not kept / not GGUF)
     quantized_at_load: tuple[Setting, ...] = ()  # quantization=int8|int4: what became which blocks, what stayed
     kernel_plan: KernelPlan | None = None  # per layer and op, the implementation and why (kernels/registry.py)
+    prefetch: Prefetch | None = None  # the mapped GGUF's background read into the page cache (gguf_prefetch)

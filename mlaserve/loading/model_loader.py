@@ -35,6 +35,7 @@ from mlaserve.loading.allocate import allocate
 from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.loaded import Checkpoint, LoadedModel
+from mlaserve.loading.prefetch import start_prefetch
 from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
@@ -98,7 +99,14 @@ def build_model(
 
 def load_model(path: str | Path, opts: EngineOptions, progress=None, comm=None) -> LoadedModel:
     """comm: this rank's Collectives when opts.tensor_parallel_size > 1 (it loads only its slices)."""
-    return fill_model(open_checkpoint(path, opts), progress, comm)
+    loaded = fill_model(open_checkpoint(path, opts), progress, comm)
+    # the mapped files read into the page cache, once per machine (rank 0: the ranks map the same files)
+    if loaded.config.kernels.gguf_prefetch and (comm is None or comm.rank == 0):
+        from mlaserve.gguf.read.file import split_paths
+
+        loaded.prefetch, note = start_prefetch(split_paths(loaded.path))
+        loaded.report.notes.append(note)
+    return loaded
 
 
 def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:

@@ -44,6 +44,7 @@ WHERE = {
     "experts_impl": "kernels.experts_impl",
     "gguf_weights": "kernels.gguf_weights",
     "gguf_mmap": "kernels.gguf_mmap",
+    "gguf_prefetch": "kernels.gguf_prefetch",
     "speculative": "speculative.method",
     "num_speculative_tokens": "speculative.num_tokens",
     "speculative_max_seqs": "speculative.max_seqs",
