@@ -33,7 +33,7 @@ PREFILL_MATMULS = ("auto", "float", "bf16", "bf16_6bit", "int8")
 # kernels/bf16_prefill.takes_bf16 applies it per weight type, BF16_ALL = every type); "int8": bf16_6bit above the
 # tiles' rows
 BF16_BITS = {"float": 0, "bf16_6bit": 6, "bf16": 64, "int8": 6}
-# the resolved prefill_matmul values whose int8 products of up to kernels/ggml.TILE_ROWS rows run on the AMX-INT8
+# the resolved prefill_matmul values whose int8 products of up to kernels/ggml.tile_rows rows run on the AMX-INT8
 # tiles (registry.KernelContext.tiles; each holder asks native.takes_tiles per weight at load)
 PREFILL_TILES = frozenset({"int8"})
 QUANTIZATIONS = (None, "int8", "int4")
@@ -174,8 +174,8 @@ BF16_RULE = (
 
 
 INT8_PREFILL_SCOPE = (
-    "products of up to 64 rows per weight (per active expert on average: kernels/ggml.TILE_ROWS, measured "
-    "crossover) whose weights take int8 activations (activations) and have AMX-INT8 tile kernels stay int8 on the "
+    "products of up to 64 rows per weight (256 for the grid i-quants IQ2_* / IQ3_*; per active expert on average: "
+    "kernels/ggml.tile_rows, measured crossovers) whose weights take int8 activations (activations) and have AMX-INT8 tile kernels stay int8 on the "
     "tiles instead of bf16 decode-then-GEMM (the decode kernels' bits; the rounding is the int8 activations' "
     "instead of bf16's, within the same rule: verify --against reports it per layer as act)"
 )
@@ -193,7 +193,7 @@ def choose_prefill_matmul(
     fewer with the native kernels on a CPU whose bf16 GEMMs are fast (config/cpu.fast_bf16: AMX-BF16 or
     AVX512-BF16), their added error measured well inside the file's own (kernels/bf16_prefill.py), and on a CPU
     with AMX-INT8 where int8 activations apply (activations resolved, not float) int8: the products of up to
-    kernels/ggml.TILE_ROWS rows of the weights with tile kernels stay int8 on the tiles (measured faster there),
+    kernels/ggml.tile_rows rows of the weights with tile kernels stay int8 on the tiles (measured faster there),
     bf16_6bit above; exact fp32 elsewhere. unbound: why this model's kernel plan binds no bf16 products (None: it
     does); then auto is float and a bf16 / int8 request is refused."""
     check_choice("prefill_matmul", requested, PREFILL_MATMULS)

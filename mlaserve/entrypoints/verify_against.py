@@ -24,7 +24,7 @@ reported beside the file's own, per block:
               decode-sized chunks of <= GEMV_ROWS rows (where the int8 kernels run); W_UK / W_UV (attn_k_b /
               attn_v_b) are not included; every row is quantized on its own and the AMX-INT8 tiles give the
               decode kernels' bits, so this is also the error of prefill_matmul "int8"'s prefill products
-              (those of up to kernels/ggml.TILE_ROWS rows on the tiles)
+              (those of up to kernels/ggml.tile_rows rows on the tiles)
 reported with e(X) (the rule: act well inside e), not judged.
 Where MODEL's engine keeps a rounded cache (kv_cache_dtype not auto: 8-bit codes or 16-bit rows), the error the
 cache adds is reported the same way, per attention block:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mlaserve.gguf.quants import GGML_TYPES, dequantize
+from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, dequantize
 from mlaserve.kernels import bf16_pairs, bf16_prefill, native
 
 # Rows of x per weight up to which the decode-and-dot kernel beats decode-then-BLAS (measured on
@@ -72,7 +72,22 @@ MOE_CHUNK_BYTES = 32 << 20
 # 1.07, 21.1 / 20.9; at 128 rows Q4_K's tiles are even with bf16 or slower on the small shapes and Q6_K's 1.2-1.4x
 # slower. 64 is where every measured type and shape is at least even (docs/PERFORMANCE.md, int8 prefill).
 TILE_ROWS = 64
+# The i-quants whose native decoders are grid-table lookups in plain C (csrc/ref/iquants.c): decode-then-GEMM costs
+# them more, so their tiles stay faster far above 64 rows. Measured (benchmarks/int8_tiles.py, 2 threads, median
+# wall ms, tiles / bf16, the 2-core AMX Xeon of 2026-12-04, 1024 x 1024): at 256 rows IQ2_XXS 1.53 / 2.92, IQ2_XS
+# 1.93 / 2.86, IQ2_S 1.81 / 3.10, IQ3_XXS 1.35 / 2.43, IQ3_S 1.59 / 3.11; at 512 about level (IQ2_XXS 2.78 / 2.86,
+# IQ2_XS 3.66 / 3.47, IQ3_S 2.83 / 3.61). IQ1_S and IQ1_M are level at 128 (0.78 / 0.74, 1.00 / 1.08) and IQ4_XS
+# at 64 (0.33 / 0.31): they keep TILE_ROWS. The standard model's IQ mix (experts IQ2_XXS / IQ3_XXS at 64 rows per
+# expert in a 512-token prompt, a layer with an idle expert just above): prefill 512 621-686 -> 742-755 tok/s.
+GRID_TILE_ROWS = 256
+GRID_TILE_TYPES = frozenset(GGML_TYPE_IDS[n] for n in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"))
 KERNELS = ("native", "torch")
+
+
+def tile_rows(ggml_type: int) -> int:
+    """Rows per product (per active expert, on average) up to which a tile-taking weight of this type stays int8 on
+    the tiles: GRID_TILE_ROWS for the grid i-quants, TILE_ROWS for the others."""
+    return GRID_TILE_ROWS if ggml_type in GRID_TILE_TYPES else TILE_ROWS
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -116,12 +131,12 @@ def linear_native(
 ) -> torch.Tensor:
     """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: the weight types native.takes_int8
     names take int8 activations, engine option activations: not exact); with tiles (this weight's int8 products run
-    on the AMX-INT8 tiles, the holder's choice at load: native.takes_tiles) up to TILE_ROWS rows the same int8 call
+    on the AMX-INT8 tiles, the holder's choice at load: native.takes_tiles) up to tile_rows(type) rows the same int8 call
     (the tiles, the same bits as the decode kernels'); more rows: the weight decoded natively (the reference's
     values bit for bit), then the BLAS GEMM in fp32, or with bf16 (this weight takes bf16 prefill, the holder's
     choice at load) the bf16 GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
-    if x.shape[0] <= (TILE_ROWS if tiles else GEMV_ROWS):
+    if x.shape[0] <= (tile_rows(ggml_type) if tiles else GEMV_ROWS):
         return native.gemm(ggml_type, x, w, k, int8=int8)
     if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
         return bf16_pairs.linear(x, w, k)
@@ -196,7 +211,7 @@ def expert_linear_native(
     tiles: bool = False,
     rows_per_expert: float | None = None,
 ) -> torch.Tensor:
-    """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: TILE_ROWS, as
+    """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: tile_rows, as
     linear_native, the mean over the active experts) the grouped decode-and-dot in one call per part (int8: as
     linear_native; each output row is its own dot product, so parts run one call each; the C call takes each
     group of 16+ rows to the tiles, the rest to the row kernels); more: the active experts decoded natively, then
@@ -205,7 +220,7 @@ def expert_linear_native(
     path the whole step would), else this call's."""
     xs = xs.float().contiguous()
     mean = xs.shape[0] / max(1, experts.shape[0]) if rows_per_expert is None else rows_per_expert
-    if mean <= (TILE_ROWS if tiles else GEMV_ROWS):
+    if mean <= (tile_rows(ggml_type) if tiles else GEMV_ROWS):
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         ys = [native.grouped_gemm(ggml_type, xs, p, k, experts, starts, int8=int8) for p in _parts(w)]

@@ -51,7 +51,7 @@ class KernelContext:
     kernels: str  # "native" | "triton" | "torch"
     int8: int  # activations: 0 float; else the widest weight (bits per value) whose products take int8 (native.takes_int8)
     bf16: int = 0  # prefill_matmul: 0 fp32; else the widest weight whose many-rows products run in bf16 (bf16_prefill)
-    tiles: bool = False  # prefill_matmul "int8": int8 prefill products on the AMX-INT8 tiles up to ggml.TILE_ROWS rows
+    tiles: bool = False  # prefill_matmul "int8": int8 prefill products on the AMX-INT8 tiles up to ggml.tile_rows rows
 
 
 Supports = Callable[[nn.Module, KernelContext], "str | None"]

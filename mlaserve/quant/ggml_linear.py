@@ -77,14 +77,18 @@ def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
 
 def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
     """What the kernel plan says of a holder's prefill products on the AMX-INT8 tiles: the types of its weights whose
-    products of up to ggml.TILE_ROWS rows (per active expert) stay int8 on the tiles instead of decode-then-GEMM,
-    and what runs above; None where none does."""
-    taken = sorted({GGML_TYPES[t].name for t, b in zip(types, tiles, strict=True) if b})
+    products of up to ggml.tile_rows(type) rows (per active expert) stay int8 on the tiles instead of
+    decode-then-GEMM, and what runs above; None where none does."""
+    taken = {t for t, b in zip(types, tiles, strict=True) if b}
     if not taken:
         return None
+    by_rows: dict[int, list[str]] = {}
+    for t in sorted(taken, key=lambda t: GGML_TYPES[t].name):
+        by_rows.setdefault(ggml.tile_rows(t), []).append(GGML_TYPES[t].name)
+    spans = " and ".join(f"{', '.join(names)} up to {rows} rows" for rows, names in sorted(by_rows.items()))
     return (
-        f"int8 prefill on amx-int8 tiles for {', '.join(taken)} up to {ggml.TILE_ROWS} rows per product "
-        "(measured crossover with bf16 decode-then-GEMM: kernels/ggml.TILE_ROWS), decode-then-GEMM above"
+        f"int8 prefill on amx-int8 tiles for {spans} per product "
+        "(measured crossover with bf16 decode-then-GEMM: kernels/ggml.tile_rows), decode-then-GEMM above"
     )
 
 
@@ -125,7 +129,7 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         self.kernel = "torch"  # the reference until the loader sets the engine's kernels (binds self.matmul)
         self.int8 = False  # int8 activations: False, or the cap of kernels/native.takes_int8 (set by the KernelPlan)
         self.bf16 = False  # prefill (many-rows) products in bf16 (set by the KernelPlan: set_prefill_bf16)
-        self.tiles = False  # prefill products of <= ggml.TILE_ROWS rows int8 on the tiles (set_prefill_tiles)
+        self.tiles = False  # prefill products of <= ggml.tile_rows rows int8 on the tiles (set_prefill_tiles)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_features)), device)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None

@@ -43,9 +43,10 @@ def test_dense_route_equals_the_vnni_rows_up_to_tile_rows(name):
     t, k, n = GGML_TYPE_IDS[name], 512, 40
     g = torch.Generator().manual_seed(11)
     w = random_blocks(name, n, k, g)
-    x = torch.randn(ggml.TILE_ROWS + 1, k, generator=g) * 3
+    top = ggml.tile_rows(t)
+    x = torch.randn(top + 1, k, generator=g) * 3
     want = vnni_rows(t, x, w, k)
-    for rows in (17, 33, 48, ggml.TILE_ROWS):
+    for rows in (17, 33, 48, top):
         got = ggml.linear_native(x[:rows], w, t, k, int8=6, bf16=True, tiles=True)
         assert torch.equal(got, want[:rows]), (name, rows, (got - want[:rows]).abs().max().item())
     above = ggml.linear_native(x, w, t, k, int8=6, bf16=True, tiles=True)
@@ -73,7 +74,7 @@ def test_grouped_route_equals_per_group_vnni_products(name):
         want = torch.cat([vnni_rows(t, xs[s0 : s0 + c], p[e], k) for p in (gate, up)], dim=1)
         assert torch.equal(ys[s0 : s0 + c], want), (name, a, (ys[s0 : s0 + c] - want).abs().max().item())
         s0 += c
-    many = torch.tensor([ggml.TILE_ROWS + 1] * 4)
+    many = torch.tensor([ggml.tile_rows(t) + 1] * 4)
     offs_many = torch.cumsum(many, 0).to(torch.int32)
     xm = torch.randn(int(many.sum()), k, generator=g)
     ym = ggml.expert_linear_native(xm, (gate, up), t, k, experts, offs_many, int8=6, bf16=True, tiles=True)
@@ -99,8 +100,15 @@ def test_holders_take_the_tiles_by_the_plan_and_say_so():
     ex.set_prefill_tiles()
     assert ex.tiles_gate_up and not ex.tiles_down
     want = (
-        f"int8 prefill on amx-int8 tiles for {TILE_NAMES[0]} up to {ggml.TILE_ROWS} rows per product (measured "
-        "crossover with bf16 decode-then-GEMM: kernels/ggml.TILE_ROWS), decode-then-GEMM above"
+        f"int8 prefill on amx-int8 tiles for {TILE_NAMES[0]} up to {ggml.tile_rows(tile_id)} rows per product "
+        "(measured crossover with bf16 decode-then-GEMM: kernels/ggml.tile_rows), decode-then-GEMM above"
     )
     assert tiles_detail((tile_id, q8), (True, False)) == want and want in ex.native_detail()
     assert tiles_detail((tile_id,), (False,)) is None
+    # the grid i-quants' tiles run further (their decoders are table lookups): each type named with its rows
+    q4k, iq2 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["IQ2_XXS"]
+    assert ggml.tile_rows(q4k) == ggml.TILE_ROWS and ggml.tile_rows(iq2) == ggml.GRID_TILE_ROWS
+    assert tiles_detail((iq2, q4k), (True, True)).startswith(
+        f"int8 prefill on amx-int8 tiles for Q4_K up to {ggml.TILE_ROWS} rows and IQ2_XXS up to "
+        f"{ggml.GRID_TILE_ROWS} rows per product"
+    )
