@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 IK_OPTIONS = {"mla": 3, "fa": True, "fmoe": True, "rtr": False}
@@ -73,6 +75,8 @@ class IkLlamaWorker:
         self.path, self.threads = path, threads
         # the tools' own files (llama-batched-bench writes llama.log into its working folder) stay out of the checkout
         self.workdir = tempfile.mkdtemp(prefix="ik_llama-")
+        # removed with the worker (or at exit), a failed start included
+        weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
         self.opts = {**IK_OPTIONS, **options}
         self.peak_kib = self.last_kib = 0
         self.runs: list[dict] = []

@@ -5,6 +5,7 @@ Also the IQ-mix file's commands (benchmarks/iq_mix.py) and a matrix cell measure
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -113,6 +114,11 @@ def test_worker_maps_each_measure_to_its_tool(bench, tmp_path):
     assert rss["vmhwm_gib"] > 0 and rss["vmhwm_gib"] == max(r["maxrss_gib"] for r in w.runs)
     assert w.info()["options"] == {"mla": 3, "fa": True, "fmoe": True, "rtr": True}
     assert all("m.gguf" not in " ".join(r["args"]) for r in w.runs)  # no paths in what the JSON keeps
+    workdir = Path(w.workdir)
+    assert workdir.is_dir()
+    del w
+    gc.collect()
+    assert not workdir.exists()  # the tools' folder goes with the worker
 
 
 def test_worker_refuses_a_missing_tool_and_unknown_options(bench, tmp_path):
