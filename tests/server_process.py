@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -18,10 +19,17 @@ ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"serving (\S+) on (http://[\d.]+:\d+)")
 
 
+def _remove(log) -> None:
+    log.close()
+    Path(log.name).unlink(missing_ok=True)
+
+
 class ServerProcess:
     def __init__(self, *args: str, startup_s: float = 180.0) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mlaserve-serve-", suffix=".log", delete=False)
+        # readable while the object lives (a test reads it after stop()); removed with it, or at exit
+        weakref.finalize(self, _remove, self.log)
         cmd = [sys.executable, "-m", "mlaserve.entrypoints.cli", "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT)
         self.url, self.model = self._wait_ready(startup_s)
