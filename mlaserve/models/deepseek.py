@@ -136,11 +136,19 @@ class MLAAttention(KernelSwitch, nn.Module):
         """Where the Triton kernel would run: the device of the weights."""
         return self.kv_a_layernorm.weight.device.type
 
-    def kv_b_weight(self) -> torch.Tensor:
+    def kv_b_weight(self, bf16: bool = False) -> torch.Tensor:
         """kv_b_proj's weight [H * (dn + dv), r]: the held one, or, where the loader keeps none (a
-        quant.transient_kv_b.TransientKvB beside GGUFHeads), decoded now from attn_k_b / attn_v_b (a new tensor)."""
+        quant.transient_kv_b.TransientKvB beside GGUFHeads), decoded now from attn_k_b / attn_v_b (a new tensor;
+        bf16: rounded to bf16, what a decompressed expansion the plan runs in bf16 multiplies)."""
         decode = getattr(self.kv_b_proj, "decode", None)
-        return decode(self.kept_heads) if decode is not None else self.kv_b_proj.weight
+        return decode(self.kept_heads, bf16) if decode is not None else self.kv_b_proj.weight
+
+    def expansion_bf16(self, backends) -> bool:
+        """The decompressed segments' K / V expansion in bf16: where the KernelPlan runs both kept halves' prefill
+        products in plain bf16 (GGUFHeads.expansion_bf16) and no backend of the step reads the dense W_UK / W_UV
+        (the reference's absorbed path, which verify runs on the same model: it reads them exact)."""
+        heads = self.kept_heads
+        return heads is not None and heads.expansion_bf16() and not any(b.reads_dense_heads for b in backends)
 
     def w_uk_uv(self, kv_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b [H * (dn + dv), r] (default kv_b_weight()) per head: W_UK [H, dn, r] and W_UV [H, dv, r]."""
@@ -182,7 +190,7 @@ class MLAAttention(KernelSwitch, nn.Module):
             seg.segment.path != "absorbed" or backend.reads_dense_heads
             for seg, backend in zip(mine.segments, mine.backends)
         ):
-            kv_b = self.kv_b_weight()
+            kv_b = self.kv_b_weight(self.expansion_bf16(mine.backends))
         for i, (seg, backend) in enumerate(zip(mine.segments, mine.backends)):
             sel = selections[i] if selections is not None else None
             per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel, kv_b).flatten(0, 1)  # [B * Q, H, dv]

@@ -447,6 +447,12 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         """The KernelPlan's bf16 prefill setting, decided once per matrix."""
         self.bf16_k, self.bf16_v = bf16_prefill.takes_bf16(self.type_k, cap), bf16_prefill.takes_bf16(self.type_v, cap)
 
+    def expansion_bf16(self) -> bool:
+        """Whether the decompressed path's K / V expansion (latent rows times the dense kv_b rebuilt from both
+        matrices) runs in bf16: where the plan runs both matrices' prefill products in plain bf16, the rule that
+        chose that holding for this product of the same weights (Q8_0's bf16 pairs and fp32 keep it fp32)."""
+        return self.bf16_k == bf16_prefill.BF16 and self.bf16_v == bf16_prefill.BF16
+
     def native_detail(self) -> str:
         return _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v))
 

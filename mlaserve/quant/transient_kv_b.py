@@ -32,9 +32,9 @@ class TransientKvB(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = torch.empty(out_features, in_features, dtype=dtype, device="meta")
 
-    def decode(self, heads: nn.Module) -> torch.Tensor:
-        """heads: the layer's GGUFHeads -> kv_b_proj's weight [H * (dn + dv), r] in the model's dtype, a new
-        tensor (the caller drops it after its step)."""
+    def decode(self, heads: nn.Module, bf16: bool = False) -> torch.Tensor:
+        """heads: the layer's GGUFHeads -> kv_b_proj's weight [H * (dn + dv), r] in the model's dtype (bf16: the
+        same values rounded to bf16, for a bf16 expansion), a new tensor (the caller drops it after its step)."""
         h, r, dn = heads.heads, heads.r, heads.dn
         k_b = _decode(heads.k_b, heads.type_k, (h, r, dn))  # [H, r, dn]
         v_b = _decode(heads.v_b, heads.type_v, (h, heads.v_b.shape[1], r))  # [H, dv, r]
@@ -43,7 +43,7 @@ class TransientKvB(nn.Module):
             raise RuntimeError(
                 f"kv_b_proj decoded from attn_k_b / attn_v_b is {tuple(w.shape)}, not {tuple(self.weight.shape)}"
             )
-        return w.to(device=heads.k_b.device, dtype=self.weight.dtype)
+        return w.to(device=heads.k_b.device, dtype=torch.bfloat16 if bf16 else self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {TRANSIENT}"

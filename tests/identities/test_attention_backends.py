@@ -167,6 +167,22 @@ def test_attention_equals_reference(name, op, dtype, device, workspace):
         _check(_run(op, BACKENDS[name], c, seg, seed=i), _run(op, REF, c, seg, seed=i), seg, dtype)
 
 
+@pytest.mark.parametrize("op", ["decompressed", "sparse_decompressed"])
+def test_bf16_expansion_within_the_bf16_bound(op, workspace):
+    """An fp32 model whose plan runs the K / V expansion in bf16 (MLAAttention.expansion_bf16 hands the torch backend
+    a bf16 kv_b): the latent rows are rounded to bf16 for that one product, K and V come back fp32. The outputs stay
+    within BF16_TOL of the fp32 reference's, and differ from an fp32 expansion by the same rounded kv_b (the rows
+    were rounded and the product ran in bf16)."""
+    c = _case(0, torch.float32, "cpu")
+    half, rounded = replace(c, kv_b=c.kv_b.bfloat16()), replace(c, kv_b=c.kv_b.bfloat16().float())
+    for i, seg in enumerate(c.segments("torch")):
+        got = _run(op, BACKENDS["torch"], half, seg, seed=i)
+        assert got.dtype == torch.float32
+        want = _run(op, REF, c, seg, seed=i)
+        _check(got.bfloat16(), want.bfloat16(), seg, torch.bfloat16)
+        assert not torch.equal(got, _run(op, BACKENDS["torch"], rounded, seg, seed=i))
+
+
 def _exact_scores(c: Case, seg: SegmentTensors) -> torch.Tensor:
     """sum_h w_h ReLU(q_h . key) in fp32 per (request, query, key position), -inf where not allowed."""
     q = c.q_idx.float()[seg.q_index]

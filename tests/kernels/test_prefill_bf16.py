@@ -22,6 +22,7 @@ from conftest import fixture_dir
 from test_kernels import gguf_py_dense, random_blocks
 
 from mlaserve import LLM
+from mlaserve.attention.backends import get_backend
 from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.machine import BF16_BITS
 from mlaserve.config.model import ConfigError
@@ -197,13 +198,20 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
     reasons = " ".join(c.reason for c in fast.loaded.kernel_plan.choices)
     assert f"bf16 prefill GEMMs for Q4_K ({bf16_prefill.units()})" in reasons
     assert "bf16 prefill" not in " ".join(c.reason for c in exact.loaded.kernel_plan.choices)
+    # the decompressed path's K / V expansion (the context's latent rows times kv_b, rebuilt from the Q5_0 / Q4_K
+    # halves) runs in bf16 too, where no backend reads the dense W_UK / W_UV (the reference's, as verify runs it)
+    attn = fast.runner.model.model.layers[0].self_attn
+    torch_backend, reference = get_backend("torch"), get_backend("reference")
+    assert attn.expansion_bf16([torch_backend]) and not attn.expansion_bf16([torch_backend, reference])
+    assert not exact.runner.model.model.layers[0].self_attn.expansion_bf16([torch_backend])
     a, b = fast.prompt_logits(ids), exact.prompt_logits(ids)
     act, file = _rel(a, b), _rel(b, exp["hf_logits"])
     print(f"\nds3 q4_k_m: bf16 prefill adds {act:.4f} to the logits; the file's own error {file:.4f}")
     assert 0 < act <= file / 2, (act, file)
-    # decode-sized steps (one token at a time) are the decode kernels': the exact run's logits bit for bit
-    step = LLM(path, max_num_batched_tokens=ggml.GEMV_ROWS)
-    ref = LLM(path, max_num_batched_tokens=ggml.GEMV_ROWS, prefill_matmul="float")
+    # decode-sized products are the decode kernels': 16-token steps on the absorbed path (no expansion) give the
+    # exact run's logits bit for bit
+    step = LLM(path, max_num_batched_tokens=ggml.GEMV_ROWS, mla_path="absorbed")
+    ref = LLM(path, max_num_batched_tokens=ggml.GEMV_ROWS, mla_path="absorbed", prefill_matmul="float")
     assert torch.equal(step.prompt_logits(ids[:40]), ref.prompt_logits(ids[:40]))
 
 

@@ -105,7 +105,10 @@ def _decompressed_heads(
     (probability 0, and V's later rows are finite), so the outputs are those of the whole key range up to the
     products' rounding."""
     g, r = w.shape[0], w.shape[2]
-    kv = torch.nn.functional.linear(rows[..., :r], w.flatten(0, 1)).unflatten(-1, (g, -1))  # [B, L, G, dn + dv]
+    # [B, L, G, dn + dv] in the rows' dtype; a bf16 w beside fp32 rows (the plan's bf16 expansion:
+    # MLAAttention.expansion_bf16) multiplies the rows rounded to bf16 on the matrix units, the product widened back
+    # (both conversions are no-ops where w and the rows share a dtype)
+    kv = torch.nn.functional.linear(rows[..., :r].to(w.dtype), w.flatten(0, 1)).to(rows.dtype).unflatten(-1, (g, -1))
     # Heads-major, contiguous K = [k_nope | k_pe] and V, so that scores come out as contiguous
     # [B, G, Q, L] and the elementwise passes over them run at memory speed (the [B, Q, H, L] layout
     # of a per-part einsum made each pass ~5x slower on CPU).
