@@ -131,8 +131,8 @@ def linear_native(
 ) -> torch.Tensor:
     """linear_torch by the C kernels: up to GEMV_ROWS rows decode-and-dot (int8: the weight types native.takes_int8
     names take int8 activations, engine option activations: not exact); with tiles (this weight's int8 products run
-    on the AMX-INT8 tiles, the holder's choice at load: native.takes_tiles) up to tile_rows(type) rows the same int8 call
-    (the tiles, the same bits as the decode kernels'); more rows: the weight decoded natively (the reference's
+    on the AMX-INT8 tiles, the holder's choice at load: native.takes_tiles) up to tile_rows(type) rows the same int8
+    call (the tiles, the same bits as the decode kernels'); more rows: the weight decoded natively (the reference's
     values bit for bit), then the BLAS GEMM in fp32, or with bf16 (this weight takes bf16 prefill, the holder's
     choice at load) the bf16 GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
