@@ -350,38 +350,42 @@ def _index_topk(model: ModelConfig, override: int | None, sparse: bool, log: Pro
 
 def _gguf_mmap(requested: bool, gguf_weights: str | None, log) -> bool:
     """On only where there are kept blocks to map (a GGUF with gguf_weights 'quantized')."""
-    if not isinstance(requested, bool):
-        raise ConfigError(f"gguf_mmap must be a bool, got {requested!r}")
+    unused = None
     if gguf_weights != "quantized":
-        why = "not a GGUF" if gguf_weights is None else "gguf_weights='dequantized': the blocks are expanded at load"
-        return log.record("gguf_mmap", False, f"unused ({requested!r}): {why}")
-    if requested:
-        return log.record(
-            "gguf_mmap",
-            True,
-            "engine default: kept blocks are views of the file mapped read-only (shared pages, no copy at load)"
-            if requested == option_default("gguf_mmap")
-            else "user option",
-        )
-    return log.record("gguf_mmap", False, "user option: kept blocks copied into the process at load")
+        unused = "not a GGUF" if gguf_weights is None else "gguf_weights='dequantized': the blocks are expanded at load"
+    return _file_switch(
+        log,
+        "gguf_mmap",
+        requested,
+        unused,
+        on="kept blocks are views of the file mapped read-only (shared pages, no copy at load)",
+        off="kept blocks copied into the process at load",
+    )
 
 
 def _gguf_prefetch(requested: bool, gguf_mmap: bool, log) -> bool:
     """On only where the kept blocks are the mapped file's pages (gguf_mmap); whether the files fit in the available
     memory is the load's reading (loading/prefetch.py), said in the load report."""
+    return _file_switch(
+        log,
+        "gguf_prefetch",
+        requested,
+        None if gguf_mmap else "the blocks are not a mapped GGUF's",
+        on="the mapped files are read into the page cache in the background after load",
+        off="pages are read from disk as steps first touch them",
+    )
+
+
+def _file_switch(log, name: str, requested: bool, unused: str | None, on: str, off: str) -> bool:
+    """A bool option about how a GGUF's file is held, recorded with its source: off where it does not apply
+    (`unused` says why), else as asked (`on` / `off`: what each means, said where it is the engine's default)."""
     if not isinstance(requested, bool):
-        raise ConfigError(f"gguf_prefetch must be a bool, got {requested!r}")
-    if not gguf_mmap:
-        return log.record("gguf_prefetch", False, f"unused ({requested!r}): the blocks are not a mapped GGUF's")
-    if requested:
-        return log.record(
-            "gguf_prefetch",
-            True,
-            "engine default: the mapped files are read into the page cache in the background after load"
-            if requested == option_default("gguf_prefetch")
-            else "user option",
-        )
-    return log.record("gguf_prefetch", False, "user option: pages are read from disk as steps first touch them")
+        raise ConfigError(f"{name} must be a bool, got {requested!r}")
+    if unused is not None:
+        return log.record(name, False, f"unused ({requested!r}): {unused}")
+    if requested != option_default(name):
+        return log.record(name, requested, f"user option: {off}" if not requested else "user option")
+    return log.record(name, requested, f"engine default: {on if requested else off}")
 
 
 def _bf16_unbound(model: ModelConfig) -> str | None:
