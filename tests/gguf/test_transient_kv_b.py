@@ -45,7 +45,7 @@ def test_prefill_decodes_the_dense_copy_it_no_longer_holds(qtype, mla_path, monk
         assert torch.equal(a.self_attn.kv_b_proj.weight, b.self_attn.kv_b_weight())
     calls = []
     decode = TransientKvB.decode
-    monkeypatch.setattr(TransientKvB, "decode", lambda self, heads: calls.append(1) or decode(self, heads))
+    monkeypatch.setattr(TransientKvB, "decode", lambda self, heads, *a: calls.append(1) or decode(self, heads, *a))
     got, want = lean.prompt_logits(IDS), held.prompt_logits(IDS)
     assert torch.equal(got, want), (got - want).abs().max().item()
     assert len(calls) == per_prefill == (len(_kv_b(lean)) if mla_path == "auto" else 0)  # one chunk
