@@ -144,33 +144,48 @@ def linear_native(
 
 
 def _decoded_linear(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: bool) -> torch.Tensor:
-    """Decode-then-GEMM, in parts of about DENSE_BYTES of decoded rows (the same products: each output column is
-    one weight row's, whichever part it falls in). bf16: decoded straight to bf16 (one pass; the values of
-    dequantize, rounded) and bf16 GEMMs (bf16_prefill.linear); else fp32 and the BLAS GEMM."""
+    """Decode-then-GEMM of a ggml-block weight (decoded_linear): bf16 decoded straight to bf16 (one pass; the values
+    of dequantize, rounded) and bf16 GEMMs, else fp32 and the BLAS GEMM."""
     decode = native.dequantize_bf16 if bf16 else native.dequantize
+    return decoded_linear(x, w.shape[0], k, lambda n0, n1, out: decode(ggml_type, w[n0:n1], k, out=out), bf16)
+
+
+def decoded_linear(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    decode: Callable[[int, int, torch.Tensor | None], torch.Tensor],
+    bf16: bool = False,
+    bias: torch.Tensor | None = None,
+    multiple: int = 16,
+) -> torch.Tensor:
+    """y [M, N] fp32 = x W^T (+ bias) with W decoded in parts of about DENSE_BYTES of rows into one buffer, each
+    part's GEMM writing its columns of y (the same products: each output column is one weight row's, whichever part
+    it falls in). decode(n0, n1, out) -> W's rows n0..n1 decoded (fp32, or bf16 with bf16: then bf16 GEMMs,
+    bf16_prefill.linear), written into out [n1 - n0, K] when given; parts start at multiples of `multiple` rows (a
+    scale grid's block rows)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    n = w.shape[0]
-    per = chunk_rows(n, k * dtype.itemsize, DENSE_BYTES)
+    per = chunk_rows(n, k * dtype.itemsize, DENSE_BYTES, multiple)
     if per >= n:
-        dense = decode(ggml_type, w, k)
-        return bf16_prefill.linear(x, dense) if bf16 else F.linear(x, dense)
+        dense = decode(0, n, None)
+        return bf16_prefill.linear(x, dense) if bf16 else F.linear(x, dense, bias)
     m = x.shape[0]
     y = x.new_empty(m, n)
     buf = torch.empty(per, k, dtype=dtype)
     left = bf16_prefill.padded_rows(x) if bf16 else x
     for n0 in range(0, n, per):
         n1 = min(n, n0 + per)
-        part = decode(ggml_type, w[n0:n1], k, out=buf[: n1 - n0])
-        y[:, n0:n1] = F.linear(left, part)[:m]
+        part_bias = bias[n0:n1] if bias is not None else None
+        y[:, n0:n1] = F.linear(left, decode(n0, n1, buf[: n1 - n0]), part_bias)[:m]
     return y
 
 
-def chunk_rows(n: int, row_bytes: int, cap: int) -> int:
+def chunk_rows(n: int, row_bytes: int, cap: int, multiple: int = 16) -> int:
     """Rows per part when n rows of row_bytes each are cut into parts of about `cap` bytes: equal parts (the last
-    one shorter) rounded up to a multiple of 16 rows, at least 16."""
+    one shorter) rounded up to a multiple of `multiple` rows, at least that."""
     parts = max(1, -(-n * row_bytes // cap))
     per = -(-n // parts)
-    return max(16, -(-per // 16) * 16)
+    return max(multiple, -(-per // multiple) * multiple)
 
 
 Stacks = torch.Tensor | tuple[torch.Tensor, ...]  # an expert weight, or its parts whose rows follow one another

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.kernels import native, triton_linear
-from mlaserve.kernels.ggml import GEMV_ROWS
+from mlaserve.kernels.ggml import GEMV_ROWS, decoded_linear
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.moe import Experts
 from mlaserve.quant import fp4_group, fp8_block
@@ -85,8 +85,14 @@ class FP8Linear(KernelSwitch, nn.Module):
         if xf.shape[0] <= self.NATIVE_ROWS:
             y = native.gemm(native.FP8_E4M3, xf, q, self.in_features, grid)
             return (y if bias is None else y + bias).to(x.dtype)
-        w = native.dequantize(native.FP8_E4M3, q, self.in_features, grid)
-        return F.linear(x.float(), w, bias).to(x.dtype)
+        bn, k = self.block[0], self.in_features
+
+        def rows(n0: int, n1: int, out: torch.Tensor | None) -> torch.Tensor:  # n0: a multiple of bn
+            part = native.ScaleGrid(grid.scale[n0 // bn : -(-n1 // bn)], bn, grid.kb, grid.bk, n1 - n0)
+            return native.dequantize(native.FP8_E4M3, q[n0:n1], k, part, out=out)
+
+        # decoded in parts: a DeepSeek-V3 dense matrix is 528 MB in fp32 at once (kernels/ggml.DENSE_BYTES)
+        return decoded_linear(xf, self.out_features, k, rows, bias=bias, multiple=bn).to(x.dtype)
 
     def _matmul_torch(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.float() if self.bias is not None else None

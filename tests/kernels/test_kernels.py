@@ -233,6 +233,33 @@ def test_native_fp8_holders_equal_torch_holders():
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), tokens
 
 
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_fp8_prefill_in_parts_equals_one_call(monkeypatch, bias):
+    """An FP8Linear's many-rows product decodes DENSE_BYTES of rows at a time (made small: parts of whole 64-row
+    scale blocks, 200 rows = 3 parts and a shorter last one): the same products as decoding it whole, bias included."""
+    from mlaserve.quant.config import parse_quantization
+    from mlaserve.quant.linear import FP8Linear
+
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32], "activation_scheme": "dynamic"}
+    scheme = parse_quantization({"quantization_config": qc})
+    g = torch.Generator().manual_seed(8)
+    lin = FP8Linear(96, 200, scheme, bias, torch.float32, "cpu")
+    q, s = fp8_block.quantize(torch.randn(200, 96, generator=g), (64, 32))
+    lin.weight.data.copy_(q)
+    getattr(lin, lin.scale_name).data.copy_(s)
+    if bias:
+        lin.bias.data.copy_(torch.randn(200, generator=g))
+    lin.kernel = "native"
+    x = torch.randn(ggml.GEMV_ROWS + 5, 96, generator=g)
+    whole = lin(x)
+    monkeypatch.setattr(ggml, "DENSE_BYTES", 50 * 96 * 4)  # 50 rows a part, rounded up to a 64-row block
+    assert ggml.chunk_rows(200, 96 * 4, ggml.DENSE_BYTES, 64) == 64
+    assert torch.equal(lin(x), whole)
+    lin.kernel = "torch"
+    assert_within_sum_bound(whole - (lin.bias if bias else 0), lin(x) - (lin.bias if bias else 0), x, lin.dequantize())
+
+
 def test_kernels_option_resolution():
     from hf_models import make_config
 
