@@ -52,6 +52,7 @@ class ReferenceBackend:
     name = "reference"
     # the oracle reads the dense kv_b_proj (W_UK / W_UV views), never a GGUF's kept attn_k_b / attn_v_b blocks
     reads_dense_heads = True
+    decompressed_tiles = False  # the oracle's products are fp32
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         return "fp32"
@@ -68,7 +69,9 @@ class ReferenceBackend:
         o_lat = torch.einsum("bqhl,blr->bqhr", probs, _values(c_kv))
         return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv.float()).to(q_nope.dtype)
 
-    def decompressed(self, q_nope, q_pe, cache, kv_b, seg, scale, dn, allowed=None) -> torch.Tensor:
+    def decompressed(self, q_nope, q_pe, cache, kv_b, seg, scale, dn, allowed=None, tiles=False) -> torch.Tensor:
+        if tiles:
+            raise ValueError("the reference attention has no bf16-tile products (decompressed_tiles is False)")
         h, r, mask = q_nope.shape[1], kv_b.shape[1], _mask(seg, allowed)
         rows = _rows(cache, seg.kv_slots)
         c_kv, k_pe = rows[..., :r], rows[..., r:]

@@ -90,8 +90,8 @@ def _attend_observer(attn: MLAAttention, codes: str, stats: dict) -> Callable:
     original = attn.attend
     fmt = latent_format(codes, attn.cfg.latent_dim, attn.cfg.qk_rope_head_dim)
 
-    def attend(backend, q_nope, q_pe, cache, seg, sel, kv_b):
-        out = original(backend, q_nope, q_pe, cache, seg, sel, kv_b)
+    def attend(backend, q_nope, q_pe, cache, seg, sel, kv_b, tiles=False):
+        out = original(backend, q_nope, q_pe, cache, seg, sel, kv_b, tiles)
         eight = QuantizedRows.of(cache.float(), fmt)
         w_uk, w_uv = attn.w_uk_uv(kv_b)
         scale = attn.cfg.softmax_scale

@@ -27,7 +27,7 @@ from torch import nn
 
 from mlaserve.config.layer_kinds import attention_kind
 from mlaserve.config.model import ModelConfig
-from mlaserve.kernels import native_layers
+from mlaserve.kernels import bf16_attention, native_layers
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.kda.layer import KimiDeltaAttention
@@ -150,6 +150,13 @@ class MLAAttention(KernelSwitch, nn.Module):
         heads = self.kept_heads
         return heads is not None and heads.expansion_bf16() and not any(b.reads_dense_heads for b in backends)
 
+    def attention_bf16(self, backends) -> bool:
+        """The decompressed segments' scores and P V as bf16 products on the AMX-BF16 tiles (kernels/bf16_attention.py):
+        where the K / V expansion runs in bf16 (expansion_bf16, the same rule: its K nope half and V are bf16 values
+        then, so the tiles round only q, k_pe and P) and the process has the tiles. A segment's backend must have
+        them too (decompressed_tiles; the reference's never does)."""
+        return self.expansion_bf16(backends) and bf16_attention.granted()
+
     def w_uk_uv(self, kv_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b [H * (dn + dv), r] (default kv_b_weight()) per head: W_UK [H, dn, r] and W_UV [H, dv, r]."""
         cfg = self.cfg
@@ -191,9 +198,10 @@ class MLAAttention(KernelSwitch, nn.Module):
             for seg, backend in zip(mine.segments, mine.backends)
         ):
             kv_b = self.kv_b_weight(self.expansion_bf16(mine.backends))
+        tiles = any(seg.segment.path != "absorbed" for seg in mine.segments) and self.attention_bf16(mine.backends)
         for i, (seg, backend) in enumerate(zip(mine.segments, mine.backends)):
             sel = selections[i] if selections is not None else None
-            per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel, kv_b).flatten(0, 1)  # [B * Q, H, dv]
+            per_query = self.attend(backend, q_nope, q_pe, cache, seg, sel, kv_b, tiles).flatten(0, 1)  # [B*Q, H, dv]
             out.index_copy_(0, seg.out_index, per_query.index_select(0, seg.valid_flat).to(out.dtype))
         return self.o_proj(out.flatten(1)), selections
 
@@ -293,9 +301,10 @@ class MLAAttention(KernelSwitch, nn.Module):
         seg: SegmentTensors,
         sel: Selection | None,
         kv_b: torch.Tensor,
+        tiles: bool = False,
     ) -> torch.Tensor:
         """The segment's route (path, and its top-k when sparse) executed by the backend it names.
-        kv_b: kv_b_proj's weight for this step (forward's)."""
+        kv_b: kv_b_proj's weight for this step (forward's); tiles: the step's attention_bf16."""
         cfg, scale = self.cfg, self.cfg.softmax_scale
         if seg.segment.path == "absorbed":
             w_uk, w_uv = self.w_uk_uv(kv_b)
@@ -306,7 +315,8 @@ class MLAAttention(KernelSwitch, nn.Module):
                 )
             return backend.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, heads=heads)
         allowed = sel.as_mask(seg.mask.shape[-1]) if sel is not None else None
-        return backend.decompressed(q_nope, q_pe, cache, kv_b, seg, scale, cfg.qk_nope_head_dim, allowed)
+        tiles = tiles and backend.decompressed_tiles
+        return backend.decompressed(q_nope, q_pe, cache, kv_b, seg, scale, cfg.qk_nope_head_dim, allowed, tiles)
 
 
 class DecoderLayer(nn.Module):

@@ -25,7 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native, native_layers, registry, triton_linear
+from mlaserve.kernels import (
+    bf16_attention,
+    bf16_pairs,
+    bf16_prefill,
+    ggml,
+    native,
+    native_layers,
+    registry,
+    triton_linear,
+)
 from mlaserve.models.layers import SwiGLU
 from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
 from mlaserve.quant.int4_experts import INT4Experts
@@ -454,7 +463,12 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         return self.bf16_k == bf16_prefill.BF16 and self.bf16_v == bf16_prefill.BF16
 
     def native_detail(self) -> str:
-        return _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v))
+        note = _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v))
+        if not self.expansion_bf16():
+            return note
+        # MLAAttention.expansion_bf16 / attention_bf16: in every step no backend of which reads the dense halves
+        tiles = f", its attention on the {bf16_pairs.tiles_detail()}" if bf16_attention.granted() else ""
+        return f"{note}; the decompressed K / V expansion in bf16{tiles}"
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"

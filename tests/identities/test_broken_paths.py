@@ -47,11 +47,11 @@ def test_transposed_w_uv_in_the_absorbed_path(ds3, monkeypatch):
 
 
 def test_swapped_rope_halves_in_the_decompressed_path(ds3, monkeypatch):
-    def broken(q_nope, q_pe, cache, kv_b, seg, scale, dn, allowed=None):
+    def broken(q_nope, q_pe, cache, kv_b, seg, scale, dn, allowed=None, tiles=False):
         r, half = kv_b.shape[1], q_pe.shape[-1] // 2
         k_pe = cache[:, r:]
         swapped = torch.cat([cache[:, :r], k_pe[:, half:], k_pe[:, :half]], dim=-1)
-        return decompressed_attention(q_nope, q_pe, swapped, kv_b, seg, scale, dn, allowed)
+        return decompressed_attention(q_nope, q_pe, swapped, kv_b, seg, scale, dn, allowed, tiles)
 
     monkeypatch.setattr(TorchBackend, "decompressed", staticmethod(broken))
     assert failing(ds3) == {

@@ -22,6 +22,9 @@ class AttentionBackend(Protocol):
     # whether the absorbed path reads the dense W_UK / W_UV views even when a GGUF's attn_k_b / attn_v_b blocks are
     # kept (`heads`): a layer whose kv_b_proj is not held (quant/transient_kv_b.py) then decodes it for the step
     reads_dense_heads: bool
+    # whether decompressed() runs a prompt's scores and P V on the AMX-BF16 tiles when asked (`tiles`, the layer's
+    # plan: MLAAttention.attention_bf16); a backend without them is never asked
+    decompressed_tiles: bool
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         """How index_topk scores over keys of this dtype ("fp32" or "bf16_then_fp32"): a label for the
@@ -35,9 +38,11 @@ class AttentionBackend(Protocol):
         instead of the dense views; the reference ignores it (the oracle reads the dense kv_b_proj)."""
 
     def decompressed(
-        self, q_nope, q_pe, cache, kv_b, seg: SegmentTensors, scale: float, dn: int, allowed=None
+        self, q_nope, q_pe, cache, kv_b, seg: SegmentTensors, scale: float, dn: int, allowed=None, tiles=False
     ) -> torch.Tensor:
-        """MHA: the rows up-projected through kv_b [H * (dn + dv), r], causal attention."""
+        """MHA: the rows up-projected through kv_b [H * (dn + dv), r], causal attention. tiles: the scores and P V
+        as bf16 products with fp32 sums (kernels/bf16_attention.py); only asked of a backend whose
+        decompressed_tiles is True."""
 
     def sparse_absorbed(
         self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, index, valid, heads=None

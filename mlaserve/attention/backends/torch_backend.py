@@ -33,6 +33,7 @@ from mlaserve.attention.backends.blocks import (
     query_blocks,
     score_bytes,
 )
+from mlaserve.kernels import bf16_attention
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
@@ -71,16 +72,19 @@ def decompressed_attention(
     scale: float,
     dn: int,
     allowed: torch.Tensor | None = None,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]. K and V are expanded for one group of
-    heads at a time (head_blocks): their size is the context's times the heads', not the step's."""
+    heads at a time (head_blocks): their size is the context's times the heads', not the step's. tiles: the
+    scores and P V as bf16 products on the AMX-BF16 tiles (kernels/bf16_attention.py; the layer's plan decides:
+    MLAAttention.attention_bf16), else fp32."""
     h = q_nope.shape[1]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     w = kv_b.unflatten(0, (h, -1))  # [H, dn + dv, r], head-major as kv_b's rows
     q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
     mask, causal = _mask(seg, allowed), seg.q_index.shape[1] > 1
     groups = head_blocks(h, expansion_bytes(rows, w.shape[1], q.shape[-1]))
-    parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal, seg.key_ends) for g in groups]
+    parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal, seg.key_ends, tiles) for g in groups]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -99,12 +103,16 @@ def _decompressed_heads(
     dn: int,
     causal: bool,
     key_ends: tuple[int, ...],
+    tiles: bool = False,
 ) -> torch.Tensor:
     """One group of G heads: q [B, G, Q, dn + dr], rows [B, L, r + dr], w [G, dn + dv, r] -> [B, Q, G, dv].
     Each block of queries reads the keys below its key_ends only: the rest are masked for all of its queries
     (probability 0, and V's later rows are finite), so the outputs are those of the whole key range up to the
-    products' rounding."""
+    products' rounding. tiles: K and V packed once for the group, each block's products on the bf16 tiles."""
     g, r = w.shape[0], w.shape[2]
+    blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * g, rows.shape[1]), CAUSAL_BLOCK if causal else None)
+    if tiles:
+        return _tiled_heads(q, rows, w, mask, scale, dn, causal, key_ends, blocks)
     # [B, L, G, dn + dv] in the rows' dtype; a bf16 w beside fp32 rows (the plan's bf16 expansion:
     # MLAAttention.expansion_bf16) multiplies the rows rounded to bf16 on the matrix units, the product widened back
     # (both conversions are no-ops where w and the rows share a dtype)
@@ -117,11 +125,37 @@ def _decompressed_heads(
     # V is a fresh copy (K was concatenated from kv before): its non-finite values are zeroed in place
     v = finite_values(kv[..., dn:].transpose(1, 2).contiguous(), causal, inplace=True)  # [B, G, L, dv]
     del kv  # not read again: freed before the scores are made
-    blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * g, rows.shape[1]), CAUSAL_BLOCK if causal else None)
     parts = []
     for s in blocks:
         n = key_ends[s.stop - 1]
         parts.append(_mha(q[:, :, s], k[:, :, :n], v[:, :, :n], mask[:, s, :n], scale))
+    return torch.cat(parts, dim=1)
+
+
+def _tiled_heads(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    dn: int,
+    causal: bool,
+    key_ends: tuple[int, ...],
+    blocks: list[slice],
+) -> torch.Tensor:
+    """_decompressed_heads with the products on the bf16 tiles (kernels/bf16_attention.py): the expansion's bf16
+    product stays bf16 (the tiles' operand: no fp32 round trip), K and V are packed once for the group, then each
+    block of queries reads its keys' pairs."""
+    g, r = w.shape[0], w.shape[2]
+    kv = torch.nn.functional.linear(rows[..., :r].to(torch.bfloat16), w.flatten(0, 1).to(torch.bfloat16))
+    kv = kv.unflatten(-1, (g, -1)).transpose(1, 2)  # [B, G, L, dn + dv] bf16, a view
+    keys = bf16_attention.pack_keys(kv[..., :dn], rows[:, None, :, r:])
+    values = bf16_attention.pack_values(kv[..., dn:], finite=causal)  # as finite_values: 0 x NaN = NaN
+    del kv
+    parts = []
+    for s in blocks:
+        n = key_ends[s.stop - 1]
+        parts.append(bf16_attention.attention(q[:, :, s], keys, values, mask[:, s, :n], scale, n, w.shape[1] - dn))
     return torch.cat(parts, dim=1)
 
 
@@ -222,6 +256,7 @@ class TorchBackend:
 
     name = "torch"
     reads_dense_heads = False  # the absorbed path multiplies a GGUF's kept heads when given (`heads`)
+    decompressed_tiles = True  # a prompt's scores and P V on the AMX-BF16 tiles when the plan asks (`tiles`)
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         # bf16 products are exact, so a bf16 pass with a rounding bound finds the fp32 top-k (measured on

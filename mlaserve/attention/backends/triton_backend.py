@@ -82,11 +82,14 @@ def decompressed_attention(
     scale: float,
     dn: int,
     allowed: torch.Tensor | None = None,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """kv_b: kv_b_proj weight [H * (dn + dv), r]. The up-projection is one torch GEMM over the gathered c_kv rows,
     the attention one Triton kernel (k_pe read from the cache rows through kv_slots). Returns [B, Q, H, dv]."""
     from mlaserve.attention.backends.triton_kernels.latent_mha import latent_mha
 
+    if tiles:
+        raise ValueError("the triton attention has no bf16-tile products (decompressed_tiles is False)")
     r, h = kv_b.shape[1], q_nope.shape[1]
     cache = _rows(cache)
     kv = torch.nn.functional.linear(gather_rows(cache, seg.kv_slots)[..., :r], kv_b).unflatten(-1, (h, -1))
@@ -119,6 +122,7 @@ class TritonBackend:
 
     name = "triton"
     reads_dense_heads = False  # the latent queries and W_UV through a GGUF's kept heads when given
+    decompressed_tiles = False  # CUDA's own units; the AMX tiles are a CPU's
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         return "fp32"  # every key upcast to fp32 in the kernel, as the reference scores

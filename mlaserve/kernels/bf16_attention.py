@@ -1,0 +1,107 @@
+"""A prompt's decompressed attention (MHA over K / V expanded from the latent rows) on the AMX-BF16 tiles: the
+scores q K^T and the output P V as bf16 products with fp32 sums (csrc/x86/amx_bf16_bmm.c), the mask and softmax
+in fp32 torch ops between them. The kernel plan takes it where it already runs the K / V expansion in bf16
+(MLAAttention.attention_bf16): K's nope half and V are then bf16 values, so the products round only q, k_pe and P.
+
+Notation (one group of G heads of B requests, N = B G; u = 2^-8, bf = round to nearest even bfloat16)
+  q    [B, G, Q, D]   fp32 queries of one block of Q queries, D = dn + dr; q_b = bf(scale q)   [N, Mp, Dp]
+  K    [B, G, L, D]   keys [k_nope | k_pe]; pack_keys -> the pairs of K_b^T: int32 [N, Dp / 2, Lp]
+  V    [B, G, L, dv]  values; pack_values -> the pairs of V_b: int32 [N, Lp / 2, dvp]
+                      (Lp, Dp, dvp, Mp: rounded up to 32 with zeros, which add nothing to any sum)
+  S    [N, Mp, n']    fp32 = q_b K_b^T over the block's keys (n = key_ends, n' rounded up to 32; padded keys and
+                      query rows are zeros, padded keys masked), sums in fp32 in the unit
+  P    = softmax(S over the keys the mask allows) in fp32, P_b = bf(P): one C pass per row (max, exp within 2 ulp,
+                      sum, scale, round; csrc/x86/amx_bf16_bmm.c mls_softmax_bf16), padded rows and keys 0
+  O    [B, Q, G, dv]  fp32 = P_b V_b
+Error against the fp32 attention: the rounding of q, k_pe and P (u / 2 relative each) and the fp32 sums; the same
+grade as the bf16 prefill products around it (docs/FORMATS.md's rule; tests/identities/test_attention_backends.py
+holds the backend's output within BF16_TOL of the fp32 reference's, tests/kernels/test_bf16_attention.py the
+products against fp64). Queries are independent: a query's output does not depend on the block, batch or threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlaserve.kernels import bf16_pairs, native
+
+TILE = 32  # rows, columns and depth of the kernel's blocks: every operand is padded to a multiple
+
+
+def granted() -> bool:
+    """Whether this process runs them (the build has AMX-BF16 and the kernel granted the tile state)."""
+    return bf16_pairs.granted()
+
+
+def _up(n: int) -> int:
+    return -(-n // TILE) * TILE
+
+
+def pack_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """K = [k_nope | k_pe]: k_nope [B, G, L, dn], k_pe [B, 1 or G, L, dr] (any strides, any float dtype) -> int32
+    [B G, Dp / 2, Lp]: row p holds, per key, its values 2p and 2p + 1 as bf16 (the tiles' pair layout of K^T), keys
+    past L and values past D zero (Dp = D rounded up to 32)."""
+    b, g, length, dn = k_nope.shape
+    kb = k_nope.new_zeros(b, g, _up(length), _up(dn + k_pe.shape[-1]), dtype=torch.bfloat16)
+    kb[:, :, :length, :dn] = k_nope
+    kb[:, :, :length, dn : dn + k_pe.shape[-1]] = k_pe
+    return kb.flatten(0, 1).view(torch.int32).transpose(1, 2).contiguous()
+
+
+def pack_values(v: torch.Tensor, finite: bool) -> torch.Tensor:
+    """v [B, G, L, dv] (any strides) -> int32 [B G, Lp / 2, dvp]: row p holds, per column, keys 2p and 2p + 1's
+    values as bf16, keys past L zero (a padded key's probability is 0), columns past dv zero (dvp = dv rounded up
+    to 32; attention() drops them). finite: non-finite values zeroed (a query's
+    masked later rows have probability 0, and 0 x NaN = NaN: attention/backends/blocks.py finite_values)."""
+    b, g, length, dv = v.shape
+    lp, dvp = _up(length), _up(dv)
+    vb = v.new_zeros(b * g, lp, dvp, dtype=torch.bfloat16)
+    vb.view(b, g, lp, dvp)[:, :, :length, :dv] = v
+    if finite:
+        vb.nan_to_num_(0.0, 0.0, 0.0)
+    return vb.view(b * g, lp // 2, 2, dvp).transpose(2, 3).contiguous().view(torch.int32).view(b * g, lp // 2, dvp)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
+    """a [N, M, K] bf16 contiguous (M, K multiples of 32), b [N, K / 2, ldb] int32 pairs (its first n columns, n a
+    multiple of 32; its first K / 2 rows) -> [N, M, n] fp32 = a times the matrix b packs, fp32 sums."""
+    batch, m, k = a.shape
+    assert a.dtype == torch.bfloat16 and a.is_contiguous() and b.dtype == torch.int32 and b.stride(2) == 1
+    assert k // 2 <= b.shape[1] and n <= b.shape[2], (a.shape, b.shape, n)
+    c = torch.empty(batch, m, n, dtype=torch.float32)
+    rc = native.library().mls_bf16_bmm(
+        a.data_ptr(), batch, m, k, k, m * k, b.data_ptr(), n, b.stride(1), b.stride(0), c.data_ptr(), n, m * n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native bf16 tile product failed (rc {rc}: {bf16_pairs.tiles_detail()})")
+    return c
+
+
+def attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, n: int, dv: int
+) -> torch.Tensor:
+    """One block of queries: q [B, G, Q, D] fp32, keys / values packed (pack_keys / pack_values), mask [B, Q, n]
+    over the block's first n keys -> O [B, Q, G, dv] fp32."""
+    b, g, nq, d = q.shape
+    mp, npad = _up(nq), _up(n)
+    qb = q.new_zeros(b * g, mp, _up(d), dtype=torch.bfloat16)
+    qb[:, :nq, :d] = (q * scale).flatten(0, 1)
+    scores = bmm(qb, keys, npad)
+    probs = torch.empty(b * g, mp, npad, dtype=torch.bfloat16)
+    rc = native.library().mls_softmax_bf16(
+        scores.data_ptr(),
+        b,
+        g,
+        mp,
+        npad,
+        mask.contiguous().data_ptr(),
+        nq,
+        n,
+        probs.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native bf16 softmax failed (rc {rc}: {bf16_pairs.tiles_detail()})")
+    out = bmm(probs, values, values.shape[2]).view(b, g, mp, -1)
+    return out[:, :, :nq, :dv].transpose(1, 2)

@@ -1,0 +1,164 @@
+"""A prompt's decompressed attention on the AMX-BF16 tiles (kernels/bf16_attention.py, csrc/x86/amx_bf16_bmm.c).
+
+- The tile product against fp64 on the same bf16 operands, within its bound (k / 2 + 1) 2^-24 sum |a| |b| (products
+  exact, fp32 sums); a row's bits do not depend on the other rows.
+- The softmax pass against fp64's softmax rounded to bf16 (exp within 2 ulp, one bf16 rounding: within 2^-8 of each
+  probability), masked and padded keys 0, and a NaN or a row with no key NaN, not silently finite.
+- The torch backend with tiles=True against the reference's fp32 attention on a routed batch (prefill chunks after
+  cached context, decodes): within test_attention_backends' BF16_TOL, and not the fp32 path's values.
+- The layer's plan: attention_bf16 follows expansion_bf16 (never with the reference backend in the step).
+Each was broken once to see it fail (a dropped tile step, the mask ignored, the pairs of V not interleaved).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_backends import BF16_TOL
+
+from mlaserve.attention.backends import BACKENDS
+from mlaserve.attention.metadata import build_segment_tensors
+from mlaserve.attention.router import route
+from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
+from mlaserve.kernels import bf16_attention, bf16_pairs
+
+pytestmark = pytest.mark.skipif(
+    not bf16_pairs.granted(), reason=f"this CPU or process has no AMX-BF16 tiles ({bf16_pairs.tiles_detail()})"
+)
+
+
+def _bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.shape[-1] / 2 + 1) * 2.0**-24 * (a.double().abs() @ b.double().abs())
+
+
+def test_bmm_within_its_bound_and_row_independent():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 64, 192, generator=g).bfloat16()
+    k = torch.randn(3, 1, 90, 192, generator=g)  # keys of one group: 90 rows, padded to 96 by the packer
+    packed = bf16_attention.pack_keys(k[..., :160], k[..., 160:])
+    assert packed.shape == (3, 96, 96) and packed.dtype == torch.int32
+    c = bf16_attention.bmm(a, packed, 96)
+    kb = k[:, 0].bfloat16().double().transpose(1, 2)
+    exact = a.double() @ kb
+    assert ((c[..., :90].double() - exact).abs() <= _bound(a, kb)).all()
+    assert torch.equal(c[..., 90:], torch.zeros_like(c[..., 90:]))  # zero keys
+    # a row's bits: the same rows in another batch and row position
+    again = bf16_attention.bmm(torch.cat([a[1:2, 32:], a[1:2, :32]], dim=1), packed[1:2], 96)
+    assert torch.equal(again[0, :32], c[1, 32:]) and torch.equal(again[0, 32:], c[1, :32])
+    # P V: values interleaved by pairs of keys, P's padded columns zero
+    v = torch.randn(3, 1, 90, 64, generator=g)
+    p = torch.rand(3, 64, 96, generator=g).bfloat16()
+    p[..., 90:] = 0
+    out = bf16_attention.bmm(p, bf16_attention.pack_values(v, finite=False), 64)
+    vb = v[:, 0].bfloat16().double()
+    want = p[..., :90].double() @ vb
+    assert ((out.double() - want).abs() <= _bound(p[..., :90], vb)).all()
+    assert (out.double() - want).abs().max() > 0  # fp32 sums, not fp64 (the test sees the unit's rounding)
+
+
+def test_softmax_pass_masks_pads_and_reports_nan():
+    g = torch.Generator().manual_seed(1)
+    b, heads, nq, n = 2, 3, 40, 70
+    q = torch.randn(b, heads, nq, 32, generator=g)
+    k_nope, k_pe = torch.randn(b, heads, n, 24, generator=g), torch.randn(b, 1, n, 8, generator=g)
+    v = torch.randn(b, heads, n, 32, generator=g)
+    mask = torch.rand(b, nq, n, generator=g) > 0.4
+    mask[:, :, 0] = True
+    keys, values = bf16_attention.pack_keys(k_nope, k_pe), bf16_attention.pack_values(v, finite=True)
+    out = bf16_attention.attention(q, keys, values, mask, 0.3, n, 32)
+    assert out.shape == (b, nq, heads, 32)
+    # fp64 on the same rounded operands: q scaled then rounded, K and V rounded, P rounded once
+    qb = (q * 0.3).bfloat16().double()
+    kb = torch.cat([k_nope, k_pe.expand(-1, heads, -1, -1)], -1).bfloat16().double()
+    s = (qb @ kb.transpose(2, 3)).masked_fill(~mask[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    pb = p.bfloat16().double()
+    want = (pb @ v.bfloat16().double()).transpose(1, 2)
+    # each probability within 2^-8 of its own value (one rounding) plus the exp's 2 ulp: outputs within that times
+    # sum |p| |v| (+ the fp32 sums)
+    bound = (2.0**-8 + 2.0**-20) * (p @ v.bfloat16().double().abs()).transpose(1, 2) + 1e-6
+    assert ((out.double() - want).abs() <= bound).all()
+    # the mask is read: dropping it moves the outputs
+    free = bf16_attention.attention(q, keys, values, torch.ones_like(mask), 0.3, n, 32)
+    assert (free - out).abs().max() > 0.1
+    # a NaN query makes its own row NaN, no other; a row that allows no key is NaN, not zero
+    q2 = q.clone()
+    q2[1, 2, 5, 0] = float("nan")
+    m2 = mask.clone()
+    m2[0, 7] = False
+    got = bf16_attention.attention(q2, keys, values, m2, 0.3, n, 32)
+    bad = got.isnan().any(-1)
+    assert bad[1, 5, 2] and bad[0, 7].all() and int(bad.sum()) == 1 + heads
+
+
+DN, DR, DV, R, HEADS = 16, 8, 12, 32, 4  # padded to whole tile blocks (32) by the packers
+PS, PAGES = 4, 60
+SEQS = [(1, 9), (37, 6), (45, 0), (1, 20)]  # decodes, a prompt chunk after cached context, a fresh prompt
+
+
+def test_backend_tiles_within_the_bf16_bound_of_the_reference():
+    g = torch.Generator().manual_seed(2)
+    pages = torch.randperm(PAGES, generator=g).tolist()
+    chunks, used = [], 0
+    for i, (nq, ctx) in enumerate(SEQS):
+        k = -(-(nq + ctx) // PS)
+        chunks.append(SeqChunk(f"r{i}", tuple(range(nq)), ctx, tuple(pages[used : used + k])))
+        used += k
+    batch = ForwardBatch.build(chunks, PS, 1, "cpu")
+    t = batch.num_tokens
+    q = torch.randn(t, HEADS, DN + DR, generator=g)
+    cache = torch.randn(PAGES * PS, R + DR, generator=g)
+    # a bf16 kv_b: the plan's bf16 expansion, which the tiles go with (MLAAttention.attention_bf16)
+    kv_b = (torch.randn(HEADS * (DN + DV), R, generator=g) * R**-0.5).bfloat16()
+    torch_backend, ref = BACKENDS["torch"], BACKENDS["reference"]
+    plan = route(batch, "decompressed", False, None, torch.float32, "torch")
+    for segment in plan.segments:
+        seg = build_segment_tensors(batch, segment)
+        args = (q[..., :DN], q[..., DN:], cache, kv_b, seg, (DN + DR) ** -0.5, DN)
+        got = torch_backend.decompressed(*args, tiles=True)
+        want = ref.decompressed(*args)
+        plain = torch_backend.decompressed(*args)
+        assert got.dtype == torch.float32
+        got, want, plain = got[seg.q_valid], want[seg.q_valid], plain[seg.q_valid]
+        assert (got - want).abs().max() <= BF16_TOL * want.abs().max()
+        assert not torch.equal(got, plain)
+    with pytest.raises(ValueError, match="no bf16-tile products"):
+        ref.decompressed(*args, tiles=True)
+
+
+def test_engine_runs_the_tiles_within_the_files_own_error(monkeypatch):
+    """ds3's Q4_K_M file (attn_k_b / attn_v_b kept: Q5_0 / Q4_K; heads 48 / 32, padded to the tiles' 64 / 32) under auto on a CPU with fast bf16 (forced), every
+    prompt on the decompressed path: the layer's plan takes the tiles (not with the reference backend in the step),
+    the prompt's logits move by what bf16 adds, within half the file's own error (the rule of docs/FORMATS.md), and
+    the tiles are part of that move (the same engine with the tiles refused gives other logits)."""
+    from conftest import fixture_dir
+    from safetensors.torch import load_file
+
+    from mlaserve import LLM
+
+    monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
+    folder = fixture_dir("ds3")
+    exp = load_file(str(folder / "expected.safetensors"))
+    ids = exp["input_ids"].tolist()
+    path = str(folder / "model-q4_k_m.gguf")
+    fast = LLM(path, mla_path="decompressed")
+    exact = LLM(path, mla_path="decompressed", prefill_matmul="float")
+    attn = fast.runner.model.model.layers[0].self_attn
+    assert attn.attention_bf16([BACKENDS["torch"]]) and not attn.attention_bf16(
+        [BACKENDS["torch"], BACKENDS["reference"]]
+    )
+    assert not exact.runner.model.model.layers[0].self_attn.attention_bf16([BACKENDS["torch"]])
+    heads = [c.reason for c in fast.loaded.kernel_plan.choices if c.op == "heads"]
+    assert heads and all(
+        "the decompressed K / V expansion in bf16, its attention on the amx-bf16 tiles" in r for r in heads
+    )
+    assert not any("expansion" in c.reason for c in exact.loaded.kernel_plan.choices)
+    a, b = fast.prompt_logits(ids), exact.prompt_logits(ids)
+    act = ((a - b).norm() / b.norm()).item()
+    file = ((b - exp["hf_logits"]).norm() / exp["hf_logits"].norm()).item()
+    print(
+        f"\nds3 q4_k_m, decompressed: bf16 prefill with the attention on the tiles adds {act:.4f}; the file's {file:.4f}"
+    )
+    assert 0 < act <= file / 2, (act, file)
+    monkeypatch.setattr(bf16_attention, "granted", lambda: False)
+    assert not torch.equal(fast.prompt_logits(ids), a)
