@@ -3,7 +3,7 @@ file type), one offline.py run per cell, one JSON per run in docs/results/.
 
     python benchmarks/matrix.py [--models standard ds-real glm-real] [--types q8_0 q6_k q4_k_m q4_0 iq_mix]
                                 [--phases prefill decode long c16] [--threads N] [--reps N] [--tag NAME]
-                                [--ik-llama-bin DIR] [--date YYYY-MM-DD] [--run N] [--dry-run]
+                                [--ik-llama-bin DIR] [--date YYYY-MM-DD] [--run N] [--long-prefill] [--dry-run]
 
 Each cell is `offline.py --model M --engines mlaserve-gguf@T llama.cpp@T:repack=false [ik_llama.cpp@T:...]
 --phases ... --long-prompt 4096`: the engines load side by side and take each phase in turn (alternating, so
@@ -50,31 +50,43 @@ LONG_PROMPT = 4096  # the long-context decode phase: batch-1 decode after a 4096
 
 
 def cell_command(
-    model: str, qtype: str, phases: list[str], out: Path, threads: int = 2, reps: int = 2, ik_bin: str | None = None
+    model: str,
+    qtype: str,
+    phases: list[str],
+    out: Path,
+    threads: int = 2,
+    reps: int = 2,
+    ik_bin: str | None = None,
+    long_prefill: bool = False,
 ) -> list[str]:
     """offline.py's command for one cell: mlaserve, llama.cpp (repack=false) and, given its tools' folder,
-    ik_llama.cpp (-mla 3 -fa -fmoe: its defaults, named) on the same file, alternating phase by phase."""
+    ik_llama.cpp (-mla 3 -fa -fmoe: its defaults, named) on the same file, alternating phase by phase. long_prefill:
+    the prefill phase takes a prompt of LONG_PROMPT tokens, not 512 (matrix_table.py files it as its own column)."""
     engines = [f"mlaserve-gguf@{qtype}", f"llama.cpp@{qtype}:repack=false"]
     if ik_bin:
         engines.append(f"ik_llama.cpp@{qtype}:mla=3,fa=true,fmoe=true")
-    return [
-        sys.executable,
-        str(BENCH_DIR / "offline.py"),
-        "--model",
-        model,
-        "--engines",
-        *engines,
-        "--phases",
-        *phases,
-        "--long-prompt",
-        str(LONG_PROMPT),
-        "--threads",
-        str(threads),
-        "--reps",
-        str(reps),
-        "--out",
-        str(out),
-    ] + (["--ik-llama-bin", ik_bin] if ik_bin else [])
+    return (
+        [
+            sys.executable,
+            str(BENCH_DIR / "offline.py"),
+            "--model",
+            model,
+            "--engines",
+            *engines,
+            "--phases",
+            *phases,
+            "--long-prompt",
+            str(LONG_PROMPT),
+            "--threads",
+            str(threads),
+            "--reps",
+            str(reps),
+            "--out",
+            str(out),
+        ]
+        + (["--ik-llama-bin", ik_bin] if ik_bin else [])
+        + (["--prefill-len", str(LONG_PROMPT)] if long_prefill else [])
+    )
 
 
 def main() -> None:
@@ -92,13 +104,20 @@ def main() -> None:
     p.add_argument(
         "--tag", default="", help="name of this part of the cells (some --phases now, the rest in another part)"
     )
+    p.add_argument(
+        "--long-prefill",
+        action="store_true",
+        help=f"prefill a {LONG_PROMPT}-token prompt instead of 512 (issue #31's second prefill target; use a --tag)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = p.parse_args()
     root = BENCH_DIR.parent
     for model in args.models:
         for qtype in args.types:
             out = cell_path(args.date, model, qtype, args.run, args.tag)
-            cmd = cell_command(model, qtype, args.phases, out, args.threads, args.reps, args.ik_llama_bin)
+            cmd = cell_command(
+                model, qtype, args.phases, out, args.threads, args.reps, args.ik_llama_bin, args.long_prefill
+            )
             if cell_done(root / out):
                 print(f"[matrix] {out} exists: skipped", flush=True)
                 continue

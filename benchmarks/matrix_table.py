@@ -22,6 +22,7 @@ from pathlib import Path
 # AVX512-BF16 CPUs), peak RSS <= 1.15x, start <= 1x. The ratio to ik_llama.cpp is held to the same bar.
 METRICS = (
     ("prefill_tok_s", "prefill 512 tok/s", 2.0, True),
+    ("prefill_tok_s_long", "prefill {long} tok/s", 2.0, True),
     ("decode_tok_s_b1", "decode b1 at 128 tok/s", 1.2, True),
     ("decode_tok_s_long", "decode b1 at {long} tok/s", 1.2, True),
     ("output_tok_s_c16", "16 concurrent tok/s", 2.0, True),
@@ -157,6 +158,26 @@ MAX_OVER_PARTS = ("peak_rss_gib",)
 MIN_OVER_PARTS = ("load_s",)
 
 
+SHORT_PREFILL = (
+    512  # offline.py's prefill length; a part measured at another (matrix.py --long-prefill) is its own column
+)
+
+
+def long_prefill_keyed(doc: dict) -> dict:
+    """A part whose prefill phase took a prompt other than SHORT_PREFILL tokens (matrix.py --long-prefill) with its
+    prefill figures under "prefill_tok_s_long", so that uniting it with the other parts does not replace the
+    512-token column; other docs as they are."""
+    if (doc.get("settings") or {}).get("prefill_len", SHORT_PREFILL) == SHORT_PREFILL:
+        return doc
+    res = {
+        spec: {("prefill_tok_s_long" if k == "prefill_tok_s" else k): v for k, v in vals.items()}
+        if isinstance(vals, dict)
+        else vals
+        for spec, vals in doc["results"].items()
+    }
+    return {**doc, "results": res}
+
+
 def merge_parts(docs: list[dict]) -> dict:
     """One cell measured in parts (matrix.py --tag: some phases per run, on a loaded machine, or a phase measured
     again): every engine's figures united (a later part's figure replaces an earlier one's), the load records
@@ -198,7 +219,7 @@ def load_rows(files: list[Path], latest: bool = False) -> list[dict]:
     measured it last; peak RSS the largest and start the smallest over them, as for parts)."""
     groups: dict = {}
     for f in sorted(files):
-        doc = json.loads(f.read_text())
+        doc = long_prefill_keyed(json.loads(f.read_text()))
         model, qtype, run = cell_key(f, doc)
         groups.setdefault((model, qtype, "" if latest else run), []).append(doc)
     rows = []

@@ -67,8 +67,30 @@ def test_cell_ratios_against_targets(bench):
     assert "| peak RSS GiB | 1.20 | 1.00 | not run | 1.20x **miss** | - | <= 1.15x |" in lines[5]
     assert (
         lines[-1]
-        == "Not measured (no engine has a figure): glm-real Q4_K_M run 2: decode b1 at 2048 tok/s; glm-real Q4_K_M run 2: start s."
+        == "Not measured (no engine has a figure): glm-real Q4_K_M run 2: prefill 2048 tok/s; glm-real Q4_K_M run 2: "
+        "decode b1 at 2048 tok/s; glm-real Q4_K_M run 2: start s."
     )
+
+
+def test_a_long_prefill_part_is_its_own_column(bench, tmp_path):
+    """matrix.py --long-prefill: a part whose prefill took the long prompt fills the long prefill column, and the
+    512-token part's figures stay in theirs whichever was measured last."""
+    mt, matrix = bench[0], bench[1]
+    short = doc({"prefill_tok_s": 300.0}, {"prefill_tok_s": 100.0})
+    long = doc({"prefill_tok_s": 80.0}, {"prefill_tok_s": 16.0})
+    short["settings"] = {"prefill_len": 512, "long_prompt": 4096}
+    long["settings"] = {"prefill_len": 4096, "long_prompt": 4096}
+    short["env"], long["env"] = {"date": "2026-12-04T21:00"}, {"date": "2026-12-04T22:00"}
+    (tmp_path / "matrix-x-glm-real-q4_k_m-prefill.json").write_text(json.dumps(short))
+    (tmp_path / "matrix-x-glm-real-q4_k_m-prefill4096.json").write_text(json.dumps(long))
+    (row,) = mt.load_rows(sorted(tmp_path.glob("*.json")))
+    m = row["metrics"]
+    assert (m["prefill_tok_s"]["ours"], m["prefill_tok_s"]["ratio"]) == (300.0, 3.0)
+    assert (m["prefill_tok_s_long"]["ours"], m["prefill_tok_s_long"]["ratio"]) == (80.0, 5.0)
+    assert "| prefill 4096 tok/s | 80.0 | 16.0 | not run | 5.00x ok |" in mt.markdown([row])
+    cmd = matrix.cell_command("glm-real", "q4_k_m", ["prefill"], Path("x.json"), long_prefill=True)
+    assert cmd[cmd.index("--prefill-len") + 1] == "4096"
+    assert "--prefill-len" not in matrix.cell_command("glm-real", "q4_k_m", ["prefill"], Path("x.json"))
 
 
 def test_cell_with_a_failed_engine_has_no_ratio(bench):
