@@ -5,8 +5,10 @@ in fp32 torch ops between them. The kernel plan takes it where it already runs t
 
 Notation (one group of G heads of B requests, N = B G; u = 2^-8, bf = round to nearest even bfloat16)
   q    [B, G, Q, D]   fp32 queries of one block of Q queries, D = dn + dr; q_b = bf(scale q)   [N, Mp, Dp]
-  K    [B, G, L, D]   keys [k_nope | k_pe]; pack_keys -> the pairs of K_b^T: int32 [N, Dp / 2, Lp]
-  V    [B, G, L, dv]  values; pack_values -> the pairs of V_b: int32 [N, Lp / 2, dvp]
+  K    [B, G, L, D]   keys [k_nope | k_pe]; pack_keys -> the pairs of K_b^T in blocks of 16 keys:
+                      int32 [N, Lp / 16, Dp / 2, 16]
+  V    [B, G, L, dv]  values; pack_values -> the pairs of V_b: int32 [N, Lp / 2, dvp] (seen as [N, dvp / 16,
+                      Lp / 2, 16])
                       (Lp, Dp, dvp, Mp: rounded up to 32 with zeros, which add nothing to any sum)
   S    [N, Mp, n']    fp32 = q_b K_b^T over the block's keys (n = key_ends, n' rounded up to 32; padded keys and
                       query rows are zeros, padded keys masked), sums in fp32 in the unit
@@ -39,19 +41,21 @@ def _up(n: int) -> int:
 
 def pack_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """K = [k_nope | k_pe]: k_nope [B, G, L, dn], k_pe [B, 1 or G, L, dr] (any strides, any float dtype) -> int32
-    [B G, Dp / 2, Lp]: row p holds, per key, its values 2p and 2p + 1 as bf16 (the tiles' pair layout of K^T), keys
-    past L and values past D zero (Dp = D rounded up to 32)."""
+    [B G, Lp / 16, Dp / 2, 16]: per block of 16 keys, row p holds each key's values 2p and 2p + 1 as bf16 (the tiles'
+    pair layout of K^T, a tile's 16 rows in one 1 KiB run), keys past L and values past D zero (Dp = D rounded up to
+    32)."""
     b, g, length, dn = k_nope.shape
     kb = k_nope.new_zeros(b, g, _up(length), _up(dn + k_pe.shape[-1]), dtype=torch.bfloat16)
     kb[:, :, :length, :dn] = k_nope
     kb[:, :, :length, dn : dn + k_pe.shape[-1]] = k_pe
-    return kb.flatten(0, 1).view(torch.int32).transpose(1, 2).contiguous()
+    lp, half = kb.shape[2], kb.shape[3] // 2
+    return kb.view(torch.int32).view(b * g, lp // 16, 16, half).transpose(2, 3).contiguous()
 
 
 def pack_values(v: torch.Tensor, finite: bool) -> torch.Tensor:
-    """v [B, G, L, dv] (any strides) -> int32 [B G, Lp / 2, dvp]: row p holds, per column, keys 2p and 2p + 1's
-    values as bf16, keys past L zero (a padded key's probability is 0), columns past dv zero (dvp = dv rounded up
-    to 32; attention() drops them). finite: non-finite values zeroed (a query's
+    """v [B, G, L, dv] (any strides) -> int32 [B G, dvp / 16, Lp / 2, 16], a view of [B G, Lp / 2, dvp]: row p
+    holds, per column, keys 2p and 2p + 1's values as bf16, keys past L zero (a padded key's probability is 0),
+    columns past dv zero (dvp = dv rounded up to 32; attention() drops them). finite: non-finite values zeroed (a query's
     masked later rows have probability 0, and 0 x NaN = NaN: attention/backends/blocks.py finite_values)."""
     b, g, length, dv = v.shape
     lp, dvp = _up(length), _up(dv)
@@ -59,19 +63,21 @@ def pack_values(v: torch.Tensor, finite: bool) -> torch.Tensor:
     vb.view(b, g, lp, dvp)[:, :, :length, :dv] = v
     if finite:
         vb.nan_to_num_(0.0, 0.0, 0.0)
-    return vb.view(b * g, lp // 2, 2, dvp).transpose(2, 3).contiguous().view(torch.int32).view(b * g, lp // 2, dvp)
+    pairs = vb.view(b * g, lp // 2, 2, dvp).transpose(2, 3).contiguous().view(torch.int32)
+    return pairs.view(b * g, lp // 2, dvp // 16, 16).transpose(1, 2)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
-    """a [N, M, K] bf16 contiguous (M, K multiples of 32), b [N, K / 2, ldb] int32 pairs (its first n columns, n a
-    multiple of 32; its first K / 2 rows) -> [N, M, n] fp32 = a times the matrix b packs, fp32 sums."""
+    """a [N, M, K] bf16 contiguous (M, K multiples of 32), b [N, column blocks, pair rows, 16] int32 pairs (any
+    strides but the last; its first n columns, n a multiple of 32, and first K / 2 pair rows) -> [N, M, n] fp32 = a
+    times the matrix b packs, fp32 sums."""
     batch, m, k = a.shape
-    assert a.dtype == torch.bfloat16 and a.is_contiguous() and b.dtype == torch.int32 and b.stride(2) == 1
-    assert k // 2 <= b.shape[1] and n <= b.shape[2], (a.shape, b.shape, n)
+    assert a.dtype == torch.bfloat16 and a.is_contiguous() and b.dtype == torch.int32 and b.stride(3) == 1
+    assert k // 2 <= b.shape[2] and n <= 16 * b.shape[1] and b.shape[3] == 16, (a.shape, b.shape, n)
     c = torch.empty(batch, m, n, dtype=torch.float32)
     rc = native.library().mls_bf16_bmm(
-        a.data_ptr(), batch, m, k, k, m * k, b.data_ptr(), n, b.stride(1), b.stride(0), c.data_ptr(), n, m * n,
-        torch.get_num_threads(),
+        a.data_ptr(), batch, m, k, k, m * k, b.data_ptr(), n, b.stride(2), b.stride(1), b.stride(0), c.data_ptr(),
+        n, m * n, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native bf16 tile product failed (rc {rc}: {bf16_pairs.tiles_detail()})")
@@ -103,5 +109,5 @@ def attention(
     )
     if rc != 0:
         raise RuntimeError(f"native bf16 softmax failed (rc {rc}: {bf16_pairs.tiles_detail()})")
-    out = bmm(probs, values, values.shape[2]).view(b, g, mp, -1)
+    out = bmm(probs, values, 16 * values.shape[1]).view(b, g, mp, -1)
     return out[:, :, :nq, :dv].transpose(1, 2)

@@ -36,7 +36,7 @@ def test_bmm_within_its_bound_and_row_independent():
     a = torch.randn(3, 64, 192, generator=g).bfloat16()
     k = torch.randn(3, 1, 90, 192, generator=g)  # keys of one group: 90 rows, padded to 96 by the packer
     packed = bf16_attention.pack_keys(k[..., :160], k[..., 160:])
-    assert packed.shape == (3, 96, 96) and packed.dtype == torch.int32
+    assert packed.shape == (3, 6, 96, 16) and packed.dtype == torch.int32  # 96 keys in 6 blocks, 192 values
     c = bf16_attention.bmm(a, packed, 96)
     kb = k[:, 0].bfloat16().double().transpose(1, 2)
     exact = a.double() @ kb

@@ -260,10 +260,11 @@ int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int
                                 int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                                 float *y, int64_t ldy, int threads);
 /* x86/amx_bf16_bmm.c: C_b [m, n] (fp32, rows ldc apart) = A_b [m, k] (bf16, rows lda apart) times Bm_b [k, n] given
-   as pairs B_b [k / 2, n] (int32: (Bm[2p, j], Bm[2p + 1, j]), rows ldb apart), b < batch (strides sa, sb, sc in
-   elements), fp32 sums on AMX-BF16 tiles. 0, -1 no bf16 tiles here, -2 m, n or k not a multiple of 32 */
+   as pairs B_b (int32: (Bm[2p, j], Bm[2p + 1, j]); pair row p of columns j0 .. j0 + 15 at (j0 / 16) bj + p ldb),
+   b < batch (strides sa, sb, sc in elements), fp32 sums on AMX-BF16 tiles. 0, -1 no bf16 tiles here, -2 m, n or k
+   not a multiple of 32 */
 int mls_bf16_bmm(const uint16_t *a, int64_t batch, int64_t m, int64_t k, int64_t lda, int64_t sa, const int32_t *bp,
-                 int64_t n, int64_t ldb, int64_t sb, float *c, int64_t ldc, int64_t sc, int threads);
+                 int64_t n, int64_t ldb, int64_t bj, int64_t sb, float *c, int64_t ldc, int64_t sc, int threads);
 /* P [b, g, m, n] bf16 = softmax of the scaled scores s [b, g, m, n] (fp32, overwritten) per row over the keys its
    request's mask [b, mq, nv] (bytes) allows; keys past nv and rows past mq 0; a NaN or +inf score it may read, or no
    key, makes the row NaN. 0, -1 no bf16 tiles here */

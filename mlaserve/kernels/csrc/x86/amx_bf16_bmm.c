@@ -7,9 +7,11 @@
    Notation (one batch entry b; the tile unit's TDPBF16PS: C[i, j] += sum_p A[i, 2p] B[p, j].lo + A[i, 2p + 1]
    B[p, j].hi, tiles of 16 rows x 64 bytes):
      A  [m, k]      bf16, rows lda apart (q's rows, or P's)
-     B  [k / 2, n]  int32, rows ldb apart: the pairs (Bm[2p, j], Bm[2p + 1, j]) of the right operand Bm [k, n]
-                    (K^T: K's rows read as int32 and transposed; V: two consecutive rows interleaved), packed by
-                    the caller once per head group
+     B  [k / 2, n]  int32: the pairs (Bm[2p, j], Bm[2p + 1, j]) of the right operand Bm [k, n], pair row p of
+                    columns j0 .. j0 + 15 at B + (j0 / 16) bj + p ldb (K^T in blocks of 16 keys, [n / 16, k / 2, 16],
+                    so that a tile is 1 KiB in a row, not 16 lines a context's row apart: bj = 8 k, ldb = 16; V
+                    with two consecutive rows interleaved, [k / 2, n]: bj = 16, ldb = n), packed by the caller once
+                    per head group
      C  [m, n]      fp32, rows ldc apart: sum_k A[i, k] Bm[k, j], the products exact, their sums in fp32 inside the
                     unit, k / 32 tile steps in order:
                     |C - A Bm| <= (k / 2 + 1) 2^-24 sum_k |A[i, k]| |Bm[k, j]| (bf16 products are exact in fp32)
@@ -20,7 +22,8 @@
 #ifdef MLS_AMX_BF16
 
 /* one 32 x 32 block of C: rows i0.., columns j0.. of batch entry b */
-static void bmm_block(const uint16_t *a, int64_t lda, const int32_t *bp, int64_t ldb, int64_t k, float *c, int64_t ldc) {
+static void bmm_block(const uint16_t *a, int64_t lda, const int32_t *bp, int64_t ldb, int64_t bj, int64_t k, float *c,
+                      int64_t ldc) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -29,7 +32,7 @@ static void bmm_block(const uint16_t *a, int64_t lda, const int32_t *bp, int64_t
         _tile_loadd(4, a + kk, lda * 2);
         _tile_loadd(5, a + 16 * lda + kk, lda * 2);
         _tile_loadd(6, bp + (kk / 2) * ldb, ldb * 4);
-        _tile_loadd(7, bp + (kk / 2) * ldb + 16, ldb * 4);
+        _tile_loadd(7, bp + bj + (kk / 2) * ldb, ldb * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -121,7 +124,7 @@ int mls_softmax_bf16(float *s, int64_t b, int64_t g, int64_t m, int64_t n, const
 /* C_b = A_b Bm_b for b < batch (batch strides sa, sb, sc in elements), as above: 0, -1 this build or process has
    no bf16 tiles, -2 m or n not a multiple of 32, k not a multiple of 32 */
 int mls_bf16_bmm(const uint16_t *a, int64_t batch, int64_t m, int64_t k, int64_t lda, int64_t sa, const int32_t *bp,
-                 int64_t n, int64_t ldb, int64_t sb, float *c, int64_t ldc, int64_t sc, int threads) {
+                 int64_t n, int64_t ldb, int64_t bj, int64_t sb, float *c, int64_t ldc, int64_t sc, int threads) {
 #ifdef MLS_AMX_BF16
     if (amx_permission() != 1) return -1;
     if (m % 32 || n % 32 || k % 32) return -2;
@@ -140,13 +143,14 @@ int mls_bf16_bmm(const uint16_t *a, int64_t batch, int64_t m, int64_t k, int64_t
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t b = it / (mb * nb), i0 = (it / nb) % mb * 32, j0 = it % nb * 32;
-            bmm_block(a + b * sa + i0 * lda, lda, bp + b * sb + j0, ldb, k, c + b * sc + i0 * ldc + j0, ldc);
+            bmm_block(a + b * sa + i0 * lda, lda, bp + b * sb + (j0 / 16) * bj, ldb, bj, k, c + b * sc + i0 * ldc + j0,
+                      ldc);
         }
         _tile_release();
     }
     return 0;
 #else
-    (void)a, (void)batch, (void)m, (void)k, (void)lda, (void)sa, (void)bp, (void)n, (void)ldb, (void)sb, (void)c;
+    (void)a, (void)batch, (void)m, (void)k, (void)lda, (void)sa, (void)bp, (void)n, (void)ldb, (void)bj, (void)sb, (void)c;
     (void)ldc, (void)sc, (void)threads;
     return -1;
 #endif
