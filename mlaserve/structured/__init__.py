@@ -3,6 +3,7 @@
     spec.py     StructuredOutputs, the request's constraint (pure data)
     backend.py  the grammar engine behind one small interface: compile (cached), a matcher per
                 request, and the batched token bitmask the sampler applies in its one step
+    utf8.py     the UTF-8 automaton each matcher also follows: its mask keeps the output well-formed UTF-8
 
 The grammar engine is xgrammar: its JSON-schema compiler covers the schema keywords the OpenAI API
 documents, it compiles each grammar once against the whole vocabulary (the cache makes repeated

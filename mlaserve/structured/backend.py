@@ -6,8 +6,10 @@
     matcher.accept(token)                                       # each sampled token
 
 A spec the engine cannot compile raises ValueError("structured <kind>: ..."), which the server turns
-into a 400 naming the part. The bitmask is what `sampling.sampler.sample` applies to the logits before
-every other stage; this module is the only one that imports xgrammar.
+into a 400 naming the part. Each mask also keeps the output well-formed UTF-8 (structured/utf8.py:
+xgrammar's byte classes let surrogates and overlong forms through). The bitmask is what
+`sampling.sampler.sample` applies to the logits before every other stage; this module is the only one that
+imports xgrammar.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from mlaserve.structured.reasoning import after_reasoning_tag
 from mlaserve.structured.spec import StructuredOutputs, choice_regex
 from mlaserve.structured.strict import plain_length_strings
+from mlaserve.structured.utf8 import BOUNDARY, Utf8State, Utf8Table
 
 _ERR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:123: " prefix
 _CACHE_LIMIT = 256  # compiled grammars kept (xgrammar also caches, by bytes)
@@ -32,24 +35,35 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 class Matcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and in UTF-8 (structured/utf8.py)."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, utf8: Utf8State) -> None:
         self._m = matcher
+        self._utf8 = utf8
 
     def accept(self, token_id: int) -> None:
+        if self._utf8.table.after(self._utf8.states[-1], int(token_id)) < 0:
+            raise ValueError(f"token {token_id} would make the output invalid UTF-8 here")
         if not self._m.accept_token(int(token_id)):
             raise ValueError(f"token {token_id} is not allowed by the request's grammar")
+        self._utf8.accept(int(token_id))
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+        self._utf8.narrow(bitmask, row)
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+        self._utf8.rollback(num_tokens)
 
     @property
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
+
+    @property
+    def in_character(self) -> bool:
+        """Whether the output so far ends inside a multi-byte character (its next token must continue it)."""
+        return self._utf8.states[-1] != BOUNDARY
 
 
 class GrammarBackend:
@@ -64,6 +78,8 @@ class GrammarBackend:
             hf, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        textless = [*self.info.special_token_ids, *self.info.stop_token_ids]
+        self.utf8 = Utf8Table(self.info.decoded_vocab, textless, vocab_size)
         self._cache: dict[tuple[str, str], object] = {}
         self._lock = threading.Lock()
 
@@ -105,7 +121,7 @@ class GrammarBackend:
         return c.compile_grammar(spec.grammar)
 
     def matcher(self, spec: StructuredOutputs) -> Matcher:
-        return Matcher(self._xgr.GrammarMatcher(self.compile(spec)))
+        return Matcher(self._xgr.GrammarMatcher(self.compile(spec)), Utf8State(self.utf8))
 
 
 def fill_bitmask(matchers: Sequence[Matcher | None], vocab_size: int) -> torch.Tensor | None:

@@ -57,8 +57,7 @@ def _think_walk(engine, spec: StructuredOutputs, seed: int, open_block: bool, ma
     rng = random.Random(seed)
     backend, tok = engine.grammar_backend(), engine.tokenizer
     vocab, stop = backend.vocab_size, set(engine.eos_ids)
-    avoid = byte_level_tokens_with(tok, 0xED)  # xgrammar's surrogate defect (test_structured_fuzz)
-    no_close = avoid | byte_level_tokens_with(tok, ord(">"))
+    no_close = byte_level_tokens_with(tok, ord(">"))
     m = backend.matcher(spec)
     tokens: list[int] = []
     if open_block:
@@ -66,7 +65,8 @@ def _think_walk(engine, spec: StructuredOutputs, seed: int, open_block: bool, ma
     for t in tokens:
         m.accept(t)  # raises when the grammar forbids it
     thought = []
-    for _ in range(rng.randrange(25)):
+    n = rng.randrange(25)
+    while len(thought) < n or m.in_character:  # `</think>` only between characters (structured/utf8.py)
         allowed = _allowed(m, vocab, no_close)
         assert not stop & set(allowed), "the grammar lets the output end inside the reasoning"
         thought.append(rng.choice(allowed))
@@ -77,7 +77,7 @@ def _think_walk(engine, spec: StructuredOutputs, seed: int, open_block: bool, ma
     tokens += thought + close
     reasoning = tok.decode(thought)
     for _ in range(max_steps):
-        t = rng.choice(_allowed(m, vocab, avoid))
+        t = rng.choice(_allowed(m, vocab, set()))
         m.accept(t)
         if t in stop:
             assert m.is_terminated
@@ -162,9 +162,8 @@ def test_the_block_is_optional_and_off_is_unchanged(engine, name):
     # no reasoning block: no tag ends with </think> (GLM's free text still excludes the think markers)
     assert ctx.structured.after_reasoning is None and '"end": "</think>"' not in ctx.structured.structural_tag
     backend = engine.grammar_backend()
-    avoid = byte_level_tokens_with(engine.tokenizer, 0xED)
     for seed in range(6):
-        tokens, ended = walk(backend, ctx.structured, set(engine.eos_ids), avoid, random.Random(seed), 500)
+        tokens, ended = walk(backend, ctx.structured, set(engine.eos_ids), set(), random.Random(seed), 500)
         if ended:
             break
     assert ended
@@ -262,7 +261,7 @@ def test_auto_tool_choice_after_reasoning(engine):
     m = backend.matcher(spec)
     for t in tok.tok.encode("Plan: ask." + CLOSE + "Sure." + fmt.START, add_special_tokens=False).ids:
         m.accept(t)
-    rng, avoid, tokens = random.Random(0), byte_level_tokens_with(tok, 0xED), []
+    rng, avoid, tokens = random.Random(0), set(), []
     for _ in range(400):
         t = rng.choice(_allowed(m, backend.vocab_size, avoid))
         m.accept(t)
