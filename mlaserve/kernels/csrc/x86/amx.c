@@ -25,8 +25,9 @@
      planes, scales  the unpacked block's sizes: planes int8 [16, k] code planes; scales int32 integer scales per
                      256 values kept in ls (0 when the planes carry the scales); factor: the rows' last multiply
      tiles           the shapes of the tiles its product uses (the driver loads the configuration per thread)
-     unpack          up to 16 weight rows into A (the driver has zeroed A and ls, so rows past nr give S = 0),
-                     ls, d_w, and with mins dmin_w and mn (mins 2j | 2j + 1 << 16, the int16 pairs madd wants)
+     unpack          up to 16 weight rows into A, ls, d_w, and with mins dmin_w and mn (mins 2j | 2j + 1 << 16, the
+                     int16 pairs madd wants): every byte of A and ls for its nr rows (the driver zeroes them only
+                     for a last block shorter than 16 rows, so that rows past nr give S = 0)
      product         one super-block blk for the 16 weight rows and one packed group of 16 activation rows: tile
                      loads and dot products, its integer scales applied to the int32 sums (exact), then each
                      row's S handed to amx_accumulate (the float steps, with or without mins) into acc
@@ -178,6 +179,9 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
         }
         amx_rows_t W;
         float *acc = (float *)mem;
+        const __m512i by_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(16)); /* acc's offsets of one i's 16 r */
+        const __m512 factor = _mm512_set1_ps(h.factor);
         if (mem) {
             W.a = (int8_t *)(acc + AMX_ROWS * 16 * groups);
             W.ls = (int32_t *)(W.a + a_n);
@@ -194,8 +198,11 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
         for (int64_t bi = 0; bi < blocks; bi++) {
             if (!mem) continue;
             const int64_t r0 = bi * AMX_ROWS, nr = n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS;
-            memset(W.a, 0, a_n);
-            memset(W.ls, 0, sizeof(int32_t) * (size_t)nls);
+            if (nr < AMX_ROWS) { /* a hook's unpack writes every byte of its rows: only a last, short block has rows
+                                    past nr, which must give S = 0 */
+                memset(W.a, 0, a_n);
+                memset(W.ls, 0, sizeof(int32_t) * (size_t)nls);
+            }
             h.unpack(type, w + r0 * row_bytes, row_bytes, nr, k, &W);
             memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups);
             for (int64_t blk = 0; blk < kb; blk++)
@@ -204,10 +211,15 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
                     const amx_acts_t x = {xp, (const float *)(xp + xp_n), xp + xp_n + dx_n};
                     h.product(type, &W, blk, &x, k, acc + g * AMX_ROWS * 16);
                 }
+            /* acc [16 r][16 i] -> y [i][r0 + r]: per activation row one gather of its column and one store of its nr
+               outputs (the same product by the factor as a scalar one: the same bits) */
+            const __mmask16 rows = nr >= AMX_ROWS ? 0xFFFF : (__mmask16)((1u << nr) - 1);
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t i0 = g * AMX_ROWS, mr = m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS;
-                for (int64_t r = 0; r < nr; r++)
-                    for (int64_t i = 0; i < mr; i++) y[(i0 + i) * ldy + r0 + r] = acc[g * AMX_ROWS * 16 + 16 * r + i] * h.factor;
+                for (int64_t i = 0; i < mr; i++) {
+                    const __m512 col = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, by_row, acc + g * AMX_ROWS * 16 + i, 4);
+                    _mm512_mask_storeu_ps(y + (i0 + i) * ldy + r0, rows, _mm512_mul_ps(col, factor));
+                }
             }
         }
         if (mem) _tile_release();
