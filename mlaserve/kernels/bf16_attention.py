@@ -55,8 +55,8 @@ def pack_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 def pack_values(v: torch.Tensor, finite: bool) -> torch.Tensor:
     """v [B, G, L, dv] (any strides) -> int32 [B G, dvp / 16, Lp / 2, 16], a view of [B G, Lp / 2, dvp]: row p
     holds, per column, keys 2p and 2p + 1's values as bf16, keys past L zero (a padded key's probability is 0),
-    columns past dv zero (dvp = dv rounded up to 32; attention() drops them). finite: non-finite values zeroed (a query's
-    masked later rows have probability 0, and 0 x NaN = NaN: attention/backends/blocks.py finite_values)."""
+    columns past dv zero (dvp = dv rounded up to 32; attention() drops them). finite: non-finite values zeroed (a
+    query's masked later rows have probability 0, and 0 x NaN = NaN: attention/backends/blocks.py finite_values)."""
     b, g, length, dv = v.shape
     lp, dvp = _up(length), _up(dv)
     vb = v.new_zeros(b * g, lp, dvp, dtype=torch.bfloat16)
@@ -95,17 +95,9 @@ def attention(
     qb[:, :nq, :d] = (q * scale).flatten(0, 1)
     scores = bmm(qb, keys, npad)
     probs = torch.empty(b * g, mp, npad, dtype=torch.bfloat16)
+    mask = mask.contiguous()
     rc = native.library().mls_softmax_bf16(
-        scores.data_ptr(),
-        b,
-        g,
-        mp,
-        npad,
-        mask.contiguous().data_ptr(),
-        nq,
-        n,
-        probs.data_ptr(),
-        torch.get_num_threads(),
+        scores.data_ptr(), b, g, mp, npad, mask.data_ptr(), nq, n, probs.data_ptr(), torch.get_num_threads()
     )
     if rc != 0:
         raise RuntimeError(f"native bf16 softmax failed (rc {rc}: {bf16_pairs.tiles_detail()})")
