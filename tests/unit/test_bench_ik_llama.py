@@ -210,7 +210,10 @@ def test_a_cell_in_parts_is_one_row(bench, tmp_path):
     (tmp_path / "matrix-2026-12-02-standard-q8_0-0-again.json").write_text(json.dumps(again))
     m = mt.load_rows(sorted(tmp_path.glob("*.json")))[0]["metrics"]
     assert (m["decode_tok_s_long"]["ours"], m["decode_tok_s_long"]["ratio"]) == (4.0, 2.0)
-    assert "Not measured (no engine has a figure): standard Q8_0 run 1 (partial): decode b1 at 128 tok/s; " in table
+    assert (
+        "Not measured (no engine has a figure): standard Q8_0 run 1 (partial): prefill 4096 tok/s; "
+        "standard Q8_0 run 1 (partial): decode b1 at 128 tok/s; "
+    ) in table
     assert table.splitlines()[-3].endswith("standard Q8_0 run 1 (partial): 16 concurrent tok/s.")
     assert "16 concurrent tok/s |" not in table and "token 0 at every position" in table
 
@@ -222,8 +225,10 @@ def test_compact_table_has_one_line_per_file_type(bench, tmp_path):
     (tmp_path / "matrix-2026-12-02-standard-q8_0-a.json").write_text(json.dumps(a))
     (tmp_path / "matrix-2026-12-02-standard-q8_0-a-run2.json").write_text(json.dumps(a2))
     lines = mt.compact(mt.load_rows(sorted(tmp_path.glob("*.json")))).splitlines()
-    assert lines[0].startswith("| model | file | prefill 512 tok/s (>= 2.0x) | decode b1 at 128 tok/s (>= 1.2x) |")
-    assert len(lines) == 3 and lines[2].startswith("| standard | Q8_0 | 2.00x / 1.20x **miss** | - / - |")
+    assert lines[0].startswith(
+        "| model | file | prefill 512 tok/s (>= 2.0x) | prefill 2048 tok/s (>= 2.0x) | decode b1 at 128 tok/s (>= 1.2x) |"
+    )
+    assert len(lines) == 3 and lines[2].startswith("| standard | Q8_0 | 2.00x / 1.20x **miss** | - / - | - / - |")
 
 
 def test_latest_unites_the_runs_of_a_cell(bench, tmp_path):
