@@ -111,8 +111,12 @@ def _decompressed_heads(
     products' rounding. tiles: K and V packed once for the group, each block's products on the bf16 tiles."""
     g, r = w.shape[0], w.shape[2]
     blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * g, rows.shape[1]), CAUSAL_BLOCK if causal else None)
-    if tiles:
-        return _tiled_heads(q, rows, w, mask, scale, dn, causal, key_ends, blocks)
+    if tiles:  # the products on the bf16 tiles, K and V packed once for the group
+        keys, values = _tile_operands(rows, w, dn, causal)
+        mha = bf16_attention.attention
+        ends = [key_ends[s.stop - 1] for s in blocks]
+        parts = [mha(q[:, :, s], keys, values, mask[:, s, :n], scale, n, w.shape[1] - dn) for s, n in zip(blocks, ends)]
+        return torch.cat(parts, dim=1)
     # [B, L, G, dn + dv] in the rows' dtype; a bf16 w beside fp32 rows (the plan's bf16 expansion:
     # MLAAttention.expansion_bf16) multiplies the rows rounded to bf16 on the matrix units, the product widened back
     # (both conversions are no-ops where w and the rows share a dtype)
@@ -132,31 +136,14 @@ def _decompressed_heads(
     return torch.cat(parts, dim=1)
 
 
-def _tiled_heads(
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    w: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    dn: int,
-    causal: bool,
-    key_ends: tuple[int, ...],
-    blocks: list[slice],
-) -> torch.Tensor:
-    """_decompressed_heads with the products on the bf16 tiles (kernels/bf16_attention.py): the expansion's bf16
-    product stays bf16 (the tiles' operand: no fp32 round trip), K and V are packed once for the group, then each
-    block of queries reads its keys' pairs."""
+def _tile_operands(rows: torch.Tensor, w: torch.Tensor, dn: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a group of heads packed for the bf16 tiles (kernels/bf16_attention.py): the expansion's bf16
+    product stays bf16 (the tiles' operand: no fp32 round trip); rows [B, L, r + dr], w [G, dn + dv, r]."""
     g, r = w.shape[0], w.shape[2]
     kv = torch.nn.functional.linear(rows[..., :r].to(torch.bfloat16), w.flatten(0, 1).to(torch.bfloat16))
     kv = kv.unflatten(-1, (g, -1)).transpose(1, 2)  # [B, G, L, dn + dv] bf16, a view
     keys = bf16_attention.pack_keys(kv[..., :dn], rows[:, None, :, r:])
-    values = bf16_attention.pack_values(kv[..., dn:], finite=causal)  # as finite_values: 0 x NaN = NaN
-    del kv
-    parts = []
-    for s in blocks:
-        n = key_ends[s.stop - 1]
-        parts.append(bf16_attention.attention(q[:, :, s], keys, values, mask[:, s, :n], scale, n, w.shape[1] - dn))
-    return torch.cat(parts, dim=1)
+    return keys, bf16_attention.pack_values(kv[..., dn:], finite=causal)  # as finite_values: 0 x NaN = NaN
 
 
 def _mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

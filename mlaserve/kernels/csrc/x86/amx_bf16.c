@@ -27,6 +27,18 @@
 #define BX_BLOCK 32                   /* weight rows per block (two A tiles) */
 #define BX_STEP_BYTES (16 * 16 * 4)   /* one B tile: 16 pairs x 16 rows */
 
+/* this thread's tile configuration: palette 1, all 8 tiles 16 rows x 64 bytes (every bf16 kernel's shape) */
+static void bx_load_full_tiles(void) {
+    amx_cfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
 /* 32 fp32 values (v0: 0-15, v1: 16-31) -> their bf16 split: hi = bf(v), lo = bf(v - hi), each as 32 bf16 in
    order (16 int32 lanes, lane p = values 2p | 2p + 1 << 16: a tile row, and a B pair) */
 static inline void bx_split(__m512 v0, __m512 v1, __m512i *hi, __m512i *lo) {
@@ -184,14 +196,7 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
 #pragma omp atomic write
             rc = -4;
         } else {
-            amx_cfg_t c;
-            memset(&c, 0, sizeof c);
-            c.palette = 1;
-            for (int t = 0; t < 8; t++) {
-                c.rows[t] = 16;
-                c.colsb[t] = 64;
-            }
-            _tile_loadconfig(&c);
+            bx_load_full_tiles();
         }
         float *dw = (float *)(wp + wbytes), *cb = (float *)(wp + wbytes + dbytes);
         for (int64_t k0 = 0; k0 < k; k0 += BX_KC) {

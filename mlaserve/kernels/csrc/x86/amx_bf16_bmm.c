@@ -132,14 +132,7 @@ int mls_bf16_bmm(const uint16_t *a, int64_t batch, int64_t m, int64_t k, int64_t
     if (items == 0) return 0;
 #pragma omp parallel num_threads(threads)
     {
-        amx_cfg_t cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        bx_load_full_tiles(); /* x86/amx_bf16.c */
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t b = it / (mb * nb), i0 = (it / nb) % mb * 32, j0 = it % nb * 32;
