@@ -196,10 +196,19 @@ def test_a_rank_that_closes_its_collectives_exits_cleanly(tmp_path, repeat):
 
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="CPython 3.14 parks such a thread instead of ending it")
 def test_without_close_the_window_aborts(tmp_path):
-    """The control: the same rank without close() aborts at exit (the window above is really held open)."""
-    proc = _rank1_exit(tmp_path, close=False)
-    assert proc.returncode == -signal.SIGABRT, f"exit code {proc.returncode}; stderr:\n{proc.stderr}"
-    assert "terminate called without an active exception" in proc.stderr, proc.stderr
+    """The control: the same rank without close() aborts at exit (the window above is really held open). The window
+    is a race the rank holds open for a second; on a loaded machine (the suite's other worker on the second core)
+    gloo's thread can miss it, so the control takes up to 3 tries and needs one abort: a rank that never needs
+    close() exits 0 every time and fails it."""
+    tries = []
+    for i in range(3):
+        (tmp_path / str(i)).mkdir()
+        proc = _rank1_exit(tmp_path / str(i), close=False)
+        tries.append((proc.returncode, proc.stderr))
+        if proc.returncode == -signal.SIGABRT:
+            assert "terminate called without an active exception" in proc.stderr, proc.stderr
+            return
+    pytest.fail(f"no try aborted: {tries}")
 
 
 def test_close_frees_the_subgroups_too():
