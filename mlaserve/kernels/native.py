@@ -165,6 +165,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_int8_isa.restype = ptr
     lib.mls_int8_tiles.argtypes = []
     lib.mls_int8_tiles.restype = c_int
+    lib.mls_int8_tile_rows.argtypes = [c_int]
+    lib.mls_int8_tile_rows.restype = i64
     lib.mls_q8_0_bf16_pairs.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_q8_0_bf16_pairs_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
     lib.mls_bf16_bmm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int]
@@ -218,7 +220,7 @@ INT8_TILE_TYPES = {
     23: "IQ4_XS",
     29: "IQ1_M",
 }
-INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which they do
+INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which they do (Q4_K from 8: tile_rows)
 NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"
 
 
@@ -232,10 +234,20 @@ def int8_tiles(names: tuple[str, ...] = tuple(INT8_TILE_TYPES.values())) -> str:
         return ""
     rc = lib.mls_int8_tiles()
     if rc == 1:
-        return f"amx-int8 tiles for {', '.join(names)} at >= {INT8_TILE_ROWS} rows"
+        ids, by_rows = {v: k for k, v in INT8_TILE_TYPES.items()}, {}
+        for name in names:
+            by_rows.setdefault(tile_rows(ids[name]), []).append(name)
+        return "amx-int8 tiles for " + "; ".join(f"{', '.join(n)} at >= {r} rows" for r, n in sorted(by_rows.items()))
     if rc == 0:
         return f"no amx-int8 tiles: {NO_TILES_IN_BUILD}"
     return f"no amx-int8 tiles: the kernel refused the tile state (arch_prctl errno {-rc})"
+
+
+def tile_rows(type_id: int) -> int:
+    """The activation rows from which an int8 product on this type takes the tiles here (csrc/x86/amx.c
+    amx_min_rows); 0 when it never does."""
+    lib = library()
+    return int(lib.mls_int8_tile_rows(type_id)) if lib is not None else 0
 
 
 def tiles_granted() -> bool:

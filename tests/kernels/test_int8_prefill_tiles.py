@@ -25,11 +25,11 @@ STATUS = native.status()
 GRANTED = STATUS.available and native.tiles_granted()
 needs_tiles = pytest.mark.skipif(not GRANTED, reason="no AMX-INT8 tiles in this process (build or kernel)")
 TILE_NAMES = [n for n in native.INT8_TILE_TYPES.values() if n in SCALE_BYTES]
-VNNI_CHUNK = native.INT8_TILE_ROWS - 1  # rows per call that the tiles never take
+VNNI_CHUNK = 7  # rows per call that the tiles never take (Q4_K's start at 8: native.tile_rows)
 
 
 def vnni_rows(t: int, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
-    """The reference: the int8 product in chunks of fewer than 16 rows (the VNNI row kernels)."""
+    """The reference: the int8 product in chunks of fewer than 8 rows (the VNNI row kernels)."""
     return torch.cat(
         [native.gemm(t, x[i : i + VNNI_CHUNK].contiguous(), w, k, int8=True) for i in range(0, len(x), VNNI_CHUNK)]
     )

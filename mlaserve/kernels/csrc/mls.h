@@ -249,6 +249,8 @@ const char *mls_int8_isa(void);
    IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) run on AMX-INT8 tiles:
    1 yes, 0 a build without them, -errno the kernel refused the process the tile state */
 int mls_int8_tiles(void);
+/* x86/amx.c: the activation rows from which an int8 product on this type takes the tiles; 0 never */
+int64_t mls_int8_tile_rows(int type);
 /* x86/amx_bf16.c: Q8_0 products of many rows on AMX-BF16 tiles: the int8 codes exact in bf16, each activation
    split into two bf16s (~2^-16 per product), block scales applied in fp32; y [m, ldy], x [m, ldx]. 0, -1 no bf16
    tiles here, -2 k not a multiple of 32, -4 out of memory */

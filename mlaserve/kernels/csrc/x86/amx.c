@@ -1,6 +1,7 @@
 /* ---------------------------------------------------------------- AMX-INT8 tiles: the driver of every tile type
    For the products int8.c runs with int8 activations (q8_K-style: codes, per 256 values a scale d_x and per 32 the
-   code sums) when a call has at least AMX_MIN_ROWS activation rows (batched decode of 16+ sequences, prefill). The
+   code sums) when a call has at least amx_min_rows activation rows (batched decode of 16+ sequences, 8+ for Q4_K;
+   prefill). The
    CPU's tile unit multiplies a 16 x 64 byte tile by a 16 x 64 byte tile into 16 x 16 int32 sums in one instruction,
    about 8x the int8 multiply-adds per cycle of a 512-bit vpdpbusd; each weight row is unpacked once per call for
    all activation rows.
@@ -69,8 +70,13 @@ static inline int amx_unit_type(int type) {
 
 static inline int amx_type(int type) { return type == MLS_Q4_K || type == MLS_Q6_K || amx_unit_type(type); }
 
+/* activation rows from which a product on this type takes the tiles: Q4_K's from 8 (benchmarks/int8_tiles.py, 2
+   threads, an AMX Xeon: 1.3x the VNNI rows at 8, 0.7x at 4), the others' from AMX_MIN_ROWS (Q6_K's three planes:
+   0.85x at 12, 1.1x at 16). The tiles give the VNNI rows' bits, so the crossover moves speed only. */
+static inline int64_t amx_min_rows(int type) { return type == MLS_Q4_K ? 8 : AMX_MIN_ROWS; }
+
 /* whether a product of m activation rows on this type runs on the tiles */
-static inline int amx_takes(int type, int64_t m) { return amx_type(type) && m >= AMX_MIN_ROWS && amx_permission() == 1; }
+static inline int amx_takes(int type, int64_t m) { return amx_type(type) && m >= amx_min_rows(type) && amx_permission() == 1; }
 
 /* ldtilecfg's 64 bytes: palette 1, per tile its rows and bytes per row */
 typedef struct {
@@ -229,6 +235,17 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
     return rc;
 }
 #endif
+
+/* the activation rows from which a product on this type takes the tiles here; 0 when it never does (not a tile
+   type, no tiles in this build) */
+int64_t mls_int8_tile_rows(int type) {
+#ifdef MLS_AMX
+    return amx_type(type) ? amx_min_rows(type) : 0;
+#else
+    (void)type;
+    return 0;
+#endif
+}
 
 /* whether this build has the tiles and the process may use them: 1 yes, 0 a build without AMX-INT8 (or not on
    Linux), -errno the kernel refused the tile state */
