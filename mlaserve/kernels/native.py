@@ -220,7 +220,7 @@ INT8_TILE_TYPES = {
     23: "IQ4_XS",
     29: "IQ1_M",
 }
-INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: activation rows from which they do (Q4_K from 8: tile_rows)
+INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: the most activation rows a type needs for them (Q6_K; tile_rows)
 NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"
 
 

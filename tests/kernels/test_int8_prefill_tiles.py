@@ -25,7 +25,7 @@ STATUS = native.status()
 GRANTED = STATUS.available and native.tiles_granted()
 needs_tiles = pytest.mark.skipif(not GRANTED, reason="no AMX-INT8 tiles in this process (build or kernel)")
 TILE_NAMES = [n for n in native.INT8_TILE_TYPES.values() if n in SCALE_BYTES]
-VNNI_CHUNK = 7  # rows per call that the tiles never take (Q4_K's start at 8: native.tile_rows)
+VNNI_CHUNK = 7  # rows per call that the tiles never take (they start at 8: native.tile_rows)
 
 
 def vnni_rows(t: int, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
