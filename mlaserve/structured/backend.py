@@ -42,11 +42,12 @@ class Matcher:
         self._utf8 = utf8
 
     def accept(self, token_id: int) -> None:
-        if self._utf8.table.after(self._utf8.states[-1], int(token_id)) < 0:
-            raise ValueError(f"token {token_id} would make the output invalid UTF-8 here")
+        """Raises ValueError for a token the grammar or UTF-8 forbids (the engine fails the request); neither
+        automaton moves then, so a rollback after it stays consistent."""
+        after = self._utf8.check(int(token_id))
         if not self._m.accept_token(int(token_id)):
             raise ValueError(f"token {token_id} is not allowed by the request's grammar")
-        self._utf8.accept(int(token_id))
+        self._utf8.states.append(after)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)

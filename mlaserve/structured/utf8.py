@@ -94,11 +94,15 @@ class Utf8State:
         self.table = table
         self.states = [BOUNDARY]
 
-    def accept(self, token: int) -> None:
+    def check(self, token: int) -> int:
+        """The state after `token`; ValueError when its bytes would make the output invalid UTF-8 here."""
         s = self.table.after(self.states[-1], token)
         if s < 0:
             raise ValueError(f"token {token} would make the output invalid UTF-8 here")
-        self.states.append(s)
+        return s
+
+    def accept(self, token: int) -> None:
+        self.states.append(self.check(token))
 
     def narrow(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of the bitmask (int32 [B, W]) ANDed with the tokens that keep the output UTF-8."""

@@ -190,18 +190,26 @@ def test_native_fp8_decode_and_gemv(shape, block):
     assert_within_sum_bound(y, F.linear(x, ref), x, ref)
 
 
-@needs_native
-def test_native_fp8_holders_equal_torch_holders():
+def _fp8_linear(n_in: int, n_out: int, bias: bool, g: torch.Generator):
+    """(scheme, an FP8Linear [n_out, n_in]) with random e4m3 weights in 64 x 32 scale blocks (bias left zero)."""
     from mlaserve.quant.config import parse_quantization
-    from mlaserve.quant.linear import FP8Experts, FP8Linear
+    from mlaserve.quant.linear import FP8Linear
 
     qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32], "activation_scheme": "dynamic"}
     scheme = parse_quantization({"quantization_config": qc})
-    g = torch.Generator().manual_seed(5)
-    lin = FP8Linear(100, 90, scheme, False, torch.float32, "cpu")
-    q, s = fp8_block.quantize(torch.randn(90, 100, generator=g), (64, 32))
+    lin = FP8Linear(n_in, n_out, scheme, bias, torch.float32, "cpu")
+    q, s = fp8_block.quantize(torch.randn(n_out, n_in, generator=g), (64, 32))
     lin.weight.data.copy_(q)
     getattr(lin, lin.scale_name).data.copy_(s)
+    return scheme, lin
+
+
+@needs_native
+def test_native_fp8_holders_equal_torch_holders():
+    from mlaserve.quant.linear import FP8Experts
+
+    g = torch.Generator().manual_seed(5)
+    scheme, lin = _fp8_linear(100, 90, False, g)
     w = lin.dequantize()
     for rows in (1, 7, 30):
         x = torch.randn(rows, 100, generator=g)
@@ -238,16 +246,8 @@ def test_native_fp8_holders_equal_torch_holders():
 def test_native_fp8_prefill_in_parts_equals_one_call(monkeypatch, bias):
     """An FP8Linear's many-rows product decodes DENSE_BYTES of rows at a time (made small: parts of whole 64-row
     scale blocks, 200 rows = 3 parts and a shorter last one): the same products as decoding it whole, bias included."""
-    from mlaserve.quant.config import parse_quantization
-    from mlaserve.quant.linear import FP8Linear
-
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32], "activation_scheme": "dynamic"}
-    scheme = parse_quantization({"quantization_config": qc})
     g = torch.Generator().manual_seed(8)
-    lin = FP8Linear(96, 200, scheme, bias, torch.float32, "cpu")
-    q, s = fp8_block.quantize(torch.randn(200, 96, generator=g), (64, 32))
-    lin.weight.data.copy_(q)
-    getattr(lin, lin.scale_name).data.copy_(s)
+    _, lin = _fp8_linear(96, 200, bias, g)
     if bias:
         lin.bias.data.copy_(torch.randn(200, generator=g))
     lin.kernel = "native"

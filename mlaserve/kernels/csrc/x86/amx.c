@@ -73,7 +73,8 @@ static inline int amx_type(int type) { return type == MLS_Q4_K || type == MLS_Q6
 /* activation rows from which a product on this type takes the tiles (benchmarks/int8_tiles.py, 2 threads, an AMX
    Xeon, tiles / VNNI rows): every type from 8 (Q4_K 1.34x there, the unit types 1.29-2.38x; 0.67-0.87x at 4 but
    IQ4_XS), Q6_K from AMX_MIN_ROWS (its three planes: 0.58x at 8, 0.85x at 12, 1.1x at 16). The tiles give the VNNI
-   rows' bits, so the crossover moves speed only. */
+   rows' bits, so the crossover moves speed only; measured on one CPU (a 2-core Sapphire-Rapids-class Xeon), to be
+   measured again on others. */
 static inline int64_t amx_min_rows(int type) { return type == MLS_Q6_K ? AMX_MIN_ROWS : 8; }
 
 /* whether a product of m activation rows on this type runs on the tiles */
