@@ -227,9 +227,9 @@ def expert_linear_native(
     rows_per_expert: float | None = None,
 ) -> torch.Tensor:
     """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: tile_rows, as
-    linear_native, the mean over the active experts) the grouped decode-and-dot in one call per part (int8: as
-    linear_native; each output row is its own dot product, so parts run one call each; the C call takes each
-    group of 16+ rows to the tiles, the rest to the row kernels); more: the active experts decoded natively, then
+    linear_native, the mean over the active experts) the grouped decode-and-dot (int8: as
+    linear_native, every part in one call, its outputs side by side; the C call takes each group of tile_rows+
+    rows to the tiles, the rest to the row kernels; float: one call per part); more: the active experts decoded natively, then
     grouped GEMMs (_decoded_grouped; bf16: in bf16, as linear_native). rows_per_expert: the mean to decide by
     when these experts are a chunk of a step's (GGUFExperts._grouped: the step's mean, so every chunk takes the
     path the whole step would), else this call's."""
@@ -238,8 +238,7 @@ def expert_linear_native(
     if mean <= (tile_rows(ggml_type) if tiles else GEMV_ROWS):
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
-        ys = [native.grouped_gemm(ggml_type, xs, p, k, experts, starts, int8=int8) for p in _parts(w)]
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
     return _decoded_grouped(xs, _parts(w), ggml_type, k, experts.to(torch.int64).contiguous(), offs, bf16)
 
 

@@ -142,6 +142,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_latent_mqa16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, c_int, ptr, ptr]
     lib.mls_latent_mqa16.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
+    lib.mls_grouped_gemm_q8_parts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
     lib.mls_dequantize_bf16.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
     lib.mls_dequantize_experts_bf16.argtypes = lib.mls_dequantize_experts.argtypes
@@ -363,28 +364,40 @@ def gemm(
     return y
 
 
+def _alike(parts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether stacks share one shape and layout, so that one call may walk them all by the first one's sizes."""
+    return all(p.shape == parts[0].shape and p.stride() == parts[0].stride() for p in parts)
+
+
 def grouped_gemm(
     type_id: int,
     xs: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | tuple[torch.Tensor, ...],
     k: int,
     experts: torch.Tensor,
     starts: torch.Tensor,
     grid: ScaleGrid | None = None,
     int8: bool = False,
 ) -> torch.Tensor:
-    """xs [P, K] fp32 sorted by expert, w [E, N, R] uint8, experts [A] int64, starts [A+1] int64 -> [P, N].
-    int8: as gemm."""
+    """xs [P, K] fp32 sorted by expert, w [E, N, R] uint8 (or a projection's parts, each [E, N, R] alike: their
+    outputs side by side), experts [A] int64, starts [A+1] int64 -> [P, N * parts]. int8: as gemm (the parts in one
+    call: one quantization of xs, written in place)."""
+    parts = w if isinstance(w, tuple) else (w,)
+    if len(parts) > 1 and not (takes_int8(type_id, int8) and _alike(parts)):
+        return torch.cat([grouped_gemm(type_id, xs, p, k, experts, starts, grid, int8) for p in parts], dim=1)
     lib = library()
+    w = parts[0]
     n = w.shape[1]
-    y = torch.empty(xs.shape[0], n, dtype=torch.float32)
+    y = torch.empty(xs.shape[0], n * len(parts), dtype=torch.float32)
     stride, groups, threads = w.stride(0) * w.element_size(), experts.shape[0], torch.get_num_threads()
     if takes_int8(type_id, int8):
-        rc = lib.mls_grouped_gemm_q8(
+        ptrs = (ctypes.c_void_p * len(parts))(*(p.data_ptr() for p in parts))
+        rc = lib.mls_grouped_gemm_q8_parts(
             type_id,
             xs.data_ptr(),
             k,
-            w.data_ptr(),
+            ptrs,
+            len(parts),
             n,
             w.shape[-1],
             stride,

@@ -124,6 +124,21 @@ static inline void quantize_act(int type, const float *x, int64_t m, int64_t k, 
         quantize_rows_q8(x, m, k, ldx, q, d);
 }
 
+/* quantize_act with the rows spread over the threads when there are many (prefill: one thread took ~3% of a
+   512-token step); each row's codes and slots are its own, so the same bytes */
+static void quantize_act_rows(int type, const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
+                              int threads) {
+    if (m < 64 || threads < 2) {
+        quantize_act(type, x, m, k, ldx, q, d);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i0 = 0; i0 < m; i0 += 16) {
+        const int64_t mr = m - i0 < 16 ? m - i0 : 16;
+        quantize_act(type, x + i0 * ldx, mr, k, ldx, q + i0 * k, d + i0 * (k / 32));
+    }
+}
+
 /* whether rows of k values fit a type's int8 activations (whole activation blocks) */
 static inline int act_fits(int type, int64_t k) { return type_of(type)->act > 0 && k % type_of(type)->act == 0; }
 
@@ -153,7 +168,7 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
         free(xd);
         return -4;
     }
-    quantize_act(type, x, m, k, ldx, xq, xd);
+    quantize_act_rows(type, x, m, k, ldx, xq, xd, threads);
     int rc = 0;
 #ifdef MLS_AMX
     if (amx_takes(type, m))
@@ -169,13 +184,17 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
     return rc;
 }
 
-int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                        float *y, int threads) {
+/* Groups of rows times their experts, every part of each expert (ws[q]: the stacks of one projection's parts, e.g.
+   gate and up, each [E, n] rows with the same row_bytes and expert_stride): y [P, nparts * n], part q in columns
+   q * n .. q * n + n. The activations quantized once for all parts; the groups of many rows on the tiles in one
+   call (amx_grouped), the rest on the row kernels. */
+int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t *const *ws, int64_t nparts,
+                              int64_t n, int64_t row_bytes, int64_t expert_stride, const int64_t *experts,
+                              const int64_t *starts, int64_t groups, float *y, int threads) {
     q8rows_fn fn = q8rows(type);
     if (!fn) return -1;
     if (!act_fits(type, k)) return -2;
-    const int64_t p = starts[groups], kb = k / 32, runs = (n + ROW_RUN - 1) / ROW_RUN;
+    const int64_t p = starts[groups], kb = k / 32, runs = (n + ROW_RUN - 1) / ROW_RUN, ldy = nparts * n;
     int8_t *xq = (int8_t *)malloc((size_t)(p * k) + 1);
     float *xd = (float *)malloc(sizeof(float) * (size_t)(p * kb) + 1);
     if (!xq || !xd) {
@@ -183,28 +202,37 @@ int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, i
         free(xd);
         return -4;
     }
-    quantize_act(type, x, p, k, k, xq, xd);
+    quantize_act_rows(type, x, p, k, k, xq, xd, threads);
     int rc = 0;
-    /* the groups of many rows on the tiles, one after another (each spread over the threads); the rest below */
 #ifdef MLS_AMX
-    for (int64_t a = 0; a < groups && rc == 0; a++)
-        if (amx_takes(type, starts[a + 1] - starts[a]))
-            rc = amx_gemm(type, w + experts[a] * expert_stride, n, row_bytes, xq + starts[a] * k, xd + starts[a] * kb,
-                          starts[a + 1] - starts[a], k, y + starts[a] * n, n, threads);
+    rc = amx_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy, threads);
 #define AMX_TOOK(m) amx_takes(type, (m))
 #else
 #define AMX_TOOK(m) 0
 #endif
+    int64_t rest = 0; /* groups left to the row kernels */
+    for (int64_t a = 0; a < groups; a++) rest += !AMX_TOOK(starts[a + 1] - starts[a]);
+    if (rest && rc == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t it = 0; it < groups * runs; it++) {
-        const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
-        const uint8_t *we = w + experts[a] * expert_stride;
-        const int64_t p0 = starts[a];
-        if (AMX_TOOK(starts[a + 1] - p0)) continue;
-        for (int64_t r = r0; r < r1; r++) fn(we + r * row_bytes, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k, y + p0 * n + r, n);
+        for (int64_t it = 0; it < groups * nparts * runs; it++) {
+            const int64_t a = it / (nparts * runs), q = it / runs % nparts;
+            const int64_t r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
+            const uint8_t *we = ws[q] + experts[a] * expert_stride;
+            const int64_t p0 = starts[a];
+            if (AMX_TOOK(starts[a + 1] - p0)) continue;
+            for (int64_t r = r0; r < r1; r++)
+                fn(we + r * row_bytes, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k, y + p0 * ldy + q * n + r, ldy);
+        }
     }
 #undef AMX_TOOK
     free(xq);
     free(xd);
     return rc;
+}
+
+int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                        float *y, int threads) {
+    return mls_grouped_gemm_q8_parts(type, x, k, &w, 1, n, row_bytes, expert_stride, experts, starts, groups, y,
+                                     threads);
 }

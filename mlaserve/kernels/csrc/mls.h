@@ -177,6 +177,10 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
 int mls_grouped_gemm_q8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                         int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                         float *y, int threads);
+/* the same over nparts stacks (a projection's parts, e.g. gate and up) into y [P, nparts * n], one quantization */
+int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t *const *ws, int64_t nparts,
+                              int64_t n, int64_t row_bytes, int64_t expert_stride, const int64_t *experts,
+                              const int64_t *starts, int64_t groups, float *y, int threads);
 
 /* moe/: the router, the routed experts, the whole block */
 int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, int scoring, int method,

@@ -32,9 +32,9 @@
      product         one super-block blk for the 16 weight rows and one packed group of 16 activation rows: tile
                      loads and dot products, its integer scales applied to the int32 sums (exact), then each
                      row's S handed to amx_accumulate (the float steps, with or without mins) into acc
-   The driver splits the weight's 16-row blocks over the threads (dynamic: the blocks cost the same, but a thread
-   may lose its core to a neighbour), packs the activations once per call, and walks super-blocks outside,
-   activation groups inside: a super-block's unpacked rows (16 x 256 values a plane) stay in L1 while every
+   The driver (amx_grouped: one weight, or every expert and part of a grouped call) splits the 16-row weight blocks
+   over the threads (dynamic: the blocks cost the same, but a thread may lose its core to a neighbour), packs the
+   activations once per call, and walks super-blocks outside, activation groups inside: a super-block's unpacked rows (16 x 256 values a plane) stay in L1 while every
    group's activations stream past.
 
    Linux hands the tile registers to a process only after arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
@@ -155,30 +155,47 @@ static inline void amx_accumulate(const amx_rows_t *W, int mins, int64_t blk, in
     _mm512_store_ps(acc, y);
 }
 
-/* y [m, n] (row stride ldy) = X W^T for quantized activations xq [m, k] / xd and weight rows w [n] (row_bytes
-   apart), on the tiles. Returns 0, -4 when memory runs out. */
-static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
-                    int64_t m, int64_t k, float *y, int64_t ldy, int threads) {
+/* Groups of activation rows times expert weights on the tiles, every part of each expert: for group a (rows
+   starts[a] .. starts[a + 1] of xq / xd) that takes the tiles (amx_takes), part q's expert experts[a] (ws[q] +
+   experts[a] * expert_stride, n rows row_bytes apart) into y's columns q * n .. q * n + n (row stride ldy); groups
+   that do not take the tiles are left to the caller. One parallel region for the whole call: the activations of
+   every such group packed (static), then one work list of (group, part, 16-row weight block) items (dynamic, a
+   group's blocks next to each other), so a call over many experts pays one fork and one tail, not one per expert
+   and part. Each item runs the same operations as a call on its expert alone, so the bits do not depend on the
+   grouping. Returns 0, -4 when memory runs out. */
+static int amx_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
+                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                       const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads) {
     const amx_hook_t h = amx_hook_of(type);
-    const int64_t groups = (m + AMX_ROWS - 1) / AMX_ROWS, blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
-    const int64_t kb = k / 256, slots = k / 32, nls = AMX_ROWS * kb * h.scales;
+    const int64_t blocks = (n + AMX_ROWS - 1) / AMX_ROWS, kb = k / 256, slots = k / 32, nls = AMX_ROWS * kb * h.scales;
     const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
-    const size_t per_group = xp_n + dx_n + bs_n; /* int32 / float slots */
-    char *packed = (char *)aligned_alloc(64, ((size_t)groups * per_group * 4 + 63) / 64 * 64);
-    if (!packed) return -4;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t g = 0; g < groups; g++) {
-        int32_t *xp = (int32_t *)packed + g * per_group;
-        const int64_t mr = m - g * AMX_ROWS < AMX_ROWS ? m - g * AMX_ROWS : AMX_ROWS;
-        amx_pack(xq + g * AMX_ROWS * k, xd + g * AMX_ROWS * slots, mr, k, xp, (float *)(xp + xp_n), xp + xp_n + dx_n);
+    const size_t per_group = xp_n + dx_n + bs_n; /* int32 / float slots of one packed group of 16 rows */
+    /* the groups on the tiles (tg of them): their index, and where their packed 16-row groups start (pg) */
+    int64_t *tile_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * groups + 2));
+    if (!tile_of) return -4;
+    int64_t *pg = tile_of + groups, tg = 0, most = 0;
+    pg[0] = 0;
+    for (int64_t a = 0; a < groups; a++) {
+        const int64_t m = starts[a + 1] - starts[a];
+        if (!amx_takes(type, m)) continue;
+        tile_of[tg] = a;
+        pg[tg + 1] = pg[tg] + (m + AMX_ROWS - 1) / AMX_ROWS;
+        most = (m + AMX_ROWS - 1) / AMX_ROWS > most ? (m + AMX_ROWS - 1) / AMX_ROWS : most;
+        tg++;
+    }
+    const int64_t packs = pg[tg], items = tg * nparts * blocks;
+    char *packed = items ? (char *)aligned_alloc(64, ((size_t)packs * per_group * 4 + 63) / 64 * 64) : 0;
+    if (!packed) {
+        free(tile_of);
+        return items ? -4 : 0;
     }
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: acc [groups, 16, 16], then the unpacked block (A, ls, mn, d, dmin), each 64-byte aligned as
-           k is a multiple of 256 */
+        /* per thread: acc [most groups, 16, 16], then the unpacked block (A, ls, mn, d, dmin), each 64-byte aligned
+           as k is a multiple of 256 */
         const size_t a_n = (size_t)(h.planes * AMX_ROWS * k);
-        const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)groups + a_n + sizeof(int32_t) * (size_t)nls +
+        const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)most + a_n + sizeof(int32_t) * (size_t)nls +
                              sizeof(int32_t) * (size_t)(AMX_ROWS * kb * 4) + 2 * sizeof(float) * (size_t)(AMX_ROWS * kb);
         char *mem = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!mem) {
@@ -191,7 +208,7 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
                                                   _mm512_set1_epi32(16)); /* acc's offsets of one i's 16 r */
         const __m512 factor = _mm512_set1_ps(h.factor);
         if (mem) {
-            W.a = (int8_t *)(acc + AMX_ROWS * 16 * groups);
+            W.a = (int8_t *)(acc + AMX_ROWS * 16 * most);
             W.ls = (int32_t *)(W.a + a_n);
             W.mn = W.ls + nls;
             W.d = (float *)(W.mn + AMX_ROWS * kb * 4);
@@ -202,31 +219,44 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
             h.tiles(type, &c);
             _tile_loadconfig(&c);
         }
+        int64_t j = 0; /* the tile group of packed group pi (pi ascends within a thread's static share) */
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < packs; pi++) {
+            while (pg[j + 1] <= pi) j++;
+            const int64_t a = tile_of[j], g = pi - pg[j], i0 = starts[a] + g * AMX_ROWS;
+            const int64_t mr = starts[a + 1] - i0 < AMX_ROWS ? starts[a + 1] - i0 : AMX_ROWS;
+            int32_t *xp = (int32_t *)packed + pi * per_group;
+            amx_pack(xq + i0 * k, xd + i0 * slots, mr, k, xp, (float *)(xp + xp_n), xp + xp_n + dx_n);
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t bi = 0; bi < blocks; bi++) {
+        for (int64_t it = 0; it < items; it++) {
             if (!mem) continue;
+            const int64_t jt = it / (nparts * blocks), q = it / blocks % nparts, bi = it % blocks, a = tile_of[jt];
+            const int64_t groups_a = pg[jt + 1] - pg[jt], m = starts[a + 1] - starts[a];
+            const int32_t *xg = (const int32_t *)packed + pg[jt] * per_group;
             const int64_t r0 = bi * AMX_ROWS, nr = n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS;
             if (nr < AMX_ROWS) { /* a hook's unpack writes every byte of its rows: only a last, short block has rows
                                     past nr, which must give S = 0 */
                 memset(W.a, 0, a_n);
                 memset(W.ls, 0, sizeof(int32_t) * (size_t)nls);
             }
-            h.unpack(type, w + r0 * row_bytes, row_bytes, nr, k, &W);
-            memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups);
+            h.unpack(type, ws[q] + experts[a] * expert_stride + r0 * row_bytes, row_bytes, nr, k, &W);
+            memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups_a);
             for (int64_t blk = 0; blk < kb; blk++)
-                for (int64_t g = 0; g < groups; g++) {
-                    const int32_t *xp = (const int32_t *)packed + g * per_group;
+                for (int64_t g = 0; g < groups_a; g++) {
+                    const int32_t *xp = xg + g * per_group;
                     const amx_acts_t x = {xp, (const float *)(xp + xp_n), xp + xp_n + dx_n};
                     h.product(type, &W, blk, &x, k, acc + g * AMX_ROWS * 16);
                 }
             /* acc [16 r][16 i] -> y [i][r0 + r]: per activation row one gather of its column and one store of its nr
                outputs (the same product by the factor as a scalar one: the same bits) */
             const __mmask16 rows = nr >= AMX_ROWS ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-            for (int64_t g = 0; g < groups; g++) {
+            float *ya = y + starts[a] * ldy + q * n + r0;
+            for (int64_t g = 0; g < groups_a; g++) {
                 const int64_t i0 = g * AMX_ROWS, mr = m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS;
                 for (int64_t i = 0; i < mr; i++) {
                     const __m512 col = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, by_row, acc + g * AMX_ROWS * 16 + i, 4);
-                    _mm512_mask_storeu_ps(y + (i0 + i) * ldy + r0, rows, _mm512_mul_ps(col, factor));
+                    _mm512_mask_storeu_ps(ya + (i0 + i) * ldy, rows, _mm512_mul_ps(col, factor));
                 }
             }
         }
@@ -234,7 +264,17 @@ static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, co
         free(mem);
     }
     free(packed);
+    free(tile_of);
     return rc;
+}
+
+/* y [m, n] (row stride ldy) = X W^T for quantized activations xq [m, k] / xd and weight rows w [n] (row_bytes
+   apart), on the tiles (m >= amx_min_rows: the caller asked amx_takes): amx_grouped with one group. Returns 0, -4
+   when memory runs out. */
+static int amx_gemm(int type, const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
+                    int64_t m, int64_t k, float *y, int64_t ldy, int threads) {
+    const int64_t expert = 0, starts[2] = {0, m};
+    return amx_grouped(type, &w, 1, n, row_bytes, 0, &expert, starts, 1, xq, xd, k, y, ldy, threads);
 }
 #endif
 
