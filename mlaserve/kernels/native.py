@@ -221,13 +221,13 @@ INT8_TILE_TYPES = {
     23: "IQ4_XS",
     29: "IQ1_M",
 }
-INT8_TILE_ROWS = 16  # csrc/x86/amx.c AMX_MIN_ROWS: the most activation rows a type needs for them (Q6_K; tile_rows)
+INT8_TILE_ROWS = 8  # csrc/x86/amx.c AMX_MIN_ROWS: the most activation rows a type needs for them (tile_rows)
 NO_TILES_IN_BUILD = "the build's CPU has no AMX-INT8"
 
 
 def int8_tiles(names: tuple[str, ...] = tuple(INT8_TILE_TYPES.values())) -> str:
     """Whether int8 products of many rows run on AMX-INT8 tiles (csrc/x86/amx.c), in words for the kernel plan:
-    "amx-int8 tiles for Q4_K, Q6_K at >= 16 rows" (names: the types to name, of INT8_TILE_TYPES), or why not
+    "amx-int8 tiles for Q4_K, Q6_K at >= 8 rows" (names: the types to name, of INT8_TILE_TYPES), or why not
     ("no amx-int8 tiles: ..."); "" without the library. Decided once per process: the build's target
     (-march=native) and the kernel's answer to the tile request."""
     lib = library()

@@ -4,9 +4,9 @@ codes read from the ggml layout and checked against gguf-py there, exact integer
 operation once).
 
 The tiles sum the same integer products exactly and apply the same float operations in the same order per row, so
-their products must equal the reference bit for bit at every row count: 16..64 rows (the tiles; from 8 for every type but Q6_K), odd counts (a
+their products must equal the reference bit for bit at every row count: 8..64 rows (the tiles), odd counts (a
 partly empty last tile of activation rows), weight-row counts that leave the last 16-row tile partly empty, and
-several super-blocks per row (the tiles' K steps). Below 8 rows (16 for Q6_K) the VNNI row kernels run; the same rows give the
+several super-blocks per row (the tiles' K steps). Below 8 rows the VNNI row kernels run; the same rows give the
 same bits either way (batch independence across the switch).
 """
 
@@ -61,7 +61,7 @@ def test_the_vectorized_reference_is_the_scalar_one():
 @needs_tiles
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_tile_products_equal_the_reference_bit_for_bit(name):
-    """gemm at 1..64 rows (below 8 the VNNI rows, 16 for Q6_K, then the tiles), 37 weight rows (the last 16-row tile holds 5),
+    """gemm at 1..64 rows (below 8 the VNNI rows, then the tiles), 37 weight rows (the last 16-row tile holds 5),
     3 super-blocks: every result equal to the reference's bits."""
     raw, x = _blocks(name, 37, 768, seed=3), _special_x(64, 768, seed=4)
     assert_tile_rows(name, raw, x, reference(raw, name, x))
@@ -76,14 +76,13 @@ def test_grouped_tile_products_equal_the_reference(name):
 
 @needs_tiles
 def test_the_plan_names_the_tiles():
-    """The kernel plan's words: which types, from how many rows (the C library's amx_min_rows: Q6_K from 16, the rest
-    from 8), on a holder whose weights take them, not on one whose weights do not (Q8_0)."""
-    rest = [n for n in native.INT8_TILE_TYPES.values() if n != "Q6_K"]
-    assert TILES == f"amx-int8 tiles for {', '.join(rest)} at >= 8 rows; Q6_K at >= 16 rows"
+    """The kernel plan's words: which types, from how many rows (the C library's amx_min_rows: every type from 8), on
+    a holder whose weights take them, not on one whose weights do not (Q8_0)."""
+    assert TILES == f"amx-int8 tiles for {', '.join(native.INT8_TILE_TYPES.values())} at >= 8 rows"
     q4k, q6k, q8 = (GGML_TYPE_IDS[n] for n in ("Q4_K", "Q6_K", "Q8_0"))
-    assert [native.tile_rows(t) for t in (q4k, q6k, q8)] == [8, 16, 0]
+    assert [native.tile_rows(t) for t in (q4k, q6k, q8)] == [8, 8, 0]
     assert int8_detail((q4k, q6k), 6) == (
-        f"int8 activations for Q4_K, Q6_K ({native.int8_isa()}), amx-int8 tiles for Q4_K at >= 8 rows; Q6_K at >= 16 rows"
+        f"int8 activations for Q4_K, Q6_K ({native.int8_isa()}), amx-int8 tiles for Q4_K, Q6_K at >= 8 rows"
     )
     assert (
         int8_detail((q4k, q8), True)
@@ -102,3 +101,14 @@ def test_a_build_without_tiles_runs_the_vnni_rows_with_the_same_bits(monkeypatch
     raw, x = _blocks("Q4_K", 19, k, seed=9), _special_x(33, k, seed=10)
     assert torch.equal(native.gemm(t, x, raw, k, int8=True), reference(raw, "Q4_K", x))
     assert int8_detail((t,), 6) == f"int8 activations for Q4_K ({native.int8_isa()})"
+
+
+@needs_tiles
+def test_q6_k_planes_by_table_and_by_multiply_have_the_same_bits(monkeypatch):
+    """Q6_K's plane bytes come from a byte-permute table where the build has AVX512-VBMI (x86/amx_planes.c
+    amx_q6_unpack_block) and from int16 multiplies where not (-mno-avx512vbmi): both give the reference's bits."""
+    raw, x = _blocks("Q6_K", 37, 768, seed=13), _special_x(40, 768, seed=14)
+    want = reference(raw, "Q6_K", x)
+    assert_tile_rows("Q6_K", raw, x, want)
+    with_build(monkeypatch, ("-mno-avx512vbmi",))
+    assert_tile_rows("Q6_K", raw, x, want)

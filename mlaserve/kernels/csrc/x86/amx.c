@@ -1,7 +1,6 @@
 /* ---------------------------------------------------------------- AMX-INT8 tiles: the driver of every tile type
    For the products int8.c runs with int8 activations (q8_K-style: codes, per 256 values a scale d_x and per 32 the
-   code sums) when a call has at least amx_min_rows activation rows (batched decode of 8+ sequences, 16+ for Q6_K;
-   prefill). The
+   code sums) when a call has at least amx_min_rows activation rows (batched decode of 8+ sequences; prefill). The
    CPU's tile unit multiplies a 16 x 64 byte tile by a 16 x 64 byte tile into 16 x 16 int32 sums in one instruction,
    about 8x the int8 multiply-adds per cycle of a 512-bit vpdpbusd; each weight row is unpacked once per call for
    all activation rows.
@@ -47,7 +46,7 @@
 #include <unistd.h>
 
 #define AMX_ROWS 16     /* a tile's rows: weight rows per pass; also the activation rows (C's 16 int32 columns) */
-#define AMX_MIN_ROWS 16 /* activation rows from which a product takes the tiles (fewer leave most of B empty) */
+#define AMX_MIN_ROWS 8 /* activation rows from which a product takes the tiles (fewer leave most of B empty) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -71,11 +70,14 @@ static inline int amx_unit_type(int type) {
 static inline int amx_type(int type) { return type == MLS_Q4_K || type == MLS_Q6_K || amx_unit_type(type); }
 
 /* activation rows from which a product on this type takes the tiles (benchmarks/int8_tiles.py, 2 threads, an AMX
-   Xeon, tiles / VNNI rows): every type from 8 (Q4_K 1.34x there, the unit types 1.29-2.38x; 0.67-0.87x at 4 but
-   IQ4_XS), Q6_K from AMX_MIN_ROWS (its three planes: 0.58x at 8, 0.85x at 12, 1.1x at 16). The tiles give the VNNI
-   rows' bits, so the crossover moves speed only; measured on one CPU (a 2-core Sapphire-Rapids-class Xeon), to be
-   measured again on others. */
-static inline int64_t amx_min_rows(int type) { return type == MLS_Q6_K ? AMX_MIN_ROWS : 8; }
+   Xeon, tiles / VNNI rows): every type from AMX_MIN_ROWS, 8 (Q4_K 1.34x there, the unit types 1.29-2.38x, Q6_K
+   1.05-1.08x since its planes come from a byte-permute table (1.4-1.55x at 12, 1.9x at 16); 0.67-0.87x at 4 but
+   IQ4_XS). The tiles give the VNNI rows' bits, so the crossover moves speed only; measured on one CPU (a 2-core
+   Sapphire-Rapids-class Xeon), to be measured again on others. */
+static inline int64_t amx_min_rows(int type) {
+    (void)type;
+    return AMX_MIN_ROWS;
+}
 
 /* whether a product of m activation rows on this type runs on the tiles */
 static inline int amx_takes(int type, int64_t m) { return amx_type(type) && m >= amx_min_rows(type) && amx_permission() == 1; }

@@ -42,6 +42,59 @@ static inline void amx_put_q4(int8_t *a, int64_t plane, const __m256i codes, con
     }
 }
 
+#ifdef __AVX512VBMI__
+/* Q6_K's plane bytes by table: row s + 3 holds (q - 32) * s for the 6-bit code q (0..63), s the digits -3..4; a
+   byte permute (vpermb) per 16-value unit looks a unit's plane bytes up from its digit's row, where the multiply
+   took ten instructions per 32 values and plane; the same bytes */
+#define Q6_T8(s, q) ((q) - 32) * (s), ((q) - 31) * (s), ((q) - 30) * (s), ((q) - 29) * (s), ((q) - 28) * (s), \
+                    ((q) - 27) * (s), ((q) - 26) * (s), ((q) - 25) * (s)
+#define Q6_ROW(s) \
+    {Q6_T8(s, 0), Q6_T8(s, 8), Q6_T8(s, 16), Q6_T8(s, 24), Q6_T8(s, 32), Q6_T8(s, 40), Q6_T8(s, 48), Q6_T8(s, 56)}
+static const int8_t AMX_Q6_TIMES[8][64] __attribute__((aligned(64))) = {
+    Q6_ROW(-3), Q6_ROW(-2), Q6_ROW(-1), Q6_ROW(0), Q6_ROW(1), Q6_ROW(2), Q6_ROW(3), Q6_ROW(4)};
+#undef Q6_ROW
+#undef Q6_T8
+
+/* one Q6_K super-block q (210 bytes) into its 256 values of the three planes (a, plane bytes apart): the 6-bit
+   codes of 64 values per register, each unit's bytes permuted from its digit's table row under the unit's mask */
+static inline void amx_q6_unpack_block(const uint8_t *q, int8_t *a, int64_t plane) {
+    const int8_t *sc = (const int8_t *)(q + 192);
+    /* the digits of the 16 unit scales, all planes at once (amx_digits' steps on int16 lanes), as table rows */
+    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    int16_t row[AMX_PLANES][16];
+    for (int p = 0; p < AMX_PLANES; p++) {
+        const __m256i dg = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(v, _mm256_set1_epi16(3)), _mm256_set1_epi16(7)),
+                                            _mm256_set1_epi16(3));
+        _mm256_storeu_si256((__m256i *)row[p], _mm256_add_epi16(dg, _mm256_set1_epi16(3)));
+        v = _mm256_srai_epi16(_mm256_sub_epi16(v, dg), 3); /* exact: v - dg is a multiple of 8 */
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+        for (int c = 0; c < 2; c++) { /* values 128 h + 64 c ..: groups g = 2 c, 2 c + 1 of q6k_codes */
+            __m256i u[2];
+            for (int e = 0; e < 2; e++) {
+                const int g = 2 * c + e;
+                const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0), m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m3);
+                u[e] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+            }
+            const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(u[0]), u[1], 1);
+            const int t = 128 * h + 64 * c, u0 = t >> 4;
+            for (int p = 0; p < AMX_PLANES; p++) {
+                __m512i o = _mm512_maskz_permutexvar_epi8(0xFFFFULL, idx, _mm512_load_si512(AMX_Q6_TIMES[row[p][u0]]));
+                o = _mm512_mask_permutexvar_epi8(o, 0xFFFFULL << 16, idx, _mm512_load_si512(AMX_Q6_TIMES[row[p][u0 + 1]]));
+                o = _mm512_mask_permutexvar_epi8(o, 0xFFFFULL << 32, idx, _mm512_load_si512(AMX_Q6_TIMES[row[p][u0 + 2]]));
+                o = _mm512_mask_permutexvar_epi8(o, 0xFFFFULL << 48, idx, _mm512_load_si512(AMX_Q6_TIMES[row[p][u0 + 3]]));
+                _mm512_storeu_si512(a + p * plane + t, o);
+            }
+        }
+    }
+}
+#endif
+
 static void amx_plane_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, const amx_rows_t *o) {
     const int64_t kb = k / 256, plane = AMX_ROWS * k;
     const int q6 = type == MLS_Q6_K;
@@ -67,8 +120,11 @@ static void amx_plane_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
                 }
             } else {
                 const uint8_t *q = b + blk * 210;
-                const int8_t *sc = (const int8_t *)(q + 192);
                 o->d[r * kb + blk] = f16(q + 208);
+#ifdef __AVX512VBMI__
+                amx_q6_unpack_block(q, a + blk * 256, plane);
+#else
+                const int8_t *sc = (const int8_t *)(q + 192);
                 for (int h = 0; h < 2; h++) {
                     const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
                     const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
@@ -91,6 +147,7 @@ static void amx_plane_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
                         }
                     }
                 }
+#endif
             }
         }
     }
