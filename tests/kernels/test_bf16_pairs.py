@@ -114,6 +114,23 @@ def test_grouped_is_the_plain_product_per_group_and_part():
 
 
 @needs_tiles
+def test_grouped_experts_of_many_rows_take_the_plain_order():
+    """An expert whose split activations pass the grouped call's share (80 rows of 4096 values: 5 MB) runs the plain
+    product's own loop after the one-region experts: each group still the plain product, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    e, n, k = 3, 40, 4096
+    w = torch.stack([q8_0(n, k, g) for _ in range(e)])
+    counts, experts = [3, 80, 20], torch.tensor([2, 0, 1])
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    xs = torch.randn(sum(counts), k, generator=g)
+    ys = bf16_pairs.grouped(xs, (w,), k, experts, offs)
+    lo = 0
+    for a, c in zip(experts.tolist(), counts, strict=True):
+        assert torch.equal(ys[lo : lo + c], bf16_pairs.linear(xs[lo : lo + c], w[a], k)), a
+        lo += c
+
+
+@needs_tiles
 def test_linear_native_takes_them_above_the_decode_rows():
     """ggml.linear_native with the BF16_PAIRS setting: decode-sized calls (<= GEMV_ROWS rows) are the decode kernels'
     bits, more rows the pairs'."""
