@@ -15,6 +15,14 @@ Each round times the three back to back (--reps calls each); per call both the w
 load). The table gives the best call of all rounds and the median over rounds. Prints the CPU flags and the load
 average before and after; JSON to benchmarks/results/int8_tiles.json.
 
+  PYTHONPATH=$PWD python benchmarks/int8_tiles.py --grouped E,ROWS [--shapes NxK] [--types ...] [--threads N]
+
+A prefill's routed experts alone: E experts of two parts (gate and up, N x K each: glm-real's 1536 x 2048 with
+--shapes 1536x2048) with ROWS rows each in one grouped int8 call (native.grouped_gemm: the tiles from 8 rows), ms per
+call and weights per second; E x 2 x N x K weights larger than the caches are read from memory each call, as a
+prefill step reads its experts. Run it with this checkout and another on PYTHONPATH for before / after. JSON to
+benchmarks/results/int8_tiles-grouped.json.
+
   PYTHONPATH=$PWD python benchmarks/int8_tiles.py --step16 [--file q4_k_m] [--new 16] [--rounds R]
 
 A 16-sequence decode in the engine: the standard model's GGUF (benchmarks/models, --file the type), 1 thread, at
@@ -88,6 +96,38 @@ def step16(args, env: dict) -> None:
     write_json(RESULTS_DIR / "int8_tiles-step16.json", out)
 
 
+def grouped(args, env: dict) -> None:
+    """The routed experts' int8 products of a prefill: E experts of two parts (gate, up) of N x K each, every expert
+    with the same rows, one native.grouped_gemm call (the tiles take every expert of 8+ rows); ms per call (best,
+    median of --rounds x --reps calls) and the weights per second. The weights (E x 2 x N x K) are larger than
+    the caches at the default sizes, so each call reads them from memory, as a prefill step reads its experts."""
+    e, rows = (int(v) for v in args.grouped.split(","))
+    n, k = (int(v) for v in args.shapes.split(",")[0].split("x"))
+    out = []
+    for name in args.types.split(","):
+        t = GGML_TYPE_IDS[name]
+        int8_activations.N, int8_activations.K = e * n, k  # the shape blocks() makes
+        gate = blocks(name).view(e, n, -1)
+        parts = (gate, gate.clone())  # the same random blocks (the time does not depend on them), apart in memory
+        xs = torch.randn(e * rows, k, generator=torch.Generator().manual_seed(3))
+        experts, starts = torch.arange(e, dtype=torch.int64), torch.arange(e + 1, dtype=torch.int64) * rows
+        native.grouped_gemm(t, xs, parts, k, experts, starts, int8=True)  # warm-up
+        times = []
+        for _ in range(args.rounds * args.reps):
+            t0 = time.perf_counter()
+            native.grouped_gemm(t, xs, parts, k, experts, starts, int8=True)
+            times.append(time.perf_counter() - t0)
+        best, med = min(times), statistics.median(times)
+        print(
+            f"{name} {e} experts x 2 x {n}x{k}, {rows} rows each: best {best * 1e3:.1f} ms, median "
+            f"{med * 1e3:.1f} ms ({2 * e * n * k / med / 1e9:.1f} G weights/s)",
+            flush=True,
+        )
+        out.append({"type": name, "experts": e, "rows": rows, "n": n, "k": k, "best_ms": best * 1e3, "ms": med * 1e3})
+    env["loadavg_after"] = os.getloadavg()
+    write_json(RESULTS_DIR / "int8_tiles-grouped.json", {"env": env, "threads": args.threads, "results": out})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -97,6 +137,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--shapes", default=f"{N}x{K}", help="weights as NxK, comma-separated (kernels/ggml.TILE_ROWS)")
     ap.add_argument("--step16", action="store_true", help="a 16-sequence decode in the engine (see above)")
+    ap.add_argument("--grouped", metavar="E,ROWS", help="E experts (gate, up: the first --shapes) of ROWS rows each")
     ap.add_argument("--file", default="q4_k_m", help="--step16: the standard model's GGUF type")
     ap.add_argument("--new", type=int, default=16, help="--step16: decode steps timed")
     args = ap.parse_args()
@@ -105,6 +146,8 @@ def main() -> None:
     env["loadavg_before"] = os.getloadavg()
     if args.step16:
         return step16(args, env)
+    if args.grouped:
+        return grouped(args, env)
     env.update(int8_isa=native.int8_isa(), int8_tiles=native.int8_tiles())
     print(
         f"{env['cpu']}: {' '.join(env['cpu_simd'])}; {env['int8_isa']}; {env['int8_tiles']}; load {env['loadavg_before']}"

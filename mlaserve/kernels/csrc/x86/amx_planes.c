@@ -98,10 +98,12 @@ static inline void amx_q6_unpack_block(const uint8_t *q, int8_t *a, int64_t plan
 static void amx_plane_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, const amx_rows_t *o) {
     const int64_t kb = k / 256, plane = AMX_ROWS * k;
     const int q6 = type == MLS_Q6_K;
+    const char *pf = (const char *)w + PREFETCH_AHEAD; /* the rows' bytes as one stream (common.h) */
     for (int64_t r = 0; r < nr; r++) {
         const uint8_t *b = w + r * row_bytes;
         int8_t *a = o->a + r * k;
         for (int64_t blk = 0; blk < kb; blk++) {
+            pf = prefetch_stream(pf, b + blk * (q6 ? 210 : 144));
             int8_t s[AMX_PLANES];
             if (!q6) {
                 const uint8_t *q = b + blk * 144;

@@ -53,11 +53,13 @@ static inline __m256i amx_grid_codes(const uint8_t *b, int type, int ib, int32_t
 static void amx_unit_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, const amx_rows_t *o) {
     const int u = amx_unit_size(type);
     const int64_t kb = k / 256, units = k / u, bytes = amx_unit_bytes(type);
+    const char *pf = (const char *)w + PREFETCH_AHEAD; /* the rows' bytes as one stream (common.h) */
     for (int64_t r = 0; r < nr; r++) {
         int8_t *a = o->a + r * k;
         int32_t *ls = o->ls + r * units;
         for (int64_t blk = 0; blk < kb; blk++) {
             const uint8_t *b = w + r * row_bytes + blk * bytes;
+            pf = prefetch_stream(pf, b);
             int8_t *ab = a + blk * 256;
             int32_t *lb = ls + blk * (256 / u);
             if (type == MLS_IQ4_XS) {
