@@ -112,6 +112,9 @@ static void bx_weights(const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t 
             continue;
         }
         const uint8_t *row = w + r * row_bytes + 34 * (k0 / 32);
+        /* the row's next chunk asked for now (a block's 32 rows are 32 streams a row apart, which the hardware's
+           prefetcher did not keep ahead of: the first code load of a block held most of this loop's time) */
+        for (int64_t o = 0; o < 34 * nb; o += 64) __builtin_prefetch(row + 34 * nb + o, 0, 3);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + 34 * b;
             const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
