@@ -144,7 +144,7 @@ class EngineOptions:
         "6 bits or fewer only, Q8_0 on the AMX-BF16 tiles where the CPU has them (its int8 codes exact in bf16, "
         "each activation split into its bf16 rounding and remainder, the sums and block scales in fp32: ~2^-16 per "
         "product, fp32 grade; kernels/bf16_pairs.py), else fp32; int8 = the products of up to 64 rows per weight "
-        "(256 for the grid i-quants IQ2_* / IQ3_*; per active expert) whose weights take int8 activations (the "
+        "(128 for Q4_K / Q6_K, 256 for the grid i-quants IQ2_* / IQ3_*; per active expert) whose weights take int8 activations (the "
         "activations option) and have AMX-INT8 tile kernels stay int8 on the tiles (measured faster than bf16 there; not exact, the int8 activations' rounding instead of bf16's), the "
         "rest as bf16_6bit; needs int8 activations; auto = int8 for GGUF files with the native kernels and int8 "
         "activations on a CPU with AMX-INT8, else bf16_6bit on a CPU with "

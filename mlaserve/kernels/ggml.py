@@ -27,7 +27,7 @@ load) the many-rows products round the decoded weight and the activations to bfl
 products under that setting (bf16_prefill.BF16_PAIRS) run on the AMX-BF16 tiles instead, the codes exact and each
 activation as a pair of bf16s (kernels/bf16_pairs.py: fp32 grade, the blocks read where they lie).
 With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decided per weight at load) the products of
-up to TILE_ROWS rows keep the int8 call, which runs them on the AMX-INT8 tiles from 16 rows: the decode kernels'
+up to tile_rows(type) rows keep the int8 call, which runs them on the AMX-INT8 tiles from 8 rows: the decode kernels'
 bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's.
 """
 
@@ -81,13 +81,23 @@ TILE_ROWS = 64
 # expert in a 512-token prompt, a layer with an idle expert just above): prefill 512 621-686 -> 742-755 tok/s.
 GRID_TILE_ROWS = 256
 GRID_TILE_TYPES = frozenset(GGML_TYPE_IDS[n] for n in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"))
+# Q4_K and Q6_K (the digit planes, x86/amx_planes.c) since their tiles run in one region per grouped call, read their
+# blocks as a prefetch stream and (Q6_K) look their plane bytes up: tiles / bf16, benchmarks/int8_tiles.py, 2 threads,
+# median wall ms, the 2-core AMX Xeon of 2026-12-05, at 128 rows: Q4_K 512 x 1024 0.21 / 0.30, 1024 x 512 0.21 /
+# 0.31, 2048 x 7168 3.94 / 6.17; Q6_K 0.23 / 0.40, 0.25 / 0.37, 4.31 / 6.61 (1.4-1.6x); at 192 rows 1.1-1.4x, at 256
+# 1.0-1.2x. 128 keeps a margin; the standard model's experts (64 rows each in a 512-token prompt, a layer with an
+# idle expert just above) no longer fall to decode-then-GEMM.
+PLANE_TILE_ROWS = 128
+PLANE_TILE_TYPES = frozenset(GGML_TYPE_IDS[n] for n in ("Q4_K", "Q6_K"))
 KERNELS = ("native", "torch")
 
 
 def tile_rows(ggml_type: int) -> int:
     """Rows per product (per active expert, on average) up to which a tile-taking weight of this type stays int8 on
-    the tiles: GRID_TILE_ROWS for the grid i-quants, TILE_ROWS for the others."""
-    return GRID_TILE_ROWS if ggml_type in GRID_TILE_TYPES else TILE_ROWS
+    the tiles: GRID_TILE_ROWS for the grid i-quants, PLANE_TILE_ROWS for Q4_K / Q6_K, TILE_ROWS for the others."""
+    if ggml_type in GRID_TILE_TYPES:
+        return GRID_TILE_ROWS
+    return PLANE_TILE_ROWS if ggml_type in PLANE_TILE_TYPES else TILE_ROWS
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
