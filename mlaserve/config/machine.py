@@ -174,7 +174,7 @@ BF16_RULE = (
 
 
 INT8_PREFILL_SCOPE = (
-    "products of up to 64 rows per weight (128 for Q4_K / Q6_K, 256 for the grid i-quants IQ2_* / IQ3_*; per active expert on "
+    "products of up to 128 rows per weight (256 for the grid i-quants IQ2_* / IQ3_*; per active expert on "
     "average: kernels/ggml.tile_rows, measured crossovers) whose weights take int8 activations (activations) and "
     "have AMX-INT8 tile kernels stay int8 on the tiles instead of bf16 decode-then-GEMM (the decode kernels' bits; the rounding is the int8 activations' "
     "instead of bf16's, within the same rule: verify --against reports it per layer as act)"

@@ -66,38 +66,31 @@ DENSE_BYTES = 16 << 20
 MOE_CHUNK_BYTES = 32 << 20
 # Rows per product (per active expert: the mean of a grouped call) up to which a prefill product of a weight that
 # takes the AMX-INT8 tiles (native.takes_tiles; the holder's choice at load, prefill_matmul "int8") runs there with
-# int8 activations instead of decode-then-GEMM. Measured (benchmarks/int8_tiles.py --shapes: the kernel alone,
-# 1 thread, best CPU ms, Intel Xeon with AMX, load average 6.6-6.8 on 2 cores): tiles / bf16 decode+oneDNN at 64
-# rows: Q4_K 1024 x 1024 1.32 / 1.74, 1024 x 512 0.85 / 1.01, 2048 x 7168 9.5 / 13.9; Q6_K 1.42 / 1.82, 1.12 /
-# 1.07, 21.1 / 20.9; at 128 rows Q4_K's tiles are even with bf16 or slower on the small shapes and Q6_K's 1.2-1.4x
-# slower. 64 is where every measured type and shape is at least even (docs/PERFORMANCE.md, int8 prefill).
-TILE_ROWS = 64
+# int8 activations instead of decode-then-GEMM. Measured (benchmarks/int8_tiles.py, 2 threads, median wall ms, tiles /
+# bf16 decode+oneDNN, the 2-core AMX Xeon of 2026-12-05, since the tiles run one region per grouped call, read their
+# blocks as a prefetch stream and Q6_K looks its plane bytes up) at 128 rows: Q4_K 512 x 1024 0.21 / 0.30, 1024 x 512
+# 0.21 / 0.31, 2048 x 7168 3.94 / 6.17; Q6_K 0.23 / 0.40, 0.25 / 0.37, 4.31 / 6.61; IQ4_XS 0.24 / 0.35, 0.28 / 0.36,
+# 4.20 / 6.69; IQ1_S 1.6-2x, IQ1_M 1.4-1.9x, Q5_K level to 1.3x; at 192 rows 1.0-1.4x (IQ4_XS and Q5_K level). 128
+# keeps a margin (64 before: measured at 1 thread under load 6.6, Q4_K even with bf16 at 128 on small shapes then,
+# Q6_K 1.2-1.4x slower); the standard model's experts (64 rows each in a 512-token prompt, a layer with an idle
+# expert just above) no longer fall to decode-then-GEMM.
+TILE_ROWS = 128
 # The i-quants whose native decoders are grid-table lookups in plain C (csrc/ref/iquants.c): decode-then-GEMM costs
-# them more, so their tiles stay faster far above 64 rows. Measured (benchmarks/int8_tiles.py, 2 threads, median
+# them more, so their tiles stay faster far above TILE_ROWS. Measured (benchmarks/int8_tiles.py, 2 threads, median
 # wall ms, tiles / bf16, the 2-core AMX Xeon of 2026-12-04, 1024 x 1024): at 256 rows IQ2_XXS 1.53 / 2.92, IQ2_XS
 # 1.93 / 2.86, IQ2_S 1.81 / 3.10, IQ3_XXS 1.35 / 2.43, IQ3_S 1.59 / 3.11; at 512 about level (IQ2_XXS 2.78 / 2.86,
-# IQ2_XS 3.66 / 3.47, IQ3_S 2.83 / 3.61). IQ1_S and IQ1_M are level at 128 (0.78 / 0.74, 1.00 / 1.08) and IQ4_XS
-# at 64 (0.33 / 0.31): they keep TILE_ROWS. The standard model's IQ mix (experts IQ2_XXS / IQ3_XXS at 64 rows per
+# IQ2_XS 3.66 / 3.47, IQ3_S 2.83 / 3.61). IQ1_S and IQ1_M (level at 128 that day, 1.4-2x by the
+# measurement above) and IQ4_XS keep TILE_ROWS. The standard model's IQ mix (experts IQ2_XXS / IQ3_XXS at 64 rows per
 # expert in a 512-token prompt, a layer with an idle expert just above): prefill 512 621-686 -> 742-755 tok/s.
 GRID_TILE_ROWS = 256
 GRID_TILE_TYPES = frozenset(GGML_TYPE_IDS[n] for n in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"))
-# Q4_K and Q6_K (the digit planes, x86/amx_planes.c) since their tiles run in one region per grouped call, read their
-# blocks as a prefetch stream and (Q6_K) look their plane bytes up: tiles / bf16, benchmarks/int8_tiles.py, 2 threads,
-# median wall ms, the 2-core AMX Xeon of 2026-12-05, at 128 rows: Q4_K 512 x 1024 0.21 / 0.30, 1024 x 512 0.21 /
-# 0.31, 2048 x 7168 3.94 / 6.17; Q6_K 0.23 / 0.40, 0.25 / 0.37, 4.31 / 6.61 (1.4-1.6x); at 192 rows 1.1-1.4x, at 256
-# 1.0-1.2x. 128 keeps a margin; the standard model's experts (64 rows each in a 512-token prompt, a layer with an
-# idle expert just above) no longer fall to decode-then-GEMM.
-PLANE_TILE_ROWS = 128
-PLANE_TILE_TYPES = frozenset(GGML_TYPE_IDS[n] for n in ("Q4_K", "Q6_K"))
 KERNELS = ("native", "torch")
 
 
 def tile_rows(ggml_type: int) -> int:
     """Rows per product (per active expert, on average) up to which a tile-taking weight of this type stays int8 on
-    the tiles: GRID_TILE_ROWS for the grid i-quants, PLANE_TILE_ROWS for Q4_K / Q6_K, TILE_ROWS for the others."""
-    if ggml_type in GRID_TILE_TYPES:
-        return GRID_TILE_ROWS
-    return PLANE_TILE_ROWS if ggml_type in PLANE_TILE_TYPES else TILE_ROWS
+    the tiles: GRID_TILE_ROWS for the grid i-quants, TILE_ROWS for the others."""
+    return GRID_TILE_ROWS if ggml_type in GRID_TILE_TYPES else TILE_ROWS
 
 
 def row_bytes(ggml_type: int, k: int) -> int:

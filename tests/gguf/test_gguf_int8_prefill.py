@@ -1,13 +1,13 @@
 """prefill_matmul="int8": the prefill products of the weights that take int8 activations and have AMX-INT8 tile kernels
 stay int8 on the tiles up to kernels/ggml.tile_rows rows per product (tests/kernels/test_int8_prefill_tiles.py holds
 the products to the VNNI row kernels bit for bit); the rest bf16_6bit. End to end on the fixtures' Q4_K_M files:
-prefill steps of PLANE_TILE_ROWS tokens (Q4_K / Q6_K's: the dense products on the tiles; the routed experts' groups too), the logits
+prefill steps of TILE_ROWS tokens (the dense products on the tiles; the routed experts' groups too), the logits
 against transformers on the f32 weights under the int8 default's own rule (tests/gguf/test_gguf_int8_default.py):
 the error the prefill's int8 activations add is at most half the file's own quantization error,
   act  = ||logits_int8_prefill - logits_exact|| / ||logits_exact||   (exact: float activations, fp32 prefill)
   file = ||logits_exact - logits_hf|| / ||logits_hf||
 Measured (96 tokens in one step of up to 128 on an Intel Xeon with AMX): ds3 act 0.114 (bf16_6bit's 0.008) / file
-0.338, ds2lite 0.018 (0.006) / 0.130 (in steps of 64 before Q4_K's tiles went to 128 rows: 0.106 / 0.019): the int8
+0.338, ds2lite 0.018 (0.006) / 0.130 (in steps of 64 before TILE_ROWS went to 128: 0.106 / 0.019): the int8
 default's decode figures (0.098 / 0.014 there), several times bf16's rounding but inside the rule.
 """
 
@@ -75,11 +75,11 @@ def test_q4_k_m_int8_prefill_within_the_files_own_error(name):
     exp = load_file(str(folder / "expected.safetensors"))
     ids = exp["input_ids"].tolist()
     path = str(folder / "model-q4_k_m.gguf")
-    step = {"max_num_batched_tokens": ggml.PLANE_TILE_ROWS}
+    step = {"max_num_batched_tokens": ggml.TILE_ROWS}
     tiles = LLM(path, prefill_matmul="int8", **step)
     assert tiles.config.kernels.prefill_matmul == "int8"
     reasons = " ".join(c.reason for c in tiles.loaded.kernel_plan.choices)
-    assert f"int8 prefill on amx-int8 tiles for Q4_K up to {ggml.PLANE_TILE_ROWS} rows per product" in reasons
+    assert f"int8 prefill on amx-int8 tiles for Q4_K up to {ggml.TILE_ROWS} rows per product" in reasons
     bf16 = LLM(path, prefill_matmul="bf16_6bit", **step).prompt_logits(ids)
     exact = LLM(path, activations="float", prefill_matmul="float", **step).prompt_logits(ids)
     got = tiles.prompt_logits(ids)

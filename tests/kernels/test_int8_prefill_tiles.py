@@ -107,10 +107,8 @@ def test_holders_take_the_tiles_by_the_plan_and_say_so():
     assert tiles_detail((tile_id,), (False,)) is None
     # the grid i-quants' tiles run further (their decoders are table lookups): each type named with its rows
     q4k, iq2 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["IQ2_XXS"]
-    iq4 = GGML_TYPE_IDS["IQ4_XS"]
-    assert ggml.tile_rows(q4k) == ggml.PLANE_TILE_ROWS and ggml.tile_rows(iq2) == ggml.GRID_TILE_ROWS
-    assert ggml.tile_rows(iq4) == ggml.TILE_ROWS < ggml.PLANE_TILE_ROWS < ggml.GRID_TILE_ROWS
+    assert ggml.tile_rows(q4k) == ggml.TILE_ROWS < ggml.tile_rows(iq2) == ggml.GRID_TILE_ROWS
     assert tiles_detail((iq2, q4k), (True, True)).startswith(
-        f"int8 prefill on amx-int8 tiles for Q4_K up to {ggml.PLANE_TILE_ROWS} rows and IQ2_XXS up to "
+        f"int8 prefill on amx-int8 tiles for Q4_K up to {ggml.TILE_ROWS} rows and IQ2_XXS up to "
         f"{ggml.GRID_TILE_ROWS} rows per product"
     )

@@ -76,7 +76,7 @@ def test_a_heavy_expert_is_a_chunk_of_its_own(monkeypatch):
 def test_every_chunk_takes_the_path_of_the_whole_step(monkeypatch):
     """The native products pick decode-and-dot (tiles) or decode-then-GEMM by the mean rows per active expert; a
     chunk passes the step's mean, so a chunk of a few crowded experts does not switch paths (it did: 975 pairs over
-    15 experts, 65 > ggml.TILE_ROWS, took the bf16 GEMMs in a 512-token prefill whose mean was 48)."""
+    15 experts, 65 > 64, then ggml.TILE_ROWS, took the bf16 GEMMs in a 512-token prefill whose mean was 48)."""
     e, d, inter, t, k = 16, 256, 128, 256, 6
     ex = _experts(e, d, inter, "torch")
     x, w, idx = _route(t, e, k)
