@@ -230,10 +230,10 @@ def expert_linear_native(
     rows_per_expert: float | None = None,
 ) -> torch.Tensor:
     """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: tile_rows, as
-    linear_native, the mean over the active experts) the grouped decode-and-dot (int8: as
-    linear_native, every part in one call, its outputs side by side; the C call takes each group of tile_rows+
-    rows to the tiles, the rest to the row kernels; float: one call per part); more: the active experts decoded natively, then
-    grouped GEMMs (_decoded_grouped; bf16: in bf16, as linear_native). rows_per_expert: the mean to decide by
+    linear_native, the mean over the active experts) the grouped decode-and-dot (int8: as linear_native, every part
+    in one call, its outputs side by side, the C call taking each group of 8+ rows to the tiles and the rest to the
+    row kernels; float: one call per part); more: the active experts decoded natively, then grouped GEMMs
+    (_decoded_grouped; bf16: in bf16, as linear_native). rows_per_expert: the mean to decide by
     when these experts are a chunk of a step's (GGUFExperts._grouped: the step's mean, so every chunk takes the
     path the whole step would), else this call's."""
     xs = xs.float().contiguous()
