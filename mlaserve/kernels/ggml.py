@@ -73,7 +73,8 @@ MOE_CHUNK_BYTES = 32 << 20
 # 4.20 / 6.69; IQ1_S 1.6-2x, IQ1_M 1.4-1.9x, Q5_K level to 1.3x; at 192 rows 1.0-1.4x (IQ4_XS and Q5_K level). 128
 # keeps a margin (64 before: measured at 1 thread under load 6.6, Q4_K even with bf16 at 128 on small shapes then,
 # Q6_K 1.2-1.4x slower); the standard model's experts (64 rows each in a 512-token prompt, a layer with an idle
-# expert just above) no longer fall to decode-then-GEMM.
+# expert just above) no longer fall to decode-then-GEMM. One CPU (a 2-core Sapphire-Rapids-class Xeon): to be
+# measured again on others; the crossover moves speed only, each path within its own error bound.
 TILE_ROWS = 128
 # The i-quants whose native decoders are grid-table lookups in plain C (csrc/ref/iquants.c): decode-then-GEMM costs
 # them more, so their tiles stay faster far above TILE_ROWS. Measured (benchmarks/int8_tiles.py, 2 threads, median

@@ -205,13 +205,17 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
     quantize_act_rows(type, x, p, k, k, xq, xd, threads);
     int rc = 0;
 #ifdef MLS_AMX
-    rc = amx_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy, threads);
 #define AMX_TOOK(m) amx_takes(type, (m))
 #else
 #define AMX_TOOK(m) 0
 #endif
-    int64_t rest = 0; /* groups left to the row kernels */
+    int64_t rest = 0; /* groups left to the row kernels (all of a decode step's: no tile call, no allocation) */
     for (int64_t a = 0; a < groups; a++) rest += !AMX_TOOK(starts[a + 1] - starts[a]);
+#ifdef MLS_AMX
+    if (rest < groups)
+        rc = amx_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy,
+                         threads);
+#endif
     if (rest && rc == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t it = 0; it < groups * nparts * runs; it++) {

@@ -157,6 +157,98 @@ static inline void amx_accumulate(const amx_rows_t *W, int mins, int64_t blk, in
     _mm512_store_ps(acc, y);
 }
 
+/* The groups of a grouped call that a kernel takes (keep(rows, arg)): their indices (kept[0 .. n)), where their
+   16-row packs start (pg[0 .. n], pg[0] = 0) and the most packs of one group. One allocation (kept; free it);
+   pack_owner walks a thread's ascending share of packs back to their groups. Returns 0, -4 out of memory. */
+typedef struct {
+    int64_t *kept, *pg, n, most;
+} amx_picks_t;
+static int amx_pick(const int64_t *starts, int64_t groups, int (*keep)(int64_t rows, const void *arg), const void *arg,
+                    amx_picks_t *p) {
+    p->kept = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * groups + 2));
+    if (!p->kept) return -4;
+    p->pg = p->kept + groups;
+    p->pg[0] = p->n = p->most = 0;
+    for (int64_t a = 0; a < groups; a++) {
+        const int64_t rows = starts[a + 1] - starts[a], packs = (rows + AMX_ROWS - 1) / AMX_ROWS;
+        if (rows == 0 || !keep(rows, arg)) continue;
+        p->kept[p->n] = a;
+        p->pg[p->n + 1] = p->pg[p->n] + packs;
+        p->most = packs > p->most ? packs : p->most;
+        p->n++;
+    }
+    return 0;
+}
+/* the kept group of pack pi, moving *j forward (a thread's static share of packs ascends) */
+static inline int64_t pack_owner(const amx_picks_t *p, int64_t pi, int64_t *j) {
+    while (p->pg[*j + 1] <= pi) (*j)++;
+    return *j;
+}
+
+static int amx_keep(int64_t rows, const void *type) { return amx_takes(*(const int *)type, rows); }
+
+/* what every item of one amx_grouped call shares */
+typedef struct {
+    amx_hook_t h;
+    int type;
+    int64_t n, k, row_bytes, ldy, nls;
+    size_t per_group, xp_n, dx_n, a_n;
+} amx_call_t;
+
+/* One item: a 16-row block (rows r0 .. of w, nr of them) times a group's packs (xg, groups_a of them, m rows), into
+   y (the group's first row, the block's first column): unpacked once, every super-block's products over the
+   packs in order, then acc [16 r][16 i] -> y [i][r]: per activation row one gather of its column and one store of
+   its nr outputs (the same product by the factor as a scalar one: the same bits). */
+static void amx_item(const amx_call_t *c, amx_rows_t *W, float *acc, const uint8_t *w, int64_t r0,
+                     const int32_t *xg, int64_t groups_a, int64_t m, float *y) {
+    const int64_t nr = c->n - r0 < AMX_ROWS ? c->n - r0 : AMX_ROWS;
+    if (nr < AMX_ROWS) { /* a hook's unpack writes every byte of its rows: only a last, short block has rows past nr,
+                            which must give S = 0 */
+        memset(W->a, 0, c->a_n);
+        memset(W->ls, 0, sizeof(int32_t) * (size_t)c->nls);
+    }
+    c->h.unpack(c->type, w + r0 * c->row_bytes, c->row_bytes, nr, c->k, W);
+    memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups_a);
+    for (int64_t blk = 0; blk < c->k / 256; blk++)
+        for (int64_t g = 0; g < groups_a; g++) {
+            const int32_t *xp = xg + g * c->per_group;
+            const amx_acts_t x = {xp, (const float *)(xp + c->xp_n), xp + c->xp_n + c->dx_n};
+            c->h.product(c->type, W, blk, &x, c->k, acc + g * AMX_ROWS * 16);
+        }
+    const __m512i by_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16)); /* acc's offsets of one i's 16 r */
+    const __m512 factor = _mm512_set1_ps(c->h.factor);
+    const __mmask16 rows = nr >= AMX_ROWS ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+    for (int64_t g = 0; g < groups_a; g++) {
+        const int64_t i0 = g * AMX_ROWS, mr = m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS;
+        for (int64_t i = 0; i < mr; i++) {
+            const __m512 col = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, by_row, acc + g * AMX_ROWS * 16 + i, 4);
+            _mm512_mask_storeu_ps(y + (i0 + i) * c->ldy + r0, rows, _mm512_mul_ps(col, factor));
+        }
+    }
+}
+
+/* This thread's buffers: acc [most packs, 16, 16], then the unpacked block (A, ls, mn, d, dmin), each 64-byte
+   aligned as k is a multiple of 256, and the hook's tile configuration loaded. NULL when memory runs out. */
+static char *amx_thread_start(const amx_call_t *c, int64_t most, amx_rows_t *W) {
+    const int64_t kb = c->k / 256;
+    const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)most + c->a_n + sizeof(int32_t) * (size_t)c->nls +
+                         sizeof(int32_t) * (size_t)(AMX_ROWS * kb * 4) + 2 * sizeof(float) * (size_t)(AMX_ROWS * kb);
+    char *mem = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!mem) return 0;
+    W->a = (int8_t *)((float *)mem + AMX_ROWS * 16 * most);
+    W->ls = (int32_t *)(W->a + c->a_n);
+    W->mn = W->ls + c->nls;
+    W->d = (float *)(W->mn + AMX_ROWS * kb * 4);
+    W->dmin = W->d + AMX_ROWS * kb;
+    amx_cfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    c->h.tiles(c->type, &cfg);
+    _tile_loadconfig(&cfg);
+    return mem;
+}
+
 /* Groups of activation rows times expert weights on the tiles, every part of each expert: for group a (rows
    starts[a] .. starts[a + 1] of xq / xd) that takes the tiles (amx_takes), part q's expert experts[a] (ws[q] +
    experts[a] * expert_stride, n rows row_bytes apart) into y's columns q * n .. q * n + n (row stride ldy); groups
@@ -169,104 +261,46 @@ static int amx_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64
                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                        const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads) {
     const amx_hook_t h = amx_hook_of(type);
-    const int64_t blocks = (n + AMX_ROWS - 1) / AMX_ROWS, kb = k / 256, slots = k / 32, nls = AMX_ROWS * kb * h.scales;
+    const int64_t blocks = (n + AMX_ROWS - 1) / AMX_ROWS, kb = k / 256;
     const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
-    const size_t per_group = xp_n + dx_n + bs_n; /* int32 / float slots of one packed group of 16 rows */
-    /* the groups on the tiles (tg of them): their index, and where their packed 16-row groups start (pg) */
-    int64_t *tile_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * groups + 2));
-    if (!tile_of) return -4;
-    int64_t *pg = tile_of + groups, tg = 0, most = 0;
-    pg[0] = 0;
-    for (int64_t a = 0; a < groups; a++) {
-        const int64_t m = starts[a + 1] - starts[a];
-        if (!amx_takes(type, m)) continue;
-        tile_of[tg] = a;
-        pg[tg + 1] = pg[tg] + (m + AMX_ROWS - 1) / AMX_ROWS;
-        most = (m + AMX_ROWS - 1) / AMX_ROWS > most ? (m + AMX_ROWS - 1) / AMX_ROWS : most;
-        tg++;
-    }
-    const int64_t packs = pg[tg], items = tg * nparts * blocks;
-    char *packed = items ? (char *)aligned_alloc(64, ((size_t)packs * per_group * 4 + 63) / 64 * 64) : 0;
-    if (!packed) {
-        free(tile_of);
-        return items ? -4 : 0;
-    }
-    int rc = 0;
+    const amx_call_t c = {h, type, n, k, row_bytes, ldy, AMX_ROWS * kb * h.scales, xp_n + dx_n + bs_n, xp_n, dx_n,
+                          (size_t)(h.planes * AMX_ROWS * k)};
+    amx_picks_t t;
+    if (amx_pick(starts, groups, amx_keep, &type, &t)) return -4;
+    const int64_t packs = t.pg[t.n], items = t.n * nparts * blocks;
+    char *packed = items ? (char *)aligned_alloc(64, ((size_t)packs * c.per_group * 4 + 63) / 64 * 64) : 0;
+    int rc = items && !packed ? -4 : 0;
+    if (packed) {
 #pragma omp parallel num_threads(threads)
-    {
-        /* per thread: acc [most groups, 16, 16], then the unpacked block (A, ls, mn, d, dmin), each 64-byte aligned
-           as k is a multiple of 256 */
-        const size_t a_n = (size_t)(h.planes * AMX_ROWS * k);
-        const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)most + a_n + sizeof(int32_t) * (size_t)nls +
-                             sizeof(int32_t) * (size_t)(AMX_ROWS * kb * 4) + 2 * sizeof(float) * (size_t)(AMX_ROWS * kb);
-        char *mem = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!mem) {
+        {
+            amx_rows_t W;
+            char *mem = amx_thread_start(&c, t.most, &W);
+            if (!mem) {
 #pragma omp atomic write
-            rc = -4;
-        }
-        amx_rows_t W;
-        float *acc = (float *)mem;
-        const __m512i by_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                  _mm512_set1_epi32(16)); /* acc's offsets of one i's 16 r */
-        const __m512 factor = _mm512_set1_ps(h.factor);
-        if (mem) {
-            W.a = (int8_t *)(acc + AMX_ROWS * 16 * most);
-            W.ls = (int32_t *)(W.a + a_n);
-            W.mn = W.ls + nls;
-            W.d = (float *)(W.mn + AMX_ROWS * kb * 4);
-            W.dmin = W.d + AMX_ROWS * kb;
-            amx_cfg_t c;
-            memset(&c, 0, sizeof c);
-            c.palette = 1;
-            h.tiles(type, &c);
-            _tile_loadconfig(&c);
-        }
-        int64_t j = 0; /* the tile group of packed group pi (pi ascends within a thread's static share) */
+                rc = -4;
+            }
+            int64_t j = 0;
 #pragma omp for schedule(static)
-        for (int64_t pi = 0; pi < packs; pi++) {
-            while (pg[j + 1] <= pi) j++;
-            const int64_t a = tile_of[j], g = pi - pg[j], i0 = starts[a] + g * AMX_ROWS;
-            const int64_t mr = starts[a + 1] - i0 < AMX_ROWS ? starts[a + 1] - i0 : AMX_ROWS;
-            int32_t *xp = (int32_t *)packed + pi * per_group;
-            amx_pack(xq + i0 * k, xd + i0 * slots, mr, k, xp, (float *)(xp + xp_n), xp + xp_n + dx_n);
-        }
+            for (int64_t pi = 0; pi < packs; pi++) {
+                const int64_t jt = pack_owner(&t, pi, &j), a = t.kept[jt], i0 = starts[a] + (pi - t.pg[jt]) * AMX_ROWS;
+                const int64_t mr = starts[a + 1] - i0 < AMX_ROWS ? starts[a + 1] - i0 : AMX_ROWS;
+                int32_t *xp = (int32_t *)packed + pi * c.per_group;
+                amx_pack(xq + i0 * k, xd + i0 * (k / 32), mr, k, xp, (float *)(xp + xp_n), xp + xp_n + dx_n);
+            }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            if (!mem) continue;
-            const int64_t jt = it / (nparts * blocks), q = it / blocks % nparts, bi = it % blocks, a = tile_of[jt];
-            const int64_t groups_a = pg[jt + 1] - pg[jt], m = starts[a + 1] - starts[a];
-            const int32_t *xg = (const int32_t *)packed + pg[jt] * per_group;
-            const int64_t r0 = bi * AMX_ROWS, nr = n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS;
-            if (nr < AMX_ROWS) { /* a hook's unpack writes every byte of its rows: only a last, short block has rows
-                                    past nr, which must give S = 0 */
-                memset(W.a, 0, a_n);
-                memset(W.ls, 0, sizeof(int32_t) * (size_t)nls);
+            for (int64_t it = 0; it < items; it++) {
+                if (!mem) continue;
+                const int64_t jt = it / (nparts * blocks), q = it / blocks % nparts, a = t.kept[jt];
+                amx_item(&c, &W, (float *)mem, ws[q] + experts[a] * expert_stride, it % blocks * AMX_ROWS,
+                         (const int32_t *)packed + t.pg[jt] * c.per_group, t.pg[jt + 1] - t.pg[jt],
+                         starts[a + 1] - starts[a], y + starts[a] * ldy + q * n);
             }
-            h.unpack(type, ws[q] + experts[a] * expert_stride + r0 * row_bytes, row_bytes, nr, k, &W);
-            memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups_a);
-            for (int64_t blk = 0; blk < kb; blk++)
-                for (int64_t g = 0; g < groups_a; g++) {
-                    const int32_t *xp = xg + g * per_group;
-                    const amx_acts_t x = {xp, (const float *)(xp + xp_n), xp + xp_n + dx_n};
-                    h.product(type, &W, blk, &x, k, acc + g * AMX_ROWS * 16);
-                }
-            /* acc [16 r][16 i] -> y [i][r0 + r]: per activation row one gather of its column and one store of its nr
-               outputs (the same product by the factor as a scalar one: the same bits) */
-            const __mmask16 rows = nr >= AMX_ROWS ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-            float *ya = y + starts[a] * ldy + q * n + r0;
-            for (int64_t g = 0; g < groups_a; g++) {
-                const int64_t i0 = g * AMX_ROWS, mr = m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS;
-                for (int64_t i = 0; i < mr; i++) {
-                    const __m512 col = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, by_row, acc + g * AMX_ROWS * 16 + i, 4);
-                    _mm512_mask_storeu_ps(ya + (i0 + i) * ldy, rows, _mm512_mul_ps(col, factor));
-                }
-            }
+            if (mem) _tile_release();
+            free(mem);
         }
-        if (mem) _tile_release();
-        free(mem);
     }
     free(packed);
-    free(tile_of);
+    free(t.kept);
     return rc;
 }
 

@@ -169,6 +169,19 @@ static inline void bx_block(const char *a, const char *b0, const char *b1, int t
         }
 }
 
+/* One activation group's sums of a 32-row block (ca: its two tiles' [16 r][16 i] halves, 512 floats apart) into y:
+   per activation row (mr of them, ldy apart) its nr <= 32 outputs gathered from the tiles' column i */
+static inline void bx_store(const float *ca, int64_t mr, int64_t nr, float *y, int64_t ldy) {
+    const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+    const __mmask16 m0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+    const __mmask16 m1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
+    for (int64_t i = 0; i < mr; i++) {
+        _mm512_mask_storeu_ps(y + i * ldy, m0, _mm512_i32gather_ps(col, ca + i, 4));
+        if (m1) _mm512_mask_storeu_ps(y + i * ldy + 16, m1, _mm512_i32gather_ps(col, ca + 512 + i, 4));
+    }
+}
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T for Q8_0 weight rows w [n] (row_bytes apart) on the
    bf16 tiles, as above. The depth is taken BX_KC values at a time (the Goto order): every group's
    activation steps of a chunk stay in L2 while the weight blocks pass, each block's chunk of codes converted once,
@@ -224,114 +237,89 @@ static int bx_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const float *
         free(wp);
     }
     if (rc == 0) {
-        /* per activation row, its 32 outputs of a block gathered from the two tiles' column i (y written in rows) */
-        const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(16));
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t mr = m - 16 * g < 16 ? m - 16 * g : 16;
-            for (int64_t bi = 0; bi < blocks; bi++) {
-                const float *ca = acc + (bi * pairs + g / 2) * 1024 + (g % 2) * 256;
-                const int64_t r0 = bi * BX_BLOCK, nr = n - r0 < BX_BLOCK ? n - r0 : BX_BLOCK;
-                const __mmask16 m0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-                const __mmask16 m1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
-                for (int64_t i = 0; i < mr; i++) {
-                    float *yr = y + (16 * g + i) * ldy + r0;
-                    _mm512_mask_storeu_ps(yr, m0, _mm512_i32gather_ps(col, ca + i, 4));
-                    if (m1) _mm512_mask_storeu_ps(yr + 16, m1, _mm512_i32gather_ps(col, ca + 512 + i, 4));
-                }
-            }
-        }
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t bi = 0; bi < blocks; bi++)
+                bx_store(acc + (bi * pairs + g / 2) * 1024 + (g % 2) * 256, m - 16 * g < 16 ? m - 16 * g : 16,
+                         n - bi * BX_BLOCK < BX_BLOCK ? n - bi * BX_BLOCK : BX_BLOCK, y + 16 * g * ldy + bi * BX_BLOCK,
+                         ldy);
     }
     free(packed);
     free(acc);
     return rc;
 }
 
+/* One item of bx_grouped: a 32-row block (rows r0 .. of an expert's w) times an expert's split groups (xa, ga of
+   them, m rows) over the whole depth: its rows' codes converted chunk by chunk, every pair of groups summed per
+   chunk (the same bx_block calls per accumulator in the same order as bx_gemm's), then written into y (the
+   expert's first row, the block's first column). wp: the thread's codes and scales of one chunk, then the 4
+   tiles' sums, then acc for the item's pairs. */
+static void bx_item(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, int64_t r0, const char *xa, int64_t ga,
+                    int64_t m, char *wp, float *y, int64_t ldy) {
+    const size_t per_group = (size_t)(2 * k / 32) * BX_STEP_BYTES;
+    const size_t wbytes = (size_t)(BX_KC / 32) * 2048, dbytes = sizeof(float) * (BX_KC / 32) * BX_BLOCK;
+    float *dw = (float *)(wp + wbytes), *cb = (float *)(wp + wbytes + dbytes), *acc = cb + 1024;
+    const int64_t pairs = (ga + 1) / 2, nr = n - r0 < BX_BLOCK ? n - r0 : BX_BLOCK;
+    memset(acc, 0, sizeof(float) * 1024 * (size_t)pairs);
+    for (int64_t k0 = 0; k0 < k; k0 += BX_KC) {
+        const int64_t nb = (k - k0 < BX_KC ? k - k0 : BX_KC) / 32;
+        bx_weights(w + r0 * row_bytes, row_bytes, nr, k0, 32 * nb, (int32_t *)wp, dw);
+        for (int64_t pr = 0; pr < pairs; pr++) {
+            const char *b0 = xa + 2 * pr * per_group + (2 * k0 / 32) * BX_STEP_BYTES;
+            for (int64_t b = 0; b < nb; b++)
+                bx_block(wp + b * 2048, b0 + 2 * b * BX_STEP_BYTES, b0 + per_group + 2 * b * BX_STEP_BYTES,
+                         2 * pr + 1 < ga, dw + b * BX_BLOCK, cb, acc + pr * 1024);
+        }
+    }
+    for (int64_t g = 0; g < ga; g++)
+        bx_store(acc + (g / 2) * 1024 + (g % 2) * 256, m - 16 * g < 16 ? m - 16 * g : 16, nr, y + 16 * g * ldy + r0, ldy);
+}
+
 /* The grouped form (routed experts): rows [starts[a], starts[a + 1]) of x [P, k] times expert experts[a]'s rows
    (w + experts[a] * expert_stride) into y [P, ldy]. The experts whose split activations fit BX_GROUP_BYTES (a few
    16-row groups: prefill's usual share of a routed expert) run in one parallel region: every such expert's groups
-   split (static), then one dynamic list of (expert, 32-row weight block) items, each over the whole depth (its
-   rows' codes converted chunk by chunk, every pair of groups summed per chunk, the activations in L2) and written
-   into y at once; per accumulator the same bx_block calls in the same order as bx_gemm's, so the same bits, without
-   bx_gemm's three parallel regions and a barrier per depth chunk per expert. The others go through bx_gemm, one
-   after another. Returns 0, -4 when memory runs out. */
+   split (static), then one dynamic list of (expert, 32-row weight block) items over the whole depth (bx_item: the
+   activations in L2), the same bits as bx_gemm's without its three parallel regions and a barrier per depth chunk
+   per expert. The others go through bx_gemm, one after another. Returns 0, -4 when memory runs out. */
 #define BX_GROUP_BYTES (1 << 20)
+static int bx_few_rows(int64_t rows, const void *per_group) {
+    return (size_t)((rows + 15) / 16) * *(const size_t *)per_group <= BX_GROUP_BYTES;
+}
 static int bx_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
                       int64_t ldy, int threads) {
     const size_t per_group = (size_t)(2 * k / 32) * BX_STEP_BYTES;
     const int64_t blocks = (n + BX_BLOCK - 1) / BX_BLOCK;
-    int64_t *few = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * groups + 2));
-    if (!few) return -4;
-    int64_t *pg = few + groups, nf = 0, most = 0; /* the experts of few rows, where their groups start, most pairs */
-    pg[0] = 0;
-    for (int64_t a = 0; a < groups; a++) {
-        const int64_t ga = (starts[a + 1] - starts[a] + 15) / 16;
-        if (ga == 0 || (size_t)ga * per_group > BX_GROUP_BYTES) continue;
-        few[nf] = a;
-        pg[nf + 1] = pg[nf] + ga;
-        most = (ga + 1) / 2 > most ? (ga + 1) / 2 : most;
-        nf++;
-    }
-    const int64_t packs = pg[nf], items = nf * blocks;
+    amx_picks_t f; /* the experts of few rows */
+    if (amx_pick(starts, groups, bx_few_rows, &per_group, &f)) return -4;
+    const int64_t packs = f.pg[f.n], items = f.n * blocks;
     char *packed = items ? (char *)aligned_alloc(64, (size_t)packs * per_group) : 0;
     int rc = items && !packed ? -4 : 0;
     if (packed) {
-        const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(16));
 #pragma omp parallel num_threads(threads)
         {
-            /* per thread: a block's codes of one depth chunk and their scales, the 4 tiles' sums of one block, and
-               the item's accumulators [pairs][4 tiles][16][16] */
             const size_t wbytes = (size_t)(BX_KC / 32) * 2048, dbytes = sizeof(float) * (BX_KC / 32) * BX_BLOCK;
-            char *wp = (char *)aligned_alloc(64, wbytes + dbytes + 4096 + sizeof(float) * 1024 * (size_t)most);
+            char *wp = (char *)aligned_alloc(64, wbytes + dbytes + 4096 + sizeof(float) * 1024 * (size_t)((f.most + 1) / 2));
             if (!wp) {
 #pragma omp atomic write
                 rc = -4;
             } else {
                 bx_load_full_tiles();
             }
-            float *dw = (float *)(wp + wbytes), *cb = (float *)(wp + wbytes + dbytes), *acc = cb + 1024;
-            int64_t j = 0; /* the expert of packed group pi (pi ascends within a thread's static share) */
+            int64_t j = 0;
 #pragma omp for schedule(static)
             for (int64_t pi = 0; pi < packs; pi++) {
-                while (pg[j + 1] <= pi) j++;
-                const int64_t a = few[j], i0 = starts[a] + 16 * (pi - pg[j]);
+                const int64_t jt = pack_owner(&f, pi, &j), a = f.kept[jt], i0 = starts[a] + 16 * (pi - f.pg[jt]);
                 bx_acts(x + i0 * k, k, starts[a + 1] - i0 < 16 ? starts[a + 1] - i0 : 16, k,
                         (int32_t *)(packed + pi * per_group));
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 if (!wp) continue;
-                const int64_t jt = it / blocks, bi = it % blocks, a = few[jt], ga = pg[jt + 1] - pg[jt];
-                const int64_t m = starts[a + 1] - starts[a], pairs = (ga + 1) / 2;
-                const int64_t r0 = bi * BX_BLOCK, nr = n - r0 < BX_BLOCK ? n - r0 : BX_BLOCK;
-                const char *xa = packed + pg[jt] * per_group;
-                memset(acc, 0, sizeof(float) * 1024 * (size_t)pairs);
-                for (int64_t k0 = 0; k0 < k; k0 += BX_KC) {
-                    const int64_t kc = k - k0 < BX_KC ? k - k0 : BX_KC, nb = kc / 32;
-                    bx_weights(w + experts[a] * expert_stride + r0 * row_bytes, row_bytes, nr, k0, kc, (int32_t *)wp, dw);
-                    for (int64_t pr = 0; pr < pairs; pr++) {
-                        const int64_t g = 2 * pr;
-                        const char *b0 = xa + g * per_group + (2 * k0 / 32) * BX_STEP_BYTES;
-                        for (int64_t b = 0; b < nb; b++)
-                            bx_block(wp + b * 2048, b0 + 2 * b * BX_STEP_BYTES, b0 + per_group + 2 * b * BX_STEP_BYTES,
-                                     g + 1 < ga, dw + b * BX_BLOCK, cb, acc + pr * 1024);
-                    }
-                }
-                /* as bx_gemm's write: per activation row its outputs of the block gathered from the tiles' column */
-                const __mmask16 m0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-                const __mmask16 m1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
-                for (int64_t g = 0; g < ga; g++) {
-                    const float *ca = acc + (g / 2) * 1024 + (g % 2) * 256;
-                    const int64_t mr = m - 16 * g < 16 ? m - 16 * g : 16;
-                    for (int64_t i = 0; i < mr; i++) {
-                        float *yr = y + (starts[a] + 16 * g + i) * ldy + r0;
-                        _mm512_mask_storeu_ps(yr, m0, _mm512_i32gather_ps(col, ca + i, 4));
-                        if (m1) _mm512_mask_storeu_ps(yr + 16, m1, _mm512_i32gather_ps(col, ca + 512 + i, 4));
-                    }
-                }
+                const int64_t jt = it / blocks, a = f.kept[jt];
+                bx_item(w + experts[a] * expert_stride, n, row_bytes, k, it % blocks * BX_BLOCK,
+                        packed + f.pg[jt] * per_group, f.pg[jt + 1] - f.pg[jt], starts[a + 1] - starts[a], wp,
+                        y + starts[a] * ldy, ldy);
             }
             if (wp) _tile_release();
             free(wp);
@@ -340,11 +328,11 @@ static int bx_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, in
     free(packed);
     for (int64_t a = 0; a < groups && rc == 0; a++) { /* the experts of many rows: the Goto order, one by one */
         const int64_t rows = starts[a + 1] - starts[a];
-        if (rows > 0 && (size_t)((rows + 15) / 16) * per_group > BX_GROUP_BYTES)
+        if (rows > 0 && !bx_few_rows(rows, &per_group))
             rc = bx_gemm(w + experts[a] * expert_stride, n, row_bytes, x + starts[a] * k, k, rows, k, y + starts[a] * ldy,
                          ldy, threads);
     }
-    free(few);
+    free(f.kept);
     return rc;
 }
 #endif
