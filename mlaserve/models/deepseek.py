@@ -27,7 +27,7 @@ from torch import nn
 
 from mlaserve.config.layer_kinds import attention_kind
 from mlaserve.config.model import ModelConfig
-from mlaserve.kernels import bf16_attention, native_layers
+from mlaserve.kernels import native_layers
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.kda.layer import KimiDeltaAttention
@@ -152,10 +152,11 @@ class MLAAttention(KernelSwitch, nn.Module):
 
     def attention_bf16(self, backends) -> bool:
         """The decompressed segments' scores and P V as bf16 products on the AMX-BF16 tiles (kernels/bf16_attention.py):
-        where the K / V expansion runs in bf16 (expansion_bf16, the same rule: its K nope half and V are bf16 values
-        then, so the tiles round only q, k_pe and P) and the process has the tiles. A segment's backend must have
-        them too (decompressed_tiles; the reference's never does)."""
-        return self.expansion_bf16(backends) and bf16_attention.granted()
+        where the kept heads' plan takes them (GGUFHeads.attention_tiles: the K / V expansion in bf16, or the latent
+        rows from a weight in bf16 prefill) and no backend of the step reads the dense W_UK / W_UV (the reference's,
+        which never has the tiles)."""
+        heads = self.kept_heads
+        return heads is not None and heads.attention_tiles() and not any(b.reads_dense_heads for b in backends)
 
     def w_uk_uv(self, kv_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b [H * (dn + dv), r] (default kv_b_weight()) per head: W_UK [H, dn, r] and W_UV [H, dv, r]."""

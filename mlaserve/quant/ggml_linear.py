@@ -400,10 +400,23 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
     # decode: rows per head up to GEMV_ROWS straight to the grouped GEMV; more: kernels.ggml.expert_linear_native
     NATIVE_ROWS, NATIVE_UNIT, NATIVE_FALLBACK = ggml.GEMV_ROWS, "rows per head", "native decode, then grouped GEMMs"
 
-    def __init__(self, k_b: torch.Tensor, type_k: int, v_b: torch.Tensor, type_v: int, dn: int, r: int) -> None:
+    def __init__(
+        self,
+        k_b: torch.Tensor,
+        type_k: int,
+        v_b: torch.Tensor,
+        type_v: int,
+        dn: int,
+        r: int,
+        type_latent: int | None = None,
+    ) -> None:
         super().__init__()
         self.type_k, self.type_v, self.dn, self.r, self.kernel, self.int8 = type_k, type_v, dn, r, "torch", False
+        # the ggml type of the weight whose product the expanded latent rows are (the layer's kv_a_proj_with_mqa,
+        # kept in its blocks), None where that weight is a float one
+        self.type_latent = type_latent
         self.bf16_k = self.bf16_v = False  # prefill products in bf16, per matrix (set_prefill_bf16)
+        self.bf16_latent = bf16_prefill.FP32  # the latent weight's, under the same setting (set_prefill_bf16)
         self.k_b = nn.Parameter(k_b, requires_grad=False)
         self.v_b = nn.Parameter(v_b, requires_grad=False)
         self.heads = k_b.shape[0]
@@ -455,6 +468,8 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
     def set_prefill_bf16(self, cap: int) -> None:
         """The KernelPlan's bf16 prefill setting, decided once per matrix."""
         self.bf16_k, self.bf16_v = bf16_prefill.takes_bf16(self.type_k, cap), bf16_prefill.takes_bf16(self.type_v, cap)
+        if self.type_latent is not None:
+            self.bf16_latent = bf16_prefill.takes_bf16(self.type_latent, cap)
 
     def expansion_bf16(self) -> bool:
         """Whether the decompressed path's K / V expansion (latent rows times the dense kv_b rebuilt from both
@@ -462,13 +477,31 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         chose that holding for this product of the same weights (Q8_0's bf16 pairs and fp32 keep it fp32)."""
         return self.bf16_k == bf16_prefill.BF16 and self.bf16_v == bf16_prefill.BF16
 
+    def attention_tiles(self) -> bool:
+        """Whether the decompressed attention's scores and P V run as bf16 products on the AMX-BF16 tiles
+        (kernels/bf16_attention.py; MLAAttention.attention_bf16 adds the step's condition). Where the process has
+        them, and either
+        - the K / V expansion runs in bf16 (expansion_bf16): K's nope half and V are bf16 values then, the tiles
+          round only q, k_pe and P; or
+        - the latent rows it expands are the product of a weight the plan multiplies in plain bf16 (the layer's
+          kv_a_proj_with_mqa, 6 bits or fewer under auto): every K and V value then carries that weight's own
+          quantization error, and the tiles' bf16 rounding of the expansion's operands and of K and V adds errors
+          of the grade the first case accepts (2^-9 relative each; tests/kernels/test_bf16_attention.py measures
+          the logits on a file where only this case holds: within half the file's own error)."""
+        if not bf16_attention.granted():
+            return False
+        return self.expansion_bf16() or self.bf16_latent == bf16_prefill.BF16
+
     def native_detail(self) -> str:
         note = _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v))
-        if not self.expansion_bf16():
-            return note
         # MLAAttention.expansion_bf16 / attention_bf16: in every step no backend of which reads the dense halves
-        tiles = f", its attention on the {bf16_pairs.tiles_detail()}" if bf16_attention.granted() else ""
-        return f"{note}; the decompressed K / V expansion in bf16{tiles}"
+        tiles = f", its attention on the {bf16_pairs.tiles_detail()}" if self.attention_tiles() else ""
+        if self.expansion_bf16():
+            return f"{note}; the decompressed K / V expansion in bf16{tiles}"
+        if tiles:
+            latent = GGML_TYPES[self.type_latent].name
+            return f"{note}; the decompressed attention on the {bf16_pairs.tiles_detail()} (its latent rows from a {latent} weight in bf16 prefill)"
+        return note
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"

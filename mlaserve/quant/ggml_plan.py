@@ -236,7 +236,8 @@ def attach_heads(model: nn.Module, source, plan: GGUFPlan, cfg: ModelConfig, map
         device = attn.kv_a_layernorm.weight.device  # (kv_b_proj may hold no weight: TransientKvB)
         keep = mapped and device.type == "cpu" and k_b.is_contiguous() and v_b.is_contiguous()
         k_b, v_b = (w if keep else w.to(device, copy=True) for w in (k_b, v_b))
-        attn.kept_heads = GGUFHeads(k_b, type_k, v_b, type_v, cfg.qk_nope_head_dim, cfg.kv_lora_rank)
+        latent = getattr(attn.kv_a_proj_with_mqa, "ggml_type", None)  # a GGUFLinear's; None: a float weight
+        attn.kept_heads = GGUFHeads(k_b, type_k, v_b, type_v, cfg.qk_nope_head_dim, cfg.kv_lora_rank, latent)
 
 
 def swap_in_gguf(model: nn.Module, plan: GGUFPlan, dtype: torch.dtype) -> None:

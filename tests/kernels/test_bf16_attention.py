@@ -162,3 +162,73 @@ def test_engine_runs_the_tiles_within_the_files_own_error(monkeypatch):
     assert 0 < act <= file / 2, (act, file)
     monkeypatch.setattr(bf16_attention, "granted", lambda: False)
     assert not torch.equal(fast.prompt_logits(ids), a)
+
+
+def _q8_0_heads_file(dst):
+    """ds3's Q4_K_M file with attn_k_b / attn_v_b stored as Q8_0 (gguf-py's quantizer on the f32 file's tensors),
+    the layout llama.cpp's Q6_K files have (Q8_0 heads beside a 6-bit attn_kv_a_mqa)."""
+    import gguf
+    import numpy as np
+    from conftest import fixture_dir
+    from gguf_helpers import copy_kv
+
+    folder = fixture_dir("ds3")
+    heads = ("attn_k_b", "attn_v_b")
+    f32 = {t.name: t.data for t in gguf.GGUFReader(folder / "model-f32.gguf").tensors if t.name.split(".")[-2] in heads}
+    reader = gguf.GGUFReader(folder / "model-q4_k_m.gguf")
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    copy_kv(reader, writer)
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    for t in reader.tensors:
+        if t.name in f32:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(np.ascontiguousarray(f32[t.name]), q8), raw_dtype=q8)
+        else:
+            raw = None if t.tensor_type in float_types else t.tensor_type
+            writer.add_tensor(t.name, np.ascontiguousarray(t.data), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return folder, dst
+
+
+def _median_move(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The median over prompt positions of |x - y| / |y| (per position's logits): one flipped expert choice of the
+    fixture's random router (near-ties) moves one position by ~50% whatever rounding flips it, which a norm over all
+    positions would report as the rounding's own effect."""
+    return ((x - y).norm(dim=-1) / y.norm(dim=-1)).median().item()
+
+
+def test_tiles_where_only_the_latent_is_6_bits(monkeypatch, tmp_path):
+    """Q8_0 heads (their expansion stays fp32 grade: the bf16 pairs) beside a Q4_K attn_kv_a_mqa: the plan takes the
+    tiles for the attention all the same (GGUFHeads.attention_tiles: every K and V value carries the Q4_K weight's
+    own error), the plan says why, and what the tiles add to the prompt's logits (against the same engine with the
+    tiles refused) is of the grade they add where the expansion is bf16 and stays well within the file's own error.
+    Measured per position (median): the tiles add 0.78% here (0.75% on ds3's own Q4_K_M file, whose heads are
+    Q5_0) against the file's own 22%. A Q8_0 file (its latent weight Q8_0 too) takes no tiles."""
+    from safetensors.torch import load_file
+
+    from mlaserve import LLM
+
+    monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
+    folder, path = _q8_0_heads_file(tmp_path / "ds3-q8_0-heads.gguf")
+    exp = load_file(str(folder / "expected.safetensors"))
+    ids = exp["input_ids"].tolist()
+    fast = LLM(str(path), mla_path="decompressed")
+    exact = LLM(str(path), mla_path="decompressed", prefill_matmul="float")
+    attn = fast.runner.model.model.layers[0].self_attn
+    assert attn.attention_bf16([BACKENDS["torch"]]) and not attn.expansion_bf16([BACKENDS["torch"]])
+    assert not attn.attention_bf16([BACKENDS["torch"], BACKENDS["reference"]])
+    heads = [c.reason for c in fast.loaded.kernel_plan.choices if c.op == "heads"]
+    assert heads and all("attention on the amx-bf16 tiles (its latent rows from a Q4_K weight" in r for r in heads)
+    assert not exact.runner.model.model.layers[0].self_attn.attention_bf16([BACKENDS["torch"]])
+    q8 = LLM(str(folder / "model-q8_0.gguf"), mla_path="decompressed")
+    assert not q8.runner.model.model.layers[0].self_attn.attention_bf16([BACKENDS["torch"]])
+    tiled, want = fast.prompt_logits(ids), exact.prompt_logits(ids)
+    monkeypatch.setattr(bf16_attention, "granted", lambda: False)
+    untiled = fast.prompt_logits(ids)
+    monkeypatch.undo()
+    tiles, file = _median_move(tiled, untiled), _median_move(want, exp["hf_logits"])
+    print(f"\nds3 q4_k_m with Q8_0 heads: the tiles add {tiles:.4f} per position (median), the file's own {file:.4f}")
+    assert 0 < tiles <= file / 8, (tiles, file)
