@@ -915,6 +915,46 @@ static inline int32_t hsum_i32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* The q8_K row kernels' end of a super-block: acc[i] += (dw * d_x[i]) * S[i], S[i] the sum of s[i]'s int32 lanes,
+   and where ms is given (the K-quants' mins) acc[i] -= (dmin * d_x[i]) * M[i], M[i] the sum of ms[i]'s lanes, for
+   the rows i < mr; d_x[i] the rows' activation scales of the block (q8k_meta.d; xd at row 0's meta, `slots`
+   floats per row). Two to four rows take their integer sums together (three hadds for all where hsum_i32 took seven
+   instructions per row: the same integers) and the fp32 steps in one vector, lane i the scalar loop's operations in
+   its order (-ffp-contract=off: no fused multiply-add), so every row keeps its bits; one row keeps that loop (the
+   hadds cost it more shuffles than they save). */
+static inline __m128i hsum4_i32(const __m256i s[4], const int mr) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i ab = _mm256_hadd_epi32(s[0], s[1]); /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    const __m256i cd = mr > 2 ? _mm256_hadd_epi32(s[2], mr > 3 ? s[3] : z) : z;
+    const __m256i all = _mm256_hadd_epi32(ab, cd); /* a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7 */
+    return _mm_add_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
+}
+
+static inline int32_t hsum_i32x4(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+
+static inline __attribute__((always_inline)) void q8k_block_end(float acc[4], const __m256i s[4], const __m128i *ms,
+                                                                const float dw, const float dmin, const float *xd,
+                                                                const int64_t slots, const int mr) {
+    if (mr == 1) {
+        acc[0] += (dw * xd[0]) * (float)hsum_i32(s[0]);
+        if (ms) acc[0] -= (dmin * xd[0]) * (float)hsum_i32x4(ms[0]);
+        return;
+    }
+    const __m128 dx = _mm_setr_ps(xd[0], xd[slots], mr > 2 ? xd[2 * slots] : 0.0f, mr > 3 ? xd[3 * slots] : 0.0f);
+    __m128 a = _mm_loadu_ps(acc);
+    a = _mm_add_ps(a, _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(dw), dx), _mm_cvtepi32_ps(hsum4_i32(s, mr))));
+    if (ms) {
+        const __m128i z = _mm_setzero_si128();
+        const __m128i cd = mr > 2 ? _mm_hadd_epi32(ms[2], mr > 3 ? ms[3] : z) : z;
+        const __m128i m = _mm_hadd_epi32(_mm_hadd_epi32(ms[0], ms[1]), cd);
+        a = _mm_sub_ps(a, _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(dmin), dx), _mm_cvtepi32_ps(m)));
+    }
+    _mm_storeu_ps(acc, a);
+}
+
 /* The Q4_K / Q5_K / Q6_K row kernels below take the same integer sums another way, with fewer instructions per 32
    values (llama.cpp's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K on AVX2): maddubs forms 16 int16 lanes of pair sums of
    unsigned codes times activation codes (exact: u <= 63 and |x| <= 127, so a pair stays below 2^14), and one
@@ -982,15 +1022,14 @@ static inline __attribute__((always_inline)) void q8k_q45_mr(const uint8_t *b, c
                 }
             }
         }
+        __m256i s[4];
+        __m128i ms[4]; /* mins x code sums: lane j the pair of sub-blocks 2j, 2j + 1 (exact int32) */
         for (int i = 0; i < mr; i++) {
             const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            const __m128i bs = _mm_loadu_si128((const __m128i *)meta->bsum);
-            __m128i ms = _mm_madd_epi16(mn16, bs); /* the exact int32 sum of mins x code sums, as a scalar loop's */
-            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0x4E));
-            ms = _mm_add_epi32(ms, _mm_shuffle_epi32(ms, 0xB1));
-            acc[i] += (dw * meta->d) * (float)hsum_i32(_mm256_add_epi32(sum[i][0], sum[i][1]));
-            acc[i] -= (dmin * meta->d) * (float)_mm_cvtsi128_si32(ms);
+            s[i] = _mm256_add_epi32(sum[i][0], sum[i][1]);
+            ms[i] = _mm_madd_epi16(mn16, _mm_loadu_si128((const __m128i *)meta->bsum));
         }
+        q8k_block_end(acc, s, ms, dw, dmin, xd + blk * Q8K_SLOTS, slots, mr);
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
@@ -1029,10 +1068,9 @@ static inline __attribute__((always_inline)) void q8k_q6k_mr(const uint8_t *b, c
                 }
             }
         }
-        for (int i = 0; i < mr; i++) {
-            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            acc[i] += (dw * meta->d) * (float)hsum_i32(_mm256_add_epi32(sum[i][0], sum[i][1]));
-        }
+        __m256i s[4];
+        for (int i = 0; i < mr; i++) s[i] = _mm256_add_epi32(sum[i][0], sum[i][1]);
+        q8k_block_end(acc, s, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
@@ -1065,10 +1103,7 @@ static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b,
                 sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(aw, _mm256_sign_epi8(x, w), s));
             }
         }
-        for (int i = 0; i < mr; i++) {
-            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
-        }
+        q8k_block_end(acc, sum, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
@@ -1191,10 +1226,7 @@ static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, 
                 sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(u, _mm256_sign_epi8(x, sg), sc));
             }
         }
-        for (int i = 0; i < mr; i++) {
-            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            acc[i] += (dw * meta->d) * (float)hsum_i32(sum[i]);
-        }
+        q8k_block_end(acc, sum, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i] * iq_int_factor(type);
 }
