@@ -51,6 +51,7 @@ from mlaserve.quant.at_load import quantize_model
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.ggml_layer import decode_layer_misses, enable_decode_step
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS
+from mlaserve.quant.ggml_moe_block import attach_moe_blocks  # noqa: F401 -- registers the plan's "moe_block" op
 from mlaserve.quant.ggml_plan import BlockSource, GGUFPlan, attach_heads, plan_gguf, swap_in_gguf
 from mlaserve.quant.plan import densify, plan_quantization, swap_in
 from mlaserve.tools.select import chat_formats

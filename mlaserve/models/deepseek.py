@@ -118,7 +118,7 @@ class MLAAttention(KernelSwitch, nn.Module):
             self.indexer = PooledIndexer(d, cfg.q_lora_rank, cfg.indexer)
         else:
             self.indexer = Indexer(d, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.indexer) if full else None
-        # W_UK / W_UV also kept as a GGUF's attn_k_b / attn_v_b blocks (quant.ggml_linear.GGUFHeads, set by
+        # W_UK / W_UV also kept as a GGUF's attn_k_b / attn_v_b blocks (quant.ggml_heads.GGUFHeads, set by
         # the loader after the fill); the absorbed path's backend multiplies those instead of kv_b_proj's views
         self.kept_heads = None
 

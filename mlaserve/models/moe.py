@@ -169,7 +169,7 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    KERNEL_OP = "moe_block"  # native: the decode step in one C call (quant/ggml_linear.py GGUFMoEBlock)
+    KERNEL_OP = "moe_block"  # native: the decode step in one C call (quant/ggml_moe_block.py GGUFMoEBlock)
 
     def __init__(self, hidden: int, cfg: MoEConfig, limit: float | None = None) -> None:
         """limit: swiglu_limit (GLM-5.3-Flash's clamps, on the routed and the shared experts), None: none."""
@@ -178,7 +178,7 @@ class MoE(nn.Module):
         self.experts = Experts(hidden, cfg, limit)
         n_shared = cfg.n_shared_experts
         self.shared_experts = SwiGLU(hidden, cfg.moe_intermediate_size * n_shared, limit) if n_shared else None
-        # the whole block as one native call for decode steps (quant.ggml_linear.GGUFMoEBlock), set by the KernelPlan
+        # the whole block as one native call for decode steps (quant.ggml_moe_block.GGUFMoEBlock), set by the KernelPlan
         # where every expert weight is a ggml-block holder with the native kernels; per_op below is its reference
         # and its declared fallback for steps outside its contract
         self.native_block = None

@@ -43,7 +43,8 @@ from mlaserve.models.indexer import Indexer, Selection
 from mlaserve.models.layers import RMSNorm, SwiGLU
 from mlaserve.models.moe import MoE
 from mlaserve.models.mtp import MTPLayer
-from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFHeads, native_rows, rows_args
+from mlaserve.quant.ggml_heads import GGUFHeads
+from mlaserve.quant.ggml_linear import BLOCK_TOKENS, native_rows, rows_args
 
 if TYPE_CHECKING:
     from mlaserve.cache.model_cache import ModelCache

@@ -10,7 +10,8 @@ E experts, V vocabulary.
                  fused [E, 2I] copy: the kernels take gate and up at their own addresses); gate/up share one
                  ggml type, down may have another (Q4_K_M files mix them)
   GGUFEmbedding  weight [V, R] uint8; a lookup dequantizes only the rows it reads
-  GGUFMoEBlock   not a holder: a MoE layer of such holders run as one native call per decode step
+The attention's attn_k_b / attn_v_b holder is quant/ggml_heads.py's GGUFHeads; a MoE layer of these holders runs a
+decode step as one native call through quant/ggml_moe_block.py's GGUFMoEBlock.
 Every product runs in fp32 (kernels.ggml: exact dequantized weights, fp32 accumulation) and is
 rounded to the activation dtype, so with dtype float32 a holder equals F.linear over its
 dequantize() up to fp32 summation order.
@@ -26,7 +27,6 @@ from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.kernels import (
-    bf16_attention,
     bf16_pairs,
     bf16_prefill,
     ggml,
@@ -35,9 +35,7 @@ from mlaserve.kernels import (
     registry,
     triton_linear,
 )
-from mlaserve.models.layers import SwiGLU
-from mlaserve.models.moe import ROUTE_TOKENS, Experts, MoE
-from mlaserve.quant.int4_experts import INT4Experts
+from mlaserve.models.moe import ROUTE_TOKENS, Experts
 
 # Decode steps of up to this many tokens run a MoE layer with a GGUFMoEBlock as one native call; more tokens
 # (prefill) take the per-op path, whose decode-then-GEMM products are faster there.
@@ -101,7 +99,7 @@ def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
     )
 
 
-def _plan_note(
+def plan_note(
     types: dict[str, int], int8: bool | int, bf16: tuple[bool, ...] = (), tiles: tuple[bool, ...] = ()
 ) -> str:
     """A holder's kernel-plan note: what its products run (fused or not) and, where any takes them, its int8
@@ -187,7 +185,7 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
 
     def native_detail(self) -> str:
         """The plan's note: the build and whether the type has a fused decode-and-dot kernel in it."""
-        return _plan_note({"weight": self.ggml_type}, self.int8, (self.bf16,), (self.tiles,))
+        return plan_note({"weight": self.ggml_type}, self.int8, (self.bf16,), (self.tiles,))
 
     def extra_repr(self) -> str:
         t = GGML_TYPES[self.ggml_type].name
@@ -297,7 +295,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""
         types = {"gate_up": self.type_gate_up, "down": self.type_down}
         tiles = (self.tiles_gate_up, self.tiles_down)
-        return _plan_note(types, self.int8, (self.bf16_gate_up, self.bf16_down), tiles)
+        return plan_note(types, self.int8, (self.bf16_gate_up, self.bf16_down), tiles)
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":
@@ -386,127 +384,6 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         return out
 
 
-class GGUFHeads(registry.KernelSwitch, nn.Module):
-    """W_UK and W_UV of absorbed attention kept as the file's attn_k_b / attn_v_b blocks, so that a decode
-    step reads them quantized (a fourth of the fp32 bytes for Q8_0) instead of the dense kv_b_proj
-    rebuilt from them (held for the reference backend; else decoded per prefill step: quant/transient_kv_b.py).
-      k_b [H, r, R_dn]  per head the [r, dn] matrix: q_lat[h] = k_b[h] @ q_nope[h]
-      v_b [H, dv, R_r]  per head the [dv, r] matrix: o[h] = v_b[h] @ o_lat[h]
-    Heads are the groups of a grouped product (kernels.ggml.expert_linear): group h is head h's rows."""
-
-    KERNEL_OP = "heads"
-    KERNELS = ggml.KERNELS
-    KERNEL_CALLS = {"per_head": {"native": "_per_head_native", "torch": "_per_head_torch"}}
-    # decode: rows per head up to GEMV_ROWS straight to the grouped GEMV; more: kernels.ggml.expert_linear_native
-    NATIVE_ROWS, NATIVE_UNIT, NATIVE_FALLBACK = ggml.GEMV_ROWS, "rows per head", "native decode, then grouped GEMMs"
-
-    def __init__(
-        self,
-        k_b: torch.Tensor,
-        type_k: int,
-        v_b: torch.Tensor,
-        type_v: int,
-        dn: int,
-        r: int,
-        type_latent: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.type_k, self.type_v, self.dn, self.r, self.kernel, self.int8 = type_k, type_v, dn, r, "torch", False
-        # the ggml type of the weight whose product the expanded latent rows are (the layer's kv_a_proj_with_mqa,
-        # kept in its blocks), None where that weight is a float one
-        self.type_latent = type_latent
-        self.bf16_k = self.bf16_v = False  # prefill products in bf16, per matrix (set_prefill_bf16)
-        self.bf16_latent = bf16_prefill.FP32  # the latent weight's, under the same setting (set_prefill_bf16)
-        self.k_b = nn.Parameter(k_b, requires_grad=False)
-        self.v_b = nn.Parameter(v_b, requires_grad=False)
-        self.heads = k_b.shape[0]
-        self._group_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _per_head_native(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: int) -> torch.Tensor:
-        """x [N, H, k] -> [N, H, out]: head h's rows times head h's matrix, by the C kernels (bf16: the matrix's
-        many-rows products in bf16, the plan's choice for it)."""
-        n, h = x.shape[0], self.heads
-        xs = x.float().transpose(0, 1).reshape(h * n, k)  # grouped by head
-        if n <= self.NATIVE_ROWS:  # decode: straight to the grouped GEMV
-            heads, starts = self._groups(n)
-            y = native.grouped_gemm(ggml_type, xs.contiguous(), w, k, heads, starts, int8=self.int8)
-        else:
-            y = ggml.expert_linear_native(xs, w, ggml_type, k, *self._offsets(n, x.device), self.int8, bf16)
-        return y.view(h, n, -1).transpose(0, 1)
-
-    def _per_head_torch(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: int) -> torch.Tensor:
-        """The reference of _per_head_native: one grouped GEMM over the dequantized heads (exact: bf16 is the
-        native path's only, and the plan sets it only there)."""
-        n, h = x.shape[0], self.heads
-        xs = x.float().transpose(0, 1).reshape(h * n, k)
-        y = ggml.expert_linear_torch(xs, w, ggml_type, k, *self._offsets(n, x.device))
-        return y.view(h, n, -1).transpose(0, 1)
-
-    def _offsets(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(heads [H], offs [H] int32): the groups of n rows per head, as kernels.ggml.expert_linear takes them."""
-        h = self.heads
-        return torch.arange(h, device=device), torch.arange(1, h + 1, device=device, dtype=torch.int32) * n
-
-    def _groups(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(heads [H], starts [H + 1]) int64 for n rows per head, kept per n (small tensors a decode step
-        would otherwise build twice per layer)."""
-        if n not in self._group_index:
-            h = self.heads
-            self._group_index[n] = (torch.arange(h), torch.arange(h + 1) * n)
-        return self._group_index[n]
-
-    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope [N, H, dn] -> q_nope W_UK: [N, H, r] in q_nope's dtype."""
-        return self.per_head(q_nope, self.k_b, self.type_k, self.dn, self.bf16_k).to(q_nope.dtype)
-
-    def expand(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """o_lat [..., H, r] -> o_lat W_UV^T: [..., H, dv] in o_lat's dtype."""
-        lead = o_lat.shape[:-2]
-        y = self.per_head(o_lat.reshape(-1, self.heads, self.r), self.v_b, self.type_v, self.r, self.bf16_v)
-        return y.reshape(*lead, self.heads, -1).to(o_lat.dtype)
-
-    def set_prefill_bf16(self, cap: int) -> None:
-        """The KernelPlan's bf16 prefill setting, decided once per matrix."""
-        self.bf16_k, self.bf16_v = bf16_prefill.takes_bf16(self.type_k, cap), bf16_prefill.takes_bf16(self.type_v, cap)
-        if self.type_latent is not None:
-            self.bf16_latent = bf16_prefill.takes_bf16(self.type_latent, cap)
-
-    def expansion_bf16(self) -> bool:
-        """Whether the decompressed path's K / V expansion (latent rows times the dense kv_b rebuilt from both
-        matrices) runs in bf16: where the plan runs both matrices' prefill products in plain bf16, the rule that
-        chose that holding for this product of the same weights (Q8_0's bf16 pairs and fp32 keep it fp32)."""
-        return self.bf16_k == bf16_prefill.BF16 and self.bf16_v == bf16_prefill.BF16
-
-    def attention_tiles(self) -> bool:
-        """Whether the decompressed attention's scores and P V run as bf16 products on the AMX-BF16 tiles
-        (kernels/bf16_attention.py; MLAAttention.attention_bf16 adds the step's condition). Where the process has
-        them, and either
-        - the K / V expansion runs in bf16 (expansion_bf16): K's nope half and V are bf16 values then, the tiles
-          round only q, k_pe and P; or
-        - the latent rows it expands are the product of a weight the plan multiplies in plain bf16 (the layer's
-          kv_a_proj_with_mqa, 6 bits or fewer under auto): every K and V value then carries that weight's own
-          quantization error, and the tiles' bf16 rounding of the expansion's operands and of K and V adds errors
-          of the grade the first case accepts (2^-9 relative each; tests/kernels/test_bf16_attention.py measures
-          the logits on a file where only this case holds: within half the file's own error)."""
-        if not bf16_attention.granted():
-            return False
-        return self.expansion_bf16() or self.bf16_latent == bf16_prefill.BF16
-
-    def native_detail(self) -> str:
-        note = _plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v))
-        # MLAAttention.expansion_bf16 / attention_bf16: in every step no backend of which reads the dense halves
-        tiles = f", its attention on the {bf16_pairs.tiles_detail()}" if self.attention_tiles() else ""
-        if self.expansion_bf16():
-            return f"{note}; the decompressed K / V expansion in bf16{tiles}"
-        if tiles:
-            latent = GGML_TYPES[self.type_latent].name
-            return f"{note}; the decompressed attention on the {bf16_pairs.tiles_detail()} (its latent rows from a {latent} weight in bf16 prefill)"
-        return note
-
-    def extra_repr(self) -> str:
-        return f"heads={self.heads}, k_b={GGML_TYPES[self.type_k].name}, v_b={GGML_TYPES[self.type_v].name}"
-
-
 def native_rows(m: nn.Module, int8: bool = False) -> bool:
     """A linear layer whose rows the one-call blocks can read: a GGUFLinear run by the native kernels (with int8
     activations exactly when `int8`: a block runs one activation choice), or an fp32 nn.Linear on the CPU (a
@@ -529,135 +406,3 @@ def rows_args(m: nn.Module) -> native_layers.LinArgs:
     if isinstance(m, GGUFLinear):
         return native_layers.LinArgs(m.ggml_type, m.weight.data_ptr(), m.out_features, m.in_features, m.weight.shape[1])
     return native_layers.LinArgs(0, m.weight.data_ptr(), m.out_features, m.in_features, 4 * m.in_features)
-
-
-class GGUFMoEBlock:
-    """A MoE layer's decode step in one native call (kernels/csrc/moe/block.c mls_moe_block): the gate's logits, the router,
-    the routed experts grouped by expert, the shared expert and their sum, instead of ~10 native calls and ~30
-    tensor ops. Attached by the loader (attach_moe_blocks) where the routed experts are a ggml-block holder (int8
-    activations where the per-op path has them) or INT4 pack-quantized experts (quant/int4_experts.py: their
-    decode-and-dot, scales beside the words), run by the native kernels, and the shared expert ggml blocks or
-    fp32 rows; MoE.forward calls it. Its contract: steps
-    of up to BLOCK_TOKENS contiguous fp32 tokens; it hands any other step to the layer's per-op path (its declared
-    fallback and reference, tests/kernels/test_moe_block.py). For the same routing
-    its routed sum equals GGUFExperts' native one bit for bit; the gate's logits and the shared expert's silu
-    round as fp32 does in another order."""
-
-    max_tokens = BLOCK_TOKENS
-
-    def __init__(self, moe: MoE) -> None:
-        gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
-        cfg = gate.cfg
-        bias = gate.e_score_correction_bias
-        a = native_layers.MoEBlockArgs()
-        g, u, dn = _gate_up_stacks(ex)  # rows of bytes (ggml blocks) or of int32 words (INT4)
-        d, inter = dn.shape[1], g.shape[1]
-        a.d, a.e, a.kk, a.inter = d, cfg.n_routed_experts, cfg.num_experts_per_tok, inter
-        a.gate_w, a.bias = gate.weight.data_ptr(), bias.data_ptr() if bias is not None else None
-        a.scoring, a.method = native.SCORING[cfg.scoring_func], native.TOPK_METHOD[cfg.topk_method]
-        a.n_group, a.topk_group, a.norm, a.scale = (
-            cfg.n_group,
-            cfg.topk_group,
-            int(cfg.norm_topk_prob),
-            cfg.routed_scaling_factor,
-        )
-        a.gate, a.up, a.down = g.data_ptr(), u.data_ptr(), dn.data_ptr()
-        a.gu_expert_stride, a.gu_row_bytes = g.stride(0) * g.element_size(), g.shape[2] * g.element_size()
-        a.dn_expert_stride, a.dn_row_bytes = dn.stride(0) * dn.element_size(), dn.shape[2] * dn.element_size()
-        keep = [gate.weight, bias, g, u, dn]
-        if isinstance(ex, INT4Experts):
-            a.type_gu = a.type_dn = native.INT4_PACKED
-            s_gu, s_dn = ex.gate_up_proj_scale, ex.down_proj_scale  # [E, 2, I, D/g], [E, D, I/g] fp32
-            a.gu_scale, a.dn_scale, a.group = s_gu.data_ptr(), s_dn.data_ptr(), ex.group
-            a.gu_scale_stride, a.dn_scale_stride = s_gu[0].numel(), s_dn[0].numel()
-            keep += [s_gu, s_dn]
-        else:
-            a.type_gu, a.type_dn = ex.type_gate_up, ex.type_down
-        if sh is not None:
-            a.shared_inter = sh.gate_proj.out_features
-            g, u, dn = (rows_args(m) for m in (sh.gate_proj, sh.up_proj, sh.down_proj))
-            a.type_sg, a.type_su, a.type_sd = g.type, u.type, dn.type
-            a.sg, a.su, a.sd = g.w, u.w, dn.w
-            a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = g.row_bytes, u.row_bytes, dn.row_bytes
-            keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
-        a.int8 = native.int8_cap(getattr(ex, "int8", False))  # INT4 experts have no int8-activation kernel
-        self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
-        self.fallback = moe.per_op
-
-    @staticmethod
-    def unfit(moe: MoE) -> str | None:
-        """Why this MoE layer cannot run as one native block, or None."""
-        gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
-        if moe.expert_shard is not None:
-            return "expert parallel: this rank's experts' partial sum is all-reduced between the ops (per op)"
-        if (
-            not isinstance(ex, (GGUFExperts, INT4Experts))
-            or not registry.runs_native(ex)
-            or ex.impl != "grouped_mm"
-            or not registry.runs_native(gate)
-        ):
-            return "routed experts or router not ggml blocks / INT4 experts with the native kernels"
-        int8 = getattr(ex, "int8", False)
-        parts = (sh.gate_proj, sh.up_proj, sh.down_proj) if isinstance(sh, SwiGLU) else ()
-        if sh is not None and not (parts and all(native_rows(m, int8) for m in parts)):
-            return "shared expert not ggml blocks with the native kernels and the routed experts' activations"
-        g, u, dn = _gate_up_stacks(ex)
-        tensors = [gate.weight, g, u, dn, *(m.weight for m in parts)]
-        bias = gate.e_score_correction_bias
-        if any(t.device.type != "cpu" for t in tensors) or gate.weight.dtype != torch.float32:
-            return "weights not on the CPU, or the gate not fp32"
-        if not gate.weight.is_contiguous() or (
-            bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())
-        ):
-            return "gate weight / correction bias not contiguous fp32"
-        if any(w.stride(2) != 1 or w.stride(1) != w.shape[2] for w in (g, u, dn)) or g.stride(0) != u.stride(0):
-            return "expert rows not contiguous, or gate and up stacks of different expert strides"
-        if isinstance(ex, INT4Experts) and not (
-            ex.gate_up_proj_scale.is_contiguous() and ex.down_proj_scale.is_contiguous()
-        ):
-            return "INT4 expert scales not contiguous"
-        return None  # the router's own limits: the gate runs native only where Gate.native_unfit passed
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_tokens or x.dtype != torch.float32 or not x.is_contiguous():
-            return self.fallback(x)  # prefill (or an input outside the C call's contract): the per-op path
-        return native_layers.moe_block(self.args, x)
-
-
-def _gate_up_stacks(ex: GGUFExperts | INT4Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate [E, I, R], up [E, I, R], down): GGUFExperts' own stacks; INT4Experts' fused gate_up_proj's halves
-    (views: the C struct reads each at its address, the same expert stride)."""
-    if isinstance(ex, GGUFExperts):
-        return ex.gate_proj, ex.up_proj, ex.down_proj
-    i = ex.gate_up_proj.shape[1] // 2
-    return ex.gate_up_proj[:, :i], ex.gate_up_proj[:, i:], ex.down_proj
-
-
-def _moe_block_fits(moe: MoE, ctx: registry.KernelContext) -> str | None:
-    return registry.needs_native(ctx) or GGUFMoEBlock.unfit(moe)
-
-
-def _attach_block(moe: MoE, ctx: registry.KernelContext) -> None:
-    moe.native_block = GGUFMoEBlock(moe)
-
-
-def _per_op_block(moe: MoE, ctx: registry.KernelContext) -> None:
-    moe.native_block = None
-
-
-def _block_contract(moe: MoE) -> str:
-    return f"one call for steps of up to {GGUFMoEBlock.max_tokens} fp32 tokens, else per_op"
-
-
-registry.register("moe_block", "native", _moe_block_fits, _attach_block, _block_contract)
-registry.register("moe_block", "per_op", registry.always, _per_op_block)
-
-
-def attach_moe_blocks(model: nn.Module) -> int:
-    """After the fill and the kernel choice: every MoE layer that fits gets its GGUFMoEBlock. -> how many."""
-    n = 0
-    for module in model.modules():
-        if isinstance(module, MoE) and GGUFMoEBlock.unfit(module) is None:
-            module.native_block = GGUFMoEBlock(module)
-            n += 1
-    return n

@@ -36,7 +36,8 @@ from mlaserve.gguf.quants import DEQUANTIZABLE, GGML_TYPES
 from mlaserve.loading.safetensors_source import WeightError
 from mlaserve.models.moe import Experts
 from mlaserve.models.mtp import mtp_param_name
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
+from mlaserve.quant.ggml_heads import GGUFHeads
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
 from mlaserve.quant.plan import DENSE_AT_LOAD, _group
 from mlaserve.quant.transient_kv_b import drop_dense
 

@@ -15,7 +15,7 @@ The kernel plan binds one of two implementations (FP8Experts' KERNEL_CALLS):
           registers and dotted with that expert's rows, the group's scale applied to each 32-column partial
           sum (the Q4_0 scheme with the pack's nibble order and a float scale apart); more rows: the routed
           experts decoded natively (the reference's values bit for bit), then the grouped GEMMs. A decode
-          step of up to 16 tokens runs the whole MoE layer as one C call instead (quant/ggml_linear.py
+          step of up to 16 tokens runs the whole MoE layer as one C call instead (quant/ggml_moe_block.py
           GGUFMoEBlock, the same decode-and-dot with the scales beside the words).
 Both equal "dequantize every expert, then run" within fp32 summation order. The int32 words are read as their
 bytes, so the native kernel needs a little-endian host and groups of whole 32-column chunks (native_unfit).

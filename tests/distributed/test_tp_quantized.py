@@ -25,7 +25,8 @@ from mlaserve.distributed.worker import held_weights
 from mlaserve.executor.forward_batch import SeqChunk
 from mlaserve.gguf.quants import GGML_TYPES, dequantize
 from mlaserve.gguf.read.checkpoint import load_gguf
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
+from mlaserve.quant.ggml_heads import GGUFHeads
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
 from mlaserve.sampling.params import SamplingParams
 
 OPTS = dict(max_num_batched_tokens=40, activations="float")  # exact products: the identities below are fp32's

@@ -24,7 +24,8 @@ from conftest import fixture_dir
 from mlaserve import LLM
 from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.kernels import native
-from mlaserve.quant.ggml_linear import GGUFExperts, GGUFHeads, GGUFLinear
+from mlaserve.quant.ggml_heads import GGUFHeads
+from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
 
 NATIVE = native.status()
 needs_native = pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")

@@ -73,7 +73,8 @@ def test_kept_blocks_are_views_of_the_file():
     fails the first half; GGUFExperts.checkpoint_slots giving slices of one fused stack (the copied gate_up
     layout) fails it for the gate_proj / up_proj stacks."""
     from mlaserve import LLM
-    from mlaserve.quant.ggml_linear import GGUFExperts, GGUFHeads, GGUFLinear
+    from mlaserve.quant.ggml_heads import GGUFHeads
+    from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
 
     path = _file("ds3", "q4_k_m")
     for on in (True, False):

@@ -25,7 +25,8 @@ from mlaserve.gguf.read.file import GGUFError, open_gguf
 from mlaserve.kernels import native
 from mlaserve.loading.tensor_check import SCALE_OFFSETS
 from mlaserve.models.moe import Experts
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFHeads, GGUFLinear
+from mlaserve.quant.ggml_heads import GGUFHeads
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
 from mlaserve.quant.transient_kv_b import TransientKvB
 from mlaserve.sampling.params import SamplingParams

@@ -1,4 +1,4 @@
-"""The MoE block at decode in one native call (quant.ggml_linear.GGUFMoEBlock, blocks.c mls_moe_block) against
+"""The MoE block at decode in one native call (quant.ggml_moe_block.GGUFMoEBlock, blocks.c mls_moe_block) against
 MoE.forward's per-op path (the native router + experts calls and three GGUFLinear products) and the torch
 reference (dequantize, then F.linear), on random ggml blocks of several types.
 
@@ -21,7 +21,8 @@ from mlaserve.config.model import MoEConfig
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import ggml, native, native_layers
 from mlaserve.models.moe import MoE
-from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFExperts, GGUFLinear, GGUFMoEBlock, attach_moe_blocks
+from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFExperts, GGUFLinear
+from mlaserve.quant.ggml_moe_block import GGUFMoEBlock, attach_moe_blocks
 
 STATUS = native.status()
 pytestmark = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")

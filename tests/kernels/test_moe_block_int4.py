@@ -1,4 +1,4 @@
-"""The MoE block at decode in one native call (quant.ggml_linear.GGUFMoEBlock, csrc/moe/block.c) with INT4
+"""The MoE block at decode in one native call (quant.ggml_moe_block.GGUFMoEBlock, csrc/moe/block.c) with INT4
 pack-quantized routed experts (quant/int4_experts.py: the scales beside the words, mls_moe_block_t gu_scale /
 dn_scale) and an fp32 shared expert, as a Kimi-K2.5 folder loads: against MoE.forward's per-op path (the native
 router, INT4Experts' grouped native products, the shared expert's BLAS products) and the torch reference
@@ -22,7 +22,8 @@ from mlaserve.kernels import native, native_layers
 from mlaserve.models.moe import MoE
 from mlaserve.quant import int4_group
 from mlaserve.quant.config import parse_quantization
-from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFMoEBlock, attach_moe_blocks
+from mlaserve.quant.ggml_linear import BLOCK_TOKENS
+from mlaserve.quant.ggml_moe_block import GGUFMoEBlock, attach_moe_blocks
 from mlaserve.quant.int4_experts import INT4Experts
 
 STATUS = native.status()

@@ -15,7 +15,8 @@ from mlaserve.config.model import MoEConfig
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import native
 from mlaserve.models.moe import MoE
-from mlaserve.quant.ggml_linear import GGUFExperts, GGUFMoEBlock
+from mlaserve.quant.ggml_linear import GGUFExperts
+from mlaserve.quant.ggml_moe_block import GGUFMoEBlock
 
 pytestmark = pytest.mark.skipif(not native.status().available, reason="native kernels unavailable")
 

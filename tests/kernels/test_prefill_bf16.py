@@ -28,7 +28,8 @@ from mlaserve.config.machine import BF16_BITS
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
 from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native
-from mlaserve.quant.ggml_linear import GGUFExperts, GGUFHeads, GGUFLinear
+from mlaserve.quant.ggml_heads import GGUFHeads
+from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
 
 STATUS = native.status()
 needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")

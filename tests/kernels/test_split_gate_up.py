@@ -17,7 +17,8 @@ from test_moe_block import INTER, D, make_moe, routing
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import ggml, native
-from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFMoEBlock
+from mlaserve.quant.ggml_linear import BLOCK_TOKENS
+from mlaserve.quant.ggml_moe_block import GGUFMoEBlock
 
 pytestmark = pytest.mark.skipif(not native.status().available, reason="native kernels unavailable")
 TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q5_0"]  # the kept types of Q8_0 / Q4_K_M files, and one more

@@ -34,7 +34,7 @@ class AttentionBackend(Protocol):
         self, q_nope, q_pe, cache, w_uk, w_uv, seg: SegmentTensors, scale: float, allowed=None, heads=None
     ) -> torch.Tensor:
         """MQA over the latent rows: W_UK folded into the query, W_UV applied after. heads: W_UK / W_UV
-        also kept as GGUF blocks (quant.ggml_linear.GGUFHeads), which a fast backend may multiply
+        also kept as GGUF blocks (quant.ggml_heads.GGUFHeads), which a fast backend may multiply
         instead of the dense views; the reference ignores it (the oracle reads the dense kv_b_proj)."""
 
     def decompressed(

@@ -27,7 +27,7 @@ from mlaserve.kernels import native, native_layers
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
-    from mlaserve.quant.ggml_linear import GGUFHeads
+    from mlaserve.quant.ggml_heads import GGUFHeads
 
 
 QUERIES = 16  # queries per request up to which the C kernel runs (decode, speculative verification)

@@ -37,7 +37,7 @@ from mlaserve.kernels import bf16_attention
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
-    from mlaserve.quant.ggml_linear import GGUFHeads
+    from mlaserve.quant.ggml_heads import GGUFHeads
 
 
 def absorbed_attention(

@@ -31,7 +31,7 @@ from mlaserve.attention.backends.torch_backend import expand_latent, latent_quer
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
-    from mlaserve.quant.ggml_linear import GGUFHeads
+    from mlaserve.quant.ggml_heads import GGUFHeads
 
 
 def absorbed_attention(
