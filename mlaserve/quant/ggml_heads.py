@@ -116,8 +116,9 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         - the latent rows it expands are the product of a weight the plan multiplies in plain bf16 (the layer's
           kv_a_proj_with_mqa, 6 bits or fewer under auto): every K and V value then carries that weight's own
           quantization error, and the tiles' bf16 rounding of the expansion's operands and of K and V adds errors
-          of the grade the first case accepts (2^-9 relative each; tests/kernels/test_bf16_attention.py measures
-          the logits on a file where only this case holds: within half the file's own error)."""
+          of the grade the first case accepts (2^-9 relative each; tests/kernels/test_bf16_attention.py: on a file
+          where only this case holds they move each prompt position's logits by 0.78% (median) against the file's
+          own 22%)."""
         if not bf16_attention.granted():
             return False
         return self.expansion_bf16() or self.bf16_latent == bf16_prefill.BF16
