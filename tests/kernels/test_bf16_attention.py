@@ -231,4 +231,4 @@ def test_tiles_where_only_the_latent_is_6_bits(monkeypatch, tmp_path):
     monkeypatch.undo()
     tiles, file = _median_move(tiled, untiled), _median_move(want, exp["hf_logits"])
     print(f"\nds3 q4_k_m with Q8_0 heads: the tiles add {tiles:.4f} per position (median), the file's own {file:.4f}")
-    assert 0 < tiles <= file / 8, (tiles, file)
+    assert 0 < tiles <= file / 8, (tiles, file)  # the rule's half, made an eighth: ~3.5x the measured move
