@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mlaserve.gguf.iq_grids import IQ4NL_VALUES
-from mlaserve.gguf.quants import _grid
+from mlaserve.gguf.iquants import grid as _grid
 
 FRACTIONS = (0.55, 0.7, 0.85, 1.0)
 

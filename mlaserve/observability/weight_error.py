@@ -54,7 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaserve.gguf.quants import IQ4NL_VALUES, sub_block_scales
+from mlaserve.gguf.iq_grids import IQ4NL_VALUES
+from mlaserve.gguf.quants import sub_block_scales
 from mlaserve.gguf.read.file import GGUFFile
 
 # type -> (values per sub-block that share a scale, symmetric, m for symmetric types | L - 1 for types
