@@ -95,62 +95,76 @@ static inline void amx_q6_unpack_block(const uint8_t *q, int8_t *a, int64_t plan
 }
 #endif
 
+/* a Q4_K super-block q into the planes at a (plane apart): its sub-block scales as digits on the codes; its
+   mins, d and dmin into o at super-block index `at` (row * blocks per row + block) */
+static void amx_q4k_unpack_block(const uint8_t *q, int8_t *a, int64_t plane, const amx_rows_t *o, int64_t at) {
+    int8_t s[AMX_PLANES];
+    int32_t sc[8], mn[8];
+    k_scales_int(q + 4, sc, mn);
+    for (int j = 0; j < 4; j++) o->mn[at * 4 + j] = (mn[2 * j] & 0xFFFF) | (mn[2 * j + 1] << 16);
+    o->d[at] = f16(q);
+    o->dmin[at] = f16(q + 2);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
+        amx_digits(sc[2 * c], 0, s);
+        amx_put_q4(a + 64 * c, plane, _mm256_and_si256(raw, m4), s);
+        amx_digits(sc[2 * c + 1], 0, s);
+        amx_put_q4(a + 64 * c + 32, plane, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), s);
+    }
+}
+
+#ifndef __AVX512VBMI__
+/* a Q6_K super-block q into the planes at a without VBMI: each 16-value unit's codes times its scale's digits in
+   int16 (amx_q6_unpack_block's bits, tests/kernels/test_int8_tiles.py) */
+static void amx_q6_unpack_block_mul(const uint8_t *q, int8_t *a, int64_t plane) {
+    const int8_t *sc = (const int8_t *)(q + 192);
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+        for (int g = 0; g < 4; g++) {
+            const int t = 128 * h + 32 * g;
+            const __m256i codes = q6k_codes(ql0, ql1, qh, g);
+            int8_t s0[AMX_PLANES], s1[AMX_PLANES];
+            amx_digits(sc[t >> 4], 1, s0);
+            amx_digits(sc[(t >> 4) + 1], 1, s1);
+            /* the two 16-value units of the group, each with its digits: the digit vectors per lane */
+            for (int p = 0; p < 3; p++) {
+                const __m256i dg = _mm256_set_m128i(_mm_set1_epi16(s1[p]), _mm_set1_epi16(s0[p]));
+                const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)),
+                                                      _mm256_permute2x128_si256(dg, dg, 0x00));
+                const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)),
+                                                      _mm256_permute2x128_si256(dg, dg, 0x11));
+                const __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xD8);
+                _mm256_storeu_si256((__m256i *)(a + p * plane + t), v);
+            }
+        }
+    }
+}
+#endif
+
 static void amx_plane_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, const amx_rows_t *o) {
     const int64_t kb = k / 256, plane = AMX_ROWS * k;
     const int q6 = type == MLS_Q6_K;
+    const int64_t bytes = q6 ? 210 : 144;
     const char *pf = (const char *)w + PREFETCH_AHEAD; /* the rows' bytes as one stream (common.h) */
     for (int64_t r = 0; r < nr; r++) {
         const uint8_t *b = w + r * row_bytes;
         int8_t *a = o->a + r * k;
         for (int64_t blk = 0; blk < kb; blk++) {
-            pf = prefetch_stream(pf, b + blk * (q6 ? 210 : 144));
-            int8_t s[AMX_PLANES];
+            const uint8_t *q = b + blk * bytes;
+            pf = prefetch_stream(pf, q);
             if (!q6) {
-                const uint8_t *q = b + blk * 144;
-                int32_t sc[8], mn[8];
-                k_scales_int(q + 4, sc, mn);
-                for (int j = 0; j < 4; j++) o->mn[r * kb * 4 + blk * 4 + j] = (mn[2 * j] & 0xFFFF) | (mn[2 * j + 1] << 16);
-                o->d[r * kb + blk] = f16(q);
-                o->dmin[r * kb + blk] = f16(q + 2);
-                const __m256i m4 = _mm256_set1_epi8(0x0F);
-                for (int c = 0; c < 4; c++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
-                    amx_digits(sc[2 * c], 0, s);
-                    amx_put_q4(a + blk * 256 + 64 * c, plane, _mm256_and_si256(raw, m4), s);
-                    amx_digits(sc[2 * c + 1], 0, s);
-                    amx_put_q4(a + blk * 256 + 64 * c + 32, plane, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), s);
-                }
-            } else {
-                const uint8_t *q = b + blk * 210;
-                o->d[r * kb + blk] = f16(q + 208);
-#ifdef __AVX512VBMI__
-                amx_q6_unpack_block(q, a + blk * 256, plane);
-#else
-                const int8_t *sc = (const int8_t *)(q + 192);
-                for (int h = 0; h < 2; h++) {
-                    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
-                    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
-                    for (int g = 0; g < 4; g++) {
-                        const int t = 128 * h + 32 * g;
-                        const __m256i codes = q6k_codes(ql0, ql1, qh, g);
-                        int8_t s0[AMX_PLANES], s1[AMX_PLANES];
-                        amx_digits(sc[t >> 4], 1, s0);
-                        amx_digits(sc[(t >> 4) + 1], 1, s1);
-                        /* the two 16-value units of the group, each with its digits: the digit vectors per lane */
-                        for (int p = 0; p < 3; p++) {
-                            const __m256i dg = _mm256_set_m128i(_mm_set1_epi16(s1[p]), _mm_set1_epi16(s0[p]));
-                            const __m256i lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)),
-                                                                  _mm256_permute2x128_si256(dg, dg, 0x00));
-                            const __m256i hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)),
-                                                                  _mm256_permute2x128_si256(dg, dg, 0x11));
-                            const __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xD8);
-                            _mm256_storeu_si256((__m256i *)(a + p * plane + blk * 256 + t), v);
-                        }
-                    }
-                }
-#endif
+                amx_q4k_unpack_block(q, a + blk * 256, plane, o, r * kb + blk);
+                continue;
             }
+            o->d[r * kb + blk] = f16(q + 208);
+#ifdef __AVX512VBMI__
+            amx_q6_unpack_block(q, a + blk * 256, plane);
+#else
+            amx_q6_unpack_block_mul(q, a + blk * 256, plane);
+#endif
         }
     }
 }
