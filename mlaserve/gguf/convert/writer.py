@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, tensor_nbytes
-from mlaserve.gguf.read.file import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
+from mlaserve.gguf.read.header import DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS
 
 GGUF_VERSION = 3
 F32, F16, BF16, Q8_0, Q4_0, I32, MXFP4 = (
