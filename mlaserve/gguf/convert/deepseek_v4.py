@@ -64,7 +64,8 @@ from mlaserve.gguf.convert.writer import (
     u32,
 )
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.gguf.read.deepseek_v4 import ARCH, CSA_RATIO, SQRT_SOFTPLUS, _expected, gguf_names, load_v4_gguf
+from mlaserve.gguf.read.deepseek_v4 import _expected, gguf_names, load_v4_gguf
+from mlaserve.gguf.read.deepseek_v4_config import ARCH, CSA_RATIO, SQRT_SOFTPLUS
 from mlaserve.loading.deepseek_v4_names import SCALE, target
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.quant import fp4_group, fp8_block
