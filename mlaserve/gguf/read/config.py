@@ -327,7 +327,8 @@ def _token_ids(m: _Meta, cfg: dict) -> None:
     )
 
 
-def _vocab_fields(m: _Meta, cfg: dict) -> None:
+def vocab_size_field(m: _Meta, cfg: dict) -> None:
+    """cfg["vocab_size"]: the metadata key, else the rows of token_embd.weight (each source recorded)."""
     if m.has("vocab_size"):
         cfg["vocab_size"] = m.req("vocab_size", "vocab_size")
     elif "token_embd.weight" in m.gf.tensors:
@@ -335,6 +336,10 @@ def _vocab_fields(m: _Meta, cfg: dict) -> None:
         cfg["vocab_size"] = m.put("vocab_size", rows, "derived: rows of tensor token_embd.weight")
     else:
         raise GGUFError(f"{m.gf.path}: neither '{m.key('vocab_size')}' nor tensor token_embd.weight is present")
+
+
+def _vocab_fields(m: _Meta, cfg: dict) -> None:
+    vocab_size_field(m, cfg)
     tied = "output.weight" not in m.gf.tensors
     cfg["tie_word_embeddings"] = m.put(
         "tie_word_embeddings", tied, "derived: tensor output.weight " + ("absent" if tied else "present")

@@ -19,7 +19,7 @@ from typing import Any
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.model import ConfigError
 from mlaserve.config.provenance import Setting
-from mlaserve.gguf.read.config import ABSENT, Provenance, _bool, _decimal, _Meta
+from mlaserve.gguf.read.config import ABSENT, Provenance, _bool, _decimal, _Meta, vocab_size_field
 from mlaserve.gguf.read.file import GGUFError, GGUFFile
 
 ARCH = "deepseek4"
@@ -222,13 +222,7 @@ def _rope(m: _Meta, cfg: dict) -> None:
 
 
 def _vocab(m: _Meta, cfg: dict) -> None:
-    if m.has("vocab_size"):
-        cfg["vocab_size"] = m.req("vocab_size", "vocab_size")
-    elif "token_embd.weight" in m.gf.tensors:
-        rows = m.gf.tensors["token_embd.weight"].shape[0]
-        cfg["vocab_size"] = m.put("vocab_size", rows, "derived: rows of tensor token_embd.weight")
-    else:
-        raise GGUFError(f"{m.gf.path}: neither '{m.key('vocab_size')}' nor tensor token_embd.weight is present")
+    vocab_size_field(m, cfg)
     cfg["tie_word_embeddings"] = False
     md = m.gf.metadata
     for fld, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
