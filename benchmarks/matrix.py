@@ -3,14 +3,17 @@ file type), one offline.py run per cell, one JSON per run in docs/results/.
 
     python benchmarks/matrix.py [--models standard ds-real glm-real] [--types q8_0 q6_k q4_k_m q4_0 iq_mix]
                                 [--phases prefill decode long c16] [--threads N] [--reps N] [--tag NAME]
-                                [--ik-llama-bin DIR] [--date YYYY-MM-DD] [--run N] [--long-prefill] [--dry-run]
+                                [--ik-llama-bin DIR] [--date YYYY-MM-DD] [--run N] [--long-prefill]
+                                [--llama-repack false|true] [--dry-run]
 
 Each cell is `offline.py --model M --engines mlaserve-gguf@T llama.cpp@T:repack=false [ik_llama.cpp@T:...]
 --phases ... --long-prompt 4096`: the engines load side by side and take each phase in turn (alternating, so
 background load hits all alike); offline.py makes the Q8_0 file with `mlaserve convert` and Q6_K / Q4_K_M /
 Q4_0 from it with llama.cpp's own quantizer; the IQ mix is made once by iq_mix.py. llama.cpp runs with
 `repack=false` (`llama-bench --repack 0`): with its AMX / repacked buffers it aborts on MLA files on the AMX CPU
-measured (benchmarks/README.md). A cell whose JSON exists is skipped (`--run N` writes a repeat); a partial one
+measured (benchmarks/README.md). `--llama-repack true` runs llama.cpp with its default repacked layouts instead, where
+they load: on the AVX-512 EPYC measured (no AMX) they make its decode and 16-concurrent phases faster and its prefill
+slower, so each phase there is measured against the faster setting, in parts (`--tag`). A cell whose JSON exists is skipped (`--run N` writes a repeat); a partial one
 (a run stopped after some phases: offline.py writes the JSON after every phase, `"complete": false`) is run
 again. `--tag` names a part of each cell (some phases now, others in another part): matrix_table.py unites the
 parts. Cells run in the order given, models outer: the standard model first.
@@ -58,11 +61,13 @@ def cell_command(
     reps: int = 2,
     ik_bin: str | None = None,
     long_prefill: bool = False,
+    llama_repack: bool = False,
 ) -> list[str]:
     """offline.py's command for one cell: mlaserve, llama.cpp (repack=false) and, given its tools' folder,
     ik_llama.cpp (-mla 3 -fa -fmoe: its defaults, named) on the same file, alternating phase by phase. long_prefill:
-    the prefill phase takes a prompt of LONG_PROMPT tokens, not 512 (matrix_table.py files it as its own column)."""
-    engines = [f"mlaserve-gguf@{qtype}", f"llama.cpp@{qtype}:repack=false"]
+    the prefill phase takes a prompt of LONG_PROMPT tokens, not 512 (matrix_table.py files it as its own column).
+    llama_repack: llama.cpp with its repacked weight layouts (its default), not repack=false."""
+    engines = [f"mlaserve-gguf@{qtype}", f"llama.cpp@{qtype}:repack={str(llama_repack).lower()}"]
     if ik_bin:
         engines.append(f"ik_llama.cpp@{qtype}:mla=3,fa=true,fmoe=true")
     return (
@@ -109,6 +114,12 @@ def main() -> None:
         action="store_true",
         help=f"prefill a {LONG_PROMPT}-token prompt instead of 512 (issue #31's second prefill target; use a --tag)",
     )
+    p.add_argument(
+        "--llama-repack",
+        choices=["false", "true"],
+        default="false",
+        help="llama.cpp's repacked weight layouts (its default; they abort on MLA files on AMX CPUs, see above)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = p.parse_args()
     root = BENCH_DIR.parent
@@ -116,7 +127,15 @@ def main() -> None:
         for qtype in args.types:
             out = cell_path(args.date, model, qtype, args.run, args.tag)
             cmd = cell_command(
-                model, qtype, args.phases, out, args.threads, args.reps, args.ik_llama_bin, args.long_prefill
+                model,
+                qtype,
+                args.phases,
+                out,
+                args.threads,
+                args.reps,
+                args.ik_llama_bin,
+                args.long_prefill,
+                args.llama_repack == "true",
             )
             if cell_done(root / out):
                 print(f"[matrix] {out} exists: skipped", flush=True)

@@ -145,6 +145,8 @@ def test_file_type_and_cell_files(bench):
         "mlaserve-gguf@q6_k",
         "llama.cpp@q6_k:repack=false",
     ]
+    cmd = matrix.cell_command("ds-real", "q6_k", ["decode"], Path("x.json"), llama_repack=True)
+    assert cmd[cmd.index("--engines") + 2] == "llama.cpp@q6_k:repack=true"
     # offline.py names the models without importing torch; the names are common.MODELS' keys
     assert set(offline.MODEL_NAMES) == set(common.MODELS)
 
