@@ -40,7 +40,7 @@ def engine_specs(results: dict) -> dict:
     """{"mlaserve": spec, "llama.cpp": spec, "ik_llama.cpp": spec or None} of one run: a matrix cell has one
     mlaserve and one llama.cpp engine, and at most one ik_llama.cpp."""
     ours = [k for k in results if k.startswith("mlaserve")]
-    by = {kind: [k for k in results if k.partition("@")[0].partition(":")[0] == kind] for kind in OTHERS}
+    by = {kind: [k for k in results if engine_kind(k) == kind] for kind in OTHERS}
     if len(ours) != 1 or len(by["llama.cpp"]) != 1 or len(by["ik_llama.cpp"]) > 1:
         raise ValueError(
             f"a matrix cell has one mlaserve and one llama.cpp engine (and at most one ik_llama.cpp), not "
@@ -178,13 +178,34 @@ def long_prefill_keyed(doc: dict) -> dict:
     return {**doc, "results": res}
 
 
+def engine_kind(spec: str) -> str:
+    """'llama.cpp@q4_k_m:repack=true' -> 'llama.cpp'"""
+    return spec.partition("@")[0].partition(":")[0]
+
+
+def engine_key(spec: str) -> str:
+    """The engine a part's result belongs to when parts are united: mlaserve's spec as it is; llama.cpp's and
+    ik_llama.cpp's without their options ('llama.cpp@q4_k_m:repack=true' -> 'llama.cpp@q4_k_m'), so that a cell
+    whose phases ran llama.cpp under different settings (matrix.py --llama-repack, per phase) is one engine."""
+    return spec.partition(":")[0] if engine_kind(spec) in OTHERS else spec
+
+
 def merge_parts(docs: list[dict]) -> dict:
     """One cell measured in parts (matrix.py --tag: some phases per run, on a loaded machine, or a phase measured
     again): every engine's figures united (a later part's figure replaces an earlier one's), the load records
     concatenated; peak RSS the largest over the parts (each part loads the engines again, and its own workload
-    sets its peak), start the smallest (MIN_OVER_PARTS says why); partial if any part is."""
+    sets its peak), start the smallest (MIN_OVER_PARTS says why); partial if any part is. Where another engine
+    ran under different settings in different parts (engine_key), its peak RSS is the smallest over them instead:
+    the figure its best setting for memory reaches, not the one that favours mlaserve; out["settings"]
+    ["engines"] lists every spec the parts ran."""
     if len(docs) == 1:
         return docs[0]
+    specs = {k for d in docs for k in d["results"] if k.startswith("mlaserve") or engine_kind(k) in OTHERS}
+    mixed = {
+        engine_key(k)
+        for k in specs
+        if engine_key(k) != k and len({s for s in specs if engine_key(s) == engine_key(k)}) > 1
+    }
     out = {k: v for k, v in docs[0].items() if k != "results"}
     out["complete"] = all(d.get("complete", True) is not False for d in docs)
     out["settings"] = {**docs[0].get("settings", {})}
@@ -196,14 +217,17 @@ def merge_parts(docs: list[dict]) -> dict:
             if spec == "loadavg":
                 res["loadavg"] += vals
             elif isinstance(vals, dict):
-                merged = res.setdefault(spec, {})
+                key = engine_key(spec)
+                merged = res.setdefault(key, {})
                 for k, v in vals.items():
                     if k in MAX_OVER_PARTS + MIN_OVER_PARTS and merged.get(k) is not None and v is not None:
-                        merged[k] = max(merged[k], v) if k in MAX_OVER_PARTS else min(merged[k], v)
+                        largest = k in MAX_OVER_PARTS and key not in mixed
+                        merged[k] = max(merged[k], v) if largest else min(merged[k], v)
                     elif v is not None or k not in merged:
                         merged[k] = v
     out["results"] = res
     out["parts"] = len(docs)
+    out["settings"]["engines"] = sorted(specs)
     return out
 
 

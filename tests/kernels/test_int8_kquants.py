@@ -219,11 +219,15 @@ def test_int8_products_equal_the_reference_exactly_in_every_build(name, monkeypa
         for start in (3, 7):  # the same row inside other batches
             got = native.gemm(t, x[start : start + 5].contiguous(), raw, k, int8=True)
             assert torch.equal(got, want[start : start + 5]), (seen[-1], start)
+        for n_rows in (9, 10, 14):  # one activation row: weight rows 4 at a time, then 1, 2 or 3 (a decode step)
+            got = native.gemm(t, x[5:6].contiguous(), raw[:n_rows].contiguous(), k, int8=True)
+            assert torch.equal(got, want[5:6, :n_rows]), (seen[-1], n_rows)
         stacked = torch.stack([raw, _blocks(name, n, k, seed=7)])
-        experts, starts = torch.tensor([1, 0]), torch.tensor([0, 4, 9])
-        ys = native.grouped_gemm(t, x[:9].contiguous(), stacked, k, experts, starts, int8=True)
+        experts, starts = torch.tensor([1, 0, 1]), torch.tensor([0, 4, 9, 10])
+        ys = native.grouped_gemm(t, x[:10].contiguous(), stacked, k, experts, starts, int8=True)
         assert torch.equal(ys[4:9], want[4:9])
         assert torch.equal(ys[:4], int8_product_reference(stacked[1], name, x[:4]))
+        assert torch.equal(ys[9:10], int8_product_reference(stacked[1], name, x[9:10]))  # a group of one row
     assert len(set(seen)) == len(seen) >= 2, seen
 
 

@@ -224,3 +224,24 @@ def test_results_keep_no_machine_paths(monkeypatch, tmp_path):
     assert got["kernels"] == ["avx512 kernels, mls-1.so"]
     assert got["error"] == {"tool": "aborted at llama-hparams.cpp:1097: Fatal error", "rate": "12 tok/s, 3 GB/s"}
     assert got["weights"] == "benchmarks/models/m-q8_0.gguf"  # relative to the checkout: kept
+
+
+def test_parts_with_llama_cpp_under_two_settings_unite(bench):
+    """matrix.py --llama-repack true for some phases, false for others: one llama.cpp engine per cell, each metric
+    from the part that measured it, and its peak RSS the smaller of the two (its better setting for memory), not
+    the larger that the parts of one setting take."""
+    mt = bench[0]
+    pf = doc({"prefill_tok_s": 300.0, "peak_rss_gib": 0.8}, {"prefill_tok_s": 150.0, "peak_rss_gib": 0.5})
+    rp = doc({"decode_tok_s_b1": 30.0, "peak_rss_gib": 1.0}, {"decode_tok_s_b1": 40.0, "peak_rss_gib": 0.75})
+    rp["results"]["llama.cpp@q4_k_m:repack=true"] = rp["results"].pop("llama.cpp@q4_k_m:repack=false")
+    merged = mt.merge_parts([pf, rp])
+    assert merged["settings"]["engines"] == [
+        "llama.cpp@q4_k_m:repack=false",
+        "llama.cpp@q4_k_m:repack=true",
+        "mlaserve-gguf@q4_k_m",
+    ]
+    m = mt.cell(merged)["metrics"]
+    assert (m["prefill_tok_s"]["ratio"], m["decode_tok_s_b1"]["ratio"]) == (2.0, 0.75)
+    assert (m["peak_rss_gib"]["ours"], m["peak_rss_gib"]["theirs"]) == (1.0, 0.5)  # ours the largest, theirs the least
+    same = mt.merge_parts([pf, doc({}, {"peak_rss_gib": 0.75})])  # one setting in every part: the largest
+    assert mt.cell(same)["metrics"]["peak_rss_gib"]["theirs"] == 0.75
