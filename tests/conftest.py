@@ -54,6 +54,7 @@ def pytest_collection_modifyitems(config, items):
 # float32 default on every machine (also in the processes it starts), and tests of that choice set both values.
 os.environ["MLASERVE_FAST_BF16"] = "0"
 os.environ["MLASERVE_AMX_INT8"] = "0"  # the same for prefill_matmul="auto"'s int8 tiles
+os.environ["MLASERVE_INT8_ROWS"] = "0"  # and its int8 row kernels on CPUs without the tiles
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 

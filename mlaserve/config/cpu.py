@@ -4,7 +4,8 @@ bf16 matmuls are ~2x faster than fp32 on CPUs with AVX512-BF16 or AMX-BF16 (meas
 with AVX512-BF16) and ~4x slower without (AVX2 only: torch converts and multiplies in fp32). The flags
 come from /proc/cpuinfo; MLASERVE_FAST_BF16=1|0 overrides the detection (the test suite sets 0 so its
 outcomes never depend on the machine it runs on; tests of the choice set it both ways); MLASERVE_AMX_INT8=1|0
-the same for AMX-INT8 (prefill_matmul="auto": int8 prefill products on the tiles).
+the same for AMX-INT8 (prefill_matmul="auto": int8 prefill products on the tiles); MLASERVE_INT8_ROWS=1|0 the same for
+the VNNI dot products (prefill_matmul="auto" without the tiles: the routed experts' int8 products on the row kernels).
 """
 
 from __future__ import annotations
@@ -50,3 +51,21 @@ def amx_int8() -> tuple[bool, str]:
     if "amx_int8" in cpu_flags():
         return True, "this CPU has amx_int8"
     return False, "this CPU has no AMX-INT8"
+
+
+INT8_ROWS_OVERRIDE = "MLASERVE_INT8_ROWS"
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
+
+
+def int8_rows() -> tuple[bool, str]:
+    """(whether the CPU has the VNNI int8 dot products the int8 row kernels run on, why: the flag, its absence, or the
+    override MLASERVE_INT8_ROWS=1|0, which the test suite sets to 0 as it does MLASERVE_AMX_INT8). The automatic
+    prefill choice asks it where bf16 is fast and there are no AMX-INT8 tiles: the routed experts' products of up to
+    kernels/ggml.ROW_KERNEL_ROWS rows per expert then stay int8 on the row kernels."""
+    forced = os.environ.get(INT8_ROWS_OVERRIDE)
+    if forced in ("0", "1"):
+        return forced == "1", f"{INT8_ROWS_OVERRIDE}={forced} in the environment"
+    found = [f for f in VNNI_FLAGS if f in cpu_flags()]
+    if found:
+        return True, f"this CPU has {found[0]}"
+    return False, "this CPU has no VNNI int8 dot products"

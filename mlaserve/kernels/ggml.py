@@ -88,6 +88,25 @@ GRID_TILE_TYPES = frozenset(GGML_TYPE_IDS[n] for n in ("IQ2_XXS", "IQ2_XS", "IQ2
 KERNELS = ("native", "torch")
 
 
+# Where the process has no AMX-INT8 tiles (native.takes_expert_int8), the routed experts' int8 products of up to this
+# many rows per active expert stay on the int8 row kernels (4 activation rows per pass over a weight row, VNNI dot
+# products; the decode kernels' bits, as the tiles' are) instead of the experts decoded to bf16 for oneDNN's GEMM.
+# Measured (prefill of a 512-token prompt, 2 threads, best of 3, the 2-core AVX-512 EPYC without AMX of 2026-12-06,
+# threshold 16 / 64 / 128): glm-real Q4_K_M (32 rows per expert) 248 / 365 / 362 tok/s, ds-real Q4_K_M (48) 194 /
+# 266 / 270, the standard model's IQ mix (64) 287 / - / 416, its Q4_K_M (64) 524 / 521 / 540; at 128 rows per expert
+# (glm-real, a 2048-token prompt) level, 318 / 320, and 296 with 256. Dense weights keep bf16 above GEMV_ROWS (a
+# weight's hundreds of prompt rows re-read each block once per 4 rows). Q8_0 / Q5_0 experts keep exact fp32
+# activations and no int8 call (their fp32 row kernels were 3-6% slower than decode + fp32 GEMM at 32-64 rows).
+ROW_KERNEL_ROWS = 128
+
+
+def expert_int8_rows(ggml_type: int) -> int:
+    """Rows per active expert (on average) up to which a routed-expert product the holder keeps int8 in prefill
+    (native.takes_expert_int8) stays int8: tile_rows on the AMX-INT8 tiles, ROW_KERNEL_ROWS on the row kernels where
+    the process has no tiles."""
+    return tile_rows(ggml_type) if native.tiles_granted() else ROW_KERNEL_ROWS
+
+
 def tile_rows(ggml_type: int) -> int:
     """Rows per product (per active expert, on average) up to which a tile-taking weight of this type stays int8 on
     the tiles: GRID_TILE_ROWS for the grid i-quants, TILE_ROWS for the others."""
@@ -230,8 +249,8 @@ def expert_linear_native(
     tiles: bool = False,
     rows_per_expert: float | None = None,
 ) -> torch.Tensor:
-    """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: tile_rows, as
-    linear_native, the mean over the active experts) the grouped decode-and-dot (int8: as linear_native, every part
+    """expert_linear_torch by the C kernels: up to GEMV_ROWS rows per active expert (with tiles: expert_int8_rows, the
+    tiles' rows as linear_native or, without tiles, the row kernels'; the mean over the active experts) the grouped decode-and-dot (int8: as linear_native, every part
     in one call, its outputs side by side, the C call taking each group of 8+ rows to the tiles and the rest to the
     row kernels; float: one call per part); more: the active experts decoded natively, then grouped GEMMs
     (_decoded_grouped; bf16: in bf16, as linear_native). rows_per_expert: the mean to decide by
@@ -239,7 +258,7 @@ def expert_linear_native(
     path the whole step would), else this call's."""
     xs = xs.float().contiguous()
     mean = xs.shape[0] / max(1, experts.shape[0]) if rows_per_expert is None else rows_per_expert
-    if mean <= (tile_rows(ggml_type) if tiles else GEMV_ROWS):
+    if mean <= (expert_int8_rows(ggml_type) if tiles else GEMV_ROWS):
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)

@@ -265,6 +265,13 @@ def takes_tiles(type_id: int, int8: bool | int) -> bool:
     return takes_int8(type_id, int8) and type_id in INT8_TILE_TYPES and tiles_granted()
 
 
+def takes_expert_int8(type_id: int, int8: bool | int) -> bool:
+    """Whether routed-expert products with a weight of this type stay int8 in prefill under the int8 prefill setting
+    (up to ggml.expert_int8_rows rows per expert): on the AMX-INT8 tiles (takes_tiles), or, where the process has no
+    tiles, on the int8 row kernels for any type that takes int8 activations."""
+    return takes_tiles(type_id, int8) or (takes_int8(type_id, int8) and not tiles_granted())
+
+
 def int8_cap(int8: bool | int) -> int:
     """An int8 setting as the C structs take it: 0 none; else the widest weight (bits per value) whose products
     take int8 activations. True (the holders' and tests' plain switch) means every type (INT8_ALL)."""

@@ -83,12 +83,20 @@ def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
 
 
 def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
-    """What the kernel plan says of a holder's prefill products on the AMX-INT8 tiles: the types of its weights whose
-    products of up to ggml.tile_rows(type) rows (per active expert) stay int8 on the tiles instead of
-    decode-then-GEMM, and what runs above; None where none does."""
+    """What the kernel plan says of a holder's prefill products kept int8: the types of its weights whose products of
+    up to ggml.tile_rows(type) rows (per active expert) stay int8 on the AMX-INT8 tiles, or, where the process has
+    no tiles, up to ggml.ROW_KERNEL_ROWS per active expert on the row kernels, instead of decode-then-GEMM, and what
+    runs above; None where none does."""
     taken = {t for t, b in zip(types, tiles, strict=True) if b}
     if not taken:
         return None
+    if not native.tiles_granted():  # routed experts only (native.takes_expert_int8)
+        names = ", ".join(sorted(GGML_TYPES[t].name for t in taken))
+        return (
+            f"int8 prefill on the row kernels for {names} up to {ggml.ROW_KERNEL_ROWS} rows per active expert "
+            "(no amx-int8 tiles here; measured crossover with the experts decoded for a bf16 GEMM: "
+            "kernels/ggml.ROW_KERNEL_ROWS), decode-then-GEMM above"
+        )
     by_rows: dict[int, list[str]] = {}
     for t in sorted(taken, key=lambda t: GGML_TYPES[t].name):
         by_rows.setdefault(ggml.tile_rows(t), []).append(GGML_TYPES[t].name)
@@ -254,7 +262,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         self.impl, self.hidden, self.inter, self.kernel, self.int8 = "grouped_mm", hidden, inter, "torch", False
         self.type_gate_up, self.type_down = type_gate_up, type_down
         self.bf16_gate_up = self.bf16_down = False  # prefill products in bf16, per projection (set_prefill_bf16)
-        self.tiles_gate_up = self.tiles_down = False  # prefill products int8 on the tiles, per projection
+        self.tiles_gate_up = self.tiles_down = False  # prefill products kept int8 (tiles / row kernels), per projection
         self.gate_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.up_proj = _raw((n_experts, inter, ggml.row_bytes(type_gate_up, hidden)), device)
         self.down_proj = _raw((n_experts, hidden, ggml.row_bytes(type_down, inter)), device)
@@ -287,9 +295,10 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         self.bf16_down = bf16_prefill.takes_bf16(self.type_down, cap)
 
     def set_prefill_tiles(self) -> None:
-        """The KernelPlan's int8 prefill setting, decided once per projection after the int8 one (native.takes_tiles)."""
-        self.tiles_gate_up = native.takes_tiles(self.type_gate_up, self.int8)
-        self.tiles_down = native.takes_tiles(self.type_down, self.int8)
+        """The KernelPlan's int8 prefill setting, decided once per projection after the int8 one
+        (native.takes_expert_int8: on the tiles, or on the row kernels where the process has none)."""
+        self.tiles_gate_up = native.takes_expert_int8(self.type_gate_up, self.int8)
+        self.tiles_down = native.takes_expert_int8(self.type_down, self.int8)
 
     def native_detail(self) -> str:
         """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""

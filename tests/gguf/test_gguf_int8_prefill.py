@@ -38,6 +38,7 @@ def _resolve(monkeypatch, fast: str, flags: set[str], **kw):
 
     monkeypatch.setenv("MLASERVE_FAST_BF16", fast)
     monkeypatch.delenv("MLASERVE_AMX_INT8", raising=False)  # the flags below decide
+    monkeypatch.delenv("MLASERVE_INT8_ROWS", raising=False)
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
     eng = resolve(cfg, EngineOptions(device="cpu", **kw), False, native_kernels=lambda: (True, "built"), gguf=True)
@@ -48,7 +49,7 @@ def test_auto_takes_int8_prefill_where_the_cpu_has_amx_int8(monkeypatch):
     value, why = _resolve(monkeypatch, "1", {"amx_bf16", "amx_int8", "amx_tile"})
     assert value == "int8" and why.startswith("engine default (auto: this CPU has amx_int8, activations int8_6bit)")
     assert f"products of up to {ggml.TILE_ROWS} rows" in why
-    assert _resolve(monkeypatch, "1", {"avx512_bf16"})[0] == "bf16_6bit"  # no tiles: bf16 GEMMs as before
+    assert _resolve(monkeypatch, "1", {"avx512_bf16"})[0] == "bf16_6bit"  # no tiles, no VNNI: bf16 GEMMs as before
     assert _resolve(monkeypatch, "1", {"amx_int8"}, activations="float")[0] == "bf16_6bit"  # no int8 products
     assert _resolve(monkeypatch, "0", {"amx_int8"})[0] == "float"
     value, why = _resolve(monkeypatch, "0", {"avx2"}, prefill_matmul="int8")
@@ -56,6 +57,7 @@ def test_auto_takes_int8_prefill_where_the_cpu_has_amx_int8(monkeypatch):
     with pytest.raises(ConfigError, match="prefill_matmul='int8' keeps int8 activations"):
         _resolve(monkeypatch, "1", {"amx_int8"}, prefill_matmul="int8", activations="float")
     monkeypatch.setenv("MLASERVE_AMX_INT8", "0")  # the suite's setting: the machine's tiles out of auto's choice
+    monkeypatch.setenv("MLASERVE_INT8_ROWS", "0")
     monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
     from hf_models import make_config
 
@@ -64,6 +66,18 @@ def test_auto_takes_int8_prefill_where_the_cpu_has_amx_int8(monkeypatch):
     cfg = ModelConfig.from_hf(make_config("v3_yarn").to_dict())
     eng = resolve(cfg, EngineOptions(device="cpu"), False, native_kernels=lambda: (True, "built"), gguf=True)
     assert eng.kernels.prefill_matmul == "bf16_6bit"
+
+
+def test_auto_takes_int8_prefill_on_the_row_kernels_where_the_cpu_has_vnni_and_no_tiles(monkeypatch):
+    value, why = _resolve(monkeypatch, "1", {"avx512_bf16", "avx512_vnni"})
+    assert value == "int8" and why.startswith("engine default (auto: this CPU has avx512_vnni, activations int8_6bit)")
+    assert "without AMX-INT8 tiles, the routed experts' products of up to 128 rows per active expert" in why
+    assert _resolve(monkeypatch, "0", {"avx512_vnni"})[0] == "float"  # bf16 slow here: fp32 GEMMs
+    assert _resolve(monkeypatch, "1", {"avx512_vnni", "avx512_bf16"}, activations="float")[0] == "bf16_6bit"
+    from mlaserve.config import cpu
+
+    monkeypatch.setenv("MLASERVE_INT8_ROWS", "0")  # the override, not the flags, decides (the suite sets 0)
+    assert cpu.int8_rows() == (False, "MLASERVE_INT8_ROWS=0 in the environment")
 
 
 @needs_tiles

@@ -233,7 +233,7 @@ def test_q8_0_is_not_plain_bf16_under_auto(monkeypatch):
             in reasons
         )
     else:
-        assert "pairs" not in reasons
+        assert "bf16-pair prefill" not in reasons  # ("(token, expert) pairs" is the routed experts' own note)
         assert torch.equal(auto.prompt_logits(ids), exact.prompt_logits(ids))
     forced = LLM(path, prefill_matmul="bf16")
     assert not torch.equal(forced.prompt_logits(ids), exact.prompt_logits(ids))

@@ -1,0 +1,80 @@
+"""Prefill products of routed experts kept int8 on the row kernels where the process has no AMX-INT8 tiles
+(prefill_matmul "int8": native.takes_expert_int8, kernels/ggml.py ROW_KERNEL_ROWS).
+
+Without tiles the grouped int8 call runs every group on the VNNI row kernels, 4 activation rows per pass over a
+weight row; each activation row is quantized on its own and its products are the same integers and float operations
+whatever rows share the pass (test_int8_kquants.py), so up to ROW_KERNEL_ROWS rows per active expert (on average)
+each group's rows must equal that expert's product in chunks of any size, bit for bit; above it the experts are
+decoded for the bf16 GEMM instead (another computation). The tests stand the process's tiles down
+(native.tiles_granted -> False), so they run on every machine; where the build has tiles the C call may still take
+them for groups of 8+ rows, which give the same bits (test_int8_prefill_tiles.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import random_blocks
+
+from mlaserve.gguf.quants import GGML_TYPE_IDS
+from mlaserve.kernels import ggml, native
+from mlaserve.quant.ggml_linear import GGUFExperts, tiles_detail
+
+STATUS = native.status()
+needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
+NAMES = ["Q4_K", "Q6_K", "Q5_K", "Q4_0"]
+
+
+@pytest.fixture()
+def no_tiles(monkeypatch):
+    monkeypatch.setattr(native, "tiles_granted", lambda: False)
+
+
+def chunked(t: int, x: torch.Tensor, w: torch.Tensor, k: int, size: int = 5) -> torch.Tensor:
+    """The reference: the int8 product in chunks of `size` rows."""
+    return torch.cat([native.gemm(t, x[i : i + size].contiguous(), w, k, int8=True) for i in range(0, len(x), size)])
+
+
+@needs_native
+@pytest.mark.parametrize("name", NAMES)
+def test_grouped_rows_stay_int8_up_to_row_kernel_rows(name, no_tiles):
+    """groups of 40 / 3 / 150 / 17 rows (mean 52.5): each group's rows bit for bit its expert's chunked int8
+    product (gate and up as two stacks, side by side); with the mean above ROW_KERNEL_ROWS the decoded bf16 GEMMs."""
+    t, k, inter = GGML_TYPE_IDS[name], 512, 24
+    g = torch.Generator().manual_seed(21)
+    gate, up = random_blocks(name, inter, k, g, (5,)), random_blocks(name, inter, k, g, (5,))
+    experts, counts = torch.tensor([0, 2, 3, 4]), [40, 3, 150, 17]
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    xs = torch.randn(sum(counts), k, generator=g) * 2
+    assert ggml.expert_int8_rows(t) == ggml.ROW_KERNEL_ROWS
+    ys = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True, tiles=True)
+    s0 = 0
+    for a, c in enumerate(counts):
+        e = experts[a].item()
+        want = torch.cat([chunked(t, xs[s0 : s0 + c], p[e], k) for p in (gate, up)], dim=1)
+        assert torch.equal(ys[s0 : s0 + c], want), (name, a, (ys[s0 : s0 + c] - want).abs().max().item())
+        s0 += c
+    bf16 = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True)  # no int8 setting
+    assert not torch.equal(ys, bf16)
+    many = torch.tensor([ggml.ROW_KERNEL_ROWS + 1] * 4)
+    offs_many = torch.cumsum(many, 0).to(torch.int32)
+    xm = torch.randn(int(many.sum()), k, generator=g)
+    ym = ggml.expert_linear_native(xm, (gate, up), t, k, experts, offs_many, int8=6, bf16=True, tiles=True)
+    assert torch.equal(ym, ggml.expert_linear_native(xm, (gate, up), t, k, experts, offs_many, int8=6, bf16=True))
+
+
+@needs_native
+def test_experts_take_the_row_kernels_by_the_plan_and_say_so(no_tiles):
+    """set_prefill_tiles without tiles: an int8 type under int8_6bit keeps its products int8 (any type with int8
+    kernels, not only the tile types), Q8_0 (exact under int8_6bit) and every type under float activations do not;
+    the plan's words say where and up to how many rows."""
+    q4k, q8 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["Q8_0"]
+    ex = GGUFExperts(256, 4, 256, q4k, q8, "cpu")
+    ex.int8 = 6
+    ex.set_prefill_tiles()
+    assert (ex.tiles_gate_up, ex.tiles_down) == (True, False)
+    said = tiles_detail((q4k, q8), (ex.tiles_gate_up, ex.tiles_down))
+    assert said.startswith(f"int8 prefill on the row kernels for Q4_K up to {ggml.ROW_KERNEL_ROWS} rows per active")
+    ex.int8 = 0
+    ex.set_prefill_tiles()
+    assert (ex.tiles_gate_up, ex.tiles_down) == (False, False)
