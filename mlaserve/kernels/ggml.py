@@ -184,7 +184,8 @@ def decoded_linear(
 ) -> torch.Tensor:
     """y [M, N] fp32 = x W^T (+ bias) with W decoded in parts of about DENSE_BYTES of rows into one buffer, each
     part's GEMM writing its columns of y (the same products: each output column is one weight row's, whichever part
-    it falls in). decode(n0, n1, out) -> W's rows n0..n1 decoded (fp32, or bf16 with bf16: then bf16 GEMMs,
+    it falls in; a BLAS may sum a column in another order for another N, as MKL's kernels on an AMD EPYC do: then
+    within the fp32 summation bound of one call). decode(n0, n1, out) -> W's rows n0..n1 decoded (fp32, or bf16 with bf16: then bf16 GEMMs,
     bf16_prefill.linear), written into out [n1 - n0, K] when given; parts start at multiples of `multiple` rows (a
     scale grid's block rows)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
