@@ -265,11 +265,26 @@ def takes_tiles(type_id: int, int8: bool | int) -> bool:
     return takes_int8(type_id, int8) and type_id in INT8_TILE_TYPES and tiles_granted()
 
 
+# The types whose routed-expert prefill products stay on the int8 row kernels where the process has no tiles: the
+# super-block kernels on q8_K activations (x86/avx2.c q8k_*: integer sums over 256 values, one float step per
+# super-block). Measured faster than the experts decoded for a bf16 GEMM up to ~128 rows per expert: Q4_K, Q6_K,
+# the IQ mix's IQ2_XXS / IQ3_XXS / IQ4_XS (kernels/ggml.py ROW_KERNEL_ROWS); Q5_K and the other sign-grid types run
+# the same kernels. The 32-value block types (Q4_0, Q5_0, IQ4_NL, ...: a float step per 32 values) were slower
+# (the standard Q4_0 file's 512-token prefill 535-568 -> 462-468 tok/s), and IQ1_S / IQ1_M (their own operand
+# path) were not measured: those keep bf16.
+ROW_KERNEL_TYPES = frozenset(
+    t
+    for t, n in INT8_TILE_TYPES.items()
+    if n in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
+)
+
+
 def takes_expert_int8(type_id: int, int8: bool | int) -> bool:
     """Whether routed-expert products with a weight of this type stay int8 in prefill under the int8 prefill setting
     (up to ggml.expert_int8_rows rows per expert): on the AMX-INT8 tiles (takes_tiles), or, where the process has no
-    tiles, on the int8 row kernels for any type that takes int8 activations."""
-    return takes_tiles(type_id, int8) or (takes_int8(type_id, int8) and not tiles_granted())
+    tiles, on the int8 row kernels for the ROW_KERNEL_TYPES that take int8 activations."""
+    rows = type_id in ROW_KERNEL_TYPES and takes_int8(type_id, int8) and not tiles_granted()
+    return takes_tiles(type_id, int8) or rows
 
 
 def int8_cap(int8: bool | int) -> int:
