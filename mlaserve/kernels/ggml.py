@@ -92,9 +92,10 @@ KERNELS = ("native", "torch")
 # many rows per active expert stay on the int8 row kernels (4 activation rows per pass over a weight row, VNNI dot
 # products; the decode kernels' bits, as the tiles' are) instead of the experts decoded to bf16 for oneDNN's GEMM.
 # Measured (prefill of a 512-token prompt, 2 threads, best of 3, the 2-core AVX-512 EPYC without AMX of 2026-12-06,
-# threshold 16 / 64 / 128): glm-real Q4_K_M (32 rows per expert) 248 / 365 / 362 tok/s, ds-real Q4_K_M (48) 194 /
-# 266 / 270, the standard model's IQ mix (64) 287 / - / 416, its Q4_K_M (64) 524 / 521 / 540; at 128 rows per expert
-# (glm-real, a 2048-token prompt) level, 318 / 320, and 296 with 256. Dense weights keep bf16 above GEMV_ROWS (a
+# threshold 16 / 64 / 128): glm-real Q4_K_M (32 rows per expert) 248 / 365 / 362 tok/s, the standard model's IQ mix
+# (64) 287 / - / 416, its Q4_K_M (64) 524 / 521 / 540; ds-real Q4_K_M (48), alternating 16 and 128 three times,
+# 306-321 / 324-338 (its Q5_0 / Q8_0 down experts stay fp32); at 128 rows per expert (glm-real, a 2048-token prompt)
+# level, 318 / 320, and 296 with 256. The machine's run-to-run spread was up to 15%. Dense weights keep bf16 above GEMV_ROWS (a
 # weight's hundreds of prompt rows re-read each block once per 4 rows), and so do the 32-value block types
 # (native.ROW_KERNEL_TYPES: the standard Q4_0 file 535-568 -> 462-468 tok/s on them). Q8_0 / Q5_0 experts keep exact fp32
 # activations and no int8 call (their fp32 row kernels were 3-6% slower than decode + fp32 GEMM at 32-64 rows).

@@ -105,7 +105,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert.
                Scheduled static: each thread takes one contiguous range of the items, so it reads its rows as one
                stream (the prefetch runs on from row to row); dynamic chunks of 4 items (32 rows) broke each
-               thread's stream every 36 KB (2048-wide Q4_K rows) and took 1.25 ms more of a 9 ms batch-1 step of the
+               thread's stream every 36 KB (2048-wide Q4_K rows) and took 1.25 ms more of a 12-13 ms batch-1 step of the
                ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms, down 2.7 -> 2.3 ms over its 3 MoE layers; 2-core AMD EPYC,
                2 threads); a 16-request step was level (87 ms either way). The block serves decode steps (at most
                BLOCK_TOKENS tokens), where an item's cost is about the same everywhere. */
