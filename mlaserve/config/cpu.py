@@ -27,15 +27,21 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def fast_bf16() -> tuple[bool, str]:
-    """(whether bf16 compute is fast on this CPU, why: the flag found, its absence, or the override)."""
-    forced = os.environ.get(OVERRIDE)
+def detected(override: str, flags: tuple[str, ...], absent: str) -> tuple[bool, str]:
+    """(whether the CPU has any of `flags`, why: the override variable set to 1 / 0, the first flag found, or
+    `absent`)."""
+    forced = os.environ.get(override)
     if forced in ("0", "1"):
-        return forced == "1", f"{OVERRIDE}={forced} in the environment"
-    found = [f for f in BF16_FLAGS if f in cpu_flags()]
+        return forced == "1", f"{override}={forced} in the environment"
+    found = [f for f in flags if f in cpu_flags()]
     if found:
         return True, f"this CPU has {found[0]}"
-    return False, "this CPU has neither AVX512-BF16 nor AMX-BF16"
+    return False, absent
+
+
+def fast_bf16() -> tuple[bool, str]:
+    """(whether bf16 compute is fast on this CPU, why: the flag found, its absence, or the override)."""
+    return detected(OVERRIDE, BF16_FLAGS, "this CPU has neither AVX512-BF16 nor AMX-BF16")
 
 
 AMX_INT8_OVERRIDE = "MLASERVE_AMX_INT8"
@@ -45,12 +51,7 @@ def amx_int8() -> tuple[bool, str]:
     """(whether the CPU has AMX-INT8 tiles, why: the flag, its absence, or the override MLASERVE_AMX_INT8=1|0, which
     the test suite sets to 0 as it does MLASERVE_FAST_BF16). The automatic prefill choice asks it only where bf16 is
     fast (fast_bf16): it pairs the tiles with bf16 GEMMs above their rows."""
-    forced = os.environ.get(AMX_INT8_OVERRIDE)
-    if forced in ("0", "1"):
-        return forced == "1", f"{AMX_INT8_OVERRIDE}={forced} in the environment"
-    if "amx_int8" in cpu_flags():
-        return True, "this CPU has amx_int8"
-    return False, "this CPU has no AMX-INT8"
+    return detected(AMX_INT8_OVERRIDE, ("amx_int8",), "this CPU has no AMX-INT8")
 
 
 INT8_ROWS_OVERRIDE = "MLASERVE_INT8_ROWS"
@@ -62,10 +63,4 @@ def int8_rows() -> tuple[bool, str]:
     override MLASERVE_INT8_ROWS=1|0, which the test suite sets to 0 as it does MLASERVE_AMX_INT8). The automatic
     prefill choice asks it where bf16 is fast and there are no AMX-INT8 tiles: the routed experts' products of up to
     kernels/ggml.ROW_KERNEL_ROWS rows per expert then stay int8 on the row kernels."""
-    forced = os.environ.get(INT8_ROWS_OVERRIDE)
-    if forced in ("0", "1"):
-        return forced == "1", f"{INT8_ROWS_OVERRIDE}={forced} in the environment"
-    found = [f for f in VNNI_FLAGS if f in cpu_flags()]
-    if found:
-        return True, f"this CPU has {found[0]}"
-    return False, "this CPU has no VNNI int8 dot products"
+    return detected(INT8_ROWS_OVERRIDE, VNNI_FLAGS, "this CPU has no VNNI int8 dot products")
