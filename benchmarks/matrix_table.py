@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 # (result key, column label, target ratio, higher is better). Targets of issue #31 on a CPU with AMX, stated
@@ -201,11 +202,8 @@ def merge_parts(docs: list[dict]) -> dict:
     if len(docs) == 1:
         return docs[0]
     specs = {k for d in docs for k in d["results"] if k.startswith("mlaserve") or engine_kind(k) in OTHERS}
-    mixed = {
-        engine_key(k)
-        for k in specs
-        if engine_key(k) != k and len({s for s in specs if engine_key(s) == engine_key(k)}) > 1
-    }
+    keys = Counter(engine_key(k) for k in specs)  # mlaserve's spec is its own key: one spec each
+    mixed = {key for key, n in keys.items() if n > 1}
     out = {k: v for k, v in docs[0].items() if k != "results"}
     out["complete"] = all(d.get("complete", True) is not False for d in docs)
     out["settings"] = {**docs[0].get("settings", {})}

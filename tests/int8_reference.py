@@ -123,3 +123,20 @@ def assert_grouped_tiles(name: str, blocks, reference, x: torch.Tensor) -> None:
     for a in range(3):
         s0, s1 = starts[a].item(), starts[a + 1].item()
         assert torch.equal(ys[s0:s1], reference(stacked[experts[a]], name, x[s0:s1])), (name, a)
+
+
+def chunked_int8(t: int, x: torch.Tensor, w: torch.Tensor, k: int, size: int) -> torch.Tensor:
+    """The int8 product of x with one weight in chunks of `size` activation rows (each row quantized on its own, so the
+    chunks give every row's bits whatever path takes the whole)."""
+    return torch.cat([native.gemm(t, x[i : i + size].contiguous(), w, k, int8=True) for i in range(0, len(x), size)])
+
+
+def assert_groups_int8(ys: torch.Tensor, xs: torch.Tensor, t: int, k: int, parts, experts, counts, size: int) -> None:
+    """ys [P, sum of parts' rows]: each group's rows (counts, in order, of experts[a]) bit for bit that expert's
+    chunked int8 product with every part (parts: stacks [E, N, R], side by side)."""
+    s0 = 0
+    for a, c in enumerate(counts):
+        e = int(experts[a])
+        want = torch.cat([chunked_int8(t, xs[s0 : s0 + c], p[e], k, size) for p in parts], dim=1)
+        assert torch.equal(ys[s0 : s0 + c], want), (t, a, (ys[s0 : s0 + c] - want).abs().max().item())
+        s0 += c

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int8_reference import assert_groups_int8
 from test_kernels import random_blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
@@ -30,11 +31,6 @@ def no_tiles(monkeypatch):
     monkeypatch.setattr(native, "tiles_granted", lambda: False)
 
 
-def chunked(t: int, x: torch.Tensor, w: torch.Tensor, k: int, size: int = 5) -> torch.Tensor:
-    """The reference: the int8 product in chunks of `size` rows."""
-    return torch.cat([native.gemm(t, x[i : i + size].contiguous(), w, k, int8=True) for i in range(0, len(x), size)])
-
-
 @needs_native
 @pytest.mark.parametrize("name", NAMES)
 def test_grouped_rows_stay_int8_up_to_row_kernel_rows(name, no_tiles):
@@ -48,12 +44,7 @@ def test_grouped_rows_stay_int8_up_to_row_kernel_rows(name, no_tiles):
     xs = torch.randn(sum(counts), k, generator=g) * 2
     assert ggml.expert_int8_rows(t) == ggml.ROW_KERNEL_ROWS
     ys = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True, tiles=True)
-    s0 = 0
-    for a, c in enumerate(counts):
-        e = experts[a].item()
-        want = torch.cat([chunked(t, xs[s0 : s0 + c], p[e], k) for p in (gate, up)], dim=1)
-        assert torch.equal(ys[s0 : s0 + c], want), (name, a, (ys[s0 : s0 + c] - want).abs().max().item())
-        s0 += c
+    assert_groups_int8(ys, xs, t, k, (gate, up), experts, counts, size=5)
     bf16 = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True)  # no int8 setting
     assert not torch.equal(ys, bf16)
     many = torch.tensor([ggml.ROW_KERNEL_ROWS + 1] * 4)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int8_reference import assert_groups_int8, chunked_int8
 from test_kernels import SCALE_BYTES, random_blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
@@ -30,9 +31,7 @@ VNNI_CHUNK = 7  # rows per call that the tiles never take (they start at 8: nati
 
 def vnni_rows(t: int, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
     """The reference: the int8 product in chunks of fewer than 8 rows (the VNNI row kernels)."""
-    return torch.cat(
-        [native.gemm(t, x[i : i + VNNI_CHUNK].contiguous(), w, k, int8=True) for i in range(0, len(x), VNNI_CHUNK)]
-    )
+    return chunked_int8(t, x, w, k, VNNI_CHUNK)
 
 
 @needs_tiles
@@ -68,12 +67,7 @@ def test_grouped_route_equals_per_group_vnni_products(name):
     offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
     xs = torch.randn(sum(counts), k, generator=g) * 2
     ys = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True, tiles=True)
-    s0 = 0
-    for a, c in enumerate(counts):
-        e = experts[a].item()
-        want = torch.cat([vnni_rows(t, xs[s0 : s0 + c], p[e], k) for p in (gate, up)], dim=1)
-        assert torch.equal(ys[s0 : s0 + c], want), (name, a, (ys[s0 : s0 + c] - want).abs().max().item())
-        s0 += c
+    assert_groups_int8(ys, xs, t, k, (gate, up), experts, counts, size=VNNI_CHUNK)
     many = torch.tensor([ggml.tile_rows(t) + 1] * 4)
     offs_many = torch.cumsum(many, 0).to(torch.int32)
     xm = torch.randn(int(many.sum()), k, generator=g)
