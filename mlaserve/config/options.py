@@ -147,7 +147,7 @@ class EngineOptions:
         "(256 for the grid i-quants IQ2_* / IQ3_*; per active expert) whose weights take int8 activations (the "
         "activations option) and have AMX-INT8 tile kernels stay int8 on the tiles (measured faster than bf16 there; not exact, the int8 activations' rounding instead of bf16's); "
         "where the CPU has no tiles, the routed experts' products of up to 128 rows per active expert whose K-quant "
-        "/ i-quant weights take int8 activations stay int8 on the row kernels instead (VNNI; measured 1.05-1.5x faster prefill than the "
+        "/ i-quant weights take int8 activations stay int8 on the row kernels instead (VNNI; measured 1.05-1.5x faster prefill on a 2-core AVX-512 EPYC than the "
         "experts decoded for bf16 GEMMs); the "
         "rest as bf16_6bit; needs int8 activations; auto = int8 for GGUF files with the native kernels and int8 "
         "activations on a CPU with AMX-INT8, or with AMX-BF16 / AVX512-BF16 and VNNI, else bf16_6bit on a CPU with "
