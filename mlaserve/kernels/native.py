@@ -267,12 +267,11 @@ def takes_tiles(type_id: int, int8: bool | int) -> bool:
 
 # The types whose routed-expert prefill products stay on the int8 row kernels where the process has no tiles: the
 # super-block kernels on q8_K activations (x86/avx2.c q8k_*: integer sums over 256 values, one float step per
-# super-block). Measured faster than the experts decoded for a bf16 GEMM up to ~128 rows per expert: Q4_K, Q6_K,
-# the IQ mix's IQ2_XXS / IQ3_XXS / IQ4_XS (kernels/ggml.py ROW_KERNEL_ROWS); Q5_K and the other sign-grid types run
-# the same kernels (the 2-core AVX-512 EPYC without AMX of 2026-12-06). The 32-value block types (Q4_0, Q5_0,
+# super-block). Measured on the 2-core AVX-512 EPYC without AMX of 2026-12-06, faster than the experts decoded for a
+# bf16 GEMM up to ~128 rows per expert: Q4_K, Q6_K, the IQ mix's IQ2_XXS / IQ3_XXS / IQ4_XS (kernels/ggml.py
+# ROW_KERNEL_ROWS); Q5_K and the other sign-grid types run the same kernels. The 32-value block types (Q4_0, Q5_0,
 # IQ4_NL, ...: a float step per 32 values) were slower there (the standard Q4_0 file's 512-token prefill 535-568 ->
-# 462-468 tok/s), and IQ1_S / IQ1_M (their own operand
-# path) were not measured: those keep bf16.
+# 462-468 tok/s), and IQ1_S / IQ1_M (their own operand path) were not measured: those keep bf16.
 ROW_KERNEL_TYPES = frozenset(
     t
     for t, n in INT8_TILE_TYPES.items()
