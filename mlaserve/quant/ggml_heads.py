@@ -124,7 +124,7 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         return self.expansion_bf16() or self.bf16_latent == bf16_prefill.BF16
 
     def native_detail(self) -> str:
-        note = plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v))
+        note = plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v), grouped=True)
         # MLAAttention.expansion_bf16 / attention_bf16: in every step no backend of which reads the dense halves
         tiles = f", its attention on the {bf16_pairs.tiles_detail()}" if self.attention_tiles() else ""
         if self.expansion_bf16():

@@ -32,6 +32,7 @@ from mlaserve.kernels import (
     ggml,
     native,
     native_layers,
+    panels,
     registry,
     triton_linear,
 )
@@ -108,18 +109,33 @@ def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
 
 
 def plan_note(
-    types: dict[str, int], int8: bool | int, bf16: tuple[bool, ...] = (), tiles: tuple[bool, ...] = ()
+    types: dict[str, int],
+    int8: bool | int,
+    bf16: tuple[bool, ...] = (),
+    tiles: tuple[bool, ...] = (),
+    grouped: bool = False,
 ) -> str:
     """A holder's kernel-plan note: what its products run (fused or not) and, where any takes them, its int8
-    activations, its int8 prefill on the tiles and its bf16 prefill GEMMs (bf16, tiles: per part of `types`, in
-    order)."""
+    activations, its int8 prefill on the tiles, its bf16 prefill GEMMs and (grouped: routed experts, heads) its
+    fp32 prefill on decoded panels (bf16, tiles: per part of `types`, in order)."""
     kinds = tuple(types.values())
     said = [
         int8_detail(kinds, int8),
         tiles_detail(kinds, tiles) if tiles else None,
         bf16_detail(kinds, bf16) if bf16 else None,
+        panels_detail(kinds, bf16) if grouped else None,
     ]
     return "; ".join([_types_detail(types), *(s for s in said if s)])
+
+
+def panels_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
+    """What the kernel plan says of a grouped holder's exact prefill products (the types left in fp32 by the bf16
+    setting): on decoded panels where the build has them (kernels/panels.py), else None (decode, then the BLAS)."""
+    modes = bf16 or (bf16_prefill.FP32,) * len(types)
+    taken = sorted({GGML_TYPES[t].name for t, b in zip(types, modes, strict=True) if b == bf16_prefill.FP32})
+    if not taken or not panels.available():
+        return None
+    return f"fp32 prefill for {', '.join(taken)} on decoded panels ({panels.UNIT})"
 
 
 def _types_detail(types: dict[str, int]) -> str:
@@ -304,7 +320,7 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""
         types = {"gate_up": self.type_gate_up, "down": self.type_down}
         tiles = (self.tiles_gate_up, self.tiles_down)
-        return plan_note(types, self.int8, (self.bf16_gate_up, self.bf16_down), tiles)
+        return plan_note(types, self.int8, (self.bf16_gate_up, self.bf16_down), tiles, grouped=True)
 
     def forward(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         if self.impl == "loop":

@@ -1,5 +1,5 @@
 """A prefill's chunks of decoded expert weights (kernels.ggml._decoded_grouped, more experts than EXPERT_BYTES
-holds) are decoded into one buffer, allocated once per call and reused by every chunk, and the products are
+holds; the fp32 path of builds without the AVX-512 panels) are decoded into one buffer, allocated once per call and reused by every chunk, and the products are
 those of one uncapped call; gate and up kept as two stacks decode into the halves of that same buffer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from mlaserve.gguf.convert.writer import quantize_q8_0
 from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, panels
 
 STATUS = native.status()
 
@@ -29,6 +29,7 @@ def _operands(parts: int, seed: int = 5):
 @pytest.mark.parametrize("parts", [1, 2])
 def test_every_chunk_is_decoded_into_one_reused_buffer(monkeypatch, bf16, parts):
     """Break check: a buffer allocated per chunk (the previous code) gives as many buffers as chunks."""
+    monkeypatch.setattr(panels, "available", lambda: False)  # fp32: the decode path (builds without AVX-512)
     xs, w, experts, offs, n, k = _operands(parts)
     t = GGML_TYPE_IDS["Q8_0"]
     whole = ggml.expert_linear_native(xs, w, t, k, experts, offs, bf16=bf16)  # the default cap holds all seven

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from mlaserve.kernels import native
+from mlaserve.kernels import native, panels
 from mlaserve.models.deepseek_v4.moe import clamped_swiglu
 from mlaserve.quant import fp4_group, fp8_block
 from mlaserve.quant.config import parse_quantization
@@ -99,9 +99,10 @@ class Calls:
     NAMES = ("grouped_gemm", "moe_experts", "dequantize", "dequantize_experts")
 
     def __init__(self, monkeypatch) -> None:
-        self.n = dict.fromkeys(self.NAMES, 0)
+        self.n = dict.fromkeys((*self.NAMES, "panels"), 0)
         for name in self.NAMES:
             monkeypatch.setattr(native, name, self._counted(name, getattr(native, name)))
+        monkeypatch.setattr(panels, "grouped", self._counted("panels", panels.grouped))
 
     def _counted(self, name, fn):
         def call(*args, **kwargs):
@@ -115,11 +116,12 @@ class Calls:
 
 
 # rows (tokens) -> the native path a step of that size takes with E = 6, k = 2: per-expert rows <= 16 take the
-# grouped decode-and-dot (GGUF: <= 8 pairs the pair-by-pair call), more the routed experts decoded, then GEMMs
+# grouped decode-and-dot (GGUF: <= 8 pairs the pair-by-pair call), more the routed experts decoded, then GEMMs (GGUF
+# in an AVX-512 build: on decoded panels, kernels/panels.py)
 PATHS = {
     "fp8": {1: {"grouped_gemm"}, 9: {"grouped_gemm"}, 120: {"dequantize"}},
     "fp4": {1: {"grouped_gemm"}, 9: {"grouped_gemm"}, 120: {"dequantize"}},
-    "gguf": {1: {"moe_experts"}, 9: {"grouped_gemm"}, 120: {"dequantize_experts"}},
+    "gguf": {1: {"moe_experts"}, 9: {"grouped_gemm"}, 120: {"panels" if panels.available() else "dequantize_experts"}},
 }
 
 

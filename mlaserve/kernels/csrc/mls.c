@@ -21,6 +21,7 @@
 #include "dot.c"          /* the fp32 dot product, F32 rows */
 #include "types.c"        /* the type table: each type's block and kernels */
 #include "gemv.c"         /* products and decoding of stored rows */
+#include "x86/panels.c"   /* AVX-512: fp32 products of many rows on decoded weight panels (exact prefill) */
 #include "int8.c"         /* the same with int8 activations */
 #include "moe/route.c"    /* the MoE router */
 #include "moe/experts.c"  /* routed experts, pair by pair */

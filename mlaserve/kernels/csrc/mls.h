@@ -182,6 +182,12 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
                               int64_t n, int64_t row_bytes, int64_t expert_stride, const int64_t *experts,
                               const int64_t *starts, int64_t groups, float *y, int threads);
 
+/* x86/panels.c: fp32 products of many rows per weight on decoded panels (AVX-512 builds; -1 elsewhere) */
+int mls_grouped_panels(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
+                       int64_t ldy, int threads);
+int mls_panels(void);
+
 /* moe/: the router, the routed experts, the whole block */
 int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, int scoring, int method,
                   int64_t n_group, int64_t topk_group, int64_t k, int norm, float scale, float *out_w,
