@@ -1,6 +1,7 @@
-"""A prompt's decompressed attention (MHA over K / V expanded from the latent rows) on the AMX-BF16 tiles: the
-scores q K^T and the output P V as bf16 products with fp32 sums (csrc/x86/amx_bf16_bmm.c), the mask and softmax
-in fp32 torch ops between them. The kernel plan takes it where it already runs the K / V expansion in bf16
+"""A prompt's decompressed attention (MHA over K / V expanded from the latent rows) on the AMX-BF16 tiles, or where the
+process has none by AVX512-BF16 dot products (unit()): the scores q K^T and the output P V as bf16 products with
+fp32 sums (csrc/x86/amx_bf16_bmm.c, x86/avx512_bf16.c: the dot products round once per product, the tiles once per
+pair), the masked softmax between them in one C pass that writes P as bf16. The kernel plan takes it where it already runs the K / V expansion in bf16
 (MLAAttention.attention_bf16): K's nope half and V are then bf16 values, so the products round only q, k_pe and P.
 
 Notation (one group of G heads of B requests, N = B G; u = 2^-8, bf = round to nearest even bfloat16)
@@ -13,7 +14,7 @@ Notation (one group of G heads of B requests, N = B G; u = 2^-8, bf = round to n
   S    [N, Mp, n']    fp32 = q_b K_b^T over the block's keys (n = key_ends, n' rounded up to 32; padded keys and
                       query rows are zeros, padded keys masked), sums in fp32 in the unit
   P    = softmax(S over the keys the mask allows) in fp32, P_b = bf(P): one C pass per row (max, exp within 2 ulp,
-                      sum, scale, round; csrc/x86/amx_bf16_bmm.c mls_softmax_bf16), padded rows and keys 0
+                      sum, scale, round; csrc/x86/avx512_bf16.c mls_softmax_bf16), padded rows and keys 0
   O    [B, Q, G, dv]  fp32 = P_b V_b
 Error against the fp32 attention: the rounding of q, k_pe and P (u / 2 relative each) and the fp32 sums; the same
 grade as the bf16 prefill products around it (docs/FORMATS.md's rule; tests/identities/test_attention_backends.py
@@ -30,9 +31,26 @@ from mlaserve.kernels import bf16_pairs, native
 TILE = 32  # rows, columns and depth of the kernel's blocks: every operand is padded to a multiple
 
 
+UNITS = {2: "amx-bf16 tiles", 1: "avx512-bf16 dot products"}  # csrc mls_bf16_bmm_unit's answers, in words
+
+
+def unit() -> int:
+    """Which unit runs the products in this process (csrc/x86/amx_bf16_bmm.c mls_bf16_bmm_unit): 2 the AMX-BF16 tiles
+    (the build has them and the kernel granted the tile state), 1 AVX512-BF16 dot products (x86/avx512_bf16.c: the
+    build has AVX512-BF16 but no granted tiles), 0 neither."""
+    lib = native.library()
+    return lib.mls_bf16_bmm_unit() if lib is not None else 0
+
+
 def granted() -> bool:
-    """Whether this process runs them (the build has AMX-BF16 and the kernel granted the tile state)."""
-    return bf16_pairs.granted()
+    """Whether this process runs them (on either unit)."""
+    return unit() != 0
+
+
+def unit_detail() -> str:
+    """In words, for the kernel plan: the unit, or why neither."""
+    u = unit()
+    return UNITS[u] if u else f"no bf16 attention unit ({bf16_pairs.tiles_detail()}, and no avx512_bf16 in the build)"
 
 
 def _up(n: int) -> int:
@@ -80,7 +98,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
         n, m * n, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"native bf16 tile product failed (rc {rc}: {bf16_pairs.tiles_detail()})")
+        raise RuntimeError(f"native bf16 attention product failed (rc {rc}: {unit_detail()})")
     return c
 
 
@@ -100,6 +118,6 @@ def attention(
         scores.data_ptr(), b, g, mp, npad, mask.data_ptr(), nq, n, probs.data_ptr(), torch.get_num_threads()
     )
     if rc != 0:
-        raise RuntimeError(f"native bf16 softmax failed (rc {rc}: {bf16_pairs.tiles_detail()})")
+        raise RuntimeError(f"native bf16 softmax failed (rc {rc}: {unit_detail()})")
     out = bmm(probs, values, 16 * values.shape[1]).view(b, g, mp, -1)
     return out[:, :, :nq, :dv].transpose(1, 2)

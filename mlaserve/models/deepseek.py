@@ -151,7 +151,8 @@ class MLAAttention(KernelSwitch, nn.Module):
         return heads is not None and heads.expansion_bf16() and not any(b.reads_dense_heads for b in backends)
 
     def attention_bf16(self, backends) -> bool:
-        """The decompressed segments' scores and P V as bf16 products on the AMX-BF16 tiles (kernels/bf16_attention.py):
+        """The decompressed segments' scores and P V as bf16 products (AMX-BF16 tiles or AVX512-BF16 dot products,
+        kernels/bf16_attention.py):
         where the kept heads' plan takes them (GGUFHeads.attention_tiles: the K / V expansion in bf16, or the latent
         rows from a weight in bf16 prefill) and no backend of the step reads the dense W_UK / W_UV (the reference's,
         which never has the tiles)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_attention, bf16_pairs, bf16_prefill, ggml, native, registry
+from mlaserve.kernels import bf16_attention, bf16_prefill, ggml, native, registry
 from mlaserve.quant.ggml_linear import plan_note
 
 
@@ -108,9 +108,9 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         return self.bf16_k == bf16_prefill.BF16 and self.bf16_v == bf16_prefill.BF16
 
     def attention_tiles(self) -> bool:
-        """Whether the decompressed attention's scores and P V run as bf16 products on the AMX-BF16 tiles
-        (kernels/bf16_attention.py; MLAAttention.attention_bf16 adds the step's condition). Where the process has
-        them, and either
+        """Whether the decompressed attention's scores and P V run as bf16 products on the AMX-BF16 tiles or, where
+        the process has none, AVX512-BF16 dot products (kernels/bf16_attention.unit; MLAAttention.attention_bf16 adds
+        the step's condition). Where the process has either, and either
         - the K / V expansion runs in bf16 (expansion_bf16): K's nope half and V are bf16 values then, the tiles
           round only q, k_pe and P; or
         - the latent rows it expands are the product of a weight the plan multiplies in plain bf16 (the layer's
@@ -126,12 +126,12 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
     def native_detail(self) -> str:
         note = plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v), grouped=True)
         # MLAAttention.expansion_bf16 / attention_bf16: in every step no backend of which reads the dense halves
-        tiles = f", its attention on the {bf16_pairs.tiles_detail()}" if self.attention_tiles() else ""
+        tiles = f", its attention on the {bf16_attention.unit_detail()}" if self.attention_tiles() else ""
         if self.expansion_bf16():
             return f"{note}; the decompressed K / V expansion in bf16{tiles}"
         if tiles:
             latent = GGML_TYPES[self.type_latent].name
-            return f"{note}; the decompressed attention on the {bf16_pairs.tiles_detail()} (its latent rows from a {latent} weight in bf16 prefill)"
+            return f"{note}; the decompressed attention on the {bf16_attention.unit_detail()} (its latent rows from a {latent} weight in bf16 prefill)"
         return note
 
     def extra_repr(self) -> str:

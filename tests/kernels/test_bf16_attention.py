@@ -1,7 +1,10 @@
-"""A prompt's decompressed attention on the AMX-BF16 tiles (kernels/bf16_attention.py, csrc/x86/amx_bf16_bmm.c).
+"""A prompt's decompressed attention in bf16 (kernels/bf16_attention.py) on the AMX-BF16 tiles
+(csrc/x86/amx_bf16_bmm.c) or, where the process has none, by AVX512-BF16 dot products (csrc/x86/avx512_bf16.c):
+the tests run on whichever unit this process has.
 
-- The tile product against fp64 on the same bf16 operands, within its bound (k / 2 + 1) 2^-24 sum |a| |b| (products
-  exact, fp32 sums); a row's bits do not depend on the other rows.
+- The product against fp64 on the same bf16 operands, within its unit's bound (products exact, fp32 sums): the tiles
+  (k / 2 + 1) 2^-24 sum |a| |b| (a rounding per pair), the dot products gamma_k sum |a| |b| (a rounding per product);
+  a row's bits do not depend on the other rows.
 - The softmax pass against fp64's softmax rounded to bf16 (exp within 2 ulp, one bf16 rounding: within 2^-8 of each
   probability), masked and padded keys 0, and a NaN or a row with no key NaN, not silently finite.
 - The torch backend with tiles=True against the reference's fp32 attention on a routed batch (prefill chunks after
@@ -20,15 +23,18 @@ from mlaserve.attention.backends import BACKENDS
 from mlaserve.attention.metadata import build_segment_tensors
 from mlaserve.attention.router import route
 from mlaserve.executor.forward_batch import ForwardBatch, SeqChunk
-from mlaserve.kernels import bf16_attention, bf16_pairs
+from mlaserve.kernels import bf16_attention
 
-pytestmark = pytest.mark.skipif(
-    not bf16_pairs.granted(), reason=f"this CPU or process has no AMX-BF16 tiles ({bf16_pairs.tiles_detail()})"
-)
+pytestmark = pytest.mark.skipif(not bf16_attention.granted(), reason=bf16_attention.unit_detail())
+ON = bf16_attention.unit_detail()  # what the kernel plan names
 
 
 def _bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.shape[-1] / 2 + 1) * 2.0**-24 * (a.double().abs() @ b.double().abs())
+    """The unit's bound on |C - A B| per output: the tiles round once per pair of products (k / 2 + 1 roundings, to
+    first order), vdpbf16ps once per product (gamma_k)."""
+    k = a.shape[-1]
+    c = (k / 2 + 1) * 2.0**-24 if bf16_attention.unit() == 2 else k * 2.0**-24 / (1 - k * 2.0**-24)
+    return c * (a.double().abs() @ b.double().abs())
 
 
 def test_bmm_within_its_bound_and_row_independent():
@@ -149,9 +155,7 @@ def test_engine_runs_the_tiles_within_the_files_own_error(monkeypatch):
     )
     assert not exact.runner.model.model.layers[0].self_attn.attention_bf16([BACKENDS["torch"]])
     heads = [c.reason for c in fast.loaded.kernel_plan.choices if c.op == "heads"]
-    assert heads and all(
-        "the decompressed K / V expansion in bf16, its attention on the amx-bf16 tiles" in r for r in heads
-    )
+    assert heads and all(f"the decompressed K / V expansion in bf16, its attention on the {ON}" in r for r in heads)
     assert not any("expansion" in c.reason for c in exact.loaded.kernel_plan.choices)
     a, b = fast.prompt_logits(ids), exact.prompt_logits(ids)
     act = ((a - b).norm() / b.norm()).item()
@@ -221,7 +225,7 @@ def test_tiles_where_only_the_latent_is_6_bits(monkeypatch, tmp_path):
     assert attn.attention_bf16([BACKENDS["torch"]]) and not attn.expansion_bf16([BACKENDS["torch"]])
     assert not attn.attention_bf16([BACKENDS["torch"], BACKENDS["reference"]])
     heads = [c.reason for c in fast.loaded.kernel_plan.choices if c.op == "heads"]
-    assert heads and all("attention on the amx-bf16 tiles (its latent rows from a Q4_K weight" in r for r in heads)
+    assert heads and all(f"attention on the {ON} (its latent rows from a Q4_K weight" in r for r in heads)
     assert not exact.runner.model.model.layers[0].self_attn.attention_bf16([BACKENDS["torch"]])
     q8 = LLM(str(folder / "model-q8_0.gguf"), mla_path="decompressed")
     assert not q8.runner.model.model.layers[0].self_attn.attention_bf16([BACKENDS["torch"]])

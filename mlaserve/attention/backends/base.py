@@ -22,7 +22,7 @@ class AttentionBackend(Protocol):
     # whether the absorbed path reads the dense W_UK / W_UV views even when a GGUF's attn_k_b / attn_v_b blocks are
     # kept (`heads`): a layer whose kv_b_proj is not held (quant/transient_kv_b.py) then decodes it for the step
     reads_dense_heads: bool
-    # whether decompressed() runs a prompt's scores and P V on the AMX-BF16 tiles when asked (`tiles`, the layer's
+    # whether decompressed() runs a prompt's scores and P V in bf16 (AMX-BF16 tiles or AVX512-BF16) when asked (`tiles`, the layer's
     # plan: MLAAttention.attention_bf16); a backend without them is never asked
     decompressed_tiles: bool
 

@@ -76,7 +76,8 @@ def decompressed_attention(
 ) -> torch.Tensor:
     """kv_b: kv_b_proj weight [H * (dn + dv), r]. Returns [B, Q, H, dv]. K and V are expanded for one group of
     heads at a time (head_blocks): their size is the context's times the heads', not the step's. tiles: the
-    scores and P V as bf16 products on the AMX-BF16 tiles (kernels/bf16_attention.py; the layer's plan decides:
+    scores and P V as bf16 products on the AMX-BF16 tiles or AVX512-BF16 dot products (kernels/bf16_attention.py
+    unit; the layer's plan decides:
     MLAAttention.attention_bf16), else fp32."""
     h = q_nope.shape[1]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
@@ -243,7 +244,7 @@ class TorchBackend:
 
     name = "torch"
     reads_dense_heads = False  # the absorbed path multiplies a GGUF's kept heads when given (`heads`)
-    decompressed_tiles = True  # a prompt's scores and P V on the AMX-BF16 tiles when the plan asks (`tiles`)
+    decompressed_tiles = True  # a prompt's scores and P V in bf16 (tiles or dot products) when the plan asks (`tiles`)
 
     def index_scoring(self, key_dtype: torch.dtype) -> str:
         # bf16 products are exact, so a bf16 pass with a rounding bound finds the fp32 top-k (measured on

@@ -16,6 +16,7 @@
 #include "x86/amx_planes.c" /* its hook for Q4_K, Q6_K (scales as base-8 digit planes) */
 #include "x86/amx_units.c"  /* its hook for the types with one integer scale per 32 or 16 values */
 #include "x86/amx_bf16.c"   /* AMX-BF16 tiles: Q8_0 products of many rows, activations as bf16 pairs */
+#include "x86/avx512_bf16.c"    /* AVX512-BF16: the attention's bf16 products without tiles, its softmax */
 #include "x86/amx_bf16_bmm.c" /* AMX-BF16 tiles: batched bf16 products with fp32 sums (prefill attention) */
 #include "ref/int8.c"     /* the int8 row kernels without SIMD */
 #include "dot.c"          /* the fp32 dot product, F32 rows */

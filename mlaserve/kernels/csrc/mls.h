@@ -273,15 +273,17 @@ int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int
                                 float *y, int64_t ldy, int threads);
 /* x86/amx_bf16_bmm.c: C_b [m, n] (fp32, rows ldc apart) = A_b [m, k] (bf16, rows lda apart) times Bm_b [k, n] given
    as pairs B_b (int32: (Bm[2p, j], Bm[2p + 1, j]); pair row p of columns j0 .. j0 + 15 at (j0 / 16) bj + p ldb),
-   b < batch (strides sa, sb, sc in elements), fp32 sums on AMX-BF16 tiles. 0, -1 no bf16 tiles here, -2 m, n or k
-   not a multiple of 32 */
+   b < batch (strides sa, sb, sc in elements), fp32 sums on AMX-BF16 tiles, else by AVX512-BF16 dot products
+   (x86/avx512_bf16.c). 0, -1 neither here, -2 m, n or k not a multiple of 32 */
 int mls_bf16_bmm(const uint16_t *a, int64_t batch, int64_t m, int64_t k, int64_t lda, int64_t sa, const int32_t *bp,
                  int64_t n, int64_t ldb, int64_t bj, int64_t sb, float *c, int64_t ldc, int64_t sc, int threads);
 /* P [b, g, m, n] bf16 = softmax of the scaled scores s [b, g, m, n] (fp32, overwritten) per row over the keys its
    request's mask [b, mq, nv] (bytes) allows; keys past nv and rows past mq 0; a NaN or +inf score it may read, or no
-   key, makes the row NaN. 0, -1 no bf16 tiles here */
+   key, makes the row NaN (x86/avx512_bf16.c). 0, -1 a build without AVX512-BF16 */
 int mls_softmax_bf16(float *s, int64_t b, int64_t g, int64_t m, int64_t n, const uint8_t *mask, int64_t mq, int64_t nv,
                      uint16_t *p, int threads);
+/* which unit runs mls_bf16_bmm here: 2 the AMX-BF16 tiles, 1 AVX512-BF16 dot products, 0 neither */
+int mls_bf16_bmm_unit(void);
 /* whether the bf16 tiles run here: 1 yes, 0 a build without AMX-BF16, -errno the kernel refused the tile state */
 int mls_bf16_tiles(void);
 
