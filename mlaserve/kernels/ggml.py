@@ -51,6 +51,12 @@ GEMV_ROWS = 16
 # pair (decode at batch 1-2): two tokens sharing an expert read it twice, but ~30 tensor ops of
 # sorting and scattering are saved; more pairs are sorted by expert and grouped (expert_linear).
 MOE_PAIRS = 8
+# Rows of x up to which a dense weight's fp32 product runs on decoded panels (kernels/panels.py, AVX-512 builds)
+# rather than decode-then-BLAS: the BLAS packs the weight for every call, which few rows do not amortize. Measured on
+# the 2-core AVX-512 EPYC of 2026-12-06, ds-real's Q8_0 shapes, BLAS / panels time: 17 rows 2.5-3x, 64 rows
+# 1.2-1.4x, 128 rows 1.0-1.1x, 256 rows 0.9-1.1x; at 512-2048 rows the BLAS is 10-15% faster. The grouped products
+# (routed experts, heads) take the panels at every row count (a group's rows are few; level at 512 per expert).
+PANEL_ROWS = 128
 # Decoded fp32 expert weights per chunk when many rows per expert take decode-then-GEMM (prefill). 16 MiB: the
 # peak of a 512-token prefill of the standard benchmark model's Q8_0 file was 0.09 GiB above 64 MiB's (a chunk
 # and its transposed copy), and alternating prefills were no slower (docs/PERFORMANCE.md, Memory).
@@ -160,13 +166,16 @@ def linear_native(
     names take int8 activations, engine option activations: not exact); with tiles (this weight's int8 products run
     on the AMX-INT8 tiles, the holder's choice at load: native.takes_tiles) up to tile_rows(type) rows the same int8
     call (the tiles, the same bits as the decode kernels'); more rows: the weight decoded natively (the reference's
-    values bit for bit), then the BLAS GEMM in fp32, or with bf16 (this weight takes bf16 prefill, the holder's
-    choice at load) the bf16 GEMM of bf16_prefill.linear."""
+    values bit for bit), then the BLAS GEMM in fp32 (up to PANEL_ROWS rows where the build has AVX-512: on decoded
+    panels, kernels/panels.py), or with bf16 (this weight takes bf16 prefill, the holder's choice at load) the bf16
+    GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
     if x.shape[0] <= (tile_rows(ggml_type) if tiles else GEMV_ROWS):
         return native.gemm(ggml_type, x, w, k, int8=int8)
     if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
         return bf16_pairs.linear(x, w, k)
+    if not bf16 and x.shape[0] <= PANEL_ROWS and panels.available():  # fp32, few rows: decoded panels
+        return panels.linear(x, w, ggml_type, k)
     return _decoded_linear(x, w, ggml_type, k, bool(bf16))
 
 

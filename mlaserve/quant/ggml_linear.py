@@ -116,26 +116,29 @@ def plan_note(
     grouped: bool = False,
 ) -> str:
     """A holder's kernel-plan note: what its products run (fused or not) and, where any takes them, its int8
-    activations, its int8 prefill on the tiles, its bf16 prefill GEMMs and (grouped: routed experts, heads) its
-    fp32 prefill on decoded panels (bf16, tiles: per part of `types`, in order)."""
+    activations, its int8 prefill on the tiles, its bf16 prefill GEMMs and its fp32 prefill on decoded panels
+    (grouped: routed experts, heads, at every row count; else up to ggml.PANEL_ROWS) (bf16, tiles: per part of
+    `types`, in order)."""
     kinds = tuple(types.values())
     said = [
         int8_detail(kinds, int8),
         tiles_detail(kinds, tiles) if tiles else None,
         bf16_detail(kinds, bf16) if bf16 else None,
-        panels_detail(kinds, bf16) if grouped else None,
+        panels_detail(kinds, bf16, grouped),
     ]
     return "; ".join([_types_detail(types), *(s for s in said if s)])
 
 
-def panels_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
-    """What the kernel plan says of a grouped holder's exact prefill products (the types left in fp32 by the bf16
-    setting): on decoded panels where the build has them (kernels/panels.py), else None (decode, then the BLAS)."""
+def panels_detail(types: tuple[int, ...], bf16: tuple[int, ...], grouped: bool) -> str | None:
+    """What the kernel plan says of a holder's exact prefill products (the types left in fp32 by the bf16 setting):
+    on decoded panels where the build has them (kernels/panels.py), a dense weight's up to ggml.PANEL_ROWS rows, else
+    None (decode, then the BLAS)."""
     modes = bf16 or (bf16_prefill.FP32,) * len(types)
     taken = sorted({GGML_TYPES[t].name for t, b in zip(types, modes, strict=True) if b == bf16_prefill.FP32})
     if not taken or not panels.available():
         return None
-    return f"fp32 prefill for {', '.join(taken)} on decoded panels ({panels.UNIT})"
+    span = "" if grouped else f" up to {ggml.PANEL_ROWS} rows (decode-then-BLAS above)"
+    return f"fp32 prefill for {', '.join(taken)} on decoded panels{span} ({panels.UNIT})"
 
 
 def _types_detail(types: dict[str, int]) -> str:

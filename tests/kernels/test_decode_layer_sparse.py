@@ -128,6 +128,21 @@ def _run(llm: LLM, prompts: list[list[int]], monkeypatch, max_tokens: int = 12) 
     return [o.token_ids for o in outs], [[sorted(s.values()) for s in o.logprobs] for o in outs], len(calls)
 
 
+FLIP = 5e-2  # an int8 code flip's move of the logprobs (1e-2 to 3e-2 measured), with room
+
+
+def _assert_parted_at_a_near_tie(tok_a: list, lp_a: list, tok_b: list, lp_b: list) -> None:
+    """Int8 runs whose tokens part: per request identical up to the parting step, and there a near-tie (the top two
+    logprobs within 2 FLIP in one of the runs: a code flip's move of both decided the greedy choice, no fault)."""
+    for ta, la, tb, lb in zip(tok_a, lp_a, tok_b, lp_b, strict=True):
+        if ta == tb:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(ta, tb)) if a != b)
+        assert _max_diff([la[:at]], [lb[:at]]) <= FLIP, "the runs moved apart before they parted"
+        gaps = [side[at][-1] - side[at][-2] for side in (la, lb)]
+        assert min(gaps) <= 2 * FLIP, f"parted at step {at} without a near-tie: top-2 gaps {gaps}"
+
+
 def _max_diff(lp_a: list, lp_b: list) -> float:
     return max(abs(a - b) for ra, rb in zip(lp_a, lp_b) for sa, sb in zip(ra, rb) for a, b in zip(sa, sb))
 
@@ -193,7 +208,12 @@ def test_sparse_decode_steps_equal_the_per_op_path(dsa_gguf, kind, gtype, activa
     selections), which on another CPU (AVX2 vs AVX-512 rounding) may fall elsewhere. It is not the sparse path's:
     the dense one-call int8 layers flip on these models too (attention="dense", glm_dsa_shared Q4_0, one request
     of 20 tokens: 2e-2 at its 12th token, the earlier ones <= 1e-6). So int8 holds the tokens and
-    every selection identical and reports its logprob difference; the float runs hold the fp32 bound."""
+    every selection identical and reports its logprob difference; the float runs hold the fp32 bound. Where such a
+    flip meets a near-tie of the greedy choice, the int8 tokens part there (glm_dsa_shared Q4_0 after the prompts'
+    dense products moved to the decoded panels, 2026-12-06: its 5th token): int8 then holds the tokens identical up
+    to the parting step, requires a near-tie there (the top two logprobs within 2 FLIP in one of the runs: a flip moves
+    each logprob by up to FLIP, their gap by up to twice that), and leaves that pass's selections (they follow the
+    parted tokens). Measured there: top-two gaps 0.061 and 0.097 in the two runs."""
     llm = _llm(dsa_gguf(kind, gtype), activations=activations, attention="sparse")
     model = llm.runner.model
     n = len(model.model.layers)
@@ -210,6 +230,9 @@ def test_sparse_decode_steps_equal_the_per_op_path(dsa_gguf, kind, gtype, activa
         fused_sel = list(seen)
         seen.clear()
         tok_b, lp_b = _per_op(llm, prompts, monkeypatch)
+        if activations == "int8" and tok_a != tok_b:
+            _assert_parted_at_a_near_tie(tok_a, lp_a, tok_b, lp_b)
+            continue
         assert tok_a == tok_b
         assert fused_sel == seen and len(seen) > 0
         worst = max(worst, _max_diff(lp_a, lp_b))

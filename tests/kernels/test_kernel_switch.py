@@ -17,7 +17,7 @@ from test_moe_block import D, make_moe
 
 import mlaserve
 from mlaserve.config.model import MoEConfig
-from mlaserve.kernels import ggml, native, native_layers, registry
+from mlaserve.kernels import ggml, native, native_layers, panels, registry
 from mlaserve.models.layers import RMSNorm
 from mlaserve.models.moe import ROUTE_TOKENS, Gate
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS
@@ -147,7 +147,10 @@ def test_a_loaded_model_calls_what_its_plan_records():
     assert {op for op, _ in seen} == set(registry.MODULE_OPS)
     notes = {(c.op, c.reason) for c in plan.choices if c.impl == "native"}
     assert ("router", f"native up to {ROUTE_TOKENS} rows per step, else torch") in notes
-    fused = f"native ({native.isa()} Q8_0 decode-and-dot) up to {ggml.GEMV_ROWS} rows per step"
+    # the fp32 model's Q8_0 products of more rows: on decoded panels where the build has them (kernels/panels.py)
+    up_to = f" up to {ggml.PANEL_ROWS} rows (decode-then-BLAS above)"
+    pan = f"; fp32 prefill for Q8_0 on decoded panels{up_to} ({panels.UNIT})" if panels.available() else ""
+    fused = f"native ({native.isa()} Q8_0 decode-and-dot{pan}) up to {ggml.GEMV_ROWS} rows per step"
     linear = {reason for op, reason in notes if op == "linear"}  # why not triton first (no GPU / not asked for)
     assert linear and all(r.startswith("not triton: ") for r in linear), linear
     assert all(r.endswith(f"; {fused}, else native decode, then BLAS") for r in linear), linear

@@ -119,7 +119,7 @@ def test_native_prefill_dense_in_parts_equals_the_parts_gemms(monkeypatch, parts
     t, k, n = GGML_TYPE_IDS["Q4_K"], 256, 100  # 100 rows: parts of 16-row multiples and a shorter last one
     raw = random_blocks("Q4_K", n, k, g)
     w = gguf_py_dense(raw, "Q4_K")
-    x = torch.randn(ggml.GEMV_ROWS + 9, k, generator=g)
+    x = torch.randn(ggml.PANEL_ROWS + 9, k, generator=g)  # decode-then-BLAS (fewer rows: decoded panels, AVX-512)
     whole = ggml.linear(x, raw, t, k, kernel="native")
     monkeypatch.setattr(ggml, "DENSE_BYTES", -(-n // parts) * k * 4)
     per = ggml.chunk_rows(n, k * 4, ggml.DENSE_BYTES)

@@ -69,10 +69,10 @@ def test_products_within_the_derived_bound(name, m, n, k):
 
 @needs_panels
 def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
-    """Each row the same bits alone, among 50 rows (partial tiles), in a chunk of more rows than PANEL_CHUNK_BYTES
-    holds (k 8192: 16 rows per chunk), and on 1 or 2 threads."""
+    """Each row the same bits alone, among 50 rows (partial tiles), among 130 rows of 6144 values (three chunks of
+    at most 60 rows, three depth blocks of 2048 whose accumulators wait in the stash), and on 1 or 2 threads."""
     t = GGML_TYPE_IDS["Q8_0"]
-    for m, n, k in ((50, 70, 544), (40, 9, 8192)):
+    for m, n, k in ((50, 70, 544), (130, 9, 6144)):
         w, x = _case("Q8_0", m, n, k, seed=k)
         threads = torch.get_num_threads()
         try:
@@ -106,6 +106,30 @@ def test_the_grouped_form_is_each_groups_product():
             continue
         want = torch.cat([panels.linear(rows, gate[ex], t, k), panels.linear(rows, up[ex], t, k)], dim=1)
         assert torch.equal(ys[starts[a] : starts[a + 1]], want)
+
+
+@needs_panels
+def test_dense_products_take_them_up_to_panel_rows(monkeypatch):
+    """A dense weight's fp32 product of more than GEMV_ROWS and up to ggml.PANEL_ROWS rows runs on the panels (the
+    weight is not decoded), more rows decode-then-BLAS; both within the fp32 bound of fp64."""
+    t, n, k = GGML_TYPE_IDS["Q8_0"], 24, 512
+    w, x = _case("Q8_0", ggml.PANEL_ROWS + 1, n, k, seed=4)
+    dense = gguf_py_dense(w, "Q8_0").double()
+    decoded: list[int] = []
+    plain = native.dequantize
+
+    def counting(*args, **kwargs):
+        decoded.append(1)
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(native, "dequantize", counting)
+    few = ggml.linear_native(x[: ggml.PANEL_ROWS], w, t, k)
+    assert not decoded and torch.equal(few, panels.linear(x[: ggml.PANEL_ROWS], w, t, k))
+    many = ggml.linear_native(x, w, t, k)
+    assert decoded
+    for y, rows in ((few, x[: ggml.PANEL_ROWS]), (many, x)):
+        exact = rows.double() @ dense.T
+        assert ((y.double() - exact).abs() <= 2 * k * U * (rows.double().abs() @ dense.abs().T)).all()
 
 
 @needs_panels

@@ -16,23 +16,30 @@
    over k = l (mod 16) in order of k, one fused multiply-add each, then the 16 lanes by _mm512_reduce_add_ps:
      |y - x w^T| <= (K / 16 + 4) 2^-24 (1 + 2^-23)^... sum_k |x[i, k]| |w[r, k]|, to first order (K / 16 + 4) 2^-24
      (tests/kernels/test_panels.py holds it against fp64)
-   An output's operations are the same whatever tile, chunk, batch or thread it falls in: a row's result does not
-   depend on the batch. Activation rows are taken PANEL_CHUNK_BYTES of them at a time (a chunk stays in L2 while the
-   panels pass; each panel is decoded once per chunk). */
+   An output's operations are the same whatever tile, chunk, depth block, batch or thread it falls in: a row's result
+   does not depend on the batch. Activation rows are taken in chunks and the depth PANEL_KC values at a time: a chunk's
+   rows of one depth block fill PANEL_CHUNK_BYTES and stay in L2 while its tiles pass; each panel is decoded once per
+   chunk, and the tiles' accumulators wait between depth blocks in a stash, exactly (long rows: ds-real's Q8_0 dense
+   down, K 10944, at 64 / 128 / 256 rows 31-38 / 64-70 / 121-132 ms -> 20 / 38 / 75-80 ms, when the whole depth at
+   once left 6 rows per chunk). */
 #ifdef MLS_AVX512
 #define PANEL_PR 4                       /* weight rows per panel: 4 accumulators per activation row */
 #define PANEL_MR 6                       /* activation rows per tile: 24 accumulators, 4 panel rows, 1 x */
-#define PANEL_CHUNK_BYTES (512 << 10)    /* activation rows per chunk: at most this many bytes (half of a 1 MiB L2) */
+#define PANEL_CHUNK_BYTES (512 << 10)    /* a chunk's activations of one depth block (half of a 1 MiB L2) */
 #define PANEL_RUN 8                      /* panels per work item */
+#define PANEL_KC 2048                    /* depth per pass over a chunk's tiles (PANEL_CHUNK_BYTES counts this) */
 
-/* rows [0, mr) of x times the panel wp [PR][K] into y (columns [0, nr)); mr a constant where inlined with one */
+/* rows [0, mr) of x times the panel wp [PR][K] over the depth [k0, k1): the accumulators start at zero (first) or
+   from stash, and end in stash or, at the depth's end (last), summed into y (columns [0, nr)); mr a constant where
+   inlined with one */
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t ldx, const int mr,
-                                                              const float *wp, int64_t k, float *y, int64_t ldy,
-                                                              int nr) {
+                                                              const float *wp, int64_t k, int64_t k0, int64_t k1,
+                                                              __m512 *stash, int first, int last, float *y,
+                                                              int64_t ldy, int nr) {
     __m512 acc[PANEL_MR][PANEL_PR];
     for (int i = 0; i < mr; i++)
-        for (int r = 0; r < PANEL_PR; r++) acc[i][r] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk += 16) {
+        for (int r = 0; r < PANEL_PR; r++) acc[i][r] = first ? _mm512_setzero_ps() : stash[i * PANEL_PR + r];
+    for (int64_t kk = k0; kk < k1; kk += 16) {
         const __m512 w0 = _mm512_load_ps(wp + kk), w1 = _mm512_load_ps(wp + k + kk);
         const __m512 w2 = _mm512_load_ps(wp + 2 * k + kk), w3 = _mm512_load_ps(wp + 3 * k + kk);
         for (int i = 0; i < mr; i++) {
@@ -43,30 +50,48 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
             acc[i][3] = _mm512_fmadd_ps(xi, w3, acc[i][3]);
         }
     }
-    for (int i = 0; i < mr; i++)
-        for (int r = 0; r < nr; r++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i][r]);
+    if (last) {
+        for (int i = 0; i < mr; i++)
+            for (int r = 0; r < nr; r++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i][r]);
+    } else {
+        for (int i = 0; i < mr; i++)
+            for (int r = 0; r < PANEL_PR; r++) stash[i * PANEL_PR + r] = acc[i][r];
+    }
 }
 
-/* rows [0, m) of x times the panel, MR at a time (the last tile's rows as constants too: each row's operations are
-   the same in a tile of any height) */
-static void panel_rows(const float *x, int64_t ldx, int64_t m, const float *wp, int64_t k, float *y, int64_t ldy,
-                       int nr) {
-    int64_t i = 0;
-    for (; i + PANEL_MR <= m; i += PANEL_MR) panel_tile(x + i * ldx, ldx, PANEL_MR, wp, k, y + i * ldy, ldy, nr);
-    switch (m - i) {
-    case 5: panel_tile(x + i * ldx, ldx, 5, wp, k, y + i * ldy, ldy, nr); break;
-    case 4: panel_tile(x + i * ldx, ldx, 4, wp, k, y + i * ldy, ldy, nr); break;
-    case 3: panel_tile(x + i * ldx, ldx, 3, wp, k, y + i * ldy, ldy, nr); break;
-    case 2: panel_tile(x + i * ldx, ldx, 2, wp, k, y + i * ldy, ldy, nr); break;
-    case 1: panel_tile(x + i * ldx, ldx, 1, wp, k, y + i * ldy, ldy, nr); break;
-    default: break;
+/* rows [0, m) of x times the panel, PANEL_KC values of depth at a time (a chunk's activations of one depth block
+   stay in L2 while its tiles pass, however long the rows; each tile's accumulators wait in stash between blocks,
+   exactly), MR rows at a time (the last tile's rows as constants too). Each output's operations are the same in a
+   tile of any height and for any number of depth blocks: one lane chain in order of k, then the lanes' sum. */
+static void panel_rows(const float *x, int64_t ldx, int64_t m, const float *wp, int64_t k, __m512 *stash, float *y,
+                       int64_t ldy, int nr) {
+    const int64_t full = m / PANEL_MR * PANEL_MR;
+    for (int64_t k0 = 0; k0 < k; k0 += PANEL_KC) {
+        const int64_t k1 = k - k0 < PANEL_KC ? k : k0 + PANEL_KC;
+        const int first = k0 == 0, last = k1 == k;
+        int64_t i = 0;
+        for (; i < full; i += PANEL_MR)
+            panel_tile(x + i * ldx, ldx, PANEL_MR, wp, k, k0, k1, stash + i * PANEL_PR, first, last, y + i * ldy,
+                       ldy, nr);
+        const float *xi = x + i * ldx;
+        __m512 *si = stash + i * PANEL_PR;
+        float *yi = y + i * ldy;
+        switch (m - i) {
+        case 5: panel_tile(xi, ldx, 5, wp, k, k0, k1, si, first, last, yi, ldy, nr); break;
+        case 4: panel_tile(xi, ldx, 4, wp, k, k0, k1, si, first, last, yi, ldy, nr); break;
+        case 3: panel_tile(xi, ldx, 3, wp, k, k0, k1, si, first, last, yi, ldy, nr); break;
+        case 2: panel_tile(xi, ldx, 2, wp, k, k0, k1, si, first, last, yi, ldy, nr); break;
+        case 1: panel_tile(xi, ldx, 1, wp, k, k0, k1, si, first, last, yi, ldy, nr); break;
+        default: break;
+        }
     }
 }
 
 /* one item: weight rows [r0, r1) of we (PANEL_RUN panels at most) times activation rows [0, m) of x, a panel at a
    time decoded into wp (rows past r1 zero) */
 static void panel_item(const mls_type_t *ty, const uint8_t *we, int64_t row_bytes, int64_t r0, int64_t r1,
-                       const float *x, int64_t ldx, int64_t m, int64_t k, float *wp, float *y, int64_t ldy) {
+                       const float *x, int64_t ldx, int64_t m, int64_t k, float *wp, __m512 *stash, float *y,
+                       int64_t ldy) {
     for (int64_t p0 = r0; p0 < r1; p0 += PANEL_PR) {
         const int nr = r1 - p0 < PANEL_PR ? (int)(r1 - p0) : PANEL_PR;
         for (int r = 0; r < PANEL_PR; r++) {
@@ -77,7 +102,7 @@ static void panel_item(const mls_type_t *ty, const uint8_t *we, int64_t row_byte
                 memset(wp + r * k, 0, sizeof(float) * (size_t)k);
             }
         }
-        panel_rows(x, ldx, m, wp, k, y + p0, ldy, nr);
+        panel_rows(x, ldx, m, wp, k, stash, y + p0, ldy, nr);
     }
 }
 
@@ -88,8 +113,9 @@ static void panel_item(const mls_type_t *ty, const uint8_t *we, int64_t row_byte
 static int panels_grouped(const mls_type_t *ty, const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t n,
                           int64_t row_bytes, int64_t expert_stride, const int64_t *experts, const int64_t *starts,
                           int64_t groups, float *y, int64_t ldy, int threads) {
-    const int64_t chunk_rows = PANEL_CHUNK_BYTES / (4 * k) > PANEL_MR ? PANEL_CHUNK_BYTES / (4 * k) / PANEL_MR * PANEL_MR
-                                                                      : PANEL_MR;
+    const int64_t kc = k < PANEL_KC ? k : PANEL_KC; /* a chunk's rows of one depth block fill PANEL_CHUNK_BYTES */
+    const int64_t chunk_rows = PANEL_CHUNK_BYTES / (4 * kc) > PANEL_MR ? PANEL_CHUNK_BYTES / (4 * kc) / PANEL_MR * PANEL_MR
+                                                                       : PANEL_MR;
     const int64_t runs = (n + PANEL_PR * PANEL_RUN - 1) / (PANEL_PR * PANEL_RUN);
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1)); /* each group's first item */
     if (!first) return -4;
@@ -99,7 +125,11 @@ static int panels_grouped(const mls_type_t *ty, const float *x, int64_t ldx, int
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *wp = (float *)aligned_alloc(64, sizeof(float) * PANEL_PR * (size_t)k);
+        /* the thread's panel [PR][K], then the accumulators of a chunk's tiles between depth blocks */
+        const size_t panel_bytes = sizeof(float) * PANEL_PR * (size_t)k;
+        const size_t stash_bytes = sizeof(__m512) * PANEL_PR * (size_t)(chunk_rows + PANEL_MR);
+        float *wp = (float *)aligned_alloc(64, panel_bytes + stash_bytes);
+        __m512 *stash = wp ? (__m512 *)((char *)wp + panel_bytes) : 0;
         if (!wp) {
 #pragma omp atomic write
             rc = -4;
@@ -113,7 +143,7 @@ static int panels_grouped(const mls_type_t *ty, const float *x, int64_t ldx, int
             const int64_t j = it - first[a], c = j / runs, run = j % runs;
             const int64_t i0 = starts[a] + c * chunk_rows, i1 = i0 + chunk_rows < starts[a + 1] ? i0 + chunk_rows : starts[a + 1];
             const int64_t r0 = run * PANEL_PR * PANEL_RUN, r1 = r0 + PANEL_PR * PANEL_RUN < n ? r0 + PANEL_PR * PANEL_RUN : n;
-            panel_item(ty, w + experts[a] * expert_stride, row_bytes, r0, r1, x + i0 * ldx, ldx, i1 - i0, k, wp,
+            panel_item(ty, w + experts[a] * expert_stride, row_bytes, r0, r1, x + i0 * ldx, ldx, i1 - i0, k, wp, stash,
                        y + i0 * ldy, ldy);
         }
         free(wp);
