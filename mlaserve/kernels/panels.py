@@ -1,9 +1,10 @@
 """Exact (fp32) prefill products on decoded weight panels (csrc/x86/panels.c, AVX-512 builds): a panel of 4 weight
 rows decoded once into a thread's buffer (the reference decoder's values, bit for bit), every activation row of a
 chunk multiplied with it by fp32 fused multiply-adds, 16 lanes per accumulator. The many-rows path's fp32 products
-(kernels/ggml.py: more than GEMV_ROWS rows per weight, the weights that stay fp32 grade: bf16_prefill.takes_bf16's
-FP32_PANELS) instead of each weight decoded to fp32 in memory and then the BLAS GEMM: on routed experts (tens of
-rows each) that GEMM ran at ~60% of its 512-row speed and the decoded experts were written and read once more.
+(kernels/ggml.py: more than GEMV_ROWS rows per weight, the weights bf16_prefill.takes_bf16 leaves FP32; a grouped
+product at any row count, a dense one up to ggml.PANEL_ROWS) instead of each weight decoded to fp32 in memory and
+then the BLAS GEMM: on routed experts (tens of rows each) that GEMM ran at ~60% of its 512-row speed and the decoded
+experts were written and read once more.
 
 Notation
   x   [M, K]   fp32 activation rows (K a multiple of 16: every block type's rows are)
