@@ -1,8 +1,9 @@
 """A prompt's decompressed attention (MHA over K / V expanded from the latent rows) on the AMX-BF16 tiles, or where the
 process has none by AVX512-BF16 dot products (unit()): the scores q K^T and the output P V as bf16 products with
 fp32 sums (csrc/x86/amx_bf16_bmm.c, x86/avx512_bf16.c: the dot products round once per product, the tiles once per
-pair), the masked softmax between them in one C pass that writes P as bf16. The kernel plan takes it where it already runs the K / V expansion in bf16
-(MLAAttention.attention_bf16): K's nope half and V are then bf16 values, so the products round only q, k_pe and P.
+pair), the masked softmax between them in one C pass that writes P as bf16. The kernel plan takes it where it
+already runs the K / V expansion in bf16 (MLAAttention.attention_bf16): K's nope half and V are then bf16 values, so
+the products round only q, k_pe and P.
 
 Notation (one group of G heads of B requests, N = B G; u = 2^-8, bf = round to nearest even bfloat16)
   q    [B, G, Q, D]   fp32 queries of one block of Q queries, D = dn + dr; q_b = bf(scale q)   [N, Mp, Dp]

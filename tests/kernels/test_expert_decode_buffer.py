@@ -1,6 +1,7 @@
 """A prefill's chunks of decoded expert weights (kernels.ggml._decoded_grouped, more experts than EXPERT_BYTES
-holds; the fp32 path of builds without the AVX-512 panels) are decoded into one buffer, allocated once per call and reused by every chunk, and the products are
-those of one uncapped call; gate and up kept as two stacks decode into the halves of that same buffer."""
+holds; the fp32 path of builds without the AVX-512 panels) are decoded into one buffer, allocated once per call and
+reused by every chunk, and the products are those of one uncapped call; gate and up kept as two stacks decode into
+the halves of that same buffer."""
 
 from __future__ import annotations
 

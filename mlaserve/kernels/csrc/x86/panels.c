@@ -114,13 +114,14 @@ static int panels_grouped(const mls_type_t *ty, const float *x, int64_t ldx, int
                           int64_t row_bytes, int64_t expert_stride, const int64_t *experts, const int64_t *starts,
                           int64_t groups, float *y, int64_t ldy, int threads) {
     const int64_t kc = k < PANEL_KC ? k : PANEL_KC; /* a chunk's rows of one depth block fill PANEL_CHUNK_BYTES */
-    const int64_t chunk_rows = PANEL_CHUNK_BYTES / (4 * kc) > PANEL_MR ? PANEL_CHUNK_BYTES / (4 * kc) / PANEL_MR * PANEL_MR
-                                                                       : PANEL_MR;
+    const int64_t fit = PANEL_CHUNK_BYTES / (4 * kc);
+    const int64_t chunk_rows = fit > PANEL_MR ? fit / PANEL_MR * PANEL_MR : PANEL_MR;
     const int64_t runs = (n + PANEL_PR * PANEL_RUN - 1) / (PANEL_PR * PANEL_RUN);
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1)); /* each group's first item */
     if (!first) return -4;
     first[0] = 0;
-    for (int64_t a = 0; a < groups; a++) first[a + 1] = first[a] + (starts[a + 1] - starts[a] + chunk_rows - 1) / chunk_rows * runs;
+    for (int64_t a = 0; a < groups; a++)
+        first[a + 1] = first[a] + (starts[a + 1] - starts[a] + chunk_rows - 1) / chunk_rows * runs;
     const int64_t items = first[groups];
     int rc = 0;
 #pragma omp parallel num_threads(threads)
@@ -141,8 +142,9 @@ static int panels_grouped(const mls_type_t *ty, const float *x, int64_t ldx, int
             while (first[a + 1] <= it) a++;
             while (first[a] > it) a--;
             const int64_t j = it - first[a], c = j / runs, run = j % runs;
-            const int64_t i0 = starts[a] + c * chunk_rows, i1 = i0 + chunk_rows < starts[a + 1] ? i0 + chunk_rows : starts[a + 1];
-            const int64_t r0 = run * PANEL_PR * PANEL_RUN, r1 = r0 + PANEL_PR * PANEL_RUN < n ? r0 + PANEL_PR * PANEL_RUN : n;
+            const int64_t i0 = starts[a] + c * chunk_rows, r0 = run * PANEL_PR * PANEL_RUN;
+            const int64_t i1 = i0 + chunk_rows < starts[a + 1] ? i0 + chunk_rows : starts[a + 1];
+            const int64_t r1 = r0 + PANEL_PR * PANEL_RUN < n ? r0 + PANEL_PR * PANEL_RUN : n;
             panel_item(ty, w + experts[a] * expert_stride, row_bytes, r0, r1, x + i0 * ldx, ldx, i1 - i0, k, wp, stash,
                        y + i0 * ldy, ldy);
         }
