@@ -9,7 +9,7 @@ import torch
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import native
+from mlaserve.kernels import ggml, native
 
 F32 = np.float32
 U = 2.0**-24
@@ -140,3 +140,27 @@ def assert_groups_int8(ys: torch.Tensor, xs: torch.Tensor, t: int, k: int, parts
         want = torch.cat([chunked_int8(t, xs[s0 : s0 + c], p[e], k, size) for p in parts], dim=1)
         assert torch.equal(ys[s0 : s0 + c], want), (t, a, (ys[s0 : s0 + c] - want).abs().max().item())
         s0 += c
+
+
+def assert_grouped_route(
+    name: str, blocks, counts: list[int], seed: int, size: int, above: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 prefill route of routed experts (kernels/ggml.expert_linear_native with tiles, int8_6bit, bf16 on):
+    gate and up as two stacks of 5 experts (blocks(name, rows, k, generator, lead): random weight blocks), groups of
+    `counts` rows for experts 0, 2, 3, 4, each group's rows bit for bit its expert's int8 product in chunks of `size`
+    rows; a mean of `above` rows per expert takes the decoded bf16 GEMMs (the products without the int8 setting).
+    Returns the groups' products and theirs without the int8 setting."""
+    t, k, inter = GGML_TYPE_IDS[name], 512, 24
+    g = torch.Generator().manual_seed(seed)
+    stacks = (blocks(name, inter, k, g, (5,)), blocks(name, inter, k, g, (5,)))
+    experts = torch.tensor([0, 2, 3, 4])
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    xs = torch.randn(sum(counts), k, generator=g) * 2
+    ys = ggml.expert_linear_native(xs, stacks, t, k, experts, offs, int8=6, bf16=True, tiles=True)
+    assert_groups_int8(ys, xs, t, k, stacks, experts, counts, size=size)
+    many = torch.tensor([above] * 4)
+    offs_many = torch.cumsum(many, 0).to(torch.int32)
+    xm = torch.randn(int(many.sum()), k, generator=g)
+    ym = ggml.expert_linear_native(xm, stacks, t, k, experts, offs_many, int8=6, bf16=True, tiles=True)
+    assert torch.equal(ym, ggml.expert_linear_native(xm, stacks, t, k, experts, offs_many, int8=6, bf16=True))
+    return ys, ggml.expert_linear_native(xs, stacks, t, k, experts, offs, int8=6, bf16=True)

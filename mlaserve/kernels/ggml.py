@@ -55,7 +55,9 @@ MOE_PAIRS = 8
 # rather than decode-then-BLAS: the BLAS packs the weight for every call, which few rows do not amortize. Measured on
 # the 2-core AVX-512 EPYC of 2026-12-06, ds-real's Q8_0 shapes, BLAS / panels time: 17 rows 2.5-3x, 64 rows
 # 1.2-1.4x, 128 rows 1.0-1.1x, 256 rows 0.9-1.1x; at 512-2048 rows the BLAS is 10-15% faster. The grouped products
-# (routed experts, heads) take the panels at every row count (a group's rows are few; level at 512 per expert).
+# (routed experts, heads) take the panels at every row count (a group's rows are few; level at 512 per expert). One
+# CPU measured: on an AMX Xeon Q8_0 takes the bf16 pairs instead, and the fp32 crossover there (prefill_matmul
+# "float") is unmeasured.
 PANEL_ROWS = 128
 # Decoded fp32 expert weights per chunk when many rows per expert take decode-then-GEMM (prefill). 16 MiB: the
 # peak of a 512-token prefill of the standard benchmark model's Q8_0 file was 0.09 GiB above 64 MiB's (a chunk

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int8_reference import assert_groups_int8
+from int8_reference import assert_grouped_route
 from test_kernels import random_blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
@@ -36,22 +36,9 @@ def no_tiles(monkeypatch):
 def test_grouped_rows_stay_int8_up_to_row_kernel_rows(name, no_tiles):
     """groups of 40 / 3 / 150 / 17 rows (mean 52.5): each group's rows bit for bit its expert's chunked int8
     product (gate and up as two stacks, side by side); with the mean above ROW_KERNEL_ROWS the decoded bf16 GEMMs."""
-    t, k, inter = GGML_TYPE_IDS[name], 512, 24
-    g = torch.Generator().manual_seed(21)
-    gate, up = random_blocks(name, inter, k, g, (5,)), random_blocks(name, inter, k, g, (5,))
-    experts, counts = torch.tensor([0, 2, 3, 4]), [40, 3, 150, 17]
-    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-    xs = torch.randn(sum(counts), k, generator=g) * 2
-    assert ggml.expert_int8_rows(t) == ggml.ROW_KERNEL_ROWS
-    ys = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True, tiles=True)
-    assert_groups_int8(ys, xs, t, k, (gate, up), experts, counts, size=5)
-    bf16 = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True)  # no int8 setting
-    assert not torch.equal(ys, bf16)
-    many = torch.tensor([ggml.ROW_KERNEL_ROWS + 1] * 4)
-    offs_many = torch.cumsum(many, 0).to(torch.int32)
-    xm = torch.randn(int(many.sum()), k, generator=g)
-    ym = ggml.expert_linear_native(xm, (gate, up), t, k, experts, offs_many, int8=6, bf16=True, tiles=True)
-    assert torch.equal(ym, ggml.expert_linear_native(xm, (gate, up), t, k, experts, offs_many, int8=6, bf16=True))
+    assert ggml.expert_int8_rows(GGML_TYPE_IDS[name]) == ggml.ROW_KERNEL_ROWS
+    ys, bf16 = assert_grouped_route(name, random_blocks, [40, 3, 150, 17], 21, size=5, above=ggml.ROW_KERNEL_ROWS + 1)
+    assert not torch.equal(ys, bf16)  # the int8 products, not the bf16 GEMMs'
 
 
 @needs_native

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int8_reference import assert_groups_int8, chunked_int8
+from int8_reference import assert_grouped_route, chunked_int8
 from test_kernels import SCALE_BYTES, random_blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
@@ -60,19 +60,8 @@ def test_grouped_route_equals_per_group_vnni_products(name):
     """expert_linear_native with tiles, gate and up as two stacks, groups of 40 / 3 / 70 / 17 rows (mean 32.5 <=
     TILE_ROWS: one int8 call per part, the tiles taking the groups of 16+ rows): each group's rows bit for bit that
     expert's VNNI-chunk product; with the mean above TILE_ROWS the decoded grouped GEMMs run instead."""
-    t, k, inter = GGML_TYPE_IDS[name], 512, 24
-    g = torch.Generator().manual_seed(12)
-    gate, up = random_blocks(name, inter, k, g, (5,)), random_blocks(name, inter, k, g, (5,))
-    experts, counts = torch.tensor([0, 2, 3, 4]), [40, 3, 70, 17]
-    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-    xs = torch.randn(sum(counts), k, generator=g) * 2
-    ys = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, int8=6, bf16=True, tiles=True)
-    assert_groups_int8(ys, xs, t, k, (gate, up), experts, counts, size=VNNI_CHUNK)
-    many = torch.tensor([ggml.tile_rows(t) + 1] * 4)
-    offs_many = torch.cumsum(many, 0).to(torch.int32)
-    xm = torch.randn(int(many.sum()), k, generator=g)
-    ym = ggml.expert_linear_native(xm, (gate, up), t, k, experts, offs_many, int8=6, bf16=True, tiles=True)
-    assert torch.equal(ym, ggml.expert_linear_native(xm, (gate, up), t, k, experts, offs_many, int8=6, bf16=True))
+    above = ggml.tile_rows(GGML_TYPE_IDS[name]) + 1
+    assert_grouped_route(name, random_blocks, [40, 3, 70, 17], 12, size=VNNI_CHUNK, above=above)
 
 
 @needs_tiles

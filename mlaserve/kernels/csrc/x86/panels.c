@@ -19,9 +19,9 @@
    An output's operations are the same whatever tile, chunk, depth block, batch or thread it falls in: a row's result
    does not depend on the batch. Activation rows are taken in chunks and the depth PANEL_KC values at a time: a chunk's
    rows of one depth block fill PANEL_CHUNK_BYTES and stay in L2 while its tiles pass; each panel is decoded once per
-   chunk, and the tiles' accumulators wait between depth blocks in a stash, exactly (long rows: ds-real's Q8_0 dense
-   down, K 10944, at 64 / 128 / 256 rows 31-38 / 64-70 / 121-132 ms -> 20 / 38 / 75-80 ms, when the whole depth at
-   once left 6 rows per chunk). */
+   chunk, and the tiles' accumulators wait between depth blocks in a stash, exactly (long rows, on the 2-core AVX-512
+   EPYC of 2026-12-06: ds-real's Q8_0 dense down, K 10944, at 64 / 128 / 256 rows 31-38 / 64-70 / 121-132 ms -> 20 /
+   38 / 75-80 ms, when the whole depth at once left 6 rows per chunk). */
 #ifdef MLS_AVX512
 #define PANEL_PR 4                       /* weight rows per panel: 4 accumulators per activation row */
 #define PANEL_MR 6                       /* activation rows per tile: 24 accumulators, 4 panel rows, 1 x */
