@@ -44,8 +44,9 @@ SCOPES = [
     ("mlaserve.quant.ggml_linear", "GGUFLinear", "forward", "gguf linear (blocks kept)"),
     ("mlaserve.quant.ggml_linear", "GGUFExperts", "forward", "gguf routed experts (blocks kept)"),
     ("mlaserve.quant.ggml_linear", "GGUFEmbedding", "forward", "gguf embedding lookup"),
-    ("mlaserve.quant.ggml_linear", "GGUFHeads", "absorb", "gguf W_UK (attn_k_b blocks)"),
-    ("mlaserve.quant.ggml_linear", "GGUFHeads", "expand", "gguf W_UV (attn_v_b blocks)"),
+    ("mlaserve.quant.ggml_heads", "GGUFHeads", "absorb", "gguf W_UK (attn_k_b blocks)"),
+    ("mlaserve.quant.ggml_heads", "GGUFHeads", "expand", "gguf W_UV (attn_v_b blocks)"),
+    ("mlaserve.kernels.native_layers", None, "decode_layers", "native decoder layers (one call)"),
     ("mlaserve.kernels.native", None, "moe_route", "native router call"),
     ("mlaserve.kernels.native", None, "moe_experts", "native routed-experts call"),
 ]
