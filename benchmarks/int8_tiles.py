@@ -1,14 +1,17 @@
-"""AMX-INT8 tiles vs the VNNI row kernels for the K-quants' int8 products (csrc/x86/amx.c against x86/avx2.c's
-q8k rows), and vs the bf16 prefill GEMM (decode to bf16, then oneDNN), one weight at several row counts.
+"""AMX-INT8 tiles (or, on a CPU without them, the AVX512-VNNI weight panels) vs the VNNI row kernels for the K-quants'
+int8 products (csrc/x86/amx.c or x86/vnni_panels.c against x86/avx2.c's q8k rows), and vs the bf16 prefill GEMM
+(decode to bf16, then oneDNN), one weight at several row counts.
 
   PYTHONPATH=$PWD python benchmarks/int8_tiles.py [--threads N] [--rounds R] [--reps N] [--rows 1,16,64,512]
       [--shapes NxK,...]
 
 One DeepSeek-V3 expert matrix (2048 x 7168; --shapes 1024x1024,1024x512: the standard model's) of random valid
 Q4_K / Q6_K blocks (int8_activations.py's: the time does not depend on the values) times --rows activation rows:
-  tiles  `native.gemm(..., int8=True)` in this CPU's build (-march=native: the tiles from 16 rows on AMX-INT8)
-  vnni   the same call in the same sources built without AMX (-mno-amx-tile -mno-amx-int8), loaded side by side:
-         the VNNI rows at every count (below 16 rows both builds run these: the control, ratio ~1)
+  tiles  `native.gemm(..., int8=True)` in this CPU's build (-march=native: the tiles from 8 rows on AMX-INT8; without
+         them the VNNI panels from native.panel_rows rows, 12 or 16)
+  vnni   the same call in the same sources built without AMX (-mno-amx-tile -mno-amx-int8) or, where this process has
+         no tiles, without the panels (-DMLS_NO_VNNI_PANELS), loaded side by side: the VNNI rows at every count
+         (below the threshold both builds run these: the control, ratio ~1)
   bf16   what the many-rows path runs at prefill_matmul auto: the weight decoded to bf16, then bf16_prefill.linear
 Each round times the three back to back (--reps calls each); per call both the wall time and the process's CPU time
 (with one thread the CPU time leaves out the time a loaded machine takes the core away: the steadier figure under
@@ -52,11 +55,14 @@ from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import bf16_prefill, native
 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
+NO_PANELS = ("-DMLS_NO_VNNI_PANELS",)
 
 
 def builds() -> dict[str, object]:
+    """this build, and the control without its unit for many rows: AMX where the process has the tiles, else the
+    VNNI panels"""
     tiles = native.library()
-    plain, detail = native._build(NO_AMX)
+    plain, detail = native._build(NO_AMX if native.tiles_granted() else NO_PANELS)
     if tiles is None or plain is None:
         raise SystemExit(f"native kernels unavailable: {detail}")
     return {"tiles": tiles, "vnni": plain}
@@ -148,9 +154,10 @@ def main() -> None:
         return step16(args, env)
     if args.grouped:
         return grouped(args, env)
-    env.update(int8_isa=native.int8_isa(), int8_tiles=native.int8_tiles())
+    env.update(int8_isa=native.int8_isa(), int8_tiles=native.int8_tiles(), int8_panels=native.int8_panels())
     print(
-        f"{env['cpu']}: {' '.join(env['cpu_simd'])}; {env['int8_isa']}; {env['int8_tiles']}; load {env['loadavg_before']}"
+        f"{env['cpu']}: {' '.join(env['cpu_simd'])}; {env['int8_isa']}; {env['int8_tiles']}; "
+        f"{env['int8_panels'] or 'no vnni panels'}; load {env['loadavg_before']}"
     )
     libs = builds()
     rows_out = []

@@ -36,6 +36,7 @@ bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations'
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 
 import torch
@@ -112,16 +113,28 @@ KERNELS = ("native", "torch")
 ROW_KERNEL_ROWS = 128
 
 
+# Where the process runs a type's int8 products on the VNNI panels (native.takes_panels: Q4_K, Q5_K, Q6_K on an
+# AVX512-VNNI CPU without AMX-INT8 tiles), they stay int8 at every row count: measured faster than the weight decoded
+# for a bf16 GEMM at every count tried (2 threads, the 2-core AVX-512 EPYC without AMX of 2026-12-06; the weights
+# from glm-real's Q4_K_M file): its dense Q4_K weights at 32 / 128 / 512 / 2048 rows 2.2-3.2x / 1.9-2.2x / 1.7-1.85x /
+# 1.1-1.55x, its routed experts at 64-512 rows per expert Q4_K 1.8-2.7x, Q6_K 1.4-1.6x (benchmarks/int8_tiles.py
+# compares the units on random blocks).
+PANEL_INT8_ROWS = sys.maxsize
+
+
 def expert_int8_rows(ggml_type: int) -> int:
     """Rows per active expert (on average) up to which a routed-expert product the holder keeps int8 in prefill
-    (native.takes_expert_int8) stays int8: tile_rows on the AMX-INT8 tiles, ROW_KERNEL_ROWS on the row kernels where
-    the process has no tiles."""
-    return tile_rows(ggml_type) if native.tiles_granted() else ROW_KERNEL_ROWS
+    (native.takes_expert_int8) stays int8: tile_rows on the AMX-INT8 tiles or the VNNI panels, ROW_KERNEL_ROWS on the
+    row kernels where the process has neither for the type."""
+    return tile_rows(ggml_type) if native.tiles_granted() or native.panel_rows(ggml_type) else ROW_KERNEL_ROWS
 
 
 def tile_rows(ggml_type: int) -> int:
-    """Rows per product (per active expert, on average) up to which a tile-taking weight of this type stays int8 on
-    the tiles: GRID_TILE_ROWS for the grid i-quants, TILE_ROWS for the others."""
+    """Rows per product (per active expert, on average) up to which a weight of this type that the holder keeps int8
+    in prefill stays int8: on the VNNI panels (no AMX tiles here, native.panel_rows) every count (PANEL_INT8_ROWS);
+    on the tiles GRID_TILE_ROWS for the grid i-quants, TILE_ROWS for the others."""
+    if not native.tiles_granted() and native.panel_rows(ggml_type):
+        return PANEL_INT8_ROWS
     return GRID_TILE_ROWS if ggml_type in GRID_TILE_TYPES else TILE_ROWS
 
 

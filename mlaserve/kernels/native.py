@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 26  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 27  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -168,6 +168,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_int8_tiles.restype = c_int
     lib.mls_int8_tile_rows.argtypes = [c_int]
     lib.mls_int8_tile_rows.restype = i64
+    lib.mls_int8_panel_rows.argtypes = [c_int]
+    lib.mls_int8_panel_rows.restype = i64
     lib.mls_q8_0_bf16_pairs.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_q8_0_bf16_pairs_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
     lib.mls_bf16_bmm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int]
@@ -268,6 +270,36 @@ def takes_tiles(type_id: int, int8: bool | int) -> bool:
     int8 setting: the type takes int8 activations there (takes_int8), has a tile kernel (INT8_TILE_TYPES) and the
     process has the tiles (tiles_granted)."""
     return takes_int8(type_id, int8) and type_id in INT8_TILE_TYPES and tiles_granted()
+
+
+# csrc/x86/vnni_panels.c vnni_type: the weights whose int8 products of many rows run on 16-row weight panels with
+# AVX512-VNNI where the process has no AMX-INT8 tiles (the row kernels' bits)
+INT8_PANEL_TYPES = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def panel_rows(type_id: int) -> int:
+    """The activation rows from which an int8 product on this type runs on the VNNI panels in this process
+    (csrc/x86/vnni_panels.c: an AVX512-VNNI build, no AMX-INT8 tiles granted); 0 when it never does."""
+    lib = library()
+    return int(lib.mls_int8_panel_rows(type_id)) if lib is not None else 0
+
+
+def takes_panels(type_id: int, int8: bool | int) -> bool:
+    """Whether this weight's int8 products of many rows run on the VNNI panels here: it takes int8 activations
+    (takes_int8) and the process runs its type on them (panel_rows)."""
+    return takes_int8(type_id, int8) and panel_rows(type_id) > 0
+
+
+def int8_panels(names: tuple[str, ...] = tuple(INT8_PANEL_TYPES.values())) -> str:
+    """The VNNI panels in words for the kernel plan: "avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; Q6_K at >= 16
+    rows" (names: the types to name), or "" where none of them runs there."""
+    ids, by_rows = {v: k for k, v in INT8_PANEL_TYPES.items()}, {}
+    for name in names:
+        if panel_rows(ids[name]):
+            by_rows.setdefault(panel_rows(ids[name]), []).append(name)
+    if not by_rows:
+        return ""
+    return "avx512-vnni panels for " + "; ".join(f"{', '.join(n)} at >= {r} rows" for r, n in sorted(by_rows.items()))
 
 
 # The types whose routed-expert prefill products stay on the int8 row kernels where the process has no tiles: the

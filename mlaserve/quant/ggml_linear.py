@@ -86,18 +86,28 @@ def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
 def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
     """What the kernel plan says of a holder's prefill products kept int8: the types of its weights whose products of
     up to ggml.tile_rows(type) rows (per active expert) stay int8 on the AMX-INT8 tiles, or, where the process has
-    no tiles, up to ggml.ROW_KERNEL_ROWS per active expert on the row kernels, instead of decode-then-GEMM, and what
-    runs above; None where none does."""
+    no tiles, at every row count on the VNNI panels (native.panel_rows) or up to ggml.ROW_KERNEL_ROWS per active
+    expert on the row kernels, instead of decode-then-GEMM, and what runs above; None where none does."""
     taken = {t for t, b in zip(types, tiles, strict=True) if b}
     if not taken:
         return None
-    if not native.tiles_granted():  # routed experts only (native.takes_expert_int8)
-        names = ", ".join(sorted(GGML_TYPES[t].name for t in taken))
-        return (
-            f"int8 prefill on the row kernels for {names} up to {ggml.ROW_KERNEL_ROWS} rows per active expert "
-            "(no amx-int8 tiles here; measured crossover with the experts decoded for a bf16 GEMM: "
-            "kernels/ggml.ROW_KERNEL_ROWS), decode-then-GEMM above"
-        )
+    if not native.tiles_granted():
+        said = []
+        panel = sorted(GGML_TYPES[t].name for t in taken if native.panel_rows(t))
+        rows = sorted(GGML_TYPES[t].name for t in taken if not native.panel_rows(t))  # routed experts only
+        if panel:
+            said.append(
+                f"int8 prefill at every row count for {', '.join(panel)} ({native.int8_panels(tuple(panel))}, the "
+                "row kernels below; measured faster than decode-then-GEMM in bf16 at every count: "
+                "kernels/ggml.PANEL_INT8_ROWS)"
+            )
+        if rows:
+            said.append(
+                f"int8 prefill on the row kernels for {', '.join(rows)} up to {ggml.ROW_KERNEL_ROWS} rows per active "
+                "expert (no amx-int8 tiles here; measured crossover with the experts decoded for a bf16 GEMM: "
+                "kernels/ggml.ROW_KERNEL_ROWS), decode-then-GEMM above"
+            )
+        return "; ".join(said)
     by_rows: dict[int, list[str]] = {}
     for t in sorted(taken, key=lambda t: GGML_TYPES[t].name):
         by_rows.setdefault(ggml.tile_rows(t), []).append(GGML_TYPES[t].name)
@@ -207,8 +217,9 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
 
     def set_prefill_tiles(self) -> None:
         """The KernelPlan's int8 prefill setting (prefill_matmul "int8"), decided here once, after the int8 one:
-        whether this weight's int8 products run on the AMX-INT8 tiles in this process (native.takes_tiles)."""
-        self.tiles = native.takes_tiles(self.ggml_type, self.int8)
+        whether this weight's int8 products of many rows run on the AMX-INT8 tiles in this process (native.takes_tiles)
+        or, without them, on the VNNI panels (native.takes_panels)."""
+        self.tiles = native.takes_tiles(self.ggml_type, self.int8) or native.takes_panels(self.ggml_type, self.int8)
 
     def native_detail(self) -> str:
         """The plan's note: the build and whether the type has a fused decode-and-dot kernel in it."""

@@ -149,6 +149,20 @@ int mls_quantize_act(int type, const float *x, int64_t m, int64_t k, int64_t ldx
     return 0;
 }
 
+/* whether a product of m activation rows runs on the VNNI panels (x86/vnni_panels.c): where the AMX tiles do not
+   take it */
+#ifdef MLS_VNNI_PANELS
+static int vnni_take(int type, int64_t m) {
+#ifdef MLS_AMX
+    if (amx_takes(type, m)) return 0;
+#endif
+    return vnni_takes(type, m);
+}
+#define VNNI_TOOK(m) vnni_take(type, (m))
+#else
+#define VNNI_TOOK(m) 0
+#endif
+
 static inline float q8dot(q8rows_fn fn, const uint8_t *b, const int8_t *xq, const float *xd, int64_t k) {
     float y;
     fn(b, xq, xd, 1, k, &y, 1);
@@ -174,6 +188,12 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
     if (amx_takes(type, m))
         rc = amx_gemm(type, w, n, row_bytes, xq, xd, m, k, y, ldy, threads);
     else
+#endif
+#ifdef MLS_VNNI_PANELS
+    if (VNNI_TOOK(m)) {
+        const int64_t one[2] = {0, m}, expert = 0;
+        rc = vnni_grouped(type, &w, 1, n, row_bytes, 0, &expert, one, 1, xq, xd, k, y, ldy, threads, vnni_take);
+    } else
 #endif
     {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -209,12 +229,21 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
 #else
 #define AMX_TOOK(m) 0
 #endif
-    int64_t rest = 0; /* groups left to the row kernels (all of a decode step's: no tile call, no allocation) */
-    for (int64_t a = 0; a < groups; a++) rest += !AMX_TOOK(starts[a + 1] - starts[a]);
+    int64_t rest = 0, vnni = 0; /* groups left to the row kernels (all of a decode step's: no tile call, no allocation) */
+    for (int64_t a = 0; a < groups; a++) {
+        const int64_t rows = starts[a + 1] - starts[a];
+        vnni += VNNI_TOOK(rows) != 0;
+        rest += !AMX_TOOK(rows) && !VNNI_TOOK(rows);
+    }
 #ifdef MLS_AMX
-    if (rest < groups)
+    if (rest + vnni < groups)
         rc = amx_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy,
                          threads);
+#endif
+#ifdef MLS_VNNI_PANELS
+    if (vnni && rc == 0)
+        rc = vnni_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy,
+                          threads, vnni_take);
 #endif
     if (rest && rc == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -223,7 +252,7 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
             const int64_t r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
             const uint8_t *we = ws[q] + experts[a] * expert_stride;
             const int64_t p0 = starts[a];
-            if (AMX_TOOK(starts[a + 1] - p0)) continue;
+            if (AMX_TOOK(starts[a + 1] - p0) || VNNI_TOOK(starts[a + 1] - p0)) continue;
             for (int64_t r = r0; r < r1; r++)
                 fn(we + r * row_bytes, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k, y + p0 * ldy + q * n + r, ldy);
         }

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 26
+#define MLS_ABI_VERSION 27
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -261,6 +261,9 @@ const char *mls_int8_isa(void);
 int mls_int8_tiles(void);
 /* x86/amx.c: the activation rows from which an int8 product on this type takes the tiles; 0 never */
 int64_t mls_int8_tile_rows(int type);
+/* x86/vnni_panels.c: the activation rows from which an int8 product on this type (Q4_K, Q5_K, Q6_K) runs on 16-row
+   weight panels with AVX512-VNNI (the row kernels' bits) in this process; 0 never (no AVX512-VNNI, or AMX tiles) */
+int64_t mls_int8_panel_rows(int type);
 /* x86/amx_bf16.c: Q8_0 products of many rows on AMX-BF16 tiles: the int8 codes exact in bf16, each activation
    split into two bf16s (~2^-16 per product), block scales applied in fp32; y [m, ldy], x [m, ldx]. 0, -1 no bf16
    tiles here, -2 k not a multiple of 32, -4 out of memory */

@@ -1,0 +1,130 @@
+"""Int8 products of many rows on AVX512-VNNI weight panels (csrc/x86/vnni_panels.c) where the process has no AMX-INT8
+tiles: Q4_K, Q5_K, Q6_K from native.panel_rows activation rows (12; Q6_K 16), the row kernels below.
+
+The panels sum the row kernels' integers exactly (16 weight rows in the lanes of a vector, vpdpbusd per 4 values,
+the sub-block scales on the int32 sums; Q6_K's -32 on the activations' sums per 16 values) and apply the same float
+steps in the same order per (activation row, weight row), so their products must equal the numpy reference of
+test_int8_tiles.py (llama.cpp's q8_K quantizer and the weight codes from ggml's layout, checked against gguf-py in
+test_int8_kquants.py) bit for bit: at row counts on both sides of the switch, odd tails of the 8-row activation
+tiles, a last 16-row panel holding 5 rows, 3 super-blocks. Then the route (prefill_matmul "int8" without tiles): a
+weight whose type runs on the panels stays int8 at every row count, dense and routed, and the plan says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from int8_reference import assert_grouped_tiles, chunked_int8, with_build
+from test_int8_kquants import _blocks, _special_x
+from test_int8_tiles import reference
+
+from mlaserve.gguf.quants import GGML_TYPE_IDS
+from mlaserve.kernels import ggml, native
+from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear, tiles_detail
+
+STATUS = native.status()
+PANELS = STATUS.available and native.panel_rows(GGML_TYPE_IDS["Q4_K"]) > 0
+needs_panels = pytest.mark.skipif(
+    not PANELS,
+    reason=f"no VNNI panels in this process (no AVX512-VNNI in the build, or AMX-INT8 tiles take these products): "
+    f"{STATUS.detail}",
+)
+NAMES = ["Q4_K", "Q5_K", "Q6_K"]
+ROWS = (1, 7, 11, 12, 13, 15, 16, 17, 23, 31, 33, 48, 64)  # both sides of 12 and 16; tails of the 8-row tiles
+
+
+@needs_panels
+@pytest.mark.parametrize("name", NAMES)
+def test_panel_products_equal_the_reference_bit_for_bit(name):
+    """gemm at 1..64 rows, 37 weight rows (the last panel holds 5), 3 super-blocks: the reference's bits at every
+    count; rows 5..40 inside another batch the same (a row's result does not depend on its batch or tile)."""
+    t, k = GGML_TYPE_IDS[name], 768
+    raw, x = _blocks(name, 37, k, seed=21), _special_x(64, k, seed=22)
+    want = reference(raw, name, x)
+    assert native.panel_rows(t) in (12, 16)
+    for rows in ROWS:
+        got = native.gemm(t, x[:rows].contiguous(), raw, k, int8=True)
+        assert torch.equal(got, want[:rows]), (name, rows, (got - want[:rows]).abs().max().item())
+    assert torch.equal(native.gemm(t, x[5:41].contiguous(), raw, k, int8=True), want[5:41])
+
+
+@needs_panels
+@pytest.mark.parametrize("name", NAMES)
+def test_grouped_panel_products_equal_the_reference(name):
+    """The grouped gemm with groups of 19 / 5 / 26 rows (panels and row kernels in one call), experts out of order."""
+    assert_grouped_tiles(name, _blocks, reference, _special_x(50, 512, seed=23))
+
+
+@needs_panels
+def test_a_nan_row_stays_its_own():
+    """A row holding NaN gets NaN outputs (its super-block scale is NaN, as on the row kernels) and leaves the other
+    rows of its panel and tile their bits."""
+    t, k = GGML_TYPE_IDS["Q4_K"], 512
+    raw, x = _blocks("Q4_K", 20, k, seed=24), _special_x(20, k, seed=25)
+    want = reference(raw, "Q4_K", x)
+    x[6, 300] = float("nan")
+    got = native.gemm(t, x, raw, k, int8=True)
+    assert torch.isnan(got[6]).all()
+    keep = torch.arange(20) != 6
+    assert torch.equal(got[keep], want[keep])
+
+
+@needs_panels
+def test_a_build_without_vnni_runs_the_row_kernels_with_the_same_bits(monkeypatch):
+    """The plain path kept: the same sources built without AVX512-VNNI run the row kernels at every row count (no
+    panels: panel_rows 0) and give the same bits."""
+    t, k = GGML_TYPE_IDS["Q6_K"], 512
+    raw, x = _blocks("Q6_K", 19, k, seed=26), _special_x(33, k, seed=27)
+    want = reference(raw, "Q6_K", x)
+    with_build(monkeypatch, ("-mno-avx512vnni",))
+    assert native.panel_rows(t) == 0 and native.int8_panels() == ""
+    assert torch.equal(native.gemm(t, x, raw, k, int8=True), want)
+
+
+@needs_panels
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_route_stays_int8_at_every_row_count(name, monkeypatch):
+    """Without tiles, a panel type flagged for int8 prefill stays on the int8 call far above ROW_KERNEL_ROWS: dense
+    200 rows and routed experts at 150 rows per expert give the chunked int8 products' bits (the bf16 GEMMs would
+    not)."""
+    monkeypatch.setattr(native, "tiles_granted", lambda: False)
+    t, k = GGML_TYPE_IDS[name], 512
+    assert ggml.tile_rows(t) == ggml.expert_int8_rows(t) == ggml.PANEL_INT8_ROWS
+    raw, x = _blocks(name, 24, k, seed=28), _special_x(200, k, seed=29)
+    got = ggml.linear_native(x, raw, t, k, int8=6, bf16=True, tiles=True)
+    assert torch.equal(got, chunked_int8(t, x, raw, k, 7))
+    stacks = torch.stack([_blocks(name, 24, k, seed=s) for s in (30, 31)])
+    experts, offs = torch.tensor([1, 0]), torch.tensor([150, 300], dtype=torch.int32)
+    xs = _special_x(300, k, seed=32)
+    ys = ggml.expert_linear_native(xs, stacks, t, k, experts, offs, int8=6, bf16=True, tiles=True)
+    assert torch.equal(ys[:150], chunked_int8(t, xs[:150], stacks[1], k, 7))
+    assert torch.equal(ys[150:], chunked_int8(t, xs[150:], stacks[0], k, 7))
+
+
+@needs_panels
+def test_holders_take_the_panels_by_the_plan_and_say_so(monkeypatch):
+    """set_prefill_tiles without tiles: a dense Q4_K weight under int8_6bit takes the panels (before them only routed
+    experts stayed int8), under float activations not; the plan names the panels with their rows, and an expert type
+    without panels (IQ4_XS) the row kernels up to ROW_KERNEL_ROWS."""
+    monkeypatch.setattr(native, "tiles_granted", lambda: False)
+    q4k, q6k, iq4 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["Q6_K"], GGML_TYPE_IDS["IQ4_XS"]
+    lin = GGUFLinear(256, 32, q4k, False, torch.float32, "cpu")
+    lin.int8 = 6
+    lin.set_prefill_tiles()
+    assert lin.tiles
+    lin.int8 = 0
+    lin.set_prefill_tiles()
+    assert not lin.tiles
+    assert native.int8_panels() == "avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; Q6_K at >= 16 rows"
+    said = tiles_detail((q4k, q6k), (True, True))
+    assert said.startswith(
+        "int8 prefill at every row count for Q4_K, Q6_K (avx512-vnni panels for Q4_K at >= 12 rows; Q6_K at >= 16 "
+        "rows, the row kernels below;"
+    )
+    ex = GGUFExperts(256, 4, 256, iq4, q4k, "cpu")
+    ex.int8 = 6
+    ex.set_prefill_tiles()
+    assert (ex.tiles_gate_up, ex.tiles_down) == (True, True)
+    said = ex.native_detail()
+    assert "int8 prefill at every row count for Q4_K (" in said
+    assert f"int8 prefill on the row kernels for IQ4_XS up to {ggml.ROW_KERNEL_ROWS} rows per active expert" in said
