@@ -273,8 +273,9 @@ def takes_tiles(type_id: int, int8: bool | int) -> bool:
 
 
 # csrc/x86/vnni_panels.c vnni_type: the weights whose int8 products of many rows run on 16-row weight panels with
-# AVX512-VNNI where the process has no AMX-INT8 tiles (the row kernels' bits)
-INT8_PANEL_TYPES = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# AVX512-VNNI where the process has no AMX-INT8 tiles (the row kernels' bits): the tiles' types, the K-quants and the
+# i-quants with q8_K activations (their signed codes plus an offset)
+INT8_PANEL_TYPES = dict(INT8_TILE_TYPES)
 
 
 def panel_rows(type_id: int) -> int:

@@ -1,5 +1,6 @@
 """Int8 products of many rows on AVX512-VNNI weight panels (csrc/x86/vnni_panels.c) where the process has no AMX-INT8
-tiles: Q4_K, Q5_K, Q6_K from native.panel_rows activation rows (12; Q6_K 16), the row kernels below.
+tiles: Q4_K, Q5_K, Q6_K and the i-quants from native.panel_rows activation rows (12; Q6_K and the i-quants 16), the
+row kernels below.
 
 The panels sum the row kernels' integers exactly (16 weight rows in the lanes of a vector, vpdpbusd per 4 values,
 the sub-block scales on the int32 sums; Q6_K's -32 on the activations' sums per 16 values) and apply the same float
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int8_reference import assert_grouped_tiles, chunked_int8, with_build
+from int8_reference import assert_grouped_tiles, chunked_int8, grid_blocks, with_build
 from test_int8_kquants import _blocks, _special_x
 from test_int8_tiles import reference
 
@@ -30,6 +31,7 @@ needs_panels = pytest.mark.skipif(
     f"{STATUS.detail}",
 )
 NAMES = ["Q4_K", "Q5_K", "Q6_K"]
+IQ_NAMES = [n for n in native.INT8_PANEL_TYPES.values() if n.startswith("IQ")]
 ROWS = (1, 7, 11, 12, 13, 15, 16, 17, 23, 31, 33, 48, 64)  # both sides of 12 and 16; tails of the 8-row tiles
 
 
@@ -53,6 +55,27 @@ def test_panel_products_equal_the_reference_bit_for_bit(name):
 def test_grouped_panel_products_equal_the_reference(name):
     """The grouped gemm with groups of 19 / 5 / 26 rows (panels and row kernels in one call), experts out of order."""
     assert_grouped_tiles(name, _blocks, reference, _special_x(50, 512, seed=23))
+
+
+@needs_panels
+@pytest.mark.parametrize("name", IQ_NAMES)
+def test_i_quant_panels_equal_the_row_kernels_bit_for_bit(name):
+    """The i-quants (signed codes plus an offset, their scales per 16 values): gemm at 16..64 rows equal to the int8
+    product in chunks of 7 rows (the row kernels, held to the i-quants' references in test_int8_iq_grids.py and
+    test_int8_more.py), 37 weight rows, 3 super-blocks; and in a grouped call with a group below the threshold."""
+    t, k = GGML_TYPE_IDS[name], 768
+    raw, x = grid_blocks(name, 37, k, seed=33), _special_x(64, k, seed=34) * 0.5
+    want = chunked_int8(t, x, raw, k, 7)
+    assert native.panel_rows(t) == 16
+    for rows in (16, 17, 23, 33, 64):
+        got = native.gemm(t, x[:rows].contiguous(), raw, k, int8=True)
+        assert torch.equal(got, want[:rows]), (name, rows, (got - want[:rows]).abs().max().item())
+    stacked = torch.stack([grid_blocks(name, 37, k, seed=s) for s in (35, 36)])
+    ys = native.grouped_gemm(
+        t, x[:40].contiguous(), stacked, k, torch.tensor([1, 0]), torch.tensor([0, 9, 40]), int8=True
+    )
+    assert torch.equal(ys[:9], chunked_int8(t, x[:9], stacked[1], k, 7))
+    assert torch.equal(ys[9:], chunked_int8(t, x[9:40], stacked[0], k, 7))
 
 
 @needs_panels
@@ -105,7 +128,7 @@ def test_the_route_stays_int8_at_every_row_count(name, monkeypatch):
 def test_holders_take_the_panels_by_the_plan_and_say_so(monkeypatch):
     """set_prefill_tiles without tiles: a dense Q4_K weight under int8_6bit takes the panels (before them only routed
     experts stayed int8), under float activations not; the plan names the panels with their rows, and an expert type
-    without panels (IQ4_XS) the row kernels up to ROW_KERNEL_ROWS."""
+    without panels the row kernels up to ROW_KERNEL_ROWS."""
     monkeypatch.setattr(native, "tiles_granted", lambda: False)
     q4k, q6k, iq4 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["Q6_K"], GGML_TYPE_IDS["IQ4_XS"]
     lin = GGUFLinear(256, 32, q4k, False, torch.float32, "cpu")
@@ -115,7 +138,9 @@ def test_holders_take_the_panels_by_the_plan_and_say_so(monkeypatch):
     lin.int8 = 0
     lin.set_prefill_tiles()
     assert not lin.tiles
-    assert native.int8_panels() == "avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; Q6_K at >= 16 rows"
+    assert native.int8_panels() == (
+        f"avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; {', '.join(['Q6_K', *IQ_NAMES])} at >= 16 rows"
+    )
     said = tiles_detail((q4k, q6k), (True, True))
     assert said.startswith(
         "int8 prefill at every row count for Q4_K, Q6_K (avx512-vnni panels for Q4_K at >= 12 rows; Q6_K at >= 16 "
@@ -125,6 +150,9 @@ def test_holders_take_the_panels_by_the_plan_and_say_so(monkeypatch):
     ex.int8 = 6
     ex.set_prefill_tiles()
     assert (ex.tiles_gate_up, ex.tiles_down) == (True, True)
-    said = ex.native_detail()
+    assert "int8 prefill at every row count for IQ4_XS, Q4_K (" in ex.native_detail()
+    # a routed-expert type with row kernels but no panels keeps the row kernels' rows
+    monkeypatch.setattr(native, "panel_rows", lambda type_id: 0 if type_id == iq4 else 12)
+    said = tiles_detail((iq4, q4k), (True, True))
     assert "int8 prefill at every row count for Q4_K (" in said
     assert f"int8 prefill on the row kernels for IQ4_XS up to {ggml.ROW_KERNEL_ROWS} rows per active expert" in said

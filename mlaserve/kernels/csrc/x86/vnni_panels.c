@@ -1,19 +1,24 @@
 /* ---------------------------------------------- int8 products of many rows on VNNI weight panels (AVX512-VNNI)
    For the int8 products int8.c runs (q8_K activations: codes, per 256 values a scale d_x and per 32 the code sums)
-   where the CPU has AVX512-VNNI but the process no AMX-INT8 tiles, and a product has at least VNNI_MIN_ROWS
-   activation rows (prefill's routed experts and dense products, batched decode). The row kernels (x86/avx2.c
-   q8k_*_mr) unpack a weight super-block once per 4 activation rows and reduce 8 lanes per row and super-block; here
+   where the CPU has AVX512-VNNI but the process no AMX-INT8 tiles, and a product has at least vnni_min_rows
+   activation rows (prefill's routed experts and dense products, batched decode): Q4_K, Q5_K, Q6_K and the i-quants
+   on q8_K activations (IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M; the AMX tiles' types). The row
+   kernels (x86/avx2.c q8k_*_mr) unpack a weight super-block once per 4 activation rows and reduce 8 lanes per row
+   and super-block; here
    16 weight rows lie in the 16 int32 lanes of a vector, unpacked once per call into a thread's panel, and each
    activation row meets them with one vpdpbusd per 4 values (its 4 codes broadcast) and no horizontal sums.
 
    Notation (one panel: weight rows r0 .. r0 + 16, lane r; super-block blk of 256 values, sub-block j of 32 values,
    dword t of 4 values; activation row i)
      C  [kb, 8 j, 8 t, 16 r] u8 x 4  codes of weight row r, values 256 blk + 32 j + 4 t .. + 3 (Q5_K: 5 bits)
-     sc [kb, 8 j, 16 r] int32        the sub-block scales;  mn [kb, 4 p, 16 r] int32 the mins as int16 pairs
+     sc [kb, 16, 16 r] int32         the sub-block scales (j < 8; per 16 values G for Q6_K and the i-quants);
+                                     mn [kb, 4 p, 16 r] int32 the mins as int16 pairs
                                      (mn_2p | mn_2p+1 << 16);  d, dmin [kb, 16 r] fp32 the super-block scales
      a_j[r] = sum_t vpdpbusd(C[blk, j, t, r], x_i[256 blk + 32 j + 4 t .. + 3])     (exact int32)
      S[r]   = sum_j sc[blk, j, r] a_j[r]        M[r] = sum_p madd(mn[blk, p, r], bsum_i[2p], bsum_i[2p + 1])
      y[i, r] += (d[r] d_x) S[r];   y[i, r] -= (dmin[r] d_x) M[r]             (per super-block, in order)
+   The types with a scale per 16 values (Q6_K, the i-quants) keep codes w + off in C (unsigned; vnni_offset) and take
+   off X_G (the activation row's code sum over those 16 values) from each sum before its scale: vnni_tile_g16.
    S and M are the row kernels' integers (exact: |S| < 2^28) and the float steps theirs in their order per (i, r)
    (-ffp-contract=off), so every output is theirs bit for bit, whatever the batch, the tile or the thread
    (tests/kernels/test_int8_vnni_panels.py). */
@@ -24,21 +29,37 @@
 /* activation rows from which a product takes the panels (fewer: the row kernels, 4 rows per pass over a weight row,
    which need no unpacked copy). Measured crossover (a 2-core AVX-512 EPYC without AMX, 2026-12-06, glm-real's routed
    experts, 64 experts per call, 2 threads): Q4_K level at 8-12 rows, 1.3x at 16, 1.5-2x at 32-128; Q6_K (three
-   transposes and a sum per 16 values) level at 12-16, 1.2-1.3x at 20-24, 1.7-3x at 32-128. */
+   transposes and a sum per 16 values) level at 12-16, 1.2-1.3x at 20-24, 1.7-3x at 32-128; the i-quants (their codes
+   from the row kernels' readers, 16 rows at a time) level at 8, IQ2_XXS / IQ3_XXS 1.7x at 16, 2.4-3.9x at 32-128
+   (the standard model's IQ mix). */
 #define VNNI_MIN_ROWS 12
 #define VNNI_MIN_ROWS_Q6K 16
+#define VNNI_MIN_ROWS_IQ 16
 #define VNNI_BLK_BYTES (8 * 8 * 64 + 16 * 64 + 4 * 64 + 2 * 64) /* a panel's bytes per super-block */
 
-static inline int vnni_type(int type) { return type == MLS_Q4_K || type == MLS_Q5_K || type == MLS_Q6_K; }
+/* the types whose panels hold signed integer codes plus an offset (vnni_unpack_signed) */
+static inline int vnni_signed_type(int type) {
+    return type == MLS_IQ4_XS || type == MLS_IQ2_XXS || type == MLS_IQ2_XS || type == MLS_IQ2_S ||
+           type == MLS_IQ3_XXS || type == MLS_IQ3_S || type == MLS_IQ1_S || type == MLS_IQ1_M;
+}
+
+static inline int vnni_type(int type) {
+    return type == MLS_Q4_K || type == MLS_Q5_K || type == MLS_Q6_K || vnni_signed_type(type);
+}
+
+/* the offset that makes a type's codes unsigned bytes for vpdpbusd (Q6_K's codes are stored so: q = w + 32) */
+static inline int vnni_offset(int type) { return type == MLS_Q6_K ? 32 : type == MLS_IQ4_XS ? 128 : 64; }
 
 /* whether a product of m activation rows on this type runs on the panels */
-static inline int vnni_takes(int type, int64_t m) {
-    return vnni_type(type) && m >= (type == MLS_Q6_K ? VNNI_MIN_ROWS_Q6K : VNNI_MIN_ROWS);
+static inline int64_t vnni_min_rows(int type) {
+    return type == MLS_Q4_K || type == MLS_Q5_K ? VNNI_MIN_ROWS : type == MLS_Q6_K ? VNNI_MIN_ROWS_Q6K : VNNI_MIN_ROWS_IQ;
 }
+
+static inline int vnni_takes(int type, int64_t m) { return vnni_type(type) && m >= vnni_min_rows(type); }
 
 typedef struct {
     __m512i *c;   /* [kb * 8 * 8] codes */
-    __m512i *sc;  /* [kb * 16] scales: per 32 values (Q4_K, Q5_K: the first 8 of a super-block's 16), per 16 (Q6_K) */
+    __m512i *sc;  /* [kb * 16] scales: per 32 values (Q4_K, Q5_K: the first 8 of a super-block's 16), per 16 (the rest) */
     __m512i *mn;  /* [kb * 4] mins, int16 pairs */
     __m512 *d;    /* [kb] */
     __m512 *dmin; /* [kb] */
@@ -174,6 +195,55 @@ static void vnni_unpack_q6k(const uint8_t *w, int64_t row_bytes, int64_t nr, int
     }
 }
 
+/* nr (<= 16) rows of an i-quant into the panel: per row and sub-block the row kernels' signed codes w (IQ4_XS: the
+   non-linear table's values; the sign-grid types: grid byte times its sign, sign_grid32; IQ1_S / IQ1_M: 8 g +- 1,
+   iq1_operands) stored as w + vnni_offset, unsigned bytes (IQ4_XS's -127 .. 113 with 128; the grids' |w| <= 62 and
+   IQ1's |w| <= 9 with 64), their integer scales per 16 values (iq_ls; IQ4_XS: ls - 32 for both halves) and d
+   (iq_int_d; IQ4_XS: its fp16 d). The codes go through tmp [16, 256] (one super-block of the 16 rows) and are
+   transposed from there. */
+static void vnni_unpack_signed(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, uint8_t *tmp,
+                               const vnni_panel_t *P) {
+    const int64_t bytes = type_of(type)->block_bytes;
+    const __m256i off = _mm256_set1_epi8((char)vnni_offset(type));
+    const int iq1 = type == MLS_IQ1_S || type == MLS_IQ1_M;
+    for (int64_t blk = 0; blk < k / 256; blk++) {
+        int32_t ls16[16][VNNI_R] __attribute__((aligned(64)));
+        float d[VNNI_R] __attribute__((aligned(64)));
+        memset(ls16, 0, sizeof ls16);
+        memset(d, 0, sizeof d);
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *b = w + r * row_bytes + blk * bytes;
+            int32_t ls[8];
+            if (type == MLS_IQ4_XS) iq4_xs_ls(b, ls);
+            d[r] = type == MLS_IQ4_XS ? f16(b) : iq_int_d(b, type);
+            for (int ib = 0; ib < 8; ib++) {
+                __m256i code, u, sg;
+                if (type == MLS_IQ4_XS) {
+                    code = iq4_codes32(b + 8 + 16 * ib);
+                    ls16[2 * ib][r] = ls16[2 * ib + 1][r] = ls[ib];
+                } else {
+                    if (iq1)
+                        iq1_operands(b, type, ib, &u, &sg), code = sg;
+                    else
+                        sign_grid32(b, type, ib, &u, &sg), code = _mm256_sign_epi8(u, sg);
+                    int32_t half[2];
+                    iq_ls(b, type, ib, half);
+                    ls16[2 * ib][r] = half[0];
+                    ls16[2 * ib + 1][r] = half[1];
+                }
+                _mm256_storeu_si256((__m256i *)(tmp + r * 256 + 32 * ib), _mm256_add_epi8(code, off));
+            }
+        }
+        P->d[blk] = _mm512_load_ps(d);
+        for (int g = 0; g < 16; g++) P->sc[blk * 16 + g] = _mm512_load_si512(ls16[g]);
+        for (int q = 0; q < 4; q++) { /* values 64 q .. 64 q + 63: sub-blocks 2 q, 2 q + 1 */
+            __m512i v[16];
+            rows_as_lanes(tmp + 64 * q, 256, nr, 0xFFFF, v);
+            for (int dw = 0; dw < 16; dw++) P->c[(blk * 8 + 2 * q + dw / 8) * 8 + dw % 8] = v[dw];
+        }
+    }
+}
+
 /* activation rows [0, mr) (codes xq, k apart; their q8k_meta slots xd, k / 32 floats apart) times the panel, into y
    (row stride ldy; lanes `live` stored); mr a constant where inlined with one */
 static inline __attribute__((always_inline)) void vnni_tile_q45(const vnni_panel_t *P, const int8_t *xq,
@@ -217,11 +287,14 @@ static inline __attribute__((always_inline)) void vnni_tile_q45(const vnni_panel
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
 }
 
-/* Q6_K's tile: per 16 values G (4 dwords) A = sum vpdpbusd(q, x), S += sc_G (A - 32 X_G) with X_G the activation
-   row's code sum over G (x16, k / 16 per row, k apart ... by row: x16 + i * (k / 16)); y += (d d_x) S */
-static inline __attribute__((always_inline)) void vnni_tile_q6k(const vnni_panel_t *P, const int8_t *xq,
-                                                                const float *xd, const int32_t *x16, const int mr,
-                                                                int64_t k, float *y, int64_t ldy, __mmask16 live) {
+/* The tile of the types with a scale per 16 values on codes stored as w + off (Q6_K: off 32; the i-quants:
+   vnni_unpack_signed): per 16 values G (4 dwords) A = sum vpdpbusd(w + off, x) - off X_G = sum w x, with X_G the
+   activation row's code sum over G (x16: k / 16 per row), S += sc_G A; y += (d d_x) S per super-block, y * factor at
+   the end (the grid types' power of two, 1 for the rest: the row kernels' last multiply) */
+static inline __attribute__((always_inline)) void vnni_tile_g16(const vnni_panel_t *P, const int8_t *xq,
+                                                                const float *xd, const int32_t *x16, const int off,
+                                                                const float factor, const int mr, int64_t k, float *y,
+                                                                int64_t ldy, __mmask16 live) {
     const int64_t slots = k / 32;
     __m512 acc[VNNI_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
@@ -232,7 +305,7 @@ static inline __attribute__((always_inline)) void vnni_tile_q6k(const vnni_panel
             const __m512i *C = P->c + blk * 64 + 4 * G;
             const int8_t *xg = xq + blk * 256 + 16 * G;
             __m512i a[VNNI_MR];
-            for (int i = 0; i < mr; i++) a[i] = _mm512_set1_epi32(-32 * x16[i * (k / 16) + blk * 16 + G]);
+            for (int i = 0; i < mr; i++) a[i] = _mm512_set1_epi32(-off * x16[i * (k / 16) + blk * 16 + G]);
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
                 const __m512i cv = _mm512_load_si512(C + t);
@@ -251,15 +324,17 @@ static inline __attribute__((always_inline)) void vnni_tile_q6k(const vnni_panel
             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(meta->d)), _mm512_cvtepi32_ps(S[i])));
         }
     }
-    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
+    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, _mm512_mul_ps(acc[i], _mm512_set1_ps(factor)));
 }
 
 /* m activation rows times one unpacked panel (nr live rows): tiles of VNNI_MR rows, the last one shorter; x16 the
-   rows' per-16 code sums (Q6_K only) */
+   rows' per-16 code sums (the g16 types only) */
 static void vnni_rows(int type, const vnni_panel_t *P, const int8_t *xq, const float *xd, const int32_t *x16,
                       int64_t m, int64_t k, float *y, int64_t ldy, int64_t nr) {
     const __mmask16 live = nr >= VNNI_R ? 0xFFFF : (__mmask16)((1u << nr) - 1);
     const int64_t slots = k / 32;
+    const int g16 = !(type == MLS_Q4_K || type == MLS_Q5_K), off = vnni_offset(type);
+    const float factor = vnni_signed_type(type) && type != MLS_IQ4_XS ? iq_int_factor(type) : 1.0f;
     for (int64_t i = 0; i < m; i += VNNI_MR) {
         const int64_t mr = m - i < VNNI_MR ? m - i : VNNI_MR;
         const int8_t *xi = xq + i * k;
@@ -267,8 +342,8 @@ static void vnni_rows(int type, const vnni_panel_t *P, const int8_t *xq, const f
         float *yi = y + i * ldy;
 #define VNNI_TILE(r)                                                                        \
     case r:                                                                                 \
-        if (type == MLS_Q6_K)                                                               \
-            vnni_tile_q6k(P, xi, di, x16 + i * (k / 16), r, k, yi, ldy, live);               \
+        if (g16)                                                                            \
+            vnni_tile_g16(P, xi, di, x16 + i * (k / 16), off, factor, r, k, yi, ldy, live);  \
         else                                                                                \
             vnni_tile_q45(P, xi, di, r, k, yi, ldy, live);                                  \
         break;
@@ -280,7 +355,7 @@ static void vnni_rows(int type, const vnni_panel_t *P, const int8_t *xq, const f
     }
 }
 
-/* per activation row and 16 values, the sum of the codes (Q6_K's -32): x16 [p, k / 16] */
+/* per activation row and 16 values, the sum of the codes (the g16 types' offset): x16 [p, k / 16] */
 static void vnni_sums16(const int8_t *xq, int64_t p, int64_t k, int32_t *x16) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < p; i++)
@@ -301,14 +376,15 @@ static int vnni_grouped(int type, const uint8_t *const *ws, int64_t nparts, int6
                         const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
                         int (*take)(int type, int64_t rows)) {
     const int64_t kb = k / 256, panels = (n + VNNI_R - 1) / VNNI_R, items = groups * nparts * panels;
-    const int five = type == MLS_Q5_K, q6 = type == MLS_Q6_K;
-    int32_t *x16 = q6 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(starts[groups] * (k / 16)) + 1) : NULL;
-    if (q6 && !x16) return -4;
+    const int five = type == MLS_Q5_K, q6 = type == MLS_Q6_K, g16 = !(type == MLS_Q4_K || five);
+    const int sgn = vnni_signed_type(type);
+    int32_t *x16 = g16 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(starts[groups] * (k / 16)) + 1) : NULL;
+    if (g16 && !x16) return -4;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        if (q6) vnni_sums16(xq, starts[groups], k, x16); /* its loop ends in a barrier */
-        void *mem = aligned_alloc(64, (size_t)(kb * VNNI_BLK_BYTES));
+        if (g16) vnni_sums16(xq, starts[groups], k, x16); /* its loop ends in a barrier */
+        void *mem = aligned_alloc(64, (size_t)(kb * VNNI_BLK_BYTES + (sgn ? VNNI_R * 256 : 0)));
         if (!mem) {
 #pragma omp atomic write
             failed = 1;
@@ -323,9 +399,11 @@ static int vnni_grouped(int type, const uint8_t *const *ws, int64_t nparts, int6
             const uint8_t *wr = ws[q] + experts[a] * expert_stride + r0 * row_bytes;
             if (q6)
                 vnni_unpack_q6k(wr, row_bytes, nr, k, &P);
+            else if (sgn)
+                vnni_unpack_signed(type, wr, row_bytes, nr, k, (uint8_t *)mem + kb * VNNI_BLK_BYTES, &P);
             else
                 vnni_unpack_q45(wr, row_bytes, nr, k, five, &P);
-            vnni_rows(type, &P, xq + p0 * k, xd + p0 * (k / 32), q6 ? x16 + p0 * (k / 16) : NULL, m, k,
+            vnni_rows(type, &P, xq + p0 * k, xd + p0 * (k / 32), g16 ? x16 + p0 * (k / 16) : NULL, m, k,
                       y + p0 * ldy + q * n + r0, ldy, nr);
         }
         free(mem);
@@ -343,7 +421,7 @@ int64_t mls_int8_panel_rows(int type) {
 #ifdef MLS_AMX
     if (amx_type(type) && amx_permission() == 1) return 0;
 #endif
-    return vnni_type(type) ? (type == MLS_Q6_K ? VNNI_MIN_ROWS_Q6K : VNNI_MIN_ROWS) : 0;
+    return vnni_type(type) ? vnni_min_rows(type) : 0;
 #else
     (void)type;
     return 0;
