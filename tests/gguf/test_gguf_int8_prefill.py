@@ -8,7 +8,9 @@ the error the prefill's int8 activations add is at most half the file's own quan
   file = ||logits_exact - logits_hf|| / ||logits_hf||
 Measured (96 tokens in one step of up to 128 on an Intel Xeon with AMX): ds3 act 0.114 (bf16_6bit's 0.008) / file
 0.338, ds2lite 0.018 (0.006) / 0.130 (in steps of 64 before TILE_ROWS went to 128: 0.106 / 0.019): the int8
-default's decode figures (0.098 / 0.014 there), several times bf16's rounding but inside the rule.
+default's decode figures (0.098 / 0.014 there), several times bf16's rounding but inside the rule. Without tiles, on
+the AVX512-VNNI panels (the same bits as the row kernels; every row count, dense products too), one 96-token step on
+a 2-core AMD EPYC: ds3 act 0.114 (bf16_6bit's 0.062) / file 0.338, ds2lite 0.017 (0.006) / 0.130.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from mlaserve.kernels import ggml, native
 
 TILES = native.status().available and native.tiles_granted()
 needs_tiles = pytest.mark.skipif(not TILES, reason="no AMX-INT8 tiles in this process (build or kernel)")
+PANELS = native.status().available and native.panel_rows(ggml.GGML_TYPE_IDS["Q4_K"]) > 0
+needs_panels = pytest.mark.skipif(not PANELS, reason="no VNNI panels in this process (no AVX512-VNNI, or AMX tiles)")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,7 +75,8 @@ def test_auto_takes_int8_prefill_where_the_cpu_has_amx_int8(monkeypatch):
 def test_auto_takes_int8_prefill_on_the_row_kernels_where_the_cpu_has_vnni_and_no_tiles(monkeypatch):
     value, why = _resolve(monkeypatch, "1", {"avx512_bf16", "avx512_vnni"})
     assert value == "int8" and why.startswith("engine default (auto: this CPU has avx512_vnni, activations int8_6bit)")
-    assert "without AMX-INT8 tiles, the routed experts' products of up to 128 rows per active expert" in why
+    assert "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the Q4_K / Q5_K / Q6_K weights' products" in why
+    assert "the routed experts' products of up to 128 rows per active expert (on average" in why
     assert _resolve(monkeypatch, "0", {"avx512_vnni"})[0] == "float"  # bf16 slow here: fp32 GEMMs
     assert _resolve(monkeypatch, "1", {"avx512_vnni", "avx512_bf16"}, activations="float")[0] == "bf16_6bit"
     from mlaserve.config import cpu
@@ -100,4 +105,27 @@ def test_q4_k_m_int8_prefill_within_the_files_own_error(name):
     act, file = _rel(got, exact), _rel(exact, exp["hf_logits"])
     print(f"\n{name} q4_k_m prefill: int8 tiles add {act:.4f} (bf16_6bit {_rel(bf16, exact):.4f}); file {file:.4f}")
     assert not torch.equal(got, bf16)  # the route was taken: another computation than bf16's
+    assert 0 < act <= file / 2, (act, file)
+
+
+@needs_panels
+@pytest.mark.parametrize("name", ["ds3", "ds2lite"])
+def test_q4_k_m_int8_prefill_on_the_panels_within_the_files_own_error(name):
+    """Without tiles, on the VNNI panels: one 96-token prefill step, every Q4_K / Q6_K product int8 (dense ones too,
+    which bf16_6bit took before), the logits within half the file's own error, another computation than bf16_6bit's."""
+    from safetensors.torch import load_file
+
+    folder = fixture_dir(name)
+    exp = load_file(str(folder / "expected.safetensors"))
+    ids = exp["input_ids"].tolist()
+    path = str(folder / "model-q4_k_m.gguf")
+    panels = LLM(path, prefill_matmul="int8")
+    reasons = " ".join(c.reason for c in panels.loaded.kernel_plan.choices)
+    assert "int8 prefill at every row count for Q4_K" in reasons and "avx512-vnni panels for Q4_K" in reasons
+    bf16 = LLM(path, prefill_matmul="bf16_6bit").prompt_logits(ids)
+    exact = LLM(path, activations="float", prefill_matmul="float").prompt_logits(ids)
+    got = panels.prompt_logits(ids)
+    act, file = _rel(got, exact), _rel(exact, exp["hf_logits"])
+    print(f"\n{name} q4_k_m prefill: int8 panels add {act:.4f} (bf16_6bit {_rel(bf16, exact):.4f}); file {file:.4f}")
+    assert not torch.equal(got, bf16)
     assert 0 < act <= file / 2, (act, file)
