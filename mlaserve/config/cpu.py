@@ -61,7 +61,7 @@ VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
 def int8_rows() -> tuple[bool, str]:
     """(whether the CPU has the VNNI int8 dot products the int8 row kernels run on, why: the flag, its absence, or the
     override MLASERVE_INT8_ROWS=1|0, which the test suite sets to 0 as it does MLASERVE_AMX_INT8). The automatic
-    prefill choice asks it where bf16 is fast and there are no AMX-INT8 tiles: the K-quants' products then stay int8
-    on the VNNI panels (AVX512-VNNI builds), the other routed experts' products of up to kernels/ggml.ROW_KERNEL_ROWS
-    rows per expert on the row kernels."""
+    prefill choice asks it where bf16 is fast and there are no AMX-INT8 tiles: the q8_K types' products then stay
+    int8 on the VNNI panels (AVX512-VNNI builds), or without them the routed experts' products of up to
+    kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels."""
     return detected(INT8_ROWS_OVERRIDE, VNNI_FLAGS, "this CPU has no VNNI int8 dot products")

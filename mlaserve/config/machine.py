@@ -180,14 +180,14 @@ INT8_PREFILL_SCOPE = (
     "instead of bf16's, within the same rule: verify --against reports it per layer as act)"
 )
 INT8_ROWS_SCOPE = (
-    "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the Q4_K / Q5_K / Q6_K weights' products (kernels/native."
-    "INT8_PANEL_TYPES), dense and routed, stay int8 at every row count on 16-row weight panels (the decode kernels' "
-    "bits; measured 1.4-3.2x faster than bf16 decode-then-GEMM on a 2-core AVX-512 EPYC: kernels/ggml.PANEL_INT8_ROWS); "
-    "the routed experts' products of up to 128 rows per active expert (on average: kernels/ggml.ROW_KERNEL_ROWS) "
-    "whose other K-quant / i-quant weights take int8 activations (the super-block kernels: kernels/native."
-    "ROW_KERNEL_TYPES) stay int8 on the row kernels (VNNI dot products, the decode kernels' bits) instead of the "
-    "experts decoded for a bf16 GEMM (measured 1.05-1.5x faster prefill on the real-shape Q4_K_M files and the IQ mix "
-    "of that EPYC; level at 128 rows); the other dense weights as bf16_6bit"
+    "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the products of the weights with q8_K activations (Q4_K, Q5_K, "
+    "Q6_K and the i-quants: kernels/native.INT8_PANEL_TYPES), dense and routed, stay int8 at every row count on "
+    "16-row weight panels (the decode kernels' bits; measured 1.1-5.3x faster than bf16 decode-then-GEMM by type and "
+    "row count on a 2-core AVX-512 EPYC: kernels/ggml.PANEL_INT8_ROWS); without AVX512-VNNI (AVX-VNNI) the routed "
+    "experts' products of up to 128 rows per active expert (on average: kernels/ggml.ROW_KERNEL_ROWS) of those "
+    "weights stay int8 on the row kernels (VNNI dot products, the decode kernels' bits) instead of the experts "
+    "decoded for a bf16 GEMM (measured 1.05-1.5x faster prefill on the real-shape Q4_K_M files and the IQ mix of that "
+    "EPYC before the panels; level at 128 rows); the other dense weights as bf16_6bit"
 )
 
 
@@ -204,9 +204,9 @@ def choose_prefill_matmul(
     AVX512-BF16), their added error measured well inside the file's own (kernels/bf16_prefill.py), and on a CPU
     with AMX-INT8 where int8 activations apply (activations resolved, not float) int8: the products of up to
     kernels/ggml.tile_rows rows of the weights with tile kernels stay int8 on the tiles (measured faster there),
-    bf16_6bit above; on a CPU without the tiles but with VNNI (config/cpu.int8_rows) int8 too: the K-quants on the
-    VNNI panels at every row count, the other routed experts' products of up to kernels/ggml.ROW_KERNEL_ROWS rows
-    per expert on the row kernels (INT8_ROWS_SCOPE);
+    bf16_6bit above; on a CPU without the tiles but with VNNI (config/cpu.int8_rows) int8 too: the q8_K types on
+    the AVX512-VNNI panels at every row count, or without them the routed experts' products of up to
+    kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels (INT8_ROWS_SCOPE);
     exact fp32 elsewhere. unbound: why this model's kernel plan binds no bf16 products (None: it
     does); then auto is float and a bf16 / int8 request is refused."""
     check_choice("prefill_matmul", requested, PREFILL_MATMULS)

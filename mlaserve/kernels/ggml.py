@@ -113,12 +113,13 @@ KERNELS = ("native", "torch")
 ROW_KERNEL_ROWS = 128
 
 
-# Where the process runs a type's int8 products on the VNNI panels (native.takes_panels: Q4_K, Q5_K, Q6_K on an
-# AVX512-VNNI CPU without AMX-INT8 tiles), they stay int8 at every row count: measured faster than the weight decoded
-# for a bf16 GEMM at every count tried (2 threads, the 2-core AVX-512 EPYC without AMX of 2026-12-06; the weights
-# from glm-real's Q4_K_M file): its dense Q4_K weights at 32 / 128 / 512 / 2048 rows 2.2-3.2x / 1.9-2.2x / 1.7-1.85x /
-# 1.1-1.55x, its routed experts at 64-512 rows per expert Q4_K 1.8-2.7x, Q6_K 1.4-1.6x (benchmarks/int8_tiles.py
-# compares the units on random blocks).
+# Where the process runs a type's int8 products on the VNNI panels (native.takes_panels: the K-quants and the
+# i-quants with q8_K activations, on an AVX512-VNNI CPU without AMX-INT8 tiles), they stay int8 at every row count:
+# measured faster than the weight decoded for a bf16 GEMM at every count tried (2 threads, the 2-core AVX-512 EPYC
+# without AMX of 2026-12-06): glm-real's dense Q4_K weights at 32 / 128 / 512 / 2048 rows 2.2-3.2x / 1.9-2.2x /
+# 1.7-1.85x / 1.1-1.55x, its routed experts at 64-512 rows per expert Q4_K 1.8-2.7x, Q6_K 1.4-1.6x; the IQ mix's
+# IQ2_XXS / IQ3_XXS experts 2.2-5.3x, its IQ4_XS dense weights 1.25-3x (benchmarks/int8_tiles.py compares the units
+# on random blocks).
 PANEL_INT8_ROWS = sys.maxsize
 
 

@@ -75,7 +75,7 @@ def test_auto_takes_int8_prefill_where_the_cpu_has_amx_int8(monkeypatch):
 def test_auto_takes_int8_prefill_on_the_row_kernels_where_the_cpu_has_vnni_and_no_tiles(monkeypatch):
     value, why = _resolve(monkeypatch, "1", {"avx512_bf16", "avx512_vnni"})
     assert value == "int8" and why.startswith("engine default (auto: this CPU has avx512_vnni, activations int8_6bit)")
-    assert "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the Q4_K / Q5_K / Q6_K weights' products" in why
+    assert "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the products of the weights with q8_K activations" in why
     assert "the routed experts' products of up to 128 rows per active expert (on average" in why
     assert _resolve(monkeypatch, "0", {"avx512_vnni"})[0] == "float"  # bf16 slow here: fp32 GEMMs
     assert _resolve(monkeypatch, "1", {"avx512_vnni", "avx512_bf16"}, activations="float")[0] == "bf16_6bit"
