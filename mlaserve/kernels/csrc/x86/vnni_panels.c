@@ -244,6 +244,21 @@ static void vnni_unpack_signed(int type, const uint8_t *w, int64_t row_bytes, in
     }
 }
 
+/* a[i] += the exact int32 sums of the panel's code dwords C[0 .. dwords) times activation row i's codes (x + i k, 4
+   a dword, broadcast): one vpdpbusd per dword and row; dwords and mr constants where inlined with them */
+static inline __attribute__((always_inline)) void vnni_dots(const __m512i *C, const int8_t *x, int64_t k,
+                                                            const int dwords, const int mr, __m512i *a) {
+#pragma GCC unroll 8
+    for (int t = 0; t < dwords; t++) {
+        const __m512i cv = _mm512_load_si512(C + t);
+        for (int i = 0; i < mr; i++) {
+            int32_t x4;
+            memcpy(&x4, x + i * k + 4 * t, 4);
+            a[i] = _mm512_dpbusd_epi32(a[i], cv, _mm512_set1_epi32(x4));
+        }
+    }
+}
+
 /* activation rows [0, mr) (codes xq, k apart; their q8k_meta slots xd, k / 32 floats apart) times the panel, into y
    (row stride ldy; lanes `live` stored); mr a constant where inlined with one */
 static inline __attribute__((always_inline)) void vnni_tile_q45(const vnni_panel_t *P, const int8_t *xq,
@@ -260,15 +275,7 @@ static inline __attribute__((always_inline)) void vnni_tile_q45(const vnni_panel
             const int8_t *xj = xq + blk * 256 + 32 * j;
             __m512i a[VNNI_MR];
             for (int i = 0; i < mr; i++) a[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int t = 0; t < 8; t++) {
-                const __m512i cv = _mm512_load_si512(C + t);
-                for (int i = 0; i < mr; i++) {
-                    int32_t x4;
-                    memcpy(&x4, xj + i * k + 4 * t, 4);
-                    a[i] = _mm512_dpbusd_epi32(a[i], cv, _mm512_set1_epi32(x4));
-                }
-            }
+            vnni_dots(C, xj, k, 8, mr, a);
             const __m512i sc = P->sc[blk * 16 + j];
             for (int i = 0; i < mr; i++) S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(a[i], sc));
         }
@@ -306,15 +313,7 @@ static inline __attribute__((always_inline)) void vnni_tile_g16(const vnni_panel
             const int8_t *xg = xq + blk * 256 + 16 * G;
             __m512i a[VNNI_MR];
             for (int i = 0; i < mr; i++) a[i] = _mm512_set1_epi32(-off * x16[i * (k / 16) + blk * 16 + G]);
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) {
-                const __m512i cv = _mm512_load_si512(C + t);
-                for (int i = 0; i < mr; i++) {
-                    int32_t x4;
-                    memcpy(&x4, xg + i * k + 4 * t, 4);
-                    a[i] = _mm512_dpbusd_epi32(a[i], cv, _mm512_set1_epi32(x4));
-                }
-            }
+            vnni_dots(C, xg, k, 4, mr, a);
             const __m512i sc = P->sc[blk * 16 + G];
             for (int i = 0; i < mr; i++) S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(a[i], sc));
         }
