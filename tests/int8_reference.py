@@ -164,3 +164,15 @@ def assert_grouped_route(
     ym = ggml.expert_linear_native(xm, stacks, t, k, experts, offs_many, int8=6, bf16=True, tiles=True)
     assert torch.equal(ym, ggml.expert_linear_native(xm, stacks, t, k, experts, offs_many, int8=6, bf16=True))
     return ys, ggml.expert_linear_native(xs, stacks, t, k, experts, offs, int8=6, bf16=True)
+
+
+def assert_linear_keeps_int8_prefill(type_id: int) -> None:
+    """A dense GGUFLinear of this type takes the int8 prefill unit (AMX tiles or VNNI panels) from its plan's
+    set_prefill_tiles under int8_6bit activations, and not under float activations."""
+    from mlaserve.quant.ggml_linear import GGUFLinear
+
+    lin = GGUFLinear(256, 32, type_id, False, torch.float32, "cpu")
+    for int8, want in ((6, True), (0, False)):
+        lin.int8 = int8
+        lin.set_prefill_tiles()
+        assert lin.tiles is want, (type_id, int8)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int8_reference import assert_grouped_route, chunked_int8
+from int8_reference import assert_grouped_route, assert_linear_keeps_int8_prefill, chunked_int8
 from test_kernels import SCALE_BYTES, random_blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
@@ -68,16 +68,10 @@ def test_grouped_route_equals_per_group_vnni_products(name):
 def test_holders_take_the_tiles_by_the_plan_and_say_so():
     """set_prefill_tiles after the int8 setting: a tile type under int8_6bit takes them, Q8_0 (exact under int8_6bit,
     no tile kernel) and any type under float activations do not; the plan's words name the types and the rows."""
-    from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
+    from mlaserve.quant.ggml_linear import GGUFExperts
 
     tile_id, q8 = GGML_TYPE_IDS[TILE_NAMES[0]], GGML_TYPE_IDS["Q8_0"]
-    lin = GGUFLinear(256, 32, tile_id, False, torch.float32, "cpu")
-    lin.int8 = 6
-    lin.set_prefill_tiles()
-    assert lin.tiles
-    lin.int8 = 0
-    lin.set_prefill_tiles()
-    assert not lin.tiles
+    assert_linear_keeps_int8_prefill(tile_id)
     ex = GGUFExperts(256, 4, 256, tile_id, q8, "cpu")
     ex.int8 = 6
     ex.set_prefill_tiles()

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int8_reference import assert_grouped_tiles, chunked_int8, grid_blocks, with_build
+from int8_reference import assert_grouped_tiles, assert_linear_keeps_int8_prefill, chunked_int8, grid_blocks, with_build
 from test_int8_kquants import _blocks, _special_x
 from test_int8_tiles import reference
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import ggml, native
-from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear, tiles_detail
+from mlaserve.quant.ggml_linear import GGUFExperts, tiles_detail
 
 STATUS = native.status()
 PANELS = STATUS.available and native.panel_rows(GGML_TYPE_IDS["Q4_K"]) > 0
@@ -131,13 +131,7 @@ def test_holders_take_the_panels_by_the_plan_and_say_so(monkeypatch):
     without panels the row kernels up to ROW_KERNEL_ROWS."""
     monkeypatch.setattr(native, "tiles_granted", lambda: False)
     q4k, q6k, iq4 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["Q6_K"], GGML_TYPE_IDS["IQ4_XS"]
-    lin = GGUFLinear(256, 32, q4k, False, torch.float32, "cpu")
-    lin.int8 = 6
-    lin.set_prefill_tiles()
-    assert lin.tiles
-    lin.int8 = 0
-    lin.set_prefill_tiles()
-    assert not lin.tiles
+    assert_linear_keeps_int8_prefill(q4k)
     assert native.int8_panels() == (
         f"avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; {', '.join(['Q6_K', *IQ_NAMES])} at >= 16 rows"
     )
