@@ -30,7 +30,9 @@ products under that setting (bf16_prefill.BF16_PAIRS) run on the AMX-BF16 tiles 
 activation as a pair of bf16s (kernels/bf16_pairs.py: fp32 grade, the blocks read where they lie).
 With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decided per weight at load) the products of
 up to tile_rows(type) rows keep the int8 call, which runs them on the AMX-INT8 tiles from 8 rows: the decode kernels'
-bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's.
+bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's. Without
+the tiles, on an AVX512-VNNI build, the same weights (native.takes_panels) keep the int8 call at every row count: it
+runs them on 16-row weight panels from native.panel_rows rows, the same bits (tests/kernels/test_int8_vnni_panels.py).
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ KERNELS = ("native", "torch")
 # threshold 16 / 64 / 128): glm-real Q4_K_M (32 rows per expert) 248 / 365 / 362 tok/s, the standard model's IQ mix
 # (64) 287 / - / 416, its Q4_K_M (64) 524 / 521 / 540; ds-real Q4_K_M (48), alternating 16 and 128 three times,
 # 306-321 / 324-338 (its Q5_0 / Q8_0 down experts stay fp32); at 128 rows per expert (glm-real, a 2048-token prompt)
-# level, 318 / 320, and 296 with 256. The machine's run-to-run spread was up to 15%. Dense weights keep bf16 above GEMV_ROWS (a
-# weight's hundreds of prompt rows re-read each block once per 4 rows), and so do the 32-value block types
+# level, 318 / 320, and 296 with 256. The machine's run-to-run spread was up to 15%. Since the VNNI panels (PANEL_INT8_ROWS
+# below) this limit holds only where a type has no panels in the process (AVX-VNNI without AVX-512). Dense weights keep
+# bf16 above GEMV_ROWS there (a weight's hundreds of prompt rows re-read each block once per 4 rows), and so do the
+# 32-value block types
 # (native.ROW_KERNEL_TYPES: the standard Q4_0 file 535-568 -> 462-468 tok/s on them). Q8_0 / Q5_0 experts keep exact fp32
 # activations and no int8 call (their fp32 row kernels were 3-6% slower than decode + fp32 GEMM at 32-64 rows).
 ROW_KERNEL_ROWS = 128
