@@ -190,7 +190,8 @@ def linear_native(
     panels, kernels/panels.py), or with bf16 (this weight takes bf16 prefill, the holder's choice at load) the bf16
     GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
-    if x.shape[0] <= (tile_rows(ggml_type) if tiles else GEMV_ROWS):
+    # decode-sized calls decide without asking the library (tile_rows >= GEMV_ROWS wherever it applies)
+    if x.shape[0] <= GEMV_ROWS or (tiles and x.shape[0] <= tile_rows(ggml_type)):
         return native.gemm(ggml_type, x, w, k, int8=int8)
     if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
         return bf16_pairs.linear(x, w, k)
@@ -292,7 +293,7 @@ def expert_linear_native(
     path the whole step would), else this call's."""
     xs = xs.float().contiguous()
     mean = xs.shape[0] / max(1, experts.shape[0]) if rows_per_expert is None else rows_per_expert
-    if mean <= (expert_int8_rows(ggml_type) if tiles else GEMV_ROWS):
+    if mean <= GEMV_ROWS or (tiles and mean <= expert_int8_rows(ggml_type)):
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()
         return native.grouped_gemm(ggml_type, xs, w, k, experts, starts, int8=int8)
