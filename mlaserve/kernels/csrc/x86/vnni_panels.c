@@ -18,7 +18,7 @@
      S[r]   = sum_j sc[blk, j, r] a_j[r]        M[r] = sum_p madd(mn[blk, p, r], bsum_i[2p], bsum_i[2p + 1])
      y[i, r] += (d[r] d_x) S[r];   y[i, r] -= (dmin[r] d_x) M[r]             (per super-block, in order)
    The types with a scale per 16 values (Q6_K, the i-quants) keep codes w + off in C (unsigned; vnni_offset) and take
-   off X_G (the activation row's code sum over those 16 values) from each sum before its scale: vnni_tile_g16.
+   off X_G (the activation row's code sum over those 16 values) from each sum before its scale: vnni_tile.
    S and M are the row kernels' integers (exact: |S| < 2^28) and the float steps theirs in their order per (i, r)
    (-ffp-contract=off), so every output is theirs bit for bit, whatever the batch, the tile or the thread
    (tests/kernels/test_int8_vnni_panels.py). */
@@ -110,6 +110,30 @@ static inline __attribute__((always_inline)) void rows_as_lanes(const uint8_t *p
     transpose16_epi32(v);
 }
 
+/* super-block blk's d, dmin, sub-block scales and mins of 16 rows into the panel, from the 4 dwords of its first 16
+   bytes (dd, u0, u1, u2: lane r the dword of row r): k_scales_mins8's words lane by lane (scales 0..3 | 4..7, mins
+   0..3 | 4..7 one per byte), the mins as int16 pairs */
+static inline __attribute__((always_inline)) void vnni_scales_q45(__m512i dd, __m512i u0, __m512i u1, __m512i u2,
+                                                                  int64_t blk, const vnni_panel_t *P) {
+    const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4 = _mm512_set1_epi32(0x0f0f0f0f);
+    const __m512i m2 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
+    P->d[blk] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+    P->dmin[blk] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+    const __m512i sc_lo = _mm512_and_si512(u0, m6), mn_lo = _mm512_and_si512(u1, m6);
+    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
+    const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
+    for (int j = 0; j < 4; j++) {
+        P->sc[blk * 16 + j] = _mm512_and_si512(_mm512_srli_epi32(sc_lo, 8 * j), ff);
+        P->sc[blk * 16 + 4 + j] = _mm512_and_si512(_mm512_srli_epi32(sc_hi, 8 * j), ff);
+    }
+    for (int p = 0; p < 2; p++) { /* mins 2p, 2p + 1 of a word: bytes 2p, 2p + 1 into int16 lanes 0, 1 */
+        const __m512i lo = _mm512_srli_epi32(mn_lo, 16 * p), hi = _mm512_srli_epi32(mn_hi, 16 * p);
+        P->mn[blk * 4 + p] = _mm512_or_si512(_mm512_and_si512(lo, ff), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(lo, 8), ff), 16));
+        P->mn[blk * 4 + 2 + p] = _mm512_or_si512(_mm512_and_si512(hi, ff), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 8), ff), 16));
+    }
+}
+
 /* nr (<= 16) rows of a Q4_K / Q5_K weight, row_bytes apart from w, into the panel; lanes past nr get zero codes,
    scales and mins (their outputs are not stored). The scales' dwords are gathered from the 16 rows, the codes' 64-byte
    runs loaded and transposed (32 gathers took ~half of a panel's time at 8 activation rows). */
@@ -117,30 +141,12 @@ static void vnni_unpack_q45(const uint8_t *w, int64_t row_bytes, int64_t nr, int
     const __mmask16 live = nr >= VNNI_R ? 0xFFFF : (__mmask16)((1u << nr) - 1);
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)row_bytes));
-    const __m512i z = _mm512_setzero_si512(), m6 = _mm512_set1_epi32(0x3f3f3f3f), m4 = _mm512_set1_epi32(0x0f0f0f0f);
-    const __m512i m2 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(0x01010101);
+    const __m512i z = _mm512_setzero_si512(), m4 = _mm512_set1_epi32(0x0f0f0f0f), one = _mm512_set1_epi32(0x01010101);
     const int64_t bytes = five ? 176 : 144, qoff = five ? 48 : 16;
 #define VNNI_GATHER(p) _mm512_mask_i32gather_epi32(z, live, idx, (const void *)(p), 1)
     for (int64_t blk = 0; blk < k / 256; blk++) {
         const uint8_t *b = w + blk * bytes;
-        const __m512i dd = VNNI_GATHER(b);
-        P->d[blk] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-        P->dmin[blk] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
-        /* k_scales_mins8's words, lane by lane: scales 0..3 | 4..7, mins 0..3 | 4..7 one per byte */
-        const __m512i u0 = VNNI_GATHER(b + 4), u1 = VNNI_GATHER(b + 8), u2 = VNNI_GATHER(b + 12);
-        const __m512i sc_lo = _mm512_and_si512(u0, m6), mn_lo = _mm512_and_si512(u1, m6);
-        const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(u2, m4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
-        const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
-                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
-        for (int j = 0; j < 4; j++) {
-            P->sc[blk * 16 + j] = _mm512_and_si512(_mm512_srli_epi32(sc_lo, 8 * j), ff);
-            P->sc[blk * 16 + 4 + j] = _mm512_and_si512(_mm512_srli_epi32(sc_hi, 8 * j), ff);
-        }
-        for (int p = 0; p < 2; p++) { /* mins 2p, 2p + 1 of a word: bytes 2p, 2p + 1 into int16 lanes 0, 1 */
-            const __m512i lo = _mm512_srli_epi32(mn_lo, 16 * p), hi = _mm512_srli_epi32(mn_hi, 16 * p);
-            P->mn[blk * 4 + p] = _mm512_or_si512(_mm512_and_si512(lo, ff), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(lo, 8), ff), 16));
-            P->mn[blk * 4 + 2 + p] = _mm512_or_si512(_mm512_and_si512(hi, ff), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 8), ff), 16));
-        }
+        vnni_scales_q45(VNNI_GATHER(b), VNNI_GATHER(b + 4), VNNI_GATHER(b + 8), VNNI_GATHER(b + 12), blk, P);
         /* qs: byte l of 32 c .. 32 c + 31 holds value l of sub-block 2 c (low nibble) and of 2 c + 1 (high); Q5_K's
            qh byte l holds bit 4 of value l of sub-block j in its bit j */
         __m512i qh[16], v[16];
@@ -259,68 +265,44 @@ static inline __attribute__((always_inline)) void vnni_dots(const __m512i *C, co
     }
 }
 
-/* activation rows [0, mr) (codes xq, k apart; their q8k_meta slots xd, k / 32 floats apart) times the panel, into y
-   (row stride ldy; lanes `live` stored); mr a constant where inlined with one */
-static inline __attribute__((always_inline)) void vnni_tile_q45(const vnni_panel_t *P, const int8_t *xq,
-                                                                const float *xd, const int mr, int64_t k, float *y,
-                                                                int64_t ldy, __mmask16 live) {
+/* Activation rows [0, mr) (codes xq, k apart; their q8k_meta slots xd, k / 32 floats apart) times the panel, into y
+   (row stride ldy; lanes `live` stored). Per super-block, G groups of `dwords` dwords of codes, each group's exact
+   sums (vnni_dots) times its scale into S:
+     g16 0 (Q4_K, Q5_K): 8 groups of 32 values from zero; y += (d d_x) S, y -= (dmin d_x) M (M the mins times the
+            activation's code sums, madd on int16 pairs)
+     g16 1 (Q6_K, the i-quants): 16 groups of 16 values, codes stored as w + off, each group's sum starting from
+            -off X_G (X_G the activation row's code sum over G, x16: k / 16 per row), so A = sum w x; y += (d d_x) S
+   and y * factor at the end (the grid types' power of two, 1 for the rest: the row kernels' last multiply, exact by
+   1). g16, off, mr constants where inlined with them. */
+static inline __attribute__((always_inline)) void vnni_tile(const vnni_panel_t *P, const int8_t *xq, const float *xd,
+                                                            const int32_t *x16, const int g16, const int off,
+                                                            const float factor, const int mr, int64_t k, float *y,
+                                                            int64_t ldy, __mmask16 live) {
     const int64_t slots = k / 32;
+    const int groups = g16 ? 16 : 8, dwords = g16 ? 4 : 8;
     __m512 acc[VNNI_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < k / 256; blk++) {
         __m512i S[VNNI_MR];
         for (int i = 0; i < mr; i++) S[i] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j++) {
-            const __m512i *C = P->c + (blk * 8 + j) * 8;
-            const int8_t *xj = xq + blk * 256 + 32 * j;
+        for (int G = 0; G < groups; G++) {
             __m512i a[VNNI_MR];
-            for (int i = 0; i < mr; i++) a[i] = _mm512_setzero_si512();
-            vnni_dots(C, xj, k, 8, mr, a);
-            const __m512i sc = P->sc[blk * 16 + j];
+            for (int i = 0; i < mr; i++)
+                a[i] = g16 ? _mm512_set1_epi32(-off * x16[i * (k / 16) + blk * 16 + G]) : _mm512_setzero_si512();
+            vnni_dots(P->c + blk * 64 + dwords * G, xq + blk * 256 + 4 * dwords * G, k, dwords, mr, a);
+            const __m512i sc = P->sc[blk * 16 + G];
             for (int i = 0; i < mr; i++) S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(a[i], sc));
         }
-        const __m512 dw = P->d[blk], dmin = P->dmin[blk];
         for (int i = 0; i < mr; i++) {
             const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            const __m512 dx = _mm512_set1_ps(meta->d);
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(P->d[blk], dx), _mm512_cvtepi32_ps(S[i])));
+            if (g16) continue;
             int32_t pair[4];
             memcpy(pair, meta->bsum, sizeof pair);
             __m512i M = _mm512_madd_epi16(P->mn[blk * 4], _mm512_set1_epi32(pair[0]));
             for (int p = 1; p < 4; p++) M = _mm512_add_epi32(M, _mm512_madd_epi16(P->mn[blk * 4 + p], _mm512_set1_epi32(pair[p])));
-            const __m512 dx = _mm512_set1_ps(meta->d);
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(S[i])));
-            acc[i] = _mm512_sub_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(M)));
-        }
-    }
-    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
-}
-
-/* The tile of the types with a scale per 16 values on codes stored as w + off (Q6_K: off 32; the i-quants:
-   vnni_unpack_signed): per 16 values G (4 dwords) A = sum vpdpbusd(w + off, x) - off X_G = sum w x, with X_G the
-   activation row's code sum over G (x16: k / 16 per row), S += sc_G A; y += (d d_x) S per super-block, y * factor at
-   the end (the grid types' power of two, 1 for the rest: the row kernels' last multiply) */
-static inline __attribute__((always_inline)) void vnni_tile_g16(const vnni_panel_t *P, const int8_t *xq,
-                                                                const float *xd, const int32_t *x16, const int off,
-                                                                const float factor, const int mr, int64_t k, float *y,
-                                                                int64_t ldy, __mmask16 live) {
-    const int64_t slots = k / 32;
-    __m512 acc[VNNI_MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < k / 256; blk++) {
-        __m512i S[VNNI_MR];
-        for (int i = 0; i < mr; i++) S[i] = _mm512_setzero_si512();
-        for (int G = 0; G < 16; G++) {
-            const __m512i *C = P->c + blk * 64 + 4 * G;
-            const int8_t *xg = xq + blk * 256 + 16 * G;
-            __m512i a[VNNI_MR];
-            for (int i = 0; i < mr; i++) a[i] = _mm512_set1_epi32(-off * x16[i * (k / 16) + blk * 16 + G]);
-            vnni_dots(C, xg, k, 4, mr, a);
-            const __m512i sc = P->sc[blk * 16 + G];
-            for (int i = 0; i < mr; i++) S[i] = _mm512_add_epi32(S[i], _mm512_mullo_epi32(a[i], sc));
-        }
-        const __m512 dw = P->d[blk];
-        for (int i = 0; i < mr; i++) {
-            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(meta->d)), _mm512_cvtepi32_ps(S[i])));
+            acc[i] = _mm512_sub_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(P->dmin[blk], dx), _mm512_cvtepi32_ps(M)));
         }
     }
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, _mm512_mul_ps(acc[i], _mm512_set1_ps(factor)));
@@ -342,9 +324,9 @@ static void vnni_rows(int type, const vnni_panel_t *P, const int8_t *xq, const f
 #define VNNI_TILE(r)                                                                        \
     case r:                                                                                 \
         if (g16)                                                                            \
-            vnni_tile_g16(P, xi, di, x16 + i * (k / 16), off, factor, r, k, yi, ldy, live);  \
+            vnni_tile(P, xi, di, x16 + i * (k / 16), 1, off, factor, r, k, yi, ldy, live);   \
         else                                                                                \
-            vnni_tile_q45(P, xi, di, r, k, yi, ldy, live);                                  \
+            vnni_tile(P, xi, di, NULL, 0, 0, 1.0f, r, k, yi, ldy, live);                     \
         break;
         switch (mr) {
             VNNI_TILE(8) VNNI_TILE(7) VNNI_TILE(6) VNNI_TILE(5) VNNI_TILE(4) VNNI_TILE(3) VNNI_TILE(2) VNNI_TILE(1)
