@@ -167,9 +167,11 @@ BF16_SCOPE = (
 )
 BF16_RULE = (
     "weights of 6 bits or fewer (bf16 adds 0.04-0.16x their own quantization error on the fixtures' products); "
-    "Q8_0 takes bf16 pairs on AMX-BF16 tiles (fp32 grade), fp32 elsewhere (plain bf16: 0.54-0.57x, over the rule's "
-    "1/2; the pairs: its int8 codes exact in bf16 times each activation's bf16 rounding and remainder, the sums and "
-    "block scales in fp32, ~2^-16 per product)"
+    "Q8_0 takes bf16 pairs on AMX-BF16 tiles (fp32 grade), int16 activations on AVX512-VNNI without them (fp32 "
+    "grade), fp32 elsewhere (plain bf16: 0.54-0.57x, over the rule's 1/2; the pairs: its int8 codes exact in bf16 "
+    "times each activation's bf16 rounding and remainder, the sums and block scales in fp32, ~2^-16 per product; "
+    "int16: an int16 code per activation and 32-value block, exact integer sums, ~2^-16 of the block's largest "
+    "activation per value)"
 )
 
 

@@ -19,7 +19,8 @@ activations, ||y_bf16 - y_file|| / ||y_file|| against ||y_file - y_f32|| / ||y_f
 reference): Q4_0 0.035x, Q4_K 0.041x, Q5_0 0.071x, Q5_1 0.078x, Q5_K 0.080x, Q6_K 0.16x, Q8_0 0.54-0.57x
 (over the rule: bf16 keeps 8 significant bits, Q8_0's own step is about as fine). So the automatic choice
 (prefill_matmul "bf16_6bit", config/machine.BF16_BITS) takes weights of 6 bits or fewer, and Q8_0 takes the split
-products of kernels/bf16_pairs.py where the CPU has AMX-BF16 tiles (fp32 grade: ~2^-16 per product), fp32 elsewhere;
+products of kernels/bf16_pairs.py where the CPU has AMX-BF16 tiles (fp32 grade: ~2^-16 per product), the int16
+activations of kernels/q8_0_int16.py where it has AVX512-VNNI instead (the same grade), fp32 elsewhere;
 prefill_matmul="bf16" takes every type (BF16_ALL), Q8_0 too in plain bf16.
 """
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_pairs
+from mlaserve.kernels import bf16_pairs, q8_0_int16
 
 # bits per stored value of each block type (what a bf16 setting caps); types not listed (F32, F16, BF16) never
 # take bf16 prefill under a cap below BF16_ALL
@@ -43,20 +44,24 @@ WEIGHT_BITS = {
 BF16_UNITS = ("amx_bf16", "avx512_bf16")  # the flags of the units, fastest first
 BF16_ALL = 64  # a setting under which every weight type takes bf16 prefill (prefill_matmul="bf16")
 # what takes_bf16 answers (a holder's per-weight bf16 setting; truthy: the many-rows products leave fp32)
-FP32, BF16, BF16_PAIRS = 0, 1, 3
+FP32, BF16, BF16_PAIRS, INT16 = 0, 1, 3, 4
 
 
 def takes_bf16(type_id: int, cap: int) -> int:
     """How products with a weight of this ggml type run on the many-rows path under the setting `cap` (asked once
     per weight at load, when the kernel plan binds the holders): BF16 (this module's GEMMs), BF16_PAIRS (Q8_0 under a
-    cap below BF16_ALL where the process has the AMX-BF16 tiles: kernels/bf16_pairs.py) or FP32."""
+    cap below BF16_ALL where the process has the AMX-BF16 tiles: kernels/bf16_pairs.py), INT16 (Q8_0 under such a
+    cap where it has no tiles but AVX512-VNNI: kernels/q8_0_int16.py; the same grade, ~2^-16 per product) or FP32."""
     if cap >= BF16_ALL:
         return BF16
     bits = WEIGHT_BITS.get(GGML_TYPES[type_id].name)
     if bits is not None and bits <= cap:
         return BF16
-    if cap and type_id == bf16_pairs.Q8_0 and bf16_pairs.granted():
-        return BF16_PAIRS
+    if cap and type_id == bf16_pairs.Q8_0:
+        if bf16_pairs.granted():  # an AMX CPU: the tiles (measured there; int16 there unmeasured)
+            return BF16_PAIRS
+        if q8_0_int16.available():
+            return INT16
     return FP32
 
 

@@ -46,7 +46,7 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 27  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 28  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -172,6 +172,10 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib.mls_int8_panel_rows.restype = i64
     lib.mls_q8_0_bf16_pairs.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_q8_0_bf16_pairs_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
+    lib.mls_q8_0_int16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
+    lib.mls_q8_0_int16_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
+    lib.mls_q8_0_int16_units.argtypes = []
+    lib.mls_q8_0_int16_units.restype = c_int
     lib.mls_bf16_bmm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int]
     lib.mls_softmax_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, c_int]
     lib.mls_bf16_bmm_unit.argtypes = []

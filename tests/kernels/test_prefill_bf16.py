@@ -27,7 +27,7 @@ from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.machine import BF16_BITS
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native
+from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native, q8_0_int16
 from mlaserve.quant.ggml_heads import GGUFHeads
 from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
 
@@ -116,15 +116,22 @@ def test_grouped_bf16_against_gguf_py_and_fp64(name, monkeypatch):
         lo += c
 
 
+def _q8_0_mode() -> int:
+    """Q8_0's many-rows mode under a cap below BF16_ALL here: the bf16 pairs on the AMX-BF16 tiles where this process
+    has them (kernels/bf16_pairs.py), int16 activations where it has AVX512-VNNI (kernels/q8_0_int16.py), else fp32."""
+    if bf16_pairs.granted():
+        return bf16_prefill.BF16_PAIRS
+    return bf16_prefill.INT16 if q8_0_int16.available() else bf16_prefill.FP32
+
+
 def test_weight_types_by_setting():
     q8, q6, q4 = (GGML_TYPE_IDS[n] for n in ("Q8_0", "Q6_K", "Q4_K"))
     assert not any(bf16_prefill.takes_bf16(t, 0) for t in (q8, q6, q4))
     auto = BF16_BITS["bf16_6bit"]
     assert BF16_BITS["bf16"] >= bf16_prefill.BF16_ALL and BF16_BITS["float"] == 0
     assert bf16_prefill.takes_bf16(q6, auto) == bf16_prefill.takes_bf16(q4, auto) == bf16_prefill.BF16
-    # Q8_0 never plain bf16 under auto: bf16 pairs on the AMX-BF16 tiles where this process has them, else fp32
-    q8_auto = bf16_pairs.granted() and bf16_prefill.BF16_PAIRS or bf16_prefill.FP32
-    assert bf16_prefill.takes_bf16(q8, auto) == q8_auto
+    # Q8_0 never plain bf16 under auto (test_q8_0_int16.py holds each case)
+    assert bf16_prefill.takes_bf16(q8, auto) == _q8_0_mode()
     assert all(
         bf16_prefill.takes_bf16(t, bf16_prefill.BF16_ALL) == bf16_prefill.BF16
         for t in (q8, q6, q4, GGML_TYPE_IDS["F16"])
@@ -146,7 +153,7 @@ def _resolve(monkeypatch, fast: str, **kw):
 def test_auto_resolves_by_the_cpu_flag_and_the_file(monkeypatch):
     value, why = _resolve(monkeypatch, "1")
     assert value == "bf16_6bit" and why.startswith("engine default (auto: MLASERVE_FAST_BF16=1 in the environment)")
-    assert "Q8_0 takes bf16 pairs on AMX-BF16 tiles (fp32 grade), fp32 elsewhere" in why
+    assert "Q8_0 takes bf16 pairs on AMX-BF16 tiles (fp32 grade), int16 activations on AVX512-VNNI" in why
     value, why = _resolve(monkeypatch, "0")
     assert value == "float" and "bf16 GEMMs are slower than fp32 here" in why
     assert _resolve(monkeypatch, "1", gguf=False) == ("float", "engine default (auto: fp32 GEMMs; not a GGUF file)")
@@ -193,9 +200,8 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
         GGML_TYPES[t].name: b for m in fast.runner.model.modules() for t, b in _parts(m)
     }
     # the file's Q4_K, Q5_0, Q5_1, Q6_K weights take bf16 (6 bits or fewer), its two Q8_0 ones are not plain bf16:
-    # the bf16 pairs where this process has the AMX-BF16 tiles (kernels/bf16_pairs.py), else fp32
-    q8 = bf16_prefill.BF16_PAIRS if bf16_pairs.granted() else bf16_prefill.FP32
-    assert taken == {"Q4_K": 1, "Q5_0": 1, "Q5_1": 1, "Q6_K": 1, "Q8_0": q8}, taken
+    # the bf16 pairs or int16 activations where this process runs them, else fp32 (_q8_0_mode)
+    assert taken == {"Q4_K": 1, "Q5_0": 1, "Q5_1": 1, "Q6_K": 1, "Q8_0": _q8_0_mode()}, taken
     reasons = " ".join(c.reason for c in fast.loaded.kernel_plan.choices)
     assert f"bf16 prefill GEMMs for Q4_K ({bf16_prefill.units()})" in reasons
     assert "bf16 prefill" not in " ".join(c.reason for c in exact.loaded.kernel_plan.choices)
@@ -217,23 +223,32 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
 
 
 @needs_native
-def test_q8_0_is_not_plain_bf16_under_auto(monkeypatch):
-    """Q8_0 fails the rule (bf16 adds ~0.55x its own error): under auto its products stay fp32, bit for bit, or,
-    where the process has AMX-BF16 tiles, take the bf16 pairs (kernels/bf16_pairs.py; their error: test_bf16_pairs.py)."""
+@pytest.mark.parametrize("units", ["here", "none"])
+def test_q8_0_is_not_plain_bf16_under_auto(units, monkeypatch):
+    """Q8_0 fails the rule (bf16 adds ~0.55x its own error): under auto its products take the bf16 pairs where the
+    process has AMX-BF16 tiles (kernels/bf16_pairs.py; their error: test_bf16_pairs.py), int16 activations where it
+    has AVX512-VNNI (kernels/q8_0_int16.py; test_q8_0_int16.py), else stay fp32, bit for bit ("none": neither
+    unit, as on an AVX2 CPU)."""
     monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
+    if units == "none":
+        monkeypatch.setattr(bf16_pairs, "granted", lambda: False)
+        monkeypatch.setattr(q8_0_int16, "available", lambda: False)
     path = str(fixture_dir("ds3") / "model-q8_0.gguf")
     ids = list(range(3, 60))
     auto, exact = LLM(path), LLM(path, prefill_matmul="float")
     assert auto.config.kernels.prefill_matmul == "bf16_6bit"
     reasons = " ".join(c.reason for c in auto.loaded.kernel_plan.choices)
     assert "bf16 prefill GEMMs" not in reasons
-    if bf16_pairs.granted():
+    if _q8_0_mode() == bf16_prefill.BF16_PAIRS:
         assert (
             f"bf16-pair prefill for Q8_0 ({bf16_pairs.tiles_detail()}: exact codes, activations as bf16 pairs, fp32 grade)"
             in reasons
         )
+    elif _q8_0_mode() == bf16_prefill.INT16:
+        assert f"int16-activation prefill for Q8_0 ({q8_0_int16.detail()}" in reasons
     else:
         assert "bf16-pair prefill" not in reasons  # ("(token, expert) pairs" is the routed experts' own note)
+        assert "int16-activation prefill" not in reasons
         assert torch.equal(auto.prompt_logits(ids), exact.prompt_logits(ids))
     forced = LLM(path, prefill_matmul="bf16")
     assert not torch.equal(forced.prompt_logits(ids), exact.prompt_logits(ids))

@@ -4,6 +4,32 @@
    row's operations still do not depend on how many rows share the pass. Where the CPU has it, about half the
    instructions per weight of the AVX2 kernels: the many-row (batched decode) products are compute-bound. */
 #ifdef MLS_AVX512
+/* r[0..16) as a 16 x 16 matrix of dwords, transposed in place (r[d] lane i = r[i] lane d before) */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int h = 0; h < 2; h++) {
+            r[i + 2 * h] = _mm512_unpacklo_epi64(t[i + h], t[i + 2 + h]);
+            r[i + 2 * h + 1] = _mm512_unpackhi_epi64(t[i + h], t[i + 2 + h]);
+        }
+    /* each 128-bit lane q of r[4 g + e] now holds dwords 4 q + e of rows 4 g .. 4 g + 3 */
+    for (int e = 0; e < 4; e++)
+        for (int g = 0; g < 4; g += 2) {
+            t[4 * g + e] = _mm512_shuffle_i32x4(r[4 * g + e], r[4 * g + 4 + e], 0x88);     /* lanes 0, 2 | 0, 2 */
+            t[4 * g + 4 + e] = _mm512_shuffle_i32x4(r[4 * g + e], r[4 * g + 4 + e], 0xDD); /* lanes 1, 3 | 1, 3 */
+        }
+    for (int e = 0; e < 4; e++) {
+        r[e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0xDD);
+        r[4 + e] = _mm512_shuffle_i32x4(t[4 + e], t[12 + e], 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(t[4 + e], t[12 + e], 0xDD);
+    }
+}
+
 static inline __m512 i8x16(const __m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 
 #define WIDE_BLOCK(mr, acc, d, w0, w1, xb, ldx)                                                   \

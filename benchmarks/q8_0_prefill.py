@@ -1,16 +1,17 @@
-"""Q8_0 products of many rows: the bf16 pairs on the AMX-BF16 tiles (kernels/bf16_pairs.py) against what the
-many-rows path ran before them (the weight decoded to fp32, then torch's fp32 GEMM: exact) and plain bf16 (the
-weight decoded to bf16, then oneDNN's bf16 GEMM: 0.57x Q8_0's own error, which the rule refuses), one weight at
-several row counts.
+"""Q8_0 products of many rows: the fp32-grade fast path this process runs under prefill_matmul auto (the bf16 pairs
+on the AMX-BF16 tiles, kernels/bf16_pairs.py, or int16 activations on AVX512-VNNI, kernels/q8_0_int16.py) against
+the exact fp32 paths (the weight decoded to fp32, then torch's fp32 GEMM; the fp32 decoded panels of
+kernels/panels.py where the build has AVX-512) and plain bf16 (the weight decoded to bf16, then oneDNN's bf16 GEMM:
+0.57x Q8_0's own error, which the rule refuses), one weight at several row counts.
 
-  PYTHONPATH=$PWD python benchmarks/bf16_pairs.py [--threads N] [--rounds R] [--reps N] [--rows 48,128,512]
+  PYTHONPATH=$PWD python benchmarks/q8_0_prefill.py [--threads N] [--rounds R] [--reps N] [--rows 48,128,512]
       [--shapes 3072x2048,2048x10944,...]
 
 Random valid Q8_0 blocks (the time does not depend on the values) of each --shapes N x K times --rows activation
-rows. Each round times the three back to back (--reps calls each; wall time and the process's CPU time per call);
+rows. Each round times the methods back to back (--reps calls each; wall time and the process's CPU time per call);
 the table gives the best call of all rounds, and beside it each method's error against fp64 on the same values
 (max |y - y64| / max |y64|). Prints the CPU flags and the load average before and after; JSON to
-benchmarks/results/bf16_pairs.json.
+benchmarks/results/q8_0_prefill.json.
 """
 
 from __future__ import annotations
@@ -43,20 +44,26 @@ def main() -> None:
     p.add_argument("--rows", default="48,128,512", help="activation rows per product")
     # ds-real's routed experts' gate_up (2 x 1408 rows) and the dense first layer's down_proj; glm-real's q_b
     p.add_argument("--shapes", default="2816x2048,2048x10944,5120x768", help="N x K of the weight")
-    p.add_argument("--out", default=str(RESULTS_DIR / "bf16_pairs.json"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "q8_0_prefill.json"))
     args = p.parse_args()
 
-    from mlaserve.kernels import bf16_pairs, bf16_prefill, native
+    from mlaserve.kernels import bf16_pairs, bf16_prefill, native, panels, q8_0_int16
 
-    if not bf16_pairs.granted():
-        raise SystemExit(f"no bf16 pairs here: {bf16_pairs.tiles_detail()}")
+    if bf16_pairs.granted():
+        fast = ("pairs", bf16_pairs.linear)
+    elif q8_0_int16.available():
+        fast = ("int16", q8_0_int16.linear)
+    else:
+        raise SystemExit(f"no fast Q8_0 path here: {bf16_pairs.tiles_detail()}; {q8_0_int16.detail()}")
     env = environment(args.threads)
     torch.set_num_threads(args.threads)
     methods = {
-        "pairs": lambda x, w, k: bf16_pairs.linear(x, w, k),
+        fast[0]: fast[1],
         "fp32": lambda x, w, k: torch.nn.functional.linear(x, native.dequantize(Q8_0, w, k)),
         "bf16": lambda x, w, k: bf16_prefill.linear(x, native.dequantize_bf16(Q8_0, w, k)),
     }
+    if panels.available():
+        methods["panels"] = lambda x, w, k: panels.linear(x, w, Q8_0, k)
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"load average before: {os.getloadavg()}")
@@ -83,13 +90,11 @@ def main() -> None:
                 row["best_wall_ms"][name] = best[name][0] * 1e3
                 row["best_cpu_ms"][name] = best[name][1] * 1e3
             rows.append(row)
-            w_ms = row["best_wall_ms"]
-            print(
-                f"{n} x {k}, {m} rows: pairs {w_ms['pairs']:.2f} ms, fp32 {w_ms['fp32']:.2f} "
-                f"({w_ms['fp32'] / w_ms['pairs']:.2f}x), bf16 {w_ms['bf16']:.2f} ms; error vs fp64 "
-                f"{err['pairs']:.1e} / {err['fp32']:.1e} / {err['bf16']:.1e}",
-                flush=True,
+            w_ms, first = row["best_wall_ms"], fast[0]
+            said = ", ".join(
+                f"{name} {w_ms[name]:.2f} ms ({w_ms[name] / w_ms[first]:.2f}x) err {err[name]:.1e}" for name in methods
             )
+            print(f"{n} x {k}, {m} rows: {said}", flush=True)
     print(f"load average after: {os.getloadavg()}")
     write_json(Path(args.out), {"environment": env, "args": vars(args), "results": rows})
 
