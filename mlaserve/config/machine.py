@@ -171,7 +171,8 @@ BF16_RULE = (
     "grade), fp32 elsewhere (plain bf16: 0.54-0.57x, over the rule's 1/2; the pairs: its int8 codes exact in bf16 "
     "times each activation's bf16 rounding and remainder, the sums and block scales in fp32, ~2^-16 per product; "
     "int16: an int16 code per activation and 32-value block, exact integer sums, ~2^-16 of the block's largest "
-    "activation per value)"
+    "activation per value, which the 4-5 bit 32-value block types Q4_0, Q5_0, IQ4_NL, MXFP4 take there instead of "
+    "bf16)"
 )
 
 

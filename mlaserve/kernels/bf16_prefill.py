@@ -20,7 +20,9 @@ reference): Q4_0 0.035x, Q4_K 0.041x, Q5_0 0.071x, Q5_1 0.078x, Q5_K 0.080x, Q6_
 (over the rule: bf16 keeps 8 significant bits, Q8_0's own step is about as fine). So the automatic choice
 (prefill_matmul "bf16_6bit", config/machine.BF16_BITS) takes weights of 6 bits or fewer, and Q8_0 takes the split
 products of kernels/bf16_pairs.py where the CPU has AMX-BF16 tiles (fp32 grade: ~2^-16 per product), the int16
-activations of kernels/q8_0_int16.py where it has AVX512-VNNI instead (the same grade), fp32 elsewhere;
+activations of kernels/int16_prefill.py where it has AVX512-VNNI instead (the same grade), fp32 elsewhere; there
+(no AMX-BF16 tiles, AVX512-VNNI) the other 32-value block types under the cap take int16 too, not plain bf16 (finer,
+and faster: the blocks read in place instead of the weight decoded per call);
 prefill_matmul="bf16" takes every type (BF16_ALL), Q8_0 too in plain bf16.
 """
 
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_pairs, q8_0_int16
+from mlaserve.kernels import bf16_pairs, int16_prefill
 
 # bits per stored value of each block type (what a bf16 setting caps); types not listed (F32, F16, BF16) never
 # take bf16 prefill under a cap below BF16_ALL
@@ -50,19 +52,27 @@ FP32, BF16, BF16_PAIRS, INT16 = 0, 1, 3, 4
 def takes_bf16(type_id: int, cap: int) -> int:
     """How products with a weight of this ggml type run on the many-rows path under the setting `cap` (asked once
     per weight at load, when the kernel plan binds the holders): BF16 (this module's GEMMs), BF16_PAIRS (Q8_0 under a
-    cap below BF16_ALL where the process has the AMX-BF16 tiles: kernels/bf16_pairs.py), INT16 (Q8_0 under such a
-    cap where it has no tiles but AVX512-VNNI: kernels/q8_0_int16.py; the same grade, ~2^-16 per product) or FP32."""
+    cap below BF16_ALL where the process has the AMX-BF16 tiles: kernels/bf16_pairs.py), INT16 (where it has no
+    such tiles but AVX512-VNNI: Q8_0 under such a cap and the other 32-value block types under a cap they fit,
+    kernels/int16_prefill.py; fp32 grade, ~2^-16 per product) or FP32."""
     if cap >= BF16_ALL:
         return BF16
+    fits = admits_bf16(type_id, cap)
+    if not fits and not (cap and type_id == bf16_pairs.Q8_0):
+        return FP32
+    if bf16_pairs.granted():  # an AMX CPU: bf16 and the pairs on the tiles (measured there; int16 there unmeasured)
+        return BF16 if fits else BF16_PAIRS
+    if int16_prefill.takes(type_id):
+        return INT16
+    return BF16 if fits else FP32
+
+
+def admits_bf16(type_id: int, cap: int) -> bool:
+    """Whether the setting `cap` admits plain bf16 for products with a weight of this type (its bits <= cap, or every
+    type): what takes_bf16 starts from, and what the products of the same weights by other routes ask (a prompt's K / V
+    expansion and attention, quant/ggml_heads.py), whichever unit the weight's own products take."""
     bits = WEIGHT_BITS.get(GGML_TYPES[type_id].name)
-    if bits is not None and bits <= cap:
-        return BF16
-    if cap and type_id == bf16_pairs.Q8_0:
-        if bf16_pairs.granted():  # an AMX CPU: the tiles (measured there; int16 there unmeasured)
-            return BF16_PAIRS
-        if q8_0_int16.available():
-            return INT16
-    return FP32
+    return cap >= BF16_ALL or (bits is not None and bits <= cap)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

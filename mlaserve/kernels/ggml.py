@@ -28,8 +28,9 @@ load) the many-rows products round the decoded weight and the activations to bfl
 (kernels/bf16_prefill.py: AMX / AVX512-BF16 through oneDNN); not exact, within the bound derived there. Q8_0's
 products under that setting (bf16_prefill.BF16_PAIRS) run on the AMX-BF16 tiles instead, the codes exact and each
 activation as a pair of bf16s (kernels/bf16_pairs.py: fp32 grade, the blocks read where they lie), or without those
-tiles on AVX512-VNNI (bf16_prefill.INT16) with each activation an int16 code per 32-value block (kernels/q8_0_int16.py:
-the same grade, the integer sums exact).
+tiles on AVX512-VNNI (bf16_prefill.INT16) with each activation an int16 code per 32-value block (kernels/int16_prefill.py:
+the same grade, the integer sums exact), which the other 32-value block types (Q4_0, Q5_0, IQ4_NL, MXFP4) take there
+instead of plain bf16.
 With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decided per weight at load) the products of
 up to tile_rows(type) rows keep the int8 call, which runs them on the AMX-INT8 tiles from 8 rows: the decode kernels'
 bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's. Without
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, dequantize
-from mlaserve.kernels import bf16_pairs, bf16_prefill, native, panels, q8_0_int16
+from mlaserve.kernels import bf16_pairs, bf16_prefill, int16_prefill, native, panels
 
 # Rows of x per weight up to which the decode-and-dot kernel beats decode-then-BLAS (measured on
 # 2-core AVX2 EPYCs: at 16 rows the two are about even for a 1024 x 1024 Q8_0 weight).
@@ -197,8 +198,8 @@ def linear_native(
         return native.gemm(ggml_type, x, w, k, int8=int8)
     if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
         return bf16_pairs.linear(x, w, k)
-    if bf16 == bf16_prefill.INT16:  # Q8_0 with int16 activations on AVX512-VNNI (the same grade)
-        return q8_0_int16.linear(x, w, k)
+    if bf16 == bf16_prefill.INT16:  # int16 activations on AVX512-VNNI (fp32 grade): the blocks read in place
+        return int16_prefill.linear(x, w, ggml_type, k)
     if not bf16 and x.shape[0] <= PANEL_ROWS and panels.available():  # fp32, few rows: decoded panels
         return panels.linear(x, w, ggml_type, k)
     return _decoded_linear(x, w, ggml_type, k, bool(bf16))
@@ -354,8 +355,8 @@ def _decoded_grouped(
     per expert, 46 -> 69 at 128, level at 512)."""
     if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles: the blocks read in place, nothing decoded here
         return bf16_pairs.grouped(xs, parts, k, experts, offs)
-    if bf16 == bf16_prefill.INT16:  # Q8_0 with int16 activations (AVX512-VNNI): 16-row panels, none whole in memory
-        return q8_0_int16.grouped(xs, parts, k, experts, offs)
+    if bf16 == bf16_prefill.INT16:  # int16 activations (AVX512-VNNI): 16-row panels, no expert whole in memory
+        return int16_prefill.grouped(xs, parts, ggml_type, k, experts, offs)
     if not bf16 and panels.available():  # fp32 on decoded panels (AVX-512 builds): no decoded experts in memory
         return panels.grouped(xs, parts, ggml_type, k, experts, F.pad(offs.to(torch.int64), (1, 0)))
     a, n = experts.shape[0], sum(p.shape[1] for p in parts)

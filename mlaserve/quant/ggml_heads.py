@@ -46,7 +46,8 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         # kept in its blocks), None where that weight is a float one
         self.type_latent = type_latent
         self.bf16_k = self.bf16_v = False  # prefill products in bf16, per matrix (set_prefill_bf16)
-        self.bf16_latent = bf16_prefill.FP32  # the latent weight's, under the same setting (set_prefill_bf16)
+        # whether the setting admits plain bf16 for both matrices, and for the latent weight (set_prefill_bf16)
+        self.admits_bf16 = self.latent_admits_bf16 = False
         self.k_b = nn.Parameter(k_b, requires_grad=False)
         self.v_b = nn.Parameter(v_b, requires_grad=False)
         self.heads = k_b.shape[0]
@@ -98,14 +99,15 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
     def set_prefill_bf16(self, cap: int) -> None:
         """The KernelPlan's bf16 prefill setting, decided once per matrix."""
         self.bf16_k, self.bf16_v = bf16_prefill.takes_bf16(self.type_k, cap), bf16_prefill.takes_bf16(self.type_v, cap)
-        if self.type_latent is not None:
-            self.bf16_latent = bf16_prefill.takes_bf16(self.type_latent, cap)
+        self.admits_bf16 = all(bf16_prefill.admits_bf16(t, cap) for t in (self.type_k, self.type_v))
+        self.latent_admits_bf16 = self.type_latent is not None and bf16_prefill.admits_bf16(self.type_latent, cap)
 
     def expansion_bf16(self) -> bool:
         """Whether the decompressed path's K / V expansion (latent rows times the dense kv_b rebuilt from both
-        matrices) runs in bf16: where the plan runs both matrices' prefill products in plain bf16, the rule that
-        chose that holding for this product of the same weights (Q8_0's bf16 pairs and fp32 keep it fp32)."""
-        return self.bf16_k == bf16_prefill.BF16 and self.bf16_v == bf16_prefill.BF16
+        matrices) runs in bf16: where the plan's setting admits plain bf16 for both matrices' prefill products (the
+        rule, for this product of the same weights; their own products may take int16 activations instead, finer and
+        faster on such CPUs: kernels/int16_prefill.py). Q8_0 and fp32 keep it fp32."""
+        return self.admits_bf16
 
     def attention_tiles(self) -> bool:
         """Whether the decompressed attention's scores and P V run as bf16 products on the AMX-BF16 tiles or, where
@@ -113,15 +115,15 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         the step's condition). Where the process has either, and either
         - the K / V expansion runs in bf16 (expansion_bf16): K's nope half and V are bf16 values then, the tiles
           round only q, k_pe and P; or
-        - the latent rows it expands are the product of a weight the plan multiplies in plain bf16 (the layer's
-          kv_a_proj_with_mqa, 6 bits or fewer under auto): every K and V value then carries that weight's own
+        - the latent rows it expands are the product of a weight for which the plan's setting admits plain bf16 (the
+          layer's kv_a_proj_with_mqa, 6 bits or fewer under auto): every K and V value then carries that weight's own
           quantization error, and the tiles' bf16 rounding of the expansion's operands and of K and V adds errors
           of the grade the first case accepts (2^-9 relative each; tests/kernels/test_bf16_attention.py: on a file
           where only this case holds they move each prompt position's logits by 0.78% (median) against the file's
           own 22%)."""
         if not bf16_attention.granted():
             return False
-        return self.expansion_bf16() or self.bf16_latent == bf16_prefill.BF16
+        return self.expansion_bf16() or self.latent_admits_bf16
 
     def native_detail(self) -> str:
         note = plan_note({"k_b": self.type_k, "v_b": self.type_v}, self.int8, (self.bf16_k, self.bf16_v), grouped=True)

@@ -30,10 +30,10 @@ from mlaserve.kernels import (
     bf16_pairs,
     bf16_prefill,
     ggml,
+    int16_prefill,
     native,
     native_layers,
     panels,
-    q8_0_int16,
     registry,
     triton_linear,
 )
@@ -71,10 +71,10 @@ def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
 def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
     """What the kernel plan says of a holder's prefill products: the types of its weights whose many-rows products
     run in bf16 (bf16_prefill.units: the CPU's bf16 units), on the AMX-BF16 tiles with the activations as bf16
-    pairs (kernels/bf16_pairs.py) or with int16 activations (kernels/q8_0_int16.py); None where none does (fp32
+    pairs (kernels/bf16_pairs.py) or with int16 activations (kernels/int16_prefill.py); None where none does (fp32
     GEMMs)."""
     pairs = f"{bf16_pairs.tiles_detail()}: exact codes, activations as bf16 pairs, fp32 grade"
-    int16 = f"{q8_0_int16.detail()}: exact codes, activations as int16 codes per 32 values, fp32 grade"
+    int16 = f"{int16_prefill.detail()}: exact codes, activations as int16 codes per 32 values, fp32 grade"
     said = []
     for mode, what in (
         (bf16_prefill.BF16, f"bf16 prefill GEMMs for {{}} ({bf16_prefill.units()})"),

@@ -27,7 +27,7 @@ from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.machine import BF16_BITS
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native, q8_0_int16
+from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, int16_prefill, native
 from mlaserve.quant.ggml_heads import GGUFHeads
 from mlaserve.quant.ggml_linear import GGUFExperts, GGUFLinear
 
@@ -118,10 +118,17 @@ def test_grouped_bf16_against_gguf_py_and_fp64(name, monkeypatch):
 
 def _q8_0_mode() -> int:
     """Q8_0's many-rows mode under a cap below BF16_ALL here: the bf16 pairs on the AMX-BF16 tiles where this process
-    has them (kernels/bf16_pairs.py), int16 activations where it has AVX512-VNNI (kernels/q8_0_int16.py), else fp32."""
+    has them (kernels/bf16_pairs.py), int16 activations where it has AVX512-VNNI (kernels/int16_prefill.py), else fp32."""
     if bf16_pairs.granted():
         return bf16_prefill.BF16_PAIRS
-    return bf16_prefill.INT16 if q8_0_int16.available() else bf16_prefill.FP32
+    return bf16_prefill.INT16 if int16_prefill.takes(GGML_TYPE_IDS["Q8_0"]) else bf16_prefill.FP32
+
+
+def _block32_mode(name: str) -> int:
+    """A 4-5 bit 32-value block type's many-rows mode under bf16_6bit here: int16 activations where the process has
+    them and no AMX-BF16 tiles (kernels/int16_prefill.py), else plain bf16."""
+    int16 = not bf16_pairs.granted() and int16_prefill.takes(GGML_TYPE_IDS[name])
+    return bf16_prefill.INT16 if int16 else bf16_prefill.BF16
 
 
 def test_weight_types_by_setting():
@@ -130,7 +137,7 @@ def test_weight_types_by_setting():
     auto = BF16_BITS["bf16_6bit"]
     assert BF16_BITS["bf16"] >= bf16_prefill.BF16_ALL and BF16_BITS["float"] == 0
     assert bf16_prefill.takes_bf16(q6, auto) == bf16_prefill.takes_bf16(q4, auto) == bf16_prefill.BF16
-    # Q8_0 never plain bf16 under auto (test_q8_0_int16.py holds each case)
+    # Q8_0 never plain bf16 under auto (test_int16_prefill.py holds each case)
     assert bf16_prefill.takes_bf16(q8, auto) == _q8_0_mode()
     assert all(
         bf16_prefill.takes_bf16(t, bf16_prefill.BF16_ALL) == bf16_prefill.BF16
@@ -199,9 +206,11 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
     taken = {  # weight type -> whether its holders' prefill products run in bf16 (per part)
         GGML_TYPES[t].name: b for m in fast.runner.model.modules() for t, b in _parts(m)
     }
-    # the file's Q4_K, Q5_0, Q5_1, Q6_K weights take bf16 (6 bits or fewer), its two Q8_0 ones are not plain bf16:
-    # the bf16 pairs or int16 activations where this process runs them, else fp32 (_q8_0_mode)
-    assert taken == {"Q4_K": 1, "Q5_0": 1, "Q5_1": 1, "Q6_K": 1, "Q8_0": _q8_0_mode()}, taken
+    # the file's Q4_K, Q5_1, Q6_K weights take bf16 (6 bits or fewer), its Q5_0 ones int16 activations where this
+    # process runs them (_block32_mode), its two Q8_0 ones are not plain bf16: the bf16 pairs or int16 activations
+    # where this process runs them, else fp32 (_q8_0_mode)
+    want = {"Q4_K": 1, "Q5_0": _block32_mode("Q5_0"), "Q5_1": 1, "Q6_K": 1, "Q8_0": _q8_0_mode()}
+    assert taken == want, taken
     reasons = " ".join(c.reason for c in fast.loaded.kernel_plan.choices)
     assert f"bf16 prefill GEMMs for Q4_K ({bf16_prefill.units()})" in reasons
     assert "bf16 prefill" not in " ".join(c.reason for c in exact.loaded.kernel_plan.choices)
@@ -227,12 +236,12 @@ def test_engine_logits_within_the_files_own_error(monkeypatch):
 def test_q8_0_is_not_plain_bf16_under_auto(units, monkeypatch):
     """Q8_0 fails the rule (bf16 adds ~0.55x its own error): under auto its products take the bf16 pairs where the
     process has AMX-BF16 tiles (kernels/bf16_pairs.py; their error: test_bf16_pairs.py), int16 activations where it
-    has AVX512-VNNI (kernels/q8_0_int16.py; test_q8_0_int16.py), else stay fp32, bit for bit ("none": neither
+    has AVX512-VNNI (kernels/int16_prefill.py; test_int16_prefill.py), else stay fp32, bit for bit ("none": neither
     unit, as on an AVX2 CPU)."""
     monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
     if units == "none":
         monkeypatch.setattr(bf16_pairs, "granted", lambda: False)
-        monkeypatch.setattr(q8_0_int16, "available", lambda: False)
+        monkeypatch.setattr(int16_prefill, "takes", lambda t: False)
     path = str(fixture_dir("ds3") / "model-q8_0.gguf")
     ids = list(range(3, 60))
     auto, exact = LLM(path), LLM(path, prefill_matmul="float")
@@ -245,7 +254,7 @@ def test_q8_0_is_not_plain_bf16_under_auto(units, monkeypatch):
             in reasons
         )
     elif _q8_0_mode() == bf16_prefill.INT16:
-        assert f"int16-activation prefill for Q8_0 ({q8_0_int16.detail()}" in reasons
+        assert f"int16-activation prefill for Q8_0 ({int16_prefill.detail()}" in reasons
     else:
         assert "bf16-pair prefill" not in reasons  # ("(token, expert) pairs" is the routed experts' own note)
         assert "int16-activation prefill" not in reasons
@@ -284,7 +293,8 @@ def test_the_rule_per_weight_type_on_the_fixtures():
     print("\nbf16 added / the file's own error, worst per type:", {k: round(v, 3) for k, v in sorted(worst.items())})
     assert set(worst) >= {"Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
     for kind, ratio in worst.items():
-        auto = bf16_prefill.takes_bf16(GGML_TYPE_IDS[kind], BF16_BITS["bf16_6bit"]) == bf16_prefill.BF16
+        # the rule's answer, whichever unit then runs an admitted type (plain bf16, or int16 activations, finer)
+        auto = bf16_prefill.admits_bf16(GGML_TYPE_IDS[kind], BF16_BITS["bf16_6bit"])
         assert (ratio <= 0.5) == auto, (kind, ratio, auto)
 
 

@@ -274,18 +274,19 @@ int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const
 int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                                 int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                                 float *y, int64_t ldy, int threads);
-/* x86/q8_0_int16.c: Q8_0 products of many rows with int16 activations on AVX512-VNNI: each activation an int16 code
-   per 32-value block with an fp32 scale (~2^-16 of the block's largest per value), the integer sums exact, block
-   scales applied in fp32; y [m, ldy], x [m, ldx]. 0, -1 a build without AVX512-VNNI, -2 k not a multiple of 32,
+/* x86/int16_prefill.c: products of many rows with int16 activations on AVX512-VNNI for the 32-value block types whose
+   value is d times an integer code (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): each activation an int16 code per 32-value
+   block with an fp32 scale (~2^-16 of the block's largest per value), the integer sums exact, block scales applied in
+   fp32; y [m, ldy], x [m, ldx]. 0, -1 a build without AVX512-VNNI, -2 k not a multiple of 32, -3 not such a type,
    -4 out of memory */
-int mls_q8_0_int16(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n, int64_t row_bytes,
-                   float *y, int64_t ldy, int threads);
+int mls_int16_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+                   int64_t row_bytes, float *y, int64_t ldy, int threads);
 /* the grouped form, as mls_q8_0_bf16_pairs_grouped */
-int mls_q8_0_int16_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                           int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                           float *y, int64_t ldy, int threads);
-/* whether this build runs them: 1 yes, 0 no AVX512-VNNI */
-int mls_q8_0_int16_units(void);
+int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                      int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
+                      int64_t ldy, int threads);
+/* whether this build runs a type's products so: 1 yes, 0 no (not such a type, or no AVX512-VNNI) */
+int mls_int16_takes(int type);
 /* x86/amx_bf16_bmm.c: C_b [m, n] (fp32, rows ldc apart) = A_b [m, k] (bf16, rows lda apart) times Bm_b [k, n] given
    as pairs B_b (int32: (Bm[2p, j], Bm[2p + 1, j]); pair row p of columns j0 .. j0 + 15 at (j0 / 16) bj + p ldb),
    b < batch (strides sa, sb, sc in elements), fp32 sums on AMX-BF16 tiles, else by AVX512-BF16 dot products

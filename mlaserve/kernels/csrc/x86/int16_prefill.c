@@ -1,20 +1,24 @@
-/* ------------------------------------------ Q8_0 products of many rows with int16 activations (AVX512-VNNI)
-   Prefill products of Q8_0 weights (more than GEMV_ROWS activation rows) where the CPU has AVX512-VNNI and the
-   process no AMX-BF16 tiles (those take x86/amx_bf16.c's pairs). In fp32 such a product runs at the FMA units'
-   ceiling (16 multiply-adds an instruction); here each activation is an int16 code per 32-value block with an fp32
-   scale, the weight's int8 codes are widened to int16 once per call, and vpdpwssd sums 32 products an instruction,
-   exact in int32; each block's two scales multiply that sum in fp32. Plain int8 activations (llama.cpp's
-   Q8_0 x Q8_0) add about Q8_0's own error; 16-bit codes add ~2^-16 of a block's largest activation per value.
+/* --------------------- products of many rows with int16 activations for the 32-value block types (AVX512-VNNI)
+   Prefill products (more than GEMV_ROWS activation rows) of the weight types whose value is a block scale times an
+   integer code per 32 values (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4: avx2.c block_codes16 / block_d), where the CPU has
+   AVX512-VNNI and the process no AMX-BF16 tiles. For Q8_0 the rule keeps fp32 grade (plain bf16 or int8
+   activations add about its own error), and fp32 runs at the FMA units' ceiling (16 multiply-adds an instruction);
+   the others took bf16 decode-then-GEMM, which decodes the whole weight per call. Here each activation is an int16
+   code per 32-value block with an fp32 scale, the weight's codes are widened to int16 once per call into 16-row
+   panels, and vpdpwssd sums 32 products an instruction, exact in int32; each block's two scales multiply that sum in
+   fp32. 16-bit codes add ~2^-16 of a block's largest activation per value (fp32 grade).
 
    Notation (one product y = x W^T; activation row i, weight row r, 32-value block b, u = 2^-24)
-     w = d q                    a Q8_0 weight value: fp16 block scale d times int8 code q (the reference's value)
+     w = d q                    a weight value: the block's scale d (fp16; MXFP4 a power of two) times its integer
+                                code q (|q| <= 128: Q8_0's int8, Q4_0 nibble - 8, Q5_0 5 bits - 16, IQ4_NL's table,
+                                MXFP4's doubled e2m1 values), the reference's value exactly
      a_b = max_{k in b} |x_k|   d_x = fl(a_b / 32767), id = fl(32767 / a_b), c_k = rne(fl(x_k id)), |c_k| <= 32767
                                 (a_b < QW_TINY: d_x = 0, c = 0; a non-finite x_k: d_x = NaN, so the row is NaN)
      |x_k - d_x c_k| <= e_k = d_x / 2 + 3.01 u |x_k|          (<= 1.02 2^-16 a_b)
-     S_b[i, r] = sum_{k in b} q[r, k] c[i, k]                 exact int32: |S_b| <= 32 127 32767 < 2^31
+     S_b[i, r] = sum_{k in b} q[r, k] c[i, k]                 exact int32: |S_b| <= 32 128 32767 < 2^31
      y[i, r] = sum_b fl(d[r, b] d_x[i, b]) fl(S_b)            one fma per block, in block order
      error: |y - x W^T| <= sum_k |w_k| e_k + (K / 32 + 2) u (1 + 2^-20) sum_k |w_k| (|x_k| + e_k)
-            (tests/kernels/test_q8_0_int16.py holds it to that against fp64, and the integer sums to its own codes)
+            (tests/kernels/test_int16_prefill.py holds it to that against fp64, and the integer sums to its own codes)
    Layout (vpdpwssd: int32 lane += lo16(a) lo16(b) + hi16(a) hi16(b))
      C  [kb, 16 j, 16 r] int32    weight row r's codes, widened, as pairs: j = 2 t holds (q_4t, q_4t+2), j = 2 t + 1
                                   (q_4t+1, q_4t+3) of block b (the order two byte shifts give from a dword)
@@ -24,7 +28,7 @@
    A row's result is the same whatever the batch or the threads: its sums and float steps do not depend on the rows
    beside it. */
 #if defined(MLS_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define MLS_Q8_INT16 1
+#define MLS_INT16_PREFILL 1
 #define QW_R 16      /* weight rows per panel: the int32 lanes of a vector */
 #define QW_MR 8      /* activation rows per tile: 8 sums, 8 accumulators in registers */
 #define QW_CHUNK 256 /* activation rows per work item: their codes stay in cache while the panels pass */
@@ -55,32 +59,43 @@ static void qw_quantize_row(const float *x, int64_t k, int16_t *xc, float *xd) {
     }
 }
 
-/* nr (<= 16) Q8_0 rows, row_bytes apart from w, into the panel C [kb * 16], D [kb]; lanes past nr zero. Two blocks
-   at a time: each row's 2 x 32 codes as 16 dwords, transposed so that vector j holds dword j of every row */
-static void qw_unpack(const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, __m512i *C, __m512 *D) {
-    const int64_t kb = k / 32;
-    const __mmask16 live = nr >= QW_R ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)row_bytes));
+/* the types whose products run here: d times an integer code per 32 values (block_codes16) */
+static inline int qw_type(int type) {
+    return type == MLS_Q8_0 || type == MLS_Q4_0 || type == MLS_Q5_0 || type == MLS_IQ4_NL || type == MLS_MXFP4;
+}
+
+/* a block's 32 codes as int8 in one vector (Q8_0 loaded straight from the block) */
+static inline __attribute__((always_inline)) __m256i qw_codes(const uint8_t *b, const int type) {
+    if (type == MLS_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    __m128i g[2];
+    block_codes16(b, type, g);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(g[0]), g[1], 1);
+}
+
+/* nr (<= 16) rows of a block type, row_bytes apart from w, into the panel C [kb * 16], D [kb]; lanes past nr zero.
+   Two blocks at a time: each row's 2 x 32 codes as 16 dwords, transposed so that vector j holds dword j of every
+   row; type a constant where inlined */
+static inline __attribute__((always_inline)) void qw_unpack(const int type, const uint8_t *w, int64_t row_bytes,
+                                                            int64_t nr, int64_t k, __m512i *C, __m512 *D) {
+    const int64_t kb = k / 32, bytes = block_bytes(type);
     for (int64_t b = 0; b < kb; b += 2) {
         const int two = b + 1 < kb;
         __m512i v[16];
+        float d[2][QW_R] __attribute__((aligned(64))) = {{0}};
         for (int r = 0; r < 16; r++) {
             if (r >= nr) {
                 v[r] = _mm512_setzero_si512();
                 continue;
             }
-            const uint8_t *p = w + r * row_bytes + 34 * b + 2;
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)p);
-            const __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(p + 34)) : _mm256_setzero_si256();
-            v[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const uint8_t *p = w + r * row_bytes + bytes * b;
+            d[0][r] = block_d(p, type);
+            d[1][r] = two ? block_d(p + bytes, type) : 0.0f;
+            const __m256i hi = two ? qw_codes(p + bytes, type) : _mm256_setzero_si256();
+            v[r] = _mm512_inserti64x4(_mm512_castsi256_si512(qw_codes(p, type)), hi, 1);
         }
         transpose16_epi32(v); /* v[8 h + t]: dword t (values 4 t .. 4 t + 3) of block b + h, lane r */
         for (int h = 0; h <= two; h++) {
-            /* the dword at the block's start holds d in its low half (a block is 34 bytes: the read stays inside) */
-            const __m512i dd = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx,
-                                                           (const void *)(w + 34 * (b + h)), 1);
-            D[b + h] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            D[b + h] = _mm512_load_ps(d[h]);
             for (int t = 0; t < 8; t++) {
                 const __m512i u = v[8 * h + t];
                 C[(b + h) * 16 + 2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(u, 8), 8); /* q_4t, q_4t+2 */
@@ -141,7 +156,7 @@ static void qw_rows(const __m512i *C, const __m512 *D, const int16_t *xc, const 
    split between the threads), then a work list of (group, chunk of QW_CHUNK rows, 16-row panel) items (dynamic: a
    thread may lose its core to a neighbour), each panel unpacked into the thread's buffer and met by the chunk's
    rows. Returns 0, -4 out of memory. */
-static int qw_grouped(const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
                       int64_t ldy, int threads) {
     const int64_t kb = k / 32, rows = starts[groups] - starts[0], panels = (n + QW_R - 1) / QW_R;
@@ -178,7 +193,14 @@ static int qw_grouped(const float *x, int64_t ldx, int64_t k, const uint8_t *w, 
             const int64_t m = left < QW_CHUNK ? left : QW_CHUNK, nr = n - r0 < QW_R ? n - r0 : QW_R;
             __m512i *C = (__m512i *)mem;
             __m512 *D = (__m512 *)(C + kb * 16);
-            qw_unpack(w + experts[a] * expert_stride + r0 * row_bytes, row_bytes, nr, k, C, D);
+            const uint8_t *wr = w + experts[a] * expert_stride + r0 * row_bytes;
+            switch (type) { /* each type's unpack specialised */
+            case MLS_Q8_0: qw_unpack(MLS_Q8_0, wr, row_bytes, nr, k, C, D); break;
+            case MLS_Q4_0: qw_unpack(MLS_Q4_0, wr, row_bytes, nr, k, C, D); break;
+            case MLS_Q5_0: qw_unpack(MLS_Q5_0, wr, row_bytes, nr, k, C, D); break;
+            case MLS_IQ4_NL: qw_unpack(MLS_IQ4_NL, wr, row_bytes, nr, k, C, D); break;
+            default: qw_unpack(MLS_MXFP4, wr, row_bytes, nr, k, C, D); break;
+            }
             const int64_t i0 = p0 - starts[0];
             qw_rows(C, D, xc + i0 * k, xd + i0 * kb, m, k, y + p0 * ldy + r0, ldy, nr);
         }
@@ -191,43 +213,47 @@ static int qw_grouped(const float *x, int64_t ldx, int64_t k, const uint8_t *w, 
 }
 #endif
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) dequantize(W)^T for Q8_0 rows w [n] (row_bytes apart), with
-   int16 activations on AVX512-VNNI (above): 0, -1 a build without AVX512-VNNI, -2 k not a multiple of 32, -4 out of
-   memory */
-int mls_q8_0_int16(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n, int64_t row_bytes,
-                   float *y, int64_t ldy, int threads) {
-#ifdef MLS_Q8_INT16
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) dequantize(W)^T for rows w [n] (row_bytes apart) of a
+   32-value block type (qw_type), with int16 activations on AVX512-VNNI (above): 0, -1 a build without AVX512-VNNI,
+   -2 k not a multiple of 32, -3 not such a type, -4 out of memory */
+int mls_int16_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
+                   int64_t row_bytes, float *y, int64_t ldy, int threads) {
+#ifdef MLS_INT16_PREFILL
     if (k % 32) return -2;
+    if (!qw_type(type)) return -3;
     if (m == 0 || n == 0) return 0;
     const int64_t expert = 0, starts[2] = {0, m};
-    return qw_grouped(x, ldx, k, w, n, row_bytes, 0, &expert, starts, 1, y, ldy, threads);
+    return qw_grouped(type, x, ldx, k, w, n, row_bytes, 0, &expert, starts, 1, y, ldy, threads);
 #else
-    (void)x, (void)m, (void)k, (void)ldx, (void)w, (void)n, (void)row_bytes, (void)y, (void)ldy, (void)threads;
+    (void)type, (void)x, (void)m, (void)k, (void)ldx, (void)w, (void)n, (void)row_bytes, (void)y, (void)ldy;
+    (void)threads;
     return -1;
 #endif
 }
 
 /* the grouped form (routed experts, heads): rows [starts[a], starts[a + 1]) of x [P, k] times expert experts[a]'s
-   rows (w + experts[a] * expert_stride), into y [P, ldy]; codes as mls_q8_0_int16 */
-int mls_q8_0_int16_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                           int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                           float *y, int64_t ldy, int threads) {
-#ifdef MLS_Q8_INT16
+   rows (w + experts[a] * expert_stride), into y [P, ldy]; codes as mls_int16_gemm */
+int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                      int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
+                      int64_t ldy, int threads) {
+#ifdef MLS_INT16_PREFILL
     if (k % 32) return -2;
+    if (!qw_type(type)) return -3;
     if (n == 0 || groups == 0) return 0;
-    return qw_grouped(x, k, k, w, n, row_bytes, expert_stride, experts, starts, groups, y, ldy, threads);
+    return qw_grouped(type, x, k, k, w, n, row_bytes, expert_stride, experts, starts, groups, y, ldy, threads);
 #else
-    (void)x, (void)k, (void)w, (void)n, (void)row_bytes, (void)expert_stride, (void)experts, (void)starts;
-    (void)groups, (void)y, (void)ldy, (void)threads;
+    (void)type, (void)x, (void)k, (void)w, (void)n, (void)row_bytes, (void)expert_stride, (void)experts;
+    (void)starts, (void)groups, (void)y, (void)ldy, (void)threads;
     return -1;
 #endif
 }
 
-/* whether this build runs them: 1 yes (AVX512-VNNI), 0 no */
-int mls_q8_0_int16_units(void) {
-#ifdef MLS_Q8_INT16
-    return 1;
+/* whether this build runs a type's products here: 1 yes, 0 no (not such a type, or no AVX512-VNNI) */
+int mls_int16_takes(int type) {
+#ifdef MLS_INT16_PREFILL
+    return qw_type(type);
 #else
+    (void)type;
     return 0;
 #endif
 }

@@ -1,8 +1,10 @@
-"""Q8_0 products of many rows with int16 activations on AVX512-VNNI (kernels/q8_0_int16.py, csrc/x86/q8_0_int16.c):
-held to its own integer sums (the activations' codes rebuilt here in numpy, fp32 step by step as the module's
-notation says), to fp64 by the bound derived in the module, to batch and thread independence, the grouped form to
-the plain one, the route (bf16_prefill.INT16 where the process has AVX512-VNNI and no AMX-BF16 tiles), and in the
-engine to the exact fp32 prefill of the same file. On a CPU without AVX512-VNNI the kernel tests skip and say so."""
+"""Products of many rows with int16 activations on AVX512-VNNI for the 32-value block types (kernels/int16_prefill.py,
+csrc/x86/int16_prefill.c: Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): held to their own integer sums (the activations' codes
+rebuilt here in numpy, fp32 step by step as the module's notation says; the weights' codes from the reference
+dequantizer's values over their block scales), to fp64 by the bound derived in the module, to batch and thread
+independence, the grouped form to the plain one, the route (bf16_prefill.INT16 where the process has AVX512-VNNI
+and no AMX-BF16 tiles), and in the engine to the exact fp32 prefill of the same file. On a CPU without AVX512-VNNI
+the kernel tests skip and say so."""
 
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ import torch
 from int8_reference import with_build
 from test_bf16_pairs import case, q8_0
 
-from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, native, q8_0_int16
+from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
+from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, int16_prefill, native
 
 STATUS = native.status()
-needs_units = pytest.mark.skipif(
-    not STATUS.available or not q8_0_int16.available(),
-    reason=f"no int16 products here: {q8_0_int16.detail() if STATUS.available else STATUS.detail}",
-)
 Q8_0 = GGML_TYPE_IDS["Q8_0"]
+needs_units = pytest.mark.skipif(
+    not STATUS.available or not int16_prefill.takes(Q8_0),
+    reason=f"no int16 products here: {int16_prefill.detail() if STATUS.available else STATUS.detail}",
+)
+NAMES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4"]
 U = 2.0**-24  # fp32's unit roundoff
 TINY = np.float32(2.0**-100)  # the module's floor: a block whose largest |x| is below it counts as zero
 
@@ -39,12 +42,35 @@ def codes(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return c.reshape(x.shape[0], -1), dx
 
 
-def weight_codes(w: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 weight's int8 codes q [N, K] and fp16 scales d [N, K / 32] (as fp64)."""
-    blocks = w.numpy().reshape(w.shape[0], k // 32, 34)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
-    q = blocks[..., 2:].view(np.int8).astype(np.int64).reshape(w.shape[0], k)
-    return q, d
+def blocks(name: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """n rows of random valid blocks of a type: random code bytes, a finite scale of a few magnitudes (fp16; MXFP4's
+    e8m0 exponent byte in 2^-8 .. 2^-3)."""
+    if name == "Q8_0":
+        return q8_0(n, k, g)
+    t = GGML_TYPES[GGML_TYPE_IDS[name]]
+    raw = torch.randint(0, 256, (n, k // 32, t.type_size), dtype=torch.uint8, generator=g)
+    if name == "MXFP4":
+        raw[..., 0] = torch.randint(120, 126, (n, k // 32), dtype=torch.uint8, generator=g)
+    else:
+        d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+        raw[..., :2] = d.view(torch.uint8).view(n, k // 32, 2)
+    return raw.reshape(n, -1).contiguous()
+
+
+def weight_codes(w: torch.Tensor, name: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A weight's integer codes q [N, K] and block scales d [N, K / 32] (fp64): d from the block's bytes (fp16, or
+    MXFP4's e8m0 as 2^(e - 128), its codes the doubled e2m1 values), q = the reference dequantizer's values / d, which
+    must come out integers of at most 128 in size (the module's notation)."""
+    t = GGML_TYPES[GGML_TYPE_IDS[name]]
+    raw = w.numpy().reshape(w.shape[0], k // 32, t.type_size)
+    if name == "MXFP4":
+        d = np.ldexp(1.0, raw[..., 0].astype(np.int64) - 128)
+    else:
+        d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    values = ggml.dense(w, GGML_TYPE_IDS[name], k).double().numpy().reshape(w.shape[0], k // 32, 32)
+    q = values / d[..., None]
+    assert np.array_equal(q, np.rint(q)) and np.abs(q).max() <= 128
+    return q.astype(np.int64).reshape(w.shape[0], k), d
 
 
 def bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -58,32 +84,34 @@ def bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 
 @needs_units
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(
     "m, n, k",
     # odd rows (8-row tiles' tails), partial 16-row panels, an odd block count (the unpack's pairs of blocks), more
     # rows than a work item's 256
     [(17, 1, 32), (16, 33, 96), (33, 70, 288), (50, 31, 544), (300, 20, 256), (48, 96, 2048)],
 )
-def test_products_are_their_integer_sums_and_within_the_derived_bound(m, n, k):
+def test_products_are_their_integer_sums_and_within_the_derived_bound(name, m, n, k):
     """Two levels. Against the codes rebuilt here: y = sum_b d d_x S_b with S_b exact, within the fp32 steps' bound
     (K / 32 + 2) u per |term| (a kernel rounding a code another way, or dropping a block, is off by ~d_x |w| per
     value: far outside). Against fp64 on the reference dequantizer's values: within the module's bound, and more
     than 20x tighter than plain bf16 (int16's step is ~1/70 of bf16's by RMS)."""
+    t = GGML_TYPE_IDS[name]
     g = torch.Generator().manual_seed(m * 1000 + n)
-    w = q8_0(n, k, g)
+    w = blocks(name, n, k, g)
     x = torch.randn(m, k, generator=g) * 3
     x[0, :32] *= 1e-3  # a block of small values next to large ones: scales per block, not per row
-    y = q8_0_int16.linear(x, w, k).double()
+    y = int16_prefill.linear(x, w, t, k).double()
 
     c, dx = codes(x)
-    q, d = weight_codes(w, k)
+    q, d = weight_codes(w, name, k)
     s = np.einsum("mbk,nbk->mnb", c.reshape(m, -1, 32), q.reshape(n, -1, 32))  # exact integer sums S_b
     terms = d[None] * dx.astype(np.float64)[:, None] * s
     own = torch.from_numpy(terms.sum(-1))
     fp32_steps = torch.from_numpy((k / 32 + 2) * U * (1 + 2.0**-20) * np.abs(terms).sum(-1))
     assert ((y - own).abs() <= fp32_steps).all(), ((y - own).abs() / fp32_steps).max().item()
 
-    dense = ggml.dense(w, Q8_0, k).double()
+    dense = ggml.dense(w, t, k).double()
     err = (y - x.double() @ dense.T).abs()
     b = bound(x, dense)
     assert (err <= b).all(), (err / b).max().item()
@@ -99,14 +127,14 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        y = q8_0_int16.linear(x, w, k)
+        y = int16_prefill.linear(x, w, Q8_0, k)
         torch.set_num_threads(1)
-        y1 = q8_0_int16.linear(x, w, k)
+        y1 = int16_prefill.linear(x, w, Q8_0, k)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(y, y1)
     for i in (0, 17, 255, 256, 299):
-        assert torch.equal(q8_0_int16.linear(x[i : i + 1], w, k)[0], y[i])
+        assert torch.equal(int16_prefill.linear(x[i : i + 1], w, Q8_0, k)[0], y[i])
 
 
 @needs_units
@@ -118,32 +146,34 @@ def test_a_non_finite_activation_stays_in_its_row(bad):
     w, x = case(2, 20, 40, k)
     x[3] = 0
     x[4] = 2.0**-110
-    clean = q8_0_int16.linear(x, w, k)
+    clean = int16_prefill.linear(x, w, Q8_0, k)
     assert not clean[3].any() and not clean[4].any()
     x[5, 7] = bad
-    y = q8_0_int16.linear(x, w, k)
+    y = int16_prefill.linear(x, w, Q8_0, k)
     assert y[5].isnan().all()
     assert torch.equal(torch.cat([y[:5], y[6:]]), torch.cat([clean[:5], clean[6:]]))
 
 
 @needs_units
-def test_grouped_is_the_plain_product_per_group_and_part():
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0"])
+def test_grouped_is_the_plain_product_per_group_and_part(name):
     """Experts of two parts (gate, up: stacks read in place), groups of 0, 1, 17 and 300 rows (two work items): each
     group's rows the plain product with its expert's rows of each part, bit for bit, in its columns; routed through
     ggml.expert_linear_native with the INT16 setting."""
+    t = GGML_TYPE_IDS[name]
     g = torch.Generator().manual_seed(3)
     e, i, k = 5, 24, 288
-    gate = torch.stack([q8_0(i, k, g) for _ in range(e)])
-    up = torch.stack([q8_0(i, k, g) for _ in range(e)])
+    gate = torch.stack([blocks(name, i, k, g) for _ in range(e)])
+    up = torch.stack([blocks(name, i, k, g) for _ in range(e)])
     counts = [17, 0, 1, 300]
     experts = torch.tensor([0, 2, 3, 4])
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     xs = torch.randn(sum(counts), k, generator=g)
-    ys = ggml.expert_linear_native(xs, (gate, up), Q8_0, k, experts, offs, bf16=bf16_prefill.INT16)
+    ys = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, bf16=bf16_prefill.INT16)
     lo = 0
     for a, c in zip(experts.tolist(), counts, strict=True):
         if c:
-            want = torch.cat([q8_0_int16.linear(xs[lo : lo + c], p[a], k) for p in (gate, up)], dim=1)
+            want = torch.cat([int16_prefill.linear(xs[lo : lo + c], p[a], t, k) for p in (gate, up)], dim=1)
             assert torch.equal(ys[lo : lo + c], want), a
         lo += c
 
@@ -158,24 +188,30 @@ def test_linear_native_takes_them_above_the_decode_rows():
     x = torch.randn(ggml.GEMV_ROWS + 8, k, generator=g)
     small = x[: ggml.GEMV_ROWS]
     assert torch.equal(ggml.linear_native(small, w, Q8_0, k, bf16=bf16_prefill.INT16), native.gemm(Q8_0, small, w, k))
-    assert torch.equal(ggml.linear_native(x, w, Q8_0, k, bf16=bf16_prefill.INT16), q8_0_int16.linear(x, w, k))
+    assert torch.equal(ggml.linear_native(x, w, Q8_0, k, bf16=bf16_prefill.INT16), int16_prefill.linear(x, w, Q8_0, k))
 
 
-def test_the_setting_takes_them_for_q8_0_only_where_no_pairs_run(monkeypatch):
-    """takes_bf16: Q8_0 under a cap below BF16_ALL takes the pairs where the AMX-BF16 tiles run, else int16 where the
-    build has AVX512-VNNI, else fp32; cap 0 (prefill_matmul "float") fp32 always; other types never int16."""
+def test_the_setting_takes_them_where_no_amx_bf16_tiles_run(monkeypatch):
+    """takes_bf16 under a cap below BF16_ALL: where the AMX-BF16 tiles run, Q8_0 the pairs and the 4-5 bit types plain
+    bf16; else where the build has AVX512-VNNI, int16 for Q8_0 and for the 32-value block types the cap takes (Q5_0
+    at cap 6, not at 4), plain bf16 for the K-quants; else Q8_0 fp32. Cap 0 (prefill_matmul "float") fp32 always,
+    BF16_ALL plain bf16 always."""
     auto = 6
-    for pairs, units, want in (
-        (True, True, bf16_prefill.BF16_PAIRS),
-        (False, True, bf16_prefill.INT16),
-        (False, False, bf16_prefill.FP32),
+    q5_0, q4_k = GGML_TYPE_IDS["Q5_0"], GGML_TYPE_IDS["Q4_K"]
+    for pairs, units, q8, q5 in (
+        (True, True, bf16_prefill.BF16_PAIRS, bf16_prefill.BF16),
+        (False, True, bf16_prefill.INT16, bf16_prefill.INT16),
+        (False, False, bf16_prefill.FP32, bf16_prefill.BF16),
     ):
         monkeypatch.setattr(bf16_pairs, "granted", lambda p=pairs: p)
-        monkeypatch.setattr(q8_0_int16, "available", lambda u=units: u)
-        assert bf16_prefill.takes_bf16(Q8_0, auto) == want
-        assert bf16_prefill.takes_bf16(Q8_0, 0) == bf16_prefill.FP32
-        assert bf16_prefill.takes_bf16(Q8_0, bf16_prefill.BF16_ALL) == bf16_prefill.BF16
-        assert bf16_prefill.takes_bf16(GGML_TYPE_IDS["Q5_0"], 4) == bf16_prefill.FP32
+        monkeypatch.setattr(int16_prefill, "takes", lambda t, u=units: u and t in (Q8_0, q5_0))
+        assert bf16_prefill.takes_bf16(Q8_0, auto) == q8
+        assert bf16_prefill.takes_bf16(q5_0, auto) == q5
+        assert bf16_prefill.takes_bf16(q5_0, 4) == bf16_prefill.FP32
+        assert bf16_prefill.takes_bf16(q4_k, auto) == bf16_prefill.BF16
+        for t in (Q8_0, q5_0):
+            assert bf16_prefill.takes_bf16(t, 0) == bf16_prefill.FP32
+            assert bf16_prefill.takes_bf16(t, bf16_prefill.BF16_ALL) == bf16_prefill.BF16
 
 
 def test_a_build_without_avx512_vnni_has_none(monkeypatch):
@@ -183,11 +219,11 @@ def test_a_build_without_avx512_vnni_has_none(monkeypatch):
     if not STATUS.available:
         pytest.skip(STATUS.detail)
     with_build(monkeypatch, ("-mno-avx512vnni",))
-    assert not q8_0_int16.available()
-    assert "no int16 products" in q8_0_int16.detail()
+    assert not any(int16_prefill.takes(GGML_TYPE_IDS[n]) for n in NAMES)
+    assert int16_prefill.detail() == f"none: {int16_prefill.NO_UNITS}"
     w, x = case(6, 20, 16, 64)
     with pytest.raises(RuntimeError, match="rc -1"):
-        q8_0_int16.linear(x, w, 64)
+        int16_prefill.linear(x, w, Q8_0, 64)
 
 
 @needs_units
@@ -212,7 +248,7 @@ def test_engine_q8_0_prefill_far_inside_the_files_own_error(name, monkeypatch):
     path = str(folder / "model-q8_0.gguf")
     fast, exact = LLM(path), LLM(path, prefill_matmul="float")
     reasons = " ".join(c.reason for c in fast.loaded.kernel_plan.choices)
-    assert f"int16-activation prefill for Q8_0 ({q8_0_int16.detail()}" in reasons
+    assert f"int16-activation prefill for Q8_0 ({int16_prefill.detail()}" in reasons
     a, b = fast.prompt_logits(ids), exact.prompt_logits(ids)
     act = ((a - b).norm() / b.norm()).item()
     file = ((b - exp["hf_logits"]).norm() / exp["hf_logits"].norm()).item()
