@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.kernels import native
+from mlaserve.kernels import native, stack_parts
 
 Q8_0 = 8  # ggml's type id: the one weight type these products take
 NO_TILES_IN_BUILD = "the build's CPU has no AMX-BF16"
@@ -66,18 +66,8 @@ def grouped(
 ) -> torch.Tensor:
     """ys [P, N] fp32: rows of group a (xs[offs[a-1]:offs[a]]) times expert experts[a]'s rows of every part (stacks
     [E, N_i, R] whose rows follow one another: gate then up), each part written into its columns of ys."""
-    xs = xs.float().contiguous()
-    n = sum(p.shape[1] for p in parts)
-    ys = torch.empty(xs.shape[0], n, dtype=torch.float32)
-    starts = torch.nn.functional.pad(offs.to(torch.int64), (1, 0)).contiguous()
-    experts = experts.to(torch.int64).contiguous()
-    lib, col = native.library(), 0
-    for p in parts:
-        assert p.stride(2) == 1 and p.stride(1) == p.shape[2], "expert stacks: rows of whole blocks, one after another"
-        rc = lib.mls_q8_0_bf16_pairs_grouped(
-            xs.data_ptr(), k, p.data_ptr(), p.shape[1], p.shape[2], p.stride(0), experts.data_ptr(),
-            starts.data_ptr(), experts.shape[0], ys[:, col:].data_ptr(), n, torch.get_num_threads(),
-        )  # fmt: skip
-        _check(rc, "grouped product")
-        col += p.shape[1]
-    return ys
+    starts = torch.nn.functional.pad(offs.to(torch.int64), (1, 0))
+    return stack_parts.grouped(
+        xs, parts, k, experts, starts, native.library().mls_q8_0_bf16_pairs_grouped,
+        lambda rc: _check(rc, "grouped product"),
+    )  # fmt: skip

@@ -62,8 +62,8 @@ MOE_PAIRS = 8
 # the 2-core AVX-512 EPYC of 2026-12-06, ds-real's Q8_0 shapes, BLAS / panels time: 17 rows 2.5-3x, 64 rows
 # 1.2-1.4x, 128 rows 1.0-1.1x, 256 rows 0.9-1.1x; at 512-2048 rows the BLAS is 10-15% faster. The grouped products
 # (routed experts, heads) take the panels at every row count (a group's rows are few; level at 512 per expert). One
-# CPU measured: on an AMX Xeon Q8_0 takes the bf16 pairs instead, and the fp32 crossover there (prefill_matmul
-# "float") is unmeasured.
+# CPU measured, under prefill_matmul "float" since Q8_0 takes int16 activations on AVX512-VNNI (kernels/int16_prefill.py)
+# and the bf16 pairs on AMX tiles under auto; the fp32 crossover on an AMX Xeon is unmeasured.
 PANEL_ROWS = 128
 # Decoded fp32 expert weights per chunk when many rows per expert take decode-then-GEMM (prefill). 16 MiB: the
 # peak of a 512-token prefill of the standard benchmark model's Q8_0 file was 0.09 GiB above 64 MiB's (a chunk
@@ -115,8 +115,9 @@ KERNELS = ("native", "torch")
 # below) this limit holds only where a type has no panels in the process (AVX-VNNI without AVX-512). Dense weights keep
 # bf16 above GEMV_ROWS there (a weight's hundreds of prompt rows re-read each block once per 4 rows), and so do the
 # 32-value block types
-# (native.ROW_KERNEL_TYPES: the standard Q4_0 file 535-568 -> 462-468 tok/s on them). Q8_0 / Q5_0 experts keep exact fp32
-# activations and no int8 call (their fp32 row kernels were 3-6% slower than decode + fp32 GEMM at 32-64 rows).
+# (native.ROW_KERNEL_TYPES: the standard Q4_0 file 535-568 -> 462-468 tok/s on them; int16 activations since, where there
+# is AVX512-VNNI: kernels/int16_prefill.py). Q8_0 / Q5_0 experts take no int8 call (their fp32 row kernels were 3-6%
+# slower than decode + fp32 GEMM at 32-64 rows; int16 activations since, as above).
 ROW_KERNEL_ROWS = 128
 
 

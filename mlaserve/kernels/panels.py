@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.kernels import native
+from mlaserve.kernels import native, stack_parts
 
 UNIT = "avx512 fp32 tiles of 6 rows x 4 decoded weight rows"  # what the kernel plan names
 
@@ -42,23 +42,13 @@ def grouped(
 ) -> torch.Tensor:
     """ys [P, N] fp32: rows [starts[a], starts[a + 1]) of xs times expert experts[a]'s rows of every part (stacks
     [E, N_i, R] with whole rows one after another, e.g. gate then up), each part into its columns of ys."""
-    xs = xs.float().contiguous()
-    n = sum(p.shape[1] for p in parts)
-    ys = torch.empty(xs.shape[0], n, dtype=torch.float32)
-    experts, starts = experts.to(torch.int64).contiguous(), starts.to(torch.int64).contiguous()
-    lib, col = native.library(), 0
-    for p in parts:
-        if p.stride(2) != 1 or p.stride(1) != p.shape[2]:
-            raise ValueError("panels.grouped: expert stacks need whole rows one after another")
-        rc = lib.mls_grouped_panels(
-            type_id, xs.data_ptr(), k, p.data_ptr(), p.shape[1], p.shape[2], p.stride(0) * p.element_size(),
-            experts.data_ptr(), starts.data_ptr(), experts.shape[0], ys[:, col:].data_ptr(), n,
-            torch.get_num_threads(),
-        )  # fmt: skip
+
+    def check(rc: int) -> None:
         if rc != 0:
             raise RuntimeError(f"native panel product failed for ggml type {type_id} (rc {rc})")
-        col += p.shape[1]
-    return ys
+
+    lib = native.library()
+    return stack_parts.grouped(xs, parts, k, experts, starts, lambda *a: lib.mls_grouped_panels(type_id, *a), check)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
