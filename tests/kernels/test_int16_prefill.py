@@ -95,7 +95,7 @@ def test_products_are_their_integer_sums_and_within_the_derived_bound(name, m, n
     """Two levels. Against the codes rebuilt here: y = sum_b d d_x S_b with S_b exact, within the fp32 steps' bound
     (K / 32 + 2) u per |term| (a kernel rounding a code another way, or dropping a block, is off by ~d_x |w| per
     value: far outside). Against fp64 on the reference dequantizer's values: within the module's bound, and more
-    than 20x tighter than plain bf16 (int16's step is ~1/70 of bf16's by RMS)."""
+    than 30x tighter than plain bf16 (int16's step is ~1/70 of bf16's by RMS; the cases here measure 66x and up)."""
     t = GGML_TYPE_IDS[name]
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = blocks(name, n, k, g)
@@ -116,7 +116,7 @@ def test_products_are_their_integer_sums_and_within_the_derived_bound(name, m, n
     b = bound(x, dense)
     assert (err <= b).all(), (err / b).max().item()
     plain = (bf16_prefill.linear(x, dense.float()).double() - x.double() @ dense.T).abs()
-    assert err.max() * 20 < plain.max(), (err.max().item(), plain.max().item())
+    assert err.max() * 30 < plain.max(), (err.max().item(), plain.max().item())
 
 
 @needs_units
