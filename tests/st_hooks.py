@@ -18,6 +18,8 @@ Two refusals of schema-valid data are right and no JSON Schema can state them:
   response_format or llama.cpp's grammar / json_schema fields (a schema can say "a string",
   not "a regular expression that parses"). Dropped after checking that xgrammar, called here on the
   request's own value, refuses it too.
+- a JSON schema or structural tag given as text that is not JSON (a schema can say "a string", not "the text of
+  a JSON value"). Dropped after checking that the request's own text really does not parse.
 - an integer at the edge of a 64-bit bound (`seed` < 2**63): the generator compares such values as doubles,
   in which 2**63 + 191 equals 2**63, so it sends one it takes for valid. Dropped after checking, in exact
   integer arithmetic, that the named field's value really is outside the bound the refusal states.
@@ -41,6 +43,11 @@ NOT_COMPILED = re.compile(
     r"(structured_outputs|response_format|grammar|json_schema): structured (\w+): cannot be compiled: .*", re.S
 )
 NOT_JSON = re.compile(r"messages: tool_call (.*): arguments are not a JSON object")
+NOT_JSON_TEXT = re.compile(
+    r"(structured_outputs|response_format|grammar|json_schema)(?:\.\w+)?: structured (json|structural_tag): "
+    r"(?:the schema is )?not valid JSON: .*",
+    re.S,
+)
 INT_BOUND = re.compile(r"(\w+): Input should be (less than|greater than or equal to) (-?\d+)")
 TOO_LONG = re.compile(r"prompt of (\d+) tokens does not fit the context \((\d+) tokens, one left to generate\)")
 
@@ -82,17 +89,33 @@ def _arguments_not_json(body: dict, name: str, message: str) -> bool:
     return False
 
 
+def _constraint(body: dict, field: str, kind: str):
+    """The request's own constraint value that an error names by field and kind (None: absent)."""
+    if field == "response_format":
+        rf = body.get("response_format") or {}
+        return (rf.get("json_schema") or {}).get("schema") if rf.get("type") == "json_schema" else None
+    if field in ("grammar", "json_schema"):  # llama.cpp's fields on /v1/completions
+        return body.get(field)
+    return (body.get("structured_outputs") or {}).get(kind)
+
+
+def _not_json_text(body: dict, field: str, kind: str) -> bool:
+    """Whether the request's own constraint is text that does not parse as JSON."""
+    value = _constraint(body, field, kind)
+    if not isinstance(value, str):
+        return False
+    try:
+        json.loads(value)
+    except ValueError:
+        return True
+    return False
+
+
 def _does_not_compile(body: dict, field: str, kind: str) -> bool:
     """Whether xgrammar refuses the request's own constraint (parsed without a tokenizer)."""
     import xgrammar as xgr
 
-    if field == "response_format":
-        rf = body.get("response_format") or {}
-        value = (rf.get("json_schema") or {}).get("schema") if rf.get("type") == "json_schema" else None
-    elif field in ("grammar", "json_schema"):  # llama.cpp's fields on /v1/completions
-        value = body.get(field)
-    else:
-        value = (body.get("structured_outputs") or {}).get(kind)
+    value = _constraint(body, field, kind)
     if value is None:
         return False
     as_text = value if isinstance(value, str) else json.dumps(value)
@@ -150,6 +173,11 @@ def filter_failure(ctx, failure, case, response) -> bool:
         if outside:
             _record({"message": err["message"], "value": str(value)})
         return not outside
+    if m := NOT_JSON_TEXT.fullmatch(err.get("message", "")):
+        refused = _not_json_text(case.body, m.group(1), m.group(2))
+        if refused:
+            _record({"message": err["message"][:200]})
+        return not refused
     if m := NOT_COMPILED.fullmatch(err.get("message", "")):
         refused = _does_not_compile(case.body, m.group(1), m.group(2))
         if refused:
