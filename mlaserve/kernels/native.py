@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from mlaserve.config.cpu import cpu_flags
+from mlaserve.kernels import native_abi
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "mls.c"  # the translation unit; it includes every other file under CSRC
-HEADER = CSRC / "mls.h"  # the interface mirrored below (tests/kernels/test_kernel_bindings.py checks the mirror)
+HEADER = CSRC / "mls.h"  # the interface native_abi.py mirrors (tests/kernels/test_kernel_bindings.py checks the mirror)
 FP8_E4M3 = 1000  # mls.h MLS_FP8_E4M3: float8 e4m3 with block scales
 FP4_E2M1 = 1001  # mls.h MLS_FP4_E2M1: packed e2m1 codes (two per byte) with per-row group scales
 INT4_PACKED = 1002  # mls.h MLS_INT4_PACKED: compressed-tensors pack-quantized int4 words with per-row group scales
@@ -105,87 +106,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     lib = ctypes.CDLL(str(out))
     if lib.mls_abi_version() != ABI_VERSION:
         return None, f"{out}: unexpected ABI version"
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    c_int = ctypes.c_int
-    lib.mls_gemm.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
-    lib.mls_grouped_gemm.argtypes = [
-        ctypes.c_int,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        c_int,
-    ]
-    lib.mls_dequantize.argtypes = [c_int, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, c_int]
-    f32 = ctypes.c_float
-    lib.mls_moe_route.argtypes = [ptr, i64, i64, ptr, c_int, c_int, i64, i64, i64, c_int, f32, ptr, ptr]
-    lib.mls_moe_experts.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
-    lib.mls_moe_experts.argtypes += [i64, f32, ptr, c_int]
-    lib.mls_moe_experts_q8.argtypes = lib.mls_moe_experts.argtypes
-    lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
-    lib.mls_latent_mqa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-    lib.mls_latent_mqa.argtypes += [f32, ptr, c_int]
-    lib.mls_latent_mqa8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, c_int, i64, ptr, ptr]
-    lib.mls_latent_mqa8.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
-    lib.mls_latent_mqa16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, c_int, ptr, ptr]
-    lib.mls_latent_mqa16.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
-    lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
-    lib.mls_grouped_gemm_q8_parts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
-    lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
-    lib.mls_dequantize_bf16.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
-    lib.mls_dequantize_experts_bf16.argtypes = lib.mls_dequantize_experts.argtypes
-    lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
-    lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
-    lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
-    lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
-    lib.mls_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int]
-    lib.mls_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int]
-    lib.mls_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, c_int, ptr, ptr]
-    lib.mls_index_topk.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
-    lib.mls_index_topk8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, c_int]
-    lib.mls_index_topk16.argtypes = [ptr, ptr, i64, i64, i64, ptr, c_int, ptr, ptr, i64, i64, ptr, ptr, c_int]
-    lib.mls_round16_rows.argtypes = [ptr, i64, i64, c_int, ptr]
-    lib.mls_type_info.argtypes = [c_int, ptr, ptr, ptr]
-    lib.mls_layout.argtypes = [ptr]
-    lib.mls_layout.restype = ptr
-    lib.mls_isa.argtypes = []
-    lib.mls_isa.restype = ptr
-    lib.mls_int8_isa.argtypes = []
-    lib.mls_int8_isa.restype = ptr
-    lib.mls_int8_tiles.argtypes = []
-    lib.mls_int8_tiles.restype = c_int
-    lib.mls_int8_tile_rows.argtypes = [c_int]
-    lib.mls_int8_tile_rows.restype = i64
-    lib.mls_int8_panel_rows.argtypes = [c_int]
-    lib.mls_int8_panel_rows.restype = i64
-    lib.mls_q8_0_bf16_pairs.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
-    lib.mls_q8_0_bf16_pairs_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
-    lib.mls_int16_gemm.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
-    lib.mls_int16_grouped.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
-    lib.mls_int16_takes.argtypes = [c_int]
-    lib.mls_int16_takes.restype = c_int
-    lib.mls_bf16_bmm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int]
-    lib.mls_softmax_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, c_int]
-    lib.mls_bf16_bmm_unit.argtypes = []
-    lib.mls_bf16_bmm_unit.restype = c_int
-    lib.mls_grouped_panels.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
-    lib.mls_panels.argtypes = []
-    lib.mls_panels.restype = c_int
-    lib.mls_bf16_tiles.argtypes = []
-    lib.mls_bf16_tiles.restype = c_int
-    lib.mls_quantize_act.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr]
+    native_abi.declare(lib)
     return lib, str(out)
 
 
