@@ -18,8 +18,9 @@ Two refusals of schema-valid data are right and no JSON Schema can state them:
   response_format or llama.cpp's grammar / json_schema fields (a schema can say "a string",
   not "a regular expression that parses"). Dropped after checking that xgrammar, called here on the
   request's own value, refuses it too.
-- a JSON schema or structural tag given as text that is not JSON (a schema can say "a string", not "the text of
-  a JSON value"). Dropped after checking that the request's own text really does not parse.
+- a JSON schema or structural tag given as text that is not JSON, or as JSON of another kind than an object (a
+  schema can say "a string", not "the text of a JSON object"). Dropped after checking that the request's own value
+  really does not parse, or parses to something else (a JSON schema may also be a bool).
 - an integer at the edge of a 64-bit bound (`seed` < 2**63): the generator compares such values as doubles,
   in which 2**63 + 191 equals 2**63, so it sends one it takes for valid. Dropped after checking, in exact
   integer arithmetic, that the named field's value really is outside the bound the refusal states.
@@ -44,8 +45,8 @@ NOT_COMPILED = re.compile(
 )
 NOT_JSON = re.compile(r"messages: tool_call (.*): arguments are not a JSON object")
 NOT_JSON_TEXT = re.compile(
-    r"(structured_outputs|response_format|grammar|json_schema)(?:\.\w+)?: structured (json|structural_tag): "
-    r"(?:the schema is )?not valid JSON: .*",
+    r"(structured_outputs|response_format|grammar|json_schema)(?:\.\w+)?: structured (json|structural_tag):? "
+    r"(?:the schema )?(?:is not valid JSON: .*|not valid JSON: .*|must be a JSON object, got \w+)",
     re.S,
 )
 INT_BOUND = re.compile(r"(\w+): Input should be (less than|greater than or equal to) (-?\d+)")
@@ -100,15 +101,17 @@ def _constraint(body: dict, field: str, kind: str):
 
 
 def _not_json_text(body: dict, field: str, kind: str) -> bool:
-    """Whether the request's own constraint is text that does not parse as JSON."""
+    """Whether the request's own constraint is text that does not parse as JSON, or a value (given as text or not)
+    that is no JSON object (a JSON schema may also be a bool)."""
     value = _constraint(body, field, kind)
-    if not isinstance(value, str):
+    if value is None:
         return False
-    try:
-        json.loads(value)
-    except ValueError:
-        return True
-    return False
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return True
+    return not isinstance(value, (dict, bool) if kind == "json" else dict)
 
 
 def _does_not_compile(body: dict, field: str, kind: str) -> bool:
