@@ -3,14 +3,16 @@ row kernels (one activation row, the weight read straight from its blocks) pull 
 streaming read (torch's sum over a buffer far larger than the caches) reaches on the same threads at the same time.
 
   PYTHONPATH=$PWD python benchmarks/gemv_bandwidth.py [--threads N] [--rounds R] [--reps N] [--mib M]
-      [--types q8_0,q5_0,q4_k,q6_k] [--shapes 1536x2048,...]
+      [--types q8_0,q4_0,q5_0,q4_k,q6_k] [--shapes 1536x2048,...] [--rows 1]
 
 Batch-1 decode is memory-bound: a step reads every active weight once, so a kernel's GB/s over the read
 ceiling is the share of the step's bound it reaches (docs/PERFORMANCE.md). Each weight (--shapes N x K, the
 real-shape models' experts, attention output, dense down_proj and lm_head) is held as enough copies of random
 valid blocks (the time does not depend on the values) to fill --mib, beyond the last-level cache, read one
-after the other. Activations: float (exact; csrc fused kernels) and int8 where the type takes them
-(`activations="int8"`: q8 rows, integer dot products). Each round measures the read ceiling, then every
+after the other. Activations: float (exact; csrc fused kernels), int8 where the type takes them
+(`activations="int8"`: q8 rows, integer dot products) and int16 where this process runs the type's int16 products
+(kernels/int16_prefill.py: Q8_0, Q4_0, Q5_0 under `activations="int8_6bit_int16"`); --rows activation rows
+(16: a 16-request step, where the products are compute-bound, not read-bound). Each round measures the read ceiling, then every
 (type, shape, activations) in turn; the table gives medians over rounds of each round's median call. Prints the
 CPU flags and the load average before and after; JSON to benchmarks/results/gemv_bandwidth.json.
 """
@@ -32,6 +34,7 @@ from common import RESULTS_DIR, environment, print_table, write_json  # noqa: E4
 # ggml type id, block bytes, values per block, byte offsets of the block's fp16 scales (d, dmin)
 TYPES = {
     "q8_0": (8, 34, 32, (0,)),
+    "q4_0": (2, 18, 32, (0,)),
     "q5_0": (6, 22, 32, (0,)),
     "q4_k": (12, 144, 256, (0, 2)),
     "q6_k": (14, 210, 256, (208,)),
@@ -66,14 +69,17 @@ def read_gbs(buf: torch.Tensor, reps: int) -> float:
     return buf.numel() * buf.element_size() / statistics.median(times) / 1e9
 
 
-def gemv_gbs(type_id: int, ws: list[torch.Tensor], x: torch.Tensor, k: int, int8: bool, reps: int) -> float:
-    from mlaserve.kernels import native
+def gemv_gbs(type_id: int, ws: list[torch.Tensor], x: torch.Tensor, k: int, acts: str, reps: int) -> float:
+    from mlaserve.kernels import int16_prefill, native
 
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for w in ws:
-            native.gemm(type_id, x, w, k, int8=int8)
+            if acts == "int16":
+                int16_prefill.linear(x, w, type_id, k)
+            else:
+                native.gemm(type_id, x, w, k, int8=acts == "int8")
         times.append(time.perf_counter() - t0)
     return sum(w.numel() for w in ws) / statistics.median(times) / 1e9
 
@@ -87,43 +93,48 @@ def main() -> None:
     p.add_argument("--types", default="q8_0,q5_0,q4_k,q6_k")
     # glm-real's routed experts (gate / up, down), attention output, dense first layer's down_proj, lm_head
     p.add_argument("--shapes", default="1536x2048,2048x1536,2048x5120,2048x10240,32768x2048", help="N x K")
+    p.add_argument("--rows", type=int, default=1, help="activation rows (1: batch-1 decode; 16: 16 requests)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gemv_bandwidth.json"))
     args = p.parse_args()
 
-    from mlaserve.kernels import native
+    from mlaserve.kernels import int16_prefill, native
 
     env = environment(args.threads)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    cases, weights = [], {}  # (type, n, k, int8); (type, n, k) -> the copies
+    cases, weights = [], {}  # (type, n, k, activations); (type, n, k) -> the copies
     for name in args.types.split(","):
         type_id, buf = TYPES[name][0], blocks(name, args.mib * 2**20, g)
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
             weights[(name, n, k)] = copies(buf, name, n, k)
-            for int8 in (False, True) if native.takes_int8(type_id, True) else (False,):
-                cases.append((name, n, k, int8))
+            for acts in ("float", "int8", "int16"):
+                if acts == "float" or (acts == "int8" and native.takes_int8(type_id, True)):
+                    cases.append((name, n, k, acts))
+                elif acts == "int16" and int16_prefill.takes(type_id):
+                    cases.append((name, n, k, acts))
     stream = torch.ones(512 * 2**20 // 4)  # the read ceiling's buffer
-    x_of = {k: torch.randn(1, k, generator=g) for _, _, k, _ in cases}
+    x_of = {k: torch.randn(args.rows, k, generator=g) for _, _, k, _ in cases}
     read, got = [], {c: [] for c in cases}
     print(f"load average before: {os.getloadavg()}")
     for r in range(args.rounds):
         read.append(read_gbs(stream, args.reps))
         for c in cases:
-            name, n, k, int8 = c
-            got[c].append(gemv_gbs(TYPES[name][0], weights[(name, n, k)], x_of[k], k, int8, args.reps))
+            name, n, k, acts = c
+            got[c].append(gemv_gbs(TYPES[name][0], weights[(name, n, k)], x_of[k], k, acts, args.reps))
         print(f"round {r + 1}: read {read[-1]:.1f} GB/s", flush=True)
     print(f"load average after: {os.getloadavg()}")
     ceiling = statistics.median(read)
     rows, results = [], []
     for c in cases:
-        name, n, k, int8 = c
+        name, n, k, acts = c
         gbs = statistics.median(got[c])
-        acts = "int8" if int8 else "float"
         rows.append(
             [name, f"{n} x {k}", acts, f"{gbs:.1f}", f"{gbs / ceiling:.2f}", f"{min(got[c]):.1f}-{max(got[c]):.1f}"]
         )
-        results.append({"type": name, "n": n, "k": k, "activations": acts, "gbs": gbs, "rounds_gbs": got[c]})
+        results.append(
+            {"type": name, "n": n, "k": k, "rows": args.rows, "activations": acts, "gbs": gbs, "rounds_gbs": got[c]}
+        )
     print(
         f"read ceiling (torch sum, {args.threads} threads): median {ceiling:.1f} GB/s, rounds {min(read):.1f}-{max(read):.1f}"
     )

@@ -55,6 +55,7 @@ def pytest_collection_modifyitems(config, items):
 os.environ["MLASERVE_FAST_BF16"] = "0"
 os.environ["MLASERVE_AMX_INT8"] = "0"  # the same for prefill_matmul="auto"'s int8 tiles
 os.environ["MLASERVE_INT8_ROWS"] = "0"  # and its int8 row kernels on CPUs without the tiles
+os.environ["MLASERVE_INT16_ROWS"] = "0"  # and activations="auto"'s int16 products (tests ask for them by name)
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 

@@ -65,3 +65,14 @@ def int8_rows() -> tuple[bool, str]:
     int8 on the VNNI panels (AVX512-VNNI builds), or without them the routed experts' products of up to
     kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels."""
     return detected(INT8_ROWS_OVERRIDE, VNNI_FLAGS, "this CPU has no VNNI int8 dot products")
+
+
+INT16_ROWS_OVERRIDE = "MLASERVE_INT16_ROWS"
+
+
+def int16_rows() -> tuple[bool, str]:
+    """(whether the CPU has the AVX512-VNNI int16 dot products (vpdpwssd) the int16-activation products run on, why:
+    the flag, its absence, or the override MLASERVE_INT16_ROWS=1|0, which the test suite sets to 0 as it does
+    MLASERVE_INT8_ROWS). activations="auto" asks it: the 32-value block types its int8 cap leaves in fp32 (Q8_0, Q5_0,
+    MXFP4) then take int16 activations at every row count (kernels/int16_prefill.py)."""
+    return detected(INT16_ROWS_OVERRIDE, ("avx512_vnni",), "this CPU has no AVX512-VNNI")

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mlaserve.config.cpu import amx_int8, fast_bf16, int8_rows
+from mlaserve.config.cpu import amx_int8, fast_bf16, int8_rows, int16_rows
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import ProvenanceLog
 
@@ -24,10 +24,11 @@ CUDA_GRAPHS = ("auto", "on", "off")
 # what auto's GPU choices (kernels triton, cuda_graphs on) say until a GPU run has checked them (tests/gpu/)
 NOT_RUN_ON_GPU = "not yet run on a GPU: benchmarks/gpu_check.sh's tests check it"
 KERNELS = ("auto", "native", "triton", "torch")
-ACTIVATIONS = ("auto", "float", "int8", "int8_6bit")
+ACTIVATIONS = ("auto", "float", "int8", "int8_6bit", "int8_6bit_int16")
 # a resolved activations value -> the widest weight (bits per value) whose products take int8 activations (0: none;
-# kernels/native.takes_int8 applies it per weight type)
-INT8_BITS = {"float": 0, "int8_6bit": 6, "int8": 8}
+# kernels/native.takes_int8 applies it per weight type), with 0x100 (kernels/native.INT16_REST) where the 32-value
+# block types it leaves in fp32 take int16 activations (kernels/int16_prefill.takes_rest)
+INT8_BITS = {"float": 0, "int8_6bit": 6, "int8": 8, "int8_6bit_int16": 6 | 0x100}
 PREFILL_MATMULS = ("auto", "float", "bf16", "bf16_6bit", "int8")
 # a resolved prefill_matmul value -> the widest weight (bits per value) whose many-rows products run in bf16 (0: none;
 # kernels/bf16_prefill.takes_bf16 applies it per weight type, BF16_ALL = every type); "int8": bf16_6bit above the
@@ -124,6 +125,14 @@ INT8_SCOPE = (
 )
 
 
+INT16_SCOPE = (
+    "Q8_0, Q5_0 and MXFP4 (left in fp32 by the int8 rule: Q5_0's int8 logits moved over half a fixture's own error) "
+    "take int16 activations at every decode row count, as their prefill does (AVX512-VNNI vpdpwssd on the blocks as "
+    "they lie: each activation an int16 code per 32 values, ~2^-16 of the block's largest, fp32 grade; "
+    "kernels/int16_prefill.py)"
+)
+
+
 def choose_activations(requested: str, kernels: str, gguf: bool, log: ProvenanceLog) -> str:
     """float | int8_6bit | int8 (INT8_BITS). auto: int8 activations for a GGUF's weights of 6 bits or fewer with the
     native kernels (llama.cpp's own choice; the added error stays well inside the file's own quantization error,
@@ -135,23 +144,35 @@ def choose_activations(requested: str, kernels: str, gguf: bool, log: Provenance
         if kernels != "native" or not gguf:
             why = f"kernels={kernels}" if kernels != "native" else "not a GGUF file"
             return log.record("activations", "float", f"engine default (auto: exact products; {why})")
+        int16, why16 = int16_rows()
+        if int16:
+            return log.record(
+                "activations",
+                "int8_6bit_int16",
+                f"engine default (auto, llama.cpp's choice for weights of 6 bits or fewer): {INT8_SCOPE}; {INT16_SCOPE} "
+                f"({why16}); Q5_1 and other weights stay exact, as do the attention over the cache "
+                "(activations='float': exact everywhere)",
+            )
         return log.record(
             "activations",
             "int8_6bit",
             f"engine default (auto, llama.cpp's choice for weights of 6 bits or fewer): {INT8_SCOPE}; Q8_0, "
             "Q5_0 / Q5_1 (their int8 logits moved over half a fixture's own error) and other weights stay exact, "
-            "as do larger chunks and the attention over the cache (activations='float': exact everywhere)",
+            f"as do larger chunks and the attention over the cache ({why16}: no int16 activations; "
+            "activations='float': exact everywhere)",
         )
     if kernels != "native":
         raise ConfigError(
             f"activations={requested!r} runs in the native kernels, but kernels resolved to {kernels!r} "
             f"({log.source('kernels')}); it needs quantized weights (a GGUF, FP8 or quantization=...) on CPU"
         )
-    which = (
-        "every weight type with int8 kernels (Q8_0 too)"
-        if requested == "int8"
-        else "weights of <= 6 bits but Q5_0 / Q5_1"
-    )
+    if requested == "int8_6bit_int16" and not (int16 := int16_rows())[0]:
+        raise ConfigError(f"activations='int8_6bit_int16' needs AVX512-VNNI's int16 dot products: {int16[1]}")
+    which = {
+        "int8": "every weight type with int8 kernels (Q8_0 too)",
+        "int8_6bit": "weights of <= 6 bits but Q5_0 / Q5_1",
+        "int8_6bit_int16": f"weights of <= 6 bits but Q5_0 / Q5_1; {INT16_SCOPE}",
+    }[requested]
     return log.record(
         "activations",
         requested,

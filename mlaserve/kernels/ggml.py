@@ -195,6 +195,9 @@ def linear_native(
     GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
     # decode-sized calls decide without asking the library (tile_rows >= GEMV_ROWS wherever it applies)
+    # decode: int16 activations where the setting gives them to this type (as its prefill under prefill_matmul auto)
+    if x.shape[0] <= GEMV_ROWS and int16_prefill.takes_rest(ggml_type, int8):
+        return int16_prefill.linear(x, w, ggml_type, k)
     if x.shape[0] <= GEMV_ROWS or (tiles and x.shape[0] <= tile_rows(ggml_type)):
         return native.gemm(ggml_type, x, w, k, int8=int8)
     if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
@@ -299,6 +302,8 @@ def expert_linear_native(
     path the whole step would), else this call's."""
     xs = xs.float().contiguous()
     mean = xs.shape[0] / max(1, experts.shape[0]) if rows_per_expert is None else rows_per_expert
+    if mean <= GEMV_ROWS and int16_prefill.takes_rest(ggml_type, int8):  # decode: as linear_native
+        return int16_prefill.grouped(xs, _parts(w), ggml_type, k, experts.to(torch.int64).contiguous(), offs)
     if mean <= GEMV_ROWS or (tiles and mean <= expert_int8_rows(ggml_type)):
         starts = F.pad(offs.to(torch.int64), (1, 0))
         experts = experts.to(torch.int64).contiguous()

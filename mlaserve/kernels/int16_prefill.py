@@ -37,6 +37,19 @@ def takes(type_id: int) -> bool:
     return lib is not None and lib.mls_int16_takes(type_id) == 1
 
 
+def takes_rest(type_id: int, setting: bool | int) -> bool:
+    """Whether a product of this type takes int16 activations at every row count (decode too) under an activation
+    setting (the holders' .int8): the setting has native.INT16_REST, its int8 cap leaves the type in fp32, and this
+    process runs the type's products here. The same kernels at 1 row and at 500, so a request's result does not
+    depend on its batch, and its decode rows are rounded as its prompt's."""
+    return (
+        setting is not True
+        and bool(int(setting) & native.INT16_REST)
+        and not native.takes_int8(type_id, setting)
+        and takes(type_id)
+    )
+
+
 def detail() -> str:
     """In words, for the kernel plan: the unit, or why not."""
     lib = native.library()

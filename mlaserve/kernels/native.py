@@ -47,7 +47,10 @@ Q8_ACTIVATION_BITS = {
 }
 Q8_ACTIVATION_TYPES = frozenset(Q8_ACTIVATION_BITS)
 INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes int8 activations (Q8_0 too)
-ABI_VERSION = 28  # mls.h MLS_ABI_VERSION: the functions and signatures below
+# mls.h MLS_ACT_INT16: in an activation setting (the holders' .int8, the C structs' int8 field), beside the int8 cap in
+# its low byte: the 32-value block types the cap leaves in fp32 take int16 activations (kernels/int16_prefill.py)
+INT16_REST = 0x100
+ABI_VERSION = 29  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -251,9 +254,14 @@ def takes_expert_int8(type_id: int, int8: bool | int) -> bool:
 
 
 def int8_cap(int8: bool | int) -> int:
-    """An int8 setting as the C structs take it: 0 none; else the widest weight (bits per value) whose products
-    take int8 activations. True (the holders' and tests' plain switch) means every type (INT8_ALL)."""
-    return INT8_ALL if int8 is True else int(int8)
+    """An activation setting's int8 cap: 0 none; else the widest weight (bits per value) whose products take int8
+    activations. True (the holders' and tests' plain switch) means every type (INT8_ALL)."""
+    return INT8_ALL if int8 is True else int(int8) & 0xFF
+
+
+def act_setting(int8: bool | int) -> int:
+    """An activation setting as the C structs take it (mls_layer_t.int8): the int8 cap and the INT16_REST flag."""
+    return INT8_ALL if int8 is True else int(int8) & (0xFF | INT16_REST)
 
 
 def takes_int8(type_id: int, int8: bool | int) -> bool:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import bf16_attention, bf16_prefill, ggml, native, registry
+from mlaserve.kernels import bf16_attention, bf16_prefill, ggml, int16_prefill, native, registry
 from mlaserve.quant.ggml_linear import plan_note
 
 
@@ -58,7 +58,10 @@ class GGUFHeads(registry.KernelSwitch, nn.Module):
         many-rows products in bf16, the plan's choice for it)."""
         n, h = x.shape[0], self.heads
         xs = x.float().transpose(0, 1).reshape(h * n, k)  # grouped by head
-        if n <= self.NATIVE_ROWS:  # decode: straight to the grouped GEMV
+        if n <= self.NATIVE_ROWS and int16_prefill.takes_rest(ggml_type, self.int8):  # decode, int16 activations
+            heads, offs = self._offsets(n, x.device)
+            y = int16_prefill.grouped(xs.contiguous(), (w,), ggml_type, k, heads, offs)
+        elif n <= self.NATIVE_ROWS:  # decode: straight to the grouped GEMV
             heads, starts = self._groups(n)
             y = native.grouped_gemm(ggml_type, xs.contiguous(), w, k, heads, starts, int8=self.int8)
         else:

@@ -216,7 +216,7 @@ class GGUFDecodeLayer:
             keep.append(mlp.native_block)
         else:
             a.mlp_inter = mlp.gate_proj.out_features
-        a.int8 = native.int8_cap(heads.int8)
+        a.int8 = native.act_setting(heads.int8)
         self.role = _indexer_role(layer)
         a.idx_role = native_layers.INDEXER_ROLES[self.role]
         if self.role == "full":
@@ -254,7 +254,9 @@ class GGUFDecodeLayer:
         mlp = layer.mlp
         if not isinstance(mlp, (MoE, SwiGLU)):
             return f"an MLP of type {type(mlp).__name__} (the one call runs a MoE block or a SwiGLU)"
-        if isinstance(mlp, MoE) and (mlp.native_block is None or mlp.native_block.args.int8 != native.int8_cap(int8)):
+        if isinstance(mlp, MoE) and (
+            mlp.native_block is None or mlp.native_block.args.int8 != native.act_setting(int8)
+        ):
             return "MoE layer without its native block (or with other activations)"
         for part, m in _parts(layer):
             if (why := _part_unfit(part, m, int8)) is not None:

@@ -57,15 +57,23 @@ def _describe(ggml_type: int) -> tuple[str, tuple[int, int]]:
 
 def int8_detail(types: tuple[int, ...], int8: bool | int) -> str | None:
     """What the kernel plan says of a holder's activations: the types of its weights that take int8 activations
-    under its setting, and the instructions (native.int8_isa); None where none does (float products)."""
+    under its setting, and the instructions (native.int8_isa), and those that take int16 activations at every
+    decode row count (int16_prefill.takes_rest); None where none does (float products)."""
     taken = sorted({GGML_TYPES[t].name for t in types if native.takes_int8(t, int8)})
+    rest = sorted({GGML_TYPES[t].name for t in types if int16_prefill.takes_rest(t, int8)})
+    int16 = (
+        f"int16 activations for {', '.join(rest)} at every decode row count ({int16_prefill.detail()}, fp32 grade)"
+        if rest
+        else None
+    )
     if not taken:
-        return None
+        return int16
     on_tiles = tuple(n for n in taken if n in native.INT8_TILE_TYPES.values())
     tiles = native.int8_tiles(on_tiles) if on_tiles else ""
     said = f"int8 activations for {', '.join(taken)} ({native.int8_isa()})"
     # the tiles where the build has them: in use, or the kernel's refusal (a CPU without them says nothing)
-    return f"{said}, {tiles}" if tiles and native.NO_TILES_IN_BUILD not in tiles else said
+    said = f"{said}, {tiles}" if tiles and native.NO_TILES_IN_BUILD not in tiles else said
+    return f"{said}; {int16}" if int16 else said
 
 
 def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
@@ -351,6 +359,10 @@ class GGUFExperts(registry.KernelSwitch, Experts):
         projections at once; with a mixed pair the grouped path decides per projection, as it does for more
         pairs (and as the MoE block does)."""
         pairwise = native.takes_int8(self.type_gate_up, self.int8) == native.takes_int8(self.type_down, self.int8)
+        # the pair-by-pair call has no int16 products: the grouped ones take them (int16_prefill.takes_rest)
+        pairwise = pairwise and not any(
+            int16_prefill.takes_rest(t, self.int8) for t in (self.type_gate_up, self.type_down)
+        )
         if topk_idx.numel() <= self.NATIVE_ROWS and pairwise:
             g, u, dn, t_gu, t_dn = self.gate_proj, self.up_proj, self.down_proj, self.type_gate_up, self.type_down
             return ggml.moe_experts(x, topk_w, topk_idx, g, u, t_gu, dn, t_dn, self.int8, self.swiglu_limit)

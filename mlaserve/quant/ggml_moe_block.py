@@ -64,7 +64,7 @@ class GGUFMoEBlock:
             a.sg, a.su, a.sd = g.w, u.w, dn.w
             a.sg_row_bytes, a.su_row_bytes, a.sd_row_bytes = g.row_bytes, u.row_bytes, dn.row_bytes
             keep += [m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj)]
-        a.int8 = native.int8_cap(getattr(ex, "int8", False))  # INT4 experts have no int8-activation kernel
+        a.int8 = native.act_setting(getattr(ex, "int8", False))  # INT4 experts have no int8-activation kernel
         self.args, self._tensors = a, tuple(keep)  # the tensors the C struct points into stay alive with it
         self.fallback = moe.per_op
 

@@ -88,14 +88,25 @@ def bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     "m, n, k",
     # odd rows (8-row tiles' tails), partial 16-row panels, an odd block count (the unpack's pairs of blocks), more
-    # rows than a work item's 256
-    [(17, 1, 32), (16, 33, 96), (33, 70, 288), (50, 31, 544), (300, 20, 256), (48, 96, 2048)],
+    # rows than a work item's 256; 1-3 rows (the weight rows read in place, no panel)
+    [
+        (17, 1, 32),
+        (16, 33, 96),
+        (33, 70, 288),
+        (50, 31, 544),
+        (300, 20, 256),
+        (48, 96, 2048),
+        (1, 33, 96),
+        (2, 1, 32),
+        (3, 70, 544),
+    ],
 )
 def test_products_are_their_integer_sums_and_within_the_derived_bound(name, m, n, k):
     """Two levels. Against the codes rebuilt here: y = sum_b d d_x S_b with S_b exact, within the fp32 steps' bound
     (K / 32 + 2) u per |term| (a kernel rounding a code another way, or dropping a block, is off by ~d_x |w| per
     value: far outside). Against fp64 on the reference dequantizer's values: within the module's bound, and more
-    than 30x tighter than plain bf16 (int16's step is ~1/70 of bf16's by RMS; the cases here measure 66x and up)."""
+    than 30x tighter than plain bf16 over 30 outputs or more (int16's step is ~1/70 of bf16's by RMS; the cases here
+    measure 55x and up)."""
     t = GGML_TYPE_IDS[name]
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = blocks(name, n, k, g)
@@ -115,26 +126,31 @@ def test_products_are_their_integer_sums_and_within_the_derived_bound(name, m, n
     err = (y - x.double() @ dense.T).abs()
     b = bound(x, dense)
     assert (err <= b).all(), (err / b).max().item()
-    plain = (bf16_prefill.linear(x, dense.float()).double() - x.double() @ dense.T).abs()
-    assert err.max() * 30 < plain.max(), (err.max().item(), plain.max().item())
+    if m * n >= 30:  # a statistic of the largest errors: two outputs (2 x 1) measured 18x, from luck alone
+        plain = (bf16_prefill.linear(x, dense.float()).double() - x.double() @ dense.T).abs()
+        assert err.max() * 30 < plain.max(), (err.max().item(), plain.max().item())
 
 
 @needs_units
-def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
-    """Each row the same bits alone, among 300 rows (two work items, a partial tile), and on 1 or 2 threads."""
+@pytest.mark.parametrize("name", NAMES)
+def test_a_rows_result_does_not_depend_on_the_batch_or_threads(name):
+    """Each row the same bits alone, in twos and threes (the weight rows read in place), and among 300 rows (16-row
+    panels, two work items, a partial tile), on 1 or 2 threads; 70 weight rows end in a partial group of 16."""
     k = 544
-    w, x = case(1, 300, 70, k)
+    t = GGML_TYPE_IDS[name]
+    g = torch.Generator().manual_seed(1)
+    w, x = blocks(name, 70, k, g), torch.randn(300, k, generator=g)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        y = int16_prefill.linear(x, w, Q8_0, k)
+        y = int16_prefill.linear(x, w, t, k)
         torch.set_num_threads(1)
-        y1 = int16_prefill.linear(x, w, Q8_0, k)
+        y1 = int16_prefill.linear(x, w, t, k)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(y, y1)
-    for i in (0, 17, 255, 256, 299):
-        assert torch.equal(int16_prefill.linear(x[i : i + 1], w, Q8_0, k)[0], y[i])
+    for i, m in ((0, 1), (17, 3), (255, 2), (256, 1), (297, 3), (299, 1), (40, 4)):
+        assert torch.equal(int16_prefill.linear(x[i : i + m], w, t, k), y[i : i + m]), (i, m)
 
 
 @needs_units

@@ -25,6 +25,8 @@ static int lin_apply(const mls_lin_t *L, const float *x, int64_t m, int64_t ldx,
                      int threads) {
     if (q8rows_in((int)L->type, int8))
         return mls_gemm_q8((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, y, ldy, threads);
+    if (qw_in((int)L->type, int8)) /* int16 activations (x86/int16_prefill.c), as GGUFLinear's */
+        return mls_int16_gemm((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, y, ldy, threads);
     return mls_gemm((int)L->type, x, m, L->k, ldx, L->w, L->n, L->row_bytes, 0, 1, 1, 1, L->n, y, ldy, threads);
 }
 
@@ -39,7 +41,8 @@ static void norm_rows(const float *x, int64_t t, int64_t d, const float *w, doub
 static int per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t row_bytes, int64_t h, int64_t n,
                     int64_t k, const float *x, int64_t ldx, int64_t x_head, int64_t t, float *y, int64_t ldy,
                     int int8, int threads) {
-    if (q8rows_in((int)type, int8)) { /* as GGUFHeads with int8: the rows gathered head by head, one grouped call */
+    const int q8 = q8rows_in((int)type, int8) != 0, q16 = qw_in((int)type, int8);
+    if (q8 || q16) { /* as GGUFHeads with int8 or int16: the rows gathered head by head, one grouped call */
         float *xs = (float *)malloc(sizeof(float) * (size_t)(h * t * k + h * t * n) + 1);
         int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * h + 1));
         int rc = xs && ids ? 0 : -4;
@@ -52,7 +55,8 @@ static int per_head(int64_t type, const uint8_t *w, int64_t head_stride, int64_t
                     memcpy(xs + (hh * t + tok) * k, x + tok * ldx + hh * x_head, sizeof(float) * (size_t)k);
             }
             ids[2 * h] = h * t;
-            rc = mls_grouped_gemm_q8((int)type, xs, k, w, n, row_bytes, head_stride, ids, ids + h, h, ys, threads);
+            rc = q8 ? mls_grouped_gemm_q8((int)type, xs, k, w, n, row_bytes, head_stride, ids, ids + h, h, ys, threads)
+                    : mls_int16_grouped((int)type, xs, k, w, n, row_bytes, head_stride, ids, ids + h, h, ys, n, threads);
             for (int64_t hh = 0; !rc && hh < h; hh++)
                 for (int64_t tok = 0; tok < t; tok++)
                     memcpy(y + tok * ldy + hh * n, ys + (hh * t + tok) * n, sizeof(float) * (size_t)n);

@@ -23,7 +23,9 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 28
+#define MLS_ABI_VERSION 29
+#define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
+#define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
 /* weight types: the ggml type ids, then mlaserve's own (fp32 scales kept apart from the codes) */
 enum {
@@ -77,8 +79,10 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
     int64_t type_sg, type_su, type_sd; /* the shared expert's gate_proj [Is, D], up_proj [Is, D], down_proj [D, Is] */
     const uint8_t *sg, *su, *sd;
     int64_t sg_row_bytes, su_row_bytes, sd_row_bytes;
-    int64_t int8; /* int8 activations, as the per-op path's: 0 none; else the widest weight type (bits per value:
-                     Q8_0 8, Q6_K 6, Q5_K 5, Q4_K / Q4_0 4) whose products take them (types.c q8rows_in) */
+    int64_t int8; /* the activation setting, as the per-op path's: its low byte (MLS_INT8_CAP) the int8 cap, 0 none,
+                     else the widest weight type (bits per value: Q8_0 8, Q6_K 6, Q5_K 5, Q4_K / Q4_0 4) whose
+                     products take int8 activations (types.c q8rows_in); MLS_ACT_INT16 set: the 32-value block types
+                     the cap leaves in fp32 take int16 activations (x86/int16_prefill.c qw_in) */
     /* routed experts of a type with its scales apart (MLS_INT4_PACKED): fp32 scales per row and group of `group`
        columns, gate_up [E, 2I, D / group] and down [E, D, I / group], scale_stride floats per expert; 0: none */
     const float *gu_scale, *dn_scale;
@@ -287,6 +291,9 @@ int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int
                       int64_t ldy, int threads);
 /* whether this build runs a type's products so: 1 yes, 0 no (not such a type, or no AVX512-VNNI) */
 int mls_int16_takes(int type);
+/* whether a decode product of this type takes int16 activations under an activation setting (mls_layer_t.int8): 1
+   yes (the one-call layer and MoE block then run it so), 0 no; kernels/int16_prefill.py takes_rest is the holders' */
+int mls_int16_in(int type, int64_t setting);
 /* x86/amx_bf16_bmm.c: C_b [m, n] (fp32, rows ldc apart) = A_b [m, k] (bf16, rows lda apart) times Bm_b [k, n] given
    as pairs B_b (int32: (Bm[2p, j], Bm[2p + 1, j]); pair row p of columns j0 .. j0 + 15 at (j0 / 16) bj + p ldb),
    b < batch (strides sa, sb, sc in elements), fp32 sums on AMX-BF16 tiles, else by AVX512-BF16 dot products

@@ -80,7 +80,8 @@ static inline q8rows_fn q8rows(int type) { return type_of(type)->int8; }
    (activations="auto": Q8_0 stays exact) */
 static inline q8rows_fn q8rows_in(int type, int64_t int8) {
     const mls_type_t *t = type_of(type);
-    return int8 && t->bits <= int8 ? t->int8 : 0;
+    const int64_t cap = int8 & MLS_INT8_CAP; /* the setting's int16 flag is x86/int16_prefill.c's */
+    return cap && t->bits <= cap ? t->int8 : 0;
 }
 
 int mls_type_info(int type, int64_t *block_bytes, int64_t *block_values, int64_t *kernels) {

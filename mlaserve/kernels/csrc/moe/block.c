@@ -39,6 +39,11 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
         (qsd && !act_fits((int)b->type_sd, si)))
         return -2;
     const int any8 = qgu || qdn || qsg || qsu || qsd;
+    /* int16 activations (x86/int16_prefill.c) for the projections whose type the setting gives them (qw_in), as the
+       per-op path's grouped products: runs of 16 rows of one part, the inputs' codes made once for every type */
+    const int q16gu = !fgu && qw_in((int)b->type_gu, i8), q16dn = !fdn && qw_in((int)b->type_dn, i8);
+    const int q16sg = si && qw_in((int)b->type_sg, i8), q16su = si && qw_in((int)b->type_su, i8);
+    const int q16sd = si && qw_in((int)b->type_sd, i8), any16 = q16gu || q16dn || q16sg || q16su || q16sd;
     const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
     /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
        xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
@@ -59,11 +64,28 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     float *xud = shd + t * si / 32;
     int8_t *xsq = (int8_t *)(xud + t * d / 32), *hq = xsq + pairs * d, *xq = hq + pairs * inter, *shq = xq + t * d;
     int8_t *xuq = shq + t * si;
+    /* their scales and codes: xs, x (shared gate and up), h, the shared h (rows of whole 32-value blocks) */
+    const size_t n16 = any16 ? (size_t)(pairs * d + t * d + pairs * inter + t * si) : 0;
+    char *mem16 = any16 ? (char *)malloc(n16 / 32 * sizeof(float) + n16 * sizeof(int16_t) + 64) : 0;
+    if (any16 && !mem16) {
+        free(mem);
+        return -4;
+    }
+    float *xs16d = (float *)mem16, *x16d = xs16d + pairs * d / 32, *h16d = x16d + t * d / 32;
+    float *sh16d = h16d + pairs * inter / 32;
+    int16_t *xs16 = (int16_t *)(sh16d + t * si / 32), *x16 = xs16 + pairs * d, *h16 = x16 + t * d;
+    int16_t *sh16 = h16 + pairs * inter;
+    const int64_t kmax = d > inter ? (d > si ? d : si) : (inter > si ? inter : si);
     int64_t groups = 0;
-    int rc = 0;
+    int rc = 0, oom = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(d > inter ? (d > si ? d : si) : (inter > si ? inter : si)));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)kmax);
+        void *panel = any16 ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0; /* qw_run's, for runs of > 3 rows */
+        if (any16 && !panel) {
+#pragma omp atomic write
+            oom = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < t * e; it++) logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
 #pragma omp single
@@ -91,9 +113,17 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 }
             }
         }
-        if (rc == 0) {
+        if (rc == 0 && !oom) { /* oom: set before the logits' barrier, so every thread reads the same */
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < pairs; q++) memcpy(xs + q * d, x + (order[q] / kk) * d, sizeof(float) * (size_t)d);
+            if (q16gu || q16sg || q16su) {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < pairs + t; i++) {
+                    if (i < pairs && q16gu) qw_quantize_rows(xs + i * d, 1, d, d, xs16 + i * d, xs16d + i * (d / 32));
+                    if (i >= pairs && (q16sg || q16su))
+                        qw_quantize_rows(x + (i - pairs) * d, 1, d, d, x16 + (i - pairs) * d, x16d + (i - pairs) * (d / 32));
+                }
+            }
             if (any8) {
 #pragma omp single
                 {
@@ -109,13 +139,20 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms, down 2.7 -> 2.3 ms over its 3 MoE layers; 2-core AMD EPYC,
                2 threads); a 16-request step was level (87 ms either way). The block serves decode steps (at most
                BLOCK_TOKENS tokens), where an item's cost is about the same everywhere. */
-            const int64_t runs = (n_gu + ROW_RUN - 1) / ROW_RUN, sruns = (n_sgu + ROW_RUN - 1) / ROW_RUN;
+            const int64_t rgu = q16gu ? QW_R : ROW_RUN, rsg = q16sg || q16su ? QW_R : ROW_RUN;
+            const int64_t runs = (n_gu + rgu - 1) / rgu, sruns = (n_sgu + rsg - 1) / rsg;
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < groups * runs + sruns; it++) {
                 if (it < groups * runs) {
-                    const int64_t a = it / runs, r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_gu ? r0 + ROW_RUN : n_gu;
+                    const int64_t a = it / runs, r0 = (it % runs) * rgu, r1 = r0 + rgu < n_gu ? r0 + rgu : n_gu;
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
-                    for (int64_t r = r0; r < r1; r++) {
+                    for (int64_t s0 = r0, s1; q16gu && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
+                        s1 = s0 < inter && r1 > inter ? inter : r1;
+                        qw_run((int)b->type_gu, gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0),
+                               b->gu_row_bytes, s1 - s0, xs16 + p0 * d, xs16d + p0 * (d / 32), m, d, gu + p0 * n_gu + s0,
+                               n_gu, panel);
+                    }
+                    for (int64_t r = r0; !q16gu && r < r1; r++) {
                         const uint8_t *row =
                             gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
                         if (qgu)
@@ -127,9 +164,18 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                             lin_row(kgu, row, xs + p0 * d, d, m, d, gu + p0 * n_gu + r, n_gu, buf);
                     }
                 } else {
-                    const int64_t r0 = (it - groups * runs) * ROW_RUN, r1 = r0 + ROW_RUN < n_sgu ? r0 + ROW_RUN : n_sgu;
+                    const int64_t r0 = (it - groups * runs) * rsg, r1 = r0 + rsg < n_sgu ? r0 + rsg : n_sgu;
+                    for (int64_t s0 = r0, s1; s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
+                        s1 = s0 < si && r1 > si ? si : r1;
+                        const int up = s0 >= si;
+                        if (!(up ? q16su : q16sg)) continue;
+                        qw_run((int)(up ? b->type_su : b->type_sg),
+                               up ? b->su + (s0 - si) * b->su_row_bytes : b->sg + s0 * b->sg_row_bytes,
+                               up ? b->su_row_bytes : b->sg_row_bytes, s1 - s0, x16, x16d, t, d, sgu + s0, n_sgu, panel);
+                    }
                     for (int64_t r = r0; r < r1; r++) {
                         const int up = r >= si;
+                        if (up ? q16su : q16sg) continue;
                         const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
                         const q8rows_fn q8 = up ? qsu : qsg;
                         if (q8)
@@ -149,6 +195,14 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                     sh[j] = silu_mul(sgu[tok * n_sgu + i], sgu[tok * n_sgu + si + i]);
                 }
             }
+            if (q16dn || q16sd) {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < pairs + t; i++) {
+                    if (i < pairs && q16dn) qw_quantize_rows(h + i * inter, 1, inter, inter, h16 + i * inter, h16d + i * (inter / 32));
+                    if (i >= pairs && q16sd)
+                        qw_quantize_rows(sh + (i - pairs) * si, 1, si, si, sh16 + (i - pairs) * si, sh16d + (i - pairs) * (si / 32));
+                }
+            }
             if (qdn || qsd) {
 #pragma omp single
                 {
@@ -156,14 +210,17 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                     if (qsd) quantize_act((int)b->type_sd, sh, t, si, si, shq, shd);
                 }
             }
-            const int64_t druns = (d + ROW_RUN - 1) / ROW_RUN, sdruns = si ? druns : 0;
+            const int64_t rdn = q16dn || q16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn, sdruns = si ? druns : 0;
 #pragma omp for schedule(static) /* as gate_up's */
             for (int64_t it = 0; it < groups * druns + sdruns; it++) {
-                const int64_t a = it / druns, r0 = (it % druns) * ROW_RUN, r1 = r0 + ROW_RUN < d ? r0 + ROW_RUN : d;
+                const int64_t a = it / druns, r0 = (it % druns) * rdn, r1 = r0 + rdn < d ? r0 + rdn : d;
                 if (a < groups) {
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
                     const uint8_t *we = b->down + act[a] * b->dn_expert_stride;
-                    for (int64_t r = r0; r < r1; r++) {
+                    if (q16dn)
+                        qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, h16 + p0 * inter,
+                               h16d + p0 * (inter / 32), m, inter, ys + p0 * d + r0, d, panel);
+                    for (int64_t r = r0; !q16dn && r < r1; r++) {
                         const uint8_t *row = we + r * b->dn_row_bytes;
                         if (qdn)
                             qdn(row, hq + p0 * inter, hd + p0 * (inter / 32), m, inter, ys + p0 * d + r, d);
@@ -174,7 +231,10 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                             lin_row(kdn, row, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
                     }
                 } else {
-                    for (int64_t r = r0; r < r1; r++) {
+                    if (q16sd)
+                        qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, sh16, sh16d, t, si,
+                               ysh + r0, d, panel);
+                    for (int64_t r = r0; !q16sd && r < r1; r++) {
                         const uint8_t *row = b->sd + r * b->sd_row_bytes;
                         if (qsd)
                             qsd(row, shq, shd, t, si, ysh + r, d);
@@ -192,9 +252,12 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
             }
         }
         free(buf);
+        free(panel);
     }
+    if (oom) rc = -4;
     if (rc == 0 && topk_w) memcpy(topk_w, wt, sizeof(float) * (size_t)pairs);
     if (rc == 0 && topk_idx) memcpy(topk_idx, idx, sizeof(int64_t) * (size_t)pairs);
     free(mem);
+    free(mem16);
     return rc;
 }

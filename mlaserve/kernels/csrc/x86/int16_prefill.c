@@ -151,11 +151,145 @@ static void qw_rows(const __m512i *C, const __m512 *D, const int16_t *xc, const 
     }
 }
 
+/* ------------------------------------------ few activation rows: the weight rows read where they lie, no panel
+   Where a product (or a routed expert's group) has at most QW_FEW activation rows, unpacking the 16-row panel cost
+   more than the products on it (the panel path read ~8 GB/s at one row, against the fp32 row kernels' ~17; one
+   thread of the 2-core AMD EPYC measured, benchmarks/block32_prefill.py --rows). Here 16 weight rows are taken
+   together as they lie: each row's block codes widened to int16 (32 in a vector) and met by the activation block's
+   codes in one vpdpwssd (16 int32 lanes of pair sums), the 16 rows' lane sums reduced into one vector (lane r =
+   S_b[i, r], exact in int32 whatever the order), and the block's fp32 step exactly as qw_tile's: lane r of
+   acc += fl(d[r, b] d_x[i, b]) fl(S_b). The same integers and the same float operations in the same order, so the
+   same bits as the panel path at every row count (tests/kernels/test_int16_prefill.py), and a product may take
+   either by its row count. */
+#define QW_FEW 3 /* activation rows up to which the rows are read in place */
+
+/* lane r = the sum of v[r]'s 16 int32 lanes (45 shuffles and adds for 16 rows) */
+static inline __m512i qw_lane_sums(__m512i v[16]) {
+    __m512i a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1) sums of dwords (0, 2) and (1, 3) */
+        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: the four rows 4i .. 4i + 3 */
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    const __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xDD));
+    const __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x88), _mm512_shuffle_i32x4(b[2], b[3], 0xDD));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xDD));
+}
+
+/* the 16 rows' block scales d (block_d) from the dwords at their block starts (lanes past live: 0) */
+static inline __attribute__((always_inline)) __m512 qw_scales(const uint8_t *b0, __m512i offs, __mmask16 live,
+                                                              const int type) {
+    const __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs, b0, 1);
+    if (type != MLS_MXFP4) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw)); /* the fp16 at the block's start */
+    const __m512i e = _mm512_and_si512(raw, _mm512_set1_epi32(0xFF)); /* e8m0_half: 2^(e - 128) */
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, sub));
+}
+
+/* nr (<= 16) weight rows at w (row_bytes apart) times activation rows [0, mr) (codes xc in qw_quantize_row's pair
+   order, k apart; scales xd) into y (row stride ldy); mr, type constants where inlined. The next 16 rows (the
+   following item's, mostly this thread's) stream into L2 as one sequential run beside the reads: on this layout
+   (16 rows read side by side) the hardware prefetchers alone left the loads unoverlapped (12.6 GB/s one thread,
+   against 21-22 with it; a row-ahead prefetch per row, 14-15). */
+static inline __attribute__((always_inline)) void qw_few(const int type, const uint8_t *w, int64_t row_bytes,
+                                                         int64_t nr, const int16_t *xc, const float *xd, const int mr,
+                                                         int64_t k, float *y, int64_t ldy) {
+    const int64_t kb = k / 32, bytes = block_bytes(type), step = (16 * row_bytes + kb - 1) / kb;
+    const __mmask16 live = nr >= QW_R ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+    const __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)row_bytes));
+    /* pair order -> natural order: positions 1 and 2 of every 4 swap (an involution) */
+    static const int16_t swap12[32] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
+                                       16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
+    const __m512i natural = _mm512_loadu_si512(swap12);
+    const char *pf = (const char *)w + 16 * row_bytes;
+    __m512 acc[QW_FEW];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        for (const char *end = (const char *)w + 16 * row_bytes + (b + 1) * step; pf < end; pf += 64)
+            __builtin_prefetch(pf, 0, 1);
+        __m512i xv[QW_FEW], P[QW_FEW][16];
+        for (int i = 0; i < mr; i++) xv[i] = _mm512_permutexvar_epi16(natural, _mm512_loadu_si512(xc + i * k + 32 * b));
+        for (int r = 0; r < 16; r++) {
+            const __m512i c = r < nr ? _mm512_cvtepi8_epi16(qw_codes(w + r * row_bytes + bytes * b, type)) : _mm512_setzero_si512();
+            for (int i = 0; i < mr; i++) P[i][r] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), c, xv[i]);
+        }
+        const __m512 D = qw_scales(w + bytes * b, offs, live, type);
+        for (int i = 0; i < mr; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(D, _mm512_set1_ps(xd[i * kb + b])), _mm512_cvtepi32_ps(qw_lane_sums(P[i])), acc[i]);
+    }
+    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
+}
+
+/* m (<= QW_FEW) activation rows times nr weight rows read in place; type specialised */
+static void qw_few_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int16_t *xc, const float *xd,
+                        int64_t m, int64_t k, float *y, int64_t ldy) {
+#define QW_FEW_CASE(t)                                                                   \
+    case t:                                                                              \
+        if (m == 1) qw_few(t, w, row_bytes, nr, xc, xd, 1, k, y, ldy);                   \
+        else if (m == 2) qw_few(t, w, row_bytes, nr, xc, xd, 2, k, y, ldy);              \
+        else qw_few(t, w, row_bytes, nr, xc, xd, 3, k, y, ldy);                          \
+        break;
+    switch (type) {
+        QW_FEW_CASE(MLS_Q8_0) QW_FEW_CASE(MLS_Q4_0) QW_FEW_CASE(MLS_Q5_0) QW_FEW_CASE(MLS_IQ4_NL)
+        default: QW_FEW_CASE(MLS_MXFP4)
+    }
+#undef QW_FEW_CASE
+}
+
+/* the bytes of a thread's panel buffer for rows of k values (qw_run: C [kb, 16] and D [kb] vectors) */
+static inline size_t qw_panel_bytes(int64_t k) { return (size_t)(k / 32) * 17 * 64; }
+
+/* nr (<= 16) weight rows at w (row_bytes apart) times m activation rows (codes xc, k apart, and scales xd: 
+   qw_quantize_row's) into y (row stride ldy): read in place for m <= QW_FEW, else unpacked into the panel buffer
+   (qw_panel_bytes) and met by the rows in tiles. The same bits either way. */
+static void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int16_t *xc, const float *xd,
+                   int64_t m, int64_t k, float *y, int64_t ldy, void *panel) {
+    if (m <= QW_FEW) {
+        qw_few_rows(type, w, row_bytes, nr, xc, xd, m, k, y, ldy);
+        return;
+    }
+    __m512i *C = (__m512i *)panel;
+    __m512 *D = (__m512 *)(C + (k / 32) * 16);
+    switch (type) { /* each type's unpack specialised */
+    case MLS_Q8_0: qw_unpack(MLS_Q8_0, w, row_bytes, nr, k, C, D); break;
+    case MLS_Q4_0: qw_unpack(MLS_Q4_0, w, row_bytes, nr, k, C, D); break;
+    case MLS_Q5_0: qw_unpack(MLS_Q5_0, w, row_bytes, nr, k, C, D); break;
+    case MLS_IQ4_NL: qw_unpack(MLS_IQ4_NL, w, row_bytes, nr, k, C, D); break;
+    default: qw_unpack(MLS_MXFP4, w, row_bytes, nr, k, C, D); break;
+    }
+    qw_rows(C, D, xc, xd, m, k, y, ldy, nr);
+}
+
+/* one call's work list: (group, chunk of QW_CHUNK rows, 16-row panel) items, first[a] group a's first item */
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t n, row_bytes, expert_stride, k, panels, ldy;
+    const int64_t *experts, *starts, *first;
+    const int16_t *xc;
+    const float *xd;
+    float *y;
+} qw_work;
+
+/* item it: its group (*a, moved from the last item's), chunk and panel, on qw_run (mem: the thread's panel) */
+static inline void qw_item(const qw_work *q, int64_t it, int64_t *a, void *mem) {
+    while (q->first[*a + 1] <= it) (*a)++;
+    while (q->first[*a] > it) (*a)--;
+    const int64_t g = *a, k = q->k, c = (it - q->first[g]) / q->panels, r0 = (it - q->first[g]) % q->panels * QW_R;
+    const int64_t p0 = q->starts[g] + c * QW_CHUNK, left = q->starts[g + 1] - p0;
+    const int64_t m = left < QW_CHUNK ? left : QW_CHUNK, nr = q->n - r0 < QW_R ? q->n - r0 : QW_R;
+    const int64_t i0 = p0 - q->starts[0];
+    qw_run(q->type, q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes, q->row_bytes, nr, q->xc + i0 * k,
+           q->xd + i0 * (k / 32), m, k, q->y + p0 * q->ldy + r0, q->ldy, mem);
+}
+
 /* Rows [starts[a], starts[a + 1]) of x (row stride ldx) times expert experts[a]'s n rows (w + experts[a] *
    expert_stride, row_bytes apart) into y (row stride ldy). One parallel region: the activations quantized (rows
-   split between the threads), then a work list of (group, chunk of QW_CHUNK rows, 16-row panel) items (dynamic: a
-   thread may lose its core to a neighbour), each panel unpacked into the thread's buffer and met by the chunk's
-   rows. Returns 0, -4 out of memory. */
+   split between the threads), then the work list (qw_work), each item's rows read in place or its panel unpacked
+   into the thread's buffer and met by the chunk's rows (qw_run). Items run dynamic (a thread may lose its core to a
+   neighbour), or, where every group has at most QW_FEW rows (decode), as one contiguous range per thread, so that
+   qw_few's prefetch of the next 16 rows serves its own thread. Returns 0, -4 out of memory. */
 static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
                       int64_t ldy, int threads) {
@@ -163,12 +297,15 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1)); /* each group's first item */
     int16_t *xc = (int16_t *)malloc(sizeof(int16_t) * (size_t)(rows * k) + 64);
     float *xd = (float *)malloc(sizeof(float) * (size_t)(rows * kb) + 64);
-    int failed = !first || !xc || !xd;
+    int failed = !first || !xc || !xd, few = 1;
     if (!failed) {
         first[0] = 0;
-        for (int64_t a = 0; a < groups; a++)
+        for (int64_t a = 0; a < groups; a++) {
             first[a + 1] = first[a] + (starts[a + 1] - starts[a] + QW_CHUNK - 1) / QW_CHUNK * panels;
+            few &= starts[a + 1] - starts[a] <= QW_FEW;
+        }
     }
+    const qw_work q = {type, w, n, row_bytes, expert_stride, k, panels, ldy, experts, starts, first, xc, xd, y};
 #pragma omp parallel num_threads(threads) if (!failed)
     {
         if (!failed) {
@@ -176,33 +313,23 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
             for (int64_t i = 0; i < rows; i++)
                 qw_quantize_row(x + (starts[0] + i) * ldx, k, xc + i * k, xd + i * kb);
         }
-        void *mem = failed ? NULL : aligned_alloc(64, (size_t)kb * 17 * 64);
-        if (!mem && !failed) {
+        /* the panel buffer, where an item has more than QW_FEW rows */
+        void *mem = failed || few ? NULL : aligned_alloc(64, qw_panel_bytes(k));
+        const int ready = !failed && (few || mem);
+        if (!ready && !failed) {
 #pragma omp atomic write
             failed = 1;
         }
         const int64_t items = first && xc && xd ? first[groups] : 0; /* the same count in every thread */
         int64_t a = 0;
+        if (few) {
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; it++)
+                if (ready) qw_item(&q, it, &a, mem);
+        } else {
 #pragma omp for schedule(dynamic)
-        for (int64_t it = 0; it < items; it++) {
-            if (!mem) continue;
-            while (first[a + 1] <= it) a++;
-            while (first[a] > it) a--;
-            const int64_t c = (it - first[a]) / panels, r0 = (it - first[a]) % panels * QW_R;
-            const int64_t p0 = starts[a] + c * QW_CHUNK, left = starts[a + 1] - p0;
-            const int64_t m = left < QW_CHUNK ? left : QW_CHUNK, nr = n - r0 < QW_R ? n - r0 : QW_R;
-            __m512i *C = (__m512i *)mem;
-            __m512 *D = (__m512 *)(C + kb * 16);
-            const uint8_t *wr = w + experts[a] * expert_stride + r0 * row_bytes;
-            switch (type) { /* each type's unpack specialised */
-            case MLS_Q8_0: qw_unpack(MLS_Q8_0, wr, row_bytes, nr, k, C, D); break;
-            case MLS_Q4_0: qw_unpack(MLS_Q4_0, wr, row_bytes, nr, k, C, D); break;
-            case MLS_Q5_0: qw_unpack(MLS_Q5_0, wr, row_bytes, nr, k, C, D); break;
-            case MLS_IQ4_NL: qw_unpack(MLS_IQ4_NL, wr, row_bytes, nr, k, C, D); break;
-            default: qw_unpack(MLS_MXFP4, wr, row_bytes, nr, k, C, D); break;
-            }
-            const int64_t i0 = p0 - starts[0];
-            qw_rows(C, D, xc + i0 * k, xd + i0 * kb, m, k, y + p0 * ldy + r0, ldy, nr);
+            for (int64_t it = 0; it < items; it++)
+                if (ready) qw_item(&q, it, &a, mem);
         }
         free(mem);
     }
@@ -210,6 +337,37 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
     free(xc);
     free(xd);
     return failed ? -4 : 0;
+}
+#endif
+
+/* ---------------------------------------------------------------- the decode steps' int16 products
+   The one-call decode layer and MoE block (decode_layer.c, moe/block.c) take these products where their activation
+   setting has MLS_ACT_INT16 and a weight's type is one of the above that the setting's int8 cap leaves in fp32
+   (under activations "int8_6bit_int16": Q8_0, Q5_0, MXFP4), as the per-op path does (kernels/int16_prefill.py
+   takes_rest): the same kernels at every row count, so a request's result does not depend on its batch. */
+#ifdef MLS_INT16_PREFILL
+static inline int qw_in(int type, int64_t setting) {
+    return (setting & MLS_ACT_INT16) && !q8rows_in(type, setting) && qw_type(type);
+}
+
+/* rows x [m, k] (row stride ldx) -> codes xc [m, k] and scales xd [m, k / 32] */
+static inline void qw_quantize_rows(const float *x, int64_t m, int64_t k, int64_t ldx, int16_t *xc, float *xd) {
+    for (int64_t i = 0; i < m; i++) qw_quantize_row(x + i * ldx, k, xc + i * k, xd + i * (k / 32));
+}
+#else /* no AVX512-VNNI: no type takes them, and these are never called */
+#define QW_R 16
+static inline int qw_in(int type, int64_t setting) {
+    (void)type, (void)setting;
+    return 0;
+}
+static inline size_t qw_panel_bytes(int64_t k) { return (size_t)k; }
+static inline void qw_quantize_rows(const float *x, int64_t m, int64_t k, int64_t ldx, int16_t *xc, float *xd) {
+    (void)x, (void)m, (void)k, (void)ldx, (void)xc, (void)xd;
+}
+static inline void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int16_t *xc,
+                          const float *xd, int64_t m, int64_t k, float *y, int64_t ldy, void *panel) {
+    (void)type, (void)w, (void)row_bytes, (void)nr, (void)xc, (void)xd, (void)m, (void)k, (void)y, (void)ldy;
+    (void)panel;
 }
 #endif
 
@@ -257,3 +415,5 @@ int mls_int16_takes(int type) {
     return 0;
 #endif
 }
+
+int mls_int16_in(int type, int64_t setting) { return qw_in(type, setting); }
