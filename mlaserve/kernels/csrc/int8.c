@@ -195,7 +195,11 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
         rc = vnni_grouped(type, &w, 1, n, row_bytes, 0, &expert, one, 1, xq, xd, k, y, ldy, threads, vnni_take);
     } else
 #endif
-    {
+    if (m == 1 && rows16_takes(type)) { /* a decode row: 16 weight rows side by side, the same bits */
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t r0 = 0; r0 < n; r0 += 16)
+            rows16_q8k(type, w + r0 * row_bytes, row_bytes, n - r0 < 16 ? n - r0 : 16, xq, xd, k, y + r0);
+    } else {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r = 0; r < n; r++) fn(w + r * row_bytes, xq, xd, m, k, y + r, ldy);
     }
@@ -214,7 +218,9 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
     q8rows_fn fn = q8rows(type);
     if (!fn) return -1;
     if (!act_fits(type, k)) return -2;
-    const int64_t p = starts[groups], kb = k / 32, runs = (n + ROW_RUN - 1) / ROW_RUN, ldy = nparts * n;
+    /* runs of 16 rows where a group of one row takes them side by side (rows16_q8k: the same bits) */
+    const int64_t run = rows16_takes(type) ? 16 : ROW_RUN;
+    const int64_t p = starts[groups], kb = k / 32, runs = (n + run - 1) / run, ldy = nparts * n;
     int8_t *xq = (int8_t *)malloc((size_t)(p * k) + 1);
     float *xd = (float *)malloc(sizeof(float) * (size_t)(p * kb) + 1);
     if (!xq || !xd) {
@@ -249,10 +255,14 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t it = 0; it < groups * nparts * runs; it++) {
             const int64_t a = it / (nparts * runs), q = it / runs % nparts;
-            const int64_t r0 = (it % runs) * ROW_RUN, r1 = r0 + ROW_RUN < n ? r0 + ROW_RUN : n;
+            const int64_t r0 = (it % runs) * run, r1 = r0 + run < n ? r0 + run : n;
             const uint8_t *we = ws[q] + experts[a] * expert_stride;
             const int64_t p0 = starts[a];
             if (AMX_TOOK(starts[a + 1] - p0) || VNNI_TOOK(starts[a + 1] - p0)) continue;
+            if (starts[a + 1] - p0 == 1 && rows16_takes(type)) {
+                rows16_q8k(type, we + r0 * row_bytes, row_bytes, r1 - r0, xq + p0 * k, xd + p0 * kb, k, y + p0 * ldy + q * n + r0);
+                continue;
+            }
             for (int64_t r = r0; r < r1; r++)
                 fn(we + r * row_bytes, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k, y + p0 * ldy + q * n + r, ldy);
         }

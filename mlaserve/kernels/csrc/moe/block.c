@@ -44,6 +44,11 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     const int q16gu = !fgu && qw_in((int)b->type_gu, i8), q16dn = !fdn && qw_in((int)b->type_dn, i8);
     const int q16sg = si && qw_in((int)b->type_sg, i8), q16su = si && qw_in((int)b->type_su, i8);
     const int q16sd = si && qw_in((int)b->type_sd, i8), any16 = q16gu || q16dn || q16sg || q16su || q16sd;
+    /* int8 projections of a type whose one-row products take 16 weight rows side by side (rows16_q8k, the row
+       kernels' bits): runs of 16 rows, taken so where the run's group (or the step) has one row */
+    const int r16gu = qgu && rows16_takes((int)b->type_gu), r16dn = qdn && rows16_takes((int)b->type_dn);
+    const int r16sg = qsg && rows16_takes((int)b->type_sg), r16su = qsu && rows16_takes((int)b->type_su);
+    const int r16sd = qsd && rows16_takes((int)b->type_sd);
     const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
     /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
        xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
@@ -139,20 +144,26 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms, down 2.7 -> 2.3 ms over its 3 MoE layers; 2-core AMD EPYC,
                2 threads); a 16-request step was level (87 ms either way). The block serves decode steps (at most
                BLOCK_TOKENS tokens), where an item's cost is about the same everywhere. */
-            const int64_t rgu = q16gu ? QW_R : ROW_RUN, rsg = q16sg || q16su ? QW_R : ROW_RUN;
+            const int64_t rgu = q16gu || r16gu ? QW_R : ROW_RUN, rsg = q16sg || q16su || r16sg || r16su ? QW_R : ROW_RUN;
             const int64_t runs = (n_gu + rgu - 1) / rgu, sruns = (n_sgu + rsg - 1) / rsg;
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < groups * runs + sruns; it++) {
                 if (it < groups * runs) {
                     const int64_t a = it / runs, r0 = (it % runs) * rgu, r1 = r0 + rgu < n_gu ? r0 + rgu : n_gu;
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
-                    for (int64_t s0 = r0, s1; q16gu && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
+                    const int whole = q16gu || (r16gu && m == 1); /* the run in one call per part */
+                    for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
                         s1 = s0 < inter && r1 > inter ? inter : r1;
-                        qw_run((int)b->type_gu, gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0),
-                               b->gu_row_bytes, s1 - s0, xs16 + p0 * d, xs16d + p0 * (d / 32), m, d, gu + p0 * n_gu + s0,
-                               n_gu, panel);
+                        const uint8_t *row0 =
+                            gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
+                        if (q16gu)
+                            qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, xs16 + p0 * d, xs16d + p0 * (d / 32), m,
+                                   d, gu + p0 * n_gu + s0, n_gu, panel);
+                        else
+                            rows16_q8k((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, xsq + p0 * d, xsd + p0 * (d / 32), d,
+                                       gu + p0 * n_gu + s0);
                     }
-                    for (int64_t r = r0; !q16gu && r < r1; r++) {
+                    for (int64_t r = r0; !whole && r < r1; r++) {
                         const uint8_t *row =
                             gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
                         if (qgu)
@@ -168,14 +179,16 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                     for (int64_t s0 = r0, s1; s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
                         s1 = s0 < si && r1 > si ? si : r1;
                         const int up = s0 >= si;
-                        if (!(up ? q16su : q16sg)) continue;
-                        qw_run((int)(up ? b->type_su : b->type_sg),
-                               up ? b->su + (s0 - si) * b->su_row_bytes : b->sg + s0 * b->sg_row_bytes,
-                               up ? b->su_row_bytes : b->sg_row_bytes, s1 - s0, x16, x16d, t, d, sgu + s0, n_sgu, panel);
+                        const uint8_t *row0 = up ? b->su + (s0 - si) * b->su_row_bytes : b->sg + s0 * b->sg_row_bytes;
+                        const int64_t rb = up ? b->su_row_bytes : b->sg_row_bytes, type = up ? b->type_su : b->type_sg;
+                        if (up ? q16su : q16sg)
+                            qw_run((int)type, row0, rb, s1 - s0, x16, x16d, t, d, sgu + s0, n_sgu, panel);
+                        else if (t == 1 && (up ? r16su : r16sg))
+                            rows16_q8k((int)type, row0, rb, s1 - s0, up ? xuq : xq, up ? xud : xd, d, sgu + s0);
                     }
                     for (int64_t r = r0; r < r1; r++) {
                         const int up = r >= si;
-                        if (up ? q16su : q16sg) continue;
+                        if (up ? q16su || (t == 1 && r16su) : q16sg || (t == 1 && r16sg)) continue;
                         const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
                         const q8rows_fn q8 = up ? qsu : qsg;
                         if (q8)
@@ -210,17 +223,22 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                     if (qsd) quantize_act((int)b->type_sd, sh, t, si, si, shq, shd);
                 }
             }
-            const int64_t rdn = q16dn || q16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn, sdruns = si ? druns : 0;
+            const int64_t rdn = q16dn || q16sd || r16dn || r16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn;
+            const int64_t sdruns = si ? druns : 0;
 #pragma omp for schedule(static) /* as gate_up's */
             for (int64_t it = 0; it < groups * druns + sdruns; it++) {
                 const int64_t a = it / druns, r0 = (it % druns) * rdn, r1 = r0 + rdn < d ? r0 + rdn : d;
                 if (a < groups) {
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
                     const uint8_t *we = b->down + act[a] * b->dn_expert_stride;
+                    const int whole = q16dn || (r16dn && m == 1);
                     if (q16dn)
                         qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, h16 + p0 * inter,
                                h16d + p0 * (inter / 32), m, inter, ys + p0 * d + r0, d, panel);
-                    for (int64_t r = r0; !q16dn && r < r1; r++) {
+                    else if (whole)
+                        rows16_q8k((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, hq + p0 * inter,
+                                   hd + p0 * (inter / 32), inter, ys + p0 * d + r0);
+                    for (int64_t r = r0; !whole && r < r1; r++) {
                         const uint8_t *row = we + r * b->dn_row_bytes;
                         if (qdn)
                             qdn(row, hq + p0 * inter, hd + p0 * (inter / 32), m, inter, ys + p0 * d + r, d);
@@ -231,10 +249,14 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                             lin_row(kdn, row, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
                     }
                 } else {
+                    const int whole = q16sd || (r16sd && t == 1);
                     if (q16sd)
                         qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, sh16, sh16d, t, si,
                                ysh + r0, d, panel);
-                    for (int64_t r = r0; !q16sd && r < r1; r++) {
+                    else if (whole)
+                        rows16_q8k((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, shq, shd, si,
+                                   ysh + r0);
+                    for (int64_t r = r0; !whole && r < r1; r++) {
                         const uint8_t *row = b->sd + r * b->sd_row_bytes;
                         if (qsd)
                             qsd(row, shq, shd, t, si, ysh + r, d);

@@ -1,0 +1,136 @@
+/* ---------------------------------------------------- one activation row times 16 Q4_K / Q5_K weight rows (AVX-512)
+   A batch-1 decode product with int8 (q8_K) activations ran x86/avx2.c's q8k_q45_mr a weight row at a time: per
+   super-block ~100 instructions, of which ~45 outside the 32-value dot products (the 12 scale bytes unpacked with
+   scalar shifts, two fp16 scales, the int32 lanes summed, the float steps in scalars): one thread read ~13 GB/s of
+   Q4_K, instruction-bound. Here 16 weight rows go side by side: their fp16 scales and 12 scale bytes come in by
+   gathers and are unpacked for all 16 rows at once (k_scales_mins8's operations in 16 lanes), the mins times the
+   activation's code sums (M) by four vpdpwssd for all rows, each row's 8 int32 lanes of scaled dot products (S) made
+   as q8k_q45_mr makes them, reduced into one vector (lane r = row r's sum, exact in int32 whatever the order), and
+   the block's float steps in 16 lanes: lane r of acc = acc + (d_r d_x) S_r, then acc - (dmin_r d_x) M_r, the one-row
+   kernel's operations in its order (-ffp-contract=off), so its bits (tests/kernels/test_int8_kquants.py holds every
+   row count to llama.cpp's definitions). The next 16 rows stream into L2 beside the reads (as x86/int16_prefill.c's
+   qw_few). One thread: 13 -> 15-18 GB/s (the 2-core AMD EPYC, alternated). */
+#if defined(MLS_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define MLS_Q8K_ROWS16 1
+
+/* lane r = the sum of P[r]'s 8 int32 lanes, r < 16 (30 shuffles and adds) */
+static inline __m512i lane_sums8(const __m256i P[16]) {
+    __m512i Z[8], a[4], b[2];
+    for (int r = 0; r < 8; r++) Z[r] = _mm512_inserti64x4(_mm512_castsi256_si512(P[r]), P[r + 8], 1);
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: (Z2i, Z2i+1) sums of dwords (0, 2) and (1, 3) */
+        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(Z[2 * i], Z[2 * i + 1]), _mm512_unpackhi_epi32(Z[2 * i], Z[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: rows 4i .. 4i + 3 (lanes 0, 1) and 8 + 4i .. (lanes 2, 3) */
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xDD));
+    return _mm512_shuffle_i32x4(s, s, 0xD8); /* rows 0-3, 8-11, 4-7, 12-15 -> in order */
+}
+
+/* acc + the pair sums of a b (int16 x int16 -> int32, exact): vpdpwssd, or vpmaddwd and an add without VNNI */
+static inline __m512i madd16_acc512(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* an int32 of two int16s: lo, hi (a vpdpwssd operand) */
+static inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
+
+/* nr (<= 16) rows at w (row_bytes apart) times one activation row (codes xq, q8k_meta slots xd) into y[0 .. nr);
+   five: Q5_K (176-byte super-blocks, the fifth bit from qh), else Q4_K (144); a constant where inlined */
+static inline __attribute__((always_inline)) void rows16_q45(const uint8_t *w, int64_t row_bytes, int64_t nr,
+                                                             const int five, const int8_t *xq, const float *xd,
+                                                             int64_t k, float *y) {
+    const int64_t nb = k / 256, bytes = five ? 176 : 144, step = (16 * row_bytes + nb - 1) / nb;
+    const __mmask16 live = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+    const __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)row_bytes));
+    const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4v = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x03030303);
+    const __m512i lo8 = _mm512_set1_epi32(0x00FF00FF), zero = _mm512_setzero_si512();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const char *pf = (const char *)w + 16 * row_bytes;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        for (const char *end = (const char *)w + 16 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
+            __builtin_prefetch(pf, 0, 1);
+        const uint8_t *b0 = w + blk * bytes;
+        const q8k_meta *meta = (const q8k_meta *)(xd + blk * Q8K_SLOTS);
+        const __m512i dd = _mm512_mask_i32gather_epi32(zero, live, offs, b0, 1); /* d | dmin << 16 */
+        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+        /* k_scales_mins8 in 16 lanes: the 12 scale bytes as three dwords per row */
+        const __m512i u0 = _mm512_mask_i32gather_epi32(zero, live, offs, b0 + 4, 1);
+        const __m512i u1 = _mm512_mask_i32gather_epi32(zero, live, offs, b0 + 8, 1);
+        const __m512i u2 = _mm512_mask_i32gather_epi32(zero, live, offs, b0 + 12, 1);
+        const __m512i sc_lo = _mm512_and_si512(u0, m6);
+        const __m512i sc_hi =
+            _mm512_or_si512(_mm512_and_si512(u2, m4v), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
+        const __m512i mn_lo = _mm512_and_si512(u1, m6);
+        const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4v),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
+        /* M_r = sum_j mn_r[j] bsum[j]: the mins as int16 pairs (j, j + 2) against bsum's, exact in int32 */
+        const int16_t *bs = meta->bsum;
+        __m512i M = madd16_acc512(zero, _mm512_and_si512(mn_lo, lo8), _mm512_set1_epi32(pair16(bs[0], bs[2])));
+        M = madd16_acc512(M, _mm512_and_si512(_mm512_srli_epi32(mn_lo, 8), lo8), _mm512_set1_epi32(pair16(bs[1], bs[3])));
+        M = madd16_acc512(M, _mm512_and_si512(mn_hi, lo8), _mm512_set1_epi32(pair16(bs[4], bs[6])));
+        M = madd16_acc512(M, _mm512_and_si512(_mm512_srli_epi32(mn_hi, 8), lo8), _mm512_set1_epi32(pair16(bs[5], bs[7])));
+        /* each row's 8 scale bytes (sc_lo, sc_hi) as a qword: rows 4q, 4q + 1 from the low unpack, 4q + 2, 4q + 3
+           from the high one (q the 128-bit lane) */
+        uint64_t scs[16] __attribute__((aligned(64)));
+        _mm512_store_si512(scs, _mm512_unpacklo_epi32(sc_lo, sc_hi));
+        _mm512_store_si512(scs + 8, _mm512_unpackhi_epi32(sc_lo, sc_hi));
+        __m256i x[8];
+        for (int j = 0; j < 8; j++) x[j] = _mm256_loadu_si256((const __m256i *)(xq + blk * 256 + 32 * j));
+        __m256i P[16];
+        for (int r = 0; r < 16; r++) {
+            if (r >= nr) {
+                P[r] = _mm256_setzero_si256();
+                continue;
+            }
+            const int slot = ((r & 3) < 2 ? 0 : 8) + (r >> 2) * 2 + (r & 1);
+            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scs + slot))));
+            const uint8_t *br = b0 + r * row_bytes, *qs = br + (five ? 48 : 16);
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : _mm256_setzero_si256();
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); /* two chains, as q8k_q45_mr */
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if (five) {
+                    w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
+                    w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+                }
+                s0 = madd16_acc(s0, _mm256_maddubs_epi16(w0, x[2 * c]), bcast16(sc16, 2 * c));
+                s1 = madd16_acc(s1, _mm256_maddubs_epi16(w1, x[2 * c + 1]), bcast16(sc16, 2 * c + 1));
+            }
+            P[r] = _mm256_add_epi32(s0, s1);
+        }
+        const __m512 dx = _mm512_set1_ps(meta->d);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(lane_sums8(P))));
+        acc = _mm512_sub_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(M)));
+    }
+    _mm512_mask_storeu_ps(y, live, acc);
+}
+
+/* whether one-row products of a type run here */
+static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
+
+/* nr (<= 16) rows of a type rows16_takes at w times one activation row of its q8_K codes into y[0 .. nr) */
+static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
+                       int64_t k, float *y) {
+    if (type == MLS_Q4_K)
+        rows16_q45(w, row_bytes, nr, 0, xq, xd, k, y);
+    else
+        rows16_q45(w, row_bytes, nr, 1, xq, xd, k, y);
+}
+#else /* a build without AVX-512: the row kernels take them, and these are never called */
+static inline int rows16_takes(int type) {
+    (void)type;
+    return 0;
+}
+static inline void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
+                              const float *xd, int64_t k, float *y) {
+    (void)type, (void)w, (void)row_bytes, (void)nr, (void)xq, (void)xd, (void)k, (void)y;
+}
+#endif
