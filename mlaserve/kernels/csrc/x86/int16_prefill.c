@@ -153,15 +153,17 @@ static void qw_rows(const __m512i *C, const __m512 *D, const int16_t *xc, const 
 
 /* ------------------------------------------ few activation rows: the weight rows read where they lie, no panel
    Where a product (or a routed expert's group) has at most QW_FEW activation rows, unpacking the 16-row panel cost
-   more than the products on it (the panel path read ~8 GB/s at one row, against the fp32 row kernels' ~17; one
-   thread of the 2-core AMD EPYC measured, benchmarks/block32_prefill.py --rows). Here 16 weight rows are taken
+   more than the products on it (the panel path read ~8 GB/s at one row, against the fp32 row kernels' ~17 and this
+   path's 21-22; one thread of the 2-core AMD EPYC, measured before this path). Here 16 weight rows are taken
    together as they lie: each row's block codes widened to int16 (32 in a vector) and met by the activation block's
    codes in one vpdpwssd (16 int32 lanes of pair sums), the 16 rows' lane sums reduced into one vector (lane r =
    S_b[i, r], exact in int32 whatever the order), and the block's fp32 step exactly as qw_tile's: lane r of
    acc += fl(d[r, b] d_x[i, b]) fl(S_b). The same integers and the same float operations in the same order, so the
    same bits as the panel path at every row count (tests/kernels/test_int16_prefill.py), and a product may take
    either by its row count. */
-#define QW_FEW 3 /* activation rows up to which the rows are read in place */
+/* activation rows up to which the rows are read in place: each row here costs a tree of 45 shuffles per block and 16
+   rows, on the panels one vpdpwssd; the unpack pays for itself from ~4 rows (measured at 1 and 16, counted between) */
+#define QW_FEW 3
 
 /* lane r = the sum of v[r]'s 16 int32 lanes (45 shuffles and adds for 16 rows) */
 static inline __m512i qw_lane_sums(__m512i v[16]) {
@@ -240,7 +242,7 @@ static void qw_few_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 /* the bytes of a thread's panel buffer for rows of k values (qw_run: C [kb, 16] and D [kb] vectors) */
 static inline size_t qw_panel_bytes(int64_t k) { return (size_t)(k / 32) * 17 * 64; }
 
-/* nr (<= 16) weight rows at w (row_bytes apart) times m activation rows (codes xc, k apart, and scales xd: 
+/* nr (<= 16) weight rows at w (row_bytes apart) times m activation rows (codes xc, k apart, and scales xd:
    qw_quantize_row's) into y (row stride ldy): read in place for m <= QW_FEW, else unpacked into the panel buffer
    (qw_panel_bytes) and met by the rows in tiles. The same bits either way. */
 static void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int16_t *xc, const float *xd,
