@@ -177,6 +177,20 @@ static inline __m512i qw_lane_sums(__m512i v[16]) {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xDD));
 }
 
+/* a block's 32 codes widened to int16 (value j in lane j): Q4_0 and Q5_0 straight from their nibbles (the 16 bytes
+   widened once, the high nibbles shifted down in the upper half, Q5_0's fifth bit from its 32-bit mask), the rest
+   as qw_codes widened; the same integers either way */
+static inline __attribute__((always_inline)) __m512i qw_codes16(const uint8_t *b, const int type) {
+    if (type != MLS_Q4_0 && type != MLS_Q5_0) return _mm512_cvtepi8_epi16(qw_codes(b, type));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + (type == MLS_Q4_0 ? 2 : 6))));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(bytes), bytes, 1), shift),
+                                         _mm512_set1_epi16(0x0F));
+    if (type == MLS_Q4_0) return _mm512_sub_epi16(nib, _mm512_set1_epi16(8));
+    const __m512i low = _mm512_sub_epi16(nib, _mm512_set1_epi16(16)); /* the fifth bit 0: nib - 16, 1: nib */
+    return _mm512_mask_add_epi16(low, (__mmask32)u32(b + 2), low, _mm512_set1_epi16(16));
+}
+
 /* the 16 rows' block scales d (block_d) from the dwords at their block starts (lanes past live: 0) */
 static inline __attribute__((always_inline)) __m512 qw_scales(const uint8_t *b0, __m512i offs, __mmask16 live,
                                                               const int type) {
@@ -213,7 +227,7 @@ static inline __attribute__((always_inline)) void qw_few(const int type, const u
         __m512i xv[QW_FEW], P[QW_FEW][16];
         for (int i = 0; i < mr; i++) xv[i] = _mm512_permutexvar_epi16(natural, _mm512_loadu_si512(xc + i * k + 32 * b));
         for (int r = 0; r < 16; r++) {
-            const __m512i c = r < nr ? _mm512_cvtepi8_epi16(qw_codes(w + r * row_bytes + bytes * b, type)) : _mm512_setzero_si512();
+            const __m512i c = r < nr ? qw_codes16(w + r * row_bytes + bytes * b, type) : _mm512_setzero_si512();
             for (int i = 0; i < mr; i++) P[i][r] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), c, xv[i]);
         }
         const __m512 D = qw_scales(w + bytes * b, offs, live, type);
