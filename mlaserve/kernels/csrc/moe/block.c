@@ -86,8 +86,10 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
 #pragma omp parallel num_threads(threads)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)kmax);
-        void *panel = any16 ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0; /* qw_run's, for runs of > 3 rows */
-        if (any16 && !panel) {
+        /* qw_run's panel, for runs of more than QW_FEW rows: a group has at most t rows (a token takes an expert once) */
+        const int panels = any16 && t > QW_FEW;
+        void *panel = panels ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0;
+        if (panels && !panel) {
 #pragma omp atomic write
             oom = 1;
         }

@@ -204,16 +204,14 @@ static inline __attribute__((always_inline)) __m512 qw_scales(const uint8_t *b0,
 
 /* nr (<= 16) weight rows at w (row_bytes apart) times activation rows [0, mr) (codes xc in qw_quantize_row's pair
    order, k apart; scales xd) into y (row stride ldy); mr, type constants where inlined. The next 16 rows (the
-   following item's, mostly this thread's) stream into L2 as one sequential run beside the reads: on this layout
-   (16 rows read side by side) the hardware prefetchers alone left the loads unoverlapped (12.6 GB/s one thread,
-   against 21-22 with it; a row-ahead prefetch per row, 14-15). */
+   following item's, mostly this thread's) stream into L2 beside the reads (x86/avx512.c rows16_prefetch; a
+   row-ahead prefetch per row instead read 14-15 GB/s on one thread). */
 static inline __attribute__((always_inline)) void qw_few(const int type, const uint8_t *w, int64_t row_bytes,
                                                          int64_t nr, const int16_t *xc, const float *xd, const int mr,
                                                          int64_t k, float *y, int64_t ldy) {
     const int64_t kb = k / 32, bytes = block_bytes(type), step = (16 * row_bytes + kb - 1) / kb;
     const __mmask16 live = nr >= QW_R ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-    const __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)row_bytes));
+    const __m512i offs = rows16_offsets(row_bytes);
     /* pair order -> natural order: positions 1 and 2 of every 4 swap (an involution) */
     static const int16_t swap12[32] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
                                        16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
@@ -222,8 +220,7 @@ static inline __attribute__((always_inline)) void qw_few(const int type, const u
     __m512 acc[QW_FEW];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        for (const char *end = (const char *)w + 16 * row_bytes + (b + 1) * step; pf < end; pf += 64)
-            __builtin_prefetch(pf, 0, 1);
+        pf = rows16_prefetch(pf, w, row_bytes, b, step);
         __m512i xv[QW_FEW], P[QW_FEW][16];
         for (int i = 0; i < mr; i++) xv[i] = _mm512_permutexvar_epi16(natural, _mm512_loadu_si512(xc + i * k + 32 * b));
         for (int r = 0; r < 16; r++) {
@@ -372,6 +369,7 @@ static inline void qw_quantize_rows(const float *x, int64_t m, int64_t k, int64_
 }
 #else /* no AVX512-VNNI: no type takes them, and these are never called */
 #define QW_R 16
+#define QW_FEW 3
 static inline int qw_in(int type, int64_t setting) {
     (void)type, (void)setting;
     return 0;

@@ -8,8 +8,7 @@
    as q8k_q45_mr makes them, reduced into one vector (lane r = row r's sum, exact in int32 whatever the order), and
    the block's float steps in 16 lanes: lane r of acc = acc + (d_r d_x) S_r, then acc - (dmin_r d_x) M_r, the one-row
    kernel's operations in its order (-ffp-contract=off), so its bits (tests/kernels/test_int8_kquants.py holds every
-   row count to llama.cpp's definitions). The next 16 rows stream into L2 beside the reads (as x86/int16_prefill.c's
-   qw_few). One thread: 13 -> 15-18 GB/s (the 2-core AMD EPYC, alternated). */
+   row count to llama.cpp's definitions). The next 16 rows stream into L2 beside the reads (x86/avx512.c rows16_prefetch). One thread: 13 -> 15-18 GB/s (the 2-core AMD EPYC, alternated). */
 #if defined(MLS_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define MLS_Q8K_ROWS16 1
 
@@ -44,16 +43,14 @@ static inline __attribute__((always_inline)) void rows16_q45(const uint8_t *w, i
                                                              int64_t k, float *y) {
     const int64_t nb = k / 256, bytes = five ? 176 : 144, step = (16 * row_bytes + nb - 1) / nb;
     const __mmask16 live = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-    const __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)row_bytes));
+    const __m512i offs = rows16_offsets(row_bytes);
     const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4v = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x03030303);
     const __m512i lo8 = _mm512_set1_epi32(0x00FF00FF), zero = _mm512_setzero_si512();
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const char *pf = (const char *)w + 16 * row_bytes;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
-        for (const char *end = (const char *)w + 16 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
-            __builtin_prefetch(pf, 0, 1);
+        pf = rows16_prefetch(pf, w, row_bytes, blk, step);
         const uint8_t *b0 = w + blk * bytes;
         const q8k_meta *meta = (const q8k_meta *)(xd + blk * Q8K_SLOTS);
         const __m512i dd = _mm512_mask_i32gather_epi32(zero, live, offs, b0, 1); /* d | dmin << 16 */
