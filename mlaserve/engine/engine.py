@@ -36,7 +36,15 @@ from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.executor.model_runner import ModelRunner
 from mlaserve.sampling.params import SamplingParams
-from mlaserve.sampling.sampler import SamplerOutput, SamplingBatch, gather_logprobs, make_generator, sample
+from mlaserve.sampling.sampler import (
+    SamplerOutput,
+    SamplingBatch,
+    gather_logprobs,
+    make_generator,
+    plain_greedy,
+    sample,
+    sample_argmax,
+)
 from mlaserve.structured.backend import fill_bitmask
 
 _GRAMMAR_LOCK = threading.Lock()
@@ -194,8 +202,10 @@ class Engine:
         self.record_prompt_logprobs(plan.chunks, batch, logits)
         sampling = [c.request for c in plan.chunks if c.completes_prompt and c.request.status is Status.RUNNING]
         if sampling:
-            rows = torch.tensor([by_id[r.request_id] for r in sampling], device=logits.device)
-            self._sample_finite(sampling, logits[rows], step_no)
+            rows = [by_id[r.request_id] for r in sampling]
+            if rows != list(range(logits.shape[0])):  # else every row in order (a decode step): no gather
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            self._sample_finite(sampling, logits, step_no)
         return aborted + self._forget_finished([self._final_or_output(r) for r in self._touched(plan)])
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -231,6 +241,8 @@ class Engine:
         self.take_tokens(reqs, out, time.monotonic())
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor):
+        if all(r.matcher is None and plain_greedy(r.params, len(r.output_ids)) for r in reqs):
+            return sample_argmax(logits)  # what sample() gives these rows, without their parameter tensors
         # logprobs computed iff some row asked (batch.max_num_logprobs)
         return sample(logits, self.sampling_batch(reqs, logits))
 

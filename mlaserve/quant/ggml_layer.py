@@ -47,6 +47,7 @@ from mlaserve.quant.ggml_heads import GGUFHeads
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS, native_rows, rows_args
 
 if TYPE_CHECKING:
+    from mlaserve.attention.metadata import SegmentTensors
     from mlaserve.cache.model_cache import ModelCache
     from mlaserve.executor.step_context import StepContext
 
@@ -347,7 +348,7 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
         keys = [k for k in cache.state("index_keys") if k is not None]
         if not all(_fp32_rows(k) and k.shape[0] == first.shape[0] for k in keys):
             return None  # a bf16 key cache scores bf16_then_fp32 (attention/backends/torch_index.py): per op
-    if not torch.equal(seg.q_index[:, 0], torch.arange(t, device=seg.q_index.device)):
+    if not _in_token_order(step, seg):
         return None  # the C layer writes request b's output at token b
     kv_slots, mask, q_index = seg.kv_slots.contiguous(), seg.mask.contiguous(), seg.q_index.contiguous()
     cos, sin, slots = step.cos.contiguous(), step.sin.contiguous(), step.slot_mapping.contiguous()
@@ -361,6 +362,16 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
         mask.data_ptr(), kv_slots.shape[1], int(plan.sparse), topk, *(x.data_ptr() if x is not None else None for x in sel),
     )  # fmt: skip
     return FusedStep(args, (kv_slots, mask, q_index, cos, sin, slots, *sel), carry)
+
+
+def _in_token_order(step: StepContext, seg: SegmentTensors) -> bool:
+    """Whether request b's query is token b (q_index[:, 0] == 0 .. T-1): from the step's plain spans where it has
+    them (every step the runner builds), else from the tensor (a padded step's)."""
+    spans = step.seq_spans[seg.segment.seq_start : seg.segment.seq_end]
+    if spans:
+        return all(span[0] == b for b, span in enumerate(spans))
+    t = seg.q_index.shape[0]
+    return torch.equal(seg.q_index[:, 0], torch.arange(t, device=seg.q_index.device))
 
 
 def _fp32_rows(state) -> bool:

@@ -275,6 +275,26 @@ def _token_counts(seqs: Sequence[Sequence[int]], V: int, device: torch.device) -
 # --------------------------------------------------------------------------- sampling
 
 
+def plain_greedy(params: SamplingParams, n_output: int) -> bool:
+    """Whether sample() gives this row the argmax of its logits as they are: greedy, no penalty, no logit_bias, no
+    logprobs, past min_tokens (no stop id masked). The caller also checks that no grammar constrains the row."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and not params.logit_bias
+        and n_output >= params.min_tokens
+    )
+
+
+def sample_argmax(logits: torch.Tensor) -> SamplerOutput:
+    """sample() over rows that are all plain_greedy (and unconstrained), without building their SamplingBatch: the
+    same argmax of the same fp32 logits, minus the ~9 parameter tensors a step would build and never read."""
+    return SamplerOutput(token_ids=logits.float().argmax(dim=-1))
+
+
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,

@@ -12,7 +12,9 @@ from mlaserve.sampling.sampler import (
     _apply_penalties,
     gather_logprobs,
     make_generator,
+    plain_greedy,
     sample,
+    sample_argmax,
 )
 
 
@@ -361,3 +363,39 @@ def test_build_rejects_mismatched_lengths_and_sample_checks_shape():
     batch = build([SamplingParams()], 10)
     with pytest.raises(ValueError, match="logits must be"):
         sample(torch.zeros(1, 11), batch)
+
+
+# --------------------------------------------------------------------------- the greedy shortcut
+
+
+@pytest.mark.parametrize(
+    "kwargs, plain",
+    [
+        (dict(temperature=0), True),
+        (dict(temperature=0, top_k=5, top_p=0.5, min_p=0.1), True),  # filters a greedy row never reads
+        (dict(temperature=0.7), False),
+        (dict(temperature=0, repetition_penalty=1.3), False),
+        (dict(temperature=0, presence_penalty=2.0), False),
+        (dict(temperature=0, frequency_penalty=2.0), False),
+        (dict(temperature=0, logit_bias={3: 5.0}), False),
+        (dict(temperature=0, logprobs=2), False),
+        (dict(temperature=0, min_tokens=4), False),  # 2 output tokens below: its stop ids are masked
+    ],
+)
+def test_the_greedy_shortcut_takes_exactly_the_rows_whose_token_is_the_raw_argmax(kwargs, plain):
+    """plain_greedy rows get sample_argmax's token, which must be sample()'s; every other row may differ from the
+    raw argmax (a penalty, a bias, a masked stop id, a draw) or asks for more (logprobs), so it must not qualify."""
+    V = 50
+    p = SamplingParams(stop_token_ids=[int(torch.arange(V)[7])], **kwargs)
+    assert plain_greedy(p, n_output=2) is plain
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=g)
+    logits[:, 7] = 10.0  # the stop id, seen, is every row's raw argmax: a penalty or a min_tokens mask moves it
+    logits[:, 3] = 9.0  # to token 3, unseen (and logit_bias {3: 5} lifts 3 above it)
+    batch = build([p] * 3, V, prompt_ids=[[7]] * 3, output_ids=[[7, 5]] * 3, generators=[make_generator(1)] * 3)
+    full = sample(logits, batch).token_ids
+    fast = sample_argmax(logits).token_ids
+    if plain:
+        assert torch.equal(full, fast)
+    elif "logprobs" not in kwargs:
+        assert not torch.equal(full, fast), "a row the shortcut must refuse samples the raw argmax here"
