@@ -35,6 +35,7 @@ from mlaserve.engine.speculative import speculative_step
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.executor.model_runner import ModelRunner
+from mlaserve.sampling.greedy_pick import argmax_finite
 from mlaserve.sampling.params import SamplingParams
 from mlaserve.sampling.sampler import (
     SamplerOutput,
@@ -43,7 +44,6 @@ from mlaserve.sampling.sampler import (
     make_generator,
     plain_greedy,
     sample,
-    sample_argmax,
 )
 from mlaserve.structured.backend import fill_bitmask
 
@@ -216,9 +216,11 @@ class Engine:
 
     def _sample_finite(self, reqs: list[Request], logits: torch.Tensor, step_no: int) -> None:
         """Sample the rows that are finite; a row with NaN/Inf fails its request (never token 0 forever)."""
-        # A NaN or Inf anywhere in a row makes its sum non-finite (finite logits are far too small to
-        # overflow fp32): one reduction instead of a [rows, vocab] bool tensor, ~9x cheaper on CPU.
-        finite = torch.isfinite(logits.float().sum(-1)).tolist()
+        # Rows that are all plain greedy take the argmax and the finite check in one pass (greedy_pick); else a NaN or
+        # Inf anywhere in a row makes its sum non-finite (finite logits are far too small to overflow fp32): one
+        # reduction instead of a [rows, vocab] bool tensor, ~9x cheaper on CPU.
+        greedy = all(r.matcher is None and plain_greedy(r.params, len(r.output_ids)) for r in reqs)
+        picked, finite = argmax_finite(logits) if greedy else (None, torch.isfinite(logits.float().sum(-1)).tolist())
         for req, ok in zip(reqs, finite):
             if not ok:
                 self.fail(
@@ -230,6 +232,9 @@ class Engine:
         if not keep:
             return
         reqs = [reqs[i] for i in keep]
+        if picked is not None:  # what sample() gives these rows, without their parameter tensors
+            self.take_token_ids(reqs, [picked[i] for i in keep], time.monotonic())
+            return
         if len(keep) < len(finite):
             logits = logits[keep]
         try:
@@ -241,8 +246,6 @@ class Engine:
         self.take_tokens(reqs, out, time.monotonic())
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor):
-        if all(r.matcher is None and plain_greedy(r.params, len(r.output_ids)) for r in reqs):
-            return sample_argmax(logits)  # what sample() gives these rows, without their parameter tensors
         # logprobs computed iff some row asked (batch.max_num_logprobs)
         return sample(logits, self.sampling_batch(reqs, logits))
 
@@ -269,11 +272,15 @@ class Engine:
     def take_tokens(self, reqs: list[Request], out: SamplerOutput, now: float) -> None:
         """Append row i of `out` to reqs[i] (logprobs, stop rules, max_tokens); an error fails that
         request only."""
-        for i, req in enumerate(reqs):
-            self._isolated(req, "output", self._take_token, req, out, i, now)
+        self.take_token_ids(reqs, out.token_ids.tolist(), now, out)  # one copy out, not two tensor ops per row
 
-    def _take_token(self, req: Request, out, i: int, now: float) -> None:
-        tok = int(out.token_ids[i])
+    def take_token_ids(self, reqs: list[Request], ids: list[int], now: float, out: SamplerOutput | None = None) -> None:
+        """take_tokens with the tokens as ints; out: the sampler's output where a row asked for logprobs (None: no
+        row did)."""
+        for i, req in enumerate(reqs):
+            self._isolated(req, "output", self._take_token, req, ids[i], out, i, now)
+
+    def _take_token(self, req: Request, tok: int, out: SamplerOutput | None, i: int, now: float) -> None:
         if req.first_token_time is None:
             req.first_token_time = now
         if req.params.logprobs is not None:

@@ -50,7 +50,7 @@ INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes
 # mls.h MLS_ACT_INT16: in an activation setting (the holders' .int8, the C structs' int8 field), beside the int8 cap in
 # its low byte: the 32-value block types the cap leaves in fp32 take int16 activations (kernels/int16_prefill.py)
 INT16_REST = 0x100
-ABI_VERSION = 29  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 30  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()

@@ -289,12 +289,6 @@ def plain_greedy(params: SamplingParams, n_output: int) -> bool:
     )
 
 
-def sample_argmax(logits: torch.Tensor) -> SamplerOutput:
-    """sample() over rows that are all plain_greedy (and unconstrained), without building their SamplingBatch: the
-    same argmax of the same fp32 logits, minus the ~9 parameter tensors a step would build and never read."""
-    return SamplerOutput(token_ids=logits.float().argmax(dim=-1))
-
-
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from mlaserve.sampling.greedy_pick import argmax_finite
 from mlaserve.sampling.params import SamplingParams
 from mlaserve.sampling.sampler import (
     SamplingBatch,
@@ -14,7 +15,6 @@ from mlaserve.sampling.sampler import (
     make_generator,
     plain_greedy,
     sample,
-    sample_argmax,
 )
 
 
@@ -383,8 +383,9 @@ def test_build_rejects_mismatched_lengths_and_sample_checks_shape():
     ],
 )
 def test_the_greedy_shortcut_takes_exactly_the_rows_whose_token_is_the_raw_argmax(kwargs, plain):
-    """plain_greedy rows get sample_argmax's token, which must be sample()'s; every other row may differ from the
-    raw argmax (a penalty, a bias, a masked stop id, a draw) or asks for more (logprobs), so it must not qualify."""
+    """plain_greedy rows get the raw argmax (greedy_pick.argmax_finite), which must be sample()'s token; every other
+    row may differ from it (a penalty, a bias, a masked stop id, a draw) or asks for more (logprobs), so it must not
+    qualify."""
     V = 50
     p = SamplingParams(stop_token_ids=[int(torch.arange(V)[7])], **kwargs)
     assert plain_greedy(p, n_output=2) is plain
@@ -394,7 +395,7 @@ def test_the_greedy_shortcut_takes_exactly_the_rows_whose_token_is_the_raw_argma
     logits[:, 3] = 9.0  # to token 3, unseen (and logit_bias {3: 5} lifts 3 above it)
     batch = build([p] * 3, V, prompt_ids=[[7]] * 3, output_ids=[[7, 5]] * 3, generators=[make_generator(1)] * 3)
     full = sample(logits, batch).token_ids
-    fast = sample_argmax(logits).token_ids
+    fast = torch.tensor(argmax_finite(logits)[0])
     if plain:
         assert torch.equal(full, fast)
     elif "logprobs" not in kwargs:
