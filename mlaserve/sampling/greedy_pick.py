@@ -18,12 +18,10 @@ def argmax_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     """logits [B, V] -> (each row's argmax, the first index of its largest value; whether every value of the row is
     finite). Where a row is not finite its token is meaningless (the caller fails that request)."""
     lib = native.library() if logits.device.type == "cpu" else None
-    if lib is None or logits.dtype != torch.float32 or not logits.is_contiguous():
-        # a NaN or Inf makes the row's sum non-finite (finite logits are far too small to overflow fp32)
-        return logits.float().argmax(dim=-1).tolist(), torch.isfinite(logits.float().sum(-1)).tolist()
-    b, v = logits.shape
-    idx, ok = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.uint8)
-    rc = lib.mls_argmax_rows(logits.data_ptr(), b, v, v, idx.ctypes.data, ok.ctypes.data)
-    if rc != 0:
-        raise RuntimeError(f"native argmax refused logits of shape {tuple(logits.shape)} (rc {rc})")
-    return idx.tolist(), ok.astype(bool).tolist()
+    if lib is not None and logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape[-1] > 0:
+        b, v = logits.shape
+        idx, ok = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.uint8)
+        if lib.mls_argmax_rows(logits.data_ptr(), b, v, v, idx.ctypes.data, ok.ctypes.data) == 0:
+            return idx.tolist(), ok.astype(bool).tolist()
+    # a NaN or Inf makes the row's sum non-finite (finite logits are far too small to overflow fp32)
+    return logits.float().argmax(dim=-1).tolist(), torch.isfinite(logits.float().sum(-1)).tolist()
