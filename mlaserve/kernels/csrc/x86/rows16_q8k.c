@@ -110,16 +110,75 @@ static inline __attribute__((always_inline)) void rows16_q45(const uint8_t *w, i
     _mm512_mask_storeu_ps(y, live, acc);
 }
 
-/* whether one-row products of a type run here */
-static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
+/* acc + the sums of four u8 x s8 products per int32 lane (exact: the callers' codes keep every pair's sum inside
+   int16): vpdpbusd, or vpmaddubsw, vpmaddwd and an add without VNNI */
+static inline __m512i dpbusd_acc512(__m512i acc, __m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
 
-/* nr (<= 16) rows of a type rows16_takes at w times one activation row of its q8_K codes into y[0 .. nr) */
+/* Q4_0 (18-byte blocks: fp16 d, 16 bytes of nibbles, value d (q - 8)), nr (<= 16) rows times one activation row of
+   Q8_0-style codes (xq, one scale per 32 values in xd), two rows per 512-bit vector. The row kernel (x86/avx2.c
+   q8rows_mr) keeps 8 float lanes per row, lane l = fma(d_w d_x, S_l, lane l) per block in order, S_l the exact sum
+   of the 4 products (q - 8) x of its values, and one thread ran ~14 instructions per block and row (~14 GB/s). Here
+   a vector holds two rows' 8 lanes (lanes 0-7 and 8-15: row 2p and 2p + 1), S comes from the unsigned nibbles
+   directly, S_l = sum q x - 8 X_l (X_l the lane's activation codes' sum, made once per block for all rows; the
+   same integer), the 16 rows' d_w d_x from one gather (the same fp32 products) and each pair's fma takes its two
+   scales at once: every lane's operations and order are the row kernel's, so its bits, ~5 instructions per block
+   and row. */
+static inline void rows16_q4_0(const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
+                               int64_t k, float *y) {
+    const int64_t nb = k / 32, step = (16 * row_bytes + nb - 1) / nb;
+    const __mmask16 live = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+    const __m512i offs = rows16_offsets(row_bytes), zero = _mm512_setzero_si512();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+    /* per 128-bit lane of [row a, row a, row b, row b]'s 16 bytes: the low nibbles (values 0-15), the high (16-31) */
+    const __m512i shift = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004,
+                                            0x0004000400040004);
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); /* s's lanes 2p, 2p + 1 */
+    const int64_t pairs = (nr + 1) / 2;
+    __m512 acc[8];
+    for (int p = 0; p < 8; p++) acc[p] = _mm512_setzero_ps();
+    const char *pf = (const char *)w + 16 * row_bytes;
+    for (int64_t blk = 0; blk < nb; blk++) {
+        pf = rows16_prefetch(pf, w, row_bytes, blk, step);
+        const uint8_t *b0 = w + blk * 18;
+        const __m512i dd = _mm512_mask_i32gather_epi32(zero, live, offs, b0, 1); /* d in the low 16 bits */
+        const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)), _mm512_set1_ps(xd[blk]));
+        const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + blk * 32)));
+        const __m512i bias = _mm512_sub_epi32(zero, _mm512_slli_epi32(dpbusd_acc512(zero, ones, x), 3)); /* -8 X */
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint8_t *ra = b0 + 2 * p * row_bytes + 2, *rb = 2 * p + 1 < nr ? ra + row_bytes : ra;
+            const __m512i raw = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ra))),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)rb)), 1);
+            const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(raw, shift), m4);
+            const __m512 sp = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32((int)(2 * p))), s);
+            acc[p] = _mm512_fmadd_ps(sp, _mm512_cvtepi32_ps(dpbusd_acc512(bias, q, x)), acc[p]);
+        }
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        y[2 * p] = hsum8(_mm512_castps512_ps256(acc[p]));
+        if (2 * p + 1 < nr) y[2 * p + 1] = hsum8(_mm512_extractf32x8_ps(acc[p], 1));
+    }
+}
+
+/* whether one-row products of a type run here */
+static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K || type == MLS_Q4_0; }
+
+/* nr (<= 16) rows of a type rows16_takes at w times one activation row of its int8 codes (q8_K for the K-quants,
+   Q8_0-style for Q4_0) into y[0 .. nr) */
 static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
                        int64_t k, float *y) {
     if (type == MLS_Q4_K)
         rows16_q45(w, row_bytes, nr, 0, xq, xd, k, y);
-    else
+    else if (type == MLS_Q5_K)
         rows16_q45(w, row_bytes, nr, 1, xq, xd, k, y);
+    else
+        rows16_q4_0(w, row_bytes, nr, xq, xd, k, y);
 }
 #else /* a build without AVX-512: the row kernels take them, and these are never called */
 static inline int rows16_takes(int type) {
