@@ -1,4 +1,4 @@
-/* ---------------------------------------------------- one activation row times 16 Q4_K / Q5_K weight rows (AVX-512)
+/* ------------------------------------------- one activation row times 16 Q4_K / Q5_K / Q4_0 weight rows (AVX-512)
    A batch-1 decode product with int8 (q8_K) activations ran x86/avx2.c's q8k_q45_mr a weight row at a time: per
    super-block ~100 instructions, of which ~45 outside the 32-value dot products (the 12 scale bytes unpacked with
    scalar shifts, two fp16 scales, the int32 lanes summed, the float steps in scalars): one thread read ~13 GB/s of
