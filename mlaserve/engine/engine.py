@@ -28,6 +28,7 @@ import torch
 from mlaserve.cache.page_pool import PagePool
 from mlaserve.cache.slot_pool import SlotPool
 from mlaserve.engine.detokenizer import IncrementalDetokenizer
+from mlaserve.engine.greedy_pick import argmax_finite
 from mlaserve.engine.request import CompletionOutput, Request, RequestOutput, Status
 from mlaserve.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
 from mlaserve.engine.spec_switch import SpeculationSwitch
@@ -35,7 +36,6 @@ from mlaserve.engine.speculative import speculative_step
 from mlaserve.engine.tokenizer import Tokenizer
 from mlaserve.executor.forward_batch import ForwardBatch
 from mlaserve.executor.model_runner import ModelRunner
-from mlaserve.sampling.greedy_pick import argmax_finite
 from mlaserve.sampling.params import SamplingParams
 from mlaserve.sampling.sampler import (
     SamplerOutput,

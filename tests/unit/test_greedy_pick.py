@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlaserve.engine import greedy_pick
 from mlaserve.kernels import native
-from mlaserve.sampling import greedy_pick
 
 STATUS = native.status()
 

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from mlaserve.sampling.greedy_pick import argmax_finite
+from mlaserve.engine.greedy_pick import argmax_finite
 from mlaserve.sampling.params import SamplingParams
 from mlaserve.sampling.sampler import (
     SamplingBatch,
