@@ -234,6 +234,39 @@ def test_int8_products_equal_the_reference_exactly_in_every_build(name, monkeypa
 
 
 @needs_native
+def test_q4_0_one_row_products_equal_the_row_kernel_in_every_build(monkeypatch):
+    """Q4_0 at one activation row takes 16 weight rows side by side on AVX-512 (x86/rows16_q8k.c rows16_q4_0: two rows
+    per vector, the unsigned nibbles' sums less 8 x the activation codes' sum), the row kernel elsewhere and at more
+    rows: every row's 8 float lanes and fma chain are the row kernel's, so a decode row equals its row in a 16-row
+    call bit for bit, in every build (AVX-512 with and without VNNI, AVX2, scalar: ref/int8.c), and the builds equal
+    each other. 1-16 weight rows per call (odd counts leave a pair half empty), a group of one row in a grouped call."""
+    t, k, n = GGML_TYPE_IDS["Q4_0"], 512, 37
+    g = torch.Generator().manual_seed(21)
+    raw = torch.randint(0, 256, (n, k // 32, 18), dtype=torch.uint8, generator=g)
+    raw[..., 0:2] = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(n, -1, 2)
+    raw = raw.flatten(-2).contiguous()
+    x = _special_x(16, k, seed=22)
+    seen, results = [], []
+    for flags in _builds():
+        seen.append(_with_build(monkeypatch, flags))
+        full = native.gemm(t, x, raw, k, int8=True)  # 16 activation rows: the row kernel
+        for i in (0, 5, 15):
+            assert torch.equal(native.gemm(t, x[i : i + 1].contiguous(), raw, k, int8=True), full[i : i + 1]), seen[-1]
+        for n_rows in (1, 2, 3, 15, 16, 17):
+            got = native.gemm(t, x[3:4].contiguous(), raw[:n_rows].contiguous(), k, int8=True)
+            assert torch.equal(got, full[3:4, :n_rows]), (seen[-1], n_rows)
+        experts, starts = torch.tensor([1, 0]), torch.tensor([0, 1, 6])
+        stacked = torch.stack([raw, raw.flip(0).contiguous()])
+        ys = native.grouped_gemm(t, x[:6].contiguous(), stacked, k, experts, starts, int8=True)
+        assert torch.equal(ys[1:6], full[1:6])
+        assert torch.equal(ys[0:1], native.gemm(t, x, raw.flip(0).contiguous(), k, int8=True)[0:1])  # a group of one
+        results.append(full)
+    assert len(set(seen)) >= 2, seen
+    for flags, r in zip(seen[1:], results[1:]):
+        assert torch.equal(r, results[0]), (seen[0], flags)
+
+
+@needs_native
 @pytest.mark.parametrize("name", KQUANTS)
 @pytest.mark.parametrize("rows", [1, 16])
 def test_int8_products_within_the_activation_bound(name, rows):
