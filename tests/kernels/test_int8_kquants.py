@@ -234,24 +234,30 @@ def test_int8_products_equal_the_reference_exactly_in_every_build(name, monkeypa
 
 
 @needs_native
-def test_q4_0_one_row_products_equal_the_row_kernel_in_every_build(monkeypatch):
-    """Q4_0 at one activation row takes 16 weight rows side by side on AVX-512 (x86/rows16_q8k.c rows16_q4_0: two rows
-    per vector, the unsigned nibbles' sums less 8 x the activation codes' sum), the row kernel elsewhere and at more
-    rows: every row's 8 float lanes and fma chain are the row kernel's, so a decode row equals its row in a 16-row
-    call bit for bit, in every build (AVX-512 with and without VNNI, AVX2, scalar: ref/int8.c), and the builds equal
-    each other. 1-16 weight rows per call (odd counts leave a pair half empty), a group of one row in a grouped call."""
+def test_q4_0_products_equal_the_row_kernel_in_every_build(monkeypatch):
+    """On AVX-512, Q4_0 at one activation row takes 16 weight rows side by side (x86/rows16_q8k.c rows16_q4_0) and at 2
+    or more rows two activation rows per vector over pairs of weight rows (q4_0_pairs_rows), both with the unsigned
+    nibbles' sums less 8 x the activation codes' sum; the row kernel elsewhere (x86/avx2.c, ref/int8.c) and in grouped
+    calls. Every row's 8 float lanes and fma chain are the row kernel's, so every row count (1-40: odd counts leave a
+    pair half empty, past 16 the rows come in chunks of 16) and a grouped call give the same bits, in every build
+    (AVX-512 with and without VNNI, AVX2, scalar), and the builds equal each other; odd weight-row counts too."""
     t, k, n = GGML_TYPE_IDS["Q4_0"], 512, 37
     g = torch.Generator().manual_seed(21)
     raw = torch.randint(0, 256, (n, k // 32, 18), dtype=torch.uint8, generator=g)
     raw[..., 0:2] = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().view(torch.uint8).view(n, -1, 2)
     raw = raw.flatten(-2).contiguous()
-    x = _special_x(16, k, seed=22)
+    x = torch.cat([_special_x(16, k, seed=22), _special_x(24, k, seed=23)])
     seen, results = [], []
     for flags in _builds():
         seen.append(_with_build(monkeypatch, flags))
-        full = native.gemm(t, x, raw, k, int8=True)  # 16 activation rows: the row kernel
-        for i in (0, 5, 15):
+        full = native.gemm(t, x, raw, k, int8=True)  # 40 activation rows: chunks of 16, 16 and 8
+        for i in (0, 5, 15, 39):
             assert torch.equal(native.gemm(t, x[i : i + 1].contiguous(), raw, k, int8=True), full[i : i + 1]), seen[-1]
+        for rows in (2, 3, 7, 16, 17, 33):
+            got = native.gemm(t, x[1 : 1 + rows].contiguous(), raw, k, int8=True)
+            assert torch.equal(got, full[1 : 1 + rows]), (seen[-1], rows)
+        got = native.gemm(t, x[:5].contiguous(), raw[:7].contiguous(), k, int8=True)  # odd weight rows, 5 activations
+        assert torch.equal(got, full[:5, :7]), seen[-1]
         for n_rows in (1, 2, 3, 15, 16, 17):
             got = native.gemm(t, x[3:4].contiguous(), raw[:n_rows].contiguous(), k, int8=True)
             assert torch.equal(got, full[3:4, :n_rows]), (seen[-1], n_rows)

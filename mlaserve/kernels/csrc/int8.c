@@ -169,6 +169,39 @@ static inline float q8dot(q8rows_fn fn, const uint8_t *b, const int8_t *xq, cons
     return y;
 }
 
+#ifdef MLS_Q8K_ROWS16
+/* Q4_0 at m >= 2 rows (x86/rows16_q8k.c q4_0_pairs_rows): the activations packed as pairs once, then pairs of
+   weight rows over the threads, each over every chunk of 16 activation rows. Returns 0, -4 out of memory. */
+static int q4_0_pairs_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd, int64_t m,
+                           int64_t k, float *y, int64_t ldy, int threads) {
+    const int64_t kb = k / 32, chunks = (m + 15) / 16;
+    int8_t *xp = (int8_t *)aligned_alloc(64, (size_t)(chunks * kb * 8 * 64));
+    float *dxt = (float *)malloc(sizeof(float) * (size_t)(chunks * kb * 16));
+    if (!xp || !dxt) {
+        free(xp);
+        free(dxt);
+        return -4;
+    }
+    q4_0_pairs_pack(xq, xd, m, k, xp, dxt);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r0 = 0; r0 < n; r0 += 2)
+        for (int64_t c = 0; c < chunks; c++)
+            q4_0_pairs_rows(w + r0 * row_bytes, row_bytes, n - r0 < 2 ? 1 : 2, xp + c * kb * 8 * 64, dxt + c * kb * 16,
+                            m - c * 16 < 16 ? m - c * 16 : 16, k, y + c * 16 * ldy + r0, ldy);
+    free(xp);
+    free(dxt);
+    return 0;
+}
+#define Q4_0_PAIRS(type, m) q4_0_pairs_takes((type), (m))
+#else
+#define Q4_0_PAIRS(type, m) 0
+static inline int q4_0_pairs_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
+                                  int64_t m, int64_t k, float *y, int64_t ldy, int threads) {
+    (void)w, (void)n, (void)row_bytes, (void)xq, (void)xd, (void)m, (void)k, (void)y, (void)ldy, (void)threads;
+    return -1;
+}
+#endif
+
 /* Activations quantized once (for the type's kernel), then as mls_gemm / mls_grouped_gemm. */
 int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
                 int64_t row_bytes, float *y, int64_t ldy, int threads) {
@@ -199,6 +232,8 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r0 = 0; r0 < n; r0 += 16)
             rows16_q8k(type, w + r0 * row_bytes, row_bytes, n - r0 < 16 ? n - r0 : 16, xq, xd, k, y + r0);
+    } else if (Q4_0_PAIRS(type, m)) { /* two activation rows per vector, two weight rows per pass, the same bits */
+        rc = q4_0_pairs_gemm(w, n, row_bytes, xq, xd, m, k, y, ldy, threads);
     } else {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r = 0; r < n; r++) fn(w + r * row_bytes, xq, xd, m, k, y + r, ldy);

@@ -166,6 +166,79 @@ static inline void rows16_q4_0(const uint8_t *w, int64_t row_bytes, int64_t nr, 
     }
 }
 
+/* Q4_0 times m >= 2 activation rows (their Q8_0-style codes and scales), two rows per 512-bit vector: lanes 0-7 row
+   2p's 8 float lanes, 8-15 row 2p + 1's, and two weight rows per pass, so each activation pair's vector (and its
+   8 X_l, the lanes' code sums) serves both. Per lane the row kernel's operations in its order (x86/avx2.c q8rows_mr:
+   fma(d_w d_x, S_l, lane) per block, S_l = sum q x - 8 X_l the same integer as its signed sum), so its bits at every
+   row count; ~4 instructions per block and activation row against its ~10 (a 16-request step of the standard Q4_0
+   file spent 53% of both threads in it). xp: the activations as pairs, [blocks][8][64 bytes] per chunk of 16 rows
+   (row 2p in the low 32 bytes, a missing row zero), dxt: their scales [blocks][16] (zero past the last row). */
+static inline __attribute__((always_inline)) void q4_0_pairs_n(const uint8_t *w, int64_t row_bytes, int64_t nr,
+                                                                const int8_t *xp, const float *dxt, int64_t rows,
+                                                                const int pairs, int64_t k, float *y, int64_t ldy) {
+    const int64_t nb = k / 32;
+    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const uint8_t *w1 = nr > 1 ? w + row_bytes : w;
+    __m512 acc[2][8];
+    for (int r = 0; r < 2; r++)
+        for (int p = 0; p < 8; p++) acc[r][p] = _mm512_setzero_ps();
+    const char *pf = (const char *)w1 + PREFETCH_AHEAD;
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t *b0 = w + blk * 18, *b1 = w1 + blk * 18;
+        pf = prefetch_stream(pf, b1);
+        const __m512i q0 = _mm512_broadcast_i64x4(nibbles32(b0 + 2)), q1 = _mm512_broadcast_i64x4(nibbles32(b1 + 2));
+        const __m512 d0 = _mm512_set1_ps(f16(b0)), d1 = _mm512_set1_ps(f16(b1));
+        const __m512 dx16 = _mm512_loadu_ps(dxt + blk * 16);
+        for (int p = 0; p < pairs; p++) {
+            const __m512i x = _mm512_loadu_si512((const void *)(xp + (blk * 8 + p) * 64));
+            const __m512i bias = _mm512_sub_epi32(zero, _mm512_slli_epi32(dpbusd_acc512(zero, ones, x), 3));
+            const __m512 dx = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32((int)(2 * p))), dx16);
+            acc[0][p] = _mm512_fmadd_ps(_mm512_mul_ps(d0, dx), _mm512_cvtepi32_ps(dpbusd_acc512(bias, q0, x)), acc[0][p]);
+            acc[1][p] = _mm512_fmadd_ps(_mm512_mul_ps(d1, dx), _mm512_cvtepi32_ps(dpbusd_acc512(bias, q1, x)), acc[1][p]);
+        }
+    }
+    for (int64_t r = 0; r < nr; r++)
+        for (int p = 0; p < pairs; p++) {
+            y[2 * p * ldy + r] = hsum8(_mm512_castps512_ps256(acc[r][p]));
+            if (2 * p + 1 < rows) y[(2 * p + 1) * ldy + r] = hsum8(_mm512_extractf32x8_ps(acc[r][p], 1));
+        }
+}
+
+/* q4_0_pairs_n for rows (<= 16) activation rows: a constant count of pairs per call, so the accumulators stay in
+   registers */
+static void q4_0_pairs_rows(const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xp, const float *dxt,
+                            int64_t rows, int64_t k, float *y, int64_t ldy) {
+    switch ((rows + 1) / 2) {
+    case 1: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 1, k, y, ldy); break;
+    case 2: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 2, k, y, ldy); break;
+    case 3: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 3, k, y, ldy); break;
+    case 4: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 4, k, y, ldy); break;
+    case 5: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 5, k, y, ldy); break;
+    case 6: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 6, k, y, ldy); break;
+    case 7: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 7, k, y, ldy); break;
+    default: q4_0_pairs_n(w, row_bytes, nr, xp, dxt, rows, 8, k, y, ldy);
+    }
+}
+
+/* whether Q4_0's products of m activation rows take q4_0_pairs_rows */
+static inline int q4_0_pairs_takes(int type, int64_t m) { return type == MLS_Q4_0 && m >= 2; }
+
+/* the activation rows xq [m, k] / xd [m, k / 32] as q4_0_pairs_rows reads them: chunks of 16 rows, xp [chunks][kb][8][64],
+   dxt [chunks][kb][16] */
+static void q4_0_pairs_pack(const int8_t *xq, const float *xd, int64_t m, int64_t k, int8_t *xp, float *dxt) {
+    const int64_t kb = k / 32, chunks = (m + 15) / 16;
+    memset(xp, 0, (size_t)(chunks * kb * 8 * 64));
+    memset(dxt, 0, sizeof(float) * (size_t)(chunks * kb * 16));
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t c = i / 16, p = (i % 16) / 2, h = i % 2;
+        for (int64_t blk = 0; blk < kb; blk++) {
+            memcpy(xp + ((c * kb + blk) * 8 + p) * 64 + h * 32, xq + i * k + blk * 32, 32);
+            dxt[(c * kb + blk) * 16 + i % 16] = xd[i * kb + blk];
+        }
+    }
+}
+
 /* whether one-row products of a type run here */
 static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K || type == MLS_Q4_0; }
 
