@@ -32,6 +32,7 @@ D, INTER = 256, 256  # whole 256-value super-blocks for the K-quants
 TYPES = {
     "q8_0": ("Q8_0",) * 5,
     "q4_0-q6_k": ("Q4_0", "Q6_K", "Q4_0", "Q4_0", "Q6_K"),
+    "q4_0": ("Q4_0",) * 5,  # every projection on the 2+-row pairs (int8) where groups have 2+ rows
     "q4_k-q5_0-q8_0": ("Q4_K", "Q5_0", "Q4_K", "Q8_0", "Q6_K"),
 }
 ROUTERS = {  # (scoring, topk_method, experts, n_group, topk_group, k, norm, scale)

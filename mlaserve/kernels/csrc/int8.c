@@ -193,12 +193,36 @@ static int q4_0_pairs_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const
     return 0;
 }
 #define Q4_0_PAIRS(type, m) q4_0_pairs_takes((type), (m))
+
+/* weight rows [r0, r1) of one run (row r at lo + r row_bytes below split, hi + (r - split) row_bytes from it: gate
+   and up of a MoE block) times a group's m >= 2 activation rows packed as pairs (xp, dxt: q4_0_pairs_pack's chunks)
+   into y (row stride ldy) at column r: two weight rows per call where both lie on one side */
+static void q4_0_pairs_run(const uint8_t *lo, const uint8_t *hi, int64_t split, int64_t row_bytes, int64_t r0,
+                           int64_t r1, const int8_t *xp, const float *dxt, int64_t m, int64_t k, float *y, int64_t ldy) {
+    const int64_t kb = k / 32;
+    for (int64_t r = r0, nr; r < r1; r += nr) {
+        nr = r + 1 < r1 && (r + 1 < split) == (r < split) ? 2 : 1;
+        const uint8_t *row = r < split ? lo + r * row_bytes : hi + (r - split) * row_bytes;
+        for (int64_t c = 0; c * 16 < m; c++)
+            q4_0_pairs_rows(row, row_bytes, nr, xp + c * kb * 8 * 64, dxt + c * kb * 16, m - c * 16 < 16 ? m - c * 16 : 16,
+                            k, y + c * 16 * ldy + r, ldy);
+    }
+}
 #else
 #define Q4_0_PAIRS(type, m) 0
 static inline int q4_0_pairs_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
                                   int64_t m, int64_t k, float *y, int64_t ldy, int threads) {
     (void)w, (void)n, (void)row_bytes, (void)xq, (void)xd, (void)m, (void)k, (void)y, (void)ldy, (void)threads;
     return -1;
+}
+static inline void q4_0_pairs_run(const uint8_t *lo, const uint8_t *hi, int64_t split, int64_t row_bytes, int64_t r0,
+                                  int64_t r1, const int8_t *xp, const float *dxt, int64_t m, int64_t k, float *y,
+                                  int64_t ldy) {
+    (void)lo, (void)hi, (void)split, (void)row_bytes, (void)r0, (void)r1, (void)xp, (void)dxt, (void)m, (void)k, (void)y;
+    (void)ldy;
+}
+static inline void q4_0_pairs_pack(const int8_t *xq, const float *xd, int64_t m, int64_t k, int8_t *xp, float *dxt) {
+    (void)xq, (void)xd, (void)m, (void)k, (void)xp, (void)dxt;
 }
 #endif
 

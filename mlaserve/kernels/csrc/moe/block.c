@@ -49,6 +49,11 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     const int r16gu = qgu && rows16_takes((int)b->type_gu), r16dn = qdn && rows16_takes((int)b->type_dn);
     const int r16sg = qsg && rows16_takes((int)b->type_sg), r16su = qsu && rows16_takes((int)b->type_su);
     const int r16sd = qsd && rows16_takes((int)b->type_sd);
+    /* Q4_0 projections whose groups (or the shared expert) have 2+ rows: two activation rows per vector over pairs of
+       weight rows (int8.c q4_0_pairs_run, the row kernel's bits), the activations packed as pairs once here */
+    const int two_gu = qgu && Q4_0_PAIRS((int)b->type_gu, t), two_dn = qdn && Q4_0_PAIRS((int)b->type_dn, t);
+    const int two_sg = qsg && Q4_0_PAIRS((int)b->type_sg, t), two_su = qsu && Q4_0_PAIRS((int)b->type_su, t);
+    const int two_sd = qsd && Q4_0_PAIRS((int)b->type_sd, t);
     const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
     /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
        xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
@@ -81,6 +86,20 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     int16_t *xs16 = (int16_t *)(sh16d + t * si / 32), *x16 = xs16 + pairs * d, *h16 = x16 + t * d;
     int16_t *sh16 = h16 + pairs * inter;
     const int64_t kmax = d > inter ? (d > si ? d : si) : (inter > si ? inter : si);
+    /* the packed pairs: routed groups' chunks of 16 rows (at most one partial chunk per group), the shared rows' */
+    const int64_t rchunks = (pairs < e ? pairs : e) + pairs / 16 + 1, schunks = (t + 15) / 16;
+    const int any2 = two_gu || two_dn || two_sg || two_su || two_sd;
+    const size_t n2 = any2 ? (size_t)(rchunks * (d + inter) + schunks * (2 * d + si)) / 32 : 0; /* chunk-blocks */
+    int8_t *xp2 = any2 ? (int8_t *)aligned_alloc(64, n2 * 8 * 64) : 0;
+    float *dt2 = any2 ? (float *)malloc(sizeof(float) * n2 * 16) : 0;
+    int64_t *off2 = any2 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
+    if (any2 && (!xp2 || !dt2 || !off2)) {
+        free(xp2), free(dt2), free(off2), free(mem), free(mem16);
+        return -4;
+    }
+    /* in chunk-blocks: routed gate/up input (d), routed down input (inter), shared x for gate, for up, shared h */
+    const int64_t o_dn = rchunks * d / 32, o_sg = o_dn + rchunks * inter / 32, o_su = o_sg + schunks * d / 32;
+    const int64_t o_sd = o_su + schunks * d / 32;
     int64_t groups = 0;
     int rc = 0, oom = 0;
 #pragma omp parallel num_threads(threads)
@@ -137,6 +156,19 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                     if (qgu) quantize_act((int)b->type_gu, xs, pairs, d, d, xsq, xsd);
                     if (qsg) quantize_act((int)b->type_sg, x, t, d, d, xq, xd);
                     if (qsu) quantize_act((int)b->type_su, x, t, d, d, xuq, xud);
+                    if (any2) { /* each group's chunk offset (groups of one row take none), then the packs */
+                        off2[0] = 0;
+                        for (int64_t a = 0; a < groups; a++) {
+                            const int64_t m = start[a + 1] - start[a];
+                            off2[a + 1] = off2[a] + (m >= 2 ? (m + 15) / 16 : 0);
+                        }
+                    }
+                    for (int64_t a = 0; two_gu && a < groups; a++)
+                        if (start[a + 1] - start[a] >= 2)
+                            q4_0_pairs_pack(xsq + start[a] * d, xsd + start[a] * (d / 32), start[a + 1] - start[a], d,
+                                            xp2 + off2[a] * (d / 32) * 512, dt2 + off2[a] * (d / 32) * 16);
+                    if (two_sg) q4_0_pairs_pack(xq, xd, t, d, xp2 + o_sg * 512, dt2 + o_sg * 16);
+                    if (two_su) q4_0_pairs_pack(xuq, xud, t, d, xp2 + o_su * 512, dt2 + o_su * 16);
                 }
             }
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert.
@@ -165,7 +197,12 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                             rows16_q8k((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, xsq + p0 * d, xsd + p0 * (d / 32), d,
                                        gu + p0 * n_gu + s0);
                     }
-                    for (int64_t r = r0; !whole && r < r1; r++) {
+                    const int two = !whole && two_gu && m >= 2;
+                    if (two)
+                        q4_0_pairs_run(b->gate + act[a] * b->gu_expert_stride, b->up + act[a] * b->gu_expert_stride, inter,
+                                       b->gu_row_bytes, r0, r1, xp2 + off2[a] * (d / 32) * 512, dt2 + off2[a] * (d / 32) * 16,
+                                       m, d, gu + p0 * n_gu, n_gu);
+                    for (int64_t r = r0; !whole && !two && r < r1; r++) {
                         const uint8_t *row =
                             gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
                         if (qgu)
@@ -188,9 +225,15 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                         else if (t == 1 && (up ? r16su : r16sg))
                             rows16_q8k((int)type, row0, rb, s1 - s0, up ? xuq : xq, up ? xud : xd, d, sgu + s0);
                     }
+                    if (two_sg && r0 < si) /* the run's gate rows, then its up rows */
+                        q4_0_pairs_run(b->sg, b->sg, si, b->sg_row_bytes, r0, r1 < si ? r1 : si, xp2 + o_sg * 512, dt2 + o_sg * 16,
+                                       t, d, sgu, n_sgu);
+                    if (two_su && r1 > si)
+                        q4_0_pairs_run(b->su, b->su, si, b->su_row_bytes, (r0 > si ? r0 : si) - si, r1 - si, xp2 + o_su * 512,
+                                       dt2 + o_su * 16, t, d, sgu + si, n_sgu);
                     for (int64_t r = r0; r < r1; r++) {
                         const int up = r >= si;
-                        if (up ? q16su || (t == 1 && r16su) : q16sg || (t == 1 && r16sg)) continue;
+                        if (up ? q16su || (t == 1 && r16su) || two_su : q16sg || (t == 1 && r16sg) || two_sg) continue;
                         const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
                         const q8rows_fn q8 = up ? qsu : qsg;
                         if (q8)
@@ -223,6 +266,12 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 {
                     if (qdn) quantize_act((int)b->type_dn, h, pairs, inter, inter, hq, hd);
                     if (qsd) quantize_act((int)b->type_sd, sh, t, si, si, shq, shd);
+                    for (int64_t a = 0; two_dn && a < groups; a++)
+                        if (start[a + 1] - start[a] >= 2)
+                            q4_0_pairs_pack(hq + start[a] * inter, hd + start[a] * (inter / 32), start[a + 1] - start[a],
+                                            inter, xp2 + (o_dn + off2[a] * (inter / 32)) * 512,
+                                            dt2 + (o_dn + off2[a] * (inter / 32)) * 16);
+                    if (two_sd) q4_0_pairs_pack(shq, shd, t, si, xp2 + o_sd * 512, dt2 + o_sd * 16);
                 }
             }
             const int64_t rdn = q16dn || q16sd || r16dn || r16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn;
@@ -233,14 +282,17 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 if (a < groups) {
                     const int64_t p0 = start[a], m = start[a + 1] - p0;
                     const uint8_t *we = b->down + act[a] * b->dn_expert_stride;
-                    const int whole = q16dn || (r16dn && m == 1);
+                    const int whole = q16dn || (r16dn && m == 1), two = !whole && two_dn && m >= 2;
+                    if (two)
+                        q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, xp2 + (o_dn + off2[a] * (inter / 32)) * 512,
+                                       dt2 + (o_dn + off2[a] * (inter / 32)) * 16, m, inter, ys + p0 * d, d);
                     if (q16dn)
                         qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, h16 + p0 * inter,
                                h16d + p0 * (inter / 32), m, inter, ys + p0 * d + r0, d, panel);
                     else if (whole)
                         rows16_q8k((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, hq + p0 * inter,
                                    hd + p0 * (inter / 32), inter, ys + p0 * d + r0);
-                    for (int64_t r = r0; !whole && r < r1; r++) {
+                    for (int64_t r = r0; !whole && !two && r < r1; r++) {
                         const uint8_t *row = we + r * b->dn_row_bytes;
                         if (qdn)
                             qdn(row, hq + p0 * inter, hd + p0 * (inter / 32), m, inter, ys + p0 * d + r, d);
@@ -251,14 +303,17 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                             lin_row(kdn, row, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
                     }
                 } else {
-                    const int whole = q16sd || (r16sd && t == 1);
+                    const int whole = q16sd || (r16sd && t == 1), two = !whole && two_sd;
+                    if (two)
+                        q4_0_pairs_run(b->sd, b->sd, d, b->sd_row_bytes, r0, r1, xp2 + o_sd * 512, dt2 + o_sd * 16, t, si, ysh,
+                                       d);
                     if (q16sd)
                         qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, sh16, sh16d, t, si,
                                ysh + r0, d, panel);
                     else if (whole)
                         rows16_q8k((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, shq, shd, si,
                                    ysh + r0);
-                    for (int64_t r = r0; !whole && r < r1; r++) {
+                    for (int64_t r = r0; !whole && !two && r < r1; r++) {
                         const uint8_t *row = b->sd + r * b->sd_row_bytes;
                         if (qsd)
                             qsd(row, shq, shd, t, si, ysh + r, d);
@@ -283,5 +338,8 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     if (rc == 0 && topk_idx) memcpy(topk_idx, idx, sizeof(int64_t) * (size_t)pairs);
     free(mem);
     free(mem16);
+    free(xp2);
+    free(dt2);
+    free(off2);
     return rc;
 }
