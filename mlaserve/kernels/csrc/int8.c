@@ -170,6 +170,31 @@ static inline float q8dot(q8rows_fn fn, const uint8_t *b, const int8_t *xq, cons
 }
 
 #ifdef MLS_Q8K_ROWS16
+/* weight rows [r0, r1) of one run (row r at lo + r row_bytes below split, hi + (r - split) row_bytes from it: gate
+   and up of a MoE block) times a group's m >= 2 activation rows packed as pairs (xp, dxt: q4_0_pairs_pack's chunks)
+   into y (row stride ldy) at column r: two weight rows per call where both lie on one side */
+static void q4_0_pairs_run(const uint8_t *lo, const uint8_t *hi, int64_t split, int64_t row_bytes, int64_t r0,
+                           int64_t r1, const int8_t *xp, const float *dxt, int64_t m, int64_t k, float *y, int64_t ldy) {
+    const int64_t kb = k / 32;
+    for (int64_t r = r0, nr; r < r1; r += nr) {
+        nr = r + 1 < r1 && (r + 1 < split) == (r < split) ? 2 : 1;
+        const uint8_t *row = r < split ? lo + r * row_bytes : hi + (r - split) * row_bytes;
+        for (int64_t c = 0; c * 16 < m; c++)
+            q4_0_pairs_rows(row, row_bytes, nr, xp + c * kb * 8 * 64, dxt + c * kb * 16, m - c * 16 < 16 ? m - c * 16 : 16,
+                            k, y + c * 16 * ldy + r, ldy);
+    }
+}
+
+/* each group of 2+ rows (rows start[a] .. start[a + 1] of codes [*, k] / scales [*, k / 32]) packed as pairs at its
+   chunk offset off[a] (a MoE block's routed groups) */
+static void q4_0_pairs_pack_groups(const int8_t *codes, const float *scales, int64_t k, const int64_t *start,
+                                   int64_t groups, const int64_t *off, int8_t *xp, float *dxt) {
+    for (int64_t a = 0; a < groups; a++)
+        if (start[a + 1] - start[a] >= 2)
+            q4_0_pairs_pack(codes + start[a] * k, scales + start[a] * (k / 32), start[a + 1] - start[a], k,
+                            xp + off[a] * (k / 32) * 512, dxt + off[a] * (k / 32) * 16);
+}
+
 /* Q4_0 at m >= 2 rows (x86/rows16_q8k.c q4_0_pairs_rows): the activations packed as pairs once, then pairs of
    weight rows over the threads, each over every chunk of 16 activation rows. Returns 0, -4 out of memory. */
 static int q4_0_pairs_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd, int64_t m,
@@ -185,29 +210,12 @@ static int q4_0_pairs_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const
     q4_0_pairs_pack(xq, xd, m, k, xp, dxt);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r0 = 0; r0 < n; r0 += 2)
-        for (int64_t c = 0; c < chunks; c++)
-            q4_0_pairs_rows(w + r0 * row_bytes, row_bytes, n - r0 < 2 ? 1 : 2, xp + c * kb * 8 * 64, dxt + c * kb * 16,
-                            m - c * 16 < 16 ? m - c * 16 : 16, k, y + c * 16 * ldy + r0, ldy);
+        q4_0_pairs_run(w, w, n, row_bytes, r0, r0 + 2 < n ? r0 + 2 : n, xp, dxt, m, k, y, ldy);
     free(xp);
     free(dxt);
     return 0;
 }
 #define Q4_0_PAIRS(type, m) q4_0_pairs_takes((type), (m))
-
-/* weight rows [r0, r1) of one run (row r at lo + r row_bytes below split, hi + (r - split) row_bytes from it: gate
-   and up of a MoE block) times a group's m >= 2 activation rows packed as pairs (xp, dxt: q4_0_pairs_pack's chunks)
-   into y (row stride ldy) at column r: two weight rows per call where both lie on one side */
-static void q4_0_pairs_run(const uint8_t *lo, const uint8_t *hi, int64_t split, int64_t row_bytes, int64_t r0,
-                           int64_t r1, const int8_t *xp, const float *dxt, int64_t m, int64_t k, float *y, int64_t ldy) {
-    const int64_t kb = k / 32;
-    for (int64_t r = r0, nr; r < r1; r += nr) {
-        nr = r + 1 < r1 && (r + 1 < split) == (r < split) ? 2 : 1;
-        const uint8_t *row = r < split ? lo + r * row_bytes : hi + (r - split) * row_bytes;
-        for (int64_t c = 0; c * 16 < m; c++)
-            q4_0_pairs_rows(row, row_bytes, nr, xp + c * kb * 8 * 64, dxt + c * kb * 16, m - c * 16 < 16 ? m - c * 16 : 16,
-                            k, y + c * 16 * ldy + r, ldy);
-    }
-}
 #else
 #define Q4_0_PAIRS(type, m) 0
 static inline int q4_0_pairs_gemm(const uint8_t *w, int64_t n, int64_t row_bytes, const int8_t *xq, const float *xd,
@@ -223,6 +231,10 @@ static inline void q4_0_pairs_run(const uint8_t *lo, const uint8_t *hi, int64_t 
 }
 static inline void q4_0_pairs_pack(const int8_t *xq, const float *xd, int64_t m, int64_t k, int8_t *xp, float *dxt) {
     (void)xq, (void)xd, (void)m, (void)k, (void)xp, (void)dxt;
+}
+static inline void q4_0_pairs_pack_groups(const int8_t *codes, const float *scales, int64_t k, const int64_t *start,
+                                          int64_t groups, const int64_t *off, int8_t *xp, float *dxt) {
+    (void)codes, (void)scales, (void)k, (void)start, (void)groups, (void)off, (void)xp, (void)dxt;
 }
 #endif
 

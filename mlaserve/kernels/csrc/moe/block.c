@@ -163,10 +163,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                             off2[a + 1] = off2[a] + (m >= 2 ? (m + 15) / 16 : 0);
                         }
                     }
-                    for (int64_t a = 0; two_gu && a < groups; a++)
-                        if (start[a + 1] - start[a] >= 2)
-                            q4_0_pairs_pack(xsq + start[a] * d, xsd + start[a] * (d / 32), start[a + 1] - start[a], d,
-                                            xp2 + off2[a] * (d / 32) * 512, dt2 + off2[a] * (d / 32) * 16);
+                    if (two_gu) q4_0_pairs_pack_groups(xsq, xsd, d, start, groups, off2, xp2, dt2);
                     if (two_sg) q4_0_pairs_pack(xq, xd, t, d, xp2 + o_sg * 512, dt2 + o_sg * 16);
                     if (two_su) q4_0_pairs_pack(xuq, xud, t, d, xp2 + o_su * 512, dt2 + o_su * 16);
                 }
@@ -266,11 +263,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 {
                     if (qdn) quantize_act((int)b->type_dn, h, pairs, inter, inter, hq, hd);
                     if (qsd) quantize_act((int)b->type_sd, sh, t, si, si, shq, shd);
-                    for (int64_t a = 0; two_dn && a < groups; a++)
-                        if (start[a + 1] - start[a] >= 2)
-                            q4_0_pairs_pack(hq + start[a] * inter, hd + start[a] * (inter / 32), start[a + 1] - start[a],
-                                            inter, xp2 + (o_dn + off2[a] * (inter / 32)) * 512,
-                                            dt2 + (o_dn + off2[a] * (inter / 32)) * 16);
+                    if (two_dn) q4_0_pairs_pack_groups(hq, hd, inter, start, groups, off2, xp2 + o_dn * 512, dt2 + o_dn * 16);
                     if (two_sd) q4_0_pairs_pack(shq, shd, t, si, xp2 + o_sd * 512, dt2 + o_sd * 16);
                 }
             }
