@@ -9,164 +9,351 @@
    experts of a type whose scales lie apart (INT4: b->gu_scale / dn_scale) take that type's decode-and-dot
    (types.c fused_scaled), each row with its scales, exactly as mls_grouped_gemm runs them. */
 
+/* How each of the block's five projections (routed gate_up and down, shared gate, up and down) runs its products,
+   decided once per call from the types and the activation setting, as the per-op path decides them (GGUFExperts'
+   grouped products, the shared GGUFLinears) */
+typedef struct {
+    lin_kernel kgu, kdn, ksg, ksu, ksd; /* float activations: the types' row kernels */
+    scaled_fused_fn fgu, fdn;           /* routed types whose scales lie apart (INT4): their decode-and-dot */
+    /* int8 activations: each projection whose type has int8 kernels under the block's setting (q8rows_in), on its
+       own; each quantizes its input in its type's form (shared gate and up each their own copy of x) */
+    q8rows_fn qgu, qdn, qsg, qsu, qsd;
+    /* int16 activations (x86/int16_prefill.c) where the setting gives them to the type (qw_in): runs of 16 rows of
+       one part, the inputs' codes made once for every type */
+    int q16gu, q16dn, q16sg, q16su, q16sd;
+    /* int8 projections of a type whose one-row products take 16 weight rows side by side (rows16_q8k, the row
+       kernels' bits): runs of 16 rows, taken so where the run's group (or the step) has one row */
+    int r16gu, r16dn, r16sg, r16su, r16sd;
+    /* Q4_0 projections whose groups (or the shared expert) have 2+ rows: two activation rows per vector over pairs
+       of weight rows (int8.c q4_0_pairs_run, the row kernel's bits), the activations packed as pairs once */
+    int two_gu, two_dn, two_sg, two_su, two_sd;
+    int any8, any16, any2;
+} moe_ways;
+
+/* the ways of a call of t tokens; 0, or mls_moe_block's refusals (-1, -2, -3) */
+static int moe_ways_of(const mls_moe_block_t *b, int64_t t, moe_ways *w) {
+    const int64_t d = b->d, e = b->e, kk = b->kk, inter = b->inter, si = b->shared_inter, g = b->group;
+    w->kgu = lin_rows(b->type_gu, b->gu_row_bytes), w->kdn = lin_rows(b->type_dn, b->dn_row_bytes);
+    /* without a shared expert its kernels are never called: F32 rows stand in so the check below passes */
+    w->ksg = lin_rows(si ? b->type_sg : MLS_F32, b->sg_row_bytes);
+    w->ksu = lin_rows(si ? b->type_su : MLS_F32, b->su_row_bytes);
+    w->ksd = lin_rows(si ? b->type_sd : MLS_F32, b->sd_row_bytes);
+    w->fgu = b->gu_scale ? type_of((int)b->type_gu)->fused_scaled : 0;
+    w->fdn = b->dn_scale ? type_of((int)b->type_dn)->fused_scaled : 0;
+    if ((!w->kgu.fn && !w->fgu) || (!w->kdn.fn && !w->fdn) || !w->ksg.fn || !w->ksu.fn || !w->ksd.fn) return -1;
+    if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
+    if ((w->fgu || w->fdn) && (g < 32 || g % 32 || d % g || inter % g)) return -2;
+    if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
+    const int64_t i8 = b->int8;
+    w->qgu = q8rows_in((int)b->type_gu, i8), w->qdn = q8rows_in((int)b->type_dn, i8);
+    w->qsg = si ? q8rows_in((int)b->type_sg, i8) : 0, w->qsu = si ? q8rows_in((int)b->type_su, i8) : 0;
+    w->qsd = si ? q8rows_in((int)b->type_sd, i8) : 0;
+    if ((w->qgu && !act_fits((int)b->type_gu, d)) || (w->qdn && !act_fits((int)b->type_dn, inter)) ||
+        (w->qsg && !act_fits((int)b->type_sg, d)) || (w->qsu && !act_fits((int)b->type_su, d)) ||
+        (w->qsd && !act_fits((int)b->type_sd, si)))
+        return -2;
+    w->any8 = w->qgu || w->qdn || w->qsg || w->qsu || w->qsd;
+    w->q16gu = !w->fgu && qw_in((int)b->type_gu, i8), w->q16dn = !w->fdn && qw_in((int)b->type_dn, i8);
+    w->q16sg = si && qw_in((int)b->type_sg, i8), w->q16su = si && qw_in((int)b->type_su, i8);
+    w->q16sd = si && qw_in((int)b->type_sd, i8);
+    w->any16 = w->q16gu || w->q16dn || w->q16sg || w->q16su || w->q16sd;
+    w->r16gu = w->qgu && rows16_takes((int)b->type_gu), w->r16dn = w->qdn && rows16_takes((int)b->type_dn);
+    w->r16sg = w->qsg && rows16_takes((int)b->type_sg), w->r16su = w->qsu && rows16_takes((int)b->type_su);
+    w->r16sd = w->qsd && rows16_takes((int)b->type_sd);
+    w->two_gu = w->qgu && Q4_0_PAIRS((int)b->type_gu, t), w->two_dn = w->qdn && Q4_0_PAIRS((int)b->type_dn, t);
+    w->two_sg = w->qsg && Q4_0_PAIRS((int)b->type_sg, t), w->two_su = w->qsu && Q4_0_PAIRS((int)b->type_su, t);
+    w->two_sd = w->qsd && Q4_0_PAIRS((int)b->type_sd, t);
+    w->any2 = w->two_gu || w->two_dn || w->two_sg || w->two_su || w->two_sd;
+    return 0;
+}
+
+/* A call's buffers (three allocations: floats and ints, the int16 codes, the packed pairs) and the routing the
+   call makes: the active experts act[0 .. groups), their pairs start[a] .. start[a + 1) in xs, pair q's token
+   order[q] / kk, pair p's place pos[p] */
+typedef struct {
+    char *mem, *mem16;
+    int64_t *idx, *count, *start, *act, *order, *pos, groups;
+    /* logits, routing weights, xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared
+       expert's three */
+    float *logits, *wt, *xs, *gu, *h, *ys, *sgu, *sh, *ysh;
+    /* int8 codes and scales of xs, h, x (for the shared gate), the shared h and x (for the shared up) */
+    float *xsd, *hd, *xd, *shd, *xud;
+    int8_t *xsq, *hq, *xq, *shq, *xuq;
+    /* int16 codes and scales: xs, x (shared gate and up), h, the shared h (rows of whole 32-value blocks) */
+    float *xs16d, *x16d, *h16d, *sh16d;
+    int16_t *xs16, *x16, *h16, *sh16;
+    /* the packed pairs: routed groups' chunks of 16 rows (at most one partial chunk per group), the shared rows';
+       in chunk-blocks: routed gate/up input (d) at 0, routed down input (inter) at o_dn, shared x for gate at
+       o_sg, for up at o_su, shared h at o_sd; off2[a] group a's chunk offset */
+    int8_t *xp2;
+    float *dt2;
+    int64_t *off2, o_dn, o_sg, o_su, o_sd;
+} moe_bufs;
+
+static void moe_bufs_free(moe_bufs *m) {
+    free(m->mem), free(m->mem16), free(m->xp2), free(m->dt2), free(m->off2);
+}
+
+/* 0, or -4 when memory cannot be allocated (nothing left allocated) */
+static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t, moe_bufs *m) {
+    const int64_t d = b->d, e = b->e, inter = b->inter, si = b->shared_inter, pairs = t * b->kk;
+    const int64_t n_gu = 2 * inter, n_sgu = 2 * si;
+    memset(m, 0, sizeof(*m));
+    const size_t nf = (size_t)(t * e + pairs + pairs * d + pairs * n_gu + pairs * inter + pairs * d + t * n_sgu +
+                               t * si + t * d);
+    const size_t ni = (size_t)(pairs + e + (e + 1) + e + pairs + pairs);
+    const size_t nq = w->any8 ? (size_t)(pairs * d + pairs * inter + t * d + t * si + t * d) : 0;
+    m->mem = (char *)malloc(sizeof(float) * nf + sizeof(int64_t) * ni + nq * (1 + sizeof(float)) + 64);
+    const size_t n16 = w->any16 ? (size_t)(pairs * d + t * d + pairs * inter + t * si) : 0;
+    m->mem16 = w->any16 ? (char *)malloc(n16 / 32 * sizeof(float) + n16 * sizeof(int16_t) + 64) : 0;
+    const int64_t rchunks = (pairs < e ? pairs : e) + pairs / 16 + 1, schunks = (t + 15) / 16;
+    const size_t n2 = w->any2 ? (size_t)(rchunks * (d + inter) + schunks * (2 * d + si)) / 32 : 0; /* chunk-blocks */
+    m->xp2 = w->any2 ? (int8_t *)aligned_alloc(64, n2 * 8 * 64) : 0;
+    m->dt2 = w->any2 ? (float *)malloc(sizeof(float) * n2 * 16) : 0;
+    m->off2 = w->any2 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
+    if (!m->mem || (w->any16 && !m->mem16) || (w->any2 && (!m->xp2 || !m->dt2 || !m->off2))) {
+        moe_bufs_free(m);
+        return -4;
+    }
+    m->idx = (int64_t *)m->mem, m->count = m->idx + pairs, m->start = m->count + e, m->act = m->start + e + 1;
+    m->order = m->act + e, m->pos = m->order + pairs;
+    m->logits = (float *)(m->pos + pairs), m->wt = m->logits + t * e, m->xs = m->wt + pairs, m->gu = m->xs + pairs * d;
+    m->h = m->gu + pairs * n_gu, m->ys = m->h + pairs * inter, m->sgu = m->ys + pairs * d, m->sh = m->sgu + t * n_sgu;
+    m->ysh = m->sh + t * si;
+    m->xsd = m->ysh + t * d, m->hd = m->xsd + pairs * d / 32, m->xd = m->hd + pairs * inter / 32;
+    m->shd = m->xd + t * d / 32, m->xud = m->shd + t * si / 32;
+    m->xsq = (int8_t *)(m->xud + t * d / 32), m->hq = m->xsq + pairs * d, m->xq = m->hq + pairs * inter;
+    m->shq = m->xq + t * d, m->xuq = m->shq + t * si;
+    m->xs16d = (float *)m->mem16, m->x16d = m->xs16d + pairs * d / 32, m->h16d = m->x16d + t * d / 32;
+    m->sh16d = m->h16d + pairs * inter / 32;
+    m->xs16 = (int16_t *)(m->sh16d + t * si / 32), m->x16 = m->xs16 + pairs * d, m->h16 = m->x16 + t * d;
+    m->sh16 = m->h16 + pairs * inter;
+    m->o_dn = rchunks * d / 32, m->o_sg = m->o_dn + rchunks * inter / 32, m->o_su = m->o_sg + schunks * d / 32;
+    m->o_sd = m->o_su + schunks * d / 32;
+    return 0;
+}
+
+/* The router over the logits, then the pairs sorted by expert (stable: token order within an expert; a counting
+   sort) into m's routing; one thread. mls_moe_route's return. */
+static int moe_route_pairs(const mls_moe_block_t *b, int64_t t, moe_bufs *m) {
+    const int64_t e = b->e, pairs = t * b->kk;
+    int64_t *idx = m->idx, *count = m->count, *start = m->start, *act = m->act, groups = 0;
+    const int rc = mls_moe_route(m->logits, t, e, b->bias, (int)b->scoring, (int)b->method, b->n_group, b->topk_group,
+                                 b->kk, (int)b->norm, (float)b->scale, m->wt, idx);
+    if (rc != 0) return rc;
+    memset(count, 0, sizeof(int64_t) * (size_t)e);
+    for (int64_t p = 0; p < pairs; p++) count[idx[p]]++;
+    int64_t s = 0;
+    for (int64_t ex = 0; ex < e; ex++)
+        if (count[ex]) {
+            act[groups] = ex;
+            start[groups++] = s;
+            s += count[ex];
+        }
+    start[groups] = s;
+    memset(count, 0, sizeof(int64_t) * (size_t)e); /* now: pairs placed per group */
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t a = 0;
+        while (act[a] != idx[p]) a++;
+        const int64_t q = start[a] + count[a]++;
+        m->order[q] = p;
+        m->pos[p] = q;
+    }
+    m->groups = groups;
+    return 0;
+}
+
+/* the int8 codes of the gate_up inputs (xs for the routed gate_up, x for the shared gate and up) and their pairs'
+   packs (groups of one row take none); one thread */
+static void moe_quantize_inputs(const mls_moe_block_t *b, const moe_ways *w, const float *x, int64_t t,
+                                const moe_bufs *m) {
+    const int64_t d = b->d, pairs = t * b->kk;
+    if (w->qgu) quantize_act((int)b->type_gu, m->xs, pairs, d, d, m->xsq, m->xsd);
+    if (w->qsg) quantize_act((int)b->type_sg, x, t, d, d, m->xq, m->xd);
+    if (w->qsu) quantize_act((int)b->type_su, x, t, d, d, m->xuq, m->xud);
+    if (w->any2) { /* each group's chunk offset (groups of one row take none), then the packs */
+        m->off2[0] = 0;
+        for (int64_t a = 0; a < m->groups; a++) {
+            const int64_t rows = m->start[a + 1] - m->start[a];
+            m->off2[a + 1] = m->off2[a] + (rows >= 2 ? (rows + 15) / 16 : 0);
+        }
+    }
+    if (w->two_gu) q4_0_pairs_pack_groups(m->xsq, m->xsd, d, m->start, m->groups, m->off2, m->xp2, m->dt2);
+    if (w->two_sg) q4_0_pairs_pack(m->xq, m->xd, t, d, m->xp2 + m->o_sg * 512, m->dt2 + m->o_sg * 16);
+    if (w->two_su) q4_0_pairs_pack(m->xuq, m->xud, t, d, m->xp2 + m->o_su * 512, m->dt2 + m->o_su * 16);
+}
+
+/* the int8 codes of the down inputs (h, the shared h) and their pairs' packs; one thread */
+static void moe_quantize_hidden(const mls_moe_block_t *b, const moe_ways *w, int64_t t, const moe_bufs *m) {
+    const int64_t inter = b->inter, si = b->shared_inter, pairs = t * b->kk;
+    if (w->qdn) quantize_act((int)b->type_dn, m->h, pairs, inter, inter, m->hq, m->hd);
+    if (w->qsd) quantize_act((int)b->type_sd, m->sh, t, si, si, m->shq, m->shd);
+    if (w->two_dn)
+        q4_0_pairs_pack_groups(m->hq, m->hd, inter, m->start, m->groups, m->off2, m->xp2 + m->o_dn * 512,
+                               m->dt2 + m->o_dn * 16);
+    if (w->two_sd) q4_0_pairs_pack(m->shq, m->shd, t, si, m->xp2 + m->o_sd * 512, m->dt2 + m->o_sd * 16);
+}
+
+/* gate_up item it of a routed group's rgu-row runs (runs per group), then of the shared expert's rsg-row runs */
+static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, const float *x,
+                             int64_t t, int64_t it, int64_t runs, int64_t rgu, int64_t rsg, float *buf, void *panel) {
+    const int64_t d = b->d, inter = b->inter, si = b->shared_inter, g = b->group, n_gu = 2 * inter, n_sgu = 2 * si;
+    const int64_t groups = m->groups, *start = m->start, *act = m->act;
+    float *gu = m->gu, *sgu = m->sgu;
+    if (it < groups * runs) {
+        const int64_t a = it / runs, r0 = (it % runs) * rgu, r1 = r0 + rgu < n_gu ? r0 + rgu : n_gu;
+        const int64_t p0 = start[a], rows = start[a + 1] - p0;
+        const int whole = w->q16gu || (w->r16gu && rows == 1); /* the run in one call per part */
+        for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
+            s1 = s0 < inter && r1 > inter ? inter : r1;
+            const uint8_t *row0 = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
+            if (w->q16gu)
+                qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xs16 + p0 * d, m->xs16d + p0 * (d / 32), rows,
+                       d, gu + p0 * n_gu + s0, n_gu, panel);
+            else
+                rows16_q8k((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xsq + p0 * d, m->xsd + p0 * (d / 32), d,
+                           gu + p0 * n_gu + s0);
+        }
+        const int two = !whole && w->two_gu && rows >= 2;
+        if (two)
+            q4_0_pairs_run(b->gate + act[a] * b->gu_expert_stride, b->up + act[a] * b->gu_expert_stride, inter,
+                           b->gu_row_bytes, r0, r1, m->xp2 + m->off2[a] * (d / 32) * 512,
+                           m->dt2 + m->off2[a] * (d / 32) * 16, rows, d, gu + p0 * n_gu, n_gu);
+        for (int64_t r = r0; !whole && !two && r < r1; r++) {
+            const uint8_t *row = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
+            if (w->qgu)
+                w->qgu(row, m->xsq + p0 * d, m->xsd + p0 * (d / 32), rows, d, gu + p0 * n_gu + r, n_gu);
+            else if (w->fgu)
+                w->fgu(row, b->gu_scale + act[a] * b->gu_scale_stride + r * (d / g), g, m->xs + p0 * d, d, rows, d,
+                       gu + p0 * n_gu + r, n_gu);
+            else
+                lin_row(w->kgu, row, m->xs + p0 * d, d, rows, d, gu + p0 * n_gu + r, n_gu, buf);
+        }
+        return;
+    }
+    const int64_t r0 = (it - groups * runs) * rsg, r1 = r0 + rsg < n_sgu ? r0 + rsg : n_sgu;
+    for (int64_t s0 = r0, s1; s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
+        s1 = s0 < si && r1 > si ? si : r1;
+        const int up = s0 >= si;
+        const uint8_t *row0 = up ? b->su + (s0 - si) * b->su_row_bytes : b->sg + s0 * b->sg_row_bytes;
+        const int64_t rb = up ? b->su_row_bytes : b->sg_row_bytes, type = up ? b->type_su : b->type_sg;
+        if (up ? w->q16su : w->q16sg)
+            qw_run((int)type, row0, rb, s1 - s0, m->x16, m->x16d, t, d, sgu + s0, n_sgu, panel);
+        else if (t == 1 && (up ? w->r16su : w->r16sg))
+            rows16_q8k((int)type, row0, rb, s1 - s0, up ? m->xuq : m->xq, up ? m->xud : m->xd, d, sgu + s0);
+    }
+    if (w->two_sg && r0 < si) /* the run's gate rows, then its up rows */
+        q4_0_pairs_run(b->sg, b->sg, si, b->sg_row_bytes, r0, r1 < si ? r1 : si, m->xp2 + m->o_sg * 512,
+                       m->dt2 + m->o_sg * 16, t, d, sgu, n_sgu);
+    if (w->two_su && r1 > si)
+        q4_0_pairs_run(b->su, b->su, si, b->su_row_bytes, (r0 > si ? r0 : si) - si, r1 - si, m->xp2 + m->o_su * 512,
+                       m->dt2 + m->o_su * 16, t, d, sgu + si, n_sgu);
+    for (int64_t r = r0; r < r1; r++) {
+        const int up = r >= si;
+        if (up ? w->q16su || (t == 1 && w->r16su) || w->two_su : w->q16sg || (t == 1 && w->r16sg) || w->two_sg) continue;
+        const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
+        const q8rows_fn q8 = up ? w->qsu : w->qsg;
+        if (q8)
+            q8(row, up ? m->xuq : m->xq, up ? m->xud : m->xd, t, d, sgu + r, n_sgu);
+        else
+            lin_row(up ? w->ksu : w->ksg, row, x, d, t, d, sgu + r, n_sgu, buf);
+    }
+}
+
+/* down item it of a routed group's rdn-row runs (druns per group), then of the shared expert's */
+static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, int64_t t, int64_t it,
+                          int64_t druns, int64_t rdn, float *buf, void *panel) {
+    const int64_t d = b->d, inter = b->inter, si = b->shared_inter, g = b->group;
+    const int64_t a = it / druns, r0 = (it % druns) * rdn, r1 = r0 + rdn < d ? r0 + rdn : d;
+    if (a < m->groups) {
+        const int64_t p0 = m->start[a], rows = m->start[a + 1] - p0, ex = m->act[a];
+        const uint8_t *we = b->down + ex * b->dn_expert_stride;
+        float *ys = m->ys + p0 * d;
+        const int whole = w->q16dn || (w->r16dn && rows == 1), two = !whole && w->two_dn && rows >= 2;
+        if (two)
+            q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, m->xp2 + (m->o_dn + m->off2[a] * (inter / 32)) * 512,
+                           m->dt2 + (m->o_dn + m->off2[a] * (inter / 32)) * 16, rows, inter, ys, d);
+        if (w->q16dn)
+            qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->h16 + p0 * inter,
+                   m->h16d + p0 * (inter / 32), rows, inter, ys + r0, d, panel);
+        else if (whole)
+            rows16_q8k((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->hq + p0 * inter,
+                       m->hd + p0 * (inter / 32), inter, ys + r0);
+        for (int64_t r = r0; !whole && !two && r < r1; r++) {
+            const uint8_t *row = we + r * b->dn_row_bytes;
+            if (w->qdn)
+                w->qdn(row, m->hq + p0 * inter, m->hd + p0 * (inter / 32), rows, inter, ys + r, d);
+            else if (w->fdn)
+                w->fdn(row, b->dn_scale + ex * b->dn_scale_stride + r * (inter / g), g, m->h + p0 * inter, inter, rows,
+                       inter, ys + r, d);
+            else
+                lin_row(w->kdn, row, m->h + p0 * inter, inter, rows, inter, ys + r, d, buf);
+        }
+        return;
+    }
+    const int whole = w->q16sd || (w->r16sd && t == 1), two = !whole && w->two_sd;
+    if (two)
+        q4_0_pairs_run(b->sd, b->sd, d, b->sd_row_bytes, r0, r1, m->xp2 + m->o_sd * 512, m->dt2 + m->o_sd * 16, t, si,
+                       m->ysh, d);
+    if (w->q16sd)
+        qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->sh16, m->sh16d, t, si,
+               m->ysh + r0, d, panel);
+    else if (whole)
+        rows16_q8k((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->shq, m->shd, si,
+                   m->ysh + r0);
+    for (int64_t r = r0; !whole && !two && r < r1; r++) {
+        const uint8_t *row = b->sd + r * b->sd_row_bytes;
+        if (w->qsd)
+            w->qsd(row, m->shq, m->shd, t, si, m->ysh + r, d);
+        else
+            lin_row(w->ksd, row, m->sh, si, t, si, m->ysh + r, d, buf);
+    }
+}
+
 /* x [T, D] (the post-attention norm's output, contiguous) -> out [T, D]; topk_w / topk_idx [T, kk] (may be 0)
    receive the routing. Returns mls_moe_route's -3 for router settings it refuses, -1 for a weight type without
    a decoder, -2 for rows longer than MAX_K, -4 when memory cannot be allocated. */
 int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
                   int threads) {
     const int64_t d = b->d, e = b->e, kk = b->kk, inter = b->inter, si = b->shared_inter;
-    const lin_kernel kgu = lin_rows(b->type_gu, b->gu_row_bytes), kdn = lin_rows(b->type_dn, b->dn_row_bytes);
-    /* without a shared expert its kernels are never called: F32 rows stand in so the check below passes */
-    const lin_kernel ksg = lin_rows(si ? b->type_sg : MLS_F32, b->sg_row_bytes),
-                     ksu = lin_rows(si ? b->type_su : MLS_F32, b->su_row_bytes),
-                     ksd = lin_rows(si ? b->type_sd : MLS_F32, b->sd_row_bytes);
-    const scaled_fused_fn fgu = b->gu_scale ? type_of((int)b->type_gu)->fused_scaled : 0;
-    const scaled_fused_fn fdn = b->dn_scale ? type_of((int)b->type_dn)->fused_scaled : 0;
-    if ((!kgu.fn && !fgu) || (!kdn.fn && !fdn) || !ksg.fn || !ksu.fn || !ksd.fn) return -1;
-    if (d > MAX_K || inter > MAX_K || si > MAX_K) return -2;
-    const int64_t g = b->group;
-    if ((fgu || fdn) && (g < 32 || g % 32 || d % g || inter % g)) return -2;
-    if (e < 1 || e > 1024 || kk < 1 || kk > e) return -3;
-    /* int8 activations where the per-op path takes them: each projection whose type has int8 kernels under the
-       block's setting (q8rows_in), on its own, as GGUFExperts' grouped products and the shared GGUFLinears
-       decide; each quantizes its input in its type's form (shared gate and up each their own copy of x) */
-    const int64_t i8 = b->int8;
-    const q8rows_fn qgu = q8rows_in((int)b->type_gu, i8), qdn = q8rows_in((int)b->type_dn, i8);
-    const q8rows_fn qsg = si ? q8rows_in((int)b->type_sg, i8) : 0, qsu = si ? q8rows_in((int)b->type_su, i8) : 0;
-    const q8rows_fn qsd = si ? q8rows_in((int)b->type_sd, i8) : 0;
-    if ((qgu && !act_fits((int)b->type_gu, d)) || (qdn && !act_fits((int)b->type_dn, inter)) ||
-        (qsg && !act_fits((int)b->type_sg, d)) || (qsu && !act_fits((int)b->type_su, d)) ||
-        (qsd && !act_fits((int)b->type_sd, si)))
-        return -2;
-    const int any8 = qgu || qdn || qsg || qsu || qsd;
-    /* int16 activations (x86/int16_prefill.c) for the projections whose type the setting gives them (qw_in), as the
-       per-op path's grouped products: runs of 16 rows of one part, the inputs' codes made once for every type */
-    const int q16gu = !fgu && qw_in((int)b->type_gu, i8), q16dn = !fdn && qw_in((int)b->type_dn, i8);
-    const int q16sg = si && qw_in((int)b->type_sg, i8), q16su = si && qw_in((int)b->type_su, i8);
-    const int q16sd = si && qw_in((int)b->type_sd, i8), any16 = q16gu || q16dn || q16sg || q16su || q16sd;
-    /* int8 projections of a type whose one-row products take 16 weight rows side by side (rows16_q8k, the row
-       kernels' bits): runs of 16 rows, taken so where the run's group (or the step) has one row */
-    const int r16gu = qgu && rows16_takes((int)b->type_gu), r16dn = qdn && rows16_takes((int)b->type_dn);
-    const int r16sg = qsg && rows16_takes((int)b->type_sg), r16su = qsu && rows16_takes((int)b->type_su);
-    const int r16sd = qsd && rows16_takes((int)b->type_sd);
-    /* Q4_0 projections whose groups (or the shared expert) have 2+ rows: two activation rows per vector over pairs of
-       weight rows (int8.c q4_0_pairs_run, the row kernel's bits), the activations packed as pairs once here */
-    const int two_gu = qgu && Q4_0_PAIRS((int)b->type_gu, t), two_dn = qdn && Q4_0_PAIRS((int)b->type_dn, t);
-    const int two_sg = qsg && Q4_0_PAIRS((int)b->type_sg, t), two_su = qsu && Q4_0_PAIRS((int)b->type_su, t);
-    const int two_sd = qsd && Q4_0_PAIRS((int)b->type_sd, t);
     const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
-    /* one allocation: logits, weights, ids, per-expert counts / starts / ids, pair order and position,
-       xs (pairs sorted by expert), gate_up outputs, h, down outputs, and the shared expert's three */
-    const size_t nf = (size_t)(t * e + pairs + pairs * d + pairs * n_gu + pairs * inter + pairs * d + t * n_sgu +
-                               t * si + t * d);
-    const size_t ni = (size_t)(pairs + e + (e + 1) + e + pairs + pairs);
-    /* int8 codes and scales of xs, h, x (for the shared gate), the shared h and x (for the shared up) (allocated
-       only with int8) */
-    const size_t nq = any8 ? (size_t)(pairs * d + pairs * inter + t * d + t * si + t * d) : 0;
-    char *mem = (char *)malloc(sizeof(float) * nf + sizeof(int64_t) * ni + nq * (1 + sizeof(float)) + 64);
-    if (!mem) return -4;
-    int64_t *idx = (int64_t *)mem, *count = idx + pairs, *start = count + e, *act = start + e + 1;
-    int64_t *order = act + e, *pos = order + pairs;
-    float *logits = (float *)(pos + pairs), *wt = logits + t * e, *xs = wt + pairs, *gu = xs + pairs * d;
-    float *h = gu + pairs * n_gu, *ys = h + pairs * inter, *sgu = ys + pairs * d, *sh = sgu + t * n_sgu;
-    float *ysh = sh + t * si;
-    float *xsd = ysh + t * d, *hd = xsd + pairs * d / 32, *xd = hd + pairs * inter / 32, *shd = xd + t * d / 32;
-    float *xud = shd + t * si / 32;
-    int8_t *xsq = (int8_t *)(xud + t * d / 32), *hq = xsq + pairs * d, *xq = hq + pairs * inter, *shq = xq + t * d;
-    int8_t *xuq = shq + t * si;
-    /* their scales and codes: xs, x (shared gate and up), h, the shared h (rows of whole 32-value blocks) */
-    const size_t n16 = any16 ? (size_t)(pairs * d + t * d + pairs * inter + t * si) : 0;
-    char *mem16 = any16 ? (char *)malloc(n16 / 32 * sizeof(float) + n16 * sizeof(int16_t) + 64) : 0;
-    if (any16 && !mem16) {
-        free(mem);
-        return -4;
-    }
-    float *xs16d = (float *)mem16, *x16d = xs16d + pairs * d / 32, *h16d = x16d + t * d / 32;
-    float *sh16d = h16d + pairs * inter / 32;
-    int16_t *xs16 = (int16_t *)(sh16d + t * si / 32), *x16 = xs16 + pairs * d, *h16 = x16 + t * d;
-    int16_t *sh16 = h16 + pairs * inter;
     const int64_t kmax = d > inter ? (d > si ? d : si) : (inter > si ? inter : si);
-    /* the packed pairs: routed groups' chunks of 16 rows (at most one partial chunk per group), the shared rows' */
-    const int64_t rchunks = (pairs < e ? pairs : e) + pairs / 16 + 1, schunks = (t + 15) / 16;
-    const int any2 = two_gu || two_dn || two_sg || two_su || two_sd;
-    const size_t n2 = any2 ? (size_t)(rchunks * (d + inter) + schunks * (2 * d + si)) / 32 : 0; /* chunk-blocks */
-    int8_t *xp2 = any2 ? (int8_t *)aligned_alloc(64, n2 * 8 * 64) : 0;
-    float *dt2 = any2 ? (float *)malloc(sizeof(float) * n2 * 16) : 0;
-    int64_t *off2 = any2 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
-    if (any2 && (!xp2 || !dt2 || !off2)) {
-        free(xp2), free(dt2), free(off2), free(mem), free(mem16);
-        return -4;
-    }
-    /* in chunk-blocks: routed gate/up input (d), routed down input (inter), shared x for gate, for up, shared h */
-    const int64_t o_dn = rchunks * d / 32, o_sg = o_dn + rchunks * inter / 32, o_su = o_sg + schunks * d / 32;
-    const int64_t o_sd = o_su + schunks * d / 32;
-    int64_t groups = 0;
-    int rc = 0, oom = 0;
+    moe_ways w;
+    int rc = moe_ways_of(b, t, &w);
+    if (rc != 0) return rc;
+    moe_bufs m;
+    if (moe_bufs_alloc(b, &w, t, &m) != 0) return -4;
+    int oom = 0;
 #pragma omp parallel num_threads(threads)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)kmax);
         /* qw_run's panel, for runs of more than QW_FEW rows: a group has at most t rows (a token takes an expert once) */
-        const int panels = any16 && t > QW_FEW;
+        const int panels = w.any16 && t > QW_FEW;
         void *panel = panels ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0;
         if (panels && !panel) {
 #pragma omp atomic write
             oom = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < t * e; it++) logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
+        for (int64_t it = 0; it < t * e; it++) m.logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
 #pragma omp single
-        {
-            rc = mls_moe_route(logits, t, e, b->bias, (int)b->scoring, (int)b->method, b->n_group, b->topk_group, kk,
-                               (int)b->norm, (float)b->scale, wt, idx);
-            if (rc == 0) { /* pairs sorted by expert (stable: token order within an expert), a counting sort */
-                memset(count, 0, sizeof(int64_t) * (size_t)e);
-                for (int64_t p = 0; p < pairs; p++) count[idx[p]]++;
-                int64_t s = 0;
-                for (int64_t ex = 0; ex < e; ex++)
-                    if (count[ex]) {
-                        act[groups] = ex;
-                        start[groups++] = s;
-                        s += count[ex];
-                    }
-                start[groups] = s;
-                memset(count, 0, sizeof(int64_t) * (size_t)e); /* now: pairs placed per group */
-                for (int64_t p = 0; p < pairs; p++) {
-                    int64_t a = 0;
-                    while (act[a] != idx[p]) a++;
-                    const int64_t q = start[a] + count[a]++;
-                    order[q] = p;
-                    pos[p] = q;
-                }
-            }
-        }
+        rc = moe_route_pairs(b, t, &m);
         if (rc == 0 && !oom) { /* oom: set before the logits' barrier, so every thread reads the same */
 #pragma omp for schedule(static)
-            for (int64_t q = 0; q < pairs; q++) memcpy(xs + q * d, x + (order[q] / kk) * d, sizeof(float) * (size_t)d);
-            if (q16gu || q16sg || q16su) {
+            for (int64_t q = 0; q < pairs; q++) memcpy(m.xs + q * d, x + (m.order[q] / kk) * d, sizeof(float) * (size_t)d);
+            if (w.q16gu || w.q16sg || w.q16su) {
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < pairs + t; i++) {
-                    if (i < pairs && q16gu) qw_quantize_rows(xs + i * d, 1, d, d, xs16 + i * d, xs16d + i * (d / 32));
-                    if (i >= pairs && (q16sg || q16su))
-                        qw_quantize_rows(x + (i - pairs) * d, 1, d, d, x16 + (i - pairs) * d, x16d + (i - pairs) * (d / 32));
+                    if (i < pairs && w.q16gu)
+                        qw_quantize_rows(m.xs + i * d, 1, d, d, m.xs16 + i * d, m.xs16d + i * (d / 32));
+                    if (i >= pairs && (w.q16sg || w.q16su))
+                        qw_quantize_rows(x + (i - pairs) * d, 1, d, d, m.x16 + (i - pairs) * d,
+                                         m.x16d + (i - pairs) * (d / 32));
                 }
             }
-            if (any8) {
+            if (w.any8) {
 #pragma omp single
-                {
-                    if (qgu) quantize_act((int)b->type_gu, xs, pairs, d, d, xsq, xsd);
-                    if (qsg) quantize_act((int)b->type_sg, x, t, d, d, xq, xd);
-                    if (qsu) quantize_act((int)b->type_su, x, t, d, d, xuq, xud);
-                    if (any2) { /* each group's chunk offset (groups of one row take none), then the packs */
-                        off2[0] = 0;
-                        for (int64_t a = 0; a < groups; a++) {
-                            const int64_t m = start[a + 1] - start[a];
-                            off2[a + 1] = off2[a] + (m >= 2 ? (m + 15) / 16 : 0);
-                        }
-                    }
-                    if (two_gu) q4_0_pairs_pack_groups(xsq, xsd, d, start, groups, off2, xp2, dt2);
-                    if (two_sg) q4_0_pairs_pack(xq, xd, t, d, xp2 + o_sg * 512, dt2 + o_sg * 16);
-                    if (two_su) q4_0_pairs_pack(xuq, xud, t, d, xp2 + o_su * 512, dt2 + o_su * 16);
-                }
+                moe_quantize_inputs(b, &w, x, t, &m);
             }
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert.
                Scheduled static: each thread takes one contiguous range of the items, so it reads its rows as one
@@ -175,164 +362,55 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms, down 2.7 -> 2.3 ms over its 3 MoE layers; 2-core AMD EPYC,
                2 threads); a 16-request step was level (87 ms either way). The block serves decode steps (at most
                BLOCK_TOKENS tokens), where an item's cost is about the same everywhere. */
-            const int64_t rgu = q16gu || r16gu ? QW_R : ROW_RUN, rsg = q16sg || q16su || r16sg || r16su ? QW_R : ROW_RUN;
+            const int64_t rgu = w.q16gu || w.r16gu ? QW_R : ROW_RUN;
+            const int64_t rsg = w.q16sg || w.q16su || w.r16sg || w.r16su ? QW_R : ROW_RUN;
             const int64_t runs = (n_gu + rgu - 1) / rgu, sruns = (n_sgu + rsg - 1) / rsg;
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < groups * runs + sruns; it++) {
-                if (it < groups * runs) {
-                    const int64_t a = it / runs, r0 = (it % runs) * rgu, r1 = r0 + rgu < n_gu ? r0 + rgu : n_gu;
-                    const int64_t p0 = start[a], m = start[a + 1] - p0;
-                    const int whole = q16gu || (r16gu && m == 1); /* the run in one call per part */
-                    for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
-                        s1 = s0 < inter && r1 > inter ? inter : r1;
-                        const uint8_t *row0 =
-                            gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
-                        if (q16gu)
-                            qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, xs16 + p0 * d, xs16d + p0 * (d / 32), m,
-                                   d, gu + p0 * n_gu + s0, n_gu, panel);
-                        else
-                            rows16_q8k((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, xsq + p0 * d, xsd + p0 * (d / 32), d,
-                                       gu + p0 * n_gu + s0);
-                    }
-                    const int two = !whole && two_gu && m >= 2;
-                    if (two)
-                        q4_0_pairs_run(b->gate + act[a] * b->gu_expert_stride, b->up + act[a] * b->gu_expert_stride, inter,
-                                       b->gu_row_bytes, r0, r1, xp2 + off2[a] * (d / 32) * 512, dt2 + off2[a] * (d / 32) * 16,
-                                       m, d, gu + p0 * n_gu, n_gu);
-                    for (int64_t r = r0; !whole && !two && r < r1; r++) {
-                        const uint8_t *row =
-                            gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
-                        if (qgu)
-                            qgu(row, xsq + p0 * d, xsd + p0 * (d / 32), m, d, gu + p0 * n_gu + r, n_gu);
-                        else if (fgu)
-                            fgu(row, b->gu_scale + act[a] * b->gu_scale_stride + r * (d / g), g, xs + p0 * d, d, m, d,
-                                gu + p0 * n_gu + r, n_gu);
-                        else
-                            lin_row(kgu, row, xs + p0 * d, d, m, d, gu + p0 * n_gu + r, n_gu, buf);
-                    }
-                } else {
-                    const int64_t r0 = (it - groups * runs) * rsg, r1 = r0 + rsg < n_sgu ? r0 + rsg : n_sgu;
-                    for (int64_t s0 = r0, s1; s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
-                        s1 = s0 < si && r1 > si ? si : r1;
-                        const int up = s0 >= si;
-                        const uint8_t *row0 = up ? b->su + (s0 - si) * b->su_row_bytes : b->sg + s0 * b->sg_row_bytes;
-                        const int64_t rb = up ? b->su_row_bytes : b->sg_row_bytes, type = up ? b->type_su : b->type_sg;
-                        if (up ? q16su : q16sg)
-                            qw_run((int)type, row0, rb, s1 - s0, x16, x16d, t, d, sgu + s0, n_sgu, panel);
-                        else if (t == 1 && (up ? r16su : r16sg))
-                            rows16_q8k((int)type, row0, rb, s1 - s0, up ? xuq : xq, up ? xud : xd, d, sgu + s0);
-                    }
-                    if (two_sg && r0 < si) /* the run's gate rows, then its up rows */
-                        q4_0_pairs_run(b->sg, b->sg, si, b->sg_row_bytes, r0, r1 < si ? r1 : si, xp2 + o_sg * 512, dt2 + o_sg * 16,
-                                       t, d, sgu, n_sgu);
-                    if (two_su && r1 > si)
-                        q4_0_pairs_run(b->su, b->su, si, b->su_row_bytes, (r0 > si ? r0 : si) - si, r1 - si, xp2 + o_su * 512,
-                                       dt2 + o_su * 16, t, d, sgu + si, n_sgu);
-                    for (int64_t r = r0; r < r1; r++) {
-                        const int up = r >= si;
-                        if (up ? q16su || (t == 1 && r16su) || two_su : q16sg || (t == 1 && r16sg) || two_sg) continue;
-                        const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
-                        const q8rows_fn q8 = up ? qsu : qsg;
-                        if (q8)
-                            q8(row, up ? xuq : xq, up ? xud : xd, t, d, sgu + r, n_sgu);
-                        else
-                            lin_row(up ? ksu : ksg, row, x, d, t, d, sgu + r, n_sgu, buf);
-                    }
-                }
-            }
+            for (int64_t it = 0; it < m.groups * runs + sruns; it++)
+                moe_gate_up_item(b, &w, &m, x, t, it, runs, rgu, rsg, buf, panel);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < pairs * inter + t * si; it++) {
                 if (it < pairs * inter) {
                     const int64_t q = it / inter, i = it % inter;
-                    h[it] = silu_mul(gu[q * n_gu + i], gu[q * n_gu + inter + i]);
+                    m.h[it] = silu_mul(m.gu[q * n_gu + i], m.gu[q * n_gu + inter + i]);
                 } else {
                     const int64_t j = it - pairs * inter, tok = j / si, i = j % si;
-                    sh[j] = silu_mul(sgu[tok * n_sgu + i], sgu[tok * n_sgu + si + i]);
+                    m.sh[j] = silu_mul(m.sgu[tok * n_sgu + i], m.sgu[tok * n_sgu + si + i]);
                 }
             }
-            if (q16dn || q16sd) {
+            if (w.q16dn || w.q16sd) {
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < pairs + t; i++) {
-                    if (i < pairs && q16dn) qw_quantize_rows(h + i * inter, 1, inter, inter, h16 + i * inter, h16d + i * (inter / 32));
-                    if (i >= pairs && q16sd)
-                        qw_quantize_rows(sh + (i - pairs) * si, 1, si, si, sh16 + (i - pairs) * si, sh16d + (i - pairs) * (si / 32));
+                    if (i < pairs && w.q16dn)
+                        qw_quantize_rows(m.h + i * inter, 1, inter, inter, m.h16 + i * inter, m.h16d + i * (inter / 32));
+                    if (i >= pairs && w.q16sd)
+                        qw_quantize_rows(m.sh + (i - pairs) * si, 1, si, si, m.sh16 + (i - pairs) * si,
+                                         m.sh16d + (i - pairs) * (si / 32));
                 }
             }
-            if (qdn || qsd) {
+            if (w.qdn || w.qsd) {
 #pragma omp single
-                {
-                    if (qdn) quantize_act((int)b->type_dn, h, pairs, inter, inter, hq, hd);
-                    if (qsd) quantize_act((int)b->type_sd, sh, t, si, si, shq, shd);
-                    if (two_dn) q4_0_pairs_pack_groups(hq, hd, inter, start, groups, off2, xp2 + o_dn * 512, dt2 + o_dn * 16);
-                    if (two_sd) q4_0_pairs_pack(shq, shd, t, si, xp2 + o_sd * 512, dt2 + o_sd * 16);
-                }
+                moe_quantize_hidden(b, &w, t, &m);
             }
-            const int64_t rdn = q16dn || q16sd || r16dn || r16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn;
+            const int64_t rdn = w.q16dn || w.q16sd || w.r16dn || w.r16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn;
             const int64_t sdruns = si ? druns : 0;
 #pragma omp for schedule(static) /* as gate_up's */
-            for (int64_t it = 0; it < groups * druns + sdruns; it++) {
-                const int64_t a = it / druns, r0 = (it % druns) * rdn, r1 = r0 + rdn < d ? r0 + rdn : d;
-                if (a < groups) {
-                    const int64_t p0 = start[a], m = start[a + 1] - p0;
-                    const uint8_t *we = b->down + act[a] * b->dn_expert_stride;
-                    const int whole = q16dn || (r16dn && m == 1), two = !whole && two_dn && m >= 2;
-                    if (two)
-                        q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, xp2 + (o_dn + off2[a] * (inter / 32)) * 512,
-                                       dt2 + (o_dn + off2[a] * (inter / 32)) * 16, m, inter, ys + p0 * d, d);
-                    if (q16dn)
-                        qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, h16 + p0 * inter,
-                               h16d + p0 * (inter / 32), m, inter, ys + p0 * d + r0, d, panel);
-                    else if (whole)
-                        rows16_q8k((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, hq + p0 * inter,
-                                   hd + p0 * (inter / 32), inter, ys + p0 * d + r0);
-                    for (int64_t r = r0; !whole && !two && r < r1; r++) {
-                        const uint8_t *row = we + r * b->dn_row_bytes;
-                        if (qdn)
-                            qdn(row, hq + p0 * inter, hd + p0 * (inter / 32), m, inter, ys + p0 * d + r, d);
-                        else if (fdn)
-                            fdn(row, b->dn_scale + act[a] * b->dn_scale_stride + r * (inter / g), g, h + p0 * inter,
-                                inter, m, inter, ys + p0 * d + r, d);
-                        else
-                            lin_row(kdn, row, h + p0 * inter, inter, m, inter, ys + p0 * d + r, d, buf);
-                    }
-                } else {
-                    const int whole = q16sd || (r16sd && t == 1), two = !whole && two_sd;
-                    if (two)
-                        q4_0_pairs_run(b->sd, b->sd, d, b->sd_row_bytes, r0, r1, xp2 + o_sd * 512, dt2 + o_sd * 16, t, si, ysh,
-                                       d);
-                    if (q16sd)
-                        qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, sh16, sh16d, t, si,
-                               ysh + r0, d, panel);
-                    else if (whole)
-                        rows16_q8k((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, shq, shd, si,
-                                   ysh + r0);
-                    for (int64_t r = r0; !whole && !two && r < r1; r++) {
-                        const uint8_t *row = b->sd + r * b->sd_row_bytes;
-                        if (qsd)
-                            qsd(row, shq, shd, t, si, ysh + r, d);
-                        else
-                            lin_row(ksd, row, sh, si, t, si, ysh + r, d, buf);
-                    }
-                }
-            }
+            for (int64_t it = 0; it < m.groups * druns + sdruns; it++)
+                moe_down_item(b, &w, &m, t, it, druns, rdn, buf, panel);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < t * d; it++) {
                 const int64_t tok = it / d, r = it % d;
                 float acc = 0.0f;
-                for (int64_t j = 0; j < kk; j++) acc += wt[tok * kk + j] * ys[pos[tok * kk + j] * d + r];
-                out[it] = si ? acc + ysh[it] : acc;
+                for (int64_t j = 0; j < kk; j++) acc += m.wt[tok * kk + j] * m.ys[m.pos[tok * kk + j] * d + r];
+                out[it] = si ? acc + m.ysh[it] : acc;
             }
         }
         free(buf);
         free(panel);
     }
     if (oom) rc = -4;
-    if (rc == 0 && topk_w) memcpy(topk_w, wt, sizeof(float) * (size_t)pairs);
-    if (rc == 0 && topk_idx) memcpy(topk_idx, idx, sizeof(int64_t) * (size_t)pairs);
-    free(mem);
-    free(mem16);
-    free(xp2);
-    free(dt2);
-    free(off2);
+    if (rc == 0 && topk_w) memcpy(topk_w, m.wt, sizeof(float) * (size_t)pairs);
+    if (rc == 0 && topk_idx) memcpy(topk_idx, m.idx, sizeof(int64_t) * (size_t)pairs);
+    moe_bufs_free(&m);
     return rc;
 }
