@@ -194,19 +194,42 @@ def linear_native(
     panels, kernels/panels.py), or with bf16 (this weight takes bf16 prefill, the holder's choice at load) the bf16
     GEMM of bf16_prefill.linear."""
     x = x.float().contiguous()
-    # decode-sized calls decide without asking the library (tile_rows >= GEMV_ROWS wherever it applies)
-    # decode: int16 activations where the setting gives them to this type (as its prefill under prefill_matmul auto)
-    if x.shape[0] <= GEMV_ROWS and int16_prefill.takes_rest(ggml_type, int8):
+    path = linear_path(x.shape[0], ggml_type, int8, bf16, tiles)
+    if path == "int16":
         return int16_prefill.linear(x, w, ggml_type, k)
-    if x.shape[0] <= GEMV_ROWS or (tiles and x.shape[0] <= tile_rows(ggml_type)):
+    if path == "gemm":
         return native.gemm(ggml_type, x, w, k, int8=int8)
-    if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
+    if path == "bf16_pairs":
         return bf16_pairs.linear(x, w, k)
-    if bf16 == bf16_prefill.INT16:  # int16 activations on AVX512-VNNI (fp32 grade): the blocks read in place
-        return int16_prefill.linear(x, w, ggml_type, k)
-    if not bf16 and x.shape[0] <= PANEL_ROWS and panels.available():  # fp32, few rows: decoded panels
+    if path == "panels":
         return panels.linear(x, w, ggml_type, k)
     return _decoded_linear(x, w, ggml_type, k, bool(bf16))
+
+
+# linear_native's products whose work on the weight per call is a pass over its blocks in place (int8 codes or
+# int16 products; the unpack of a panel serves every row of the call), so that cutting a call's rows into parts
+# adds little: the others decode the whole weight per call (to bf16 pairs, or to fp32 / bf16 for a GEMM)
+IN_PLACE_PATHS = ("int16", "gemm")
+
+
+def linear_path(rows: int, ggml_type: int, int8: bool | int = False, bf16: int = 0, tiles: bool = False) -> str:
+    """Which product linear_native runs for `rows` activation rows of a weight with these settings: "int16"
+    (int16 activations: decode rows where the setting gives them to the type, or bf16_prefill.INT16),
+    "gemm" (native.gemm: the decode kernels, or int8 on the tiles / VNNI panels up to tile_rows), "bf16_pairs" (Q8_0
+    on the AMX-BF16 tiles), "panels" (fp32 on decoded panels) or "decoded" (decode-then-GEMM)."""
+    # decode-sized calls decide without asking the library (tile_rows >= GEMV_ROWS wherever it applies)
+    # decode: int16 activations where the setting gives them to this type (as its prefill under prefill_matmul auto)
+    if rows <= GEMV_ROWS and int16_prefill.takes_rest(ggml_type, int8):
+        return "int16"
+    if rows <= GEMV_ROWS or (tiles and rows <= tile_rows(ggml_type)):
+        return "gemm"
+    if bf16 == bf16_prefill.BF16_PAIRS:  # Q8_0 on the AMX-BF16 tiles, split into bf16 pairs (fp32 grade)
+        return "bf16_pairs"
+    if bf16 == bf16_prefill.INT16:  # int16 activations on AVX512-VNNI (fp32 grade): the blocks read in place
+        return "int16"
+    if not bf16 and rows <= PANEL_ROWS and panels.available():  # fp32, few rows: decoded panels
+        return "panels"
+    return "decoded"
 
 
 def _decoded_linear(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int, bf16: bool) -> torch.Tensor:

@@ -41,7 +41,18 @@ from mlaserve.config.layer_kinds import layer_ranges
 from mlaserve.kernels import triton_linear
 from mlaserve.platform.triton_runtime import triton_mode
 
-OPS = ("embedding", "linear", "grouped_experts", "heads", "norm", "router", "latent_write", "moe_block", "decode_layer")
+OPS = (
+    "embedding",
+    "linear",
+    "mlp_rows",  # after linear: its check reads the settings linear's apply gave the projections
+    "grouped_experts",
+    "heads",
+    "norm",
+    "router",
+    "latent_write",
+    "moe_block",
+    "decode_layer",
+)
 
 
 @dataclass(frozen=True)

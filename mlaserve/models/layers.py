@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config.model import RopeConfig
-from mlaserve.kernels import native_layers
-from mlaserve.kernels.registry import KernelSwitch
+from mlaserve.kernels import native_layers, registry
+from mlaserve.kernels.registry import KernelContext, KernelSwitch
 
 
 class RMSNorm(KernelSwitch, nn.Module):
@@ -103,7 +103,14 @@ def activation(limit: float | None):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts (limit: the clamps, activation())."""
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts (limit: the clamps, activation()).
+
+    A long step (prefill) may run in parts of `row_part` rows (the KernelPlan's mlp_rows: where every projection
+    reads its weight's blocks in place, so a part costs no second decode of a weight): each row's products are the
+    same in a part as in the whole step, and the step's gate and up outputs ([T, I] fp32 each: 90 MB apiece at
+    2,048 tokens of a 10,944-wide dense MLP, the peak of such a step) shrink to a part's."""
+
+    KERNEL_OP = "mlp_rows"  # kernels/registry.py chooses `row_part` at load (the KernelPlan)
 
     def __init__(self, hidden: int, inter: int, limit: float | None = None) -> None:
         super().__init__()
@@ -112,13 +119,81 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.act = activation(limit)
         self.limit = limit
+        self.row_part: int | None = None  # rows per call of a longer step (the plan's), None: the whole step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.row_part
+        if rows is not None and x.numel() > rows * x.shape[-1] and not self._hooked():
+            return self._in_parts(x, rows)
+        return self._whole(x)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         # out of place where autograd keeps the inputs, or a forward hook may have kept the projections' outputs
         if gate.requires_grad or up.requires_grad or self.gate_proj._forward_hooks or self.up_proj._forward_hooks:
             return self.down_proj(self.act(gate, up))
         return self.down_proj(swiglu_into(gate, up, self.limit))
+
+    def _hooked(self) -> bool:
+        """A hook on a projection sees its whole step's tensors: such a step runs whole."""
+        return any(p._forward_hooks or p._forward_pre_hooks for p in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def _in_parts(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The step's rows in the fewest parts of at most `rows` each, their sizes within one row of each other,
+        written into one output."""
+        flat = x.reshape(-1, x.shape[-1])
+        t = flat.shape[0]
+        size, extra = divmod(t, -(-t // rows))
+        out = torch.empty(t, self.down_proj.out_features, dtype=x.dtype, device=x.device)
+        a = 0
+        while a < t:
+            b = a + size + (extra > 0)
+            extra -= 1
+            out[a:b] = self._whole(flat[a:b])
+            a = b
+        return out.view(*x.shape[:-1], -1)
+
+    def part_rows(self) -> int:
+        """Rows per part: the part's fp32 input, gate and up outputs and output within ROW_PART_BYTES, at least
+        ROW_PART_MIN rows (the products' rates level from there)."""
+        per_row = 4 * (2 * self.gate_proj.in_features + 2 * self.gate_proj.out_features)
+        return max(ROW_PART_MIN, ROW_PART_BYTES // per_row)
+
+
+# A SwiGLU's parts (SwiGLU.part_rows): the activations of the routed experts' chunks (kernels/ggml.py
+# MOE_CHUNK_BYTES); 256 rows and more keep the int8 / int16 prefill products at their rate (benchmarks/README.md,
+# the panels' and int16 products' rows).
+ROW_PART_BYTES = 32 << 20
+ROW_PART_MIN = 256
+
+
+def _row_parts_fit(mlp: SwiGLU, ctx: KernelContext) -> str | None:
+    rows = mlp.part_rows()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        proj = getattr(mlp, name)
+        reads = getattr(proj, "prefill_reads_in_place", None)  # GGUF block holders (quant/ggml_linear.py)
+        if reads is None:
+            return f"{name}: {type(proj).__name__} (its own products per call)"
+        why = reads(rows)
+        if why is not None:
+            return f"{name} at {rows} rows: {why}"
+    return None
+
+
+def _set_row_part(mlp: SwiGLU, ctx: KernelContext) -> None:
+    mlp.row_part = mlp.part_rows()
+
+
+def _row_part_note(mlp: SwiGLU) -> str:
+    return f"steps of more than {mlp.row_part} rows in equal parts of at most that (each projection reads its blocks in place)"
+
+
+def _whole_steps(mlp: SwiGLU, ctx: KernelContext) -> None:
+    mlp.row_part = None
+
+
+registry.register("mlp_rows", "row_parts", _row_parts_fit, _set_row_part, _row_part_note)
+registry.register("mlp_rows", "whole", registry.always, _whole_steps)
 
 
 def rope_inv_freq(rope: RopeConfig) -> torch.Tensor:

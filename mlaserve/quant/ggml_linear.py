@@ -237,6 +237,15 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
         """The plan's note: the build and whether the type has a fused decode-and-dot kernel in it."""
         return plan_note({"weight": self.ggml_type}, self.int8, (self.bf16,), (self.tiles,))
 
+    def prefill_reads_in_place(self, rows: int) -> str | None:
+        """None where a product of `rows` rows reads this weight's blocks in place (ggml.IN_PLACE_PATHS: a call's
+        work on the weight is one pass over its blocks, whatever its rows), else what it runs instead (after the
+        plan's settings: the KernelPlan's mlp_rows asks, models/layers.py SwiGLU)."""
+        if not registry.runs_native(self):
+            return f"kernel {self.kernel}"
+        path = ggml.linear_path(rows, self.ggml_type, self.int8, self.bf16, self.tiles)
+        return None if path in ggml.IN_PLACE_PATHS else f"{path} (the whole weight decoded per call)"
+
     def extra_repr(self) -> str:
         t = GGML_TYPES[self.ggml_type].name
         return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={t}"

@@ -57,6 +57,8 @@ def test_plan_of_a_gguf_on_the_native_kernels():
             assert module.kernel == c.impl, c
         elif c.op == "moe_block":
             assert (module.native_block is not None) == (c.impl == "native"), c
+        elif c.op == "mlp_rows":
+            assert (module.row_part is not None) == (c.impl == "row_parts"), c
         else:
             assert (module.native_layer is not None) == (c.impl == "native"), c
 

@@ -1,0 +1,100 @@
+"""A SwiGLU's long steps in row parts (models/layers.py SwiGLU.row_part, the KernelPlan's mlp_rows op): taken only
+where every projection reads its weight's blocks in place at the part's rows (a GGUFLinear on the int8 tiles /
+VNNI panels or int16 products: kernels/ggml.py IN_PLACE_PATHS), and then each row's output is the whole step's, bit
+for bit; elsewhere (nn.Linear, the torch kernels, a weight decoded per call) the plan keeps whole steps and says
+why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import random_blocks
+
+from mlaserve.gguf.quants import GGML_TYPE_IDS
+from mlaserve.kernels import native, registry
+from mlaserve.models import layers
+from mlaserve.models.layers import SwiGLU
+from mlaserve.quant.ggml_linear import GGUFLinear
+
+STATUS = native.status()
+needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
+D, INTER = 256, 512
+
+
+def gguf_swiglu(types: tuple[str, str, str], seed: int = 0) -> SwiGLU:
+    mlp = SwiGLU(D, INTER)
+    g = torch.Generator().manual_seed(seed)
+    for attr, name, (n, k) in zip(("gate_proj", "up_proj", "down_proj"), types, ((INTER, D), (INTER, D), (D, INTER))):
+        lin = GGUFLinear(k, n, GGML_TYPE_IDS[name], False, torch.float32, "cpu")
+        with torch.no_grad():
+            lin.weight.copy_(random_blocks(name, n, k, g))
+        setattr(mlp, attr, lin)
+    return mlp
+
+
+def choice(mlp: SwiGLU, ctx: registry.KernelContext) -> registry.KernelChoice:
+    plan = registry.plan_kernels(mlp, ctx)
+    return plan.of("", "mlp_rows")
+
+
+@needs_native
+@pytest.mark.parametrize("rows,part", [(16, 8), (16, 5), (13, 4)])
+def test_parts_equal_the_whole_step(rows, part):
+    """Decode-sized parts and wholes (every build reads the blocks in place up to GEMV_ROWS rows): each part's rows
+    are the whole step's, bit for bit, in order, with uneven splits; int8 and float activations."""
+    mlp = gguf_swiglu(("Q4_K", "Q4_K", "Q6_K"))
+    for int8 in (0, 6):
+        registry.plan_kernels(mlp, registry.KernelContext("native", int8))
+        x = torch.randn(rows, D, generator=torch.Generator().manual_seed(1))
+        mlp.row_part = None
+        whole = mlp(x)
+        mlp.row_part = part
+        calls, whole_call = [], mlp._whole
+        mlp._whole = lambda t, calls=calls, whole_call=whole_call: (calls.append(t.shape[0]), whole_call(t))[1]
+        got = mlp(x)
+        del mlp._whole
+        assert torch.equal(got, whole), (int8, rows, part)
+        n = -(-rows // part)
+        assert sum(calls) == rows and len(calls) == n and max(calls) - min(calls) <= 1 and max(calls) <= part, calls
+        assert torch.equal(mlp(x.view(1, rows, D)), whole.view(1, rows, D))  # a leading dimension kept
+
+
+@needs_native
+def test_plan_takes_parts_only_where_the_blocks_are_read_in_place(monkeypatch):
+    """Under prefill_matmul "int8" the Q4_K / Q6_K projections are in place wherever this machine has the tiles or
+    VNNI panels: then parts of ROW_PART_MIN rows (the cap made small) and a 700-row step equal to the whole step;
+    without, and with the torch kernels or nn.Linear projections, whole steps with the reason named."""
+    monkeypatch.setattr(layers, "ROW_PART_BYTES", 1)
+    mlp = gguf_swiglu(("Q4_K", "Q4_K", "Q6_K"), seed=2)
+    c = choice(mlp, registry.KernelContext("native", 6, tiles=True))
+    in_place = all(
+        getattr(mlp, n).prefill_reads_in_place(layers.ROW_PART_MIN) is None
+        for n in ("gate_proj", "up_proj", "down_proj")
+    )
+    if in_place:
+        assert c.impl == "row_parts" and mlp.row_part == layers.ROW_PART_MIN, c
+        x = torch.randn(700, D, generator=torch.Generator().manual_seed(3))  # parts of 234, 233, 233
+        got = mlp(x)
+        mlp.row_part = None
+        assert torch.equal(got, mlp(x))
+    else:
+        assert c.impl == "whole" and mlp.row_part is None and "decoded per call" in c.reason, c
+    # float activations at 256 rows: decode-then-GEMM, every build
+    c = choice(gguf_swiglu(("Q4_K", "Q4_K", "Q6_K")), registry.KernelContext("native", 0))
+    assert c.impl == "whole" and "decoded (the whole weight decoded per call)" in c.reason, c
+    c = choice(gguf_swiglu(("Q4_K", "Q4_K", "Q6_K")), registry.KernelContext("torch", 0))
+    assert c.impl == "whole" and "kernel torch" in c.reason, c
+    c = choice(SwiGLU(D, INTER), registry.KernelContext("native", 0))
+    assert c.impl == "whole" and "gate_proj: Linear" in c.reason, c
+
+
+@needs_native
+def test_hooked_projections_see_whole_steps():
+    """A forward hook on a projection sees the step's whole tensor: a hooked SwiGLU runs whole."""
+    mlp = gguf_swiglu(("Q4_K", "Q4_K", "Q6_K"))
+    registry.plan_kernels(mlp, registry.KernelContext("native", 6))
+    mlp.row_part = 4
+    seen = []
+    mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    mlp(torch.randn(10, D))
+    assert seen == [10]
