@@ -18,25 +18,20 @@ from mlaserve.config.machine import BF16_BITS, INT8_BITS, PREFILL_TILES
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import Setting
 from mlaserve.distributed.expert_parallel import cut_experts, expert_range, shard_experts
-from mlaserve.distributed.expert_source import ExpertRangeSource
-from mlaserve.distributed.mesh import place_of, reducers
 from mlaserve.distributed.sharding import (
-    ShardedSource,
     at_load_split_notes,
     check_splits,
-    rank_config,
     span_notes,
-    unit_spans,
-    vocab_range,
 )
 from mlaserve.kernels.ggml import dense_native
-from mlaserve.kernels.registry import KernelContext, plan_kernels
+from mlaserve.kernels.registry import KernelContext, KernelPlan, plan_kernels
 from mlaserve.loading.allocate import allocate
 from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokenizer, set_encoding
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.loaded import Checkpoint, LoadedModel
 from mlaserve.loading.prefetch import start_prefetch
 from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16
+from mlaserve.loading.rank_view import RankView, rank_view
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
 from mlaserve.loading.text_part import TextPartSource, decide_tie
@@ -367,37 +362,17 @@ def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
 def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if isinstance(ck.model_cfg, DeepseekV4Config):
         return _fill_v4(ck, comm)
-    engine_cfg, model_cfg, source, skipped, path = ck.engine_cfg, ck.model_cfg, ck.source, ck.skipped, ck.path
-    n, rank_args, scheme = engine_cfg.parallel.tensor_parallel_size, {}, ck.scheme
-    ep = engine_cfg.parallel.expert_parallel_size
-    sharded = ck.source
-    # TP x EP with expert groups TP does not split (FP4 / INT4): whole experts spread over every process
-    whole = n > 1 and ep > 1 and scheme is not None and scheme.expert_dtype != "fp8"
-    if n * ep > 1:  # this process's TP and EP ranks and the groups it reduces over (distributed/mesh.py)
-        place = place_of(comm.rank, n, ep)
-        tp_reduce, ep_reduce = reducers(comm, place)
-        # whole experts: ranges over all n x ep processes, their partials summed over the world
-        ep_rank, ep_n, ep_reduce = (comm.rank, n * ep, comm.all_reduce) if whole else (place.ep_rank, ep, ep_reduce)
-    if n > 1:  # this rank's heads / intermediate / vocabulary rows, read as slices
-        rank = place.tp_rank
-        # an intermediate split inside the blocks kept per rank: a wider span (dequantized: narrowed exactly)
-        # quantization at load: each rank quantizes its own slices, on the blocks one process quantizes
-        at_load = BLOCK_AT_LOAD if engine_cfg.kernels.quantization is not None else 1
-        quantized = engine_cfg.kernels.gguf_weights == "quantized" or at_load > 1
-        spans = unit_spans(source, ck.model_cfg, rank, n, at_load) if quantized else {}
-        model_cfg = rank_config(ck.model_cfg, rank, n, spans)
-        source = sharded = ShardedSource(source, ck.model_cfg, rank, n, spans, whole_experts=whole)
-        rank_args = {"vocab_start": vocab_range(ck.model_cfg.vocab_size, rank, n)[0], "all_reduce": tp_reduce}
-    if ep > 1:  # this rank's routed experts only: the others' are neither listed nor read (distributed/expert_source)
-        e = model_cfg.moe.n_routed_experts
-        source = ranged = ExpertRangeSource(source, e, *expert_range(e, ep_rank, ep_n))
+    engine_cfg, skipped, path, scheme = ck.engine_cfg, ck.skipped, ck.path, ck.scheme
+    n, ep = engine_cfg.parallel.tensor_parallel_size, engine_cfg.parallel.expert_parallel_size
+    view = rank_view(ck, comm)
+    model_cfg, source = view.model_cfg, view.source
     read_before = getattr(ck.source, "bytes_read", None)
     layouts = _mtp_layouts(path, source, model_cfg) if engine_cfg.speculative.method == "mtp" else ()
     gguf: list[GGUFPlan] = []
 
     def prepare(meta_model: nn.Module) -> None:  # on the meta device, before anything is allocated
         if ep > 1:  # the experts modules cut to this rank's range: the holders below are made for those only
-            cut_experts(meta_model, ep_rank, ep_n, ck.model_cfg.moe if whole else None)
+            cut_experts(meta_model, view.ep_rank, view.ep_n, ck.model_cfg.moe if view.whole else None)
         if engine_cfg.kernels.gguf_weights == "quantized":  # holders swapped in before the strict fill
             native = engine_cfg.kernels.impl == "native"
             # the reference backend's absorbed path reads kv_b_proj dense at every step: held there
@@ -412,7 +387,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         engine_cfg.runtime.device,
         layouts,
         prepare,
-        **rank_args,
+        **view.rank_args,
     )
     gguf_plan = gguf[0] if gguf else None
     notes_first = None
@@ -423,7 +398,7 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
         source = BlockSource(source, gguf_plan.blocks, mapped, gguf_plan.skipped())
     quant = None
     if scheme is not None and n > 1 and scheme.block is not None:  # its scales on its slices' grid (regrid_fp8)
-        grid = sharded.regrid_fp8(scheme.scale_name, scheme.block)
+        grid = view.sharded.regrid_fp8(scheme.scale_name, scheme.block)
         if grid != scheme.block:
             notes_first = (
                 f"rank {comm.rank}: {scheme.method} {scheme.fmt} kept per rank; its slices start inside the "
@@ -439,15 +414,11 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if decoded_note:
         report.notes.append(decoded_note)
     if n > 1:  # what this rank holds in another form than its even slice: in its echo too (rank 0 prints them)
-        notes = span_notes(sharded, f"rank {comm.rank}") + ([notes_first] if notes_first else [])
-        if engine_cfg.kernels.quantization is not None:
-            notes += at_load_split_notes(sharded, BLOCK_AT_LOAD, engine_cfg.kernels.quantization, f"rank {comm.rank}")
-        model.rank_notes = tuple(notes)
-        report.notes.extend(model.rank_notes)
+        _note_tp_rank(model, report, view, engine_cfg, f"rank {comm.rank}", notes_first)
     if isinstance(model, LongcatForCausalLM):  # its power-of-two latent scales into the filled weights (exact)
         report.notes.append(model.fold_latent_scales())
     if gguf_plan is not None:
-        attach_heads(model, sharded, gguf_plan, model_cfg, mapped)
+        attach_heads(model, view.sharded, gguf_plan, model_cfg, mapped)
         report.notes.append(gguf_plan.summary())
     quantized_at_load: tuple[Setting, ...] = ()
     if engine_cfg.kernels.quantization is not None:  # float weights -> Q8_0 / Q4_0 holders, module by module
@@ -458,38 +429,9 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     if read_before is not None:  # the checkpoint's tensor bytes this load read (an EP rank: its experts only)
         report.bytes_read = model.file_bytes_read = ck.source.bytes_read - read_before
     if ep > 1:  # this rank's range of every MoE layer's routed experts; the rest replicated (expert_parallel.py)
-        adds = not whole or place.tp_rank == 0  # whole experts: the world's sum added once per TP group
-        model.expert_received, notes = shard_experts(model, ep_rank, ep_n, ep_reduce, f"rank {comm.rank}", adds)
-        notes.append(
-            f"rank {comm.rank}: read {report.bytes_read} bytes of tensors from the checkpoint (the other ranks' "
-            f"{ranged.hidden} routed-expert tensors not read)"
-        )
-        model.rank_notes = (*getattr(model, "rank_notes", ()), *notes)
-        report.notes.extend(notes)
-    # every op's implementation, chosen with its reason (kernels/registry.py); applied to the modules as it goes
-    kcfg = engine_cfg.kernels
-    kernel_plan = plan_kernels(
-        model,
-        KernelContext(
-            kcfg.impl,
-            INT8_BITS[kcfg.activations],
-            BF16_BITS[kcfg.prefill_matmul],
-            kcfg.prefill_matmul in PREFILL_TILES,
-        ),
-    )
-    model.kernel_plan = kernel_plan
-    layers = enable_decode_step(model)
-    blocks = sum(c.op == "moe_block" and c.impl == "native" and c.layer.isdigit() for c in kernel_plan.choices)
-    if blocks:
-        report.notes.append(f"{blocks} MoE layer(s) run steps of <= {BLOCK_TOKENS} tokens as one native call")
-    if layers:
-        report.notes.append(
-            f"{layers} decoder layer(s) run pure decode steps of <= {BLOCK_TOKENS} requests as one native call each"
-        )
-    if engine_cfg.kernels.impl == "native" and (gguf_plan is not None or quantized_at_load):
-        report.notes.extend(
-            decode_layer_misses(kernel_plan)
-        )  # block holders on the native kernels: say what did not fit
+        _shard_ep_rank(model, report, view, f"rank {comm.rank}")
+    blocks_held = gguf_plan is not None or bool(quantized_at_load)
+    kernel_plan = _plan_kernels(model, engine_cfg, report, blocks_held)
     for layer in getattr(model, "mtp", ()):
         layer.share_trunk(model.embed, model.lm_head)  # model.embed: vocabulary-parallel under TP
     if quant is not None:
@@ -510,6 +452,51 @@ def fill_model(ck: Checkpoint, progress=None, comm=None) -> LoadedModel:
     return LoadedModel(
         model, engine_cfg, ck.tokenizer, report, path, gen, quant, gguf_plan, quantized_at_load, kernel_plan
     )
+
+
+def _note_tp_rank(
+    model: nn.Module, report: LoadReport, view: RankView, engine_cfg, who: str, first: str | None
+) -> None:
+    """What a TP rank holds in another form than its even slice, in the report and on the model (its echo)."""
+    notes = span_notes(view.sharded, who) + ([first] if first else [])
+    if engine_cfg.kernels.quantization is not None:
+        notes += at_load_split_notes(view.sharded, BLOCK_AT_LOAD, engine_cfg.kernels.quantization, who)
+    model.rank_notes = tuple(notes)
+    report.notes.extend(model.rank_notes)
+
+
+def _shard_ep_rank(model: nn.Module, report: LoadReport, view: RankView, who: str) -> None:
+    """This EP rank's range of every MoE layer's routed experts (distributed/expert_parallel.py), noted."""
+    adds = not view.whole or view.place.tp_rank == 0  # whole experts: the world's sum added once per TP group
+    model.expert_received, notes = shard_experts(model, view.ep_rank, view.ep_n, view.ep_reduce, who, adds)
+    notes.append(
+        f"{who}: read {report.bytes_read} bytes of tensors from the checkpoint (the other ranks' "
+        f"{view.ranged.hidden} routed-expert tensors not read)"
+    )
+    model.rank_notes = (*getattr(model, "rank_notes", ()), *notes)
+    report.notes.extend(notes)
+
+
+def _plan_kernels(model: nn.Module, engine_cfg, report: LoadReport, blocks_held: bool) -> KernelPlan:
+    """Every op's implementation, chosen with its reason (kernels/registry.py) and applied to the modules as it
+    goes; then the one-call decode steps, and the report's notes on them (blocks_held: GGUF or at-load blocks)."""
+    kcfg = engine_cfg.kernels
+    ctx = KernelContext(
+        kcfg.impl, INT8_BITS[kcfg.activations], BF16_BITS[kcfg.prefill_matmul], kcfg.prefill_matmul in PREFILL_TILES
+    )
+    kernel_plan = plan_kernels(model, ctx)
+    model.kernel_plan = kernel_plan
+    layers = enable_decode_step(model)
+    blocks = sum(c.op == "moe_block" and c.impl == "native" and c.layer.isdigit() for c in kernel_plan.choices)
+    if blocks:
+        report.notes.append(f"{blocks} MoE layer(s) run steps of <= {BLOCK_TOKENS} tokens as one native call")
+    if layers:
+        report.notes.append(
+            f"{layers} decoder layer(s) run pure decode steps of <= {BLOCK_TOKENS} requests as one native call each"
+        )
+    if kcfg.impl == "native" and blocks_held:  # block holders on the native kernels: say what did not fit
+        report.notes.extend(decode_layer_misses(kernel_plan))
+    return kernel_plan
 
 
 def _mtp_layouts(path: Path, source, cfg: ModelConfig) -> tuple[MTPLayout, ...]:
