@@ -185,7 +185,7 @@ def _set_row_part(mlp: SwiGLU, ctx: KernelContext) -> None:
 
 
 def _row_part_note(mlp: SwiGLU) -> str:
-    return f"steps of more than {mlp.row_part} rows in equal parts of at most that (each projection reads its blocks in place)"
+    return f"steps of over {mlp.row_part} rows in parts of at most that (each projection reads its blocks in place)"
 
 
 def _whole_steps(mlp: SwiGLU, ctx: KernelContext) -> None:
