@@ -112,24 +112,10 @@ def resolve(
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, ranks, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
     topk = _index_topk(model, opts.index_topk, sparse, log)
-    for name, allowed in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
-        check_choice(name, getattr(opts, name), allowed)  # decided with the chat template, by the loader
-    for name, allowed in (("mla_path", MLA_PATHS), ("experts_impl", EXPERT_IMPLS)):
-        check_choice(name, getattr(opts, name), allowed)
-        _user(log, name, getattr(opts, name))
+    _check_plain_options(opts, log)
     speculative, num_spec = _speculative(opts, log)
     decode_threshold = _decode_threshold(opts.decode_threshold, num_spec, log)
-    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "expert_parallel_size"):
-        value = getattr(opts, name)
-        if name == "page_size" and value is None:
-            continue  # chosen below, per family
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        _user(log, name, value)
     page_size = choose_page_size(model, opts.page_size, log)
-    if not isinstance(opts.check_tensors, bool):
-        raise ConfigError(f"check_tensors must be a bool, got {opts.check_tensors!r}")
-    _user(log, "check_tensors", opts.check_tensors)
     backend = choose_attention_backend(opts.attention_backend, kernels, dtype, log, device, opts.kv_cache_dtype, triton)
     world = opts.tensor_parallel_size * opts.expert_parallel_size
     gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, world, log)
@@ -154,12 +140,6 @@ def resolve(
     num_pages = choose_num_pages(
         opts, page_size, max_model_len or model.max_position_embeddings, log, model, sparse, dtype
     )
-    if not isinstance(opts.kv_prefault, bool):
-        raise ConfigError(f"kv_prefault must be a bool, got {opts.kv_prefault!r}")
-    _user(log, "kv_prefault", opts.kv_prefault)
-    if not isinstance(opts.ui, bool):
-        raise ConfigError(f"ui must be a bool, got {opts.ui!r}")
-    _user(log, "ui", opts.ui)
     _user(log, "kv_cache_dtype", check_kv_cache_dtype(opts.kv_cache_dtype))
     v4_numerics = resolve_v4_numerics(model, opts.v4_kv_rounding, opts.v4_indexer, opts.kv_cache_dtype, log)
     _check_prefix_cache_dir(opts, log)
@@ -217,6 +197,27 @@ def resolve(
         server=ServerConfig(ui=opts.ui),
         provenance=log.freeze(),
     )
+
+
+def _check_plain_options(opts: EngineOptions, log: ProvenanceLog) -> None:
+    """The options taken as given (named choices, counts, switches): checked, and recorded as the user's."""
+    for name, allowed in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        check_choice(name, getattr(opts, name), allowed)  # decided with the chat template, by the loader
+    for name, allowed in (("mla_path", MLA_PATHS), ("experts_impl", EXPERT_IMPLS)):
+        check_choice(name, getattr(opts, name), allowed)
+        _user(log, name, getattr(opts, name))
+    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "expert_parallel_size"):
+        value = getattr(opts, name)
+        if name == "page_size" and value is None:
+            continue  # chosen per family (choose_page_size)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        _user(log, name, value)
+    for name in ("check_tensors", "kv_prefault", "ui"):
+        value = getattr(opts, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be a bool, got {value!r}")
+        _user(log, name, value)
 
 
 def _check_prefix_cache_dir(opts: EngineOptions, log: ProvenanceLog) -> None:
