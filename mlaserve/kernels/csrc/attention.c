@@ -357,135 +357,180 @@ static void mqa_shares(const int64_t *first, const int64_t *n_all, int64_t queri
     while (k < parts) lo[++k] = first[queries] * groups;
 }
 
+/* A call's constants (latent_mqa_rows' arguments and its plan) and a thread's scratch: the allowed rows' slots, a
+   decoded tile (coded rows only) and its rows' addresses, scores [hg, MQA_TILE], a tile's partial [hg, r + 2] and
+   the running max and sum [2 hg] */
+typedef struct {
+    const float *q_lat, *q_pe;
+    int64_t ql_tok, ql_head, qp_tok, qp_head;
+    const int64_t *q_index;
+    const coded_rows *cr;
+    const int64_t *slots;
+    const uint8_t *mask;
+    int64_t nq, l, h, r, dr;
+    float scale;
+    float *out;
+    const int64_t *first, *allowed, *n_all; /* by tiles (else NULL): each query's first tile, allowed rows, counts */
+    float *parts;                           /* by tiles: the tiles' partials [tiles, h, r + 2] */
+    int64_t splits, groups, hg;
+} mqa_job;
+
+typedef struct {
+    int64_t *ok;
+    float *tile;
+    const float **rows;
+    float *s, *part;
+} mqa_scratch;
+
+/* rows[0 .. nt) = the addresses of allowed rows j0 .. j0 + nt: fp32 rows where they lie, coded ones decoded */
+static void mqa_load_tile(const mqa_job *J, const mqa_scratch *S, const int64_t *rows_ok, int64_t j0, int64_t nt) {
+    const coded_rows *cr = J->cr;
+    const int64_t c = J->r + J->dr;
+    for (int64_t j = 0; j < nt; j++) {
+        if (cr->rows32) {
+            S->rows[j] = cr->rows32 + rows_ok[j0 + j] * c;
+            continue;
+        }
+        coded_decode(cr, rows_ok[j0 + j], J->r, J->dr, S->tile + j * c);
+        S->rows[j] = S->tile + j * c;
+    }
+}
+
+/* item it: by tiles, one tile of one query for one group of heads (its partial kept in J->parts); by heads, one
+   query and a group of heads over all its tiles, folded as they come and normalised */
+static void mqa_item(const mqa_job *J, int64_t it, const mqa_scratch *S) {
+    const int64_t h = J->h, r = J->r, hg = J->hg, tt = it / J->groups;
+    int64_t qi = it / J->splits, t0 = 0;
+    if (J->first) { /* the query whose tiles hold item `it`'s tile */
+        qi = 0;
+        while (J->first[qi + 1] <= tt) qi++;
+        t0 = tt - J->first[qi];
+    }
+    const int64_t h0 = J->first ? (it % J->groups) * MQA_HG : (it % J->splits) * hg;
+    const int64_t h1 = h0 + hg < h ? h0 + hg : h, nh = h1 - h0;
+    const mqa_query q = {J->q_lat + J->q_index[qi] * J->ql_tok, J->q_pe + J->q_index[qi] * J->qp_tok, J->ql_head,
+                         J->qp_head, r, J->dr, J->scale};
+    float *o = J->out + qi * h * r, *mx = S->part + hg * (r + 2), *sum = mx + hg;
+    const int64_t *rows_ok = J->first ? J->allowed + qi * J->l : S->ok;
+    const int64_t n_ok = J->first ? J->n_all[qi]
+                                  : mqa_allowed(J->mask + qi * J->l, J->slots + (qi / J->nq) * J->l, J->l, S->ok);
+    if (n_ok == 0) {
+        for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = NAN;
+        return;
+    }
+    for (int64_t j0 = J->first ? t0 * MQA_TILE : 0; j0 < n_ok; j0 += MQA_TILE) {
+        const int64_t nt = j0 + MQA_TILE < n_ok ? MQA_TILE : n_ok - j0;
+        mqa_load_tile(J, S, rows_ok, j0, nt);
+        if (J->first) { /* this tile's partial for heads h0 .. h1, kept: [h, r] outputs, [h] maxes, [h] sums */
+            float *pt = J->parts + tt * h * (r + 2);
+            mqa_tile_partial(&q, S->rows, nt, h0, h1, S->s, pt + h0 * r, pt + h * r + h0, pt + h * (r + 1) + h0);
+            return;
+        }
+        float *m_t = S->part + nh * r, *l_t = m_t + nh;
+        mqa_tile_partial(&q, S->rows, nt, h0, h1, S->s, S->part, m_t, l_t);
+        for (int64_t i = 0; i < nh; i++)
+            mqa_fold(o + (h0 + i) * r, S->part + i * r, r, j0 == 0, &mx[i], &sum[i], m_t[i], l_t[i]);
+    }
+    for (int64_t i = 0; i < nh; i++)
+        for (int64_t k = 0; k < r; k++) o[(h0 + i) * r + k] /= sum[i];
+}
+
+/* by tiles: query qh / h's head qh % h folds its tiles' partials in order */
+static void mqa_fold_tiles(const mqa_job *J, int64_t qh) {
+    const int64_t h = J->h, r = J->r, qi = qh / h, hh = qh % h, t1 = J->first[qi + 1];
+    float *o = J->out + qi * h * r + hh * r, m = 0.0f, sum = 0.0f;
+    if (J->first[qi] == t1) { /* no allowed row (no tile, no item above) */
+        for (int64_t k = 0; k < r; k++) o[k] = NAN;
+        return;
+    }
+    for (int64_t t = J->first[qi]; t < t1; t++) {
+        const float *pt = J->parts + t * h * (r + 2);
+        mqa_fold(o, pt + hh * r, r, t == J->first[qi], &m, &sum, pt[h * r + hh], pt[h * (r + 1) + hh]);
+    }
+    for (int64_t k = 0; k < r; k++) o[k] /= sum;
+}
+
+/* by tiles (fewer queries than threads, partials within MQA_PARTS_BYTES): each query's allowed rows' slots
+   compacted once (allowed [queries, l], counts n_all, first [queries + 1] tiles); *tiles their total, or 0 where the
+   call goes by heads. Returns 0, -4 out of memory. */
+static int mqa_by_tiles(const uint8_t *mask, const int64_t *slots, int64_t queries, int64_t nq, int64_t l, int64_t h,
+                        int64_t r, int threads, int64_t **first, int64_t **allowed, int64_t **n_all, int64_t *tiles) {
+    *first = *allowed = *n_all = NULL, *tiles = 0;
+    if (queries >= threads) return 0;
+    int64_t *f = (int64_t *)malloc(sizeof(int64_t) * (size_t)(queries + 1));
+    int64_t *a = (int64_t *)malloc(sizeof(int64_t) * (size_t)(queries * l) + 1);
+    int64_t *n = (int64_t *)malloc(sizeof(int64_t) * (size_t)queries);
+    if (!f || !a || !n) {
+        free(f), free(a), free(n);
+        return -4;
+    }
+    int64_t t = 0;
+    for (int64_t qi = 0; qi < queries; qi++) {
+        n[qi] = mqa_allowed(mask + qi * l, slots + (qi / nq) * l, l, a + qi * l);
+        f[qi] = t;
+        t += (n[qi] + MQA_TILE - 1) / MQA_TILE;
+    }
+    f[queries] = t;
+    if (t < 2 || t * h * (r + 2) * (int64_t)sizeof(float) > MQA_PARTS_BYTES) {
+        free(f), free(a), free(n);
+        return 0;
+    }
+    *first = f, *allowed = a, *n_all = n, *tiles = t;
+    return 0;
+}
+
 static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
                            int64_t qp_head, const int64_t *q_index, const coded_rows *cr, const int64_t *slots,
                            const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                            float scale, float *out, int threads) {
     const int64_t c = r + dr, queries = b * nq;
     if (queries <= 0 || h <= 0) return 0;
-    /* by tiles: every query's tiles (their partials [tiles, h, r + 2] must fit MQA_PARTS_BYTES), its allowed
-       rows' slots compacted once here for all its tiles (allowed [queries, l], counts n_all) */
-    int64_t *first = NULL, *allowed = NULL, *n_all = NULL, tiles = 0;
-    if (queries < threads) {
-        first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(queries + 1));
-        allowed = (int64_t *)malloc(sizeof(int64_t) * (size_t)(queries * l) + 1);
-        n_all = (int64_t *)malloc(sizeof(int64_t) * (size_t)queries);
-        if (!first || !allowed || !n_all) {
-            free(first), free(allowed), free(n_all);
-            return -4;
-        }
-        for (int64_t qi = 0; qi < queries; qi++) {
-            n_all[qi] = mqa_allowed(mask + qi * l, slots + (qi / nq) * l, l, allowed + qi * l);
-            first[qi] = tiles;
-            tiles += (n_all[qi] + MQA_TILE - 1) / MQA_TILE;
-        }
-        first[queries] = tiles;
-        if (tiles < 2 || tiles * h * (r + 2) * (int64_t)sizeof(float) > MQA_PARTS_BYTES) {
-            free(first), free(allowed), free(n_all);
-            first = allowed = n_all = NULL;
-        }
-    }
+    int64_t *first, *allowed, *n_all, tiles;
+    if (mqa_by_tiles(mask, slots, queries, nq, l, h, r, threads, &first, &allowed, &n_all, &tiles) != 0) return -4;
     float *parts = first ? (float *)malloc(sizeof(float) * (size_t)(tiles * h * (r + 2))) : NULL;
-    if (first && !parts) {
-        free(first), free(allowed), free(n_all);
-        return -4;
-    }
     int64_t splits = first || queries >= threads ? 1 : (threads + queries - 1) / queries;
     if (splits > h) splits = h;
     const int64_t groups = (h + MQA_HG - 1) / MQA_HG, hg = first ? MQA_HG : (h + splits - 1) / splits;
     const int64_t items = first ? tiles * groups : queries * splits;
     /* part k of `threads` takes items lo[k] .. lo[k + 1]: by tiles of equal cost, else of equal count */
     int64_t *lo = (int64_t *)malloc(sizeof(int64_t) * (size_t)(threads + 1));
-    if (!lo) {
-        free(first), free(allowed), free(n_all), free(parts);
+    if (!lo || (first && !parts)) {
+        free(first), free(allowed), free(n_all), free(parts), free(lo);
         return -4;
     }
     if (first)
         mqa_shares(first, n_all, queries, groups, h, threads, lo);
     else
         for (int64_t k = 0; k <= threads; k++) lo[k] = items * k / threads;
+    const mqa_job J = {q_lat, q_pe, ql_tok, ql_head, qp_tok, qp_head, q_index, cr, slots, mask, nq, l, h, r, dr,
+                       scale, out, first, allowed, n_all, parts, splits, groups, hg};
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: the allowed rows' slots, a decoded tile (coded rows only) and its rows' addresses, scores
-           [hg, MQA_TILE], a tile's partial [hg, r + 2] and the running max and sum [2 hg] */
-        int64_t *ok = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
-        float *tile = (float *)malloc(sizeof(float) * (size_t)(cr->rows32 ? 1 : MQA_TILE * c) + 1);
-        const float **rows = (const float **)malloc(sizeof(float *) * MQA_TILE);
-        float *s = (float *)malloc(sizeof(float) * (size_t)(hg * MQA_TILE) + 1);
-        float *part = (float *)malloc(sizeof(float) * (size_t)(hg * (r + 2) + 2 * hg) + 1);
-        if (!ok || !tile || !rows || !s || !part) {
+        const mqa_scratch S = {
+            (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1),
+            (float *)malloc(sizeof(float) * (size_t)(cr->rows32 ? 1 : MQA_TILE * c) + 1),
+            (const float **)malloc(sizeof(float *) * MQA_TILE),
+            (float *)malloc(sizeof(float) * (size_t)(hg * MQA_TILE) + 1),
+            (float *)malloc(sizeof(float) * (size_t)(hg * (r + 2) + 2 * hg) + 1),
+        };
+        const int fits = S.ok && S.tile && S.rows && S.s && S.part;
+        if (!fits) {
 #pragma omp atomic write
             rc = -4;
         }
 #pragma omp for schedule(static, 1)
-        for (int64_t share = 0; share < threads; share++) {
-            for (int64_t it = lo[share]; it < lo[share + 1]; it++) {
-                if (!ok || !tile || !rows || !s || !part) continue;
-                int64_t qi = it / splits, t0 = 0, tt = it / groups;
-                if (first) { /* the query whose tiles hold item `it`'s tile */
-                    qi = 0;
-                    while (first[qi + 1] <= tt) qi++;
-                    t0 = tt - first[qi];
-                }
-                const int64_t h0 = first ? (it % groups) * MQA_HG : (it % splits) * hg;
-                const int64_t h1 = h0 + hg < h ? h0 + hg : h, nh = h1 - h0;
-                const mqa_query q = {q_lat + q_index[qi] * ql_tok, q_pe + q_index[qi] * qp_tok, ql_head, qp_head, r, dr,
-                                     scale};
-                float *o = out + qi * h * r, *mx = part + hg * (r + 2), *sum = mx + hg;
-                const int64_t *rows_ok = first ? allowed + qi * l : ok;
-                const int64_t n_ok = first ? n_all[qi] : mqa_allowed(mask + qi * l, slots + (qi / nq) * l, l, ok);
-                if (n_ok == 0) {
-                    for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = NAN;
-                    continue;
-                }
-                for (int64_t j0 = first ? t0 * MQA_TILE : 0; j0 < n_ok; j0 += MQA_TILE) {
-                    const int64_t nt = j0 + MQA_TILE < n_ok ? MQA_TILE : n_ok - j0;
-                    for (int64_t j = 0; j < nt; j++) { /* fp32 rows are read where they lie, coded ones decoded */
-                        if (cr->rows32) {
-                            rows[j] = cr->rows32 + rows_ok[j0 + j] * c;
-                            continue;
-                        }
-                        coded_decode(cr, rows_ok[j0 + j], r, dr, tile + j * c);
-                        rows[j] = tile + j * c;
-                    }
-                    if (first) { /* this tile's partial for heads h0 .. h1, kept: [h, r] outputs, [h] maxes, [h] sums */
-                        float *pt = parts + tt * h * (r + 2);
-                        mqa_tile_partial(&q, rows, nt, h0, h1, s, pt + h0 * r, pt + h * r + h0, pt + h * (r + 1) + h0);
-                        break;
-                    }
-                    float *m_t = part + nh * r, *l_t = m_t + nh;
-                    mqa_tile_partial(&q, rows, nt, h0, h1, s, part, m_t, l_t);
-                    for (int64_t i = 0; i < nh; i++)
-                        mqa_fold(o + (h0 + i) * r, part + i * r, r, j0 == 0, &mx[i], &sum[i], m_t[i], l_t[i]);
-                }
-                if (!first)
-                    for (int64_t i = 0; i < nh; i++)
-                        for (int64_t k = 0; k < r; k++) o[(h0 + i) * r + k] /= sum[i];
-            }
-        }
-        /* by tiles: each query's heads fold their tiles' partials in order */
+        for (int64_t share = 0; share < threads; share++)
+            for (int64_t it = lo[share]; fits && it < lo[share + 1]; it++) mqa_item(&J, it, &S);
         if (first) {
 #pragma omp for schedule(static)
-            for (int64_t qh = 0; qh < queries * h; qh++) {
-                const int64_t qi = qh / h, hh = qh % h, t1 = first[qi + 1];
-                float *o = out + qi * h * r + hh * r, m = 0.0f, sum = 0.0f;
-                if (first[qi] == t1) { /* no allowed row (no tile, no item above) */
-                    for (int64_t k = 0; k < r; k++) o[k] = NAN;
-                    continue;
-                }
-                for (int64_t t = first[qi]; t < t1; t++) {
-                    const float *pt = parts + t * h * (r + 2);
-                    mqa_fold(o, pt + hh * r, r, t == first[qi], &m, &sum, pt[h * r + hh], pt[h * (r + 1) + hh]);
-                }
-                for (int64_t k = 0; k < r; k++) o[k] /= sum;
-            }
+            for (int64_t qh = 0; qh < queries * h; qh++) mqa_fold_tiles(&J, qh);
         }
-        free(ok);
-        free(tile);
-        free((void *)rows);
-        free(s);
-        free(part);
+        free(S.ok);
+        free(S.tile);
+        free((void *)S.rows);
+        free(S.s);
+        free(S.part);
     }
     free(first);
     free(allowed);
