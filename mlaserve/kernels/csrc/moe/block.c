@@ -310,6 +310,70 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
     }
 }
 
+/* The phases between the products, each run by every thread of the block's team (their loops shared out, their
+   one-thread steps in `omp single`): */
+
+/* the pairs' inputs xs (x's rows in expert order) and the gate_up inputs' int16 / int8 codes */
+static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float *x, int64_t t, const moe_bufs *m) {
+    const int64_t d = b->d, kk = b->kk, pairs = t * kk;
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < pairs; q++) memcpy(m->xs + q * d, x + (m->order[q] / kk) * d, sizeof(float) * (size_t)d);
+    if (w->q16gu || w->q16sg || w->q16su) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs + t; i++) {
+            if (i < pairs && w->q16gu)
+                qw_quantize_rows(m->xs + i * d, 1, d, d, m->xs16 + i * d, m->xs16d + i * (d / 32));
+            if (i >= pairs && (w->q16sg || w->q16su))
+                qw_quantize_rows(x + (i - pairs) * d, 1, d, d, m->x16 + (i - pairs) * d, m->x16d + (i - pairs) * (d / 32));
+        }
+    }
+    if (w->any8) {
+#pragma omp single
+        moe_quantize_inputs(b, w, x, t, m);
+    }
+}
+
+/* h = silu(gate) * up of every pair and of the shared expert, then the down inputs' int16 / int8 codes */
+static void moe_hidden(const mls_moe_block_t *b, const moe_ways *w, int64_t t, const moe_bufs *m) {
+    const int64_t inter = b->inter, si = b->shared_inter, pairs = t * b->kk, n_gu = 2 * inter, n_sgu = 2 * si;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < pairs * inter + t * si; it++) {
+        if (it < pairs * inter) {
+            const int64_t q = it / inter, i = it % inter;
+            m->h[it] = silu_mul(m->gu[q * n_gu + i], m->gu[q * n_gu + inter + i]);
+        } else {
+            const int64_t j = it - pairs * inter, tok = j / si, i = j % si;
+            m->sh[j] = silu_mul(m->sgu[tok * n_sgu + i], m->sgu[tok * n_sgu + si + i]);
+        }
+    }
+    if (w->q16dn || w->q16sd) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < pairs + t; i++) {
+            if (i < pairs && w->q16dn)
+                qw_quantize_rows(m->h + i * inter, 1, inter, inter, m->h16 + i * inter, m->h16d + i * (inter / 32));
+            if (i >= pairs && w->q16sd)
+                qw_quantize_rows(m->sh + (i - pairs) * si, 1, si, si, m->sh16 + (i - pairs) * si,
+                                 m->sh16d + (i - pairs) * (si / 32));
+        }
+    }
+    if (w->qdn || w->qsd) {
+#pragma omp single
+        moe_quantize_hidden(b, w, t, m);
+    }
+}
+
+/* out = each token's routed outputs weighted in its pairs' order, plus the shared expert's */
+static void moe_sum(const mls_moe_block_t *b, int64_t t, const moe_bufs *m, float *out) {
+    const int64_t d = b->d, kk = b->kk;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < t * d; it++) {
+        const int64_t tok = it / d, r = it % d;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < kk; j++) acc += m->wt[tok * kk + j] * m->ys[m->pos[tok * kk + j] * d + r];
+        out[it] = b->shared_inter ? acc + m->ysh[it] : acc;
+    }
+}
+
 /* x [T, D] (the post-attention norm's output, contiguous) -> out [T, D]; topk_w / topk_idx [T, kk] (may be 0)
    receive the routing. Returns mls_moe_route's -3 for router settings it refuses, -1 for a weight type without
    a decoder, -2 for rows longer than MAX_K, -4 when memory cannot be allocated. */
@@ -339,22 +403,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
 #pragma omp single
         rc = moe_route_pairs(b, t, &m);
         if (rc == 0 && !oom) { /* oom: set before the logits' barrier, so every thread reads the same */
-#pragma omp for schedule(static)
-            for (int64_t q = 0; q < pairs; q++) memcpy(m.xs + q * d, x + (m.order[q] / kk) * d, sizeof(float) * (size_t)d);
-            if (w.q16gu || w.q16sg || w.q16su) {
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < pairs + t; i++) {
-                    if (i < pairs && w.q16gu)
-                        qw_quantize_rows(m.xs + i * d, 1, d, d, m.xs16 + i * d, m.xs16d + i * (d / 32));
-                    if (i >= pairs && (w.q16sg || w.q16su))
-                        qw_quantize_rows(x + (i - pairs) * d, 1, d, d, m.x16 + (i - pairs) * d,
-                                         m.x16d + (i - pairs) * (d / 32));
-                }
-            }
-            if (w.any8) {
-#pragma omp single
-                moe_quantize_inputs(b, &w, x, t, &m);
-            }
+            moe_inputs(b, &w, x, t, &m);
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert.
                Scheduled static: each thread takes one contiguous range of the items, so it reads its rows as one
                stream (the prefetch runs on from row to row); dynamic chunks of 4 items (32 rows) broke each
@@ -368,42 +417,13 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < m.groups * runs + sruns; it++)
                 moe_gate_up_item(b, &w, &m, x, t, it, runs, rgu, rsg, buf, panel);
-#pragma omp for schedule(static)
-            for (int64_t it = 0; it < pairs * inter + t * si; it++) {
-                if (it < pairs * inter) {
-                    const int64_t q = it / inter, i = it % inter;
-                    m.h[it] = silu_mul(m.gu[q * n_gu + i], m.gu[q * n_gu + inter + i]);
-                } else {
-                    const int64_t j = it - pairs * inter, tok = j / si, i = j % si;
-                    m.sh[j] = silu_mul(m.sgu[tok * n_sgu + i], m.sgu[tok * n_sgu + si + i]);
-                }
-            }
-            if (w.q16dn || w.q16sd) {
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < pairs + t; i++) {
-                    if (i < pairs && w.q16dn)
-                        qw_quantize_rows(m.h + i * inter, 1, inter, inter, m.h16 + i * inter, m.h16d + i * (inter / 32));
-                    if (i >= pairs && w.q16sd)
-                        qw_quantize_rows(m.sh + (i - pairs) * si, 1, si, si, m.sh16 + (i - pairs) * si,
-                                         m.sh16d + (i - pairs) * (si / 32));
-                }
-            }
-            if (w.qdn || w.qsd) {
-#pragma omp single
-                moe_quantize_hidden(b, &w, t, &m);
-            }
+            moe_hidden(b, &w, t, &m);
             const int64_t rdn = w.q16dn || w.q16sd || w.r16dn || w.r16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn;
             const int64_t sdruns = si ? druns : 0;
 #pragma omp for schedule(static) /* as gate_up's */
             for (int64_t it = 0; it < m.groups * druns + sdruns; it++)
                 moe_down_item(b, &w, &m, t, it, druns, rdn, buf, panel);
-#pragma omp for schedule(static)
-            for (int64_t it = 0; it < t * d; it++) {
-                const int64_t tok = it / d, r = it % d;
-                float acc = 0.0f;
-                for (int64_t j = 0; j < kk; j++) acc += m.wt[tok * kk + j] * m.ys[m.pos[tok * kk + j] * d + r];
-                out[it] = si ? acc + m.ysh[it] : acc;
-            }
+            moe_sum(b, t, &m, out);
         }
         free(buf);
         free(panel);
