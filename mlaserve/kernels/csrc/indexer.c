@@ -154,9 +154,9 @@ static void index_scores_rows(const index_keys_t *kc, const float *qt, const flo
    or rows of the 8 / 16-bit caches decoded by index_key); n <= 4 of them are scored into s[0 .. n). */
 #define INDEX_KEYS 4
 #define INDEX_LANES 4 /* hp <= 64 */
-static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, int64_t di,
-                               const float *const kr[INDEX_KEYS], int64_t n, float *s) {
-    const int c = (int)(hp / 16);
+static inline __attribute__((always_inline)) void lanes_c(const float *qt, const float *wpad, int64_t hp, int64_t di,
+                                                          const float *const kr[INDEX_KEYS], int64_t n, float *s,
+                                                          const int c) {
     __m512 acc[INDEX_KEYS][INDEX_LANES];
     for (int j = 0; j < INDEX_KEYS; j++)
         for (int h = 0; h < c; h++) acc[j][h] = _mm512_setzero_ps();
@@ -172,6 +172,18 @@ static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, i
         for (int h = 0; h < c; h++)
             sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(acc[j][h], _mm512_setzero_ps()), sum);
         s[j] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* c = hp / 16 a constant at each call, so the accumulators stay in registers (with c known only at run time they
+   lived in memory: a 16K-key top-k of 32 heads x 128 took 1.9-2.1 ms instead of 0.9-1.3 on a 2-core AMD EPYC) */
+static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, int64_t di,
+                               const float *const kr[INDEX_KEYS], int64_t n, float *s) {
+    switch (hp / 16) {
+    case 1: lanes_c(qt, wpad, hp, di, kr, n, s, 1); break;
+    case 2: lanes_c(qt, wpad, hp, di, kr, n, s, 2); break;
+    case 3: lanes_c(qt, wpad, hp, di, kr, n, s, 3); break;
+    default: lanes_c(qt, wpad, hp, di, kr, n, s, 4); break;
     }
 }
 
