@@ -24,7 +24,7 @@ class Segment:
     request_ids: tuple[str, ...]
     backend: str = "torch"  # the attention backend that runs this segment (attention.backends registry)
     implementation: str = "torch:absorbed"  # backend:operation, e.g. "torch:sparse_absorbed"
-    index_scoring: str | None = None  # "fp32" | "bf16_then_fp32" when this segment selects its top-k
+    index_scoring: str | None = None  # "fp32" | "bf16_then_fp32" | "bf16" when this segment selects its top-k
     kind: str = "mla"  # the attention kind whose layers run this segment
     # layers of several attention sublayers (LongCat-Flash): the cache state of each sublayer that runs this
     # segment, in order (the kind's AttentionPlan.sublayers); () for one attention per layer

@@ -92,9 +92,12 @@ class ReferenceBackend:
         return self.absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, allowed=selected[..., :length])
 
     def index_topk(self, q_idx, w, keys, seg, topk: int) -> torch.Tensor:
-        """q_idx [N, Hi, Di], w [N, Hi] (Di^-0.5 folded in), keys [S, Di] -> positions [B, Q, k]."""
+        """q_idx [N, Hi, Di], w [N, Hi] (Di^-0.5 folded in), keys [S, Di] -> positions [B, Q, k]. A segment whose
+        index_scoring is "bf16" scores q and the keys rounded to bf16 (config/index_scores.py)."""
         q = q_idx.float()[seg.q_index]  # [B, Q, Hi, Di]
         k = _rows(keys, seg.kv_slots)  # [B, L, Di]
+        if seg.segment.index_scoring == "bf16":
+            q, k = q.bfloat16().float(), k.bfloat16().float()
         per_head = torch.einsum("bqhd,bld->bqhl", q, k).relu()
         scores = torch.einsum("bqh,bqhl->bql", w.float()[seg.q_index], per_head)
         scores = scores.masked_fill(~seg.mask, float("-inf"))

@@ -14,10 +14,12 @@ mla_path "auto" sends decode -> absorbed, prefill -> decompressed; "absorbed" / 
 send every token down one path, so a user can check that both give the same answer.
 With sparse attention (DSA) every token goes down the absorbed path over its top-k rows
 (as vLLM's sparse backend does), unless mla_path="decompressed" asks for masked MHA.
-Index scoring (how a selecting segment finds its top-k; both give the fp32 top-k)
+Index scoring (how a selecting segment finds its top-k; the first two give the fp32 top-k)
   fp32            every key scored in fp32 (keys upcast from the cache dtype), as transformers does
   bf16_then_fp32  over a bf16 key cache: bf16 GEMMs score every key with a rounding bound, and only
                   the keys that may be in the top-k are rescored in fp32
+  bf16            the engine's index_scores="bf16" (config/index_scores.py): q and keys rounded to bf16,
+                  fp32 sums; a lossy choice, recorded as such (the pooled indexer keeps fp32)
 Backend
   every segment names the attention backend that runs it (engine option attention_backend; the
   registry in attention/backends), and that backend's index scoring for the key cache's dtype.
@@ -67,12 +69,14 @@ def route(
     sublayers: tuple[str, ...] = (),
     kpool: int = 0,
     sharing: tuple[int, ...] = (),
+    index_scores: str = "fp32",
 ) -> AttentionPlan:
     """Split the batch into at most two segments (decode, prefill) and name each one's path.
     key_dtype: the indexer key cache's dtype (it picks the index scoring of selecting segments).
     sublayers: the cache state of each attention sublayer of these layers (LongCat-Flash), recorded.
     kpool: a pooled indexer's tokens per pooled key (GLM-5.3-Flash; 0: DSA's per-token indexer); sharing: the
-    layers of `layers` that reuse a previous layer's selection ("shared"), recorded."""
+    layers of `layers` that reuse a previous layer's selection ("shared"), recorded. index_scores: the engine's
+    (config/index_scores.py): "bf16" names every selecting per-token segment's scoring "bf16"."""
     if mla_path not in MLA_PATHS:
         raise ValueError(f"mla_path must be one of {MLA_PATHS}, got {mla_path!r}")
     if sparse and index_topk is None:
@@ -83,7 +87,9 @@ def route(
     # per-token DSA selects once a sequence is longer than index_topk; the pooled route once a query has more
     # complete pools than it keeps (below that its selection is every complete pool plus the tail: every token)
     select = sparse and (longest // kpool > index_topk // kpool if pooled else longest > index_topk)
-    scoring = ("fp32" if pooled else kernels.index_scoring(key_dtype)) if select else None
+    scoring = None
+    if select:
+        scoring = "fp32" if pooled else "bf16" if index_scores == "bf16" else kernels.index_scoring(key_dtype)
     n_dec = batch.num_decode_seqs
     bounds = [("decode", 0, n_dec), ("prefill", n_dec, len(batch.seqs))]
     segments = []
@@ -169,10 +175,12 @@ def route_step(
     backend: str = "torch",
     v4_csa_dense: bool = False,
     v4_implementation: str = "torch:padded_batch+batched_state",
+    index_scores: str = "fp32",
 ) -> StepRoute:
     """One plan per attention kind of the stack. sparse: the engine runs DSA kinds sparse. DeepSeek-V4:
     v4_csa_dense, its CSA layers attend every visible compressed row (no top-k); v4_implementation, the
-    softmax the model runs (V4Serving.implementation: one padded batch, or per sequence)."""
+    softmax the model runs (V4Serving.implementation: one padded batch, or per sequence). index_scores: the
+    engine's DSA index scores (route's)."""
     plans = []
     for kind in kinds_in_order(layers):
         ids = tuple(k.index for k in layers if k.attention == kind)
@@ -189,7 +197,9 @@ def route_step(
         subs = next(k.sublayers for k in layers if k.attention == kind)  # one stack: every layer has the same
         kpool = max(k.kpool for k in layers if k.attention == kind)  # GLM-5.3-Flash's pooled indexer, else 0
         sharing = tuple(k.index for k in layers if k.attention == kind and k.indexer == "shared")
-        plan = route(batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs, kpool, sharing)
+        plan = route(
+            batch, mla_path, kind_sparse, topk, key_dtype, backend, kind, ids, subs, kpool, sharing, index_scores
+        )
         reuses = tuple((k.index, k.reuses) for k in layers if k.attention == kind and k.reuses is not None)
         plans.append(replace(plan, reuses=reuses) if reuses else plan)
     return StepRoute(tuple(plans))

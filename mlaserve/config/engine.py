@@ -27,6 +27,7 @@ from mlaserve.config.engine_parts import (
     ServerConfig,
     SpeculativeConfig,
 )
+from mlaserve.config.index_scores import choose_index_scores
 from mlaserve.config.kv_cache import check_kv_cache_dtype
 from mlaserve.config.machine import (
     check_choice,
@@ -95,13 +96,16 @@ def resolve(
     stored_bf16: Callable[[], bool] | None = None,
     torch_holders: str | None = None,
     triton: Callable | None = None,
+    indexer_bits: Callable[[], tuple[int, str] | None] | None = None,
 ) -> EngineConfig:
     """native_kernels: the loader's probe of the native kernels (builds them; -> (available, detail)),
     passed only when the checkpoint holds quantized weights that native kernels serve. torch_holders: why
     quantized weights without native kernels run in torch (the kernels line's reason; None: none held). gguf: the checkpoint is a GGUF file
     (gguf_weights applies). stored_bf16: whether the checkpoint's matrices are stored in bfloat16 (asked
     only when dtype=auto could pick bfloat16). triton: how Triton kernels run on a device
-    (platform/triton_runtime.py triton_mode: kernels='triton' and attention_backend='triton')."""
+    (platform/triton_runtime.py triton_mode: kernels='triton' and attention_backend='triton'). indexer_bits: the
+    widest stored bits of a GGUF's DSA indexer projections and their type (loading/probes.py; asked only when
+    index_scores=auto could pick bf16)."""
     log = ProvenanceLog()
     device = choose_device(opts.device, log)
     quantization = choose_quantization(opts.quantization, log)
@@ -117,6 +121,7 @@ def resolve(
     decode_threshold = _decode_threshold(opts.decode_threshold, num_spec, log)
     page_size = choose_page_size(model, opts.page_size, log)
     backend = choose_attention_backend(opts.attention_backend, kernels, dtype, log, device, opts.kv_cache_dtype, triton)
+    index_scores = choose_index_scores(opts.index_scores, model, sparse, kernels, backend, log, indexer_bits)
     world = opts.tensor_parallel_size * opts.expert_parallel_size
     gguf_weights = choose_gguf_weights(opts.gguf_weights, gguf, world, log)
     gguf_mmap = _gguf_mmap(opts.gguf_mmap, gguf_weights, log)
@@ -172,6 +177,7 @@ def resolve(
             index_topk=topk,
             mla_path=opts.mla_path,
             backend=backend,
+            index_scores=index_scores,
             v4_kv_rounding=v4_numerics.kv_rounding,
             v4_indexer=v4_numerics.indexer,
         ),

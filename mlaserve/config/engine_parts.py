@@ -59,6 +59,7 @@ class AttentionConfig:
     index_topk: int | None
     mla_path: str
     backend: str  # name in attention.backends' registry; the router writes it per segment
+    index_scores: str = "fp32"  # "fp32" | "bf16": a DSA indexer's scores (config/index_scores.py)
     # DeepSeek-V4's official-code roundings (config/v4_numerics.py; the defaults are transformers' numerics)
     v4_kv_rounding: str = "none"  # "fp8_ue8m0": FP8 e4m3 of every K=V row's non-rope part
     v4_indexer: str = "exact"  # "hadamard_fp4": Hadamard rotation + FP4 of the indexer's queries and keys

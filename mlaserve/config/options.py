@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlaserve.config.index_scores import INDEX_SCORES
 from mlaserve.config.kv_cache import KV_CACHE_DTYPES
 from mlaserve.config.machine import (
     ACTIVATIONS,
@@ -82,6 +83,14 @@ class EngineOptions:
         "1 + num_speculative_tokens with speculative decoding (verification runs as decodes)",
     )
     index_topk: int | None = _opt(None, "override the DSA top-k of the model")
+    index_scores: str = _opt(
+        "auto",
+        "the DSA indexer's scores: fp32 = the reference's; bf16 = queries and keys rounded to bf16, fp32 sums "
+        "(AVX512-BF16 dot products, ~2x faster scoring; DeepSeek's own code scores in FP8, and `mlaserve verify` "
+        "reports the kept positions' overlap with fp32); auto = bf16 for a GGUF file on the native kernels on a CPU "
+        "with AVX512-BF16 or AMX-BF16, else fp32 (config/index_scores.py)",
+        INDEX_SCORES,
+    )
     enable_prefix_caching: bool = _opt(True, "reuse cached pages of a shared prompt prefix")
     prefix_cache_dir: str | None = _opt(
         None,

@@ -15,6 +15,8 @@ of the logits and top-1 agreement:
                              the bound derived from the scales, the logits and (DSA) the top-k agreement
                              reported; the identities above then run over the full cache
   16-bit cache vs full       the same with kv_cache_dtype float16 / bfloat16, the bound from the unit roundoff
+  bf16 vs fp32 index scores  with index_scores="bf16" (verify_index_scores.py): the kept positions' overlap and
+                             the logits, reported
 What these cannot see: a fault that every route shares. Wrong weights (a converter that swapped two heads
 of kv_b, a mis-sliced shard, a drifted quantized layer), model code outside attention (rope, norms, MoE
 routing, the indexer's projections) and a config read wrongly all give the same wrong answer on every
@@ -31,6 +33,7 @@ import torch
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.layer_kinds import LATENT_KINDS
 from mlaserve.entrypoints.llm import LLM
+from mlaserve.entrypoints.verify_index_scores import index_score_checks
 from mlaserve.entrypoints.verify_kv8 import kv8_pairs
 from mlaserve.entrypoints.verify_v4 import is_v4, v4_pairs
 from mlaserve.entrypoints.verify_v4_kv8 import v4_kv8_checks
@@ -126,6 +129,8 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
         checks += kv8_pairs(llm, base, ids, logits_with, Check)
     if cfg.cache.kv_cache_dtype != "auto" and v4:  # the 8-bit rows against the exact ones (verify_v4_kv8.py)
         checks += v4_kv8_checks(llm, base, ids, logits_with, Check)
+    if cfg.attention.index_scores == "bf16" and len(ids) > 1:
+        checks += index_score_checks(llm, base, ids, logits_with, Check)
     return checks
 
 

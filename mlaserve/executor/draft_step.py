@@ -43,6 +43,7 @@ def build_draft_step(
         cfg.runtime.dtype,
         cfg.attention.backend,
         *route_extra,
+        index_scores=cfg.attention.index_scores,
     )
     if tracer.enabled:
         rec = step_record(step_no, batch, plan, 1, ())

@@ -230,6 +230,7 @@ class ModelRunner:
             self.v4_csa_dense,
             # DeepSeek-V4: the softmax its model was built to run (V4Serving), recorded as what ran
             getattr(self.model, "v4_implementation", "torch:padded_batch+batched_state"),
+            cfg.attention.index_scores,
         )
         return batch, route
 

@@ -301,6 +301,7 @@ class DecodeStepArgs(ctypes.Structure):
         ("topk", ctypes.c_int64),
         ("sel_index", ctypes.c_void_p),
         ("sel_valid", ctypes.c_void_p),
+        ("index_bf16", ctypes.c_int64),  # the route's index_scoring: 1 "bf16", 0 "fp32"
     ]
 
 
@@ -399,11 +400,18 @@ def decode_layers(stack: LayerStack, step: DecodeStepArgs, x: torch.Tensor, stat
 
 
 def index_topk(
-    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: torch.Tensor,
+    kv_slots: torch.Tensor,
+    mask: torch.Tensor,
+    k: int,
+    bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused decode layer's DSA top-k (csrc/indexer.c mls_index_topk) on its own, for its tests: q [T, Hi, Di],
-    w [T, Hi] (Di^-0.5 folded in), keys [S, Di], kv_slots [T, L] int64, mask [T, L] bool, all contiguous fp32 /
-    int64 on the CPU -> (positions [T, k] int64 in position order, valid [T, k] bool)."""
+    """The fused decode layer's DSA top-k (csrc/indexer.c mls_index_topk) on its own: q [T, Hi, Di], w [T, Hi]
+    (Di^-0.5 folded in), keys [S, Di], kv_slots [T, L] int64, mask [T, L] bool, all contiguous fp32 / int64 on the
+    CPU -> (positions [T, k] int64 in position order, valid [T, k] bool). bf16: the scores of q and the keys rounded
+    to bf16 (the route's index_scoring "bf16"), else fp32."""
     t, hi, di = q.shape
     tensors = (q, w, keys, kv_slots, mask)
     if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
@@ -412,7 +420,7 @@ def index_topk(
     valid = torch.empty(t, k, dtype=torch.bool)
     rc = library().mls_index_topk(
         q.data_ptr(), w.data_ptr(), t, hi, di, keys.data_ptr(), kv_slots.data_ptr(), mask.data_ptr(),
-        kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+        kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), int(bf16), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native index_topk refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
@@ -420,11 +428,11 @@ def index_topk(
 
 
 def index_topk8(
-    q: torch.Tensor, w: torch.Tensor, keys, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
+    q: torch.Tensor, w: torch.Tensor, keys, kv_slots: torch.Tensor, mask: torch.Tensor, k: int, bf16: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """index_topk over index keys kept as FP8 e4m3 with a scale per key (keys: a cache/quantized_rows.QuantizedRows
     of one block per row), decoded where they lie (csrc/indexer.c mls_index_topk8): the result equals index_topk
-    over the dequantized keys. Same shapes and contracts as index_topk."""
+    over the dequantized keys. Same shapes and contracts as index_topk (bf16 too)."""
     t, hi, di = q.shape
     fmt = keys.fmt
     if fmt.codes != "fp8_e4m3" or fmt.scales != 1 or fmt.quantized != di or fmt.kept:
@@ -436,7 +444,7 @@ def index_topk8(
     valid = torch.empty(t, k, dtype=torch.bool)
     rc = library().mls_index_topk8(
         q.data_ptr(), w.data_ptr(), t, hi, di, keys.codes.data_ptr(), keys.scales.data_ptr(), kv_slots.data_ptr(),
-        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), int(bf16), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native index_topk8 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
@@ -444,11 +452,11 @@ def index_topk8(
 
 
 def index_topk16(
-    q: torch.Tensor, w: torch.Tensor, keys, kv_slots: torch.Tensor, mask: torch.Tensor, k: int
+    q: torch.Tensor, w: torch.Tensor, keys, kv_slots: torch.Tensor, mask: torch.Tensor, k: int, bf16: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """index_topk over index keys kept in 16 bits (keys: a cache/quantized_rows.QuantizedRows of a 16-bit format),
     widened where they lie (csrc/indexer.c mls_index_topk16): the result equals index_topk over the widened keys.
-    Same shapes and contracts as index_topk."""
+    Same shapes and contracts as index_topk (bf16 too)."""
     t, hi, di = q.shape
     fmt = keys.fmt
     if not fmt.half or fmt.quantized != di or not keys.codes.is_contiguous():
@@ -460,7 +468,7 @@ def index_topk16(
     valid = torch.empty(t, k, dtype=torch.bool)
     rc = library().mls_index_topk16(
         q.data_ptr(), w.data_ptr(), t, hi, di, keys.codes.data_ptr(), HALF_KINDS[fmt.codes], kv_slots.data_ptr(),
-        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), torch.get_num_threads(),
+        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), int(bf16), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native index_topk16 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")

@@ -30,7 +30,7 @@ from mlaserve.loading.checkpoint_tokenizer import folder_tokenizer, gguf_tokeniz
 from mlaserve.loading.files import path_problem, read_json, regular_file
 from mlaserve.loading.loaded import Checkpoint, LoadedModel
 from mlaserve.loading.prefetch import start_prefetch
-from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, native_probe, stored_bf16
+from mlaserve.loading.probes import has_gguf_blocks, has_indexer_weights, indexer_bits, native_probe, stored_bf16
 from mlaserve.loading.rank_view import RankView, rank_view
 from mlaserve.loading.safetensors_source import SafetensorsSource, WeightError
 from mlaserve.loading.tensor_check import format_bad, scan_gguf, scan_model
@@ -151,6 +151,7 @@ def open_checkpoint(path: str | Path, opts: EngineOptions) -> Checkpoint:
         gguf=path.is_file(),
         stored_bf16=lambda: stored_bf16(source),
         triton=triton_mode,
+        indexer_bits=lambda: indexer_bits(source),
     )
     template = tokenizer.chat_template if tokenizer is not None else None
     encoding = set_encoding(tokenizer, model_cfg.model_type)

@@ -1,12 +1,30 @@
 """What a load asks of the checkpoint's headers and of the machine before any weight is read, for resolve(): whether
-the checkpoint carries DSA indexer weights, holds GGUF blocks, stores its matrices in bfloat16, and whether the
-native kernels build (no tensor is read)."""
+the checkpoint carries DSA indexer weights (and how wide their stored values are), holds GGUF blocks, stores its
+matrices in bfloat16, and whether the native kernels build (no tensor is read)."""
 
 from __future__ import annotations
 
 
 def has_indexer_weights(names: list[str]) -> bool:
     return any(".self_attn.indexer." in n for n in names)
+
+
+# the per-token DSA indexer's projections of the query and the key (wq_b, wk): what its scores are made of
+INDEXER_PROJECTIONS = (".self_attn.indexer.wq_b.", ".self_attn.indexer.wk.")
+
+
+def indexer_bits(source) -> tuple[int, str] | None:
+    """(the widest bits per stored value among the block types of the indexer's query and key projections, that
+    type's name: kernels/bf16_prefill.WEIGHT_BITS) in a GGUF; float ones (F16 / BF16 / F32, which a converter leaves
+    where rows do not fill whole blocks) are passed over. None where the checkpoint is not a GGUF, has no per-token
+    indexer, or keeps those projections in float."""
+    from mlaserve.kernels.bf16_prefill import WEIGHT_BITS
+
+    if not hasattr(source, "gguf_type"):
+        return None
+    types = {source.gguf_type(n) for n in source.names() if any(p in n for p in INDEXER_PROJECTIONS)}
+    blocks = [(WEIGHT_BITS.get(t, 32), t) for t in types if t not in ("F16", "BF16", "F32")]
+    return max(blocks) if blocks else None
 
 
 def native_probe() -> tuple[bool, str]:

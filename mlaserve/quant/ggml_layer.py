@@ -320,9 +320,10 @@ class FusedStep:
 
 def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
     """The step's shared arguments when it is a pure decode step the native layers take, else None (then every
-    layer runs its per-op path): one absorbed segment (dense, or sparse with fp32 or FP8 index keys) on the
-    native backend, one query per request in request order, at most BLOCK_TOKENS of them, fp32 rope and caches
-    (fp32 rows, or 8-bit rows with fp32 kept values) on the CPU."""
+    layer runs its per-op path): one absorbed segment (dense, or sparse with fp32 or FP8 index keys, scored in fp32
+    or from bf16-rounded values: the route's index_scoring, the step's index_bf16) on the native backend, one query
+    per request in request order, at most BLOCK_TOKENS of them, fp32 rope and caches (fp32 rows, or 8-bit rows with
+    fp32 kept values) on the CPU."""
     if len(step.kinds) != 1:
         return None  # the C layers run one MLA route for the whole stack
     (mine,) = step.kinds.values()
@@ -360,6 +361,7 @@ def decode_step(step: StepContext, cache: ModelCache) -> FusedStep | None:
     args = native_layers.DecodeStepArgs(
         t, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), first.shape[0], q_index.data_ptr(), kv_slots.data_ptr(),
         mask.data_ptr(), kv_slots.shape[1], int(plan.sparse), topk, *(x.data_ptr() if x is not None else None for x in sel),
+        int(seg.segment.index_scoring == "bf16"),
     )  # fmt: skip
     return FusedStep(args, (kv_slots, mask, q_index, cos, sin, slots, *sel), carry)
 

@@ -33,6 +33,7 @@ WHERE = {
     "decode_threshold": "scheduler.decode_threshold",
     "is_sparse": "attention.sparse",
     "index_topk": "attention.index_topk",
+    "index_scores": "attention.index_scores",
     "mla_path": "attention.mla_path",
     "attention_backend": "attention.backend",
     "v4_kv_rounding": "attention.v4_kv_rounding",

@@ -103,18 +103,24 @@ def _mqa(cache):
 
 
 def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk: int) -> torch.Tensor:
-    """The torch backend's scoring, except over FP8 or 16-bit keys (kv_cache_dtype) in a decode segment (one query
-    per request): there the C top-k (csrc/indexer.c mls_index_topk8 / mls_index_topk16, the fused decode layer's
-    scoring) reads the codes where they lie instead of a dequantized copy of every key. Positions [B, 1, k], a set as torch's."""
+    """The torch backend's scoring, except in a decode segment (one query per request) over FP8 or 16-bit keys
+    (kv_cache_dtype) or scored "bf16" (index_scores): there the C top-k (csrc/indexer.c mls_index_topk /
+    mls_index_topk8 / mls_index_topk16, the fused decode layer's scoring) reads the keys where they lie instead of
+    a gathered (dequantized) copy of every key. Positions [B, 1, k], a set as torch's."""
     b, nq = seg.q_index.shape
-    if isinstance(keys, torch.Tensor) or nq != 1 or native.library() is None:
+    bf16 = seg.segment.index_scoring == "bf16"
+    plain = isinstance(keys, torch.Tensor)
+    if (plain and not (bf16 and keys.dtype == torch.float32)) or nq != 1 or native.library() is None:
         return torch_index.index_topk(q, w, keys, seg, topk)
     k = min(topk, seg.kv_slots.shape[1])
     rows = seg.q_index[:, 0]
-    topk_coded = native_layers.index_topk16 if keys.fmt.half else native_layers.index_topk8
-    index, _ = topk_coded(
-        q.index_select(0, rows).float().contiguous(), w.index_select(0, rows).float().contiguous(), keys,
-        seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous(), k,
+    if plain:
+        topk_c = native_layers.index_topk
+    else:
+        topk_c = native_layers.index_topk16 if keys.fmt.half else native_layers.index_topk8
+    index, _ = topk_c(
+        q.index_select(0, rows).float().contiguous(), w.index_select(0, rows).float().contiguous(),
+        keys if not plain else keys.contiguous(), seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous(), k, bf16,
     )  # fmt: skip
     return index.view(b, 1, k)
 

@@ -5,6 +5,8 @@ Notation
   q [B, Q, Hi, Di] queries, keys [B, L, Di] gathered key rows, w [B, Q, Hi] head weights (Di^-0.5 folded in)
 Scoring (the segment's `index_scoring`, decided by the router)
   fp32            q and every key upcast to fp32, one GEMM: the reference's arithmetic.
+  bf16            q and every key rounded to bf16 (to nearest even), then scored as fp32 is: the engine's
+                  index_scores="bf16" (config/index_scores.py), the C kernel's values (csrc/indexer.c).
   bf16_then_fp32  over bf16 keys: score every key with bf16 GEMMs (exact products, each
                   result rounded once to bf16: relative error u = 2^-8 per head score, weight and
                   sum), which bounds each fp32 score within +-E, E = BF16_SCORE_ERROR *
@@ -38,9 +40,16 @@ def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seg: Segmen
         decode = seg.segment.phase == "decode"
         blocks = query_blocks(nq, per_query)
         return torch.cat([_top_k_bf16_then_fp32(qb[:, s], kb, wb[:, s], seg.mask[:, s], k, decode) for s in blocks], 1)
-    kf = kb.float()
+    rounded = seg.segment.index_scoring == "bf16"
+    kf = round_bf16(kb) if rounded else kb.float()
+    qf = round_bf16(qb) if rounded else qb.float()
     blocks = query_blocks(nq, 4 * b * (hi + 2) * length)
-    return torch.cat([_top_k(_scores(qb[:, s].float(), kf, wb[:, s]), seg.mask[:, s], k) for s in blocks], dim=1)
+    return torch.cat([_top_k(_scores(qf[:, s], kf, wb[:, s]), seg.mask[:, s], k) for s in blocks], dim=1)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (to nearest even) and widened back to fp32: the values index_scoring "bf16" scores."""
+    return x.to(torch.bfloat16).float()
 
 
 # Bound on |approximate - fp32 score| relative to E~ = sum_h |w_h| ReLU(s~_h), both from bf16 GEMMs.

@@ -109,12 +109,14 @@ static int indexer_step(const mls_layer_t *ly, const mls_decode_step_t *st, cons
     }
     if (!rc && st->topk && index_keys->half)
         rc = mls_index_topk16(qi, wt, t, hi, di, (const uint16_t *)index_keys->codes, (int)index_keys->half,
-                              st->kv_slots, st->mask, st->l, st->topk, st->sel_index, st->sel_valid, threads);
+                              st->kv_slots, st->mask, st->l, st->topk, st->sel_index, st->sel_valid,
+                              (int)st->index_bf16, threads);
     else if (!rc && st->topk)
         rc = eight ? mls_index_topk8(qi, wt, t, hi, di, index_keys->codes, index_keys->scales, st->kv_slots,
-                                     st->mask, st->l, st->topk, st->sel_index, st->sel_valid, threads)
+                                     st->mask, st->l, st->topk, st->sel_index, st->sel_valid, (int)st->index_bf16,
+                                     threads)
                    : mls_index_topk(qi, wt, t, hi, di, index_keys->rows, st->kv_slots, st->mask, st->l, st->topk,
-                                    st->sel_index, st->sel_valid, threads);
+                                    st->sel_index, st->sel_valid, (int)st->index_bf16, threads);
     free(qi);
     return rc;
 }

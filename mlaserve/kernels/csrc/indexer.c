@@ -11,7 +11,12 @@
    at most K allowed positions, every one of them followed by disallowed positions marked invalid (what the
    per-op path's top-k over -inf scores keeps: a position it never attends).
    Ties at the K-th score: the earlier positions are kept (torch's topk leaves the choice unspecified; with
-   fp32 scores summed over >= 8 heads exact ties do not occur in practice). */
+   fp32 scores summed over >= 8 heads exact ties do not occur in practice).
+   bf16 scores (the route's index_scoring "bf16", a lossy choice: config/index_scores.py): q and every key rounded
+   to bf16 (to nearest even) before the dot products, which are summed in fp32, as are the weighted ReLUs.
+   On AVX512-BF16 the products run as vdpbf16ps over pairs of values (index_scores_pairs: half the instructions
+   of the fp32 fmas, each product exact in fp32, bf16 subnormals read as zero), elsewhere as the fp32 path over
+   the rounded values (index_key's round16): the same selection up to fp32 summation order. */
 
 /* the K-th largest of a[0..n) (1 <= K <= n); reorders a. Hoare partitions around a median of three. */
 static float kth_largest(float *a, int64_t n, int64_t k) {
@@ -75,52 +80,70 @@ static void index_keys_write(float *k, float *q, float *w, int64_t t, int64_t hi
    an fp32 key is: the result equals the fp32 path's over the dequantized keys. */
 static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                       const uint8_t *codes8, const float *scales8, int half, const int64_t *kv_slots,
-                      const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads);
+                      const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int bf16,
+                      int threads);
 
 int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                    const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
-                   uint8_t *sel_valid, int threads) {
-    return index_topk(q, w, t, hi, di, keys, NULL, NULL, 0, kv_slots, mask, l, k, sel_index, sel_valid, threads);
+                   uint8_t *sel_valid, int bf16, int threads) {
+    if (bf16 && di > 1024) return -3; /* the rounded key's stack buffer */
+    return index_topk(q, w, t, hi, di, keys, NULL, NULL, 0, kv_slots, mask, l, k, sel_index, sel_valid, bf16,
+                      threads);
 }
 
 int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
                     const float *scales, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k,
-                    int64_t *sel_index, uint8_t *sel_valid, int threads) {
+                    int64_t *sel_index, uint8_t *sel_valid, int bf16, int threads) {
     if (di > 1024) return -3; /* the decoded key's stack buffer */
     if (!e4m3_ready) e4m3_init();
-    return index_topk(q, w, t, hi, di, NULL, codes, scales, 0, kv_slots, mask, l, k, sel_index, sel_valid, threads);
+    return index_topk(q, w, t, hi, di, NULL, codes, scales, 0, kv_slots, mask, l, k, sel_index, sel_valid, bf16,
+                      threads);
 }
 
 /* The top-k over keys kept in 16 bits (rows16.c; keys16 [S, Di], half HALF_F16 / HALF_BF16), each widened where it
    lies: the result equals the fp32 path's over the widened keys. */
 int mls_index_topk16(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint16_t *keys16,
                      int half, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
-                     uint8_t *sel_valid, int threads) {
+                     uint8_t *sel_valid, int bf16, int threads) {
     if (di > 1024) return -3; /* the decoded key's stack buffer */
     if (half != HALF_F16 && half != HALF_BF16) return -2;
     return index_topk(q, w, t, hi, di, NULL, (const uint8_t *)keys16, NULL, half, kv_slots, mask, l, k, sel_index,
-                      sel_valid, threads);
+                      sel_valid, bf16, threads);
 }
 
 /* Where a layer's index keys lie: fp32 rows (keys), or codes8 with half (16-bit rows, rows16.c) or with scales8
-   (FP8 e4m3 codes and a scale per key) */
+   (FP8 e4m3 codes and a scale per key); round16: bf16 scores without AVX512-BF16, each key rounded to bf16 as
+   it is read (index_key) */
 typedef struct {
     const float *keys;
     const uint8_t *codes8;
     const float *scales8;
     int half;
+    int round16;
     int64_t di;
 } index_keys_t;
 
-/* the key at slot `slot` as fp32: the cache's row itself, or (8 / 16-bit caches) decoded into buf [Di] */
+/* whether index_key writes into its buffer (an 8 / 16-bit cache's decoded key, or a rounded one) */
+static inline int index_key_buffered(const index_keys_t *kc) { return kc->codes8 || kc->round16; }
+
+/* x [n] rounded to bf16 (to nearest even, as torch's cast) and widened back: y [n] (y may be x) */
+static inline void round_bf16(const float *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
+/* the key at slot `slot` as fp32: the cache's row itself, or (8 / 16-bit caches, round16) decoded or rounded into
+   buf [Di] */
 static inline const float *index_key(const index_keys_t *kc, int64_t slot, float *buf) {
     const int64_t di = kc->di;
-    if (!kc->codes8) return kc->keys + slot * di;
-    if (kc->half)
+    const float *key = buf;
+    if (!kc->codes8)
+        key = kc->keys + slot * di;
+    else if (kc->half)
         row16_decode((const uint16_t *)kc->codes8 + slot * di, kc->half, di, buf);
     else
         e4m3_scaled(kc->codes8 + slot * di, kc->scales8[slot], di, buf);
-    return buf;
+    if (kc->round16) round_bf16(key, di, buf);
+    return kc->round16 ? buf : key;
 }
 
 /* s[a] = score of the key at slot sl[pos[a]], a < n_ok, for one token (qt [Hi, Di], wt [Hi]): row by row, each
@@ -130,7 +153,7 @@ static void index_scores_rows(const index_keys_t *kc, const float *qt, const flo
     const int64_t di = kc->di;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
     for (int64_t a = 0; a < n_ok; a++) {
-        float decoded[kc->codes8 ? di : 1];
+        float decoded[index_key_buffered(kc) ? di : 1];
         const float *key = index_key(kc, sl[pos[a]], decoded);
         float hs[MQA_HS], sum = 0.0f;
         for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
@@ -201,11 +224,90 @@ static void index_scores_by_lanes(const index_keys_t *kc, const float *qt, const
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t a0 = b * INDEX_KEYS, n = n_ok - a0 < INDEX_KEYS ? n_ok - a0 : INDEX_KEYS;
-        float buf[kc->codes8 ? INDEX_KEYS * di : 1];
+        const int buffered = index_key_buffered(kc);
+        float buf[buffered ? INDEX_KEYS * di : 1];
         const float *kr[INDEX_KEYS];
         for (int j = 0; j < INDEX_KEYS; j++) /* a short block repeats its last key (not stored) */
-            kr[j] = j < n ? index_key(kc, sl[pos[a0 + j]], buf + (kc->codes8 ? j * di : 0)) : kr[n - 1];
+            kr[j] = j < n ? index_key(kc, sl[pos[a0 + j]], buf + (buffered ? j * di : 0)) : kr[n - 1];
         index_scores_lanes(qtr, wpad, hp, di, kr, n, s + a0);
+    }
+}
+#endif
+
+#ifdef MLS_BF16_DOT
+/* index_scores_lanes in bf16: qp [Di / 2, hp] the token's queries as bf16 pairs (q[h, 2p] in the low half,
+   q[h, 2p + 1] in the high, the padding heads zero), kp the four keys as bf16 pairs [Di / 2]; per pair one broadcast
+   of each key's pair times the row qp[p] (vdpbf16ps: every head's two products added to its fp32 sum at once, half
+   the instructions of the fp32 fmas). c = hp / 16 a constant at each call (index_scores_pairs' switch), so the
+   accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pairs_lanes(const uint32_t *qp, const float *wpad, int64_t hp,
+                                                              int64_t di, const uint32_t *const kp[INDEX_KEYS],
+                                                              int64_t n, float *s, const int c) {
+    __m512 acc[INDEX_KEYS][INDEX_LANES];
+    for (int j = 0; j < INDEX_KEYS; j++)
+        for (int h = 0; h < c; h++) acc[j][h] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < di / 2; p++) {
+        const uint32_t *row = qp + p * hp;
+        __m512i kv[INDEX_KEYS];
+        for (int j = 0; j < INDEX_KEYS; j++) kv[j] = _mm512_set1_epi32((int)kp[j][p]);
+        for (int h = 0; h < c; h++) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(row + 16 * h);
+            for (int j = 0; j < INDEX_KEYS; j++) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], (__m512bh)kv[j], qv);
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int h = 0; h < c; h++)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(acc[j][h], _mm512_setzero_ps()), sum);
+        s[j] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+static void index_scores_pairs(const uint32_t *qp, const float *wpad, int64_t hp, int64_t di,
+                               const uint32_t *const kp[INDEX_KEYS], int64_t n, float *s) {
+    switch (hp / 16) {
+    case 1: pairs_lanes(qp, wpad, hp, di, kp, n, s, 1); break;
+    case 2: pairs_lanes(qp, wpad, hp, di, kp, n, s, 2); break;
+    case 3: pairs_lanes(qp, wpad, hp, di, kp, n, s, 3); break;
+    default: pairs_lanes(qp, wpad, hp, di, kp, n, s, 4); break;
+    }
+}
+
+/* the key at slot `slot` as bf16 pairs [Di / 2]: a bf16 cache's row itself, else the fp32 key (index_key: the row,
+   or an 8 / 16-bit one decoded into fbuf) rounded to nearest even into hbuf by vcvtne2ps2bf16 (fp32 subnormals
+   read as zero, as vdpbf16ps reads bf16 ones). Di a multiple of 32. */
+static inline const uint32_t *index_key_pairs(const index_keys_t *kc, int64_t slot, float *fbuf, uint16_t *hbuf) {
+    const int64_t di = kc->di;
+    if (kc->codes8 && kc->half == HALF_BF16) return (const uint32_t *)((const uint16_t *)kc->codes8 + slot * di);
+    const float *key = index_key(kc, slot, fbuf);
+    for (int64_t i = 0; i < di; i += 32) {
+        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(key + i + 16), _mm512_loadu_ps(key + i));
+        _mm512_storeu_si512(hbuf + i, (__m512i)h);
+    }
+    return (const uint32_t *)hbuf;
+}
+
+/* index_scores_by_lanes in bf16 (kc->round16 0: the keys are rounded here). qtr [Di / 2 * hp] room for the token's
+   query pairs, wpad [hp] for its weights. */
+static void index_scores_by_pairs(const index_keys_t *kc, const float *qt, const float *wt, int64_t hi, int64_t hp,
+                                  uint32_t *qtr, float *wpad, const int64_t *sl, const int64_t *pos, int64_t n_ok,
+                                  float *s, int threads) {
+    const int64_t di = kc->di, blocks = (n_ok + INDEX_KEYS - 1) / INDEX_KEYS;
+    for (int64_t h = 0; h < hi; h++) {
+        wpad[h] = wt[h];
+        for (int64_t p = 0; p < di / 2; p++)
+            qtr[p * hp + h] = (uint32_t)f32_to_bf16(qt[h * di + 2 * p]) |
+                              (uint32_t)f32_to_bf16(qt[h * di + 2 * p + 1]) << 16;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t a0 = b * INDEX_KEYS, n = n_ok - a0 < INDEX_KEYS ? n_ok - a0 : INDEX_KEYS;
+        float fbuf[kc->codes8 ? di : 1];
+        uint16_t hbuf[INDEX_KEYS * di];
+        const uint32_t *kp[INDEX_KEYS];
+        for (int j = 0; j < INDEX_KEYS; j++) /* a short block repeats its last key (not stored) */
+            kp[j] = j < n ? index_key_pairs(kc, sl[pos[a0 + j]], fbuf, hbuf + j * di) : kp[n - 1];
+        index_scores_pairs(qtr, wpad, hp, di, kp, n, s + a0);
     }
 }
 #endif
@@ -228,54 +330,92 @@ static void select_top_k(const float *s, float *tmp, const int64_t *pos, int64_t
     }
 }
 
+/* how a token's scores run: the bf16 pairs (AVX512-BF16), the fp32 lanes (AVX-512, up to 64 heads), or rows */
+enum { SCORE_ROWS, SCORE_LANES, SCORE_PAIRS };
+
+/* a call's scratch: the token's transposed queries (fp32 lanes or bf16 pairs) and its padded weights, the scores
+   and the allowed positions; and without AVX512-BF16, bf16 scores' rounded queries (qround [Hi Di]) */
+typedef struct {
+    float *qtr, *wpad, *s, *qround;
+    int64_t *pos;
+} index_scratch_t;
+
+static int index_scratch(int how, int bf16, int64_t hi, int64_t hp, int64_t di, int64_t l, index_scratch_t *sc) {
+    const size_t tr = how == SCORE_ROWS ? 0 : (size_t)(di * hp + hp); /* the pairs take half of di * hp */
+    sc->qtr = tr ? (float *)calloc(tr, sizeof(float)) : NULL;
+    sc->wpad = sc->qtr ? sc->qtr + di * hp : NULL;
+    sc->qround = bf16 && how != SCORE_PAIRS ? (float *)malloc(sizeof(float) * (size_t)(hi * di)) : NULL;
+    sc->s = (float *)malloc(sizeof(float) * (size_t)(2 * l) + 1);
+    sc->pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
+    return (tr && !sc->qtr) || (bf16 && how != SCORE_PAIRS && !sc->qround) || !sc->s || !sc->pos ? -4 : 0;
+}
+
+static void index_scratch_free(index_scratch_t *sc) {
+    free(sc->qtr);
+    free(sc->qround);
+    free(sc->s);
+    free(sc->pos);
+}
+
+/* s [n_ok]: one token's scores of the allowed positions pos, by the chosen way */
+static void index_scores(int how, const index_keys_t *kc, const float *qt, const float *wt, int64_t hi, int64_t hp,
+                         index_scratch_t *sc, const int64_t *sl, int64_t n_ok, int threads) {
+#ifdef MLS_BF16_DOT
+    if (how == SCORE_PAIRS) {
+        index_scores_by_pairs(kc, qt, wt, hi, hp, (uint32_t *)sc->qtr, sc->wpad, sl, sc->pos, n_ok, sc->s, threads);
+        return;
+    }
+#endif
+    if (kc->round16) { /* bf16 scores on the fp32 kernels: the query rounded here, each key as index_key reads it */
+        round_bf16(qt, hi * kc->di, sc->qround);
+        qt = sc->qround;
+    }
+#ifdef MLS_AVX512
+    if (how == SCORE_LANES) {
+        index_scores_by_lanes(kc, qt, wt, hi, hp, sc->qtr, sl, sc->pos, n_ok, sc->s, threads);
+        return;
+    }
+#endif
+    index_scores_rows(kc, qt, wt, hi, sl, sc->pos, n_ok, sc->s, threads);
+}
+
 static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                       const uint8_t *codes8, const float *scales8, int half, const int64_t *kv_slots,
-                      const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int threads) {
+                      const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index, uint8_t *sel_valid, int bf16,
+                      int threads) {
     if (k <= 0 || k > l) return -2;
-    const index_keys_t kc = {keys, codes8, scales8, half, di};
+    const int64_t hp = (hi + 15) / 16 * 16; /* up to 64 heads: the lane scorers */
+    int how = SCORE_ROWS;
 #ifdef MLS_AVX512
-    const int64_t hp = (hi + 15) / 16 * 16; /* up to 64 heads: the lane scorer */
-    float *qtr = hp <= 16 * INDEX_LANES ? (float *)calloc((size_t)(di * hp + hp), sizeof(float)) : NULL;
-    if (hp <= 16 * INDEX_LANES && !qtr) return -4;
+    if (hp <= 16 * INDEX_LANES) how = SCORE_LANES;
 #endif
-    float *s = (float *)malloc(sizeof(float) * (size_t)(2 * l) + 1);
-    int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1);
-    if (!s || !pos) {
-        free(s);
-        free(pos);
-#ifdef MLS_AVX512
-        free(qtr);
+#ifdef MLS_BF16_DOT
+    if (bf16 && how == SCORE_LANES && di % 32 == 0) how = SCORE_PAIRS;
 #endif
+    const index_keys_t kc = {keys, codes8, scales8, half, bf16 && how != SCORE_PAIRS, di};
+    index_scratch_t sc;
+    if (index_scratch(how, bf16, hi, hp, di, l, &sc)) {
+        index_scratch_free(&sc);
         return -4;
     }
     for (int64_t tok = 0; tok < t; tok++) {
         const uint8_t *m = mask + tok * l;
         const int64_t *sl = kv_slots + tok * l;
-        const float *qt = q + tok * hi * di, *wt = w + tok * hi;
         int64_t *idx = sel_index + tok * k;
         uint8_t *val = sel_valid + tok * k;
         int64_t n_ok = 0;
         for (int64_t j = 0; j < l; j++)
-            if (m[j]) pos[n_ok++] = j;
+            if (m[j]) sc.pos[n_ok++] = j;
         if (n_ok <= k) { /* every allowed position, then disallowed ones (never attended) up to K */
             int64_t c = 0;
-            for (int64_t a = 0; a < n_ok; a++) idx[c] = pos[a], val[c++] = 1;
+            for (int64_t a = 0; a < n_ok; a++) idx[c] = sc.pos[a], val[c++] = 1;
             for (int64_t j = 0; j < l && c < k; j++)
                 if (!m[j]) idx[c] = j, val[c++] = 0;
             continue;
         }
-#ifdef MLS_AVX512
-        if (qtr)
-            index_scores_by_lanes(&kc, qt, wt, hi, hp, qtr, sl, pos, n_ok, s, threads);
-        else
-#endif
-            index_scores_rows(&kc, qt, wt, hi, sl, pos, n_ok, s, threads);
-        select_top_k(s, s + l, pos, n_ok, k, idx, val);
+        index_scores(how, &kc, q + tok * hi * di, w + tok * hi, hi, hp, &sc, sl, n_ok, threads);
+        select_top_k(sc.s, sc.s + l, sc.pos, n_ok, k, idx, val);
     }
-    free(s);
-    free(pos);
-#ifdef MLS_AVX512
-    free(qtr);
-#endif
+    index_scratch_free(&sc);
     return 0;
 }

@@ -118,6 +118,7 @@ static const mls_layout_entry_t LAYOUT[] = {
     FIELD(mls_decode_step_t, topk),
     FIELD(mls_decode_step_t, sel_index),
     FIELD(mls_decode_step_t, sel_valid),
+    FIELD(mls_decode_step_t, index_bf16),
 
     STRUCT(mls_rows_t),
     FIELD(mls_rows_t, rows),

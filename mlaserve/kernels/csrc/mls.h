@@ -134,6 +134,7 @@ typedef struct { /* one decode step, shared by every layer */
     int64_t topk;            /* K = min(index_topk, L) when the step selects (plan.needs_selection); 0: every row */
     int64_t *sel_index;      /* [T, K] the selected positions on the key axis: written by a full layer, read by the */
     uint8_t *sel_valid;      /* [T, K] shared layers after it; valid 0 where a request has fewer than K rows */
+    int64_t index_bf16;      /* the route's index_scoring: 1 bf16 (q and keys rounded to bf16), 0 fp32 */
 } mls_decode_step_t;
 
 typedef struct { /* a layer's paged state (latent rows or index keys): fp32 rows, 8-bit codes (rows8.c) or 16-bit
@@ -229,16 +230,18 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
                           const float *sin, int interleaved, float *cache, int64_t n_slots,
                           const int64_t *slots, int threads);
 
-/* indexer.c: a decode step's DSA top-k over index keys (exposed for its tests) */
+/* indexer.c: a decode step's DSA top-k over index keys (the per-op native path's, and its tests'); bf16 1: the
+   scores of q and the keys rounded to bf16 (the route's index_scoring "bf16"), 0 fp32. 0, -2 k outside [1, l],
+   -3 Di over 1024 (a key's stack buffer), -4 out of memory */
 int mls_index_topk(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const float *keys,
                    const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
-                   uint8_t *sel_valid, int threads);
+                   uint8_t *sel_valid, int bf16, int threads);
 int mls_index_topk8(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint8_t *codes,
                     const float *scales, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k,
-                    int64_t *sel_index, uint8_t *sel_valid, int threads);
+                    int64_t *sel_index, uint8_t *sel_valid, int bf16, int threads);
 int mls_index_topk16(const float *q, const float *w, int64_t t, int64_t hi, int64_t di, const uint16_t *keys16,
                      int half, const int64_t *kv_slots, const uint8_t *mask, int64_t l, int64_t k, int64_t *sel_index,
-                     uint8_t *sel_valid, int threads);
+                     uint8_t *sel_valid, int bf16, int threads);
 
 /* decode_layer.c */
 int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const float *x, float *out,
