@@ -177,6 +177,18 @@ static void index_scores_rows(const index_keys_t *kc, const float *qt, const flo
    or rows of the 8 / 16-bit caches decoded by index_key); n <= 4 of them are scored into s[0 .. n). */
 #define INDEX_KEYS 4
 #define INDEX_LANES 4 /* hp <= 64 */
+/* s[j] = sum_h w[h] ReLU(acc[j][h]), j < n: each key's head sums (c groups of 16 lanes) weighted, then across lanes */
+static inline __attribute__((always_inline)) void weighted_relu_sums(__m512 acc[INDEX_KEYS][INDEX_LANES],
+                                                                     const float *wpad, int64_t n, float *s,
+                                                                     const int c) {
+    for (int j = 0; j < n; j++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int h = 0; h < c; h++)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(acc[j][h], _mm512_setzero_ps()), sum);
+        s[j] = _mm512_reduce_add_ps(sum);
+    }
+}
+
 static inline __attribute__((always_inline)) void lanes_c(const float *qt, const float *wpad, int64_t hp, int64_t di,
                                                           const float *const kr[INDEX_KEYS], int64_t n, float *s,
                                                           const int c) {
@@ -190,12 +202,7 @@ static inline __attribute__((always_inline)) void lanes_c(const float *qt, const
             for (int j = 0; j < INDEX_KEYS; j++) acc[j][h] = _mm512_fmadd_ps(_mm512_set1_ps(kr[j][d]), qv, acc[j][h]);
         }
     }
-    for (int j = 0; j < n; j++) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int h = 0; h < c; h++)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(acc[j][h], _mm512_setzero_ps()), sum);
-        s[j] = _mm512_reduce_add_ps(sum);
-    }
+    weighted_relu_sums(acc, wpad, n, s, c);
 }
 
 /* c = hp / 16 a constant at each call, so the accumulators stay in registers (with c known only at run time they
@@ -255,12 +262,7 @@ static inline __attribute__((always_inline)) void pairs_lanes(const uint32_t *qp
             for (int j = 0; j < INDEX_KEYS; j++) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], (__m512bh)kv[j], qv);
         }
     }
-    for (int j = 0; j < n; j++) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int h = 0; h < c; h++)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(acc[j][h], _mm512_setzero_ps()), sum);
-        s[j] = _mm512_reduce_add_ps(sum);
-    }
+    weighted_relu_sums(acc, wpad, n, s, c);
 }
 
 static void index_scores_pairs(const uint32_t *qp, const float *wpad, int64_t hp, int64_t di,
