@@ -76,9 +76,17 @@ def _coded(keys: torch.Tensor, fmt, topk) -> tuple:
     return rows, rows.rows(torch.arange(keys.shape[0])).float(), topk
 
 
-# (Hi, Di, L, k): 32 heads x 128 (the DSA benchmark model's indexer: the pairs kernel), 8 x 32 (one lane group),
-# 20 x 64 (padding heads in the second group), and 72 heads (over the lane scorers' 64: the row scorer)
-SHAPES = [(32, 128, 700, 64), (8, 32, 300, 16), (20, 64, 520, 40), (72, 32, 200, 24)]
+# (Hi, Di, L, k): 32 heads x 128 (the DSA benchmark model's indexer), 8 x 32 (one lane group), 20 x 64 (padding
+# heads in the second group): eight keys per pass; 40 x 32 and 64 x 64 (DeepSeek-V3.2's 64 heads): three and four
+# groups, four keys per pass; 72 heads (over the lane scorers' 64: the row scorer). Lengths leave short last passes.
+SHAPES = [
+    (32, 128, 700, 64),
+    (8, 32, 300, 16),
+    (20, 64, 523, 40),
+    (40, 32, 261, 20),
+    (64, 64, 302, 32),
+    (72, 32, 200, 24),
+]
 
 
 def _check_build() -> int:

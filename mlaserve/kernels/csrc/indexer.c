@@ -166,17 +166,22 @@ static void index_scores_rows(const index_keys_t *kc, const float *qt, const flo
 }
 
 #ifdef MLS_AVX512
-/* The scores of four keys at a time, with the heads along the vector lanes: qt [Di, hp] is the token's
+/* The scores of nk keys at a time (index_keys_per_pass), with the heads along the vector lanes: qt [Di, hp] is the token's
    queries transposed (hp = Hi rounded up to 16, the padding heads' queries and weights zero), and for each d one
    broadcast of each key's d-th value times the row qt[d] accumulates every head's dot product at once: no
    per-(key, head) horizontal sum (the row scorer spent ~600 cycles per key of 32 heads x 128 on those sums and on
    loading the queries once per fma; this is ~2 fmas per 16 multiply-adds, the fma bound).
    Each head's dot product is one fma chain over d (a different summation order from mqa_scores': scores agree to
    fp32 rounding, not bit for bit; the selection is held to torch's in tests/kernels/test_decode_layer_sparse.py).
-   score = sum_h w[h] ReLU(dot_h), summed in the lanes then across them. kr: the four keys in fp32 (the cache's rows,
-   or rows of the 8 / 16-bit caches decoded by index_key); n <= 4 of them are scored into s[0 .. n). */
-#define INDEX_KEYS 4
+   score = sum_h w[h] ReLU(dot_h), summed in the lanes then across them. kr: the nk keys in fp32 (the cache's rows,
+   or rows of the 8 / 16-bit caches decoded by index_key); n <= nk of them are scored into s[0 .. n). */
+#define INDEX_KEYS 8 /* keys per pass at most: 8 up to 32 heads (16 accumulators), 4 above (index_keys_per_pass) */
 #define INDEX_LANES 4 /* hp <= 64 */
+/* keys per pass of the lane scorers for hp heads: as many as keep the accumulators (keys x hp / 16) within 16 of
+   the 32 vector registers (8 keys for up to 32 heads: one query row's loads serve 8 keys' fmas; 4 keys took a
+   16K-key top-k of 32 heads x 128 0.9-1.6 ms, 8 keys 0.72-0.87, alternated on a 2-core AMD EPYC) */
+static inline int64_t index_keys_per_pass(int64_t hp) { return hp <= 32 ? 8 : 4; }
+
 /* s[j] = sum_h w[h] ReLU(acc[j][h]), j < n: each key's head sums (c groups of 16 lanes) weighted, then across lanes */
 static inline __attribute__((always_inline)) void weighted_relu_sums(__m512 acc[INDEX_KEYS][INDEX_LANES],
                                                                      const float *wpad, int64_t n, float *s,
@@ -191,38 +196,38 @@ static inline __attribute__((always_inline)) void weighted_relu_sums(__m512 acc[
 
 static inline __attribute__((always_inline)) void lanes_c(const float *qt, const float *wpad, int64_t hp, int64_t di,
                                                           const float *const kr[INDEX_KEYS], int64_t n, float *s,
-                                                          const int c) {
+                                                          const int c, const int nk) {
     __m512 acc[INDEX_KEYS][INDEX_LANES];
-    for (int j = 0; j < INDEX_KEYS; j++)
+    for (int j = 0; j < nk; j++)
         for (int h = 0; h < c; h++) acc[j][h] = _mm512_setzero_ps();
     for (int64_t d = 0; d < di; d++) {
         const float *row = qt + d * hp;
         for (int h = 0; h < c; h++) {
             const __m512 qv = _mm512_loadu_ps(row + 16 * h);
-            for (int j = 0; j < INDEX_KEYS; j++) acc[j][h] = _mm512_fmadd_ps(_mm512_set1_ps(kr[j][d]), qv, acc[j][h]);
+            for (int j = 0; j < nk; j++) acc[j][h] = _mm512_fmadd_ps(_mm512_set1_ps(kr[j][d]), qv, acc[j][h]);
         }
     }
     weighted_relu_sums(acc, wpad, n, s, c);
 }
 
-/* c = hp / 16 a constant at each call, so the accumulators stay in registers (with c known only at run time they
-   lived in memory: a 16K-key top-k of 32 heads x 128 took 1.9-2.1 ms instead of 0.9-1.3 on a 2-core AMD EPYC) */
+/* c = hp / 16 and nk constants at each call, so the accumulators stay in registers (with c known only at run time
+   they lived in memory: a 16K-key top-k of 32 heads x 128 took 1.9-2.1 ms instead of 0.9-1.3 on a 2-core AMD EPYC) */
 static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, int64_t di,
                                const float *const kr[INDEX_KEYS], int64_t n, float *s) {
     switch (hp / 16) {
-    case 1: lanes_c(qt, wpad, hp, di, kr, n, s, 1); break;
-    case 2: lanes_c(qt, wpad, hp, di, kr, n, s, 2); break;
-    case 3: lanes_c(qt, wpad, hp, di, kr, n, s, 3); break;
-    default: lanes_c(qt, wpad, hp, di, kr, n, s, 4); break;
+    case 1: lanes_c(qt, wpad, hp, di, kr, n, s, 1, 8); break;
+    case 2: lanes_c(qt, wpad, hp, di, kr, n, s, 2, 8); break;
+    case 3: lanes_c(qt, wpad, hp, di, kr, n, s, 3, 4); break;
+    default: lanes_c(qt, wpad, hp, di, kr, n, s, 4, 4); break;
     }
 }
 
-/* index_scores_rows' s, four keys per pass with the heads along the lanes. qtr [Di * hp + hp]: room for the
+/* index_scores_rows' s, nk keys per pass with the heads along the lanes. qtr [Di * hp + hp]: room for the
    token's queries transposed and its weights (zero beyond Hi) */
 static void index_scores_by_lanes(const index_keys_t *kc, const float *qt, const float *wt, int64_t hi, int64_t hp,
                                   float *qtr, const int64_t *sl, const int64_t *pos, int64_t n_ok, float *s,
                                   int threads) {
-    const int64_t di = kc->di, blocks = (n_ok + INDEX_KEYS - 1) / INDEX_KEYS;
+    const int64_t di = kc->di, nk = index_keys_per_pass(hp), blocks = (n_ok + nk - 1) / nk;
     float *wpad = qtr + di * hp;
     for (int64_t h = 0; h < hi; h++) {
         wpad[h] = wt[h];
@@ -230,11 +235,11 @@ static void index_scores_by_lanes(const index_keys_t *kc, const float *qt, const
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t a0 = b * INDEX_KEYS, n = n_ok - a0 < INDEX_KEYS ? n_ok - a0 : INDEX_KEYS;
+        const int64_t a0 = b * nk, n = n_ok - a0 < nk ? n_ok - a0 : nk;
         const int buffered = index_key_buffered(kc);
-        float buf[buffered ? INDEX_KEYS * di : 1];
+        float buf[buffered ? nk * di : 1];
         const float *kr[INDEX_KEYS];
-        for (int j = 0; j < INDEX_KEYS; j++) /* a short block repeats its last key (not stored) */
+        for (int j = 0; j < nk; j++) /* a short block repeats its last key (not stored) */
             kr[j] = j < n ? index_key(kc, sl[pos[a0 + j]], buf + (buffered ? j * di : 0)) : kr[n - 1];
         index_scores_lanes(qtr, wpad, hp, di, kr, n, s + a0);
     }
@@ -243,23 +248,22 @@ static void index_scores_by_lanes(const index_keys_t *kc, const float *qt, const
 
 #ifdef MLS_BF16_DOT
 /* index_scores_lanes in bf16: qp [Di / 2, hp] the token's queries as bf16 pairs (q[h, 2p] in the low half,
-   q[h, 2p + 1] in the high, the padding heads zero), kp the four keys as bf16 pairs [Di / 2]; per pair one broadcast
+   q[h, 2p + 1] in the high, the padding heads zero), kp the nk keys as bf16 pairs [Di / 2]; per pair one broadcast
    of each key's pair times the row qp[p] (vdpbf16ps: every head's two products added to its fp32 sum at once, half
    the instructions of the fp32 fmas). c = hp / 16 a constant at each call (index_scores_pairs' switch), so the
    accumulators stay in registers. */
 static inline __attribute__((always_inline)) void pairs_lanes(const uint32_t *qp, const float *wpad, int64_t hp,
                                                               int64_t di, const uint32_t *const kp[INDEX_KEYS],
-                                                              int64_t n, float *s, const int c) {
+                                                              int64_t n, float *s, const int c, const int nk) {
     __m512 acc[INDEX_KEYS][INDEX_LANES];
-    for (int j = 0; j < INDEX_KEYS; j++)
+    for (int j = 0; j < nk; j++)
         for (int h = 0; h < c; h++) acc[j][h] = _mm512_setzero_ps();
     for (int64_t p = 0; p < di / 2; p++) {
         const uint32_t *row = qp + p * hp;
-        __m512i kv[INDEX_KEYS];
-        for (int j = 0; j < INDEX_KEYS; j++) kv[j] = _mm512_set1_epi32((int)kp[j][p]);
         for (int h = 0; h < c; h++) {
             const __m512bh qv = (__m512bh)_mm512_loadu_si512(row + 16 * h);
-            for (int j = 0; j < INDEX_KEYS; j++) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], (__m512bh)kv[j], qv);
+            for (int j = 0; j < nk; j++)
+                acc[j][h] = _mm512_dpbf16_ps(acc[j][h], (__m512bh)_mm512_set1_epi32((int)kp[j][p]), qv);
         }
     }
     weighted_relu_sums(acc, wpad, n, s, c);
@@ -268,10 +272,10 @@ static inline __attribute__((always_inline)) void pairs_lanes(const uint32_t *qp
 static void index_scores_pairs(const uint32_t *qp, const float *wpad, int64_t hp, int64_t di,
                                const uint32_t *const kp[INDEX_KEYS], int64_t n, float *s) {
     switch (hp / 16) {
-    case 1: pairs_lanes(qp, wpad, hp, di, kp, n, s, 1); break;
-    case 2: pairs_lanes(qp, wpad, hp, di, kp, n, s, 2); break;
-    case 3: pairs_lanes(qp, wpad, hp, di, kp, n, s, 3); break;
-    default: pairs_lanes(qp, wpad, hp, di, kp, n, s, 4); break;
+    case 1: pairs_lanes(qp, wpad, hp, di, kp, n, s, 1, 8); break;
+    case 2: pairs_lanes(qp, wpad, hp, di, kp, n, s, 2, 8); break;
+    case 3: pairs_lanes(qp, wpad, hp, di, kp, n, s, 3, 4); break;
+    default: pairs_lanes(qp, wpad, hp, di, kp, n, s, 4, 4); break;
     }
 }
 
@@ -294,7 +298,7 @@ static inline const uint32_t *index_key_pairs(const index_keys_t *kc, int64_t sl
 static void index_scores_by_pairs(const index_keys_t *kc, const float *qt, const float *wt, int64_t hi, int64_t hp,
                                   uint32_t *qtr, float *wpad, const int64_t *sl, const int64_t *pos, int64_t n_ok,
                                   float *s, int threads) {
-    const int64_t di = kc->di, blocks = (n_ok + INDEX_KEYS - 1) / INDEX_KEYS;
+    const int64_t di = kc->di, nk = index_keys_per_pass(hp), blocks = (n_ok + nk - 1) / nk;
     for (int64_t h = 0; h < hi; h++) {
         wpad[h] = wt[h];
         for (int64_t p = 0; p < di / 2; p++)
@@ -303,11 +307,11 @@ static void index_scores_by_pairs(const index_keys_t *kc, const float *qt, const
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ok >= 512)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t a0 = b * INDEX_KEYS, n = n_ok - a0 < INDEX_KEYS ? n_ok - a0 : INDEX_KEYS;
+        const int64_t a0 = b * nk, n = n_ok - a0 < nk ? n_ok - a0 : nk;
         float fbuf[kc->codes8 ? di : 1];
-        uint16_t hbuf[INDEX_KEYS * di];
+        uint16_t hbuf[nk * di];
         const uint32_t *kp[INDEX_KEYS];
-        for (int j = 0; j < INDEX_KEYS; j++) /* a short block repeats its last key (not stored) */
+        for (int j = 0; j < nk; j++) /* a short block repeats its last key (not stored) */
             kp[j] = j < n ? index_key_pairs(kc, sl[pos[a0 + j]], fbuf, hbuf + j * di) : kp[n - 1];
         index_scores_pairs(qtr, wpad, hp, di, kp, n, s + a0);
     }
