@@ -285,3 +285,27 @@ def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
         )
     # q_index [B, Q]: only the decode segment went to the C kernel (none without the native library)
     assert [s[1] for s in calls] == ([1] if native.library() is not None else []), calls
+
+
+def test_native_sparse_absorbed_runs_every_segment_in_c(monkeypatch):
+    """The native backend's sparse MQA takes every segment to the C kernel, a prompt's too (more than QUERIES queries
+    per request: each query its own request, its selected rows read in place), with the reference's result."""
+    from mlaserve.attention.backends import native_backend
+    from mlaserve.kernels import native, native_layers
+
+    if native.library() is None:
+        pytest.skip("no native library: the torch code runs")
+    c = _case(0, torch.float32, "cpu")
+    calls = []
+    real = native_layers.latent_mqa
+    monkeypatch.setattr(native_layers, "latent_mqa", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
+    monkeypatch.setattr(native_backend, "QUERIES", 4)  # the prefill segment has 7 queries per request
+    for i, seg in enumerate(c.segments("native", torch.float32)):
+        _check(
+            _run("sparse_absorbed", BACKENDS["native"], c, seg, seed=i),
+            _run("sparse_absorbed", REF, c, seg, seed=i),
+            seg,
+            torch.float32,
+        )
+    # q_index of the kernel's requests [B * Q, 1]: the decode segment's and the prefill segment's queries
+    assert len(calls) == 2 and all(s[1] == 1 for s in calls) and calls[1][0] > calls[0][0], calls

@@ -72,10 +72,12 @@ def sparse_absorbed_attention(
     heads: GGUFHeads | None = None,
 ) -> torch.Tensor:
     """MQA over each query's selected rows, index / valid [B, Q, k] (positions on the segment's key axis) ->
-    [B, Q, H, dv], like the torch backend's, whose code runs where absorbed_attention's would. Each query is
-    its own request of the kernel (slots [B * Q, k], its rows in position order)."""
-    small = seg.q_index.shape[1] <= QUERIES
-    if not small or not _native_rows(cache) or native.library() is None:
+    [B, Q, H, dv], like the torch backend's, whose code runs where the kernel cannot: caches not on the CPU or not
+    in an fp32 compute dtype, or no native library. Each query is its own request of the kernel (slots [B * Q, k],
+    its rows in position order, read where they lie), a prompt's queries too: no query shares another's rows, so the
+    torch code's gathered copy of each query's rows for a batched GEMM bought nothing (a 4096-token prompt of the DSA
+    benchmark model's Q4_K_M file on the 2-core AMD EPYC: this MQA 49.8 s there, 11.2 s here)."""
+    if not _native_rows(cache) or native.library() is None:
         return torch_sparse_absorbed(q_nope, q_pe, cache, w_uk, w_uv, seg, scale, index, valid, heads)
     b, qn, k = index.shape
     q_lat = heads.absorb(q_nope) if heads is not None else torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
