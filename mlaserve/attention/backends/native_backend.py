@@ -104,27 +104,48 @@ def _mqa(cache):
     return native_layers.latent_mqa16 if cache.fmt.half else native_layers.latent_mqa8
 
 
+# a prompt's queries scored per block of at most this many (query, key position) slots: each query's row of key
+# slots is handed to the C top-k, so a block holds queries x positions int64s (32 MB)
+PROMPT_SLOTS = 1 << 22
+
+
 def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk: int) -> torch.Tensor:
-    """The torch backend's scoring, except in a decode segment (one query per request) over FP8 or 16-bit keys
-    (kv_cache_dtype) or scored "bf16" (index_scores): there the C top-k (csrc/indexer.c mls_index_topk /
-    mls_index_topk8 / mls_index_topk16, the fused decode layer's scoring) reads the keys where they lie instead of
-    a gathered (dequantized) copy of every key. Positions [B, 1, k], a set as torch's."""
-    b, nq = seg.q_index.shape
-    bf16 = seg.segment.index_scoring == "bf16"
+    """The C top-k (csrc/indexer.c mls_index_topk / mls_index_topk8 / mls_index_topk16, the fused decode layer's
+    scoring) over keys kept in fp32, FP8 or 16 bits (kv_cache_dtype), read where they lie, scored as the segment's
+    index_scoring says (fp32, or "bf16": index_scores): a decode segment's requests in one call, a prompt's queries
+    per request in blocks of PROMPT_SLOTS (each query scores its own allowed positions; no gathered copy of the keys,
+    no [Q, Hi, L] score tensor). The torch backend's scoring runs for keys in another dtype (a bf16 cache scored
+    bf16_then_fp32), off the CPU, or without the native library. Positions [B, Q, k], each query's a set as torch's
+    (in position order; a query with fewer than k allowed positions gets disallowed ones after them, which its
+    mask marks invalid)."""
     plain = isinstance(keys, torch.Tensor)
-    if (plain and not (bf16 and keys.dtype == torch.float32)) or nq != 1 or native.library() is None:
+    on_cpu = q.device.type == "cpu" and keys.device.type == "cpu"
+    if (plain and keys.dtype != torch.float32) or not on_cpu or native.library() is None:
         return torch_index.index_topk(q, w, keys, seg, topk)
-    k = min(topk, seg.kv_slots.shape[1])
-    rows = seg.q_index[:, 0]
     if plain:
-        topk_c = native_layers.index_topk
+        topk_c, keys = native_layers.index_topk, keys.contiguous()
     else:
         topk_c = native_layers.index_topk16 if keys.fmt.half else native_layers.index_topk8
-    index, _ = topk_c(
-        q.index_select(0, rows).float().contiguous(), w.index_select(0, rows).float().contiguous(),
-        keys if not plain else keys.contiguous(), seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous(), k, bf16,
-    )  # fmt: skip
-    return index.view(b, 1, k)
+    bf16 = seg.segment.index_scoring == "bf16"
+    b, nq = seg.q_index.shape
+    length = seg.kv_slots.shape[1]
+    k = min(topk, length)
+    qf, wf = q.float(), w.float()
+
+    def select(rows: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        qs, ws = qf.index_select(0, rows).contiguous(), wf.index_select(0, rows).contiguous()
+        return topk_c(qs, ws, keys, kv_slots.contiguous(), mask.contiguous(), k, bf16)[0]
+
+    if nq == 1:  # a decode segment: request b's query is row b of one call
+        return select(seg.q_index[:, 0], seg.kv_slots, seg.mask[:, 0]).view(b, 1, k)
+    out = torch.empty(b, nq, k, dtype=torch.int64)
+    block = max(1, PROMPT_SLOTS // length)
+    for r in range(b):  # a prompt step's requests: few; each block one C call
+        for s in range(0, nq, block):
+            rows = seg.q_index[r, s : s + block]
+            n = rows.shape[0]
+            out[r, s : s + n] = select(rows, seg.kv_slots[r].expand(n, length), seg.mask[r, s : s + n])
+    return out
 
 
 class NativeBackend(TorchBackend):
