@@ -204,3 +204,19 @@ def test_auto_reads_the_indexer_projections_stored_width(dsa_gguf, monkeypatch):
         llm = LLM(str(dsa_gguf("v32", gtype)), kernels="native", attention="sparse")
         why = next(s.source for s in llm.config.provenance if s.name == "index_scores")
         assert llm.config.attention.index_scores == want and named in why, why
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_nan_score_keeps_the_selection_in_range(bf16):
+    """A NaN in a query (or a key) makes its scores NaN: the C top-k still returns k distinct allowed positions in
+    range (a NaN ranks first, as torch's topk ranks it), so the NaN reaches the attention's output and the engine's
+    non-finite check names the request, instead of an index out of range (seen before: a prompt's top-k moved to C)."""
+    q, w, keys, kv_slots, mask = _case(2, 32, 128, 600, seed=9)
+    q[0, 3, 5] = float("nan")
+    keys[kv_slots[1, 17]] = float("nan")
+    index, valid = native_layers.index_topk(q, w, keys, kv_slots, mask, 64, bf16)
+    for b in range(2):
+        kept = index[b][valid[b]]
+        assert len(kept) == 64 and len(set(kept.tolist())) == 64
+        assert ((kept >= 0) & (kept < kv_slots.shape[1])).all() and mask[b, kept].all()
+    assert int((kv_slots[1] == kv_slots[1, 17]).nonzero()[0]) in index[1].tolist()  # the NaN key ranks first

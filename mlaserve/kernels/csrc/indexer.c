@@ -159,7 +159,7 @@ static void index_scores_rows(const index_keys_t *kc, const float *qt, const flo
         for (int64_t hb = 0; hb < hi; hb += MQA_HS) {
             const int n = hi - hb < MQA_HS ? (int)(hi - hb) : MQA_HS;
             mqa_scores(&key, 1, qt + hb * di, di, qt + hb * di, di, di, 0, n, hs, 1);
-            for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] > 0.0f ? hs[i] : 0.0f);
+            for (int i = 0; i < n; i++) sum += wt[hb + i] * (hs[i] < 0.0f ? 0.0f : hs[i]); /* NaN stays NaN */
         }
         s[a] = sum;
     }
@@ -182,14 +182,16 @@ static void index_scores_rows(const index_keys_t *kc, const float *qt, const flo
    16K-key top-k of 32 heads x 128 0.9-1.6 ms, 8 keys 0.72-0.87, alternated on a 2-core AMD EPYC) */
 static inline int64_t index_keys_per_pass(int64_t hp) { return hp <= 32 ? 8 : 4; }
 
-/* s[j] = sum_h w[h] ReLU(acc[j][h]), j < n: each key's head sums (c groups of 16 lanes) weighted, then across lanes */
+/* s[j] = sum_h w[h] ReLU(acc[j][h]), j < n: each key's head sums (c groups of 16 lanes) weighted, then across lanes.
+   ReLU as max(0, x): vmaxps returns its second operand where either is NaN, so a NaN head sum stays NaN (torch's
+   relu), where max(x, 0) would make it 0 and hide a NaN key or query from the selection */
 static inline __attribute__((always_inline)) void weighted_relu_sums(__m512 acc[INDEX_KEYS][INDEX_LANES],
                                                                      const float *wpad, int64_t n, float *s,
                                                                      const int c) {
     for (int j = 0; j < n; j++) {
         __m512 sum = _mm512_setzero_ps();
         for (int h = 0; h < c; h++)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(acc[j][h], _mm512_setzero_ps()), sum);
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(wpad + 16 * h), _mm512_max_ps(_mm512_setzero_ps(), acc[j][h]), sum);
         s[j] = _mm512_reduce_add_ps(sum);
     }
 }
@@ -420,6 +422,8 @@ static int index_topk(const float *q, const float *w, int64_t t, int64_t hi, int
             continue;
         }
         index_scores(how, &kc, q + tok * hi * di, w + tok * hi, hi, hp, &sc, sl, n_ok, threads);
+        for (int64_t a = 0; a < n_ok; a++) /* a NaN score ranks first, as torch's topk ranks it: the selection stays */
+            if (sc.s[a] != sc.s[a]) sc.s[a] = INFINITY; /* K positions in range, the NaN reaches the output and its check */
         select_top_k(sc.s, sc.s + l, sc.pos, n_ok, k, idx, val);
     }
     index_scratch_free(&sc);
