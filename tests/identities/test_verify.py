@@ -58,3 +58,23 @@ def test_verify_cli_judges_in_float32_when_auto_would_pick_bfloat16(capsys, monk
     assert main(["verify", str(fixture_dir("ds3")), "--prompt", "Hello world"]) == 0
     out = capsys.readouterr().out
     assert "info" not in out and "FAIL" not in out and " ok " in out
+
+
+def test_verify_cli_judges_lossy_auto_switches_exact(capsys, monkeypatch):
+    """On a CPU where auto takes int8 activations and bf16 prefill products for a Q4_K_M file (forced here), verify
+    pins them (and dtype, index_scores) to their exact values, says so, and judges the identities at fp32 grade;
+    a switch given explicitly is kept (commands/verification.py EXACT_SWITCHES)."""
+    from conftest import fixture_dir
+
+    from mlaserve.entrypoints.commands import verification
+
+    monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
+    monkeypatch.setenv("MLASERVE_INT8_ROWS", "1")
+    path = fixture_dir("ds32") / "model-q4_k_m.gguf"
+    assert main(["verify", str(path), "--prompt", "Hello world, hello again"]) == 0
+    out = capsys.readouterr().out
+    assert "judged with exact compute (dtype=float32, activations=float, prefill_matmul=float, index_scores=fp32" in out
+    assert "FAIL" not in out and " ok " in out
+    args = type("Args", (), {"dtype": "auto", "activations": "int8", "prefill_matmul": None, "index_scores": "auto"})()
+    assert verification._exact_switches(args) == ["dtype=float32", "prefill_matmul=float", "index_scores=fp32"]
+    assert args.activations == "int8"  # given explicitly: kept
