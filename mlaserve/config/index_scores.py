@@ -15,8 +15,9 @@ fp32), its Q4_K_M file 44.5% and bf16 19.6% (0.44x: within). So auto is bf16 for
 key projections (wq_b, wk) are stored in block types of 6 bits or fewer (loading/probes.py indexer_bits; float
 ones passed over, the file's type class read from the rest), with the native kernels
 on a CPU whose bf16 dot products are fast (config/cpu.py fast_bf16); fp32 elsewhere, float checkpoints and every
-test that compares with transformers included. `mlaserve verify` reports the kept positions' overlap between the
-two. The route records the choice per selecting segment (Segment.index_scoring).
+test that compares with transformers included. `mlaserve verify --index-scores bf16` reports the kept positions'
+overlap between the two (verify judges its identities with auto's lossy switches exact). The route records the
+choice per selecting segment (Segment.index_scoring).
 Applies to the per-token indexer of DeepSeek-V3.2 / GLM-5 (attention kind mla_dsa); GLM-5.3-Flash's pooled
 indexer and DeepSeek-V4's (v4_indexer) keep their own scoring.
 """
