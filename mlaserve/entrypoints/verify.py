@@ -66,9 +66,13 @@ def logits_with(llm: LLM, cfg: EngineConfig, ids: list[int]) -> torch.Tensor:
 
 def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list[Check]:
     cfg = llm.config
-    # fp32: the routes agree to reassociation noise. bf16: each route rounds at different points and a
-    # rounding can flip an MoE expert choice, so the numbers are reported, not judged.
-    tol = tolerance if tolerance is not None else (1e-4 if cfg.runtime.dtype == torch.float32 else None)
+    # exact compute: the routes agree to reassociation noise. A lossy switch (bf16 dtype, int8 / int16 activations,
+    # bf16 prefill products, bf16 index scores) rounds each route at different points (a product's kernel follows
+    # its row count) and a rounding can flip an MoE expert choice or a DSA selection, so the numbers are reported,
+    # not judged (the `mlaserve verify` command sets the switches auto left lossy exact: commands/verification.py)
+    lossy = lossy_switches(cfg)
+    tol = tolerance if tolerance is not None else (None if lossy else 1e-4)
+    unjudged = f"reported: {', '.join(lossy)} round each route differently" if lossy and tol is None else ""
     base = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=max(len(ids), 1)))
     # the identities over full rows: over 8-bit rows two routes may round a value to neighbouring codes
     base = replace(base, cache=replace(base.cache, kv_cache_dtype="auto"))
@@ -124,7 +128,7 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
         codes = cfg.cache.kv_cache_dtype
         eight = logits_with(llm, replace(base, cache=replace(base.cache, kv_cache_dtype=codes)), ids)
         pairs.append((f"8-bit cache ({codes}) vs full cache + official FP8 rounding", eight, full))
-    checks = [_compare(name, a, b, tol, *note) for name, a, b, *note in pairs]
+    checks = [_compare(name, a, b, tol, note[0] if note and note[0] else unjudged) for name, a, b, *note in pairs]
     if cfg.cache.kv_cache_dtype != "auto" and not v4:
         checks += kv8_pairs(llm, base, ids, logits_with, Check)
     if cfg.cache.kv_cache_dtype != "auto" and v4:  # the 8-bit rows against the exact ones (verify_v4_kv8.py)
@@ -132,6 +136,17 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     if cfg.attention.index_scores == "bf16" and len(ids) > 1:
         checks += index_score_checks(llm, base, ids, logits_with, Check)
     return checks
+
+
+def lossy_switches(cfg: EngineConfig) -> list[str]:
+    """The engine's switches that round beyond fp32 reassociation, as "name value" (empty: exact compute)."""
+    out = [] if cfg.runtime.dtype == torch.float32 else [f"dtype {str(cfg.runtime.dtype).removeprefix('torch.')}"]
+    out += [
+        f"{n} {v}"
+        for n, v in (("activations", cfg.kernels.activations), ("prefill_matmul", cfg.kernels.prefill_matmul))
+        if v != "float"
+    ]
+    return out + (["index_scores bf16"] if cfg.attention.index_scores == "bf16" else [])
 
 
 def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -157,14 +172,15 @@ def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[s
 
 def tensor_parallel_check(llm: LLM, ids: list[int], n: int, options: dict) -> Check:
     """The same prompt through N ranks (the model split, logits gathered) vs this one process."""
-    cfg = llm.config
-    tol = 1e-4 if cfg.runtime.dtype == torch.float32 else None
+    lossy = lossy_switches(llm.config)
+    tol = None if lossy else 1e-4
     options = {**options, "tensor_parallel_size": n}
     name = f"tensor parallel {n} vs one process"
+    note = f"reported: {', '.join(lossy)} round each split differently" if lossy else ""
     try:
         with LLM(str(llm.loaded.path), **options) as split:
             got = split.prompt_logits(ids)
-        return _compare(name, got, llm.prompt_logits(ids), tol)
+        return _compare(name, got, llm.prompt_logits(ids), tol, note)
     except FloatingPointError:  # NaN/Inf logits (prompt_logits refuses them): a failed check, not a crash
         return Check(name, float("nan"), 0.0, 0.0 if tol is None else tol)
 

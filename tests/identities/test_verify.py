@@ -78,3 +78,21 @@ def test_verify_cli_judges_lossy_auto_switches_exact(capsys, monkeypatch):
     args = type("Args", (), {"dtype": "auto", "activations": "int8", "prefill_matmul": None, "index_scores": "auto"})()
     assert verification._exact_switches(args) == ["dtype=float32", "prefill_matmul=float", "index_scores=fp32"]
     assert args.activations == "int8"  # given explicitly: kept
+
+
+def test_run_checks_reports_routes_it_cannot_judge_under_lossy_switches(monkeypatch):
+    """run_checks on an engine that runs lossy switches (here int8 activations and int8 / bf16 prefill products on
+    the ds32 Q4_K_M fixture, forced on as a VNNI / AVX512-BF16 CPU would choose them) reports its routes with the
+    switches named instead of failing them (`serve --verify` refused to serve such files); on the same file with
+    exact compute it judges them (and they pass)."""
+    from conftest import fixture_dir
+
+    monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
+    monkeypatch.setenv("MLASERVE_INT8_ROWS", "1")
+    path = str(fixture_dir("ds32") / "model-q4_k_m.gguf")
+    llm = LLM(path)
+    ids = llm.encode("Hello world, hello again")
+    checks = run_checks(llm, ids)
+    assert checks and all(c.tolerance is None and "activations" in c.note for c in checks), checks
+    exact = run_checks(LLM(path, activations="float", prefill_matmul="float"), ids)
+    assert exact and all(c.tolerance == 1e-4 and c.passed for c in exact), exact
