@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.attention.reference import ReferenceBackend
+from mlaserve.entrypoints.verify_kv8 import selection_overlap
 from mlaserve.models.indexer import Indexer
 
 if TYPE_CHECKING:
@@ -67,15 +68,13 @@ def _select_observer(indexer: Indexer, overlaps: list) -> Callable:
     def select(q, w, keys, seg, topk, backend):
         chosen = original(q, w, keys, seg, topk, backend)
         w_scaled = w * indexer.cfg.head_dim**-0.5
-        kept = []
-        for scoring in ("fp32", "bf16"):
-            labelled = replace(seg, segment=replace(seg.segment, index_scoring=scoring))
-            index = REF.index_topk(q, w_scaled, keys, labelled, topk)
-            kept.append(torch.zeros_like(seg.mask).scatter_(2, index, seg.mask.gather(2, index)))
-        a, b = kept
-        selecting = seg.q_valid & (seg.mask.sum(-1) > topk)  # queries with more keys than top-k
-        if selecting.any():
-            overlaps.append(((a & b).sum(-1).float() / a.sum(-1).clamp(min=1))[selecting])
+        exact, rounded = (
+            REF.index_topk(q, w_scaled, keys, replace(seg, segment=replace(seg.segment, index_scoring=s)), topk)
+            for s in ("fp32", "bf16")
+        )
+        overlap = selection_overlap(seg, exact, rounded, topk)
+        if overlap is not None:
+            overlaps.append(overlap)
         return chosen
 
     return select

@@ -117,13 +117,22 @@ def _select_observer(indexer, codes: str, stats: dict) -> Callable:
         w_scaled = w * indexer.cfg.head_dim**-0.5
         exact = REF.index_topk(q, w_scaled, keys, seg, topk)
         eight = REF.index_topk(q, w_scaled, QuantizedRows.of(keys.float(), fmt), seg, topk)
-        a, b = (torch.zeros_like(seg.mask).scatter_(2, i, seg.mask.gather(2, i)) for i in (exact, eight))
-        selecting = seg.q_valid & (seg.mask.sum(-1) > topk)  # queries with more keys than top-k
-        if selecting.any():
-            stats["overlaps"].append(((a & b).sum(-1).float() / a.sum(-1).clamp(min=1))[selecting])
+        overlap = selection_overlap(seg, exact, eight, topk)
+        if overlap is not None:
+            stats["overlaps"].append(overlap)
         return chosen
 
     return select
+
+
+def selection_overlap(seg, a: torch.Tensor, b: torch.Tensor, topk: int) -> torch.Tensor | None:
+    """|kept_a & kept_b| / |kept_a| per selecting query (more allowed keys than topk) of two selections [B, Q, k]
+    (positions on the segment's key axis; those the mask disallows not counted); None when no query selects."""
+    kept_a, kept_b = (torch.zeros_like(seg.mask).scatter_(2, i, seg.mask.gather(2, i)) for i in (a, b))
+    selecting = seg.q_valid & (seg.mask.sum(-1) > topk)
+    if not selecting.any():
+        return None
+    return ((kept_a & kept_b).sum(-1).float() / kept_a.sum(-1).clamp(min=1))[selecting]
 
 
 def _pooled_select_observer(indexer: PooledIndexer, codes: str, stats: dict) -> Callable:
