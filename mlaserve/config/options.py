@@ -86,7 +86,7 @@ class EngineOptions:
     index_scores: str = _opt(
         "auto",
         "the DSA indexer's scores: fp32 = the reference's; bf16 = queries and keys rounded to bf16, fp32 sums "
-        "(AVX512-BF16 dot products: a 16K-key top-k ~1.6x faster; DeepSeek's own code scores in FP8, and "
+        "(AVX512-BF16 dot products: a 16K-key top-k ~1.6x faster on a 2-core AMD EPYC; DeepSeek's own code scores in FP8, and "
         "`mlaserve verify --index-scores bf16` reports the kept positions' overlap with fp32); auto = bf16 for a GGUF whose indexer "
         "projections are block types of 6 bits or fewer (Q4_K_M and below: bf16 measured within half the file's own "
         "change) on the native kernels on a CPU with AVX512-BF16 or AMX-BF16, else fp32 (config/index_scores.py)",

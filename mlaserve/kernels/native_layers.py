@@ -412,19 +412,9 @@ def index_topk(
     (Di^-0.5 folded in), keys [S, Di], kv_slots [T, L] int64, mask [T, L] bool, all contiguous fp32 / int64 on the
     CPU -> (positions [T, k] int64 in position order, valid [T, k] bool). bf16: the scores of q and the keys rounded
     to bf16 (the route's index_scoring "bf16"), else fp32."""
-    t, hi, di = q.shape
-    tensors = (q, w, keys, kv_slots, mask)
-    if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
-        raise ValueError("index_topk: contiguous CPU tensors, q / w / keys fp32")
-    index = torch.empty(t, k, dtype=torch.int64)
-    valid = torch.empty(t, k, dtype=torch.bool)
-    rc = library().mls_index_topk(
-        q.data_ptr(), w.data_ptr(), t, hi, di, keys.data_ptr(), kv_slots.data_ptr(), mask.data_ptr(),
-        kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), int(bf16), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"native index_topk refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
-    return index, valid
+    if not keys.is_contiguous() or keys.device.type != "cpu" or keys.dtype != torch.float32:
+        raise ValueError("index_topk: contiguous fp32 CPU keys")
+    return _topk_call("index_topk", q, w, (keys.data_ptr(),), kv_slots, mask, k, bf16)
 
 
 def index_topk8(
@@ -433,22 +423,10 @@ def index_topk8(
     """index_topk over index keys kept as FP8 e4m3 with a scale per key (keys: a cache/quantized_rows.QuantizedRows
     of one block per row), decoded where they lie (csrc/indexer.c mls_index_topk8): the result equals index_topk
     over the dequantized keys. Same shapes and contracts as index_topk (bf16 too)."""
-    t, hi, di = q.shape
-    fmt = keys.fmt
+    fmt, di = keys.fmt, q.shape[2]
     if fmt.codes != "fp8_e4m3" or fmt.scales != 1 or fmt.quantized != di or fmt.kept:
         raise ValueError(f"index_topk8: FP8 keys of {di} values with one scale each, got {fmt}")
-    tensors = (q, w, kv_slots, mask)
-    if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
-        raise ValueError("index_topk8: contiguous CPU tensors, q / w fp32")
-    index = torch.empty(t, k, dtype=torch.int64)
-    valid = torch.empty(t, k, dtype=torch.bool)
-    rc = library().mls_index_topk8(
-        q.data_ptr(), w.data_ptr(), t, hi, di, keys.codes.data_ptr(), keys.scales.data_ptr(), kv_slots.data_ptr(),
-        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), int(bf16), torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"native index_topk8 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
-    return index, valid
+    return _topk_call("index_topk8", q, w, (keys.codes.data_ptr(), keys.scales.data_ptr()), kv_slots, mask, k, bf16)
 
 
 def index_topk16(
@@ -457,21 +435,27 @@ def index_topk16(
     """index_topk over index keys kept in 16 bits (keys: a cache/quantized_rows.QuantizedRows of a 16-bit format),
     widened where they lie (csrc/indexer.c mls_index_topk16): the result equals index_topk over the widened keys.
     Same shapes and contracts as index_topk (bf16 too)."""
-    t, hi, di = q.shape
-    fmt = keys.fmt
+    fmt, di = keys.fmt, q.shape[2]
     if not fmt.half or fmt.quantized != di or not keys.codes.is_contiguous():
         raise ValueError(f"index_topk16: contiguous 16-bit keys of {di} values, got {fmt}")
+    return _topk_call("index_topk16", q, w, (keys.codes.data_ptr(), HALF_KINDS[fmt.codes]), kv_slots, mask, k, bf16)
+
+
+def _topk_call(name: str, q, w, key_args: tuple, kv_slots, mask, k: int, bf16: bool):
+    """The three top-k entries' call (csrc/mls.h: q, w, T, Hi, Di, the keys' arguments, kv_slots, mask, L, k, the
+    outputs, bf16, threads), the tensors checked alike."""
+    t, hi, di = q.shape
     tensors = (q, w, kv_slots, mask)
     if not all(x.is_contiguous() and x.device.type == "cpu" for x in tensors) or q.dtype != torch.float32:
-        raise ValueError("index_topk16: contiguous CPU tensors, q / w fp32")
+        raise ValueError(f"{name}: contiguous CPU tensors, q / w fp32")
     index = torch.empty(t, k, dtype=torch.int64)
     valid = torch.empty(t, k, dtype=torch.bool)
-    rc = library().mls_index_topk16(
-        q.data_ptr(), w.data_ptr(), t, hi, di, keys.codes.data_ptr(), HALF_KINDS[fmt.codes], kv_slots.data_ptr(),
-        mask.data_ptr(), kv_slots.shape[1], k, index.data_ptr(), valid.data_ptr(), int(bf16), torch.get_num_threads(),
+    rc = getattr(library(), f"mls_{name}")(
+        q.data_ptr(), w.data_ptr(), t, hi, di, *key_args, kv_slots.data_ptr(), mask.data_ptr(), kv_slots.shape[1], k,
+        index.data_ptr(), valid.data_ptr(), int(bf16), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"native index_topk16 refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
+        raise RuntimeError(f"native {name} refused k={k} over {kv_slots.shape[1]} positions (rc {rc})")
     return index, valid
 
 
