@@ -128,6 +128,14 @@ def status() -> NativeStatus:
     return NativeStatus(lib is not None, str(_state["detail"]))
 
 
+def use_build(extra_flags: tuple[str, ...]) -> NativeStatus:
+    """Replace this process's library by a build with extra_flags appended (a benchmark's AVX2 build on an AVX-512
+    CPU: ("-mno-avx512f",)); call before any engine is made, as the kernel plan reads the library once."""
+    with _lock:
+        _state["lib"], _state["detail"] = _build(extra_flags)
+    return status()
+
+
 def isa() -> str:
     """The instruction set the library's kernels were built for ("avx512", "avx2", "scalar": csrc/common.h picks
     them from the build's target, -march=native), for the kernel plan; "" without the library."""

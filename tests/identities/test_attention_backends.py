@@ -264,18 +264,18 @@ def test_engine_reference_backend_equals_default(fixture, budget):
     assert err <= 1e-5 and torch.equal(got.argmax(-1), ref.argmax(-1)), err
 
 
-def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
-    """The native backend's C latent MQA runs for segments of up to QUERIES queries per request; a longer
-    one (an absorbed prefill) takes the torch backend's code, with the same result."""
-    from mlaserve.attention.backends import native_backend
+def test_native_absorbed_runs_every_segment_in_c(monkeypatch):
+    """The native backend's dense MQA takes every segment to the C latent MQA, a prompt's too (an absorbed prefill:
+    7 queries per request here; no query count switches it to the torch code's GEMM), with the reference's result."""
     from mlaserve.kernels import native, native_layers
 
+    if native.library() is None:
+        pytest.skip("no native library: the torch code runs")
     c = _case(0, torch.float32, "cpu")
     decode, prefill = c.segments("native")
     calls = []
     real = native_layers.latent_mqa
     monkeypatch.setattr(native_layers, "latent_mqa", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
-    monkeypatch.setattr(native_backend, "QUERIES", 4)  # the prefill segment has 7 queries per request
     for i, seg in enumerate((decode, prefill)):
         _check(
             _run("absorbed", BACKENDS["native"], c, seg, seed=i),
@@ -283,14 +283,13 @@ def test_native_backend_keeps_long_segments_on_torch(monkeypatch):
             seg,
             torch.float32,
         )
-    # q_index [B, Q]: only the decode segment went to the C kernel (none without the native library)
-    assert [s[1] for s in calls] == ([1] if native.library() is not None else []), calls
+    # q_index [B, Q]: both segments' queries went to the C kernel, the prompt's as they are (Q of its longest)
+    assert [s[1] for s in calls] == [1, prefill.q_index.shape[1]] and calls[1][1] > 1, calls
 
 
 def test_native_sparse_absorbed_runs_every_segment_in_c(monkeypatch):
-    """The native backend's sparse MQA takes every segment to the C kernel, a prompt's too (more than QUERIES queries
-    per request: each query its own request, its selected rows read in place), with the reference's result."""
-    from mlaserve.attention.backends import native_backend
+    """The native backend's sparse MQA takes every segment to the C kernel, a prompt's too (each query its own
+    request, its selected rows read in place), with the reference's result."""
     from mlaserve.kernels import native, native_layers
 
     if native.library() is None:
@@ -299,7 +298,6 @@ def test_native_sparse_absorbed_runs_every_segment_in_c(monkeypatch):
     calls = []
     real = native_layers.latent_mqa
     monkeypatch.setattr(native_layers, "latent_mqa", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
-    monkeypatch.setattr(native_backend, "QUERIES", 4)  # the prefill segment has 7 queries per request
     for i, seg in enumerate(c.segments("native", torch.float32)):
         _check(
             _run("sparse_absorbed", BACKENDS["native"], c, seg, seed=i),

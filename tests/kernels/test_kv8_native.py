@@ -78,7 +78,7 @@ def test_c_mqa_over_8bit_rows_equals_fp32_kernel_over_dequantized_rows(codes, op
     calls = []
     real = native_layers.latent_mqa8
     monkeypatch.setattr(native_layers, "latent_mqa8", lambda *a: calls.append(1) or real(*a))
-    for i, seg in enumerate(c.segments("native")[:1]):  # the decode segment (the kernel's <= QUERIES)
+    for i, seg in enumerate(c.segments("native")):  # decode and prompt segments: the kernel takes both
         index, valid = _selection(seg, i)
         args = (c.q_nope, c.q_pe)
         if op == "absorbed":
@@ -90,7 +90,7 @@ def test_c_mqa_over_8bit_rows_equals_fp32_kernel_over_dequantized_rows(codes, op
                 *args, dequantized, c.w_uk, c.w_uv, seg, c.scale, index, valid
             )
         assert torch.equal(got, want)
-    assert calls  # the 8-bit kernel ran
+    assert len(calls) == 2  # the 8-bit kernel ran for both segments
 
 
 def test_c_topk_over_fp8_keys_equals_fp32_topk_over_dequantized_keys(monkeypatch):
