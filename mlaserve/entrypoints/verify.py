@@ -17,6 +17,8 @@ of the logits and top-1 agreement:
   16-bit cache vs full       the same with kv_cache_dtype float16 / bfloat16, the bound from the unit roundoff
   bf16 vs fp32 index scores  with index_scores="bf16" (verify_index_scores.py): the kept positions' overlap and
                              the logits, reported
+Where a DSA route selects, the second run of each pair takes the first's top-k at ties within fp32 noise
+(verify_selection_pins.py), as DeepSeek-V4's schedules take the one pass's rounding decisions (verify_v4_pins.py).
 What these cannot see: a fault that every route shares. Wrong weights (a converter that swapped two heads
 of kv_b, a mis-sliced shard, a drifted quantized layer), model code outside attention (rope, norms, MoE
 routing, the indexer's projections) and a config read wrongly all give the same wrong answer on every
@@ -32,6 +34,7 @@ import torch
 
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.layer_kinds import LATENT_KINDS
+from mlaserve.entrypoints import verify_selection_pins as selection_pins
 from mlaserve.entrypoints.llm import LLM
 from mlaserve.entrypoints.verify_index_scores import index_score_checks
 from mlaserve.entrypoints.verify_kv8 import kv8_pairs
@@ -82,35 +85,28 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     v4 = is_v4(llm.runner.layer_kinds)  # V4 chunks by its compression ratios instead (verify_v4.py)
     # V4's official roundings decide a value within fp32 noise of a boundary by the schedule's summation order:
     # the one pass's decisions are recorded and the other one-sequence schedules take them (verify_v4_pins.py)
-    log = None
-    if v4 and has_roundings(llm.loaded.model):
-        with recorded(llm.loaded.model) as log:
+    # a DSA top-k within fp32 noise of a tie decides by the schedule's summation order the same way: the one pass's
+    # selections are recorded and the other schedules take them where this run's scores tie (verify_selection_pins.py)
+    model, log = llm.loaded.model, None
+    with selection_pins.recorded(model) as picks:
+        if v4 and has_roundings(model):
+            with recorded(model) as log:
+                full = logits_with(llm, base, ids)
+        else:
             full = logits_with(llm, base, ids)
-    else:
-        full = logits_with(llm, base, ids)
-    pairs = (
-        []
-        if v4
-        else [
-            (
-                "chunked prefill (7) vs one pass",
-                logits_with(llm, replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=7)), ids),
-                full,
-            )
-        ]
-    )
+    pairs = []
+    if not v4:
+        chunked = replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=7))
+        got, note = _pinned(model, log, picks, lambda: logits_with(llm, chunked, ids))
+        pairs.append(("chunked prefill (7) vs one pass", got, full, note))
     token_by_token = replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1))
-    decoded, note = pinned_run(llm.loaded.model, log, lambda: logits_with(llm, token_by_token, ids))
+    decoded, note = _pinned(model, log, picks, lambda: logits_with(llm, token_by_token, ids))
+    if selection_pins.has_selections(picks):
+        note = "; ".join(n for n in (note, "per-op decode layers (the fused step's top-k is not seen)") if n)
     pairs.append(("token-by-token decode vs one pass", decoded, full, note))
     if latent:
-        pairs.insert(
-            0,
-            (
-                "absorbed vs decompressed",
-                logits_with(llm, replace(base, attention=replace(base.attention, mla_path="absorbed")), ids),
-                logits_with(llm, replace(base, attention=replace(base.attention, mla_path="decompressed")), ids),
-            ),
-        )
+        paths = [replace(base, attention=replace(base.attention, mla_path=p)) for p in ("absorbed", "decompressed")]
+        pairs.insert(0, ("absorbed vs decompressed", *pinned_pair(llm, *paths, ids)))
     if cfg.model.indexer is not None and cfg.attention.index_topk:
         short = ids[: cfg.attention.index_topk]
         pairs.append(
@@ -128,7 +124,7 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
         codes = cfg.cache.kv_cache_dtype
         eight = logits_with(llm, replace(base, cache=replace(base.cache, kv_cache_dtype=codes)), ids)
         pairs.append((f"8-bit cache ({codes}) vs full cache + official FP8 rounding", eight, full))
-    checks = [_compare(name, a, b, tol, note[0] if note and note[0] else unjudged) for name, a, b, *note in pairs]
+    checks = [_compare(name, a, b, tol, "; ".join(n for n in (*note, unjudged) if n)) for name, a, b, *note in pairs]
     if cfg.cache.kv_cache_dtype != "auto" and not v4:
         checks += kv8_pairs(llm, base, ids, logits_with, Check)
     if cfg.cache.kv_cache_dtype != "auto" and v4:  # the 8-bit rows against the exact ones (verify_v4_kv8.py)
@@ -136,6 +132,14 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
     if cfg.attention.index_scores == "bf16" and len(ids) > 1:
         checks += index_score_checks(llm, base, ids, logits_with, Check)
     return checks
+
+
+def _pinned(model, log: dict | None, picks: dict, run) -> tuple[torch.Tensor, str]:
+    """run() with the one pass's decisions pinned: DeepSeek-V4's roundings (log) or a DSA stack's top-k (picks;
+    neither when nothing was recorded) -> (its logits, what was pinned)."""
+    if log is not None:
+        return pinned_run(model, log, run)
+    return selection_pins.pinned_run(model, picks, run)
 
 
 def lossy_switches(cfg: EngineConfig) -> list[str]:
@@ -149,7 +153,7 @@ def lossy_switches(cfg: EngineConfig) -> list[str]:
     return out + (["index_scores bf16"] if cfg.attention.index_scores == "bf16" else [])
 
 
-def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[str, torch.Tensor, torch.Tensor, str]]:
     """The configured backend vs `reference` on the same route: absorbed, decompressed and, for a DSA
     model, a sparse step that selects (top-k below the prompt length, so index_topk really runs)."""
     name = base.attention.backend
@@ -160,14 +164,21 @@ def _backend_pairs(llm: LLM, base: EngineConfig, ids: list[int]) -> list[tuple[s
     if base.model.indexer is not None and base.attention.index_topk and len(ids) > 1:
         k = min(base.attention.index_topk, len(ids) // 2)
         routes.append((f"sparse top-{k}", replace(base, attention=replace(base.attention, sparse=True, index_topk=k))))
-    return [
-        (
-            f"{name} vs reference backend, {label}",
-            logits_with(llm, cfg, ids),
-            logits_with(llm, replace(cfg, attention=replace(cfg.attention, backend="reference")), ids),
-        )
-        for label, cfg in routes
-    ]
+    pairs = []
+    for label, cfg in routes:
+        reference = replace(cfg, attention=replace(cfg.attention, backend="reference"))
+        pairs.append((f"{name} vs reference backend, {label}", *pinned_pair(llm, cfg, reference, ids)))
+    return pairs
+
+
+def pinned_pair(llm: LLM, a: EngineConfig, b: EngineConfig, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The prompt's logits under a and under b, b's DSA top-k pinned to a's where b's scores tie
+    (verify_selection_pins.py) -> (a's, b's, what was pinned)."""
+    model = llm.loaded.model
+    with selection_pins.recorded(model) as picks:
+        first = logits_with(llm, a, ids)
+    second, note = selection_pins.pinned_run(model, picks, lambda: logits_with(llm, b, ids))
+    return first, second, note
 
 
 def tensor_parallel_check(llm: LLM, ids: list[int], n: int, options: dict) -> Check:
