@@ -10,8 +10,8 @@ query's dot products over its rows read in the paged cache) and on the torch bac
 copy of the rows. Two engines per file (kernels native, mla_path absorbed, attention_backend native / torch, no
 prefix caching), a prompt of random ids prefilled by `generate(max_tokens=1)`, the engines taking turns rep by rep;
 besides the whole prefill, the seconds spent in the backend's `absorbed` call, timed around it.
---c-flags: rebuild the native library with these flags appended (-mno-avx512f: the AVX2 kernels on an AVX-512
-CPU); hold torch to the same instructions from the environment (ATEN_CPU_CAPABILITY=avx2
+--c-flags: build the native library with these flags appended (MLASERVE_KERNEL_CFLAGS; -mno-avx512f: the AVX2
+kernels on an AVX-512 CPU); hold torch to the same instructions from the environment (ATEN_CPU_CAPABILITY=avx2
 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2). --models: benchmark models (common.MODELS) whose Q8_0
 file (`mlaserve convert`) is written under benchmarks/models when missing; --gguf: given files instead.
 Results: a line per engine and benchmarks/results/absorbed_prefill.json (every timing, CPU flags, load average).
@@ -88,8 +88,8 @@ def main() -> None:
     from mlaserve.config.cpu import cpu_flags
     from mlaserve.kernels import native
 
-    if args.c_flags:
-        native.use_build(tuple(args.c_flags))
+    if args.c_flags:  # read at the library's first use, below
+        os.environ[native.EXTRA_FLAGS] = " ".join(args.c_flags)
     res: dict = {"tokens": args.tokens, "threads": args.threads, "c_flags": args.c_flags, "files": {}}
     res["kernels_isa"], res["torch_capability"] = native.isa(), torch.backends.cpu.get_cpu_capability()
     res["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))

@@ -52,6 +52,9 @@ INT8_ALL = 8  # an int8 setting under which every type with an int8 kernel takes
 INT16_REST = 0x100
 ABI_VERSION = 30  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# compiler flags appended to FLAGS, e.g. "-mno-avx512f": the AVX2 kernels on an AVX-512 CPU (a benchmark's or a
+# bug report's other target; the build's isa() and the kernel plan then name it)
+EXTRA_FLAGS = "MLASERVE_KERNEL_CFLAGS"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -117,7 +120,7 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if "lib" not in _state:
             try:
-                _state["lib"], _state["detail"] = _build()
+                _state["lib"], _state["detail"] = _build(tuple(os.environ.get(EXTRA_FLAGS, "").split()))
             except OSError as e:  # an unwritable cache folder, a library that will not load
                 _state["lib"], _state["detail"] = None, f"native kernels unavailable: {e}"
         return _state["lib"]  # type: ignore[return-value]
@@ -126,14 +129,6 @@ def library() -> ctypes.CDLL | None:
 def status() -> NativeStatus:
     lib = library()
     return NativeStatus(lib is not None, str(_state["detail"]))
-
-
-def use_build(extra_flags: tuple[str, ...]) -> NativeStatus:
-    """Replace this process's library by a build with extra_flags appended (a benchmark's AVX2 build on an AVX-512
-    CPU: ("-mno-avx512f",)); call before any engine is made, as the kernel plan reads the library once."""
-    with _lock:
-        _state["lib"], _state["detail"] = _build(extra_flags)
-    return status()
 
 
 def isa() -> str:

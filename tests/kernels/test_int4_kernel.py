@@ -147,3 +147,15 @@ def test_every_isa_path(monkeypatch, capsys):
         test_decode_is_bit_identical_with_the_reference(37, 96)
     with capsys.disabled():
         print(f"\nINT4 gemm: worst |y - ref| / bound per build {worst}")
+
+
+@needs_native
+def test_extra_build_flags_from_the_environment(monkeypatch):
+    """MLASERVE_KERNEL_CFLAGS appends flags to the library's build: -mno-avx512f gives the AVX2 kernels on an AVX-512
+    CPU, and isa() (the kernel plan's words) names them."""
+    if "avx512f" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-512: its own build is already the AVX2 one")
+    assert native.isa() == "avx512"
+    monkeypatch.setenv(native.EXTRA_FLAGS, "-mno-avx512f")
+    monkeypatch.setattr(native, "_state", {})  # the process's library is built once: this one built anew
+    assert native.library() is not None and native.isa() == "avx2"
