@@ -52,14 +52,21 @@ def scores_and_magnitudes(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) 
     return s, m
 
 
-def pin_query(s: torch.Tensor, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor, delta: float = DELTA) -> bool:
-    """s, m [L] of one query; a, b its kept positions in this run and the recorded one -> whether b may stand for
-    a (every position kept by one run only lies within delta * m of the k-th score)."""
+def swap_gap(s: torch.Tensor, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """s, m [L] of one query; a, b its kept positions in this run and the recorded one -> the widest
+    |s_p - s_k| / m_p over the positions kept by one run alone (None: both kept the same)."""
     swapped = torch.tensor(sorted(set(a.tolist()) ^ set(b.tolist())), dtype=torch.long)
     if swapped.numel() == 0:
-        return False
+        return None
     kth = s[a].min()  # a is this run's top-k: its smallest kept score is the k-th largest
-    return bool(((s[swapped] - kth).abs() <= delta * m[swapped]).all())
+    return ((s[swapped] - kth).abs() / m[swapped].clamp(min=torch.finfo(torch.float32).tiny)).max().item()
+
+
+def pin_query(s: torch.Tensor, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor, delta: float = DELTA) -> bool:
+    """Whether b may stand for a: they differ, and every position kept by one run alone lies within delta * m of the
+    k-th score."""
+    gap = swap_gap(s, m, a, b)
+    return gap is not None and gap <= delta
 
 
 def _indexers(model: nn.Module) -> list[Indexer]:
@@ -107,14 +114,11 @@ def pinned(model: nn.Module, log: dict) -> Iterator[dict]:
                 if want is None or want.shape != got.shape:
                     stats["unrecorded"] += 1
                 elif not torch.equal(want, got):
+                    t = seg.q_index[b, j]
                     rows = gather_rows(keys, seg.kv_slots[b : b + 1])[0]
-                    s, mag = scores_and_magnitudes(
-                        q[seg.q_index[b, j]], w[seg.q_index[b, j]] * m.cfg.head_dim**-0.5, rows
-                    )
-                    if pin_query(s, mag, got, want):
+                    gap = swap_gap(*scores_and_magnitudes(q[t], w[t] * m.cfg.head_dim**-0.5, rows), got, want)
+                    if gap <= DELTA:
                         index[b, j, : want.shape[0]] = want
-                        swapped = torch.tensor(sorted(set(got.tolist()) ^ set(want.tolist())))
-                        gap = ((s[swapped] - s[got].min()).abs() / mag[swapped].clamp(min=1e-30)).max().item()
                         stats["pinned"], stats["gap"] = stats["pinned"] + 1, max(stats["gap"], gap)
                     else:
                         stats["differ"] += 1
