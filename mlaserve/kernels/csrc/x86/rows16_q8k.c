@@ -9,6 +9,9 @@
    the block's float steps in 16 lanes: lane r of acc = acc + (d_r d_x) S_r, then acc - (dmin_r d_x) M_r, the one-row
    kernel's operations in its order (-ffp-contract=off), so its bits (tests/kernels/test_int8_kquants.py holds every
    row count to llama.cpp's definitions). The next 16 rows stream into L2 beside the reads (x86/avx512.c rows16_prefetch). One thread: 13 -> 15-18 GB/s (the 2-core AMD EPYC, alternated). */
+/* an int32 of two int16s: lo, hi (a vpdpwssd operand) */
+static inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
+
 #if defined(MLS_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define MLS_Q8K_ROWS16 1
 
@@ -32,9 +35,6 @@ static inline __m512i madd16_acc512(__m512i acc, __m512i a, __m512i b) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
-
-/* an int32 of two int16s: lo, hi (a vpdpwssd operand) */
-static inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
 
 /* nr (<= 16) rows at w (row_bytes apart) times one activation row (codes xq, q8k_meta slots xd) into y[0 .. nr);
    five: Q5_K (176-byte super-blocks, the fifth bit from qh), else Q4_K (144); a constant where inlined */
@@ -266,7 +266,114 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
     else
         rows16_q4_0(w, row_bytes, nr, xq, xd, k, y);
 }
-#else /* a build without AVX-512: the row kernels take them, and these are never called */
+#elif defined(MLS_SIMD)
+/* ------------------------------------------- AVX2: one activation row times 8 Q4_K / Q5_K weight rows side by side
+   rows16_q45's scheme in 8 lanes (an AVX2 build measured its one-row Q4_K products compute-bound where the AVX-512
+   build's 16 rows are not: docs/PERFORMANCE.md): the rows' fp16 scales and 12 scale bytes by AVX2 gathers, unpacked
+   for 8 rows at once, M by four vpmaddwd (vpdpwssd with AVX-VNNI), each row's S as q8k_q45_mr makes it against
+   activation codes loaded once for all 8, the block's float steps in 8 lanes in the one-row kernel's order (its
+   bits). A run of 16 rows (the callers' unit) is two calls. */
+
+/* lane r = the sum of P[r]'s 8 int32 lanes, r < 8 (exact: integers) */
+static inline __m256i lane_sums8x8(const __m256i P[8]) {
+    const __m256i a = _mm256_hadd_epi32(P[0], P[1]), b = _mm256_hadd_epi32(P[2], P[3]);
+    const __m256i c = _mm256_hadd_epi32(P[4], P[5]), d = _mm256_hadd_epi32(P[6], P[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d); /* halves: rows 0-3 | rows 0-3 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* the low 16 bits of each int32 lane (an fp16) as 8 floats */
+static inline __m256 f16_lanes(__m256i v) {
+    v = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, int64_t row_bytes, int64_t nr,
+                                                            const int five, const int8_t *xq, const float *xd,
+                                                            int64_t k, float *y) {
+    const int64_t nb = k / 256, bytes = five ? 176 : 144, step = (8 * row_bytes + nb - 1) / nb;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr), lane);
+    const __m256i offs = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)row_bytes));
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4v = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
+    const __m256i lo8 = _mm256_set1_epi32(0x00FF00FF), zero = _mm256_setzero_si256();
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const char *pf = (const char *)w + 8 * row_bytes;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
+            __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows16_prefetch */
+        const uint8_t *b0 = w + blk * bytes;
+        const q8k_meta *meta = (const q8k_meta *)(xd + blk * Q8K_SLOTS);
+        const __m256i dd = _mm256_mask_i32gather_epi32(zero, (const int *)b0, offs, live, 1); /* d | dmin << 16 */
+        const __m256 dw = f16_lanes(dd), dmin = f16_lanes(_mm256_srli_epi32(dd, 16));
+        /* k_scales_mins8 in 8 lanes: the 12 scale bytes as three dwords per row */
+        const __m256i u0 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 4), offs, live, 1);
+        const __m256i u1 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 8), offs, live, 1);
+        const __m256i u2 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 12), offs, live, 1);
+        const __m256i sc_lo = _mm256_and_si256(u0, m6);
+        const __m256i sc_hi =
+            _mm256_or_si256(_mm256_and_si256(u2, m4v), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m2), 4));
+        const __m256i mn_lo = _mm256_and_si256(u1, m6);
+        const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4v),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
+        /* M_r = sum_j mn_r[j] bsum[j]: the mins as int16 pairs (j, j + 2) against bsum's, exact in int32 */
+        const int16_t *bs = meta->bsum;
+        __m256i M = madd16_acc(zero, _mm256_and_si256(mn_lo, lo8), _mm256_set1_epi32(pair16(bs[0], bs[2])));
+        M = madd16_acc(M, _mm256_and_si256(_mm256_srli_epi32(mn_lo, 8), lo8), _mm256_set1_epi32(pair16(bs[1], bs[3])));
+        M = madd16_acc(M, _mm256_and_si256(mn_hi, lo8), _mm256_set1_epi32(pair16(bs[4], bs[6])));
+        M = madd16_acc(M, _mm256_and_si256(_mm256_srli_epi32(mn_hi, 8), lo8), _mm256_set1_epi32(pair16(bs[5], bs[7])));
+        /* each row's 8 scale bytes (sc_lo, sc_hi) as a qword: rows 0, 1, 4, 5 from the low unpack, 2, 3, 6, 7 from
+           the high one */
+        uint64_t scs[8] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i *)scs, _mm256_unpacklo_epi32(sc_lo, sc_hi));
+        _mm256_store_si256((__m256i *)(scs + 4), _mm256_unpackhi_epi32(sc_lo, sc_hi));
+        __m256i x[8];
+        for (int j = 0; j < 8; j++) x[j] = _mm256_loadu_si256((const __m256i *)(xq + blk * 256 + 32 * j));
+        __m256i P[8];
+        for (int r = 0; r < 8; r++) {
+            if (r >= nr) {
+                P[r] = zero;
+                continue;
+            }
+            const int slot = ((r & 3) < 2 ? 0 : 4) + (r >> 2) * 2 + (r & 1);
+            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scs + slot))));
+            const uint8_t *br = b0 + r * row_bytes, *qs = br + (five ? 48 : 16);
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : zero;
+            __m256i s0 = zero, s1 = zero; /* two chains, as q8k_q45_mr */
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if (five) {
+                    w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
+                    w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+                }
+                s0 = madd16_acc(s0, _mm256_maddubs_epi16(w0, x[2 * c]), bcast16(sc16, 2 * c));
+                s1 = madd16_acc(s1, _mm256_maddubs_epi16(w1, x[2 * c + 1]), bcast16(sc16, 2 * c + 1));
+            }
+            P[r] = _mm256_add_epi32(s0, s1);
+        }
+        const __m256 dx = _mm256_set1_ps(meta->d);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lane_sums8x8(P))));
+        acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(M)));
+    }
+    _mm256_maskstore_ps(y, live, acc);
+}
+
+static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
+
+static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
+                       int64_t k, float *y) {
+    const int five = type == MLS_Q5_K;
+    for (int64_t r0 = 0; r0 < nr; r0 += 8) {
+        if (five)
+            rows8_q45(w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, 1, xq, xd, k, y + r0);
+        else
+            rows8_q45(w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, 0, xq, xd, k, y + r0);
+    }
+}
+#else /* a build without SIMD: the row kernels take them, and these are never called */
 static inline int rows16_takes(int type) {
     (void)type;
     return 0;
