@@ -169,14 +169,29 @@ def test_routed_sum_equals_the_pairwise_experts_call(types, tokens):
         assert idx.unique().numel() < idx.numel()  # some expert serves several pairs: the grouped branch ran
 
 
+@pytest.fixture(params=["machine", "avx2"])
+def build(request, monkeypatch):
+    """The machine's build of the native library, or its AVX2 build on an AVX-512 CPU (there the one-row Q4_K /
+    Q5_K products take x86/rows16_q8k.c's 8-row kernel, which the block calls as the AVX-512 build's 16-row one)."""
+    if request.param == "avx2":
+        from mlaserve.config.cpu import cpu_flags
+
+        if "avx512f" not in cpu_flags():
+            pytest.skip("no AVX-512: the machine's build is the AVX2 one")
+        lib, detail = native._build(("-mno-avx512f",))
+        assert lib is not None, detail
+        monkeypatch.setitem(native._state, "lib", lib)
+    return request.param
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 5, BLOCK_TOKENS])
 @pytest.mark.parametrize("types", list(TYPES))
-def test_int8_routed_experts_follow_the_per_op_rule(types, tokens):
+def test_int8_routed_experts_follow_the_per_op_rule(types, tokens, build):
     """activations="int8": the block quantizes a projection's activations when its type has int8 kernels under the
     setting (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; native.takes_int8), each projection on its own, as GGUFExperts' per-op
     path does. All-Q8_0: bit for bit the pairwise int8 call. A setting no type takes (3 bits): the float block, bit
     for bit. Mixed pairs (Q4_0 / Q6_K, Q4_K / Q5_0 without an int8 kernel): the per-op path's result to fp32
-    rounding."""
+    rounding. In the machine's build and in the AVX2 one."""
     moe = make_moe("v3", types, shared=False)
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
     y_float, w, idx = routing(GGUFMoEBlock(moe), x)
