@@ -101,7 +101,7 @@ def run_checks(llm: LLM, ids: list[int], tolerance: float | None = None) -> list
         pairs.append(("chunked prefill (7) vs one pass", got, full, note))
     token_by_token = replace(base, scheduler=replace(base.scheduler, max_num_batched_tokens=1))
     decoded, note = _pinned(model, log, picks, lambda: logits_with(llm, token_by_token, ids))
-    if selection_pins.has_selections(picks):
+    if selection_pins.has_selections(picks) and selection_pins.has_fused_decode(model):
         note = "; ".join(n for n in (note, "per-op decode layers (the fused step's top-k is not seen)") if n)
     pairs.append(("token-by-token decode vs one pass", decoded, full, note))
     if latent:

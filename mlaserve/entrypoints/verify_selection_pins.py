@@ -26,8 +26,9 @@ by ~1e-7 of its magnitude; q and keys from another schedule by up to ~1e-6).
 
 Pins need each selection to be seen: the fused decode step (quant/ggml_layer.decode_step) selects inside one C call,
 so a pinned run takes the per-op decode layers (held equal to the fused step by the suite): verify's token-by-token
-check says so when it pinned. The pooled indexer (GLM-5.3-Flash) and DeepSeek-V4's CSA indexer select their own way
-and are not pinned here.
+check says so when it pinned. GLM-5.3-Flash's pooled indexer (models/pooled_indexer.py) is pinned the same way, its
+decision the kept pools (s, m over the query's complete pools; its selection rebuilt from the pinned pools by
+PooledIndexer.expand). DeepSeek-V4's CSA indexer is not pinned here.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn
 
 from mlaserve.attention.backends.blocks import gather_rows
 from mlaserve.models.indexer import Indexer, Selection
+from mlaserve.models.pooled_indexer import PooledIndexer
 
 DELTA = 1e-5
 
@@ -69,8 +71,8 @@ def pin_query(s: torch.Tensor, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return gap is not None and gap <= delta
 
 
-def _indexers(model: nn.Module) -> list[Indexer]:
-    return [m for m in model.modules() if isinstance(m, Indexer)]
+def _indexers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (Indexer, PooledIndexer))]
 
 
 def _selecting(seg, topk: int) -> torch.Tensor:
@@ -78,20 +80,51 @@ def _selecting(seg, topk: int) -> torch.Tensor:
     return seg.q_valid & (seg.mask.sum(-1) > topk)
 
 
+def _kept_pools(m: PooledIndexer, sel, positions: torch.Tensor, n: int):
+    """A pooled selection's decision per query, flat over the leading dims: (positions [R], kept pools [R, k], which
+    are complete [R, k], the selecting queries' rows (more complete pools than k), k)."""
+    p = m.cfg.kpool
+    k = min(m.cfg.topk // p, n)
+    top, chosen = sel.index[..., : k * p : p] // p, sel.valid[..., : k * p : p]
+    pos = positions.reshape(-1)
+    return pos, top.reshape(-1, k), chosen.reshape(-1, k), ((pos + 1) // p > k).nonzero().flatten().tolist(), k
+
+
+def _pin(stats: dict, want: torch.Tensor | None, got: torch.Tensor, scored) -> bool:
+    """Whether this query takes the recorded choice want (the notation's pin), counted in stats; scored() -> (s, m)
+    of the query, asked only where the two differ."""
+    if want is None or want.shape != got.shape:
+        stats["unrecorded"] += 1
+    elif not torch.equal(want, got):
+        gap = swap_gap(*scored(), got, want)
+        if gap <= DELTA:
+            stats["pinned"], stats["gap"] = stats["pinned"] + 1, max(stats["gap"], gap)
+            return True
+        stats["differ"] += 1
+    return False
+
+
 @contextmanager
 def recorded(model: nn.Module) -> Iterator[dict]:
-    """-> {indexer: {position t: kept positions (sorted) of the selecting query at t}} of the runs inside the block
-    (one sequence: the key axis is the sequence's positions)."""
-    log: dict[Indexer, dict[int, torch.Tensor]] = {m: {} for m in _indexers(model)}
+    """-> {indexer: {position t: kept positions (DSA) or pools (pooled), sorted, of the selecting query at t}} of the
+    runs inside the block (one sequence: the key axis is the sequence's positions)."""
+    log: dict[nn.Module, dict[int, torch.Tensor]] = {m: {} for m in _indexers(model)}
 
-    def wrap(m: Indexer) -> Callable:
+    def wrap(m: nn.Module) -> Callable:
         def select(q, w, keys, seg, topk, backend) -> Selection:
             sel = type(m).select(m, q, w, keys, seg, topk, backend)
             for b, j in _selecting(seg, topk).nonzero().tolist():
                 log[m][int(seg.q_pos[b, j])] = sel.index[b, j][sel.valid[b, j]].sort().values
             return sel
 
-        return select
+        def select_pools(q, w, pooled, positions):
+            sel = type(m).select(m, q, w, pooled, positions)
+            pos, top, chosen, rows, _ = _kept_pools(m, sel, positions, pooled.shape[-2])
+            for i in rows:
+                log[m][int(pos[i])] = top[i][chosen[i]].sort().values
+            return sel
+
+        return select_pools if isinstance(m, PooledIndexer) else select
 
     with _installed(log, wrap):
         yield log
@@ -104,27 +137,41 @@ def pinned(model: nn.Module, log: dict) -> Iterator[dict]:
     pinned swap, and `unrecorded` (selecting queries the record has not: nothing pinned there)."""
     stats = {"pinned": 0, "differ": 0, "gap": 0.0, "unrecorded": 0}
 
-    def wrap(m: Indexer) -> Callable:
+    def wrap(m: nn.Module) -> Callable:
         def select(q, w, keys, seg, topk, backend) -> Selection:
             sel = type(m).select(m, q, w, keys, seg, topk, backend)
             index = sel.index.clone()
             for b, j in _selecting(seg, topk).nonzero().tolist():
-                want = log[m].get(int(seg.q_pos[b, j]))
-                got = sel.index[b, j][sel.valid[b, j]].sort().values
-                if want is None or want.shape != got.shape:
-                    stats["unrecorded"] += 1
-                elif not torch.equal(want, got):
-                    t = seg.q_index[b, j]
+                want, got = log[m].get(int(seg.q_pos[b, j])), sel.index[b, j][sel.valid[b, j]].sort().values
+                t = seg.q_index[b, j]
+
+                def scored(b=b, t=t):
                     rows = gather_rows(keys, seg.kv_slots[b : b + 1])[0]
-                    gap = swap_gap(*scores_and_magnitudes(q[t], w[t] * m.cfg.head_dim**-0.5, rows), got, want)
-                    if gap <= DELTA:
-                        index[b, j, : want.shape[0]] = want
-                        stats["pinned"], stats["gap"] = stats["pinned"] + 1, max(stats["gap"], gap)
-                    else:
-                        stats["differ"] += 1
+                    return scores_and_magnitudes(q[t], w[t] * m.cfg.head_dim**-0.5, rows)
+
+                if _pin(stats, want, got, scored):
+                    index[b, j, : want.shape[0]] = want
             return Selection(index, seg.mask.gather(2, index))
 
-        return select
+        def select_pools(q, w, pooled, positions):
+            sel = type(m).select(m, q, w, pooled, positions)
+            n = pooled.shape[-2]
+            pos, top, chosen, rows, k = _kept_pools(m, sel, positions, n)
+            top, chosen = top.clone(), chosen.clone()
+            qs, ws, per_seq = q.reshape(-1, *q.shape[-2:]), w.reshape(-1, w.shape[-1]), positions.shape[-1]
+            for i in rows:
+                t, keys = int(pos[i]), pooled if pooled.dim() == 2 else pooled[i // per_seq]
+
+                def scored(i=i, t=t, keys=keys):  # the query's complete pools: the ones either run may keep
+                    complete = (t + 1) // m.cfg.kpool
+                    return scores_and_magnitudes(qs[i], ws[i] * m.cfg.head_dim**-0.5, keys[:complete])
+
+                want = log[m].get(t)
+                if _pin(stats, want, top[i][chosen[i]].sort().values, scored):
+                    top[i], chosen[i] = want, True
+            return m.expand(top.view(*positions.shape, k), chosen.view(*positions.shape, k), positions, n)
+
+        return select_pools if isinstance(m, PooledIndexer) else select
 
     with _installed(log, wrap), per_op_decode(model):
         yield stats
@@ -152,6 +199,11 @@ def per_op_decode(model: nn.Module) -> Iterator[None]:
     finally:
         if fused is not None:
             model.native_decode = fused
+
+
+def has_fused_decode(model: nn.Module) -> bool:
+    """Whether the model's decode steps run fused (the native layers' one call), which a pinned run sets aside."""
+    return getattr(model, "native_decode", None) is not None
 
 
 def has_selections(log: dict | None) -> bool:

@@ -99,12 +99,15 @@ class PooledIndexer(nn.Module):
         scores = torch.einsum("...qh,...qhn->...qn", w, scores)
         n = pooled.shape[-2]
         complete = (positions + 1) // p  # pools complete at each query
-        pool_ids = torch.arange(n, device=q.device)
-        selectable = pool_ids < complete[..., None]  # [Q, N]
-        k = min(topk // p, n)
-        top = scores.masked_fill(~selectable, float("-inf")).topk(k, dim=-1).indices  # [Q, k]
-        chosen = selectable.gather(-1, top)
-        offsets = torch.arange(p, device=q.device)
+        selectable = torch.arange(n, device=q.device) < complete[..., None]  # [Q, N]
+        top = scores.masked_fill(~selectable, float("-inf")).topk(min(topk // p, n), dim=-1).indices  # [Q, k]
+        return self.expand(top, selectable.gather(-1, top), positions, n)
+
+    def expand(self, top: torch.Tensor, chosen: torch.Tensor, positions: torch.Tensor, n: int) -> PooledSelection:
+        """The kept pools top [(B,) Q, k] (chosen: which of them are complete at the query) -> their tokens and the
+        query's tail (the selection select returns; verify's selection pins rebuild one from pinned pools)."""
+        p = self.cfg.kpool
+        offsets = torch.arange(p, device=top.device)
         tokens = (top[..., None] * p + offsets).flatten(-2)  # [Q, k P]
         token_valid = chosen[..., None].expand(*chosen.shape, p).flatten(-2)
         tail_len = (positions + 1) % p
@@ -113,7 +116,8 @@ class PooledIndexer(nn.Module):
         tail_valid = offsets[: p - 1] < tail_len[..., None]
         index = torch.cat([tokens, tail], dim=-1)
         valid = torch.cat([token_valid, tail_valid], dim=-1)
-        return PooledSelection(index.masked_fill(~valid, 0), valid, complete.clamp(max=n), chosen.sum(-1), tail_len)
+        complete = ((positions + 1) // p).clamp(max=n)
+        return PooledSelection(index.masked_fill(~valid, 0), valid, complete, chosen.sum(-1), tail_len)
 
     def step(
         self,
