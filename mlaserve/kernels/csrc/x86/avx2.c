@@ -277,7 +277,13 @@ static inline float hsum8(__m256 a) {
 /* The blocks whose value is d * code with 32 exact integer codes: Q8_0 (the bytes), Q4_0 (nibble - 8), Q5_0
    (nibble with the fifth bit from qh, - 16). d comes out of the block's sum exactly. */
 static inline __m256i q5_0_codes(const uint8_t *b) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
     return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2))), _mm256_set1_epi8(16));
+#else
+    /* n + 16 f - 16 as n | (f ? 0 : 0xF0) (two's complement: n - 16 where the fifth bit is clear): one andnot for
+       the and and the subtraction (llama.cpp's ggml_vec_dot_q5_0_q8_0 on AVX2), the same bytes */
+    return _mm256_or_si256(nibbles32(b + 6), _mm256_andnot_si256(bits32(u32(b + 2)), _mm256_set1_epi8((char)0xF0)));
+#endif
 }
 
 /* A block's 32 codes as 16-value halves (g[0]: values 0..15, g[1]: 16..31), with the loads and shuffles each type
