@@ -12,6 +12,31 @@
 /* an int32 of two int16s: lo, hi (a vpdpwssd operand) */
 static inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
 
+#ifdef MLS_SIMD
+/* One Q4_K / Q5_K weight row's integer sums S of a super-block (br its block, five: Q5_K; sc16 its 8 sub-block
+   scales as int16 in both halves) against the block's activation codes x[8]: 8 int32 lanes, q8k_q45_mr's sums (the
+   row kernel's integers), for the kernels below that take several rows per activation load */
+static inline __attribute__((always_inline)) __m256i q45_row_sums(const uint8_t *br, const int five, const __m256i sc16,
+                                                                  const __m256i x[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const uint8_t *qs = br + (five ? 48 : 16);
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : _mm256_setzero_si256();
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); /* two chains, as q8k_q45_mr */
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        if (five) {
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+        }
+        s0 = madd16_acc(s0, _mm256_maddubs_epi16(w0, x[2 * c]), bcast16(sc16, 2 * c));
+        s1 = madd16_acc(s1, _mm256_maddubs_epi16(w1, x[2 * c + 1]), bcast16(sc16, 2 * c + 1));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+#endif
+
 #if defined(MLS_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define MLS_Q8K_ROWS16 1
 
@@ -46,7 +71,6 @@ static inline __attribute__((always_inline)) void rows16_q45(const uint8_t *w, i
     const __m512i offs = rows16_offsets(row_bytes);
     const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4v = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x03030303);
     const __m512i lo8 = _mm512_set1_epi32(0x00FF00FF), zero = _mm512_setzero_si512();
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const char *pf = (const char *)w + 16 * row_bytes;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
@@ -87,21 +111,7 @@ static inline __attribute__((always_inline)) void rows16_q45(const uint8_t *w, i
             }
             const int slot = ((r & 3) < 2 ? 0 : 8) + (r >> 2) * 2 + (r & 1);
             const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scs + slot))));
-            const uint8_t *br = b0 + r * row_bytes, *qs = br + (five ? 48 : 16);
-            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : _mm256_setzero_si256();
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); /* two chains, as q8k_q45_mr */
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                if (five) {
-                    w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
-                    w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
-                }
-                s0 = madd16_acc(s0, _mm256_maddubs_epi16(w0, x[2 * c]), bcast16(sc16, 2 * c));
-                s1 = madd16_acc(s1, _mm256_maddubs_epi16(w1, x[2 * c + 1]), bcast16(sc16, 2 * c + 1));
-            }
-            P[r] = _mm256_add_epi32(s0, s1);
+            P[r] = q45_row_sums(b0 + r * row_bytes, five, sc16, x);
         }
         const __m512 dx = _mm512_set1_ps(meta->d);
         acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(lane_sums8(P))));
@@ -297,7 +307,6 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
     const __m256i offs = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)row_bytes));
     const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4v = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
     const __m256i lo8 = _mm256_set1_epi32(0x00FF00FF), zero = _mm256_setzero_si256();
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const char *pf = (const char *)w + 8 * row_bytes;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
@@ -338,21 +347,7 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
             }
             const int slot = ((r & 3) < 2 ? 0 : 4) + (r >> 2) * 2 + (r & 1);
             const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scs + slot))));
-            const uint8_t *br = b0 + r * row_bytes, *qs = br + (five ? 48 : 16);
-            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : zero;
-            __m256i s0 = zero, s1 = zero; /* two chains, as q8k_q45_mr */
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                if (five) {
-                    w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
-                    w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
-                }
-                s0 = madd16_acc(s0, _mm256_maddubs_epi16(w0, x[2 * c]), bcast16(sc16, 2 * c));
-                s1 = madd16_acc(s1, _mm256_maddubs_epi16(w1, x[2 * c + 1]), bcast16(sc16, 2 * c + 1));
-            }
-            P[r] = _mm256_add_epi32(s0, s1);
+            P[r] = q45_row_sums(b0 + r * row_bytes, five, sc16, x);
         }
         const __m256 dx = _mm256_set1_ps(meta->d);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lane_sums8x8(P))));
