@@ -217,10 +217,10 @@ static inline __attribute__((always_inline)) void lanes_c(const float *qt, const
 static void index_scores_lanes(const float *qt, const float *wpad, int64_t hp, int64_t di,
                                const float *const kr[INDEX_KEYS], int64_t n, float *s) {
     switch (hp / 16) {
-    case 1: lanes_c(qt, wpad, hp, di, kr, n, s, 1, 8); break;
-    case 2: lanes_c(qt, wpad, hp, di, kr, n, s, 2, 8); break;
-    case 3: lanes_c(qt, wpad, hp, di, kr, n, s, 3, 4); break;
-    default: lanes_c(qt, wpad, hp, di, kr, n, s, 4, 4); break;
+    case 1: lanes_c(qt, wpad, hp, di, kr, n, s, 1, index_keys_per_pass(16)); break;
+    case 2: lanes_c(qt, wpad, hp, di, kr, n, s, 2, index_keys_per_pass(32)); break;
+    case 3: lanes_c(qt, wpad, hp, di, kr, n, s, 3, index_keys_per_pass(48)); break;
+    default: lanes_c(qt, wpad, hp, di, kr, n, s, 4, index_keys_per_pass(64)); break;
     }
 }
 
@@ -274,10 +274,10 @@ static inline __attribute__((always_inline)) void pairs_lanes(const uint32_t *qp
 static void index_scores_pairs(const uint32_t *qp, const float *wpad, int64_t hp, int64_t di,
                                const uint32_t *const kp[INDEX_KEYS], int64_t n, float *s) {
     switch (hp / 16) {
-    case 1: pairs_lanes(qp, wpad, hp, di, kp, n, s, 1, 8); break;
-    case 2: pairs_lanes(qp, wpad, hp, di, kp, n, s, 2, 8); break;
-    case 3: pairs_lanes(qp, wpad, hp, di, kp, n, s, 3, 4); break;
-    default: pairs_lanes(qp, wpad, hp, di, kp, n, s, 4, 4); break;
+    case 1: pairs_lanes(qp, wpad, hp, di, kp, n, s, 1, index_keys_per_pass(16)); break;
+    case 2: pairs_lanes(qp, wpad, hp, di, kp, n, s, 2, index_keys_per_pass(32)); break;
+    case 3: pairs_lanes(qp, wpad, hp, di, kp, n, s, 3, index_keys_per_pass(48)); break;
+    default: pairs_lanes(qp, wpad, hp, di, kp, n, s, 4, index_keys_per_pass(64)); break;
     }
 }
 
