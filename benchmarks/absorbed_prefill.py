@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, ensure_gguf, ensure_model, environment, random_prompt, write_json  # noqa: E402
+from common import ensure_gguf, ensure_model, random_prompt, run_end, run_start  # noqa: E402
 from dsa_prefill import Timed  # noqa: E402
 
 BACKENDS = ("native", "torch")
@@ -85,21 +85,17 @@ def main() -> None:
     p.add_argument("--c-flags", nargs="*", default=[], help="appended to the native library's build flags")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from mlaserve.config.cpu import cpu_flags
     from mlaserve.kernels import native
 
     if args.c_flags:  # read at the library's first use, below
         os.environ[native.EXTRA_FLAGS] = " ".join(args.c_flags)
     res: dict = {"tokens": args.tokens, "threads": args.threads, "c_flags": args.c_flags, "files": {}}
     res["kernels_isa"], res["torch_capability"] = native.isa(), torch.backends.cpu.get_cpu_capability()
-    res["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
-    res["loadavg_before"] = os.getloadavg()
+    res |= run_start()
     for gguf in args.gguf or [ensure_gguf(ensure_model(m, False)) for m in args.models]:
         res["files"][gguf.name] = run_file(gguf, args.tokens, args.reps, args.threads)
-    res["loadavg_after"] = os.getloadavg()
-    res["environment"] = environment(args.threads)
-    write_json(RESULTS_DIR / "absorbed_prefill.json", res)
-    print(f"kernels {res['kernels_isa']}, torch {res['torch_capability']}; cpu flags: {' '.join(res['cpu_flags'])}")
+    run_end(res, "absorbed_prefill", args.threads)
+    print(f"kernels {res['kernels_isa']}, torch {res['torch_capability']}")
 
 
 if __name__ == "__main__":

@@ -360,6 +360,23 @@ def _cpu_simd() -> list[str]:
     return [f for f in SIMD_FLAGS if f in have]
 
 
+def run_start() -> dict:
+    """A run's JSON opening: the CPU's vector flags (which kernels run follows them) and the load before."""
+    return {
+        "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx"))),
+        "loadavg_before": os.getloadavg(),
+    }
+
+
+def run_end(res: dict, name: str, threads: int) -> None:
+    """A run's JSON closing (run_start opened it): the load after, the environment, written to
+    benchmarks/results/<name>.json, and the flags and loads printed."""
+    res["loadavg_after"] = os.getloadavg()
+    res["environment"] = environment(threads)
+    write_json(RESULTS_DIR / f"{name}.json", res)
+    print(f"cpu flags: {' '.join(res['cpu_flags'])}; load {res['loadavg_before']} -> {res['loadavg_after']}")
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(without_machine_paths(json.loads(json.dumps(data, default=str))), indent=2))

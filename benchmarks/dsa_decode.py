@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, environment, fill_mlaserve_cache, write_json  # noqa: E402
+from common import fill_mlaserve_cache, run_end, run_start  # noqa: E402
 
 PAGE_SIZE = 16
 DEFAULT = Path(__file__).resolve().parent / "models" / "mla-dsa-l12-seed0-q8_0.gguf"
@@ -56,7 +56,6 @@ def main() -> None:
     from mlaserve import LLM
     from mlaserve.attention.backends.native_backend import NativeBackend
     from mlaserve.attention.backends.torch_backend import TorchBackend
-    from mlaserve.config.cpu import cpu_flags
     from mlaserve.executor.forward_batch import SeqChunk
 
     n_max = max(args.contexts)
@@ -88,8 +87,7 @@ def main() -> None:
 
     res: dict = {"gguf": str(args.gguf), "threads": args.threads, "index_topk": topk, "contexts": {}}
     res["index_scores"] = llm.config.attention.index_scores
-    res["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
-    res["loadavg_before"] = os.getloadavg()
+    res |= run_start()
 
     def step(mode: str, n: int) -> float:
         """One decode step at context n; returns its seconds."""
@@ -120,10 +118,7 @@ def main() -> None:
             cells += f", dense / fused_fp32 {row['dense']['median_ms'] / row['fused_fp32']['median_ms']:.2f}x"
         print(f"context {n} (selects: {n + 1 > topk}, index_scores {res['index_scores']}): {cells}", flush=True)
     use("fused")
-    res["loadavg_after"] = os.getloadavg()
-    res["environment"] = environment(args.threads)
-    write_json(RESULTS_DIR / "dsa_decode.json", res)
-    print(f"cpu flags: {' '.join(res['cpu_flags'])}; load {res['loadavg_before']} -> {res['loadavg_after']}")
+    run_end(res, "dsa_decode", args.threads)
 
 
 if __name__ == "__main__":

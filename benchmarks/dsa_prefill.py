@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MODELS_DIR, RESULTS_DIR, environment, random_prompt, write_json  # noqa: E402
+from common import MODELS_DIR, random_prompt, run_end, run_start  # noqa: E402
 
 DEFAULT = MODELS_DIR / "mla-dsa-l12-seed0-q8_0.gguf"
 
@@ -61,7 +61,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from mlaserve import LLM
     from mlaserve.attention.backends.native_backend import NativeBackend
-    from mlaserve.config.cpu import cpu_flags
     from mlaserve.sampling.params import SamplingParams
 
     ids = random_prompt(args.tokens, 32768, seed=5)
@@ -74,8 +73,7 @@ def main() -> None:
         llm.generate([ids[:64]], SamplingParams(max_tokens=1))  # warm-up
         engines[f"{scores} ({llm.config.attention.index_scores})"] = llm
     res: dict = {"gguf": args.gguf.name, "tokens": args.tokens, "threads": args.threads, "engines": {}}
-    res["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
-    res["loadavg_before"] = os.getloadavg()
+    res |= run_start()
     runs: dict = {name: [] for name in engines}
     for _ in range(args.reps):
         for name, llm in engines.items():
@@ -94,10 +92,7 @@ def main() -> None:
             f"index_topk {med['index_topk_s']:.2f} s, sparse_absorbed {med['sparse_absorbed_s']:.2f} s",
             flush=True,
         )
-    res["loadavg_after"] = os.getloadavg()
-    res["environment"] = environment(args.threads)
-    write_json(RESULTS_DIR / "dsa_prefill.json", res)
-    print(f"cpu flags: {' '.join(res['cpu_flags'])}; load {res['loadavg_before']} -> {res['loadavg_after']}")
+    run_end(res, "dsa_prefill", args.threads)
 
 
 if __name__ == "__main__":

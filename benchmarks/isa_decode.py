@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, environment, random_prompt, write_json  # noqa: E402
+from common import random_prompt, run_end, run_start  # noqa: E402
 
 AVX2_ENV = {
     "MLASERVE_KERNEL_CFLAGS": "-mno-avx512f",
@@ -89,8 +89,6 @@ def main() -> None:
         return worker(args.worker, args.threads, args.context, args.new)
     if not args.gguf or not args.llama_bin:
         p.error("--gguf and --llama-bin are required")
-    from mlaserve.config.cpu import cpu_flags
-
     engines = {
         "llama.cpp native": lambda f: llama_run(f, args.llama_bin[0], args),
         "llama.cpp avx2": lambda f: llama_run(f, args.llama_bin[1], args),
@@ -98,7 +96,7 @@ def main() -> None:
         "mlaserve avx2": lambda f: mlaserve_run(f, True, args),
     }
     res: dict = {"context": args.context, "new": args.new, "threads": args.threads, "files": {}}
-    res["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
+    res |= run_start()
     for rep in range(args.reps):
         for gguf in args.gguf:
             runs = res["files"].setdefault(gguf.name, {name: [] for name in engines})
@@ -112,8 +110,7 @@ def main() -> None:
         res["files"][gguf] = {"median_tok_s": med, "runs": runs}
         ratio = (med["mlaserve native"] / med["llama.cpp native"], med["mlaserve avx2"] / med["llama.cpp avx2"])
         print(f"{gguf}: mlaserve / llama.cpp native {ratio[0]:.2f}x, avx2 {ratio[1]:.2f}x")
-    res["environment"] = environment(args.threads)
-    write_json(RESULTS_DIR / "isa_decode.json", res)
+    run_end(res, "isa_decode", args.threads)
 
 
 if __name__ == "__main__":
