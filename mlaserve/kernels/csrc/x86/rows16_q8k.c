@@ -278,11 +278,11 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
 }
 #elif defined(MLS_SIMD)
 /* ------------------------------------------- AVX2: one activation row times 8 Q4_K / Q5_K weight rows side by side
-   rows16_q45's scheme in 8 lanes (an AVX2 build measured its one-row Q4_K products compute-bound where the AVX-512
-   build's 16 rows are not: docs/PERFORMANCE.md): the rows' fp16 scales and 12 scale bytes by AVX2 gathers, unpacked
-   for 8 rows at once, M by four vpmaddwd (vpdpwssd with AVX-VNNI), each row's S as q8k_q45_mr makes it against
-   activation codes loaded once for all 8, the block's float steps in 8 lanes in the one-row kernel's order (its
-   bits). A run of 16 rows (the callers' unit) is two calls. */
+   rows16_q45's scheme in 8 lanes: the rows' fp16 scales and 12 scale bytes by AVX2 gathers, unpacked for 8 rows at
+   once, M by four vpmaddwd (vpdpwssd with AVX-VNNI), each row's S as q8k_q45_mr makes it against activation codes
+   loaded once for all 8, the block's float steps in 8 lanes in the one-row kernel's order (its bits). A run of 16
+   rows (the callers' unit) is two calls. Measured only as an AVX2 build on the 2-core AMD EPYC (AVX-512 CPU): one
+   thread 12.8-13.7 -> 14.5-15.7 GB/s of Q4_K against the row kernel (docs/PERFORMANCE.md); no AVX2-only CPU yet. */
 
 /* lane r = the sum of P[r]'s 8 int32 lanes, r < 8 (exact: integers) */
 static inline __m256i lane_sums8x8(const __m256i P[8]) {
