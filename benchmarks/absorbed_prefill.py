@@ -85,10 +85,10 @@ def main() -> None:
     p.add_argument("--c-flags", nargs="*", default=[], help="appended to the native library's build flags")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from mlaserve.kernels import native
+    from mlaserve.kernels import native, native_build
 
     if args.c_flags:  # read at the library's first use, below
-        os.environ[native.EXTRA_FLAGS] = " ".join(args.c_flags)
+        os.environ[native_build.EXTRA_FLAGS] = " ".join(args.c_flags)
     res: dict = {"tokens": args.tokens, "threads": args.threads, "c_flags": args.c_flags, "files": {}}
     res["kernels_isa"], res["torch_capability"] = native.isa(), torch.backends.cpu.get_cpu_capability()
     res |= run_start()

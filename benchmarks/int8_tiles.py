@@ -52,7 +52,7 @@ from common import RESULTS_DIR, environment, write_json
 from int8_activations import K, N, blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import bf16_prefill, native
+from mlaserve.kernels import bf16_prefill, native, native_build
 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
 NO_PANELS = ("-DMLS_NO_VNNI_PANELS",)
@@ -62,7 +62,7 @@ def builds() -> dict[str, object]:
     """this build, and the control without its unit for many rows: AMX where the process has the tiles, else the
     VNNI panels"""
     tiles = native.library()
-    plain, detail = native._build(NO_AMX if native.tiles_granted() else NO_PANELS)
+    plain, detail = native_build._build(NO_AMX if native.tiles_granted() else NO_PANELS)
     if tiles is None or plain is None:
         raise SystemExit(f"native kernels unavailable: {detail}")
     return {"tiles": tiles, "vnni": plain}
@@ -177,7 +177,7 @@ def main() -> None:
             outs = {}
             for _ in range(args.rounds):
                 for key, (lib, fn) in calls.items():
-                    native._state["lib"] = lib
+                    native_build._state["lib"] = lib
                     outs[key] = fn()
                     ws, cs = [], []
                     for _ in range(args.reps):
@@ -187,7 +187,7 @@ def main() -> None:
                         cs.append(time.process_time() - c0)
                     wall[key].append(ws)
                     cpu[key].append(cs)
-            native._state["lib"] = libs["tiles"]
+            native_build._state["lib"] = libs["tiles"]
             row = {
                 "type": name,
                 "shape": [n, k],

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, native_build
 from mlaserve.loading.tensor_check import SCALE_OFFSETS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     env = environment(args.threads)
     fused_lib = native.library()
-    unfused_lib, detail = native._build(("-DMLS_DECODE_THEN_DOT",))
+    unfused_lib, detail = native_build._build(("-DMLS_DECODE_THEN_DOT",))
     if fused_lib is None or unfused_lib is None:
         raise SystemExit(f"native kernels unavailable: {native.status().detail} / {detail}")
     print(
@@ -73,10 +73,10 @@ def main() -> None:
             x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
             ms = {}
             for how, lib in (("fused", fused_lib), ("decode_then_dot", unfused_lib)):
-                native._state["lib"] = lib  # the library native.gemm calls
+                native_build._state["lib"] = lib  # the library native.gemm calls
                 t_s = timed(lambda: ggml.linear(x, w, tid, K, kernel="native"), args.reps)
                 ms[how], ms[f"{how}_min"] = t_s["median_s"] * 1e3, t_s["min_s"] * 1e3
-            native._state["lib"] = fused_lib
+            native_build._state["lib"] = fused_lib
             fused = bool(native.type_kernels(tid) & 2)
             results.append(
                 {

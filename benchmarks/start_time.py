@@ -76,14 +76,14 @@ def mlaserve_worker(spec: dict) -> dict:
     from mlaserve import LLM, SamplingParams
 
     phases["mlaserve"] = _since(t0)
-    from mlaserve.kernels import native
+    from mlaserve.kernels import native_build
     from mlaserve.loading import model_loader
 
     # load_model -> fill_model(open_checkpoint(...)); fill_model -> build_model: the loader's own seams
     for name, phase in (("open_checkpoint", "open"), ("build_model", "build"), ("fill_model", "fill")):
         _timed(model_loader, name, lambda p=phase: phases.__setitem__(p, _since(t0)))
     build = {"s": 0.0}
-    library = native._build
+    library = native_build._build
 
     def timed_build(*a, **k):
         t = time.perf_counter()
@@ -92,7 +92,7 @@ def mlaserve_worker(spec: dict) -> dict:
         finally:
             build["s"] += time.perf_counter() - t
 
-    native._build = timed_build
+    native_build._build = timed_build
     llm = LLM(spec["gguf"], threads=spec["threads"])
     phases["ready"] = _since(t0)
     out = llm.generate([spec["prompt"]], SamplingParams(max_tokens=1, temperature=0.0))[0]

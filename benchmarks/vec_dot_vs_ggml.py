@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, environment, write_json
 
 from mlaserve.config.machine import INT8_BITS
-from mlaserve.kernels import native
+from mlaserve.kernels import native, native_build
 
 AUTO = INT8_BITS["int8_6bit"]  # activations="auto" on a GGUF: int8 for weights of 6 bits or fewer
 
@@ -72,7 +72,7 @@ def build_harness(src: Path, lib: Path, work: Path) -> Path:
     c, exe = work / "vec_dot.c", work / "vec_dot"
     c.write_text(HARNESS)
     inc = src / "ggml" / "include"
-    cc = native._compiler()  # the compiler the engine builds its own kernels with
+    cc = native_build._compiler()  # the compiler the engine builds its own kernels with
     if cc is None:
         raise SystemExit("no C compiler on PATH (set CC)")
     libs = [f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}"]

@@ -9,7 +9,7 @@ import torch
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, native_build
 
 F32 = np.float32
 U = 2.0**-24
@@ -41,9 +41,9 @@ def q8k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def with_build(monkeypatch, flags: tuple[str, ...]) -> str:
-    lib, detail = native._build(flags)
+    lib, detail = native_build._build(flags)
     assert lib is not None, detail
-    monkeypatch.setitem(native._state, "lib", lib)
+    monkeypatch.setitem(native_build._state, "lib", lib)
     return native.int8_isa()
 
 

@@ -1,7 +1,7 @@
 """The C interface as ctypes sees it: each prototype of csrc/mls.h with its argtypes and restype, declared on a loaded
-library (kernels/native.py's build). ctypes trusts what it is told, so tests/kernels/test_kernel_bindings.py holds
+library (kernels/native_build.py). ctypes trusts what it is told, so tests/kernels/test_kernel_bindings.py holds
 every prototype in the header to what is declared here (count and type of each parameter); a change to mls.h bumps
-MLS_ABI_VERSION and native.ABI_VERSION and is mirrored here.
+MLS_ABI_VERSION and native_build.ABI_VERSION and is mirrored here.
 """
 
 from __future__ import annotations

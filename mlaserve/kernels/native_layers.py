@@ -1,6 +1,6 @@
 """The native kernels' per-layer operations (csrc/attention.c, csrc/glue.c, csrc/moe/block.c,
 csrc/decode_layer.c): the absorbed path's latent MQA over paged rows, RMSNorm, a step's latent rows with the query rope,
-and a decode step's whole MoE block. The library, its build and the matmul / MoE wrappers are in native.py;
+and a decode step's whole MoE block. The library's build is in native_build.py, the matmul / MoE wrappers in native.py;
 the tests hold these to the torch code (tests/kernels/test_latent_mqa_kernel.py, tests/kernels/test_glue_kernels.py,
 tests/kernels/test_moe_block.py, the attention-backend harness).
 """

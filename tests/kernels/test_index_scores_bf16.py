@@ -24,7 +24,7 @@ from mlaserve.attention.backends.torch_backend import TorchBackend
 from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.config.row_format import half_format, index_key_format
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_build, native_layers
 from mlaserve.sampling.params import SamplingParams
 
 NATIVE = native.status()
@@ -121,9 +121,9 @@ def _builds() -> list[tuple[tuple[str, ...], str]]:
 @pytest.mark.parametrize("flags,what", _builds())
 def test_bf16_top_k_is_torchs_over_the_rounded_values(flags, what, monkeypatch):
     if flags:
-        lib, detail = native._build(flags)
+        lib, detail = native_build._build(flags)
         assert lib is not None, detail
-        monkeypatch.setitem(native._state, "lib", lib)
+        monkeypatch.setitem(native_build._state, "lib", lib)
     moved = _check_build()
     print(f"{what}: {moved} of {4 * len(SHAPES) * len(KEY_FORMS)} requests select another set than fp32 scoring")
     assert moved > 0, f"{what}: bf16 scores never moved a selection: the rounding is not applied"

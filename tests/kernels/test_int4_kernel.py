@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.config.cpu import cpu_flags
-from mlaserve.kernels import native
+from mlaserve.kernels import native, native_build
 from mlaserve.quant import int4_group
 
 STATUS = native.status()
@@ -126,9 +126,9 @@ def test_grouped_gemm_of_experts_within_the_bound(per_expert):
 
 
 def _with_build(monkeypatch, flags: tuple[str, ...], want_isa: str) -> None:
-    lib, detail = native._build(flags)
+    lib, detail = native_build._build(flags)
     assert lib is not None, detail
-    monkeypatch.setitem(native._state, "lib", lib)
+    monkeypatch.setitem(native_build._state, "lib", lib)
     assert native.isa() == want_isa
 
 
@@ -156,6 +156,6 @@ def test_extra_build_flags_from_the_environment(monkeypatch):
     if "avx512f" not in cpu_flags():
         pytest.skip("this CPU has no AVX-512: its own build is already the AVX2 one")
     assert native.isa() == "avx512"
-    monkeypatch.setenv(native.EXTRA_FLAGS, "-mno-avx512f")
-    monkeypatch.setattr(native, "_state", {})  # the process's library is built once: this one built anew
+    monkeypatch.setenv(native_build.EXTRA_FLAGS, "-mno-avx512f")
+    monkeypatch.setattr(native_build, "_state", {})  # the process's library is built once: this one built anew
     assert native.library() is not None and native.isa() == "avx2"

@@ -21,7 +21,7 @@ from int8_reference import grid_blocks
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, native_build
 
 STATUS = native.status()
 needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
@@ -187,9 +187,9 @@ def test_activation_quantization_is_llama_cpp_q8_k(name):
 
 
 def _with_build(monkeypatch, flags: tuple[str, ...]) -> str:
-    lib, detail = native._build(flags)
+    lib, detail = native_build._build(flags)
     assert lib is not None, detail
-    monkeypatch.setitem(native._state, "lib", lib)
+    monkeypatch.setitem(native_build._state, "lib", lib)
     return native.int8_isa()
 
 

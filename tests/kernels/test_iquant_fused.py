@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, native_build
 
 STATUS = native.status()
 pytestmark = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
@@ -79,9 +79,9 @@ def test_avx2_build_where_the_machine_has_avx512(monkeypatch):
     """The AVX2 build (8-lane kernels) here too, so that a machine without AVX-512 is covered."""
     if "avx512f" not in cpu_flags():
         pytest.skip("the machine's build is the AVX2 one (tested above)")
-    lib, detail = native._build(("-mno-avx512f",))
+    lib, detail = native_build._build(("-mno-avx512f",))
     assert lib is not None, detail
-    monkeypatch.setitem(native._state, "lib", lib)
+    monkeypatch.setitem(native_build._state, "lib", lib)
     assert native.isa() == "avx2"
     for name in NEW_FUSED:
         assert kernel_bits(GGML_TYPE_IDS[name]) & 2, name
@@ -134,7 +134,7 @@ def test_decode_then_dot_build_is_the_unfused_path(monkeypatch):
     """benchmarks/iquant_kernel.py's reference build (MLS_DECODE_THEN_DOT): the same products by decoding each row,
     then dotting it, also within the bound, and not the fused kernel's rounding (the switch took effect)."""
     fused_lib = native.library()
-    lib, detail = native._build(("-DMLS_DECODE_THEN_DOT",))
+    lib, detail = native_build._build(("-DMLS_DECODE_THEN_DOT",))
     assert lib is not None, detail
     from test_gguf_iquants import iq_blocks
 
@@ -142,7 +142,7 @@ def test_decode_then_dot_build_is_the_unfused_path(monkeypatch):
     raw = torch.from_numpy(iq_blocks("IQ2_XS", 64 * 4, seed=9)).reshape(64, -1).contiguous()
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(9))
     fused = native.gemm(tid, x, raw, 1024)
-    monkeypatch.setitem(native._state, "lib", lib)
+    monkeypatch.setitem(native_build._state, "lib", lib)
     unfused = native.gemm(tid, x, raw, 1024)
     w = ggml.dense(raw, tid, 1024)
     bound = 2 * 1024 * U * (x.abs() @ w.abs().T)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf import iq_grids
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, native_build
 
 STATUS = native.status()
 needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
@@ -94,9 +94,9 @@ def test_every_isa_path(monkeypatch, capsys):
     builds.append((("-mno-avx512f", "-mno-avx2", "-mno-f16c"), "scalar"))
     worst = {}
     for flags, want in builds:
-        lib, detail = native._build(flags)
+        lib, detail = native_build._build(flags)
         assert lib is not None, detail
-        monkeypatch.setitem(native._state, "lib", lib)
+        monkeypatch.setitem(native_build._state, "lib", lib)
         assert native.isa() == want
         fused = {n for n in IQ_TYPES if kernels(GGML_TYPE_IDS[n]) & 2}
         assert fused == (set() if want == "scalar" else set(IQ_TYPES)), (want, fused)

@@ -17,7 +17,7 @@ import re
 import pytest
 
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_build, native_layers
 
 STATUS = native.status()
 needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
@@ -27,7 +27,7 @@ SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_flo
 
 def header() -> str:
     """mls.h without its comments."""
-    return re.sub(r"/\*.*?\*/", " ", native.HEADER.read_text(), flags=re.S)
+    return re.sub(r"/\*.*?\*/", " ", native_build.HEADER.read_text(), flags=re.S)
 
 
 def declarators(decl: str) -> list[tuple[str, str]]:
@@ -117,7 +117,7 @@ def test_the_library_builds_wherever_a_compiler_is():
     then runs the torch path), wrong where the sources fail to compile, where a C error would turn hundreds of tests
     into skips and the suite would still pass. With a compiler on PATH the build must succeed; its error is the
     failure's message."""
-    if native._compiler() is None:
+    if native_build._compiler() is None:
         pytest.skip("no C compiler on PATH: the torch path is the engine's there, by design")
     assert STATUS.available, STATUS.detail
 
@@ -173,8 +173,8 @@ def test_every_struct_mirror_has_the_header_fields_and_the_compiled_layout():
 @needs_native
 def test_abi_version_and_type_table_agree_with_python():
     text = header()
-    assert native.ABI_VERSION == int(re.search(r"#define MLS_ABI_VERSION (\d+)", text).group(1))
-    assert native.library().mls_abi_version() == native.ABI_VERSION
+    assert native_build.ABI_VERSION == int(re.search(r"#define MLS_ABI_VERSION (\d+)", text).group(1))
+    assert native.library().mls_abi_version() == native_build.ABI_VERSION
     types = re.search(r"enum\s*\{([^}]*\bMLS_GGML_TYPES\b[^}]*)\}", text).group(1)  # the weight types' enum
     ids = {m.group(1): int(m.group(2)) for m in re.finditer(r"\bMLS_(\w+) = (\d+)", types)}
     assert (ids["FP8_E4M3"], ids["FP4_E2M1"], ids["INT4_PACKED"]) == (
@@ -212,19 +212,19 @@ def included(path, seen=None) -> set:
 def test_the_build_reads_every_csrc_file_and_its_cache_key_covers_each(tmp_path, monkeypatch):
     """No source under csrc/ is left out of the one translation unit, and a change to any of them (a header
     included in all, a file deep in a subfolder) gives another library: a cached build is never stale."""
-    root = native.CSRC.resolve()
+    root = native_build.CSRC.resolve()
     files = sorted(p.resolve() for p in root.rglob("*") if p.is_file())
-    assert set(files) == included(native.SOURCE.resolve())
+    assert set(files) == included(native_build.SOURCE.resolve())
     assert {p.relative_to(root).as_posix() for p in files} >= {"mls.h", "x86/avx2.c", "moe/block.c"}
-    before = native._sources_digest()
+    before = native_build._sources_digest()
     copy = tmp_path / "csrc"
     for p in files:
         (copy / p.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
         (copy / p.relative_to(root)).write_bytes(p.read_bytes())
-    monkeypatch.setattr(native, "CSRC", copy)
-    assert native._sources_digest() == before
+    monkeypatch.setattr(native_build, "CSRC", copy)
+    assert native_build._sources_digest() == before
     for p in files:
         target = copy / p.relative_to(root)
         target.write_bytes(p.read_bytes() + b"\n")
-        assert native._sources_digest() != before, f"{p.name}: not in the cache key"
+        assert native_build._sources_digest() != before, f"{p.name}: not in the cache key"
         target.write_bytes(p.read_bytes())

@@ -19,7 +19,7 @@ from mlaserve.config.cpu import cpu_flags
 from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.model import ConfigError
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, native_build
 from mlaserve.quant import fp8_block
 
 STATUS = native.status()
@@ -295,8 +295,8 @@ def test_kernels_option_resolution():
 
 
 def test_no_compiler_falls_back_with_a_reason(monkeypatch):
-    monkeypatch.setattr(native, "_compiler", lambda: None)
-    lib, detail = native._build()
+    monkeypatch.setattr(native_build, "_compiler", lambda: None)
+    lib, detail = native_build._build()
     assert lib is None and "no C compiler" in detail
 
 
@@ -493,12 +493,12 @@ def test_avx2_kernels_on_an_avx512_machine(monkeypatch):
     """The library is built for the CPU at hand (-march=native), so an AVX-512 machine runs the AVX-512 fused
     kernels and never the AVX2 ones that other machines run: this builds the AVX2 variant too (-mno-avx512f) and
     holds its products to the same bound, so both code paths are tested wherever the suite runs."""
-    lib, detail = native._build(("-mno-avx512f",))
+    lib, detail = native_build._build(("-mno-avx512f",))
     assert lib is not None, detail
     k, results = 512, {}
     for variant in ("avx512", "avx2"):
         if variant == "avx2":
-            monkeypatch.setitem(native._state, "lib", lib)
+            monkeypatch.setitem(native_build._state, "lib", lib)
         for name in ("Q8_0", "Q4_0", "Q5_0", "Q6_K", "Q4_K"):
             t = GGML_TYPE_IDS[name]
             raw = random_blocks(name, 37, k, torch.Generator().manual_seed(GGML_TYPE_IDS[name]))

@@ -19,7 +19,7 @@ from test_kernels import random_blocks
 
 from mlaserve.config.model import MoEConfig
 from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import ggml, native, native_layers
+from mlaserve.kernels import ggml, native, native_build, native_layers
 from mlaserve.models.moe import MoE
 from mlaserve.quant.ggml_linear import BLOCK_TOKENS, GGUFExperts, GGUFLinear
 from mlaserve.quant.ggml_moe_block import GGUFMoEBlock, attach_moe_blocks
@@ -178,9 +178,9 @@ def build(request, monkeypatch):
 
         if "avx512f" not in cpu_flags():
             pytest.skip("no AVX-512: the machine's build is the AVX2 one")
-        lib, detail = native._build(("-mno-avx512f",))
+        lib, detail = native_build._build(("-mno-avx512f",))
         assert lib is not None, detail
-        monkeypatch.setitem(native._state, "lib", lib)
+        monkeypatch.setitem(native_build._state, "lib", lib)
     return request.param
 
 

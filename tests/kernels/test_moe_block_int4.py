@@ -18,7 +18,7 @@ import torch
 from test_moe_block import INTER, ROUTERS, D, U, _block_bound, _swiglu_bound, routing, set_kernel
 
 from mlaserve.config.model import MoEConfig
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_build, native_layers
 from mlaserve.models.moe import MoE
 from mlaserve.quant import int4_group
 from mlaserve.quant.config import parse_quantization
@@ -162,9 +162,9 @@ def test_every_isa_build_of_the_int4_block(monkeypatch):
         set_kernel(moe, "torch")
         ref = moe.per_op(x)
     for flags, want in builds:
-        lib, detail = native._build(flags)
+        lib, detail = native_build._build(flags)
         assert lib is not None, detail
-        monkeypatch.setitem(native._state, "lib", lib)
+        monkeypatch.setitem(native_build._state, "lib", lib)
         assert native.isa() == want
         set_kernel(moe, "native")
         block = GGUFMoEBlock(moe)

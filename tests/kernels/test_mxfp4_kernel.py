@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES, dequantize
-from mlaserve.kernels import ggml, native
+from mlaserve.kernels import ggml, native, native_build
 
 STATUS = native.status()
 needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.detail}")
@@ -137,9 +137,9 @@ def test_every_isa_path(monkeypatch, capsys):
     raw_all = torch.from_numpy(every_code_blocks().reshape(8, -1).copy())
     worst = {}
     for flags, want in builds:
-        lib, detail = native._build(flags)
+        lib, detail = native_build._build(flags)
         assert lib is not None, detail
-        monkeypatch.setitem(native._state, "lib", lib)
+        monkeypatch.setitem(native_build._state, "lib", lib)
         assert native.isa() == want
         assert torch.equal(
             native.dequantize(MXFP4, raw_all, 1024).view(torch.int32),
