@@ -1,6 +1,6 @@
 """A SwiGLU's long steps in row parts (models/layers.py SwiGLU.row_part, the KernelPlan's mlp_rows op): taken only
 where every projection reads its weight's blocks in place at the part's rows (a GGUFLinear on the int8 tiles /
-VNNI panels or int16 products: kernels/ggml.py IN_PLACE_PATHS), and then each row's output is the whole step's, bit
+VNNI panels, int16 products or Q8_0's bf16 pairs: kernels/ggml.py IN_PLACE_PATHS), and then each row's output is the whole step's, bit
 for bit; elsewhere (nn.Linear, the torch kernels, a weight decoded per call) the plan keeps whole steps and says
 why."""
 
@@ -11,7 +11,7 @@ import torch
 from test_kernels import random_blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import native, registry
+from mlaserve.kernels import bf16_prefill, native, registry
 from mlaserve.models import layers
 from mlaserve.models.layers import SwiGLU
 from mlaserve.quant.ggml_linear import GGUFLinear
@@ -60,17 +60,29 @@ def test_parts_equal_the_whole_step(rows, part):
 
 
 @needs_native
-def test_plan_takes_parts_only_where_the_blocks_are_read_in_place(monkeypatch):
+@pytest.mark.parametrize(
+    "types, ctx",
+    [
+        (("Q4_K", "Q4_K", "Q6_K"), registry.KernelContext("native", 6, tiles=True)),
+        # prefill_matmul auto's cap for a Q8_0 file: Q8_0's bf16 pairs on AMX-BF16 tiles, int16 on AVX512-VNNI
+        (("Q8_0", "Q8_0", "Q8_0"), registry.KernelContext("native", 6, bf16=6, tiles=True)),
+    ],
+    ids=["q4_k-int8", "q8_0-pairs-or-int16"],
+)
+def test_plan_takes_parts_only_where_the_blocks_are_read_in_place(monkeypatch, types, ctx):
     """Under prefill_matmul "int8" the Q4_K / Q6_K projections are in place wherever this machine has the tiles or
-    VNNI panels: then parts of ROW_PART_MIN rows (the cap made small) and a 700-row step equal to the whole step;
+    VNNI panels, and Q8_0's many-rows products (bf16 pairs on the AMX-BF16 tiles, int16 on AVX512-VNNI) wherever
+    they run: then parts of ROW_PART_MIN rows (the cap made small) and a 700-row step equal to the whole step;
     without, and with the torch kernels or nn.Linear projections, whole steps with the reason named."""
     monkeypatch.setattr(layers, "ROW_PART_BYTES", 1)
-    mlp = gguf_swiglu(("Q4_K", "Q4_K", "Q6_K"), seed=2)
-    c = choice(mlp, registry.KernelContext("native", 6, tiles=True))
+    mlp = gguf_swiglu(types, seed=2)
+    c = choice(mlp, ctx)
     in_place = all(
         getattr(mlp, n).prefill_reads_in_place(layers.ROW_PART_MIN) is None
         for n in ("gate_proj", "up_proj", "down_proj")
     )
+    if types[0] == "Q8_0":  # the pairs and the int16 products convert a panel at a time: in place; fp32 is not
+        assert in_place == (mlp.gate_proj.bf16 in (bf16_prefill.BF16_PAIRS, bf16_prefill.INT16)), mlp.gate_proj.bf16
     if in_place:
         assert c.impl == "row_parts" and mlp.row_part == layers.ROW_PART_MIN, c
         x = torch.randn(700, D, generator=torch.Generator().manual_seed(3))  # parts of 234, 233, 233
