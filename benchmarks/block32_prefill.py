@@ -57,7 +57,7 @@ def main() -> None:
     args = p.parse_args()
 
     from mlaserve.gguf.quants import GGML_TYPE_IDS
-    from mlaserve.kernels import bf16_prefill, ggml, native, panels
+    from mlaserve.kernels import bf16_prefill, ggml, int16_prefill, native, panels
 
     env = environment(args.threads)
     torch.set_num_threads(args.threads)
@@ -75,6 +75,8 @@ def main() -> None:
         }
         if panels.available():
             methods["panels"] = lambda x, w, k, t=t: panels.linear(x, w, t, k)
+        if mode != bf16_prefill.INT16 and int16_prefill.takes(t):  # beside the AMX tiles' routes, where auto is not it
+            methods["int16"] = lambda x, w, k, t=t: int16_prefill.linear(x, w, t, k)
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
             w = blocks(name, n, k, g)

@@ -61,7 +61,10 @@ def takes_bf16(type_id: int, cap: int) -> int:
     fits = admits_bf16(type_id, cap)
     if not fits and not (cap and type_id == bf16_pairs.Q8_0):
         return FP32
-    if bf16_pairs.granted():  # an AMX CPU: bf16 and the pairs on the tiles (measured there; int16 there unmeasured)
+    # an AMX CPU: bf16 and the pairs on the tiles. Measured against the int16 products there (2-core AMX Xeon,
+    # 2026-12-06, benchmarks/block32_prefill.py): level at 48 rows, 1.3-1.7x slower than the pairs and 1.6-3.1x
+    # slower than bf16 (Q4_0 / Q5_0) at 128-512 rows
+    if bf16_pairs.granted():
         return BF16 if fits else BF16_PAIRS
     if int16_prefill.takes(type_id):
         return INT16
