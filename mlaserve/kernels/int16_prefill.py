@@ -50,10 +50,20 @@ def takes_rest(type_id: int, setting: bool | int) -> bool:
     )
 
 
+def tile_rows(type_id: int) -> int:
+    """The activation rows from which this process runs the type's products on the AMX-INT8 tiles, each int16 code as
+    its high and low byte (the same bits as the VNNI kernels: csrc/x86/int16_prefill.c); 0 where it never does."""
+    lib = native.library()
+    return int(lib.mls_int16_tile_rows(type_id)) if lib is not None else 0
+
+
 def detail() -> str:
     """In words, for the kernel plan: the unit, or why not."""
     lib = native.library()
-    return "avx512-vnni int16 dot products" if lib is not None and lib.mls_int16_takes(8) else f"none: {NO_UNITS}"
+    if lib is None or not lib.mls_int16_takes(8):
+        return f"none: {NO_UNITS}"
+    rows = tile_rows(8)
+    return "avx512-vnni int16 dot products" + (f"; Q8_0 on the amx-int8 tiles from {rows} rows" if rows else "")
 
 
 def _check(rc: int, what: str) -> None:

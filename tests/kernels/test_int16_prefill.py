@@ -134,8 +134,9 @@ def test_products_are_their_integer_sums_and_within_the_derived_bound(name, m, n
 @needs_units
 @pytest.mark.parametrize("name", NAMES)
 def test_a_rows_result_does_not_depend_on_the_batch_or_threads(name):
-    """Each row the same bits alone, in twos and threes (the weight rows read in place), and among 300 rows (16-row
-    panels, two work items, a partial tile), on 1 or 2 threads; 70 weight rows end in a partial group of 16."""
+    """Each row the same bits alone, in twos and threes (the weight rows read in place), in 4 (the 16-row panels), 8,
+    13 and 16 rows and among 300 (two work items, a partial tile; on an AMX CPU Q8_0 from 8 rows on the AMX-INT8
+    tiles), on 1 or 2 threads; 70 weight rows end in a partial group of 16."""
     k = 544
     t = GGML_TYPE_IDS[name]
     g = torch.Generator().manual_seed(1)
@@ -149,8 +150,19 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads(name):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(y, y1)
-    for i, m in ((0, 1), (17, 3), (255, 2), (256, 1), (297, 3), (299, 1), (40, 4)):
+    for i, m in ((0, 1), (17, 3), (255, 2), (256, 1), (297, 3), (299, 1), (40, 4), (100, 8), (3, 13), (284, 16)):
         assert torch.equal(int16_prefill.linear(x[i : i + m], w, t, k), y[i : i + m]), (i, m)
+
+
+@needs_units
+def test_q8_0_takes_the_amx_int8_tiles_where_the_process_has_them():
+    """Q8_0's products of 8 rows and more run on the AMX-INT8 tiles where this process has them (each int16 code as
+    its high and low byte: the same integers), no other type's, and the kernel plan's words say so; the bits are
+    held to the VNNI kernels' by the row-count tests above."""
+    q8 = GGML_TYPE_IDS["Q8_0"]
+    assert int16_prefill.tile_rows(q8) == (8 if native.tiles_granted() else 0)
+    assert all(int16_prefill.tile_rows(GGML_TYPE_IDS[n]) == 0 for n in ("Q4_0", "Q5_0", "IQ4_NL", "MXFP4"))
+    assert ("amx-int8 tiles from 8 rows" in int16_prefill.detail()) == native.tiles_granted()
 
 
 @needs_units
@@ -173,16 +185,17 @@ def test_a_non_finite_activation_stays_in_its_row(bad):
 @needs_units
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0"])
 def test_grouped_is_the_plain_product_per_group_and_part(name):
-    """Experts of two parts (gate, up: stacks read in place), groups of 0, 1, 17 and 300 rows (two work items): each
-    group's rows the plain product with its expert's rows of each part, bit for bit, in its columns; routed through
-    ggml.expert_linear_native with the INT16 setting."""
+    """Experts of two parts (gate, up: stacks read in place), groups of 0, 1, 5, 17 and 300 rows (two work items;
+    on an AMX CPU the groups of 17 and 300 on the tiles, padded to 16-row passes): each group's rows the plain product
+    with its expert's rows of each part, bit for bit, in its columns, and a group's first and last row alone the same
+    bits; routed through ggml.expert_linear_native with the INT16 setting."""
     t = GGML_TYPE_IDS[name]
     g = torch.Generator().manual_seed(3)
     e, i, k = 5, 24, 288
     gate = torch.stack([blocks(name, i, k, g) for _ in range(e)])
     up = torch.stack([blocks(name, i, k, g) for _ in range(e)])
-    counts = [17, 0, 1, 300]
-    experts = torch.tensor([0, 2, 3, 4])
+    counts = [17, 0, 1, 300, 5]
+    experts = torch.tensor([0, 2, 3, 4, 1])
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     xs = torch.randn(sum(counts), k, generator=g)
     ys = ggml.expert_linear_native(xs, (gate, up), t, k, experts, offs, bf16=bf16_prefill.INT16)
@@ -191,6 +204,9 @@ def test_grouped_is_the_plain_product_per_group_and_part(name):
         if c:
             want = torch.cat([int16_prefill.linear(xs[lo : lo + c], p[a], t, k) for p in (gate, up)], dim=1)
             assert torch.equal(ys[lo : lo + c], want), a
+            for j in {0, c - 1}:  # a row alone (the weight rows read in place): the bits of every row count's path
+                one = torch.cat([int16_prefill.linear(xs[lo + j : lo + j + 1], p[a], t, k) for p in (gate, up)], dim=1)
+                assert torch.equal(ys[lo + j : lo + j + 1], one), (a, j)
         lo += c
 
 

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 30
+#define MLS_ABI_VERSION 31
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -295,6 +295,9 @@ int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int
                       int64_t ldy, int threads);
 /* whether this build runs a type's products so: 1 yes, 0 no (not such a type, or no AVX512-VNNI) */
 int mls_int16_takes(int type);
+/* the activation rows from which this process runs a type's int16 products on the AMX-INT8 tiles (the same bits:
+   Q8_0, each code as two bytes); 0 where it never does (another type, no tiles) */
+int64_t mls_int16_tile_rows(int type);
 /* whether a decode product of this type takes int16 activations under an activation setting (mls_layer_t.int8): 1
    yes (the one-call layer and MoE block then run it so), 0 no; kernels/int16_prefill.py takes_rest is the holders' */
 int mls_int16_in(int type, int64_t setting);
