@@ -275,129 +275,112 @@ static void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, co
 }
 
 /* ------------------------------------ Q8_0 on the AMX-INT8 tiles: each int16 code as its high and low byte
-   Where the process has the AMX-INT8 tiles, a Q8_0 product of QA_MIN_ROWS activation rows or more takes the same integers
-   on the tile unit. An activation code is c = 256 h + l (h = c >> 8 in -128..127, l = c & 255 in 0..255), so
-     S_b[i, r] = 256 sum_{k in b} h[i, k] q[r, k] + sum_{k in b} l[i, k] q[r, k]     (TDPBSSD, TDPBUSD: exact int32)
-   and the block's float step is qw_tile's: acc[i] lane r += fl(d[r, b] d_x[i, b]) fl(S_b[i, r]), block by block. The
-   same bits as the VNNI panels and rows (tests/kernels/test_int16_prefill.py compares a row's result at every row
-   count), with two tile products in place of 512 vpdpwssd and broadcasts per block, 16 weight and 16 activation rows.
-   Layout (one 32-value block b: K = 32, half a tile's depth)
-     A_h, A_l [16 i, 32]  int8 / uint8   the activation rows' high and low bytes, natural order: xh, xl [rows, k],
-                                         each group's rows padded to a multiple of 16 with zeros (qa_split)
-     B [8, 16 r x 4]      int8           the 16 weight rows' codes of block b, 4 consecutive values per int32 (the
-                                         dwords qw_unpack transposes, not widened): per item, in the thread's panel
-     C_h, C_l [16 i, 16 r] int32         stored, and each activation row's 16 sums combined as 256 C_h + C_l */
+   Where the process has the AMX-INT8 tiles, a Q8_0 product of QA_MIN_ROWS activation rows or more takes the same
+   integers on the tile unit. An activation code is c = 256 h + l (h = c >> 8 in -128..127, l = c & 255 in 0..255), so
+     S_b[r, i] = 256 sum_{k in b} q[r, k] h[i, k] + sum_{k in b} q[r, k] l[i, k]     (TDPBSSD, TDPBSUD: exact int32)
+   and the block's float step is qw_tile's: y[i, r] += fl(d[r, b] d_x[i, b]) fl(S_b[r, i]), block by block. The same
+   bits as the VNNI panels and rows (tests/kernels/test_int16_prefill.py compares a row's result at every row count),
+   with two tile products in place of 512 vpdpwssd and broadcasts per block of 16 weight and 16 activation rows.
+   Layout (one 32-value block b: K = 32, half a tile's depth; 16 weight rows r, one group of 16 activation rows i)
+     A [16 r, 32]           int8    the weight rows' codes of block b, loaded from the blocks as they lie (a tile
+                                    row per weight row, row_bytes apart): no unpack
+     B_h, B_l [8, 16 i x 4] int8 / uint8   the activation rows' high and low bytes, 4 consecutive values per int32,
+                                    packed once per call (qa_pack: xbh, xbl [group][kb][8][16] int32, each group's
+                                    rows padded with zeros to 16), their scales xdt [group][kb][16]
+     C_h, C_l [16 r, 16 i]  int32   = A B_h, A B_l; 256 C_h + C_l = S_b
+   acc[r] (lanes i) += fl(d[r, b] d_x[i, b]) fl(S_b[r, :]); the 16 x 16 sums are transposed into y's rows at the end. */
 #ifdef MLS_AMX
-#define QA_ROWS 16 /* activation rows per tile pass (A's and C's rows) */
+#define QA_ROWS 16 /* activation rows per packed group (B's and C's 16 int32 columns) */
 
-/* this thread's tile shapes: A_h, A_l (tiles 0, 1) 16 x 32 bytes, B (2) 8 x 64, C_h, C_l (3, 4) 16 x 64 */
+/* this thread's tile shapes: A (tile 0) 16 x 32 bytes, B_h, B_l (1, 2) 8 x 64, C_h, C_l (3, 4) 16 x 64 */
 static void qa_config(void) {
     amx_cfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 5; t++) {
-        c.rows[t] = t == 2 ? 8 : 16;
-        c.colsb[t] = t < 2 ? 32 : 64;
+        c.rows[t] = t == 1 || t == 2 ? 8 : 16;
+        c.colsb[t] = t == 0 ? 32 : 64;
     }
     _tile_loadconfig(&c);
 }
 
 /* activation rows from which a Q8_0 product takes the tiles: one weight's GB/s (benchmarks/gemv_bandwidth.py --rows,
    2 threads, 1536 x 2048, 2048 x 1536, 32768 x 2048; the 2-core AMX Xeon of 2026-12-06), tiles / VNNI panels: 16 rows
-   7.8-9.4 / 5.4-6.1, 8 rows 8.3-9.5 / 6.8-7.9, 6 rows 8.4-10.1 / 7.3-10.7, 4 rows 8.5-10.0 / 7.9-11.6 (a pass costs 16
-   rows' float steps whatever its rows, and the weight's unpack is the same). The same bits either way. */
-#define QA_MIN_ROWS 8
+   10.1-13.5 / 5.4-6.1, 8 rows 11.2-12.4 / 6.8-7.9, 6 rows 10.3-12.1 / 7.5-10.3, 4 rows 10.2-12.5 / 7.6-11.2; 1-3 rows
+   keep the weight rows read in place (qw_few: 17-20 GB/s at one row), where a tile pass would cost what 16 rows do.
+   The same bits either way. */
+#define QA_MIN_ROWS 4
 
 /* whether a product of m rows of this type runs here on the tiles */
 static inline int qa_takes(int type, int64_t m) { return type == MLS_Q8_0 && m >= QA_MIN_ROWS && amx_permission() == 1; }
 
-/* nr (<= 16) Q8_0 rows at w (row_bytes apart) into B [kb * 8] (lanes past nr zero) and their scales D [kb]; the next
-   16 rows (the thread's next item, mostly) stream into L2 beside the reads, as qw_few's */
-static void qa_unpack(const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, __m512i *B, __m512 *D) {
-    const int64_t kb = k / 32, step = (16 * row_bytes + kb - 1) / kb;
-    const __mmask16 live = nr >= QW_R ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-    const __m512i offs = rows16_offsets(row_bytes);
-    const char *pf = (const char *)w + 16 * row_bytes;
-    for (int64_t b = 0; b < kb; b += 2) {
-        const int two = b + 1 < kb;
-        pf = rows16_prefetch(pf, w, row_bytes, b + two, step);
-        __m512i v[16];
-        for (int r = 0; r < 16; r++) {
-            if (r >= nr) {
-                v[r] = _mm512_setzero_si512();
-                continue;
-            }
-            const uint8_t *p = w + r * row_bytes + 34 * b;
-            const __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(p + 36)) : _mm256_setzero_si256();
-            v[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))), hi, 1);
-        }
-        transpose16_epi32(v); /* v[8 h + t]: dword t (values 4 t .. 4 t + 3) of block b + h, lane r */
-        for (int h = 0; h <= two; h++) {
-            D[b + h] = qw_scales(w + 34 * (b + h), offs, live, MLS_Q8_0);
-            for (int t = 0; t < 8; t++) _mm512_store_si512(B + (b + h) * 8 + t, v[8 * h + t]);
-        }
-    }
-}
-
-/* one activation row's codes (qw_quantize_row's pair order) as high and low bytes in natural order */
-static void qa_split(const int16_t *xc, int64_t k, int8_t *xh, uint8_t *xl) {
+/* one group of mr (<= 16) activation rows (codes xc in qw_quantize_row's pair order, k apart; scales xd, k / 32
+   apart) into B_h, B_l [kb][8][16] and xdt [kb][16]; rows past mr zero */
+static void qa_pack(const int16_t *xc, const float *xd, int64_t mr, int64_t k, int32_t *bh, int32_t *bl, float *xdt) {
     static const int16_t swap12[32] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
                                        16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
     const __m512i natural = _mm512_loadu_si512(swap12);
-    for (int64_t b = 0; b < k / 32; b++) {
-        const __m512i c = _mm512_permutexvar_epi16(natural, _mm512_loadu_si512(xc + 32 * b));
-        _mm256_storeu_si256((__m256i *)(xl + 32 * b), _mm512_cvtepi16_epi8(c)); /* the low bytes */
-        _mm256_storeu_si256((__m256i *)(xh + 32 * b), _mm512_cvtepi16_epi8(_mm512_srai_epi16(c, 8)));
+    const int64_t kb = k / 32;
+    for (int64_t b = 0; b < kb; b += 2) {
+        const int two = b + 1 < kb;
+        __m512i vh[16], vl[16];
+        for (int i = 0; i < 16; i++) {
+            __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
+            for (int j = 0; i < mr && j <= two; j++) {
+                const __m512i c = _mm512_permutexvar_epi16(natural, _mm512_loadu_si512(xc + i * k + 32 * (b + j)));
+                l[j] = _mm512_cvtepi16_epi8(c); /* the low bytes */
+                h[j] = _mm512_cvtepi16_epi8(_mm512_srai_epi16(c, 8));
+            }
+            vh[i] = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+            vl[i] = _mm512_inserti64x4(_mm512_castsi256_si512(l[0]), l[1], 1);
+        }
+        transpose16_epi32(vh); /* vh[8 j + t]: dword t (values 4 t .. 4 t + 3) of block b + j, lane i */
+        transpose16_epi32(vl);
+        for (int j = 0; j <= two; j++) {
+            for (int t = 0; t < 8; t++) {
+                _mm512_store_si512(bh + ((b + j) * 8 + t) * 16, vh[8 * j + t]);
+                _mm512_store_si512(bl + ((b + j) * 8 + t) * 16, vl[8 * j + t]);
+            }
+            for (int i = 0; i < 16; i++) xdt[(b + j) * 16 + i] = i < mr ? xd[i * kb + b + j] : 0.0f;
+        }
     }
 }
 
-/* 16 activation rows (xh, xl k apart; their scales xd, k / 32 apart; rows from mr on are padding) times the
-   unpacked weight rows B, D into y rows [0, mr) (row stride ldy; lanes `live` stored) */
-static void qa_pass(const __m512i *B, const __m512 *D, const int8_t *xh, const uint8_t *xl, const float *xd, int mr,
-                    int64_t k, float *y, int64_t ldy, __mmask16 live) {
-    const int64_t kb = k / 32;
-    /* block b's sums go to cs[b & 1] while block b - 1's are turned into floats: the tile unit and the vector
-       units overlap */
-    int32_t cs[2][2][QA_ROWS * 16] __attribute__((aligned(64)));
-    __m512 acc[QA_ROWS];
-    for (int i = 0; i < QA_ROWS; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b <= kb; b++) {
-        if (b < kb) {
-            _tile_loadd(0, xh + 32 * b, k);
-            _tile_loadd(1, xl + 32 * b, k);
-            _tile_loadd(2, B + 8 * b, 64);
-            _tile_zero(3);
-            _tile_zero(4);
-            _tile_dpbssd(3, 0, 2);
-            _tile_dpbusd(4, 1, 2);
-            _tile_stored(3, cs[b & 1][0], 64);
-            _tile_stored(4, cs[b & 1][1], 64);
-        }
-        if (b == 0) continue;
-        const int32_t *ch = cs[(b - 1) & 1][0], *cl = cs[(b - 1) & 1][1];
-        const __m512 d = D[b - 1];
+/* 16 Q8_0 weight rows at w (row_bytes apart) times one packed group of activation rows into y rows [0, mr) (row
+   stride ldy). The next 16 weight rows stream into L2 beside the reads, as qw_few's. */
+static void qa_pass(const uint8_t *w, int64_t row_bytes, const int32_t *bh, const int32_t *bl, const float *xdt, int mr,
+                    int64_t k, float *y, int64_t ldy) {
+    const int64_t kb = k / 32, step = (16 * row_bytes + kb - 1) / kb;
+    const __m512i offs = rows16_offsets(row_bytes);
+    const char *pf = (const char *)w + 16 * row_bytes;
+    int32_t cs[2][256] __attribute__((aligned(64)));
+    float d[16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        pf = rows16_prefetch(pf, w, row_bytes, b, step);
+        _tile_loadd(0, w + 34 * b + 2, row_bytes);
+        _tile_loadd(1, bh + b * 128, 64);
+        _tile_loadd(2, bl + b * 128, 64);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_dpbssd(3, 0, 1);
+        _tile_dpbsud(4, 0, 2);
+        _tile_stored(3, cs[0], 64);
+        _tile_stored(4, cs[1], 64);
+        _mm512_store_ps(d, qw_scales(w + 34 * b, offs, 0xFFFF, MLS_Q8_0));
+        const __m512 dx = _mm512_load_ps(xdt + 16 * b);
 #pragma GCC unroll 16
-        for (int i = 0; i < QA_ROWS; i++) {
-            const __m512i S = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + 16 * i), 8),
-                                               _mm512_load_si512(cl + 16 * i));
-            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xd[i * kb + b - 1])), _mm512_cvtepi32_ps(S), acc[i]);
+        for (int r = 0; r < 16; r++) {
+            const __m512i S = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cs[0] + 16 * r), 8),
+                                               _mm512_load_si512(cs[1] + 16 * r));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), _mm512_cvtepi32_ps(S), acc[r]);
         }
     }
-    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
-}
-
-/* nr (<= 16) Q8_0 rows at w times m activation rows (their split bytes xh, xl and scales xd, padded to a multiple of
-   16 rows) into y: the weight rows unpacked once into the panel buffer, then met by every 16 activation rows */
-static void qa_run(const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xh, const uint8_t *xl,
-                   const float *xd, int64_t m, int64_t k, float *y, int64_t ldy, void *panel) {
-    const int64_t kb = k / 32;
-    __m512i *B = (__m512i *)panel;
-    __m512 *D = (__m512 *)(B + kb * 8);
-    qa_unpack(w, row_bytes, nr, k, B, D);
-    const __mmask16 live = nr >= QW_R ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-    for (int64_t i = 0; i < m; i += QA_ROWS)
-        qa_pass(B, D, xh + i * k, xl + i * k, xd + i * kb, m - i < QA_ROWS ? (int)(m - i) : QA_ROWS, k, y + i * ldy,
-                ldy, live);
+    __m512i v[16];
+    for (int r = 0; r < 16; r++) v[r] = _mm512_castps_si512(acc[r]);
+    transpose16_epi32(v); /* v[i]: lane r = acc[r][i] */
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * ldy, _mm512_castsi512_ps(v[i]));
 }
 #else
 static inline int qa_takes(int type, int64_t m) {
@@ -415,11 +398,10 @@ typedef struct {
     const int16_t *xc;
     const float *xd;
     float *y;
-    int amx;                  /* Q8_0 items of QA_MIN_ROWS rows or more on the AMX-INT8 tiles (qa_run) */
-    const int64_t *pstart;    /* (amx) each group's first row in xh, xl, xdp: groups padded to multiples of 16 rows */
-    const int8_t *xh;         /* (amx) the codes' high bytes, natural order */
-    const uint8_t *xl;        /* (amx) their low bytes */
-    const float *xdp;         /* (amx) the scales, padded as xh */
+    int amx;                  /* Q8_0 items of QA_MIN_ROWS rows or more on the AMX-INT8 tiles (qa_pass) */
+    const int64_t *pstart;    /* (amx) each group's first row, its rows padded to multiples of 16 */
+    const int32_t *xbh, *xbl; /* (amx) every 16 padded rows' high and low bytes, packed (qa_pack) */
+    const float *xdt;         /* (amx) their scales, packed */
 } qw_work;
 
 /* item it: its group (*a, moved from the last item's), chunk and panel, on qw_run (mem: the thread's panel) */
@@ -431,10 +413,13 @@ static inline void qw_item(const qw_work *q, int64_t it, int64_t *a, void *mem) 
     const int64_t m = left < QW_CHUNK ? left : QW_CHUNK, nr = q->n - r0 < QW_R ? q->n - r0 : QW_R;
     const int64_t i0 = p0 - q->starts[0];
 #ifdef MLS_AMX
-    if (q->amx && qa_takes(q->type, m)) {
-        const int64_t pi = q->pstart[g] + c * QW_CHUNK; /* QW_CHUNK a multiple of 16: chunks start on padded groups */
-        qa_run(q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes, q->row_bytes, nr, q->xh + pi * k,
-               q->xl + pi * k, q->xdp + pi * (k / 32), m, k, q->y + p0 * q->ldy + r0, q->ldy, mem);
+    if (q->amx && qa_takes(q->type, m) && nr == QW_R) { /* a last panel of fewer rows: qw_run, the same bits */
+        const int64_t kb = k / 32, g0 = (q->pstart[g] + c * QW_CHUNK) / 16; /* QW_CHUNK a multiple of 16 */
+        const uint8_t *wr = q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes;
+        for (int64_t s = 0; 16 * s < m; s++)
+            qa_pass(wr, q->row_bytes, q->xbh + (g0 + s) * kb * 128, q->xbl + (g0 + s) * kb * 128,
+                    q->xdt + (g0 + s) * kb * 16, m - 16 * s < 16 ? (int)(m - 16 * s) : 16, k,
+                    q->y + (p0 + 16 * s) * q->ldy + r0, q->ldy);
         return;
     }
 #endif
@@ -473,12 +458,12 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
         for (int64_t a = 0; a < groups; a++) pstart[a + 1] = pstart[a] + (starts[a + 1] - starts[a] + 15) / 16 * 16;
     }
     const int64_t prows = pstart ? pstart[groups] : 0;
-    int8_t *xh = pstart ? (int8_t *)calloc((size_t)(prows * k) + 64, 1) : NULL;
-    uint8_t *xl = pstart ? (uint8_t *)calloc((size_t)(prows * k) + 64, 1) : NULL;
-    float *xdp = pstart ? (float *)calloc((size_t)(prows * kb) + 16, sizeof(float)) : NULL;
-    failed |= amx && !(pstart && xh && xl && xdp);
+    int32_t *xbh = pstart ? (int32_t *)aligned_alloc(64, (size_t)(prows * k) + 64) : NULL;
+    int32_t *xbl = pstart ? (int32_t *)aligned_alloc(64, (size_t)(prows * k) + 64) : NULL;
+    float *xdt = pstart ? (float *)aligned_alloc(64, sizeof(float) * (size_t)(prows * kb) + 64) : NULL;
+    failed |= amx && !(pstart && xbh && xbl && xdt);
     const qw_work q = {type, w, n, row_bytes, expert_stride, k, panels, ldy, experts, starts, first, xc, xd, y,
-                       amx, pstart, xh, xl, xdp};
+                       amx, pstart, xbh, xbl, xdt};
 #pragma omp parallel num_threads(threads) if (!failed)
     {
         if (!failed) {
@@ -491,12 +476,13 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
 #ifdef MLS_AMX
         if (!failed && amx) {
 #pragma omp for schedule(static)
-            for (int64_t a = 0; a < groups; a++)
-                for (int64_t p = starts[a]; p < starts[a + 1]; p++) {
-                    const int64_t i = p - starts[0], pi = pstart[a] + p - starts[a];
-                    qa_split(xc + i * k, k, xh + pi * k, xl + pi * k);
-                    memcpy(xdp + pi * kb, xd + i * kb, sizeof(float) * (size_t)kb);
-                }
+            for (int64_t g16 = 0; g16 < prows / 16; g16++) { /* each 16 padded rows: their group, rows, packing */
+                int64_t a = 0;
+                while (pstart[a + 1] <= 16 * g16) a++;
+                const int64_t i = starts[a] - starts[0] + 16 * g16 - pstart[a], left = starts[a + 1] - starts[0] - i;
+                qa_pack(xc + i * k, xd + i * kb, left < 16 ? left : 16, k, xbh + g16 * kb * 128, xbl + g16 * kb * 128,
+                        xdt + g16 * kb * 16);
+            }
             qa_config();
             tiles = 1;
         }
@@ -528,9 +514,9 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
     free(xc);
     free(xd);
     free(pstart);
-    free(xh);
-    free(xl);
-    free(xdp);
+    free(xbh);
+    free(xbl);
+    free(xdt);
     return failed ? -4 : 0;
 }
 #endif
