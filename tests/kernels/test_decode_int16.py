@@ -56,7 +56,7 @@ def test_the_c_layers_take_them_where_the_holders_do(setting):
 @pytest.mark.parametrize("types", ["q8_0", "q4_k-q5_0-q8_0"])
 def test_moe_block_equals_the_per_op_experts(types, tokens):
     """On the same input the C block (routed experts in 16-row runs, 1-3 rows in place; the shared expert on panels
-    above 3 tokens) and the per-op holders (grouped products, GGUFLinear) take the same int16 products: the outputs
+    above 3 tokens, a Q8_0 one on the AMX-INT8 tiles where the process has them) and the per-op holders (grouped products, GGUFLinear) take the same int16 products: the outputs
     differ by the final sums' rounding only, as test_moe_block_int8.py's (measured <= 1.6 ulp of |y|max; bound 4);
     the block in fp32 differs by int16's own error, far more."""
     moe = make_moe("v3", types)

@@ -88,10 +88,23 @@ typedef struct {
     int8_t *xp2;
     float *dt2;
     int64_t *off2, o_dn, o_sg, o_su, o_sd;
+    /* the shared expert's int16 inputs (x; its h) packed for Q8_0's tile products (x86/int16_prefill.c qa_pack), where
+       its gate or up (down) takes them: the bytes' halves and the scales, one allocation each side */
+    int32_t *xa_h, *xa_l, *sa_h, *sa_l;
+    float *xa_d, *sa_d;
 } moe_bufs;
 
 static void moe_bufs_free(moe_bufs *m) {
-    free(m->mem), free(m->mem16), free(m->xp2), free(m->dt2), free(m->off2);
+    free(m->mem), free(m->mem16), free(m->xp2), free(m->dt2), free(m->off2), free(m->xa_h), free(m->sa_h);
+}
+
+/* rows 16-padded of k values packed for the tiles: *h, *l and *dx in one allocation; 0 or -4 */
+static int moe_tiles_alloc(int64_t t, int64_t k, int32_t **h, int32_t **l, float **dx) {
+    const size_t rows = (size_t)(t + 15) / 16 * 16, bytes = rows * (size_t)k;
+    *h = (int32_t *)aligned_alloc(64, 2 * bytes + sizeof(float) * rows * (size_t)(k / 32) + 64);
+    if (!*h) return -4;
+    *l = *h + bytes / 4, *dx = (float *)(*l + bytes / 4);
+    return 0;
 }
 
 /* 0, or -4 when memory cannot be allocated (nothing left allocated) */
@@ -111,7 +124,11 @@ static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t
     m->xp2 = w->any2 ? (int8_t *)aligned_alloc(64, n2 * 8 * 64) : 0;
     m->dt2 = w->any2 ? (float *)malloc(sizeof(float) * n2 * 16) : 0;
     m->off2 = w->any2 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
-    if (!m->mem || (w->any16 && !m->mem16) || (w->any2 && (!m->xp2 || !m->dt2 || !m->off2))) {
+    const int tiles_x = (w->q16sg && qa_takes((int)b->type_sg, t)) || (w->q16su && qa_takes((int)b->type_su, t));
+    const int tiles_h = w->q16sd && qa_takes((int)b->type_sd, t);
+    if (!m->mem || (w->any16 && !m->mem16) || (w->any2 && (!m->xp2 || !m->dt2 || !m->off2)) ||
+        (tiles_x && moe_tiles_alloc(t, d, &m->xa_h, &m->xa_l, &m->xa_d)) ||
+        (tiles_h && moe_tiles_alloc(t, si, &m->sa_h, &m->sa_l, &m->sa_d))) {
         moe_bufs_free(m);
         return -4;
     }
@@ -237,6 +254,11 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
         const int up = s0 >= si;
         const uint8_t *row0 = up ? b->su + (s0 - si) * b->su_row_bytes : b->sg + s0 * b->sg_row_bytes;
         const int64_t rb = up ? b->su_row_bytes : b->sg_row_bytes, type = up ? b->type_su : b->type_sg;
+#ifdef MLS_INT16_TILES
+        if ((up ? w->q16su : w->q16sg) && m->xa_h && qa_takes((int)type, t) && s1 - s0 == QW_R)
+            qa_rows(row0, rb, m->xa_h, m->xa_l, m->xa_d, t, d, sgu + s0, n_sgu);
+        else
+#endif
         if (up ? w->q16su : w->q16sg)
             qw_run((int)type, row0, rb, s1 - s0, m->x16, m->x16d, t, d, sgu + s0, n_sgu, panel);
         else if (t == 1 && (up ? w->r16su : w->r16sg))
@@ -295,6 +317,11 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
     if (two)
         q4_0_pairs_run(b->sd, b->sd, d, b->sd_row_bytes, r0, r1, m->xp2 + m->o_sd * 512, m->dt2 + m->o_sd * 16, t, si,
                        m->ysh, d);
+#ifdef MLS_INT16_TILES
+    if (w->q16sd && m->sa_h && r1 - r0 == QW_R)
+        qa_rows(b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, m->sa_h, m->sa_l, m->sa_d, t, si, m->ysh + r0, d);
+    else
+#endif
     if (w->q16sd)
         qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->sh16, m->sh16d, t, si,
                m->ysh + r0, d, panel);
@@ -327,6 +354,9 @@ static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float 
                 qw_quantize_rows(x + (i - pairs) * d, 1, d, d, m->x16 + (i - pairs) * d, m->x16d + (i - pairs) * (d / 32));
         }
     }
+#ifdef MLS_INT16_TILES
+    if (m->xa_h) qa_pack_rows(m->x16, m->x16d, t, d, m->xa_h, m->xa_l, m->xa_d);
+#endif
     if (w->any8) {
 #pragma omp single
         moe_quantize_inputs(b, w, x, t, m);
@@ -356,6 +386,9 @@ static void moe_hidden(const mls_moe_block_t *b, const moe_ways *w, int64_t t, c
                                  m->sh16d + (i - pairs) * (si / 32));
         }
     }
+#ifdef MLS_INT16_TILES
+    if (m->sa_h) qa_pack_rows(m->sh16, m->sh16d, t, si, m->sa_h, m->sa_l, m->sa_d);
+#endif
     if (w->qdn || w->qsd) {
 #pragma omp single
         moe_quantize_hidden(b, w, t, m);
@@ -398,6 +431,10 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
 #pragma omp atomic write
             oom = 1;
         }
+#ifdef MLS_INT16_TILES
+        const int tiles = m.xa_h || m.sa_h; /* the shared expert's Q8_0 products on the tiles (qa_rows) */
+        if (tiles) qa_config();
+#endif
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < t * e; it++) m.logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
 #pragma omp single
@@ -425,6 +462,9 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 moe_down_item(b, &w, &m, t, it, druns, rdn, buf, panel);
             moe_sum(b, t, &m, out);
         }
+#ifdef MLS_INT16_TILES
+        if (tiles) _tile_release();
+#endif
         free(buf);
         free(panel);
     }

@@ -290,6 +290,7 @@ static void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, co
      C_h, C_l [16 r, 16 i]  int32   = A B_h, A B_l; 256 C_h + C_l = S_b
    acc[r] (lanes i) += fl(d[r, b] d_x[i, b]) fl(S_b[r, :]); the 16 x 16 sums are transposed into y's rows at the end. */
 #ifdef MLS_AMX
+#define MLS_INT16_TILES 1 /* this build runs them (moe/block.c asks) */
 #define QA_ROWS 16 /* activation rows per packed group (B's and C's 16 int32 columns) */
 
 /* this thread's tile shapes: A (tile 0) 16 x 32 bytes, B_h, B_l (1, 2) 8 x 64, C_h, C_l (3, 4) 16 x 64 */
@@ -382,6 +383,27 @@ static void qa_pass(const uint8_t *w, int64_t row_bytes, const int32_t *bh, cons
     transpose16_epi32(v); /* v[i]: lane r = acc[r][i] */
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * ldy, _mm512_castsi512_ps(v[i]));
 }
+
+/* 16 Q8_0 weight rows at w times m activation rows packed by qa_pack (groups of 16, kb * 128 int32 of each byte and
+   kb * 16 scales apart) into y (row stride ldy) */
+static void qa_rows(const uint8_t *w, int64_t row_bytes, const int32_t *bh, const int32_t *bl, const float *xdt,
+                    int64_t m, int64_t k, float *y, int64_t ldy) {
+    const int64_t kb = k / 32;
+    for (int64_t s = 0; 16 * s < m; s++)
+        qa_pass(w, row_bytes, bh + s * kb * 128, bl + s * kb * 128, xdt + s * kb * 16,
+                m - 16 * s < 16 ? (int)(m - 16 * s) : 16, k, y + 16 * s * ldy, ldy);
+}
+
+/* rows [0, m) of codes xc / scales xd (k values each) packed for qa_rows into bh, bl, xdt, one group of 16 rows per
+   iteration of the team's loop (called by every thread of a team) */
+static void qa_pack_rows(const int16_t *xc, const float *xd, int64_t m, int64_t k, int32_t *bh, int32_t *bl,
+                         float *xdt) {
+    const int64_t kb = k / 32;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < (m + 15) / 16; g++)
+        qa_pack(xc + 16 * g * k, xd + 16 * g * kb, m - 16 * g < 16 ? m - 16 * g : 16, k, bh + g * kb * 128,
+                bl + g * kb * 128, xdt + g * kb * 16);
+}
 #else
 static inline int qa_takes(int type, int64_t m) {
     (void)type, (void)m;
@@ -415,11 +437,8 @@ static inline void qw_item(const qw_work *q, int64_t it, int64_t *a, void *mem) 
 #ifdef MLS_AMX
     if (q->amx && qa_takes(q->type, m) && nr == QW_R) { /* a last panel of fewer rows: qw_run, the same bits */
         const int64_t kb = k / 32, g0 = (q->pstart[g] + c * QW_CHUNK) / 16; /* QW_CHUNK a multiple of 16 */
-        const uint8_t *wr = q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes;
-        for (int64_t s = 0; 16 * s < m; s++)
-            qa_pass(wr, q->row_bytes, q->xbh + (g0 + s) * kb * 128, q->xbl + (g0 + s) * kb * 128,
-                    q->xdt + (g0 + s) * kb * 16, m - 16 * s < 16 ? (int)(m - 16 * s) : 16, k,
-                    q->y + (p0 + 16 * s) * q->ldy + r0, q->ldy);
+        qa_rows(q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes, q->row_bytes, q->xbh + g0 * kb * 128,
+                q->xbl + g0 * kb * 128, q->xdt + g0 * kb * 16, m, k, q->y + p0 * q->ldy + r0, q->ldy);
         return;
     }
 #endif
@@ -538,6 +557,10 @@ static inline void qw_quantize_rows(const float *x, int64_t m, int64_t k, int64_
 #else /* no AVX512-VNNI: no type takes them, and these are never called */
 #define QW_R 16
 #define QW_FEW 3
+static inline int qa_takes(int type, int64_t m) {
+    (void)type, (void)m;
+    return 0;
+}
 static inline int qw_in(int type, int64_t setting) {
     (void)type, (void)setting;
     return 0;
