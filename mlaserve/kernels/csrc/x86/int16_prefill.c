@@ -291,7 +291,6 @@ static void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, co
    acc[r] (lanes i) += fl(d[r, b] d_x[i, b]) fl(S_b[r, :]); the 16 x 16 sums are transposed into y's rows at the end. */
 #ifdef MLS_AMX
 #define MLS_INT16_TILES 1 /* this build runs them (moe/block.c asks) */
-#define QA_ROWS 16 /* activation rows per packed group (B's and C's 16 int32 columns) */
 
 /* this thread's tile shapes: A (tile 0) 16 x 32 bytes, B_h, B_l (1, 2) 8 x 64, C_h, C_l (3, 4) 16 x 64 */
 static void qa_config(void) {
@@ -467,7 +466,7 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
             few &= starts[a + 1] - starts[a] <= QW_FEW;
         }
     }
-    /* Q8_0 on the AMX-INT8 tiles: the codes split into bytes, each group padded to a multiple of 16 rows */
+    /* Q8_0 on the AMX-INT8 tiles: the codes' bytes packed (qa_pack), each group padded to a multiple of 16 rows */
     int64_t most = 0; /* the most rows of a group */
     for (int64_t a = 0; a < groups; a++) most = starts[a + 1] - starts[a] > most ? starts[a + 1] - starts[a] : most;
     const int amx = !failed && !few && qa_takes(type, most);
