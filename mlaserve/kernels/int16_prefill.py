@@ -52,7 +52,7 @@ def takes_rest(type_id: int, setting: bool | int) -> bool:
 
 def tile_rows(type_id: int) -> int:
     """The activation rows from which this process runs the type's products on the AMX-INT8 tiles, each int16 code as
-    its high and low byte (the same bits as the VNNI kernels: csrc/x86/int16_prefill.c); 0 where it never does."""
+    its high and low byte (the same bits as the VNNI kernels: csrc/x86/amx_int16.c); 0 where it never does."""
     lib = native.library()
     return int(lib.mls_int16_tile_rows(type_id)) if lib is not None else 0
 

@@ -282,7 +282,7 @@ int mls_q8_0_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, const
 int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                                 int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                                 float *y, int64_t ldy, int threads);
-/* x86/int16_prefill.c: products of many rows with int16 activations on AVX512-VNNI for the 32-value block types whose
+/* x86/int16_prefill.c, int16.c: products of many rows with int16 activations on AVX512-VNNI for the 32-value block types whose
    value is d times an integer code (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): each activation an int16 code per 32-value
    block with an fp32 scale (~2^-16 of the block's largest per value), the integer sums exact, block scales applied in
    fp32; y [m, ldy], x [m, ldx]. 0, -1 a build without AVX512-VNNI, -2 k not a multiple of 32, -3 not such a type,

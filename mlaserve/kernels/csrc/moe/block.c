@@ -88,7 +88,7 @@ typedef struct {
     int8_t *xp2;
     float *dt2;
     int64_t *off2, o_dn, o_sg, o_su, o_sd;
-    /* the shared expert's int16 inputs (x; its h) packed for Q8_0's tile products (x86/int16_prefill.c qa_pack), where
+    /* the shared expert's int16 inputs (x; its h) packed for Q8_0's tile products (x86/amx_int16.c qa_pack), where
        its gate or up (down) takes them: the bytes' halves and the scales, one allocation each side */
     int32_t *xa_h, *xa_l, *sa_h, *sa_l;
     float *xa_d, *sa_d;
