@@ -92,10 +92,16 @@ typedef struct {
        its gate or up (down) takes them: the bytes' halves and the scales, one allocation each side */
     int32_t *xa_h, *xa_l, *sa_h, *sa_l;
     float *xa_d, *sa_d;
+    /* the same for the routed groups of QA_MIN_ROWS pairs or more (xs for gate / up, h for down): group a's first
+       packed row pa[a] (-1: its rows stay on qw_run), groups padded to 16 rows; room for the most such groups */
+    int64_t *pa;
+    int32_t *ra_h, *ra_l, *rh_h, *rh_l;
+    float *ra_d, *rh_d;
 } moe_bufs;
 
 static void moe_bufs_free(moe_bufs *m) {
     free(m->mem), free(m->mem16), free(m->xp2), free(m->dt2), free(m->off2), free(m->xa_h), free(m->sa_h);
+    free(m->pa), free(m->ra_h), free(m->rh_h);
 }
 
 /* rows 16-padded of k values packed for the tiles: *h, *l and *dx in one allocation; 0 or -4 */
@@ -126,9 +132,15 @@ static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t
     m->off2 = w->any2 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
     const int tiles_x = (w->q16sg && qa_takes((int)b->type_sg, t)) || (w->q16su && qa_takes((int)b->type_su, t));
     const int tiles_h = w->q16sd && qa_takes((int)b->type_sd, t);
+    /* a group has at most t pairs (a token takes an expert once): groups of QA_MIN_ROWS need t that large */
+    const int tiles_gu = w->q16gu && qa_takes((int)b->type_gu, t), tiles_dn = w->q16dn && qa_takes((int)b->type_dn, t);
+    const int64_t most_packed = pairs + 15 * (pairs / QA_MIN_ROWS); /* that many groups at most, each padded */
+    m->pa = tiles_gu || tiles_dn ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
     if (!m->mem || (w->any16 && !m->mem16) || (w->any2 && (!m->xp2 || !m->dt2 || !m->off2)) ||
         (tiles_x && moe_tiles_alloc(t, d, &m->xa_h, &m->xa_l, &m->xa_d)) ||
-        (tiles_h && moe_tiles_alloc(t, si, &m->sa_h, &m->sa_l, &m->sa_d))) {
+        (tiles_h && moe_tiles_alloc(t, si, &m->sa_h, &m->sa_l, &m->sa_d)) || ((tiles_gu || tiles_dn) && !m->pa) ||
+        (tiles_gu && moe_tiles_alloc(most_packed, d, &m->ra_h, &m->ra_l, &m->ra_d)) ||
+        (tiles_dn && moe_tiles_alloc(most_packed, inter, &m->rh_h, &m->rh_l, &m->rh_d))) {
         moe_bufs_free(m);
         return -4;
     }
@@ -224,6 +236,13 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
         for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
             s1 = s0 < inter && r1 > inter ? inter : r1;
             const uint8_t *row0 = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
+#ifdef MLS_INT16_TILES
+            if (w->q16gu && m->ra_h && m->pa[a] >= 0 && s1 - s0 == QW_R)
+                qa_rows(row0, b->gu_row_bytes, m->ra_h + m->pa[a] / 16 * (d / 32) * 128,
+                        m->ra_l + m->pa[a] / 16 * (d / 32) * 128, m->ra_d + m->pa[a] / 16 * (d / 32) * 16, rows, d,
+                        gu + p0 * n_gu + s0, n_gu);
+            else
+#endif
             if (w->q16gu)
                 qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xs16 + p0 * d, m->xs16d + p0 * (d / 32), rows,
                        d, gu + p0 * n_gu + s0, n_gu, panel);
@@ -295,6 +314,13 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
         if (two)
             q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, m->xp2 + (m->o_dn + m->off2[a] * (inter / 32)) * 512,
                            m->dt2 + (m->o_dn + m->off2[a] * (inter / 32)) * 16, rows, inter, ys, d);
+#ifdef MLS_INT16_TILES
+        if (w->q16dn && m->rh_h && m->pa[a] >= 0 && r1 - r0 == QW_R)
+            qa_rows(we + r0 * b->dn_row_bytes, b->dn_row_bytes, m->rh_h + m->pa[a] / 16 * (inter / 32) * 128,
+                    m->rh_l + m->pa[a] / 16 * (inter / 32) * 128, m->rh_d + m->pa[a] / 16 * (inter / 32) * 16, rows,
+                    inter, ys + r0, d);
+        else
+#endif
         if (w->q16dn)
             qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->h16 + p0 * inter,
                    m->h16d + p0 * (inter / 32), rows, inter, ys + r0, d, panel);
@@ -340,6 +366,25 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
 /* The phases between the products, each run by every thread of the block's team (their loops shared out, their
    one-thread steps in `omp single`): */
 
+#ifdef MLS_INT16_TILES
+/* the routed groups' first packed rows (pa: groups of QA_MIN_ROWS pairs or more, each padded to 16 rows; -1 the rest),
+   then rows of codes xc / scales xd (k values each; a group's pairs from start[a]) packed for qa_rows: every thread of
+   the team */
+static void moe_pack_groups(const moe_bufs *m, const int16_t *xc, const float *xd, int64_t k, int32_t *bh, int32_t *bl,
+                            float *dx) {
+    const int64_t kb = k / 32;
+#pragma omp for schedule(dynamic)
+    for (int64_t a = 0; a < m->groups; a++) {
+        const int64_t p0 = m->start[a], rows = m->start[a + 1] - p0;
+        for (int64_t s = 0; m->pa[a] >= 0 && 16 * s < rows; s++) {
+            const int64_t g16 = m->pa[a] / 16 + s;
+            qa_pack(xc + (p0 + 16 * s) * k, xd + (p0 + 16 * s) * kb, rows - 16 * s < 16 ? rows - 16 * s : 16, k,
+                    bh + g16 * kb * 128, bl + g16 * kb * 128, dx + g16 * kb * 16);
+        }
+    }
+}
+#endif
+
 /* the pairs' inputs xs (x's rows in expert order) and the gate_up inputs' int16 / int8 codes */
 static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float *x, int64_t t, const moe_bufs *m) {
     const int64_t d = b->d, kk = b->kk, pairs = t * kk;
@@ -356,6 +401,15 @@ static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float 
     }
 #ifdef MLS_INT16_TILES
     if (m->xa_h) qa_pack_rows(m->x16, m->x16d, t, d, m->xa_h, m->xa_l, m->xa_d);
+    if (m->pa) {
+#pragma omp single
+        for (int64_t a = 0, off = 0; a < m->groups; a++) {
+            const int64_t rows = m->start[a + 1] - m->start[a];
+            m->pa[a] = rows >= QA_MIN_ROWS ? off : -1;
+            off += rows >= QA_MIN_ROWS ? (rows + 15) / 16 * 16 : 0;
+        }
+    }
+    if (m->ra_h) moe_pack_groups(m, m->xs16, m->xs16d, d, m->ra_h, m->ra_l, m->ra_d);
 #endif
     if (w->any8) {
 #pragma omp single
@@ -388,6 +442,7 @@ static void moe_hidden(const mls_moe_block_t *b, const moe_ways *w, int64_t t, c
     }
 #ifdef MLS_INT16_TILES
     if (m->sa_h) qa_pack_rows(m->sh16, m->sh16d, t, si, m->sa_h, m->sa_l, m->sa_d);
+    if (m->rh_h) moe_pack_groups(m, m->h16, m->h16d, inter, m->rh_h, m->rh_l, m->rh_d);
 #endif
     if (w->qdn || w->qsd) {
 #pragma omp single
@@ -432,7 +487,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
             oom = 1;
         }
 #ifdef MLS_INT16_TILES
-        const int tiles = m.xa_h || m.sa_h; /* the shared expert's Q8_0 products on the tiles (qa_rows) */
+        const int tiles = m.xa_h || m.sa_h || m.pa; /* Q8_0 products of 4+ rows on the tiles (qa_rows) */
         if (tiles) qa_config();
 #endif
 #pragma omp for schedule(static)

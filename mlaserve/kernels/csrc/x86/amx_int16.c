@@ -128,6 +128,7 @@ static void qa_pack_rows(const int16_t *xc, const float *xd, int64_t m, int64_t 
                 bl + g * kb * 128, xdt + g * kb * 16);
 }
 #else
+#define QA_MIN_ROWS 4 /* (no tiles in this build: never reached) */
 static inline int qa_takes(int type, int64_t m) {
     (void)type, (void)m;
     return 0;
