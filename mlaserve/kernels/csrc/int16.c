@@ -13,7 +13,7 @@ typedef struct {
     const float *xd;
     float *y;
     int amx;                  /* Q8_0 items of QA_MIN_ROWS rows or more on the AMX-INT8 tiles (qa_pass) */
-    const int64_t *pstart;    /* (amx) each group's first row, its rows padded to multiples of 16 */
+    const int64_t *pstart;    /* (amx) each group's first packed row, -1 where it stays on qw_run (qa_offsets) */
     const int32_t *xbh, *xbl; /* (amx) every 16 padded rows' high and low bytes, packed (qa_pack) */
     const float *xdt;         /* (amx) their scales, packed */
 } qw_work;
@@ -27,7 +27,7 @@ static inline void qw_item(const qw_work *q, int64_t it, int64_t *a, void *mem) 
     const int64_t m = left < QW_CHUNK ? left : QW_CHUNK, nr = q->n - r0 < QW_R ? q->n - r0 : QW_R;
     const int64_t i0 = p0 - q->starts[0];
 #ifdef MLS_INT16_TILES
-    if (q->amx && qa_takes(q->type, m) && nr == QW_R) { /* a last panel of fewer rows: qw_run, the same bits */
+    if (q->amx && q->pstart[g] >= 0 && qa_takes(q->type, m) && nr == QW_R) { /* else qw_run: the same bits */
         const int64_t kb = k / 32, g0 = (q->pstart[g] + c * QW_CHUNK) / 16; /* QW_CHUNK a multiple of 16 */
         qa_rows(q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes, q->row_bytes, q->xbh + g0 * kb * 128,
                 q->xbl + g0 * kb * 128, q->xdt + g0 * kb * 16, m, k, q->y + p0 * q->ldy + r0, q->ldy);
@@ -59,20 +59,14 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
             few &= starts[a + 1] - starts[a] <= QW_FEW;
         }
     }
-    /* Q8_0 on the AMX-INT8 tiles: the codes' bytes packed (qa_pack), each group padded to a multiple of 16 rows */
-    int64_t most = 0; /* the most rows of a group */
-    for (int64_t a = 0; a < groups; a++) most = starts[a + 1] - starts[a] > most ? starts[a + 1] - starts[a] : most;
-    const int amx = !failed && !few && qa_takes(type, most);
-    int64_t *pstart = amx ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1)) : NULL;
-    if (pstart) {
-        pstart[0] = 0;
-        for (int64_t a = 0; a < groups; a++) pstart[a + 1] = pstart[a] + (starts[a + 1] - starts[a] + 15) / 16 * 16;
-    }
-    const int64_t prows = pstart ? pstart[groups] : 0;
-    int32_t *xbh = pstart ? (int32_t *)aligned_alloc(64, (size_t)(prows * k) + 64) : NULL;
-    int32_t *xbl = pstart ? (int32_t *)aligned_alloc(64, (size_t)(prows * k) + 64) : NULL;
-    float *xdt = pstart ? (float *)aligned_alloc(64, sizeof(float) * (size_t)(prows * kb) + 64) : NULL;
-    failed |= amx && !(pstart && xbh && xbl && xdt);
+    /* Q8_0 on the AMX-INT8 tiles: the codes' bytes packed (qa_pack) for the groups of QA_MIN_ROWS rows or more */
+    const int takes = !failed && !few && qa_takes(type, QA_MIN_ROWS);
+    int64_t *pstart = takes ? (int64_t *)malloc(sizeof(int64_t) * (size_t)groups) : 0;
+    const int64_t prows = pstart ? qa_offsets(starts, groups, pstart) : 0;
+    int32_t *xbh = 0, *xbl = 0;
+    float *xdt = 0;
+    const int amx = prows > 0;
+    failed |= amx && qa_alloc(prows, k, &xbh, &xbl, &xdt) != 0;
     const qw_work q = {type, w, n, row_bytes, expert_stride, k, panels, ldy, experts, starts, first, xc, xd, y,
                        amx, pstart, xbh, xbl, xdt};
 #pragma omp parallel num_threads(threads) if (!failed)
@@ -86,14 +80,7 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
         (void)tiles;   /* read only in builds with the tiles */
 #ifdef MLS_INT16_TILES
         if (!failed && amx) {
-#pragma omp for schedule(static)
-            for (int64_t g16 = 0; g16 < prows / 16; g16++) { /* each 16 padded rows: their group, rows, packing */
-                int64_t a = 0;
-                while (pstart[a + 1] <= 16 * g16) a++;
-                const int64_t i = starts[a] - starts[0] + 16 * g16 - pstart[a], left = starts[a + 1] - starts[0] - i;
-                qa_pack(xc + i * k, xd + i * kb, left < 16 ? left : 16, k, xbh + g16 * kb * 128, xbl + g16 * kb * 128,
-                        xdt + g16 * kb * 16);
-            }
+            qa_pack_groups(xc, xd, starts, pstart, groups, k, xbh, xbl, xdt);
             qa_config();
             tiles = 1;
         }
@@ -126,8 +113,6 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
     free(xd);
     free(pstart);
     free(xbh);
-    free(xbl);
-    free(xdt);
     return failed ? -4 : 0;
 }
 #endif

@@ -104,15 +104,6 @@ static void moe_bufs_free(moe_bufs *m) {
     free(m->pa), free(m->ra_h), free(m->rh_h);
 }
 
-/* rows 16-padded of k values packed for the tiles: *h, *l and *dx in one allocation; 0 or -4 */
-static int moe_tiles_alloc(int64_t t, int64_t k, int32_t **h, int32_t **l, float **dx) {
-    const size_t rows = (size_t)(t + 15) / 16 * 16, bytes = rows * (size_t)k;
-    *h = (int32_t *)aligned_alloc(64, 2 * bytes + sizeof(float) * rows * (size_t)(k / 32) + 64);
-    if (!*h) return -4;
-    *l = *h + bytes / 4, *dx = (float *)(*l + bytes / 4);
-    return 0;
-}
-
 /* 0, or -4 when memory cannot be allocated (nothing left allocated) */
 static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t, moe_bufs *m) {
     const int64_t d = b->d, e = b->e, inter = b->inter, si = b->shared_inter, pairs = t * b->kk;
@@ -137,10 +128,10 @@ static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t
     const int64_t most_packed = pairs + 15 * (pairs / QA_MIN_ROWS); /* that many groups at most, each padded */
     m->pa = tiles_gu || tiles_dn ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
     if (!m->mem || (w->any16 && !m->mem16) || (w->any2 && (!m->xp2 || !m->dt2 || !m->off2)) ||
-        (tiles_x && moe_tiles_alloc(t, d, &m->xa_h, &m->xa_l, &m->xa_d)) ||
-        (tiles_h && moe_tiles_alloc(t, si, &m->sa_h, &m->sa_l, &m->sa_d)) || ((tiles_gu || tiles_dn) && !m->pa) ||
-        (tiles_gu && moe_tiles_alloc(most_packed, d, &m->ra_h, &m->ra_l, &m->ra_d)) ||
-        (tiles_dn && moe_tiles_alloc(most_packed, inter, &m->rh_h, &m->rh_l, &m->rh_d))) {
+        (tiles_x && qa_alloc(t, d, &m->xa_h, &m->xa_l, &m->xa_d)) ||
+        (tiles_h && qa_alloc(t, si, &m->sa_h, &m->sa_l, &m->sa_d)) || ((tiles_gu || tiles_dn) && !m->pa) ||
+        (tiles_gu && qa_alloc(most_packed, d, &m->ra_h, &m->ra_l, &m->ra_d)) ||
+        (tiles_dn && qa_alloc(most_packed, inter, &m->rh_h, &m->rh_l, &m->rh_d))) {
         moe_bufs_free(m);
         return -4;
     }
@@ -366,25 +357,6 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
 /* The phases between the products, each run by every thread of the block's team (their loops shared out, their
    one-thread steps in `omp single`): */
 
-#ifdef MLS_INT16_TILES
-/* the routed groups' first packed rows (pa: groups of QA_MIN_ROWS pairs or more, each padded to 16 rows; -1 the rest),
-   then rows of codes xc / scales xd (k values each; a group's pairs from start[a]) packed for qa_rows: every thread of
-   the team */
-static void moe_pack_groups(const moe_bufs *m, const int16_t *xc, const float *xd, int64_t k, int32_t *bh, int32_t *bl,
-                            float *dx) {
-    const int64_t kb = k / 32;
-#pragma omp for schedule(dynamic)
-    for (int64_t a = 0; a < m->groups; a++) {
-        const int64_t p0 = m->start[a], rows = m->start[a + 1] - p0;
-        for (int64_t s = 0; m->pa[a] >= 0 && 16 * s < rows; s++) {
-            const int64_t g16 = m->pa[a] / 16 + s;
-            qa_pack(xc + (p0 + 16 * s) * k, xd + (p0 + 16 * s) * kb, rows - 16 * s < 16 ? rows - 16 * s : 16, k,
-                    bh + g16 * kb * 128, bl + g16 * kb * 128, dx + g16 * kb * 16);
-        }
-    }
-}
-#endif
-
 /* the pairs' inputs xs (x's rows in expert order) and the gate_up inputs' int16 / int8 codes */
 static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float *x, int64_t t, const moe_bufs *m) {
     const int64_t d = b->d, kk = b->kk, pairs = t * kk;
@@ -400,16 +372,13 @@ static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float 
         }
     }
 #ifdef MLS_INT16_TILES
-    if (m->xa_h) qa_pack_rows(m->x16, m->x16d, t, d, m->xa_h, m->xa_l, m->xa_d);
+    const int64_t all[2] = {0, t}, first = 0; /* the shared expert's rows: one group */
+    if (m->xa_h) qa_pack_groups(m->x16, m->x16d, all, &first, 1, d, m->xa_h, m->xa_l, m->xa_d);
     if (m->pa) {
 #pragma omp single
-        for (int64_t a = 0, off = 0; a < m->groups; a++) {
-            const int64_t rows = m->start[a + 1] - m->start[a];
-            m->pa[a] = rows >= QA_MIN_ROWS ? off : -1;
-            off += rows >= QA_MIN_ROWS ? (rows + 15) / 16 * 16 : 0;
-        }
+        qa_offsets(m->start, m->groups, m->pa);
     }
-    if (m->ra_h) moe_pack_groups(m, m->xs16, m->xs16d, d, m->ra_h, m->ra_l, m->ra_d);
+    if (m->ra_h) qa_pack_groups(m->xs16, m->xs16d, m->start, m->pa, m->groups, d, m->ra_h, m->ra_l, m->ra_d);
 #endif
     if (w->any8) {
 #pragma omp single
@@ -441,8 +410,9 @@ static void moe_hidden(const mls_moe_block_t *b, const moe_ways *w, int64_t t, c
         }
     }
 #ifdef MLS_INT16_TILES
-    if (m->sa_h) qa_pack_rows(m->sh16, m->sh16d, t, si, m->sa_h, m->sa_l, m->sa_d);
-    if (m->rh_h) moe_pack_groups(m, m->h16, m->h16d, inter, m->rh_h, m->rh_l, m->rh_d);
+    const int64_t all[2] = {0, t}, first = 0; /* the shared expert's rows: one group */
+    if (m->sa_h) qa_pack_groups(m->sh16, m->sh16d, all, &first, 1, si, m->sa_h, m->sa_l, m->sa_d);
+    if (m->rh_h) qa_pack_groups(m->h16, m->h16d, m->start, m->pa, m->groups, inter, m->rh_h, m->rh_l, m->rh_d);
 #endif
     if (w->qdn || w->qsd) {
 #pragma omp single

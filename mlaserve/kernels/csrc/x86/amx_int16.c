@@ -32,7 +32,7 @@ static void qa_config(void) {
    2 threads, 1536 x 2048, 2048 x 1536, 32768 x 2048; the 2-core AMX Xeon of 2026-12-06), tiles / VNNI panels: 16 rows
    10.1-13.5 / 5.4-6.1, 8 rows 11.2-12.4 / 6.8-7.9, 6 rows 10.3-12.1 / 7.5-10.3, 4 rows 10.2-12.5 / 7.6-11.2; 1-3 rows
    keep the weight rows read in place (qw_few: 17-20 GB/s at one row), where a tile pass would cost what 16 rows do.
-   The same bits either way. */
+   The same bits either way. Measured on one CPU (a 2-core Sapphire-Rapids-class Xeon), to be measured on others. */
 #define QA_MIN_ROWS 4
 
 /* whether a product of m rows of this type runs here on the tiles */
@@ -117,15 +117,20 @@ static void qa_rows(const uint8_t *w, int64_t row_bytes, const int32_t *bh, cons
                 m - 16 * s < 16 ? (int)(m - 16 * s) : 16, k, y + 16 * s * ldy, ldy);
 }
 
-/* rows [0, m) of codes xc / scales xd (k values each) packed for qa_rows into bh, bl, xdt, one group of 16 rows per
-   iteration of the team's loop (called by every thread of a team) */
-static void qa_pack_rows(const int16_t *xc, const float *xd, int64_t m, int64_t k, int32_t *bh, int32_t *bl,
-                         float *xdt) {
+/* the codes xc / scales xd (k values a row; row starts[a] - starts[0] is group a's first) of every group with off[a]
+   >= 0 packed for qa_rows at packed row off[a] of bh, bl, dx: a loop of the calling team (every thread calls it) */
+static void qa_pack_groups(const int16_t *xc, const float *xd, const int64_t *starts, const int64_t *off, int64_t groups,
+                           int64_t k, int32_t *bh, int32_t *bl, float *dx) {
     const int64_t kb = k / 32;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < (m + 15) / 16; g++)
-        qa_pack(xc + 16 * g * k, xd + 16 * g * kb, m - 16 * g < 16 ? m - 16 * g : 16, k, bh + g * kb * 128,
-                bl + g * kb * 128, xdt + g * kb * 16);
+#pragma omp for schedule(dynamic)
+    for (int64_t a = 0; a < groups; a++) {
+        const int64_t i0 = starts[a] - starts[0], rows = starts[a + 1] - starts[a];
+        for (int64_t s = 0; off[a] >= 0 && 16 * s < rows; s++) {
+            const int64_t g16 = off[a] / 16 + s, i = i0 + 16 * s;
+            qa_pack(xc + i * k, xd + i * kb, rows - 16 * s < 16 ? rows - 16 * s : 16, k, bh + g16 * kb * 128,
+                    bl + g16 * kb * 128, dx + g16 * kb * 16);
+        }
+    }
 }
 #else
 #define QA_MIN_ROWS 4 /* (no tiles in this build: never reached) */
@@ -134,3 +139,25 @@ static inline int qa_takes(int type, int64_t m) {
     return 0;
 }
 #endif
+
+/* room for rows packed rows of k values (qa_pack's layout; rows padded to 16): *h, *l and *dx in one allocation (free
+   *h); 0, or -4 out of memory */
+static int qa_alloc(int64_t rows, int64_t k, int32_t **h, int32_t **l, float **dx) {
+    const size_t padded = (size_t)(rows + 15) / 16 * 16, bytes = padded * (size_t)k;
+    *h = (int32_t *)aligned_alloc(64, 2 * bytes + sizeof(float) * padded * (size_t)(k / 32) + 64);
+    if (!*h) return -4;
+    *l = *h + bytes / 4, *dx = (float *)(*l + bytes / 4);
+    return 0;
+}
+
+/* each group's first packed row off[a] (groups of rows [starts[a], starts[a + 1]); those of QA_MIN_ROWS rows or more,
+   each padded to a multiple of 16; -1 the others, whose rows stay on qw_run); returns the packed rows */
+static inline int64_t qa_offsets(const int64_t *starts, int64_t groups, int64_t *off) {
+    int64_t rows = 0;
+    for (int64_t a = 0; a < groups; a++) {
+        const int64_t n = starts[a + 1] - starts[a];
+        off[a] = n >= QA_MIN_ROWS ? rows : -1;
+        rows += n >= QA_MIN_ROWS ? (n + 15) / 16 * 16 : 0;
+    }
+    return rows;
+}
