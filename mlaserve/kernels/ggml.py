@@ -207,10 +207,10 @@ def linear_native(
 
 
 # linear_native's products whose work on the weight per call is a pass over its blocks in place (int8 codes, int16
-# products, Q8_0's bf16 pairs: a panel's or a 32-row block's codes are unpacked or converted into a small per-thread
-# buffer that serves every row of the call), so that cutting a call's rows into parts adds little: the others
-# decode the whole weight per call (to fp32 / bf16 for a GEMM)
-IN_PLACE_PATHS = ("int16", "gemm", "bf16_pairs")
+# products, Q8_0's bf16 pairs, the fp32 decoded panels: a panel's or a 32-row block's codes are unpacked, converted
+# or decoded into a small per-thread buffer that serves every row of the call), so that cutting a call's rows into
+# parts adds little: "decoded" decodes the whole weight per call (to fp32 / bf16 for a GEMM)
+IN_PLACE_PATHS = ("int16", "gemm", "bf16_pairs", "panels")
 
 
 def linear_path(rows: int, ggml_type: int, int8: bool | int = False, bf16: int = 0, tiles: bool = False) -> str:

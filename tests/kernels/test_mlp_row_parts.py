@@ -1,6 +1,6 @@
 """A SwiGLU's long steps in row parts (models/layers.py SwiGLU.row_part, the KernelPlan's mlp_rows op): taken only
 where every projection reads its weight's blocks in place at the part's rows (a GGUFLinear on the int8 tiles /
-VNNI panels, int16 products or Q8_0's bf16 pairs: kernels/ggml.py IN_PLACE_PATHS), and then each row's output is the whole step's, bit
+VNNI panels, int16 products, Q8_0's bf16 pairs or the fp32 decoded panels: kernels/ggml.py IN_PLACE_PATHS), and then each row's output is the whole step's, bit
 for bit; elsewhere (nn.Linear, the torch kernels, a weight decoded per call) the plan keeps whole steps and says
 why."""
 
@@ -98,6 +98,22 @@ def test_plan_takes_parts_only_where_the_blocks_are_read_in_place(monkeypatch, t
     assert c.impl == "whole" and "kernel torch" in c.reason, c
     c = choice(SwiGLU(D, INTER), registry.KernelContext("native", 0))
     assert c.impl == "whole" and "gate_proj: Linear" in c.reason, c
+
+
+@needs_native
+def test_every_path_that_reads_blocks_in_place_says_so():
+    """Each linear_native path is in place or not by what it does per call, not by its name: fp32 products of up to
+    PANEL_ROWS rows on the decoded panels (a panel at a time into a thread's buffer) are; decode-then-GEMM (the whole
+    weight decoded) is not."""
+    from mlaserve.kernels import ggml, panels
+
+    q8 = GGUFLinear(D, INTER, GGML_TYPE_IDS["Q8_0"], False, torch.float32, "cpu")
+    registry.plan_kernels(q8, registry.KernelContext("native", 0))  # float activations, fp32 prefill
+    assert ggml.linear_path(ggml.PANEL_ROWS + 1, q8.ggml_type) == "decoded"
+    assert q8.prefill_reads_in_place(ggml.PANEL_ROWS + 1) == "decoded (the whole weight decoded per call)"
+    if panels.available():
+        assert ggml.linear_path(ggml.PANEL_ROWS, q8.ggml_type) == "panels"
+        assert q8.prefill_reads_in_place(ggml.PANEL_ROWS) is None
 
 
 @needs_native
