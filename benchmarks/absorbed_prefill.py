@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_gguf, ensure_model, random_prompt, run_end, run_start  # noqa: E402
+from common import ensure_model, random_prompt, run_end, run_start  # noqa: E402
 from dsa_prefill import Timed  # noqa: E402
+from model_files import ensure_gguf
 
 BACKENDS = ("native", "torch")
 

@@ -545,7 +545,7 @@ def main() -> None:
     files: dict[str, Path] = {}
 
     def q8_0(f: Path) -> Path:  # the same model's Q8_0 GGUF (`mlaserve convert`), written once beside the folder
-        from common import ensure_gguf
+        from model_files import ensure_gguf
 
         files.setdefault("q8_0", ensure_gguf(f, "q8_0"))
         return files["q8_0"]

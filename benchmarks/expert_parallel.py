@@ -27,7 +27,8 @@ import os
 import statistics
 from pathlib import Path
 
-from common import BENCH_DIR, RESULTS_DIR, ensure_gguf, ensure_model, environment, print_table, write_json
+from common import BENCH_DIR, RESULTS_DIR, ensure_model, environment, print_table, write_json
+from model_files import ensure_gguf
 
 from mlaserve import LLM, SamplingParams
 

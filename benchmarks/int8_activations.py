@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, ensure_model, environment, gguf_path, random_prompt, timed, with_tokenizer, write_json
+from common import RESULTS_DIR, ensure_model, environment, random_prompt, timed, write_json
+from model_files import gguf_path, with_tokenizer
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
 from mlaserve.kernels import native

@@ -64,7 +64,8 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=8, help="512-token chunks of the text to run")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    from common import ensure_gguf, ensure_model, gguf_path
+    from common import ensure_model
+    from model_files import ensure_gguf, gguf_path
 
     folder = ensure_model(args.model, False)
     src = ensure_gguf(folder, "q8_0")

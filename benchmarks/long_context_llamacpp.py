@@ -6,7 +6,7 @@ kv_cache_dtype auto (float32), int8 and fp8_e4m3.
 
 The file: the standard model (common.py STANDARD) says max_position_embeddings 8192, so it runs as
 `mla-std-l12-seed0-pos65536` (common.with_max_positions: the same safetensors, 65536 in config.json) written to
-Q8_0 by `mlaserve convert` (common.ensure_gguf); the DSA model (`--model dsa`) already says 65536.
+Q8_0 by `mlaserve convert` (model_files.ensure_gguf); the DSA model (`--model dsa`) already says 65536.
 
 Notation: N = context (cells / rows per request), B = requests per step, P = --prefill tokens.
 - llama.cpp (benchmarks/llamacpp_session.py, a process of its own, flash attention on, one stream per sequence):
@@ -49,7 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     BENCH_DIR,
     RESULTS_DIR,
-    ensure_gguf,
     ensure_model,
     environment,
     mem_available_gib,
@@ -60,6 +59,7 @@ from common import (  # noqa: E402
     write_json,
 )
 from kv_cache_dtype import PAGE_SIZE, decode_chunks, runner_for  # noqa: E402
+from model_files import ensure_gguf  # noqa: E402
 
 MAX_POSITIONS = 65536
 LLAMA_BYTES = {"q8_0": 34 / 32, "f16": 2.0}  # bytes per cached value

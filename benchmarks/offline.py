@@ -163,7 +163,7 @@ def resolve_engines(args, folder: Path) -> tuple[list[str], dict, dict]:
     is left out."""
     import importlib.util
 
-    from common import ensure_gguf, gguf_path
+    from model_files import ensure_gguf, gguf_path
 
     specs = [sp for sp in args.engines if not (args.skip_transformers and parse_spec(sp)[0] == "transformers")]
     has_lc = importlib.util.find_spec("llama_cpp") is not None

@@ -189,7 +189,7 @@ def agreement(greedy: dict, engines: list[Engine]) -> dict:
 # -- the roofline ---------------------------------------------------------------------------------------
 def roofline(engines: list[Engine], files: dict, dtype: str, threads: int, quick: bool) -> dict:
     """Copy bandwidth, and per weight file the bytes (and parameters) a batch-1 decode step reads."""
-    from common import active_weight_bytes, copy_bandwidth_gbs
+    from roofline import active_weight_bytes, copy_bandwidth_gbs
 
     bw = copy_bandwidth_gbs(threads, 256 if quick else 1024)
     formats, of = {}, {}

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 import httpx
-from common import RESULTS_DIR, ensure_model, environment, print_table, random_prompt, with_tokenizer, write_json
+from common import RESULTS_DIR, ensure_model, environment, print_table, random_prompt, write_json
+from model_files import with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
