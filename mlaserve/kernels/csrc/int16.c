@@ -76,13 +76,11 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
             for (int64_t i = 0; i < rows; i++)
                 qw_quantize_row(x + (starts[0] + i) * ldx, k, xc + i * k, xd + i * kb);
         }
-        int tiles = 0; /* this thread loaded the tile shapes (qa_config) */
-        (void)tiles;   /* read only in builds with the tiles */
 #ifdef MLS_INT16_TILES
-        if (!failed && amx) {
+        const int tiles = !failed && amx; /* this thread packs its share and loads the tile shapes (released below) */
+        if (tiles) {
             qa_pack_groups(xc, xd, starts, pstart, groups, k, xbh, xbl, xdt);
             qa_config();
-            tiles = 1;
         }
 #endif
         /* the panel buffer, where an item has more than QW_FEW rows */
