@@ -35,13 +35,6 @@ static const uint8_t AMX_Q4_TIMES[8][32] __attribute__((aligned(32))) = {
     AMX_Q4_ROW(0), AMX_Q4_ROW(1), AMX_Q4_ROW(2), AMX_Q4_ROW(3), AMX_Q4_ROW(4), AMX_Q4_ROW(5), AMX_Q4_ROW(6), AMX_Q4_ROW(7)};
 #undef AMX_Q4_ROW
 
-static inline void amx_put_q4(int8_t *a, int64_t plane, const __m256i codes, const int8_t s[AMX_PLANES]) {
-    for (int p = 0; p < 2; p++) {
-        const __m256i times = _mm256_load_si256((const __m256i *)AMX_Q4_TIMES[s[p]]);
-        _mm256_storeu_si256((__m256i *)(a + p * plane), _mm256_shuffle_epi8(times, codes));
-    }
-}
-
 #ifdef __AVX512VBMI__
 /* Q6_K's plane bytes by table: row s + 3 holds (q - 32) * s for the 6-bit code q (0..63), s the digits -3..4; a
    byte permute (vpermb) per 16-value unit looks a unit's plane bytes up from its digit's row, where the multiply
@@ -96,21 +89,28 @@ static inline void amx_q6_unpack_block(const uint8_t *q, int8_t *a, int64_t plan
 #endif
 
 /* a Q4_K super-block q into the planes at a (plane apart): its sub-block scales as digits on the codes; its
-   mins, d and dmin into o at super-block index `at` (row * blocks per row + block) */
+   mins, d and dmin into o at super-block index `at` (row * blocks per row + block). The 12 scale bytes are unpacked
+   in one vector (k_scales_mins8, the row kernels' unpacking) and split into their two digits there (sc & 7, sc >> 3:
+   amx_digits' Q4_K digits), the mins widened into the int16 pairs o->mn holds: the scalar unpacking and the digit
+   loop per sub-block had taken most of this function's time (perf, a 16-row Q4_K product). */
 static void amx_q4k_unpack_block(const uint8_t *q, int8_t *a, int64_t plane, const amx_rows_t *o, int64_t at) {
-    int8_t s[AMX_PLANES];
-    int32_t sc[8], mn[8];
-    k_scales_int(q + 4, sc, mn);
-    for (int j = 0; j < 4; j++) o->mn[at * 4 + j] = (mn[2 * j] & 0xFFFF) | (mn[2 * j + 1] << 16);
+    const __m128i sm = k_scales_mins8(q + 4); /* bytes: scales 0..7, mins 0..7 */
+    _mm_storeu_si128((__m128i *)(o->mn + at * 4), _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
     o->d[at] = f16(q);
     o->dmin[at] = f16(q + 2);
+    uint8_t dg[2][16];
+    _mm_storeu_si128((__m128i *)dg[0], _mm_and_si128(sm, _mm_set1_epi8(7)));
+    _mm_storeu_si128((__m128i *)dg[1], _mm_and_si128(_mm_srli_epi16(sm, 3), _mm_set1_epi8(7)));
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; c++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
-        amx_digits(sc[2 * c], 0, s);
-        amx_put_q4(a + 64 * c, plane, _mm256_and_si256(raw, m4), s);
-        amx_digits(sc[2 * c + 1], 0, s);
-        amx_put_q4(a + 64 * c + 32, plane, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), s);
+        const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        for (int p = 0; p < 2; p++) {
+            const __m256i t0 = _mm256_load_si256((const __m256i *)AMX_Q4_TIMES[dg[p][2 * c]]);
+            const __m256i t1 = _mm256_load_si256((const __m256i *)AMX_Q4_TIMES[dg[p][2 * c + 1]]);
+            _mm256_storeu_si256((__m256i *)(a + p * plane + 64 * c), _mm256_shuffle_epi8(t0, lo));
+            _mm256_storeu_si256((__m256i *)(a + p * plane + 64 * c + 32), _mm256_shuffle_epi8(t1, hi));
+        }
     }
 }
 
