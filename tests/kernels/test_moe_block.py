@@ -34,6 +34,8 @@ TYPES = {
     "q4_0-q6_k": ("Q4_0", "Q6_K", "Q4_0", "Q4_0", "Q6_K"),
     "q4_0": ("Q4_0",) * 5,  # every projection on the 2+-row pairs (int8) where groups have 2+ rows
     "q4_k-q5_0-q8_0": ("Q4_K", "Q5_0", "Q4_K", "Q8_0", "Q6_K"),
+    # the AMX-INT8 tiles' two hooks (digit planes: Q4_K, Q6_K; scaled units: Q5_K) in one block
+    "q4_k-q5_k-q6_k": ("Q4_K", "Q5_K", "Q4_K", "Q6_K", "Q5_K"),
 }
 ROUTERS = {  # (scoring, topk_method, experts, n_group, topk_group, k, norm, scale)
     "v3": ("sigmoid", "noaux_tc", 16, 4, 2, 4, True, 2.5),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_block import BLOCK_TOKENS, INTER, ROUTERS, D, U, _random_blocks, routing, set_kernel
+from test_moe_block import BLOCK_TOKENS, INTER, ROUTERS, D, U, _random_blocks, make_moe, routing, set_kernel
 
 from mlaserve.config.model import MoEConfig
 from mlaserve.gguf.quants import GGML_TYPE_IDS
@@ -57,3 +57,43 @@ def test_block_takes_int8_where_the_holders_do(types, tokens):
         f"{(y - y_float).abs().max().item():.2e}"
     )
     assert diff <= 4 * ulp, (diff, ulp)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("tokens", [5, 8, BLOCK_TOKENS])
+def test_block_products_of_many_rows_take_the_tiles_bits(tokens, split):
+    """Under int8 activations the block's shared expert (every token) and its routed groups of 8+ pairs run on the
+    AMX-INT8 tiles where the process has them (x86/amx.c amx_item), the per-op holders on theirs (GGUFLinear, the
+    grouped products): both the VNNI row kernels' bits, so the outputs differ by the final sums' rounding only
+    (bound 4 ulp of |y|max, as above). Q4_K / Q6_K (digit planes) and Q5_K (scaled units) in one block: the
+    thread's tile shapes change between projections. Without the tiles (or below 8 tokens) the same comparison
+    holds on the row kernels. split: the router sends the tokens along +v to experts 0, 1, 4, 5 and those along -v
+    to 2, 3, 6, 7, so at 16 tokens eight groups of 8 pairs, each with its own tokens, take their own packs."""
+    moe = make_moe("v3", "q4_k-q5_k-q6_k")
+    g = torch.Generator().manual_seed(100 + tokens)
+    x = torch.randn(tokens, D, generator=g)
+    if split:
+        v = torch.randn(D, generator=g)
+        v /= v.norm()
+        sign = torch.tensor([1.0 if i % 2 else -1.0 for i in range(tokens)])
+        x = 0.1 * x + 5.0 * sign[:, None] * v
+        with torch.no_grad():
+            moe.gate.weight.mul_(0.01)
+            moe.gate.weight[[0, 1, 4, 5]] = 2.0 * v
+            moe.gate.weight[[2, 3, 6, 7]] = -2.0 * v
+            moe.gate.e_score_correction_bias.zero_()
+    y_float, w, idx = routing(GGUFMoEBlock(moe), x)
+    for m in (moe.experts, moe.shared_experts.gate_proj, moe.shared_experts.up_proj, moe.shared_experts.down_proj):
+        m.int8 = 6
+    y, w8, idx8 = routing(GGUFMoEBlock(moe), x)
+    assert torch.equal(w8, w) and torch.equal(idx8, idx)
+    with torch.no_grad():
+        per_op = moe(x)
+    counts = torch.bincount(idx.flatten(), minlength=16)
+    if split:
+        assert sorted(counts.tolist()) == [0] * 8 + [tokens // 2] * 4 + [(tokens + 1) // 2] * 4, counts
+    tiles = native.library().mls_int8_tile_rows(GGML_TYPE_IDS["Q4_K"])
+    diff, ulp = (y - per_op).abs().max().item(), 2 * U * per_op.abs().max().item()
+    print(f"\n{tokens} tokens (groups {counts.tolist()}, tiles from {tiles} rows): block vs per-op {diff / ulp:.1f} ulp")
+    assert diff <= 4 * ulp, (diff, ulp)
+    assert (y - y_float).abs().max().item() > 100 * ulp

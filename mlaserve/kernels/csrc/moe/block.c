@@ -27,7 +27,12 @@ typedef struct {
     /* Q4_0 projections whose groups (or the shared expert) have 2+ rows: two activation rows per vector over pairs
        of weight rows (int8.c q4_0_pairs_run, the row kernel's bits), the activations packed as pairs once */
     int two_gu, two_dn, two_sg, two_su, two_sd;
-    int any8, any16, any2;
+    /* int8 projections of a type the AMX-INT8 tiles take (x86/amx.c amx_item, the VNNI row kernels' bits): the
+       shared expert's where the step has amx_min_rows tokens, a routed group's where it has that many pairs; each
+       16-row run's weight rows unpacked once for all of its activation rows, where the row kernels take them 4 at a
+       time (a 16-token step's shared expert read its rows at ~2.5 GB/s of Q4_K on the AMX Xeon) */
+    int t8gu, t8dn, t8sg, t8su, t8sd;
+    int any8, any16, any2, anyt8;
 } moe_ways;
 
 /* the ways of a call of t tokens; 0, or mls_moe_block's refusals (-1, -2, -3) */
@@ -64,6 +69,15 @@ static int moe_ways_of(const mls_moe_block_t *b, int64_t t, moe_ways *w) {
     w->two_sg = w->qsg && Q4_0_PAIRS((int)b->type_sg, t), w->two_su = w->qsu && Q4_0_PAIRS((int)b->type_su, t);
     w->two_sd = w->qsd && Q4_0_PAIRS((int)b->type_sd, t);
     w->any2 = w->two_gu || w->two_dn || w->two_sg || w->two_su || w->two_sd;
+#ifdef MLS_AMX
+    /* a group has at most t pairs (a token takes an expert once): groups of amx_min_rows need t that large */
+    w->t8gu = w->qgu && amx_takes((int)b->type_gu, t), w->t8dn = w->qdn && amx_takes((int)b->type_dn, t);
+    w->t8sg = w->qsg && amx_takes((int)b->type_sg, t), w->t8su = w->qsu && amx_takes((int)b->type_su, t);
+    w->t8sd = w->qsd && amx_takes((int)b->type_sd, t);
+#else
+    w->t8gu = w->t8dn = w->t8sg = w->t8su = w->t8sd = 0;
+#endif
+    w->anyt8 = w->t8gu || w->t8dn || w->t8sg || w->t8su || w->t8sd;
     return 0;
 }
 
@@ -97,12 +111,50 @@ typedef struct {
     int64_t *pa;
     int32_t *ra_h, *ra_l, *rh_h, *rh_l;
     float *ra_d, *rh_d;
+#ifdef MLS_AMX
+    /* the int8 products on the tiles (moe_ways t8*): each projection's call, its inputs' packs (x86/amx.c amx_pack,
+       one allocation p8): the shared gate's and up's (x, each in its type's codes), the shared down's (the shared
+       h), the routed groups' gate_up (xs) and down (h) inputs; pk[a] routed group a's first pack (-1: its rows stay
+       on the row kernels) */
+    amx_call_t c8gu, c8dn, c8sg, c8su, c8sd;
+    int32_t *p8, *p8sg, *p8su, *p8sd, *p8gu, *p8dn;
+    int64_t *pk, pk_rows;
+#endif
 } moe_bufs;
 
 static void moe_bufs_free(moe_bufs *m) {
     free(m->mem), free(m->mem16), free(m->xp2), free(m->dt2), free(m->off2), free(m->xa_h), free(m->sa_h);
     free(m->pa), free(m->ra_h), free(m->rh_h);
+#ifdef MLS_AMX
+    free(m->p8), free(m->pk);
+#endif
 }
+
+#ifdef MLS_AMX
+/* the int8 tile products' calls and packs (m->c8*, p8*, pk); 0, or -4 out of memory */
+static int moe_tiles_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t, moe_bufs *m) {
+    const int64_t d = b->d, inter = b->inter, si = b->shared_inter, pairs = t * b->kk;
+    if (w->t8gu) m->c8gu = amx_call_of((int)b->type_gu, 2 * inter, d, b->gu_row_bytes, 2 * inter);
+    if (w->t8dn) m->c8dn = amx_call_of((int)b->type_dn, d, inter, b->dn_row_bytes, d);
+    if (w->t8sg) m->c8sg = amx_call_of((int)b->type_sg, si, d, b->sg_row_bytes, 2 * si);
+    if (w->t8su) m->c8su = amx_call_of((int)b->type_su, si, d, b->su_row_bytes, 2 * si);
+    if (w->t8sd) m->c8sd = amx_call_of((int)b->type_sd, d, si, b->sd_row_bytes, d);
+    /* packs: the shared rows' ceil(t / 16); routed groups of pk_rows pairs or more, at most pairs / pk_rows of them,
+       each ceil(rows / 16) <= rows / pk_rows packs (pk_rows <= 16) */
+    const int64_t sp = (t + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t mgu = w->t8gu ? amx_min_rows((int)b->type_gu) : 0, mdn = w->t8dn ? amx_min_rows((int)b->type_dn) : 0;
+    m->pk_rows = mgu > mdn ? mgu : mdn; /* a group on the tiles has as many as both projections' types ask */
+    const int64_t rp = m->pk_rows ? pairs / m->pk_rows + 1 : 0;
+    const size_t n_sg = w->t8sg ? (size_t)sp * m->c8sg.per_group : 0, n_su = w->t8su ? (size_t)sp * m->c8su.per_group : 0;
+    const size_t n_sd = w->t8sd ? (size_t)sp * m->c8sd.per_group : 0, n_gu = w->t8gu ? (size_t)rp * m->c8gu.per_group : 0;
+    const size_t n_dn = w->t8dn ? (size_t)rp * m->c8dn.per_group : 0, n8 = n_sg + n_su + n_sd + n_gu + n_dn;
+    m->p8 = (int32_t *)aligned_alloc(64, (n8 * sizeof(int32_t) + 63) / 64 * 64);
+    m->pk = w->t8gu || w->t8dn ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(b->e + 1)) : 0;
+    if (!m->p8 || ((w->t8gu || w->t8dn) && !m->pk)) return -4;
+    m->p8sg = m->p8, m->p8su = m->p8sg + n_sg, m->p8sd = m->p8su + n_su, m->p8gu = m->p8sd + n_sd, m->p8dn = m->p8gu + n_gu;
+    return 0;
+}
+#endif
 
 /* 0, or -4 when memory cannot be allocated (nothing left allocated) */
 static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t, moe_bufs *m) {
@@ -131,7 +183,11 @@ static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t
         (tiles_x && qa_alloc(t, d, &m->xa_h, &m->xa_l, &m->xa_d)) ||
         (tiles_h && qa_alloc(t, si, &m->sa_h, &m->sa_l, &m->sa_d)) || ((tiles_gu || tiles_dn) && !m->pa) ||
         (tiles_gu && qa_alloc(most_packed, d, &m->ra_h, &m->ra_l, &m->ra_d)) ||
-        (tiles_dn && qa_alloc(most_packed, inter, &m->rh_h, &m->rh_l, &m->rh_d))) {
+        (tiles_dn && qa_alloc(most_packed, inter, &m->rh_h, &m->rh_l, &m->rh_d))
+#ifdef MLS_AMX
+        || (w->anyt8 && moe_tiles_alloc(b, w, t, m))
+#endif
+    ) {
         moe_bufs_free(m);
         return -4;
     }
@@ -214,25 +270,92 @@ static void moe_quantize_hidden(const mls_moe_block_t *b, const moe_ways *w, int
     if (w->two_sd) q4_0_pairs_pack(m->shq, m->shd, t, si, m->xp2 + m->o_sd * 512, m->dt2 + m->o_sd * 16);
 }
 
+#ifdef MLS_AMX
+/* routed group a's first pack for the int8 tiles (-1: its rows stay on the row kernels); one thread */
+static void moe_tile_groups(const moe_bufs *m) {
+    int64_t packs = 0;
+    for (int64_t a = 0; a < m->groups; a++) {
+        const int64_t rows = m->start[a + 1] - m->start[a];
+        m->pk[a] = rows >= m->pk_rows ? packs : -1;
+        packs += rows >= m->pk_rows ? (rows + AMX_ROWS - 1) / AMX_ROWS : 0;
+    }
+}
+
+/* the int8 tile products' inputs packed: the gate_up inputs (hidden 0) or the down inputs (hidden 1), the shared
+   expert's rows and each routed group's on the tiles; one thread, after their codes are made */
+static void moe_tile_pack(const moe_ways *w, int64_t t, const moe_bufs *m, int hidden) {
+    const int64_t *start = m->start;
+    if (!hidden && w->t8sg) amx_pack_rows(&m->c8sg, m->xq, m->xd, t, m->p8sg);
+    if (!hidden && w->t8su) amx_pack_rows(&m->c8su, m->xuq, m->xud, t, m->p8su);
+    if (hidden && w->t8sd) amx_pack_rows(&m->c8sd, m->shq, m->shd, t, m->p8sd);
+    const amx_call_t *c = hidden ? &m->c8dn : &m->c8gu;
+    if (!(hidden ? w->t8dn : w->t8gu)) return;
+    for (int64_t a = 0; a < m->groups; a++) {
+        if (m->pk[a] < 0) continue;
+        const int64_t k = c->k, p0 = start[a];
+        amx_pack_rows(c, (hidden ? m->hq : m->xsq) + p0 * k, (hidden ? m->hd : m->xsd) + p0 * (k / 32), start[a + 1] - p0,
+                      (hidden ? m->p8dn : m->p8gu) + m->pk[a] * c->per_group);
+    }
+}
+#endif
+
+/* a thread's scratch in the block: the row kernels' buffer, the int16 panel (qw_run), and on the tiles the int8
+   products' unpacked weight rows and sums (W, acc: x86/amx.c amx_item), the tile shapes the thread has loaded (cfg)
+   and the int16 products' (qa) */
+typedef struct {
+    float *buf;
+    void *panel;
+#ifdef MLS_AMX
+    char *mem8;
+    amx_rows_t W;
+    amx_cfg_t cfg, qa;
+#endif
+} moe_scratch;
+
+#ifdef MLS_AMX
+/* nr weight rows at w (call c) times the m activation rows packed at xg into y (the first row's, the weight rows'
+   first output) */
+static void moe_tile_rows(moe_scratch *s, const amx_call_t *c, const uint8_t *w, int64_t nr, const int32_t *xg,
+                          int64_t m, float *y) {
+    amx_tiles_use(&s->cfg, &c->cfg);
+    amx_item(c, &s->W, (float *)s->mem8, w, 0, nr, xg, (m + AMX_ROWS - 1) / AMX_ROWS, m, y);
+}
+#endif
+
 /* gate_up item it of a routed group's rgu-row runs (runs per group), then of the shared expert's rsg-row runs */
 static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, const float *x,
-                             int64_t t, int64_t it, int64_t runs, int64_t rgu, int64_t rsg, float *buf, void *panel) {
+                             int64_t t, int64_t it, int64_t runs, int64_t rgu, int64_t rsg, moe_scratch *s) {
+    float *buf = s->buf;
+    void *panel = s->panel;
     const int64_t d = b->d, inter = b->inter, si = b->shared_inter, g = b->group, n_gu = 2 * inter, n_sgu = 2 * si;
     const int64_t groups = m->groups, *start = m->start, *act = m->act;
     float *gu = m->gu, *sgu = m->sgu;
     if (it < groups * runs) {
         const int64_t a = it / runs, r0 = (it % runs) * rgu, r1 = r0 + rgu < n_gu ? r0 + rgu : n_gu;
         const int64_t p0 = start[a], rows = start[a + 1] - p0;
-        const int whole = w->q16gu || (w->r16gu && rows == 1); /* the run in one call per part */
+#ifdef MLS_AMX
+        const int tiles8 = w->t8gu && m->pk[a] >= 0;
+#else
+        const int tiles8 = 0;
+#endif
+        const int whole = w->q16gu || (w->r16gu && rows == 1) || tiles8; /* the run in one call per part */
         for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
             s1 = s0 < inter && r1 > inter ? inter : r1;
             const uint8_t *row0 = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
+#ifdef MLS_AMX
+            if (tiles8) {
+                moe_tile_rows(s, &m->c8gu, row0, s1 - s0, m->p8gu + m->pk[a] * m->c8gu.per_group, rows,
+                              gu + p0 * n_gu + s0);
+                continue;
+            }
+#endif
 #ifdef MLS_INT16_TILES
-            if (w->q16gu && m->ra_h && m->pa[a] >= 0 && s1 - s0 == QW_R)
+            if (w->q16gu && m->ra_h && m->pa[a] >= 0 && s1 - s0 == QW_R) {
+                amx_tiles_use(&s->cfg, &s->qa);
                 qa_rows(row0, b->gu_row_bytes, m->ra_h + m->pa[a] / 16 * (d / 32) * 128,
                         m->ra_l + m->pa[a] / 16 * (d / 32) * 128, m->ra_d + m->pa[a] / 16 * (d / 32) * 16, rows, d,
                         gu + p0 * n_gu + s0, n_gu);
-            else
+            } else
 #endif
             if (w->q16gu)
                 qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xs16 + p0 * d, m->xs16d + p0 * (d / 32), rows,
@@ -264,10 +387,17 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
         const int up = s0 >= si;
         const uint8_t *row0 = up ? b->su + (s0 - si) * b->su_row_bytes : b->sg + s0 * b->sg_row_bytes;
         const int64_t rb = up ? b->su_row_bytes : b->sg_row_bytes, type = up ? b->type_su : b->type_sg;
+#ifdef MLS_AMX
+        if (up ? w->t8su : w->t8sg) {
+            moe_tile_rows(s, up ? &m->c8su : &m->c8sg, row0, s1 - s0, up ? m->p8su : m->p8sg, t, sgu + s0);
+            continue;
+        }
+#endif
 #ifdef MLS_INT16_TILES
-        if ((up ? w->q16su : w->q16sg) && m->xa_h && qa_takes((int)type, t) && s1 - s0 == QW_R)
+        if ((up ? w->q16su : w->q16sg) && m->xa_h && qa_takes((int)type, t) && s1 - s0 == QW_R) {
+            amx_tiles_use(&s->cfg, &s->qa);
             qa_rows(row0, rb, m->xa_h, m->xa_l, m->xa_d, t, d, sgu + s0, n_sgu);
-        else
+        } else
 #endif
         if (up ? w->q16su : w->q16sg)
             qw_run((int)type, row0, rb, s1 - s0, m->x16, m->x16d, t, d, sgu + s0, n_sgu, panel);
@@ -282,7 +412,9 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
                        m->dt2 + m->o_su * 16, t, d, sgu + si, n_sgu);
     for (int64_t r = r0; r < r1; r++) {
         const int up = r >= si;
-        if (up ? w->q16su || (t == 1 && w->r16su) || w->two_su : w->q16sg || (t == 1 && w->r16sg) || w->two_sg) continue;
+        if (up ? w->q16su || (t == 1 && w->r16su) || w->two_su || w->t8su
+               : w->q16sg || (t == 1 && w->r16sg) || w->two_sg || w->t8sg)
+            continue;
         const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
         const q8rows_fn q8 = up ? w->qsu : w->qsg;
         if (q8)
@@ -294,28 +426,39 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
 
 /* down item it of a routed group's rdn-row runs (druns per group), then of the shared expert's */
 static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, int64_t t, int64_t it,
-                          int64_t druns, int64_t rdn, float *buf, void *panel) {
+                          int64_t druns, int64_t rdn, moe_scratch *s) {
+    float *buf = s->buf;
+    void *panel = s->panel;
     const int64_t d = b->d, inter = b->inter, si = b->shared_inter, g = b->group;
     const int64_t a = it / druns, r0 = (it % druns) * rdn, r1 = r0 + rdn < d ? r0 + rdn : d;
     if (a < m->groups) {
         const int64_t p0 = m->start[a], rows = m->start[a + 1] - p0, ex = m->act[a];
         const uint8_t *we = b->down + ex * b->dn_expert_stride;
         float *ys = m->ys + p0 * d;
-        const int whole = w->q16dn || (w->r16dn && rows == 1), two = !whole && w->two_dn && rows >= 2;
+#ifdef MLS_AMX
+        const int tiles8 = w->t8dn && m->pk[a] >= 0;
+        if (tiles8)
+            moe_tile_rows(s, &m->c8dn, we + r0 * b->dn_row_bytes, r1 - r0, m->p8dn + m->pk[a] * m->c8dn.per_group, rows,
+                          ys + r0);
+#else
+        const int tiles8 = 0;
+#endif
+        const int whole = w->q16dn || (w->r16dn && rows == 1) || tiles8, two = !whole && w->two_dn && rows >= 2;
         if (two)
             q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, m->xp2 + (m->o_dn + m->off2[a] * (inter / 32)) * 512,
                            m->dt2 + (m->o_dn + m->off2[a] * (inter / 32)) * 16, rows, inter, ys, d);
 #ifdef MLS_INT16_TILES
-        if (w->q16dn && m->rh_h && m->pa[a] >= 0 && r1 - r0 == QW_R)
+        if (w->q16dn && m->rh_h && m->pa[a] >= 0 && r1 - r0 == QW_R) {
+            amx_tiles_use(&s->cfg, &s->qa);
             qa_rows(we + r0 * b->dn_row_bytes, b->dn_row_bytes, m->rh_h + m->pa[a] / 16 * (inter / 32) * 128,
                     m->rh_l + m->pa[a] / 16 * (inter / 32) * 128, m->rh_d + m->pa[a] / 16 * (inter / 32) * 16, rows,
                     inter, ys + r0, d);
-        else
+        } else
 #endif
         if (w->q16dn)
             qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->h16 + p0 * inter,
                    m->h16d + p0 * (inter / 32), rows, inter, ys + r0, d, panel);
-        else if (whole)
+        else if (whole && !tiles8)
             rows16_q8k((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->hq + p0 * inter,
                        m->hd + p0 * (inter / 32), inter, ys + r0);
         for (int64_t r = r0; !whole && !two && r < r1; r++) {
@@ -330,19 +473,23 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
         }
         return;
     }
-    const int whole = w->q16sd || (w->r16sd && t == 1), two = !whole && w->two_sd;
+    const int whole = w->q16sd || (w->r16sd && t == 1) || w->t8sd, two = !whole && w->two_sd;
+#ifdef MLS_AMX
+    if (w->t8sd) moe_tile_rows(s, &m->c8sd, b->sd + r0 * b->sd_row_bytes, r1 - r0, m->p8sd, t, m->ysh + r0);
+#endif
     if (two)
         q4_0_pairs_run(b->sd, b->sd, d, b->sd_row_bytes, r0, r1, m->xp2 + m->o_sd * 512, m->dt2 + m->o_sd * 16, t, si,
                        m->ysh, d);
 #ifdef MLS_INT16_TILES
-    if (w->q16sd && m->sa_h && r1 - r0 == QW_R)
+    if (w->q16sd && m->sa_h && r1 - r0 == QW_R) {
+        amx_tiles_use(&s->cfg, &s->qa);
         qa_rows(b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, m->sa_h, m->sa_l, m->sa_d, t, si, m->ysh + r0, d);
-    else
+    } else
 #endif
     if (w->q16sd)
         qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->sh16, m->sh16d, t, si,
                m->ysh + r0, d, panel);
-    else if (whole)
+    else if (whole && !w->t8sd)
         rows16_q8k((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->shq, m->shd, si,
                    m->ysh + r0);
     for (int64_t r = r0; !whole && !two && r < r1; r++) {
@@ -382,7 +529,13 @@ static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float 
 #endif
     if (w->any8) {
 #pragma omp single
-        moe_quantize_inputs(b, w, x, t, m);
+        {
+            moe_quantize_inputs(b, w, x, t, m);
+#ifdef MLS_AMX
+            if (m->pk) moe_tile_groups(m);
+            if (w->anyt8) moe_tile_pack(w, t, m, 0);
+#endif
+        }
     }
 }
 
@@ -416,7 +569,12 @@ static void moe_hidden(const mls_moe_block_t *b, const moe_ways *w, int64_t t, c
 #endif
     if (w->qdn || w->qsd) {
 #pragma omp single
-        moe_quantize_hidden(b, w, t, m);
+        {
+            moe_quantize_hidden(b, w, t, m);
+#ifdef MLS_AMX
+            if (w->anyt8) moe_tile_pack(w, t, m, 1);
+#endif
+        }
     }
 }
 
@@ -448,18 +606,33 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
     int oom = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)kmax);
+        moe_scratch s;
+        memset(&s, 0, sizeof s);
+        s.buf = (float *)malloc(sizeof(float) * (size_t)kmax);
         /* qw_run's panel, for runs of more than QW_FEW rows: a group has at most t rows (a token takes an expert once) */
         const int panels = w.any16 && t > QW_FEW;
-        void *panel = panels ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0;
-        if (panels && !panel) {
+        s.panel = panels ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0;
+#ifdef MLS_AMX
+        /* the int8 tiles' items: a group or the shared rows have at most t rows, ceil(t / 16) packs */
+        const amx_call_t c8[5] = {m.c8gu, m.c8dn, m.c8sg, m.c8su, m.c8sd};
+        const int t8[5] = {w.t8gu, w.t8dn, w.t8sg, w.t8su, w.t8sd};
+        amx_call_t used[5];
+        int nused = 0;
+        for (int i = 0; i < 5; i++)
+            if (t8[i]) used[nused++] = c8[i];
+        s.mem8 = nused ? amx_thread_alloc(used, nused, (t + AMX_ROWS - 1) / AMX_ROWS, &s.W) : 0;
+#endif
+#ifdef MLS_INT16_TILES
+        s.qa = qa_shapes(); /* Q8_0 products of 4+ rows on the tiles (qa_rows) */
+#endif
+        if ((panels && !s.panel)
+#ifdef MLS_AMX
+            || (nused && !s.mem8)
+#endif
+        ) {
 #pragma omp atomic write
             oom = 1;
         }
-#ifdef MLS_INT16_TILES
-        const int tiles = m.xa_h || m.sa_h || m.pa; /* Q8_0 products of 4+ rows on the tiles (qa_rows) */
-        if (tiles) qa_config();
-#endif
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < t * e; it++) m.logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
 #pragma omp single
@@ -473,25 +646,27 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms, down 2.7 -> 2.3 ms over its 3 MoE layers; 2-core AMD EPYC,
                2 threads); a 16-request step was level (87 ms either way). The block serves decode steps (at most
                BLOCK_TOKENS tokens), where an item's cost is about the same everywhere. */
-            const int64_t rgu = w.q16gu || w.r16gu ? QW_R : ROW_RUN;
-            const int64_t rsg = w.q16sg || w.q16su || w.r16sg || w.r16su ? QW_R : ROW_RUN;
+            const int64_t rgu = w.q16gu || w.r16gu || w.t8gu ? QW_R : ROW_RUN;
+            const int64_t rsg = w.q16sg || w.q16su || w.r16sg || w.r16su || w.t8sg || w.t8su ? QW_R : ROW_RUN;
             const int64_t runs = (n_gu + rgu - 1) / rgu, sruns = (n_sgu + rsg - 1) / rsg;
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < m.groups * runs + sruns; it++)
-                moe_gate_up_item(b, &w, &m, x, t, it, runs, rgu, rsg, buf, panel);
+                moe_gate_up_item(b, &w, &m, x, t, it, runs, rgu, rsg, &s);
             moe_hidden(b, &w, t, &m);
-            const int64_t rdn = w.q16dn || w.q16sd || w.r16dn || w.r16sd ? QW_R : ROW_RUN, druns = (d + rdn - 1) / rdn;
+            const int64_t rdn = w.q16dn || w.q16sd || w.r16dn || w.r16sd || w.t8dn || w.t8sd ? QW_R : ROW_RUN;
+            const int64_t druns = (d + rdn - 1) / rdn;
             const int64_t sdruns = si ? druns : 0;
 #pragma omp for schedule(static) /* as gate_up's */
             for (int64_t it = 0; it < m.groups * druns + sdruns; it++)
-                moe_down_item(b, &w, &m, t, it, druns, rdn, buf, panel);
+                moe_down_item(b, &w, &m, t, it, druns, rdn, &s);
             moe_sum(b, t, &m, out);
         }
-#ifdef MLS_INT16_TILES
-        if (tiles) _tile_release();
+#ifdef MLS_AMX
+        if (s.cfg.palette) _tile_release();
+        free(s.mem8);
 #endif
-        free(buf);
-        free(panel);
+        free(s.buf);
+        free(s.panel);
     }
     if (oom) rc = -4;
     if (rc == 0 && topk_w) memcpy(topk_w, m.wt, sizeof(float) * (size_t)pairs);

@@ -187,21 +187,51 @@ static inline int64_t pack_owner(const amx_picks_t *p, int64_t pi, int64_t *j) {
 
 static int amx_keep(int64_t rows, const void *type) { return amx_takes(*(const int *)type, rows); }
 
-/* what every item of one amx_grouped call shares */
+/* what every item of one product shares (an amx_grouped call; one projection of the MoE block) */
 typedef struct {
     amx_hook_t h;
     int type;
     int64_t n, k, row_bytes, ldy, nls;
     size_t per_group, xp_n, dx_n, a_n;
+    amx_cfg_t cfg; /* the hook's tile shapes */
 } amx_call_t;
 
-/* One item: a 16-row block (rows r0 .. of w, nr of them) times a group's packs (xg, groups_a of them, m rows), into
+/* the call of a product on this type: n weight rows of k values (row_bytes apart), outputs ldy apart */
+static amx_call_t amx_call_of(int type, int64_t n, int64_t k, int64_t row_bytes, int64_t ldy) {
+    const amx_hook_t h = amx_hook_of(type);
+    const int64_t kb = k / 256;
+    const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
+    amx_call_t c = {h, type, n, k, row_bytes, ldy, AMX_ROWS * kb * h.scales, xp_n + dx_n + bs_n, xp_n, dx_n,
+                    (size_t)(h.planes * AMX_ROWS * k), {0}};
+    c.cfg.palette = 1;
+    h.tiles(type, &c.cfg);
+    return c;
+}
+
+/* this thread's tile shapes made `want` (loaded only where they differ from `cur`, the ones it has loaded: a palette
+   of 0 none yet) */
+static inline void amx_tiles_use(amx_cfg_t *cur, const amx_cfg_t *want) {
+    if (memcmp(cur, want, sizeof *want) == 0) return;
+    *cur = *want;
+    _tile_loadconfig(want);
+}
+
+/* a group of m activation rows (int8 codes xq [m, k], q8_K scales xd, k / 32 slots a row) into its ceil(m / 16)
+   packs at xg, c->per_group int32 apart */
+static void amx_pack_rows(const amx_call_t *c, const int8_t *xq, const float *xd, int64_t m, int32_t *xg) {
+    for (int64_t i0 = 0; i0 < m; i0 += AMX_ROWS) {
+        int32_t *xp = xg + i0 / AMX_ROWS * c->per_group;
+        amx_pack(xq + i0 * c->k, xd + i0 * (c->k / 32), m - i0 < AMX_ROWS ? m - i0 : AMX_ROWS, c->k, xp,
+                 (float *)(xp + c->xp_n), xp + c->xp_n + c->dx_n);
+    }
+}
+
+/* One item: a block of nr (<= 16) rows (rows r0 .. of w) times a group's packs (xg, groups_a of them, m rows), into
    y (the group's first row, the block's first column): unpacked once, every super-block's products over the
    packs in order, then acc [16 r][16 i] -> y [i][r]: per activation row one gather of its column and one store of
    its nr outputs (the same product by the factor as a scalar one: the same bits). */
-static void amx_item(const amx_call_t *c, amx_rows_t *W, float *acc, const uint8_t *w, int64_t r0,
+static void amx_item(const amx_call_t *c, amx_rows_t *W, float *acc, const uint8_t *w, int64_t r0, int64_t nr,
                      const int32_t *xg, int64_t groups_a, int64_t m, float *y) {
-    const int64_t nr = c->n - r0 < AMX_ROWS ? c->n - r0 : AMX_ROWS;
     if (nr < AMX_ROWS) { /* a hook's unpack writes every byte of its rows: only a last, short block has rows past nr,
                             which must give S = 0 */
         memset(W->a, 0, c->a_n);
@@ -228,24 +258,26 @@ static void amx_item(const amx_call_t *c, amx_rows_t *W, float *acc, const uint8
     }
 }
 
-/* This thread's buffers: acc [most packs, 16, 16], then the unpacked block (A, ls, mn, d, dmin), each 64-byte
-   aligned as k is a multiple of 256, and the hook's tile configuration loaded. NULL when memory runs out. */
-static char *amx_thread_start(const amx_call_t *c, int64_t most, amx_rows_t *W) {
-    const int64_t kb = c->k / 256;
-    const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)most + c->a_n + sizeof(int32_t) * (size_t)c->nls +
+/* This thread's buffers for items of any of the calls cs[0 .. n): acc [most packs, 16, 16], then the unpacked block
+   (A, ls, mn, d, dmin) sized for the largest, each 64-byte aligned as k is a multiple of 256. NULL when memory runs
+   out. */
+static char *amx_thread_alloc(const amx_call_t *cs, int n, int64_t most, amx_rows_t *W) {
+    size_t a_n = 0;
+    int64_t nls = 0, kb = 0;
+    for (int i = 0; i < n; i++) {
+        a_n = cs[i].a_n > a_n ? cs[i].a_n : a_n;
+        nls = cs[i].nls > nls ? cs[i].nls : nls;
+        kb = cs[i].k / 256 > kb ? cs[i].k / 256 : kb;
+    }
+    const size_t bytes = sizeof(float) * AMX_ROWS * 16 * (size_t)most + a_n + sizeof(int32_t) * (size_t)nls +
                          sizeof(int32_t) * (size_t)(AMX_ROWS * kb * 4) + 2 * sizeof(float) * (size_t)(AMX_ROWS * kb);
     char *mem = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!mem) return 0;
     W->a = (int8_t *)((float *)mem + AMX_ROWS * 16 * most);
-    W->ls = (int32_t *)(W->a + c->a_n);
-    W->mn = W->ls + c->nls;
+    W->ls = (int32_t *)(W->a + a_n);
+    W->mn = W->ls + nls;
     W->d = (float *)(W->mn + AMX_ROWS * kb * 4);
     W->dmin = W->d + AMX_ROWS * kb;
-    amx_cfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    c->h.tiles(c->type, &cfg);
-    _tile_loadconfig(&cfg);
     return mem;
 }
 
@@ -260,11 +292,8 @@ static char *amx_thread_start(const amx_call_t *c, int64_t most, amx_rows_t *W) 
 static int amx_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                        const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads) {
-    const amx_hook_t h = amx_hook_of(type);
-    const int64_t blocks = (n + AMX_ROWS - 1) / AMX_ROWS, kb = k / 256;
-    const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
-    const amx_call_t c = {h, type, n, k, row_bytes, ldy, AMX_ROWS * kb * h.scales, xp_n + dx_n + bs_n, xp_n, dx_n,
-                          (size_t)(h.planes * AMX_ROWS * k)};
+    const amx_call_t c = amx_call_of(type, n, k, row_bytes, ldy);
+    const int64_t blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
     amx_picks_t t;
     if (amx_pick(starts, groups, amx_keep, &type, &t)) return -4;
     const int64_t packs = t.pg[t.n], items = t.n * nparts * blocks;
@@ -274,24 +303,26 @@ static int amx_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64
 #pragma omp parallel num_threads(threads)
         {
             amx_rows_t W;
-            char *mem = amx_thread_start(&c, t.most, &W);
+            char *mem = amx_thread_alloc(&c, 1, t.most, &W);
             if (!mem) {
 #pragma omp atomic write
                 rc = -4;
-            }
+            } else
+                _tile_loadconfig(&c.cfg);
             int64_t j = 0;
 #pragma omp for schedule(static)
             for (int64_t pi = 0; pi < packs; pi++) {
                 const int64_t jt = pack_owner(&t, pi, &j), a = t.kept[jt], i0 = starts[a] + (pi - t.pg[jt]) * AMX_ROWS;
                 const int64_t mr = starts[a + 1] - i0 < AMX_ROWS ? starts[a + 1] - i0 : AMX_ROWS;
                 int32_t *xp = (int32_t *)packed + pi * c.per_group;
-                amx_pack(xq + i0 * k, xd + i0 * (k / 32), mr, k, xp, (float *)(xp + xp_n), xp + xp_n + dx_n);
+                amx_pack(xq + i0 * k, xd + i0 * (k / 32), mr, k, xp, (float *)(xp + c.xp_n), xp + c.xp_n + c.dx_n);
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 if (!mem) continue;
                 const int64_t jt = it / (nparts * blocks), q = it / blocks % nparts, a = t.kept[jt];
-                amx_item(&c, &W, (float *)mem, ws[q] + experts[a] * expert_stride, it % blocks * AMX_ROWS,
+                const int64_t r0 = it % blocks * AMX_ROWS;
+                amx_item(&c, &W, (float *)mem, ws[q] + experts[a] * expert_stride, r0, n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS,
                          (const int32_t *)packed + t.pg[jt] * c.per_group, t.pg[jt + 1] - t.pg[jt],
                          starts[a + 1] - starts[a], y + starts[a] * ldy + q * n);
             }

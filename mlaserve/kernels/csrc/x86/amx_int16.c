@@ -16,8 +16,8 @@
 #if defined(MLS_INT16_PREFILL) && defined(MLS_AMX)
 #define MLS_INT16_TILES 1 /* this build runs them (int16.c, moe/block.c ask) */
 
-/* this thread's tile shapes: A (tile 0) 16 x 32 bytes, B_h, B_l (1, 2) 8 x 64, C_h, C_l (3, 4) 16 x 64 */
-static void qa_config(void) {
+/* the tile shapes: A (tile 0) 16 x 32 bytes, B_h, B_l (1, 2) 8 x 64, C_h, C_l (3, 4) 16 x 64 */
+static amx_cfg_t qa_shapes(void) {
     amx_cfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -25,6 +25,12 @@ static void qa_config(void) {
         c.rows[t] = t == 1 || t == 2 ? 8 : 16;
         c.colsb[t] = t == 0 ? 32 : 64;
     }
+    return c;
+}
+
+/* this thread's tile shapes made qa_shapes' */
+static void qa_config(void) {
+    const amx_cfg_t c = qa_shapes();
     _tile_loadconfig(&c);
 }
 
