@@ -94,6 +94,8 @@ def test_block_products_of_many_rows_take_the_tiles_bits(tokens, split):
         assert sorted(counts.tolist()) == [0] * 8 + [tokens // 2] * 4 + [(tokens + 1) // 2] * 4, counts
     tiles = native.library().mls_int8_tile_rows(GGML_TYPE_IDS["Q4_K"])
     diff, ulp = (y - per_op).abs().max().item(), 2 * U * per_op.abs().max().item()
-    print(f"\n{tokens} tokens (groups {counts.tolist()}, tiles from {tiles} rows): block vs per-op {diff / ulp:.1f} ulp")
+    print(
+        f"\n{tokens} tokens (groups {counts.tolist()}, tiles from {tiles} rows): block vs per-op {diff / ulp:.1f} ulp"
+    )
     assert diff <= 4 * ulp, (diff, ulp)
     assert (y - y_float).abs().max().item() > 100 * ulp
