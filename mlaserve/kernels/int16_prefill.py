@@ -63,7 +63,7 @@ def detail() -> str:
     if lib is None or not lib.mls_int16_takes(8):
         return f"none: {NO_UNITS}"
     rows = tile_rows(8)
-    return "avx512-vnni int16 dot products" + (f"; Q8_0 on the amx-int8 tiles from {rows} rows" if rows else "")
+    return "avx512-vnni int16 dot products" + (f"; on the amx-int8 tiles from {rows} rows" if rows else "")
 
 
 def _check(rc: int, what: str) -> None:

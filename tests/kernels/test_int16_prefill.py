@@ -135,8 +135,8 @@ def test_products_are_their_integer_sums_and_within_the_derived_bound(name, m, n
 @pytest.mark.parametrize("name", NAMES)
 def test_a_rows_result_does_not_depend_on_the_batch_or_threads(name):
     """Each row the same bits alone, in twos and threes (the weight rows read in place), in 4 (the 16-row panels), 8,
-    13 and 16 rows and among 300 (two work items, a partial tile; on an AMX CPU Q8_0 from 4 rows on the AMX-INT8
-    tiles), on 1 or 2 threads; 70 weight rows end in a partial group of 16."""
+    13 and 16 rows and among 300 (two work items, a partial tile; on an AMX CPU from 4 rows on the AMX-INT8 tiles),
+    on 1 or 2 threads; 70 weight rows end in a partial group of 16."""
     k = 544
     t = GGML_TYPE_IDS[name]
     g = torch.Generator().manual_seed(1)
@@ -155,13 +155,14 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads(name):
 
 
 @needs_units
-def test_q8_0_takes_the_amx_int8_tiles_where_the_process_has_them():
-    """Q8_0's products of 4 rows and more run on the AMX-INT8 tiles where this process has them (each int16 code as
-    its high and low byte: the same integers), no other type's, and the kernel plan's words say so; the bits are
-    held to the VNNI kernels' (1-3 rows, the weight rows read in place) by the row-count tests above."""
-    q8 = GGML_TYPE_IDS["Q8_0"]
-    assert int16_prefill.tile_rows(q8) == (4 if native.tiles_granted() else 0)
-    assert all(int16_prefill.tile_rows(GGML_TYPE_IDS[n]) == 0 for n in ("Q4_0", "Q5_0", "IQ4_NL", "MXFP4"))
+def test_every_int16_type_takes_the_amx_int8_tiles_where_the_process_has_them():
+    """Every int16 type's products of 4 rows and more run on the AMX-INT8 tiles where this process has them (each
+    int16 code as its high and low byte: the same integers; Q8_0's codes read in place, the others' unpacked per
+    block), no other type's, and the kernel plan's words say so; the bits are held to the VNNI kernels' (1-3 rows,
+    the weight rows read in place) by the row-count tests above."""
+    rows = 4 if native.tiles_granted() else 0
+    assert all(int16_prefill.tile_rows(GGML_TYPE_IDS[n]) == rows for n in ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4"))
+    assert all(int16_prefill.tile_rows(GGML_TYPE_IDS[n]) == 0 for n in ("Q4_K", "Q6_K", "F32"))
     assert ("amx-int8 tiles from 4 rows" in int16_prefill.detail()) == native.tiles_granted()
 
 

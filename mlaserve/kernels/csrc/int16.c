@@ -29,7 +29,7 @@ static inline void qw_item(const qw_work *q, int64_t it, int64_t *a, void *mem) 
 #ifdef MLS_INT16_TILES
     if (q->amx && q->pstart[g] >= 0 && qa_takes(q->type, m) && nr == QW_R) { /* else qw_run: the same bits */
         const int64_t kb = k / 32, g0 = (q->pstart[g] + c * QW_CHUNK) / 16; /* QW_CHUNK a multiple of 16 */
-        qa_rows(q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes, q->row_bytes, q->xbh + g0 * kb * 128,
+        qa_rows(q->type, q->w + q->experts[g] * q->expert_stride + r0 * q->row_bytes, q->row_bytes, q->xbh + g0 * kb * 128,
                 q->xbl + g0 * kb * 128, q->xdt + g0 * kb * 16, m, k, q->y + p0 * q->ldy + r0, q->ldy);
         return;
     }

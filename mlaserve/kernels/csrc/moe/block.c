@@ -352,7 +352,7 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
 #ifdef MLS_INT16_TILES
             if (w->q16gu && m->ra_h && m->pa[a] >= 0 && s1 - s0 == QW_R) {
                 amx_tiles_use(&s->cfg, &s->qa);
-                qa_rows(row0, b->gu_row_bytes, m->ra_h + m->pa[a] / 16 * (d / 32) * 128,
+                qa_rows((int)b->type_gu, row0, b->gu_row_bytes, m->ra_h + m->pa[a] / 16 * (d / 32) * 128,
                         m->ra_l + m->pa[a] / 16 * (d / 32) * 128, m->ra_d + m->pa[a] / 16 * (d / 32) * 16, rows, d,
                         gu + p0 * n_gu + s0, n_gu);
             } else
@@ -396,7 +396,7 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
 #ifdef MLS_INT16_TILES
         if ((up ? w->q16su : w->q16sg) && m->xa_h && qa_takes((int)type, t) && s1 - s0 == QW_R) {
             amx_tiles_use(&s->cfg, &s->qa);
-            qa_rows(row0, rb, m->xa_h, m->xa_l, m->xa_d, t, d, sgu + s0, n_sgu);
+            qa_rows((int)type, row0, rb, m->xa_h, m->xa_l, m->xa_d, t, d, sgu + s0, n_sgu);
         } else
 #endif
         if (up ? w->q16su : w->q16sg)
@@ -450,7 +450,7 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
 #ifdef MLS_INT16_TILES
         if (w->q16dn && m->rh_h && m->pa[a] >= 0 && r1 - r0 == QW_R) {
             amx_tiles_use(&s->cfg, &s->qa);
-            qa_rows(we + r0 * b->dn_row_bytes, b->dn_row_bytes, m->rh_h + m->pa[a] / 16 * (inter / 32) * 128,
+            qa_rows((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, m->rh_h + m->pa[a] / 16 * (inter / 32) * 128,
                     m->rh_l + m->pa[a] / 16 * (inter / 32) * 128, m->rh_d + m->pa[a] / 16 * (inter / 32) * 16, rows,
                     inter, ys + r0, d);
         } else
@@ -483,7 +483,7 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
 #ifdef MLS_INT16_TILES
     if (w->q16sd && m->sa_h && r1 - r0 == QW_R) {
         amx_tiles_use(&s->cfg, &s->qa);
-        qa_rows(b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, m->sa_h, m->sa_l, m->sa_d, t, si, m->ysh + r0, d);
+        qa_rows((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, m->sa_h, m->sa_l, m->sa_d, t, si, m->ysh + r0, d);
     } else
 #endif
     if (w->q16sd)

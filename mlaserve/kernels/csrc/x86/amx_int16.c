@@ -42,7 +42,7 @@ static void qa_config(void) {
 #define QA_MIN_ROWS 4
 
 /* whether a product of m rows of this type runs here on the tiles */
-static inline int qa_takes(int type, int64_t m) { return type == MLS_Q8_0 && m >= QA_MIN_ROWS && amx_permission() == 1; }
+static inline int qa_takes(int type, int64_t m) { return qw_type(type) && m >= QA_MIN_ROWS && amx_permission() == 1; }
 
 /* one group of mr (<= 16) activation rows (codes xc in qw_quantize_row's pair order, k apart; scales xd, k / 32
    apart) into B_h, B_l [kb][8][16] and xdt [kb][16]; rows past mr zero */
@@ -76,20 +76,29 @@ static void qa_pack(const int16_t *xc, const float *xd, int64_t mr, int64_t k, i
     }
 }
 
-/* 16 Q8_0 weight rows at w (row_bytes apart) times one packed group of activation rows into y rows [0, mr) (row
-   stride ldy). The next 16 weight rows stream into L2 beside the reads, as qw_few's. */
-static void qa_pass(const uint8_t *w, int64_t row_bytes, const int32_t *bh, const int32_t *bl, const float *xdt, int mr,
-                    int64_t k, float *y, int64_t ldy) {
-    const int64_t kb = k / 32, step = (16 * row_bytes + kb - 1) / kb;
+/* 16 weight rows of an int16 type (qw_type) at w (row_bytes apart) times one packed group of activation rows into y
+   rows [0, mr) (row stride ldy); type a constant where inlined. Q8_0's codes are the A tile as they lie; the other
+   types' blocks give theirs through qw_codes (the VNNI panels' unpacking: the same integers), 16 rows of a block
+   into a 512-byte tile per block. The next 16 weight rows stream into L2 beside the reads, as qw_few's. */
+static inline __attribute__((always_inline)) void qa_pass_t(const int type, const uint8_t *w, int64_t row_bytes,
+                                                            const int32_t *bh, const int32_t *bl, const float *xdt,
+                                                            int mr, int64_t k, float *y, int64_t ldy) {
+    const int64_t kb = k / 32, step = (16 * row_bytes + kb - 1) / kb, bytes = block_bytes(type);
     const __m512i offs = rows16_offsets(row_bytes);
     const char *pf = (const char *)w + 16 * row_bytes;
     int32_t cs[2][256] __attribute__((aligned(64)));
+    int8_t a[16 * 32] __attribute__((aligned(64)));
     float d[16] __attribute__((aligned(64)));
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         pf = rows16_prefetch(pf, w, row_bytes, b, step);
-        _tile_loadd(0, w + 34 * b + 2, row_bytes);
+        if (type == MLS_Q8_0)
+            _tile_loadd(0, w + 34 * b + 2, row_bytes);
+        else {
+            for (int r = 0; r < 16; r++) _mm256_store_si256((__m256i *)(a + 32 * r), qw_codes(w + r * row_bytes + bytes * b, type));
+            _tile_loadd(0, a, 32);
+        }
         _tile_loadd(1, bh + b * 128, 64);
         _tile_loadd(2, bl + b * 128, 64);
         _tile_zero(3);
@@ -98,7 +107,7 @@ static void qa_pass(const uint8_t *w, int64_t row_bytes, const int32_t *bh, cons
         _tile_dpbsud(4, 0, 2);
         _tile_stored(3, cs[0], 64);
         _tile_stored(4, cs[1], 64);
-        _mm512_store_ps(d, qw_scales(w + 34 * b, offs, 0xFFFF, MLS_Q8_0));
+        _mm512_store_ps(d, qw_scales(w + bytes * b, offs, 0xFFFF, type));
         const __m512 dx = _mm512_load_ps(xdt + 16 * b);
 #pragma GCC unroll 16
         for (int r = 0; r < 16; r++) {
@@ -113,13 +122,25 @@ static void qa_pass(const uint8_t *w, int64_t row_bytes, const int32_t *bh, cons
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * ldy, _mm512_castsi512_ps(v[i]));
 }
 
-/* 16 Q8_0 weight rows at w times m activation rows packed by qa_pack (groups of 16, kb * 128 int32 of each byte and
-   kb * 16 scales apart) into y (row stride ldy) */
-static void qa_rows(const uint8_t *w, int64_t row_bytes, const int32_t *bh, const int32_t *bl, const float *xdt,
-                    int64_t m, int64_t k, float *y, int64_t ldy) {
+#define QA_PASS_CASE(t)                                                                                       \
+    case t: qa_pass_t(t, w, row_bytes, bh, bl, xdt, mr, k, y, ldy); break;
+static void qa_pass(int type, const uint8_t *w, int64_t row_bytes, const int32_t *bh, const int32_t *bl,
+                    const float *xdt, int mr, int64_t k, float *y, int64_t ldy) {
+    switch (type) {
+        QA_PASS_CASE(MLS_Q8_0) QA_PASS_CASE(MLS_Q4_0) QA_PASS_CASE(MLS_Q5_0) QA_PASS_CASE(MLS_IQ4_NL)
+        QA_PASS_CASE(MLS_MXFP4)
+    default: break;
+    }
+}
+#undef QA_PASS_CASE
+
+/* 16 weight rows of an int16 type at w times m activation rows packed by qa_pack (groups of 16, kb * 128 int32 of
+   each byte and kb * 16 scales apart) into y (row stride ldy) */
+static void qa_rows(int type, const uint8_t *w, int64_t row_bytes, const int32_t *bh, const int32_t *bl,
+                    const float *xdt, int64_t m, int64_t k, float *y, int64_t ldy) {
     const int64_t kb = k / 32;
     for (int64_t s = 0; 16 * s < m; s++)
-        qa_pass(w, row_bytes, bh + s * kb * 128, bl + s * kb * 128, xdt + s * kb * 16,
+        qa_pass(type, w, row_bytes, bh + s * kb * 128, bl + s * kb * 128, xdt + s * kb * 16,
                 m - 16 * s < 16 ? (int)(m - 16 * s) : 16, k, y + 16 * s * ldy, ldy);
 }
 
