@@ -1,6 +1,6 @@
 /* ------------------------------------------------------------ the int16 products' calls (x86/int16_prefill.c)
    A call's work list over its groups (one weight, or routed experts and heads: qw_grouped), each item on the VNNI
-   kernels (qw_run) or, for Q8_0 where the process has the AMX-INT8 tiles, on the tiles (x86/amx_int16.c); the
+   kernels (qw_run) or, where the process has the AMX-INT8 tiles, on the tiles (x86/amx_int16.c); the
    decode steps' helpers (qw_in, qw_quantize_rows) and the C interface (mls_int16_*). */
 #ifdef MLS_INT16_PREFILL
 /* one call's work list: (group, chunk of QW_CHUNK rows, 16-row panel) items, first[a] group a's first item */
@@ -12,7 +12,7 @@ typedef struct {
     const int16_t *xc;
     const float *xd;
     float *y;
-    int amx;                  /* Q8_0 items of QA_MIN_ROWS rows or more on the AMX-INT8 tiles (qa_pass) */
+    int amx;                  /* items of QA_MIN_ROWS rows or more on the AMX-INT8 tiles (qa_pass) */
     const int64_t *pstart;    /* (amx) each group's first packed row, -1 where it stays on qw_run (qa_offsets) */
     const int32_t *xbh, *xbl; /* (amx) every 16 padded rows' high and low bytes, packed (qa_pack) */
     const float *xdt;         /* (amx) their scales, packed */
@@ -59,7 +59,7 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
             few &= starts[a + 1] - starts[a] <= QW_FEW;
         }
     }
-    /* Q8_0 on the AMX-INT8 tiles: the codes' bytes packed (qa_pack) for the groups of QA_MIN_ROWS rows or more */
+    /* on the AMX-INT8 tiles: the codes' bytes packed (qa_pack) for the groups of QA_MIN_ROWS rows or more */
     const int takes = !failed && !few && qa_takes(type, QA_MIN_ROWS);
     int64_t *pstart = takes ? (int64_t *)malloc(sizeof(int64_t) * (size_t)groups) : 0;
     const int64_t prows = pstart ? qa_offsets(starts, groups, pstart) : 0;

@@ -102,7 +102,7 @@ typedef struct {
     int8_t *xp2;
     float *dt2;
     int64_t *off2, o_dn, o_sg, o_su, o_sd;
-    /* the shared expert's int16 inputs (x; its h) packed for Q8_0's tile products (x86/amx_int16.c qa_pack), where
+    /* the shared expert's int16 inputs (x; its h) packed for the int16 tile products (x86/amx_int16.c qa_pack), where
        its gate or up (down) takes them: the bytes' halves and the scales, one allocation each side */
     int32_t *xa_h, *xa_l, *sa_h, *sa_l;
     float *xa_d, *sa_d;
@@ -623,7 +623,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
         s.mem8 = nused ? amx_thread_alloc(used, nused, (t + AMX_ROWS - 1) / AMX_ROWS, &s.W) : 0;
 #endif
 #ifdef MLS_INT16_TILES
-        s.qa = qa_shapes(); /* Q8_0 products of 4+ rows on the tiles (qa_rows) */
+        s.qa = qa_shapes(); /* int16 products of 4+ rows on the tiles (qa_rows) */
 #endif
         if ((panels && !s.panel)
 #ifdef MLS_AMX

@@ -1,13 +1,15 @@
-/* ---------------------------------- int16 products of Q8_0 on the AMX-INT8 tiles: each code as its two bytes
-   Where the process has the AMX-INT8 tiles, a Q8_0 product of QA_MIN_ROWS activation rows or more takes the same
+/* ------------------------- int16 products of the 32-value block types on the AMX-INT8 tiles: each code as two bytes
+   Where the process has the AMX-INT8 tiles, a product of an int16 type (qw_type: Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4, d
+   times an int8 code per value) of QA_MIN_ROWS activation rows or more takes the same
    integers on the tile unit. An activation code is c = 256 h + l (h = c >> 8 in -128..127, l = c & 255 in 0..255), so
      S_b[r, i] = 256 sum_{k in b} q[r, k] h[i, k] + sum_{k in b} q[r, k] l[i, k]     (TDPBSSD, TDPBSUD: exact int32)
    and the block's float step is qw_tile's: y[i, r] += fl(d[r, b] d_x[i, b]) fl(S_b[r, i]), block by block. The same
    bits as the VNNI panels and rows (tests/kernels/test_int16_prefill.py compares a row's result at every row count),
    with two tile products in place of 512 vpdpwssd and broadcasts per block of 16 weight and 16 activation rows.
    Layout (one 32-value block b: K = 32, half a tile's depth; 16 weight rows r, one group of 16 activation rows i)
-     A [16 r, 32]           int8    the weight rows' codes of block b, loaded from the blocks as they lie (a tile
-                                    row per weight row, row_bytes apart): no unpack
+     A [16 r, 32]           int8    the weight rows' codes of block b: Q8_0's loaded from the blocks as they lie (a
+                                    tile row per weight row, row_bytes apart: no unpack), the others' unpacked
+                                    per block (qw_codes) into a 16 x 32 tile
      B_h, B_l [8, 16 i x 4] int8 / uint8   the activation rows' high and low bytes, 4 consecutive values per int32,
                                     packed once per call (qa_pack: xbh, xbl [group][kb][8][16] int32, each group's
                                     rows padded with zeros to 16), their scales xdt [group][kb][16]
@@ -34,11 +36,13 @@ static void qa_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* activation rows from which a Q8_0 product takes the tiles: one weight's GB/s (benchmarks/gemv_bandwidth.py --rows,
-   2 threads, 1536 x 2048, 2048 x 1536, 32768 x 2048; the 2-core AMX Xeon of 2026-12-06), tiles / VNNI panels: 16 rows
-   10.1-13.5 / 5.4-6.1, 8 rows 11.2-12.4 / 6.8-7.9, 6 rows 10.3-12.1 / 7.5-10.3, 4 rows 10.2-12.5 / 7.6-11.2; 1-3 rows
-   keep the weight rows read in place (qw_few: 17-20 GB/s at one row), where a tile pass would cost what 16 rows do.
-   The same bits either way. Measured on one CPU (a 2-core Sapphire-Rapids-class Xeon), to be measured on others. */
+/* activation rows from which a product takes the tiles: one weight's GB/s (benchmarks/gemv_bandwidth.py --rows,
+   2 threads; the 2-core AMX Xeon of 2026-12-06), tiles / VNNI panels. Q8_0 (1536 x 2048, 2048 x 1536, 32768 x 2048):
+   16 rows 10.1-13.5 / 5.4-6.1, 8 rows 11.2-12.4 / 6.8-7.9, 6 rows 10.3-12.1 / 7.5-10.3, 4 rows 10.2-12.5 / 7.6-11.2.
+   Q5_0 (2048 x 10944, 2816 x 2048; its codes unpacked per block): 16 rows 6.2-8.1 / 3.4-5.0, 8 rows 6.3-8.2 /
+   4.3-7.3, 4 rows 6.7-8.8 / 4.6-9.7. 1-3 rows keep the weight rows read in place (qw_few: 17-20 GB/s at one row),
+   where a tile pass would cost what 16 rows do. The same bits either way. Measured on one CPU (a 2-core
+   Sapphire-Rapids-class Xeon), to be measured on others. */
 #define QA_MIN_ROWS 4
 
 /* whether a product of m rows of this type runs here on the tiles */
