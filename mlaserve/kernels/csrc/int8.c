@@ -264,10 +264,10 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
         rc = vnni_grouped(type, &w, 1, n, row_bytes, 0, &expert, one, 1, xq, xd, k, y, ldy, threads, vnni_take);
     } else
 #endif
-    if (m == 1 && rows16_takes(type)) { /* a decode row: 16 weight rows side by side, the same bits */
+    if (rows16_in(type, m)) { /* 16 weight rows side by side (a decode row; Q4_K / Q5_K rows), the same bits */
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r0 = 0; r0 < n; r0 += 16)
-            rows16_q8k(type, w + r0 * row_bytes, row_bytes, n - r0 < 16 ? n - r0 : 16, xq, xd, k, y + r0);
+            rows16_run(type, w + r0 * row_bytes, row_bytes, n - r0 < 16 ? n - r0 : 16, xq, xd, m, k, y + r0, ldy);
     } else if (Q4_0_PAIRS(type, m)) { /* two activation rows per vector, two weight rows per pass, the same bits */
         rc = q4_0_pairs_gemm(w, n, row_bytes, xq, xd, m, k, y, ldy, threads);
     } else {
@@ -289,7 +289,7 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
     q8rows_fn fn = q8rows(type);
     if (!fn) return -1;
     if (!act_fits(type, k)) return -2;
-    /* runs of 16 rows where a group of one row takes them side by side (rows16_q8k: the same bits) */
+    /* runs of 16 rows where a group's rows take them side by side (rows16_in: the same bits) */
     const int64_t run = rows16_takes(type) ? 16 : ROW_RUN;
     const int64_t p = starts[groups], kb = k / 32, runs = (n + run - 1) / run, ldy = nparts * n;
     int8_t *xq = (int8_t *)malloc((size_t)(p * k) + 1);
@@ -330,8 +330,9 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
             const uint8_t *we = ws[q] + experts[a] * expert_stride;
             const int64_t p0 = starts[a];
             if (AMX_TOOK(starts[a + 1] - p0) || VNNI_TOOK(starts[a + 1] - p0)) continue;
-            if (starts[a + 1] - p0 == 1 && rows16_takes(type)) {
-                rows16_q8k(type, we + r0 * row_bytes, row_bytes, r1 - r0, xq + p0 * k, xd + p0 * kb, k, y + p0 * ldy + q * n + r0);
+            if (rows16_in(type, starts[a + 1] - p0)) {
+                rows16_run(type, we + r0 * row_bytes, row_bytes, r1 - r0, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k,
+                           y + p0 * ldy + q * n + r0, ldy);
                 continue;
             }
             for (int64_t r = r0; r < r1; r++)

@@ -22,7 +22,8 @@ typedef struct {
        one part, the inputs' codes made once for every type */
     int q16gu, q16dn, q16sg, q16su, q16sd;
     /* int8 projections of a type whose one-row products take 16 weight rows side by side (rows16_q8k, the row
-       kernels' bits): runs of 16 rows, taken so where the run's group (or the step) has one row */
+       kernels' bits): runs of 16 rows, taken so where the run's group (or the step) has one row, and for Q4_K /
+       Q5_K with AVX-512 at 2-3 (rows16_q8k_rows: the rows share each weight row's unpacking) */
     int r16gu, r16dn, r16sg, r16su, r16sd;
     /* Q4_0 projections whose groups (or the shared expert) have 2+ rows: two activation rows per vector over pairs
        of weight rows (int8.c q4_0_pairs_run, the row kernel's bits), the activations packed as pairs once */
@@ -338,7 +339,7 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
 #else
         const int tiles8 = 0;
 #endif
-        const int whole = w->q16gu || (w->r16gu && rows == 1) || tiles8; /* the run in one call per part */
+        const int whole = w->q16gu || (w->r16gu && rows16_in((int)b->type_gu, rows)) || tiles8; /* one call per part */
         for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
             s1 = s0 < inter && r1 > inter ? inter : r1;
             const uint8_t *row0 = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
@@ -361,8 +362,8 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
                 qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xs16 + p0 * d, m->xs16d + p0 * (d / 32), rows,
                        d, gu + p0 * n_gu + s0, n_gu, panel);
             else
-                rows16_q8k((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xsq + p0 * d, m->xsd + p0 * (d / 32), d,
-                           gu + p0 * n_gu + s0);
+                rows16_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xsq + p0 * d, m->xsd + p0 * (d / 32), rows,
+                           d, gu + p0 * n_gu + s0, n_gu);
         }
         const int two = !whole && w->two_gu && rows >= 2;
         if (two)
@@ -401,8 +402,8 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
 #endif
         if (up ? w->q16su : w->q16sg)
             qw_run((int)type, row0, rb, s1 - s0, m->x16, m->x16d, t, d, sgu + s0, n_sgu, panel);
-        else if (t == 1 && (up ? w->r16su : w->r16sg))
-            rows16_q8k((int)type, row0, rb, s1 - s0, up ? m->xuq : m->xq, up ? m->xud : m->xd, d, sgu + s0);
+        else if ((up ? w->r16su : w->r16sg) && rows16_in((int)type, t))
+            rows16_run((int)type, row0, rb, s1 - s0, up ? m->xuq : m->xq, up ? m->xud : m->xd, t, d, sgu + s0, n_sgu);
     }
     if (w->two_sg && r0 < si) /* the run's gate rows, then its up rows */
         q4_0_pairs_run(b->sg, b->sg, si, b->sg_row_bytes, r0, r1 < si ? r1 : si, m->xp2 + m->o_sg * 512,
@@ -412,8 +413,8 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
                        m->dt2 + m->o_su * 16, t, d, sgu + si, n_sgu);
     for (int64_t r = r0; r < r1; r++) {
         const int up = r >= si;
-        if (up ? w->q16su || (t == 1 && w->r16su) || w->two_su || w->t8su
-               : w->q16sg || (t == 1 && w->r16sg) || w->two_sg || w->t8sg)
+        if (up ? w->q16su || (w->r16su && rows16_in((int)b->type_su, t)) || w->two_su || w->t8su
+               : w->q16sg || (w->r16sg && rows16_in((int)b->type_sg, t)) || w->two_sg || w->t8sg)
             continue;
         const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
         const q8rows_fn q8 = up ? w->qsu : w->qsg;
@@ -443,7 +444,8 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
 #else
         const int tiles8 = 0;
 #endif
-        const int whole = w->q16dn || (w->r16dn && rows == 1) || tiles8, two = !whole && w->two_dn && rows >= 2;
+        const int whole = w->q16dn || (w->r16dn && rows16_in((int)b->type_dn, rows)) || tiles8;
+        const int two = !whole && w->two_dn && rows >= 2;
         if (two)
             q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, m->xp2 + (m->o_dn + m->off2[a] * (inter / 32)) * 512,
                            m->dt2 + (m->o_dn + m->off2[a] * (inter / 32)) * 16, rows, inter, ys, d);
@@ -459,8 +461,8 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
             qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->h16 + p0 * inter,
                    m->h16d + p0 * (inter / 32), rows, inter, ys + r0, d, panel);
         else if (whole && !tiles8)
-            rows16_q8k((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->hq + p0 * inter,
-                       m->hd + p0 * (inter / 32), inter, ys + r0);
+            rows16_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->hq + p0 * inter,
+                       m->hd + p0 * (inter / 32), rows, inter, ys + r0, d);
         for (int64_t r = r0; !whole && !two && r < r1; r++) {
             const uint8_t *row = we + r * b->dn_row_bytes;
             if (w->qdn)
@@ -473,7 +475,7 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
         }
         return;
     }
-    const int whole = w->q16sd || (w->r16sd && t == 1) || w->t8sd, two = !whole && w->two_sd;
+    const int whole = w->q16sd || (w->r16sd && rows16_in((int)b->type_sd, t)) || w->t8sd, two = !whole && w->two_sd;
 #ifdef MLS_AMX
     if (w->t8sd) moe_tile_rows(s, &m->c8sd, b->sd + r0 * b->sd_row_bytes, r1 - r0, m->p8sd, t, m->ysh + r0);
 #endif
@@ -490,8 +492,8 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
         qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->sh16, m->sh16d, t, si,
                m->ysh + r0, d, panel);
     else if (whole && !w->t8sd)
-        rows16_q8k((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->shq, m->shd, si,
-                   m->ysh + r0);
+        rows16_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->shq, m->shd, t, si,
+                   m->ysh + r0, d);
     for (int64_t r = r0; !whole && !two && r < r1; r++) {
         const uint8_t *row = b->sd + r * b->sd_row_bytes;
         if (w->qsd)

@@ -35,6 +35,35 @@ static inline __attribute__((always_inline)) __m256i q45_row_sums(const uint8_t 
     }
     return _mm256_add_epi32(s0, s1);
 }
+
+/* q45_row_sums for mr (2, 3) activation rows at once: the weight row's codes and each sub-block's scale broadcast
+   made once for all of them, each row's codes loaded from xb + i k (its super-block), each row's two chains as
+   q8k_q45_mr's: the same integers per row */
+static inline __attribute__((always_inline)) void q45_row_sums_mr(const uint8_t *br, const int five, const __m256i sc16,
+                                                                  const int8_t *xb, int64_t k, const int mr,
+                                                                  __m256i *P) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const uint8_t *qs = br + (five ? 48 : 16);
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : _mm256_setzero_si256();
+    __m256i s0[3], s1[3];
+    for (int i = 0; i < mr; i++) s0[i] = s1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        if (five) {
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+        }
+        const __m256i b0 = bcast16(sc16, 2 * c), b1 = bcast16(sc16, 2 * c + 1);
+        for (int i = 0; i < mr; i++) {
+            const int8_t *x = xb + i * k + 64 * c;
+            s0[i] = madd16_acc(s0[i], _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)x)), b0);
+            s1[i] = madd16_acc(s1[i], _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 32))), b1);
+        }
+    }
+    for (int i = 0; i < mr; i++) P[i * 16] = _mm256_add_epi32(s0[i], s1[i]);
+}
 #endif
 
 #if defined(MLS_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -61,22 +90,26 @@ static inline __m512i madd16_acc512(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
-/* nr (<= 16) rows at w (row_bytes apart) times one activation row (codes xq, q8k_meta slots xd) into y[0 .. nr);
-   five: Q5_K (176-byte super-blocks, the fifth bit from qh), else Q4_K (144); a constant where inlined */
+/* nr (<= 16) rows at w (row_bytes apart) times mr (1-3) activation rows (codes xq, k apart; q8k_meta slots xd, k /
+   32 apart) into y[i ldy .. + nr); five: Q5_K (176-byte super-blocks, the fifth bit from qh), else Q4_K (144); five
+   and mr constants where inlined. Two or three rows share each weight row's codes, scale broadcasts, gathers and
+   scale unpacking (q45_row_sums_mr), where the row kernel (x86/avx2.c q8k_q45_mr) redid a row's scalar scale
+   unpacking and its ends per row; each activation row's integers and float steps stay the one-row kernel's, so its
+   bits. */
 static inline __attribute__((always_inline)) void rows16_q45(const uint8_t *w, int64_t row_bytes, int64_t nr,
                                                              const int five, const int8_t *xq, const float *xd,
-                                                             int64_t k, float *y) {
-    const int64_t nb = k / 256, bytes = five ? 176 : 144, step = (16 * row_bytes + nb - 1) / nb;
+                                                             const int mr, int64_t k, float *y, int64_t ldy) {
+    const int64_t nb = k / 256, bytes = five ? 176 : 144, step = (16 * row_bytes + nb - 1) / nb, slots = k / 32;
     const __mmask16 live = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
     const __m512i offs = rows16_offsets(row_bytes);
     const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4v = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x03030303);
     const __m512i lo8 = _mm512_set1_epi32(0x00FF00FF), zero = _mm512_setzero_si512();
     const char *pf = (const char *)w + 16 * row_bytes;
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[3];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
         pf = rows16_prefetch(pf, w, row_bytes, blk, step);
         const uint8_t *b0 = w + blk * bytes;
-        const q8k_meta *meta = (const q8k_meta *)(xd + blk * Q8K_SLOTS);
         const __m512i dd = _mm512_mask_i32gather_epi32(zero, live, offs, b0, 1); /* d | dmin << 16 */
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
         const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
@@ -90,34 +123,43 @@ static inline __attribute__((always_inline)) void rows16_q45(const uint8_t *w, i
         const __m512i mn_lo = _mm512_and_si512(u1, m6);
         const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4v),
                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
-        /* M_r = sum_j mn_r[j] bsum[j]: the mins as int16 pairs (j, j + 2) against bsum's, exact in int32 */
-        const int16_t *bs = meta->bsum;
-        __m512i M = madd16_acc512(zero, _mm512_and_si512(mn_lo, lo8), _mm512_set1_epi32(pair16(bs[0], bs[2])));
-        M = madd16_acc512(M, _mm512_and_si512(_mm512_srli_epi32(mn_lo, 8), lo8), _mm512_set1_epi32(pair16(bs[1], bs[3])));
-        M = madd16_acc512(M, _mm512_and_si512(mn_hi, lo8), _mm512_set1_epi32(pair16(bs[4], bs[6])));
-        M = madd16_acc512(M, _mm512_and_si512(_mm512_srli_epi32(mn_hi, 8), lo8), _mm512_set1_epi32(pair16(bs[5], bs[7])));
+        const __m512i mn0 = _mm512_and_si512(mn_lo, lo8), mn1 = _mm512_and_si512(_mm512_srli_epi32(mn_lo, 8), lo8);
+        const __m512i mn2 = _mm512_and_si512(mn_hi, lo8), mn3 = _mm512_and_si512(_mm512_srli_epi32(mn_hi, 8), lo8);
         /* each row's 8 scale bytes (sc_lo, sc_hi) as a qword: rows 4q, 4q + 1 from the low unpack, 4q + 2, 4q + 3
            from the high one (q the 128-bit lane) */
         uint64_t scs[16] __attribute__((aligned(64)));
         _mm512_store_si512(scs, _mm512_unpacklo_epi32(sc_lo, sc_hi));
         _mm512_store_si512(scs + 8, _mm512_unpackhi_epi32(sc_lo, sc_hi));
+        __m256i P[3 * 16]; /* P[i * 16 + r]: activation row i, weight row r */
         __m256i x[8];
-        for (int j = 0; j < 8; j++) x[j] = _mm256_loadu_si256((const __m256i *)(xq + blk * 256 + 32 * j));
-        __m256i P[16];
+        if (mr == 1)
+            for (int j = 0; j < 8; j++) x[j] = _mm256_loadu_si256((const __m256i *)(xq + blk * 256 + 32 * j));
         for (int r = 0; r < 16; r++) {
             if (r >= nr) {
-                P[r] = _mm256_setzero_si256();
+                for (int i = 0; i < mr; i++) P[i * 16 + r] = _mm256_setzero_si256();
                 continue;
             }
             const int slot = ((r & 3) < 2 ? 0 : 8) + (r >> 2) * 2 + (r & 1);
             const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scs + slot))));
-            P[r] = q45_row_sums(b0 + r * row_bytes, five, sc16, x);
+            if (mr == 1)
+                P[r] = q45_row_sums(b0 + r * row_bytes, five, sc16, x);
+            else
+                q45_row_sums_mr(b0 + r * row_bytes, five, sc16, xq + blk * 256, k, mr, P + r);
         }
-        const __m512 dx = _mm512_set1_ps(meta->d);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(lane_sums8(P))));
-        acc = _mm512_sub_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(M)));
+        for (int i = 0; i < mr; i++) {
+            /* M_r = sum_j mn_r[j] bsum[j]: the mins as int16 pairs (j, j + 2) against bsum's, exact in int32 */
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            const int16_t *bs = meta->bsum;
+            __m512i M = madd16_acc512(zero, mn0, _mm512_set1_epi32(pair16(bs[0], bs[2])));
+            M = madd16_acc512(M, mn1, _mm512_set1_epi32(pair16(bs[1], bs[3])));
+            M = madd16_acc512(M, mn2, _mm512_set1_epi32(pair16(bs[4], bs[6])));
+            M = madd16_acc512(M, mn3, _mm512_set1_epi32(pair16(bs[5], bs[7])));
+            const __m512 dx = _mm512_set1_ps(meta->d);
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(lane_sums8(P + i * 16))));
+            acc[i] = _mm512_sub_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(M)));
+        }
     }
-    _mm512_mask_storeu_ps(y, live, acc);
+    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
 }
 
 /* acc + the sums of four u8 x s8 products per int32 lane (exact: the callers' codes keep every pair's sum inside
@@ -270,12 +312,35 @@ static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == ML
 static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
                        int64_t k, float *y) {
     if (type == MLS_Q4_K)
-        rows16_q45(w, row_bytes, nr, 0, xq, xd, k, y);
+        rows16_q45(w, row_bytes, nr, 0, xq, xd, 1, k, y, 0);
     else if (type == MLS_Q5_K)
-        rows16_q45(w, row_bytes, nr, 1, xq, xd, k, y);
+        rows16_q45(w, row_bytes, nr, 1, xq, xd, 1, k, y, 0);
     else
         rows16_q4_0(w, row_bytes, nr, xq, xd, k, y);
 }
+
+/* whether products of 2-3 activation rows of this type take rows16_q8k_rows: Q4_K, Q5_K. One Q4_K weight, GB/s, 2
+   threads, against the row kernel (x86/avx2.c q8rows_q4_k; 2816 x 2048, 1024 x 1024; the 2-core AMX Xeon): 2 rows
+   13.4-13.9 -> 14.5-16.9, 3 rows 8.3-10.9 -> 11.3-13.0; at 4 and 5 rows the row kernel's four-row chunks stay
+   ahead (4: 11.3-13.5 against 10.5-11.7 here with four rows per pass), so they keep it. */
+static inline int rows16_takes_rows(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
+#define ROWS16_MOST 3
+
+#define ROWS16_MR(five, mr) rows16_q45(w, row_bytes, nr, five, xq + i * k, xd + i * (k / 32), mr, k, y + i * ldy, ldy)
+/* nr (<= 16) rows of a type rows16_takes_rows times m (2, 3) activation rows (q8_K codes xq [m, k], scales xd) into
+   y (row stride ldy); each row's result its one-row kernel's bits */
+static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
+                            const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
+    const int64_t i = 0;
+    if (type == MLS_Q4_K) {
+        if (m == 3) ROWS16_MR(0, 3);
+        if (m == 2) ROWS16_MR(0, 2);
+    } else {
+        if (m == 3) ROWS16_MR(1, 3);
+        if (m == 2) ROWS16_MR(1, 2);
+    }
+}
+#undef ROWS16_MR
 #elif defined(MLS_SIMD)
 /* ------------------------------------------- AVX2: one activation row times 8 Q4_K / Q5_K weight rows side by side
    rows16_q45's scheme in 8 lanes: the rows' fp16 scales and 12 scale bytes by AVX2 gathers, unpacked for 8 rows at
@@ -357,6 +422,10 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
 }
 
 static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
+static inline int rows16_takes_rows(int type) { /* several activation rows: the AVX-512 kernels only */
+    (void)type;
+    return 0;
+}
 
 static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
                        int64_t k, float *y) {
@@ -373,8 +442,35 @@ static inline int rows16_takes(int type) {
     (void)type;
     return 0;
 }
+static inline int rows16_takes_rows(int type) {
+    (void)type;
+    return 0;
+}
 static inline void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                               const float *xd, int64_t k, float *y) {
     (void)type, (void)w, (void)row_bytes, (void)nr, (void)xq, (void)xd, (void)k, (void)y;
 }
 #endif
+
+#if !defined(MLS_Q8K_ROWS16)
+#define ROWS16_MOST 1
+static inline void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
+                                   const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
+    (void)type, (void)w, (void)row_bytes, (void)nr, (void)xq, (void)xd, (void)m, (void)k, (void)y, (void)ldy;
+}
+#endif
+
+/* whether a product of m activation rows of a type rows16_takes runs on the side-by-side kernels: one row, or
+   Q4_K / Q5_K at 2-3 rows where the build has rows16_q8k_rows */
+static inline int rows16_in(int type, int64_t m) {
+    return rows16_takes(type) && (m == 1 || (m <= ROWS16_MOST && rows16_takes_rows(type)));
+}
+
+/* nr (<= 16) rows at w times m activation rows (m == 1, or rows16_takes_rows) into y (row stride ldy) */
+static inline void rows16_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
+                              const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
+    if (m == 1)
+        rows16_q8k(type, w, row_bytes, nr, xq, xd, k, y);
+    else
+        rows16_q8k_rows(type, w, row_bytes, nr, xq, xd, m, k, y, ldy);
+}
