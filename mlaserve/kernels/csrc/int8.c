@@ -309,6 +309,7 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
     int64_t rest = 0, vnni = 0; /* groups left to the row kernels (all of a decode step's: no tile call, no allocation) */
     for (int64_t a = 0; a < groups; a++) {
         const int64_t rows = starts[a + 1] - starts[a];
+        (void)rows; /* builds without the tiles and the VNNI panels read it in neither macro */
         vnni += VNNI_TOOK(rows) != 0;
         rest += !AMX_TOOK(rows) && !VNNI_TOOK(rows);
     }
