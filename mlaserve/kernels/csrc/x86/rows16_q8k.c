@@ -13,23 +13,31 @@
 static inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
 
 #ifdef MLS_SIMD
+/* chunk c (0..3) of a Q4_K / Q5_K super-block's codes (qs its 128 code bytes, qh Q5_K's fifth bits): sub-blocks 2c
+   (*w0, the low nibbles) and 2c + 1 (*w1), unsigned bytes; five a constant where inlined */
+static inline __attribute__((always_inline)) void q45_codes(const uint8_t *qs, const __m256i qh, const int five,
+                                                           const int c, __m256i *w0, __m256i *w1) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+    *w0 = _mm256_and_si256(raw, m4), *w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    if (five) {
+        *w0 = _mm256_or_si256(*w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
+        *w1 = _mm256_or_si256(*w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+    }
+}
+
 /* One Q4_K / Q5_K weight row's integer sums S of a super-block (br its block, five: Q5_K; sc16 its 8 sub-block
    scales as int16 in both halves) against the block's activation codes x[8]: 8 int32 lanes, q8k_q45_mr's sums (the
    row kernel's integers), for the kernels below that take several rows per activation load */
 static inline __attribute__((always_inline)) __m256i q45_row_sums(const uint8_t *br, const int five, const __m256i sc16,
                                                                   const __m256i x[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const uint8_t *qs = br + (five ? 48 : 16);
     const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : _mm256_setzero_si256();
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(); /* two chains, as q8k_q45_mr */
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        if (five) {
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
-        }
+        __m256i w0, w1;
+        q45_codes(qs, qh, five, c, &w0, &w1);
         s0 = madd16_acc(s0, _mm256_maddubs_epi16(w0, x[2 * c]), bcast16(sc16, 2 * c));
         s1 = madd16_acc(s1, _mm256_maddubs_epi16(w1, x[2 * c + 1]), bcast16(sc16, 2 * c + 1));
     }
@@ -42,19 +50,14 @@ static inline __attribute__((always_inline)) __m256i q45_row_sums(const uint8_t 
 static inline __attribute__((always_inline)) void q45_row_sums_mr(const uint8_t *br, const int five, const __m256i sc16,
                                                                   const int8_t *xb, int64_t k, const int mr,
                                                                   __m256i *P) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const uint8_t *qs = br + (five ? 48 : 16);
     const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(br + 16)) : _mm256_setzero_si256();
     __m256i s0[3], s1[3];
     for (int i = 0; i < mr; i++) s0[i] = s1[i] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i w0 = _mm256_and_si256(raw, m4), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        if (five) {
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one), 4));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
-        }
+        __m256i w0, w1;
+        q45_codes(qs, qh, five, c, &w0, &w1);
         const __m256i b0 = bcast16(sc16, 2 * c), b1 = bcast16(sc16, 2 * c + 1);
         for (int i = 0; i < mr; i++) {
             const int8_t *x = xb + i * k + 64 * c;
