@@ -452,9 +452,9 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
 #ifdef MLS_INT16_TILES
         if (w->q16dn && m->rh_h && m->pa[a] >= 0 && r1 - r0 == QW_R) {
             amx_tiles_use(&s->cfg, &s->qa);
-            qa_rows((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, m->rh_h + m->pa[a] / 16 * (inter / 32) * 128,
-                    m->rh_l + m->pa[a] / 16 * (inter / 32) * 128, m->rh_d + m->pa[a] / 16 * (inter / 32) * 16, rows,
-                    inter, ys + r0, d);
+            qa_rows((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes,
+                    m->rh_h + m->pa[a] / 16 * (inter / 32) * 128, m->rh_l + m->pa[a] / 16 * (inter / 32) * 128,
+                    m->rh_d + m->pa[a] / 16 * (inter / 32) * 16, rows, inter, ys + r0, d);
         } else
 #endif
         if (w->q16dn)
@@ -485,7 +485,8 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
 #ifdef MLS_INT16_TILES
     if (w->q16sd && m->sa_h && r1 - r0 == QW_R) {
         amx_tiles_use(&s->cfg, &s->qa);
-        qa_rows((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, m->sa_h, m->sa_l, m->sa_d, t, si, m->ysh + r0, d);
+        qa_rows((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, m->sa_h, m->sa_l, m->sa_d, t, si,
+                m->ysh + r0, d);
     } else
 #endif
     if (w->q16sd)
