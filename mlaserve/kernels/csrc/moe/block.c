@@ -323,66 +323,72 @@ static void moe_tile_rows(moe_scratch *s, const amx_call_t *c, const uint8_t *w,
 }
 #endif
 
-/* gate_up item it of a routed group's rgu-row runs (runs per group), then of the shared expert's rsg-row runs */
-static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, const float *x,
-                             int64_t t, int64_t it, int64_t runs, int64_t rgu, int64_t rsg, moe_scratch *s) {
+/* gate_up item it (< groups * runs) of a routed group's rgu-row runs, runs per group */
+static void moe_gate_up_routed(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, int64_t it,
+                               int64_t runs, int64_t rgu, moe_scratch *s) {
     float *buf = s->buf;
     void *panel = s->panel;
-    const int64_t d = b->d, inter = b->inter, si = b->shared_inter, g = b->group, n_gu = 2 * inter, n_sgu = 2 * si;
-    const int64_t groups = m->groups, *start = m->start, *act = m->act;
-    float *gu = m->gu, *sgu = m->sgu;
-    if (it < groups * runs) {
-        const int64_t a = it / runs, r0 = (it % runs) * rgu, r1 = r0 + rgu < n_gu ? r0 + rgu : n_gu;
-        const int64_t p0 = start[a], rows = start[a + 1] - p0;
+    const int64_t d = b->d, inter = b->inter, g = b->group, n_gu = 2 * inter;
+    const int64_t *start = m->start, *act = m->act;
+    float *gu = m->gu;
+    const int64_t a = it / runs, r0 = (it % runs) * rgu, r1 = r0 + rgu < n_gu ? r0 + rgu : n_gu;
+    const int64_t p0 = start[a], rows = start[a + 1] - p0;
 #ifdef MLS_AMX
-        const int tiles8 = w->t8gu && m->pk[a] >= 0;
+    const int tiles8 = w->t8gu && m->pk[a] >= 0;
 #else
-        const int tiles8 = 0;
+    const int tiles8 = 0;
 #endif
-        const int whole = w->q16gu || (w->r16gu && rows16_in((int)b->type_gu, rows)) || tiles8; /* one call per part */
-        for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
-            s1 = s0 < inter && r1 > inter ? inter : r1;
-            const uint8_t *row0 = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
+    const int whole = w->q16gu || (w->r16gu && rows16_in((int)b->type_gu, rows)) || tiles8; /* one call per part */
+    for (int64_t s0 = r0, s1; whole && s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
+        s1 = s0 < inter && r1 > inter ? inter : r1;
+        const uint8_t *row0 = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
 #ifdef MLS_AMX
-            if (tiles8) {
-                moe_tile_rows(s, &m->c8gu, row0, s1 - s0, m->p8gu + m->pk[a] * m->c8gu.per_group, rows,
-                              gu + p0 * n_gu + s0);
-                continue;
-            }
+        if (tiles8) {
+            moe_tile_rows(s, &m->c8gu, row0, s1 - s0, m->p8gu + m->pk[a] * m->c8gu.per_group, rows,
+                          gu + p0 * n_gu + s0);
+            continue;
+        }
 #endif
 #ifdef MLS_INT16_TILES
-            if (w->q16gu && m->ra_h && m->pa[a] >= 0 && s1 - s0 == QW_R) {
-                amx_tiles_use(&s->cfg, &s->qa);
-                qa_rows((int)b->type_gu, row0, b->gu_row_bytes, m->ra_h + m->pa[a] / 16 * (d / 32) * 128,
-                        m->ra_l + m->pa[a] / 16 * (d / 32) * 128, m->ra_d + m->pa[a] / 16 * (d / 32) * 16, rows, d,
-                        gu + p0 * n_gu + s0, n_gu);
-            } else
+        if (w->q16gu && m->ra_h && m->pa[a] >= 0 && s1 - s0 == QW_R) {
+            amx_tiles_use(&s->cfg, &s->qa);
+            qa_rows((int)b->type_gu, row0, b->gu_row_bytes, m->ra_h + m->pa[a] / 16 * (d / 32) * 128,
+                    m->ra_l + m->pa[a] / 16 * (d / 32) * 128, m->ra_d + m->pa[a] / 16 * (d / 32) * 16, rows, d,
+                    gu + p0 * n_gu + s0, n_gu);
+        } else
 #endif
-            if (w->q16gu)
-                qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xs16 + p0 * d, m->xs16d + p0 * (d / 32), rows,
-                       d, gu + p0 * n_gu + s0, n_gu, panel);
-            else
-                rows16_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xsq + p0 * d, m->xsd + p0 * (d / 32), rows,
-                           d, gu + p0 * n_gu + s0, n_gu);
-        }
-        const int two = !whole && w->two_gu && rows >= 2;
-        if (two)
-            q4_0_pairs_run(b->gate + act[a] * b->gu_expert_stride, b->up + act[a] * b->gu_expert_stride, inter,
-                           b->gu_row_bytes, r0, r1, m->xp2 + m->off2[a] * (d / 32) * 512,
-                           m->dt2 + m->off2[a] * (d / 32) * 16, rows, d, gu + p0 * n_gu, n_gu);
-        for (int64_t r = r0; !whole && !two && r < r1; r++) {
-            const uint8_t *row = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
-            if (w->qgu)
-                w->qgu(row, m->xsq + p0 * d, m->xsd + p0 * (d / 32), rows, d, gu + p0 * n_gu + r, n_gu);
-            else if (w->fgu)
-                w->fgu(row, b->gu_scale + act[a] * b->gu_scale_stride + r * (d / g), g, m->xs + p0 * d, d, rows, d,
-                       gu + p0 * n_gu + r, n_gu);
-            else
-                lin_row(w->kgu, row, m->xs + p0 * d, d, rows, d, gu + p0 * n_gu + r, n_gu, buf);
-        }
-        return;
+        if (w->q16gu)
+            qw_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xs16 + p0 * d, m->xs16d + p0 * (d / 32), rows,
+                   d, gu + p0 * n_gu + s0, n_gu, panel);
+        else
+            rows16_run((int)b->type_gu, row0, b->gu_row_bytes, s1 - s0, m->xsq + p0 * d, m->xsd + p0 * (d / 32), rows,
+                       d, gu + p0 * n_gu + s0, n_gu);
     }
-    const int64_t r0 = (it - groups * runs) * rsg, r1 = r0 + rsg < n_sgu ? r0 + rsg : n_sgu;
+    const int two = !whole && w->two_gu && rows >= 2;
+    if (two)
+        q4_0_pairs_run(b->gate + act[a] * b->gu_expert_stride, b->up + act[a] * b->gu_expert_stride, inter,
+                       b->gu_row_bytes, r0, r1, m->xp2 + m->off2[a] * (d / 32) * 512,
+                       m->dt2 + m->off2[a] * (d / 32) * 16, rows, d, gu + p0 * n_gu, n_gu);
+    for (int64_t r = r0; !whole && !two && r < r1; r++) {
+        const uint8_t *row = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, r);
+        if (w->qgu)
+            w->qgu(row, m->xsq + p0 * d, m->xsd + p0 * (d / 32), rows, d, gu + p0 * n_gu + r, n_gu);
+        else if (w->fgu)
+            w->fgu(row, b->gu_scale + act[a] * b->gu_scale_stride + r * (d / g), g, m->xs + p0 * d, d, rows, d,
+                   gu + p0 * n_gu + r, n_gu);
+        else
+            lin_row(w->kgu, row, m->xs + p0 * d, d, rows, d, gu + p0 * n_gu + r, n_gu, buf);
+    }
+}
+
+/* gate_up item it of the shared expert's rsg-row runs (its first rows r0 = it * rsg in gate, then up) */
+static void moe_gate_up_shared(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, const float *x,
+                               int64_t t, int64_t it, int64_t rsg, moe_scratch *s) {
+    float *buf = s->buf;
+    void *panel = s->panel;
+    const int64_t d = b->d, si = b->shared_inter, n_sgu = 2 * si;
+    float *sgu = m->sgu;
+    const int64_t r0 = it * rsg, r1 = r0 + rsg < n_sgu ? r0 + rsg : n_sgu;
     for (int64_t s0 = r0, s1; s0 < r1; s0 = s1) { /* the run's rows in gate, then in up */
         s1 = s0 < si && r1 > si ? si : r1;
         const int up = s0 >= si;
@@ -425,56 +431,69 @@ static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const 
     }
 }
 
-/* down item it of a routed group's rdn-row runs (druns per group), then of the shared expert's */
-static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, int64_t t, int64_t it,
-                          int64_t druns, int64_t rdn, moe_scratch *s) {
+/* gate_up item it of a routed group's rgu-row runs (runs per group), then of the shared expert's rsg-row runs */
+static void moe_gate_up_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, const float *x,
+                             int64_t t, int64_t it, int64_t runs, int64_t rgu, int64_t rsg, moe_scratch *s) {
+    if (it < m->groups * runs)
+        moe_gate_up_routed(b, w, m, it, runs, rgu, s);
+    else
+        moe_gate_up_shared(b, w, m, x, t, it - m->groups * runs, rsg, s);
+}
+
+/* down item it (< groups * druns) of a routed group's rdn-row runs (druns per group): the weight rows r0 .. r1 */
+static void moe_down_routed(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, int64_t a, int64_t r0,
+                            int64_t r1, moe_scratch *s) {
     float *buf = s->buf;
     void *panel = s->panel;
-    const int64_t d = b->d, inter = b->inter, si = b->shared_inter, g = b->group;
-    const int64_t a = it / druns, r0 = (it % druns) * rdn, r1 = r0 + rdn < d ? r0 + rdn : d;
-    if (a < m->groups) {
-        const int64_t p0 = m->start[a], rows = m->start[a + 1] - p0, ex = m->act[a];
-        const uint8_t *we = b->down + ex * b->dn_expert_stride;
-        float *ys = m->ys + p0 * d;
+    const int64_t d = b->d, inter = b->inter, g = b->group;
+    const int64_t p0 = m->start[a], rows = m->start[a + 1] - p0, ex = m->act[a];
+    const uint8_t *we = b->down + ex * b->dn_expert_stride;
+    float *ys = m->ys + p0 * d;
 #ifdef MLS_AMX
-        const int tiles8 = w->t8dn && m->pk[a] >= 0;
-        if (tiles8)
-            moe_tile_rows(s, &m->c8dn, we + r0 * b->dn_row_bytes, r1 - r0, m->p8dn + m->pk[a] * m->c8dn.per_group, rows,
-                          ys + r0);
+    const int tiles8 = w->t8dn && m->pk[a] >= 0;
+    if (tiles8)
+        moe_tile_rows(s, &m->c8dn, we + r0 * b->dn_row_bytes, r1 - r0, m->p8dn + m->pk[a] * m->c8dn.per_group, rows,
+                      ys + r0);
 #else
-        const int tiles8 = 0;
+    const int tiles8 = 0;
 #endif
-        const int whole = w->q16dn || (w->r16dn && rows16_in((int)b->type_dn, rows)) || tiles8;
-        const int two = !whole && w->two_dn && rows >= 2;
-        if (two)
-            q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, m->xp2 + (m->o_dn + m->off2[a] * (inter / 32)) * 512,
-                           m->dt2 + (m->o_dn + m->off2[a] * (inter / 32)) * 16, rows, inter, ys, d);
+    const int whole = w->q16dn || (w->r16dn && rows16_in((int)b->type_dn, rows)) || tiles8;
+    const int two = !whole && w->two_dn && rows >= 2;
+    if (two)
+        q4_0_pairs_run(we, we, d, b->dn_row_bytes, r0, r1, m->xp2 + (m->o_dn + m->off2[a] * (inter / 32)) * 512,
+                       m->dt2 + (m->o_dn + m->off2[a] * (inter / 32)) * 16, rows, inter, ys, d);
 #ifdef MLS_INT16_TILES
-        if (w->q16dn && m->rh_h && m->pa[a] >= 0 && r1 - r0 == QW_R) {
-            amx_tiles_use(&s->cfg, &s->qa);
-            qa_rows((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes,
-                    m->rh_h + m->pa[a] / 16 * (inter / 32) * 128, m->rh_l + m->pa[a] / 16 * (inter / 32) * 128,
-                    m->rh_d + m->pa[a] / 16 * (inter / 32) * 16, rows, inter, ys + r0, d);
-        } else
+    if (w->q16dn && m->rh_h && m->pa[a] >= 0 && r1 - r0 == QW_R) {
+        amx_tiles_use(&s->cfg, &s->qa);
+        qa_rows((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes,
+                m->rh_h + m->pa[a] / 16 * (inter / 32) * 128, m->rh_l + m->pa[a] / 16 * (inter / 32) * 128,
+                m->rh_d + m->pa[a] / 16 * (inter / 32) * 16, rows, inter, ys + r0, d);
+    } else
 #endif
-        if (w->q16dn)
-            qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->h16 + p0 * inter,
-                   m->h16d + p0 * (inter / 32), rows, inter, ys + r0, d, panel);
-        else if (whole && !tiles8)
-            rows16_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->hq + p0 * inter,
-                       m->hd + p0 * (inter / 32), rows, inter, ys + r0, d);
-        for (int64_t r = r0; !whole && !two && r < r1; r++) {
-            const uint8_t *row = we + r * b->dn_row_bytes;
-            if (w->qdn)
-                w->qdn(row, m->hq + p0 * inter, m->hd + p0 * (inter / 32), rows, inter, ys + r, d);
-            else if (w->fdn)
-                w->fdn(row, b->dn_scale + ex * b->dn_scale_stride + r * (inter / g), g, m->h + p0 * inter, inter, rows,
-                       inter, ys + r, d);
-            else
-                lin_row(w->kdn, row, m->h + p0 * inter, inter, rows, inter, ys + r, d, buf);
-        }
-        return;
+    if (w->q16dn)
+        qw_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->h16 + p0 * inter,
+               m->h16d + p0 * (inter / 32), rows, inter, ys + r0, d, panel);
+    else if (whole && !tiles8)
+        rows16_run((int)b->type_dn, we + r0 * b->dn_row_bytes, b->dn_row_bytes, r1 - r0, m->hq + p0 * inter,
+                   m->hd + p0 * (inter / 32), rows, inter, ys + r0, d);
+    for (int64_t r = r0; !whole && !two && r < r1; r++) {
+        const uint8_t *row = we + r * b->dn_row_bytes;
+        if (w->qdn)
+            w->qdn(row, m->hq + p0 * inter, m->hd + p0 * (inter / 32), rows, inter, ys + r, d);
+        else if (w->fdn)
+            w->fdn(row, b->dn_scale + ex * b->dn_scale_stride + r * (inter / g), g, m->h + p0 * inter, inter, rows,
+                   inter, ys + r, d);
+        else
+            lin_row(w->kdn, row, m->h + p0 * inter, inter, rows, inter, ys + r, d, buf);
     }
+}
+
+/* down item of the shared expert: its weight rows r0 .. r1 */
+static void moe_down_shared(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, int64_t t, int64_t r0,
+                            int64_t r1, moe_scratch *s) {
+    float *buf = s->buf;
+    void *panel = s->panel;
+    const int64_t d = b->d, si = b->shared_inter;
     const int whole = w->q16sd || (w->r16sd && rows16_in((int)b->type_sd, t)) || w->t8sd, two = !whole && w->two_sd;
 #ifdef MLS_AMX
     if (w->t8sd) moe_tile_rows(s, &m->c8sd, b->sd + r0 * b->sd_row_bytes, r1 - r0, m->p8sd, t, m->ysh + r0);
@@ -502,6 +521,54 @@ static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe
         else
             lin_row(w->ksd, row, m->sh, si, t, si, m->ysh + r, d, buf);
     }
+}
+
+/* down item it of a routed group's rdn-row runs (druns per group), then of the shared expert's */
+static void moe_down_item(const mls_moe_block_t *b, const moe_ways *w, const moe_bufs *m, int64_t t, int64_t it,
+                          int64_t druns, int64_t rdn, moe_scratch *s) {
+    const int64_t d = b->d, a = it / druns, r0 = (it % druns) * rdn, r1 = r0 + rdn < d ? r0 + rdn : d;
+    if (a < m->groups)
+        moe_down_routed(b, w, m, a, r0, r1, s);
+    else
+        moe_down_shared(b, w, m, t, r0, r1, s);
+}
+
+/* this thread's scratch for a call of t tokens (kmax: the longest row of values); 0, or -4 when memory runs out (what
+   was allocated stays for moe_scratch_free) */
+static int moe_scratch_init(moe_scratch *s, const moe_ways *w, const moe_bufs *m, int64_t t, int64_t kmax) {
+    memset(s, 0, sizeof *s);
+    s->buf = (float *)malloc(sizeof(float) * (size_t)kmax);
+    /* qw_run's panel, for runs of more than QW_FEW rows: a group has at most t rows (a token takes an expert once) */
+    const int panels = w->any16 && t > QW_FEW;
+    s->panel = panels ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0;
+    int oom = !s->buf || (panels && !s->panel);
+#ifdef MLS_AMX
+    /* the int8 tiles' items: a group or the shared rows have at most t rows, ceil(t / 16) packs */
+    const amx_call_t c8[5] = {m->c8gu, m->c8dn, m->c8sg, m->c8su, m->c8sd};
+    const int t8[5] = {w->t8gu, w->t8dn, w->t8sg, w->t8su, w->t8sd};
+    amx_call_t used[5];
+    int nused = 0;
+    for (int i = 0; i < 5; i++)
+        if (t8[i]) used[nused++] = c8[i];
+    s->mem8 = nused ? amx_thread_alloc(used, nused, (t + AMX_ROWS - 1) / AMX_ROWS, &s->W) : 0;
+    oom |= nused && !s->mem8;
+#else
+    (void)m;
+#endif
+#ifdef MLS_INT16_TILES
+    s->qa = qa_shapes(); /* int16 products of 4+ rows on the tiles (qa_rows) */
+#endif
+    return oom ? -4 : 0;
+}
+
+/* the tiles released where this thread loaded them, its buffers freed */
+static void moe_scratch_free(moe_scratch *s) {
+#ifdef MLS_AMX
+    if (s->cfg.palette) _tile_release();
+    free(s->mem8);
+#endif
+    free(s->buf);
+    free(s->panel);
 }
 
 /* The phases between the products, each run by every thread of the block's team (their loops shared out, their
@@ -610,29 +677,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
 #pragma omp parallel num_threads(threads)
     {
         moe_scratch s;
-        memset(&s, 0, sizeof s);
-        s.buf = (float *)malloc(sizeof(float) * (size_t)kmax);
-        /* qw_run's panel, for runs of more than QW_FEW rows: a group has at most t rows (a token takes an expert once) */
-        const int panels = w.any16 && t > QW_FEW;
-        s.panel = panels ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0;
-#ifdef MLS_AMX
-        /* the int8 tiles' items: a group or the shared rows have at most t rows, ceil(t / 16) packs */
-        const amx_call_t c8[5] = {m.c8gu, m.c8dn, m.c8sg, m.c8su, m.c8sd};
-        const int t8[5] = {w.t8gu, w.t8dn, w.t8sg, w.t8su, w.t8sd};
-        amx_call_t used[5];
-        int nused = 0;
-        for (int i = 0; i < 5; i++)
-            if (t8[i]) used[nused++] = c8[i];
-        s.mem8 = nused ? amx_thread_alloc(used, nused, (t + AMX_ROWS - 1) / AMX_ROWS, &s.W) : 0;
-#endif
-#ifdef MLS_INT16_TILES
-        s.qa = qa_shapes(); /* int16 products of 4+ rows on the tiles (qa_rows) */
-#endif
-        if ((panels && !s.panel)
-#ifdef MLS_AMX
-            || (nused && !s.mem8)
-#endif
-        ) {
+        if (moe_scratch_init(&s, &w, &m, t, kmax)) {
 #pragma omp atomic write
             oom = 1;
         }
@@ -664,12 +709,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
                 moe_down_item(b, &w, &m, t, it, druns, rdn, &s);
             moe_sum(b, t, &m, out);
         }
-#ifdef MLS_AMX
-        if (s.cfg.palette) _tile_release();
-        free(s.mem8);
-#endif
-        free(s.buf);
-        free(s.panel);
+        moe_scratch_free(&s);
     }
     if (oom) rc = -4;
     if (rc == 0 && topk_w) memcpy(topk_w, m.wt, sizeof(float) * (size_t)pairs);
