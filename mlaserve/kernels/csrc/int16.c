@@ -13,7 +13,7 @@ typedef struct {
     const float *xd;
     float *y;
     int amx;                  /* items of QA_MIN_ROWS rows or more on the AMX-INT8 tiles (qa_pass) */
-    const int64_t *pstart;    /* (amx) each group's first packed row, -1 where it stays on qw_run (qa_offsets) */
+    const int64_t *pstart;    /* (amx) each group's first packed row, -1 where it stays on qw_run (tile_offsets) */
     const int32_t *xbh, *xbl; /* (amx) every 16 padded rows' high and low bytes, packed (qa_pack) */
     const float *xdt;         /* (amx) their scales, packed */
 } qw_work;
@@ -62,7 +62,7 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
     /* on the AMX-INT8 tiles: the codes' bytes packed (qa_pack) for the groups of QA_MIN_ROWS rows or more */
     const int takes = !failed && !few && qa_takes(type, QA_MIN_ROWS);
     int64_t *pstart = takes ? (int64_t *)malloc(sizeof(int64_t) * (size_t)groups) : 0;
-    const int64_t prows = pstart ? qa_offsets(starts, groups, pstart) : 0;
+    const int64_t prows = pstart ? tile_offsets(starts, groups, QA_MIN_ROWS, pstart) : 0;
     int32_t *xbh = 0, *xbl = 0;
     float *xdt = 0;
     const int amx = prows > 0;

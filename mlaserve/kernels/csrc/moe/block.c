@@ -115,8 +115,8 @@ typedef struct {
 #ifdef MLS_AMX
     /* the int8 products on the tiles (moe_ways t8*): each projection's call, its inputs' packs (x86/amx.c amx_pack,
        one allocation p8): the shared gate's and up's (x, each in its type's codes), the shared down's (the shared
-       h), the routed groups' gate_up (xs) and down (h) inputs; pk[a] routed group a's first pack (-1: its rows stay
-       on the row kernels) */
+       h), the routed groups' gate_up (xs) and down (h) inputs; pk[a] routed group a's first packed row
+       (tile_offsets: its first pack pk[a] / 16; -1: its rows stay on the row kernels) */
     amx_call_t c8gu, c8dn, c8sg, c8su, c8sd;
     int32_t *p8, *p8sg, *p8su, *p8sd, *p8gu, *p8dn;
     int64_t *pk, pk_rows;
@@ -272,16 +272,6 @@ static void moe_quantize_hidden(const mls_moe_block_t *b, const moe_ways *w, int
 }
 
 #ifdef MLS_AMX
-/* routed group a's first pack for the int8 tiles (-1: its rows stay on the row kernels); one thread */
-static void moe_tile_groups(const moe_bufs *m) {
-    int64_t packs = 0;
-    for (int64_t a = 0; a < m->groups; a++) {
-        const int64_t rows = m->start[a + 1] - m->start[a];
-        m->pk[a] = rows >= m->pk_rows ? packs : -1;
-        packs += rows >= m->pk_rows ? (rows + AMX_ROWS - 1) / AMX_ROWS : 0;
-    }
-}
-
 /* the int8 tile products' inputs packed: the gate_up inputs (hidden 0) or the down inputs (hidden 1), the shared
    expert's rows and each routed group's on the tiles; one thread, after their codes are made */
 static void moe_tile_pack(const moe_ways *w, int64_t t, const moe_bufs *m, int hidden) {
@@ -295,7 +285,7 @@ static void moe_tile_pack(const moe_ways *w, int64_t t, const moe_bufs *m, int h
         if (m->pk[a] < 0) continue;
         const int64_t k = c->k, p0 = start[a];
         amx_pack_rows(c, (hidden ? m->hq : m->xsq) + p0 * k, (hidden ? m->hd : m->xsd) + p0 * (k / 32), start[a + 1] - p0,
-                      (hidden ? m->p8dn : m->p8gu) + m->pk[a] * c->per_group);
+                      (hidden ? m->p8dn : m->p8gu) + m->pk[a] / 16 * c->per_group);
     }
 }
 #endif
@@ -344,7 +334,7 @@ static void moe_gate_up_routed(const mls_moe_block_t *b, const moe_ways *w, cons
         const uint8_t *row0 = gate_up_row(b->gate, b->up, act[a], b->gu_expert_stride, b->gu_row_bytes, inter, s0);
 #ifdef MLS_AMX
         if (tiles8) {
-            moe_tile_rows(s, &m->c8gu, row0, s1 - s0, m->p8gu + m->pk[a] * m->c8gu.per_group, rows,
+            moe_tile_rows(s, &m->c8gu, row0, s1 - s0, m->p8gu + m->pk[a] / 16 * m->c8gu.per_group, rows,
                           gu + p0 * n_gu + s0);
             continue;
         }
@@ -452,8 +442,8 @@ static void moe_down_routed(const mls_moe_block_t *b, const moe_ways *w, const m
 #ifdef MLS_AMX
     const int tiles8 = w->t8dn && m->pk[a] >= 0;
     if (tiles8)
-        moe_tile_rows(s, &m->c8dn, we + r0 * b->dn_row_bytes, r1 - r0, m->p8dn + m->pk[a] * m->c8dn.per_group, rows,
-                      ys + r0);
+        moe_tile_rows(s, &m->c8dn, we + r0 * b->dn_row_bytes, r1 - r0, m->p8dn + m->pk[a] / 16 * m->c8dn.per_group,
+                      rows, ys + r0);
 #else
     const int tiles8 = 0;
 #endif
@@ -593,7 +583,7 @@ static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float 
     if (m->xa_h) qa_pack_groups(m->x16, m->x16d, all, &first, 1, d, m->xa_h, m->xa_l, m->xa_d);
     if (m->pa) {
 #pragma omp single
-        qa_offsets(m->start, m->groups, m->pa);
+        tile_offsets(m->start, m->groups, QA_MIN_ROWS, m->pa);
     }
     if (m->ra_h) qa_pack_groups(m->xs16, m->xs16d, m->start, m->pa, m->groups, d, m->ra_h, m->ra_l, m->ra_d);
 #endif
@@ -602,7 +592,7 @@ static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float 
         {
             moe_quantize_inputs(b, w, x, t, m);
 #ifdef MLS_AMX
-            if (m->pk) moe_tile_groups(m);
+            if (m->pk) tile_offsets(m->start, m->groups, m->pk_rows, m->pk);
             if (w->anyt8) moe_tile_pack(w, t, m, 0);
 #endif
         }

@@ -181,14 +181,16 @@ static int qa_alloc(int64_t rows, int64_t k, int32_t **h, int32_t **l, float **d
     return 0;
 }
 
-/* each group's first packed row off[a] (groups of rows [starts[a], starts[a + 1]); those of QA_MIN_ROWS rows or more,
-   each padded to a multiple of 16; -1 the others, whose rows stay on qw_run); returns the packed rows */
-static inline int64_t qa_offsets(const int64_t *starts, int64_t groups, int64_t *off) {
+/* each group's first packed row off[a] (groups of rows [starts[a], starts[a + 1]); those of min_rows rows or more
+   (the tile kind's crossover: QA_MIN_ROWS for the int16 tiles, the int8 hooks' amx_min_rows), each padded to a
+   multiple of 16, so group a's first pack of 16 rows is off[a] / 16; -1 the others, whose rows stay on the row
+   kernels); returns the packed rows */
+static inline int64_t tile_offsets(const int64_t *starts, int64_t groups, int64_t min_rows, int64_t *off) {
     int64_t rows = 0;
     for (int64_t a = 0; a < groups; a++) {
         const int64_t n = starts[a + 1] - starts[a];
-        off[a] = n >= QA_MIN_ROWS ? rows : -1;
-        rows += n >= QA_MIN_ROWS ? (n + 15) / 16 * 16 : 0;
+        off[a] = n >= min_rows ? rows : -1;
+        rows += n >= min_rows ? (n + 15) / 16 * 16 : 0;
     }
     return rows;
 }
