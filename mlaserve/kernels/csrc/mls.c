@@ -31,6 +31,7 @@
 #include "int8.c"         /* the same with int8 activations */
 #include "moe/route.c"    /* the MoE router */
 #include "moe/experts.c"  /* routed experts, pair by pair */
+#include "moe/block_setup.c" /* the MoE block's ways, buffers, routing and packed inputs */
 #include "moe/block.c"    /* a decode step's MoE block in one call */
 #include "rows16.c"      /* 16-bit cache rows: widening reads, rounding writes (kv_cache_dtype) */
 #include "attention.c"    /* the latent MQA over paged rows */
