@@ -129,11 +129,11 @@ static void moe_bufs_free(moe_bufs *m) {
 /* the int8 tile products' calls and packs (m->c8*, p8*, pk); 0, or -4 out of memory */
 static int moe_tiles_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t, moe_bufs *m) {
     const int64_t d = b->d, inter = b->inter, si = b->shared_inter, pairs = t * b->kk;
-    if (w->t8gu) m->c8gu = amx_call_of((int)b->type_gu, 2 * inter, d, b->gu_row_bytes, 2 * inter);
-    if (w->t8dn) m->c8dn = amx_call_of((int)b->type_dn, d, inter, b->dn_row_bytes, d);
-    if (w->t8sg) m->c8sg = amx_call_of((int)b->type_sg, si, d, b->sg_row_bytes, 2 * si);
-    if (w->t8su) m->c8su = amx_call_of((int)b->type_su, si, d, b->su_row_bytes, 2 * si);
-    if (w->t8sd) m->c8sd = amx_call_of((int)b->type_sd, d, si, b->sd_row_bytes, d);
+    if (w->t8gu) m->c8gu = amx_call_of((int)b->type_gu, d, b->gu_row_bytes, 2 * inter);
+    if (w->t8dn) m->c8dn = amx_call_of((int)b->type_dn, inter, b->dn_row_bytes, d);
+    if (w->t8sg) m->c8sg = amx_call_of((int)b->type_sg, d, b->sg_row_bytes, 2 * si);
+    if (w->t8su) m->c8su = amx_call_of((int)b->type_su, d, b->su_row_bytes, 2 * si);
+    if (w->t8sd) m->c8sd = amx_call_of((int)b->type_sd, si, b->sd_row_bytes, d);
     /* packs: the shared rows' ceil(t / 16); routed groups of pk_rows pairs or more, at most pairs / pk_rows of them,
        each ceil(rows / 16) <= rows / pk_rows packs (pk_rows <= 16) */
     const int64_t sp = (t + AMX_ROWS - 1) / AMX_ROWS;

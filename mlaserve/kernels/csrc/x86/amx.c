@@ -191,17 +191,17 @@ static int amx_keep(int64_t rows, const void *type) { return amx_takes(*(const i
 typedef struct {
     amx_hook_t h;
     int type;
-    int64_t n, k, row_bytes, ldy, nls;
+    int64_t k, row_bytes, ldy, nls;
     size_t per_group, xp_n, dx_n, a_n;
     amx_cfg_t cfg; /* the hook's tile shapes */
 } amx_call_t;
 
-/* the call of a product on this type: n weight rows of k values (row_bytes apart), outputs ldy apart */
-static amx_call_t amx_call_of(int type, int64_t n, int64_t k, int64_t row_bytes, int64_t ldy) {
+/* the call of a product on this type: weight rows of k values (row_bytes apart), outputs ldy apart */
+static amx_call_t amx_call_of(int type, int64_t k, int64_t row_bytes, int64_t ldy) {
     const amx_hook_t h = amx_hook_of(type);
     const int64_t kb = k / 256;
     const size_t xp_n = (size_t)(k / 4 * AMX_ROWS), dx_n = (size_t)(kb * AMX_ROWS), bs_n = (size_t)(kb * 4 * AMX_ROWS);
-    amx_call_t c = {h, type, n, k, row_bytes, ldy, AMX_ROWS * kb * h.scales, xp_n + dx_n + bs_n, xp_n, dx_n,
+    amx_call_t c = {h, type, k, row_bytes, ldy, AMX_ROWS * kb * h.scales, xp_n + dx_n + bs_n, xp_n, dx_n,
                     (size_t)(h.planes * AMX_ROWS * k), {0}};
     c.cfg.palette = 1;
     h.tiles(type, &c.cfg);
@@ -239,13 +239,12 @@ static void amx_item(const amx_call_t *c, amx_rows_t *W, float *acc, const uint8
     }
     c->h.unpack(c->type, w + r0 * c->row_bytes, c->row_bytes, nr, c->k, W);
     memset(acc, 0, sizeof(float) * AMX_ROWS * 16 * (size_t)groups_a);
-    for (int64_t blk = 0; blk < c->k / 256; blk++) {
+    for (int64_t blk = 0; blk < c->k / 256; blk++)
         for (int64_t g = 0; g < groups_a; g++) {
             const int32_t *xp = xg + g * c->per_group;
             const amx_acts_t x = {xp, (const float *)(xp + c->xp_n), xp + c->xp_n + c->dx_n};
             c->h.product(c->type, W, blk, &x, c->k, acc + g * AMX_ROWS * 16);
         }
-    }
     const __m512i by_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(16)); /* acc's offsets of one i's 16 r */
     const __m512 factor = _mm512_set1_ps(c->h.factor);
@@ -287,13 +286,13 @@ static char *amx_thread_alloc(const amx_call_t *cs, int n, int64_t most, amx_row
    experts[a] * expert_stride, n rows row_bytes apart) into y's columns q * n .. q * n + n (row stride ldy); groups
    that do not take the tiles are left to the caller. One parallel region for the whole call: the activations of
    every such group packed (static), then one work list of (group, part, 16-row weight block) items (a group's
-   blocks next to each other; static for one group, else dynamic), so a call over many experts pays one fork and one tail, not one per expert
-   and part. Each item runs the same operations as a call on its expert alone, so the bits do not depend on the
+   blocks next to each other; static for one group, else dynamic), so a call over many experts pays one fork and
+   one tail, not one per expert and part. Each item runs the same operations as a call on its expert alone, so the bits do not depend on the
    grouping. Returns 0, -4 when memory runs out. */
 static int amx_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                        const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads) {
-    const amx_call_t c = amx_call_of(type, n, k, row_bytes, ldy);
+    const amx_call_t c = amx_call_of(type, k, row_bytes, ldy);
     const int64_t blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
     amx_picks_t t;
     if (amx_pick(starts, groups, amx_keep, &type, &t)) return -4;
