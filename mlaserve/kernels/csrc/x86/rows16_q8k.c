@@ -329,21 +329,15 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
 static inline int rows16_takes_rows(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
 #define ROWS16_MOST 3
 
-#define ROWS16_MR(five, mr) rows16_q45(w, row_bytes, nr, five, xq + i * k, xd + i * (k / 32), mr, k, y + i * ldy, ldy)
 /* nr (<= 16) rows of a type rows16_takes_rows times m (2, 3) activation rows (q8_K codes xq [m, k], scales xd) into
-   y (row stride ldy); each row's result its one-row kernel's bits */
+   y (row stride ldy); each row's result its one-row kernel's bits (five and the row count constants in each call) */
 static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                             const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
-    const int64_t i = 0;
-    if (type == MLS_Q4_K) {
-        if (m == 3) ROWS16_MR(0, 3);
-        if (m == 2) ROWS16_MR(0, 2);
-    } else {
-        if (m == 3) ROWS16_MR(1, 3);
-        if (m == 2) ROWS16_MR(1, 2);
-    }
+    if (type == MLS_Q4_K && m == 3) rows16_q45(w, row_bytes, nr, 0, xq, xd, 3, k, y, ldy);
+    if (type == MLS_Q4_K && m == 2) rows16_q45(w, row_bytes, nr, 0, xq, xd, 2, k, y, ldy);
+    if (type == MLS_Q5_K && m == 3) rows16_q45(w, row_bytes, nr, 1, xq, xd, 3, k, y, ldy);
+    if (type == MLS_Q5_K && m == 2) rows16_q45(w, row_bytes, nr, 1, xq, xd, 2, k, y, ldy);
 }
-#undef ROWS16_MR
 #elif defined(MLS_SIMD)
 /* ------------------------------------------- AVX2: one activation row times 8 Q4_K / Q5_K weight rows side by side
    rows16_q45's scheme in 8 lanes: the rows' fp16 scales and 12 scale bytes by AVX2 gathers, unpacked for 8 rows at
