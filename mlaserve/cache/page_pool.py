@@ -2,11 +2,16 @@
 
 Plain bookkeeping (ids and counts, no tensors): the scheduler owns it on rank 0; the tensors the
 pages index live in `cache.model_cache`.
+
+Free pages are handed out most recently released first (a stack; the never-used ones in ascending order after
+those): the cache's memory becomes resident page by page as rows are first written (model_cache._zeros), so reusing
+a resident page keeps the process's memory at the most pages ever held at once. Handing them out in release order
+walked through the whole pool instead (16 x 2048 tokens by default), making every page resident in time.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 
 class OutOfPages(RuntimeError):
@@ -24,7 +29,7 @@ class PagePool:
     def __init__(self, num_pages: int, enable_prefix_caching: bool = False) -> None:
         self.num_pages = num_pages
         self.prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: the last one is handed out next
         self.ref = [0] * num_pages
         self._hash_of: dict[int, int] = {}  # page -> content hash
         self._page_of: dict[int, int] = {}  # content hash -> page
@@ -44,7 +49,7 @@ class PagePool:
 
     def _take(self) -> int:
         if self._free:
-            return self._free.popleft()
+            return self._free.pop()
         page, _ = self._evictable.popitem(last=False)
         del self._page_of[self._hash_of.pop(page)]
         return page

@@ -9,13 +9,13 @@ Lifecycle: a slot is taken when a request is admitted to the running set and giv
 it (finish, abort, failure, preemption). A freed slot's stale contents are never read: the first chunk
 of every (re-)admitted request says `reset_state` (the runner zeroes its slot before the step) or, at a
 prefix hit, `restore_page` (the runner zeroes it and copies the page's snapshot rows in).
-Slots are reused in the order they were freed (FIFO), so a slot freed this step is the last to be
-handed out again.
+Slots are handed out most recently freed first (a stack; the never-used ones in ascending order after those): a
+state's memory becomes resident slot by slot as slots are first written (model_cache._zeros), so reusing a resident
+slot keeps the process's memory at the most slots ever held at once (handing them out in the order they were freed
+walked through every slot in time).
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 
 class SlotPool:
@@ -23,7 +23,7 @@ class SlotPool:
         if num_slots < 1:
             raise ValueError(f"a slot pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: the last one is handed out next
         self.owner: dict[int, str] = {}  # slot -> request id holding it
 
     @property
@@ -34,7 +34,7 @@ class SlotPool:
         """A free slot for this request; the caller checks num_free first (admission waits, never fails)."""
         if not self._free:
             raise RuntimeError(f"request {request_id}: no free state slot ({self.num_slots} all held)")
-        slot = self._free.popleft()
+        slot = self._free.pop()
         self.owner[slot] = request_id
         return slot
 

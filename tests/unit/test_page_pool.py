@@ -86,8 +86,25 @@ def test_truly_free_pages_go_before_cached_ones():
     pages = pool.allocate(2)
     pool.register(pages[0], 100)
     pool.release(pages)  # page 0 cached (evictable), page 1 plain free
-    assert pool.allocate(3) == [2, 3, 1]  # free list first, in order; cached page 0 kept
+    assert pool.allocate(3) == [1, 2, 3]  # free pages first, the released one before the never-used; cached 0 kept
     assert pool.lookup([100]) == [0]
+
+
+def test_released_pages_are_reused_before_never_used_ones():
+    """The pool's memory becomes resident page by page as pages are first written: requests that come one after
+    another reuse the same pages (a stack), so the resident pages stay at the most ever held at once."""
+    pool = _pool(64, prefix=False)
+    seen = set()
+    for n in (3, 5, 2, 5, 4, 1) * 4:
+        pages = pool.allocate(n)
+        seen.update(pages)
+        pool.release(pages)
+    assert seen == set(range(5))
+    held = pool.allocate(3)
+    assert held == [0, 1, 2]  # a request's pages in ascending order, as released (its tail released first)
+    other = pool.allocate(4)
+    pool.release(held)
+    assert pool.allocate(2) == [0, 1] and other == [3, 4, 5, 6]
 
 
 def test_eviction_is_least_recently_used_first_and_forgets_the_hash():
@@ -132,11 +149,11 @@ def test_register_rules(case):
         pool.register(q, 5)  # a duplicate page stays unnamed and goes back to the free list
         pool.release([q])
         assert pool.lookup([5]) == [p]
-        assert pool.allocate(1) == [2] and pool.allocate(1) == [q]
+        assert pool.allocate(1) == [q] and pool.allocate(1) == [2]  # q, just freed, before the never-used 2
     else:
         pool.release([p, q])
         assert pool.lookup([5]) == []
-        assert pool.allocate(3) == [2, q, p]  # both plain free: nothing was cached
+        assert pool.allocate(3) == [p, q, 2]  # both plain free (nothing was cached), released ones first
 
 
 def test_page_hashes_are_chained_on_the_prefix():

@@ -49,10 +49,10 @@ def test_slot_pool_hands_out_each_slot_once_and_reuses_only_after_free():
         pool.free(1, "a")
     pool.free(got[1], "b")
     pool.free(got[0], "a")
-    # FIFO reuse: the slot freed first comes back first; a freed slot is never handed out twice
-    assert pool.allocate("e") == got[1] and pool.allocate("f") == got[0]
+    # most recently freed first (its memory is resident); a freed slot is never handed out twice
+    assert pool.allocate("e") == got[0] and pool.allocate("f") == got[1]
     with pytest.raises(RuntimeError, match="held by 'e'"):
-        pool.free(got[1], "b")  # a double free by the old holder
+        pool.free(got[0], "a")  # a double free by the old holder
     with pytest.raises(ValueError, match="at least one slot"):
         SlotPool(0)
 
@@ -134,7 +134,7 @@ def test_preemption_frees_the_slot_and_readmission_resets_it():
     plan = _step(s)
     seq = plan.chunks[0].to_seq_chunk(PS)
     assert seq.request_id == "b" and seq.context_len == 0 and seq.reset_state
-    assert seq.state_slot == b.state_slot == 1  # FIFO: slot 1 (freed at the preemption) before slot 0
+    assert seq.state_slot == b.state_slot == 0  # a's slot, the most recently freed
 
 
 def test_n_children_are_requests_with_their_own_slots():
