@@ -63,7 +63,10 @@ class EngineOptions:
         "tokens per page of the cache (None: 16, or the family's own: DeepSeek-V4 256 rounded up to a multiple of "
         "every compress ratio)",
     )
-    max_num_batched_tokens: int = _opt(2048, "token budget per step (long prompts are prefilled in chunks of it)")
+    max_num_batched_tokens: int | None = _opt(
+        None,
+        "token budget per step (long prompts are prefilled in chunks of it; None: 1024 on the CPU, 2048 on a GPU)",
+    )
     max_num_seqs: int = _opt(64, "running requests at most")
     num_pages: int | None = _opt(
         None,

@@ -161,3 +161,22 @@ def test_rank_echo_names_the_differing_field_and_leaves_threads_apart():
     assert set(ea) == {"model", *WHERE.values()} - {"runtime.threads"}
     assert [k for k in ea if ea[k] != eb[k]] == ["cache.page_size"]
     assert effective_config(_config(threads=2)) == effective_config(_config(threads=1))
+
+
+def test_the_token_budget_is_the_devices_default_unless_given():
+    """max_num_batched_tokens=None: 1024 on the CPU (a step's temporaries are resident memory there), 2048 on a GPU,
+    recorded as the engine's choice for that device; a given budget is kept and recorded as the user's."""
+    from mlaserve.config.engine import _token_budget
+    from mlaserve.config.provenance import ProvenanceLog
+
+    cfg = _config()
+    source = {s.name: s.source for s in cfg.provenance}["max_num_batched_tokens"]
+    assert cfg.scheduler.max_num_batched_tokens == 1024 and source == "engine default on the CPU (1024)"
+    log = ProvenanceLog()
+    assert (
+        _token_budget(None, "cuda", log) == 2048
+        and log.source("max_num_batched_tokens") == "engine default on cuda (2048)"
+    )
+    given = _config(max_num_batched_tokens=2048)
+    assert given.scheduler.max_num_batched_tokens == 2048
+    assert {s.name: s.source for s in given.provenance}["max_num_batched_tokens"] == "user option"
