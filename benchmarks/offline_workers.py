@@ -52,8 +52,7 @@ class MlaServeWorker:
         )
         kw = dict(
             dtype=dtype,
-            page_size=PAGE_SIZE,
-            max_num_batched_tokens=2048,
+            page_size=PAGE_SIZE,  # the step's token budget: the engine's default (1024 on the CPU)
             max_num_seqs=max(16, *s["concs"]),
             num_pages=need + 16,
             threads=threads,  # the benchmark's --threads
