@@ -229,10 +229,10 @@ def _check_plain_options(opts: EngineOptions, log: ProvenanceLog) -> None:
 # The step's token budget where none is given. On the CPU every step-sized temporary (the linears' outputs, the MoE
 # activations, the attention's queries and outputs) is resident memory, and glibc keeps the heap at its peak: a
 # 1024-token step holds about half of a 2048-token one's, and 16 prompts of 128 tokens prefill as fast in two steps
-# as in one. Measured on a 2-core Xeon with AMX, 2 threads, Q4_K_M files, alternating (docs/PERFORMANCE.md): peak
-# RSS 0.08-0.30 GiB lower; 16 concurrent requests level; a 4096-token prompt 4-15% faster (the standard model,
-# glm-real) or 4-7% slower (ds-real: each chunk expands its prefix's K / V again), 8000 tokens 3-6% slower. A GPU
-# keeps 2048 (its memory is the cache pool's budget, and larger steps fill it better).
+# as in one. Measured on a 2-core Xeon with AMX, 2 threads, Q4_K_M files, alternating (benchmarks/README.md, runs of
+# 2026-12-07, morning): peak RSS 0.06-0.33 GiB lower; 16 concurrent requests level; a 4096-token prompt 0-17% faster
+# (the standard model, glm-real) or 4-12% slower (ds-real: each chunk expands its prefix's K / V again), 8000 tokens
+# 3-6% slower. A GPU keeps 2048 (its memory is the cache pool's budget, and larger steps fill it better).
 CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 1024, 2048
 
 
