@@ -52,7 +52,8 @@ class MlaServeWorker:
         )
         kw = dict(
             dtype=dtype,
-            page_size=PAGE_SIZE,  # the step's token budget: the engine's default (1024 on the CPU)
+            page_size=PAGE_SIZE,
+            # the step's token budget is the engine's default (1024 on the CPU), as the CLI and server run
             max_num_seqs=max(16, *s["concs"]),
             num_pages=need + 16,
             threads=threads,  # the benchmark's --threads

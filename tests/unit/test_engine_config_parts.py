@@ -9,8 +9,9 @@ import pytest
 import torch
 from hf_models import make_config
 
-from mlaserve.config.engine import EngineConfig, EngineOptions, make_options, resolve
+from mlaserve.config.engine import EngineConfig, EngineOptions, _token_budget, make_options, resolve
 from mlaserve.config.model import ModelConfig
+from mlaserve.config.provenance import ProvenanceLog
 from mlaserve.distributed.worker import effective_config
 
 # Provenance name (what the user typed, unchanged) -> where the resolved value lives.
@@ -166,9 +167,6 @@ def test_rank_echo_names_the_differing_field_and_leaves_threads_apart():
 def test_the_token_budget_is_the_devices_default_unless_given():
     """max_num_batched_tokens=None: 1024 on the CPU (a step's temporaries are resident memory there), 2048 on a GPU,
     recorded as the engine's choice for that device; a given budget is kept and recorded as the user's."""
-    from mlaserve.config.engine import _token_budget
-    from mlaserve.config.provenance import ProvenanceLog
-
     cfg = _config()
     source = {s.name: s.source for s in cfg.provenance}["max_num_batched_tokens"]
     assert cfg.scheduler.max_num_batched_tokens == 1024 and source == "engine default on the CPU (1024)"
