@@ -131,8 +131,13 @@ class SwiGLU(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         # out of place where autograd keeps the inputs, or a forward hook may have kept the projections' outputs
         if gate.requires_grad or up.requires_grad or self.gate_proj._forward_hooks or self.up_proj._forward_hooks:
-            return self.down_proj(self.act(gate, up))
-        return self.down_proj(swiglu_into(gate, up, self.limit))
+            h = self.act(gate, up)
+        else:
+            h = swiglu_into(gate, up, self.limit)
+        # the names dropped before the down projection: up's [T, I] (and gate's, where h is a new tensor) is freed
+        # instead of held beside the down projection's own temporaries (42 MiB at 1,024 tokens of a 10,944-wide MLP)
+        del gate, up
+        return self.down_proj(h)
 
     def _hooked(self) -> bool:
         """A hook on a projection sees its whole step's tensors: such a step runs whole."""

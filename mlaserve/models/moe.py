@@ -151,10 +151,10 @@ class Experts(nn.Module):
         # (executor/host_sync.py); the same integers, and fewer ops
         experts = torch.arange(self.gate_up_proj.shape[0], device=flat_idx.device)
         offs = torch.searchsorted(sorted_idx, experts, right=True, out_int32=True)
-        xs = x[token_of]
-        gate_up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
-        gate, up = gate_up.chunk(2, dim=-1)
-        ys = torch._grouped_mm(self.act(gate, up), self.down_proj.transpose(1, 2), offs=offs)
+        gate, up = torch._grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        h = self.act(gate, up)
+        del gate, up  # the pairs' [P, 2I] freed before the down product (as the inputs' gather already is)
+        ys = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 

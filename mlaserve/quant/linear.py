@@ -205,7 +205,9 @@ class FP8Experts(KernelSwitch, Experts):
         xs = x.float()[token_of].contiguous()
         t, (gu, k_gu, gu_grid), (down, k_down, down_grid) = self._native_operands()
         g, u = native.grouped_gemm(t, xs, gu, k_gu, experts, starts, gu_grid).chunk(2, dim=-1)
-        ys = native.grouped_gemm(t, self._swiglu(g, u).contiguous(), down, k_down, experts, starts, down_grid)
+        h = self._swiglu(g, u).contiguous()
+        del xs, g, u  # the pairs' inputs and [P, 2I] freed before the down product
+        ys = native.grouped_gemm(t, h, down, k_down, experts, starts, down_grid)
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token_of, ys).to(x.dtype)
 
@@ -247,7 +249,9 @@ class FP8Experts(KernelSwitch, Experts):
         token_of = order // k
         offs = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)
         g, u = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(self._swiglu(g, u), down.transpose(1, 2), offs=offs)
+        h = self._swiglu(g, u)
+        del g, u  # the pairs' [P, 2I] freed before the down product
+        ys = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
         ys = ys * topk_w.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 

@@ -77,7 +77,9 @@ class Experts(nn.Module):
         token_of = order // k
         offs = torch.cumsum(torch.bincount(flat, minlength=self.gate_up_proj.shape[0]), 0).to(torch.int32)
         gate, up = torch._grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        h = clamped_swiglu(gate, up, self.limit)
+        del gate, up  # the pairs' [P, 2I] freed before the down product
+        ys = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         ys = ys * weights.flatten()[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
