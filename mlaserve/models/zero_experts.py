@@ -81,11 +81,10 @@ class ZeroExpertExperts(Experts):
         counts = torch.bincount(flat_idx, minlength=e)[:e]
         offs = torch.cumsum(counts, 0).to(torch.int32)
         n_real = int(offs[-1])  # the grouped GEMMs read exactly these rows (rows past the last offset are not defined)
-        gate, up = torch._grouped_mm(x[token_of[:n_real]], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(
-            2, dim=-1
-        )
+        xs = x[token_of[:n_real]]
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         h = F.silu(gate) * up
-        del gate, up  # the pairs' [P, 2I] freed before the down product
+        del xs, gate, up  # the pairs' inputs and [P, 2I] freed before the down product
         ys = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs) * w[:n_real]
         identity = x[token_of[n_real:]] * w[n_real:]
         # one scatter in expert order: a token's terms are summed in the order the reference's loop adds them
