@@ -6,7 +6,8 @@ already runs the K / V expansion in bf16 (MLAAttention.attention_bf16): K's nope
 the products round only q, k_pe and P.
 
 Notation (one group of G heads of B requests, N = B G; u = 2^-8, bf = round to nearest even bfloat16)
-  q    [B, G, Q, D]   fp32 queries of one block of Q queries, D = dn + dr; q_b = bf(scale q)   [N, Mp, Dp]
+  q    [B, G, Q, D]   fp32 queries of one block of Q queries, D = dn + dr; pack_queries -> q_b = bf(scale q)
+                      [N, Mp, Dp], read from the layer's q_nope / q_pe through the block's token rows
   K    [B, G, L, D]   keys [k_nope | k_pe]; pack_keys -> the pairs of K_b^T in blocks of 16 keys:
                       int32 [N, Lp / 16, Dp / 2, 16]
   V    [B, G, L, dv]  values; pack_values -> the pairs of V_b: int32 [N, Lp / 2, dvp] (seen as [N, dvp / 16,
@@ -103,15 +104,34 @@ def bmm(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
     return c
 
 
+def pack_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """A block of queries of a group of G heads as the scores' left operand: q_nope [T, G, dn], q_pe [T, G, dr] fp32 (a
+    head's values contiguous; any token and head strides: the layer's halves where they lie), rows [B, Q] their
+    token rows -> q_b [B G, Mp, Dp] bf16 = bf(scale [q_nope | q_pe]) of token rows[b, i], rows past Q and values past
+    dn + dr zero (csrc/attention_pack.c: one pass, the bits of (q * scale).bfloat16())."""
+    b, nq = rows.shape
+    g, dn, dr = q_nope.shape[1], q_nope.shape[2], q_pe.shape[2]
+    assert q_nope.dtype == q_pe.dtype == torch.float32 and q_nope.stride(2) == 1 and q_pe.stride(2) == 1
+    assert q_pe.shape[:2] == q_nope.shape[:2] and rows.dtype == torch.int64
+    out = torch.empty(b * g, _up(nq), _up(dn + dr), dtype=torch.bfloat16)
+    rows = rows.contiguous()
+    rc = native.library().mls_pack_queries_bf16(
+        q_nope.data_ptr(), dn, q_nope.stride(0), q_nope.stride(1), q_pe.data_ptr(), dr, q_pe.stride(0),
+        q_pe.stride(1), rows.data_ptr(), b, nq, g, scale, out.data_ptr(), out.shape[1], out.shape[2],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native bf16 query pack failed (rc {rc})")
+    return out
+
+
 def attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, n: int, dv: int
+    qb: torch.Tensor, b: int, nq: int, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, n: int, dv: int
 ) -> torch.Tensor:
-    """One block of queries: q [B, G, Q, D] fp32, keys / values packed (pack_keys / pack_values), mask [B, Q, n]
-    over the block's first n keys -> O [B, Q, G, dv] fp32."""
-    b, g, nq, d = q.shape
-    mp, npad = _up(nq), _up(n)
-    qb = q.new_zeros(b * g, mp, _up(d), dtype=torch.bfloat16)
-    qb[:, :nq, :d] = (q * scale).flatten(0, 1)
+    """One block of nq queries of b requests: qb [B G, Mp, Dp] (pack_queries: scaled, rounded, padded), keys /
+    values packed (pack_keys / pack_values), mask [B, Q, n] over the block's first n keys -> O [B, Q, G, dv] fp32
+    (a view)."""
+    g, mp, npad = qb.shape[0] // b, qb.shape[1], _up(n)
     scores = bmm(qb, keys, npad)
     probs = torch.empty(b * g, mp, npad, dtype=torch.bfloat16)
     mask = mask.contiguous()

@@ -62,6 +62,27 @@ def test_bmm_within_its_bound_and_row_independent():
     assert (out.double() - want).abs().max() > 0  # fp32 sums, not fp64 (the test sees the unit's rounding)
 
 
+def test_queries_packed_are_the_scaled_gathered_bf16_copy():
+    """pack_queries against torch's composition (concatenate, gather the token rows, scale, round, pad): the same
+    bits, from strided halves of a head group, with ties to even, a subnormal and a NaN among the values."""
+    g = torch.Generator().manual_seed(3)
+    t, heads, dn, dr = 11, 5, 40, 12
+    q = torch.randn(t, heads, dn + dr, generator=g) * 3
+    q[3, 2, 5], q[3, 2, 6] = 2 * (1 + 2.0**-8), 2 * (1 + 3 * 2.0**-8)  # halved: ties, to 1 and to 1 + 2^-6
+    q[9, 1, 44], q[4, 3, 7] = 2.0**-130, float("nan")
+    rows = torch.tensor([[3, 4, 0], [10, 9, 2]])
+    sub = slice(1, 4)
+    qb = bf16_attention.pack_queries(q[:, sub, :dn], q[:, sub, dn:], rows, 0.5)
+    want = torch.zeros(2, 3, 32, 64, dtype=torch.bfloat16)
+    want[:, :, :3, : dn + dr] = (q[rows][:, :, sub] * 0.5).bfloat16().transpose(1, 2)
+    want = want.view(6, 32, 64)
+    assert qb.shape == (6, 32, 64)
+    nan = want.isnan()  # a NaN stays a NaN (its bits are the cast's own: torch's vector cast writes 0xFFFF)
+    assert int(nan.sum()) == 1 and torch.equal(qb.isnan(), nan)
+    assert torch.equal(qb.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert qb.view(2, 3, 32, 64)[0, 1, 0, 5].item() == 1.0 and qb.view(2, 3, 32, 64)[0, 1, 0, 6].item() == 1 + 2.0**-6
+
+
 def test_softmax_pass_masks_pads_and_reports_nan():
     g = torch.Generator().manual_seed(1)
     b, heads, nq, n = 2, 3, 40, 70
@@ -71,7 +92,14 @@ def test_softmax_pass_masks_pads_and_reports_nan():
     mask = torch.rand(b, nq, n, generator=g) > 0.4
     mask[:, :, 0] = True
     keys, values = bf16_attention.pack_keys(k_nope, k_pe), bf16_attention.pack_values(v, finite=True)
-    out = bf16_attention.attention(q, keys, values, mask, 0.3, n, 32)
+
+    def attend(q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [b, heads, nq, 32] as token rows [b nq, heads, 32], packed in two halves as the layer's q_nope / q_pe"""
+        flat = q.transpose(1, 2).reshape(b * nq, heads, 32)
+        qb = bf16_attention.pack_queries(flat[..., :24], flat[..., 24:], torch.arange(b * nq).view(b, nq), 0.3)
+        return bf16_attention.attention(qb, b, nq, keys, values, mask, n, 32)
+
+    out = attend(q, mask)
     assert out.shape == (b, nq, heads, 32)
     # fp64 on the same rounded operands: q scaled then rounded, K and V rounded, P rounded once
     qb = (q * 0.3).bfloat16().double()
@@ -85,14 +113,14 @@ def test_softmax_pass_masks_pads_and_reports_nan():
     bound = (2.0**-8 + 2.0**-20) * (p @ v.bfloat16().double().abs()).transpose(1, 2) + 1e-6
     assert ((out.double() - want).abs() <= bound).all()
     # the mask is read: dropping it moves the outputs
-    free = bf16_attention.attention(q, keys, values, torch.ones_like(mask), 0.3, n, 32)
+    free = attend(q, torch.ones_like(mask))
     assert (free - out).abs().max() > 0.1
     # a NaN query makes its own row NaN, no other; a row that allows no key is NaN, not zero
     q2 = q.clone()
     q2[1, 2, 5, 0] = float("nan")
     m2 = mask.clone()
     m2[0, 7] = False
-    got = bf16_attention.attention(q2, keys, values, m2, 0.3, n, 32)
+    got = attend(q2, m2)
     bad = got.isnan().any(-1)
     assert bad[1, 5, 2] and bad[0, 7].all() and int(bad.sum()) == 1 + heads
 

@@ -82,10 +82,12 @@ def decompressed_attention(
     h = q_nope.shape[1]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     w = kv_b.unflatten(0, (h, -1))  # [H, dn + dv, r], head-major as kv_b's rows
-    q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
     mask, causal = _mask(seg, allowed), seg.q_index.shape[1] > 1
-    groups = head_blocks(h, expansion_bytes(rows, w.shape[1], q.shape[-1]))
-    parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal, seg.key_ends, tiles) for g in groups]
+    groups = head_blocks(h, expansion_bytes(rows, w.shape[1], q_nope.shape[-1] + q_pe.shape[-1]))
+    if tiles:
+        return _tile_attention(q_nope, q_pe, rows, w, seg, mask, scale, dn, causal, groups)
+    q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
+    parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal, seg.key_ends) for g in groups]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -104,20 +106,13 @@ def _decompressed_heads(
     dn: int,
     causal: bool,
     key_ends: tuple[int, ...],
-    tiles: bool = False,
 ) -> torch.Tensor:
     """One group of G heads: q [B, G, Q, dn + dr], rows [B, L, r + dr], w [G, dn + dv, r] -> [B, Q, G, dv].
     Each block of queries reads the keys below its key_ends only: the rest are masked for all of its queries
     (probability 0, and V's later rows are finite), so the outputs are those of the whole key range up to the
-    products' rounding. tiles: K and V packed once for the group, each block's products on the bf16 tiles."""
+    products' rounding."""
     g, r = w.shape[0], w.shape[2]
     blocks = query_blocks(q.shape[2], score_bytes(q.shape[0] * g, rows.shape[1]), CAUSAL_BLOCK if causal else None)
-    if tiles:  # the products on the bf16 tiles, K and V packed once for the group
-        keys, values = _tile_operands(rows, w, dn, causal)
-        mha = bf16_attention.attention
-        ends = [key_ends[s.stop - 1] for s in blocks]
-        parts = [mha(q[:, :, s], keys, values, mask[:, s, :n], scale, n, w.shape[1] - dn) for s, n in zip(blocks, ends)]
-        return torch.cat(parts, dim=1)
     # [B, L, G, dn + dv] in the rows' dtype; a bf16 w beside fp32 rows (the plan's bf16 expansion:
     # MLAAttention.expansion_bf16) multiplies the rows rounded to bf16 on the matrix units, the product widened back
     # (both conversions are no-ops where w and the rows share a dtype)
@@ -135,6 +130,36 @@ def _decompressed_heads(
         n = key_ends[s.stop - 1]
         parts.append(_mha(q[:, :, s], k[:, :, :n], v[:, :, :n], mask[:, s, :n], scale))
     return torch.cat(parts, dim=1)
+
+
+def _tile_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    seg: SegmentTensors,
+    mask: torch.Tensor,
+    scale: float,
+    dn: int,
+    causal: bool,
+    groups: list[slice],
+) -> torch.Tensor:
+    """decompressed_attention's products on the bf16 tiles (q_nope [N, H, dn], q_pe [N, H, dr], w [H, dn + dv, r]) ->
+    [B, Q, H, dv]: per group of heads K and V packed once, per block of queries (as _decompressed_heads blocks them)
+    the queries packed from the layer's halves where they lie (bf16_attention.pack_queries: no concatenated,
+    gathered or scaled fp32 copy) and the block's output written into its place in the result."""
+    b, nq = seg.q_index.shape
+    out = q_nope.new_empty(b, nq, w.shape[0], w.shape[1] - dn)
+    for g in groups:
+        keys, values = _tile_operands(rows, w[g], dn, causal)
+        per_block = score_bytes(b * (g.stop - g.start), rows.shape[1])
+        for s in query_blocks(nq, per_block, CAUSAL_BLOCK if causal else None):
+            n = seg.key_ends[s.stop - 1]
+            qb = bf16_attention.pack_queries(q_nope[:, g], q_pe[:, g], seg.q_index[:, s], scale)
+            out[:, s, g] = bf16_attention.attention(
+                qb, b, s.stop - s.start, keys, values, mask[:, s, :n], n, out.shape[-1]
+            )
+    return out
 
 
 def _tile_operands(rows: torch.Tensor, w: torch.Tensor, dn: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 31
+#define MLS_ABI_VERSION 32
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -314,6 +314,12 @@ int mls_softmax_bf16(float *s, int64_t b, int64_t g, int64_t m, int64_t n, const
                      uint16_t *p, int threads);
 /* which unit runs mls_bf16_bmm here: 2 the AMX-BF16 tiles, 1 AVX512-BF16 dot products, 0 neither */
 int mls_bf16_bmm_unit(void);
+/* attention_pack.c: out [b g, mp, dp] bf16 = [bf(scale q0[t, gi]) | bf(scale q1[t, gi]) | 0] per request bi and query
+   i < nq (t = rows[bi nq + i]; q0's d0 values at t st0 + gi sh0, q1's d1 at t st1 + gi sh1), rows past nq zero.
+   0, -2 nq > mp or d0 + d1 > dp */
+int mls_pack_queries_bf16(const float *q0, int64_t d0, int64_t st0, int64_t sh0, const float *q1, int64_t d1,
+                          int64_t st1, int64_t sh1, const int64_t *rows, int64_t b, int64_t nq, int64_t g, float scale,
+                          uint16_t *out, int64_t mp, int64_t dp, int threads);
 /* whether the bf16 tiles run here: 1 yes, 0 a build without AMX-BF16, -errno the kernel refused the tile state */
 int mls_bf16_tiles(void);
 
