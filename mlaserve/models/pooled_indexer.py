@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mlaserve.attention.backends.blocks import query_blocks
+from mlaserve.attention.backends.blocks import gather_rows, query_blocks
 from mlaserve.config.model import IndexerConfig
 from mlaserve.models.indexer import Selection
 
@@ -147,7 +147,8 @@ class PooledIndexer(nn.Module):
         for seg, tensors in zip(segments, pooled.segments):  # at most two: the decode and the prefill segment
             rows = tensors.pool_rows
             keys = index_pools.index_select(0, rows.flatten()).view(*rows.shape, -1)  # [B, N, Di]
-            qs, ws, pos = q[seg.q_index], w[seg.q_index], tensors.positions  # [B, Q, Hi, Di], [B, Q, Hi], [B, Q]
+            qs, ws = gather_rows(q, seg.q_index), gather_rows(w, seg.q_index)  # [B, Q, Hi, Di], [B, Q, Hi]
+            pos = tensors.positions  # [B, Q]
             per_query = 3 * 4 * rows.shape[0] * self.cfg.n_heads * rows.shape[1]  # the [B, Hi, N] fp32 scores
             parts = [self.select(qs[:, s], ws[:, s], keys, pos[:, s]) for s in query_blocks(pos.shape[1], per_query)]
             out.append(Selection(torch.cat([p.index for p in parts], 1), torch.cat([p.valid for p in parts], 1)))

@@ -53,7 +53,7 @@ def absorbed_attention(
 ) -> torch.Tensor:
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones). heads: W_UK / W_UV
     kept as GGUF blocks (then the products read those; w_uk / w_uv give only shapes)."""
-    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
+    q = gather_rows(latent_queries(q_nope, q_pe, w_uk, heads), seg.q_index)  # [B, Q, H, r + dr]
     mask, r = _mask(seg, allowed), w_uk.shape[-1]
     rows = gather_rows(cache, seg.kv_slots)  # [B, L, r + dr]
     b, nq, h, _ = q.shape
@@ -86,7 +86,7 @@ def decompressed_attention(
     groups = head_blocks(h, expansion_bytes(rows, w.shape[1], q_nope.shape[-1] + q_pe.shape[-1]))
     if tiles:
         return _tile_attention(q_nope, q_pe, rows, w, seg, mask, scale, dn, causal, groups)
-    q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index].transpose(1, 2)  # [B, H, Q, dn + dr]
+    q = gather_rows(torch.cat([q_nope, q_pe], dim=-1), seg.q_index).transpose(1, 2)  # [B, H, Q, dn + dr]
     parts = [_decompressed_heads(q[:, g], rows, w[g], mask, scale, dn, causal, seg.key_ends) for g in groups]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
@@ -199,7 +199,7 @@ def sparse_absorbed_attention(
     """MQA over only the selected rows. index/valid [B, Q, k] (positions on the segment's key axis).
     Gathers k rows per query instead of scoring all L: the point of DSA at long context."""
     b, qn, k = index.shape
-    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
+    q = gather_rows(latent_queries(q_nope, q_pe, w_uk, heads), seg.q_index)  # [B, Q, H, r + dr]
     per_query = b * (k * cache.shape[1] * cache.element_size() + score_bytes(q.shape[2], k))
     o_lat = torch.cat(
         [

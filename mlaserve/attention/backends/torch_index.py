@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 
 def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seg: SegmentTensors, topk: int) -> torch.Tensor:
     """q [N, Hi, Di], w [N, Hi], keys: the layer's key cache [S, Di] -> positions [B, Q, min(topk, L)]."""
-    qb = q[seg.q_index]  # [B, Q, Hi, Di]
+    qb = gather_rows(q, seg.q_index)  # [B, Q, Hi, Di]
     kb = gather_rows(keys, seg.kv_slots)  # [B, L, Di]
-    wb = w[seg.q_index]  # [B, Q, Hi]
+    wb = gather_rows(w, seg.q_index)  # [B, Q, Hi]
     (b, nq, hi, di), length = qb.shape, kb.shape[1]
     k = min(topk, length)
     if seg.segment.index_scoring == "bf16_then_fp32":

@@ -48,7 +48,7 @@ def absorbed_attention(
     """Returns [B, Q, H, dv] (padding rows included; the caller keeps q_valid ones)."""
     from mlaserve.attention.backends.triton_kernels.latent_mqa import latent_mqa
 
-    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]  # [B, Q, H, r + dr]
+    q = gather_rows(latent_queries(q_nope, q_pe, w_uk, heads), seg.q_index)  # [B, Q, H, r + dr]
     o_lat = latent_mqa(q, _rows(cache), seg.kv_slots, scale, w_uk.shape[-1], q_pos=seg.q_pos, allowed=allowed)
     return expand_latent(o_lat.to(q_nope.dtype), w_uv, heads)
 
@@ -68,7 +68,7 @@ def sparse_absorbed_attention(
     """MQA over only each query's selected rows, index / valid [B, Q, k] (positions on the segment's key axis)."""
     from mlaserve.attention.backends.triton_kernels.latent_mqa import latent_mqa
 
-    q = latent_queries(q_nope, q_pe, w_uk, heads)[seg.q_index]
+    q = gather_rows(latent_queries(q_nope, q_pe, w_uk, heads), seg.q_index)
     o_lat = latent_mqa(q, _rows(cache), seg.kv_slots, scale, w_uk.shape[-1], index=index, valid=valid)
     return expand_latent(o_lat.to(q_nope.dtype), w_uv, heads)
 
@@ -93,7 +93,7 @@ def decompressed_attention(
     r, h = kv_b.shape[1], q_nope.shape[1]
     cache = _rows(cache)
     kv = torch.nn.functional.linear(gather_rows(cache, seg.kv_slots)[..., :r], kv_b).unflatten(-1, (h, -1))
-    q = torch.cat([q_nope, q_pe], dim=-1)[seg.q_index]  # [B, Q, H, dn + dr]
+    q = gather_rows(torch.cat([q_nope, q_pe], dim=-1), seg.q_index)  # [B, Q, H, dn + dr]
     out = latent_mha(q, kv, cache, seg.kv_slots, seg.q_pos, scale, dn, allowed)
     return out.to(q_nope.dtype)
 
@@ -102,7 +102,9 @@ def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk
     """q [N, Hi, Di], w [N, Hi], keys [S, Di] -> positions [B, Q, min(topk, L)] (a set, unsorted)."""
     from mlaserve.attention.backends.triton_kernels.index_scores import index_scores
 
-    scores = index_scores(q[seg.q_index], w[seg.q_index], _rows(keys), seg.kv_slots, seg.q_pos)
+    scores = index_scores(
+        gather_rows(q, seg.q_index), gather_rows(w, seg.q_index), _rows(keys), seg.kv_slots, seg.q_pos
+    )
     return scores.topk(min(topk, scores.shape[-1]), dim=-1, sorted=False).indices
 
 
