@@ -350,6 +350,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, Selections]:
         h, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev)
         x = x + self.all_reduce(h)
+        del h  # not read again: freed before the MLP makes its temporaries (a [T, D] tensor beside a step's peak)
         return x + self.all_reduce(self.mlp(self.post_attention_layernorm(x))), selections
 
 

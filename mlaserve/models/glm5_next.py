@@ -82,6 +82,7 @@ class Glm5NextDecoderLayer(nn.Module):
         else:
             y, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev)
         h = expand(post, comb, y, h)
+        del y  # not read again: freed before the MLP makes its temporaries (as DecoderLayer)
         post, comb, x = self.ffn_hc(h)
         return expand(post, comb, self.mlp(self.post_attention_layernorm(x)), h), selections
 

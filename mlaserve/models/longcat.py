@@ -111,11 +111,13 @@ class LongcatDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, Selections]:
         h, _ = self.self_attn[0](self.input_layernorm[0](x), step, rope, state, None)
         x = x + h
+        del h  # not read again: freed before the MLPs make their temporaries (as DecoderLayer)
         y = self.post_attention_layernorm[0](x)
         shortcut = self.mlp(y)
         x = x + self.mlps[0](y)
         h, _ = self.self_attn[1](self.input_layernorm[1](x), step, rope, state, None)
         x = x + h
+        del h
         return x + self.mlps[1](self.post_attention_layernorm[1](x)) + shortcut, prev
 
 
