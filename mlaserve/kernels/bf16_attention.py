@@ -60,31 +60,48 @@ def _up(n: int) -> int:
 
 
 def pack_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """K = [k_nope | k_pe]: k_nope [B, G, L, dn], k_pe [B, 1 or G, L, dr] (any strides, any float dtype) -> int32
-    [B G, Lp / 16, Dp / 2, 16]: per block of 16 keys, row p holds each key's values 2p and 2p + 1 as bf16 (the tiles'
-    pair layout of K^T, a tile's 16 rows in one 1 KiB run), keys past L and values past D zero (Dp = D rounded up to
-    32)."""
+    """K = [k_nope | k_pe]: k_nope [B, G, L, dn], k_pe [B, 1 or G, L, dr] (any strides, any float dtype: k_nope
+    rounded to bf16 and k_pe read as fp32 where they are not already) -> int32 [B G, Lp / 16, Dp / 2, 16]: per block
+    of 16 keys, row p holds each key's values 2p and 2p + 1 as bf16 (the tiles' pair layout of K^T, a tile's 16 rows
+    in one 1 KiB run), keys past L and values past D zero (Dp = D rounded up to 32). One C pass
+    (csrc/attention_pack.c), the bits of torch's padded copy and transpose (a NaN stays a NaN)."""
     b, g, length, dn = k_nope.shape
-    kb = k_nope.new_zeros(b, g, _up(length), _up(dn + k_pe.shape[-1]), dtype=torch.bfloat16)
-    kb[:, :, :length, :dn] = k_nope
-    kb[:, :, :length, dn : dn + k_pe.shape[-1]] = k_pe
-    lp, half = kb.shape[2], kb.shape[3] // 2
-    return kb.view(torch.int32).view(b * g, lp // 16, 16, half).transpose(2, 3).contiguous()
+    dr = k_pe.shape[-1]
+    kn = _last_contiguous(k_nope.to(torch.bfloat16))
+    kp = _last_contiguous(k_pe.float()).expand(b, g, length, dr)  # a k_pe shared by the heads: head stride 0
+    lp, dp = _up(length), _up(dn + dr)
+    out = torch.empty(b * g, lp // 16, dp // 2, 16, dtype=torch.int32)
+    rc = native.library().mls_pack_keys_bf16(
+        kn.data_ptr(), dn, *kn.stride()[:3], kp.data_ptr(), dr, *kp.stride()[:3], b, g, length, out.data_ptr(), lp,
+        dp, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native bf16 key pack failed (rc {rc})")
+    return out
 
 
 def pack_values(v: torch.Tensor, finite: bool) -> torch.Tensor:
-    """v [B, G, L, dv] (any strides) -> int32 [B G, dvp / 16, Lp / 2, 16], a view of [B G, Lp / 2, dvp]: row p
-    holds, per column, keys 2p and 2p + 1's values as bf16, keys past L zero (a padded key's probability is 0),
-    columns past dv zero (dvp = dv rounded up to 32; attention() drops them). finite: non-finite values zeroed (a
-    query's masked later rows have probability 0, and 0 x NaN = NaN: attention/backends/blocks.py finite_values)."""
+    """v [B, G, L, dv] (any strides, any float dtype: rounded to bf16 where it is not) -> int32 [B G, dvp / 16, Lp /
+    2, 16], a view of [B G, Lp / 2, dvp]: row p holds, per column, keys 2p and 2p + 1's values as bf16, keys past L
+    zero (a padded key's probability is 0), columns past dv zero (dvp = dv rounded up to 32; attention() drops them).
+    finite: non-finite values zeroed (a query's masked later rows have probability 0, and 0 x NaN = NaN:
+    attention/backends/blocks.py finite_values). One C pass (csrc/attention_pack.c), the bits of torch's copies."""
     b, g, length, dv = v.shape
+    vb = _last_contiguous(v.to(torch.bfloat16))
     lp, dvp = _up(length), _up(dv)
-    vb = v.new_zeros(b * g, lp, dvp, dtype=torch.bfloat16)
-    vb.view(b, g, lp, dvp)[:, :, :length, :dv] = v
-    if finite:
-        vb.nan_to_num_(0.0, 0.0, 0.0)
-    pairs = vb.view(b * g, lp // 2, 2, dvp).transpose(2, 3).contiguous().view(torch.int32)
+    pairs = torch.empty(b * g, lp // 2, dvp, dtype=torch.int32)
+    rc = native.library().mls_pack_values_bf16(
+        vb.data_ptr(), dv, *vb.stride()[:3], b, g, length, int(finite), pairs.data_ptr(), lp, dvp,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native bf16 value pack failed (rc {rc})")
     return pairs.view(b * g, lp // 2, dvp // 16, 16).transpose(1, 2)
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself where its last axis is contiguous (the C packs' rows), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:

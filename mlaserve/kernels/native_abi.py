@@ -69,6 +69,26 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_int16_in.restype = c_int
     lib.mls_bf16_bmm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int]
     lib.mls_softmax_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, c_int]
+    lib.mls_pack_keys_bf16.argtypes = [
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        c_int,
+    ]
+    lib.mls_pack_values_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, c_int, ptr, i64, i64, c_int]
     lib.mls_pack_queries_bf16.argtypes = [
         ptr,
         i64,

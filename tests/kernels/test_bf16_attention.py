@@ -83,6 +83,37 @@ def test_queries_packed_are_the_scaled_gathered_bf16_copy():
     assert qb.view(2, 3, 32, 64)[0, 1, 0, 5].item() == 1.0 and qb.view(2, 3, 32, 64)[0, 1, 0, 6].item() == 1 + 2.0**-6
 
 
+def _torch_pairs(k: torch.Tensor, lp: int, dp: int) -> torch.Tensor:
+    """[E, L, D] values -> [E, lp / 16, dp / 2, 16] int32 pairs (K^T's layout) by torch's padded copy and transpose"""
+    kb = k.new_zeros(k.shape[0], lp, dp, dtype=torch.bfloat16)
+    kb[:, : k.shape[1], : k.shape[2]] = k
+    return kb.view(torch.int32).view(k.shape[0], lp // 16, 16, dp // 2).transpose(2, 3)
+
+
+def test_keys_and_values_packed_are_torchs_padded_pairs():
+    """pack_keys / pack_values against torch's composition on strided views of a bf16 expansion (the layer's K / V),
+    a k_pe shared by the heads, 37 keys (padded to 64), non-finite values zeroed only where asked: the same bits."""
+    g = torch.Generator().manual_seed(4)
+    b, heads, n, dn, dr, dv = 2, 3, 37, 40, 12, 20
+    kv = torch.randn(b, n, heads, dn + dv, generator=g).bfloat16().transpose(1, 2)  # [B, G, L, dn + dv], strided
+    k_pe = torch.randn(b, 1, n, dr, generator=g)
+    kv[1, 2, 5, dn + 3], kv[0, 1, 36, dn], kv[0, 0, 0, dn + 19] = float("nan"), float("inf"), float("-inf")
+    keys = bf16_attention.pack_keys(kv[..., :dn], k_pe)
+    want = _torch_pairs(torch.cat([kv[..., :dn].float(), k_pe.expand(-1, heads, -1, -1)], -1).flatten(0, 1), 64, 64)
+    assert keys.shape == (b * heads, 4, 32, 16) and torch.equal(keys, want)
+    for finite in (False, True):
+        values = bf16_attention.pack_values(kv[..., dn:], finite=finite)
+        v = kv[..., dn:].flatten(0, 1)
+        v = v.nan_to_num(0.0, 0.0, 0.0) if finite else v
+        pairs = torch.zeros(b * heads, 64, 32, dtype=torch.bfloat16)
+        pairs[:, :n, :dv] = v
+        ref = pairs.view(b * heads, 32, 2, 32).transpose(2, 3).contiguous().view(torch.int32)
+        assert torch.equal(values, ref.view(b * heads, 32, 2, 16).transpose(1, 2))
+    assert not torch.equal(
+        bf16_attention.pack_values(kv[..., dn:], True), bf16_attention.pack_values(kv[..., dn:], False)
+    )
+
+
 def test_softmax_pass_masks_pads_and_reports_nan():
     g = torch.Generator().manual_seed(1)
     b, heads, nq, n = 2, 3, 40, 70

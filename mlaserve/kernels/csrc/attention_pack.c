@@ -1,4 +1,4 @@
-/* ---------------------------------------------------------------- a prompt's bf16 attention: its queries packed
+/* ---------------------------------------------------------------- a prompt's bf16 attention: its operands packed
    The left operand of the decompressed attention's scores (kernels/bf16_attention.py: q_b = bf(scale q), a block of
    queries of a group of heads, padded to whole tile blocks) written in one pass from the layer's own query halves
    where they lie: each (request, query) row read through its token row, scaled, rounded and stored, the padding
@@ -32,6 +32,68 @@ int mls_pack_queries_bf16(const float *q0, int64_t d0, int64_t st0, int64_t sh0,
         pack_query_part(q0 + t * st0 + gi * sh0, d0, scale, o);
         pack_query_part(q1 + t * st1 + gi * sh1, d1, scale, o + d0);
         memset(o + d0 + d1, 0, sizeof(uint16_t) * (size_t)(dp - d0 - d1));
+    }
+    return 0;
+}
+
+/* The right operands, K^T and V per group of heads, in the pair layouts mls_bf16_bmm reads (kernels/bf16_attention.py
+   pack_keys / pack_values), each in one pass from the expansion's bf16 output where it lies: torch composed each from
+   a zeroed padded copy, the halves copied in, then a transposing copy (and for V a pass zeroing non-finite values).
+   Entries e = bi g + gi; strides in elements (s*b, s*g, s*l: request, head, key; a head's values contiguous; a
+   k_pe shared by the heads has s*g 0).
+     keys   out int32 [b g, lp / 16, dp / 2, 16]: key l = 16 blk + j, pair p = (K[l, 2p], K[l, 2p + 1]) as bf16 bits,
+            K[l] = [k_nope[l] (bf16, dn) | bf(k_pe[l]) (fp32, dr) | 0], keys l >= n zero
+     values out int32 [b g, lp / 2, dvp]: (V[2p, c], V[2p + 1, c]) as bf16 bits, keys >= n and columns >= dv zero;
+            finite: a non-finite value 0 (torch's nan_to_num_(0, 0, 0): a masked row's probability is 0, and
+            0 x NaN = NaN)
+   k_pe's rounding is rows16.c f32_to_bf16 (torch's, a NaN stays a NaN). */
+static inline uint16_t key_value(const uint16_t *kn, int64_t dn, const float *kp, int64_t dr, int64_t d) {
+    if (d < dn) return kn[d];
+    return d < dn + dr ? f32_to_bf16(kp[d - dn]) : 0;
+}
+
+int mls_pack_keys_bf16(const uint16_t *kn, int64_t dn, int64_t snb, int64_t sng, int64_t snl, const float *kp,
+                       int64_t dr, int64_t spb, int64_t spg, int64_t spl, int64_t b, int64_t g, int64_t n,
+                       int32_t *out, int64_t lp, int64_t dp, int threads) {
+    if (n > lp || lp % 16 || dp % 2 || dn + dr > dp) return -2;
+    const int64_t blocks = b * g * (lp / 16), half = dp / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (blocks >= 8)
+    for (int64_t it = 0; it < blocks; it++) {
+        const int64_t e = it / (lp / 16), l0 = it % (lp / 16) * 16, bi = e / g, gi = e % g;
+        int32_t *o = out + it * half * 16;
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t l = l0 + j;
+            if (l >= n) {
+                for (int64_t p = 0; p < half; p++) o[p * 16 + j] = 0;
+                continue;
+            }
+            const uint16_t *rn = kn + bi * snb + gi * sng + l * snl;
+            const float *rp = kp + bi * spb + gi * spg + l * spl;
+            for (int64_t p = 0; p < half; p++) {
+                const uint32_t lo = key_value(rn, dn, rp, dr, 2 * p), hi = key_value(rn, dn, rp, dr, 2 * p + 1);
+                o[p * 16 + j] = (int32_t)(lo | hi << 16);
+            }
+        }
+    }
+    return 0;
+}
+
+static inline uint32_t value_bits(uint16_t v, int finite) { return finite && (v & 0x7F80) == 0x7F80 ? 0 : v; }
+
+int mls_pack_values_bf16(const uint16_t *v, int64_t dv, int64_t svb, int64_t svg, int64_t svl, int64_t b, int64_t g,
+                         int64_t n, int finite, int32_t *out, int64_t lp, int64_t dvp, int threads) {
+    if (n > lp || lp % 2 || dv > dvp) return -2;
+    const int64_t rows = b * g * (lp / 2);
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
+    for (int64_t it = 0; it < rows; it++) {
+        const int64_t e = it / (lp / 2), l = it % (lp / 2) * 2, bi = e / g, gi = e % g;
+        int32_t *o = out + it * dvp;
+        memset(o, 0, sizeof(int32_t) * (size_t)dvp);
+        const uint16_t *r0 = v + bi * svb + gi * svg + l * svl, *r1 = r0 + svl;
+        for (int64_t c = 0; l < n && c < dv; c++) {
+            const uint32_t hi = l + 1 < n ? value_bits(r1[c], finite) : 0;
+            o[c] = (int32_t)(value_bits(r0[c], finite) | hi << 16);
+        }
     }
     return 0;
 }

@@ -35,7 +35,7 @@
 #include "moe/block.c"    /* a decode step's MoE block in one call */
 #include "rows16.c"      /* 16-bit cache rows: widening reads, rounding writes (kv_cache_dtype) */
 #include "attention.c"    /* the latent MQA over paged rows */
-#include "attention_pack.c" /* a prompt's bf16 attention: its queries packed in one pass */
+#include "attention_pack.c" /* a prompt's bf16 attention: its operands packed in one pass */
 #include "glue.c"         /* RMSNorm, a step's latent rows and query rope */
 #include "indexer.c"      /* the DSA indexer of a decode step: index keys, scores, top-k */
 #include "rows8.c"        /* the 8-bit cache's quantizer (kv_cache_dtype) */

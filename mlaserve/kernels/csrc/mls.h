@@ -320,6 +320,14 @@ int mls_bf16_bmm_unit(void);
 int mls_pack_queries_bf16(const float *q0, int64_t d0, int64_t st0, int64_t sh0, const float *q1, int64_t d1,
                           int64_t st1, int64_t sh1, const int64_t *rows, int64_t b, int64_t nq, int64_t g, float scale,
                           uint16_t *out, int64_t mp, int64_t dp, int threads);
+/* attention_pack.c: K^T of a group of heads as pairs of bf16 [b g, lp / 16, dp / 2, 16] from k_nope (bf16, dn) and
+   k_pe (fp32, dr; strides request, head, key), keys >= n zero; V as pairs [b g, lp / 2, dvp] (bf16, dv; keys >= n and
+   columns >= dv zero; finite: a non-finite value 0). 0, -2 sizes that do not fit the padding */
+int mls_pack_keys_bf16(const uint16_t *kn, int64_t dn, int64_t snb, int64_t sng, int64_t snl, const float *kp,
+                       int64_t dr, int64_t spb, int64_t spg, int64_t spl, int64_t b, int64_t g, int64_t n,
+                       int32_t *out, int64_t lp, int64_t dp, int threads);
+int mls_pack_values_bf16(const uint16_t *v, int64_t dv, int64_t svb, int64_t svg, int64_t svl, int64_t b, int64_t g,
+                         int64_t n, int finite, int32_t *out, int64_t lp, int64_t dvp, int threads);
 /* whether the bf16 tiles run here: 1 yes, 0 a build without AMX-BF16, -errno the kernel refused the tile state */
 int mls_bf16_tiles(void);
 
