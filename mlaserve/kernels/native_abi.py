@@ -69,45 +69,12 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_int16_in.restype = c_int
     lib.mls_bf16_bmm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, i64, c_int]
     lib.mls_softmax_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, c_int]
-    lib.mls_pack_keys_bf16.argtypes = [
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i64,
-        c_int,
-    ]
+    # attention_pack.c: pointers to each operand, then its sizes and strides
+    lib.mls_pack_keys_bf16.argtypes = [ptr] + [i64] * 4 + [ptr] + [i64] * 7 + [ptr, i64, i64, c_int]
     lib.mls_pack_values_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, c_int, ptr, i64, i64, c_int]
-    lib.mls_pack_queries_bf16.argtypes = [
-        ptr,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        f32,
-        ptr,
-        i64,
-        i64,
-        c_int,
-    ]
+    lib.mls_pack_queries_bf16.argtypes = (
+        [ptr] + [i64] * 3 + [ptr] + [i64] * 3 + [ptr] + [i64] * 3 + [f32, ptr, i64, i64, c_int]
+    )
     lib.mls_bf16_bmm_unit.argtypes = []
     lib.mls_bf16_bmm_unit.restype = c_int
     lib.mls_grouped_panels.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
