@@ -21,7 +21,8 @@ def argmax_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     if lib is not None and logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape[-1] > 0:
         b, v = logits.shape
         idx, ok = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.uint8)
-        if lib.mls_argmax_rows(logits.data_ptr(), b, v, v, idx.ctypes.data, ok.ctypes.data) == 0:
+        threads = torch.get_num_threads()
+        if lib.mls_argmax_rows(logits.data_ptr(), b, v, v, idx.ctypes.data, ok.ctypes.data, threads) == 0:
             return idx.tolist(), ok.astype(bool).tolist()
     # a NaN or Inf makes the row's sum non-finite (finite logits are far too small to overflow fp32)
     return logits.float().argmax(dim=-1).tolist(), torch.isfinite(logits.float().sum(-1)).tolist()

@@ -72,24 +72,52 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
     return 0;
 }
 
+/* row v's largest value and whether all of its n values are finite (*bad = 0), 8 lanes at a time: the maximum of
+   finite values is exact in any order, so the lanes give the scalar loop's value (NaN fails the compare, so
+   |v| <= FLT_MAX is false for NaN and Inf) */
+static float row_max(const float *v, int64_t n, int *bad) {
+    int64_t j = 0;
+    float m = -FLT_MAX;
+    int b = 0;
+#ifdef MLS_SIMD
+    if (n >= 8) {
+        const __m256 big = _mm256_set1_ps(FLT_MAX), sign = _mm256_set1_ps(-0.0f);
+        __m256 mv = _mm256_set1_ps(-FLT_MAX), ok = _mm256_cmp_ps(big, big, _CMP_EQ_OQ);
+        for (; j + 8 <= n; j += 8) {
+            const __m256 x = _mm256_loadu_ps(v + j);
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_andnot_ps(sign, x), big, _CMP_LE_OQ));
+            mv = _mm256_max_ps(mv, x);
+        }
+        b = _mm256_movemask_ps(ok) != 0xFF;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    }
+#endif
+    for (; j < n; j++) {
+        b |= !(fabsf(v[j]) <= FLT_MAX);
+        m = v[j] > m ? v[j] : m;
+    }
+    *bad = b;
+    return m;
+}
+
 /* x [rows, n] (row i at x + i * ld) -> idx[i] = the first index of row i's largest value (torch.argmax's choice),
    finite[i] = 1 iff every value of row i is finite (idx[i] = 0 where not). One pass per row for both: a batch-1
    step's greedy token and the check that fails a request with NaN / Inf logits, which took torch a sum, an isfinite,
    an argmax and their copies out (the sum 85 us and the isfinite 62 at that point of a step, their code cold after
-   the weights went through the caches; 12-layer Q4_K_M model, 2-core AMD EPYC). */
-int mls_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *idx, uint8_t *finite) {
+   the weights went through the caches; 12-layer Q4_K_M model, 2-core AMD EPYC). The rows are shared out over the
+   threads: a 16-request step's 16 rows of 32,768 took 1.3 ms of a 52 ms step on one thread in a scalar loop. */
+int mls_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *idx, uint8_t *finite, int threads) {
     if (rows < 0 || n < 1) return -2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 2)
     for (int64_t i = 0; i < rows; i++) {
         const float *v = x + i * ld;
-        float m = -FLT_MAX;
-        int bad = 0;
-        for (int64_t j = 0; j < n; j++) { /* NaN fails the compare, so |v| <= FLT_MAX is false for NaN and Inf */
-            bad |= !(fabsf(v[j]) <= FLT_MAX);
-            m = v[j] > m ? v[j] : m;
-        }
+        int bad;
+        const float m = row_max(v, n, &bad);
         int64_t at = 0;
         while (!bad && v[at] != m) at++; /* finite: m is some v[j], the first such j */
-        idx[i] = at;
+        idx[i] = bad ? 0 : at;
         finite[i] = (uint8_t)!bad;
     }
     return 0;
