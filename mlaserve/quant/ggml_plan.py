@@ -182,25 +182,7 @@ def plan_gguf(
         elif mod is not None:
             dense.append((module, tname, ROUTER if kind == "gate" else "dequantized at load: read as a dense matrix"))
         # no such module: the strict loader names the unexpected tensor
-    kept_experts = []
-    for module, projs in experts.items():
-        types = {p: {t for _, t in projs.get(p, [])} for p in _PROJS}
-        if not isinstance(modules.get(module), Experts) or any(len(s) != 1 for s in types.values()):
-            continue  # a missing or mixed-up expert tensor: the strict loader names it
-        tg, tu, td = (next(iter(types[p])) for p in _PROJS)
-        if tg != tu:
-            why = "dequantized at load: gate_proj and up_proj differ in type (the kernels read both with one type)"
-        elif not {tg, td} <= BLOCK_TYPES:
-            why = "dequantized at load: not every projection is stored in a block format"
-        else:
-            kept_experts.append((module, tg, td))
-            blocks.update(n for p in _PROJS for n, _ in projs[p])
-            continue
-        names = "/".join(GGML_TYPES[t].name for t in (tg, tu, td))
-        if {tg, tu, td} & BLOCK_TYPES:
-            dense.append((module, names, why))
-        else:
-            floats.append((module, names, FLOATS))
+    kept_experts = _plan_experts(experts, modules, dense, floats, blocks)
     tied = cfg.tie_word_embeddings and any(m == "model.embed_tokens" for m, _ in embeddings)
     spans = tuple(
         (dim, f"units [{s.first}, {s.first + s.width}) for its own [{s.start}, {s.stop})", SPAN)
@@ -219,6 +201,35 @@ def plan_gguf(
         spans,
         transient_kv_b and bool(heads),
     )
+
+
+def _plan_experts(
+    experts: dict[str, dict[str, list[tuple[str, int]]]], modules: dict, dense: list, floats: list, blocks: set
+) -> list[tuple[str, int, int]]:
+    """Each routed-experts module's stacks ({module: {proj: [(name, type)]}}): kept in blocks where gate and up share
+    a block type and down is one too -> [(module, gate_up type, down type)], their tensor names added to blocks;
+    otherwise a line in dense (some block type) or floats (none). A missing or mixed-up expert tensor is left to the
+    strict loader, which names it."""
+    kept = []
+    for module, projs in experts.items():
+        types = {p: {t for _, t in projs.get(p, [])} for p in _PROJS}
+        if not isinstance(modules.get(module), Experts) or any(len(s) != 1 for s in types.values()):
+            continue
+        tg, tu, td = (next(iter(types[p])) for p in _PROJS)
+        if tg != tu:
+            why = "dequantized at load: gate_proj and up_proj differ in type (the kernels read both with one type)"
+        elif not {tg, td} <= BLOCK_TYPES:
+            why = "dequantized at load: not every projection is stored in a block format"
+        else:
+            kept.append((module, tg, td))
+            blocks.update(n for p in _PROJS for n, _ in projs[p])
+            continue
+        names = "/".join(GGML_TYPES[t].name for t in (tg, tu, td))
+        if {tg, tu, td} & BLOCK_TYPES:
+            dense.append((module, names, why))
+        else:
+            floats.append((module, names, FLOATS))
+    return kept
 
 
 def _split_problem(source, name: str) -> str | None:
