@@ -373,12 +373,12 @@ static void moe_sum(const mls_moe_block_t *b, int64_t t, const moe_bufs *m, floa
    contiguous range of the items, so it reads its rows as one stream (the prefetch runs on from row to row); dynamic
    chunks of 4 items (32 rows) broke each thread's stream every 36 KB (2048-wide Q4_K rows) and took 1.25 ms more of a
    12-13 ms batch-1 step of the ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms, down 2.7 -> 2.3 ms over its 3 MoE layers;
-   2-core AMD EPYC, 2 threads). More tokens: guided, chunks of half the items left per thread down to one, so each
+   2-core AMD EPYC, 2 threads). More tokens: guided, each chunk the items left over the threads, down to one, so each
    thread still reads long runs first while the last items go to whichever thread is free: a 16-request step's groups
    have 1-6 pairs each and its shared expert runs on the tiles, so the items' costs differ, and the two threads' pace
-   differs too (a 16-request step of ds-real Q4_K_M 78.8-84.9 -> 75.0-80.7 ms, of the standard Q4_K_M ~2% faster,
-   glm-real Q4_K_M and ds-real Q8_0 level; three and four alternated pairs, the AMX Xeon, 2 threads). The same bits
-   either way: an item's result does not depend on the thread that makes it. */
+   differs too (a 16-request step of ds-real Q4_K_M 75.3-76.6 -> 73.0-75.3 ms, of the standard Q4_K_M 44.4-46.2 ->
+   43.0-45.2, glm-real Q4_K_M and ds-real Q8_0 level; alternated pairs, the AMX Xeon, 2 threads). The same bits either
+   way: an item's result does not depend on the thread that makes it. */
 #define MOE_ITEMS(n, item)                                                                                           \
     do {                                                                                                             \
         const int64_t n_items_ = (n);                                                                                \
