@@ -369,20 +369,21 @@ static void moe_sum(const mls_moe_block_t *b, int64_t t, const moe_bufs *m, floa
     }
 }
 
-/* The products' items (it = 0 .. n - 1) shared out over the team. One token (batch-1 decode): static, each thread one
-   contiguous range of the items, so it reads its rows as one stream (the prefetch runs on from row to row); dynamic
-   chunks of 4 items (32 rows) broke each thread's stream every 36 KB (2048-wide Q4_K rows) and took 1.25 ms more of a
-   12-13 ms batch-1 step of the ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms, down 2.7 -> 2.3 ms over its 3 MoE layers;
-   2-core AMD EPYC, 2 threads). More tokens: guided, each chunk the items left over the threads, down to one, so each
-   thread still reads long runs first while the last items go to whichever thread is free: a 16-request step's groups
-   have 1-6 pairs each and its shared expert runs on the tiles, so the items' costs differ, and the two threads' pace
-   differs too (a 16-request step of ds-real Q4_K_M 75.3-76.6 -> 73.0-75.3 ms, of the standard Q4_K_M 44.4-46.2 ->
-   43.0-45.2, glm-real Q4_K_M and ds-real Q8_0 level; alternated pairs, the AMX Xeon, 2 threads). The same bits either
-   way: an item's result does not depend on the thread that makes it. */
-#define MOE_ITEMS(n, item)                                                                                           \
+/* The products' items (it = 0 .. n - 1) of a call of `tokens` tokens shared out over the team. One token (batch-1
+   decode): static, each thread one contiguous range of the items, so it reads its rows as one stream (the prefetch
+   runs on from row to row); dynamic chunks of 4 items (32 rows) broke each thread's stream every 36 KB (2048-wide
+   Q4_K rows) and took 1.25 ms more of a 12-13 ms batch-1 step of the ds-real Q4_K_M file (gate_up 3.6 -> 2.8 ms,
+   down 2.7 -> 2.3 ms over its 3 MoE layers; 2-core AMD EPYC, 2 threads). More tokens: guided, each chunk the items
+   left over the threads, down to one, so each thread still reads long runs first while the last items go to
+   whichever thread is free: a 16-request step's groups have 1-6 pairs each and its shared expert runs on the tiles,
+   so the items' costs differ, and the two threads' pace differs too (a 16-request step of ds-real Q4_K_M 75.3-76.6
+   -> 73.0-75.3 ms, of the standard Q4_K_M 44.4-46.2 -> 43.0-45.2, glm-real Q4_K_M and ds-real Q8_0 level; alternated
+   pairs, the AMX Xeon, 2 threads). The same bits either way: an item's result does not depend on the thread that
+   makes it. */
+#define MOE_ITEMS(tokens, n, item)                                                                                   \
     do {                                                                                                             \
         const int64_t n_items_ = (n);                                                                                \
-        if (t == 1) {                                                                                                \
+        if ((tokens) == 1) {                                                                                         \
             _Pragma("omp for schedule(static)") for (int64_t it = 0; it < n_items_; it++) item;                      \
         } else {                                                                                                     \
             _Pragma("omp for schedule(guided)") for (int64_t it = 0; it < n_items_; it++) item;                      \
@@ -421,12 +422,12 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
             const int64_t rgu = w.q16gu || w.r16gu || w.t8gu ? QW_R : ROW_RUN;
             const int64_t rsg = w.q16sg || w.q16su || w.r16sg || w.r16su || w.t8sg || w.t8su ? QW_R : ROW_RUN;
             const int64_t runs = (n_gu + rgu - 1) / rgu, sruns = (n_sgu + rsg - 1) / rsg;
-            MOE_ITEMS(m.groups * runs + sruns, moe_gate_up_item(b, &w, &m, x, t, it, runs, rgu, rsg, &s));
+            MOE_ITEMS(t, m.groups * runs + sruns, moe_gate_up_item(b, &w, &m, x, t, it, runs, rgu, rsg, &s));
             moe_hidden(b, &w, t, &m);
             const int64_t rdn = w.q16dn || w.q16sd || w.r16dn || w.r16sd || w.t8dn || w.t8sd ? QW_R : ROW_RUN;
             const int64_t druns = (d + rdn - 1) / rdn;
             const int64_t sdruns = si ? druns : 0;
-            MOE_ITEMS(m.groups * druns + sdruns, moe_down_item(b, &w, &m, t, it, druns, rdn, &s));
+            MOE_ITEMS(t, m.groups * druns + sdruns, moe_down_item(b, &w, &m, t, it, druns, rdn, &s));
             moe_sum(b, t, &m, out);
         }
         moe_scratch_free(&s);
