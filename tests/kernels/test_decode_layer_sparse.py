@@ -26,7 +26,7 @@ import torch
 from mlaserve import LLM
 from mlaserve.attention.backends import torch_index
 from mlaserve.gguf.convert.convert import convert_hf_to_gguf
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_indexer, native_layers
 from mlaserve.sampling.params import SamplingParams
 
 NATIVE = native.status()
@@ -338,7 +338,7 @@ def test_index_topk_kernel_selects_the_per_op_set(lengths, k, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        idx_c, val_c = native_layers.index_topk(q, w, keys, kv_slots, mask, k)
+        idx_c, val_c = native_indexer.index_topk(q, w, keys, kv_slots, mask, k)
     finally:
         torch.set_num_threads(before)
     idx_t, val_t = _torch_topk(q, w, keys, kv_slots, mask, k)
@@ -355,7 +355,7 @@ def test_index_topk_ties_keep_the_earlier_positions():
     them (its documented rule; torch's topk leaves the choice unspecified, so the per-op path may keep others)."""
     q, w, keys, kv_slots, mask = _index_case(1, [60], seed=3)
     k = 10
-    idx, _ = native_layers.index_topk(q, w, keys, kv_slots, mask, k)
+    idx, _ = native_indexer.index_topk(q, w, keys, kv_slots, mask, k)
     # six positions outside the top-k get the 7th-best one's key row: a seven-way tie for the 7th..10th places
     order = idx[0].tolist()
     scores = torch.relu(q[0] @ keys[kv_slots[0]].T).mul(w[0][:, None]).sum(0)
@@ -363,7 +363,7 @@ def test_index_topk_ties_keep_the_earlier_positions():
     pivot = ranked[6]
     twins = [p for p in range(60) if p not in order][:6]
     kv_slots[0, twins] = int(kv_slots[0, pivot])
-    idx, val = native_layers.index_topk(q, w, keys, kv_slots, mask, k)
+    idx, val = native_indexer.index_topk(q, w, keys, kv_slots, mask, k)
     tied = sorted([pivot, *twins])
     kept = sorted(set(idx[0][val[0]].tolist()) & set(tied))
     assert kept == tied[:4]  # the 7th..10th places go to the four earliest of the seven equal positions

@@ -24,7 +24,7 @@ from mlaserve.attention.backends.torch_backend import TorchBackend
 from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.cpu import cpu_flags
 from mlaserve.config.row_format import half_format, index_key_format
-from mlaserve.kernels import native, native_build, native_layers
+from mlaserve.kernels import native, native_build, native_indexer, native_layers
 from mlaserve.sampling.params import SamplingParams
 
 NATIVE = native.status()
@@ -64,10 +64,10 @@ def _c_sets(topk, q, w, keys, kv_slots, mask, k: int, bf16: bool) -> list[set]:
 
 
 KEY_FORMS = {  # name -> (the keys as the C call takes them, the same keys as fp32 rows, the C call)
-    "fp32": lambda k: (k, k, native_layers.index_topk),
-    "bfloat16": lambda k: _coded(k, half_format("bfloat16", k.shape[1]), native_layers.index_topk16),
-    "float16": lambda k: _coded(k, half_format("float16", k.shape[1]), native_layers.index_topk16),
-    "fp8": lambda k: _coded(k, index_key_format(k.shape[1]), native_layers.index_topk8),
+    "fp32": lambda k: (k, k, native_indexer.index_topk),
+    "bfloat16": lambda k: _coded(k, half_format("bfloat16", k.shape[1]), native_indexer.index_topk16),
+    "float16": lambda k: _coded(k, half_format("float16", k.shape[1]), native_indexer.index_topk16),
+    "fp8": lambda k: _coded(k, index_key_format(k.shape[1]), native_indexer.index_topk8),
 }
 
 
@@ -214,7 +214,7 @@ def test_a_nan_score_keeps_the_selection_in_range(bf16):
     q, w, keys, kv_slots, mask = _case(2, 32, 128, 600, seed=9)
     q[0, 3, 5] = float("nan")
     keys[kv_slots[1, 17]] = float("nan")
-    index, valid = native_layers.index_topk(q, w, keys, kv_slots, mask, 64, bf16)
+    index, valid = native_indexer.index_topk(q, w, keys, kv_slots, mask, 64, bf16)
     for b in range(2):
         kept = index[b][valid[b]]
         assert len(kept) == 64 and len(set(kept.tolist())) == 64

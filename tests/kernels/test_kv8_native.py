@@ -23,7 +23,7 @@ from mlaserve import LLM
 from mlaserve.attention.backends import native_backend
 from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.row_format import latent_format
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_indexer, native_layers
 from mlaserve.sampling.params import SamplingParams
 
 NATIVE = native.status()
@@ -112,11 +112,11 @@ def test_c_topk_over_fp8_keys_equals_fp32_topk_over_dequantized_keys(monkeypatch
     # positive head weights: every score >= 0, so a key's magnitude (its scale) decides its rank
     args = (c.q_idx[rows].contiguous(), c.w[rows].abs().contiguous())
     slots, mask = seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous()
-    got = native_layers.index_topk8(*args, keys, slots, mask, TOPK)
-    want = native_layers.index_topk(*args, dequantized, slots, mask, TOPK)
+    got = native_indexer.index_topk8(*args, keys, slots, mask, TOPK)
+    want = native_indexer.index_topk(*args, dequantized, slots, mask, TOPK)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     calls = []
-    real = native_layers.index_topk8
-    monkeypatch.setattr(native_layers, "index_topk8", lambda *a: calls.append(1) or real(*a))
+    real = native_indexer.index_topk8
+    monkeypatch.setattr(native_indexer, "index_topk8", lambda *a: calls.append(1) or real(*a))
     index = native_backend.NativeBackend.index_topk(c.q_idx, c.w.abs(), keys, seg, TOPK)
     assert calls and torch.equal(index[:, 0].sort(-1).values, want[0].sort(-1).values)

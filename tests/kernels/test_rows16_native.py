@@ -21,7 +21,7 @@ from test_decode_layer_kv8 import BOUND, _llm, _run
 from mlaserve.attention.backends import native_backend
 from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.row_format import index_key_format, latent_format
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_indexer, native_layers
 
 NATIVE = native.status()
 pytestmark = pytest.mark.skipif(not NATIVE.available, reason=f"native kernels unavailable: {NATIVE.detail}")
@@ -96,12 +96,12 @@ def test_c_topk_over_16bit_keys_equals_fp32_topk_over_widened_keys(codes, monkey
     rows = seg.q_index[:, 0]
     args = (c.q_idx[rows].contiguous(), c.w[rows].abs().contiguous())
     slots, mask = seg.kv_slots.contiguous(), seg.mask[:, 0].contiguous()
-    got = native_layers.index_topk16(*args, keys, slots, mask, TOPK)
-    want = native_layers.index_topk(*args, widened, slots, mask, TOPK)
+    got = native_indexer.index_topk16(*args, keys, slots, mask, TOPK)
+    want = native_indexer.index_topk(*args, widened, slots, mask, TOPK)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     calls = []
-    real = native_layers.index_topk16
-    monkeypatch.setattr(native_layers, "index_topk16", lambda *a: calls.append(1) or real(*a))
+    real = native_indexer.index_topk16
+    monkeypatch.setattr(native_indexer, "index_topk16", lambda *a: calls.append(1) or real(*a))
     index = native_backend.NativeBackend.index_topk(c.q_idx, c.w.abs(), keys, seg, TOPK)
     assert calls and torch.equal(index[:, 0].sort(-1).values, want[0].sort(-1).values)
 

@@ -23,7 +23,7 @@ from mlaserve.attention.backends import torch_index
 from mlaserve.attention.backends.torch_backend import TorchBackend, _mask, expand_latent
 from mlaserve.attention.backends.torch_backend import absorbed_attention as torch_absorbed
 from mlaserve.attention.backends.torch_backend import sparse_absorbed_attention as torch_sparse_absorbed
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_indexer, native_layers
 
 if TYPE_CHECKING:
     from mlaserve.attention.metadata import SegmentTensors
@@ -120,9 +120,9 @@ def index_topk(q: torch.Tensor, w: torch.Tensor, keys, seg: SegmentTensors, topk
     if (plain and keys.dtype != torch.float32) or not on_cpu or native.library() is None:
         return torch_index.index_topk(q, w, keys, seg, topk)
     if plain:
-        topk_c, keys = native_layers.index_topk, keys.contiguous()
+        topk_c, keys = native_indexer.index_topk, keys.contiguous()
     else:
-        topk_c = native_layers.index_topk16 if keys.fmt.half else native_layers.index_topk8
+        topk_c = native_indexer.index_topk16 if keys.fmt.half else native_indexer.index_topk8
     bf16 = seg.segment.index_scoring == "bf16"
     b, nq = seg.q_index.shape
     length = seg.kv_slots.shape[1]
