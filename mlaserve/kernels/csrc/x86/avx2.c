@@ -895,24 +895,25 @@ Q8ROWS_FN(q8rows_iq4_nl, 20)
    ref/int8.c runs the same integer sums and the same float operations, so every build (VNNI, AVX2, scalar)
    gives the same bits, and a row's result does not depend on how many rows share the call. */
 
-/* 8 int32 lanes, lane l = sc(l) * (the sum of the 4 products u[4l..4l+3] * s[4l..4l+3]): sc holds the scale of
-   values 0..15 in its low 128 bits and of values 16..31 in its high 128 bits (Q8K_SCALES). u <= 63 and
-   |s| <= 127, so maddubs' pair sums stay inside int16 and both forms are exact. */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define Q8K_SCALES(lo, hi) _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo))
-static inline __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i sc) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s), sc);
-#else
-    return _mm256_mullo_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s), sc);
-#endif
-}
-#else
+/* acc plus 8 int32 lanes, lane l = sc(l) * (the sum of the 4 products u[4l..4l+3] * s[4l..4l+3]): sc holds the
+   int16 scale of values 0..15 in its low 128 bits and of values 16..31 in its high 128 bits (Q8K_SCALES). maddubs
+   forms the pair sums, vpdpwssd (madd16_acc) scales and adds them: u <= 127 and |s| <= 127 (q8_K codes are
+   clamped to +-127), so a pair stays inside int16 (2 * 127 * 127 = 32258) and the sums are exact. Until
+   2026-12-07 the VNNI builds took vpdpbusd into a zero, vpmulld by a 32-bit scale and an add: the same integers
+   in 5 uops per activation row and 32 values where these take 2. */
 #define Q8K_SCALES(lo, hi) _mm256_set_m128i(_mm_set1_epi16((short)(hi)), _mm_set1_epi16((short)(lo)))
-static inline __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i sc) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc);
-}
+static inline __m256i madd16_acc(__m256i acc, __m256i p16, __m256i sc16) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p16, sc16);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, p16, sc16);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sc16));
 #endif
+}
+static inline __m256i dot_u8s8_scaled_acc(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return madd16_acc(acc, _mm256_maddubs_epi16(u, s), sc);
+}
 
 static inline int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -961,23 +962,12 @@ static inline __attribute__((always_inline)) void q8k_block_end(float acc[4], co
     _mm_storeu_ps(acc, a);
 }
 
-/* The Q4_K / Q5_K / Q6_K row kernels below take the same integer sums another way, with fewer instructions per 32
-   values (llama.cpp's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K on AVX2): maddubs forms 16 int16 lanes of pair sums of
-   unsigned codes times activation codes (exact: u <= 63 and |x| <= 127, so a pair stays below 2^14), and one
-   vpdpwssd (or vpmaddwd and an add without VNNI) multiplies them by the sub-block's int16 scale and adds pairs of
-   them into the int32 sums: 2 instructions where vpdpbusd, vpmulld (2 uops, 10 cycles' latency) and an add took
-   4. Q6_K's codes stay unsigned (0..63): sum (q - 32) x = sum q x - 32 sum x, the second term by a second maddubs
-   with 32s, in int16 (|sum q x - 32 sum x| over a pair <= 2 * 63 * 127 + 2 * 32 * 127 < 2^15). The sums are the
-   same integers, so every result keeps its bits. */
-static inline __m256i madd16_acc(__m256i acc, __m256i p16, __m256i sc16) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, p16, sc16);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, p16, sc16);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sc16));
-#endif
-}
+/* The Q4_K / Q5_K / Q6_K row kernels below take their integer sums in the same form (llama.cpp's
+   ggml_vec_dot_q4_K_q8_K / q6_K_q8_K on AVX2): maddubs' int16 pair sums of unsigned codes times activation codes
+   (u <= 63), then one vpdpwssd (or vpmaddwd and an add without VNNI) by the sub-block's int16 scale. Q6_K's codes
+   stay unsigned (0..63): sum (q - 32) x = sum q x - 32 sum x, the second term by a second maddubs with 32s, in
+   int16 (|sum q x - 32 sum x| over a pair <= 2 * 63 * 127 + 2 * 32 * 127 < 2^15). The sums are the same
+   integers, so every result keeps its bits. */
 
 /* a Q4_K / Q5_K super-block's 6-bit sub-block scales and mins (k_scales_int) as 16 bytes: scales 0..7, mins 0..7
    (llama.cpp's utmp shuffle of the 12 scale bytes) */
@@ -1106,7 +1096,7 @@ static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b,
             const __m256i s = Q8K_SCALES(ls[ib], ls[ib]);
             for (int i = 0; i < mr; i++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
-                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(aw, _mm256_sign_epi8(x, w), s));
+                sum[i] = dot_u8s8_scaled_acc(sum[i], aw, _mm256_sign_epi8(x, w), s);
             }
         }
         q8k_block_end(acc, sum, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
@@ -1229,7 +1219,7 @@ static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, 
             const __m256i sc = Q8K_SCALES(ls[0], ls[1]);
             for (int i = 0; i < mr; i++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
-                sum[i] = _mm256_add_epi32(sum[i], dot_u8s8_scaled(u, _mm256_sign_epi8(x, sg), sc));
+                sum[i] = dot_u8s8_scaled_acc(sum[i], u, _mm256_sign_epi8(x, sg), sc);
             }
         }
         q8k_block_end(acc, sum, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
