@@ -36,14 +36,14 @@ def v4_kv8_checks(llm, base: EngineConfig, ids: list[int], logits_with: Callable
     resolved = llm.config.attention.v4_numerics
     stats = {"ratio": 0.0, "calls": 0}
     try:
-        for attn in layers:  # for this run only: the exact rows, and an instance attribute over the method
+        for attn in layers:  # for this run only: the exact rows, and observers over what forward calls
             attn.set_numerics(replace(resolved, kv_rounding="none"))
-            attn._attend_padded, attn._attend_step = _observers(attn, stats)
+            attn._attend_padded, attn.attend_step = _observers(attn, stats)
         full = logits_with(llm, exact, ids)
     finally:
         for attn in layers:  # the model's numerics as the engine resolved them (set at load)
             vars(attn).pop("_attend_padded", None)
-            vars(attn).pop("_attend_step", None)
+            attn.kernel = attn.kernel  # attend_step bound again to the plan's implementation
             attn.set_numerics(resolved)
     eight = logits_with(llm, replace(base, cache=replace(base.cache, kv_cache_dtype=codes)), ids)
     what, note = (
@@ -55,8 +55,9 @@ def v4_kv8_checks(llm, base: EngineConfig, ids: list[int], logits_with: Callable
 
 def _observers(attn: V4Attention, stats: dict) -> tuple[Callable, Callable]:
     """Observers of the layer's padded softmax in both its forms: over the loop's per-sequence keys
-    (_attend_padded) and over every sequence's keys read at once (_attend_step, the engine's path)."""
-    padded, step = attn._attend_padded, attn._attend_step
+    (_attend_padded) and over every sequence's keys read at once (attend_step, the engine's path: the plan's
+    bound implementation)."""
+    padded, step = attn._attend_padded, attn.attend_step
     a = attn.cfg.attention
     fmt = kv_format(a.nope_dim, a.rope_dim)
 

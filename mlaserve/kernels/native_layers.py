@@ -61,6 +61,36 @@ def latent_mqa(
     return out
 
 
+def sink_mqa(
+    q: torch.Tensor, q_index: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """DeepSeek-V4's attention in one C call (csrc/attention.c mls_sink_mqa): q [T, H, D] the step's rows, q_index
+    [B, S] int64 the row of each query of the step's padded layout (-1 on pad slots), keys [B, K, D] (one shared
+    K=V head per sequence), mask [B, S, K] bool, sinks [H], all fp32 CPU and contiguous -> [T, H, D]: row
+    q_index[b, i] = softmax over [scale q . keys[b] | sink_h] (the sink column dropped) @ keys[b], over the allowed
+    keys only (the masked ones are never read); a query with no allowed key gives zeros. Every row of q must be
+    named by one query (the rows of out no query names are not written)."""
+    t, h, d = q.shape
+    b, s = q_index.shape
+    k = keys.shape[1]
+    if not all(x.is_contiguous() for x in (q, q_index, keys, mask, sinks)) or q_index.dtype != torch.int64:
+        raise ValueError("sink_mqa: q, q_index (int64), keys, mask and sinks must be contiguous")
+    if keys.shape != (b, k, d) or mask.shape != (b, s, k) or sinks.shape != (h,) or mask.dtype != torch.bool:
+        raise ValueError(
+            f"sink_mqa: q {tuple(q.shape)}, q_index {tuple(q_index.shape)}, keys {tuple(keys.shape)}, "
+            f"mask {tuple(mask.shape)} bool, sinks [H]"
+        )
+    slots = torch.arange(b * k, dtype=torch.int64).view(b, k)  # key j of sequence b is row b * K + j of keys
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = library().mls_sink_mqa(
+        q.data_ptr(), h * d, d, q_index.data_ptr(), keys.data_ptr(), slots.data_ptr(), mask.data_ptr(), b, s, k, h,
+        d, scale, sinks.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native sink_mqa failed (rc {rc})")
+    return out
+
+
 def latent_mqa8(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,

@@ -22,6 +22,8 @@ Ops, in the order they are planned (a fused op's check reads the choices of the 
   router           the MoE gate's scoring and group-limited top-k: native | torch
   latent_write     kv_a norm, rope of k_pe and q_pe, the cache row write: triton (one kernel per step, fp32, on a
                    GPU; kernels/triton/latent_write.py) | native | torch
+  sink_attention   DeepSeek-V4's padded softmax with sinks over a step's gathered keys: native (one C call over
+                   the allowed keys only, fp32 CPU) | torch
   moe_block        a MoE layer's decode step as one call: native | per_op
   decode_layer     a decoder layer's pure decode step as one call: native | per_op
 Attention over the cache (latent MQA, decompressed MHA, index scoring) is chosen per step by the router
@@ -50,6 +52,7 @@ OPS = (
     "norm",
     "router",
     "latent_write",
+    "sink_attention",
     "moe_block",
     "decode_layer",
 )
@@ -252,7 +255,7 @@ def native_contract(module: nn.Module) -> str | None:
 # the native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
 # check (native_unfit: limits of the C code, dtype / device / layout known at load) passes; else the torch
 # reference.
-MODULE_OPS = ("embedding", "linear", "grouped_experts", "heads", "norm", "router", "latent_write")
+MODULE_OPS = ("embedding", "linear", "grouped_experts", "heads", "norm", "router", "latent_write", "sink_attention")
 
 
 def _native_module(module: nn.Module, ctx: KernelContext) -> str | None:

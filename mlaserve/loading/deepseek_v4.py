@@ -200,17 +200,25 @@ def load_folder(
     return model.eval(), report
 
 
-def plan_v4_kernels(model: torch.nn.Module, kernels: str, int8: int) -> tuple[KernelPlan, str]:
+def plan_v4_kernels(
+    model: torch.nn.Module, kernels: str, int8: int, bf16: int = 0, tiles: bool = False
+) -> tuple[KernelPlan, str]:
     """The KernelPlan of a V4 model (kernels/registry.py; made at load, after any expert-parallel cut): its
     quantized holders (FP8 / FP4 folder: FP8Linear, FP8GroupedLinear, FP8V4Experts / FP4V4Experts; GGUF:
-    GGUFLinear, GGUFGroupedLinear, GGUFV4Experts) take the engine's kernels, native where they have it; V4's own
-    modules (norms, router, attention) have one implementation each. -> the plan and the load report's line:
-    the holders per class and implementation, and the float routed experts' form (decided from the shapes)."""
+    GGUFLinear, GGUFGroupedLinear, GGUFV4Experts) take the engine's kernels, native where they have it, with the
+    engine's prefill products (bf16: config/machine.BF16_BITS, tiles: PREFILL_TILES; GGUFLinear and the routed
+    experts take them, as in the other GGUF models), and so does the attention's padded softmax with sinks (op
+    sink_attention); V4's other modules (norms, router) have one implementation each. -> the plan and the load report's line: the holders per class and implementation,
+    the attention softmax's implementation, and the float routed experts' form (decided from the shapes)."""
     from mlaserve.models.deepseek_v4.moe import Experts
 
-    plan = plan_kernels(model, KernelContext(kernels, int8))
+    plan = plan_kernels(model, KernelContext(kernels, int8, bf16, tiles))
     held: dict[str, int] = {}
+    softmax: dict[str, int] = {}
     for c in plan.choices:
+        if c.op == "sink_attention":
+            softmax[c.impl] = softmax.get(c.impl, 0) + 1
+            continue
         key = f"{type(model.get_submodule(c.module)).__name__} {c.impl}"
         held[key] = held.get(key, 0) + 1
     forms: dict[str, int] = {}
@@ -218,6 +226,9 @@ def plan_v4_kernels(model: torch.nn.Module, kernels: str, int8: int) -> tuple[Ke
         if type(m) is Experts:  # float stacks: grouped_mm where rows are 16-byte aligned, else the loop
             forms[m.impl] = forms.get(m.impl, 0) + 1
     parts = [", ".join(f"{n} {k}" for k, n in sorted(held.items())) if held else "no quantized holders"]
+    parts += (
+        [f"attention softmax {', '.join(f'{k} in {n} layers' for k, n in sorted(softmax.items()))}"] if softmax else []
+    )
     parts += [f"float routed experts {', '.join(f'{n} {k}' for k, n in sorted(forms.items()))}"] if forms else []
     line = f"DeepSeek-V4 kernels (plan {plan.digest}): " + "; ".join(parts)
     return plan, line + (", int8 activations where the plan says" if int8 and held else "")

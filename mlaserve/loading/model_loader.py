@@ -346,7 +346,15 @@ def _fill_v4(ck: Checkpoint, comm=None) -> LoadedModel:
         serving.rank_notes, serving.file_bytes_read = tuple(notes), v4.bytes_read
         report.notes.extend(notes)
     # every holder's implementation, chosen with its reason (kernels/registry.py), after the expert-parallel cut
-    serving.kernel_plan, kernels_line = plan_v4_kernels(model, cfg.kernels.impl, INT8_BITS[cfg.kernels.activations])
+    kcfg = cfg.kernels
+    plan, kernels_line = plan_v4_kernels(
+        model,
+        kcfg.impl,
+        INT8_BITS[kcfg.activations],
+        BF16_BITS[kcfg.prefill_matmul],
+        kcfg.prefill_matmul in PREFILL_TILES,
+    )
+    serving.take_plan(plan)
     report.notes.append(kernels_line)
     report.notes.append(
         f"DeepSeek-V4: {serving.v4_implementation} (models/deepseek_v4: the softmax and the state update)"

@@ -30,6 +30,7 @@ from v4_models import SPECS, build_hf_v4, hf_v4_logits, largest_ratio  # noqa: E
 
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
+from mlaserve.kernels import native  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
@@ -79,6 +80,33 @@ def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
     for n in _boundary_lengths(folder, kind):
         ids = _ids(n, hf.config.vocab_size, n)
         assert_close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), BOUND, f"{kind} length {n} budget {budget}")
+
+
+def _native_softmax(llm: LLM) -> None:
+    """Bind the attention's native padded softmax with sinks (csrc/attention.c mls_sink_mqa) on every layer: the
+    KernelPlan gives it to quantized files (native kernels); a float folder's plan keeps torch."""
+    if not native.status().available:
+        pytest.skip(f"native kernels unavailable: {native.status().detail}")
+    for layer in llm.runner.model.inner.model.layers:
+        layer.self_attn.kernel = "native"
+
+
+def test_native_sink_softmax_through_the_engine_equals_transformers(v4):
+    """The same prompts and bound with the native softmax: chunks of 3 tokens (padded queries of several
+    sequences' lengths never mix here, a chunk's keys span the ring, the chunk and the pools), then two requests
+    decoded together beside each other's prefill (pad query rows in the padded call) == transformers' greedy."""
+    kind, hf, folder = v4
+    llm = LLM(str(folder), max_num_batched_tokens=3)
+    _native_softmax(llm)
+    for n in _boundary_lengths(folder, kind):
+        ids = _ids(n, hf.config.vocab_size, n)
+        assert_close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), BOUND, f"{kind} length {n}, native softmax")
+    llm = LLM(str(folder), max_num_batched_tokens=5)
+    _native_softmax(llm)
+    prompts = [_ids(11, hf.config.vocab_size, 11), _ids(3, hf.config.vocab_size, 3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, 12, hf_v4_logits), f"prompt of {len(p)} tokens"
 
 
 def test_greedy_32_tokens_equal_transformers_full_recompute(all_kinds):

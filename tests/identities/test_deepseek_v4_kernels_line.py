@@ -2,7 +2,8 @@
 FP4-expert folder's holders have the native kernels (FP8Linear, FP8GroupedLinear, FP8V4Experts / FP4V4Experts:
 quant/deepseek_v4.py), so kernels auto resolves to native where the library builds and the plan names every
 holder's implementation; kernels="torch" binds the torch reference on every holder; a float folder holds no
-quantized weights, so there is nothing for the native kernels to run."""
+quantized weights, so there is nothing for the native kernels to run. The attention's padded softmax with sinks
+(op sink_attention) follows the engine's kernels: native with them, torch otherwise."""
 
 from __future__ import annotations
 
@@ -47,7 +48,13 @@ def test_a_quantized_folder_runs_its_holders_on_the_native_kernels(folders, expe
     llm = LLM(str(folders / experts))
     assert llm.config.kernels.impl == "native" and llm.config.runtime.dtype == torch.float32
     assert {c.impl for c in llm.loaded.kernel_plan.choices} == {"native"}
-    assert {c.op for c in llm.loaded.kernel_plan.choices} == {"linear", "grouped_experts"}
+    assert {c.op for c in llm.loaded.kernel_plan.choices} == {"linear", "grouped_experts", "sink_attention"}
+    attention = llm.runner.model.inner.model.layers[0].self_attn
+    assert attention.sink_softmax.__func__.__name__ == "_sink_softmax_native"
+    assert attention.attend_step.__func__.__name__ == "_attend_step_native"
+    assert "attention softmax native in" in out
+    # the ledger's implementation names the softmax's kernel (models/deepseek_v4/serving.py v4_implementation)
+    assert llm.runner.model.v4_implementation == "native:padded_batch+batched_state"
 
 
 def test_kernels_torch_binds_the_reference_on_every_holder(folders):
@@ -56,6 +63,9 @@ def test_kernels_torch_binds_the_reference_on_every_holder(folders):
     assert plan.choices and {c.impl for c in plan.choices} == {"torch"}
     experts = llm.runner.model.inner.model.layers[1].mlp.experts
     assert experts.routed.__func__.__name__ == "_routed_torch"
+    attention = llm.runner.model.inner.model.layers[0].self_attn
+    assert attention.sink_softmax.__func__.__name__ == "_sink_softmax_torch"
+    assert llm.runner.model.v4_implementation == "torch:padded_batch+batched_state"
 
 
 def test_a_float_folder_holds_none(folders, capsys):

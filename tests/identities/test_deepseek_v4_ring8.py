@@ -209,19 +209,19 @@ def test_attention_over_8bit_rows_within_the_derived_bound(folder, monkeypatch):
     hf, path = folder
     vocab = hf.config.vocab_size
     calls = []
-    original = V4Attention._attend_step  # the engine's softmax over every sequence's keys, read at once
+    original = V4Attention._attend_step_torch  # the engine's softmax over every sequence's keys, read at once
 
     def capture(self, q, keys, mask, queries):
         keyed = keyed_of(keys, mask, queries)  # each sequence's part (its pad columns zero rows, never visible)
         calls.append((self, q.detach().clone(), [(a, n, k.clone(), v.clone()) for a, n, k, v in keyed]))
         return original(self, q, keys, mask, queries)
 
-    monkeypatch.setattr(V4Attention, "_attend_step", capture)
+    monkeypatch.setattr(V4Attention, "_attend_step_torch", capture)  # bound by the LLM made below
     ids = _ids(27, vocab, 41)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     full = LLM(str(path), page_size=PAGE, max_num_batched_tokens=7)
     full.generate([ids], params)
-    monkeypatch.setattr(V4Attention, "_attend_step", original)
+    monkeypatch.setattr(V4Attention, "_attend_step_torch", original)
     fmt = kv_format(NOPE, ROPE)
     worst, checked = 0.0, 0
     for attn, q, keyed in calls:

@@ -118,12 +118,12 @@ def test_a_break_in_decode_steps_fails_the_decode_checks(all_kinds, monkeypatch)
 
 
 def test_a_break_in_the_padded_batch_fails_only_the_batch_check(all_kinds, monkeypatch):
-    real = V4Attention._attend_step  # the engine's padded softmax over every sequence's keys
+    real = V4Attention._attend_step_torch  # the engine's padded softmax (a float folder: torch kernels)
 
     def attend_step(self, q, keys, mask, queries):
         return real(self, q * 1.01 if keys.shape[0] > 1 else q, keys, mask, queries)
 
-    monkeypatch.setattr(V4Attention, "_attend_step", attend_step)
+    monkeypatch.setattr(V4Attention, "_attend_step_torch", attend_step)  # bound by the LLMs _failed makes
     assert _failed(all_kinds) == {"batch of 3 vs each alone"}
 
 

@@ -65,9 +65,9 @@ def v4(tmp_path_factory):
 def _spy(monkeypatch) -> dict[str, int]:
     """Counts of the calls that say which form ran (so a switch that is ignored fails here); `redone`: the
     reference top-k (Indexer.pick) called from inside the batched one (a tied sequence's selection redone)."""
-    calls = {"_attend_step": 0, "_attend": 0, "choose_step": 0, "choose": 0, "redone": 0}
+    calls = {"_attend_step_torch": 0, "_attend": 0, "choose_step": 0, "choose": 0, "redone": 0}
     inside = []
-    for owner, name in [(V4Attention, "_attend_step"), (V4Attention, "_attend"), (Indexer, "choose")]:
+    for owner, name in [(V4Attention, "_attend_step_torch"), (V4Attention, "_attend"), (Indexer, "choose")]:
         real = getattr(owner, name)
 
         def spy(self, *args, _real=real, _name=name):
@@ -99,6 +99,7 @@ def _execute(runner: ModelRunner, chunks: list[SeqChunk]):
     layers = runner.model.inner.model.layers
     for layer in layers:
         layer.self_attn.batched = runner.model.batched_attention
+        layer.self_attn.kernel = layer.self_attn.kernel  # bound again: the spies are class attributes (_spy)
     try:
         return runner.execute(chunks)
     finally:
@@ -130,12 +131,13 @@ def _run(llm: LLM, dense: bool, monkeypatch) -> tuple[dict, dict, list[float], d
             done[rid] = c + n
         before = dict(calls)
         batch, got = _execute(fast, chunks)
-        assert calls["_attend_step"] - before["_attend_step"] == 4 and calls["_attend"] == before["_attend"]
+        assert calls["_attend_step_torch"] - before["_attend_step_torch"] == 4 and calls["_attend"] == before["_attend"]
         assert calls["choose"] == before["choose"], "the batched path called the per-sequence top-k"
         before = dict(calls)
         _, want = _execute(ref, chunks)
         assert (
-            calls["_attend"] - before["_attend"] == 4 * len(chunks) and calls["_attend_step"] == before["_attend_step"]
+            calls["_attend"] - before["_attend"] == 4 * len(chunks)
+            and calls["_attend_step_torch"] == before["_attend_step_torch"]
         )
         err = (got - want).abs().max().item()
         errs.append(err)

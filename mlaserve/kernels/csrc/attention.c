@@ -373,7 +373,13 @@ typedef struct {
     const int64_t *first, *allowed, *n_all; /* by tiles (else NULL): each query's first tile, allowed rows, counts */
     float *parts;                           /* by tiles: the tiles' partials [tiles, h, r + 2] */
     int64_t splits, groups, hg;
+    const float *sinks; /* [h] each head's sink logit (joins the softmax's sum only), or NULL */
+    int at_index;       /* 1: query qi writes row q_index[qi] of out, a negative q_index (a pad slot) is skipped;
+                           0: it writes row qi */
 } mqa_job;
+
+/* query qi's output row, or -1 where it is a pad slot (at_index) */
+static inline int64_t mqa_out_row(const mqa_job *J, int64_t qi) { return J->at_index ? J->q_index[qi] : qi; }
 
 typedef struct {
     int64_t *ok;
@@ -396,6 +402,12 @@ static void mqa_load_tile(const mqa_job *J, const mqa_scratch *S, const int64_t 
     }
 }
 
+/* head hh's softmax denominator: the allowed rows' sum l of exp(s - m) (m their running max), plus exp(sink_hh - m)
+   where the call has sinks (DeepSeek-V4: a per-head logit that joins the sum and takes no row) */
+static inline float mqa_total(const mqa_job *J, int64_t hh, float m, float l) {
+    return J->sinks ? l + expf(J->sinks[hh] - m) : l;
+}
+
 /* item it: by tiles, one tile of one query for one group of heads (its partial kept in J->parts); by heads, one
    query and a group of heads over all its tiles, folded as they come and normalised */
 static void mqa_item(const mqa_job *J, int64_t it, const mqa_scratch *S) {
@@ -406,16 +418,18 @@ static void mqa_item(const mqa_job *J, int64_t it, const mqa_scratch *S) {
         while (J->first[qi + 1] <= tt) qi++;
         t0 = tt - J->first[qi];
     }
+    const int64_t row = mqa_out_row(J, qi);
+    if (row < 0) return; /* a pad slot: nothing read, nothing written */
     const int64_t h0 = J->first ? (it % J->groups) * MQA_HG : (it % J->splits) * hg;
     const int64_t h1 = h0 + hg < h ? h0 + hg : h, nh = h1 - h0;
     const mqa_query q = {J->q_lat + J->q_index[qi] * J->ql_tok, J->q_pe + J->q_index[qi] * J->qp_tok, J->ql_head,
                          J->qp_head, r, J->dr, J->scale};
-    float *o = J->out + qi * h * r, *mx = S->part + hg * (r + 2), *sum = mx + hg;
+    float *o = J->out + row * h * r, *mx = S->part + hg * (r + 2), *sum = mx + hg;
     const int64_t *rows_ok = J->first ? J->allowed + qi * J->l : S->ok;
     const int64_t n_ok = J->first ? J->n_all[qi]
                                   : mqa_allowed(J->mask + qi * J->l, J->slots + (qi / J->nq) * J->l, J->l, S->ok);
-    if (n_ok == 0) {
-        for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = NAN;
+    if (n_ok == 0) { /* no allowed row: NaN, or with sinks all weight on the sink (zeros) */
+        for (int64_t k = h0 * r; k < h1 * r; k++) o[k] = J->sinks ? 0.0f : NAN;
         return;
     }
     for (int64_t j0 = J->first ? t0 * MQA_TILE : 0; j0 < n_ok; j0 += MQA_TILE) {
@@ -431,23 +445,27 @@ static void mqa_item(const mqa_job *J, int64_t it, const mqa_scratch *S) {
         for (int64_t i = 0; i < nh; i++)
             mqa_fold(o + (h0 + i) * r, S->part + i * r, r, j0 == 0, &mx[i], &sum[i], m_t[i], l_t[i]);
     }
-    for (int64_t i = 0; i < nh; i++)
-        for (int64_t k = 0; k < r; k++) o[(h0 + i) * r + k] /= sum[i];
+    for (int64_t i = 0; i < nh; i++) {
+        const float l = mqa_total(J, h0 + i, mx[i], sum[i]);
+        for (int64_t k = 0; k < r; k++) o[(h0 + i) * r + k] /= l;
+    }
 }
 
 /* by tiles: query qh / h's head qh % h folds its tiles' partials in order */
 static void mqa_fold_tiles(const mqa_job *J, int64_t qh) {
-    const int64_t h = J->h, r = J->r, qi = qh / h, hh = qh % h, t1 = J->first[qi + 1];
-    float *o = J->out + qi * h * r + hh * r, m = 0.0f, sum = 0.0f;
-    if (J->first[qi] == t1) { /* no allowed row (no tile, no item above) */
-        for (int64_t k = 0; k < r; k++) o[k] = NAN;
+    const int64_t h = J->h, r = J->r, qi = qh / h, hh = qh % h, t1 = J->first[qi + 1], row = mqa_out_row(J, qi);
+    if (row < 0) return;
+    float *o = J->out + row * h * r + hh * r, m = 0.0f, sum = 0.0f;
+    if (J->first[qi] == t1) { /* no allowed row (no tile, no item above): as mqa_item */
+        for (int64_t k = 0; k < r; k++) o[k] = J->sinks ? 0.0f : NAN;
         return;
     }
     for (int64_t t = J->first[qi]; t < t1; t++) {
         const float *pt = J->parts + t * h * (r + 2);
         mqa_fold(o, pt + hh * r, r, t == J->first[qi], &m, &sum, pt[h * r + hh], pt[h * (r + 1) + hh]);
     }
-    for (int64_t k = 0; k < r; k++) o[k] /= sum;
+    const float l = mqa_total(J, hh, m, sum);
+    for (int64_t k = 0; k < r; k++) o[k] /= l;
 }
 
 /* by tiles (fewer queries than threads, partials within MQA_PARTS_BYTES): each query's allowed rows' slots
@@ -482,7 +500,7 @@ static int mqa_by_tiles(const uint8_t *mask, const int64_t *slots, int64_t queri
 static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
                            int64_t qp_head, const int64_t *q_index, const coded_rows *cr, const int64_t *slots,
                            const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
-                           float scale, float *out, int threads) {
+                           float scale, const float *sinks, int at_index, float *out, int threads) {
     const int64_t c = r + dr, queries = b * nq;
     if (queries <= 0 || h <= 0) return 0;
     int64_t *first, *allowed, *n_all, tiles;
@@ -503,7 +521,7 @@ static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, 
     else
         for (int64_t k = 0; k <= threads; k++) lo[k] = items * k / threads;
     const mqa_job J = {q_lat, q_pe, ql_tok, ql_head, qp_tok, qp_head, q_index, cr, slots, mask, nq, l, h, r, dr,
-                       scale, out, first, allowed, n_all, parts, splits, groups, hg};
+                       scale, out, first, allowed, n_all, parts, splits, groups, hg, sinks, at_index};
     int rc = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -546,7 +564,7 @@ int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const fl
                    float scale, float *out, int threads) {
     const coded_rows cr = {cache, NULL, NULL, NULL, 0, 0, 0};
     return latent_mqa_rows(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
-                           dr, scale, out, threads);
+                           dr, scale, NULL, 0, out, threads);
 }
 
 int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
@@ -557,7 +575,7 @@ int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const f
     if (fp8 && !e4m3_ready) e4m3_init();
     const coded_rows cr = {NULL, codes, scales, kept, fp8, 0, block};
     return latent_mqa_rows(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
-                           dr, scale, out, threads);
+                           dr, scale, NULL, 0, out, threads);
 }
 
 /* mls_latent_mqa over rows kept in 16 bits (rows16.c): rows [S, r + dr] float16 (half 1) or bfloat16 (half 2),
@@ -570,5 +588,21 @@ int mls_latent_mqa16(const float *q_lat, int64_t ql_tok, int64_t ql_head, const 
     if (half != HALF_F16 && half != HALF_BF16) return -1;
     const coded_rows cr = {NULL, (const uint8_t *)rows, NULL, NULL, 0, half, 0};
     return latent_mqa_rows(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
-                           dr, scale, out, threads);
+                           dr, scale, NULL, 0, out, threads);
+}
+
+/* DeepSeek-V4's attention (models/deepseek_v4/attention.py): every head's query q [d] against one shared K=V row
+   per key (the rows are the values too, all d of them: r = d, no separate rope part) with a per-head sink logit in
+   the softmax's sum, so out = sum_j exp(s_j - m) row_j / (sum_j exp(s_j - m) + exp(sink - m)); a query with no
+   allowed row gives zeros (all weight on its sink), as the torch form's padded rows. Query (b, i) reads row
+   q_index[b, i] of q [T, h, d] and writes the same row of out [T, h, d]; a negative q_index is a pad slot of the
+   step's [B, Q] layout (nothing read, nothing written), so the step's rows need no padded copy either way. Same
+   driver, tiles and threads as mls_latent_mqa (a head's result does not depend on them). */
+int mls_sink_mqa(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q_index, const float *rows,
+                 const int64_t *slots, const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t d,
+                 float scale, const float *sinks, float *out, int threads) {
+    if (!sinks) return -1;
+    const coded_rows cr = {rows, NULL, NULL, NULL, 0, 0, 0};
+    return latent_mqa_rows(q, q_tok, q_head, q, q_tok, 0, q_index, &cr, slots, mask, b, nq, l, h, d, 0, scale, sinks,
+                           1, out, threads);
 }

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 33
+#define MLS_ABI_VERSION 34
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -222,6 +222,9 @@ int mls_latent_mqa16(const float *q_lat, int64_t ql_tok, int64_t ql_head, const 
                      int64_t qp_head, const int64_t *q_index, const uint16_t *rows, int half, const int64_t *slots,
                      const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                      float scale, float *out, int threads);
+int mls_sink_mqa(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q_index, const float *rows,
+                 const int64_t *slots, const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t d,
+                 float scale, const float *sinks, float *out, int threads);
 int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float *w, float eps, float *y,
                  int64_t ldy, int threads);
 int mls_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *idx, uint8_t *finite, int threads);

@@ -40,6 +40,8 @@ from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics, check_v4_numerics
+from mlaserve.kernels import native_layers
+from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.deepseek_v4.compressor import Compressor
 from mlaserve.models.deepseek_v4.indexer import Indexer, visible_rows
 from mlaserve.models.deepseek_v4.norm import RMSNorm, unweighted_rms_norm
@@ -67,7 +69,14 @@ class GroupedLinear(nn.Module):
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
 
 
-class V4Attention(nn.Module):
+class V4Attention(KernelSwitch, nn.Module):
+    KERNEL_OP = "sink_attention"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
+    KERNELS = ("native", "torch")  # native: the softmax with sinks in one C call over the allowed keys only
+    KERNEL_CALLS = {
+        "attend_step": {"native": "_attend_step_native", "torch": "_attend_step_torch"},
+        "sink_softmax": {"native": "_sink_softmax_native", "torch": "_sink_softmax_torch"},
+    }
+
     def __init__(self, cfg: DeepseekV4Config, layer: int, numerics: V4Numerics = TRANSFORMERS) -> None:
         super().__init__()
         self.cfg = cfg
@@ -98,6 +107,13 @@ class V4Attention(nn.Module):
                 hidden, a.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, self.ratio, eps
             )
         self.set_numerics(numerics)
+        self.kernel = "torch"  # the reference; the loader's KernelPlan sets the engine's (binds sink_softmax)
+
+    def native_unfit(self) -> str | None:
+        """The native softmax's load-time check: fp32 sinks on the CPU (the step's queries and keys are checked
+        per call: fp32 there, else the reference)."""
+        s = self.sinks
+        return None if s.dtype == torch.float32 and s.device.type == "cpu" else "sinks not fp32 on the CPU"
 
     def set_numerics(self, numerics: V4Numerics) -> None:
         """The official-code roundings (config/v4_numerics.py), fixed before any forward: every K=V row this
@@ -149,7 +165,7 @@ class V4Attention(nn.Module):
         if step is not None and self.batched:  # the engine's path: every sequence's keys read at once
             keys, mask = self._step_keys(step, kv, closed, iq, iw, csa_dense)
             apply_ring(step.ring, kv, step.tensors["window"], step.tensors.get("window_snapshot"))
-            out = self._attend_step(q, keys, mask, step.keys.queries)
+            out = self.attend_step(q, keys, mask, step.keys.queries)
         else:
             out = self._attend_spans(q, kv, positions, spans, projected, tables, csa_dense, step, iq, iw)
 
@@ -289,7 +305,7 @@ class V4Attention(nn.Module):
     def _attend_padded(self, q: torch.Tensor, keyed: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """q [T, H, D]; per sequence b (rows a_b .. a_b+n_b-1 of q) its keys [K_b, D] and mask [n_b, K_b]
         -> [T, H, D]. Padded to Q [B, S, H, D] (S = max n_b), keys [B, K, D] (K = max K_b, pad rows zero) and
-        mask [B, S, K] (pad rows and columns False), then _softmax_batch. Equal to _attend per sequence up to fp32
+        mask [B, S, K] (pad rows and columns False), then sink_softmax. Equal to _attend per sequence up to fp32
         summation order (a softmax over K >= K_b columns; tests/identities/test_deepseek_v4_batched.py)."""
         b_n, s_n, k_n = len(keyed), max(n for _, n, _, _ in keyed), max(k.shape[0] for _, _, k, _ in keyed)
         # which (sequence, slot) each of the T query rows occupies: plain ints from the spans
@@ -303,22 +319,50 @@ class V4Attention(nn.Module):
             mask[i, :n, : k.shape[0]] = visible
         qp = q.new_zeros(b_n, s_n, *q.shape[1:])
         qp[seq_of, slot_of] = q[rows]
-        outp = self._softmax_batch(qp, keys, mask)
+        outp = self.sink_softmax(qp, keys, mask)
         out = torch.empty_like(q)
         out[rows] = outp[seq_of, slot_of]
         return out
 
-    def _attend_step(
+    def _attend_step_torch(
         self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, queries: StepQueries
     ) -> torch.Tensor:
         """q [T, H, D], every sequence's keys [B, K, D] and mask [B, S, K] (_step_keys) -> [T, H, D]: the
-        queries padded by the step's plan, one _softmax_batch."""
-        outp = self._softmax_batch(_pad(q, queries), keys, mask)
+        queries padded by the step's plan, one _sink_softmax_torch, the rows taken back out."""
+        outp = self._sink_softmax_torch(_pad(q, queries), keys, mask)
         out = torch.empty_like(q)
         out[queries.rows] = outp[queries.seq, queries.slot]
         return out
 
-    def _softmax_batch(self, qp: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend_step_native(
+        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, queries: StepQueries
+    ) -> torch.Tensor:
+        """_attend_step_torch in one C call (csrc/attention.c mls_sink_mqa): each query reads its row of q and
+        writes its row of the result where they lie (queries.index; no padded copy in or out), and its scores,
+        softmax and weighted sum run over its allowed keys only, tiles of keys in L2, register-blocked over heads.
+        The torch form computes every (query, key) pair of the padded [B, S, H, K] logits and masks them: at a
+        1024-token prefill of a CSA layer ~1400 keys of which ~640 are visible, two fp32 GEMMs plus where / cat /
+        softmax over 90 MB of logits, then the pad and gather copies (2.4 -> 1.2 s for the prompt on a 4-layer
+        model, 2 threads). Equal up to fp32 summation order. Its contract on the step's input: fp32 CPU tensors
+        (else the reference)."""
+        if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
+            return self._attend_step_torch(q, keys, mask, queries)
+        return native_layers.sink_mqa(
+            q.contiguous(), queries.index, keys.contiguous(), mask.contiguous(), self.sinks, self.scale
+        )
+
+    def _sink_softmax_native(self, qp: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """_sink_softmax_torch in one C call (as _attend_step_native, the padded queries their own rows). Its
+        contract on the step's input: fp32 CPU tensors (else the reference)."""
+        if qp.dtype != torch.float32 or keys.dtype != torch.float32 or qp.device.type != "cpu":
+            return self._sink_softmax_torch(qp, keys, mask)
+        b, s, h, d = qp.shape
+        index = torch.arange(b * s, dtype=torch.int64).view(b, s)
+        out = native_layers.sink_mqa(qp.reshape(b * s, h, d).contiguous(), index, keys.contiguous(),
+                                     mask.contiguous(), self.sinks, self.scale)  # fmt: skip
+        return out.view(b, s, h, d)
+
+    def _sink_softmax_torch(self, qp: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """qp [B, S, H, D], keys [B, K, D], mask [B, S, K] -> [B, S, H, D]. Masked logits are selected to -inf
         (torch.where), never multiplied by zero: a masked logit times 0 would still carry a NaN or inf. A pad
         query row sees only its sink, so its probabilities are 0 and its output 0 (dropped)."""

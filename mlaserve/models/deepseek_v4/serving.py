@@ -39,6 +39,7 @@ from mlaserve.cache.model_cache import LayerState as CacheLayer
 from mlaserve.cache.model_cache import ModelCache
 from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics
 from mlaserve.executor.step_context import StepContext
+from mlaserve.kernels.registry import KernelPlan
 from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlaserve.models.deepseek_v4.rollback import RollbackTape, rollback
 from mlaserve.models.deepseek_v4.rope import V4RopeTables
@@ -132,12 +133,15 @@ def step_states(
     return out, batched
 
 
-def v4_implementation(batched_attention: bool, batched_state: bool) -> str:
-    """What the route records as running (attention/router.py route_v4): the softmax, then the state update.
-    padded_batch with batched_state also reads every sequence's keys and CSA top-k at once (the key plan comes
-    with the batched update's); padded_batch with per_sequence_state reads them in a loop over the sequences."""
+def v4_implementation(batched_attention: bool, batched_state: bool, softmax_kernel: str = "torch") -> str:
+    """What the route records as running (attention/router.py route_v4): the softmax's kernel and form, then the
+    state update. padded_batch with batched_state also reads every sequence's keys and CSA top-k at once (the key
+    plan comes with the batched update's); padded_batch with per_sequence_state reads them in a loop over the
+    sequences. softmax_kernel: the padded softmax's implementation, the KernelPlan's op sink_attention (native:
+    one C call over the allowed keys; torch); the per-sequence reference is torch's."""
     softmax = "padded_batch" if batched_attention else "per_sequence"
-    return f"torch:{softmax}+{'batched' if batched_state else 'per_sequence'}_state"
+    kernel = softmax_kernel if batched_attention else "torch"
+    return f"{kernel}:{softmax}+{'batched' if batched_state else 'per_sequence'}_state"
 
 
 class _MainRope:
@@ -175,6 +179,13 @@ class V4Serving(nn.Module):
         # what the route records as the softmax that runs (attention/router.py route_v4): the same switch
         # and the state update that runs (the switch forward reads)
         self.v4_implementation = v4_implementation(batched_attention, batched_state)
+
+    def take_plan(self, plan: KernelPlan) -> None:
+        """The loader's KernelPlan (made after any expert-parallel cut), kept for the ledger, whose implementation
+        then names the padded softmax's kernel the plan bound (op sink_attention)."""
+        self.kernel_plan = plan
+        kernels = "/".join(sorted({c.impl for c in plan.choices if c.op == "sink_attention"})) or "torch"
+        self.v4_implementation = v4_implementation(self.batched_attention, self.batched_state, kernels)
 
     def fused_decode(self, step: StepContext, cache: ModelCache) -> None:
         return None  # no native decode layer for V4 yet: the ledger says per_op

@@ -12,6 +12,7 @@ Notation
 Queries (StepQueries, one per step)
   seq, slot, rows [sum n_b]  step row rows[i] sits at [seq[i], slot[i]] of the padded queries
   pos [B, S]                 c_b + j; -1 on pad slots (a pad query sees no key, only its sink)
+  index [B, S]               a_b + j, the step row at slot j of b; -1 on pad slots
 Keys (LayerKeys, one per ratio; ratio 0 for the sliding layers: no pool rows), packed per sequence in the
 reference's order: its o_b ring rows by position, its n_b new rows, its R_b pool rows, then padding up to
 K = max_b (o_b + n_b + R_b) (the layout the loop's padded softmax builds, so the two compute alike):
@@ -48,6 +49,7 @@ class StepQueries:
     slot: torch.Tensor  # [sum n_b] its place in the sequence's chunk
     rows: torch.Tensor  # [sum n_b] the step row
     pos: torch.Tensor  # [B, S] positions, -1 on pad slots
+    index: torch.Tensor  # [B, S] the step row of each padded slot, -1 on pad slots (the native attention's queries)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,10 @@ def step_queries(spans: tuple[SeqSpan, ...], device) -> StepQueries:
     slot = torch.arange(seq.shape[0], device=device) - (torch.cumsum(n, 0) - n)[seq]
     j = torch.arange(int(n.max()), device=device)[None, :]
     pos = torch.where(j < n[:, None], c[:, None] + j, -1)
-    return StepQueries(seq, slot, a[seq] + slot, pos)
+    rows = a[seq] + slot
+    index = torch.full(pos.shape, -1, dtype=torch.long, device=device)
+    index[seq, slot] = rows
+    return StepQueries(seq, slot, rows, pos, index)
 
 
 def layer_keys(spans: tuple[SeqSpan, ...], window: int, ratio: int, device) -> LayerKeys:
