@@ -111,7 +111,7 @@ def resolve(
     quantization = choose_quantization(opts.quantization, log)
     kernels = choose_kernels(opts.kernels, device, native_kernels, log, torch_holders, triton)
     activations = choose_activations(opts.activations, kernels, gguf, log)
-    prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log, _bf16_unbound(model), activations)
+    prefill_matmul = choose_prefill_matmul(opts.prefill_matmul, kernels, gguf, log, activations)
     ranks = opts.tensor_parallel_size * opts.expert_parallel_size
     dtype = choose_dtype(opts.dtype, device, native_kernels is not None, ranks, stored_bf16, log)
     sparse = _attention(model, opts.attention, has_indexer_weights, log)
@@ -411,10 +411,3 @@ def _file_switch(log, name: str, requested: bool, unused: str | None, on: str, o
     if requested != option_default(name):
         return log.record(name, requested, f"user option: {off}" if not requested else "user option")
     return log.record(name, requested, f"engine default: {on if requested else off}")
-
-
-def _bf16_unbound(model: ModelConfig) -> str | None:
-    """Why the model's kernel plan binds no bf16 prefill products (None: it does, config/machine.BF16_BITS)."""
-    if model.family is not None and model.family.layer_kinds == "deepseek_v4":
-        return "DeepSeek-V4's kernel plan (loading/deepseek_v4.plan_v4_kernels) binds no bf16 prefill products"
-    return None

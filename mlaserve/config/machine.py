@@ -220,7 +220,6 @@ def choose_prefill_matmul(
     kernels: str,
     gguf: bool,
     log: ProvenanceLog,
-    unbound: str | None = None,
     activations: str = "float",
 ) -> str:
     """float | bf16_6bit | bf16 | int8 (BF16_BITS, PREFILL_TILES). auto: bf16 GEMMs for a GGUF's weights of 6 bits or
@@ -231,8 +230,7 @@ def choose_prefill_matmul(
     bf16_6bit above; on a CPU without the tiles but with VNNI (config/cpu.int8_rows) int8 too: the q8_K types on
     the AVX512-VNNI panels at every row count, or without them the routed experts' products of up to
     kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels (INT8_ROWS_SCOPE);
-    exact fp32 elsewhere. unbound: why this model's kernel plan binds no bf16 products (None: it
-    does); then auto is float and a bf16 / int8 request is refused."""
+    exact fp32 elsewhere."""
     check_choice("prefill_matmul", requested, PREFILL_MATMULS)
     if requested == "float":
         return log.record("prefill_matmul", "float", "user option (fp32 GEMMs on the exact decoded weights)")
@@ -242,10 +240,6 @@ def choose_prefill_matmul(
             f"'float' ({log.source('activations')}); use activations='auto' / 'int8_6bit' / 'int8', or another "
             "prefill_matmul"
         )
-    if unbound is not None:
-        if requested != "auto":
-            raise ConfigError(f"prefill_matmul={requested!r}: {unbound}; use 'auto' or 'float'")
-        return log.record("prefill_matmul", "float", f"engine default (auto: fp32 GEMMs; {unbound})")
     fast, cpu = fast_bf16()
     if requested == "auto":
         if kernels != "native" or not gguf:

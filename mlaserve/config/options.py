@@ -172,8 +172,7 @@ class EngineOptions:
         "the rest as bf16_6bit; needs int8 activations; auto = int8 for GGUF files with the native kernels and int8 "
         "activations on a CPU with AMX-INT8, or with AMX-BF16 / AVX512-BF16 and VNNI, else bf16_6bit on a CPU with "
         "AMX-BF16 or AVX512-BF16 (plain bf16's added error on Q8_0 is over half its own, so Q8_0 takes the pairs, "
-        "int16 or fp32), else float (DeepSeek-V4: float, its "
-        "kernel plan binds no bf16 products; bf16 / bf16_6bit / int8 refused there). bf16 raises peak memory (~+0.3 GiB after a "
+        "int16 or fp32), else float. bf16 raises peak memory (~+0.3 GiB after a "
         "2048-token step of the standard model's Q4_K_M file: oneDNN's cached primitives and the heap they pin; rows "
         "are padded to a ladder of row counts so they do not grow with every prompt length, docs/PERFORMANCE.md); "
         "float keeps the lower peak",

@@ -1,6 +1,8 @@
-"""prefill_matmul on DeepSeek-V4: its kernel plan (loading/deepseek_v4.plan_v4_kernels) binds no bf16 prefill
-products, so the recorded switch says fp32 with that reason instead of claiming bf16 GEMMs (auto on a CPU with
-fast bf16 picked bf16_6bit for a V4 GGUF before), and an explicit bf16 request is refused naming the option."""
+"""prefill_matmul on DeepSeek-V4: its kernel plan (loading/deepseek_v4.plan_v4_kernels) binds the engine's prefill
+products as the other GGUF models' plans do, so auto resolves as it does for them (the rule is the CPU's and the
+file's, not the family's), and the holders take the setting: a V4 GGUF's Q8_0 projections record the bf16 pairs,
+its Q4_K ones bf16 (their types' rule, kernels/bf16_prefill.takes_bf16). Until 2026-12-07 the plan bound none,
+auto recorded fp32 for V4 and bf16 requests were refused."""
 
 from __future__ import annotations
 
@@ -8,31 +10,48 @@ import pytest
 
 pytest.importorskip("transformers")
 from hf_models import make_config  # noqa: E402
-from v4_models import make_v4_config  # noqa: E402
+from v4_models import make_v4_config, save_hf_v4  # noqa: E402
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config  # noqa: E402
 from mlaserve.config.engine import EngineOptions, resolve  # noqa: E402
-from mlaserve.config.model import ConfigError, ModelConfig  # noqa: E402
+from mlaserve.config.model import ModelConfig  # noqa: E402
+from mlaserve.kernels import bf16_prefill, native  # noqa: E402
 
 
 def _resolve(monkeypatch, hf_config, **kw):
     monkeypatch.setenv("MLASERVE_FAST_BF16", "1")
+    monkeypatch.setenv("MLASERVE_AMX_INT8", "0")
+    monkeypatch.setenv("MLASERVE_INT8_ROWS", "0")
     raw = hf_config.to_dict()
     cfg = DeepseekV4Config.from_hf(raw) if raw["model_type"] == "deepseek_v4" else ModelConfig.from_hf(raw)
     eng = resolve(cfg, EngineOptions(device="cpu", **kw), False, native_kernels=lambda: (True, "built"), gguf=True)
     return eng.kernels.prefill_matmul, {s.name: s for s in eng.provenance}["prefill_matmul"].source
 
 
-def test_v4_gguf_auto_records_fp32_with_the_reason(monkeypatch):
-    value, why = _resolve(monkeypatch, make_v4_config("all_kinds"))
-    assert value == "float", why
-    assert "DeepSeek-V4's kernel plan" in why and "binds no bf16 prefill products" in why
-    # the same resolve on an MLA model still takes bf16 (the rule is the family's, not the file's)
-    assert _resolve(monkeypatch, make_config("v3_yarn"))[0] == "bf16_6bit"
+def test_v4_gguf_auto_resolves_as_the_other_families(monkeypatch):
+    v4 = _resolve(monkeypatch, make_v4_config("all_kinds"))
+    assert v4[0] == "bf16_6bit", v4[1]
+    assert v4 == _resolve(monkeypatch, make_config("v3_yarn"))
 
 
-@pytest.mark.parametrize("requested", ["bf16", "bf16_6bit"])
-def test_v4_bf16_request_is_refused_naming_the_option(monkeypatch, requested):
-    with pytest.raises(ConfigError, match=rf"prefill_matmul='{requested}': DeepSeek-V4's kernel plan"):
-        _resolve(monkeypatch, make_v4_config("all_kinds"), prefill_matmul=requested)
-    assert _resolve(monkeypatch, make_v4_config("all_kinds"), prefill_matmul="float")[0] == "float"
+@pytest.mark.parametrize("requested", ["bf16", "bf16_6bit", "float"])
+def test_v4_takes_a_request(monkeypatch, requested):
+    assert _resolve(monkeypatch, make_v4_config("all_kinds"), prefill_matmul=requested)[0] == requested
+
+
+def test_the_v4_plan_binds_the_setting_on_its_holders(tmp_path):
+    """A V4 GGUF (Q8_0 projections) through LLM with prefill_matmul='bf16_6bit': its GGUFLinear holders carry the
+    setting their type takes (Q8_0: the bf16 pairs where the CPU has them), as a DeepSeek-V3 file's do."""
+    if not native.status().available:
+        pytest.skip(f"native kernels unavailable: {native.status().detail}")
+    from v4_gguf import BLOCK_DIMS, write_v4_gguf
+
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.gguf.quants import GGML_TYPE_IDS
+
+    save_hf_v4("all_kinds", tmp_path / "float", seed=5, **BLOCK_DIMS)
+    write_v4_gguf(tmp_path / "float", tmp_path / "model.gguf")
+    llm = LLM(str(tmp_path / "model.gguf"), prefill_matmul="bf16_6bit")
+    q_a = llm.runner.model.inner.model.layers[0].self_attn.q_a_proj
+    assert q_a.ggml_type == GGML_TYPE_IDS["Q8_0"]
+    assert q_a.bf16 == bf16_prefill.takes_bf16(q_a.ggml_type, 6) and q_a.bf16
