@@ -91,6 +91,27 @@ def sink_mqa(
     return out
 
 
+def hc_pre(
+    h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float, norm_eps: float, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An mHC hyper-connection's mixing weights and sublayer input in one C call (csrc/hyper.c mls_hc_pre): h
+    [S, N, D], fn [(2+N)N, N*D], base [(2+N)N], scale [3], all fp32 CPU contiguous -> post [S, N], comb [S, N, N],
+    x [S, D] (models/deepseek_v4/hyper.py HyperConnection's)."""
+    s, n, d = h.shape
+    if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (h, fn, base, scale)):
+        raise ValueError("hc_pre: h, fn, base and scale must be contiguous fp32")
+    if fn.shape != ((2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
+        raise ValueError(f"hc_pre: h {tuple(h.shape)}, fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale [3]")
+    post, comb, x = torch.empty(s, n), torch.empty(s, n, n), torch.empty(s, d)
+    rc = library().mls_hc_pre(
+        h.data_ptr(), s, n, d, fn.data_ptr(), base.data_ptr(), scale.data_ptr(), eps, norm_eps, iters,
+        post.data_ptr(), comb.data_ptr(), x.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native hc_pre failed (rc {rc}: -1 more than 16 streams or no Sinkhorn pass)")
+    return post, comb, x
+
+
 def latent_mqa8(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,

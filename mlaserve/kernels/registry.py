@@ -24,6 +24,8 @@ Ops, in the order they are planned (a fused op's check reads the choices of the 
                    GPU; kernels/triton/latent_write.py) | native | torch
   sink_attention   DeepSeek-V4's padded softmax with sinks over a step's gathered keys: native (one C call over
                    the allowed keys only, fp32 CPU) | torch
+  hyper_connection an mHC hyper-connection's mixing weights and sublayer input (DeepSeek-V4, GLM-5.3-Flash): native
+                   (one C call, fp32 CPU) | torch
   moe_block        a MoE layer's decode step as one call: native | per_op
   decode_layer     a decoder layer's pure decode step as one call: native | per_op
 Attention over the cache (latent MQA, decompressed MHA, index scoring) is chosen per step by the router
@@ -53,6 +55,7 @@ OPS = (
     "router",
     "latent_write",
     "sink_attention",
+    "hyper_connection",
     "moe_block",
     "decode_layer",
 )
@@ -255,7 +258,17 @@ def native_contract(module: nn.Module) -> str | None:
 # the native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
 # check (native_unfit: limits of the C code, dtype / device / layout known at load) passes; else the torch
 # reference.
-MODULE_OPS = ("embedding", "linear", "grouped_experts", "heads", "norm", "router", "latent_write", "sink_attention")
+MODULE_OPS = (
+    "embedding",
+    "linear",
+    "grouped_experts",
+    "heads",
+    "norm",
+    "router",
+    "latent_write",
+    "sink_attention",
+    "hyper_connection",
+)
 
 
 def _native_module(module: nn.Module, ctx: KernelContext) -> str | None:

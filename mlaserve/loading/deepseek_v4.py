@@ -200,6 +200,10 @@ def load_folder(
     return model.eval(), report
 
 
+# V4's own ops in the KernelPlan (not stored-weight holders): how the load report's kernels line names them
+_OWN_OPS = {"sink_attention": ("attention softmax", "layers"), "hyper_connection": ("mHC mixing", "hyper-connections")}
+
+
 def plan_v4_kernels(
     model: torch.nn.Module, kernels: str, int8: int, bf16: int = 0, tiles: bool = False
 ) -> tuple[KernelPlan, str]:
@@ -208,16 +212,17 @@ def plan_v4_kernels(
     GGUFLinear, GGUFGroupedLinear, GGUFV4Experts) take the engine's kernels, native where they have it, with the
     engine's prefill products (bf16: config/machine.BF16_BITS, tiles: PREFILL_TILES; GGUFLinear and the routed
     experts take them, as in the other GGUF models), and so does the attention's padded softmax with sinks (op
-    sink_attention); V4's other modules (norms, router) have one implementation each. -> the plan and the load report's line: the holders per class and implementation,
-    the attention softmax's implementation, and the float routed experts' form (decided from the shapes)."""
+    sink_attention) and the hyper-connections' mixing (hyper_connection); V4's other modules (norms, router) have one
+    implementation each. -> the plan and the load report's line: the holders per class and implementation, V4's
+    own ops' implementations, and the float routed experts' form (decided from the shapes)."""
     from mlaserve.models.deepseek_v4.moe import Experts
 
     plan = plan_kernels(model, KernelContext(kernels, int8, bf16, tiles))
     held: dict[str, int] = {}
-    softmax: dict[str, int] = {}
+    own: dict[str, dict[str, int]] = {op: {} for op in _OWN_OPS}  # V4's own ops: per op, implementation -> count
     for c in plan.choices:
-        if c.op == "sink_attention":
-            softmax[c.impl] = softmax.get(c.impl, 0) + 1
+        if c.op in own:
+            own[c.op][c.impl] = own[c.op].get(c.impl, 0) + 1
             continue
         key = f"{type(model.get_submodule(c.module)).__name__} {c.impl}"
         held[key] = held.get(key, 0) + 1
@@ -226,9 +231,11 @@ def plan_v4_kernels(
         if type(m) is Experts:  # float stacks: grouped_mm where rows are 16-byte aligned, else the loop
             forms[m.impl] = forms.get(m.impl, 0) + 1
     parts = [", ".join(f"{n} {k}" for k, n in sorted(held.items())) if held else "no quantized holders"]
-    parts += (
-        [f"attention softmax {', '.join(f'{k} in {n} layers' for k, n in sorted(softmax.items()))}"] if softmax else []
-    )
+    parts += [
+        f"{what} {', '.join(f'{k} in {n} {unit}' for k, n in sorted(own[op].items()))}"
+        for op, (what, unit) in _OWN_OPS.items()
+        if own[op]
+    ]
     parts += [f"float routed experts {', '.join(f'{n} {k}' for k, n in sorted(forms.items()))}"] if forms else []
     line = f"DeepSeek-V4 kernels (plan {plan.digest}): " + "; ".join(parts)
     return plan, line + (", int8 activations where the plan says" if int8 and held else "")

@@ -82,27 +82,29 @@ def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
         assert_close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), BOUND, f"{kind} length {n} budget {budget}")
 
 
-def _native_softmax(llm: LLM) -> None:
-    """Bind the attention's native padded softmax with sinks (csrc/attention.c mls_sink_mqa) on every layer: the
-    KernelPlan gives it to quantized files (native kernels); a float folder's plan keeps torch."""
+def _native_v4_ops(llm: LLM) -> None:
+    """Bind V4's own native ops on every layer, the attention's padded softmax with sinks (csrc/attention.c
+    mls_sink_mqa) and the hyper-connections' mixing (csrc/hyper.c mls_hc_pre): the KernelPlan gives them to
+    quantized files (native kernels); a float folder's plan keeps torch."""
     if not native.status().available:
         pytest.skip(f"native kernels unavailable: {native.status().detail}")
     for layer in llm.runner.model.inner.model.layers:
-        layer.self_attn.kernel = "native"
+        for module in (layer.self_attn, layer.attn_hc, layer.ffn_hc):
+            module.kernel = "native"
 
 
-def test_native_sink_softmax_through_the_engine_equals_transformers(v4):
-    """The same prompts and bound with the native softmax: chunks of 3 tokens (padded queries of several
-    sequences' lengths never mix here, a chunk's keys span the ring, the chunk and the pools), then two requests
-    decoded together beside each other's prefill (pad query rows in the padded call) == transformers' greedy."""
+def test_native_v4_ops_through_the_engine_equal_transformers(v4):
+    """The same prompts and bound with the native softmax and mixing: chunks of 3 tokens (a chunk's keys span the
+    ring, the chunk and the pools), then two requests decoded together beside each other's prefill (pad query
+    slots in the padded layout) == transformers' greedy."""
     kind, hf, folder = v4
     llm = LLM(str(folder), max_num_batched_tokens=3)
-    _native_softmax(llm)
+    _native_v4_ops(llm)
     for n in _boundary_lengths(folder, kind):
         ids = _ids(n, hf.config.vocab_size, n)
-        assert_close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), BOUND, f"{kind} length {n}, native softmax")
+        assert_close(llm.prompt_logits(ids), hf_v4_logits(hf, ids), BOUND, f"{kind} length {n}, native ops")
     llm = LLM(str(folder), max_num_batched_tokens=5)
-    _native_softmax(llm)
+    _native_v4_ops(llm)
     prompts = [_ids(11, hf.config.vocab_size, 11), _ids(3, hf.config.vocab_size, 3)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):

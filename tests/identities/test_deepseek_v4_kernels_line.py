@@ -44,15 +44,18 @@ def test_a_quantized_folder_runs_its_holders_on_the_native_kernels(folders, expe
     plan = out.split("kernel plan ", 1)[1]
     holder = "FP4V4Experts" if experts == "fp4" else "FP8V4Experts"
     assert f"{holder} native" in out and "FP8GroupedLinear native" in out and "FP8Linear native" in out
-    assert "grouped_experts  native" in plan and "linear           native" in plan, plan
+    planned = {tuple(ln.split()[:2]) for ln in plan.splitlines()[1:] if ln.startswith("  ")}
+    assert ("grouped_experts", "native") in planned and ("linear", "native") in planned, plan
     llm = LLM(str(folders / experts))
     assert llm.config.kernels.impl == "native" and llm.config.runtime.dtype == torch.float32
     assert {c.impl for c in llm.loaded.kernel_plan.choices} == {"native"}
-    assert {c.op for c in llm.loaded.kernel_plan.choices} == {"linear", "grouped_experts", "sink_attention"}
+    ops = {"linear", "grouped_experts", "sink_attention", "hyper_connection"}
+    assert {c.op for c in llm.loaded.kernel_plan.choices} == ops
+    assert llm.runner.model.inner.model.layers[0].attn_hc.mix.__func__.__name__ == "_mix_native"
     attention = llm.runner.model.inner.model.layers[0].self_attn
     assert attention.sink_softmax.__func__.__name__ == "_sink_softmax_native"
     assert attention.attend_step.__func__.__name__ == "_attend_step_native"
-    assert "attention softmax native in" in out
+    assert "attention softmax native in 4 layers" in out and "mHC mixing native in 8 hyper-connections" in out
     # the ledger's implementation names the softmax's kernel (models/deepseek_v4/serving.py v4_implementation)
     assert llm.runner.model.v4_implementation == "native:padded_batch+batched_state"
 

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 34
+#define MLS_ABI_VERSION 35
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -209,7 +209,7 @@ int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int6
 int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
                   int threads);
 
-/* attention.c, glue.c: the latent MQA, RMSNorm, a step's latent rows and query rope */
+/* attention.c, glue.c: the latent MQA (and DeepSeek-V4's with sinks), RMSNorm, a step's latent rows and query rope */
 int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,
                    int64_t qp_head, const int64_t *q_index, const float *cache, const int64_t *slots,
                    const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
@@ -232,6 +232,10 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
                           float eps, float *q, int64_t h, int64_t ldh, int64_t dn, const float *cos,
                           const float *sin, int interleaved, float *cache, int64_t n_slots,
                           const int64_t *slots, int threads);
+/* hyper.c: an mHC hyper-connection's mixing weights and sublayer input */
+int mls_hc_pre(const float *h, int64_t s, int64_t n, int64_t d, const float *fn, const float *base,
+               const float *scale, float eps, float norm_eps, int iters, float *post, float *comb, float *x,
+               int threads);
 
 /* indexer.c: a decode step's DSA top-k over index keys (the per-op native path's, and its tests'); bf16 1: the
    scores of q and the keys rounded to bf16 (the route's index_scoring "bf16"), 0 fp32. 0, -2 k outside [1, l],

@@ -23,10 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config.deepseek_v4_parts import V4HyperConnections
+from mlaserve.kernels import native_layers
+from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.deepseek_v4.norm import unweighted_rms_norm
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(KernelSwitch, nn.Module):
+    KERNEL_OP = "hyper_connection"  # kernels/registry.py chooses `kernel` at load (the KernelPlan)
+    KERNELS = ("native", "torch")  # native: the whole mixing in one C call (csrc/hyper.c), fp32 CPU
+    KERNEL_CALLS = {"mix": {"native": "_mix_native", "torch": "_mix_torch"}}
+
     def __init__(self, hidden: int, hc: V4HyperConnections, norm_eps: float) -> None:
         super().__init__()
         n = hc.hc_mult
@@ -34,9 +40,30 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden, dtype=torch.float32))
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.kernel = "torch"  # the reference; the loader's KernelPlan sets the engine's (binds self.mix)
+
+    def native_unfit(self) -> str | None:
+        """The native mixing's load-time check: fp32 weights on the CPU, at most 16 streams (the step's streams
+        are checked per call: fp32 there, else the reference)."""
+        if self.fn.dtype != torch.float32 or self.fn.device.type != "cpu":
+            return "hyper-connection weights not fp32 on the CPU"
+        return None if self.n <= 16 else f"{self.n} streams (the C call takes up to 16)"
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [S, N, D] -> post [S, N], comb [S, N, N] (fp32), block input [S, D] (h's dtype)."""
+        return self.mix(h)
+
+    def _mix_native(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_mix_torch in one C call (csrc/hyper.c mls_hc_pre): at one token torch's ~20 ops and the Sinkhorn's
+        2 x iters steps were ~0.3 ms a call, 8 calls per decode step of a 4-layer model. Equal up to fp32 summation
+        order (the squares and the dot products; the N-value sums in torch's order). Its contract on the step's
+        input: fp32 CPU streams (else the reference)."""
+        if h.dtype != torch.float32 or h.device.type != "cpu":
+            return self._mix_torch(h)
+        return native_layers.hc_pre(h.contiguous(), self.fn, self.base, self.scale, self.eps, self.norm_eps, self.iters)
+
+    def _mix_torch(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference (transformers' operations, the Sinkhorn by `sinkhorn`)."""
         n = self.n
         mixes = F.linear(unweighted_rms_norm(h.flatten(1).float(), self.norm_eps), self.fn.float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
