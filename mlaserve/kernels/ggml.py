@@ -434,15 +434,19 @@ def moe_experts(
     type_gate_up: int,
     down: torch.Tensor,
     type_down: int,
-    int8: bool = False,
+    int8: bool | int = False,
     limit: float = math.inf,
 ) -> torch.Tensor:
     """[T, D] fp32 = sum_j topk_w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_idx[t, j], in one
     native call (the few-pairs case of GGUFExperts; its sorted grouped path is the reference). gate / up
-    [E, I, R]: two stacks, wherever they lie. int8: int8 activations when both types take them under that
-    setting (native.takes_int8). limit: gate and up clamped first (DeepSeek-V4's swiglu_limit:
+    [E, I, R]: two stacks, wherever they lie. int8: the holder's activation setting: int8 activations when both
+    types take them under it (native.takes_int8), int16 when both take those at every row count
+    (int16_prefill.takes_rest: the grouped products' arithmetic), else fp32; a mixed pair of types is the caller's
+    to send to the grouped path. limit: gate and up clamped first (DeepSeek-V4's swiglu_limit:
     models/deepseek_v4/moe.clamped_swiglu); inf: none."""
-    int8 = native.takes_int8(type_gate_up, int8) and native.takes_int8(type_down, int8)
+    setting = int8
+    int8 = native.takes_int8(type_gate_up, setting) and native.takes_int8(type_down, setting)
+    int16 = int16_prefill.takes_rest(type_gate_up, setting) and int16_prefill.takes_rest(type_down, setting)
     return native.moe_experts(
         type_gate_up,
         type_down,
@@ -454,4 +458,5 @@ def moe_experts(
         topk_w.float().contiguous(),
         int8,
         limit,
+        int16,
     )

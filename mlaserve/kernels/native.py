@@ -453,17 +453,19 @@ def moe_experts(
     topk_w: torch.Tensor,
     int8: bool = False,
     limit: float = math.inf,
+    int16: bool = False,
 ) -> torch.Tensor:
     """x [T, D] fp32, gate / up [E, I, R_D] (one type, each expert's rows contiguous, the same expert stride) /
     down [E, D, R_I] uint8, topk_idx [T, k] int64, topk_w [T, k] fp32 (all contiguous) -> [T, D] fp32: the
     routed experts' weighted sum, pair by pair. gate and up may lie anywhere (two stacks of the mapped file). limit:
-    the SwiGLU's clamp (DeepSeek-V4's swiglu_limit; inf: none)."""
+    the SwiGLU's clamp (DeepSeek-V4's swiglu_limit; inf: none). int8 / int16: the activations' codes (int8.c /
+    csrc/moe/experts.c mls_moe_experts16; neither: fp32)."""
     if gate.shape != up.shape or gate.stride() != up.stride():
         raise ValueError(f"moe_experts: gate {tuple(gate.shape)} and up {tuple(up.shape)} stacks differ in layout")
     lib = library()
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float32)
-    rc = (lib.mls_moe_experts_q8 if int8 else lib.mls_moe_experts)(
+    rc = (lib.mls_moe_experts_q8 if int8 else lib.mls_moe_experts16 if int16 else lib.mls_moe_experts)(
         type_gu,
         type_dn,
         x.data_ptr(),

@@ -20,6 +20,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_moe_experts.argtypes = [c_int, c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
     lib.mls_moe_experts.argtypes += [i64, f32, ptr, c_int]
     lib.mls_moe_experts_q8.argtypes = lib.mls_moe_experts.argtypes
+    lib.mls_moe_experts16.argtypes = lib.mls_moe_experts.argtypes
     lib.mls_gemm_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_latent_mqa.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.mls_latent_mqa.argtypes += [f32, ptr, c_int]

@@ -364,14 +364,12 @@ class GGUFExperts(registry.KernelSwitch, Experts):
 
     def _routed_native(self, x: torch.Tensor, topk_w: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
         """Up to NATIVE_ROWS (token, expert) pairs: one native call, pair by pair (decode at batch 1-2); more:
-        grouped by expert, each product native. The pair-by-pair call takes int8 activations only for both
-        projections at once; with a mixed pair the grouped path decides per projection, as it does for more
+        grouped by expert, each product native. The pair-by-pair call takes int8 or int16 activations only for
+        both projections at once; with a mixed pair the grouped path decides per projection, as it does for more
         pairs (and as the MoE block does)."""
-        pairwise = native.takes_int8(self.type_gate_up, self.int8) == native.takes_int8(self.type_down, self.int8)
-        # the pair-by-pair call has no int16 products: the grouped ones take them (int16_prefill.takes_rest)
-        pairwise = pairwise and not any(
-            int16_prefill.takes_rest(t, self.int8) for t in (self.type_gate_up, self.type_down)
-        )
+        types = (self.type_gate_up, self.type_down)
+        pairwise = len({native.takes_int8(t, self.int8) for t in types}) == 1
+        pairwise = pairwise and len({int16_prefill.takes_rest(t, self.int8) for t in types}) == 1
         if topk_idx.numel() <= self.NATIVE_ROWS and pairwise:
             g, u, dn, t_gu, t_dn = self.gate_proj, self.up_proj, self.down_proj, self.type_gate_up, self.type_down
             return ggml.moe_experts(x, topk_w, topk_idx, g, u, t_gu, dn, t_dn, self.int8, self.swiglu_limit)

@@ -52,6 +52,48 @@ def test_the_c_layers_take_them_where_the_holders_do(setting):
     assert int16_prefill.takes_rest(Q8_0, 6 | 0x100) and not int16_prefill.takes_rest(Q8_0, 8 | 0x100)
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_few_pairs_take_one_pair_by_pair_call_with_the_grouped_arithmetic(tokens, monkeypatch):
+    """A Q8_0 expert stack under the setting at few (token, expert) pairs (decode: DeepSeek-V4's routed experts, an
+    MLA model's outside the one-call block): one native call pair by pair with int16 activations
+    (csrc/moe/experts.c mls_moe_experts16: the grouped products' kernel at one activation row, each row's product the
+    same bits) instead of the grouped path's sort, products and index_add; the outputs differ by the sums over a
+    token's experts, taken in top-k order instead of expert order (measured <= 1.1 ulp of |y|max; bound 4, as the
+    block's test above), and from fp32 by int16's own error, far more. A mixed pair of types stays grouped."""
+    from mlaserve.kernels import ggml
+
+    moe = make_moe("v3", "q8_0")
+    experts = moe.experts
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(tokens))
+    _, w, idx = routing(GGUFMoEBlock(moe), x)
+    experts.kernel, experts.int8 = "native", SETTING
+    assert idx.numel() <= experts.NATIVE_ROWS
+    calls = []
+    real = native.moe_experts
+
+    def spy(*args):
+        calls.append(args[-1])  # int16
+        return real(*args)
+
+    monkeypatch.setattr(native, "moe_experts", spy)
+    with torch.no_grad():
+        pairwise = experts(x, w, idx)
+        grouped = experts._grouped(x, w, idx, ggml.expert_linear_native)
+        experts.int8 = 0
+        exact = experts(x, w, idx)
+    assert calls == [True, False]  # int16 under the setting, fp32 without it: one call each, pair by pair
+    diff, ulp = (pairwise - grouped).abs().max().item(), 2 * U * grouped.abs().max().item()
+    print(f"\n{tokens} tokens: pair by pair vs grouped {diff / ulp:.1f} ulp")
+    assert diff <= 4 * ulp, (diff, ulp)
+    assert (pairwise - exact).abs().max().item() > 100 * ulp
+    mixed = make_moe("v3", "q4_k-q5_0-q8_0").experts  # gate_up Q4_K on int8, down Q5_0 on int16
+    mixed.kernel, mixed.int8 = "native", SETTING
+    calls.clear()
+    with torch.no_grad():
+        mixed(x, w, idx)
+    assert calls == []
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 5, BLOCK_TOKENS])
 @pytest.mark.parametrize("types", ["q8_0", "q4_k-q5_0-q8_0"])
 def test_moe_block_equals_the_per_op_experts(types, tokens):

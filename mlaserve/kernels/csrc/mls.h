@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 35
+#define MLS_ABI_VERSION 36
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -206,6 +206,10 @@ int mls_moe_experts_q8(int type_gu, int type_dn, const float *x, int64_t t, int6
                        const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
                        const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx, const float *wt,
                        int64_t kk, float limit, float *out, int threads);
+int mls_moe_experts16(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
+                      const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
+                      const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx,
+                      const float *wt, int64_t kk, float limit, float *out, int threads);
 int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
                   int threads);
 

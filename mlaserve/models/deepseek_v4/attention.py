@@ -24,7 +24,8 @@ closed windows, one scatter per cache tensor, boundary snapshots computed from t
 with `step` and `batched` (the engine's path, `_step_keys`) for every sequence at once from the cache tensors
 through the step's plan (step_keys.py: one read of the sequences' rings, one gather of the keys, masks by tensor
 ops, the indexer's scoring and top-k batched over sequences: Indexer.choose_step), one softmax for the step over
-the padded keys (`_attend_step`); otherwise a Python loop over the spans reads each sequence's keys from its
+the padded keys (`attend_step`: the KernelPlan's op sink_attention binds one C call over each query's allowed keys,
+or the torch form over the padded logits); otherwise a Python loop over the spans reads each sequence's keys from its
 state objects (`_attend_spans`), then one softmax per sequence (`batched` False: the plain reference) or one
 padded softmax (`_attend_padded`). Padded, both forms alike (each sequence's keys packed in the reference's order):
   Qp [B, S, H, D]  keys [B, K, D]  mask [B, S, K]  (S = longest chunk, K = most keys of one sequence)
@@ -107,7 +108,7 @@ class V4Attention(KernelSwitch, nn.Module):
                 hidden, a.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, self.ratio, eps
             )
         self.set_numerics(numerics)
-        self.kernel = "torch"  # the reference; the loader's KernelPlan sets the engine's (binds sink_softmax)
+        self.kernel = "torch"  # the reference; the loader's plan sets the engine's (binds attend_step, sink_softmax)
 
     def native_unfit(self) -> str | None:
         """The native softmax's load-time check: fp32 sinks on the CPU (the step's queries and keys are checked

@@ -1,6 +1,6 @@
 """The keys every sequence of a DeepSeek-V4 step attends, as index tensors computed once per step from the step's
 plain data (the runner's spans): each attention layer then reads all sequences' keys with one gather per source
-and builds their masks with tensor ops (attention.py `_attend_step`), no loop over sequences.
+and builds their masks with tensor ops (attention.py `_step_keys`, then `attend_step`), no loop over sequences.
 
 Notation
   B sequences of the step; per sequence b: rows a_b .. a_b+n_b-1 of the step's T rows, positions c_b ..

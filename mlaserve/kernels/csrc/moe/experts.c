@@ -132,3 +132,78 @@ done:
     free(h);
     return rc;
 }
+
+/* mls_moe_experts with int16 activations (x86/int16_prefill.c: the 32-value block types qw_type takes, Q8_0 among
+   them): x and h quantized per 32 values to int16 codes, each pair's gate and up rows and its down rows in runs of
+   up to QW_R weight rows on qw_run, the rows read in place (the grouped int16 products' kernel and arithmetic, so a
+   row's product has the bits it has there at one activation row), the outputs summed over a token's pairs in j
+   order as above. The holders' settings give these to a type at every row count (int16_prefill.takes_rest), so
+   this is the pair-by-pair form of the grouped products a larger step takes. 0, -1 a type without them (or a
+   build without AVX512-VNNI), -2 D or I not a multiple of 32, -4 out of memory. */
+int mls_moe_experts16(int type_gu, int type_dn, const float *x, int64_t t, int64_t d, int64_t inter,
+                      const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
+                      const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx,
+                      const float *wt, int64_t kk, float limit, float *out, int threads) {
+#ifdef MLS_INT16_PREFILL
+    if (!qw_type(type_gu) || !qw_type(type_dn)) return -1;
+    if (d % 32 || inter % 32) return -2;
+    const int64_t pairs = t * kk, n_gu = 2 * inter, half_runs = (inter + QW_R - 1) / QW_R;
+    const int64_t dn_runs = (d + QW_R - 1) / QW_R;
+    int16_t *xc = (int16_t *)malloc(sizeof(int16_t) * (size_t)(t * d) + 64);
+    int16_t *hc = (int16_t *)malloc(sizeof(int16_t) * (size_t)(pairs * inter) + 64);
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(t * d / 32) + 64);
+    float *hd = (float *)malloc(sizeof(float) * (size_t)(pairs * inter / 32) + 64);
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(pairs * n_gu) + 64);
+    float *y = (float *)malloc(sizeof(float) * (size_t)(pairs * d) + 64);
+    int rc = 0;
+    if (!xc || !hc || !xd || !hd || !gu || !y) {
+        rc = -4;
+        goto done;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < t; i++) qw_quantize_rows(x + i * d, 1, d, d, xc + i * d, xd + i * (d / 32));
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < pairs * 2 * half_runs; it++) { /* (pair, gate or up, a run of QW_R rows) */
+            const int64_t p = it / (2 * half_runs), up_half = it % (2 * half_runs) / half_runs;
+            const int64_t r0 = it % half_runs * QW_R, nr = inter - r0 < QW_R ? inter - r0 : QW_R, tok = p / kk;
+            const uint8_t *row0 = (up_half ? up : gate) + idx[p] * gu_expert_stride + r0 * gu_row_bytes;
+            qw_run(type_gu, row0, gu_row_bytes, nr, xc + tok * d, xd + tok * (d / 32), 1, d,
+                   gu + p * n_gu + up_half * inter + r0, n_gu, NULL);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) { /* h = silu(gate) * up in gu's gate half, then its int16 codes */
+            float *h = gu + p * n_gu;
+            for (int64_t i = 0; i < inter; i++) h[i] = silu_mul_clamped(h[i], h[inter + i], limit);
+            qw_quantize_rows(h, 1, inter, inter, hc + p * inter, hd + p * (inter / 32));
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < pairs * dn_runs; it++) {
+            const int64_t p = it / dn_runs, r0 = it % dn_runs * QW_R, nr = d - r0 < QW_R ? d - r0 : QW_R;
+            qw_run(type_dn, down + idx[p] * dn_expert_stride + r0 * dn_row_bytes, dn_row_bytes, nr, hc + p * inter,
+                   hd + p * (inter / 32), 1, inter, y + p * d + r0, d, NULL);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < t * d; it++) {
+            const int64_t tok = it / d, r = it % d;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < kk; j++) acc += wt[tok * kk + j] * y[(tok * kk + j) * d + r];
+            out[it] = acc;
+        }
+    }
+done:
+    free(xc);
+    free(hc);
+    free(xd);
+    free(hd);
+    free(gu);
+    free(y);
+    return rc;
+#else
+    (void)type_gu, (void)type_dn, (void)x, (void)t, (void)d, (void)inter, (void)gate, (void)up, (void)gu_expert_stride;
+    (void)gu_row_bytes, (void)down, (void)dn_expert_stride, (void)dn_row_bytes, (void)idx, (void)wt, (void)kk;
+    (void)limit, (void)out, (void)threads;
+    return -1;
+#endif
+}
