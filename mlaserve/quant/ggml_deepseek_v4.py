@@ -15,8 +15,8 @@ Kernels (the KernelPlan, loading/deepseek_v4.plan_v4_kernels: each holder's `ker
 engine's `kernels`): GGUFLinear has the native decode-and-dot kernels of the other GGUF models; GGUFGroupedLinear
 runs its G groups as one native grouped decode-and-dot at few rows (else the weight decoded natively, then the
 block products); GGUFV4Experts is GGUFExperts (one native call pair by pair at decode, the pairs sorted by expert
-and grouped native products beyond, int8 activations where the engine's `activations` gives them) with the
-clamped SwiGLU.
+and grouped native products beyond, int8 or int16 activations where the engine's `activations` gives them to both
+projections' types, the pair-by-pair call included) with the clamped SwiGLU.
 """
 
 from __future__ import annotations
