@@ -257,18 +257,9 @@ def native_contract(module: nn.Module) -> str | None:
 # The ops whose module holds its own `kernel` switch (a KernelSwitch: setting it binds what the model calls):
 # the native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
 # check (native_unfit: limits of the C code, dtype / device / layout known at load) passes; else the torch
-# reference.
-MODULE_OPS = (
-    "embedding",
-    "linear",
-    "grouped_experts",
-    "heads",
-    "norm",
-    "router",
-    "latent_write",
-    "sink_attention",
-    "hyper_connection",
-)
+# reference. Every op but the three whose implementations bind a whole step or a block's row parts (registered by
+# models/layers.py and quant/ggml_moe_block.py, quant/ggml_layer.py).
+MODULE_OPS = tuple(op for op in OPS if op not in ("mlp_rows", "moe_block", "decode_layer"))
 
 
 def _native_module(module: nn.Module, ctx: KernelContext) -> str | None:
