@@ -201,7 +201,11 @@ def load_folder(
 
 
 # V4's own ops in the KernelPlan (not stored-weight holders): how the load report's kernels line names them
-_OWN_OPS = {"sink_attention": ("attention softmax", "layers"), "hyper_connection": ("mHC mixing", "hyper-connections")}
+_OWN_OPS = {
+    "sink_attention": ("attention softmax", "layers"),
+    "hyper_connection": ("mHC mixing", "hyper-connections"),
+    "norm": ("RMSNorm", "norms"),
+}
 
 
 def plan_v4_kernels(
@@ -212,8 +216,8 @@ def plan_v4_kernels(
     GGUFLinear, GGUFGroupedLinear, GGUFV4Experts) take the engine's kernels, native where they have it, with the
     engine's prefill products (bf16: config/machine.BF16_BITS, tiles: PREFILL_TILES; GGUFLinear and the routed
     experts take them, as in the other GGUF models), and so does the attention's padded softmax with sinks (op
-    sink_attention) and the hyper-connections' mixing (hyper_connection); V4's other modules (norms, router) have one
-    implementation each. -> the plan and the load report's line: the holders per class and implementation, V4's
+    sink_attention), the hyper-connections' mixing (hyper_connection) and the weighted RMSNorms (norm: the MLA models'
+    native norm); the router has one implementation. -> the plan and the load report's line: the holders per class and implementation, V4's
     own ops' implementations, and the float routed experts' form (decided from the shapes)."""
     from mlaserve.models.deepseek_v4.moe import Experts
 

@@ -31,6 +31,7 @@ from v4_models import SPECS, build_hf_v4, hf_v4_logits, largest_ratio  # noqa: E
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.executor.forward_batch import SeqChunk  # noqa: E402
 from mlaserve.kernels import native  # noqa: E402
+from mlaserve.models.deepseek_v4.norm import RMSNorm  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 BOUND = 1e-5
@@ -84,12 +85,16 @@ def test_prompt_logits_at_every_position_around_every_boundary(v4, budget):
 
 def _native_v4_ops(llm: LLM) -> None:
     """Bind V4's own native ops on every layer, the attention's padded softmax with sinks (csrc/attention.c
-    mls_sink_mqa) and the hyper-connections' mixing (csrc/hyper.c mls_hc_pre): the KernelPlan gives them to
-    quantized files (native kernels); a float folder's plan keeps torch."""
+    mls_sink_mqa), the hyper-connections' mixing (csrc/hyper.c mls_hc_pre) and the weighted RMSNorms (csrc/glue.c
+    mls_rms_norm): the KernelPlan gives them to quantized files (native kernels); a float folder's plan keeps torch."""
+
+    def norms(layer):
+        return [m for m in layer.modules() if isinstance(m, RMSNorm)]
+
     if not native.status().available:
         pytest.skip(f"native kernels unavailable: {native.status().detail}")
     for layer in llm.runner.model.inner.model.layers:
-        for module in (layer.self_attn, layer.attn_hc, layer.ffn_hc):
+        for module in (layer.self_attn, layer.attn_hc, layer.ffn_hc, *norms(layer)):
             module.kernel = "native"
 
 

@@ -49,7 +49,7 @@ def test_a_quantized_folder_runs_its_holders_on_the_native_kernels(folders, expe
     llm = LLM(str(folders / experts))
     assert llm.config.kernels.impl == "native" and llm.config.runtime.dtype == torch.float32
     assert {c.impl for c in llm.loaded.kernel_plan.choices} == {"native"}
-    ops = {"linear", "grouped_experts", "sink_attention", "hyper_connection"}
+    ops = {"linear", "grouped_experts", "sink_attention", "hyper_connection", "norm"}
     assert {c.op for c in llm.loaded.kernel_plan.choices} == ops
     assert llm.runner.model.inner.model.layers[0].attn_hc.mix.__func__.__name__ == "_mix_native"
     attention = llm.runner.model.inner.model.layers[0].self_attn

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from mlaserve.models import layers
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(layers.RMSNorm):
+    """The weighted form. The MLA models' RMSNorm (models/layers.py: op "norm" of the KernelPlan, native one C call
+    for fp32 rows on the CPU) with V4's torch form: the weight applied in fp32 before the cast, where theirs scales in
+    the model dtype (the same operations in fp32)."""
+
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.eps = eps
+        super().__init__(dim, eps)
+        self.weight.data = self.weight.data.float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm_torch(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
