@@ -91,6 +91,22 @@ def sink_mqa(
     return out
 
 
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """DeepSeek-V4's rope in place (csrc/glue.c mls_rope_pairs): x [T, ..., W] fp32 contiguous, its trailing
+    2 * cos.shape[-1] values per row rotated as interleaved pairs by cos, sign * sin [T, d / 2] (fp32, contiguous);
+    the same bits as models/deepseek_v4/rope.rotate_trailing. -> x."""
+    t, w, half = x.shape[0], x.shape[-1], cos.shape[-1]
+    if not all(v.is_contiguous() and v.dtype == torch.float32 for v in (x, cos, sin)) or cos.shape != (t, half):
+        raise ValueError(f"rope_pairs: x {tuple(x.shape)}, cos {tuple(cos.shape)} fp32 contiguous, [T, d / 2]")
+    rc = library().mls_rope_pairs(
+        x.data_ptr(), t, x.numel() // (t * w) if t else 0, w, 2 * half, cos.data_ptr(), sin.data_ptr(), sign,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native rope_pairs refused d={2 * half}, W={w}")
+    return x
+
+
 def hc_pre(
     h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float, norm_eps: float, iters: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -123,3 +123,25 @@ int mls_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t
     }
     return 0;
 }
+
+/* DeepSeek-V4's rope (models/deepseek_v4/rope.py rotate_trailing), in place: x [T, R, W] (R rows per token, e.g.
+   heads), the trailing d values of each row as d / 2 interleaved pairs (x1, x2) = (x[W-d+2i], x[W-d+2i+1]) ->
+   (x1 cos - x2 s, x2 cos + x1 s) with cos, sin [T, d / 2] and s = sign * sin (sign -1: the de-rotation). The
+   reference's fp32 products and differences in its order (no fused multiply-add: -ffp-contract=off), so the same
+   bits as rotate_trailing. 0, -1 d odd or above W. */
+int mls_rope_pairs(float *x, int64_t t, int64_t rows, int64_t w, int64_t d, const float *cos, const float *sin,
+                   float sign, int threads) {
+    if (d % 2 || d > w) return -1;
+    const int64_t half = d / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (t * rows >= 256)
+    for (int64_t i = 0; i < t * rows; i++) {
+        const float *c = cos + (i / rows) * half, *s = sin + (i / rows) * half;
+        float *p = x + i * w + (w - d);
+        for (int64_t j = 0; j < half; j++) {
+            const float x1 = p[2 * j], x2 = p[2 * j + 1], sj = sign * s[j];
+            p[2 * j] = x1 * c[j] - x2 * sj;
+            p[2 * j + 1] = x2 * c[j] + x1 * sj;
+        }
+    }
+    return 0;
+}

@@ -76,6 +76,7 @@ class V4Attention(KernelSwitch, nn.Module):
     KERNEL_CALLS = {
         "attend_step": {"native": "_attend_step_native", "torch": "_attend_step_torch"},
         "sink_softmax": {"native": "_sink_softmax_native", "torch": "_sink_softmax_torch"},
+        "rotate": {"native": "_rotate_native", "torch": "_rotate_torch"},
     }
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, numerics: V4Numerics = TRANSFORMERS) -> None:
@@ -108,7 +109,7 @@ class V4Attention(KernelSwitch, nn.Module):
                 hidden, a.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk, self.ratio, eps
             )
         self.set_numerics(numerics)
-        self.kernel = "torch"  # the reference; the loader's plan sets the engine's (binds attend_step, sink_softmax)
+        self.kernel = "torch"  # the reference; the loader's plan sets the engine's (binds the KERNEL_CALLS)
 
     def native_unfit(self) -> str | None:
         """The native softmax's load-time check: fp32 sinks on the CPU (the step's queries and keys are checked
@@ -148,8 +149,8 @@ class V4Attention(KernelSwitch, nn.Module):
         # projections, norms and rope over every token of the step at once
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), self.eps)
-        q = rotate_trailing(q, cos, sin)
-        kv = self.kv_round(rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin))
+        q = self.rotate(q, cos, sin)
+        kv = self.kv_round(self.rotate(self.kv_norm(self.kv_proj(x)), cos, sin))
         ckv = cgate = ikv = igate = iq = iw = None  # the compressors' and indexer's, in the layers that have them
         if self.compressor is not None:
             ckv, cgate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
@@ -170,9 +171,23 @@ class V4Attention(KernelSwitch, nn.Module):
         else:
             out = self._attend_spans(q, kv, positions, spans, projected, tables, csa_dense, step, iq, iw)
 
-        out = rotate_trailing(out, cos, -sin)  # the values carried rope: undo it at the query position
+        out = self.rotate(out, cos, sin, -1.0)  # the values carried rope: undo it at the query position
         grouped = out.reshape(s, self.o_a_proj.groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
+
+    @staticmethod
+    def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+        """The rope of the layer's queries, K=V rows and output (sign -1: the de-rotation): rope.rotate_trailing."""
+        return rotate_trailing(x, cos, sin if sign > 0 else -sin)
+
+    @staticmethod
+    def _rotate_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+        """_rotate_torch in one C call, in place on x (the layer's own fresh q, K=V rows and output; csrc/glue.c
+        mls_rope_pairs: the same bits), where torch composed ~10 ops (3 calls a layer at every step). Its contract
+        on the step's input: fp32 CPU contiguous tensors (else the reference)."""
+        if not all(v.dtype == torch.float32 and v.device.type == "cpu" and v.is_contiguous() for v in (x, cos, sin)):
+            return V4Attention._rotate_torch(x, cos, sin, sign)
+        return native_layers.rope_pairs(x, cos, sin, sign)
 
     def _attend_spans(
         self,
