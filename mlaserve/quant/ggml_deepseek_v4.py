@@ -28,10 +28,10 @@ from torch import nn
 
 from mlaserve.config.provenance import Setting
 from mlaserve.gguf.quants import GGML_TYPES
-from mlaserve.kernels import ggml, native, registry
+from mlaserve.kernels import bf16_prefill, ggml, native, registry
 from mlaserve.loading.deepseek_v4_names import target
 from mlaserve.models.deepseek_v4.moe import clamped_swiglu, experts_loop
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear, _raw
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear, _raw, bf16_detail
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
 from mlaserve.quant.plan import _group
 
@@ -40,7 +40,10 @@ class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
     """o_a_proj in ggml blocks: y[:, g] = x[:, g] @ W_g^T for the G row blocks W_g of the [G*o, K] weight.
     Kernels (the KernelPlan's op "linear"): native up to NATIVE_ROWS rows the C grouped decode-and-dot (the groups
     as the "experts" of one call: a group's rows are whole ggml rows), more rows the weight decoded by the C
-    decoder (the reference's values bit for bit), then the G block products; torch: decoded by torch, then them."""
+    decoder (the reference's values bit for bit), then the G block products, or, where the plan's prefill setting
+    gives the type a product of its own (set_prefill_bf16: Q8_0's bf16 pairs on AMX-BF16, int16 on AVX512-VNNI,
+    bf16 for weights of 6 bits or fewer), each group's product on its row block as a GGUFLinear's many-rows product
+    (ggml.linear_native); torch: decoded by torch, then the block products."""
 
     KERNEL_OP = "linear"
     KERNELS = ggml.KERNELS
@@ -51,7 +54,12 @@ class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
         nn.Module.__init__(self)
         self.in_features, self.out_features, self.groups, self.ggml_type = in_per_group, out_features, groups, ggml_type
         self.kernel = "torch"  # the reference until the KernelPlan binds the engine's kernels
+        self.bf16 = bf16_prefill.FP32  # the plan's prefill setting for this type (set_prefill_bf16)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_per_group)), device)
+
+    def set_prefill_bf16(self, cap: int) -> None:
+        """The KernelPlan's prefill setting (the widest weight taking bf16, bits per value), decided once here."""
+        self.bf16 = bf16_prefill.takes_bf16(self.ggml_type, cap)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return ggml.dense(self.weight, self.ggml_type, self.in_features).to(dtype)
@@ -70,6 +78,10 @@ class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
 
     def _matmul_native(self, x: torch.Tensor) -> torch.Tensor:
         s, g = x.shape[0], self.groups
+        if s > self.NATIVE_ROWS and self.bf16 != bf16_prefill.FP32:  # each group's row block, a GGUF product of its own
+            w = self.weight.view(g, -1, self.weight.shape[-1])
+            ys = [ggml.linear_native(x[:, a], w[a], self.ggml_type, self.in_features, bf16=self.bf16) for a in range(g)]
+            return torch.cat(ys, dim=1).to(x.dtype)
         if s > self.NATIVE_ROWS:
             return self._products(x, native.dequantize(self.ggml_type, self.weight, self.in_features))
         xs = x.float().transpose(0, 1).reshape(g * s, -1).contiguous()  # group a's rows: a*S .. (a+1)*S - 1
@@ -80,7 +92,11 @@ class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
         return y.view(g, s, -1).transpose(0, 1).reshape(s, -1).to(x.dtype)
 
     def native_detail(self) -> str:
-        return f"{native.product_detail(self.ggml_type, GGML_TYPES[self.ggml_type].name)}, {self.groups} groups"
+        said = bf16_detail((self.ggml_type,), (self.bf16,))  # the groups' prefill products, where the setting gives any
+        prefill = f"; per group, {said}" if said else ""
+        return (
+            f"{native.product_detail(self.ggml_type, GGML_TYPES[self.ggml_type].name)}, {self.groups} groups{prefill}"
+        )
 
     def describe(self) -> tuple[str, tuple[int, int]]:
         t = GGML_TYPES[self.ggml_type]

@@ -222,6 +222,40 @@ def test_grouped_o_a_proj_equals_the_exact_product(case, kernel, rows, monkeypat
     assert got.abs().max() > 0.1
 
 
+def test_grouped_o_a_proj_prefill_takes_the_plans_setting_per_group(monkeypatch):
+    """With the plan's prefill setting (set_prefill_bf16, cap 6: Q8_0 takes the bf16 pairs where the process has the
+    AMX-BF16 tiles, int16 activations on AVX512-VNNI, fp32 elsewhere) a GGUF o_a_proj past NATIVE_ROWS rows runs
+    each group's row block as a GGUF product of its own (ggml.linear_native), never decoding the whole weight, within
+    the setting's bound of the float64 product: 3e-5 (the pairs measured 9.1e-6 on outputs up to 4.7, fp32 grade:
+    ~2^-16 per product; the fp32 path 1.0e-6). Where the setting leaves Q8_0 in fp32 it is the decoded weight's
+    block products as before."""
+    from mlaserve.kernels import bf16_prefill, ggml
+
+    m = gguf_grouped()
+    m.kernel = "native"
+    m.set_prefill_bf16(6)
+    assert m.bf16 == bf16_prefill.takes_bf16(m.ggml_type, 6)
+    x = torch.randn(40, m.groups, m.in_features, generator=torch.Generator().manual_seed(40))
+    per_group = []
+    real = ggml.linear_native
+
+    def spy(x_a, w_a, *args, **kwargs):
+        per_group.append(w_a.data_ptr())
+        return real(x_a, w_a, *args, **kwargs)
+
+    monkeypatch.setattr(ggml, "linear_native", spy)
+    calls = Calls(monkeypatch)
+    got = m(x)
+    if m.bf16 == bf16_prefill.FP32:
+        assert calls.ran() == {"dequantize"} and per_group == []
+    else:  # group a's rows start a * o rows into the weight, one product each, in order
+        row = m.weight.stride(0) * m.weight.element_size()
+        o = m.out_features // m.groups
+        assert per_group == [m.weight.data_ptr() + a * o * row for a in range(m.groups)]
+        assert "dequantize" not in calls.ran()
+    assert (got.double() - exact_grouped(x, m.dequantize(), m.groups)).abs().max().item() <= 3e-5
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     pytest.importorskip("transformers")
