@@ -24,7 +24,7 @@ from mlaserve.models.deepseek_v4.attention import Span, V4Attention
 from mlaserve.models.deepseek_v4.hyper import HyperConnection, expand, make_head
 from mlaserve.models.deepseek_v4.moe import V4MoEBlock
 from mlaserve.models.deepseek_v4.norm import RMSNorm
-from mlaserve.models.deepseek_v4.rope import V4RopeTables
+from mlaserve.models.deepseek_v4.rope import StepRope, V4RopeTables
 from mlaserve.models.deepseek_v4.state import LayerState, SequenceState
 from mlaserve.models.deepseek_v4.step_update import LayerStep
 from mlaserve.models.layers import embedding
@@ -129,13 +129,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         per-sequence reference updates each span's states)."""
         m = self.model
         h = m.embed_tokens(ids).unsqueeze(1).expand(-1, m.hc_mult, -1).contiguous()
+        tables = StepRope(self.tables, positions)  # the step's cos / sin once per table, not once per layer
         for i, layer in enumerate(m.layers):
             h = layer(
                 h,
                 ids,
                 positions,
                 [(a, n, start, states[i]) for a, n, start, states in spans],
-                self.tables,
+                tables,
                 csa_dense,
                 steps[i] if steps is not None else None,
             )

@@ -33,6 +33,26 @@ class V4RopeTables:
         return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
+class StepRope(V4RopeTables):
+    """The model's tables for one step: cos / sin of the step's own positions computed once per table and dtype (each
+    layer asks for them: 8 computations a decode step of a 4-layer model, 2 once kept), other positions (the
+    compressors' window starts) computed as the tables compute them. Made per step (model.forward_spans), dropped
+    with it."""
+
+    def __init__(self, tables: V4RopeTables, positions: torch.Tensor) -> None:
+        self.inv_freq, self.scale = tables.inv_freq, tables.scale  # the same tables
+        self.positions = positions
+        self._kept: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, table: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is not self.positions:
+            return super().cos_sin(table, positions, dtype)
+        key = (table, dtype)
+        if key not in self._kept:
+            self._kept[key] = super().cos_sin(table, positions, dtype)
+        return self._kept[key]
+
+
 def rotate_trailing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, ..., D]; cos/sin [T, d/2] broadcast over the middle dims. Rotates pairs (x_{D-d+2i}, x_{D-d+2i+1})
     in fp32 and leaves the leading D-d dims untouched. De-rotation: pass -sin."""
