@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaserve.kernels import native, native_layers
+from mlaserve.kernels import native, native_v4
 from mlaserve.models.deepseek_v4.step_keys import StepQueries
 
 STATUS = native.status()
@@ -63,7 +63,7 @@ def _run(threads, qp, keys, mask, sinks, scale, seed=0):
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = native_layers.sink_mqa(q, index, keys, mask, sinks, scale)
+        out = native_v4.sink_mqa(q, index, keys, mask, sinks, scale)
     finally:
         torch.set_num_threads(prev)
     padded = torch.full_like(qp, float("nan"))

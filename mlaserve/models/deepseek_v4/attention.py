@@ -41,7 +41,7 @@ from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics, check_v4_numerics
-from mlaserve.kernels import native_layers
+from mlaserve.kernels import native_v4
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.deepseek_v4.compressor import Compressor
 from mlaserve.models.deepseek_v4.indexer import Indexer, visible_rows
@@ -187,7 +187,7 @@ class V4Attention(KernelSwitch, nn.Module):
         on the step's input: fp32 CPU contiguous tensors (else the reference)."""
         if not all(v.dtype == torch.float32 and v.device.type == "cpu" and v.is_contiguous() for v in (x, cos, sin)):
             return V4Attention._rotate_torch(x, cos, sin, sign)
-        return native_layers.rope_pairs(x, cos, sin, sign)
+        return native_v4.rope_pairs(x, cos, sin, sign)
 
     def _attend_spans(
         self,
@@ -359,11 +359,11 @@ class V4Attention(KernelSwitch, nn.Module):
         The torch form computes every (query, key) pair of the padded [B, S, H, K] logits and masks them: at a
         1024-token prefill of a CSA layer ~1400 keys of which ~640 are visible, two fp32 GEMMs plus where / cat /
         softmax over 90 MB of logits, then the pad and gather copies (2.4 -> 1.2 s for the prompt on a 4-layer
-        model, 2 threads). Equal up to fp32 summation order. Its contract on the step's input: fp32 CPU tensors
+        model: a 2-core AMX Xeon, 2 threads, 2026-12-07). Equal up to fp32 summation order. Its contract on the step's input: fp32 CPU tensors
         (else the reference)."""
         if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
             return self._attend_step_torch(q, keys, mask, queries)
-        return native_layers.sink_mqa(
+        return native_v4.sink_mqa(
             q.contiguous(), queries.index, keys.contiguous(), mask.contiguous(), self.sinks, self.scale
         )
 
@@ -374,7 +374,7 @@ class V4Attention(KernelSwitch, nn.Module):
             return self._sink_softmax_torch(qp, keys, mask)
         b, s, h, d = qp.shape
         index = torch.arange(b * s, dtype=torch.int64).view(b, s)
-        out = native_layers.sink_mqa(qp.reshape(b * s, h, d).contiguous(), index, keys.contiguous(),
+        out = native_v4.sink_mqa(qp.reshape(b * s, h, d).contiguous(), index, keys.contiguous(),
                                      mask.contiguous(), self.sinks, self.scale)  # fmt: skip
         return out.view(b, s, h, d)
 

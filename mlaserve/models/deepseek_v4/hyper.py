@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config.deepseek_v4_parts import V4HyperConnections
-from mlaserve.kernels import native_layers
+from mlaserve.kernels import native_v4
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.deepseek_v4.norm import unweighted_rms_norm
 
@@ -55,12 +55,12 @@ class HyperConnection(KernelSwitch, nn.Module):
 
     def _mix_native(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """_mix_torch in one C call (csrc/hyper.c mls_hc_pre): at one token torch's ~20 ops and the Sinkhorn's
-        2 x iters steps were ~0.3 ms a call, 8 calls per decode step of a 4-layer model. Equal up to fp32 summation
+        2 x iters steps were ~0.3 ms a call (2-core AMX Xeon, 2 threads), 8 calls per decode step of a 4-layer model. Equal up to fp32 summation
         order (the squares and the dot products; the N-value sums in torch's order). Its contract on the step's
         input: fp32 CPU streams (else the reference)."""
         if h.dtype != torch.float32 or h.device.type != "cpu":
             return self._mix_torch(h)
-        return native_layers.hc_pre(h.contiguous(), self.fn, self.base, self.scale, self.eps, self.norm_eps, self.iters)
+        return native_v4.hc_pre(h.contiguous(), self.fn, self.base, self.scale, self.eps, self.norm_eps, self.iters)
 
     def _mix_torch(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reference (transformers' operations, the Sinkhorn by `sinkhorn`)."""

@@ -1,0 +1,80 @@
+"""The native kernels' entries for DeepSeek-V4's own ops (and GLM-5.3-Flash's mHC): the attention with per-head sinks
+over a step's gathered keys (csrc/attention.c mls_sink_mqa, on the latent MQA's driver), the rope of interleaved
+trailing pairs (csrc/glue.c mls_rope_pairs) and a hyper-connection's mixing (csrc/hyper.c mls_hc_pre). The models
+bind them through the KernelPlan (ops sink_attention, hyper_connection: models/deepseek_v4/attention.py, hyper.py);
+the tests hold them to the torch forms (tests/kernels/test_sink_mqa_kernel.py, test_rope_pairs_kernel.py,
+test_hc_pre_kernel.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlaserve.kernels.native import library
+
+
+def sink_mqa(
+    q: torch.Tensor, q_index: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """DeepSeek-V4's attention in one C call (csrc/attention.c mls_sink_mqa): q [T, H, D] the step's rows, q_index
+    [B, S] int64 the row of each query of the step's padded layout (-1 on pad slots), keys [B, K, D] (one shared
+    K=V head per sequence), mask [B, S, K] bool, sinks [H], all fp32 CPU and contiguous -> [T, H, D]: row
+    q_index[b, i] = softmax over [scale q . keys[b] | sink_h] (the sink column dropped) @ keys[b], over the allowed
+    keys only (the masked ones are never read); a query with no allowed key gives zeros. Every row of q must be
+    named by one query (the rows of out no query names are not written)."""
+    t, h, d = q.shape
+    b, s = q_index.shape
+    k = keys.shape[1]
+    if not all(x.is_contiguous() for x in (q, q_index, keys, mask, sinks)) or q_index.dtype != torch.int64:
+        raise ValueError("sink_mqa: q, q_index (int64), keys, mask and sinks must be contiguous")
+    if keys.shape != (b, k, d) or mask.shape != (b, s, k) or sinks.shape != (h,) or mask.dtype != torch.bool:
+        raise ValueError(
+            f"sink_mqa: q {tuple(q.shape)}, q_index {tuple(q_index.shape)}, keys {tuple(keys.shape)}, "
+            f"mask {tuple(mask.shape)} bool, sinks [H]"
+        )
+    slots = torch.arange(b * k, dtype=torch.int64).view(b, k)  # key j of sequence b is row b * K + j of keys
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = library().mls_sink_mqa(
+        q.data_ptr(), h * d, d, q_index.data_ptr(), keys.data_ptr(), slots.data_ptr(), mask.data_ptr(), b, s, k, h,
+        d, scale, sinks.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native sink_mqa failed (rc {rc})")
+    return out
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """DeepSeek-V4's rope in place (csrc/glue.c mls_rope_pairs): x [T, ..., W] fp32 contiguous, its trailing
+    2 * cos.shape[-1] values per row rotated as interleaved pairs by cos, sign * sin [T, d / 2] (fp32, contiguous);
+    the same bits as models/deepseek_v4/rope.rotate_trailing. -> x."""
+    t, w, half = x.shape[0], x.shape[-1], cos.shape[-1]
+    if not all(v.is_contiguous() and v.dtype == torch.float32 for v in (x, cos, sin)) or cos.shape != (t, half):
+        raise ValueError(f"rope_pairs: x {tuple(x.shape)}, cos {tuple(cos.shape)} fp32 contiguous, [T, d / 2]")
+    rc = library().mls_rope_pairs(
+        x.data_ptr(), t, x.numel() // (t * w) if t else 0, w, 2 * half, cos.data_ptr(), sin.data_ptr(), sign,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native rope_pairs refused d={2 * half}, W={w}")
+    return x
+
+
+def hc_pre(
+    h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float, norm_eps: float, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An mHC hyper-connection's mixing weights and sublayer input in one C call (csrc/hyper.c mls_hc_pre): h
+    [S, N, D], fn [(2+N)N, N*D], base [(2+N)N], scale [3], all fp32 CPU contiguous -> post [S, N], comb [S, N, N],
+    x [S, D] (models/deepseek_v4/hyper.py HyperConnection's)."""
+    s, n, d = h.shape
+    if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (h, fn, base, scale)):
+        raise ValueError("hc_pre: h, fn, base and scale must be contiguous fp32")
+    if fn.shape != ((2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
+        raise ValueError(f"hc_pre: h {tuple(h.shape)}, fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale [3]")
+    post, comb, x = torch.empty(s, n), torch.empty(s, n, n), torch.empty(s, d)
+    rc = library().mls_hc_pre(
+        h.data_ptr(), s, n, d, fn.data_ptr(), base.data_ptr(), scale.data_ptr(), eps, norm_eps, iters,
+        post.data_ptr(), comb.data_ptr(), x.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native hc_pre failed (rc {rc}: -1 more than 16 streams or no Sinkhorn pass)")
+    return post, comb, x
