@@ -35,6 +35,7 @@ from mlaserve.kernels import (
     native_layers,
     panels,
     registry,
+    row_product,
     triton_linear,
 )
 from mlaserve.models.moe import ROUTE_TOKENS, Experts
@@ -203,7 +204,18 @@ class GGUFLinear(registry.KernelSwitch, nn.Module):
 
     def _matmul_native(self, x2: torch.Tensor) -> torch.Tensor:
         w, t, k = self.weight, self.ggml_type, self.in_features
+        if x2.shape[0] <= ggml.GEMV_ROWS:  # linear_native's decode products, their choice bound once per weight
+            return self._row_product(w)(x2.float().contiguous())
         return ggml.linear_native(x2, w, t, k, self.int8, self.bf16, self.tiles)
+
+    def _row_product(self, w: torch.Tensor) -> row_product.RowProduct:
+        """The decode-sized product bound for the weight and activation setting this call sees (bound again
+        when either changed since: the loader fills the weight after the plan, tests switch settings)."""
+        key = (w.data_ptr(), self.int8)
+        if self.__dict__.get("_rows_key") != key:
+            self.__dict__["_rows"] = row_product.bind(w, self.ggml_type, self.in_features, self.int8)
+            self.__dict__["_rows_key"] = key
+        return self.__dict__["_rows"]
 
     def _matmul_torch(self, x2: torch.Tensor) -> torch.Tensor:
         return ggml.linear_torch(x2, self.weight, self.ggml_type, self.in_features)
