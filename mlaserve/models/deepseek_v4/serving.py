@@ -32,6 +32,7 @@ logits rows only (hc_head, norm, head). Speculative decoding (mtp.py, rollback.p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -70,15 +71,16 @@ def pool_slots(
     per_page = page_size // ratio
     old = [c // ratio for _, _, c, _ in spans]
     total = [(c + n) // ratio for _, n, c, _ in spans]
-    counts = torch.tensor(total, device=device)
-    seq = torch.repeat_interleave(torch.arange(len(spans), device=device), counts)
-    first = torch.cumsum(counts, 0) - counts  # each sequence's first row in the flat list
-    r = torch.arange(int(counts.sum()), device=device) - first[seq]
-    flat = torch.tensor([p for t in tables for p in t], dtype=torch.long, device=device)
-    lens = torch.tensor([len(t) for t in tables], device=device)
-    table_start = torch.cumsum(lens, 0) - lens
+    counts = np.array(total, dtype=np.int64)  # numpy: plain int arithmetic (step_keys.py says why)
+    seq = np.repeat(np.arange(len(spans)), counts)
+    first = np.cumsum(counts) - counts  # each sequence's first row in the flat list
+    r = np.arange(int(counts.sum())) - first[seq]
+    flat = np.array([p for t in tables for p in t], dtype=np.int64)
+    lens = np.array([len(t) for t in tables], dtype=np.int64)
+    table_start = np.cumsum(lens) - lens
     slots = flat[table_start[seq] + r // per_page] * per_page + r % per_page
-    gather = slots[r < torch.tensor(old, device=device)[seq]]
+    gather = torch.from_numpy(slots[r < np.array(old, dtype=np.int64)[seq]]).to(device)
+    slots = torch.from_numpy(slots).to(device)
     starts = [0]
     for o in old:
         starts.append(starts[-1] + o)
