@@ -257,27 +257,28 @@ class V4Attention(KernelSwitch, nn.Module):
         | pool rows before the step | rows the step closed | a zero row], packed per sequence in the reference's
         order (ring rows by position, the chunk's rows, pool rows) and padded with the zero row; the masks from
         positions (window rule, causal rule) and, in a CSA layer's sparse route, the indexer's batched top-k."""
-        queries, plan = step.keys.queries, step.keys.layers[self.ratio if self.compressor is not None else 0]
+        ratio = self.ratio if self.compressor is not None else 0
+        queries, plan = step.keys.queries, step.keys.layers[ratio]
         rings = step.tensors["window"].index_select(0, plan.ring_slots)  # [B, W, D] (8-bit rows: dequantized)
         parts = [rings.reshape(-1, kv.shape[-1]).to(kv.dtype), kv]
         if self.compressor is not None:  # the pool's dtype first, as the reference's PagedPool keeps the rows
             rows, irows = closed
             parts += [step.kv_rows.before().to(kv.dtype), rows.to(step.kv_rows.pool.dtype).to(kv.dtype)]
-        keys = torch.cat([*parts, kv.new_zeros(1, kv.shape[-1])])[plan.source]  # [B, K, D]
-        t, key_pos = queries.pos[:, :, None], plan.key_pos[:, None, :]
-        mask = (key_pos <= t) & (key_pos > t - self.window)  # [B, S, K]: window columns
-        if self.compressor is None:
-            return keys, mask
-        pool_row = plan.pool_row[:, None, :]
-        visible = pool_row < (t + 1) // self.ratio  # pool columns (pads and window columns: PAD rows)
-        if self.kind == "csa" and not csa_dense:
-            ix, index_rows = self.compressor.indexer, step.index_rows
-            ikeys = torch.cat([index_rows.before(), irows.to(index_rows.pool.dtype)])[plan.pool_source]
-            chosen = ix.choose_step(_pad(iq, queries), _pad(iw, queries), queries.pos, ikeys, plan.sizes)
-            if chosen.shape[-1]:  # [B, S, Kp] by pool row -> the pool columns
-                at = plan.pool_row.clamp(max=chosen.shape[-1] - 1)[:, None, :].expand(-1, chosen.shape[1], -1)
-                visible = visible & torch.gather(chosen, 2, at)
-        return keys, mask | visible
+        parts.append(kv.new_zeros(1, kv.shape[-1]))
+        # [B, K, D], by index_select of the flat plan (CPU's advanced indexing is several times slower for rows)
+        keys = torch.cat(parts).index_select(0, plan.source.flatten()).view(*plan.source.shape, kv.shape[-1])
+        masks = step.keys.visible(ratio, self.window)  # [B, S, K]: (window columns[, pool columns, both])
+        if self.kind != "csa" or csa_dense:
+            return keys, masks[-1]
+        ix, index_rows = self.compressor.indexer, step.index_rows
+        ikeys = torch.cat([index_rows.before(), irows.to(index_rows.pool.dtype)])
+        ikeys = ikeys.index_select(0, plan.pool_source.flatten()).view(*plan.pool_source.shape, ikeys.shape[-1])
+        chosen = ix.choose_step(_pad(iq, queries), _pad(iw, queries), queries.pos, ikeys, plan.sizes)
+        window, visible, _ = masks
+        if chosen.shape[-1]:  # [B, S, Kp] by pool row -> the pool columns
+            at = plan.pool_row.clamp(max=chosen.shape[-1] - 1)[:, None, :].expand(-1, chosen.shape[1], -1)
+            visible = visible & torch.gather(chosen, 2, at)
+        return keys, window | visible
 
     def _advance(self, state: LayerState, lo: int, hi: int, start: int, projected: tuple, tables: V4RopeTables) -> None:
         """Rows lo .. hi-1 of the step (positions start ..) enter one sequence's state: the ring, then the

@@ -34,7 +34,7 @@ reads the same keys in the same order; tests/models/test_deepseek_v4_varlen.py h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -66,10 +66,27 @@ class LayerKeys:
 
 @dataclass(frozen=True)
 class StepKeys:
-    """The step's query layout and its keys per ratio (0: the sliding layers')."""
+    """The step's query layout and its keys per ratio (0: the sliding layers'); `masks` the position rules' masks
+    per ratio, made by the first layer of that ratio that reads them (`visible`) and kept for the step's others."""
 
     queries: StepQueries
     layers: dict[int, LayerKeys]
+    masks: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def visible(self, ratio: int, window: int) -> tuple[torch.Tensor, ...]:
+        """-> the columns [B, S, K] each query sees by position: (window, pool, both) for a ratio, (window,) for
+        0. Window columns: t - W < key_pos <= t; pool columns before any top-k: pool_row < (t + 1) // m (pads and
+        window columns hold PAD there)."""
+        if ratio not in self.masks:
+            plan, t = self.layers[ratio], self.queries.pos[:, :, None]
+            key_pos = plan.key_pos[:, None, :]
+            seen = (key_pos <= t) & (key_pos > t - window)
+            if ratio:
+                pool = plan.pool_row[:, None, :] < (t + 1) // ratio
+                self.masks[ratio] = (seen, pool, seen | pool)
+            else:
+                self.masks[ratio] = (seen,)
+        return self.masks[ratio]
 
 
 def _ints(spans: tuple[SeqSpan, ...]) -> tuple[np.ndarray, ...]:
