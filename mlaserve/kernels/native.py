@@ -402,7 +402,7 @@ def dequantize_experts(
     return out
 
 
-SCORING = {"softmax": 0, "sigmoid": 1}
+SCORING = {"softmax": 0, "sigmoid": 1, "sqrt_softplus": 2}  # 2: DeepSeek-V4's sqrt(softplus)
 TOPK_METHOD = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 

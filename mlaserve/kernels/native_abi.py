@@ -40,7 +40,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.mls_latent_rope_write.argtypes += [ptr, i64, ptr, c_int]
-    lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, c_int]
+    lib.mls_moe_block.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, c_int]
     lib.mls_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int]
     lib.mls_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int]
     lib.mls_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, c_int, ptr, ptr]

@@ -201,13 +201,17 @@ class MoEBlockArgs(ctypes.Structure):
         ("gu_scale", ctypes.c_void_p),
         ("dn_scale", ctypes.c_void_p),
         *((n, ctypes.c_int64) for n in ("gu_scale_stride", "dn_scale_stride", "group")),
+        ("limit", ctypes.c_double),
+        ("tid2eid", ctypes.c_void_p),
+        ("vocab", ctypes.c_int64),
     ]
 
 
 MOE_BLOCK_ERRORS = {-1: "a weight type without a decoder",
                     -2: "rows longer than the kernels take, not whole 32-value blocks for int8 (or INT4 groups), or "
                         "mismatched sizes",
-                    -3: "router settings out of range", -4: "out of memory"}  # fmt: skip
+                    -3: "router settings out of range", -4: "out of memory",
+                    -5: "a hash-routing token id outside the tid2eid table, or a table entry outside the experts"}  # fmt: skip
 
 
 def _check_rows(x: torch.Tensor, d: int, what: str) -> None:
@@ -216,18 +220,25 @@ def _check_rows(x: torch.Tensor, d: int, what: str) -> None:
 
 
 def moe_block(
-    args: MoEBlockArgs, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None
+    args: MoEBlockArgs,
+    x: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D] fp32 contiguous -> [T, D] fp32: the MoE block of `args` (whose weight tensors the caller keeps
     alive). routing: (topk_w [T, k] fp32, topk_idx [T, k] int64) contiguous tensors to receive the router's
-    choice, or None."""
+    choice, or None. ids: the step's token ids [T] int64 contiguous, which a hash-routed block (args.tid2eid) reads."""
     _check_rows(x, args.d, "moe_block")
+    if args.tid2eid and (
+        ids is None or ids.dtype != torch.int64 or ids.shape != (x.shape[0],) or not ids.is_contiguous()
+    ):
+        raise ValueError(f"moe_block: a hash-routed block reads the step's {x.shape[0]} token ids (int64, contiguous)")
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float32)
     w, idx = routing if routing is not None else (None, None)
     rc = library().mls_moe_block(
-        ctypes.byref(args), x.data_ptr(), t, out.data_ptr(), w.data_ptr() if w is not None else None,
-        idx.data_ptr() if idx is not None else None, torch.get_num_threads(),
+        ctypes.byref(args), x.data_ptr(), t, ids.data_ptr() if args.tid2eid else None, out.data_ptr(),
+        w.data_ptr() if w is not None else None, idx.data_ptr() if idx is not None else None, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native moe_block refused: {MOE_BLOCK_ERRORS.get(rc, rc)}")

@@ -205,6 +205,7 @@ _OWN_OPS = {
     "sink_attention": ("attention softmax", "layers"),
     "hyper_connection": ("mHC mixing", "hyper-connections"),
     "norm": ("RMSNorm", "norms"),
+    "moe_block": ("MoE decode step", "layers"),
 }
 
 

@@ -104,9 +104,10 @@ typedef struct {
 #define Q8K_SLOTS 8 /* floats of xd per super-block: sizeof(q8k_meta) / sizeof(float) */
 
 static inline float silu_mul(float g, float u) { return (g / (1.0f + expf(-g))) * u; }
-/* DeepSeek-V4's clamped SwiGLU: silu(min(g, limit)) * clamp(u, -limit, limit); limit INFINITY is silu_mul */
+/* DeepSeek-V4's clamped SwiGLU: silu(min(g, limit)) * clamp(u, -limit, limit); limit INFINITY is silu_mul. A NaN
+   stays NaN, as torch's clamp keeps it (each test is false for NaN) */
 static inline float silu_mul_clamped(float g, float u, float limit) {
-    g = g < limit ? g : limit;
+    g = g > limit ? limit : g;
     u = u < -limit ? -limit : (u > limit ? limit : u);
     return silu_mul(g, u);
 }

@@ -234,7 +234,7 @@ int mls_decode_layer(const mls_layer_t *ly, const mls_decode_step_t *st, const f
     for (int64_t i = 0; i < t * d; i++) out[i] = x[i] + a[i];
     norm_rows(out, t, d, ly->norm_post, ly->eps_post, xn, threads);
     if (ly->moe) {
-        if ((rc = mls_moe_block(ly->moe, xn, t, a, 0, 0, threads))) goto done;
+        if ((rc = mls_moe_block(ly->moe, xn, t, 0, a, 0, 0, threads))) goto done;
     } else {
         if ((rc = lin_apply(&ly->mlp_gate, xn, t, d, gu, 2 * inter, i8, threads))) goto done;
         if ((rc = lin_apply(&ly->mlp_up, xn, t, d, gu + inter, 2 * inter, i8, threads))) goto done;

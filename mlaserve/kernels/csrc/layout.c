@@ -46,6 +46,9 @@ static const mls_layout_entry_t LAYOUT[] = {
     FIELD(mls_moe_block_t, gu_scale_stride),
     FIELD(mls_moe_block_t, dn_scale_stride),
     FIELD(mls_moe_block_t, group),
+    FIELD(mls_moe_block_t, limit),
+    FIELD(mls_moe_block_t, tid2eid),
+    FIELD(mls_moe_block_t, vocab),
 
     STRUCT(mls_lin_t),
     FIELD(mls_lin_t, type),

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 37
+#define MLS_ABI_VERSION 38
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -61,7 +61,7 @@ enum {
 };
 
 /* the router's settings (kernels/native.py SCORING, TOPK_METHOD) */
-enum { MLS_SCORE_SOFTMAX = 0, MLS_SCORE_SIGMOID = 1 };
+enum { MLS_SCORE_SOFTMAX = 0, MLS_SCORE_SIGMOID = 1, MLS_SCORE_SQRT_SOFTPLUS = 2 }; /* 2: DeepSeek-V4's */
 enum { MLS_TOPK_GREEDY = 0, MLS_TOPK_GROUP_MAX = 1, MLS_TOPK_GROUP_TOP2 = 2 };
 
 /* the MoE block of a decode step (moe/block.c) */
@@ -87,6 +87,11 @@ typedef struct { /* every field 8 bytes: the ctypes mirror (kernels/native_layer
        columns, gate_up [E, 2I, D / group] and down [E, D, I / group], scale_stride floats per expert; 0: none */
     const float *gu_scale, *dn_scale;
     int64_t gu_scale_stride, dn_scale_stride, group;
+    double limit; /* swiglu_limit: gate and up clamped before the SwiGLU, routed and shared (INFINITY: none) */
+    /* hash routing (DeepSeek-V4's first layers): expert ids tid2eid[token id] [vocab, kk], the step's token ids
+       passed per call; 0: learned routing (the gate's scores, top-k) */
+    const int64_t *tid2eid;
+    int64_t vocab;
 } mls_moe_block_t;
 
 /* a decoder layer's decode step (decode_layer.c) */
@@ -210,8 +215,8 @@ int mls_moe_experts16(int type_gu, int type_dn, const float *x, int64_t t, int64
                       const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
                       const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx,
                       const float *wt, int64_t kk, float limit, float *out, int threads);
-int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
-                  int threads);
+int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, const int64_t *ids, float *out, float *topk_w,
+                  int64_t *topk_idx, int threads);
 
 /* attention.c, glue.c: the latent MQA (and DeepSeek-V4's with sinks), RMSNorm, a step's latent rows and query rope */
 int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const float *q_pe, int64_t qp_tok,

@@ -129,6 +129,8 @@ class SharedExpert(nn.Module):
 
 
 class V4MoEBlock(nn.Module):
+    KERNEL_OP = "moe_block"  # native: the decode step in one C call (quant/ggml_moe_block.py GGUFMoEBlock)
+
     def __init__(self, hidden: int, cfg: V4MoE, vocab: int, hashed: bool) -> None:
         super().__init__()
         self.gate = Router(hidden, cfg, vocab, hashed)
@@ -138,8 +140,25 @@ class V4MoEBlock(nn.Module):
         # expert parallelism (distributed/expert_parallel.py): this rank's experts, their partial sum all-reduced;
         # set at load, None in one process. The router (hash or learned) runs on every rank over the step's tokens
         self.expert_shard = None
+        # the whole block as one native call for decode steps where the plan attaches it (GGUF experts and shared
+        # expert with the native kernels); per_op is its reference and its fallback outside the call's contract
+        self.native_block = None
+
+    @property
+    def native_block(self):
+        return self.__dict__["_native_block"]
+
+    @native_block.setter
+    def native_block(self, block) -> None:
+        """The plan's choice (as models/moe.py MoE's): the native block or None (per_op), bound to self.step."""
+        self.__dict__["_native_block"] = block
+        self.__dict__["step"] = block if block is not None else self.per_op
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.step(x, token_ids)
+
+    def per_op(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The reference: the router, the routed experts and the shared expert as separate ops."""
         weights, idx = self.gate(x, token_ids)
         routed = self.experts if self.expert_shard is None else self.expert_shard
         return routed(x, weights, idx) + self.shared_experts(x)

@@ -321,14 +321,15 @@ static void moe_inputs(const mls_moe_block_t *b, const moe_ways *w, const float 
 /* h = silu(gate) * up of every pair and of the shared expert, then the down inputs' int16 / int8 codes */
 static void moe_hidden(const mls_moe_block_t *b, const moe_ways *w, int64_t t, const moe_bufs *m) {
     const int64_t inter = b->inter, si = b->shared_inter, pairs = t * b->kk, n_gu = 2 * inter, n_sgu = 2 * si;
+    const float limit = (float)b->limit; /* INFINITY: the plain SwiGLU, bit for bit */
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < pairs * inter + t * si; it++) {
         if (it < pairs * inter) {
             const int64_t q = it / inter, i = it % inter;
-            m->h[it] = silu_mul(m->gu[q * n_gu + i], m->gu[q * n_gu + inter + i]);
+            m->h[it] = silu_mul_clamped(m->gu[q * n_gu + i], m->gu[q * n_gu + inter + i], limit);
         } else {
             const int64_t j = it - pairs * inter, tok = j / si, i = j % si;
-            m->sh[j] = silu_mul(m->sgu[tok * n_sgu + i], m->sgu[tok * n_sgu + si + i]);
+            m->sh[j] = silu_mul_clamped(m->sgu[tok * n_sgu + i], m->sgu[tok * n_sgu + si + i], limit);
         }
     }
     if (w->q16dn || w->q16sd) {
@@ -393,8 +394,8 @@ static void moe_sum(const mls_moe_block_t *b, int64_t t, const moe_bufs *m, floa
 /* x [T, D] (the post-attention norm's output, contiguous) -> out [T, D]; topk_w / topk_idx [T, kk] (may be 0)
    receive the routing. Returns mls_moe_route's -3 for router settings it refuses, -1 for a weight type without
    a decoder, -2 for rows longer than MAX_K, -4 when memory cannot be allocated. */
-int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *out, float *topk_w, int64_t *topk_idx,
-                  int threads) {
+int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, const int64_t *ids, float *out, float *topk_w,
+                  int64_t *topk_idx, int threads) {
     const int64_t d = b->d, e = b->e, kk = b->kk, inter = b->inter, si = b->shared_inter;
     const int64_t pairs = t * kk, n_gu = 2 * inter, n_sgu = 2 * si;
     const int64_t kmax = d > inter ? (d > si ? d : si) : (inter > si ? inter : si);
@@ -414,7 +415,7 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, float *ou
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < t * e; it++) m.logits[it] = dot(b->gate_w + (it % e) * d, x + (it / e) * d, d);
 #pragma omp single
-        rc = moe_route_pairs(b, t, &m);
+        rc = moe_route_pairs(b, t, ids, &m);
         if (rc == 0 && !oom) { /* oom: set before the logits' barrier, so every thread reads the same */
             moe_inputs(b, &w, x, t, &m);
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert

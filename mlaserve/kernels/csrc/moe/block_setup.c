@@ -206,11 +206,13 @@ static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t
 
 /* The router over the logits, then the pairs sorted by expert (stable: token order within an expert; a counting
    sort) into m's routing; one thread. mls_moe_route's return. */
-static int moe_route_pairs(const mls_moe_block_t *b, int64_t t, moe_bufs *m) {
+static int moe_route_pairs(const mls_moe_block_t *b, int64_t t, const int64_t *ids, moe_bufs *m) {
     const int64_t e = b->e, pairs = t * b->kk;
     int64_t *idx = m->idx, *count = m->count, *start = m->start, *act = m->act, groups = 0;
-    const int rc = mls_moe_route(m->logits, t, e, b->bias, (int)b->scoring, (int)b->method, b->n_group, b->topk_group,
-                                 b->kk, (int)b->norm, (float)b->scale, m->wt, idx);
+    const int rc = b->tid2eid ? moe_route_hashed(m->logits, t, e, (int)b->scoring, b->tid2eid, b->vocab, ids, b->kk,
+                                                 (int)b->norm, (float)b->scale, m->wt, idx)
+                              : mls_moe_route(m->logits, t, e, b->bias, (int)b->scoring, (int)b->method, b->n_group,
+                                              b->topk_group, b->kk, (int)b->norm, (float)b->scale, m->wt, idx);
     if (rc != 0) return rc;
     memset(count, 0, sizeof(int64_t) * (size_t)e);
     for (int64_t p = 0; p < pairs; p++) count[idx[p]]++;

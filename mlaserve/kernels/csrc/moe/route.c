@@ -17,6 +17,22 @@ static void topk_desc(const float *v, int64_t n, int64_t k, int64_t *idx) {
     }
 }
 
+/* the scores of one token's logits l [e] elementwise: sigmoid, or DeepSeek-V4's sqrt(softplus) (torch's softplus:
+   the identity above 20, log1p(exp) below) */
+static void route_scores(const float *l, int64_t e, int scoring, float *scores) {
+    if (scoring == MLS_SCORE_SQRT_SOFTPLUS)
+        for (int64_t i = 0; i < e; i++) scores[i] = sqrtf(l[i] > 20.0f ? l[i] : log1pf(expf(l[i])));
+    else
+        for (int64_t i = 0; i < e; i++) scores[i] = 1.0f / (1.0f + expf(-l[i]));
+}
+
+/* the chosen experts' weights w [k] from their scores: normalised if norm (over sum + 1e-20), times scale */
+static void route_weights(const float *scores, const int64_t *idx, int64_t k, int norm, float scale, float *w) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) sum += (w[j] = scores[idx[j]]);
+    for (int64_t j = 0; j < k; j++) w[j] = (norm ? w[j] / (sum + 1e-20f) : w[j]) * scale;
+}
+
 /* logits [T, E] (x @ W_gate^T, fp32) -> topk_w [T, k] fp32, topk_idx [T, k]. scoring: softmax | sigmoid
    (+ correction bias for the choice only); method: greedy | group max (V2, dropped groups score 0) |
    group sum of top-2 (V3 noaux_tc, dropped groups -inf). Weights: the unbiased scores of the chosen
@@ -38,10 +54,8 @@ int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, 
             for (int64_t i = 0; i < e; i++) sum += (scores[i] = expf(l[i] - mx));
             for (int64_t i = 0; i < e; i++) choice[i] = scores[i] = scores[i] / sum;
         } else {
-            for (int64_t i = 0; i < e; i++) {
-                scores[i] = 1.0f / (1.0f + expf(-l[i]));
-                choice[i] = bias ? scores[i] + bias[i] : scores[i];
-            }
+            route_scores(l, e, scoring, scores);
+            for (int64_t i = 0; i < e; i++) choice[i] = bias ? scores[i] + bias[i] : scores[i];
         }
         if (method != MLS_TOPK_GREEDY) {
             const int64_t per = e / n_group;
@@ -67,10 +81,27 @@ int mls_moe_route(const float *logits, int64_t t, int64_t e, const float *bias, 
             }
         }
         int64_t *idx = out_idx + r * k;
-        float *w = out_w + r * k, sum = 0.0f;
         topk_desc(choice, e, k, idx);
-        for (int64_t j = 0; j < k; j++) sum += (w[j] = scores[idx[j]]);
-        for (int64_t j = 0; j < k; j++) w[j] = (norm ? w[j] / (sum + 1e-20f) : w[j]) * scale;
+        route_weights(scores, idx, k, norm, scale, out_w + r * k);
+    }
+    return 0;
+}
+
+/* Hash routing (DeepSeek-V4's first layers): token r's experts are tid2eid[ids[r]] [k] (a table of vocab rows), its
+   weights their scores (scoring: sigmoid or sqrt_softplus) as mls_moe_route's. -> 0, -5 a token id outside the
+   table or a table entry outside the experts (named by the caller: never routed to a wrong expert), -3 bad sizes. */
+static int moe_route_hashed(const float *logits, int64_t t, int64_t e, int scoring, const int64_t *tid2eid,
+                            int64_t vocab, const int64_t *ids, int64_t k, int norm, float scale, float *out_w,
+                            int64_t *out_idx) {
+    if (e < 1 || e > 1024 || k < 1 || k > e || !ids || scoring == MLS_SCORE_SOFTMAX) return -3;
+    float scores[1024];
+    for (int64_t r = 0; r < t; r++) {
+        if (ids[r] < 0 || ids[r] >= vocab) return -5;
+        int64_t *idx = out_idx + r * k;
+        for (int64_t j = 0; j < k; j++)
+            if ((idx[j] = tid2eid[ids[r] * k + j]) < 0 || idx[j] >= e) return -5;
+        route_scores(logits + r * e, e, scoring, scores);
+        route_weights(scores, idx, k, norm, scale, out_w + r * k);
     }
     return 0;
 }
