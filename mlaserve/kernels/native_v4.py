@@ -1,9 +1,9 @@
 """The native kernels' entries for DeepSeek-V4's own ops (and GLM-5.3-Flash's mHC): the attention with per-head sinks
 over a step's gathered keys (csrc/attention.c mls_sink_mqa, on the latent MQA's driver), the rope of interleaved
-trailing pairs (csrc/glue.c mls_rope_pairs) and a hyper-connection's mixing (csrc/hyper.c mls_hc_pre). The models
-bind them through the KernelPlan (ops sink_attention, hyper_connection: models/deepseek_v4/attention.py, hyper.py);
-the tests hold them to the torch forms (tests/kernels/test_sink_mqa_kernel.py, test_rope_pairs_kernel.py,
-test_hc_pre_kernel.py).
+trailing pairs (csrc/glue.c mls_rope_pairs) and a hyper-connection's mixing and new streams (csrc/hyper.c mls_hc_pre,
+mls_hc_post). The models bind them through the KernelPlan (ops sink_attention, hyper_connection:
+models/deepseek_v4/attention.py, hyper.py); the tests hold them to the torch forms (tests/kernels/
+test_sink_mqa_kernel.py, test_rope_pairs_kernel.py, test_hc_pre_kernel.py).
 """
 
 from __future__ import annotations
@@ -78,3 +78,22 @@ def hc_pre(
     if rc != 0:
         raise RuntimeError(f"native hc_pre failed (rc {rc}: -1 more than 16 streams or no Sinkhorn pass)")
     return post, comb, x
+
+
+def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """A hyper-connection's new streams in one C call (csrc/hyper.c mls_hc_post): post [S, N], comb [S, N, N], y [S, D],
+    h [S, N, D], all fp32 CPU contiguous -> [S, N, D] = post_k y + sum_j comb[j, k] h_j (hyper.py expand)."""
+    s, n, d = h.shape
+    if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (post, comb, y, h)):
+        raise ValueError("hc_post: post, comb, y and h must be contiguous fp32")
+    if post.shape != (s, n) or comb.shape != (s, n, n) or y.shape != (s, d):
+        raise ValueError(
+            f"hc_post: h {tuple(h.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)}, y {tuple(y.shape)}"
+        )
+    out = torch.empty(s, n, d)
+    rc = library().mls_hc_post(
+        h.data_ptr(), s, n, d, post.data_ptr(), comb.data_ptr(), y.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"native hc_post refused {n} streams (at most 16)")
+    return out

@@ -26,7 +26,7 @@ from torch import nn
 from mlaserve.config.layer_kinds import attention_kind
 from mlaserve.config.model import ModelConfig
 from mlaserve.models.deepseek import AllReduce, MLAAttention, MLAForCausalLM, Selections, single_process
-from mlaserve.models.deepseek_v4.hyper import HyperConnection, expand, make_head
+from mlaserve.models.deepseek_v4.hyper import HyperConnection, make_head
 from mlaserve.models.kda.layer import KimiDeltaAttention
 from mlaserve.models.kda.rollback import KDATape, rollback
 from mlaserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -81,10 +81,10 @@ class Glm5NextDecoderLayer(nn.Module):
             y, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev, tape)
         else:
             y, selections = self.self_attn(self.input_layernorm(x), step, rope, state, prev)
-        h = expand(post, comb, y, h)
+        h = self.attn_hc.expand(post, comb, y, h)
         del y  # not read again: freed before the MLP makes its temporaries (as DecoderLayer)
         post, comb, x = self.ffn_hc(h)
-        return expand(post, comb, self.mlp(self.post_attention_layernorm(x)), h), selections
+        return self.ffn_hc.expand(post, comb, self.mlp(self.post_attention_layernorm(x)), h), selections
 
 
 class Glm5NextForCausalLM(MLAForCausalLM):

@@ -69,3 +69,30 @@ def test_native_mixing_equals_float64(threads, n, d, s, iters):
 def test_more_streams_than_the_c_call_takes_stay_on_torch():
     hc = _module(17, 8, 2, seed=1)
     assert hc.native_unfit() == "17 streams (the C call takes up to 16)"
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,d", [(1, 16), (4, 1024), (7, 48)])
+@pytest.mark.parametrize("s", [1, 19])
+def test_native_new_streams_equal_float64(threads, n, d, s):
+    """expand's native form (csrc/hyper.c mls_hc_post): post_k y + sum_j comb[j, k] h_j within fp32's bound of
+    float64, (n + 2) u (|post y| + sum_j |comb h_j|) a value (n + 1 roundings of the sum, one of the product); the
+    fp32 torch form within the same. A defect (comb not transposed, post on the wrong stream) moves it by ~1."""
+    g = torch.Generator().manual_seed(n * 10 + s)
+    post, comb = torch.rand(s, n, generator=g) * 2, torch.rand(s, n, n, generator=g)
+    y, h = torch.randn(s, d, generator=g), torch.randn(s, n, d, generator=g)
+    hc = _module(n, d, 1, seed=1)
+    want = hc._expand_torch(*(t.double() for t in (post, comb, y, h)))
+    mag = post.double()[..., None] * y.double()[:, None].abs() + comb.double().transpose(-1, -2) @ h.double().abs()
+    bound = (n + 2) * 2.0**-24 * mag
+    hc.kernel = "native"
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = hc.expand(post, comb, y, h)
+    finally:
+        torch.set_num_threads(prev)
+    assert hc.expand.__name__ == "_expand_native"
+    assert ((got.double() - want).abs() <= bound).all()
+    assert ((hc._expand_torch(post, comb, y, h).double() - want).abs() <= bound).all()

@@ -41,44 +41,73 @@ static void hc_comb(float *c, int64_t n, int iters, float eps) {
     }
 }
 
-/* -> 0, -1 bad shape (n above HC_MAX, no Sinkhorn pass), -4 out of memory */
+/* one token's weights and sublayer input from its mixing dot products a [(2+N)N]: post [N], comb [N, N], x [D] (the
+   weighted sum of the streams in lanes over the values, each value's sum over j in index order) */
+static void hc_token(const float *a, const float *ht, int64_t n, int64_t d, const float *base, const float *scale,
+                     float eps, int iters, float *post, float *comb, float *x) {
+    float pre[HC_MAX];
+    for (int64_t j = 0; j < n; j++) {
+        pre[j] = hc_sigmoid(a[j] * scale[0] + base[j]) + eps;
+        post[j] = 2.0f * hc_sigmoid(a[n + j] * scale[1] + base[n + j]);
+    }
+    for (int64_t i = 0; i < n * n; i++) comb[i] = a[2 * n + i] * scale[2] + base[2 * n + i];
+    hc_comb(comb, n, iters, eps);
+    for (int64_t k = 0; k < d; k++) x[k] = pre[0] * ht[k];
+    for (int64_t j = 1; j < n; j++)
+        for (int64_t k = 0; k < d; k++) x[k] += pre[j] * ht[j * d + k];
+}
+
+#define HC_CHUNK 64 /* tokens whose normed streams are held at once (64 N D floats) */
+
+/* -> 0, -1 bad shape (n above HC_MAX, no Sinkhorn pass), -4 out of memory. The mixing dot products of a chunk of
+   tokens are shared out over the threads as (token, row) items, so one token's 24 rows of fn (4 streams of 1024:
+   393 KB read per call) stream through both threads at decode instead of one. */
 int mls_hc_pre(const float *h, int64_t s, int64_t n, int64_t d, const float *fn, const float *base,
                const float *scale, float eps, float norm_eps, int iters, float *post, float *comb, float *x,
                int threads) {
     if (n < 1 || n > HC_MAX || iters < 1) return -1;
-    const int64_t nd = n * d, m = (2 + n) * n;
-    int rc = 0;
-#pragma omp parallel num_threads(threads) if (s >= 8)
-    {
-        float *f = (float *)malloc(sizeof(float) * (size_t)nd);
-        if (!f) {
-#pragma omp atomic write
-            rc = -4;
+    const int64_t nd = n * d, m = (2 + n) * n, chunk = s < HC_CHUNK ? s : HC_CHUNK;
+    float *f = (float *)malloc(sizeof(float) * (size_t)(chunk * nd + chunk * m + 1)), *a = f + chunk * nd;
+    if (!f) return -4;
+#pragma omp parallel num_threads(threads)
+    for (int64_t t0 = 0; t0 < s; t0 += chunk) {
+        const int64_t tc = s - t0 < chunk ? s - t0 : chunk;
+        const float *hc = h + t0 * nd;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tc; t++) {
+            const float inv = rms_inv(hc + t * nd, nd, norm_eps);
+            for (int64_t k = 0; k < nd; k++) f[t * nd + k] = hc[t * nd + k] * inv;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < s; t++) {
-            if (!f) continue;
-            const float *ht = h + t * nd;
-            const float inv = rms_inv(ht, nd, norm_eps);
-            for (int64_t k = 0; k < nd; k++) f[k] = ht[k] * inv;
-            float a[(2 + HC_MAX) * HC_MAX], pre[HC_MAX];
-            for (int64_t i = 0; i < m; i++) a[i] = dot(fn + i * nd, f, nd);
-            for (int64_t j = 0; j < n; j++) {
-                pre[j] = hc_sigmoid(a[j] * scale[0] + base[j]) + eps;
-                post[t * n + j] = 2.0f * hc_sigmoid(a[n + j] * scale[1] + base[n + j]);
-            }
-            float *c = comb + t * n * n;
-            for (int64_t i = 0; i < n * n; i++) c[i] = a[2 * n + i] * scale[2] + base[2 * n + i];
-            hc_comb(c, n, iters, eps);
-            float *xt = x + t * d;
-            for (int64_t k = 0; k < d; k++) {
-                float sum = 0.0f;
-                for (int64_t j = 0; j < n; j++) sum += pre[j] * ht[j * d + k];
-                xt[k] = sum;
-            }
-        }
-        free(f);
+        for (int64_t it = 0; it < tc * m; it++) a[it] = dot(fn + (it % m) * nd, f + (it / m) * nd, nd);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tc; t++)
+            hc_token(a + t * m, hc + t * nd, n, d, base, scale, eps, iters, post + (t0 + t) * n,
+                     comb + (t0 + t) * n * n, x + (t0 + t) * d);
     }
-    return rc;
+    free(f);
+    return 0;
+}
+#undef HC_CHUNK
+/* The new streams after a sublayer (hyper.py expand): out[t, k] = post[t, k] y[t] + sum_j comb[t, j, k] h[t, j] for
+   h [S, N, D], post [S, N], comb [S, N, N], y [S, D] -> out [S, N, D] (a new tensor). The sum over j in index order,
+   then the product added, in fp32 (torch's matmul may sum in another order: fp32 rounding). At one token torch ran
+   ~8 ops (the broadcast product, the batched matmul, the add). -> 0, -1 bad shape. */
+int mls_hc_post(const float *h, int64_t s, int64_t n, int64_t d, const float *post, const float *comb, const float *y,
+                float *out, int threads) {
+    if (n < 1 || n > HC_MAX) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (s * n * d >= 65536)
+    for (int64_t it = 0; it < s * n; it++) {
+        const int64_t t = it / n, k = it % n;
+        const float *ht = h + t * n * d, *yt = y + t * d, *c = comb + t * n * n, p = post[t * n + k];
+        float *o = out + it * d; /* the same sums as a loop over j per value, in lanes over the values */
+        for (int64_t i = 0; i < d; i++) o[i] = c[k] * ht[i];
+        for (int64_t j = 1; j < n; j++) {
+            const float cj = c[j * n + k], *hj = ht + j * d;
+            for (int64_t i = 0; i < d; i++) o[i] += cj * hj[i];
+        }
+        for (int64_t i = 0; i < d; i++) o[i] = p * yt[i] + o[i];
+    }
+    return 0;
 }
 #undef HC_MAX

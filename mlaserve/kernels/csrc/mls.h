@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 38
+#define MLS_ABI_VERSION 39
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -244,6 +244,8 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
                           const float *sin, int interleaved, float *cache, int64_t n_slots,
                           const int64_t *slots, int threads);
 /* hyper.c: an mHC hyper-connection's mixing weights and sublayer input */
+int mls_hc_post(const float *h, int64_t s, int64_t n, int64_t d, const float *post, const float *comb, const float *y,
+                float *out, int threads);
 int mls_hc_pre(const float *h, int64_t s, int64_t n, int64_t d, const float *fn, const float *base,
                const float *scale, float eps, float norm_eps, int iters, float *post, float *comb, float *x,
                int threads);

@@ -21,7 +21,7 @@ from torch import nn
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics
 from mlaserve.models.deepseek_v4.attention import Span, V4Attention
-from mlaserve.models.deepseek_v4.hyper import HyperConnection, expand, make_head
+from mlaserve.models.deepseek_v4.hyper import HyperConnection, make_head
 from mlaserve.models.deepseek_v4.moe import V4MoEBlock
 from mlaserve.models.deepseek_v4.norm import RMSNorm
 from mlaserve.models.deepseek_v4.rope import StepRope, V4RopeTables
@@ -52,9 +52,10 @@ class V4DecoderLayer(nn.Module):
         step: LayerStep | None = None,
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
-        h = expand(post, comb, self.self_attn(self.input_layernorm(x), positions, spans, tables, csa_dense, step), h)
+        y = self.self_attn(self.input_layernorm(x), positions, spans, tables, csa_dense, step)
+        h = self.attn_hc.expand(post, comb, y, h)
         post, comb, x = self.ffn_hc(h)
-        return expand(post, comb, self.mlp(self.post_attention_layernorm(x), ids), h)
+        return self.ffn_hc.expand(post, comb, self.mlp(self.post_attention_layernorm(x), ids), h)
 
 
 class V4Model(nn.Module):
