@@ -127,9 +127,11 @@ def test_a_break_in_the_padded_batch_fails_only_the_batch_check(all_kinds, monke
     assert _failed(all_kinds) == {"batch of 3 vs each alone"}
 
 
-def test_an_indexer_that_drops_a_row_fails_only_sparse_vs_dense(all_kinds, monkeypatch):
-    """Top-k that loses the first visible row even when every row fits: every schedule shares the fault, only
-    the dense route (which bypasses the selection) sees it."""
+def test_an_indexer_that_drops_a_row_fails_the_schedules_that_choose_differently(all_kinds, monkeypatch):
+    """Top-k that loses the first visible row whenever it chooses. It chooses on a step where some sequence has
+    more than index_topk rows (LayerKeys.scored: otherwise every visible row is attended, no scores computed), so a
+    schedule whose early queries ride in a long chunk (one pass) meets the fault where token-by-token, the resumed
+    chunks and the batch do not: those checks fail; the dense comparison, run where every row fits, never chooses."""
     real = Indexer.choose_step  # what the engine's attention calls for the step's sequences
 
     def choose_step(self, *args):
@@ -139,7 +141,8 @@ def test_an_indexer_that_drops_a_row_fails_only_sparse_vs_dense(all_kinds, monke
         return mask
 
     monkeypatch.setattr(Indexer, "choose_step", choose_step)
-    assert _failed(all_kinds) == {"CSA sparse vs dense, rows within index_topk"}
+    schedules = {"chunked prefill", "token-by-token decode vs one pass", "prefill then decode vs one pass"}
+    assert _failed(all_kinds) == schedules | {"batch of 3 vs each alone"}
 
 
 def test_the_dense_switch_is_routed_recorded_and_real(all_kinds):
@@ -162,3 +165,26 @@ def test_the_dense_switch_is_routed_recorded_and_real(all_kinds):
     dense = schedule_logits(llm.loaded.model, cfg, {"r": (ids, [N])}, csa_dense=True)["r"]
     assert (sparse[:15] - dense[:15]).abs().max() == 0  # <= 3 rows visible: the same rows attended
     assert (sparse[15:] - dense[15:]).abs().max() > 1e-3  # 4+ rows: top-3 vs all of them
+
+
+def test_the_indexer_queries_run_only_where_its_top_k_chooses(all_kinds, monkeypatch):
+    """A step whose sequences all have at most index_topk compressed rows attends every visible row: the plan
+    (LayerKeys.scored) says so before the forward and the CSA layers skip the indexer's queries (their projection,
+    rope and head weights); past index_topk rows they run. The logits are the same either way (the identities
+    above: every schedule, sparse vs dense within index_topk)."""
+    calls = []
+    real = Indexer.queries
+
+    def queries(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(Indexer, "queries", queries)
+    llm = LLM(str(all_kinds))
+    cfg = llm.config
+    # ratio 4, index_topk 3: 12 tokens close 3 rows (all fit), 30 tokens close 7
+    schedule_logits(llm.loaded.model, cfg, {"r": (_ids(12), [12])})
+    assert calls == []
+    schedule_logits(llm.loaded.model, cfg, {"r": (_ids(N), [N])})
+    csa_layers = sum(1 for k in llm.runner.layer_kinds if k.attention == "v4_csa")
+    assert csa_layers and len(calls) == csa_layers

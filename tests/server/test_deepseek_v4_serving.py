@@ -20,7 +20,8 @@ from mlaserve.cache.model_cache import ModelCache  # noqa: E402
 from mlaserve.config.layer_kinds import describe  # noqa: E402
 from mlaserve.entrypoints.cli import main  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
-from mlaserve.models.deepseek_v4.indexer import Indexer  # noqa: E402
+from mlaserve.models.deepseek_v4.attention import V4Attention  # noqa: E402
+from mlaserve.models.deepseek_v4.step_keys import PAD  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "mlaserve" / "embedded" / "tiny-dsa"
@@ -79,18 +80,21 @@ def test_serve_completions_equal_llm_generate(v4_folder):
 
 
 def test_ledger_rows_are_what_the_model_attended(v4_folder, monkeypatch):
-    """The ledger's CSA rows (effective top-k per request) == the rows the indexer's mask selected at the chunk's
-    last query, counted inside the model; window rows and carry fill from the positions."""
+    """The ledger's CSA rows (effective top-k per request) == the compressed rows the attention's mask let the
+    chunk's last query see, counted inside the model (the indexer's choice where its top-k chooses, every visible
+    row where they fit); window rows and carry fill from the positions."""
     hf, folder = v4_folder
     selected: list[int] = []
-    real = Indexer.choose_step  # what the engine's attention calls for the step's sequences (one here)
+    real = V4Attention._step_keys  # every sequence's keys and mask for the step (one sequence here)
 
-    def spy(self, *args, **kwargs):
-        mask = real(self, *args, **kwargs)  # [1, S, rows]: the chunk's last query is the last row
-        selected.append(int(mask[0, -1].sum()) if mask.shape[-1] else 0)
-        return mask
+    def spy(self, step, *args, **kwargs):
+        keys, mask = real(self, step, *args, **kwargs)  # [1, S, K]: the chunk's last query is the last row
+        if self.kind == "csa":
+            pool = step.keys.layers[self.ratio].pool_row[0] != PAD  # the compressed rows' columns
+            selected.append(int((mask[0, -1] & pool).sum()))
+        return keys, mask
 
-    monkeypatch.setattr(Indexer, "choose_step", spy)
+    monkeypatch.setattr(V4Attention, "_step_keys", spy)
     llm = LLM(str(folder), max_num_batched_tokens=7, trace="memory")
     ids = [0] + list(range(5, 23))  # 19 tokens: chunks 7 + 7 + 5, windows close inside every chunk
     llm.prompt_logits(ids)

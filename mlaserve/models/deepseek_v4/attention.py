@@ -154,10 +154,11 @@ class V4Attention(KernelSwitch, nn.Module):
         ckv = cgate = ikv = igate = iq = iw = None  # the compressors' and indexer's, in the layers that have them
         if self.compressor is not None:
             ckv, cgate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
-        if self.kind == "csa":
+        if self.kind == "csa":  # the indexer's keys always (its pool fills); its queries where a top-k chooses
             ix = self.compressor.indexer
             ikv, igate = ix.kv_proj(x), ix.gate_proj(x)
-            iq, iw = ix.queries(x, q_latent, positions, tables)
+            if self._scores(step, csa_dense):
+                iq, iw = ix.queries(x, q_latent, positions, tables)
         projected = (kv, ckv, cgate, ikv, igate)
         if step is not None and step.tape is not None:  # a verify step: what a rollback replays
             step.tape.keep(step.layer, projected)
@@ -174,6 +175,15 @@ class V4Attention(KernelSwitch, nn.Module):
         out = self.rotate(out, cos, sin, -1.0)  # the values carried rope: undo it at the query position
         grouped = out.reshape(s, self.o_a_proj.groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
+
+    def _scores(self, step: LayerStep | None, csa_dense: bool) -> bool:
+        """Whether this CSA layer's step needs the indexer's queries: the per-sequence forms always compute them;
+        the batched one only on a sparse route whose top-k chooses among some sequence's rows (LayerKeys.scored:
+        below index_topk rows every visible row is chosen, so a context under index_topk x ratio tokens skips the
+        query projection, its rope and the head weights)."""
+        if step is None or not self.batched:
+            return True
+        return not csa_dense and step.keys.layers[self.ratio].scored(self.compressor.indexer.topk)
 
     @staticmethod
     def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
@@ -268,7 +278,7 @@ class V4Attention(KernelSwitch, nn.Module):
         # [B, K, D], by index_select of the flat plan (CPU's advanced indexing is several times slower for rows)
         keys = torch.cat(parts).index_select(0, plan.source.flatten()).view(*plan.source.shape, kv.shape[-1])
         masks = step.keys.visible(ratio, self.window)  # [B, S, K]: (window columns[, pool columns, both])
-        if self.kind != "csa" or csa_dense:
+        if self.kind != "csa" or not self._scores(step, csa_dense):  # no top-k chooses: every visible row
             return keys, masks[-1]
         ix, index_rows = self.compressor.indexer, step.index_rows
         ikeys = torch.cat([index_rows.before(), irows.to(index_rows.pool.dtype)])

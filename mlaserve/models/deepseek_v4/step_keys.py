@@ -63,6 +63,12 @@ class LayerKeys:
     pool_source: torch.Tensor  # [B, Kp]
     sizes: tuple[tuple[int, int], ...]  # (n_b, R_b)
 
+    def scored(self, topk: int) -> bool:
+        """Whether a CSA layer's top-k of k = topk chooses among this step's pool rows: some sequence has more than
+        k rows after the step. Otherwise every visible row is chosen (the reference's picks cover them all), so the
+        indexer's queries and scores are not needed: plain data of the step, known before the forward."""
+        return any(rows > topk for _, rows in self.sizes)
+
 
 @dataclass(frozen=True)
 class StepKeys:
