@@ -237,6 +237,21 @@ class KernelSwitch:
         self.__dict__["_kernel"] = name
 
 
+class BlockSwitch:
+    """A layer whose whole step the plan may hand to a native block (op moe_block): setting `native_block` (the
+    block, or None for the per-op path) binds `step`, which the layer's forward calls; the block hands a step
+    outside its contract to `per_op`, the layer's reference."""
+
+    @property
+    def native_block(self):
+        return self.__dict__["_native_block"]
+
+    @native_block.setter
+    def native_block(self, block) -> None:
+        self.__dict__["_native_block"] = block
+        self.__dict__["step"] = block if block is not None else self.per_op
+
+
 def runs_native(module: nn.Module) -> bool:
     """Whether the plan gave this module its native implementation: what a fused op's check reads of the ops it
     fuses (at load; no forward asks)."""

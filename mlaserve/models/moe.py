@@ -18,7 +18,7 @@ from torch import nn
 
 from mlaserve.config.model import MoEConfig
 from mlaserve.kernels import native
-from mlaserve.kernels.registry import KernelSwitch
+from mlaserve.kernels.registry import BlockSwitch, KernelSwitch
 from mlaserve.models.layers import SwiGLU, activation, swiglu
 
 # steps of up to this many tokens take the native router (kernel "native"; its top-k is a plain O(k E) scan per
@@ -168,7 +168,7 @@ class Experts(nn.Module):
         return out
 
 
-class MoE(nn.Module):
+class MoE(BlockSwitch, nn.Module):
     KERNEL_OP = "moe_block"  # native: the decode step in one C call (quant/ggml_moe_block.py GGUFMoEBlock)
 
     def __init__(self, hidden: int, cfg: MoEConfig, limit: float | None = None) -> None:
@@ -185,17 +185,6 @@ class MoE(nn.Module):
         # expert parallelism (distributed/expert_parallel.py): this rank's experts, their partial sum all-reduced;
         # set at load, None in one process
         self.expert_shard = None
-
-    @property
-    def native_block(self):
-        return self.__dict__["_native_block"]
-
-    @native_block.setter
-    def native_block(self, block) -> None:
-        """The plan's choice for this op: the native block (which hands a step outside its contract to per_op),
-        or None (per_op); either is bound to self.step, which forward calls."""
-        self.__dict__["_native_block"] = block
-        self.__dict__["step"] = block if block is not None else self.per_op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.step(x)

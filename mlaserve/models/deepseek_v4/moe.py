@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlaserve.config.deepseek_v4_parts import V4MoE
+from mlaserve.kernels.registry import BlockSwitch
 
 
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +129,7 @@ class SharedExpert(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class V4MoEBlock(nn.Module):
+class V4MoEBlock(BlockSwitch, nn.Module):
     KERNEL_OP = "moe_block"  # native: the decode step in one C call (quant/ggml_moe_block.py GGUFMoEBlock)
 
     def __init__(self, hidden: int, cfg: V4MoE, vocab: int, hashed: bool) -> None:
@@ -143,16 +144,6 @@ class V4MoEBlock(nn.Module):
         # the whole block as one native call for decode steps where the plan attaches it (GGUF experts and shared
         # expert with the native kernels); per_op is its reference and its fallback outside the call's contract
         self.native_block = None
-
-    @property
-    def native_block(self):
-        return self.__dict__["_native_block"]
-
-    @native_block.setter
-    def native_block(self, block) -> None:
-        """The plan's choice (as models/moe.py MoE's): the native block or None (per_op), bound to self.step."""
-        self.__dict__["_native_block"] = block
-        self.__dict__["step"] = block if block is not None else self.per_op
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         return self.step(x, token_ids)
