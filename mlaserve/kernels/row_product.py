@@ -10,7 +10,7 @@ them to the type, else the decode kernels, int8 activations where native.takes_i
 library, the thread count and the weight's sizes each time. At decode those decisions never change between
 calls, so bind() makes them once and keeps the entry with its fixed arguments: a call is then one allocation and
 one ctypes call. Why: a model whose layers have no fused decode (DeepSeek-V4's: ~43 products a step on the
-4-layer benchmark model) paid ~20-35 us of Python around each 7-130 us kernel (a 2-core AMX Xeon, 2026-12-07).
+4-layer benchmark model) paid ~10-35 us of Python around each 7-130 us kernel (a 2-core AMX Xeon, 2026-12-07).
 """
 
 from __future__ import annotations
