@@ -8,6 +8,8 @@ test_sink_mqa_kernel.py, test_rope_pairs_kernel.py, test_hc_pre_kernel.py).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from mlaserve.kernels.native import library
@@ -96,4 +98,24 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, h: torch.Te
     )
     if rc != 0:
         raise RuntimeError(f"native hc_post refused {n} streams (at most 16)")
+    return out
+
+
+def gather_rows(parts: list[torch.Tensor], part_row: torch.Tensor) -> torch.Tensor:
+    """Rows of several fp32 matrices [rows_p, d] (contiguous, one width) gathered in one C call (csrc/glue.c
+    mls_gather_rows): part_row [..., 2] int64 (part, row) pairs -> [..., d]. A pair outside its part is an error."""
+    d = parts[0].shape[-1]
+    if not all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == d and p.is_contiguous() for p in parts):
+        raise ValueError(f"gather_rows: parts must be contiguous fp32 [rows, {d}]")
+    if part_row.dtype != torch.int64 or part_row.shape[-1] != 2 or not part_row.is_contiguous():
+        raise ValueError("gather_rows: part_row must be contiguous int64 [..., 2]")
+    n = part_row.numel() // 2
+    bases = (ctypes.c_void_p * len(parts))(*(p.data_ptr() for p in parts))
+    rows = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+    out = torch.empty(*part_row.shape[:-1], d)
+    rc = library().mls_gather_rows(
+        bases, rows.data_ptr(), len(parts), part_row.data_ptr(), n, d, out.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise RuntimeError(f"native gather_rows refused a {'part' if rc == -1 else 'row'} outside the parts given")
     return out

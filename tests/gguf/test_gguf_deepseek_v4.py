@@ -319,3 +319,33 @@ def test_every_key_is_read_or_listed_as_not_read(float_folder, tmp_path):
     # every key the converter writes is read; only the one it does not know is listed as not read
     assert [k for k, src in sources.items() if "not read" in src] == ["deepseek4.attention.new_knob"]
     ck.close()
+
+
+def test_native_key_gather_equals_the_torch_gather(files, monkeypatch):
+    """The batched attention's keys gathered in one C call from where they lie (V4Attention._gather_keys_native:
+    the ring cache, the step's rows, the paged pool, the rows the step closed) are the torch form's bit for bit
+    (copies only), on every step of a batch of prompts in chunks beside decodes; a plan without the CPU's
+    (part, row) table takes the torch form."""
+    import dataclasses
+
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.models.deepseek_v4.attention import V4Attention
+    from mlaserve.sampling.params import SamplingParams
+
+    root, _, _ = files
+    seen = []
+    real = V4Attention._gather_keys_native
+
+    def both(self, step, plan, kv, rows):
+        got = real(self, step, plan, kv, rows)
+        assert torch.equal(got, self._gather_keys_torch(step, plan, kv, rows))
+        assert torch.equal(got, real(self, step, dataclasses.replace(plan, direct=None), kv, rows))
+        seen.append(plan.direct is not None)
+        return got
+
+    monkeypatch.setattr(V4Attention, "_gather_keys_native", both)
+    llm = LLM(str(root / "model.gguf"), max_num_batched_tokens=9)
+    attention = llm.runner.model.inner.model.layers[1].self_attn
+    assert attention.gather_keys.__func__ is both
+    llm.generate([IDS[:13], IDS[3:30], IDS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert len(seen) > 20 and all(seen)

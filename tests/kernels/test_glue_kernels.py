@@ -122,3 +122,19 @@ def test_native_write_latent_refuses_a_slot_outside_the_cache():
                 q, kv, SimpleNamespace(cos=cos, sin=sin, slot_mapping=torch.tensor([0, bad])), rope, cache
             )
     assert not cache.any()  # refused before anything was written
+
+
+@needs_native
+def test_gather_rows_copies_each_row_from_its_part_and_refuses_outside_ones():
+    """csrc/glue.c mls_gather_rows (DeepSeek-V4's keys of a step): out[i] = row r of part p for (p, r) pairs, the
+    rows of every part where they lie; a pair outside the parts or a row outside its part is refused, nothing read."""
+    from mlaserve.kernels import native_v4
+
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, 40, generator=g) for n in (7, 3, 1)]
+    pairs = torch.tensor([[[0, 6], [2, 0], [1, 1]], [[0, 0], [1, 2], [0, 3]]])
+    want = torch.stack([torch.stack([parts[p][r] for p, r in row.tolist()]) for row in pairs])
+    assert torch.equal(native_v4.gather_rows(parts, pairs), want)
+    for bad, what in (([[3, 0]], "part"), ([[1, 3]], "row"), ([[0, -1]], "row")):
+        with pytest.raises(RuntimeError, match=f"a {what} outside"):
+            native_v4.gather_rows(parts, torch.tensor(bad))

@@ -145,3 +145,21 @@ int mls_rope_pairs(float *x, int64_t t, int64_t rows, int64_t w, int64_t d, cons
     }
     return 0;
 }
+
+/* Rows gathered from several tensors in one pass (DeepSeek-V4's keys of a step: models/deepseek_v4/attention.py):
+   out[i] = row part_row[i][1] of part part_row[i][0], each part a [rows[p], d] fp32 matrix at bases[p] (the ring
+   cache, the step's K=V rows, the paged pool, the rows the step closed, a zero row), read where they lie. The torch
+   form gathers the rings, concatenates the parts, then gathers again (three copies of a ring row); here one.
+   -> 0, -1 a part outside [0, n_parts), -2 a row outside its part (nothing is read from outside a part). */
+int mls_gather_rows(const float *const *bases, const int64_t *rows, int64_t n_parts, const int64_t *part_row,
+                    int64_t n, int64_t d, float *out, int threads) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = part_row[2 * i], r = part_row[2 * i + 1];
+        if (p < 0 || p >= n_parts) return -1;
+        if (r < 0 || r >= rows[p]) return -2;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * d >= 65536)
+    for (int64_t i = 0; i < n; i++)
+        memcpy(out + i * d, bases[part_row[2 * i]] + part_row[2 * i + 1] * d, sizeof(float) * (size_t)d);
+    return 0;
+}

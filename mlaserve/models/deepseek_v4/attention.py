@@ -49,7 +49,7 @@ from mlaserve.models.deepseek_v4.norm import RMSNorm, unweighted_rms_norm
 from mlaserve.models.deepseek_v4.official import index_rounding, kv_rounding
 from mlaserve.models.deepseek_v4.rope import V4RopeTables, rotate_trailing
 from mlaserve.models.deepseek_v4.state import CSAState, HCAState, LayerState
-from mlaserve.models.deepseek_v4.step_keys import StepQueries
+from mlaserve.models.deepseek_v4.step_keys import LayerKeys, StepQueries
 from mlaserve.models.deepseek_v4.step_update import LayerStep, apply_ring
 
 # one sequence's part of a step: (first row in x, tokens, position of its first token, its layer state)
@@ -77,6 +77,7 @@ class V4Attention(KernelSwitch, nn.Module):
         "attend_step": {"native": "_attend_step_native", "torch": "_attend_step_torch"},
         "sink_softmax": {"native": "_sink_softmax_native", "torch": "_sink_softmax_torch"},
         "rotate": {"native": "_rotate_native", "torch": "_rotate_torch"},
+        "gather_keys": {"native": "_gather_keys_native", "torch": "_gather_keys_torch"},
     }
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, numerics: V4Numerics = TRANSFORMERS) -> None:
@@ -269,14 +270,8 @@ class V4Attention(KernelSwitch, nn.Module):
         positions (window rule, causal rule) and, in a CSA layer's sparse route, the indexer's batched top-k."""
         ratio = self.ratio if self.compressor is not None else 0
         queries, plan = step.keys.queries, step.keys.layers[ratio]
-        rings = step.tensors["window"].index_select(0, plan.ring_slots)  # [B, W, D] (8-bit rows: dequantized)
-        parts = [rings.reshape(-1, kv.shape[-1]).to(kv.dtype), kv]
-        if self.compressor is not None:  # the pool's dtype first, as the reference's PagedPool keeps the rows
-            rows, irows = closed
-            parts += [step.kv_rows.before().to(kv.dtype), rows.to(step.kv_rows.pool.dtype).to(kv.dtype)]
-        parts.append(kv.new_zeros(1, kv.shape[-1]))
-        # [B, K, D], by index_select of the flat plan (CPU's advanced indexing is several times slower for rows)
-        keys = torch.cat(parts).index_select(0, plan.source.flatten()).view(*plan.source.shape, kv.shape[-1])
+        rows, irows = closed if closed is not None else (None, None)
+        keys = self.gather_keys(step, plan, kv, rows)  # [B, K, D]
         masks = step.keys.visible(ratio, self.window)  # [B, S, K]: (window columns[, pool columns, both])
         if self.kind != "csa" or not self._scores(step, csa_dense):  # no top-k chooses: every visible row
             return keys, masks[-1]
@@ -289,6 +284,36 @@ class V4Attention(KernelSwitch, nn.Module):
             at = plan.pool_row.clamp(max=chosen.shape[-1] - 1)[:, None, :].expand(-1, chosen.shape[1], -1)
             visible = visible & torch.gather(chosen, 2, at)
         return keys, window | visible
+
+    def _gather_keys_torch(
+        self, step: LayerStep, plan: LayerKeys, kv: torch.Tensor, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every sequence's keys [B, K, D] (_step_keys): the rings' read, the parts concatenated, one gather."""
+        rings = step.tensors["window"].index_select(0, plan.ring_slots)  # [B, W, D] (8-bit rows: dequantized)
+        parts = [rings.reshape(-1, kv.shape[-1]).to(kv.dtype), kv]
+        if self.compressor is not None:  # the pool's dtype first, as the reference's PagedPool keeps the rows
+            parts += [step.kv_rows.before().to(kv.dtype), rows.to(step.kv_rows.pool.dtype).to(kv.dtype)]
+        parts.append(kv.new_zeros(1, kv.shape[-1]))
+        # by index_select of the flat plan (CPU's advanced indexing is several times slower for rows)
+        return torch.cat(parts).index_select(0, plan.source.flatten()).view(*plan.source.shape, kv.shape[-1])
+
+    def _gather_keys_native(
+        self, step: LayerStep, plan: LayerKeys, kv: torch.Tensor, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """_gather_keys_torch in one C call (csrc/glue.c mls_gather_rows): each key row copied once from where it
+        lies (the ring cache, the step's rows, the paged pool, the closed rows; plan.direct), where the torch form
+        copies a ring row three times (at 16 decodes ~10% of a step on the 4-layer benchmark model). The same
+        values: the copies only. Its contract on the step's input: fp32 rows throughout (the ring and the pool plain
+        tensors, not 8-bit rows) and the CPU plan's `direct` (else the reference)."""
+        window, zero = step.tensors["window"], kv.new_zeros(1, kv.shape[-1])
+        pool = step.kv_rows.pool if self.compressor is not None else zero
+        rows = rows if rows is not None else zero
+        parts = [window, kv, pool, rows]
+        plain = all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 and p.is_contiguous() for p in parts[::2])
+        if plan.direct is None or not plain or kv.dtype != torch.float32 or rows.dtype != torch.float32:
+            return self._gather_keys_torch(step, plan, kv, rows)
+        parts = [window.reshape(-1, kv.shape[-1]), kv.contiguous(), pool, rows.contiguous(), zero]
+        return native_v4.gather_rows(parts, plan.direct)
 
     def _advance(self, state: LayerState, lo: int, hi: int, start: int, projected: tuple, tables: V4RopeTables) -> None:
         """Rows lo .. hi-1 of the step (positions start ..) enter one sequence's state: the ring, then the

@@ -222,7 +222,9 @@ class V4Serving(nn.Module):
             ring = ring_plan(step.seq_spans, step.snapshots, window, device)
             windows = {m: window_plan(step.seq_spans, step.snapshots, m, torch.cat(slots[m][2])) for m in ratios}
             # the keys every sequence reads (ring rows, pool rows per ratio) and the queries' padded layout
-            plans = (ring, windows, step_keys(step.seq_spans, window, ratios, device))
+            # the CPU's pool slots as numpy (views) for the native key gather's plan (LayerKeys.direct)
+            gathers = {m: slots[m][0].numpy() for m in ratios} if device.type == "cpu" else None
+            plans = (ring, windows, step_keys(step.seq_spans, window, ratios, device, gathers))
         built = [step_states(step, layer, slots, pools, plans, tape, i) for i, layer in enumerate(cache.layers)]
         per_layer = [states for states, _ in built]
         steps = [batched for _, batched in built] if plans is not None else None

@@ -26,6 +26,11 @@ K = max_b (o_b + n_b + R_b) (the layout the loop's padded softmax builds, so the
   pool_row [B, K]  r on pool columns; PAD elsewhere (never below (t + 1) // m)
   pool_source [B, Kp], Kp = max_b R_b: column r of b -> its pool row r in [before | closed] (the indexer's keys,
                    gathered alike); sizes (n_b, R_b) per sequence, plain ints
+  direct [B, K, 2] the same columns as (part, row) of the tensors where they lie, for the native gather (one copy
+                   instead of the rings' gather, the concatenation and the gather): RING row s_b W + (f_b + k) % W
+                   of the ring cache, STEP row a_b + k - o_b, POOL the pool row's slot in the paged tensor, CLOSED
+                   its place among the rows the step closes, ZERO row 0; None where the step's pool slots were not
+                   given (a device other than the CPU)
 Masks (attention.py): a window column visible to query (b, j) at t = pos[b, j] iff t - W < key_pos <= t; a pool
   column iff pool_row < (t + 1) // m (HCA, CSA dense), and chosen by the indexer's top-k (CSA sparse).
 The per-sequence reference (attention.py's loop over spans: SlidingRing.keys, the pools' view, Indexer.choose)
@@ -42,6 +47,7 @@ import torch
 # the runner's per-sequence plain data: (first row, tokens, context_len, state slot)
 SeqSpan = tuple[int, int, int, int]
 PAD = 2**62  # a key position or pool row no query reaches
+RING, STEP, POOL, CLOSED, ZERO = range(5)  # the parts of LayerKeys.direct, in the native gather's order
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class LayerKeys:
     pool_row: torch.Tensor  # [B, K]
     pool_source: torch.Tensor  # [B, Kp]
     sizes: tuple[tuple[int, int], ...]  # (n_b, R_b)
+    direct: torch.Tensor | None = None  # [B, K, 2] (part, row) where the columns lie
 
     def scored(self, topk: int) -> bool:
         """Whether a CSA layer's top-k of k = topk chooses among this step's pool rows: some sequence has more than
@@ -121,8 +128,11 @@ def step_queries(spans: tuple[SeqSpan, ...], device) -> StepQueries:
     return StepQueries(*(_tensor(v, device) for v in (seq, slot, rows, pos, index)))
 
 
-def layer_keys(spans: tuple[SeqSpan, ...], window: int, ratio: int, device) -> LayerKeys:
-    """The keys of the layers of one ratio (0: sliding) for every sequence of the step."""
+def layer_keys(
+    spans: tuple[SeqSpan, ...], window: int, ratio: int, device, pool_gather: np.ndarray | None = None
+) -> LayerKeys:
+    """The keys of the layers of one ratio (0: sliding) for every sequence of the step. pool_gather: the pool slots
+    of every sequence's rows before the step, in batch order (serving.pool_slots; the CPU's: `direct`)."""
     a, n, c, slots = _ints(spans)
     b, rows = len(spans), max(a_ + n_ for a_, n_, _, _ in spans)  # the step's T rows
     first = np.maximum(c - (window - 1), 0)
@@ -154,8 +164,25 @@ def layer_keys(spans: tuple[SeqSpan, ...], window: int, ratio: int, device) -> L
     pool_source = np.where(p < after[:, None], pool_source, 0)
     sizes = tuple((n_, (c_ + n_) // ratio if ratio else 0) for _, n_, c_, _ in spans)
     t = (_tensor(v, device) for v in (slots, source, key_pos, pool_row, pool_source))
-    return LayerKeys(ratio, *t, sizes)
+    direct = None
+    if pool_gather is not None or not ratio:
+        gather = pool_gather if ratio and len(pool_gather) else np.zeros(1, dtype=np.int64)  # (indexed when non-empty)
+        part = np.where(k < old[:, None], RING, np.where(k < held[:, None], STEP, np.where(r < before[:, None], POOL,
+                        np.where(r < after[:, None], CLOSED, ZERO))))  # fmt: skip
+        row = np.select(
+            [part == RING, part == STEP, part == POOL, part == CLOSED],
+            [slots[:, None] * window + (first[:, None] + k) % window, a[:, None] + k - old[:, None],
+             gather[np.clip(old_start[:, None] + r, 0, len(gather) - 1)], new_start[:, None] + r - before[:, None]],
+            0,
+        )  # fmt: skip
+        direct = _tensor(np.stack([part, row], -1), device)
+    return LayerKeys(ratio, *t, sizes, direct)
 
 
-def step_keys(spans: tuple[SeqSpan, ...], window: int, ratios: set[int], device) -> StepKeys:
-    return StepKeys(step_queries(spans, device), {m: layer_keys(spans, window, m, device) for m in {0, *ratios}})
+def step_keys(
+    spans: tuple[SeqSpan, ...], window: int, ratios: set[int], device, pool_gathers: dict[int, np.ndarray] | None = None
+) -> StepKeys:
+    """pool_gathers: per ratio, the pool slots of the rows before the step (for the native gather; None: none)."""
+    gathers = pool_gathers or {}
+    layers = {m: layer_keys(spans, window, m, device, gathers.get(m)) for m in {0, *ratios}}
+    return StepKeys(step_queries(spans, device), layers)
