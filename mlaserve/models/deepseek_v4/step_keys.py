@@ -167,16 +167,19 @@ def layer_keys(
     direct = None
     if pool_gather is not None or not ratio:
         gather = pool_gather if ratio and len(pool_gather) else np.zeros(1, dtype=np.int64)  # (indexed when non-empty)
-        part = np.where(k < old[:, None], RING, np.where(k < held[:, None], STEP, np.where(r < before[:, None], POOL,
-                        np.where(r < after[:, None], CLOSED, ZERO))))  # fmt: skip
-        row = np.select(
-            [part == RING, part == STEP, part == POOL, part == CLOSED],
-            [slots[:, None] * window + (first[:, None] + k) % window, a[:, None] + k - old[:, None],
-             gather[np.clip(old_start[:, None] + r, 0, len(gather) - 1)], new_start[:, None] + r - before[:, None]],
-            0,
-        )  # fmt: skip
-        direct = _tensor(np.stack([part, row], -1), device)
+        ring_row = slots[:, None] * window + (first[:, None] + k) % window
+        pool_slot = gather[np.clip(old_start[:, None] + r, 0, len(gather) - 1)]
+        cols = (k < old[:, None], k < held[:, None], r < before[:, None], r < after[:, None])
+        rows_of = (ring_row, a[:, None] + k - old[:, None], pool_slot, new_start[:, None] + r - before[:, None])
+        direct = _tensor(_part_rows(cols, rows_of), device)
     return LayerKeys(ratio, *t, sizes, direct)
+
+
+def _part_rows(cols: tuple[np.ndarray, ...], rows_of: tuple[np.ndarray, ...]) -> np.ndarray:
+    """[B, K, 2] (part, row): each column's first part whose rule holds, in the order RING, STEP, POOL, CLOSED
+    (cols: the rules [B, K]; rows_of: the row in that part), else the ZERO row."""
+    part = np.select(cols, [RING, STEP, POOL, CLOSED], ZERO)
+    return np.stack([part, np.select(cols, rows_of, 0)], -1)
 
 
 def step_keys(
