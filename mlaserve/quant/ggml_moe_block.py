@@ -113,21 +113,20 @@ class GGUFMoEBlock:
     @staticmethod
     def unfit(moe: MoE | V4MoEBlock) -> str | None:
         """Why this MoE layer cannot run as one native block, or None."""
-        ex, sh = moe.experts, moe.shared_experts
+        ex, sh, r = moe.experts, moe.shared_experts, _router(moe)
         if moe.expert_shard is not None:
             return "expert parallel: this rank's experts' partial sum is all-reduced between the ops (per op)"
         if (
             not isinstance(ex, (GGUFExperts, INT4Experts))
             or not registry.runs_native(ex)
             or ex.impl != "grouped_mm"
-            or not _router(moe).native
+            or not r.native
         ):
             return "routed experts or router not ggml blocks / INT4 experts with the native kernels"
         int8 = getattr(ex, "int8", False)
         parts = _shared_parts(sh)
         if sh is not None and not (parts and all(native_rows(m, int8) for m in parts)):
             return "shared expert not ggml blocks with the native kernels and the routed experts' activations"
-        r = _router(moe)
         shared_limit = getattr(sh, "limit", None)
         if sh is not None and (math.inf if shared_limit is None else shared_limit) != r.limit:
             return f"the shared expert's swiglu_limit differs from the routed experts' ({r.limit})"

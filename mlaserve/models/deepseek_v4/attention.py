@@ -302,7 +302,7 @@ class V4Attention(KernelSwitch, nn.Module):
     ) -> torch.Tensor:
         """_gather_keys_torch in one C call (csrc/glue.c mls_gather_rows): each key row copied once from where it
         lies (the ring cache, the step's rows, the paged pool, the closed rows; plan.direct), where the torch form
-        copies a ring row three times (at 16 decodes ~10% of a step on the 4-layer benchmark model). The same
+        copies a ring row three times (at 16 decodes ~10% of a step on the 4-layer benchmark model, a 2-core AMX Xeon). The same
         values: the copies only. Its contract on the step's input: fp32 rows throughout (the ring and the pool plain
         tensors, not 8-bit rows) and the CPU plan's `direct` (else the reference)."""
         window, zero = step.tensors["window"], kv.new_zeros(1, kv.shape[-1])

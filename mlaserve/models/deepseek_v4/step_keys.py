@@ -112,7 +112,8 @@ def _tensor(v: np.ndarray, device) -> torch.Tensor:
 
 
 # The plans below are plain int arithmetic on a few values per sequence, done in numpy (~1 us an op against torch's
-# ~5 us dispatch: ~40 ops per ratio each step, 3 ratios; the same int64 values), handed to torch once at the end.
+# ~5 us dispatch: ~40 ops per ratio each step, 3 ratios; a decode step's plan 737 -> 252 us on a 2-core AMX Xeon; the
+# same int64 values), handed to torch once at the end.
 
 
 def step_queries(spans: tuple[SeqSpan, ...], device) -> StepQueries:
