@@ -36,6 +36,7 @@ def test_the_holder_binds_again_when_its_weight_or_setting_changes():
     t = GGML_TYPE_IDS["Q8_0"]
     lin = GGUFLinear(K, N, t, bias=False, dtype=torch.float32, device="cpu")
     lin.kernel = "native"
+    lin.weight.data.copy_(random_blocks("Q8_0", N, K, g))  # finite scales (the holder starts uninitialized)
     x = torch.randn(2, K, generator=g)
     for setting in (False, 8, 6 | native.INT16_REST):
         lin.int8 = setting  # a new setting: bound again
