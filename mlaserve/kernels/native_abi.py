@@ -38,6 +38,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_dequantize_experts_bf16.argtypes = lib.mls_dequantize_experts.argtypes
     lib.mls_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, c_int]
     lib.mls_rope_pairs.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, f32, c_int]
+    lib.mls_norm_rope_pairs.argtypes = [ptr, i64, i64, i64, ptr, f32, i64, ptr, ptr, c_int]
     lib.mls_gather_rows.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, c_int]
     lib.mls_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.mls_latent_rope_write.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, i64, i64, i64, ptr, ptr, c_int]

@@ -1,7 +1,7 @@
 """The native kernels' entries for DeepSeek-V4's own ops (and GLM-5.3-Flash's mHC): the attention with per-head sinks
 over a step's gathered keys (csrc/attention.c mls_sink_mqa, on the latent MQA's driver), the rope of interleaved
-trailing pairs (csrc/glue.c mls_rope_pairs) and a hyper-connection's mixing and new streams (csrc/hyper.c mls_hc_pre,
-mls_hc_post). The models bind them through the KernelPlan (ops sink_attention, hyper_connection:
+trailing pairs (csrc/glue.c mls_rope_pairs; with the rows' RMSNorm before it, mls_norm_rope_pairs) and a
+hyper-connection's mixing and new streams (csrc/hyper.c mls_hc_pre, mls_hc_post). The models bind them through the KernelPlan (ops sink_attention, hyper_connection:
 models/deepseek_v4/attention.py, hyper.py); the tests hold them to the torch forms (tests/kernels/
 test_sink_mqa_kernel.py, test_rope_pairs_kernel.py, test_hc_pre_kernel.py).
 """
@@ -58,6 +58,27 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: floa
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native rope_pairs refused d={2 * half}, W={w}")
+    return x
+
+
+def norm_rope_pairs(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """DeepSeek-V4's query heads or K=V rows finished in place in one call (csrc/glue.c mls_norm_rope_pairs): x
+    [T, ..., W] fp32 contiguous, each row of W values RMS-normalised (by `weight` [W] fp32 contiguous, or unweighted
+    where None), then its trailing 2 * cos.shape[-1] values rotated as rope_pairs does. Equal to rope_pairs after
+    the torch norm up to the rounding of the sum of squares (fp32). -> x."""
+    t, w, half = x.shape[0], x.shape[-1], cos.shape[-1]
+    if not all(v.is_contiguous() and v.dtype == torch.float32 for v in (x, cos, sin)) or cos.shape != (t, half):
+        raise ValueError(f"norm_rope_pairs: x {tuple(x.shape)}, cos {tuple(cos.shape)} fp32 contiguous, [T, d / 2]")
+    if weight is not None and (weight.shape != (w,) or weight.dtype != torch.float32 or not weight.is_contiguous()):
+        raise ValueError(f"norm_rope_pairs: weight {tuple(weight.shape)} {weight.dtype}, want [{w}] fp32 contiguous")
+    rc = library().mls_norm_rope_pairs(
+        x.data_ptr(), t, x.numel() // (t * w) if t else 0, w, weight.data_ptr() if weight is not None else None, eps,
+        2 * half, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native norm_rope_pairs refused d={2 * half}, W={w}")
     return x
 
 

@@ -129,19 +129,43 @@ int mls_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t
    (x1 cos - x2 s, x2 cos + x1 s) with cos, sin [T, d / 2] and s = sign * sin (sign -1: the de-rotation). The
    reference's fp32 products and differences in its order (no fused multiply-add: -ffp-contract=off), so the same
    bits as rotate_trailing. 0, -1 d odd or above W. */
+/* one row's trailing pairs (p [2 half]) rotated by cos, sign * sin [half] in place */
+static void rope_pairs_row(float *p, const float *c, const float *s, int64_t half, float sign) {
+    for (int64_t j = 0; j < half; j++) {
+        const float x1 = p[2 * j], x2 = p[2 * j + 1], sj = sign * s[j];
+        p[2 * j] = x1 * c[j] - x2 * sj;
+        p[2 * j + 1] = x2 * c[j] + x1 * sj;
+    }
+}
+
 int mls_rope_pairs(float *x, int64_t t, int64_t rows, int64_t w, int64_t d, const float *cos, const float *sin,
                    float sign, int threads) {
     if (d % 2 || d > w) return -1;
     const int64_t half = d / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (t * rows >= 256)
+    for (int64_t i = 0; i < t * rows; i++)
+        rope_pairs_row(x + i * w + (w - d), cos + (i / rows) * half, sin + (i / rows) * half, half, sign);
+    return 0;
+}
+
+/* DeepSeek-V4's query heads and K=V rows of a step in place (models/deepseek_v4/attention.py): each row of w values
+   of x [T, rows, w] RMS-normalised, x * inv without a weight (the query heads' unweighted norm), (x * inv) * g
+   with one (the K=V row's kv_norm: mls_rms_norm's operations), then its trailing d values rotated as interleaved
+   pairs by its token's cos, sin [T, d / 2] (mls_rope_pairs' operations). One call where torch composed ~8 ops
+   and two more calls (the norm, the rope) for the query and two for the K=V row. -> 0, -1 d odd or wider than w. */
+int mls_norm_rope_pairs(float *x, int64_t t, int64_t rows, int64_t w, const float *g, float eps, int64_t d,
+                        const float *cos, const float *sin, int threads) {
+    if (d % 2 || d > w) return -1;
+    const int64_t half = d / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (t * rows >= 256)
     for (int64_t i = 0; i < t * rows; i++) {
-        const float *c = cos + (i / rows) * half, *s = sin + (i / rows) * half;
-        float *p = x + i * w + (w - d);
-        for (int64_t j = 0; j < half; j++) {
-            const float x1 = p[2 * j], x2 = p[2 * j + 1], sj = sign * s[j];
-            p[2 * j] = x1 * c[j] - x2 * sj;
-            p[2 * j + 1] = x2 * c[j] + x1 * sj;
-        }
+        float *p = x + i * w;
+        const float inv = rms_inv(p, w, eps);
+        if (g)
+            scale_rows(p, inv, g, w, p);
+        else
+            for (int64_t j = 0; j < w; j++) p[j] *= inv;
+        rope_pairs_row(p + (w - d), cos + (i / rows) * half, sin + (i / rows) * half, half, 1.0f);
     }
     return 0;
 }

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 40
+#define MLS_ABI_VERSION 41
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -238,6 +238,8 @@ int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float 
                  int64_t ldy, int threads);
 int mls_rope_pairs(float *x, int64_t t, int64_t rows, int64_t w, int64_t d, const float *cos, const float *sin,
                    float sign, int threads);
+int mls_norm_rope_pairs(float *x, int64_t t, int64_t rows, int64_t w, const float *g, float eps, int64_t d,
+                        const float *cos, const float *sin, int threads);
 int mls_gather_rows(const float *const *bases, const int64_t *rows, int64_t n_parts, const int64_t *part_row,
                     int64_t n, int64_t d, float *out, int threads);
 int mls_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *idx, uint8_t *finite, int threads);
