@@ -9,6 +9,7 @@ test_sink_mqa_kernel.py, test_rope_pairs_kernel.py, test_hc_pre_kernel.py).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,62 @@ def sink_mqa(
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native sink_mqa failed (rc {rc})")
+    return out
+
+
+@dataclass(frozen=True)
+class KeyParts:
+    """A step's keys [B, K, d] not copied: key j of sequence b is row direct[b, j] = (part, row) of parts[part]
+    (fp32 contiguous [rows_p, d] matrices: the ring cache, the step's K=V rows, the paged pool, the rows the step
+    closed, a zero row; step_keys.py LayerKeys.direct). sink_mqa_parts reads them where they lie; gather() copies
+    them into the tensor the other consumers take."""
+
+    parts: tuple[torch.Tensor, ...]
+    direct: torch.Tensor  # [B, K, 2] int64
+
+    def gather(self) -> torch.Tensor:
+        return gather_rows(list(self.parts), self.direct)
+
+
+def _parts_args(parts: tuple[torch.Tensor, ...] | list[torch.Tensor], part_row: torch.Tensor, what: str) -> tuple:
+    """(bases, rows, d) for a C call over rows of several matrices, after the checks both such calls share."""
+    d = parts[0].shape[-1]
+    if not all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == d and p.is_contiguous() for p in parts):
+        raise ValueError(f"{what}: parts must be contiguous fp32 [rows, {d}]")
+    if part_row.dtype != torch.int64 or part_row.shape[-1] != 2 or not part_row.is_contiguous():
+        raise ValueError(f"{what}: part_row must be contiguous int64 [..., 2]")
+    bases = (ctypes.c_void_p * len(parts))(*(p.data_ptr() for p in parts))
+    return bases, torch.tensor([p.shape[0] for p in parts], dtype=torch.int64), d
+
+
+def sink_mqa_parts(
+    q: torch.Tensor, q_index: torch.Tensor, keys: KeyParts, mask: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """sink_mqa over keys read where they lie (csrc/attention.c mls_sink_mqa_parts): the same rows in the same order
+    as sink_mqa(q, q_index, keys.gather(), ...), so the same bits, without the copy. A (part, row) pair outside
+    the parts is an error (nothing read)."""
+    t, h, d = q.shape
+    b, s = q_index.shape
+    k = keys.direct.shape[1]
+    bases, rows, width = _parts_args(keys.parts, keys.direct, "sink_mqa_parts")
+    if not all(x.is_contiguous() for x in (q, q_index, mask, sinks)) or q_index.dtype != torch.int64:
+        raise ValueError("sink_mqa_parts: q, q_index (int64), mask and sinks must be contiguous")
+    if width != d or keys.direct.shape != (b, k, 2) or mask.shape != (b, s, k) or sinks.shape != (h,):
+        raise ValueError(
+            f"sink_mqa_parts: q {tuple(q.shape)}, q_index {tuple(q_index.shape)}, rows of {width}, "
+            f"direct {tuple(keys.direct.shape)}, mask {tuple(mask.shape)}, sinks [H]"
+        )
+    if mask.dtype != torch.bool:
+        raise ValueError("sink_mqa_parts: mask must be bool")
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = library().mls_sink_mqa_parts(
+        q.data_ptr(), h * d, d, q_index.data_ptr(), bases, rows.data_ptr(), len(keys.parts), keys.direct.data_ptr(),
+        mask.data_ptr(), b, s, k, h, d, scale, sinks.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc in (-2, -3):
+        raise RuntimeError(f"native sink_mqa_parts refused a {'part' if rc == -2 else 'row'} outside the parts given")
+    if rc != 0:
+        raise RuntimeError(f"native sink_mqa_parts failed (rc {rc})")
     return out
 
 
@@ -125,14 +182,8 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, h: torch.Te
 def gather_rows(parts: list[torch.Tensor], part_row: torch.Tensor) -> torch.Tensor:
     """Rows of several fp32 matrices [rows_p, d] (contiguous, one width) gathered in one C call (csrc/glue.c
     mls_gather_rows): part_row [..., 2] int64 (part, row) pairs -> [..., d]. A pair outside its part is an error."""
-    d = parts[0].shape[-1]
-    if not all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == d and p.is_contiguous() for p in parts):
-        raise ValueError(f"gather_rows: parts must be contiguous fp32 [rows, {d}]")
-    if part_row.dtype != torch.int64 or part_row.shape[-1] != 2 or not part_row.is_contiguous():
-        raise ValueError("gather_rows: part_row must be contiguous int64 [..., 2]")
+    bases, rows, d = _parts_args(parts, part_row, "gather_rows")
     n = part_row.numel() // 2
-    bases = (ctypes.c_void_p * len(parts))(*(p.data_ptr() for p in parts))
-    rows = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
     out = torch.empty(*part_row.shape[:-1], d)
     rc = library().mls_gather_rows(
         bases, rows.data_ptr(), len(parts), part_row.data_ptr(), n, d, out.data_ptr(), torch.get_num_threads()

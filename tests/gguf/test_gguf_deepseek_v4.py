@@ -321,31 +321,46 @@ def test_every_key_is_read_or_listed_as_not_read(float_folder, tmp_path):
     ck.close()
 
 
-def test_native_key_gather_equals_the_torch_gather(files, monkeypatch):
-    """The batched attention's keys gathered in one C call from where they lie (V4Attention._gather_keys_native:
-    the ring cache, the step's rows, the paged pool, the rows the step closed) are the torch form's bit for bit
-    (copies only), on every step of a batch of prompts in chunks beside decodes; a plan without the CPU's
-    (part, row) table takes the torch form."""
+def test_native_keys_are_read_where_they_lie_as_the_torch_gather_copies_them(files, monkeypatch):
+    """The batched attention's keys named where they lie (V4Attention._gather_keys_native -> KeyParts: the ring
+    cache, the step's rows, the paged pool, the rows the step closed), gathered in one C call, are the torch form's
+    copy bit for bit; and the native softmax reading them in place (mls_sink_mqa_parts, at the attention, before
+    the step's ring writes) equals the one over that copy made at the gather, bit for bit, on every step of a batch
+    of prompts in chunks beside decodes (chunks longer than the window: their own rows overwrite ring rows their
+    first queries still see). A plan without the CPU's (part, row) table takes the torch form. The checks record
+    what they see (an exception inside a step would only fail its requests); broken on purpose (the ring written
+    before the attention) the in-place read differs."""
     import dataclasses
 
     from mlaserve.entrypoints.llm import LLM
+    from mlaserve.kernels import native_v4
     from mlaserve.models.deepseek_v4.attention import V4Attention
     from mlaserve.sampling.params import SamplingParams
 
     root, _, _ = files
-    seen = []
-    real = V4Attention._gather_keys_native
+    copies, seen = {}, []
+    real_gather, real_attend = V4Attention._gather_keys_native, V4Attention._attend_step_native
 
-    def both(self, step, plan, kv, rows):
-        got = real(self, step, plan, kv, rows)
-        assert torch.equal(got, self._gather_keys_torch(step, plan, kv, rows))
-        assert torch.equal(got, real(self, step, dataclasses.replace(plan, direct=None), kv, rows))
-        seen.append(plan.direct is not None)
+    def gather(self, step, plan, kv, rows):
+        got = real_gather(self, step, plan, kv, rows)
+        want = self._gather_keys_torch(step, plan, kv, rows)
+        by_torch = real_gather(self, step, dataclasses.replace(plan, direct=None), kv, rows)
+        seen.append(("gather", isinstance(got, native_v4.KeyParts) and torch.equal(got.gather(), want)))
+        seen.append(("no table", torch.equal(by_torch, want)))
+        copies[id(got)] = want
         return got
 
-    monkeypatch.setattr(V4Attention, "_gather_keys_native", both)
+    def attend(self, q, keys, mask, queries):
+        out = real_attend(self, q, keys, mask, queries)
+        seen.append((q.shape[0], torch.equal(out, real_attend(self, q, copies.pop(id(keys)), mask, queries))))
+        return out
+
+    monkeypatch.setattr(V4Attention, "_gather_keys_native", gather)
+    monkeypatch.setattr(V4Attention, "_attend_step_native", attend)
     llm = LLM(str(root / "model.gguf"), max_num_batched_tokens=9)
     attention = llm.runner.model.inner.model.layers[1].self_attn
-    assert attention.gather_keys.__func__ is both
-    llm.generate([IDS[:13], IDS[3:30], IDS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
-    assert len(seen) > 20 and all(seen)
+    assert attention.gather_keys.__func__ is gather and attention.window < 9
+    outs = llm.generate([IDS[:13], IDS[3:30], IDS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
+    assert [what for what, same in seen if not same] == []
+    assert len(seen) > 60 and not copies and max(n for n, _ in seen if isinstance(n, int)) == 9

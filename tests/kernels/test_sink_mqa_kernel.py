@@ -129,3 +129,46 @@ def test_v4_attention_native_and_torch_forms_agree():
     assert (got[1, 3] == 0).all() and (want[1, 3] == 0).all()
     assert (got_step - want_step).abs().max().item() <= BOUND
     assert (got_step[index[real]] - want[real]).abs().max().item() <= BOUND
+
+
+def _as_parts(keys: torch.Tensor, seed: int) -> native_v4.KeyParts:
+    """keys [B, K, D] scattered over three matrices (rows shuffled, extra rows no key names) -> KeyParts naming
+    each key where it now lies."""
+    b, k, d = keys.shape
+    g = torch.Generator().manual_seed(seed)
+    owner = torch.randint(0, 3, (b * k,), generator=g)
+    parts, direct = [], torch.empty(b * k, 2, dtype=torch.int64)
+    for p in range(3):
+        mine = (owner == p).nonzero().flatten()
+        rows = torch.randn(mine.numel() + 5, d, generator=g)  # 5 rows no key names
+        at = torch.randperm(rows.shape[0], generator=g)[: mine.numel()]
+        rows[at] = keys.reshape(-1, d)[mine]
+        parts.append(rows)
+        direct[mine, 0], direct[mine, 1] = p, at
+    return native_v4.KeyParts(tuple(parts), direct.view(b, k, 2))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("b,s,k", [(2, 3, 37), (1, 1, 300)])
+def test_keys_read_where_they_lie_give_the_gathered_keys_result_bit_for_bit(threads, b, s, k):
+    """mls_sink_mqa_parts (DeepSeek-V4's keys named by (part, row), LayerKeys.direct) against mls_sink_mqa over the
+    same keys gathered into [B, K, D]: the same rows in the same order, so the same bits; a pair outside the parts
+    is refused, nothing read."""
+    qp, keys, mask, sinks = _case(b, s, 8, 64, k, seed=k + s)
+    q, index, _ = _step_layout(qp, seed=2)
+    parts = _as_parts(keys, seed=k)
+    assert torch.equal(parts.gather(), keys)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = native_v4.sink_mqa(q, index, keys, mask, sinks, 0.125)
+        got = native_v4.sink_mqa_parts(q, index, parts, mask, sinks, 0.125)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(got, want)
+    for bad, what in (((3, 0), "part"), ((0, 10**6), "row"), ((0, -1), "row")):
+        direct = parts.direct.clone()
+        direct[0, 0] = torch.tensor(bad)
+        with pytest.raises(RuntimeError, match=f"a {what} outside"):
+            native_v4.sink_mqa_parts(q, index, native_v4.KeyParts(parts.parts, direct), mask, sinks, 0.125)

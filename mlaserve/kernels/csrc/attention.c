@@ -253,17 +253,22 @@ static inline void row8_decode(const uint8_t *codes, const float *sc, const floa
 
 /* A cache's stored rows for the decoding MQA below: fp32 rows [S, r + dr] (rows32), 8-bit codes (int8 or e4m3,
    scales, kept k_pe) or 16-bit values (half = HALF_F16 / HALF_BF16, codes then [S, r + dr] 16-bit values;
-   rows16.c). */
+   rows16.c), or fp32 rows wherever they lie, slot s at the address at[s] (mls_sink_mqa_parts). */
 typedef struct {
     const float *rows32;
     const uint8_t *codes;
     const float *scales, *kept;
     int fp8, half;
     int64_t block;
+    const float *const *at;
 } coded_rows;
 
 /* cache row `slot` -> y [r + dr] fp32 (an fp32 row copied as it is) */
 static inline void coded_decode(const coded_rows *cr, int64_t slot, int64_t r, int64_t dr, float *y) {
+    if (cr->at) {
+        memcpy(y, cr->at[slot], sizeof(float) * (size_t)(r + dr));
+        return;
+    }
     if (cr->rows32) {
         memcpy(y, cr->rows32 + slot * (r + dr), sizeof(float) * (size_t)(r + dr));
         return;
@@ -393,6 +398,10 @@ static void mqa_load_tile(const mqa_job *J, const mqa_scratch *S, const int64_t 
     const coded_rows *cr = J->cr;
     const int64_t c = J->r + J->dr;
     for (int64_t j = 0; j < nt; j++) {
+        if (cr->at) {
+            S->rows[j] = cr->at[rows_ok[j0 + j]];
+            continue;
+        }
         if (cr->rows32) {
             S->rows[j] = cr->rows32 + rows_ok[j0 + j] * c;
             continue;
@@ -527,7 +536,7 @@ static int latent_mqa_rows(const float *q_lat, int64_t ql_tok, int64_t ql_head, 
     {
         const mqa_scratch S = {
             (int64_t *)malloc(sizeof(int64_t) * (size_t)l + 1),
-            (float *)malloc(sizeof(float) * (size_t)(cr->rows32 ? 1 : MQA_TILE * c) + 1),
+            (float *)malloc(sizeof(float) * (size_t)(cr->rows32 || cr->at ? 1 : MQA_TILE * c) + 1),
             (const float **)malloc(sizeof(float *) * MQA_TILE),
             (float *)malloc(sizeof(float) * (size_t)(hg * MQA_TILE) + 1),
             (float *)malloc(sizeof(float) * (size_t)(hg * (r + 2) + 2 * hg) + 1),
@@ -605,4 +614,34 @@ int mls_sink_mqa(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q
     const coded_rows cr = {rows, NULL, NULL, NULL, 0, 0, 0};
     return latent_mqa_rows(q, q_tok, q_head, q, q_tok, 0, q_index, &cr, slots, mask, b, nq, l, h, d, 0, scale, sinks,
                            1, out, threads);
+}
+
+/* mls_sink_mqa over keys read where they lie: key j of sequence b is row part_row[b, j] = (p, row) of the
+   [rows[p], d] fp32 matrix at bases[p] (DeepSeek-V4's ring cache, the step's K=V rows, the paged pool, the rows
+   the step closed, a zero row: step_keys.py LayerKeys.direct), where mls_gather_rows first copied every key into
+   [B, K, d] (at a 1K-token decode ~0.1 ms a layer). The same rows in the same order, so the same bits. -> 0,
+   mls_sink_mqa's codes, -2 a part outside [0, n_parts), -3 a row outside its part (nothing read), -4 memory. */
+int mls_sink_mqa_parts(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q_index,
+                       const float *const *bases, const int64_t *rows, int64_t n_parts, const int64_t *part_row,
+                       const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t d, float scale,
+                       const float *sinks, float *out, int threads) {
+    if (!sinks) return -1;
+    const int64_t n = b * l;
+    const float **at = (const float **)malloc(sizeof(float *) * (size_t)n + 1);
+    int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)n + 1);
+    int rc = at && slots ? 0 : -4;
+    for (int64_t i = 0; !rc && i < n; i++) {
+        const int64_t p = part_row[2 * i], r = part_row[2 * i + 1];
+        if (p < 0 || p >= n_parts) rc = -2;
+        else if (r < 0 || r >= rows[p]) rc = -3;
+        else at[i] = bases[p] + r * d, slots[i] = i;
+    }
+    if (!rc) {
+        const coded_rows cr = {NULL, NULL, NULL, NULL, 0, 0, 0, at};
+        rc = latent_mqa_rows(q, q_tok, q_head, q, q_tok, 0, q_index, &cr, slots, mask, b, nq, l, h, d, 0, scale, sinks,
+                             1, out, threads);
+    }
+    free((void *)at);
+    free(slots);
+    return rc;
 }

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 41
+#define MLS_ABI_VERSION 42
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -234,6 +234,10 @@ int mls_latent_mqa16(const float *q_lat, int64_t ql_tok, int64_t ql_head, const 
 int mls_sink_mqa(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q_index, const float *rows,
                  const int64_t *slots, const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t d,
                  float scale, const float *sinks, float *out, int threads);
+int mls_sink_mqa_parts(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q_index,
+                       const float *const *bases, const int64_t *rows, int64_t n_parts, const int64_t *part_row,
+                       const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t d, float scale,
+                       const float *sinks, float *out, int threads);
 int mls_rms_norm(const float *x, int64_t t, int64_t d, int64_t ldx, const float *w, float eps, float *y,
                  int64_t ldy, int threads);
 int mls_rope_pairs(float *x, int64_t t, int64_t rows, int64_t w, int64_t d, const float *cos, const float *sin,

@@ -168,8 +168,9 @@ class V4Attention(KernelSwitch, nn.Module):
             closed = self._close_step(step, spans, projected, tables, per_sequence_reads=not self.batched)
         if step is not None and self.batched:  # the engine's path: every sequence's keys read at once
             keys, mask = self._step_keys(step, kv, closed, iq, iw, csa_dense)
-            apply_ring(step.ring, kv, step.tensors["window"], step.tensors.get("window_snapshot"))
             out = self.attend_step(q, keys, mask, step.keys.queries)
+            # after the attention: the native keys (KeyParts) read the rings' old rows where they lie
+            apply_ring(step.ring, kv, step.tensors["window"], step.tensors.get("window_snapshot"))
         else:
             out = self._attend_spans(q, kv, positions, spans, projected, tables, csa_dense, step, iq, iw)
 
@@ -283,16 +284,17 @@ class V4Attention(KernelSwitch, nn.Module):
         iq: torch.Tensor | None,
         iw: torch.Tensor | None,
         csa_dense: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sequence's keys [B, K, D] and mask [B, S, K] at once, from the step's plan (step_keys.py): one
-        read of the sequences' rings (before the step's ring writes), then one gather of [rings | the step's rows
-        | pool rows before the step | rows the step closed | a zero row], packed per sequence in the reference's
-        order (ring rows by position, the chunk's rows, pool rows) and padded with the zero row; the masks from
-        positions (window rule, causal rule) and, in a CSA layer's sparse route, the indexer's batched top-k."""
+    ) -> tuple[torch.Tensor | native_v4.KeyParts, torch.Tensor]:
+        """Every sequence's keys [B, K, D] (native: KeyParts, named where they lie; read before the step's ring
+        writes) and mask [B, S, K] at once, from the step's plan (step_keys.py): one read of the sequences' rings,
+        then one gather of [rings | the step's rows | pool rows before the step | rows the step closed | a zero
+        row], packed per sequence in the reference's order (ring rows by position, the chunk's rows, pool rows) and
+        padded with the zero row; the masks from positions (window rule, causal rule) and, in a CSA layer's sparse
+        route, the indexer's batched top-k."""
         ratio = self.ratio if self.compressor is not None else 0
         queries, plan = step.keys.queries, step.keys.layers[ratio]
         rows, irows = closed if closed is not None else (None, None)
-        keys = self.gather_keys(step, plan, kv, rows)  # [B, K, D]
+        keys = self.gather_keys(step, plan, kv, rows)  # [B, K, D] (or KeyParts)
         masks = step.keys.visible(ratio, self.window)  # [B, S, K]: (window columns[, pool columns, both])
         if self.kind != "csa" or not self._scores(step, csa_dense):  # no top-k chooses: every visible row
             return keys, masks[-1]
@@ -320,12 +322,14 @@ class V4Attention(KernelSwitch, nn.Module):
 
     def _gather_keys_native(
         self, step: LayerStep, plan: LayerKeys, kv: torch.Tensor, rows: torch.Tensor | None
-    ) -> torch.Tensor:
-        """_gather_keys_torch in one C call (csrc/glue.c mls_gather_rows): each key row copied once from where it
-        lies (the ring cache, the step's rows, the paged pool, the closed rows; plan.direct), where the torch form
-        copies a ring row three times (at 16 decodes ~10% of a step on the 4-layer benchmark model, a 2-core AMX Xeon). The same
-        values: the copies only. Its contract on the step's input: fp32 rows throughout (the ring and the pool plain
-        tensors, not 8-bit rows) and the CPU plan's `direct` (else the reference)."""
+    ) -> torch.Tensor | native_v4.KeyParts:
+        """_gather_keys_torch's keys not copied: native_v4.KeyParts, each key row named where it lies (the ring
+        cache, the step's rows, the paged pool, the closed rows; plan.direct), which the native softmax reads in
+        place (_attend_step_native) and any other consumer gathers in one C call (KeyParts.gather: csrc/glue.c
+        mls_gather_rows, each row copied once, where the torch form copies a ring row three times). The gather
+        was ~10% of a step at 16 decodes and ~0.1 ms a layer at a 1K-token decode (the 4-layer benchmark model, a
+        2-core AMX Xeon). The same values. Its contract on the step's input: fp32 rows throughout (the ring and
+        the pool plain tensors, not 8-bit rows) and the CPU plan's `direct` (else the reference's tensor)."""
         window, zero = step.tensors["window"], kv.new_zeros(1, kv.shape[-1])
         pool = step.kv_rows.pool if self.compressor is not None else zero
         rows = rows if rows is not None else zero
@@ -333,8 +337,8 @@ class V4Attention(KernelSwitch, nn.Module):
         plain = all(isinstance(p, torch.Tensor) and p.dtype == torch.float32 and p.is_contiguous() for p in parts[::2])
         if plan.direct is None or not plain or kv.dtype != torch.float32 or rows.dtype != torch.float32:
             return self._gather_keys_torch(step, plan, kv, rows)
-        parts = [window.reshape(-1, kv.shape[-1]), kv.contiguous(), pool, rows.contiguous(), zero]
-        return native_v4.gather_rows(parts, plan.direct)
+        parts = (window.reshape(-1, kv.shape[-1]), kv.contiguous(), pool, rows.contiguous(), zero)
+        return native_v4.KeyParts(parts, plan.direct)
 
     def _advance(self, state: LayerState, lo: int, hi: int, start: int, projected: tuple, tables: V4RopeTables) -> None:
         """Rows lo .. hi-1 of the step (positions start ..) enter one sequence's state: the ring, then the
@@ -398,17 +402,17 @@ class V4Attention(KernelSwitch, nn.Module):
         return out
 
     def _attend_step_torch(
-        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, queries: StepQueries
+        self, q: torch.Tensor, keys: torch.Tensor | native_v4.KeyParts, mask: torch.Tensor, queries: StepQueries
     ) -> torch.Tensor:
         """q [T, H, D], every sequence's keys [B, K, D] and mask [B, S, K] (_step_keys) -> [T, H, D]: the
         queries padded by the step's plan, one _sink_softmax_torch, the rows taken back out."""
-        outp = self._sink_softmax_torch(_pad(q, queries), keys, mask)
+        outp = self._sink_softmax_torch(_pad(q, queries), _key_tensor(keys), mask)
         out = torch.empty_like(q)
         out[queries.rows] = outp[queries.seq, queries.slot]
         return out
 
     def _attend_step_native(
-        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, queries: StepQueries
+        self, q: torch.Tensor, keys: torch.Tensor | native_v4.KeyParts, mask: torch.Tensor, queries: StepQueries
     ) -> torch.Tensor:
         """_attend_step_torch in one C call (csrc/attention.c mls_sink_mqa): each query reads its row of q and
         writes its row of the result where they lie (queries.index; no padded copy in or out), and its scores,
@@ -416,9 +420,16 @@ class V4Attention(KernelSwitch, nn.Module):
         The torch form computes every (query, key) pair of the padded [B, S, H, K] logits and masks them: at a
         1024-token prefill of a CSA layer ~1400 keys of which ~640 are visible, two fp32 GEMMs plus where / cat /
         softmax over 90 MB of logits, then the pad and gather copies (2.4 -> 1.2 s for the prompt on a 4-layer
-        model: a 2-core AMX Xeon, 2 threads, 2026-12-07). Equal up to fp32 summation order. Its contract on the step's input: fp32 CPU tensors
-        (else the reference)."""
-        if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
+        model: a 2-core AMX Xeon, 2 threads, 2026-12-07). Equal up to fp32 summation order. Keys given as
+        KeyParts (the native gather's) are read where they lie (mls_sink_mqa_parts: the same rows, the same bits,
+        no copy). Its contract on the step's input: fp32 CPU tensors (else the reference)."""
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            return self._attend_step_torch(q, keys, mask, queries)
+        if isinstance(keys, native_v4.KeyParts):  # the native gather's (fp32 rows by its contract)
+            return native_v4.sink_mqa_parts(
+                q.contiguous(), queries.index, keys, mask.contiguous(), self.sinks, self.scale
+            )
+        if keys.dtype != torch.float32:
             return self._attend_step_torch(q, keys, mask, queries)
         return native_v4.sink_mqa(
             q.contiguous(), queries.index, keys.contiguous(), mask.contiguous(), self.sinks, self.scale
@@ -467,12 +478,18 @@ def _pad(x: torch.Tensor, queries: StepQueries) -> torch.Tensor:
     return out
 
 
+def _key_tensor(keys: torch.Tensor | native_v4.KeyParts) -> torch.Tensor:
+    """The step's keys [B, K, D] as a tensor: the native gather's KeyParts copied out (one C call)."""
+    return keys.gather() if isinstance(keys, native_v4.KeyParts) else keys
+
+
 def keyed_of(
-    keys: torch.Tensor, mask: torch.Tensor, queries: StepQueries
+    keys: torch.Tensor | native_v4.KeyParts, mask: torch.Tensor, queries: StepQueries
 ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """A batched call's keys [B, K, D] and mask [B, S, K] (_attend_step's) as the per-sequence loop's list of
     (first row, tokens, keys [K, D], mask [n_b, K]) per sequence, the pad columns kept (zero rows no query sees):
     for checks that observe each sequence's attention (verify, tests), off the serving path."""
+    keys = _key_tensor(keys)
     out = []
     for b in range(keys.shape[0]):
         rows = queries.rows[queries.seq == b]  # a_b .. a_b + n_b - 1
