@@ -31,26 +31,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_hc_pre.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, f32, f32, c_int, ptr, ptr, ptr, c_int]
     lib.mls_hc_post.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
     lib.mls_sink_mqa.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, c_int]
-    lib.mls_sink_mqa_parts.argtypes = [
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        f32,
-        ptr,
-        ptr,
-        c_int,
-    ]
+    lib.mls_sink_mqa_parts.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr,  # q .. part_row
+                                       ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, c_int]  # fmt: skip
     lib.mls_grouped_gemm_q8.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.mls_grouped_gemm_q8_parts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.mls_dequantize_experts.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, c_int]
