@@ -102,6 +102,9 @@ def test_without_rollback_the_output_differs(model, monkeypatch):
     monkeypatch.setattr(llm.runner, "rollback", lambda kept: setattr(llm.runner, "tape", None))
     oracle_drafts(monkeypatch, {tuple(p): o for p, o in zip(PROMPTS, _tokens(plain))}, VOCAB)
     outs = llm.generate(PROMPTS, GREEDY)
+    # every request ran to its length: a failure inside the step would fail the requests (engine isolation) and
+    # their outputs would differ for that reason alone
+    assert all(o.outputs[0].error is None and o.outputs[0].finish_reason == "length" for o in outs)
     assert _tokens(outs) != _tokens(plain)
 
 
