@@ -30,6 +30,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_latent_mqa16.argtypes += [i64, i64, i64, i64, i64, i64, f32, ptr, c_int]
     lib.mls_hc_pre.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, f32, f32, c_int, ptr, ptr, ptr, c_int]
     lib.mls_hc_post.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
+    lib.mls_v4_ffn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, c_int,  # h .. iters
+                               ptr, f32, ptr, ptr, ptr, c_int]  # fmt: skip
     lib.mls_sink_mqa.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, c_int]
     lib.mls_sink_mqa_parts.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr,  # q .. part_row
                                        ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, c_int]  # fmt: skip

@@ -179,6 +179,44 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, h: torch.Te
     return out
 
 
+def v4_ffn(
+    h: torch.Tensor,
+    post_a: torch.Tensor,
+    comb_a: torch.Tensor,
+    y: torch.Tensor,
+    hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float, int],
+    norm: tuple[torch.Tensor, float],
+    moe: tuple[ctypes.Structure, torch.Tensor | None],
+) -> torch.Tensor:
+    """DeepSeek-V4's FFN sublayer of a step in one C call (csrc/v4_ffn.c mls_v4_ffn): the attention's new streams
+    hc_post(h; post_a, comb_a, y), the FFN hyper-connection's mixing (hc: fn, base, scale, eps, norm_eps, iters, as
+    hc_pre takes them), its RMSNorm (norm: weight, eps), the MoE block (moe: its MoEBlockArgs, whose tensors the
+    caller keeps alive, and the step's token ids [S] int64 where it routes by them, else None) and the layer's
+    output streams; h [S, N, D], post_a [S, N], comb_a [S, N, N], y [S, D], all fp32 CPU contiguous -> [S, N, D].
+    The same C calls in the same order as the per-op native path: the same bits."""
+    s, n, d = h.shape
+    fn, base, scale, eps, norm_eps, iters = hc
+    weight, eps_g = norm
+    args, ids = moe
+    tensors = (h, post_a, comb_a, y, fn, base, scale, weight)
+    if not all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors):
+        raise ValueError("v4_ffn: h, post_a, comb_a, y and the weights must be contiguous fp32")
+    if post_a.shape != (s, n) or comb_a.shape != (s, n, n) or y.shape != (s, d) or weight.shape != (d,):
+        raise ValueError(f"v4_ffn: h {tuple(h.shape)}, post {tuple(post_a.shape)}, comb {tuple(comb_a.shape)}, "
+                         f"y {tuple(y.shape)}, norm weight {tuple(weight.shape)}")  # fmt: skip
+    if args.d != d or (args.tid2eid and (ids is None or ids.shape != (s,) or ids.dtype != torch.int64)):
+        raise ValueError(f"v4_ffn: a MoE block of width {args.d} (hash routing reads the step's {s} ids, int64)")
+    out = torch.empty(s, n, d)
+    rc = library().mls_v4_ffn(
+        h.data_ptr(), s, n, d, post_a.data_ptr(), comb_a.data_ptr(), y.data_ptr(), fn.data_ptr(), base.data_ptr(),
+        scale.data_ptr(), eps, norm_eps, iters, weight.data_ptr(), eps_g, ctypes.byref(args),
+        ids.data_ptr() if args.tid2eid else None, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native v4_ffn refused (rc {rc}: -1 the streams or a weight type, -2 .. -5 the MoE block)")
+    return out
+
+
 def gather_rows(parts: list[torch.Tensor], part_row: torch.Tensor) -> torch.Tensor:
     """Rows of several fp32 matrices [rows_p, d] (contiguous, one width) gathered in one C call (csrc/glue.c
     mls_gather_rows): part_row [..., 2] int64 (part, row) pairs -> [..., d]. A pair outside its part is an error."""

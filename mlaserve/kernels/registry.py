@@ -27,6 +27,8 @@ Ops, in the order they are planned (a fused op's check reads the choices of the 
   hyper_connection an mHC hyper-connection's mixing weights and sublayer input (DeepSeek-V4, GLM-5.3-Flash): native
                    (one C call, fp32 CPU) | torch
   moe_block        a MoE layer's decode step as one call: native | per_op
+  v4_ffn           a DeepSeek-V4 layer's FFN sublayer (hyper-connections, norm, MoE block) as one call: native |
+                   per_op
   decode_layer     a decoder layer's pure decode step as one call: native | per_op
 Attention over the cache (latent MQA, decompressed MHA, index scoring) is chosen per step by the router
 (the segment's backend and implementation, in the ledger), not here.
@@ -57,6 +59,7 @@ OPS = (
     "sink_attention",
     "hyper_connection",
     "moe_block",
+    "v4_ffn",  # after hyper_connection, norm and moe_block: its check reads their choices
     "decode_layer",
 )
 
@@ -272,9 +275,9 @@ def native_contract(module: nn.Module) -> str | None:
 # The ops whose module holds its own `kernel` switch (a KernelSwitch: setting it binds what the model calls):
 # the native one where the engine runs the native kernels, the module has one (KERNELS) and the module's own
 # check (native_unfit: limits of the C code, dtype / device / layout known at load) passes; else the torch
-# reference. Every op but the three whose implementations bind a whole step or a block's row parts (registered by
-# models/layers.py and quant/ggml_moe_block.py, quant/ggml_layer.py).
-MODULE_OPS = tuple(op for op in OPS if op not in ("mlp_rows", "moe_block", "decode_layer"))
+# reference. Every op but the four whose implementations bind a whole step, a sublayer or a block's row parts
+# (registered by models/layers.py, quant/ggml_moe_block.py, models/deepseek_v4/model.py and quant/ggml_layer.py).
+MODULE_OPS = tuple(op for op in OPS if op not in ("mlp_rows", "moe_block", "v4_ffn", "decode_layer"))
 
 
 def _native_module(module: nn.Module, ctx: KernelContext) -> str | None:

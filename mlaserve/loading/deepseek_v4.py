@@ -45,6 +45,7 @@ from mlaserve.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlaserve.models.deepseek_v4.mtp import V4MTPLayer
 from mlaserve.quant.config import parse_quantization
 from mlaserve.quant.deepseek_v4 import swap_in_fp8
+from mlaserve.quant.ggml_moe_block import attach_moe_blocks  # noqa: F401 -- registers the plan's "moe_block" op
 from mlaserve.quant.plan import QuantPlan
 
 _STORED = (torch.float8_e4m3fn, torch.int8)  # quantized codes: copied as stored (FP8 e4m3, packed FP4 e2m1)
@@ -206,6 +207,7 @@ _OWN_OPS = {
     "hyper_connection": ("mHC mixing", "hyper-connections"),
     "norm": ("RMSNorm", "norms"),
     "moe_block": ("MoE decode step", "layers"),
+    "v4_ffn": ("FFN sublayer", "layers"),
 }
 
 

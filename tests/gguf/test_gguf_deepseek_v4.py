@@ -364,3 +364,33 @@ def test_native_keys_are_read_where_they_lie_as_the_torch_gather_copies_them(fil
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
     assert [what for what, same in seen if not same] == []
     assert len(seen) > 60 and not copies and max(n for n, _ in seen if isinstance(n, int)) == 9
+
+
+def test_the_ffn_sublayer_in_one_call_equals_its_parts_bit_for_bit(files, monkeypatch):
+    """V4DecoderLayer's FFN sublayer as one C call (op v4_ffn: csrc/v4_ffn.c mls_v4_ffn, the attention's new
+    streams, the FFN's mixing, norm, MoE block and output streams) against the same parts called in turn with
+    their native kernels (_ffn_per_op), bit for bit, on every step of a batch of prompts in chunks beside decodes,
+    hash-routed layers included; a step past the MoE block's max_tokens takes the parts. The checks are recorded,
+    not asserted inside the step (where an exception fails the requests, not the test). Broken on purpose (the
+    FFN norm's weight not applied in the C call) every step differs."""
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.models.deepseek_v4.model import V4DecoderLayer
+    from mlaserve.sampling.params import SamplingParams
+
+    root, _, _ = files
+    seen = []
+    real = V4DecoderLayer._ffn_native
+
+    def both(self, h, post, comb, y, ids):
+        got = real(self, h, post, comb, y, ids)
+        seen.append((h.shape[0], self.mlp.gate.hashed, torch.equal(got, self._ffn_per_op(h, post, comb, y, ids))))
+        return got
+
+    monkeypatch.setattr(V4DecoderLayer, "_ffn_native", both)
+    llm = LLM(str(root / "model.gguf"), max_num_batched_tokens=9)
+    layers = llm.runner.model.inner.model.layers
+    assert all(layer.ffn.__func__ is both for layer in layers), llm.loaded.kernel_plan.format()
+    outs = llm.generate([IDS[:13], IDS[3:30], IDS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
+    assert [s for s in seen if not s[2]] == []
+    assert len(seen) > 40 and {hashed for _, hashed, _ in seen} == {True, False} and {n for n, _, _ in seen} >= {1, 9}

@@ -48,13 +48,15 @@ def test_a_quantized_folder_runs_its_holders_on_the_native_kernels(folders, expe
     assert ("grouped_experts", "native") in planned and ("linear", "native") in planned, plan
     llm = LLM(str(folders / experts))
     assert llm.config.kernels.impl == "native" and llm.config.runtime.dtype == torch.float32
-    # every op native but the MoE's one-call decode step, which takes GGUF experts only (quant/ggml_moe_block.py)
+    # every op native but the MoE's one-call decode step, which takes GGUF experts only (quant/ggml_moe_block.py),
+    # and so the one-call FFN sublayer that runs it (models/deepseek_v4/model.py)
     choices = llm.loaded.kernel_plan.choices
-    assert {c.impl for c in choices if c.op != "moe_block"} == {"native"}
-    assert {c.impl for c in choices if c.op == "moe_block"} == {"per_op"}
-    ops = {"linear", "grouped_experts", "sink_attention", "hyper_connection", "norm", "moe_block"}
+    blocks = ("moe_block", "v4_ffn")
+    assert {c.impl for c in choices if c.op not in blocks} == {"native"}
+    assert {c.impl for c in choices if c.op in blocks} == {"per_op"}
+    ops = {"linear", "grouped_experts", "sink_attention", "hyper_connection", "norm", *blocks}
     assert {c.op for c in choices} == ops
-    assert "MoE decode step per_op in 4 layers" in out
+    assert "MoE decode step per_op in 4 layers" in out and "FFN sublayer per_op in 4 layers" in out
     assert llm.runner.model.inner.model.layers[0].attn_hc.mix.__func__.__name__ == "_mix_native"
     attention = llm.runner.model.inner.model.layers[0].self_attn
     assert attention.sink_softmax.__func__.__name__ == "_sink_softmax_native"
@@ -67,7 +69,7 @@ def test_a_quantized_folder_runs_its_holders_on_the_native_kernels(folders, expe
 def test_kernels_torch_binds_the_reference_on_every_holder(folders):
     llm = LLM(str(folders / "fp8"), kernels="torch")
     plan = llm.loaded.kernel_plan
-    assert plan.choices and {c.impl for c in plan.choices if c.op != "moe_block"} == {"torch"}
+    assert plan.choices and {c.impl for c in plan.choices if c.op not in ("moe_block", "v4_ffn")} == {"torch"}
     assert {c.impl for c in plan.choices if c.op == "moe_block"} == {"per_op"}
     experts = llm.runner.model.inner.model.layers[1].mlp.experts
     assert experts.routed.__func__.__name__ == "_routed_torch"

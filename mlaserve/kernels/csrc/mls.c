@@ -38,6 +38,7 @@
 #include "attention_pack.c" /* a prompt's bf16 attention: its operands packed in one pass */
 #include "glue.c"         /* RMSNorm, a step's latent rows and query rope */
 #include "hyper.c"        /* mHC: a hyper-connection's mixing weights and its sublayer input */
+#include "v4_ffn.c"       /* DeepSeek-V4's FFN sublayer of a step (hyper-connections, norm, MoE block) */
 #include "indexer.c"      /* the DSA indexer of a decode step: index keys, scores, top-k */
 #include "rows8.c"        /* the 8-bit cache's quantizer (kv_cache_dtype) */
 #include "decode_layer.c" /* a decoder layer's decode step in one call */

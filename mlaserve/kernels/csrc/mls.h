@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 42
+#define MLS_ABI_VERSION 43
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -254,6 +254,10 @@ int mls_latent_rope_write(const float *kv, int64_t t, int64_t ldkv, int64_t r, i
 /* hyper.c: an mHC hyper-connection's mixing weights and sublayer input */
 int mls_hc_post(const float *h, int64_t s, int64_t n, int64_t d, const float *post, const float *comb, const float *y,
                 float *out, int threads);
+int mls_v4_ffn(const float *h, int64_t s, int64_t n, int64_t d, const float *post_a, const float *comb_a,
+               const float *y, const float *fn, const float *base, const float *scale, float eps, float norm_eps,
+               int iters, const float *g, float eps_g, const mls_moe_block_t *moe, const int64_t *ids, float *out,
+               int threads);
 int mls_hc_pre(const float *h, int64_t s, int64_t n, int64_t d, const float *fn, const float *base,
                const float *scale, float eps, float norm_eps, int iters, float *post, float *comb, float *x,
                int threads);

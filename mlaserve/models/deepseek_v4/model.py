@@ -20,6 +20,8 @@ from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics
+from mlaserve.kernels import native_v4, registry
+from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.deepseek_v4.attention import Span, V4Attention
 from mlaserve.models.deepseek_v4.hyper import HyperConnection, make_head
 from mlaserve.models.deepseek_v4.moe import V4MoEBlock
@@ -30,7 +32,32 @@ from mlaserve.models.deepseek_v4.step_update import LayerStep
 from mlaserve.models.layers import embedding
 
 
-class V4DecoderLayer(nn.Module):
+def _ffn_fits(layer: V4DecoderLayer, ctx: registry.KernelContext) -> str | None:
+    """The one-call FFN sublayer runs where the plan made each part it fuses native: both hyper-connections
+    (hyper_connection), the FFN norm (norm) and the MoE block (moe_block), all planned before this op."""
+    why = registry.needs_native(ctx)
+    if why is not None:
+        return why
+    parts = (layer.attn_hc, layer.ffn_hc, layer.post_attention_layernorm)
+    if not all(registry.runs_native(m) for m in parts):
+        return "a hyper-connection or the FFN norm not native"
+    return None if layer.mlp.native_block is not None else "the MoE block not one native call (op moe_block)"
+
+
+def _ffn_contract(layer: V4DecoderLayer) -> str:
+    return f"one call for steps of up to {layer.mlp.native_block.max_tokens} fp32 tokens, else per_op"
+
+
+registry.register("v4_ffn", "native", _ffn_fits, registry.set_kernel("native"), _ffn_contract)
+registry.register("v4_ffn", "per_op", registry.always, registry.set_kernel("per_op"))
+
+
+class V4DecoderLayer(KernelSwitch, nn.Module):
+    # the FFN sublayer (the attention's new streams, the FFN's mixing, norm, MoE block and output streams):
+    # native one C call (csrc/v4_ffn.c) where the plan made each of its parts native, else the parts in turn
+    KERNEL_OP = "v4_ffn"
+    KERNEL_CALLS = {"ffn": {"native": "_ffn_native", "per_op": "_ffn_per_op"}}
+
     def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -40,6 +67,7 @@ class V4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.attn_hc = HyperConnection(d, cfg.hc, eps)
         self.ffn_hc = HyperConnection(d, cfg.hc, eps)
+        self.kernel = "per_op"  # the reference; the loader's KernelPlan sets the engine's (binds self.ffn)
 
     def forward(
         self,
@@ -53,9 +81,32 @@ class V4DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(h)
         y = self.self_attn(self.input_layernorm(x), positions, spans, tables, csa_dense, step)
+        return self.ffn(h, post, comb, y, ids)
+
+    def _ffn_per_op(
+        self, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention's output y [S, D] into the streams h [S, N, D] (its mixing post, comb), then the FFN
+        sublayer -> the layer's output streams: each part by its own module (the reference)."""
         h = self.attn_hc.expand(post, comb, y, h)
         post, comb, x = self.ffn_hc(h)
         return self.ffn_hc.expand(post, comb, self.mlp(self.post_attention_layernorm(x), ids), h)
+
+    def _ffn_native(
+        self, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """_ffn_per_op in one C call (csrc/v4_ffn.c mls_v4_ffn: the same five C calls the parts' native forms make,
+        in the same order, so the same bits), where those parts also ran ~15 tensor ops and their Python. Its
+        contract on the step's input: fp32 CPU tokens, at most the MoE block's max_tokens, else the parts."""
+        block, f, n = self.mlp.native_block, self.ffn_hc, self.post_attention_layernorm
+        fits = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (h, post, comb, y))
+        if h.shape[0] > block.max_tokens or not fits:
+            return self._ffn_per_op(h, post, comb, y, ids)
+        return native_v4.v4_ffn(
+            h.contiguous(), post.contiguous(), comb.contiguous(), y.contiguous(),
+            (f.fn, f.base, f.scale, f.eps, f.norm_eps, f.iters), (n.weight, n.eps),
+            (block.args, ids.to(torch.int64).contiguous() if block.hashed else None),
+        )  # fmt: skip
 
 
 class V4Model(nn.Module):
