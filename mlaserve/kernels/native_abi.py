@@ -71,6 +71,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_q8_0_bf16_pairs.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_q8_0_bf16_pairs_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
     lib.mls_int16_gemm.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
+    lib.mls_int16_gemm_multi.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, c_int]
     lib.mls_int16_grouped.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
     lib.mls_int16_takes.argtypes = [c_int]
     lib.mls_int16_takes.restype = c_int

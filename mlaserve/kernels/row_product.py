@@ -15,6 +15,7 @@ one ctypes call. Why: a model whose layers have no fused decode (DeepSeek-V4's: 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,10 @@ import torch
 from mlaserve.kernels import ggml, native
 
 RowProduct = Callable[[torch.Tensor], torch.Tensor]
+SharedProduct = Callable[[torch.Tensor], list[torch.Tensor]]
+# activation rows up to which a shared-input product runs (csrc/int16.c QW_FEW: past it one weight's own call may
+# take the AMX-INT8 tiles, which the shared form does not; at 16 rows the shared form measured slower)
+SHARED_ROWS = 3
 
 
 def bind(w: torch.Tensor, ggml_type: int, k: int, int8: bool | int) -> RowProduct:
@@ -47,4 +52,34 @@ def bind(w: torch.Tensor, ggml_type: int, k: int, int8: bool | int) -> RowProduc
         return y
 
     product.weight = w  # the closure reads its address: keep the tensor alive with it
+    return product
+
+
+def bind_shared_input(ws: list[torch.Tensor], ggml_type: int, k: int, int8: bool | int) -> SharedProduct | None:
+    """Several weights of one type and row width that take the same input (a layer's projections of x) as one
+    decode-sized product: -> product(x [M, K] fp32 contiguous, M <= GEMV_ROWS) -> [x W_i^T for each weight], equal
+    bit for bit to bind(w_i, ...)(x) each (csrc/int16.c mls_int16_gemm_multi: the same items on the same kernels,
+    the activations quantized once, one call's start instead of one per weight), at up to SHARED_ROWS rows. None
+    where the weights' decode products are not the int16 ones (the entry with a several-weights form). ws:
+    contiguous [N_i, R], kept alive by the product."""
+    if ggml.linear_path(1, ggml_type, int8) != "int16" or len({w.shape[-1] for w in ws}) != 1:
+        return None
+    lib = native.library()
+    n = [w.shape[0] for w in ws]
+    ptrs = (ctypes.c_void_p * len(ws))(*(w.data_ptr() for w in ws))
+    rows = torch.tensor(n, dtype=torch.int64)  # each weight's rows, also each output's row stride
+
+    def product(x: torch.Tensor) -> list[torch.Tensor]:
+        m = x.shape[0]
+        ys = [torch.empty(m, r, dtype=torch.float32) for r in n]
+        out = (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys))
+        rc = lib.mls_int16_gemm_multi(
+            ggml_type, x.data_ptr(), m, k, k, ptrs, rows.data_ptr(), len(ws), ws[0].shape[-1], out, rows.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"native int16 product of {len(ws)} weights refused type {ggml_type} (rc {rc})")
+        return ys
+
+    product.weights = ws  # the closure reads their addresses: keep the tensors alive with it
     return product

@@ -394,3 +394,41 @@ def test_the_ffn_sublayer_in_one_call_equals_its_parts_bit_for_bit(files, monkey
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
     assert [s for s in seen if not s[2]] == []
     assert len(seen) > 40 and {hashed for _, hashed, _ in seen} == {True, False} and {n for n, _, _ in seen} >= {1, 9}
+
+
+def test_the_projections_of_one_input_in_one_call_equal_their_own_calls_bit_for_bit(files, monkeypatch):
+    """V4Attention's projections of its input (q_a, kv; the compressor's kv, gate; the indexer's kv, gate) as one
+    native call where they share it (kernels/row_product.bind_shared_input: csrc/int16.c mls_int16_gemm_multi,
+    int16 activations on Q8_0) against each module's own call, bit for bit, on every step of a batch of prompts
+    in chunks beside decodes (steps of up to SHARED_ROWS rows; longer ones take the modules' own calls); other
+    settings (the fixture's default here: exact Q8_0 products) take each module's own call. Recorded, not asserted
+    inside the step. Broken on purpose (a weight's panels read from the one before it) every step differs."""
+    from mlaserve.entrypoints.llm import LLM
+    from mlaserve.gguf.quants import GGML_TYPE_IDS
+    from mlaserve.kernels import int16_prefill
+    from mlaserve.models.deepseek_v4.attention import V4Attention
+    from mlaserve.sampling.params import SamplingParams
+
+    if not int16_prefill.takes(GGML_TYPE_IDS["Q8_0"]):
+        pytest.skip(f"no int16 products here: {int16_prefill.detail()}")
+    monkeypatch.setenv("MLASERVE_INT16_ROWS", "1")  # the suite turns auto's int16 off; the CPU has them
+    root, _, _ = files
+    seen = []
+    real = V4Attention._project_native
+
+    def both(self, x):
+        got = real(self, x)
+        want = self._project_torch(x)
+        same = len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+        seen.append((x.shape[0], len(got), self._shared_product() is not None, same))
+        return got
+
+    monkeypatch.setattr(V4Attention, "_project_native", both)
+    llm = LLM(str(root / "model.gguf"), max_num_batched_tokens=9, activations="int8_6bit_int16")
+    attention = llm.runner.model.inner.model.layers[1].self_attn
+    assert attention.project.__func__ is both
+    outs = llm.generate([IDS[:13], IDS[3:30], IDS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
+    assert [s for s in seen if not s[3]] == []
+    assert all(shared for _, _, shared, _ in seen)  # the file's projections share one type: the one call binds
+    assert {n for n, _, _, _ in seen} >= {1, 2, 3, 9} and {k for _, k, _, _ in seen} == {2, 4, 6}  # sliding, HCA, CSA

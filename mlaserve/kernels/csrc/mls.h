@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 43
+#define MLS_ABI_VERSION 44
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -321,6 +321,9 @@ int mls_q8_0_bf16_pairs_grouped(const float *x, int64_t k, const uint8_t *w, int
    -4 out of memory */
 int mls_int16_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
                    int64_t row_bytes, float *y, int64_t ldy, int threads);
+int mls_int16_gemm_multi(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *const *w,
+                         const int64_t *n, int64_t nw, int64_t row_bytes, float *const *y, const int64_t *ldy,
+                         int threads);
 /* the grouped form, as mls_q8_0_bf16_pairs_grouped */
 int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,

@@ -41,7 +41,7 @@ from torch import nn
 
 from mlaserve.config.deepseek_v4 import DeepseekV4Config
 from mlaserve.config.v4_numerics import TRANSFORMERS, V4Numerics, check_v4_numerics
-from mlaserve.kernels import native_v4
+from mlaserve.kernels import native_v4, registry, row_product
 from mlaserve.kernels.registry import KernelSwitch
 from mlaserve.models.deepseek_v4.compressor import Compressor
 from mlaserve.models.deepseek_v4.indexer import Indexer, visible_rows
@@ -78,6 +78,7 @@ class V4Attention(KernelSwitch, nn.Module):
         "sink_softmax": {"native": "_sink_softmax_native", "torch": "_sink_softmax_torch"},
         "rotate": {"native": "_rotate_native", "torch": "_rotate_torch"},
         "norm_rotate": {"native": "_norm_rotate_native", "torch": "_norm_rotate_torch"},
+        "project": {"native": "_project_native", "torch": "_project_torch"},
         "gather_keys": {"native": "_gather_keys_native", "torch": "_gather_keys_torch"},
     }
 
@@ -149,17 +150,16 @@ class V4Attention(KernelSwitch, nn.Module):
         s = x.shape[0]
         cos, sin = tables.cos_sin(self.table, positions, x.dtype)
         # projections, norms and rope over every token of the step at once
-        q_latent = self.q_a_norm(self.q_a_proj(x))
+        # x's projections: q_a, kv, and the compressor's kv, gate and the indexer's kv, gate in the layers that have
+        # them (the indexer's keys always: its pool fills)
+        xq, xkv, *rest = self.project(x)
+        q_latent = self.q_a_norm(xq)
         q = self.norm_rotate(self.q_b_proj(q_latent).view(s, self.heads, self.head_dim), None, cos, sin)
-        kv = self.kv_round(self.norm_rotate(self.kv_proj(x), self.kv_norm, cos, sin))
-        ckv = cgate = ikv = igate = iq = iw = None  # the compressors' and indexer's, in the layers that have them
-        if self.compressor is not None:
-            ckv, cgate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
-        if self.kind == "csa":  # the indexer's keys always (its pool fills); its queries where a top-k chooses
-            ix = self.compressor.indexer
-            ikv, igate = ix.kv_proj(x), ix.gate_proj(x)
-            if self._scores(step, csa_dense):
-                iq, iw = ix.queries(x, q_latent, positions, tables)
+        kv = self.kv_round(self.norm_rotate(xkv, self.kv_norm, cos, sin))
+        ckv, cgate, ikv, igate = (*rest, None, None, None, None)[:4]
+        iq = iw = None
+        if self.kind == "csa" and self._scores(step, csa_dense):  # the indexer's queries where a top-k chooses
+            iq, iw = self.compressor.indexer.queries(x, q_latent, positions, tables)
         projected = (kv, ckv, cgate, ikv, igate)
         if step is not None and step.tape is not None:  # a verify step: what a rollback replays
             step.tape.keep(step.layer, projected)
@@ -200,6 +200,47 @@ class V4Attention(KernelSwitch, nn.Module):
         if not all(v.dtype == torch.float32 and v.device.type == "cpu" and v.is_contiguous() for v in (x, cos, sin)):
             return V4Attention._rotate_torch(x, cos, sin, sign)
         return native_v4.rope_pairs(x, cos, sin, sign)
+
+    def _projections(self) -> tuple[nn.Module, ...]:
+        """The projections of the layer's input, in forward's order: q_a, kv, then the compressor's kv and gate,
+        then the indexer's kv and gate (in the layers that have them)."""
+        mods = [self.q_a_proj, self.kv_proj]
+        if self.compressor is not None:
+            mods += [self.compressor.kv_proj, self.compressor.gate_proj]
+        if self.kind == "csa":
+            mods += [self.compressor.indexer.kv_proj, self.compressor.indexer.gate_proj]
+        return tuple(mods)
+
+    def _project_torch(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [T, hidden] -> each projection's output (_projections' order), each module called in turn."""
+        return [m(x) for m in self._projections()]
+
+    def _project_native(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """_project_torch in one C call where the projections can share it (GGUF holders of one type on the native
+        int16 decode products, no bias: kernels/row_product.bind_shared_input, bit for bit their own calls): one
+        call's start and one quantization of x instead of one per projection (2-6 a layer; ~0.1 ms of a CSA
+        layer's decode step on the 4-layer benchmark model, a 2-core AMX Xeon). Its contract on the step's input:
+        at most row_product.SHARED_ROWS fp32 CPU rows (else each module's own call)."""
+        product = self._shared_product()
+        rows = x.reshape(-1, x.shape[-1])
+        if (
+            product is None
+            or rows.shape[0] > row_product.SHARED_ROWS
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+        ):
+            return self._project_torch(x)
+        return [y.view(*x.shape[:-1], y.shape[-1]) for y in product(rows.contiguous())]
+
+    def _shared_product(self) -> row_product.SharedProduct | None:
+        """The projections' shared call, bound for their weights and settings (bound again when either changed:
+        the loader fills the weights after the plan); None where they cannot share one."""
+        mods = self._projections()
+        key = tuple((id(m), m.weight.data_ptr(), getattr(m, "int8", None), getattr(m, "kernel", None)) for m in mods)
+        if self.__dict__.get("_shared_key") != key:
+            self.__dict__["_shared"] = _shared_input(mods)
+            self.__dict__["_shared_key"] = key
+        return self.__dict__["_shared"]
 
     def _norm_rotate_torch(
         self, x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor
@@ -476,6 +517,18 @@ def _pad(x: torch.Tensor, queries: StepQueries) -> torch.Tensor:
     out = x.new_zeros(*queries.pos.shape, *x.shape[1:])
     out[queries.seq, queries.slot] = x[queries.rows]
     return out
+
+
+def _shared_input(mods: tuple[nn.Module, ...]) -> row_product.SharedProduct | None:
+    """One native call for projections of the same input: GGUF holders (ggml_type) the plan runs native, of one
+    type, row width and activation setting, without a bias; else None."""
+    types = {(getattr(m, "ggml_type", None), m.in_features, getattr(m, "int8", None)) for m in mods}
+    if len(types) != 1 or not all(registry.runs_native(m) and m.bias is None for m in mods):
+        return None
+    ((t, k, int8),) = types
+    if t is None:
+        return None
+    return row_product.bind_shared_input([m.weight for m in mods], t, k, int8)
 
 
 def _key_tensor(keys: torch.Tensor | native_v4.KeyParts) -> torch.Tensor:
