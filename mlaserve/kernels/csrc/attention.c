@@ -571,7 +571,7 @@ int mls_latent_mqa(const float *q_lat, int64_t ql_tok, int64_t ql_head, const fl
                    int64_t qp_head, const int64_t *q_index, const float *cache, const int64_t *slots,
                    const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                    float scale, float *out, int threads) {
-    const coded_rows cr = {cache, NULL, NULL, NULL, 0, 0, 0};
+    const coded_rows cr = {cache, NULL, NULL, NULL, 0, 0, 0, NULL};
     return latent_mqa_rows(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
                            dr, scale, NULL, 0, out, threads);
 }
@@ -582,7 +582,7 @@ int mls_latent_mqa8(const float *q_lat, int64_t ql_tok, int64_t ql_head, const f
                     int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr, float scale, float *out, int threads) {
     if (block <= 0 || r % block) return -1;
     if (fp8 && !e4m3_ready) e4m3_init();
-    const coded_rows cr = {NULL, codes, scales, kept, fp8, 0, block};
+    const coded_rows cr = {NULL, codes, scales, kept, fp8, 0, block, NULL};
     return latent_mqa_rows(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
                            dr, scale, NULL, 0, out, threads);
 }
@@ -595,7 +595,7 @@ int mls_latent_mqa16(const float *q_lat, int64_t ql_tok, int64_t ql_head, const 
                      const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t r, int64_t dr,
                      float scale, float *out, int threads) {
     if (half != HALF_F16 && half != HALF_BF16) return -1;
-    const coded_rows cr = {NULL, (const uint8_t *)rows, NULL, NULL, 0, half, 0};
+    const coded_rows cr = {NULL, (const uint8_t *)rows, NULL, NULL, 0, half, 0, NULL};
     return latent_mqa_rows(q_lat, ql_tok, ql_head, q_pe, qp_tok, qp_head, q_index, &cr, slots, mask, b, nq, l, h, r,
                            dr, scale, NULL, 0, out, threads);
 }
@@ -611,7 +611,7 @@ int mls_sink_mqa(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q
                  const int64_t *slots, const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t d,
                  float scale, const float *sinks, float *out, int threads) {
     if (!sinks) return -1;
-    const coded_rows cr = {rows, NULL, NULL, NULL, 0, 0, 0};
+    const coded_rows cr = {rows, NULL, NULL, NULL, 0, 0, 0, NULL};
     return latent_mqa_rows(q, q_tok, q_head, q, q_tok, 0, q_index, &cr, slots, mask, b, nq, l, h, d, 0, scale, sinks,
                            1, out, threads);
 }
