@@ -31,7 +31,7 @@ from mlaserve.gguf.quants import GGML_TYPES
 from mlaserve.kernels import bf16_prefill, ggml, native, registry
 from mlaserve.loading.deepseek_v4_names import target
 from mlaserve.models.deepseek_v4.moe import clamped_swiglu, experts_loop
-from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear, _raw, bf16_detail
+from mlaserve.quant.ggml_linear import GGUFEmbedding, GGUFExperts, GGUFLinear, _raw, bf16_detail, int8_detail
 from mlaserve.quant.ggml_plan import BLOCK_TYPES
 from mlaserve.quant.plan import _group
 
@@ -39,7 +39,9 @@ from mlaserve.quant.plan import _group
 class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
     """o_a_proj in ggml blocks: y[:, g] = x[:, g] @ W_g^T for the G row blocks W_g of the [G*o, K] weight.
     Kernels (the KernelPlan's op "linear"): native up to NATIVE_ROWS rows the C grouped decode-and-dot (the groups
-    as the "experts" of one call: a group's rows are whole ggml rows), more rows the weight decoded by the C
+    as the "experts" of one call: a group's rows are whole ggml rows) with the plan's activations as GGUFLinear's
+    (`int8`: int16 codes for Q8_0 under int8_6bit_int16, int8 for weights of 6 bits or fewer; ggml.expert_linear_native
+    decides as it does for routed experts), more rows the weight decoded by the C
     decoder (the reference's values bit for bit), then the G block products, or, where the plan's prefill setting
     gives the type a product of its own (set_prefill_bf16: Q8_0's bf16 pairs on AMX-BF16, int16 on AVX512-VNNI,
     bf16 for weights of 6 bits or fewer), each group's product on its row block as a GGUFLinear's many-rows product
@@ -54,6 +56,7 @@ class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
         nn.Module.__init__(self)
         self.in_features, self.out_features, self.groups, self.ggml_type = in_per_group, out_features, groups, ggml_type
         self.kernel = "torch"  # the reference until the KernelPlan binds the engine's kernels
+        self.int8 = False  # the decode products' activations: False, or the plan's setting (native.takes_int8)
         self.bf16 = bf16_prefill.FP32  # the plan's prefill setting for this type (set_prefill_bf16)
         self.weight = _raw((out_features, ggml.row_bytes(ggml_type, in_per_group)), device)
 
@@ -86,16 +89,18 @@ class GGUFGroupedLinear(registry.KernelSwitch, nn.Module):
             return self._products(x, native.dequantize(self.ggml_type, self.weight, self.in_features))
         xs = x.float().transpose(0, 1).reshape(g * s, -1).contiguous()  # group a's rows: a*S .. (a+1)*S - 1
         experts = torch.arange(g, dtype=torch.int64)
-        starts = torch.arange(0, g * s + 1, s, dtype=torch.int64)
+        ends = torch.arange(s, g * s + 1, s, dtype=torch.int64)
         w = self.weight.view(g, -1, self.weight.shape[-1])
-        y = native.grouped_gemm(self.ggml_type, xs, w, self.in_features, experts, starts)
+        y = ggml.expert_linear_native(xs, w, self.ggml_type, self.in_features, experts, ends, int8=self.int8)
         return y.view(g, s, -1).transpose(0, 1).reshape(s, -1).to(x.dtype)
 
     def native_detail(self) -> str:
         said = bf16_detail((self.ggml_type,), (self.bf16,))  # the groups' prefill products, where the setting gives any
         prefill = f"; per group, {said}" if said else ""
+        acts = int8_detail((self.ggml_type,), self.int8)  # the decode products' activations, where not fp32
         return (
-            f"{native.product_detail(self.ggml_type, GGML_TYPES[self.ggml_type].name)}, {self.groups} groups{prefill}"
+            f"{native.product_detail(self.ggml_type, GGML_TYPES[self.ggml_type].name)}, {self.groups} groups"
+            f"{f'; {acts}' if acts else ''}{prefill}"
         )
 
     def describe(self) -> tuple[str, tuple[int, int]]:

@@ -432,3 +432,41 @@ def test_the_projections_of_one_input_in_one_call_equal_their_own_calls_bit_for_
     assert [s for s in seen if not s[3]] == []
     assert all(shared for _, _, shared, _ in seen)  # the file's projections share one type: the one call binds
     assert {n for n, _, _, _ in seen} >= {1, 2, 3, 9} and {k for _, k, _, _ in seen} == {2, 4, 6}  # sliding, HCA, CSA
+
+
+@pytest.mark.parametrize("type_name, setting", [("Q8_0", 6 | 0x100), ("Q4_K", 6), ("Q8_0", 0)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_o_a_proj_takes_the_plans_activations_as_a_linear_of_each_group(type_name, setting, rows):
+    """GGUFGroupedLinear (o_a_proj) at decode sizes with the plan's activation setting: each group's columns are bit
+    for bit a GGUFLinear product (ggml.linear_native) of that group's input slice and row block under the same
+    setting -- int16 codes for Q8_0 under int8_6bit_int16, int8 for Q4_K under int8_6bit, fp32 without one -- where
+    until 2026-12-07 the holder had no setting and ran fp32 at every row count (at 16 rows ~1.6 ms a layer of the
+    4-layer benchmark model's step, a 2-core AMX Xeon). Broken on purpose (the setting not passed) the int8 and
+    int16 cases fail."""
+    from mlaserve.gguf.quants import GGML_TYPE_IDS
+    from mlaserve.kernels import ggml, int16_prefill, native
+    from mlaserve.quant.ggml_deepseek_v4 import GGUFGroupedLinear
+
+    if not native.status().available:
+        pytest.skip(f"native kernels unavailable: {native.status().detail}")
+    t = GGML_TYPE_IDS[type_name]
+    if setting & 0x100 and not int16_prefill.takes(t):
+        pytest.skip(f"no int16 products here: {int16_prefill.detail()}")
+    g, o, k = 4, 32, 256
+    lin = GGUFGroupedLinear(k, g * o, g, t, "cpu")
+    gen = torch.Generator().manual_seed(rows + t)
+    raw = torch.randint(0, 256, tuple(lin.weight.shape), generator=gen, dtype=torch.uint8)
+    block = {"Q8_0": 34, "Q4_K": 144}[type_name]  # the fp16 scales at each block's start (Q4_K: d, dmin)
+    blocks = raw.view(-1, block)
+    scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    for at in (0, 2) if type_name == "Q4_K" else (0,):
+        blocks[:, at : at + 2] = scale
+    lin.weight.copy_(raw)
+    lin.kernel, lin.int8 = "native", setting
+    x = torch.randn(rows, g, k, generator=gen)
+    got = lin(x)
+    w = lin.weight.view(g, o, -1)
+    for a in range(g):
+        want = ggml.linear_native(x[:, a].contiguous(), w[a].contiguous(), t, k, setting)
+        assert torch.equal(got[:, a * o : (a + 1) * o], want), (type_name, setting, rows, a)
+    assert native.takes_int8(t, setting) or int16_prefill.takes_rest(t, setting) or setting == 0
