@@ -59,21 +59,24 @@ def test_bf16_engine_decodes_with_two_stage_scoring_and_fp32_selection(hf_model_
     """A bf16 DSA engine routes decode and prompt segments to two-stage scoring (ledger); inside the
     real model every two-stage selection equals the fp32 one."""
     folder, _ = hf_model_dir("v32")  # index_topk 16
-    calls = []
+    calls, differ = [], []
 
     def checked(q, keys, w, mask, k, decode):
+        # recorded, not asserted here: inside generate's steps an exception only fails the request
         got = _top_k_bf16_then_fp32(q, keys, w, mask, k, decode)
         exact = _exact_scores(q, keys, w, mask)
-        torch.testing.assert_close(
-            _chosen(exact, got), _chosen(exact, _top_k(exact.clone(), mask, k)), rtol=1e-6, atol=0
-        )
+        want = _chosen(exact, _top_k(exact.clone(), mask, k))
+        if not torch.allclose(_chosen(exact, got), want, rtol=1e-6, atol=0):
+            differ.append(q.shape)
         calls.append(q.shape)
         return got
 
     monkeypatch.setattr(torch_index, "_top_k_bf16_then_fp32", checked)
     llm = LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=24, trace="memory")
     llm.prompt_logits(random_ids(24, seed=3))  # one prompt chunk past index_topk
-    llm.generate([random_ids(20, seed=4)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    out = llm.generate([random_ids(20, seed=4)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].error is None and len(out[0].outputs[0].token_ids) == 12
+    assert differ == []
     segs = [s for r in llm.runner.tracer.records for s in r["segments"]]
     selecting = [s for s in segs if s["index_scoring"] is not None]
     assert sorted(s["phase"] for s in selecting) == ["decode"] * 11 + ["prefill"] * 2
