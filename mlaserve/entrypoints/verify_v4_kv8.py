@@ -25,7 +25,8 @@ from mlaserve.cache.quantized_rows import QuantizedRows
 from mlaserve.config.engine import EngineConfig
 from mlaserve.config.v4_numerics import kv_format
 from mlaserve.entrypoints.verify_kv8 import FP32_SLACK, cache_checks
-from mlaserve.models.deepseek_v4.attention import V4Attention, keyed_of
+from mlaserve.models.deepseek_v4.attention import V4Attention
+from mlaserve.models.deepseek_v4.sink_softmax import keyed_of
 
 
 def v4_kv8_checks(llm, base: EngineConfig, ids: list[int], logits_with: Callable, check: Callable) -> list:

@@ -38,7 +38,8 @@ from mlaserve.config.layer_kinds import describe  # noqa: E402
 from mlaserve.config.v4_numerics import kv_format  # noqa: E402
 from mlaserve.entrypoints.llm import LLM  # noqa: E402
 from mlaserve.entrypoints.verify_kv8 import FP32_SLACK  # noqa: E402
-from mlaserve.models.deepseek_v4.attention import V4Attention, keyed_of  # noqa: E402
+from mlaserve.models.deepseek_v4.attention import V4Attention  # noqa: E402
+from mlaserve.models.deepseek_v4.sink_softmax import keyed_of  # noqa: E402
 from mlaserve.sampling.params import SamplingParams  # noqa: E402
 
 PAGE = 8  # a multiple of CSA 4 and HCA 8
