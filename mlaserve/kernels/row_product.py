@@ -25,7 +25,8 @@ from mlaserve.kernels import ggml, native
 RowProduct = Callable[[torch.Tensor], torch.Tensor]
 SharedProduct = Callable[[torch.Tensor], list[torch.Tensor]]
 # activation rows up to which a shared-input product runs (csrc/int16.c QW_FEW: past it one weight's own call may
-# take the AMX-INT8 tiles, which the shared form does not; at 16 rows the shared form measured slower)
+# take the AMX-INT8 tiles, which the shared form does not; at 16 rows the shared form measured slower on a 2-core
+# AMX Xeon, 2026-12-07)
 SHARED_ROWS = 3
 
 

@@ -470,3 +470,22 @@ def test_o_a_proj_takes_the_plans_activations_as_a_linear_of_each_group(type_nam
         want = ggml.linear_native(x[:, a].contiguous(), w[a].contiguous(), t, k, setting)
         assert torch.equal(got[:, a * o : (a + 1) * o], want), (type_name, setting, rows, a)
     assert native.takes_int8(t, setting) or int16_prefill.takes_rest(t, setting) or setting == 0
+
+
+def test_every_block_holder_takes_the_plans_activation_setting(files):
+    """The kind of the o_a_proj bug: the plan hands its activation setting only to holders that declare `int8`
+    (registry._apply_native), so a holder without one silently stayed fp32. Every module of the V4 file whose
+    products read ggml blocks (ops linear, grouped_experts, heads) carries the engine's setting after the plan."""
+    from mlaserve.entrypoints.llm import LLM
+
+    root, _, _ = files
+    llm = LLM(str(root / "model.gguf"), activations="int8_6bit")
+    holders = [
+        (name, m)
+        for name, m in llm.runner.model.inner.named_modules()
+        if getattr(m, "KERNEL_OP", None) in ("linear", "grouped_experts", "heads")
+        and type(m).__module__.startswith("mlaserve.quant.ggml")
+    ]
+    kinds = {type(m).__name__ for _, m in holders}
+    assert {"GGUFLinear", "GGUFGroupedLinear", "GGUFV4Experts"} <= kinds, kinds
+    assert [name for name, m in holders if getattr(m, "int8", None) != 6] == []

@@ -619,8 +619,9 @@ int mls_sink_mqa(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q
 /* mls_sink_mqa over keys read where they lie: key j of sequence b is row part_row[b, j] = (p, row) of the
    [rows[p], d] fp32 matrix at bases[p] (DeepSeek-V4's ring cache, the step's K=V rows, the paged pool, the rows
    the step closed, a zero row: step_keys.py LayerKeys.direct), where mls_gather_rows first copied every key into
-   [B, K, d] (at a 1K-token decode ~0.1 ms a layer). The same rows in the same order, so the same bits. -> 0,
-   mls_sink_mqa's codes, -2 a part outside [0, n_parts), -3 a row outside its part (nothing read), -4 memory. */
+   [B, K, d] (at a 1K-token decode ~0.1 ms a layer, a 2-core AMX Xeon). The same rows in the same order, so the
+   same bits. -> 0, mls_sink_mqa's codes, -2 a part outside [0, n_parts), -3 a row outside its part (nothing
+   read), -4 memory. */
 int mls_sink_mqa_parts(const float *q, int64_t q_tok, int64_t q_head, const int64_t *q_index,
                        const float *const *bases, const int64_t *rows, int64_t n_parts, const int64_t *part_row,
                        const uint8_t *mask, int64_t b, int64_t nq, int64_t l, int64_t h, int64_t d, float scale,
