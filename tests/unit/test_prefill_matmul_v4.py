@@ -39,9 +39,12 @@ def test_v4_takes_a_request(monkeypatch, requested):
     assert _resolve(monkeypatch, make_v4_config("all_kinds"), prefill_matmul=requested)[0] == requested
 
 
-def test_the_v4_plan_binds_the_setting_on_its_holders(tmp_path):
-    """A V4 GGUF (Q8_0 projections) through LLM with prefill_matmul='bf16_6bit': its GGUFLinear holders carry the
-    setting their type takes (Q8_0: the bf16 pairs where the CPU has them), as a DeepSeek-V3 file's do."""
+@pytest.mark.parametrize("requested, cap", [("bf16_6bit", 6), ("bf16", bf16_prefill.BF16_ALL)])
+def test_the_v4_plan_binds_the_setting_on_its_holders(tmp_path, requested, cap):
+    """A V4 GGUF (Q8_0 projections) through LLM with a bf16 prefill_matmul: its GGUFLinear holders carry the setting
+    their type takes under it, as a DeepSeek-V3 file's do. Under bf16_6bit Q8_0 takes the bf16 pairs or the int16
+    products where the CPU has them and fp32 elsewhere (an AVX2-only CPU: the CPU's rule, not the family's); under
+    bf16 every type takes bf16 on every CPU, so there a holder left unbound fails on any machine."""
     if not native.status().available:
         pytest.skip(f"native kernels unavailable: {native.status().detail}")
     from v4_gguf import BLOCK_DIMS, write_v4_gguf
@@ -51,7 +54,9 @@ def test_the_v4_plan_binds_the_setting_on_its_holders(tmp_path):
 
     save_hf_v4("all_kinds", tmp_path / "float", seed=5, **BLOCK_DIMS)
     write_v4_gguf(tmp_path / "float", tmp_path / "model.gguf")
-    llm = LLM(str(tmp_path / "model.gguf"), prefill_matmul="bf16_6bit")
+    llm = LLM(str(tmp_path / "model.gguf"), prefill_matmul=requested)
     q_a = llm.runner.model.inner.model.layers[0].self_attn.q_a_proj
     assert q_a.ggml_type == GGML_TYPE_IDS["Q8_0"]
-    assert q_a.bf16 == bf16_prefill.takes_bf16(q_a.ggml_type, 6) and q_a.bf16
+    assert q_a.bf16 == bf16_prefill.takes_bf16(q_a.ggml_type, cap)
+    if requested == "bf16":
+        assert q_a.bf16 == bf16_prefill.BF16
