@@ -111,7 +111,7 @@ def main() -> None:
             for acts in ("float", "int8", "int16"):
                 if acts == "float" or (acts == "int8" and native.takes_int8(type_id, True)):
                     cases.append((name, n, k, acts))
-                elif acts == "int16" and int16_prefill.takes(type_id):
+                elif acts == "int16" and int16_prefill.takes_rows(type_id):
                     cases.append((name, n, k, acts))
     stream = torch.ones(512 * 2**20 // 4)  # the read ceiling's buffer
     x_of = {k: torch.randn(args.rows, k, generator=g) for _, _, k, _ in cases}

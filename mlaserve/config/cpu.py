@@ -71,8 +71,9 @@ INT16_ROWS_OVERRIDE = "MLASERVE_INT16_ROWS"
 
 
 def int16_rows() -> tuple[bool, str]:
-    """(whether the CPU has the AVX512-VNNI int16 dot products (vpdpwssd) the int16-activation products run on, why:
-    the flag, its absence, or the override MLASERVE_INT16_ROWS=1|0, which the test suite sets to 0 as it does
-    MLASERVE_INT8_ROWS). activations="auto" asks it: the 32-value block types its int8 cap leaves in fp32 (Q8_0, Q5_0,
-    MXFP4) then take int16 activations at every row count (kernels/int16_prefill.py)."""
-    return detected(INT16_ROWS_OVERRIDE, ("avx512_vnni",), "this CPU has no AVX512-VNNI")
+    """(whether the CPU has the int16 dot products the int16-activation products run on: AVX512-VNNI's vpdpwssd, or
+    AVX2's vpmaddwd (decode rows only: csrc/x86/int16_rows.c), why: the flag, its absence, or the override
+    MLASERVE_INT16_ROWS=1|0, which the test suite sets to 0 as it does MLASERVE_INT8_ROWS). activations="auto" asks
+    it: the 32-value block types its int8 cap leaves in fp32 (Q8_0, Q5_0, MXFP4) then take int16 activations at
+    every decode row count (kernels/int16_prefill.py)."""
+    return detected(INT16_ROWS_OVERRIDE, ("avx512_vnni", "avx2"), "this CPU has neither AVX512-VNNI nor AVX2")

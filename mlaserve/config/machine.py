@@ -127,9 +127,9 @@ INT8_SCOPE = (
 
 INT16_SCOPE = (
     "Q8_0, Q5_0 and MXFP4 (left in fp32 by the int8 rule: Q5_0's int8 logits moved over half a fixture's own error) "
-    "take int16 activations at every decode row count, as their prefill does (AVX512-VNNI vpdpwssd on the blocks as "
-    "they lie: each activation an int16 code per 32 values, ~2^-16 of the block's largest, fp32 grade; "
-    "kernels/int16_prefill.py)"
+    "take int16 activations at every decode row count (each an int16 code per 32 values, ~2^-16 of the block's "
+    "largest, fp32 grade; the blocks read as they lie: AVX512-VNNI's vpdpwssd, where their prefill takes them too, or "
+    "AVX2's vpmaddwd; kernels/int16_prefill.py)"
 )
 
 
@@ -167,7 +167,9 @@ def choose_activations(requested: str, kernels: str, gguf: bool, log: Provenance
             f"({log.source('kernels')}); it needs quantized weights (a GGUF, FP8 or quantization=...) on CPU"
         )
     if requested == "int8_6bit_int16" and not (int16 := int16_rows())[0]:
-        raise ConfigError(f"activations='int8_6bit_int16' needs AVX512-VNNI's int16 dot products: {int16[1]}")
+        raise ConfigError(
+            f"activations='int8_6bit_int16' needs the int16 dot products of AVX512-VNNI or AVX2: {int16[1]}"
+        )
     which = {
         "int8": "every weight type with int8 kernels (Q8_0 too)",
         "int8_6bit": "weights of <= 6 bits but Q5_0 / Q5_1",

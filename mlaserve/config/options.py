@@ -145,10 +145,10 @@ class EngineOptions:
         "blocks for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL, 256-value q8_K blocks for Q4_K / Q5_K / Q6_K / "
         "IQ4_XS and the grid i-quants IQ1_S ... IQ3_S) with integer dot products "
         "(faster, not exact); int8_6bit = the same for weights of 6 bits or fewer only, Q8_0 / Q5_0 / Q5_1 exact; "
-        "int8_6bit_int16 = int8_6bit, and Q8_0 / Q5_0 / MXFP4 with int16 activations on AVX512-VNNI at every decode "
-        "row count (an int16 code per 32-value block, the integer sums exact, ~2^-16 of the block's largest "
+        "int8_6bit_int16 = int8_6bit, and Q8_0 / Q5_0 / MXFP4 with int16 activations (AVX512-VNNI or AVX2) at every "
+        "decode row count (an int16 code per 32-value block, the integer sums exact, ~2^-16 of the block's largest "
         "activation per value: fp32 grade); auto = int8_6bit_int16 for GGUF files with the native kernels on a CPU "
-        "with AVX512-VNNI, int8_6bit on other CPUs (llama.cpp's choice for weights of 6 bits or fewer), else float",
+        "with AVX512-VNNI or AVX2, int8_6bit on other CPUs (llama.cpp's choice for weights of 6 bits or fewer), else float",
         ACTIVATIONS,
     )
     prefill_matmul: str = _opt(

@@ -28,25 +28,34 @@ import torch
 
 from mlaserve.kernels import native, stack_parts
 
-NO_UNITS = "the build's CPU has no AVX512-VNNI"
+NO_UNITS = "the build's CPU has neither AVX512-VNNI nor AVX2"
 
 
 def takes(type_id: int) -> bool:
-    """Whether this process runs products of this ggml type so (a 32-value block type, AVX512-VNNI in the build)."""
+    """Whether this process runs products of many rows (a prompt's) of this ggml type so: a 32-value block type, on
+    AVX512-VNNI's panels. An AVX2 build runs the type's products at decode row counts only (takes_rows): a prompt's
+    stay fp32 there, where BLAS keeps the FMA units busy and a widening per value and row would not."""
+    lib = native.library()
+    return lib is not None and lib.mls_int16_panels(type_id) == 1
+
+
+def takes_rows(type_id: int) -> bool:
+    """Whether this process runs this type's products with int16 activations at decode row counts (the kernels take
+    any row count; csrc/x86/int16_rows.c on AVX2, int16_prefill.c on AVX512-VNNI: the same bits)."""
     lib = native.library()
     return lib is not None and lib.mls_int16_takes(type_id) == 1
 
 
 def takes_rest(type_id: int, setting: bool | int) -> bool:
-    """Whether a product of this type takes int16 activations at every row count (decode too) under an activation
-    setting (the holders' .int8): the setting has native.INT16_REST, its int8 cap leaves the type in fp32, and this
-    process runs the type's products here. The same kernels at 1 row and at 500, so a request's result does not
-    depend on its batch, and its decode rows are rounded as its prompt's."""
+    """Whether a product of this type takes int16 activations at every decode row count under an activation setting
+    (the holders' .int8): the setting has native.INT16_REST, its int8 cap leaves the type in fp32, and this process
+    runs the type's products here. The same kernels at 1 row and at 16, so a request's result does not depend on its
+    batch; where the prompt's products take them too (takes), its decode rows are rounded as its prompt's."""
     return (
         setting is not True
         and bool(int(setting) & native.INT16_REST)
         and not native.takes_int8(type_id, setting)
-        and takes(type_id)
+        and takes_rows(type_id)
     )
 
 
@@ -62,6 +71,8 @@ def detail() -> str:
     lib = native.library()
     if lib is None or not lib.mls_int16_takes(8):
         return f"none: {NO_UNITS}"
+    if not lib.mls_int16_panels(8):
+        return "avx2 int16 pair products (vpmaddwd), decode rows only: prompts stay fp32"
     rows = tile_rows(8)
     return "avx512-vnni int16 dot products" + (f"; on the amx-int8 tiles from {rows} rows" if rows else "")
 

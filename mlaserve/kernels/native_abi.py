@@ -75,6 +75,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_int16_grouped.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
     lib.mls_int16_takes.argtypes = [c_int]
     lib.mls_int16_takes.restype = c_int
+    lib.mls_int16_panels.argtypes = [c_int]
+    lib.mls_int16_panels.restype = c_int
     lib.mls_int16_tile_rows.argtypes = [c_int]
     lib.mls_int16_tile_rows.restype = i64
     lib.mls_int16_in.argtypes = [c_int, i64]

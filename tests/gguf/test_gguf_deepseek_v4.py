@@ -409,7 +409,7 @@ def test_the_projections_of_one_input_in_one_call_equal_their_own_calls_bit_for_
     from mlaserve.models.deepseek_v4.attention import V4Attention
     from mlaserve.sampling.params import SamplingParams
 
-    if not int16_prefill.takes(GGML_TYPE_IDS["Q8_0"]):
+    if not int16_prefill.takes_rows(GGML_TYPE_IDS["Q8_0"]):
         pytest.skip(f"no int16 products here: {int16_prefill.detail()}")
     monkeypatch.setenv("MLASERVE_INT16_ROWS", "1")  # the suite turns auto's int16 off; the CPU has them
     root, _, _ = files
@@ -450,7 +450,7 @@ def test_o_a_proj_takes_the_plans_activations_as_a_linear_of_each_group(type_nam
     if not native.status().available:
         pytest.skip(f"native kernels unavailable: {native.status().detail}")
     t = GGML_TYPE_IDS[type_name]
-    if setting & 0x100 and not int16_prefill.takes(t):
+    if setting & 0x100 and not int16_prefill.takes_rows(t):
         pytest.skip(f"no int16 products here: {int16_prefill.detail()}")
     g, o, k = 4, 32, 256
     lin = GGUFGroupedLinear(k, g * o, g, t, "cpu")

@@ -1,5 +1,5 @@
 """Decode products with int16 activations (activations="int8_6bit_int16", auto's choice where the CPU has
-AVX512-VNNI): the 32-value block types the int8 cap leaves in fp32 (Q8_0, Q5_0, MXFP4) take kernels/int16_prefill.py's
+AVX512-VNNI or AVX2): the 32-value block types the int8 cap leaves in fp32 (Q8_0, Q5_0, MXFP4) take kernels/int16_prefill.py's
 products at every row count, the 1-3 row products on the weight rows as they lie. Held to: the choice and the plan's
 words; the one-call decode layers and MoE block equal to the per-op path (both take them: the same kernels); a
 request's tokens and log-probabilities the same bits alone and in a batch; the logits of decode-sized steps within
@@ -19,14 +19,14 @@ from mlaserve.quant.ggml_moe_block import GGUFMoEBlock
 
 Q8_0 = GGML_TYPE_IDS["Q8_0"]
 pytestmark = pytest.mark.skipif(
-    not NATIVE.available or not int16_prefill.takes(Q8_0),
+    not NATIVE.available or not int16_prefill.takes_rows(Q8_0),
     reason=f"no int16 products here: {int16_prefill.detail() if NATIVE.available else NATIVE.detail}",
 )
 SETTING = 6 | native.INT16_REST  # machine.INT8_BITS["int8_6bit_int16"]
 
 
 def test_auto_takes_them_where_the_cpu_has_avx512_vnni(monkeypatch):
-    """auto resolves to int8_6bit_int16 where the CPU has AVX512-VNNI (the override stands for it here) and the plan
+    """auto resolves to int8_6bit_int16 where the CPU has AVX512-VNNI or AVX2 (the override stands for it here) and the plan
     names the Q8_0 holders' int16 products; without it, int8_6bit, and asking for them by name is refused."""
     monkeypatch.setenv("MLASERVE_INT16_ROWS", "1")
     llm = _llm("ds3", "q8_0")
@@ -37,7 +37,7 @@ def test_auto_takes_them_where_the_cpu_has_avx512_vnni(monkeypatch):
     assert f"int16 activations for Q8_0 at every decode row count ({int16_prefill.detail()}" in reasons
     monkeypatch.setenv("MLASERVE_INT16_ROWS", "0")
     assert _llm("ds3", "q8_0").config.kernels.activations == "int8_6bit"
-    with pytest.raises(ConfigError, match="int8_6bit_int16.*AVX512-VNNI"):
+    with pytest.raises(ConfigError, match="int8_6bit_int16.*AVX512-VNNI or AVX2"):
         _llm("ds3", "q8_0", activations="int8_6bit_int16")
 
 

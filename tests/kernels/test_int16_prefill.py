@@ -1,10 +1,11 @@
-"""Products of many rows with int16 activations on AVX512-VNNI for the 32-value block types (kernels/int16_prefill.py,
-csrc/x86/int16_prefill.c: Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): held to their own integer sums (the activations' codes
+"""Products with int16 activations for the 32-value block types (kernels/int16_prefill.py; Q8_0, Q4_0, Q5_0, IQ4_NL,
+MXFP4): csrc/x86/int16_prefill.c on AVX512-VNNI (panels for many rows, the rows read in place for few),
+csrc/x86/int16_rows.c on AVX2 (the rows read in place, QW_FEW at a time, at every row count). Held to their own integer sums (the activations' codes
 rebuilt here in numpy, fp32 step by step as the module's notation says; the weights' codes from the reference
 dequantizer's values over their block scales), to fp64 by the bound derived in the module, to batch and thread
 independence, the grouped form to the plain one, the route (bf16_prefill.INT16 where the process has AVX512-VNNI
-and no AMX-BF16 tiles), and in the engine to the exact fp32 prefill of the same file. On a CPU without AVX512-VNNI
-the kernel tests skip and say so."""
+and no AMX-BF16 tiles), the two builds to each other's bits, and in the engine to the exact fp32 prefill of the same
+file. On a CPU without AVX2 the kernel tests skip and say so."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ from mlaserve.kernels import bf16_pairs, bf16_prefill, ggml, int16_prefill, nati
 STATUS = native.status()
 Q8_0 = GGML_TYPE_IDS["Q8_0"]
 needs_units = pytest.mark.skipif(
-    not STATUS.available or not int16_prefill.takes(Q8_0),
+    not STATUS.available or not int16_prefill.takes_rows(Q8_0),
     reason=f"no int16 products here: {int16_prefill.detail() if STATUS.available else STATUS.detail}",
+)
+needs_panels = pytest.mark.skipif(  # a prompt's products take them (AVX512-VNNI builds)
+    not STATUS.available or not int16_prefill.takes(Q8_0),
+    reason=f"no int16 prefill here: {int16_prefill.detail() if STATUS.available else STATUS.detail}",
 )
 NAMES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4"]
 U = 2.0**-24  # fp32's unit roundoff
@@ -247,19 +252,35 @@ def test_the_setting_takes_them_where_no_amx_bf16_tiles_run(monkeypatch):
             assert bf16_prefill.takes_bf16(t, bf16_prefill.BF16_ALL) == bf16_prefill.BF16
 
 
-def test_a_build_without_avx512_vnni_has_none(monkeypatch):
-    """The same sources built without AVX512-VNNI: the library says so (the holders keep fp32) and the call refuses."""
-    if not STATUS.available:
-        pytest.skip(STATUS.detail)
-    with_build(monkeypatch, ("-mno-avx512vnni",))
-    assert not any(int16_prefill.takes(GGML_TYPE_IDS[n]) for n in NAMES)
-    assert int16_prefill.detail() == f"none: {int16_prefill.NO_UNITS}"
-    w, x = case(6, 20, 16, 64)
-    with pytest.raises(RuntimeError, match="rc -1"):
-        int16_prefill.linear(x, w, Q8_0, 64)
-
-
 @needs_units
+@pytest.mark.parametrize("name", NAMES)
+def test_an_avx2_build_has_the_rows_with_the_same_bits(name, monkeypatch):
+    """The same sources built without AVX512-VNNI (-mno-avx512vnni: an AVX2 CPU's kernels, x86/int16_rows.c): the
+    products at every row count with the bits of this process's build (on an AVX512-VNNI CPU its rows and panels: the
+    same integer sums and float steps), and no panels, so a prompt's products stay fp32 (takes_bf16); built without
+    AVX2 too (no SIMD) the library has none and the call refuses."""
+    t = GGML_TYPE_IDS[name]
+    g = torch.Generator().manual_seed(11)
+    k, n = 288, 37
+    w = blocks(name, n, k, g)
+    x = torch.randn(40, k, generator=g)
+    x[5, 3:40] *= 1e4  # blocks of very different sizes, and one below the floor
+    x[6, :32] = 2.0**-110
+    mine = [int16_prefill.linear(x[:m], w, t, k) for m in (1, 2, 3, 16, 40)]
+    with_build(monkeypatch, ("-mno-avx512vnni",))
+    assert int16_prefill.takes_rows(t) and not int16_prefill.takes(t)
+    assert int16_prefill.detail().startswith("avx2 int16 pair products")
+    for m, y in zip((1, 2, 3, 16, 40), mine, strict=True):
+        assert torch.equal(int16_prefill.linear(x[:m], w, t, k), y), m
+    assert bf16_prefill.takes_bf16(Q8_0, 6) == (bf16_prefill.BF16_PAIRS if bf16_pairs.granted() else bf16_prefill.FP32)
+    with_build(monkeypatch, ("-mno-avx512f", "-mno-avx2", "-mno-f16c"))
+    assert not any(int16_prefill.takes_rows(GGML_TYPE_IDS[n]) for n in NAMES)
+    assert int16_prefill.detail() == f"none: {int16_prefill.NO_UNITS}"
+    with pytest.raises(RuntimeError, match="rc -1"):
+        int16_prefill.linear(x, w, t, k)
+
+
+@needs_panels
 @pytest.mark.parametrize("name", ["ds3", "ds2lite"])
 def test_engine_q8_0_prefill_far_inside_the_files_own_error(name, monkeypatch):
     """A fixture's Q8_0 file under auto (fast bf16 forced on) on a CPU without the AMX-BF16 tiles: its Q8_0 holders take

@@ -2,7 +2,7 @@
    A call's work list over its groups (one weight, or routed experts and heads: qw_grouped), each item on the VNNI
    kernels (qw_run) or, where the process has the AMX-INT8 tiles, on the tiles (x86/amx_int16.c); the
    decode steps' helpers (qw_in, qw_quantize_rows) and the C interface (mls_int16_*). */
-#ifdef MLS_INT16_PREFILL
+#ifdef MLS_INT16
 /* one call's work list: (group, chunk of QW_CHUNK rows, 16-row panel) items, first[a] group a's first item */
 typedef struct {
     int type;
@@ -120,7 +120,7 @@ static int qw_grouped(int type, const float *x, int64_t ldx, int64_t k, const ui
    setting has MLS_ACT_INT16 and a weight's type is one of the above that the setting's int8 cap leaves in fp32
    (under activations "int8_6bit_int16": Q8_0, Q5_0, MXFP4), as the per-op path does (kernels/int16_prefill.py
    takes_rest): the same kernels at every row count, so a request's result does not depend on its batch. */
-#ifdef MLS_INT16_PREFILL
+#ifdef MLS_INT16
 static inline int qw_in(int type, int64_t setting) {
     return (setting & MLS_ACT_INT16) && !q8rows_in(type, setting) && qw_type(type);
 }
@@ -152,7 +152,7 @@ static inline void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t
    -2 k not a multiple of 32, -3 not such a type, -4 out of memory */
 int mls_int16_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int64_t n,
                    int64_t row_bytes, float *y, int64_t ldy, int threads) {
-#ifdef MLS_INT16_PREFILL
+#ifdef MLS_INT16
     if (k % 32) return -2;
     if (!qw_type(type)) return -3;
     if (m == 0 || n == 0) return 0;
@@ -177,7 +177,7 @@ int mls_int16_gemm(int type, const float *x, int64_t m, int64_t k, int64_t ldx, 
 int mls_int16_gemm_multi(int type, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *const *w,
                          const int64_t *n, int64_t nw, int64_t row_bytes, float *const *y, const int64_t *ldy,
                          int threads) {
-#ifdef MLS_INT16_PREFILL
+#ifdef MLS_INT16
     if (k % 32 || m > QW_FEW) return -2;
     if (!qw_type(type)) return -3;
     if (m == 0 || nw == 0) return 0;
@@ -216,7 +216,7 @@ int mls_int16_gemm_multi(int type, const float *x, int64_t m, int64_t k, int64_t
 int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
                       int64_t ldy, int threads) {
-#ifdef MLS_INT16_PREFILL
+#ifdef MLS_INT16
     if (k % 32) return -2;
     if (!qw_type(type)) return -3;
     if (n == 0 || groups == 0) return 0;
@@ -228,9 +228,21 @@ int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int
 #endif
 }
 
-/* whether this build runs a type's products here: 1 yes, 0 no (not such a type, or no AVX512-VNNI) */
+/* whether this build runs a type's products here (every row count; the decode steps take them): 1 yes, 0 no (not
+   such a type, or a build without AVX2) */
 int mls_int16_takes(int type) {
-#ifdef MLS_INT16_PREFILL
+#ifdef MLS_INT16
+    return qw_type(type);
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* whether this build runs a type's products of many rows on unpacked panels (AVX512-VNNI; a prompt's products take
+   int16 activations only there): 1 yes, 0 no */
+int mls_int16_panels(int type) {
+#ifdef MLS_INT16_PANELS
     return qw_type(type);
 #else
     (void)type;

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 44
+#define MLS_ABI_VERSION 45
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -328,8 +328,10 @@ int mls_int16_gemm_multi(int type, const float *x, int64_t m, int64_t k, int64_t
 int mls_int16_grouped(int type, const float *x, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                       int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups, float *y,
                       int64_t ldy, int threads);
-/* whether this build runs a type's products so: 1 yes, 0 no (not such a type, or no AVX512-VNNI) */
+/* whether this build runs a type's products so (at every row count): 1 yes, 0 no (not such a type, or no AVX2) */
 int mls_int16_takes(int type);
+/* whether it runs a type's products of many rows on unpacked panels (AVX512-VNNI; prompts take them only there) */
+int mls_int16_panels(int type);
 /* the activation rows from which this process runs a type's int16 products on the AMX-INT8 tiles (the same bits:
    Q8_0, each code as two bytes); 0 where it never does (another type, no tiles) */
 int64_t mls_int16_tile_rows(int type);

@@ -144,7 +144,7 @@ int mls_moe_experts16(int type_gu, int type_dn, const float *x, int64_t t, int64
                       const uint8_t *gate, const uint8_t *up, int64_t gu_expert_stride, int64_t gu_row_bytes,
                       const uint8_t *down, int64_t dn_expert_stride, int64_t dn_row_bytes, const int64_t *idx,
                       const float *wt, int64_t kk, float limit, float *out, int threads) {
-#ifdef MLS_INT16_PREFILL
+#ifdef MLS_INT16
     if (!qw_type(type_gu) || !qw_type(type_dn)) return -1;
     if (d % 32 || inter % 32) return -2;
     const int64_t pairs = t * kk, n_gu = 2 * inter, half_runs = (inter + QW_R - 1) / QW_R;

@@ -15,7 +15,7 @@
                                     rows padded with zeros to 16), their scales xdt [group][kb][16]
      C_h, C_l [16 r, 16 i]  int32   = A B_h, A B_l; 256 C_h + C_l = S_b
    acc[r] (lanes i) += fl(d[r, b] d_x[i, b]) fl(S_b[r, :]); the 16 x 16 sums are transposed into y's rows at the end. */
-#if defined(MLS_INT16_PREFILL) && defined(MLS_AMX)
+#if defined(MLS_INT16_PANELS) && defined(MLS_AMX)
 #define MLS_INT16_TILES 1 /* this build runs them (int16.c, moe/block.c ask) */
 
 /* the tile shapes: A (tile 0) 16 x 32 bytes, B_h, B_l (1, 2) 8 x 64, C_h, C_l (3, 4) 16 x 64 */

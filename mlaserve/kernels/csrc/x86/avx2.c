@@ -263,6 +263,20 @@ static inline float hsum8(__m256 a) {
     return _mm_cvtss_f32(h);
 }
 
+/* lane r = the sum of P[r]'s 8 int32 lanes, r < 8 (exact: integers) */
+static inline __m256i lane_sums8x8(const __m256i P[8]) {
+    const __m256i a = _mm256_hadd_epi32(P[0], P[1]), b = _mm256_hadd_epi32(P[2], P[3]);
+    const __m256i c = _mm256_hadd_epi32(P[4], P[5]), d = _mm256_hadd_epi32(P[6], P[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d); /* halves: rows 0-3 | rows 0-3 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* the low 16 bits of each int32 lane (an fp16) as 8 floats */
+static inline __m256 f16_lanes(__m256i v) {
+    v = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
 /* acc[i] += d * (w0 x[i, 0:8] + w1 x[i, 8:16] + w2 x[i, 16:24] + w3 x[i, 24:32]) for i < mr */
 #define FUSED_BLOCK(mr, acc, d, w0, w1, w2, w3, xb, ldx)                                    \
     for (int i = 0; i < (mr); i++) {                                                         \

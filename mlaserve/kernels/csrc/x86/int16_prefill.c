@@ -28,7 +28,8 @@
    A row's result is the same whatever the batch or the threads: its sums and float steps do not depend on the rows
    beside it. */
 #if defined(MLS_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define MLS_INT16_PREFILL 1
+#define MLS_INT16 1
+#define MLS_INT16_PANELS 1 /* many rows on unpacked panels: a prompt's products take these (int16.c mls_int16_takes) */
 #define QW_R 16      /* weight rows per panel: the int32 lanes of a vector */
 #define QW_MR 8      /* activation rows per tile: 8 sums, 8 accumulators in registers */
 #define QW_CHUNK 256 /* activation rows per work item: their codes stay in cache while the panels pass */

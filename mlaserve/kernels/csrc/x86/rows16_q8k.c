@@ -346,20 +346,6 @@ static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64
    rows (the callers' unit) is two calls. Measured only as an AVX2 build on the 2-core AMD EPYC (AVX-512 CPU): one
    thread 12.8-13.7 -> 14.5-15.7 GB/s of Q4_K against the row kernel (docs/PERFORMANCE.md); no AVX2-only CPU yet. */
 
-/* lane r = the sum of P[r]'s 8 int32 lanes, r < 8 (exact: integers) */
-static inline __m256i lane_sums8x8(const __m256i P[8]) {
-    const __m256i a = _mm256_hadd_epi32(P[0], P[1]), b = _mm256_hadd_epi32(P[2], P[3]);
-    const __m256i c = _mm256_hadd_epi32(P[4], P[5]), d = _mm256_hadd_epi32(P[6], P[7]);
-    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d); /* halves: rows 0-3 | rows 0-3 */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
-}
-
-/* the low 16 bits of each int32 lane (an fp16) as 8 floats */
-static inline __m256 f16_lanes(__m256i v) {
-    v = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
-    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-}
-
 static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, int64_t row_bytes, int64_t nr,
                                                             const int five, const int8_t *xq, const float *xd,
                                                             int64_t k, float *y) {
