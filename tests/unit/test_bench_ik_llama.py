@@ -163,7 +163,7 @@ def test_iq_mix_commands(bench, tmp_path):
 def _part(phases: list[str], ours: dict, theirs: dict, load: float, complete: bool = True, date: str = "") -> dict:
     return {
         "model_name": "standard",
-        "env": {"date": date},
+        "env": {"date": date, "cpu_simd": ["avx2", "avx512_bf16", "amx_bf16"]},  # an AMX CPU: prefill's 2x
         "complete": complete,
         "phases": phases,
         "settings": {"long_prompt": 4096 if "long" in phases else 2048},
