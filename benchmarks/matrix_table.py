@@ -123,7 +123,7 @@ def markdown(rows: list[dict]) -> str:
         la = r["loadavg_1min"]
         load = "-" if la is None else f"{la[0]:.1f}-{la[1]:.1f}"
         run = (r["run"] or "1") + (" (partial)" if r.get("partial") else "")
-        for key, label, target, higher in METRICS:
+        for key, label, _, higher in METRICS:
             m = r["metrics"][key]
             if m["ours"] is None and m["theirs"] is None and m["ik"] is None:
                 missing.append(
@@ -147,7 +147,10 @@ def markdown(rows: list[dict]) -> str:
 def compact(rows: list[dict]) -> str:
     """The summary: one line per (model, file type), per metric mlaserve's ratio to llama.cpp in each run
     ("a / b" for runs 1 and 2, "**miss**" after each missed target, "-" not measured), the targets in the head."""
-    head = ["model", "file"] + [f"{label} ({'>=' if h else '<='} {t}x)" for _, label, t, h in METRICS]
+    head = ["model", "file"] + [
+        f"{label} ({'>=' if h else '<='} {'2x with bf16 units, else 1.2' if key in PREFILL_KEYS else t}x)"
+        for key, label, t, h in METRICS
+    ]
     long = rows[0].get("long_prompt", 2048) if rows else 2048
     lines = ["| " + " | ".join(head).format(long=long) + " |", "|" + "---|" * len(head)]
     cells: dict = {}

@@ -226,7 +226,7 @@ def test_compact_table_has_one_line_per_file_type(bench, tmp_path):
     (tmp_path / "matrix-2026-12-02-standard-q8_0-a-run2.json").write_text(json.dumps(a2))
     lines = mt.compact(mt.load_rows(sorted(tmp_path.glob("*.json")))).splitlines()
     assert lines[0].startswith(
-        "| model | file | prefill 512 tok/s (>= 2.0x) | prefill 2048 tok/s (>= 2.0x) | decode b1 at 128 tok/s (>= 1.2x) |"
+        "| model | file | prefill 512 tok/s (>= 2x with bf16 units, else 1.2x) | prefill 2048 tok/s (>= 2x with bf16 units, else 1.2x) | decode b1 at 128 tok/s (>= 1.2x) |"
     )
     assert len(lines) == 3 and lines[2].startswith("| standard | Q8_0 | 2.00x / 1.20x **miss** | - / - | - / - |")
 
