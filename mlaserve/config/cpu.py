@@ -67,6 +67,15 @@ def int8_rows() -> tuple[bool, str]:
     return detected(INT8_ROWS_OVERRIDE, VNNI_FLAGS, "this CPU has no VNNI int8 dot products")
 
 
+def int8_row_kernels() -> tuple[bool, str]:
+    """(whether the CPU runs the int8 row kernels on integer dot products: VNNI's, or AVX2's vpmaddubsw + vpmaddwd,
+    why; the same override as int8_rows, MLASERVE_INT8_ROWS=1|0). prefill_matmul="auto" asks it where bf16 GEMMs are
+    slow (int8_float: the routed experts' int8 products on them, measured faster than fp32 on an AVX2 CPU)."""
+    return detected(
+        INT8_ROWS_OVERRIDE, (*VNNI_FLAGS, "avx2"), "this CPU has neither VNNI nor AVX2 integer dot products"
+    )
+
+
 INT16_ROWS_OVERRIDE = "MLASERVE_INT16_ROWS"
 
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mlaserve.config.cpu import amx_int8, fast_bf16, int8_rows, int16_rows
+from mlaserve.config.cpu import amx_int8, fast_bf16, int8_row_kernels, int8_rows, int16_rows
 from mlaserve.config.model import ConfigError, ModelConfig
 from mlaserve.config.provenance import ProvenanceLog
 
@@ -29,14 +29,15 @@ ACTIVATIONS = ("auto", "float", "int8", "int8_6bit", "int8_6bit_int16")
 # kernels/native.takes_int8 applies it per weight type), with 0x100 (kernels/native.INT16_REST) where the 32-value
 # block types it leaves in fp32 take int16 activations (kernels/int16_prefill.takes_rest)
 INT8_BITS = {"float": 0, "int8_6bit": 6, "int8": 8, "int8_6bit_int16": 6 | 0x100}
-PREFILL_MATMULS = ("auto", "float", "bf16", "bf16_6bit", "int8")
+PREFILL_MATMULS = ("auto", "float", "bf16", "bf16_6bit", "int8", "int8_float")
 # a resolved prefill_matmul value -> the widest weight (bits per value) whose many-rows products run in bf16 (0: none;
 # kernels/bf16_prefill.takes_bf16 applies it per weight type, BF16_ALL = every type); "int8": bf16_6bit above the
-# tiles' rows
-BF16_BITS = {"float": 0, "bf16_6bit": 6, "bf16": 64, "int8": 6}
+# tiles' rows; "int8_float": fp32 there
+BF16_BITS = {"float": 0, "bf16_6bit": 6, "bf16": 64, "int8": 6, "int8_float": 0}
 # the resolved prefill_matmul values whose int8 products of up to kernels/ggml.tile_rows rows run on the AMX-INT8
-# tiles (registry.KernelContext.tiles; each holder asks native.takes_tiles per weight at load)
-PREFILL_TILES = frozenset({"int8"})
+# tiles, the VNNI panels or (routed experts) the row kernels (registry.KernelContext.tiles; each holder asks
+# native.takes_tiles / takes_expert_int8 per weight at load)
+PREFILL_TILES = frozenset({"int8", "int8_float"})
 QUANTIZATIONS = (None, "int8", "int4")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 DTYPES = {  # name -> torch's attribute (torch is imported when a config is built, not for `--help`)
@@ -205,6 +206,12 @@ INT8_PREFILL_SCOPE = (
     "have AMX-INT8 tile kernels stay int8 on the tiles instead of bf16 decode-then-GEMM (the decode kernels' bits; the rounding is the int8 activations' "
     "instead of bf16's, within the same rule: verify --against reports it per layer as act)"
 )
+# measured where auto takes int8_float: a 2-core AMD EPYC with AVX2 only (Zen 3), 2 threads, prefill of a 512-token
+# prompt, 3 alternated rounds in one process (the experts' int8 rows against decode + fp32 grouped GEMMs)
+INT8_FLOAT_MEASURED = (
+    "prefill 512 on a 2-core AVX2-only EPYC: glm-real Q4_K_M 3.3-4.2 -> 2.5-2.6 s, ds-real Q4_K_M 3.4-3.6 -> 2.8-3.0, "
+    "the standard Q4_K_M 1.9-2.4 -> 1.9-2.0"
+)
 INT8_ROWS_SCOPE = (
     "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the products of the weights with q8_K activations (Q4_K, Q5_K, "
     "Q6_K and the i-quants: kernels/native.INT8_PANEL_TYPES), dense and routed, stay int8 at every row count on "
@@ -215,6 +222,11 @@ INT8_ROWS_SCOPE = (
     "decoded for a bf16 GEMM (measured 1.05-1.5x faster prefill on the real-shape Q4_K_M files and the IQ mix of that "
     "EPYC before the panels; level at 128 rows); the other dense weights as bf16_6bit"
 )
+INT8_FLOAT_SCOPE = (
+    "the int8 products of int8's choice (the AMX-INT8 tiles, the AVX512-VNNI panels, or the routed experts' products "
+    "of up to 128 rows per active expert on the int8 row kernels: the decode kernels' bits, the int8 activations' "
+    "rounding within the rule), every other many-rows product fp32 GEMMs on the exact decoded weights (no bf16)"
+)
 
 
 def choose_prefill_matmul(
@@ -224,21 +236,22 @@ def choose_prefill_matmul(
     log: ProvenanceLog,
     activations: str = "float",
 ) -> str:
-    """float | bf16_6bit | bf16 | int8 (BF16_BITS, PREFILL_TILES). auto: bf16 GEMMs for a GGUF's weights of 6 bits or
+    """float | bf16_6bit | bf16 | int8 | int8_float (BF16_BITS, PREFILL_TILES). auto: bf16 GEMMs for a GGUF's weights of 6 bits or
     fewer with the native kernels on a CPU whose bf16 GEMMs are fast (config/cpu.fast_bf16: AMX-BF16 or
     AVX512-BF16), their added error measured well inside the file's own (kernels/bf16_prefill.py), and on a CPU
     with AMX-INT8 where int8 activations apply (activations resolved, not float) int8: the products of up to
     kernels/ggml.tile_rows rows of the weights with tile kernels stay int8 on the tiles (measured faster there),
     bf16_6bit above; on a CPU without the tiles but with VNNI (config/cpu.int8_rows) int8 too: the q8_K types on
     the AVX512-VNNI panels at every row count, or without them the routed experts' products of up to
-    kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels (INT8_ROWS_SCOPE);
-    exact fp32 elsewhere."""
+    kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels (INT8_ROWS_SCOPE); on a CPU whose bf16 GEMMs are
+    slow (an AVX2 CPU) with int8 activations int8_float: those int8 products, fp32 GEMMs for the rest (measured faster
+    than fp32 everywhere: INT8_FLOAT_MEASURED); exact fp32 elsewhere."""
     check_choice("prefill_matmul", requested, PREFILL_MATMULS)
     if requested == "float":
         return log.record("prefill_matmul", "float", "user option (fp32 GEMMs on the exact decoded weights)")
-    if requested == "int8" and INT8_BITS[activations] == 0:
+    if requested in PREFILL_TILES and INT8_BITS[activations] == 0:
         raise ConfigError(
-            f"prefill_matmul='int8' keeps int8 activations on the prefill products, but activations resolved to "
+            f"prefill_matmul={requested!r} keeps int8 activations on the prefill products, but activations resolved to "
             f"'float' ({log.source('activations')}); use activations='auto' / 'int8_6bit' / 'int8', or another "
             "prefill_matmul"
         )
@@ -247,6 +260,15 @@ def choose_prefill_matmul(
         if kernels != "native" or not gguf:
             why = f"kernels={kernels}" if kernels != "native" else "not a GGUF file"
             return log.record("prefill_matmul", "float", f"engine default (auto: fp32 GEMMs; {why})")
+        rows8, rows8_cpu = int8_row_kernels()
+        if not fast and rows8 and INT8_BITS[activations]:
+            return log.record(
+                "prefill_matmul",
+                "int8_float",
+                f"engine default (auto: {cpu}: bf16 GEMMs are slower than fp32 here; {rows8_cpu}; activations "
+                f"{activations}): "
+                f"{INT8_FLOAT_SCOPE} ({INT8_FLOAT_MEASURED}); prefill_matmul='float': fp32 everywhere",
+            )
         if not fast:
             why = f"engine default (auto: {cpu}: bf16 GEMMs are slower than fp32 here, so fp32 GEMMs)"
             return log.record("prefill_matmul", "float", why)
@@ -274,6 +296,8 @@ def choose_prefill_matmul(
         )
     which = "every weight type (Q8_0 too)" if requested == "bf16" else BF16_RULE
     slow = "" if fast else f"; {cpu}: slower than fp32 here"
+    if requested == "int8_float":
+        return log.record("prefill_matmul", requested, f"user option: {INT8_FLOAT_SCOPE}")
     if requested == "int8":
         tiles, tiles_cpu = amx_int8()
         none = "" if tiles else f"; {tiles_cpu}: no product takes the tiles here; {INT8_ROWS_SCOPE}"

@@ -55,7 +55,7 @@ def test_auto_takes_int8_prefill_where_the_cpu_has_amx_int8(monkeypatch):
     assert f"products of up to {ggml.TILE_ROWS} rows" in why
     assert _resolve(monkeypatch, "1", {"avx512_bf16"})[0] == "bf16_6bit"  # no tiles, no VNNI: bf16 GEMMs as before
     assert _resolve(monkeypatch, "1", {"amx_int8"}, activations="float")[0] == "bf16_6bit"  # no int8 products
-    assert _resolve(monkeypatch, "0", {"amx_int8"})[0] == "float"
+    assert _resolve(monkeypatch, "0", {"amx_int8"})[0] == "float"  # no integer dot products named: fp32 GEMMs
     value, why = _resolve(monkeypatch, "0", {"avx2"}, prefill_matmul="int8")
     assert value == "int8" and "this CPU has no AMX-INT8: no product takes the tiles here" in why
     with pytest.raises(ConfigError, match="prefill_matmul='int8' keeps int8 activations"):
@@ -72,12 +72,34 @@ def test_auto_takes_int8_prefill_where_the_cpu_has_amx_int8(monkeypatch):
     assert eng.kernels.prefill_matmul == "bf16_6bit"
 
 
+def test_auto_takes_int8_float_where_bf16_is_slow(monkeypatch):
+    """An AVX2 CPU (no bf16 units, no VNNI): auto keeps the int8 products where they run (the routed experts' row
+    kernels) and fp32 GEMMs for the rest, int8_float, where int8 activations apply; float activations, or the
+    override that the suite sets (MLASERVE_INT8_ROWS=0), give fp32 everywhere; asking for int8_float without int8
+    activations is refused. The holders then take int8 rows for the experts and no bf16 anywhere (BF16_BITS 0)."""
+    from mlaserve.config.machine import BF16_BITS, PREFILL_TILES
+
+    value, why = _resolve(monkeypatch, "0", {"avx2", "fma"})
+    assert value == "int8_float" and "this CPU has avx2" in why and "bf16 GEMMs are slower than fp32 here" in why
+    assert "routed experts' products of up to 128 rows per active expert on the int8 row kernels" in why
+    assert BF16_BITS[value] == 0 and value in PREFILL_TILES
+    assert _resolve(monkeypatch, "0", {"avx2"}, activations="float")[0] == "float"
+    assert _resolve(monkeypatch, "0", {"avx2"}, prefill_matmul="int8_float")[0] == "int8_float"
+    with pytest.raises(ConfigError, match="prefill_matmul='int8_float' keeps int8 activations"):
+        _resolve(monkeypatch, "0", {"avx2"}, prefill_matmul="int8_float", activations="float")
+    from mlaserve.config import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setenv("MLASERVE_INT8_ROWS", "0")
+    assert cpu.int8_row_kernels() == (False, "MLASERVE_INT8_ROWS=0 in the environment")
+
+
 def test_auto_takes_int8_prefill_on_the_row_kernels_where_the_cpu_has_vnni_and_no_tiles(monkeypatch):
     value, why = _resolve(monkeypatch, "1", {"avx512_bf16", "avx512_vnni"})
     assert value == "int8" and why.startswith("engine default (auto: this CPU has avx512_vnni, activations int8_6bit)")
     assert "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the products of the weights with q8_K activations" in why
     assert "the routed experts' products of up to 128 rows per active expert (on average" in why
-    assert _resolve(monkeypatch, "0", {"avx512_vnni"})[0] == "float"  # bf16 slow here: fp32 GEMMs
+    assert _resolve(monkeypatch, "0", {"avx512_vnni"})[0] == "int8_float"  # bf16 slow here: the int8 products, fp32
     assert _resolve(monkeypatch, "1", {"avx512_vnni", "avx512_bf16"}, activations="float")[0] == "bf16_6bit"
     from mlaserve.config import cpu
 
@@ -128,4 +150,34 @@ def test_q4_k_m_int8_prefill_on_the_panels_within_the_files_own_error(name):
     act, file = _rel(got, exact), _rel(exact, exp["hf_logits"])
     print(f"\n{name} q4_k_m prefill: int8 panels add {act:.4f} (bf16_6bit {_rel(bf16, exact):.4f}); file {file:.4f}")
     assert not torch.equal(got, bf16)
+    assert 0 < act <= file / 2, (act, file)
+
+
+@pytest.mark.skipif(not native.status().available, reason="native kernels unavailable")
+@pytest.mark.parametrize("name", ["ds3"])  # ds2lite's Q4_K_M experts are Q5_0 / Q8_0 (its narrow widths' fallback)
+def test_q4_k_m_int8_float_prefill_within_the_files_own_error(name, monkeypatch):
+    """prefill_matmul "int8_float" (auto's choice where bf16 GEMMs are slow) without tiles or panels in the route's view
+    (an AVX2 CPU's; the C call may still take them on this machine, with the same bits): one 96-token prefill step,
+    the routed Q4_K experts' products int8 on the row kernels, every dense product fp32 (no holder in bf16), the logits
+    within half the file's own error, and another computation than int8 decode with an fp32 prefill."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(native, "tiles_granted", lambda: False)
+    monkeypatch.setattr(native, "panel_rows", lambda type_id: 0)
+    folder = fixture_dir(name)
+    exp = load_file(str(folder / "expected.safetensors"))
+    ids = exp["input_ids"].tolist()
+    path = str(folder / "model-q4_k_m.gguf")
+    rows = LLM(path, prefill_matmul="int8_float")
+    assert rows.config.kernels.prefill_matmul == "int8_float"
+    reasons = " ".join(c.reason for c in rows.loaded.kernel_plan.choices)
+    assert f"int8 prefill on the row kernels for Q4_K up to {ggml.ROW_KERNEL_ROWS} rows per active" in reasons
+    holders = [m for m in rows.runner.model.modules() if hasattr(m, "bf16") and hasattr(m, "ggml_type")]
+    assert holders and not any(m.bf16 for m in holders)  # fp32 above the int8 products, never bf16
+    fp32 = LLM(path, prefill_matmul="float").prompt_logits(ids)  # int8 decode settings, fp32 prefill
+    exact = LLM(path, activations="float", prefill_matmul="float").prompt_logits(ids)
+    got = rows.prompt_logits(ids)
+    act, file = _rel(got, exact), _rel(exact, exp["hf_logits"])
+    print(f"\n{name} q4_k_m prefill: int8 expert rows add {act:.4f}; file {file:.4f}")
+    assert not torch.equal(got, fp32)  # the route was taken
     assert 0 < act <= file / 2, (act, file)
