@@ -225,7 +225,8 @@ INT8_ROWS_SCOPE = (
 INT8_FLOAT_SCOPE = (
     "the int8 products of int8's choice (the AMX-INT8 tiles, the AVX512-VNNI panels, or the routed experts' products "
     "of up to 128 rows per active expert on the int8 row kernels: the decode kernels' bits, the int8 activations' "
-    "rounding within the rule), every other many-rows product fp32 GEMMs on the exact decoded weights (no bf16)"
+    "rounding within the rule; under int16 activations without int16 panels, the Q8_0 / Q5_0 / MXFP4 experts' on the "
+    "int16 row products, fp32 grade), every other many-rows product fp32 GEMMs on the exact decoded weights (no bf16)"
 )
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlaserve.gguf.quants import GGML_TYPES
+from mlaserve.gguf.quants import GGML_TYPE_IDS, GGML_TYPES
 from mlaserve.kernels import (
     bf16_pairs,
     bf16_prefill,
@@ -114,11 +114,19 @@ def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
                 "row kernels below; measured faster than decode-then-GEMM in bf16 at every count: "
                 "kernels/ggml.PANEL_INT8_ROWS)"
             )
+        int16 = [name for name in rows if GGML_TYPE_IDS[name] not in native.ROW_KERNEL_TYPES]
+        rows = [name for name in rows if name not in int16]
         if rows:
             said.append(
                 f"int8 prefill on the row kernels for {', '.join(rows)} up to {ggml.ROW_KERNEL_ROWS} rows per active "
                 "expert (no amx-int8 tiles here; measured crossover with the experts decoded for a bf16 GEMM: "
                 "kernels/ggml.ROW_KERNEL_ROWS), decode-then-GEMM above"
+            )
+        if int16:
+            said.append(
+                f"int16 prefill on the row products for {', '.join(int16)} up to {ggml.ROW_KERNEL_ROWS} rows per "
+                "active expert (no int16 panels here: int16_prefill.takes_expert_rows, measured faster than the "
+                "experts decoded for an fp32 GEMM), decode-then-GEMM above"
             )
         return "; ".join(said)
     by_rows: dict[int, list[str]] = {}
@@ -359,9 +367,13 @@ class GGUFExperts(registry.KernelSwitch, Experts):
 
     def set_prefill_tiles(self) -> None:
         """The KernelPlan's int8 prefill setting, decided once per projection after the int8 one
-        (native.takes_expert_int8: on the tiles, or on the row kernels where the process has none)."""
-        self.tiles_gate_up = native.takes_expert_int8(self.type_gate_up, self.int8)
-        self.tiles_down = native.takes_expert_int8(self.type_down, self.int8)
+        (native.takes_expert_int8: on the tiles, or on the row kernels where the process has none; for the int16 types,
+        int16_prefill.takes_expert_rows: their row products where the process has no int16 panels)."""
+        self.tiles_gate_up = self._expert_rows(self.type_gate_up)
+        self.tiles_down = self._expert_rows(self.type_down)
+
+    def _expert_rows(self, type_id: int) -> bool:
+        return native.takes_expert_int8(type_id, self.int8) or int16_prefill.takes_expert_rows(type_id, self.int8)
 
     def native_detail(self) -> str:
         """The plan's note: the build and, per projection type, fused decode-and-dot or decode, then dot."""

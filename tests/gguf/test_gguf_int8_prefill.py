@@ -15,6 +15,8 @@ a 2-core AMD EPYC: ds3 act 0.114 (bf16_6bit's 0.062) / file 0.338, ds2lite 0.017
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import fixture_dir
@@ -22,6 +24,7 @@ from conftest import fixture_dir
 from mlaserve import LLM
 from mlaserve.config.engine import EngineOptions, resolve
 from mlaserve.config.model import ConfigError
+from mlaserve.gguf.quants import GGML_TYPE_IDS
 from mlaserve.kernels import ggml, native
 
 TILES = native.status().available and native.tiles_granted()
@@ -181,3 +184,42 @@ def test_q4_k_m_int8_float_prefill_within_the_files_own_error(name, monkeypatch)
     print(f"\n{name} q4_k_m prefill: int8 expert rows add {act:.4f}; file {file:.4f}")
     assert not torch.equal(got, fp32)  # the route was taken
     assert 0 < act <= file / 2, (act, file)
+
+
+@pytest.mark.skipif(not native.status().available, reason="native kernels unavailable")
+def test_int8_float_prefill_takes_the_int16_rows_for_the_q5_0_and_q8_0_experts(monkeypatch):
+    """ds2lite's Q4_K_M file (routed experts Q5_0 gate / up, Q8_0 down) under int16 activations with no int16 panels in
+    the route's view (an AVX2 build's: int16_prefill.takes_expert_rows): prefill_matmul "int8_float" keeps the experts'
+    prompt products on the int16 row products (fp32 grade) up to ROW_KERNEL_ROWS rows an expert, and the plan says
+    so; a 96-token prefill's logits move from the exact run's by int16's grade (the bound of test_decode_int16.py:
+    0.57 / 32 of the file's own error) and differ from the fp32 prefill's (the route was taken)."""
+    from safetensors.torch import load_file
+
+    from mlaserve.kernels import int16_prefill
+
+    if not int16_prefill.takes_rows(GGML_TYPE_IDS["Q8_0"]):
+        pytest.skip(f"no int16 products here: {int16_prefill.detail()}")
+    monkeypatch.setenv("MLASERVE_INT16_ROWS", "1")  # the suite turns auto's int16 off
+    monkeypatch.setattr(int16_prefill, "takes", lambda type_id: False)
+    monkeypatch.setattr(native, "tiles_granted", lambda: False)
+    monkeypatch.setattr(native, "panel_rows", lambda type_id: 0)
+    folder = fixture_dir("ds2lite")
+    exp = load_file(str(folder / "expected.safetensors"))
+    ids = exp["input_ids"].tolist()
+    path = str(folder / "model-q4_k_m.gguf")
+    rows = LLM(path, prefill_matmul="int8_float")
+    assert rows.config.kernels.activations == "int8_6bit_int16"
+    reasons = " ".join(c.reason for c in rows.loaded.kernel_plan.choices)
+    for name in ("Q5_0", "Q8_0"):
+        said = (
+            rf"int16 prefill on the row products for [A-Z0-9_, ]*{name}[A-Z0-9_, ]* up to {ggml.ROW_KERNEL_ROWS} rows"
+        )
+        assert re.search(said, reasons), name
+    fp32 = LLM(path, prefill_matmul="float").prompt_logits(ids)
+    exact = LLM(path, activations="float", prefill_matmul="float").prompt_logits(ids)
+    got = rows.prompt_logits(ids)
+    act, file = _rel(got, exact), _rel(exact, exp["hf_logits"])
+    print(f"\nds2lite q4_k_m prefill: int16 expert rows add {act:.2e}; file {file:.4f}")
+    assert not torch.equal(got, fp32)
+    assert 0 < act <= 0.57 / 32 * file, (act, file)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))

@@ -269,7 +269,7 @@ def test_an_avx2_build_has_the_rows_with_the_same_bits(name, monkeypatch):
     mine = [int16_prefill.linear(x[:m], w, t, k) for m in (1, 2, 3, 16, 40)]
     with_build(monkeypatch, ("-mno-avx512vnni",))
     assert int16_prefill.takes_rows(t) and not int16_prefill.takes(t)
-    assert int16_prefill.detail().startswith("avx2 int16 pair products")
+    assert int16_prefill.detail().startswith("avx2 int16 pair products (vpmaddwd)")
     for m, y in zip((1, 2, 3, 16, 40), mine, strict=True):
         assert torch.equal(int16_prefill.linear(x[:m], w, t, k), y), m
     assert bf16_prefill.takes_bf16(Q8_0, 6) == (bf16_prefill.BF16_PAIRS if bf16_pairs.granted() else bf16_prefill.FP32)
