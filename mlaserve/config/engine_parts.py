@@ -77,9 +77,8 @@ class KernelConfig:
     impl: str  # "native" | "triton" | "torch": quantized matmuls and decode-step glue (kernels/)
     # "float" | "int8_6bit" | "int8_6bit_int16" | "int8": machine.INT8_BITS, the weights whose products take int8
     activations: str
-    prefill_matmul: (
-        str  # "float" | "bf16_6bit" | "bf16" | "int8" | "int8_float": machine.BF16_BITS (the weights whose prefill
-    )
+    # "float" | "bf16_6bit" | "bf16" | "int8" | "int8_float": machine.BF16_BITS (the weights whose prefill
+    prefill_matmul: str
     # GEMMs are bf16) and machine.PREFILL_TILES (int8 prefill products on the AMX-INT8 tiles up to ggml.tile_rows rows)
     quantization: str | None  # "int8" | "int4": float weights put into Q8_0 / Q4_0 blocks at load
     experts_impl: str

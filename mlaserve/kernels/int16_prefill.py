@@ -33,8 +33,9 @@ NO_UNITS = "the build's CPU has neither AVX512-VNNI nor AVX2"
 
 def takes(type_id: int) -> bool:
     """Whether this process runs products of many rows (a prompt's) of this ggml type so: a 32-value block type, on
-    AVX512-VNNI's panels. An AVX2 build runs the type's products at decode row counts only (takes_rows): a prompt's
-    stay fp32 there, where BLAS keeps the FMA units busy and a widening per value and row would not."""
+    AVX512-VNNI's panels. An AVX2 build runs the type's products a few rows a pass (takes_rows): a prompt's dense
+    products stay fp32 there, where BLAS keeps the FMA units busy and a widening per value and row would not (its
+    routed experts' few rows each may take them: takes_expert_rows)."""
     lib = native.library()
     return lib is not None and lib.mls_int16_panels(type_id) == 1
 

@@ -15,9 +15,10 @@
    depend on the rows beside it: more than QW_FEW rows run QW_FEW at a time over the same weight rows (read again
    from cache). The codes lie in their natural order here (the VNNI build's pair order serves its panels only).
 
-   Only the decode steps take these: a prompt's products (more than GEMV rows) stay fp32 on such a CPU
-   (kernels/bf16_prefill.takes_bf16: the many-rows int16 path is the panels', MLS_INT16_PANELS), where BLAS's fp32
-   GEMM keeps the FMA units busy and a widening per weight value and activation row would not. */
+   The decode steps take these, and a prompt's routed experts (up to 128 rows an expert: int16_prefill.py
+   takes_expert_rows); a prompt's dense products stay fp32 on such a CPU (kernels/bf16_prefill.takes_bf16: the
+   many-rows int16 path is the panels', MLS_INT16_PANELS), where BLAS's fp32 GEMM keeps the FMA units busy and a
+   widening per weight value and activation row would not. */
 #if !defined(MLS_INT16) && defined(MLS_SIMD)
 #define MLS_INT16 1
 #define QW_R 16      /* weight rows per work item (two runs of 8 here), as the VNNI build's panels */
