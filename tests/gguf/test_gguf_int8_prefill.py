@@ -37,6 +37,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def _q4_k_m(name: str) -> tuple[dict, list[int], str]:
+    """A fixture's expected tensors, its prompt ids and its Q4_K_M file's path."""
+    from safetensors.torch import load_file
+
+    folder = fixture_dir(name)
+    exp = load_file(str(folder / "expected.safetensors"))
+    return exp, exp["input_ids"].tolist(), str(folder / "model-q4_k_m.gguf")
+
+
+def _no_tiles_or_panels(monkeypatch) -> None:
+    """Neither the AMX tiles nor the VNNI panels in the route's view (an AVX2 CPU's; the C call may still take them on
+    this machine, with the same bits)."""
+    monkeypatch.setattr(native, "tiles_granted", lambda: False)
+    monkeypatch.setattr(native, "panel_rows", lambda type_id: 0)
+
+
 def _resolve(monkeypatch, fast: str, flags: set[str], **kw):
     from hf_models import make_config
 
@@ -113,12 +129,7 @@ def test_auto_takes_int8_prefill_on_the_row_kernels_where_the_cpu_has_vnni_and_n
 @needs_tiles
 @pytest.mark.parametrize("name", ["ds3", "ds2lite"])
 def test_q4_k_m_int8_prefill_within_the_files_own_error(name):
-    from safetensors.torch import load_file
-
-    folder = fixture_dir(name)
-    exp = load_file(str(folder / "expected.safetensors"))
-    ids = exp["input_ids"].tolist()
-    path = str(folder / "model-q4_k_m.gguf")
+    exp, ids, path = _q4_k_m(name)
     step = {"max_num_batched_tokens": ggml.TILE_ROWS}
     tiles = LLM(path, prefill_matmul="int8", **step)
     assert tiles.config.kernels.prefill_matmul == "int8"
@@ -138,12 +149,7 @@ def test_q4_k_m_int8_prefill_within_the_files_own_error(name):
 def test_q4_k_m_int8_prefill_on_the_panels_within_the_files_own_error(name):
     """Without tiles, on the VNNI panels: one 96-token prefill step, every Q4_K / Q6_K product int8 (dense ones too,
     which bf16_6bit took before), the logits within half the file's own error, another computation than bf16_6bit's."""
-    from safetensors.torch import load_file
-
-    folder = fixture_dir(name)
-    exp = load_file(str(folder / "expected.safetensors"))
-    ids = exp["input_ids"].tolist()
-    path = str(folder / "model-q4_k_m.gguf")
+    exp, ids, path = _q4_k_m(name)
     panels = LLM(path, prefill_matmul="int8")
     reasons = " ".join(c.reason for c in panels.loaded.kernel_plan.choices)
     assert "int8 prefill at every row count for Q4_K" in reasons and "avx512-vnni panels for Q4_K" in reasons
@@ -163,14 +169,8 @@ def test_q4_k_m_int8_float_prefill_within_the_files_own_error(name, monkeypatch)
     (an AVX2 CPU's; the C call may still take them on this machine, with the same bits): one 96-token prefill step,
     the routed Q4_K experts' products int8 on the row kernels, every dense product fp32 (no holder in bf16), the logits
     within half the file's own error, and another computation than int8 decode with an fp32 prefill."""
-    from safetensors.torch import load_file
-
-    monkeypatch.setattr(native, "tiles_granted", lambda: False)
-    monkeypatch.setattr(native, "panel_rows", lambda type_id: 0)
-    folder = fixture_dir(name)
-    exp = load_file(str(folder / "expected.safetensors"))
-    ids = exp["input_ids"].tolist()
-    path = str(folder / "model-q4_k_m.gguf")
+    _no_tiles_or_panels(monkeypatch)
+    exp, ids, path = _q4_k_m(name)
     rows = LLM(path, prefill_matmul="int8_float")
     assert rows.config.kernels.prefill_matmul == "int8_float"
     reasons = " ".join(c.reason for c in rows.loaded.kernel_plan.choices)
@@ -193,20 +193,14 @@ def test_int8_float_prefill_takes_the_int16_rows_for_the_q5_0_and_q8_0_experts(m
     prompt products on the int16 row products (fp32 grade) up to ROW_KERNEL_ROWS rows an expert, and the plan says
     so; a 96-token prefill's logits move from the exact run's by int16's grade (the bound of test_decode_int16.py:
     0.57 / 32 of the file's own error) and differ from the fp32 prefill's (the route was taken)."""
-    from safetensors.torch import load_file
-
     from mlaserve.kernels import int16_prefill
 
     if not int16_prefill.takes_rows(GGML_TYPE_IDS["Q8_0"]):
         pytest.skip(f"no int16 products here: {int16_prefill.detail()}")
     monkeypatch.setenv("MLASERVE_INT16_ROWS", "1")  # the suite turns auto's int16 off
     monkeypatch.setattr(int16_prefill, "takes", lambda type_id: False)
-    monkeypatch.setattr(native, "tiles_granted", lambda: False)
-    monkeypatch.setattr(native, "panel_rows", lambda type_id: 0)
-    folder = fixture_dir("ds2lite")
-    exp = load_file(str(folder / "expected.safetensors"))
-    ids = exp["input_ids"].tolist()
-    path = str(folder / "model-q4_k_m.gguf")
+    _no_tiles_or_panels(monkeypatch)
+    exp, ids, path = _q4_k_m("ds2lite")
     rows = LLM(path, prefill_matmul="int8_float")
     assert rows.config.kernels.activations == "int8_6bit_int16"
     reasons = " ".join(c.reason for c in rows.loaded.kernel_plan.choices)
