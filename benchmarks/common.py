@@ -272,6 +272,17 @@ def timed(fn, reps: int, warmup: int = 1) -> dict:
     return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "reps": reps, "all_s": ts}
 
 
+def default_activations() -> tuple[str, int]:
+    """The engine's activations="auto" on a GGUF with the native kernels on this CPU (config/machine.choose_activations:
+    int8_6bit_int16 where the CPU has the int16 products, else int8_6bit) and the holders' setting for it, so a
+    product timed alone takes the route the engine's decode takes (ggml.linear_native with that setting)."""
+    from mlaserve.config.machine import INT8_BITS, choose_activations
+    from mlaserve.config.provenance import ProvenanceLog
+
+    name = choose_activations("auto", "native", True, ProvenanceLog())
+    return name, INT8_BITS[name]
+
+
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(10_000 + seed)
     return [0] + torch.randint(3, vocab, (n - 1,), generator=g).tolist()

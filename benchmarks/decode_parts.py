@@ -3,8 +3,9 @@
     python benchmarks/decode_parts.py --gguf FILE [--threads 1] [--rounds 5] [--tokens 64]
 
 Each weight a decode step reads, timed alone: the file's own bytes (read with gguf-py) through the native product
-the engine's default takes for its type (`activations="auto"`: int8 activations for weights of 6 bits or fewer,
-exact fp32 for Q8_0 / Q5_0 / F32), one activation row, best of --rounds process-CPU timings (neighbours on a shared
+the engine's default takes for its type (`activations="auto"` on this CPU, common.default_activations: int8
+activations for weights of 6 bits or fewer, and int16 ones for Q8_0 / Q5_0 where the CPU has the int16 products
+(AVX512-VNNI, AVX2), else exact fp32; F32 exact), one activation row, best of --rounds process-CPU timings (neighbours on a shared
 machine only add time). Routed experts: the first top-k experts' rows of each stack as one matrix (the bytes one
 token reads); attn_k_b / attn_v_b: all heads' rows as one matrix (the bytes of the per-head products); the embedding
 reads one row (left out). Parts are summed over the layers: attention projections (q_a, q_b, kv_a, k_b, v_b,
@@ -28,12 +29,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, environment, random_prompt, write_json
+from common import RESULTS_DIR, default_activations, environment, random_prompt, write_json
 
-from mlaserve.config.machine import INT8_BITS
-from mlaserve.kernels import native
+from mlaserve.kernels import ggml
 
-INT8_AUTO = INT8_BITS["int8_6bit"]  # activations="auto" on a GGUF: int8 for weights of 6 bits or fewer
+ACTIVATIONS, INT8_AUTO = default_activations()  # the engine's auto on this CPU, as its decode takes it
 
 # gguf tensor name (after blk.N.) -> the part it belongs to
 PARTS = {
@@ -78,15 +78,15 @@ def copy_bandwidth(rounds: int) -> dict:
 def product_time(type_id: int, rows: torch.Tensor, k: int, rounds: int) -> float:
     """Best process-CPU seconds of one m=1 product over `rounds` timings of enough calls for ~20 ms."""
     x = torch.randn(1, k)
-    native.gemm(type_id, x, rows, k, int8=INT8_AUTO)
+    ggml.linear_native(x, rows, type_id, k, INT8_AUTO)
     t0 = time.process_time()
-    native.gemm(type_id, x, rows, k, int8=INT8_AUTO)
+    ggml.linear_native(x, rows, type_id, k, INT8_AUTO)
     reps = max(3, int(0.02 / max(time.process_time() - t0, 1e-5)))
     best = 1e9
     for _ in range(rounds):
         t0 = time.process_time()
         for _ in range(reps):
-            native.gemm(type_id, x, rows, k, int8=INT8_AUTO)
+            ggml.linear_native(x, rows, type_id, k, INT8_AUTO)
         best = min(best, (time.process_time() - t0) / reps)
     return best / max(torch.get_num_threads(), 1)  # process time counts every thread: per-thread wall share
 
@@ -211,6 +211,7 @@ def main() -> None:
             "tensors": tensors,
             "step": step,
             "environment": env,
+            "activations": ACTIVATIONS,
         },
     )
 

@@ -6,8 +6,9 @@
 The whole-step matrix (matrix.py) says which engine decodes faster; this says whose kernel is faster for one
 weight type, without the rest of a step. For each named tensor of the GGUF (default: one of each block type in
 the file, from its fourth layer), both engines multiply the file's own rows by one activation row:
-- mlaserve: `native.gemm` as the engine's default takes it (`activations="auto"`: int8 activations for weights of
-  6 bits or fewer, exact fp32 for Q8_0 / Q5_0 / Q5_1), the activation's quantization included (once per call);
+- mlaserve: `ggml.linear_native` as the engine's decode takes it (`activations="auto"` on this CPU, common.
+  default_activations: int8 activations for weights of 6 bits or fewer, int16 for Q8_0 / Q5_0 where the CPU has
+  the int16 products, exact fp32 otherwise; the JSON says which), the activation's quantization included (once per call);
 - llama.cpp: a small C program (compiled here against DIR's ggml headers and the built libggml) that reads the
   same row bytes, quantizes the activation once with the type's `vec_dot_type` (q8_0 / q8_K: not timed) and times
   `vec_dot` over every row, one thread, as its CPU backend's matrix-vector product does per row.
@@ -29,12 +30,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, environment, write_json
+from common import RESULTS_DIR, default_activations, environment, write_json
 
-from mlaserve.config.machine import INT8_BITS
-from mlaserve.kernels import native, native_build
+from mlaserve.kernels import ggml, native, native_build
 
-AUTO = INT8_BITS["int8_6bit"]  # activations="auto" on a GGUF: int8 for weights of 6 bits or fewer
+ACTIVATIONS, AUTO = default_activations()  # the engine's auto on this CPU, as its decode takes it
 
 HARNESS = r"""
 #include <stdio.h>
@@ -102,11 +102,11 @@ def pick_tensors(reader, names: list[str] | None) -> list:
 
 def mlaserve_best(t, rows: torch.Tensor, k: int, reps: int) -> float:
     x = torch.randn(1, k)
-    native.gemm(int(t.tensor_type), x, rows, k, int8=AUTO)
+    ggml.linear_native(x, rows, int(t.tensor_type), k, AUTO)
     best = 1e9
     for _ in range(reps):
         t0 = time.perf_counter()
-        native.gemm(int(t.tensor_type), x, rows, k, int8=AUTO)
+        ggml.linear_native(x, rows, int(t.tensor_type), k, AUTO)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -165,7 +165,7 @@ def main() -> None:
                 flush=True,
             )
     out = args.out or RESULTS_DIR / f"vec_dot_vs_ggml-{args.gguf.stem}-t{args.threads}.json"
-    write_json(out, {"environment": env, "args": vars(args), "results": results})
+    write_json(out, {"environment": env, "args": vars(args), "activations": ACTIVATIONS, "results": results})
 
 
 if __name__ == "__main__":

@@ -326,7 +326,7 @@ def expert_linear_native(
     path the whole step would), else this call's."""
     xs = xs.float().contiguous()
     mean = xs.shape[0] / max(1, experts.shape[0]) if rows_per_expert is None else rows_per_expert
-    if int16_prefill.takes_rest(ggml_type, int8) and (mean <= GEMV_ROWS or (tiles and mean <= ROW_KERNEL_ROWS)):
+    if (mean <= GEMV_ROWS or (tiles and mean <= ROW_KERNEL_ROWS)) and int16_prefill.takes_rest(ggml_type, int8):
         # decode, as linear_native; a prompt's experts where the holder took the int16 row products
         # (int16_prefill.takes_expert_rows: no int16 panels here)
         return int16_prefill.grouped(xs, _parts(w), ggml_type, k, experts.to(torch.int64).contiguous(), offs)

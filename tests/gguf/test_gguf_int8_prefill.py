@@ -46,6 +46,16 @@ def _q4_k_m(name: str) -> tuple[dict, list[int], str]:
     return exp, exp["input_ids"].tolist(), str(folder / "model-q4_k_m.gguf")
 
 
+def _against_fp32_prefill(llm, path: str, ids: list[int], exp: dict) -> tuple:
+    """llm's prompt logits, the same file's with an fp32 prefill (its decode settings kept), the exact run's (float
+    activations, fp32 prefill), and the relative distance of llm's from the exact run's beside the exact run's own
+    from transformers'."""
+    fp32 = LLM(path, prefill_matmul="float").prompt_logits(ids)
+    exact = LLM(path, activations="float", prefill_matmul="float").prompt_logits(ids)
+    got = llm.prompt_logits(ids)
+    return got, fp32, exact, _rel(got, exact), _rel(exact, exp["hf_logits"])
+
+
 def _no_tiles_or_panels(monkeypatch) -> None:
     """Neither the AMX tiles nor the VNNI panels in the route's view (an AVX2 CPU's; the C call may still take them on
     this machine, with the same bits)."""
@@ -177,10 +187,7 @@ def test_q4_k_m_int8_float_prefill_within_the_files_own_error(name, monkeypatch)
     assert f"int8 prefill on the row kernels for Q4_K up to {ggml.ROW_KERNEL_ROWS} rows per active" in reasons
     holders = [m for m in rows.runner.model.modules() if hasattr(m, "bf16") and hasattr(m, "ggml_type")]
     assert holders and not any(m.bf16 for m in holders)  # fp32 above the int8 products, never bf16
-    fp32 = LLM(path, prefill_matmul="float").prompt_logits(ids)  # int8 decode settings, fp32 prefill
-    exact = LLM(path, activations="float", prefill_matmul="float").prompt_logits(ids)
-    got = rows.prompt_logits(ids)
-    act, file = _rel(got, exact), _rel(exact, exp["hf_logits"])
+    got, fp32, exact, act, file = _against_fp32_prefill(rows, path, ids, exp)
     print(f"\n{name} q4_k_m prefill: int8 expert rows add {act:.4f}; file {file:.4f}")
     assert not torch.equal(got, fp32)  # the route was taken
     assert 0 < act <= file / 2, (act, file)
@@ -209,10 +216,7 @@ def test_int8_float_prefill_takes_the_int16_rows_for_the_q5_0_and_q8_0_experts(m
             rf"int16 prefill on the row products for [A-Z0-9_, ]*{name}[A-Z0-9_, ]* up to {ggml.ROW_KERNEL_ROWS} rows"
         )
         assert re.search(said, reasons), name
-    fp32 = LLM(path, prefill_matmul="float").prompt_logits(ids)
-    exact = LLM(path, activations="float", prefill_matmul="float").prompt_logits(ids)
-    got = rows.prompt_logits(ids)
-    act, file = _rel(got, exact), _rel(exact, exp["hf_logits"])
+    got, fp32, exact, act, file = _against_fp32_prefill(rows, path, ids, exp)
     print(f"\nds2lite q4_k_m prefill: int16 expert rows add {act:.2e}; file {file:.4f}")
     assert not torch.equal(got, fp32)
     assert 0 < act <= 0.57 / 32 * file, (act, file)
