@@ -1,6 +1,6 @@
 """AMX-INT8 tiles (or, on a CPU without them, the AVX512-VNNI weight panels) vs the VNNI row kernels for the K-quants'
-int8 products (csrc/x86/amx.c or x86/vnni_panels.c against x86/avx2.c's q8k rows), and vs the bf16 prefill GEMM
-(decode to bf16, then oneDNN), one weight at several row counts.
+int8 products (csrc/x86/amx.c, x86/vnni_panels.c or x86/avx2_panels.c against x86/avx2.c's q8k rows), and vs the bf16
+and fp32 prefill GEMMs (decode, then oneDNN), one weight at several row counts.
 
   PYTHONPATH=$PWD python benchmarks/int8_tiles.py [--threads N] [--rounds R] [--reps N] [--rows 1,16,64,512]
       [--shapes NxK,...]
@@ -10,9 +10,11 @@ Q4_K / Q6_K blocks (int8_activations.py's: the time does not depend on the value
   tiles  `native.gemm(..., int8=True)` in this CPU's build (-march=native: the tiles from 8 rows on AMX-INT8; without
          them the VNNI panels from native.panel_rows rows, 12 or 16)
   vnni   the same call in the same sources built without AMX (-mno-amx-tile -mno-amx-int8) or, where this process has
-         no tiles, without the panels (-DMLS_NO_VNNI_PANELS), loaded side by side: the VNNI rows at every count
+         no tiles, without the panels (-DMLS_NO_INT8_PANELS), loaded side by side: the VNNI rows at every count
          (below the threshold both builds run these: the control, ratio ~1)
-  bf16   what the many-rows path runs at prefill_matmul auto: the weight decoded to bf16, then bf16_prefill.linear
+  bf16   what the many-rows path runs at prefill_matmul auto where bf16 is fast: the weight decoded to bf16, then
+         bf16_prefill.linear
+  fp32   the exact path (and prefill_matmul int8_float's for the products it keeps float): decoded to fp32, one mm
 Each round times the three back to back (--reps calls each); per call both the wall time and the process's CPU time
 (with one thread the CPU time leaves out the time a loaded machine takes the core away: the steadier figure under
 load). The table gives the best call of all rounds and the median over rounds. Prints the CPU flags and the load
@@ -52,10 +54,10 @@ from common import RESULTS_DIR, environment, write_json
 from int8_activations import K, N, blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import bf16_prefill, native, native_build
+from mlaserve.kernels import bf16_prefill, ggml, native, native_build
 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
-NO_PANELS = ("-DMLS_NO_VNNI_PANELS",)
+NO_PANELS = ("-DMLS_NO_INT8_PANELS",)
 
 
 def builds() -> dict[str, object]:
@@ -157,7 +159,7 @@ def main() -> None:
     env.update(int8_isa=native.int8_isa(), int8_tiles=native.int8_tiles(), int8_panels=native.int8_panels())
     print(
         f"{env['cpu']}: {' '.join(env['cpu_simd'])}; {env['int8_isa']}; {env['int8_tiles']}; "
-        f"{env['int8_panels'] or 'no vnni panels'}; load {env['loadavg_before']}"
+        f"{env['int8_panels'] or 'no int8 panels'}; load {env['loadavg_before']}"
     )
     libs = builds()
     rows_out = []
@@ -171,6 +173,7 @@ def main() -> None:
                 "tiles": (libs["tiles"], lambda: native.gemm(tid, x, w, k, int8=True)),
                 "vnni": (libs["vnni"], lambda: native.gemm(tid, x, w, k, int8=True)),
                 "bf16": (libs["tiles"], lambda: bf16_prefill.linear(x, native.dequantize_bf16(tid, w, k))),
+                "fp32": (libs["tiles"], lambda: x @ ggml.dense(w, tid, k).T),
             }
             wall: dict[str, list[list[float]]] = {key: [] for key in calls}
             cpu: dict[str, list[list[float]]] = {key: [] for key in calls}
@@ -199,15 +202,16 @@ def main() -> None:
                     meds = [statistics.median(r) * 1e3 for r in per[key]]
                     row[f"{key}_{what}_best_ms"] = min(min(r) for r in per[key]) * 1e3
                     row[f"{key}_{what}_median_ms"] = statistics.median(meds)
-            for other in ("vnni", "bf16"):
+            for other in ("vnni", "bf16", "fp32"):
                 row[f"cpu_best_vs_{other}"] = row[f"{other}_cpu_best_ms"] / row["tiles_cpu_best_ms"]
                 row[f"wall_median_vs_{other}"] = row[f"{other}_wall_median_ms"] / row["tiles_wall_median_ms"]
             rows_out.append(row)
             print(
                 f"{name:<5} {n}x{k} {rows:>4} rows, best CPU ms: tiles {row['tiles_cpu_best_ms']:7.2f}, vnni "
                 f"{row['vnni_cpu_best_ms']:7.2f} ({row['cpu_best_vs_vnni']:.2f}x), bf16 {row['bf16_cpu_best_ms']:7.2f}"
-                f" ({row['cpu_best_vs_bf16']:.2f}x) | median wall ms {row['tiles_wall_median_ms']:7.2f} / "
-                f"{row['vnni_wall_median_ms']:7.2f} / {row['bf16_wall_median_ms']:7.2f}  bit-equal {row['bit_equal']}",
+                f" ({row['cpu_best_vs_bf16']:.2f}x), fp32 {row['fp32_cpu_best_ms']:7.2f} ({row['cpu_best_vs_fp32']:.2f}x)"
+                f" | median wall ms {row['tiles_wall_median_ms']:7.2f} / {row['vnni_wall_median_ms']:7.2f} / "
+                f"{row['bf16_wall_median_ms']:7.2f} / {row['fp32_wall_median_ms']:7.2f}  bit-equal {row['bit_equal']}",
                 flush=True,
             )
     env["loadavg_after"] = os.getloadavg()

@@ -223,7 +223,8 @@ INT8_ROWS_SCOPE = (
     "EPYC before the panels; level at 128 rows); the other dense weights as bf16_6bit"
 )
 INT8_FLOAT_SCOPE = (
-    "the int8 products of int8's choice (the AMX-INT8 tiles, the AVX512-VNNI panels, or the routed experts' products "
+    "the int8 products of int8's choice (the AMX-INT8 tiles, the AVX512-VNNI panels, the AVX2 panels for Q4_K / Q5_K / "
+    "Q6_K at every row count, or the routed experts' products "
     "of up to 128 rows per active expert on the int8 row kernels: the decode kernels' bits, the int8 activations' "
     "rounding within the rule; under int16 activations without int16 panels, the Q8_0 / Q5_0 / MXFP4 experts' on the "
     "int16 row products, fp32 grade), every other many-rows product fp32 GEMMs on the exact decoded weights (no bf16)"

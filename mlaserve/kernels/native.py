@@ -98,35 +98,43 @@ def takes_tiles(type_id: int, int8: bool | int) -> bool:
     return takes_int8(type_id, int8) and type_id in INT8_TILE_TYPES and tiles_granted()
 
 
-# csrc/x86/vnni_panels.c vnni_type: the weights whose int8 products of many rows run on 16-row weight panels with
-# AVX512-VNNI where the process has no AMX-INT8 tiles (the row kernels' bits): the tiles' types, the K-quants and the
-# i-quants with q8_K activations (their signed codes plus an offset)
+# csrc/x86/vnni_panels.c vnni_type: the weights whose int8 products of many rows can run on unpacked weight panels
+# where the process has no AMX-INT8 tiles (the row kernels' bits): the tiles' types, the K-quants and the i-quants
+# with q8_K activations (their signed codes plus an offset). With AVX512-VNNI all of them on 16-row panels; with AVX2
+# only (csrc/x86/avx2_panels.c) Q4_K, Q5_K and Q6_K on 8-row panels (panel_rows says which here).
 INT8_PANEL_TYPES = dict(INT8_TILE_TYPES)
 
 
 def panel_rows(type_id: int) -> int:
-    """The activation rows from which an int8 product on this type runs on the VNNI panels in this process
-    (csrc/x86/vnni_panels.c: an AVX512-VNNI build, no AMX-INT8 tiles granted); 0 when it never does."""
+    """The activation rows from which an int8 product on this type runs on the int8 panels in this process
+    (csrc/x86/vnni_panels.c with AVX512-VNNI, x86/avx2_panels.c without; no AMX-INT8 tiles granted); 0 when it
+    never does."""
     lib = library()
     return int(lib.mls_int8_panel_rows(type_id)) if lib is not None else 0
 
 
+def panels_isa() -> str:
+    """The int8 panels' instructions in this build: "avx512-vnni", "avx2", or "" without panels."""
+    lib = library()
+    return ctypes.string_at(lib.mls_int8_panels_isa()).decode() if lib is not None else ""
+
+
 def takes_panels(type_id: int, int8: bool | int) -> bool:
-    """Whether this weight's int8 products of many rows run on the VNNI panels here: it takes int8 activations
+    """Whether this weight's int8 products of many rows run on the int8 panels here: it takes int8 activations
     (takes_int8) and the process runs its type on them (panel_rows)."""
     return takes_int8(type_id, int8) and panel_rows(type_id) > 0
 
 
 def int8_panels(names: tuple[str, ...] = tuple(INT8_PANEL_TYPES.values())) -> str:
-    """The VNNI panels in words for the kernel plan: "avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; Q6_K at >= 16
-    rows" (names: the types to name), or "" where none of them runs there."""
+    """The int8 panels in words for the kernel plan: "avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; Q6_K at >= 16
+    rows" ("avx2 panels for ..." without AVX512-VNNI; names: the types to name), or "" where none of them runs there."""
     ids, by_rows = {v: k for k, v in INT8_PANEL_TYPES.items()}, {}
     for name in names:
         if panel_rows(ids[name]):
             by_rows.setdefault(panel_rows(ids[name]), []).append(name)
     if not by_rows:
         return ""
-    return "avx512-vnni panels for " + "; ".join(f"{', '.join(n)} at >= {r} rows" for r, n in sorted(by_rows.items()))
+    return f"{panels_isa()} panels for " + "; ".join(f"{', '.join(n)} at >= {r} rows" for r, n in sorted(by_rows.items()))
 
 
 # The types whose routed-expert prefill products stay on the int8 row kernels where the process has no tiles: the

@@ -68,6 +68,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.mls_int8_tile_rows.restype = i64
     lib.mls_int8_panel_rows.argtypes = [c_int]
     lib.mls_int8_panel_rows.restype = i64
+    lib.mls_int8_panels_isa.argtypes = []
+    lib.mls_int8_panels_isa.restype = ptr
     lib.mls_q8_0_bf16_pairs.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]
     lib.mls_q8_0_bf16_pairs_grouped.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int]
     lib.mls_int16_gemm.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, c_int]

@@ -29,7 +29,7 @@ from mlaserve.kernels import native_abi
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "mls.c"  # the translation unit; it includes every other file under CSRC
 HEADER = CSRC / "mls.h"  # the interface native_abi.py mirrors (tests/kernels/test_kernel_bindings.py checks the mirror)
-ABI_VERSION = 45  # mls.h MLS_ABI_VERSION: the functions and signatures below
+ABI_VERSION = 46  # mls.h MLS_ABI_VERSION: the functions and signatures below
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 # compiler flags appended to FLAGS, e.g. "-mno-avx512f": the AVX2 kernels on an AVX-512 CPU (a benchmark's or a
 # bug report's other target; the build's isa() and the kernel plan then name it)

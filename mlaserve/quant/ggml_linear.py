@@ -99,7 +99,7 @@ def bf16_detail(types: tuple[int, ...], bf16: tuple[int, ...]) -> str | None:
 def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
     """What the kernel plan says of a holder's prefill products kept int8: the types of its weights whose products of
     up to ggml.tile_rows(type) rows (per active expert) stay int8 on the AMX-INT8 tiles, or, where the process has
-    no tiles, at every row count on the VNNI panels (native.panel_rows) or up to ggml.ROW_KERNEL_ROWS per active
+    no tiles, at every row count on the int8 panels (native.panel_rows) or up to ggml.ROW_KERNEL_ROWS per active
     expert on the row kernels, instead of decode-then-GEMM, and what runs above; None where none does."""
     taken = {t for t, b in zip(types, tiles, strict=True) if b}
     if not taken:
@@ -111,7 +111,7 @@ def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
         if panel:
             said.append(
                 f"int8 prefill at every row count for {', '.join(panel)} ({native.int8_panels(tuple(panel))}, the "
-                "row kernels below; measured faster than decode-then-GEMM in bf16 at every count: "
+                "row kernels below; measured faster than decode-then-GEMM in bf16 or fp32 at every count: "
                 "kernels/ggml.PANEL_INT8_ROWS)"
             )
         int16 = [name for name in rows if GGML_TYPE_IDS[name] not in native.ROW_KERNEL_TYPES]

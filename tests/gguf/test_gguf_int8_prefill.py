@@ -30,7 +30,7 @@ from mlaserve.kernels import ggml, native
 TILES = native.status().available and native.tiles_granted()
 needs_tiles = pytest.mark.skipif(not TILES, reason="no AMX-INT8 tiles in this process (build or kernel)")
 PANELS = native.status().available and native.panel_rows(ggml.GGML_TYPE_IDS["Q4_K"]) > 0
-needs_panels = pytest.mark.skipif(not PANELS, reason="no VNNI panels in this process (no AVX512-VNNI, or AMX tiles)")
+needs_panels = pytest.mark.skipif(not PANELS, reason="no int8 panels in this process (no AVX2, or AMX tiles)")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,12 +157,12 @@ def test_q4_k_m_int8_prefill_within_the_files_own_error(name):
 @needs_panels
 @pytest.mark.parametrize("name", ["ds3", "ds2lite"])
 def test_q4_k_m_int8_prefill_on_the_panels_within_the_files_own_error(name):
-    """Without tiles, on the VNNI panels: one 96-token prefill step, every Q4_K / Q6_K product int8 (dense ones too,
+    """Without tiles, on the int8 panels (AVX512-VNNI's or AVX2's): one 96-token prefill step, every Q4_K / Q6_K product int8 (dense ones too,
     which bf16_6bit took before), the logits within half the file's own error, another computation than bf16_6bit's."""
     exp, ids, path = _q4_k_m(name)
     panels = LLM(path, prefill_matmul="int8")
     reasons = " ".join(c.reason for c in panels.loaded.kernel_plan.choices)
-    assert "int8 prefill at every row count for Q4_K" in reasons and "avx512-vnni panels for Q4_K" in reasons
+    assert "int8 prefill at every row count for Q4_K" in reasons and f"{native.panels_isa()} panels for Q4_K" in reasons
     bf16 = LLM(path, prefill_matmul="bf16_6bit").prompt_logits(ids)
     exact = LLM(path, activations="float", prefill_matmul="float").prompt_logits(ids)
     got = panels.prompt_logits(ids)

@@ -5,10 +5,10 @@ Without tiles the grouped int8 call runs every group on the VNNI row kernels, 4 
 weight row; each activation row is quantized on its own and its products are the same integers and float operations
 whatever rows share the pass (test_int8_kquants.py), so up to ROW_KERNEL_ROWS rows per active expert (on average)
 each group's rows must equal that expert's product in chunks of any size, bit for bit; above it the experts are
-decoded for the bf16 GEMM instead (another computation). The tests stand the process's tiles and VNNI panels down
+decoded for the bf16 GEMM instead (another computation). The tests stand the process's tiles and int8 panels down
 (native.tiles_granted -> False, native.panel_rows -> 0), so they run on every machine; where the build has them the C
-call may still take groups of 8+ (12+) rows there, which give the same bits (test_int8_prefill_tiles.py,
-test_int8_vnni_panels.py).
+call may still take groups of 8+ (8+, 12+) rows there, which give the same bits (test_int8_prefill_tiles.py,
+test_int8_panels.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ NAMES = ["Q4_K", "Q6_K", "Q5_K"]
 
 @pytest.fixture()
 def no_tiles(monkeypatch):
-    """Neither the AMX tiles nor the VNNI panels (test_int8_vnni_panels.py) in the route's view: the C call may still
+    """Neither the AMX tiles nor the int8 panels (test_int8_panels.py) in the route's view: the C call may still
     run groups on them, with the same bits."""
     monkeypatch.setattr(native, "tiles_granted", lambda: False)
     monkeypatch.setattr(native, "panel_rows", lambda type_id: 0)

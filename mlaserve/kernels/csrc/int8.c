@@ -149,19 +149,42 @@ int mls_quantize_act(int type, const float *x, int64_t m, int64_t k, int64_t ldx
     return 0;
 }
 
-/* whether a product of m activation rows runs on the VNNI panels (x86/vnni_panels.c): where the AMX tiles do not
-   take it */
-#ifdef MLS_VNNI_PANELS
-static int vnni_take(int type, int64_t m) {
+/* whether a product of m activation rows runs on the int8 weight panels (x86/vnni_panels.c with AVX512-VNNI,
+   x86/avx2_panels.c without): where the AMX tiles do not take it */
+#ifdef MLS_INT8_PANELS
+static int panels_take(int type, int64_t m) {
 #ifdef MLS_AMX
     if (amx_takes(type, m)) return 0;
 #endif
-    return vnni_takes(type, m);
+    return panels_min_rows(type) > 0 && m >= panels_min_rows(type);
 }
-#define VNNI_TOOK(m) vnni_take(type, (m))
+#define PANELS_TOOK(m) panels_take(type, (m))
 #else
-#define VNNI_TOOK(m) 0
+#define PANELS_TOOK(m) 0
 #endif
+
+/* the activation rows from which an int8 product on this type takes the panels in this process; 0 when it never does
+   (not a panel type, no panels in the build, or the tiles take its products) */
+int64_t mls_int8_panel_rows(int type) {
+#ifdef MLS_INT8_PANELS
+#ifdef MLS_AMX
+    if (amx_type(type) && amx_permission() == 1) return 0;
+#endif
+    return panels_min_rows(type);
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* the panels' instructions: "avx512-vnni", "avx2", or "" in a build without them */
+const char *mls_int8_panels_isa(void) {
+#ifdef MLS_INT8_PANELS
+    return MLS_INT8_PANELS;
+#else
+    return "";
+#endif
+}
 
 static inline float q8dot(q8rows_fn fn, const uint8_t *b, const int8_t *xq, const float *xd, int64_t k) {
     float y;
@@ -258,10 +281,10 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
         rc = amx_gemm(type, w, n, row_bytes, xq, xd, m, k, y, ldy, threads);
     else
 #endif
-#ifdef MLS_VNNI_PANELS
-    if (VNNI_TOOK(m)) {
+#ifdef MLS_INT8_PANELS
+    if (PANELS_TOOK(m)) {
         const int64_t one[2] = {0, m}, expert = 0;
-        rc = vnni_grouped(type, &w, 1, n, row_bytes, 0, &expert, one, 1, xq, xd, k, y, ldy, threads, vnni_take);
+        rc = panels_grouped(type, &w, 1, n, row_bytes, 0, &expert, one, 1, xq, xd, k, y, ldy, threads, panels_take);
     } else
 #endif
     if (rows16_in(type, m)) { /* 16 weight rows side by side (a decode row; Q4_K / Q5_K rows), the same bits */
@@ -306,22 +329,22 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
 #else
 #define AMX_TOOK(m) 0
 #endif
-    int64_t rest = 0, vnni = 0; /* groups left to the row kernels (all of a decode step's: no tile call, no allocation) */
+    int64_t rest = 0, panels = 0; /* groups left to the row kernels (all of a decode step's: no tile call, no allocation) */
     for (int64_t a = 0; a < groups; a++) {
         const int64_t rows = starts[a + 1] - starts[a];
-        (void)rows; /* builds without the tiles and the VNNI panels read it in neither macro */
-        vnni += VNNI_TOOK(rows) != 0;
-        rest += !AMX_TOOK(rows) && !VNNI_TOOK(rows);
+        (void)rows; /* builds without the tiles and the panels read it in neither macro */
+        panels += PANELS_TOOK(rows) != 0;
+        rest += !AMX_TOOK(rows) && !PANELS_TOOK(rows);
     }
 #ifdef MLS_AMX
-    if (rest + vnni < groups)
+    if (rest + panels < groups)
         rc = amx_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy,
                          threads);
 #endif
-#ifdef MLS_VNNI_PANELS
-    if (vnni && rc == 0)
-        rc = vnni_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy,
-                          threads, vnni_take);
+#ifdef MLS_INT8_PANELS
+    if (panels && rc == 0)
+        rc = panels_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy,
+                            threads, panels_take);
 #endif
     if (rest && rc == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -330,7 +353,7 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
             const int64_t r0 = (it % runs) * run, r1 = r0 + run < n ? r0 + run : n;
             const uint8_t *we = ws[q] + experts[a] * expert_stride;
             const int64_t p0 = starts[a];
-            if (AMX_TOOK(starts[a + 1] - p0) || VNNI_TOOK(starts[a + 1] - p0)) continue;
+            if (AMX_TOOK(starts[a + 1] - p0) || PANELS_TOOK(starts[a + 1] - p0)) continue;
             if (rows16_in(type, starts[a + 1] - p0)) {
                 rows16_run(type, we + r0 * row_bytes, row_bytes, r1 - r0, xq + p0 * k, xd + p0 * kb, starts[a + 1] - p0, k,
                            y + p0 * ldy + q * n + r0, ldy);

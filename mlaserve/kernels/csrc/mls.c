@@ -25,6 +25,7 @@
 #include "gemv.c"         /* products and decoding of stored rows */
 #include "x86/panels.c"   /* AVX-512: fp32 products of many rows on decoded weight panels (exact prefill) */
 #include "x86/vnni_panels.c" /* AVX512-VNNI: int8 products of many rows on 16-row weight panels */
+#include "x86/avx2_panels.c" /* AVX2 without it: the same on 8-row panels */
 #include "x86/int16_prefill.c" /* AVX512-VNNI: Q8_0, Q4_0, ... products of many rows, int16 activations */
 #include "x86/int16_rows.c"    /* AVX2 without it: the same products of few rows (decode) */
 #include "x86/amx_int16.c"  /* AMX-INT8 tiles: the int16 products of Q8_0, each code as its two bytes */

@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#define MLS_ABI_VERSION 45
+#define MLS_ABI_VERSION 46
 #define MLS_INT8_CAP 0xFF   /* an activation setting's int8 cap (mls_moe_block_t.int8) */
 #define MLS_ACT_INT16 0x100 /* an activation setting's int16 flag (kernels/native.py INT16_REST) */
 
@@ -301,9 +301,12 @@ const char *mls_int8_isa(void);
 int mls_int8_tiles(void);
 /* x86/amx.c: the activation rows from which an int8 product on this type takes the tiles; 0 never */
 int64_t mls_int8_tile_rows(int type);
-/* x86/vnni_panels.c: the activation rows from which an int8 product on this type (Q4_K, Q5_K, Q6_K) runs on 16-row
-   weight panels with AVX512-VNNI (the row kernels' bits) in this process; 0 never (no AVX512-VNNI, or AMX tiles) */
+/* int8.c: the activation rows from which an int8 product on this type runs on unpacked weight panels in this process
+   (the row kernels' bits): x86/vnni_panels.c's 16-row panels with AVX512-VNNI (Q4_K, Q5_K, Q6_K, the i-quants),
+   x86/avx2_panels.c's 8-row panels without it (Q4_K, Q5_K, Q6_K); 0 never (another type, or AMX tiles take it) */
 int64_t mls_int8_panel_rows(int type);
+/* int8.c: the panels' instructions, "avx512-vnni" or "avx2"; "" in a build without panels */
+const char *mls_int8_panels_isa(void);
 /* x86/amx_bf16.c: Q8_0 products of many rows on AMX-BF16 tiles: the int8 codes exact in bf16, each activation
    split into two bf16s (~2^-16 per product), block scales applied in fp32; y [m, ldy], x [m, ldx]. 0, -1 no bf16
    tiles here, -2 k not a multiple of 32, -4 out of memory */

@@ -21,9 +21,9 @@
    off X_G (the activation row's code sum over those 16 values) from each sum before its scale: vnni_tile.
    S and M are the row kernels' integers (exact: |S| < 2^28) and the float steps theirs in their order per (i, r)
    (-ffp-contract=off), so every output is theirs bit for bit, whatever the batch, the tile or the thread
-   (tests/kernels/test_int8_vnni_panels.py). */
-#if defined(MLS_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(MLS_NO_VNNI_PANELS)
-#define MLS_VNNI_PANELS 1 /* -DMLS_NO_VNNI_PANELS: the row kernels at every count (benchmarks/int8_tiles.py's control) */
+   (tests/kernels/test_int8_panels.py). */
+#if defined(MLS_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(MLS_NO_INT8_PANELS)
+#define MLS_VNNI_PANELS 1 /* -DMLS_NO_INT8_PANELS: the row kernels at every count (benchmarks/int8_tiles.py's control) */
 #define VNNI_R 16        /* weight rows per panel: the int32 lanes of a vector */
 #define VNNI_MR 8        /* activation rows per tile: 8 sums a_j, 8 S, 8 accumulators in registers */
 /* activation rows from which a product takes the panels (fewer: the row kernels, 4 rows per pass over a weight row,
@@ -326,10 +326,10 @@ static void vnni_sums16(const int8_t *xq, int64_t p, int64_t k, int32_t *x16) {
    q * n .. q * n + n (row stride ldy). One parallel region: a work list of (group, part, 16-row panel) items
    (dynamic: a thread may lose its core to a neighbour), each unpacked once into the thread's panel and met by all of
    its group's rows. Groups that do not take the panels are left to the caller. Returns 0, -4 out of memory. */
-static int vnni_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
-                        int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                        const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
-                        int (*take)(int type, int64_t rows)) {
+static int panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
+                          int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                          const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
+                          int (*take)(int type, int64_t rows)) {
     const int64_t kb = k / 256, panels = (n + VNNI_R - 1) / VNNI_R, items = groups * nparts * panels;
     const int five = type == MLS_Q5_K, q6 = type == MLS_Q6_K, g16 = !(type == MLS_Q4_K || five);
     const int sgn = vnni_signed_type(type);
@@ -366,19 +366,9 @@ static int vnni_grouped(int type, const uint8_t *const *ws, int64_t nparts, int6
     free(x16);
     return failed ? -4 : 0;
 }
-#endif
 
-/* the activation rows from which an int8 product on this type takes the VNNI panels in this process (where the AMX
-   tiles do not take it: int8.c vnni_take); 0 when it never does (not a panel type, no AVX512-VNNI in the build, or the
-   tiles take its products) */
-int64_t mls_int8_panel_rows(int type) {
-#ifdef MLS_VNNI_PANELS
-#ifdef MLS_AMX
-    if (amx_type(type) && amx_permission() == 1) return 0;
+/* the interface to int8.c (x86/avx2_panels.c has the same): the activation rows from which a product on this type
+   takes the panels, 0 never */
+static inline int64_t panels_min_rows(int type) { return vnni_type(type) ? vnni_min_rows(type) : 0; }
+#define MLS_INT8_PANELS "avx512-vnni"
 #endif
-    return vnni_type(type) ? vnni_min_rows(type) : 0;
-#else
-    (void)type;
-    return 0;
-#endif
-}
