@@ -134,7 +134,9 @@ def int8_panels(names: tuple[str, ...] = tuple(INT8_PANEL_TYPES.values())) -> st
             by_rows.setdefault(panel_rows(ids[name]), []).append(name)
     if not by_rows:
         return ""
-    return f"{panels_isa()} panels for " + "; ".join(f"{', '.join(n)} at >= {r} rows" for r, n in sorted(by_rows.items()))
+    return f"{panels_isa()} panels for " + "; ".join(
+        f"{', '.join(n)} at >= {r} rows" for r, n in sorted(by_rows.items())
+    )
 
 
 # The types whose routed-expert prefill products stay on the int8 row kernels where the process has no tiles: the
