@@ -180,14 +180,14 @@ static inline __attribute__((always_inline)) void a2_tile(const a2_panel_t *P, c
             const __m256i sc = P->sc[blk * 16 + G];
             for (int c0 = G * gd; c0 < G * gd + gd; c0 += chunk) {
                 __m256i h[A2_MR];
-#pragma GCC unroll 8
+                for (int i = 0; i < mr; i++) h[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
                 for (int t = c0; t < c0 + chunk; t++) {
                     const __m256i cv = _mm256_load_si256(C + t);
                     for (int i = 0; i < mr; i++) {
                         int32_t x4;
                         memcpy(&x4, xb + i * k + 4 * t, 4);
-                        const __m256i p = _mm256_maddubs_epi16(cv, _mm256_set1_epi32(x4));
-                        h[i] = t == c0 ? p : _mm256_add_epi16(h[i], p);
+                        h[i] = _mm256_add_epi16(h[i], _mm256_maddubs_epi16(cv, _mm256_set1_epi32(x4)));
                     }
                 }
                 for (int i = 0; i < mr; i++) S[i] = madd16_acc(S[i], h[i], sc);
