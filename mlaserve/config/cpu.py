@@ -62,15 +62,15 @@ def int8_rows() -> tuple[bool, str]:
     """(whether the CPU has the VNNI int8 dot products the int8 row kernels run on, why: the flag, its absence, or the
     override MLASERVE_INT8_ROWS=1|0, which the test suite sets to 0 as it does MLASERVE_AMX_INT8). The automatic
     prefill choice asks it where bf16 is fast and there are no AMX-INT8 tiles: the q8_K types' products then stay
-    int8 on the VNNI panels (AVX512-VNNI builds), or without them the routed experts' products of up to
-    kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels."""
+    int8 on the int8 panels (AVX512-VNNI's 16-row ones, else AVX2's 8-row ones: native.panel_rows), and routed experts
+    of other int8 types up to kernels/ggml.ROW_KERNEL_ROWS rows per expert on the row kernels."""
     return detected(INT8_ROWS_OVERRIDE, VNNI_FLAGS, "this CPU has no VNNI int8 dot products")
 
 
 def int8_row_kernels() -> tuple[bool, str]:
     """(whether the CPU runs the int8 row kernels on integer dot products: VNNI's, or AVX2's vpmaddubsw + vpmaddwd,
     why; the same override as int8_rows, MLASERVE_INT8_ROWS=1|0). prefill_matmul="auto" asks it where bf16 GEMMs are
-    slow (int8_float: the routed experts' int8 products on them, measured faster than fp32 on an AVX2 CPU)."""
+    slow (int8_float: the int8 products on the panels and row kernels, measured faster than fp32 on an AVX2 CPU)."""
     return detected(
         INT8_ROWS_OVERRIDE, (*VNNI_FLAGS, "avx2"), "this CPU has neither VNNI nor AVX2 integer dot products"
     )

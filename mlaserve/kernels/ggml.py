@@ -35,7 +35,7 @@ With tiles (prefill_matmul "int8"; native.takes_tiles says which weights, decide
 up to tile_rows(type) rows keep the int8 call, which runs them on the AMX-INT8 tiles from 8 rows: the decode kernels'
 bits for every row (tests/kernels/test_int8_prefill_tiles.py), int8 activations' rounding instead of bf16's. Without
 the tiles the same weights keep the int8 call at every row count where the build has int8 panels for their type
-(native.takes_panels): 16-row weight panels with AVX512-VNNI, 8-row ones with AVX2 only (Q4_K, Q5_K, Q6_K), from
+(native.takes_panels): 16-row weight panels with AVX512-VNNI, 8-row ones with AVX2 only, from
 native.panel_rows rows, the same bits (tests/kernels/test_int8_panels.py).
 """
 
@@ -123,13 +123,13 @@ ROW_KERNEL_ROWS = 128
 
 
 # Where the process runs a type's int8 products on the int8 panels (native.takes_panels: the K-quants and the
-# i-quants with q8_K activations on an AVX512-VNNI CPU without AMX-INT8 tiles; Q4_K, Q5_K, Q6_K with AVX2 only), they
+# i-quants with q8_K activations on a CPU without AMX-INT8 tiles: AVX512-VNNI's 16-row panels or AVX2's 8-row ones), they
 # stay int8 at every row count:
 # measured faster than the weight decoded for a bf16 GEMM at every count tried (2 threads, the 2-core AVX-512 EPYC
 # without AMX of 2026-12-06): glm-real's dense Q4_K weights at 32 / 128 / 512 / 2048 rows 2.2-3.2x / 1.9-2.2x /
 # 1.7-1.85x / 1.1-1.55x, its routed experts at 64-512 rows per expert Q4_K 1.8-2.7x, Q6_K 1.4-1.6x; the IQ mix's
 # IQ2_XXS / IQ3_XXS experts 2.2-5.3x, its IQ4_XS dense weights 1.25-3x (benchmarks/int8_tiles.py compares the units
-# on random blocks). The AVX2 panels (no AVX512-VNNI: Q4_K, Q5_K, Q6_K on 8-row panels) against the fp32 GEMM that
+# on random blocks). The AVX2 panels (no AVX512-VNNI: 8-row panels) against the fp32 GEMM that
 # prefill_matmul int8_float runs otherwise (the weight decoded to fp32, one mm; the 2-core AVX2-only EPYC of
 # 2026-12-07, 2 threads, one 2048 x 7168 weight, median wall ms): at 16 / 64 / 512 rows Q4_K 2.8 / 10.0 / 87 against
 # 143 / 179 / 238, Q6_K 3.0 / 8.1 / 64 against 215 / 245 / 334, and 1.7-2.1x faster than the row kernels from 32 rows.

@@ -101,7 +101,7 @@ def takes_tiles(type_id: int, int8: bool | int) -> bool:
 # csrc/x86/vnni_panels.c vnni_type: the weights whose int8 products of many rows can run on unpacked weight panels
 # where the process has no AMX-INT8 tiles (the row kernels' bits): the tiles' types, the K-quants and the i-quants
 # with q8_K activations (their signed codes plus an offset). With AVX512-VNNI all of them on 16-row panels; with AVX2
-# only (csrc/x86/avx2_panels.c) Q4_K, Q5_K and Q6_K on 8-row panels (panel_rows says which here).
+# only (csrc/x86/avx2_panels.c) the same types on 8-row panels (panel_rows says which here).
 INT8_PANEL_TYPES = dict(INT8_TILE_TYPES)
 
 

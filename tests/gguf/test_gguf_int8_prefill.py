@@ -127,7 +127,8 @@ def test_auto_takes_int8_prefill_on_the_row_kernels_where_the_cpu_has_vnni_and_n
     value, why = _resolve(monkeypatch, "1", {"avx512_bf16", "avx512_vnni"})
     assert value == "int8" and why.startswith("engine default (auto: this CPU has avx512_vnni, activations int8_6bit)")
     assert "without AMX-INT8 tiles, on a CPU with AVX512-VNNI the products of the weights with q8_K activations" in why
-    assert "the routed experts' products of up to 128 rows per active expert (on average" in why
+    assert "without AVX512-VNNI (AVX-VNNI, AVX2) the same on 8-row AVX2 panels from 8 rows" in why
+    assert "routed experts of a type without panels keep their products of up to 128 rows per active expert" in why
     assert _resolve(monkeypatch, "0", {"avx512_vnni"})[0] == "int8_float"  # bf16 slow here: the int8 products, fp32
     assert _resolve(monkeypatch, "1", {"avx512_vnni", "avx512_bf16"}, activations="float")[0] == "bf16_6bit"
     from mlaserve.config import cpu

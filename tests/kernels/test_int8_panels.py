@@ -80,25 +80,24 @@ def test_grouped_panel_products_equal_the_reference(name, panel_build):
     assert_grouped_tiles(name, _blocks, reference, _special_x(50, 512, seed=23))
 
 
-@pytest.mark.skipif(not PANELS or native.panels_isa() != "avx512-vnni", reason="the i-quants' panels need AVX512-VNNI")
 @pytest.mark.parametrize("name", IQ_NAMES)
-def test_i_quant_panels_equal_the_row_kernels_bit_for_bit(name):
-    """The i-quants (signed codes plus an offset, their scales per 16 values): gemm at 16..64 rows equal to the int8
-    product in chunks of 7 rows (the row kernels, held to the i-quants' references in test_int8_iq_grids.py and
+def test_i_quant_panels_equal_the_row_kernels_bit_for_bit(name, panel_build):
+    """The i-quants (signed codes: plus an offset on AVX512-VNNI, |w| and w's signs on AVX2; their scales per 16
+    values): gemm at 8..64 rows equal to the int8 product in chunks of 7 rows (the row kernels, held to the i-quants' references in test_int8_iq_grids.py and
     test_int8_more.py), 37 weight rows, 3 super-blocks; and in a grouped call with a group below the threshold."""
     t, k = GGML_TYPE_IDS[name], 768
     raw, x = grid_blocks(name, 37, k, seed=33), _special_x(64, k, seed=34) * 0.5
     want = chunked_int8(t, x, raw, k, 7)
-    assert native.panel_rows(t) == 16
-    for rows in (16, 17, 23, 33, 64):
+    assert native.panel_rows(t) == (16 if panel_build == "avx512-vnni" else 8)
+    for rows in (8, 9, 16, 17, 23, 33, 64):
         got = native.gemm(t, x[:rows].contiguous(), raw, k, int8=True)
         assert torch.equal(got, want[:rows]), (name, rows, (got - want[:rows]).abs().max().item())
     stacked = torch.stack([grid_blocks(name, 37, k, seed=s) for s in (35, 36)])
     ys = native.grouped_gemm(
-        t, x[:40].contiguous(), stacked, k, torch.tensor([1, 0]), torch.tensor([0, 9, 40]), int8=True
+        t, x[:40].contiguous(), stacked, k, torch.tensor([1, 0]), torch.tensor([0, 5, 40]), int8=True
     )
-    assert torch.equal(ys[:9], chunked_int8(t, x[:9], stacked[1], k, 7))
-    assert torch.equal(ys[9:], chunked_int8(t, x[9:40], stacked[0], k, 7))
+    assert torch.equal(ys[:5], chunked_int8(t, x[:5], stacked[1], k, 7))
+    assert torch.equal(ys[5:], chunked_int8(t, x[5:40], stacked[0], k, 7))
 
 
 def test_a_nan_row_stays_its_own(panel_build):
@@ -148,7 +147,7 @@ def test_the_route_stays_int8_at_every_row_count(name, panel_build, monkeypatch)
 def test_holders_take_the_panels_by_the_plan_and_say_so(panel_build, monkeypatch):
     """set_prefill_tiles without tiles: a dense Q4_K weight under int8_6bit takes the panels (before them only routed
     experts stayed int8), under float activations not; the plan names the panels with their instructions and rows,
-    and an expert type without panels (IQ4_XS on AVX2) the row kernels up to ROW_KERNEL_ROWS."""
+    and an expert type without panels the row kernels up to ROW_KERNEL_ROWS."""
     monkeypatch.setattr(native, "tiles_granted", lambda: False)
     q4k, q6k, iq4 = GGML_TYPE_IDS["Q4_K"], GGML_TYPE_IDS["Q6_K"], GGML_TYPE_IDS["IQ4_XS"]
     assert_linear_keeps_int8_prefill(q4k)
@@ -156,7 +155,7 @@ def test_holders_take_the_panels_by_the_plan_and_say_so(panel_build, monkeypatch
     assert native.int8_panels() == (
         f"avx512-vnni panels for Q4_K, Q5_K at >= 12 rows; {', '.join(['Q6_K', *IQ_NAMES])} at >= 16 rows"
         if vnni
-        else "avx2 panels for Q4_K, Q5_K, Q6_K at >= 8 rows"
+        else f"avx2 panels for {', '.join(['Q4_K', 'Q5_K', 'Q6_K', *IQ_NAMES])} at >= 8 rows"
     )
     said = tiles_detail((q4k, q6k), (True, True))
     assert said.startswith(
@@ -170,10 +169,9 @@ def test_holders_take_the_panels_by_the_plan_and_say_so(panel_build, monkeypatch
     ex.int8 = 6
     ex.set_prefill_tiles()
     assert (ex.tiles_gate_up, ex.tiles_down) == (True, True)
-    if vnni:
-        assert "int8 prefill at every row count for IQ4_XS, Q4_K (" in ex.native_detail()
-        # a routed-expert type with row kernels but no panels keeps the row kernels' rows
-        monkeypatch.setattr(native, "panel_rows", lambda type_id: 0 if type_id == iq4 else 12)
+    assert "int8 prefill at every row count for IQ4_XS, Q4_K (" in ex.native_detail()
+    # a routed-expert type with row kernels but no panels keeps the row kernels' rows
+    monkeypatch.setattr(native, "panel_rows", lambda type_id: 0 if type_id == iq4 else 12)
     said = tiles_detail((iq4, q4k), (True, True))
     assert "int8 prefill at every row count for Q4_K (" in said
     assert f"int8 prefill on the row kernels for IQ4_XS up to {ggml.ROW_KERNEL_ROWS} rows per active expert" in said

@@ -152,13 +152,13 @@ int mls_quantize_act(int type, const float *x, int64_t m, int64_t k, int64_t ldx
 /* whether a product of m activation rows runs on the int8 weight panels (x86/vnni_panels.c with AVX512-VNNI,
    x86/avx2_panels.c without): where the AMX tiles do not take it */
 #ifdef MLS_INT8_PANELS
-static int panels_take(int type, int64_t m) {
+static int int8_panels_take(int type, int64_t m) {
 #ifdef MLS_AMX
     if (amx_takes(type, m)) return 0;
 #endif
-    return panels_min_rows(type) > 0 && m >= panels_min_rows(type);
+    return int8_panels_min_rows(type) > 0 && m >= int8_panels_min_rows(type);
 }
-#define PANELS_TOOK(m) panels_take(type, (m))
+#define PANELS_TOOK(m) int8_panels_take(type, (m))
 #else
 #define PANELS_TOOK(m) 0
 #endif
@@ -170,7 +170,7 @@ int64_t mls_int8_panel_rows(int type) {
 #ifdef MLS_AMX
     if (amx_type(type) && amx_permission() == 1) return 0;
 #endif
-    return panels_min_rows(type);
+    return int8_panels_min_rows(type);
 #else
     (void)type;
     return 0;
@@ -284,7 +284,8 @@ int mls_gemm_q8(int type, const float *x, int64_t m, int64_t k, int64_t ldx, con
 #ifdef MLS_INT8_PANELS
     if (PANELS_TOOK(m)) {
         const int64_t one[2] = {0, m}, expert = 0;
-        rc = panels_grouped(type, &w, 1, n, row_bytes, 0, &expert, one, 1, xq, xd, k, y, ldy, threads, panels_take);
+        rc = int8_panels_grouped(type, &w, 1, n, row_bytes, 0, &expert, one, 1, xq, xd, k, y, ldy, threads,
+                                 int8_panels_take);
     } else
 #endif
     if (rows16_in(type, m)) { /* 16 weight rows side by side (a decode row; Q4_K / Q5_K rows), the same bits */
@@ -343,8 +344,8 @@ int mls_grouped_gemm_q8_parts(int type, const float *x, int64_t k, const uint8_t
 #endif
 #ifdef MLS_INT8_PANELS
     if (panels && rc == 0)
-        rc = panels_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y, ldy,
-                            threads, panels_take);
+        rc = int8_panels_grouped(type, ws, nparts, n, row_bytes, expert_stride, experts, starts, groups, xq, xd, k, y,
+                                 ldy, threads, int8_panels_take);
 #endif
     if (rest && rc == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -303,7 +303,7 @@ int mls_int8_tiles(void);
 int64_t mls_int8_tile_rows(int type);
 /* int8.c: the activation rows from which an int8 product on this type runs on unpacked weight panels in this process
    (the row kernels' bits): x86/vnni_panels.c's 16-row panels with AVX512-VNNI (Q4_K, Q5_K, Q6_K, the i-quants),
-   x86/avx2_panels.c's 8-row panels without it (Q4_K, Q5_K, Q6_K); 0 never (another type, or AMX tiles take it) */
+   x86/avx2_panels.c's 8-row panels without it (the same types); 0 never (another type, or AMX tiles take it) */
 int64_t mls_int8_panel_rows(int type);
 /* int8.c: the panels' instructions, "avx512-vnni" or "avx2"; "" in a build without panels */
 const char *mls_int8_panels_isa(void);

@@ -1,6 +1,6 @@
 /* ----------------------------------------------------- int8 products of many rows on AVX2 weight panels (no VNNI)
    x86/vnni_panels.c's scheme for CPUs without AVX512-VNNI: the int8 products int8.c runs (q8_K activations) of
-   Q4_K, Q5_K and Q6_K with at least a2_min_rows activation rows (prefill's dense products and routed experts,
+   Q4_K, Q5_K, Q6_K and the i-quants with at least a2_min_rows activation rows (prefill's dense products and routed experts,
    batched decode), 8 weight rows in the 8 int32 lanes of a ymm, unpacked once per call into a thread's panel. With
    no vpdpbusd, each activation row meets a dword of 4 codes a lane with one vpmaddubsw (its 4 codes broadcast: int16
    pair sums) and the pair sums of `chunk` dwords are added in int16 before one vpmaddwd by the scale (int16 pairs)
@@ -21,6 +21,9 @@
                  y[i, r] += (d[r] d_x) S[r];   y[i, r] -= (dmin[r] d_x) M[r]
      Q6_K:       codes q = w + 32; M[r] = sum_p madd(mn[blk, p, r], X_i[2p] | X_i[2p + 1] << 16) (X_G the row's code
                  sum over the 16 values of group G, |X_G| <= 2032); y[i, r] += (d[r] d_x) (S[r] - 32 M[r])
+     i-quants:   C holds the signed codes w; h from maddubs(|w|, sign(x, w)) (|w| x sign(x, w) = w x, the row kernels'
+                 operands; |h| <= chunk 2 max|w| 127: IQ4_XS 1 dword, the grids 2, IQ1 4); y[i, r] += (d[r] d_x) S[r],
+                 y times the type's power-of-two factor at the end
    S, M and S - 32 M are the row kernels' integers and the float steps theirs in their order (q8k_block_end), so every
    output is theirs bit for bit, whatever the batch, the tile or the thread (tests/kernels/test_int8_panels.py). */
 #if defined(__AVX2__) && defined(MLS_SIMD) && !defined(MLS_VNNI_PANELS) && !defined(MLS_NO_INT8_PANELS)
@@ -31,9 +34,22 @@
 #define A2_MIN_ROWS 8
 #define A2_BLK_BYTES ((8 * 8 + 16 + 8 + 2) * 32) /* a panel's bytes per super-block */
 
-static inline int a2_type(int type) { return type == MLS_Q4_K || type == MLS_Q5_K || type == MLS_Q6_K; }
+/* the i-quants with q8_K activations: signed codes (x86/vnni_panels.c vnni_signed_type's list) */
+static inline int a2_signed(int type) {
+    return type == MLS_IQ4_XS || type == MLS_IQ2_XXS || type == MLS_IQ2_XS || type == MLS_IQ2_S || type == MLS_IQ3_XXS ||
+           type == MLS_IQ3_S || type == MLS_IQ1_S || type == MLS_IQ1_M;
+}
+
+static inline int a2_type(int type) { return type == MLS_Q4_K || type == MLS_Q5_K || type == MLS_Q6_K || a2_signed(type); }
 
 static inline int64_t a2_min_rows(int type) { return a2_type(type) ? A2_MIN_ROWS : 0; }
+
+/* the tile's forms (a2_tile): the K-quants, and the i-quants by their largest |code| (the int16 chunk) */
+enum { A2_Q4K, A2_Q5K, A2_Q6K, A2_IQ4XS, A2_GRID, A2_IQ1 };
+static inline int a2_form(int type) {
+    return type == MLS_Q4_K ? A2_Q4K : type == MLS_Q5_K ? A2_Q5K : type == MLS_Q6_K ? A2_Q6K : type == MLS_IQ4_XS ? A2_IQ4XS
+         : type == MLS_IQ1_S || type == MLS_IQ1_M ? A2_IQ1 : A2_GRID;
+}
 
 typedef struct {
     __m256i *c;  /* [kb * 64] codes */
@@ -159,16 +175,61 @@ static void a2_unpack_q6k(const uint8_t *w, int64_t row_bytes, int64_t nr, int64
     }
 }
 
+/* nr (<= 8) rows of an i-quant into the panel: per row and sub-block the row kernels' signed codes w (IQ4_XS: the
+   non-linear table's values; the sign-grid types: grid byte times its sign, sign_grid32; IQ1_S / IQ1_M: 8 g +- 1,
+   iq1_operands), their integer scales per 16 values (iq_ls; IQ4_XS: ls - 32 for both halves) and d (iq_int_d;
+   IQ4_XS: its fp16 d). The codes go through tmp [8, 256] (one super-block of the 8 rows) and are transposed from
+   there. The tile takes |w| into vpmaddubsw and w's signs onto the activations, as the row kernels do. */
+static void a2_unpack_signed(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, uint8_t *tmp,
+                             const a2_panel_t *P) {
+    const int64_t bytes = type_of(type)->block_bytes;
+    const int iq1 = type == MLS_IQ1_S || type == MLS_IQ1_M;
+    for (int64_t blk = 0; blk < k / 256; blk++) {
+        int16_t ls16[16][8] = {{0}};
+        float d[8] = {0};
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *b = w + r * row_bytes + blk * bytes;
+            int32_t ls[8];
+            if (type == MLS_IQ4_XS) iq4_xs_ls(b, ls);
+            d[r] = type == MLS_IQ4_XS ? f16(b) : iq_int_d(b, type);
+            for (int ib = 0; ib < 8; ib++) {
+                __m256i code, u, sg;
+                if (type == MLS_IQ4_XS) {
+                    code = iq4_codes32(b + 8 + 16 * ib);
+                    ls16[2 * ib][r] = ls16[2 * ib + 1][r] = (int16_t)ls[ib];
+                } else {
+                    if (iq1)
+                        iq1_operands(b, type, ib, &u, &sg), code = sg;
+                    else
+                        sign_grid32(b, type, ib, &u, &sg), code = _mm256_sign_epi8(u, sg);
+                    int32_t half[2];
+                    iq_ls(b, type, ib, half);
+                    ls16[2 * ib][r] = (int16_t)half[0];
+                    ls16[2 * ib + 1][r] = (int16_t)half[1];
+                }
+                _mm256_storeu_si256((__m256i *)(tmp + r * 256 + 32 * ib), code);
+            }
+        }
+        P->d[blk] = _mm256_loadu_ps(d);
+        for (int G = 0; G < 16; G++) P->sc[blk * 16 + G] = a2_pairs(ls16[G], ls16[G]);
+        for (int j = 0; j < 8; j++) a2_rows_as_lanes(tmp + 32 * j, 256, nr, P->c + (blk * 8 + j) * 8);
+    }
+}
+
 /* Activation rows [0, mr) (codes xq, k apart; their q8k_meta slots xd, k / 32 floats apart; Q6_K: xp their code
    sums per 16 values by pairs, k / 32 a row) times the panel, into y (row stride ldy; lanes r < nr stored). Per
    super-block `groups` scale groups of `gd` dwords, each in chunks of `chunk` dwords (h in int16, one madd by the
-   group's scale): Q4_K 8 x 8 in one chunk, Q5_K 8 x 8 in two, Q6_K 16 x 4 in two. q6, five, mr constants where
-   inlined. */
+   group's scale): Q4_K 8 x 8 in one chunk, Q5_K 8 x 8 in two, Q6_K 16 x 4 in two; the i-quants 16 x 4, in chunks by
+   their largest |w| (IQ4_XS 127: 1 dword, the grids' 62: 2, IQ1's 9: 4), each dword's |w| into vpmaddubsw and its
+   signs onto the activation codes (vpsignb: the products w x), the row's sum times the type's factor at the end.
+   form (a2_form) and mr constants where inlined. */
 static inline __attribute__((always_inline)) void a2_tile(const a2_panel_t *P, const int8_t *xq, const float *xd,
-                                                          const int32_t *xp, const int q6, const int five,
+                                                          const int32_t *xp, const int form, const float factor,
                                                           const int mr, int64_t k, float *y, int64_t ldy, int64_t nr) {
     const int64_t slots = k / 32;
-    const int groups = q6 ? 16 : 8, gd = q6 ? 4 : 8, chunk = q6 ? 2 : five ? 4 : 8;
+    const int q6 = form == A2_Q6K, mins = form == A2_Q4K || form == A2_Q5K, sgn = form >= A2_IQ4XS;
+    const int groups = mins ? 8 : 16, gd = mins ? 8 : 4;
+    const int chunk = form == A2_Q4K ? 8 : form == A2_Q5K || form == A2_IQ1 ? 4 : form == A2_IQ4XS ? 1 : 2;
     __m256 acc[A2_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < k / 256; blk++) {
@@ -183,11 +244,12 @@ static inline __attribute__((always_inline)) void a2_tile(const a2_panel_t *P, c
                 for (int i = 0; i < mr; i++) h[i] = _mm256_setzero_si256();
 #pragma GCC unroll 2
                 for (int t = c0; t < c0 + chunk; t++) {
-                    const __m256i cv = _mm256_load_si256(C + t);
+                    const __m256i cv = _mm256_load_si256(C + t), u = sgn ? _mm256_abs_epi8(cv) : cv;
                     for (int i = 0; i < mr; i++) {
                         int32_t x4;
                         memcpy(&x4, xb + i * k + 4 * t, 4);
-                        h[i] = _mm256_add_epi16(h[i], _mm256_maddubs_epi16(cv, _mm256_set1_epi32(x4)));
+                        const __m256i x = sgn ? _mm256_sign_epi8(_mm256_set1_epi32(x4), cv) : _mm256_set1_epi32(x4);
+                        h[i] = _mm256_add_epi16(h[i], _mm256_maddubs_epi16(u, x));
                     }
                 }
                 for (int i = 0; i < mr; i++) S[i] = madd16_acc(S[i], h[i], sc);
@@ -203,7 +265,7 @@ static inline __attribute__((always_inline)) void a2_tile(const a2_panel_t *P, c
                 S[i] = _mm256_sub_epi32(S[i], _mm256_slli_epi32(M, 5));
             }
             acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(P->d[blk], dx), _mm256_cvtepi32_ps(S[i])));
-            if (q6) continue;
+            if (!mins) continue;
             int32_t pair[4];
             memcpy(pair, meta->bsum, sizeof pair);
             __m256i M = _mm256_setzero_si256();
@@ -212,12 +274,13 @@ static inline __attribute__((always_inline)) void a2_tile(const a2_panel_t *P, c
         }
     }
     for (int i = 0; i < mr; i++) {
+        const __m256 v = sgn ? _mm256_mul_ps(acc[i], _mm256_set1_ps(factor)) : acc[i];
         if (nr >= A2_R) {
-            _mm256_storeu_ps(y + i * ldy, acc[i]);
+            _mm256_storeu_ps(y + i * ldy, v);
             continue;
         }
         float out[8];
-        _mm256_storeu_ps(out, acc[i]);
+        _mm256_storeu_ps(out, v);
         memcpy(y + i * ldy, out, sizeof(float) * (size_t)nr);
     }
 }
@@ -226,26 +289,32 @@ static inline __attribute__((always_inline)) void a2_tile(const a2_panel_t *P, c
 static void a2_rows(int type, const a2_panel_t *P, const int8_t *xq, const float *xd, const int32_t *xp, int64_t m,
                     int64_t k, float *y, int64_t ldy, int64_t nr) {
     const int64_t slots = k / 32;
+    const int form = a2_form(type);
+    const float factor = form == A2_GRID || form == A2_IQ1 ? iq_int_factor(type) : 1.0f;
     for (int64_t i = 0; i < m; i += A2_MR) {
         const int64_t mr = m - i < A2_MR ? m - i : A2_MR;
         const int8_t *xi = xq + i * k;
         const float *di = xd + i * slots;
         const int32_t *pi = xp ? xp + i * slots : NULL;
         float *yi = y + i * ldy;
+#define A2_FORM(f, r)                                                                                  \
+    case f:                                                                                            \
+        a2_tile(P, xi, di, pi, f, factor, r, k, yi, ldy, nr);                                          \
+        break;
 #define A2_TILE(r)                                                                                     \
     case r:                                                                                            \
-        if (type == MLS_Q6_K)                                                                          \
-            a2_tile(P, xi, di, pi, 1, 0, r, k, yi, ldy, nr);                                           \
-        else if (type == MLS_Q5_K)                                                                     \
-            a2_tile(P, xi, di, NULL, 0, 1, r, k, yi, ldy, nr);                                         \
-        else                                                                                           \
-            a2_tile(P, xi, di, NULL, 0, 0, r, k, yi, ldy, nr);                                         \
+        switch (form) {                                                                                \
+            A2_FORM(A2_Q4K, r) A2_FORM(A2_Q5K, r) A2_FORM(A2_Q6K, r) A2_FORM(A2_IQ4XS, r)              \
+            A2_FORM(A2_GRID, r) A2_FORM(A2_IQ1, r)                                                     \
+        default: break;                                                                                \
+        }                                                                                              \
         break;
         switch (mr) {
             A2_TILE(6) A2_TILE(5) A2_TILE(4) A2_TILE(3) A2_TILE(2) A2_TILE(1)
         default: break;
         }
 #undef A2_TILE
+#undef A2_FORM
     }
 }
 
@@ -260,22 +329,22 @@ static void a2_sums16(const int8_t *xq, int64_t rows, int64_t k, int32_t *xp) {
         }
 }
 
-/* The groups a of a grouped call that take the panels (take(type, rows)), as vnni_panels.c's panels_grouped: one
+/* The groups a of a grouped call that take the panels (take(type, rows)), as vnni_panels.c's int8_panels_grouped: one
    parallel region over (group, part, 8-row panel) items, each unpacked once into the thread's panel and met by all
    of its group's rows. Returns 0, -4 out of memory. */
-static int panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
-                          int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                          const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
-                          int (*take)(int type, int64_t rows)) {
+static int int8_panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
+                               int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                               const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
+                               int (*take)(int type, int64_t rows)) {
     const int64_t kb = k / 256, panels = (n + A2_R - 1) / A2_R, items = groups * nparts * panels;
-    const int q6 = type == MLS_Q6_K, five = type == MLS_Q5_K;
+    const int q6 = type == MLS_Q6_K, five = type == MLS_Q5_K, sgn = a2_signed(type);
     int32_t *xp = q6 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(starts[groups] * (k / 32)) + 1) : NULL;
     if (q6 && !xp) return -4;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         if (q6) a2_sums16(xq, starts[groups], k, xp); /* its loop ends in a barrier */
-        void *mem = aligned_alloc(32, (size_t)(kb * A2_BLK_BYTES));
+        void *mem = aligned_alloc(32, (size_t)(kb * A2_BLK_BYTES + (sgn ? A2_R * 256 : 0)));
         if (!mem) {
 #pragma omp atomic write
             failed = 1;
@@ -290,6 +359,8 @@ static int panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, in
             const uint8_t *wr = ws[q] + experts[a] * expert_stride + r0 * row_bytes;
             if (q6)
                 a2_unpack_q6k(wr, row_bytes, nr, k, &P);
+            else if (sgn)
+                a2_unpack_signed(type, wr, row_bytes, nr, k, (uint8_t *)mem + kb * A2_BLK_BYTES, &P);
             else
                 a2_unpack_q45(wr, row_bytes, nr, k, five, &P);
             a2_rows(type, &P, xq + p0 * k, xd + p0 * (k / 32), q6 ? xp + p0 * (k / 32) : NULL, m, k,
@@ -302,6 +373,6 @@ static int panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, in
 }
 
 /* the interface to int8.c: the activation rows from which a product on this type takes the panels, 0 never */
-static inline int64_t panels_min_rows(int type) { return a2_min_rows(type); }
+static inline int64_t int8_panels_min_rows(int type) { return a2_min_rows(type); }
 #define MLS_INT8_PANELS "avx2"
 #endif

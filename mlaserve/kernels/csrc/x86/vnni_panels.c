@@ -326,10 +326,10 @@ static void vnni_sums16(const int8_t *xq, int64_t p, int64_t k, int32_t *x16) {
    q * n .. q * n + n (row stride ldy). One parallel region: a work list of (group, part, 16-row panel) items
    (dynamic: a thread may lose its core to a neighbour), each unpacked once into the thread's panel and met by all of
    its group's rows. Groups that do not take the panels are left to the caller. Returns 0, -4 out of memory. */
-static int panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
-                          int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
-                          const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
-                          int (*take)(int type, int64_t rows)) {
+static int int8_panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
+                               int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
+                               const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
+                               int (*take)(int type, int64_t rows)) {
     const int64_t kb = k / 256, panels = (n + VNNI_R - 1) / VNNI_R, items = groups * nparts * panels;
     const int five = type == MLS_Q5_K, q6 = type == MLS_Q6_K, g16 = !(type == MLS_Q4_K || five);
     const int sgn = vnni_signed_type(type);
@@ -369,6 +369,6 @@ static int panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, in
 
 /* the interface to int8.c (x86/avx2_panels.c has the same): the activation rows from which a product on this type
    takes the panels, 0 never */
-static inline int64_t panels_min_rows(int type) { return vnni_type(type) ? vnni_min_rows(type) : 0; }
+static inline int64_t int8_panels_min_rows(int type) { return vnni_type(type) ? vnni_min_rows(type) : 0; }
 #define MLS_INT8_PANELS "avx512-vnni"
 #endif
