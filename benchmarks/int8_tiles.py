@@ -14,8 +14,9 @@ Q4_K / Q6_K blocks (int8_activations.py's: the time does not depend on the value
          (below the threshold both builds run these: the control, ratio ~1)
   bf16   what the many-rows path runs at prefill_matmul auto where bf16 is fast: the weight decoded to bf16, then
          bf16_prefill.linear
-  fp32   the exact path (and prefill_matmul int8_float's for the products it keeps float): decoded to fp32, one mm
-Each round times the three back to back (--reps calls each); per call both the wall time and the process's CPU time
+  fp32   the exact path (and prefill_matmul int8_float's for the products it keeps float): the native decoder to
+         fp32, one mm
+Each round times the four back to back (--reps calls each); per call both the wall time and the process's CPU time
 (with one thread the CPU time leaves out the time a loaded machine takes the core away: the steadier figure under
 load). The table gives the best call of all rounds and the median over rounds. Prints the CPU flags and the load
 average before and after; JSON to benchmarks/results/int8_tiles.json.
@@ -54,7 +55,7 @@ from common import RESULTS_DIR, environment, write_json
 from int8_activations import K, N, blocks
 
 from mlaserve.gguf.quants import GGML_TYPE_IDS
-from mlaserve.kernels import bf16_prefill, ggml, native, native_build
+from mlaserve.kernels import bf16_prefill, native, native_build
 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8")
 NO_PANELS = ("-DMLS_NO_INT8_PANELS",)
@@ -173,7 +174,7 @@ def main() -> None:
                 "tiles": (libs["tiles"], lambda: native.gemm(tid, x, w, k, int8=True)),
                 "vnni": (libs["vnni"], lambda: native.gemm(tid, x, w, k, int8=True)),
                 "bf16": (libs["tiles"], lambda: bf16_prefill.linear(x, native.dequantize_bf16(tid, w, k))),
-                "fp32": (libs["tiles"], lambda: x @ ggml.dense(w, tid, k).T),
+                "fp32": (libs["tiles"], lambda: x @ native.dequantize(tid, w, k).T),
             }
             wall: dict[str, list[list[float]]] = {key: [] for key in calls}
             cpu: dict[str, list[list[float]]] = {key: [] for key in calls}
