@@ -27,7 +27,6 @@
    S, M and S - 32 M are the row kernels' integers and the float steps theirs in their order (q8k_block_end), so every
    output is theirs bit for bit, whatever the batch, the tile or the thread (tests/kernels/test_int8_panels.py). */
 #if defined(__AVX2__) && defined(MLS_SIMD) && !defined(MLS_VNNI_PANELS) && !defined(MLS_NO_INT8_PANELS)
-#define MLS_AVX2_PANELS 1
 #define A2_R 8  /* weight rows per panel: the int32 lanes of a ymm */
 #define A2_MR 6 /* activation rows per tile: 6 int16 sums h, 6 int32 sums S in registers */
 /* activation rows from which a product takes the panels (fewer: the row kernels) */
