@@ -129,11 +129,8 @@ ROW_KERNEL_ROWS = 128
 # without AMX of 2026-12-06): glm-real's dense Q4_K weights at 32 / 128 / 512 / 2048 rows 2.2-3.2x / 1.9-2.2x /
 # 1.7-1.85x / 1.1-1.55x, its routed experts at 64-512 rows per expert Q4_K 1.8-2.7x, Q6_K 1.4-1.6x; the IQ mix's
 # IQ2_XXS / IQ3_XXS experts 2.2-5.3x, its IQ4_XS dense weights 1.25-3x (benchmarks/int8_tiles.py compares the units
-# on random blocks). The AVX2 panels (no AVX512-VNNI: 8-row panels) against the fp32 GEMM that prefill_matmul
-# int8_float runs otherwise (the native decoder to fp32, one mm; the 2-core AVX2-only EPYC of 2026-12-07, 2 threads,
-# one 2048 x 7168 weight, best CPU ms of both threads): at 16 / 64 / 512 rows Q4_K 2.0 / 10.7 / 90 against 58 / 75 /
-# 231, Q6_K 7.2 / 17 / 118 against 72 / 80 / 247, IQ3_XXS 5.2 / 15 / 113 against 106 / 122 / 256; against the row
-# kernels level at 8 rows, 1.1-3x at 16, 1.9-3.4x from 64.
+# on random blocks). The AVX2 panels, on the 2-core AVX2-only EPYC of 2026-12-07: 1.8-2.6x the fp32 path at 512 rows
+# per weight, 1.9-3.4x the row kernels from 64 rows (benchmarks/README.md, "second night").
 PANEL_INT8_ROWS = sys.maxsize
 
 

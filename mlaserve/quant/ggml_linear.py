@@ -111,8 +111,8 @@ def tiles_detail(types: tuple[int, ...], tiles: tuple[bool, ...]) -> str | None:
         if panel:
             said.append(
                 f"int8 prefill at every row count for {', '.join(panel)} ({native.int8_panels(tuple(panel))}, the "
-                "row kernels below; measured faster than decode-then-GEMM in bf16 or fp32 at every count: "
-                "kernels/ggml.PANEL_INT8_ROWS)"
+                "row kernels below; measured faster than decode-then-GEMM in bf16 or fp32 at every count, each "
+                "panel kind on one CPU: kernels/ggml.PANEL_INT8_ROWS)"
             )
         int16 = [name for name in rows if GGML_TYPE_IDS[name] not in native.ROW_KERNEL_TYPES]
         rows = [name for name in rows if name not in int16]
