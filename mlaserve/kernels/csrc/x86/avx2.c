@@ -1044,43 +1044,49 @@ static inline __attribute__((always_inline)) void q8k_q45_mr(const uint8_t *b, c
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
 
-/* Q6_K: unsigned codes q (0..63) and sum (q - 32) x = sum q x - 32 sum x per int16 pair (above) */
+/* Q6_K: unsigned codes q (0..63) and sum (q - 32) x = sum q x - 32 sum x per int16 pair (above). One super-block
+   br's exact int32 lanes P[i] against mr activation rows' codes (xb + i k: row i's codes of this super-block): the
+   row kernel's integers, and the side-by-side kernels' (x86/rows16_q8k.c rows8_q8k) */
+static inline __attribute__((always_inline)) void q6k_sums(const uint8_t *br, const int8_t *xb, int64_t k, const int mr,
+                                                           __m256i *P) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    const __m128i scs = _mm_loadu_si128((const __m128i *)(br + 192)); /* 16 int8 scales, one per 16 values */
+    __m256i sum[4][2]; /* two chains per row, as in q8k_q45_mr */
+    for (int i = 0; i < mr; i++) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(br + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(br + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(br + 128 + 32 * h));
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0), m4);
+            const __m256i hi = _mm256_and_si256(g ? _mm256_srli_epi16(qh, 2 * g) : qh, m3);
+            const __m256i w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+            const int t = 128 * h + 32 * g, q = t >> 4; /* values 0..15 take scale q, 16..31 scale q + 1 */
+            const __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ULL * (uint64_t)(q + 1)),
+                                                (long long)(0x0101010101010101ULL * (uint64_t)q));
+            const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scs, pick));
+            for (int i = 0; i < mr; i++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xb + i * k + t));
+                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(w, x), _mm256_maddubs_epi16(k32, x));
+                sum[i][g & 1] = madd16_acc(sum[i][g & 1], p, s);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) P[i] = _mm256_add_epi32(sum[i][0], sum[i][1]);
+}
+
 static inline __attribute__((always_inline)) void q8k_q6k_mr(const uint8_t *b, const int8_t *xq, const float *xd,
                                                              const int mr, int64_t k, float *y, int64_t ldy) {
     const int64_t slots = k / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 210) {
         pf = prefetch_stream(pf, b);
-        const __m128i scs = _mm_loadu_si128((const __m128i *)(b + 192)); /* 16 int8 scales, one per 16 values */
-        const float dw = f16(b + 208);
-        __m256i sum[4][2]; /* two chains per row, as in q8k_q45_mr */
-        for (int i = 0; i < mr; i++) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-#pragma GCC unroll 4
-            for (int g = 0; g < 4; g++) {
-                const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(g & 1 ? ql1 : ql0, 4) : (g & 1 ? ql1 : ql0), m4);
-                const __m256i hi = _mm256_and_si256(g ? _mm256_srli_epi16(qh, 2 * g) : qh, m3);
-                const __m256i w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-                const int t = 128 * h + 32 * g, q = t >> 4; /* values 0..15 take scale q, 16..31 scale q + 1 */
-                const __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ULL * (uint64_t)(q + 1)),
-                                                    (long long)(0x0101010101010101ULL * (uint64_t)q));
-                const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scs, pick));
-                for (int i = 0; i < mr; i++) {
-                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + t));
-                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(w, x), _mm256_maddubs_epi16(k32, x));
-                    sum[i][g & 1] = madd16_acc(sum[i][g & 1], p, s);
-                }
-            }
-        }
         __m256i s[4];
-        for (int i = 0; i < mr; i++) s[i] = _mm256_add_epi32(sum[i][0], sum[i][1]);
-        q8k_block_end(acc, s, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
+        q6k_sums(b, xq + blk * 256, k, mr, s);
+        q8k_block_end(acc, s, NULL, f16(b + 208), 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
@@ -1093,6 +1099,34 @@ static inline void iq4_xs_ls(const uint8_t *b, int32_t ls[8]) {
     for (int ib = 0; ib < 8; ib++) ls[ib] = ((((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4))) - 32;
 }
 
+/* the 8 sub-block scales ls - 32 of an IQ4_XS super-block as int16 lanes 0..7, in both 128-bit halves (a bcast16
+   source): iq4_xs_ls's integers in ~12 vector instructions where its scalar loop took ~50 */
+static inline __m256i iq4_xs_scales16(const uint8_t *b) {
+    const __m128i sl = _mm_cvtsi32_si128((int)u32(b + 4)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sl, m4), _mm_and_si128(_mm_srli_epi16(sl, 4), m4)); /* ib order */
+    const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)u16(b + 2)),
+                                                          _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                        _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(_mm256_cvtepu8_epi32(nib), _mm256_slli_epi32(hi, 4)),
+                                        _mm256_set1_epi32(32));
+    return _mm256_broadcastsi128_si256(_mm_packs_epi32(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1)));
+}
+
+/* one IQ4_XS super-block br's exact int32 lanes P[i] against mr activation rows' codes (xb + i k) */
+static inline __attribute__((always_inline)) void iq4xs_sums(const uint8_t *br, const int8_t *xb, int64_t k,
+                                                             const int mr, __m256i *P) {
+    const __m256i sc16 = iq4_xs_scales16(br);
+    for (int i = 0; i < mr; i++) P[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int ib = 0; ib < 8; ib++) {
+        const __m256i w = iq4_codes32(br + 8 + 16 * ib), aw = _mm256_sign_epi8(w, w), s = bcast16(sc16, ib);
+        for (int i = 0; i < mr; i++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xb + i * k + 32 * ib));
+            P[i] = dot_u8s8_scaled_acc(P[i], aw, _mm256_sign_epi8(x, w), s);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b, const int8_t *xq, const float *xd,
                                                                const int mr, int64_t k, float *y, int64_t ldy) {
     const int64_t slots = k / 32;
@@ -1100,20 +1134,9 @@ static inline __attribute__((always_inline)) void q8k_iq4xs_mr(const uint8_t *b,
     const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += 136) {
         pf = prefetch_stream(pf, b);
-        int32_t ls[8];
-        iq4_xs_ls(b, ls);
-        const float dw = f16(b);
         __m256i sum[4];
-        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const __m256i w = iq4_codes32(b + 8 + 16 * ib), aw = _mm256_sign_epi8(w, w);
-            const __m256i s = Q8K_SCALES(ls[ib], ls[ib]);
-            for (int i = 0; i < mr; i++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
-                sum[i] = dot_u8s8_scaled_acc(sum[i], aw, _mm256_sign_epi8(x, w), s);
-            }
-        }
-        q8k_block_end(acc, sum, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
+        iq4xs_sums(b, xq + blk * 256, k, mr, sum);
+        q8k_block_end(acc, sum, NULL, f16(b), 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i];
 }
@@ -1204,6 +1227,32 @@ static inline __attribute__((always_inline)) void iq1_operands(const uint8_t *b,
     *u = _mm256_sign_epi8(*sg, *sg);
 }
 
+static inline int64_t grid_bytes(const int type) {
+    return type == MLS_IQ2_XXS ? 66 : type == MLS_IQ2_XS ? 74 : type == MLS_IQ2_S ? 82 : type == MLS_IQ3_XXS ? 98
+         : type == MLS_IQ3_S ? 110 : type == MLS_IQ1_S ? 50 : 56;
+}
+
+/* one grid super-block br's exact int32 lanes P[i] against mr activation rows' codes (xb + i k); type a constant
+   where inlined */
+static inline __attribute__((always_inline)) void grid_sums(const uint8_t *br, const int type, const int8_t *xb,
+                                                            int64_t k, const int mr, __m256i *P) {
+    for (int i = 0; i < mr; i++) P[i] = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        __m256i u, sg;
+        if (type == MLS_IQ1_S || type == MLS_IQ1_M)
+            iq1_operands(br, type, ib, &u, &sg);
+        else
+            sign_grid32(br, type, ib, &u, &sg);
+        int32_t ls[2];
+        iq_ls(br, type, ib, ls);
+        const __m256i sc = Q8K_SCALES(ls[0], ls[1]);
+        for (int i = 0; i < mr; i++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xb + i * k + 32 * ib));
+            P[i] = dot_u8s8_scaled_acc(P[i], u, _mm256_sign_epi8(x, sg), sc);
+        }
+    }
+}
+
 /* The grid i-quants on q8_K: per sub-block the unsigned operand u and the sign source sg (sign_grid32,
    iq1_operands), its halves' integer multipliers (ref/iquants.c iq_ls), S = sum over the super-block of
    ls * (the exact sums of u * sign(x, sg)), acc += (d_w * d_x) * S, and the row's sum times the type's power-of-two
@@ -1211,32 +1260,14 @@ static inline __attribute__((always_inline)) void iq1_operands(const uint8_t *b,
 static inline __attribute__((always_inline)) void q8k_grid_mr(const uint8_t *b, const int type, const int8_t *xq,
                                                               const float *xd, const int mr, int64_t k, float *y,
                                                               int64_t ldy) {
-    const int64_t slots = k / 32;
-    const int64_t bytes = type == MLS_IQ2_XXS ? 66 : type == MLS_IQ2_XS ? 74 : type == MLS_IQ2_S ? 82
-                        : type == MLS_IQ3_XXS ? 98 : type == MLS_IQ3_S ? 110 : type == MLS_IQ1_S ? 50 : 56;
-    const int iq1 = type == MLS_IQ1_S || type == MLS_IQ1_M;
+    const int64_t slots = k / 32, bytes = grid_bytes(type);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const char *pf = (const char *)b + PREFETCH_AHEAD;
     for (int64_t blk = 0; blk < k / 256; blk++, b += bytes) {
         pf = prefetch_stream(pf, b);
-        const float dw = iq_int_d(b, type);
         __m256i sum[4];
-        for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            __m256i u, sg;
-            if (iq1)
-                iq1_operands(b, type, ib, &u, &sg);
-            else
-                sign_grid32(b, type, ib, &u, &sg);
-            int32_t ls[2];
-            iq_ls(b, type, ib, ls);
-            const __m256i sc = Q8K_SCALES(ls[0], ls[1]);
-            for (int i = 0; i < mr; i++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * k + blk * 256 + 32 * ib));
-                sum[i] = dot_u8s8_scaled_acc(sum[i], u, _mm256_sign_epi8(x, sg), sc);
-            }
-        }
-        q8k_block_end(acc, sum, NULL, dw, 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
+        grid_sums(b, type, xq + blk * 256, k, mr, sum);
+        q8k_block_end(acc, sum, NULL, iq_int_d(b, type), 0.0f, xd + blk * Q8K_SLOTS, slots, mr);
     }
     for (int i = 0; i < mr; i++) y[i * ldy] = acc[i] * iq_int_factor(type);
 }

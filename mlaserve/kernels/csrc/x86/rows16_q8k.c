@@ -404,7 +404,72 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
     _mm256_maskstore_ps(y, live, acc);
 }
 
-static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
+/* AVX2: one activation row times 8 weight rows of the q8_K types without mins (Q6_K, IQ4_XS, the grid i-quants).
+   Their row kernels (x86/avx2.c q8k_q6k_mr, q8k_iq4xs_mr, q8k_grid_mr) end each super-block of each row with a
+   horizontal sum of 8 int32 lanes and scalar float steps, a dependent chain per row that the next row's work waits
+   behind on short rows (an IQ mix's routed experts: 2-4 super-blocks a row). Here 8 rows go side by side: each
+   row's lanes from the row kernels' own sums (q6k_sums, iq4xs_sums, grid_sums: the same integers), the 8 reduced
+   at once (lane_sums8x8), the float steps in 8 lanes in the row kernel's order (lane r of acc = acc + (d_r d_x) S_r,
+   the grids' power of two once at the end), so its bits. type a constant where inlined. */
+static inline float rows8_d(const uint8_t *br, const int type) {
+    return type == MLS_Q6_K ? f16(br + 208) : type == MLS_IQ4_XS ? f16(br) : iq_int_d(br, type);
+}
+
+static inline __attribute__((always_inline)) void rows8_nomin(const uint8_t *w, int64_t row_bytes, int64_t nr,
+                                                              const int type, const int8_t *xq, const float *xd,
+                                                              int64_t k, float *y) {
+    const int64_t nb = k / 256, step = (8 * row_bytes + nb - 1) / nb;
+    const int64_t bytes = type == MLS_Q6_K ? 210 : type == MLS_IQ4_XS ? 136 : grid_bytes(type);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const char *pf = (const char *)w + 8 * row_bytes;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
+            __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows8_q45 */
+        const uint8_t *b0 = w + blk * bytes;
+        const int8_t *xb = xq + blk * 256;
+        float dw[8] __attribute__((aligned(32)));
+        __m256i P[8];
+        for (int r = 0; r < 8; r++) {
+            if (r >= nr) {
+                P[r] = _mm256_setzero_si256(), dw[r] = 0.0f;
+                continue;
+            }
+            const uint8_t *br = b0 + r * row_bytes;
+            dw[r] = rows8_d(br, type);
+            if (type == MLS_Q6_K)
+                q6k_sums(br, xb, k, 1, P + r);
+            else if (type == MLS_IQ4_XS)
+                iq4xs_sums(br, xb, k, 1, P + r);
+            else
+                grid_sums(br, type, xb, k, 1, P + r);
+        }
+        const __m256 dx = _mm256_set1_ps(((const q8k_meta *)(xd + blk * Q8K_SLOTS))->d);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(dw), dx), _mm256_cvtepi32_ps(lane_sums8x8(P))));
+    }
+    if (type != MLS_Q6_K && type != MLS_IQ4_XS) acc = _mm256_mul_ps(acc, _mm256_set1_ps(iq_int_factor(type)));
+    _mm256_maskstore_ps(y, live, acc);
+}
+
+static inline int rows8_nomin_takes(int type) {
+    return type == MLS_Q6_K || type == MLS_IQ4_XS || type == MLS_IQ2_XXS || type == MLS_IQ2_XS || type == MLS_IQ2_S ||
+           type == MLS_IQ3_XXS || type == MLS_IQ3_S || type == MLS_IQ1_S || type == MLS_IQ1_M;
+}
+
+static void rows8_nomin_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
+                            const float *xd, int64_t k, float *y) {
+#define ROWS8_CASE(t)                                       \
+    case t: rows8_nomin(w, row_bytes, nr, t, xq, xd, k, y); \
+        break;
+    switch (type) {
+        ROWS8_CASE(MLS_Q6_K) ROWS8_CASE(MLS_IQ4_XS) ROWS8_CASE(MLS_IQ2_XXS) ROWS8_CASE(MLS_IQ2_XS) ROWS8_CASE(MLS_IQ2_S)
+        ROWS8_CASE(MLS_IQ3_XXS) ROWS8_CASE(MLS_IQ3_S) ROWS8_CASE(MLS_IQ1_S)
+        default: ROWS8_CASE(MLS_IQ1_M)
+    }
+#undef ROWS8_CASE
+}
+
+static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K || rows8_nomin_takes(type); }
 static inline int rows16_takes_rows(int type) { /* several activation rows: the AVX-512 kernels only */
     (void)type;
     return 0;
@@ -414,7 +479,9 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
                        int64_t k, float *y) {
     const int five = type == MLS_Q5_K;
     for (int64_t r0 = 0; r0 < nr; r0 += 8) {
-        if (five)
+        if (rows8_nomin_takes(type))
+            rows8_nomin_run(type, w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, xq, xd, k, y + r0);
+        else if (five)
             rows8_q45(w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, 1, xq, xd, k, y + r0);
         else
             rows8_q45(w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, 0, xq, xd, k, y + r0);
