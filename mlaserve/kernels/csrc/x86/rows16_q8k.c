@@ -469,7 +469,61 @@ static void rows8_nomin_run(int type, const uint8_t *w, int64_t row_bytes, int64
 #undef ROWS8_CASE
 }
 
-static inline int rows16_takes(int type) { return type == MLS_Q4_K || type == MLS_Q5_K || rows8_nomin_takes(type); }
+/* AVX2: one activation row times 8 weight rows of Q4_0 or IQ4_NL (32-value blocks, Q8_0-style activations). The
+   row kernel (x86/avx2.c q8rows_mr) keeps 8 float lanes per row, lane l = fma(d_w d_x, S_l, lane l) per block in
+   order, one dependent fma per block and row. Here 8 rows go side by side, 8 independent chains: the 8 rows' d_w by
+   one gather, times d_x once per block (the same fp32 products), each row's S_l from its codes (IQ4_NL: i8dot32 of
+   q8_codes32's, as the row kernel; Q4_0: the unsigned nibbles' sums less 8 X_l, X_l the lane's activation codes'
+   sum made once per block, the same integer as the signed sum: rows16_q4_0's scheme), each row's fma with its lane
+   of the products broadcast, the rows' 8 lanes summed as hsum8 at the end: every lane's operations and order are
+   the row kernel's, so its bits. type and nr constants where inlined (a run of 8 rows keeps its 8 accumulators in
+   registers; a count read at run time kept them on the stack, as rows16_q4_0 found). */
+static inline __attribute__((always_inline)) void rows8_blk32(const uint8_t *w, int64_t row_bytes, const int64_t nr,
+                                                              const int type, const int8_t *xq, const float *xd,
+                                                              int64_t k, float *y) {
+    const int64_t nb = k / 32, bytes = q8_block_bytes(type), step = (8 * row_bytes + nb - 1) / nb;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), ones = _mm256_set1_epi16(1);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr), lane);
+    const __m256i offs = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)row_bytes));
+    const char *pf = (const char *)w + 8 * row_bytes;
+    __m256 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+    /* each block's scales gathered one block ahead: a gather's latency (~20 cycles) off the fmas' path */
+    __m256i dd = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)w, offs, live, 1);
+    for (int64_t blk = 0; blk < nb; blk++) {
+        for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
+            __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows8_q45 */
+        const uint8_t *b0 = w + blk * bytes;
+        const __m256 D = _mm256_mul_ps(f16_lanes(dd), _mm256_set1_ps(xd[blk]));
+        if (blk + 1 < nb)
+            dd = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(b0 + bytes), offs, live, 1);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + blk * 32));
+        const __m256i bias = type == MLS_Q4_0 /* -8 X_l */
+                                 ? _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                    _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), ones), 3))
+                                 : _mm256_setzero_si256();
+        for (int r = 0; r < 8; r++) {
+            if (r >= nr) continue;
+            __m256 S;
+            if (type == MLS_Q4_0)
+                S = _mm256_cvtepi32_ps(_mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles32(b0 + r * row_bytes + 2), x), ones), bias));
+            else {
+                const __m256i c = q8_codes32(b0 + r * row_bytes, type);
+                S = i8dot32(_mm256_sign_epi8(c, c), c, x);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(D, _mm256_set1_epi32(r)), S, acc[r]);
+        }
+    }
+    for (int r = 0; r < 8; r++)
+        if (r < nr) y[r] = hsum8(acc[r]);
+}
+
+static inline int rows8_blk32_takes(int type) { return type == MLS_Q4_0 || type == MLS_IQ4_NL; }
+
+static inline int rows16_takes(int type) {
+    return type == MLS_Q4_K || type == MLS_Q5_K || rows8_nomin_takes(type) || rows8_blk32_takes(type);
+}
 static inline int rows16_takes_rows(int type) { /* several activation rows: the AVX-512 kernels only */
     (void)type;
     return 0;
@@ -479,12 +533,21 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
                        int64_t k, float *y) {
     const int five = type == MLS_Q5_K;
     for (int64_t r0 = 0; r0 < nr; r0 += 8) {
+        const int64_t n8 = nr - r0 < 8 ? nr - r0 : 8;
         if (rows8_nomin_takes(type))
-            rows8_nomin_run(type, w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, xq, xd, k, y + r0);
+            rows8_nomin_run(type, w + r0 * row_bytes, row_bytes, n8, xq, xd, k, y + r0);
+        else if (type == MLS_Q4_0 && n8 == 8)
+            rows8_blk32(w + r0 * row_bytes, row_bytes, 8, MLS_Q4_0, xq, xd, k, y + r0);
+        else if (type == MLS_Q4_0)
+            rows8_blk32(w + r0 * row_bytes, row_bytes, n8, MLS_Q4_0, xq, xd, k, y + r0);
+        else if (type == MLS_IQ4_NL && n8 == 8)
+            rows8_blk32(w + r0 * row_bytes, row_bytes, 8, MLS_IQ4_NL, xq, xd, k, y + r0);
+        else if (type == MLS_IQ4_NL)
+            rows8_blk32(w + r0 * row_bytes, row_bytes, n8, MLS_IQ4_NL, xq, xd, k, y + r0);
         else if (five)
-            rows8_q45(w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, 1, xq, xd, k, y + r0);
+            rows8_q45(w + r0 * row_bytes, row_bytes, n8, 1, xq, xd, k, y + r0);
         else
-            rows8_q45(w + r0 * row_bytes, row_bytes, nr - r0 < 8 ? nr - r0 : 8, 0, xq, xd, k, y + r0);
+            rows8_q45(w + r0 * row_bytes, row_bytes, n8, 0, xq, xd, k, y + r0);
     }
 }
 #else /* a build without SIMD: the row kernels take them, and these are never called */
