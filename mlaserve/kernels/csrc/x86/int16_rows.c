@@ -12,9 +12,9 @@
      lane r of acc_i += fl(d[r, b] d_x[i, b]) fl(S_b[i, r])      one mul and one fma per block, in block order
    The activations' codes and scales are qw_quantize_row's values (the same rounding of the same products: an
    AVX-512 build's codes), so a row's result has the AVX512-VNNI build's bits (its rows and panels), and does not
-   depend on the rows beside it: more than QW_FEW rows run QW_FEW at a time over the same weight rows (read again
-   from cache; but for Q8_0, whose codes are bytes as they lie, each run of 8 rows' codes unpacked once into the
-   caller's buffer: qw_run). The codes lie in their natural order here (the VNNI build's pair order serves its
+   depend on the rows beside it: more than QW_FEW rows run QW_FEW at a time over the same weight rows (Q8_0's,
+   whose codes are bytes as they lie, read again from cache; the other types' codes of each run of 8 rows unpacked
+   once into the caller's buffer: qw_run). The codes lie in their natural order here (the VNNI build's pair order serves its
    panels only).
 
    The decode steps take these, and a prompt's routed experts (up to 128 rows an expert: int16_prefill.py
