@@ -348,20 +348,20 @@ static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64
 
 static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, int64_t row_bytes, int64_t nr,
                                                             const int five, const int8_t *xq, const float *xd,
-                                                            int64_t k, float *y) {
-    const int64_t nb = k / 256, bytes = five ? 176 : 144, step = (8 * row_bytes + nb - 1) / nb;
+                                                            const int mr, int64_t k, float *y, int64_t ldy) {
+    const int64_t nb = k / 256, bytes = five ? 176 : 144, step = (8 * row_bytes + nb - 1) / nb, slots = k / 32;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr), lane);
     const __m256i offs = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)row_bytes));
     const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4v = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
     const __m256i lo8 = _mm256_set1_epi32(0x00FF00FF), zero = _mm256_setzero_si256();
     const char *pf = (const char *)w + 8 * row_bytes;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[3];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
         for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
             __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows16_prefetch */
         const uint8_t *b0 = w + blk * bytes;
-        const q8k_meta *meta = (const q8k_meta *)(xd + blk * Q8K_SLOTS);
         const __m256i dd = _mm256_mask_i32gather_epi32(zero, (const int *)b0, offs, live, 1); /* d | dmin << 16 */
         const __m256 dw = f16_lanes(dd), dmin = f16_lanes(_mm256_srli_epi32(dd, 16));
         /* k_scales_mins8 in 8 lanes: the 12 scale bytes as three dwords per row */
@@ -374,34 +374,43 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
         const __m256i mn_lo = _mm256_and_si256(u1, m6);
         const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4v),
                                               _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
-        /* M_r = sum_j mn_r[j] bsum[j]: the mins as int16 pairs (j, j + 2) against bsum's, exact in int32 */
-        const int16_t *bs = meta->bsum;
-        __m256i M = madd16_acc(zero, _mm256_and_si256(mn_lo, lo8), _mm256_set1_epi32(pair16(bs[0], bs[2])));
-        M = madd16_acc(M, _mm256_and_si256(_mm256_srli_epi32(mn_lo, 8), lo8), _mm256_set1_epi32(pair16(bs[1], bs[3])));
-        M = madd16_acc(M, _mm256_and_si256(mn_hi, lo8), _mm256_set1_epi32(pair16(bs[4], bs[6])));
-        M = madd16_acc(M, _mm256_and_si256(_mm256_srli_epi32(mn_hi, 8), lo8), _mm256_set1_epi32(pair16(bs[5], bs[7])));
+        const __m256i mn0 = _mm256_and_si256(mn_lo, lo8), mn1 = _mm256_and_si256(_mm256_srli_epi32(mn_lo, 8), lo8);
+        const __m256i mn2 = _mm256_and_si256(mn_hi, lo8), mn3 = _mm256_and_si256(_mm256_srli_epi32(mn_hi, 8), lo8);
         /* each row's 8 scale bytes (sc_lo, sc_hi) as a qword: rows 0, 1, 4, 5 from the low unpack, 2, 3, 6, 7 from
            the high one */
         uint64_t scs[8] __attribute__((aligned(32)));
         _mm256_store_si256((__m256i *)scs, _mm256_unpacklo_epi32(sc_lo, sc_hi));
         _mm256_store_si256((__m256i *)(scs + 4), _mm256_unpackhi_epi32(sc_lo, sc_hi));
         __m256i x[8];
-        for (int j = 0; j < 8; j++) x[j] = _mm256_loadu_si256((const __m256i *)(xq + blk * 256 + 32 * j));
-        __m256i P[8];
+        if (mr == 1)
+            for (int j = 0; j < 8; j++) x[j] = _mm256_loadu_si256((const __m256i *)(xq + blk * 256 + 32 * j));
+        __m256i P[3 * 16]; /* P[i * 16 + r]: activation row i, weight row r (q45_row_sums_mr's stride) */
         for (int r = 0; r < 8; r++) {
             if (r >= nr) {
-                P[r] = zero;
+                for (int i = 0; i < mr; i++) P[i * 16 + r] = zero;
                 continue;
             }
             const int slot = ((r & 3) < 2 ? 0 : 4) + (r >> 2) * 2 + (r & 1);
             const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scs + slot))));
-            P[r] = q45_row_sums(b0 + r * row_bytes, five, sc16, x);
+            if (mr == 1)
+                P[r] = q45_row_sums(b0 + r * row_bytes, five, sc16, x);
+            else
+                q45_row_sums_mr(b0 + r * row_bytes, five, sc16, xq + blk * 256, k, mr, P + r);
         }
-        const __m256 dx = _mm256_set1_ps(meta->d);
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lane_sums8x8(P))));
-        acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(M)));
+        for (int i = 0; i < mr; i++) {
+            /* M_r = sum_j mn_r[j] bsum[j]: the mins as int16 pairs (j, j + 2) against bsum's, exact in int32 */
+            const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
+            const int16_t *bs = meta->bsum;
+            __m256i M = madd16_acc(zero, mn0, _mm256_set1_epi32(pair16(bs[0], bs[2])));
+            M = madd16_acc(M, mn1, _mm256_set1_epi32(pair16(bs[1], bs[3])));
+            M = madd16_acc(M, mn2, _mm256_set1_epi32(pair16(bs[4], bs[6])));
+            M = madd16_acc(M, mn3, _mm256_set1_epi32(pair16(bs[5], bs[7])));
+            const __m256 dx = _mm256_set1_ps(meta->d);
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lane_sums8x8(P + i * 16))));
+            acc[i] = _mm256_sub_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(M)));
+        }
     }
-    _mm256_maskstore_ps(y, live, acc);
+    for (int i = 0; i < mr; i++) _mm256_maskstore_ps(y + i * ldy, live, acc[i]);
 }
 
 /* AVX2: one activation row times 8 weight rows of the q8_K types without mins (Q6_K, IQ4_XS, the grid i-quants).
@@ -524,9 +533,22 @@ static inline int rows8_blk32_takes(int type) { return type == MLS_Q4_0 || type 
 static inline int rows16_takes(int type) {
     return type == MLS_Q4_K || type == MLS_Q5_K || rows8_nomin_takes(type) || rows8_blk32_takes(type);
 }
-static inline int rows16_takes_rows(int type) { /* several activation rows: the AVX-512 kernels only */
-    (void)type;
-    return 0;
+/* Q4_K / Q5_K at 2-3 activation rows: rows8_q45 with the rows sharing each weight row's unpacking
+   (q45_row_sums_mr), as rows16_q45 on AVX-512 */
+static inline int rows16_takes_rows(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
+#define ROWS16_MOST 3
+#define MLS_ROWS16_MULTI 1
+static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
+                            const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
+    const int five = type == MLS_Q5_K;
+    for (int64_t r0 = 0; r0 < nr; r0 += 8) {
+        const int64_t n8 = nr - r0 < 8 ? nr - r0 : 8;
+        const uint8_t *wr = w + r0 * row_bytes;
+        if (five && m == 3) rows8_q45(wr, row_bytes, n8, 1, xq, xd, 3, k, y + r0, ldy);
+        if (five && m == 2) rows8_q45(wr, row_bytes, n8, 1, xq, xd, 2, k, y + r0, ldy);
+        if (!five && m == 3) rows8_q45(wr, row_bytes, n8, 0, xq, xd, 3, k, y + r0, ldy);
+        if (!five && m == 2) rows8_q45(wr, row_bytes, n8, 0, xq, xd, 2, k, y + r0, ldy);
+    }
 }
 
 static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
@@ -545,9 +567,9 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
         else if (type == MLS_IQ4_NL)
             rows8_blk32(w + r0 * row_bytes, row_bytes, n8, MLS_IQ4_NL, xq, xd, k, y + r0);
         else if (five)
-            rows8_q45(w + r0 * row_bytes, row_bytes, n8, 1, xq, xd, k, y + r0);
+            rows8_q45(w + r0 * row_bytes, row_bytes, n8, 1, xq, xd, 1, k, y + r0, 0);
         else
-            rows8_q45(w + r0 * row_bytes, row_bytes, n8, 0, xq, xd, k, y + r0);
+            rows8_q45(w + r0 * row_bytes, row_bytes, n8, 0, xq, xd, 1, k, y + r0, 0);
     }
 }
 #else /* a build without SIMD: the row kernels take them, and these are never called */
@@ -565,7 +587,7 @@ static inline void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int
 }
 #endif
 
-#if !defined(MLS_Q8K_ROWS16)
+#if !defined(MLS_Q8K_ROWS16) && !defined(MLS_ROWS16_MULTI)
 #define ROWS16_MOST 1
 static inline void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                                    const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
