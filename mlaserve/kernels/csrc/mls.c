@@ -12,7 +12,8 @@
 #include "ref/iquants.c"  /* the i-quant and ternary reference decoders, with their grids */
 #include "x86/avx2.c"     /* AVX2 decoders, fused decode-and-dot, int8 row kernels */
 #include "x86/avx512.c"   /* the AVX-512 fused kernels */
-#include "x86/rows16_q8k.c" /* one activation row times 16 (AVX-512) or 8 (AVX2) weight rows side by side (int8) */
+#include "x86/rows16_q8k.c" /* AVX-512: 1-3 activation rows times 16 weight rows side by side (int8) */
+#include "x86/rows8_q8k.c"  /* AVX2: the same with 8 weight rows; the callers' rows16_in / rows16_run */
 #include "x86/amx.c"        /* AMX-INT8 tiles for int8 products of many rows: the driver, the hook contract */
 #include "x86/amx_planes.c" /* its hook for Q4_K, Q6_K (scales as base-8 digit planes) */
 #include "x86/amx_units.c"  /* its hook for the types with one integer scale per 32 or 16 values */

@@ -1046,7 +1046,7 @@ static inline __attribute__((always_inline)) void q8k_q45_mr(const uint8_t *b, c
 
 /* Q6_K: unsigned codes q (0..63) and sum (q - 32) x = sum q x - 32 sum x per int16 pair (above). One super-block
    br's exact int32 lanes P[i] against mr activation rows' codes (xb + i k: row i's codes of this super-block): the
-   row kernel's integers, and the side-by-side kernels' (x86/rows16_q8k.c rows8_q8k) */
+   row kernel's integers, and the side-by-side kernels' (x86/rows8_q8k.c rows8_nomin) */
 static inline __attribute__((always_inline)) void q6k_sums(const uint8_t *br, const int8_t *xb, int64_t k, const int mr,
                                                            __m256i *P) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);

@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) __m256 qw_scales8(const uint8_t *b0
 
 /* nr (<= 8) weight rows at w (row_bytes apart) times activation rows [0, mr) (codes xc, k apart; scales xd) into y
    (row stride ldy); type and mr constants where inlined. The next 8 rows (the next run, mostly this thread's)
-   stream into L2 beside the reads, one line per 64 bytes consumed (x86/rows16_q8k.c rows8_q45's scheme). */
+   stream into L2 beside the reads, one line per 64 bytes consumed (x86/rows8_q8k.c rows8_q45's scheme). */
 static inline __attribute__((always_inline)) void qw_few8(const int type, const uint8_t *w, int64_t row_bytes,
                                                           int64_t nr, const int16_t *pc, const int16_t *xc,
                                                           const float *xd, const int mr, int64_t k, float *y,
