@@ -1,5 +1,5 @@
 /* The side-by-side kernels of a build without x86/rows16_q8k.c's AVX-512 ones: AVX2's 8 weight rows (Q4_K / Q5_K at
-   1-3 activation rows; Q6_K, IQ4_XS, the grid i-quants, Q4_0, IQ4_NL at one), stubs where the build has no SIMD,
+   1-7 activation rows; Q6_K, IQ4_XS, the grid i-quants, Q4_0, IQ4_NL at one), stubs where the build has no SIMD,
    and the callers' test and call (rows16_in, rows16_run) for every build. */
 #if defined(MLS_SIMD) && !defined(MLS_Q8K_ROWS16)
 /* ------------------------------------- AVX2: 1-3 activation rows times 8 Q4_K / Q5_K weight rows side by side
@@ -8,8 +8,7 @@
    (q45_row_sums; at 2-3 activation rows q45_row_sums_mr, the rows sharing each weight row's unpacking), the block's
    float steps in 8 lanes in the one-row kernel's order (its bits). A run of 16 rows (the callers' unit) is two
    calls. One row, as an AVX2 build on the 2-core AVX-512 EPYC: one thread 12.8-13.7 -> 14.5-15.7 GB/s of Q4_K
-   against the row kernel (docs/PERFORMANCE.md); 2-3 rows on the AVX2-only EPYC (Zen 3), one Q4_K 16384 x 1024 at 2
-   threads: 2 rows 0.54 -> 0.42 ms, 3 rows 0.67 -> 0.54 (benchmarks/README.md, 2026-12-07 late night). */
+   against the row kernel (docs/PERFORMANCE.md); 2-7 rows on the AVX2-only EPYC (Zen 3): rows16_q8k_rows below. */
 
 static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, int64_t row_bytes, int64_t nr,
                                                             const int five, const int8_t *xq, const float *xd,
@@ -198,21 +197,32 @@ static inline int rows8_blk32_takes(int type) { return type == MLS_Q4_0 || type 
 static inline int rows16_takes(int type) {
     return type == MLS_Q4_K || type == MLS_Q5_K || rows8_nomin_takes(type) || rows8_blk32_takes(type);
 }
-/* Q4_K / Q5_K at 2-3 activation rows: rows8_q45 with the rows sharing each weight row's unpacking
-   (q45_row_sums_mr), as rows16_q45 on AVX-512 */
+/* Q4_K / Q5_K at 2-7 activation rows: rows8_q45 on chunks of up to 3 of them, the rows of a chunk sharing each
+   weight row's unpacking (q45_row_sums_mr), as rows16_q45 on AVX-512; 8 and more take the AVX2 panels. One Q4_K
+   16384 x 1024 at 2 threads (the AVX2 EPYC), against the row kernel's chunks of 4, ms: 2 rows 0.54 -> 0.42, 3 0.67
+   -> 0.54, 4 0.87 -> 0.82, 5 1.29 -> 0.94, 6 1.38-1.44 -> 1.08-1.17, 7 1.55 -> 1.36-1.43 (alternated). */
 static inline int rows16_takes_rows(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
-#define ROWS16_MOST 3
+#define ROWS16_MOST 7
 #define MLS_ROWS16_MULTI 1
 static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                             const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
     const int five = type == MLS_Q5_K;
+    const int64_t slots = k / 32;
     for (int64_t r0 = 0; r0 < nr; r0 += 8) {
         const int64_t n8 = nr - r0 < 8 ? nr - r0 : 8;
         const uint8_t *wr = w + r0 * row_bytes;
-        if (five && m == 3) rows8_q45(wr, row_bytes, n8, 1, xq, xd, 3, k, y + r0, ldy);
-        if (five && m == 2) rows8_q45(wr, row_bytes, n8, 1, xq, xd, 2, k, y + r0, ldy);
-        if (!five && m == 3) rows8_q45(wr, row_bytes, n8, 0, xq, xd, 3, k, y + r0, ldy);
-        if (!five && m == 2) rows8_q45(wr, row_bytes, n8, 0, xq, xd, 2, k, y + r0, ldy);
+        for (int64_t i = 0; i < m; i += 3) {
+            const int64_t c = m - i < 3 ? m - i : 3;
+            const int8_t *xi = xq + i * k;
+            const float *di = xd + i * slots;
+            float *yi = y + i * ldy + r0;
+            if (five && c == 3) rows8_q45(wr, row_bytes, n8, 1, xi, di, 3, k, yi, ldy);
+            if (five && c == 2) rows8_q45(wr, row_bytes, n8, 1, xi, di, 2, k, yi, ldy);
+            if (five && c == 1) rows8_q45(wr, row_bytes, n8, 1, xi, di, 1, k, yi, ldy);
+            if (!five && c == 3) rows8_q45(wr, row_bytes, n8, 0, xi, di, 3, k, yi, ldy);
+            if (!five && c == 2) rows8_q45(wr, row_bytes, n8, 0, xi, di, 2, k, yi, ldy);
+            if (!five && c == 1) rows8_q45(wr, row_bytes, n8, 0, xi, di, 1, k, yi, ldy);
+        }
     }
 }
 
