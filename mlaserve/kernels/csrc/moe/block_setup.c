@@ -17,7 +17,7 @@ typedef struct {
     int q16gu, q16dn, q16sg, q16su, q16sd;
     /* int8 projections of a type whose one-row products take 16 weight rows side by side (rows16_q8k, the row
        kernels' bits): runs of 16 rows, taken so where the run's group (or the step) has one row, and for Q4_K /
-       Q5_K with AVX-512 at 2-3 (rows16_q8k_rows: the rows share each weight row's unpacking) */
+       Q5_K at 2-3 (AVX-512) or 2-7 (AVX2) (rows16_q8k_rows: the rows share each weight row's unpacking) */
     int r16gu, r16dn, r16sg, r16su, r16sd;
     /* Q4_0 projections whose groups (or the shared expert) have 2+ rows: two activation rows per vector over pairs
        of weight rows (int8.c q4_0_pairs_run, the row kernel's bits), the activations packed as pairs once */
