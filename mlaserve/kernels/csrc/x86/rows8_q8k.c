@@ -10,6 +10,45 @@
    calls. One row, as an AVX2 build on the 2-core AVX-512 EPYC: one thread 12.8-13.7 -> 14.5-15.7 GB/s of Q4_K
    against the row kernel (docs/PERFORMANCE.md); 2-7 rows on the AVX2-only EPYC (Zen 3): rows16_q8k_rows below. */
 
+/* a Q4_K / Q5_K super-block's scales of 8 rows (b0: row 0's block; offs / live: rows16's lane offsets and mask):
+   d and dmin as 8 float lanes, each row's 8 sub-block scales as a qword of scs (rows 0, 1, 4, 5 from the low
+   unpack, 2, 3, 6, 7 from the high one), the mins as int16 pairs (j, j + 2) in mn[0..3]: k_scales_mins8's
+   operations in 8 lanes, the 12 scale bytes as three gathered dwords per row */
+typedef struct {
+    __m256 dw, dmin;
+    __m256i mn[4];
+    uint64_t scs[8] __attribute__((aligned(32)));
+} rows8_scales_t;
+
+static inline __attribute__((always_inline)) void rows8_q45_scales(const uint8_t *b0, __m256i offs, __m256i live,
+                                                                   rows8_scales_t *S) {
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4v = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
+    const __m256i lo8 = _mm256_set1_epi32(0x00FF00FF), zero = _mm256_setzero_si256();
+    const __m256i dd = _mm256_mask_i32gather_epi32(zero, (const int *)b0, offs, live, 1); /* d | dmin << 16 */
+    S->dw = f16_lanes(dd), S->dmin = f16_lanes(_mm256_srli_epi32(dd, 16));
+    const __m256i u0 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 4), offs, live, 1);
+    const __m256i u1 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 8), offs, live, 1);
+    const __m256i u2 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 12), offs, live, 1);
+    const __m256i sc_lo = _mm256_and_si256(u0, m6);
+    const __m256i sc_hi =
+        _mm256_or_si256(_mm256_and_si256(u2, m4v), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m2), 4));
+    const __m256i mn_lo = _mm256_and_si256(u1, m6);
+    const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4v),
+                                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
+    S->mn[0] = _mm256_and_si256(mn_lo, lo8), S->mn[1] = _mm256_and_si256(_mm256_srli_epi32(mn_lo, 8), lo8);
+    S->mn[2] = _mm256_and_si256(mn_hi, lo8), S->mn[3] = _mm256_and_si256(_mm256_srli_epi32(mn_hi, 8), lo8);
+    _mm256_store_si256((__m256i *)S->scs, _mm256_unpacklo_epi32(sc_lo, sc_hi));
+    _mm256_store_si256((__m256i *)(S->scs + 4), _mm256_unpackhi_epi32(sc_lo, sc_hi));
+}
+
+/* M_r = sum_j mn_r[j] bsum[j] for the 8 rows against one activation row's code sums: exact in int32 */
+static inline __m256i rows8_mins(const __m256i mn[4], const int16_t *bs) {
+    __m256i M = madd16_acc(_mm256_setzero_si256(), mn[0], _mm256_set1_epi32(pair16(bs[0], bs[2])));
+    M = madd16_acc(M, mn[1], _mm256_set1_epi32(pair16(bs[1], bs[3])));
+    M = madd16_acc(M, mn[2], _mm256_set1_epi32(pair16(bs[4], bs[6])));
+    return madd16_acc(M, mn[3], _mm256_set1_epi32(pair16(bs[5], bs[7])));
+}
+
 static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, int64_t row_bytes, int64_t nr,
                                                             const int five, const int8_t *xq, const float *xd,
                                                             const int mr, int64_t k, float *y, int64_t ldy) {
@@ -17,8 +56,6 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr), lane);
     const __m256i offs = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)row_bytes));
-    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4v = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
-    const __m256i lo8 = _mm256_set1_epi32(0x00FF00FF), zero = _mm256_setzero_si256();
     const char *pf = (const char *)w + 8 * row_bytes;
     __m256 acc[3];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
@@ -26,52 +63,29 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
         for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
             __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows16_prefetch */
         const uint8_t *b0 = w + blk * bytes;
-        const __m256i dd = _mm256_mask_i32gather_epi32(zero, (const int *)b0, offs, live, 1); /* d | dmin << 16 */
-        const __m256 dw = f16_lanes(dd), dmin = f16_lanes(_mm256_srli_epi32(dd, 16));
-        /* k_scales_mins8 in 8 lanes: the 12 scale bytes as three dwords per row */
-        const __m256i u0 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 4), offs, live, 1);
-        const __m256i u1 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 8), offs, live, 1);
-        const __m256i u2 = _mm256_mask_i32gather_epi32(zero, (const int *)(b0 + 12), offs, live, 1);
-        const __m256i sc_lo = _mm256_and_si256(u0, m6);
-        const __m256i sc_hi =
-            _mm256_or_si256(_mm256_and_si256(u2, m4v), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m2), 4));
-        const __m256i mn_lo = _mm256_and_si256(u1, m6);
-        const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4v),
-                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
-        const __m256i mn0 = _mm256_and_si256(mn_lo, lo8), mn1 = _mm256_and_si256(_mm256_srli_epi32(mn_lo, 8), lo8);
-        const __m256i mn2 = _mm256_and_si256(mn_hi, lo8), mn3 = _mm256_and_si256(_mm256_srli_epi32(mn_hi, 8), lo8);
-        /* each row's 8 scale bytes (sc_lo, sc_hi) as a qword: rows 0, 1, 4, 5 from the low unpack, 2, 3, 6, 7 from
-           the high one */
-        uint64_t scs[8] __attribute__((aligned(32)));
-        _mm256_store_si256((__m256i *)scs, _mm256_unpacklo_epi32(sc_lo, sc_hi));
-        _mm256_store_si256((__m256i *)(scs + 4), _mm256_unpackhi_epi32(sc_lo, sc_hi));
+        rows8_scales_t S;
+        rows8_q45_scales(b0, offs, live, &S);
         __m256i x[8];
         if (mr == 1)
             for (int j = 0; j < 8; j++) x[j] = _mm256_loadu_si256((const __m256i *)(xq + blk * 256 + 32 * j));
         __m256i P[3 * 16]; /* P[i * 16 + r]: activation row i, weight row r (q45_row_sums_mr's stride) */
         for (int r = 0; r < 8; r++) {
             if (r >= nr) {
-                for (int i = 0; i < mr; i++) P[i * 16 + r] = zero;
+                for (int i = 0; i < mr; i++) P[i * 16 + r] = _mm256_setzero_si256();
                 continue;
             }
             const int slot = ((r & 3) < 2 ? 0 : 4) + (r >> 2) * 2 + (r & 1);
-            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(scs + slot))));
+            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(S.scs + slot))));
             if (mr == 1)
                 P[r] = q45_row_sums(b0 + r * row_bytes, five, sc16, x);
             else
                 q45_row_sums_mr(b0 + r * row_bytes, five, sc16, xq + blk * 256, k, mr, P + r);
         }
         for (int i = 0; i < mr; i++) {
-            /* M_r = sum_j mn_r[j] bsum[j]: the mins as int16 pairs (j, j + 2) against bsum's, exact in int32 */
             const q8k_meta *meta = (const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS);
-            const int16_t *bs = meta->bsum;
-            __m256i M = madd16_acc(zero, mn0, _mm256_set1_epi32(pair16(bs[0], bs[2])));
-            M = madd16_acc(M, mn1, _mm256_set1_epi32(pair16(bs[1], bs[3])));
-            M = madd16_acc(M, mn2, _mm256_set1_epi32(pair16(bs[4], bs[6])));
-            M = madd16_acc(M, mn3, _mm256_set1_epi32(pair16(bs[5], bs[7])));
             const __m256 dx = _mm256_set1_ps(meta->d);
-            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lane_sums8x8(P + i * 16))));
-            acc[i] = _mm256_sub_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(M)));
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(S.dw, dx), _mm256_cvtepi32_ps(lane_sums8x8(P + i * 16))));
+            acc[i] = _mm256_sub_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(S.dmin, dx), _mm256_cvtepi32_ps(rows8_mins(S.mn, meta->bsum))));
         }
     }
     for (int i = 0; i < mr; i++) _mm256_maskstore_ps(y + i * ldy, live, acc[i]);
