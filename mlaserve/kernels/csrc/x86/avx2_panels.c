@@ -27,10 +27,12 @@
    S, M and S - 32 M are the row kernels' integers and the float steps theirs in their order (q8k_block_end), so every
    output is theirs bit for bit, whatever the batch, the tile or the thread (tests/kernels/test_int8_panels.py). */
 #if defined(__AVX2__) && defined(MLS_SIMD) && !defined(MLS_VNNI_PANELS) && !defined(MLS_NO_INT8_PANELS)
+#include <omp.h>
 #define A2_R 8  /* weight rows per panel: the int32 lanes of a ymm */
 #define A2_MR 6 /* activation rows per tile: 6 int16 sums h, 6 int32 sums S in registers */
 /* activation rows from which a product takes the panels (fewer: the row kernels) */
 #define A2_MIN_ROWS 8
+#define A2_CHUNK 4 /* panels a thread takes at a time: a2_prefetch_item knows its next one */
 #define A2_BLK_BYTES ((8 * 8 + 16 + 8 + 2) * 32) /* a panel's bytes per super-block */
 
 /* the i-quants with q8_K activations: signed codes (x86/vnni_panels.c vnni_signed_type's list) */
@@ -68,12 +70,9 @@ static inline a2_panel_t a2_panel_at(void *mem, int64_t kb) {
     return P;
 }
 
-/* v[t] lane r = dword t of the 32 bytes at p + r * row_bytes, rows r < nr (zero past nr) */
-static inline __attribute__((always_inline)) void a2_rows_as_lanes(const uint8_t *p, int64_t row_bytes, int64_t nr,
-                                                                   __m256i v[8]) {
-    __m256i a[8], b[8];
-    for (int r = 0; r < 8; r++)
-        a[r] = r < nr ? _mm256_loadu_si256((const __m256i *)(p + r * row_bytes)) : _mm256_setzero_si256();
+/* v[t] lane r = dword t of a[r] (an 8 x 8 transpose of dwords) */
+static inline __attribute__((always_inline)) void a2_lanes8(__m256i a[8], __m256i v[8]) {
+    __m256i b[8];
     for (int q = 0; q < 8; q += 2) { /* rows q, q + 1: dwords 0 1 interleaved, 2 3, | 4 5, 6 7 */
         b[q] = _mm256_unpacklo_epi32(a[q], a[q + 1]);
         b[q + 1] = _mm256_unpackhi_epi32(a[q], a[q + 1]);
@@ -90,6 +89,27 @@ static inline __attribute__((always_inline)) void a2_rows_as_lanes(const uint8_t
     }
 }
 
+/* v[t] lane r = dword t of the 32 bytes at p + r * row_bytes, rows r < nr (zero past nr) */
+static inline __attribute__((always_inline)) void a2_rows_as_lanes(const uint8_t *p, int64_t row_bytes, int64_t nr,
+                                                                   __m256i v[8]) {
+    __m256i a[8];
+    for (int r = 0; r < 8; r++)
+        a[r] = r < nr ? _mm256_loadu_si256((const __m256i *)(p + r * row_bytes)) : _mm256_setzero_si256();
+    a2_lanes8(a, v);
+}
+
+/* the 16 bytes at p + r * row_bytes of rows r < nr (zero past nr), sign- or zero-extended to int16, as pairs by
+   lanes: v[p] lane r = e[r][2p] | e[r][2p + 1] << 16 (a2_pairs of all 8 pairs at once) */
+static inline __attribute__((always_inline)) void a2_bytes_as_pairs(const uint8_t *p, int64_t row_bytes, int64_t nr,
+                                                                    const int is_signed, __m256i v[8]) {
+    __m256i a[8];
+    for (int r = 0; r < 8; r++) {
+        const __m128i b = r < nr ? _mm_loadu_si128((const __m128i *)(p + r * row_bytes)) : _mm_setzero_si128();
+        a[r] = is_signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+    }
+    a2_lanes8(a, v);
+}
+
 /* the int16 pair (lo | hi << 16) of each row r < 8 as a vector of 8 lanes */
 static inline __m256i a2_pairs(const int16_t lo[8], const int16_t hi[8]) {
     int32_t v[8];
@@ -97,22 +117,30 @@ static inline __m256i a2_pairs(const int16_t lo[8], const int16_t hi[8]) {
     return _mm256_loadu_si256((const __m256i *)v);
 }
 
+/* from pairs by lanes (lo | hi << 16): lo in both halves, hi in both halves (the scale pairs sc) */
+static inline __m256i a2_lo_twice(__m256i v) { return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA); }
+static inline __m256i a2_hi_twice(__m256i v) { return _mm256_blend_epi16(v, _mm256_srli_epi32(v, 16), 0x55); }
+
+/* the fp16 at p + r * row_bytes of rows r < nr as 8 float lanes (zero past nr) */
+static inline __m256 a2_f16_rows(const uint8_t *p, int64_t row_bytes, int64_t nr) {
+    float d[8];
+    for (int r = 0; r < 8; r++) d[r] = r < nr ? f16(p + r * row_bytes) : 0.0f;
+    return _mm256_setr_ps(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+}
+
 /* super-block blk's d, dmin, scales and mins of nr rows (b: row 0's super-block) into the panel; zero past nr */
 static void a2_scales_q45(const uint8_t *b, int64_t row_bytes, int64_t nr, int64_t blk, const a2_panel_t *P) {
-    int16_t sc[8][8] = {{0}}, mn[8][8] = {{0}};
-    float d[8] = {0}, dmin[8] = {0};
-    for (int64_t r = 0; r < nr; r++) {
-        const uint8_t *br = b + r * row_bytes;
-        uint8_t sm[16];
-        _mm_storeu_si128((__m128i *)sm, k_scales_mins8(br + 4)); /* scales 0..7, mins 0..7 */
-        for (int j = 0; j < 8; j++) sc[j][r] = sm[j], mn[j][r] = sm[8 + j];
-        d[r] = f16(br);
-        dmin[r] = f16(br + 2);
+    uint8_t sm[8][16]; /* each row's scales 0..7, mins 0..7 */
+    for (int64_t r = 0; r < nr; r++) _mm_storeu_si128((__m128i *)sm[r], k_scales_mins8(b + r * row_bytes + 4));
+    __m256i T[8]; /* T[p] p < 4: scales 2p, 2p + 1 by pairs; T[4 + p]: mins 2p, 2p + 1 */
+    a2_bytes_as_pairs(sm[0], 16, nr, 0, T);
+    for (int p = 0; p < 4; p++) {
+        P->sc[blk * 16 + 2 * p] = a2_lo_twice(T[p]);
+        P->sc[blk * 16 + 2 * p + 1] = a2_hi_twice(T[p]);
+        P->mn[blk * 8 + p] = T[4 + p];
     }
-    for (int j = 0; j < 8; j++) P->sc[blk * 16 + j] = a2_pairs(sc[j], sc[j]);
-    for (int p = 0; p < 4; p++) P->mn[blk * 8 + p] = a2_pairs(mn[2 * p], mn[2 * p + 1]);
-    P->d[blk] = _mm256_loadu_ps(d);
-    P->dmin[blk] = _mm256_loadu_ps(dmin);
+    P->d[blk] = a2_f16_rows(b, row_bytes, nr);
+    P->dmin[blk] = a2_f16_rows(b + 2, row_bytes, nr);
 }
 
 /* nr (<= 8) rows of a Q4_K / Q5_K weight, row_bytes apart from w, into the panel. qs: byte l of 32 c .. 32 c + 31
@@ -148,16 +176,14 @@ static void a2_unpack_q6k(const uint8_t *w, int64_t row_bytes, int64_t nr, int64
     const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m3 = _mm256_set1_epi32(0x03030303);
     for (int64_t blk = 0; blk < k / 256; blk++) {
         const uint8_t *b = w + blk * 210;
-        int16_t sc[16][8] = {{0}};
-        float d[8] = {0};
-        for (int64_t r = 0; r < nr; r++) {
-            const int8_t *s = (const int8_t *)(b + r * row_bytes + 192);
-            for (int G = 0; G < 16; G++) sc[G][r] = s[G];
-            d[r] = f16(b + r * row_bytes + 208);
+        __m256i T[8]; /* scales 2p, 2p + 1 by pairs */
+        a2_bytes_as_pairs(b + 192, row_bytes, nr, 1, T);
+        for (int p = 0; p < 8; p++) {
+            P->sc[blk * 16 + 2 * p] = a2_lo_twice(T[p]);
+            P->sc[blk * 16 + 2 * p + 1] = a2_hi_twice(T[p]);
+            P->mn[blk * 8 + p] = T[p];
         }
-        for (int G = 0; G < 16; G++) P->sc[blk * 16 + G] = a2_pairs(sc[G], sc[G]);
-        for (int p = 0; p < 8; p++) P->mn[blk * 8 + p] = a2_pairs(sc[2 * p], sc[2 * p + 1]);
-        P->d[blk] = _mm256_loadu_ps(d);
+        P->d[blk] = a2_f16_rows(b + 208, row_bytes, nr);
         __m256i qh[2][8], ql[8];
         a2_rows_as_lanes(b + 128, row_bytes, nr, qh[0]);
         a2_rows_as_lanes(b + 160, row_bytes, nr, qh[1]);
@@ -328,9 +354,29 @@ static void a2_sums16(const int8_t *xq, int64_t rows, int64_t k, int32_t *xp) {
         }
 }
 
+/* The item a thread takes after `it`: the next one of its chunk of A2_CHUNK items, or (a guess the schedule does
+   not promise) the first one after the other threads' next chunks. */
+static inline int64_t a2_next_item(int64_t it) {
+    return (it + 1) % A2_CHUNK ? it + 1 : it + 1 + A2_CHUNK * (omp_get_num_threads() - 1);
+}
+
+/* item it's weight rows (8 rows lie in one run of bytes) into L2, issued between one panel's unpacking and its tiles:
+   the unpacking reads 8 rows row_bytes apart, 32 bytes of each at a time, which the hardware prefetchers did not
+   keep ahead of (its first loads held most of its time; the Q4_K_M file's Q6_K lm_head at 16 rows, the AVX2 EPYC:
+   one thread 13.3-14.4 -> 11.0 ms, two 7.0-7.3 -> 5.9) */
+static inline void a2_prefetch_item(const uint8_t *const *ws, int64_t nparts, int64_t panels, int64_t n,
+                                    int64_t row_bytes, int64_t expert_stride, const int64_t *experts, int64_t items,
+                                    int64_t it) {
+    if (it >= items) return;
+    const int64_t a = it / (nparts * panels), q = it / panels % nparts, r0 = (it % panels) * A2_R;
+    const char *w = (const char *)(ws[q] + experts[a] * expert_stride + r0 * row_bytes);
+    const int64_t bytes = (n - r0 < A2_R ? n - r0 : A2_R) * row_bytes;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(w + o, 0, 1);
+}
+
 /* The groups a of a grouped call that take the panels (take(type, rows)), as vnni_panels.c's int8_panels_grouped: one
    parallel region over (group, part, 8-row panel) items, each unpacked once into the thread's panel and met by all
-   of its group's rows. Returns 0, -4 out of memory. */
+   of its group's rows, the thread's next item streamed into L2 meanwhile. Returns 0, -4 out of memory. */
 static int int8_panels_grouped(int type, const uint8_t *const *ws, int64_t nparts, int64_t n, int64_t row_bytes,
                                int64_t expert_stride, const int64_t *experts, const int64_t *starts, int64_t groups,
                                const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
@@ -349,7 +395,7 @@ static int int8_panels_grouped(int type, const uint8_t *const *ws, int64_t npart
             failed = 1;
         }
         const a2_panel_t P = a2_panel_at(mem, kb);
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic, A2_CHUNK)
         for (int64_t it = 0; it < items; it++) {
             const int64_t a = it / (nparts * panels), q = it / panels % nparts, r0 = (it % panels) * A2_R;
             const int64_t p0 = starts[a], m = starts[a + 1] - p0;
@@ -362,6 +408,7 @@ static int int8_panels_grouped(int type, const uint8_t *const *ws, int64_t npart
                 a2_unpack_signed(type, wr, row_bytes, nr, k, (uint8_t *)mem + kb * A2_BLK_BYTES, &P);
             else
                 a2_unpack_q45(wr, row_bytes, nr, k, five, &P);
+            a2_prefetch_item(ws, nparts, panels, n, row_bytes, expert_stride, experts, items, a2_next_item(it));
             a2_rows(type, &P, xq + p0 * k, xd + p0 * (k / 32), q6 ? xp + p0 * (k / 32) : NULL, m, k,
                     y + p0 * ldy + q * n + r0, ldy, nr);
         }
