@@ -1,6 +1,6 @@
-/* The side-by-side kernels of a build without x86/rows16_q8k.c's AVX-512 ones: AVX2's 8 weight rows (Q4_K / Q5_K at
-   1-7 activation rows; Q6_K, IQ4_XS, the grid i-quants, Q4_0, IQ4_NL at one), stubs where the build has no SIMD,
-   and the callers' test and call (rows16_in, rows16_run) for every build. */
+/* The side-by-side kernels of a build without x86/rows16_q8k.c's AVX-512 ones: AVX2's 8 weight rows (Q4_K, Q5_K, Q6_K,
+   IQ4_XS at 1-7 activation rows; the grid i-quants at 1-3; Q4_0, IQ4_NL at one: rows16_most), stubs where the build
+   has no SIMD, and the callers' test and call (rows16_in, rows16_run) for every build. */
 #if defined(MLS_SIMD) && !defined(MLS_Q8K_ROWS16)
 /* ------------------------------------- AVX2: 1-3 activation rows times 8 Q4_K / Q5_K weight rows side by side
    rows16_q45's scheme in 8 lanes: the rows' fp16 scales and 12 scale bytes by AVX2 gathers, unpacked for 8 rows at
@@ -91,51 +91,62 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
     for (int i = 0; i < mr; i++) _mm256_maskstore_ps(y + i * ldy, live, acc[i]);
 }
 
-/* AVX2: one activation row times 8 weight rows of the q8_K types without mins (Q6_K, IQ4_XS, the grid i-quants).
+/* AVX2: 1-3 activation rows times 8 weight rows of the q8_K types without mins (Q6_K, IQ4_XS, the grid i-quants).
    Their row kernels (x86/avx2.c q8k_q6k_mr, q8k_iq4xs_mr, q8k_grid_mr) end each super-block of each row with a
    horizontal sum of 8 int32 lanes and scalar float steps, a dependent chain per row that the next row's work waits
    behind on short rows (an IQ mix's routed experts: 2-4 super-blocks a row). Here 8 rows go side by side: each
    row's lanes from the row kernels' own sums (q6k_sums, iq4xs_sums, grid_sums: the same integers), the 8 reduced
    at once (lane_sums8x8), the float steps in 8 lanes in the row kernel's order (lane r of acc = acc + (d_r d_x) S_r,
-   the grids' power of two once at the end), so its bits. type a constant where inlined. */
+   the grids' power of two once at the end), so its bits. At 2-3 rows each weight row's sums function serves them all
+   (the row kernels' own multi-row form: one unpacking per weight row). type and mr constants where inlined. */
 static inline float rows8_d(const uint8_t *br, const int type) {
     return type == MLS_Q6_K ? f16(br + 208) : type == MLS_IQ4_XS ? f16(br) : iq_int_d(br, type);
 }
 
 static inline __attribute__((always_inline)) void rows8_nomin(const uint8_t *w, int64_t row_bytes, int64_t nr,
                                                               const int type, const int8_t *xq, const float *xd,
-                                                              int64_t k, float *y) {
-    const int64_t nb = k / 256, step = (8 * row_bytes + nb - 1) / nb;
+                                                              const int mr, int64_t k, float *y, int64_t ldy) {
+    const int64_t nb = k / 256, step = (8 * row_bytes + nb - 1) / nb, slots = k / 32;
     const int64_t bytes = type == MLS_Q6_K ? 210 : type == MLS_IQ4_XS ? 136 : grid_bytes(type);
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const char *pf = (const char *)w + 8 * row_bytes;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[3];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
         for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
             __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows8_q45 */
         const uint8_t *b0 = w + blk * bytes;
         const int8_t *xb = xq + blk * 256;
         float dw[8] __attribute__((aligned(32)));
-        __m256i P[8];
+        __m256i P[3 * 8]; /* P[i * 8 + r]: activation row i, weight row r */
         for (int r = 0; r < 8; r++) {
             if (r >= nr) {
-                P[r] = _mm256_setzero_si256(), dw[r] = 0.0f;
+                for (int i = 0; i < mr; i++) P[i * 8 + r] = _mm256_setzero_si256();
+                dw[r] = 0.0f;
                 continue;
             }
             const uint8_t *br = b0 + r * row_bytes;
+            __m256i s[3]; /* the mr rows share the weight row's unpacking, as in its row kernel */
             dw[r] = rows8_d(br, type);
             if (type == MLS_Q6_K)
-                q6k_sums(br, xb, k, 1, P + r);
+                q6k_sums(br, xb, k, mr, s);
             else if (type == MLS_IQ4_XS)
-                iq4xs_sums(br, xb, k, 1, P + r);
+                iq4xs_sums(br, xb, k, mr, s);
             else
-                grid_sums(br, type, xb, k, 1, P + r);
+                grid_sums(br, type, xb, k, mr, s);
+            for (int i = 0; i < mr; i++) P[i * 8 + r] = s[i];
         }
-        const __m256 dx = _mm256_set1_ps(((const q8k_meta *)(xd + blk * Q8K_SLOTS))->d);
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(dw), dx), _mm256_cvtepi32_ps(lane_sums8x8(P))));
+        const __m256 d = _mm256_load_ps(dw);
+        for (int i = 0; i < mr; i++) {
+            const __m256 dx = _mm256_set1_ps(((const q8k_meta *)(xd + i * slots + blk * Q8K_SLOTS))->d);
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(lane_sums8x8(P + i * 8))));
+        }
     }
-    if (type != MLS_Q6_K && type != MLS_IQ4_XS) acc = _mm256_mul_ps(acc, _mm256_set1_ps(iq_int_factor(type)));
-    _mm256_maskstore_ps(y, live, acc);
+    for (int i = 0; i < mr; i++) {
+        const __m256 v = type != MLS_Q6_K && type != MLS_IQ4_XS ? _mm256_mul_ps(acc[i], _mm256_set1_ps(iq_int_factor(type)))
+                                                                : acc[i];
+        _mm256_maskstore_ps(y + i * ldy, live, v);
+    }
 }
 
 static inline int rows8_nomin_takes(int type) {
@@ -143,10 +154,14 @@ static inline int rows8_nomin_takes(int type) {
            type == MLS_IQ3_XXS || type == MLS_IQ3_S || type == MLS_IQ1_S || type == MLS_IQ1_M;
 }
 
+/* mr (1-3) activation rows times nr (<= 8) weight rows, type and mr specialised */
 static void rows8_nomin_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
-                            const float *xd, int64_t k, float *y) {
-#define ROWS8_CASE(t)                                       \
-    case t: rows8_nomin(w, row_bytes, nr, t, xq, xd, k, y); \
+                            const float *xd, int64_t mr, int64_t k, float *y, int64_t ldy) {
+#define ROWS8_CASE(t)                                                                   \
+    case t:                                                                             \
+        if (mr == 1) rows8_nomin(w, row_bytes, nr, t, xq, xd, 1, k, y, ldy);            \
+        else if (mr == 2) rows8_nomin(w, row_bytes, nr, t, xq, xd, 2, k, y, ldy);       \
+        else rows8_nomin(w, row_bytes, nr, t, xq, xd, 3, k, y, ldy);                    \
         break;
     switch (type) {
         ROWS8_CASE(MLS_Q6_K) ROWS8_CASE(MLS_IQ4_XS) ROWS8_CASE(MLS_IQ2_XXS) ROWS8_CASE(MLS_IQ2_XS) ROWS8_CASE(MLS_IQ2_S)
@@ -211,12 +226,20 @@ static inline int rows8_blk32_takes(int type) { return type == MLS_Q4_0 || type 
 static inline int rows16_takes(int type) {
     return type == MLS_Q4_K || type == MLS_Q5_K || rows8_nomin_takes(type) || rows8_blk32_takes(type);
 }
-/* Q4_K / Q5_K at 2-7 activation rows: rows8_q45 on chunks of up to 3 of them, the rows of a chunk sharing each
-   weight row's unpacking (q45_row_sums_mr), as rows16_q45 on AVX-512; 8 and more take the AVX2 panels. One Q4_K
-   16384 x 1024 at 2 threads (the AVX2 EPYC), against the row kernel's chunks of 4, ms: 2 rows 0.54 -> 0.42, 3 0.67
-   -> 0.54, 4 0.87 -> 0.82, 5 1.29 -> 0.94, 6 1.38-1.44 -> 1.08-1.17, 7 1.55 -> 1.36-1.43 (alternated). */
-static inline int rows16_takes_rows(int type) { return type == MLS_Q4_K || type == MLS_Q5_K; }
-#define ROWS16_MOST 7
+/* The most activation rows each type takes here (more: the AVX2 panels from 8, else the row kernels' chunks of 4).
+   Q4_K / Q5_K at 2-7 rows: rows8_q45 on chunks of up to 3 of them, the rows of a chunk sharing each weight row's
+   unpacking (q45_row_sums_mr), as rows16_q45 on AVX-512. One Q4_K 16384 x 1024 at 2 threads (the AVX2 EPYC), against
+   the row kernel's chunks of 4, ms: 2 rows 0.54 -> 0.42, 3 0.67 -> 0.54, 4 0.87 -> 0.82, 5 1.29 -> 0.94, 6 1.38-1.44
+   -> 1.08-1.17, 7 1.55 -> 1.36-1.43 (alternated). Q6_K and IQ4_XS the same way with rows8_nomin (Q6_K 32768 x 512:
+   2 rows 0.82-0.86 -> 0.62, 4 1.46 -> 1.19, 5 2.12-2.24 -> 1.45-1.50, 7 2.63-2.74 -> 1.91-2.18; IQ4_XS 1024 x 2048:
+   4 rows level, 7 0.29 -> 0.27). The grids' unpacking is dearer than their products: at 2-3 rows side by side they
+   gain (IQ2_XXS 16384 x 1024, 3 rows 1.15 -> 0.97; IQ3_XXS 32768 x 512, 3 rows 1.52 -> 1.36), at 4 and 7 the row
+   kernel's one pass of 4 rows is ahead of chunks of 3 (IQ2_XXS 4 rows 1.20-1.85 against 2.37-2.41). */
+static inline int64_t rows16_most(int type) {
+    return type == MLS_Q4_K || type == MLS_Q5_K || type == MLS_Q6_K || type == MLS_IQ4_XS ? 7
+         : rows8_nomin_takes(type)                                                         ? 3
+                                                                                           : 1;
+}
 #define MLS_ROWS16_MULTI 1
 static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                             const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
@@ -230,12 +253,13 @@ static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64
             const int8_t *xi = xq + i * k;
             const float *di = xd + i * slots;
             float *yi = y + i * ldy + r0;
-            if (five && c == 3) rows8_q45(wr, row_bytes, n8, 1, xi, di, 3, k, yi, ldy);
-            if (five && c == 2) rows8_q45(wr, row_bytes, n8, 1, xi, di, 2, k, yi, ldy);
-            if (five && c == 1) rows8_q45(wr, row_bytes, n8, 1, xi, di, 1, k, yi, ldy);
-            if (!five && c == 3) rows8_q45(wr, row_bytes, n8, 0, xi, di, 3, k, yi, ldy);
-            if (!five && c == 2) rows8_q45(wr, row_bytes, n8, 0, xi, di, 2, k, yi, ldy);
-            if (!five && c == 1) rows8_q45(wr, row_bytes, n8, 0, xi, di, 1, k, yi, ldy);
+            if (rows8_nomin_takes(type)) rows8_nomin_run(type, wr, row_bytes, n8, xi, di, c, k, yi, ldy);
+            else if (five && c == 3) rows8_q45(wr, row_bytes, n8, 1, xi, di, 3, k, yi, ldy);
+            else if (five && c == 2) rows8_q45(wr, row_bytes, n8, 1, xi, di, 2, k, yi, ldy);
+            else if (five && c == 1) rows8_q45(wr, row_bytes, n8, 1, xi, di, 1, k, yi, ldy);
+            else if (!five && c == 3) rows8_q45(wr, row_bytes, n8, 0, xi, di, 3, k, yi, ldy);
+            else if (!five && c == 2) rows8_q45(wr, row_bytes, n8, 0, xi, di, 2, k, yi, ldy);
+            else if (!five && c == 1) rows8_q45(wr, row_bytes, n8, 0, xi, di, 1, k, yi, ldy);
         }
     }
 }
@@ -246,7 +270,7 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
     for (int64_t r0 = 0; r0 < nr; r0 += 8) {
         const int64_t n8 = nr - r0 < 8 ? nr - r0 : 8;
         if (rows8_nomin_takes(type))
-            rows8_nomin_run(type, w + r0 * row_bytes, row_bytes, n8, xq, xd, k, y + r0);
+            rows8_nomin_run(type, w + r0 * row_bytes, row_bytes, n8, xq, xd, 1, k, y + r0, 0);
         else if (type == MLS_Q4_0 && n8 == 8)
             rows8_blk32(w + r0 * row_bytes, row_bytes, 8, MLS_Q4_0, xq, xd, k, y + r0);
         else if (type == MLS_Q4_0)
@@ -266,9 +290,9 @@ static inline int rows16_takes(int type) {
     (void)type;
     return 0;
 }
-static inline int rows16_takes_rows(int type) {
+static inline int64_t rows16_most(int type) {
     (void)type;
-    return 0;
+    return 1;
 }
 static inline void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                               const float *xd, int64_t k, float *y) {
@@ -277,20 +301,17 @@ static inline void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int
 #endif
 
 #if !defined(MLS_Q8K_ROWS16) && !defined(MLS_ROWS16_MULTI)
-#define ROWS16_MOST 1
 static inline void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                                    const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
     (void)type, (void)w, (void)row_bytes, (void)nr, (void)xq, (void)xd, (void)m, (void)k, (void)y, (void)ldy;
 }
 #endif
 
-/* whether a product of m activation rows of a type rows16_takes runs on the side-by-side kernels: one row, or
-   Q4_K / Q5_K at 2-3 rows where the build has rows16_q8k_rows */
-static inline int rows16_in(int type, int64_t m) {
-    return rows16_takes(type) && (m == 1 || (m <= ROWS16_MOST && rows16_takes_rows(type)));
-}
+/* whether a product of m activation rows of a type rows16_takes runs on the side-by-side kernels: one row, or up to
+   the build's rows16_most rows of its type */
+static inline int rows16_in(int type, int64_t m) { return rows16_takes(type) && m <= rows16_most(type); }
 
-/* nr (<= 16) rows at w times m activation rows (m == 1, or rows16_takes_rows) into y (row stride ldy) */
+/* nr (<= 16) rows at w times m activation rows (rows16_in) into y (row stride ldy) */
 static inline void rows16_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                               const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
     if (m == 1)
