@@ -188,6 +188,11 @@ static void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, co
     for (int64_t r0 = 0; r0 < nr; r0 += 8) {
         const int64_t n8 = nr - r0 < 8 ? nr - r0 : 8;
         qw_unpack8(type, w + r0 * row_bytes, row_bytes, n8, k, pc);
+        /* the next run's rows into L2 while the passes meet this one (qw_unpack8 reads 8 rows a block at a time,
+           row_bytes apart, which the hardware prefetchers do not run ahead of: x86/avx2_panels.c a2_prefetch_item) */
+        const char *next = (const char *)(w + (r0 + 8) * row_bytes);
+        for (int64_t o = 0; r0 + 8 < nr && o < (nr - r0 - 8 < 8 ? nr - r0 - 8 : 8) * row_bytes; o += 64)
+            __builtin_prefetch(next + o, 0, 1);
         for (int64_t i = 0; i < m; i += QW_FEW)
             qw_few8_rows(type, w + r0 * row_bytes, row_bytes, n8, pc, xc + i * k, xd + i * (k / 32),
                          m - i < QW_FEW ? m - i : QW_FEW, k, y + i * ldy + r0, ldy);

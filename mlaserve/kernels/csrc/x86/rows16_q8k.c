@@ -328,8 +328,9 @@ static void rows16_q8k(int type, const uint8_t *w, int64_t row_bytes, int64_t nr
    ahead (4: 11.3-13.5 against 10.5-11.7 here with four rows per pass), so they keep it. */
 static inline int64_t rows16_most(int type) { return type == MLS_Q4_K || type == MLS_Q5_K ? 3 : 1; }
 
-/* nr (<= 16) rows of a type rows16_most takes at 2-3 rows times m (2, 3) activation rows (q8_K codes xq [m, k], scales xd) into
-   y (row stride ldy); each row's result its one-row kernel's bits (five and the row count constants in each call) */
+/* nr (<= 16) rows of a type rows16_most takes at 2-3 rows times m (2, 3) activation rows (q8_K codes xq [m, k],
+   scales xd) into y (row stride ldy); each row's result its one-row kernel's bits (five and the row count constants
+   in each call) */
 static void rows16_q8k_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq,
                             const float *xd, int64_t m, int64_t k, float *y, int64_t ldy) {
     if (type == MLS_Q4_K && m == 3) rows16_q45(w, row_bytes, nr, 0, xq, xd, 3, k, y, ldy);
