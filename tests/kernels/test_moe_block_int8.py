@@ -59,17 +59,20 @@ def test_block_takes_int8_where_the_holders_do(types, tokens):
     assert diff <= 4 * ulp, (diff, ulp)
 
 
+@pytest.mark.parametrize("types", ["q4_k-q5_k-q6_k", "q4_k-q5_0-q8_0"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("tokens", [5, 8, BLOCK_TOKENS])
-def test_block_products_of_many_rows_take_the_tiles_bits(tokens, split):
+def test_block_products_of_many_rows_take_the_tiles_bits(tokens, split, types):
     """Under int8 activations the block's shared expert (every token) and its routed groups of 8+ pairs run on the
     AMX-INT8 tiles where the process has them (x86/amx.c amx_item), the per-op holders on theirs (GGUFLinear, the
     grouped products): both the VNNI row kernels' bits, so the outputs differ by the final sums' rounding only
     (bound 4 ulp of |y|max, as above). Q4_K / Q6_K (digit planes) and Q5_K (scaled units) in one block: the
     thread's tile shapes change between projections. Without the tiles (or below 8 tokens) the same comparison
     holds on the row kernels. split: the router sends the tokens along +v to experts 0, 1, 4, 5 and those along -v
-    to 2, 3, 6, 7, so at 16 tokens eight groups of 8 pairs, each with its own tokens, take their own packs."""
-    moe = make_moe("v3", "q4_k-q5_k-q6_k")
+    to 2, 3, 6, 7, so at 16 tokens eight groups of 8 pairs, each with its own tokens, take their own packs. On an
+    AVX2 CPU the shared expert's products of 8+ tokens take the AVX2 panels inside the block (a2_item): the second
+    types mix gives it a Q6_K down (the panels' activation pair sums of the shared h), the first a Q6_K up."""
+    moe = make_moe("v3", types)
     g = torch.Generator().manual_seed(100 + tokens)
     x = torch.randn(tokens, D, generator=g)
     if split:

@@ -15,6 +15,7 @@
 typedef struct {
     float *buf;
     void *panel;
+    void *a2; /* the AVX2 panels' (moe_ways a8*) */
 #ifdef MLS_AMX
     char *mem8;
     amx_rows_t W;
@@ -109,6 +110,13 @@ static void moe_gate_up_shared(const mls_moe_block_t *b, const moe_ways *w, cons
             continue;
         }
 #endif
+#ifdef MLS_A2_ITEMS
+        if (up ? w->a8su : w->a8sg) {
+            a2_item((int)type, row0, rb, s1 - s0, up ? m->xuq : m->xq, up ? m->xud : m->xd, up ? m->xpsu : m->xpsg, t,
+                    d, sgu + s0, n_sgu, s->a2);
+            continue;
+        }
+#endif
 #ifdef MLS_INT16_TILES
         if ((up ? w->q16su : w->q16sg) && m->xa_h && qa_takes((int)type, t) && s1 - s0 == QW_R) {
             amx_tiles_use(&s->cfg, &s->qa);
@@ -128,8 +136,8 @@ static void moe_gate_up_shared(const mls_moe_block_t *b, const moe_ways *w, cons
                        m->dt2 + m->o_su * 16, t, d, sgu + si, n_sgu);
     for (int64_t r = r0; r < r1; r++) {
         const int up = r >= si;
-        if (up ? w->q16su || (w->r16su && rows16_in((int)b->type_su, t)) || w->two_su || w->t8su
-               : w->q16sg || (w->r16sg && rows16_in((int)b->type_sg, t)) || w->two_sg || w->t8sg)
+        if (up ? w->q16su || (w->r16su && rows16_in((int)b->type_su, t)) || w->two_su || w->t8su || w->a8su
+               : w->q16sg || (w->r16sg && rows16_in((int)b->type_sg, t)) || w->two_sg || w->t8sg || w->a8sg)
             continue;
         const uint8_t *row = up ? b->su + (r - si) * b->su_row_bytes : b->sg + r * b->sg_row_bytes;
         const q8rows_fn q8 = up ? w->qsu : w->qsg;
@@ -203,9 +211,15 @@ static void moe_down_shared(const mls_moe_block_t *b, const moe_ways *w, const m
     float *buf = s->buf;
     void *panel = s->panel;
     const int64_t d = b->d, si = b->shared_inter;
-    const int whole = w->q16sd || (w->r16sd && rows16_in((int)b->type_sd, t)) || w->t8sd, two = !whole && w->two_sd;
+    const int whole = w->q16sd || (w->r16sd && rows16_in((int)b->type_sd, t)) || w->t8sd || w->a8sd;
+    const int two = !whole && w->two_sd;
 #ifdef MLS_AMX
     if (w->t8sd) moe_tile_rows(s, &m->c8sd, b->sd + r0 * b->sd_row_bytes, r1 - r0, m->p8sd, t, m->ysh + r0);
+#endif
+#ifdef MLS_A2_ITEMS
+    if (w->a8sd)
+        a2_item((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->shq, m->shd, m->xpsd, t,
+                si, m->ysh + r0, d, s->a2);
 #endif
     if (two)
         q4_0_pairs_run(b->sd, b->sd, d, b->sd_row_bytes, r0, r1, m->xp2 + m->o_sd * 512, m->dt2 + m->o_sd * 16, t, si,
@@ -220,7 +234,7 @@ static void moe_down_shared(const mls_moe_block_t *b, const moe_ways *w, const m
     if (w->q16sd)
         qw_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->sh16, m->sh16d, t, si,
                m->ysh + r0, d, panel);
-    else if (whole && !w->t8sd)
+    else if (whole && !w->t8sd && !w->a8sd)
         rows16_run((int)b->type_sd, b->sd + r0 * b->sd_row_bytes, b->sd_row_bytes, r1 - r0, m->shq, m->shd, t, si,
                    m->ysh + r0, d);
     for (int64_t r = r0; !whole && !two && r < r1; r++) {
@@ -251,6 +265,12 @@ static int moe_scratch_init(moe_scratch *s, const moe_ways *w, const moe_bufs *m
     const int panels = w->any16 && t > QW_FEW;
     s->panel = panels ? aligned_alloc(64, qw_panel_bytes(kmax)) : 0;
     int oom = !s->buf || (panels && !s->panel);
+#ifdef MLS_A2_ITEMS
+    /* the AVX2 panels' (a2_item): the most any panel type takes at kmax values (a signed type's, with its rows) */
+    const int a8 = w->a8sg || w->a8su || w->a8sd;
+    s->a2 = a8 ? aligned_alloc(32, a2_panel_bytes(MLS_IQ4_XS, kmax)) : 0;
+    oom |= a8 && !s->a2;
+#endif
 #ifdef MLS_AMX
     /* the int8 tiles' items: a group or the shared rows have at most t rows, ceil(t / 16) packs */
     const amx_call_t c8[5] = {m->c8gu, m->c8dn, m->c8sg, m->c8su, m->c8sd};
@@ -278,6 +298,7 @@ static void moe_scratch_free(moe_scratch *s) {
 #endif
     free(s->buf);
     free(s->panel);
+    free(s->a2);
 }
 
 /* The phases between the products, each run by every thread of the block's team (their loops shared out, their
@@ -421,11 +442,12 @@ int mls_moe_block(const mls_moe_block_t *b, const float *x, int64_t t, const int
             /* gate_up: items of ROW_RUN rows of an active expert (all of its pairs), then of the shared expert
                (MOE_ITEMS: static at one token, guided at more). */
             const int64_t rgu = w.q16gu || w.r16gu || w.t8gu ? QW_R : ROW_RUN;
-            const int64_t rsg = w.q16sg || w.q16su || w.r16sg || w.r16su || w.t8sg || w.t8su ? QW_R : ROW_RUN;
+            const int64_t rsg =
+                w.q16sg || w.q16su || w.r16sg || w.r16su || w.t8sg || w.t8su || w.a8sg || w.a8su ? QW_R : ROW_RUN;
             const int64_t runs = (n_gu + rgu - 1) / rgu, sruns = (n_sgu + rsg - 1) / rsg;
             MOE_ITEMS(t, m.groups * runs + sruns, moe_gate_up_item(b, &w, &m, x, t, it, runs, rgu, rsg, &s));
             moe_hidden(b, &w, t, &m);
-            const int64_t rdn = w.q16dn || w.q16sd || w.r16dn || w.r16sd || w.t8dn || w.t8sd ? QW_R : ROW_RUN;
+            const int64_t rdn = w.q16dn || w.q16sd || w.r16dn || w.r16sd || w.t8dn || w.t8sd || w.a8sd ? QW_R : ROW_RUN;
             const int64_t druns = (d + rdn - 1) / rdn;
             const int64_t sdruns = si ? druns : 0;
             MOE_ITEMS(t, m.groups * druns + sdruns, moe_down_item(b, &w, &m, t, it, druns, rdn, &s));

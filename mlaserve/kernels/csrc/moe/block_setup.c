@@ -27,6 +27,11 @@ typedef struct {
        16-row run's weight rows unpacked once for all of its activation rows, where the row kernels take them 4 at a
        time (a 16-token step's shared expert read its rows at ~2.5 GB/s of Q4_K on the AMX Xeon) */
     int t8gu, t8dn, t8sg, t8su, t8sd;
+    /* the shared expert's int8 projections of a panel type at 8+ tokens where the build has the AVX2 panels
+       (x86/avx2_panels.c a2_item: each 8-row panel unpacked once for every token, the row kernels' bits; the row
+       kernels take 4 tokens a pass and unpack each row 4 times at 16 tokens: its Q4_K 512 x 1024 alone 0.123 ->
+       0.089 ms at 16 rows, 2 threads, the AVX2 EPYC); 0 in other builds */
+    int a8sg, a8su, a8sd;
     int any8, any16, any2, anyt8;
 } moe_ways;
 
@@ -73,6 +78,13 @@ static int moe_ways_of(const mls_moe_block_t *b, int64_t t, moe_ways *w) {
     w->t8gu = w->t8dn = w->t8sg = w->t8su = w->t8sd = 0;
 #endif
     w->anyt8 = w->t8gu || w->t8dn || w->t8sg || w->t8su || w->t8sd;
+#ifdef MLS_A2_ITEMS
+    w->a8sg = w->qsg && int8_panels_min_rows((int)b->type_sg) && t >= int8_panels_min_rows((int)b->type_sg);
+    w->a8su = w->qsu && int8_panels_min_rows((int)b->type_su) && t >= int8_panels_min_rows((int)b->type_su);
+    w->a8sd = w->qsd && int8_panels_min_rows((int)b->type_sd) && t >= int8_panels_min_rows((int)b->type_sd);
+#else
+    w->a8sg = w->a8su = w->a8sd = 0;
+#endif
     return 0;
 }
 
@@ -101,6 +113,9 @@ typedef struct {
        its gate or up (down) takes them: the bytes' halves and the scales, one allocation each side */
     int32_t *xa_h, *xa_l, *sa_h, *sa_l;
     float *xa_d, *sa_d;
+    /* the shared projections on the AVX2 panels (moe_ways a8*): their inputs' code sums by pairs (a2_sums16, Q6_K's
+       term), one allocation */
+    int32_t *xpa, *xpsg, *xpsu, *xpsd;
     /* the same for the routed groups of QA_MIN_ROWS pairs or more (xs for gate / up, h for down): group a's first
        packed row pa[a] (-1: its rows stay on qw_run), groups padded to 16 rows; room for the most such groups */
     int64_t *pa;
@@ -119,7 +134,7 @@ typedef struct {
 
 static void moe_bufs_free(moe_bufs *m) {
     free(m->mem), free(m->mem16), free(m->xp2), free(m->dt2), free(m->off2), free(m->xa_h), free(m->sa_h);
-    free(m->pa), free(m->ra_h), free(m->rh_h);
+    free(m->pa), free(m->ra_h), free(m->rh_h), free(m->xpa);
 #ifdef MLS_AMX
     free(m->p8), free(m->pk);
 #endif
@@ -174,7 +189,9 @@ static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t
     const int tiles_gu = w->q16gu && qa_takes((int)b->type_gu, t), tiles_dn = w->q16dn && qa_takes((int)b->type_dn, t);
     const int64_t most_packed = pairs + 15 * (pairs / QA_MIN_ROWS); /* that many groups at most, each padded */
     m->pa = tiles_gu || tiles_dn ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(e + 1)) : 0;
-    if (!m->mem || (w->any16 && !m->mem16) || (w->any2 && (!m->xp2 || !m->dt2 || !m->off2)) ||
+    const int any_a8 = w->a8sg || w->a8su || w->a8sd;
+    m->xpa = any_a8 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(t * (2 * d + si) / 32) + 1) : 0;
+    if (!m->mem || (any_a8 && !m->xpa) || (w->any16 && !m->mem16) || (w->any2 && (!m->xp2 || !m->dt2 || !m->off2)) ||
         (tiles_x && qa_alloc(t, d, &m->xa_h, &m->xa_l, &m->xa_d)) ||
         (tiles_h && qa_alloc(t, si, &m->sa_h, &m->sa_l, &m->sa_d)) || ((tiles_gu || tiles_dn) && !m->pa) ||
         (tiles_gu && qa_alloc(most_packed, d, &m->ra_h, &m->ra_l, &m->ra_d)) ||
@@ -201,6 +218,7 @@ static int moe_bufs_alloc(const mls_moe_block_t *b, const moe_ways *w, int64_t t
     m->sh16 = m->h16 + pairs * inter;
     m->o_dn = rchunks * d / 32, m->o_sg = m->o_dn + rchunks * inter / 32, m->o_su = m->o_sg + schunks * d / 32;
     m->o_sd = m->o_su + schunks * d / 32;
+    m->xpsg = m->xpa, m->xpsu = any_a8 ? m->xpsg + t * d / 32 : 0, m->xpsd = any_a8 ? m->xpsu + t * d / 32 : 0;
     return 0;
 }
 
@@ -236,6 +254,15 @@ static int moe_route_pairs(const mls_moe_block_t *b, int64_t t, const int64_t *i
     return 0;
 }
 
+/* where `on`: the AVX2 panels' code sums by pairs (a2_sums16_row) of t rows of k int8 codes into xp [t, k / 32] */
+static void moe_panel_sums(int on, const int8_t *xq, int64_t t, int64_t k, int32_t *xp) {
+#ifdef MLS_A2_ITEMS
+    for (int64_t i = 0; on && i < t; i++) a2_sums16_row(xq + i * k, k, xp + i * (k / 32));
+#else
+    (void)on, (void)xq, (void)t, (void)k, (void)xp;
+#endif
+}
+
 /* the int8 codes of the gate_up inputs (xs for the routed gate_up, x for the shared gate and up) and their pairs'
    packs (groups of one row take none); one thread */
 static void moe_quantize_inputs(const mls_moe_block_t *b, const moe_ways *w, const float *x, int64_t t,
@@ -244,6 +271,8 @@ static void moe_quantize_inputs(const mls_moe_block_t *b, const moe_ways *w, con
     if (w->qgu) quantize_act((int)b->type_gu, m->xs, pairs, d, d, m->xsq, m->xsd);
     if (w->qsg) quantize_act((int)b->type_sg, x, t, d, d, m->xq, m->xd);
     if (w->qsu) quantize_act((int)b->type_su, x, t, d, d, m->xuq, m->xud);
+    moe_panel_sums(w->a8sg && b->type_sg == MLS_Q6_K, m->xq, t, d, m->xpsg);
+    moe_panel_sums(w->a8su && b->type_su == MLS_Q6_K, m->xuq, t, d, m->xpsu);
     if (w->any2) { /* each group's chunk offset (groups of one row take none), then the packs */
         m->off2[0] = 0;
         for (int64_t a = 0; a < m->groups; a++) {
@@ -261,6 +290,7 @@ static void moe_quantize_hidden(const mls_moe_block_t *b, const moe_ways *w, int
     const int64_t inter = b->inter, si = b->shared_inter, pairs = t * b->kk;
     if (w->qdn) quantize_act((int)b->type_dn, m->h, pairs, inter, inter, m->hq, m->hd);
     if (w->qsd) quantize_act((int)b->type_sd, m->sh, t, si, si, m->shq, m->shd);
+    moe_panel_sums(w->a8sd && b->type_sd == MLS_Q6_K, m->shq, t, si, m->xpsd);
     if (w->two_dn)
         q4_0_pairs_pack_groups(m->hq, m->hd, inter, m->start, m->groups, m->off2, m->xp2 + m->o_dn * 512,
                                m->dt2 + m->o_dn * 16);

@@ -343,15 +343,50 @@ static void a2_rows(int type, const a2_panel_t *P, const int8_t *xq, const float
     }
 }
 
-/* per activation row, the code sums of each 16 values by pairs (X_2p | X_2p+1 << 16, p < k / 32): xp [rows, k / 32] */
+/* one activation row's code sums of each 16 values by pairs (X_2p | X_2p+1 << 16, p < k / 32) into xp [k / 32] */
+static void a2_sums16_row(const int8_t *xq, int64_t k, int32_t *xp) {
+    for (int64_t p = 0; p < k / 32; p++) {
+        int32_t s[2] = {0, 0};
+        for (int l = 0; l < 32; l++) s[l / 16] += xq[32 * p + l];
+        xp[p] = (int32_t)((uint32_t)(uint16_t)s[0] | (uint32_t)(uint16_t)s[1] << 16);
+    }
+}
+
+/* every activation row's (a2_sums16_row): xp [rows, k / 32], the rows shared out over the team */
 static void a2_sums16(const int8_t *xq, int64_t rows, int64_t k, int32_t *xp) {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t p = 0; p < k / 32; p++) {
-            int32_t s[2] = {0, 0};
-            for (int l = 0; l < 32; l++) s[l / 16] += xq[i * k + 32 * p + l];
-            xp[i * (k / 32) + p] = (int32_t)((uint32_t)(uint16_t)s[0] | (uint32_t)(uint16_t)s[1] << 16);
-        }
+    for (int64_t i = 0; i < rows; i++) a2_sums16_row(xq + i * k, k, xp + i * (k / 32));
+}
+
+/* nr (<= 8) weight rows at w into the panel at mem (its a2_panel_at view P), by type */
+static void a2_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t k, void *mem,
+                      const a2_panel_t *P) {
+    if (type == MLS_Q6_K)
+        a2_unpack_q6k(w, row_bytes, nr, k, P);
+    else if (a2_signed(type))
+        a2_unpack_signed(type, w, row_bytes, nr, k, (uint8_t *)mem + k / 256 * A2_BLK_BYTES, P);
+    else
+        a2_unpack_q45(w, row_bytes, nr, k, type == MLS_Q5_K, P);
+}
+
+/* a thread's panel memory for rows of k values of a panel type (a2_panel_at, the signed types' transpose rows) */
+static inline size_t a2_panel_bytes(int type, int64_t k) {
+    return (size_t)(k / 256 * A2_BLK_BYTES + (a2_signed(type) ? A2_R * 256 : 0));
+}
+
+/* For a caller inside its own parallel region (moe/block.c's shared expert): nr weight rows at w (row_bytes apart)
+   times m activation rows (q8_K codes xq [m, k], scales xd; Q6_K: xp, their a2_sums16) into y (row stride ldy), 8
+   rows a panel in mem (a2_panel_bytes, 32-byte aligned), the next 8 rows prefetched meanwhile: the panels' bits */
+#define MLS_A2_ITEMS 1
+static void a2_item(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, const int8_t *xq, const float *xd,
+                    const int32_t *xp, int64_t m, int64_t k, float *y, int64_t ldy, void *mem) {
+    const a2_panel_t P = a2_panel_at(mem, k / 256);
+    for (int64_t r0 = 0; r0 < nr; r0 += A2_R) {
+        const int64_t n8 = nr - r0 < A2_R ? nr - r0 : A2_R, next = nr - r0 - n8 < A2_R ? nr - r0 - n8 : A2_R;
+        a2_unpack(type, w + r0 * row_bytes, row_bytes, n8, k, mem, &P);
+        for (int64_t o = 0; o < next * row_bytes; o += 64) __builtin_prefetch(w + (r0 + n8) * row_bytes + o, 0, 1);
+        a2_rows(type, &P, xq, xd, xp, m, k, y + r0, ldy, n8);
+    }
 }
 
 /* The item a thread takes after `it`: the next one of its chunk of A2_CHUNK items, or (a guess the schedule does
@@ -382,14 +417,14 @@ static int int8_panels_grouped(int type, const uint8_t *const *ws, int64_t npart
                                const int8_t *xq, const float *xd, int64_t k, float *y, int64_t ldy, int threads,
                                int (*take)(int type, int64_t rows)) {
     const int64_t kb = k / 256, panels = (n + A2_R - 1) / A2_R, items = groups * nparts * panels;
-    const int q6 = type == MLS_Q6_K, five = type == MLS_Q5_K, sgn = a2_signed(type);
+    const int q6 = type == MLS_Q6_K;
     int32_t *xp = q6 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(starts[groups] * (k / 32)) + 1) : NULL;
     if (q6 && !xp) return -4;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         if (q6) a2_sums16(xq, starts[groups], k, xp); /* its loop ends in a barrier */
-        void *mem = aligned_alloc(32, (size_t)(kb * A2_BLK_BYTES + (sgn ? A2_R * 256 : 0)));
+        void *mem = aligned_alloc(32, a2_panel_bytes(type, k));
         if (!mem) {
 #pragma omp atomic write
             failed = 1;
@@ -402,12 +437,7 @@ static int int8_panels_grouped(int type, const uint8_t *const *ws, int64_t npart
             if (!mem || m == 0 || !take(type, m)) continue;
             const int64_t nr = n - r0 < A2_R ? n - r0 : A2_R;
             const uint8_t *wr = ws[q] + experts[a] * expert_stride + r0 * row_bytes;
-            if (q6)
-                a2_unpack_q6k(wr, row_bytes, nr, k, &P);
-            else if (sgn)
-                a2_unpack_signed(type, wr, row_bytes, nr, k, (uint8_t *)mem + kb * A2_BLK_BYTES, &P);
-            else
-                a2_unpack_q45(wr, row_bytes, nr, k, five, &P);
+            a2_unpack(type, wr, row_bytes, nr, k, mem, &P);
             a2_prefetch_item(ws, nparts, panels, n, row_bytes, expert_stride, experts, items, a2_next_item(it));
             a2_rows(type, &P, xq + p0 * k, xd + p0 * (k / 32), q6 ? xp + p0 * (k / 32) : NULL, m, k,
                     y + p0 * ldy + q * n + r0, ldy, nr);
