@@ -50,6 +50,22 @@ static inline const char *prefetch_stream(const char *next, const uint8_t *at) {
     return next;
 }
 
+/* the bytes [p, p + bytes) into L2, a line at a time: the run a kernel reads next (the side-by-side kernels' and
+   panels' next 8 weight rows, which lie in one run; their own reads take 8 rows row_bytes apart, a pattern the
+   hardware prefetchers do not run ahead of) */
+static inline void prefetch_l2(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 1);
+}
+/* the same spread over a kernel's blocks, for the `rows` rows after the ones at w (8 on AVX2, 16 on AVX-512): pf the
+   first line of that run (from w + rows row_bytes) not yet asked for; returns it after asking up to `step` bytes a
+   block through block blk */
+static inline const char *prefetch_next_rows(const char *pf, const uint8_t *w, int64_t rows, int64_t row_bytes,
+                                             int64_t blk, int64_t step) {
+    for (const char *end = (const char *)w + rows * row_bytes + (blk + 1) * step; pf < end; pf += 64)
+        __builtin_prefetch(pf, 0, 1);
+    return pf;
+}
+
 static inline float f16(const uint8_t *p) {
 #ifdef __F16C__
     uint16_t v;

@@ -384,7 +384,7 @@ static void a2_item(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, c
     for (int64_t r0 = 0; r0 < nr; r0 += A2_R) {
         const int64_t n8 = nr - r0 < A2_R ? nr - r0 : A2_R, next = nr - r0 - n8 < A2_R ? nr - r0 - n8 : A2_R;
         a2_unpack(type, w + r0 * row_bytes, row_bytes, n8, k, mem, &P);
-        for (int64_t o = 0; o < next * row_bytes; o += 64) __builtin_prefetch(w + (r0 + n8) * row_bytes + o, 0, 1);
+        prefetch_l2(w + (r0 + n8) * row_bytes, next * row_bytes);
         a2_rows(type, &P, xq, xd, xp, m, k, y + r0, ldy, n8);
     }
 }
@@ -404,9 +404,7 @@ static inline void a2_prefetch_item(const uint8_t *const *ws, int64_t nparts, in
                                     int64_t it) {
     if (it >= items) return;
     const int64_t a = it / (nparts * panels), q = it / panels % nparts, r0 = (it % panels) * A2_R;
-    const char *w = (const char *)(ws[q] + experts[a] * expert_stride + r0 * row_bytes);
-    const int64_t bytes = (n - r0 < A2_R ? n - r0 : A2_R) * row_bytes;
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(w + o, 0, 1);
+    prefetch_l2(ws[q] + experts[a] * expert_stride + r0 * row_bytes, (n - r0 < A2_R ? n - r0 : A2_R) * row_bytes);
 }
 
 /* The groups a of a grouped call that take the panels (take(type, rows)), as vnni_panels.c's int8_panels_grouped: one

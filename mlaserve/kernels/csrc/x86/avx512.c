@@ -39,8 +39,7 @@ static inline __m512i rows16_offsets(int64_t row_bytes) {
                               _mm512_set1_epi32((int)row_bytes));
 }
 static inline const char *rows16_prefetch(const char *pf, const uint8_t *w, int64_t row_bytes, int64_t blk, int64_t step) {
-    for (const char *end = (const char *)w + 16 * row_bytes + (blk + 1) * step; pf < end; pf += 64) __builtin_prefetch(pf, 0, 1);
-    return pf;
+    return prefetch_next_rows(pf, w, 16, row_bytes, blk, step);
 }
 
 static inline __m512 i8x16(const __m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }

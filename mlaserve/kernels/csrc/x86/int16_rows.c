@@ -88,8 +88,7 @@ static inline __attribute__((always_inline)) void qw_few8(const int type, const 
     __m256 acc[QW_FEW];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        for (const char *end = (const char *)w + 8 * row_bytes + (b + 1) * step; !pc && pf < end; pf += 64)
-            __builtin_prefetch(pf, 0, 1);
+        if (!pc) pf = prefetch_next_rows(pf, w, 8, row_bytes, b, step);
         __m256i xl[QW_FEW], xh[QW_FEW], H[QW_FEW][4];
         for (int i = 0; i < mr; i++) {
             xl[i] = _mm256_loadu_si256((const __m256i *)(xc + i * k + 32 * b));
@@ -190,9 +189,7 @@ static void qw_run(int type, const uint8_t *w, int64_t row_bytes, int64_t nr, co
         qw_unpack8(type, w + r0 * row_bytes, row_bytes, n8, k, pc);
         /* the next run's rows into L2 while the passes meet this one (qw_unpack8 reads 8 rows a block at a time,
            row_bytes apart, which the hardware prefetchers do not run ahead of: x86/avx2_panels.c a2_prefetch_item) */
-        const char *next = (const char *)(w + (r0 + 8) * row_bytes);
-        for (int64_t o = 0; r0 + 8 < nr && o < (nr - r0 - 8 < 8 ? nr - r0 - 8 : 8) * row_bytes; o += 64)
-            __builtin_prefetch(next + o, 0, 1);
+        if (r0 + 8 < nr) prefetch_l2(w + (r0 + 8) * row_bytes, (nr - r0 - 8 < 8 ? nr - r0 - 8 : 8) * row_bytes);
         for (int64_t i = 0; i < m; i += QW_FEW)
             qw_few8_rows(type, w + r0 * row_bytes, row_bytes, n8, pc, xc + i * k, xd + i * (k / 32),
                          m - i < QW_FEW ? m - i : QW_FEW, k, y + i * ldy + r0, ldy);

@@ -60,8 +60,7 @@ static inline __attribute__((always_inline)) void rows8_q45(const uint8_t *w, in
     __m256 acc[3];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
-        for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
-            __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows16_prefetch */
+        pf = prefetch_next_rows(pf, w, 8, row_bytes, blk, step); /* the next 8 rows into L2 beside the reads */
         const uint8_t *b0 = w + blk * bytes;
         rows8_scales_t S;
         rows8_q45_scales(b0, offs, live, &S);
@@ -113,8 +112,7 @@ static inline __attribute__((always_inline)) void rows8_nomin(const uint8_t *w, 
     __m256 acc[3];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
-        for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
-            __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows8_q45 */
+        pf = prefetch_next_rows(pf, w, 8, row_bytes, blk, step); /* the next 8 rows into L2 beside the reads */
         const uint8_t *b0 = w + blk * bytes;
         const int8_t *xb = xq + blk * 256;
         float dw[8] __attribute__((aligned(32)));
@@ -193,8 +191,7 @@ static inline __attribute__((always_inline)) void rows8_blk32(const uint8_t *w, 
     /* each block's scales gathered one block ahead: a gather's latency (~20 cycles) off the fmas' path */
     __m256i dd = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)w, offs, live, 1);
     for (int64_t blk = 0; blk < nb; blk++) {
-        for (const char *end = (const char *)w + 8 * row_bytes + (blk + 1) * step; pf < end; pf += 64)
-            __builtin_prefetch(pf, 0, 1); /* the next 8 rows into L2 beside the reads, as rows8_q45 */
+        pf = prefetch_next_rows(pf, w, 8, row_bytes, blk, step); /* the next 8 rows into L2 beside the reads */
         const uint8_t *b0 = w + blk * bytes;
         const __m256 D = _mm256_mul_ps(f16_lanes(dd), _mm256_set1_ps(xd[blk]));
         if (blk + 1 < nb)
